@@ -1,0 +1,207 @@
+"""Start ranks: spawn N local processes on 127.0.0.1, or join a torchrun job.
+
+Two ways in, one code path after ``init_distributed``:
+
+- Embedded (no launcher): ``spawn(fn, world_size, args)`` starts ``world_size`` processes
+  with the ``spawn`` start method, each running ``fn(*args)`` after the process group is up.
+- torchrun: RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+  are read from the environment (``rank_env_from_environ``) and nothing is spawned::
+
+      torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+               --rdzv-endpoint 127.0.0.1:29500 -m shardwise train --parallel.dp 2
+
+Each rank gets ``max(1, cores // local_world_size)`` torch threads so ranks do not fight
+over cores. gloo can abort at interpreter exit after all work is done ("terminate called
+without an active exception"), so a worker ends with ``destroy_process_group()`` and then
+``os._exit(code)``: a good run never turns red at exit.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import connection
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this process sits among all processes of the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+class WorkerError(RuntimeError):
+    """A spawned rank failed; the message carries that rank's traceback."""
+
+
+def rank_env_from_environ(environ=os.environ) -> RankEnv | None:
+    """Return the torchrun-provided rank environment, or ``None`` when not under a launcher."""
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return None
+    world = int(environ["WORLD_SIZE"])
+    return RankEnv(
+        rank=int(environ["RANK"]),
+        local_rank=int(environ.get("LOCAL_RANK", 0)),
+        world_size=world,
+        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
+        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(environ.get("MASTER_PORT", 29500)),
+    )
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """``max(1, cores // local ranks)``: the torch intra-op threads one rank may use."""
+    return max(1, available_cores() // max(1, local_world_size))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     threads: int | None = None) -> torch.device:
+    """Set threads, pick backend (NCCL with CUDA, else gloo), join the process group.
+
+    Returns the device this rank computes on.
+    """
+    torch.set_num_threads(threads or threads_per_rank(env.local_world_size))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
+            conn, threads: int | None, timeout_s: float) -> None:
+    code = 0
+    try:
+        env = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        init_distributed(env, timeout_s=timeout_s, threads=threads)
+        result = fn(*args)
+        conn.send(("ok", _to_bytes(result)))
+    except BaseException:  # report everything, including SystemExit from a worker
+        code = 1
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        try:
+            shutdown()
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.close()
+        os._exit(code)
+
+
+def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | None = None,
+          timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
+
+    ``fn`` must be importable (module-level). Results travel back through ``torch.save``
+    and are loaded with ``weights_only=True``: return tensors, numbers, strings, lists and
+    dicts. Raises ``WorkerError`` with the first failing rank's traceback; the other ranks
+    are terminated so nothing hangs.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(world_size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child, threads,
+                                              timeout_s), daemon=False)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    results: list = [None] * world_size
+    pending = {pipes[r]: r for r in range(world_size)}
+    deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+    error: str | None = None
+    try:
+        while pending and error is None:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = connection.wait(list(pending), timeout=remaining)
+            if not ready:
+                error = f"ranks {sorted(pending.values())} did not finish within {join_timeout_s}s"
+                break
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    procs[rank].join(5)
+                    error = f"rank {rank} died with exit code {procs[rank].exitcode}"
+                    break
+                if status == "ok":
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+                else:
+                    error = f"rank {rank} failed:\n{payload}"
+                    break
+    finally:
+        for p in procs:
+            if error is not None and p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if error is not None:
+        raise WorkerError(error)
+    return results
