@@ -1,54 +1,43 @@
-"""Every byte that crosses ranks goes through here.
+"""Every byte that crosses ranks goes through here, and is counted.
 
-Public contract used by the rest of shardwise (signatures are stable; the algorithms
-behind them are filled in by ``shardwise.comm`` itself):
+Collectives implemented on ``torch.distributed`` point-to-point operations (``isend`` /
+``irecv``), each with its textbook algorithm, exact byte accounting and an alpha-beta cost
+model; see ``docs/comm.md``. Semantics follow ``torch.distributed`` (in place, global ranks
+for ``src``/``dst``, ``group=None`` is the world, ``async_op=True`` returns a handle with
+``wait()``).
 
-- ``all_reduce(tensor, op="sum", group=None, algorithm="native", async_op=False)``
-  in place, like ``torch.distributed.all_reduce``; returns a handle with ``wait()``
-  when ``async_op`` is true, else ``None``.
+Contract used by the rest of shardwise (stable signatures):
+
+- ``all_reduce(tensor, op="sum", group=None, algorithm="native", async_op=False)``:
+  op in ``REDUCE_OPS``; algorithm in ``ALLREDUCE_ALGORITHMS``.
 - ``broadcast(tensor, src, group=None, async_op=False)``: ``src`` is a global rank.
 - ``barrier(group=None)``.
+
+Also: ``reduce``, ``gather``, ``scatter``, ``all_gather``, ``all_gather_into_tensor``,
+``reduce_scatter``, ``reduce_scatter_tensor``, ``send``, ``recv``; ``configure`` (timeout,
+argument check), ``accounting`` (per-rank byte counters), ``cost`` (the model and ``auto``),
+``shutdown`` (stop the communication thread).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from shardwise.comm import accounting, cost
+from shardwise.comm.api import (ALL_GATHER_ALGORITHMS, ALLREDUCE_ALGORITHMS,
+                                BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS,
+                                REDUCE_SCATTER_ALGORITHMS, all_reduce, broadcast, gather,
+                                reduce, scatter)
+from shardwise.comm.async_ import Handle, drain, shutdown
+from shardwise.comm.p2p import barrier, recv, send
+from shardwise.comm.primitives import (REDUCE_OPS, CommError, CommTimeoutError, Settings,
+                                       configure, settings)
+from shardwise.comm.sharded import (all_gather, all_gather_into_tensor, reduce_scatter,
+                                    reduce_scatter_tensor)
 
-_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
-
-
-def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "native",
-               async_op: bool = False):
-    """Reduce ``tensor`` across ``group`` in place. ``op`` is sum, mean, max or min."""
-    if op == "mean":
-        work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group, async_op=async_op)
-        n = dist.get_world_size(group)
-        if async_op:
-            return _Then(work, lambda: tensor.div_(n))
-        tensor.div_(n)
-        return None
-    return dist.all_reduce(tensor, _OPS[op], group=group, async_op=async_op)
-
-
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
-    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
-    return dist.broadcast(tensor, src, group=group, async_op=async_op)
-
-
-def barrier(group=None) -> None:
-    dist.barrier(group=group)
-
-
-class _Then:
-    def __init__(self, work, fn):
-        self._work, self._fn = work, fn
-
-    def wait(self):
-        self._work.wait()
-        self._fn()
-        return True
+__all__ = [
+    "ALLREDUCE_ALGORITHMS", "ALL_GATHER_ALGORITHMS", "REDUCE_SCATTER_ALGORITHMS",
+    "BROADCAST_ALGORITHMS", "REDUCE_ALGORITHMS", "REDUCE_OPS",
+    "all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather",
+    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
+    "barrier", "configure", "settings", "Settings", "CommError", "CommTimeoutError", "Handle",
+    "drain", "shutdown", "accounting", "cost",
+]

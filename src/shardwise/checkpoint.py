@@ -1,0 +1,113 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), complete or invisible.
+
+Layout of a checkpoint directory ``ROOT/step_000100/``:
+
+- DCP files (``.metadata``, ``__*_*.distcp``) holding **tensors only**: model parameters,
+  optimizer moments, each rank's RNG state under its own key. DCP reads tensors with
+  ``torch.load(weights_only=True)``; nothing else goes through pickle, because the
+  default planner would unpickle non-tensor values with ``weights_only=False``.
+- ``meta.json``: everything that is not a tensor (step, LR schedule, sampler position,
+  optimizer hyper-parameters, tokenizer, config, layout), written by rank 0.
+
+A save writes into ``step_000100.tmp/``; only after every rank has finished and
+``meta.json`` is flushed does rank 0 rename it to ``step_000100/`` (an atomic rename on
+POSIX). A crash mid-save leaves a ``.tmp`` directory that ``latest_checkpoint`` ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+_NAME = re.compile(r"^step_(\d{6,})$")
+META = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint; the message names the directory and what was expected."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (incomplete ``.tmp`` ones skipped)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _NAME.match(d.name)
+        if m and d.is_dir() and (d / META).is_file() and (d / ".metadata").is_file():
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, Any],
+         keep: int | None = None) -> Path:
+    """Collectively save ``tensors`` (nested dict of tensors) and ``meta`` (JSON-able).
+
+    Every rank calls this with the same ``step``. Returns the final directory. Older
+    complete checkpoints beyond ``keep`` are removed by rank 0.
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / (final.name + ".tmp")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    dcp.save(tensors, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        with open(tmp / META, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the commit point: before it, the checkpoint is invisible
+        if keep is not None:
+            for old in complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path / META}: not a readable checkpoint description ({e})") from None
+
+
+def load(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``tensors`` (same structure as saved, preallocated) in place; return the meta."""
+    path = Path(path)
+    meta = read_meta(path)
+    dcp.load(tensors, checkpoint_id=str(path))
+    return meta

@@ -1,0 +1,269 @@
+"""Point-to-point layer under every collective: groups, rounds of isend/irecv, timeouts,
+reduce ops, and the cross-rank argument check.
+
+A collective is written as a sequence of *rounds* (the "time steps" of Thakur, Rabenseifner
+& Gropp 2005, "Optimization of Collective Communication Operations in MPICH"). In one round a
+rank posts all its receives and sends, then waits for all of them; the round number is the
+global step of the algorithm's schedule, so a rank that is idle in early rounds (a leaf of a
+binomial tree) still labels its one message with the right step. ``Call.exchange`` is the
+only place where bytes cross ranks, so it is also the only place where they are counted.
+
+Errors: every failure is a ``CommError`` naming the collective, the algorithm, this rank and
+the peer; a wait longer than the configured timeout (default 300 s, see ``configure``)
+raises ``CommTimeoutError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import accounting
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class CommError(RuntimeError):
+    """A collective failed; the message names the collective, the rank and the cause."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A rank waited longer than the configured timeout for a peer."""
+
+
+@dataclass
+class Settings:
+    """Process-wide knobs of ``shardwise.comm`` (set with ``configure``).
+
+    timeout_s: seconds any one collective may wait for its peers before ``CommTimeoutError``.
+    check: before moving data, ranks agree on (collective, algorithm, op, dtype, numel,
+        root, group, call number) in ceil(log2 N) rounds of 72-byte messages. Without it a
+        shape mismatch can make gloo abort the process ("Received data size doesn't match")
+        and a dtype mismatch of equal width silently yields garbage. Its traffic is
+        accounted under the collective name "check", never mixed into the algorithm's row.
+    """
+
+    timeout_s: float = 300.0
+    check: bool = True
+
+
+settings = Settings()
+
+
+def configure(timeout_s: float | None = None, check: bool | None = None) -> Settings:
+    """Change the process-wide settings; returns them. Call it identically on every rank."""
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        settings.timeout_s = float(timeout_s)
+    if check is not None:
+        settings.check = bool(check)
+    return settings
+
+
+# ---------------------------------------------------------------------------- groups
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """The ranks of a group in group order, and where this process sits among them."""
+
+    group: Any              # the ProcessGroup passed by the caller (None: the world)
+    ranks: tuple[int, ...]  # global rank of each group rank
+    rank: int               # this process's group rank
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def global_rank(self) -> int:
+        return self.ranks[self.rank]
+
+
+def group_info(group, collective: str) -> GroupInfo:
+    """Resolve ``group``; ``CommError`` if torch.distributed is down or we are not a member."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise CommError(f"{collective}: torch.distributed is not initialized "
+                        "(call shardwise.launch.init_distributed or spawn first)")
+    me = dist.get_rank()
+    if group is None or group is dist.group.WORLD:
+        ranks = tuple(range(dist.get_world_size()))
+    else:
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group))
+        except Exception as exc:
+            raise CommError(f"{collective} on rank {me}: not a usable process group: {exc}") \
+                from exc
+    if me not in ranks:
+        raise CommError(f"{collective} on rank {me}: this rank is not a member of the group "
+                        f"with global ranks {list(ranks)}")
+    return GroupInfo(group, ranks, ranks.index(me))
+
+
+def group_rank_of(info: GroupInfo, global_rank: int, collective: str, what: str) -> int:
+    """Group rank of a global ``src``/``dst``; ``CommError`` if it is not in the group."""
+    if global_rank not in info.ranks:
+        raise CommError(f"{collective} on rank {info.global_rank}: {what}={global_rank} is not "
+                        f"in the group with global ranks {list(info.ranks)}")
+    return info.ranks.index(global_rank)
+
+
+# ---------------------------------------------------------------------------- reduce ops
+
+def check_op(op: str, dtype: torch.dtype, collective: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{collective}: op must be one of {REDUCE_OPS}, got {op!r}")
+    if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{collective}: op 'mean' needs a floating or complex dtype, got {dtype}")
+    if op in ("max", "min") and dtype.is_complex:
+        raise ValueError(f"{collective}: op {op!r} is undefined for complex dtype {dtype}")
+
+
+def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    """``acc <- acc (op) other`` elementwise, in place. ``mean`` sums here; see ``finish_``."""
+    if op in ("sum", "mean"):
+        if acc.dtype == torch.bool:
+            acc.logical_or_(other)  # what gloo's SUM gives for bool
+        else:
+            acc.add_(other)
+    elif op == "max":
+        torch.maximum(acc, other, out=acc)
+    else:
+        torch.minimum(acc, other, out=acc)
+
+
+def finish_(chunk: torch.Tensor, op: str, n: int) -> None:
+    """Turn a fully reduced chunk into the result: divide by the group size for ``mean``."""
+    if op == "mean":
+        chunk.div_(n)
+
+
+def balanced_bounds(numel: int, parts: int) -> list[int]:
+    """Offsets of ``parts`` contiguous chunks covering ``numel`` elements.
+
+    The first ``numel % parts`` chunks hold one element more than the others, so chunk sizes
+    differ by at most one element; chunks may be empty when ``numel < parts``.
+    """
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+# ---------------------------------------------------------------------------- scratch
+
+class _Scratch:
+    """One growing receive buffer per (dtype, device), reused across calls.
+
+    Collectives run one at a time per process (see ``async_``), so one buffer per dtype is
+    enough; reusing it avoids page-faulting fresh memory on every large call.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        key = (dtype, torch.device("cpu") if device is None else torch.device(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=key[1])
+            self._bufs[key] = buf
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
+scratch = _Scratch()
+
+
+# ---------------------------------------------------------------------------- rounds
+
+class Call:
+    """One collective call on one rank: its rounds, its deadline, its accounting record.
+
+    Peers are group ranks. ``exchange(step, sends, recvs)`` is one round: post every
+    receive, then every send, then wait for all of them. Empty tensors are skipped on both
+    sides (both sides compute the same sizes, so they skip the same messages).
+    """
+
+    __slots__ = ("name", "algorithm", "info", "deadline", "record", "label", "tag")
+
+    def __init__(self, name: str, algorithm: str, info: GroupInfo, nbytes: int,
+                 dtype: torch.dtype | None = None, label: str | None = None,
+                 account: bool = True, tag: int = 0) -> None:
+        self.name, self.algorithm, self.info, self.tag = name, algorithm, info, tag
+        self.label = label or f"{name}({algorithm})"
+        self.deadline = time.monotonic() + settings.timeout_s
+        self.record = (accounting.open_record(name, algorithm, info.size, info.rank,
+                                              info.global_rank, nbytes, dtype)
+                       if account and accounting.log.enabled else None)
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    def exchange(self, step: int, sends: Sequence[tuple[int, torch.Tensor]] = (),
+                 recvs: Sequence[tuple[int, torch.Tensor]] = ()) -> None:
+        ranks, group = self.info.ranks, self.info.group
+        pending = []
+        try:
+            for peer, t in recvs:
+                if t.numel():
+                    pending.append(("receive from", peer,
+                                    dist.irecv(t, ranks[peer], group=group, tag=self.tag)))
+            for peer, t in sends:
+                if t.numel():
+                    pending.append(("send to", peer,
+                                    dist.isend(t, ranks[peer], group=group, tag=self.tag)))
+        except Exception as exc:
+            raise self._error(f"posting step {step} failed: {exc}") from exc
+        for what, peer, work in pending:
+            self._wait(work, what, peer, step)
+        if self.record is not None:
+            self.record.add_round(step, sends, recvs)
+
+    def wait_native(self, work) -> None:
+        """Wait for a backend collective's work object under this call's deadline."""
+        self._wait(work, "the backend collective with", None, 1)
+
+    def _wait(self, work, what: str, peer: int | None, step: int) -> None:
+        left = self.deadline - time.monotonic()
+        who = "the group" if peer is None else f"rank {self.info.ranks[peer]}"
+        if left <= 0:
+            raise self._timeout(what, who, step)
+        try:
+            work.wait(timeout=timedelta(seconds=left))
+        except Exception as exc:
+            if time.monotonic() >= self.deadline - 0.05 or "timed out" in str(exc).lower():
+                raise self._timeout(what, who, step) from exc
+            raise self._error(f"step {step}: {what} {who} failed: {exc}") from exc
+
+    def _timeout(self, what: str, who: str, step: int) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"{self._where()}: timed out after {settings.timeout_s:g} s in step {step} "
+            f"waiting to {what} {who} (a rank that never arrived, or ranks that called "
+            "different collectives?)")
+
+    def _error(self, msg: str) -> CommError:
+        return CommError(f"{self._where()}: {msg}")
+
+    def _where(self) -> str:
+        i = self.info
+        return (f"{self.label} on rank {i.global_rank} "
+                f"(group rank {i.rank} of {i.size})")
+
+    def close(self) -> None:
+        if self.record is not None:
+            accounting.log.append(self.record)
+            self.record = None

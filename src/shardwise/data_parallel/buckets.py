@@ -1,0 +1,80 @@
+"""Gradient buckets: parameters packed, in reverse registration order, into flat buffers.
+
+Backward produces gradients roughly in reverse order of parameter registration, so
+packing parameters in that order fills the first bucket first and lets its all-reduce
+start while backward still computes the rest (Li et al., "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB 2020, section 3.2.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Bucket:
+    """A flat buffer holding the gradients of ``params``; ``offsets[i]`` is param i's start.
+
+    ``buffer`` has shape ``(sum of numels,)`` and the params' dtype and device. Per-backward
+    state (``pending``, ``work``, times) is reset by the owner after each step.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    pending: int = 0
+    ready: bool = False
+    work: Any = None
+    launched_at: float | None = None
+    fired: set[int] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def view_of(self, i: int) -> torch.Tensor:
+        """The slice of ``buffer`` that holds param ``i``'s gradient, shaped like the param."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def reset(self) -> None:
+        self.pending, self.ready, self.work, self.launched_at = len(self.params), False, None, None
+        self.fired = set()
+
+
+def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[Bucket]:
+    """Pack ``params`` (given in registration order) into buckets of at most ``cap_bytes``.
+
+    Parameters are taken in reverse order; a bucket closes when the next parameter would
+    push it past ``cap_bytes`` or has another dtype or device. A parameter larger than the
+    cap gets a bucket of its own. Raises ``ValueError`` if ``cap_bytes < 1``.
+    """
+    if cap_bytes < 1:
+        raise ValueError(f"bucket capacity must be >= 1 byte, got {cap_bytes}")
+    groups: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        cur = groups[-1] if groups else None
+        if (cur is None or size + nbytes > cap_bytes or cur[0].dtype != p.dtype
+                or cur[0].device != p.device):
+            groups.append([p])
+            size = nbytes
+        else:
+            cur.append(p)
+            size += nbytes
+    buckets = []
+    for i, group in enumerate(groups):
+        offsets, total = [], 0
+        for p in group:
+            offsets.append(total)
+            total += p.numel()
+        buf = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+        b = Bucket(index=i, params=group, offsets=offsets, buffer=buf)
+        b.reset()
+        buckets.append(b)
+    return buckets

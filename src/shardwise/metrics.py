@@ -1,0 +1,53 @@
+"""Run outputs: metrics as JSON lines and the loss-curve picture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``path`` (rank 0 only writes)."""
+
+    def __init__(self, path: str | Path, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
+    """Draw train loss (per logged step) and validation loss against step into ``png_path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("kind") == "val"]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats / char)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path

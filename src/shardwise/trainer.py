@@ -1,0 +1,283 @@
+"""The training loop: AdamW, warm-up + cosine LR, clipping, validation, checkpoints.
+
+``Trainer(cfg, topology, device)`` builds data, model, DDP and optimizer for one rank;
+``fit()`` runs the loop. It also runs without ``torch.distributed`` (one process, dp=1),
+which is how parity tests build their single-process reference.
+
+Resume state is explicit: ``state_dict()`` returns ``(tensors, meta)`` — tensors go to
+DCP, meta (JSON) beside them — and ``load_state_dict`` restores both.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise import checkpoint, comm
+from shardwise.config import Config
+from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
+from shardwise.data_parallel import DistributedDataParallel
+from shardwise.metrics import MetricsLog, plot_loss
+from shardwise.models import GPT, GPTConfig
+from shardwise.topology import Topology
+
+
+def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
+    """Multiplier of ``lr`` at ``step``: linear warm-up, then cosine down to ``min_lr``."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return (min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))) / lr
+
+
+class Trainer:
+    """One rank's view of a data-parallel training run (see module docstring)."""
+
+    def __init__(self, cfg: Config, topology: Topology, device: torch.device | None = None,
+                 tokenizer: CharTokenizer | None = None):
+        self.cfg, self.topology = cfg, topology
+        self.device = device or torch.device("cpu")
+        self.distributed = dist.is_initialized()
+        self.is_main = topology.rank == 0
+        text = load_text(cfg.data.path)
+        self.tokenizer = tokenizer or CharTokenizer.from_text(text)
+        tokens = self.tokenizer.encode(text)
+        n_val = max(cfg.model.block_size + 1, int(len(tokens) * cfg.data.val_fraction))
+        self.train_tokens, self.val_tokens = tokens[:-n_val], tokens[-n_val:]
+
+        m = cfg.model
+        torch.manual_seed(cfg.training.seed)
+        self.gpt_cfg = GPTConfig(vocab_size=m.vocab_size or self.tokenizer.vocab_size,
+                                 block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                                 n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
+                                 tie_weights=m.tie_weights)
+        self.model = GPT(self.gpt_cfg).to(self.device)
+        self.ddp = (DistributedDataParallel(self.model, topology.groups.dp, cfg.parallel.bucket_mb,
+                                            cfg.parallel.allreduce)
+                    if self.distributed and topology.dp > 1 else None)
+        # dropout streams differ per rank; the model init above is identical everywhere
+        torch.manual_seed(cfg.training.seed + 1000 * (topology.rank + 1))
+
+        o = cfg.optimizer
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+        total = cfg.training.steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.lr, o.min_lr))
+
+        t = cfg.training
+        self.sampler = DistributedBatchSampler(self.train_tokens, m.block_size, t.global_batch_size,
+                                               topology.dp_rank, topology.dp, seed=t.seed)
+        self.step = 0
+        self.out_dir = Path(t.out_dir)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.is_main)
+        self.history: list[float] = []
+
+    # -- one step -------------------------------------------------------------------------
+    @property
+    def net(self):
+        return self.ddp or self.model
+
+    def _mean_over_dp(self, value: float) -> float:
+        if self.ddp is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        comm.all_reduce(t, op="mean", group=self.topology.groups.dp)
+        return t.item()
+
+    def train_step(self) -> dict:
+        """One optimizer step on this rank's share of the next global batch."""
+        m = self.cfg.parallel.micro_batches
+        x, y = self.sampler.next_batch()
+        x, y = x.to(self.device), y.to(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
+            last = i == m - 1
+            ctx = self.ddp.no_sync() if (self.ddp is not None and not last) else _null()
+            with ctx:
+                _, loss = self.net(xm, ym)
+                (loss / m).backward()
+            loss_sum += loss.item()
+        clip = self.cfg.optimizer.grad_clip
+        # gradients are already averaged over dp, so the local norm is the global norm
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                               clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        loss = self._mean_over_dp(loss_sum / m)
+        self.history.append(loss)
+        return {"loss": loss, "grad_norm": float(gnorm),
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss (nats/char) over a fixed set of held-out windows."""
+        t, m = self.cfg.training, self.cfg.model
+        local = max(1, t.global_batch_size // self.topology.dp)
+        n_windows = (len(self.val_tokens) - 1) // m.block_size
+        total = min(n_windows, t.eval_batches * local * self.topology.dp)
+        per_rank = max(1, total // self.topology.dp)
+        start = self.topology.dp_rank * per_rank
+        idx = torch.arange(start, min(start + per_rank, n_windows))
+        starts = idx * m.block_size
+        offs = torch.arange(m.block_size + 1)
+        w = self.val_tokens[starts[:, None] + offs[None, :]].to(self.device)
+        self.model.eval()
+        losses = [self.model(xb, yb)[1].item() for xb, yb in
+                  zip(w[:, :-1].split(local), w[:, 1:].split(local))]
+        self.model.train()
+        return self._mean_over_dp(sum(losses) / len(losses))
+
+    # -- the loop -------------------------------------------------------------------------
+    def fit(self, progress: bool | None = None) -> dict:
+        """Train until ``training.steps``; returns the final train and validation loss."""
+        t, ck = self.cfg.training, self.cfg.checkpoint
+        show = self.is_main and (t.progress if progress is None else progress)
+        bar = None
+        if show:
+            import threading
+
+            from tqdm import tqdm
+
+            tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at os._exit
+            bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True)
+        tokens_per_step = t.global_batch_size * self.cfg.model.block_size
+        started = time.perf_counter()
+        val_loss = None
+        while self.step < t.steps:
+            t0 = time.perf_counter()
+            info = self.train_step()
+            dt = time.perf_counter() - t0
+            rec = {"kind": "train", "step": self.step, **info, "tokens_per_s": tokens_per_step / dt,
+                   "step_s": dt}
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                self.metrics.write(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                val_loss = self._log_eval()
+            if ck.every and self.step % ck.every == 0 and self.step < t.steps:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        val_loss = self._log_eval()
+        if ck.at_end:
+            self.save_checkpoint()
+        return {"step": self.step, "loss": self.history[-1] if self.history else None,
+                "val_loss": val_loss, "elapsed_s": time.perf_counter() - started}
+
+    def _log_eval(self) -> float:
+        v = self.evaluate()
+        self.metrics.write({"kind": "val", "step": self.step, "val_loss": v})
+        if self.is_main and self.cfg.training.progress:
+            from tqdm import tqdm
+
+            tqdm.write(f"step {self.step}: validation loss {v:.4f} nats/char")
+        return v
+
+    def finish(self) -> None:
+        """Rank 0: loss-curve PNG and a generated sample, printed."""
+        if not self.is_main:
+            return
+        png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
+                        title=f"GPT on Shakespeare, dp={self.topology.dp}")
+        print(f"loss curve: {png}")
+        n = self.cfg.training.sample_chars
+        if n:
+            g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
+            prompt = self.tokenizer.encode("\n").view(1, 1).to(self.device)
+            out = self.model.generate(prompt, n, generator=g)
+            text = self.tokenizer.decode(out[0].tolist())
+            (self.out_dir / "sample.txt").write_text(text)
+            print("sample:\n" + text)
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, dict]:
+        """``(tensors, meta)``: tensors for DCP (model, AdamW moments, this rank's RNG),
+        meta JSON-able (step, scheduler, sampler, optimizer hyper-parameters, tokenizer,
+        config, layout)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        opt = self.optimizer.state_dict()
+        order = [p for g in self.optimizer.param_groups for p in g["params"]]
+        moments = {}
+        for i, p in enumerate(order):
+            st = opt["state"].get(i)
+            if st is None:  # before the first step: allocate so load has a target
+                st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                      "exp_avg_sq": torch.zeros_like(p)}
+            moments[names[id(p)]] = dict(st)
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        tensors = {"model": self.model.state_dict(), "optimizer": moments,
+                   "rng": {f"rank{self.topology.rank}": rng}}
+        meta = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),  # lr_lambdas are stored as None
+            "sampler": self.sampler.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in opt["param_groups"]],
+            "param_order": [names[id(p)] for p in order],
+            "history": self.history,
+            "tokenizer": self.tokenizer.state_dict(),
+            "config": self.cfg.model_dump(),
+            "layout": {"dp": self.topology.dp, "pp": self.topology.pp, "tp": self.topology.tp},
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict, meta: dict) -> None:
+        self.step = meta["step"]
+        self.history = list(meta["history"])
+        self.sampler.load_state_dict(meta["sampler"])
+        self.scheduler.load_state_dict(dict(meta["scheduler"]))
+        by_name = tensors["optimizer"]
+        state = {i: by_name[n] for i, n in enumerate(meta["param_order"])
+                 if float(by_name[n]["step"]) > 0}
+        groups, offset = [], 0
+        for saved, live in zip(meta["param_groups"], self.optimizer.param_groups):
+            n = len(live["params"])
+            groups.append(dict(saved, params=list(range(offset, offset + n))))
+            offset += n
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        rng = tensors["rng"].get(f"rank{self.topology.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def save_checkpoint(self) -> Path:
+        tensors, meta = self.state_dict()
+        return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta,
+                               keep=self.cfg.checkpoint.keep)
+
+    def resume(self, path: str | Path | None = None) -> Path:
+        """Load ``path`` or the latest complete checkpoint of ``checkpoint_dir``."""
+        path = Path(path) if path else checkpoint.latest_checkpoint(self.cfg.checkpoint_dir)
+        if path is None:
+            raise checkpoint.CheckpointError(
+                f"no complete checkpoint in {str(self.cfg.checkpoint_dir)!r}")
+        tensors, _ = self.state_dict()
+        meta = checkpoint.load(path, tensors)
+        self.model.load_state_dict(tensors["model"])
+        self.load_state_dict(tensors, meta)
+        return path
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

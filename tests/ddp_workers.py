@@ -1,0 +1,89 @@
+"""Rank functions for the data-parallel tests (run inside ``shardwise.launch.spawn``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import Config
+from shardwise.topology import Topology, init_process_groups
+
+
+def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
+    cfg = {
+        "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32},
+        "data": {"path": corpus},
+        "parallel": {"dp": 1, "micro_batches": 1},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        "training": {"steps": 5, "global_batch_size": 16, "eval_every": 0, "log_every": 1,
+                     "out_dir": out_dir, "sample_chars": 0, "progress": False},
+        "checkpoint": {"every": 0, "at_end": False},
+    }
+    for name, values in sections.items():
+        cfg[name].update(values)
+    return Config.from_dict(cfg).model_dump()
+
+
+def _trainer(cfg_dict: dict):
+    from shardwise.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    if dist.is_initialized():
+        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+                                                  world_size=dist.get_world_size()))
+    else:
+        topo = Topology.build(p.dp, p.pp, p.tp)
+    return Trainer(cfg, topo)
+
+
+def _result(trainer) -> dict:
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = {"losses": list(trainer.history), "params": params}
+    if trainer.ddp is not None:
+        out["n_buckets"] = len(trainer.ddp.buckets)
+    return out
+
+
+def train(cfg_dict: dict) -> dict:
+    """Train ``training.steps`` steps; return losses and parameters of this rank."""
+    trainer = _trainer(cfg_dict)
+    for _ in range(trainer.cfg.training.steps):
+        trainer.train_step()
+    return _result(trainer)
+
+
+def train_and_checkpoint(cfg_dict: dict, stop_at: int) -> dict:
+    """Train ``stop_at`` steps of a ``training.steps``-long run, save, and stop."""
+    trainer = _trainer(cfg_dict)
+    for _ in range(stop_at):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    return _result(trainer)
+
+
+def resume_and_finish(cfg_dict: dict) -> dict:
+    trainer = _trainer(cfg_dict)
+    trainer.resume()
+    start = trainer.step
+    while trainer.step < trainer.cfg.training.steps:
+        trainer.train_step()
+    return _result(trainer) | {"resumed_at": start}
+
+
+def overlap_probe(bucket_mb: float) -> dict:
+    """Different init per rank, our DDP, one backward: report broadcast and overlap facts."""
+    from shardwise.data_parallel import DistributedDataParallel
+    from shardwise.models import GPT, GPTConfig
+
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)  # deliberately different: the broadcast must fix it
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64))
+    ddp = DistributedDataParallel(model, None, bucket_cap_mb=bucket_mb)
+    after_broadcast = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    x = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(rank))
+    _, loss = ddp(x, x)
+    loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return {"params": after_broadcast, "grads": grads, "timing": ddp.last_timing,
+            "n_buckets": len(ddp.buckets)}
