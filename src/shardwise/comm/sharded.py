@@ -38,7 +38,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         if n > 1:
             call = _call("all_gather", algo, info, output)
             if algo == "native":
-                call.wait_native(dist.all_gather_into_tensor(
+                call.wait_native(dist.all_gather_single(
                     out.flat, out.flat[info.rank * m:(info.rank + 1) * m].clone(), group=group,
                     async_op=True))
             elif algo == "ring":
@@ -96,9 +96,11 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
         if n == 1:
             pass
         elif algo == "native":
-            call.wait_native(dist.reduce_scatter_tensor(
-                work[r * m:(r + 1) * m], work, _NATIVE_OPS[op], group=group, async_op=True))
-            finish_(work[r * m:(r + 1) * m], op, n)
+            res = torch.empty_like(work[:m])
+            call.wait_native(dist.reduce_scatter_single(res, work, _NATIVE_OPS[op], group=group,
+                                                        async_op=True))
+            finish_(res, op, n)
+            work[r * m:(r + 1) * m].copy_(res)
         elif algo == "ring":
             ring.reduce_scatter(call, work, [i * m for i in range(n + 1)], op)
         else:

@@ -1,0 +1,178 @@
+"""Rank functions for tests/test_comm*.py, run by ``shardwise.launch.spawn``.
+
+Each returns plain data (dicts, lists, numbers, small tensors) that the test compares; many
+checks share one spawn because each spawn costs ~1.5 s of start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+from shardwise.comm import accounting
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+          torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64)
+OUR_ALLREDUCE = ("naive", "sequential", "ring", "halving_doubling", "rabenseifner", "tree",
+                 "parallel", "auto")
+NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def ops_for(dtype: torch.dtype) -> list[str]:
+    ops = ["sum"]
+    if dtype.is_floating_point or dtype.is_complex:
+        ops.append("mean")
+    if not dtype.is_complex:
+        ops += ["max", "min"]
+    return ops
+
+
+def data(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Integer-valued data: sums are exact in every dtype, so any order gives equal bits."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype == torch.uint8:
+        return torch.randint(0, 9, (n,), generator=g).to(dtype)
+    if dtype.is_complex:
+        return torch.complex(torch.randint(-8, 9, (n,), generator=g).float(),
+                             torch.randint(-8, 9, (n,), generator=g).float()).to(dtype)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
+def native_all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out, NATIVE_OPS["sum" if op == "mean" else op])
+    if op == "mean":
+        out.div_(dist.get_world_size())
+    return out
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:12]
+
+
+def all_reduce_parity(lengths: list[int]) -> dict:
+    """Every algorithm x op x dtype x length against dist.all_reduce; digests of results."""
+    r = dist.get_rank()
+    bad, digests, count = [], {}, 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in lengths:
+                x = data(n, dtype, seed=1000 * r + n)
+                want = native_all_reduce(x, op)
+                for algo in OUR_ALLREDUCE:
+                    got = x.clone()
+                    comm.all_reduce(got, op=op, algorithm=algo)
+                    count += 1
+                    key = f"{algo}/{op}/{str(dtype)[6:]}/{n}"
+                    digests[key] = digest(got)
+                    if not torch.equal(got, want):
+                        bad.append(f"{key}: got {got[:6].tolist()} want {want[:6].tolist()}")
+    # non-integer floats: equal to native up to rounding order, identical across ranks
+    x = torch.randn(257, generator=torch.Generator().manual_seed(r), dtype=torch.float32)
+    want = native_all_reduce(x, "sum")
+    for algo in OUR_ALLREDUCE:
+        got = x.clone()
+        comm.all_reduce(got, algorithm=algo)
+        digests[f"{algo}/randn"] = digest(got)
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+            bad.append(f"{algo}/randn: max diff {(got - want).abs().max().item()}")
+    # a 2-D non-contiguous tensor, and the native path through our API
+    m = data(35, torch.float32, r).reshape(5, 7).t()
+    for algo in ("ring", "native"):
+        got = m.clone().t().contiguous().t()  # same strides as m
+        comm.all_reduce(got, op="mean", algorithm=algo)
+        if not torch.equal(got, native_all_reduce(m.contiguous(), "mean")):
+            bad.append(f"{algo}/non-contiguous")
+    return {"bad": bad, "count": count, "digests": digests}
+
+
+def other_collectives() -> dict:
+    """broadcast, reduce, gather, scatter, all-gather, reduce-scatter vs torch.distributed."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    bad, count = [], 0
+
+    def expect(key, got, want):
+        nonlocal count
+        count += 1
+        if not torch.equal(got, want):
+            bad.append(f"{key}: got {got.reshape(-1)[:6].tolist()} "
+                       f"want {want.reshape(-1)[:6].tolist()}")
+
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        for m in (1, 5, 37):
+            x = data(m, dtype, seed=77 * r + m)
+            for root in sorted({0, n - 1, n // 2}):
+                want = x.clone(); dist.broadcast(want, root)
+                got = x.clone(); comm.broadcast(got, root)
+                expect(f"broadcast/{dtype}/{m}/{root}", got, want)
+                for op in ops_for(dtype):
+                    want = x.clone(); dist.reduce(want, root, NATIVE_OPS["sum" if op == "mean" else op])
+                    if op == "mean" and r == root:
+                        want.div_(n)
+                    got = x.clone(); comm.reduce(got, root, op=op)
+                    expect(f"reduce/{op}/{dtype}/{m}/{root}", got if r == root else got,
+                           want if r == root else x)
+                wl = [torch.empty_like(x) for _ in range(n)] if r == root else None
+                gl = [torch.empty_like(x) for _ in range(n)] if r == root else None
+                dist.gather(x, wl, dst=root); comm.gather(x, gl, dst=root)
+                if r == root:
+                    expect(f"gather/{dtype}/{m}/{root}", torch.stack(gl), torch.stack(wl))
+                parts = [data(m, dtype, seed=5 * i + m) for i in range(n)] if r == root else None
+                want, got = torch.empty_like(x), torch.empty_like(x)
+                dist.scatter(want, parts, src=root); comm.scatter(got, parts, src=root)
+                expect(f"scatter/{dtype}/{m}/{root}", got, want)
+            wl = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(wl, x)
+            for algo in ("ring", "recursive_doubling", "native"):
+                out = torch.empty(n * m, dtype=dtype)
+                comm.all_gather_into_tensor(out, x, algorithm=algo)
+                expect(f"all_gather/{algo}/{dtype}/{m}", out, torch.cat(wl))
+                gl = [torch.empty_like(x) for _ in range(n)]
+                comm.all_gather(gl, x, algorithm=algo)
+                expect(f"all_gather_list/{algo}/{dtype}/{m}", torch.stack(gl), torch.stack(wl))
+            big = data(n * m, dtype, seed=31 * r + m)
+            for op in ops_for(dtype):
+                full = native_all_reduce(big, op)
+                want = full[r * m:(r + 1) * m]
+                for algo in ("ring", "recursive_halving", "native"):
+                    out = torch.empty(m, dtype=dtype)
+                    before = big.clone()
+                    comm.reduce_scatter_tensor(out, big, op=op, algorithm=algo)
+                    expect(f"reduce_scatter/{algo}/{op}/{dtype}/{m}", out, want)
+                    expect(f"reduce_scatter_input/{algo}/{op}/{dtype}/{m}", big, before)
+    return {"bad": bad, "count": count}
+
+
+def async_and_p2p() -> dict:
+    """Async handles in flight together; sync calls keep order; send/recv; barrier."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    xs = [data(50 + i, torch.float32, seed=r * 10 + i) for i in range(6)]
+    wants = [native_all_reduce(x, "sum") for x in xs]
+    algos = ["ring", "tree", "halving_doubling", "native", "auto", "naive"]
+    outs = [x.clone() for x in xs]
+    handles = [comm.all_reduce(o, algorithm=a, async_op=True) for o, a in zip(outs, algos)]
+    mid = data(9, torch.float32, seed=r)
+    comm.all_reduce(mid, algorithm="ring")  # sync call while async ones are queued
+    handles.append(comm.broadcast(outs[0], 0, async_op=True))
+    ok = [h.wait() for h in handles]
+    same = [torch.equal(o, w) for o, w in zip(outs, wants)]
+    token = torch.tensor([float(r)])
+    if r == 0:
+        for dst in range(1, n):
+            comm.send(token + dst, dst)
+        got = token
+    else:
+        got = torch.empty(1)
+        comm.recv(got, 0)
+    comm.barrier()
+    comm.shutdown()  # the thread stops; the next async call starts it again
+    h = comm.all_reduce(torch.ones(3), algorithm="ring", async_op=True)
+    h.wait()
+    return {"waits": ok, "same": same, "mid": torch.equal(mid, native_all_reduce(
+        data(9, torch.float32, seed=r), "sum")), "p2p": got.item(), "done": h.is_completed()}

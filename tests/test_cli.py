@@ -1,0 +1,68 @@
+"""The command line: bad input gives one line and exit code 2; a real run and a resume."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.cli import main
+
+from conftest import REPO
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--parallel.dpp", "2"], "parallel.dpp: unknown key"),
+    (["--parallel.dp", "two"], "parallel.dp: Input should be a valid integer"),
+    (["--parallel.dp", "0"], "parallel.dp: Input should be greater than or equal to 1"),
+    (["--training.global_batch_size", "30", "--parallel.dp", "4"],
+     "training.global_batch_size=30 must be divisible by parallel.dp x parallel.micro_batches"),
+    (["--model.n_head", "3"], "model.n_embd=128 must be divisible by model.n_head=3"),
+    (["--parallel.allreduce", "carrier-pigeon"], "parallel.allreduce='carrier-pigeon'"),
+    (["--data", "/no/such/file.txt"], "data.path: file '/no/such/file.txt' not found"),
+    (["--config", "/no/such.toml"], "config file '/no/such.toml' not found"),
+    (["--resume", "--checkpoint.dir", "/tmp/shardwise-none"], "--resume: no complete checkpoint"),
+    (["--bogus"], "unrecognised argument '--bogus'"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert expected in err
+
+
+def test_bad_config_file_values(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = 'many'\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "training.steps: Input should be a valid integer" in capsys.readouterr().err
+    bad.write_text("[training\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+
+
+def _shardwise(*args, cwd=REPO, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_entry_point_exit_code_for_bad_input():
+    proc = _shardwise("train", "--parallel.dp", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_train_then_resume_end_to_end(corpus, tmp_path):
+    out = tmp_path / "run"
+    common = ["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+              "--training.out_dir", str(out)]
+    first = _shardwise(*common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "validation loss" in first.stdout and "sample:" in first.stdout
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "checkpoints" / "step_000006").is_dir()
+    second = _shardwise(*common, "--resume", "--training.steps", "8")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "at step 6" in second.stdout
+    assert "done: 8 steps" in second.stdout

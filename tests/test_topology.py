@@ -1,0 +1,57 @@
+"""The rank grid: coordinates, groups per axis, and rejection of bad sizes (no processes)."""
+
+import pytest
+
+from shardwise.topology import Topology, TopologyError
+
+
+def test_single_axis_dp4():
+    topo = Topology.build(dp=4, rank=2, world_size=4)
+    assert topo.coords == {"dp": 2, "pp": 0, "tp": 0}
+    assert topo.axis_ranks("dp") == [0, 1, 2, 3]
+    assert topo.axis_ranks("tp") == [2] and topo.axis_ranks("pp") == [2]
+    assert topo.is_first_stage and topo.is_last_stage
+
+
+def test_grid_2x2x2_coordinates_roundtrip_and_groups():
+    topo = Topology.build(dp=2, pp=2, tp=2, world_size=8)
+    seen = set()
+    for r in range(8):
+        c = topo.coords_of(r)
+        assert topo.rank_of(**c) == r
+        seen.add(tuple(c.values()))
+    assert len(seen) == 8
+    # tp fastest, then pp, then dp
+    assert topo.coords_of(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert topo.all_axis_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.all_axis_groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.all_axis_groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("dp, pp, tp", [(3, 1, 2), (1, 4, 1), (2, 3, 2)])
+def test_groups_partition_the_world(dp, pp, tp):
+    topo = Topology.build(dp, pp, tp)
+    for axis in ("dp", "pp", "tp"):
+        groups = topo.all_axis_groups(axis)
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(dp * pp * tp))
+        assert all(len(g) == getattr(topo, axis) for g in groups)
+    last = Topology.build(dp, pp, tp, rank=topo.rank_of(dp - 1, pp - 1, tp - 1))
+    assert last.is_last_stage and last.dp_rank == dp - 1
+
+
+def test_rejects_sizes_that_do_not_multiply_to_world_size():
+    with pytest.raises(TopologyError, match=r"dp=2 x pp=2 x tp=1 = 4 ranks, but the world size is 6"):
+        Topology.build(dp=2, pp=2, tp=1, world_size=6)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"dp": 0}, "parallel.dp"), ({"tp": -1}, "parallel.tp")])
+def test_rejects_non_positive_sizes(kwargs, field):
+    with pytest.raises(TopologyError, match=field):
+        Topology.build(**kwargs)
+
+
+def test_is_immutable():
+    topo = Topology.build(dp=2)
+    with pytest.raises(Exception):
+        topo.dp = 3
