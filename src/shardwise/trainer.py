@@ -116,8 +116,15 @@ class Trainer:
         self.step += 1
         loss = self._mean_over_dp(loss_sum / m)
         self.history.append(loss)
-        return {"loss": loss, "grad_norm": float(gnorm),
-                "lr": self.optimizer.param_groups[0]["lr"]}
+        info = {"loss": loss, "grad_norm": float(gnorm), "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.ddp is not None and self.ddp.last_timing is not None:
+            # seconds before the end of backward at which each bucket's all-reduce started
+            # (positive: overlapped with backward), and how long backward then waited for them
+            t = self.ddp.last_timing
+            info["bucket_launch_before_backward_end_s"] = [
+                round(b["launched_before_end_s"], 6) for b in t["buckets"]]
+            info["allreduce_wait_after_backward_s"] = round(t["wait_after_end_s"], 6)
+        return info
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -150,8 +157,11 @@ class Trainer:
             from tqdm import tqdm
 
             tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at os._exit
+            import sys
+
+            # a terminal gets a live bar; a log file gets a line every 30 s, not every step
             bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step",
-                       dynamic_ncols=True)
+                       dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0)
         tokens_per_step = t.global_batch_size * self.cfg.model.block_size
         started = time.perf_counter()
         val_loss = None
