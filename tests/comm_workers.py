@@ -15,8 +15,8 @@ import torch.distributed as dist
 from shardwise import comm
 from shardwise.comm import accounting
 
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-          torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64)
+DTYPES = (torch.float32, torch.int64, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+          torch.int8, torch.uint8, torch.bool, torch.complex64)
 OUR_ALLREDUCE = ("naive", "sequential", "ring", "halving_doubling", "rabenseifner", "tree",
                  "parallel", "auto")
 NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -62,7 +62,8 @@ def all_reduce_parity(lengths: list[int]) -> dict:
     bad, digests, count = [], {}, 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
-            for n in lengths:
+            # every length for the first two dtypes, the last (odd) length for the others
+            for n in (lengths if dtype in DTYPES[:2] else lengths[-1:]):
                 x = data(n, dtype, seed=1000 * r + n)
                 want = native_all_reduce(x, op)
                 for algo in OUR_ALLREDUCE:
@@ -176,3 +177,121 @@ def async_and_p2p() -> dict:
     h.wait()
     return {"waits": ok, "same": same, "mid": torch.equal(mid, native_all_reduce(
         data(9, torch.float32, seed=r), "sum")), "p2p": got.item(), "done": h.is_completed()}
+
+
+def accounting_records(numels: list[int]) -> list[dict]:
+    """One call of every algorithm per length, recorded; returns this rank's records."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    with accounting.recording() as rec:
+        for m in numels:
+            x = torch.ones(m)
+            for algo in ("naive", "sequential", "ring", "halving_doubling", "tree", "parallel",
+                         "native"):
+                comm.all_reduce(x.clone(), algorithm=algo)
+            comm.broadcast(x.clone(), n - 1)
+            comm.reduce(x.clone(), 0)
+            out = torch.empty(n * m)
+            for algo in ("ring", "recursive_doubling"):
+                comm.all_gather_into_tensor(out, x, algorithm=algo)
+            for algo in ("ring", "recursive_halving"):
+                comm.reduce_scatter_tensor(x.clone(), out, algorithm=algo)
+            comm.gather(x, [torch.empty(m) for _ in range(n)] if r == 0 else None, dst=0)
+            comm.scatter(x.clone(), [x] * n if r == 0 else None, src=0)
+    assert not accounting.log.enabled
+    comm.all_reduce(torch.ones(3), algorithm="ring")  # not recorded: accounting is off again
+    return accounting.table(rec.records) + [{"total_records": len(accounting.log.records)}]
+
+
+def parity_and_accounting(lengths: list[int], dtypes: list[str], acct_numels: list[int]) -> dict:
+    """The per-world-size bundle of test_comm_parity.py: one spawn, many checks."""
+    global DTYPES
+    DTYPES = tuple(getattr(torch, d) for d in dtypes)
+    t0 = time.perf_counter()
+    out = {"all_reduce": all_reduce_parity(lengths), "other": other_collectives(),
+           "async": async_and_p2p(), "records": accounting_records(acct_numels)}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except comm.CommTimeoutError as exc:
+        return "timeout: " + str(exc)
+    except comm.CommError as exc:
+        return "error: " + str(exc)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_input(timeout_s: float) -> dict:
+    """Each misuse must raise, naming the collective and the rank, and never hang."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    comm.configure(timeout_s=timeout_s)
+    out = {}
+    out["shape"] = _error_of(lambda: comm.all_reduce(torch.ones(10 + r), algorithm="ring"))
+    x = torch.ones(6, dtype=torch.float32 if r else torch.int32)
+    out["dtype"] = _error_of(lambda: comm.all_reduce(x, algorithm="tree"))
+    y = torch.ones(4)
+    out["mixed"] = _error_of(lambda: comm.all_reduce(y) if r == 0 else comm.broadcast(y, 0))
+    sub = dist.new_group([0, 1])
+    out["not_member"] = _error_of(lambda: comm.all_reduce(torch.ones(3), group=sub,
+                                                          algorithm="ring"))
+    out["src_outside"] = _error_of(lambda: comm.broadcast(torch.ones(3), n - 1, group=sub)
+                                   if r < 2 else None)
+    out["bad_op"] = _error_of(lambda: comm.all_reduce(torch.ones(3), op="prod"))
+    out["mean_int"] = _error_of(lambda: comm.all_reduce(torch.ones(3, dtype=torch.int32),
+                                                        op="mean"))
+    out["bad_algo"] = _error_of(lambda: comm.all_reduce(torch.ones(3), algorithm="butterfly"))
+    # after all that, the group still works
+    z = torch.full((5,), float(r))
+    comm.all_reduce(z, algorithm="halving_doubling")
+    out["still_works"] = z.tolist()
+    # a rank that never arrives: rank 0 sleeps past the timeout instead of calling
+    t0 = time.monotonic()
+    if r == 0:
+        time.sleep(timeout_s + 2.0)
+        out["absent"] = "slept"
+    else:
+        out["absent"] = _error_of(lambda: comm.all_reduce(torch.ones(3), algorithm="ring"))
+    out["absent_s"] = time.monotonic() - t0
+    return out
+
+
+def absent_unchecked(timeout_s: float) -> dict:
+    """Same with the argument check off: the algorithm's own receive times out."""
+    r = dist.get_rank()
+    comm.configure(timeout_s=timeout_s, check=False)
+    t0 = time.monotonic()
+    if r == 0:
+        time.sleep(timeout_s + 2.0)
+        msg = "slept"
+    else:
+        handle = comm.all_reduce(torch.ones(3), algorithm="ring", async_op=True)
+        msg = _error_of(handle.wait)
+    return {"absent": msg, "seconds": time.monotonic() - t0}
+
+
+# ---------------------------------------------------------------------------- test-side cache
+
+# world size -> (lengths, dtypes) of the parity bundle; 8 ranks share 2 cores, so fewer dtypes
+PARITY_PLAN = {
+    2: ([0, 1, 3, 37], [str(d)[6:] for d in DTYPES]),
+    3: ([0, 1, 2, 37], [str(d)[6:] for d in DTYPES]),
+    4: ([0, 1, 3, 37], [str(d)[6:] for d in DTYPES]),
+    5: ([1, 4, 37], ["float32", "int64", "float16", "bfloat16", "uint8", "bool"]),
+    8: ([1, 7, 37], ["float32", "int64", "bfloat16", "bool"]),
+}
+ACCT_NUMELS = [840, 37]  # 840 = lcm(1..8): divides by every world size; 37 does not
+_bundles: dict[int, list] = {}
+
+
+def bundle(world_size: int) -> list:
+    """The results of ``parity_and_accounting`` on each rank, spawned once per world size."""
+    if world_size not in _bundles:
+        from shardwise.launch import spawn
+        lengths, dtypes = PARITY_PLAN[world_size]
+        _bundles[world_size] = spawn(parity_and_accounting, world_size,
+                                     (lengths, dtypes, ACCT_NUMELS), join_timeout_s=600)
+    return _bundles[world_size]
