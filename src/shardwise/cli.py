@@ -83,7 +83,7 @@ def cmd_train(args, extra: list[str]) -> int:
             traceback.print_exc()
             code = 1
         finally:
-            launch.shutdown()
+            launch.shutdown(clean=code == 0)
         sys.stdout.flush()
         sys.stderr.flush()
         import os

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from shardwise import checkpoint
+from shardwise import checkpoint, comm
 from shardwise.config import Config
 from shardwise.data import CharTokenizer
 from shardwise.topology import Topology, init_process_groups
@@ -19,6 +19,7 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
+    comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
                                                   world_size=dist.get_world_size()))
     device = torch.device(device_str) if device_str else (

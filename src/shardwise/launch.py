@@ -110,7 +110,15 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
     return device
 
 
-def shutdown() -> None:
+def shutdown(clean: bool = True) -> None:
+    """Finish shardwise.comm's queued collectives (when ``clean``) and leave the process group.
+
+    After a failure, queued collectives may wait on a dead peer, so they are abandoned.
+    """
+    if clean:
+        from shardwise import comm
+
+        comm.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -140,7 +148,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             pass
     finally:
         try:
-            shutdown()
+            shutdown(clean=code == 0)
         except Exception:
             pass
         sys.stdout.flush()

@@ -89,7 +89,8 @@ class Trainer:
     def _mean_over_dp(self, value: float) -> float:
         if self.ddp is None:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        # NCCL reduces device tensors only; float32 because not every backend has float64
+        t = torch.tensor([value], dtype=torch.float32, device=self.device)
         comm.all_reduce(t, op="mean", group=self.topology.groups.dp)
         return t.item()
 
