@@ -152,9 +152,15 @@ def _human(m: int) -> str:
     return str(m)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2, no usage dump
+        print(f"shardwise bench comm: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardwise bench comm", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="shardwise bench comm", description=__doc__.split("\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--table", action="store_true", help="print the seeds' comparison table "
                    "from measured counters")
     p.add_argument("--calibrate", action="store_true", help="measure alpha/beta/gamma and "
@@ -193,7 +199,11 @@ def _validate(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Entry point of ``shardwise bench comm``; returns the exit code (2: bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line error (2)
+        return int(exc.code or 0)
     try:
         _validate(args)
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]

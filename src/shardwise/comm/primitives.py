@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,17 +46,27 @@ class Settings:
         shape mismatch can make gloo abort the process ("Received data size doesn't match")
         and a dtype mismatch of equal width silently yields garbage. Its traffic is
         accounted under the collective name "check", never mixed into the algorithm's row.
+    segment_bytes: the reduce-scatter steps of ring all-reduce cut each chunk into
+        segments of about this size, all in flight at once, and reduce segment i while
+        i+1.. are still arriving (0: no segmentation). Bytes are unchanged; each step then
+        counts ceil(chunk / segment_bytes) messages instead of one.
     """
 
     timeout_s: float = 300.0
     check: bool = True
+    segment_bytes: int = 1 << 20
 
 
 settings = Settings()
 
 
-def configure(timeout_s: float | None = None, check: bool | None = None) -> Settings:
+def configure(timeout_s: float | None = None, check: bool | None = None,
+              segment_bytes: int | None = None) -> Settings:
     """Change the process-wide settings; returns them. Call it identically on every rank."""
+    if segment_bytes is not None:
+        if segment_bytes < 0:
+            raise ValueError(f"segment_bytes must be >= 0, got {segment_bytes}")
+        settings.segment_bytes = int(segment_bytes)
     if timeout_s is not None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -214,22 +224,27 @@ class Call:
         return self.info.size
 
     def exchange(self, step: int, sends: Sequence[tuple[int, torch.Tensor]] = (),
-                 recvs: Sequence[tuple[int, torch.Tensor]] = ()) -> None:
+                 recvs: Sequence[tuple[int, torch.Tensor]] = (),
+                 on_recv: Callable[[int], None] | None = None) -> None:
+        """One round. ``on_recv(i)`` runs as soon as ``recvs[i]`` has arrived, while later
+        messages are still in flight (used to reduce segment i during transfer of i+1)."""
         ranks, group = self.info.ranks, self.info.group
         pending = []
         try:
-            for peer, t in recvs:
+            for i, (peer, t) in enumerate(recvs):
                 if t.numel():
                     pending.append(("receive from", peer,
-                                    dist.irecv(t, ranks[peer], group=group, tag=self.tag)))
+                                    dist.irecv(t, ranks[peer], group=group, tag=self.tag), i))
             for peer, t in sends:
                 if t.numel():
                     pending.append(("send to", peer,
-                                    dist.isend(t, ranks[peer], group=group, tag=self.tag)))
+                                    dist.isend(t, ranks[peer], group=group, tag=self.tag), -1))
         except Exception as exc:
             raise self._error(f"posting step {step} failed: {exc}") from exc
-        for what, peer, work in pending:
+        for what, peer, work, i in pending:
             self._wait(work, what, peer, step)
+            if i >= 0 and on_recv is not None:
+                on_recv(i)
         if self.record is not None:
             self.record.add_round(step, sends, recvs)
 
