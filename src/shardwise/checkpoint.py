@@ -16,10 +16,12 @@ POSIX). A crash mid-save leaves a ``.tmp`` directory that ``latest_checkpoint`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,15 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """Without a process group DCP warns that it assumes one process: that is intended here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def checkpoint_name(step: int) -> str:
@@ -80,7 +91,8 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    dcp.save(tensors, checkpoint_id=str(tmp))
+    with _single_process_ok():
+        dcp.save(tensors, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
         with open(tmp / META, "w") as f:
@@ -109,5 +121,6 @@ def load(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
     """Fill ``tensors`` (same structure as saved, preallocated) in place; return the meta."""
     path = Path(path)
     meta = read_meta(path)
-    dcp.load(tensors, checkpoint_id=str(path))
+    with _single_process_ok():
+        dcp.load(tensors, checkpoint_id=str(path))
     return meta
