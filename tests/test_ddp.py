@@ -32,15 +32,17 @@ def assert_parity(result: dict, ref: dict) -> None:
         assert rel_err(result["params"][name], p) <= RTOL, (name, rel_err(result["params"][name], p))
 
 
-@pytest.mark.parametrize("dp, micro_batches, bucket_mb", [
-    (2, 1, 25.0),    # one bucket holds every gradient
-    (4, 1, 25.0),
-    (2, 2, 0.004),   # gradient accumulation under no_sync, many small buckets
-    (4, 2, 0.004),
+@pytest.mark.parametrize("dp, micro_batches, bucket_mb, allreduce", [
+    (2, 1, 25.0, "auto"),    # one bucket holds every gradient
+    (4, 1, 25.0, "ring"),
+    (2, 2, 0.004, "native"),  # gradient accumulation under no_sync, many small buckets
+    (4, 2, 0.004, "halving_doubling"),
 ])
-def test_ddp_matches_single_process(dp, micro_batches, bucket_mb, reference, corpus, tmp_path):
+def test_ddp_matches_single_process(dp, micro_batches, bucket_mb, allreduce, reference, corpus,
+                                    tmp_path):
     cfg = tiny_config(str(corpus), str(tmp_path),
-                      parallel={"dp": dp, "micro_batches": micro_batches, "bucket_mb": bucket_mb})
+                      parallel={"dp": dp, "micro_batches": micro_batches, "bucket_mb": bucket_mb,
+                                "allreduce": allreduce})
     results = spawn(train, dp, (cfg,))
     assert len(reference["losses"]) == 5
     # training really moved the weights, so equality is not a tautology
