@@ -95,6 +95,7 @@ def run_sweep(world_sizes: list[int], sizes: list[int], algorithms: list[str], r
 
 
 def format_sweep(rows: list[dict]) -> str:
+    """Text tables of a sweep: busbw [prediction, time error] per size and algorithm."""
     lines = []
     for n in sorted({r["world_size"] for r in rows}):
         sub = [r for r in rows if r["world_size"] == n]
@@ -110,6 +111,10 @@ def format_sweep(rows: list[dict]) -> str:
                 pb = m / r["predicted_s"] * 2 * (n - 1) / n / 1e9 if r["predicted_s"] else 0
                 cells.append(f"{r['busbw_GBps']:.3f} [{pb:.3f} {r['model_error']:+.0%}]")
             lines.append(_human(m).rjust(6) + "".join(c.rjust(24) for c in cells))
+        big = [r for r in sub if r["bytes"] >= (1 << 20)]
+        within = [f"{a} {sum(abs(r['model_error']) <= 0.25 for r in big if r['algorithm'] == a)}"
+                  f"/{sum(r['algorithm'] == a for r in big)}" for a in algos]
+        lines.append("model within 25% of the median, sizes >= 1 MiB: " + ", ".join(within))
         native = {r["bytes"]: r["median_s"] for r in sub if r["algorithm"] == "native"}
         if native and "ring" in algos:
             ratios = [f"{_human(m)}: {native[m] / r['median_s']:.2f}x" for r in sub

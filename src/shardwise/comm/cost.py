@@ -5,17 +5,18 @@ sending a message of m bytes costs alpha + m beta; reducing m bytes locally cost
 On one machine the "network" is loopback TCP driven by the CPUs, so two betas are
 calibrated: ``beta_x`` for the exchange step that ring and halving-doubling are made of
 (every rank sends and receives at once) and ``beta_1`` for a lone one-way message (tree,
-chain, parameter server). ``shardwise bench comm --calibrate`` measures them for each world
+chain, parameter server), each with its own latency (alpha, alpha_1).
+``shardwise bench comm --calibrate`` measures them for each world
 size (ranks share the cores, so the values depend on it) and stores them as JSON.
 
 Predicted seconds for X bytes on N ranks, p = 2^floor(log2 N), L = ceil(log2 N):
 
     ring              2(N-1) alpha + 2(N-1)/N X beta_x + (N-1)/N X gamma
     halving_doubling  2 log2(p) alpha + 2(p-1)/p X beta_x + (p-1)/p X gamma
-                      (+ 2 alpha + 2 X beta_1 + X gamma when N != p)
-    tree              2 L alpha + 2 L X beta_1 + L X gamma
-    naive             2 alpha + 2 (N-1) X beta_1 + (N-1) X gamma  (the root's link is shared)
-    sequential        2 (N-1) (alpha + X beta_1) + (N-1) X gamma
+                      (+ 2 alpha_1 + 2 X beta_1 + X gamma when N != p)
+    tree              2 L alpha_1 + 2 L X beta_1 + L X gamma
+    naive             2 alpha_1 + 2 (N-1) X beta_1 + (N-1) X gamma  (the root's link is shared)
+    sequential        2 (N-1) (alpha_1 + X beta_1) + (N-1) X gamma
     parallel          alpha + (N-1) X beta_x + (N-1) X gamma
     native            alpha_native + X beta_native (fitted to the backend's own all-reduce)
 
@@ -40,12 +41,17 @@ AUTO_CANDIDATES = ("native", "ring", "halving_doubling", "tree")
 class LinkParams:
     """Calibrated constants for one world size. Seconds, and seconds per byte."""
 
-    alpha: float           # latency of one round (a send and a receive posted and waited)
+    alpha: float           # latency of one exchange round (send and receive at once)
     beta_x: float          # per byte, each rank sending and receiving at the same time
     beta_1: float          # per byte, a one-way send with the receiver idle otherwise
     gamma: float           # per byte reduced (acc += other) on one rank
     native_alpha: float    # backend all_reduce: fixed cost
     native_beta: float     # backend all_reduce: per byte of the vector
+    alpha_1: float = -1.0  # latency of a one-way round (-1: same as alpha)
+
+    @property
+    def a1(self) -> float:
+        return self.alpha if self.alpha_1 < 0 else self.alpha_1
 
 
 @dataclass
@@ -97,6 +103,7 @@ def predict(algorithm: str, n: int, nbytes: float, prm: LinkParams) -> float:
     if algorithm == "rabenseifner":
         algorithm = "halving_doubling"
     a, bx, b1, g, x = prm.alpha, prm.beta_x, prm.beta_1, prm.gamma, float(nbytes)
+    a1 = prm.a1
     if n == 1:
         return 0.0
     if algorithm == "ring":
@@ -104,14 +111,14 @@ def predict(algorithm: str, n: int, nbytes: float, prm: LinkParams) -> float:
     if algorithm == "halving_doubling":
         p = 1 << (n.bit_length() - 1)
         t = 2 * math.log2(p) * a + 2 * (p - 1) / p * x * bx + (p - 1) / p * x * g
-        return t if p == n else t + 2 * a + 2 * x * b1 + x * g
+        return t if p == n else t + 2 * a1 + 2 * x * b1 + x * g
     if algorithm == "tree":
         L = _log2_ceil(n)
-        return 2 * L * a + 2 * L * x * b1 + L * x * g
+        return 2 * L * a1 + 2 * L * x * b1 + L * x * g
     if algorithm == "naive":
-        return 2 * a + 2 * (n - 1) * x * b1 + (n - 1) * x * g
+        return 2 * a1 + 2 * (n - 1) * x * b1 + (n - 1) * x * g
     if algorithm == "sequential":
-        return 2 * (n - 1) * (a + x * b1) + (n - 1) * x * g
+        return 2 * (n - 1) * (a1 + x * b1) + (n - 1) * x * g
     if algorithm == "parallel":
         return a + (n - 1) * x * bx + (n - 1) * x * g
     if algorithm == "native":
