@@ -59,6 +59,8 @@ class ParallelConfig(_Section):
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
     micro_batches: int = Field(1, ge=1, description="gradient-accumulation micro-batches per step")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
+    first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
+                                   "the last layers' gradients start reducing early")
     allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
 

@@ -56,8 +56,10 @@ class Trainer:
                                  n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
                                  tie_weights=m.tie_weights)
         self.model = GPT(self.gpt_cfg).to(self.device)
-        self.ddp = (DistributedDataParallel(self.model, topology.groups.dp, cfg.parallel.bucket_mb,
-                                            cfg.parallel.allreduce)
+        p = cfg.parallel
+        self.ddp = (DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
+                                            p.allreduce, first_bucket_mb=min(p.first_bucket_mb,
+                                                                             p.bucket_mb))
                     if self.distributed and topology.dp > 1 else None)
         # dropout streams differ per rank; the model init above is identical everywhere
         torch.manual_seed(cfg.training.seed + 1000 * (topology.rank + 1))
@@ -91,7 +93,7 @@ class Trainer:
             return value
         # NCCL reduces device tensors only; float32 because not every backend has float64
         t = torch.tensor([value], dtype=torch.float32, device=self.device)
-        comm.all_reduce(t, op="mean", group=self.topology.groups.dp)
+        comm.all_reduce(t, op="mean", group=self.topology.groups.dp, check=False)  # fixed shape
         return t.item()
 
     def train_step(self) -> dict:
@@ -99,7 +101,10 @@ class Trainer:
         m = self.cfg.parallel.micro_batches
         x, y = self.sampler.next_batch()
         x, y = x.to(self.device), y.to(self.device)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.ddp is not None:
+            self.ddp.zero_grad()  # gradients stay views into the all-reduce buckets
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             last = i == m - 1

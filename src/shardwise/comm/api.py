@@ -56,8 +56,8 @@ def _launch(fn: Callable[[], None], async_op: bool):
 
 
 def _agree(info: GroupInfo, collective: str, algorithm: str, op: str, t: torch.Tensor | None,
-           numel: int, root: int = -1) -> None:
-    if settings.check and info.size > 1:
+           numel: int, root: int = -1, enabled: bool | None = None) -> None:
+    if (settings.check if enabled is None else enabled) and info.size > 1:
         check.agree(info, f"{collective}({algorithm})",
                     check.fingerprint(info, collective, algorithm, op,
                                       None if t is None else t.dtype, numel, root))
@@ -87,7 +87,7 @@ def _call(name: str, algorithm: str, info: GroupInfo, t: torch.Tensor) -> Call:
 # ---------------------------------------------------------------------------- all-reduce
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str = "native",
-               async_op: bool = False):
+               async_op: bool = False, check: bool | None = None):
     """Reduce ``tensor`` (any shape, X = numel * element_size bytes) across ``group`` in place.
 
     algorithm: one of ``ALLREDUCE_ALGORITHMS``: "ring" (Patarasuk & Yuan 2009),
@@ -98,6 +98,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     the same profile). All ranks end with bitwise identical results.
     Raises ValueError / TypeError for bad arguments, ``CommError`` when ranks disagree,
     ``CommTimeoutError`` after ``configure(timeout_s=...)`` seconds without progress.
+    ``check`` overrides ``settings.check`` for this call: a caller that has verified the
+    shapes once (DDP at construction, as PyTorch's DDP does) skips the agreement round.
     """
     _tensor(tensor, "all_reduce")
     info = group_info(group, "all_reduce")
@@ -107,7 +109,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
         algo = cost.choose_all_reduce(info.size, tensor.numel() * tensor.element_size())
 
     def run() -> None:
-        _agree(info, "all_reduce", algo, op, tensor, tensor.numel())
+        _agree(info, "all_reduce", algo, op, tensor, tensor.numel(), enabled=check)
         if info.size == 1:
             return
         f = _Flat(tensor)

@@ -46,21 +46,26 @@ class Bucket:
         self.fired = set()
 
 
-def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[Bucket]:
+def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
+                  first_cap_bytes: int | None = None) -> list[Bucket]:
     """Pack ``params`` (given in registration order) into buckets of at most ``cap_bytes``.
 
     Parameters are taken in reverse order; a bucket closes when the next parameter would
-    push it past ``cap_bytes`` or has another dtype or device. A parameter larger than the
-    cap gets a bucket of its own. Raises ``ValueError`` if ``cap_bytes < 1``.
+    push it past its cap or has another dtype or device. The first bucket (the gradients
+    backward produces first) may have a smaller cap, ``first_cap_bytes``, so that its
+    all-reduce starts early; PyTorch's DDP does the same with 1 MiB. A parameter larger
+    than the cap gets a bucket of its own. Raises ``ValueError`` if a cap is < 1 byte.
     """
-    if cap_bytes < 1:
-        raise ValueError(f"bucket capacity must be >= 1 byte, got {cap_bytes}")
+    first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    if cap_bytes < 1 or first_cap_bytes < 1:
+        raise ValueError(f"bucket capacities must be >= 1 byte, got {cap_bytes}, {first_cap_bytes}")
     groups: list[list[torch.nn.Parameter]] = []
     size = 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
         cur = groups[-1] if groups else None
-        if (cur is None or size + nbytes > cap_bytes or cur[0].dtype != p.dtype
+        cap = first_cap_bytes if len(groups) == 1 else cap_bytes
+        if (cur is None or size + nbytes > cap or cur[0].dtype != p.dtype
                 or cur[0].device != p.device):
             groups.append([p])
             size = nbytes

