@@ -1,0 +1,100 @@
+"""Pipeline schedules as pure data: validity, in-flight counts, warm-ups, bubbles, errors."""
+
+import pytest
+
+from shardwise.pipeline.check import check
+from shardwise.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep, RecvActivation,
+                                          RecvGrad,
+                                          Schedule, ScheduleError, SendActivation, SendGrad,
+                                          compute_order, ideal_bubble, schedule, simulate,
+                                          warmup_forwards)
+
+
+def _cases():
+    for kind in KINDS:
+        for v in (range(1, 5) if kind == "interleaved" else [1]):
+            yield kind, v
+
+
+@pytest.mark.parametrize("kind, v", list(_cases()))
+def test_every_schedule_is_valid(kind, v):
+    for p in range(1, 9):
+        for m in range(1, 17):
+            if kind == "interleaved" and v > 1 and m % p:
+                with pytest.raises(ScheduleError, match="multiple of p"):
+                    schedule(kind, p, m, v)
+                continue
+            s = schedule(kind, p, m, v)
+            rep = check(s)
+            if kind == "gpipe":
+                assert rep.peak_in_flight == (m,) * p
+            elif kind in ("1f1b", "pipedream") or (kind == "interleaved" and v == 1):
+                assert rep.peak_in_flight == tuple(min(p - r, m) for r in range(p))
+            elif kind == "naive":
+                assert rep.peak_in_flight == (1,) * p
+            else:  # interleaved, Narayanan et al. SC 2021: warm-up 2(p-r-1) + (v-1)p
+                for r in range(p):
+                    warm = min(2 * (p - r - 1) + (v - 1) * p, m * v)
+                    assert warmup_forwards(p, m, v, r) == warm
+                    assert rep.forwards_before_backward[r] == min(warm + 1, m * v)
+                    assert rep.peak_in_flight[r] == min(warm + 1, m * v)
+            assert rep.steps == ((m * v,) * p if kind == "pipedream" else (1,) * p)
+
+
+def test_interleaved_steady_state_alternates():
+    """After the warm-up, rank r alternates one forward and one backward m*v - warm times."""
+    p, m, v = 4, 8, 2
+    orders = compute_order("interleaved", p, m, v)
+    for r, order in enumerate(orders):
+        warm = warmup_forwards(p, m, v, r)
+        steady = order[warm:warm + 2 * (m * v - warm)]
+        assert [type(op) for op in steady] == [Forward, Backward] * (m * v - warm)
+        assert all(isinstance(op, Backward) for op in order[warm + 2 * (m * v - warm):])
+        # chunks of a rank are p apart; micro-batches go through in groups of p per chunk
+        assert [op.chunk for op in order if isinstance(op, Forward)][:p + 1] == [r] * p + [r + p]
+
+
+@pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("naive", 1)])
+def test_simulated_bubble_matches_formula(kind, v):
+    for p in (2, 4):
+        for m in (4, 8):
+            times = simulate(compute_order(kind, p, m, v), p, v, forward_cost=1.0 / v)
+            span = max(e for _, e in times.values())
+            busy = sum(e - s for s, e in times.values())
+            assert 1 - busy / (p * span) == pytest.approx(ideal_bubble(kind, p, m, v))
+
+
+def test_checker_catches_bad_schedules():
+    r0, r1 = schedule("gpipe", 2, 2).ranks
+    # a backward moved before its forward
+    b = r1.index(Backward(0, 1))
+    moved = r1[:1] + (Backward(0, 1),) + tuple(op for i, op in enumerate(r1[1:], 1) if i != b)
+    with pytest.raises(ScheduleError, match="before its forward"):
+        check(Schedule("x", 2, 2, 1, (r0, moved)))
+    # a receive nobody sends
+    with pytest.raises(ScheduleError, match="pair up"):
+        check(Schedule("x", 2, 2, 1, (tuple(op for op in r0 if op != SendActivation(1, 0, 1)), r1)))
+    # a micro-batch never computed
+    with pytest.raises(ScheduleError, match="never runs"):
+        check(Schedule("x", 1, 2, 1, ((Forward(0, 0), Backward(0, 0), OptimizerStep()),)))
+    # rank 1 sends its gradient before receiving the second activation, rank 0 sends its
+    # second activation before receiving that gradient: with rendezvous sends, a deadlock
+    bad0 = (Forward(0, 0), SendActivation(0, 0, 1), Forward(1, 0), SendActivation(1, 0, 1),
+            RecvGrad(0, 0, 1), Backward(0, 0), RecvGrad(1, 0, 1), Backward(1, 0), OptimizerStep())
+    bad1 = (RecvActivation(0, 1, 0), Forward(0, 1), Backward(0, 1), SendGrad(0, 1, 0),
+            RecvActivation(1, 1, 0), Forward(1, 1), Backward(1, 1), SendGrad(1, 1, 0),
+            OptimizerStep())
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(Schedule("x", 2, 2, 1, (bad0, bad1)))
+
+
+@pytest.mark.parametrize("args, match", [
+    (("zigzag", 2, 4), "unknown schedule"),
+    (("gpipe", 0, 4), "positive integer"),
+    (("1f1b", 2, 4, 2), "needs the interleaved"),
+    (("interleaved", 4, 6, 2), "m=6 is not a multiple of p=4"),
+])
+def test_bad_arguments_are_one_line_errors(args, match):
+    with pytest.raises(ScheduleError, match=match) as exc:
+        schedule(*args)
+    assert "\n" not in str(exc.value)
