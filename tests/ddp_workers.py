@@ -42,6 +42,11 @@ def _result(trainer) -> dict:
     out = {"losses": list(trainer.history), "params": params}
     if trainer.ddp is not None:
         out["n_buckets"] = len(trainer.ddp.buckets)
+    if trainer.zero is not None:
+        out["optimizer_elements"] = sum(m.numel() for m in trainer.zero.pieces)
+        out["parameter_elements"] = sum(p.numel() for p in trainer.model.parameters())
+        out["full_grads_after_backward"] = sum(
+            p.grad.numel() for p in trainer.model.parameters() if p.grad is not None)
     return out
 
 

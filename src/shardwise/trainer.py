@@ -24,6 +24,7 @@ from shardwise.data_parallel import DistributedDataParallel
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPT, GPTConfig
 from shardwise.topology import Topology
+from shardwise.zero import ZeroDataParallel
 
 
 def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
@@ -57,20 +58,25 @@ class Trainer:
                                  tie_weights=m.tie_weights)
         self.model = GPT(self.gpt_cfg).to(self.device)
         p = cfg.parallel
-        self.ddp = (DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
-                                            p.allreduce, first_bucket_mb=min(p.first_bucket_mb,
-                                                                             p.bucket_mb))
-                    if self.distributed and topology.dp > 1 else None)
+        self.ddp = self.zero = None
+        if self.distributed and p.zero > 0:
+            self.zero = ZeroDataParallel(self.model, topology.groups.dp, p.zero, p.bucket_mb)
+        elif self.distributed and topology.dp > 1:
+            self.ddp = DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
+                                               p.allreduce,
+                                               first_bucket_mb=min(p.first_bucket_mb, p.bucket_mb))
         # dropout streams differ per rank; the model init above is identical everywhere
         torch.manual_seed(cfg.training.seed + 1000 * (topology.rank + 1))
 
         o = cfg.optimizer
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+        if self.zero is not None:  # AdamW over this rank's fp32 shard only
+            groups = self.zero.param_groups(o.weight_decay)
+        else:
+            groups = [{"params": [q for q in self.model.parameters() if q.dim() >= 2],
+                       "weight_decay": o.weight_decay},
+                      {"params": [q for q in self.model.parameters() if q.dim() < 2],
+                       "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
         total = cfg.training.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.lr, o.min_lr))
@@ -86,10 +92,10 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------
     @property
     def net(self):
-        return self.ddp or self.model
+        return self.ddp or self.zero or self.model
 
     def _mean_over_dp(self, value: float) -> float:
-        if self.ddp is None:
+        if not self.distributed or self.topology.dp == 1:
             return value
         # NCCL reduces device tensors only; float32 because not every backend has float64
         t = torch.tensor([value], dtype=torch.float32, device=self.device)
@@ -101,23 +107,28 @@ class Trainer:
         m = self.cfg.parallel.micro_batches
         x, y = self.sampler.next_batch()
         x, y = x.to(self.device), y.to(self.device)
-        if self.ddp is not None:
-            self.ddp.zero_grad()  # gradients stay views into the all-reduce buckets
+        wrapper = self.ddp or self.zero
+        if wrapper is not None:
+            wrapper.zero_grad()  # gradients stay views into the communication buckets
         else:
             self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
             last = i == m - 1
-            ctx = self.ddp.no_sync() if (self.ddp is not None and not last) else _null()
+            ctx = wrapper.no_sync() if (wrapper is not None and not last) else _null()
             with ctx:
                 _, loss = self.net(xm, ym)
                 (loss / m).backward()
             loss_sum += loss.item()
         clip = self.cfg.optimizer.grad_clip
-        # gradients are already averaged over dp, so the local norm is the global norm
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                               clip if clip > 0 else float("inf"))
+        if self.zero is not None:  # shards: squared norms summed over the dp group
+            gnorm = self.zero.clip_grad_norm_(clip)
+        else:  # gradients are already averaged over dp, so the local norm is the global norm
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   clip if clip > 0 else float("inf"))
         self.optimizer.step()
+        if self.zero is not None:
+            self.zero.all_gather_params()
         self.scheduler.step()
         self.step += 1
         loss = self._mean_over_dp(loss_sum / m)
@@ -224,7 +235,7 @@ class Trainer:
         """``(tensors, meta)``: tensors for DCP (model, AdamW moments, this rank's RNG),
         meta JSON-able (step, scheduler, sampler, optimizer hyper-parameters, tokenizer,
         config, layout)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = self._optimizer_param_names()
         opt = self.optimizer.state_dict()
         order = [p for g in self.optimizer.param_groups for p in g["params"]]
         moments = {}
@@ -245,7 +256,6 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt["param_groups"]],
-            "param_order": [names[id(p)] for p in order],
             "history": self.history,
             "tokenizer": self.tokenizer.state_dict(),
             "config": self.cfg.model_dump(),
@@ -259,8 +269,9 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(dict(meta["scheduler"]))
         by_name = tensors["optimizer"]
-        state = {i: by_name[n] for i, n in enumerate(meta["param_order"])
-                 if float(by_name[n]["step"]) > 0}
+        names = self._optimizer_param_names()
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        state = {i: by_name[n] for i, n in enumerate(order) if float(by_name[n]["step"]) > 0}
         groups, offset = [], 0
         for saved, live in zip(meta["param_groups"], self.optimizer.param_groups):
             n = len(live["params"])
@@ -287,8 +298,17 @@ class Trainer:
         tensors, _ = self.state_dict()
         meta = checkpoint.load(path, tensors)
         self.model.load_state_dict(tensors["model"])
+        if self.zero is not None:
+            self.zero.load_master_from_params()  # fp32: the masters equal the full weights
         self.load_state_dict(tensors, meta)
         return path
+
+    def _optimizer_param_names(self) -> dict[int, str]:
+        """Checkpoint key of each optimizer parameter: the model's names, or for ZeRO the
+        piece names (parameter and element range), which differ between ranks."""
+        if self.zero is not None:
+            return {id(m): n for m, n in zip(self.zero.pieces, self.zero.piece_names)}
+        return {id(p): n for n, p in self.model.named_parameters()}
 
 
 class _null:

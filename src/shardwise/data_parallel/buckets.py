@@ -33,6 +33,11 @@ class Bucket:
     fired: set[int] = field(default_factory=set)
 
     @property
+    def numel(self) -> int:
+        """Elements of the bucket's parameters (the buffer may be padded beyond this)."""
+        return self.offsets[-1] + self.params[-1].numel()
+
+    @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
@@ -47,14 +52,16 @@ class Bucket:
 
 
 def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
-                  first_cap_bytes: int | None = None) -> list[Bucket]:
+                  first_cap_bytes: int | None = None, pad_to: int = 1) -> list[Bucket]:
     """Pack ``params`` (given in registration order) into buckets of at most ``cap_bytes``.
 
     Parameters are taken in reverse order; a bucket closes when the next parameter would
     push it past its cap or has another dtype or device. The first bucket (the gradients
     backward produces first) may have a smaller cap, ``first_cap_bytes``, so that its
     all-reduce starts early; PyTorch's DDP does the same with 1 MiB. A parameter larger
-    than the cap gets a bucket of its own. Raises ``ValueError`` if a cap is < 1 byte.
+    than the cap gets a bucket of its own. Each buffer is zero-padded to a multiple of
+    ``pad_to`` elements (ZeRO pads to the world size). Raises ``ValueError`` if a cap is
+    < 1 byte.
     """
     first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
     if cap_bytes < 1 or first_cap_bytes < 1:
@@ -78,7 +85,8 @@ def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
         for p in group:
             offsets.append(total)
             total += p.numel()
-        buf = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+        padded = -(-total // pad_to) * pad_to
+        buf = torch.zeros(padded, dtype=group[0].dtype, device=group[0].device)
         b = Bucket(index=i, params=group, offsets=offsets, buffer=buf)
         b.reset()
         buckets.append(b)

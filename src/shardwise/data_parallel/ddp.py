@@ -57,7 +57,7 @@ class DistributedDataParallel(nn.Module):
         self.allreduce = allreduce
         self.dp_size = dist.get_world_size(group)
         self.require_sync = True
-        self._broadcast_state()
+        broadcast_module_state(module, group)
         params = [p for p in module.parameters() if p.requires_grad]
         first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
         self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)), first)
@@ -70,22 +70,6 @@ class DistributedDataParallel(nn.Module):
         self._callback_queued = False
         self._hook_times: list[float] = []
         self.last_timing: dict | None = None
-
-    # -- set-up -------------------------------------------------------------------------
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers())]
-        by_dtype: dict[tuple, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            comm.broadcast(flat, src=src, group=self.group)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
 
     # -- forward / accumulation ---------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -182,3 +166,24 @@ class DistributedDataParallel(nn.Module):
         self._next_to_launch = 0
         self._callback_queued = False
         self._hook_times = []
+
+
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Copy every parameter and buffer of ``module`` from the group's first rank, in place.
+
+    Tensors are concatenated per (dtype, device) so this is one broadcast per dtype. The
+    broadcast's argument check makes every rank agree on the total size, so replicas with
+    different shapes fail here with an error naming the rank, not later.
+    """
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        comm.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,213 @@
+"""ZeRO stages 1 and 2: optimizer states (and gradients) partitioned over the dp group.
+
+Following Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (SC 2020), with the shard layout of ``zero.sharding``:
+
+- every rank keeps the full parameters (as views into one flat buffer per bucket, so the
+  all-gather writes straight into them) but fp32 master weights and Adam moments only for
+  its own shard: 4P + 12P/N bytes in the paper's mixed-precision accounting for stage 1;
+- backward: a post-accumulate-grad hook per parameter fills its bucket; a full bucket is
+  reduce-scattered at once (asynchronously, overlapping the rest of backward), so each
+  rank receives the summed gradient of its shard; the end-of-backward callback waits and
+  divides by N;
+- stage 1 keeps the full gradient buffers between steps (``param.grad`` stays a view, as in
+  our DDP); stage 2 frees them after backward, so only the gradient shard (P/N) remains;
+- ``step``: the caller's optimizer updates the master shard; ``all_gather_params`` then
+  gathers every rank's updated shard into the full parameters.
+
+Gradient clipping sums the squared shard norms over the group (``clip_grad_norm_``), so the
+global norm is the one a single process would compute.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise import comm
+from shardwise.data_parallel.ddp import MiB, broadcast_module_state
+from shardwise.zero.sharding import ShardLayout
+
+
+class ZeroDataParallel(nn.Module):
+    """Wrap ``module`` for ZeRO stage 1 or 2 over ``group``.
+
+    Args:
+        module: the full model, identical shapes on every rank (weights are broadcast from
+            the group's first rank).
+        group: the dp process group (``None``: the world).
+        stage: 1 (optimizer states sharded) or 2 (gradients too).
+        bucket_cap_mb: bucket capacity in MiB (also the unit of reduce-scatter/all-gather).
+
+    Build the optimizer over ``param_groups(weight_decay)``: those are fp32 pieces of this
+    rank's shard, one per parameter that intersects it. Per step: ``zero_grad()``,
+    forward/backward (``no_sync()`` for accumulation), ``clip_grad_norm_``, the optimizer's
+    ``step()``, then ``all_gather_params()``.
+
+    Raises ``ValueError`` for a stage other than 1 or 2 or a model without trainable
+    parameters.
+    """
+
+    def __init__(self, module: nn.Module, group=None, stage: int = 1, bucket_cap_mb: float = 25.0):
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"parallel.zero={stage}: ZeroDataParallel implements stages 1 and 2")
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("parallel.zero: the model has no trainable parameters to shard")
+        self.module, self.group, self.stage = module, group, stage
+        self.world_size = dist.get_world_size(group)
+        broadcast_module_state(module, group)
+        self.layout = ShardLayout(params, self.world_size, dist.get_rank(group),
+                                  max(1, int(bucket_cap_mb * MiB)))
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._flat_params: list[torch.Tensor] = []
+        for b in self.layout.buckets:  # parameters become views of one flat buffer per bucket
+            flat = torch.zeros_like(b.buffer)
+            for i, p in enumerate(b.params):
+                view = flat[b.offsets[i]:b.offsets[i] + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+            self._flat_params.append(flat)
+        dev = params[0].device
+        self._master = [torch.zeros(n, dtype=torch.float32, device=dev) for n in self.layout.shard_sizes]
+        self._grad_shard = [torch.zeros(n, dtype=torch.float32, device=dev) for n in self.layout.shard_sizes]
+        self.pieces: list[nn.Parameter] = []
+        self.piece_names: list[str] = []
+        self._decay: list[bool] = []
+        for pc in self.layout.pieces:
+            p = self.layout.buckets[pc.bucket].params[pc.param_index]
+            sl = slice(pc.shard_start, pc.shard_start + pc.numel)
+            master = nn.Parameter(self._master[pc.bucket][sl])  # aliases the master shard
+            master.grad = self._grad_shard[pc.bucket][sl]
+            self.pieces.append(master)
+            self.piece_names.append(f"{names[id(p)]}[{pc.param_start}:{pc.param_end}]")
+            self._decay.append(p.dim() >= 2)
+        self.load_master_from_params()
+        if stage == 2:
+            for b in self.layout.buckets:
+                b.buffer = b.buffer.new_empty(0)  # full gradients exist only during backward
+        self.require_sync = True
+        self._next = 0
+        self._queued = False
+        for b in self.layout.buckets:
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(self._hook(b, i))
+
+    # -- optimizer side ---------------------------------------------------------------------
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups over this rank's pieces: decay for matrices, none for vectors."""
+        return [{"params": [m for m, d in zip(self.pieces, self._decay) if d],
+                 "weight_decay": weight_decay},
+                {"params": [m for m, d in zip(self.pieces, self._decay) if not d],
+                 "weight_decay": 0.0}]
+
+    @torch.no_grad()
+    def load_master_from_params(self) -> None:
+        """Copy this rank's shard of the full parameters into the fp32 master weights."""
+        for pc, master in zip(self.layout.pieces, self.pieces):
+            p = self.layout.buckets[pc.bucket].params[pc.param_index]
+            master.copy_(p.detach().reshape(-1)[pc.param_start:pc.param_end])
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so the global L2 norm is at most ``max_norm``.
+
+        Returns the global norm before clipping (a 0-dim tensor); ``max_norm <= 0`` only
+        measures. Same formula as ``torch.nn.utils.clip_grad_norm_``.
+        """
+        sq = torch.stack([g.double().pow(2).sum() for g in self._grad_shard]).sum().float()
+        comm.all_reduce(sq.view(1), op="sum", group=self.group, check=False)
+        total = sq.sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for g in self._grad_shard:
+                g.mul_(coef)
+        return total
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """After the optimizer step: every rank's updated shard into the full parameters."""
+        handles = [comm.all_gather_into_tensor(flat, master.to(flat.dtype), group=self.group,
+                                               async_op=True)
+                   for flat, master in zip(self._flat_params, self._master)]
+        for h in handles:
+            h.wait()
+
+    # -- forward / backward -----------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (full size) and reduce-scatter on the next backward."""
+        prev, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = prev
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for b in self.layout.buckets:
+            if self.stage == 1 and not set_to_none:
+                b.buffer.zero_()
+                for i, p in enumerate(b.params):
+                    p.grad = b.view_of(i)
+            else:
+                for p in b.params:
+                    p.grad = None
+
+    def _hook(self, b, i):
+        def on_grad_ready(p: torch.nn.Parameter) -> None:
+            if not self.require_sync:
+                return
+            if not self._queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                self._queued = True
+            if b.buffer.numel() == 0:  # stage 2: this bucket's buffer was freed last step
+                b.buffer = torch.zeros(self.layout.padded[b.index], dtype=p.dtype, device=p.device)
+            view = b.view_of(i)
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+            b.fired.add(i)
+            b.pending -= 1
+            if b.pending == 0:
+                b.ready = True
+                self._launch_ready()
+        return on_grad_ready
+
+    def _launch_ready(self) -> None:
+        buckets = self.layout.buckets
+        while self._next < len(buckets) and buckets[self._next].ready:
+            b = buckets[self._next]
+            b.work = comm.reduce_scatter_tensor(self._grad_shard[b.index], b.buffer, op="sum",
+                                                group=self.group, async_op=True)
+            self._next += 1
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        for b in self.layout.buckets[self._next:]:
+            if b.buffer.numel() == 0:
+                b.buffer = torch.zeros(self.layout.padded[b.index], dtype=b.params[0].dtype,
+                                       device=b.params[0].device)
+            for i in range(len(b.params)):
+                if i not in b.fired:
+                    b.view_of(i).zero_()  # unused parameter: contributes zeros
+            b.ready = True
+        self._launch_ready()
+        for b in self.layout.buckets:
+            b.work.wait()
+        for g in self._grad_shard:
+            g.div_(self.world_size)
+        for b in self.layout.buckets:
+            if self.stage == 2:
+                for p in b.params:
+                    p.grad = None
+                b.buffer = b.buffer.new_empty(0)
+            b.reset()
+        self._next, self._queued = 0, False
