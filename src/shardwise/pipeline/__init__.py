@@ -3,16 +3,27 @@
 - ``schedules``: ``schedule(kind, p, m, v)`` -> ``Schedule`` (instruction lists per rank)
   for naive, GPipe, 1F1B, interleaved 1F1B and PipeDream; ``simulate`` for ideal timings.
 - ``check``: ``check(schedule)`` validates any schedule without processes.
+- ``partition``: balanced contiguous cuts by layer count, parameters or profiled time.
+- ``stage``: GPT chunks keeping the GPT's parameter names.
+- ``executor``: runs one rank's list with non-blocking p2p through ``shardwise.comm``.
+- ``runner``: ``PipelineRunner`` (dp x pp training step for the trainer).
 """
 
 from shardwise.pipeline.check import CheckReport, check
+from shardwise.pipeline.executor import Executor
+from shardwise.pipeline.partition import (Partition, PartitionError, balanced, gpt_layers,
+                                          partition_layers, profile_layers)
+from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep,
                                           RecvActivation, RecvGrad, Schedule, ScheduleError,
                                           SendActivation, SendGrad, compute_order, ideal_bubble,
                                           schedule, simulate)
+from shardwise.pipeline.stage import StageChunk, gpt_chunks, lm_loss
 
 __all__ = [
     "KINDS", "Schedule", "ScheduleError", "schedule", "compute_order", "simulate", "ideal_bubble",
     "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad",
-    "OptimizerStep", "check", "CheckReport",
+    "OptimizerStep", "check", "CheckReport", "Partition", "PartitionError", "balanced",
+    "gpt_layers", "partition_layers", "profile_layers", "StageChunk", "gpt_chunks", "lm_loss",
+    "Executor", "PipelineConfig", "PipelineRunner",
 ]

@@ -1,0 +1,232 @@
+"""Run one rank's instruction list: one method per instruction type.
+
+Receives are posted as soon as the list reaches them, into buffers preallocated from the
+known activation shape, and sends are posted without waiting, all on ``shardwise.comm``'s
+FIFO thread (``pipeline.p2p``), so transfers overlap with compute; a forward or backward
+waits only for the one tensor it needs. Gradients of the micro-batches accumulate in
+``.grad``; ``OptimizerStep`` calls the ``on_step`` callback (for flush schedules once, at
+the end; for PipeDream after every backward).
+
+Options:
+
+- ``recompute``: the forward runs under ``no_grad`` and keeps only its input; the backward
+  runs it again with autograd on, then backpropagates (activation checkpointing per chunk,
+  Chen et al. 2016; the GPipe paper's "re-materialization").
+- weight stashing (``schedule.weight_stashing``, PipeDream): the forward runs on a copy of
+  the weights as they are then (version ``n``, the number of optimizer steps so far) and the
+  backward differentiates that same copy, then adds the gradient to the live weights'
+  ``.grad`` (Narayanan et al. 2019, section 3.3).
+
+Each instruction's start and end (``time.perf_counter`` seconds, one clock for all local
+processes) go to ``events``; saved-for-backward bytes are metered (``peak_activation_bytes``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+from shardwise.pipeline import p2p
+from shardwise.pipeline.schedules import (Backward, Forward, OptimizerStep, RecvActivation,
+                                          RecvGrad, Schedule, SendActivation, SendGrad)
+
+
+class _Saved:
+    __slots__ = ("meter", "key", "t")
+
+    def __init__(self, meter: "ActivationMeter", key: int, t: torch.Tensor) -> None:
+        self.meter, self.key, self.t = meter, key, t
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd holds for backward (storages counted once; weights excluded),
+    plus explicitly held boundary tensors. ``peak`` is the most at once, in bytes."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}
+        self.held = self.current = self.peak = 0
+        self.exclude: set[int] = set()
+
+    def pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key in self.exclude or st.nbytes() == 0:
+            return t
+        entry = self.live.setdefault(key, [st.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current + self.held)
+        entry[1] += 1
+        return _Saved(self, key, t)
+
+    @staticmethod
+    def unpack(obj):
+        return obj.t if isinstance(obj, _Saved) else obj
+
+    def release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+    def hold(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.current + self.held)
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class Executor:
+    """Runs ``schedule.ranks[pp_rank]`` on the chunks this rank holds.
+
+    ``chunks``: global chunk id -> module. ``pp_ranks[i]``: global rank of pipeline rank
+    ``i``. ``act_shape``: shape of one micro-batch's activation between chunks (e.g.
+    ``(B/m, T, C)``), ``dtype`` its dtype. ``loss_fn(output, target)`` -> scalar; the
+    executor divides it by ``m`` so gradients are those of the mean over micro-batches.
+    """
+
+    def __init__(self, schedule: Schedule, pp_rank: int, chunks: dict[int, nn.Module],
+                 pp_ranks: Sequence[int], act_shape: Sequence[int], *,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 on_step: Callable[[], None], dtype: torch.dtype = torch.float32,
+                 group=None, recompute: bool = False) -> None:
+        if sorted(chunks) != schedule.chunks_of(pp_rank):
+            raise ValueError(f"rank {pp_rank} holds chunks {sorted(chunks)}, the schedule "
+                             f"expects {schedule.chunks_of(pp_rank)}")
+        self.schedule, self.pp_rank, self.chunks = schedule, pp_rank, chunks
+        self.pp_ranks, self.group = list(pp_ranks), group
+        self.act_shape, self.dtype = tuple(act_shape), dtype
+        self.loss_fn, self.on_step, self.recompute = loss_fn, on_step, recompute
+        self.last_chunk = schedule.n_chunks - 1
+        self.version = 0  # optimizer steps taken: the weight version
+        self.events: list[tuple[str, int, int, float, float]] = []
+        self.versions: list[dict] = []  # PipeDream: versions seen by each forward / backward
+        self.meter = ActivationMeter()
+        self._run = {Forward: self._forward, Backward: self._backward,
+                     SendActivation: self._send_act, RecvActivation: self._recv_act,
+                     SendGrad: self._send_grad, RecvGrad: self._recv_grad,
+                     OptimizerStep: self._step}
+
+    # -- one training step -------------------------------------------------------------
+    def run(self, inputs: Sequence[torch.Tensor] | None,
+            targets: Sequence[torch.Tensor] | None) -> list[float]:
+        """Run the list once. ``inputs[mb]`` needed where chunk 0 lives, ``targets[mb]``
+        where the last chunk lives. Returns the micro-batch losses (unscaled) computed here."""
+        self.inputs, self.targets = inputs, targets
+        self.losses: list[float] = []
+        self.held: dict = {}      # (mb, chunk) -> (input, output or loss, stash)
+        self.ready: dict = {}     # ("act"|"grad", mb, chunk) -> (tensor, handle or None)
+        self.grad_out: dict = {}  # (mb, chunk) -> gradient w.r.t. the chunk's input
+        self.sends: list = []
+        self.meter.exclude = {p.untyped_storage().data_ptr()
+                              for c in self.chunks.values() for p in c.parameters()}
+        for op in self.schedule.ranks[self.pp_rank]:
+            self._t0 = time.perf_counter()  # a compute moves it past its wait for input
+            self._run[type(op)](op)
+            self.events.append((type(op).__name__, op.mb, getattr(op, "chunk", -1),
+                                self._t0, time.perf_counter()))
+        for h in self.sends:
+            h.wait()
+        return self.losses
+
+    # -- compute ------------------------------------------------------------------------
+    def _take(self, key: tuple) -> torch.Tensor:
+        tensor, handle = self.ready.pop(key)
+        if handle is not None:
+            handle.wait()
+            self._t0 = time.perf_counter()
+        return tensor
+
+    def _call(self, chunk: int, x: torch.Tensor, stash):
+        module = self.chunks[chunk]
+        return module(x) if stash is None else functional_call(module, stash, (x,))
+
+    def _forward(self, op: Forward) -> None:
+        if op.chunk == 0:
+            x = self.inputs[op.mb]
+        else:
+            x = self._take(("act", op.mb, op.chunk)).detach().requires_grad_()
+        stash = None
+        if self.schedule.weight_stashing:
+            stash = {n: p.detach().clone().requires_grad_()
+                     for n, p in self.chunks[op.chunk].named_parameters()}
+            self.meter.exclude |= {p.untyped_storage().data_ptr() for p in stash.values()}
+            self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "forward",
+                                  "version": self.version, "checksum": _checksum(stash.values())})
+        with self.meter.hooks(), torch.set_grad_enabled(not self.recompute):
+            out = self._call(op.chunk, x, stash)
+            if op.chunk == self.last_chunk:
+                loss = self.loss_fn(out, self.targets[op.mb])
+                self.losses.append(loss.item())
+                out = loss / self.schedule.m
+        if self.recompute and op.chunk > 0:
+            self.meter.hold(x.numel() * x.element_size())
+        self.held[(op.mb, op.chunk)] = (x, out, stash)
+        if op.chunk < self.last_chunk and (op.chunk + 1) % self.schedule.p == self.pp_rank:
+            self.ready[("act", op.mb, op.chunk + 1)] = (out.detach(), None)  # next chunk is here
+
+    def _backward(self, op: Backward) -> None:
+        x, out, stash = self.held.pop((op.mb, op.chunk))
+        grad = None if op.chunk == self.last_chunk else self._take(("grad", op.mb, op.chunk))
+        with self.meter.hooks():
+            if self.recompute:
+                if op.chunk > 0:
+                    self.meter.hold(-x.numel() * x.element_size())
+                out = self._call(op.chunk, x, stash)
+                if op.chunk == self.last_chunk:
+                    out = self.loss_fn(out, self.targets[op.mb]) / self.schedule.m
+            if op.chunk == self.last_chunk:
+                out.backward()
+            else:
+                out.backward(grad)
+        del out
+        if stash is not None:
+            for (name, p), s in zip(self.chunks[op.chunk].named_parameters(), stash.values()):
+                p.grad = s.grad if p.grad is None else p.grad.add_(s.grad)
+            self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "backward",
+                                  "version": self.version, "checksum": _checksum(stash.values()),
+                                  "live_checksum": _checksum(self.chunks[op.chunk].parameters())})
+        if op.chunk > 0:
+            if (op.chunk - 1) % self.schedule.p == self.pp_rank:
+                self.ready[("grad", op.mb, op.chunk - 1)] = (x.grad, None)
+            else:
+                self.grad_out[(op.mb, op.chunk)] = x.grad
+
+    def _step(self, op: OptimizerStep) -> None:
+        self.on_step()
+        self.version += 1
+
+    # -- communication --------------------------------------------------------------------
+    def _send_act(self, op: SendActivation) -> None:
+        x, out, stash = self.held[(op.mb, op.chunk)]
+        self.sends.append(p2p.isend(out.detach(), self.pp_ranks[op.peer], self.group))
+        if self.recompute:  # the backward recomputes it; keep only what the send reads
+            self.held[(op.mb, op.chunk)] = (x, None, stash)
+
+    def _send_grad(self, op: SendGrad) -> None:
+        grad = self.grad_out.pop((op.mb, op.chunk))
+        self.sends.append(p2p.isend(grad, self.pp_ranks[op.peer], self.group))
+
+    def _recv_act(self, op: RecvActivation) -> None:
+        buf = torch.empty(self.act_shape, dtype=self.dtype)
+        self.ready[("act", op.mb, op.chunk)] = (buf, p2p.irecv(buf, self.pp_ranks[op.peer], self.group))
+
+    def _recv_grad(self, op: RecvGrad) -> None:
+        buf = torch.empty(self.act_shape, dtype=self.dtype)
+        self.ready[("grad", op.mb, op.chunk)] = (buf, p2p.irecv(buf, self.pp_ranks[op.peer], self.group))
+
+
+def _checksum(params) -> float:
+    """A fingerprint of a set of weights (float64 sum of squares and sum)."""
+    return float(sum((p.detach().double() ** 2).sum() + p.detach().double().sum() for p in params))
