@@ -51,7 +51,7 @@ def _topology(dp: int, pp: int):
                                               world_size=dist.get_world_size()))
 
 
-def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5) -> dict:
+def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | None = None) -> dict:
     """Train ``steps`` global batches with the pipeline; report losses, this rank's params
     (GPT names), peak activation bytes and, for PipeDream, the weight versions seen."""
     topo = _topology(dp, pp)
@@ -63,12 +63,17 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5) -> dict:
         rows = slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
         losses.append(runner.train_step(idx[rows], tgt[rows]))
     ex = runner.executor
+    if run_dir is not None:
+        runner.save_timeline(run_dir)
     return {"losses": losses, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank,
             "params": {n: p.detach().clone() for n, p in runner.named_parameters()},
             "peak_activation_bytes": ex.meter.peak, "versions": ex.versions,
             "bounds": list(runner.partition.bounds)}
 
 
-def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5) -> list[dict]:
-    """``run_pipeline`` for several configurations in one process group (fewer spawns)."""
-    return [run_pipeline(dp, pp, cfg, steps) for cfg in cfgs]
+def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5,
+             run_dir: str | None = None) -> list[dict]:
+    """``run_pipeline`` for several configurations in one process group (fewer spawns);
+    with ``run_dir``, configuration i saves its last step's timeline under ``run_dir/i``."""
+    return [run_pipeline(dp, pp, cfg, steps, None if run_dir is None else f"{run_dir}/{i}")
+            for i, cfg in enumerate(cfgs)]

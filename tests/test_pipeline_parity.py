@@ -7,6 +7,7 @@ import torch
 from pipeline_workers import BATCH, MODEL, _adamw, _model, reference, run_many
 
 from shardwise.launch import spawn
+from shardwise.pipeline import timeline
 from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.topology import Topology
 
@@ -48,10 +49,19 @@ FLUSH = [
 WITH_RECOMPUTE = FLUSH + [dict(c, recompute=True) for c in FLUSH[1:]]
 
 
-def test_pp2_matches_single_process(ref):
-    results = spawn(run_many, 2, (1, 2, WITH_RECOMPUTE))
+def test_pp2_matches_single_process_and_records_timelines(ref, tmp_path):
+    results = spawn(run_many, 2, (1, 2, WITH_RECOMPUTE, 5, str(tmp_path)))
     for i, cfg in enumerate(WITH_RECOMPUTE):
         assert_parity([rank[i] for rank in results], ref)
+    # every rank recorded the last step: one forward and one backward per (mb, chunk) held
+    for i, cfg in enumerate(WITH_RECOMPUTE):
+        events, meta = timeline.load(tmp_path / str(i))
+        comp = [e for e in events if e["kind"] in ("Forward", "Backward")]
+        assert len(comp) == 2 * cfg["microbatches"] * 2 * cfg.get("chunks_per_rank", 1)
+        assert all(e["end"] >= e["start"] for e in events)
+        assert 0.0 < timeline.idle_fraction(events) < 1.0
+    assert timeline.main([str(tmp_path / "2"), "--out", str(tmp_path / "1f1b.png")]) == 0
+    assert (tmp_path / "1f1b.png").stat().st_size > 10_000
 
 
 def test_pp4_parity_memory_and_pipedream(ref):

@@ -129,6 +129,7 @@ class Executor:
         self.ready: dict = {}     # ("act"|"grad", mb, chunk) -> (tensor, handle or None)
         self.grad_out: dict = {}  # (mb, chunk) -> gradient w.r.t. the chunk's input
         self.sends: list = []
+        self.events = []  # this run's only
         self.meter.exclude = {p.untyped_storage().data_ptr()
                               for c in self.chunks.values() for p in c.parameters()}
         for op in self.schedule.ranks[self.pp_rank]:

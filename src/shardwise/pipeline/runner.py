@@ -125,3 +125,14 @@ class PipelineRunner:
         if self.topology.dp > 1:
             comm.all_reduce(loss, op="mean", group=self.groups.dp)
         return float(loss)
+
+    def save_timeline(self, run_dir, title: str = "") -> None:
+        """Write this rank's events of the last step to ``RUN_DIR/timeline/rank{r}.json``
+        (draw them with ``shardwise timeline RUN_DIR``)."""
+        from shardwise.pipeline import timeline
+
+        meta = {"title": title or f"{self.cfg.schedule} pp={self.topology.pp} "
+                f"m={self.cfg.microbatches} v={self.cfg.chunks_per_rank}",
+                "pp_rank": self.pp_rank, "dp_rank": self.topology.dp_rank}
+        timeline.save(run_dir, self.topology.rank,
+                      timeline.from_executor(self.executor, self.topology.rank), meta)
