@@ -38,8 +38,14 @@ def _trainer(cfg_dict: dict):
 
 
 def _result(trainer) -> dict:
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    out = {"losses": list(trainer.history), "params": params}
+    out = {"losses": list(trainer.history)}
+    if trainer.zero is not None:
+        out["materialised_elements"] = sum(
+            p.untyped_storage().nbytes() // p.element_size()
+            for p in {id(p): p for p in trainer.model.parameters()}.values()
+            if p.untyped_storage().nbytes() > 0 and p.data_ptr() == p.untyped_storage().data_ptr())
+    with trainer._full_parameters():  # ZeRO-3: gather (collectively) to compare full weights
+        out["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     if trainer.ddp is not None:
         out["n_buckets"] = len(trainer.ddp.buckets)
     if trainer.zero is not None:

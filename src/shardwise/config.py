@@ -63,7 +63,7 @@ class ParallelConfig(_Section):
                                    "the last layers' gradients start reducing early")
     allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
-                      "sharded) or 2 (gradients too)")
+                      "sharded), 2 (gradients too) or 3 (parameters too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
 
     @model_validator(mode="after")
@@ -74,9 +74,8 @@ class ParallelConfig(_Section):
         if self.allreduce not in names:
             raise ValueError(f"parallel.allreduce={self.allreduce!r}: expected one of "
                              f"{', '.join(names)}")
-        if self.zero not in (0, 1, 2):
-            raise ValueError(f"parallel.zero={self.zero}: expected 0, 1 or 2 (ZeRO-3 is not "
-                             "available yet)")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
         if self.pp > 1 or self.tp > 1:
             raise ValueError("parallel.pp and parallel.tp > 1 are not supported by "
                              "`shardwise train` yet; only dp scales this release")

@@ -10,6 +10,7 @@ DCP, meta (JSON) beside them — and ``load_state_dict`` restores both.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from shardwise.data_parallel import DistributedDataParallel
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPT, GPTConfig
 from shardwise.topology import Topology
-from shardwise.zero import ZeroDataParallel
+from shardwise.zero import ZeroDataParallel, ZeroStage3
 
 
 def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
@@ -59,7 +60,9 @@ class Trainer:
         self.model = GPT(self.gpt_cfg).to(self.device)
         p = cfg.parallel
         self.ddp = self.zero = None
-        if self.distributed and p.zero > 0:
+        if self.distributed and p.zero == 3:
+            self.zero = ZeroStage3(self.model, topology.groups.dp)
+        elif self.distributed and p.zero > 0:
             self.zero = ZeroDataParallel(self.model, topology.groups.dp, p.zero, p.bucket_mb)
         elif self.distributed and topology.dp > 1:
             self.ddp = DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
@@ -157,7 +160,7 @@ class Trainer:
         offs = torch.arange(m.block_size + 1)
         w = self.val_tokens[starts[:, None] + offs[None, :]].to(self.device)
         self.model.eval()
-        losses = [self.model(xb, yb)[1].item() for xb, yb in
+        losses = [self.net(xb, yb)[1].item() for xb, yb in  # ZeRO-3 gathers in its hooks
                   zip(w[:, :-1].split(local), w[:, 1:].split(local))]
         self.model.train()
         return self._mean_over_dp(sum(losses) / len(losses))
@@ -215,9 +218,16 @@ class Trainer:
         return v
 
     def finish(self) -> None:
-        """Rank 0: loss-curve PNG and a generated sample, printed."""
-        if not self.is_main:
-            return
+        """Rank 0: loss-curve PNG and a generated sample, printed. Call on every rank."""
+        with self._full_parameters():
+            if self.is_main:
+                self._write_outputs()
+
+    def _full_parameters(self):
+        """Every parameter materialised on this rank (collective under ZeRO-3)."""
+        return self.zero.full_parameters() if self.zero is not None else contextlib.nullcontext()
+
+    def _write_outputs(self) -> None:
         png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
                         title=f"GPT on Shakespeare, dp={self.topology.dp}")
         print(f"loss curve: {png}")
@@ -285,9 +295,10 @@ class Trainer:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
 
     def save_checkpoint(self) -> Path:
-        tensors, meta = self.state_dict()
-        return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta,
-                               keep=self.cfg.checkpoint.keep)
+        with self._full_parameters():  # the same full-model format for every ZeRO stage
+            tensors, meta = self.state_dict()
+            return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta,
+                                   keep=self.cfg.checkpoint.keep)
 
     def resume(self, path: str | Path | None = None) -> Path:
         """Load ``path`` or the latest complete checkpoint of ``checkpoint_dir``."""
@@ -295,11 +306,12 @@ class Trainer:
         if path is None:
             raise checkpoint.CheckpointError(
                 f"no complete checkpoint in {str(self.cfg.checkpoint_dir)!r}")
-        tensors, _ = self.state_dict()
-        meta = checkpoint.load(path, tensors)
-        self.model.load_state_dict(tensors["model"])
-        if self.zero is not None:
-            self.zero.load_master_from_params()  # fp32: the masters equal the full weights
+        with self._full_parameters():
+            tensors, _ = self.state_dict()
+            meta = checkpoint.load(path, tensors)
+            self.model.load_state_dict(tensors["model"])
+            if self.zero is not None:
+                self.zero.load_master_from_params()  # fp32: the masters equal the full weights
         self.load_state_dict(tensors, meta)
         return path
 

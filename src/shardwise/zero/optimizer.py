@@ -21,7 +21,7 @@ global norm is the one a single process would compute.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -136,6 +136,10 @@ class ZeroDataParallel(nn.Module):
                    for flat, master in zip(self._flat_params, self._master)]
         for h in handles:
             h.wait()
+
+    def full_parameters(self):
+        """Stages 1 and 2 always hold the full parameters: nothing to gather."""
+        return nullcontext()
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
