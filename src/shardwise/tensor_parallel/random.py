@@ -1,0 +1,72 @@
+"""Dropout randomness for tensor parallelism: identical where activations are replicated,
+different where they are split.
+
+Replicated regions (LayerNorm, residual, dropout after a reduced output) use the default
+generator, seeded identically on every tp rank, so every rank draws the same mask and the
+replicas stay equal. Parallel regions (attention probabilities of this rank's heads, and,
+under sequence parallelism, this rank's slice of the sequence) draw from a second state
+seeded ``seed + 2718 + tp_rank``, swapped in for the duration of the region: Megatron-LM's
+model-parallel RNG tracker (Shoeybi et al. 2019, arXiv:1909.08053, section 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PARALLEL_SEED_OFFSET = 2718
+
+
+class ParallelRNG:
+    """Generator state for parallel regions; ``with rng.fork():`` uses it in place of the
+    default generator (CPU, or the current CUDA device's when ``device`` is CUDA)."""
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.seed = seed + PARALLEL_SEED_OFFSET + tp_rank
+        with torch.random.fork_rng(devices=self._devices()):
+            torch.manual_seed(self.seed)
+            self.state = self._get()
+
+    def _devices(self) -> list:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _get(self) -> torch.Tensor:
+        return (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda"
+                else torch.get_rng_state())
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def fork(self):
+        saved = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(saved)
+
+
+class TPDropout(nn.Module):
+    """Dropout whose mask comes from ``rng`` when ``parallel`` (a split region) and from
+    the default generator otherwise (a replicated region). Same shape in and out."""
+
+    def __init__(self, p: float, rng: ParallelRNG, parallel: bool):
+        super().__init__()
+        self.p, self.rng, self.parallel = p, rng, parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.parallel:
+            with self.rng.fork():
+                return F.dropout(x, self.p, True)
+        return F.dropout(x, self.p, True)

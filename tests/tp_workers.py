@@ -1,0 +1,428 @@
+"""Rank functions for the tensor-parallel tests (run inside ``shardwise.launch.spawn``).
+
+Every rank can rebuild every other rank's inputs (they come from seeded generators), so
+each check compares the sharded computation with the unsharded one on the same rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise import comm
+from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from shardwise.tensor_parallel import (ColumnParallelLinear, ParallelRNG, RowParallelLinear,
+                                       TPGroup, VocabParallelEmbedding, build_tp_gpt,
+                                       clip_grad_norm_, copy_to_region, gather_from_region,
+                                       gather_from_sequence, gather_state_dict, gather_tensor,
+                                       reduce_from_region, reduce_scatter_to_sequence,
+                                       scatter_to_region, scatter_to_sequence,
+                                       sync_replicated_grads, vocab_parallel_cross_entropy)
+from shardwise.tensor_parallel.model import TPAttention, TPMLP
+from shardwise.topology import Topology, init_process_groups
+
+B, T, C = 2, 8, 32  # layer tests: batch, sequence, hidden
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def topology(dp: int, tp: int) -> Topology:
+    return init_process_groups(Topology.build(dp=dp, tp=tp, rank=dist.get_rank(),
+                                              world_size=dist.get_world_size()))
+
+
+def _rand(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice along the sequence dim (dim 1)."""
+    n = x.shape[1] // tp.size
+    return x[:, tp.rank * n:(tp.rank + 1) * n]
+
+
+def _last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    n = x.shape[-1] // tp.size
+    return x[..., tp.rank * n:(tp.rank + 1) * n]
+
+
+# ------------------------------------------------------------------ conjugate operators
+
+def operator_checks(tp: TPGroup) -> dict[str, float]:
+    """Forward and backward of each operator against the values built from all ranks'
+    inputs. Rank r's input is ``_rand(seed=100 + r)``, its output gradient ``seed=200 + r``."""
+    N, r, out = tp.size, tp.rank, {}
+    xs = [_rand(B, T, C, seed=100 + s) for s in range(N)]
+    gs_full = [_rand(B, T, C, seed=200 + s) for s in range(N)]
+    gs_part = [_rand(B, T, C // N, seed=300 + s) for s in range(N)]
+    gs_seq = [_rand(B, T // N, C, seed=400 + s) for s in range(N)]
+
+    def run(op, x, g):
+        x = x.clone().requires_grad_(True)
+        y = op(x, tp)
+        y.backward(g)
+        return y.detach(), x.grad
+
+    y, gx = run(copy_to_region, xs[r], gs_full[r])
+    out["copy.fwd"], out["copy.bwd"] = rel_err(y, xs[r]), rel_err(gx, sum(gs_full))
+    y, gx = run(reduce_from_region, xs[r], gs_full[r])
+    out["reduce.fwd"], out["reduce.bwd"] = rel_err(y, sum(xs)), rel_err(gx, gs_full[r])
+    y, gx = run(scatter_to_region, xs[r], gs_part[r])
+    out["scatter.fwd"] = rel_err(y, _last(xs[r], tp))
+    out["scatter.bwd"] = rel_err(gx, torch.cat(gs_part, -1))
+    y, gx = run(gather_from_region, _last(xs[r], tp), gs_full[r])
+    out["gather.fwd"] = rel_err(y, torch.cat([_last(xs[s], TPGroup(size=N, rank=s))
+                                              for s in range(N)], -1))
+    out["gather.bwd"] = rel_err(gx, _last(gs_full[r], tp))
+    y, gx = run(scatter_to_sequence, xs[r], gs_seq[r])
+    out["seq_scatter.fwd"] = rel_err(y, _seq(xs[r], tp))
+    out["seq_scatter.bwd"] = rel_err(gx, torch.cat(gs_seq, 1))
+    y, gx = run(gather_from_sequence, _seq(xs[r], tp), gs_full[r])
+    out["seq_gather.fwd"] = rel_err(y, torch.cat([_seq(xs[s], TPGroup(size=N, rank=s))
+                                                  for s in range(N)], 1))
+    out["seq_gather.bwd"] = rel_err(gx, _seq(sum(gs_full), tp))
+    y, gx = run(reduce_scatter_to_sequence, xs[r], gs_seq[r])
+    out["seq_reduce_scatter.fwd"] = rel_err(y, _seq(sum(xs), tp))
+    out["seq_reduce_scatter.bwd"] = rel_err(gx, torch.cat(gs_seq, 1))
+    return out
+
+
+# ------------------------------------------------------------------ layers
+
+def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: TPGroup, seq_in: bool,
+             seq_out: bool, in_last_split: bool = False, out_last_split: bool = False,
+             in_dim: int = C, vocab: int | None = None, ids: bool = False) -> dict[str, float]:
+    """Run both modules on the same input; loss = sum(y * u) with u fixed; compare the
+    output, the input gradient and every parameter gradient (gathered)."""
+    x = (torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(7)) if ids
+         else _rand(B, T, in_dim, seed=7).requires_grad_(True))
+    y_ref = ref_mod(x)
+    u = _rand(*y_ref.shape, seed=8)
+    (y_ref * u).sum().backward()
+    x_tp = x.detach()
+    if seq_in:
+        x_tp = _seq(x_tp, tp)
+    if in_last_split:
+        x_tp = _last(x_tp, tp)
+    x_tp = x_tp if ids else x_tp.clone().requires_grad_(True)
+    y_tp = tp_mod(x_tp)
+    want, u_tp = y_ref.detach(), u
+    if seq_out:
+        want, u_tp = _seq(want, tp), _seq(u_tp, tp)
+    if out_last_split:
+        want, u_tp = _last(want, tp), _last(u_tp, tp)
+    (y_tp * u_tp).sum().backward()
+    out = {f"{name}.out": rel_err(y_tp.detach(), want)}
+    if not ids:
+        gx = x.grad
+        if seq_in:
+            gx = _seq(gx, tp)
+        if in_last_split:
+            gx = _last(gx, tp)
+        out[f"{name}.grad_in"] = rel_err(x_tp.grad, gx)
+    sync_replicated_grads(tp_mod, tp) if tp.sequence_parallel else None
+    ref_params = dict(ref_mod.named_parameters())
+    for pname, p in tp_mod.named_parameters():
+        g = p.grad if getattr(p, "tp_dim", None) is None else gather_tensor(p.grad, p.tp_dim, tp)
+        if vocab is not None:
+            g = g[:vocab]
+        out[f"{name}.grad.{pname}"] = rel_err(g, ref_params[pname].grad)
+    return out
+
+
+def layer_checks(tp: TPGroup) -> dict[str, float]:
+    sp, out = tp.sequence_parallel, {}
+    torch.manual_seed(11)
+    lin = nn.Linear(C, 2 * C)
+    for gather in (True, False):
+        col = ColumnParallelLinear(C, 2 * C, tp, gather_output=gather, master=lin)
+        lin.zero_grad()
+        out |= _compare(f"column(gather={gather})", lin, col, tp, seq_in=sp, seq_out=False,
+                        out_last_split=not gather)
+    torch.manual_seed(12)
+    lin = nn.Linear(2 * C, C)
+    for parallel_in in (False, True):
+        row = RowParallelLinear(2 * C, C, tp, input_is_parallel=parallel_in, master=lin)
+        lin.zero_grad()
+        out |= _compare(f"row(input_is_parallel={parallel_in})", lin, row, tp, seq_in=False,
+                        seq_out=sp, in_last_split=parallel_in, in_dim=2 * C)
+    cfg = GPTConfig(vocab_size=16, block_size=T, n_layer=1, n_head=4, n_embd=C)
+    rng = ParallelRNG(0, tp.rank)
+    torch.manual_seed(13)
+    mlp = MLP(cfg)
+    out |= _compare("mlp", mlp, TPMLP(mlp, tp, rng, "mlp"), tp, seq_in=sp, seq_out=sp)
+    torch.manual_seed(14)
+    attn = CausalSelfAttention(cfg)
+    out |= _compare("attention", attn, TPAttention(attn, tp, rng, "attn"), tp, seq_in=sp,
+                    seq_out=sp)
+    for vocab in (4 * tp.size * 3, 4 * tp.size * 3 - 1):  # divisible, and padded
+        torch.manual_seed(15)
+        emb = nn.Embedding(vocab, C)
+        out |= _compare(f"vocab_embedding(V={vocab})", emb,
+                        VocabParallelEmbedding(vocab, C, tp, master=emb), tp, seq_in=False,
+                        seq_out=sp, vocab=vocab, ids=True)
+    return out
+
+
+def loss_checks(tp: TPGroup) -> dict[str, float]:
+    """Vocab-parallel cross-entropy against F.cross_entropy on the gathered logits; the
+    padded columns hold large garbage to show they never enter the softmax."""
+    out = {}
+    for vocab in (8 * tp.size, 8 * tp.size - 3):
+        padded = -(-vocab // tp.size) * tp.size
+        full = _rand(40, padded, seed=21) * 3
+        full[:, vocab:] = 50.0  # padding garbage
+        targets = torch.randint(0, vocab, (40,), generator=torch.Generator().manual_seed(22))
+        ref_logits = full[:, :vocab].clone().requires_grad_(True)
+        ref = F.cross_entropy(ref_logits, targets)
+        ref.backward()
+        local = _last(full, tp).clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(local, targets, tp, vocab_size=vocab)
+        loss.backward()
+        gathered = gather_tensor(local.detach(), -1, tp)[:, :vocab]
+        grad = gather_tensor(local.grad, -1, tp)
+        out[f"ce(V={vocab}).loss"] = rel_err(loss.detach(), ref.detach())
+        out[f"ce(V={vocab}).loss_vs_gathered"] = rel_err(loss.detach(),
+                                                         F.cross_entropy(gathered, targets))
+        out[f"ce(V={vocab}).grad"] = rel_err(grad[:, :vocab], ref_logits.grad)
+        out[f"ce(V={vocab}).pad_grad_abs"] = float(grad[:, vocab:].abs().sum())
+    return out
+
+
+def error_messages(tp: TPGroup) -> list[str]:
+    msgs = []
+    for make in (lambda: ColumnParallelLinear(C, 3 * tp.size + 1, tp),
+                 lambda: RowParallelLinear(3 * tp.size + 1, C, tp),
+                 lambda: build_tp_gpt(GPTConfig(vocab_size=16, block_size=8, n_layer=1,
+                                                n_head=tp.size + 1, n_embd=4 * (tp.size + 1)),
+                                      tp, 0),
+                 lambda: build_tp_gpt(GPTConfig(vocab_size=16, block_size=8, n_layer=1,
+                                                n_head=tp.size, n_embd=tp.size * 2 + 1),
+                                      tp, 0)):
+        try:
+            make()
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def layers_worker() -> dict:
+    """All operator, layer, loss and error checks at tp = world size, with and without
+    sequence parallelism, through the backend's collectives and through ours ("ring")."""
+    topo = topology(1, dist.get_world_size())
+    out: dict = {}
+    for sp, algo in ((False, "native"), (True, "ring"), (False, "ring")):
+        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce=algo, gather=algo)
+        tag = f"sp={sp},{algo}:"
+        out |= {tag + k: v for k, v in operator_checks(tp).items()} if not sp else {}
+        out |= {tag + k: v for k, v in layer_checks(tp).items()}
+        out |= {tag + k: v for k, v in loss_checks(tp).items()}
+    return {"errors": out, "messages": error_messages(TPGroup.from_topology(topo))}
+
+
+# ------------------------------------------------------------------ whole GPT, 5 steps
+
+LR, WEIGHT_DECAY, MAX_NORM = 3e-3, 0.1, 0.5  # MAX_NORM small enough that clipping acts
+WARMUP = 2  # linear warm-up as the trainer does: (s + 1) / (WARMUP + 1), then LR
+
+
+def _lr(step: int) -> float:
+    return LR * min(1.0, (step + 1) / (WARMUP + 1))
+
+
+def make_batches(corpus: str, steps: int, batch: int, block: int) -> tuple[int, list]:
+    """Character ids of the corpus; ``steps`` batches of (x, y), each (batch, block)."""
+    text = open(corpus, encoding="utf-8").read()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text[:20_000]], dtype=torch.long)
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - block - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + block] for s in starts])
+        y = torch.stack([data[s + 1:s + block + 1] for s in starts])
+        out.append((x, y))
+    return len(chars), out
+
+
+def train_reference(cfg: GPTConfig, seed: int, batches: list) -> dict:
+    """One process, the unsharded GPT: AdamW, clipping at MAX_NORM."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for step, (x, y) in enumerate(batches):
+        opt.param_groups[0]["lr"] = _lr(step)
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _train_tp(topo: Topology, cfg: GPTConfig, seed: int, batches: list, sp: bool,
+              resume: dict | None = None, start: int = 0) -> dict:
+    """Train on ``batches``; ``resume`` ({"params", "optim"} in the full layout, from any
+    layout) replaces the seeded initial state. Returns losses, norms and the full state."""
+    from shardwise.data_parallel import DistributedDataParallel
+    from shardwise.tensor_parallel import (gather_optimizer_state, load_full_state_dict,
+                                           load_optimizer_state)
+
+    tp = TPGroup.from_topology(topo, sequence_parallel=sp)
+    model = build_tp_gpt(cfg, tp, seed)
+    if resume is not None:
+        load_full_state_dict(model, resume["params"], tp)
+    ddp = (DistributedDataParallel(model, topo.groups.dp, allreduce="native")
+           if topo.dp > 1 else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    if resume is not None:
+        load_optimizer_state(model, opt, resume["optim"], tp)
+    losses, norms = [], []
+    for step, (x, y) in enumerate(batches, start=start):
+        opt.param_groups[0]["lr"] = _lr(step)
+        n = x.shape[0] // topo.dp  # this dp rank's share of the global batch
+        x, y = (t[topo.dp_rank * n:(topo.dp_rank + 1) * n] for t in (x, y))
+        (ddp or opt).zero_grad()
+        _, loss = (ddp or model)(x, y)
+        loss.backward()
+        if sp:
+            sync_replicated_grads(model, tp)
+        norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM, tp)))
+        opt.step()
+        if topo.dp > 1:  # the global batch's mean loss
+            loss = loss.detach().clone()
+            comm.all_reduce(loss, op="mean", group=topo.groups.dp)
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "params": gather_state_dict(model, tp),
+            "optim": gather_optimizer_state(model, opt, tp)}
+
+
+def gpt_worker(cfg: GPTConfig, seed: int, batches: list, layouts: list) -> dict:
+    """Train from the same seed once per (dp, tp, sequence_parallel) layout; on this rank,
+    return each run's losses, grad norms and gathered parameters."""
+    out = {}
+    for dp, tp, sp in layouts:
+        r = _train_tp(topology(dp, tp), cfg, seed, batches, sp)
+        out[f"dp={dp},tp={tp},sp={sp}"] = {k: r[k] for k in ("losses", "norms", "params")}
+    return out
+
+
+def resume_worker(cfg: GPTConfig, seed: int, batches: list, first: tuple, second: tuple,
+                  stop_at: int) -> dict:
+    """Train ``stop_at`` steps in layout ``first`` (dp, tp, sp), keep the full state as a
+    checkpoint would, resume in layout ``second`` and finish; return the finished run."""
+    dp, tp, sp = first
+    part = _train_tp(topology(dp, tp), cfg, seed, batches[:stop_at], sp)
+    state = {"params": part["params"], "optim": part["optim"]}
+    dp, tp, sp = second
+    rest = _train_tp(topology(dp, tp), cfg, seed, batches[stop_at:], sp, resume=state,
+                     start=stop_at)
+    return {"losses": part["losses"] + rest["losses"], "params": rest["params"]}
+
+
+# ------------------------------------------------------------------ communication
+
+def _phase_counts(records) -> tuple[int, int]:
+    """(elements in the collectives' messages, bytes this rank sent) over ``records``,
+    leaving out comm's argument-agreement rounds ("check"), which carry no payload of the
+    strategy and are skipped on hot paths."""
+    records = [r for r in records if r.collective != "check"]
+    elements = sum(r.nbytes // 4 for r in records)  # fp32 here
+    return elements, sum(r.bytes_sent or 0 for r in records)
+
+
+def comm_table_worker(batch: int, c_in: int, c_out: int) -> list[dict]:
+    """Seed 000's y = Wx (no bias), batch B, measured per strategy with our ring
+    collectives (whose bytes are counted) on a group of world-size ranks."""
+    from shardwise.comm.accounting import recording
+
+    topo = topology(dist.get_world_size(), 1)
+    topo_tp = topology(1, dist.get_world_size())
+    tp = TPGroup.from_topology(topo_tp, all_reduce="ring", gather="ring")
+    torch.manual_seed(31)
+    lin = nn.Linear(c_in, c_out, bias=False)
+    x = _rand(batch, c_in, seed=32)
+
+    def dp_step():
+        n = batch // topo.dp
+        y = lin(x[topo.dp_rank * n:(topo.dp_rank + 1) * n])
+        return y, lambda: (y.sum().backward(),
+                           comm.all_reduce(lin.weight.grad, group=topo.groups.dp,
+                                           algorithm="ring"))
+
+    def tp_step(layer, inp):
+        y = layer(inp)
+        return y, lambda: y.sum().backward()
+
+    cases = [
+        ("data parallel (all-reduce dW)", "C_in*C_out", c_in * c_out, dp_step),
+        ("TP partition output, output gathered, x data", "B*C_out", batch * c_out,
+         lambda: tp_step(ColumnParallelLinear(c_in, c_out, tp, False, gather_output=True,
+                                              master=lin), x)),
+        ("TP partition output, output kept split (f)", "B*C_in", batch * c_in,
+         lambda: tp_step(ColumnParallelLinear(c_in, c_out, tp, False, master=lin),
+                         x.clone().requires_grad_(True))),
+        ("TP reduce output, input already split (g)", "B*C_out", batch * c_out,
+         lambda: tp_step(RowParallelLinear(c_in, c_out, tp, False, input_is_parallel=True,
+                                           master=lin), _last(x, tp).clone().requires_grad_(True))),
+        ("TP reduce output, x replicated and split here", "B*C_out + B*C_in",
+         batch * (c_out + c_in),
+         lambda: tp_step(RowParallelLinear(c_in, c_out, tp, False, master=lin),
+                         x.clone().requires_grad_(True))),
+    ]
+    rows = []
+    for name, formula, expected, make in cases:
+        lin.zero_grad()
+        with recording() as fwd:
+            y, backward = make()
+        with recording() as bwd:
+            backward()
+        fe, fb = _phase_counts(fwd.records)
+        be, bb = _phase_counts(bwd.records)
+        rows.append({"strategy": name, "formula": formula, "formula_elements": expected,
+                     "forward_elements": fe, "backward_elements": be,
+                     "measured_elements": fe + be, "bytes_sent_this_rank": fb + bb,
+                     "collectives": [r.collective for r in fwd.records + bwd.records
+                                     if r.collective != "check"]})
+    return rows
+
+
+def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: list) -> dict:
+    """Per-layer communication of one forward + backward of the TP GPT, with and without
+    sequence parallelism (ring collectives, so bytes are counted)."""
+    from shardwise.comm.accounting import recording
+    from shardwise.tensor_parallel import mappings
+
+    topo = topology(1, dist.get_world_size())
+    out = {}
+    for sp in (False, True):
+        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce="ring",
+                                   gather="ring")
+        model = build_tp_gpt(cfg, tp, seed)
+        x, y = batch
+        mappings.layer_log.clear()
+        with recording():
+            _, loss = model(x, y)
+            loss.backward()
+        out[f"sp={sp}"] = mappings.per_layer_table()
+    return out
+
+
+def suite_worker(cfg: GPTConfig, seed: int, batches: list, layouts: list,
+                 resume: tuple | None, comm_table: tuple | None) -> dict:
+    """Everything one world size checks, in one spawn (process start-up dominates)."""
+    out = {"layers": layers_worker(), "gpt": gpt_worker(cfg, seed, batches, layouts)}
+    if resume is not None:
+        out["resume"] = resume_worker(cfg, seed, batches, *resume)
+    if comm_table is not None:
+        out["comm_table"] = comm_table_worker(*comm_table)
+        out["gpt_comm"] = gpt_comm_worker(cfg, seed, batches[0])
+    return out
