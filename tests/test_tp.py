@@ -89,6 +89,15 @@ def test_gpt_matches_single_process(suite, setup):
                 assert rel_err(got["params"][name], p) <= RTOL, (layout, rank, name)
 
 
+def test_dropout_rng_replicated_vs_parallel(suite):
+    """Dropout masks: identical across tp ranks where activations are replicated (the
+    residual stream stays bitwise equal), different in parallel regions."""
+    _, results = suite
+    for r in results:
+        assert r["dropout"] == {"resid_equal": True, "parallel_distinct": True,
+                                "default_equal": True, "loss_finite": True}
+
+
 def test_resume_into_another_layout(suite, setup):
     """3 steps at tp=4, full state (parameters and AdamW moments) kept as a checkpoint
     would, resumed at dp=2 x tp=2 with sequence parallelism for the last 2 steps."""

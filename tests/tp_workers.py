@@ -416,10 +416,35 @@ def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: list) -> dict:
     return out
 
 
+def dropout_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
+    """With dropout on, in train mode: the residual stream (a replicated region) must be
+    bitwise equal on every tp rank, while masks drawn in parallel regions must differ
+    between tp ranks; the default generator stays in step across ranks."""
+    from dataclasses import replace
+
+    topo = topology(1, dist.get_world_size())
+    tp = TPGroup.from_topology(topo)
+    model = build_tp_gpt(replace(cfg, dropout=0.1), tp, seed).train()
+    seen = []
+    model.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+    x, y = batch
+    _, loss = model(x, y)
+    loss.backward()
+    resid = gather_tensor(seen[0].unsqueeze(0), 0, tp)          # (tp, B, T, C)
+    with model.rng.fork():
+        parallel = gather_tensor(torch.rand(1, 64), 0, tp)      # a parallel-region draw
+    default = gather_tensor(torch.rand(1, 64), 0, tp)           # the default generator
+    return {"resid_equal": all(torch.equal(resid[0], r) for r in resid),
+            "parallel_distinct": len({tuple(r.tolist()) for r in parallel}) == tp.size,
+            "default_equal": all(torch.equal(default[0], r) for r in default),
+            "loss_finite": bool(torch.isfinite(loss))}
+
+
 def suite_worker(cfg: GPTConfig, seed: int, batches: list, layouts: list,
                  resume: tuple | None, comm_table: tuple | None) -> dict:
     """Everything one world size checks, in one spawn (process start-up dominates)."""
-    out = {"layers": layers_worker(), "gpt": gpt_worker(cfg, seed, batches, layouts)}
+    out = {"layers": layers_worker(), "gpt": gpt_worker(cfg, seed, batches, layouts),
+           "dropout": dropout_worker(cfg, seed, batches[0])}
     if resume is not None:
         out["resume"] = resume_worker(cfg, seed, batches, *resume)
     if comm_table is not None:
