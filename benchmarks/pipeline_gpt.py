@@ -1,0 +1,91 @@
+"""Real pipelined GPT runs: timeline pictures and peak activation memory per rank.
+
+For each schedule, trains the GPT for ``--steps`` steps at pp = ``--pp`` with ``--m``
+micro-batches (stages cut by profiled time), saves the last step's timeline under
+``RUN_DIR/<kind>/timeline/`` and draws ``OUT/pipeline_<kind>.png`` from it (the same as
+``shardwise timeline RUN_DIR/<kind>``). Then measures the peak bytes autograd holds for
+backward on every rank (``Executor.meter``) for GPipe, 1F1B and 1F1B with recomputation.
+
+    .venv/bin/python benchmarks/pipeline_gpt.py --pp 4 --m 8 --out docs/images
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise.launch import spawn
+from shardwise.models import GPT, GPTConfig
+from shardwise.pipeline import timeline
+from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
+from shardwise.topology import Topology, init_process_groups
+
+TIMELINES = (("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
+             ("pipedream", 1, False))
+MEMORY = (("gpipe", 1, False), ("1f1b", 1, False), ("1f1b", 1, True))
+
+
+def _train(a: dict, kind: str, v: int, recompute: bool, topo, run_dir: str | None) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
+                          n_embd=a["embd"], tie_weights=False))
+    runner = PipelineRunner(model, topo, PipelineConfig(kind, a["m"], v, a["partition"], recompute),
+                            a["batch"], a["seq"],
+                            lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(a["steps"]):
+        idx = torch.randint(0, 65, (a["batch"], a["seq"]), generator=g)
+        losses.append(runner.train_step(idx, (idx + 1) % 65))
+    if run_dir:
+        title = (f"{kind} pp={topo.pp} m={a['m']}" + (f" v={v}" if v > 1 else "")
+                 + f", GPT n_layer={a['layers']} n_embd={a['embd']}, measured")
+        runner.save_timeline(run_dir, title)
+    return {"peak": runner.executor.meter.peak, "losses": losses,
+            "bounds": list(runner.partition.bounds)}
+
+
+def _run(a: dict, run_dir: str) -> dict:
+    topo = init_process_groups(Topology.build(1, dist.get_world_size(), 1, rank=dist.get_rank(),
+                                              world_size=dist.get_world_size()))
+    out = {}
+    for kind, v, rc in TIMELINES:
+        out[f"timeline {kind}"] = _train(a, kind, v, rc, topo, f"{run_dir}/{kind}")
+    for kind, v, rc in MEMORY:
+        out[f"memory {kind}{' +recompute' if rc else ''}"] = _train(a, kind, v, rc, topo, None)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--embd", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--partition", default="params")
+    ap.add_argument("--out", default="docs/images")
+    ap.add_argument("--run-dir", default=None)
+    a = vars(ap.parse_args())
+    run_dir = a["run_dir"] or tempfile.mkdtemp(prefix="pipeline_runs_")
+    res = spawn(_run, a["pp"], (a, run_dir), threads=1)
+    for kind, _, _ in TIMELINES:
+        events, meta = timeline.load(f"{run_dir}/{kind}")
+        png = timeline.render(events, Path(a["out"]) / f"pipeline_{kind}.png", meta["title"])
+        print(f"{png}: idle fraction {timeline.idle_fraction(events):.3f} "
+              f"(stages {res[0][f'timeline {kind}']['bounds']}; run dir {run_dir}/{kind})")
+    print(f"\npeak activation memory per rank (KiB), pp={a['pp']} m={a['m']} "
+          f"micro-batch {a['batch'] // a['m']} x {a['seq']} tokens:")
+    for key in res[0]:
+        if key.startswith("memory"):
+            print(f"  {key[7:]:20} " + "  ".join(f"{r[key]['peak'] / 1024:9.0f}" for r in res))
+
+
+if __name__ == "__main__":
+    main()
