@@ -1,9 +1,9 @@
 """Run one rank's instruction list: one method per instruction type.
 
-Receives are posted as soon as the list reaches them, into buffers preallocated from the
-known activation shape, and sends are posted without waiting, all on ``shardwise.comm``'s
-FIFO thread (``pipeline.p2p``), so transfers overlap with compute; a forward or backward
-waits only for the one tensor it needs. Gradients of the micro-batches accumulate in
+Each run of consecutive transfers in the list is posted as one batch (receives into buffers
+preallocated from the known activation shape, sends of the tensors computed) on
+``shardwise.comm``'s FIFO thread (``pipeline.p2p.exchange``) without waiting, so transfers
+overlap with compute; a forward or backward waits only for the one tensor it needs. Gradients of the micro-batches accumulate in
 ``.grad``; ``OptimizerStep`` calls the ``on_step`` callback (for flush schedules once, at
 the end; for PipeDream after every backward).
 
@@ -31,8 +31,9 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from shardwise.pipeline import p2p
-from shardwise.pipeline.schedules import (Backward, Forward, OptimizerStep, RecvActivation,
-                                          RecvGrad, Schedule, SendActivation, SendGrad)
+from shardwise.pipeline.schedules import (COMM, Backward, Forward, OptimizerStep,
+                                          RecvActivation, RecvGrad, Schedule, SendActivation,
+                                          SendGrad)
 
 
 class _Saved:
@@ -132,11 +133,22 @@ class Executor:
         self.events = []  # this run's only
         self.meter.exclude = {p.untyped_storage().data_ptr()
                               for c in self.chunks.values() for p in c.parameters()}
-        for op in self.schedule.ranks[self.pp_rank]:
+        ops = self.schedule.ranks[self.pp_rank]
+        i = 0
+        while i < len(ops):
             self._t0 = time.perf_counter()  # a compute moves it past its wait for input
-            self._run[type(op)](op)
-            self.events.append((type(op).__name__, op.mb, getattr(op, "chunk", -1),
-                                self._t0, time.perf_counter()))
+            if isinstance(ops[i], COMM):  # post a run of transfers as one batch
+                j = i
+                while j < len(ops) and isinstance(ops[j], COMM):
+                    j += 1
+                self._post(ops[i:j])
+            else:
+                j = i + 1
+                self._run[type(ops[i])](ops[i])
+            t1 = time.perf_counter()
+            self.events += [(type(op).__name__, op.mb, getattr(op, "chunk", -1), self._t0, t1)
+                            for op in ops[i:j]]
+            i = j
         for h in self.sends:
             h.wait()
         return self.losses
@@ -209,23 +221,35 @@ class Executor:
         self.version += 1
 
     # -- communication --------------------------------------------------------------------
-    def _send_act(self, op: SendActivation) -> None:
+    def _post(self, ops) -> None:
+        sends, recvs, keys = [], [], []
+        for op in ops:
+            kind, tensor, key = self._run[type(op)](op)
+            if kind == "send":
+                sends.append((tensor, self.pp_ranks[op.peer]))
+            else:
+                recvs.append((tensor, self.pp_ranks[op.peer]))
+                keys.append((key, tensor))
+        handle = p2p.exchange(sends, recvs, self.group)
+        for key, buf in keys:
+            self.ready[key] = (buf, handle)
+        if sends:
+            self.sends.append(handle)
+
+    def _send_act(self, op: SendActivation):
         x, out, stash = self.held[(op.mb, op.chunk)]
-        self.sends.append(p2p.isend(out.detach(), self.pp_ranks[op.peer], self.group))
         if self.recompute:  # the backward recomputes it; keep only what the send reads
             self.held[(op.mb, op.chunk)] = (x, None, stash)
+        return "send", out.detach(), None
 
-    def _send_grad(self, op: SendGrad) -> None:
-        grad = self.grad_out.pop((op.mb, op.chunk))
-        self.sends.append(p2p.isend(grad, self.pp_ranks[op.peer], self.group))
+    def _send_grad(self, op: SendGrad):
+        return "send", self.grad_out.pop((op.mb, op.chunk)), None
 
-    def _recv_act(self, op: RecvActivation) -> None:
-        buf = torch.empty(self.act_shape, dtype=self.dtype)
-        self.ready[("act", op.mb, op.chunk)] = (buf, p2p.irecv(buf, self.pp_ranks[op.peer], self.group))
+    def _recv_act(self, op: RecvActivation):
+        return "recv", torch.empty(self.act_shape, dtype=self.dtype), ("act", op.mb, op.chunk)
 
-    def _recv_grad(self, op: RecvGrad) -> None:
-        buf = torch.empty(self.act_shape, dtype=self.dtype)
-        self.ready[("grad", op.mb, op.chunk)] = (buf, p2p.irecv(buf, self.pp_ranks[op.peer], self.group))
+    def _recv_grad(self, op: RecvGrad):
+        return "recv", torch.empty(self.act_shape, dtype=self.dtype), ("grad", op.mb, op.chunk)
 
 
 def _checksum(params) -> float:
