@@ -330,89 +330,27 @@ def resume_worker(cfg: GPTConfig, seed: int, batches: list, first: tuple, second
 
 # ------------------------------------------------------------------ communication
 
-def _phase_counts(records) -> tuple[int, int]:
-    """(elements in the collectives' messages, bytes this rank sent) over ``records``,
-    leaving out comm's argument-agreement rounds ("check"), which carry no payload of the
-    strategy and are skipped on hot paths."""
-    records = [r for r in records if r.collective != "check"]
-    elements = sum(r.nbytes // 4 for r in records)  # fp32 here
-    return elements, sum(r.bytes_sent or 0 for r in records)
-
-
 def comm_table_worker(batch: int, c_in: int, c_out: int) -> list[dict]:
-    """Seed 000's y = Wx (no bias), batch B, measured per strategy with our ring
-    collectives (whose bytes are counted) on a group of world-size ranks."""
-    from shardwise.comm.accounting import recording
+    """Seed 000's y = Wx, measured per strategy with our ring collectives (counted)."""
+    from shardwise.tensor_parallel.comm_table import measure_linear
 
-    topo = topology(dist.get_world_size(), 1)
-    topo_tp = topology(1, dist.get_world_size())
-    tp = TPGroup.from_topology(topo_tp, all_reduce="ring", gather="ring")
-    torch.manual_seed(31)
-    lin = nn.Linear(c_in, c_out, bias=False)
-    x = _rand(batch, c_in, seed=32)
-
-    def dp_step():
-        n = batch // topo.dp
-        y = lin(x[topo.dp_rank * n:(topo.dp_rank + 1) * n])
-        return y, lambda: (y.sum().backward(),
-                           comm.all_reduce(lin.weight.grad, group=topo.groups.dp,
-                                           algorithm="ring"))
-
-    def tp_step(layer, inp):
-        y = layer(inp)
-        return y, lambda: y.sum().backward()
-
-    cases = [
-        ("data parallel (all-reduce dW)", "C_in*C_out", c_in * c_out, dp_step),
-        ("TP partition output, output gathered, x data", "B*C_out", batch * c_out,
-         lambda: tp_step(ColumnParallelLinear(c_in, c_out, tp, False, gather_output=True,
-                                              master=lin), x)),
-        ("TP partition output, output kept split (f)", "B*C_in", batch * c_in,
-         lambda: tp_step(ColumnParallelLinear(c_in, c_out, tp, False, master=lin),
-                         x.clone().requires_grad_(True))),
-        ("TP reduce output, input already split (g)", "B*C_out", batch * c_out,
-         lambda: tp_step(RowParallelLinear(c_in, c_out, tp, False, input_is_parallel=True,
-                                           master=lin), _last(x, tp).clone().requires_grad_(True))),
-        ("TP reduce output, x replicated and split here", "B*C_out + B*C_in",
-         batch * (c_out + c_in),
-         lambda: tp_step(RowParallelLinear(c_in, c_out, tp, False, master=lin),
-                         x.clone().requires_grad_(True))),
-    ]
-    rows = []
-    for name, formula, expected, make in cases:
-        lin.zero_grad()
-        with recording() as fwd:
-            y, backward = make()
-        with recording() as bwd:
-            backward()
-        fe, fb = _phase_counts(fwd.records)
-        be, bb = _phase_counts(bwd.records)
-        rows.append({"strategy": name, "formula": formula, "formula_elements": expected,
-                     "forward_elements": fe, "backward_elements": be,
-                     "measured_elements": fe + be, "bytes_sent_this_rank": fb + bb,
-                     "collectives": [r.collective for r in fwd.records + bwd.records
-                                     if r.collective != "check"]})
-    return rows
+    dp_topo = topology(dist.get_world_size(), 1)
+    tp = TPGroup.from_topology(topology(1, dist.get_world_size()), all_reduce="ring",
+                               gather="ring")
+    return measure_linear(batch, c_in, c_out, dp_topo.groups.dp, tp)
 
 
-def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: list) -> dict:
+def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
     """Per-layer communication of one forward + backward of the TP GPT, with and without
     sequence parallelism (ring collectives, so bytes are counted)."""
-    from shardwise.comm.accounting import recording
-    from shardwise.tensor_parallel import mappings
+    from shardwise.tensor_parallel.comm_table import measure_gpt_layers
 
     topo = topology(1, dist.get_world_size())
     out = {}
     for sp in (False, True):
         tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce="ring",
                                    gather="ring")
-        model = build_tp_gpt(cfg, tp, seed)
-        x, y = batch
-        mappings.layer_log.clear()
-        with recording():
-            _, loss = model(x, y)
-            loss.backward()
-        out[f"sp={sp}"] = mappings.per_layer_table()
+        out[f"sp={sp}"] = measure_gpt_layers(build_tp_gpt(cfg, tp, seed), *batch)
     return out
 
 
