@@ -34,11 +34,12 @@ def setup(corpus):
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ws2", "ws4"])
-def suite(request, setup):
+def suite(request, setup, tmp_path_factory):
     n = request.param
     cfg, batches, _ = setup
+    root = str(tmp_path_factory.mktemp(f"tp_ckpt_ws{n}"))
     results = spawn(suite_worker, n, (cfg, SEED, batches, LAYOUTS[n], RESUME.get(n),
-                                      COMM_SHAPE if n == 2 else None))
+                                      COMM_SHAPE if n == 2 else None, root))
     return n, results
 
 
@@ -99,8 +100,9 @@ def test_dropout_rng_replicated_vs_parallel(suite):
 
 
 def test_resume_into_another_layout(suite, setup):
-    """3 steps at tp=4, full state (parameters and AdamW moments) kept as a checkpoint
-    would, resumed at dp=2 x tp=2 with sequence parallelism for the last 2 steps."""
+    """3 steps at tp=4; the full-layout state (parameters and AdamW moments) saved with
+    shardwise.checkpoint (DCP) and loaded into dp=2 x tp=2 with sequence parallelism for
+    the last 2 steps: the run equals the uninterrupted single process."""
     n, results = suite
     if n not in RESUME:
         pytest.skip("resume runs in the 4-rank suite")

@@ -316,12 +316,22 @@ def gpt_worker(cfg: GPTConfig, seed: int, batches: list, layouts: list) -> dict:
 
 
 def resume_worker(cfg: GPTConfig, seed: int, batches: list, first: tuple, second: tuple,
-                  stop_at: int) -> dict:
-    """Train ``stop_at`` steps in layout ``first`` (dp, tp, sp), keep the full state as a
-    checkpoint would, resume in layout ``second`` and finish; return the finished run."""
+                  stop_at: int, root: str) -> dict:
+    """Train ``stop_at`` steps in layout ``first`` (dp, tp, sp), save the full-layout state
+    with ``shardwise.checkpoint`` (DCP) under ``root``, load it into layout ``second`` and
+    finish; return the finished run."""
+    from shardwise import checkpoint
+
     dp, tp, sp = first
     part = _train_tp(topology(dp, tp), cfg, seed, batches[:stop_at], sp)
-    state = {"params": part["params"], "optim": part["optim"]}
+    saved = checkpoint.save(root, stop_at, {"params": part["params"], "optim": part["optim"]},
+                            {"step": stop_at, "layout": list(first)})
+    # a fresh process would know only the shapes: preallocate them and let DCP fill them
+    state = {"params": {k: torch.zeros_like(v) for k, v in part["params"].items()},
+             "optim": {k: {n: torch.zeros_like(t) for n, t in v.items()}
+                       for k, v in part["optim"].items()}}
+    meta = checkpoint.load(saved, state)
+    assert meta["step"] == stop_at
     dp, tp, sp = second
     rest = _train_tp(topology(dp, tp), cfg, seed, batches[stop_at:], sp, resume=state,
                      start=stop_at)
@@ -379,12 +389,12 @@ def dropout_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
 
 
 def suite_worker(cfg: GPTConfig, seed: int, batches: list, layouts: list,
-                 resume: tuple | None, comm_table: tuple | None) -> dict:
+                 resume: tuple | None, comm_table: tuple | None, root: str) -> dict:
     """Everything one world size checks, in one spawn (process start-up dominates)."""
     out = {"layers": layers_worker(), "gpt": gpt_worker(cfg, seed, batches, layouts),
            "dropout": dropout_worker(cfg, seed, batches[0])}
     if resume is not None:
-        out["resume"] = resume_worker(cfg, seed, batches, *resume)
+        out["resume"] = resume_worker(cfg, seed, batches, *resume, root)
     if comm_table is not None:
         out["comm_table"] = comm_table_worker(*comm_table)
         out["gpt_comm"] = gpt_comm_worker(cfg, seed, batches[0])
