@@ -98,3 +98,20 @@ def overlap_probe(bucket_mb: float) -> dict:
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     return {"params": after_broadcast, "grads": grads, "timing": ddp.last_timing,
             "n_buckets": len(ddp.buckets)}
+
+
+def train_infos(cfg_dict: dict) -> dict:
+    """Train and return every step's info (loss, grad_norm, loss_scale, skipped)."""
+    trainer = _trainer(cfg_dict)
+    infos = [trainer.train_step() for _ in range(trainer.cfg.training.steps)]
+    return {"infos": infos, "losses": list(trainer.history)}
+
+
+def memory_after_steps(cfg_dict: dict) -> dict:
+    """Train, then report predicted and measured bytes of this rank (zero.memory)."""
+    from shardwise.zero.memory import report
+
+    trainer = _trainer(cfg_dict)
+    for _ in range(trainer.cfg.training.steps):
+        trainer.train_step()
+    return report(trainer.model, trainer.zero, trainer.optimizer, trainer.cfg.parallel.zero)

@@ -107,6 +107,10 @@ class TrainingConfig(_Section):
     sample_chars: int = Field(300, ge=0, description="characters generated at the end")
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
     progress: bool = True
+    precision: str = Field("fp32", description="compute dtype: fp32, bf16 or fp16 (bf16/fp16 "
+                           "keep fp32 master weights and need parallel.zero >= 1)")
+    loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
+    initial_loss_scale: float = Field(65536.0, gt=0.0)
 
 
 class CheckpointConfig(_Section):
@@ -131,6 +135,14 @@ class Config(_Section):
     @model_validator(mode="after")
     def _batch_divides(self):
         p, t = self.parallel, self.training
+        if t.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
+        if t.precision != "fp32" and p.zero == 0:
+            raise ValueError(f"training.precision={t.precision} needs parallel.zero >= 1 "
+                             "(ZeRO keeps the fp32 master weights)")
+        if t.precision == "fp16" and not t.loss_scaling:
+            raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
+                             "gradients underflow without loss scaling")
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "

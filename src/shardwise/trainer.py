@@ -26,6 +26,7 @@ from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPT, GPTConfig
 from shardwise.topology import Topology
 from shardwise.zero import ZeroDataParallel, ZeroStage3
+from shardwise.zero.precision import DTYPES, DynamicLossScaler
 
 
 def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
@@ -60,10 +61,14 @@ class Trainer:
         self.model = GPT(self.gpt_cfg).to(self.device)
         p = cfg.parallel
         self.ddp = self.zero = None
+        t = cfg.training
+        self.loss_scaler = (DynamicLossScaler(t.initial_loss_scale)
+                            if t.precision == "fp16" and t.loss_scaling else None)
+        mp = {"param_dtype": DTYPES[t.precision], "loss_scaler": self.loss_scaler}
         if self.distributed and p.zero == 3:
-            self.zero = ZeroStage3(self.model, topology.groups.dp)
+            self.zero = ZeroStage3(self.model, topology.groups.dp, **mp)
         elif self.distributed and p.zero > 0:
-            self.zero = ZeroDataParallel(self.model, topology.groups.dp, p.zero, p.bucket_mb)
+            self.zero = ZeroDataParallel(self.model, topology.groups.dp, p.zero, p.bucket_mb, **mp)
         elif self.distributed and topology.dp > 1:
             self.ddp = DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
                                                p.allreduce,
@@ -121,22 +126,24 @@ class Trainer:
             ctx = wrapper.no_sync() if (wrapper is not None and not last) else _null()
             with ctx:
                 _, loss = self.net(xm, ym)
-                (loss / m).backward()
+                (self.zero.scale_loss(loss / m) if self.zero else loss / m).backward()
             loss_sum += loss.item()
         clip = self.cfg.optimizer.grad_clip
-        if self.zero is not None:  # shards: squared norms summed over the dp group
-            gnorm = self.zero.clip_grad_norm_(clip)
+        skipped = False
+        if self.zero is not None:  # unscale, overflow check, clip by global norm, step, gather
+            out = self.zero.step(self.optimizer, clip)
+            gnorm, skipped = out["grad_norm"], out["skipped"]
         else:  # gradients are already averaged over dp, so the local norm is the global norm
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    clip if clip > 0 else float("inf"))
-        self.optimizer.step()
-        if self.zero is not None:
-            self.zero.all_gather_params()
+            self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         loss = self._mean_over_dp(loss_sum / m)
         self.history.append(loss)
         info = {"loss": loss, "grad_norm": float(gnorm), "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.loss_scaler is not None:
+            info |= {"loss_scale": self.loss_scaler.scale, "skipped": skipped}
         if self.ddp is not None and self.ddp.last_timing is not None:
             # seconds before the end of backward at which each bucket's all-reduce started
             # (positive: overlapped with backward), and how long backward then waited for them
@@ -255,6 +262,8 @@ class Trainer:
                 st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                       "exp_avg_sq": torch.zeros_like(p)}
             moments[names[id(p)]] = dict(st)
+            if self.zero is not None:
+                moments[names[id(p)]]["master"] = p  # fp32 master weights of this rank's shard
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -267,6 +276,7 @@ class Trainer:
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt["param_groups"]],
             "history": self.history,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
             "tokenizer": self.tokenizer.state_dict(),
             "config": self.cfg.model_dump(),
             "layout": {"dp": self.topology.dp, "pp": self.topology.pp, "tp": self.topology.tp},
@@ -281,7 +291,10 @@ class Trainer:
         by_name = tensors["optimizer"]
         names = self._optimizer_param_names()
         order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-        state = {i: by_name[n] for i, n in enumerate(order) if float(by_name[n]["step"]) > 0}
+        state = {i: {k: v for k, v in by_name[n].items() if k != "master"}  # loaded in place
+                 for i, n in enumerate(order) if float(by_name[n]["step"]) > 0}
+        if self.loss_scaler is not None and meta.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
         groups, offset = [], 0
         for saved, live in zip(meta["param_groups"], self.optimizer.param_groups):
             n = len(live["params"])
@@ -310,8 +323,8 @@ class Trainer:
             tensors, _ = self.state_dict()
             meta = checkpoint.load(path, tensors)
             self.model.load_state_dict(tensors["model"])
-            if self.zero is not None:
-                self.zero.load_master_from_params()  # fp32: the masters equal the full weights
+        if self.zero is not None:
+            self.zero.refresh_params()  # the masters were loaded in place: rebuild the weights
         self.load_state_dict(tensors, meta)
         return path
 

@@ -154,7 +154,8 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        # the loss in fp32 even when the model computes in bf16/fp16 (mixed precision)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
     @torch.no_grad()

@@ -3,20 +3,21 @@
 Following Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models" (SC 2020), with the shard layout of ``zero.sharding``:
 
-- every rank keeps the full parameters (as views into one flat buffer per bucket, so the
-  all-gather writes straight into them) but fp32 master weights and Adam moments only for
-  its own shard: 4P + 12P/N bytes in the paper's mixed-precision accounting for stage 1;
+- every rank keeps the full parameters in the compute dtype (as views into one flat
+  buffer per bucket, so the all-gather writes straight into them) but fp32 master weights
+  and Adam moments only for its own shard: 2P + 2P + 12P/N bytes with bf16/fp16 for
+  stage 1 (the gradient shard is reduce-scattered in place into the rank's own slice of
+  the full gradient buffer), 2P + 2P/N + 12P/N for stage 2;
 - backward: a post-accumulate-grad hook per parameter fills its bucket; a full bucket is
   reduce-scattered at once (asynchronously, overlapping the rest of backward), so each
   rank receives the summed gradient of its shard; the end-of-backward callback waits and
   divides by N;
 - stage 1 keeps the full gradient buffers between steps (``param.grad`` stays a view, as in
   our DDP); stage 2 frees them after backward, so only the gradient shard (P/N) remains;
-- ``step``: the caller's optimizer updates the master shard; ``all_gather_params`` then
-  gathers every rank's updated shard into the full parameters.
-
-Gradient clipping sums the squared shard norms over the group (``clip_grad_norm_``), so the
-global norm is the one a single process would compute.
+- ``step``: the gradient shard is upcast to fp32 (transiently), unscaled and checked for
+  overflow (fp16), clipped by the global norm (squared shard norms summed over the group,
+  so it is the norm one process would compute), the caller's optimizer updates the fp32
+  master shard, and every rank's updated shard is all-gathered into the full parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.data_parallel.ddp import MiB, broadcast_module_state
+from shardwise.zero.precision import DynamicLossScaler, fp32_step
 from shardwise.zero.sharding import ShardLayout
 
 
@@ -41,17 +43,21 @@ class ZeroDataParallel(nn.Module):
         group: the dp process group (``None``: the world).
         stage: 1 (optimizer states sharded) or 2 (gradients too).
         bucket_cap_mb: bucket capacity in MiB (also the unit of reduce-scatter/all-gather).
+        param_dtype: compute dtype of parameters and gradients (fp32, bf16 or fp16).
+        loss_scaler: a ``DynamicLossScaler`` (needed for fp16), or None.
 
     Build the optimizer over ``param_groups(weight_decay)``: those are fp32 pieces of this
     rank's shard, one per parameter that intersects it. Per step: ``zero_grad()``,
-    forward/backward (``no_sync()`` for accumulation), ``clip_grad_norm_``, the optimizer's
-    ``step()``, then ``all_gather_params()``.
+    forward, ``scale_loss(loss).backward()`` (``no_sync()`` for accumulation), then
+    ``step(optimizer, max_norm)``.
 
     Raises ``ValueError`` for a stage other than 1 or 2 or a model without trainable
     parameters.
     """
 
-    def __init__(self, module: nn.Module, group=None, stage: int = 1, bucket_cap_mb: float = 25.0):
+    def __init__(self, module: nn.Module, group=None, stage: int = 1, bucket_cap_mb: float = 25.0,
+                 param_dtype: torch.dtype = torch.float32,
+                 loss_scaler: DynamicLossScaler | None = None):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"parallel.zero={stage}: ZeroDataParallel implements stages 1 and 2")
@@ -59,8 +65,12 @@ class ZeroDataParallel(nn.Module):
         if not params:
             raise ValueError("parallel.zero: the model has no trainable parameters to shard")
         self.module, self.group, self.stage = module, group, stage
+        self.loss_scaler = loss_scaler
         self.world_size = dist.get_world_size(group)
         broadcast_module_state(module, group)
+        fp32 = {id(p): p.detach().float().clone() for p in params}  # source of the masters
+        for p in params:
+            p.data = p.data.to(param_dtype)
         self.layout = ShardLayout(params, self.world_size, dist.get_rank(group),
                                   max(1, int(bucket_cap_mb * MiB)))
         names = {id(p): n for n, p in module.named_parameters()}
@@ -74,7 +84,13 @@ class ZeroDataParallel(nn.Module):
             self._flat_params.append(flat)
         dev = params[0].device
         self._master = [torch.zeros(n, dtype=torch.float32, device=dev) for n in self.layout.shard_sizes]
-        self._grad_shard = [torch.zeros(n, dtype=torch.float32, device=dev) for n in self.layout.shard_sizes]
+        if stage == 1:  # reduce-scattered in place: the shard is this rank's slice of the bucket
+            r = self.layout.rank
+            self._grad_shard = [b.buffer[r * n:(r + 1) * n]
+                                for b, n in zip(self.layout.buckets, self.layout.shard_sizes)]
+        else:
+            self._grad_shard = [torch.zeros(n, dtype=param_dtype, device=dev)
+                                for n in self.layout.shard_sizes]
         self.pieces: list[nn.Parameter] = []
         self.piece_names: list[str] = []
         self._decay: list[bool] = []
@@ -82,11 +98,12 @@ class ZeroDataParallel(nn.Module):
             p = self.layout.buckets[pc.bucket].params[pc.param_index]
             sl = slice(pc.shard_start, pc.shard_start + pc.numel)
             master = nn.Parameter(self._master[pc.bucket][sl])  # aliases the master shard
-            master.grad = self._grad_shard[pc.bucket][sl]
+            with torch.no_grad():
+                master.copy_(fp32[id(p)].reshape(-1)[pc.param_start:pc.param_end])
             self.pieces.append(master)
             self.piece_names.append(f"{names[id(p)]}[{pc.param_start}:{pc.param_end}]")
             self._decay.append(p.dim() >= 2)
-        self.load_master_from_params()
+        del fp32
         if stage == 2:
             for b in self.layout.buckets:
                 b.buffer = b.buffer.new_empty(0)  # full gradients exist only during backward
@@ -105,28 +122,47 @@ class ZeroDataParallel(nn.Module):
                 {"params": [m for m, d in zip(self.pieces, self._decay) if not d],
                  "weight_decay": 0.0}]
 
-    @torch.no_grad()
-    def load_master_from_params(self) -> None:
-        """Copy this rank's shard of the full parameters into the fp32 master weights."""
-        for pc, master in zip(self.layout.pieces, self.pieces):
-            p = self.layout.buckets[pc.bucket].params[pc.param_index]
-            master.copy_(p.detach().reshape(-1)[pc.param_start:pc.param_end])
+    # -- what this rank holds (for zero.memory) -------------------------------------------
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(self.layout.padded)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return list(self._grad_shard)
+
+    def param_shards(self) -> list[torch.Tensor]:
+        return []  # stages 1 and 2 hold the full parameters (counted as model parameters)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16), or ``loss`` itself."""
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the gradient shards so the global L2 norm is at most ``max_norm``.
+    def step(self, optimizer, max_norm: float = 0.0) -> dict:
+        """Unscale, check overflow, clip, step the fp32 masters, all-gather the parameters.
 
-        Returns the global norm before clipping (a 0-dim tensor); ``max_norm <= 0`` only
-        measures. Same formula as ``torch.nn.utils.clip_grad_norm_``.
+        Returns ``{"grad_norm": float, "skipped": bool}`` (skipped: fp16 overflow).
         """
-        sq = torch.stack([g.double().pow(2).sum() for g in self._grad_shard]).sum().float()
-        comm.all_reduce(sq.view(1), op="sum", group=self.group, check=False)
-        total = sq.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in self._grad_shard:
-                g.mul_(coef)
-        return total
+        grads = []
+        for pc in self.layout.pieces:
+            sl = slice(pc.shard_start, pc.shard_start + pc.numel)
+            grads.append(self._grad_shard[pc.bucket][sl].float())  # fp32: transient copy
+        out = fp32_step(optimizer, self.pieces, grads, self.group, max_norm, self.loss_scaler)
+        if not out["skipped"]:
+            self.all_gather_params()
+        return out
+
+    def refresh_params(self) -> None:
+        """After loading master weights: rebuild the full parameters from them."""
+        self.all_gather_params()
 
     @torch.no_grad()
     def all_gather_params(self) -> None:

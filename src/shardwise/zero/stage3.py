@@ -31,11 +31,12 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.data_parallel.ddp import broadcast_module_state
+from shardwise.zero.precision import DynamicLossScaler, fp32_step
 
 
 class _Unit:
     def __init__(self, name: str, module: nn.Module | None, params: list[nn.Parameter],
-                 world: int, rank: int):
+                 world: int, rank: int, param_dtype: torch.dtype):
         self.name, self.module, self.params = name, module, params
         self.offsets, n = [], 0
         for p in params:
@@ -45,13 +46,17 @@ class _Unit:
         self.padded = -(-n // world) * world
         self.shard_size = self.padded // world
         p0 = params[0]
-        self.full = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
+        fp32 = torch.zeros(self.padded, dtype=torch.float32, device=p0.device)
         for p, off in zip(params, self.offsets):
-            self.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = self.full[off:off + p.numel()].view_as(p)
+            fp32[off:off + p.numel()].copy_(p.detach().reshape(-1))
         lo = rank * self.shard_size
-        self.shard = self.full[lo:lo + self.shard_size].clone().float()
-        self.grad_shard = torch.zeros_like(self.shard)
+        self.shard = fp32[lo:lo + self.shard_size].clone()  # the fp32 master
+        # what is gathered: the compute-dtype copy of the shard (the master itself in fp32)
+        self.shard_lp = self.shard if param_dtype == torch.float32 else self.shard.to(param_dtype)
+        self.full = fp32.to(param_dtype)
+        for p, off in zip(params, self.offsets):
+            p.data = self.full[off:off + p.numel()].view_as(p)
+        self.grad_shard = torch.zeros(self.shard_size, dtype=param_dtype, device=p0.device)
         self.gathered, self.handle = True, None
         self.fired: set[int] = set()
 
@@ -65,15 +70,19 @@ class ZeroStage3(nn.Module):
     one (default: top-level children, with ``nn.ModuleList`` children expanded).
 
     Build the optimizer over ``param_groups(weight_decay)`` (fp32 pieces of this rank's
-    shards). Per step: ``zero_grad()``, forward/backward, ``clip_grad_norm_``, the
-    optimizer's ``step()``. ``full_parameters()`` gathers everything (every rank must
-    enter it) for sampling or export. Raises ``ValueError`` for a model without trainable
-    parameters.
+    shards). Per step: ``zero_grad()``, forward, ``scale_loss(loss).backward()``,
+    ``step(optimizer, max_norm)``. ``full_parameters()`` gathers everything (every rank
+    must enter it) for sampling or export. Per rank it holds 2P/N (compute-dtype shard) +
+    2P/N (gradient shard) + 12P/N (fp32 master, Adam moments) bytes with bf16/fp16; in fp32
+    the master is the gathered shard, so 16P/N. Raises ``ValueError`` for a model without
+    trainable parameters.
     """
 
-    def __init__(self, module: nn.Module, group=None, units: list[tuple[str, nn.Module]] | None = None):
+    def __init__(self, module: nn.Module, group=None, units: list[tuple[str, nn.Module]] | None = None,
+                 param_dtype: torch.dtype = torch.float32,
+                 loss_scaler: DynamicLossScaler | None = None):
         super().__init__()
-        self.module, self.group = module, group
+        self.module, self.group, self.loss_scaler = module, group, loss_scaler
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         broadcast_module_state(module, group)
         if units is None:
@@ -92,11 +101,11 @@ class ZeroStage3(nn.Module):
             raise ValueError("parallel.zero: the model has no trainable parameters to shard")
         root = [p for p in trainable if len(owner.get(id(p), [])) != 1]  # shared or unowned
         self.units: list[_Unit] = []
-        self.root = _Unit("root", None, root, self.world_size, self.rank) if root else None
+        self.root = _Unit("root", None, root, self.world_size, self.rank, param_dtype) if root else None
         for i, (name, m) in enumerate(units):
             mine = [p for p in m.parameters() if p.requires_grad and owner[id(p)] == [i]]
             if mine:
-                u = _Unit(name, m, mine, self.world_size, self.rank)
+                u = _Unit(name, m, mine, self.world_size, self.rank, param_dtype)
                 self.units.append(u)
                 m.register_forward_pre_hook(self._pre_forward(u))
                 m.register_forward_hook(self._post_forward(u))
@@ -104,15 +113,15 @@ class ZeroStage3(nn.Module):
         for u in self._all:
             for j, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(self._grad_ready(u, j))
-        self.pieces, self.piece_names, self._decay = [], [], []
+        self.pieces, self.piece_names, self._decay, self._piece_src = [], [], [], []
         for u in self._all:
             lo = self.rank * u.shard_size
             for p, off in zip(u.params, u.offsets):
                 a, z = max(off, lo), min(off + p.numel(), lo + u.shard_size)
                 if a < z:
-                    piece = nn.Parameter(u.shard[a - lo:z - lo])
-                    piece.grad = u.grad_shard[a - lo:z - lo]
+                    piece = nn.Parameter(u.shard[a - lo:z - lo])  # aliases the fp32 master
                     self.pieces.append(piece)
+                    self._piece_src.append((u, a - lo, z - lo))
                     self.piece_names.append(f"{names[id(p)]}[{a - off}:{z - off}]")
                     self._decay.append(p.dim() >= 2)
         self._pending: list[tuple[_Unit, object, torch.Tensor]] = []
@@ -126,8 +135,7 @@ class ZeroStage3(nn.Module):
         if u.gathered or u.handle is not None:
             return
         u.full.untyped_storage().resize_(u.nbytes)
-        u.handle = comm.all_gather_into_tensor(u.full, u.shard.to(u.full.dtype), group=self.group,
-                                               async_op=True)
+        u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=self.group, async_op=True)
 
     def _gather(self, u: _Unit) -> None:
         self._launch_gather(u)
@@ -206,7 +214,7 @@ class ZeroStage3(nn.Module):
                 self._reduce_scatter(u)
         for u, work, out in self._pending:
             work.wait()
-            u.grad_shard.add_(out.float(), alpha=1.0 / self.world_size)
+            u.grad_shard.add_(out, alpha=1.0 / self.world_size)
         self._pending, self._queued = [], False
         if self.root is not None:
             self._free(self.root)
@@ -224,20 +232,50 @@ class ZeroStage3(nn.Module):
         """Accepted for symmetry: ZeRO-3 reduce-scatters every micro-batch (see module doc)."""
         return nullcontext()
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global-norm clipping of the gradient shards; returns the norm before clipping."""
-        sq = torch.stack([u.grad_shard.double().pow(2).sum() for u in self._all]).sum().float()
-        comm.all_reduce(sq.view(1), op="sum", group=self.group, check=False)
-        total = sq.sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for u in self._all:
-                u.grad_shard.mul_(coef)
-        return total
+    # -- what this rank holds (for zero.memory) -------------------------------------------
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self._all)
 
-    def all_gather_params(self) -> None:
-        """Nothing to do after the step: units are gathered lazily by the next forward."""
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.padded for u in self._all)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(u.shard_size for u in self._all)
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self._all]
+
+    def param_shards(self) -> list[torch.Tensor]:
+        return [u.shard_lp for u in self._all if u.shard_lp is not u.shard]
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (fp16), or ``loss`` itself."""
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    @torch.no_grad()
+    def step(self, optimizer, max_norm: float = 0.0) -> dict:
+        """Unscale, check overflow, clip and step the fp32 masters (see ``fp32_step``), then
+        refresh the compute-dtype shards; units are gathered lazily by the next forward."""
+        grads = [u.grad_shard[a:z].float() for u, a, z in self._piece_src]
+        out = fp32_step(optimizer, self.pieces, grads, self.group, max_norm, self.loss_scaler)
+        if not out["skipped"]:
+            self.refresh_params()
+        return out
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Copy the fp32 masters into the compute-dtype shards that forward gathers."""
+        for u in self._all:
+            if u.shard_lp is not u.shard:
+                u.shard_lp.copy_(u.shard)
+            if u.gathered and not self._summoned and u is not self.root:
+                self._free(u)
+        if self.root is not None and self.root.gathered:  # stale: re-gather on next forward
+            self.root.full.untyped_storage().resize_(0)
+            self.root.gathered = False
 
     @contextmanager
     def full_parameters(self):
@@ -254,9 +292,3 @@ class ZeroStage3(nn.Module):
             if self.root is not None:
                 self._free(self.root)
 
-    @torch.no_grad()
-    def load_master_from_params(self) -> None:
-        """Inside ``full_parameters()``: re-cut this rank's shards from the full weights."""
-        for u in self._all:
-            lo = self.rank * u.shard_size
-            u.shard.copy_(u.full[lo:lo + u.shard_size])

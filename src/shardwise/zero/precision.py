@@ -1,0 +1,85 @@
+"""Mixed precision for ZeRO: low-precision compute, fp32 master weights, loss scaling.
+
+Micikevicius et al., "Mixed Precision Training" (ICLR 2018): parameters and gradients in
+fp16/bf16 (2 bytes each), an fp32 master copy and fp32 Adam moments (12 bytes), the
+16 bytes per parameter that ZeRO partitions. fp16 needs dynamic loss scaling: the loss is
+multiplied by ``scale`` before backward, gradients are divided by it before the step, and
+a step whose gradients overflowed anywhere in the dp group is skipped and the scale halved;
+after ``growth_interval`` clean steps it doubles. bf16 has fp32's exponent range and needs
+no scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise import comm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DynamicLossScaler:
+    """Loss scale that halves on overflow and doubles after ``growth_interval`` clean steps."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 1000,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+        self.scale = float(init_scale)
+        self.growth_interval, self.growth_factor = growth_interval, growth_factor
+        self.backoff_factor = backoff_factor
+        self._clean = 0
+        self.skipped = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff_factor
+            self._clean = 0
+            self.skipped += 1
+        else:
+            self._clean += 1
+            if self._clean % self.growth_interval == 0:
+                self.scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean": self._clean, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._clean, self.skipped = state["scale"], state["clean"], state["skipped"]
+
+
+@torch.no_grad()
+def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[torch.Tensor],
+              group, max_norm: float, scaler: DynamicLossScaler | None) -> dict:
+    """The optimizer step shared by every ZeRO stage, on this rank's shard.
+
+    ``piece_grads[i]`` is the fp32 gradient of master piece ``i`` (transient: freed after
+    the step). Unscales (fp16), skips the step on overflow anywhere in ``group``, clips to
+    the global norm ``max_norm`` (``<= 0``: no clipping; same formula as
+    ``torch.nn.utils.clip_grad_norm_``), steps. Returns ``{"grad_norm", "skipped"}``.
+    """
+    if scaler is not None:
+        for g in piece_grads:
+            g.mul_(1.0 / scaler.scale)
+    sq = torch.zeros(1, dtype=torch.float64, device=pieces[0].device if pieces else "cpu")
+    for g in piece_grads:
+        sq += g.double().pow(2).sum()
+    stats = torch.cat([sq.float(), torch.zeros(1, device=sq.device)])
+    if scaler is not None:
+        stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in piece_grads))
+    # one all-reduce carries both: the squared norm (sum) and the overflow flag (any rank)
+    comm.all_reduce(stats, op="sum", group=group, check=False)
+    overflow = bool(stats[1] > 0)
+    if scaler is not None:
+        scaler.update(overflow)
+    total = stats[0].sqrt()
+    if overflow:
+        return {"grad_norm": float("inf"), "skipped": True}
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in piece_grads:
+            g.mul_(coef)
+    for p, g in zip(pieces, piece_grads):
+        p.grad = g
+    optimizer.step()
+    for p in pieces:
+        p.grad = None
+    return {"grad_norm": float(total), "skipped": False}
