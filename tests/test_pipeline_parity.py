@@ -133,3 +133,17 @@ def test_tied_embeddings_rejected():
     with pytest.raises(ValueError, match="tie_weights"):
         PipelineRunner(model, Topology.build(1, 2, 1), PipelineConfig("1f1b", 2), BATCH,
                        MODEL["block_size"], _adamw)
+
+
+@pytest.mark.parametrize("cfg", [{"schedule": "gpipe", "microbatches": 4},
+                                 {"schedule": "interleaved", "microbatches": 2,
+                                  "chunks_per_rank": 2, "recompute": True}])
+def test_one_rank_pipeline_matches_single_process(cfg, ref):
+    """pp = 1 runs in this process (no process group): micro-batching and, with v = 2, two
+    chunks handing activations and gradients to each other locally."""
+    runner = PipelineRunner(_model(), Topology.build(1, 1, 1), PipelineConfig(**cfg), BATCH,
+                            MODEL["block_size"], _adamw)
+    from pipeline_workers import batches
+    losses = [runner.train_step(idx, tgt) for idx, tgt in batches(5)]
+    assert_parity([{"losses": losses, "dp_rank": 0,
+                    "params": {n: p.detach() for n, p in runner.named_parameters()}}], ref)
