@@ -99,6 +99,14 @@ def test_dropout_rng_replicated_vs_parallel(suite):
                                 "default_equal": True, "loss_finite": True}
 
 
+def test_generate_matches_single_process(suite):
+    """Sampling with the same generator gives the same ids as GPT.generate (SP pads the
+    growing context to a multiple of tp)."""
+    _, results = suite
+    for r in results:
+        assert r["generate"] == {"sp=False": True, "sp=True": True}
+
+
 def test_resume_into_another_layout(suite, setup):
     """3 steps at tp=4; the full-layout state (parameters and AdamW moments) saved with
     shardwise.checkpoint (DCP) and loaded into dp=2 x tp=2 with sequence parallelism for

@@ -388,11 +388,26 @@ def dropout_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
             "loss_finite": bool(torch.isfinite(loss))}
 
 
+def generate_worker(cfg: GPTConfig, seed: int) -> dict:
+    """``TPGPT.generate`` against ``GPT.generate`` from the same seed and sampler."""
+    topo = topology(1, dist.get_world_size())
+    torch.manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(9))
+    ref = GPT(cfg).generate(prompt, 6, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for sp in (False, True):
+        model = build_tp_gpt(cfg, TPGroup.from_topology(topo, sequence_parallel=sp), seed)
+        got = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
+        out[f"sp={sp}"] = bool(torch.equal(got, ref))
+    return out
+
+
 def suite_worker(cfg: GPTConfig, seed: int, batches: list, layouts: list,
                  resume: tuple | None, comm_table: tuple | None, root: str) -> dict:
     """Everything one world size checks, in one spawn (process start-up dominates)."""
     out = {"layers": layers_worker(), "gpt": gpt_worker(cfg, seed, batches, layouts),
-           "dropout": dropout_worker(cfg, seed, batches[0])}
+           "dropout": dropout_worker(cfg, seed, batches[0]),
+           "generate": generate_worker(cfg, seed)}
     if resume is not None:
         out["resume"] = resume_worker(cfg, seed, batches, *resume, root)
     if comm_table is not None:

@@ -19,7 +19,7 @@ import torch
 
 from shardwise import comm
 from shardwise.tensor_parallel.group import TPGroup
-from shardwise.tensor_parallel.mappings import _note
+from shardwise.tensor_parallel.mappings import _mark, _note
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -34,17 +34,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             z[:, real:] = float("-inf")
         m = z.max(dim=-1).values.clone()                             # (N,)
         if tp.size > 1:
+            mark = _mark()
             comm.all_reduce(m, op="max", group=tp.group, algorithm=tp.all_reduce,
                             check=tp.check)
-            _note(tag, "forward")
+            _note(tag, "forward", mark, "all_reduce", m.numel() * m.element_size())
         e = (z - m.unsqueeze(-1)).exp()                               # (N, V / tp)
         inside = (targets >= start) & (targets < start + n_local)
         local_t = (targets - start).masked_fill(~inside, 0)
         zt = torch.where(inside, z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - m, 0.0)
         stats = torch.stack([e.sum(dim=-1), zt])                      # (2, N)
         if tp.size > 1:
+            mark = _mark()
             comm.all_reduce(stats, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
-            _note(tag, "forward")
+            _note(tag, "forward", mark, "all_reduce", stats.numel() * stats.element_size())
         loss = stats[0].log() - stats[1]                              # (N,)
         e.div_(stats[0].unsqueeze(-1))                                # softmax, local columns
         ctx.save_for_backward(e, local_t, inside)

@@ -42,17 +42,29 @@ from shardwise.tensor_parallel.group import TPGroup
 layer_log: list[tuple[str, str, object]] = []  # (layer tag, "forward"/"backward", CallRecord)
 
 
-def _note(tag: str, phase: str) -> None:
-    if comm.accounting.log.enabled and comm.accounting.log.records:
-        layer_log.append((tag, phase, comm.accounting.log.records[-1]))
+def _mark() -> int:
+    """Where this call's records will start (comm's log length now)."""
+    return len(comm.accounting.log.records)
+
+
+def _note(tag: str, phase: str, start: int, collective: str, nbytes: int) -> None:
+    """Attach to ``tag`` the record this call left: the last one since ``start`` with this
+    collective and size (DDP's asynchronous bucket calls may land in between)."""
+    if not comm.accounting.log.enabled:
+        return
+    for rec in reversed(comm.accounting.log.records[start:]):
+        if rec.collective == collective and rec.nbytes == nbytes:
+            layer_log.append((tag, phase, rec))
+            return
 
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup, tag: str, phase: str) -> torch.Tensor:
     y = x.contiguous().clone()  # never reduce in place: autograd may still need x
+    start = _mark()
     comm.all_reduce(y, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
-    _note(tag, phase)
+    _note(tag, phase, start, "all_reduce", y.numel() * y.element_size())
     return y
 
 
@@ -65,8 +77,9 @@ def _split(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
 
 def _gather(x: torch.Tensor, dim: int, tp: TPGroup, tag: str, phase: str) -> torch.Tensor:
     out = torch.empty((tp.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    start = _mark()
     comm.all_gather_into_tensor(out, x.contiguous(), group=tp.group, algorithm=tp.gather)
-    _note(tag, phase)
+    _note(tag, phase, start, "all_gather", out.numel() * out.element_size())
     return torch.cat(out.unbind(0), dim=dim)
 
 
@@ -76,8 +89,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, tp: TPGroup, tag: str,
         raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by tp={tp.size}")
     stacked = torch.stack(x.chunk(tp.size, dim=dim))  # (N, ..., n/N, ...) contiguous
     out = torch.empty_like(stacked[0])
+    start = _mark()
     comm.reduce_scatter_tensor(out, stacked, group=tp.group, algorithm=tp.gather)
-    _note(tag, phase)
+    _note(tag, phase, start, "reduce_scatter", stacked.numel() * stacked.element_size())
     return out
 
 

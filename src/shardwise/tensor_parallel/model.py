@@ -190,6 +190,30 @@ class TPGPT(nn.Module):
         """(B, T, V_pad / tp) local -> (B, T, V) on every rank (no autograd)."""
         return gather_tensor(logits, -1, self.tp)[..., :self.cfg.vocab_size]
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``GPT.generate`` on the tp group: (B, T0) -> (B, T0 + new_tokens), the same ids
+        on every tp rank when ``generator`` (or the default generator) is in step across
+        them. Under sequence parallelism the context is right-padded to a multiple of tp;
+        causal attention keeps the pads from reaching the positions that are read."""
+        was_training = self.training
+        self.eval()
+        for _ in range(new_tokens):
+            ctx = idx[:, -self.cfg.block_size:]
+            t = ctx.shape[1]
+            if self.tp.sequence_parallel and t % self.tp.size:
+                pad = self.tp.size - t % self.tp.size
+                ctx = torch.cat([ctx, ctx.new_zeros(ctx.shape[0], pad)], dim=1)
+            logits = self.gather_logits(self(ctx)[0])[:, t - 1, :] / temperature  # (B, V)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
+        return idx
+
     def num_parameters(self) -> int:
         """Parameters held by this rank (shards and replicas)."""
         return sum(p.numel() for p in self.parameters())
