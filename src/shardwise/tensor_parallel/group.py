@@ -22,9 +22,10 @@ class TPGroup:
         ("native" or "ring").
     sequence_parallel: shard LayerNorm / dropout / residual regions along the sequence
         (Korthikanti et al. 2022, arXiv:2205.05198).
-    check: run ``shardwise.comm``'s cross-rank argument agreement on each call. Off by
-        default: shapes inside a TP model are fixed by construction, and the agreement round
-        would double the number of messages on the critical path.
+    check: run ``shardwise.comm``'s cross-rank argument agreement on each all-reduce. Off
+        by default: shapes inside a TP model are fixed by construction, and the agreement
+        round would double the number of messages on the critical path. (All-gather and
+        reduce-scatter have no per-call switch; they follow ``comm.configure(check=...)``.)
     """
 
     group: Any = None

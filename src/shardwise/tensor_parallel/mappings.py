@@ -29,7 +29,8 @@ activations between the two are sharded along the sequence.
 
 Every byte goes through ``shardwise.comm``. With ``comm.accounting`` enabled, each call made
 here is also noted in ``layer_log`` as ``(tag, phase, record)`` so communication can be
-reported per layer (``per_layer_table``).
+reported per layer (``per_layer_table``). Like comm's own log, it grows while accounting is
+on; callers clear it (``layer_log.clear()``) around what they measure.
 """
 
 from __future__ import annotations
