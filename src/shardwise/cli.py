@@ -112,6 +112,12 @@ def cmd_bench(args, extra: list[str]) -> int:
     return EXIT_USAGE
 
 
+def cmd_memory(args, extra: list[str]) -> int:
+    from shardwise.zero.report import main as memory_main
+
+    return memory_main(extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardwise", description="Distributed training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -124,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: comm", add_help=False)
     b.add_argument("what", help="which benchmark (comm)")
     b.set_defaults(func=cmd_bench)
+    mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
+                         add_help=False)
+    mem.set_defaults(func=cmd_memory)
     return parser
 
 
