@@ -33,7 +33,8 @@ def _train(a: dict, kind: str, v: int, recompute: bool, topo, run_dir: str | Non
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
                           n_embd=a["embd"], tie_weights=False))
-    runner = PipelineRunner(model, topo, PipelineConfig(kind, a["m"], v, a["partition"], recompute),
+    runner = PipelineRunner(model, topo, PipelineConfig(kind, a["m"], v, a["partition"], recompute,
+                                                           measure_memory=True),
                             a["batch"], a["seq"],
                             lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
     g = torch.Generator().manual_seed(1)

@@ -55,7 +55,7 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
     """Train ``steps`` global batches with the pipeline; report losses, this rank's params
     (GPT names), peak activation bytes and, for PipeDream, the weight versions seen."""
     topo = _topology(dp, pp)
-    runner = PipelineRunner(_model(), topo, PipelineConfig(**cfg), BATCH // dp,
+    runner = PipelineRunner(_model(), topo, PipelineConfig(**dict(cfg, measure_memory=True)), BATCH // dp,
                             MODEL["block_size"], _adamw)
     losses = []
     share = BATCH // dp

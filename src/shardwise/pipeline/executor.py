@@ -18,11 +18,13 @@ Options:
   ``.grad`` (Narayanan et al. 2019, section 3.3).
 
 Each instruction's start and end (``time.perf_counter`` seconds, one clock for all local
-processes) go to ``events``; saved-for-backward bytes are metered (``peak_activation_bytes``).
+processes) go to ``events``; with ``measure_memory`` the bytes autograd saves for backward
+are metered (``meter.peak``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Sequence
 
@@ -101,7 +103,7 @@ class Executor:
                  pp_ranks: Sequence[int], act_shape: Sequence[int], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  on_step: Callable[[], None], dtype: torch.dtype = torch.float32,
-                 group=None, recompute: bool = False) -> None:
+                 group=None, recompute: bool = False, measure_memory: bool = False) -> None:
         if sorted(chunks) != schedule.chunks_of(pp_rank):
             raise ValueError(f"rank {pp_rank} holds chunks {sorted(chunks)}, the schedule "
                              f"expects {schedule.chunks_of(pp_rank)}")
@@ -114,6 +116,7 @@ class Executor:
         self.events: list[tuple[str, int, int, float, float]] = []
         self.versions: list[dict] = []  # PipeDream: versions seen by each forward / backward
         self.meter = ActivationMeter()
+        self.measure_memory = measure_memory  # the meter's Python hooks cost time: opt-in
         self._run = {Forward: self._forward, Backward: self._backward,
                      SendActivation: self._send_act, RecvActivation: self._recv_act,
                      SendGrad: self._send_grad, RecvGrad: self._recv_grad,
@@ -161,6 +164,9 @@ class Executor:
             self._t0 = time.perf_counter()
         return tensor
 
+    def _hooks(self):
+        return self.meter.hooks() if self.measure_memory else contextlib.nullcontext()
+
     def _call(self, chunk: int, x: torch.Tensor, stash):
         module = self.chunks[chunk]
         return module(x) if stash is None else functional_call(module, stash, (x,))
@@ -177,7 +183,7 @@ class Executor:
             self.meter.exclude |= {p.untyped_storage().data_ptr() for p in stash.values()}
             self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "forward",
                                   "version": self.version, "checksum": _checksum(stash.values())})
-        with self.meter.hooks(), torch.set_grad_enabled(not self.recompute):
+        with self._hooks(), torch.set_grad_enabled(not self.recompute):
             out = self._call(op.chunk, x, stash)
             if op.chunk == self.last_chunk:
                 loss = self.loss_fn(out, self.targets[op.mb])
@@ -192,7 +198,7 @@ class Executor:
     def _backward(self, op: Backward) -> None:
         x, out, stash = self.held.pop((op.mb, op.chunk))
         grad = None if op.chunk == self.last_chunk else self._take(("grad", op.mb, op.chunk))
-        with self.meter.hooks():
+        with self._hooks():
             if self.recompute:
                 if op.chunk > 0:
                     self.meter.hold(-x.numel() * x.element_size())

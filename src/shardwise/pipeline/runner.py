@@ -30,7 +30,8 @@ class PipelineConfig:
     """``schedule``: naive | gpipe | 1f1b | interleaved | pipedream. ``microbatches``: m per
     step (must divide the per-replica batch). ``chunks_per_rank``: v (interleaved).
     ``partition``: weigh layers by ``layers`` | ``params`` | ``time``. ``recompute``:
-    checkpoint each chunk's forward. ``clip``: global gradient-norm clip (None: off)."""
+    checkpoint each chunk's forward. ``clip``: global gradient-norm clip (None: off).
+    ``measure_memory``: meter saved-for-backward bytes (``executor.meter.peak``; costs time)."""
 
     schedule: str = "1f1b"
     microbatches: int = 1
@@ -38,6 +39,7 @@ class PipelineConfig:
     partition: str = "layers"
     recompute: bool = False
     clip: float | None = None
+    measure_memory: bool = False
 
 
 class PipelineRunner:
@@ -72,7 +74,7 @@ class PipelineRunner:
         self.executor = Executor(self.schedule, self.pp_rank, self.chunks, self.pp_ranks,
                                  act_shape, loss_fn=lm_loss, on_step=self._optimizer_step,
                                  group=None if self.groups is None else self.groups.pp,
-                                 recompute=cfg.recompute)
+                                 recompute=cfg.recompute, measure_memory=cfg.measure_memory)
 
     def _partition(self, model: nn.Module, parts: int, mb_size: int, seq_len: int) -> Partition:
         layers = [m for _, m in gpt_layers(model)]
