@@ -44,6 +44,11 @@ def _result(trainer) -> dict:
             p.untyped_storage().nbytes() // p.element_size()
             for p in {id(p): p for p in trainer.model.parameters()}.values()
             if p.untyped_storage().nbytes() > 0 and p.data_ptr() == p.untyped_storage().data_ptr())
+    if trainer.tp is not None:  # tensor parallel: the full weights, gathered over tp
+        from shardwise.tensor_parallel import gather_state_dict
+
+        out["params"] = gather_state_dict(trainer.model, trainer.tp)
+        return out
     with trainer._full_parameters():  # ZeRO-3: gather (collectively) to compare full weights
         out["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     if trainer.ddp is not None:

@@ -62,6 +62,8 @@ class ParallelConfig(_Section):
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")
     allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
+    sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
+                                    "regions along the sequence (Korthikanti et al. 2022)")
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
                       "sharded), 2 (gradients too) or 3 (parameters too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
@@ -76,9 +78,12 @@ class ParallelConfig(_Section):
                              f"{', '.join(names)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
-        if self.pp > 1 or self.tp > 1:
-            raise ValueError("parallel.pp and parallel.tp > 1 are not supported by "
-                             "`shardwise train` yet; only dp scales this release")
+        if self.pp > 1:
+            raise ValueError("parallel.pp > 1 is not supported by `shardwise train` yet "
+                             "(the pipeline library runs from benchmarks/ and tests/)")
+        if self.tp > 1 and self.zero > 0:
+            raise ValueError(f"parallel.zero={self.zero} with parallel.tp={self.tp}: ZeRO is not "
+                             "combined with tensor parallelism yet; use zero = 0")
         return self
 
 
@@ -134,7 +139,14 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _batch_divides(self):
-        p, t = self.parallel, self.training
+        p, t, m = self.parallel, self.training, self.model
+        for name, size in (("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+                           ("MLP width 4 x model.n_embd", 4 * m.n_embd)):
+            if size % p.tp:
+                raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
+        if p.sequence_parallel and m.block_size % p.tp:
+            raise ValueError(f"model.block_size={m.block_size} is not divisible by "
+                             f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
         if t.precision != "fp32" and p.zero == 0:

@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise import checkpoint, comm
+from shardwise import tensor_parallel as tp
 from shardwise.config import Config
 from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
 from shardwise.data_parallel import DistributedDataParallel
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPT, GPTConfig
+from shardwise.tensor_parallel import TPGroup
 from shardwise.topology import Topology
 from shardwise.zero import ZeroDataParallel, ZeroStage3
 from shardwise.zero.precision import DTYPES, DynamicLossScaler
@@ -58,7 +60,12 @@ class Trainer:
                                  block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
                                  n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
                                  tie_weights=m.tie_weights)
-        self.model = GPT(self.gpt_cfg).to(self.device)
+        self.tp = (TPGroup.from_topology(topology, sequence_parallel=cfg.parallel.sequence_parallel)
+                   if self.distributed and topology.tp > 1 else None)
+        if self.tp is not None:  # the full GPT from the same seed, then this rank's slices
+            self.model = tp.build_tp_gpt(self.gpt_cfg, self.tp, cfg.training.seed).to(self.device)
+        else:
+            self.model = GPT(self.gpt_cfg).to(self.device)
         p = cfg.parallel
         self.ddp = self.zero = None
         t = cfg.training
@@ -133,6 +140,12 @@ class Trainer:
         if self.zero is not None:  # unscale, overflow check, clip by global norm, step, gather
             out = self.zero.step(self.optimizer, clip)
             gnorm, skipped = out["grad_norm"], out["skipped"]
+        elif self.tp is not None:  # sharded gradients: squares summed over the tp group
+            if self.tp.sequence_parallel:
+                tp.sync_replicated_grads(self.model, self.tp)
+            gnorm = tp.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf,
+                                       self.tp)
+            self.optimizer.step()
         else:  # gradients are already averaged over dp, so the local norm is the global norm
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    clip if clip > 0 else float("inf"))
@@ -229,6 +242,8 @@ class Trainer:
         with self._full_parameters():
             if self.is_main:
                 self._write_outputs()
+            elif self.tp is not None and self.topology.dp_rank == 0:
+                self._sample()  # generation is collective over rank 0's tp group
 
     def _full_parameters(self):
         """Every parameter materialised on this rank (collective under ZeRO-3)."""
@@ -238,36 +253,41 @@ class Trainer:
         png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
                         title=f"GPT on Shakespeare, dp={self.topology.dp}")
         print(f"loss curve: {png}")
-        n = self.cfg.training.sample_chars
-        if n:
-            g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
-            prompt = self.tokenizer.encode("\n").view(1, 1).to(self.device)
-            out = self.model.generate(prompt, n, generator=g)
-            text = self.tokenizer.decode(out[0].tolist())
+        if self.cfg.training.sample_chars:
+            text = self._sample()
             (self.out_dir / "sample.txt").write_text(text)
             print("sample:\n" + text)
+
+    def _sample(self) -> str:
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
+        prompt = self.tokenizer.encode("\n").view(1, 1).to(self.device)
+        out = self.model.generate(prompt, self.cfg.training.sample_chars, generator=g)
+        return self.tokenizer.decode(out[0].tolist())
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
         """``(tensors, meta)``: tensors for DCP (model, AdamW moments, this rank's RNG),
         meta JSON-able (step, scheduler, sampler, optimizer hyper-parameters, tokenizer,
         config, layout)."""
-        names = self._optimizer_param_names()
         opt = self.optimizer.state_dict()
-        order = [p for g in self.optimizer.param_groups for p in g["params"]]
-        moments = {}
-        for i, p in enumerate(order):
-            st = opt["state"].get(i)
-            if st is None:  # before the first step: allocate so load has a target
-                st = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                      "exp_avg_sq": torch.zeros_like(p)}
-            moments[names[id(p)]] = dict(st)
-            if self.zero is not None:
-                moments[names[id(p)]]["master"] = p  # fp32 master weights of this rank's shard
+        if self.tp is not None:  # the unsharded layout: loadable into any tp size
+            model_tensors = tp.gather_state_dict(self.model, self.tp)
+            moments = tp.gather_optimizer_state(self.model, self.optimizer, self.tp)
+            for n, full in model_tensors.items():
+                moments.setdefault(n, _fresh_moments(full))
+        else:
+            model_tensors = {n: p.detach() for n, p in self.model.named_parameters()}
+            names = self._optimizer_param_names()
+            moments = {}
+            for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"]):
+                st = opt["state"].get(i)
+                moments[names[id(p)]] = dict(st) if st is not None else _fresh_moments(p)
+                if self.zero is not None:
+                    moments[names[id(p)]]["master"] = p  # fp32 master weights of this shard
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        tensors = {"model": self.model.state_dict(), "optimizer": moments,
+        tensors = {"model": model_tensors, "optimizer": moments,
                    "rng": {f"rank{self.topology.rank}": rng}}
         meta = {
             "step": self.step,
@@ -289,10 +309,13 @@ class Trainer:
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(dict(meta["scheduler"]))
         by_name = tensors["optimizer"]
-        names = self._optimizer_param_names()
-        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-        state = {i: {k: v for k, v in by_name[n].items() if k != "master"}  # loaded in place
-                 for i, n in enumerate(order) if float(by_name[n]["step"]) > 0}
+        if self.tp is not None:
+            state = {}  # set below from the full layout, sliced for this rank
+        else:
+            names = self._optimizer_param_names()
+            order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+            state = {i: {k: v for k, v in by_name[n].items() if k != "master"}  # loaded in place
+                     for i, n in enumerate(order) if float(by_name[n]["step"]) > 0}
         if self.loss_scaler is not None and meta.get("loss_scaler"):
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         groups, offset = [], 0
@@ -301,6 +324,9 @@ class Trainer:
             groups.append(dict(saved, params=list(range(offset, offset + n))))
             offset += n
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.tp is not None:
+            started = {n: m for n, m in by_name.items() if float(m["step"]) > 0}
+            tp.load_optimizer_state(self.model, self.optimizer, started, self.tp)
         rng = tensors["rng"].get(f"rank{self.topology.rank}")
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
@@ -321,8 +347,9 @@ class Trainer:
                 f"no complete checkpoint in {str(self.cfg.checkpoint_dir)!r}")
         with self._full_parameters():
             tensors, _ = self.state_dict()
-            meta = checkpoint.load(path, tensors)
-            self.model.load_state_dict(tensors["model"])
+            meta = checkpoint.load(path, tensors)  # in place: parameters and masters
+            if self.tp is not None:
+                tp.load_full_state_dict(self.model, tensors["model"], self.tp)
         if self.zero is not None:
             self.zero.refresh_params()  # the masters were loaded in place: rebuild the weights
         self.load_state_dict(tensors, meta)
@@ -334,6 +361,12 @@ class Trainer:
         if self.zero is not None:
             return {id(m): n for m, n in zip(self.zero.pieces, self.zero.piece_names)}
         return {id(p): n for n, p in self.model.named_parameters()}
+
+
+def _fresh_moments(like: torch.Tensor) -> dict:
+    """AdamW state before its first step, allocated so that a checkpoint load has a target."""
+    return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(like),
+            "exp_avg_sq": torch.zeros_like(like)}
 
 
 class _null:
