@@ -105,8 +105,9 @@ def render(events: Sequence[dict], path: str | Path, title: str = "", unit: str 
     ax.set_xlabel(xlabel)
     ax.set_xlim(0, span)
     bubble = idle_fraction(comp)
-    ax.set_title(f"{title}  (idle fraction {bubble:.3f}; pale: forward, dark: backward, "
-                 f"hatched: second and later chunks)".strip(), fontsize=9)
+    hatched = ", hatched: second and later chunks" if any(e["chunk"] >= len(ranks) for e in comp) else ""
+    ax.set_title(f"{title}  (idle fraction {bubble:.3f}; pale: forward, dark: backward"
+                 f"{hatched})".strip(), fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
