@@ -7,6 +7,11 @@
 - ``stage``: GPT chunks keeping the GPT's parameter names.
 - ``executor``: runs one rank's list with non-blocking p2p through ``shardwise.comm``.
 - ``runner``: ``PipelineRunner`` (dp x pp training step for the trainer).
+- ``timeline``: record, predict, measure the idle fraction, draw the Gantt chart;
+  ``timeline.main(argv)`` is ``shardwise timeline``.
+- ``p2p``: non-blocking send / receive / batched exchange on ``shardwise.comm``'s thread.
+
+See ``docs/pipeline.md``.
 """
 
 from shardwise.pipeline.check import CheckReport, check
