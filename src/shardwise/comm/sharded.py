@@ -19,9 +19,11 @@ from shardwise.comm.primitives import check_op, finish_, group_info
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
-                           async_op: bool = False, algorithm: str = "ring"):
+                           async_op: bool = False, algorithm: str = "ring",
+                           check: bool | None = None):
     """``output`` (N * input.numel() elements, any shape) receives every rank's ``input``
-    in group-rank order. X (for accounting) is the output's size in bytes."""
+    in group-rank order. X (for accounting) is the output's size in bytes. ``check``
+    overrides ``settings.check`` for this call (see ``all_reduce``)."""
     _tensor(output, "all_gather", "output")
     _tensor(input, "all_gather", "input")
     info = group_info(group, "all_gather")
@@ -32,7 +34,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
                          f"got {output.numel()} of {output.dtype}")
 
     def run() -> None:
-        _agree(info, "all_gather", algo, "-", input, m)
+        _agree(info, "all_gather", algo, "-", input, m, enabled=check)
         out = _Flat(output)
         out.flat[info.rank * m:(info.rank + 1) * m].copy_(input.reshape(-1))
         if n > 1:
@@ -74,9 +76,11 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
-                          group=None, async_op: bool = False, algorithm: str = "ring"):
+                          group=None, async_op: bool = False, algorithm: str = "ring",
+                          check: bool | None = None):
     """``output`` (m elements) on group rank i receives shard i of the reduction of every
-    rank's ``input`` (N * m elements). ``input`` is left unchanged. X is the input's size."""
+    rank's ``input`` (N * m elements). ``input`` is left unchanged. X is the input's size.
+    ``check`` overrides ``settings.check`` for this call (see ``all_reduce``)."""
     _tensor(output, "reduce_scatter", "output")
     _tensor(input, "reduce_scatter", "input")
     info = group_info(group, "reduce_scatter")
@@ -88,7 +92,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
                          f"{output.dtype}, got {input.numel()} of {input.dtype}")
 
     def run() -> None:
-        _agree(info, "reduce_scatter", algo, op, input, input.numel())
+        _agree(info, "reduce_scatter", algo, op, input, input.numel(), enabled=check)
         out = _Flat(output)
         work = input.detach().reshape(-1).clone()
         call = _call("reduce_scatter", algo, info, input)

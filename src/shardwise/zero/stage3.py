@@ -135,7 +135,9 @@ class ZeroStage3(nn.Module):
         if u.gathered or u.handle is not None:
             return
         u.full.untyped_storage().resize_(u.nbytes)
-        u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=self.group, async_op=True)
+        # check=False: shapes were agreed once, by the construction-time broadcast
+        u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=self.group, async_op=True,
+                                               check=False)
 
     def _gather(self, u: _Unit) -> None:
         self._launch_gather(u)
@@ -201,7 +203,8 @@ class ZeroStage3(nn.Module):
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         out = torch.empty(u.shard_size, dtype=flat.dtype, device=flat.device)
-        work = comm.reduce_scatter_tensor(out, flat, op="sum", group=self.group, async_op=True)
+        work = comm.reduce_scatter_tensor(out, flat, op="sum", group=self.group, async_op=True,
+                                          check=False)
         self._pending.append((u, work, out))
         u.fired = set()
         if u is not self.root:

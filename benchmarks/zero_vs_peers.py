@@ -1,0 +1,131 @@
+"""Our ZeRO stages against PyTorch's implementations, same GPT, same batches, dp=2.
+
+Pairs (fp32, AdamW, gloo, 1 torch thread per rank, the GPT of configs/shakespeare.toml):
+
+- ZeRO-1: ours vs ``torch.nn.parallel.DistributedDataParallel`` +
+  ``torch.distributed.optim.ZeroRedundancyOptimizer`` (optimizer states sharded);
+- ZeRO-2: ours vs FSDP2 ``fully_shard(reshard_after_forward=False)`` per block (gradients and
+  optimizer states sharded, parameters kept between forward and backward);
+- ZeRO-3: ours vs FSDP2 ``fully_shard`` per block (parameters sharded too).
+
+Inside one job each pair alternates (who goes first flips every repeat); every run builds a
+fresh model from the same seed and times ``--steps`` steps after ``--warmup``. Prints the
+median tokens/s and the ratio ours / peer. DeepSpeed is not measured here.
+
+    python benchmarks/zero_vs_peers.py --repeats 5 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+PAIRS = {1: "ddp+ZeroRedundancyOptimizer", 2: "fsdp2(reshard_after_forward=False)", 3: "fsdp2"}
+
+
+def _build(kind: str, stage: int, cfg, vocab: int):
+    from shardwise.models import GPT, GPTConfig
+    from shardwise.zero import ZeroDataParallel, ZeroStage3
+
+    m = cfg.model
+    torch.manual_seed(cfg.training.seed)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer,
+                          n_head=m.n_head, n_embd=m.n_embd))
+    if kind == "ours":
+        net = (ZeroStage3(model) if stage == 3
+               else ZeroDataParallel(model, None, stage, cfg.parallel.bucket_mb))
+        opt = torch.optim.AdamW(net.param_groups(0.0), lr=1e-3, foreach=False)
+        return net, opt
+    if stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=1e-3, foreach=False)
+        return net, opt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reshard = stage == 3
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+
+def _run(kind: str, stage: int, cfg, tokens, steps: int, warmup: int) -> float:
+    from shardwise.data import DistributedBatchSampler
+
+    net, opt = _build(kind, stage, cfg, int(tokens.max()) + 1)
+    sampler = DistributedBatchSampler(tokens, cfg.model.block_size, cfg.training.global_batch_size,
+                                      dist.get_rank(), dist.get_world_size(), seed=cfg.training.seed)
+    for i in range(warmup + steps):
+        if i == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        x, y = sampler.next_batch()
+        if kind == "ours":
+            net.zero_grad()
+            _, loss = net(x, y)
+            loss.backward()
+            net.step(opt, 0.0)
+        else:
+            opt.zero_grad(set_to_none=True)
+            _, loss = net(x, y)
+            loss.backward()
+            opt.step()
+    dist.barrier()
+    return steps * cfg.training.global_batch_size * cfg.model.block_size / (time.perf_counter() - t0)
+
+
+def worker(cfg_dict: dict, stages: list[int], repeats: int, steps: int, warmup: int) -> dict:
+    from shardwise.config import Config
+    from shardwise.data import CharTokenizer, load_text
+
+    cfg = Config.from_dict(cfg_dict)
+    text = load_text(cfg.data.path)
+    tokens = CharTokenizer.from_text(text).encode(text)
+    out = {}
+    for stage in stages:
+        res = {"ours": [], "peer": []}
+        for r in range(repeats):
+            for kind in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+                res[kind].append(_run(kind, stage, cfg, tokens, steps, warmup))
+        out[str(stage)] = res
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardwise.config import Config
+    from shardwise.launch import spawn
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(REPO / "configs/shakespeare.toml"))
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    cfg = Config.load(args.config, {"parallel.dp": 2})
+    stages = [int(s) for s in args.stages.split(",")]
+    res = spawn(worker, 2, (cfg.model_dump(), stages, args.repeats, args.steps, args.warmup),
+                threads=1)[0]
+    print(f"GPT {cfg.model.n_layer}x{cfg.model.n_embd}, batch {cfg.training.global_batch_size}"
+          f"x{cfg.model.block_size} tokens, dp=2, fp32, 1 thread per rank, gloo, "
+          f"{args.repeats} alternated repeats of {args.steps} steps (median tokens/s)")
+    for s in stages:
+        ours, peer = (statistics.median(res[str(s)][k]) for k in ("ours", "peer"))
+        print(f"  ZeRO-{s}: ours {ours:8.0f}  vs  {PAIRS[s]:<36} {peer:8.0f}   ratio {ours / peer:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
