@@ -134,8 +134,7 @@ class Executor:
         self.grad_out: dict = {}  # (mb, chunk) -> gradient w.r.t. the chunk's input
         self.sends: list = []
         self.events = []  # this run's only
-        self.meter.exclude = {p.untyped_storage().data_ptr()
-                              for c in self.chunks.values() for p in c.parameters()}
+        self.meter.exclude = _storages(p for c in self.chunks.values() for p in c.parameters())
         ops = self.schedule.ranks[self.pp_rank]
         i = 0
         while i < len(ops):
@@ -180,7 +179,7 @@ class Executor:
         if self.schedule.weight_stashing:
             stash = {n: p.detach().clone().requires_grad_()
                      for n, p in self.chunks[op.chunk].named_parameters()}
-            self.meter.exclude |= {p.untyped_storage().data_ptr() for p in stash.values()}
+            self.meter.exclude |= _storages(stash.values())  # weights, not activations
             self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "forward",
                                   "version": self.version, "checksum": _checksum(stash.values())})
         with self._hooks(), torch.set_grad_enabled(not self.recompute):
@@ -211,6 +210,7 @@ class Executor:
                 out.backward(grad)
         del out
         if stash is not None:
+            self.meter.exclude -= _storages(stash.values())
             for (name, p), s in zip(self.chunks[op.chunk].named_parameters(), stash.values()):
                 p.grad = s.grad if p.grad is None else p.grad.add_(s.grad)
             self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "backward",
@@ -261,3 +261,7 @@ class Executor:
 def _checksum(params) -> float:
     """A fingerprint of a set of weights (float64 sum of squares and sum)."""
     return float(sum((p.detach().double() ** 2).sum() + p.detach().double().sum() for p in params))
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
