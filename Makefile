@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean bench
+.PHONY: run test install clean bench-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# optional: the peers that benchmarks/zero_vs_peers.py --deepspeed compares against
+bench-deps: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-deps deepspeed==0.19.8
 
 clean:
 	rm -rf $(VENV) runs

@@ -8,16 +8,20 @@ Pairs (fp32, AdamW, gloo, 1 torch thread per rank, the GPT of configs/shakespear
   optimizer states sharded, parameters kept between forward and backward);
 - ZeRO-3: ours vs FSDP2 ``fully_shard`` per block (parameters sharded too).
 
-Inside one job each pair alternates (who goes first flips every repeat); every run builds a
-fresh model from the same seed and times ``--steps`` steps after ``--warmup``. Prints the
-median tokens/s and the ratio ours / peer. DeepSpeed is not measured here.
+- with ``--deepspeed``: each stage also against DeepSpeed's ZeRO of the same stage
+  (``deepspeed.initialize``, torch AdamW, fp32; install with ``make bench-deps``).
 
-    python benchmarks/zero_vs_peers.py --repeats 5 --steps 20
+Inside one job the implementations alternate (the order rotates every repeat); every run
+builds a fresh model from the same seed and times ``--steps`` steps after ``--warmup``.
+Prints the median tokens/s and the ratio ours / peer.
+
+    python benchmarks/zero_vs_peers.py --repeats 5 --steps 20 [--deepspeed]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -38,6 +42,15 @@ def _build(kind: str, stage: int, cfg, vocab: int):
     torch.manual_seed(cfg.training.seed)
     model = GPT(GPTConfig(vocab_size=vocab, block_size=m.block_size, n_layer=m.n_layer,
                           n_head=m.n_head, n_embd=m.n_embd))
+    if kind == "deepspeed":
+        import deepspeed
+
+        ds_cfg = {"train_micro_batch_size_per_gpu": cfg.training.global_batch_size // dist.get_world_size(),
+                  "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_cfg, dist_init_required=False)
+        return engine, None
     if kind == "ours":
         net = (ZeroStage3(model) if stage == 3
                else ZeroDataParallel(model, None, stage, cfg.parallel.bucket_mb))
@@ -72,7 +85,11 @@ def _run(kind: str, stage: int, cfg, tokens, steps: int, warmup: int) -> float:
             dist.barrier()
             t0 = time.perf_counter()
         x, y = sampler.next_batch()
-        if kind == "ours":
+        if kind == "deepspeed":
+            _, loss = net(x, y)
+            net.backward(loss)
+            net.step()
+        elif kind == "ours":
             net.zero_grad()
             _, loss = net(x, y)
             loss.backward()
@@ -86,7 +103,8 @@ def _run(kind: str, stage: int, cfg, tokens, steps: int, warmup: int) -> float:
     return steps * cfg.training.global_batch_size * cfg.model.block_size / (time.perf_counter() - t0)
 
 
-def worker(cfg_dict: dict, stages: list[int], repeats: int, steps: int, warmup: int) -> dict:
+def worker(cfg_dict: dict, stages: list[int], repeats: int, steps: int, warmup: int,
+           kinds: tuple = ("ours", "peer")) -> dict:
     from shardwise.config import Config
     from shardwise.data import CharTokenizer, load_text
 
@@ -95,9 +113,9 @@ def worker(cfg_dict: dict, stages: list[int], repeats: int, steps: int, warmup: 
     tokens = CharTokenizer.from_text(text).encode(text)
     out = {}
     for stage in stages:
-        res = {"ours": [], "peer": []}
+        res = {k: [] for k in kinds}
         for r in range(repeats):
-            for kind in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate who goes first
                 res[kind].append(_run(kind, stage, cfg, tokens, steps, warmup))
         out[str(stage)] = res
     return out
@@ -113,10 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's ZeRO (make bench-deps)")
     args = ap.parse_args(argv)
+    kinds = ("ours", "peer")
+    if args.deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            print("zero_vs_peers: error: --deepspeed needs DeepSpeed: run `make bench-deps`",
+                  file=sys.stderr)
+            return 2
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        kinds = ("ours", "peer", "deepspeed")
     cfg = Config.load(args.config, {"parallel.dp": 2})
     stages = [int(s) for s in args.stages.split(",")]
-    res = spawn(worker, 2, (cfg.model_dump(), stages, args.repeats, args.steps, args.warmup),
+    res = spawn(worker, 2, (cfg.model_dump(), stages, args.repeats, args.steps, args.warmup, kinds),
                 threads=1)[0]
     print(f"GPT {cfg.model.n_layer}x{cfg.model.n_embd}, batch {cfg.training.global_batch_size}"
           f"x{cfg.model.block_size} tokens, dp=2, fp32, 1 thread per rank, gloo, "
@@ -124,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in stages:
         ours, peer = (statistics.median(res[str(s)][k]) for k in ("ours", "peer"))
         print(f"  ZeRO-{s}: ours {ours:8.0f}  vs  {PAIRS[s]:<36} {peer:8.0f}   ratio {ours / peer:.3f}")
+        if "deepspeed" in kinds:
+            ds = statistics.median(res[str(s)]["deepspeed"])
+            print(f"          ours {ours:8.0f}  vs  {'deepspeed 0.19.8 stage ' + str(s):<36} {ds:8.0f}"
+                  f"   ratio {ours / ds:.3f}")
     return 0
 
 
