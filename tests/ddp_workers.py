@@ -44,6 +44,9 @@ def _result(trainer) -> dict:
             p.untyped_storage().nbytes() // p.element_size()
             for p in {id(p): p for p in trainer.model.parameters()}.values()
             if p.untyped_storage().nbytes() > 0 and p.data_ptr() == p.untyped_storage().data_ptr())
+    if trainer.pipeline is not None:  # this rank's stages only (the rest is never trained here)
+        out["stage_params"] = {n: p.detach().clone() for n, p in trainer.pipeline.named_parameters()}
+        return out
     if trainer.tp is not None:  # tensor parallel: the full weights, gathered over tp
         from shardwise.tensor_parallel import gather_state_dict
 

@@ -1,4 +1,4 @@
-"""Command line: ``shardwise train`` (the main job) and ``shardwise bench ...``.
+"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``.
 
 Examples::
 
@@ -118,6 +118,12 @@ def cmd_memory(args, extra: list[str]) -> int:
     return memory_main(extra)
 
 
+def cmd_timeline(args, extra: list[str]) -> int:
+    from shardwise.pipeline.timeline import main as timeline_main
+
+    return timeline_main(extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardwise", description="Distributed training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -133,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
                          add_help=False)
     mem.set_defaults(func=cmd_memory)
+    tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
+                        add_help=False)
+    tl.set_defaults(func=cmd_timeline)
     return parser
 
 

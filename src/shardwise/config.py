@@ -62,6 +62,11 @@ class ParallelConfig(_Section):
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")
     allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
+    schedule: str = Field("1f1b", description="pipeline schedule with pp > 1: naive, gpipe, "
+                          "1f1b, interleaved or pipedream; parallel.micro_batches is its m")
+    chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
+    partition: str = Field("layers", description="pipeline stage balance: layers, params or time")
+    recompute: bool = Field(False, description="pipeline: recompute activations in backward")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
@@ -78,9 +83,14 @@ class ParallelConfig(_Section):
                              f"{', '.join(names)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
-        if self.pp > 1:
-            raise ValueError("parallel.pp > 1 is not supported by `shardwise train` yet "
-                             "(the pipeline library runs from benchmarks/ and tests/)")
+        if self.schedule not in ("naive", "gpipe", "1f1b", "interleaved", "pipedream"):
+            raise ValueError(f"parallel.schedule={self.schedule!r}: expected naive, gpipe, 1f1b, "
+                             "interleaved or pipedream")
+        if self.partition not in ("layers", "params", "time"):
+            raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
+        if self.pp > 1 and (self.tp > 1 or self.zero > 0):
+            raise ValueError(f"parallel.pp={self.pp} is not combined with tp or ZeRO yet "
+                             "(dp x pp works)")
         if self.tp > 1 and self.zero > 0:
             raise ValueError(f"parallel.zero={self.zero} with parallel.tp={self.tp}: ZeRO is not "
                              "combined with tensor parallelism yet; use zero = 0")
@@ -144,6 +154,19 @@ class Config(_Section):
                            ("MLP width 4 x model.n_embd", 4 * m.n_embd)):
             if size % p.tp:
                 raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
+        if p.pp > 1 and m.tie_weights:
+            raise ValueError(f"model.tie_weights=true with parallel.pp={p.pp}: the embedding and "
+                             "the head sit on different stages; set model.tie_weights = false")
+        if p.pp * p.chunks_per_rank > m.n_layer + 2:
+            raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
+                             f"chunks, more than the {m.n_layer + 2} layers (embedding, "
+                             f"{m.n_layer} blocks, head)")
+        if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
+            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
+                             f"parallel.pp={p.pp} for the interleaved schedule")
+        if p.pp > 1 and p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
+            raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
+                             "optimizer.grad_clip = 0")
         if p.sequence_parallel and m.block_size % p.tp:
             raise ValueError(f"model.block_size={m.block_size} is not divisible by "
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")

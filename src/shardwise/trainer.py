@@ -25,6 +25,8 @@ from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
 from shardwise.data_parallel import DistributedDataParallel
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPT, GPTConfig
+from shardwise.pipeline.inference import pipeline_generate, pipeline_loss
+from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.tensor_parallel import TPGroup
 from shardwise.topology import Topology
 from shardwise.zero import ZeroDataParallel, ZeroStage3
@@ -66,9 +68,8 @@ class Trainer:
             self.model = tp.build_tp_gpt(self.gpt_cfg, self.tp, cfg.training.seed).to(self.device)
         else:
             self.model = GPT(self.gpt_cfg).to(self.device)
-        p = cfg.parallel
-        self.ddp = self.zero = None
-        t = cfg.training
+        p, o, t = cfg.parallel, cfg.optimizer, cfg.training
+        self.ddp = self.zero = self.pipeline = None
         self.loss_scaler = (DynamicLossScaler(t.initial_loss_scale)
                             if t.precision == "fp16" and t.loss_scaling else None)
         mp = {"param_dtype": DTYPES[t.precision], "loss_scaler": self.loss_scaler}
@@ -76,6 +77,14 @@ class Trainer:
             self.zero = ZeroStage3(self.model, topology.groups.dp, **mp)
         elif self.distributed and p.zero > 0:
             self.zero = ZeroDataParallel(self.model, topology.groups.dp, p.zero, p.bucket_mb, **mp)
+        elif self.distributed and topology.pp > 1:  # the runner builds AdamW over its stages
+            self.pipeline = PipelineRunner(
+                self.model, topology,
+                PipelineConfig(schedule=p.schedule, microbatches=p.micro_batches,
+                               chunks_per_rank=p.chunks_per_rank, partition=p.partition,
+                               recompute=p.recompute, clip=o.grad_clip or None),
+                batch_size=t.global_batch_size // topology.dp, seq_len=m.block_size,
+                make_optimizer=lambda named: self._adamw([q for _, q in named]))
         elif self.distributed and topology.dp > 1:
             self.ddp = DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
                                                p.allreduce,
@@ -83,15 +92,12 @@ class Trainer:
         # dropout streams differ per rank; the model init above is identical everywhere
         torch.manual_seed(cfg.training.seed + 1000 * (topology.rank + 1))
 
-        o = cfg.optimizer
-        if self.zero is not None:  # AdamW over this rank's fp32 shard only
-            groups = self.zero.param_groups(o.weight_decay)
+        if self.pipeline is not None:
+            self.optimizer = self.pipeline.optimizer
+        elif self.zero is not None:  # AdamW over this rank's fp32 shard only
+            self.optimizer = self._adamw(groups=self.zero.param_groups(o.weight_decay))
         else:
-            groups = [{"params": [q for q in self.model.parameters() if q.dim() >= 2],
-                       "weight_decay": o.weight_decay},
-                      {"params": [q for q in self.model.parameters() if q.dim() < 2],
-                       "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+            self.optimizer = self._adamw(list(self.model.parameters()))
         total = cfg.training.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.lr, o.min_lr))
@@ -103,6 +109,14 @@ class Trainer:
         self.out_dir = Path(t.out_dir)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.is_main)
         self.history: list[float] = []
+
+    def _adamw(self, params: list | None = None, groups: list | None = None):
+        """AdamW with weight decay on matrices only (embeddings and linear weights)."""
+        o = self.cfg.optimizer
+        if groups is None:
+            groups = [{"params": [q for q in params if q.dim() >= 2], "weight_decay": o.weight_decay},
+                      {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
 
     # -- one step -------------------------------------------------------------------------
     @property
@@ -122,6 +136,12 @@ class Trainer:
         m = self.cfg.parallel.micro_batches
         x, y = self.sampler.next_batch()
         x, y = x.to(self.device), y.to(self.device)
+        if self.pipeline is not None:  # the schedule runs the m micro-batches and the step
+            loss = self.pipeline.train_step(x, y)  # mean over micro-batches and dp replicas
+            self.scheduler.step()
+            self.step += 1
+            self.history.append(loss)
+            return {"loss": loss, "lr": self.optimizer.param_groups[0]["lr"]}
         wrapper = self.ddp or self.zero
         if wrapper is not None:
             wrapper.zero_grad()  # gradients stay views into the communication buckets
@@ -180,8 +200,12 @@ class Trainer:
         offs = torch.arange(m.block_size + 1)
         w = self.val_tokens[starts[:, None] + offs[None, :]].to(self.device)
         self.model.eval()
-        losses = [self.net(xb, yb)[1].item() for xb, yb in  # ZeRO-3 gathers in its hooks
-                  zip(w[:, :-1].split(local), w[:, 1:].split(local))]
+        if self.pipeline is not None:
+            losses = [pipeline_loss(self.pipeline, xb, yb, self.gpt_cfg.n_embd)
+                      for xb, yb in zip(w[:, :-1].split(local), w[:, 1:].split(local))]
+        else:
+            losses = [self.net(xb, yb)[1].item() for xb, yb in  # ZeRO-3 gathers in its hooks
+                      zip(w[:, :-1].split(local), w[:, 1:].split(local))]
         self.model.train()
         return self._mean_over_dp(sum(losses) / len(losses))
 
@@ -222,6 +246,10 @@ class Trainer:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
+        if self.pipeline is not None and self.topology.dp_rank == 0:  # for `shardwise timeline`
+            p = self.cfg.parallel
+            self.pipeline.save_timeline(self.out_dir, title=f"{p.schedule}, pp={self.topology.pp}, "
+                                        f"m={p.micro_batches}, last training step")
         val_loss = self._log_eval()
         if ck.at_end:
             self.save_checkpoint()
@@ -242,8 +270,8 @@ class Trainer:
         with self._full_parameters():
             if self.is_main:
                 self._write_outputs()
-            elif self.tp is not None and self.topology.dp_rank == 0:
-                self._sample()  # generation is collective over rank 0's tp group
+            elif (self.tp is not None or self.pipeline is not None) and self.topology.dp_rank == 0:
+                self._sample()  # generation is collective over rank 0's tp / pp group
 
     def _full_parameters(self):
         """Every parameter materialised on this rank (collective under ZeRO-3)."""
@@ -261,7 +289,12 @@ class Trainer:
     def _sample(self) -> str:
         g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
         prompt = self.tokenizer.encode("\n").view(1, 1).to(self.device)
-        out = self.model.generate(prompt, self.cfg.training.sample_chars, generator=g)
+        n = self.cfg.training.sample_chars
+        if self.pipeline is not None:
+            out = pipeline_generate(self.pipeline, prompt, n, self.gpt_cfg.block_size,
+                                    self.gpt_cfg.n_embd, generator=g)
+        else:
+            out = self.model.generate(prompt, n, generator=g)
         return self.tokenizer.decode(out[0].tolist())
 
     # -- state ----------------------------------------------------------------------------
@@ -275,8 +308,10 @@ class Trainer:
             moments = tp.gather_optimizer_state(self.model, self.optimizer, self.tp)
             for n, full in model_tensors.items():
                 moments.setdefault(n, _fresh_moments(full))
-        else:
-            model_tensors = {n: p.detach() for n, p in self.model.named_parameters()}
+        else:  # a pipeline rank saves only the stages it trains
+            named = (self.pipeline.named_parameters() if self.pipeline is not None
+                     else self.model.named_parameters())
+            model_tensors = {n: p.detach() for n, p in named}
             names = self._optimizer_param_names()
             moments = {}
             for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"]):
@@ -360,6 +395,8 @@ class Trainer:
         piece names (parameter and element range), which differ between ranks."""
         if self.zero is not None:
             return {id(m): n for m, n in zip(self.zero.pieces, self.zero.piece_names)}
+        if self.pipeline is not None:
+            return {id(p): n for n, p in self.pipeline.named_parameters()}
         return {id(p): n for n, p in self.model.named_parameters()}
 
 

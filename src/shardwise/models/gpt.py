@@ -166,11 +166,18 @@ class GPT(nn.Module):
         self.eval()
         for _ in range(new_tokens):
             logits, _ = self(idx[:, -self.cfg.block_size:])
-            logits = logits[:, -1, :] / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator)
             idx = torch.cat([idx, nxt], dim=1)
         self.train(was_training)
         return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 20,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from last-position ``logits`` (B, V): temperature, then top-k, then
+    a multinomial draw. Returns (B, 1) int64."""
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)

@@ -1,0 +1,59 @@
+"""`shardwise train` with pipeline parallelism: the trainer's pp path against one process."""
+
+import pytest
+import torch
+from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
+from test_ddp import assert_parity
+
+from shardwise.config import Config, ConfigError
+from shardwise.launch import spawn
+
+UNTIED = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32, "tie_weights": False}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    return train(tiny_config(str(corpus), str(tmp_path_factory.mktemp("ref")), model=UNTIED))
+
+
+def _merge(results: list[dict]) -> dict:
+    """Each pipeline rank returns the stages it trains; together they are the model."""
+    params = {}
+    for r in results:
+        params.update(r["stage_params"])
+    return {"losses": results[0]["losses"], "params": params}
+
+
+@pytest.mark.parametrize("dp, pp, parallel", [
+    (1, 2, {"schedule": "1f1b", "micro_batches": 2}),
+    (2, 2, {"schedule": "interleaved", "chunks_per_rank": 2, "micro_batches": 2, "recompute": True}),
+])
+def test_trainer_pp_matches_single_process(dp, pp, parallel, reference, corpus, tmp_path):
+    cfg = tiny_config(str(corpus), str(tmp_path), model=UNTIED,
+                      parallel={"dp": dp, "pp": pp, **parallel})
+    results = spawn(train, dp * pp, (cfg,))
+    assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank reports it
+    assert_parity(_merge(results[:pp]), reference)  # dp replica 0's pipeline
+
+
+def test_pp_resume_matches_uninterrupted_run(corpus, tmp_path):
+    sections = {"model": UNTIED, "parallel": {"dp": 1, "pp": 2, "micro_batches": 2},
+                "training": {"steps": 8}}
+    straight = spawn(train, 2, (tiny_config(str(corpus), str(tmp_path / "a"), **sections),))
+    cut = tiny_config(str(corpus), str(tmp_path / "b"), **sections)
+    spawn(train_and_checkpoint, 2, (cut, 4))
+    resumed = spawn(resume_and_finish, 2, (cut,))
+    for a, b in zip(straight, resumed):
+        assert b["resumed_at"] == 4 and b["losses"] == a["losses"]
+        for name, p in a["stage_params"].items():
+            assert torch.equal(b["stage_params"][name], p), name
+
+
+def test_pp_bad_layouts_are_one_line():
+    with pytest.raises(ConfigError, match="model.tie_weights=true with parallel.pp=2"):
+        Config.from_dict({"parallel": {"dp": 1, "pp": 2}})
+    with pytest.raises(ConfigError, match="more than the 4 layers"):
+        Config.from_dict({"parallel": {"dp": 1, "pp": 5}, "model": {"n_layer": 2, "tie_weights": False}})
+    with pytest.raises(ConfigError, match="multiple of parallel.pp=2 for the interleaved"):
+        Config.from_dict({"parallel": {"dp": 1, "pp": 2, "schedule": "interleaved", "micro_batches": 3},
+                          "model": {"tie_weights": False}, "training": {"global_batch_size": 30}})
