@@ -7,7 +7,6 @@ read its results.
 """
 
 import pytest
-import torch
 from tp_workers import make_batches, rel_err, suite_worker, train_reference
 
 from shardwise.comm.accounting import format_table

@@ -1,7 +1,6 @@
 """`shardwise train` with tensor parallelism: the trainer's tp path against one process."""
 
 import pytest
-import torch
 from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
 from test_ddp import assert_parity
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import accounting, check, cost, flat, halving_doubling, ring, tree
-from shardwise.comm.async_ import DONE, executor
+from shardwise.comm.async_ import executor
 from shardwise.comm.primitives import (Call, GroupInfo, check_op, finish_, group_info,
                                        group_rank_of, settings)
 
