@@ -240,7 +240,8 @@ class Trainer(TrainerState):
                 self.metrics.write(rec)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                refresh=False)  # the bar redraws at its own mininterval
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                 val_loss = self._log_eval()
             if ck.every and self.step % ck.every == 0 and self.step < t.steps:
