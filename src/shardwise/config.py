@@ -148,7 +148,8 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
-    def _batch_divides(self):
+    def _sections_agree(self):
+        """Rules that span sections: sizes that must divide, layouts that cannot combine."""
         p, t, m = self.parallel, self.training, self.model
         for name, size in (("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
                            ("MLP width 4 x model.n_embd", 4 * m.n_embd)):

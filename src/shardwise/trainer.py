@@ -89,7 +89,7 @@ class Trainer(TrainerState):
         elif self.distributed and topology.dp > 1:
             self.ddp = DistributedDataParallel(self.model, topology.groups.dp, p.bucket_mb,
                                                p.allreduce,
-                                               first_bucket_mb=min(p.first_bucket_mb, p.bucket_mb))
+                                               first_bucket_mb=p.first_bucket_mb)
         # dropout streams differ per rank; the model init above is identical everywhere
         torch.manual_seed(cfg.training.seed + 1000 * (topology.rank + 1))
 

@@ -46,6 +46,31 @@ class Bucket:
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
+    def add_grad(self, i: int, p: torch.nn.Parameter) -> bool:
+        """Put param ``i``'s gradient into its slot (``p.grad`` becomes the slot's view);
+        returns True when this was the last missing gradient of the bucket.
+
+        Raises ``RuntimeError`` if param ``i`` already delivered a gradient this backward.
+        """
+        if i in self.fired:
+            raise RuntimeError(f"parameter {i} of bucket {self.index} produced two gradients "
+                               "in one backward; call backward once per step (or use no_sync)")
+        view = self.view_of(i)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        self.fired.add(i)
+        self.pending -= 1
+        self.ready = self.pending == 0
+        return self.ready
+
+    def close_unfired(self) -> None:
+        """End of backward: slots of parameters that got no gradient (unused) become zeros."""
+        for i in range(len(self.params)):
+            if i not in self.fired:
+                self.view_of(i).zero_()
+        self.ready = True
+
     def reset(self) -> None:
         self.pending, self.ready, self.work, self.launched_at = len(self.params), False, None, None
         self.fired = set()
@@ -57,13 +82,14 @@ def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
 
     Parameters are taken in reverse order; a bucket closes when the next parameter would
     push it past its cap or has another dtype or device. The first bucket (the gradients
-    backward produces first) may have a smaller cap, ``first_cap_bytes``, so that its
+    backward produces first) may have a smaller cap, ``first_cap_bytes`` (never larger than
+    ``cap_bytes``), so that its
     all-reduce starts early; PyTorch's DDP does the same with 1 MiB. A parameter larger
     than the cap gets a bucket of its own. Each buffer is zero-padded to a multiple of
     ``pad_to`` elements (ZeRO pads to the world size). Raises ``ValueError`` if a cap is
     < 1 byte.
     """
-    first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    first_cap_bytes = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
     if cap_bytes < 1 or first_cap_bytes < 1:
         raise ValueError(f"bucket capacities must be >= 1 byte, got {cap_bytes}, {first_cap_bytes}")
     groups: list[list[torch.nn.Parameter]] = []

@@ -109,17 +109,7 @@ class DistributedDataParallel(nn.Module):
             self._callback_queued = True
         self._hook_times.append(now)
         bucket, i = self._slot[id(p)]
-        if i in bucket.fired:
-            raise RuntimeError(f"parameter {i} of bucket {bucket.index} produced two gradients "
-                               "in one backward; call backward once per step (or use no_sync)")
-        view = bucket.view_of(i)
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
-        bucket.fired.add(i)
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            bucket.ready = True
+        if bucket.add_grad(i, p):
             self._launch_ready()
 
     def _launch(self, bucket: Bucket) -> None:
@@ -139,11 +129,7 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         end = time.perf_counter()
         for b in self.buckets[self._next_to_launch:]:
-            # parameters that got no gradient this step (unused) contribute zeros
-            for i, p in enumerate(b.params):
-                if i not in b.fired:
-                    b.view_of(i).zero_()
-            b.ready = True
+            b.close_unfired()
         self._launch_ready()
         for b in self.buckets:
             b.work.wait()

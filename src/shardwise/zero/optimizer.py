@@ -210,14 +210,7 @@ class ZeroDataParallel(nn.Module):
                 self._queued = True
             if b.buffer.numel() == 0:  # stage 2: this bucket's buffer was freed last step
                 b.buffer = torch.zeros(self.layout.padded[b.index], dtype=p.dtype, device=p.device)
-            view = b.view_of(i)
-            if p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-                p.grad = view
-            b.fired.add(i)
-            b.pending -= 1
-            if b.pending == 0:
-                b.ready = True
+            if b.add_grad(i, p):
                 self._launch_ready()
         return on_grad_ready
 
@@ -235,10 +228,7 @@ class ZeroDataParallel(nn.Module):
             if b.buffer.numel() == 0:
                 b.buffer = torch.zeros(self.layout.padded[b.index], dtype=b.params[0].dtype,
                                        device=b.params[0].device)
-            for i in range(len(b.params)):
-                if i not in b.fired:
-                    b.view_of(i).zero_()  # unused parameter: contributes zeros
-            b.ready = True
+            b.close_unfired()
         self._launch_ready()
         for b in self.layout.buckets:
             b.work.wait()

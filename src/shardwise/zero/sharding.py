@@ -6,8 +6,8 @@ registration order, ``bucket_cap_mb``). A bucket of ``n`` elements is padded to
 of it, so every collective on a bucket is an even reduce-scatter or all-gather. With one
 bucket (the default 25 MiB holds small models whole) each rank owns one contiguous 1/N
 slice of all parameters, as in Rajbhandari et al., "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", SC 2020. Padding is at most N-1 elements per bucket
-and is reported by ``ShardLayout.padding``.
+Training Trillion Parameter Models", SC 2020. Padding is at most N-1 elements per bucket;
+``zero.memory.report`` states it (``padded_numel - numel``).
 """
 
 from __future__ import annotations
@@ -68,11 +68,6 @@ class ShardLayout:
     def numel(self) -> int:
         """P: trainable parameters, unpadded."""
         return sum(b.numel for b in self.buckets)
-
-    @property
-    def padding(self) -> int:
-        """Elements added so that every bucket divides evenly by N."""
-        return sum(self.padded) - self.numel
 
     @property
     def shard_numel(self) -> int:
