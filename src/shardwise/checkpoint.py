@@ -55,6 +55,7 @@ def _single_process_ok():
 
 
 def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint taken after ``step`` optimizer steps."""
     return f"step_{step:06d}"
 
 
@@ -72,6 +73,7 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or ``None`` if there is none."""
     done = complete_checkpoints(root)
     return done[-1] if done else None
 
@@ -109,6 +111,7 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json``; raises ``CheckpointError`` naming the file if unreadable."""
     path = Path(path)
     try:
         return json.loads((path / META).read_text())

@@ -23,6 +23,7 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 

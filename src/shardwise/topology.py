@@ -71,6 +71,7 @@ class Topology:
                 "tp": rank % self.tp}
 
     def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        """Global rank at grid coordinates ``(dp, pp, tp)``; inverse of ``coords_of``."""
         return (dp * self.pp + pp) * self.tp + tp
 
     @property

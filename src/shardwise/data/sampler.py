@@ -68,6 +68,7 @@ class DistributedBatchSampler:
         return x, y
 
     def windows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows ``idx`` (K,) as inputs and next-token targets, each (K, T) int64."""
         T = self.block_size
         starts = idx * T
         offsets = torch.arange(T + 1)
@@ -75,6 +76,7 @@ class DistributedBatchSampler:
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
+        """JSON-safe position (epoch, batch in epoch) plus what must match on resume."""
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
                 "global_batch_size": self.global_batch_size, "block_size": self.block_size}
 

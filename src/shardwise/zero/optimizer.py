@@ -192,6 +192,8 @@ class ZeroDataParallel(nn.Module):
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = False) -> None:
+        """Stage 1: zero the gradient buckets in place, ``param.grad`` stays their view.
+        Stage 2 (or ``set_to_none``): drop the full gradients; backward allocates them."""
         for b in self.layout.buckets:
             if self.stage == 1 and not set_to_none:
                 b.buffer.zero_()

@@ -224,10 +224,12 @@ class ZeroStage3(nn.Module):
 
     # -- optimizer side ---------------------------------------------------------------------
     def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups over this rank's fp32 pieces: decay for matrices, none for vectors."""
         return [{"params": [m for m, d in zip(self.pieces, self._decay) if d], "weight_decay": weight_decay},
                 {"params": [m for m, d in zip(self.pieces, self._decay) if not d], "weight_decay": 0.0}]
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradient shards (full gradients never outlive a unit's backward)."""
         for u in self._all:
             u.grad_shard.zero_()
 
