@@ -23,6 +23,7 @@ from conftest import REPO
     (["--config", "/no/such.toml"], "config file '/no/such.toml' not found"),
     (["--resume", "--checkpoint.dir", "/tmp/shardwise-none"], "--resume: no complete checkpoint"),
     (["--bogus"], "unrecognised argument '--bogus'"),
+    (["--parallel.schedule", "zigzag"], "error: parallel.schedule='zigzag': expected"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
     assert main(["train", *argv]) == 2

@@ -1,5 +1,7 @@
 """The rank grid: coordinates, groups per axis, and rejection of bad sizes (no processes)."""
 
+import dataclasses
+
 import pytest
 
 from shardwise.topology import Topology, TopologyError
@@ -53,5 +55,5 @@ def test_rejects_non_positive_sizes(kwargs, field):
 
 def test_is_immutable():
     topo = Topology.build(dp=2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         topo.dp = 3

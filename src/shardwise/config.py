@@ -242,9 +242,8 @@ def _one_line(err: ValidationError) -> str:
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
-    elif first["type"] == "value_error":
-        msg = msg.removeprefix("Value error, ")
-        return msg if not loc else f"{loc}: {msg}"
+    elif first["type"] == "value_error":  # our validators' messages name their fields
+        return msg.removeprefix("Value error, ")
     got = first.get("input")
     got_s = "" if isinstance(got, dict) else f" (got {got!r})"
     where = loc or "config"
