@@ -81,6 +81,17 @@ def train_and_checkpoint(cfg_dict: dict, stop_at: int) -> dict:
     return _result(trainer)
 
 
+def train_saving_at(cfg_dict: dict, at: int) -> dict:
+    """The whole run, saving a checkpoint after step ``at`` on the way (as ``checkpoint.every``
+    does; PipeDream drains its stream there)."""
+    trainer = _trainer(cfg_dict)
+    while trainer.step < trainer.cfg.training.steps:
+        trainer.train_step()
+        if trainer.step == at:
+            trainer.save_checkpoint()
+    return _result(trainer)
+
+
 def resume_and_finish(cfg_dict: dict) -> dict:
     trainer = _trainer(cfg_dict)
     trainer.resume()

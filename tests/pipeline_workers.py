@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torch.func import functional_call
+
 from shardwise.models import GPT, GPTConfig
+from shardwise.pipeline.partition import gpt_layers, partition_layers
 from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
+from shardwise.pipeline.schedules import Backward, Forward
+from shardwise.pipeline.stage import gpt_chunks, lm_loss
+from shardwise.pipeline.stream import cut
 from shardwise.topology import Topology, init_process_groups
 
 MODEL = dict(vocab_size=65, block_size=16, n_layer=6, n_head=4, n_embd=32, tie_weights=False)
@@ -57,15 +63,20 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
     topo = _topology(dp, pp)
     runner = PipelineRunner(_model(), topo, PipelineConfig(**dict(cfg, measure_memory=True)), BATCH // dp,
                             MODEL["block_size"], _adamw)
-    losses = []
+    losses, in_flight = [], []
     share = BATCH // dp
     for idx, tgt in batches(steps):
         rows = slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
         losses.append(runner.train_step(idx[rows], tgt[rows]))
+        in_flight.append(runner.executor.in_flight)
     ex = runner.executor
     if run_dir is not None:
         runner.save_timeline(run_dir)
+    runner.drain()  # PipeDream: the backwards still in flight (flush schedules: nothing)
     return {"losses": losses, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank,
+            "in_flight": in_flight,
+            "buckets": None if runner.grad_sync is None else
+            (len(runner.grad_sync.buckets), runner.grad_sync.launched_early),
             "params": {n: p.detach().clone() for n, p in runner.named_parameters()},
             "peak_activation_bytes": ex.meter.peak, "versions": ex.versions,
             "bounds": list(runner.partition.bounds)}
@@ -77,3 +88,56 @@ def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5,
     with ``run_dir``, configuration i saves its last step's timeline under ``run_dir/i``."""
     return [run_pipeline(dp, pp, cfg, steps, None if run_dir is None else f"{run_dir}/{i}")
             for i, cfg in enumerate(cfgs)]
+
+
+def pipedream_reference(pp: int, m: int, steps: int) -> dict:
+    """One process running PipeDream's stream (``steps`` steps, then the drain) exactly: one
+    AdamW per stage, stepped after each of that stage's backwards; each forward on a copy of
+    the stage's weights as they are then, its backward through that copy (weight stashing).
+    Stages take turns in any order their lists and data dependencies allow: each stage's
+    state depends only on its own list, so the result is the one every order gives."""
+    model = _model()
+    part = partition_layers([layer for _, layer in gpt_layers(model)], pp, by="layers")
+    chunks = gpt_chunks(model, part, range(pp))
+    opts = [_adamw(list(chunks[c].model_parameters())) for c in range(pp)]
+    segments, drain = cut(pp, m, steps)
+    orders = [[op for lists in segments + [drain] for op in lists[r]
+               if isinstance(op, (Forward, Backward))] for r in range(pp)]
+    data = [(x.chunk(m), y.chunk(m)) for x, y in batches(steps)]
+    acts, grads, saved = {}, {}, {}
+    losses: list[list[float]] = [[] for _ in range(steps)]
+    pc = [0] * pp
+    while any(pc[r] < len(orders[r]) for r in range(pp)):
+        for r in range(pp):
+            while pc[r] < len(orders[r]):
+                op, last = orders[r][pc[r]], r == pp - 1
+                step, i = divmod(op.mb, m)
+                if isinstance(op, Forward):
+                    if r > 0 and (op.mb, r - 1) not in acts:
+                        break
+                    x = data[step][0][i] if r == 0 else acts.pop((op.mb, r - 1)).requires_grad_()
+                    stash = {n: p.detach().clone().requires_grad_()
+                             for n, p in chunks[r].named_parameters()}
+                    out = functional_call(chunks[r], stash, (x,))
+                    if last:
+                        loss = lm_loss(out, data[step][1][i])
+                        losses[step].append(loss.item())
+                        out = loss / m
+                    else:
+                        acts[(op.mb, r)] = out.detach()
+                    saved[(op.mb, r)] = (x, out, stash)
+                else:
+                    if not last and (op.mb, r) not in grads:
+                        break
+                    x, out, stash = saved.pop((op.mb, r))
+                    out.backward(None if last else grads.pop((op.mb, r)))
+                    for p, s in zip(chunks[r].parameters(), stash.values()):
+                        p.grad = s.grad
+                    opts[r].step()
+                    opts[r].zero_grad(set_to_none=True)
+                    if r > 0:
+                        grads[(op.mb, r - 1)] = x.grad
+                pc[r] += 1
+    return {"losses": [sum(ls) / m for ls in losses],
+            "params": {n: p.detach().clone() for c in chunks.values()
+                       for n, p in c.model_parameters()}}

@@ -4,7 +4,8 @@ recomputation; PipeDream's weight stashing; activation memory; bad layouts."""
 
 import pytest
 import torch
-from pipeline_workers import BATCH, MODEL, _adamw, _model, reference, run_many
+from pipeline_workers import (BATCH, MODEL, _adamw, _model, pipedream_reference, reference,
+                              run_many)
 
 from shardwise.launch import spawn
 from shardwise.pipeline import timeline
@@ -26,6 +27,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_parity(results: list[dict], ref: dict) -> None:
     """``results``: one entry per rank for one configuration."""
     assert ref["losses"][-1] < ref["losses"][0]  # weights really moved
+    assert len(results[0]["losses"]) == len(ref["losses"])
     for r in results:
         losses, ref_losses = torch.tensor(r["losses"]), torch.tensor(ref["losses"])
         assert ((losses - ref_losses).abs() <= RTOL * ref_losses.abs()).all(), (losses, ref_losses)
@@ -73,28 +75,43 @@ def test_pp4_parity_memory_and_pipedream(ref):
         # memory at m = 8: GPipe holds 8 micro-batches per rank, 1F1B at most p - rank
         {"schedule": "gpipe", "microbatches": 8},
         {"schedule": "1f1b", "microbatches": 8, "recompute": True},
+        {"schedule": "pipedream", "microbatches": 2},
     ]
     results = spawn(run_many, 4, (1, 4, cfgs))
     for i in range(4):
         assert_parity([rank[i] for rank in results], ref)
+    # PipeDream, no flush: rank r ends step k with min(p - r - 1, 2 (k + 1)) in flight, and
+    # matches one process running the same stream (stashed weights, a step per backward)
+    assert_parity([rank[6] for rank in results], pipedream_reference(4, 2, 5))
+    assert [rank[6]["in_flight"] for rank in results] == [[min(3 - r, 2 * (k + 1)) for k in range(5)]
+                                                          for r in range(4)]
     gpipe, ofob, ofob_rc = ([rank[i]["peak_activation_bytes"] for rank in results] for i in (4, 1, 5))
     assert ofob[0] < gpipe[0] and ofob_rc[0] < ofob[0], (gpipe, ofob, ofob_rc)
     assert max(ofob) < max(gpipe) and max(ofob_rc) < max(ofob)
 
 
 def test_dp2_pp2_matches_single_process(ref):
-    cfgs = [{"schedule": "gpipe", "microbatches": 2},
+    """dp gradients go in buckets (8 KiB here: several per stage), each all-reduced as soon as
+    its chunk's last backward has run, before the optimizer step."""
+    small = {"bucket_mb": 1 / 128, "first_bucket_mb": 1 / 128}
+    cfgs = [{"schedule": "gpipe", "microbatches": 2, **small},
             {"schedule": "1f1b", "microbatches": 4, "recompute": True},
-            {"schedule": "interleaved", "microbatches": 2, "chunks_per_rank": 2}]
+            {"schedule": "interleaved", "microbatches": 2, "chunks_per_rank": 2, **small}]
     results = spawn(run_many, 4, (2, 2, cfgs))
     for i in range(len(cfgs)):
         assert_parity([rank[i] for rank in results], ref)
+        for rank in results:
+            n, early = rank[i]["buckets"]
+            assert early == n and (n > 2 if "bucket_mb" in cfgs[i] else n <= 2), rank[i]["buckets"]
 
 
 def test_pipedream_stashes_weights_and_learns():
     """Each micro-batch's backward differentiates the very weights its forward used, although
-    the live weights moved in between (earlier stages step p - rank - 1 times meanwhile)."""
+    the live weights moved in between (earlier stages step p - rank - 1 times meanwhile); the
+    stream never drains between steps and matches one process running it; the loss falls."""
     results = spawn(run_many, 2, (1, 2, [{"schedule": "pipedream", "microbatches": 4}], 12))
+    assert_parity([rank[0] for rank in results], pipedream_reference(2, 4, 12))
+    assert [rank[0]["in_flight"] for rank in results] == [[1] * 12, [0] * 12]
     moved = 0
     for rank in results:
         res = rank[0]

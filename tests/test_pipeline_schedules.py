@@ -2,12 +2,13 @@
 
 import pytest
 
-from shardwise.pipeline.check import check
+from shardwise.pipeline.check import check, check_stream
 from shardwise.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep, RecvActivation,
                                           RecvGrad,
                                           Schedule, ScheduleError, SendActivation, SendGrad,
                                           compute_order, ideal_bubble, schedule, simulate,
                                           warmup_forwards)
+from shardwise.pipeline.stream import Stream, cut, stream
 
 
 def _cases():
@@ -98,3 +99,43 @@ def test_bad_arguments_are_one_line_errors(args, match):
     with pytest.raises(ScheduleError, match=match) as exc:
         schedule(*args)
     assert "\n" not in str(exc.value)
+
+
+def test_pipedream_stream_never_flushes():
+    """PipeDream's stream cut into per-step segments: every segment deadlock-free on its own,
+    the concatenation (segments, then the drain) exactly the uncut 1F1B order over all
+    steps * m micro-batches, and the periodic lists equal to a direct simulation."""
+    for p in range(1, 9):
+        for m in range(1, 17):
+            s = stream(p, m)
+            steps = s.steady_from + 3
+            rep = check_stream(s, steps)
+            assert rep.peak_in_flight == tuple(min(p - r, steps * m) for r in range(p))
+            assert rep.steps == (steps * m,) * p  # a weight update per backward
+            segments, drain = cut(p, m, steps)
+            assert [s.segment(k) for k in range(steps)] == segments
+            assert s.drain(steps - 1) == drain
+            uncut = compute_order("pipedream", p, steps * m)
+            for r in range(p):
+                ops = [op for lists in segments + [drain] for op in lists[r]]
+                assert [op for op in ops if isinstance(op, (Forward, Backward))] == uncut[r]
+                # the drain holds only the backwards still in flight: p - r - 1 of them
+                assert [type(op) for op in drain[r]].count(Backward) == min(p - r - 1, steps * m)
+
+
+def test_pipedream_stream_segment_is_self_contained():
+    """A transfer never spans two segments: the trainer's collectives run between them."""
+    s = stream(4, 2)
+    for k in range(6):
+        lists = s.segment(k)
+        sends = {(r, op.mb, type(op).__name__[4:]) for r, ops in enumerate(lists) for op in ops
+                 if isinstance(op, (SendActivation, SendGrad))}
+        recvs = {(op.peer, op.mb, type(op).__name__[4:]) for ops in lists for op in ops
+                 if isinstance(op, (RecvActivation, RecvGrad))}
+        assert sends == recvs and sends
+    broken = list(s.segment(3))
+    broken[1] = tuple(op for op in broken[1] if not isinstance(op, RecvActivation))
+    segments = tuple(s.segment(k) for k in range(3)) + (tuple(broken),)
+    drains = tuple(s.drain(k) for k in range(4))
+    with pytest.raises(ScheduleError, match="segment 3: sends and receives do not pair up"):
+        check_stream(Stream(4, 2, 3, segments, drains), 4)

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
+from ddp_workers import (resume_and_finish, tiny_config, train, train_and_checkpoint,
+                         train_saving_at)
 from test_ddp import assert_parity
 
 from shardwise.config import Config, ConfigError
@@ -36,10 +37,13 @@ def test_trainer_pp_matches_single_process(dp, pp, parallel, reference, corpus, 
     assert_parity(_merge(results[:pp]), reference)  # dp replica 0's pipeline
 
 
-def test_pp_resume_matches_uninterrupted_run(corpus, tmp_path):
-    sections = {"model": UNTIED, "parallel": {"dp": 1, "pp": 2, "micro_batches": 2},
-                "training": {"steps": 8}}
-    straight = spawn(train, 2, (tiny_config(str(corpus), str(tmp_path / "a"), **sections),))
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_pp_resume_matches_uninterrupted_run(schedule, corpus, tmp_path):
+    """Bitwise. PipeDream drains its stream at a checkpoint, in both runs alike."""
+    sections = {"model": UNTIED, "training": {"steps": 8},
+                "parallel": {"dp": 1, "pp": 2, "micro_batches": 2, "schedule": schedule},
+                "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0}}
+    straight = spawn(train_saving_at, 2, (tiny_config(str(corpus), str(tmp_path / "a"), **sections), 4))
     cut = tiny_config(str(corpus), str(tmp_path / "b"), **sections)
     spawn(train_and_checkpoint, 2, (cut, 4))
     resumed = spawn(resume_and_finish, 2, (cut,))

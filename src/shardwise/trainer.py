@@ -83,7 +83,9 @@ class Trainer(TrainerState):
                 self.model, topology,
                 PipelineConfig(schedule=p.schedule, microbatches=p.micro_batches,
                                chunks_per_rank=p.chunks_per_rank, partition=p.partition,
-                               recompute=p.recompute, clip=o.grad_clip or None),
+                               recompute=p.recompute, clip=o.grad_clip or None,
+                               bucket_mb=p.bucket_mb, first_bucket_mb=p.first_bucket_mb,
+                               allreduce=p.allreduce),
                 batch_size=t.global_batch_size // topology.dp, seq_len=m.block_size,
                 make_optimizer=lambda named: self._adamw([q for _, q in named]))
         elif self.distributed and topology.dp > 1:
@@ -252,6 +254,8 @@ class Trainer(TrainerState):
             p = self.cfg.parallel
             self.pipeline.save_timeline(self.out_dir, title=f"{p.schedule}, pp={self.topology.pp}, "
                                         f"m={p.micro_batches}, last training step")
+        if self.pipeline is not None:  # PipeDream: the last micro-batches' backwards
+            self.pipeline.drain()
         val_loss = self._log_eval()
         if ck.at_end:
             self.save_checkpoint()

@@ -92,6 +92,11 @@ class TrainerState:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
 
     def save_checkpoint(self) -> Path:
+        """Write a checkpoint of this step (collective). PipeDream drains its stream first:
+        activations in flight are not saved, so a resumed run starts a new stream, exactly
+        as the run that saved it continues."""
+        if self.pipeline is not None:
+            self.pipeline.drain()
         with self._full_parameters():  # the same full-model format for every ZeRO stage
             tensors, meta = self.state_dict()
             return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta,

@@ -15,6 +15,11 @@
 
 It returns the peak number of (micro-batch, chunk) activations held per rank: forwards done
 whose backward has not run. Raises ``ScheduleError`` with a one-line reason otherwise.
+
+``check_stream(stream, steps)`` does the same for PipeDream's flush-free stream
+(``pipeline.stream``) over ``steps`` training steps and the final drain: the concatenation is
+checked as one schedule of ``steps * m`` micro-batches (1, 2), and each segment on its own
+(3), because the trainer's collectives between steps must not overtake a pending transfer.
 """
 
 from __future__ import annotations
@@ -129,6 +134,20 @@ def _check_blocking(s: Schedule) -> None:
         if not progressed:
             stuck = {r: s.ranks[r][pc[r]] for r in range(s.p) if pc[r] < len(s.ranks[r])}
             raise ScheduleError(f"deadlock under blocking send/recv: {stuck}")
+
+
+def check_stream(stream, steps: int) -> CheckReport:
+    """Validate ``steps`` segments of a ``pipeline.stream.Stream`` and the drain after them
+    (see the module docstring); the report covers the concatenation."""
+    parts = [stream.segment(k) for k in range(steps)] + [stream.drain(steps - 1)]
+    for k, lists in enumerate(parts):
+        where = "the drain" if k == steps else f"segment {k}"
+        try:
+            _check_blocking(Schedule("pipedream", stream.p, stream.m, 1, lists, True))
+        except ScheduleError as exc:
+            raise ScheduleError(f"{where}: {exc}") from None
+    whole = tuple(tuple(op for lists in parts for op in lists[r]) for r in range(stream.p))
+    return check(Schedule("pipedream", stream.p, steps * stream.m, 1, whole, weight_stashing=True))
 
 
 def check(s: Schedule) -> CheckReport:

@@ -5,7 +5,10 @@ preallocated from the known activation shape, sends of the tensors computed) on
 ``shardwise.comm``'s FIFO thread (``pipeline.p2p.exchange``) without waiting, so transfers
 overlap with compute; a forward or backward waits only for the one tensor it needs. Gradients of the micro-batches accumulate in
 ``.grad``; ``OptimizerStep`` calls the ``on_step`` callback (for flush schedules once, at
-the end; for PipeDream after every backward).
+the end; for PipeDream after every backward). With a ``grad_sync``
+(``data_parallel.GradientSync``, dp > 1) the last backward of each chunk in a flush schedule
+runs under ``grad_sync.final_backward()``, so each gradient bucket's all-reduce over the dp
+group starts as soon as that bucket is final and overlaps the rest of the schedule.
 
 Options:
 
@@ -103,7 +106,8 @@ class Executor:
                  pp_ranks: Sequence[int], act_shape: Sequence[int], *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  on_step: Callable[[], None], dtype: torch.dtype = torch.float32,
-                 group=None, recompute: bool = False, measure_memory: bool = False) -> None:
+                 group=None, recompute: bool = False, measure_memory: bool = False,
+                 grad_sync=None) -> None:
         if sorted(chunks) != schedule.chunks_of(pp_rank):
             raise ValueError(f"rank {pp_rank} holds chunks {sorted(chunks)}, the schedule "
                              f"expects {schedule.chunks_of(pp_rank)}")
@@ -111,31 +115,54 @@ class Executor:
         self.pp_ranks, self.group = list(pp_ranks), group
         self.act_shape, self.dtype = tuple(act_shape), dtype
         self.loss_fn, self.on_step, self.recompute = loss_fn, on_step, recompute
+        self.grad_sync = None if schedule.weight_stashing else grad_sync
         self.last_chunk = schedule.n_chunks - 1
         self.version = 0  # optimizer steps taken: the weight version
         self.events: list[tuple[str, int, int, float, float]] = []
         self.versions: list[dict] = []  # PipeDream: versions seen by each forward / backward
         self.meter = ActivationMeter()
         self.measure_memory = measure_memory  # the meter's Python hooks cost time: opt-in
+        self.reset()
         self._run = {Forward: self._forward, Backward: self._backward,
                      SendActivation: self._send_act, RecvActivation: self._recv_act,
                      SendGrad: self._send_grad, RecvGrad: self._recv_grad,
                      OptimizerStep: self._step}
 
     # -- one training step -------------------------------------------------------------
-    def run(self, inputs: Sequence[torch.Tensor] | None,
-            targets: Sequence[torch.Tensor] | None) -> list[float]:
-        """Run the list once. ``inputs[mb]`` needed where chunk 0 lives, ``targets[mb]``
-        where the last chunk lives. Returns the micro-batch losses (unscaled) computed here."""
-        self.inputs, self.targets = inputs, targets
-        self.losses: list[float] = []
+    def reset(self) -> None:
+        """Forget every micro-batch in flight (a new, empty pipeline)."""
+        self.inputs: dict = {}    # mb -> tokens, where chunk 0 lives
+        self.targets: dict = {}   # mb -> targets, where the last chunk lives
         self.held: dict = {}      # (mb, chunk) -> (input, output or loss, stash)
         self.ready: dict = {}     # ("act"|"grad", mb, chunk) -> (tensor, handle or None)
         self.grad_out: dict = {}  # (mb, chunk) -> gradient w.r.t. the chunk's input
+
+    @property
+    def in_flight(self) -> int:
+        """(micro-batch, chunk) pairs whose forward ran and whose backward has not."""
+        return len(self.held)
+
+    def run(self, inputs: Sequence[torch.Tensor] | None,
+            targets: Sequence[torch.Tensor] | None, ops: Sequence | None = None,
+            first_mb: int = 0) -> list[float]:
+        """Run this rank's list once from an empty pipeline, or, with ``ops``, one segment of
+        a stream (``pipeline.stream``) that continues from where the previous call stopped.
+
+        ``inputs[i]`` / ``targets[i]`` are micro-batch ``first_mb + i``'s tokens and targets,
+        needed where chunk 0 / the last chunk lives (``None`` elsewhere, or for a drain).
+        Returns the micro-batch losses (unscaled) computed here, in order."""
+        if ops is None:
+            self.reset()
+            ops = self.schedule.ranks[self.pp_rank]
+            self.backwards_left = {c: self.schedule.m for c in self.chunks}
+        if 0 in self.chunks:  # other ranks ignore what they were given
+            self.inputs.update({first_mb + i: x for i, x in enumerate(inputs or ())})
+        if self.last_chunk in self.chunks:
+            self.targets.update({first_mb + i: y for i, y in enumerate(targets or ())})
+        self.losses: list[float] = []
         self.sends: list = []
         self.events = []  # this run's only
         self.meter.exclude = _storages(p for c in self.chunks.values() for p in c.parameters())
-        ops = self.schedule.ranks[self.pp_rank]
         i = 0
         while i < len(ops):
             self._t0 = time.perf_counter()  # a compute moves it past its wait for input
@@ -172,7 +199,7 @@ class Executor:
 
     def _forward(self, op: Forward) -> None:
         if op.chunk == 0:
-            x = self.inputs[op.mb]
+            x = self.inputs.pop(op.mb)
         else:
             x = self._take(("act", op.mb, op.chunk)).detach().requires_grad_()
         stash = None
@@ -185,7 +212,8 @@ class Executor:
         with self._hooks(), torch.set_grad_enabled(not self.recompute):
             out = self._call(op.chunk, x, stash)
             if op.chunk == self.last_chunk:
-                loss = self.loss_fn(out, self.targets[op.mb])
+                loss = self.loss_fn(out, self.targets[op.mb] if self.recompute
+                                    else self.targets.pop(op.mb))
                 self.losses.append(loss.item())
                 out = loss / self.schedule.m
         if self.recompute and op.chunk > 0:
@@ -197,13 +225,13 @@ class Executor:
     def _backward(self, op: Backward) -> None:
         x, out, stash = self.held.pop((op.mb, op.chunk))
         grad = None if op.chunk == self.last_chunk else self._take(("grad", op.mb, op.chunk))
-        with self._hooks():
+        with self._hooks(), self._final(op.chunk):
             if self.recompute:
                 if op.chunk > 0:
                     self.meter.hold(-x.numel() * x.element_size())
                 out = self._call(op.chunk, x, stash)
                 if op.chunk == self.last_chunk:
-                    out = self.loss_fn(out, self.targets[op.mb]) / self.schedule.m
+                    out = self.loss_fn(out, self.targets.pop(op.mb)) / self.schedule.m
             if op.chunk == self.last_chunk:
                 out.backward()
             else:
@@ -221,6 +249,14 @@ class Executor:
                 self.ready[("grad", op.mb, op.chunk - 1)] = (x.grad, None)
             else:
                 self.grad_out[(op.mb, op.chunk)] = x.grad
+
+    def _final(self, chunk: int):
+        """Under ``grad_sync``, the chunk's last backward of the step launches its buckets."""
+        if self.grad_sync is None:
+            return contextlib.nullcontext()
+        self.backwards_left[chunk] -= 1
+        return self.grad_sync.final_backward() if self.backwards_left[chunk] == 0 \
+            else contextlib.nullcontext()
 
     def _step(self, op: OptimizerStep) -> None:
         self.on_step()

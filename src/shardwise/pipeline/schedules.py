@@ -227,12 +227,10 @@ def simulate(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
     return times
 
 
-def _with_comm(orders, times, p: int, n_chunks: int, step_every_backward: bool):
-    """Insert sends/receives at the producer's finish time; sort each rank by time.
-
-    At equal times transfers come first, then an optimizer step, then the compute that
-    starts then; transfers at equal times are ordered by a global id, the same on both ends.
-    """
+def timed_events(orders, times, p: int, n_chunks: int, step_every_backward: bool):
+    """Per rank, unsorted ``(time, priority, transfer id, instruction)``: each compute at its
+    start, a send and its receive at the producer's finish time (both ends share the id),
+    an optimizer step at the end of a backward (``step_every_backward``)."""
     events: list[list[tuple]] = [[] for _ in range(p)]
     for r, order in enumerate(orders):
         for op in order:
@@ -251,8 +249,17 @@ def _with_comm(orders, times, p: int, n_chunks: int, step_every_backward: bool):
             if dst != src:
                 events[src].append((end, 0, key, SendGrad(op.mb, op.chunk, dst)))
                 events[dst].append((end, 0, key, RecvGrad(op.mb, op.chunk - 1, src)))
+    return events
+
+
+def _with_comm(orders, times, p: int, n_chunks: int, step_every_backward: bool):
+    """Insert sends/receives at the producer's finish time; sort each rank by time.
+
+    At equal times transfers come first, then an optimizer step, then the compute that
+    starts then; transfers at equal times are ordered by a global id, the same on both ends.
+    """
     out = []
-    for ev in events:
+    for ev in timed_events(orders, times, p, n_chunks, step_every_backward):
         ev.sort(key=lambda e: e[:3])  # time, then transfers, steps, computes; transfer id
         out.append(tuple(e[3] for e in ev))
     return out
