@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+MiB = 1 << 20  # bucket capacities are configured in MiB
+
 
 @dataclass
 class Bucket:

@@ -30,9 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.data_parallel.buckets import Bucket, build_buckets
-
-MiB = 1 << 20
+from shardwise.data_parallel.grad_sync import GradientSync
 
 
 class DistributedDataParallel(nn.Module):
@@ -56,17 +54,12 @@ class DistributedDataParallel(nn.Module):
         self.group = group
         self.allreduce = allreduce
         self.dp_size = dist.get_world_size(group)
-        self.require_sync = True
         broadcast_module_state(module, group)
         params = [p for p in module.parameters() if p.requires_grad]
-        first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
-        self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)), first)
-        self._slot: dict[int, tuple[Bucket, int]] = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._slot[id(p)] = (b, i)
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._next_to_launch = 0
+        # the buckets, their hooks and launches; every backward is final unless no_sync
+        self.sync = GradientSync(params, group, bucket_cap_mb, first_bucket_mb, allreduce,
+                                 on_grad=self._on_grad, armed=True)
+        self.buckets = self.sync.buckets
         self._callback_queued = False
         self._hook_times: list[float] = []
         self.last_timing: dict | None = None
@@ -75,7 +68,6 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @torch.no_grad()
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every bucket in place and point each ``param.grad`` at its bucket slice.
 
@@ -85,59 +77,28 @@ class DistributedDataParallel(nn.Module):
         """
         if set_to_none:
             return super().zero_grad(set_to_none=True)
-        for b in self.buckets:
-            b.buffer.zero_()
-            for i, p in enumerate(b.params):
-                p.grad = b.view_of(i)
+        self.sync.zero_grad()
+
+    @property
+    def require_sync(self) -> bool:
+        return self.sync.armed
 
     @contextmanager
     def no_sync(self):
         """Skip gradient communication inside the block; gradients accumulate locally."""
-        prev, self.require_sync = self.require_sync, False
-        try:
+        with self.sync.final_backward(False):
             yield
-        finally:
-            self.require_sync = prev
 
     # -- backward hooks -----------------------------------------------------------------
-    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        if not self.require_sync:
-            return
-        now = time.perf_counter()
+    def _on_grad(self) -> None:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._callback_queued = True
-        self._hook_times.append(now)
-        bucket, i = self._slot[id(p)]
-        if bucket.add_grad(i, p):
-            self._launch_ready()
+        self._hook_times.append(time.perf_counter())
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.launched_at = time.perf_counter()
-        # shapes were agreed once by the initial broadcast (which checks every rank's numel),
-        # so the per-call agreement round of shardwise.comm is skipped on the hot path
-        bucket.work = comm.all_reduce(bucket.buffer, op="sum", group=self.group,
-                                      algorithm=self.allreduce, async_op=True, check=False)
-
-    def _launch_ready(self) -> None:
-        # launch in index order so every rank issues the same sequence of collectives
-        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].ready:
-            self._launch(self.buckets[self._next_to_launch])
-            self._next_to_launch += 1
-
-    @torch.no_grad()
     def _finish_backward(self) -> None:
         end = time.perf_counter()
-        for b in self.buckets[self._next_to_launch:]:
-            b.close_unfired()
-        self._launch_ready()
-        for b in self.buckets:
-            b.work.wait()
-            b.buffer.div_(self.dp_size)
-            for i, p in enumerate(b.params):
-                view = b.view_of(i)
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+        launched = self.sync.finish()
         done = time.perf_counter()
         self.last_timing = {
             "backward_end_s": end,
@@ -145,11 +106,9 @@ class DistributedDataParallel(nn.Module):
             "first_hook_before_end_s": end - min(self._hook_times) if self._hook_times else 0.0,
             "wait_after_end_s": done - end,
             "buckets": [{"index": b.index, "bytes": b.nbytes, "params": len(b.params),
-                         "launched_before_end_s": end - b.launched_at} for b in self.buckets],
+                         "launched_before_end_s": end - t}
+                        for b, t in zip(self.buckets, launched)],
         }
-        for b in self.buckets:
-            b.reset()
-        self._next_to_launch = 0
         self._callback_queued = False
         self._hook_times = []
 

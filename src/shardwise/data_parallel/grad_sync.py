@@ -19,16 +19,15 @@ pipeline stage run the same instruction list, so they do).
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.data_parallel.buckets import Bucket, build_buckets
-
-MiB = 1 << 20
+from shardwise.data_parallel.buckets import MiB, Bucket, build_buckets
 
 
 class GradientSync:
@@ -39,11 +38,16 @@ class GradientSync:
         group: the dp process group.
         bucket_cap_mb / first_bucket_mb: bucket capacities in MiB, as for our DDP.
         allreduce: algorithm name for ``shardwise.comm.all_reduce``.
+        on_grad: called at every armed hook, before the bucket counts down (our DDP uses it
+            to queue its end-of-backward callback and to time the hooks).
+        armed: every backward is final unless inside ``final_backward(False)`` (DDP);
+            default: only those inside ``final_backward()`` (the pipeline).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float = 25.0,
-                 first_bucket_mb: float | None = None, allreduce: str = "auto") -> None:
-        self.group, self.allreduce = group, allreduce
+                 first_bucket_mb: float | None = None, allreduce: str = "auto",
+                 on_grad: Callable[[], None] | None = None, armed: bool = False) -> None:
+        self.group, self.allreduce, self.on_grad = group, allreduce, on_grad
         self.dp_size = dist.get_world_size(group)
         first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
         self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)), first)
@@ -52,7 +56,7 @@ class GradientSync:
             for i, p in enumerate(b.params):
                 self._slot[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._armed = False
+        self.armed = armed  # hooks count buckets down (else gradients only accumulate)
         self._next = 0
         self.launched_early = 0  # last step: buckets launched before finish() (overlapped)
         self.zero_grad()
@@ -66,17 +70,20 @@ class GradientSync:
                 p.grad = b.view_of(i)
 
     @contextmanager
-    def final_backward(self) -> Iterator[None]:
-        """Backwards inside the block produce final gradients: launch full buckets."""
-        self._armed = True
+    def final_backward(self, final: bool = True) -> Iterator[None]:
+        """Backwards inside the block produce final gradients (``final=False``: they do not,
+        as under DDP's ``no_sync``): full buckets are launched."""
+        prev, self.armed = self.armed, final
         try:
             yield
         finally:
-            self._armed = False
+            self.armed = prev
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        if not self._armed:
+        if not self.armed:
             return
+        if self.on_grad is not None:
+            self.on_grad()
         bucket, i = self._slot[id(p)]
         if bucket.add_grad(i, p):
             self._launch_ready()
@@ -84,14 +91,17 @@ class GradientSync:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
             b = self.buckets[self._next]
+            b.launched_at = time.perf_counter()
             # shapes are the same on every replica by construction: skip the agreement round
             b.work = comm.all_reduce(b.buffer, op="sum", group=self.group,
                                      algorithm=self.allreduce, async_op=True, check=False)
             self._next += 1
 
     @torch.no_grad()
-    def finish(self) -> None:
-        """Launch the remaining buckets, wait for all, divide by the dp size."""
+    def finish(self) -> list[float]:
+        """Launch the remaining buckets, wait for all, divide by the dp size; every
+        ``param.grad`` is its bucket's view again. Returns each bucket's launch time
+        (``time.perf_counter`` seconds)."""
         self.launched_early = self._next
         for b in self.buckets[self._next:]:
             for i, p in enumerate(b.params):  # gradients that arrived outside final_backward
@@ -99,8 +109,15 @@ class GradientSync:
                     b.add_grad(i, p)
             b.close_unfired()
         self._launch_ready()
+        launched = []
         for b in self.buckets:
             b.work.wait()
             b.buffer.div_(self.dp_size)
+            for i, p in enumerate(b.params):
+                view = b.view_of(i)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            launched.append(b.launched_at)
             b.reset()
         self._next = 0
+        return launched

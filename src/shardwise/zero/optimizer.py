@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.data_parallel.ddp import MiB, broadcast_module_state
+from shardwise.data_parallel.buckets import MiB
+from shardwise.data_parallel.ddp import broadcast_module_state
 from shardwise.zero.precision import DynamicLossScaler, fp32_step
 from shardwise.zero.sharding import ShardLayout
 
