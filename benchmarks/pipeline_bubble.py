@@ -7,7 +7,9 @@ the executor rather than core contention; ``--work matmul`` does real (B, H) x (
 matmuls of about that cost (meaningful only when ranks <= cores). Activations (B, H) travel
 through the real executor and ``shardwise.comm``. The idle fraction is read from the
 recorded timeline of each step (``timeline.idle_fraction``); configurations alternate (order
-reversed every repeat) and the median over repeats is reported.
+reversed every repeat) and the median over repeats is reported. ``pipedream`` is measured on
+a steady-state step of its stream (the start-up segments run first, each followed by the
+loss broadcast the runner does), against ``ideal_bubble`` = (p-1)/(3m+p-1).
 
     .venv/bin/python benchmarks/pipeline_bubble.py --p 2 4 --m 1 4 8 --repeats 5
 """
@@ -22,10 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise import comm
 from shardwise.launch import spawn
 from shardwise.pipeline import timeline
 from shardwise.pipeline.executor import Executor
 from shardwise.pipeline.schedules import ScheduleError, ideal_bubble, schedule
+from shardwise.pipeline.stream import stream
 
 
 class _Sleep(torch.autograd.Function):
@@ -68,7 +72,13 @@ def _run(cfgs: list[tuple], work: str, ms: float, hidden: int, batch: int, repea
             ex = Executor(s, rank, chunks, list(range(p)), (batch, hidden),
                           loss_fn=lambda y, t: (y - t).pow(2).mean(), on_step=lambda: None)
             xs = [torch.randn(batch, hidden) for _ in range(m)]
-            ex.run(xs, xs)
+            if kind == "pipedream":  # up to the first steady-state step of the stream
+                st = stream(p, m)
+                for k in range(st.steady_from + 1):
+                    comm.broadcast(torch.zeros(1), src=p - 1)  # as the runner's loss broadcast
+                    ex.run(xs, xs, st.segment(k)[rank], first_mb=k * m)
+            else:
+                ex.run(xs, xs)
             events = timeline.from_executor(ex, rank)
             gathered = [None] * p
             dist.all_gather_object(gathered, events)  # harness only: collect timelines

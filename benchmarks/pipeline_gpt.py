@@ -3,7 +3,8 @@
 For each schedule, trains the GPT for ``--steps`` steps at pp = ``--pp`` with ``--m``
 micro-batches (stages cut by profiled time), saves the last step's timeline under
 ``RUN_DIR/<kind>/timeline/`` and draws ``OUT/pipeline_<kind>.png`` from it (the same as
-``shardwise timeline RUN_DIR/<kind>``). Then measures the peak bytes autograd holds for
+``shardwise timeline RUN_DIR/<kind>``); PipeDream's last step is a steady-state segment of
+its stream, with micro-batches of the previous step still in flight at its start. Then measures the peak bytes autograd holds for
 backward on every rank (``Executor.meter``) for GPipe, 1F1B and 1F1B with recomputation.
 
     .venv/bin/python benchmarks/pipeline_gpt.py --pp 4 --m 8 --out docs/images
@@ -44,18 +45,25 @@ def _train(a: dict, kind: str, v: int, recompute: bool, topo, run_dir: str | Non
         losses.append(runner.train_step(idx, (idx + 1) % 65))
     if run_dir:
         title = (f"{kind} pp={topo.pp} m={a['m']}" + (f" v={v}" if v > 1 else "")
-                 + f", GPT n_layer={a['layers']} n_embd={a['embd']}, measured")
+                 + f", GPT n_layer={a['layers']} n_embd={a['embd']}, measured"
+                 + (f", step {a['steps'] - 1} of the stream" if kind == "pipedream" else ""))
         runner.save_timeline(run_dir, title)
     return {"peak": runner.executor.meter.peak, "losses": losses,
             "bounds": list(runner.partition.bounds)}
+
+
+def _timelines(a: dict) -> list[tuple]:
+    return [t for t in TIMELINES if t[0] in a["kinds"]]
 
 
 def _run(a: dict, run_dir: str) -> dict:
     topo = init_process_groups(Topology.build(1, dist.get_world_size(), 1, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
     out = {}
-    for kind, v, rc in TIMELINES:
+    for kind, v, rc in _timelines(a):
         out[f"timeline {kind}"] = _train(a, kind, v, rc, topo, f"{run_dir}/{kind}")
+    if a["no_memory"]:
+        return out
     for kind, v, rc in MEMORY:
         out[f"memory {kind}{' +recompute' if rc else ''}"] = _train(a, kind, v, rc, topo, None)
     return out
@@ -73,10 +81,13 @@ def main() -> None:
     ap.add_argument("--partition", default="params")
     ap.add_argument("--out", default="docs/images")
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--kinds", nargs="+", default=[k for k, _, _ in TIMELINES],
+                    help="timelines to draw (default: all)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory measurement")
     a = vars(ap.parse_args())
     run_dir = a["run_dir"] or tempfile.mkdtemp(prefix="pipeline_runs_")
     res = spawn(_run, a["pp"], (a, run_dir), threads=1)
-    for kind, _, _ in TIMELINES:
+    for kind, _, _ in _timelines(a):
         events, meta = timeline.load(f"{run_dir}/{kind}")
         png = timeline.render(events, Path(a["out"]) / f"pipeline_{kind}.png", meta["title"])
         print(f"{png}: idle fraction {timeline.idle_fraction(events):.3f} "

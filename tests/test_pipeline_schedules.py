@@ -139,3 +139,12 @@ def test_pipedream_stream_segment_is_self_contained():
     drains = tuple(s.drain(k) for k in range(4))
     with pytest.raises(ScheduleError, match="segment 3: sends and receives do not pair up"):
         check_stream(Stream(4, 2, 3, segments, drains), 4)
+
+
+def test_pipedream_steady_step_bubble():
+    """A steady step of the stream has no fill or drain; only the start after the loss
+    broadcast costs rank r r forwards: (p-1) t_f / ((p-1) t_f + m (t_f + t_b))."""
+    for p in range(1, 9):
+        for m in range(1, 17):
+            assert ideal_bubble("pipedream", p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
+            assert ideal_bubble("pipedream", p, m) < ideal_bubble("1f1b", p, m) or p == 1

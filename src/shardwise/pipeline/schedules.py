@@ -191,11 +191,14 @@ def _deps(op: Forward | Backward, n_chunks: int) -> list[Forward | Backward]:
 
 def simulate(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
              forward_cost: Sequence[float] | float = 1.0,
-             backward_cost: Sequence[float] | float | None = None) -> dict:
+             backward_cost: Sequence[float] | float | None = None,
+             done: dict | None = None, not_before: float = 0.0) -> dict:
     """Run the per-rank compute orders on an ideal machine (no communication time).
 
     Costs are per chunk (a sequence of length ``p*v``) or one number for all, in any time
-    unit; ``backward_cost`` defaults to twice the forward. Returns ``{op: (start, end)}``.
+    unit; ``backward_cost`` defaults to twice the forward. ``done``: ``{op: (start, end)}``
+    of operations already run (an earlier part of a stream); nothing starts before
+    ``not_before``. Returns ``{op: (start, end)}`` of ``orders``' operations.
     Raises ``ScheduleError`` if the orders wait on each other forever.
     """
     n = p * v
@@ -206,8 +209,8 @@ def simulate(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
         bc = [float(backward_cost)] * n
     else:
         bc = list(backward_cost)
-    times: dict = {}
-    pc, free = [0] * p, [0.0] * p
+    times: dict = dict(done or {})
+    pc, free = [0] * p, [float(not_before)] * p
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -224,7 +227,7 @@ def simulate(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
         if not progressed:
             stuck = {r: orders[r][pc[r]] for r in range(p) if pc[r] < len(orders[r])}
             raise ScheduleError(f"compute orders wait on each other forever at {stuck}")
-    return times
+    return {op: t for op, t in times.items() if done is None or op not in done}
 
 
 def timed_events(orders, times, p: int, n_chunks: int, step_every_backward: bool):
@@ -279,9 +282,15 @@ def schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
 
 def ideal_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
     """Textbook idle fraction: ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v m + p - 1)``,
-    naive ``(p-1)/p``."""
+    naive ``(p-1)/p``; PipeDream: a steady-state step of its stream, which has no fill or
+    drain but starts together on all ranks after the trainer's loss broadcast
+    (``stream.steady_bubble``)."""
     if kind == "naive":
         return (p - 1) / p
+    if kind == "pipedream":
+        from shardwise.pipeline.stream import steady_bubble
+
+        return steady_bubble(p, m)
     if kind == "interleaved":
         return (p - 1) / (v * m + p - 1)
     return (p - 1) / (m + p - 1)

@@ -137,3 +137,29 @@ def stream(p: int, m: int) -> Stream:
                for j in range(k0 + 1, horizon)):
             return Stream(p, m, k0, tuple(segs[:k0 + 1]), tuple(drains[:k0 + 1]))
     raise ScheduleError(f"the PipeDream stream for p={p}, m={m} does not become periodic")
+
+
+def simulate_stream(s: Stream, steps: int, forward_cost: float = 1.0,
+                    backward_cost: float | None = None) -> list[dict]:
+    """Ideal ``{op: (start, end)}`` of each of the first ``steps`` segments, run as the
+    runner runs them: a segment starts on every rank once the previous one has ended on all
+    (the loss broadcast between steps). Unit costs by default; backward = 2 x forward."""
+    done: dict = {}
+    out, start = [], 0.0
+    for k in range(steps):
+        orders = [[op for op in ops if isinstance(op, (Forward, Backward))] for ops in s.segment(k)]
+        times = simulate(orders, s.p, 1, forward_cost, backward_cost, done=done, not_before=start)
+        out.append(times)
+        done.update(times)
+        start = max(e for _, e in times.values())
+    return out
+
+
+def steady_bubble(p: int, m: int) -> float:
+    """Idle fraction of a steady-state step of the stream: 1 - busy / (p x span of the step).
+    No fill and no drain, but each step starts together after the loss broadcast, so rank r
+    first waits r forwards for its input."""
+    s = stream(p, m)
+    times = simulate_stream(s, s.steady_from + 1)[-1]
+    span = max(e for _, e in times.values()) - min(b for b, _ in times.values())
+    return 1.0 - sum(e - b for b, e in times.values()) / (p * span)
