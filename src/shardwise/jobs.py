@@ -36,7 +36,7 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
         n = trainer.model.num_parameters()
         print(f"shardwise: GPT {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
-              f"dp={topology.dp}, {torch.get_num_threads()} threads per rank", flush=True)
+              f"{_layout(cfg, topology)}, {torch.get_num_threads()} threads per rank", flush=True)
     if latest is not None:
         trainer.resume(latest)
         if topology.rank == 0:
@@ -44,3 +44,15 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     summary = trainer.fit()
     trainer.finish()
     return summary
+
+
+def _layout(cfg, topology) -> str:
+    """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x tp=2``, plus ZeRO."""
+    parts = [f"dp={topology.dp}"]
+    p = cfg.parallel
+    if topology.pp > 1:
+        parts.append(f"pp={topology.pp} ({p.schedule}, m={p.micro_batches})")
+    if topology.tp > 1:
+        parts.append(f"tp={topology.tp}")
+    zero = f", ZeRO-{p.zero}" if p.zero else ""
+    return " x ".join(parts) + zero
