@@ -38,21 +38,29 @@ class CallRecord:
     last_step: int | None = 0      # the last round this rank took part in
     peers: list[int] = field(default_factory=list)  # global ranks talked to (sorted)
 
-    def add_round(self, step: int, sends, recvs) -> None:
-        active = False
-        for _, t in sends:
-            if t.numel():
-                self.bytes_sent += t.numel() * t.element_size()
-                self.msgs_sent += 1
-                active = True
-        for _, t in recvs:
-            if t.numel():
-                self.bytes_recv += t.numel() * t.element_size()
-                self.msgs_recv += 1
-                active = True
-        if active:
+    def __post_init__(self) -> None:
+        self._seen: set[int] = set()  # steps already counted (not a field: not in as_dict)
+
+    def add_message(self, step: int, nbytes: int, sent: bool) -> None:
+        """One non-empty message of round ``step``; rounds may interleave (pipelined ring)."""
+        if sent:
+            self.bytes_sent += nbytes
+            self.msgs_sent += 1
+        else:
+            self.bytes_recv += nbytes
+            self.msgs_recv += 1
+        if step not in self._seen:
+            self._seen.add(step)
             self.steps += 1
             self.last_step = max(self.last_step, step)
+
+    def add_round(self, step: int, sends, recvs) -> None:
+        for _, t in sends:
+            if t.numel():
+                self.add_message(step, t.numel() * t.element_size(), True)
+        for _, t in recvs:
+            if t.numel():
+                self.add_message(step, t.numel() * t.element_size(), False)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.primitives import Call, combine_, finish_, scratch
+from shardwise.comm.primitives import Call, combine_, combine_into, finish_, scratch
 
 
 def naive_all_reduce(call: Call, buf: torch.Tensor, op: str, root: int = 0) -> int:
@@ -59,7 +59,13 @@ def sequential_all_reduce(call: Call, buf: torch.Tensor, op: str) -> int:
 
 
 def parallel_all_reduce(call: Call, buf: torch.Tensor, op: str) -> int:
-    """Every rank sends its vector to every other and reduces all N in rank order."""
+    """Every rank sends its vector to every other and reduces all N in rank order.
+
+    ((v_0 + v_1) + v_2) + ... on every rank, so all ranks hold the same bits. Rank r
+    accumulates v_0..v_{r-1} in the receive space, then adds that into its own ``buf`` (the
+    operation is commutative elementwise, so acc + v_r and v_r + acc are the same bits)
+    and goes on in ``buf``: N-1 reductions of X, no copies.
+    """
     n, r = call.size, call.rank
     m = buf.numel()
     space = scratch.get(n * m, buf.dtype, buf.device)
@@ -67,10 +73,13 @@ def parallel_all_reduce(call: Call, buf: torch.Tensor, op: str) -> int:
     others = [p for p in range(n) if p != r]
     call.exchange(1, sends=[(p, buf) for p in others],
                   recvs=[(p, parts[p]) for p in others])
-    parts[r].copy_(buf)
-    buf.copy_(parts[0])  # same order on every rank: bitwise identical results
-    for part in parts[1:]:
-        combine_(buf, part, op)
+    acc = buf if r == 0 else parts[0]
+    for i in range(1, n):
+        if i == r:
+            combine_into(acc, buf, buf, op)
+            acc = buf
+        else:
+            combine_(acc, parts[i], op)
     finish_(buf, op, n)
     return 1
 

@@ -147,6 +147,20 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
         torch.minimum(acc, other, out=acc)
 
 
+def combine_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str) -> None:
+    """``out <- a (op) b`` elementwise (``out`` may be ``b``). Every op here is commutative
+    elementwise, so this gives the same bits as ``combine_`` with the operands swapped."""
+    if op in ("sum", "mean"):
+        if out.dtype == torch.bool:
+            torch.logical_or(a, b, out=out)
+        else:
+            torch.add(a, b, out=out)
+    elif op == "max":
+        torch.maximum(a, b, out=out)
+    else:
+        torch.minimum(a, b, out=out)
+
+
 def finish_(chunk: torch.Tensor, op: str, n: int) -> None:
     """Turn a fully reduced chunk into the result: divide by the group size for ``mean``."""
     if op == "mean":
@@ -195,6 +209,16 @@ scratch = _Scratch()
 
 # ---------------------------------------------------------------------------- rounds
 
+@dataclass(frozen=True)
+class Posted:
+    """A message posted by ``Call.isend`` / ``Call.irecv``: wait for it with ``Call.wait``."""
+
+    work: Any   # the torch.distributed work object
+    peer: int   # group rank
+    step: int
+    send: bool
+
+
 class Call:
     """One collective call on one rank: its rounds, its deadline, its accounting record.
 
@@ -228,25 +252,42 @@ class Call:
                  on_recv: Callable[[int], None] | None = None) -> None:
         """One round. ``on_recv(i)`` runs as soon as ``recvs[i]`` has arrived, while later
         messages are still in flight (used to reduce segment i during transfer of i+1)."""
-        ranks, group = self.info.ranks, self.info.group
-        pending = []
+        posted = [self.irecv(step, peer, t) for peer, t in recvs]
+        posted += [self.isend(step, peer, t) for peer, t in sends]
+        for i, p in enumerate(posted):
+            self.wait(p)
+            if i < len(recvs) and on_recv is not None and p is not None:
+                on_recv(i)
+
+    # Non-blocking pieces of a round, for schedules that overlap rounds (the pipelined ring).
+    # A message is counted when it is posted; ``wait`` bounds it by the call's deadline.
+
+    def isend(self, step: int, peer: int, t: torch.Tensor) -> "Posted | None":
+        """Post a send of ``t`` to group rank ``peer`` labelled with ``step`` (None if empty)."""
+        return self._post(step, peer, t, True)
+
+    def irecv(self, step: int, peer: int, t: torch.Tensor) -> "Posted | None":
+        """Post a receive into ``t`` from group rank ``peer`` (None if ``t`` is empty)."""
+        return self._post(step, peer, t, False)
+
+    def _post(self, step: int, peer: int, t: torch.Tensor, send: bool) -> "Posted | None":
+        if not t.numel():
+            return None
+        rank, group = self.info.ranks[peer], self.info.group
         try:
-            for i, (peer, t) in enumerate(recvs):
-                if t.numel():
-                    pending.append(("receive from", peer,
-                                    dist.irecv(t, ranks[peer], group=group, tag=self.tag), i))
-            for peer, t in sends:
-                if t.numel():
-                    pending.append(("send to", peer,
-                                    dist.isend(t, ranks[peer], group=group, tag=self.tag), -1))
+            work = (dist.isend(t, rank, group=group, tag=self.tag) if send else
+                    dist.irecv(t, rank, group=group, tag=self.tag))
         except Exception as exc:
             raise self._error(f"posting step {step} failed: {exc}") from exc
-        for what, peer, work, i in pending:
-            self._wait(work, what, peer, step)
-            if i >= 0 and on_recv is not None:
-                on_recv(i)
         if self.record is not None:
-            self.record.add_round(step, sends, recvs)
+            self.record.add_message(step, t.numel() * t.element_size(), send)
+        return Posted(work, peer, step, send)
+
+    def wait(self, posted: "Posted | None") -> None:
+        """Wait for a posted message (no-op for None) under this call's deadline."""
+        if posted is not None:
+            self._wait(posted.work, "send to" if posted.send else "receive from", posted.peer,
+                       posted.step)
 
     def wait_native(self, work) -> None:
         """Wait for a backend collective's work object under this call's deadline."""
