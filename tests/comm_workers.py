@@ -83,6 +83,35 @@ def all_reduce_parity(lengths: list[int]) -> dict:
         digests[f"{algo}/randn"] = digest(got)
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
             bad.append(f"{algo}/randn: max diff {(got - want).abs().max().item()}")
+    # pipelined ring: chunks cut into many pieces (tiny segment_bytes), odd lengths
+    saved = comm.settings.segment_bytes
+    for seg in (4, 12, 100):
+        comm.configure(segment_bytes=seg)
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            for n in (1, 37, 301):
+                for op in ops_for(dtype):
+                    x = data(n, dtype, seed=7 * r + n)
+                    got = x.clone()
+                    comm.all_reduce(got, op=op, algorithm="ring")
+                    count += 1
+                    key = f"ring-seg{seg}/{op}/{str(dtype)[6:]}/{n}"
+                    digests[key] = digest(got)
+                    if not torch.equal(got, native_all_reduce(x, op)):
+                        bad.append(f"{key}: got {got[:6].tolist()}")
+    # pieces are counted as messages; bytes are the plain ring's
+    size = dist.get_world_size()
+    comm.configure(segment_bytes=16)  # 4 float32 per piece, chunks of 12: 3 pieces
+    with accounting.recording() as rec:
+        comm.all_reduce(torch.ones(12 * size), algorithm="ring")
+    row = accounting.table(rec.records)[-1]
+    accounting.reset()  # accounting_records counts every record of the process
+    want_row = (2 * (size - 1) * 48, 2 * (size - 1) * 48, 6 * (size - 1), 6 * (size - 1),
+                2 * (size - 1), 2 * (size - 1))
+    got_row = tuple(row[k] for k in ("bytes_sent", "bytes_recv", "msgs_sent", "msgs_recv",
+                                     "steps", "last_step"))
+    if got_row != want_row:
+        bad.append(f"ring-seg16 accounting: {got_row} != {want_row}")
+    comm.configure(segment_bytes=saved)
     # a 2-D non-contiguous tensor, and the native path through our API
     m = data(35, torch.float32, r).reshape(5, 7).t()
     for algo in ("ring", "native"):
@@ -171,12 +200,28 @@ def async_and_p2p() -> dict:
     else:
         got = torch.empty(1)
         comm.recv(got, 0)
+    # async p2p: rank 0 posts all its sends before waiting; a non-contiguous receive buffer
+    if r == 0:
+        sends = [comm.send(torch.full((4,), float(d)), d, async_op=True) for d in range(1, n)]
+        async_p2p = all(h.wait() for h in sends)
+    else:
+        buf = torch.zeros(4, 2)[:, 1]
+        h = comm.recv(buf, 0, async_op=True)
+        async_p2p = h.wait() and torch.equal(buf, torch.full((4,), float(r)))
+    # batched exchange around the ring, sync then async
+    right, left = (r + 1) % n, (r - 1) % n
+    prev, prev2 = torch.empty(3), torch.empty(3)
+    comm.exchange([(torch.full((3,), float(r)), right)], [(prev, left)])
+    h = comm.exchange([(torch.full((3,), 2.0 * r), right)], [(prev2, left)], async_op=True)
+    exchanged = h.wait() and torch.equal(prev, torch.full((3,), float(left))) and \
+        torch.equal(prev2, torch.full((3,), 2.0 * left))
     comm.barrier()
     comm.shutdown()  # the thread stops; the next async call starts it again
     h = comm.all_reduce(torch.ones(3), algorithm="ring", async_op=True)
     h.wait()
     return {"waits": ok, "same": same, "mid": torch.equal(mid, native_all_reduce(
-        data(9, torch.float32, seed=r), "sum")), "p2p": got.item(), "done": h.is_completed()}
+        data(9, torch.float32, seed=r), "sum")), "p2p": got.item(), "done": h.is_completed(),
+        "async_p2p": bool(async_p2p), "exchange": bool(exchanged)}
 
 
 def accounting_records(numels: list[int]) -> list[dict]:

@@ -33,8 +33,9 @@ def test_rooted_and_sharded_collectives_match_native(n):
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
-def test_async_handles_p2p_and_barrier(n):
+def test_async_handles_p2p_exchange_and_barrier(n):
     for rank, res in enumerate(cw.bundle(n)):
         a = res["async"]
         assert all(a["waits"]) and all(a["same"]) and a["mid"] and a["done"], (rank, a)
         assert a["p2p"] == (0.0 if rank == 0 else float(rank))
+        assert a["async_p2p"] and a["exchange"], (rank, a)

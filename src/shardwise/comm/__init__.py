@@ -14,9 +14,9 @@ Contract used by the rest of shardwise (stable signatures):
 - ``barrier(group=None)``.
 
 Also: ``reduce``, ``gather``, ``scatter``, ``all_gather``, ``all_gather_into_tensor``,
-``reduce_scatter``, ``reduce_scatter_tensor``, ``send``, ``recv``; ``configure`` (timeout,
-argument check), ``accounting`` (per-rank byte counters), ``cost`` (the model and ``auto``),
-``shutdown`` (stop the communication thread).
+``reduce_scatter``, ``reduce_scatter_tensor``, ``send``, ``recv``, ``exchange`` (p2p, each
+with ``async_op``); ``configure`` (timeout, argument check), ``accounting`` (per-rank byte
+counters), ``cost`` (the model and ``auto``), ``shutdown`` (stop the communication thread).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from shardwise.comm.api import (ALL_GATHER_ALGORITHMS, ALLREDUCE_ALGORITHMS,
                                 REDUCE_SCATTER_ALGORITHMS, all_reduce, broadcast, gather,
                                 reduce, scatter)
 from shardwise.comm.async_ import Handle, drain, shutdown
-from shardwise.comm.p2p import barrier, recv, send
+from shardwise.comm.p2p import barrier, exchange, recv, send
 from shardwise.comm.primitives import (REDUCE_OPS, CommError, CommTimeoutError, Settings,
                                        configure, settings)
 from shardwise.comm.sharded import (all_gather, all_gather_into_tensor, reduce_scatter,
@@ -38,6 +38,7 @@ __all__ = [
     "BROADCAST_ALGORITHMS", "REDUCE_ALGORITHMS", "REDUCE_OPS",
     "all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather",
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
+    "exchange",
     "barrier", "configure", "settings", "Settings", "CommError", "CommTimeoutError", "Handle",
     "drain", "shutdown", "accounting", "cost",
 ]
