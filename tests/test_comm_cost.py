@@ -9,8 +9,11 @@ from shardwise.comm import accounting, bench, cost, table
 from shardwise.comm.halving_doubling import Fold
 from shardwise.comm.primitives import Call, GroupInfo, balanced_bounds
 
-PRM = cost.LinkParams(alpha=5e-5, beta_x=4e-10, beta_1=2.5e-10, gamma=1e-10,
-                      native_alpha=2e-4, native_beta=7e-10)
+PRM = cost.LinkParams(alpha=5e-5, beta_link=2.5e-10, beta_host=1e-10, gamma=1e-10,
+                      gamma_host=4e-11, native_alpha=2e-4, native_beta=7e-10)
+# the textbook model: no contention (Thakur et al. 2005 with beta = beta_link)
+FREE = cost.LinkParams(alpha=5e-5, beta_link=2.5e-10, beta_host=0.0, gamma=1e-10,
+                       gamma_host=0.0, native_alpha=2e-4, native_beta=7e-10)
 
 
 @pytest.mark.parametrize("numel,parts", [(0, 3), (1, 8), (7, 2), (37, 5), (840, 8)])
@@ -35,24 +38,93 @@ def test_fold_maps_virtual_ranks_one_to_one(n):
     assert bb[0] == 0 and bb[-1] == 10 * n and bb == sorted(bb)
 
 
-def test_formulas_follow_thakur_et_al():
-    x = 64 << 20
-    n = 4
-    assert cost.predict("ring", n, x, PRM) == pytest.approx(
-        6 * PRM.alpha + 1.5 * x * PRM.beta_x + 0.75 * x * PRM.gamma)
-    assert cost.predict("halving_doubling", n, x, PRM) == pytest.approx(
-        4 * PRM.alpha + 1.5 * x * PRM.beta_x + 0.75 * x * PRM.gamma)
-    assert cost.predict("rabenseifner", 6, x, PRM) > cost.predict("halving_doubling", 4, x, PRM)
-    assert cost.predict("tree", n, x, PRM) == pytest.approx(
-        4 * PRM.alpha + 4 * x * PRM.beta_1 + 2 * x * PRM.gamma)
-    assert cost.predict("native", n, x, PRM) == pytest.approx(
-        PRM.native_alpha + x * PRM.native_beta)
-    assert cost.predict("ring", 1, x, PRM) == 0.0
+def test_without_contention_the_formulas_are_thakur_et_al():
+    x, n = 64 << 20, 4
+    a, b, g = FREE.alpha, FREE.beta_link, FREE.gamma
+    assert cost.predict("ring", n, x, FREE) == pytest.approx(6 * a + 1.5 * x * b + 0.75 * x * g)
+    assert cost.predict("halving_doubling", n, x, FREE) == pytest.approx(
+        4 * a + 1.5 * x * b + 0.75 * x * g)
+    assert cost.predict("tree", n, x, FREE) == pytest.approx(4 * a + 4 * x * b + 2 * x * g)
+    assert cost.predict("naive", n, x, FREE) == pytest.approx(2 * a + 6 * x * b + 3 * x * g)
+    assert cost.predict("parallel", n, x, FREE) == pytest.approx(a + 3 * x * b + 3 * x * g)
+    assert cost.predict("sequential", n, x, FREE) == pytest.approx(6 * (a + x * b) + 3 * x * g)
+    assert cost.predict("native", n, x, FREE) == pytest.approx(
+        FREE.native_alpha + x * FREE.native_beta)
+    assert cost.predict("ring", 1, x, FREE) == 0.0
     with pytest.raises(ValueError, match="butterfly"):
-        cost.predict("butterfly", 4, x, PRM)
+        cost.predict("butterfly", 4, x, FREE)
+
+
+def test_contention_term_per_step():
+    # b(k) = max(beta_link, k beta_host): one port alone runs at the link's rate, k ports
+    # loaded at once share the host's rate; same for the reduction
+    assert PRM.b(1) == PRM.beta_link and PRM.b(2) == PRM.beta_link
+    assert PRM.b(4) == pytest.approx(4 * PRM.beta_host) and PRM.b(12) == pytest.approx(12e-10)
+    assert PRM.g(2) == PRM.gamma and PRM.g(4) == pytest.approx(4 * PRM.gamma_host)
+    x, n = 64 << 20, 4
+    a = PRM.alpha
+    # ring: every step moves N messages of X/N (b(4) = 4e-10), N ranks reduce X/N (g(4))
+    assert cost.predict("ring", n, x, PRM) == pytest.approx(
+        6 * a + 1.5 * x * 4e-10 + 0.75 * x * 1.6e-10)
+    # naive: the root's port carries 3X each way and is the only busy port: no host term
+    assert cost.predict("naive", n, x, PRM) == cost.predict("naive", n, x, FREE)
+    # sequential: one message at a time, never contended
+    assert cost.predict("sequential", n, x, PRM) == cost.predict("sequential", n, x, FREE)
+    # parallel: every port carries 3X at once (b(4)), every rank reduces 3X (g(4))
+    assert cost.predict("parallel", n, x, PRM) == pytest.approx(
+        a + 3 * x * 4e-10 + 3 * x * 1.6e-10)
+    # a step's host term binds once k beta_host > beta_link: N = 2 ring with a slow host
+    slow = cost.LinkParams(1e-4, 2e-10, 3e-10, 1e-10, 1e-10, 0, 0)
+    assert cost.predict("ring", 2, x, slow) == pytest.approx(2e-4 + x * 6e-10 + 0.5 * x * 2e-10)
+    # contention only ever adds time
+    for algo in ("ring", "halving_doubling", "tree", "naive", "sequential", "parallel"):
+        for k in (2, 3, 4, 5, 8):
+            assert cost.predict(algo, k, x, PRM) >= cost.predict(algo, k, x, FREE)
+
+
+def test_tree_steps_count_the_messages_of_each_binomial_step():
+    assert cost.tree_step_messages(2) == [1]
+    assert cost.tree_step_messages(4) == [2, 1]
+    assert cost.tree_step_messages(5) == [2, 1, 1]  # v = 1, 3 | 2 | 4
+    assert cost.tree_step_messages(8) == [4, 2, 1]
+    for n in range(2, 17):  # every rank but the root sends exactly once
+        assert sum(cost.tree_step_messages(n)) == n - 1
+    x, n = 1 << 20, 5
+    a = PRM.alpha
+    want = sum(2 * a + 2 * x * PRM.b(c) + x * PRM.g(c) for c in (2, 1, 1))
+    assert cost.predict("tree", n, x, PRM) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 12])
+def test_halving_doubling_not_a_power_of_two(n):
+    # p = 2^floor(log2 N) ranks run the algorithm (p messages per step), then N - p pairs
+    # fold in and out: two steps of N - p messages of X, one reduction of X on N - p ranks
+    x, a = 16 << 20, PRM.alpha
+    p = 1 << (n.bit_length() - 1)
+    core = 2 * math.log2(p) * a + 2 * (p - 1) / p * x * PRM.b(p) + (p - 1) / p * x * PRM.g(p)
+    fix = 2 * a + 2 * x * PRM.b(n - p) + x * PRM.g(n - p)
+    assert cost.predict("rabenseifner", n, x, PRM) == pytest.approx(core + fix)
+    assert cost.predict("halving_doubling", n, x, PRM) > cost.predict("halving_doubling", p, x, PRM)
+
+
+def test_model_orders_algorithms_sensibly():
+    x = 64 << 20
     # latency-bound small messages favour few steps, bandwidth-bound large ones ring
     assert cost.predict("tree", 8, 1024, PRM) < cost.predict("ring", 8, 1024, PRM)
     assert cost.predict("ring", 8, x, PRM) < cost.predict("tree", 8, x, PRM)
+    # all N(N-1) messages at once is the most contended pattern
+    for n in (4, 8):
+        assert cost.predict("parallel", n, x, PRM) > cost.predict("ring", n, x, PRM)
+
+
+def test_legacy_profile_is_read_into_the_new_constants(tmp_path):
+    old = {"alpha": 1e-4, "beta_x": 6e-10, "beta_1": 3e-10, "gamma": 1e-10,
+           "native_alpha": 1e-3, "native_beta": 7e-10, "alpha_1": 5e-5}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"name": "old", "world_sizes": {"2": old}}))
+    prm = cost.load_profile(path).params(2)
+    assert prm.beta_link == 3e-10 and prm.beta_host == pytest.approx(3e-10)
+    assert prm.gamma_host == pytest.approx(5e-11)
 
 
 def test_profile_round_trip_and_auto_choice(tmp_path):
@@ -77,7 +149,8 @@ def test_committed_default_profile_is_loadable():
     prof = cost.load_profile(cost.REPO_PROFILE)
     assert 2 in prof.world_sizes and 4 in prof.world_sizes
     for prm in prof.world_sizes.values():
-        assert 0 < prm.alpha < 1e-2 and 0 < prm.beta_x < 1e-8 and 0 < prm.gamma < 1e-8
+        assert 0 < prm.alpha < 1e-2 and 0 < prm.gamma < 1e-8
+        assert 0 < prm.beta_link < 1e-8 and 0 < prm.beta_host < 1e-8
 
 
 def test_accounting_off_costs_nothing_and_on_counts_payload():

@@ -7,7 +7,9 @@
 
 Sweep: for each size, every algorithm runs once per repeat in an order rotated from one
 repeat to the next (so drift hits all alike); a repeat times ``inner`` back-to-back calls
-started by a barrier, each rank times itself and the slowest rank counts; the median over
+started by a barrier, each rank times itself and the slowest rank counts. Repeats during
+which other processes used the CPUs are dropped and run again (``comm/quiet.py``: up to 3x
+``--repeats`` tries; if fewer than 3 were quiet, all count); the median over the quiet
 repeats is reported as bus bandwidth, busbw = X / t * 2 (N-1) / N (the nccl-tests
 convention: the link rate an all-reduce needs), beside the cost model's prediction from the
 active profile. The argument check (``configure(check=...)``) is off during the sweep so
@@ -52,17 +54,23 @@ def parse_size(text: str) -> int:
 
 
 def sweep_worker(sizes: list[int], algorithms: list[str], repeats: int, check: bool) -> dict:
-    """Per rank: {algorithm: {size: [seconds per call, one per repeat]}}."""
+    """Per rank: {algorithm: {size: [seconds per call, one per repeat]}} and, per size, the
+    foreign load of each repeat (``quiet.py``; the same list on every rank)."""
     from shardwise import comm
+    from shardwise.comm import quiet
     comm.configure(check=check)
-    out = {a: {} for a in algorithms}
+    pids = quiet.rank_pids()  # collective: every rank
+    foreign = quiet.Foreign(pids) if dist.get_rank() == 0 else None
+    out: dict = {a: {} for a in algorithms}
+    out["_foreign"] = {}
     for m in sizes:
         x = torch.ones(m // 4)
         inner = max(1, min(20, (2 << 20) // m))
         for a in algorithms:  # warm-up: buffers, connections, caches
             comm.all_reduce(x, algorithm=a)
             out[a][m] = []
-        for rep in range(repeats):
+
+        def one_repeat(rep: int) -> None:
             k = rep % len(algorithms)
             for a in algorithms[k:] + algorithms[:k]:
                 dist.barrier()
@@ -70,11 +78,15 @@ def sweep_worker(sizes: list[int], algorithms: list[str], repeats: int, check: b
                 for _ in range(inner):
                     comm.all_reduce(x, algorithm=a)
                 out[a][m].append((time.perf_counter() - t0) / inner)
+                x.fill_(1.0)  # keep the values finite whatever the repeats
+
+        out["_foreign"][m] = quiet.repeat_until_quiet(one_repeat, repeats, 3 * repeats, foreign)
     return out
 
 
 def run_sweep(world_sizes: list[int], sizes: list[int], algorithms: list[str], repeats: int,
               threads: int | None, check: bool) -> list[dict]:
+    from shardwise.comm import quiet
     from shardwise.launch import spawn, threads_per_rank
     rows = []
     prof = cost.active_profile()
@@ -83,14 +95,17 @@ def run_sweep(world_sizes: list[int], sizes: list[int], algorithms: list[str], r
         prm = prof.params(n)
         for a in algorithms:
             for m in sizes:
-                reps = [max(pr[a][m][i] for pr in per_rank) for i in range(repeats)]
+                loads = per_rank[0]["_foreign"][m]
+                every = [max(pr[a][m][i] for pr in per_rank) for i in range(len(loads))]
+                reps = quiet.quiet_values(every, loads)
                 t = statistics.median(reps)
                 pred = cost.predict(a, n, m, prm)
                 rows.append({"world_size": n, "threads_per_rank": threads or threads_per_rank(n),
                              "algorithm": a, "bytes": m, "median_s": t,
                              "busbw_GBps": m / t * 2 * (n - 1) / n / 1e9,
                              "predicted_s": pred, "model_error": (pred - t) / t,
-                             "repeats_s": reps})
+                             "repeats_s": reps, "tries": len(loads),
+                             "quiet_repeats": sum(x < quiet.THRESHOLD for x in loads)})
     return rows
 
 
@@ -103,14 +118,15 @@ def format_sweep(rows: list[dict]) -> str:
         sizes = sorted({r["bytes"] for r in sub})
         lines.append(f"\nworld size {n} ({sub[0]['threads_per_rank']} torch thread(s) per rank): "
                      "bus bandwidth GB/s, measured median [model prediction, error]")
-        lines.append("size".rjust(6) + "".join(a.rjust(24) for a in algos))
+        lines.append("size".rjust(6) + "".join(a.rjust(24) for a in algos) + "  quiet/tries")
         for m in sizes:
             cells = []
             for a in algos:
                 r = next(r for r in sub if r["algorithm"] == a and r["bytes"] == m)
                 pb = m / r["predicted_s"] * 2 * (n - 1) / n / 1e9 if r["predicted_s"] else 0
                 cells.append(f"{r['busbw_GBps']:.3f} [{pb:.3f} {r['model_error']:+.0%}]")
-            lines.append(_human(m).rjust(6) + "".join(c.rjust(24) for c in cells))
+            lines.append(_human(m).rjust(6) + "".join(c.rjust(24) for c in cells)
+                         + f"  {r.get('quiet_repeats', '-')}/{r.get('tries', '-')}".rjust(13))
         big = [r for r in sub if r["bytes"] >= (1 << 20)]
         within = [f"{a} {sum(abs(r['model_error']) <= 0.25 for r in big if r['algorithm'] == a)}"
                   f"/{sum(r['algorithm'] == a for r in big)}" for a in algos]
@@ -237,13 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_sweep(args.world_size or [2, 4], sizes, args.algorithms.split(","),
                      args.repeats, args.threads, args.check)
     out.mkdir(parents=True, exist_ok=True)
-    meta = cost.host_meta() | {"loadavg_1min_before": load, "profile": cost.active_profile().name,
+    from shardwise.comm.primitives import settings
+    meta = cost.host_meta() | {"loadavg_1min_before": round(load, 2),
+                               "loadavg_1min_after": round(os.getloadavg()[0], 2),
+                               "profile": cost.active_profile().name,
                                "check": args.check, "repeats": args.repeats,
-                               "torch": torch.__version__}
+                               "segment_bytes": settings.segment_bytes,
+                               "torch": torch.__version__,
+                               "command": "shardwise bench comm " + " ".join(
+                                   argv if argv is not None else sys.argv[1:])}
     (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "allreduce_busbw.png")
-    print(format_sweep(rows))
-    print(f"\nload average before: {load:.2f}; wrote {out / 'allreduce.json'} and "
+    text = format_sweep(rows) + "\n\nmeta: " + json.dumps(meta)
+    (out / "allreduce.txt").write_text(text.lstrip("\n") + "\n")
+    print(text)
+    print(f"\nwrote {out / 'allreduce.txt'}, {out / 'allreduce.json'} and "
           f"{out / 'allreduce_busbw.png'}")
     return 0
 

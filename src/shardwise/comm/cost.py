@@ -1,26 +1,49 @@
 """Alpha-beta-gamma cost model of every all-reduce algorithm, and the hardware profile.
 
-Hockney's latency-bandwidth model as used by Thakur, Rabenseifner & Gropp 2005 (Sec. 2):
-sending a message of m bytes costs alpha + m beta; reducing m bytes locally costs m gamma.
-On one machine the "network" is loopback TCP driven by the CPUs, so two betas are
-calibrated: ``beta_x`` for the exchange step that ring and halving-doubling are made of
-(every rank sends and receives at once) and ``beta_1`` for a lone one-way message (tree,
-chain, parameter server), each with its own latency (alpha, alpha_1).
-``shardwise bench comm --calibrate`` measures them for each world
-size (ranks share the cores, so the values depend on it) and stores them as JSON.
+Hockney's latency-bandwidth model as used by Thakur, Rabenseifner & Gropp 2005 (Sec. 2),
+"Optimization of Collective Communication Operations in MPICH" (IJHPCA 19(1)): sending a
+message of m bytes costs alpha + m beta, reducing m bytes locally costs m gamma; an
+algorithm is a sequence of steps and its time is the sum of its steps' times.
 
-Predicted seconds for X bytes on N ranks, p = 2^floor(log2 N), L = ceil(log2 N):
+Contention term (ours). Thakur et al. let a rank send one message and receive one at a
+time (a bidirectional port), so a step costs alpha + L beta, L the bytes through the
+busiest port (the most one rank sends, or receives, in the step). On one machine the
+"network" is loopback TCP, driven for every rank by the same few CPUs, so bytes that move at
+the same time also share the host. A step in which k ports carry L bytes each (k L bytes
+move in all) costs
 
-    ring              2(N-1) alpha + 2(N-1)/N X beta_x + (N-1)/N X gamma
-    halving_doubling  2 log2(p) alpha + 2(p-1)/p X beta_x + (p-1)/p X gamma
-                      (+ 2 alpha_1 + 2 X beta_1 + X gamma when N != p)
-    tree              2 L alpha_1 + 2 L X beta_1 + L X gamma
-    naive             2 alpha_1 + 2 (N-1) X beta_1 + (N-1) X gamma  (the root's link is shared)
-    sequential        2 (N-1) (alpha_1 + X beta_1) + (N-1) X gamma
-    parallel          alpha + (N-1) X beta_x + (N-1) X gamma
-    native            alpha_native + X beta_native (fitted to the backend's own all-reduce)
+    alpha + max(L beta_link, k L beta_host)  =  alpha + L b(k),   b(k) = max(beta_link, k beta_host)
 
-``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N and X.
+the busiest port at one link's rate, or all the step's bytes at the rate the host moves
+bytes in all, whichever is slower. Likewise k ranks reducing m bytes each cost m g(k),
+g(k) = max(gamma, k gamma_host). Constants, per world size (ranks share the cores, so each N
+has its own; ``shardwise bench comm --calibrate`` measures them, see ``calibrate.py``):
+
+    alpha       seconds per step (latency)
+    beta_link   seconds per byte through one port, alone
+    beta_host   seconds per byte of all the bytes moving at once, over all ranks
+    gamma       seconds per byte reduced (acc += other) by one rank alone
+    gamma_host  seconds per byte reduced, over all ranks reducing at once
+
+Predicted seconds for X bytes on N ranks, p = 2^floor(log2 N), L = ceil(log2 N); the
+steps and bytes are Thakur et al.'s (Sec. 4), only beta and gamma became b(k) and g(k):
+
+    ring              2(N-1) alpha + 2(N-1)/N X b(N) + (N-1)/N X g(N)
+                      (every step: N ranks send X/N, N ranks reduce X/N)
+    halving_doubling  2 log2(p) alpha + 2(p-1)/p X b(p) + (p-1)/p X g(p)
+                      + [N != p] (2 alpha + 2 X b(N-p) + X g(N-p))   (the fold-in / -out)
+    tree              sum over k = 1..L of  2 alpha + 2 X b(c_k) + X g(c_k),
+                      c_k = #{v < N : v mod 2^k = 2^(k-1)} messages in step k of the
+                      binomial reduce (and in the mirrored step of the broadcast)
+    naive             2 alpha + 2(N-1) X b(1) + (N-1) X gamma   (the root's port carries
+                                                                (N-1) X each way, alone)
+    sequential        2(N-1) (alpha + X b(1)) + (N-1) X g(1)   (one message at a time)
+    parallel          alpha + (N-1) X b(N) + (N-1) X g(N)      (every rank sends and
+                                                                receives (N-1) X at once)
+    native            native_alpha + X native_beta   (the backend's own all-reduce, measured)
+
+With beta_host = gamma_host = 0 these are the textbook formulas of Thakur et al. (b = beta,
+g = gamma). ``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N, X.
 """
 
 from __future__ import annotations
@@ -41,17 +64,21 @@ AUTO_CANDIDATES = ("native", "ring", "halving_doubling", "tree")
 class LinkParams:
     """Calibrated constants for one world size. Seconds, and seconds per byte."""
 
-    alpha: float           # latency of one exchange round (send and receive at once)
-    beta_x: float          # per byte, each rank sending and receiving at the same time
-    beta_1: float          # per byte, a one-way send with the receiver idle otherwise
-    gamma: float           # per byte reduced (acc += other) on one rank
-    native_alpha: float    # backend all_reduce: fixed cost
-    native_beta: float     # backend all_reduce: per byte of the vector
-    alpha_1: float = -1.0  # latency of a one-way round (-1: same as alpha)
+    alpha: float         # latency of one step
+    beta_link: float     # per byte through one rank's port, alone
+    beta_host: float     # per byte of all bytes moving at once (the host's shared rate)
+    gamma: float         # per byte reduced by one rank alone
+    gamma_host: float    # per byte reduced, summed over ranks reducing at once
+    native_alpha: float  # backend all_reduce: fixed cost
+    native_beta: float   # backend all_reduce: per byte of the vector
 
-    @property
-    def a1(self) -> float:
-        return self.alpha if self.alpha_1 < 0 else self.alpha_1
+    def b(self, k: int) -> float:
+        """Seconds per byte through the busiest port when ``k`` ports carry as much at once."""
+        return max(self.beta_link, k * self.beta_host)
+
+    def g(self, k: int) -> float:
+        """Seconds per byte of each of ``k`` ranks reducing equal amounts in one step."""
+        return max(self.gamma, k * self.gamma_host)
 
 
 @dataclass
@@ -74,7 +101,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
-        ws = {int(k): LinkParams(**v) for k, v in data["world_sizes"].items()}
+        ws = {int(k): _params(int(k), v) for k, v in data["world_sizes"].items()}
         if not ws:
             raise ValueError("profile has no world_sizes")
         return cls(data.get("name", "unnamed"), ws, data.get("meta", {}))
@@ -84,6 +111,16 @@ class Profile:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
+
+
+def _params(n: int, v: dict) -> LinkParams:
+    """LinkParams from JSON; a profile of the earlier model (one-way beta_1, exchange beta_x,
+    one gamma) is read as beta_link = beta_1, beta_host = beta_x / n, gamma_host = gamma / n."""
+    if "beta_x" in v:
+        v = {"alpha": v["alpha"], "beta_link": v["beta_1"], "beta_host": v["beta_x"] / n,
+             "gamma": v["gamma"], "gamma_host": v["gamma"] / n,
+             "native_alpha": v["native_alpha"], "native_beta": v["native_beta"]}
+    return LinkParams(**v)
 
 
 def load_profile(path: str | os.PathLike) -> Profile:
@@ -98,29 +135,33 @@ def _log2_ceil(n: int) -> int:
     return (n - 1).bit_length()
 
 
+def tree_step_messages(n: int) -> list[int]:
+    """c_k, k = 1..ceil(log2 n): messages in step k of a binomial reduce over ``n`` ranks
+    (virtual rank v sends in step k iff v mod 2^k = 2^(k-1))."""
+    return [sum(1 for v in range(n) if v % (2 << k) == (1 << k)) for k in range(_log2_ceil(n))]
+
+
 def predict(algorithm: str, n: int, nbytes: float, prm: LinkParams) -> float:
     """Predicted seconds of one all-reduce of ``nbytes`` bytes on ``n`` ranks."""
     if algorithm == "rabenseifner":
         algorithm = "halving_doubling"
-    a, bx, b1, g, x = prm.alpha, prm.beta_x, prm.beta_1, prm.gamma, float(nbytes)
-    a1 = prm.a1
+    a, x, b, g = prm.alpha, float(nbytes), prm.b, prm.g
     if n == 1:
         return 0.0
     if algorithm == "ring":
-        return 2 * (n - 1) * a + 2 * (n - 1) / n * x * bx + (n - 1) / n * x * g
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * x * b(n) + (n - 1) / n * x * g(n)
     if algorithm == "halving_doubling":
         p = 1 << (n.bit_length() - 1)
-        t = 2 * math.log2(p) * a + 2 * (p - 1) / p * x * bx + (p - 1) / p * x * g
-        return t if p == n else t + 2 * a1 + 2 * x * b1 + x * g
+        t = 2 * math.log2(p) * a + 2 * (p - 1) / p * x * b(p) + (p - 1) / p * x * g(p)
+        return t if p == n else t + 2 * a + 2 * x * b(n - p) + x * g(n - p)
     if algorithm == "tree":
-        L = _log2_ceil(n)
-        return 2 * L * a1 + 2 * L * x * b1 + L * x * g
+        return sum(2 * a + 2 * x * b(c) + x * g(c) for c in tree_step_messages(n))
     if algorithm == "naive":
-        return 2 * a1 + 2 * (n - 1) * x * b1 + (n - 1) * x * g
+        return 2 * a + 2 * (n - 1) * x * b(1) + (n - 1) * x * prm.gamma
     if algorithm == "sequential":
-        return 2 * (n - 1) * (a1 + x * b1) + (n - 1) * x * g
+        return 2 * (n - 1) * (a + x * b(1)) + (n - 1) * x * g(1)
     if algorithm == "parallel":
-        return a + (n - 1) * x * bx + (n - 1) * x * g
+        return a + (n - 1) * x * b(n) + (n - 1) * x * g(n)
     if algorithm == "native":
         return prm.native_alpha + x * prm.native_beta
     raise ValueError(f"no cost model for all-reduce algorithm {algorithm!r}")
@@ -133,8 +174,8 @@ REPO_PROFILE = Path(__file__).resolve().parents[3] / "profiles" / "default.json"
 # Measured on the development machine (2 cores, gloo over loopback); used only when no
 # profile file can be found, so that "auto" always has numbers to work with.
 BUILTIN = Profile("builtin", {
-    2: LinkParams(alpha=6e-5, beta_x=4.5e-10, beta_1=2.6e-10, gamma=1e-10,
-                  native_alpha=2e-4, native_beta=6.5e-10),
+    2: LinkParams(alpha=1e-4, beta_link=2.6e-10, beta_host=1.3e-10, gamma=9e-11,
+                  gamma_host=5e-11, native_alpha=5e-4, native_beta=5.5e-10),
 }, {"note": "fallback constants; run `shardwise bench comm --calibrate`"})
 
 _active: Profile | None = None
