@@ -46,15 +46,18 @@ class Settings:
         shape mismatch can make gloo abort the process ("Received data size doesn't match")
         and a dtype mismatch of equal width silently yields garbage. Its traffic is
         accounted under the collective name "check", never mixed into the algorithm's row.
-    segment_bytes: the reduce-scatter steps of ring all-reduce cut each chunk into
-        segments of about this size, all in flight at once, and reduce segment i while
-        i+1.. are still arriving (0: no segmentation). Bytes are unchanged; each step then
-        counts ceil(chunk / segment_bytes) messages instead of one.
+    segment_bytes: ring all-reduce cuts each chunk into pieces of about this size and
+        pipelines them: piece j goes on to its next step as soon as it has arrived (and
+        been added), so the all-gather starts while the reduce-scatter still runs (0: no
+        pieces, the two-phase ring). The ring reduce-scatter alone (``reduce_scatter_tensor``)
+        cuts its steps the same way and reduces piece i while i+1.. arrive. Bytes are
+        unchanged; each step then counts one message per piece. 2 MiB was the fastest of
+        0.5 / 1 / 2 / 4 MiB at 16 and 64 MiB on the development machine.
     """
 
     timeout_s: float = 300.0
     check: bool = True
-    segment_bytes: int = 1 << 20
+    segment_bytes: int = 2 << 20
 
 
 settings = Settings()
