@@ -18,7 +18,7 @@ Two gloo ranks (1 torch thread each unless --threads), X bytes of float32, timed
 Every repeat runs each case once in an order rotated from the previous repeat, started by a
 barrier; the slowest rank's time counts; medians over the repeats that no other process
 disturbed are reported (``shardwise/comm/quiet.py``: up to 4x --repeats tries). Saved as
-``p2p_duplex.txt`` / ``.json`` under --out.
+``p2p_duplex.txt`` / ``.json`` under --out (``p2p_duplex_threadsT`` with --threads T != 1).
 
 The bound. At N = 2 every rank must receive information about all X bytes of the other's
 vector, so any all-reduce made of sends and receives moves at least 2X bytes across the
@@ -183,6 +183,9 @@ def format_result(an: dict, meta: dict) -> str:
             f"i.e. {a['needed_Bps_for_1_5x'] / 1e9:.2f} GB/s across "
             f"({a['needed_Bps_for_1_5x'] / a['aggregate_Bps'][a['best_pattern']]:.2f}x the best "
             "rate measured)",
+            f"  one-way X is {med['native'] / med['oneway']:.2f}x faster than gloo's all-reduce of "
+            f"X, but an all-reduce moves 2X: 2 x one-way = {2 * med['oneway'] * 1e3:.2f} ms, "
+            f"{med['native'] / (2 * med['oneway']):.2f}x gloo",
             f"  measured: ring {a['ring_speedup']:.2f}x gloo (pipelined, segment "
             f"{_h(meta['segment_bytes'])}), ring 2-phase {a['ring_2phase_speedup']:.2f}x",
         ]
@@ -225,8 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "p2p_duplex.txt").write_text(text + "\n")
-    (out / "p2p_duplex.json").write_text(json.dumps(
+    stem = "p2p_duplex" if args.threads == 1 else f"p2p_duplex_threads{args.threads}"
+    (out / f"{stem}.txt").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "results": {str(m): a for m, a in an.items()},
          "raw": {str(m): res[0]["sizes"][m] for m in sizes}}, indent=1) + "\n")
     return 0
