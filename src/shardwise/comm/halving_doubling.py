@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.primitives import Call, balanced_bounds, combine_, finish_, scratch
+from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, scratch,
+                                       settings)
+from shardwise.comm.ring import _cuts
 
 
 class Fold:
@@ -53,17 +55,32 @@ class Fold:
 
 def halving(call: Call, buf: torch.Tensor, vb: list[int], fold: Fold, op: str,
             step: int) -> int:
-    """Recursive halving among the virtual ranks: virtual rank v ends owning range v."""
+    """Recursive halving among the virtual ranks: virtual rank v ends owning range v.
+
+    A step returns once its receive is in; its send is waited for when the call closes
+    (as ring's steps do: no wait for the peer to drain each send). That is safe: a range
+    given away is never written again in the halving, and the doubling writes it only
+    with data the peer computed from it, i.e. after receiving it. ``tmp`` is received into
+    again only after it has been added. Each step's message is cut into pieces of
+    ``settings.segment_bytes``, and piece i is added while i+1.. are still arriving.
+    """
     v, lo, hi, mask = fold.vrank, 0, fold.p, fold.p // 2
+    seg = settings.segment_bytes // buf.element_size()
     while mask:
         peer = fold.real(v ^ mask)
         mid = lo + mask
         keep, give = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
         mine = buf[vb[keep[0]]:vb[keep[1]]]
+        send = buf[vb[give[0]]:vb[give[1]]]
         tmp = scratch.get(mine.numel(), buf.dtype, buf.device)
+        # the same cut on both sides (the peer's keep is our give): reduce piece i while
+        # pieces i+1.. still arrive
+        cut_s, cut_r = _cuts(send.numel(), seg), _cuts(mine.numel(), seg)
+        tmps, mines = [tmp[a:b] for a, b in cut_r], [mine[a:b] for a, b in cut_r]
         step += 1
-        call.exchange(step, sends=[(peer, buf[vb[give[0]]:vb[give[1]]])], recvs=[(peer, tmp)])
-        combine_(mine, tmp, op)
+        call.exchange(step, sends=[(peer, send[a:b]) for a, b in cut_s],
+                      recvs=[(peer, t) for t in tmps],
+                      on_recv=lambda i: combine_(mines[i], tmps[i], op), defer_sends=True)
         lo, hi = keep
         mask //= 2
     return step
@@ -78,7 +95,7 @@ def doubling(call: Call, buf: torch.Tensor, vb: list[int], fold: Fold, step: int
         plo = lo ^ mask
         step += 1
         call.exchange(step, sends=[(peer, buf[vb[lo]:vb[lo + mask]])],
-                      recvs=[(peer, buf[vb[plo]:vb[plo + mask]])])
+                      recvs=[(peer, buf[vb[plo]:vb[plo + mask]])], defer_sends=True)
         mask *= 2
     return step
 

@@ -230,12 +230,13 @@ class Call:
     sides (both sides compute the same sizes, so they skip the same messages).
     """
 
-    __slots__ = ("name", "algorithm", "info", "deadline", "record", "label", "tag")
+    __slots__ = ("name", "algorithm", "info", "deadline", "record", "label", "tag", "deferred")
 
     def __init__(self, name: str, algorithm: str, info: GroupInfo, nbytes: int,
                  dtype: torch.dtype | None = None, label: str | None = None,
                  account: bool = True, tag: int = 0) -> None:
         self.name, self.algorithm, self.info, self.tag = name, algorithm, info, tag
+        self.deferred: list[Posted] = []  # sends waited for in close() (exchange(defer_sends))
         self.label = label or f"{name}({algorithm})"
         self.deadline = time.monotonic() + settings.timeout_s
         self.record = (accounting.open_record(name, algorithm, info.size, info.rank,
@@ -252,15 +253,25 @@ class Call:
 
     def exchange(self, step: int, sends: Sequence[tuple[int, torch.Tensor]] = (),
                  recvs: Sequence[tuple[int, torch.Tensor]] = (),
-                 on_recv: Callable[[int], None] | None = None) -> None:
+                 on_recv: Callable[[int], None] | None = None,
+                 defer_sends: bool = False) -> None:
         """One round. ``on_recv(i)`` runs as soon as ``recvs[i]`` has arrived, while later
-        messages are still in flight (used to reduce segment i during transfer of i+1)."""
+        messages are still in flight (used to reduce segment i during transfer of i+1).
+
+        ``defer_sends``: return once the receives are in; the sends are waited for in
+        ``close()``. Only for schedules where nothing overwrites a sent region before the
+        call ends, or only after the peer has provably received it (halving-doubling)."""
         posted = [self.irecv(step, peer, t) for peer, t in recvs]
-        posted += [self.isend(step, peer, t) for peer, t in sends]
+        sent = [self.isend(step, peer, t) for peer, t in sends]
         for i, p in enumerate(posted):
             self.wait(p)
-            if i < len(recvs) and on_recv is not None and p is not None:
+            if on_recv is not None and p is not None:
                 on_recv(i)
+        if defer_sends:
+            self.deferred.extend(p for p in sent if p is not None)
+        else:
+            for p in sent:
+                self.wait(p)
 
     # Non-blocking pieces of a round, for schedules that overlap rounds (the pipelined ring).
     # A message is counted when it is posted; ``wait`` bounds it by the call's deadline.
@@ -323,6 +334,10 @@ class Call:
                 f"(group rank {i.rank} of {i.size})")
 
     def close(self) -> None:
+        """Wait for deferred sends, then file the accounting record."""
+        deferred, self.deferred = self.deferred, []
+        for p in deferred:
+            self.wait(p)
         if self.record is not None:
             accounting.log.append(self.record)
             self.record = None
