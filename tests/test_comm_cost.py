@@ -45,8 +45,9 @@ def test_without_contention_the_formulas_are_thakur_et_al():
     assert cost.predict("halving_doubling", n, x, FREE) == pytest.approx(
         4 * a + 1.5 * x * b + 0.75 * x * g)
     assert cost.predict("tree", n, x, FREE) == pytest.approx(4 * a + 4 * x * b + 2 * x * g)
-    assert cost.predict("naive", n, x, FREE) == pytest.approx(2 * a + 6 * x * b + 3 * x * g)
-    assert cost.predict("parallel", n, x, FREE) == pytest.approx(a + 3 * x * b + 3 * x * g)
+    # naive and parallel: the multi-port limit (the root receives its N-1 messages at once)
+    assert cost.predict("naive", n, x, FREE) == pytest.approx(2 * a + 2 * x * b + 3 * x * g)
+    assert cost.predict("parallel", n, x, FREE) == pytest.approx(a + x * b + 3 * x * g)
     assert cost.predict("sequential", n, x, FREE) == pytest.approx(6 * (a + x * b) + 3 * x * g)
     assert cost.predict("native", n, x, FREE) == pytest.approx(
         FREE.native_alpha + x * FREE.native_beta)
@@ -56,8 +57,8 @@ def test_without_contention_the_formulas_are_thakur_et_al():
 
 
 def test_contention_term_per_step():
-    # b(k) = max(beta_link, k beta_host): one port alone runs at the link's rate, k ports
-    # loaded at once share the host's rate; same for the reduction
+    # b(k) = max(beta_link, k beta_host): one message alone runs at the link's rate, k at
+    # once share the host's rate; same for the reduction
     assert PRM.b(1) == PRM.beta_link and PRM.b(2) == PRM.beta_link
     assert PRM.b(4) == pytest.approx(4 * PRM.beta_host) and PRM.b(12) == pytest.approx(12e-10)
     assert PRM.g(2) == PRM.gamma and PRM.g(4) == pytest.approx(4 * PRM.gamma_host)
@@ -66,13 +67,13 @@ def test_contention_term_per_step():
     # ring: every step moves N messages of X/N (b(4) = 4e-10), N ranks reduce X/N (g(4))
     assert cost.predict("ring", n, x, PRM) == pytest.approx(
         6 * a + 1.5 * x * 4e-10 + 0.75 * x * 1.6e-10)
-    # naive: the root's port carries 3X each way and is the only busy port: no host term
-    assert cost.predict("naive", n, x, PRM) == cost.predict("naive", n, x, FREE)
+    # naive: 3 messages of X to and from the root at once (b(3) = 3e-10); it reduces alone
+    assert cost.predict("naive", n, x, PRM) == pytest.approx(2 * a + 2 * x * 3e-10 + 3 * x * 1e-10)
     # sequential: one message at a time, never contended
     assert cost.predict("sequential", n, x, PRM) == cost.predict("sequential", n, x, FREE)
-    # parallel: every port carries 3X at once (b(4)), every rank reduces 3X (g(4))
+    # parallel: all 12 messages at once (b(12)), every rank reduces 3X (g(4))
     assert cost.predict("parallel", n, x, PRM) == pytest.approx(
-        a + 3 * x * 4e-10 + 3 * x * 1.6e-10)
+        a + x * 12e-10 + 3 * x * 1.6e-10)
     # a step's host term binds once k beta_host > beta_link: N = 2 ring with a slow host
     slow = cost.LinkParams(1e-4, 2e-10, 3e-10, 1e-10, 1e-10, 0, 0)
     assert cost.predict("ring", 2, x, slow) == pytest.approx(2e-4 + x * 6e-10 + 0.5 * x * 2e-10)
@@ -80,6 +81,33 @@ def test_contention_term_per_step():
     for algo in ("ring", "halving_doubling", "tree", "naive", "sequential", "parallel"):
         for k in (2, 3, 4, 5, 8):
             assert cost.predict(algo, k, x, PRM) >= cost.predict(algo, k, x, FREE)
+
+
+def test_lone_messages_have_their_own_latency():
+    prm = cost.LinkParams(alpha=1e-3, beta_link=2.5e-10, beta_host=1e-10, gamma=1e-10,
+                          gamma_host=4e-11, native_alpha=0, native_beta=0, alpha_1=1e-4)
+    assert prm.a(1) == 1e-4 and prm.a(2) == 1e-3 and PRM.a(1) == PRM.alpha  # -1: as alpha
+    x = 1 << 20
+    d = prm.alpha - prm.alpha_1
+    # sequential and N=2 tree / naive are lone messages only; ring never is
+    assert cost.predict("sequential", 4, x, PRM) - cost.predict("sequential", 4, x, prm) \
+        == pytest.approx(6 * (PRM.alpha - prm.alpha_1))
+    assert cost.predict("tree", 2, x, prm) == pytest.approx(
+        cost.predict("tree", 2, x, PRM) - 2 * (PRM.alpha - prm.alpha_1))
+    # tree at N=4: step 1 moves 2 messages (alpha), step 2 one (alpha_1), each way
+    assert cost.predict("tree", 4, x, prm) - cost.predict("tree", 4, x, cost.LinkParams(
+        1e-3, 2.5e-10, 1e-10, 1e-10, 4e-11, 0, 0)) == pytest.approx(-2 * d)
+    assert cost.predict("ring", 4, x, prm) == pytest.approx(
+        6e-3 + 1.5 * x * prm.b(4) + 0.75 * x * prm.g(4))
+
+
+def test_halving_doubling_steps_have_the_swap_latency():
+    swap = cost.LinkParams(**{**PRM.__dict__, "alpha_swap": 1e-3})
+    x = 1 << 20
+    for n, steps in ((2, 2), (4, 4), (8, 6)):
+        assert cost.predict("halving_doubling", n, x, swap) - cost.predict(
+            "halving_doubling", n, x, PRM) == pytest.approx(steps * (1e-3 - PRM.alpha))
+        assert cost.predict("ring", n, x, swap) == cost.predict("ring", n, x, PRM)
 
 
 def test_tree_steps_count_the_messages_of_each_binomial_step():

@@ -7,7 +7,10 @@
 
 Sweep: for each size, every algorithm runs once per repeat in an order rotated from one
 repeat to the next (so drift hits all alike); a repeat times ``inner`` back-to-back calls
-started by a barrier, each rank times itself and the slowest rank counts. Repeats during
+started by a barrier, each rank times itself and the slowest rank counts. Each world size
+is spawned ``--spawns`` times (3) and the repeats pooled: where the scheduler puts the
+ranks (two communicating ranks on one core or on two) is decided per spawn and changes a
+one-way step by up to 2x at N = 4 here. Repeats during
 which other processes used the CPUs are dropped and run again (``comm/quiet.py``: up to 3x
 ``--repeats`` tries; if fewer than 3 were quiet, all count); the median over the quiet
 repeats is reported as bus bandwidth, busbw = X / t * 2 (N-1) / N (the nccl-tests
@@ -85,18 +88,22 @@ def sweep_worker(sizes: list[int], algorithms: list[str], repeats: int, check: b
 
 
 def run_sweep(world_sizes: list[int], sizes: list[int], algorithms: list[str], repeats: int,
-              threads: int | None, check: bool) -> list[dict]:
+              threads: int | None, check: bool, spawns: int = 3) -> list[dict]:
+    """``spawns`` fresh sets of ranks per world size (the scheduler places ranks per spawn),
+    their quiet repeats pooled."""
     from shardwise.comm import quiet
     from shardwise.launch import spawn, threads_per_rank
     rows = []
     prof = cost.active_profile()
     for n in world_sizes:
-        per_rank = spawn(sweep_worker, n, (sizes, algorithms, repeats, check), threads=threads)
+        runs = [spawn(sweep_worker, n, (sizes, algorithms, repeats, check), threads=threads)
+                for _ in range(spawns)]
         prm = prof.params(n)
         for a in algorithms:
             for m in sizes:
-                loads = per_rank[0]["_foreign"][m]
-                every = [max(pr[a][m][i] for pr in per_rank) for i in range(len(loads))]
+                loads = [x for per_rank in runs for x in per_rank[0]["_foreign"][m]]
+                every = [max(pr[a][m][i] for pr in per_rank) for per_rank in runs
+                         for i in range(len(per_rank[0]["_foreign"][m]))]
                 reps = quiet.quiet_values(every, loads)
                 t = statistics.median(reps)
                 pred = cost.predict(a, n, m, prm)
@@ -191,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated list")
     p.add_argument("--repeats", type=int, default=5, help="alternated repeats (median reported)")
+    p.add_argument("--spawns", type=int, default=3, help="fresh sets of ranks per world size, "
+                   "repeats pooled (default 3: the scheduler places ranks per spawn)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank "
                    "(default: cores // ranks, at least 1)")
     p.add_argument("--check", action="store_true", help="keep the argument check on while timing")
@@ -210,6 +219,8 @@ def _validate(args) -> None:
             raise BenchError(f"--world-size: {n} is out of range 1..64")
     if args.repeats < 1:
         raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.spawns < 1:
+        raise BenchError(f"--spawns must be >= 1, got {args.spawns}")
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}")
     bad = [a for a in args.algorithms.split(",") if a not in ALGORITHMS]
@@ -244,21 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         from shardwise.comm.calibrate import calibrate
         prof, raw = calibrate(args.world_size or [2, 4], args.name, args.repeats,
-                              threads=args.threads)
+                              threads=args.threads, spawns=args.spawns)
         prof.meta["loadavg_1min_before"] = load
         path = prof.save(args.profile or cost.REPO_PROFILE.parent / f"{args.name}.json")
         print(json.dumps(prof.to_json(), indent=2))
         print(f"wrote {path}")
         return 0
     rows = run_sweep(args.world_size or [2, 4], sizes, args.algorithms.split(","),
-                     args.repeats, args.threads, args.check)
+                     args.repeats, args.threads, args.check, args.spawns)
     out.mkdir(parents=True, exist_ok=True)
     from shardwise.comm.primitives import settings
     meta = cost.host_meta() | {"loadavg_1min_before": round(load, 2),
                                "loadavg_1min_after": round(os.getloadavg()[0], 2),
                                "profile": cost.active_profile().name,
                                "check": args.check, "repeats": args.repeats,
-                               "segment_bytes": settings.segment_bytes,
+                               "spawns": args.spawns, "segment_bytes": settings.segment_bytes,
                                "torch": torch.__version__,
                                "command": "shardwise bench comm " + " ".join(
                                    argv if argv is not None else sys.argv[1:])}

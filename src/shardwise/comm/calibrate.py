@@ -1,26 +1,35 @@
 """Measure the cost model's constants on this machine (``shardwise bench comm --calibrate``).
 
-For each world size N, N ranks are spawned and time four transfer patterns, a local
-reduction and the backend's all-reduce, for messages m = 1 MiB .. 64 MiB (the bandwidth
-regime the model is for), alternating the patterns within each repeat and taking medians
-over repeats that no other process disturbed (``quiet.py``):
+For each world size N, N ranks are spawned and time five transfer patterns, a local
+reduction and the backend's all-reduce, alternating them within each repeat and taking the
+slowest rank's median over the repeats that no other process disturbed (``quiet.py``),
+pooled over 3 spawns (where the scheduler places the ranks is decided per spawn):
 
-- relay: a message of m bytes goes once round the ring, 0 -> 1 -> ... -> N-1 -> 0, one hop
-  at a time; each hop waits for the previous one (N steps, one message each). This is a
-  one-way message as tree, naive and sequential see it: the receiver waits in a receive,
-  the sender has just received or reduced the data. Per hop: alpha + m b(1)  -> beta_link.
+- relay: a message of m bytes goes round the ring, 0 -> 1 -> ... -> N-1 -> 0, one hop
+  at a time, each hop waiting for the previous one. This is a lone message as tree, naive
+  and sequential see it (the receiver waits in a receive, the sender has just received the
+  data); per hop it costs a(1) + m b(1) -> alpha_1 and beta_link.
 - exchange: every rank sends m to its right neighbour while receiving m from its left (one
-  step of ring, N messages at once): alpha + m b(N)  -> alpha and beta_host = slope / N
-  (the slope is max(beta_link, N beta_host); the host term is the one that binds here).
-- add alone: rank 0 runs ``acc.add_(other)`` over m bytes, the others wait -> gamma.
-- add all: every rank does so at once -> gamma_host = slope / N.
+  step of ring: N messages at once; steps back to back, each send posted once the previous
+  receive is in, as ring.all_reduce does): a(N) + m b(N) -> alpha and beta_host = slope / N
+  (the slope is max(beta_link, N beta_host): here the host term binds).
+- swap: ranks swap m bytes in pairs, r <-> r xor 2^j (j cycling as in halving-doubling),
+  steps back to back -> alpha_swap (latency sizes only).
+- add alone: rank 0 sends m bytes to rank 1, which adds them into its vector
+  (``acc.add_(received)``, the reduction of every algorithm here); only the add is timed,
+  the others wait -> gamma. (An add of a just-received buffer runs up to 2-3x faster here
+  than one of two cold 64 MiB buffers: part of it is still in the cache.)
+- add all: every rank receives m bytes from its left and adds them, all at once ->
+  gamma_host = slope / N.
 - the backend's own all-reduce -> native_alpha, native_beta.
 
-Each (alpha, slope) is a least-squares fit of t = alpha + m slope weighted by 1/t (relative
-error). The fits use messages of 1 MiB and more: below that, on the 2-vCPU development VM,
-gloo's waits show erratic 0.1-2 ms stalls (a plain TCP ping-pong between two processes
-takes 15 us there), so small-message times are noise around a latency the model only
-roughly captures.
+Latencies are the median time of a step of 16, 64 and 256 KiB (the transfer is a few
+percent of it; these small steps scatter by +-50% between runs here). Slopes are least
+squares through the origin of (t - latency) against m over m = 1 .. 64 MiB, in absolute
+seconds, so the large messages (the bandwidth regime the model is for) carry the fit: on
+the 2-vCPU development VM a 1-4 MiB step shows erratic 0.1-2 ms stalls (waking an idle vCPU,
+TCP window updates) that a per-byte constant should not absorb. The backend's all-reduce is
+fitted with an intercept, weighted by 1/t (relative error).
 """
 
 from __future__ import annotations
@@ -35,17 +44,19 @@ from shardwise.comm import quiet
 from shardwise.comm.cost import LinkParams, Profile, host_meta
 from shardwise.comm.primitives import Call, configure, group_info
 
-SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
-FIT_FROM = 1 << 20  # fit on messages of at least 1 MiB (see the module docstring)
-PATTERNS = ("relay", "exchange", "add_alone", "add_all", "native")
+LATENCY_SIZES = [16 << 10, 64 << 10, 256 << 10]  # steps whose median time is alpha / alpha_1
+SIZES = LATENCY_SIZES + [m << 20 for m in (1, 2, 4, 8, 16, 32, 64)]
+FIT_FROM = 1 << 20  # per-byte fits on messages of at least 1 MiB (see the module docstring)
+PATTERNS = ("relay", "exchange", "swap", "add_alone", "add_all", "native")
 
 
 def _inner(nbytes: int) -> int:
-    return max(1, min(20, (4 << 20) // max(nbytes, 1)))
+    return max(1, min(20, (2 << 20) // max(nbytes, 1)))  # as the sweep (bench.py)
 
 
 def calibration_worker(sizes: list[int], repeats: int) -> dict:
-    """Run on every rank; per pattern and size, the slowest rank's median (quiet repeats)."""
+    """Run on every rank; per pattern and size, the slowest rank's time of every repeat,
+    and the foreign load each repeat saw (``quiet.py``)."""
     configure(check=False)
     info = group_info(None, "calibrate")
     n, r = info.size, info.rank
@@ -55,26 +66,59 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
     out["foreign"] = {}
     for m in sizes:
         x, y = torch.ones(m // 4), torch.empty(m // 4)
-        a, b = torch.ones(m // 4), torch.ones(m // 4)
         call = Call("calibrate", "pattern", info, m, account=False)
-
-        def relay():
-            if r > 0:
-                call.exchange(r, recvs=[(r - 1, y)])
-            call.exchange(r + 1, sends=[((r + 1) % n, x if r == 0 else y)])
-            if r == 0:
-                call.exchange(n, recvs=[(n - 1, y)])
-
-        def exchange():
-            call.exchange(1, sends=[((r + 1) % n, x)], recvs=[((r - 1) % n, y)])
-
-        def add_alone():
-            if r == 0:
-                a.add_(b)
-
-        fns = {"relay": relay, "exchange": exchange, "add_alone": add_alone,
-               "add_all": lambda: a.add_(b), "native": lambda: dist.all_reduce(x)}
         inner = _inner(m)
+
+        def relay() -> None:  # inner trips round the ring, one hop at a time
+            for _ in range(inner):
+                if r > 0:
+                    call.exchange(r, recvs=[(r - 1, y)])
+                call.exchange(r + 1, sends=[((r + 1) % n, x if r == 0 else y)])
+                if r == 0:
+                    call.exchange(n, recvs=[(n - 1, y)])
+
+        def exchange() -> None:  # inner ring steps back to back, as ring.all_reduce runs them
+            sends = []
+            for _ in range(inner):
+                got = call.irecv(1, (r - 1) % n, y)
+                sends.append(call.isend(1, (r + 1) % n, x))
+                call.wait(got)
+            for posted in sends:
+                call.wait(posted)
+
+        masks = [1 << j for j in range((n.bit_length() - 1) or 1)]
+
+        def swap() -> None:  # inner pairwise swaps r <-> r xor 2^j, as halving-doubling's
+            sends = []
+            for i in range(inner):
+                peer = r ^ masks[i % len(masks)]
+                if peer < n:
+                    got = call.irecv(1, peer, y)
+                    sends.append(call.isend(1, peer, x))
+                    call.wait(got)
+            for posted in sends:
+                call.wait(posted)
+
+        def add_after(receivers: set[int]) -> float:
+            """Rank 0 sends m bytes to rank 1 (receivers {1}) or every rank to its right
+            (all); then each receiver adds what it got into x: the add alone is timed."""
+            if len(receivers) == 1:
+                if r == 0:
+                    call.exchange(1, sends=[(1, x)])
+                elif r == 1:
+                    call.exchange(1, recvs=[(0, y)])
+            else:
+                call.exchange(1, sends=[((r + 1) % n, x)], recvs=[((r - 1) % n, y)])
+            if r not in receivers:
+                return 0.0
+            t0 = time.perf_counter()
+            x.add_(y)
+            return time.perf_counter() - t0
+
+        fns = {"relay": relay, "exchange": exchange, "swap": swap,
+               "add_alone": lambda: add_after({1}),
+               "add_all": lambda: add_after(set(range(n))),
+               "native": lambda: [dist.all_reduce(x) for _ in range(inner)]}
         times: dict = {p: [] for p in PATTERNS}
 
         def one_repeat(i: int) -> None:
@@ -83,24 +127,35 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
                 call.deadline = time.monotonic() + 300
                 dist.barrier()
                 t0 = time.perf_counter()
-                for _ in range(inner):
-                    fns[p]()
-                times[p].append((time.perf_counter() - t0) / inner)
+                own = fns[p]()
+                t = own if isinstance(own, float) else (time.perf_counter() - t0) / inner
+                times[p].append(t)
                 x.fill_(1.0)
-                a.fill_(1.0)
 
         for p in PATTERNS:  # warm-up
             fns[p]()
         loads = quiet.repeat_until_quiet(one_repeat, repeats, 4 * repeats, foreign)
-        t = torch.tensor([statistics.median(quiet.quiet_values(times[p], loads))
-                          for p in PATTERNS], dtype=torch.float64)
-        # the slowest rank's median (each rank times itself; all started by the barrier)
+        # per repeat, the slowest rank (each rank times itself; all started by the barrier)
+        t = torch.tensor([times[p] for p in PATTERNS], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        for p, v in zip(PATTERNS, t.tolist()):
-            out[p][m] = v
-        out["relay"][m] /= n  # per hop
-        out["foreign"][m] = {"tries": len(loads),
-                             "quiet": sum(x_ < quiet.THRESHOLD for x_ in loads)}
+        for p, row in zip(PATTERNS, t.tolist()):
+            out[p][m] = [v / n for v in row] if p == "relay" else row  # relay: per hop
+        out["foreign"][m] = loads
+    return out
+
+
+def pool(results: list[dict]) -> dict:
+    """Rank 0's results of several spawns -> per pattern and size, the median of every
+    quiet repeat of every spawn, and the repeat counts."""
+    out: dict = {p: {} for p in PATTERNS}
+    out["repeats"] = {}
+    for m in results[0]["foreign"]:
+        loads = [x for res in results for x in res["foreign"][m]]
+        for p in PATTERNS:
+            every = [v for res in results for v in res[p][m]]
+            out[p][m] = statistics.median(quiet.quiet_values(every, loads))
+        out["repeats"][m] = {"tries": len(loads),
+                             "quiet": sum(x < quiet.THRESHOLD for x in loads)}
     return out
 
 
@@ -119,32 +174,51 @@ def fit_alpha_beta(points: dict[int, float]) -> tuple[float, float]:
     return max(alpha, 1e-7), max(beta, 1e-13)
 
 
+def fit_slope(points: dict[int, float], intercept: float) -> float:
+    """Least squares of t - intercept = m slope through the origin (absolute errors)."""
+    num = sum(m * (t - intercept) for m, t in points.items())
+    return max(num / sum(m * m for m in points), 1e-13)
+
+
 def params_from(result: dict, n: int) -> LinkParams:
-    """LinkParams from ``calibration_worker``'s result at world size ``n`` (sizes >= FIT_FROM)."""
+    """LinkParams from ``calibration_worker``'s result at world size ``n``."""
     def big(points: dict) -> dict:
         return {int(m): t for m, t in points.items() if int(m) >= FIT_FROM}
-    _, beta_link = fit_alpha_beta(big(result["relay"]))
-    alpha, slope_x = fit_alpha_beta(big(result["exchange"]))
-    _, gamma = fit_alpha_beta(big(result["add_alone"]))
-    _, slope_g = fit_alpha_beta(big(result["add_all"]))
+
+    def latency(points: dict) -> float:
+        return statistics.median(t for m, t in points.items() if int(m) in LATENCY_SIZES)
+    alpha_1, alpha = latency(result["relay"]), latency(result["exchange"])
+    alpha_swap = latency(result["swap"])
     n_alpha, n_beta = fit_alpha_beta(big(result["native"]))
-    return LinkParams(alpha=alpha, beta_link=beta_link, beta_host=slope_x / n, gamma=gamma,
-                      gamma_host=slope_g / n, native_alpha=n_alpha, native_beta=n_beta)
+    return LinkParams(alpha=alpha, alpha_1=alpha_1, alpha_swap=alpha_swap,
+                      beta_link=fit_slope(big(result["relay"]), alpha_1),
+                      beta_host=fit_slope(big(result["exchange"]), alpha) / n,
+                      gamma=fit_slope(big(result["add_alone"]), 0.0),
+                      gamma_host=fit_slope(big(result["add_all"]), 0.0) / n,
+                      native_alpha=n_alpha, native_beta=n_beta)
 
 
 def calibrate(world_sizes: list[int], name: str, repeats: int = 5,
-              sizes: list[int] = SIZES, threads: int | None = None) -> tuple[Profile, dict]:
-    """Spawn each world size, measure, fit; returns the profile and the raw timings."""
+              sizes: list[int] = SIZES, threads: int | None = None,
+              spawns: int = 3) -> tuple[Profile, dict]:
+    """Spawn each world size ``spawns`` times, measure, pool, fit; returns the profile and
+    the pooled medians.
+
+    Several spawns because where the scheduler puts the ranks (two neighbours on one core
+    or on two) is decided per spawn and changes a hop's time by up to 2x at N = 4 here.
+    """
     from shardwise.launch import spawn, threads_per_rank
     params, raw = {}, {}
     for n in world_sizes:
-        res = spawn(calibration_worker, n, (sizes, repeats), threads=threads)[0]
+        res = pool([spawn(calibration_worker, n, (sizes, repeats), threads=threads)[0]
+                    for _ in range(spawns)])
         raw[n] = res
         params[n] = params_from(res, n)
     meta = host_meta() | {"created": time.strftime("%Y-%m-%d %H:%M:%S"),
                           "torch": torch.__version__, "sizes": sizes, "repeats": repeats,
+                          "spawns": spawns,
                           "threads_per_rank": {n: threads or threads_per_rank(n)
                                                for n in world_sizes}}
-    meta["raw_seconds"] = {str(n): {k: {str(m): t for m, t in v.items()}
-                                    for k, v in res.items()} for n, res in raw.items()}
+    meta["median_seconds"] = {str(n): {k: {str(m): t for m, t in v.items()}
+                                       for k, v in res.items()} for n, res in raw.items()}
     return Profile(name, params, meta), raw

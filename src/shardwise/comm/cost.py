@@ -5,22 +5,26 @@ Hockney's latency-bandwidth model as used by Thakur, Rabenseifner & Gropp 2005 (
 message of m bytes costs alpha + m beta, reducing m bytes locally costs m gamma; an
 algorithm is a sequence of steps and its time is the sum of its steps' times.
 
-Contention term (ours). Thakur et al. let a rank send one message and receive one at a
-time (a bidirectional port), so a step costs alpha + L beta, L the bytes through the
-busiest port (the most one rank sends, or receives, in the step). On one machine the
-"network" is loopback TCP, driven for every rank by the same few CPUs, so bytes that move at
-the same time also share the host. A step in which k ports carry L bytes each (k L bytes
-move in all) costs
+Contention term (ours). On one machine the "network" is loopback TCP, driven for every
+rank by the same few CPUs: messages that move at the same time share them, whoever sends
+and receives them. So a step in which k messages of L bytes each move at once, on k
+different sender -> receiver links, costs
 
-    alpha + max(L beta_link, k L beta_host)  =  alpha + L b(k),   b(k) = max(beta_link, k beta_host)
+    a(k) + max(L beta_link, k L beta_host)  =  a(k) + L b(k),   b(k) = max(beta_link, k beta_host)
 
-the busiest port at one link's rate, or all the step's bytes at the rate the host moves
-bytes in all, whichever is slower. Likewise k ranks reducing m bytes each cost m g(k),
-g(k) = max(gamma, k gamma_host). Constants, per world size (ranks share the cores, so each N
+the busiest link's bytes at one link's rate, or all the bytes the step moves at the rate the
+host moves bytes in all, whichever is slower. Likewise k ranks reducing m bytes each cost
+m g(k), g(k) = max(gamma, k gamma_host). The latency a(k) is alpha_1 for a lone message
+(k = 1, the receiver already waiting) and alpha when several move at once; a step in which
+ranks swap data in pairs (r <-> r xor 2^j, halving-doubling) has its own, alpha_swap: on
+2 cores with N = 4 it measures about twice a ring step's (both ranks of a pair must run at
+once, where a ring step needs each rank only after its left neighbour). Constants, per world size (ranks share the cores, so each N
 has its own; ``shardwise bench comm --calibrate`` measures them, see ``calibrate.py``):
 
-    alpha       seconds per step (latency)
-    beta_link   seconds per byte through one port, alone
+    alpha       seconds per step in which several messages move (latency)
+    alpha_1     seconds per step with one message alone
+    alpha_swap  seconds per step in which ranks swap data in pairs
+    beta_link   seconds per byte of one message, alone on its link
     beta_host   seconds per byte of all the bytes moving at once, over all ranks
     gamma       seconds per byte reduced (acc += other) by one rank alone
     gamma_host  seconds per byte reduced, over all ranks reducing at once
@@ -28,22 +32,24 @@ has its own; ``shardwise bench comm --calibrate`` measures them, see ``calibrate
 Predicted seconds for X bytes on N ranks, p = 2^floor(log2 N), L = ceil(log2 N); the
 steps and bytes are Thakur et al.'s (Sec. 4), only beta and gamma became b(k) and g(k):
 
-    ring              2(N-1) alpha + 2(N-1)/N X b(N) + (N-1)/N X g(N)
+    ring              2(N-1) a(N) + 2(N-1)/N X b(N) + (N-1)/N X g(N)
                       (every step: N ranks send X/N, N ranks reduce X/N)
-    halving_doubling  2 log2(p) alpha + 2(p-1)/p X b(p) + (p-1)/p X g(p)
-                      + [N != p] (2 alpha + 2 X b(N-p) + X g(N-p))   (the fold-in / -out)
-    tree              sum over k = 1..L of  2 alpha + 2 X b(c_k) + X g(c_k),
+    halving_doubling  2 log2(p) alpha_swap + 2(p-1)/p X b(p) + (p-1)/p X g(p)
+                      + [N != p] (2 a(N-p) + 2 X b(N-p) + X g(N-p))   (the fold-in / -out)
+    tree              sum over k = 1..L of  2 a(c_k) + 2 X b(c_k) + X g(c_k),
                       c_k = #{v < N : v mod 2^k = 2^(k-1)} messages in step k of the
                       binomial reduce (and in the mirrored step of the broadcast)
-    naive             2 alpha + 2(N-1) X b(1) + (N-1) X gamma   (the root's port carries
-                                                                (N-1) X each way, alone)
-    sequential        2(N-1) (alpha + X b(1)) + (N-1) X g(1)   (one message at a time)
-    parallel          alpha + (N-1) X b(N) + (N-1) X g(N)      (every rank sends and
-                                                                receives (N-1) X at once)
+    naive             2 a(N-1) + 2 X b(N-1) + (N-1) X gamma     (N-1 messages to and from
+                                                                the root; it reduces alone)
+    sequential        2(N-1) (a(1) + X b(1)) + (N-1) X g(1)    (one message at a time)
+    parallel          a(N(N-1)) + X b(N(N-1)) + (N-1) X g(N)  (all N(N-1) messages at
+                                                                once; all reduce (N-1) X)
     native            native_alpha + X native_beta   (the backend's own all-reduce, measured)
 
-With beta_host = gamma_host = 0 these are the textbook formulas of Thakur et al. (b = beta,
-g = gamma). ``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N, X.
+With beta_host = gamma_host = 0 and alpha_1 = alpha_swap = alpha these are the formulas of
+Thakur et al. (a = alpha, b = beta, g = gamma) for ring, halving-doubling, tree and sequential; for
+naive and parallel, whose messages share a rank, they are the multi-port limit (a rank
+receives from all at once; Thakur et al.'s single port would serialise them). ``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N, X.
 """
 
 from __future__ import annotations
@@ -64,16 +70,26 @@ AUTO_CANDIDATES = ("native", "ring", "halving_doubling", "tree")
 class LinkParams:
     """Calibrated constants for one world size. Seconds, and seconds per byte."""
 
-    alpha: float         # latency of one step
-    beta_link: float     # per byte through one rank's port, alone
+    alpha: float         # latency of a step in which several ports are busy
+    beta_link: float     # per byte of one message alone on its link
     beta_host: float     # per byte of all bytes moving at once (the host's shared rate)
     gamma: float         # per byte reduced by one rank alone
     gamma_host: float    # per byte reduced, summed over ranks reducing at once
     native_alpha: float  # backend all_reduce: fixed cost
     native_beta: float   # backend all_reduce: per byte of the vector
+    alpha_1: float = -1.0  # latency of a step with one message alone (-1: same as alpha)
+    alpha_swap: float = -1.0  # latency of a pairwise-swap step (-1: same as alpha)
+
+    @property
+    def a_swap(self) -> float:
+        return self.alpha if self.alpha_swap < 0 else self.alpha_swap
+
+    def a(self, k: int) -> float:
+        """Latency of a step in which ``k`` ports are busy."""
+        return self.alpha_1 if k == 1 and self.alpha_1 >= 0 else self.alpha
 
     def b(self, k: int) -> float:
-        """Seconds per byte through the busiest port when ``k`` ports carry as much at once."""
+        """Seconds per byte of each of ``k`` equal messages moving at once on k links."""
         return max(self.beta_link, k * self.beta_host)
 
     def g(self, k: int) -> float:
@@ -119,7 +135,8 @@ def _params(n: int, v: dict) -> LinkParams:
     if "beta_x" in v:
         v = {"alpha": v["alpha"], "beta_link": v["beta_1"], "beta_host": v["beta_x"] / n,
              "gamma": v["gamma"], "gamma_host": v["gamma"] / n,
-             "native_alpha": v["native_alpha"], "native_beta": v["native_beta"]}
+             "native_alpha": v["native_alpha"], "native_beta": v["native_beta"],
+             "alpha_1": v.get("alpha_1", -1.0)}
     return LinkParams(**v)
 
 
@@ -145,23 +162,23 @@ def predict(algorithm: str, n: int, nbytes: float, prm: LinkParams) -> float:
     """Predicted seconds of one all-reduce of ``nbytes`` bytes on ``n`` ranks."""
     if algorithm == "rabenseifner":
         algorithm = "halving_doubling"
-    a, x, b, g = prm.alpha, float(nbytes), prm.b, prm.g
+    x, a, b, g = float(nbytes), prm.a, prm.b, prm.g
     if n == 1:
         return 0.0
     if algorithm == "ring":
-        return 2 * (n - 1) * a + 2 * (n - 1) / n * x * b(n) + (n - 1) / n * x * g(n)
+        return 2 * (n - 1) * a(n) + 2 * (n - 1) / n * x * b(n) + (n - 1) / n * x * g(n)
     if algorithm == "halving_doubling":
         p = 1 << (n.bit_length() - 1)
-        t = 2 * math.log2(p) * a + 2 * (p - 1) / p * x * b(p) + (p - 1) / p * x * g(p)
-        return t if p == n else t + 2 * a + 2 * x * b(n - p) + x * g(n - p)
+        t = 2 * math.log2(p) * prm.a_swap + 2 * (p - 1) / p * x * b(p) + (p - 1) / p * x * g(p)
+        return t if p == n else t + 2 * a(n - p) + 2 * x * b(n - p) + x * g(n - p)
     if algorithm == "tree":
-        return sum(2 * a + 2 * x * b(c) + x * g(c) for c in tree_step_messages(n))
+        return sum(2 * a(c) + 2 * x * b(c) + x * g(c) for c in tree_step_messages(n))
     if algorithm == "naive":
-        return 2 * a + 2 * (n - 1) * x * b(1) + (n - 1) * x * prm.gamma
+        return 2 * a(n - 1) + 2 * x * b(n - 1) + (n - 1) * x * prm.gamma
     if algorithm == "sequential":
-        return 2 * (n - 1) * (a + x * b(1)) + (n - 1) * x * g(1)
+        return 2 * (n - 1) * (a(1) + x * b(1)) + (n - 1) * x * g(1)
     if algorithm == "parallel":
-        return a + (n - 1) * x * b(n) + (n - 1) * x * g(n)
+        return a(n * (n - 1)) + x * b(n * (n - 1)) + (n - 1) * x * g(n)
     if algorithm == "native":
         return prm.native_alpha + x * prm.native_beta
     raise ValueError(f"no cost model for all-reduce algorithm {algorithm!r}")
