@@ -212,6 +212,7 @@ def test_table_formulas_match_seed_orders():
     (["--sizes", "6"], "multiple of 4"),
     (["--world-size", "0"], "--world-size"),
     (["--repeats", "0"], "--repeats"),
+    (["--spawns", "0"], "--spawns"),
     (["--algorithms", "ring,butterfly"], "butterfly"),
     (["--profile", "/nonexistent.json"], "no such file"),
     (["--table", "--calibrate"], "separate runs"),
