@@ -17,7 +17,8 @@ Two gloo ranks (1 torch thread each unless --threads), X bytes of float32, timed
 
 Every repeat runs each case once in an order rotated from the previous repeat, started by a
 barrier; the slowest rank's time counts; medians over the repeats that no other process
-disturbed are reported (``shardwise/comm/quiet.py``: up to 4x --repeats tries). Saved as
+disturbed are reported (``shardwise/comm/quiet.py``: up to 4x --repeats tries), pooled
+over --spawns fresh pairs of ranks (3; the VM's speed drifts over minutes). Saved as
 ``p2p_duplex.txt`` / ``.json`` under --out (``p2p_duplex_threadsT`` with --threads T != 1).
 
 The bound. At N = 2 every rank must receive information about all X bytes of the other's
@@ -149,8 +150,8 @@ def analyse(res: list[dict], sizes: list[int]) -> dict:
 
 def format_result(an: dict, meta: dict) -> str:
     lines = [f"N = 2 gloo ranks on 127.0.0.1, {meta['threads']} torch thread(s) per rank, "
-             f"{meta['cores']} cores, median of {meta['repeats']} alternated repeats "
-             "(slowest rank)", ""]
+             f"{meta['cores']} cores, median of {meta['repeats']} alternated repeats x "
+             f"{meta['spawns']} spawns (slowest rank)", ""]
     head = "case".ljust(14) + "".join(f"{_h(m)} ms".rjust(12) + "GB/s across".rjust(13)
                                       for m in an)
     lines.append(head)
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="16M,64M", help="message sizes X (default 16M,64M)")
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    ap.add_argument("--spawns", type=int, default=3, help="fresh pairs of ranks, repeats pooled "
+                    "(default 3; the host's speed drifts over minutes)")
     ap.add_argument("--max-load", type=float, default=None, help="wait (up to --wait-s) until "
                     "the 1-minute load average is below this before measuring")
     ap.add_argument("--wait-s", type=float, default=900)
@@ -215,9 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     load = (_wait_for_quiet(args.max_load, args.wait_s) if args.max_load is not None
             else os.getloadavg()[0])
     t0 = time.time()
-    res = spawn(worker, 2, (sizes, args.repeats), threads=args.threads)
+    runs = [spawn(worker, 2, (sizes, args.repeats), threads=args.threads)
+            for _ in range(args.spawns)]
+    res = [{"segment_bytes": runs[0][r]["segment_bytes"],  # the spawns' repeats, pooled
+            "sizes": {m: {"loads": [x for run in runs for x in run[0]["sizes"][m]["loads"]],
+                          "times": {c: [t for run in runs for t in run[r]["sizes"][m]["times"][c]]
+                                    for c in CASES}}
+                      for m in sizes}} for r in range(2)]
     an = analyse(res, sizes)
     meta = host_meta() | {"threads": args.threads, "repeats": args.repeats,
+                          "spawns": args.spawns,
                           "loadavg_1min_before": round(load, 2),
                           "loadavg_1min_after": round(os.getloadavg()[0], 2),
                           "segment_bytes": res[0]["segment_bytes"], "torch": torch.__version__,
