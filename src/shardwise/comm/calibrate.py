@@ -5,10 +5,12 @@ reduction and the backend's all-reduce, alternating them within each repeat and 
 slowest rank's median over the repeats that no other process disturbed (``quiet.py``),
 pooled over 3 spawns (where the scheduler places the ranks is decided per spawn):
 
-- relay: a message of m bytes goes round the ring, 0 -> 1 -> ... -> N-1 -> 0, one hop
-  at a time, each hop waiting for the previous one. This is a lone message as tree, naive
-  and sequential see it (the receiver waits in a receive, the sender has just received the
-  data); per hop it costs a(1) + m b(1) -> alpha_1 and beta_link.
+- relay: a reduction goes round the ring, 0 -> 1 -> ... -> N-1 -> 0, one hop at a time:
+  each rank receives m bytes, adds them into its vector and sends that on (the reduce step
+  of tree, naive and sequential: a lone message, the receiver waiting in a receive, the
+  sender's data just computed). Per hop, minus the add (``add alone`` below), it costs
+  a(1) + m b(1) -> alpha_1 and beta_link. (A bare ping-pong without the add measures up
+  to 30% slower per byte here than the same messages inside those algorithms.)
 - exchange: every rank sends m to its right neighbour while receiving m from its left (one
   step of ring: N messages at once; steps back to back, each send posted once the previous
   receive is in, as ring.all_reduce does): a(N) + m b(N) -> alpha and beta_host = slope / N
@@ -73,9 +75,11 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
             for _ in range(inner):
                 if r > 0:
                     call.exchange(r, recvs=[(r - 1, y)])
-                call.exchange(r + 1, sends=[((r + 1) % n, x if r == 0 else y)])
+                    x.add_(y)
+                call.exchange(r + 1, sends=[((r + 1) % n, x)])
                 if r == 0:
                     call.exchange(n, recvs=[(n - 1, y)])
+                    x.add_(y)
 
         def exchange() -> None:  # inner ring steps back to back, as ring.all_reduce runs them
             sends = []
@@ -187,11 +191,12 @@ def params_from(result: dict, n: int) -> LinkParams:
 
     def latency(points: dict) -> float:
         return statistics.median(t for m, t in points.items() if int(m) in LATENCY_SIZES)
-    alpha_1, alpha = latency(result["relay"]), latency(result["exchange"])
+    hop = {m: t - result["add_alone"][m] for m, t in result["relay"].items()}  # minus the add
+    alpha_1, alpha = latency(hop), latency(result["exchange"])
     alpha_swap = latency(result["swap"])
     n_alpha, n_beta = fit_alpha_beta(big(result["native"]))
     return LinkParams(alpha=alpha, alpha_1=alpha_1, alpha_swap=alpha_swap,
-                      beta_link=fit_slope(big(result["relay"]), alpha_1),
+                      beta_link=fit_slope(big(hop), alpha_1),
                       beta_host=fit_slope(big(result["exchange"]), alpha) / n,
                       gamma=fit_slope(big(result["add_alone"]), 0.0),
                       gamma_host=fit_slope(big(result["add_all"]), 0.0) / n,
