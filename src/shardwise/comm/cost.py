@@ -7,19 +7,20 @@ algorithm is a sequence of steps and its time is the sum of its steps' times.
 
 Contention term (ours). On one machine the "network" is loopback TCP, driven for every
 rank by the same few CPUs: messages that move at the same time share them, whoever sends
-and receives them. So a step in which k messages of L bytes each move at once, on k
+and receives them. So a step in which k messages of m bytes each move at once, on k
 different sender -> receiver links, costs
 
-    a(k) + max(L beta_link, k L beta_host)  =  a(k) + L b(k),   b(k) = max(beta_link, k beta_host)
+    a(k) + max(m beta_link, k m beta_host)  =  a(k) + m b(k),   b(k) = max(beta_link, k beta_host)
 
 the busiest link's bytes at one link's rate, or all the bytes the step moves at the rate the
 host moves bytes in all, whichever is slower. Likewise k ranks reducing m bytes each cost
 m g(k), g(k) = max(gamma, k gamma_host). The latency a(k) is alpha_1 for a lone message
 (k = 1, the receiver already waiting) and alpha when several move at once; a step in which
 ranks swap data in pairs (r <-> r xor 2^j, halving-doubling) has its own, alpha_swap: on
-2 cores with N = 4 it measures about twice a ring step's (both ranks of a pair must run at
-once, where a ring step needs each rank only after its left neighbour). Constants, per world size (ranks share the cores, so each N
-has its own; ``shardwise bench comm --calibrate`` measures them, see ``calibrate.py``):
+2 cores with N = 4 it measures 2-3x a ring step's (both ranks of a pair must run at once,
+where a ring step needs each rank only after its left neighbour). Constants, per world
+size (ranks share the cores, so each N has its own; ``shardwise bench comm --calibrate``
+measures them, see ``calibrate.py``):
 
     alpha       seconds per step in which several messages move (latency)
     alpha_1     seconds per step with one message alone
@@ -47,9 +48,10 @@ steps and bytes are Thakur et al.'s (Sec. 4), only beta and gamma became b(k) an
     native            native_alpha + X native_beta   (the backend's own all-reduce, measured)
 
 With beta_host = gamma_host = 0 and alpha_1 = alpha_swap = alpha these are the formulas of
-Thakur et al. (a = alpha, b = beta, g = gamma) for ring, halving-doubling, tree and sequential; for
-naive and parallel, whose messages share a rank, they are the multi-port limit (a rank
-receives from all at once; Thakur et al.'s single port would serialise them). ``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N, X.
+Thakur et al. (a = alpha, b = beta, g = gamma) for ring, halving-doubling, tree and
+sequential; for naive and parallel, whose messages share a rank, they are the multi-port
+limit (a rank receives from all at once; Thakur et al.'s single port would serialise them).
+``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N, X.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ AUTO_CANDIDATES = ("native", "ring", "halving_doubling", "tree")
 class LinkParams:
     """Calibrated constants for one world size. Seconds, and seconds per byte."""
 
-    alpha: float         # latency of a step in which several ports are busy
+    alpha: float         # latency of a step in which several messages move
     beta_link: float     # per byte of one message alone on its link
     beta_host: float     # per byte of all bytes moving at once (the host's shared rate)
     gamma: float         # per byte reduced by one rank alone
