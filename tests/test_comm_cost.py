@@ -227,3 +227,12 @@ def test_bench_cli_bad_input_is_one_line_exit_2(argv, needle, capsys):
 def test_parse_size():
     assert bench.parse_size("4K") == 4096 and bench.parse_size("64M") == 64 << 20
     assert bench.parse_size("1MiB") == 1 << 20
+
+
+def test_quiet_values_keep_undisturbed_repeats_or_all():
+    from shardwise.comm import quiet
+    vals, loads = [1.0, 9.0, 2.0, 3.0], [0.0, 1.0, 0.05, 0.1]
+    assert quiet.quiet_values(vals, loads) == [1.0, 2.0, 3.0]
+    assert quiet.quiet_values(vals, [1.0, 1.0, 0.0, 1.0]) == vals  # fewer than 3 quiet: all
+    f = quiet.Foreign([])
+    assert f.stop() == 0.0  # never started
