@@ -79,10 +79,6 @@ class DistributedDataParallel(nn.Module):
             return super().zero_grad(set_to_none=True)
         self.sync.zero_grad()
 
-    @property
-    def require_sync(self) -> bool:
-        return self.sync.armed
-
     @contextmanager
     def no_sync(self):
         """Skip gradient communication inside the block; gradients accumulate locally."""

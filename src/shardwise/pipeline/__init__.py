@@ -9,7 +9,6 @@
 - ``runner``: ``PipelineRunner`` (dp x pp training step for the trainer).
 - ``timeline``: record, predict, measure the idle fraction, draw the Gantt chart;
   ``timeline.main(argv)`` is ``shardwise timeline``.
-- ``p2p``: non-blocking send / receive / batched exchange on ``shardwise.comm``'s thread.
 
 See ``docs/pipeline.md``.
 """

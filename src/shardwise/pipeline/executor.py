@@ -2,7 +2,7 @@
 
 Each run of consecutive transfers in the list is posted as one batch (receives into buffers
 preallocated from the known activation shape, sends of the tensors computed) on
-``shardwise.comm``'s FIFO thread (``pipeline.p2p.exchange``) without waiting, so transfers
+``shardwise.comm``'s FIFO thread (``comm.exchange(..., async_op=True)``) without waiting, so transfers
 overlap with compute; a forward or backward waits only for the one tensor it needs. Gradients of the micro-batches accumulate in
 ``.grad``; ``OptimizerStep`` calls the ``on_step`` callback (for flush schedules once, at
 the end; for PipeDream after every backward). With a ``grad_sync``
@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from shardwise.pipeline import p2p
+from shardwise import comm
 from shardwise.pipeline.schedules import (COMM, Backward, Forward, OptimizerStep,
                                           RecvActivation, RecvGrad, Schedule, SendActivation,
                                           SendGrad)
@@ -272,7 +272,7 @@ class Executor:
             else:
                 recvs.append((tensor, self.pp_ranks[op.peer]))
                 keys.append((key, tensor))
-        handle = p2p.exchange(sends, recvs, self.group)
+        handle = comm.exchange(sends, recvs, group=self.group, async_op=True)
         for key, buf in keys:
             self.ready[key] = (buf, handle)
         if sends:

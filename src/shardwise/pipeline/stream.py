@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardwise.pipeline.schedules import (Backward, Forward, Instruction, OptimizerStep,
-                                          RecvActivation, RecvGrad, ScheduleError,
-                                          SendActivation, SendGrad, compute_order, simulate,
-                                          timed_events, validate_args, warmup_forwards)
+                                          RecvActivation, ScheduleError, SendActivation,
+                                          SendGrad, compute_order, simulate, timed_events,
+                                          validate_args, warmup_forwards)
 
 Lists = tuple[tuple[Instruction, ...], ...]  # one instruction list per pipeline rank
 
@@ -70,8 +70,7 @@ class Stream:
 
 def shift(lists: Lists, by: int) -> Lists:
     """The same lists with every micro-batch id increased by ``by``."""
-    return tuple(tuple(op if isinstance(op, OptimizerStep) and op.mb < 0 else replace(op, mb=op.mb + by)
-                       for op in ops) for ops in lists)
+    return tuple(tuple(replace(op, mb=op.mb + by) for op in ops) for ops in lists)
 
 
 def cut(p: int, m: int, steps: int) -> tuple[list[Lists], Lists]:
