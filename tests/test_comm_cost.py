@@ -145,14 +145,14 @@ def test_model_orders_algorithms_sensibly():
         assert cost.predict("parallel", n, x, PRM) > cost.predict("ring", n, x, PRM)
 
 
-def test_legacy_profile_is_read_into_the_new_constants(tmp_path):
+def test_profile_of_another_model_is_a_one_line_error(tmp_path):
     old = {"alpha": 1e-4, "beta_x": 6e-10, "beta_1": 3e-10, "gamma": 1e-10,
-           "native_alpha": 1e-3, "native_beta": 7e-10, "alpha_1": 5e-5}
+           "native_alpha": 1e-3, "native_beta": 7e-10}
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"name": "old", "world_sizes": {"2": old}}))
-    prm = cost.load_profile(path).params(2)
-    assert prm.beta_link == 3e-10 and prm.beta_host == pytest.approx(3e-10)
-    assert prm.gamma_host == pytest.approx(5e-11)
+    with pytest.raises(ValueError, match=r"cannot read comm profile .*old.json.*calibrate") as exc:
+        cost.load_profile(path)
+    assert "\n" not in str(exc.value)
 
 
 def test_profile_round_trip_and_auto_choice(tmp_path):
@@ -189,7 +189,8 @@ def test_accounting_off_costs_nothing_and_on_counts_payload():
     try:
         import torch
         call = Call("all_reduce", "ring", info, 8, torch.float32)
-        call.record.add_round(3, [(1, torch.ones(2))], [(1, torch.ones(3)), (1, torch.ones(0))])
+        call.record.add_message(3, 8, sent=True)
+        call.record.add_message(3, 12, sent=False)
         call.close()
         row = accounting.table()[-1]
         assert (row["bytes_sent"], row["bytes_recv"], row["msgs_recv"], row["last_step"]) == \

@@ -54,14 +54,6 @@ class CallRecord:
             self.steps += 1
             self.last_step = max(self.last_step, step)
 
-    def add_round(self, step: int, sends, recvs) -> None:
-        for _, t in sends:
-            if t.numel():
-                self.add_message(step, t.numel() * t.element_size(), True)
-        for _, t in recvs:
-            if t.numel():
-                self.add_message(step, t.numel() * t.element_size(), False)
-
     def as_dict(self) -> dict:
         return asdict(self)
 

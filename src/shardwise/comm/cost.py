@@ -119,7 +119,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
-        ws = {int(k): _params(int(k), v) for k, v in data["world_sizes"].items()}
+        ws = {int(k): LinkParams(**v) for k, v in data["world_sizes"].items()}
         if not ws:
             raise ValueError("profile has no world_sizes")
         return cls(data.get("name", "unnamed"), ws, data.get("meta", {}))
@@ -131,23 +131,13 @@ class Profile:
         return path
 
 
-def _params(n: int, v: dict) -> LinkParams:
-    """LinkParams from JSON; a profile of the earlier model (one-way beta_1, exchange beta_x,
-    one gamma) is read as beta_link = beta_1, beta_host = beta_x / n, gamma_host = gamma / n."""
-    if "beta_x" in v:
-        v = {"alpha": v["alpha"], "beta_link": v["beta_1"], "beta_host": v["beta_x"] / n,
-             "gamma": v["gamma"], "gamma_host": v["gamma"] / n,
-             "native_alpha": v["native_alpha"], "native_beta": v["native_beta"],
-             "alpha_1": v.get("alpha_1", -1.0)}
-    return LinkParams(**v)
-
-
 def load_profile(path: str | os.PathLike) -> Profile:
     """Read a profile JSON; ``ValueError`` naming the file if it is not one."""
     try:
         return Profile.from_json(json.loads(Path(path).read_text()))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"cannot read comm profile {path}: {exc}") from exc
+        raise ValueError(f"cannot read comm profile {path}: {exc}; expected the constants of "
+                         f"this cost model (rerun `shardwise bench comm --calibrate`)") from exc
 
 
 def _log2_ceil(n: int) -> int:

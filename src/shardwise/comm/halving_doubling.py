@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, scratch,
-                                       settings)
-from shardwise.comm.ring import _cuts
+from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, reduce_round,
+                                       scratch)
 
 
 class Fold:
@@ -65,22 +64,13 @@ def halving(call: Call, buf: torch.Tensor, vb: list[int], fold: Fold, op: str,
     ``settings.segment_bytes``, and piece i is added while i+1.. are still arriving.
     """
     v, lo, hi, mask = fold.vrank, 0, fold.p, fold.p // 2
-    seg = settings.segment_bytes // buf.element_size()
     while mask:
         peer = fold.real(v ^ mask)
         mid = lo + mask
         keep, give = ((mid, hi), (lo, mid)) if v & mask else ((lo, mid), (mid, hi))
-        mine = buf[vb[keep[0]]:vb[keep[1]]]
-        send = buf[vb[give[0]]:vb[give[1]]]
-        tmp = scratch.get(mine.numel(), buf.dtype, buf.device)
-        # the same cut on both sides (the peer's keep is our give): reduce piece i while
-        # pieces i+1.. still arrive
-        cut_s, cut_r = _cuts(send.numel(), seg), _cuts(mine.numel(), seg)
-        tmps, mines = [tmp[a:b] for a, b in cut_r], [mine[a:b] for a, b in cut_r]
-        step += 1
-        call.exchange(step, sends=[(peer, send[a:b]) for a, b in cut_s],
-                      recvs=[(peer, t) for t in tmps],
-                      on_recv=lambda i: combine_(mines[i], tmps[i], op), defer_sends=True)
+        step += 1  # the peer's keep is our give
+        reduce_round(call, step, buf[vb[give[0]]:vb[give[1]]], peer, buf[vb[keep[0]]:vb[keep[1]]],
+                     peer, op, defer_sends=True)
         lo, hi = keep
         mask //= 2
     return step

@@ -139,23 +139,15 @@ def check_op(op: str, dtype: torch.dtype, collective: str) -> None:
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
     """``acc <- acc (op) other`` elementwise, in place. ``mean`` sums here; see ``finish_``."""
-    if op in ("sum", "mean"):
-        if acc.dtype == torch.bool:
-            acc.logical_or_(other)  # what gloo's SUM gives for bool
-        else:
-            acc.add_(other)
-    elif op == "max":
-        torch.maximum(acc, other, out=acc)
-    else:
-        torch.minimum(acc, other, out=acc)
+    combine_into(acc, other, acc, op)
 
 
 def combine_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, op: str) -> None:
-    """``out <- a (op) b`` elementwise (``out`` may be ``b``). Every op here is commutative
-    elementwise, so this gives the same bits as ``combine_`` with the operands swapped."""
+    """``out <- a (op) b`` elementwise (``out`` may be ``a`` or ``b``). Every op here is
+    commutative elementwise, so swapping the operands gives the same bits."""
     if op in ("sum", "mean"):
         if out.dtype == torch.bool:
-            torch.logical_or(a, b, out=out)
+            torch.logical_or(a, b, out=out)  # what gloo's SUM gives for bool
         else:
             torch.add(a, b, out=out)
     elif op == "max":
@@ -181,6 +173,15 @@ def balanced_bounds(numel: int, parts: int) -> list[int]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return bounds
+
+
+def segments(numel: int, seg: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of balanced pieces of at most about ``seg`` elements covering
+    ``numel`` (one piece if ``seg <= 0``). Both ends of a message compute the same cut."""
+    if seg <= 0 or numel <= seg:
+        return [(0, numel)]
+    b = balanced_bounds(numel, -(-numel // seg))
+    return list(zip(b[:-1], b[1:]))
 
 
 # ---------------------------------------------------------------------------- scratch
@@ -341,3 +342,20 @@ class Call:
         if self.record is not None:
             accounting.log.append(self.record)
             self.record = None
+
+
+def reduce_round(call: Call, step: int, send: torch.Tensor, dst: int, mine: torch.Tensor,
+                 src: int, op: str, defer_sends: bool = False) -> None:
+    """One round of a reducing algorithm (ring reduce-scatter, recursive halving): send
+    ``send`` to group rank ``dst`` while receiving from ``src`` the peer's copy of the region
+    ``mine`` holds, and reduce it into ``mine`` (``op``). Both messages are cut into pieces of
+    about ``settings.segment_bytes`` (the sender's ``send`` is the receiver's ``mine``, so the
+    cuts agree), and piece i is reduced while pieces i+1.. still arrive. ``defer_sends``: see
+    ``Call.exchange``."""
+    seg = settings.segment_bytes // send.element_size()
+    tmp = scratch.get(mine.numel(), mine.dtype, mine.device)
+    cut_r = segments(mine.numel(), seg)
+    tmps, mines = [tmp[a:b] for a, b in cut_r], [mine[a:b] for a, b in cut_r]
+    call.exchange(step, sends=[(dst, send[a:b]) for a, b in segments(send.numel(), seg)],
+                  recvs=[(src, t) for t in tmps],
+                  on_recv=lambda i: combine_(mines[i], tmps[i], op), defer_sends=defer_sends)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, scratch,
-                                       settings)
+from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, reduce_round,
+                                       scratch, settings)
 
 
 def reduce_scatter(call: Call, buf: torch.Tensor, bounds: list[int], op: str,
@@ -35,20 +35,10 @@ def reduce_scatter(call: Call, buf: torch.Tensor, bounds: list[int], op: str,
     """
     n, r = call.size, call.rank
     right, left = (r + 1) % n, (r - 1) % n
-    widest = max(bounds[i + 1] - bounds[i] for i in range(n))
-    tmp_all = scratch.get(widest, buf.dtype, buf.device)
-    seg = settings.segment_bytes // buf.element_size()
     for s in range(n - 1):
-        si, ri = (r - s - 1) % n, (r - s - 2) % n
-        mine = buf[bounds[ri]:bounds[ri + 1]]
-        send = buf[bounds[si]:bounds[si + 1]]
-        # the same cut on both sides: the sender's chunk si is the receiver's chunk ri
-        cut_s, cut_r = _cuts(send.numel(), seg), _cuts(mine.numel(), seg)
-        tmps = [tmp_all[a:b] for a, b in cut_r]
-        mines = [mine[a:b] for a, b in cut_r]
-        call.exchange(step0 + s + 1, sends=[(right, send[a:b]) for a, b in cut_s],
-                      recvs=[(left, t) for t in tmps],
-                      on_recv=lambda i: combine_(mines[i], tmps[i], op))
+        si, ri = (r - s - 1) % n, (r - s - 2) % n  # the sender's chunk si is our chunk ri
+        reduce_round(call, step0 + s + 1, buf[bounds[si]:bounds[si + 1]], right,
+                     buf[bounds[ri]:bounds[ri + 1]], left, op)
     if finish:
         finish_(buf[bounds[r]:bounds[r + 1]], op, n)
     return step0 + n - 1
@@ -122,11 +112,3 @@ def all_reduce(call: Call, buf: torch.Tensor, op: str) -> int:
     for p in sends:
         call.wait(p)
     return last
-
-
-def _cuts(numel: int, seg: int) -> list[tuple[int, int]]:
-    """Segments of at most about ``seg`` elements (one segment if ``seg`` is 0)."""
-    if seg <= 0 or numel <= seg:
-        return [(0, numel)]
-    b = balanced_bounds(numel, -(-numel // seg))
-    return list(zip(b[:-1], b[1:]))
