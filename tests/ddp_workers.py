@@ -38,29 +38,26 @@ def _trainer(cfg_dict: dict):
 
 
 def _result(trainer) -> dict:
-    out = {"losses": list(trainer.history)}
-    if trainer.zero is not None:
-        out["materialised_elements"] = sum(
-            p.untyped_storage().nbytes() // p.element_size()
-            for p in {id(p): p for p in trainer.model.parameters()}.values()
-            if p.untyped_storage().nbytes() > 0 and p.data_ptr() == p.untyped_storage().data_ptr())
-    if trainer.pipeline is not None:  # this rank's stages only (the rest is never trained here)
-        out["stage_params"] = {n: p.detach().clone() for n, p in trainer.pipeline.named_parameters()}
-        return out
-    if trainer.tp is not None:  # tensor parallel: the full weights, gathered over tp
-        from shardwise.tensor_parallel import gather_state_dict
+    """Losses, and this rank's stages' parameters unsharded (full GPT names; gathered over
+    tp, and over dp under ZeRO-3), plus what each test inspects of the gradient sync."""
+    from shardwise.engine import state as engine_state
 
-        out["params"] = gather_state_dict(trainer.model, trainer.tp)
-        return out
-    with trainer._full_parameters():  # ZeRO-3: gather (collectively) to compare full weights
-        out["params"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    if trainer.ddp is not None:
-        out["n_buckets"] = len(trainer.ddp.buckets)
-    if trainer.zero is not None:
-        out["optimizer_elements"] = sum(m.numel() for m in trainer.zero.pieces)
-        out["parameter_elements"] = sum(p.numel() for p in trainer.model.parameters())
-        out["full_grads_after_backward"] = sum(
-            p.grad.numel() for p in trainer.model.parameters() if p.grad is not None)
+    e = trainer.engine
+    out = {"losses": list(trainer.history)}
+    params = [p for _, p in e.named_parameters()]
+    out["materialised_elements"] = sum(
+        p.untyped_storage().nbytes() // p.element_size()
+        for p in params if p.untyped_storage().nbytes() > 0
+        and p.data_ptr() == p.untyped_storage().data_ptr())
+    with e.full_parameters():  # ZeRO-3: gather (collectively) to compare full weights
+        out["params"] = engine_state.model_tensors(e)
+    out["stage_params"] = out["params"]
+    sync = getattr(e.sync, "sync", None)
+    if sync is not None:
+        out["n_buckets"] = len(sync.buckets)
+    out["optimizer_elements"] = sum(m.numel() for m in e.sync.pieces)
+    out["parameter_elements"] = sum(p.numel() for p in params)
+    out["full_grads_after_backward"] = sum(p.grad.numel() for p in params if p.grad is not None)
     return out
 
 
@@ -133,4 +130,6 @@ def memory_after_steps(cfg_dict: dict) -> dict:
     trainer = _trainer(cfg_dict)
     for _ in range(trainer.cfg.training.steps):
         trainer.train_step()
-    return report(trainer.model, trainer.zero, trainer.optimizer, trainer.cfg.parallel.zero)
+    e = trainer.engine
+    model = torch.nn.ModuleList(e.local.chunks.values())
+    return report(model, e.sync, e.optimizer.optimizer, trainer.cfg.parallel.zero)

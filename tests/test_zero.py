@@ -85,9 +85,7 @@ def test_fp16_skips_overflowing_steps_and_recovers(corpus, tmp_path):
     assert r0["losses"][-1] < r0["losses"][first_real]  # and then it trains
 
 
-def test_mixed_precision_needs_zero_and_fp16_needs_scaling():
-    with pytest.raises(ConfigError, match="needs parallel.zero >= 1"):
-        Config.from_dict({"training": {"precision": "bf16"}})
+def test_fp16_needs_scaling():
     with pytest.raises(ConfigError, match="training.loss_scaling=false"):
         Config.from_dict({"parallel": {"zero": 1},
                           "training": {"precision": "fp16", "loss_scaling": False}})

@@ -91,12 +91,14 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
-        if self.pp > 1 and (self.tp > 1 or self.zero > 0):
-            raise ValueError(f"parallel.pp={self.pp} is not combined with tp or ZeRO yet "
-                             "(dp x pp works)")
-        if self.tp > 1 and self.zero > 0:
-            raise ValueError(f"parallel.zero={self.zero} with parallel.tp={self.tp}: ZeRO is not "
-                             "combined with tensor parallelism yet; use zero = 0")
+        if self.pp > 1 and self.zero == 3:
+            raise ValueError(f"parallel.zero=3 with parallel.pp={self.pp}: ZeRO-3 gathers the "
+                             "parameters for every forward and a pipeline runs many per step; "
+                             "use parallel.zero = 1 or 2 with pipelines (DeepSpeed refuses it too)")
+        if self.pp > 1 and self.zero > 0 and self.schedule == "pipedream":
+            raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
+                             "PipeDream steps after every backward and stashes whole weights; "
+                             "use a flush schedule (1f1b, interleaved, gpipe) with ZeRO")
         return self
 
 
@@ -126,7 +128,7 @@ class TrainingConfig(_Section):
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
     progress: bool = True
     precision: str = Field("fp32", description="compute dtype: fp32, bf16 or fp16 (bf16/fp16 "
-                           "keep fp32 master weights and need parallel.zero >= 1)")
+                           "keep fp32 master weights, sharded with ZeRO, whole without)")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
     initial_loss_scale: float = Field(65536.0, gt=0.0)
 
@@ -158,9 +160,6 @@ class Config(_Section):
                            ("MLP width 4 x model.n_embd", 4 * m.n_embd)):
             if size % p.tp:
                 raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
-        if p.pp > 1 and m.tie_weights:
-            raise ValueError(f"model.tie_weights=true with parallel.pp={p.pp}: the embedding and "
-                             "the head sit on different stages; set model.tie_weights = false")
         if p.pp * p.chunks_per_rank > m.n_layer + 2:
             raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
                              f"chunks, more than the {m.n_layer + 2} layers (embedding, "
@@ -176,9 +175,6 @@ class Config(_Section):
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
-        if t.precision != "fp32" and p.zero == 0:
-            raise ValueError(f"training.precision={t.precision} needs parallel.zero >= 1 "
-                             "(ZeRO keeps the fp32 master weights)")
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")

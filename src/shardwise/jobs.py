@@ -8,6 +8,9 @@ from shardwise import checkpoint, comm
 from shardwise.config import Config
 from shardwise.data import CharTokenizer
 from shardwise.topology import Topology, init_process_groups
+import torch
+
+from shardwise.trainer import describe_layout
 
 
 def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = None) -> dict:
@@ -33,10 +36,10 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
 
     trainer = Trainer(cfg, topology, device, tokenizer=tokenizer)
     if topology.rank == 0:
-        n = trainer.model.num_parameters()
+        n = _full_size(trainer.gpt_cfg)
         print(f"shardwise: GPT {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
-              f"{_layout(cfg, topology)}, {torch.get_num_threads()} threads per rank", flush=True)
+              f"{describe_layout(cfg)}, {torch.get_num_threads()} threads per rank", flush=True)
     if latest is not None:
         trainer.resume(latest)
         if topology.rank == 0:
@@ -46,13 +49,10 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     return summary
 
 
-def _layout(cfg, topology) -> str:
-    """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x tp=2``, plus ZeRO."""
-    parts = [f"dp={topology.dp}"]
-    p = cfg.parallel
-    if topology.pp > 1:
-        parts.append(f"pp={topology.pp} ({p.schedule}, m={p.micro_batches})")
-    if topology.tp > 1:
-        parts.append(f"tp={topology.tp}")
-    zero = f", ZeRO-{p.zero}" if p.zero else ""
-    return " x ".join(parts) + zero
+def _full_size(cfg) -> int:
+    """Parameters of the single-process GPT (what every layout trains), counted on the meta
+    device: nothing is allocated."""
+    from shardwise.models import GPT
+
+    with torch.device("meta"):
+        return GPT(cfg).num_parameters()

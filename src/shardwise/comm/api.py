@@ -60,7 +60,8 @@ def _agree(info: GroupInfo, collective: str, algorithm: str, op: str, t: torch.T
     if (settings.check if enabled is None else enabled) and info.size > 1:
         check.agree(info, f"{collective}({algorithm})",
                     check.fingerprint(info, collective, algorithm, op,
-                                      None if t is None else t.dtype, numel, root))
+                                      None if t is None else t.dtype, numel, root),
+                    device=None if t is None else t.device)
 
 
 class _Flat:

@@ -31,7 +31,21 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
           torch.complex128)
 
-_calls: dict[tuple[int, ...], int] = {}  # call counter per group (keyed by its global ranks)
+_calls: dict[tuple[int, ...], int] = {}
+
+
+def group_device(group) -> torch.device:
+    """The device a tensor must be on to cross ``group``: the current CUDA device for NCCL,
+    the CPU otherwise."""
+    import torch.distributed as dist
+
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        backend = "gloo"
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")  # call counter per group (keyed by its global ranks)
 
 
 def _code(table, value) -> int:
@@ -59,12 +73,16 @@ def fingerprint(info: GroupInfo, collective: str, algorithm: str, op: str,
             info.size, group_hash]
 
 
-def agree(info: GroupInfo, where: str, values: list[int]) -> None:
-    """Raise ``CommError`` on every rank unless all ranks of ``info`` passed equal ``values``."""
+def agree(info: GroupInfo, where: str, values: list[int], device=None) -> None:
+    """Raise ``CommError`` on every rank unless all ranks of ``info`` passed equal ``values``.
+
+    ``device``: where the check's tensors live, the device of the data the collective
+    moves (NCCL carries CUDA tensors only); None: the group's device (``group_device``)."""
     n, r = info.size, info.rank
     if n == 1:
         return
-    vals = torch.tensor(values, dtype=torch.int64)
+    vals = torch.tensor(values, dtype=torch.int64,
+                        device=device if device is not None else group_device(info.group))
     rank = torch.full_like(vals, info.global_rank)
     state = torch.stack([vals, rank, vals.clone(), rank.clone()])  # min, who, max, who
     other = torch.empty_like(state)

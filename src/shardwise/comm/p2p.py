@@ -112,7 +112,9 @@ def barrier(group=None) -> None:
                         check.fingerprint(info, "barrier", "dissemination", "-", None, 0, -1))
             return
         n, r = info.size, info.rank
-        token, got = torch.zeros(1, dtype=torch.uint8), torch.empty(1, dtype=torch.uint8)
+        dev = check.group_device(info.group)
+        token = torch.zeros(1, dtype=torch.uint8, device=dev)
+        got = torch.empty(1, dtype=torch.uint8, device=dev)
         call = Call("barrier", "dissemination", info, 1, torch.uint8)
         k, step = 1, 1
         while k < n:

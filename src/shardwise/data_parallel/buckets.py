@@ -79,7 +79,8 @@ class Bucket:
 
 
 def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
-                  first_cap_bytes: int | None = None, pad_to: int = 1) -> list[Bucket]:
+                  first_cap_bytes: int | None = None, pad_to: int = 1,
+                  isolate: frozenset[int] = frozenset()) -> list[Bucket]:
     """Pack ``params`` (given in registration order) into buckets of at most ``cap_bytes``.
 
     Parameters are taken in reverse order; a bucket closes when the next parameter would
@@ -87,7 +88,9 @@ def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
     backward produces first) may have a smaller cap, ``first_cap_bytes`` (never larger than
     ``cap_bytes``), so that its
     all-reduce starts early; PyTorch's DDP does the same with 1 MiB. A parameter larger
-    than the cap gets a bucket of its own. Each buffer is zero-padded to a multiple of
+    than the cap gets a bucket of its own, and so does every parameter whose ``id`` is in
+    ``isolate`` (a tied weight whose shard must cover the same elements on two pipeline
+    stages whatever else each stage holds). Each buffer is zero-padded to a multiple of
     ``pad_to`` elements (ZeRO pads to the world size). Raises ``ValueError`` if a cap is
     < 1 byte.
     """
@@ -101,7 +104,7 @@ def build_buckets(params: list[torch.nn.Parameter], cap_bytes: int,
         cur = groups[-1] if groups else None
         cap = first_cap_bytes if len(groups) == 1 else cap_bytes
         if (cur is None or size + nbytes > cap or cur[0].dtype != p.dtype
-                or cur[0].device != p.device):
+                or cur[0].device != p.device or id(p) in isolate or id(cur[-1]) in isolate):
             groups.append([p])
             size = nbytes
         else:

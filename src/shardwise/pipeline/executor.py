@@ -98,7 +98,9 @@ class Executor:
 
     ``chunks``: global chunk id -> module. ``pp_ranks[i]``: global rank of pipeline rank
     ``i``. ``act_shape``: shape of one micro-batch's activation between chunks (e.g.
-    ``(B/m, T, C)``), ``dtype`` its dtype. ``loss_fn(output, target)`` -> scalar; the
+    ``(B/m, T, C)``), ``dtype`` and ``device`` its dtype and device (receive buffers).
+    ``loss_scale()``: the factor the loss is multiplied by before backward (fp16 loss
+    scaling; 1 otherwise). ``loss_fn(output, target)`` -> scalar; the
     executor divides it by ``m`` so gradients are those of the mean over micro-batches.
     """
 
@@ -107,13 +109,15 @@ class Executor:
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  on_step: Callable[[], None], dtype: torch.dtype = torch.float32,
                  group=None, recompute: bool = False, measure_memory: bool = False,
-                 grad_sync=None) -> None:
+                 grad_sync=None, device: torch.device | str = "cpu",
+                 loss_scale: Callable[[], float] = lambda: 1.0) -> None:
         if sorted(chunks) != schedule.chunks_of(pp_rank):
             raise ValueError(f"rank {pp_rank} holds chunks {sorted(chunks)}, the schedule "
                              f"expects {schedule.chunks_of(pp_rank)}")
         self.schedule, self.pp_rank, self.chunks = schedule, pp_rank, chunks
         self.pp_ranks, self.group = list(pp_ranks), group
-        self.act_shape, self.dtype = tuple(act_shape), dtype
+        self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
+        self.loss_scale = loss_scale  # fp16: backward runs on loss * scale
         self.loss_fn, self.on_step, self.recompute = loss_fn, on_step, recompute
         self.grad_sync = None if schedule.weight_stashing else grad_sync
         self.last_chunk = schedule.n_chunks - 1
@@ -215,7 +219,7 @@ class Executor:
                 loss = self.loss_fn(out, self.targets[op.mb] if self.recompute
                                     else self.targets.pop(op.mb))
                 self.losses.append(loss.item())
-                out = loss / self.schedule.m
+                out = loss * (self.loss_scale() / self.schedule.m)
         if self.recompute and op.chunk > 0:
             self.meter.hold(x.numel() * x.element_size())
         self.held[(op.mb, op.chunk)] = (x, out, stash)
@@ -231,7 +235,8 @@ class Executor:
                     self.meter.hold(-x.numel() * x.element_size())
                 out = self._call(op.chunk, x, stash)
                 if op.chunk == self.last_chunk:
-                    out = self.loss_fn(out, self.targets.pop(op.mb)) / self.schedule.m
+                    out = self.loss_fn(out, self.targets.pop(op.mb)) * (
+                        self.loss_scale() / self.schedule.m)
             if op.chunk == self.last_chunk:
                 out.backward()
             else:
@@ -288,10 +293,12 @@ class Executor:
         return "send", self.grad_out.pop((op.mb, op.chunk)), None
 
     def _recv_act(self, op: RecvActivation):
-        return "recv", torch.empty(self.act_shape, dtype=self.dtype), ("act", op.mb, op.chunk)
+        return "recv", torch.empty(self.act_shape, dtype=self.dtype, device=self.device), \
+            ("act", op.mb, op.chunk)
 
     def _recv_grad(self, op: RecvGrad):
-        return "recv", torch.empty(self.act_shape, dtype=self.dtype), ("grad", op.mb, op.chunk)
+        return "recv", torch.empty(self.act_shape, dtype=self.dtype, device=self.device), \
+            ("grad", op.mb, op.chunk)
 
 
 def _checksum(params) -> float:

@@ -58,8 +58,13 @@ class ZeroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group=None, stage: int = 1, bucket_cap_mb: float = 25.0,
                  param_dtype: torch.dtype = torch.float32,
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None,
+                 names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
+                 explicit: bool = False):
         super().__init__()
+        # explicit: the engine says which backward is final (``final_backward``) and calls
+        # ``finish``; otherwise every backward is final and ends in an autograd callback
+        self.explicit = explicit
         if stage not in (1, 2):
             raise ValueError(f"parallel.zero={stage}: ZeroDataParallel implements stages 1 and 2")
         params = [p for p in module.parameters() if p.requires_grad]
@@ -73,8 +78,8 @@ class ZeroDataParallel(nn.Module):
         for p in params:
             p.data = p.data.to(param_dtype)
         self.layout = ShardLayout(params, self.world_size, dist.get_rank(group),
-                                  max(1, int(bucket_cap_mb * MiB)))
-        names = {id(p): n for n, p in module.named_parameters()}
+                                  max(1, int(bucket_cap_mb * MiB)), isolate)
+        names = names or {id(p): n for n, p in module.named_parameters()}
         self._flat_params: list[torch.Tensor] = []
         for b in self.layout.buckets:  # parameters become views of one flat buffer per bucket
             flat = torch.zeros_like(b.buffer)
@@ -94,6 +99,7 @@ class ZeroDataParallel(nn.Module):
                                 for n in self.layout.shard_sizes]
         self.pieces: list[nn.Parameter] = []
         self.piece_names: list[str] = []
+        self.piece_params: list[nn.Parameter] = []  # the model parameter each piece is part of
         self._decay: list[bool] = []
         for pc in self.layout.pieces:
             p = self.layout.buckets[pc.bucket].params[pc.param_index]
@@ -102,13 +108,14 @@ class ZeroDataParallel(nn.Module):
             with torch.no_grad():
                 master.copy_(fp32[id(p)].reshape(-1)[pc.param_start:pc.param_end])
             self.pieces.append(master)
+            self.piece_params.append(p)
             self.piece_names.append(f"{names[id(p)]}[{pc.param_start}:{pc.param_end}]")
             self._decay.append(p.dim() >= 2)
         del fp32
         if stage == 2:
             for b in self.layout.buckets:
                 b.buffer = b.buffer.new_empty(0)  # full gradients exist only during backward
-        self.require_sync = True
+        self.require_sync = not explicit
         self._next = 0
         self._queued = False
         for b in self.layout.buckets:
@@ -152,10 +159,7 @@ class ZeroDataParallel(nn.Module):
 
         Returns ``{"grad_norm": float, "skipped": bool}`` (skipped: fp16 overflow).
         """
-        grads = []
-        for pc in self.layout.pieces:
-            sl = slice(pc.shard_start, pc.shard_start + pc.numel)
-            grads.append(self._grad_shard[pc.bucket][sl].float())  # fp32: transient copy
+        grads = self.piece_grads()
         out = fp32_step(optimizer, self.pieces, grads, self.group, max_norm, self.loss_scaler)
         if not out["skipped"]:
             self.all_gather_params()
@@ -208,7 +212,7 @@ class ZeroDataParallel(nn.Module):
         def on_grad_ready(p: torch.nn.Parameter) -> None:
             if not self.require_sync:
                 return
-            if not self._queued:
+            if not self._queued and not self.explicit:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
                 self._queued = True
             if b.buffer.numel() == 0:  # stage 2: this bucket's buffer was freed last step
@@ -225,12 +229,37 @@ class ZeroDataParallel(nn.Module):
                                                 group=self.group, async_op=True, check=False)
             self._next += 1
 
+    @contextmanager
+    def final_backward(self):
+        """Explicit mode: backwards inside the block make gradients final (buckets launch)."""
+        prev, self.require_sync = self.require_sync, True
+        try:
+            yield
+        finally:
+            self.require_sync = prev
+
+    def finish(self) -> None:
+        """Explicit mode: launch what is left, wait, divide: the gradient shards are the mean."""
+        self._finish_backward()
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        """fp32 gradient of each of ``pieces`` (transient copies)."""
+        return [self._grad_shard[pc.bucket][pc.shard_start:pc.shard_start + pc.numel].float()
+                for pc in self.layout.pieces]
+
+    def after_step(self) -> None:
+        """After the masters were stepped: every rank's shard into the full parameters."""
+        self.all_gather_params()
+
     @torch.no_grad()
     def _finish_backward(self) -> None:
         for b in self.layout.buckets[self._next:]:
             if b.buffer.numel() == 0:
                 b.buffer = torch.zeros(self.layout.padded[b.index], dtype=b.params[0].dtype,
                                        device=b.params[0].device)
+            for i, p in enumerate(b.params):  # gradients accumulated outside final_backward
+                if i not in b.fired and p.grad is not None:
+                    b.add_grad(i, p)
             b.close_unfired()
         self._launch_ready()
         for b in self.layout.buckets:

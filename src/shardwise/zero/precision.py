@@ -12,6 +12,7 @@ no scaling.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from shardwise import comm
 
@@ -48,35 +49,44 @@ class DynamicLossScaler:
 
 @torch.no_grad()
 def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[torch.Tensor],
-              group, max_norm: float, scaler: DynamicLossScaler | None) -> dict:
-    """The optimizer step shared by every ZeRO stage, on this rank's shard.
+              group, max_norm: float, scaler: DynamicLossScaler | None,
+              counted: list[bool] | None = None) -> dict:
+    """The optimizer step of every layout, on this rank's fp32 master pieces.
 
     ``piece_grads[i]`` is the fp32 gradient of master piece ``i`` (transient: freed after
-    the step). Unscales (fp16), skips the step on overflow anywhere in ``group``, clips to
-    the global norm ``max_norm`` (``<= 0``: no clipping; same formula as
-    ``torch.nn.utils.clip_grad_norm_``), steps. Returns ``{"grad_norm", "skipped"}``.
+    the step). Unscales (fp16), then one all-reduce over ``group`` (the world for the
+    engine; None: the world; skipped without torch.distributed) carries both the squared
+    gradient norm and the overflow flag, so every rank takes the same decision: skip the
+    step on overflow anywhere, else clip to the global norm ``max_norm`` (``<= 0``: no
+    clipping; the formula of ``torch.nn.utils.clip_grad_norm_``) and step. ``counted[i]``
+    says whether piece ``i``'s squares enter the norm on this rank: a piece replicated on
+    several ranks of ``group`` (dp replicas without ZeRO, LayerNorms on every tp rank, the
+    second copy of a tied weight) is counted on exactly one of them, so the sum over
+    ``group`` is the norm one process would compute. Returns ``{"grad_norm", "skipped"}``.
     """
     if scaler is not None:
         for g in piece_grads:
             g.mul_(1.0 / scaler.scale)
-    sq = torch.zeros(1, dtype=torch.float64, device=pieces[0].device if pieces else "cpu")
-    for g in piece_grads:
-        sq += g.double().pow(2).sum()
-    stats = torch.cat([sq.float(), torch.zeros(1, device=sq.device)])
+    counted = counted if counted is not None else [True] * len(piece_grads)
+    dev = pieces[0].device if pieces else torch.device("cpu")
+    stats = torch.zeros(2, dtype=torch.float64, device=dev)  # squared norm, overflow flag
+    for g, c in zip(piece_grads, counted):
+        if c:
+            stats[0] += g.double().pow(2).sum()
     if scaler is not None:
         stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in piece_grads))
-    # one all-reduce carries both: the squared norm (sum) and the overflow flag (any rank)
-    comm.all_reduce(stats, op="sum", group=group, check=False)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        comm.all_reduce(stats, op="sum", group=group, check=False)  # one reduction: both
     overflow = bool(stats[1] > 0)
     if scaler is not None:
         scaler.update(overflow)
-    total = stats[0].sqrt()
+    total = stats[0].sqrt().float()
     if overflow:
         return {"grad_norm": float("inf"), "skipped": True}
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in piece_grads:
-            g.mul_(coef)
+            g.mul_(coef.to(g.dtype))
     for p, g in zip(pieces, piece_grads):
         p.grad = g
     optimizer.step()

@@ -45,13 +45,15 @@ class ShardLayout:
         params: trainable parameters in registration order.
         world_size, rank: the dp group's size N and this rank's index in it.
         cap_bytes: bucket capacity.
+        isolate: ids of parameters that get a bucket of their own (``build_buckets``).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int,
-                 cap_bytes: int):
+                 cap_bytes: int, isolate: frozenset[int] = frozenset()):
         self.world_size, self.rank = world_size, rank
         # buffers padded to N: they are the reduce-scatter inputs of ZeRO-1 (stage 2 drops them)
-        self.buckets: list[Bucket] = build_buckets(params, cap_bytes, pad_to=world_size)
+        self.buckets: list[Bucket] = build_buckets(params, cap_bytes, pad_to=world_size,
+                                                   isolate=isolate)
         self.padded: list[int] = [b.buffer.numel() for b in self.buckets]
         self.shard_sizes: list[int] = [n // world_size for n in self.padded]
         self.pieces: list[Piece] = []

@@ -80,7 +80,8 @@ class ZeroStage3(nn.Module):
 
     def __init__(self, module: nn.Module, group=None, units: list[tuple[str, nn.Module]] | None = None,
                  param_dtype: torch.dtype = torch.float32,
-                 loss_scaler: DynamicLossScaler | None = None):
+                 loss_scaler: DynamicLossScaler | None = None,
+                 names: dict[int, str] | None = None):
         super().__init__()
         self.module, self.group, self.loss_scaler = module, group, loss_scaler
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -90,7 +91,7 @@ class ZeroStage3(nn.Module):
             for name, child in module.named_children():
                 kids = list(child.named_children()) if isinstance(child, nn.ModuleList) else [("", child)]
                 units += [(f"{name}.{k}" if k else name, c) for k, c in kids]
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = names or {id(p): n for n, p in module.named_parameters()}
         owner: dict[int, list[int]] = {}
         for i, (_, m) in enumerate(units):
             for p in m.parameters():
@@ -114,6 +115,7 @@ class ZeroStage3(nn.Module):
             for j, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(self._grad_ready(u, j))
         self.pieces, self.piece_names, self._decay, self._piece_src = [], [], [], []
+        self.piece_params: list[nn.Parameter] = []  # the model parameter each piece is part of
         for u in self._all:
             lo = self.rank * u.shard_size
             for p, off in zip(u.params, u.offsets):
@@ -121,6 +123,7 @@ class ZeroStage3(nn.Module):
                 if a < z:
                     piece = nn.Parameter(u.shard[a - lo:z - lo])  # aliases the fp32 master
                     self.pieces.append(piece)
+                    self.piece_params.append(p)
                     self._piece_src.append((u, a - lo, z - lo))
                     self.piece_names.append(f"{names[id(p)]}[{a - off}:{z - off}]")
                     self._decay.append(p.dim() >= 2)
@@ -237,6 +240,21 @@ class ZeroStage3(nn.Module):
         """Accepted for symmetry: ZeRO-3 reduce-scatters every micro-batch (see module doc)."""
         return nullcontext()
 
+    def final_backward(self):
+        """For the engine: every backward already reduce-scatters (see module doc)."""
+        return nullcontext()
+
+    def finish(self) -> None:
+        """For the engine: the end-of-backward callback has already waited and averaged."""
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        """fp32 gradient of each of ``pieces`` (transient copies)."""
+        return [u.grad_shard[a:z].float() for u, a, z in self._piece_src]
+
+    def after_step(self) -> None:
+        """After the masters were stepped: refresh the shards that forward gathers."""
+        self.refresh_params()
+
     # -- what this rank holds (for zero.memory) -------------------------------------------
     @property
     def numel(self) -> int:
@@ -264,7 +282,7 @@ class ZeroStage3(nn.Module):
     def step(self, optimizer, max_norm: float = 0.0) -> dict:
         """Unscale, check overflow, clip and step the fp32 masters (see ``fp32_step``), then
         refresh the compute-dtype shards; units are gathered lazily by the next forward."""
-        grads = [u.grad_shard[a:z].float() for u, a, z in self._piece_src]
+        grads = self.piece_grads()
         out = fp32_step(optimizer, self.pieces, grads, self.group, max_norm, self.loss_scaler)
         if not out["skipped"]:
             self.refresh_params()

@@ -1,0 +1,290 @@
+"""One engine for every layout: dp x pp x tp, ZeRO 0-3, fp32 / bf16 / fp16.
+
+``Engine(gpt_cfg, topology, settings, device)`` composes, once, in this order:
+
+1. ``engine.model.build_local_model``: the full GPT from the seed, this rank's pipeline
+   chunks kept, each sharded for tp in place;
+2. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
+   ZeRO-3 gather/free units);
+3. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
+   flag, AdamW;
+4. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
+   micro-batch loop is gradient accumulation) run by ``pipeline.executor.Executor``.
+
+``train_step`` runs one step of the schedule; ``loss`` and ``generate`` run forward-only
+passes through the same chunks, stage after stage. Nothing here branches on the layout:
+each part answers the same calls whatever it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardwise import comm
+from shardwise.engine.model import LocalModel, build_local_model
+from shardwise.engine.optimizer import DistributedOptimizer
+from shardwise.engine.sync import ReplicatedSync
+from shardwise.models.gpt import GPTConfig, sample_next
+from shardwise.pipeline.executor import Executor
+from shardwise.pipeline.schedules import ScheduleError, schedule
+from shardwise.pipeline.stream import stream
+from shardwise.tensor_parallel.group import TPGroup
+from shardwise.tensor_parallel.layers import gather_tensor
+from shardwise.zero.precision import DTYPES, DynamicLossScaler
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine needs from the config (``from_config``); see ``config.ParallelConfig``."""
+
+    schedule: str = "1f1b"
+    micro_batches: int = 1
+    chunks_per_rank: int = 1
+    partition: str = "layers"
+    recompute: bool = False
+    sequence_parallel: bool = False
+    zero: int = 0
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    allreduce: str = "auto"
+    precision: str = "fp32"
+    loss_scaling: bool = True
+    initial_loss_scale: float = 65536.0
+    lr: float = 3e-3
+    betas: tuple = (0.9, 0.99)
+    weight_decay: float = 0.1
+    grad_clip: float = 0.0
+    seed: int = 1337
+    batch_size: int = 32   # global batch, sequences
+    seq_len: int = 128
+
+    @classmethod
+    def from_config(cls, cfg) -> "EngineSettings":
+        p, o, t = cfg.parallel, cfg.optimizer, cfg.training
+        return cls(schedule=p.schedule, micro_batches=p.micro_batches,
+                   chunks_per_rank=p.chunks_per_rank, partition=p.partition,
+                   recompute=p.recompute, sequence_parallel=p.sequence_parallel, zero=p.zero,
+                   bucket_mb=p.bucket_mb, first_bucket_mb=p.first_bucket_mb,
+                   allreduce=p.allreduce, precision=t.precision, loss_scaling=t.loss_scaling,
+                   initial_loss_scale=t.initial_loss_scale, lr=o.lr, betas=(o.beta1, o.beta2),
+                   weight_decay=o.weight_decay, grad_clip=o.grad_clip, seed=t.seed,
+                   batch_size=t.global_batch_size, seq_len=cfg.model.block_size)
+
+
+class Engine:
+    """This rank's share of a GPT trained in any layout (see module docstring).
+
+    Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
+    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1.
+    """
+
+    def __init__(self, gpt_cfg: GPTConfig, topology, s: EngineSettings,
+                 device: torch.device | None = None):
+        self.cfg, self.topology, self.s = gpt_cfg, topology, s
+        self.device = device or torch.device("cpu")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        groups = topology.groups if self.distributed else None
+        p, v = topology.pp, s.chunks_per_rank if topology.pp > 1 else 1
+        kind = s.schedule if p > 1 else "1f1b"  # one stage: the micro-batch loop
+        if s.zero == 3 and p > 1:
+            raise ValueError("parallel.zero=3 with parallel.pp>1: ZeRO-3 gathers parameters per "
+                             "forward, and a pipeline runs many; use ZeRO-1/2 with pp (as DeepSpeed)")
+        try:
+            self.schedule = schedule(kind, p, s.micro_batches, v)
+            self.stream = stream(p, s.micro_batches) if kind == "pipedream" else None
+        except ScheduleError as exc:
+            raise ValueError(str(exc)) from None
+        self.dtype = DTYPES[s.precision]
+        self.pp_rank = topology.pp_rank
+        self.pp_ranks = topology.axis_ranks("pp")
+        self.pp_group = groups.pp if groups is not None else None
+        self.dp_group = groups.dp if groups is not None else None
+        self.tp = (TPGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
+                   if groups is not None and topology.tp > 1 else TPGroup())
+        # dropout: the same stream on the tp ranks of a replica (replicated regions), one per
+        # dp replica and stage; tp-sharded regions add the tp rank (Megatron's RNG tracker)
+        self.dropout_seed = s.seed + 1000 * (topology.dp_rank + 1) + 100 * topology.pp_rank
+        self.local: LocalModel = build_local_model(
+            gpt_cfg, pp=p, pp_rank=self.pp_rank, chunk_ids=self.schedule.chunks_of(self.pp_rank),
+            n_chunks=p * v, tp=self.tp, seed=s.seed, dropout_seed=self.dropout_seed,
+            device=self.device, partition_by=s.partition,
+            time_sample=(s.batch_size // topology.dp // s.micro_batches, s.seq_len),
+            average=self._average)
+        torch.manual_seed(self.dropout_seed)
+        self.loss_scaler = (DynamicLossScaler(s.initial_loss_scale)
+                            if s.precision == "fp16" and s.loss_scaling else None)
+        self.chunks: dict[int, nn.Module] = dict(self.local.chunks)
+        self.sync = self._wrap_for_dp()
+        tied_peer = None
+        if self.local.tied and p > 1:
+            other = p - 1 if self.local.has_first else 0
+            tied_peer = topology.rank_of(topology.dp_rank, other, topology.tp_rank)
+        self.optimizer = DistributedOptimizer(
+            self.sync, tp=self.tp, sequence_parallel=s.sequence_parallel, lr=s.lr,
+            betas=s.betas, weight_decay=s.weight_decay, loss_scaler=self.loss_scaler,
+            tied_peer=tied_peer, tied_names=self.local.tied,
+            tied_counted=self.local.has_first)
+        local_batch = s.batch_size // topology.dp
+        seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
+        self.act_shape = (local_batch // s.micro_batches, seq, gpt_cfg.n_embd)
+        self.executor = Executor(
+            self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
+            loss_fn=self.local.loss_fn, on_step=self._optimizer_step, dtype=self.dtype,
+            group=self.pp_group, recompute=s.recompute, grad_sync=self.sync,
+            device=self.device,
+            loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
+        self.stream_step = 0
+        self.last_step: dict = {"grad_norm": 0.0, "skipped": False}
+        self.sync.zero_grad()
+
+    # -- composition ----------------------------------------------------------------------
+    def _average(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed and dist.get_world_size() > 1:  # every rank must cut alike
+            comm.all_reduce(t, op="mean")
+        return t
+
+    def _wrap_for_dp(self):
+        """The gradient sync of ``parallel.zero`` over the dp group (see ``engine.sync``)."""
+        s, topo = self.s, self.topology
+        named = self.local.named_parameters()
+        names = {id(q): n for n, q in named}
+        params = [q for _, q in named]
+        if s.zero == 0 or not self.distributed:
+            return ReplicatedSync(params, names, self.dp_group, topo.dp, topo.dp_rank,
+                                  self.dtype, s.bucket_mb, s.first_bucket_mb, s.allreduce)
+        if s.zero in (1, 2):
+            from shardwise.zero.optimizer import ZeroDataParallel
+
+            tied = frozenset(id(q) for n, q in named if n in self.local.tied)
+            container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
+            return ZeroDataParallel(container, self.dp_group, s.zero, s.bucket_mb, self.dtype,
+                                    self.loss_scaler, names=names, isolate=tied, explicit=True)
+        from shardwise.zero.stage3 import ZeroStage3
+
+        (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
+        units = list(zip(chunk.names, chunk.layers))
+        wrapper = ZeroStage3(chunk, self.dp_group, units, self.dtype, self.loss_scaler, names)
+        self.chunks[c] = wrapper
+        return wrapper
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their full GPT names (tp-local shapes)."""
+        return self.local.named_parameters()
+
+    def full_parameters(self):
+        """A context in which every local parameter is materialised (ZeRO-3 gathers them;
+        collective over dp)."""
+        return getattr(self.sync, "full_parameters", contextlib.nullcontext)()
+
+    # -- training -------------------------------------------------------------------------
+    def _optimizer_step(self) -> None:
+        self.sync.finish()
+        self.last_step = self.optimizer.step(self.s.grad_clip)
+        self.sync.zero_grad()
+
+    def train_step(self, idx: torch.Tensor, targets: torch.Tensor) -> dict:
+        """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64.
+        Returns ``{"loss", "grad_norm", "skipped"}``; the loss is the mean over micro-batches
+        and dp replicas, the same on every rank."""
+        m = self.schedule.m
+        inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
+        if self.stream is None:
+            losses = self.executor.run(inputs, tgts)
+        else:  # PipeDream: this step's segment of one endless stream
+            k = self.stream_step
+            losses = self.executor.run(inputs, tgts, self.stream.segment(k)[self.pp_rank],
+                                       first_mb=k * m)
+            self.stream_step += 1
+        loss = self._share_loss(sum(losses) / m if losses else 0.0)
+        return {"loss": loss, **self.last_step}
+
+    def drain(self) -> None:
+        """PipeDream: finish the micro-batches still in flight (before a checkpoint and at
+        the end). Nothing to do for flush schedules."""
+        if self.stream is None or self.stream_step == 0:
+            return
+        self.executor.run(None, None, self.stream.drain(self.stream_step - 1)[self.pp_rank])
+        self.stream_step = 0
+
+    def _share_loss(self, value: float) -> float:
+        """The last stage's value on every rank (broadcast over pp), averaged over dp."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.topology.pp > 1:
+            last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+            comm.broadcast(t, src=last, group=self.pp_group)
+        if self.topology.dp > 1:
+            comm.all_reduce(t, op="mean", group=self.dp_group, check=False)
+        return float(t)
+
+    # -- forward only: evaluation and generation ------------------------------------------
+    @torch.no_grad()
+    def _logits(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """Forward of ``idx`` (B, T) through the stages in order (one micro-batch in flight,
+        blocking p2p between stages). Returns this tp rank's logits (B, T, V_pad / tp) on
+        the last stage, None elsewhere. Every rank of the replica must call it."""
+        p, me, n = self.topology.pp, self.pp_rank, self.local.n_chunks
+        B, T = idx.shape
+        seq = T // self.tp.size if self.tp.sequence_parallel else T
+        x = None
+        for c in range(n):
+            if c % p != me:
+                continue
+            if c == 0:
+                x = idx
+            elif (c - 1) % p != me:
+                x = torch.empty(B, seq, self.cfg.n_embd, dtype=self.dtype, device=self.device)
+                comm.recv(x, src=self.pp_ranks[(c - 1) % p], group=self.pp_group)
+            x = self.chunks[c](x)
+            if c < n - 1 and (c + 1) % p != me:
+                comm.send(x.contiguous(), dst=self.pp_ranks[(c + 1) % p], group=self.pp_group)
+        return x if self.local.has_last else None
+
+    @torch.no_grad()
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean cross-entropy (nats per token) of one batch, on every rank of the replica."""
+        self._train(False)
+        logits = self._logits(idx)
+        value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
+        self._train(True)
+        if self.distributed and self.topology.pp > 1:
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+            comm.broadcast(t, src=last, group=self.pp_group)
+            value = float(t)
+        return value
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, generator: torch.Generator | None = None,
+                 **sampling) -> torch.Tensor:
+        """``GPT.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
+        every rank of the replica (the last stage samples; tp ranks draw alike from
+        ``generator``; the token is broadcast over pp). Under sequence parallelism the
+        context is right-padded to a multiple of tp (causal attention ignores the pads)."""
+        self._train(False)
+        last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+        for _ in range(new_tokens):
+            ctx = idx[:, -self.cfg.block_size:]
+            t = ctx.shape[1]
+            if self.tp.sequence_parallel and t % self.tp.size:
+                ctx = torch.cat([ctx, ctx.new_zeros(ctx.shape[0], self.tp.size - t % self.tp.size)], 1)
+            logits = self._logits(ctx)
+            nxt = torch.zeros(idx.shape[0], 1, dtype=torch.long, device=idx.device)
+            if logits is not None:
+                full = gather_tensor(logits, -1, self.tp)[..., :self.cfg.vocab_size]
+                nxt = sample_next(full[:, t - 1, :], generator=generator, **sampling)
+            if self.distributed and self.topology.pp > 1:
+                comm.broadcast(nxt, src=last, group=self.pp_group)
+            idx = torch.cat([idx, nxt], dim=1)
+        self._train(True)
+        return idx
+
+    def _train(self, mode: bool) -> None:
+        for chunk in self.chunks.values():
+            chunk.train(mode)

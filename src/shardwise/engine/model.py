@@ -1,0 +1,183 @@
+"""Split, then parallelize: this rank's part of the GPT for any dp x pp x tp layout.
+
+The composition of torchtitan (split the model for the pipeline, then parallelize each
+part) and Megatron-LM (tensor-parallel layers inside each pipeline chunk):
+
+1. build the full GPT from ``seed`` (every rank alike, so parity holds by construction);
+2. cut its ``n_layer + 2`` layers into ``pp * v`` chunks and keep this rank's (chunk ``c``
+   lives on pipeline rank ``c % pp``); the other layers are dropped and freed;
+3. with tp > 1, shard each kept layer in place: the embedding becomes vocab-parallel, each
+   block column/row parallel (Shoeybi et al. 2019, section 3), the head vocab-parallel;
+4. move the result to ``device``. Wrapping for dp (buckets, ZeRO) is ``engine.sync``'s job.
+
+Tied input/output embeddings: with pp = 1 the head shares the embedding's parameter. With
+pp > 1 the head on the last stage gets its own copy, equal at start; the engine sums the two
+copies' gradients between the first and the last stage before every step (Megatron's
+embedding group), so the copies stay equal and the gradient is the one of the tied weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise.models.gpt import GPT, Block, Embedding, GPTConfig, LMHead
+from shardwise.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
+                                          profile_layers)
+from shardwise.pipeline.stage import StageChunk
+from shardwise.tensor_parallel.group import TPGroup
+from shardwise.tensor_parallel.layers import gather_tensor, padded_vocab_size, shard_tensor
+from shardwise.tensor_parallel.loss import vocab_parallel_cross_entropy
+from shardwise.tensor_parallel.model import TPBlock, TPEmbedding, TPHead, check_divisible
+from shardwise.tensor_parallel.random import ParallelRNG
+
+VOCAB_PARAMS = ("embed.tok.weight", "head.proj.weight")
+
+
+@dataclass
+class LocalModel:
+    """This rank's chunks and what the engine needs to know about them.
+
+    ``chunks``: global chunk id -> ``StageChunk`` (its parameters keep the full GPT's names,
+    see ``named_parameters``). ``tied``: names of this rank's copies of the tied weight that
+    cross pipeline stages (``embed.tok.weight`` on the first stage, ``head.proj.weight`` on
+    the last), empty when the head shares the embedding's parameter or nothing is tied.
+    ``rng``: the tensor-parallel dropout stream (None with tp = 1).
+    """
+
+    cfg: GPTConfig
+    chunks: dict[int, StageChunk]
+    partition: Partition
+    tp: TPGroup
+    rng: ParallelRNG | None
+    tied: tuple[str, ...] = ()
+    n_chunks: int = 1
+    loss_fn: Callable = field(default=None, repr=False)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(full GPT name, parameter)`` of this rank's parameters, chunk by chunk, each
+        parameter once (a tied head listed under the embedding's name, as the GPT does)."""
+        seen, out = set(), []
+        for c in sorted(self.chunks):
+            for name, p in self.chunks[c].model_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.chunks
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_chunks - 1 in self.chunks
+
+    def full_tensor(self, name: str, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The unsharded, unpadded tensor of ``local`` (parameter ``p`` named ``name``, or a
+        tensor shaped like it: a moment, a master). Collective over tp when ``p`` is sharded."""
+        dim = getattr(p, "tp_dim", None)
+        if dim is None or self.tp.size == 1:
+            return local.detach().clone()
+        full = gather_tensor(local, dim, self.tp)
+        return full[:self.cfg.vocab_size].clone() if _vocab(name) else full
+
+    def local_tensor(self, name: str, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``full_tensor``: this rank's slice (vocabulary padding added back)."""
+        dim = getattr(p, "tp_dim", None)
+        if dim is None or self.tp.size == 1:
+            return full.detach().clone()
+        if _vocab(name) and p.shape[0] * self.tp.size > full.shape[0]:
+            pad = full.new_zeros((p.shape[0] * self.tp.size - full.shape[0],) + tuple(full.shape[1:]))
+            full = torch.cat([full, pad])
+        return shard_tensor(full, dim, self.tp)
+
+
+def _vocab(name: str) -> bool:
+    return name in VOCAB_PARAMS
+
+
+def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[int],
+                      n_chunks: int, tp: TPGroup, seed: int, dropout_seed: int,
+                      device: torch.device, partition_by: str = "layers",
+                      partition: Partition | None = None, time_sample: tuple = (1, 1),
+                      average: Callable = lambda t: t) -> LocalModel:
+    """This rank's chunks of ``GPT(cfg)`` built after ``torch.manual_seed(seed)``.
+
+    ``chunk_ids``: the chunks this pipeline rank runs (``schedule.chunks_of(pp_rank)``);
+    ``partition`` (or ``partition_by``: "layers" | "params") cuts the layers into
+    ``n_chunks`` chunks ("time": layers profiled on a ``time_sample``-shaped batch, the
+    seconds passed through ``average``, which must make every rank cut alike). ``dropout_seed`` seeds the tensor-parallel dropout stream (plus
+    the tp rank, as Megatron's model-parallel RNG). Raises ``ValueError`` (one line) when tp
+    does not divide a size or there are more chunks than layers.
+    """
+    if tp.size > 1:
+        check_divisible(cfg, tp)
+    torch.manual_seed(seed)
+    full = GPT(cfg)
+    layers = gpt_layers(full)
+    if n_chunks > len(layers):
+        raise ValueError(f"cannot cut {len(layers)} layers (embedding, {len(layers) - 2} "
+                         f"blocks, head) into {n_chunks} pipeline chunks")
+    if partition is None and partition_by == "time":  # profiled here, averaged over ranks
+        sample = torch.zeros(time_sample, dtype=torch.long)
+        secs = torch.tensor(profile_layers([m for _, m in layers], sample).seconds,
+                            dtype=torch.float64, device=device)
+        partition = balanced(average(secs).cpu().tolist(), n_chunks)
+    elif partition is None:
+        partition = partition_layers([m for _, m in layers], n_chunks, by=partition_by)
+    rng = ParallelRNG(dropout_seed, tp.rank, device) if tp.size > 1 else None
+    head_here = n_chunks - 1 in chunk_ids
+    emb_here = 0 in chunk_ids
+    share = cfg.tie_weights and head_here and emb_here  # one stage holds both: one parameter
+    chunks: dict[int, StageChunk] = {}
+    embed_weight = None
+    for c in chunk_ids:
+        named = []
+        for i in partition.layers(c):
+            name, m = layers[i]
+            if tp.size > 1:
+                if isinstance(m, Embedding):
+                    m = TPEmbedding(m, tp, rng)
+                    embed_weight = m.tok.weight
+                elif isinstance(m, Block):
+                    m = TPBlock(m, tp, rng, name)
+                elif isinstance(m, LMHead):
+                    m = TPHead(m, tp, cfg.vocab_size, None)
+            else:
+                if isinstance(m, Embedding):
+                    embed_weight = m.tok.weight
+                elif isinstance(m, LMHead) and cfg.tie_weights and not share:
+                    m.proj.weight = nn.Parameter(m.proj.weight.detach().clone())  # own copy
+            named.append((name, m))
+        chunks[c] = StageChunk(named)
+    if share and tp.size > 1:  # TPHead built its own slice; point it at the embedding's
+        chunks[n_chunks - 1].layers[-1].proj.weight = embed_weight
+    del full, layers
+    tied: tuple[str, ...] = ()
+    if cfg.tie_weights and not share:
+        tied = (("embed.tok.weight",) if emb_here else ()) + (("head.proj.weight",) if head_here else ())
+    for chunk in chunks.values():
+        chunk.to(device)
+    loss_fn = _vocab_parallel_loss(tp, cfg.vocab_size) if tp.size > 1 else lm_loss_fp32
+    return LocalModel(cfg=cfg, chunks=chunks, partition=partition, tp=tp, rng=rng, tied=tied,
+                      n_chunks=n_chunks, loss_fn=loss_fn)
+
+
+def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in nats per token, computed in fp32 (as ``GPT.forward``)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _vocab_parallel_loss(tp: TPGroup, vocab_size: int) -> Callable:
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size, tag="head.loss")
+    return loss
+
+
+def padded_vocab(cfg: GPTConfig, tp: TPGroup) -> int:
+    return padded_vocab_size(cfg.vocab_size, tp.size)

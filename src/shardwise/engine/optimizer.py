@@ -1,0 +1,97 @@
+"""One distributed optimizer for every layout: fp32 masters, one global norm, one step.
+
+Megatron-LM's distributed optimizer, reduced to what this project needs: whatever the
+layout, the optimizer steps fp32 master pieces (whole parameters without ZeRO, this rank's
+shard with ZeRO), and per step:
+
+1. the gradient sync's fp32 piece gradients are taken (``sync.piece_grads()``);
+2. under sequence parallelism, the gradients of tp-replicated parameters are summed over
+   the tp group (each rank saw only its slice of the sequence; Korthikanti et al. 2022,
+   section 4.2.2);
+3. the two copies of a tied embedding / head on the first and last pipeline stage add each
+   other's gradient (one exchange between the two stages, like Megatron's embedding group);
+4. ``zero.precision.fp32_step``: unscale (fp16), one all-reduce over the whole world for the
+   squared norm and the overflow flag, every replicated piece counted once, so every rank
+   clips by the same coefficient and skips the same steps; then AdamW on the masters;
+5. ``sync.after_step()`` brings the masters back into the compute-dtype parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise import comm
+from shardwise.zero.precision import DynamicLossScaler, fp32_step
+
+
+class DistributedOptimizer:
+    """AdamW over ``sync.pieces`` (see module docstring).
+
+    ``tp``: the ``TPGroup``; ``sequence_parallel``: sum replicated gradients over it.
+    ``tied_peer``: global rank holding the other copy of the tied weight (None: no copy
+    crosses stages); ``tied_names``: this rank's names of that weight; ``tied_counted``:
+    whether this rank's copy enters the norm (the first stage's does).
+    """
+
+    def __init__(self, sync, *, tp, sequence_parallel: bool, lr: float, betas: tuple,
+                 weight_decay: float, loss_scaler: DynamicLossScaler | None = None,
+                 tied_peer: int | None = None, tied_names: tuple[str, ...] = (),
+                 tied_counted: bool = True):
+        self.sync, self.tp, self.loss_scaler = sync, tp, loss_scaler
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.tied_peer = tied_peer
+        self.pieces = sync.pieces
+        params = sync.piece_params
+        self.sharded = [getattr(p, "tp_dim", None) is not None for p in params]
+        self.tied = [n.split("[")[0] in tied_names for n in sync.piece_names]
+        self.counted = [c and (s or tp.rank == 0) and (tied_counted or not t)
+                        for c, s, t in zip(sync.counted, self.sharded, self.tied)]
+        decay = [p.dim() >= 2 for p in params]
+        groups = [{"params": [m for m, d in zip(self.pieces, decay) if d],
+                   "weight_decay": weight_decay},
+                  {"params": [m for m, d in zip(self.pieces, decay) if not d],
+                   "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, max_norm: float) -> dict:
+        """Sync, unscale, clip by the global norm, step, refresh the parameters. Returns
+        ``{"grad_norm": float, "skipped": bool}``, the same on every rank."""
+        grads = self.sync.piece_grads()
+        if self.sequence_parallel:
+            self._sum(grads, [not s for s in self.sharded], lambda flat: comm.all_reduce(
+                flat, group=self.tp.group, algorithm=self.tp.all_reduce, check=False))
+        if self.tied_peer is not None:
+            def add_peer(flat):
+                other = torch.empty_like(flat)
+                comm.exchange([(flat, self.tied_peer)], [(other, self.tied_peer)])
+                flat.add_(other)  # a + b == b + a: both copies get the same bits
+            self._sum(grads, self.tied, add_peer)
+        out = fp32_step(self.optimizer, self.pieces, grads, None, max_norm, self.loss_scaler,
+                        self.counted)
+        if not out["skipped"]:
+            self.sync.after_step()
+        return out
+
+    @staticmethod
+    def _sum(grads: list[torch.Tensor], which: list[bool], reduce) -> None:
+        """Apply ``reduce`` (in place) to the flat concatenation of the selected gradients."""
+        sel = [g for g, w in zip(grads, which) if w]
+        if not sel:
+            return
+        flat = torch.cat([g.reshape(-1) for g in sel])
+        reduce(flat)
+        off = 0
+        for g in sel:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,85 @@
+"""Wrap this rank's chunks for data parallelism: one object per ZeRO stage, one interface.
+
+Every gradient sync the engine uses answers the same calls, so the engine never asks
+which one it holds:
+
+- ``final_backward()``: a context; backwards inside it make gradients final, so their
+  buckets' collectives start at once (overlapping the rest of the schedule);
+- ``finish()``: launch what is left, wait, average over dp;
+- ``zero_grad()``;
+- ``pieces`` (fp32 master tensors the optimizer steps), ``piece_grads()`` (their fp32
+  gradients), ``piece_params`` / ``piece_names`` (which parameter each is part of, and its
+  checkpoint key), ``counted`` (see ``zero.precision.fp32_step``), ``after_step()``
+  (masters back into the compute-dtype parameters).
+
+``ReplicatedSync`` (ZeRO-0: our DDP's buckets, all-reduced; fp32 masters only when the
+compute dtype is bf16/fp16), ``zero.ZeroDataParallel`` (ZeRO-1/2: the same buckets,
+reduce-scattered; masters of this rank's shard; all-gather after the step) and
+``zero.ZeroStage3`` (parameters sharded too, gathered per unit) are the three.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+
+from shardwise.data_parallel.grad_sync import GradientSync
+
+
+class ReplicatedSync:
+    """ZeRO-0: every dp rank holds full parameters, gradients and optimizer states.
+
+    ``params``: this rank's parameters (full GPT names in ``names``), in registration order.
+    ``group``/``dp_size``/``dp_rank``: the dp group (``dp_size == 1``: no communication).
+    ``param_dtype``: compute dtype; with bf16/fp16 each parameter gets an fp32 master and
+    the parameter is cast down (Micikevicius et al. 2018), with fp32 the parameter is its own
+    master. Bucket sizes and the all-reduce algorithm are our DDP's (``GradientSync``).
+    """
+
+    def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,
+                 dp_rank: int, param_dtype: torch.dtype, bucket_mb: float,
+                 first_bucket_mb: float, allreduce: str):
+        self.params = params
+        self.piece_params = list(params)
+        self.piece_names = [names[id(p)] for p in params]
+        if param_dtype == torch.float32:
+            self.pieces = list(params)
+        else:
+            self.pieces = [nn.Parameter(p.detach().float().clone()) for p in params]
+            for p in params:
+                p.data = p.data.to(param_dtype)
+        self.counted = [dp_rank == 0] * len(params)  # replicas: counted once over dp
+        self.sync = (GradientSync(params, group, bucket_mb, first_bucket_mb, allreduce)
+                     if dp_size > 1 else None)
+
+    def final_backward(self):
+        return self.sync.final_backward() if self.sync is not None else nullcontext()
+
+    def finish(self) -> None:
+        if self.sync is not None:
+            self.sync.finish()
+
+    def zero_grad(self) -> None:
+        if self.sync is not None:
+            self.sync.zero_grad()  # in place: gradients stay views into the buckets
+        else:
+            for p in self.params:
+                p.grad = None
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        return [p.grad.float() if p.grad is not None else torch.zeros_like(m)
+                for p, m in zip(self.params, self.pieces)]
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for p, m in zip(self.params, self.pieces):
+            if p is not m:
+                p.copy_(m)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Gradient memory this rank keeps between steps (for the memory report)."""
+        if self.sync is not None:
+            return [b.buffer for b in self.sync.buckets]
+        return [p.grad for p in self.params if p.grad is not None]
