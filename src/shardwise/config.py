@@ -167,6 +167,10 @@ class Config(_Section):
         if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
             raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
                              f"parallel.pp={p.pp} for the interleaved schedule")
+        if p.pp > 1 and p.schedule == "pipedream" and t.precision == "fp16":
+            raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
+                             "stage steps on its own clock, so no overflow decision can span "
+                             "stages; use bf16")
         if p.pp > 1 and p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")

@@ -128,7 +128,7 @@ class Engine:
             self.sync, tp=self.tp, sequence_parallel=s.sequence_parallel, lr=s.lr,
             betas=s.betas, weight_decay=s.weight_decay, loss_scaler=self.loss_scaler,
             tied_peer=tied_peer, tied_names=self.local.tied,
-            tied_counted=self.local.has_first)
+            tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing)
         local_batch = s.batch_size // topology.dp
         seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
         self.act_shape = (local_batch // s.micro_batches, seq, gpt_cfg.n_embd)

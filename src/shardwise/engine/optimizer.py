@@ -24,22 +24,28 @@ from shardwise import comm
 from shardwise.zero.precision import DynamicLossScaler, fp32_step
 
 
+_NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank
+
+
 class DistributedOptimizer:
     """AdamW over ``sync.pieces`` (see module docstring).
 
     ``tp``: the ``TPGroup``; ``sequence_parallel``: sum replicated gradients over it.
     ``tied_peer``: global rank holding the other copy of the tied weight (None: no copy
     crosses stages); ``tied_names``: this rank's names of that weight; ``tied_counted``:
-    whether this rank's copy enters the norm (the first stage's does).
+    whether this rank's copy enters the norm (the first stage's does). ``global_norm=False``
+    (PipeDream: each stage steps on its own clock, so no reduction can span stages) keeps the
+    norm local: no clipping and no fp16 then (the config refuses both).
     """
 
     def __init__(self, sync, *, tp, sequence_parallel: bool, lr: float, betas: tuple,
                  weight_decay: float, loss_scaler: DynamicLossScaler | None = None,
                  tied_peer: int | None = None, tied_names: tuple[str, ...] = (),
-                 tied_counted: bool = True):
+                 tied_counted: bool = True, global_norm: bool = True):
         self.sync, self.tp, self.loss_scaler = sync, tp, loss_scaler
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.tied_peer = tied_peer
+        self.norm_group = None if global_norm else _NO_REDUCTION
         self.pieces = sync.pieces
         params = sync.piece_params
         self.sharded = [getattr(p, "tp_dim", None) is not None for p in params]
@@ -71,8 +77,8 @@ class DistributedOptimizer:
                 comm.exchange([(flat, self.tied_peer)], [(other, self.tied_peer)])
                 flat.add_(other)  # a + b == b + a: both copies get the same bits
             self._sum(grads, self.tied, add_peer)
-        out = fp32_step(self.optimizer, self.pieces, grads, None, max_norm, self.loss_scaler,
-                        self.counted)
+        out = fp32_step(self.optimizer, self.pieces, grads, self.norm_group, max_norm,
+                        self.loss_scaler, self.counted)
         if not out["skipped"]:
             self.sync.after_step()
         return out

@@ -242,6 +242,11 @@ class ZeroDataParallel(nn.Module):
         """Explicit mode: launch what is left, wait, divide: the gradient shards are the mean."""
         self._finish_backward()
 
+    @property
+    def counted(self) -> list[bool]:
+        """Every piece enters the global norm here: dp ranks own disjoint shards."""
+        return [True] * len(self.pieces)
+
     def piece_grads(self) -> list[torch.Tensor]:
         """fp32 gradient of each of ``pieces`` (transient copies)."""
         return [self._grad_shard[pc.bucket][pc.shard_start:pc.shard_start + pc.numel].float()

@@ -55,7 +55,7 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
 
     ``piece_grads[i]`` is the fp32 gradient of master piece ``i`` (transient: freed after
     the step). Unscales (fp16), then one all-reduce over ``group`` (the world for the
-    engine; None: the world; skipped without torch.distributed) carries both the squared
+    engine; None: the world; "local" or no torch.distributed: no reduction) carries both the squared
     gradient norm and the overflow flag, so every rank takes the same decision: skip the
     step on overflow anywhere, else clip to the global norm ``max_norm`` (``<= 0``: no
     clipping; the formula of ``torch.nn.utils.clip_grad_norm_``) and step. ``counted[i]``
@@ -75,7 +75,8 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
             stats[0] += g.double().pow(2).sum()
     if scaler is not None:
         stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in piece_grads))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if group != "local" and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size(group) > 1:
         comm.all_reduce(stats, op="sum", group=group, check=False)  # one reduction: both
     overflow = bool(stats[1] > 0)
     if scaler is not None:

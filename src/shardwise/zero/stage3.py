@@ -247,6 +247,11 @@ class ZeroStage3(nn.Module):
     def finish(self) -> None:
         """For the engine: the end-of-backward callback has already waited and averaged."""
 
+    @property
+    def counted(self) -> list[bool]:
+        """Every piece enters the global norm here: dp ranks own disjoint shards."""
+        return [True] * len(self.pieces)
+
     def piece_grads(self) -> list[torch.Tensor]:
         """fp32 gradient of each of ``pieces`` (transient copies)."""
         return [u.grad_shard[a:z].float() for u, a, z in self._piece_src]
