@@ -18,6 +18,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
+import torch
+
 _STOP = object()
 
 
@@ -72,7 +74,8 @@ class _Executor:
                 return
             fn, future = item
             try:
-                future.set_result(fn())
+                with torch.no_grad():  # collectives move data; autograd is the caller's
+                    future.set_result(fn())
             except BaseException as exc:  # delivered to wait()
                 future.set_exception(exc)
             finally:
@@ -93,7 +96,8 @@ class _Executor:
     def run(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` now if nothing is queued, else after everything queued before it."""
         if self._pending == 0:
-            return fn()
+            with torch.no_grad():
+                return fn()
         return self.submit(fn)._future.result()
 
     def idle(self) -> bool:

@@ -1,0 +1,47 @@
+"""Rank function for the layout tests: several layouts trained in one spawn of ranks.
+
+Every layout builds its own process groups over the same world, trains the same global
+batches as one process would, and reports what the tests compare: losses, this rank's
+stage parameters unsharded (full GPT names), the bytes of parameters it holds, and, for
+dropout checks, its local copies of tp-replicated parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.config import Config
+from shardwise.topology import Topology, init_process_groups
+
+
+def run_layout(cfg_dict: dict) -> dict:
+    from shardwise.engine import state as engine_state
+    from shardwise.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+                                              world_size=dist.get_world_size()))
+    trainer = Trainer(cfg, topo)
+    for _ in range(cfg.training.steps):
+        trainer.train_step()
+    e = trainer.engine
+    named = e.named_parameters()
+    seen, param_bytes = set(), 0
+    for _, q in named:
+        st = q.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            param_bytes += st.nbytes()
+    with e.full_parameters():
+        params = {n: t.float() for n, t in engine_state.model_tensors(e).items()}
+        replicated = {n: q.detach().clone() for n, q in named if getattr(q, "tp_dim", None) is None}
+    return {"coords": topo.coords, "losses": list(trainer.history), "params": params,
+            "replicated": replicated, "param_bytes": param_bytes}
+
+
+def layouts_worker(configs: list[dict]) -> list[dict]:
+    """Train every config in turn on this rank; one result per config."""
+    torch.set_num_threads(1)
+    return [run_layout(c) for c in configs]
