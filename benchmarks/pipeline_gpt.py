@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.launch import spawn
-from shardwise.models import GPT, GPTConfig
+from shardwise.engine import Engine, EngineSettings
+from shardwise.models import GPTConfig
 from shardwise.pipeline import timeline
-from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.topology import Topology, init_process_groups
 
 TIMELINES = (("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
@@ -31,25 +31,24 @@ MEMORY = (("gpipe", 1, False), ("1f1b", 1, False), ("1f1b", 1, True))
 
 
 def _train(a: dict, kind: str, v: int, recompute: bool, topo, run_dir: str | None) -> dict:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
-                          n_embd=a["embd"], tie_weights=False))
-    runner = PipelineRunner(model, topo, PipelineConfig(kind, a["m"], v, a["partition"], recompute,
-                                                           measure_memory=True),
-                            a["batch"], a["seq"],
-                            lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
+    cfg = GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
+                    n_embd=a["embd"], tie_weights=False)
+    engine = Engine(cfg, topo, EngineSettings(
+        schedule=kind, micro_batches=a["m"], chunks_per_rank=v, partition=a["partition"],
+        recompute=recompute, measure_memory=True, lr=1e-3, betas=(0.9, 0.999),
+        weight_decay=0.01, grad_clip=0.0, seed=0, batch_size=a["batch"], seq_len=a["seq"]))
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(a["steps"]):
         idx = torch.randint(0, 65, (a["batch"], a["seq"]), generator=g)
-        losses.append(runner.train_step(idx, (idx + 1) % 65))
+        losses.append(engine.train_step(idx, (idx + 1) % 65)["loss"])
     if run_dir:
         title = (f"{kind} pp={topo.pp} m={a['m']}" + (f" v={v}" if v > 1 else "")
                  + f", GPT n_layer={a['layers']} n_embd={a['embd']}, measured"
                  + (f", step {a['steps'] - 1} of the stream" if kind == "pipedream" else ""))
-        runner.save_timeline(run_dir, title)
-    return {"peak": runner.executor.meter.peak, "losses": losses,
-            "bounds": list(runner.partition.bounds)}
+        engine.save_timeline(run_dir, title)
+    return {"peak": engine.executor.meter.peak, "losses": losses,
+            "bounds": list(engine.partition.bounds)}
 
 
 def _timelines(a: dict) -> list[tuple]:

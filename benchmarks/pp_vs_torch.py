@@ -23,7 +23,7 @@ import torch.distributed as dist
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
 from shardwise.pipeline.partition import balanced, gpt_layers
-from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
+from shardwise.engine import Engine, EngineSettings
 from shardwise.pipeline.stage import gpt_chunks, lm_loss
 from shardwise.topology import Topology, init_process_groups
 
@@ -44,9 +44,12 @@ def _data(a, steps: int):
 
 
 def _ours(a, kind: str, v: int, topo):
-    runner = PipelineRunner(_model(a), topo, PipelineConfig(kind, a["m"], v), a["batch"],
-                            a["seq"], lambda named: torch.optim.AdamW([p for _, p in named], lr=1e-3))
-    return lambda idx, tgt: runner.train_step(idx, tgt)
+    engine = Engine(GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
+                              n_embd=a["embd"], tie_weights=False), topo,
+                    EngineSettings(schedule=kind, micro_batches=a["m"], chunks_per_rank=v,
+                                   lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=0.0,
+                                   seed=0, batch_size=a["batch"], seq_len=a["seq"]))
+    return lambda idx, tgt: engine.train_step(idx, tgt)["loss"]
 
 
 def _torch(a, sched_name: str, v: int, rank: int, p: int):

@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 from torch.func import functional_call
 
+from shardwise.engine import Engine, EngineSettings
 from shardwise.models import GPT, GPTConfig
 from shardwise.pipeline.partition import gpt_layers, partition_layers
-from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.pipeline.schedules import Backward, Forward
 from shardwise.pipeline.stage import gpt_chunks, lm_loss
 from shardwise.pipeline.stream import cut
@@ -35,7 +35,22 @@ def _model() -> GPT:
 
 
 def _adamw(named):
-    return torch.optim.AdamW([p for _, p in named], lr=LR)
+    """AdamW as the engine builds it: weight decay on matrices only."""
+    params = [p for _, p in named]
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=LR)
+
+
+def make_engine(topo, cfg: dict, batch: int = BATCH) -> Engine:
+    """The engine for a pipeline test layout: ``cfg`` holds schedule, microbatches,
+    chunks_per_rank, partition, recompute, bucket sizes (``batch``: the global batch)."""
+    cfg = dict(cfg)
+    settings = EngineSettings(
+        schedule=cfg.pop("schedule"), micro_batches=cfg.pop("microbatches"),
+        lr=LR, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=cfg.pop("clip", 0.0),
+        seed=SEED, batch_size=batch, seq_len=MODEL["block_size"], allreduce="auto", **cfg)
+    return Engine(GPTConfig(**MODEL), topo, settings)
 
 
 def reference(steps: int = 5) -> dict:
@@ -61,25 +76,24 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
     """Train ``steps`` global batches with the pipeline; report losses, this rank's params
     (GPT names), peak activation bytes and, for PipeDream, the weight versions seen."""
     topo = _topology(dp, pp)
-    runner = PipelineRunner(_model(), topo, PipelineConfig(**dict(cfg, measure_memory=True)), BATCH // dp,
-                            MODEL["block_size"], _adamw)
+    engine = make_engine(topo, dict(cfg, measure_memory=True))
     losses, in_flight = [], []
     share = BATCH // dp
     for idx, tgt in batches(steps):
         rows = slice(topo.dp_rank * share, (topo.dp_rank + 1) * share)
-        losses.append(runner.train_step(idx[rows], tgt[rows]))
-        in_flight.append(runner.executor.in_flight)
-    ex = runner.executor
+        losses.append(engine.train_step(idx[rows], tgt[rows])["loss"])
+        in_flight.append(engine.executor.in_flight)
+    ex = engine.executor
     if run_dir is not None:
-        runner.save_timeline(run_dir)
-    runner.drain()  # PipeDream: the backwards still in flight (flush schedules: nothing)
+        engine.save_timeline(run_dir)
+    engine.drain()  # PipeDream: the backwards still in flight (flush schedules: nothing)
+    sync = engine.sync.sync
     return {"losses": losses, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank,
             "in_flight": in_flight,
-            "buckets": None if runner.grad_sync is None else
-            (len(runner.grad_sync.buckets), runner.grad_sync.launched_early),
-            "params": {n: p.detach().clone() for n, p in runner.named_parameters()},
+            "buckets": None if sync is None else (len(sync.buckets), sync.launched_early),
+            "params": {n: p.detach().clone() for n, p in engine.named_parameters()},
             "peak_activation_bytes": ex.meter.peak, "versions": ex.versions,
-            "bounds": list(runner.partition.bounds)}
+            "bounds": list(engine.partition.bounds)}
 
 
 def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5,

@@ -4,12 +4,10 @@ recomputation; PipeDream's weight stashing; activation memory; bad layouts."""
 
 import pytest
 import torch
-from pipeline_workers import (BATCH, MODEL, _adamw, _model, pipedream_reference, reference,
-                              run_many)
+from pipeline_workers import make_engine, pipedream_reference, reference, run_many
 
 from shardwise.launch import spawn
 from shardwise.pipeline import timeline
-from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.topology import Topology
 
 RTOL = 1e-5
@@ -139,17 +137,8 @@ def test_pipedream_stashes_weights_and_learns():
 ])
 def test_bad_layouts_are_one_line_errors(pp, cfg, batch, match):
     with pytest.raises(ValueError, match=match) as exc:
-        PipelineRunner(_model(), Topology.build(1, pp, 1), PipelineConfig(**cfg), batch,
-                       MODEL["block_size"], _adamw)
+        make_engine(Topology.build(1, pp, 1), cfg, batch)
     assert "\n" not in str(exc.value)
-
-
-def test_tied_embeddings_rejected():
-    from shardwise.models import GPT, GPTConfig
-    model = GPT(GPTConfig(**dict(MODEL, tie_weights=True)))
-    with pytest.raises(ValueError, match="tie_weights"):
-        PipelineRunner(model, Topology.build(1, 2, 1), PipelineConfig("1f1b", 2), BATCH,
-                       MODEL["block_size"], _adamw)
 
 
 @pytest.mark.parametrize("cfg", [{"schedule": "gpipe", "microbatches": 4},
@@ -158,9 +147,8 @@ def test_tied_embeddings_rejected():
 def test_one_rank_pipeline_matches_single_process(cfg, ref):
     """pp = 1 runs in this process (no process group): micro-batching and, with v = 2, two
     chunks handing activations and gradients to each other locally."""
-    runner = PipelineRunner(_model(), Topology.build(1, 1, 1), PipelineConfig(**cfg), BATCH,
-                            MODEL["block_size"], _adamw)
+    engine = make_engine(Topology.build(1, 1, 1), cfg)
     from pipeline_workers import batches
-    losses = [runner.train_step(idx, tgt) for idx, tgt in batches(5)]
+    losses = [engine.train_step(idx, tgt)["loss"] for idx, tgt in batches(5)]
     assert_parity([{"losses": losses, "dp_rank": 0,
-                    "params": {n: p.detach() for n, p in runner.named_parameters()}}], ref)
+                    "params": {n: p.detach() for n, p in engine.named_parameters()}}], ref)

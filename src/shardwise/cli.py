@@ -67,6 +67,10 @@ def cmd_train(args, extra: list[str]) -> int:
             raise ConfigError(
                 f"parallel.dp x pp x tp = {cfg.world_size} ranks, but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
+        local = env.local_world_size if env is not None else cfg.world_size
+        device, note = launch.pick_device(cfg.training.device, local)  # before any rank starts
+        if note and (env is None or env.rank == 0):
+            print(note, file=sys.stderr)
     except (ConfigError, DataError, ValueError) as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -75,8 +79,9 @@ def cmd_train(args, extra: list[str]) -> int:
     if env is not None:  # under torchrun: this process is one rank
         code = 0
         try:
-            launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s, threads=threads)
-            train_worker(cfg.model_dump(), args.resume)
+            dev = launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s, threads=threads,
+                                          device=device)
+            train_worker(cfg.model_dump(), args.resume, str(dev))
         except BaseException:
             import traceback
 
@@ -92,7 +97,7 @@ def cmd_train(args, extra: list[str]) -> int:
 
     try:
         results = launch.spawn(train_worker, cfg.world_size, (cfg.model_dump(), args.resume),
-                               threads=threads, timeout_s=cfg.parallel.timeout_s)
+                               threads=threads, timeout_s=cfg.parallel.timeout_s, device=device)
     except launch.WorkerError as e:
         print(f"shardwise: training failed: {e}", file=sys.stderr)
         return 1

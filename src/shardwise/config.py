@@ -91,11 +91,14 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
+        if self.zero == 3 and self.pp == 1 and self.chunks_per_rank > 1:
+            raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={self.chunks_per_rank}: "
+                             "ZeRO-3 runs one chunk per rank")
         if self.pp > 1 and self.zero == 3:
             raise ValueError(f"parallel.zero=3 with parallel.pp={self.pp}: ZeRO-3 gathers the "
                              "parameters for every forward and a pipeline runs many per step; "
                              "use parallel.zero = 1 or 2 with pipelines (DeepSpeed refuses it too)")
-        if self.pp > 1 and self.zero > 0 and self.schedule == "pipedream":
+        if self.zero > 0 and self.schedule == "pipedream":
             raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
                              "PipeDream steps after every backward and stashes whole weights; "
                              "use a flush schedule (1f1b, interleaved, gpipe) with ZeRO")
@@ -127,6 +130,8 @@ class TrainingConfig(_Section):
     sample_chars: int = Field(300, ge=0, description="characters generated at the end")
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
     progress: bool = True
+    device: str = Field("auto", description="auto (CUDA + NCCL when every local rank gets a "
+                        "GPU, else the CPU + gloo), cpu or cuda")
     precision: str = Field("fp32", description="compute dtype: fp32, bf16 or fp16 (bf16/fp16 "
                            "keep fp32 master weights, sharded with ZeRO, whole without)")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
@@ -167,16 +172,18 @@ class Config(_Section):
         if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
             raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
                              f"parallel.pp={p.pp} for the interleaved schedule")
-        if p.pp > 1 and p.schedule == "pipedream" and t.precision == "fp16":
+        if p.schedule == "pipedream" and t.precision == "fp16":
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "
                              "stages; use bf16")
-        if p.pp > 1 and p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
+        if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")
         if p.sequence_parallel and m.block_size % p.tp:
             raise ValueError(f"model.block_size={m.block_size} is not divisible by "
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")
+        if t.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
         if t.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
         if t.precision == "fp16" and not t.loss_scaling:

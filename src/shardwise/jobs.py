@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from shardwise import checkpoint, comm
+from shardwise.comm import check as comm_check
 from shardwise.config import Config
 from shardwise.data import CharTokenizer
 from shardwise.topology import Topology, init_process_groups
-import torch
-
 from shardwise.trainer import describe_layout
 
 
@@ -18,16 +18,13 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
 
     Expects ``torch.distributed`` to be initialised with ``dp * pp * tp`` ranks.
     """
-    import torch
-
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
                                                   world_size=dist.get_world_size()))
-    device = torch.device(device_str) if device_str else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
+    # the device of the process group's backend: CUDA with NCCL, else the CPU
+    device = torch.device(device_str) if device_str else comm_check.group_device(None)
     tokenizer = None
     latest = checkpoint.latest_checkpoint(cfg.checkpoint_dir) if resume else None
     if latest is not None:
@@ -40,6 +37,10 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
         print(f"shardwise: GPT {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
               f"{describe_layout(cfg)}, {torch.get_num_threads()} threads per rank", flush=True)
+        mem = trainer.engine.memory_bytes()
+        print(f"shardwise: rank 0 holds {_mib(mem['params'])} parameters, {_mib(mem['grads'])} "
+              f"gradients, {_mib(mem['optimizer'])} optimizer state "
+              f"({_mib(mem['total'])}; `shardwise memory` predicts every layout)", flush=True)
     if latest is not None:
         trainer.resume(latest)
         if topology.rank == 0:
@@ -47,6 +48,10 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     summary = trainer.fit()
     trainer.finish()
     return summary
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def _full_size(cfg) -> int:

@@ -85,14 +85,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     threads: int | None = None) -> torch.device:
-    """Set threads, pick backend (NCCL with CUDA, else gloo), join the process group.
+class DeviceError(ValueError):
+    """The requested device cannot serve this many local ranks (one line, names the field)."""
 
-    Returns the device this rank computes on.
+
+def pick_device(requested: str, local_ranks: int, gpus: int | None = None) -> tuple[str, str | None]:
+    """``(device type, note)`` for ``training.device`` = auto | cpu | cuda with
+    ``local_ranks`` ranks on this host. CUDA needs one GPU per local rank (NCCL refuses two
+    ranks on one GPU: "Duplicate GPU detected"). ``auto`` takes CUDA when there are enough
+    GPUs, else the CPU with gloo, and ``note`` says why in one line when GPUs were there.
+    Raises ``DeviceError`` for ``cuda`` without enough GPUs."""
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu":
+        return "cpu", None
+    if gpus >= local_ranks:
+        if gpus == 0:  # auto without any GPU
+            return "cpu", None
+        return "cuda", None
+    why = (f"{local_ranks} local ranks but {gpus} GPU{'s' if gpus != 1 else ''} "
+           "(NCCL refuses two ranks on one GPU)")
+    if requested == "cuda":
+        raise DeviceError(f"training.device=cuda: {why}; use at most {gpus} ranks per host "
+                          "or --training.device cpu")
+    if gpus == 0:
+        return "cpu", None
+    return "cpu", f"shardwise: training on the CPU with gloo: {why}; at most {gpus} ranks " \
+                  "per host train on CUDA"
+
+
+def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     threads: int | None = None, device: str = "auto") -> torch.device:
+    """Set threads, pick backend (NCCL on CUDA, gloo on the CPU), join the process group.
+
+    ``device``: "cpu", "cuda" or "auto" (``pick_device``). Returns the device this rank
+    computes on.
     """
     torch.set_num_threads(threads or threads_per_rank(env.local_world_size))
-    if torch.cuda.is_available():
+    kind, _ = pick_device(device, env.local_world_size)
+    if kind == "cuda":
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -130,14 +161,14 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
-            conn, threads: int | None, timeout_s: float) -> None:
+            conn, threads: int | None, timeout_s: float, device: str = "cpu") -> None:
     code = 0
     try:
         env = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        init_distributed(env, timeout_s=timeout_s, threads=threads)
+        init_distributed(env, timeout_s=timeout_s, threads=threads, device=device)
         result = fn(*args)
         conn.send(("ok", _to_bytes(result)))
     except BaseException:  # report everything, including SystemExit from a worker
@@ -158,21 +189,25 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
 
 
 def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | None = None,
-          timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None) -> list:
+          timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None,
+          device: str = "auto") -> list:
     """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
 
     ``fn`` must be importable (module-level). Results travel back through ``torch.save``
     and are loaded with ``weights_only=True``: return tensors, numbers, strings, lists and
     dicts. Raises ``WorkerError`` with the first failing rank's traceback; the other ranks
-    are terminated so nothing hangs.
+    are terminated so nothing hangs. ``device``: as ``init_distributed``; "auto" falls back
+    to the CPU when there are fewer GPUs than ranks. Raises ``DeviceError`` for "cuda"
+    without enough GPUs, before any rank starts.
     """
+    device, _ = pick_device(device, world_size)
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes, procs = [], []
     for rank in range(world_size):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child, threads,
-                                              timeout_s), daemon=False)
+                                              timeout_s, device), daemon=False)
         p.start()
         child.close()
         pipes.append(parent)

@@ -174,13 +174,9 @@ class Trainer(TrainerState):
                 self._sample()
 
     def _save_timeline(self) -> None:
-        from shardwise.pipeline import timeline
-
-        p, e = self.cfg.parallel, self.engine
-        meta = {"title": f"{p.schedule}, pp={self.topology.pp}, m={p.micro_batches}, "
-                         "last training step", "pp_rank": e.pp_rank, "dp_rank": self.topology.dp_rank}
-        timeline.save(self.out_dir, self.topology.rank,
-                      timeline.from_executor(e.executor, self.topology.rank), meta)
+        p = self.cfg.parallel
+        self.engine.save_timeline(self.out_dir, f"{p.schedule}, pp={self.topology.pp}, "
+                                  f"m={p.micro_batches}, last training step")
 
     def _write_outputs(self) -> None:
         png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",

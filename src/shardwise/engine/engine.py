@@ -62,6 +62,7 @@ class EngineSettings:
     seed: int = 1337
     batch_size: int = 32   # global batch, sequences
     seq_len: int = 128
+    measure_memory: bool = False  # meter saved-for-backward bytes (executor.meter.peak)
 
     @classmethod
     def from_config(cls, cfg) -> "EngineSettings":
@@ -89,11 +90,16 @@ class Engine:
         self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
         groups = topology.groups if self.distributed else None
-        p, v = topology.pp, s.chunks_per_rank if topology.pp > 1 else 1
-        kind = s.schedule if p > 1 else "1f1b"  # one stage: the micro-batch loop
-        if s.zero == 3 and p > 1:
-            raise ValueError("parallel.zero=3 with parallel.pp>1: ZeRO-3 gathers parameters per "
+        p, v, kind = topology.pp, s.chunks_per_rank, s.schedule  # pp = 1: one stage
+        if s.zero == 3 and p * v > 1:
+            raise ValueError("parallel.zero=3 with pipeline chunks: ZeRO-3 gathers parameters per "
                              "forward, and a pipeline runs many; use ZeRO-1/2 with pp (as DeepSpeed)")
+        local_batch = s.batch_size // topology.dp
+        if local_batch % s.micro_batches:
+            raise ValueError(f"{s.micro_batches} micro-batches do not divide the batch of "
+                             f"{local_batch} sequences per data-parallel replica")
+        if kind == "pipedream" and s.grad_clip > 0:
+            raise ValueError("gradient clipping needs a flush; PipeDream has none")
         try:
             self.schedule = schedule(kind, p, s.micro_batches, v)
             self.stream = stream(p, s.micro_batches) if kind == "pipedream" else None
@@ -129,14 +135,13 @@ class Engine:
             betas=s.betas, weight_decay=s.weight_decay, loss_scaler=self.loss_scaler,
             tied_peer=tied_peer, tied_names=self.local.tied,
             tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing)
-        local_batch = s.batch_size // topology.dp
         seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
         self.act_shape = (local_batch // s.micro_batches, seq, gpt_cfg.n_embd)
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
             loss_fn=self.local.loss_fn, on_step=self._optimizer_step, dtype=self.dtype,
             group=self.pp_group, recompute=s.recompute, grad_sync=self.sync,
-            device=self.device,
+            device=self.device, measure_memory=s.measure_memory,
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
         self.last_step: dict = {"grad_norm": 0.0, "skipped": False}
@@ -172,6 +177,23 @@ class Engine:
         self.chunks[c] = wrapper
         return wrapper
 
+    @property
+    def partition(self):
+        """How the layers were cut into chunks (``pipeline.partition.Partition``)."""
+        return self.local.partition
+
+    def save_timeline(self, run_dir, title: str = "") -> None:
+        """Write this rank's events of the last step to ``RUN_DIR/timeline/rank{r}.json``
+        (draw them with ``shardwise timeline RUN_DIR``)."""
+        from shardwise.pipeline import timeline
+
+        s = self.s
+        meta = {"title": title or f"{s.schedule} pp={self.topology.pp} m={s.micro_batches} "
+                f"v={s.chunks_per_rank}", "pp_rank": self.pp_rank,
+                "dp_rank": self.topology.dp_rank}
+        timeline.save(run_dir, self.topology.rank,
+                      timeline.from_executor(self.executor, self.topology.rank), meta)
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their full GPT names (tp-local shapes)."""
         return self.local.named_parameters()
@@ -180,6 +202,34 @@ class Engine:
         """A context in which every local parameter is materialised (ZeRO-3 gathers them;
         collective over dp)."""
         return getattr(self.sync, "full_parameters", contextlib.nullcontext)()
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds for ``params`` (compute-dtype parameters and shards),
+        ``grads`` (buckets, gradient shards) and ``optimizer`` (fp32 masters that are not the
+        parameters themselves, AdamW's two fp32 moments: measured once they exist, 8 bytes
+        per master element before the first step), each storage counted once."""
+        from shardwise.zero.memory import _add
+
+        seen: set = set()
+        params = [q for _, q in self.named_parameters()]
+        out = {"params": sum(_add(seen, q) for q in params)}
+        out["params"] += sum(_add(seen, t) for t in getattr(self.sync, "param_shards", list)())
+        grads = [q.grad for q in params] + list(self.sync.grad_tensors()
+                                               if hasattr(self.sync, "grad_tensors")
+                                               else self.sync.grad_shards())
+        if hasattr(self.sync, "layout"):  # ZeRO-1: the buckets hold the full gradients
+            grads += [b.buffer for b in self.sync.layout.buckets]
+        out["grads"] = sum(_add(seen, g) for g in grads)
+        opt = sum(_add(seen, m) for m in self.sync.pieces)
+        state = self.optimizer.optimizer.state
+        for m in self.sync.pieces:
+            if m in state:
+                opt += sum(_add(seen, state[m].get(k)) for k in ("exp_avg", "exp_avg_sq"))
+            else:
+                opt += 8 * m.numel()
+        out["optimizer"] = opt
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
 
     # -- training -------------------------------------------------------------------------
     def _optimizer_step(self) -> None:

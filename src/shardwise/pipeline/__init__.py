@@ -6,10 +6,10 @@
 - ``partition``: balanced contiguous cuts by layer count, parameters or profiled time.
 - ``stage``: GPT chunks keeping the GPT's parameter names.
 - ``executor``: runs one rank's list with non-blocking p2p through ``shardwise.comm``.
-- ``runner``: ``PipelineRunner`` (dp x pp training step for the trainer).
 - ``timeline``: record, predict, measure the idle fraction, draw the Gantt chart;
   ``timeline.main(argv)`` is ``shardwise timeline``.
 
+The training step that runs a schedule with dp, tp and ZeRO is ``shardwise.engine``.
 See ``docs/pipeline.md``.
 """
 
@@ -17,7 +17,6 @@ from shardwise.pipeline.check import CheckReport, check
 from shardwise.pipeline.executor import Executor
 from shardwise.pipeline.partition import (Partition, PartitionError, balanced, gpt_layers,
                                           partition_layers, profile_layers)
-from shardwise.pipeline.runner import PipelineConfig, PipelineRunner
 from shardwise.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep,
                                           RecvActivation, RecvGrad, Schedule, ScheduleError,
                                           SendActivation, SendGrad, compute_order, ideal_bubble,
@@ -29,5 +28,5 @@ __all__ = [
     "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad",
     "OptimizerStep", "check", "CheckReport", "Partition", "PartitionError", "balanced",
     "gpt_layers", "partition_layers", "profile_layers", "StageChunk", "gpt_chunks", "lm_loss",
-    "Executor", "PipelineConfig", "PipelineRunner",
+    "Executor",
 ]

@@ -141,7 +141,7 @@ def stream(p: int, m: int) -> Stream:
 def simulate_stream(s: Stream, steps: int, forward_cost: float = 1.0,
                     backward_cost: float | None = None) -> list[dict]:
     """Ideal ``{op: (start, end)}`` of each of the first ``steps`` segments, run as the
-    runner runs them: a segment starts on every rank once the previous one has ended on all
+    engine runs them: a segment starts on every rank once the previous one has ended on all
     (the loss broadcast between steps). Unit costs by default; backward = 2 x forward."""
     done: dict = {}
     out, start = [], 0.0
