@@ -74,20 +74,14 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], tp: TP
 
 def grad_norm(params, tp: TPGroup) -> torch.Tensor:
     """Global L2 norm of the gradients of a tensor-parallel model: squares of sharded
-    gradients summed over the tp ranks, replicated gradients counted once."""
+    gradients summed over the tp ranks, replicated gradients counted once (on tp rank 0);
+    ``zero.precision.global_norm`` does the sum."""
+    from shardwise.zero.precision import global_norm
+
     params = [p for p in params if p.grad is not None]
-    dev = params[0].grad.device if params else "cpu"
-    sharded = torch.zeros((), dtype=torch.float64, device=dev)
-    replicated = torch.zeros((), dtype=torch.float64, device=dev)
-    for p in params:
-        sq = p.grad.detach().double().pow(2).sum()
-        if is_sharded(p):
-            sharded += sq
-        else:
-            replicated += sq
-    if tp.size > 1:
-        comm.all_reduce(sharded, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
-    return (sharded + replicated).sqrt().float()
+    grads = [p.grad for p in params]
+    counted = [is_sharded(p) or tp.rank == 0 for p in params]
+    return global_norm(grads, counted, tp.group if tp.size > 1 else "local")[0]
 
 
 def clip_grad_norm_(params, max_norm: float, tp: TPGroup) -> torch.Tensor:

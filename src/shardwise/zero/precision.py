@@ -48,6 +48,28 @@ class DynamicLossScaler:
 
 
 @torch.no_grad()
+def global_norm(grads: list[torch.Tensor], counted: list[bool] | None = None, group=None,
+                check_finite: bool = False, device=None) -> tuple[torch.Tensor, bool]:
+    """``(L2 norm, overflow)`` of gradients spread over the ranks of ``group``: the squares
+    of ``grads[i]`` with ``counted[i]`` (default: all) summed here in float64, then one
+    all-reduce over ``group`` (None: the world; "local": none) carries the squared norm and,
+    with ``check_finite``, a flag for a non-finite gradient on any rank. The one place the
+    project computes a gradient norm. Returns the norm as an fp32 scalar tensor."""
+    counted = counted if counted is not None else [True] * len(grads)
+    dev = device if device is not None else (grads[0].device if grads else torch.device("cpu"))
+    stats = torch.zeros(2, dtype=torch.float64, device=dev)  # squared norm, overflow flag
+    for g, c in zip(grads, counted):
+        if c:
+            stats[0] += g.detach().double().pow(2).sum()
+    if check_finite:
+        stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in grads))
+    if group != "local" and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size(group) > 1:
+        comm.all_reduce(stats, op="sum", group=group, check=False)  # one reduction: both
+    return stats[0].sqrt().float(), bool(stats[1] > 0)
+
+
+@torch.no_grad()
 def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[torch.Tensor],
               group, max_norm: float, scaler: DynamicLossScaler | None,
               counted: list[bool] | None = None) -> dict:
@@ -67,21 +89,11 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
     if scaler is not None:
         for g in piece_grads:
             g.mul_(1.0 / scaler.scale)
-    counted = counted if counted is not None else [True] * len(piece_grads)
     dev = pieces[0].device if pieces else torch.device("cpu")
-    stats = torch.zeros(2, dtype=torch.float64, device=dev)  # squared norm, overflow flag
-    for g, c in zip(piece_grads, counted):
-        if c:
-            stats[0] += g.double().pow(2).sum()
-    if scaler is not None:
-        stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in piece_grads))
-    if group != "local" and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size(group) > 1:
-        comm.all_reduce(stats, op="sum", group=group, check=False)  # one reduction: both
-    overflow = bool(stats[1] > 0)
+    total, overflow = global_norm(piece_grads, counted, group, check_finite=scaler is not None,
+                                  device=dev)
     if scaler is not None:
         scaler.update(overflow)
-    total = stats[0].sqrt().float()
     if overflow:
         return {"grad_norm": float("inf"), "skipped": True}
     if max_norm > 0:
