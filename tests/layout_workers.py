@@ -8,6 +8,8 @@ dropout checks, its local copies of tp-replicated parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -38,7 +40,8 @@ def run_layout(cfg_dict: dict) -> dict:
         params = {n: t.float() for n, t in engine_state.model_tensors(e).items()}
         replicated = {n: q.detach().clone() for n, q in named if getattr(q, "tp_dim", None) is None}
     return {"coords": topo.coords, "losses": list(trainer.history), "params": params,
-            "replicated": replicated, "param_bytes": param_bytes}
+            "replicated": replicated, "param_bytes": param_bytes,
+            "memory": e.memory_bytes(), "gpt": dataclasses.asdict(trainer.gpt_cfg)}
 
 
 def layouts_worker(configs: list[dict]) -> list[dict]:

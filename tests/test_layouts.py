@@ -71,7 +71,8 @@ def suite(request, corpus, tmp_path_factory):
     configs = [tiny_config(str(corpus), out, **{**sections, "training": {
         **SEED, **sections.get("training", {})}}) for sections in layouts.values()]
     results = spawn(layouts_worker, ws, (configs,))
-    return {name: [r[i] for r in results] for i, name in enumerate(layouts)}
+    return {name: [dict(r[i], config=configs[i]) for r in results]
+            for i, name in enumerate(layouts)}
 
 
 def _check_parity(name: str, ranks: list[dict], ref: dict) -> None:
@@ -135,3 +136,24 @@ def test_bf16_2x2x2_tracks_fp32(suite, references):
         assert len(losses) == BF16_STEPS and ref[-1] < 0.8 * ref[0]
         assert ((losses - ref).abs() <= 0.02 * ref).all(), (r["coords"], losses, ref)
         assert not torch.equal(losses, ref)  # it really computed in bf16
+
+
+def test_memory_prediction_equals_measured_bytes(suite):
+    """``engine.memory.predict_rank`` (meta device, no run) against the bytes every rank of
+    every layout holds after training (parameters, gradients, optimizer states), exactly."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
+
+    checked = 0
+    for name, ranks in suite.items():
+        for r in ranks:
+            p, t = r["config"]["parallel"], r["config"]["training"]
+            pred = predict_rank(GPTConfig(**r["gpt"]), dp=p["dp"], pp=p["pp"], tp=p["tp"],
+                                dp_rank=r["coords"]["dp"], pp_rank=r["coords"]["pp"],
+                                tp_rank=r["coords"]["tp"], chunks_per_rank=p["chunks_per_rank"],
+                                zero=p["zero"], precision=t["precision"],
+                                bucket_mb=p["bucket_mb"], sequence_parallel=p["sequence_parallel"])
+            for k in ("params", "grads", "optimizer"):
+                assert pred[k] == r["memory"][k], (name, r["coords"], k, pred, r["memory"])
+            checked += 1
+    assert checked == sum(len(v) for v in suite.values())

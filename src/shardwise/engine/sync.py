@@ -64,9 +64,10 @@ class ReplicatedSync:
     def zero_grad(self) -> None:
         if self.sync is not None:
             self.sync.zero_grad()  # in place: gradients stay views into the buckets
-        else:
+        else:  # kept and zeroed in place, as the buckets are: memory held between steps
             for p in self.params:
-                p.grad = None
+                if p.grad is not None:
+                    p.grad.zero_()
 
     def piece_grads(self) -> list[torch.Tensor]:
         return [p.grad.float() if p.grad is not None else torch.zeros_like(m)

@@ -100,9 +100,10 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in piece_grads:
             g.mul_(coef.to(g.dtype))
+    kept = [p.grad for p in pieces]  # a parameter that is its own master keeps its gradient
     for p, g in zip(pieces, piece_grads):
         p.grad = g
     optimizer.step()
-    for p in pieces:
-        p.grad = None
+    for p, g in zip(pieces, kept):
+        p.grad = g  # transient fp32 copies are dropped
     return {"grad_norm": float(total), "skipped": False}

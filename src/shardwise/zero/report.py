@@ -1,13 +1,14 @@
-"""``shardwise memory``: predicted bytes per rank for each ZeRO stage, measured beside them.
+"""``shardwise memory``: predicted bytes per rank for each ZeRO stage and any layout.
 
-    shardwise memory --params 1.5e9 --dp 64 --precision bf16     # formulas only
+    shardwise memory --params 1.5e9 --dp 64 --precision bf16     # ZeRO formulas, dp only
+    shardwise memory --config configs/tiny.toml --dp 2 --tp 2 --pp 2 --stages 0,1,2
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
 
-With ``--measure`` each stage is run for one optimizer step on ``--dp`` local ranks with
-the configured GPT, and the bytes each rank then holds (parameters, gradients, optimizer
-states; ``zero.memory.measured_bytes``) are printed next to the formula, as the maximum
-over ranks. Stage 0 is our DDP in fp32 (params, grads, Adam moments: 16P; it keeps no
-separate master copy).
+With a model (``--config``), every rank of the layout is predicted exactly
+(``engine.memory.predict_rank``: the rank's model built on the meta device, packed as the
+dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
+local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
+With ``--params`` only, the formulas of Rajbhandari et al. for dp alone (stage 0: fp32).
 """
 
 from __future__ import annotations
@@ -21,35 +22,76 @@ MB = 1 << 20
 
 
 def measure_worker(cfg_dict: dict) -> dict:
-    """Rank function: one step, then this rank's measured bytes."""
+    """Rank function: one step, then this rank's coordinates and measured bytes."""
     import torch.distributed as dist
 
     from shardwise.config import Config
     from shardwise.topology import Topology, init_process_groups
     from shardwise.trainer import Trainer
-    from shardwise.zero.memory import measured_bytes
 
     cfg = Config.from_dict(cfg_dict)
-    topo = init_process_groups(Topology.build(cfg.parallel.dp, rank=dist.get_rank(),
+    p = cfg.parallel
+    topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
     trainer = Trainer(cfg, topo)
     trainer.train_step()
-    wrapper = trainer.zero or _Plain()
-    out = measured_bytes(trainer.model, wrapper, trainer.optimizer)
-    out["padded_numel"] = getattr(wrapper, "padded_numel", trainer.model.num_parameters())
-    return out
+    return {"coords": topo.coords, **trainer.engine.memory_bytes()}
 
 
-class _Plain:
-    """Stage 0 seen through the wrapper interface of ``measured_bytes``."""
+def _layout_table(args, stages: list[int]) -> int:
+    """Per-rank prediction for a model and a dp x tp x pp layout (``engine.memory``), with
+    ``--measure`` the bytes each rank holds after one step beside it."""
+    from shardwise.config import Config, ConfigError
+    from shardwise.data import CharTokenizer, load_text
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
 
-    pieces: list = []
+    over = {"parallel.dp": args.dp, "parallel.tp": args.tp, "parallel.pp": args.pp,
+            "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
+    if args.bucket_mb is not None:
+        over["parallel.bucket_mb"] = args.bucket_mb
+    try:
+        base = Config.load(args.config, over)
+    except ConfigError as e:
+        print(f"shardwise memory: error: {e}", file=sys.stderr)
+        return 2
+    m, p = base.model, base.parallel
+    vocab = m.vocab_size or CharTokenizer.from_text(load_text(base.data.path)).vocab_size
+    gpt = GPTConfig(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias,
+                    tie_weights=m.tie_weights)
+    print(f"GPT {m.n_layer} x {m.n_embd}, vocab {vocab}; dp={p.dp} x pp={p.pp} x tp={p.tp}, "
+          f"{args.precision} compute (fp32 masters); bytes per rank, MiB (dp rank 0: padding "
+          "lands on the last dp rank)")
+    print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
+          f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
+          + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
+    for z in stages:
+        if z == 3 and p.pp > 1:
+            print(f"{z:>4}   ZeRO-3 with pp > 1 is refused (see shardwise train)")
+            continue
+        measured = {}
+        if args.measure:
+            from shardwise.launch import spawn
 
-    def param_shards(self):
-        return []
-
-    def grad_shards(self):
-        return []
+            cfg = Config.load(args.config, {**over, "parallel.zero": z,
+                                            "training.precision": args.precision,
+                                            "training.global_batch_size": 2 * p.dp})
+            for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
+                if r["coords"]["dp"] == 0:
+                    measured[(r["coords"]["pp"], r["coords"]["tp"])] = r["total"]
+        for pr in range(p.pp):
+            for tr in range(p.tp):
+                pred = predict_rank(gpt, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr,
+                                    zero=z, precision=args.precision, bucket_mb=p.bucket_mb)
+                line = (f"{z:>4} {pr:>3} {tr:>3} {pred['params'] / MB:>9.3f} "
+                        f"{pred['grads'] / MB:>9.3f} {pred['optimizer'] / MB:>9.3f} "
+                        f"{pred['total'] / MB:>9.3f}")
+                if measured:
+                    line += f" {measured[(pr, tr)] / MB:>9.3f}"
+                if args.budget_mb:
+                    line += f"  {'yes' if pred['total'] <= args.budget_mb * MB else 'NO'}"
+                print(line)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="TOML config whose model is measured")
     ap.add_argument("--params", type=float, default=None, help="parameter count P (formulas only)")
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --config)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
@@ -78,34 +123,16 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    measured, P = {}, int(args.params) if args.params else None
-    if P is None or args.measure:
-        from shardwise.config import Config, ConfigError
-        from shardwise.launch import spawn
-
-        try:
-            base = Config.load(args.config, {"parallel.dp": args.dp})
-        except ConfigError as e:
-            print(f"shardwise memory: error: {e}", file=sys.stderr)
-            return 2
-        if P is None:
-            from shardwise.data import CharTokenizer, load_text
-            from shardwise.models import GPT, GPTConfig
-
-            m = base.model
-            vocab = m.vocab_size or CharTokenizer.from_text(load_text(base.data.path)).vocab_size
-            P = GPT(GPTConfig(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd,
-                              tie_weights=m.tie_weights)).num_parameters()
-        if args.measure:
-            for s in stages:
-                prec = "fp32" if s == 0 else args.precision
-                cfg = Config.load(args.config, {
-                    "parallel.dp": args.dp, "parallel.zero": s, "training.precision": prec,
-                    "training.progress": False, "training.global_batch_size": 2 * args.dp,
-                    "checkpoint.at_end": False})
-                rows = spawn(measure_worker, args.dp, (cfg.model_dump(),))
-                measured[s] = {k: max(r[k] for r in rows) for k in rows[0]}
-
+    if args.tp < 1 or args.pp < 1:
+        print("shardwise memory: error: --tp and --pp must be positive", file=sys.stderr)
+        return 2
+    if args.params is None:  # a model: the exact per-rank prediction of any layout
+        return _layout_table(args, stages)
+    if args.tp > 1 or args.pp > 1:
+        print("shardwise memory: error: --tp/--pp need a model (--config), not --params",
+              file=sys.stderr)
+        return 2
+    measured, P = {}, int(args.params)
     b = 2 if args.precision in ("bf16", "fp16") else 4
     print(f"P = {P:,} parameters, N = {args.dp} ranks, {args.precision} compute "
           f"(stage 0: fp32 DDP); bytes per rank, MiB")
@@ -119,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if s == 0:  # fp32 DDP: params 4P, grads 4P, Adam moments 8P
             pred = {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P, "total": 16 * P}
         else:
-            Pp = measured[s]["padded_numel"] if s in measured else P
-            pred = predicted_bytes(Pp, args.dp, s, b)
+            pred = predicted_bytes(P, args.dp, s, b)
         line = (f"{s:>5} {pred['params'] / MB:>10.2f} {pred['grads'] / MB:>10.2f} "
                 f"{pred['optimizer'] / MB:>10.2f} {pred['total'] / MB:>10.2f}")
         if measured:

@@ -1,0 +1,101 @@
+"""Bytes each rank holds between steps, predicted for any layout without running it.
+
+The prediction builds the rank's part of the model on PyTorch's meta device (shapes, no
+storage) exactly as the engine does (``engine.model.build_local_model``: pipeline chunks,
+tp shards, vocabulary padding, tied copies) and packs its parameters into the same buckets
+or units as the dp sync would (``build_buckets``, padded to dp), then applies the byte
+counts of mixed-precision Adam (Micikevicius et al. 2018; Rajbhandari et al. 2020, section
+3), with b bytes per compute-dtype value and P this rank's parameter elements:
+
+    ZeRO-0   params b P        grads b P        optimizer 8 P + (4 P unless fp32: masters)
+    ZeRO-1   params b P_pad    grads b P_pad    optimizer 4 S + 8 R
+    ZeRO-2   params b P_pad    grads b S        optimizer 4 S + 8 R
+    ZeRO-3   params b S (0 in fp32: the master is what forward gathers)
+                               grads b S        optimizer 4 S + 8 R
+
+P_pad is P with every bucket (unit, for ZeRO-3) padded to a multiple of dp, S = P_pad / dp
+the shard this rank owns, R <= S its real elements (AdamW keeps no moments for padding: the
+padding is stated, ``padding``). ``Engine.memory_bytes`` measures the same categories from
+the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.data_parallel.buckets import MiB, build_buckets
+from shardwise.engine.model import build_local_model
+from shardwise.models.gpt import GPTConfig
+from shardwise.tensor_parallel.group import TPGroup
+from shardwise.zero.precision import DTYPES
+
+
+def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements owned, real elements owned) of buckets ``padded`` holding ``sizes`` real."""
+    owned = real = 0
+    for n_pad, n in zip(padded, sizes):
+        s = n_pad // dp
+        owned += s
+        real += max(0, min(n, (dp_rank + 1) * s) - dp_rank * s)
+    return owned, real
+
+
+def predict_rank(cfg: GPTConfig, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int = 0,
+                 pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
+                 precision: str = "fp32", bucket_mb: float = 25.0,
+                 sequence_parallel: bool = False) -> dict:
+    """Predicted bytes of the rank at (dp_rank, pp_rank, tp_rank): ``{"params", "grads",
+    "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
+    Raises ``ValueError`` as the engine would for a layout it cannot build."""
+    b = torch.empty(0, dtype=DTYPES[precision]).element_size()
+    n_chunks = pp * chunks_per_rank
+    with torch.device("meta"):
+        local = build_local_model(
+            cfg, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
+            n_chunks=n_chunks, tp=TPGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
+            seed=0, dropout_seed=0, device=torch.device("meta"))
+        named = local.named_parameters()
+        for _, q in named:
+            q.data = q.data.to(DTYPES[precision])
+        params = [q for _, q in named]
+        P = sum(q.numel() for q in params)
+        if zero == 0:
+            out = {"params": b * P, "grads": b * P,
+                   "optimizer": 8 * P + (0 if b == 4 else 4 * P), "padding": 0}
+        elif zero in (1, 2):
+            tied = frozenset(id(q) for n, q in named if n in local.tied)
+            buckets = build_buckets(params, max(1, int(bucket_mb * MiB)), pad_to=dp, isolate=tied)
+            padded = [bk.buffer.numel() for bk in buckets]
+            S, R = _shard(padded, [bk.numel for bk in buckets], dp, dp_rank)
+            out = {"params": b * sum(padded), "grads": b * (sum(padded) if zero == 1 else S),
+                   "optimizer": 4 * S + 8 * R, "padding": S - R}
+        else:
+            sizes = _units(local)
+            padded = [-(-n // dp) * dp for n in sizes]
+            S, R = _shard(padded, sizes, dp, dp_rank)
+            out = {"params": 0 if b == 4 else b * S, "grads": b * S,
+                   "optimizer": 4 * S + 8 * R, "padding": S - R}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def _units(local) -> list[int]:
+    """Elements of each ZeRO-3 unit, in ``ZeroStage3``'s order: every layer of the one chunk,
+    then the root unit of parameters shared by two layers (a tied embedding)."""
+    (chunk,) = local.chunks.values()
+    owners: dict[int, int] = {}
+    for layer in chunk.layers:
+        for q in layer.parameters():
+            owners[id(q)] = owners.get(id(q), 0) + 1
+    sizes, root = [], 0
+    for layer in chunk.layers:
+        n = sum(q.numel() for q in layer.parameters() if owners[id(q)] == 1)
+        if n:
+            sizes.append(n)
+    seen = set()
+    for layer in chunk.layers:
+        for q in layer.parameters():
+            if owners[id(q)] > 1 and id(q) not in seen:
+                seen.add(id(q))
+                root += q.numel()
+    return sizes + ([root] if root else [])
