@@ -1,0 +1,43 @@
+"""Device choice before any rank starts: CUDA only with a GPU per local rank, one-line
+errors and notes otherwise (no GPU is needed to test the decision)."""
+
+import pytest
+
+from conftest import REPO
+
+from shardwise.cli import main
+from shardwise.launch import DeviceError, pick_device
+
+
+@pytest.mark.parametrize("requested, ranks, gpus, expected", [
+    ("cpu", 2, 8, "cpu"),
+    ("auto", 2, 0, "cpu"),
+    ("auto", 2, 2, "cuda"),
+    ("auto", 8, 8, "cuda"),
+    ("cuda", 1, 1, "cuda"),
+])
+def test_pick_device(requested, ranks, gpus, expected):
+    assert pick_device(requested, ranks, gpus)[0] == expected
+
+
+def test_auto_with_too_few_gpus_says_why_in_one_line():
+    kind, note = pick_device("auto", 2, 1)
+    assert kind == "cpu" and "2 local ranks but 1 GPU" in note and "\n" not in note
+
+
+def test_cuda_with_too_few_gpus_is_one_line_error():
+    with pytest.raises(DeviceError, match=r"training.device=cuda: 2 local ranks but 1 GPU "
+                                          r"\(NCCL refuses two ranks on one GPU\)"):
+        pick_device("cuda", 2, 1)
+
+
+def test_cli_refuses_cuda_without_gpus_before_spawning(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["train", "--config", str(REPO / "configs/tiny.toml"),
+                 "--training.device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "training.device=cuda: 2 local ranks but 0 GPUs" in err and "\n" not in err
+    assert main(["train", "--training.device", "tpu"]) == 2
+    assert "training.device='tpu': expected auto, cpu or cuda" in capsys.readouterr().err
