@@ -9,6 +9,11 @@ holds (``Engine.memory_bytes``: parameters, gradients, optimizer states). Writes
 ``OUT/layouts_wsN.json``, a table ``OUT/layouts.txt`` and a PNG ``OUT/layouts.png``.
 
     python benchmarks/layouts.py --world-size 4 8 --steps 6 --out benchmarks/layout_results
+    python benchmarks/layouts.py --world-size --vs-torch 3 --steps 6   # only the torch pair
+
+``--vs-torch R`` also times dp2 x tp2 x pp2 (1F1B) against PyTorch's own composition of the
+same layout (FSDP2 + DTensor TP + ``torch.distributed.pipelining``), R alternated repeats in
+one spawn of 8 ranks.
 
 On a 2-core machine 8 ranks share 2 cores: the figures rank layouts by what they cost in
 compute and messages here, not by what they would do with a core per rank.
@@ -100,16 +105,130 @@ def run(ws: int, steps: int, warmup: int) -> list[dict]:
     return rows
 
 
+VOCAB, M = 65, 4  # the torch comparison: random tokens, 4 micro-batches
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, MODEL["block_size"]), generator=g) for _ in range(n)]
+
+
+def _ours_3d(topo):
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models import GPTConfig
+
+    cfg = GPTConfig(vocab_size=VOCAB, **{**MODEL, "tie_weights": False})
+    engine = Engine(cfg, topo, EngineSettings(
+        schedule="1f1b", micro_batches=M, zero=2, lr=1e-3, betas=(0.9, 0.999),
+        weight_decay=0.01, grad_clip=0.0, seed=0, batch_size=BATCH, seq_len=MODEL["block_size"]))
+    share = BATCH // topo.dp
+
+    def step(idx):
+        x = idx[topo.dp_rank * share:(topo.dp_rank + 1) * share]
+        return engine.train_step(x, (x + 1) % VOCAB)["loss"]
+    return step
+
+
+def _torch_3d():
+    """PyTorch's own composition of dp2 x tp2 x pp2: ``fully_shard`` (FSDP2, no reshard
+    after forward: the ZeRO-2 peer) over dp, ``parallelize_module`` (Colwise Q/K/V/fc,
+    Rowwise out/proj) over tp, ``torch.distributed.pipelining`` 1F1B over pp, on the same
+    GPT chunks built from the same seed."""
+    from torch.distributed import pipelining as tpp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from shardwise.models import GPT, GPTConfig
+    from shardwise.pipeline.partition import balanced, gpt_layers
+    from shardwise.pipeline.stage import gpt_chunks, lm_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, **{**MODEL, "tie_weights": False}))
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    layers = gpt_layers(model)
+    chunk = gpt_chunks(model, balanced([1.0] * len(layers), 2), [pp_rank])[pp_rank]
+    plan = {}
+    for j, name in enumerate(chunk.names):
+        if name.startswith("blocks"):
+            for n in ("q_proj", "k_proj", "v_proj"):
+                plan[f"layers.{j}.attn.{n}"] = ColwiseParallel()
+            plan[f"layers.{j}.attn.out_proj"] = RowwiseParallel()
+            plan[f"layers.{j}.mlp.fc"] = ColwiseParallel()
+            plan[f"layers.{j}.mlp.proj"] = RowwiseParallel()
+    parallelize_module(chunk, mesh["tp"], plan)
+    fully_shard(chunk, mesh=mesh["dp"], reshard_after_forward=False)
+    stage = tpp.PipelineStage(chunk, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = tpp.Schedule1F1B(stage, M, loss_fn=lm_loss)
+    opt = torch.optim.AdamW(chunk.parameters(), lr=1e-3, foreach=False)
+    share = BATCH // 2
+
+    def step(idx):
+        x = idx[dp_rank * share:(dp_rank + 1) * share]
+        losses: list = []
+        if pp_rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=(x + 1) % VOCAB, losses=losses)
+        opt.step()
+        opt.zero_grad()
+        return float(sum(v.detach() for v in losses) / M) if losses else 0.0
+    return step
+
+
+def torch_worker(repeats: int, steps: int, warmup: int) -> dict:
+    from shardwise import comm
+    from shardwise.topology import Topology, init_process_groups
+
+    torch.set_num_threads(1)
+    topo = init_process_groups(Topology.build(2, 2, 2, rank=dist.get_rank(),
+                                              world_size=dist.get_world_size()))
+    data = _batches(warmup + steps)
+    out: dict = {"ours": [], "torch": [], "loss_ours": [], "loss_torch": []}
+    for r in range(repeats):
+        for kind in (("ours", "torch") if r % 2 == 0 else ("torch", "ours")):
+            step = _ours_3d(topo) if kind == "ours" else _torch_3d()
+            losses = [step(data[i]) for i in range(warmup)]
+            comm.barrier()
+            t0 = time.perf_counter()
+            losses += [step(data[warmup + i]) for i in range(steps)]
+            comm.barrier()
+            out[kind].append(BATCH * MODEL["block_size"] * steps / (time.perf_counter() - t0))
+            out[f"loss_{kind}"].append(losses[0])
+    return out
+
+
+def vs_torch(repeats: int, steps: int, warmup: int) -> list[str]:
+    from shardwise.launch import spawn
+
+    res = spawn(torch_worker, 8, (repeats, steps, warmup))
+    ours = [min(r["ours"][i] for r in res) for i in range(repeats)]   # the slowest rank
+    theirs = [min(r["torch"][i] for r in res) for i in range(repeats)]
+    last = res[2]  # global rank 2: dp 0, pp 1 (the last stage) in both rank orders
+    o, t = statistics.median(ours), statistics.median(theirs)
+    return [f"dp2 x tp2 x pp2 (1F1B, m={M}), untied GPT, random tokens, {repeats} alternated "
+            f"repeats of {steps} steps:",
+            f"  shardwise (ZeRO-2)          {o:9.0f} tokens/s  runs {[round(v) for v in ours]}",
+            f"  torch FSDP2 + TP + pipelining {t:7.0f} tokens/s  runs {[round(v) for v in theirs]}",
+            f"  ratio ours/torch = {o / t:.3f} (medians), "
+            f"{statistics.median(a / b for a, b in zip(ours, theirs)):.3f} (median of pairs); "
+            f"first-step loss ours {last['loss_ours'][0]:.4f}, torch {last['loss_torch'][0]:.4f}"]
+
+
 def _name(r: dict) -> str:
     return f"dp{r['dp']} tp{r['tp']} pp{r['pp']} z{r['zero']}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--world-size", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "layout_results"))
+    ap.add_argument("--vs-torch", type=int, default=0, metavar="REPEATS",
+                    help="also time dp2 x tp2 x pp2 against PyTorch's composition")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,9 +245,12 @@ def main() -> None:
         for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
             lines.append(f"{ws:>3} {_name(r):<20} {r['micro_batches']:>3} "
                          f"{r['tokens_per_s']:>9.0f} {r['max_bytes_per_rank'] / 2**20:>9.2f}")
+    if a.vs_torch:
+        lines += [""] + vs_torch(a.vs_torch, a.steps, a.warmup)
     (out / "layouts.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    _plot(all_rows, out / "layouts.png", lines[0])
+    if all_rows:
+        _plot(all_rows, out / "layouts.png", lines[0])
 
 
 def _plot(all_rows: dict, path: Path, title: str) -> None:
