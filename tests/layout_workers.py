@@ -44,7 +44,38 @@ def run_layout(cfg_dict: dict) -> dict:
             "memory": e.memory_bytes(), "gpt": dataclasses.asdict(trainer.gpt_cfg)}
 
 
-def layouts_worker(configs: list[dict]) -> list[dict]:
-    """Train every config in turn on this rank; one result per config."""
+def resume_layout(cfg_dict: dict, stop_at: int) -> dict:
+    """Train ``stop_at`` steps and save; then a fresh trainer (new groups, new engine)
+    resumes from the checkpoint and finishes the run. Losses and final parameters."""
+    from shardwise.engine import state as engine_state
+    from shardwise.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+
+    def fresh():
+        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+                                                  world_size=dist.get_world_size()))
+        return Trainer(cfg, topo)
+
+    first = fresh()
+    for _ in range(stop_at):
+        first.train_step()
+    first.save_checkpoint()
+    second = fresh()
+    second.resume()
+    while second.step < cfg.training.steps:
+        second.train_step()
+    with second.engine.full_parameters():
+        params = {n: t.float() for n, t in engine_state.model_tensors(second.engine).items()}
+    return {"losses": list(second.history), "params": params, "resumed_at": stop_at}
+
+
+def layouts_worker(configs: list[dict], resume: tuple[dict, int] | None = None) -> list[dict]:
+    """Train every config in turn on this rank; one result per config (then the resume
+    check, when given)."""
     torch.set_num_threads(1)
-    return [run_layout(c) for c in configs]
+    out = [run_layout(c) for c in configs]
+    if resume is not None:
+        out.append(resume_layout(*resume))
+    return out
