@@ -239,8 +239,9 @@ class Engine:
 
     def train_step(self, idx: torch.Tensor, targets: torch.Tensor) -> dict:
         """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64.
-        Returns ``{"loss", "grad_norm", "skipped"}``; the loss is the mean over micro-batches
-        and dp replicas, the same on every rank."""
+        Returns ``{"loss", "grad_norm", "skipped"}`` (and, with ZeRO-0 buckets,
+        ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
+        mean over micro-batches and dp replicas, the same on every rank."""
         m = self.schedule.m
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
@@ -251,7 +252,11 @@ class Engine:
                                        first_mb=k * m)
             self.stream_step += 1
         loss = self._share_loss(sum(losses) / m if losses else 0.0)
-        return {"loss": loss, **self.last_step}
+        info = {"loss": loss, **self.last_step}
+        buckets = getattr(self.sync, "sync", None)
+        if buckets is not None:  # our DDP's buckets: how many started before backward ended
+            info["buckets_overlapped"] = [buckets.launched_early, len(buckets.buckets)]
+        return info
 
     def drain(self) -> None:
         """PipeDream: finish the micro-batches still in flight (before a checkpoint and at
