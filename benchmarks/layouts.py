@@ -66,17 +66,13 @@ def _config(layout: dict, steps: int) -> dict:
 def worker(configs: list[dict], warmup: int) -> list[dict]:
     from shardwise import comm
     from shardwise.config import Config
-    from shardwise.topology import Topology, init_process_groups
-    from shardwise.trainer import Trainer
+    from shardwise.trainer import build_trainer
 
     torch.set_num_threads(1)
     out = []
     for c in configs:
         cfg = Config.from_dict(c)
-        p = cfg.parallel
-        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size()))
-        trainer = Trainer(cfg, topo)
+        trainer = build_trainer(cfg)
         times = []
         for i in range(cfg.training.steps):
             comm.barrier()  # every rank starts the step together

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
-from shardwise.topology import Topology, init_process_groups
 
 
 def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
@@ -25,16 +24,9 @@ def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
 
 
 def _trainer(cfg_dict: dict):
-    from shardwise.trainer import Trainer
+    from shardwise.trainer import build_trainer
 
-    cfg = Config.from_dict(cfg_dict)
-    p = cfg.parallel
-    if dist.is_initialized():
-        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size()))
-    else:
-        topo = Topology.build(p.dp, p.pp, p.tp)
-    return Trainer(cfg, topo)
+    return build_trainer(Config.from_dict(cfg_dict))
 
 
 def _result(trainer) -> dict:

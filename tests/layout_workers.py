@@ -11,21 +11,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from shardwise.config import Config
-from shardwise.topology import Topology, init_process_groups
 
 
 def run_layout(cfg_dict: dict) -> dict:
     from shardwise.engine import state as engine_state
-    from shardwise.trainer import Trainer
+    from shardwise.trainer import build_trainer
 
     cfg = Config.from_dict(cfg_dict)
-    p = cfg.parallel
-    topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
-                                              world_size=dist.get_world_size()))
-    trainer = Trainer(cfg, topo)
+    trainer = build_trainer(cfg)
+    topo = trainer.topology
     for _ in range(cfg.training.steps):
         trainer.train_step()
     e = trainer.engine
@@ -48,21 +44,14 @@ def resume_layout(cfg_dict: dict, stop_at: int) -> dict:
     """Train ``stop_at`` steps and save; then a fresh trainer (new groups, new engine)
     resumes from the checkpoint and finishes the run. Losses and final parameters."""
     from shardwise.engine import state as engine_state
-    from shardwise.trainer import Trainer
+    from shardwise.trainer import build_trainer
 
     cfg = Config.from_dict(cfg_dict)
-    p = cfg.parallel
-
-    def fresh():
-        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size()))
-        return Trainer(cfg, topo)
-
-    first = fresh()
+    first = build_trainer(cfg)
     for _ in range(stop_at):
         first.train_step()
     first.save_checkpoint()
-    second = fresh()
+    second = build_trainer(cfg)  # new groups, new engine
     second.resume()
     while second.step < cfg.training.steps:
         second.train_step()

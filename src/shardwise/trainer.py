@@ -194,6 +194,21 @@ class Trainer(TrainerState):
         return self.tokenizer.decode(out[0].tolist())
 
 
+def build_trainer(cfg: Config) -> Trainer:
+    """A ``Trainer`` for ``cfg`` on this rank: the rank grid of ``cfg.parallel`` over the
+    initialised process group (its groups created, collectively), or one process without
+    ``torch.distributed``."""
+    from shardwise.topology import init_process_groups
+
+    p = cfg.parallel
+    if dist.is_initialized():
+        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+                                                  world_size=dist.get_world_size()))
+    else:
+        topo = Topology.build(p.dp, p.pp, p.tp)
+    return Trainer(cfg, topo)
+
+
 def describe_layout(cfg: Config) -> str:
     """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x tp=2 (SP)``, ZeRO and precision."""
     p = cfg.parallel

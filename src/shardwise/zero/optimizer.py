@@ -187,13 +187,16 @@ class ZeroDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (full size) and reduce-scatter on the next backward."""
-        prev, self.require_sync = self.require_sync, False
+    def _syncing(self, flag: bool):
+        prev, self.require_sync = self.require_sync, flag
         try:
             yield
         finally:
             self.require_sync = prev
+
+    def no_sync(self):
+        """Accumulate gradients locally (full size) and reduce-scatter on the next backward."""
+        return self._syncing(False)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -229,14 +232,9 @@ class ZeroDataParallel(nn.Module):
                                                 group=self.group, async_op=True, check=False)
             self._next += 1
 
-    @contextmanager
     def final_backward(self):
         """Explicit mode: backwards inside the block make gradients final (buckets launch)."""
-        prev, self.require_sync = self.require_sync, True
-        try:
-            yield
-        finally:
-            self.require_sync = prev
+        return self._syncing(True)
 
     def finish(self) -> None:
         """Explicit mode: launch what is left, wait, divide: the gradient shards are the mean."""

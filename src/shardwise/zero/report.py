@@ -23,19 +23,12 @@ MB = 1 << 20
 
 def measure_worker(cfg_dict: dict) -> dict:
     """Rank function: one step, then this rank's coordinates and measured bytes."""
-    import torch.distributed as dist
-
     from shardwise.config import Config
-    from shardwise.topology import Topology, init_process_groups
-    from shardwise.trainer import Trainer
+    from shardwise.trainer import build_trainer
 
-    cfg = Config.from_dict(cfg_dict)
-    p = cfg.parallel
-    topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
-                                              world_size=dist.get_world_size()))
-    trainer = Trainer(cfg, topo)
+    trainer = build_trainer(Config.from_dict(cfg_dict))
     trainer.train_step()
-    return {"coords": topo.coords, **trainer.engine.memory_bytes()}
+    return {"coords": trainer.topology.coords, **trainer.engine.memory_bytes()}
 
 
 def _layout_table(args, stages: list[int]) -> int:
