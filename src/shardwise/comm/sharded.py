@@ -40,7 +40,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         if n > 1:
             call = _call("all_gather", algo, info, output)
             if algo == "native":
-                call.wait_native(dist.all_gather_single(
+                # all_gather_into_tensor, not all_gather_single: torch 2.11 lacks the latter
+                call.wait_native(dist.all_gather_into_tensor(
                     out.flat, out.flat[info.rank * m:(info.rank + 1) * m].clone(), group=group,
                     async_op=True))
             elif algo == "ring":
@@ -101,7 +102,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
             pass
         elif algo == "native":
             res = torch.empty_like(work[:m])
-            call.wait_native(dist.reduce_scatter_single(res, work, _NATIVE_OPS[op], group=group,
+            call.wait_native(dist.reduce_scatter_tensor(res, work, _NATIVE_OPS[op], group=group,
                                                         async_op=True))
             finish_(res, op, n)
             work[r * m:(r + 1) * m].copy_(res)
