@@ -22,8 +22,7 @@ def run_layout(cfg_dict: dict) -> dict:
     cfg = Config.from_dict(cfg_dict)
     trainer = build_trainer(cfg)
     topo = trainer.topology
-    for _ in range(cfg.training.steps):
-        trainer.train_step()
+    infos = [trainer.train_step() for _ in range(cfg.training.steps)]
     e = trainer.engine
     named = e.named_parameters()
     seen, param_bytes = set(), 0
@@ -36,6 +35,8 @@ def run_layout(cfg_dict: dict) -> dict:
         params = {n: t.float() for n, t in engine_state.model_tensors(e).items()}
         replicated = {n: q.detach().clone() for n, q in named if getattr(q, "tp_dim", None) is None}
     return {"coords": topo.coords, "losses": list(trainer.history), "params": params,
+            "skipped": [i.get("skipped", False) for i in infos],
+            "loss_scale": [i.get("loss_scale") for i in infos],
             "replicated": replicated, "param_bytes": param_bytes,
             "memory": e.memory_bytes(), "gpt": dataclasses.asdict(trainer.gpt_cfg)}
 

@@ -48,6 +48,13 @@ def _layouts(ws: int) -> dict[str, dict]:
     out["2x2x2-bf16-50steps"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
                                               "micro_batches": 2},
                                  "training": {"precision": "bf16", "steps": BF16_STEPS}}
+    out["2x2x2-gpipe-untied-z2"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 2,
+                                                 "micro_batches": 2, "schedule": "gpipe"},
+                                    "model": UNTIED}
+    out["2x2x2-fp16-overflow"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
+                                               "micro_batches": 2},
+                                  "training": {"precision": "fp16", "steps": 12,
+                                               "initial_loss_scale": 2.0 ** 24}}
     out["2x2x2-bf16-z1"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "micro_batches": 2},
                             "training": {"precision": "bf16"}}  # the resume check's reference
     out["2x2x2-sp-recompute"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
@@ -102,7 +109,7 @@ def _check_parity(name: str, ranks: list[dict], ref: dict) -> None:
 
 def test_every_layout_matches_one_process(suite, references):
     for name, ranks in suite.items():
-        if "dropout" in name or "bf16" in name or name.startswith("_"):
+        if "dropout" in name or "bf16" in name or "fp16" in name or name.startswith("_"):
             continue
         ref = references["untied" if "untied" in name or "interleaved" in name else "tied"]
         _check_parity(name, ranks, ref)
@@ -180,3 +187,17 @@ def test_3d_checkpoint_resumes_bit_for_bit(suite):
         assert r["resumed_at"] == 3 and r["losses"] == u["losses"], (r["losses"], u["losses"])
         for n, t in u["params"].items():
             assert torch.equal(r["params"][n], t), n
+
+
+def test_fp16_overflow_is_one_decision_across_2x2x2(suite):
+    """fp16 with a loss scale of 2^24 overflows first: every rank of dp2 x tp2 x pp2 skips
+    the same steps (one flag, one all-reduce over the world), halves the scale alike, then
+    trains."""
+    if "2x2x2-fp16-overflow" not in suite:
+        pytest.skip("world size 8 only")
+    ranks = suite["2x2x2-fp16-overflow"]
+    skipped = ranks[0]["skipped"]
+    assert skipped[0] and not skipped[-1], skipped
+    for r in ranks:
+        assert r["skipped"] == skipped and r["loss_scale"] == ranks[0]["loss_scale"], r["coords"]
+        assert r["losses"][-1] < r["losses"][skipped.index(False)]
