@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch.distributed as dist
 
 from shardwise import checkpoint, comm
@@ -10,10 +12,12 @@ from shardwise.data import CharTokenizer
 from shardwise.topology import Topology, init_process_groups
 
 
-def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = None) -> dict:
+def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | None = None) -> dict:
     """Build topology and trainer on this rank, train, write outputs; returns the summary.
 
-    Expects ``torch.distributed`` to be initialised with ``dp * pp * tp`` ranks.
+    ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
+    newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
+    be initialised with ``dp * pp * tp`` ranks.
     """
     import torch
 
@@ -26,7 +30,10 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
         else torch.device("cpu"))
     tokenizer = None
-    latest = checkpoint.latest_checkpoint(cfg.checkpoint_dir) if resume else None
+    if isinstance(resume, str):
+        latest = Path(resume)
+    else:
+        latest = checkpoint.find_resumable(cfg.checkpoint_dir)[0] if resume else None
     if latest is not None:
         tokenizer = CharTokenizer.from_state_dict(checkpoint.read_meta(latest)["tokenizer"])
     from shardwise.trainer import Trainer
@@ -40,7 +47,8 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     if latest is not None:
         trainer.resume(latest)
         if topology.rank == 0:
-            print(f"shardwise: resumed from {latest} at step {trainer.step}", flush=True)
+            print(f"shardwise: resumed from {latest} at step {trainer.step} "
+                  "(--fresh starts over, keeping the old checkpoints)", flush=True)
     summary = trainer.fit()
     trainer.finish()
     return summary
