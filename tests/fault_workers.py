@@ -79,3 +79,24 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def trainer_for(cfg_dict: dict):
+    """A single-process ``Trainer`` (no torch.distributed) for ``cfg_dict``."""
+    from shardwise.config import Config
+    from shardwise.topology import Topology
+    from shardwise.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    return Trainer(cfg, Topology.build(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.tp))
+
+
+def train_saving(cfg_dict: dict, at: tuple[int, ...]) -> dict:
+    """Train ``training.steps`` steps in one process, saving after each step in ``at``;
+    return the final parameters."""
+    trainer = trainer_for(cfg_dict)
+    while trainer.step < trainer.cfg.training.steps:
+        trainer.train_step()
+        if trainer.step in at:
+            trainer.save_checkpoint()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

@@ -156,6 +156,8 @@ def load(path: str | Path, tensors: dict[str, Any], verified: bool = False) -> d
     path = Path(path)
     files = verify(path) if not verified else list(read_manifest(path)["files"])
     meta = read_meta(path)
+    # refuse here, in one line, what SafeReader would refuse inside DCP's collective wrapper
+    SafeReader(path, files).read_metadata()
     with _single_process_ok():
         dcp.load(tensors, storage_reader=SafeReader(path, files))
     return meta
