@@ -1,0 +1,110 @@
+"""Faults: the launcher killed (SIGTERM, SIGKILL, Ctrl-C) leaves no rank alive; a rank killed
+under --max-restarts ends in a finished run equal to an uninterrupted one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fault_workers import alive, children_of, listening_sockets, rank_sockets
+
+from conftest import REPO
+from shardwise import checkpoint, launch
+from shardwise.metrics import read_metrics
+
+
+def _train(corpus, out, *extra, **popen):
+    cmd = [sys.executable, "-m", "shardwise", "train", "--config", "configs/tiny.toml",
+           "--data", str(corpus), "--training.out_dir", str(out), "--training.threads", "1",
+           "--training.sample_chars", "0", "--training.progress", "false", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _wait_for_step(proc, metrics: Path, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        if metrics.is_file():
+            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+            if any(r["kind"] == "train" and r["step"] >= step for r in rows):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _ranks(launcher_pid: int) -> list[int]:
+    """The launcher's children that are ranks (multiprocessing spawn children)."""
+    out = []
+    for pid in children_of(launcher_pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "SIGINT to the process group"])
+def test_killing_the_launcher_leaves_no_rank(corpus, tmp_path, how):
+    out = tmp_path / "run"
+    proc = _train(corpus, out, "--training.steps", "100000", start_new_session=True)
+    _wait_for_step(proc, out / "metrics.jsonl", 2)
+    ranks = _ranks(proc.pid)
+    others = [p for p in children_of(proc.pid) if p not in ranks]
+    assert len(ranks) == 2
+    if how == "SIGINT to the process group":  # what Ctrl-C in a terminal does
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, getattr(signal, how))
+    _, err = proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in ranks + others) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in ranks + others if alive(p)], "a rank outlived its launcher"
+    if how == "SIGKILL":
+        assert proc.returncode == -signal.SIGKILL
+        return
+    expected = 143 if how == "SIGTERM" else 130
+    name = "SIGTERM" if how == "SIGTERM" else "SIGINT"
+    assert proc.returncode == expected, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"shardwise: stopped by {name}: every rank ended")
+    assert "Traceback" not in err and err.count("\n") <= 2, err[-2000:]
+
+
+def test_local_runs_listen_on_loopback_only():
+    store = launch.loopback_store()
+    assert ("127.0.0.1", store.port) in listening_sockets(os.getpid())
+    assert all(addr == "127.0.0.1" for addr, port in listening_sockets(os.getpid())
+               if port == store.port)
+    del store
+    results = launch.spawn(rank_sockets, 2, threads=1)  # the store, gloo's pairs: all loopback
+    for r in results:
+        assert r["sum"] == 2.0 and r["listening"]
+        assert {addr for addr, _ in r["listening"]} == {"127.0.0.1"}, r["listening"]
+
+
+def test_max_restarts_resumes_to_the_uninterrupted_result(corpus, tmp_path):
+    args = ("--training.steps", "300", "--checkpoint.every", "40", "--checkpoint.keep", "2")
+    straight = _train(corpus, tmp_path / "straight", *args)
+    faulty = _train(corpus, tmp_path / "faulty", *args, "--max-restarts", "1")
+    _wait_for_step(faulty, tmp_path / "faulty" / "metrics.jsonl", 90)
+    victim = _ranks(faulty.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    _, err = faulty.communicate(timeout=300)
+    assert faulty.returncode == 0, err[-3000:]
+    assert "restart 1 of 1" in err and "resuming from" in err, err[-3000:]
+    assert straight.wait(timeout=300) == 0
+    final = [checkpoint.read_tensors(tmp_path / run / "checkpoints" / "step_000300", "model.")
+             for run in ("straight", "faulty")]
+    assert final[0].keys() == final[1].keys() and final[0]
+    for name, t in final[0].items():
+        assert torch.equal(final[1][name], t), name
+    steps = [r["step"] for r in read_metrics(tmp_path / "faulty" / "metrics.jsonl")
+             if r["kind"] == "train"]
+    assert steps == list(range(1, 301))  # no duplicate rows after the restart
