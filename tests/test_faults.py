@@ -1,5 +1,5 @@
 """Faults: the launcher killed (SIGTERM, SIGKILL, Ctrl-C) leaves no rank alive; a rank killed
-under --max-restarts ends in a finished run equal to an uninterrupted one."""
+under --max-restarts (ours or torchrun's) ends in a finished run equal to an uninterrupted one."""
 
 import json
 import os
@@ -26,14 +26,19 @@ def _train(corpus, out, *extra, **popen):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
+def _last_step(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+    return max((r["step"] for r in rows if r["kind"] == "train"), default=0)
+
+
 def _wait_for_step(proc, metrics: Path, step: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if metrics.is_file():
-            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
-            if any(r["kind"] == "train" and r["step"] >= step for r in rows):
-                return
+        if _last_step(metrics) >= step:
+            return
         time.sleep(0.05)
     raise AssertionError(f"no step {step} within {timeout} s")
 
@@ -89,22 +94,50 @@ def test_local_runs_listen_on_loopback_only():
         assert {addr for addr, _ in r["listening"]} == {"127.0.0.1"}, r["listening"]
 
 
-def test_max_restarts_resumes_to_the_uninterrupted_result(corpus, tmp_path):
+def _torchrun(corpus, out, *extra):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", f"127.0.0.1:{launch.free_port()}", "-m", "shardwise",
+           "train", "--config", "configs/tiny.toml", "--data", str(corpus), "--training.out_dir",
+           str(out), "--training.threads", "1", "--training.sample_chars", "0",
+           "--training.progress", "false", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_restarts_resume_to_the_uninterrupted_result(corpus, tmp_path):
+    """A rank SIGKILLed mid-run, under ``shardwise train --max-restarts 1`` and under
+    ``torchrun --max-restarts 1``: both finish with the uninterrupted run's parameters."""
     args = ("--training.steps", "300", "--checkpoint.every", "40", "--checkpoint.keep", "2")
     straight = _train(corpus, tmp_path / "straight", *args)
-    faulty = _train(corpus, tmp_path / "faulty", *args, "--max-restarts", "1")
-    _wait_for_step(faulty, tmp_path / "faulty" / "metrics.jsonl", 90)
-    victim = _ranks(faulty.pid)[1]
-    os.kill(victim, signal.SIGKILL)
-    _, err = faulty.communicate(timeout=300)
-    assert faulty.returncode == 0, err[-3000:]
-    assert "restart 1 of 1" in err and "resuming from" in err, err[-3000:]
+    local = _train(corpus, tmp_path / "local", *args, "--max-restarts", "1")
+    elastic = _torchrun(corpus, tmp_path / "torchrun", *args)
+    pending = {"local": local, "torchrun": elastic}
+    deadline = time.monotonic() + 180
+    while pending and time.monotonic() < deadline:  # both run at once: kill each at step >= 90
+        for run, proc in list(pending.items()):
+            assert proc.poll() is None, f"{run} ended before a rank was killed"
+            if _last_step(tmp_path / run / "metrics.jsonl") >= 90:
+                ranks = _ranks(proc.pid) if run == "local" else children_of(proc.pid)
+                assert len(ranks) == 2
+                os.kill(max(ranks), signal.SIGKILL)
+                del pending[run]
+        time.sleep(0.05)
+    assert not pending, f"{list(pending)} never reached step 90"
+    out, err = local.communicate(timeout=300)
+    assert local.returncode == 0, err[-3000:]
+    assert "restart 1 of 1" in err and "resumed from" in out, err[-3000:]
+    log = elastic.communicate(timeout=300)[0]
+    assert elastic.returncode == 0, log[-3000:]
+    assert "resumed from" in log, log[-3000:]  # only a restarted gang finds a checkpoint
     assert straight.wait(timeout=300) == 0
-    final = [checkpoint.read_tensors(tmp_path / run / "checkpoints" / "step_000300", "model.")
-             for run in ("straight", "faulty")]
-    assert final[0].keys() == final[1].keys() and final[0]
-    for name, t in final[0].items():
-        assert torch.equal(final[1][name], t), name
-    steps = [r["step"] for r in read_metrics(tmp_path / "faulty" / "metrics.jsonl")
-             if r["kind"] == "train"]
-    assert steps == list(range(1, 301))  # no duplicate rows after the restart
+    final = {run: checkpoint.read_tensors(tmp_path / run / "checkpoints" / "step_000300", "model.")
+             for run in ("straight", "local", "torchrun")}
+    assert final["straight"]
+    for run in ("local", "torchrun"):
+        assert final[run].keys() == final["straight"].keys()
+        for name, t in final["straight"].items():
+            assert torch.equal(final[run][name], t), (run, name)
+        steps = [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")
+                 if r["kind"] == "train"]
+        assert steps == list(range(1, 301)), run  # no duplicate rows after the restart

@@ -149,7 +149,7 @@ def cmd_train(args, extra: list[str]) -> int:
             print(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
                   f"{args.max_restarts}", file=sys.stderr, flush=True)
             try:
-                again = rundir.prepare(cfg, "auto", restart=True)
+                again = rundir.prepare(cfg, "auto", restart=True, lock=False)  # ours already
             except (RunError, ValueError) as e2:
                 print(f"shardwise: error: {e2}", file=sys.stderr)
                 return 1

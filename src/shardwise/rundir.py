@@ -112,17 +112,19 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
                           f"checkpoint {path}; give more steps or --fresh")
 
 
-def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = False) -> RunPlan:
+def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = False,
+            lock: bool = True) -> RunPlan:
     """Check, lock and set up the run directory; choose the checkpoint (see module doc).
 
     ``restart``: a gang restarted after a failure always resumes (``--fresh`` applied to
-    the first launch only). Raises ``RunDirError`` or ``CheckpointError`` (one line each).
+    the first launch only). ``lock``: take the lock (rank 0 only; a launcher restarting
+    its ranks already holds it). Raises ``RunDirError`` or ``CheckpointError`` (one line).
     """
     out_dir, ck = Path(cfg.training.out_dir), cfg.checkpoint_dir
     plan = RunPlan()
     check_writable(out_dir, "training.out_dir")
     check_writable(ck, "checkpoint.dir" if cfg.checkpoint.dir else "training.out_dir")
-    if is_rank0 and not restart:
+    if is_rank0 and lock:
         plan.lock = acquire_lock(out_dir)
     if mode == "fresh" and not restart:
         if is_rank0:
@@ -144,9 +146,7 @@ def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = Fals
         return plan
     meta = checkpoint.read_meta(path)
     check_compatible(cfg, path, meta)
-    plan.resume_from = path
+    plan.resume_from = path  # rank 0 says so in one line once the trainer has loaded it
     if is_rank0:
         truncate_metrics(out_dir / "metrics.jsonl", meta["step"])
-    plan.notes.append(f"resuming from {path} at step {meta['step']} "
-                      "(--fresh starts over and keeps the old checkpoints)")
     return plan
