@@ -112,7 +112,8 @@ def cmd_train(args, extra: list[str]) -> int:
     if env is not None:  # under torchrun: this process is one rank; torchrun restarts the gang
         code = 0
         try:
-            launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s, threads=threads)
+            launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s, threads=threads,
+                                    store=launch.elastic_store(env, cfg.parallel.timeout_s))
             train_worker(cfg.model_dump(), resume_from)
         except RunError as e:
             print(f"shardwise: error: {e}", file=sys.stderr)

@@ -124,6 +124,22 @@ def loopback_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
+def elastic_store(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Under torchrun (its agent serves the store): a client of that store whose keys are
+    prefixed by ``TORCHELASTIC_RESTART_COUNT``, else ``None``.
+
+    torch reuses the agent's store across restarts without a per-attempt prefix, so a
+    restarted gang's gloo ``connectFullMesh`` can read a dead peer's address from the
+    previous attempt and hang or be refused; a fresh prefix per attempt gives it fresh keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"shardwise/attempt_{attempt}/", base)
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies; exit now if it
     already has (the launcher was killed while this process was starting)."""
