@@ -183,18 +183,3 @@ def test_resume_by_default_truncates_metrics_and_fresh_moves_aside(saved, tmp_pa
     (moved,) = (tmp_path / "run").glob("checkpoints.before-*")
     assert sorted(p.relative_to(moved) for p in moved.rglob("*")) == files  # nothing deleted
     assert len(list((tmp_path / "run").glob("metrics.before-*.jsonl"))) == 1
-
-
-def test_cli_resumes_by_default_without_duplicate_rows(corpus, tmp_path):
-    out = tmp_path / "run"
-    common = [sys.executable, "-m", "shardwise", "train", "--config", "configs/tiny.toml",
-              "--data", str(corpus), "--training.out_dir", str(out), "--parallel.dp", "1",
-              "--training.sample_chars", "0", "--training.threads", "1"]
-    first = subprocess.run(common, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
-    second = subprocess.run(common + ["--training.steps", "8"], cwd=REPO, capture_output=True,
-                            text=True, timeout=300)
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "resumed from" in second.stdout and "at step 6" in second.stdout
-    train = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert train == list(range(1, 9))

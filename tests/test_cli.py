@@ -1,4 +1,5 @@
-"""The command line: bad input gives one line and exit code 2; a real run and a resume."""
+"""The command line: bad input gives one line and exit code 2; a real run and a resume
+(by default: a second run into the same out_dir continues from its checkpoint)."""
 
 import os
 import subprocess
@@ -63,10 +64,14 @@ def test_train_then_resume_end_to_end(corpus, tmp_path):
     assert "validation loss" in first.stdout and "sample:" in first.stdout
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "checkpoints" / "step_000006").is_dir()
-    second = _shardwise(*common, "--resume", "--training.steps", "8")
+    second = _shardwise(*common, "--training.steps", "8")  # resuming is the default
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "at step 6" in second.stdout
     assert "done: 8 steps" in second.stdout
+    from shardwise.metrics import read_metrics
+
+    train = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert train == list(range(1, 9))  # continued from the resumed step, no row twice
 
 
 def _exit_code(argv) -> int:

@@ -248,21 +248,21 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     store = loopback_store(timeout_s)  # fresh port per call: a restart meets no stale peer
     port = store.port
     pipes, procs = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child, threads,
-                                              timeout_s, os.getpid()), daemon=False)
-        p.start()
-        child.close()
-        pipes.append(parent)
-        procs.append(p)
     results: list = [None] * world_size
-    pending = {pipes[r]: r for r in range(world_size)}
     deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
     error: str | None = None
     fatal = False
     clean = False
     try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child,
+                                                  threads, timeout_s, os.getpid()), daemon=False)
+            procs.append(p)
+            p.start()
+            child.close()
+            pipes.append(parent)
+        pending = {pipes[r]: r for r in range(world_size)}
         while pending and error is None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = connection.wait(list(pending), timeout=remaining)
@@ -287,10 +287,11 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
                     break
         clean = error is None
     finally:  # also on Interrupted / KeyboardInterrupt in this process: no rank outlives us
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             if not clean and p.is_alive():
                 p.terminate()
-        for p in procs:
+        for p in started:
             p.join(30 if clean else 5)
             if p.is_alive():
                 p.kill()
