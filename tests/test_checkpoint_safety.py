@@ -120,6 +120,10 @@ def test_damaged_latest_falls_back_to_previous(saved, damage):
         trainer.train_step()
     for name, p in trainer.model.named_parameters():  # same as the run that saved it
         assert torch.equal(p, final[name]), name
+    (root / "step_000002" / "checksums.json").unlink()  # e.g. written by an older shardwise
+    assert checkpoint.find_resumable(root)[0] is None
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step_000004.*--fresh"):
+        rundir.prepare(Config.from_dict(cfg), "auto")  # never a silent start over them
 
 
 def test_non_finite_weights_are_never_saved_and_stop_the_run(saved):

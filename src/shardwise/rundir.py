@@ -134,7 +134,7 @@ def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = Fals
     plan.notes += [f"skipping damaged checkpoint {reason}" for reason in skipped]
     if path is None:
         if skipped:
-            raise CheckpointError(f"no usable checkpoint in {str(ck)!r} ({len(skipped)} damaged); "
+            raise CheckpointError(f"no usable checkpoint in {str(ck)!r} (newest: {skipped[0]}); "
                                   "--fresh moves them aside and starts over")
         if mode == "resume":
             raise RunDirError(f"--resume: no complete checkpoint in {str(ck)!r}")
