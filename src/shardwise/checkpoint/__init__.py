@@ -4,8 +4,8 @@ Layout of a checkpoint directory ``ROOT/step_000100/``:
 
 - DCP files (``.metadata``, ``__*_*.distcp``) holding **tensors only**: model parameters,
   optimizer moments, each rank's RNG state under its own key. DCP reads tensors with
-  ``torch.load(weights_only=True)``; nothing else goes through pickle, because the
-  default planner would unpickle non-tensor values with ``weights_only=False``.
+  ``torch.load(weights_only=True)``; no other value is saved, because the default planner
+  would unpickle non-tensor values with ``weights_only=False``.
 - ``meta.json``: everything that is not a tensor (step, LR schedule, sampler position,
   optimizer hyper-parameters, tokenizer, config, layout), written by rank 0.
 - ``checksums.json``: size and SHA-256 of every file above (``integrity``).
@@ -16,8 +16,9 @@ checked against ``checksums.json`` first. A save refuses tensors holding NaN or 
 every rank at once, so a diverged run never overwrites good checkpoints.
 
 A save writes into ``step_000100.tmp/``; only after every rank has finished and
-``meta.json`` and ``checksums.json`` are flushed does rank 0 rename it to ``step_000100/`` (an atomic rename on
-POSIX). A crash mid-save leaves a ``.tmp`` directory that ``latest_checkpoint`` ignores.
+``meta.json`` and ``checksums.json`` are flushed does rank 0 rename it to ``step_000100/``
+(an atomic rename on POSIX). A crash mid-save leaves a ``.tmp`` directory that
+``latest_checkpoint`` ignores.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from shardwise.errors import CheckpointError
 from shardwise.checkpoint.integrity import (MANIFEST, IntegrityError, first_non_finite,
                                             read_manifest, verify, write_manifest)
-from shardwise.checkpoint.reader import SafeReader, UnsafeCheckpointError, safe_read_metadata
+from shardwise.checkpoint.reader import SafeReader, UnsafeCheckpointError
+from shardwise.errors import CheckpointError
 
 __all__ = ["CheckpointError", "IntegrityError", "UnsafeCheckpointError", "MANIFEST", "META",
            "checkpoint_name", "complete_checkpoints", "latest_checkpoint", "find_resumable",
@@ -166,8 +167,7 @@ def load(path: str | Path, tensors: dict[str, Any], verified: bool = False) -> d
 def check_loadable(path: str | Path) -> dict[str, Any]:
     """Verify checksums, then read ``.metadata`` safely; return the meta. Reads no tensor."""
     path = Path(path)
-    verify(path)
-    safe_read_metadata((path / ".metadata").read_bytes(), str(path / ".metadata"))
+    SafeReader(path, verify(path)).read_metadata()  # classes and file names both checked
     return read_meta(path)
 
 
@@ -185,7 +185,7 @@ def find_resumable(root: str | Path) -> tuple[Path | None, list[str]]:
             return path, skipped
         except UnsafeCheckpointError:
             raise
-        except (IntegrityError, CheckpointError, ValueError) as e:
+        except (CheckpointError, OSError, ValueError) as e:  # damaged, unreadable
             skipped.append(str(e))
     return None, skipped
 
