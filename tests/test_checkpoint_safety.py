@@ -180,6 +180,9 @@ def test_resume_by_default_truncates_metrics_and_fresh_moves_aside(saved, tmp_pa
     small = dict(cfg_dict, model=dict(cfg_dict["model"], n_layer=3))
     with pytest.raises(rundir.RunDirError, match="model.n_layer=2 there, 3 here"):
         rundir.prepare(Config.from_dict(small), "auto")
+    other = dict(cfg_dict, data={"path": str(tmp_path / "other.txt")})
+    with pytest.raises(rundir.RunDirError, match="cannot resume .*: data.path="):
+        rundir.prepare(Config.from_dict(other), "auto")
     files = sorted(p.relative_to(root) for p in root.rglob("*"))
     plan = rundir.prepare(cfg, "fresh")
     plan.lock.close()

@@ -142,7 +142,9 @@ def elastic_store(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
 
 def die_with_parent(parent_pid: int) -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies; exit now if it
-    already has (the launcher was killed while this process was starting)."""
+    already has (the launcher was killed while this process was starting). The kernel
+    watches the thread that started the process, so ``spawn`` belongs on a thread that
+    lives as long as the ranks (the main thread, in the CLI)."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

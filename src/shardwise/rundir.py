@@ -106,10 +106,19 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
     if cfg.model.vocab_size and saved.get("vocab_size") not in (0, None, cfg.model.vocab_size):
         raise RunDirError(f"cannot resume {path}: model.vocab_size={saved['vocab_size']} there, "
                           f"{cfg.model.vocab_size} here")
+    saved_data = meta.get("config", {}).get("data", {}).get("path")
+    if _resolved(saved_data) != _resolved(cfg.data.path):  # the tokenizer comes from there
+        raise RunDirError(f"cannot resume {path}: data.path={saved_data!r} there, "
+                          f"{cfg.data.path!r} here; --fresh starts over (the old checkpoints "
+                          "are kept)")
     step = meta.get("step", 0)
     if cfg.training.steps < step:
         raise RunDirError(f"training.steps={cfg.training.steps} is below step {step} of the "
                           f"checkpoint {path}; give more steps or --fresh")
+
+
+def _resolved(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = False,
