@@ -76,7 +76,6 @@ def cmd_train(args, extra: list[str]) -> int:
     from shardwise.config import Config, ConfigError
     from shardwise.data import DataError, load_text
     from shardwise.errors import RunError
-    from shardwise.jobs import train_worker
 
     if args.resume and args.fresh:
         print("shardwise: error: --resume and --fresh exclude each other", file=sys.stderr)
@@ -108,26 +107,45 @@ def cmd_train(args, extra: list[str]) -> int:
             print(f"shardwise: {note}", file=sys.stderr, flush=True)
     resume_from = str(plan.resume_from) if plan.resume_from else False
 
-    threads = cfg.training.threads or None
+    # plan.lock (the out_dir flock) stays held while this frame lives, i.e. for the whole run
     if env is not None:  # under torchrun: this process is one rank; torchrun restarts the gang
-        code = 0
-        try:
-            launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s, threads=threads,
-                                    store=launch.elastic_store(env, cfg.parallel.timeout_s))
-            train_worker(cfg.model_dump(), resume_from)
-        except RunError as e:
-            print(f"shardwise: error: {e}", file=sys.stderr)
-            code = 1
-        except BaseException:
-            import traceback
+        _run_as_torchrun_rank(cfg, env, resume_from)
+    return _run_local(cfg, resume_from, args.max_restarts)
 
-            traceback.print_exc()
-            code = 1
-        finally:
-            launch.shutdown(clean=code == 0)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip gloo's abort at interpreter exit
+
+def _run_as_torchrun_rank(cfg, env, resume_from: str | bool) -> None:
+    """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``."""
+    from shardwise import launch
+    from shardwise.errors import RunError
+    from shardwise.jobs import train_worker
+
+    code = 0
+    try:
+        launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s,
+                                threads=cfg.training.threads or None,
+                                store=launch.elastic_store(env, cfg.parallel.timeout_s))
+        train_worker(cfg.model_dump(), resume_from)
+    except RunError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        launch.shutdown(clean=code == 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip gloo's abort at interpreter exit
+
+
+def _run_local(cfg, resume_from: str | bool, max_restarts: int) -> int:
+    """Spawn the local ranks; restart them (resuming) up to ``max_restarts`` times after a
+    failure; on SIGTERM / SIGINT stop every rank and exit 128 + signal with one line."""
+    from shardwise import launch, rundir
+    from shardwise.errors import RunError
+    from shardwise.jobs import train_worker
 
     def _terminate(signum, frame):
         raise launch.Interrupted(signum)
@@ -137,18 +155,19 @@ def cmd_train(args, extra: list[str]) -> int:
     while True:
         try:
             results = launch.spawn(train_worker, cfg.world_size, (cfg.model_dump(), resume_from),
-                                   threads=threads, timeout_s=cfg.parallel.timeout_s)
+                                   threads=cfg.training.threads or None,
+                                   timeout_s=cfg.parallel.timeout_s)
             break
         except launch.WorkerError as e:
             if e.fatal:
                 print(f"shardwise: error: {e}", file=sys.stderr)
                 return 1
-            if restarts >= args.max_restarts:
+            if restarts >= max_restarts:
                 print(f"shardwise: training failed: {e}", file=sys.stderr)
                 return 1
             restarts += 1
             print(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
-                  f"{args.max_restarts}", file=sys.stderr, flush=True)
+                  f"{max_restarts}", file=sys.stderr, flush=True)
             try:
                 again = rundir.prepare(cfg, "auto", restart=True, lock=False)  # ours already
             except (RunError, ValueError) as e2:
