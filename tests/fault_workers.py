@@ -100,3 +100,10 @@ def train_saving(cfg_dict: dict, at: tuple[int, ...]) -> dict:
         if trainer.step in at:
             trainer.save_checkpoint()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def raise_run_error() -> None:
+    """Rank function: fail the way a NaN loss does (a ``RunError``)."""
+    from shardwise.errors import NonFiniteLossError
+
+    raise NonFiniteLossError(f"training loss is nan at step 3 (rank {dist.get_rank()})")

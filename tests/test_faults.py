@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_workers import alive, children_of, listening_sockets, rank_sockets
+from fault_workers import alive, children_of, listening_sockets, rank_sockets, raise_run_error
 
 from conftest import REPO
 from shardwise import checkpoint, launch
@@ -80,6 +80,15 @@ def test_killing_the_launcher_leaves_no_rank(corpus, tmp_path, how):
     assert proc.returncode == expected, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(f"shardwise: stopped by {name}: every rank ended")
     assert "Traceback" not in err and err.count("\n") <= 2, err[-2000:]
+
+
+def test_run_errors_come_back_as_one_line_and_are_not_retried():
+    """A ``RunError`` in a rank (a NaN loss, a refused checkpoint) reaches the launcher as one
+    line marked fatal, which ``--max-restarts`` does not retry: it would fail again."""
+    with pytest.raises(launch.WorkerError) as err:
+        launch.spawn(raise_run_error, 2, threads=1)
+    assert err.value.fatal
+    assert "\n" not in str(err.value) and "training loss is nan at step 3" in str(err.value)
 
 
 def test_local_runs_listen_on_loopback_only():
