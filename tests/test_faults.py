@@ -55,31 +55,33 @@ def _ranks(launcher_pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "SIGINT to the process group"])
-def test_killing_the_launcher_leaves_no_rank(corpus, tmp_path, how):
-    out = tmp_path / "run"
-    proc = _train(corpus, out, "--training.steps", "100000", start_new_session=True)
-    _wait_for_step(proc, out / "metrics.jsonl", 2)
-    ranks = _ranks(proc.pid)
-    others = [p for p in children_of(proc.pid) if p not in ranks]
-    assert len(ranks) == 2
-    if how == "SIGINT to the process group":  # what Ctrl-C in a terminal does
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
-        os.kill(proc.pid, getattr(signal, how))
-    _, err = proc.communicate(timeout=30)
+def test_killing_the_launcher_leaves_no_rank(corpus, tmp_path):
+    """Three dp=2 launchers at once (starting processes is the slow part here), ended by
+    SIGTERM, SIGKILL and a SIGINT to the whole process group (what Ctrl-C in a terminal
+    sends): 10 s later no rank of any of them is alive."""
+    hows = ("SIGTERM", "SIGKILL", "SIGINT")
+    procs = {how: _train(corpus, tmp_path / how, "--training.steps", "100000",
+                         start_new_session=True) for how in hows}
+    for how in hows:
+        _wait_for_step(procs[how], tmp_path / how / "metrics.jsonl", 2)
+    children = {how: children_of(p.pid) for how, p in procs.items()}
+    for how in hows:
+        assert len(_ranks(procs[how].pid)) == 2, how
+    os.kill(procs["SIGTERM"].pid, signal.SIGTERM)
+    os.kill(procs["SIGKILL"].pid, signal.SIGKILL)
+    os.killpg(procs["SIGINT"].pid, signal.SIGINT)  # launcher and ranks alike
+    errs = {how: p.communicate(timeout=30)[1] for how, p in procs.items()}
     deadline = time.monotonic() + 10
-    while any(alive(p) for p in ranks + others) and time.monotonic() < deadline:
+    while any(alive(c) for cs in children.values() for c in cs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in ranks + others if alive(p)], "a rank outlived its launcher"
-    if how == "SIGKILL":
-        assert proc.returncode == -signal.SIGKILL
-        return
-    expected = 143 if how == "SIGTERM" else 130
-    name = "SIGTERM" if how == "SIGTERM" else "SIGINT"
-    assert proc.returncode == expected, err[-2000:]
-    assert err.strip().splitlines()[-1].startswith(f"shardwise: stopped by {name}: every rank ended")
-    assert "Traceback" not in err and err.count("\n") <= 2, err[-2000:]
+    for how in hows:
+        assert not [c for c in children[how] if alive(c)], f"a rank outlived its launcher ({how})"
+    assert procs["SIGKILL"].returncode == -signal.SIGKILL
+    for how, code in (("SIGTERM", 143), ("SIGINT", 130)):
+        err = errs[how]
+        assert procs[how].returncode == code, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith(f"shardwise: stopped by {how}: every rank ended")
+        assert "Traceback" not in err and err.count("\n") <= 2, err[-2000:]
 
 
 def test_run_errors_come_back_as_one_line_and_are_not_retried():
