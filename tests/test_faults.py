@@ -127,7 +127,10 @@ def test_restarts_resume_to_the_uninterrupted_result(corpus, tmp_path):
     deadline = time.monotonic() + 180
     while pending and time.monotonic() < deadline:  # both run at once: kill each at step >= 90
         for run, proc in list(pending.items()):
-            assert proc.poll() is None, f"{run} ended before a rank was killed"
+            if proc.poll() is not None:
+                out = proc.communicate()
+                raise AssertionError(f"{run} ended before a rank was killed: "
+                                     f"{''.join(x or '' for x in out)[-3000:]}")
             if _last_step(tmp_path / run / "metrics.jsonl") >= 90:
                 ranks = _ranks(proc.pid) if run == "local" else children_of(proc.pid)
                 assert len(ranks) == 2
