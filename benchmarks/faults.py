@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from shardwise import checkpoint
-from shardwise.launch import free_port
 from shardwise.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +43,7 @@ def _command(launcher: str, out: Path, data: str, steps: int, every: int) -> lis
     if launcher == "torchrun":
         return [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2",
                 "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"127.0.0.1:{free_port()}", "-m", "shardwise", *train]
+                "127.0.0.1:0", "-m", "shardwise", *train]  # port 0: torchrun binds a free one
     if launcher == "local":
         return [sys.executable, "-m", "shardwise", *train, "--max-restarts", "3"]
     return [sys.executable, "-m", "shardwise", *train]  # uninterrupted reference
