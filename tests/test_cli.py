@@ -1,4 +1,5 @@
-"""The command line: bad input gives one line and exit code 2; a real run and a resume."""
+"""The command line: bad input gives one line and exit code 2; a real run and a resume
+(by default: a second run into the same out_dir continues from its checkpoint)."""
 
 import os
 import subprocess
@@ -63,7 +64,74 @@ def test_train_then_resume_end_to_end(corpus, tmp_path):
     assert "validation loss" in first.stdout and "sample:" in first.stdout
     assert (out / "loss.png").stat().st_size > 1000
     assert (out / "checkpoints" / "step_000006").is_dir()
-    second = _shardwise(*common, "--resume", "--training.steps", "8")
+    second = _shardwise(*common, "--training.steps", "8")  # resuming is the default
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "at step 6" in second.stdout
     assert "done: 8 steps" in second.stdout
+    from shardwise.metrics import read_metrics
+
+    train = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert train == list(range(1, 9))  # continued from the resumed step, no row twice
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own errors
+        return e.code
+
+
+def test_bad_input_that_used_to_escape_the_early_checks(corpus, tmp_path, capsys):
+    """Each case: one line, exit 2, and no rank started (nothing written to out_dir)."""
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    base = ["train", "--config", "configs/tiny.toml", "--data", str(corpus)]
+    cases = [
+        (["train", "--config", "configs/tiny.toml", "--data", str(short),
+          "--training.out_dir", str(tmp_path / "r1")],
+         "data.path: " + str(short) + " holds 19 characters: 0 training windows"),
+        (base + ["--training.out_dir", str(a_file / "run")],
+         f"training.out_dir: cannot write to {str(a_file / 'run')!r} (Not a directory)"),
+        (base + ["--training.out_dir", "/sys/shardwise-run"],
+         "training.out_dir: cannot write to '/sys/shardwise-run'"),
+        (base + ["--training.out_dir", str(tmp_path / "r2"), "--checkpoint.dir",
+                 str(a_file / "ck")], "checkpoint.dir: cannot write to"),
+        (base + ["--resume", "--fresh"], "--resume and --fresh exclude each other"),
+        (base + ["--max-restarts", "-1"], "argument --max-restarts: expected a whole number >= 0"),
+    ]
+    for argv, expected in cases:
+        assert _exit_code(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err and expected in err, (argv, err)
+    assert not (tmp_path / "r1" / "metrics.jsonl").exists()
+
+
+def test_resume_below_the_checkpoint_step_is_refused(corpus, tmp_path, capsys):
+    from ddp_workers import tiny_config
+    from fault_workers import train_saving
+
+    out = tmp_path / "run"
+    train_saving(tiny_config(str(corpus), str(out), training={"steps": 4}), at=(4,))
+    argv = ["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+            "--training.out_dir", str(out), "--training.steps", "3"]
+    for extra in ([], ["--resume"]):
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "training.steps=3 is below step 4 of the checkpoint" in err
+    assert main(argv + ["--model.n_embd", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "model.n_embd=32 there, 64 here" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--params", "inf"], "--params inf: expected a finite number >= 1"),
+    (["--params", "nan"], "--params nan: expected a finite number >= 1"),
+    (["--params", "1e6", "--budget-mb", "-3"], "--budget-mb -3: expected a finite number > 0"),
+    (["--params", "lots"], "argument --params: invalid float value: 'lots'"),
+])
+def test_memory_bad_numbers(argv, expected, capsys):
+    assert _exit_code(["memory", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err, err

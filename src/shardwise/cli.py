@@ -4,7 +4,9 @@ Examples::
 
     shardwise train                                   # configs/shakespeare.toml, dp=2 local ranks
     shardwise train --config configs/tiny.toml --parallel.dp 4 --training.steps 50
-    shardwise train --data my.txt --resume            # continue from the latest checkpoint
+    shardwise train --data my.txt                     # resumes if out_dir holds a checkpoint
+    shardwise train --fresh                           # start over; old checkpoints moved aside
+    shardwise train --max-restarts 3                  # restart the local ranks after a failure
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
 
 Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
@@ -14,6 +16,8 @@ the field or file and exits with code 2, before any rank starts.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +29,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
 
 
 def _split_overrides(extra: list[str]) -> dict:
@@ -45,12 +59,32 @@ def _split_overrides(extra: list[str]) -> dict:
     return out
 
 
+def _check_corpus(cfg, n_chars: int) -> None:
+    """The split ``Trainer`` makes (validation tail of ``max(T + 1, n * val_fraction)``
+    characters) must leave one global batch of training windows; else one line, here."""
+    T, G = cfg.model.block_size, cfg.training.global_batch_size
+    n_val = max(T + 1, int(n_chars * cfg.data.val_fraction))
+    windows = max(0, (n_chars - n_val - 1) // T)
+    if windows < G:
+        raise ValueError(f"data.path: {cfg.data.path or 'the corpus'} holds {n_chars:,} characters: "
+                         f"{windows} training windows of model.block_size+1={T + 1} after the "
+                         f"validation split, fewer than training.global_batch_size={G}")
+
+
 def cmd_train(args, extra: list[str]) -> int:
-    from shardwise import checkpoint, launch
+    from shardwise import launch, rundir
     from shardwise.config import Config, ConfigError
     from shardwise.data import DataError, load_text
-    from shardwise.jobs import train_worker
+    from shardwise.errors import RunError
 
+    if args.resume and args.fresh:
+        print("shardwise: error: --resume and --fresh exclude each other", file=sys.stderr)
+        return EXIT_USAGE
+    mode = "fresh" if args.fresh else "resume" if args.resume else "auto"
+    env = launch.rank_env_from_environ()
+    is_rank0 = env is None or env.rank == 0
+    # under torchrun --max-restarts, a restarted gang resumes even if launched with --fresh
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     try:
         overrides = _split_overrides(extra)
         if args.data is not None:
@@ -59,48 +93,99 @@ def cmd_train(args, extra: list[str]) -> int:
         if config_path is None and Path(DEFAULT_CONFIG).is_file():
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
-        load_text(cfg.data.path)  # a missing or unreadable corpus stops us here, not in a rank
-        if args.resume and checkpoint.latest_checkpoint(cfg.checkpoint_dir) is None:
-            raise ConfigError(f"--resume: no complete checkpoint in {str(cfg.checkpoint_dir)!r}")
-        env = launch.rank_env_from_environ()
+        _check_corpus(cfg, len(load_text(cfg.data.path)))  # missing, unreadable or too short
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
                 f"parallel.dp x pp x tp = {cfg.world_size} ranks, but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
         local = env.local_world_size if env is not None else cfg.world_size
-        device, note = launch.pick_device(cfg.training.device, local)  # before any rank starts
-        if note and (env is None or env.rank == 0):
-            print(note, file=sys.stderr)
-    except (ConfigError, DataError, ValueError) as e:
+        device, device_note = launch.pick_device(cfg.training.device, local)  # before any rank
+        plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
+    except (ConfigError, DataError, RunError, ValueError) as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if is_rank0:
+        for note in [device_note] if device_note else []:
+            print(note, file=sys.stderr, flush=True)
+        for note in plan.notes:
+            print(f"shardwise: {note}", file=sys.stderr, flush=True)
+    resume_from = str(plan.resume_from) if plan.resume_from else False
 
-    threads = cfg.training.threads or None
-    if env is not None:  # under torchrun: this process is one rank
-        code = 0
-        try:
-            dev = launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s, threads=threads,
-                                          device=device)
-            train_worker(cfg.model_dump(), args.resume, str(dev))
-        except BaseException:
-            import traceback
+    # plan.lock (the out_dir flock) stays held while this frame lives, i.e. for the whole run
+    if env is not None:  # under torchrun: this process is one rank; torchrun restarts the gang
+        _run_as_torchrun_rank(cfg, env, resume_from, device)
+    return _run_local(cfg, resume_from, args.max_restarts, device)
 
-            traceback.print_exc()
-            code = 1
-        finally:
-            launch.shutdown(clean=code == 0)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        import os
 
-        os._exit(code)  # skip gloo's abort at interpreter exit
+def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> None:
+    """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``."""
+    from shardwise import launch
+    from shardwise.errors import RunError
+    from shardwise.jobs import train_worker
 
+    code = 0
     try:
-        results = launch.spawn(train_worker, cfg.world_size, (cfg.model_dump(), args.resume),
-                               threads=threads, timeout_s=cfg.parallel.timeout_s, device=device)
-    except launch.WorkerError as e:
-        print(f"shardwise: training failed: {e}", file=sys.stderr)
-        return 1
+        dev = launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s,
+                                      threads=cfg.training.threads or None,
+                                      store=launch.elastic_store(env, cfg.parallel.timeout_s),
+                                      device=device)
+        train_worker(cfg.model_dump(), resume_from, str(dev))
+    except RunError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        launch.shutdown(clean=code == 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip gloo's abort at interpreter exit
+
+
+def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "auto") -> int:
+    """Spawn the local ranks; restart them (resuming) up to ``max_restarts`` times after a
+    failure; on SIGTERM / SIGINT stop every rank and exit 128 + signal with one line."""
+    from shardwise import launch, rundir
+    from shardwise.errors import RunError
+    from shardwise.jobs import train_worker
+
+    def _terminate(signum, frame):
+        raise launch.Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    restarts = 0
+    while True:
+        try:
+            results = launch.spawn(train_worker, cfg.world_size, (cfg.model_dump(), resume_from),
+                                   threads=cfg.training.threads or None,
+                                   timeout_s=cfg.parallel.timeout_s, device=device)
+            break
+        except launch.WorkerError as e:
+            if e.fatal:
+                print(f"shardwise: error: {e}", file=sys.stderr)
+                return 1
+            if restarts >= max_restarts:
+                print(f"shardwise: training failed: {e}", file=sys.stderr)
+                return 1
+            restarts += 1
+            print(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
+                  f"{max_restarts}", file=sys.stderr, flush=True)
+            try:
+                again = rundir.prepare(cfg, "auto", restart=True, lock=False)  # ours already
+            except (RunError, ValueError) as e2:
+                print(f"shardwise: error: {e2}", file=sys.stderr)
+                return 1
+            for note in again.notes:
+                print(f"shardwise: {note}", file=sys.stderr, flush=True)
+            resume_from = str(again.resume_from) if again.resume_from else False
+        except (launch.Interrupted, KeyboardInterrupt) as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            print(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
+                  f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
+            return 128 + signum
     s = results[0]
     print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, "
           f"final train loss {s['loss']:.4f}, validation loss {s['val_loss']:.4f} nats/char; "
@@ -136,7 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Any config field can be overridden: --section.field VALUE")
     t.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG})")
     t.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare")
-    t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    t.add_argument("--resume", action="store_true",
+                   help="require a checkpoint to continue from (a run resumes by default when "
+                        "its checkpoint.dir holds one)")
+    t.add_argument("--fresh", action="store_true",
+                   help="start at step 0: move old checkpoints and metrics aside (never deleted)")
+    t.add_argument("--max-restarts", type=_non_negative, default=0, metavar="N",
+                   help="restart the local ranks up to N times after a failure, resuming")
     t.set_defaults(func=cmd_train)
     b = sub.add_parser("bench", help="benchmarks: comm", add_help=False)
     b.add_argument("what", help="which benchmark (comm)")
@@ -153,7 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    return args.func(args, extra)
+    try:
+        return args.func(args, extra)
+    except KeyboardInterrupt:  # Ctrl-C outside a run (while importing, checking): one line
+        print("shardwise: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -13,10 +15,12 @@ from shardwise.topology import Topology, init_process_groups
 from shardwise.trainer import describe_layout
 
 
-def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = None) -> dict:
+def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | None = None) -> dict:
     """Build topology and trainer on this rank, train, write outputs; returns the summary.
 
-    Expects ``torch.distributed`` to be initialised with ``dp * pp * tp`` ranks.
+    ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
+    newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
+    be initialised with ``dp * pp * tp`` ranks.
     """
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
@@ -26,7 +30,10 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     # the device of the process group's backend: CUDA with NCCL, else the CPU
     device = torch.device(device_str) if device_str else comm_check.group_device(None)
     tokenizer = None
-    latest = checkpoint.latest_checkpoint(cfg.checkpoint_dir) if resume else None
+    if isinstance(resume, str):
+        latest = Path(resume)
+    else:
+        latest = checkpoint.find_resumable(cfg.checkpoint_dir)[0] if resume else None
     if latest is not None:
         tokenizer = CharTokenizer.from_state_dict(checkpoint.read_meta(latest)["tokenizer"])
     from shardwise.trainer import Trainer
@@ -44,7 +51,8 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     if latest is not None:
         trainer.resume(latest)
         if topology.rank == 0:
-            print(f"shardwise: resumed from {latest} at step {trainer.step}", flush=True)
+            print(f"shardwise: resumed from {latest} at step {trainer.step} "
+                  "(--fresh starts over, keeping the old checkpoints)", flush=True)
     summary = trainer.fit()
     trainer.finish()
     return summary

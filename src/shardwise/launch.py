@@ -10,6 +10,18 @@ Two ways in, one code path after ``init_distributed``:
       torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
                --rdzv-endpoint 127.0.0.1:29500 -m shardwise train --parallel.dp 2
 
+Local runs are safe by default:
+
+- the rendezvous store (a ``TCPStore``) is hosted by the launcher on a socket bound to
+  127.0.0.1 (handed to the store with ``master_listen_fd``), and gloo's own sockets are
+  bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``,
+  unless set): nothing listens on another interface. Each ``spawn`` gets a fresh store
+  and port, so a restarted gang never meets a stale peer. Under torchrun, its store is used.
+- every rank asks the kernel to SIGKILL it when the launcher dies (``prctl(PR_SET_PDEATHSIG)``),
+  and ignores SIGINT (Ctrl-C reaches the whole terminal's process group): the launcher alone
+  decides, terminates the ranks, and prints one line. ``kill -9`` of the launcher leaves no
+  rank behind.
+
 Each rank gets ``max(1, cores // local_world_size)`` torch threads so ranks do not fight
 over cores. gloo can abort at interpreter exit after all work is done ("terminate called
 without an active exception"), so a worker ends with ``destroy_process_group()`` and then
@@ -18,8 +30,10 @@ without an active exception"), so a worker ends with ``destroy_process_group()``
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
+import signal
 import socket
 import sys
 import time
@@ -49,7 +63,21 @@ class RankEnv:
 
 
 class WorkerError(RuntimeError):
-    """A spawned rank failed; the message carries that rank's traceback."""
+    """A spawned rank failed; the message carries that rank's traceback, or one line when
+    the rank raised a ``RunError`` (then ``fatal`` is true: a restart would fail the same way)."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
+
+
+class Interrupted(BaseException):
+    """The launcher received SIGTERM or SIGINT; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 def rank_env_from_environ(environ=os.environ) -> RankEnv | None:
@@ -85,6 +113,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """A rendezvous store served by this process on 127.0.0.1 only, on a fresh port
+    (``store.port``). The socket is bound here, so no other interface ever listens."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+
+
+def elastic_store(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Under torchrun (its agent serves the store): a client of that store whose keys are
+    prefixed by ``TORCHELASTIC_RESTART_COUNT``, else ``None``.
+
+    torch reuses the agent's store across restarts without a per-attempt prefix, so a
+    restarted gang's gloo ``connectFullMesh`` can read a dead peer's address from the
+    previous attempt and hang or be refused; a fresh prefix per attempt gives it fresh keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                         timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"shardwise/attempt_{attempt}/", base)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies; exit now if it
+    already has (the launcher was killed while this process was starting). The kernel
+    watches the thread that started the process, so ``spawn`` belongs on a thread that
+    lives as long as the ranks (the main thread, in the CLI)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 class DeviceError(ValueError):
     """The requested device cannot serve this many local ranks (one line, names the field)."""
 
@@ -100,9 +167,7 @@ def pick_device(requested: str, local_ranks: int, gpus: int | None = None) -> tu
     if requested == "cpu":
         return "cpu", None
     if gpus >= local_ranks:
-        if gpus == 0:  # auto without any GPU
-            return "cpu", None
-        return "cuda", None
+        return ("cuda", None) if gpus else ("cpu", None)
     why = (f"{local_ranks} local ranks but {gpus} GPU{'s' if gpus != 1 else ''} "
            "(NCCL refuses two ranks on one GPU)")
     if requested == "cuda":
@@ -115,15 +180,16 @@ def pick_device(requested: str, local_ranks: int, gpus: int | None = None) -> tu
 
 
 def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     threads: int | None = None, device: str = "auto") -> torch.device:
+                     threads: int | None = None, store=None,
+                     device: str = "auto") -> torch.device:
     """Set threads, pick backend (NCCL on CUDA, gloo on the CPU), join the process group.
 
-    ``device``: "cpu", "cuda" or "auto" (``pick_device``). Returns the device this rank
-    computes on.
+    ``store``: an already connected rendezvous store (local runs); ``None`` rendezvouses at
+    ``tcp://MASTER_ADDR:MASTER_PORT`` (torchrun). ``device``: "cpu", "cuda" or "auto"
+    (``pick_device``). Returns the device this rank computes on.
     """
     torch.set_num_threads(threads or threads_per_rank(env.local_world_size))
-    kind, _ = pick_device(device, env.local_world_size)
-    if kind == "cuda":
+    if pick_device(device, env.local_world_size)[0] == "cuda":
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -131,13 +197,10 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        where = ({"store": store} if store is not None
+                 else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"})
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s), **where)
     return device
 
 
@@ -161,16 +224,31 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
-            conn, threads: int | None, timeout_s: float, device: str = "cpu") -> None:
+            conn, threads: int | None, timeout_s: float, parent_pid: int,
+            device: str = "cpu") -> None:
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+    from shardwise.errors import RunError
+
     code = 0
     try:
         env = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        init_distributed(env, timeout_s=timeout_s, threads=threads, device=device)
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # listen on loopback only
+            os.environ.setdefault(var, "lo")
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        init_distributed(env, timeout_s=timeout_s, threads=threads, store=store, device=device)
         result = fn(*args)
         conn.send(("ok", _to_bytes(result)))
+    except RunError as e:  # one line for the user; no restart would help
+        code = 1
+        try:
+            conn.send(("fatal", str(e)))
+        except Exception:
+            pass
     except BaseException:  # report everything, including SystemExit from a worker
         code = 1
         try:
@@ -196,27 +274,32 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     ``fn`` must be importable (module-level). Results travel back through ``torch.save``
     and are loaded with ``weights_only=True``: return tensors, numbers, strings, lists and
     dicts. Raises ``WorkerError`` with the first failing rank's traceback; the other ranks
-    are terminated so nothing hangs. ``device``: as ``init_distributed``; "auto" falls back
-    to the CPU when there are fewer GPUs than ranks. Raises ``DeviceError`` for "cuda"
-    without enough GPUs, before any rank starts.
+    are terminated so nothing hangs. Any exception in the launcher itself (``Interrupted``,
+    ``KeyboardInterrupt``) also terminates every rank before it propagates. ``device``: as
+    ``init_distributed``; "auto" falls back to the CPU when there are fewer GPUs than ranks.
+    Raises ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
     """
     device, _ = pick_device(device, world_size)
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store = loopback_store(timeout_s)  # fresh port per call: a restart meets no stale peer
+    port = store.port
     pipes, procs = [], []
-    for rank in range(world_size):
-        parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child, threads,
-                                              timeout_s, device), daemon=False)
-        p.start()
-        child.close()
-        pipes.append(parent)
-        procs.append(p)
     results: list = [None] * world_size
-    pending = {pipes[r]: r for r in range(world_size)}
     deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
     error: str | None = None
+    fatal = False
+    clean = False
     try:
+        for rank in range(world_size):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child,
+                                                  threads, timeout_s, os.getpid(), device),
+                            daemon=False)
+            procs.append(p)
+            p.start()
+            child.close()
+            pipes.append(parent)
+        pending = {pipes[r]: r for r in range(world_size)}
         while pending and error is None:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = connection.wait(list(pending), timeout=remaining)
@@ -233,18 +316,24 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
                     break
                 if status == "ok":
                     results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+                elif status == "fatal":
+                    error, fatal = f"rank {rank}: {payload}", True
+                    break
                 else:
                     error = f"rank {rank} failed:\n{payload}"
                     break
-    finally:
-        for p in procs:
-            if error is not None and p.is_alive():
+        clean = error is None
+    finally:  # also on Interrupted / KeyboardInterrupt in this process: no rank outlives us
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
+            if not clean and p.is_alive():
                 p.terminate()
-        for p in procs:
-            p.join(30)
+        for p in started:
+            p.join(30 if clean else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store
     if error is not None:
-        raise WorkerError(error)
+        raise WorkerError(error, fatal=fatal)
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,27 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Keep only the rows of ``path`` at or before ``step`` (a resumed run appends after
+    them, so no step appears twice); rewritten atomically. Returns the rows dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a row cut short by a crash
+            pass
+    if len(keep) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

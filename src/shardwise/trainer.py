@@ -22,6 +22,7 @@ from shardwise import comm
 from shardwise.config import Config
 from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
 from shardwise.engine import Engine, EngineSettings
+from shardwise.errors import NonFiniteLossError
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPTConfig
 from shardwise.topology import Topology
@@ -132,6 +133,10 @@ class Trainer(TrainerState):
             t0 = time.perf_counter()
             info = self.train_step()
             dt = time.perf_counter() - t0
+            if not math.isfinite(info["loss"]):  # every rank sees the same (dp-mean) loss
+                raise NonFiniteLossError(
+                    f"training loss is {info['loss']} at step {self.step}: stopped; nothing of "
+                    "this step is saved (lower optimizer.lr or check the data)")
             rec = {"kind": "train", "step": self.step, **info, "tokens_per_s": tokens_per_step / dt,
                    "step_s": dt}
             if self.step % t.log_every == 0 or self.step == t.steps:

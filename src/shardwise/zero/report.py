@@ -14,6 +14,7 @@ With ``--params`` only, the formulas of Rajbhandari et al. for dp alone (stage 0
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from shardwise.zero.memory import predicted_bytes
@@ -88,7 +89,9 @@ def _layout_table(args, stages: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="shardwise memory", description=__doc__.split("\n\n")[0])
+    from shardwise.cli import _Parser  # one-line errors, exit 2
+
+    ap = _Parser(prog="shardwise memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="TOML config whose model is measured")
     ap.add_argument("--params", type=float, default=None, help="parameter count P (formulas only)")
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
@@ -108,9 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise memory: error: --stages {args.stages!r}: expected stages 0-3, "
               "comma-separated", file=sys.stderr)
         return 2
-    if args.dp < 1 or (args.params is not None and args.params < 1):
-        print("shardwise memory: error: --dp and --params must be positive", file=sys.stderr)
+    if args.dp < 1:
+        print(f"shardwise memory: error: --dp {args.dp}: expected a whole number >= 1",
+              file=sys.stderr)
         return 2
+    for flag, value, least in (("--params", args.params, 1.0), ("--budget-mb", args.budget_mb, 0.0)):
+        if value is not None and not (math.isfinite(value) and value >= least and value > 0):
+            print(f"shardwise memory: error: {flag} {value:g}: expected a finite number "
+                  f"{'>= 1' if least else '> 0'}", file=sys.stderr)
+            return 2
     if args.params is not None and args.measure:
         print("shardwise memory: error: --measure needs a model (--config), not --params",
               file=sys.stderr)

@@ -1,0 +1,192 @@
+"""Loading never runs code; damaged checkpoints are stepped over; non-finite values are never
+saved; one live run per directory; --fresh keeps the old checkpoints."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from ddp_workers import tiny_config
+from fault_workers import train_saving, trainer_for
+
+from conftest import REPO
+from shardwise import checkpoint, rundir
+from shardwise.checkpoint.integrity import write_manifest
+from shardwise.checkpoint.reader import safe_read_metadata
+from shardwise.cli import main
+from shardwise.config import Config
+from shardwise.errors import CheckpointError, NonFiniteLossError
+from shardwise.metrics import read_metrics
+
+
+class _Evil:
+    """What an attacker pickles: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture
+def saved(corpus, tmp_path):
+    """A single-process run of 4 steps with checkpoints at steps 2 and 4."""
+    cfg = tiny_config(str(corpus), str(tmp_path / "run"), training={"steps": 4})
+    final = train_saving(cfg, at=(2, 4))
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step_000002", "step_000004"]
+    return cfg, root, final
+
+
+def _craft(path, payload, marker):
+    """Replace ``path/.metadata`` by ``payload`` and re-sign the manifest, so the checksums
+    pass and only the unpickler stands between the file and os.system."""
+    (path / ".metadata").write_bytes(payload)
+    write_manifest(path)
+    assert not marker.exists()
+
+
+def _nested_payload(path, marker) -> bytes:
+    md = safe_read_metadata((path / ".metadata").read_bytes(), "real")
+    key = next(iter(md.state_dict_metadata))
+    md.state_dict_metadata[key] = _Evil(marker)  # deep inside a genuine Metadata
+    return pickle.dumps(md)
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_crafted_metadata_is_refused_and_runs_nothing(saved, tmp_path, where):
+    cfg, root, _ = saved
+    marker = tmp_path / "pwned"
+    latest = root / "step_000004"
+    payload = (pickle.dumps(_Evil(marker)) if where == "top" else _nested_payload(latest, marker))
+    _craft(latest, payload, marker)
+    trainer = trainer_for(cfg)
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match=r"refused to load.*posix\.system"):
+        trainer.resume(latest)
+    with pytest.raises(checkpoint.UnsafeCheckpointError):
+        checkpoint.find_resumable(root)  # no silent fallback past a crafted file
+    assert not marker.exists()
+
+
+def test_cli_refuses_crafted_checkpoint_in_one_line(saved, corpus, tmp_path):
+    cfg, root, _ = saved
+    marker = tmp_path / "pwned"
+    _craft(root / "step_000004", pickle.dumps(_Evil(marker)), marker)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", "train", "--config", "configs/tiny.toml", "--data",
+         str(corpus), "--training.out_dir", str(tmp_path / "run"), "--parallel.dp", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "\n" not in err and "Traceback" not in err and "refused to load" in err, err
+    assert not marker.exists()
+
+
+def test_metadata_pointing_outside_the_checkpoint_is_refused(saved):
+    cfg, root, _ = saved
+    latest = root / "step_000004"
+    md = safe_read_metadata((latest / ".metadata").read_bytes(), "real")
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../../../etc/passwd"
+    (latest / ".metadata").write_bytes(pickle.dumps(md))
+    write_manifest(latest)
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="not a data file"):
+        trainer_for(cfg).resume(latest)
+
+
+@pytest.mark.parametrize("damage", ["overwrite", "truncate"])
+def test_damaged_latest_falls_back_to_previous(saved, damage):
+    cfg, root, final = saved
+    data = next((root / "step_000004").glob("*.distcp"))
+    if damage == "overwrite":  # 4 KiB of 0xff in the middle, size unchanged
+        with open(data, "r+b") as f:
+            f.seek(data.stat().st_size // 2)
+            f.write(b"\xff" * 4096)
+    else:
+        os.truncate(data, data.stat().st_size // 3)
+    with pytest.raises(checkpoint.IntegrityError):
+        trainer_for(cfg).resume(root / "step_000004")
+    path, skipped = checkpoint.find_resumable(root)
+    assert path.name == "step_000002"
+    assert len(skipped) == 1 and "\n" not in skipped[0] and data.name in skipped[0]
+    assert ("damaged" if damage == "overwrite" else "truncated") in skipped[0]
+    trainer = trainer_for(cfg)
+    trainer.resume(path)
+    while trainer.step < 4:
+        trainer.train_step()
+    for name, p in trainer.model.named_parameters():  # same as the run that saved it
+        assert torch.equal(p, final[name]), name
+    (root / "step_000002" / "checksums.json").unlink()  # e.g. written by an older shardwise
+    assert checkpoint.find_resumable(root)[0] is None
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint .*step_000004.*--fresh"):
+        rundir.prepare(Config.from_dict(cfg), "auto")  # never a silent start over them
+
+
+def test_non_finite_weights_are_never_saved_and_stop_the_run(saved):
+    cfg, root, _ = saved
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+    trainer = trainer_for(dict(cfg, training=dict(cfg["training"], steps=6)))
+    trainer.resume()
+    with torch.no_grad():
+        next(trainer.model.parameters())[0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"refused to save step 4: non-finite values in model\."):
+        trainer.save_checkpoint()
+    with pytest.raises(NonFiniteLossError, match="training loss is nan at step 5"):
+        trainer.fit()
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()} == before
+    assert [p.name for p in root.iterdir()] == ["step_000002", "step_000004"] or \
+        sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_second_live_run_on_a_directory_is_refused(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    held = rundir.acquire_lock(out)  # as a live launcher holds it
+    argv = ["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+            "--training.out_dir", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is in use by a live run (pid" in err
+    held.close()
+    # a holder killed with SIGKILL leaves no stale lock: the kernel drops flock locks
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'src')!r}); from shardwise import rundir; "
+            f"from pathlib import Path; held = rundir.acquire_lock(Path({str(out)!r})); "
+            "print('locked', flush=True); import time; time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(rundir.RunDirError):
+        rundir.acquire_lock(out)
+    holder.kill()
+    holder.wait()
+    rundir.acquire_lock(out).close()
+
+
+def test_resume_by_default_truncates_metrics_and_fresh_moves_aside(saved, tmp_path):
+    cfg_dict, root, _ = saved
+    cfg = Config.from_dict(dict(cfg_dict, training=dict(cfg_dict["training"], steps=8)))
+    metrics = tmp_path / "run" / "metrics.jsonl"  # rows beyond the checkpoint: a crashed run
+    metrics.write_text("".join(json.dumps({"kind": "train", "step": s}) + "\n" for s in range(1, 7)))
+    plan = rundir.prepare(cfg, "auto")
+    plan.lock.close()
+    assert plan.resume_from.name == "step_000004"
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2, 3, 4]
+    with pytest.raises(rundir.RunDirError, match="training.steps=3 is below step 4"):
+        rundir.prepare(Config.from_dict(cfg_dict | {"training": dict(cfg_dict["training"],
+                                                                     steps=3)}), "auto")
+    small = dict(cfg_dict, model=dict(cfg_dict["model"], n_layer=3))
+    with pytest.raises(rundir.RunDirError, match="model.n_layer=2 there, 3 here"):
+        rundir.prepare(Config.from_dict(small), "auto")
+    other = dict(cfg_dict, data={"path": str(tmp_path / "other.txt")})
+    with pytest.raises(rundir.RunDirError, match="cannot resume .*: data.path="):
+        rundir.prepare(Config.from_dict(other), "auto")
+    files = sorted(p.relative_to(root) for p in root.rglob("*"))
+    plan = rundir.prepare(cfg, "fresh")
+    plan.lock.close()
+    assert plan.resume_from is None and not root.exists() and not metrics.exists()
+    (moved,) = (tmp_path / "run").glob("checkpoints.before-*")
+    assert sorted(p.relative_to(moved) for p in moved.rglob("*")) == files  # nothing deleted
+    assert len(list((tmp_path / "run").glob("metrics.before-*.jsonl"))) == 1

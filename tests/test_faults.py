@@ -1,0 +1,157 @@
+"""Faults: the launcher killed (SIGTERM, SIGKILL, Ctrl-C) leaves no rank alive; a rank killed
+under --max-restarts (ours or torchrun's) ends in a finished run equal to an uninterrupted one."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fault_workers import alive, children_of, listening_sockets, rank_sockets, raise_run_error
+
+from conftest import REPO
+from shardwise import checkpoint, launch
+from shardwise.metrics import read_metrics
+
+
+def _train(corpus, out, *extra, **popen):
+    cmd = [sys.executable, "-m", "shardwise", "train", "--config", "configs/tiny.toml",
+           "--data", str(corpus), "--training.out_dir", str(out), "--training.threads", "1",
+           "--training.sample_chars", "0", "--training.progress", "false", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _last_step(metrics: Path) -> int:
+    if not metrics.is_file():
+        return 0
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+    return max((r["step"] for r in rows if r["kind"] == "train"), default=0)
+
+
+def _wait_for_step(proc, metrics: Path, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        if _last_step(metrics) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _ranks(launcher_pid: int) -> list[int]:
+    """The launcher's children that are ranks (multiprocessing spawn children)."""
+    out = []
+    for pid in children_of(launcher_pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_killing_the_launcher_leaves_no_rank(corpus, tmp_path):
+    """Three dp=2 launchers at once (starting processes is the slow part here), ended by
+    SIGTERM, SIGKILL and a SIGINT to the whole process group (what Ctrl-C in a terminal
+    sends): 10 s later no rank of any of them is alive."""
+    hows = ("SIGTERM", "SIGKILL", "SIGINT")
+    procs = {how: _train(corpus, tmp_path / how, "--training.steps", "100000",
+                         start_new_session=True) for how in hows}
+    for how in hows:
+        _wait_for_step(procs[how], tmp_path / how / "metrics.jsonl", 2)
+    children = {how: children_of(p.pid) for how, p in procs.items()}
+    for how in hows:
+        assert len(_ranks(procs[how].pid)) == 2, how
+    os.kill(procs["SIGTERM"].pid, signal.SIGTERM)
+    os.kill(procs["SIGKILL"].pid, signal.SIGKILL)
+    os.killpg(procs["SIGINT"].pid, signal.SIGINT)  # launcher and ranks alike
+    errs = {how: p.communicate(timeout=30)[1] for how, p in procs.items()}
+    deadline = time.monotonic() + 10
+    while any(alive(c) for cs in children.values() for c in cs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for how in hows:
+        assert not [c for c in children[how] if alive(c)], f"a rank outlived its launcher ({how})"
+    assert procs["SIGKILL"].returncode == -signal.SIGKILL
+    for how, code in (("SIGTERM", 143), ("SIGINT", 130)):
+        err = errs[how]
+        assert procs[how].returncode == code, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith(f"shardwise: stopped by {how}: every rank ended")
+        assert "Traceback" not in err and err.count("\n") <= 2, err[-2000:]
+
+
+def test_run_errors_come_back_as_one_line_and_are_not_retried():
+    """A ``RunError`` in a rank (a NaN loss, a refused checkpoint) reaches the launcher as one
+    line marked fatal, which ``--max-restarts`` does not retry: it would fail again."""
+    with pytest.raises(launch.WorkerError) as err:
+        launch.spawn(raise_run_error, 2, threads=1)
+    assert err.value.fatal
+    assert "\n" not in str(err.value) and "training loss is nan at step 3" in str(err.value)
+
+
+def test_local_runs_listen_on_loopback_only():
+    store = launch.loopback_store()
+    assert ("127.0.0.1", store.port) in listening_sockets(os.getpid())
+    assert all(addr == "127.0.0.1" for addr, port in listening_sockets(os.getpid())
+               if port == store.port)
+    del store
+    results = launch.spawn(rank_sockets, 2, threads=1)  # the store, gloo's pairs: all loopback
+    for r in results:
+        assert r["sum"] == 2.0 and r["listening"]
+        assert {addr for addr, _ in r["listening"]} == {"127.0.0.1"}, r["listening"]
+
+
+def _torchrun(corpus, out, *extra):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "shardwise",  # port 0: no race
+           "train", "--config", "configs/tiny.toml", "--data", str(corpus), "--training.out_dir",
+           str(out), "--training.threads", "1", "--training.sample_chars", "0",
+           "--training.progress", "false", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_restarts_resume_to_the_uninterrupted_result(corpus, tmp_path):
+    """A rank SIGKILLed mid-run, under ``shardwise train --max-restarts 1`` and under
+    ``torchrun --max-restarts 1``: both finish with the uninterrupted run's parameters."""
+    args = ("--training.steps", "300", "--checkpoint.every", "40", "--checkpoint.keep", "2")
+    straight = _train(corpus, tmp_path / "straight", *args)
+    local = _train(corpus, tmp_path / "local", *args, "--max-restarts", "1")
+    elastic = _torchrun(corpus, tmp_path / "torchrun", *args)
+    pending = {"local": local, "torchrun": elastic}
+    deadline = time.monotonic() + 180
+    while pending and time.monotonic() < deadline:  # both run at once: kill each at step >= 90
+        for run, proc in list(pending.items()):
+            if proc.poll() is not None:
+                out = proc.communicate()
+                raise AssertionError(f"{run} ended before a rank was killed: "
+                                     f"{''.join(x or '' for x in out)[-3000:]}")
+            if _last_step(tmp_path / run / "metrics.jsonl") >= 90:
+                ranks = _ranks(proc.pid) if run == "local" else children_of(proc.pid)
+                assert len(ranks) == 2
+                os.kill(max(ranks), signal.SIGKILL)
+                del pending[run]
+        time.sleep(0.05)
+    assert not pending, f"{list(pending)} never reached step 90"
+    out, err = local.communicate(timeout=300)
+    assert local.returncode == 0, err[-3000:]
+    assert "restart 1 of 1" in err and "resumed from" in out, err[-3000:]
+    log = elastic.communicate(timeout=300)[0]
+    assert elastic.returncode == 0, log[-3000:]
+    assert "resumed from" in log, log[-3000:]  # only a restarted gang finds a checkpoint
+    assert straight.wait(timeout=300) == 0
+    final = {run: checkpoint.read_tensors(tmp_path / run / "checkpoints" / "step_000300", "model.")
+             for run in ("straight", "local", "torchrun")}
+    assert final["straight"]
+    for run in ("local", "torchrun"):
+        assert final[run].keys() == final["straight"].keys()
+        for name, t in final["straight"].items():
+            assert torch.equal(final[run][name], t), (run, name)
+        steps = [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")
+                 if r["kind"] == "train"]
+        assert steps == list(range(1, 301)), run  # no duplicate rows after the restart
