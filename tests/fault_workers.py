@@ -84,11 +84,9 @@ def alive(pid: int) -> bool:
 def trainer_for(cfg_dict: dict):
     """A single-process ``Trainer`` (no torch.distributed) for ``cfg_dict``."""
     from shardwise.config import Config
-    from shardwise.topology import Topology
-    from shardwise.trainer import Trainer
+    from shardwise.trainer import build_trainer
 
-    cfg = Config.from_dict(cfg_dict)
-    return Trainer(cfg, Topology.build(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.tp))
+    return build_trainer(Config.from_dict(cfg_dict))
 
 
 def train_saving(cfg_dict: dict, at: tuple[int, ...]) -> dict:
@@ -99,7 +97,7 @@ def train_saving(cfg_dict: dict, at: tuple[int, ...]) -> dict:
         trainer.train_step()
         if trainer.step in at:
             trainer.save_checkpoint()
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.engine.named_parameters()}
 
 
 def raise_run_error() -> None:

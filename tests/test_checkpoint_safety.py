@@ -118,7 +118,7 @@ def test_damaged_latest_falls_back_to_previous(saved, damage):
     trainer.resume(path)
     while trainer.step < 4:
         trainer.train_step()
-    for name, p in trainer.model.named_parameters():  # same as the run that saved it
+    for name, p in trainer.engine.named_parameters():  # same as the run that saved it
         assert torch.equal(p, final[name]), name
     (root / "step_000002" / "checksums.json").unlink()  # e.g. written by an older shardwise
     assert checkpoint.find_resumable(root)[0] is None
@@ -132,7 +132,7 @@ def test_non_finite_weights_are_never_saved_and_stop_the_run(saved):
     trainer = trainer_for(dict(cfg, training=dict(cfg["training"], steps=6)))
     trainer.resume()
     with torch.no_grad():
-        next(trainer.model.parameters())[0, 0] = float("nan")
+        trainer.engine.named_parameters()[0][1][0, 0] = float("nan")
     with pytest.raises(CheckpointError, match=r"refused to save step 4: non-finite values in model\."):
         trainer.save_checkpoint()
     with pytest.raises(NonFiniteLossError, match="training loss is nan at step 5"):

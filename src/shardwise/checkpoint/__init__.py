@@ -219,11 +219,3 @@ def _refuse_non_finite(tensors: dict[str, Any], step: int) -> None:
         where = f"{bad} on rank {_rank()}" if bad else "another rank's tensors"
         raise CheckpointError(f"refused to save step {step}: non-finite values in {where}; "
                               "the previous checkpoints are kept")
-
-
-def _leaves(tree: Any):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, torch.Tensor):
-        yield tree

@@ -13,7 +13,6 @@ With ``--params`` only, the formulas of Rajbhandari et al. for dp alone (stage 0
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
