@@ -1,0 +1,132 @@
+"""Training with a parameter server: the per-rank entry point and the worker's loop.
+
+Ranks ``0..S-1`` are servers, ``S..S+W-1`` workers (``ps.servers``, ``ps.workers``). Every
+rank builds the GPT from ``training.seed`` (so servers and workers start from the same
+weights) and the key-range partition. Worker w trains on slice w of each global batch of
+``DistributedBatchSampler`` (the same global batches one process would draw), so under BSP
+the mean of the workers' gradients is the full-batch gradient and training equals
+synchronous data parallelism. Run with::
+
+    shardwise train --parallel.mode ps --ps.servers 2 --ps.workers 2 --ps.consistency ssp \\
+        --ps.staleness 2 --optimizer.grad_clip 0
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+from shardwise.config import Config
+from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
+from shardwise.metrics import MetricsLog
+from shardwise.models import GPT, GPTConfig
+from shardwise.param_server.partition import partition
+from shardwise.param_server.server import Server
+from shardwise.param_server.worker import Worker
+
+
+def _data_and_model(cfg: Config, device: torch.device):
+    text = load_text(cfg.data.path)
+    tok = CharTokenizer.from_text(text)
+    tokens = tok.encode(text)
+    n_val = max(cfg.model.block_size + 1, int(len(tokens) * cfg.data.val_fraction))
+    m = cfg.model
+    torch.manual_seed(cfg.training.seed)
+    model = GPT(GPTConfig(vocab_size=m.vocab_size or tok.vocab_size, block_size=m.block_size,
+                          n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                          dropout=m.dropout, bias=m.bias, tie_weights=m.tie_weights)).to(device)
+    return tokens[:-n_val], tokens[-n_val:], model
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val_tokens: torch.Tensor, cfg: Config,
+             device: torch.device) -> float:
+    """Mean validation loss (nats/char) over the first ``eval_batches`` global batches of
+    held-out windows (the trainer's windows with dp = 1)."""
+    t, T = cfg.training, cfg.model.block_size
+    n_windows = (len(val_tokens) - 1) // T
+    idx = torch.arange(min(n_windows, t.eval_batches * t.global_batch_size))
+    w = val_tokens[idx[:, None] * T + torch.arange(T + 1)[None, :]].to(device)
+    model.eval()
+    losses = [model(xb, yb)[1].item() for xb, yb in
+              zip(w[:, :-1].split(t.global_batch_size), w[:, 1:].split(t.global_batch_size))]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run_worker(cfg: Config, index: int, device: torch.device) -> dict:
+    """Worker ``index``'s loop: pull, forward/backward on its shard, push; ``training.steps``
+    clocks. Returns its losses and wall-clock times (worker 0 also the final weights and
+    validation loss)."""
+    ps, t = cfg.ps, cfg.training
+    train_tokens, val_tokens, model = _data_and_model(cfg, device)
+    part = partition(model, ps.servers)
+    worker = Worker(index, model, part, list(range(ps.servers)))
+    torch.manual_seed(t.seed + 1000 * (index + 1))  # dropout streams differ per worker
+    sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size, t.global_batch_size,
+                                      index, ps.workers, seed=t.seed)
+    slow = ps.slow()
+    factor = slow[1] if slow is not None and slow[0] == index else 1.0
+    clip = cfg.optimizer.grad_clip
+    metrics = MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=index == 0)
+    losses, times, waits = [], [], []
+    started = time.perf_counter()
+    for clock in range(t.steps):
+        t0 = time.perf_counter()
+        worker.pull(clock)
+        t1 = time.perf_counter()
+        x, y = sampler.next_batch()
+        worker.grad.zero_()
+        _, loss = model(x.to(device), y.to(device))
+        loss.backward()
+        if clip > 0:  # each worker clips its own gradient (no global norm across workers)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if factor > 1.0:  # the straggler knob: this worker's compute takes factor x as long
+            time.sleep((factor - 1.0) * (time.perf_counter() - t1))
+        worker.push(clock)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - started)
+        waits.append(t1 - t0)
+        if (clock + 1) % t.log_every == 0 or clock + 1 == t.steps:
+            metrics.write({"kind": "train", "step": clock + 1, "loss": losses[-1],
+                           "time_s": times[-1], "pull_wait_s": t1 - t0})
+    worker.finish(t.steps, final=index == 0)
+    out = {"role": "worker", "index": index, "losses": losses, "times": times,
+           "pull_wait_s": waits, "elapsed_s": time.perf_counter() - started, "step": t.steps,
+           "loss": losses[-1]}
+    if index == 0:
+        out["val_loss"] = evaluate(model, val_tokens, cfg, device)
+        metrics.write({"kind": "val", "step": t.steps, "val_loss": out["val_loss"]})
+        out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def run_server(cfg: Config, index: int, device: torch.device) -> dict:
+    ps = cfg.ps
+    _, _, model = _data_and_model(cfg, device)
+    part = partition(model, ps.servers)
+    values = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    del model
+    server = Server(index, part, values, [ps.servers + w for w in range(ps.workers)],
+                    ps.consistency, ps.staleness or 0, ps.optimizer, cfg.optimizer,
+                    cfg.training.steps, ps.momentum)
+    return server.serve()
+
+
+def train_rank(cfg_dict: dict, device: torch.device | None = None) -> dict:
+    """Entry point of every rank of a parameter-server job (``torch.distributed`` is up
+    with ``ps.servers + ps.workers`` ranks)."""
+    cfg = Config.from_dict(cfg_dict)
+    if dist.get_world_size() != cfg.world_size:
+        raise ValueError(f"ps.servers + ps.workers = {cfg.world_size} ranks, but the job has "
+                         f"{dist.get_world_size()}")
+    comm.configure(timeout_s=cfg.parallel.timeout_s)
+    device = device or torch.device("cpu")
+    rank = dist.get_rank()
+    if rank < cfg.ps.servers:
+        return run_server(cfg, rank, device)
+    return run_worker(cfg, rank - cfg.ps.servers, device)

@@ -1,0 +1,66 @@
+"""Rank functions and the one-process reference for the parameter-server tests."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.config import Config
+
+
+def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency: str = "bsp",
+              staleness: int | None = None, optimizer: str = "adamw", steps: int = 5,
+              slow_worker: str | None = None) -> dict:
+    cfg = {
+        "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32},
+        "data": {"path": corpus},
+        "parallel": {"mode": "ps"},
+        "ps": {"servers": servers, "workers": workers, "consistency": consistency,
+               "staleness": staleness, "optimizer": optimizer, "slow_worker": slow_worker},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
+        "training": {"steps": steps, "global_batch_size": 24, "eval_every": 0, "log_every": 1,
+                     "out_dir": out_dir, "sample_chars": 0, "progress": False, "eval_batches": 1},
+        "checkpoint": {"every": 0, "at_end": False},
+    }
+    return Config.from_dict(cfg).model_dump()
+
+
+def reference(cfg_dict: dict) -> dict:
+    """One process on the whole global batch of every step, torch's optimizer on the whole
+    model: what BSP must equal."""
+    from shardwise.data import DistributedBatchSampler
+    from shardwise.param_server.optim import lr_at, make_optimizer
+    from shardwise.param_server.training import _data_and_model
+
+    cfg = Config.from_dict(cfg_dict)
+    train_tokens, _, model = _data_and_model(cfg, torch.device("cpu"))
+    params = list(model.parameters())
+    opt = make_optimizer(cfg.ps.optimizer, params, cfg.optimizer, cfg.ps.momentum)
+    t = cfg.training
+    sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size, t.global_batch_size,
+                                      0, 1, seed=t.seed)
+    losses = []
+    for step in range(t.steps):
+        x, y = sampler.next_batch()
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg.optimizer, t.steps)
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def run_cases(cfg_dicts: list[dict]) -> list[dict]:
+    """Several parameter-server jobs one after another on the same ranks (one spawn)."""
+    import torch.distributed as dist
+
+    from shardwise.param_server import train_rank
+
+    out = []
+    for cfg in cfg_dicts:
+        res = train_rank(cfg)
+        res.pop("times", None)
+        out.append(res)
+        dist.barrier()
+    return out
