@@ -60,12 +60,15 @@ def cmd_train(args, extra: list[str]) -> int:
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
         load_text(cfg.data.path)  # a missing or unreadable corpus stops us here, not in a rank
+        if args.resume and cfg.parallel.mode == "ps":
+            raise ConfigError("--resume: parallel.mode=ps has no checkpoints yet")
         if args.resume and checkpoint.latest_checkpoint(cfg.checkpoint_dir) is None:
             raise ConfigError(f"--resume: no complete checkpoint in {str(cfg.checkpoint_dir)!r}")
         env = launch.rank_env_from_environ()
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
-                f"parallel.dp x pp x tp = {cfg.world_size} ranks, but torchrun started "
+                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
+                f"+ ps.workers), but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
     except (ConfigError, DataError, ValueError) as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
@@ -96,7 +99,7 @@ def cmd_train(args, extra: list[str]) -> int:
     except launch.WorkerError as e:
         print(f"shardwise: training failed: {e}", file=sys.stderr)
         return 1
-    s = results[0]
+    s = results[cfg.ps.servers if cfg.parallel.mode == "ps" else 0]  # ps: worker 0
     print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, "
           f"final train loss {s['loss']:.4f}, validation loss {s['val_loss']:.4f} nats/char; "
           f"outputs in {cfg.training.out_dir}")

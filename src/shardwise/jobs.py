@@ -13,11 +13,16 @@ from shardwise.topology import Topology, init_process_groups
 def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = None) -> dict:
     """Build topology and trainer on this rank, train, write outputs; returns the summary.
 
-    Expects ``torch.distributed`` to be initialised with ``dp * pp * tp`` ranks.
+    Expects ``torch.distributed`` to be initialised with ``dp * pp * tp`` ranks
+    (``ps.servers + ps.workers`` with ``parallel.mode = "ps"``: see ``param_server``).
     """
     import torch
 
     cfg = Config.from_dict(cfg_dict)
+    if cfg.parallel.mode == "ps":  # servers and workers instead of the rank grid
+        from shardwise.param_server import train_rank
+
+        return train_rank(cfg_dict, torch.device(device_str) if device_str else None)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),

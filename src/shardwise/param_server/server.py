@@ -56,6 +56,7 @@ class Server:
         self.dead: set[int] = set()
         self.events: queue.Queue = queue.Queue()
         self.pull_log: list[tuple[int, int, int, int]] = []  # (worker, clock, slowest, t_us)
+        self.unchanged = 0                                # pulls answered without payload
 
     # -- receiving --------------------------------------------------------------------------
     def _receive(self, w: int) -> None:
@@ -93,7 +94,8 @@ class Server:
             t.join(timeout=1.0)
         return {"role": "server", "index": self.index, "flat": self.range.flat.clone(),
                 "bounds": [self.lo, self.hi], "updates": self.version,
-                "pull_log": [list(e) for e in self.pull_log], "dead": sorted(self.dead)}
+                "pull_log": [list(e) for e in self.pull_log], "unchanged_pulls": self.unchanged,
+                "dead": sorted(self.dead)}
 
     def _handle(self, kind: int, w: int, clock: int, arg) -> None:
         if kind == P.PUSH:
@@ -143,6 +145,7 @@ class Server:
                                   int((time.perf_counter() - started) * 1e6)))
             dst = self.worker_ranks[w]
             if held == self.version:
+                self.unchanged += 1
                 P.send_header(dst, P.TAG_REPLY, P.UNCHANGED, w, clock, self.version, self.device)
             else:
                 P.send_header(dst, P.TAG_REPLY, P.WEIGHTS, w, clock, self.version, self.device)

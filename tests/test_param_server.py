@@ -1,0 +1,203 @@
+"""Parameter server: BSP equals one process on the global batch; SSP keeps its bound; the
+clock rules and the key-range partition as pure logic; bad input is one line, exit 2."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from ps_workers import ps_config, reference, run_cases
+
+from shardwise.cli import main
+from shardwise.config import Config, ModelConfig
+from shardwise.launch import spawn
+from shardwise.models import GPT, GPTConfig
+from shardwise.param_server import ClockTable, balanced_cuts, partition
+from shardwise.param_server.partition import count_keys
+
+RTOL = 1e-5  # per-tensor relative error, as in the DDP parity tests
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def assert_parity(worker_results: list[dict], ref: dict) -> None:
+    """Worker 0's final weights equal the reference's; the mean of the workers' losses at
+    each clock is the reference's loss (equal shards: the mean of means)."""
+    losses = torch.tensor([r["losses"] for r in worker_results]).mean(0)
+    ref_losses = torch.tensor(ref["losses"])
+    assert ((losses - ref_losses).abs() <= RTOL * ref_losses.abs()).all(), (losses, ref_losses)
+    params = worker_results[0]["params"]
+    assert params.keys() == ref["params"].keys()
+    for name, p in ref["params"].items():
+        assert rel_err(params[name], p) <= RTOL, (name, rel_err(params[name], p))
+
+
+def gaps(server_results: list[dict]) -> list[int]:
+    """clock - slowest live clock at each answered pull, over all servers."""
+    return [clock - slowest for r in server_results for _, clock, slowest, _ in r["pull_log"]]
+
+
+@pytest.fixture(scope="module")
+def two_by_two(corpus, tmp_path_factory):
+    """S=2 servers, W=2 workers; several jobs in one spawn."""
+    out = str(tmp_path_factory.mktemp("ps22"))
+    cases = {
+        "bsp": ps_config(str(corpus), out, 2, 2, "bsp"),
+        "ssp0": ps_config(str(corpus), out, 2, 2, "ssp", 0),
+        "bsp_sgd": ps_config(str(corpus), out, 2, 2, "bsp", optimizer="sgd"),
+        "ssp2": ps_config(str(corpus), out, 2, 2, "ssp", 2, steps=10, slow_worker="1:4"),
+        "asp": ps_config(str(corpus), out, 2, 2, "asp", steps=8),
+    }
+    results = spawn(run_cases, 4, (list(cases.values()),), timeout_s=120)
+    return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}, cases
+
+
+@pytest.fixture(scope="module")
+def one_by_four(corpus, tmp_path_factory):
+    """S=1 server, W=4 workers."""
+    out = str(tmp_path_factory.mktemp("ps14"))
+    cases = {"bsp": ps_config(str(corpus), out, 1, 4, "bsp")}
+    results = spawn(run_cases, 5, (list(cases.values()),), timeout_s=120)
+    return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}, cases
+
+
+@pytest.mark.parametrize("case", ["bsp", "bsp_sgd"])
+def test_bsp_equals_one_process_s2_w2(two_by_two, case):
+    results, cases = two_by_two
+    ref = reference(cases[case])
+    assert ref["losses"][-1] < ref["losses"][0]  # training moved: equality is no tautology
+    assert_parity(results[case][2:], ref)
+    assert gaps(results[case][:2]) and set(gaps(results[case][:2])) == {0}
+
+
+def test_bsp_equals_one_process_s1_w4(one_by_four):
+    results, cases = one_by_four
+    assert_parity(results["bsp"][1:], reference(cases["bsp"]))
+
+
+def test_ssp_with_zero_staleness_is_bsp_exactly(two_by_two):
+    results, _ = two_by_two
+    for a, b in zip(results["ssp0"], results["bsp"]):
+        if a["role"] == "server":
+            assert torch.equal(a["flat"], b["flat"])
+        else:
+            assert a["losses"] == b["losses"]
+
+
+def test_ssp_log_never_exceeds_staleness(two_by_two):
+    results, _ = two_by_two
+    servers, workers = results["ssp2"][:2], results["ssp2"][2:]
+    g = gaps(servers)
+    assert len(g) == 2 * 2 * 10  # every pull of every worker, on both servers
+    assert max(g) <= 2, g
+    assert max(g) >= 1, g  # the fast worker did run ahead of the slow one (not BSP)
+    assert sum(r["unchanged_pulls"] for r in servers) > 0  # unchanged ranges sent no payload
+    assert all(r["updates"] == 10 for r in servers)  # one update per clock
+    assert workers[0]["losses"][-1] < workers[0]["losses"][0]
+
+
+def test_asp_applies_every_push(two_by_two):
+    results, _ = two_by_two
+    servers, workers = results["asp"][:2], results["asp"][2:]
+    assert all(r["updates"] == 2 * 8 for r in servers)
+    assert workers[0]["losses"][-1] < workers[0]["losses"][0]
+    assert workers[0]["val_loss"] < workers[0]["losses"][0]
+
+
+# -- pure logic ------------------------------------------------------------------------------
+
+def test_balanced_cuts_are_optimal_and_contiguous():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.randint(1, 50) for _ in range(rng.randint(1, 8))]
+        for parts in range(1, len(sizes) + 1):
+            cuts = balanced_cuts(sizes, parts)
+            assert cuts[0] == 0 and cuts[-1] == len(sizes) and len(cuts) == parts + 1
+            assert all(a < b for a, b in zip(cuts, cuts[1:]))  # every range non-empty
+            got = max(sum(sizes[a:b]) for a, b in zip(cuts, cuts[1:]))
+            best = min(max(sum(sizes[a:b]) for a, b in zip((0,) + c, c + (len(sizes),)))
+                       for c in itertools.combinations(range(1, len(sizes)), parts - 1))
+            assert got == best
+    with pytest.raises(ValueError):
+        balanced_cuts([1, 2], 3)
+
+
+def test_partition_of_the_gpt():
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32))
+    total = sum(p.numel() for p in model.parameters())
+    assert count_keys(ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32)) == \
+        len(list(model.parameters()))
+    for s in (1, 2, 3, 5):
+        part = partition(model, s)
+        bounds = [part.bounds(i) for i in range(s)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == total
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no overlap
+        assert sum(part.server_bytes()) == 4 * total
+        if s == 2:  # balanced: the larger half is within the largest key of half the bytes
+            largest_key = max(k.nbytes for k in part.keys)
+            assert max(part.server_bytes()) <= 2 * total + largest_key
+
+
+def test_clock_rules_bsp_ssp_asp():
+    bsp = ClockTable(3, "bsp")
+    assert bsp.may_pull(0) and not bsp.may_pull(1)
+    bsp.push(0, 0), bsp.push(1, 0)
+    assert bsp.ready() is None and not bsp.may_pull(1)  # worker 2 has not pushed clock 0
+    bsp.push(2, 0)
+    assert bsp.ready() == 0
+    bsp.mark_applied(0)
+    assert bsp.ready() is None and bsp.may_pull(1) and not bsp.may_pull(2)
+    with pytest.raises(ValueError):
+        bsp.push(0, 5)  # out of order
+
+    ssp = ClockTable(2, "ssp", staleness=2)
+    for c in range(3):
+        assert ssp.may_pull(c)
+        ssp.push(0, c)
+    assert not ssp.may_pull(3)  # worker 0 at clock 3, slowest at 0: gap 3 > 2
+    ssp.push(1, 0)
+    ssp.mark_applied(ssp.ready())
+    assert ssp.may_pull(3) and not ssp.may_pull(4)
+
+    asp = ClockTable(2, "asp")
+    for c in range(10):
+        asp.push(0, c)
+        assert asp.may_pull(c + 1) and asp.ready() is None
+
+
+def test_dropping_a_worker_unblocks_the_others():
+    t = ClockTable(3, "ssp", staleness=1)
+    t.push(0, 0), t.push(1, 0)
+    assert t.ready() is None
+    t.drop(2)  # worker 2 died before pushing clock 0
+    assert t.ready() == 0 and t.slowest() == 1
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--ps.servers", "0"], "ps.servers: Input should be greater than or equal to 1"),
+    (["--ps.workers", "0"], "ps.workers: Input should be greater than or equal to 1"),
+    (["--ps.staleness", "2"], "ps.staleness=2 with ps.consistency=bsp"),
+    (["--ps.consistency", "ssp"], "ps.consistency=ssp needs ps.staleness"),
+    (["--ps.consistency", "eventual"], "ps.consistency='eventual': expected bsp, asp or ssp"),
+    (["--ps.servers", "100"], "ps.servers=100 is more than the model's"),
+    (["--ps.slow_worker", "5:3"], "ps.slow_worker='5:3': expected INDEX:FACTOR"),
+    (["--ps.slow_worker", "fast"], "ps.slow_worker='fast': expected INDEX:FACTOR"),
+    (["--ps.optimizer", "lamb"], "ps.optimizer='lamb': expected adamw or sgd"),
+    (["--ps.workers", "5"], "training.global_batch_size=32 must be divisible by ps.workers=5"),
+    (["--parallel.tp", "2"], "parallel.tp=2 with parallel.mode=ps"),
+    (["--resume"], "--resume: parallel.mode=ps has no checkpoints yet"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
+    assert main(["train", "--parallel.mode", "ps", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert expected in err
+
+
+def test_ps_world_size():
+    cfg = Config.from_dict({"parallel": {"mode": "ps"}, "ps": {"servers": 2, "workers": 4}})
+    assert cfg.world_size == 6
