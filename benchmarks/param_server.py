@@ -108,13 +108,95 @@ def run_bytes(args) -> int:
     return 0
 
 
+# -- stragglers -------------------------------------------------------------------------------
+
+MODES = (("bsp", None), ("ssp", 1), ("ssp", 2), ("ssp", 4), ("asp", None))
+
+
+def straggler_rank(cfgs: list[dict]) -> list[dict]:
+    from shardwise import comm
+    from shardwise.param_server import train_rank
+
+    out = []
+    for cfg in cfgs:
+        res = train_rank(cfg)
+        out.append({k: res[k] for k in ("evals", "losses", "times") if k in res}
+                   | {"role": res["role"], "updates": res.get("updates")})
+        comm.barrier()
+    return out
+
+
+def run_straggler(args) -> int:
+    from shardwise.launch import spawn
+
+    S, W = 1, args.workers
+    model = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}
+    slow = f"{W - 1}:{args.factor:g}"
+    cfgs = [_cfg(args.data, S, W, c, s, args.steps, model, 8 * W, "/tmp/ps_straggler", slow,
+                 eval_every=args.eval_every) for c, s in MODES]
+    t0 = time.perf_counter()
+    res = spawn(straggler_rank, S + W, (cfgs,), threads=1)
+    wall = time.perf_counter() - t0
+    runs = []
+    for i, (c, s) in enumerate(MODES):
+        w0 = res[S][i]
+        runs.append({"mode": c if s is None else f"{c} s={s}", "evals": w0["evals"],
+                     "updates": res[0][i]["updates"], "worker0_s": w0["times"][-1]})
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"workers": W, "servers": S, "slow_worker": slow, "steps": args.steps,
+            "model": model, "global_batch": 8 * W, "threads_per_rank": 1, "wall_s": wall}
+    (RESULTS / "straggler.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    _plot(runs, meta, RESULTS / "straggler.png")
+    target = args.target
+    print(f"S={S}, W={W}, worker {W - 1} {args.factor:g}x slower, {args.steps} clocks, "
+          f"1 thread per rank; validation loss by worker 0 every {args.eval_every} clocks")
+    print(f"| mode | server updates | final val loss | s to val loss <= {target} | "
+          f"worker-0 clocks to it | worker 0 wall s |")
+    print("|---|---|---|---|---|---|")
+    for r in runs:
+        hit = next(((c, t) for c, t, v in r["evals"] if v <= target), None)
+        print(f"| {r['mode']} | {r['updates']} | {r['evals'][-1][2]:.3f} | "
+              f"{'-' if hit is None else f'{hit[1]:.1f}'} | {'-' if hit is None else hit[0]} | "
+              f"{r['worker0_s']:.1f} |")
+    return 0
+
+
+def _plot(runs: list[dict], meta: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=110, sharey=True)
+    for r in runs:
+        c, t, v = zip(*r["evals"])
+        a.plot(t, v, "-", label=r["mode"])
+        b.plot(c, v, "-", label=r["mode"])
+    a.set_xlabel("wall-clock (s)")
+    b.set_xlabel("worker 0's clock")
+    a.set_ylabel("validation loss (nats / char)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    b.legend()
+    fig.suptitle(f"parameter server, S={meta['servers']}, W={meta['workers']}, worker "
+                 f"{meta['slow_worker'].replace(':', ' slowed ')}x (GPT on Shakespeare, CPU)")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("bytes", "straggler"))
     ap.add_argument("--data", default=None, help="text file (default: the Shakespeare texts)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=None, help="bytes: 3; straggler: 150")
+    ap.add_argument("--workers", type=int, default=3, help="straggler: W")
+    ap.add_argument("--factor", type=float, default=3.0, help="straggler: slowdown of worker W-1")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--target", type=float, default=2.6, help="validation loss to reach")
     args = ap.parse_args(argv)
-    return run_bytes(args) if args.what == "bytes" else run_straggler(args)  # noqa: F821
+    args.steps = args.steps or (3 if args.what == "bytes" else 150)
+    return run_bytes(args) if args.what == "bytes" else run_straggler(args)
 
 
 if __name__ == "__main__":

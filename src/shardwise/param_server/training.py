@@ -73,11 +73,13 @@ def run_worker(cfg: Config, index: int, device: torch.device) -> dict:
     factor = slow[1] if slow is not None and slow[0] == index else 1.0
     clip = cfg.optimizer.grad_clip
     metrics = MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=index == 0)
-    losses, times, waits = [], [], []
+    losses, times, waits, evals = [], [], [], []
     started = time.perf_counter()
     for clock in range(t.steps):
         t0 = time.perf_counter()
         worker.pull(clock)
+        if index == 0 and t.eval_every and clock % t.eval_every == 0:  # the weights read now
+            evals.append((clock, t0 - started, evaluate(model, val_tokens, cfg, device)))
         t1 = time.perf_counter()
         x, y = sampler.next_batch()
         worker.grad.zero_()
@@ -96,10 +98,11 @@ def run_worker(cfg: Config, index: int, device: torch.device) -> dict:
                            "time_s": times[-1], "pull_wait_s": t1 - t0})
     worker.finish(t.steps, final=index == 0)
     out = {"role": "worker", "index": index, "losses": losses, "times": times,
-           "pull_wait_s": waits, "elapsed_s": time.perf_counter() - started, "step": t.steps,
+           "pull_wait_s": waits, "evals": evals, "elapsed_s": time.perf_counter() - started, "step": t.steps,
            "loss": losses[-1]}
     if index == 0:
         out["val_loss"] = evaluate(model, val_tokens, cfg, device)
+        evals.append((t.steps, time.perf_counter() - started, out["val_loss"]))
         metrics.write({"kind": "val", "step": t.steps, "val_loss": out["val_loss"]})
         out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
