@@ -9,13 +9,14 @@ from shardwise.config import Config
 
 def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency: str = "bsp",
               staleness: int | None = None, optimizer: str = "adamw", steps: int = 5,
-              slow_worker: str | None = None) -> dict:
+              slow_worker: str | None = None, worker_timeout_s: float = 60.0) -> dict:
     cfg = {
         "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32},
         "data": {"path": corpus},
         "parallel": {"mode": "ps"},
         "ps": {"servers": servers, "workers": workers, "consistency": consistency,
-               "staleness": staleness, "optimizer": optimizer, "slow_worker": slow_worker},
+               "staleness": staleness, "optimizer": optimizer, "slow_worker": slow_worker,
+               "worker_timeout_s": worker_timeout_s},
         "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
         "training": {"steps": steps, "global_batch_size": 24, "eval_every": 0, "log_every": 1,
                      "out_dir": out_dir, "sample_chars": 0, "progress": False, "eval_batches": 1},
@@ -53,8 +54,7 @@ def reference(cfg_dict: dict) -> dict:
 
 def run_cases(cfg_dicts: list[dict]) -> list[dict]:
     """Several parameter-server jobs one after another on the same ranks (one spawn)."""
-    import torch.distributed as dist
-
+    from shardwise import comm
     from shardwise.param_server import train_rank
 
     out = []
@@ -62,5 +62,25 @@ def run_cases(cfg_dicts: list[dict]) -> list[dict]:
         res = train_rank(cfg)
         res.pop("times", None)
         out.append(res)
-        dist.barrier()
+        comm.barrier()
     return out
+
+
+def faulty(cfg_dict: dict, stop: dict, delay: dict) -> dict:
+    """One job where worker ``w`` falls silent after ``stop[w]`` clocks (as if killed) and
+    worker ``v`` joins ``delay[v]`` seconds late. No barrier after: a stopped rank is gone."""
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.param_server.training import run_server, run_worker
+
+    cfg = Config.from_dict(cfg_dict)
+    comm.configure(timeout_s=cfg.parallel.timeout_s)
+    rank, S = dist.get_rank(), cfg.ps.servers
+    cpu = torch.device("cpu")
+    if rank < S:
+        return run_server(cfg, rank, cpu)
+    w = rank - S
+    res = run_worker(cfg, w, cpu, stop_after=stop.get(w), start_delay_s=delay.get(w, 0.0))
+    res.pop("params", None)
+    return res

@@ -42,8 +42,9 @@ class Server:
 
     def __init__(self, index: int, part: Partition, values: torch.Tensor,
                  worker_ranks: list[int], consistency: str, staleness: int, optimizer: str,
-                 o, total: int, momentum: float = 0.9):
+                 o, total: int, momentum: float = 0.9, worker_timeout_s: float = 60.0):
         self.index, self.worker_ranks = index, list(worker_ranks)
+        self.worker_timeout_s = worker_timeout_s
         self.lo, self.hi = part.bounds(index)
         self.device = values.device
         self.range = RangeOptimizer(part.server_keys(index), values[self.lo:self.hi], optimizer,
@@ -83,8 +84,15 @@ class Server:
         for t in threads:
             t.start()
         started = time.perf_counter()
+        self.heard = [started] * len(self.worker_ranks)  # when each worker last spoke
         while len(self.finished | self.dead) < len(self.worker_ranks):
-            self._handle(*self.events.get())
+            try:
+                event = self.events.get(timeout=min(1.0, self.worker_timeout_s / 4))
+            except queue.Empty:
+                self._drop_silent()
+            else:
+                self.heard[event[1]] = time.perf_counter()
+                self._handle(*event)
             self._answer_pulls(started)
         if 0 in self.finished:  # worker 0 evaluates the final weights
             P.send_header(self.worker_ranks[0], P.TAG_REPLY, P.FINAL, 0, self.table.applied,
@@ -121,6 +129,15 @@ class Server:
                   flush=True)
             self._apply_ready()
 
+    def _drop_silent(self) -> None:
+        """Drop a worker that owes us a request (it is not waiting for a reply) and has been
+        silent for ``worker_timeout_s``: hung, or dead without its connection closing."""
+        now = time.perf_counter()
+        for w in range(len(self.worker_ranks)):
+            if (w not in self.finished and w not in self.dead and w not in self.waiting
+                    and now - self.heard[w] > self.worker_timeout_s):
+                self._handle(_DEAD, w, -1, f"silent for {now - self.heard[w]:.0f} s")
+
     def _apply_ready(self) -> None:
         """BSP/SSP: apply every clock all live workers have pushed, in clock order, as one
         step on the mean of its gradients (summed in worker order: deterministic)."""
@@ -144,9 +161,14 @@ class Server:
             self.pull_log.append((w, clock, -1 if slowest is None else slowest,
                                   int((time.perf_counter() - started) * 1e6)))
             dst = self.worker_ranks[w]
-            if held == self.version:
-                self.unchanged += 1
-                P.send_header(dst, P.TAG_REPLY, P.UNCHANGED, w, clock, self.version, self.device)
-            else:
-                P.send_header(dst, P.TAG_REPLY, P.WEIGHTS, w, clock, self.version, self.device)
-                comm.send(self.range.flat, dst, tag=P.TAG_REPLY)
+            try:
+                if held == self.version:
+                    self.unchanged += 1
+                    P.send_header(dst, P.TAG_REPLY, P.UNCHANGED, w, clock, self.version,
+                                  self.device)
+                else:
+                    P.send_header(dst, P.TAG_REPLY, P.WEIGHTS, w, clock, self.version,
+                                  self.device)
+                    comm.send(self.range.flat, dst, tag=P.TAG_REPLY)
+            except comm.CommError as exc:
+                self._handle(_DEAD, w, -1, str(exc).splitlines()[0][:200])

@@ -58,10 +58,16 @@ def evaluate(model: torch.nn.Module, val_tokens: torch.Tensor, cfg: Config,
     return sum(losses) / len(losses)
 
 
-def run_worker(cfg: Config, index: int, device: torch.device) -> dict:
+def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | None = None,
+               start_delay_s: float = 0.0) -> dict:
     """Worker ``index``'s loop: pull, forward/backward on its shard, push; ``training.steps``
     clocks. Returns its losses and wall-clock times (worker 0 also the final weights and
-    validation loss)."""
+    validation loss).
+
+    Fault injection (tests, experiments): ``stop_after`` clocks, the worker falls silent
+    and leaves without DONE, as if killed; ``start_delay_s``: it joins late, and its first
+    pull fetches the weights as they are then.
+    """
     ps, t = cfg.ps, cfg.training
     train_tokens, val_tokens, model = _data_and_model(cfg, device)
     part = partition(model, ps.servers)
@@ -74,10 +80,15 @@ def run_worker(cfg: Config, index: int, device: torch.device) -> dict:
     clip = cfg.optimizer.grad_clip
     metrics = MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=index == 0)
     losses, times, waits, evals = [], [], [], []
+    time.sleep(start_delay_s)
     started = time.perf_counter()
     for clock in range(t.steps):
+        if clock == stop_after:
+            return {"role": "worker", "index": index, "losses": losses, "stopped": clock}
         t0 = time.perf_counter()
         worker.pull(clock)
+        if clock == 0:
+            out_first = list(worker.versions)  # a late joiner sees updates made before it
         if index == 0 and t.eval_every and clock % t.eval_every == 0:  # the weights read now
             evals.append((clock, t0 - started, evaluate(model, val_tokens, cfg, device)))
         t1 = time.perf_counter()
@@ -98,7 +109,8 @@ def run_worker(cfg: Config, index: int, device: torch.device) -> dict:
                            "time_s": times[-1], "pull_wait_s": t1 - t0})
     worker.finish(t.steps, final=index == 0)
     out = {"role": "worker", "index": index, "losses": losses, "times": times,
-           "pull_wait_s": waits, "evals": evals, "elapsed_s": time.perf_counter() - started, "step": t.steps,
+           "pull_wait_s": waits, "evals": evals, "first_versions": out_first,
+           "elapsed_s": time.perf_counter() - started, "step": t.steps,
            "loss": losses[-1]}
     if index == 0:
         out["val_loss"] = evaluate(model, val_tokens, cfg, device)
@@ -116,7 +128,7 @@ def run_server(cfg: Config, index: int, device: torch.device) -> dict:
     del model
     server = Server(index, part, values, [ps.servers + w for w in range(ps.workers)],
                     ps.consistency, ps.staleness or 0, ps.optimizer, cfg.optimizer,
-                    cfg.training.steps, ps.momentum)
+                    cfg.training.steps, ps.momentum, ps.worker_timeout_s)
     return server.serve()
 
 
