@@ -9,7 +9,8 @@ from shardwise.config import Config
 
 def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency: str = "bsp",
               staleness: int | None = None, optimizer: str = "adamw", steps: int = 5,
-              slow_worker: str | None = None, worker_timeout_s: float = 60.0) -> dict:
+              slow_worker: str | None = None, worker_timeout_s: float = 60.0,
+              checkpoint_every: int = 0, checkpoint_dir: str | None = None) -> dict:
     cfg = {
         "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32},
         "data": {"path": corpus},
@@ -20,7 +21,8 @@ def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency
         "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
         "training": {"steps": steps, "global_batch_size": 24, "eval_every": 0, "log_every": 1,
                      "out_dir": out_dir, "sample_chars": 0, "progress": False, "eval_batches": 1},
-        "checkpoint": {"every": 0, "at_end": False},
+        "checkpoint": {"every": checkpoint_every, "at_end": checkpoint_dir is not None,
+                       "dir": checkpoint_dir, "keep": 5},
     }
     return Config.from_dict(cfg).model_dump()
 
@@ -52,14 +54,14 @@ def reference(cfg_dict: dict) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def run_cases(cfg_dicts: list[dict]) -> list[dict]:
+def run_cases(cfg_dicts: list[dict], resume: bool = False) -> list[dict]:
     """Several parameter-server jobs one after another on the same ranks (one spawn)."""
     from shardwise import comm
     from shardwise.param_server import train_rank
 
     out = []
     for cfg in cfg_dicts:
-        res = train_rank(cfg)
+        res = train_rank(cfg, resume=resume)
         res.pop("times", None)
         out.append(res)
         comm.barrier()

@@ -43,8 +43,9 @@ def gaps(server_results: list[dict]) -> list[int]:
 def two_by_two(corpus, tmp_path_factory):
     """S=2 servers, W=2 workers; several jobs in one spawn."""
     out = str(tmp_path_factory.mktemp("ps22"))
-    cases = {
-        "bsp": ps_config(str(corpus), out, 2, 2, "bsp"),
+    cases = {  # bsp also checkpoints after clocks 3 and 5 (the resume test restarts at 3)
+        "bsp": ps_config(str(corpus), out, 2, 2, "bsp", checkpoint_every=3,
+                         checkpoint_dir=str(tmp_path_factory.mktemp("ps22ck"))),
         "ssp0": ps_config(str(corpus), out, 2, 2, "ssp", 0),
         "bsp_sgd": ps_config(str(corpus), out, 2, 2, "bsp", optimizer="sgd"),
         "ssp2": ps_config(str(corpus), out, 2, 2, "ssp", 2, steps=10, slow_worker="1:4"),
@@ -117,6 +118,30 @@ def test_asp_carries_on_without_a_dead_worker_and_admits_a_late_one(corpus, tmp_
     assert server["updates"] == 3 + 8 + 8  # the dead worker's pushes until it died count
     assert w2["first_versions"][0] > 0  # the late worker started from current weights
     assert w0["val_loss"] < w0["losses"][0]
+
+
+def test_servers_checkpoint_and_a_restarted_job_resumes(two_by_two):
+    """The S=2 BSP job saved after clocks 3 and 5. Drop the last checkpoint, restart with
+    S=1 (keys are stored whole, so the range is resharded): clocks 3 and 4 give the same
+    losses and final weights as the uninterrupted job."""
+    import shutil
+    from pathlib import Path
+
+    from shardwise.checkpoint import complete_checkpoints
+
+    results, cases = two_by_two
+    root = Path(cases["bsp"]["checkpoint"]["dir"])
+    assert [d.name for d in complete_checkpoints(root)] == ["step_000003", "step_000005"]
+    shutil.rmtree(root / "step_000005")
+    cfg = ps_config(cases["bsp"]["data"]["path"], str(root.parent), 1, 2, "bsp",
+                    checkpoint_every=3, checkpoint_dir=str(root))
+    resumed = [r[0] for r in spawn(run_cases, 3, ([cfg], True), timeout_s=120)]
+    full = results["bsp"]
+    for i in (0, 1):
+        assert resumed[1 + i]["losses"] == full[2 + i]["losses"][3:]
+    for name, p in full[2]["params"].items():
+        assert rel_err(resumed[1]["params"][name], p) <= 1e-6, name
+    assert (root / "step_000005").is_dir()  # the resumed job saved its end again
 
 
 # -- pure logic ------------------------------------------------------------------------------
@@ -202,7 +227,7 @@ def test_dropping_a_worker_unblocks_the_others():
     (["--ps.optimizer", "lamb"], "ps.optimizer='lamb': expected adamw or sgd"),
     (["--ps.workers", "5"], "training.global_batch_size=32 must be divisible by ps.workers=5"),
     (["--parallel.tp", "2"], "parallel.tp=2 with parallel.mode=ps"),
-    (["--resume"], "--resume: parallel.mode=ps has no checkpoints yet"),
+    (["--resume", "--checkpoint.dir", "/tmp/shardwise-none"], "--resume: no complete checkpoint"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
     assert main(["train", "--parallel.mode", "ps", *argv]) == 2

@@ -36,9 +36,9 @@ class CheckpointError(ValueError):
     """No usable checkpoint; the message names the directory and what was expected."""
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rank() -> int:
@@ -79,11 +79,12 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, Any],
-         keep: int | None = None) -> Path:
+         keep: int | None = None, group=None) -> Path:
     """Collectively save ``tensors`` (nested dict of tensors) and ``meta`` (JSON-able).
 
-    Every rank calls this with the same ``step``. Returns the final directory. Older
-    complete checkpoints beyond ``keep`` are removed by rank 0.
+    Every rank of ``group`` (None: the world; it must hold global rank 0) calls this with the
+    same ``step``. Returns the final directory. Older complete checkpoints beyond ``keep``
+    are removed by rank 0.
     """
     root = Path(root)
     final = root / checkpoint_name(step)
@@ -91,10 +92,10 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    _barrier(group)
     with _single_process_ok():
-        dcp.save(tensors, checkpoint_id=str(tmp))
-    _barrier()
+        dcp.save(tensors, checkpoint_id=str(tmp), process_group=group)
+    _barrier(group)
     if _rank() == 0:
         with open(tmp / META, "w") as f:
             json.dump(meta, f, indent=1)
@@ -106,7 +107,7 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
         if keep is not None:
             for old in complete_checkpoints(root)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
 
 
@@ -119,10 +120,11 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path / META}: not a readable checkpoint description ({e})") from None
 
 
-def load(path: str | Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Fill ``tensors`` (same structure as saved, preallocated) in place; return the meta."""
+def load(path: str | Path, tensors: dict[str, Any], group=None) -> dict[str, Any]:
+    """Fill ``tensors`` (same structure as saved, or a part of it; preallocated) in place;
+    return the meta. Collective over ``group`` (None: the world)."""
     path = Path(path)
     meta = read_meta(path)
     with _single_process_ok():
-        dcp.load(tensors, checkpoint_id=str(path))
+        dcp.load(tensors, checkpoint_id=str(path), process_group=group)
     return meta

@@ -60,8 +60,6 @@ def cmd_train(args, extra: list[str]) -> int:
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
         load_text(cfg.data.path)  # a missing or unreadable corpus stops us here, not in a rank
-        if args.resume and cfg.parallel.mode == "ps":
-            raise ConfigError("--resume: parallel.mode=ps has no checkpoints yet")
         if args.resume and checkpoint.latest_checkpoint(cfg.checkpoint_dir) is None:
             raise ConfigError(f"--resume: no complete checkpoint in {str(cfg.checkpoint_dir)!r}")
         env = launch.rank_env_from_environ()

@@ -22,7 +22,7 @@ def train_worker(cfg_dict: dict, resume: bool = False, device_str: str | None = 
     if cfg.parallel.mode == "ps":  # servers and workers instead of the rank grid
         from shardwise.param_server import train_rank
 
-        return train_rank(cfg_dict, torch.device(device_str) if device_str else None)
+        return train_rank(cfg_dict, torch.device(device_str) if device_str else None, resume)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),

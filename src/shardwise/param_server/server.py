@@ -19,6 +19,7 @@ import torch
 
 from shardwise import comm
 from shardwise.param_server import protocol as P
+from shardwise.param_server import state
 from shardwise.param_server.clock import ClockTable
 from shardwise.param_server.optim import RangeOptimizer
 from shardwise.param_server.partition import Partition
@@ -36,13 +37,18 @@ class Server:
         consistency, staleness: see ``clock.py``.
         optimizer, momentum, o, total: the update (``optim.RangeOptimizer``).
 
+        checkpointing: ``{"root", "every", "keep", "at_end", "group", "meta"}``: save every
+            ``every`` applied clocks (BSP/SSP) and at the end, collectively over ``group``
+            (the servers); see ``state.py``. ``resume_from``: a checkpoint to start from.
+
     ``serve()`` runs until every worker has finished or died and returns the final
     range and the pull log.
     """
 
     def __init__(self, index: int, part: Partition, values: torch.Tensor,
                  worker_ranks: list[int], consistency: str, staleness: int, optimizer: str,
-                 o, total: int, momentum: float = 0.9, worker_timeout_s: float = 60.0):
+                 o, total: int, momentum: float = 0.9, worker_timeout_s: float = 60.0,
+                 checkpointing: dict | None = None, resume_from=None):
         self.index, self.worker_ranks = index, list(worker_ranks)
         self.worker_timeout_s = worker_timeout_s
         self.lo, self.hi = part.bounds(index)
@@ -58,6 +64,13 @@ class Server:
         self.events: queue.Queue = queue.Queue()
         self.pull_log: list[tuple[int, int, int, int]] = []  # (worker, clock, slowest, t_us)
         self.unchanged = 0                                # pulls answered without payload
+        self.optimizer, self.ckpt = optimizer, checkpointing
+        if resume_from is not None:
+            meta = state.load(resume_from, self.range, optimizer, checkpointing["group"])
+            start = int(meta["applied"])
+            self.table.applied = start
+            self.table.clocks = [start] * len(worker_ranks)
+            self.version = start
 
     # -- receiving --------------------------------------------------------------------------
     def _receive(self, w: int) -> None:
@@ -94,6 +107,11 @@ class Server:
                 self.heard[event[1]] = time.perf_counter()
                 self._handle(*event)
             self._answer_pulls(started)
+        if self.ckpt is not None and self.ckpt["at_end"]:
+            done = self.table.applied if self.table.bound is not None else min(self.table.clocks)
+            if not (self.ckpt["every"] and done % self.ckpt["every"] == 0
+                    and self.table.bound is not None and done < self.range.total):
+                self._save(done)
         if 0 in self.finished:  # worker 0 evaluates the final weights
             P.send_header(self.worker_ranks[0], P.TAG_REPLY, P.FINAL, 0, self.table.applied,
                           self.version, self.device)
@@ -150,6 +168,13 @@ class Server:
                 self.range.apply(acc.div_(len(grads)), k)
                 self.version += 1
             self.table.mark_applied(k)
+            every = self.ckpt["every"] if self.ckpt is not None else 0
+            if every and (k + 1) % every == 0 and k + 1 < self.range.total:
+                self._save(k + 1)
+
+    def _save(self, clock: int) -> None:
+        c = self.ckpt
+        state.save(c["root"], clock, self.range, self.optimizer, c["meta"], c["keep"], c["group"])
 
     def _answer_pulls(self, started: float) -> None:
         for w in sorted(self.waiting):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise import comm
+from shardwise import checkpoint, comm
 from shardwise.config import Config
 from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
 from shardwise.metrics import MetricsLog
@@ -59,10 +59,10 @@ def evaluate(model: torch.nn.Module, val_tokens: torch.Tensor, cfg: Config,
 
 
 def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | None = None,
-               start_delay_s: float = 0.0) -> dict:
+               start_delay_s: float = 0.0, start_clock: int = 0) -> dict:
     """Worker ``index``'s loop: pull, forward/backward on its shard, push; ``training.steps``
     clocks. Returns its losses and wall-clock times (worker 0 also the final weights and
-    validation loss).
+    validation loss). ``start_clock``: resume there (the sampler skips that many batches).
 
     Fault injection (tests, experiments): ``stop_after`` clocks, the worker falls silent
     and leaves without DONE, as if killed; ``start_delay_s``: it joins late, and its first
@@ -75,6 +75,8 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     torch.manual_seed(t.seed + 1000 * (index + 1))  # dropout streams differ per worker
     sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size, t.global_batch_size,
                                       index, ps.workers, seed=t.seed)
+    epoch, batch = divmod(start_clock, sampler.batches_per_epoch)
+    sampler.load_state_dict(sampler.state_dict() | {"epoch": epoch, "batch_in_epoch": batch})
     slow = ps.slow()
     factor = slow[1] if slow is not None and slow[0] == index else 1.0
     clip = cfg.optimizer.grad_clip
@@ -82,12 +84,13 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     losses, times, waits, evals = [], [], [], []
     time.sleep(start_delay_s)
     started = time.perf_counter()
-    for clock in range(t.steps):
+    out_first = []
+    for clock in range(start_clock, t.steps):
         if clock == stop_after:
             return {"role": "worker", "index": index, "losses": losses, "stopped": clock}
         t0 = time.perf_counter()
         worker.pull(clock)
-        if clock == 0:
+        if clock == start_clock:
             out_first = list(worker.versions)  # a late joiner sees updates made before it
         if index == 0 and t.eval_every and clock % t.eval_every == 0:  # the weights read now
             evals.append((clock, t0 - started, evaluate(model, val_tokens, cfg, device)))
@@ -120,28 +123,45 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     return out
 
 
-def run_server(cfg: Config, index: int, device: torch.device) -> dict:
-    ps = cfg.ps
+def run_server(cfg: Config, index: int, device: torch.device, group=None,
+               resume_from=None) -> dict:
+    """Server ``index``: serve until the workers are done; checkpoints collectively over
+    ``group`` (the servers' process group) when ``checkpoint.every`` / ``at_end`` ask."""
+    ps, ck = cfg.ps, cfg.checkpoint
     _, _, model = _data_and_model(cfg, device)
     part = partition(model, ps.servers)
     values = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     del model
     server = Server(index, part, values, [ps.servers + w for w in range(ps.workers)],
                     ps.consistency, ps.staleness or 0, ps.optimizer, cfg.optimizer,
-                    cfg.training.steps, ps.momentum, ps.worker_timeout_s)
+                    cfg.training.steps, ps.momentum, ps.worker_timeout_s,
+                    checkpointing={"root": cfg.checkpoint_dir, "every": ck.every, "keep": ck.keep,
+                                   "at_end": ck.at_end, "group": group,
+                                   "meta": {"layout": f"ps S={ps.servers} W={ps.workers}",
+                                            "consistency": ps.consistency,
+                                            "optimizer": ps.optimizer,
+                                            "config": cfg.model_dump()}},
+                    resume_from=resume_from)
     return server.serve()
 
 
-def train_rank(cfg_dict: dict, device: torch.device | None = None) -> dict:
+def train_rank(cfg_dict: dict, device: torch.device | None = None, resume: bool = False) -> dict:
     """Entry point of every rank of a parameter-server job (``torch.distributed`` is up
-    with ``ps.servers + ps.workers`` ranks)."""
+    with ``ps.servers + ps.workers`` ranks). ``resume``: servers load the latest complete
+    checkpoint under ``checkpoint_dir`` (any earlier S) and workers start at its clock."""
     cfg = Config.from_dict(cfg_dict)
     if dist.get_world_size() != cfg.world_size:
         raise ValueError(f"ps.servers + ps.workers = {cfg.world_size} ranks, but the job has "
                          f"{dist.get_world_size()}")
     comm.configure(timeout_s=cfg.parallel.timeout_s)
     device = device or torch.device("cpu")
-    rank = dist.get_rank()
-    if rank < cfg.ps.servers:
-        return run_server(cfg, rank, device)
-    return run_worker(cfg, rank - cfg.ps.servers, device)
+    rank, S = dist.get_rank(), cfg.ps.servers
+    group = dist.new_group(list(range(S)))  # every rank takes part in creating it
+    latest = checkpoint.latest_checkpoint(cfg.checkpoint_dir) if resume else None
+    if resume and latest is None:
+        raise checkpoint.CheckpointError(f"--resume: no complete checkpoint in "
+                                         f"{str(cfg.checkpoint_dir)!r}")
+    if rank < S:
+        return run_server(cfg, rank, device, group, latest)
+    start = int(checkpoint.read_meta(latest)["applied"]) if latest is not None else 0
+    return run_worker(cfg, rank - S, device, start_clock=start)
