@@ -205,6 +205,16 @@ def test_clock_rules_bsp_ssp_asp():
         assert asp.may_pull(c + 1) and asp.ready() is None
 
 
+def test_straggler_knob():
+    from shardwise.param_server.training import straggle
+
+    assert [straggle((1, 3.0), w, 7, 3, 0) for w in range(3)] == [1.0, 3.0, 1.0]
+    assert straggle(None, 0, 0, 3, 0) == 1.0
+    picks = [[straggle((-1, 3.0), w, c, 3, 5) for w in range(3)] for c in range(60)]
+    assert all(sorted(p) == [1.0, 1.0, 3.0] for p in picks)  # exactly one slow per clock
+    assert {p.index(3.0) for p in picks} == {0, 1, 2}  # and it moves around
+
+
 def test_dropping_a_worker_unblocks_the_others():
     t = ClockTable(3, "ssp", staleness=1)
     t.push(0, 0), t.push(1, 0)
@@ -224,6 +234,7 @@ def test_dropping_a_worker_unblocks_the_others():
     (["--ps.servers", "100"], "ps.servers=100 is more than the model's"),
     (["--ps.slow_worker", "5:3"], "ps.slow_worker='5:3': expected INDEX:FACTOR"),
     (["--ps.slow_worker", "fast"], "ps.slow_worker='fast': expected INDEX:FACTOR"),
+    (["--ps.slow_worker", "random:0.5"], "ps.slow_worker='random:0.5': expected INDEX:FACTOR"),
     (["--ps.optimizer", "lamb"], "ps.optimizer='lamb': expected adamw or sgd"),
     (["--ps.workers", "5"], "training.global_batch_size=32 must be divisible by ps.workers=5"),
     (["--parallel.tp", "2"], "parallel.tp=2 with parallel.mode=ps"),

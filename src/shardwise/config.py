@@ -119,7 +119,9 @@ class PSConfig(_Section):
                            "[optimizer] section) or sgd (momentum ps.momentum)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
     slow_worker: str | None = Field(None, description="INDEX:FACTOR: worker INDEX (0..W-1) "
-                                    "computes FACTOR times slower (sleeps); for experiments")
+                                    "computes FACTOR times slower (sleeps); random:FACTOR: "
+                                    "each clock one worker drawn from training.seed is; "
+                                    "for experiments")
     worker_timeout_s: float = Field(60.0, gt=0.0, description="a worker silent this long "
                                     "while the servers wait on it is dropped")
 
@@ -139,17 +141,21 @@ class PSConfig(_Section):
         return self
 
     def slow(self) -> tuple[int, float] | None:
-        """``(worker index, factor)`` of ``slow_worker``, or None; ValueError if malformed."""
+        """``(worker index, factor)`` of ``slow_worker`` (index -1: a random worker each
+        clock), or None; ValueError if malformed."""
         if self.slow_worker is None:
             return None
         index, sep, factor = self.slow_worker.partition(":")
         try:
-            i, f = int(index), float(factor)
+            i, f = (0 if index == "random" else int(index)), float(factor)
         except ValueError:
             i, f = -1, 0.0
+        if index == "random" and f >= 1.0:
+            return -1, f
         if not sep or not 0 <= i < self.workers or not f >= 1.0:
-            raise ValueError(f"ps.slow_worker={self.slow_worker!r}: expected INDEX:FACTOR with "
-                             f"0 <= INDEX < ps.workers={self.workers} and FACTOR >= 1")
+            raise ValueError(f"ps.slow_worker={self.slow_worker!r}: expected INDEX:FACTOR or "
+                             f"random:FACTOR with 0 <= INDEX < ps.workers={self.workers} and "
+                             "FACTOR >= 1")
         return i, f
 
 

@@ -13,6 +13,7 @@ synchronous data parallelism. Run with::
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -40,6 +41,16 @@ def _data_and_model(cfg: Config, device: torch.device):
                           n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
                           dropout=m.dropout, bias=m.bias, tie_weights=m.tie_weights)).to(device)
     return tokens[:-n_val], tokens[-n_val:], model
+
+
+def straggle(slow: tuple[int, float] | None, index: int, clock: int, workers: int,
+             seed: int) -> float:
+    """Slow-down factor of worker ``index`` at ``clock`` (``ps.slow_worker``): a fixed
+    worker always, or (index -1) one worker per clock drawn from ``seed`` and the clock."""
+    if slow is None:
+        return 1.0
+    who = slow[0] if slow[0] >= 0 else random.Random(seed * 1_000_003 + clock).randrange(workers)
+    return slow[1] if who == index else 1.0
 
 
 @torch.no_grad()
@@ -78,7 +89,6 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     epoch, batch = divmod(start_clock, sampler.batches_per_epoch)
     sampler.load_state_dict(sampler.state_dict() | {"epoch": epoch, "batch_in_epoch": batch})
     slow = ps.slow()
-    factor = slow[1] if slow is not None and slow[0] == index else 1.0
     clip = cfg.optimizer.grad_clip
     metrics = MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=index == 0)
     losses, times, waits, evals = [], [], [], []
@@ -101,6 +111,7 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
         loss.backward()
         if clip > 0:  # each worker clips its own gradient (no global norm across workers)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        factor = straggle(slow, index, clock, ps.workers, t.seed)
         if factor > 1.0:  # the straggler knob: this worker's compute takes factor x as long
             time.sleep((factor - 1.0) * (time.perf_counter() - t1))
         worker.push(clock)
