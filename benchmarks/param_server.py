@@ -2,6 +2,7 @@
 
     python benchmarks/param_server.py bytes        # W = 2, 4, 8 and S = 1, 2; table on stdout
     python benchmarks/param_server.py straggler    # BSP, SSP s=1,2,4, ASP; one worker 3x slower
+    python benchmarks/param_server.py delay        # one process, gradients d steps stale
 
 ``bytes``: a BSP job of a few steps with ``shardwise.comm``'s byte counters on, then one ring
 all-reduce of the same gradient over the W workers (our ``ring`` algorithm, counted the same
@@ -199,9 +200,56 @@ def _plot(runs: list[dict], meta: dict, png: Path) -> None:
     plt.close(fig)
 
 
+# -- staleness alone, in one process ------------------------------------------------------------
+
+def run_delay(args) -> int:
+    """One process, the straggler benchmark's model and batches, every gradient computed on
+    the weights of ``d`` steps ago (d = 0: plain training = BSP): what staleness alone costs,
+    with no timing in play."""
+    import torch
+
+    from shardwise.config import Config
+    from shardwise.data import DistributedBatchSampler
+    from shardwise.param_server.optim import lr_at, make_optimizer
+    from shardwise.param_server.training import _data_and_model, evaluate
+
+    torch.set_num_threads(1)
+    model_cfg = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}
+    W = args.workers
+    cfg = Config.from_dict(_cfg(args.data, 1, W, "bsp", None, args.steps, model_cfg, 8 * W,
+                                "/tmp/ps_delay"))
+    print(f"one process, {args.steps} steps, global batch {8 * W}; gradient of step k taken "
+          "at the weights after step k - 1 - d")
+    print("| delay d | final validation loss |\n|---|---|")
+    for delay in (0, 1, 2, 4):
+        train, val, model = _data_and_model(cfg, torch.device("cpu"))
+        params = list(model.parameters())
+        opt = make_optimizer("adamw", params, cfg.optimizer)
+        sampler = DistributedBatchSampler(train, model_cfg["block_size"], 8 * W, 0, 1,
+                                          seed=cfg.training.seed)
+        history = [[p.detach().clone() for p in params]]
+        for step in range(args.steps):
+            now = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for p, old in zip(params, history[max(0, len(history) - 1 - delay)]):
+                    p.copy_(old)
+            x, y = sampler.next_batch()
+            opt.zero_grad()
+            model(x, y)[1].backward()
+            with torch.no_grad():
+                for p, cur in zip(params, now):
+                    p.copy_(cur)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg.optimizer, args.steps)
+            opt.step()
+            history = (history + [[p.detach().clone() for p in params]])[-(delay + 1):]
+        print(f"| {delay} | {evaluate(model, val, cfg, torch.device('cpu')):.3f} |", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("bytes", "straggler"))
+    ap.add_argument("what", choices=("bytes", "straggler", "delay"))
     ap.add_argument("--data", default=None, help="text file (default: the Shakespeare texts)")
     ap.add_argument("--steps", type=int, default=None, help="bytes: 3; straggler: 150")
     ap.add_argument("--workers", type=int, default=3, help="straggler: W")
@@ -210,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=3.0, help="validation loss to reach")
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.what == "bytes" else 150)
-    return run_bytes(args) if args.what == "bytes" else run_straggler(args)
+    return {"bytes": run_bytes, "straggler": run_straggler, "delay": run_delay}[args.what](args)
 
 
 if __name__ == "__main__":
