@@ -3,6 +3,7 @@
     python benchmarks/param_server.py bytes        # W = 2, 4, 8 and S = 1, 2; table on stdout
     python benchmarks/param_server.py straggler    # BSP, SSP s=1,2,4, ASP; one worker 3x slower
     python benchmarks/param_server.py delay        # one process, gradients d steps stale
+    python benchmarks/param_server.py report --target 3.2   # tables of the saved straggler runs
 
 ``bytes``: a BSP job of a few steps with ``shardwise.comm``'s byte counters on, then one ring
 all-reduce of the same gradient over the W workers (our ``ring`` algorithm, counted the same
@@ -200,6 +201,16 @@ def _plot(runs: list[dict], meta: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def run_report(args) -> int:
+    """Tables of the saved straggler runs for another ``--target`` (no training)."""
+    for name in ("fixed", "random"):
+        data = json.loads((RESULTS / f"straggler_{name}.json").read_text())
+        args.factor = float(data["meta"]["slow_worker"].split(":")[1])
+        args.steps, args.eval_every = data["meta"]["steps"], 10
+        _table(data["runs"], data["meta"], args)
+    return 0
+
+
 # -- staleness alone, in one process ------------------------------------------------------------
 
 def run_delay(args) -> int:
@@ -249,7 +260,7 @@ def run_delay(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("bytes", "straggler", "delay"))
+    ap.add_argument("what", choices=("bytes", "straggler", "delay", "report"))
     ap.add_argument("--data", default=None, help="text file (default: the Shakespeare texts)")
     ap.add_argument("--steps", type=int, default=None, help="bytes: 3; straggler: 150")
     ap.add_argument("--workers", type=int, default=3, help="straggler: W")
@@ -258,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=3.0, help="validation loss to reach")
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.what == "bytes" else 150)
-    return {"bytes": run_bytes, "straggler": run_straggler, "delay": run_delay}[args.what](args)
+    return {"bytes": run_bytes, "straggler": run_straggler, "delay": run_delay,
+            "report": run_report}[args.what](args)
 
 
 if __name__ == "__main__":
