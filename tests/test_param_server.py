@@ -250,3 +250,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
 def test_ps_world_size():
     cfg = Config.from_dict({"parallel": {"mode": "ps"}, "ps": {"servers": 2, "workers": 4}})
     assert cfg.world_size == 6
+
+
+@pytest.mark.parametrize("meta, extra, expected", [
+    ({"step": 1}, [], "is not a parameter-server checkpoint"),
+    ({"applied": 1, "optimizer": "adamw"}, ["--ps.optimizer", "sgd"],
+     "was saved with ps.optimizer=adamw, this run has sgd"),
+])
+def test_resume_from_a_foreign_checkpoint_is_one_line(tmp_path, capsys, meta, extra, expected):
+    import json
+
+    ck = tmp_path / "step_000001"
+    ck.mkdir()
+    (ck / "meta.json").write_text(json.dumps(meta))
+    (ck / ".metadata").write_bytes(b"")
+    assert main(["train", "--parallel.mode", "ps", "--resume", "--checkpoint.dir",
+                 str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and expected in err

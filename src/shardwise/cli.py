@@ -62,6 +62,10 @@ def cmd_train(args, extra: list[str]) -> int:
         load_text(cfg.data.path)  # a missing or unreadable corpus stops us here, not in a rank
         if args.resume and checkpoint.latest_checkpoint(cfg.checkpoint_dir) is None:
             raise ConfigError(f"--resume: no complete checkpoint in {str(cfg.checkpoint_dir)!r}")
+        if args.resume and cfg.parallel.mode == "ps":
+            from shardwise.param_server.state import check_resumable
+
+            check_resumable(checkpoint.latest_checkpoint(cfg.checkpoint_dir), cfg)
         env = launch.rank_env_from_environ()
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(

@@ -44,6 +44,19 @@ def save(root: str | Path, applied: int, rng: RangeOptimizer, kind: str, meta: d
                            keep=keep, group=group)
 
 
+def check_resumable(path: str | Path, cfg) -> None:
+    """``CheckpointError`` (one line) unless ``path`` is a parameter-server checkpoint of the
+    same optimizer (any S and W may resume it)."""
+    meta = checkpoint.read_meta(path)
+    if "applied" not in meta:
+        raise checkpoint.CheckpointError(f"--resume: {path} is not a parameter-server "
+                                         "checkpoint (parallel.mode=ps)")
+    if meta.get("optimizer") != cfg.ps.optimizer:
+        raise checkpoint.CheckpointError(f"--resume: {path} was saved with ps.optimizer="
+                                         f"{meta.get('optimizer')}, this run has "
+                                         f"{cfg.ps.optimizer}")
+
+
 def load(path: str | Path, rng: RangeOptimizer, kind: str, group) -> dict:
     """Collective over the servers' ``group``: fill this server's keys and optimizer state
     from checkpoint ``path``; returns its meta. ``CheckpointError`` if the optimizer differs."""
