@@ -4,6 +4,7 @@
     python benchmarks/param_server.py straggler    # BSP, SSP s=1,2,4, ASP; one worker 3x slower
     python benchmarks/param_server.py delay        # one process, gradients d steps stale
     python benchmarks/param_server.py report --target 3.2   # tables of the saved straggler runs
+    python benchmarks/param_server.py converge --steps 400  # BSP vs SSP s=2 vs ASP, final loss
 
 ``bytes``: a BSP job of a few steps with ``shardwise.comm``'s byte counters on, then one ring
 all-reduce of the same gradient over the W workers (our ``ring`` algorithm, counted the same
@@ -201,6 +202,26 @@ def _plot(runs: list[dict], meta: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def run_converge(args) -> int:
+    """Final validation loss of BSP, SSP s=2 and ASP without a straggler (S=1, W=2)."""
+    from shardwise.launch import spawn
+
+    S, W = 1, 2
+    model = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}
+    modes = (("bsp", None), ("ssp", 2), ("asp", None))
+    cfgs = [_cfg(args.data, S, W, c, s, args.steps, model, 8 * W, "/tmp/ps_converge",
+                 lr=args.lr) for c, s in modes]
+    res = spawn(straggler_rank, S + W, (cfgs,), threads=1)
+    bsp = res[S][0]["evals"][-1][2]
+    print(f"S={S}, W={W}, {args.steps} clocks, lr {args.lr:g}, no straggler")
+    print("| mode | server updates | final val loss | vs BSP |\n|---|---|---|---|")
+    for i, (c, s) in enumerate(modes):
+        v = res[S][i]["evals"][-1][2]
+        print(f"| {c if s is None else f'{c} s={s}'} | {res[0][i]['updates']} | {v:.3f} | "
+              f"{100 * (v / bsp - 1):+.1f}% |")
+    return 0
+
+
 def run_report(args) -> int:
     """Tables of the saved straggler runs for another ``--target`` (no training)."""
     for name in ("fixed", "random"):
@@ -260,17 +281,18 @@ def run_delay(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("bytes", "straggler", "delay", "report"))
+    ap.add_argument("what", choices=("bytes", "straggler", "delay", "report", "converge"))
     ap.add_argument("--data", default=None, help="text file (default: the Shakespeare texts)")
     ap.add_argument("--steps", type=int, default=None, help="bytes: 3; straggler: 150")
     ap.add_argument("--workers", type=int, default=3, help="straggler: W")
     ap.add_argument("--factor", type=float, default=3.0, help="straggler: slowdown of worker W-1")
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=3e-3, help="converge: peak learning rate")
     ap.add_argument("--target", type=float, default=3.0, help="validation loss to reach")
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.what == "bytes" else 150)
     return {"bytes": run_bytes, "straggler": run_straggler, "delay": run_delay,
-            "report": run_report}[args.what](args)
+            "report": run_report, "converge": run_converge}[args.what](args)
 
 
 if __name__ == "__main__":
