@@ -12,7 +12,8 @@ way). Per-step bytes (sent + received) of the busiest server, against those of t
 rank of the ring. Seed 003's table: peak node bandwidth O(N) for a parameter server, O(1)
 for a ring all-reduce (N = number of workers).
 
-``straggler``: loss against wall-clock and against clocks for each consistency with worker
+``straggler``: loss against wall-clock and against clocks for our all-reduce DDP and for each
+consistency with worker
 W-1 slowed FACTOR x, then with one worker drawn at random per clock slowed FACTOR x
 (``ps.slow_worker``); writes ``benchmarks/ps_results/straggler_{fixed,random}.{json,png}``
 and prints the tables (time and clocks to reach a validation loss).
@@ -130,6 +131,53 @@ def straggler_rank(cfgs: list[dict]) -> list[dict]:
     return out
 
 
+def ddp_rank(cfg_dict: dict) -> dict:
+    """Our all-reduce DDP on the same model, batches, AdamW and schedule, W ranks, with the
+    same straggler: a slow rank sleeps (factor - 1) x its compute time before its forward
+    (the all-reduce inside backward then waits for it). The compute time is one forward +
+    backward under ``no_sync`` timed before training, since a step's own time includes
+    waiting for the others and would compound."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.config import Config
+    from shardwise.data import DistributedBatchSampler
+    from shardwise.data_parallel import DistributedDataParallel
+    from shardwise.param_server.optim import lr_at, make_optimizer
+    from shardwise.param_server.training import _data_and_model, evaluate, straggle
+
+    cfg = Config.from_dict(cfg_dict)
+    rank, W, t = dist.get_rank(), dist.get_world_size(), cfg.training
+    cpu = torch.device("cpu")
+    train, val, model = _data_and_model(cfg, cpu)
+    ddp = DistributedDataParallel(model)
+    opt = make_optimizer("adamw", list(model.parameters()), cfg.optimizer)
+    sampler = DistributedBatchSampler(train, cfg.model.block_size, t.global_batch_size, rank, W,
+                                      seed=t.seed)
+    slow, evals = cfg.ps.slow(), []
+    t0 = time.perf_counter()
+    with ddp.no_sync():
+        x, y = sampler.windows(torch.arange(t.global_batch_size // W))
+        ddp(x, y)[1].backward()
+    compute = time.perf_counter() - t0
+    started = time.perf_counter()
+    for step in range(t.steps):
+        if rank == 0 and step % t.eval_every == 0:
+            evals.append((step, time.perf_counter() - started, evaluate(model, val, cfg, cpu)))
+        factor = straggle(slow, rank, step, W, t.seed)
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * compute)
+        x, y = sampler.next_batch()
+        ddp.zero_grad()
+        ddp(x, y)[1].backward()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg.optimizer, t.steps)
+        opt.step()
+    if rank == 0:
+        evals.append((t.steps, time.perf_counter() - started, evaluate(model, val, cfg, cpu)))
+    return {"evals": evals, "seconds": time.perf_counter() - started}
+
+
 def run_straggler(args) -> int:
     import os
 
@@ -145,7 +193,9 @@ def run_straggler(args) -> int:
         t0 = time.perf_counter()
         res = spawn(straggler_rank, S + W, (cfgs,), threads=1)
         wall = time.perf_counter() - t0
-        runs = []
+        ddp = spawn(ddp_rank, W, (cfgs[0],), threads=1)[0]
+        runs = [{"mode": "our DDP (all-reduce)", "evals": ddp["evals"], "updates": args.steps,
+                 "worker0_s": ddp["seconds"]}]
         for i, (c, s) in enumerate(MODES):
             w0 = res[S][i]
             runs.append({"mode": c if s is None else f"{c} s={s}", "evals": w0["evals"],

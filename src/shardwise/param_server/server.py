@@ -5,7 +5,9 @@ Li et al., OSDI 2014 (server nodes, range partitioning); the consistency rules a
 request and hands it to the main loop through a queue, so the server serves whichever
 worker speaks first (p2p needs a known source; a thread per source gives "any source"
 without backend support for it). The main loop alone touches the weights, the clocks and
-the replies (``comm.send``), so no lock guards them.
+the replies (``comm.send``), so no lock guards them. Nothing here uses ``async_op``, so
+comm runs each call inline in its calling thread. Tested on CPU + gloo; with NCCL, p2p from
+several threads would go through torch's per-pair communicators (untested).
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ class Server:
         for t in threads:
             t.start()
         started = time.perf_counter()
-        self.heard = [started] * len(self.worker_ranks)  # when each worker last spoke
+        # when each worker last spoke; None until its first request (a worker still starting
+        # up is bounded by comm's timeout, parallel.timeout_s, not by worker_timeout_s)
+        self.heard: list[float | None] = [None] * len(self.worker_ranks)
         while len(self.finished | self.dead) < len(self.worker_ranks):
             try:
                 event = self.events.get(timeout=min(1.0, self.worker_timeout_s / 4))
@@ -153,6 +157,7 @@ class Server:
         now = time.perf_counter()
         for w in range(len(self.worker_ranks)):
             if (w not in self.finished and w not in self.dead and w not in self.waiting
+                    and self.heard[w] is not None
                     and now - self.heard[w] > self.worker_timeout_s):
                 self._handle(_DEAD, w, -1, f"silent for {now - self.heard[w]:.0f} s")
 

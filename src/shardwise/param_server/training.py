@@ -125,7 +125,7 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     out = {"role": "worker", "index": index, "losses": losses, "times": times,
            "pull_wait_s": waits, "evals": evals, "first_versions": out_first,
            "elapsed_s": time.perf_counter() - started, "step": t.steps,
-           "loss": losses[-1]}
+           "loss": losses[-1] if losses else None}
     if index == 0:
         out["val_loss"] = evaluate(model, val_tokens, cfg, device)
         evals.append((t.steps, time.perf_counter() - started, out["val_loss"]))
