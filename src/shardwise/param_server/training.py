@@ -82,6 +82,11 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     ps, t = cfg.ps, cfg.training
     train_tokens, val_tokens, model = _data_and_model(cfg, device)
     part = partition(model, ps.servers)
+    if index == 0 and t.progress:
+        rule = f"ssp s={ps.staleness}" if ps.consistency == "ssp" else ps.consistency
+        print(f"shardwise: parameter server, {ps.servers} servers x {ps.workers} workers, "
+              f"{rule}, {ps.optimizer}; GPT {model.num_parameters() / 1e6:.2f}M parameters, "
+              f"server bytes {part.server_bytes()}", flush=True)
     worker = Worker(index, model, part, list(range(ps.servers)))
     torch.manual_seed(t.seed + 1000 * (index + 1))  # dropout streams differ per worker
     sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size, t.global_batch_size,
@@ -165,7 +170,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None, resume: bool 
         raise ValueError(f"ps.servers + ps.workers = {cfg.world_size} ranks, but the job has "
                          f"{dist.get_world_size()}")
     comm.configure(timeout_s=cfg.parallel.timeout_s)
-    device = device or torch.device("cpu")
+    device = device or (torch.device("cuda", torch.cuda.current_device())
+                        if torch.cuda.is_available() else torch.device("cpu"))
     rank, S = dist.get_rank(), cfg.ps.servers
     group = dist.new_group(list(range(S)))  # every rank takes part in creating it
     latest = checkpoint.latest_checkpoint(cfg.checkpoint_dir) if resume else None
