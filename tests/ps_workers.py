@@ -68,9 +68,10 @@ def run_cases(cfg_dicts: list[dict], resume: bool = False) -> list[dict]:
     return out
 
 
-def faulty(cfg_dict: dict, stop: dict, delay: dict) -> dict:
+def faulty(cfg_dict: dict, stop: dict, join: dict) -> dict:
     """One job where worker ``w`` falls silent after ``stop[w]`` clocks (as if killed) and
-    worker ``v`` joins ``delay[v]`` seconds late. No barrier after: a stopped rank is gone."""
+    worker ``v`` joins once ``join[v]`` updates are applied. No barrier after: a stopped
+    rank is gone."""
     import torch.distributed as dist
 
     from shardwise import comm
@@ -83,6 +84,6 @@ def faulty(cfg_dict: dict, stop: dict, delay: dict) -> dict:
     if rank < S:
         return run_server(cfg, rank, cpu)
     w = rank - S
-    res = run_worker(cfg, w, cpu, stop_after=stop.get(w), start_delay_s=delay.get(w, 0.0))
+    res = run_worker(cfg, w, cpu, stop_after=stop.get(w), join_after=join.get(w, 0))
     res.pop("params", None)
     return res

@@ -70,14 +70,15 @@ def evaluate(model: torch.nn.Module, val_tokens: torch.Tensor, cfg: Config,
 
 
 def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | None = None,
-               start_delay_s: float = 0.0, start_clock: int = 0) -> dict:
+               join_after: int = 0, start_clock: int = 0) -> dict:
     """Worker ``index``'s loop: pull, forward/backward on its shard, push; ``training.steps``
     clocks. Returns its losses and wall-clock times (worker 0 also the final weights and
     validation loss). ``start_clock``: resume there (the sampler skips that many batches).
 
     Fault injection (tests, experiments): ``stop_after`` clocks, the worker falls silent
-    and leaves without DONE, as if killed; ``start_delay_s``: it joins late, and its first
-    pull fetches the weights as they are then.
+    and leaves without DONE, as if killed; ``join_after``: it joins a running job once
+    server 0 has applied that many updates (polling pulls; ASP only, since under BSP/SSP
+    the others would wait for it), starting from the weights as they are then.
     """
     ps, t = cfg.ps, cfg.training
     train_tokens, val_tokens, model = _data_and_model(cfg, device)
@@ -97,7 +98,9 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     clip = cfg.optimizer.grad_clip
     metrics = MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=index == 0)
     losses, times, waits, evals = [], [], [], []
-    time.sleep(start_delay_s)
+    while join_after and worker.versions[0] < join_after:
+        worker.pull(start_clock)
+        time.sleep(0.05)
     started = time.perf_counter()
     out_first = []
     for clock in range(start_clock, t.steps):
