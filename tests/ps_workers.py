@@ -87,3 +87,22 @@ def faulty(cfg_dict: dict, stop: dict, join: dict) -> dict:
     res = run_worker(cfg, w, cpu, stop_after=stop.get(w), join_after=join.get(w, 0))
     res.pop("params", None)
     return res
+
+
+def run_plan(plan: list[tuple]) -> list[dict]:
+    """Jobs one after another on the same ranks: ``("train", cfg, resume)`` entries (a
+    barrier after each), then optionally one ``("faulty", cfg, stop, join)`` last (it ends
+    with a rank gone, so nothing may follow it)."""
+    from shardwise import comm
+    from shardwise.param_server import train_rank
+
+    out = []
+    for kind, cfg, *args in plan:
+        if kind == "faulty":
+            out.append(faulty(cfg, *args))
+            break
+        res = train_rank(cfg, resume=args[0])
+        res.pop("times", None)
+        out.append(res)
+        comm.barrier()
+    return out
