@@ -186,7 +186,8 @@ def run_straggler(args) -> int:
     S, W = 1, args.workers
     model = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}
     RESULTS.mkdir(exist_ok=True)
-    for name, slow in (("fixed", f"{W - 1}:{args.factor:g}"), ("random", f"random:{args.factor:g}")):
+    scenarios = (("fixed", f"{W - 1}:{args.factor:g}"), ("random", f"random:{args.factor:g}"))
+    for name, slow in scenarios:
         cfgs = [_cfg(args.data, S, W, c, s, args.steps, model, 8 * W, "/tmp/ps_straggler",
                      slow, eval_every=args.eval_every) for c, s in MODES]
         load = os.getloadavg()[0]

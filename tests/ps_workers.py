@@ -51,7 +51,8 @@ def reference(cfg_dict: dict) -> dict:
             g["lr"] = lr_at(step, cfg.optimizer, t.steps)
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
 
 
 def run_cases(cfg_dicts: list[dict], resume: bool = False) -> list[dict]:

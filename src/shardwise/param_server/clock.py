@@ -39,7 +39,8 @@ class ClockTable:
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:
-            raise ValueError(f"consistency must be one of {CONSISTENCIES}, got {self.consistency!r}")
+            raise ValueError(f"consistency must be one of {CONSISTENCIES}, "
+                             f"got {self.consistency!r}")
         if self.workers < 1 or self.staleness < 0:
             raise ValueError(f"need workers >= 1 and staleness >= 0, got {self.workers}, "
                              f"{self.staleness}")
