@@ -50,8 +50,11 @@ def two_by_two(corpus, tmp_path_factory):
         "bsp_sgd": ps_config(str(corpus), out, 2, 2, "bsp", optimizer="sgd"),
         "ssp2": ps_config(str(corpus), out, 2, 2, "ssp", 2, steps=10, slow_worker="1:4"),
         "asp": ps_config(str(corpus), out, 2, 2, "asp", steps=8),
+        "bsp_dead": ps_config(str(corpus), out, 2, 2, "bsp", steps=6, worker_timeout_s=2.0),
     }
-    results = spawn(run_cases, 4, (list(cases.values()),), timeout_s=120)
+    plan = [("train", c, False) for n, c in cases.items() if n != "bsp_dead"]
+    plan.append(("faulty", cases["bsp_dead"], {1: 3}, {}))  # last: it ends with a rank gone
+    results = spawn(run_plan, 4, (plan,), timeout_s=120)
     return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}, cases
 
 
@@ -132,6 +135,17 @@ def test_asp_carries_on_without_a_dead_worker_and_admits_a_late_one(one_by_four)
     assert len(w0["losses"]) == len(w2["losses"]) == len(w3["losses"]) == 8  # all finished
     assert server["updates"] == 3 + 3 * 8  # the dead worker's pushes until it died count
     assert w3["first_versions"][0] >= 4  # the late worker started from current weights
+    assert w0["val_loss"] < w0["losses"][0]
+
+
+def test_bsp_drops_a_dead_worker_and_carries_on(two_by_two):
+    """S=2, W=2, BSP: worker 1 dies after 3 clocks; clock 3 is applied with worker 0's
+    gradient alone once worker 1 is dropped, and worker 0 trains to the end."""
+    servers, (w0, w1) = two_by_two[0]["bsp_dead"][:2], two_by_two[0]["bsp_dead"][2:]
+    assert [s["dead"] for s in servers] == [[1], [1]]
+    assert w1["stopped"] == 3 and len(w0["losses"]) == 6
+    assert all(s["updates"] == 6 for s in servers)  # one step per clock, none lost or doubled
+    assert set(gaps(servers)) == {0}  # still bulk synchronous among the live
     assert w0["val_loss"] < w0["losses"][0]
 
 
