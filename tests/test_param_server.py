@@ -165,6 +165,53 @@ def test_servers_checkpoint_and_a_restarted_job_resumes(two_by_two, one_by_four)
     assert (ck["root"] / "step_000005").is_dir()  # the resumed job saved its end again
 
 
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "shardwise", "train", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _cli_common(corpus, out):
+    return ["--config", "configs/tiny.toml", "--data", str(corpus), "--training.out_dir",
+            str(out), "--training.threads", "1", "--parallel.mode", "ps", "--ps.workers", "2"]
+
+
+@pytest.fixture(scope="module")
+def cli_run(corpus, tmp_path_factory):
+    """`shardwise train --parallel.mode ps` with the local launcher: S=2, W=2, SSP s=1, the
+    tiny config (6 clocks, checkpoints every 3)."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    proc = _cli(*_cli_common(corpus, out), "--ps.servers", "2", "--ps.consistency", "ssp",
+                "--ps.staleness", "1")
+    return proc, out
+
+
+def test_cli_trains_with_the_local_launcher(cli_run):
+    proc, out = cli_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 servers x 2 workers, ssp s=1" in proc.stdout and "done: 6 steps" in proc.stdout
+    assert (out / "loss.png").stat().st_size > 1000
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003",
+                                                                        "step_000006"]
+
+
+@pytest.mark.slow
+def test_cli_resumes_with_another_layout(cli_run, corpus):
+    """`--resume` of the run above with S=1 instead of 2 and two more clocks (~30 s)."""
+    _, out = cli_run
+    proc = _cli(*_cli_common(corpus, out), "--ps.servers", "1", "--resume",
+                "--training.steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed at clock 6" in proc.stdout and "done: 8 steps" in proc.stdout
+    assert (out / "checkpoints" / "step_000008").is_dir()
+
+
 # -- pure logic ------------------------------------------------------------------------------
 
 def test_balanced_cuts_are_optimal_and_contiguous():

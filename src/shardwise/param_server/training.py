@@ -23,7 +23,7 @@ import torch.distributed as dist
 from shardwise import checkpoint, comm
 from shardwise.config import Config
 from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
-from shardwise.metrics import MetricsLog
+from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPT, GPTConfig
 from shardwise.param_server.partition import partition
 from shardwise.param_server.server import Server
@@ -87,7 +87,8 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
         rule = f"ssp s={ps.staleness}" if ps.consistency == "ssp" else ps.consistency
         print(f"shardwise: parameter server, {ps.servers} servers x {ps.workers} workers, "
               f"{rule}, {ps.optimizer}; GPT {model.num_parameters() / 1e6:.2f}M parameters, "
-              f"server bytes {part.server_bytes()}", flush=True)
+              f"server bytes {part.server_bytes()}"
+              + (f"; resumed at clock {start_clock}" if start_clock else ""), flush=True)
     worker = Worker(index, model, part, list(range(ps.servers)))
     torch.manual_seed(t.seed + 1000 * (index + 1))  # dropout streams differ per worker
     sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size, t.global_batch_size,
@@ -138,6 +139,11 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
         out["val_loss"] = evaluate(model, val_tokens, cfg, device)
         evals.append((t.steps, time.perf_counter() - started, out["val_loss"]))
         metrics.write({"kind": "val", "step": t.steps, "val_loss": out["val_loss"]})
+        if t.progress:  # a CLI run: the loss curve, as the trainer draws it
+            png = plot_loss(metrics.path, Path(t.out_dir) / "loss.png",
+                            title=f"GPT on Shakespeare, parameter server {ps.consistency}, "
+                                  f"S={ps.servers}, W={ps.workers}")
+            print(f"loss curve: {png}", flush=True)
         out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
