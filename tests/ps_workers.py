@@ -69,7 +69,7 @@ def run_cases(cfg_dicts: list[dict], resume: bool = False) -> list[dict]:
     return out
 
 
-def faulty(cfg_dict: dict, stop: dict, join: dict) -> dict:
+def faulty(cfg_dict: dict, stop: dict, join: dict, pause: dict | None = None) -> dict:
     """One job where worker ``w`` falls silent after ``stop[w]`` clocks (as if killed) and
     worker ``v`` joins once ``join[v]`` updates are applied. No barrier after: a stopped
     rank is gone."""
@@ -85,7 +85,8 @@ def faulty(cfg_dict: dict, stop: dict, join: dict) -> dict:
     if rank < S:
         return run_server(cfg, rank, cpu)
     w = rank - S
-    res = run_worker(cfg, w, cpu, stop_after=stop.get(w), join_after=join.get(w, 0))
+    res = run_worker(cfg, w, cpu, stop_after=stop.get(w), join_after=join.get(w, 0),
+                     pauses=(pause or {}).get(w))
     res.pop("params", None)
     return res
 
@@ -99,6 +100,10 @@ def run_plan(plan: list[tuple]) -> list[dict]:
 
     out = []
     for kind, cfg, *args in plan:
+        if kind == "paused":  # nobody leaves: a barrier may follow
+            out.append(faulty(cfg, {}, {}, args[0]))
+            comm.barrier()
+            continue
         if kind == "faulty":
             out.append(faulty(cfg, *args))
             break

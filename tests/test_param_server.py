@@ -50,9 +50,13 @@ def two_by_two(corpus, tmp_path_factory):
         "bsp_sgd": ps_config(str(corpus), out, 2, 2, "bsp", optimizer="sgd"),
         "ssp2": ps_config(str(corpus), out, 2, 2, "ssp", 2, steps=10, slow_worker="1:4"),
         "asp": ps_config(str(corpus), out, 2, 2, "asp", steps=8),
+        "asp_paused": ps_config(str(corpus), out, 2, 2, "asp", steps=8, worker_timeout_s=1.5),
         "bsp_dead": ps_config(str(corpus), out, 2, 2, "bsp", steps=6, worker_timeout_s=2.0),
     }
-    plan = [("train", c, False) for n, c in cases.items() if n != "bsp_dead"]
+    plan = [("train", c, False) for n, c in cases.items() if n not in ("bsp_dead", "asp_paused")]
+    # worker 1 stalls 3 s before clock 2 (dropped after 1.5 s of silence, then taken back);
+    # worker 0 stalls 0.6 s before each clock, so it is still training when worker 1 returns
+    plan.append(("paused", cases["asp_paused"], {1: {2: 3.0}, 0: {c: 0.6 for c in range(8)}}))
     plan.append(("faulty", cases["bsp_dead"], {1: 3}, {}))  # last: it ends with a rank gone
     results = spawn(run_plan, 4, (plan,), timeout_s=120)
     return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}, cases
@@ -136,6 +140,14 @@ def test_asp_carries_on_without_a_dead_worker_and_admits_a_late_one(one_by_four)
     assert server["updates"] == 3 + 3 * 8  # the dead worker's pushes until it died count
     assert w3["first_versions"][0] >= 4  # the late worker started from current weights
     assert w0["val_loss"] < w0["losses"][0]
+
+
+def test_asp_takes_back_a_worker_that_was_only_silent(two_by_two):
+    servers, workers = two_by_two[0]["asp_paused"][:2], two_by_two[0]["asp_paused"][2:]
+    for s in servers:
+        assert s["rejoined"] == [1] and s["dead"] == []
+        assert s["updates"] == 2 * 8  # every push of both workers counted
+    assert [len(w["losses"]) for w in workers] == [8, 8]
 
 
 def test_bsp_drops_a_dead_worker_and_carries_on(two_by_two):

@@ -87,6 +87,19 @@ class ClockTable:
             raise ValueError(f"applying clock {clock}, expected {self.applied}")
         self.applied += 1
 
+    def can_rejoin(self, clock: int) -> bool:
+        """Whether a dropped worker now at ``clock`` can be live again: under ASP always;
+        under BSP/SSP only if that clock is not applied yet (its gradient still counts)."""
+        return self.bound is None or clock >= self.applied
+
+    def rejoin(self, worker: int, clock: int) -> None:
+        """Make a dropped worker live again at ``clock`` (see ``can_rejoin``)."""
+        if not self.can_rejoin(clock):
+            raise ValueError(f"worker {worker} at clock {clock} cannot rejoin: clocks up to "
+                             f"{self.applied - 1} are applied")
+        self.live.add(worker)
+        self.clocks[worker] = clock
+
     def drop(self, worker: int) -> None:
         """Forget worker ``worker`` (it died or finished): it no longer holds anyone back."""
         self.live.discard(worker)

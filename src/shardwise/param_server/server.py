@@ -66,6 +66,7 @@ class Server:
         self.events: queue.Queue = queue.Queue()
         self.pull_log: list[tuple[int, int, int, int]] = []  # (worker, clock, slowest, t_us)
         self.unchanged = 0                                # pulls answered without payload
+        self.rejoined: list[int] = []                     # dropped workers taken back
         self.optimizer, self.ckpt = optimizer, checkpointing
         if resume_from is not None:
             meta = state.load(resume_from, self.range, optimizer, checkpointing["group"])
@@ -125,11 +126,17 @@ class Server:
         return {"role": "server", "index": self.index, "flat": self.range.flat.clone(),
                 "bounds": [self.lo, self.hi], "updates": self.version,
                 "pull_log": [list(e) for e in self.pull_log], "unchanged_pulls": self.unchanged,
-                "dead": sorted(self.dead)}
+                "dead": sorted(self.dead), "rejoined": self.rejoined}
 
     def _handle(self, kind: int, w: int, clock: int, arg) -> None:
+        if (w in self.dead and kind in (P.PUSH, P.PULL) and self.table.can_rejoin(clock)):
+            self.dead.discard(w)  # it was only silent: take it back
+            self.table.rejoin(w, clock)
+            self.rejoined.append(w)
+            print(f"shardwise ps: server {self.index}: worker {w} rejoined at clock {clock}",
+                  file=sys.stderr, flush=True)
         if kind == P.PUSH:
-            if w in self.dead:
+            if w in self.dead:  # too late to count (its clock is applied): ignored
                 return
             self.table.push(w, clock)
             if self.table.bound is None:  # ASP: every push is one step

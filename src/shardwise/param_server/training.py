@@ -70,7 +70,8 @@ def evaluate(model: torch.nn.Module, val_tokens: torch.Tensor, cfg: Config,
 
 
 def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | None = None,
-               join_after: int = 0, start_clock: int = 0) -> dict:
+               join_after: int = 0, start_clock: int = 0,
+               pauses: dict[int, float] | None = None) -> dict:
     """Worker ``index``'s loop: pull, forward/backward on its shard, push; ``training.steps``
     clocks. Returns its losses and wall-clock times (worker 0 also the final weights and
     validation loss). ``start_clock``: resume there (the sampler skips that many batches).
@@ -78,7 +79,9 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     Fault injection (tests, experiments): ``stop_after`` clocks, the worker falls silent
     and leaves without DONE, as if killed; ``join_after``: it joins a running job once
     server 0 has applied that many updates (polling pulls; ASP only, since under BSP/SSP
-    the others would wait for it), starting from the weights as they are then.
+    the others would wait for it), starting from the weights as they are then; ``pauses``:
+    ``{clock: seconds}``, it stalls before those clocks (if longer than
+    ``ps.worker_timeout_s``, it is dropped, then taken back when it speaks again).
     """
     ps, t = cfg.ps, cfg.training
     train_tokens, val_tokens, model = _data_and_model(cfg, device)
@@ -107,6 +110,8 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
     for clock in range(start_clock, t.steps):
         if clock == stop_after:
             return {"role": "worker", "index": index, "losses": losses, "stopped": clock}
+        if pauses and clock in pauses:
+            time.sleep(pauses[clock])
         t0 = time.perf_counter()
         worker.pull(clock)
         if clock == start_clock:
