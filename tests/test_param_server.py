@@ -224,6 +224,32 @@ def test_cli_resumes_with_another_layout(cli_run, corpus):
     assert (out / "checkpoints" / "step_000008").is_dir()
 
 
+@pytest.mark.slow
+def test_torchrun_runs_a_parameter_server_job(corpus, tmp_path):
+    """Under torchrun (3 processes: 1 server, 2 workers) the same command trains and saves."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO
+
+    from shardwise.launch import free_port
+    from shardwise.metrics import read_metrics
+
+    out = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "3", "--master-port", str(free_port()),
+         "-m", "shardwise", "train", *_cli_common(corpus, out), "--ps.servers", "1"],
+        cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert (out / "checkpoints" / "step_000006").is_dir()
+
+
 # -- pure logic ------------------------------------------------------------------------------
 
 def test_balanced_cuts_are_optimal_and_contiguous():
