@@ -46,6 +46,18 @@ def _cfg(corpus: str | None, servers: int, workers: int, consistency: str, stale
         "checkpoint": {"every": 0, "at_end": False}}).model_dump()
 
 
+def _small_corpus() -> str:
+    """The tests' corpus (``tests/conftest.py``): 120,000 characters of real Shakespeare."""
+    import tempfile
+
+    from shardwise.data import shakespeare_files
+
+    text = "".join(f.read_text(encoding="utf-8") for f in shakespeare_files()[:1])[:120_000]
+    path = Path(tempfile.gettempdir()) / "shardwise_ps_bench_corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
 # -- bytes ------------------------------------------------------------------------------------
 
 def bytes_rank(cfg: dict) -> dict:
@@ -333,7 +345,8 @@ def run_delay(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("bytes", "straggler", "delay", "report", "converge"))
-    ap.add_argument("--data", default=None, help="text file (default: the Shakespeare texts)")
+    ap.add_argument("--data", default=None, help="text file (default: the first 120,000 "
+                    "characters of the Shakespeare package's first text, as the tests use)")
     ap.add_argument("--steps", type=int, default=None, help="bytes: 3; straggler: 150")
     ap.add_argument("--workers", type=int, default=3, help="straggler: W")
     ap.add_argument("--factor", type=float, default=3.0, help="straggler: slowdown of worker W-1")
@@ -341,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3, help="converge: peak learning rate")
     ap.add_argument("--target", type=float, default=3.0, help="validation loss to reach")
     args = ap.parse_args(argv)
+    args.data = args.data or _small_corpus()
     args.steps = args.steps or (3 if args.what == "bytes" else 150)
     return {"bytes": run_bytes, "straggler": run_straggler, "delay": run_delay,
             "report": run_report, "converge": run_converge}[args.what](args)
