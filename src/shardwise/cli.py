@@ -96,11 +96,16 @@ def cmd_train(args, extra: list[str]) -> int:
         _check_corpus(cfg, len(load_text(cfg.data.path)))  # missing, unreadable or too short
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
-                f"parallel.dp x pp x tp = {cfg.world_size} ranks, but torchrun started "
+                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
+                f"+ ps.workers), but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
         local = env.local_world_size if env is not None else cfg.world_size
         device, device_note = launch.pick_device(cfg.training.device, local)  # before any rank
         plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
+        if plan.resume_from and cfg.parallel.mode == "ps":
+            from shardwise.param_server.state import check_resumable
+
+            check_resumable(plan.resume_from, cfg)
     except (ConfigError, DataError, RunError, ValueError) as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -186,7 +191,7 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
             print(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
                   f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
             return 128 + signum
-    s = results[0]
+    s = results[cfg.ps.servers if cfg.parallel.mode == "ps" else 0]  # ps: worker 0
     print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, "
           f"final train loss {s['loss']:.4f}, validation loss {s['val_loss']:.4f} nats/char; "
           f"outputs in {cfg.training.out_dir}")

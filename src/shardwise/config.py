@@ -75,9 +75,13 @@ class ParallelConfig(_Section):
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
                       "sharded), 2 (gradients too) or 3 (parameters too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
+    mode: str = Field("grid", description="grid: the dp x pp x tp rank grid; ps: a parameter "
+                      "server (the [ps] section; parallel.dp/pp/tp are not used)")
 
     @model_validator(mode="after")
     def _known_algorithm(self):
+        if self.mode not in ("grid", "ps"):
+            raise ValueError(f"parallel.mode={self.mode!r}: expected grid or ps")
         from shardwise import comm
 
         names = getattr(comm, "ALLREDUCE_ALGORITHMS", ("native", "auto"))
@@ -103,6 +107,61 @@ class ParallelConfig(_Section):
                              "PipeDream steps after every backward and stashes whole weights; "
                              "use a flush schedule (1f1b, interleaved, gpipe) with ZeRO")
         return self
+
+
+class PSConfig(_Section):
+    """Parameter server (``parallel.mode = "ps"``): S server ranks, then W worker ranks.
+
+    Li et al., OSDI 2014 (key-range sharded servers); Ho et al., NIPS 2013 (SSP).
+    """
+
+    servers: int = Field(1, ge=1, description="server ranks S (ranks 0..S-1)")
+    workers: int = Field(2, ge=1, description="worker ranks W (ranks S..S+W-1)")
+    consistency: str = Field("bsp", description="bsp, asp or ssp")
+    staleness: int | None = Field(None, ge=0, description="ssp only: a worker at clock c "
+                                  "waits until the slowest live worker has reached c - s")
+    optimizer: str = Field("adamw", description="update the servers apply: adamw (the "
+                           "[optimizer] section) or sgd (momentum ps.momentum)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    slow_worker: str | None = Field(None, description="INDEX:FACTOR: worker INDEX (0..W-1) "
+                                    "computes FACTOR times slower (sleeps); random:FACTOR: "
+                                    "each clock one worker drawn from training.seed is; "
+                                    "for experiments")
+    worker_timeout_s: float = Field(60.0, gt=0.0, description="a worker silent this long "
+                                    "while the servers wait on it is dropped")
+
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.consistency not in ("bsp", "asp", "ssp"):
+            raise ValueError(f"ps.consistency={self.consistency!r}: expected bsp, asp or ssp")
+        if self.staleness is not None and self.consistency != "ssp":
+            raise ValueError(f"ps.staleness={self.staleness} with ps.consistency="
+                             f"{self.consistency}: staleness is a bound of ssp only")
+        if self.staleness is None and self.consistency == "ssp":
+            raise ValueError("ps.consistency=ssp needs ps.staleness (an integer >= 0)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"ps.optimizer={self.optimizer!r}: expected adamw or sgd")
+        if self.slow_worker is not None:
+            self.slow()  # raises on a malformed value
+        return self
+
+    def slow(self) -> tuple[int, float] | None:
+        """``(worker index, factor)`` of ``slow_worker`` (index -1: a random worker each
+        clock), or None; ValueError if malformed."""
+        if self.slow_worker is None:
+            return None
+        index, sep, factor = self.slow_worker.partition(":")
+        try:
+            i, f = (0 if index == "random" else int(index)), float(factor)
+        except ValueError:
+            i, f = -1, 0.0
+        if index == "random" and f >= 1.0:
+            return -1, f
+        if not sep or not 0 <= i < self.workers or not f >= 1.0:
+            raise ValueError(f"ps.slow_worker={self.slow_worker!r}: expected INDEX:FACTOR or "
+                             f"random:FACTOR with 0 <= INDEX < ps.workers={self.workers} and "
+                             "FACTOR >= 1")
+        return i, f
 
 
 class OptimizerConfig(_Section):
@@ -156,6 +215,7 @@ class Config(_Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    ps: PSConfig = PSConfig()
 
     @model_validator(mode="after")
     def _sections_agree(self):
@@ -189,14 +249,39 @@ class Config(_Section):
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")
+        if p.mode == "ps":
+            return self._ps_agrees()
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
         return self
 
+    def _ps_agrees(self):
+        p, ps, t = self.parallel, self.ps, self.training
+        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
+                            ("parallel.micro_batches", p.micro_batches)):
+            if value != 1:
+                raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "
+                                 "is pure data parallelism; set it to 1")
+        if p.zero or t.precision != "fp32":
+            raise ValueError("parallel.mode=ps trains in fp32 without ZeRO: set parallel.zero "
+                             "= 0 and training.precision = fp32")
+        if t.global_batch_size % ps.workers:
+            raise ValueError(f"training.global_batch_size={t.global_batch_size} must be "
+                             f"divisible by ps.workers={ps.workers}")
+        from shardwise.param_server.partition import count_keys
+
+        keys = count_keys(self.model)
+        if ps.servers > keys:
+            raise ValueError(f"ps.servers={ps.servers} is more than the model's {keys} key "
+                             "ranges (parameter tensors): a server would own nothing")
+        return self
+
     @property
     def world_size(self) -> int:
+        if self.parallel.mode == "ps":
+            return self.ps.servers + self.ps.workers
         return self.parallel.dp * self.parallel.pp * self.parallel.tp
 
     @property

@@ -20,9 +20,14 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
 
     ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
     newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
-    be initialised with ``dp * pp * tp`` ranks.
+    be initialised with ``dp * pp * tp`` ranks (``ps.servers + ps.workers`` with
+    ``parallel.mode = "ps"``: see ``param_server``).
     """
     cfg = Config.from_dict(cfg_dict)
+    if cfg.parallel.mode == "ps":  # servers and workers instead of the rank grid
+        from shardwise.param_server import train_rank
+
+        return train_rank(cfg_dict, torch.device(device_str) if device_str else None, resume)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),

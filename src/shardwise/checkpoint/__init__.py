@@ -49,9 +49,9 @@ _NAME = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rank() -> int:
@@ -100,25 +100,26 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, Any],
-         keep: int | None = None) -> Path:
+         keep: int | None = None, group=None) -> Path:
     """Collectively save ``tensors`` (nested dict of tensors) and ``meta`` (JSON-able).
 
-    Every rank calls this with the same ``step``. Returns the final directory. Older
+    Every rank of ``group`` (None: the world; it must hold global rank 0) calls this with
+    the same ``step``. Returns the final directory. Older
     complete checkpoints beyond ``keep`` (at this step or before it) are removed by rank 0.
     Raises ``CheckpointError`` on every rank, writing nothing, if any rank's tensors hold
     NaN or Inf.
     """
     root = Path(root)
-    _refuse_non_finite(tensors, step)
+    _refuse_non_finite(tensors, step, group)
     final = root / checkpoint_name(step)
     tmp = root / (final.name + ".tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    _barrier(group)
     with _single_process_ok():
-        dcp.save(tensors, checkpoint_id=str(tmp))
-    _barrier()
+        dcp.save(tensors, checkpoint_id=str(tmp), process_group=group)
+    _barrier(group)
     if _rank() == 0:
         with open(tmp / META, "w") as f:
             json.dump(meta, f, indent=1)
@@ -132,7 +133,7 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
             done = [c for c in complete_checkpoints(root) if step_of(c) <= step]
             for old in done[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
 
 
@@ -145,8 +146,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path / META}: not a readable checkpoint description ({e})") from None
 
 
-def load(path: str | Path, tensors: dict[str, Any], verified: bool = False) -> dict[str, Any]:
-    """Fill ``tensors`` (same structure as saved, preallocated) in place; return the meta.
+def load(path: str | Path, tensors: dict[str, Any], verified: bool = False,
+         group=None) -> dict[str, Any]:
+    """Fill ``tensors`` (same structure as saved, or a part of it; preallocated) in place;
+    return the meta. Collective over ``group`` (None: the world).
 
     Checks every file against ``checksums.json`` first (skipped when ``verified``, i.e.
     ``find_resumable`` has just done it) and reads ``.metadata`` with the restricted
@@ -159,7 +162,7 @@ def load(path: str | Path, tensors: dict[str, Any], verified: bool = False) -> d
     # refuse here, in one line, what SafeReader would refuse inside DCP's collective wrapper
     SafeReader(path, files).read_metadata()
     with _single_process_ok():
-        dcp.load(tensors, storage_reader=SafeReader(path, files))
+        dcp.load(tensors, storage_reader=SafeReader(path, files), process_group=group)
     return meta
 
 
@@ -202,7 +205,7 @@ def read_tensors(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def _refuse_non_finite(tensors: dict[str, Any], step: int) -> None:
+def _refuse_non_finite(tensors: dict[str, Any], step: int, group=None) -> None:
     """Raise ``CheckpointError`` on every rank if any rank holds a NaN or Inf (one round)."""
     bad = first_non_finite(tensors)
     if dist.is_initialized():
@@ -211,7 +214,7 @@ def _refuse_non_finite(tensors: dict[str, Any], step: int) -> None:
         from shardwise.comm.check import group_device
 
         flag = torch.tensor([0.0 if bad is None else 1.0], device=group_device(None))
-        comm.all_reduce(flag, op="max")
+        comm.all_reduce(flag, op="max", group=group)
         any_bad = flag.item() > 0
     else:
         any_bad = bad is not None

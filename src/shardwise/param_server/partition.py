@@ -1,0 +1,118 @@
+"""Key-range partition of the flattened parameters over S servers.
+
+Li et al. (OSDI 2014, "Scaling Distributed Machine Learning with the Parameter Server",
+section 4.1) treat the model as (key, value) pairs with ordered keys and give each server a
+contiguous key range. Here a key is one parameter tensor (in ``model.parameters()`` order,
+a tied weight counted once), its value the tensor flattened; the flat vector is their
+concatenation. Server i owns keys ``[cuts[i], cuts[i+1])``, i.e. one contiguous slice
+``[lo, hi)`` of the flat vector. The cuts minimise the largest server's bytes (the linear
+partition problem, solved exactly by dynamic programming), since a server's traffic per
+step is proportional to its bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class Key:
+    """One parameter tensor: its name, shape, and place ``[lo, hi)`` in the flat vector."""
+
+    name: str
+    shape: tuple[int, ...]
+    lo: int
+    hi: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Keys in flat order and the key cuts: server i owns ``keys[cuts[i]:cuts[i+1]]``."""
+
+    keys: tuple[Key, ...]
+    cuts: tuple[int, ...]
+
+    @property
+    def servers(self) -> int:
+        return len(self.cuts) - 1
+
+    @property
+    def numel(self) -> int:
+        return self.keys[-1].hi if self.keys else 0
+
+    def server_keys(self, i: int) -> tuple[Key, ...]:
+        return self.keys[self.cuts[i]:self.cuts[i + 1]]
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Flat slice ``[lo, hi)`` (elements) owned by server ``i``."""
+        ks = self.server_keys(i)
+        return ks[0].lo, ks[-1].hi
+
+    def server_bytes(self) -> list[int]:
+        return [sum(k.nbytes for k in self.server_keys(i)) for i in range(self.servers)]
+
+
+def keys_of(model: torch.nn.Module) -> tuple[Key, ...]:
+    """The model's parameters as keys, in ``named_parameters()`` order (tied ones once)."""
+    keys, lo = [], 0
+    for name, p in model.named_parameters():
+        keys.append(Key(name, tuple(p.shape), lo, lo + p.numel(), p.numel() * p.element_size()))
+        lo += p.numel()
+    return tuple(keys)
+
+
+def balanced_cuts(sizes: list[int], parts: int) -> tuple[int, ...]:
+    """Cuts ``0 = c_0 < c_1 < ... < c_parts = len(sizes)`` of ``sizes`` into ``parts``
+    non-empty contiguous runs minimising the largest run's sum (ties: earliest cuts).
+
+    Raises ``ValueError`` when ``parts`` is not in ``1..len(sizes)``.
+    O(parts * n^2) dynamic programming; n is the number of parameter tensors (tens).
+    """
+    n = len(sizes)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} keys into {parts} non-empty ranges")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+
+    @lru_cache(maxsize=None)
+    def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
+        """Min over cuts of keys[start:] into k runs of the max run sum, and the cuts."""
+        if k == 1:
+            return prefix[n] - prefix[start], (n,)
+        out = None
+        for end in range(start + 1, n - k + 2):  # leave at least one key per later run
+            rest, cuts = best(end, k - 1)
+            cost = max(prefix[end] - prefix[start], rest)
+            if out is None or cost < out[0]:
+                out = (cost, (end,) + cuts)
+        return out
+
+    return (0,) + best(0, parts)[1]
+
+
+def partition(model: torch.nn.Module, servers: int) -> Partition:
+    """Contiguous key ranges of ``model``'s parameters over ``servers``, balanced by bytes."""
+    keys = keys_of(model)
+    return Partition(keys, balanced_cuts([k.nbytes for k in keys], servers))
+
+
+def count_keys(model_cfg) -> int:
+    """Number of keys (parameter tensors) of the GPT a ``ModelConfig`` describes; built on
+    the meta device, so nothing is allocated."""
+    from shardwise.models import GPT, GPTConfig
+
+    m = model_cfg
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(vocab_size=max(1, m.vocab_size), block_size=m.block_size,
+                            n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, bias=m.bias,
+                            tie_weights=m.tie_weights))
+    return sum(1 for _ in gpt.parameters())

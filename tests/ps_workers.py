@@ -1,0 +1,114 @@
+"""Rank functions and the one-process reference for the parameter-server tests."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.config import Config
+
+
+def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency: str = "bsp",
+              staleness: int | None = None, optimizer: str = "adamw", steps: int = 5,
+              slow_worker: str | None = None, worker_timeout_s: float = 60.0,
+              checkpoint_every: int = 0, checkpoint_dir: str | None = None) -> dict:
+    cfg = {
+        "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32},
+        "data": {"path": corpus},
+        "parallel": {"mode": "ps"},
+        "ps": {"servers": servers, "workers": workers, "consistency": consistency,
+               "staleness": staleness, "optimizer": optimizer, "slow_worker": slow_worker,
+               "worker_timeout_s": worker_timeout_s},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0},
+        "training": {"steps": steps, "global_batch_size": 24, "eval_every": 0, "log_every": 1,
+                     "out_dir": out_dir, "sample_chars": 0, "progress": False, "eval_batches": 1},
+        "checkpoint": {"every": checkpoint_every, "at_end": checkpoint_dir is not None,
+                       "dir": checkpoint_dir, "keep": 5},
+    }
+    return Config.from_dict(cfg).model_dump()
+
+
+def reference(cfg_dict: dict) -> dict:
+    """One process on the whole global batch of every step, torch's optimizer on the whole
+    model: what BSP must equal."""
+    from shardwise.data import DistributedBatchSampler
+    from shardwise.param_server.optim import lr_at, make_optimizer
+    from shardwise.param_server.training import _data_and_model
+
+    cfg = Config.from_dict(cfg_dict)
+    train_tokens, _, model = _data_and_model(cfg, torch.device("cpu"))
+    params = list(model.parameters())
+    opt = make_optimizer(cfg.ps.optimizer, params, cfg.optimizer, cfg.ps.momentum)
+    t = cfg.training
+    sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size, t.global_batch_size,
+                                      0, 1, seed=t.seed)
+    losses = []
+    for step in range(t.steps):
+        x, y = sampler.next_batch()
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg.optimizer, t.steps)
+        opt.step()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def run_cases(cfg_dicts: list[dict], resume: bool = False) -> list[dict]:
+    """Several parameter-server jobs one after another on the same ranks (one spawn)."""
+    from shardwise import comm
+    from shardwise.param_server import train_rank
+
+    out = []
+    for cfg in cfg_dicts:
+        res = train_rank(cfg, resume=resume)
+        res.pop("times", None)
+        out.append(res)
+        comm.barrier()
+    return out
+
+
+def faulty(cfg_dict: dict, stop: dict, join: dict, pause: dict | None = None) -> dict:
+    """One job where worker ``w`` falls silent after ``stop[w]`` clocks (as if killed) and
+    worker ``v`` joins once ``join[v]`` updates are applied. No barrier after: a stopped
+    rank is gone."""
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.param_server.training import run_server, run_worker
+
+    cfg = Config.from_dict(cfg_dict)
+    comm.configure(timeout_s=cfg.parallel.timeout_s)
+    rank, S = dist.get_rank(), cfg.ps.servers
+    cpu = torch.device("cpu")
+    if rank < S:
+        return run_server(cfg, rank, cpu)
+    w = rank - S
+    res = run_worker(cfg, w, cpu, stop_after=stop.get(w), join_after=join.get(w, 0),
+                     pauses=(pause or {}).get(w))
+    res.pop("params", None)
+    return res
+
+
+def run_plan(plan: list[tuple]) -> list[dict]:
+    """Jobs one after another on the same ranks: ``("train", cfg, resume)`` entries (a
+    barrier after each), then optionally one ``("faulty", cfg, stop, join)`` last (it ends
+    with a rank gone, so nothing may follow it)."""
+    from shardwise import comm
+    from shardwise.param_server import train_rank
+
+    out = []
+    for kind, cfg, *args in plan:
+        if kind == "paused":  # nobody leaves: a barrier may follow
+            out.append(faulty(cfg, {}, {}, args[0]))
+            comm.barrier()
+            continue
+        if kind == "faulty":
+            out.append(faulty(cfg, *args))
+            break
+        res = train_rank(cfg, resume=args[0])
+        res.pop("times", None)
+        out.append(res)
+        comm.barrier()
+    return out
