@@ -364,12 +364,11 @@ def test_ps_world_size():
      "was saved with ps.optimizer=adamw, this run has sgd"),
 ])
 def test_resume_from_a_foreign_checkpoint_is_one_line(tmp_path, capsys, meta, extra, expected):
-    import json
+    import torch
 
-    ck = tmp_path / "step_000001"
-    ck.mkdir()
-    (ck / "meta.json").write_text(json.dumps(meta))
-    (ck / ".metadata").write_bytes(b"")
+    from shardwise import checkpoint
+
+    checkpoint.save(tmp_path, 1, {"x": torch.zeros(1)}, meta)  # complete, checksummed, foreign
     assert main(["train", "--parallel.mode", "ps", "--resume", "--checkpoint.dir",
                  str(tmp_path), *extra]) == 2
     err = capsys.readouterr().err.strip()

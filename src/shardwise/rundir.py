@@ -107,14 +107,19 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
         raise RunDirError(f"cannot resume {path}: model.vocab_size={saved['vocab_size']} there, "
                           f"{cfg.model.vocab_size} here")
     saved_data = meta.get("config", {}).get("data", {}).get("path")
-    if _resolved(saved_data) != _resolved(cfg.data.path):  # the tokenizer comes from there
+    if "config" in meta and _resolved(saved_data) != _resolved(cfg.data.path):  # the tokenizer comes from there
         raise RunDirError(f"cannot resume {path}: data.path={saved_data!r} there, "
                           f"{cfg.data.path!r} here; --fresh starts over (the old checkpoints "
                           "are kept)")
-    step = meta.get("step", 0)
+    step = saved_step(meta)
     if cfg.training.steps < step:
         raise RunDirError(f"training.steps={cfg.training.steps} is below step {step} of the "
                           f"checkpoint {path}; give more steps or --fresh")
+
+
+def saved_step(meta: dict) -> int:
+    """The step a checkpoint was taken at: ``step`` (trainer), ``applied`` clocks (servers)."""
+    return int(meta.get("step", meta.get("applied", 0)))
 
 
 def _resolved(path: str | None) -> str | None:
@@ -157,5 +162,5 @@ def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = Fals
     check_compatible(cfg, path, meta)
     plan.resume_from = path  # rank 0 says so in one line once the trainer has loaded it
     if is_rank0:
-        truncate_metrics(out_dir / "metrics.jsonl", meta["step"])
+        truncate_metrics(out_dir / "metrics.jsonl", saved_step(meta))
     return plan
