@@ -213,12 +213,9 @@ class Engine:
         seen: set = set()
         params = [q for _, q in self.named_parameters()]
         out = {"params": sum(_add(seen, q) for q in params)}
-        out["params"] += sum(_add(seen, t) for t in getattr(self.sync, "param_shards", list)())
-        grads = [q.grad for q in params] + list(self.sync.grad_tensors()
-                                               if hasattr(self.sync, "grad_tensors")
-                                               else self.sync.grad_shards())
-        if hasattr(self.sync, "layout"):  # ZeRO-1: the buckets hold the full gradients
-            grads += [b.buffer for b in self.sync.layout.buckets]
+        out["params"] += sum(_add(seen, t) for t in self.sync.param_shards())
+        # ZeRO-1's shards are views into its buckets: a storage is counted once, whole
+        grads = [q.grad for q in params] + list(self.sync.grad_shards())
         out["grads"] = sum(_add(seen, g) for g in grads)
         opt = sum(_add(seen, m) for m in self.sync.pieces)
         state = self.optimizer.optimizer.state

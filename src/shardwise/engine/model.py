@@ -30,13 +30,10 @@ from shardwise.pipeline.partition import (Partition, balanced, gpt_layers, parti
                                           profile_layers)
 from shardwise.pipeline.stage import StageChunk
 from shardwise.tensor_parallel.group import TPGroup
-from shardwise.tensor_parallel.layers import gather_tensor, padded_vocab_size, shard_tensor
 from shardwise.tensor_parallel.loss import vocab_parallel_cross_entropy
 from shardwise.tensor_parallel.model import TPBlock, TPEmbedding, TPHead, check_divisible
 from shardwise.tensor_parallel.random import ParallelRNG
-
-VOCAB_PARAMS = ("embed.tok.weight", "head.proj.weight")
-
+from shardwise.tensor_parallel.state import VOCAB_PARAMS, gather_like, shard_like
 
 @dataclass
 class LocalModel:
@@ -80,25 +77,14 @@ class LocalModel:
     def full_tensor(self, name: str, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The unsharded, unpadded tensor of ``local`` (parameter ``p`` named ``name``, or a
         tensor shaped like it: a moment, a master). Collective over tp when ``p`` is sharded."""
-        dim = getattr(p, "tp_dim", None)
-        if dim is None or self.tp.size == 1:
-            return local.detach().clone()
-        full = gather_tensor(local, dim, self.tp)
-        return full[:self.cfg.vocab_size].clone() if _vocab(name) else full
+        return gather_like(p, local, self.tp, self._rows(name))
 
     def local_tensor(self, name: str, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Inverse of ``full_tensor``: this rank's slice (vocabulary padding added back)."""
-        dim = getattr(p, "tp_dim", None)
-        if dim is None or self.tp.size == 1:
-            return full.detach().clone()
-        if _vocab(name) and p.shape[0] * self.tp.size > full.shape[0]:
-            pad = full.new_zeros((p.shape[0] * self.tp.size - full.shape[0],) + tuple(full.shape[1:]))
-            full = torch.cat([full, pad])
-        return shard_tensor(full, dim, self.tp)
+        return shard_like(p, full, self.tp, self._rows(name))
 
-
-def _vocab(name: str) -> bool:
-    return name in VOCAB_PARAMS
+    def _rows(self, name: str) -> int | None:
+        return self.cfg.vocab_size if name in VOCAB_PARAMS else None
 
 
 def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[int],
@@ -177,7 +163,3 @@ def _vocab_parallel_loss(tp: TPGroup, vocab_size: int) -> Callable:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size, tag="head.loss")
     return loss
-
-
-def padded_vocab(cfg: GPTConfig, tp: TPGroup) -> int:
-    return padded_vocab_size(cfg.vocab_size, tp.size)

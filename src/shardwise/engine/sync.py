@@ -79,7 +79,11 @@ class ReplicatedSync:
             if p is not m:
                 p.copy_(m)
 
-    def grad_tensors(self) -> list[torch.Tensor]:
+    def param_shards(self) -> list[torch.Tensor]:
+        """Parameter memory beyond the model's parameters: none without ZeRO-3."""
+        return []
+
+    def grad_shards(self) -> list[torch.Tensor]:
         """Gradient memory this rank keeps between steps (for the memory report)."""
         if self.sync is not None:
             return [b.buffer for b in self.sync.buckets]

@@ -31,29 +31,41 @@ def _vocab_rows(model: nn.Module, name: str) -> int | None:
 
 
 @torch.no_grad()
+def gather_like(p: torch.Tensor, local: torch.Tensor, tp: TPGroup,
+                vocab_rows: int | None = None) -> torch.Tensor:
+    """The full tensor of ``local``, a tensor shaped like parameter ``p`` (the parameter, a
+    gradient, Adam's moments): gathered over tp along ``p.tp_dim`` when ``p`` is sharded,
+    trimmed to ``vocab_rows`` rows for a vocabulary-padded parameter. Collective over tp
+    when sharded."""
+    if not is_sharded(p) or tp.size == 1:
+        return local.detach().clone()
+    full = gather_tensor(local, p.tp_dim, tp)
+    return full if vocab_rows is None else full[:vocab_rows].clone()
+
+
+@torch.no_grad()
+def shard_like(p: torch.Tensor, full: torch.Tensor, tp: TPGroup,
+               vocab_rows: int | None = None) -> torch.Tensor:
+    """Inverse of ``gather_like``: this rank's slice of ``full`` (vocabulary padding added
+    back when ``vocab_rows`` is given)."""
+    if not is_sharded(p) or tp.size == 1:
+        return full.detach().clone()
+    if vocab_rows is not None and p.shape[0] * tp.size > full.shape[0]:
+        pad = full.new_zeros((p.shape[0] * tp.size - full.shape[0],) + tuple(full.shape[1:]))
+        full = torch.cat([full, pad])
+    return shard_tensor(full, p.tp_dim, tp)
+
+
 def gather_param(model: nn.Module, name: str, local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """The full (unsharded, unpadded) tensor of parameter ``name`` from this rank's
     ``local`` (the parameter, or any tensor shaped like it: a gradient, Adam's moments).
     Collective over the tp group when the parameter is sharded."""
-    p = model.get_parameter(name)
-    if not is_sharded(p):
-        return local.detach().clone()
-    full = gather_tensor(local, p.tp_dim, tp)
-    rows = _vocab_rows(model, name)
-    return full if rows is None else full[:rows].clone()
+    return gather_like(model.get_parameter(name), local, tp, _vocab_rows(model, name))
 
 
-@torch.no_grad()
 def shard_param(model: nn.Module, name: str, full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's slice of the full tensor of parameter ``name`` (padding added back)."""
-    p = model.get_parameter(name)
-    if not is_sharded(p):
-        return full.detach().clone()
-    rows = _vocab_rows(model, name)
-    if rows is not None and p.shape[0] * tp.size > full.shape[0]:
-        pad = full.new_zeros((p.shape[0] * tp.size - full.shape[0],) + tuple(full.shape[1:]))
-        full = torch.cat([full, pad])
-    return shard_tensor(full, p.tp_dim, tp)
+    return shard_like(model.get_parameter(name), full, tp, _vocab_rows(model, name))
 
 
 def gather_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
