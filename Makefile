@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean bench-deps
+.PHONY: run test test-torch install clean bench-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the suite against another torch (2.9 to 2.13): an interpreter whose environment holds that
+# torch and numpy, pydantic, tqdm, matplotlib; CUDA hidden, as the suite runs on gloo
+test-torch:
+	@test -n "$(TORCH_PYTHON)" || { echo "make test-torch: set TORCH_PYTHON=/path/to/python (an environment with the torch to test)"; exit 2; }
+	PYTHONPATH=$(CURDIR)/src:$$PYTHONPATH CUDA_VISIBLE_DEVICES= $(TORCH_PYTHON) -m pytest -q
 
 # optional: the peers that benchmarks/zero_vs_peers.py --deepspeed compares against
 bench-deps: $(STAMP)

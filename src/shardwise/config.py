@@ -36,9 +36,13 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     bias: bool = True
     tie_weights: bool = Field(True, description="share the token embedding with the LM head")
+    attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
+                           "(FlashAttention on CUDA); math: the scores written out")
 
     @model_validator(mode="after")
     def _heads_divide(self):
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"model.attention={self.attention!r}: expected sdpa or math")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
                              f"model.n_head={self.n_head}")
@@ -174,6 +178,9 @@ class OptimizerConfig(_Section):
     beta2: float = Field(0.99, ge=0.0, lt=1.0)
     grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
     warmup_steps: int = Field(50, ge=0)
+    fused: bool | None = Field(None, description="AdamW kernel: true: torch's fused AdamW, "
+                               "one kernel for all tensors; false: a loop over tensors; "
+                               "unset: fused on CUDA, the loop on the CPU (the parity reference)")
 
 
 class TrainingConfig(_Section):
@@ -195,6 +202,13 @@ class TrainingConfig(_Section):
                            "keep fp32 master weights, sharded with ZeRO, whole without)")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
     initial_loss_scale: float = Field(65536.0, gt=0.0)
+    tf32: bool = Field(True, description="CUDA: fp32 matmuls in TF32 (10-bit mantissa, "
+                       "torch.set_float32_matmul_precision('high')); no effect on the CPU")
+    compile: bool = Field(False, description="torch.compile each transformer block (not with "
+                          "parallel.tp > 1 or parallel.zero = 3)")
+    peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
+                                      "for MFU; unset: the table of known GPUs, or a matmul "
+                                      "probe on the CPU (shardwise.perf)")
 
 
 class CheckpointConfig(_Section):
@@ -246,6 +260,10 @@ class Config(_Section):
             raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
         if t.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
+        if t.compile and (p.tp > 1 or p.zero == 3):
+            raise ValueError(f"training.compile with parallel.tp={p.tp}, parallel.zero={p.zero}: "
+                             "compiled blocks cannot hold the collectives of tensor parallelism "
+                             "or ZeRO-3's gathers; compile needs tp = 1 and zero < 3")
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")

@@ -48,7 +48,8 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
         n = _full_size(trainer.gpt_cfg)
         print(f"shardwise: GPT {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
-              f"{describe_layout(cfg)}, {torch.get_num_threads()} threads per rank", flush=True)
+              f"{describe_layout(cfg)}, {_where(device)}, {torch.get_num_threads()} threads "
+              "per rank", flush=True)
         mem = trainer.engine.memory_bytes()
         print(f"shardwise: rank 0 holds {_mib(mem['params'])} parameters, {_mib(mem['grads'])} "
               f"gradients, {_mib(mem['optimizer'])} optimizer state "
@@ -61,6 +62,12 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
     summary = trainer.fit()
     trainer.finish()
     return summary
+
+
+def _where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def _mib(n: int) -> str:

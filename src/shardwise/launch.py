@@ -23,7 +23,7 @@ Local runs are safe by default:
   rank behind.
 
 Each rank gets ``max(1, cores // local_world_size)`` torch threads so ranks do not fight
-over cores. gloo can abort at interpreter exit after all work is done ("terminate called
+over cores (on CUDA at most ``GPU_HOST_THREADS``: the GPU computes, the threads serve host work). gloo can abort at interpreter exit after all work is done ("terminate called
 without an active exception"), so a worker ends with ``destroy_process_group()`` and then
 ``os._exit(code)``: a good run never turns red at exit.
 """
@@ -102,9 +102,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_rank(local_world_size: int) -> int:
-    """``max(1, cores // local ranks)``: the torch intra-op threads one rank may use."""
-    return max(1, available_cores() // max(1, local_world_size))
+GPU_HOST_THREADS = 4  # a CUDA rank's host work: batches, the optimizer's launches, logging
+
+
+def threads_per_rank(local_world_size: int, device_type: str = "cpu") -> int:
+    """The torch intra-op threads one rank may use: ``max(1, cores // local ranks)`` on the
+    CPU, where the rank computes with them; on CUDA the GPU computes and the threads only
+    serve host work (batches, logging), so at most ``GPU_HOST_THREADS``."""
+    share = max(1, available_cores() // max(1, local_world_size))
+    return min(share, GPU_HOST_THREADS) if device_type == "cuda" else share
 
 
 def free_port() -> int:
@@ -188,8 +194,9 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
     ``tcp://MASTER_ADDR:MASTER_PORT`` (torchrun). ``device``: "cpu", "cuda" or "auto"
     (``pick_device``). Returns the device this rank computes on.
     """
-    torch.set_num_threads(threads or threads_per_rank(env.local_world_size))
-    if pick_device(device, env.local_world_size)[0] == "cuda":
+    kind = pick_device(device, env.local_world_size)[0]
+    torch.set_num_threads(threads or threads_per_rank(env.local_world_size, kind))
+    if kind == "cuda":
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -199,6 +206,8 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
     if not dist.is_initialized():
         where = ({"store": store} if store is not None
                  else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"})
+        if backend == "nccl":  # NCCL binds the communicator to this GPU, not a guess
+            where["device_id"] = device
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s), **where)
     return device

@@ -21,10 +21,11 @@ import torch.distributed as dist
 from shardwise import comm
 from shardwise.config import Config
 from shardwise.data import CharTokenizer, DistributedBatchSampler, load_text
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineSettings, settle
 from shardwise.errors import NonFiniteLossError
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPTConfig
+from shardwise.perf import Throughput, flops_per_token, peak_flops
 from shardwise.topology import Topology
 from shardwise.trainer_state import TrainerState
 
@@ -44,6 +45,8 @@ class Trainer(TrainerState):
                  tokenizer: CharTokenizer | None = None):
         self.cfg, self.topology = cfg, topology
         self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":  # TF32 for fp32 matmuls (training.tf32); CPU: no effect
+            torch.set_float32_matmul_precision("high" if cfg.training.tf32 else "highest")
         self.distributed = dist.is_initialized()
         self.is_main = topology.rank == 0
         text = load_text(cfg.data.path)
@@ -56,7 +59,7 @@ class Trainer(TrainerState):
         self.gpt_cfg = GPTConfig(vocab_size=m.vocab_size or self.tokenizer.vocab_size,
                                  block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
                                  n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                                 tie_weights=m.tie_weights)
+                                 tie_weights=m.tie_weights, attention=m.attention)
         # split, then parallelize: pipeline chunks, tp shards, dp sync, one optimizer
         self.engine = Engine(self.gpt_cfg, topology, EngineSettings.from_config(cfg), self.device)
         self.optimizer = self.engine.optimizer
@@ -68,22 +71,44 @@ class Trainer(TrainerState):
         self.out_dir = Path(t.out_dir)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=self.is_main)
         self.history: list[float] = []
+        self._pending: list[torch.Tensor] = []  # losses of steps not yet read on the host
+        self._pin = self.device.type == "cuda"  # page-locked batches, copied asynchronously
 
     # -- one step -------------------------------------------------------------------------
-    def train_step(self) -> dict:
-        """One optimizer step on this rank's share of the next global batch."""
+    def train_step(self, sync: bool = True) -> dict:
+        """One optimizer step on this rank's share of the next global batch. ``sync=False``:
+        the loss and norm stay 0-d tensors on the device (``settle`` reads them), so the host
+        runs ahead of the GPU; ``self.history`` gets them at the next ``settle``."""
         x, y = self.sampler.next_batch()
-        x, y = x.to(self.device), y.to(self.device)
-        info = self.engine.train_step(x, y)
+        if self._pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        info = self.engine.train_step(x, y, sync=False)
         self.scheduler.step()
         self.step += 1
-        self.history.append(info["loss"])
+        self._pending.append(info["loss"])
         info = {**info, "lr": self.optimizer.param_groups[0]["lr"]}
         if self.engine.loss_scaler is None:
             info.pop("skipped")
         else:
             info["loss_scale"] = self.engine.loss_scaler.scale
-        return info
+        return self.settle(info) if sync else info
+
+    def settle(self, info: dict | None = None) -> dict | None:
+        """Read the pending losses into ``self.history`` (one host synchronisation) and
+        ``info``'s tensors into floats. Raises ``NonFiniteLossError`` naming the first step
+        whose loss is not finite (every rank sees the same dp-mean loss)."""
+        if self._pending:
+            first = self.step - len(self._pending) + 1
+            losses = torch.stack([t.detach().double().reshape(()) for t in self._pending]).tolist()
+            self._pending = []
+            for i, v in enumerate(losses):
+                if not math.isfinite(v):
+                    raise NonFiniteLossError(
+                        f"training loss is {v} at step {first + i}: stopped; nothing of this "
+                        "or later steps is saved (lower optimizer.lr or check the data)")
+            self.history.extend(losses)
+        return settle(info) if info is not None else None
 
     def _mean_over_dp(self, value: float) -> float:
         if not self.distributed or self.topology.dp == 1:
@@ -127,28 +152,32 @@ class Trainer(TrainerState):
             bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0)
         tokens_per_step = t.global_batch_size * self.cfg.model.block_size
+        rate = self.throughput()
         started = time.perf_counter()
         val_loss = None
         while self.step < t.steps:
-            t0 = time.perf_counter()
-            info = self.train_step()
-            dt = time.perf_counter() - t0
-            if not math.isfinite(info["loss"]):  # every rank sees the same (dp-mean) loss
-                raise NonFiniteLossError(
-                    f"training loss is {info['loss']} at step {self.step}: stopped; nothing of "
-                    "this step is saved (lower optimizer.lr or check the data)")
-            rec = {"kind": "train", "step": self.step, **info, "tokens_per_s": tokens_per_step / dt,
-                   "step_s": dt}
-            if self.step % t.log_every == 0 or self.step == t.steps:
+            info = self.train_step(sync=False)
+            rate.add(tokens_per_step)
+            log = self.step % t.log_every == 0 or self.step == t.steps
+            evaluate = bool(t.eval_every) and self.step % t.eval_every == 0 and self.step < t.steps
+            save = bool(ck.every) and self.step % ck.every == 0 and self.step < t.steps
+            if log or evaluate or save:  # the only host synchronisations of the loop
+                info = self.settle(info)
+                rate.pause()
+            if log:
+                rec = {"kind": "train", "step": self.step, **info, **rate.mark()}
                 self.metrics.write(rec)
+                if bar is not None:
+                    mfu = f"{100 * rec['mfu']:.0f}%" if rec["mfu"] is not None else "n/a"
+                    bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    mfu=mfu, refresh=False)  # the bar redraws at its own mininterval
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                refresh=False)  # the bar redraws at its own mininterval
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+            if evaluate:
                 val_loss = self._log_eval()
-            if ck.every and self.step % ck.every == 0 and self.step < t.steps:
+            if save:
                 self.save_checkpoint()
+            rate.resume()
         if bar is not None:
             bar.close()
         if self.topology.pp > 1 and self.topology.dp_rank == 0:  # for `shardwise timeline`
@@ -159,6 +188,14 @@ class Trainer(TrainerState):
             self.save_checkpoint()
         return {"step": self.step, "loss": self.history[-1] if self.history else None,
                 "val_loss": val_loss, "elapsed_s": time.perf_counter() - started}
+
+    def throughput(self) -> Throughput:
+        """Tokens/s, FLOP/s per rank and MFU of this run (``perf``), against the peak of this
+        rank's device in the compute dtype."""
+        t = self.cfg.training
+        peak = peak_flops(self.device, self.engine.dtype, t.tf32, t.peak_tflops)
+        world = self.topology.dp * self.topology.pp * self.topology.tp
+        return Throughput(flops_per_token(self.gpt_cfg), world, peak)
 
     def _log_eval(self) -> float:
         v = self.evaluate()

@@ -63,6 +63,8 @@ class EngineSettings:
     batch_size: int = 32   # global batch, sequences
     seq_len: int = 128
     measure_memory: bool = False  # meter saved-for-backward bytes (executor.meter.peak)
+    fused: bool | None = None  # AdamW kernel; None: fused on CUDA, the per-tensor loop on CPU
+    compile: bool = False  # torch.compile each transformer block
 
     @classmethod
     def from_config(cls, cfg) -> "EngineSettings":
@@ -74,7 +76,18 @@ class EngineSettings:
                    allreduce=p.allreduce, precision=t.precision, loss_scaling=t.loss_scaling,
                    initial_loss_scale=t.initial_loss_scale, lr=o.lr, betas=(o.beta1, o.beta2),
                    weight_decay=o.weight_decay, grad_clip=o.grad_clip, seed=t.seed,
-                   batch_size=t.global_batch_size, seq_len=cfg.model.block_size)
+                   batch_size=t.global_batch_size, seq_len=cfg.model.block_size,
+                   fused=o.fused, compile=t.compile)
+
+
+def settle(info: dict) -> dict:
+    """``info`` with every 0-d tensor read into a Python float: one host synchronisation
+    for all of them."""
+    keys = [k for k, v in info.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+    if not keys:
+        return info
+    values = torch.stack([info[k].detach().double() for k in keys]).tolist()
+    return {**info, **dict(zip(keys, values))}
 
 
 class Engine:
@@ -122,6 +135,8 @@ class Engine:
             time_sample=(s.batch_size // topology.dp // s.micro_batches, s.seq_len),
             average=self._average)
         torch.manual_seed(self.dropout_seed)
+        if s.compile:
+            self._compile_blocks()
         self.loss_scaler = (DynamicLossScaler(s.initial_loss_scale)
                             if s.precision == "fp16" and s.loss_scaling else None)
         self.chunks: dict[int, nn.Module] = dict(self.local.chunks)
@@ -134,7 +149,8 @@ class Engine:
             self.sync, tp=self.tp, sequence_parallel=s.sequence_parallel, lr=s.lr,
             betas=s.betas, weight_decay=s.weight_decay, loss_scaler=self.loss_scaler,
             tied_peer=tied_peer, tied_names=self.local.tied,
-            tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing)
+            tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing,
+            fused=self.device.type == "cuda" if s.fused is None else s.fused)
         seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
         self.act_shape = (local_batch // s.micro_batches, seq, gpt_cfg.n_embd)
         self.executor = Executor(
@@ -148,6 +164,17 @@ class Engine:
         self.sync.zero_grad()
 
     # -- composition ----------------------------------------------------------------------
+    def _compile_blocks(self) -> None:
+        """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
+        transformer block, the head) and the loss, so Inductor fuses the logits' cast into
+        the cross-entropy instead of writing fp32 logits out. One graph per kind of layer:
+        a pipeline chunk of any length reuses it. The config refuses it with tp > 1 (the
+        layers' collectives) and ZeRO-3 (its gathers run in the layers' hooks)."""
+        for chunk in self.local.chunks.values():
+            for layer in chunk.layers:
+                layer.compile()
+        self.local.loss_fn = torch.compile(self.local.loss_fn)
+
     def _average(self, t: torch.Tensor) -> torch.Tensor:
         if self.distributed and dist.get_world_size() > 1:  # every rank must cut alike
             comm.all_reduce(t, op="mean")
@@ -234,11 +261,14 @@ class Engine:
         self.last_step = self.optimizer.step(self.s.grad_clip)
         self.sync.zero_grad()
 
-    def train_step(self, idx: torch.Tensor, targets: torch.Tensor) -> dict:
+    def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True) -> dict:
         """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64.
         Returns ``{"loss", "grad_norm", "skipped"}`` (and, with ZeRO-0 buckets,
         ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
-        mean over micro-batches and dp replicas, the same on every rank."""
+        mean over micro-batches and dp replicas, the same on every rank. ``sync=True``: loss
+        and norm as Python floats (the host waits for the device); ``sync=False``: as 0-d
+        tensors on the device, so a loop can run ahead and read them at its logging interval
+        (``settle`` converts such a dict)."""
         m = self.schedule.m
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
@@ -248,12 +278,13 @@ class Engine:
             losses = self.executor.run(inputs, tgts, self.stream.segment(k)[self.pp_rank],
                                        first_mb=k * m)
             self.stream_step += 1
-        loss = self._share_loss(sum(losses) / m if losses else 0.0)
-        info = {"loss": loss, **self.last_step}
+        total = (torch.stack(losses).double().sum() / m if losses
+                 else torch.zeros((), dtype=torch.float64, device=self.device))
+        info = {"loss": self._share_loss(total), **self.last_step}
         buckets = getattr(self.sync, "sync", None)
         if buckets is not None:  # our DDP's buckets: how many started before backward ended
             info["buckets_overlapped"] = [buckets.launched_early, len(buckets.buckets)]
-        return info
+        return settle(info) if sync else info
 
     def drain(self) -> None:
         """PipeDream: finish the micro-batches still in flight (before a checkpoint and at
@@ -263,17 +294,18 @@ class Engine:
         self.executor.run(None, None, self.stream.drain(self.stream_step - 1)[self.pp_rank])
         self.stream_step = 0
 
-    def _share_loss(self, value: float) -> float:
-        """The last stage's value on every rank (broadcast over pp), averaged over dp."""
+    def _share_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The last stage's value (0-d float64) on every rank (broadcast over pp), averaged
+        over dp; stays on the device."""
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
             comm.broadcast(t, src=last, group=self.pp_group)
         if self.topology.dp > 1:
             comm.all_reduce(t, op="mean", group=self.dp_group, check=False)
-        return float(t)
+        return t[0]
 
     # -- forward only: evaluation and generation ------------------------------------------
     @torch.no_grad()

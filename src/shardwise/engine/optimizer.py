@@ -35,13 +35,14 @@ class DistributedOptimizer:
     crosses stages); ``tied_names``: this rank's names of that weight; ``tied_counted``:
     whether this rank's copy enters the norm (the first stage's does). ``global_norm=False``
     (PipeDream: each stage steps on its own clock, so no reduction can span stages) keeps the
-    norm local: no clipping and no fp16 then (the config refuses both).
+    norm local: no clipping and no fp16 then (the config refuses both). ``fused``: torch's
+    fused AdamW kernel (``optimizer.fused``), else the loop over tensors.
     """
 
     def __init__(self, sync, *, tp, sequence_parallel: bool, lr: float, betas: tuple,
                  weight_decay: float, loss_scaler: DynamicLossScaler | None = None,
                  tied_peer: int | None = None, tied_names: tuple[str, ...] = (),
-                 tied_counted: bool = True, global_norm: bool = True):
+                 tied_counted: bool = True, global_norm: bool = True, fused: bool = False):
         self.sync, self.tp, self.loss_scaler = sync, tp, loss_scaler
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.tied_peer = tied_peer
@@ -57,7 +58,10 @@ class DistributedOptimizer:
                    "weight_decay": weight_decay},
                   {"params": [m for m, d in zip(self.pieces, decay) if not d],
                    "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+        # fused: one kernel over every tensor (CUDA's default); the loop over tensors is the
+        # CPU's reference: each element's arithmetic is the same whatever the pieces are
+        kernel = {"fused": True} if fused else {"foreach": False}
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
 
     @property
     def param_groups(self):

@@ -65,9 +65,9 @@ class ReplicatedSync:
         if self.sync is not None:
             self.sync.zero_grad()  # in place: gradients stay views into the buckets
         else:  # kept and zeroed in place, as the buckets are: memory held between steps
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.zero_()
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)  # one launch on CUDA; a loop on the CPU
 
     def piece_grads(self) -> list[torch.Tensor]:
         return [p.grad.float() if p.grad is not None else torch.zeros_like(m)
@@ -75,9 +75,9 @@ class ReplicatedSync:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        for p, m in zip(self.params, self.pieces):
-            if p is not m:
-                p.copy_(m)
+        pairs = [(p, m) for p, m in zip(self.params, self.pieces) if p is not m]
+        if pairs:  # masters cast into the compute-dtype parameters, one launch on CUDA
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def param_shards(self) -> list[torch.Tensor]:
         """Parameter memory beyond the model's parameters: none without ZeRO-3."""

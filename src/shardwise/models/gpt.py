@@ -31,6 +31,30 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
+    attention: str = "sdpa"  # "sdpa": fused kernels; "math": explicit softmax(QK^T)V
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                     impl: str = "sdpa") -> torch.Tensor:
+    """Causal softmax(Q K^T / sqrt(D)) V over (B, H, T, D) tensors; returns (B, H, T, D).
+
+    ``impl="sdpa"``: ``F.scaled_dot_product_attention``, which on CUDA dispatches to
+    FlashAttention-2 (Dao 2023) or memory-efficient attention (Rabe & Staats 2021) and never
+    materialises the (T, T) scores; on the CPU it is a fused kernel of the same maths.
+    ``impl="math"``: the scores written out (B, H, T, T), as in Vaswani et al. 2017; the
+    baseline ``benchmarks/gpu_mfu.py`` measures fused attention against.
+    """
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    if impl != "math":
+        raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
+    T = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, T)
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    att = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    if dropout_p > 0.0:
+        att = F.dropout(att, dropout_p)
+    return att @ v
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,6 +70,7 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.attention = cfg.attention
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,8 +78,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, H, T, D); the head axis is what tensor parallelism splits
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, self.dropout if self.training else 0.0, self.attention)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.resid_dropout(self.out_proj(y))
 

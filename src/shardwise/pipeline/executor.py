@@ -154,7 +154,8 @@ class Executor:
 
         ``inputs[i]`` / ``targets[i]`` are micro-batch ``first_mb + i``'s tokens and targets,
         needed where chunk 0 / the last chunk lives (``None`` elsewhere, or for a drain).
-        Returns the micro-batch losses (unscaled) computed here, in order."""
+        Returns the micro-batch losses (unscaled, detached 0-d tensors on the device: nothing
+        here waits for the device to read them) computed here, in order."""
         if ops is None:
             self.reset()
             ops = self.schedule.ranks[self.pp_rank]
@@ -163,7 +164,7 @@ class Executor:
             self.inputs.update({first_mb + i: x for i, x in enumerate(inputs or ())})
         if self.last_chunk in self.chunks:
             self.targets.update({first_mb + i: y for i, y in enumerate(targets or ())})
-        self.losses: list[float] = []
+        self.losses: list[torch.Tensor] = []
         self.sends: list = []
         self.events = []  # this run's only
         self.meter.exclude = _storages(p for c in self.chunks.values() for p in c.parameters())
@@ -218,7 +219,7 @@ class Executor:
             if op.chunk == self.last_chunk:
                 loss = self.loss_fn(out, self.targets[op.mb] if self.recompute
                                     else self.targets.pop(op.mb))
-                self.losses.append(loss.item())
+                self.losses.append(loss.detach())
                 out = loss * (self.loss_scale() / self.schedule.m)
         if self.recompute and op.chunk > 0:
             self.meter.hold(x.numel() * x.element_size())

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.gpt import GPT, GPTConfig, causal_attention
 from shardwise.tensor_parallel.group import TPGroup
 from shardwise.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                               VocabParallelEmbedding, gather_tensor,
@@ -57,7 +57,7 @@ class TPAttention(nn.Module):
         self.out_proj = RowParallelLinear(c, c, tp, master.out_proj.bias is not None,
                                           input_is_parallel=True, master=master.out_proj,
                                           tag=f"{tag}.out_proj")
-        self.dropout = master.dropout
+        self.dropout, self.attention = master.dropout, master.attention
         self.resid_dropout = TPDropout(master.dropout, rng, parallel=tp.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +68,9 @@ class TPAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if p > 0.0:
             with self.rng.fork():  # this rank's heads: a parallel region
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+                y = causal_attention(q, k, v, p, self.attention)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = causal_attention(q, k, v, 0.0, self.attention)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C / tp)
         return self.resid_dropout(self.out_proj(y))
 

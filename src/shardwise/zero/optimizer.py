@@ -157,7 +157,7 @@ class ZeroDataParallel(nn.Module):
     def step(self, optimizer, max_norm: float = 0.0) -> dict:
         """Unscale, check overflow, clip, step the fp32 masters, all-gather the parameters.
 
-        Returns ``{"grad_norm": float, "skipped": bool}`` (skipped: fp16 overflow).
+        Returns ``{"grad_norm": 0-d tensor, "skipped": bool}`` (skipped: fp16 overflow).
         """
         grads = self.piece_grads()
         out = fp32_step(optimizer, self.pieces, grads, self.group, max_norm, self.loss_scaler)

@@ -54,19 +54,24 @@ def global_norm(grads: list[torch.Tensor], counted: list[bool] | None = None, gr
     of ``grads[i]`` with ``counted[i]`` (default: all) summed here in float64, then one
     all-reduce over ``group`` (None: the world; "local": none) carries the squared norm and,
     with ``check_finite``, a flag for a non-finite gradient on any rank. The one place the
-    project computes a gradient norm. Returns the norm as an fp32 scalar tensor."""
+    project computes a gradient norm. Returns the norm as an fp32 scalar tensor (on the
+    gradients' device: reading it is the caller's host synchronisation)."""
     counted = counted if counted is not None else [True] * len(grads)
     dev = device if device is not None else (grads[0].device if grads else torch.device("cpu"))
     stats = torch.zeros(2, dtype=torch.float64, device=dev)  # squared norm, overflow flag
-    for g, c in zip(grads, counted):
-        if c:
-            stats[0] += g.detach().double().pow(2).sum()
+    mine = [g.detach() for g, c in zip(grads, counted) if c]
+    if mine and dev.type == "cuda":  # one fused launch for every tensor's norm, not 4 each
+        stats[0] = torch.nn.utils.get_total_norm(mine, 2.0, foreach=True).double().square()
+    else:  # the CPU's exact reference: squares summed in float64
+        for g in mine:
+            stats[0] += g.double().pow(2).sum()
     if check_finite:
         stats[1] = float(not all(bool(torch.isfinite(g).all()) for g in grads))
     if group != "local" and dist.is_available() and dist.is_initialized() \
             and dist.get_world_size(group) > 1:
         comm.all_reduce(stats, op="sum", group=group, check=False)  # one reduction: both
-    return stats[0].sqrt().float(), bool(stats[1] > 0)
+    # the flag is read on the host only when asked for: without it the step never waits
+    return stats[0].sqrt().float(), bool(stats[1] > 0) if check_finite else False
 
 
 @torch.no_grad()
@@ -84,7 +89,9 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
     says whether piece ``i``'s squares enter the norm on this rank: a piece replicated on
     several ranks of ``group`` (dp replicas without ZeRO, LayerNorms on every tp rank, the
     second copy of a tied weight) is counted on exactly one of them, so the sum over
-    ``group`` is the norm one process would compute. Returns ``{"grad_norm", "skipped"}``.
+    ``group`` is the norm one process would compute. Returns ``{"grad_norm", "skipped"}``:
+    the norm a 0-d tensor on the device (nothing here waits for the device unless loss
+    scaling must decide whether to skip: fp16 reads the overflow flag once per step).
     """
     if scaler is not None:
         for g in piece_grads:
@@ -106,4 +113,4 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
     optimizer.step()
     for p, g in zip(pieces, kept):
         p.grad = g  # transient fp32 copies are dropped
-    return {"grad_norm": float(total), "skipped": False}
+    return {"grad_norm": total, "skipped": False}
