@@ -168,12 +168,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per row")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per optimizer step")
+    ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step")
+    ap.add_argument("--tag", default=None, help="results file name (default: cuda / cpu)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu_results"))
     a = ap.parse_args(argv)
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     model, precision, batch, micro = ((GPT2_SMALL, "bf16", 32, 2) if cuda
                                       else (MAKE_RUN, "fp32", 32, 1))
+    batch, micro = a.batch or batch, a.micro_batches or micro
     steps = a.steps or (20 if cuda else 30)
     warmup = a.warmup or (5 if cuda else 5)
     if not cuda:
@@ -235,7 +239,7 @@ def main(argv=None) -> int:
             "micro_batches": micro, "steps": steps, "warmup": warmup,
             "flops_per_token": fpt, "peak_flops": peak.flops, "peak_source": peak.source,
             "ours_over_peer": ratio}
-    tag = "cuda" if cuda else "cpu"
+    tag = a.tag or ("cuda" if cuda else "cpu")
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# {name}: {precision}, torch {torch.__version__}, {torch.get_num_threads()} threads",
              "", f"Model {model}; {batch} sequences in {micro} micro-batch(es) per step; "
