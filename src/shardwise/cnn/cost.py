@@ -16,7 +16,8 @@ column         split by output          full -> feature  all-reduce of the input
                                                          X = 4 B c_in instead
 row            split by input features  feature -> full  all-reduce of the output
                                                          X = 4 B c_out (forward); to batch:
-                                        feature -> batch reduce-scatter + all-gather instead
+                                        feature -> batch reduce-scatter + all-gather instead,
+                                                         and the bias gradient all-reduced
 =============  =======================  ===============  ===============================
 
 This is seed 000's rule made exact: data parallelism moves the weights (C_in C_out per
@@ -116,9 +117,10 @@ def layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Collec
                 Collective("reduce_scatter", x_in, "backward", w)]
     if s == "column":
         return [Collective("all_reduce", x_in, "backward", w)]
-    if s == "row" and lp.layout_out == BATCH:
+    if s == "row" and lp.layout_out == BATCH:  # the bias then sees only my rows: summed
         return [Collective("reduce_scatter", x_out, "forward", w),
-                Collective("all_gather", x_out, "backward", w)]
+                Collective("all_gather", x_out, "backward", w),
+                Collective("all_reduce", ITEMSIZE * spec.c_out, "step", w)]
     if s == "row":
         return [Collective("all_reduce", x_out, "forward", w)]
     return []

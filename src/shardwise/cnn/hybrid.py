@@ -57,8 +57,14 @@ class HybridCNN(nn.Module):
                                           input_is_parallel=True, master=layer, tag=spec.name)
             blocks.append(Block(layer, b.pool, b.last))
         self.blocks = nn.ModuleList(blocks)
+        # gradients that are partial sums over ranks: data-parallel layers', and the bias of
+        # a row layer whose output leaves in the batch layout (it sees only this rank's rows,
+        # as sequence parallelism's replicated parameters do)
         self.dp_params = [p for b, lp in zip(self.blocks, plan.layers) if lp.strategy == "dp"
                           for p in b.parameters()]
+        self.dp_params += [b.layer.bias for b, lp in zip(self.blocks, plan.layers)
+                           if lp.strategy == "row" and lp.layout_out == BATCH
+                           and b.layer.bias is not None]
         self.buckets = build_buckets(self.dp_params, BUCKET_BYTES) if group.size > 1 else []
         self.zero_grad()
 
@@ -113,7 +119,7 @@ class HybridCNN(nn.Module):
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Sum the data-parallel layers' gradients over the group (flat buckets)."""
+        """Sum the partial gradients (``dp_params``) over the group (flat buckets)."""
         works = [comm.all_reduce(b.buffer, op="sum", group=self.group.group,
                                  algorithm=self.group.all_reduce, async_op=True, check=False)
                  for b in self.buckets]
