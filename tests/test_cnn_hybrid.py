@@ -164,3 +164,7 @@ def test_train_cli_end_to_end(tmp_path, capfd):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert any(r["kind"] == "test" and 0.0 <= r["test_acc"] <= 1.0 for r in rows)
+    wider = argv[:argv.index("[4, 8]")] + ["[4, 12]"] + argv[argv.index("[4, 8]") + 1:]
+    assert main(wider) == 2  # another model into the same run directory: refused, one line
+    err = capfd.readouterr().err.strip()
+    assert "cnn.channels=[4, 8] there" in err and "\n" not in err
