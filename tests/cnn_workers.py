@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise import comm
-from shardwise.cnn import LayerPlan, Plan, choose, named_plans
+from shardwise.cnn import LayerPlan, Plan, named_plans
 from shardwise.cnn.hybrid import HybridCNN
 from shardwise.models.cnn import CNN, CNNConfig
 from shardwise.tensor_parallel import TPGroup, clip_grad_norm_

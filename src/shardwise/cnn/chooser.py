@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from shardwise.cnn.cost import (FLOPS_PER_S, INPUTS, OUTPUTS, Collective, LayerPlan, allowed,
                                 change_collectives, check_strategy, compute_seconds,
                                 layer_collectives)
-from shardwise.cnn.layout import BATCH, FEATURE, FULL
+from shardwise.cnn.layout import FEATURE, FULL
 from shardwise.comm import cost as comm_cost
 from shardwise.models.cnn import CNN, BlockSpec, CNNConfig
 
