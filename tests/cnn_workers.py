@@ -28,11 +28,17 @@ def make_batches(steps: int, batch: int, seed: int = 0) -> list:
              torch.randint(0, SMALL.classes, (batch,), generator=g)) for _ in range(steps)]
 
 
-def reference(seed: int, batches: list) -> dict:
-    """One process: the full CNN, mean cross-entropy, the same AdamW and clipping."""
+def make_opt(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def reference(seed: int, batches: list, kind: str = "adamw") -> dict:
+    """One process: the full CNN, mean cross-entropy, the same optimizer and clipping."""
     torch.manual_seed(seed)
     model = CNN(SMALL)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = make_opt(model.parameters(), kind)
     losses = []
     for x, y in batches:
         opt.zero_grad()
@@ -65,11 +71,12 @@ def suite_worker(seed: int, batches: list) -> dict:
     batch = len(batches[0][1])
     specs = CNN(SMALL).specs()
     plans = {**named_plans(specs, batch, n), **hand_plans(specs, batch, n)}
+    plans["tp-fc-sgd"] = plans["tp-fc"]  # SGD with momentum instead of AdamW
     out = {}
     for name, plan in plans.items():
         torch.manual_seed(seed)
         model = HybridCNN(CNN(SMALL), plan, group)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt = make_opt(model.parameters(), "sgd" if name.endswith("sgd") else "adamw")
         losses, measured = [], None
         for step, (x, y) in enumerate(batches):
             model.zero_grad()

@@ -25,13 +25,13 @@ from shardwise.models.cnn import CNN, CNNConfig
 
 RTOL = 1e-5
 SEED, STEPS, BATCH = 3, 4, 16
-PLANS = ("dp", "tp-fc", "hybrid", "mixed1", "mixed2")
+PLANS = ("dp", "tp-fc", "hybrid", "mixed1", "mixed2", "tp-fc-sgd")
 
 
 @pytest.fixture(scope="module")
 def ref():
     batches = make_batches(STEPS, BATCH)
-    return batches, reference(SEED, batches)
+    return batches, {"adamw": reference(SEED, batches), "sgd": reference(SEED, batches, "sgd")}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ws2", "ws4"])
@@ -41,15 +41,16 @@ def suite(request, ref):
 
 
 def test_every_plan_matches_one_process(suite, ref):
-    """Same batches, AdamW with global-norm clipping: every loss and every parameter
-    (gathered) within 1e-5 relative of the single process, on every rank."""
+    """Same batches, AdamW (and SGD with momentum, on one plan) with global-norm clipping:
+    every loss and every parameter (gathered) within 1e-5 relative of the single process,
+    on every rank."""
     n, results = suite
-    _, expect = ref
-    assert expect["losses"][-1] < expect["losses"][0]
+    _, refs = ref
     for rank, r in enumerate(results):
         assert set(r) == set(PLANS)
         for name in PLANS:
-            got = r[name]
+            got, expect = r[name], refs["sgd" if name.endswith("sgd") else "adamw"]
+            assert expect["losses"][-1] < expect["losses"][0]
             for a, b in zip(got["losses"], expect["losses"]):
                 assert abs(a - b) <= RTOL * abs(b), (n, rank, name, got["losses"], expect["losses"])
             errs = {k: rel_err(got["params"][k], v) for k, v in expect["params"].items()}
