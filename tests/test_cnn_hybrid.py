@@ -133,9 +133,12 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
                               "--cnn.ranks", "4", "--cnn.hidden", "[510, 256]", "--cnn.plan",
                               '["dp", "dp", "column", "row", "dp"]'],
                      "fc1=column", "510", "cnn.ranks=4")
+    _one_line_exit_2(capsys, ["plan-cnn", "--config", str(tmp_path / "none.toml")], "none.toml")
     assert main(["plan-cnn", "--batch", "64", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "fc1" in out and "column" in out and "bytes sent per rank per step" in out
+    assert main(["plan-cnn", "--config", "configs/fashion_cnn.toml", "--ranks", "4"]) == 0
+    assert "batch 64, 4 ranks" in capsys.readouterr().out
 
 
 def test_train_cli_end_to_end(tmp_path, capfd):

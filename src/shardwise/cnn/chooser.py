@@ -16,7 +16,8 @@ FlexFlow (Jia et al., MLSys 2019) and Alpa (Zheng et al., OSDI 2022) search the 
 per-operator space with richer models; Krizhevsky 2014 (arXiv:1404.5997) hand-picks the
 answer this finds for CNNs: data parallel convolutions, tensor parallel classifier.
 
-CLI: ``shardwise plan-cnn --batch 64 --ranks 4`` (``plan_main``).
+CLI: ``shardwise plan-cnn --batch 64 --ranks 4`` or ``shardwise plan-cnn --config
+configs/fashion_cnn.toml`` (``plan_main``).
 """
 
 from __future__ import annotations
@@ -175,33 +176,52 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _defaults(a: argparse.Namespace) -> None:
+    """Fill the options left out from ``--config`` (else the built-in defaults)."""
+    d = {"batch": 64, "ranks": 2, "channels": CNNConfig.channels, "hidden": CNNConfig.hidden,
+         "flops_per_s": FLOPS_PER_S, "plan": None}
+    if a.config:
+        from shardwise.config import Config
+
+        cfg = Config.load(a.config)  # ConfigError is a ValueError: one line
+        c = cfg.cnn
+        d.update(batch=cfg.training.global_batch_size, ranks=c.ranks, channels=tuple(c.channels),
+                 hidden=tuple(c.hidden), flops_per_s=c.flops_per_s,
+                 plan=c.plan if isinstance(c.plan, str) else ",".join(c.plan))
+    for k, v in d.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+
 def plan_main(args: list[str] | None = None) -> int:
     """``shardwise plan-cnn``: print the chosen plan (and pure DP / pure TP beside it)."""
     from shardwise.cli import _Parser
 
     p = _Parser(prog="shardwise plan-cnn", description="Per-layer data / tensor parallel "
                 "plan of the CNN by dynamic programming over predicted comm + compute.")
-    p.add_argument("--batch", type=int, default=64, help="global batch size (default 64)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks in the group N (default 2)")
-    p.add_argument("--channels", type=_ints, default=CNNConfig.channels,
-                   help="conv output channels, e.g. 32,64")
-    p.add_argument("--hidden", type=_ints, default=CNNConfig.hidden,
+    p.add_argument("--config", help="take the defaults below from this TOML's [cnn] section "
+                   "and training.global_batch_size")
+    p.add_argument("--batch", type=int, help="global batch size (default 64)")
+    p.add_argument("--ranks", type=int, help="ranks in the group N (default 2)")
+    p.add_argument("--channels", type=_ints, help="conv output channels, e.g. 32,64")
+    p.add_argument("--hidden", type=_ints,
                    help="fully connected widths before the classifier, e.g. 512,256")
     p.add_argument("--plan", help="fix the strategies: dp, tp-fc, or e.g. dp,dp,column,row,"
                    "replicated (default: choose)")
-    p.add_argument("--flops-per-s", type=float, default=FLOPS_PER_S,
+    p.add_argument("--flops-per-s", type=float,
                    help=f"compute rate per rank (default {FLOPS_PER_S:g})")
     p.add_argument("--profile", help="comm cost profile JSON (default: the active profile)")
     a = p.parse_args(args)
     try:
+        _defaults(a)
         if a.batch < 1 or a.ranks < 1:
             raise ValueError(f"--batch={a.batch} and --ranks={a.ranks} must be >= 1")
         specs = CNN(CNNConfig(channels=a.channels, hidden=a.hidden)).specs()
         prof = comm_cost.load_profile(a.profile) if a.profile else None
         kw = {"profile": prof, "flops_per_s": a.flops_per_s}
         chosen = None
-        if a.plan:
-            chosen = resolve(a.plan if a.plan in ("dp", "tp-fc", "auto") else a.plan.split(","),
+        if a.plan and a.plan != "auto":
+            chosen = resolve(a.plan if a.plan in ("dp", "tp-fc") else a.plan.split(","),
                              specs, a.batch, a.ranks, **kw)
     except ValueError as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
