@@ -13,7 +13,8 @@ One step (``loss_and_backward`` then ``sync_gradients``): every rank holds the g
 chain, and computes ``sum of per-sample losses / B`` over the samples its logits hold (its
 rows in the batch layout, all in full), so that every gradient is the true gradient of the
 global mean loss (``layout``'s convention); then the data-parallel layers' gradients are
-summed over the group (``comm.all_reduce``, flat buckets from ``data_parallel``).
+summed over the group (``data_parallel.GradientSync``: our DDP's flat buckets, each
+all-reduced through ``comm`` as soon as backward has filled it).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import torch.nn.functional as F
 from shardwise import comm
 from shardwise.cnn.chooser import Plan
 from shardwise.cnn.layout import BATCH, FEATURE, FULL, convert, my_rows
-from shardwise.data_parallel import build_buckets
+from shardwise.data_parallel import GradientSync
 from shardwise.models.cnn import CNN, Block
 from shardwise.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
                                        gather_from_sequence, gather_tensor,
                                        reduce_scatter_to_sequence, shard_tensor)
 
-BUCKET_BYTES = 25 << 20
+BUCKET_MB = 25.0
 
 
 class HybridCNN(nn.Module):
@@ -65,15 +66,17 @@ class HybridCNN(nn.Module):
         self.dp_params += [b.layer.bias for b, lp in zip(self.blocks, plan.layers)
                            if lp.strategy == "row" and lp.layout_out == BATCH
                            and b.layer.bias is not None]
-        self.buckets = build_buckets(self.dp_params, BUCKET_BYTES) if group.size > 1 else []
+        # our DDP's buckets and hooks: a bucket's all-reduce starts as soon as backward has
+        # filled it (armed: every backward is final), summed, not averaged
+        self.sync = (GradientSync(self.dp_params, group.group, BUCKET_MB,
+                                  allreduce=group.all_reduce, armed=True, average=False)
+                     if group.size > 1 and self.dp_params else None)
         self.zero_grad()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero gradients in place; data-parallel ones are views into the flat buckets."""
-        for b in self.buckets:
-            b.buffer.zero_()
-            for i, p in enumerate(b.params):
-                p.grad = b.view_of(i)
+        if self.sync is not None:
+            self.sync.zero_grad()
         for p in self.parameters():
             if p.grad is not None:
                 p.grad.detach().zero_()
@@ -119,12 +122,10 @@ class HybridCNN(nn.Module):
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Sum the partial gradients (``dp_params``) over the group (flat buckets)."""
-        works = [comm.all_reduce(b.buffer, op="sum", group=self.group.group,
-                                 algorithm=self.group.all_reduce, async_op=True, check=False)
-                 for b in self.buckets]
-        for w in works:
-            w.wait()
+        """Finish summing the partial gradients (``dp_params``) over the group: launch the
+        buckets backward did not fill, wait for all."""
+        if self.sync is not None:
+            self.sync.finish()
 
     @torch.no_grad()
     def global_metrics(self, loss: float, correct: int, device) -> tuple[float, int]:
