@@ -1,4 +1,5 @@
-"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``.
+"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``,
+``plan-cnn``.
 
 Examples::
 
@@ -8,6 +9,8 @@ Examples::
     shardwise train --fresh                           # start over; old checkpoints moved aside
     shardwise train --max-restarts 3                  # restart the local ranks after a failure
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
+    shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
+    shardwise plan-cnn --batch 64 --ranks 4           # the CNN's per-layer plan and its bytes
 
 Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
 the field or file and exits with code 2, before any rank starts.
