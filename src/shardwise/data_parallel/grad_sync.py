@@ -11,7 +11,8 @@ autograd accumulates in place) and is told which backward is final:
   through ``shardwise.comm``, in bucket order on every rank), overlapping the rest of the
   schedule, as PyTorch DDP does on the last micro-batch (Li et al., VLDB 2020, 3.2.3);
 - ``finish()`` launches whatever is left (buckets whose parameters got no gradient count as
-  zeros), waits for every bucket and divides by the dp size: ``param.grad`` is the mean.
+  zeros), waits for every bucket and divides by the dp size: ``param.grad`` is the mean
+  (or, with ``average=False``, the sum).
 
 Every rank of the group must make the same calls in the same order (the replicas of one
 pipeline stage run the same instruction list, so they do).
@@ -42,12 +43,17 @@ class GradientSync:
             to queue its end-of-backward callback and to time the hooks).
         armed: every backward is final unless inside ``final_backward(False)`` (DDP);
             default: only those inside ``final_backward()`` (the pipeline).
+        average: divide the sums by the group size (default); False leaves the sums (the
+            CNN's per-layer plans, whose local losses already carry the 1/B of the global
+            mean: ``shardwise.cnn.layout``).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float | None = None, allreduce: str = "auto",
-                 on_grad: Callable[[], None] | None = None, armed: bool = False) -> None:
+                 on_grad: Callable[[], None] | None = None, armed: bool = False,
+                 average: bool = True) -> None:
         self.group, self.allreduce, self.on_grad = group, allreduce, on_grad
+        self.average = average
         self.dp_size = dist.get_world_size(group)
         first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
         self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)), first)
@@ -112,7 +118,8 @@ class GradientSync:
         launched = []
         for b in self.buckets:
             b.work.wait()
-            b.buffer.div_(self.dp_size)
+            if self.average:
+                b.buffer.div_(self.dp_size)
             for i, p in enumerate(b.params):
                 view = b.view_of(i)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():

@@ -1,5 +1,6 @@
 """Models written from building blocks that the parallel wrappers can split."""
 
+from shardwise.models.cnn import CNN, CNNConfig
 from shardwise.models.gpt import GPT, GPTConfig
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig"]

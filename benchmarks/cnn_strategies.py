@@ -1,0 +1,107 @@
+"""Pure data parallel, pure tensor parallel on the FC layers, and the chosen hybrid, side by
+side: bytes each rank sends per step (measured by ``shardwise.comm``'s accounting, beside
+the chooser's prediction) and step time, for the default CNN at 2 and 4 ranks.
+
+    python benchmarks/cnn_strategies.py                 # writes benchmarks/cnn_results/
+    python benchmarks/cnn_strategies.py --steps 5 --ranks 2   # quicker
+
+Each rank runs 1 torch thread; the plans take turns step by step (round robin), so load on
+the machine hits all three alike. Random images of the Fashion-MNIST shape; ring
+algorithms for every collective (so every byte is counted); argument-agreement rounds off.
+Step time is the median over the timed steps of the slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+from shardwise.cnn import named_plans
+from shardwise.cnn.hybrid import HybridCNN
+from shardwise.launch import spawn
+from shardwise.models.cnn import CNN, CNNConfig
+from shardwise.tensor_parallel import TPGroup
+
+OUT = Path(__file__).resolve().parent / "cnn_results"
+NAMES = ("dp", "tp-fc", "hybrid")
+
+
+def worker(batch: int, steps: int, warmup: int) -> dict:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    comm.configure(check=False)
+    group = TPGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
+    cfg = CNNConfig()
+    plans = named_plans(CNN(cfg).specs(), batch, n)
+    models, opts = {}, {}
+    for name in NAMES:
+        torch.manual_seed(0)
+        models[name] = HybridCNN(CNN(cfg), plans[name], group)
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    times = {k: [] for k in NAMES}
+    sent = {}
+    for step in range(warmup + steps):
+        x, y = torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        for name in NAMES:
+            m, opt = models[name], opts[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            with comm.accounting.recording() as rec:
+                m.zero_grad()
+                m.loss_and_backward(x, y)
+                m.sync_gradients()
+            opt.step()
+            dt = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # outside the accounting: not counted
+            if step >= warmup:
+                times[name].append(float(dt))
+            sent[name] = sum(r.bytes_sent for r in rec.records)
+    return {name: {"strategies": plans[name].strategies, "bytes_sent": sent[name],
+                   "bytes_predicted": plans[name].bytes_per_step,
+                   "step_s": statistics.median(times[name]),
+                   "predicted_s": plans[name].seconds} for name in NAMES}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    a = ap.parse_args()
+    rows = []
+    for n in a.ranks:
+        res = spawn(worker, n, (a.batch, a.steps, a.warmup), threads=1)
+        for name in NAMES:
+            mean_sent = sum(r[name]["bytes_sent"] for r in res) / n
+            r0 = res[0][name]
+            rows.append({"ranks": n, "plan": name, "strategies": r0["strategies"],
+                         "bytes_sent_per_rank": mean_sent, "bytes_predicted": r0["bytes_predicted"],
+                         "step_ms": 1e3 * r0["step_s"], "predicted_ms": 1e3 * r0["predicted_s"]})
+    meta = {"machine": platform.node(), "cores": len(__import__("os").sched_getaffinity(0)),
+            "threads_per_rank": 1, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
+            "torch": torch.__version__}
+    OUT.mkdir(exist_ok=True)
+    (OUT / "strategies.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = ["| ranks | plan | strategies (conv1, conv2, fc1, fc2, fc3) | bytes sent / rank / step "
+             "| predicted bytes | step time (ms) |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} | {r['plan']} | {', '.join(r['strategies'])} | "
+                     f"{r['bytes_sent_per_rank']:,.0f} | {r['bytes_predicted']:,.0f} | "
+                     f"{r['step_ms']:.1f} |")
+    table = "\n".join(lines)
+    (OUT / "strategies.md").write_text(table + "\n")
+    print(json.dumps(meta))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

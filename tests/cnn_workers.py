@@ -1,0 +1,94 @@
+"""Rank functions for the CNN hybrid tests (run inside ``shardwise.launch.spawn``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise import comm
+from shardwise.cnn import LayerPlan, Plan, named_plans
+from shardwise.cnn.hybrid import HybridCNN
+from shardwise.models.cnn import CNN, CNNConfig
+from shardwise.tensor_parallel import TPGroup, clip_grad_norm_
+
+# small enough to be quick, every width divisible by 4 (classes too, for column on fc3)
+SMALL = CNNConfig(image_size=16, channels=(4, 8), hidden=(32, 16), classes=8)
+LR, CLIP = 3e-3, 1.0
+B, F_, R = "batch", "feature", "full"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def make_batches(steps: int, batch: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.rand(batch, 1, 16, 16, generator=g),
+             torch.randint(0, SMALL.classes, (batch,), generator=g)) for _ in range(steps)]
+
+
+def make_opt(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def reference(seed: int, batches: list, kind: str = "adamw") -> dict:
+    """One process: the full CNN, mean cross-entropy, the same optimizer and clipping."""
+    torch.manual_seed(seed)
+    model = CNN(SMALL)
+    opt = make_opt(model.parameters(), kind)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def hand_plans(specs, batch: int, n: int) -> dict[str, Plan]:
+    """Two plans that between them take every layout change, fused or not."""
+    lp = LayerPlan
+    mixed1 = (lp("replicated", R, R), lp("dp", B, B), lp("row", F_, B), lp("column", B, F_),
+              lp("column", R, F_))
+    mixed2 = (lp("dp", B, B), lp("replicated", R, R), lp("column", R, F_), lp("dp", B, B),
+              lp("row", F_, R))
+    return {k: Plan(v, tuple(specs), batch, n, 0.0) for k, v in
+            (("mixed1", mixed1), ("mixed2", mixed2))}
+
+
+def suite_worker(seed: int, batches: list) -> dict:
+    """Train every plan on these batches; report losses, final full parameters, and the
+    bytes this rank sent in the first step (forward, backward, gradient sync) beside the
+    plan's prediction (argument-agreement rounds off, as shapes are fixed by construction)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    comm.configure(check=False)  # no argument-agreement rounds: the bytes are the payload's
+    group = TPGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
+    batch = len(batches[0][1])
+    specs = CNN(SMALL).specs()
+    plans = {**named_plans(specs, batch, n), **hand_plans(specs, batch, n)}
+    plans["tp-fc-sgd"] = plans["tp-fc"]  # SGD with momentum instead of AdamW
+    out = {}
+    for name, plan in plans.items():
+        torch.manual_seed(seed)
+        model = HybridCNN(CNN(SMALL), plan, group)
+        opt = make_opt(model.parameters(), "sgd" if name.endswith("sgd") else "adamw")
+        losses, measured = [], None
+        for step, (x, y) in enumerate(batches):
+            model.zero_grad()
+            with comm.accounting.recording() as rec:
+                loss, correct = model.loss_and_backward(x, y)
+                model.sync_gradients()
+            if step == 0:
+                measured = sum(r.bytes_sent for r in rec.records)
+            clip_grad_norm_(list(model.parameters()), CLIP, group)
+            opt.step()
+            losses.append(model.global_metrics(loss, correct, torch.device("cpu"))[0])
+        out[name] = {"strategies": plan.strategies, "losses": losses,
+                     "params": model.full_state(), "bytes_measured": measured,
+                     "bytes_predicted": plan.bytes_per_step}
+    return out
