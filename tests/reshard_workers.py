@@ -45,3 +45,18 @@ def _job(job: dict) -> dict:
 def reshard_worker(jobs: list[dict]) -> list[dict]:
     torch.set_num_threads(1)
     return [_job(j) for j in jobs]
+
+
+def fit_worker(configs: list[dict]) -> list[dict]:
+    """``Trainer.fit`` for each config in turn (checkpoints every ``checkpoint.every``
+    steps, sync or async), then the wait for the last background write; the losses."""
+    from shardwise.trainer import build_trainer
+
+    torch.set_num_threads(1)
+    out = []
+    for c in configs:
+        trainer = build_trainer(Config.from_dict(c))
+        trainer.fit(progress=False)
+        trainer.wait_for_checkpoint()
+        out.append({"losses": list(trainer.history)})
+    return out

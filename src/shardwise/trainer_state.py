@@ -57,12 +57,27 @@ class TrainerState:
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of this step (collective). PipeDream drains its stream first:
         activations in flight are not saved, so a resumed run starts a new stream, exactly
-        as the run that saved it continues."""
+        as the run that saved it continues.
+
+        With ``checkpoint.async_save`` the tensors (CPU copies) are written by a background
+        thread while training goes on; one save is in flight at a time (a new one waits for
+        the last), and ``wait_for_checkpoint`` must run before the process ends."""
         self.engine.drain()
+        self.wait_for_checkpoint()
         with self.engine.full_parameters():  # the same full-model format for every ZeRO stage
             tensors, meta = self.state_dict()
-        return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta,
-                               keep=self.cfg.checkpoint.keep)
+        ck = self.cfg.checkpoint
+        if ck.async_save:
+            self._pending_save = checkpoint.save_async(self.cfg.checkpoint_dir, self.step,
+                                                       tensors, meta, keep=ck.keep)
+            return self._pending_save.path
+        return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta, keep=ck.keep)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the checkpoint being written in the background (if any) is complete;
+        its path, or None. Raises ``CheckpointError`` if writing it failed."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        return pending.wait() if pending is not None else None
 
     def resume(self, path: str | Path | None = None) -> Path:
         """Load ``path`` or the latest complete checkpoint of ``checkpoint_dir``."""
