@@ -35,11 +35,18 @@ def _job(job: dict) -> dict:
     trainer.resume(job["path"])
     resumed_at = trainer.step
     with trainer.engine.full_parameters():
-        loaded = engine_state.logical_tensors(trainer.engine)
+        loaded = _full(engine_state.logical_tensors(trainer.engine))
     while trainer.step < cfg.training.steps:
         trainer.train_step()
     return {"losses": list(trainer.history), "resumed_at": resumed_at, "loaded": loaded,
             "coords": trainer.topology.coords}
+
+
+def _full(tree):
+    """DTensor slices (tp-sharded tensors) gathered into whole tensors, for comparison."""
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    return tree.full_tensor() if hasattr(tree, "full_tensor") else tree
 
 
 def reshard_worker(jobs: list[dict]) -> list[dict]:

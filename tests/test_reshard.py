@@ -167,3 +167,17 @@ def test_resume_names_the_model_field_that_differs(results):
     from shardwise.engine.state import FORMAT
 
     assert FORMAT == rundir.CHECKPOINT_FORMAT
+
+
+def test_tp_ranks_write_their_own_slices(results):
+    """A tp=2 checkpoint stores a tp-sharded tensor as two chunks of the logical tensor
+    (each tp rank's slice, the vocabulary padding cut off), not one gathered copy."""
+    from shardwise.checkpoint.reader import SafeReader
+
+    md = SafeReader(results[("save", "tp2")][0]["path"]).read_metadata().state_dict_metadata
+    fc = md["model.blocks.0.mlp.fc.weight"]
+    assert [tuple(c.offsets) for c in fc.chunks] == [(0, 0), (fc.size[0] // 2, 0)]
+    emb = md["model.embed.tok.weight"]  # 65 characters: rows 0-32 and 33-64
+    assert sorted(tuple(c.sizes)[0] for c in emb.chunks) == [emb.size[0] // 2, -(-emb.size[0] // 2)]
+    ln = md["model.blocks.0.ln_1.weight"]  # replicated: one writer
+    assert len(ln.chunks) == 1

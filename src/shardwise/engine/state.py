@@ -16,13 +16,17 @@ that layout draws. The sampler's position is global (epoch, batch) in the traine
 
 Saving (``logical_tensors``): each rank writes its pieces into zeroed flat buffers shaped
 like its tp-local parameters; under ZeRO one all-reduce (sum) over dp joins the disjoint
-pieces; the tp shards are gathered. Every rank of a stage then offers the same logical
-tensors and DCP's save planner keeps one writer per tensor (``dedup_save_plans`` spreads
-them over the ranks by size), so each tensor is written once. Loading
-(``load_logical_tensors``) is the inverse: DCP reads the logical tensors, each rank keeps
-its tp slice and its ZeRO ranges. Why gather instead of DCP chunks per rank: a ZeRO
-piece is a flat range of a tp slice, which is not a box of the logical tensor, and DCP
-describes shards as boxes (``ChunkStorageMetadata``: offsets and sizes per dim).
+pieces. A tp-sharded tensor is then offered to DCP as a ``DTensor`` over the tp group
+(``Shard(tp_dim)``, vocabulary padding cut off, which is ``torch.chunk``'s uneven split):
+each tp rank writes its own slice as one chunk of the logical tensor. Replicated tensors
+are offered whole by every rank that holds them, and DCP's save planner keeps one writer
+per tensor or chunk (``dedup_save_plans`` spreads them over the ranks by size), so the dp
+replicas split the writing and nothing is written twice. Loading
+(``load_logical_tensors``) is the inverse, with no communication of ours: DCP reads, for
+each rank, the parts of the saved chunks that overlap its slice (its planner reshards),
+and each rank keeps its ZeRO ranges. ZeRO pieces are joined over dp rather than written
+as chunks because a piece is a flat range of a tp slice, which is not a box of the
+logical tensor, and DCP describes chunks as boxes (offsets and sizes per dim).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from __future__ import annotations
 import re
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise import comm
+from shardwise.tensor_parallel.state import VOCAB_PARAMS
 
 FORMAT = 2  # meta["format"]: 2 = logical tensors (this module); absent = per-piece keys
 _PIECE = re.compile(r"^(?P<name>.+)\[(?P<a>\d+):(?P<b>\d+)\]$")
@@ -71,8 +77,8 @@ def _key(engine, name: str) -> str:
 @torch.no_grad()
 def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
-    for this rank's stage, on the CPU, logical shapes (see module docstring). Collective
-    over dp (ZeRO) and tp. Parameters not stepped yet get zero moments and step 0.
+    for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
+    parameters; see module docstring). Collective over dp under ZeRO. Parameters not stepped yet get zero moments and step 0.
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
@@ -100,7 +106,7 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
             off += b.numel()
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
-        full = [local.full_tensor(n, p, bufs[j][k].view(p.shape)).cpu() for k in range(3)]
+        full = [_logical(engine, n, p, bufs[j][k].view(p.shape)) for k in range(3)]
         if _key(engine, n) != n and not targets:  # the tied head copy: stored once, as the
             continue                                # embedding (the two are bitwise equal)
         n = _key(engine, n)
@@ -108,6 +114,47 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
         optim[n] = {"exp_avg": full[1], "exp_avg_sq": full[2],
                     "step": torch.tensor(float(steps[j]), dtype=torch.float32)}
     return {"model": model, "optimizer": optim}
+
+
+def _sharded(engine, p) -> bool:
+    return engine.distributed and engine.tp.size > 1 and getattr(p, "tp_dim", None) is not None
+
+
+def _mesh(engine):
+    """A one-axis ``DeviceMesh`` over the tp group, made once per engine (no collective)."""
+    if getattr(engine, "_checkpoint_mesh", None) is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        engine._checkpoint_mesh = DeviceMesh.from_group(engine.tp.group, "cpu")
+    return engine._checkpoint_mesh
+
+
+def _logical(engine, name: str, p, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (shaped like the tp-local ``p``) as a tensor of the logical shape on the
+    CPU: a ``DTensor`` holding this rank's slice when ``p`` is tp-sharded, else a copy."""
+    if not _sharded(engine, p):
+        return local.detach().cpu().clone()
+    d, tp = p.tp_dim, engine.tp
+    shape = list(local.shape)
+    shape[d] *= tp.size
+    if name in VOCAB_PARAMS:  # padded rows: the logical tensor has vocab_size of them
+        shape[0] = engine.cfg.vocab_size
+        local = local[:max(0, min(local.shape[0], shape[0] - tp.rank * local.shape[0]))]
+    local = local.detach().cpu().contiguous().clone()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, _mesh(engine), [Shard(d)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _tp_local(engine, name: str, p, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_logical``: the tensor shaped like ``p`` (vocabulary padding added back
+    as zeros, as ``tensor_parallel.state.shard_like`` does)."""
+    if not isinstance(t, DTensor):
+        return engine.local.local_tensor(name, p, t)
+    x = t.to_local()
+    if x.shape[0] < p.shape[0]:
+        x = torch.cat([x, x.new_zeros((p.shape[0] - x.shape[0],) + tuple(x.shape[1:]))])
+    return x
 
 
 @torch.no_grad()
@@ -121,7 +168,7 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
     for n, p in local.named_parameters():
         key = _key(engine, n)
         opt = loaded["optimizer"][key]
-        mine = [local.local_tensor(n, p, t).reshape(-1)
+        mine = [_tp_local(engine, n, p, t).reshape(-1)
                 for t in (loaded["model"][key], opt["exp_avg"], opt["exp_avg_sq"])]
         step = float(opt["step"])
         for i, a, b in by_param.get(n, []):
