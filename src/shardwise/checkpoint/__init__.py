@@ -2,8 +2,9 @@
 
 Layout of a checkpoint directory ``ROOT/step_000100/``:
 
-- DCP files (``.metadata``, ``__*_*.distcp``) holding **tensors only**: model parameters,
-  optimizer moments, each rank's RNG state under its own key. DCP reads tensors with
+- DCP files (``.metadata``, ``__*_*.distcp``) holding **tensors only**: the trainer's are
+  layout-independent (``engine.state``: fp32 masters and AdamW moments as the
+  single-process model's tensors, tp slices as DTensor chunks). DCP reads tensors with
   ``torch.load(weights_only=True)``; no other value is saved, because the default planner
   would unpickle non-tensor values with ``weights_only=False``.
 - ``meta.json``: everything that is not a tensor (step, LR schedule, sampler position,

@@ -78,7 +78,8 @@ def _key(engine, name: str) -> str:
 def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
     for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
-    parameters; see module docstring). Collective over dp under ZeRO. Parameters not stepped yet get zero moments and step 0.
+    parameters; see module docstring), fresh copies that later steps do not change.
+    Collective over dp under ZeRO. Parameters not stepped yet get zero moments and step 0.
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
@@ -106,13 +107,13 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
             off += b.numel()
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
-        full = [_logical(engine, n, p, bufs[j][k].view(p.shape)) for k in range(3)]
-        if _key(engine, n) != n and not targets:  # the tied head copy: stored once, as the
-            continue                                # embedding (the two are bitwise equal)
-        n = _key(engine, n)
-        model[n] = full[0]
-        optim[n] = {"exp_avg": full[1], "exp_avg_sq": full[2],
-                    "step": torch.tensor(float(steps[j]), dtype=torch.float32)}
+        key = _key(engine, n)
+        if key != n and not targets:  # the tied head copy: stored once, as the embedding
+            continue                  # (the two are bitwise equal)
+        model[key], moment1, moment2 = (_logical(engine, n, p, bufs[j][k].view(p.shape))
+                                        for k in range(3))
+        optim[key] = {"exp_avg": moment1, "exp_avg_sq": moment2,
+                      "step": torch.tensor(float(steps[j]), dtype=torch.float32)}
     return {"model": model, "optimizer": optim}
 
 
