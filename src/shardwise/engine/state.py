@@ -11,8 +11,9 @@ layout that wrote it (dp, tp, pp, ZeRO stage, precision):
 A tied head is not listed (the GPT lists the embedding only); at pp > 1 the last stage's
 copy of it is loaded from the embedding's entries. Random streams are not stored: the
 engine reseeds its dropout streams from ``(seed, step, coordinates)`` before every step
-(``Engine.train_step``), so a run resumed at any layout draws what an uninterrupted run in
-that layout draws. The sampler's position is global (epoch, batch) in the trainer's meta.
+(``Engine.train_step``), so a run resumed at step k in any layout draws, from k on, the
+masks of an uninterrupted run in that layout (its weights at k are the saved run's, which
+with dropout differ from that run's own when the saving layout's coordinates differ). The sampler's position is global (epoch, batch) in the trainer's meta.
 
 Saving (``logical_tensors``): each rank writes its pieces into zeroed flat buffers shaped
 like its tp-local parameters; under ZeRO one all-reduce (sum) over dp joins the disjoint
