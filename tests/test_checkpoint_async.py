@@ -101,3 +101,28 @@ os._exit(1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004.tmp"]
     assert checkpoint.find_resumable(tmp_path) == (tmp_path / "step_000002", [])
     assert json.loads((tmp_path / "step_000002" / "meta.json").read_text()) == {"step": 2}
+
+
+@pytest.mark.slow
+def test_cli_async_checkpoints_then_resume_in_another_layout(corpus, tmp_path):
+    """``shardwise train --checkpoint.async_save true`` (dp=2): every checkpoint complete
+    and verified when the command returns; then the same directory resumes at dp=1 x tp=2
+    (resuming is the default) and finishes. Two CLI runs: 25-80 s here, hence slow."""
+    from test_cli import _shardwise
+
+    out = tmp_path / "run"
+    common = ["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+              "--training.out_dir", str(out), "--training.sample_chars", "0"]
+    first = _shardwise(*common, "--checkpoint.async_save", "true", "--checkpoint.every", "2",
+                       "--checkpoint.keep", "5")
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = checkpoint.complete_checkpoints(out / "checkpoints")
+    assert [d.name for d in done] == ["step_000002", "step_000004", "step_000006"]
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    for d in done:
+        checkpoint.verify(d)
+    second = _shardwise(*common, "--training.steps", "8", "--parallel.dp", "1",
+                        "--parallel.tp", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "at step 6" in second.stdout
+    assert "done: 8 steps" in second.stdout
