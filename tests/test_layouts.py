@@ -179,7 +179,7 @@ def test_memory_prediction_equals_measured_bytes(suite):
 
 def test_3d_checkpoint_resumes_bit_for_bit(suite):
     """bf16 dp2 x tp2 x pp2 with ZeRO-1: stopped at step 3, resumed by a new engine from the
-    checkpoint (fp32 master pieces, moments, random streams), the last 2 steps equal the
+    checkpoint (logical fp32 masters and moments), the last 2 steps equal the
     uninterrupted run's bit for bit (losses and parameters, every rank)."""
     if "_resume" not in suite:
         pytest.skip("world size 8 only")

@@ -263,6 +263,9 @@ class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="None: OUT_DIR/checkpoints")
     keep: int = Field(2, ge=1, description="complete checkpoints kept")
     at_end: bool = True
+    async_save: bool = Field(False, description="write checkpoints in a background thread: "
+                             "the step's tensors are copied to the CPU, training goes on "
+                             "while they are written; a checkpoint is published only complete")
 
 
 class Config(_Section):

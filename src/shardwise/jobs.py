@@ -64,6 +64,7 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
             print(f"shardwise: resumed from {latest} at step {trainer.step} "
                   "(--fresh starts over, keeping the old checkpoints)", flush=True)
     summary = trainer.fit()
+    trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
     trainer.finish()
     return summary
 

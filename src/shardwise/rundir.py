@@ -30,6 +30,7 @@ from shardwise.errors import CheckpointError
 from shardwise.metrics import truncate_metrics
 
 LOCK = ".shardwise.lock"
+CHECKPOINT_FORMAT = 2  # engine.state.FORMAT (not imported: the launcher builds no engine)
 _MODEL_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights")
 _CNN_FIELDS = ("channels", "hidden", "kernel")  # model.kind = "cnn" (issue 16)
 
@@ -99,6 +100,12 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
     """``RunDirError`` naming the first model field or step count that makes resuming
     ``path`` impossible under ``cfg``."""
     saved = meta.get("config", {}).get("model", {})
+    gpt = saved.get("kind", "gpt") == "gpt"  # the CNN's checkpoints have their own layout
+    if gpt and "history" in meta and meta.get("format") != CHECKPOINT_FORMAT:  # older trainer
+        raise RunDirError(f"cannot resume {path}: written by an older shardwise (checkpoint "
+                          f"format {meta.get('format', 1)}, this one reads "
+                          f"{CHECKPOINT_FORMAT}); --fresh starts over (the old checkpoints "
+                          "are kept)")
     for name in _MODEL_FIELDS:
         ours = getattr(cfg.model, name)
         if name in saved and saved[name] != ours:

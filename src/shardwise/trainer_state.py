@@ -1,11 +1,11 @@
 """Checkpoint state of a ``Trainer``: ``state_dict`` / ``load_state_dict``, save and resume.
 
 The state is two parts: tensors, which go through DCP, and meta (JSON), which is written
-beside them. The tensors are the engine's (``engine.state``: the model in the unsharded
-GPT's names, one optimizer entry per master piece, each rank's random streams); meta holds
-the step, scheduler, sampler, optimizer hyper-parameters, loss scale, tokenizer, config and
-layout. Whole-parameter optimizer entries (no ZeRO) are stored unsharded over tp, so such a
-checkpoint resumes into another tp or dp size; ZeRO pieces resume into the same layout.
+beside them. The tensors are the engine's in logical form (``engine.state``: fp32 masters
+and AdamW moments as the single-process model's tensors, whatever the layout); meta holds
+the step, scheduler, the sampler's global position, optimizer hyper-parameters, loss
+scale, tokenizer, config and the layout that wrote it. Nothing in either depends on the
+layout, so a checkpoint resumes into any dp x tp x pp, ZeRO stage and precision.
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ class TrainerState:
     """Mixin of ``Trainer``: everything about saving and restoring its state."""
 
     def state_dict(self) -> tuple[dict, dict]:
-        """``(tensors, meta)``: tensors for DCP (model, optimizer pieces, this rank's random
-        streams), meta JSON-able. Collective over tp (and dp under ZeRO-3): call inside
-        ``engine.full_parameters()``."""
+        """``(tensors, meta)``: logical tensors for DCP (``engine.state.logical_tensors``),
+        meta JSON-able. Collective over tp and dp: call inside ``engine.full_parameters()``."""
         e = self.engine
-        tensors = {"model": engine_state.model_tensors(e),
-                   "optimizer": engine_state.optimizer_tensors(e),
-                   "rng": {f"rank{self.topology.rank}": engine_state.rng_tensors(e)}}
+        tensors = engine_state.logical_tensors(e)
         p = self.cfg.parallel
         meta = {
+            "format": engine_state.FORMAT,
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),  # lr_lambdas are stored as None
             "sampler": self.sampler.state_dict(),
@@ -45,7 +43,7 @@ class TrainerState:
 
     def load_state_dict(self, tensors: dict, meta: dict) -> None:
         """Restore from ``tensors`` (as DCP filled them) and ``meta``."""
-        self.step = meta["step"]
+        self.step = self.engine.step = meta["step"]
         self.history = list(meta["history"])
         self.sampler.load_state_dict(meta["sampler"])
         self.scheduler.load_state_dict(dict(meta["scheduler"]))
@@ -54,20 +52,32 @@ class TrainerState:
         e = self.engine
         if e.loss_scaler is not None and meta.get("loss_scaler"):
             e.loss_scaler.load_state_dict(meta["loss_scaler"])
-        engine_state.load_optimizer_tensors(e, tensors["optimizer"])
-        rng = tensors["rng"].get(f"rank{self.topology.rank}")
-        if rng is not None:
-            engine_state.load_rng_tensors(e, rng)
+        engine_state.load_logical_tensors(e, tensors)
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of this step (collective). PipeDream drains its stream first:
         activations in flight are not saved, so a resumed run starts a new stream, exactly
-        as the run that saved it continues."""
+        as the run that saved it continues.
+
+        With ``checkpoint.async_save`` the tensors (CPU copies) are written by a background
+        thread while training goes on; one save is in flight at a time (a new one waits for
+        the last), and ``wait_for_checkpoint`` must run before the process ends."""
         self.engine.drain()
+        self.wait_for_checkpoint()
         with self.engine.full_parameters():  # the same full-model format for every ZeRO stage
             tensors, meta = self.state_dict()
-        return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta,
-                               keep=self.cfg.checkpoint.keep)
+        ck = self.cfg.checkpoint
+        if ck.async_save:
+            self._pending_save = checkpoint.save_async(self.cfg.checkpoint_dir, self.step,
+                                                       tensors, meta, keep=ck.keep)
+            return self._pending_save.path
+        return checkpoint.save(self.cfg.checkpoint_dir, self.step, tensors, meta, keep=ck.keep)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the checkpoint being written in the background (if any) is complete;
+        its path, or None. Raises ``CheckpointError`` if writing it failed."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        return pending.wait() if pending is not None else None
 
     def resume(self, path: str | Path | None = None) -> Path:
         """Load ``path`` or the latest complete checkpoint of ``checkpoint_dir``."""
@@ -75,8 +85,13 @@ class TrainerState:
         if path is None:
             raise checkpoint.CheckpointError(
                 f"no complete checkpoint in {str(self.cfg.checkpoint_dir)!r}")
-        with self.engine.full_parameters():
-            tensors, _ = self.state_dict()
+        if checkpoint.read_meta(path).get("format") != engine_state.FORMAT:
+            raise checkpoint.CheckpointError(
+                f"{path}: written by an older shardwise (per-piece tensors, format "
+                f"{checkpoint.read_meta(path).get('format', 1)}); it loads only with that "
+                "version; --fresh starts over")
+        with self.engine.full_parameters():  # targets: this rank's logical tensors
+            tensors = engine_state.logical_tensors(self.engine, targets=True)
         meta = checkpoint.load(path, tensors)  # in place into the targets just built
         self.load_state_dict(tensors, meta)
         return path

@@ -2,8 +2,9 @@
 
 Layout of a checkpoint directory ``ROOT/step_000100/``:
 
-- DCP files (``.metadata``, ``__*_*.distcp``) holding **tensors only**: model parameters,
-  optimizer moments, each rank's RNG state under its own key. DCP reads tensors with
+- DCP files (``.metadata``, ``__*_*.distcp``) holding **tensors only**: the trainer's are
+  layout-independent (``engine.state``: fp32 masters and AdamW moments as the
+  single-process model's tensors, tp slices as DTensor chunks). DCP reads tensors with
   ``torch.load(weights_only=True)``; no other value is saved, because the default planner
   would unpickle non-tensor values with ``weights_only=False``.
 - ``meta.json``: everything that is not a tensor (step, LR schedule, sampler position,
@@ -18,7 +19,8 @@ every rank at once, so a diverged run never overwrites good checkpoints.
 A save writes into ``step_000100.tmp/``; only after every rank has finished and
 ``meta.json`` and ``checksums.json`` are flushed does rank 0 rename it to ``step_000100/``
 (an atomic rename on POSIX). A crash mid-save leaves a ``.tmp`` directory that
-``latest_checkpoint`` ignores.
+``latest_checkpoint`` ignores. ``save_async`` does the writing, the checksums and the
+rename in a background thread, in that order, so the same holds while training goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,7 @@ from shardwise.errors import CheckpointError
 
 __all__ = ["CheckpointError", "IntegrityError", "UnsafeCheckpointError", "MANIFEST", "META",
            "checkpoint_name", "complete_checkpoints", "latest_checkpoint", "find_resumable",
-           "save", "load", "read_meta", "read_tensors", "verify", "step_of"]
+           "save", "save_async", "PendingSave", "load", "read_meta", "read_tensors", "verify", "step_of"]
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
@@ -109,7 +112,89 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
     Raises ``CheckpointError`` on every rank, writing nothing, if any rank's tensors hold
     NaN or Inf.
     """
+    final, tmp = _begin(Path(root), step, tensors, group)
+    _write(tensors, tmp, group)
+    _barrier(group)
+    if _rank() == 0:
+        _commit(Path(root), final, tmp, step, meta, keep)
+    _barrier(group)
+    return final
+
+
+def save_async(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, Any],
+               keep: int | None = None) -> "PendingSave":
+    """``save`` whose writing goes on in a background thread; returns at once.
+
+    Collective over the world. ``tensors`` must be a snapshot the caller no longer changes
+    (``engine.state.logical_tensors`` returns fresh CPU copies). Before returning, the
+    non-finite check runs and the temporary directory is made (both on the training's
+    process group); the thread then runs ``dcp.save`` on a gloo group of its own (created
+    once: two threads must not share a gloo group's collectives) and, on rank 0, writes
+    ``meta.json`` and ``checksums.json`` and renames the directory into place. DCP's save
+    returns only after every rank's files are written and fsynced and ``.metadata`` is
+    written (its coordinator gathers every rank's write results first), so the rename,
+    the commit point, comes after every byte of every rank. A crash before it leaves a
+    ``.tmp`` directory, which no reader takes for a checkpoint.
+    """
     root = Path(root)
+    meta = json.loads(json.dumps(meta))  # a snapshot: the caller's lists go on growing
+    final, tmp = _begin(root, step, tensors, None)
+    group = _writer_group()
+
+    def work() -> None:
+        _write(tensors, tmp, group)
+        if _rank() == 0:
+            _commit(root, final, tmp, step, meta, keep)
+
+    return PendingSave(final, work)
+
+
+class PendingSave:
+    """A checkpoint being written by a background thread (``save_async``).
+
+    ``path``: the directory it will have once complete; ``done()``; ``wait()`` joins the
+    thread and raises ``CheckpointError`` (one line) if writing failed. The thread is a
+    daemon: a process that exits first leaves only the ``.tmp`` directory behind.
+    """
+
+    def __init__(self, path: Path, work):
+        self.path, self._error = path, None
+        self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                        name=f"shardwise-checkpoint-{path.name}")
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as e:  # reported by wait(), in the training thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"writing {self.path} in the background failed: "
+                                  f"{type(self._error).__name__}: {self._error}") from None
+        return self.path
+
+
+_WRITER: list = [None, None]  # [the world it was made in, the gloo group]
+
+
+def _writer_group():
+    """A gloo group over the world for background writes (None without torch.distributed).
+    Created on first use; every rank reaches it at the same save, so creation is collective."""
+    if not dist.is_initialized():
+        return None
+    if _WRITER[0] is not dist.group.WORLD:  # first use, or a new world (a restarted gang)
+        _WRITER[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    return _WRITER[1]
+
+
+def _begin(root: Path, step: int, tensors: dict[str, Any], group) -> tuple[Path, Path]:
+    """Refuse non-finite tensors (every rank), then rank 0 makes an empty ``step_N.tmp``."""
     _refuse_non_finite(tensors, step, group)
     final = root / checkpoint_name(step)
     tmp = root / (final.name + ".tmp")
@@ -117,24 +202,29 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier(group)
+    return final, tmp
+
+
+def _write(tensors: dict[str, Any], tmp: Path, group) -> None:
     with _single_process_ok():
         dcp.save(tensors, checkpoint_id=str(tmp), process_group=group)
-    _barrier(group)
-    if _rank() == 0:
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        write_manifest(tmp)
-        if final.exists():  # only a damaged or abandoned checkpoint of this step can be here
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the commit point: before it, the checkpoint is invisible
-        if keep is not None:
-            done = [c for c in complete_checkpoints(root) if step_of(c) <= step]
-            for old in done[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
-    return final
+
+
+def _commit(root: Path, final: Path, tmp: Path, step: int, meta: dict[str, Any],
+            keep: int | None) -> None:
+    """Rank 0, after every rank has written: meta, checksums, then the atomic rename."""
+    with open(tmp / META, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    write_manifest(tmp)
+    if final.exists():  # only a damaged or abandoned checkpoint of this step can be here
+        shutil.rmtree(final)
+    os.replace(tmp, final)  # the commit point: before it, the checkpoint is invisible
+    if keep is not None:
+        done = [c for c in complete_checkpoints(root) if step_of(c) <= step]
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

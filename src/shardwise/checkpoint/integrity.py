@@ -86,7 +86,8 @@ def _floating(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
         for k, v in tree.items():
             yield from _floating(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(tree, torch.Tensor) and tree.is_floating_point():
-        yield prefix, tree
+        to_local = getattr(tree, "to_local", None)  # a DTensor: this rank's slice, no collective
+        yield prefix, to_local() if to_local is not None else tree
 
 
 def first_non_finite(tensors: dict[str, Any]) -> str | None:

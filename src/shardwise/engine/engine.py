@@ -38,6 +38,9 @@ from shardwise.tensor_parallel.layers import gather_tensor
 from shardwise.zero.precision import DTYPES, DynamicLossScaler
 
 
+_STEP_STRIDE = 1_000_003  # prime, above any dropout_seed spread: no two (rank, step) seeds meet
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """What the engine needs from the config (``from_config``); see ``config.ParallelConfig``."""
@@ -160,6 +163,7 @@ class Engine:
             device=self.device, measure_memory=s.measure_memory,
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
+        self.step = 0  # optimizer steps taken (restored on resume): seeds dropout per step
         self.last_step: dict = {"grad_norm": 0.0, "skipped": False}
         self.sync.zero_grad()
 
@@ -270,6 +274,7 @@ class Engine:
         tensors on the device, so a loop can run ahead and read them at its logging interval
         (``settle`` converts such a dict)."""
         m = self.schedule.m
+        self._seed_step()
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
             losses = self.executor.run(inputs, tgts)
@@ -280,11 +285,21 @@ class Engine:
             self.stream_step += 1
         total = (torch.stack(losses).double().sum() / m if losses
                  else torch.zeros((), dtype=torch.float64, device=self.device))
+        self.step += 1
         info = {"loss": self._share_loss(total), **self.last_step}
         buckets = getattr(self.sync, "sync", None)
         if buckets is not None:  # our DDP's buckets: how many started before backward ended
             info["buckets_overlapped"] = [buckets.launched_early, len(buckets.buckets)]
         return settle(info) if sync else info
+
+    def _seed_step(self) -> None:
+        """Dropout streams as a function of (seed, coordinates, step) alone: a run resumed
+        at step k in any layout draws what an uninterrupted run in that layout draws, with
+        no random state in the checkpoint (JAX's ``fold_in(key, step)``, in seeds)."""
+        base = self.dropout_seed + _STEP_STRIDE * self.step
+        if self.local.rng is not None:
+            self.local.rng.reseed(base)
+        torch.manual_seed(base)
 
     def drain(self) -> None:
         """PipeDream: finish the micro-batches still in flight (before a checkpoint and at

@@ -1,97 +1,184 @@
-"""The engine's tensors in a checkpoint: model, optimizer pieces, random streams.
+"""The engine's tensors in a checkpoint, in a layout-independent (logical) form.
 
-- ``model``: this rank's parameters under the single-process GPT's names, unsharded over tp
-  (and gathered under ZeRO-3); a tied head's copy is not listed (the GPT lists the
-  embedding only). Every rank of a stage writes the same tensors; DCP keeps one.
-- ``optimizer``: one entry per master piece, ``{"step", "exp_avg", "exp_avg_sq",
-  "master"}``. Whole parameters (ZeRO-0) are keyed by their name and stored unsharded over
-  tp, so they load into any tp or dp size; ZeRO pieces are keyed ``name[a:b]`` (plus
-  ``@tpR`` for a tp-sharded parameter) and load into the same layout.
-- ``rng``: per global rank, the CPU (and CUDA) generator and the tensor-parallel dropout
-  stream.
+A checkpoint holds what one process training the same model would hold, whatever the
+layout that wrote it (dp, tp, pp, ZeRO stage, precision):
 
-Restoring loads the masters and the moments; ``sync.after_step()`` then rebuilds the
-compute-dtype parameters from the masters, as after an optimizer step.
+- ``model.NAME``: the fp32 master of parameter ``NAME`` (the single-process GPT's names
+  and shapes: unsharded over tp, vocabulary padding dropped, ZeRO pieces joined);
+- ``optimizer.NAME.{exp_avg, exp_avg_sq}``: AdamW's moments, the same shapes, fp32;
+  ``optimizer.NAME.step``: its step count (a 0-dim tensor).
+
+A tied head is not listed (the GPT lists the embedding only); at pp > 1 the last stage's
+copy of it is loaded from the embedding's entries. Random streams are not stored: the
+engine reseeds its dropout streams from ``(seed, step, coordinates)`` before every step
+(``Engine.train_step``), so a run resumed at step k in any layout draws, from k on, the
+masks of an uninterrupted run in that layout (its weights at k are the saved run's, which
+with dropout differ from that run's own when the saving layout's coordinates differ). The sampler's position is global (epoch, batch) in the trainer's meta.
+
+Saving (``logical_tensors``): each rank writes its pieces into zeroed flat buffers shaped
+like its tp-local parameters; under ZeRO one all-reduce (sum) over dp joins the disjoint
+pieces. A tp-sharded tensor is then offered to DCP as a ``DTensor`` over the tp group
+(``Shard(tp_dim)``, vocabulary padding cut off, which is ``torch.chunk``'s uneven split):
+each tp rank writes its own slice as one chunk of the logical tensor. Replicated tensors
+are offered whole by every rank that holds them, and DCP's save planner keeps one writer
+per tensor or chunk (``dedup_save_plans`` spreads them over the ranks by size), so the dp
+replicas split the writing and nothing is written twice. Loading
+(``load_logical_tensors``) is the inverse, with no communication of ours: DCP reads, for
+each rank, the parts of the saved chunks that overlap its slice (its planner reshards),
+and each rank keeps its ZeRO ranges. ZeRO pieces are joined over dp rather than written
+as chunks because a piece is a flat range of a tp slice, which is not a box of the
+logical tensor, and DCP describes chunks as boxes (offsets and sizes per dim).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
+from shardwise import comm
+from shardwise.tensor_parallel.state import VOCAB_PARAMS
 
-def _key(engine, i: int) -> tuple[str, bool]:
-    """Checkpoint key of piece ``i`` and whether it is a whole parameter (stored unsharded)."""
-    sync = engine.sync
-    name, p, m = sync.piece_names[i], sync.piece_params[i], sync.pieces[i]
-    whole = m.numel() == p.numel() and "[" not in name
-    if not whole and getattr(p, "tp_dim", None) is not None and engine.tp.size > 1:
-        name = f"{name}@tp{engine.tp.rank}"
-    return name, whole
+FORMAT = 2  # meta["format"]: 2 = logical tensors (this module); absent = per-piece keys
+_PIECE = re.compile(r"^(?P<name>.+)\[(?P<a>\d+):(?P<b>\d+)\]$")
+_TIED_HEAD, _EMBED = "head.proj.weight", "embed.tok.weight"
 
 
 def model_tensors(engine) -> dict[str, torch.Tensor]:
-    """Full tensors of this rank's parameters (collective over tp; call inside
-    ``engine.full_parameters()`` under ZeRO-3)."""
+    """Full compute-dtype tensors of this rank's parameters (collective over tp; call
+    inside ``engine.full_parameters()`` under ZeRO-3). For tests and reports."""
     local = engine.local
-    skip = {"head.proj.weight"} if "head.proj.weight" in local.tied else set()
+    skip = {_TIED_HEAD} if _TIED_HEAD in local.tied else set()
     return {n: local.full_tensor(n, p, p.detach()) for n, p in local.named_parameters()
             if n not in skip}
 
 
-def optimizer_tensors(engine) -> dict[str, dict]:
-    """``{key: {"step", "exp_avg", "exp_avg_sq", "master"}}`` for every piece (collective
-    over tp for whole tp-sharded parameters). Pieces not stepped yet get zero moments, so
-    that a load has a target."""
-    out, sync, local = {}, engine.sync, engine.local
-    state = engine.optimizer.optimizer.state
-    for i, m in enumerate(sync.pieces):
-        key, whole = _key(engine, i)
-        st = state.get(m) or {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
-                              "exp_avg_sq": torch.zeros_like(m)}
-        entry = {"step": st["step"], "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"],
-                 "master": m.detach()}
-        if whole:  # unsharded over tp: loadable at any tp size
-            name, p = sync.piece_names[i], sync.piece_params[i]
-            entry = {k: (local.full_tensor(name, p, v) if v.dim() > 0 else v.clone())
-                     for k, v in entry.items()}
-        out[key] = entry
+def _pieces_by_param(engine) -> dict[str, list[tuple[int, int, int]]]:
+    """Parameter name -> ``(piece index, start, end)`` of each master piece in its flat
+    (tp-local) parameter: whole parameters (ZeRO-0) are ``name``, ZeRO pieces ``name[a:b]``."""
+    sync = engine.sync
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for i, (key, p) in enumerate(zip(sync.piece_names, sync.piece_params)):
+        m = _PIECE.match(key)
+        name, a, b = (m["name"], int(m["a"]), int(m["b"])) if m else (key, 0, p.numel())
+        out.setdefault(name, []).append((i, a, b))
     return out
+
+
+def _zero_sharded(engine) -> bool:
+    return engine.s.zero > 0 and engine.distributed and engine.topology.dp > 1
+
+
+def _key(engine, name: str) -> str:
+    """Checkpoint name of local parameter ``name`` (the tied head copy: the embedding's)."""
+    return _EMBED if name == _TIED_HEAD and name in engine.local.tied else name
 
 
 @torch.no_grad()
-def load_optimizer_tensors(engine, loaded: dict[str, dict]) -> None:
-    """Inverse of ``optimizer_tensors`` (``loaded`` as DCP filled it): masters copied into
-    the pieces, moments into AdamW's state, then the parameters rebuilt from the masters."""
-    sync, local = engine.sync, engine.local
+def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
+    """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
+    for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
+    parameters; see module docstring), fresh copies that later steps do not change.
+    Collective over dp under ZeRO. Parameters not stepped yet get zero moments and step 0.
+    ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
+    local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
-    for i, m in enumerate(sync.pieces):
-        key, whole = _key(engine, i)
-        entry = loaded[key]
-        if whole:
-            name, p = sync.piece_names[i], sync.piece_params[i]
-            entry = {k: (local.local_tensor(name, p, v) if v.dim() > 0 else v)
-                     for k, v in entry.items()}
-        m.copy_(entry["master"].to(m.dtype))
-        if float(entry["step"]) > 0:
-            state[m] = {"step": entry["step"].detach().clone().float().cpu(),
-                        "exp_avg": entry["exp_avg"].to(m.device, m.dtype).clone(),
-                        "exp_avg_sq": entry["exp_avg_sq"].to(m.device, m.dtype).clone()}
+    by_param = _pieces_by_param(engine)
+    named = local.named_parameters()
+    dev = engine.device
+    bufs = [torch.zeros(3, p.numel(), dtype=torch.float32, device=dev) for _, p in named]
+    steps = torch.zeros(len(named), dtype=torch.float64, device=dev)
+    for j, (n, p) in enumerate(named):
+        for i, a, b in by_param.get(n, []):
+            m = sync.pieces[i]
+            bufs[j][0, a:b] = m.detach().reshape(-1)
+            st = state.get(m)
+            if st:
+                bufs[j][1, a:b] = st["exp_avg"].reshape(-1)
+                bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
+                steps[j] = float(st["step"])
+    if _zero_sharded(engine) and bufs:  # dp ranks hold disjoint ranges: a sum joins them
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        comm.all_reduce(flat, group=engine.dp_group, check=False)
+        comm.all_reduce(steps, op="max", group=engine.dp_group, check=False)
+        off = 0
+        for b in bufs:
+            b.copy_(flat[off:off + b.numel()].view_as(b))
+            off += b.numel()
+    model, optim = {}, {}
+    for j, (n, p) in enumerate(named):
+        key = _key(engine, n)
+        if key != n and not targets:  # the tied head copy: stored once, as the embedding
+            continue                  # (the two are bitwise equal)
+        model[key], moment1, moment2 = (_logical(engine, n, p, bufs[j][k].view(p.shape))
+                                        for k in range(3))
+        optim[key] = {"exp_avg": moment1, "exp_avg_sq": moment2,
+                      "step": torch.tensor(float(steps[j]), dtype=torch.float32)}
+    return {"model": model, "optimizer": optim}
+
+
+def _sharded(engine, p) -> bool:
+    return engine.distributed and engine.tp.size > 1 and getattr(p, "tp_dim", None) is not None
+
+
+def _mesh(engine):
+    """A one-axis ``DeviceMesh`` over the tp group, made once per engine (no collective)."""
+    if getattr(engine, "_checkpoint_mesh", None) is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        engine._checkpoint_mesh = DeviceMesh.from_group(engine.tp.group, "cpu")
+    return engine._checkpoint_mesh
+
+
+def _logical(engine, name: str, p, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (shaped like the tp-local ``p``) as a tensor of the logical shape on the
+    CPU: a ``DTensor`` holding this rank's slice when ``p`` is tp-sharded, else a copy."""
+    if not _sharded(engine, p):
+        return local.detach().cpu().clone()
+    d, tp = p.tp_dim, engine.tp
+    shape = list(local.shape)
+    shape[d] *= tp.size
+    if name in VOCAB_PARAMS:  # padded rows: the logical tensor has vocab_size of them
+        shape[0] = engine.cfg.vocab_size
+        local = local[:max(0, min(local.shape[0], shape[0] - tp.rank * local.shape[0]))]
+    local = local.detach().cpu().contiguous().clone()
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, _mesh(engine), [Shard(d)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _tp_local(engine, name: str, p, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_logical``: the tensor shaped like ``p`` (vocabulary padding added back
+    as zeros, as ``tensor_parallel.state.shard_like`` does)."""
+    if not isinstance(t, DTensor):
+        return engine.local.local_tensor(name, p, t)
+    x = t.to_local()
+    if x.shape[0] < p.shape[0]:
+        x = torch.cat([x, x.new_zeros((p.shape[0] - x.shape[0],) + tuple(x.shape[1:]))])
+    return x
+
+
+@torch.no_grad()
+def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
+    """Inverse of ``logical_tensors`` (``loaded`` as DCP filled it): each rank copies its
+    tp slice and ZeRO ranges into its masters and AdamW's state, then the compute-dtype
+    parameters are rebuilt from the masters (``sync.after_step``). No communication."""
+    local, sync = engine.local, engine.sync
+    state = engine.optimizer.optimizer.state
+    by_param = _pieces_by_param(engine)
+    for n, p in local.named_parameters():
+        key = _key(engine, n)
+        opt = loaded["optimizer"][key]
+        mine = [_tp_local(engine, n, p, t).reshape(-1)
+                for t in (loaded["model"][key], opt["exp_avg"], opt["exp_avg_sq"])]
+        step = float(opt["step"])
+        for i, a, b in by_param.get(n, []):
+            m = sync.pieces[i]
+            m.copy_(mine[0][a:b].view_as(m))
+            state.pop(m, None)
+            if step > 0:
+                state[m] = {"step": torch.tensor(step, dtype=torch.float32),
+                            "exp_avg": mine[1][a:b].to(m.device).view_as(m).clone(),
+                            "exp_avg_sq": mine[2][a:b].to(m.device).view_as(m).clone()}
     sync.after_step()
-
-
-def rng_tensors(engine) -> dict[str, torch.Tensor]:
-    """This rank's random streams: CPU, CUDA (on a GPU) and the tp dropout stream."""
-    out = {"cpu": torch.get_rng_state()}
-    if engine.device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(engine.device)
-    if engine.local.rng is not None:
-        out["tp"] = engine.local.rng.state
-    return out
-
-
-def load_rng_tensors(engine, rng: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and engine.device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], engine.device)
-    if "tp" in rng and engine.local.rng is not None:
-        engine.local.rng.state = rng["tp"].clone()

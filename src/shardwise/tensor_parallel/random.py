@@ -26,7 +26,12 @@ class ParallelRNG:
 
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.seed = seed + PARALLEL_SEED_OFFSET + tp_rank
+        self.tp_rank = tp_rank
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the stream from ``seed`` (plus the offset and the tp rank, as at build)."""
+        self.seed = seed + PARALLEL_SEED_OFFSET + self.tp_rank
         with torch.random.fork_rng(devices=self._devices()):
             torch.manual_seed(self.seed)
             self.state = self._get()
