@@ -1,4 +1,5 @@
-"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``.
+"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``plan``,
+``timeline``.
 
 Examples::
 
@@ -213,6 +214,12 @@ def cmd_memory(args, extra: list[str]) -> int:
     return memory_main(extra)
 
 
+def cmd_plan(args, extra: list[str]) -> int:
+    from shardwise.planner.cli import plan_main
+
+    return plan_main(extra)
+
+
 def cmd_timeline(args, extra: list[str]) -> int:
     from shardwise.pipeline.timeline import main as timeline_main
 
@@ -240,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
                          add_help=False)
     mem.set_defaults(func=cmd_memory)
+    pl = sub.add_parser("plan", help="rank layouts of a model on a cluster: memory per GPU and "
+                        "predicted step time; emit the best as a TOML", add_help=False)
+    pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
                         add_help=False)
     tl.set_defaults(func=cmd_timeline)
