@@ -83,7 +83,7 @@ def _run(args) -> int:
     spec = load_model(args.model)
     if args.seq is not None:
         spec = spec.with_seq(positive_number(args.seq, "--seq", integer=True))
-    cluster = get_cluster(args.cluster, spec)
+    cluster = get_cluster(args.cluster, spec, world)
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gb, "--memory-gb") * 1e9 if args.memory_gb
              else cluster.memory_per_rank(world))

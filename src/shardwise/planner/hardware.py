@@ -111,6 +111,7 @@ class Cluster:
     efficiency: float = EFFICIENCY
     mem_bw: float = 1.5e12  # bytes/s of device memory (the optimizer step is bound by it)
     overhead_s: float = 0.0
+    sync_penalty_s: float = 0.0  # seconds a synchronisation waits for a core (ranks > cores)
     precision: str = "bf16"
     source: str = ""
     cores: int = 0
@@ -147,13 +148,13 @@ PRESETS: dict[str, Cluster] = {
 }
 
 
-def get_cluster(name: str, spec=None) -> Cluster:
-    """A preset by name (``local``: measured now, on a block of ``spec``'s sizes).
-    ``SpecError`` for an unknown one."""
+def get_cluster(name: str, spec=None, world_size: int = 1) -> Cluster:
+    """A preset by name (``local``: measured now, on a block of ``spec``'s sizes, for
+    ``world_size`` ranks). ``SpecError`` for an unknown one."""
     if name == "local":
         if spec is None:
-            return local_cluster()
-        return local_cluster(spec.n_embd, min(spec.block_size, 256), spec.n_head)
+            return local_cluster(world_size=world_size)
+        return local_cluster(spec.n_embd, min(spec.block_size, 256), spec.n_head, world_size)
     if name not in PRESETS:
         raise SpecError(f"--cluster {name!r}: unknown preset; expected one of "
                         f"{', '.join(list(PRESETS) + ['local'])}")
@@ -178,11 +179,11 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
         def timed(b: int) -> float:
             x = torch.randn(b, seq, width, requires_grad=True)
             times = []
-            for _ in range(7):
+            for _ in range(9):
                 t0 = time.perf_counter()
                 blk(x).sum().backward()
                 times.append(time.perf_counter() - t0)
-            return sorted(times)[len(times) // 2]
+            return min(times)  # the undisturbed time: other processes only add to it
 
         timed(1)
         small, big = timed(1), timed(8)
@@ -200,10 +201,15 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
             "width": width, "seq": seq}
 
 
-def local_cluster(width: int = 128, seq: int = 64, heads: int = 4) -> Cluster:
+def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
+                  world_size: int = 1) -> Cluster:
     """This machine: compute measured on a block of the planned width (ranks sharing the
-    cores equally), the comm profile's links (gloo over loopback; one "node")."""
-    cal = calibrate_local(width, seq, heads)
+    cores equally), the comm profile's links (gloo over loopback; one "node"), and the
+    measured wait of a synchronisation when ``world_size`` ranks share the cores."""
+    from shardwise.planner.contention import calibrate_sync_penalty
+
+    cal = dict(calibrate_local(width, seq, heads))
+    cal["sync_penalty_s"] = calibrate_sync_penalty(world_size)
     prof = cost.active_profile()
     link = Link("loopback (comm profile)", profile=prof, algorithm="auto")
     try:
@@ -212,7 +218,8 @@ def local_cluster(width: int = 128, seq: int = 64, heads: int = 4) -> Cluster:
         mem = 8 * GiB
     cores = os.cpu_count() or 1
     return Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
-                   link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"], precision="fp32",
+                   link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
+                   sync_penalty_s=cal["sync_penalty_s"], precision="fp32",
                    source=f"measured now; comm profile {prof.name}", cores=cores,
                    meta=cal)
 

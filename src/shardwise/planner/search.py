@@ -96,7 +96,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
 def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str) -> float:
     """Analytic step time: chunk costs x (v m + p - 1) per rank (the textbook bubble)."""
     costs = chunk_costs(spec, lay, cluster, precision)
-    per_chunk = max(f + b for f, b, _, _ in costs)
+    per_chunk = max(c[0] + c[1] for c in costs)
     return per_chunk * (lay.v * lay.m + lay.pp - 1)
 
 

@@ -65,24 +65,29 @@ def block_flops(spec: ModelSpec, mb: int) -> float:
     return 24 * mb * s * h * h + 4 * mb * s * s * h
 
 
-def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str):
-    """Per global chunk: (forward seconds, backward seconds, of which tp seconds fwd, bwd)."""
-    world = lay.world
+def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                dedicated: bool = False):
+    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
+    s in forward, waiting s in backward). Waiting: the sync penalty of ranks sharing cores
+    (``contention``), spent off the core. ``dedicated``: compute as if the rank had a core
+    to itself (the shared walk slows it down)."""
+    world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
     e, s, h, L = BYTES[precision], spec.block_size, spec.n_embd, spec.n_layer
     tl = cluster.link(lay.tp)
     act = lay.micro_batch * s * h * e
+    pen = cluster.sync_penalty_s
     if lay.tp == 1:
-        tp_blk = 0.0
+        tp_blk, n_sync = 0.0, 0
     elif lay.sp:
-        tp_blk = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act))
+        tp_blk, n_sync = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act)), 4
     else:
-        tp_blk = 2 * tl.all_reduce(lay.tp, act)
+        tp_blk, n_sync = 2 * tl.all_reduce(lay.tp, act), 2
     bf = block_flops(spec, lay.micro_batch) / lay.tp
     head_f = 2 * lay.micro_batch * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
+    # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
-    per_rank = stage_layers(spec, lay.pp, lay.v)
-    # chunk c's layers, in order (balanced cut of the same layer list)
+    loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch * s * 4) if lay.tp > 1 else 0.0
     from shardwise.pipeline.partition import balanced
 
     part = balanced([1.0] * (L + 2), lay.pp * lay.v)
@@ -90,16 +95,20 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str):
     for c in range(lay.pp * lay.v):
         layers = list(part.layers(c))
         nb = sum(1 for i in layers if 1 <= i <= L)
-        f = nb * (bf / rate + over + tp_blk) + (head_f / rate if L + 1 in layers else 0.0)
-        f += emb_tp if 0 in layers else 0.0
-        tpf = nb * tp_blk + (emb_tp if 0 in layers else 0.0)
-        b = 2 * (f - tpf) + nb * tp_blk  # backward: twice the FLOPs, the same collectives
-        tpb = nb * tp_blk
+        emb, head = 0 in layers, L + 1 in layers
+        comp_f = nb * (bf / rate + over) + (head_f / rate if head else 0.0)
+        tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0)
+        syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
+        wait_f = syncs * pen
+        tpb = nb * tp_blk + (loss_tp if head else 0.0)  # backward: the block collectives
+        wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
+        comp_b = 2 * comp_f
         if lay.recompute:
-            b += f
+            comp_b += comp_f
             tpb += tpf
-        out.append((f, b, tpf, tpb))
-    del per_rank
+            wait_b += wait_f
+        out.append((comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f, tpb + wait_b,
+                    wait_f, wait_b))
     return out
 
 
@@ -112,12 +121,13 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     e = BYTES[precision]
     P = rank_params(spec, layers, lay.tp, lay.pp)
     link = cluster.link(lay.world)
-    n, x = lay.dp, P * e
+    n, x, pen = lay.dp, P * e, cluster.sync_penalty_s
     if lay.zero == 0:
-        return link.all_reduce(n, x), 0.0
+        return link.all_reduce(n, x) + pen, 0.0
     if lay.zero in (1, 2):
-        return link.reduce_scatter(n, x) + link.all_gather(n, x), 0.0
-    return 0.0, lay.m * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x))
+        return link.reduce_scatter(n, x) + link.all_gather(n, x) + 2 * pen, 0.0
+    units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
+    return 0.0, lay.m * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x) + 3 * units * pen)
 
 
 def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
@@ -212,19 +222,128 @@ def walk(sched, costs, p2p: float):
     return free, busy, tp_time, events
 
 
+def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
+    """``walk`` for ranks that share ``cores`` cores (this machine): processor sharing. At
+    every moment the ranks computing (times ``replicas``: the dp x tp copies of each
+    pipeline rank, running the same schedule at once) share the cores equally, so a rank
+    idle in the bubble lends its core to the others. Costs are a dedicated core's."""
+    p = sched.p
+    lists, n_chunks = sched.ranks, sched.n_chunks
+    pc, comm_free = [0] * p, [0.0] * p
+    busy, tp_time, end_of = [0.0] * p, [0.0] * p, [0.0] * p
+    running: dict[int, list] = {}  # rank -> [op, remaining work, start, tp share]
+    done: dict = {}
+    arrival: dict = {}
+    events = []
+    t = 0.0
+
+    def ready_time(r, ins):
+        """When ``ins``'s inputs are there (None: not yet known)."""
+        if isinstance(ins, Forward):
+            if ins.chunk == 0:
+                return 0.0
+            if (ins.chunk - 1) % p == r:
+                return done.get(Forward(ins.mb, ins.chunk - 1))
+            return arrival.get(("act", ins.mb, ins.chunk - 1))
+        own = done.get(Forward(ins.mb, ins.chunk))
+        if own is None:
+            return None
+        if ins.chunk == n_chunks - 1:
+            return own
+        if (ins.chunk + 1) % p == r:
+            nxt = done.get(Backward(ins.mb, ins.chunk + 1))
+        else:
+            nxt = arrival.get(("grad", ins.mb, ins.chunk + 1))
+        return None if nxt is None else max(own, nxt)
+
+    def _advance(r, wake):
+        while r not in running and pc[r] < len(lists[r]):
+            ins = lists[r][pc[r]]
+            if isinstance(ins, (SendActivation, SendGrad)):
+                src = (Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)
+                t0 = max(comm_free[r], done[src])
+                comm_free[r] = t0 + p2p
+                kind = "act" if isinstance(ins, SendActivation) else "grad"
+                arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
+                pc[r] += 1
+                continue
+            if not isinstance(ins, (Forward, Backward)):
+                pc[r] += 1
+                continue
+            rt = ready_time(r, ins)
+            if rt is None:
+                break
+            if rt > t + 1e-15:
+                wake.append(rt)
+                break
+            f = costs[ins.chunk]
+            fwd = isinstance(ins, Forward)
+            work, tpw, wait = (f[0], f[2], f[4]) if fwd else (f[1], f[3], f[5])
+            running[r] = [ins, work - wait, t, tpw / work if work else 0.0, wait]
+            pc[r] += 1
+
+    while True:
+        moved = True
+        while moved:  # a send found late in the pass can unblock an earlier rank
+            moved = False
+            wake = []
+            for r in range(p):
+                before = pc[r]
+                _advance(r, wake)
+                moved |= pc[r] != before
+        computing = {r: v for r, v in running.items() if v[1] > 1e-12}
+        waiting = {r: v for r, v in running.items() if v[1] <= 1e-12}
+        if not running:
+            if not wake:
+                if all(pc[r] >= len(lists[r]) for r in range(p)):
+                    break
+                raise RuntimeError("schedule deadlocked in the simulator")
+            t = min(wake)
+            continue
+        speed = min(1.0, cores / (max(1, len(computing)) * replicas))
+        ends = [v[1] / speed for v in computing.values()] + [v[4] for v in waiting.values()]
+        t_next = t + min(ends)
+        if wake:
+            t_next = min(t_next, min(wake))
+        for r in list(running):
+            ins, rem, start, tpf, wait = running[r]
+            if rem > 1e-12:
+                rem -= speed * (t_next - t)
+                running[r][1] = rem
+                continue
+            wait -= t_next - t
+            running[r][4] = wait
+            if wait <= 1e-12:
+                done[ins] = t_next
+                dur = t_next - start
+                busy[r] += dur * (1 - tpf)
+                tp_time[r] += dur * tpf
+                end_of[r] = t_next
+                events.append({"rank": r, "kind": type(ins).__name__, "mb": ins.mb,
+                               "chunk": ins.chunk, "start": start, "end": t_next})
+                del running[r]
+        t = t_next
+    return end_of, busy, tp_time, events
+
+
 def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | None = None,
              with_events: bool = False) -> dict:
     """Predicted seconds of one optimizer step and its split (see the module docstring)."""
     precision = precision or cluster.precision
     sched = schedule(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, lay.m, lay.v)
-    costs = chunk_costs(spec, lay, cluster, precision)
+    shared = bool(cluster.cores)
+    costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
     e = BYTES[precision]
     msg = lay.micro_batch * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
-    p2p = cluster.link(lay.tp * lay.pp).p2p(msg) if lay.pp > 1 else 0.0
-    end, busy, tp_time, events = walk(sched, costs, p2p)
-    ideal_end = walk(sched, costs, 0.0)[0] if lay.pp > 1 else end
+    p2p = (cluster.link(lay.tp * lay.pp).p2p(msg) + cluster.sync_penalty_s) if lay.pp > 1 else 0.0
+    if shared:
+        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)  # noqa: E731
+    else:
+        run = lambda c: walk(sched, costs, c)  # noqa: E731
+    end, busy, tp_time, events = run(p2p)
+    ideal_end = run(0.0)[0] if lay.pp > 1 else end
     per_rank = stage_layers(spec, lay.pp, lay.v)
-    best = None
+    totals, parts = [], []
     for r in range(lay.pp):
         dp_after, dp_inside = dp_seconds(spec, lay, cluster, precision, per_rank[r])
         opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
@@ -232,12 +351,16 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)):
             tied = cluster.link(lay.tp * lay.pp).all_reduce(
                 2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * e)
-        total = end[r] + dp_inside + dp_after + tied + opt
-        split = {"compute": busy[r], "tp": tp_time[r], "pp": max(0.0, end[r] - ideal_end[r]),
-                 "bubble": ideal_end[r] - busy[r] - tp_time[r],
-                 "dp": dp_after + dp_inside + tied, "optimizer": opt}
-        if best is None or total > best[0]:
-            best = (total, split)
+        totals.append(end[r] + dp_inside + dp_after + tied + opt)
+        parts.append({"compute": busy[r], "tp": tp_time[r],
+                      "pp": max(0.0, end[r] - ideal_end[r]),
+                      "dp": dp_after + dp_inside + tied, "optimizer": opt})
+    # the split of the bottleneck stage (most compute); its idle time is the bubble
+    star = max(range(lay.pp), key=lambda r: busy[r] + tp_time[r])
+    step = max(totals)
+    split = parts[star]
+    split["bubble"] = step - sum(split.values())
+    best = (step, split)
     out = {"step": best[0], **best[1]}
     if with_events:
         out["events"] = events
