@@ -207,3 +207,17 @@ def test_emitted_toml_trains(corpus, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert t.returncode == 0, t.stderr
     assert "done: 2 steps" in t.stdout
+
+
+def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
+    """``shardwise memory`` prints the planner's bytes, in the decimal unit its header
+    names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB)."""
+    from shardwise.planner.memory import zero_bytes
+    from shardwise.zero.report import main
+
+    assert main(["--params", "7.5e9", "--dp", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "bytes per rank in GB (1 GB = 1e+09 bytes)" in out[0]
+    totals = [float(line.split()[-1]) for line in out[2:]]
+    assert totals == [120.0, 31.41, 16.64, 1.88]
+    assert totals == [round(zero_bytes(7.5e9, 64, s, "bf16")["total"] / 1e9, 2) for s in range(4)]

@@ -51,9 +51,12 @@ def build_parser():
 
 def plan_main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
-    if args.model == "cnn":
+    args, extra = ap.parse_known_args(argv)
+    if args.model == "cnn":  # the CNN chooser may take options of its own: args.extra
+        args.extra = extra
         return _cnn(args, argv)
+    if extra:
+        ap.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _run(args)
     except (SpecError, ValueError) as exc:
