@@ -8,7 +8,10 @@
    F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) (their eq. 3, recomputation included).
    Predicted: the same F divided by the simulator's step time and the GPU count, for the
    published tp x pp x dp with recomputation, the planner choosing only the micro-batch
-   size (1, 2, 4) and schedule (1F1B, interleaved v = 2, 4) -- the paper does not list them.
+   size (1, 2, 4), schedule (1F1B, interleaved v = 2, 4) and stage cut (by layer count, or
+   by parameters: Megatron's even blocks per stage) -- the paper does not list them; with
+   pp >= 16 only micro-batch 1, 1F1B or interleaved v = 2, cut by parameters (each walk of
+   hundreds of micro-batches over tens of stages takes tens of seconds here).
    Then the planner's own choice over the whole space (tp inside a node, ZeRO 0-1,
    recompute and sequence parallelism on or off), with its predicted time.
 2. ZeRO memory, Rajbhandari et al., SC 2020, "ZeRO: Memory Optimizations Toward Training
@@ -26,6 +29,7 @@ row. Writes ``OUT/planner_published.txt`` and ``.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -67,12 +71,16 @@ def megatron_rows(simulate_top: int) -> list[dict]:
         dp = gpus // (tp * pp)
         F = paper_flops(spec, batch)
         best = None
-        for mb in (1, 2, 4):
+        big = pp >= 16  # hundreds of micro-batches on tens of stages: fewer, slower walks
+        for mb in ((1,) if big else (1, 2, 4)):
             per = batch // dp
             if per % mb:
                 continue
-            for kind, v in ([("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if pp > 1 else [])):
-                lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False)
+            scheds = [("1f1b", 1)] + ([("interleaved", 2)] + ([] if big else [("interleaved", 4)])
+                                      if pp > 1 else [])
+            cuts = ("params",) if big else ("layers", "params") if pp > 1 else ("layers",)
+            for (kind, v), by in itertools.product(scheds, cuts):
+                lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False, by)
                 if prune_reason(spec, lay, a100, False):
                     continue
                 mem = memory_of(spec, lay, "fp16")

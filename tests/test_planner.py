@@ -54,14 +54,15 @@ def test_closed_form_equals_predict_rank():
                                       (3, 64, 8, 65, 2, False, True)]:
         spec = ModelSpec("x", L, h, a, V, 32, tie, bias)
         cfg = GPTConfig(V, 32, L, a, h, bias=bias, tie_weights=tie)
-        for pp, v in ((1, 1), (2, 1), (3, 1), (2, 2)):
-            for pr, layers in enumerate(stage_layers(spec, pp, v)):
+        for pp, v, by in ((1, 1, "layers"), (2, 1, "layers"), (3, 1, "layers"), (2, 2, "layers"),
+                          (3, 1, "params"), (2, 2, "params")):
+            for pr, layers in enumerate(stage_layers(spec, pp, v, by)):
                 P = rank_params(spec, layers, tp, pp)
                 for z in (0, 1, 2, 3):
                     if z == 3 and pp > 1:
                         continue
                     d = predict_rank(cfg, dp=2, pp=pp, tp=tp, pp_rank=pr, chunks_per_rank=v,
-                                     zero=z, precision="bf16", bucket_mb=0.01)
+                                     zero=z, precision="bf16", bucket_mb=0.01, partition_by=by)
                     c = zero_bytes(P, 2, z, "bf16")
                     if z == 0:
                         assert {k: d[k] for k in c} == c, (L, tp, pp, v, pr)

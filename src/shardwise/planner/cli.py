@@ -157,11 +157,11 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     if not src.is_file():
         model["vocab_size"] = spec.vocab_size
     parallel = {k: v for k, v in data.get("parallel", {}).items()
-                if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s", "partition")}
+                if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
     parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
                      "micro_batches": lay.m, "schedule": lay.schedule,
                      "chunks_per_rank": lay.v, "zero": lay.zero, "recompute": lay.recompute,
-                     "sequence_parallel": lay.sp})
+                     "sequence_parallel": lay.sp, "partition": lay.partition})
     training = dict(data.get("training", {}))
     training.update({"global_batch_size": batch, "precision": precision})
     out = {**data, "model": model, "parallel": parallel, "training": training}

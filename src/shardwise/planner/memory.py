@@ -61,10 +61,28 @@ def padded_vocab(V: int, tp: int) -> int:
     return -(-V // tp) * tp
 
 
-def stage_layers(spec: ModelSpec, pp: int, v: int = 1) -> list[list[int]]:
+def layer_weights(spec: ModelSpec, by: str = "layers") -> list[float]:
+    """The weights ``pipeline.partition.partition_layers`` gives the GPT's layers: 1 each
+    ("layers"), or each layer's parameter count ("params": the tied head counts the
+    embedding matrix again, as its ``parameters()`` include it)."""
+    L, h, V, s = spec.n_layer, spec.n_embd, spec.vocab_size, spec.block_size
+    if by == "layers":
+        return [1.0] * (L + 2)
+    if by != "params":
+        raise ValueError(f"partition {by!r}: the planner models layers or params")
+    ln = 2 * h if spec.bias else h
+    return [float(V * h + s * h)] + [float(block_params(h, spec.bias))] * L + [float(ln + V * h)]
+
+
+def cut(spec: ModelSpec, n_chunks: int, by: str = "layers"):
+    """The ``Partition`` of the GPT's layers into ``n_chunks`` chunks, as the engine cuts."""
+    return balanced(layer_weights(spec, by), n_chunks)
+
+
+def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> list[list[int]]:
     """Per pipeline rank, the layer indices it holds (0: embedding, 1..L: blocks, L+1:
-    head), chunk c on rank c % pp, cut as ``balanced`` cuts equal layer weights."""
-    part = balanced([1.0] * (spec.n_layer + 2), pp * v)
+    head), chunk c on rank c % pp, cut as the engine cuts (``cut``)."""
+    part = cut(spec, pp * v, by)
     out: list[list[int]] = [[] for _ in range(pp)]
     for c in range(pp * v):
         out[c % pp] += list(part.layers(c))
@@ -113,7 +131,7 @@ EXACT_LIMIT = 50_000_000
 @lru_cache(maxsize=4096)
 def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  precision: str, sequence_parallel: bool = False,
-                 bucket_mb: float = 25.0) -> dict:
+                 bucket_mb: float = 25.0, partition: str = "layers") -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0)."""
     if spec.params <= EXACT_LIMIT and zero > 0:  # ZeRO-0 has no padding: the closed form
@@ -127,12 +145,13 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
             for tr in sorted({0, tp - 1}):
                 d = predict_rank(cfg, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
                                  chunks_per_rank=v, zero=zero, precision=precision,
-                                 bucket_mb=bucket_mb, sequence_parallel=sequence_parallel)
+                                 bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
+                                 partition_by=partition)
                 if best is None or d["total"] > best["total"]:
                     best = d
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
-    for layers in stage_layers(spec, pp, v):
+    for layers in stage_layers(spec, pp, v, partition):
         d = zero_bytes(rank_params(spec, layers, tp, pp), dp, zero, precision)
         if best is None or d["total"] > best["total"]:
             best = d
@@ -193,16 +212,15 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
 
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, m: int, v: int = 1,
                      schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
-                     precision: str = "fp32", am: ActivationModel | None = None) -> float:
+                     precision: str = "fp32", am: ActivationModel | None = None,
+                     partition: str = "layers") -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``m`` micro-batches per step)."""
     am = am or shardwise_model(precision)
     s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
     e = BYTES[precision]
-    from shardwise.pipeline.partition import balanced
-
-    part = balanced([1.0] * (L + 2), pp * v)
+    part = cut(spec, pp * v, partition)
     head = head_activation_bytes(spec, mb, tp, precision)
 
     def chunk_full(c: int) -> float:

@@ -3,7 +3,7 @@
 The space: every dp x tp x pp = world size, micro-batch size (a divisor of the global
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
-sequence parallelism on/off (tp > 1). Tensor parallelism stays inside a node unless
+sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1). Tensor parallelism stays inside a node unless
 ``tp_across_nodes``. Each pruned layout keeps its reason (``Pruned``); the feasible ones
 are ranked by the simulator's predicted step time (``simulate.simulate``); with many
 candidates an analytic pre-rank (the same chunk costs with the textbook bubble) keeps the
@@ -42,7 +42,7 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                       micro_batches: list[int] | None = None, zero: list[int] = (0, 1, 2, 3),
                       recompute: list[bool] = (False, True), sp: list[bool] = (False, True),
                       schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
-                      pp_max: int | None = None):
+                      pp_max: int | None = None, partitions: list[str] = ("layers", "params")):
     """Yield every layout of the space (feasible or not)."""
     for tp in divisors(world):
         for pp in divisors(world // tp):
@@ -63,7 +63,9 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                     for z in zero:
                         for rc in recompute:
                             for s in (sp if tp > 1 else (False,)):
-                                yield Layout(dp, tp, pp, mb, m, kind, v, z, rc, s), None
+                                for cut_by in (partitions if pp > 1 else ("layers",)):
+                                    yield Layout(dp, tp, pp, mb, m, kind, v, z, rc, s,
+                                                 cut_by), None
 
 
 def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes: bool) -> str | None:
@@ -86,10 +88,11 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
 
 
 def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
-    st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.v, lay.zero, precision, lay.sp)
+    st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.v, lay.zero, precision, lay.sp,
+                      partition=lay.partition)
     act = activation_bytes(spec, mb=lay.micro_batch, tp=lay.tp, pp=lay.pp, m=lay.m, v=lay.v,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
-                           precision=precision)
+                           precision=precision, partition=lay.partition)
     return {**st, "activations": act, "total": st["total"] + act}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from shardwise.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,
                                           SendActivation, SendGrad, schedule)
 from shardwise.planner.hardware import Cluster
-from shardwise.planner.memory import BYTES, padded_vocab, rank_params, stage_layers
+from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers
 from shardwise.planner.specs import ModelSpec
 
 
@@ -48,6 +48,7 @@ class Layout:
     zero: int = 0
     recompute: bool = False
     sp: bool = False
+    partition: str = "layers"  # how the engine cuts layers into chunks: layers or params
 
     @property
     def world(self) -> int:
@@ -55,7 +56,8 @@ class Layout:
 
     def label(self) -> str:
         sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else ""))
-        extra = ("" if not self.recompute else " rc") + ("" if not self.sp else " sp")
+        extra = ("" if not self.recompute else " rc") + ("" if not self.sp else " sp") + (
+            " cut=params" if self.partition == "params" and self.pp > 1 else "")
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch} m{self.m}"
                 f"{sched} z{self.zero}{extra}")
 
@@ -88,9 +90,7 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
     loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch * s * 4) if lay.tp > 1 else 0.0
-    from shardwise.pipeline.partition import balanced
-
-    part = balanced([1.0] * (L + 2), lay.pp * lay.v)
+    part = cut(spec, lay.pp * lay.v, lay.partition)
     out = []
     for c in range(lay.pp * lay.v):
         layers = list(part.layers(c))
@@ -342,7 +342,7 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         run = lambda c: walk(sched, costs, c)  # noqa: E731
     end, busy, tp_time, events = run(p2p)
     ideal_end = run(0.0)[0] if lay.pp > 1 else end
-    per_rank = stage_layers(spec, lay.pp, lay.v)
+    per_rank = stage_layers(spec, lay.pp, lay.v, lay.partition)
     totals, parts = [], []
     for r in range(lay.pp):
         dp_after, dp_inside = dp_seconds(spec, lay, cluster, precision, per_rank[r])
