@@ -126,18 +126,18 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
     _one_line_exit_2(capsys, ["train", "--config", "configs/fashion_cnn.toml", "--data",
                               str(tmp_path), "--training.out_dir", str(tmp_path / "o")],
                      str(tmp_path), "train-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-    _one_line_exit_2(capsys, ["plan-cnn", "--ranks", "4", "--plan", "dp,dp,column,row,column"],
+    _one_line_exit_2(capsys, ["plan", "--model", "cnn", "--ranks", "4", "--plan", "dp,dp,column,row,column"],
                      "fc3=column", "width 10", "not divisible by cnn.ranks=4")
-    _one_line_exit_2(capsys, ["plan-cnn", "--plan", "column,dp,dp,dp,dp"], "conv1=column")
+    _one_line_exit_2(capsys, ["plan", "--model", "cnn", "--plan", "column,dp,dp,dp,dp"], "conv1=column")
     _one_line_exit_2(capsys, ["train", "--config", "configs/fashion_cnn.toml",
                               "--cnn.ranks", "4", "--cnn.hidden", "[510, 256]", "--cnn.plan",
                               '["dp", "dp", "column", "row", "dp"]'],
                      "fc1=column", "510", "cnn.ranks=4")
-    _one_line_exit_2(capsys, ["plan-cnn", "--config", str(tmp_path / "none.toml")], "none.toml")
-    assert main(["plan-cnn", "--batch", "64", "--ranks", "2"]) == 0
+    _one_line_exit_2(capsys, ["plan", "--model", "cnn", "--config", str(tmp_path / "none.toml")], "none.toml")
+    assert main(["plan", "--model", "cnn", "--batch", "64", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "fc1" in out and "column" in out and "bytes sent per rank per step" in out
-    assert main(["plan-cnn", "--config", "configs/fashion_cnn.toml", "--ranks", "4"]) == 0
+    assert main(["plan", "--model", "cnn", "--config", "configs/fashion_cnn.toml", "--ranks", "4"]) == 0
     assert "batch 64, 4 ranks" in capsys.readouterr().out
 
 

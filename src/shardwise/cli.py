@@ -1,5 +1,5 @@
-"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``timeline``,
-``plan-cnn``.
+"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``plan``
+(``--model cnn``: the CNN's per-layer plan), ``timeline``.
 
 Examples::
 
@@ -10,7 +10,7 @@ Examples::
     shardwise train --max-restarts 3                  # restart the local ranks after a failure
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
     shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
-    shardwise plan-cnn --batch 64 --ranks 4           # the CNN's per-layer plan and its bytes
+    shardwise plan --model cnn --batch 64 --ranks 4   # the CNN's per-layer plan and its bytes
 
 Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
 the field or file and exits with code 2, before any rank starts.
@@ -225,18 +225,18 @@ def cmd_memory(args, extra: list[str]) -> int:
     return memory_main(extra)
 
 
+def cmd_plan(args, extra: list[str]) -> int:
+    from shardwise.planner.cli import plan_main
+
+    return plan_main(extra)
+
+
 def cmd_timeline(args, extra: list[str]) -> int:
     from shardwise.pipeline.timeline import main as timeline_main
 
     return timeline_main(extra)
 
 
-# ---- issue 16: the CNN's per-layer planner (the lead may route `plan --model cnn` here) ----
-def cmd_plan_cnn(args, extra: list[str]) -> int:
-    from shardwise.cnn.chooser import plan_main
-
-    return plan_main(extra)
-# ---- end issue 16 ----------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,12 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
                          add_help=False)
     mem.set_defaults(func=cmd_memory)
+    pl = sub.add_parser("plan", help="rank layouts of a model on a cluster: memory per GPU and "
+                        "predicted step time; emit the best as a TOML", add_help=False)
+    pl.set_defaults(func=cmd_plan)
     tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
                         add_help=False)
     tl.set_defaults(func=cmd_timeline)
-    pc = sub.add_parser("plan-cnn", help="per-layer data / tensor parallel plan of the CNN "
-                        "(dynamic programming over predicted comm + compute)", add_help=False)
-    pc.set_defaults(func=cmd_plan_cnn)  # issue 16
     return parser
 
 

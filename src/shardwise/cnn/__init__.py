@@ -5,7 +5,7 @@
 - ``cost``: the strategies (dp, replicated, column, row), their collectives, bytes and
   predicted seconds (alpha-beta model of ``shardwise.comm.cost``).
 - ``chooser``: dynamic programming over the layer chain; ``plan_main`` is
-  ``shardwise plan-cnn``.
+  ``shardwise plan --model cnn``.
 - ``hybrid``: ``HybridCNN``, the model split by a plan (reusing
   ``shardwise.tensor_parallel``'s column / row layers and operators).
 - ``training``: the training loop behind ``model.kind = "cnn"``.

@@ -16,7 +16,7 @@ FlexFlow (Jia et al., MLSys 2019) and Alpa (Zheng et al., OSDI 2022) search the 
 per-operator space with richer models; Krizhevsky 2014 (arXiv:1404.5997) hand-picks the
 answer this finds for CNNs: data parallel convolutions, tensor parallel classifier.
 
-CLI: ``shardwise plan-cnn --batch 64 --ranks 4`` or ``shardwise plan-cnn --config
+CLI: ``shardwise plan --model cnn --batch 64 --ranks 4`` or ``shardwise plan --model cnn --config
 configs/fashion_cnn.toml`` (``plan_main``).
 """
 
@@ -194,10 +194,10 @@ def _defaults(a: argparse.Namespace) -> None:
 
 
 def plan_main(args: list[str] | None = None) -> int:
-    """``shardwise plan-cnn``: print the chosen plan (and pure DP / pure TP beside it)."""
+    """``shardwise plan --model cnn``: print the chosen plan (and pure DP / pure TP beside it)."""
     from shardwise.cli import _Parser
 
-    p = _Parser(prog="shardwise plan-cnn", description="Per-layer data / tensor parallel "
+    p = _Parser(prog="shardwise plan --model cnn", description="Per-layer data / tensor parallel "
                 "plan of the CNN by dynamic programming over predicted comm + compute.")
     p.add_argument("--config", help="take the defaults below from this TOML's [cnn] section "
                    "and training.global_batch_size")

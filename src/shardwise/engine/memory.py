@@ -43,7 +43,7 @@ def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[
 def predict_rank(cfg: GPTConfig, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int = 0,
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
-                 sequence_parallel: bool = False) -> dict:
+                 sequence_parallel: bool = False, partition_by: str = "layers") -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, tp_rank): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
@@ -53,7 +53,7 @@ def predict_rank(cfg: GPTConfig, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_ra
         local = build_local_model(
             cfg, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
             n_chunks=n_chunks, tp=TPGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
-            seed=0, dropout_seed=0, device=torch.device("meta"))
+            seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by)
         named = local.named_parameters()
         for _, q in named:
             q.data = q.data.to(DTYPES[precision])

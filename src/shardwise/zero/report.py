@@ -8,7 +8,10 @@ With a model (``--config``), every rank of the layout is predicted exactly
 (``engine.memory.predict_rank``: the rank's model built on the meta device, packed as the
 dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
 local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
-With ``--params`` only, the formulas of Rajbhandari et al. for dp alone (stage 0: fp32).
+With ``--params`` only, the formulas of Rajbhandari et al. for dp alone. Both paths are the
+planner's memory model (``planner.memory``: ``predict_rank`` with a model, ``zero_bytes``
+with a parameter count), so ``shardwise plan`` and this report print the same bytes. Units
+are decimal and named in the header: MB (1e6 bytes), or GB (1e9) when a total reaches 1 GB.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from __future__ import annotations
 import math
 import sys
 
-from shardwise.zero.memory import predicted_bytes
+from shardwise.planner.memory import unit_for, zero_bytes
 
-MB = 1 << 20
+MB = 1e6  # --budget-mb is in MB (1e6 bytes), as every table here
 
 
 def measure_worker(cfg_dict: dict) -> dict:
@@ -52,12 +55,22 @@ def _layout_table(args, stages: list[int]) -> int:
     vocab = m.vocab_size or CharTokenizer.from_text(load_text(base.data.path)).vocab_size
     gpt = GPTConfig(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias,
                     tie_weights=m.tie_weights)
+    preds = {}
+    for z in stages:
+        for pr in range(p.pp):
+            for tr in range(p.tp):
+                if z == 3 and p.pp > 1:
+                    continue
+                preds[(z, pr, tr)] = predict_rank(
+                    gpt, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr, zero=z,
+                    precision=args.precision, bucket_mb=p.bucket_mb)
+    unit, div = unit_for(max([d["total"] for d in preds.values()] or [0]))
     print(f"GPT {m.n_layer} x {m.n_embd}, vocab {vocab}; dp={p.dp} x pp={p.pp} x tp={p.tp}, "
-          f"{args.precision} compute (fp32 masters); bytes per rank, MiB (dp rank 0: padding "
-          "lands on the last dp rank)")
+          f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
+          f"{div:.0e} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
           f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
-          + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
+          + (f"  fits {args.budget_mb:g} MB?" if args.budget_mb else ""))
     for z in stages:
         if z == 3 and p.pp > 1:
             print(f"{z:>4}   ZeRO-3 with pp > 1 is refused (see shardwise train)")
@@ -74,13 +87,12 @@ def _layout_table(args, stages: list[int]) -> int:
                     measured[(r["coords"]["pp"], r["coords"]["tp"])] = r["total"]
         for pr in range(p.pp):
             for tr in range(p.tp):
-                pred = predict_rank(gpt, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr,
-                                    zero=z, precision=args.precision, bucket_mb=p.bucket_mb)
-                line = (f"{z:>4} {pr:>3} {tr:>3} {pred['params'] / MB:>9.3f} "
-                        f"{pred['grads'] / MB:>9.3f} {pred['optimizer'] / MB:>9.3f} "
-                        f"{pred['total'] / MB:>9.3f}")
+                pred = preds[(z, pr, tr)]
+                line = (f"{z:>4} {pr:>3} {tr:>3} {pred['params'] / div:>9.3f} "
+                        f"{pred['grads'] / div:>9.3f} {pred['optimizer'] / div:>9.3f} "
+                        f"{pred['total'] / div:>9.3f}")
                 if measured:
-                    line += f" {measured[(pr, tr)] / MB:>9.3f}"
+                    line += f" {measured[(pr, tr)] / div:>9.3f}"
                 if args.budget_mb:
                     line += f"  {'yes' if pred['total'] <= args.budget_mb * MB else 'NO'}"
                 print(line)
@@ -100,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
-    ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check")
+    ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MB (1e6 bytes)")
     args = ap.parse_args(argv)
     try:
         stages = [int(s) for s in args.stages.split(",")]
@@ -134,26 +146,24 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     measured, P = {}, int(args.params)
-    b = 2 if args.precision in ("bf16", "fp16") else 4
-    print(f"P = {P:,} parameters, N = {args.dp} ranks, {args.precision} compute "
-          f"(stage 0: fp32 DDP); bytes per rank, MiB")
+    preds = {s: zero_bytes(P, args.dp, s, args.precision) for s in stages}
+    unit, div = unit_for(max(d["total"] for d in preds.values()))
+    print(f"P = {P:,} parameters, N = {args.dp} ranks, {args.precision} compute with fp32 "
+          f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes)")
     head = f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}"
     if measured:
         head += f" {'measured':>10} {'(params/grads/optim)':>26}"
     if args.budget_mb:
-        head += f"  fits {args.budget_mb:g} MiB?"
+        head += f"  fits {args.budget_mb:g} MB?"
     print(head)
     for s in stages:
-        if s == 0:  # fp32 DDP: params 4P, grads 4P, Adam moments 8P
-            pred = {"params": 4 * P, "grads": 4 * P, "optimizer": 8 * P, "total": 16 * P}
-        else:
-            pred = predicted_bytes(P, args.dp, s, b)
-        line = (f"{s:>5} {pred['params'] / MB:>10.2f} {pred['grads'] / MB:>10.2f} "
-                f"{pred['optimizer'] / MB:>10.2f} {pred['total'] / MB:>10.2f}")
+        pred = preds[s]
+        line = (f"{s:>5} {pred['params'] / div:>10.2f} {pred['grads'] / div:>10.2f} "
+                f"{pred['optimizer'] / div:>10.2f} {pred['total'] / div:>10.2f}")
         if measured:
             m = measured[s]
-            line += (f" {m['total'] / MB:>10.2f} {m['params'] / MB:>8.2f}/{m['grads'] / MB:.2f}/"
-                     f"{m['optimizer'] / MB:.2f}".ljust(27))
+            line += (f" {m['total'] / div:>10.2f} {m['params'] / div:>8.2f}/{m['grads'] / div:.2f}/"
+                     f"{m['optimizer'] / div:.2f}".ljust(27))
         if args.budget_mb:
             used = measured[s]["total"] if measured else pred["total"]
             line += f"  {'yes' if used <= args.budget_mb * MB else 'NO'}"

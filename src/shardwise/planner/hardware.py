@@ -1,0 +1,230 @@
+"""Clusters the planner prices layouts on: GPU speed and memory, links within and across
+nodes, each link a ``comm.cost.LinkParams`` so every collective is priced by the same
+alpha-beta model (Thakur et al. 2005) as ``shardwise.comm``'s own algorithms.
+
+Presets (``PRESETS``), from the vendors' published specs:
+
+=============  ==========================  =======  ===============  =====================
+preset         GPU (dense bf16 peak)        memory   intra-node link  inter-node link/GPU
+=============  ==========================  =======  ===============  =====================
+dgx-a100-40gb  A100 SXM4 312 TFLOP/s [1]    40 GiB   NVLink3 300 GB/s  HDR IB 200 Gb/s [2]
+dgx-a100-80gb  A100 SXM4 312 TFLOP/s [1]    80 GiB   NVLink3 300 GB/s  HDR IB 200 Gb/s [2]
+dgx-h100       H100 SXM5 989 TFLOP/s [3]    80 GiB   NVLink4 450 GB/s  NDR IB 400 Gb/s [4]
+local          this machine, measured       RAM      comm profile (``profiles/default.json``)
+=============  ==========================  =======  ===============  =====================
+
+[1] NVIDIA A100 Tensor Core GPU datasheet (2021); [2] NVIDIA DGX A100 datasheet: 8 GPUs,
+8 single-port HDR 200 Gb/s HCAs for compute; [3] NVIDIA H100 Tensor Core GPU datasheet
+(SXM5); [4] NVIDIA DGX H100 datasheet: 8 GPUs, 8 x 400 Gb/s ConnectX-7. NVLink bandwidths
+are per direction (600 / 900 GB/s bidirectional). Latencies are NCCL-typical, stated not
+measured: 5 us per step inside a node, 10 us across.
+
+The one efficiency assumption (``EFFICIENCY``): the transformer's matmuls reach 50% of the
+dense bf16 peak on A100 and H100 alike (Narayanan et al. 2021 report 44-52% of peak end to
+end, including communication and bubbles, which the simulator adds on top). It is fixed once
+here and never fitted per prediction.
+
+``local``: the compute rate is measured (``calibrate_local``: one rank's matmul FLOP/s with
+one thread, and the fixed per-layer overhead of running a block, forward and backward),
+divided among the ranks that share the cores; links are the calibrated comm profile at the
+group's size, with the algorithm ``auto`` picks (``comm.cost``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from shardwise.comm import cost
+from shardwise.comm.cost import LinkParams
+from shardwise.planner.specs import SpecError
+
+EFFICIENCY = 0.5
+MEMCPY_LOCAL = 15e9  # bytes/s, memcpy on the development machine (docs/architecture.md)
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link. ``fixed``: the same constants at every group size (a cluster
+    fabric), else the profile's constants measured at the group's size (this machine)."""
+
+    name: str
+    fixed: LinkParams | None = None
+    profile: cost.Profile | None = None
+    algorithm: str = "ring"  # "auto": the cheapest of comm.cost.AUTO_CANDIDATES
+
+    def params(self, n: int) -> LinkParams:
+        return self.fixed if self.fixed is not None else self.profile.params(n)
+
+    def all_reduce(self, n: int, nbytes: float) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        prm = self.params(n)
+        algs = cost.AUTO_CANDIDATES if self.algorithm == "auto" else (self.algorithm,)
+        return min(cost.predict(a, n, nbytes, prm) for a in algs)
+
+    def reduce_scatter(self, n: int, nbytes: float) -> float:
+        """Ring reduce-scatter of ``nbytes`` (the whole vector): the first half of ring."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        prm = self.params(n)
+        return (n - 1) * prm.a(n) + (n - 1) / n * nbytes * (prm.b(n) + prm.g(n))
+
+    def all_gather(self, n: int, nbytes: float) -> float:
+        """Ring all-gather producing ``nbytes`` on every rank."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        prm = self.params(n)
+        return (n - 1) * prm.a(n) + (n - 1) / n * nbytes * prm.b(n)
+
+    def p2p(self, nbytes: float) -> float:
+        """One message alone on its link (a pipeline send)."""
+        prm = self.params(2)
+        return prm.a(1) + nbytes * prm.b(1)
+
+
+def fabric(name: str, bytes_per_s: float, latency_s: float) -> Link:
+    """A switched fabric: every rank sends and receives at ``bytes_per_s`` at once."""
+    return Link(name, LinkParams(alpha=latency_s, beta_link=1 / bytes_per_s, beta_host=0.0,
+                                 gamma=0.0, gamma_host=0.0, native_alpha=latency_s,
+                                 native_beta=2 / bytes_per_s))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``flops``: dense peak per GPU at the compute dtype; ``efficiency``: fraction of it
+    the matmuls reach; ``overhead_s``: fixed seconds per block pass (kernel launches,
+    Python); ``memory``: bytes per GPU; ``share``: ranks per compute unit (local: ranks
+    per core, compute slows by it)."""
+
+    name: str
+    gpu: str
+    flops: float
+    memory: float
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    efficiency: float = EFFICIENCY
+    mem_bw: float = 1.5e12  # bytes/s of device memory (the optimizer step is bound by it)
+    overhead_s: float = 0.0
+    sync_penalty_s: float = 0.0  # seconds a synchronisation waits for a core (ranks > cores)
+    precision: str = "bf16"
+    source: str = ""
+    cores: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def link(self, span: int) -> Link:
+        """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
+        return self.intra if span <= self.gpus_per_node else self.inter
+
+    def rate(self, world_size: int) -> float:
+        """FLOP/s one rank's matmuls reach when ``world_size`` ranks run at once."""
+        share = max(1.0, world_size / self.cores) if self.cores else 1.0
+        return self.flops * self.efficiency / share
+
+    def memory_per_rank(self, world_size: int) -> float:
+        """Bytes one rank may use: a GPU's memory, or this machine's RAM shared by its ranks."""
+        return self.memory / world_size if self.cores else self.memory
+
+    def rank_overhead(self, world_size: int) -> float:
+        share = max(1.0, world_size / self.cores) if self.cores else 1.0
+        return self.overhead_s * share
+
+
+NVLINK3, NVLINK4 = fabric("NVLink3", 300e9, 5e-6), fabric("NVLink4", 450e9, 5e-6)
+HDR, NDR = fabric("HDR IB 200 Gb/s", 25e9, 10e-6), fabric("NDR IB 400 Gb/s", 50e9, 10e-6)
+
+PRESETS: dict[str, Cluster] = {
+    "dgx-a100-40gb": Cluster("dgx-a100-40gb", "A100-SXM4-40GB", 312e12, 40 * GiB, 8,
+                             NVLINK3, HDR, mem_bw=1.555e12, source="NVIDIA A100 and DGX A100 datasheets"),
+    "dgx-a100-80gb": Cluster("dgx-a100-80gb", "A100-SXM4-80GB", 312e12, 80 * GiB, 8,
+                             NVLINK3, HDR, mem_bw=2.039e12, source="NVIDIA A100 and DGX A100 datasheets"),
+    "dgx-h100": Cluster("dgx-h100", "H100-SXM5-80GB", 989e12, 80 * GiB, 8, NVLINK4, NDR,
+                        mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets"),
+}
+
+
+def get_cluster(name: str, spec=None, world_size: int = 1) -> Cluster:
+    """A preset by name (``local``: measured now, on a block of ``spec``'s sizes, for
+    ``world_size`` ranks). ``SpecError`` for an unknown one."""
+    if name == "local":
+        if spec is None:
+            return local_cluster(world_size=world_size)
+        return local_cluster(spec.n_embd, min(spec.block_size, 256), spec.n_head, world_size)
+    if name not in PRESETS:
+        raise SpecError(f"--cluster {name!r}: unknown preset; expected one of "
+                        f"{', '.join(list(PRESETS) + ['local'])}")
+    return PRESETS[name]
+
+
+@lru_cache(maxsize=8)
+def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
+    """Measure, with one torch thread, one block of shardwise's GPT (width ``width``,
+    ``seq`` tokens per sequence), forward + backward at 1 and 8 sequences: the effective
+    FLOP/s (the slope: matmuls and the memory-bound operations around them) and the fixed
+    seconds per block pass (the intercept: dispatch, Python). Also the raw matmul FLOP/s."""
+    import torch
+
+    from shardwise.models.gpt import Block, GPTConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        blk = Block(GPTConfig(65, seq, 1, heads, width))
+
+        def timed(b: int) -> float:
+            x = torch.randn(b, seq, width, requires_grad=True)
+            times = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                blk(x).sum().backward()
+                times.append(time.perf_counter() - t0)
+            return min(times)  # the undisturbed time: other processes only add to it
+
+        timed(1)
+        small, big = timed(1), timed(8)
+        fl = 3 * (24 * seq * width * width + 4 * seq * seq * width)  # per sequence, fwd+bwd
+        rate = 7 * fl / max(big - small, 1e-9)
+        overhead = max(0.0, small - fl / rate) / 3  # per pass (forward = 1, backward = 2)
+        a, b = torch.randn(512, width), torch.randn(width, 4 * width)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        matmul = 10 * 2 * 512 * width * 4 * width / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return {"block_flops": rate, "overhead_s": overhead, "matmul_flops": matmul,
+            "width": width, "seq": seq}
+
+
+def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
+                  world_size: int = 1) -> Cluster:
+    """This machine: compute measured on a block of the planned width (ranks sharing the
+    cores equally), the comm profile's links (gloo over loopback; one "node"), and the
+    measured wait of a synchronisation when ``world_size`` ranks share the cores."""
+    from shardwise.planner.contention import calibrate_sync_penalty
+
+    cal = dict(calibrate_local(width, seq, heads))
+    cal["sync_penalty_s"] = calibrate_sync_penalty(world_size)
+    prof = cost.active_profile()
+    link = Link("loopback (comm profile)", profile=prof, algorithm="auto")
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 8 * GiB
+    cores = os.cpu_count() or 1
+    return Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
+                   link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
+                   sync_penalty_s=cal["sync_penalty_s"], precision="fp32",
+                   source=f"measured now; comm profile {prof.name}", cores=cores,
+                   meta=cal)
+
+
+def check_finite(value: float, what: str) -> float:
+    if not math.isfinite(value) or value <= 0:
+        raise SpecError(f"{what}: expected a finite number > 0, got {value!r}")
+    return value

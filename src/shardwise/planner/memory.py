@@ -1,0 +1,242 @@
+"""The one memory model of ``shardwise plan`` and ``shardwise memory``: bytes per GPU.
+
+Static bytes (parameters, gradients, optimizer states) per rank:
+
+- for shardwise's own GPT at sizes the meta device builds in milliseconds, exactly
+  ``engine.memory.predict_rank`` (the rank's model built on the meta device, packed into
+  the buckets or units the dp sync uses; ``tests/test_layouts.py`` holds it equal to the
+  bytes real ranks hold), maximised over the pipeline and tensor-parallel ranks;
+- for named sizes (GPT-2 ... 1T) the closed forms below, which count the same parameters
+  (``tests/test_planner.py`` checks them against ``predict_rank`` on small configs):
+  per block 12h^2/t + 6h/t (sharded Q, K, V, out, fc, proj and their column biases) +
+  2h (out and proj biases) + 4h (LayerNorms); the embedding V_pad h / t + s h; the head
+  2h + (V_pad h / t unless it is the embedding's own parameter), V_pad = V rounded up to a
+  multiple of t. Stages get layers as ``pipeline.partition.balanced`` cuts them.
+- bytes per element from the parameter count P of the rank (Rajbhandari et al. 2020, sec. 3;
+  b = 2 for bf16/fp16, 4 for fp32, K = 12 bytes of fp32 master + Adam moments, or 8 in fp32
+  where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
+  ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32).
+
+Activation bytes per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", sec. 4, Table 2): s b h (R + S/t) +
+A a s^2 b / t, with R the bytes per token and width kept whole under tensor parallelism, S
+those split over t, and A the attention-score term. Two implementations are described:
+
+- ``MEGATRON``: the paper's fp16 numbers with dropout: R = 10, S = 24, A = 5; with sequence
+  parallelism R moves into S (34/t); full recomputation keeps 2 s b h (the block input).
+- ``SHARDWISE``: this repository's GPT, measured with the executor's activation meter: no
+  dropout masks, flash-style attention on CPU (no s^2 scores, a log-sum-exp of 2 fp32 values
+  per head and token), e values per byte: R = 4e (block input, its LayerNorm output, the
+  second LayerNorm's input and output), S = 12e (Q, K, V, attention output, fc output, GELU
+  output); under sequence parallelism the two all-gathered LayerNorm outputs stay whole.
+
+A pipeline rank holds the activations of ``in_flight`` micro-batches of its chunks (1F1B:
+min(p - r, m); interleaved: Narayanan et al.'s warm-up count, GPipe: m); with recompute it
+holds each chunk's input per micro-batch in flight, and at its peak one chunk recomputed in
+full plus one held input. Not modelled: ZeRO-3's gathered units (the meter counts the
+weights saved for backward of units whose storage ZeRO-3 frees after forward, so its
+reading is not an activation figure; ``tests/test_planner.py`` leaves ZeRO-3 out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardwise.pipeline.partition import balanced
+from shardwise.pipeline.schedules import warmup_forwards
+from shardwise.planner.specs import ModelSpec, block_params
+
+GB = 1e9
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def unit_for(nbytes: float) -> tuple[str, float]:
+    """The decimal unit a person reads ``nbytes`` in: ("GB", 1e9) from 1 GB, else ("MB",
+    1e6). Tables print every number of one table in one unit, named in the header."""
+    return ("GB", GB) if nbytes >= GB else ("MB", 1e6)
+
+
+def padded_vocab(V: int, tp: int) -> int:
+    return -(-V // tp) * tp
+
+
+def layer_weights(spec: ModelSpec, by: str = "layers") -> list[float]:
+    """The weights ``pipeline.partition.partition_layers`` gives the GPT's layers: 1 each
+    ("layers"), or each layer's parameter count ("params": the tied head counts the
+    embedding matrix again, as its ``parameters()`` include it)."""
+    L, h, V, s = spec.n_layer, spec.n_embd, spec.vocab_size, spec.block_size
+    if by == "layers":
+        return [1.0] * (L + 2)
+    if by != "params":
+        raise ValueError(f"partition {by!r}: the planner models layers or params")
+    ln = 2 * h if spec.bias else h
+    return [float(V * h + s * h)] + [float(block_params(h, spec.bias))] * L + [float(ln + V * h)]
+
+
+def cut(spec: ModelSpec, n_chunks: int, by: str = "layers"):
+    """The ``Partition`` of the GPT's layers into ``n_chunks`` chunks, as the engine cuts."""
+    return balanced(layer_weights(spec, by), n_chunks)
+
+
+def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> list[list[int]]:
+    """Per pipeline rank, the layer indices it holds (0: embedding, 1..L: blocks, L+1:
+    head), chunk c on rank c % pp, cut as the engine cuts (``cut``)."""
+    part = cut(spec, pp * v, by)
+    out: list[list[int]] = [[] for _ in range(pp)]
+    for c in range(pp * v):
+        out[c % pp] += list(part.layers(c))
+    return out
+
+
+def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int) -> int:
+    """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps."""
+    L, h, s = spec.n_layer, spec.n_embd, spec.block_size
+    Vp = padded_vocab(spec.vocab_size, tp)
+    bias = spec.bias
+    per_block = block_params(h, bias) if tp == 1 else (
+        12 * h * h // tp + (6 * h // tp + 2 * h + 4 * h if bias else 2 * h))
+    n, emb, head = 0, 0 in layers, L + 1 in layers
+    n += sum(per_block for i in layers if 1 <= i <= L)
+    if emb:
+        n += Vp * h // tp + s * h
+    if head:
+        n += (2 * h if bias else h) + (0 if spec.tie_weights and emb else Vp * h // tp)
+    return n
+
+
+def zero_bytes(P: float, dp: int, zero: int, precision: str) -> dict:
+    """Bytes of params, grads and optimizer for P parameter elements on one rank (no
+    padding: shards are ceil(P / dp))."""
+    b = BYTES[precision]
+    S = -(-int(P) // dp)
+    master = 0 if b == 4 else 4
+    if zero == 0:
+        out = {"params": b * P, "grads": b * P, "optimizer": (8 + master) * P}
+    elif zero == 1:
+        out = {"params": b * P, "grads": b * P, "optimizer": (8 + master) * S}
+    elif zero == 2:
+        out = {"params": b * P, "grads": b * S, "optimizer": (8 + master) * S}
+    else:
+        out = {"params": 0 if b == 4 else b * S, "grads": b * S, "optimizer": (8 + master) * S}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+# Below this many parameters the planner builds our GPT on the meta device (exact,
+# with bucket padding); above, the closed forms (equal up to that padding).
+EXACT_LIMIT = 50_000_000
+
+
+@lru_cache(maxsize=4096)
+def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
+                 precision: str, sequence_parallel: bool = False,
+                 bucket_mb: float = 25.0, partition: str = "layers") -> dict:
+    """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
+    (over pipeline ranks, and tp ranks in the exact path; dp rank 0)."""
+    if spec.params <= EXACT_LIMIT and zero > 0:  # ZeRO-0 has no padding: the closed form
+        from shardwise.engine.memory import predict_rank
+        from shardwise.models import GPTConfig
+
+        cfg = GPTConfig(spec.vocab_size, spec.block_size, spec.n_layer, spec.n_head,
+                        spec.n_embd, bias=spec.bias, tie_weights=spec.tie_weights)
+        best = None
+        for pr in range(pp):
+            for tr in sorted({0, tp - 1}):
+                d = predict_rank(cfg, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
+                                 chunks_per_rank=v, zero=zero, precision=precision,
+                                 bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
+                                 partition_by=partition)
+                if best is None or d["total"] > best["total"]:
+                    best = d
+        return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
+    best = None
+    for layers in stage_layers(spec, pp, v, partition):
+        d = zero_bytes(rank_params(spec, layers, tp, pp), dp, zero, precision)
+        if best is None or d["total"] > best["total"]:
+            best = d
+    return best
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes per token per unit of width of one block: ``replicated`` (kept whole under tp),
+    ``sharded`` (split over tp), ``gathered_sp`` (of ``replicated``, what sequence parallelism
+    still keeps whole); ``scores``: bytes per head per token per key of the attention scores
+    (0 for flash attention); ``lse``: bytes per head per token (flash's log-sum-exp)."""
+
+    name: str
+    replicated: float
+    sharded: float
+    gathered_sp: float
+    scores: float
+    lse: float
+    recompute_keep: float  # bytes per token per width kept per block under full recompute
+
+
+MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2)
+
+
+def shardwise_model(precision: str) -> ActivationModel:
+    e = BYTES[precision]
+    return ActivationModel(f"shardwise-{precision}", 4 * e, 12 * e, 2 * e, 0, 8, e)
+
+
+def block_activation_bytes(am: ActivationModel, mb: int, s: int, h: int, a: int, tp: int,
+                           sp: bool) -> float:
+    """Bytes one block saves for backward on one micro-batch of ``mb`` sequences."""
+    sbh = s * mb * h
+    rep = am.replicated
+    if sp:
+        rep = am.gathered_sp + (am.replicated - am.gathered_sp) / tp
+    return sbh * (rep + am.sharded / tp) + (am.scores * a * s * s * mb + am.lse * a * s * mb) / tp
+
+
+def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str) -> float:
+    """Final LayerNorm input and output, logits and their log-softmax (vocab-split over tp),
+    targets."""
+    e, s, h = BYTES[precision], spec.block_size, spec.n_embd
+    return mb * s * (2 * e * h + 2 * 4 * padded_vocab(spec.vocab_size, tp) / tp + 8)
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
+    """Micro-batches whose activations rank ``rank`` holds at once (per chunk it runs)."""
+    if p == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if v == 1:
+        return min(p - rank, m)
+    return -(-(warmup_forwards(p, m, v, rank) + 1) // v)
+
+
+def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, m: int, v: int = 1,
+                     schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
+                     precision: str = "fp32", am: ActivationModel | None = None,
+                     partition: str = "layers") -> float:
+    """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
+    ``m`` micro-batches per step)."""
+    am = am or shardwise_model(precision)
+    s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
+    blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
+    e = BYTES[precision]
+    part = cut(spec, pp * v, partition)
+    head = head_activation_bytes(spec, mb, tp, precision)
+
+    def chunk_full(c: int) -> float:
+        ls = list(part.layers(c))
+        return sum(blk for i in ls if 1 <= i <= L) + (head if L + 1 in ls else 0.0)
+
+    worst = 0.0
+    for r in range(pp):
+        chunks = [r + i * pp for i in range(v)]
+        full = sum(chunk_full(c) for c in chunks)
+        k = in_flight(schedule, pp, m, v, r)
+        if recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
+            # recomputed in full while (measured) about one other input is still held
+            keep = mb * s * h * e / (tp if sp else 1)
+            total = max(max(chunk_full(c) for c in chunks) + keep, k * v * keep)
+        else:
+            total = k * full
+        worst = max(worst, total)
+    return worst

@@ -1,0 +1,367 @@
+"""Step time of one layout, by walking the pipeline schedule's instruction lists.
+
+The simulator runs ``pipeline.schedules.schedule(kind, p, m, v).ranks`` -- the lists the
+executor runs -- on a model of the machine: each rank runs its list in order; a
+``Forward``/``Backward`` starts when the rank is free and its input (the previous chunk's
+activation, the next chunk's gradient) has arrived, and lasts its compute time plus its
+tensor-parallel collectives; a ``Send*`` posts the tensor on the rank's communication thread
+(one message at a time), to arrive after ``Link.p2p``; a ``Recv*`` costs nothing (the
+executor posts receives without waiting; the compute that needs the tensor waits).
+After the flush, the data-parallel gradient sync (ZeRO-0 all-reduce, ZeRO-1/2
+reduce-scatter + parameter all-gather; ZeRO-3 gathers per micro-batch, inside compute) and
+the optimizer run; the step ends when the slowest rank is done (the global norm is one
+collective over all ranks).
+
+Compute: forward FLOPs per block and micro-batch of b sequences 24 b s h^2 + 4 b s^2 h
+(Narayanan et al. 2021, sec. 5.1), the LM head 2 b s h V; backward twice the forward;
+recomputation adds one forward; all divided by tp; seconds = FLOPs / (peak x efficiency)
++ a fixed overhead per block pass. Tensor parallelism: per block two all-reduces of b s h e
+bytes forward and two backward (Shoeybi et al. 2019), or with sequence parallelism an
+all-gather and a reduce-scatter in place of each (Korthikanti et al. 2022); priced on the
+link the tp group crosses. The time split reported: ``compute``, ``tp``, ``pp`` (waiting
+on pipeline transfers beyond the ideal bubble), ``bubble`` (idle with free transfers),
+``dp`` and ``optimizer``, for the slowest rank; they add up to ``step``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,
+                                          SendActivation, SendGrad, schedule)
+from shardwise.planner.hardware import Cluster
+from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers
+from shardwise.planner.specs import ModelSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: sizes, micro-batching, schedule and memory options."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int  # sequences per micro-batch
+    m: int            # micro-batches per step (per dp replica)
+    schedule: str = "1f1b"
+    v: int = 1
+    zero: int = 0
+    recompute: bool = False
+    sp: bool = False
+    partition: str = "layers"  # how the engine cuts layers into chunks: layers or params
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else ""))
+        extra = ("" if not self.recompute else " rc") + ("" if not self.sp else " sp") + (
+            " cut=params" if self.partition == "params" and self.pp > 1 else "")
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch} m{self.m}"
+                f"{sched} z{self.zero}{extra}")
+
+
+def block_flops(spec: ModelSpec, mb: int) -> float:
+    s, h = spec.block_size, spec.n_embd
+    return 24 * mb * s * h * h + 4 * mb * s * s * h
+
+
+def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                dedicated: bool = False):
+    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
+    s in forward, waiting s in backward). Waiting: the sync penalty of ranks sharing cores
+    (``contention``), spent off the core. ``dedicated``: compute as if the rank had a core
+    to itself (the shared walk slows it down)."""
+    world = 1 if dedicated else lay.world
+    rate, over = cluster.rate(world), cluster.rank_overhead(world)
+    e, s, h, L = BYTES[precision], spec.block_size, spec.n_embd, spec.n_layer
+    tl = cluster.link(lay.tp)
+    act = lay.micro_batch * s * h * e
+    pen = cluster.sync_penalty_s
+    if lay.tp == 1:
+        tp_blk, n_sync = 0.0, 0
+    elif lay.sp:
+        tp_blk, n_sync = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act)), 4
+    else:
+        tp_blk, n_sync = 2 * tl.all_reduce(lay.tp, act), 2
+    bf = block_flops(spec, lay.micro_batch) / lay.tp
+    head_f = 2 * lay.micro_batch * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
+    # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
+    emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
+    loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch * s * 4) if lay.tp > 1 else 0.0
+    part = cut(spec, lay.pp * lay.v, lay.partition)
+    out = []
+    for c in range(lay.pp * lay.v):
+        layers = list(part.layers(c))
+        nb = sum(1 for i in layers if 1 <= i <= L)
+        emb, head = 0 in layers, L + 1 in layers
+        comp_f = nb * (bf / rate + over) + (head_f / rate if head else 0.0)
+        tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0)
+        syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
+        wait_f = syncs * pen
+        tpb = nb * tp_blk + (loss_tp if head else 0.0)  # backward: the block collectives
+        wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
+        comp_b = 2 * comp_f
+        if lay.recompute:
+            comp_b += comp_f
+            tpb += tpf
+            wait_b += wait_f
+        out.append((comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f, tpb + wait_b,
+                    wait_f, wait_b))
+    return out
+
+
+def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+               layers: list[int]) -> tuple[float, float]:
+    """(seconds of dp collectives after the flush, seconds of ZeRO-3 gathers inside the
+    schedule) for a rank holding ``layers``."""
+    if lay.dp == 1:
+        return 0.0, 0.0
+    e = BYTES[precision]
+    P = rank_params(spec, layers, lay.tp, lay.pp)
+    link = cluster.link(lay.world)
+    n, x, pen = lay.dp, P * e, cluster.sync_penalty_s
+    if lay.zero == 0:
+        return link.all_reduce(n, x) + pen, 0.0
+    if lay.zero in (1, 2):
+        return link.reduce_scatter(n, x) + link.all_gather(n, x) + 2 * pen, 0.0
+    units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
+    return 0.0, lay.m * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x) + 3 * units * pen)
+
+
+def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
+    """AdamW over this rank's masters: ~40 bytes of memory traffic per element."""
+    P = rank_params(spec, layers, lay.tp, lay.pp)
+    if lay.zero:
+        P = P / lay.dp
+    share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
+    return 40 * P / cluster.mem_bw * share
+
+
+def walk(sched, costs, p2p: float):
+    """Run the instruction lists; returns per rank (end of its last compute, busy compute
+    seconds, tp seconds) and the timeline events."""
+    p = sched.p
+    free, comm_free = [0.0] * p, [0.0] * p
+    busy, tp_time = [0.0] * p, [0.0] * p
+    pc = [0] * p
+    done: dict = {}
+    arrival: dict = {}
+    events = []
+    lists = sched.ranks
+    n_chunks = sched.n_chunks
+    remaining = sum(len(x) for x in lists)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pc[r] < len(lists[r]):
+                ins = lists[r][pc[r]]
+                if isinstance(ins, Forward):
+                    if ins.chunk == 0:
+                        ready = 0.0
+                    elif (ins.chunk - 1) % p == r:
+                        if Forward(ins.mb, ins.chunk - 1) not in done:
+                            break
+                        ready = done[Forward(ins.mb, ins.chunk - 1)]
+                    else:
+                        key = ("act", ins.mb, ins.chunk - 1)
+                        if key not in arrival:
+                            break
+                        ready = arrival[key]
+                    f = costs[ins.chunk]
+                    start = max(free[r], ready)
+                    end = start + f[0]
+                    busy[r] += f[0] - f[2]
+                    tp_time[r] += f[2]
+                elif isinstance(ins, Backward):
+                    own = done.get(Forward(ins.mb, ins.chunk))
+                    if own is None:
+                        break
+                    ready = own
+                    if ins.chunk < n_chunks - 1:
+                        if (ins.chunk + 1) % p == r:
+                            nxt = done.get(Backward(ins.mb, ins.chunk + 1))
+                            if nxt is None:
+                                break
+                            ready = max(ready, nxt)
+                        else:
+                            key = ("grad", ins.mb, ins.chunk + 1)
+                            if key not in arrival:
+                                break
+                            ready = max(ready, arrival[key])
+                    f = costs[ins.chunk]
+                    start = max(free[r], ready)
+                    end = start + f[1]
+                    busy[r] += f[1] - f[3]
+                    tp_time[r] += f[3]
+                elif isinstance(ins, (SendActivation, SendGrad)):
+                    src = (Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)
+                    t0 = max(comm_free[r], done[src])
+                    comm_free[r] = t0 + p2p
+                    kind = "act" if isinstance(ins, SendActivation) else "grad"
+                    arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
+                    pc[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                else:  # receives and the optimizer step: no time on the compute stream
+                    pc[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                done[ins] = end
+                free[r] = end
+                events.append({"rank": r, "kind": type(ins).__name__, "mb": ins.mb,
+                               "chunk": ins.chunk, "start": start, "end": end})
+                pc[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule deadlocked in the simulator")
+    return free, busy, tp_time, events
+
+
+def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
+    """``walk`` for ranks that share ``cores`` cores (this machine): processor sharing. At
+    every moment the ranks computing (times ``replicas``: the dp x tp copies of each
+    pipeline rank, running the same schedule at once) share the cores equally, so a rank
+    idle in the bubble lends its core to the others. Costs are a dedicated core's."""
+    p = sched.p
+    lists, n_chunks = sched.ranks, sched.n_chunks
+    pc, comm_free = [0] * p, [0.0] * p
+    busy, tp_time, end_of = [0.0] * p, [0.0] * p, [0.0] * p
+    running: dict[int, list] = {}  # rank -> [op, remaining work, start, tp share]
+    done: dict = {}
+    arrival: dict = {}
+    events = []
+    t = 0.0
+
+    def ready_time(r, ins):
+        """When ``ins``'s inputs are there (None: not yet known)."""
+        if isinstance(ins, Forward):
+            if ins.chunk == 0:
+                return 0.0
+            if (ins.chunk - 1) % p == r:
+                return done.get(Forward(ins.mb, ins.chunk - 1))
+            return arrival.get(("act", ins.mb, ins.chunk - 1))
+        own = done.get(Forward(ins.mb, ins.chunk))
+        if own is None:
+            return None
+        if ins.chunk == n_chunks - 1:
+            return own
+        if (ins.chunk + 1) % p == r:
+            nxt = done.get(Backward(ins.mb, ins.chunk + 1))
+        else:
+            nxt = arrival.get(("grad", ins.mb, ins.chunk + 1))
+        return None if nxt is None else max(own, nxt)
+
+    def _advance(r, wake):
+        while r not in running and pc[r] < len(lists[r]):
+            ins = lists[r][pc[r]]
+            if isinstance(ins, (SendActivation, SendGrad)):
+                src = (Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)
+                t0 = max(comm_free[r], done[src])
+                comm_free[r] = t0 + p2p
+                kind = "act" if isinstance(ins, SendActivation) else "grad"
+                arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
+                pc[r] += 1
+                continue
+            if not isinstance(ins, (Forward, Backward)):
+                pc[r] += 1
+                continue
+            rt = ready_time(r, ins)
+            if rt is None:
+                break
+            if rt > t + 1e-15:
+                wake.append(rt)
+                break
+            f = costs[ins.chunk]
+            fwd = isinstance(ins, Forward)
+            work, tpw, wait = (f[0], f[2], f[4]) if fwd else (f[1], f[3], f[5])
+            running[r] = [ins, work - wait, t, tpw / work if work else 0.0, wait]
+            pc[r] += 1
+
+    while True:
+        moved = True
+        while moved:  # a send found late in the pass can unblock an earlier rank
+            moved = False
+            wake = []
+            for r in range(p):
+                before = pc[r]
+                _advance(r, wake)
+                moved |= pc[r] != before
+        computing = {r: v for r, v in running.items() if v[1] > 1e-12}
+        waiting = {r: v for r, v in running.items() if v[1] <= 1e-12}
+        if not running:
+            if not wake:
+                if all(pc[r] >= len(lists[r]) for r in range(p)):
+                    break
+                raise RuntimeError("schedule deadlocked in the simulator")
+            t = min(wake)
+            continue
+        speed = min(1.0, cores / (max(1, len(computing)) * replicas))
+        ends = [v[1] / speed for v in computing.values()] + [v[4] for v in waiting.values()]
+        t_next = t + min(ends)
+        if wake:
+            t_next = min(t_next, min(wake))
+        for r in list(running):
+            ins, rem, start, tpf, wait = running[r]
+            if rem > 1e-12:
+                rem -= speed * (t_next - t)
+                running[r][1] = rem
+                continue
+            wait -= t_next - t
+            running[r][4] = wait
+            if wait <= 1e-12:
+                done[ins] = t_next
+                dur = t_next - start
+                busy[r] += dur * (1 - tpf)
+                tp_time[r] += dur * tpf
+                end_of[r] = t_next
+                events.append({"rank": r, "kind": type(ins).__name__, "mb": ins.mb,
+                               "chunk": ins.chunk, "start": start, "end": t_next})
+                del running[r]
+        t = t_next
+    return end_of, busy, tp_time, events
+
+
+def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | None = None,
+             with_events: bool = False) -> dict:
+    """Predicted seconds of one optimizer step and its split (see the module docstring)."""
+    precision = precision or cluster.precision
+    sched = schedule(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, lay.m, lay.v)
+    shared = bool(cluster.cores)
+    costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
+    e = BYTES[precision]
+    msg = lay.micro_batch * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
+    p2p = (cluster.link(lay.tp * lay.pp).p2p(msg) + cluster.sync_penalty_s) if lay.pp > 1 else 0.0
+    if shared:
+        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)  # noqa: E731
+    else:
+        run = lambda c: walk(sched, costs, c)  # noqa: E731
+    end, busy, tp_time, events = run(p2p)
+    ideal_end = run(0.0)[0] if lay.pp > 1 else end
+    per_rank = stage_layers(spec, lay.pp, lay.v, lay.partition)
+    totals, parts = [], []
+    for r in range(lay.pp):
+        dp_after, dp_inside = dp_seconds(spec, lay, cluster, precision, per_rank[r])
+        opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
+        tied = 0.0
+        if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)):
+            tied = cluster.link(lay.tp * lay.pp).all_reduce(
+                2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * e)
+        totals.append(end[r] + dp_inside + dp_after + tied + opt)
+        parts.append({"compute": busy[r], "tp": tp_time[r],
+                      "pp": max(0.0, end[r] - ideal_end[r]),
+                      "dp": dp_after + dp_inside + tied, "optimizer": opt})
+    # the split of the bottleneck stage (most compute); its idle time is the bubble
+    star = max(range(lay.pp), key=lambda r: busy[r] + tp_time[r])
+    step = max(totals)
+    split = parts[star]
+    split["bubble"] = step - sum(split.values())
+    best = (step, split)
+    out = {"step": best[0], **best[1]}
+    if with_events:
+        out["events"] = events
+    return out

@@ -1,0 +1,224 @@
+"""The planner's memory model against real ranks, its pruning reasons, its CLI, its TOML.
+
+- closed forms (used for named sizes) equal ``engine.memory.predict_rank`` (no processes);
+- one spawn per world size (4, 8) trains each layout one step (about 40 s each here): the planner's static bytes
+  (parameters, gradients, optimizer states) equal the largest rank's measured bytes exactly,
+  the closed form equals every rank's parameter count, and the predicted peak activation
+  bytes are within 10% of the executor's meter (bytes autograd saved for backward,
+  storages counted once, weights excluded, recompute inputs included);
+- pruning reasons; one-line errors with exit 2; the emitted TOML trains.
+"""
+
+import subprocess
+import sys
+
+import pytest
+from ddp_workers import tiny_config
+from planner_workers import measure_worker
+
+from shardwise.launch import spawn
+from shardwise.planner.memory import (activation_bytes, rank_params, stage_layers,
+                                      static_bytes, zero_bytes)
+from shardwise.planner.simulate import Layout
+from shardwise.planner.specs import NAMED, ModelSpec
+
+MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 32}
+BATCH = 16
+ACT_RTOL = 0.10
+
+LAYOUTS = {
+    4: [dict(dp=2, tp=2), dict(dp=2, tp=2, zero=1, sequence_parallel=True),
+        dict(dp=2, pp=2, micro_batches=4, zero=2), dict(dp=4, zero=3),
+        dict(dp=1, tp=2, pp=2, micro_batches=4, schedule="interleaved", chunks_per_rank=2,
+             recompute=True),
+        dict(dp=1, pp=4, micro_batches=4, schedule="gpipe")],
+    8: [dict(dp=2, tp=2, pp=2, micro_batches=4, zero=1), dict(dp=2, pp=4, micro_batches=4),
+        dict(dp=1, tp=2, pp=4, micro_batches=8, sequence_parallel=True),
+        dict(dp=8, zero=2), dict(dp=4, tp=2, zero=3, recompute=True)],
+}
+
+
+def _spec(gpt: dict) -> ModelSpec:
+    return ModelSpec("t", gpt["n_layer"], gpt["n_embd"], gpt["n_head"], gpt["vocab_size"],
+                     gpt["block_size"], gpt["tie_weights"], gpt["bias"])
+
+
+def test_closed_form_equals_predict_rank():
+    """The closed forms the planner uses for large models count the same parameters as the
+    meta-device build, rank by rank (tp shards, vocabulary padding, tied copies, chunks)."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
+
+    checked = 0
+    for L, h, a, V, tp, bias, tie in [(4, 64, 4, 67, 2, True, True), (5, 64, 4, 65, 4, True, False),
+                                      (3, 64, 8, 65, 2, False, True)]:
+        spec = ModelSpec("x", L, h, a, V, 32, tie, bias)
+        cfg = GPTConfig(V, 32, L, a, h, bias=bias, tie_weights=tie)
+        for pp, v, by in ((1, 1, "layers"), (2, 1, "layers"), (3, 1, "layers"), (2, 2, "layers"),
+                          (3, 1, "params"), (2, 2, "params")):
+            for pr, layers in enumerate(stage_layers(spec, pp, v, by)):
+                P = rank_params(spec, layers, tp, pp)
+                for z in (0, 1, 2, 3):
+                    if z == 3 and pp > 1:
+                        continue
+                    d = predict_rank(cfg, dp=2, pp=pp, tp=tp, pp_rank=pr, chunks_per_rank=v,
+                                     zero=z, precision="bf16", bucket_mb=0.01, partition_by=by)
+                    c = zero_bytes(P, 2, z, "bf16")
+                    if z == 0:
+                        assert {k: d[k] for k in c} == c, (L, tp, pp, v, pr)
+                    else:  # equal up to the padding to a multiple of dp, stated per bucket
+                        for k in ("params", "grads", "optimizer"):
+                            assert abs(d[k] - c[k]) <= 16 * 2 * 64, (k, d[k], c[k])
+                    checked += 1
+    assert checked > 40
+
+
+def test_named_sizes_match_their_papers():
+    """Parameter counts of the named sizes as their papers state them."""
+    assert round(NAMED["gpt2-124m"].params / 1e6) == 124
+    assert round(NAMED["gpt3-175b"].params / 1e9) == 175
+    assert round(NAMED["megatron-1t"].params / 1e9, 1) == 1008.0  # Narayanan et al. Table 1
+    assert round(NAMED["megatron-146b"].params / 1e9, 1) == 145.6
+
+
+@pytest.fixture(scope="module", params=[4, 8], ids=["ws4", "ws8"])
+def measured(request, corpus, tmp_path_factory):
+    ws = request.param
+    out = str(tmp_path_factory.mktemp(f"plan{ws}"))
+    configs = [tiny_config(str(corpus), out, model=MODEL, parallel=p,
+                           training={"steps": 1, "global_batch_size": BATCH})
+               for p in LAYOUTS[ws]]
+    results = spawn(measure_worker, ws, (configs,))
+    return [(configs[i], [r[i] for r in results]) for i in range(len(configs))]
+
+
+def test_memory_predictions_equal_measured(measured):
+    for cfg, ranks in measured:
+        p, prec = cfg["parallel"], cfg["training"]["precision"]
+        spec = _spec(ranks[0]["gpt"])
+        pred = static_bytes(spec, p["dp"], p["tp"], p["pp"], p["chunks_per_rank"], p["zero"],
+                            prec, p["sequence_parallel"], p["bucket_mb"])
+        worst = max(ranks, key=lambda r: r["memory"]["total"])["memory"]
+        for k in ("params", "grads", "optimizer", "total"):
+            assert pred[k] == worst[k], (p, k, pred, worst)
+        if p["zero"] == 0:  # the closed form, rank by rank
+            per_stage = stage_layers(spec, p["pp"], p["chunks_per_rank"])
+            for r in ranks:
+                P = rank_params(spec, per_stage[r["coords"]["pp"]], p["tp"], p["pp"])
+                assert 4 * P == r["memory"]["params"], (p, r["coords"])
+
+
+def test_activation_predictions_within_10_percent(measured):
+    """Every layout but ZeRO-3's: there the meter packs each gathered weight at full size
+    before ZeRO-3 frees its storage after forward, so it reads weights as activations."""
+    checked = 0
+    for cfg, ranks in measured:
+        p = cfg["parallel"]
+        if p["zero"] == 3:
+            continue
+        checked += 1
+        spec = _spec(ranks[0]["gpt"])
+        mb = BATCH // p["dp"] // p["micro_batches"]
+        pred = activation_bytes(spec, mb=mb, tp=p["tp"], pp=p["pp"], m=p["micro_batches"],
+                                v=p["chunks_per_rank"], schedule=p["schedule"],
+                                sp=p["sequence_parallel"], recompute=p["recompute"],
+                                precision="fp32")
+        got = max(r["activations"] for r in ranks)
+        assert got > 0
+        assert abs(pred - got) <= ACT_RTOL * got, (p, pred, got, pred / got)
+    assert checked >= 4
+
+
+def test_pruning_reasons():
+    from shardwise.planner.hardware import PRESETS
+    from shardwise.planner.search import plan, prune_reason
+
+    spec = ModelSpec("t", 4, 96, 6, 65, 32)
+    a100 = PRESETS["dgx-a100-40gb"]
+    assert "does not divide the 6 heads" in prune_reason(spec, Layout(1, 4, 1, 1, 1), a100, False)
+    wide = ModelSpec("w", 4, 128, 16, 65, 32)
+    assert "cross nodes" in prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, False)
+    assert prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, True) is None
+    assert "ZeRO-3 with pipeline" in prune_reason(spec, Layout(2, 1, 2, 1, 2, zero=3), a100, False)
+    assert "chunks for 6 layers" in prune_reason(spec, Layout(1, 1, 4, 1, 4, "interleaved", 2), a100, False)
+    assert "divisible by pp" in prune_reason(spec, Layout(1, 1, 2, 1, 3, "interleaved", 2), a100, False)
+    assert prune_reason(spec, Layout(2, 2, 2, 1, 4), a100, False) is None
+    # memory: GPT-3 175B on 8 A100s fits nowhere; every layout pruned says how much it needs
+    feasible, pruned = plan(NAMED["gpt3-175b"], a100, 8, 8, simulate_top=5)
+    assert not feasible and all(p.need is None or p.need > 40 * 2**30 for p in pruned)
+
+
+def _plan(*args):
+    return subprocess.run([sys.executable, "-m", "shardwise", "plan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "gpt2-124m", "--cluster", "dgx-z100"], "--cluster 'dgx-z100': unknown preset"),
+    (["--model", "gpt3-175b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "8"],
+     "fits no layout of 8 GPUs with 42.9 GB each: the smallest needs"),
+    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "nan"], "--gpus 'nan'"),
+    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--global-batch", "1e400"], "finite"),
+    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--seq", "abc"], "expected a number"),
+    (["--model", "no-such-model"], "neither a named size"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = _plan(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cnn_is_routed_or_not_available():
+    r = _plan("--model", "cnn")
+    try:
+        import shardwise.cnn.chooser  # noqa: F401
+    except ImportError:
+        assert r.returncode == 2 and "not available" in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plan_ranks_a100_layouts():
+    """A GPT-2 on one DGX A100: ranked by predicted time, memory within the GPU, time split
+    adding up to the step."""
+    from shardwise.planner.hardware import PRESETS
+    from shardwise.planner.search import plan
+
+    feasible, pruned = plan(NAMED["gpt2-350m"], PRESETS["dgx-a100-80gb"], 8, 64,
+                            micro_batches=[1, 2, 4, 8])
+    steps = [c.time["step"] for c in feasible]
+    assert steps == sorted(steps) and pruned
+    for c in feasible:
+        assert c.memory["total"] <= 80 * 2**30
+        parts = sum(c.time[k] for k in ("compute", "tp", "pp", "bubble", "dp", "optimizer"))
+        assert parts == pytest.approx(c.time["step"], rel=1e-9)
+
+
+def test_emitted_toml_trains(corpus, tmp_path):
+    """``shardwise plan --emit-toml`` writes a config that ``shardwise train`` runs as is."""
+    model = tmp_path / "model.toml"
+    model.write_text(f'[model]\nn_layer = 2\nn_head = 4\nn_embd = 32\nblock_size = 32\n\n'
+                     f'[data]\npath = "{corpus}"\n\n[training]\nsteps = 2\neval_every = 0\n'
+                     f'sample_chars = 0\nprogress = false\nout_dir = "{tmp_path / "run"}"\n\n'
+                     '[checkpoint]\nat_end = false\n')
+    out = tmp_path / "best.toml"
+    r = _plan("--model", str(model), "--gpus", "2", "--global-batch", "8", "--emit-toml", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "best layout written" in r.stdout and out.is_file()
+    t = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert t.returncode == 0, t.stderr
+    assert "done: 2 steps" in t.stdout
+
+
+def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
+    """``shardwise memory`` prints the planner's bytes, in the decimal unit its header
+    names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB)."""
+    from shardwise.planner.memory import zero_bytes
+    from shardwise.zero.report import main
+
+    assert main(["--params", "7.5e9", "--dp", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "bytes per rank in GB (1 GB = 1e+09 bytes)" in out[0]
+    totals = [float(line.split()[-1]) for line in out[2:]]
+    assert totals == [120.0, 31.41, 16.64, 1.88]
+    assert totals == [round(zero_bytes(7.5e9, 64, s, "bf16")["total"] / 1e9, 2) for s in range(4)]
