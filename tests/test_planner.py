@@ -168,13 +168,13 @@ def test_bad_input_is_one_line_exit_2(args, needle):
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_cnn_is_routed_or_not_available():
-    r = _plan("--model", "cnn")
-    try:
-        import shardwise.cnn.chooser  # noqa: F401
-    except ImportError:
-        assert r.returncode == 2 and "not available" in r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1
+def test_cnn_is_routed_to_its_chooser_with_its_own_options():
+    r = _plan("--model", "cnn", "--batch", "64", "--ranks", "4")
+    assert r.returncode == 0, r.stderr
+    assert "batch 64, 4 ranks" in r.stdout and "compare: dp" in r.stdout
+    bad = _plan("--model=cnn", "--plan", "column,dp,dp,dp,dp")
+    assert bad.returncode == 2 and "conv1=column" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_plan_ranks_a100_layouts():
