@@ -138,12 +138,20 @@ class Cluster:
 NVLINK3, NVLINK4 = fabric("NVLink3", 300e9, 5e-6), fabric("NVLink4", 450e9, 5e-6)
 HDR, NDR = fabric("HDR IB 200 Gb/s", 25e9, 10e-6), fabric("NDR IB 400 Gb/s", 50e9, 10e-6)
 
+def _bf16_peak(gpu: str) -> float:
+    """The dense bf16 peak of ``perf.peak``'s table: one table of GPUs for MFU and the planner."""
+    from shardwise.perf.peak import gpu_peak
+
+    return gpu_peak(gpu, "bf16").flops
+
+
 PRESETS: dict[str, Cluster] = {
-    "dgx-a100-40gb": Cluster("dgx-a100-40gb", "A100-SXM4-40GB", 312e12, 40 * GiB, 8,
+    "dgx-a100-40gb": Cluster("dgx-a100-40gb", "A100-SXM4-40GB", _bf16_peak("A100"), 40 * GiB, 8,
                              NVLINK3, HDR, mem_bw=1.555e12, source="NVIDIA A100 and DGX A100 datasheets"),
-    "dgx-a100-80gb": Cluster("dgx-a100-80gb", "A100-SXM4-80GB", 312e12, 80 * GiB, 8,
+    "dgx-a100-80gb": Cluster("dgx-a100-80gb", "A100-SXM4-80GB", _bf16_peak("A100"), 80 * GiB, 8,
                              NVLINK3, HDR, mem_bw=2.039e12, source="NVIDIA A100 and DGX A100 datasheets"),
-    "dgx-h100": Cluster("dgx-h100", "H100-SXM5-80GB", 989e12, 80 * GiB, 8, NVLINK4, NDR,
+    "dgx-h100": Cluster("dgx-h100", "H100-SXM5-80GB", _bf16_peak("H100 SXM"), 80 * GiB, 8,
+                        NVLINK4, NDR,
                         mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets"),
 }
 
