@@ -87,7 +87,8 @@ def test_unknown_gpu_has_no_peak_and_an_override_wins():
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(peak_mod, "measure_matmul", lambda dtype: calls.append(dtype) or 7.0e10)
+    monkeypatch.setattr(peak_mod, "measure_matmul",
+                        lambda dtype, seconds: calls.append(dtype) or 7.0e10)
     first = cpu_peak(torch.float32)
     second = cpu_peak(torch.float32)
     assert first.flops == second.flops == 7.0e10 and len(calls) == 1
@@ -95,6 +96,12 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert list(cache.values()) == [7.0e10] and "float32" in next(iter(cache))
     cpu_peak(torch.bfloat16)  # another dtype is another measurement
     assert len(calls) == 2
+    # a refresh that reads low (cores shared with other work) keeps the higher reading
+    monkeypatch.setattr(peak_mod, "measure_matmul", lambda dtype, seconds: 3.0e10)
+    assert cpu_peak(torch.float32, refresh=True).flops == 7.0e10
+    monkeypatch.setattr(peak_mod, "measure_matmul", lambda dtype, seconds: 9.0e10)
+    assert cpu_peak(torch.float32, refresh=True).flops == 9.0e10
+    assert cpu_peak(torch.float32).flops == 9.0e10
 
 
 def test_matmul_probe_measures_something():
