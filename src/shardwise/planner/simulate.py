@@ -139,6 +139,16 @@ def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: li
     return 40 * P / cluster.mem_bw * share
 
 
+def _post_send(ins, r: int, comm_free: list, done: dict, arrival: dict, p2p: float) -> None:
+    """A send of rank ``r``: it leaves once its compute is done and the rank's link is free,
+    occupies the link ``p2p`` seconds, and arrives then (``arrival[(kind, mb, chunk)]``)."""
+    src = (Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)
+    t0 = max(comm_free[r], done[src])
+    comm_free[r] = t0 + p2p
+    kind = "act" if isinstance(ins, SendActivation) else "grad"
+    arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
+
+
 def walk(sched, costs, p2p: float):
     """Run the instruction lists; returns per rank (end of its last compute, busy compute
     seconds, tp seconds) and the timeline events."""
@@ -196,11 +206,7 @@ def walk(sched, costs, p2p: float):
                     busy[r] += f[1] - f[3]
                     tp_time[r] += f[3]
                 elif isinstance(ins, (SendActivation, SendGrad)):
-                    src = (Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)
-                    t0 = max(comm_free[r], done[src])
-                    comm_free[r] = t0 + p2p
-                    kind = "act" if isinstance(ins, SendActivation) else "grad"
-                    arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
+                    _post_send(ins, r, comm_free, done, arrival, p2p)
                     pc[r] += 1
                     remaining -= 1
                     progressed = True
@@ -260,11 +266,7 @@ def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
         while r not in running and pc[r] < len(lists[r]):
             ins = lists[r][pc[r]]
             if isinstance(ins, (SendActivation, SendGrad)):
-                src = (Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)
-                t0 = max(comm_free[r], done[src])
-                comm_free[r] = t0 + p2p
-                kind = "act" if isinstance(ins, SendActivation) else "grad"
-                arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
+                _post_send(ins, r, comm_free, done, arrival, p2p)
                 pc[r] += 1
                 continue
             if not isinstance(ins, (Forward, Backward)):
