@@ -1,0 +1,126 @@
+"""Shared-memory and hierarchical collectives (issue 15) against torch.distributed's own.
+
+One spawn per world size runs every check (``shm_workers.suite``): every op x dtype x
+length (uneven, several rounds of a 4 KiB slot) equal to gloo on integer data and, on
+random floats, equal to the sum in the algorithm's order (rank order for "shm"; each
+host's rank order, then across the two hosts for "hierarchical"); reduce-scatter,
+all-gather, broadcast from every root, barrier; exact byte accounting; a stalled and a
+killed peer.
+"""
+
+import multiprocessing as mp
+import os
+import time
+from multiprocessing import connection
+
+import pytest
+import torch
+
+import shm_workers as sw
+from shardwise import launch
+from shardwise.comm import shm
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm on x86-64")
+
+_runs: dict = {}
+
+
+def run(n: int, hosts_of: int = 0) -> list:
+    if (n, hosts_of) not in _runs:
+        _runs[n, hosts_of] = launch.spawn(sw.suite, n, (hosts_of,), threads=1,
+                                          join_timeout_s=300)
+    return _runs[n, hosts_of]
+
+
+def _same_everywhere(results, key):
+    first = results[0][key]["digests"]
+    for rank, res in enumerate(results[1:], 1):
+        diff = [k for k, v in res[key]["digests"].items() if first[k] != v]
+        assert diff == [], f"rank {rank} differs from rank 0 on {diff[:5]}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_shm_all_reduce_every_op_dtype_matches_native_and_rank_order(n):
+    results = run(n)
+    for rank, res in enumerate(results):
+        assert res["shm"]["bad"] == [], f"rank {rank}: {res['shm']['bad'][:5]}"
+        assert res["shm"]["count"] > 150
+    _same_everywhere(results, "shm")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_shm_reduce_scatter_all_gather_broadcast_barrier(n):
+    for rank, res in enumerate(run(n)):
+        assert res["sharded"]["bad"] == [], f"rank {rank}: {res['sharded']['bad'][:5]}"
+        assert res["sharded"]["count"] > 20
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_shm_byte_accounting_is_exact(n):
+    for rank, res in enumerate(run(n)):
+        for row in res["acct"]["rows"]:
+            assert row["got"] == row["want"], (rank, row)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_auto_picks_shared_memory_for_small_messages_on_one_host(n):
+    for rank, res in enumerate(run(n)):
+        assert res["auto"][0] == "shm", (rank, res["auto"])
+        assert res["auto"][1] in ("shm", "native", "ring", "halving_doubling", "tree")
+        assert res["auto_value"] == sum(range(n))
+
+
+def test_hierarchical_two_fake_hosts_of_two_ranks():
+    results = run(4, hosts_of=2)
+    for rank, res in enumerate(results):
+        assert res["hosts"] == [[0, 1], [2, 3]]
+        assert res["hier"]["bad"] == [], f"rank {rank}: {res['hier']['bad'][:5]}"
+        assert res["hier"]["count"] > 150
+        assert res["hier_acct"]["got"] == res["hier_acct"]["want"], (rank, res["hier_acct"])
+        assert res["auto"][0] in ("hierarchical", "native", "ring", "halving_doubling", "tree")
+    _same_everywhere(results, "hier")
+
+
+def test_stalled_and_killed_peer_fail_fast_and_leave_nothing_in_dev_shm():
+    """3 ranks; rank 2 stalls 4 s, then SIGKILLs itself. With a 3 s timeout the others get
+    a one-line CommTimeoutError, then a CommError that rank 2 exited, both naming
+    all_reduce(shm); afterwards /dev/shm holds no segment of the job."""
+    ctx = mp.get_context("spawn")
+    store = launch.loopback_store(60)
+    n, conns, procs = 3, [], []
+    for rank in range(n):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=launch._worker, args=(rank, n, store.port, sw.killed_peer,
+                                                     (3.0, 4.0), child, 1, 60, os.getpid()))
+        p.start()
+        child.close()
+        conns.append(parent)
+        procs.append(p)
+    results = {}
+    try:
+        deadline = time.monotonic() + 90
+        pending = {conns[r]: r for r in range(n - 1)}
+        while pending and time.monotonic() < deadline:
+            for c in connection.wait(list(pending), timeout=1):
+                r = pending.pop(c)
+                kind, payload = c.recv()
+                assert kind == "ok", payload
+                import io
+                results[r] = torch.load(io.BytesIO(payload), weights_only=True)
+        procs[-1].join(30)
+        assert procs[-1].exitcode == -9
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    assert sorted(results) == [0, 1]
+    pid0 = results[0]["pid0"]
+    for r, res in results.items():
+        msg, took = res["stalled"]
+        assert msg.startswith("CommTimeoutError: all_reduce(shm) on rank"), msg
+        assert "\n" not in msg and 2.5 < took < 5, (msg, took)
+        msg, took = res["killed"]
+        assert msg.startswith("CommError: all_reduce(shm) on rank") and "exited" in msg, msg
+        assert "rank 2" in msg and took < 3, (msg, took)
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(f"{shm.PREFIX}{pid0}-")] == []
