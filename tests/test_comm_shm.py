@@ -8,6 +8,7 @@ all-gather, broadcast from every root, barrier; exact byte accounting; a stalled
 killed peer.
 """
 
+import io
 import multiprocessing as mp
 import os
 import time
@@ -44,7 +45,7 @@ def test_shm_all_reduce_every_op_dtype_matches_native_and_rank_order(n):
     results = run(n)
     for rank, res in enumerate(results):
         assert res["shm"]["bad"] == [], f"rank {rank}: {res['shm']['bad'][:5]}"
-        assert res["shm"]["count"] > 150
+        assert res["shm"]["count"] > 100
     _same_everywhere(results, "shm")
 
 
@@ -75,14 +76,14 @@ def test_hierarchical_two_fake_hosts_of_two_ranks():
     for rank, res in enumerate(results):
         assert res["hosts"] == [[0, 1], [2, 3]]
         assert res["hier"]["bad"] == [], f"rank {rank}: {res['hier']['bad'][:5]}"
-        assert res["hier"]["count"] > 150
+        assert res["hier"]["count"] > 100
         assert res["hier_acct"]["got"] == res["hier_acct"]["want"], (rank, res["hier_acct"])
         assert res["auto"][0] in ("hierarchical", "native", "ring", "halving_doubling", "tree")
     _same_everywhere(results, "hier")
 
 
 def test_stalled_and_killed_peer_fail_fast_and_leave_nothing_in_dev_shm():
-    """3 ranks; rank 2 stalls 4 s, then SIGKILLs itself. With a 3 s timeout the others get
+    """3 ranks; rank 2 stalls 5 s, then SIGKILLs itself. With a 4 s timeout the others get
     a one-line CommTimeoutError, then a CommError that rank 2 exited, both naming
     all_reduce(shm); afterwards /dev/shm holds no segment of the job."""
     ctx = mp.get_context("spawn")
@@ -91,23 +92,23 @@ def test_stalled_and_killed_peer_fail_fast_and_leave_nothing_in_dev_shm():
     for rank in range(n):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=launch._worker, args=(rank, n, store.port, sw.killed_peer,
-                                                     (3.0, 4.0), child, 1, 60, os.getpid()))
+                                                     (4.0, 5.0), child, 1, 60, os.getpid()))
         p.start()
         child.close()
         conns.append(parent)
         procs.append(p)
     results = {}
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240  # starting 3 ranks on 2 busy cores can be slow
         pending = {conns[r]: r for r in range(n - 1)}
         while pending and time.monotonic() < deadline:
             for c in connection.wait(list(pending), timeout=1):
                 r = pending.pop(c)
                 kind, payload = c.recv()
                 assert kind == "ok", payload
-                import io
                 results[r] = torch.load(io.BytesIO(payload), weights_only=True)
-        procs[-1].join(30)
+        assert not pending, f"ranks {sorted(pending.values())} did not report"
+        procs[-1].join(60)
         assert procs[-1].exitcode == -9
     finally:
         for p in procs:
@@ -119,8 +120,8 @@ def test_stalled_and_killed_peer_fail_fast_and_leave_nothing_in_dev_shm():
     for r, res in results.items():
         msg, took = res["stalled"]
         assert msg.startswith("CommTimeoutError: all_reduce(shm) on rank"), msg
-        assert "\n" not in msg and 2.5 < took < 5, (msg, took)
+        assert "\n" not in msg and 3.5 < took < 8, (msg, took)
         msg, took = res["killed"]
         assert msg.startswith("CommError: all_reduce(shm) on rank") and "exited" in msg, msg
-        assert "rank 2" in msg and took < 3, (msg, took)
+        assert "\n" not in msg and "rank 2" in msg and took < 4, (msg, took)
     assert [f for f in os.listdir("/dev/shm") if f.startswith(f"{shm.PREFIX}{pid0}-")] == []
