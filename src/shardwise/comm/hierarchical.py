@@ -65,12 +65,14 @@ class Layout:
         return len({len(h) for h in self.hosts}) == 1
 
 
-_layouts: dict[tuple[int, ...], Layout] = {}
+_layouts: dict[tuple[int, ...], tuple[object, Layout]] = {}
 
 
 def layout(info: GroupInfo) -> Layout:
     """The hosts of ``info``'s ranks (collective on first use per group, then cached)."""
-    lay = _layouts.get(info.ranks)
+    pg = shm.backend_group(info)
+    entry = _layouts.get(info.ranks)
+    lay = entry[1] if entry is not None and entry[0] is pg else None
     if lay is None:
         n = info.size
         keys = torch.zeros(n, dtype=torch.int64)
@@ -84,7 +86,8 @@ def layout(info: GroupInfo) -> Layout:
             order.setdefault(k, []).append(g)
         hosts = tuple(tuple(v) for v in order.values())
         h = next(i for i, v in enumerate(hosts) if info.rank in v)
-        lay = _layouts[info.ranks] = Layout(hosts, h, hosts[h].index(info.rank))
+        lay = Layout(hosts, h, hosts[h].index(info.rank))
+        _layouts[info.ranks] = (pg, lay)
     return lay
 
 

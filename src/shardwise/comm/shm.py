@@ -38,8 +38,10 @@ kill -9 included. A peer that stops raising its sequence number makes the others
 ``CommError`` (its process is gone, checked every ~0.2 s) or ``CommTimeoutError`` (after
 ``configure(timeout_s=...)``), naming the collective, never hang.
 
-Waiting: a rank spins on its peers' numbers, then yields the core (``os.sched_yield``) and
-after 2 ms sleeps 50 us per check. It spins only when the group's ranks fit on the cores it
+Waiting: a rank spins on its peers' numbers, then sleeps in futex(2) on the number it waits
+for (every rank wakes the sleepers on its own number after raising it: one syscall per
+round), at most 0.2 s at a time; where futex is unavailable it yields the core
+(``os.sched_yield``) and after 2 ms sleeps 50 us per check. It spins only when the group's ranks fit on the cores it
 may run on (with more ranks than cores spinning keeps the peer it waits for off the core),
 and adaptively: the budget (16..4096 checks) doubles after a wait that ended while spinning
 and halves after one that had to yield, so a loaded machine converges to yielding at once
@@ -51,6 +53,7 @@ fences; the transport is only enabled on x86-64).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
@@ -73,7 +76,46 @@ DEATH_CHECK_S = 0.2
 SPIN = int(os.environ.get("SHARDWISE_SHM_SPIN", -1))  # spins before yielding (-1: adaptive)
 
 _counter = itertools.count()
-_segments: dict[tuple[int, ...], "Segment"] = {}
+_segments: dict[tuple[int, ...], tuple[object, "Segment"]] = {}
+
+
+def backend_group(info: GroupInfo) -> object:
+    """The ProcessGroup object behind ``info`` (the default group for the world): caches
+    hold it, so a process that re-initialises torch.distributed never meets a stale entry."""
+    import torch.distributed as dist
+    g = info.group
+    if g is None or g is dist.group.WORLD:
+        from torch.distributed.distributed_c10d import _get_default_group
+        return _get_default_group()
+    return g
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+try:  # futex(2) on the sequence numbers: a waiting rank sleeps until a peer raises its own
+    _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
+    _syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    _SYS_FUTEX = 202 if platform.machine() == "x86_64" else None
+except (OSError, AttributeError):
+    _syscall, _SYS_FUTEX = None, None
+FUTEX = _SYS_FUTEX is not None and os.environ.get("SHARDWISE_SHM_FUTEX", "1") != "0"
+
+
+def _futex_wait(addr: int, seen: int, timeout_s: float) -> None:
+    """Sleep while the int32 at ``addr`` (the low half of a sequence number) equals
+    ``seen``, at most ``timeout_s``; returns at once if it already differs."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
+    low = seen & 0xFFFFFFFF
+    _syscall(_SYS_FUTEX, addr, 0, low - (1 << 32) if low >= 1 << 31 else low,
+             ctypes.addressof(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _syscall(_SYS_FUTEX, addr, 1, 0x7FFFFFFF, None, None, 0)
 
 
 def available() -> bool:
@@ -114,6 +156,7 @@ class Segment:
         self.mm, self.ranks, self.rank, self.slot = mm, ranks, rank, slot_bytes
         self.n = len(ranks)
         self.flags = memoryview(mm).cast("q")
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) if FUTEX else 0
         self.data = torch.frombuffer(mm, dtype=torch.uint8)
         self.header = _header_bytes(self.n)
         self.seq = 0
@@ -151,6 +194,8 @@ class Segment:
         self.seq += 1
         target, flags = self.seq, self.flags
         flags[self.rank * LINE] = target
+        if FUTEX:
+            _futex_wake(self.addr + self.rank * LINE * 8)
         pending = [j * LINE for j in range(self.n) if j != self.rank]
         spins, start, checked = 0, None, None
         while True:
@@ -166,7 +211,12 @@ class Segment:
             now = time.monotonic()
             if start is None:
                 start = checked = now
-            if now - start < 0.002:
+            if FUTEX:
+                k = pending[0]
+                seen = flags[k]
+                if seen < target:
+                    _futex_wait(self.addr + k * 8, seen, DEATH_CHECK_S)
+            elif now - start < 0.002:
                 os.sched_yield()
             else:
                 time.sleep(50e-6)
@@ -185,9 +235,13 @@ class Segment:
 
     def close(self) -> None:
         self._views.clear()
+        self._tmp.clear()
         self.data = None
-        self.flags.release()
-        self.mm.close()
+        try:
+            self.flags.release()
+            self.mm.close()
+        except BufferError:  # a view still exported: the mapping goes with the process
+            pass
 
 
 def _header_bytes(n: int) -> int:
@@ -222,10 +276,13 @@ def segment(info: GroupInfo, parent: GroupInfo | None = None) -> Segment:
     ``info`` may be a subset of a group (its ``group`` is then the parent's ProcessGroup,
     used for the setup messages only). Raises ``CommError`` if /dev/shm cannot hold it or a
     rank cannot map it (ranks on different hosts)."""
-    seg = _segments.get(info.ranks)
-    if seg is None:
-        seg = _segments[info.ranks] = _create(info)
-    return seg
+    pg = backend_group(info)
+    entry = _segments.get(info.ranks)
+    if entry is None or entry[0] is not pg:
+        if entry is not None:
+            entry[1].close()
+        entry = _segments[info.ranks] = (pg, _create(info))
+    return entry[1]
 
 
 def _create(info: GroupInfo) -> Segment:
@@ -283,7 +340,7 @@ def _create(info: GroupInfo) -> Segment:
 
 def release() -> None:
     """Unmap every segment of this process (they are already unlinked)."""
-    for seg in _segments.values():
+    for _, seg in _segments.values():
         try:
             seg.close()
         except BufferError:
