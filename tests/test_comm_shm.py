@@ -71,6 +71,23 @@ def test_auto_picks_shared_memory_for_small_messages_on_one_host(n):
         assert res["auto_value"] == sum(range(n))
 
 
+@pytest.mark.slow
+def test_shm_at_eight_ranks():
+    """N = 8 (4 ranks per core here): everything of the N = 2, 3, 4 tests, and the
+    hierarchical path with 2 fake hosts of 4 ranks."""
+    results = run(8)
+    for rank, res in enumerate(results):
+        assert res["shm"]["bad"] == [] and res["sharded"]["bad"] == [], rank
+        assert all(row["got"] == row["want"] for row in res["acct"]["rows"]), rank
+    _same_everywhere(results, "shm")
+    results = run(8, hosts_of=4)
+    for rank, res in enumerate(results):
+        assert res["hosts"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert res["hier"]["bad"] == [], rank
+        assert res["hier_acct"]["got"] == res["hier_acct"]["want"], rank
+    _same_everywhere(results, "hier")
+
+
 def test_hierarchical_two_fake_hosts_of_two_ranks():
     results = run(4, hosts_of=2)
     for rank, res in enumerate(results):
@@ -125,3 +142,45 @@ def test_stalled_and_killed_peer_fail_fast_and_leave_nothing_in_dev_shm():
         assert msg.startswith("CommError: all_reduce(shm) on rank") and "exited" in msg, msg
         assert "\n" not in msg and "rank 2" in msg and took < 4, (msg, took)
     assert [f for f in os.listdir("/dev/shm") if f.startswith(f"{shm.PREFIX}{pid0}-")] == []
+
+
+def test_stale_segment_of_a_dead_creator_is_swept_and_a_live_one_kept(tmp_path):
+    dead = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    paths = [f"/dev/shm/{shm.PREFIX}{pid}-0-testtoken" for pid in (dead.pid, os.getpid())]
+    try:
+        for p in paths:
+            with open(p, "wb") as f:
+                f.write(b"x")
+            os.utime(p, (time.time() - 120, time.time() - 120))
+        shm._sweep_stale()
+        assert [os.path.exists(p) for p in paths] == [False, True]
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_cost_model_knows_shm_and_hierarchical_and_refuses_a_foreign_profile(monkeypatch):
+    from shardwise.comm import cost
+    prof = cost.Profile("t", {2: cost.LinkParams(1e-4, 2.6e-10, 1.3e-10, 9e-11, 5e-11, 5e-4,
+                                                 5.5e-10, shm_alpha=2e-5, shm_beta=3e-10)},
+                        {"host": "elsewhere", "cores": 64})
+    prm = prof.params(2)
+    assert cost.predict("shm", 2, 4096, prm) == pytest.approx(2 * 2e-5 + 4096 * 3e-10)
+    x = 64 << 20
+    assert cost.predict("shm", 2, x, prm) == pytest.approx(2 * 16 * 2e-5 + x * 3e-10)
+    assert cost.predict_hierarchical(4, 2, x, prof) == pytest.approx(
+        cost.predict("shm", 2, x, prm) + cost.predict("ring", 2, x / 2, prm))
+    with pytest.warns(RuntimeWarning, match="elsewhere"):
+        assert cost._this_machine(prof) is cost.BUILTIN
+    here = cost.host_meta()
+    prof.meta.update(host=here["host"], cores=here["cores"])
+    assert cost._this_machine(prof) is prof
+    try:
+        cost.use_profile(prof)
+        assert cost.choose_all_reduce(2, 4096, ("shm",)) == "shm"
+        assert cost.choose_all_reduce(2, 4096) != "shm"
+    finally:
+        cost.use_profile(None)

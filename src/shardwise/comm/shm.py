@@ -251,8 +251,9 @@ def _header_bytes(n: int) -> int:
 # ---------------------------------------------------------------------------- setup
 
 def _sweep_stale() -> None:
-    """Remove our user's segments whose creating process is gone (a job killed between
-    creating and unlinking its segment)."""
+    """Remove our user's segments older than a minute whose creating process is gone (a job
+    killed between creating and unlinking its segment; the age spares a creator in another
+    pid namespace, whose window is milliseconds)."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
@@ -264,7 +265,8 @@ def _sweep_stale() -> None:
         try:
             pid = int(name[len(PREFIX):].split("-")[0])
             path = os.path.join(SHM_DIR, name)
-            if os.stat(path).st_uid == uid and not _alive(pid):
+            st = os.stat(path)
+            if st.st_uid == uid and time.time() - st.st_mtime > 60 and not _alive(pid):
                 os.unlink(path)
         except (ValueError, OSError):
             pass
