@@ -9,7 +9,7 @@ value, then reads its peers' slots. No message goes through the backend once the
 exists; the only synchronisation is the sequence numbers.
 
 Layout (bytes): one 64-byte control line per group rank (int64 [0]: rounds completed,
-[1]: pid), padded to 4 KiB, then two *sets* of N slots of ``SLOT_BYTES`` each. A round
+[1]: pid, [2]: a peer sleeps on [0]), padded to 4 KiB, then two *sets* of N slots of ``SLOT_BYTES`` each. A round
 writes the set that does not hold the previous round's data, so a rank may write round k+1
 while a slow peer still reads round k; it can write that set again (round k+2) only after
 every peer arrived at round k+1, that is after every peer finished reading round k.
@@ -38,9 +38,11 @@ kill -9 included. A peer that stops raising its sequence number makes the others
 ``CommError`` (its process is gone, checked every ~0.2 s) or ``CommTimeoutError`` (after
 ``configure(timeout_s=...)``), naming the collective, never hang.
 
-Waiting: a rank spins on its peers' numbers, then sleeps in futex(2) on the number it waits
-for (every rank wakes the sleepers on its own number after raising it: one syscall per
-round), at most 0.2 s at a time; where futex is unavailable it yields the core
+Waiting: a rank spins on its peers' numbers, then sets the "sleeper" word of the peer's
+line and sleeps in futex(2) on the peer's number; a rank that raises its number and finds
+its sleeper word set clears it and wakes the sleepers (a syscall only when someone sleeps).
+x86 may let the waker read the sleeper word before its raise is visible, so a wake-up can
+be lost: a sleep lasts at most 2 ms, which bounds that rare cost; where futex is unavailable it yields the core
 (``os.sched_yield``) and after 2 ms sleeps 50 us per check. It spins only when the group's ranks fit on the cores it
 may run on (with more ranks than cores spinning keeps the peer it waits for off the core),
 and adaptively: the budget (16..4096 checks) doubles after a wait that ended while spinning
@@ -73,6 +75,7 @@ HEADER_ALIGN = 4096
 SLOT_BYTES = int(os.environ.get("SHARDWISE_SHM_SLOT_BYTES", 4 << 20))
 CHUNK_BYTES = 256 << 10       # reduction chunk: the accumulator stays in L2
 DEATH_CHECK_S = 0.2
+FUTEX_CAP_S = 0.002  # longest futex sleep: bounds the cost of a wake-up lost to a race
 SPIN = int(os.environ.get("SHARDWISE_SHM_SPIN", -1))  # spins before yielding (-1: adaptive)
 
 _counter = itertools.count()
@@ -193,9 +196,11 @@ class Segment:
             self.live ^= 1
         self.seq += 1
         target, flags = self.seq, self.flags
-        flags[self.rank * LINE] = target
-        if FUTEX:
-            _futex_wake(self.addr + self.rank * LINE * 8)
+        me = self.rank * LINE
+        flags[me] = target
+        if FUTEX and flags[me + 2]:  # someone sleeps on our number
+            flags[me + 2] = 0
+            _futex_wake(self.addr + me * 8)
         pending = [j * LINE for j in range(self.n) if j != self.rank]
         spins, start, checked = 0, None, None
         while True:
@@ -213,9 +218,10 @@ class Segment:
                 start = checked = now
             if FUTEX:
                 k = pending[0]
+                flags[k + 2] = 1  # ask rank k to wake us when it raises its number
                 seen = flags[k]
                 if seen < target:
-                    _futex_wait(self.addr + k * 8, seen, DEATH_CHECK_S)
+                    _futex_wait(self.addr + k * 8, seen, FUTEX_CAP_S)
             elif now - start < 0.002:
                 os.sched_yield()
             else:
@@ -366,7 +372,10 @@ def _reduce(srcs: list[torch.Tensor], dst: torch.Tensor, op: str, tmp: torch.Ten
     for a in range(0, numel, c):
         b = min(numel, a + c)
         acc = dst[a:b] if direct else tmp[:b - a]
-        combine_into(srcs[0][a:b], srcs[1][a:b], acc, op)
+        if len(srcs) == 1:
+            acc.copy_(srcs[0][a:b])
+        else:
+            combine_into(srcs[0][a:b], srcs[1][a:b], acc, op)
         for s in srcs[2:]:
             combine_into(acc, s[a:b], acc, op)
         if div:
