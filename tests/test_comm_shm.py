@@ -170,7 +170,8 @@ def test_cost_model_knows_shm_and_hierarchical_and_refuses_a_foreign_profile(mon
     prm = prof.params(2)
     assert cost.predict("shm", 2, 4096, prm) == pytest.approx(2 * 2e-5 + 4096 * 3e-10)
     x = 64 << 20
-    assert cost.predict("shm", 2, x, prm) == pytest.approx(2 * 16 * 2e-5 + x * 3e-10)
+    rounds = 2 * (x // shm.SLOT_BYTES)
+    assert cost.predict("shm", 2, x, prm) == pytest.approx(rounds * 2e-5 + x * 3e-10)
     assert cost.predict_hierarchical(4, 2, x, prof) == pytest.approx(
         cost.predict("shm", 2, x, prm) + cost.predict("ring", 2, x / 2, prm))
     with pytest.warns(RuntimeWarning, match="elsewhere"):

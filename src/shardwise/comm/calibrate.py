@@ -209,7 +209,8 @@ def params_from(result: dict, n: int) -> LinkParams:
                                     if int(m) in LATENCY_SIZES)
         s_beta = fit_slope({m: t - rounds[m] * s_alpha for m, t in big(result["shm"]).items()},
                            0.0)
-    return LinkParams(shm_alpha=s_alpha, shm_beta=s_beta,alpha=alpha, alpha_1=alpha_1, alpha_swap=alpha_swap,
+    return LinkParams(shm_alpha=s_alpha, shm_beta=s_beta, alpha=alpha, alpha_1=alpha_1,
+                      alpha_swap=alpha_swap,
                       beta_link=fit_slope(big(hop), alpha_1),
                       beta_host=fit_slope(big(result["exchange"]), alpha) / n,
                       gamma=fit_slope(big(result["add_alone"]), 0.0),

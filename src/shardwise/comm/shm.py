@@ -8,11 +8,12 @@ its sequence number in the segment, waits until every peer's number has reached 
 value, then reads its peers' slots. No message goes through the backend once the segment
 exists; the only synchronisation is the sequence numbers.
 
-Layout (bytes): one 64-byte control line per group rank (int64 [0]: rounds completed,
-[1]: pid, [2]: a peer sleeps on [0]), padded to 4 KiB, then two *sets* of N slots of ``SLOT_BYTES`` each. A round
-writes the set that does not hold the previous round's data, so a rank may write round k+1
-while a slow peer still reads round k; it can write that set again (round k+2) only after
-every peer arrived at round k+1, that is after every peer finished reading round k.
+Layout (bytes): one 64-byte control line per group rank (int64 [0]: rounds completed, [1]:
+pid, [2]: a peer sleeps on [0]), padded to 4 KiB, then two *sets* of N slots of
+``SLOT_BYTES`` each. A round writes the set that does not hold the previous round's data, so
+a rank may write round k+1 while a slow peer still reads round k; it can write that set
+again (round k+2) only after every peer arrived at round k+1, that is after every peer
+finished reading round k.
 
 Reduce-scatter of a flat buffer cut into N regions (``bounds``): each round carries one
 piece of every region; rank r publishes the pieces of the regions i != r, and reduces
@@ -38,20 +39,20 @@ kill -9 included. A peer that stops raising its sequence number makes the others
 ``CommError`` (its process is gone, checked every ~0.2 s) or ``CommTimeoutError`` (after
 ``configure(timeout_s=...)``), naming the collective, never hang.
 
-Waiting: a rank spins on its peers' numbers, then sets the "sleeper" word of the peer's
-line and sleeps in futex(2) on the peer's number; a rank that raises its number and finds
-its sleeper word set clears it and wakes the sleepers (a syscall only when someone sleeps).
-x86 may let the waker read the sleeper word before its raise is visible, so a wake-up can
-be lost: a sleep lasts at most 2 ms, which bounds that rare cost; where futex is unavailable it yields the core
-(``os.sched_yield``) and after 2 ms sleeps 50 us per check. It spins only when the group's ranks fit on the cores it
-may run on (with more ranks than cores spinning keeps the peer it waits for off the core),
-and adaptively: the budget (16..4096 checks) doubles after a wait that ended while spinning
-and halves after one that had to yield, so a loaded machine converges to yielding at once
-(measured on 2 busy cores, 4 KiB at N = 2: a fixed 20000-spin budget 13.9 ms per call, 200
-spins 0.59 ms; ``$SHARDWISE_SHM_SPIN`` fixes the budget). Memory order: x86-64 keeps stores in order and loads in order, so data
-written before a number is raised are visible to whoever sees the number (ARM would need
-fences; the transport is only enabled on x86-64).
-"""
+Waiting: a rank spins on its peers' numbers, then sets the "sleeper" word of the peer's line
+and sleeps in futex(2) on the peer's number; a rank that raises its number and finds its
+sleeper word set clears it and wakes the sleepers (a syscall only when someone sleeps). x86
+may let the waker read the sleeper word before its raise is visible, so a wake-up can be
+lost: a sleep lasts at most 2 ms, which bounds that rare cost; where futex is unavailable it
+yields the core (``os.sched_yield``) and after 2 ms sleeps 50 us per check. It spins only
+when the group's ranks fit on the cores it may run on (with more ranks than cores spinning
+keeps the peer it waits for off the core), and adaptively: the budget (16..4096 checks)
+doubles after a wait that ended while spinning and halves after one that had to yield, so a
+loaded machine converges to yielding at once (measured on 2 busy cores, 4 KiB at N = 2: a
+fixed 20000-spin budget 13.9 ms per call, 200 spins 0.59 ms; ``$SHARDWISE_SHM_SPIN`` fixes
+the budget). Memory order: x86-64 keeps stores in order and loads in order, so data written
+before a number is raised are visible to whoever sees the number (ARM would need fences; the
+transport is only enabled on x86-64)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ SHM_DIR = "/dev/shm"
 PREFIX = "shardwise-shm-"
 LINE = 8                      # int64 words per control line (64 bytes)
 HEADER_ALIGN = 4096
-SLOT_BYTES = int(os.environ.get("SHARDWISE_SHM_SLOT_BYTES", 4 << 20))
+# per rank and set; of 2, 4, 8, 16 MiB, 8 was the fastest at 64 MiB, N = 2 (2 busy cores)
+SLOT_BYTES = int(os.environ.get("SHARDWISE_SHM_SLOT_BYTES", 8 << 20))
 CHUNK_BYTES = 256 << 10       # reduction chunk: the accumulator stays in L2
 DEATH_CHECK_S = 0.2
 FUTEX_CAP_S = 0.002  # longest futex sleep: bounds the cost of a wake-up lost to a race
@@ -169,6 +171,7 @@ class Segment:
         self.spin = min(256, self.spin_max)
         self._views: dict[tuple, list[torch.Tensor]] = {}
         self._tmp: dict[torch.dtype, torch.Tensor] = {}
+        self.plans: dict[tuple[int, int], tuple] = {}  # all-reduce cuts per (numel, esz)
 
     def slots(self, dtype: torch.dtype, keep: bool = False) -> list[torch.Tensor]:
         """The N slots (flat, ``dtype``) of the set the next round writes: the set not
@@ -451,11 +454,16 @@ def all_reduce(seg: Segment, call: Call, buf: torch.Tensor, op: str) -> int:
     docstring). Every element is reduced in group-rank order by one rank and copied: all
     ranks end bitwise identical. Returns the number of rounds."""
     n, r, esz = seg.n, seg.rank, buf.element_size()
-    bounds = balanced_bounds(buf.numel(), n)
-    lens = [bounds[i + 1] - bounds[i] for i in range(n)]
-    width = seg.slot // esz // n
-    pieces = max(1, -(-max(lens) // width))
-    cuts = [balanced_bounds(m, pieces) for m in lens]
+    plan = seg.plans.get((buf.numel(), esz))
+    if plan is None:
+        bounds = balanced_bounds(buf.numel(), n)
+        lens = [bounds[i + 1] - bounds[i] for i in range(n)]
+        width = seg.slot // esz // n
+        pieces = max(1, -(-max(lens) // width))
+        plan = (bounds, width, pieces, [balanced_bounds(m, pieces) for m in lens])
+        if len(seg.plans) < 256:
+            seg.plans[buf.numel(), esz] = plan
+    bounds, width, pieces, cuts = plan
     tmp = seg.tmp(buf.dtype)
     step = 0
     for j in range(pieces):
