@@ -8,15 +8,15 @@ alternate, pieces are uneven).
 from __future__ import annotations
 
 import os
-import zlib
 import signal
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.comm import accounting, api, hierarchical, shm
+from shardwise.comm import accounting, api, hierarchical, shm_segment
 from shardwise.comm.primitives import balanced_bounds, combine_into, group_info
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
@@ -180,8 +180,8 @@ def _accounting() -> dict:
 def suite(hosts_of: int = 0) -> dict:
     """Every shm check at this world size. ``hosts_of`` > 0: ranks are given fake hosts of
     that many ranks (SHARDWISE_HOST_ID) and the hierarchical path is checked as well."""
-    n, r = dist.get_world_size(), dist.get_rank()
-    shm.SLOT_BYTES = SLOT
+    r = dist.get_rank()
+    shm_segment.SLOT_BYTES = SLOT
     out = {}
     if hosts_of:
         os.environ["SHARDWISE_HOST_ID"] = f"fake-host-{r // hosts_of}"

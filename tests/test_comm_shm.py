@@ -19,7 +19,7 @@ import torch
 
 import shm_workers as sw
 from shardwise import launch
-from shardwise.comm import shm
+from shardwise.comm import shm, shm_segment
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm on x86-64")
 
@@ -154,7 +154,7 @@ def test_stale_segment_of_a_dead_creator_is_swept_and_a_live_one_kept(tmp_path):
             with open(p, "wb") as f:
                 f.write(b"x")
             os.utime(p, (time.time() - 120, time.time() - 120))
-        shm._sweep_stale()
+        shm_segment._sweep_stale()
         assert [os.path.exists(p) for p in paths] == [False, True]
     finally:
         for p in paths:

@@ -32,6 +32,7 @@ import torch
 
 from shardwise.comm import ring, shm
 from shardwise.comm.primitives import Call, CommError, GroupInfo, balanced_bounds, finish_
+from shardwise.comm.shm_segment import backend_group
 
 
 def host_id() -> str:
@@ -70,7 +71,7 @@ _layouts: dict[tuple[int, ...], tuple[object, Layout]] = {}
 
 def layout(info: GroupInfo) -> Layout:
     """The hosts of ``info``'s ranks (collective on first use per group, then cached)."""
-    pg = shm.backend_group(info)
+    pg = backend_group(info)
     entry = _layouts.get(info.ranks)
     lay = entry[1] if entry is not None and entry[0] is pg else None
     if lay is None:
