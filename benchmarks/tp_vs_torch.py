@@ -50,7 +50,7 @@ def _torch_tp(model, tp: int):
 
 
 def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
-         sp: bool) -> tuple[float, float]:
+         sp: bool, allreduce: str = "native") -> tuple[float, float]:
     from shardwise.models import GPT
     from shardwise.tensor_parallel import TPGroup, build_tp_gpt
     from shardwise.topology import Topology, init_process_groups
@@ -59,7 +59,8 @@ def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
     if kind == "ours":
         topo = init_process_groups(Topology.build(tp=world, rank=dist.get_rank(),
                                                   world_size=world))
-        model = build_tp_gpt(gcfg, TPGroup.from_topology(topo, sequence_parallel=sp), seed)
+        model = build_tp_gpt(gcfg, TPGroup.from_topology(topo, sequence_parallel=sp,
+                                                         all_reduce=allreduce), seed)
     else:
         torch.manual_seed(seed)
         model = _torch_tp(GPT(gcfg), world)
@@ -85,7 +86,8 @@ def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
     return steps * x.numel() / elapsed, first_loss
 
 
-def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int, batch: int, sp: bool) -> dict:
+def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int, batch: int, sp: bool,
+           allreduce: str = "native") -> dict:
     from shardwise import comm
     from shardwise.config import Config
     from shardwise.data import CharTokenizer, load_text
@@ -109,7 +111,8 @@ def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int, batch: int, sp
     for r in range(repeats):
         order = ("ours", "torch") if r % 2 == 0 else ("torch", "ours")  # alternate who goes first
         for kind in order:
-            tps, loss = _run(kind, gcfg, cfg.training.seed, batches, steps, warmup, sp)
+            tps, loss = _run(kind, gcfg, cfg.training.seed, batches, steps, warmup, sp,
+                             allreduce)
             out[kind].append(tps)
             out[f"loss_{kind}"].append(loss)
     return out
@@ -127,15 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sequence-parallel", action="store_true", help="ours with SP")
+    ap.add_argument("--allreduce", default="native", help="our TP's all-reduce algorithm "
+                    "(shardwise.comm: native, auto, shm, ring, ...)")
     ap.add_argument("--json", help="also write the raw measurements here")
     args = ap.parse_args(argv)
     cfg = Config.load(args.config, {"parallel.dp": 1})  # only model, data and seed are used
     res = spawn(worker, args.tp, (cfg.model_dump(), args.repeats, args.steps, args.warmup,
-                                  args.batch, args.sequence_parallel), threads=1)[0]
+                                  args.batch, args.sequence_parallel, args.allreduce),
+                threads=1)[0]
     ours, theirs = statistics.median(res["ours"]), statistics.median(res["torch"])
     m = cfg.model
     print(f"GPT {m.n_layer}x{m.n_embd} ({m.n_head} heads), batch {args.batch}x{m.block_size} "
-          f"tokens, tp={args.tp}, sequence_parallel={args.sequence_parallel}, 1 thread per "
+          f"tokens, tp={args.tp}, sequence_parallel={args.sequence_parallel}, all-reduce "
+          f"{args.allreduce}, 1 thread per "
           f"rank, gloo, {args.repeats} alternated repeats of {args.steps} steps")
     print(f"  shardwise TP : {ours:9.0f} tokens/s (median; runs {[round(v) for v in res['ours']]})")
     print(f"  torch TP     : {theirs:9.0f} tokens/s (median; runs {[round(v) for v in res['torch']]})")

@@ -15,22 +15,25 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import accounting, check, cost, flat, halving_doubling, ring, tree
+from shardwise.comm import (accounting, check, cost, flat, halving_doubling, hierarchical, ring,
+                            shm, tree)
 from shardwise.comm.async_ import executor
 from shardwise.comm.primitives import (Call, GroupInfo, check_op, finish_, group_info,
                                        group_rank_of, settings)
 
 ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
-                        "rabenseifner", "tree", "parallel")
-ALL_GATHER_ALGORITHMS = ("native", "ring", "recursive_doubling")
-REDUCE_SCATTER_ALGORITHMS = ("native", "ring", "recursive_halving")
-BROADCAST_ALGORITHMS = ("native", "tree")
+                        "rabenseifner", "tree", "parallel", "shm", "hierarchical")
+ALL_GATHER_ALGORITHMS = ("native", "ring", "recursive_doubling", "shm")
+REDUCE_SCATTER_ALGORITHMS = ("native", "ring", "recursive_halving", "shm")
+BROADCAST_ALGORITHMS = ("native", "tree", "shm")
 REDUCE_ALGORITHMS = ("native", "tree")
 
 _ALL_REDUCE: dict[str, Callable] = {
     "ring": ring.all_reduce, "halving_doubling": halving_doubling.all_reduce,
     "tree": tree.all_reduce, "naive": flat.naive_all_reduce,
     "sequential": flat.sequential_all_reduce, "parallel": flat.parallel_all_reduce,
+    "shm": lambda call, buf, op: shm.all_reduce(shm.segment(call.info), call, buf, op),
+    "hierarchical": hierarchical.all_reduce,
 }
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -77,6 +80,22 @@ class _Flat:
             self.t.copy_(self.copy)
 
 
+def choose(info: GroupInfo, t: torch.Tensor) -> str:
+    """The ``auto`` all-reduce for this group and tensor: ``cost.choose_all_reduce`` over the
+    send/recv algorithms, plus "shm" when every rank is on one host, or "hierarchical" when
+    the group spans hosts of equally many ranks (CPU tensors, ``shm.available()``). Learning
+    the hosts is collective (once per group, see ``hierarchical.layout``); the choice is the
+    same on every rank given the same profile."""
+    nbytes = t.numel() * t.element_size()
+    if info.size > 1 and t.device.type == "cpu" and shm.available():
+        lay = hierarchical.layout(info)
+        if lay.one_host:
+            return cost.choose_all_reduce(info.size, nbytes, ("shm",))
+        if lay.uniform:
+            return cost.choose_all_reduce(info.size, nbytes, ("hierarchical",), len(lay.hosts))
+    return cost.choose_all_reduce(info.size, nbytes)
+
+
 def _call(name: str, algorithm: str, info: GroupInfo, t: torch.Tensor) -> Call:
     nbytes = t.numel() * t.element_size()
     c = Call(name, algorithm, info, nbytes, t.dtype, account=algorithm != "native")
@@ -94,9 +113,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     algorithm: one of ``ALLREDUCE_ALGORITHMS``: "ring" (Patarasuk & Yuan 2009),
     "halving_doubling" / "rabenseifner" (Thakur et al. 2005), "tree" (binomial reduce +
     broadcast), "naive" (parameter server at group rank 0), "sequential" (pass-along chain),
-    "parallel" (all-to-all), "native" (the backend's own), "auto" (cheapest by
-    ``cost.choose_all_reduce`` for this N and X; the choice is the same on every rank given
-    the same profile). All ranks end with bitwise identical results.
+    "parallel" (all-to-all), "shm" (shared memory, every rank on one host: ``shm.py``),
+    "hierarchical" (shared memory inside hosts, ring across: ``hierarchical.py``), "native"
+    (the backend's own), "auto" (cheapest by ``choose`` for this group and X; the choice is
+    the same on every rank given the same profile). All ranks end with bitwise identical
+    results.
     Raises ValueError / TypeError for bad arguments, ``CommError`` when ranks disagree,
     ``CommTimeoutError`` after ``configure(timeout_s=...)`` seconds without progress.
     ``check`` overrides ``settings.check`` for this call: a caller that has verified the
@@ -105,11 +126,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
     _tensor(tensor, "all_reduce")
     info = group_info(group, "all_reduce")
     check_op(op, tensor.dtype, "all_reduce")
-    algo = _pick(algorithm, ALLREDUCE_ALGORITHMS, "all_reduce")
-    if algo == "auto":
-        algo = cost.choose_all_reduce(info.size, tensor.numel() * tensor.element_size())
+    algo0 = _pick(algorithm, ALLREDUCE_ALGORITHMS, "all_reduce")
 
     def run() -> None:
+        algo = choose(info, tensor) if algo0 == "auto" else algo0
         _agree(info, "all_reduce", algo, op, tensor, tensor.numel(), enabled=check)
         if info.size == 1:
             return
@@ -133,7 +153,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
               algorithm: str = "tree"):
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of ``group``.
 
-    "tree": binomial tree, ceil(log2 N) steps, each a message of the whole tensor.
+    "tree": binomial tree, ceil(log2 N) steps, each a message of the whole tensor. "shm":
+    through the root's shared-memory slot (ranks of one host), one round per slot's worth.
     """
     _tensor(tensor, "broadcast")
     info = group_info(group, "broadcast")
@@ -148,6 +169,8 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
         call = _call("broadcast", algo, info, tensor)
         if algo == "native":
             call.wait_native(dist.broadcast(f.flat, src, group=group, async_op=True))
+        elif algo == "shm":
+            shm.broadcast(shm.segment(info), call, f.flat, root)
         else:
             tree.broadcast(call, f.flat, root)
         call.close()

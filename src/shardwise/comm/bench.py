@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from shardwise.comm import cost, table as table_mod
 
-ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "naive", "sequential", "parallel")
+ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "naive", "sequential", "parallel",
+              "shm", "hierarchical")
+DEFAULT_ALGORITHMS = ALGORITHMS[:7]
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 
 
@@ -56,11 +58,16 @@ def parse_size(text: str) -> int:
     return value
 
 
-def sweep_worker(sizes: list[int], algorithms: list[str], repeats: int, check: bool) -> dict:
+def sweep_worker(sizes: list[int], algorithms: list[str], repeats: int, check: bool,
+                 fake_hosts: int = 0) -> dict:
     """Per rank: {algorithm: {size: [seconds per call, one per repeat]}} and, per size, the
-    foreign load of each repeat (``quiet.py``; the same list on every rank)."""
+    foreign load of each repeat (``quiet.py``; the same list on every rank). ``fake_hosts``
+    > 0: ranks r are told they live on host r // fake_hosts (``$SHARDWISE_HOST_ID``), for
+    the hierarchical all-reduce on one machine."""
     from shardwise import comm
     from shardwise.comm import quiet
+    if fake_hosts:
+        os.environ["SHARDWISE_HOST_ID"] = f"bench-host-{dist.get_rank() // fake_hosts}"
     comm.configure(check=check)
     pids = quiet.rank_pids()  # collective: every rank
     foreign = quiet.Foreign(pids) if dist.get_rank() == 0 else None
@@ -88,7 +95,8 @@ def sweep_worker(sizes: list[int], algorithms: list[str], repeats: int, check: b
 
 
 def run_sweep(world_sizes: list[int], sizes: list[int], algorithms: list[str], repeats: int,
-              threads: int | None, check: bool, spawns: int = 3) -> list[dict]:
+              threads: int | None, check: bool, spawns: int = 3,
+              fake_hosts: int = 0) -> list[dict]:
     """``spawns`` fresh sets of ranks per world size (the scheduler places ranks per spawn),
     their quiet repeats pooled."""
     from shardwise.comm import quiet
@@ -96,17 +104,20 @@ def run_sweep(world_sizes: list[int], sizes: list[int], algorithms: list[str], r
     rows = []
     prof = cost.active_profile()
     for n in world_sizes:
-        runs = [spawn(sweep_worker, n, (sizes, algorithms, repeats, check), threads=threads)
-                for _ in range(spawns)]
+        hosts_of = fake_hosts if fake_hosts and n % fake_hosts == 0 and n > fake_hosts else 0
+        algos = [a for a in algorithms if a != "hierarchical" or hosts_of]
+        runs = [spawn(sweep_worker, n, (sizes, algos, repeats, check, hosts_of),
+                      threads=threads) for _ in range(spawns)]
         prm = prof.params(n)
-        for a in algorithms:
+        for a in algos:
             for m in sizes:
                 loads = [x for per_rank in runs for x in per_rank[0]["_foreign"][m]]
                 every = [max(pr[a][m][i] for pr in per_rank) for per_rank in runs
                          for i in range(len(per_rank[0]["_foreign"][m]))]
                 reps = quiet.quiet_values(every, loads)
                 t = statistics.median(reps)
-                pred = cost.predict(a, n, m, prm)
+                pred = (cost.predict_hierarchical(n, n // hosts_of, m, prof)
+                        if a == "hierarchical" else cost.predict(a, n, m, prm))
                 rows.append({"world_size": n, "threads_per_rank": threads or threads_per_rank(n),
                              "algorithm": a, "bytes": m, "median_s": t,
                              "busbw_GBps": m / t * 2 * (n - 1) / n / 1e9,
@@ -145,6 +156,15 @@ def format_sweep(rows: list[dict]) -> str:
                       for m in [r["bytes"]]]
             if ratios:
                 lines.append("ring vs native (speed-up, >= 16 MiB): " + ", ".join(ratios))
+        for a in ("shm", "hierarchical"):
+            mine = {r["bytes"]: r["median_s"] for r in sub if r["algorithm"] == a}
+            if native and mine:
+                ratios = [f"{_human(m)}: {native[m] / t:.2f}x" for m, t in sorted(mine.items())
+                          if m >= (16 << 20) and m in native]
+                lat = [f"{_human(m)}: {a} {t * 1e3:.3f} ms, native {native[m] * 1e3:.3f} ms"
+                       for m, t in sorted(mine.items()) if m <= (4 << 10) and m in native]
+                lines.append(f"{a} vs native (speed-up, >= 16 MiB): " + ", ".join(ratios)
+                             + ("; latency " + ", ".join(lat) if lat else ""))
     return "\n".join(lines)
 
 
@@ -196,7 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, nargs="+", default=None,
                    help="world sizes (sweep/calibrate default: 2 4; table default: 2 4 8)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated list")
+    p.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
+                   help=f"comma-separated list of {', '.join(ALGORITHMS)}")
+    p.add_argument("--fake-hosts", type=int, default=0, help="ranks per fake host "
+                   "($SHARDWISE_HOST_ID = rank // K), for the hierarchical algorithm on one "
+                   "machine (world sizes not a multiple of K, or <= K, skip it)")
     p.add_argument("--repeats", type=int, default=5, help="alternated repeats (median reported)")
     p.add_argument("--spawns", type=int, default=3, help="fresh sets of ranks per world size, "
                    "repeats pooled (default 3: the scheduler places ranks per spawn)")
@@ -219,6 +243,8 @@ def _validate(args) -> None:
             raise BenchError(f"--world-size: {n} is out of range 1..64")
     if args.repeats < 1:
         raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.fake_hosts < 0:
+        raise BenchError(f"--fake-hosts must be >= 0, got {args.fake_hosts}")
     if args.spawns < 1:
         raise BenchError(f"--spawns must be >= 1, got {args.spawns}")
     if args.threads is not None and args.threads < 1:
@@ -262,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     rows = run_sweep(args.world_size or [2, 4], sizes, args.algorithms.split(","),
-                     args.repeats, args.threads, args.check, args.spawns)
+                     args.repeats, args.threads, args.check, args.spawns, args.fake_hosts)
     out.mkdir(parents=True, exist_ok=True)
     from shardwise.comm.primitives import settings
     meta = cost.host_meta() | {"loadavg_1min_before": round(load, 2),
                                "loadavg_1min_after": round(os.getloadavg()[0], 2),
                                "profile": cost.active_profile().name,
                                "check": args.check, "repeats": args.repeats,
+                               "fake_hosts": args.fake_hosts,
                                "spawns": args.spawns, "segment_bytes": settings.segment_bytes,
                                "torch": torch.__version__,
                                "command": "shardwise bench comm " + " ".join(

@@ -24,6 +24,10 @@ pooled over 3 spawns (where the scheduler places the ranks is decided per spawn)
 - add all: every rank receives m bytes from its left and adds them, all at once ->
   gamma_host = slope / N.
 - the backend's own all-reduce -> native_alpha, native_beta.
+- the shared-memory all-reduce (``shm.py``; all ranks of one host) -> shm_alpha (the latency
+  sizes' median per round: 2 rounds each), shm_beta (least squares through the origin of
+  t - R(m) shm_alpha against m, R = ``shm.rounds``). Skipped where ``shm.available()`` is
+  False (the profile then keeps -1: the cost model's defaults).
 
 Latencies are the median time of a step of 16, 64 and 256 KiB (the transfer is a few
 percent of it; these small steps scatter by +-50% between runs here). Slopes are least
@@ -42,14 +46,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import quiet
+from shardwise.comm import quiet, shm
 from shardwise.comm.cost import LinkParams, Profile, host_meta
 from shardwise.comm.primitives import Call, configure, group_info
 
 LATENCY_SIZES = [16 << 10, 64 << 10, 256 << 10]  # steps whose median time is alpha / alpha_1
 SIZES = LATENCY_SIZES + [m << 20 for m in (1, 2, 4, 8, 16, 32, 64)]
 FIT_FROM = 1 << 20  # per-byte fits on messages of at least 1 MiB (see the module docstring)
-PATTERNS = ("relay", "exchange", "swap", "add_alone", "add_all", "native")
+PATTERNS = ("relay", "exchange", "swap", "add_alone", "add_all", "native", "shm")
 
 
 def _inner(nbytes: int) -> int:
@@ -66,6 +70,7 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
     foreign = quiet.Foreign(pids) if r == 0 else None
     out: dict = {p: {} for p in PATTERNS}
     out["foreign"] = {}
+    seg = shm.segment(info) if shm.available() else None
     for m in sizes:
         x, y = torch.ones(m // 4), torch.empty(m // 4)
         call = Call("calibrate", "pattern", info, m, account=False)
@@ -122,7 +127,9 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
         fns = {"relay": relay, "exchange": exchange, "swap": swap,
                "add_alone": lambda: add_after({1}),
                "add_all": lambda: add_after(set(range(n))),
-               "native": lambda: [dist.all_reduce(x) for _ in range(inner)]}
+               "native": lambda: [dist.all_reduce(x) for _ in range(inner)],
+               "shm": lambda: [shm.all_reduce(seg, call, x, "sum") for _ in range(inner)
+                               if seg is not None]}
         times: dict = {p: [] for p in PATTERNS}
 
         def one_repeat(i: int) -> None:
@@ -195,7 +202,15 @@ def params_from(result: dict, n: int) -> LinkParams:
     alpha_1, alpha = latency(hop), latency(result["exchange"])
     alpha_swap = latency(result["swap"])
     n_alpha, n_beta = fit_alpha_beta(big(result["native"]))
-    return LinkParams(alpha=alpha, alpha_1=alpha_1, alpha_swap=alpha_swap,
+    s_alpha = s_beta = -1.0
+    if result.get("shm") and min(result["shm"].values()) > 0:
+        rounds = {int(m): shm.rounds(int(m) // 4, 4, n) for m in result["shm"]}
+        s_alpha = statistics.median(t / rounds[int(m)] for m, t in result["shm"].items()
+                                    if int(m) in LATENCY_SIZES)
+        s_beta = fit_slope({m: t - rounds[m] * s_alpha for m, t in big(result["shm"]).items()},
+                           0.0)
+    return LinkParams(shm_alpha=s_alpha, shm_beta=s_beta, alpha=alpha, alpha_1=alpha_1,
+                      alpha_swap=alpha_swap,
                       beta_link=fit_slope(big(hop), alpha_1),
                       beta_host=fit_slope(big(result["exchange"]), alpha) / n,
                       gamma=fit_slope(big(result["add_alone"]), 0.0),

@@ -25,7 +25,7 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatte
                "scatter", "barrier")
 ALGORITHM_CODES = ("native", "naive", "sequential", "ring", "halving_doubling", "tree",
                    "parallel", "recursive_doubling", "recursive_halving", "linear",
-                   "dissemination")
+                   "dissemination", "shm", "hierarchical")
 OPS = ("sum", "mean", "max", "min", "-")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,

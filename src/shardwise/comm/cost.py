@@ -46,6 +46,11 @@ steps and bytes are Thakur et al.'s (Sec. 4), only beta and gamma became b(k) an
     parallel          a(N(N-1)) + X b(N(N-1)) + (N-1) X g(N)  (all N(N-1) messages at
                                                                 once; all reduce (N-1) X)
     native            native_alpha + X native_beta   (the backend's own all-reduce, measured)
+    shm               R shm_alpha + X shm_beta       (shared memory, ranks of one host: R
+                      rounds, ``shm.rounds``; measured at each N like native, since the
+                      ranks' copies share the host's memory bandwidth and cores)
+    hierarchical      shm(L, X) + ring(H, X/L)        (H hosts of L ranks: the shared-memory
+                      reduce-scatter + all-gather, and a ring across hosts on 1/L of X)
 
 With beta_host = gamma_host = 0 and alpha_1 = alpha_swap = alpha these are the formulas of
 Thakur et al. (a = alpha, b = beta, g = gamma) for ring, halving-doubling, tree and
@@ -81,6 +86,14 @@ class LinkParams:
     native_beta: float   # backend all_reduce: per byte of the vector
     alpha_1: float = -1.0  # latency of a step with one message alone (-1: same as alpha)
     alpha_swap: float = -1.0  # latency of a pairwise-swap step (-1: same as alpha)
+    shm_alpha: float = -1.0  # shared-memory all-reduce: seconds per round (-1: SHM_DEFAULT)
+    shm_beta: float = -1.0   # shared-memory all-reduce: seconds per byte of the vector
+
+    def shm(self) -> tuple[float, float]:
+        """(shm_alpha, shm_beta), the uncalibrated defaults where this profile lacks them."""
+        if self.shm_alpha >= 0 and self.shm_beta >= 0:
+            return self.shm_alpha, self.shm_beta
+        return SHM_DEFAULT
 
     @property
     def a_swap(self) -> float:
@@ -173,6 +186,10 @@ def predict(algorithm: str, n: int, nbytes: float, prm: LinkParams) -> float:
         return a(n * (n - 1)) + x * b(n * (n - 1)) + (n - 1) * x * g(n)
     if algorithm == "native":
         return prm.native_alpha + x * prm.native_beta
+    if algorithm == "shm":
+        sa, sb = prm.shm()
+        from shardwise.comm.shm import rounds
+        return rounds(int(x) // 4, 4, n) * sa + x * sb
     raise ValueError(f"no cost model for all-reduce algorithm {algorithm!r}")
 
 
@@ -187,6 +204,10 @@ BUILTIN = Profile("builtin", {
                   gamma_host=5e-11, native_alpha=5e-4, native_beta=5.5e-10),
 }, {"note": "fallback constants; run `shardwise bench comm --calibrate`"})
 
+# Shared-memory constants where a profile has none (measured with benchmarks/comm_bench.py on
+# the 2-core development VM, N = 2; ``shardwise bench comm --calibrate`` measures them per N).
+SHM_DEFAULT = (2e-5, 4e-10)
+
 _active: Profile | None = None
 
 
@@ -199,10 +220,26 @@ def active_profile() -> Profile:
         if env:
             _active = load_profile(env)
         elif REPO_PROFILE.is_file():
-            _active = load_profile(REPO_PROFILE)
+            _active = _this_machine(load_profile(REPO_PROFILE))
         else:
             _active = BUILTIN
     return _active
+
+
+def _this_machine(profile: Profile) -> Profile:
+    """The repository's profile if it was measured on a machine like this one (same host name
+    and core count), else the built-in fallback, with a warning: constants from another
+    machine were 21-220% off (issue 15). An explicit profile (``use_profile``,
+    $SHARDWISE_COMM_PROFILE) is used as given."""
+    here, meta = host_meta(), profile.meta
+    if meta.get("host") == here["host"] and meta.get("cores") == here["cores"]:
+        return profile
+    import warnings
+    warnings.warn(f"comm profile {REPO_PROFILE} was measured on host {meta.get('host')!r} with "
+                  f"{meta.get('cores')} cores, this is {here['host']!r} with {here['cores']}: "
+                  "using the built-in constants; run `shardwise bench comm --calibrate` and "
+                  "point $SHARDWISE_COMM_PROFILE at its output", RuntimeWarning, stacklevel=3)
+    return BUILTIN
 
 
 def use_profile(profile: Profile | str | os.PathLike | None) -> Profile:
@@ -214,11 +251,28 @@ def use_profile(profile: Profile | str | os.PathLike | None) -> Profile:
     return active_profile()
 
 
+def predict_hierarchical(n: int, hosts: int, nbytes: float, profile: "Profile") -> float:
+    """Hierarchical all-reduce on ``hosts`` hosts of n / hosts ranks: the shared-memory steps
+    at the local size plus a ring across hosts on the host's slice (the ring's constants
+    are those measured at world size ``hosts``: on one machine, loopback)."""
+    local = n // hosts
+    t = predict("shm", local, nbytes, profile.params(local)) if local > 1 else 0.0
+    return t + predict("ring", hosts, nbytes / local, profile.params(hosts))
+
+
 @lru_cache(maxsize=4096)
-def choose_all_reduce(n: int, nbytes: int) -> str:
-    """The ``auto`` choice: the candidate with the least predicted time (ties: first)."""
-    prm = active_profile().params(n)
-    return min(AUTO_CANDIDATES, key=lambda a: predict(a, n, nbytes, prm))
+def choose_all_reduce(n: int, nbytes: int, extra: tuple[str, ...] = (), hosts: int = 1) -> str:
+    """The ``auto`` choice: the candidate with the least predicted time (ties: first).
+    ``extra``: "shm" (every rank on one host) and / or "hierarchical" (``hosts`` hosts)."""
+    profile = active_profile()
+    prm = profile.params(n)
+
+    def t(a: str) -> float:
+        if a == "hierarchical":
+            return predict_hierarchical(n, hosts, nbytes, profile)
+        return predict(a, n, nbytes, prm)
+
+    return min(AUTO_CANDIDATES + tuple(extra), key=t)
 
 
 def host_meta() -> dict:

@@ -95,17 +95,26 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]] = (),
     return _launch(run, async_op)
 
 
-def barrier(group=None) -> None:
+def barrier(group=None, algorithm: str = "dissemination") -> None:
     """Return on every rank only once all ranks of ``group`` have entered it.
 
-    Dissemination barrier (Hensgen, Finkel & Manber 1988), ceil(log2 N) steps. With the
-    argument check on (the default) the check's rounds are the barrier, and they also catch
-    a rank that called another collective instead.
+    "dissemination" (Hensgen, Finkel & Manber 1988), ceil(log2 N) steps. With the argument
+    check on (the default) the check's rounds are the barrier, and they also catch a rank
+    that called another collective instead. "shm": one round of the group's shared-memory
+    segment (ranks of one host; no argument check).
     """
+    if algorithm not in ("dissemination", "shm"):
+        raise ValueError(f"barrier: algorithm must be dissemination or shm, got {algorithm!r}")
     info = group_info(group, "barrier")
 
     def run() -> None:
         if info.size == 1:
+            return
+        if algorithm == "shm":
+            from shardwise.comm import shm
+            call = Call("barrier", "shm", info, 0)
+            shm.barrier(shm.segment(info), call)
+            call.close()
             return
         if settings.check:
             check.agree(info, "barrier(dissemination)",

@@ -2,7 +2,8 @@
 
 Shard i (``block`` = input numel elements) belongs to group rank i, as in
 ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor``. Algorithms:
-"ring" (Patarasuk & Yuan 2009: N-1 steps, (N-1) block bytes sent per rank) and
+"ring" (Patarasuk & Yuan 2009: N-1 steps, (N-1) block bytes sent per rank),
+"shm" (ranks of one host, through a shared-memory segment: ``shm.py``) and
 "recursive_doubling" / "recursive_halving" (Thakur et al. 2005: log2 N steps for powers of
 two, log2 p + 2 otherwise; same bytes per rank for powers of two), or "native".
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import halving_doubling, ring
+from shardwise.comm import halving_doubling, ring, shm
 from shardwise.comm.api import (ALL_GATHER_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS, _NATIVE_OPS,
                                 _agree, _call, _Flat, _launch, _pick, _tensor)
 from shardwise.comm.primitives import check_op, finish_, group_info
@@ -46,6 +47,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
                     async_op=True))
             elif algo == "ring":
                 ring.all_gather(call, out.flat, [i * m for i in range(n + 1)])
+            elif algo == "shm":
+                shm.all_gather(shm.segment(info), call, out.flat, [i * m for i in range(n + 1)])
             else:
                 halving_doubling.all_gather(call, out.flat, m)
             call.close()
@@ -108,6 +111,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
             work[r * m:(r + 1) * m].copy_(res)
         elif algo == "ring":
             ring.reduce_scatter(call, work, [i * m for i in range(n + 1)], op)
+        elif algo == "shm":
+            shm.reduce_scatter(shm.segment(info), call, work, [i * m for i in range(n + 1)], op,
+                               finish_n=n)
         else:
             halving_doubling.reduce_scatter(call, work, m, op)
         call.close()
