@@ -25,7 +25,7 @@ from shardwise.engine import Engine, EngineSettings, settle
 from shardwise.errors import NonFiniteLossError
 from shardwise.metrics import MetricsLog, plot_loss
 from shardwise.models import GPTConfig
-from shardwise.perf import Throughput, flops_per_token, peak_flops
+from shardwise.perf import Throughput, cpu_peak, flops_per_token, peak_flops
 from shardwise.topology import Topology
 from shardwise.trainer_state import TrainerState
 
@@ -193,6 +193,8 @@ class Trainer(TrainerState):
         """Tokens/s, FLOP/s per rank and MFU of this run (``perf``), against the peak of this
         rank's device in the compute dtype."""
         t = self.cfg.training
+        if self.device.type == "cpu" and t.peak_tflops is None:  # a short probe on every
+            cpu_peak(self.engine.dtype, refresh=True, seconds=0.15)  # start: the highest stands
         peak = peak_flops(self.device, self.engine.dtype, t.tf32, t.peak_tflops)
         world = self.topology.dp * self.topology.pp * self.topology.tp
         return Throughput(flops_per_token(self.gpt_cfg), world, peak)

@@ -14,8 +14,9 @@ cores). Datasheets quote the sparse figure for bf16/tf32; the dense one is half 
 CPUs have no table: ``cpu_peak`` times a square matmul in the compute dtype with the rank's
 torch threads and caches the result per (CPU model, threads, dtype, torch version) in
 ``$XDG_CACHE_HOME/shardwise/peak.json`` (``~/.cache`` by default), so MFU on the CPU means
-"of what this machine's matmul reaches". The cache keeps the highest measurement:
-``benchmarks/gpu_mfu.py --device cpu`` measures again on every run.
+"of what this machine's matmul reaches". The cache keeps the highest measurement, and
+every training run and ``benchmarks/gpu_mfu.py --device cpu`` measure again, so a reading
+taken while other processes held the cores does not stand.
 """
 
 from __future__ import annotations
