@@ -232,3 +232,19 @@ def test_cuda_step_never_waits_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert math.isfinite(settle(info)["loss"])
+
+
+def test_resumed_fused_adamw_state_steps_like_the_loop(tmp_path):
+    """A checkpoint loaded into an engine with fused AdamW (CUDA's default) continues like
+    one with the loop: the restored ``step`` sits where the fused kernel reads it."""
+    from shardwise.engine import state
+
+    ref = _engine()
+    _train(ref, steps=2)
+    tensors = state.logical_tensors(ref)
+    losses = {}
+    for fused in (False, True):
+        e = _engine(fused=fused)
+        state.load_logical_tensors(e, tensors)
+        losses[fused], _ = _train(e, steps=2)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -84,6 +84,8 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
+    # AdamW keeps ``step`` on the CPU, except the fused kernel, which reads it on the device
+    fused = bool(engine.optimizer.optimizer.defaults.get("fused"))
     by_param = _pieces_by_param(engine)
     named = local.named_parameters()
     dev = engine.device
@@ -166,6 +168,8 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
     parameters are rebuilt from the masters (``sync.after_step``). No communication."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
+    # AdamW keeps ``step`` on the CPU, except the fused kernel, which reads it on the device
+    fused = bool(engine.optimizer.optimizer.defaults.get("fused"))
     by_param = _pieces_by_param(engine)
     for n, p in local.named_parameters():
         key = _key(engine, n)
@@ -178,7 +182,8 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
             m.copy_(mine[0][a:b].view_as(m))
             state.pop(m, None)
             if step > 0:
-                state[m] = {"step": torch.tensor(step, dtype=torch.float32),
+                state[m] = {"step": torch.tensor(step, dtype=torch.float32,
+                                                 device=m.device if fused else "cpu"),
                             "exp_avg": mine[1][a:b].to(m.device).view_as(m).clone(),
                             "exp_avg_sq": mine[2][a:b].to(m.device).view_as(m).clone()}
     sync.after_step()
