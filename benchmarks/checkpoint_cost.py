@@ -39,7 +39,7 @@ MODES = ("none", "sync", "async")
 
 
 def _config(mode: str, ws: int, steps: int, every: int, out: str) -> dict:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
 
     return Config.from_dict({
         "model": MODEL, "parallel": {"dp": ws, "zero": 1},
@@ -52,8 +52,8 @@ def _config(mode: str, ws: int, steps: int, every: int, out: str) -> dict:
 
 def worker(configs: list[dict]) -> list[dict]:
     from shardwise import comm
-    from shardwise.config import Config
-    from shardwise.trainer import build_trainer
+    from shardwise.base.config import Config
+    from shardwise.training.trainer import build_trainer
 
     torch.set_num_threads(1)
     out = []

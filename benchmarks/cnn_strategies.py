@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.cnn import named_plans
-from shardwise.cnn.hybrid import HybridCNN
+from shardwise.apps.cnn import named_plans
+from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.launch import spawn
 from shardwise.models.cnn import CNN, CNNConfig
-from shardwise.tensor_parallel import TPGroup
+from shardwise.parallel.tensor_parallel import TPGroup
 
 OUT = Path(__file__).resolve().parent / "cnn_results"
 NAMES = ("dp", "tp-fc", "hybrid")

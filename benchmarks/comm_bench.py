@@ -7,7 +7,7 @@
 
 import sys
 
-from shardwise.comm.bench import main
+from shardwise.cli.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(kind: str, cfg, tokens, steps: int, warmup: int) -> float:
     from shardwise.data import DistributedBatchSampler
-    from shardwise.data_parallel import DistributedDataParallel
+    from shardwise.parallel.data_parallel import DistributedDataParallel
     from shardwise.models import GPT, GPTConfig
 
     m, rank, world = cfg.model, dist.get_rank(), dist.get_world_size()
@@ -64,7 +64,7 @@ def _run(kind: str, cfg, tokens, steps: int, warmup: int) -> float:
 
 
 def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int) -> dict:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.data import CharTokenizer, load_text
 
     cfg = Config.from_dict(cfg_dict)
@@ -79,7 +79,7 @@ def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from shardwise import checkpoint
-from shardwise.metrics import read_metrics
+from shardwise.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

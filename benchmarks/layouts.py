@@ -53,7 +53,7 @@ def layouts(ws: int) -> list[dict]:
 
 
 def _config(layout: dict, steps: int) -> dict:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
 
     return Config.from_dict({
         "model": MODEL, "parallel": dict(layout, schedule="1f1b"),
@@ -65,8 +65,8 @@ def _config(layout: dict, steps: int) -> dict:
 
 def worker(configs: list[dict], warmup: int) -> list[dict]:
     from shardwise import comm
-    from shardwise.config import Config
-    from shardwise.trainer import build_trainer
+    from shardwise.base.config import Config
+    from shardwise.training.trainer import build_trainer
 
     torch.set_num_threads(1)
     out = []
@@ -137,8 +137,8 @@ def _torch_3d():
                                                    parallelize_module)
 
     from shardwise.models import GPT, GPTConfig
-    from shardwise.pipeline.partition import balanced, gpt_layers
-    from shardwise.pipeline.stage import gpt_chunks, lm_loss
+    from shardwise.parallel.pipeline.partition import balanced, gpt_layers
+    from shardwise.parallel.pipeline.stage import gpt_chunks, lm_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, **{**MODEL, "tie_weights": False}))
@@ -176,7 +176,7 @@ def _torch_3d():
 
 def torch_worker(repeats: int, steps: int, warmup: int) -> dict:
     from shardwise import comm
-    from shardwise.topology import Topology, init_process_groups
+    from shardwise.base.topology import Topology, init_process_groups
 
     torch.set_num_threads(1)
     topo = init_process_groups(Topology.build(2, 2, 2, rank=dist.get_rank(),

@@ -199,7 +199,7 @@ def _h(m: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.comm.bench import parse_size
+    from shardwise.cli.bench import parse_size
     from shardwise.comm.cost import host_meta
     from shardwise.launch import spawn
 

@@ -33,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "ps_results"
 def _cfg(corpus: str | None, servers: int, workers: int, consistency: str, staleness, steps: int,
          model: dict, batch: int, out: str, slow: str | None = None, eval_every: int = 0,
          lr: float = 3e-3) -> dict:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
 
     return Config.from_dict({
         "model": model, "data": {"path": corpus}, "parallel": {"mode": "ps"},
@@ -66,7 +66,7 @@ def bytes_rank(cfg: dict) -> dict:
 
     from shardwise import comm
     from shardwise.comm import accounting
-    from shardwise.param_server import train_rank
+    from shardwise.apps.param_server import train_rank
 
     S, W = cfg["ps"]["servers"], cfg["ps"]["workers"]
     steps = cfg["training"]["steps"]
@@ -132,7 +132,7 @@ MODES = (("bsp", None), ("ssp", 1), ("ssp", 2), ("ssp", 4), ("asp", None))
 
 def straggler_rank(cfgs: list[dict]) -> list[dict]:
     from shardwise import comm
-    from shardwise.param_server import train_rank
+    from shardwise.apps.param_server import train_rank
 
     out = []
     for cfg in cfgs:
@@ -152,11 +152,11 @@ def ddp_rank(cfg_dict: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.data import DistributedBatchSampler
-    from shardwise.data_parallel import DistributedDataParallel
-    from shardwise.param_server.optim import lr_at, make_optimizer
-    from shardwise.param_server.training import _data_and_model, evaluate, straggle
+    from shardwise.parallel.data_parallel import DistributedDataParallel
+    from shardwise.apps.param_server.optim import lr_at, make_optimizer
+    from shardwise.apps.param_server.training import _data_and_model, evaluate, straggle
 
     cfg = Config.from_dict(cfg_dict)
     rank, W, t = dist.get_rank(), dist.get_world_size(), cfg.training
@@ -303,10 +303,10 @@ def run_delay(args) -> int:
     with no timing in play."""
     import torch
 
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.data import DistributedBatchSampler
-    from shardwise.param_server.optim import lr_at, make_optimizer
-    from shardwise.param_server.training import _data_and_model, evaluate
+    from shardwise.apps.param_server.optim import lr_at, make_optimizer
+    from shardwise.apps.param_server.training import _data_and_model, evaluate
 
     torch.set_num_threads(1)
     model_cfg = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}

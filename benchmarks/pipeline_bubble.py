@@ -26,10 +26,11 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.launch import spawn
-from shardwise.pipeline import timeline
-from shardwise.pipeline.executor import Executor
-from shardwise.pipeline.schedules import ScheduleError, ideal_bubble, schedule
-from shardwise.pipeline.stream import stream
+from shardwise.parallel.pipeline import timeline
+from shardwise.parallel.pipeline.executor import Executor
+from shardwise.parallel.pipeline.bubble import ideal_bubble
+from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
+from shardwise.parallel.pipeline.stream import stream
 
 
 class _Sleep(torch.autograd.Function):

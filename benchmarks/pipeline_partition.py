@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
+from shardwise.parallel.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
                                           profile_layers)
 
 

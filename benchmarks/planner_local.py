@@ -60,8 +60,8 @@ def quiet_worker(configs: list[dict], warmup: int, steps: int) -> list[dict]:
 
     from shardwise import comm
     from shardwise.comm import quiet
-    from shardwise.config import Config
-    from shardwise.trainer import build_trainer
+    from shardwise.base.config import Config
+    from shardwise.training.trainer import build_trainer
 
     torch.set_num_threads(1)
     import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""shardwise.pipeline against torch.distributed.pipelining on the same GPT, pp = 2.
+"""shardwise.parallel.pipeline against torch.distributed.pipelining on the same GPT, pp = 2.
 
 Both sides get the same chunks (``StageChunk`` of one GPT built from one seed), the same
 micro-batches, the same loss (mean cross-entropy over micro-batches) and AdamW; a step is
@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
-from shardwise.pipeline.partition import balanced, gpt_layers
+from shardwise.parallel.pipeline.partition import balanced, gpt_layers
 from shardwise.engine import Engine, EngineSettings
-from shardwise.pipeline.stage import gpt_chunks, lm_loss
-from shardwise.topology import Topology, init_process_groups
+from shardwise.parallel.pipeline.stage import gpt_chunks, lm_loss
+from shardwise.base.topology import Topology, init_process_groups
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
          ("interleaved", "ScheduleInterleaved1F1B", 2))

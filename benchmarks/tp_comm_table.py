@@ -21,9 +21,9 @@ def worker(batch: int, c_in: int, c_out: int, gpt: dict) -> dict:
     import torch
 
     from shardwise.models.gpt import GPTConfig
-    from shardwise.tensor_parallel import TPGroup, build_tp_gpt
-    from shardwise.tensor_parallel.comm_table import measure_gpt_layers, measure_linear
-    from shardwise.topology import Topology, init_process_groups
+    from shardwise.parallel.tensor_parallel import TPGroup, build_tp_gpt
+    from shardwise.parallel.tensor_parallel.comm_table import measure_gpt_layers, measure_linear
+    from shardwise.base.topology import Topology, init_process_groups
 
     n, rank = dist.get_world_size(), dist.get_rank()
     dp = init_process_groups(Topology.build(dp=n, rank=rank, world_size=n))
@@ -43,7 +43,7 @@ def worker(batch: int, c_in: int, c_out: int, gpt: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from shardwise.comm.accounting import format_table
     from shardwise.launch import spawn
-    from shardwise.tensor_parallel.comm_table import COLUMNS
+    from shardwise.parallel.tensor_parallel.comm_table import COLUMNS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)

@@ -2,7 +2,7 @@
 
 Both split the GPT of ``configs/shakespeare.toml`` (by default) across tp=2 gloo ranks, 1
 torch thread per rank, and train it on the same Shakespeare batches (every tp rank sees the
-whole batch). Ours: ``shardwise.tensor_parallel.build_tp_gpt`` (Q/K/V and ``fc``
+whole batch). Ours: ``shardwise.parallel.tensor_parallel.build_tp_gpt`` (Q/K/V and ``fc``
 column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel embedding, LM head
 and cross-entropy). Torch's: ``parallelize_module`` on a CPU ``DeviceMesh`` with
 ``ColwiseParallel`` on Q/K/V and ``fc`` and ``RowwiseParallel`` on ``out_proj`` and
@@ -52,8 +52,8 @@ def _torch_tp(model, tp: int):
 def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
          sp: bool, allreduce: str = "native") -> tuple[float, float]:
     from shardwise.models import GPT
-    from shardwise.tensor_parallel import TPGroup, build_tp_gpt
-    from shardwise.topology import Topology, init_process_groups
+    from shardwise.parallel.tensor_parallel import TPGroup, build_tp_gpt
+    from shardwise.base.topology import Topology, init_process_groups
 
     world = dist.get_world_size()
     if kind == "ours":
@@ -75,7 +75,7 @@ def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
         _, loss = model(x, y)
         loss.backward()
         if kind == "ours" and sp:
-            from shardwise.tensor_parallel import sync_replicated_grads
+            from shardwise.parallel.tensor_parallel import sync_replicated_grads
             sync_replicated_grads(model, model.tp)
         opt.step()
         if first_loss is None:
@@ -89,7 +89,7 @@ def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
 def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int, batch: int, sp: bool,
            allreduce: str = "native") -> dict:
     from shardwise import comm
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.data import CharTokenizer, load_text
     from shardwise.models import GPTConfig
 
@@ -119,7 +119,7 @@ def worker(cfg_dict: dict, repeats: int, steps: int, warmup: int, batch: int, sp
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -36,7 +36,7 @@ PAIRS = {1: "ddp+ZeroRedundancyOptimizer", 2: "fsdp2(reshard_after_forward=False
 
 def _build(kind: str, stage: int, cfg, vocab: int):
     from shardwise.models import GPT, GPTConfig
-    from shardwise.zero import ZeroDataParallel, ZeroStage3
+    from shardwise.parallel.zero import ZeroDataParallel, ZeroStage3
 
     m = cfg.model
     torch.manual_seed(cfg.training.seed)
@@ -105,7 +105,7 @@ def _run(kind: str, stage: int, cfg, tokens, steps: int, warmup: int) -> float:
 
 def worker(cfg_dict: dict, stages: list[int], repeats: int, steps: int, warmup: int,
            kinds: tuple = ("ours", "peer")) -> dict:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.data import CharTokenizer, load_text
 
     cfg = Config.from_dict(cfg_dict)
@@ -122,7 +122,7 @@ def worker(cfg_dict: dict, stages: list[int], repeats: int, steps: int, warmup: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.config import Config
+    from shardwise.base.config import Config
     from shardwise.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -7,10 +7,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise import comm
-from shardwise.cnn import LayerPlan, Plan, named_plans
-from shardwise.cnn.hybrid import HybridCNN
+from shardwise.apps.cnn import LayerPlan, Plan, named_plans
+from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.models.cnn import CNN, CNNConfig
-from shardwise.tensor_parallel import TPGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import TPGroup, clip_grad_norm_
 
 # small enough to be quick, every width divisible by 4 (classes too, for column on fc3)
 SMALL = CNNConfig(image_size=16, channels=(4, 8), hidden=(32, 16), classes=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.config import Config
+from shardwise.base.config import Config
 
 
 def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
@@ -24,7 +24,7 @@ def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
 
 
 def _trainer(cfg_dict: dict):
-    from shardwise.trainer import build_trainer
+    from shardwise.training.trainer import build_trainer
 
     return build_trainer(Config.from_dict(cfg_dict))
 
@@ -92,7 +92,7 @@ def resume_and_finish(cfg_dict: dict) -> dict:
 
 def overlap_probe(bucket_mb: float) -> dict:
     """Different init per rank, our DDP, one backward: report broadcast and overlap facts."""
-    from shardwise.data_parallel import DistributedDataParallel
+    from shardwise.parallel.data_parallel import DistributedDataParallel
     from shardwise.models import GPT, GPTConfig
 
     rank = dist.get_rank()
@@ -117,7 +117,7 @@ def train_infos(cfg_dict: dict) -> dict:
 
 def memory_after_steps(cfg_dict: dict) -> dict:
     """Train, then report predicted and measured bytes of this rank (zero.memory)."""
-    from shardwise.zero.memory import report
+    from shardwise.parallel.zero.memory import report
 
     trainer = _trainer(cfg_dict)
     for _ in range(trainer.cfg.training.steps):

@@ -83,8 +83,8 @@ def alive(pid: int) -> bool:
 
 def trainer_for(cfg_dict: dict):
     """A single-process ``Trainer`` (no torch.distributed) for ``cfg_dict``."""
-    from shardwise.config import Config
-    from shardwise.trainer import build_trainer
+    from shardwise.base.config import Config
+    from shardwise.training.trainer import build_trainer
 
     return build_trainer(Config.from_dict(cfg_dict))
 
@@ -102,6 +102,6 @@ def train_saving(cfg_dict: dict, at: tuple[int, ...]) -> dict:
 
 def raise_run_error() -> None:
     """Rank function: fail the way a NaN loss does (a ``RunError``)."""
-    from shardwise.errors import NonFiniteLossError
+    from shardwise.base.errors import NonFiniteLossError
 
     raise NonFiniteLossError(f"training loss is nan at step 3 (rank {dist.get_rank()})")

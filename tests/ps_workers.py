@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config import Config
+from shardwise.base.config import Config
 
 
 def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency: str = "bsp",
@@ -31,8 +31,8 @@ def reference(cfg_dict: dict) -> dict:
     """One process on the whole global batch of every step, torch's optimizer on the whole
     model: what BSP must equal."""
     from shardwise.data import DistributedBatchSampler
-    from shardwise.param_server.optim import lr_at, make_optimizer
-    from shardwise.param_server.training import _data_and_model
+    from shardwise.apps.param_server.optim import lr_at, make_optimizer
+    from shardwise.apps.param_server.training import _data_and_model
 
     cfg = Config.from_dict(cfg_dict)
     train_tokens, _, model = _data_and_model(cfg, torch.device("cpu"))
@@ -58,7 +58,7 @@ def reference(cfg_dict: dict) -> dict:
 def run_cases(cfg_dicts: list[dict], resume: bool = False) -> list[dict]:
     """Several parameter-server jobs one after another on the same ranks (one spawn)."""
     from shardwise import comm
-    from shardwise.param_server import train_rank
+    from shardwise.apps.param_server import train_rank
 
     out = []
     for cfg in cfg_dicts:
@@ -76,7 +76,7 @@ def faulty(cfg_dict: dict, stop: dict, join: dict, pause: dict | None = None) ->
     import torch.distributed as dist
 
     from shardwise import comm
-    from shardwise.param_server.training import run_server, run_worker
+    from shardwise.apps.param_server.training import run_server, run_worker
 
     cfg = Config.from_dict(cfg_dict)
     comm.configure(timeout_s=cfg.parallel.timeout_s)
@@ -96,7 +96,7 @@ def run_plan(plan: list[tuple]) -> list[dict]:
     barrier after each), then optionally one ``("faulty", cfg, stop, join)`` last (it ends
     with a rank gone, so nothing may follow it)."""
     from shardwise import comm
-    from shardwise.param_server import train_rank
+    from shardwise.apps.param_server import train_rank
 
     out = []
     for kind, cfg, *args in plan:

@@ -13,13 +13,14 @@ from ddp_workers import tiny_config
 from fault_workers import train_saving, trainer_for
 
 from conftest import REPO
-from shardwise import checkpoint, rundir
+from shardwise import checkpoint
+from shardwise.training import rundir
 from shardwise.checkpoint.integrity import write_manifest
 from shardwise.checkpoint.reader import safe_read_metadata
-from shardwise.cli import main
-from shardwise.config import Config
-from shardwise.errors import CheckpointError, NonFiniteLossError
-from shardwise.metrics import read_metrics
+from shardwise.cli.main import main
+from shardwise.base.config import Config
+from shardwise.base.errors import CheckpointError, NonFiniteLossError
+from shardwise.training.metrics import read_metrics
 
 
 class _Evil:
@@ -153,7 +154,7 @@ def test_second_live_run_on_a_directory_is_refused(corpus, tmp_path, capsys):
     assert "\n" not in err and "is in use by a live run (pid" in err
     held.close()
     # a holder killed with SIGKILL leaves no stale lock: the kernel drops flock locks
-    code = (f"import sys; sys.path.insert(0, {str(REPO / 'src')!r}); from shardwise import rundir; "
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'src')!r}); from shardwise.training import rundir; "
             f"from pathlib import Path; held = rundir.acquire_lock(Path({str(out)!r})); "
             "print('locked', flush=True); import time; time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

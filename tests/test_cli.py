@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 
 from conftest import REPO
 
@@ -68,7 +68,7 @@ def test_train_then_resume_end_to_end(corpus, tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "at step 6" in second.stdout
     assert "done: 8 steps" in second.stdout
-    from shardwise.metrics import read_metrics
+    from shardwise.training.metrics import read_metrics
 
     train = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert train == list(range(1, 9))  # continued from the resumed step, no row twice

@@ -15,9 +15,9 @@ import pytest
 import torch
 from cnn_workers import SMALL, make_batches, reference, rel_err, suite_worker
 
-from shardwise.cli import main
-from shardwise.cnn import choose, named_plans
-from shardwise.cnn.cost import STRATEGIES, allowed
+from shardwise.cli.main import main
+from shardwise.apps.cnn import choose, named_plans
+from shardwise.apps.cnn.cost import STRATEGIES, allowed
 from shardwise.data import DataError
 from shardwise.data.idx import read_idx, write_idx
 from shardwise.launch import spawn

@@ -5,7 +5,9 @@ import math
 
 import pytest
 
-from shardwise.comm import accounting, bench, cost, table
+from shardwise.cli import bench
+from shardwise.cli import comm_table as table
+from shardwise.comm import accounting, cost
 from shardwise.comm.halving_doubling import Fold
 from shardwise.comm.primitives import Call, GroupInfo, balanced_bounds
 

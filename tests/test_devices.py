@@ -5,7 +5,7 @@ import pytest
 
 from conftest import REPO
 
-from shardwise.cli import main
+from shardwise.cli.main import main
 from shardwise.launch import DeviceError, pick_device
 
 

@@ -15,7 +15,7 @@ from fault_workers import alive, children_of, listening_sockets, rank_sockets, r
 
 from conftest import REPO
 from shardwise import checkpoint, launch
-from shardwise.metrics import read_metrics
+from shardwise.training.metrics import read_metrics
 
 
 def _train(corpus, out, *extra, **popen):

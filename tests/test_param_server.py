@@ -8,12 +8,12 @@ import pytest
 import torch
 from ps_workers import ps_config, reference, run_cases, run_plan
 
-from shardwise.cli import main
-from shardwise.config import Config, ModelConfig
+from shardwise.cli.main import main
+from shardwise.base.config import Config, ModelConfig
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
-from shardwise.param_server import ClockTable, balanced_cuts, partition
-from shardwise.param_server.partition import count_keys
+from shardwise.apps.param_server import ClockTable, balanced_cuts, partition
+from shardwise.apps.param_server.partition import count_keys
 
 RTOL = 1e-5  # per-tensor relative error, as in the DDP parity tests
 
@@ -235,7 +235,7 @@ def test_torchrun_runs_a_parameter_server_job(corpus, tmp_path):
     from conftest import REPO
 
     from shardwise.launch import free_port
-    from shardwise.metrics import read_metrics
+    from shardwise.training.metrics import read_metrics
 
     out = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -312,7 +312,7 @@ def test_clock_rules_bsp_ssp_asp():
 
 
 def test_straggler_knob():
-    from shardwise.param_server.training import straggle
+    from shardwise.apps.param_server.training import straggle
 
     assert [straggle((1, 3.0), w, 7, 3, 0) for w in range(3)] == [1.0, 3.0, 1.0]
     assert straggle(None, 0, 0, 3, 0) == 1.0

@@ -7,8 +7,9 @@ import torch
 from pipeline_workers import make_engine, pipedream_reference, reference, run_many
 
 from shardwise.launch import spawn
-from shardwise.pipeline import timeline
-from shardwise.topology import Topology
+from shardwise.cli import timeline as timeline_cli
+from shardwise.parallel.pipeline import timeline
+from shardwise.base.topology import Topology
 
 RTOL = 1e-5
 
@@ -60,7 +61,7 @@ def test_pp2_matches_single_process_and_records_timelines(ref, tmp_path):
         assert len(comp) == 2 * cfg["microbatches"] * 2 * cfg.get("chunks_per_rank", 1)
         assert all(e["end"] >= e["start"] for e in events)
         assert 0.0 < timeline.idle_fraction(events) < 1.0
-    assert timeline.main([str(tmp_path / "2"), "--out", str(tmp_path / "1f1b.png")]) == 0
+    assert timeline_cli.main([str(tmp_path / "2"), "--out", str(tmp_path / "1f1b.png")]) == 0
     assert (tmp_path / "1f1b.png").stat().st_size > 10_000
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.pipeline.partition import (PartitionError, balanced, gpt_layers,
+from shardwise.parallel.pipeline.partition import (PartitionError, balanced, gpt_layers,
                                           partition_layers, profile_layers)
 
 

@@ -2,13 +2,14 @@
 
 import pytest
 
-from shardwise.pipeline.check import check, check_stream
-from shardwise.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep, RecvActivation,
+from shardwise.parallel.pipeline.bubble import ideal_bubble
+from shardwise.parallel.pipeline.check import check, check_stream
+from shardwise.parallel.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep, RecvActivation,
                                           RecvGrad,
                                           Schedule, ScheduleError, SendActivation, SendGrad,
-                                          compute_order, ideal_bubble, schedule, simulate,
+                                          compute_order, schedule, simulate,
                                           warmup_forwards)
-from shardwise.pipeline.stream import Stream, cut, stream
+from shardwise.parallel.pipeline.stream import Stream, cut, stream
 
 
 def _cases():

@@ -2,8 +2,9 @@
 
 import pytest
 
-from shardwise.pipeline import timeline
-from shardwise.pipeline.schedules import ideal_bubble
+from shardwise.cli import timeline as timeline_cli
+from shardwise.parallel.pipeline import timeline
+from shardwise.parallel.pipeline.bubble import ideal_bubble
 
 
 @pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("pipedream", 1)])
@@ -15,9 +16,9 @@ def test_predicted_idle_fraction_is_the_textbook_bubble(kind, v):
 
 def test_render_prediction_and_errors(tmp_path, capsys):
     out = tmp_path / "pred.png"
-    assert timeline.main(["--predict", "1f1b", "--p", "4", "--m", "8", "--out", str(out)]) == 0
+    assert timeline_cli.main(["--predict", "1f1b", "--p", "4", "--m", "8", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert timeline.main([str(tmp_path / "nothing")]) == 2
-    assert timeline.main(["--predict", "interleaved", "--p", "4", "--m", "6", "--v", "2"]) == 2
+    assert timeline_cli.main([str(tmp_path / "nothing")]) == 2
+    assert timeline_cli.main(["--predict", "interleaved", "--p", "4", "--m", "6", "--v", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no timeline" in err[0] and "multiple of p=4" in err[1]

@@ -214,7 +214,7 @@ def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
     """``shardwise memory`` prints the planner's bytes, in the decimal unit its header
     names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB)."""
     from shardwise.planner.memory import zero_bytes
-    from shardwise.zero.report import main
+    from shardwise.cli.memory import main
 
     assert main(["--params", "7.5e9", "--dp", "64"]) == 0
     out = capsys.readouterr().out.splitlines()

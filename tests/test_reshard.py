@@ -158,8 +158,8 @@ def test_loaded_state_is_the_checkpoint(results, a, b):
 def test_resume_names_the_model_field_that_differs(results):
     """Sizes and tied weights are the model, not the layout: a resume with another value
     is refused in one line naming the field, before any rank starts."""
-    from shardwise import rundir
-    from shardwise.config import Config
+    from shardwise.training import rundir
+    from shardwise.base.config import Config
 
     path = Path(results[("save", "dp1")][0]["path"])
     cfg = Config.from_dict(checkpoint.read_meta(path)["config"])

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from shardwise.topology import Topology, TopologyError
+from shardwise.base.topology import Topology, TopologyError
 
 
 def test_single_axis_dp4():

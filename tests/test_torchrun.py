@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import REPO
 
 from shardwise.launch import free_port
-from shardwise.metrics import read_metrics
+from shardwise.training.metrics import read_metrics
 
 
 def test_two_node_torchrun_on_loopback(corpus, tmp_path):

@@ -5,7 +5,7 @@ import pytest
 from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
 from test_ddp import assert_parity
 
-from shardwise.config import Config, ConfigError
+from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
 
 

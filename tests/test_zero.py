@@ -5,7 +5,7 @@ import torch
 from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint, train_infos
 from test_ddp import assert_parity
 
-from shardwise.config import Config, ConfigError
+from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
 
 
@@ -116,7 +116,7 @@ def test_memory_matches_the_formulas_exactly(zero, dp, precision, corpus, tmp_pa
 
 
 def test_memory_command_formulas_and_bad_input(capsys):
-    from shardwise.cli import main
+    from shardwise.cli.main import main
 
     # the paper's example (Rajbhandari et al., Figure 1): 7.5B parameters on 64 ranks
     assert main(["memory", "--params", "7.5e9", "--dp", "64", "--precision", "bf16"]) == 0

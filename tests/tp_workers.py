@@ -13,15 +13,15 @@ import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
-from shardwise.tensor_parallel import (ColumnParallelLinear, ParallelRNG, RowParallelLinear,
+from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, ParallelRNG, RowParallelLinear,
                                        TPGroup, VocabParallelEmbedding, build_tp_gpt,
                                        clip_grad_norm_, copy_to_region, gather_from_region,
                                        gather_from_sequence, gather_state_dict, gather_tensor,
                                        reduce_from_region, reduce_scatter_to_sequence,
                                        scatter_to_region, scatter_to_sequence,
                                        sync_replicated_grads, vocab_parallel_cross_entropy)
-from shardwise.tensor_parallel.model import TPAttention, TPMLP
-from shardwise.topology import Topology, init_process_groups
+from shardwise.parallel.tensor_parallel.model import TPAttention, TPMLP
+from shardwise.base.topology import Topology, init_process_groups
 
 B, T, C = 2, 8, 32  # layer tests: batch, sequence, hidden
 
@@ -272,8 +272,8 @@ def _train_tp(topo: Topology, cfg: GPTConfig, seed: int, batches: list, sp: bool
               resume: dict | None = None, start: int = 0) -> dict:
     """Train on ``batches``; ``resume`` ({"params", "optim"} in the full layout, from any
     layout) replaces the seeded initial state. Returns losses, norms and the full state."""
-    from shardwise.data_parallel import DistributedDataParallel
-    from shardwise.tensor_parallel import (gather_optimizer_state, load_full_state_dict,
+    from shardwise.parallel.data_parallel import DistributedDataParallel
+    from shardwise.parallel.tensor_parallel import (gather_optimizer_state, load_full_state_dict,
                                            load_optimizer_state)
 
     tp = TPGroup.from_topology(topo, sequence_parallel=sp)
@@ -342,7 +342,7 @@ def resume_worker(cfg: GPTConfig, seed: int, batches: list, first: tuple, second
 
 def comm_table_worker(batch: int, c_in: int, c_out: int) -> list[dict]:
     """Seed 000's y = Wx, measured per strategy with our ring collectives (counted)."""
-    from shardwise.tensor_parallel.comm_table import measure_linear
+    from shardwise.parallel.tensor_parallel.comm_table import measure_linear
 
     dp_topo = topology(dist.get_world_size(), 1)
     tp = TPGroup.from_topology(topology(1, dist.get_world_size()), all_reduce="ring",
@@ -353,7 +353,7 @@ def comm_table_worker(batch: int, c_in: int, c_out: int) -> list[dict]:
 def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
     """Per-layer communication of one forward + backward of the TP GPT, with and without
     sequence parallelism (ring collectives, so bytes are counted)."""
-    from shardwise.tensor_parallel.comm_table import measure_gpt_layers
+    from shardwise.parallel.tensor_parallel.comm_table import measure_gpt_layers
 
     topo = topology(1, dist.get_world_size())
     out = {}

@@ -1,3 +1,3 @@
-from shardwise.cli import main
+from shardwise.cli.main import main
 
 raise SystemExit(main())

@@ -237,7 +237,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             device: str = "cpu") -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    from shardwise.errors import RunError
+    from shardwise.base.errors import RunError
 
     code = 0
     try:

@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from shardwise.checkpoint.integrity import (MANIFEST, IntegrityError, first_non_finite,
                                             read_manifest, verify, write_manifest)
 from shardwise.checkpoint.reader import SafeReader, UnsafeCheckpointError
-from shardwise.errors import CheckpointError
+from shardwise.base.errors import CheckpointError
 
 __all__ = ["CheckpointError", "IntegrityError", "UnsafeCheckpointError", "MANIFEST", "META",
            "checkpoint_name", "complete_checkpoints", "latest_checkpoint", "find_resumable",

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from shardwise.errors import CheckpointError
+from shardwise.base.errors import CheckpointError
 
 MANIFEST = "checksums.json"
 _CHUNK = 1 << 20

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from shardwise.errors import CheckpointError
+from shardwise.base.errors import CheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED_GLOBALS = frozenset({

@@ -2,7 +2,7 @@
 one engine (see ``docs/architecture.md``, "How a layout is composed").
 
 - ``model``: ``build_local_model``: this rank's pipeline chunks, sharded for tp.
-- ``sync``: ``ReplicatedSync`` (ZeRO-0); ZeRO-1/2/3 come from ``shardwise.zero``.
+- ``sync``: ``ReplicatedSync`` (ZeRO-0); ZeRO-1/2/3 come from ``shardwise.parallel.zero``.
 - ``optimizer``: ``DistributedOptimizer``: fp32 masters, one global norm, AdamW.
 - ``engine``: ``Engine``: the schedule for training, forward passes for evaluation and
   generation.

@@ -30,12 +30,12 @@ from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
 from shardwise.models.gpt import GPTConfig, sample_next
-from shardwise.pipeline.executor import Executor
-from shardwise.pipeline.schedules import ScheduleError, schedule
-from shardwise.pipeline.stream import stream
-from shardwise.tensor_parallel.group import TPGroup
-from shardwise.tensor_parallel.layers import gather_tensor
-from shardwise.zero.precision import DTYPES, DynamicLossScaler
+from shardwise.parallel.pipeline.executor import Executor
+from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
+from shardwise.parallel.pipeline.stream import stream
+from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.layers import gather_tensor
+from shardwise.parallel.precision import DTYPES, DynamicLossScaler
 
 
 _STEP_STRIDE = 1_000_003  # prime, above any dropout_seed spread: no two (rank, step) seeds meet
@@ -194,13 +194,13 @@ class Engine:
             return ReplicatedSync(params, names, self.dp_group, topo.dp, topo.dp_rank,
                                   self.dtype, s.bucket_mb, s.first_bucket_mb, s.allreduce)
         if s.zero in (1, 2):
-            from shardwise.zero.optimizer import ZeroDataParallel
+            from shardwise.parallel.zero.optimizer import ZeroDataParallel
 
             tied = frozenset(id(q) for n, q in named if n in self.local.tied)
             container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
             return ZeroDataParallel(container, self.dp_group, s.zero, s.bucket_mb, self.dtype,
                                     self.loss_scaler, names=names, isolate=tied, explicit=True)
-        from shardwise.zero.stage3 import ZeroStage3
+        from shardwise.parallel.zero.stage3 import ZeroStage3
 
         (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
         units = list(zip(chunk.names, chunk.layers))
@@ -216,7 +216,7 @@ class Engine:
     def save_timeline(self, run_dir, title: str = "") -> None:
         """Write this rank's events of the last step to ``RUN_DIR/timeline/rank{r}.json``
         (draw them with ``shardwise timeline RUN_DIR``)."""
-        from shardwise.pipeline import timeline
+        from shardwise.parallel.pipeline import timeline
 
         s = self.s
         meta = {"title": title or f"{s.schedule} pp={self.topology.pp} m={s.micro_batches} "
@@ -239,7 +239,7 @@ class Engine:
         ``grads`` (buckets, gradient shards) and ``optimizer`` (fp32 masters that are not the
         parameters themselves, AdamW's two fp32 moments: measured once they exist, 8 bytes
         per master element before the first step), each storage counted once."""
-        from shardwise.zero.memory import _add
+        from shardwise.parallel.zero.memory import _add
 
         seen: set = set()
         params = [q for _, q in self.named_parameters()]

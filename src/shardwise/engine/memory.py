@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.data_parallel.buckets import MiB, build_buckets
+from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.engine.model import build_local_model
 from shardwise.models.gpt import GPTConfig
-from shardwise.tensor_parallel.group import TPGroup
-from shardwise.zero.precision import DTYPES
+from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.precision import DTYPES
 
 
 def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[int, int]:

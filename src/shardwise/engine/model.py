@@ -26,14 +26,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models.gpt import GPT, Block, Embedding, GPTConfig, LMHead
-from shardwise.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
+from shardwise.parallel.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
                                           profile_layers)
-from shardwise.pipeline.stage import StageChunk
-from shardwise.tensor_parallel.group import TPGroup
-from shardwise.tensor_parallel.loss import vocab_parallel_cross_entropy
-from shardwise.tensor_parallel.model import TPBlock, TPEmbedding, TPHead, check_divisible
-from shardwise.tensor_parallel.random import ParallelRNG
-from shardwise.tensor_parallel.state import VOCAB_PARAMS, gather_like, shard_like
+from shardwise.parallel.pipeline.stage import StageChunk
+from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
+from shardwise.parallel.tensor_parallel.model import TPBlock, TPEmbedding, TPHead, check_divisible
+from shardwise.parallel.tensor_parallel.random import ParallelRNG
+from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS, gather_like, shard_like
 
 @dataclass
 class LocalModel:

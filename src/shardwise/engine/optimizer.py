@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.zero.precision import DynamicLossScaler, fp32_step
+from shardwise.parallel.precision import DynamicLossScaler, fp32_step
 
 
 _NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank

@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise import comm
-from shardwise.tensor_parallel.state import VOCAB_PARAMS
+from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS
 
 FORMAT = 2  # meta["format"]: 2 = logical tensors (this module); absent = per-piece keys
 _PIECE = re.compile(r"^(?P<name>.+)\[(?P<a>\d+):(?P<b>\d+)\]$")

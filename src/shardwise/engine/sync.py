@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from shardwise.data_parallel.grad_sync import GradientSync
+from shardwise.parallel.data_parallel.grad_sync import GradientSync
 
 
 class ReplicatedSync:

@@ -11,7 +11,7 @@ the fully connected layers). ``CNN`` is that shape at Fashion-MNIST scale (28 x 
     fc_j:   Linear(h_{j-1}, h_j) -> ReLU (none after the last)              (B, h_j)
 
 The model is a chain of ``Block``s (the layer, then its element-wise / pooling tail), which
-is what ``shardwise.cnn`` assigns a strategy to, one block at a time; ``specs()`` describes
+is what ``shardwise.apps.cnn`` assigns a strategy to, one block at a time; ``specs()`` describes
 each block's sizes for the cost model without running it.
 """
 

@@ -2,7 +2,7 @@
 
 With N ranks on c < N cores, a rank that waits in a collective gives up its core; when its
 peer's data arrives it must wait to be scheduled again, behind ranks that are computing.
-The comm profile (``comm.calibrate``) times collectives with every rank taking part and
+The comm profile (``shardwise.cli.calibrate``) times collectives with every rank taking part and
 nobody computing, so it does not see this. ``calibrate_sync_penalty(N)`` spawns N ranks
 (one thread each) that alternate a fixed amount of matmul work with a small all-reduce in
 pairs (as tensor-parallel ranks do), and the same work without the all-reduce, 5 times

@@ -43,8 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from shardwise.pipeline.partition import balanced
-from shardwise.pipeline.schedules import warmup_forwards
+from shardwise.parallel.pipeline.partition import balanced
+from shardwise.parallel.pipeline.schedules import warmup_forwards
 from shardwise.planner.specs import ModelSpec, block_params
 
 GB = 1e9

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,
+from shardwise.parallel.pipeline.schedules import (Backward, Forward, RecvActivation, RecvGrad,
                                           SendActivation, SendGrad, schedule)
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers

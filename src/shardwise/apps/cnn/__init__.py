@@ -1,0 +1,18 @@
+"""Convolutional networks with a per-layer choice of data or tensor parallelism (issue 16).
+
+- ``layout``: the three activation layouts (batch / full / feature) and the explicit
+  layout changes between them (all-gather forward, its conjugate backward).
+- ``cost``: the strategies (dp, replicated, column, row), their collectives, bytes and
+  predicted seconds (alpha-beta model of ``shardwise.comm.cost``).
+- ``chooser``: dynamic programming over the layer chain; ``plan_main`` is
+  ``shardwise plan --model cnn``.
+- ``hybrid``: ``HybridCNN``, the model split by a plan (reusing
+  ``shardwise.parallel.tensor_parallel``'s column / row layers and operators).
+- ``training``: the training loop behind ``model.kind = "cnn"``.
+"""
+
+from shardwise.apps.cnn.chooser import Plan, choose, format_plan, named_plans, resolve
+from shardwise.apps.cnn.cost import STRATEGIES, LayerPlan
+
+__all__ = ["Plan", "LayerPlan", "STRATEGIES", "choose", "format_plan", "named_plans",
+           "resolve"]

@@ -1,0 +1,144 @@
+"""Per-layer strategies and what each costs: the collectives it calls, their bytes and time.
+
+A strategy fixes a layer's weight placement and the layouts (``shardwise.apps.cnn.layout``) its
+input and output may take:
+
+=============  =======================  ===============  ===============================
+strategy       weights                  input -> output  collectives (X in bytes, B batch)
+=============  =======================  ===============  ===============================
+dp             replicated, gradients    batch -> batch   all-reduce of the gradients,
+               summed over ranks                         X = 4 params (step)
+replicated     replicated, no sync      full -> full     none (every rank computes the
+                                                         whole batch)
+column         split by output          full -> feature  all-reduce of the input gradient
+               features                                  X = 4 B c_in (backward); from batch:
+                                        batch -> feature all-gather + reduce-scatter of
+                                                         X = 4 B c_in instead
+row            split by input features  feature -> full  all-reduce of the output
+                                                         X = 4 B c_out (forward); to batch:
+                                        feature -> batch reduce-scatter + all-gather instead,
+                                                         and the bias gradient all-reduced
+=============  =======================  ===============  ===============================
+
+This is seed 000's rule made exact: data parallelism moves the weights (C_in C_out per
+layer), tensor parallelism moves activations (B C_in or B C_out). Convolutions take dp or
+replicated (channel-parallel convolutions are not implemented). Layout changes between
+layers add an all-gather of the activation (4 B x elements per sample).
+
+Times use the alpha-beta model of ``shardwise.comm.cost`` for the ring algorithms the
+hybrid runs (Thakur, Rabenseifner & Gropp 2005, section 4; ``b(k)``/``g(k)`` carry the
+contention term of that module): ring all-reduce as ``comm.cost.predict("ring")``,
+ring all-gather ``(N-1) a(N) + (N-1)/N X b(N)``, ring reduce-scatter that plus
+``(N-1)/N X g(N)``. Bytes are those each rank sends: 2(N-1)/N X for an all-reduce,
+(N-1)/N X for an all-gather or a reduce-scatter. Compute is ``3 x forward FLOPs``
+(forward + two backward matmuls) at ``flops_per_s`` per rank, divided by N except for
+replicated layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL
+from shardwise.comm import cost as comm_cost
+from shardwise.models.cnn import BlockSpec
+
+STRATEGIES = ("dp", "replicated", "column", "row")
+INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,)}
+OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH)}
+ITEMSIZE = 4  # fp32
+FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak per core
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of one step: ``nbytes`` is X (the whole vector, as comm records it)."""
+
+    name: str    # all_reduce | all_gather | reduce_scatter
+    nbytes: int
+    phase: str   # forward | backward | step
+    where: str   # layer, or "a -> b" for a layout change
+
+    def bytes_sent(self, n: int) -> float:
+        """Bytes each rank sends (ring)."""
+        return (2 if self.name == "all_reduce" else 1) * (n - 1) / n * self.nbytes
+
+    def seconds(self, n: int, prm: comm_cost.LinkParams) -> float:
+        if n == 1:
+            return 0.0
+        if self.name == "all_reduce":
+            return comm_cost.predict("ring", n, self.nbytes, prm)
+        t = (n - 1) * prm.a(n) + (n - 1) / n * self.nbytes * prm.b(n)
+        return t + ((n - 1) / n * self.nbytes * prm.g(n) if self.name == "reduce_scatter" else 0.0)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A layer's strategy and the layouts of its input and output."""
+
+    strategy: str
+    layout_in: str
+    layout_out: str
+
+
+def allowed(spec: BlockSpec, n: int) -> list[str]:
+    """The strategies ``spec`` can take on ``n`` ranks (widths must divide)."""
+    out = ["dp", "replicated"]
+    if spec.kind == "fc" and n > 1:
+        if spec.c_out % n == 0:
+            out.append("column")
+        if spec.c_in % n == 0:
+            out.append("row")
+    return out
+
+
+def check_strategy(spec: BlockSpec, strategy: str, n: int) -> None:
+    """ValueError (one line naming the layer) if ``strategy`` cannot run ``spec`` on n ranks."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"cnn.plan: {spec.name}={strategy!r}: expected one of "
+                         f"{', '.join(STRATEGIES)}")
+    if strategy in ("column", "row") and spec.kind != "fc":
+        raise ValueError(f"cnn.plan: {spec.name}={strategy}: tensor parallelism splits fully "
+                         "connected layers only; convolutions take dp or replicated")
+    width, what = (spec.c_out, "output") if strategy == "column" else (spec.c_in, "input")
+    if strategy in ("column", "row") and width % n:
+        raise ValueError(f"cnn.plan: {spec.name}={strategy}: {what} width {width} is not "
+                         f"divisible by cnn.ranks={n}")
+
+
+def layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Collective]:
+    """The collectives of layer ``spec`` under ``lp`` in one step of ``batch`` samples."""
+    x_in, x_out = ITEMSIZE * batch * spec.in_elems, ITEMSIZE * batch * spec.out_elems
+    s, w = lp.strategy, spec.name
+    if s == "dp":
+        return [Collective("all_reduce", ITEMSIZE * spec.params, "step", w)]
+    if s == "column" and lp.layout_in == BATCH:
+        return [Collective("all_gather", x_in, "forward", w),
+                Collective("reduce_scatter", x_in, "backward", w)]
+    if s == "column":
+        return [Collective("all_reduce", x_in, "backward", w)]
+    if s == "row" and lp.layout_out == BATCH:  # the bias then sees only my rows: summed
+        return [Collective("reduce_scatter", x_out, "forward", w),
+                Collective("all_gather", x_out, "backward", w),
+                Collective("all_reduce", ITEMSIZE * spec.c_out, "step", w)]
+    if s == "row":
+        return [Collective("all_reduce", x_out, "forward", w)]
+    return []
+
+
+def change_collectives(elems: int, src: str, dst: str, batch: int) -> list[Collective]:
+    """The collectives of a layout change of a (batch, elems) activation."""
+    if src == dst:
+        return []
+    x, where = ITEMSIZE * batch * elems, f"{src} -> {dst}"
+    if FEATURE in (src, dst) and BATCH in (src, dst):
+        return change_collectives(elems, src, FULL, batch) + change_collectives(elems, FULL, dst, batch)
+    phase = "forward" if dst == FULL else "backward"  # gathers to full; keeps a part forward
+    return [Collective("all_gather", x, phase, where)]
+
+
+def compute_seconds(spec: BlockSpec, strategy: str, batch: int, n: int,
+                    flops_per_s: float = FLOPS_PER_S) -> float:
+    """Forward + backward time of the layer on one rank."""
+    share = 1 if strategy == "replicated" else n
+    return 3 * spec.flops * batch / share / flops_per_s

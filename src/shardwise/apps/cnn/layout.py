@@ -1,0 +1,96 @@
+"""Activation layouts between layers, and the explicit layout changes between them.
+
+Every rank of the group holds one of three layouts of a (B, ...) activation:
+
+========  =====================================  ============================
+layout    what a rank holds                       produced by
+========  =====================================  ============================
+batch     B/N samples, every feature (sharded     data-parallel layers
+          along the batch, dim 0)
+full      all B samples, every feature            replicated layers,
+          (replicated)                            row-parallel layers
+feature   all B samples, 1/N of the features      column-parallel layers
+          (sharded along the last dim)
+========  =====================================  ============================
+
+Gradient convention (what makes every layout exact): on every rank, the gradient of an
+activation is the true gradient of the global mean loss with respect to the part the rank
+holds. Data-parallel weight gradients are therefore partial sums over ranks (all-reduced
+with ``op="sum"``), and each layout change's backward is the conjugate of its forward:
+
+==================  ==============================  =================================
+change              forward                         backward
+==================  ==============================  =================================
+batch -> full       all-gather along dim 0          keep my rows (``gather_batch``)
+full -> batch       keep my rows                    all-gather along dim 0
+                                                    (``scatter_to_sequence``, dim 0)
+full -> feature     keep my features                all-gather along the last dim
+                                                    (``scatter_to_region``)
+feature -> full     all-gather along the last dim   keep my features
+                                                    (``gather_from_region``)
+==================  ==============================  =================================
+
+batch <-> feature goes through full. Two changes are fused into the layer next to them
+(``shardwise.apps.cnn.hybrid``), as sequence parallelism fuses them (Korthikanti et al. 2022,
+arXiv:2205.05198): batch -> column-parallel is an all-gather forward and a reduce-scatter
+backward (``gather_from_sequence`` on dim 0) in place of the column layer's all-reduce
+backward; row-parallel -> batch is a reduce-scatter forward, all-gather backward
+(``reduce_scatter_to_sequence`` on dim 0) in place of its all-reduce forward. All bytes go
+through ``shardwise.comm`` (the operators of ``shardwise.parallel.tensor_parallel.mappings``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise import comm
+from shardwise.parallel.tensor_parallel import (TPGroup, gather_from_region, scatter_to_region,
+                                       scatter_to_sequence)
+
+BATCH, FULL, FEATURE = "batch", "full", "feature"
+LAYOUTS = (BATCH, FULL, FEATURE)
+
+
+class _GatherBatch(torch.autograd.Function):
+    """All-gather along dim 0 forward (rank order), keep my rows backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup):
+        ctx.tp = tp
+        out = torch.empty((tp.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        comm.all_gather_into_tensor(out, x.contiguous(), group=tp.group, algorithm=tp.gather)
+        return out.flatten(0, 1)                                  # (N b, ...)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = g.shape[0] // ctx.tp.size
+        return g.narrow(0, ctx.tp.rank * n, n).contiguous(), None
+
+
+def gather_batch(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """(B/N, ...) -> (B, ...): all-gather forward, my rows backward (identity for N = 1)."""
+    return x if tp.size == 1 else _GatherBatch.apply(x, tp)
+
+
+def my_rows(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's B/N rows of a (B, ...) tensor that every rank holds (no communication;
+    data and labels, which every rank reads itself)."""
+    n = x.shape[0] // tp.size
+    return x.narrow(0, tp.rank * n, n)
+
+
+def convert(x: torch.Tensor, src: str, dst: str, tp: TPGroup, tag: str = "") -> torch.Tensor:
+    """Change ``x`` from layout ``src`` to ``dst`` (see the module's table)."""
+    if src == dst or tp.size == 1:
+        return x
+    if FEATURE in (src, dst) and BATCH in (src, dst):  # through full
+        return convert(convert(x, src, FULL, tp, tag), FULL, dst, tp, tag)
+    if (src, dst) == (BATCH, FULL):
+        return gather_batch(x, tp)
+    if (src, dst) == (FULL, BATCH):
+        return scatter_to_sequence(x, tp, dim=0, tag=tag)
+    if (src, dst) == (FULL, FEATURE):
+        return scatter_to_region(x, tp, tag=tag)
+    if (src, dst) == (FEATURE, FULL):
+        return gather_from_region(x, tp, tag=tag)
+    raise ValueError(f"unknown layout change {src!r} -> {dst!r}; layouts are {LAYOUTS}")

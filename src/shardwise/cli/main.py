@@ -1,0 +1,282 @@
+"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``plan``
+(``--model cnn``: the CNN's per-layer plan), ``timeline``.
+
+Examples::
+
+    shardwise train                                   # configs/shakespeare.toml, dp=2 local ranks
+    shardwise train --config configs/tiny.toml --parallel.dp 4 --training.steps 50
+    shardwise train --data my.txt                     # resumes if out_dir holds a checkpoint
+    shardwise train --fresh                           # start over; old checkpoints moved aside
+    shardwise train --max-restarts 3                  # restart the local ranks after a failure
+    torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
+    shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
+    shardwise plan --model cnn --batch 64 --ranks 4   # the CNN's per-layer plan and its bytes
+
+Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
+the field or file and exits with code 2, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from shardwise.cli.common import EXIT_USAGE, Parser
+
+DEFAULT_CONFIG = "configs/shakespeare.toml"
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def _split_overrides(extra: list[str]) -> dict:
+    from shardwise.base.config import ConfigError, parse_override_value
+
+    out, i = {}, 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or "." not in tok:
+            raise ConfigError(f"unrecognised argument {tok!r}; overrides look like --section.field VALUE")
+        key, eq, val = tok[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"--{key}: missing value")
+            val, i = extra[i + 1], i + 1
+        out[key] = parse_override_value(val)
+        i += 1
+    return out
+
+
+def _check_corpus(cfg, n_chars: int) -> None:
+    """The split ``Trainer`` makes (validation tail of ``max(T + 1, n * val_fraction)``
+    characters) must leave one global batch of training windows; else one line, here."""
+    T, G = cfg.model.block_size, cfg.training.global_batch_size
+    n_val = max(T + 1, int(n_chars * cfg.data.val_fraction))
+    windows = max(0, (n_chars - n_val - 1) // T)
+    if windows < G:
+        raise ValueError(f"data.path: {cfg.data.path or 'the corpus'} holds {n_chars:,} characters: "
+                         f"{windows} training windows of model.block_size+1={T + 1} after the "
+                         f"validation split, fewer than training.global_batch_size={G}")
+
+
+def cmd_train(args, extra: list[str]) -> int:
+    from shardwise import launch
+    from shardwise.apps import check_config
+    from shardwise.base.config import Config, ConfigError
+    from shardwise.training import rundir
+    from shardwise.data import DataError, load_text
+    from shardwise.base.errors import RunError
+
+    if args.resume and args.fresh:
+        print("shardwise: error: --resume and --fresh exclude each other", file=sys.stderr)
+        return EXIT_USAGE
+    mode = "fresh" if args.fresh else "resume" if args.resume else "auto"
+    env = launch.rank_env_from_environ()
+    is_rank0 = env is None or env.rank == 0
+    # under torchrun --max-restarts, a restarted gang resumes even if launched with --fresh
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    try:
+        overrides = _split_overrides(extra)
+        if args.data is not None:
+            overrides["data.path"] = args.data
+        config_path = args.config
+        if config_path is None and Path(DEFAULT_CONFIG).is_file():
+            config_path = DEFAULT_CONFIG
+        cfg = Config.load(config_path, overrides)
+        check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)
+        if cfg.model.kind == "cnn":  # a directory of IDX files (issue 16)
+            from shardwise.data.idx import check_image_dir
+
+            check_image_dir(cfg.data.path)
+        else:
+            _check_corpus(cfg, len(load_text(cfg.data.path)))  # missing, unreadable or too short
+        if env is not None and env.world_size != cfg.world_size:
+            raise ConfigError(
+                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
+                f"+ ps.workers), but torchrun started "
+                f"WORLD_SIZE={env.world_size}")
+        local = env.local_world_size if env is not None else cfg.world_size
+        device, device_note = launch.pick_device(cfg.training.device, local)  # before any rank
+        plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
+        if plan.resume_from and cfg.parallel.mode == "ps":
+            from shardwise.apps.param_server.state import check_resumable
+
+            check_resumable(plan.resume_from, cfg)
+    except (ConfigError, DataError, RunError, ValueError) as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if is_rank0:
+        for note in [device_note] if device_note else []:
+            print(note, file=sys.stderr, flush=True)
+        for note in plan.notes:
+            print(f"shardwise: {note}", file=sys.stderr, flush=True)
+    resume_from = str(plan.resume_from) if plan.resume_from else False
+
+    # plan.lock (the out_dir flock) stays held while this frame lives, i.e. for the whole run
+    if env is not None:  # under torchrun: this process is one rank; torchrun restarts the gang
+        _run_as_torchrun_rank(cfg, env, resume_from, device)
+    return _run_local(cfg, resume_from, args.max_restarts, device)
+
+
+def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> None:
+    """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``."""
+    from shardwise import launch
+    from shardwise.base.errors import RunError
+    from shardwise.apps.jobs import train_worker
+
+    code = 0
+    try:
+        dev = launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s,
+                                      threads=cfg.training.threads or None,
+                                      store=launch.elastic_store(env, cfg.parallel.timeout_s),
+                                      device=device)
+        train_worker(cfg.model_dump(), resume_from, str(dev))
+    except RunError as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        launch.shutdown(clean=code == 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip gloo's abort at interpreter exit
+
+
+def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "auto") -> int:
+    """Spawn the local ranks; restart them (resuming) up to ``max_restarts`` times after a
+    failure; on SIGTERM / SIGINT stop every rank and exit 128 + signal with one line."""
+    from shardwise import launch
+    from shardwise.training import rundir
+    from shardwise.base.errors import RunError
+    from shardwise.apps.jobs import train_worker
+
+    def _terminate(signum, frame):
+        raise launch.Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    restarts = 0
+    while True:
+        try:
+            results = launch.spawn(train_worker, cfg.world_size, (cfg.model_dump(), resume_from),
+                                   threads=cfg.training.threads or None,
+                                   timeout_s=cfg.parallel.timeout_s, device=device)
+            break
+        except launch.WorkerError as e:
+            if e.fatal:
+                print(f"shardwise: error: {e}", file=sys.stderr)
+                return 1
+            if restarts >= max_restarts:
+                print(f"shardwise: training failed: {e}", file=sys.stderr)
+                return 1
+            restarts += 1
+            print(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
+                  f"{max_restarts}", file=sys.stderr, flush=True)
+            try:
+                again = rundir.prepare(cfg, "auto", restart=True, lock=False)  # ours already
+            except (RunError, ValueError) as e2:
+                print(f"shardwise: error: {e2}", file=sys.stderr)
+                return 1
+            for note in again.notes:
+                print(f"shardwise: {note}", file=sys.stderr, flush=True)
+            resume_from = str(again.resume_from) if again.resume_from else False
+        except (launch.Interrupted, KeyboardInterrupt) as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            print(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
+                  f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
+            return 128 + signum
+    s = results[cfg.ps.servers if cfg.parallel.mode == "ps" else 0]  # ps: worker 0
+    if "summary" in s:  # the CNN (issue 16): accuracy, not nats/char
+        print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, final train "
+              f"loss {s['loss']:.4f}, {s['summary']}; outputs in {cfg.training.out_dir}")
+        return 0
+    print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, "
+          f"final train loss {s['loss']:.4f}, validation loss {s['val_loss']:.4f} nats/char; "
+          f"outputs in {cfg.training.out_dir}")
+    return 0
+
+
+def cmd_bench(args, extra: list[str]) -> int:
+    if args.what == "comm":
+        from shardwise.cli.bench import main as comm_main
+
+        return comm_main(extra)
+    print(f"shardwise: error: unknown benchmark {args.what!r}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def cmd_memory(args, extra: list[str]) -> int:
+    from shardwise.cli.memory import main as memory_main
+
+    return memory_main(extra)
+
+
+def cmd_plan(args, extra: list[str]) -> int:
+    from shardwise.cli.plan import plan_main
+
+    return plan_main(extra)
+
+
+def cmd_timeline(args, extra: list[str]) -> int:
+    from shardwise.cli.timeline import main as timeline_main
+
+    return timeline_main(extra)
+
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="shardwise", description="Distributed training on PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    t = sub.add_parser("train", help="train a GPT on text across local ranks (or under torchrun)",
+                       description="Any config field can be overridden: --section.field VALUE")
+    t.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG})")
+    t.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare")
+    t.add_argument("--resume", action="store_true",
+                   help="require a checkpoint to continue from (a run resumes by default when "
+                        "its checkpoint.dir holds one)")
+    t.add_argument("--fresh", action="store_true",
+                   help="start at step 0: move old checkpoints and metrics aside (never deleted)")
+    t.add_argument("--max-restarts", type=_non_negative, default=0, metavar="N",
+                   help="restart the local ranks up to N times after a failure, resuming")
+    t.set_defaults(func=cmd_train)
+    b = sub.add_parser("bench", help="benchmarks: comm", add_help=False)
+    b.add_argument("what", help="which benchmark (comm)")
+    b.set_defaults(func=cmd_bench)
+    mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
+                         add_help=False)
+    mem.set_defaults(func=cmd_memory)
+    pl = sub.add_parser("plan", help="rank layouts of a model on a cluster: memory per GPU and "
+                        "predicted step time; emit the best as a TOML", add_help=False)
+    pl.set_defaults(func=cmd_plan)
+    tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
+                        add_help=False)
+    tl.set_defaults(func=cmd_timeline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return args.func(args, extra)
+    except KeyboardInterrupt:  # Ctrl-C outside a run (while importing, checking): one line
+        print("shardwise: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""``shardwise memory``: predicted bytes per rank for each ZeRO stage and any layout.
+
+    shardwise memory --params 1.5e9 --dp 64 --precision bf16     # ZeRO formulas, dp only
+    shardwise memory --config configs/tiny.toml --dp 2 --tp 2 --pp 2 --stages 0,1,2
+    shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
+
+With a model (``--config``), every rank of the layout is predicted exactly
+(``engine.memory.predict_rank``: the rank's model built on the meta device, packed as the
+dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
+local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
+With ``--params`` only, the formulas of Rajbhandari et al. for dp alone. Both paths are the
+planner's memory model (``planner.memory``: ``predict_rank`` with a model, ``zero_bytes``
+with a parameter count), so ``shardwise plan`` and this report print the same bytes. Units
+are decimal and named in the header: MB (1e6 bytes), or GB (1e9) when a total reaches 1 GB.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from shardwise.planner.memory import unit_for, zero_bytes
+
+MB = 1e6  # --budget-mb is in MB (1e6 bytes), as every table here
+
+
+def measure_worker(cfg_dict: dict) -> dict:
+    """Rank function: one step, then this rank's coordinates and measured bytes."""
+    from shardwise.base.config import Config
+    from shardwise.training.trainer import build_trainer
+
+    trainer = build_trainer(Config.from_dict(cfg_dict))
+    trainer.train_step()
+    return {"coords": trainer.topology.coords, **trainer.engine.memory_bytes()}
+
+
+def _layout_table(args, stages: list[int]) -> int:
+    """Per-rank prediction for a model and a dp x tp x pp layout (``engine.memory``), with
+    ``--measure`` the bytes each rank holds after one step beside it."""
+    from shardwise.base.config import Config, ConfigError
+    from shardwise.data import CharTokenizer, load_text
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
+
+    over = {"parallel.dp": args.dp, "parallel.tp": args.tp, "parallel.pp": args.pp,
+            "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
+    if args.bucket_mb is not None:
+        over["parallel.bucket_mb"] = args.bucket_mb
+    try:
+        base = Config.load(args.config, over)
+    except ConfigError as e:
+        print(f"shardwise memory: error: {e}", file=sys.stderr)
+        return 2
+    m, p = base.model, base.parallel
+    vocab = m.vocab_size or CharTokenizer.from_text(load_text(base.data.path)).vocab_size
+    gpt = GPTConfig(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias,
+                    tie_weights=m.tie_weights)
+    preds = {}
+    for z in stages:
+        for pr in range(p.pp):
+            for tr in range(p.tp):
+                if z == 3 and p.pp > 1:
+                    continue
+                preds[(z, pr, tr)] = predict_rank(
+                    gpt, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr, zero=z,
+                    precision=args.precision, bucket_mb=p.bucket_mb)
+    unit, div = unit_for(max([d["total"] for d in preds.values()] or [0]))
+    print(f"GPT {m.n_layer} x {m.n_embd}, vocab {vocab}; dp={p.dp} x pp={p.pp} x tp={p.tp}, "
+          f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
+          f"{div:.0e} bytes; dp rank 0: padding lands on the last dp rank)")
+    print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
+          f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
+          + (f"  fits {args.budget_mb:g} MB?" if args.budget_mb else ""))
+    for z in stages:
+        if z == 3 and p.pp > 1:
+            print(f"{z:>4}   ZeRO-3 with pp > 1 is refused (see shardwise train)")
+            continue
+        measured = {}
+        if args.measure:
+            from shardwise.launch import spawn
+
+            cfg = Config.load(args.config, {**over, "parallel.zero": z,
+                                            "training.precision": args.precision,
+                                            "training.global_batch_size": 2 * p.dp})
+            for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
+                if r["coords"]["dp"] == 0:
+                    measured[(r["coords"]["pp"], r["coords"]["tp"])] = r["total"]
+        for pr in range(p.pp):
+            for tr in range(p.tp):
+                pred = preds[(z, pr, tr)]
+                line = (f"{z:>4} {pr:>3} {tr:>3} {pred['params'] / div:>9.3f} "
+                        f"{pred['grads'] / div:>9.3f} {pred['optimizer'] / div:>9.3f} "
+                        f"{pred['total'] / div:>9.3f}")
+                if measured:
+                    line += f" {measured[(pr, tr)] / div:>9.3f}"
+                if args.budget_mb:
+                    line += f"  {'yes' if pred['total'] <= args.budget_mb * MB else 'NO'}"
+                print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shardwise.cli.common import Parser
+
+    ap = Parser(prog="shardwise memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="TOML config whose model is measured")
+    ap.add_argument("--params", type=float, default=None, help="parameter count P (formulas only)")
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --config)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
+    ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
+    ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MB (1e6 bytes)")
+    args = ap.parse_args(argv)
+    try:
+        stages = [int(s) for s in args.stages.split(",")]
+        if any(s not in (0, 1, 2, 3) for s in stages):
+            raise ValueError
+    except ValueError:
+        print(f"shardwise memory: error: --stages {args.stages!r}: expected stages 0-3, "
+              "comma-separated", file=sys.stderr)
+        return 2
+    if args.dp < 1:
+        print(f"shardwise memory: error: --dp {args.dp}: expected a whole number >= 1",
+              file=sys.stderr)
+        return 2
+    for flag, value, least in (("--params", args.params, 1.0), ("--budget-mb", args.budget_mb, 0.0)):
+        if value is not None and not (math.isfinite(value) and value >= least and value > 0):
+            print(f"shardwise memory: error: {flag} {value:g}: expected a finite number "
+                  f"{'>= 1' if least else '> 0'}", file=sys.stderr)
+            return 2
+    if args.params is not None and args.measure:
+        print("shardwise memory: error: --measure needs a model (--config), not --params",
+              file=sys.stderr)
+        return 2
+
+    if args.tp < 1 or args.pp < 1:
+        print("shardwise memory: error: --tp and --pp must be positive", file=sys.stderr)
+        return 2
+    if args.params is None:  # a model: the exact per-rank prediction of any layout
+        return _layout_table(args, stages)
+    if args.tp > 1 or args.pp > 1:
+        print("shardwise memory: error: --tp/--pp need a model (--config), not --params",
+              file=sys.stderr)
+        return 2
+    measured, P = {}, int(args.params)
+    preds = {s: zero_bytes(P, args.dp, s, args.precision) for s in stages}
+    unit, div = unit_for(max(d["total"] for d in preds.values()))
+    print(f"P = {P:,} parameters, N = {args.dp} ranks, {args.precision} compute with fp32 "
+          f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes)")
+    head = f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}"
+    if measured:
+        head += f" {'measured':>10} {'(params/grads/optim)':>26}"
+    if args.budget_mb:
+        head += f"  fits {args.budget_mb:g} MB?"
+    print(head)
+    for s in stages:
+        pred = preds[s]
+        line = (f"{s:>5} {pred['params'] / div:>10.2f} {pred['grads'] / div:>10.2f} "
+                f"{pred['optimizer'] / div:>10.2f} {pred['total'] / div:>10.2f}")
+        if measured:
+            m = measured[s]
+            line += (f" {m['total'] / div:>10.2f} {m['params'] / div:>8.2f}/{m['grads'] / div:.2f}/"
+                     f"{m['optimizer'] / div:.2f}".ljust(27))
+        if args.budget_mb:
+            used = measured[s]["total"] if measured else pred["total"]
+            line += f"  {'yes' if used <= args.budget_mb * MB else 'NO'}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""``shardwise plan``: the feasible layouts of a model on a cluster, ranked by predicted
+step time, with memory per GPU and the time split; the best one as a runnable TOML.
+
+    shardwise plan --model configs/tiny.toml --cluster local --gpus 4 --global-batch 16
+    shardwise plan --model gpt3-175b --cluster dgx-a100-80gb --gpus 1024 --global-batch 1536
+    shardwise plan --model gpt2-124m --cluster dgx-h100 --gpus 8 --global-batch 64 --pruned 10
+    shardwise plan --model configs/tiny.toml --gpus 4 --global-batch 8 --emit-toml best.toml
+
+Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
+no layout) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
+chooser (``shardwise.apps.cnn.chooser.plan_main``) when that module is installed.
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+from shardwise.planner.memory import unit_for
+from shardwise.planner.specs import SpecError, load_model, positive_number
+
+EXIT_USAGE = 2
+
+
+def build_parser():
+    from shardwise.cli.common import Parser
+
+    ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True,
+                    help="named size (gpt2-124m ... megatron-1t), a TOML with a [model] table "
+                         "(a shardwise train config), or cnn")
+    ap.add_argument("--cluster", default="local",
+                    help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100 or local (default)")
+    ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks)")
+    ap.add_argument("--global-batch", default="16", help="sequences per optimizer step")
+    ap.add_argument("--seq", default=None, help="sequence length (default: the model's)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="compute dtype (default: the cluster's: bf16 on GPUs, fp32 local)")
+    ap.add_argument("--memory-gb", default=None, help="memory per GPU, GB (default: the preset's)")
+    ap.add_argument("--top", default="10", help="layouts to print")
+    ap.add_argument("--pruned", default="0", metavar="N", help="also print N pruned layouts "
+                    "with the reason")
+    ap.add_argument("--tp-across-nodes", action="store_true", help="let tp span nodes")
+    ap.add_argument("--emit-toml", metavar="PATH", help="write the best layout as a config "
+                    "`shardwise train --config PATH` runs")
+    ap.add_argument("--timeline", metavar="PNG", help="draw the best layout's predicted "
+                    "pipeline timeline")
+    return ap
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = _cnn_argv(argv)
+    if rest is not None:  # the CNN's per-layer chooser takes every other option itself
+        return _cnn(rest)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except (SpecError, ValueError) as exc:
+        print(f"shardwise plan: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _cnn_argv(argv: list[str]) -> list[str] | None:
+    """``argv`` without ``--model cnn`` (or ``--model=cnn``) when it names the CNN, else None."""
+    for i, tok in enumerate(argv):
+        if tok == "--model=cnn":
+            return argv[:i] + argv[i + 1:]
+        if tok == "--model" and i + 1 < len(argv) and argv[i + 1] == "cnn":
+            return argv[:i] + argv[i + 2:]
+    return None
+
+
+def _cnn(argv: list[str]) -> int:
+    """The single dispatch point for ``--model cnn`` (issue 16's per-layer chooser)."""
+    try:
+        from shardwise.cli.plan_cnn import plan_main as cnn_plan_main
+    except ImportError:
+        print("shardwise plan: error: --model cnn: the CNN chooser (shardwise.apps.cnn.chooser) "
+              "is not available in this installation", file=sys.stderr)
+        return EXIT_USAGE
+    return cnn_plan_main(argv)
+
+
+def _run(args) -> int:
+    from shardwise.planner.hardware import get_cluster
+    from shardwise.planner.search import plan, smallest_need
+
+    world = positive_number(args.gpus, "--gpus", integer=True)
+    batch = positive_number(args.global_batch, "--global-batch", integer=True)
+    top = positive_number(args.top, "--top", integer=True)
+    n_pruned = int(positive_number(args.pruned, "--pruned", integer=True)) if args.pruned != "0" else 0
+    spec = load_model(args.model)
+    if args.seq is not None:
+        spec = spec.with_seq(positive_number(args.seq, "--seq", integer=True))
+    cluster = get_cluster(args.cluster, spec, world)
+    precision = args.precision or cluster.precision
+    limit = (positive_number(args.memory_gb, "--memory-gb") * 1e9 if args.memory_gb
+             else cluster.memory_per_rank(world))
+    feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
+                            memory_limit=limit, tp_across_nodes=args.tp_across_nodes)
+    if not feasible:
+        need = smallest_need(pruned)
+        if need is not None:
+            raise SpecError(f"{spec.name} ({spec.params / 1e9:.3g}B parameters) fits no layout "
+                            f"of {world} GPUs with {limit / 1e9:.3g} GB each: the smallest "
+                            f"needs {need / 1e9:.3g} GB per GPU")
+        first = pruned[0].reason if pruned else "no layout"
+        raise SpecError(f"no feasible layout of {spec.name} on {world} GPUs: {first}")
+    _print(spec, cluster, world, batch, precision, feasible[:top], limit)
+    if n_pruned:
+        groups: dict[str, list] = {}
+        for p in pruned:  # one line per kind of reason (numbers stripped), with an example
+            groups.setdefault("".join(ch for ch in p.reason if not ch.isdigit()), []).append(p)
+        print(f"\npruned: {len(pruned)} layouts; by reason (count, an example):")
+        for ps in sorted(groups.values(), key=len, reverse=True)[:n_pruned]:
+            lay = ps[0].layout
+            name = lay.label() if lay.m else f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
+            print(f"  {len(ps):>5}  {name:<42} {ps[0].reason}")
+    best = feasible[0]
+    if args.emit_toml:
+        path = emit_toml(args.emit_toml, args.model, spec, best.layout, batch, precision)
+        print(f"\nbest layout written to {path}: shardwise train --config {path}")
+    if args.timeline:
+        from shardwise.parallel.pipeline.timeline import render
+        from shardwise.planner.simulate import simulate
+
+        ev = simulate(spec, best.layout, cluster, precision, with_events=True)["events"]
+        render(ev, args.timeline, f"predicted {best.layout.label()} on {cluster.name}")
+        print(f"predicted timeline: {args.timeline}")
+    return 0
+
+
+def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
+    unit, div = unit_for(max(r.memory["total"] for r in rows))
+    tokens = batch * spec.block_size
+    print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters, {spec.n_layer} layers x "
+          f"{spec.n_embd}, sequence {spec.block_size}; {world} x {cluster.gpu} ({cluster.name}, "
+          f"{limit / 1e9:.3g} GB each), global batch {batch}, {precision}")
+    print(f"memory per GPU in {unit} (1 {unit} = {div:.0e} bytes); time per step in ms, split "
+          "in % (compute, tp, pp, bubble, dp, optimizer)")
+    print(f"{'#':>3} {'layout':<42} {'static':>8} {'activ.':>8} {'total':>8} {'step ms':>10} "
+          f"{'tokens/s':>10}  {'comp':>4} {'tp':>3} {'pp':>3} {'bub':>3} {'dp':>3} {'opt':>3}")
+    for i, c in enumerate(rows, 1):
+        t, m = c.time, c.memory
+        static = m["params"] + m["grads"] + m["optimizer"]
+        pct = [100 * t[k] / t["step"] for k in ("compute", "tp", "pp", "bubble", "dp", "optimizer")]
+        print(f"{i:>3} {c.layout.label():<42} {static / div:>8.3f} {m['activations'] / div:>8.3f} "
+              f"{m['total'] / div:>8.3f} {t['step'] * 1e3:>10.1f} {tokens / t['step']:>10.0f}  "
+              + " ".join(f"{p:>3.0f}" for p in pct))
+
+
+def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) -> Path:
+    """Write ``lay`` as a train config. A TOML model keeps its other sections; a named model
+    gets its sizes written out. Returns the path."""
+    data: dict = {}
+    src = Path(model_arg)
+    if src.is_file():
+        data = tomllib.loads(src.read_text())
+    model = dict(data.get("model", {}))
+    model.update({"n_layer": spec.n_layer, "n_head": spec.n_head, "n_embd": spec.n_embd,
+                  "block_size": spec.block_size, "tie_weights": spec.tie_weights,
+                  "bias": spec.bias})
+    if not src.is_file():
+        model["vocab_size"] = spec.vocab_size
+    parallel = {k: v for k, v in data.get("parallel", {}).items()
+                if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
+    parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+                     "micro_batches": lay.m, "schedule": lay.schedule,
+                     "chunks_per_rank": lay.v, "zero": lay.zero, "recompute": lay.recompute,
+                     "sequence_parallel": lay.sp, "partition": lay.partition})
+    training = dict(data.get("training", {}))
+    training.update({"global_batch_size": batch, "precision": precision})
+    out = {**data, "model": model, "parallel": parallel, "training": training}
+    text = "# written by shardwise plan: " + lay.label() + "\n"
+    for section, table in out.items():
+        if not isinstance(table, dict):
+            continue
+        text += f"\n[{section}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in table.items())
+    from shardwise.base.config import Config
+
+    Config.from_dict(tomllib.loads(text))  # what train will check, before writing
+    p = Path(path)
+    p.write_text(text)
+    return p
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)

@@ -1,0 +1,3 @@
+"""The parallel techniques, one package each: data_parallel (our DDP), zero (ZeRO-1/2/3),
+tensor_parallel (Megatron column/row parallel, SP), pipeline (schedules as data, the
+executor), and precision (mixed precision, loss scaling, the one global gradient norm)."""

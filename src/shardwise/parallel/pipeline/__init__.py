@@ -1,0 +1,33 @@
+"""Pipeline parallelism: schedules as data, a checker, partitioning, one executor, timelines.
+
+- ``schedules``: ``schedule(kind, p, m, v)`` -> ``Schedule`` (instruction lists per rank)
+  for naive, GPipe, 1F1B, interleaved 1F1B and PipeDream; ``simulate`` for ideal timings.
+- ``check``: ``check(schedule)`` validates any schedule without processes.
+- ``partition``: balanced contiguous cuts by layer count, parameters or profiled time.
+- ``stage``: GPT chunks keeping the GPT's parameter names.
+- ``executor``: runs one rank's list with non-blocking p2p through ``shardwise.comm``.
+- ``timeline``: record, predict, measure the idle fraction, draw the Gantt chart;
+  ``shardwise.cli.timeline`` is the command.
+
+The training step that runs a schedule with dp, tp and ZeRO is ``shardwise.engine``.
+See ``docs/pipeline.md``.
+"""
+
+from shardwise.parallel.pipeline.bubble import ideal_bubble
+from shardwise.parallel.pipeline.check import CheckReport, check
+from shardwise.parallel.pipeline.executor import Executor
+from shardwise.parallel.pipeline.partition import (Partition, PartitionError, balanced, gpt_layers,
+                                          partition_layers, profile_layers)
+from shardwise.parallel.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep,
+                                          RecvActivation, RecvGrad, Schedule, ScheduleError,
+                                          SendActivation, SendGrad, compute_order,
+                                          schedule, simulate)
+from shardwise.parallel.pipeline.stage import StageChunk, gpt_chunks, lm_loss
+
+__all__ = [
+    "KINDS", "Schedule", "ScheduleError", "schedule", "compute_order", "simulate", "ideal_bubble",
+    "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad",
+    "OptimizerStep", "check", "CheckReport", "Partition", "PartitionError", "balanced",
+    "gpt_layers", "partition_layers", "profile_layers", "StageChunk", "gpt_chunks", "lm_loss",
+    "Executor",
+]
