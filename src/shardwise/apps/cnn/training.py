@@ -265,7 +265,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     device = device or torch.device("cpu")
     task = CNNTask(cfg, topo, device)
     if resume_from:
-        path = Path(resume_from) if isinstance(resume_from, str) else checkpoint.latest_checkpoint(cfg.checkpoint_dir)
+        path = (Path(resume_from) if isinstance(resume_from, str)
+                else checkpoint.latest_checkpoint(cfg.checkpoint_dir))
         task.resume(path)
     if task.is_main:
         n = sum(s.params for s in task.model.plan.specs)

@@ -35,6 +35,6 @@ def check_corpus(cfg: Config) -> None:
     T, G = cfg.model.block_size, cfg.training.global_batch_size
     windows = max(0, (n_chars - n_val_tokens(cfg, n_chars) - 1) // T)
     if windows < G:
-        raise ValueError(f"data.path: {cfg.data.path or 'the corpus'} holds {n_chars:,} characters: "
-                         f"{windows} training windows of model.block_size+1={T + 1} after the "
+        raise ValueError(f"data.path: {cfg.data.path or 'the corpus'} holds {n_chars:,} "
+                         f"characters: {windows} training windows of model.block_size+1={T + 1} after the "
                          f"validation split, fewer than training.global_batch_size={G}")
