@@ -66,7 +66,7 @@ def _config(layout: dict, steps: int) -> dict:
 def worker(configs: list[dict], warmup: int) -> list[dict]:
     from shardwise import comm
     from shardwise.base.config import Config
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     torch.set_num_threads(1)
     out = []

@@ -61,7 +61,7 @@ def quiet_worker(configs: list[dict], warmup: int, steps: int) -> list[dict]:
     from shardwise import comm
     from shardwise.comm import quiet
     from shardwise.base.config import Config
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     torch.set_num_threads(1)
     import torch.distributed as dist

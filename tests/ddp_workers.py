@@ -24,7 +24,7 @@ def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
 
 
 def _trainer(cfg_dict: dict):
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     return build_trainer(Config.from_dict(cfg_dict))
 

@@ -84,7 +84,7 @@ def alive(pid: int) -> bool:
 def trainer_for(cfg_dict: dict):
     """A single-process ``Trainer`` (no torch.distributed) for ``cfg_dict``."""
     from shardwise.base.config import Config
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     return build_trainer(Config.from_dict(cfg_dict))
 

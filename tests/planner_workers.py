@@ -11,7 +11,7 @@ from shardwise.base.config import Config
 
 
 def measure_worker(configs: list[dict]) -> list[dict]:
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     torch.set_num_threads(1)
     out = []

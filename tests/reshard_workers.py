@@ -19,7 +19,7 @@ from shardwise.base.config import Config
 
 def _job(job: dict) -> dict:
     from shardwise.engine import state as engine_state
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     cfg = Config.from_dict(job["cfg"])
     trainer = build_trainer(cfg)
@@ -57,7 +57,7 @@ def reshard_worker(jobs: list[dict]) -> list[dict]:
 def fit_worker(configs: list[dict]) -> list[dict]:
     """``Trainer.fit`` for each config in turn (checkpoints every ``checkpoint.every``
     steps, sync or async), then the wait for the last background write; the losses."""
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     torch.set_num_threads(1)
     out = []

@@ -197,10 +197,10 @@ def _cli_common(corpus, out):
 @pytest.fixture(scope="module")
 def cli_run(corpus, tmp_path_factory):
     """`shardwise train --parallel.mode ps` with the local launcher: S=2, W=2, SSP s=1, the
-    tiny config (6 clocks, checkpoints every 3)."""
+    tiny config (6 clocks, checkpoints every 3), explicit softmax(QK^T)V attention."""
     out = tmp_path_factory.mktemp("cli") / "run"
     proc = _cli(*_cli_common(corpus, out), "--ps.servers", "2", "--ps.consistency", "ssp",
-                "--ps.staleness", "1")
+                "--ps.staleness", "1", "--model.attention", "math")
     return proc, out
 
 
@@ -208,6 +208,7 @@ def test_cli_trains_with_the_local_launcher(cli_run):
     proc, out = cli_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 servers x 2 workers, ssp s=1" in proc.stdout and "done: 6 steps" in proc.stdout
+    assert "attention math" in proc.stdout  # what worker 0 built (model.attention)
     assert (out / "loss.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003",
                                                                         "step_000006"]
@@ -248,6 +249,19 @@ def test_torchrun_runs_a_parameter_server_job(corpus, tmp_path):
     train = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 7))
     assert (out / "checkpoints" / "step_000006").is_dir()
+
+
+def test_workers_build_the_attention_of_the_model_section(corpus, tmp_path):
+    """`model.attention = "math"` reaches the GPT a parameter-server worker trains (it was
+    dropped: workers built the default, sdpa)."""
+    from shardwise.apps.param_server.training import _data_and_model
+    from shardwise.models.gpt import CausalSelfAttention
+
+    cfg = ps_config(str(corpus), str(tmp_path), 1, 2)
+    cfg["model"]["attention"] = "math"
+    _, _, model = _data_and_model(Config.from_dict(cfg), torch.device("cpu"))
+    assert model.cfg.attention == "math"
+    assert {m.attention for m in model.modules() if isinstance(m, CausalSelfAttention)} == {"math"}
 
 
 # -- pure logic ------------------------------------------------------------------------------

@@ -173,7 +173,7 @@ def test_unsynchronised_steps_return_device_tensors_that_settle_to_the_same_floa
 
 def test_trainer_reads_losses_at_its_interval_and_names_the_non_finite_step(tmp_path):
     from shardwise.base.errors import NonFiniteLossError
-    from shardwise.training.trainer import Trainer
+    from shardwise.apps.lm.trainer import Trainer
 
     text = tmp_path / "t.txt"
     text.write_text("abcdefghij " * 300)

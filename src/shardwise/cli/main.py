@@ -57,25 +57,17 @@ def _split_overrides(extra: list[str]) -> dict:
     return out
 
 
-def _check_corpus(cfg, n_chars: int) -> None:
-    """The split ``Trainer`` makes (validation tail of ``max(T + 1, n * val_fraction)``
-    characters) must leave one global batch of training windows; else one line, here."""
-    T, G = cfg.model.block_size, cfg.training.global_batch_size
-    n_val = max(T + 1, int(n_chars * cfg.data.val_fraction))
-    windows = max(0, (n_chars - n_val - 1) // T)
-    if windows < G:
-        raise ValueError(f"data.path: {cfg.data.path or 'the corpus'} holds {n_chars:,} characters: "
-                         f"{windows} training windows of model.block_size+1={T + 1} after the "
-                         f"validation split, fewer than training.global_batch_size={G}")
-
-
 def cmd_train(args, extra: list[str]) -> int:
+    import time
+
     from shardwise import launch
-    from shardwise.apps import check_config
+    from shardwise.apps.registry import app_for
     from shardwise.base.config import Config, ConfigError
-    from shardwise.training import rundir
-    from shardwise.data import DataError, load_text
     from shardwise.base.errors import RunError
+    from shardwise.data import DataError
+    from shardwise.training import rundir
+
+    started = time.perf_counter()  # the closing line reports the command's wall time
 
     if args.resume and args.fresh:
         print("shardwise: error: --resume and --fresh exclude each other", file=sys.stderr)
@@ -93,13 +85,9 @@ def cmd_train(args, extra: list[str]) -> int:
         if config_path is None and Path(DEFAULT_CONFIG).is_file():
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
-        check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)
-        if cfg.model.kind == "cnn":  # a directory of IDX files (issue 16)
-            from shardwise.data.idx import check_image_dir
-
-            check_image_dir(cfg.data.path)
-        else:
-            _check_corpus(cfg, len(load_text(cfg.data.path)))  # missing, unreadable or too short
+        app = app_for(cfg)
+        app.check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)
+        app.check_data(cfg)  # missing, unreadable or too small
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
                 f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
@@ -108,10 +96,8 @@ def cmd_train(args, extra: list[str]) -> int:
         local = env.local_world_size if env is not None else cfg.world_size
         device, device_note = launch.pick_device(cfg.training.device, local)  # before any rank
         plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
-        if plan.resume_from and cfg.parallel.mode == "ps":
-            from shardwise.apps.param_server.state import check_resumable
-
-            check_resumable(plan.resume_from, cfg)
+        if plan.resume_from and app.check_resumable is not None:
+            app.check_resumable(plan.resume_from, cfg)
     except (ConfigError, DataError, RunError, ValueError) as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -125,7 +111,7 @@ def cmd_train(args, extra: list[str]) -> int:
     # plan.lock (the out_dir flock) stays held while this frame lives, i.e. for the whole run
     if env is not None:  # under torchrun: this process is one rank; torchrun restarts the gang
         _run_as_torchrun_rank(cfg, env, resume_from, device)
-    return _run_local(cfg, resume_from, args.max_restarts, device)
+    return _run_local(cfg, resume_from, args.max_restarts, device, started)
 
 
 def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> None:
@@ -156,10 +142,15 @@ def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> Non
     os._exit(code)  # skip gloo's abort at interpreter exit
 
 
-def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "auto") -> int:
+def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "auto",
+               started: float | None = None) -> int:
     """Spawn the local ranks; restart them (resuming) up to ``max_restarts`` times after a
-    failure; on SIGTERM / SIGINT stop every rank and exit 128 + signal with one line."""
+    failure; on SIGTERM / SIGINT stop every rank and exit 128 + signal with one line. The
+    closing line gives the wall time since ``started`` (``time.perf_counter``; None: now)."""
+    import time
+
     from shardwise import launch
+    from shardwise.apps.registry import app_for
     from shardwise.training import rundir
     from shardwise.base.errors import RunError
     from shardwise.apps.jobs import train_worker
@@ -168,6 +159,7 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
         raise launch.Interrupted(signum)
 
     signal.signal(signal.SIGTERM, _terminate)
+    started = time.perf_counter() if started is None else started
     restarts = 0
     while True:
         try:
@@ -198,14 +190,10 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
             print(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
                   f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
             return 128 + signum
-    s = results[cfg.ps.servers if cfg.parallel.mode == "ps" else 0]  # ps: worker 0
-    if "summary" in s:  # the CNN (issue 16): accuracy, not nats/char
-        print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, final train "
-              f"loss {s['loss']:.4f}, {s['summary']}; outputs in {cfg.training.out_dir}")
-        return 0
-    print(f"shardwise: done: {s['step']} steps in {s['elapsed_s']:.0f} s, "
-          f"final train loss {s['loss']:.4f}, validation loss {s['val_loss']:.4f} nats/char; "
-          f"outputs in {cfg.training.out_dir}")
+    app = app_for(cfg)
+    s = results[app.result_rank(cfg)]
+    print(f"shardwise: done: {s['step']} steps in {time.perf_counter() - started:.0f} s, "
+          f"{app.summary(s)}; outputs in {cfg.training.out_dir}")
     return 0
 
 

@@ -27,7 +27,7 @@ MB = 1e6  # --budget-mb is in MB (1e6 bytes), as every table here
 def measure_worker(cfg_dict: dict) -> dict:
     """Rank function: one step, then this rank's coordinates and measured bytes."""
     from shardwise.base.config import Config
-    from shardwise.training.trainer import build_trainer
+    from shardwise.apps.lm.trainer import build_trainer
 
     trainer = build_trainer(Config.from_dict(cfg_dict))
     trainer.train_step()

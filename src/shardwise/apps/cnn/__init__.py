@@ -8,7 +8,8 @@
   ``shardwise plan --model cnn``.
 - ``hybrid``: ``HybridCNN``, the model split by a plan (reusing
   ``shardwise.parallel.tensor_parallel``'s column / row layers and operators).
-- ``training``: the training loop behind ``model.kind = "cnn"``.
+- ``training``: the CNN's step, evaluation and checkpoints behind ``model.kind = "cnn"``
+  (driven by ``shardwise.training.loop``).
 """
 
 from shardwise.apps.cnn.chooser import Plan, choose, format_plan, named_plans, resolve

@@ -1,7 +1,8 @@
-"""Training the CNN with its per-layer plan: the per-rank entry point and the loop.
+"""Training the CNN with its per-layer plan: the per-rank entry point and its step,
+evaluation and checkpoint, driven by the shared loop (``training.loop.run_loop``).
 
-Selected by ``model.kind = "cnn"`` (``shardwise.apps.jobs.train_worker`` hands over here, as it
-does to ``param_server`` for ``parallel.mode = "ps"``)::
+Selected by ``model.kind = "cnn"`` (the registry, ``shardwise.apps.registry``, hands over
+here)::
 
     shardwise train --config configs/fashion_cnn.toml --data DIR/usr/share/datasets/fashion-mnist
 
@@ -16,8 +17,6 @@ optimizer state, so a run resumes under any plan or rank count.
 
 from __future__ import annotations
 
-import math
-import time
 from pathlib import Path
 
 import torch
@@ -28,13 +27,13 @@ from shardwise.apps.cnn.app import cnn_config
 from shardwise.apps.cnn.chooser import format_plan, resolve
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.base.config import Config
+from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data.idx import load_split
-from shardwise.base.errors import NonFiniteLossError
-from shardwise.training.metrics import MetricsLog, read_metrics
 from shardwise.models.cnn import CNN
 from shardwise.parallel.tensor_parallel import TPGroup, clip_grad_norm_
-from shardwise.base.topology import Topology, init_process_groups
-from shardwise.training.trainer import lr_lambda
+from shardwise.training.loop import Cadence, TrainTask, run_loop
+from shardwise.training.metrics import MetricsLog, read_metrics
+from shardwise.training.schedule import warmup_cosine
 
 
 class BatchSampler:
@@ -195,106 +194,104 @@ def plot(metrics_path: Path, png: Path, title: str) -> Path:
     return png
 
 
-# ------------------------------------------------------------------ the loop
+# ------------------------------------------------------------------ the task of the loop
+
+class CNNTask(TrainTask):
+    """One rank of the CNN's training, as ``run_loop`` drives it: a step on the global batch
+    (losses read every step: the plan's collectives already synchronise), validation loss and
+    accuracy, checkpoints of the unsharded state. Throughput in images; MFU from the plan's
+    forward FLOPs per image (x3 for training) over ``cnn.ranks`` ranks."""
+
+    def __init__(self, cfg: Config, topo: Topology, device: torch.device):
+        t = cfg.training
+        self.cfg, self.device, self.is_main = cfg, device, topo.rank == 0
+        group = TPGroup(group=topo.groups.dp, size=topo.dp, rank=topo.dp_rank,
+                        all_reduce="ring", gather="ring")
+        x_all, y_all = load_split(cfg.data.path, "train")
+        n_val = max(1, int(len(x_all) * cfg.data.val_fraction))
+        self.x_tr, self.y_tr = x_all[:-n_val], y_all[:-n_val]
+        self.x_val, self.y_val = x_all[-n_val:], y_all[-n_val:]
+        self.model = build(cfg, group, device)
+        self.opt = make_optimizer(cfg, self.model)
+        self.sched = warmup_cosine(self.opt, cfg.optimizer, t.steps)
+        self.sampler = BatchSampler(len(self.x_tr), t.global_batch_size, t.seed)
+        self.step, self.history = 0, []
+        self.cadence = Cadence.from_config(cfg)
+        self.sample_unit, self.samples_per_step = "images", t.global_batch_size
+        self.flops_per_sample = 3.0 * sum(s.flops for s in self.model.plan.specs)
+        self.world_size = cfg.cnn.ranks
+
+    def train_step(self, sync: bool = True) -> dict:
+        t = self.cfg.training
+        idx = self.sampler.next()
+        loss, correct = train_step(self.model, self.opt, self.x_tr[idx].to(self.device),
+                                   self.y_tr[idx].to(self.device), self.cfg.optimizer.grad_clip)
+        self.sched.step()
+        self.step += 1
+        loss, correct = self.model.global_metrics(loss, correct, self.device)
+        self.record_loss(loss)
+        info = {"loss": loss, "acc": correct / t.global_batch_size,
+                "lr": self.opt.param_groups[0]["lr"]}
+        return self.settle(info) if sync else info
+
+    def evaluate(self) -> dict:
+        loss, acc, n = evaluate(self.model, self.x_val, self.y_val,
+                                self.cfg.training.global_batch_size, self.device)
+        return {"val_loss": loss, "val_acc": acc, "val_images": n}
+
+    def eval_line(self, row: dict) -> str:
+        return (f"step {row['step']}: validation loss {row['val_loss']:.4f}, accuracy "
+                f"{100 * row['val_acc']:.2f}% ({row['val_images']:,} images)")
+
+    def save_checkpoint(self) -> Path:
+        return save(self.cfg, self.model, self.opt, self.sched, self.sampler, self.step,
+                    self.history)
+
+    def resume(self, path: Path) -> None:
+        meta = resume(path, self.model, self.opt, self.sched, self.sampler)
+        self.step, self.history = int(meta["step"]), list(meta["history"])
+
 
 def train_rank(cfg_dict: dict, device: torch.device | None = None,
                resume_from: bool | str = False) -> dict:
-    """Entry point of every rank (``torch.distributed`` is up with ``cnn.ranks`` ranks)."""
+    """Entry point of every rank (``torch.distributed`` is up with ``cnn.ranks`` ranks).
+    ``resume_from``: a checkpoint path, ``True`` for the latest of ``checkpoint_dir``, or
+    ``False``. Returns ``run_loop``'s summary with ``val_acc`` and ``test_acc`` (fractions)."""
     cfg = Config.from_dict(cfg_dict)
-    t, ck = cfg.training, cfg.checkpoint
+    t = cfg.training
     comm.configure(timeout_s=cfg.parallel.timeout_s)
     topo = init_process_groups(Topology.build(dp=cfg.cnn.ranks, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
     device = device or torch.device("cpu")
-    group = TPGroup(group=topo.groups.dp, size=topo.dp, rank=topo.dp_rank,
-                    all_reduce="ring", gather="ring")
-    x_all, y_all = load_split(cfg.data.path, "train")
-    n_val = max(1, int(len(x_all) * cfg.data.val_fraction))
-    x_tr, y_tr, x_val, y_val = x_all[:-n_val], y_all[:-n_val], x_all[-n_val:], y_all[-n_val:]
-    model = build(cfg, group, device)
-    opt = make_optimizer(cfg, model)
-    o = cfg.optimizer
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, o.warmup_steps, t.steps, o.lr, o.min_lr))
-    sampler = BatchSampler(len(x_tr), t.global_batch_size, t.seed)
-    is_main = topo.rank == 0
-    out_dir = Path(t.out_dir)
-    metrics = MetricsLog(out_dir / "metrics.jsonl", enabled=is_main)
-    step, history = 0, []
+    task = CNNTask(cfg, topo, device)
     if resume_from:
-        path = Path(resume_from) if isinstance(resume_from, str) else checkpoint.latest_checkpoint(cfg.checkpoint_dir)
-        meta = resume(path, model, opt, sched, sampler)
-        step, history = int(meta["step"]), list(meta["history"])
-    if is_main:
-        n = sum(s.params for s in model.plan.specs)
-        print(f"shardwise: CNN {n / 1e6:.2f}M parameters, {len(x_tr):,} train / {len(x_val):,} "
-              f"validation images, batch {t.global_batch_size}, {cfg.cnn.ranks} ranks, "
-              f"{torch.get_num_threads()} threads per rank; plan:\n{format_plan(model.plan)}",
-              flush=True)
+        path = (Path(resume_from) if isinstance(resume_from, str)
+                else checkpoint.latest_checkpoint(cfg.checkpoint_dir))
+        task.resume(path)
+    if task.is_main:
+        n = sum(s.params for s in task.model.plan.specs)
+        print(f"shardwise: CNN {n / 1e6:.2f}M parameters, {len(task.x_tr):,} train / "
+              f"{len(task.x_val):,} validation images, batch {t.global_batch_size}, "
+              f"{cfg.cnn.ranks} ranks, {torch.get_num_threads()} threads per rank; plan:\n"
+              f"{format_plan(task.model.plan)}", flush=True)
         if resume_from:
-            print(f"shardwise: resumed from {path} at step {step}", flush=True)
-    bar = None
-    if is_main and t.progress:
-        import sys
-        import threading
-
-        from tqdm import tqdm
-
-        tqdm.set_lock(threading.RLock())
-        bar = tqdm(total=t.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 30.0)
-    started, val = time.perf_counter(), (None, None, 0)
-    while step < t.steps:
-        t0 = time.perf_counter()
-        idx = sampler.next()
-        loss, correct = train_step(model, opt, x_tr[idx].to(device), y_tr[idx].to(device),
-                                   o.grad_clip)
-        sched.step()
-        step += 1
-        loss, correct = model.global_metrics(loss, correct, device)
-        dt = time.perf_counter() - t0
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(f"training loss is {loss} at step {step}: stopped "
-                                     "(lower optimizer.lr)")
-        history.append(loss)
-        if step % t.log_every == 0 or step == t.steps:
-            metrics.write({"kind": "train", "step": step, "loss": loss,
-                           "acc": correct / t.global_batch_size, "lr": opt.param_groups[0]["lr"],
-                           "step_s": dt, "images_per_s": t.global_batch_size / dt})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", img_s=f"{t.global_batch_size / dt:.0f}",
-                            refresh=False)
-        if t.eval_every and step % t.eval_every == 0 and step < t.steps:
-            val = _log_eval(model, x_val, y_val, cfg, device, step, metrics, bar)
-        if ck.every and step % ck.every == 0 and step < t.steps:
-            save(cfg, model, opt, sched, sampler, step, history)
-    if bar is not None:
-        bar.close()
-    val = _log_eval(model, x_val, y_val, cfg, device, step, metrics, None)
+            print(f"shardwise: resumed from {path} at step {task.step}", flush=True)
+    out = run_loop(task)
     x_te, y_te = load_split(cfg.data.path, "test")
-    test_loss, test_acc, n_test = evaluate(model, x_te, y_te, t.global_batch_size, device)
-    metrics.write({"kind": "test", "step": step, "test_loss": test_loss, "test_acc": test_acc})
-    if ck.at_end:
-        save(cfg, model, opt, sched, sampler, step, history)
-    elapsed = time.perf_counter() - started
-    if is_main and t.progress:
+    test_loss, test_acc, n_test = evaluate(task.model, x_te, y_te, t.global_batch_size, device)
+    MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=task.is_main).write(
+        {"kind": "test", "step": task.step, "test_loss": test_loss, "test_acc": test_acc})
+    if task.is_main and t.progress:
+        out_dir = Path(t.out_dir)
         png = plot(out_dir / "metrics.jsonl", out_dir / "loss.png",
                    f"CNN on Fashion-MNIST, {cfg.cnn.ranks} ranks, "
-                   f"{','.join(model.plan.strategies)}")
+                   f"{','.join(task.model.plan.strategies)}")
         print(f"loss and accuracy curves: {png}", flush=True)
-    return {"step": step, "loss": history[-1] if history else None, "val_loss": val[0],
-            "val_acc": val[1], "test_acc": test_acc, "elapsed_s": elapsed,
-            "summary": f"validation accuracy {100 * val[1]:.2f}%, test accuracy "
-                       f"{100 * test_acc:.2f}% on {n_test:,} test images"}
+    return {**out, "test_acc": test_acc, "test_images": n_test}
 
 
-def _log_eval(model, x, y, cfg, device, step, metrics, bar):
-    loss, acc, n = evaluate(model, x, y, cfg.training.global_batch_size, device)
-    metrics.write({"kind": "val", "step": step, "val_loss": loss, "val_acc": acc})
-    if model.group.rank == 0 and cfg.training.progress:
-        from tqdm import tqdm
-
-        tqdm.write(f"step {step}: validation loss {loss:.4f}, accuracy {100 * acc:.2f}% "
-                   f"({n:,} images)")
-    return loss, acc, n
+def summary(result: dict) -> str:
+    """The end of the closing line: final train loss, validation and test accuracy."""
+    return (f"final train loss {result['loss']:.4f}, validation accuracy "
+            f"{100 * result['val_acc']:.2f}%, test accuracy {100 * result['test_acc']:.2f}% "
+            f"on {result['test_images']:,} test images")

@@ -3,8 +3,8 @@
 Each key (parameter tensor) of the range is one tensor of the optimizer, so the update is
 exactly what ``torch.optim`` does to the whole model in one process: both optimizers are
 elementwise, and weight decay goes to matrices only (``dim >= 2``), as in the trainer. The
-learning rate of a step is ``lr * lr_lambda(clock)``, the trainer's warm-up + cosine
-schedule indexed by the clock the gradient belongs to.
+learning rate of a step is ``lr * lr_lambda(clock)``, the shared warm-up + cosine
+schedule (``training.schedule``) indexed by the clock the gradient belongs to.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 
 from shardwise.apps.param_server.partition import Key
+from shardwise.training.schedule import lr_lambda
 
 
 def lr_at(step: int, o, total: int) -> float:
     """``o.lr * lr_lambda(step)`` (``o``: the ``[optimizer]`` config section)."""
-    from shardwise.training.trainer import lr_lambda
-
     return o.lr * lr_lambda(step, o.warmup_steps, total, o.lr, o.min_lr)
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint state of a ``Trainer``: ``state_dict`` / ``load_state_dict``, save and resume.
+"""Checkpoint state of the language model's ``Trainer``: ``state_dict`` /
+``load_state_dict``, save and resume.
 
 The state is two parts: tensors, which go through DCP, and meta (JSON), which is written
 beside them. The tensors are the engine's in logical form (``engine.state``: fp32 masters

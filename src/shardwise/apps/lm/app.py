@@ -1,0 +1,87 @@
+"""The language model's per-rank entry point under ``shardwise train`` and its closing line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise import checkpoint, comm
+from shardwise.apps.lm.model import describe_layout
+from shardwise.base.config import Config
+from shardwise.base.topology import Topology, init_process_groups
+from shardwise.comm import check as comm_check
+from shardwise.data import CharTokenizer
+
+
+def train_rank(cfg_dict: dict, device: torch.device | None = None,
+               resume: bool | str = False) -> dict:
+    """Build topology and trainer on this rank, train, write outputs; returns ``run_loop``'s
+    summary (``step``, ``loss``, ``val_loss``, ``elapsed_s``).
+
+    ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
+    newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
+    be initialised with ``dp * pp * tp`` ranks; ``device``: None for the process group's
+    (CUDA with NCCL, else the CPU).
+    """
+    from shardwise.apps.lm.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
+    topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+                                                  world_size=dist.get_world_size()))
+    device = device or comm_check.group_device(None)
+    tokenizer = None
+    if isinstance(resume, str):
+        latest = Path(resume)
+    else:
+        latest = checkpoint.find_resumable(cfg.checkpoint_dir)[0] if resume else None
+    if latest is not None:
+        tokenizer = CharTokenizer.from_state_dict(checkpoint.read_meta(latest)["tokenizer"])
+    trainer = Trainer(cfg, topology, device, tokenizer=tokenizer)
+    if topology.rank == 0:
+        n = _full_size(trainer.gpt_cfg)
+        print(f"shardwise: GPT {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
+              f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
+              f"{describe_layout(cfg)}, {_where(device)}, {torch.get_num_threads()} threads "
+              "per rank", flush=True)
+        mem = trainer.engine.memory_bytes()
+        print(f"shardwise: rank 0 holds {_mib(mem['params'])} parameters, {_mib(mem['grads'])} "
+              f"gradients, {_mib(mem['optimizer'])} optimizer state "
+              f"({_mib(mem['total'])}; `shardwise memory` predicts every layout)", flush=True)
+    if latest is not None:
+        trainer.resume(latest)
+        if topology.rank == 0:
+            print(f"shardwise: resumed from {latest} at step {trainer.step} "
+                  "(--fresh starts over, keeping the old checkpoints)", flush=True)
+    summary = trainer.fit()
+    trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
+    trainer.finish()
+    return summary
+
+
+def summary(result: dict) -> str:
+    """The end of the closing line: final train and validation loss (nats/char)."""
+    return (f"final train loss {result['loss']:.4f}, validation loss "
+            f"{result['val_loss']:.4f} nats/char")
+
+
+def _where(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _full_size(cfg) -> int:
+    """Parameters of the single-process GPT (what every layout trains), counted on the meta
+    device: nothing is allocated."""
+    from shardwise.models import GPT
+
+    with torch.device("meta"):
+        return GPT(cfg).num_parameters()

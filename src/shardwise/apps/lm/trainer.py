@@ -1,0 +1,170 @@
+"""The language model's trainer: a GPT on characters of a text, in any layout.
+
+``Trainer(cfg, topology, device)`` builds the data (``apps.lm.text``) and one
+``engine.Engine`` for this rank (whatever the layout: the engine composes dp, tp, pp, ZeRO
+and precision); ``fit()`` runs the shared loop (``training.loop.run_loop``) over it. It also
+runs without ``torch.distributed`` (one process, dp=1), which is how parity tests build their
+single-process reference.
+
+Resume state is explicit: ``state_dict()`` returns ``(tensors, meta)`` — tensors go to
+DCP, meta (JSON) beside them — and ``load_state_dict`` restores both (``apps.lm.state``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardwise import comm
+from shardwise.apps.lm.model import describe_layout, gpt_config
+from shardwise.apps.lm.state import TrainerState
+from shardwise.apps.lm.text import split_corpus
+from shardwise.base.config import Config
+from shardwise.base.topology import Topology
+from shardwise.data import CharTokenizer, DistributedBatchSampler
+from shardwise.engine import Engine, EngineSettings, settle
+from shardwise.perf import flops_per_token
+from shardwise.training.loop import Cadence, TrainTask, run_loop
+from shardwise.training.metrics import plot_loss
+from shardwise.training.schedule import warmup_cosine
+
+
+class Trainer(TrainerState, TrainTask):
+    """One rank's view of a training run in any layout (see module docstring)."""
+
+    def __init__(self, cfg: Config, topology: Topology, device: torch.device | None = None,
+                 tokenizer: CharTokenizer | None = None):
+        self.cfg, self.topology = cfg, topology
+        self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":  # TF32 for fp32 matmuls (training.tf32); CPU: no effect
+            torch.set_float32_matmul_precision("high" if cfg.training.tf32 else "highest")
+        self.distributed = dist.is_initialized()
+        self.is_main = topology.rank == 0
+        self.tokenizer, self.train_tokens, self.val_tokens = split_corpus(cfg, tokenizer)
+        o, t = cfg.optimizer, cfg.training
+        self.gpt_cfg = gpt_config(cfg.model, self.tokenizer.vocab_size)
+        # split, then parallelize: pipeline chunks, tp shards, dp sync, one optimizer
+        self.engine = Engine(self.gpt_cfg, topology, EngineSettings.from_config(cfg), self.device)
+        self.optimizer = self.engine.optimizer
+        self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
+        self.sampler = DistributedBatchSampler(self.train_tokens, cfg.model.block_size,
+                                               t.global_batch_size, topology.dp_rank,
+                                               topology.dp, seed=t.seed)
+        self.step = 0
+        self.out_dir = Path(t.out_dir)
+        self.history: list[float] = []
+        self._pending: list[torch.Tensor] = []  # losses of steps not yet read on the host
+        self._pin = self.device.type == "cuda"  # page-locked batches, copied asynchronously
+        # what the loop needs: cadence, work per step (tokens), FLOPs per token, peak dtype
+        self.cadence = Cadence.from_config(cfg)
+        self.sample_unit = "tokens"
+        self.samples_per_step = t.global_batch_size * cfg.model.block_size
+        self.flops_per_sample = flops_per_token(self.gpt_cfg)
+        self.world_size = topology.dp * topology.pp * topology.tp
+        self.dtype = self.engine.dtype
+
+    # -- one step -------------------------------------------------------------------------
+    def train_step(self, sync: bool = True) -> dict:
+        """One optimizer step on this rank's share of the next global batch. ``sync=False``:
+        the loss and norm stay 0-d tensors on the device (``settle`` reads them), so the host
+        runs ahead of the GPU; ``self.history`` gets them at the next ``settle``."""
+        x, y = self.sampler.next_batch()
+        if self._pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        info = self.engine.train_step(x, y, sync=False)
+        self.scheduler.step()
+        self.step += 1
+        self._pending.append(info["loss"])
+        info = {**info, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.engine.loss_scaler is None:
+            info.pop("skipped")
+        else:
+            info["loss_scale"] = self.engine.loss_scaler.scale
+        return self.settle(info) if sync else info
+
+    def _mean_over_dp(self, value: float) -> float:
+        if not self.distributed or self.topology.dp == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        comm.all_reduce(t, op="mean", group=self.topology.groups.dp, check=False)  # fixed shape
+        return float(t)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """``{"val_loss": mean validation loss (nats/char)}`` over a fixed set of held-out
+        windows (collective over dp)."""
+        t, m = self.cfg.training, self.cfg.model
+        local = max(1, t.global_batch_size // self.topology.dp)
+        n_windows = (len(self.val_tokens) - 1) // m.block_size
+        total = min(n_windows, t.eval_batches * local * self.topology.dp)
+        per_rank = max(1, total // self.topology.dp)
+        start = self.topology.dp_rank * per_rank
+        idx = torch.arange(start, min(start + per_rank, n_windows))
+        starts = idx * m.block_size
+        offs = torch.arange(m.block_size + 1)
+        w = self.val_tokens[starts[:, None] + offs[None, :]].to(self.device)
+        losses = [self.engine.loss(xb, yb)
+                  for xb, yb in zip(w[:, :-1].split(local), w[:, 1:].split(local))]
+        return {"val_loss": self._mean_over_dp(sum(losses) / len(losses))}
+
+    def eval_line(self, row: dict) -> str:
+        return f"step {row['step']}: validation loss {row['val_loss']:.4f} nats/char"
+
+    # -- the loop -------------------------------------------------------------------------
+    def fit(self, progress: bool | None = None) -> dict:
+        """Train until ``training.steps`` (``run_loop``); returns ``step``, the final train
+        ``loss``, ``val_loss`` and ``elapsed_s``."""
+        return run_loop(self, progress)
+
+    def end_of_training(self) -> None:
+        if self.topology.pp > 1 and self.topology.dp_rank == 0:  # for `shardwise timeline`
+            self._save_timeline()
+        self.engine.drain()  # PipeDream: the last micro-batches' backwards
+
+    def finish(self) -> None:
+        """Rank 0: loss-curve PNG and a generated sample, printed. Call on every rank:
+        generation is collective over dp replica 0's tp and pp groups."""
+        with self.engine.full_parameters():  # ZeRO-3: gathered once (collective over dp)
+            if self.is_main:
+                self._write_outputs()
+            elif self.topology.dp_rank == 0 and self.cfg.training.sample_chars:
+                self._sample()
+
+    def _save_timeline(self) -> None:
+        p = self.cfg.parallel
+        self.engine.save_timeline(self.out_dir, f"{p.schedule}, pp={self.topology.pp}, "
+                                  f"m={p.micro_batches}, last training step")
+
+    def _write_outputs(self) -> None:
+        png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
+                        title=f"GPT on Shakespeare, {describe_layout(self.cfg)}")
+        print(f"loss curve: {png}")
+        if self.cfg.training.sample_chars:
+            text = self._sample()
+            (self.out_dir / "sample.txt").write_text(text)
+            print("sample:\n" + text)
+
+    def _sample(self) -> str:
+        g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
+        prompt = self.tokenizer.encode("\n").view(1, 1).to(self.device)
+        out = self.engine.generate(prompt, self.cfg.training.sample_chars, generator=g)
+        return self.tokenizer.decode(out[0].tolist())
+
+
+def build_trainer(cfg: Config) -> Trainer:
+    """A ``Trainer`` for ``cfg`` on this rank: the rank grid of ``cfg.parallel`` over the
+    initialised process group (its groups created, collectively), or one process without
+    ``torch.distributed``."""
+    from shardwise.base.topology import init_process_groups
+
+    p = cfg.parallel
+    if dist.is_initialized():
+        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+                                                  world_size=dist.get_world_size()))
+    else:
+        topo = Topology.build(p.dp, p.pp, p.tp)
+    return Trainer(cfg, topo)
+

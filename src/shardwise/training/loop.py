@@ -1,0 +1,220 @@
+"""The one training loop every application runs (in the spirit of torchtitan's ``Trainer``
+driving a ``TrainSpec``): the loop owns the cadence, the progress bar, the metrics rows, the
+throughput and the non-finite-loss stop; the application owns its step, evaluation and
+checkpoint, behind the small protocol of ``TrainTask``.
+
+``run_loop(task, cfg)`` trains until ``training.steps``::
+
+    every step          task.train_step(sync=False)   losses may stay device tensors
+    log / eval / save   task.settle(info)             the loop's only host synchronisations
+    log (log_every)     {"kind": "train", "step", **info, <unit>_per_s, step_s, flops_per_s, mfu}
+    eval (eval_every)   {"kind": "val", "step", **task.evaluate()}
+    save (every)        task.save_checkpoint()
+    end                 task.end_of_training(); a last evaluation; checkpoint.at_end
+
+A loss that is not finite stops the run with ``NonFiniteLossError`` naming the step, before
+anything of that step is saved (``settle`` runs before every save).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.base.config import Config
+from shardwise.base.errors import NonFiniteLossError
+from shardwise.engine import settle
+from shardwise.perf import Peak, Throughput, peak_flops
+from shardwise.training.metrics import MetricsLog
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Steps between train rows (``log_every``), validations (``eval_every``; 0: only at the
+    end) and checkpoints (``every``; 0: none during the run), and whether the last step is
+    saved (``at_end``)."""
+
+    log_every: int
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    at_end: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Cadence:
+        """``training.log_every``, ``training.eval_every``, ``checkpoint.every``, ``.at_end``."""
+        return cls(cfg.training.log_every, cfg.training.eval_every, cfg.checkpoint.every,
+                   cfg.checkpoint.at_end)
+
+
+class TrainTask:
+    """What the loop drives: one rank's share of an application's training.
+
+    A subclass sets ``cfg``, ``is_main`` (rank 0: the bar and ``metrics.jsonl``), ``device``,
+    ``step`` (optimizer steps done), ``samples_per_step`` (the ``sample_unit`` — "tokens",
+    "images" — one optimizer step consumes, counted as the throughput's work),
+    ``flops_per_sample`` (training FLOPs of one sample, or None: no MFU), ``world_size``
+    (ranks sharing those FLOPs), ``dtype`` (the compute dtype, for the device's peak) and
+    ``cadence``; and implements ``train_step``, ``evaluate``, ``save_checkpoint``. Each step's
+    loss goes to ``record_loss``; ``settle`` reads them into ``history`` (floats, one per step).
+    """
+
+    cfg: Config
+    is_main: bool = True
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    step: int = 0
+    samples_per_step: int = 0
+    sample_unit: str = "samples"
+    flops_per_sample: float | None = None
+    world_size: int = 1
+    cadence: Cadence
+
+    # -- the protocol ---------------------------------------------------------------------
+    def train_step(self, sync: bool = True) -> dict:
+        """One optimizer step (``self.step`` += 1); ``{"loss": ..., ...}``: with ``sync=False``
+        values may be 0-d device tensors, read later by ``settle``."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict | None:
+        """Fields of a ``{"kind": "val"}`` row (``val_loss``, ...) at the current weights, or
+        None (this rank has nothing to report). Collective where the application's is."""
+        return None
+
+    def eval_line(self, row: dict) -> str:
+        """The line the bar prints for a validation row."""
+        return f"step {row['step']}: validation loss {row['val_loss']:.4f}"
+
+    def save_checkpoint(self):
+        """Write a checkpoint of ``self.step`` (collective where the application's is)."""
+        raise NotImplementedError
+
+    def end_of_training(self) -> None:
+        """After the last step, before the last evaluation (drain a pipeline, say done)."""
+
+    # -- losses ---------------------------------------------------------------------------
+    def record_loss(self, loss: torch.Tensor | float) -> None:
+        """Keep one step's loss (a 0-d tensor stays on its device until ``settle``)."""
+        if not hasattr(self, "_pending"):
+            self._pending = []
+        self._pending.append(loss)
+
+    def settle(self, info: dict | None = None) -> dict | None:
+        """Read the pending losses into ``self.history`` (one host synchronisation) and
+        ``info``'s tensors into floats. Raises ``NonFiniteLossError`` naming the first step
+        whose loss is not finite."""
+        pending = getattr(self, "_pending", [])
+        if not hasattr(self, "history"):
+            self.history = []
+        if pending:
+            first = self.step - len(pending) + 1
+            losses = torch.stack([torch.as_tensor(v).detach().double().reshape(()).cpu()
+                                  for v in pending]).tolist()
+            self._pending = []
+            for i, v in enumerate(losses):
+                if not math.isfinite(v):
+                    raise NonFiniteLossError(
+                        f"training loss is {v} at step {first + i}: stopped; nothing of this "
+                        "or later steps is saved (lower optimizer.lr or check the data)")
+            self.history.extend(losses)
+        return settle(info) if info is not None else None
+
+    def throughput(self) -> Throughput:
+        """Samples/s, FLOP/s per rank and MFU against ``perf.peak_flops`` of this rank's
+        device in ``dtype`` (``training.peak_tflops`` if set)."""
+        t = self.cfg.training
+        if self.flops_per_sample:
+            peak = peak_flops(self.device, self.dtype, t.tf32, t.peak_tflops)
+        else:
+            peak = Peak(None, "the application counts no FLOPs")
+        return Throughput(self.flops_per_sample or 0.0, self.world_size, peak)
+
+
+def progress_bar(total: int, initial: int):
+    """A tqdm bar on stderr: live on a terminal, a line every 30 s into a log file."""
+    import sys
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at os._exit
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=0.5 if sys.stderr.isatty() else 30.0)
+
+
+def _rates(task: TrainTask, rate: Throughput) -> dict:
+    r = rate.mark()
+    out = {f"{task.sample_unit}_per_s": r.pop("tokens_per_s"), **r}
+    if not task.flops_per_sample:
+        out["flops_per_s"] = out["mfu"] = None
+    return out
+
+
+def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
+    """Train ``task`` from ``task.step`` to ``training.steps`` (see module docstring).
+    ``progress``: show the bar on rank 0 (default ``training.progress``). Returns ``step``,
+    ``loss`` (the last step's), the last evaluation's fields (``val_loss``, ...) and
+    ``elapsed_s`` (this loop's seconds)."""
+    t, c = task.cfg.training, task.cadence
+    show = task.is_main and (t.progress if progress is None else progress)
+    metrics = MetricsLog(f"{t.out_dir}/metrics.jsonl", enabled=task.is_main)
+    bar = progress_bar(t.steps, task.step) if show else None
+    rate = task.throughput()
+    started = time.perf_counter()
+    try:
+        while task.step < t.steps:
+            info = task.train_step(sync=False)
+            rate.add(task.samples_per_step)
+            s = task.step
+            log = s % c.log_every == 0 or s == t.steps
+            evaluate = bool(c.eval_every) and s % c.eval_every == 0 and s < t.steps
+            save = bool(c.checkpoint_every) and s % c.checkpoint_every == 0 and s < t.steps
+            if log or evaluate or save:
+                info = task.settle(info)
+                rate.pause()  # evaluation and checkpoints are not training time
+            if log:
+                row = {"kind": "train", "step": s, **info, **_rates(task, rate)}
+                metrics.write(row)
+                if bar is not None:
+                    bar.set_postfix(_postfix(task, row), refresh=False)  # redrawn at mininterval
+            if bar is not None:
+                bar.update(1)
+            if evaluate:
+                _evaluate(task, metrics, show)
+            if save:
+                task.save_checkpoint()
+            rate.resume()
+    finally:
+        if bar is not None:
+            bar.close()
+    task.settle()
+    task.end_of_training()
+    last = _evaluate(task, metrics, show)
+    if c.at_end:
+        task.save_checkpoint()
+    history = getattr(task, "history", [])
+    return {"step": task.step, "loss": history[-1] if history else None, **last,
+            "elapsed_s": time.perf_counter() - started}
+
+
+def _postfix(task: TrainTask, row: dict) -> dict:
+    unit = {"tokens": "tok", "images": "img"}.get(task.sample_unit, task.sample_unit)
+    out = {"loss": f"{row['loss']:.3f}", f"{unit}_s": f"{row[f'{task.sample_unit}_per_s']:.0f}"}
+    if task.flops_per_sample:
+        out["mfu"] = f"{100 * row['mfu']:.0f}%" if row["mfu"] is not None else "n/a"
+    return out
+
+
+def _evaluate(task: TrainTask, metrics: MetricsLog, show: bool) -> dict:
+    fields = task.evaluate()
+    if fields is None:
+        return {}
+    row = {"kind": "val", "step": task.step, **fields}
+    metrics.write(row)
+    if show:
+        from tqdm import tqdm
+
+        tqdm.write(task.eval_line(row))
+    return fields
