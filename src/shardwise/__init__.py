@@ -67,7 +67,7 @@ _EXPORTS: dict[str, str] = {
     "Engine": "shardwise.engine.engine:Engine",
     "EngineSettings": "shardwise.engine.engine:EngineSettings",
     # the LM trainer is moving to shardwise.apps.lm; the merge repoints this line
-    "build_trainer": "shardwise.training.trainer:build_trainer",
+    "build_trainer": "shardwise.apps.lm.trainer:build_trainer",
     # checkpoints
     "checkpoint": "shardwise.checkpoint",
     "latest_checkpoint": "shardwise.checkpoint:latest_checkpoint",
