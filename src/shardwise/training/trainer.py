@@ -193,8 +193,6 @@ class Trainer(TrainerState):
         """Tokens/s, FLOP/s per rank and MFU of this run (``perf``), against the peak of this
         rank's device in the compute dtype."""
         t = self.cfg.training
-        if self.device.type == "cpu" and t.peak_tflops is None:  # a short probe on every
-            cpu_peak(self.engine.dtype, refresh=True, seconds=0.15)  # start: the highest stands
         peak = peak_flops(self.device, self.engine.dtype, t.tf32, t.peak_tflops)
         world = self.topology.dp * self.topology.pp * self.topology.tp
         return Throughput(flops_per_token(self.gpt_cfg), world, peak)
