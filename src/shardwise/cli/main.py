@@ -11,9 +11,12 @@ Examples::
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
     shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
     shardwise plan --model cnn --batch 64 --ranks 4   # the CNN's per-layer plan and its bytes
+    shardwise train --help                            # every config field: type, default, meaning
+    shardwise --version
 
 Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
-the field or file and exits with code 2, before any rank starts.
+the field or file and exits with code 2, before any rank starts; a misspelt key or section
+names the nearest one (``optimizer.lrr: unknown key; did you mean optimizer.lr?``).
 """
 
 from __future__ import annotations
