@@ -135,3 +135,91 @@ def test_memory_bad_numbers(argv, expected, capsys):
     assert _exit_code(["memory", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and expected in err, err
+
+
+# ---- help, suggestions, --version (issue 20) ----------------------------------------------
+def _help(argv, capsys, monkeypatch) -> tuple[int, str]:
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width
+    code = _exit_code(argv)
+    out = capsys.readouterr().out
+    return code, " ".join(out.split())
+
+
+def test_train_help_lists_every_config_field(capsys, monkeypatch):
+    from shardwise.base.config import Config
+
+    code, text = _help(["train", "--help"], capsys, monkeypatch)
+    assert code == 0
+    assert ("--optimizer.weight_decay float decoupled weight decay (AdamW" in text
+            and "(default: 0.1; >= 0.0)" in text)
+    assert ("--parallel.sequence_parallel bool with tp > 1: shard LayerNorm/dropout regions "
+            "along the sequence" in text)
+    for real in ("--config", "--data", "--resume", "--fresh", "--max-restarts"):
+        assert real in text
+    n = 0
+    for section, sinfo in Config.model_fields.items():  # walk the pydantic models
+        assert f"[{section}]" in text
+        for name, info in sinfo.annotation.model_fields.items():
+            assert info.description, f"{section}.{name} has no description"
+            assert f"--{section}.{name} " in text, f"{section}.{name}"
+            assert " ".join(info.description.split()).replace("%", "") in text.replace("%", "")
+            n += 1
+    assert n > 60 and text.count("(default: ") >= n
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--optimizer.lrr", "1e-3"], "shardwise: error: optimizer.lrr: unknown key; did you mean optimizer.lr?"),
+    (["--optimiser.lr", "1e-3"], "shardwise: error: optimiser: unknown section; did you mean optimizer?"),
+    (["--training.lr", "1e-3"], "training.lr: unknown key; did you mean optimizer.lr?"),
+    (["--parallel.dpp", "2"], "parallel.dpp: unknown key; did you mean parallel.dp?"),
+    (["--parallel.zzz", "2"], "parallel.zzz: unknown key; expected one of dp, pp, tp,"),
+    (["--optimizer.lr"], "argument --optimizer.lr: expected one argument"),
+])
+def test_unknown_keys_get_a_suggestion(argv, expected, capsys):
+    assert _exit_code(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and expected in err, err
+
+
+def test_config_file_keys_get_a_suggestion(tmp_path, capsys):
+    bad = tmp_path / "typo.toml"
+    bad.write_text("[optimizer]\nweight_decai = 0.1\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("shardwise: error: optimizer.weight_decai: unknown key; did you mean "
+                   "optimizer.weight_decay?\n")
+
+
+def test_overrides_given_as_options_reach_the_config(monkeypatch):
+    """The generated options hand their text to cmd_train, in order, as before."""
+    import importlib
+
+    cli_main = importlib.import_module("shardwise.cli.main")  # the package exports main()
+    seen = {}
+    monkeypatch.setattr(cli_main, "cmd_train", lambda args, extra: seen.setdefault("x", extra) and 0)
+    parser_args = ["train", "--optimizer.lr", "1e-3", "--parallel.microbatches=4",
+                   "--model.bias", "false", "--optimizer.lr", "2e-3"]
+    assert cli_main.main(parser_args) == 0
+    assert seen["x"] == ["--optimizer.lr", "1e-3", "--parallel.micro_batches", "4",
+                         "--model.bias", "false", "--optimizer.lr", "2e-3"]
+    assert cli_main._split_overrides(seen["x"]) == {"optimizer.lr": 2e-3,
+                                                    "parallel.micro_batches": 4,
+                                                    "model.bias": False}
+
+
+def test_version(capsys):
+    from shardwise.base.version import version
+
+    assert _exit_code(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out == f"shardwise {version()}\n" and version().count(".") >= 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["train", "--help"], ["bench", "--help"], ["bench", "comm", "--help"],
+    ["memory", "--help"], ["plan", "--help"], ["plan", "--model", "cnn", "--help"],
+    ["timeline", "--help"],
+])
+def test_every_help_exits_0(argv, capsys, monkeypatch):
+    code, text = _help(argv, capsys, monkeypatch)
+    assert code == 0 and text.startswith("usage: shardwise"), text[:200]

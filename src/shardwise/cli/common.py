@@ -1,17 +1,40 @@
-"""What every command shares: the exit code for bad input and an argparse parser whose
-errors are one line."""
+"""What every command shares: the exit code for bad input, an argparse parser whose errors
+are one line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 EXIT_USAGE = 2
 
 
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors print one line and exit with ``EXIT_USAGE``
-    (argparse's default prints the usage too)."""
+    (argparse's default prints the usage too).
+
+    ``late_arguments``: a function that adds more arguments, called once, the first time
+    this parser parses or prints its help (``shardwise train``'s config options import
+    pydantic; ``shardwise --help`` and the other commands need not pay for it)."""
+
+    def __init__(self, *args, late_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self._late_arguments = late_arguments
+
+    def _add_late_arguments(self) -> None:
+        if self._late_arguments is not None:
+            add, self._late_arguments = self._late_arguments, None
+            add(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_late_arguments()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._add_late_arguments()
+        return super().format_help()
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message}", file=sys.stderr)

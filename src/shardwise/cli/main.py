@@ -11,9 +11,12 @@ Examples::
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
     shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
     shardwise plan --model cnn --batch 64 --ranks 4   # the CNN's per-layer plan and its bytes
+    shardwise train --help                            # every config field: type, default, meaning
+    shardwise --version
 
 Bad input (unknown key, wrong type, impossible sizes, missing file) prints one line naming
-the field or file and exits with code 2, before any rank starts.
+the field or file and exits with code 2, before any rank starts; a misspelt key or section
+names the nearest one (``optimizer.lrr: unknown key; did you mean optimizer.lr?``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import signal
 import sys
 from pathlib import Path
 
+from shardwise.base.version import version
 from shardwise.cli.common import EXIT_USAGE, Parser
 
 DEFAULT_CONFIG = "configs/shakespeare.toml"
@@ -226,13 +230,42 @@ def cmd_timeline(args, extra: list[str]) -> int:
 
 
 
+class _Version(argparse.Action):
+    """``--version``: print ``shardwise X.Y.Z`` and exit 0 (looked up only when asked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"shardwise {version()}")
+        parser.exit()
+
+
+def _wide(prog: str) -> argparse.HelpFormatter:
+    """Help with the option column wide enough for ``--parallel.sequence_parallel bool``."""
+    return argparse.HelpFormatter(prog, max_help_position=44)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shardwise`` parser. ``train`` takes every config field as ``--section.field
+    VALUE`` (``cli.config_args``, added when ``train`` parses or prints its help); the other
+    commands pass their arguments, ``--help`` included, to their own parsers."""
+    from shardwise.cli.config_args import add_config_arguments
+
     parser = Parser(prog="shardwise", description="Distributed training on PyTorch.")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     t = sub.add_parser("train", help="train a GPT on text across local ranks (or under torchrun)",
-                       description="Any config field can be overridden: --section.field VALUE")
-    t.add_argument("--config", help=f"TOML config (default {DEFAULT_CONFIG})")
-    t.add_argument("--data", help="train on this UTF-8 text file instead of Shakespeare")
+                       description="Train across local ranks (or as one rank under torchrun). "
+                       "Any config field can be overridden: --section.field VALUE (a TOML "
+                       "literal: 4, 1e-3, true, \"[32, 64]\"); every field is listed below.",
+                       usage="shardwise train [--config TOML] [--data FILE] [--resume | --fresh] "
+                       "[--max-restarts N] [--section.field VALUE ...]",
+                       allow_abbrev=False, late_arguments=add_config_arguments,
+                       formatter_class=_wide)
+    t.add_argument("--config", metavar="TOML", help=f"TOML config (default {DEFAULT_CONFIG})")
+    t.add_argument("--data", metavar="FILE",
+                   help="train on this UTF-8 text file instead of Shakespeare")
     t.add_argument("--resume", action="store_true",
                    help="require a checkpoint to continue from (a run resumes by default when "
                         "its checkpoint.dir holds one)")
@@ -241,8 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=_non_negative, default=0, metavar="N",
                    help="restart the local ranks up to N times after a failure, resuming")
     t.set_defaults(func=cmd_train)
-    b = sub.add_parser("bench", help="benchmarks: comm", add_help=False)
-    b.add_argument("what", help="which benchmark (comm)")
+    b = sub.add_parser("bench", help="benchmarks: comm",
+                       description="Benchmarks. shardwise bench comm --help: its options.")
+    bench = b.add_subparsers(dest="what", required=True, metavar="{comm}", parser_class=Parser)
+    bench.add_parser("comm", help="collectives of shardwise.comm: bus bandwidth per algorithm, "
+                     "world size and message size", add_help=False)  # comm's own --help
     b.set_defaults(func=cmd_bench)
     mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
                          add_help=False)
@@ -257,14 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``shardwise ...``; returns the exit code (2: bad input, one line on stderr)."""
+    from shardwise.cli.config_args import overrides
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    extra = overrides(args) + extra  # train's --section.field options, back as text
     try:
         return args.func(args, extra)
     except KeyboardInterrupt:  # Ctrl-C outside a run (while importing, checking): one line
         print("shardwise: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -6,8 +6,8 @@ matmul probe on the CPU); ``Throughput`` turns tokens per second into FLOP/s per
 """
 
 from shardwise.perf.flops import flops_per_token, matmul_parameters
-from shardwise.perf.peak import GPU_PEAKS, Peak, cpu_peak, peak_flops
+from shardwise.perf.peak import GPU_PEAKS, Peak, cached_cpu_peak, cpu_peak, peak_flops
 from shardwise.perf.throughput import Throughput
 
-__all__ = ["GPU_PEAKS", "Peak", "Throughput", "cpu_peak", "flops_per_token",
+__all__ = ["GPU_PEAKS", "Peak", "Throughput", "cached_cpu_peak", "cpu_peak", "flops_per_token",
            "matmul_parameters", "peak_flops"]

@@ -29,7 +29,7 @@ from shardwise.apps.cnn.cost import (FLOPS_PER_S, INPUTS, OUTPUTS, Collective, L
                                 layer_collectives)
 from shardwise.apps.cnn.layout import FEATURE, FULL
 from shardwise.comm import cost as comm_cost
-from shardwise.models.cnn import CNN, BlockSpec, CNNConfig
+from shardwise.models.cnn import BlockSpec
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from shardwise.apps.lm.text import split_corpus
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology
 from shardwise.data import CharTokenizer, DistributedBatchSampler
-from shardwise.engine import Engine, EngineSettings, settle
+from shardwise.engine import Engine, EngineSettings
 from shardwise.perf import flops_per_token
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import plot_loss

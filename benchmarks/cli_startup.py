@@ -1,0 +1,129 @@
+"""Wall time of the command line as a user meets it: ``shardwise --help``, ``shardwise train
+--help``, and a 3-step bf16 training run of the tiny GPT on one CPU rank (budget: 15 s on 2
+cores), each run a few times in a fresh process.
+
+    python benchmarks/cli_startup.py            # 3 repeats; writes cli_results/cli_startup.txt
+    python benchmarks/cli_startup.py --repeats 5
+
+Every training run writes to a temporary out_dir, and every command sees a temporary
+``XDG_CACHE_HOME``, so the runs start with no cached CPU peak, as on a new machine (and
+leave this machine's cache alone). For the training run the times at which its lines appear
+split the wall time into phases: start (imports, config and corpus checks, spawning the
+rank, building the model: up to the first line), the steps, and the end (validation,
+checkpoint, loss curve, the generated sample). The ``mfu=`` shown by the progress bar is
+recorded too: a bf16 CPU run has no measured bf16 peak, so it must read ``n/a``.
+
+The machine is shared: the load average before each command is recorded with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "cli_results" / "cli_startup.txt"
+BUDGET_S = 15.0
+TRAIN = ["train", "--config", "configs/tiny.toml", "--training.precision", "bf16",
+         "--parallel.dp", "1", "--training.steps", "3"]
+MARKS = {"first line": "shardwise: GPT", "loss curve": "loss curve:", "sample": "sample:"}
+
+
+def run(args: list[str], env: dict) -> dict:
+    """Run ``python -m shardwise ARGS``; wall seconds, exit code, when each mark appeared,
+    and the last ``mfu=`` of the progress bar."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: dict[str, float] = {}
+    text = b""
+    while chunk := proc.stdout.read1(4096):
+        now = time.perf_counter() - t0
+        text += chunk
+        for mark, needle in MARKS.items():
+            if mark not in seen and needle.encode() in text:
+                seen[mark] = now
+    code = proc.wait()
+    wall = time.perf_counter() - t0
+    mfu = re.findall(rb"mfu=([^,\]\s]+)", text)
+    return {"wall": wall, "code": code, "marks": seen,
+            "mfu": mfu[-1].decode() if mfu else "-", "tail": text.decode(errors="replace")[-2000:]}
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{cpu}, {usable} usable cores ({os.cpu_count()} online); torch {torch.__version__}; "
+            f"Python {platform.python_version()}; {platform.system()} {platform.release()}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each command (default 3)")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"results file (default {OUT.relative_to(REPO)})")
+    args = ap.parse_args()
+    lines = [f"# shardwise CLI wall times, {time.strftime('%Y-%m-%d %H:%M')}",
+             f"# machine: {machine()}",
+             f"# command: python benchmarks/cli_startup.py --repeats {args.repeats}",
+             "# each command in a fresh process; a fresh XDG_CACHE_HOME (no cached CPU peak); "
+             "load = 1-min load average before the run", ""]
+    print("\n".join(lines), flush=True)
+    worst = 0.0
+    with tempfile.TemporaryDirectory(prefix="shardwise-cli-") as tmp:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_CACHE_HOME=str(Path(tmp) / "cache"),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"),
+                                                            os.environ.get("PYTHONPATH")])))
+        commands = [("shardwise --help", ["--help"]), ("shardwise train --help", ["train", "--help"]),
+                    ("shardwise " + " ".join(TRAIN), TRAIN)]
+        for label, argv in commands:
+            is_train = argv is TRAIN
+            lines.append(f"$ {label}")
+            print(lines[-1], flush=True)
+            for i in range(args.repeats):
+                load = os.getloadavg()[0]
+                if is_train:
+                    argv = TRAIN + ["--training.out_dir", str(Path(tmp) / f"run{i}")]
+                r = run(argv, env)
+                if r["code"] != 0:
+                    print(r["tail"], file=sys.stderr)
+                    raise SystemExit(f"{label}: exit code {r['code']}")
+                row = f"  run {i + 1}: {r['wall']:6.2f} s  (load {load:.1f})"
+                if is_train:
+                    worst = max(worst, r["wall"])
+                    m = r["marks"]
+                    first, curve = m.get("first line", 0.0), m.get("loss curve", r["wall"])
+                    sample = m.get("sample", r["wall"])
+                    row += (f"  start {first:.2f} s, steps+validation+checkpoint {curve - first:.2f} s, "
+                            f"sample {sample - curve:.2f} s, exit {r['wall'] - sample:.2f} s; "
+                            f"mfu={r['mfu']}")
+                print(row, flush=True)
+                lines.append(row)
+            lines.append("")
+    verdict = (f"train: slowest {worst:.2f} s against a budget of {BUDGET_S:.0f} s: "
+               f"{'within' if worst < BUDGET_S else 'OVER'}")
+    print(verdict)
+    lines.append(verdict)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"written: {args.out}")
+    return 0 if worst < BUDGET_S else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

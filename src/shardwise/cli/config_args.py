@@ -1,0 +1,63 @@
+"""``--section.field VALUE`` for every config field: the ``shardwise train`` options and their
+help, generated from the pydantic models of ``shardwise.base.config`` (``config_fields``),
+so a field's type, default and description are written once, where the field is.
+
+The options only collect the raw text: ``overrides(args)`` gives it back as
+``["--section.field", "VALUE", ...]`` for ``Config.load`` to parse as TOML literals and
+validate, so a value is checked (and its error worded) the same way from the command line
+and from a TOML file. A key that is not a field never matches an option; it reaches
+``Config.load``, which names it and suggests the nearest field.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEST = "config_overrides"
+
+
+class _Override(argparse.Action):
+    """Append ``(section.field, raw text)`` to ``namespace.config_overrides``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        got = list(getattr(namespace, DEST, None) or [])
+        got.append((self.metavar_key, values))
+        setattr(namespace, DEST, got)
+
+
+def format_default(value) -> str:
+    """A default as it would be written in TOML (``true``, ``[32, 64]``, ``0.003``);
+    None (no TOML spelling) is ``unset``."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return format(value, "g")
+    if isinstance(value, list):
+        return "[" + ", ".join(format_default(v) if not isinstance(v, str) else f'"{v}"'
+                               for v in value) + "]"
+    return str(value)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument group per config section, one ``--section.field TYPE`` option per field
+    (aliases too, e.g. ``--parallel.microbatches``); help: description (default: X; bounds)."""
+    from shardwise.base.config import config_fields, config_sections
+
+    parser.set_defaults(**{DEST: []})
+    fields = config_fields()
+    for section, summary in config_sections():
+        group = parser.add_argument_group(f"[{section}]", summary.replace("``", "").replace("%", "%%"))
+        for f in (f for f in fields if f.section == section):
+            extra = f"; {f.bounds}" if f.bounds else ""
+            text = f"{f.description or f.name} (default: {format_default(f.default)}{extra})"
+            names = [f"--{f.key}"] + [f"--{section}.{a}" for a in f.aliases]
+            action = group.add_argument(*names, action=_Override, metavar=f.type,
+                                        dest=argparse.SUPPRESS, help=text.replace("%", "%%"))
+            action.metavar_key = f.key
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The config options given, back as ``["--section.field", "VALUE", ...]`` in order."""
+    return [tok for key, value in getattr(args, DEST, None) or [] for tok in (f"--{key}", value)]
