@@ -21,7 +21,8 @@ def worker(batch: int, c_in: int, c_out: int, gpt: dict) -> dict:
     import torch
 
     from shardwise.models.gpt import GPTConfig
-    from shardwise.parallel.tensor_parallel import TPGroup, build_tp_gpt
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel import TPGroup
     from shardwise.parallel.tensor_parallel.comm_table import measure_gpt_layers, measure_linear
     from shardwise.base.topology import Topology, init_process_groups
 
@@ -36,7 +37,10 @@ def worker(batch: int, c_in: int, c_out: int, gpt: dict) -> dict:
     for sp in (False, True):
         tps = TPGroup.from_topology(tp_topo, sequence_parallel=sp, all_reduce="ring",
                                     gather="ring")
-        out[f"gpt sp={sp}"] = measure_gpt_layers(build_tp_gpt(cfg, tps, 0), x, x)
+        local = build_local_model(cfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=tps,
+                                  seed=0, dropout_seed=0, device=torch.device("cpu"))
+        out[f"gpt sp={sp}"] = measure_gpt_layers(
+            lambda x, y: local.loss_fn(local.chunks[0](x), y), x, x)
     return out
 
 

@@ -16,6 +16,8 @@ both strategies so the seed's figures can be read off it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
@@ -94,15 +96,17 @@ def measure_linear(batch: int, c_in: int, c_out: int, dp_group, tp: TPGroup,
     return rows
 
 
-def measure_gpt_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
+def measure_gpt_layers(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       x: torch.Tensor, y: torch.Tensor) -> list[dict]:
     """Per-layer communication of one forward + backward of a TP model (rows of
-    ``mappings.per_layer_table``). Use counted algorithms in its ``TPGroup`` for bytes."""
+    ``mappings.per_layer_table``): ``loss_of(x, y)`` runs the forward of ids ``x`` (B, T)
+    against targets ``y`` (B, T) and returns the scalar loss, which is then backpropagated.
+    Use counted algorithms in the model's ``TPGroup`` for bytes."""
     from shardwise.parallel.tensor_parallel import mappings
 
     mappings.layer_log.clear()
     with recording():
-        _, loss = model(x, y)
-        loss.backward()
+        loss_of(x, y).backward()
     rows = mappings.per_layer_table()
     mappings.layer_log.clear()
     return rows

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from shardwise import comm
+from shardwise.comm.coalesce import coalesced_
 from shardwise.parallel.tensor_parallel.group import TPGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor, shard_tensor
 
@@ -109,23 +110,24 @@ def clip_grad_norm_(params, max_norm: float, tp: TPGroup) -> torch.Tensor:
     return total
 
 
-def sync_replicated_grads(model: nn.Module, tp: TPGroup) -> None:
-    """Sum the gradients of replicated parameters over the tp group, in one flat
-    all-reduce. Needed only under sequence parallelism: there LayerNorms, the position
-    embedding and row-parallel biases see only this rank's tokens, so each rank holds a
-    partial gradient (Korthikanti et al. 2022, section 4.2.2). Call after backward (after
-    the last micro-batch) and before clipping / the optimizer step."""
+def sync_replicated_grads(params, tp: TPGroup, grads: list[torch.Tensor] | None = None) -> None:
+    """Sum the gradients of the tp-replicated parameters among ``params`` over the tp group,
+    in one flat all-reduce, in place. Needed only under sequence parallelism: there
+    LayerNorms, the position embedding and row-parallel biases see only this rank's tokens,
+    so each rank holds a partial gradient (Korthikanti et al. 2022, arXiv:2205.05198,
+    section 4.2.2). Call after backward (after the last micro-batch) and before clipping /
+    the optimizer step.
+
+    ``grads``: the gradients to sum, one per parameter (any shape, e.g. an fp32 master's
+    gradient or a ZeRO shard of it); default each parameter's ``.grad`` (None skipped).
+    Collective over tp: every tp rank must call it with the same parameters."""
     if tp.size == 1:
         return
-    grads = [p.grad for p in model.parameters() if not is_sharded(p) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
-    off = 0
-    for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
-        off += g.numel()
+    params = list(params)
+    grads = [p.grad for p in params] if grads is None else grads
+    coalesced_([g for p, g in zip(params, grads) if not is_sharded(p) and g is not None],
+               lambda flat: comm.all_reduce(flat, group=tp.group, algorithm=tp.all_reduce,
+                                            check=tp.check))
 
 
 def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
