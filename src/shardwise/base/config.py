@@ -13,8 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 # the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
@@ -76,8 +75,7 @@ class ParallelConfig(_Section):
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
-                               "accumulation, and the pipeline's m (also spelled microbatches)",
-                               validation_alias=AliasChoices("micro_batches", "microbatches"))
+                               "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")
