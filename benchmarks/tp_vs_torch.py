@@ -2,8 +2,8 @@
 
 Both split the GPT of ``configs/shakespeare.toml`` (by default) across tp=2 gloo ranks, 1
 torch thread per rank, and train it on the same Shakespeare batches (every tp rank sees the
-whole batch). Ours: the engine's tp shard (``engine.model.build_local_model``, pp = 1: Q/K/V and ``fc``
-column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel embedding, LM head
+whole batch). Ours: the engine's tp shard (``engine.model.build_local_model``, pp = 1:
+Q/K/V and ``fc`` column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel embedding, LM head
 and cross-entropy). Torch's: ``parallelize_module`` on a CPU ``DeviceMesh`` with
 ``ColwiseParallel`` on Q/K/V and ``fc`` and ``RowwiseParallel`` on ``out_proj`` and
 ``proj``; its embedding and head stay replicated (they are tied, and the character vocabulary
