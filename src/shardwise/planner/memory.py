@@ -47,14 +47,20 @@ from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import warmup_forwards
 from shardwise.planner.specs import ModelSpec, block_params
 
-GB = 1e9
+MiB, GiB = 2 ** 20, 2 ** 30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def unit_for(nbytes: float) -> tuple[str, float]:
-    """The decimal unit a person reads ``nbytes`` in: ("GB", 1e9) from 1 GB, else ("MB",
-    1e6). Tables print every number of one table in one unit, named in the header."""
-    return ("GB", GB) if nbytes >= GB else ("MB", 1e6)
+def unit_for(nbytes: float, decimal: bool = False) -> tuple[str, float]:
+    """The unit a person reads ``nbytes`` in, and its size in bytes: binary, as every size
+    in shardwise (``parallel.bucket_mb`` is MiB, device memory is GiB): ("GiB", 2**30) from
+    1 GiB, else ("MiB", 2**20). ``decimal=True``: ("GB", 1e9) / ("MB", 1e6), only for
+    reproducing a paper's table printed in decimal units (the ZeRO paper's, Rajbhandari et
+    al. 2020, figure 1). Tables print every number of one table in one unit, named in the
+    header."""
+    if decimal:
+        return ("GB", 1e9) if nbytes >= 1e9 else ("MB", 1e6)
+    return ("GiB", GiB) if nbytes >= GiB else ("MiB", MiB)
 
 
 def padded_vocab(V: int, tp: int) -> int:
