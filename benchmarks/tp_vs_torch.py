@@ -3,8 +3,8 @@
 Both split the GPT of ``configs/shakespeare.toml`` (by default) across tp=2 gloo ranks, 1
 torch thread per rank, and train it on the same Shakespeare batches (every tp rank sees the
 whole batch). Ours: the engine's tp shard (``engine.model.build_local_model``, pp = 1:
-Q/K/V and ``fc`` column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel embedding, LM head
-and cross-entropy). Torch's: ``parallelize_module`` on a CPU ``DeviceMesh`` with
+Q/K/V and ``fc`` column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel
+embedding, LM head and cross-entropy). Torch's: ``parallelize_module`` on a CPU ``DeviceMesh`` with
 ``ColwiseParallel`` on Q/K/V and ``fc`` and ``RowwiseParallel`` on ``out_proj`` and
 ``proj``; its embedding and head stay replicated (they are tied, and the character vocabulary
 is small, so they cost little). Inside one job the two alternate, ``--repeats`` times each,
@@ -54,13 +54,13 @@ def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
     from shardwise.models import GPT
     from shardwise.base.topology import Topology, init_process_groups
     from shardwise.engine.model import build_local_model
-    from shardwise.parallel.tensor_parallel import TPGroup, sync_replicated_grads
+    from shardwise.parallel.tensor_parallel import RankGroup, sync_replicated_grads
 
     world = dist.get_world_size()
     if kind == "ours":
         topo = init_process_groups(Topology.build(tp=world, rank=dist.get_rank(),
                                                   world_size=world))
-        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce=allreduce)
+        tp = RankGroup.from_topology(topo, sequence_parallel=sp, all_reduce=allreduce)
         local = build_local_model(gcfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=tp,
                                   seed=seed, dropout_seed=seed, device=torch.device("cpu"))
         model = local.chunks[0]

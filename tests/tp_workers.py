@@ -16,7 +16,7 @@ from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
 from shardwise.engine import Engine, EngineSettings
 from shardwise.engine.model import build_local_model
 from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, ParallelRNG, RowParallelLinear,
-                                       TPGroup, VocabParallelEmbedding,
+                                       RankGroup, VocabParallelEmbedding,
                                        clip_grad_norm_, copy_to_region, gather_from_region,
                                        gather_from_sequence, gather_state_dict, gather_tensor,
                                        reduce_from_region, reduce_scatter_to_sequence,
@@ -41,20 +41,20 @@ def _rand(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _seq(x: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     """This rank's slice along the sequence dim (dim 1)."""
     n = x.shape[1] // tp.size
     return x[:, tp.rank * n:(tp.rank + 1) * n]
 
 
-def _last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _last(x: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     n = x.shape[-1] // tp.size
     return x[..., tp.rank * n:(tp.rank + 1) * n]
 
 
 # ------------------------------------------------------------------ conjugate operators
 
-def operator_checks(tp: TPGroup) -> dict[str, float]:
+def operator_checks(tp: RankGroup) -> dict[str, float]:
     """Forward and backward of each operator against the values built from all ranks'
     inputs. Rank r's input is ``_rand(seed=100 + r)``, its output gradient ``seed=200 + r``."""
     N, r, out = tp.size, tp.rank, {}
@@ -77,14 +77,14 @@ def operator_checks(tp: TPGroup) -> dict[str, float]:
     out["scatter.fwd"] = rel_err(y, _last(xs[r], tp))
     out["scatter.bwd"] = rel_err(gx, torch.cat(gs_part, -1))
     y, gx = run(gather_from_region, _last(xs[r], tp), gs_full[r])
-    out["gather.fwd"] = rel_err(y, torch.cat([_last(xs[s], TPGroup(size=N, rank=s))
+    out["gather.fwd"] = rel_err(y, torch.cat([_last(xs[s], RankGroup(size=N, rank=s))
                                               for s in range(N)], -1))
     out["gather.bwd"] = rel_err(gx, _last(gs_full[r], tp))
     y, gx = run(scatter_to_sequence, xs[r], gs_seq[r])
     out["seq_scatter.fwd"] = rel_err(y, _seq(xs[r], tp))
     out["seq_scatter.bwd"] = rel_err(gx, torch.cat(gs_seq, 1))
     y, gx = run(gather_from_sequence, _seq(xs[r], tp), gs_full[r])
-    out["seq_gather.fwd"] = rel_err(y, torch.cat([_seq(xs[s], TPGroup(size=N, rank=s))
+    out["seq_gather.fwd"] = rel_err(y, torch.cat([_seq(xs[s], RankGroup(size=N, rank=s))
                                                   for s in range(N)], 1))
     out["seq_gather.bwd"] = rel_err(gx, _seq(sum(gs_full), tp))
     y, gx = run(reduce_scatter_to_sequence, xs[r], gs_seq[r])
@@ -95,7 +95,7 @@ def operator_checks(tp: TPGroup) -> dict[str, float]:
 
 # ------------------------------------------------------------------ layers
 
-def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: TPGroup, seq_in: bool,
+def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: RankGroup, seq_in: bool,
              seq_out: bool, in_last_split: bool = False, out_last_split: bool = False,
              in_dim: int = C, vocab: int | None = None, ids: bool = False) -> dict[str, float]:
     """Run both modules on the same input; loss = sum(y * u) with u fixed; compare the
@@ -136,7 +136,7 @@ def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: TPGroup, seq_
     return out
 
 
-def layer_checks(tp: TPGroup) -> dict[str, float]:
+def layer_checks(tp: RankGroup) -> dict[str, float]:
     sp, out = tp.sequence_parallel, {}
     torch.manual_seed(11)
     lin = nn.Linear(C, 2 * C)
@@ -170,7 +170,7 @@ def layer_checks(tp: TPGroup) -> dict[str, float]:
     return out
 
 
-def loss_checks(tp: TPGroup) -> dict[str, float]:
+def loss_checks(tp: RankGroup) -> dict[str, float]:
     """Vocab-parallel cross-entropy against F.cross_entropy on the gathered logits; the
     padded columns hold large garbage to show they never enter the softmax."""
     out = {}
@@ -195,7 +195,7 @@ def loss_checks(tp: TPGroup) -> dict[str, float]:
     return out
 
 
-def error_messages(tp: TPGroup) -> list[str]:
+def error_messages(tp: RankGroup) -> list[str]:
     msgs = []
     for make in (lambda: ColumnParallelLinear(C, 3 * tp.size + 1, tp),
                  lambda: RowParallelLinear(3 * tp.size + 1, C, tp),
@@ -219,12 +219,12 @@ def layers_worker() -> dict:
     topo = topology(1, dist.get_world_size())
     out: dict = {}
     for sp, algo in ((False, "native"), (True, "ring"), (False, "ring")):
-        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce=algo, gather=algo)
+        tp = RankGroup.from_topology(topo, sequence_parallel=sp, all_reduce=algo, gather=algo)
         tag = f"sp={sp},{algo}:"
         out |= {tag + k: v for k, v in operator_checks(tp).items()} if not sp else {}
         out |= {tag + k: v for k, v in layer_checks(tp).items()}
         out |= {tag + k: v for k, v in loss_checks(tp).items()}
-    return {"errors": out, "messages": error_messages(TPGroup.from_topology(topo))}
+    return {"errors": out, "messages": error_messages(RankGroup.from_topology(topo))}
 
 
 # ------------------------------------------------------------------ whole GPT, 5 steps
@@ -237,7 +237,7 @@ class ShardedGPT(nn.Module):
     functions and a plain optimizer loop can drive it. ``forward(idx (B, T), targets)``
     -> (logits (B, T, V_pad / tp), mean cross-entropy | None)."""
 
-    def __init__(self, cfg: GPTConfig, tp: TPGroup, seed: int):
+    def __init__(self, cfg: GPTConfig, tp: RankGroup, seed: int):
         super().__init__()
         local = build_local_model(cfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=tp,
                                   seed=seed, dropout_seed=seed, device=torch.device("cpu"))
@@ -304,7 +304,7 @@ def _train_tp(topo: Topology, cfg: GPTConfig, seed: int, batches: list, sp: bool
     from shardwise.parallel.tensor_parallel import (gather_optimizer_state, load_full_state_dict,
                                            load_optimizer_state)
 
-    tp = TPGroup.from_topology(topo, sequence_parallel=sp)
+    tp = RankGroup.from_topology(topo, sequence_parallel=sp)
     model = ShardedGPT(cfg, tp, seed)
     if resume is not None:
         load_full_state_dict(model, resume["params"], tp)
@@ -373,8 +373,8 @@ def comm_table_worker(batch: int, c_in: int, c_out: int) -> list[dict]:
     from shardwise.parallel.tensor_parallel.comm_table import measure_linear
 
     dp_topo = topology(dist.get_world_size(), 1)
-    tp = TPGroup.from_topology(topology(1, dist.get_world_size()), all_reduce="ring",
-                               gather="ring")
+    tp = RankGroup.from_topology(topology(1, dist.get_world_size()), all_reduce="ring",
+                                 gather="ring")
     return measure_linear(batch, c_in, c_out, dp_topo.groups.dp, tp)
 
 
@@ -386,8 +386,8 @@ def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
     topo = topology(1, dist.get_world_size())
     out = {}
     for sp in (False, True):
-        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce="ring",
-                                   gather="ring")
+        tp = RankGroup.from_topology(topo, sequence_parallel=sp, all_reduce="ring",
+                                     gather="ring")
         out[f"sp={sp}"] = measure_gpt_layers(
             lambda x, y, model=ShardedGPT(cfg, tp, seed): model(x, y)[1], *batch)
     return out
@@ -400,7 +400,7 @@ def dropout_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
     from dataclasses import replace
 
     topo = topology(1, dist.get_world_size())
-    tp = TPGroup.from_topology(topo)
+    tp = RankGroup.from_topology(topo)
     model = ShardedGPT(replace(cfg, dropout=0.1), tp, seed).train()
     seen = []
     model.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o.detach()))

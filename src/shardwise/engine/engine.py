@@ -33,7 +33,7 @@ from shardwise.models.gpt import GPTConfig, generate
 from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
 from shardwise.parallel.pipeline.stream import stream
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor
 from shardwise.parallel.precision import DTYPES, DynamicLossScaler
 
@@ -126,8 +126,8 @@ class Engine:
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = groups.pp if groups is not None else None
         self.dp_group = groups.dp if groups is not None else None
-        self.tp = (TPGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
-                   if groups is not None and topology.tp > 1 else TPGroup())
+        self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
+                   if groups is not None and topology.tp > 1 else RankGroup())
         # dropout: the same stream on the tp ranks of a replica (replicated regions), one per
         # dp replica and stage; tp-sharded regions add the tp rank (Megatron's RNG tracker)
         self.dropout_seed = s.seed + 1000 * (topology.dp_rank + 1) + 100 * topology.pp_rank

@@ -29,7 +29,7 @@ from shardwise.models.gpt import GPT, GPTConfig, LMHead
 from shardwise.parallel.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
                                           profile_layers)
 from shardwise.parallel.pipeline.stage import StageChunk
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 from shardwise.parallel.tensor_parallel.model import check_divisible, parallelize_layer
 from shardwise.parallel.tensor_parallel.random import ParallelRNG
@@ -49,7 +49,7 @@ class LocalModel:
     cfg: GPTConfig
     chunks: dict[int, StageChunk]
     partition: Partition
-    tp: TPGroup
+    tp: RankGroup
     rng: ParallelRNG | None
     tied: tuple[str, ...] = ()
     n_chunks: int = 1
@@ -88,7 +88,7 @@ class LocalModel:
 
 
 def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[int],
-                      n_chunks: int, tp: TPGroup, seed: int, dropout_seed: int,
+                      n_chunks: int, tp: RankGroup, seed: int, dropout_seed: int,
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
                       average: Callable = lambda t: t) -> LocalModel:
@@ -153,7 +153,7 @@ def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _vocab_parallel_loss(tp: TPGroup, vocab_size: int) -> Callable:
+def _vocab_parallel_loss(tp: RankGroup, vocab_size: int) -> Callable:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size, tag="head.loss")
     return loss

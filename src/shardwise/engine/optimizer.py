@@ -32,7 +32,7 @@ _NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank
 class DistributedOptimizer:
     """AdamW over ``sync.pieces`` (see module docstring).
 
-    ``tp``: the ``TPGroup``; ``sequence_parallel``: sum replicated gradients over it.
+    ``tp``: the ``RankGroup``; ``sequence_parallel``: sum replicated gradients over it.
     ``tied_peer``: global rank holding the other copy of the tied weight (None: no copy
     crosses stages); ``tied_names``: this rank's names of that weight; ``tied_counted``:
     whether this rank's copy enters the norm (the first stage's does). ``global_norm=False``

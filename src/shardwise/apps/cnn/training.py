@@ -32,7 +32,7 @@ from shardwise.data.idx import load_split
 from shardwise.base.errors import NonFiniteLossError
 from shardwise.training.metrics import MetricsLog, read_metrics
 from shardwise.models.cnn import CNN
-from shardwise.parallel.tensor_parallel import TPGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import RankGroup, clip_grad_norm_
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.training.trainer import lr_lambda
 
@@ -64,7 +64,7 @@ class BatchSampler:
         self.epoch, self.index = int(s["epoch"]), int(s["index"])
 
 
-def build(cfg: Config, group: TPGroup, device: torch.device):
+def build(cfg: Config, group: RankGroup, device: torch.device):
     """The hybrid model for ``cfg`` on this rank (full CNN from ``training.seed``, then split)."""
     torch.manual_seed(cfg.training.seed)
     full = CNN(cnn_config(cfg.cnn))
@@ -206,8 +206,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     topo = init_process_groups(Topology.build(dp=cfg.cnn.ranks, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
     device = device or torch.device("cpu")
-    group = TPGroup(group=topo.groups.dp, size=topo.dp, rank=topo.dp_rank,
-                    all_reduce="ring", gather="ring")
+    group = RankGroup(group=topo.groups.dp, size=topo.dp, rank=topo.dp_rank,
+                      all_reduce="ring", gather="ring")
     x_all, y_all = load_split(cfg.data.path, "train")
     n_val = max(1, int(len(x_all) * cfg.data.val_fraction))
     x_tr, y_tr, x_val, y_val = x_all[:-n_val], y_all[:-n_val], x_all[-n_val:], y_all[-n_val:]

@@ -2,7 +2,7 @@
 sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198). See
 ``docs/tensor_parallel.md``.
 
-- ``group``: ``TPGroup``, the tp process group and how its collectives run.
+- ``group``: ``RankGroup``, the tp process group and how its collectives run.
 - ``mappings``: the conjugate operators (f, g, scatter/gather, sequence gather/scatter).
 - ``layers``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``.
 - ``loss``: ``vocab_parallel_cross_entropy``.
@@ -11,7 +11,7 @@ sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198). See
 - ``state``: global grad norm and clipping, replica grad sync, full state dicts.
 """
 
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                               VocabParallelEmbedding, gather_tensor,
                                               padded_vocab_size, shard_tensor)
@@ -29,7 +29,7 @@ from shardwise.parallel.tensor_parallel.state import (clip_grad_norm_, gather_op
                                              sync_replicated_grads)
 
 __all__ = [
-    "TPGroup", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "RankGroup", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "gather_tensor", "shard_tensor", "padded_vocab_size", "vocab_parallel_cross_entropy",
     "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
     "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence",

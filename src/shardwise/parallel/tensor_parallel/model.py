@@ -25,13 +25,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models.gpt import Block, Embedding, GPTConfig, LMHead, causal_attention
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                        VocabParallelEmbedding, padded_vocab_size)
 from shardwise.parallel.tensor_parallel.random import ParallelRNG, TPDropout
 
 
-def check_divisible(cfg: GPTConfig, tp: TPGroup, seq_len: int | None = None) -> None:
+def check_divisible(cfg: GPTConfig, tp: RankGroup, seq_len: int | None = None) -> None:
     """Raise ValueError naming the first size that tp does not divide."""
     tp.shard(cfg.n_head, "model.n_head (attention heads)")
     tp.shard(cfg.n_embd, "model.n_embd (hidden size)")
@@ -45,7 +45,7 @@ class TPAttention(nn.Module):
     """Causal self-attention over this rank's n_head / tp heads. (B, T, C) -> (B, T, C);
     (B, T / tp, C) in and out under sequence parallelism."""
 
-    def __init__(self, master, tp: TPGroup, rng: ParallelRNG, tag: str):
+    def __init__(self, master, tp: RankGroup, rng: ParallelRNG, tag: str):
         super().__init__()
         c = master.q_proj.in_features
         self.tp, self.rng, self.head_dim = tp, rng, master.head_dim
@@ -77,7 +77,7 @@ class TPAttention(nn.Module):
 class TPMLP(nn.Module):
     """``fc`` column-parallel (C -> 4C / tp), GELU, ``proj`` row-parallel (4C / tp -> C)."""
 
-    def __init__(self, master, tp: TPGroup, rng: ParallelRNG, tag: str):
+    def __init__(self, master, tp: RankGroup, rng: ParallelRNG, tag: str):
         super().__init__()
         self.fc = ColumnParallelLinear(master.fc.in_features, master.fc.out_features, tp,
                                        master.fc.bias is not None, master=master.fc,
@@ -94,7 +94,7 @@ class TPMLP(nn.Module):
 class TPBlock(nn.Module):
     """Pre-LayerNorm block; LayerNorms and residuals replicated (or sequence-split)."""
 
-    def __init__(self, master, tp: TPGroup, rng: ParallelRNG, tag: str):
+    def __init__(self, master, tp: RankGroup, rng: ParallelRNG, tag: str):
         super().__init__()
         self.ln_1 = copy.deepcopy(master.ln_1)  # registration order = the GPT's order
         self.attn = TPAttention(master.attn, tp, rng, f"{tag}.attn")
@@ -110,7 +110,7 @@ class TPEmbedding(nn.Module):
     """Vocab-parallel token embedding + replicated position embedding. (B, T) -> (B, T, C),
     or (B, T / tp, C) under sequence parallelism (positions of this rank's slice)."""
 
-    def __init__(self, master, tp: TPGroup, rng: ParallelRNG):
+    def __init__(self, master, tp: RankGroup, rng: ParallelRNG):
         super().__init__()
         self.tp = tp
         self.tok = VocabParallelEmbedding(master.tok.num_embeddings, master.tok.embedding_dim,
@@ -134,7 +134,7 @@ class TPHead(nn.Module):
     V_pad the vocabulary padded to a multiple of tp (``padded_vocab_size``); the padded
     columns' weights are zero."""
 
-    def __init__(self, master, tp: TPGroup, vocab_size: int):
+    def __init__(self, master, tp: RankGroup, vocab_size: int):
         super().__init__()
         self.ln_f = copy.deepcopy(master.ln_f)
         c, padded = master.proj.in_features, padded_vocab_size(vocab_size, tp.size)
@@ -148,7 +148,7 @@ class TPHead(nn.Module):
         return self.proj(self.ln_f(x))
 
 
-def parallelize_layer(name: str, layer: nn.Module, tp: TPGroup, rng: ParallelRNG,
+def parallelize_layer(name: str, layer: nn.Module, tp: RankGroup, rng: ParallelRNG,
                       vocab_size: int) -> nn.Module:
     """The tp-sharded counterpart of one GPT layer (named ``name`` in the GPT: "embed",
     "blocks.i", "head"; the name tags its collectives for ``mappings.per_layer_table``):
