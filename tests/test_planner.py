@@ -119,7 +119,8 @@ def test_activation_predictions_within_10_percent(measured):
         checked += 1
         spec = _spec(ranks[0]["gpt"])
         mb = BATCH // p["dp"] // p["micro_batches"]
-        pred = activation_bytes(spec, mb=mb, tp=p["tp"], pp=p["pp"], m=p["micro_batches"],
+        pred = activation_bytes(spec, mb=mb, tp=p["tp"], pp=p["pp"],
+                                micro_batches=p["micro_batches"],
                                 v=p["chunks_per_rank"], schedule=p["schedule"],
                                 sp=p["sequence_parallel"], recompute=p["recompute"],
                                 precision="fp32")

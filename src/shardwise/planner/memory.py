@@ -216,12 +216,12 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     return -(-(warmup_forwards(p, m, v, rank) + 1) // v)
 
 
-def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, m: int, v: int = 1,
-                     schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
+def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
+                     v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers") -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
-    ``m`` micro-batches per step)."""
+    ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank)."""
     am = am or shardwise_model(precision)
     s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
@@ -237,7 +237,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, m: int, v: i
     for r in range(pp):
         chunks = [r + i * pp for i in range(v)]
         full = sum(chunk_full(c) for c in chunks)
-        k = in_flight(schedule, pp, m, v, r)
+        k = in_flight(schedule, pp, micro_batches, v, r)
         if recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
             # recomputed in full while (measured) about one other input is still held
             keep = mb * s * h * e / (tp if sp else 1)

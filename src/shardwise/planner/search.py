@@ -90,8 +90,8 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
 def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
     st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.v, lay.zero, precision, lay.sp,
                       partition=lay.partition)
-    act = activation_bytes(spec, mb=lay.micro_batch, tp=lay.tp, pp=lay.pp, m=lay.m, v=lay.v,
-                           schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
+    act = activation_bytes(spec, mb=lay.micro_batch, tp=lay.tp, pp=lay.pp, micro_batches=lay.m,
+                           v=lay.v, schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition)
     return {**st, "activations": act, "total": st["total"] + act}
 
