@@ -28,7 +28,7 @@ from shardwise.apps.cnn import named_plans
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.launch import spawn
 from shardwise.models.cnn import CNN, CNNConfig
-from shardwise.parallel.tensor_parallel import TPGroup
+from shardwise.parallel.tensor_parallel import RankGroup
 
 OUT = Path(__file__).resolve().parent / "cnn_results"
 NAMES = ("dp", "tp-fc", "hybrid")
@@ -37,7 +37,7 @@ NAMES = ("dp", "tp-fc", "hybrid")
 def worker(batch: int, steps: int, warmup: int) -> dict:
     n, rank = dist.get_world_size(), dist.get_rank()
     comm.configure(check=False)
-    group = TPGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
+    group = RankGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
     cfg = CNNConfig()
     plans = named_plans(CNN(cfg).specs(), batch, n)
     models, opts = {}, {}

@@ -11,7 +11,8 @@ of each and the ratio ours / torch.
 
 Each side resets gradients its own recommended way: ours with ``DistributedDataParallel
 .zero_grad()`` (buckets zeroed in place), torch's with ``optimizer.zero_grad()``
-(``set_to_none=True``; its DDP runs with default options, ``bucket_cap_mb`` as ours).
+(``set_to_none=True``; its DDP runs with default options, its ``bucket_cap_mb`` set to
+our ``bucket_mb``, both MiB).
 """
 
 from __future__ import annotations

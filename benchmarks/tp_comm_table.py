@@ -21,22 +21,26 @@ def worker(batch: int, c_in: int, c_out: int, gpt: dict) -> dict:
     import torch
 
     from shardwise.models.gpt import GPTConfig
-    from shardwise.parallel.tensor_parallel import TPGroup, build_tp_gpt
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel import RankGroup
     from shardwise.parallel.tensor_parallel.comm_table import measure_gpt_layers, measure_linear
     from shardwise.base.topology import Topology, init_process_groups
 
     n, rank = dist.get_world_size(), dist.get_rank()
     dp = init_process_groups(Topology.build(dp=n, rank=rank, world_size=n))
     tp_topo = init_process_groups(Topology.build(tp=n, rank=rank, world_size=n))
-    tp = TPGroup.from_topology(tp_topo, all_reduce="ring", gather="ring")
+    tp = RankGroup.from_topology(tp_topo, all_reduce="ring", gather="ring")
     out = {"linear": measure_linear(batch, c_in, c_out, dp.groups.dp, tp)}
     cfg = GPTConfig(**gpt)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=g)
     for sp in (False, True):
-        tps = TPGroup.from_topology(tp_topo, sequence_parallel=sp, all_reduce="ring",
-                                    gather="ring")
-        out[f"gpt sp={sp}"] = measure_gpt_layers(build_tp_gpt(cfg, tps, 0), x, x)
+        tps = RankGroup.from_topology(tp_topo, sequence_parallel=sp, all_reduce="ring",
+                                      gather="ring")
+        local = build_local_model(cfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=tps,
+                                  seed=0, dropout_seed=0, device=torch.device("cpu"))
+        out[f"gpt sp={sp}"] = measure_gpt_layers(
+            lambda x, y: local.loss_fn(local.chunks[0](x), y), x, x)
     return out
 
 

@@ -2,9 +2,9 @@
 
 Both split the GPT of ``configs/shakespeare.toml`` (by default) across tp=2 gloo ranks, 1
 torch thread per rank, and train it on the same Shakespeare batches (every tp rank sees the
-whole batch). Ours: ``shardwise.parallel.tensor_parallel.build_tp_gpt`` (Q/K/V and ``fc``
-column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel embedding, LM head
-and cross-entropy). Torch's: ``parallelize_module`` on a CPU ``DeviceMesh`` with
+whole batch). Ours: the engine's tp shard (``engine.model.build_local_model``, pp = 1:
+Q/K/V and ``fc`` column-parallel, ``out_proj`` and ``proj`` row-parallel, vocab-parallel
+embedding, LM head and cross-entropy). Torch's: ``parallelize_module`` on a CPU ``DeviceMesh`` with
 ``ColwiseParallel`` on Q/K/V and ``fc`` and ``RowwiseParallel`` on ``out_proj`` and
 ``proj``; its embedding and head stay replicated (they are tied, and the character vocabulary
 is small, so they cost little). Inside one job the two alternate, ``--repeats`` times each,
@@ -52,18 +52,23 @@ def _torch_tp(model, tp: int):
 def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
          sp: bool, allreduce: str = "native") -> tuple[float, float]:
     from shardwise.models import GPT
-    from shardwise.parallel.tensor_parallel import TPGroup, build_tp_gpt
     from shardwise.base.topology import Topology, init_process_groups
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel import RankGroup, sync_replicated_grads
 
     world = dist.get_world_size()
     if kind == "ours":
         topo = init_process_groups(Topology.build(tp=world, rank=dist.get_rank(),
                                                   world_size=world))
-        model = build_tp_gpt(gcfg, TPGroup.from_topology(topo, sequence_parallel=sp,
-                                                         all_reduce=allreduce), seed)
+        tp = RankGroup.from_topology(topo, sequence_parallel=sp, all_reduce=allreduce)
+        local = build_local_model(gcfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=tp,
+                                  seed=seed, dropout_seed=seed, device=torch.device("cpu"))
+        model = local.chunks[0]
+        loss_of = lambda x, y: local.loss_fn(model(x), y)
     else:
         torch.manual_seed(seed)
         model = _torch_tp(GPT(gcfg), world)
+        loss_of = lambda x, y: model(x, y)[1]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     first_loss = None
     for i in range(warmup + steps):
@@ -72,11 +77,10 @@ def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
             t0 = time.perf_counter()
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
+        loss = loss_of(x, y)
         loss.backward()
         if kind == "ours" and sp:
-            from shardwise.parallel.tensor_parallel import sync_replicated_grads
-            sync_replicated_grads(model, model.tp)
+            sync_replicated_grads(model.parameters(), tp)
         opt.step()
         if first_loss is None:
             first_loss = float(loss.detach())

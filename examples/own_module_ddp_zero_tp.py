@@ -9,7 +9,7 @@ SGD-with-momentum steps on a synthetic global batch:
   reduce-scattered, each rank steps the fp32 master of its half of the parameters, then
   all-gathers them; Rajbhandari et al., SC 2020);
 - (c) tensor parallel: the MLP's two ``nn.Linear`` replaced by ``ColumnParallelLinear`` then
-  ``RowParallelLinear`` over a ``TPGroup`` (Megatron-LM's MLP split, Shoeybi et al. 2019,
+  ``RowParallelLinear`` over a ``RankGroup`` (Megatron-LM's MLP split, Shoeybi et al. 2019,
   arXiv:1909.08053, section 3: no communication between the two layers; one all-reduce
   forward, one backward). Both ranks see the whole batch; each holds half the hidden units.
 
@@ -137,7 +137,7 @@ def train_zero() -> dict:
 
 
 # -- (c) tensor parallel ----------------------------------------------------------------------
-def apply_tp(model: MLP, tp: shardwise.TPGroup) -> MLP:
+def apply_tp(model: MLP, tp: shardwise.RankGroup) -> MLP:
     """Megatron's MLP split: fc1 by output features (column), fc2 by input features (row).
     Each shard is cut from the layer it replaces (``master``), so the model is unchanged."""
     model.fc1 = shardwise.ColumnParallelLinear(D_IN, HIDDEN, tp, master=model.fc1)  # -> (B, H/N)
@@ -150,7 +150,7 @@ def train_tp() -> dict:
     rank = torch.distributed.get_rank()
     topo = shardwise.init_process_groups(shardwise.Topology.build(tp=WORLD, rank=rank,
                                                                   world_size=WORLD))
-    tp = shardwise.TPGroup.from_topology(topo)
+    tp = shardwise.RankGroup.from_topology(topo)
     model = apply_tp(build_model(), tp)
     # SGD is elementwise: stepping each shard is stepping the full tensor
     opt = sgd(model.parameters())

@@ -10,7 +10,7 @@ from shardwise import comm
 from shardwise.apps.cnn import LayerPlan, Plan, named_plans
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.models.cnn import CNN, CNNConfig
-from shardwise.parallel.tensor_parallel import TPGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import RankGroup, clip_grad_norm_
 
 # small enough to be quick, every width divisible by 4 (classes too, for column on fc3)
 SMALL = CNNConfig(image_size=16, channels=(4, 8), hidden=(32, 16), classes=8)
@@ -67,7 +67,7 @@ def suite_worker(seed: int, batches: list) -> dict:
     plan's prediction (argument-agreement rounds off, as shapes are fixed by construction)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     comm.configure(check=False)  # no argument-agreement rounds: the bytes are the payload's
-    group = TPGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
+    group = RankGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
     batch = len(batches[0][1])
     specs = CNN(SMALL).specs()
     plans = {**named_plans(specs, batch, n), **hand_plans(specs, batch, n)}

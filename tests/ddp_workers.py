@@ -98,7 +98,7 @@ def overlap_probe(bucket_mb: float) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)  # deliberately different: the broadcast must fix it
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=64))
-    ddp = DistributedDataParallel(model, None, bucket_cap_mb=bucket_mb)
+    ddp = DistributedDataParallel(model, None, bucket_mb=bucket_mb)
     after_broadcast = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     x = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(rank))
     _, loss = ddp(x, x)

@@ -43,11 +43,11 @@ def _adamw(named):
 
 
 def make_engine(topo, cfg: dict, batch: int = BATCH) -> Engine:
-    """The engine for a pipeline test layout: ``cfg`` holds schedule, microbatches,
+    """The engine for a pipeline test layout: ``cfg`` holds schedule, micro_batches,
     chunks_per_rank, partition, recompute, bucket sizes (``batch``: the global batch)."""
     cfg = dict(cfg)
     settings = EngineSettings(
-        schedule=cfg.pop("schedule"), micro_batches=cfg.pop("microbatches"),
+        schedule=cfg.pop("schedule"), micro_batches=cfg.pop("micro_batches"),
         lr=LR, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=cfg.pop("clip", 0.0),
         seed=SEED, batch_size=batch, seq_len=MODEL["block_size"], allreduce="auto", **cfg)
     return Engine(GPTConfig(**MODEL), topo, settings)

@@ -197,7 +197,7 @@ def test_overrides_given_as_options_reach_the_config(monkeypatch):
     cli_main = importlib.import_module("shardwise.cli.main")  # the package exports main()
     seen = {}
     monkeypatch.setattr(cli_main, "cmd_train", lambda args, extra: seen.setdefault("x", extra) and 0)
-    parser_args = ["train", "--optimizer.lr", "1e-3", "--parallel.microbatches=4",
+    parser_args = ["train", "--optimizer.lr", "1e-3", "--parallel.micro_batches=4",
                    "--model.bias", "false", "--optimizer.lr", "2e-3"]
     assert cli_main.main(parser_args) == 0
     assert seen["x"] == ["--optimizer.lr", "1e-3", "--parallel.micro_batches", "4",

@@ -1,9 +1,6 @@
 """Parameter server: BSP equals one process on the global batch; SSP keeps its bound; the
 clock rules and the key-range partition as pure logic; bad input is one line, exit 2."""
 
-import itertools
-import random
-
 import pytest
 import torch
 from ps_workers import ps_config, reference, run_cases, run_plan
@@ -12,7 +9,7 @@ from shardwise.cli.main import main
 from shardwise.base.config import Config, ModelConfig
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
-from shardwise.apps.param_server import ClockTable, balanced_cuts, partition
+from shardwise.apps.param_server import ClockTable, partition
 from shardwise.apps.param_server.partition import count_keys
 
 RTOL = 1e-5  # per-tensor relative error, as in the DDP parity tests
@@ -265,22 +262,6 @@ def test_workers_build_the_attention_of_the_model_section(corpus, tmp_path):
 
 
 # -- pure logic ------------------------------------------------------------------------------
-
-def test_balanced_cuts_are_optimal_and_contiguous():
-    rng = random.Random(0)
-    for _ in range(200):
-        sizes = [rng.randint(1, 50) for _ in range(rng.randint(1, 8))]
-        for parts in range(1, len(sizes) + 1):
-            cuts = balanced_cuts(sizes, parts)
-            assert cuts[0] == 0 and cuts[-1] == len(sizes) and len(cuts) == parts + 1
-            assert all(a < b for a, b in zip(cuts, cuts[1:]))  # every range non-empty
-            got = max(sum(sizes[a:b]) for a, b in zip(cuts, cuts[1:]))
-            best = min(max(sum(sizes[a:b]) for a, b in zip((0,) + c, c + (len(sizes),)))
-                       for c in itertools.combinations(range(1, len(sizes)), parts - 1))
-            assert got == best
-    with pytest.raises(ValueError):
-        balanced_cuts([1, 2], 3)
-
 
 def test_partition_of_the_gpt():
     model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32))

@@ -42,10 +42,10 @@ def assert_parity(results: list[dict], ref: dict) -> None:
 
 
 FLUSH = [
-    {"schedule": "naive", "microbatches": 2},
-    {"schedule": "gpipe", "microbatches": 4},
-    {"schedule": "1f1b", "microbatches": 4},
-    {"schedule": "interleaved", "microbatches": 4, "chunks_per_rank": 2},
+    {"schedule": "naive", "micro_batches": 2},
+    {"schedule": "gpipe", "micro_batches": 4},
+    {"schedule": "1f1b", "micro_batches": 4},
+    {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 2},
 ]
 WITH_RECOMPUTE = FLUSH + [dict(c, recompute=True) for c in FLUSH[1:]]
 
@@ -58,7 +58,7 @@ def test_pp2_matches_single_process_and_records_timelines(ref, tmp_path):
     for i, cfg in enumerate(WITH_RECOMPUTE):
         events, meta = timeline.load(tmp_path / str(i))
         comp = [e for e in events if e["kind"] in ("Forward", "Backward")]
-        assert len(comp) == 2 * cfg["microbatches"] * 2 * cfg.get("chunks_per_rank", 1)
+        assert len(comp) == 2 * cfg["micro_batches"] * 2 * cfg.get("chunks_per_rank", 1)
         assert all(e["end"] >= e["start"] for e in events)
         assert 0.0 < timeline.idle_fraction(events) < 1.0
     assert timeline_cli.main([str(tmp_path / "2"), "--out", str(tmp_path / "1f1b.png")]) == 0
@@ -67,14 +67,14 @@ def test_pp2_matches_single_process_and_records_timelines(ref, tmp_path):
 
 def test_pp4_parity_memory_and_pipedream(ref):
     cfgs = [
-        {"schedule": "gpipe", "microbatches": 4},
-        {"schedule": "1f1b", "microbatches": 8, "partition": "params"},
-        {"schedule": "interleaved", "microbatches": 4, "chunks_per_rank": 2, "recompute": True},
-        {"schedule": "1f1b", "microbatches": 4, "recompute": True},
+        {"schedule": "gpipe", "micro_batches": 4},
+        {"schedule": "1f1b", "micro_batches": 8, "partition": "params"},
+        {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 2, "recompute": True},
+        {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
         # memory at m = 8: GPipe holds 8 micro-batches per rank, 1F1B at most p - rank
-        {"schedule": "gpipe", "microbatches": 8},
-        {"schedule": "1f1b", "microbatches": 8, "recompute": True},
-        {"schedule": "pipedream", "microbatches": 2},
+        {"schedule": "gpipe", "micro_batches": 8},
+        {"schedule": "1f1b", "micro_batches": 8, "recompute": True},
+        {"schedule": "pipedream", "micro_batches": 2},
     ]
     results = spawn(run_many, 4, (1, 4, cfgs))
     for i in range(4):
@@ -93,9 +93,9 @@ def test_dp2_pp2_matches_single_process(ref):
     """dp gradients go in buckets (8 KiB here: several per stage), each all-reduced as soon as
     its chunk's last backward has run, before the optimizer step."""
     small = {"bucket_mb": 1 / 128, "first_bucket_mb": 1 / 128}
-    cfgs = [{"schedule": "gpipe", "microbatches": 2, **small},
-            {"schedule": "1f1b", "microbatches": 4, "recompute": True},
-            {"schedule": "interleaved", "microbatches": 2, "chunks_per_rank": 2, **small}]
+    cfgs = [{"schedule": "gpipe", "micro_batches": 2, **small},
+            {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
+            {"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2, **small}]
     results = spawn(run_many, 4, (2, 2, cfgs))
     for i in range(len(cfgs)):
         assert_parity([rank[i] for rank in results], ref)
@@ -108,7 +108,7 @@ def test_pipedream_stashes_weights_and_learns():
     """Each micro-batch's backward differentiates the very weights its forward used, although
     the live weights moved in between (earlier stages step p - rank - 1 times meanwhile); the
     stream never drains between steps and matches one process running it; the loss falls."""
-    results = spawn(run_many, 2, (1, 2, [{"schedule": "pipedream", "microbatches": 4}], 12))
+    results = spawn(run_many, 2, (1, 2, [{"schedule": "pipedream", "micro_batches": 4}], 12))
     assert_parity([rank[0] for rank in results], pipedream_reference(2, 4, 12))
     assert [rank[0]["in_flight"] for rank in results] == [[1] * 12, [0] * 12]
     moved = 0
@@ -129,12 +129,12 @@ def test_pipedream_stashes_weights_and_learns():
 
 
 @pytest.mark.parametrize("pp, cfg, batch, match", [
-    (4, {"schedule": "interleaved", "microbatches": 4, "chunks_per_rank": 3}, 8,
+    (4, {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 3}, 8,
      "cannot cut 8 layers .* into 12 pipeline chunks"),
-    (2, {"schedule": "gpipe", "microbatches": 3}, 8, "do not divide the batch of 8"),
-    (2, {"schedule": "interleaved", "microbatches": 3, "chunks_per_rank": 2}, 6,
+    (2, {"schedule": "gpipe", "micro_batches": 3}, 8, "do not divide the batch of 8"),
+    (2, {"schedule": "interleaved", "micro_batches": 3, "chunks_per_rank": 2}, 6,
      "m=3 is not a multiple of p=2"),
-    (2, {"schedule": "pipedream", "microbatches": 2, "clip": 1.0}, 8, "needs a flush"),
+    (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "needs a flush"),
 ])
 def test_bad_layouts_are_one_line_errors(pp, cfg, batch, match):
     with pytest.raises(ValueError, match=match) as exc:
@@ -142,8 +142,8 @@ def test_bad_layouts_are_one_line_errors(pp, cfg, batch, match):
     assert "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("cfg", [{"schedule": "gpipe", "microbatches": 4},
-                                 {"schedule": "interleaved", "microbatches": 2,
+@pytest.mark.parametrize("cfg", [{"schedule": "gpipe", "micro_batches": 4},
+                                 {"schedule": "interleaved", "micro_batches": 2,
                                   "chunks_per_rank": 2, "recompute": True}])
 def test_one_rank_pipeline_matches_single_process(cfg, ref):
     """pp = 1 runs in this process (no process group): micro-batching and, with v = 2, two

@@ -1,6 +1,7 @@
 """Stage partitioning: the dynamic program is optimal; counts, params, profiled times."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -28,6 +29,21 @@ def test_balanced_is_optimal():
             assert all(p.bounds[i] < p.bounds[i + 1] for i in range(parts))
             assert max(p.costs) == pytest.approx(brute_force(w, parts))
             assert p.imbalance >= 1.0
+
+
+def test_balanced_is_exact_on_integer_sizes():
+    """The parameter server's key ranges (bytes per key): contiguous, non-empty, optimal."""
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.randint(1, 50) for _ in range(rng.randint(1, 8))]
+        for parts in range(1, len(sizes) + 1):
+            cuts = balanced(sizes, parts).bounds
+            assert cuts[0] == 0 and cuts[-1] == len(sizes) and len(cuts) == parts + 1
+            assert all(a < b for a, b in zip(cuts, cuts[1:]))  # every range non-empty
+            got = max(sum(sizes[a:b]) for a, b in zip(cuts, cuts[1:]))
+            assert got == brute_force(sizes, parts)
+    with pytest.raises(ValueError):
+        balanced([1, 2], 3)
 
 
 def test_gpt_partitions():

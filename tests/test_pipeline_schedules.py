@@ -7,7 +7,7 @@ from shardwise.parallel.pipeline.check import check, check_stream
 from shardwise.parallel.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep, RecvActivation,
                                           RecvGrad,
                                           Schedule, ScheduleError, SendActivation, SendGrad,
-                                          compute_order, schedule, simulate,
+                                          compute_order, schedule, time_orders,
                                           warmup_forwards)
 from shardwise.parallel.pipeline.stream import Stream, cut, stream
 
@@ -60,7 +60,7 @@ def test_interleaved_steady_state_alternates():
 def test_simulated_bubble_matches_formula(kind, v):
     for p in (2, 4):
         for m in (4, 8):
-            times = simulate(compute_order(kind, p, m, v), p, v, forward_cost=1.0 / v)
+            times = time_orders(compute_order(kind, p, m, v), p, v, forward_cost=1.0 / v)
             span = max(e for _, e in times.values())
             busy = sum(e - s for s, e in times.values())
             assert 1 - busy / (p * span) == pytest.approx(ideal_bubble(kind, p, m, v))

@@ -119,7 +119,8 @@ def test_activation_predictions_within_10_percent(measured):
         checked += 1
         spec = _spec(ranks[0]["gpt"])
         mb = BATCH // p["dp"] // p["micro_batches"]
-        pred = activation_bytes(spec, mb=mb, tp=p["tp"], pp=p["pp"], m=p["micro_batches"],
+        pred = activation_bytes(spec, mb=mb, tp=p["tp"], pp=p["pp"],
+                                micro_batches=p["micro_batches"],
                                 v=p["chunks_per_rank"], schedule=p["schedule"],
                                 sp=p["sequence_parallel"], recompute=p["recompute"],
                                 precision="fp32")
@@ -156,7 +157,7 @@ def _plan(*args):
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt2-124m", "--cluster", "dgx-z100"], "--cluster 'dgx-z100': unknown preset"),
     (["--model", "gpt3-175b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "8"],
-     "fits no layout of 8 GPUs with 42.9 GB each: the smallest needs"),
+     "fits no layout of 8 GPUs with 40 GiB each: the smallest needs"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "nan"], "--gpus 'nan'"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--global-batch", "1e400"], "finite"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--seq", "abc"], "expected a number"),
@@ -212,13 +213,15 @@ def test_emitted_toml_trains(corpus, tmp_path):
 
 def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
     """``shardwise memory`` prints the planner's bytes, in the decimal unit its header
-    names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB)."""
+    names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB), in the
+    paper's decimal GB, which the header says."""
     from shardwise.planner.memory import zero_bytes
     from shardwise.cli.memory import main
 
     assert main(["--params", "7.5e9", "--dp", "64"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "bytes per rank in GB (1 GB = 1e+09 bytes)" in out[0]
+    assert "bytes per rank in GB (1 GB = 1e+09 bytes: decimal, as the ZeRO paper's table)" \
+        in out[0]
     totals = [float(line.split()[-1]) for line in out[2:]]
     assert totals == [120.0, 31.41, 16.64, 1.88]
     assert totals == [round(zero_bytes(7.5e9, 64, s, "bf16")["total"] / 1e9, 2) for s in range(4)]

@@ -121,7 +121,7 @@ def test_memory_command_formulas_and_bad_input(capsys):
     # the paper's example (Rajbhandari et al., Figure 1): 7.5B parameters on 64 ranks
     assert main(["memory", "--params", "7.5e9", "--dp", "64", "--precision", "bf16"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "in GB (1 GB = 1e+09 bytes)" in out[0]  # the unit, named in the header
+    assert "in GB (1 GB = 1e+09 bytes: decimal, as the ZeRO paper's" in out[0]  # named unit
     totals = [float(line.split()[4]) for line in out[2:6]]
     assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
     assert main(["memory", "--stages", "0,4"]) == 2

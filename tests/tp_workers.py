@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from shardwise.engine import Engine, EngineSettings
+from shardwise.engine.model import build_local_model
 from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, ParallelRNG, RowParallelLinear,
-                                       TPGroup, VocabParallelEmbedding, build_tp_gpt,
+                                       RankGroup, VocabParallelEmbedding,
                                        clip_grad_norm_, copy_to_region, gather_from_region,
                                        gather_from_sequence, gather_state_dict, gather_tensor,
                                        reduce_from_region, reduce_scatter_to_sequence,
@@ -39,20 +41,20 @@ def _rand(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def _seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _seq(x: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     """This rank's slice along the sequence dim (dim 1)."""
     n = x.shape[1] // tp.size
     return x[:, tp.rank * n:(tp.rank + 1) * n]
 
 
-def _last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _last(x: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     n = x.shape[-1] // tp.size
     return x[..., tp.rank * n:(tp.rank + 1) * n]
 
 
 # ------------------------------------------------------------------ conjugate operators
 
-def operator_checks(tp: TPGroup) -> dict[str, float]:
+def operator_checks(tp: RankGroup) -> dict[str, float]:
     """Forward and backward of each operator against the values built from all ranks'
     inputs. Rank r's input is ``_rand(seed=100 + r)``, its output gradient ``seed=200 + r``."""
     N, r, out = tp.size, tp.rank, {}
@@ -75,14 +77,14 @@ def operator_checks(tp: TPGroup) -> dict[str, float]:
     out["scatter.fwd"] = rel_err(y, _last(xs[r], tp))
     out["scatter.bwd"] = rel_err(gx, torch.cat(gs_part, -1))
     y, gx = run(gather_from_region, _last(xs[r], tp), gs_full[r])
-    out["gather.fwd"] = rel_err(y, torch.cat([_last(xs[s], TPGroup(size=N, rank=s))
+    out["gather.fwd"] = rel_err(y, torch.cat([_last(xs[s], RankGroup(size=N, rank=s))
                                               for s in range(N)], -1))
     out["gather.bwd"] = rel_err(gx, _last(gs_full[r], tp))
     y, gx = run(scatter_to_sequence, xs[r], gs_seq[r])
     out["seq_scatter.fwd"] = rel_err(y, _seq(xs[r], tp))
     out["seq_scatter.bwd"] = rel_err(gx, torch.cat(gs_seq, 1))
     y, gx = run(gather_from_sequence, _seq(xs[r], tp), gs_full[r])
-    out["seq_gather.fwd"] = rel_err(y, torch.cat([_seq(xs[s], TPGroup(size=N, rank=s))
+    out["seq_gather.fwd"] = rel_err(y, torch.cat([_seq(xs[s], RankGroup(size=N, rank=s))
                                                   for s in range(N)], 1))
     out["seq_gather.bwd"] = rel_err(gx, _seq(sum(gs_full), tp))
     y, gx = run(reduce_scatter_to_sequence, xs[r], gs_seq[r])
@@ -93,7 +95,7 @@ def operator_checks(tp: TPGroup) -> dict[str, float]:
 
 # ------------------------------------------------------------------ layers
 
-def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: TPGroup, seq_in: bool,
+def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: RankGroup, seq_in: bool,
              seq_out: bool, in_last_split: bool = False, out_last_split: bool = False,
              in_dim: int = C, vocab: int | None = None, ids: bool = False) -> dict[str, float]:
     """Run both modules on the same input; loss = sum(y * u) with u fixed; compare the
@@ -124,7 +126,7 @@ def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: TPGroup, seq_
         if in_last_split:
             gx = _last(gx, tp)
         out[f"{name}.grad_in"] = rel_err(x_tp.grad, gx)
-    sync_replicated_grads(tp_mod, tp) if tp.sequence_parallel else None
+    sync_replicated_grads(tp_mod.parameters(), tp) if tp.sequence_parallel else None
     ref_params = dict(ref_mod.named_parameters())
     for pname, p in tp_mod.named_parameters():
         g = p.grad if getattr(p, "tp_dim", None) is None else gather_tensor(p.grad, p.tp_dim, tp)
@@ -134,7 +136,7 @@ def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: TPGroup, seq_
     return out
 
 
-def layer_checks(tp: TPGroup) -> dict[str, float]:
+def layer_checks(tp: RankGroup) -> dict[str, float]:
     sp, out = tp.sequence_parallel, {}
     torch.manual_seed(11)
     lin = nn.Linear(C, 2 * C)
@@ -168,7 +170,7 @@ def layer_checks(tp: TPGroup) -> dict[str, float]:
     return out
 
 
-def loss_checks(tp: TPGroup) -> dict[str, float]:
+def loss_checks(tp: RankGroup) -> dict[str, float]:
     """Vocab-parallel cross-entropy against F.cross_entropy on the gathered logits; the
     padded columns hold large garbage to show they never enter the softmax."""
     out = {}
@@ -193,16 +195,16 @@ def loss_checks(tp: TPGroup) -> dict[str, float]:
     return out
 
 
-def error_messages(tp: TPGroup) -> list[str]:
+def error_messages(tp: RankGroup) -> list[str]:
     msgs = []
     for make in (lambda: ColumnParallelLinear(C, 3 * tp.size + 1, tp),
                  lambda: RowParallelLinear(3 * tp.size + 1, C, tp),
-                 lambda: build_tp_gpt(GPTConfig(vocab_size=16, block_size=8, n_layer=1,
-                                                n_head=tp.size + 1, n_embd=4 * (tp.size + 1)),
-                                      tp, 0),
-                 lambda: build_tp_gpt(GPTConfig(vocab_size=16, block_size=8, n_layer=1,
-                                                n_head=tp.size, n_embd=tp.size * 2 + 1),
-                                      tp, 0)):
+                 lambda: ShardedGPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1,
+                                              n_head=tp.size + 1, n_embd=4 * (tp.size + 1)),
+                                    tp, 0),
+                 lambda: ShardedGPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1,
+                                              n_head=tp.size, n_embd=tp.size * 2 + 1),
+                                    tp, 0)):
         try:
             make()
             msgs.append("no error")
@@ -217,15 +219,41 @@ def layers_worker() -> dict:
     topo = topology(1, dist.get_world_size())
     out: dict = {}
     for sp, algo in ((False, "native"), (True, "ring"), (False, "ring")):
-        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce=algo, gather=algo)
+        tp = RankGroup.from_topology(topo, sequence_parallel=sp, all_reduce=algo, gather=algo)
         tag = f"sp={sp},{algo}:"
         out |= {tag + k: v for k, v in operator_checks(tp).items()} if not sp else {}
         out |= {tag + k: v for k, v in layer_checks(tp).items()}
         out |= {tag + k: v for k, v in loss_checks(tp).items()}
-    return {"errors": out, "messages": error_messages(TPGroup.from_topology(topo))}
+    return {"errors": out, "messages": error_messages(RankGroup.from_topology(topo))}
 
 
 # ------------------------------------------------------------------ whole GPT, 5 steps
+
+class ShardedGPT(nn.Module):
+    """This rank's tp shard of ``GPT(cfg)`` built after ``torch.manual_seed(seed)``, exactly
+    as the engine builds it (``engine.model.build_local_model`` with pp = 1: the GPT's
+    layers through ``parallelize_layer``, the head tied to the embedding), laid out as the
+    GPT (``embed``, ``blocks``, ``head``: parameters under the GPT's names) so the tp state
+    functions and a plain optimizer loop can drive it. ``forward(idx (B, T), targets)``
+    -> (logits (B, T, V_pad / tp), mean cross-entropy | None)."""
+
+    def __init__(self, cfg: GPTConfig, tp: RankGroup, seed: int):
+        super().__init__()
+        local = build_local_model(cfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=tp,
+                                  seed=seed, dropout_seed=seed, device=torch.device("cpu"))
+        layers = dict(zip(local.chunks[0].names, local.chunks[0].layers))
+        self.cfg, self.rng, self.loss_fn = cfg, local.rng, local.loss_fn
+        self.embed = layers["embed"]
+        self.blocks = nn.ModuleList(layers[f"blocks.{i}"] for i in range(cfg.n_layer))
+        self.head = layers["head"]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits, None if targets is None else self.loss_fn(logits, targets)
+
 
 LR, WEIGHT_DECAY, MAX_NORM = 3e-3, 0.1, 0.5  # MAX_NORM small enough that clipping acts
 WARMUP = 2  # linear warm-up as the trainer does: (s + 1) / (WARMUP + 1), then LR
@@ -276,8 +304,8 @@ def _train_tp(topo: Topology, cfg: GPTConfig, seed: int, batches: list, sp: bool
     from shardwise.parallel.tensor_parallel import (gather_optimizer_state, load_full_state_dict,
                                            load_optimizer_state)
 
-    tp = TPGroup.from_topology(topo, sequence_parallel=sp)
-    model = build_tp_gpt(cfg, tp, seed)
+    tp = RankGroup.from_topology(topo, sequence_parallel=sp)
+    model = ShardedGPT(cfg, tp, seed)
     if resume is not None:
         load_full_state_dict(model, resume["params"], tp)
     ddp = (DistributedDataParallel(model, topo.groups.dp, allreduce="native")
@@ -294,7 +322,7 @@ def _train_tp(topo: Topology, cfg: GPTConfig, seed: int, batches: list, sp: bool
         _, loss = (ddp or model)(x, y)
         loss.backward()
         if sp:
-            sync_replicated_grads(model, tp)
+            sync_replicated_grads(model.parameters(), tp)
         norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM, tp)))
         opt.step()
         if topo.dp > 1:  # the global batch's mean loss
@@ -345,8 +373,8 @@ def comm_table_worker(batch: int, c_in: int, c_out: int) -> list[dict]:
     from shardwise.parallel.tensor_parallel.comm_table import measure_linear
 
     dp_topo = topology(dist.get_world_size(), 1)
-    tp = TPGroup.from_topology(topology(1, dist.get_world_size()), all_reduce="ring",
-                               gather="ring")
+    tp = RankGroup.from_topology(topology(1, dist.get_world_size()), all_reduce="ring",
+                                 gather="ring")
     return measure_linear(batch, c_in, c_out, dp_topo.groups.dp, tp)
 
 
@@ -358,9 +386,10 @@ def gpt_comm_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
     topo = topology(1, dist.get_world_size())
     out = {}
     for sp in (False, True):
-        tp = TPGroup.from_topology(topo, sequence_parallel=sp, all_reduce="ring",
-                                   gather="ring")
-        out[f"sp={sp}"] = measure_gpt_layers(build_tp_gpt(cfg, tp, seed), *batch)
+        tp = RankGroup.from_topology(topo, sequence_parallel=sp, all_reduce="ring",
+                                     gather="ring")
+        out[f"sp={sp}"] = measure_gpt_layers(
+            lambda x, y, model=ShardedGPT(cfg, tp, seed): model(x, y)[1], *batch)
     return out
 
 
@@ -371,8 +400,8 @@ def dropout_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
     from dataclasses import replace
 
     topo = topology(1, dist.get_world_size())
-    tp = TPGroup.from_topology(topo)
-    model = build_tp_gpt(replace(cfg, dropout=0.1), tp, seed).train()
+    tp = RankGroup.from_topology(topo)
+    model = ShardedGPT(replace(cfg, dropout=0.1), tp, seed).train()
     seen = []
     model.blocks[-1].register_forward_hook(lambda m, i, o: seen.append(o.detach()))
     x, y = batch
@@ -389,15 +418,17 @@ def dropout_worker(cfg: GPTConfig, seed: int, batch: tuple) -> dict:
 
 
 def generate_worker(cfg: GPTConfig, seed: int) -> dict:
-    """``TPGPT.generate`` against ``GPT.generate`` from the same seed and sampler."""
+    """``Engine.generate`` at tp = world size against ``GPT.generate`` from the same seed
+    and sampler."""
     topo = topology(1, dist.get_world_size())
     torch.manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (2, 3), generator=torch.Generator().manual_seed(9))
     ref = GPT(cfg).generate(prompt, 6, generator=torch.Generator().manual_seed(0))
     out = {}
     for sp in (False, True):
-        model = build_tp_gpt(cfg, TPGroup.from_topology(topo, sequence_parallel=sp), seed)
-        got = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
+        engine = Engine(cfg, topo, EngineSettings(sequence_parallel=sp, seed=seed,
+                                                  seq_len=cfg.block_size))
+        got = engine.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
         out[f"sp={sp}"] = bool(torch.equal(got, ref))
     return out
 

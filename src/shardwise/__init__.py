@@ -5,7 +5,7 @@ The public API, one name each (``docs/api.md`` documents every one)::
     import shardwise
     shardwise.launch.spawn(fn, 2)                     # 2 local ranks, gloo on the CPU
     model = shardwise.DistributedDataParallel(net)    # or ZeroDataParallel(net, stage=2)
-    tp = shardwise.TPGroup(group, size, rank)         # Megatron's column / row layers
+    tp = shardwise.RankGroup(group, size, rank)       # Megatron's column / row layers
 
 Names are loaded lazily (PEP 562: a module ``__getattr__`` and ``__dir__`` over
 ``_EXPORTS``), so ``import shardwise`` imports neither torch nor any subpackage: the CLI's
@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "ZeroStage3": "shardwise.parallel.zero.stage3:ZeroStage3",
     "DynamicLossScaler": "shardwise.parallel.precision:DynamicLossScaler",
     # tensor parallel (Megatron-LM, sequence parallel)
-    "TPGroup": "shardwise.parallel.tensor_parallel.group:TPGroup",
+    "RankGroup": "shardwise.parallel.tensor_parallel.group:RankGroup",
     "ColumnParallelLinear": "shardwise.parallel.tensor_parallel.layers:ColumnParallelLinear",
     "RowParallelLinear": "shardwise.parallel.tensor_parallel.layers:RowParallelLinear",
     "VocabParallelEmbedding": "shardwise.parallel.tensor_parallel.layers:VocabParallelEmbedding",

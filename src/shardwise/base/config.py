@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, ValidationError,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 # the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
@@ -82,8 +81,7 @@ class ParallelConfig(_Section):
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
-                               "accumulation, and the pipeline's m (also spelled microbatches)",
-                               validation_alias=AliasChoices("micro_batches", "microbatches"))
+                               "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")

@@ -42,7 +42,7 @@ def format_default(value) -> str:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One argument group per config section, one ``--section.field TYPE`` option per field
-    (aliases too, e.g. ``--parallel.microbatches``); help: description (default: X; bounds)."""
+    (and any alias a field accepts); help: description (default: X; bounds)."""
     from shardwise.base.config import config_fields, config_sections
 
     parser.set_defaults(**{DEST: []})

@@ -11,7 +11,10 @@ local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed besi
 With ``--params`` only, the formulas of Rajbhandari et al. for dp alone. Both paths are the
 planner's memory model (``planner.memory``: ``predict_rank`` with a model, ``zero_bytes``
 with a parameter count), so ``shardwise plan`` and this report print the same bytes. Units
-are decimal and named in the header: MB (1e6 bytes), or GB (1e9) when a total reaches 1 GB.
+are named in the header: binary, MiB (2**20 bytes) or GiB (2**30) from 1 GiB, as every size
+in shardwise; except the ``--params`` table, which reproduces the ZeRO paper's (Rajbhandari
+et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
+``--budget-mb`` is MiB in both.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ from __future__ import annotations
 import math
 import sys
 
-from shardwise.planner.memory import unit_for, zero_bytes
-
-MB = 1e6  # --budget-mb is in MB (1e6 bytes), as every table here
+from shardwise.planner.memory import MiB, unit_for, zero_bytes
 
 
 def measure_worker(cfg_dict: dict) -> dict:
@@ -67,10 +68,10 @@ def _layout_table(args, stages: list[int]) -> int:
     unit, div = unit_for(max([d["total"] for d in preds.values()] or [0]))
     print(f"GPT {m.n_layer} x {m.n_embd}, vocab {vocab}; dp={p.dp} x pp={p.pp} x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
-          f"{div:.0e} bytes; dp rank 0: padding lands on the last dp rank)")
+          f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
           f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
-          + (f"  fits {args.budget_mb:g} MB?" if args.budget_mb else ""))
+          + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
         if z == 3 and p.pp > 1:
             print(f"{z:>4}   ZeRO-3 with pp > 1 is refused (see shardwise train)")
@@ -94,7 +95,7 @@ def _layout_table(args, stages: list[int]) -> int:
                 if measured:
                     line += f" {measured[(pr, tr)] / div:>9.3f}"
                 if args.budget_mb:
-                    line += f"  {'yes' if pred['total'] <= args.budget_mb * MB else 'NO'}"
+                    line += f"  {'yes' if pred['total'] <= args.budget_mb * MiB else 'NO'}"
                 print(line)
     return 0
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
-    ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MB (1e6 bytes)")
+    ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MiB")
     args = ap.parse_args(argv)
     try:
         stages = [int(s) for s in args.stages.split(",")]
@@ -147,14 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     measured, P = {}, int(args.params)
     preds = {s: zero_bytes(P, args.dp, s, args.precision) for s in stages}
-    unit, div = unit_for(max(d["total"] for d in preds.values()))
+    unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)
     print(f"P = {P:,} parameters, N = {args.dp} ranks, {args.precision} compute with fp32 "
-          f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes)")
+          f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes: decimal, as the "
+          "ZeRO paper's table)")
     head = f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}"
     if measured:
         head += f" {'measured':>10} {'(params/grads/optim)':>26}"
     if args.budget_mb:
-        head += f"  fits {args.budget_mb:g} MB?"
+        head += f"  fits {args.budget_mb:g} MiB?"
     print(head)
     for s in stages:
         pred = preds[s]
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{m['optimizer'] / div:.2f}".ljust(27))
         if args.budget_mb:
             used = measured[s]["total"] if measured else pred["total"]
-            line += f"  {'yes' if used <= args.budget_mb * MB else 'NO'}"
+            line += f"  {'yes' if used <= args.budget_mb * MiB else 'NO'}"
         print(line)
     return 0
 

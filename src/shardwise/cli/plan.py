@@ -17,7 +17,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from shardwise.planner.memory import unit_for
+from shardwise.planner.memory import GiB, unit_for
 from shardwise.planner.specs import SpecError, load_model, positive_number
 
 EXIT_USAGE = 2
@@ -37,7 +37,8 @@ def build_parser():
     ap.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the cluster's: bf16 on GPUs, fp32 local)")
-    ap.add_argument("--memory-gb", default=None, help="memory per GPU, GB (default: the preset's)")
+    ap.add_argument("--memory-gib", default=None,
+                    help="memory per GPU, GiB (default: the preset's)")
     ap.add_argument("--top", default="10", help="layouts to print")
     ap.add_argument("--pruned", default="0", metavar="N", help="also print N pruned layouts "
                     "with the reason")
@@ -97,7 +98,7 @@ def _run(args) -> int:
         spec = spec.with_seq(positive_number(args.seq, "--seq", integer=True))
     cluster = get_cluster(args.cluster, spec, world)
     precision = args.precision or cluster.precision
-    limit = (positive_number(args.memory_gb, "--memory-gb") * 1e9 if args.memory_gb
+    limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
              else cluster.memory_per_rank(world))
     feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
                             memory_limit=limit, tp_across_nodes=args.tp_across_nodes)
@@ -105,8 +106,8 @@ def _run(args) -> int:
         need = smallest_need(pruned)
         if need is not None:
             raise SpecError(f"{spec.name} ({spec.params / 1e9:.3g}B parameters) fits no layout "
-                            f"of {world} GPUs with {limit / 1e9:.3g} GB each: the smallest "
-                            f"needs {need / 1e9:.3g} GB per GPU")
+                            f"of {world} GPUs with {limit / GiB:.3g} GiB each: the smallest "
+                            f"needs {need / GiB:.3g} GiB per GPU")
         first = pruned[0].reason if pruned else "no layout"
         raise SpecError(f"no feasible layout of {spec.name} on {world} GPUs: {first}")
     _print(spec, cluster, world, batch, precision, feasible[:top], limit)
@@ -138,8 +139,9 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
     tokens = batch * spec.block_size
     print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters, {spec.n_layer} layers x "
           f"{spec.n_embd}, sequence {spec.block_size}; {world} x {cluster.gpu} ({cluster.name}, "
-          f"{limit / 1e9:.3g} GB each), global batch {batch}, {precision}")
-    print(f"memory per GPU in {unit} (1 {unit} = {div:.0e} bytes); time per step in ms, split "
+          f"{limit / GiB:.3g} GiB each), global batch {batch}, {precision}")
+    print(f"memory per GPU in {unit} (1 {unit} = 2**{int(div).bit_length() - 1} bytes); time "
+          "per step in ms, split "
           "in % (compute, tp, pp, bubble, dp, optimizer)")
     print(f"{'#':>3} {'layout':<42} {'static':>8} {'activ.':>8} {'total':>8} {'step ms':>10} "
           f"{'tokens/s':>10}  {'comp':>4} {'tp':>3} {'pp':>3} {'bub':>3} {'dp':>3} {'opt':>3}")

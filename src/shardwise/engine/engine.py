@@ -29,11 +29,11 @@ from shardwise import comm
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
-from shardwise.models.gpt import GPTConfig, sample_next
+from shardwise.models.gpt import GPTConfig, generate
 from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
 from shardwise.parallel.pipeline.stream import stream
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor
 from shardwise.parallel.precision import DTYPES, DynamicLossScaler
 
@@ -126,8 +126,8 @@ class Engine:
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = groups.pp if groups is not None else None
         self.dp_group = groups.dp if groups is not None else None
-        self.tp = (TPGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
-                   if groups is not None and topology.tp > 1 else TPGroup())
+        self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
+                   if groups is not None and topology.tp > 1 else RankGroup())
         # dropout: the same stream on the tp ranks of a replica (replicated regions), one per
         # dp replica and stage; tp-sharded regions add the tp rank (Megatron's RNG tracker)
         self.dropout_seed = s.seed + 1000 * (topology.dp_rank + 1) + 100 * topology.pp_rank
@@ -365,22 +365,23 @@ class Engine:
         """``GPT.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
         every rank of the replica (the last stage samples; tp ranks draw alike from
         ``generator``; the token is broadcast over pp). Under sequence parallelism the
-        context is right-padded to a multiple of tp (causal attention ignores the pads)."""
-        self._train(False)
+        context is right-padded to a multiple of tp (causal attention ignores the pads).
+        ``sampling``: ``temperature``, ``top_k`` as ``models.gpt.generate``."""
         last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
-        for _ in range(new_tokens):
-            ctx = idx[:, -self.cfg.block_size:]
-            t = ctx.shape[1]
-            if self.tp.sequence_parallel and t % self.tp.size:
-                ctx = torch.cat([ctx, ctx.new_zeros(ctx.shape[0], self.tp.size - t % self.tp.size)], 1)
+
+        def logits_of(ctx):  # (B, T, V) on the last stage, gathered over tp; None elsewhere
             logits = self._logits(ctx)
-            nxt = torch.zeros(idx.shape[0], 1, dtype=torch.long, device=idx.device)
-            if logits is not None:
-                full = gather_tensor(logits, -1, self.tp)[..., :self.cfg.vocab_size]
-                nxt = sample_next(full[:, t - 1, :], generator=generator, **sampling)
-            if self.distributed and self.topology.pp > 1:
-                comm.broadcast(nxt, src=last, group=self.pp_group)
-            idx = torch.cat([idx, nxt], dim=1)
+            if logits is None:
+                return None
+            return gather_tensor(logits, -1, self.tp)[..., :self.cfg.vocab_size]
+
+        share = None
+        if self.distributed and self.topology.pp > 1:
+            share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group)
+        self._train(False)
+        idx = generate(logits_of, idx, new_tokens, self.cfg.block_size,
+                       pad_to=self.tp.size if self.tp.sequence_parallel else 1, share=share,
+                       generator=generator, **sampling)
         self._train(True)
         return idx
 

@@ -26,7 +26,7 @@ import torch
 from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.engine.model import build_local_model
 from shardwise.models.gpt import GPTConfig
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.precision import DTYPES
 
 
@@ -52,7 +52,7 @@ def predict_rank(cfg: GPTConfig, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_ra
     with torch.device("meta"):
         local = build_local_model(
             cfg, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
-            n_chunks=n_chunks, tp=TPGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
+            n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
             seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by)
         named = local.named_parameters()
         for _, q in named:

@@ -25,13 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.models.gpt import GPT, Block, Embedding, GPTConfig, LMHead
+from shardwise.models.gpt import GPT, GPTConfig, LMHead
 from shardwise.parallel.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
                                           profile_layers)
 from shardwise.parallel.pipeline.stage import StageChunk
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from shardwise.parallel.tensor_parallel.model import TPBlock, TPEmbedding, TPHead, check_divisible
+from shardwise.parallel.tensor_parallel.model import check_divisible, parallelize_layer
 from shardwise.parallel.tensor_parallel.random import ParallelRNG
 from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS, gather_like, shard_like
 
@@ -49,7 +49,7 @@ class LocalModel:
     cfg: GPTConfig
     chunks: dict[int, StageChunk]
     partition: Partition
-    tp: TPGroup
+    tp: RankGroup
     rng: ParallelRNG | None
     tied: tuple[str, ...] = ()
     n_chunks: int = 1
@@ -88,7 +88,7 @@ class LocalModel:
 
 
 def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[int],
-                      n_chunks: int, tp: TPGroup, seed: int, dropout_seed: int,
+                      n_chunks: int, tp: RankGroup, seed: int, dropout_seed: int,
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
                       average: Callable = lambda t: t) -> LocalModel:
@@ -127,21 +127,15 @@ def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[
         for i in partition.layers(c):
             name, m = layers[i]
             if tp.size > 1:
-                if isinstance(m, Embedding):
-                    m = TPEmbedding(m, tp, rng)
-                    embed_weight = m.tok.weight
-                elif isinstance(m, Block):
-                    m = TPBlock(m, tp, rng, name)
-                elif isinstance(m, LMHead):
-                    m = TPHead(m, tp, cfg.vocab_size, None)
-            else:
-                if isinstance(m, Embedding):
-                    embed_weight = m.tok.weight
-                elif isinstance(m, LMHead) and cfg.tie_weights and not share:
-                    m.proj.weight = nn.Parameter(m.proj.weight.detach().clone())  # own copy
+                m = parallelize_layer(name, m, tp, rng, cfg.vocab_size)
+            elif isinstance(m, LMHead) and cfg.tie_weights and not share:
+                m.proj.weight = nn.Parameter(m.proj.weight.detach().clone())  # own copy
+            if name == "embed":
+                embed_weight = m.tok.weight
             named.append((name, m))
         chunks[c] = StageChunk(named)
     if share and tp.size > 1:  # TPHead built its own slice; point it at the embedding's
+        # (the same vocab rows on the same rank: tying survives the sharding)
         chunks[n_chunks - 1].layers[-1].proj.weight = embed_weight
     del full, layers
     tied: tuple[str, ...] = ()
@@ -159,7 +153,7 @@ def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _vocab_parallel_loss(tp: TPGroup, vocab_size: int) -> Callable:
+def _vocab_parallel_loss(tp: RankGroup, vocab_size: int) -> Callable:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size, tag="head.loss")
     return loss

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
+from shardwise.comm.coalesce import coalesced_
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step
+from shardwise.parallel.tensor_parallel.state import sync_replicated_grads
 
 
 _NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank
@@ -30,7 +32,7 @@ _NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank
 class DistributedOptimizer:
     """AdamW over ``sync.pieces`` (see module docstring).
 
-    ``tp``: the ``TPGroup``; ``sequence_parallel``: sum replicated gradients over it.
+    ``tp``: the ``RankGroup``; ``sequence_parallel``: sum replicated gradients over it.
     ``tied_peer``: global rank holding the other copy of the tied weight (None: no copy
     crosses stages); ``tied_names``: this rank's names of that weight; ``tied_counted``:
     whether this rank's copy enters the norm (the first stage's does). ``global_norm=False``
@@ -73,8 +75,7 @@ class DistributedOptimizer:
         ``{"grad_norm": float, "skipped": bool}``, the same on every rank."""
         grads = self.sync.piece_grads()
         if self.sequence_parallel:
-            self._sum(grads, [not s for s in self.sharded], lambda flat: comm.all_reduce(
-                flat, group=self.tp.group, algorithm=self.tp.all_reduce, check=False))
+            sync_replicated_grads(self.sync.piece_params, self.tp, grads)
         if self.tied_peer is not None:
             def add_peer(flat):
                 other = torch.empty_like(flat)
@@ -90,15 +91,7 @@ class DistributedOptimizer:
     @staticmethod
     def _sum(grads: list[torch.Tensor], which: list[bool], reduce) -> None:
         """Apply ``reduce`` (in place) to the flat concatenation of the selected gradients."""
-        sel = [g for g, w in zip(grads, which) if w]
-        if not sel:
-            return
-        flat = torch.cat([g.reshape(-1) for g in sel])
-        reduce(flat)
-        off = 0
-        for g in sel:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
+        coalesced_([g for g, w in zip(grads, which) if w], reduce)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

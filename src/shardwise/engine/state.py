@@ -38,6 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise import comm
+from shardwise.comm.coalesce import coalesced_
 from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS
 
 FORMAT = 2  # meta["format"]: 2 = logical tensors (this module); absent = per-piece keys
@@ -84,8 +85,6 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
-    # AdamW keeps ``step`` on the CPU, except the fused kernel, which reads it on the device
-    fused = bool(engine.optimizer.optimizer.defaults.get("fused"))
     by_param = _pieces_by_param(engine)
     named = local.named_parameters()
     dev = engine.device
@@ -101,13 +100,8 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
     if _zero_sharded(engine) and bufs:  # dp ranks hold disjoint ranges: a sum joins them
-        flat = torch.cat([b.reshape(-1) for b in bufs])
-        comm.all_reduce(flat, group=engine.dp_group, check=False)
+        coalesced_(bufs, lambda flat: comm.all_reduce(flat, group=engine.dp_group, check=False))
         comm.all_reduce(steps, op="max", group=engine.dp_group, check=False)
-        off = 0
-        for b in bufs:
-            b.copy_(flat[off:off + b.numel()].view_as(b))
-            off += b.numel()
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
         key = _key(engine, n)

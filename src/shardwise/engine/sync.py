@@ -35,7 +35,8 @@ class ReplicatedSync:
     ``group``/``dp_size``/``dp_rank``: the dp group (``dp_size == 1``: no communication).
     ``param_dtype``: compute dtype; with bf16/fp16 each parameter gets an fp32 master and
     the parameter is cast down (Micikevicius et al. 2018), with fp32 the parameter is its own
-    master. Bucket sizes and the all-reduce algorithm are our DDP's (``GradientSync``).
+    master. ``bucket_mb`` / ``first_bucket_mb``: bucket capacities in MiB; they and the
+    all-reduce algorithm are our DDP's (``GradientSync``).
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,

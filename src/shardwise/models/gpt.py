@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -185,15 +186,45 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``new_tokens`` ids after ``idx`` (B, T0); returns (B, T0 + new_tokens)."""
+        """Sample ``new_tokens`` ids after ``idx`` (B, T0); returns (B, T0 + new_tokens)
+        (``generate`` with this model's logits)."""
         was_training = self.training
         self.eval()
-        for _ in range(new_tokens):
-            logits, _ = self(idx[:, -self.cfg.block_size:])
-            nxt = sample_next(logits[:, -1, :], temperature, top_k, generator)
-            idx = torch.cat([idx, nxt], dim=1)
+        idx = generate(lambda ctx: self(ctx)[0], idx, new_tokens, self.cfg.block_size,
+                       temperature=temperature, top_k=top_k, generator=generator)
         self.train(was_training)
         return idx
+
+
+@torch.no_grad()
+def generate(logits_of: Callable[[torch.Tensor], torch.Tensor | None], idx: torch.Tensor,
+             new_tokens: int, block_size: int, *, pad_to: int = 1,
+             share: Callable[[torch.Tensor], None] | None = None, temperature: float = 0.8,
+             top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Autoregressive sampling: ``idx`` (B, T0) int64 -> (B, T0 + new_tokens).
+
+    Each step feeds the last ``block_size`` ids, right-padded with id 0 to a multiple of
+    ``pad_to`` (sequence parallelism splits the sequence; causal attention keeps the pads
+    from reaching the position read), to ``logits_of``, which returns the logits
+    (B, T, V) or None on a rank that does not sample (a pipeline stage before the last);
+    ``sample_next`` draws from the last real position. ``share(next_ids)`` (B, 1), if
+    given, makes every rank agree in place (a broadcast from the sampling rank). Used by
+    ``GPT.generate`` and ``engine.Engine.generate``: the same ids for the same
+    ``generator`` state whatever the layout."""
+    for _ in range(new_tokens):
+        ctx = idx[:, -block_size:]
+        t = ctx.shape[1]
+        if t % pad_to:
+            ctx = torch.cat([ctx, ctx.new_zeros(ctx.shape[0], pad_to - t % pad_to)], dim=1)
+        logits = logits_of(ctx)
+        if logits is None:
+            nxt = torch.zeros(idx.shape[0], 1, dtype=torch.long, device=idx.device)
+        else:
+            nxt = sample_next(logits[:, t - 1, :], temperature, top_k, generator)
+        if share is not None:
+            share(nxt)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 20,

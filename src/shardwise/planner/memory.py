@@ -47,14 +47,20 @@ from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import warmup_forwards
 from shardwise.planner.specs import ModelSpec, block_params
 
-GB = 1e9
+MiB, GiB = 2 ** 20, 2 ** 30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def unit_for(nbytes: float) -> tuple[str, float]:
-    """The decimal unit a person reads ``nbytes`` in: ("GB", 1e9) from 1 GB, else ("MB",
-    1e6). Tables print every number of one table in one unit, named in the header."""
-    return ("GB", GB) if nbytes >= GB else ("MB", 1e6)
+def unit_for(nbytes: float, decimal: bool = False) -> tuple[str, float]:
+    """The unit a person reads ``nbytes`` in, and its size in bytes: binary, as every size
+    in shardwise (``parallel.bucket_mb`` is MiB, device memory is GiB): ("GiB", 2**30) from
+    1 GiB, else ("MiB", 2**20). ``decimal=True``: ("GB", 1e9) / ("MB", 1e6), only for
+    reproducing a paper's table printed in decimal units (the ZeRO paper's, Rajbhandari et
+    al. 2020, figure 1). Tables print every number of one table in one unit, named in the
+    header."""
+    if decimal:
+        return ("GB", 1e9) if nbytes >= 1e9 else ("MB", 1e6)
+    return ("GiB", GiB) if nbytes >= GiB else ("MiB", MiB)
 
 
 def padded_vocab(V: int, tp: int) -> int:
@@ -210,12 +216,12 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     return -(-(warmup_forwards(p, m, v, rank) + 1) // v)
 
 
-def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, m: int, v: int = 1,
-                     schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
+def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
+                     v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers") -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
-    ``m`` micro-batches per step)."""
+    ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank)."""
     am = am or shardwise_model(precision)
     s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
@@ -231,7 +237,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, m: int, v: i
     for r in range(pp):
         chunks = [r + i * pp for i in range(v)]
         full = sum(chunk_full(c) for c in chunks)
-        k = in_flight(schedule, pp, m, v, r)
+        k = in_flight(schedule, pp, micro_batches, v, r)
         if recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
             # recomputed in full while (measured) about one other input is still held
             keep = mb * s * h * e / (tp if sp else 1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardwise.planner.hardware import Cluster
-from shardwise.planner.memory import activation_bytes, static_bytes
+from shardwise.planner.memory import GiB, activation_bytes, static_bytes
 from shardwise.planner.simulate import Layout, chunk_costs, simulate
 from shardwise.planner.specs import ModelSpec
 
@@ -90,8 +90,8 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
 def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
     st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.v, lay.zero, precision, lay.sp,
                       partition=lay.partition)
-    act = activation_bytes(spec, mb=lay.micro_batch, tp=lay.tp, pp=lay.pp, m=lay.m, v=lay.v,
-                           schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
+    act = activation_bytes(spec, mb=lay.micro_batch, tp=lay.tp, pp=lay.pp, micro_batches=lay.m,
+                           v=lay.v, schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition)
     return {**st, "activations": act, "total": st["total"] + act}
 
@@ -117,8 +117,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
             continue
         mem = memory_of(spec, lay, precision)
         if mem["total"] > limit:
-            pruned.append(Pruned(lay, f"needs {mem['total'] / 1e9:.3g} GB per GPU, more than "
-                                      f"the {limit / 1e9:.3g} GB it has", mem["total"]))
+            pruned.append(Pruned(lay, f"needs {mem['total'] / GiB:.3g} GiB per GPU, more "
+                                      f"than the {limit / GiB:.3g} GiB it has", mem["total"]))
             continue
         feasible.append(Candidate(lay, mem))
     if len(feasible) > simulate_top:

@@ -28,7 +28,7 @@ from shardwise.apps.cnn.chooser import Plan
 from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, convert, my_rows
 from shardwise.parallel.data_parallel import GradientSync
 from shardwise.models.cnn import CNN, Block
-from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
+from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, RankGroup,
                                        gather_from_sequence, gather_tensor,
                                        reduce_scatter_to_sequence, shard_tensor)
 
@@ -38,11 +38,12 @@ BUCKET_MB = 25.0
 class HybridCNN(nn.Module):
     """(B, C, S, S) global batch -> logits of this rank's samples; see module docstring.
 
-    ``group``: a ``TPGroup`` over all N ranks of the plan (its ``all_reduce`` / ``gather``
-    algorithms are used for every collective, data-parallel gradients included).
+    ``group``: a ``RankGroup`` over all N ranks of the plan, the one group for both axes
+    (data-parallel layers all-reduce their gradients over it, column / row layers shard
+    over it); its ``all_reduce`` / ``gather`` algorithms are used for every collective.
     """
 
-    def __init__(self, full: CNN, plan: Plan, group: TPGroup):
+    def __init__(self, full: CNN, plan: Plan, group: RankGroup):
         super().__init__()
         if plan.ranks != group.size:
             raise ValueError(f"the plan is for {plan.ranks} ranks, the group has {group.size}")

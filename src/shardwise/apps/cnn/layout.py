@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.parallel.tensor_parallel import (TPGroup, gather_from_region, scatter_to_region,
+from shardwise.parallel.tensor_parallel import (RankGroup, gather_from_region, scatter_to_region,
                                        scatter_to_sequence)
 
 BATCH, FULL, FEATURE = "batch", "full", "feature"
@@ -55,42 +55,42 @@ class _GatherBatch(torch.autograd.Function):
     """All-gather along dim 0 forward (rank order), keep my rows backward."""
 
     @staticmethod
-    def forward(ctx, x, tp: TPGroup):
-        ctx.tp = tp
-        out = torch.empty((tp.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        comm.all_gather_into_tensor(out, x.contiguous(), group=tp.group, algorithm=tp.gather)
+    def forward(ctx, x, ranks: RankGroup):
+        ctx.ranks = ranks
+        out = torch.empty((ranks.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        comm.all_gather_into_tensor(out, x.contiguous(), group=ranks.group, algorithm=ranks.gather)
         return out.flatten(0, 1)                                  # (N b, ...)
 
     @staticmethod
     def backward(ctx, g):
-        n = g.shape[0] // ctx.tp.size
-        return g.narrow(0, ctx.tp.rank * n, n).contiguous(), None
+        n = g.shape[0] // ctx.ranks.size
+        return g.narrow(0, ctx.ranks.rank * n, n).contiguous(), None
 
 
-def gather_batch(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def gather_batch(x: torch.Tensor, ranks: RankGroup) -> torch.Tensor:
     """(B/N, ...) -> (B, ...): all-gather forward, my rows backward (identity for N = 1)."""
-    return x if tp.size == 1 else _GatherBatch.apply(x, tp)
+    return x if ranks.size == 1 else _GatherBatch.apply(x, ranks)
 
 
-def my_rows(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def my_rows(x: torch.Tensor, ranks: RankGroup) -> torch.Tensor:
     """This rank's B/N rows of a (B, ...) tensor that every rank holds (no communication;
     data and labels, which every rank reads itself)."""
-    n = x.shape[0] // tp.size
-    return x.narrow(0, tp.rank * n, n)
+    n = x.shape[0] // ranks.size
+    return x.narrow(0, ranks.rank * n, n)
 
 
-def convert(x: torch.Tensor, src: str, dst: str, tp: TPGroup, tag: str = "") -> torch.Tensor:
+def convert(x: torch.Tensor, src: str, dst: str, ranks: RankGroup, tag: str = "") -> torch.Tensor:
     """Change ``x`` from layout ``src`` to ``dst`` (see the module's table)."""
-    if src == dst or tp.size == 1:
+    if src == dst or ranks.size == 1:
         return x
     if FEATURE in (src, dst) and BATCH in (src, dst):  # through full
-        return convert(convert(x, src, FULL, tp, tag), FULL, dst, tp, tag)
+        return convert(convert(x, src, FULL, ranks, tag), FULL, dst, ranks, tag)
     if (src, dst) == (BATCH, FULL):
-        return gather_batch(x, tp)
+        return gather_batch(x, ranks)
     if (src, dst) == (FULL, BATCH):
-        return scatter_to_sequence(x, tp, dim=0, tag=tag)
+        return scatter_to_sequence(x, ranks, dim=0, tag=tag)
     if (src, dst) == (FULL, FEATURE):
-        return scatter_to_region(x, tp, tag=tag)
+        return scatter_to_region(x, ranks, tag=tag)
     if (src, dst) == (FEATURE, FULL):
-        return gather_from_region(x, tp, tag=tag)
+        return gather_from_region(x, ranks, tag=tag)
     raise ValueError(f"unknown layout change {src!r} -> {dst!r}; layouts are {LAYOUTS}")

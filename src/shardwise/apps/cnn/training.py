@@ -30,7 +30,7 @@ from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data.idx import load_split
 from shardwise.models.cnn import CNN
-from shardwise.parallel.tensor_parallel import TPGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import RankGroup, clip_grad_norm_
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import MetricsLog, read_metrics
 from shardwise.training.schedule import warmup_cosine
@@ -63,7 +63,7 @@ class BatchSampler:
         self.epoch, self.index = int(s["epoch"]), int(s["index"])
 
 
-def build(cfg: Config, group: TPGroup, device: torch.device):
+def build(cfg: Config, group: RankGroup, device: torch.device):
     """The hybrid model for ``cfg`` on this rank (full CNN from ``training.seed``, then split)."""
     torch.manual_seed(cfg.training.seed)
     full = CNN(cnn_config(cfg.cnn))
@@ -205,8 +205,8 @@ class CNNTask(TrainTask):
     def __init__(self, cfg: Config, topo: Topology, device: torch.device):
         t = cfg.training
         self.cfg, self.device, self.is_main = cfg, device, topo.rank == 0
-        group = TPGroup(group=topo.groups.dp, size=topo.dp, rank=topo.dp_rank,
-                        all_reduce="ring", gather="ring")
+        group = RankGroup(group=topo.groups.dp, size=topo.dp, rank=topo.dp_rank,
+                         all_reduce="ring", gather="ring")
         x_all, y_all = load_split(cfg.data.path, "train")
         n_val = max(1, int(len(x_all) * cfg.data.val_fraction))
         self.x_tr, self.y_tr = x_all[:-n_val], y_all[:-n_val]

@@ -7,7 +7,7 @@ BSP / ASP / SSP consistency rules (Li et al., OSDI 2014; Ho et al., NIPS 2013).
 """
 
 from shardwise.apps.param_server.clock import CONSISTENCIES, ClockTable
-from shardwise.apps.param_server.partition import Partition, balanced_cuts, partition
+from shardwise.apps.param_server.partition import KeyRanges, partition
 from shardwise.apps.param_server.training import train_rank
 
-__all__ = ["CONSISTENCIES", "ClockTable", "Partition", "balanced_cuts", "partition", "train_rank"]
+__all__ = ["CONSISTENCIES", "ClockTable", "KeyRanges", "partition", "train_rank"]

@@ -6,16 +6,18 @@ contiguous key range. Here a key is one parameter tensor (in ``model.parameters(
 a tied weight counted once), its value the tensor flattened; the flat vector is their
 concatenation. Server i owns keys ``[cuts[i], cuts[i+1])``, i.e. one contiguous slice
 ``[lo, hi)`` of the flat vector. The cuts minimise the largest server's bytes (the linear
-partition problem, solved exactly by dynamic programming), since a server's traffic per
-step is proportional to its bytes.
+partition problem, solved exactly by the pipeline's dynamic program,
+``parallel.pipeline.partition.balanced``), since a server's traffic per step is
+proportional to its bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+from shardwise.parallel.pipeline.partition import balanced
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Key:
 
 
 @dataclass(frozen=True)
-class Partition:
+class KeyRanges:
     """Keys in flat order and the key cuts: server i owns ``keys[cuts[i]:cuts[i+1]]``."""
 
     keys: tuple[Key, ...]
@@ -69,40 +71,12 @@ def keys_of(model: torch.nn.Module) -> tuple[Key, ...]:
     return tuple(keys)
 
 
-def balanced_cuts(sizes: list[int], parts: int) -> tuple[int, ...]:
-    """Cuts ``0 = c_0 < c_1 < ... < c_parts = len(sizes)`` of ``sizes`` into ``parts``
-    non-empty contiguous runs minimising the largest run's sum (ties: earliest cuts).
-
-    Raises ``ValueError`` when ``parts`` is not in ``1..len(sizes)``.
-    O(parts * n^2) dynamic programming; n is the number of parameter tensors (tens).
-    """
-    n = len(sizes)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot cut {n} keys into {parts} non-empty ranges")
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-
-    @lru_cache(maxsize=None)
-    def best(start: int, k: int) -> tuple[int, tuple[int, ...]]:
-        """Min over cuts of keys[start:] into k runs of the max run sum, and the cuts."""
-        if k == 1:
-            return prefix[n] - prefix[start], (n,)
-        out = None
-        for end in range(start + 1, n - k + 2):  # leave at least one key per later run
-            rest, cuts = best(end, k - 1)
-            cost = max(prefix[end] - prefix[start], rest)
-            if out is None or cost < out[0]:
-                out = (cost, (end,) + cuts)
-        return out
-
-    return (0,) + best(0, parts)[1]
-
-
-def partition(model: torch.nn.Module, servers: int) -> Partition:
-    """Contiguous key ranges of ``model``'s parameters over ``servers``, balanced by bytes."""
+def partition(model: torch.nn.Module, servers: int) -> KeyRanges:
+    """Contiguous key ranges of ``model``'s parameters over ``servers``, balanced by bytes
+    (ties: earliest cuts). Raises ``PartitionError`` (a ``ValueError``) when ``servers`` is
+    not in ``1..number of keys``."""
     keys = keys_of(model)
-    return Partition(keys, balanced_cuts([k.nbytes for k in keys], servers))
+    return KeyRanges(keys, balanced([k.nbytes for k in keys], servers).bounds)
 
 
 def count_keys(model_cfg) -> int:

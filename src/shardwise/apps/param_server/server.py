@@ -24,7 +24,7 @@ from shardwise.apps.param_server import protocol as P
 from shardwise.apps.param_server import state
 from shardwise.apps.param_server.clock import ClockTable
 from shardwise.apps.param_server.optim import RangeOptimizer
-from shardwise.apps.param_server.partition import Partition
+from shardwise.apps.param_server.partition import KeyRanges
 
 _DEAD = -1
 
@@ -47,7 +47,7 @@ class Server:
     range and the pull log.
     """
 
-    def __init__(self, index: int, part: Partition, values: torch.Tensor,
+    def __init__(self, index: int, part: KeyRanges, values: torch.Tensor,
                  worker_ranks: list[int], consistency: str, staleness: int, optimizer: str,
                  o, total: int, momentum: float = 0.9, worker_timeout_s: float = 60.0,
                  checkpointing: dict | None = None, resume_from=None):

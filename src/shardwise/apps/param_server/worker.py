@@ -11,7 +11,7 @@ import torch
 
 from shardwise import comm
 from shardwise.apps.param_server import protocol as P
-from shardwise.apps.param_server.partition import Partition
+from shardwise.apps.param_server.partition import KeyRanges
 
 
 class Worker:
@@ -21,7 +21,7 @@ class Worker:
     first pull always fetches the weights, which is also how a new worker joins).
     """
 
-    def __init__(self, index: int, model: torch.nn.Module, part: Partition,
+    def __init__(self, index: int, model: torch.nn.Module, part: KeyRanges,
                  server_ranks: list[int]):
         self.index, self.part, self.server_ranks = index, part, list(server_ranks)
         params = list(model.parameters())

@@ -4,7 +4,7 @@ What it does, following Li et al. (VLDB 2020) and the seeds' data-parallel chapt
 
 1. At construction, parameters and buffers are broadcast from the first rank of the dp
    group, so every replica starts identical.
-2. Gradients are packed into buckets (``bucket_cap_mb``, default 25 MiB, reverse
+2. Gradients are packed into buckets (``bucket_mb``, default 25 MiB, reverse
    registration order). ``param.grad`` becomes a view into its bucket; ``zero_grad()``
    keeps it so (zeroing in place), and autograd then accumulates straight into the bucket.
 3. A post-accumulate-grad hook per parameter counts down its bucket; when a bucket is
@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
+from shardwise.comm.coalesce import coalesced_
 from shardwise.parallel.data_parallel.grad_sync import GradientSync
 
 
@@ -39,15 +40,15 @@ class DistributedDataParallel(nn.Module):
     Args:
         module: the local replica; its parameters must have the same shapes on all ranks.
         group: the dp process group (``topology.groups.dp``).
-        bucket_cap_mb: bucket capacity in MiB.
-        first_bucket_mb: capacity of the first bucket in MiB (default: ``bucket_cap_mb``).
+        bucket_mb: bucket capacity in MiB.
+        first_bucket_mb: capacity of the first bucket in MiB (default: ``bucket_mb``).
         allreduce: algorithm name passed to ``shardwise.comm.all_reduce``.
 
     ``forward`` is the module's. After ``loss.backward()`` returns, every gradient is the
     average over the dp group. Raises ``RuntimeError`` if a bucket's collective fails.
     """
 
-    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25.0,
+    def __init__(self, module: nn.Module, group=None, bucket_mb: float = 25.0,
                  allreduce: str = "auto", first_bucket_mb: float | None = None):
         super().__init__()
         self.module = module
@@ -57,7 +58,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_module_state(module, group)
         params = [p for p in module.parameters() if p.requires_grad]
         # the buckets, their hooks and launches; every backward is final unless no_sync
-        self.sync = GradientSync(params, group, bucket_cap_mb, first_bucket_mb, allreduce,
+        self.sync = GradientSync(params, group, bucket_mb, first_bucket_mb, allreduce,
                                  on_grad=self._on_grad, armed=True)
         self.buckets = self.sync.buckets
         self._callback_queued = False
@@ -122,9 +123,4 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
     for t in list(module.parameters()) + list(module.buffers()):
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for tensors in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        comm.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        coalesced_(tensors, lambda flat: comm.broadcast(flat, src=src, group=group))

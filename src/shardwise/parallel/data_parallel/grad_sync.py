@@ -37,7 +37,7 @@ class GradientSync:
     Args:
         params: parameters with the same shapes and order on every rank of ``group``.
         group: the dp process group.
-        bucket_cap_mb / first_bucket_mb: bucket capacities in MiB, as for our DDP.
+        bucket_mb / first_bucket_mb: bucket capacities in MiB, as for our DDP.
         allreduce: algorithm name for ``shardwise.comm.all_reduce``.
         on_grad: called at every armed hook, before the bucket counts down (our DDP uses it
             to queue its end-of-backward callback and to time the hooks).
@@ -48,7 +48,7 @@ class GradientSync:
             mean: ``shardwise.apps.cnn.layout``).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], group, bucket_cap_mb: float = 25.0,
+    def __init__(self, params: list[torch.nn.Parameter], group, bucket_mb: float = 25.0,
                  first_bucket_mb: float | None = None, allreduce: str = "auto",
                  on_grad: Callable[[], None] | None = None, armed: bool = False,
                  average: bool = True) -> None:
@@ -56,7 +56,7 @@ class GradientSync:
         self.average = average
         self.dp_size = dist.get_world_size(group)
         first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
-        self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_cap_mb * MiB)), first)
+        self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_mb * MiB)), first)
         self._slot: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):

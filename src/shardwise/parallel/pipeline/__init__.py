@@ -1,7 +1,7 @@
 """Pipeline parallelism: schedules as data, a checker, partitioning, one executor, timelines.
 
 - ``schedules``: ``schedule(kind, p, m, v)`` -> ``Schedule`` (instruction lists per rank)
-  for naive, GPipe, 1F1B, interleaved 1F1B and PipeDream; ``simulate`` for ideal timings.
+  for naive, GPipe, 1F1B, interleaved 1F1B and PipeDream; ``time_orders`` for ideal timings.
 - ``check``: ``check(schedule)`` validates any schedule without processes.
 - ``partition``: balanced contiguous cuts by layer count, parameters or profiled time.
 - ``stage``: GPT chunks keeping the GPT's parameter names.
@@ -21,11 +21,12 @@ from shardwise.parallel.pipeline.partition import (Partition, PartitionError, ba
 from shardwise.parallel.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep,
                                           RecvActivation, RecvGrad, Schedule, ScheduleError,
                                           SendActivation, SendGrad, compute_order,
-                                          schedule, simulate)
+                                          schedule, time_orders)
 from shardwise.parallel.pipeline.stage import StageChunk, gpt_chunks, lm_loss
 
 __all__ = [
-    "KINDS", "Schedule", "ScheduleError", "schedule", "compute_order", "simulate", "ideal_bubble",
+    "KINDS", "Schedule", "ScheduleError", "schedule", "compute_order", "time_orders",
+    "ideal_bubble",
     "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad",
     "OptimizerStep", "check", "CheckReport", "Partition", "PartitionError", "balanced",
     "gpt_layers", "partition_layers", "profile_layers", "StageChunk", "gpt_chunks", "lm_loss",

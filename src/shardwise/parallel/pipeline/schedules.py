@@ -21,10 +21,10 @@ Kinds (``KINDS``):
   backward, and the executor stashes the weights each forward used so that micro-batch's
   backward sees the same version (Narayanan et al. 2019, PipeDream, weight stashing).
 
-Communication is derived, not hand-written: the compute order of every rank is simulated
-with unit costs (``simulate``), each cross-rank dependency becomes a send on the producer and
-a receive on the consumer at the producer's finish time, and every rank's list is sorted by
-that time. Since every rank then meets its transfers in one global order, the lists cannot
+Communication is derived, not hand-written: the compute order of every rank is timed on an
+ideal machine with unit costs (``time_orders``), each cross-rank dependency becomes a send on
+the producer and a receive on the consumer at the producer's finish time, and every rank's
+list is sorted by that time. Since every rank then meets its transfers in one global order, the lists cannot
 deadlock even when a send blocks until the matching receive is posted (``check`` verifies it).
 """
 
@@ -189,7 +189,7 @@ def _deps(op: Forward | Backward, n_chunks: int) -> list[Forward | Backward]:
     return deps
 
 
-def simulate(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
+def time_orders(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
              forward_cost: Sequence[float] | float = 1.0,
              backward_cost: Sequence[float] | float | None = None,
              done: dict | None = None, not_before: float = 0.0) -> dict:
@@ -272,7 +272,7 @@ def schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """The instruction lists of ``kind`` for ``p`` pipeline ranks, ``m`` micro-batches and
     ``v`` chunks per rank. Raises ``ScheduleError`` with a one-line reason on bad input."""
     orders = compute_order(kind, p, m, v)
-    times = simulate(orders, p, v)
+    times = time_orders(orders, p, v)
     pipedream = kind == "pipedream"
     ranks = _with_comm(orders, times, p, p * v, step_every_backward=pipedream)
     if not pipedream:

@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from shardwise.parallel.pipeline.schedules import (Backward, Forward, Instruction, OptimizerStep,
                                           RecvActivation, ScheduleError, SendActivation,
-                                          SendGrad, compute_order, simulate, timed_events,
+                                          SendGrad, compute_order, time_orders, timed_events,
                                           validate_args, warmup_forwards)
 
 Lists = tuple[tuple[Instruction, ...], ...]  # one instruction list per pipeline rank
@@ -78,7 +78,7 @@ def cut(p: int, m: int, steps: int) -> tuple[list[Lists], Lists]:
     return its per-step segments and the drain after the last. See the module docstring."""
     total = steps * m
     orders = compute_order("pipedream", p, total)
-    times = simulate(orders, p)
+    times = time_orders(orders, p)
     events = timed_events(orders, times, p, p, step_every_backward=True)
     seg_of: dict = {}  # (rank, compute) -> segment index; ``steps`` is the drain
     for r, order in enumerate(orders):
@@ -138,7 +138,7 @@ def stream(p: int, m: int) -> Stream:
     raise ScheduleError(f"the PipeDream stream for p={p}, m={m} does not become periodic")
 
 
-def simulate_stream(s: Stream, steps: int, forward_cost: float = 1.0,
+def time_stream(s: Stream, steps: int, forward_cost: float = 1.0,
                     backward_cost: float | None = None) -> list[dict]:
     """Ideal ``{op: (start, end)}`` of each of the first ``steps`` segments, run as the
     engine runs them: a segment starts on every rank once the previous one has ended on all
@@ -147,7 +147,8 @@ def simulate_stream(s: Stream, steps: int, forward_cost: float = 1.0,
     out, start = [], 0.0
     for k in range(steps):
         orders = [[op for op in ops if isinstance(op, (Forward, Backward))] for ops in s.segment(k)]
-        times = simulate(orders, s.p, 1, forward_cost, backward_cost, done=done, not_before=start)
+        times = time_orders(orders, s.p, 1, forward_cost, backward_cost, done=done,
+                            not_before=start)
         out.append(times)
         done.update(times)
         start = max(e for _, e in times.values())
@@ -159,6 +160,6 @@ def steady_bubble(p: int, m: int) -> float:
     No fill and no drain, but each step starts together after the loss broadcast, so rank r
     first waits r forwards for its input."""
     s = stream(p, m)
-    times = simulate_stream(s, s.steady_from + 1)[-1]
+    times = time_stream(s, s.steady_from + 1)[-1]
     span = max(e for _, e in times.values()) - min(b for b, _ in times.values())
     return 1.0 - sum(e - b for b, e in times.values()) / (p * span)

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from shardwise.parallel.pipeline.schedules import compute_order, simulate
+from shardwise.parallel.pipeline.schedules import compute_order, time_orders
 
 COMPUTE_KINDS = ("Forward", "Backward")
 
@@ -57,14 +57,14 @@ def predicted(kind: str, p: int, m: int, v: int = 1, forward_cost: float = 1.0) 
     chunk forward = ``forward_cost / v``, backward twice that). PipeDream: one steady-state
     step of its stream (``pipeline.stream``), from time 0."""
     if kind == "pipedream":
-        from shardwise.parallel.pipeline.stream import simulate_stream, stream
+        from shardwise.parallel.pipeline.stream import stream, time_stream
 
         s = stream(p, m)
-        times = simulate_stream(s, s.steady_from + 1, forward_cost)[-1]
+        times = time_stream(s, s.steady_from + 1, forward_cost)[-1]
         t0 = min(b for b, _ in times.values())
         times = {op: (b - t0, e - t0) for op, (b, e) in times.items()}
     else:
-        times = simulate(compute_order(kind, p, m, v), p, v, forward_cost=forward_cost / v)
+        times = time_orders(compute_order(kind, p, m, v), p, v, forward_cost=forward_cost / v)
     return [{"rank": op.chunk % p, "kind": type(op).__name__, "mb": op.mb, "chunk": op.chunk,
              "start": s, "end": e} for op, (s, e) in times.items()]
 

@@ -16,12 +16,14 @@ both strategies so the seed's figures can be read off it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
 from shardwise import comm
 from shardwise.comm.accounting import recording
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 COLUMNS = ("strategy", "formula", "formula_elements", "forward_elements", "backward_elements",
@@ -37,7 +39,7 @@ def _counts(records) -> tuple[int, int]:
     return elements, sum(r.bytes_sent or 0 for r in records)
 
 
-def measure_linear(batch: int, c_in: int, c_out: int, dp_group, tp: TPGroup,
+def measure_linear(batch: int, c_in: int, c_out: int, dp_group, tp: RankGroup,
                    seed: int = 31) -> list[dict]:
     """One training step of ``y = W x`` (no bias) per strategy on this rank. ``dp_group``
     and ``tp`` span the same ranks; ``tp`` should use a counted algorithm (e.g. "ring").
@@ -94,15 +96,17 @@ def measure_linear(batch: int, c_in: int, c_out: int, dp_group, tp: TPGroup,
     return rows
 
 
-def measure_gpt_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
+def measure_gpt_layers(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                       x: torch.Tensor, y: torch.Tensor) -> list[dict]:
     """Per-layer communication of one forward + backward of a TP model (rows of
-    ``mappings.per_layer_table``). Use counted algorithms in its ``TPGroup`` for bytes."""
+    ``mappings.per_layer_table``): ``loss_of(x, y)`` runs the forward of ids ``x`` (B, T)
+    against targets ``y`` (B, T) and returns the scalar loss, which is then backpropagated.
+    Use counted algorithms in the model's ``RankGroup`` for bytes."""
     from shardwise.parallel.tensor_parallel import mappings
 
     mappings.layer_log.clear()
     with recording():
-        _, loss = model(x, y)
-        loss.backward()
+        loss_of(x, y).backward()
     rows = mappings.per_layer_table()
     mappings.layer_log.clear()
     return rows

@@ -31,20 +31,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise import comm
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.mappings import (copy_to_region, gather_from_region,
                                                 gather_from_sequence, reduce_from_region,
                                                 reduce_scatter_to_sequence, scatter_to_region)
 
 
-def shard_tensor(full: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+def shard_tensor(full: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
     """This rank's contiguous 1/N slice of ``full`` along ``dim`` (a copy)."""
     n = tp.shard(full.shape[dim], f"size of dim {dim}")
     return full.detach().narrow(dim, tp.rank * n, n).clone().contiguous()
 
 
 @torch.no_grad()
-def gather_tensor(local: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+def gather_tensor(local: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
     """Concatenate every rank's ``local`` along ``dim`` in rank order (no autograd)."""
     if tp.size == 1:
         return local.detach().clone()
@@ -68,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
     Raises ValueError (naming the size) when ``out_features`` is not divisible by tp.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, tp: RankGroup, bias: bool = True,
                  gather_output: bool = False, master: nn.Linear | None = None,
                  tag: str = "column"):
         super().__init__()
@@ -104,7 +104,7 @@ class RowParallelLinear(nn.Module):
     Raises ValueError (naming the size) when ``in_features`` is not divisible by tp.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, tp: RankGroup, bias: bool = True,
                  input_is_parallel: bool = False, master: nn.Linear | None = None,
                  tag: str = "row"):
         super().__init__()
@@ -142,7 +142,7 @@ class VocabParallelEmbedding(nn.Module):
     ``[vocab_start, vocab_end)``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup,
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: RankGroup,
                  master: nn.Embedding | None = None, tag: str = "vocab_embedding"):
         super().__init__()
         self.tp, self.tag = tp, tag

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.mappings import _mark, _note
 
 
@@ -63,7 +63,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: RankGroup,
                                  vocab_size: int | None = None, reduction: str = "mean",
                                  tag: str = "cross_entropy") -> torch.Tensor:
     """Cross-entropy in nats of ``logits`` (..., V_pad / tp), this rank's vocabulary

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.parallel.tensor_parallel.group import RankGroup
 
 layer_log: list[tuple[str, str, object]] = []  # (layer tag, "forward"/"backward", CallRecord)
 
@@ -61,7 +61,7 @@ def _note(tag: str, phase: str, start: int, collective: str, nbytes: int) -> Non
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
 
-def _all_reduce(x: torch.Tensor, tp: TPGroup, tag: str, phase: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, tp: RankGroup, tag: str, phase: str) -> torch.Tensor:
     y = x.contiguous().clone()  # never reduce in place: autograd may still need x
     start = _mark()
     comm.all_reduce(y, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
@@ -69,14 +69,14 @@ def _all_reduce(x: torch.Tensor, tp: TPGroup, tag: str, phase: str) -> torch.Ten
     return y
 
 
-def _split(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
     n = x.shape[dim]
     if n % tp.size:
         raise ValueError(f"dim {dim} of size {n} is not divisible by tp={tp.size}")
     return x.narrow(dim, tp.rank * (n // tp.size), n // tp.size).contiguous()
 
 
-def _gather(x: torch.Tensor, dim: int, tp: TPGroup, tag: str, phase: str) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, tp: RankGroup, tag: str, phase: str) -> torch.Tensor:
     out = torch.empty((tp.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     start = _mark()
     comm.all_gather_into_tensor(out, x.contiguous(), group=tp.group, algorithm=tp.gather)
@@ -84,7 +84,7 @@ def _gather(x: torch.Tensor, dim: int, tp: TPGroup, tag: str, phase: str) -> tor
     return torch.cat(out.unbind(0), dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, tp: TPGroup, tag: str,
+def _reduce_scatter(x: torch.Tensor, dim: int, tp: RankGroup, tag: str,
                     phase: str) -> torch.Tensor:
     if x.shape[dim] % tp.size:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by tp={tp.size}")
@@ -176,40 +176,40 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 # ---------------------------------------------------------------- public operators
 
-def copy_to_region(x: torch.Tensor, tp: TPGroup, tag: str = "") -> torch.Tensor:
+def copy_to_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's f). Same shape in and out."""
     return x if tp.size == 1 else _CopyToRegion.apply(x, tp, tag)
 
 
-def reduce_from_region(x: torch.Tensor, tp: TPGroup, tag: str = "") -> torch.Tensor:
+def reduce_from_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """All-reduce (sum) forward, identity backward (Megatron's g). Same shape in and out."""
     return x if tp.size == 1 else _ReduceFromRegion.apply(x, tp, tag)
 
 
-def scatter_to_region(x: torch.Tensor, tp: TPGroup, tag: str = "") -> torch.Tensor:
+def scatter_to_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """(..., n) -> (..., n / tp): my slice forward, all-gather backward."""
     return x if tp.size == 1 else _ScatterToRegion.apply(x, tp, tag)
 
 
-def gather_from_region(x: torch.Tensor, tp: TPGroup, tag: str = "") -> torch.Tensor:
+def gather_from_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """(..., n / tp) -> (..., n): all-gather forward (rank order), my slice backward."""
     return x if tp.size == 1 else _GatherFromRegion.apply(x, tp, tag)
 
 
-def scatter_to_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1,
+def scatter_to_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
                         tag: str = "") -> torch.Tensor:
     """(B, T, C) -> (B, T / tp, C): my sequence slice forward, all-gather backward."""
     return x if tp.size == 1 else _ScatterToSequence.apply(x, tp, dim, tag)
 
 
-def gather_from_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1,
+def gather_from_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
                          tag: str = "") -> torch.Tensor:
     """(B, T / tp, C) -> (B, T, C): all-gather forward, reduce-scatter backward
     (sequence parallelism's f)."""
     return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, dim, tag)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, tp: TPGroup, dim: int = 1,
+def reduce_scatter_to_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
                                tag: str = "") -> torch.Tensor:
     """(B, T, C) partial sums -> (B, T / tp, C) reduced: reduce-scatter forward, all-gather
     backward (sequence parallelism's g)."""

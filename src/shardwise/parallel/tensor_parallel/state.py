@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.parallel.tensor_parallel.group import TPGroup
+from shardwise.comm.coalesce import coalesced_
+from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor, shard_tensor
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.proj.weight")
@@ -31,7 +32,7 @@ def _vocab_rows(model: nn.Module, name: str) -> int | None:
 
 
 @torch.no_grad()
-def gather_like(p: torch.Tensor, local: torch.Tensor, tp: TPGroup,
+def gather_like(p: torch.Tensor, local: torch.Tensor, tp: RankGroup,
                 vocab_rows: int | None = None) -> torch.Tensor:
     """The full tensor of ``local``, a tensor shaped like parameter ``p`` (the parameter, a
     gradient, Adam's moments): gathered over tp along ``p.tp_dim`` when ``p`` is sharded,
@@ -44,7 +45,7 @@ def gather_like(p: torch.Tensor, local: torch.Tensor, tp: TPGroup,
 
 
 @torch.no_grad()
-def shard_like(p: torch.Tensor, full: torch.Tensor, tp: TPGroup,
+def shard_like(p: torch.Tensor, full: torch.Tensor, tp: RankGroup,
                vocab_rows: int | None = None) -> torch.Tensor:
     """Inverse of ``gather_like``: this rank's slice of ``full`` (vocabulary padding added
     back when ``vocab_rows`` is given)."""
@@ -56,26 +57,26 @@ def shard_like(p: torch.Tensor, full: torch.Tensor, tp: TPGroup,
     return shard_tensor(full, p.tp_dim, tp)
 
 
-def gather_param(model: nn.Module, name: str, local: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def gather_param(model: nn.Module, name: str, local: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     """The full (unsharded, unpadded) tensor of parameter ``name`` from this rank's
     ``local`` (the parameter, or any tensor shaped like it: a gradient, Adam's moments).
     Collective over the tp group when the parameter is sharded."""
     return gather_like(model.get_parameter(name), local, tp, _vocab_rows(model, name))
 
 
-def shard_param(model: nn.Module, name: str, full: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def shard_param(model: nn.Module, name: str, full: torch.Tensor, tp: RankGroup) -> torch.Tensor:
     """This rank's slice of the full tensor of parameter ``name`` (padding added back)."""
     return shard_like(model.get_parameter(name), full, tp, _vocab_rows(model, name))
 
 
-def gather_state_dict(model: nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
+def gather_state_dict(model: nn.Module, tp: RankGroup) -> dict[str, torch.Tensor]:
     """Full parameters in the unsharded model's names (tied weights once, as
     ``named_parameters`` lists them). Collective: every tp rank must call it."""
     return {n: gather_param(model, n, p, tp) for n, p in model.named_parameters()}
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], tp: TPGroup) -> None:
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], tp: RankGroup) -> None:
     """Copy this rank's slices of ``full`` (names as ``gather_state_dict``) into ``model``.
     Raises KeyError naming a missing parameter."""
     for n, p in model.named_parameters():
@@ -84,7 +85,7 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], tp: TP
         p.copy_(shard_param(model, n, full[n], tp))
 
 
-def grad_norm(params, tp: TPGroup) -> torch.Tensor:
+def grad_norm(params, tp: RankGroup) -> torch.Tensor:
     """Global L2 norm of the gradients of a tensor-parallel model: squares of sharded
     gradients summed over the tp ranks, replicated gradients counted once (on tp rank 0);
     ``zero.precision.global_norm`` does the sum."""
@@ -96,7 +97,7 @@ def grad_norm(params, tp: TPGroup) -> torch.Tensor:
     return global_norm(grads, counted, tp.group if tp.size > 1 else "local")[0]
 
 
-def clip_grad_norm_(params, max_norm: float, tp: TPGroup) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, tp: RankGroup) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the tp group: scale gradients by
     ``min(1, max_norm / (norm + 1e-6))``; returns the global norm (same on every tp rank)."""
     params = list(params)
@@ -109,27 +110,28 @@ def clip_grad_norm_(params, max_norm: float, tp: TPGroup) -> torch.Tensor:
     return total
 
 
-def sync_replicated_grads(model: nn.Module, tp: TPGroup) -> None:
-    """Sum the gradients of replicated parameters over the tp group, in one flat
-    all-reduce. Needed only under sequence parallelism: there LayerNorms, the position
-    embedding and row-parallel biases see only this rank's tokens, so each rank holds a
-    partial gradient (Korthikanti et al. 2022, section 4.2.2). Call after backward (after
-    the last micro-batch) and before clipping / the optimizer step."""
+def sync_replicated_grads(params, tp: RankGroup, grads: list[torch.Tensor] | None = None) -> None:
+    """Sum the gradients of the tp-replicated parameters among ``params`` over the tp group,
+    in one flat all-reduce, in place. Needed only under sequence parallelism: there
+    LayerNorms, the position embedding and row-parallel biases see only this rank's tokens,
+    so each rank holds a partial gradient (Korthikanti et al. 2022, arXiv:2205.05198,
+    section 4.2.2). Call after backward (after the last micro-batch) and before clipping /
+    the optimizer step.
+
+    ``grads``: the gradients to sum, one per parameter (any shape, e.g. an fp32 master's
+    gradient or a ZeRO shard of it); default each parameter's ``.grad`` (None skipped).
+    Collective over tp: every tp rank must call it with the same parameters."""
     if tp.size == 1:
         return
-    grads = [p.grad for p in model.parameters() if not is_sharded(p) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
-    off = 0
-    for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
-        off += g.numel()
+    params = list(params)
+    grads = [p.grad for p in params] if grads is None else grads
+    coalesced_([g for p, g in zip(params, grads) if not is_sharded(p) and g is not None],
+               lambda flat: comm.all_reduce(flat, group=tp.group, algorithm=tp.all_reduce,
+                                            check=tp.check))
 
 
 def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                           tp: TPGroup) -> dict[str, dict]:
+                           tp: RankGroup) -> dict[str, dict]:
     """Per-parameter optimizer state (e.g. AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``) in
     the full layout: ``{param name: {key: full tensor | value}}``. Tensors shaped like their
     parameter are gathered like it; scalars are copied. Collective over the tp group."""
@@ -143,7 +145,7 @@ def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         full: dict[str, dict], tp: TPGroup) -> None:
+                         full: dict[str, dict], tp: RankGroup) -> None:
     """Inverse of ``gather_optimizer_state`` for this rank's slices (any tp size)."""
     for n, p in model.named_parameters():
         if n in full:

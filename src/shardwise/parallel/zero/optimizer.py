@@ -43,7 +43,7 @@ class ZeroDataParallel(nn.Module):
             the group's first rank).
         group: the dp process group (``None``: the world).
         stage: 1 (optimizer states sharded) or 2 (gradients too).
-        bucket_cap_mb: bucket capacity in MiB (also the unit of reduce-scatter/all-gather).
+        bucket_mb: bucket capacity in MiB (also the unit of reduce-scatter/all-gather).
         param_dtype: compute dtype of parameters and gradients (fp32, bf16 or fp16).
         loss_scaler: a ``DynamicLossScaler`` (needed for fp16), or None.
 
@@ -56,7 +56,7 @@ class ZeroDataParallel(nn.Module):
     parameters.
     """
 
-    def __init__(self, module: nn.Module, group=None, stage: int = 1, bucket_cap_mb: float = 25.0,
+    def __init__(self, module: nn.Module, group=None, stage: int = 1, bucket_mb: float = 25.0,
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
@@ -78,7 +78,7 @@ class ZeroDataParallel(nn.Module):
         for p in params:
             p.data = p.data.to(param_dtype)
         self.layout = ShardLayout(params, self.world_size, dist.get_rank(group),
-                                  max(1, int(bucket_cap_mb * MiB)), isolate)
+                                  max(1, int(bucket_mb * MiB)), isolate)
         names = names or {id(p): n for n, p in module.named_parameters()}
         self._flat_params: list[torch.Tensor] = []
         for b in self.layout.buckets:  # parameters become views of one flat buffer per bucket

@@ -1,7 +1,7 @@
 """How ZeRO cuts the flattened parameters into per-rank shards.
 
 Parameters are packed into buckets exactly as our DDP packs gradients (reverse
-registration order, ``bucket_cap_mb``). A bucket of ``n`` elements is padded to
+registration order, ``bucket_mb``). A bucket of ``n`` elements is padded to
 ``n_pad = ceil(n / N) * N`` and rank ``r`` owns elements ``[r * n_pad/N, (r+1) * n_pad/N)``
 of it, so every collective on a bucket is an even reduce-scatter or all-gather. With one
 bucket (the default 25 MiB holds small models whole) each rank owns one contiguous 1/N
