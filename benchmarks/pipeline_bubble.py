@@ -11,7 +11,7 @@ reversed every repeat) and the median over repeats is reported. ``pipedream`` is
 a steady-state step of its stream (the start-up segments run first, each followed by the
 loss broadcast the runner does), against ``ideal_bubble`` = (p-1)/(3m+p-1).
 
-    .venv/bin/python benchmarks/pipeline_bubble.py --p 2 4 --m 1 4 8 --repeats 5
+    .venv/bin/python benchmarks/pipeline_bubble.py --pp 2 4 --micro-batches 1 4 8 --repeats 5
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ def _run(cfgs: list[tuple], work: str, ms: float, hidden: int, batch: int, repea
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--p", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--pp", dest="p", type=int, nargs="+", default=[2, 4], help="pipeline stages")
+    ap.add_argument("--micro-batches", dest="m", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--kinds", nargs="+", default=["gpipe", "1f1b", "interleaved"])
-    ap.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved")
+    ap.add_argument("--chunks-per-rank", dest="v", type=int, default=2,
+                    help="chunks per rank for interleaved")
     ap.add_argument("--work", choices=["sleep", "matmul"], default="sleep")
     ap.add_argument("--ms", type=float, default=20.0, help="forward ms per stage")
     ap.add_argument("--hidden", type=int, default=256)

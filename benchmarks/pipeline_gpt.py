@@ -1,13 +1,13 @@
 """Real pipelined GPT runs: timeline pictures and peak activation memory per rank.
 
-For each schedule, trains the GPT for ``--steps`` steps at pp = ``--pp`` with ``--m``
+For each schedule, trains the GPT for ``--steps`` steps at pp = ``--pp`` with ``--micro-batches``
 micro-batches (stages cut by profiled time), saves the last step's timeline under
 ``RUN_DIR/<kind>/timeline/`` and draws ``OUT/pipeline_<kind>.png`` from it (the same as
 ``shardwise timeline RUN_DIR/<kind>``); PipeDream's last step is a steady-state segment of
 its stream, with micro-batches of the previous step still in flight at its start. Then measures the peak bytes autograd holds for
 backward on every rank (``Executor.meter``) for GPipe, 1F1B and 1F1B with recomputation.
 
-    .venv/bin/python benchmarks/pipeline_gpt.py --pp 4 --m 8 --out docs/images
+    .venv/bin/python benchmarks/pipeline_gpt.py --pp 4 --micro-batches 8 --out docs/images
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _run(a: dict, run_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--micro-batches", dest="m", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--embd", type=int, default=128)
     ap.add_argument("--seq", type=int, default=64)

@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--embd", type=int, default=256)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--micro-batches", dest="m", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
     a = vars(ap.parse_args())

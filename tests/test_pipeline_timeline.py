@@ -16,9 +16,11 @@ def test_predicted_idle_fraction_is_the_textbook_bubble(kind, v):
 
 def test_render_prediction_and_errors(tmp_path, capsys):
     out = tmp_path / "pred.png"
-    assert timeline_cli.main(["--predict", "1f1b", "--p", "4", "--m", "8", "--out", str(out)]) == 0
+    assert timeline_cli.main(["--predict", "1f1b", "--pp", "4", "--micro-batches", "8",
+                              "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert timeline_cli.main([str(tmp_path / "nothing")]) == 2
-    assert timeline_cli.main(["--predict", "interleaved", "--p", "4", "--m", "6", "--v", "2"]) == 2
+    assert timeline_cli.main(["--predict", "interleaved", "--pp", "4", "--micro-batches", "6",
+                              "--chunks-per-rank", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no timeline" in err[0] and "multiple of p=4" in err[1]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli import comm_table as table_mod
-from shardwise.cli.common import Parser
+from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.comm import cost
 
 ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "naive", "sequential", "parallel",
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             cost.use_profile(args.profile)
     except (BenchError, ValueError) as exc:
         print(f"shardwise bench comm: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     out = Path(args.out)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     if args.table:

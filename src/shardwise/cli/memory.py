@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 
+from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.planner.memory import MiB, unit_for, zero_bytes
 
 
@@ -51,7 +52,7 @@ def _layout_table(args, stages: list[int]) -> int:
         base = Config.load(args.config, over)
     except ConfigError as e:
         print(f"shardwise memory: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     m, p = base.model, base.parallel
     vocab = m.vocab_size or CharTokenizer.from_text(load_text(base.data.path)).vocab_size
     gpt = GPTConfig(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias,
@@ -101,8 +102,6 @@ def _layout_table(args, stages: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shardwise.cli.common import Parser
-
     ap = Parser(prog="shardwise memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="TOML config whose model is measured")
     ap.add_argument("--params", type=float, default=None, help="parameter count P (formulas only)")
@@ -122,30 +121,30 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"shardwise memory: error: --stages {args.stages!r}: expected stages 0-3, "
               "comma-separated", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.dp < 1:
         print(f"shardwise memory: error: --dp {args.dp}: expected a whole number >= 1",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     for flag, value, least in (("--params", args.params, 1.0), ("--budget-mb", args.budget_mb, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= least and value > 0):
             print(f"shardwise memory: error: {flag} {value:g}: expected a finite number "
                   f"{'>= 1' if least else '> 0'}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     if args.params is not None and args.measure:
         print("shardwise memory: error: --measure needs a model (--config), not --params",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     if args.tp < 1 or args.pp < 1:
         print("shardwise memory: error: --tp and --pp must be positive", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.params is None:  # a model: the exact per-rank prediction of any layout
         return _layout_table(args, stages)
     if args.tp > 1 or args.pp > 1:
         print("shardwise memory: error: --tp/--pp need a model (--config), not --params",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     measured, P = {}, int(args.params)
     preds = {s: zero_bytes(P, args.dp, s, args.precision) for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)

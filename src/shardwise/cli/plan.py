@@ -8,7 +8,7 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
 
 Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
 no layout) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
-chooser (``shardwise.apps.cnn.chooser.plan_main``) when that module is installed.
+chooser (``shardwise.cli.plan_cnn``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ import sys
 import tomllib
 from pathlib import Path
 
+from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.planner.memory import GiB, unit_for
 from shardwise.planner.specs import SpecError, load_model, positive_number
 
-EXIT_USAGE = 2
 
 
 def build_parser():
-    from shardwise.cli.common import Parser
-
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True,
                     help="named size (gpt2-124m ... megatron-1t), a TOML with a [model] table "
@@ -75,13 +73,9 @@ def _cnn_argv(argv: list[str]) -> list[str] | None:
 
 
 def _cnn(argv: list[str]) -> int:
-    """The single dispatch point for ``--model cnn`` (issue 16's per-layer chooser)."""
-    try:
-        from shardwise.cli.plan_cnn import plan_main as cnn_plan_main
-    except ImportError:
-        print("shardwise plan: error: --model cnn: the CNN chooser (shardwise.apps.cnn.chooser) "
-              "is not available in this installation", file=sys.stderr)
-        return EXIT_USAGE
+    """The single dispatch point for ``--model cnn`` (the CNN's per-layer chooser)."""
+    from shardwise.cli.plan_cnn import plan_main as cnn_plan_main
+
     return cnn_plan_main(argv)
 
 
@@ -118,7 +112,7 @@ def _run(args) -> int:
         print(f"\npruned: {len(pruned)} layouts; by reason (count, an example):")
         for ps in sorted(groups.values(), key=len, reverse=True)[:n_pruned]:
             lay = ps[0].layout
-            name = lay.label() if lay.m else f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
+            name = lay.label() if lay.micro_batches else f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
             print(f"  {len(ps):>5}  {name:<42} {ps[0].reason}")
     best = feasible[0]
     if args.emit_toml:
@@ -170,8 +164,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     parallel = {k: v for k, v in data.get("parallel", {}).items()
                 if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
     parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-                     "micro_batches": lay.m, "schedule": lay.schedule,
-                     "chunks_per_rank": lay.v, "zero": lay.zero, "recompute": lay.recompute,
+                     "micro_batches": lay.micro_batches, "schedule": lay.schedule,
+                     "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero, "recompute": lay.recompute,
                      "sequence_parallel": lay.sp, "partition": lay.partition})
     training = dict(data.get("training", {}))
     training.update({"global_batch_size": batch, "precision": precision})

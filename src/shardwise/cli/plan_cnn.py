@@ -8,7 +8,7 @@ import sys
 
 from shardwise.apps.cnn.chooser import format_plan, named_plans, resolve
 from shardwise.apps.cnn.cost import FLOPS_PER_S
-from shardwise.cli.common import Parser
+from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.comm import cost as comm_cost
 from shardwise.models.cnn import CNN, CNNConfig
 
@@ -70,7 +70,7 @@ def plan_main(args: list[str] | None = None) -> int:
                              specs, a.batch, a.ranks, **kw)
     except ValueError as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     plans = named_plans(specs, a.batch, a.ranks, **kw)
     chosen = chosen or plans["hybrid"]
     print(f"CNN {sum(s.params for s in specs):,} parameters, batch {a.batch}, {a.ranks} ranks")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from shardwise.cli.common import Parser
+from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.parallel.pipeline.schedules import ScheduleError, validate_args
 from shardwise.parallel.pipeline.timeline import load, predicted, render
 
@@ -19,16 +19,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run_dir", nargs="?", help="run directory holding timeline/rank*.json")
     ap.add_argument("--out", help="PNG path (default RUN_DIR/timeline.png)")
     ap.add_argument("--predict", metavar="KIND", help="draw schedule KIND's ideal timeline instead")
-    ap.add_argument("--p", type=int, default=4)
-    ap.add_argument("--m", type=int, default=8)
-    ap.add_argument("--v", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=4, help="pipeline stages p (default 4)")
+    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches m (default 8)")
+    ap.add_argument("--chunks-per-rank", type=int, default=1,
+                    help="model chunks per rank v, interleaved only (default 1)")
     args = ap.parse_args(argv)
     try:
         if args.predict:
-            validate_args(args.predict, args.p, args.m, args.v)
-            events = predicted(args.predict, args.p, args.m, args.v)
-            out = args.out or f"{args.predict}_p{args.p}_m{args.m}_v{args.v}.png"
-            title = f"predicted {args.predict} p={args.p} m={args.m} v={args.v}"
+            p, m, v = args.pp, args.micro_batches, args.chunks_per_rank
+            validate_args(args.predict, p, m, v)
+            events = predicted(args.predict, p, m, v)
+            out = args.out or f"{args.predict}_p{p}_m{m}_v{v}.png"
+            title = f"predicted {args.predict} p={p} m={m} v={v}"
             render(events, out, title, unit="forward times")
         else:
             if not args.run_dir:
@@ -38,6 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             render(events, out, meta.get("title", f"measured {args.run_dir}"))
     except (ScheduleError, ValueError, FileNotFoundError) as exc:
         print(f"shardwise timeline: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     print(out)
     return 0

@@ -66,6 +66,28 @@ def _reduce(srcs: list[torch.Tensor], dst: torch.Tensor, op: str, tmp: torch.Ten
             also[a:b].copy_(acc)
 
 
+def _exchange_piece(seg: Segment, call: Call, buf: torch.Tensor, bounds: list[int],
+                    cuts: list[list[int]], width: int, j: int, step: int):
+    """Round ``step`` of a reduce-scatter, piece ``j``: copy piece ``j`` of every peer's region
+    of ``buf`` into our slot (peer i's at offset ``i * width``), wait until every rank has
+    done the same, and return ``(slots, our slot, a, b, own, srcs)``: piece ``j``'s bounds
+    ``[a, b)`` inside our region, its view ``own`` in ``buf``, and its copies from every rank
+    in group-rank order (``own`` at ours), the order every rank reduces in."""
+    n, r, esz = seg.n, seg.rank, buf.element_size()
+    slots = seg.slots(buf.dtype)
+    mine = slots[r]
+    for i in range(n):
+        a, b = cuts[i][j], cuts[i][j + 1]
+        if i != r and b > a:
+            mine[i * width:i * width + b - a].copy_(buf[bounds[i] + a:bounds[i] + b])
+            _count(call, step, (b - a) * esz, True)
+    seg.round(call, step)
+    a, b = cuts[r][j], cuts[r][j + 1]
+    own = buf[bounds[r] + a:bounds[r] + b]
+    srcs = [own if k == r else slots[k][r * width:r * width + b - a] for k in range(n)]
+    return slots, mine, a, b, own, srcs
+
+
 def reduce_scatter(seg: Segment, call: Call, buf: torch.Tensor, bounds: list[int], op: str,
                    finish_n: int | None = None, step0: int = 0) -> int:
     """Region r of ``buf`` (flat, ``bounds`` as ``ring.reduce_scatter``) on group rank r
@@ -79,19 +101,9 @@ def reduce_scatter(seg: Segment, call: Call, buf: torch.Tensor, bounds: list[int
     tmp = seg.tmp(buf.dtype)
     step = step0
     for j in range(pieces):
-        slots = seg.slots(buf.dtype)
-        mine = slots[r]
         step += 1
-        for i in range(n):
-            a, b = cuts[i][j], cuts[i][j + 1]
-            if i != r and b > a:
-                mine[i * width:i * width + b - a].copy_(buf[bounds[i] + a:bounds[i] + b])
-                _count(call, step, (b - a) * esz, True)
-        seg.round(call, step)
-        a, b = cuts[r][j], cuts[r][j + 1]
+        _, _, a, b, own, srcs = _exchange_piece(seg, call, buf, bounds, cuts, width, j, step)
         if b > a:
-            own = buf[bounds[r] + a:bounds[r] + b]
-            srcs = [own if k == r else slots[k][r * width:r * width + b - a] for k in range(n)]
             _reduce(srcs, own, op, tmp, direct=r < 2)
             for k in range(n):
                 if k != r:
@@ -144,19 +156,10 @@ def all_reduce(seg: Segment, call: Call, buf: torch.Tensor, op: str) -> int:
     tmp = seg.tmp(buf.dtype)
     step = 0
     for j in range(pieces):
-        slots = seg.slots(buf.dtype)
-        mine = slots[r]
         step += 1
-        for i in range(n):
-            a, b = cuts[i][j], cuts[i][j + 1]
-            if i != r and b > a:
-                mine[i * width:i * width + b - a].copy_(buf[bounds[i] + a:bounds[i] + b])
-                _count(call, step, (b - a) * esz, True)
-        seg.round(call, step)
-        a, b = cuts[r][j], cuts[r][j + 1]
+        slots, mine, a, b, own, srcs = _exchange_piece(seg, call, buf, bounds, cuts, width, j,
+                                                       step)
         if b > a:
-            own = buf[bounds[r] + a:bounds[r] + b]
-            srcs = [own if k == r else slots[k][r * width:r * width + b - a] for k in range(n)]
             res = mine[r * width:r * width + b - a]
             _reduce(srcs, res, op, tmp, direct=True, div=n if op == "mean" else 0, also=own)
             _count(call, step + 1, (b - a) * esz, True)

@@ -74,12 +74,12 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
         return f"tp={lay.tp} does not divide the {spec.n_head} heads"
     if lay.tp > cluster.gpus_per_node and not tp_across_nodes:
         return f"tp={lay.tp} would cross nodes of {cluster.gpus_per_node} GPUs"
-    if lay.pp * lay.v > spec.n_layer + 2:
-        return f"{lay.pp * lay.v} pipeline chunks for {spec.n_layer + 2} layers"
+    if lay.pp * lay.chunks_per_rank > spec.n_layer + 2:
+        return f"{lay.pp * lay.chunks_per_rank} pipeline chunks for {spec.n_layer + 2} layers"
     if lay.zero == 3 and lay.pp > 1:
         return "ZeRO-3 with pipeline parallelism (the engine refuses it, as DeepSpeed)"
-    if lay.schedule == "interleaved" and lay.m % lay.pp:
-        return f"interleaved needs micro-batches m={lay.m} divisible by pp={lay.pp}"
+    if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
+        return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
     if lay.sp and spec.block_size % lay.tp:
         return f"sequence parallelism: tp={lay.tp} does not divide the sequence {spec.block_size}"
     if lay.zero and lay.dp == 1:
@@ -88,10 +88,11 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
 
 
 def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
-    st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.v, lay.zero, precision, lay.sp,
-                      partition=lay.partition)
-    act = activation_bytes(spec, mb=lay.micro_batch, tp=lay.tp, pp=lay.pp, micro_batches=lay.m,
-                           v=lay.v, schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
+    st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
+                      lay.sp, partition=lay.partition)
+    act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
+                           micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
+                           schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition)
     return {**st, "activations": act, "total": st["total"] + act}
 
@@ -100,7 +101,7 @@ def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     """Analytic step time: chunk costs x (v m + p - 1) per rank (the textbook bubble)."""
     costs = chunk_costs(spec, lay, cluster, precision)
     per_chunk = max(c[0] + c[1] for c in costs)
-    return per_chunk * (lay.v * lay.m + lay.pp - 1)
+    return per_chunk * (lay.chunks_per_rank * lay.micro_batches + lay.pp - 1)
 
 
 def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,

@@ -41,10 +41,10 @@ class Layout:
     dp: int
     tp: int
     pp: int
-    micro_batch: int  # sequences per micro-batch
-    m: int            # micro-batches per step (per dp replica)
+    micro_batch_size: int  # sequences per micro-batch
+    micro_batches: int     # micro-batches per step (per dp replica)
     schedule: str = "1f1b"
-    v: int = 1
+    chunks_per_rank: int = 1  # model chunks per pipeline rank (interleaved: v)
     zero: int = 0
     recompute: bool = False
     sp: bool = False
@@ -55,11 +55,12 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def label(self) -> str:
-        sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{self.v}" if self.v > 1 else ""))
+        v = self.chunks_per_rank
+        sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{v}" if v > 1 else ""))
         extra = ("" if not self.recompute else " rc") + ("" if not self.sp else " sp") + (
             " cut=params" if self.partition == "params" and self.pp > 1 else "")
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch} m{self.m}"
-                f"{sched} z{self.zero}{extra}")
+        return (f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch_size} "
+                f"m{self.micro_batches}{sched} z{self.zero}{extra}")
 
 
 def block_flops(spec: ModelSpec, mb: int) -> float:
@@ -77,7 +78,7 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
     e, s, h, L = BYTES[precision], spec.block_size, spec.n_embd, spec.n_layer
     tl = cluster.link(lay.tp)
-    act = lay.micro_batch * s * h * e
+    act = lay.micro_batch_size * s * h * e
     pen = cluster.sync_penalty_s
     if lay.tp == 1:
         tp_blk, n_sync = 0.0, 0
@@ -85,14 +86,14 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         tp_blk, n_sync = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act)), 4
     else:
         tp_blk, n_sync = 2 * tl.all_reduce(lay.tp, act), 2
-    bf = block_flops(spec, lay.micro_batch) / lay.tp
-    head_f = 2 * lay.micro_batch * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
+    bf = block_flops(spec, lay.micro_batch_size) / lay.tp
+    head_f = 2 * lay.micro_batch_size * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
-    loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch * s * 4) if lay.tp > 1 else 0.0
-    part = cut(spec, lay.pp * lay.v, lay.partition)
+    loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
+    part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
     out = []
-    for c in range(lay.pp * lay.v):
+    for c in range(lay.pp * lay.chunks_per_rank):
         layers = list(part.layers(c))
         nb = sum(1 for i in layers if 1 <= i <= L)
         emb, head = 0 in layers, L + 1 in layers
@@ -127,7 +128,8 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     if lay.zero in (1, 2):
         return link.reduce_scatter(n, x) + link.all_gather(n, x) + 2 * pen, 0.0
     units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
-    return 0.0, lay.m * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x) + 3 * units * pen)
+    return 0.0, lay.micro_batches * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x)
+                                     + 3 * units * pen)
 
 
 def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
@@ -332,11 +334,12 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
              with_events: bool = False) -> dict:
     """Predicted seconds of one optimizer step and its split (see the module docstring)."""
     precision = precision or cluster.precision
-    sched = schedule(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, lay.m, lay.v)
+    sched = schedule(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, lay.micro_batches,
+                     lay.chunks_per_rank)
     shared = bool(cluster.cores)
     costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
     e = BYTES[precision]
-    msg = lay.micro_batch * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
+    msg = lay.micro_batch_size * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
     p2p = (cluster.link(lay.tp * lay.pp).p2p(msg) + cluster.sync_penalty_s) if lay.pp > 1 else 0.0
     if shared:
         run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)  # noqa: E731
@@ -344,7 +347,7 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         run = lambda c: walk(sched, costs, c)  # noqa: E731
     end, busy, tp_time, events = run(p2p)
     ideal_end = run(0.0)[0] if lay.pp > 1 else end
-    per_rank = stage_layers(spec, lay.pp, lay.v, lay.partition)
+    per_rank = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
     totals, parts = [], []
     for r in range(lay.pp):
         dp_after, dp_inside = dp_seconds(spec, lay, cluster, precision, per_rank[r])

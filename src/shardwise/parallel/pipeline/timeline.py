@@ -11,7 +11,7 @@ and PipeDream.
 Command line (``shardwise.cli.timeline``)::
 
     shardwise timeline RUN_DIR [--out PNG]
-    shardwise timeline --predict 1f1b --p 4 --m 8 [--v 1] --out 1f1b.png
+    shardwise timeline --predict 1f1b --pp 4 --micro-batches 8 [--chunks-per-rank 1] --out 1f1b.png
 """
 
 from __future__ import annotations
