@@ -52,8 +52,8 @@ def _config(mode: str, ws: int, steps: int, every: int, out: str) -> dict:
 
 def worker(configs: list[dict]) -> list[dict]:
     from shardwise import comm
-    from shardwise.base.config import Config
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
 
     torch.set_num_threads(1)
     out = []

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(kind: str, cfg, tokens, steps: int, warmup: int) -> float:
     from shardwise.data import DistributedBatchSampler
-    from shardwise.parallel.data_parallel import DistributedDataParallel
     from shardwise.models import GPT, GPTConfig
+    from shardwise.parallel.data_parallel import DistributedDataParallel
 
     m, rank, world = cfg.model, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.training.seed)

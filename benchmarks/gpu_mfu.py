@@ -47,10 +47,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from shardwise.base.topology import Topology  # noqa: E402
 from shardwise.engine import Engine, EngineSettings  # noqa: E402
 from shardwise.models import GPTConfig  # noqa: E402
 from shardwise.perf import cpu_peak, flops_per_token, peak_flops  # noqa: E402
-from shardwise.base.topology import Topology  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 MAKE_RUN = dict(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=128)

@@ -65,8 +65,8 @@ def _config(layout: dict, steps: int) -> dict:
 
 def worker(configs: list[dict], warmup: int) -> list[dict]:
     from shardwise import comm
-    from shardwise.base.config import Config
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
 
     torch.set_num_threads(1)
     out = []
@@ -133,8 +133,11 @@ def _torch_3d():
     from torch.distributed import pipelining as tpp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from shardwise.models import GPT, GPTConfig
     from shardwise.parallel.pipeline.partition import balanced, gpt_layers

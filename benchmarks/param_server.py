@@ -65,8 +65,8 @@ def bytes_rank(cfg: dict) -> dict:
     import torch.distributed as dist
 
     from shardwise import comm
-    from shardwise.comm import accounting
     from shardwise.apps.param_server import train_rank
+    from shardwise.comm import accounting
 
     S, W = cfg["ps"]["servers"], cfg["ps"]["workers"]
     steps = cfg["training"]["steps"]
@@ -152,11 +152,11 @@ def ddp_rank(cfg_dict: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from shardwise.apps.param_server.optim import lr_at, make_optimizer
+    from shardwise.apps.param_server.training import _data_and_model, evaluate, straggle
     from shardwise.base.config import Config
     from shardwise.data import DistributedBatchSampler
     from shardwise.parallel.data_parallel import DistributedDataParallel
-    from shardwise.apps.param_server.optim import lr_at, make_optimizer
-    from shardwise.apps.param_server.training import _data_and_model, evaluate, straggle
 
     cfg = Config.from_dict(cfg_dict)
     rank, W, t = dist.get_rank(), dist.get_world_size(), cfg.training
@@ -303,10 +303,10 @@ def run_delay(args) -> int:
     with no timing in play."""
     import torch
 
-    from shardwise.base.config import Config
-    from shardwise.data import DistributedBatchSampler
     from shardwise.apps.param_server.optim import lr_at, make_optimizer
     from shardwise.apps.param_server.training import _data_and_model, evaluate
+    from shardwise.base.config import Config
+    from shardwise.data import DistributedBatchSampler
 
     torch.set_num_threads(1)
     model_cfg = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}

@@ -27,8 +27,8 @@ import torch.nn as nn
 from shardwise import comm
 from shardwise.launch import spawn
 from shardwise.parallel.pipeline import timeline
-from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.bubble import ideal_bubble
+from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
 from shardwise.parallel.pipeline.stream import stream
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.launch import spawn
+from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine import Engine, EngineSettings
+from shardwise.launch import spawn
 from shardwise.models import GPTConfig
 from shardwise.parallel.pipeline import timeline
-from shardwise.base.topology import Topology, init_process_groups
 
 TIMELINES = (("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
              ("pipedream", 1, False))

@@ -14,8 +14,13 @@ import argparse
 import torch
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.parallel.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
-                                          profile_layers)
+from shardwise.parallel.pipeline.partition import (
+    Partition,
+    balanced,
+    gpt_layers,
+    partition_layers,
+    profile_layers,
+)
 
 
 def main() -> None:

@@ -59,9 +59,9 @@ def quiet_worker(configs: list[dict], warmup: int, steps: int) -> list[dict]:
     import torch
 
     from shardwise import comm
-    from shardwise.comm import quiet
-    from shardwise.base.config import Config
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
+    from shardwise.comm import quiet
 
     torch.set_num_threads(1)
     import torch.distributed as dist

@@ -20,12 +20,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from shardwise.base.topology import Topology, init_process_groups
+from shardwise.engine import Engine, EngineSettings
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.partition import balanced, gpt_layers
-from shardwise.engine import Engine, EngineSettings
 from shardwise.parallel.pipeline.stage import gpt_chunks, lm_loss
-from shardwise.base.topology import Topology, init_process_groups
 
 PAIRS = (("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
          ("interleaved", "ScheduleInterleaved1F1B", 2))

@@ -20,11 +20,11 @@ import torch.distributed as dist
 def worker(batch: int, c_in: int, c_out: int, gpt: dict) -> dict:
     import torch
 
-    from shardwise.models.gpt import GPTConfig
+    from shardwise.base.topology import Topology, init_process_groups
     from shardwise.engine.model import build_local_model
+    from shardwise.models.gpt import GPTConfig
     from shardwise.parallel.tensor_parallel import RankGroup
     from shardwise.parallel.tensor_parallel.comm_table import measure_gpt_layers, measure_linear
-    from shardwise.base.topology import Topology, init_process_groups
 
     n, rank = dist.get_world_size(), dist.get_rank()
     dp = init_process_groups(Topology.build(dp=n, rank=rank, world_size=n))

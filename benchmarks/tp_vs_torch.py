@@ -35,8 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _torch_tp(model, tp: int):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (tp,))
     plan = {}
@@ -51,9 +54,9 @@ def _torch_tp(model, tp: int):
 
 def _run(kind: str, gcfg, seed: int, batches: list, steps: int, warmup: int,
          sp: bool, allreduce: str = "native") -> tuple[float, float]:
-    from shardwise.models import GPT
     from shardwise.base.topology import Topology, init_process_groups
     from shardwise.engine.model import build_local_model
+    from shardwise.models import GPT
     from shardwise.parallel.tensor_parallel import RankGroup, sync_replicated_grads
 
     world = dist.get_world_size()

@@ -92,8 +92,8 @@ def resume_and_finish(cfg_dict: dict) -> dict:
 
 def overlap_probe(bucket_mb: float) -> dict:
     """Different init per rank, our DDP, one backward: report broadcast and overlap facts."""
-    from shardwise.parallel.data_parallel import DistributedDataParallel
     from shardwise.models import GPT, GPTConfig
+    from shardwise.parallel.data_parallel import DistributedDataParallel
 
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)  # deliberately different: the broadcast must fix it

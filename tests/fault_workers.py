@@ -83,8 +83,8 @@ def alive(pid: int) -> bool:
 
 def trainer_for(cfg_dict: dict):
     """A single-process ``Trainer`` (no torch.distributed) for ``cfg_dict``."""
-    from shardwise.base.config import Config
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
 
     return build_trainer(Config.from_dict(cfg_dict))
 

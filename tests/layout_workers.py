@@ -16,8 +16,8 @@ from shardwise.base.config import Config
 
 
 def run_layout(cfg_dict: dict) -> dict:
-    from shardwise.engine import state as engine_state
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.engine import state as engine_state
 
     cfg = Config.from_dict(cfg_dict)
     trainer = build_trainer(cfg)
@@ -44,8 +44,8 @@ def run_layout(cfg_dict: dict) -> dict:
 def resume_layout(cfg_dict: dict, stop_at: int) -> dict:
     """Train ``stop_at`` steps and save; then a fresh trainer (new groups, new engine)
     resumes from the checkpoint and finishes the run. Losses and final parameters."""
-    from shardwise.engine import state as engine_state
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.engine import state as engine_state
 
     cfg = Config.from_dict(cfg_dict)
     first = build_trainer(cfg)

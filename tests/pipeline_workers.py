@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from torch.func import functional_call
 
+from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine import Engine, EngineSettings
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.partition import gpt_layers, partition_layers
 from shardwise.parallel.pipeline.schedules import Backward, Forward
 from shardwise.parallel.pipeline.stage import gpt_chunks, lm_loss
 from shardwise.parallel.pipeline.stream import cut
-from shardwise.base.topology import Topology, init_process_groups
 
 MODEL = dict(vocab_size=65, block_size=16, n_layer=6, n_head=4, n_embd=32, tie_weights=False)
 BATCH, LR, SEED = 8, 3e-3, 1234

@@ -30,9 +30,9 @@ def ps_config(corpus: str, out_dir: str, servers: int, workers: int, consistency
 def reference(cfg_dict: dict) -> dict:
     """One process on the whole global batch of every step, torch's optimizer on the whole
     model: what BSP must equal."""
-    from shardwise.data import DistributedBatchSampler
     from shardwise.apps.param_server.optim import lr_at, make_optimizer
     from shardwise.apps.param_server.training import _data_and_model
+    from shardwise.data import DistributedBatchSampler
 
     cfg = Config.from_dict(cfg_dict)
     train_tokens, _, model = _data_and_model(cfg, torch.device("cpu"))

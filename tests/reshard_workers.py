@@ -18,8 +18,8 @@ from shardwise.base.config import Config
 
 
 def _job(job: dict) -> dict:
-    from shardwise.engine import state as engine_state
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.engine import state as engine_state
 
     cfg = Config.from_dict(job["cfg"])
     trainer = build_trainer(cfg)

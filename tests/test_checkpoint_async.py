@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
+
 from ddp_workers import tiny_config
 from reshard_workers import fit_worker
-
 from shardwise import checkpoint
 from shardwise.launch import spawn
 

@@ -9,17 +9,17 @@ import sys
 
 import pytest
 import torch
-from ddp_workers import tiny_config
-from fault_workers import train_saving, trainer_for
 
 from conftest import REPO
+from ddp_workers import tiny_config
+from fault_workers import train_saving, trainer_for
 from shardwise import checkpoint
-from shardwise.training import rundir
+from shardwise.base.config import Config
+from shardwise.base.errors import CheckpointError, NonFiniteLossError
 from shardwise.checkpoint.integrity import write_manifest
 from shardwise.checkpoint.reader import safe_read_metadata
 from shardwise.cli.main import main
-from shardwise.base.config import Config
-from shardwise.base.errors import CheckpointError, NonFiniteLossError
+from shardwise.training import rundir
 from shardwise.training.metrics import read_metrics
 
 

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-from shardwise.cli.main import main
-
 from conftest import REPO
+from shardwise.cli.main import main
 
 
 @pytest.mark.parametrize("argv, expected", [

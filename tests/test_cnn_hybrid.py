@@ -13,11 +13,11 @@ import json
 
 import pytest
 import torch
-from cnn_workers import SMALL, make_batches, reference, rel_err, suite_worker
 
-from shardwise.cli.main import main
+from cnn_workers import SMALL, make_batches, reference, rel_err, suite_worker
 from shardwise.apps.cnn import choose, named_plans
 from shardwise.apps.cnn.cost import STRATEGIES, allowed
+from shardwise.cli.main import main
 from shardwise.data import DataError
 from shardwise.data.idx import read_idx, write_idx
 from shardwise.launch import spawn

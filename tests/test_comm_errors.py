@@ -1,8 +1,7 @@
 """Bad input raises an error naming the collective and the rank, within the timeout."""
 
-from shardwise.launch import spawn
-
 import comm_workers as cw
+from shardwise.launch import spawn
 
 TIMEOUT_S = 2.0
 

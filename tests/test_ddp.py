@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from ddp_workers import overlap_probe, tiny_config, train
 
+from ddp_workers import overlap_probe, tiny_config, train
 from shardwise.launch import spawn
 
 RTOL = 1e-5  # relative error per tensor: ||a - b|| <= RTOL * ||b||

@@ -4,7 +4,6 @@ errors and notes otherwise (no GPU is needed to test the decision)."""
 import pytest
 
 from conftest import REPO
-
 from shardwise.cli.main import main
 from shardwise.launch import DeviceError, pick_device
 

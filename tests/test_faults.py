@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_workers import alive, children_of, listening_sockets, rank_sockets, raise_run_error
 
 from conftest import REPO
+from fault_workers import alive, children_of, listening_sockets, raise_run_error, rank_sockets
 from shardwise import checkpoint, launch
 from shardwise.training.metrics import read_metrics
 

@@ -9,11 +9,11 @@ every parameter tensor of every rank (every dp replica, every tp rank, every sta
 
 import pytest
 import torch
+
 from ddp_workers import tiny_config, train
 from layout_workers import layouts_worker
-from test_ddp import rel_err
-
 from shardwise.launch import spawn
+from test_ddp import rel_err
 
 RTOL = 1e-5
 UNTIED = {"tie_weights": False}

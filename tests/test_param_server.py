@@ -3,14 +3,14 @@ clock rules and the key-range partition as pure logic; bad input is one line, ex
 
 import pytest
 import torch
-from ps_workers import ps_config, reference, run_cases, run_plan
 
-from shardwise.cli.main import main
-from shardwise.base.config import Config, ModelConfig
-from shardwise.launch import spawn
-from shardwise.models import GPT, GPTConfig
+from ps_workers import ps_config, reference, run_cases, run_plan
 from shardwise.apps.param_server import ClockTable, partition
 from shardwise.apps.param_server.partition import count_keys
+from shardwise.base.config import Config, ModelConfig
+from shardwise.cli.main import main
+from shardwise.launch import spawn
+from shardwise.models import GPT, GPTConfig
 
 RTOL = 1e-5  # per-tensor relative error, as in the DDP parity tests
 
@@ -231,7 +231,6 @@ def test_torchrun_runs_a_parameter_server_job(corpus, tmp_path):
     from pathlib import Path
 
     from conftest import REPO
-
     from shardwise.launch import free_port
     from shardwise.training.metrics import read_metrics
 

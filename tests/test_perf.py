@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from shardwise.base.config import Config, ConfigError
+from shardwise.base.topology import Topology
 from shardwise.engine import Engine, EngineSettings, settle
 from shardwise.launch import GPU_HOST_THREADS, threads_per_rank
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.gpt import causal_attention
 from shardwise.perf import Peak, Throughput, cpu_peak, flops_per_token, matmul_parameters
 from shardwise.perf import peak as peak_mod
-from shardwise.base.topology import Topology
 
 SMALL = dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=16)
 
@@ -223,8 +223,8 @@ def test_unsynchronised_steps_return_device_tensors_that_settle_to_the_same_floa
 
 
 def test_trainer_reads_losses_at_its_interval_and_names_the_non_finite_step(tmp_path):
-    from shardwise.base.errors import NonFiniteLossError
     from shardwise.apps.lm.trainer import Trainer
+    from shardwise.base.errors import NonFiniteLossError
 
     text = tmp_path / "t.txt"
     text.write_text("abcdefghij " * 300)

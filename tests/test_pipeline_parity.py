@@ -4,12 +4,12 @@ recomputation; PipeDream's weight stashing; activation memory; bad layouts."""
 
 import pytest
 import torch
-from pipeline_workers import make_engine, pipedream_reference, reference, run_many
 
-from shardwise.launch import spawn
-from shardwise.cli import timeline as timeline_cli
-from shardwise.parallel.pipeline import timeline
+from pipeline_workers import make_engine, pipedream_reference, reference, run_many
 from shardwise.base.topology import Topology
+from shardwise.cli import timeline as timeline_cli
+from shardwise.launch import spawn
+from shardwise.parallel.pipeline import timeline
 
 RTOL = 1e-5
 

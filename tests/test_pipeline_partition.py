@@ -7,8 +7,13 @@ import pytest
 import torch
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.parallel.pipeline.partition import (PartitionError, balanced, gpt_layers,
-                                          partition_layers, profile_layers)
+from shardwise.parallel.pipeline.partition import (
+    PartitionError,
+    balanced,
+    gpt_layers,
+    partition_layers,
+    profile_layers,
+)
 
 
 def brute_force(weights, parts):

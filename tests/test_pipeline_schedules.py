@@ -4,11 +4,22 @@ import pytest
 
 from shardwise.parallel.pipeline.bubble import ideal_bubble
 from shardwise.parallel.pipeline.check import check, check_stream
-from shardwise.parallel.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep, RecvActivation,
-                                          RecvGrad,
-                                          Schedule, ScheduleError, SendActivation, SendGrad,
-                                          compute_order, schedule, time_orders,
-                                          warmup_forwards)
+from shardwise.parallel.pipeline.schedules import (
+    KINDS,
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    Schedule,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    compute_order,
+    schedule,
+    time_orders,
+    warmup_forwards,
+)
 from shardwise.parallel.pipeline.stream import Stream, cut, stream
 
 

@@ -13,12 +13,17 @@ import subprocess
 import sys
 
 import pytest
+
 from ddp_workers import tiny_config
 from planner_workers import measure_worker
-
 from shardwise.launch import spawn
-from shardwise.planner.memory import (activation_bytes, rank_params, stage_layers,
-                                      static_bytes, zero_bytes)
+from shardwise.planner.memory import (
+    activation_bytes,
+    rank_params,
+    stage_layers,
+    static_bytes,
+    zero_bytes,
+)
 from shardwise.planner.simulate import Layout
 from shardwise.planner.specs import NAMED, ModelSpec
 
@@ -215,8 +220,8 @@ def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
     """``shardwise memory`` prints the planner's bytes, in the decimal unit its header
     names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB), in the
     paper's decimal GB, which the header says."""
-    from shardwise.planner.memory import zero_bytes
     from shardwise.cli.memory import main
+    from shardwise.planner.memory import zero_bytes
 
     assert main(["--params", "7.5e9", "--dp", "64"]) == 0
     out = capsys.readouterr().out.splitlines()

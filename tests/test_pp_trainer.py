@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from ddp_workers import (resume_and_finish, tiny_config, train, train_and_checkpoint,
-                         train_saving_at)
-from test_ddp import assert_parity
 
+from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint, train_saving_at
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
+from test_ddp import assert_parity
 
 UNTIED = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32, "tie_weights": False}
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from ddp_workers import tiny_config
 from reshard_workers import reshard_worker
-
 from shardwise import checkpoint
 from shardwise.launch import spawn
 
@@ -158,8 +158,8 @@ def test_loaded_state_is_the_checkpoint(results, a, b):
 def test_resume_names_the_model_field_that_differs(results):
     """Sizes and tied weights are the model, not the layout: a resume with another value
     is refused in one line naming the field, before any rank starts."""
-    from shardwise.training import rundir
     from shardwise.base.config import Config
+    from shardwise.training import rundir
 
     path = Path(results[("save", "dp1")][0]["path"])
     cfg = Config.from_dict(checkpoint.read_meta(path)["config"])

@@ -1,8 +1,8 @@
 """Checkpoint and resume: an interrupted run continues exactly like an uninterrupted one."""
 
 import torch
-from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
 
+from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
 from shardwise import checkpoint
 from shardwise.launch import spawn
 

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
-
 from shardwise.launch import free_port
 from shardwise.training.metrics import read_metrics
 

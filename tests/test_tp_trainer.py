@@ -2,11 +2,11 @@
 and sizes tp must divide. Parity of every tp layout with one process is in test_layouts.py."""
 
 import pytest
-from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
-from test_ddp import assert_parity
 
+from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
+from test_ddp import assert_parity
 
 
 def test_tp_checkpoint_resumes_into_another_layout(corpus, tmp_path):

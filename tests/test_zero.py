@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint, train_infos
-from test_ddp import assert_parity
 
+from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint, train_infos
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
+from test_ddp import assert_parity
 
 
 @pytest.fixture(scope="module")

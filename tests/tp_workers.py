@@ -12,18 +12,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise import comm
-from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine import Engine, EngineSettings
 from shardwise.engine.model import build_local_model
-from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, ParallelRNG, RowParallelLinear,
-                                       RankGroup, VocabParallelEmbedding,
-                                       clip_grad_norm_, copy_to_region, gather_from_region,
-                                       gather_from_sequence, gather_state_dict, gather_tensor,
-                                       reduce_from_region, reduce_scatter_to_sequence,
-                                       scatter_to_region, scatter_to_sequence,
-                                       sync_replicated_grads, vocab_parallel_cross_entropy)
-from shardwise.parallel.tensor_parallel.model import TPAttention, TPMLP
-from shardwise.base.topology import Topology, init_process_groups
+from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from shardwise.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelRNG,
+    RankGroup,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    clip_grad_norm_,
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    gather_state_dict,
+    gather_tensor,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+    scatter_to_sequence,
+    sync_replicated_grads,
+    vocab_parallel_cross_entropy,
+)
+from shardwise.parallel.tensor_parallel.model import TPMLP, TPAttention
 
 B, T, C = 2, 8, 32  # layer tests: batch, sequence, hidden
 
@@ -301,8 +313,11 @@ def _train_tp(topo: Topology, cfg: GPTConfig, seed: int, batches: list, sp: bool
     """Train on ``batches``; ``resume`` ({"params", "optim"} in the full layout, from any
     layout) replaces the seeded initial state. Returns losses, norms and the full state."""
     from shardwise.parallel.data_parallel import DistributedDataParallel
-    from shardwise.parallel.tensor_parallel import (gather_optimizer_state, load_full_state_dict,
-                                           load_optimizer_state)
+    from shardwise.parallel.tensor_parallel import (
+        gather_optimizer_state,
+        load_full_state_dict,
+        load_optimizer_state,
+    )
 
     tp = RankGroup.from_topology(topo, sequence_parallel=sp)
     model = ShardedGPT(cfg, tp, seed)

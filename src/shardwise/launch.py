@@ -47,6 +47,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardwise import comm
+from shardwise.base.errors import RunError
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -219,8 +222,6 @@ def shutdown(clean: bool = True) -> None:
     After a failure, queued collectives may wait on a dead peer, so they are abandoned.
     """
     if clean:
-        from shardwise import comm
-
         comm.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -237,8 +238,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             device: str = "cpu") -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    from shardwise.base.errors import RunError
-
     code = 0
     try:
         env = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port)

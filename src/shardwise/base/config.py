@@ -18,7 +18,6 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
 # the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
 ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
                         "rabenseifner", "tree", "parallel", "shm", "hierarchical")

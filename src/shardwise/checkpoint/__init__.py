@@ -39,10 +39,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from shardwise.checkpoint.integrity import (MANIFEST, IntegrityError, first_non_finite,
-                                            read_manifest, verify, write_manifest)
-from shardwise.checkpoint.reader import SafeReader, UnsafeCheckpointError
+from shardwise import comm
 from shardwise.base.errors import CheckpointError
+from shardwise.checkpoint.integrity import (
+    MANIFEST,
+    IntegrityError,
+    first_non_finite,
+    read_manifest,
+    verify,
+    write_manifest,
+)
+from shardwise.checkpoint.reader import SafeReader, UnsafeCheckpointError
+from shardwise.comm.check import group_device
 
 __all__ = ["CheckpointError", "IntegrityError", "UnsafeCheckpointError", "MANIFEST", "META",
            "checkpoint_name", "complete_checkpoints", "latest_checkpoint", "find_resumable",
@@ -299,10 +307,6 @@ def _refuse_non_finite(tensors: dict[str, Any], step: int, group=None) -> None:
     """Raise ``CheckpointError`` on every rank if any rank holds a NaN or Inf (one round)."""
     bad = first_non_finite(tensors)
     if dist.is_initialized():
-        from shardwise import comm
-
-        from shardwise.comm.check import group_device
-
         flag = torch.tensor([0.0 if bad is None else 1.0], device=group_device(None))
         comm.all_reduce(flag, op="max", group=group)
         any_bad = flag.item() > 0

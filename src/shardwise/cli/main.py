@@ -121,8 +121,8 @@ def cmd_train(args, extra: list[str]) -> int:
 def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> None:
     """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``."""
     from shardwise import launch
-    from shardwise.base.errors import RunError
     from shardwise.apps.jobs import train_worker
+    from shardwise.base.errors import RunError
 
     code = 0
     try:
@@ -154,10 +154,10 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
     import time
 
     from shardwise import launch
-    from shardwise.apps.registry import app_for
-    from shardwise.training import rundir
-    from shardwise.base.errors import RunError
     from shardwise.apps.jobs import train_worker
+    from shardwise.apps.registry import app_for
+    from shardwise.base.errors import RunError
+    from shardwise.training import rundir
 
     def _terminate(signum, frame):
         raise launch.Interrupted(signum)

@@ -28,8 +28,8 @@ from shardwise.planner.memory import MiB, unit_for, zero_bytes
 
 def measure_worker(cfg_dict: dict) -> dict:
     """Rank function: one step, then this rank's coordinates and measured bytes."""
-    from shardwise.base.config import Config
     from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
 
     trainer = build_trainer(Config.from_dict(cfg_dict))
     trainer.train_step()

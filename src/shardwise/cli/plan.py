@@ -22,7 +22,6 @@ from shardwise.planner.memory import GiB, unit_for
 from shardwise.planner.specs import SpecError, load_model, positive_number
 
 
-
 def build_parser():
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True,

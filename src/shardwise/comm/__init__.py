@@ -22,16 +22,34 @@ counters), ``cost`` (the model and ``auto``), ``shutdown`` (stop the communicati
 from __future__ import annotations
 
 from shardwise.comm import accounting, cost
-from shardwise.comm.api import (ALL_GATHER_ALGORITHMS, ALLREDUCE_ALGORITHMS,
-                                BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS,
-                                REDUCE_SCATTER_ALGORITHMS, all_reduce, broadcast, gather,
-                                reduce, scatter)
+from shardwise.comm.api import (
+                                ALL_GATHER_ALGORITHMS,
+                                ALLREDUCE_ALGORITHMS,
+                                BROADCAST_ALGORITHMS,
+                                REDUCE_ALGORITHMS,
+                                REDUCE_SCATTER_ALGORITHMS,
+                                all_reduce,
+                                broadcast,
+                                gather,
+                                reduce,
+                                scatter,
+)
 from shardwise.comm.async_ import Handle, drain, shutdown
 from shardwise.comm.p2p import barrier, exchange, recv, send
-from shardwise.comm.primitives import (REDUCE_OPS, CommError, CommTimeoutError, Settings,
-                                       configure, settings)
-from shardwise.comm.sharded import (all_gather, all_gather_into_tensor, reduce_scatter,
-                                    reduce_scatter_tensor)
+from shardwise.comm.primitives import (
+                                REDUCE_OPS,
+                                CommError,
+                                CommTimeoutError,
+                                Settings,
+                                configure,
+                                settings,
+)
+from shardwise.comm.sharded import (
+                                all_gather,
+                                all_gather_into_tensor,
+                                reduce_scatter,
+                                reduce_scatter_tensor,
+)
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS", "ALL_GATHER_ALGORITHMS", "REDUCE_SCATTER_ALGORITHMS",

@@ -16,11 +16,27 @@ import torch
 import torch.distributed as dist
 
 from shardwise.base.config import ALLREDUCE_ALGORITHMS  # one list, read by the config too
-from shardwise.comm import (accounting, check, cost, flat, halving_doubling, hierarchical, ring,
-                            shm, tree)
+from shardwise.comm import (
+    accounting,
+    check,
+    cost,
+    flat,
+    halving_doubling,
+    hierarchical,
+    ring,
+    shm,
+    tree,
+)
 from shardwise.comm.async_ import executor
-from shardwise.comm.primitives import (Call, GroupInfo, check_op, finish_, group_info,
-                                       group_rank_of, settings)
+from shardwise.comm.primitives import (
+    Call,
+    GroupInfo,
+    check_op,
+    finish_,
+    group_info,
+    group_rank_of,
+    settings,
+)
 
 ALL_GATHER_ALGORITHMS = ("native", "ring", "recursive_doubling", "shm")
 REDUCE_SCATTER_ALGORITHMS = ("native", "ring", "recursive_halving", "shm")

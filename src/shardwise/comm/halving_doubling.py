@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, reduce_round,
-                                       scratch)
+from shardwise.comm.primitives import (
+    Call,
+    balanced_bounds,
+    combine_,
+    finish_,
+    reduce_round,
+    scratch,
+)
 
 
 class Fold:

@@ -22,8 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.comm.primitives import (Call, balanced_bounds, combine_, finish_, reduce_round,
-                                       scratch, settings)
+from shardwise.comm.primitives import (
+    Call,
+    balanced_bounds,
+    combine_,
+    finish_,
+    reduce_round,
+    scratch,
+    settings,
+)
 
 
 def reduce_scatter(call: Call, buf: torch.Tensor, bounds: list[int], op: str,

@@ -14,8 +14,17 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import halving_doubling, ring, shm
-from shardwise.comm.api import (ALL_GATHER_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS, _NATIVE_OPS,
-                                _agree, _call, _Flat, _launch, _pick, _tensor)
+from shardwise.comm.api import (
+    _NATIVE_OPS,
+    ALL_GATHER_ALGORITHMS,
+    REDUCE_SCATTER_ALGORITHMS,
+    _agree,
+    _call,
+    _Flat,
+    _launch,
+    _pick,
+    _tensor,
+)
 from shardwise.comm.primitives import check_op, finish_, group_info
 
 

@@ -31,8 +31,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.comm.primitives import Call, balanced_bounds, combine_into, finish_
-from shardwise.comm.shm_segment import (PREFIX, SLOT_BYTES, Segment, available, release,
-                                        segment)
+from shardwise.comm.shm_segment import PREFIX, SLOT_BYTES, Segment, available, release, segment
 
 __all__ = ["available", "segment", "release", "reduce_scatter", "all_gather", "all_reduce",
            "broadcast", "barrier", "rounds", "PREFIX", "SLOT_BYTES", "Segment"]

@@ -30,13 +30,16 @@ from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
 from shardwise.models.gpt import GPTConfig, generate
+from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
 from shardwise.parallel.pipeline.stream import stream
+from shardwise.parallel.precision import DTYPES, DynamicLossScaler
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor
-from shardwise.parallel.precision import DTYPES, DynamicLossScaler
-
+from shardwise.parallel.zero.memory import storage_bytes_once
+from shardwise.parallel.zero.optimizer import ZeroDataParallel
+from shardwise.parallel.zero.stage3 import ZeroStage3
 
 _STEP_STRIDE = 1_000_003  # prime, above any dropout_seed spread: no two (rank, step) seeds meet
 
@@ -194,14 +197,10 @@ class Engine:
             return ReplicatedSync(params, names, self.dp_group, topo.dp, topo.dp_rank,
                                   self.dtype, s.bucket_mb, s.first_bucket_mb, s.allreduce)
         if s.zero in (1, 2):
-            from shardwise.parallel.zero.optimizer import ZeroDataParallel
-
             tied = frozenset(id(q) for n, q in named if n in self.local.tied)
             container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
             return ZeroDataParallel(container, self.dp_group, s.zero, s.bucket_mb, self.dtype,
                                     self.loss_scaler, names=names, isolate=tied, explicit=True)
-        from shardwise.parallel.zero.stage3 import ZeroStage3
-
         (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
         units = list(zip(chunk.names, chunk.layers))
         wrapper = ZeroStage3(chunk, self.dp_group, units, self.dtype, self.loss_scaler, names)
@@ -216,8 +215,6 @@ class Engine:
     def save_timeline(self, run_dir, title: str = "") -> None:
         """Write this rank's events of the last step to ``RUN_DIR/timeline/rank{r}.json``
         (draw them with ``shardwise timeline RUN_DIR``)."""
-        from shardwise.parallel.pipeline import timeline
-
         s = self.s
         meta = {"title": title or f"{s.schedule} pp={self.topology.pp} m={s.micro_batches} "
                 f"v={s.chunks_per_rank}", "pp_rank": self.pp_rank,
@@ -239,20 +236,19 @@ class Engine:
         ``grads`` (buckets, gradient shards) and ``optimizer`` (fp32 masters that are not the
         parameters themselves, AdamW's two fp32 moments: measured once they exist, 8 bytes
         per master element before the first step), each storage counted once."""
-        from shardwise.parallel.zero.memory import _add
-
         seen: set = set()
         params = [q for _, q in self.named_parameters()]
-        out = {"params": sum(_add(seen, q) for q in params)}
-        out["params"] += sum(_add(seen, t) for t in self.sync.param_shards())
+        out = {"params": sum(storage_bytes_once(seen, q) for q in params)}
+        out["params"] += sum(storage_bytes_once(seen, t) for t in self.sync.param_shards())
         # ZeRO-1's shards are views into its buckets: a storage is counted once, whole
         grads = [q.grad for q in params] + list(self.sync.grad_shards())
-        out["grads"] = sum(_add(seen, g) for g in grads)
-        opt = sum(_add(seen, m) for m in self.sync.pieces)
+        out["grads"] = sum(storage_bytes_once(seen, g) for g in grads)
+        opt = sum(storage_bytes_once(seen, m) for m in self.sync.pieces)
         state = self.optimizer.optimizer.state
         for m in self.sync.pieces:
             if m in state:
-                opt += sum(_add(seen, state[m].get(k)) for k in ("exp_avg", "exp_avg_sq"))
+                opt += sum(storage_bytes_once(seen, state[m].get(k))
+                           for k in ("exp_avg", "exp_avg_sq"))
             else:
                 opt += 8 * m.numel()
         out["optimizer"] = opt

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.engine.model import build_local_model
 from shardwise.models.gpt import GPTConfig
-from shardwise.parallel.tensor_parallel.group import RankGroup
+from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.parallel.precision import DTYPES
+from shardwise.parallel.tensor_parallel.group import RankGroup
 
 
 def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[int, int]:

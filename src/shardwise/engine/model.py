@@ -26,14 +26,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models.gpt import GPT, GPTConfig, LMHead
-from shardwise.parallel.pipeline.partition import (Partition, balanced, gpt_layers, partition_layers,
-                                          profile_layers)
+from shardwise.parallel.pipeline.partition import (
+    Partition,
+    balanced,
+    gpt_layers,
+    partition_layers,
+    profile_layers,
+)
 from shardwise.parallel.pipeline.stage import StageChunk
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 from shardwise.parallel.tensor_parallel.model import check_divisible, parallelize_layer
 from shardwise.parallel.tensor_parallel.random import ParallelRNG
 from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS, gather_like, shard_like
+
 
 @dataclass
 class LocalModel:

@@ -25,7 +25,6 @@ from shardwise.comm.coalesce import coalesced_
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step
 from shardwise.parallel.tensor_parallel.state import sync_replicated_grads
 
-
 _NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank
 
 

@@ -21,6 +21,10 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from shardwise import comm
+from shardwise.comm import cost
+from shardwise.launch import spawn
+
 ROUNDS, MSG_FLOATS = 40, 16384
 
 
@@ -30,8 +34,6 @@ def _work(a: torch.Tensor, b: torch.Tensor, reps: int) -> None:
 
 
 def sync_worker(reps: int) -> dict:
-    from shardwise import comm
-
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(n // 2)]
@@ -57,9 +59,6 @@ def calibrate_sync_penalty(world_size: int) -> float:
     cores = os.cpu_count() or 1
     if world_size <= cores or world_size % 2:
         return 0.0
-    from shardwise.comm import cost
-    from shardwise.launch import spawn
-
     res = spawn(sync_worker, world_size, (8,), threads=1)
     # the least extra of 5 back-to-back pairs per rank (other processes only add time, as
     # the fastest-step measurement of benchmarks/planner_local.py assumes), median over ranks

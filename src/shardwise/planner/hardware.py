@@ -40,6 +40,9 @@ from functools import lru_cache
 
 from shardwise.comm import cost
 from shardwise.comm.cost import LinkParams
+from shardwise.models.gpt import Block, GPTConfig
+from shardwise.perf.peak import gpu_peak
+from shardwise.planner.contention import calibrate_sync_penalty
 from shardwise.planner.specs import SpecError
 
 EFFICIENCY = 0.5
@@ -140,8 +143,6 @@ HDR, NDR = fabric("HDR IB 200 Gb/s", 25e9, 10e-6), fabric("NDR IB 400 Gb/s", 50e
 
 def _bf16_peak(gpu: str) -> float:
     """The dense bf16 peak of ``perf.peak``'s table: one table of GPUs for MFU and the planner."""
-    from shardwise.perf.peak import gpu_peak
-
     return gpu_peak(gpu, "bf16").flops
 
 
@@ -176,8 +177,6 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
     FLOP/s (the slope: matmuls and the memory-bound operations around them) and the fixed
     seconds per block pass (the intercept: dispatch, Python). Also the raw matmul FLOP/s."""
     import torch
-
-    from shardwise.models.gpt import Block, GPTConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -214,8 +213,6 @@ def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
     """This machine: compute measured on a block of the planned width (ranks sharing the
     cores equally), the comm profile's links (gloo over loopback; one "node"), and the
     measured wait of a synchronisation when ``world_size`` ranks share the cores."""
-    from shardwise.planner.contention import calibrate_sync_penalty
-
     cal = dict(calibrate_local(width, seq, heads))
     cal["sync_penalty_s"] = calibrate_sync_penalty(world_size)
     prof = cost.active_profile()

@@ -43,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from shardwise.engine.memory import predict_rank
+from shardwise.models import GPTConfig
 from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import warmup_forwards
 from shardwise.planner.specs import ModelSpec, block_params
@@ -141,9 +143,6 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0)."""
     if spec.params <= EXACT_LIMIT and zero > 0:  # ZeRO-0 has no padding: the closed form
-        from shardwise.engine.memory import predict_rank
-        from shardwise.models import GPTConfig
-
         cfg = GPTConfig(spec.vocab_size, spec.block_size, spec.n_layer, spec.n_head,
                         spec.n_embd, bias=spec.bias, tie_weights=spec.tie_weights)
         best = None

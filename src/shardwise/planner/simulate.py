@@ -27,8 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.parallel.pipeline.schedules import (Backward, Forward, SendActivation, SendGrad,
-                                                   schedule)
+from shardwise.parallel.pipeline.schedules import (
+    Backward,
+    Forward,
+    SendActivation,
+    SendGrad,
+    schedule,
+)
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers
 from shardwise.planner.specs import ModelSpec

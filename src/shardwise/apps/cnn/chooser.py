@@ -24,9 +24,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.apps.cnn.cost import (FLOPS_PER_S, INPUTS, OUTPUTS, Collective, LayerPlan, allowed,
-                                change_collectives, check_strategy, compute_seconds,
-                                layer_collectives)
+from shardwise.apps.cnn.cost import (
+    FLOPS_PER_S,
+    INPUTS,
+    OUTPUTS,
+    Collective,
+    LayerPlan,
+    allowed,
+    change_collectives,
+    check_strategy,
+    compute_seconds,
+    layer_collectives,
+)
 from shardwise.apps.cnn.layout import FEATURE, FULL
 from shardwise.comm import cost as comm_cost
 from shardwise.models.cnn import BlockSpec

@@ -26,11 +26,17 @@ import torch.nn.functional as F
 from shardwise import comm
 from shardwise.apps.cnn.chooser import Plan
 from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, convert, my_rows
-from shardwise.parallel.data_parallel import GradientSync
 from shardwise.models.cnn import CNN, Block
-from shardwise.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, RankGroup,
-                                       gather_from_sequence, gather_tensor,
-                                       reduce_scatter_to_sequence, shard_tensor)
+from shardwise.parallel.data_parallel import GradientSync
+from shardwise.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RankGroup,
+    RowParallelLinear,
+    gather_from_sequence,
+    gather_tensor,
+    reduce_scatter_to_sequence,
+    shard_tensor,
+)
 
 BUCKET_MB = 25.0
 

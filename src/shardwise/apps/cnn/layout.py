@@ -44,8 +44,12 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
-from shardwise.parallel.tensor_parallel import (RankGroup, gather_from_region, scatter_to_region,
-                                       scatter_to_sequence)
+from shardwise.parallel.tensor_parallel import (
+    RankGroup,
+    gather_from_region,
+    scatter_to_region,
+    scatter_to_sequence,
+)
 
 BATCH, FULL, FEATURE = "batch", "full", "feature"
 LAYOUTS = (BATCH, FULL, FEATURE)

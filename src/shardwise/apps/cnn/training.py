@@ -26,11 +26,17 @@ from shardwise import checkpoint, comm
 from shardwise.apps.cnn.app import cnn_config
 from shardwise.apps.cnn.chooser import format_plan, resolve
 from shardwise.apps.cnn.hybrid import HybridCNN
+from shardwise.apps.cnn.layout import BATCH, my_rows
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data.idx import load_split
 from shardwise.models.cnn import CNN
-from shardwise.parallel.tensor_parallel import RankGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import (
+    RankGroup,
+    clip_grad_norm_,
+    gather_tensor,
+    shard_tensor,
+)
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import MetricsLog, read_metrics
 from shardwise.training.schedule import warmup_cosine
@@ -99,8 +105,6 @@ def evaluate(model: HybridCNN, x: torch.Tensor, y: torch.Tensor, batch: int,
     trimmed to a multiple of the rank count)."""
     import torch.nn.functional as F
 
-    from shardwise.apps.cnn.layout import BATCH, my_rows
-
     n_ranks, total, correct, seen = model.group.size, 0.0, 0, 0
     model.eval()
     for i in range(0, len(x), batch):
@@ -128,8 +132,6 @@ def _opt_state(model: HybridCNN, opt) -> dict:
         st = {}
         for k, v in opt.state.get(p, {}).items():
             if torch.is_tensor(v) and v.shape == p.shape and hasattr(p, "tp_dim"):
-                from shardwise.parallel.tensor_parallel import gather_tensor
-
                 v = gather_tensor(v, p.tp_dim, model.group)
             st[k] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v))
         out[name] = st
@@ -146,8 +148,6 @@ def save(cfg: Config, model, opt, sched, sampler, step: int, history: list) -> P
 
 def resume(path: Path, model: HybridCNN, opt, sched, sampler) -> dict:
     """Load ``path`` into this rank's shards (any plan or rank count saved it)."""
-    from shardwise.parallel.tensor_parallel import shard_tensor
-
     meta = checkpoint.read_meta(path)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in CNN(model.cfg).named_parameters()}

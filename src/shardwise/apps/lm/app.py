@@ -9,10 +9,12 @@ import torch.distributed as dist
 
 from shardwise import checkpoint, comm
 from shardwise.apps.lm.model import describe_layout
+from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm import check as comm_check
 from shardwise.data import CharTokenizer
+from shardwise.models import GPT
 
 
 def train_rank(cfg_dict: dict, device: torch.device | None = None,
@@ -25,8 +27,6 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     be initialised with ``dp * pp * tp`` ranks; ``device``: None for the process group's
     (CUDA with NCCL, else the CPU).
     """
-    from shardwise.apps.lm.trainer import Trainer
-
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
@@ -81,7 +81,5 @@ def _mib(n: int) -> str:
 def _full_size(cfg) -> int:
     """Parameters of the single-process GPT (what every layout trains), counted on the meta
     device: nothing is allocated."""
-    from shardwise.models import GPT
-
     with torch.device("meta"):
         return GPT(cfg).num_parameters()

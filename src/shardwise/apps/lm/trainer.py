@@ -22,7 +22,7 @@ from shardwise.apps.lm.model import describe_layout, gpt_config
 from shardwise.apps.lm.state import TrainerState
 from shardwise.apps.lm.text import split_corpus
 from shardwise.base.config import Config
-from shardwise.base.topology import Topology
+from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data import CharTokenizer, DistributedBatchSampler
 from shardwise.engine import Engine, EngineSettings
 from shardwise.perf import flops_per_token
@@ -158,8 +158,6 @@ def build_trainer(cfg: Config) -> Trainer:
     """A ``Trainer`` for ``cfg`` on this rank: the rank grid of ``cfg.parallel`` over the
     initialised process group (its groups created, collectively), or one process without
     ``torch.distributed``."""
-    from shardwise.base.topology import init_process_groups
-
     p = cfg.parallel
     if dist.is_initialized():
         topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),

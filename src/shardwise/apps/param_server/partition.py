@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.partition import balanced
 
 
@@ -82,8 +83,6 @@ def partition(model: torch.nn.Module, servers: int) -> KeyRanges:
 def count_keys(model_cfg) -> int:
     """Number of keys (parameter tensors) of the GPT a ``ModelConfig`` describes; built on
     the meta device, so nothing is allocated."""
-    from shardwise.models import GPT, GPTConfig
-
     m = model_cfg
     with torch.device("meta"):
         gpt = GPT(GPTConfig(vocab_size=max(1, m.vocab_size), block_size=m.block_size,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.parallel.data_parallel.buckets import MiB, Bucket, build_buckets
+from shardwise.parallel.data_parallel.buckets import Bucket, MiB, build_buckets
 
 
 class GradientSync:

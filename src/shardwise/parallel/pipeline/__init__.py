@@ -16,12 +16,29 @@ See ``docs/pipeline.md``.
 from shardwise.parallel.pipeline.bubble import ideal_bubble
 from shardwise.parallel.pipeline.check import CheckReport, check
 from shardwise.parallel.pipeline.executor import Executor
-from shardwise.parallel.pipeline.partition import (Partition, PartitionError, balanced, gpt_layers,
-                                          partition_layers, profile_layers)
-from shardwise.parallel.pipeline.schedules import (KINDS, Backward, Forward, OptimizerStep,
-                                          RecvActivation, RecvGrad, Schedule, ScheduleError,
-                                          SendActivation, SendGrad, compute_order,
-                                          schedule, time_orders)
+from shardwise.parallel.pipeline.partition import (
+                                          Partition,
+                                          PartitionError,
+                                          balanced,
+                                          gpt_layers,
+                                          partition_layers,
+                                          profile_layers,
+)
+from shardwise.parallel.pipeline.schedules import (
+                                          KINDS,
+                                          Backward,
+                                          Forward,
+                                          OptimizerStep,
+                                          RecvActivation,
+                                          RecvGrad,
+                                          Schedule,
+                                          ScheduleError,
+                                          SendActivation,
+                                          SendGrad,
+                                          compute_order,
+                                          schedule,
+                                          time_orders,
+)
 from shardwise.parallel.pipeline.stage import StageChunk, gpt_chunks, lm_loss
 
 __all__ = [

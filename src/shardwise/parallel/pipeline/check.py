@@ -26,9 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.parallel.pipeline.schedules import (Backward, Forward, OptimizerStep, RecvActivation,
-                                          RecvGrad, Schedule, ScheduleError, SendActivation,
-                                          SendGrad)
+from shardwise.parallel.pipeline.schedules import (
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    Schedule,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+)
 
 
 @dataclass(frozen=True)

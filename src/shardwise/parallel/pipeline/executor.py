@@ -36,9 +36,17 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from shardwise import comm
-from shardwise.parallel.pipeline.schedules import (COMM, Backward, Forward, OptimizerStep,
-                                          RecvActivation, RecvGrad, Schedule, SendActivation,
-                                          SendGrad)
+from shardwise.parallel.pipeline.schedules import (
+    COMM,
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    Schedule,
+    SendActivation,
+    SendGrad,
+)
 
 
 class _Saved:

@@ -31,10 +31,21 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from shardwise.parallel.pipeline.schedules import (Backward, Forward, Instruction, OptimizerStep,
-                                          RecvActivation, ScheduleError, SendActivation,
-                                          SendGrad, compute_order, time_orders, timed_events,
-                                          validate_args, warmup_forwards)
+from shardwise.parallel.pipeline.schedules import (
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    RecvActivation,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    compute_order,
+    time_orders,
+    timed_events,
+    validate_args,
+    warmup_forwards,
+)
 
 Lists = tuple[tuple[Instruction, ...], ...]  # one instruction list per pipeline rank
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from shardwise.parallel.pipeline.schedules import compute_order, time_orders
+from shardwise.parallel.pipeline.stream import stream, time_stream
 
 COMPUTE_KINDS = ("Forward", "Backward")
 
@@ -57,8 +58,6 @@ def predicted(kind: str, p: int, m: int, v: int = 1, forward_cost: float = 1.0) 
     chunk forward = ``forward_cost / v``, backward twice that). PipeDream: one steady-state
     step of its stream (``pipeline.stream``), from time 0."""
     if kind == "pipedream":
-        from shardwise.parallel.pipeline.stream import stream, time_stream
-
         s = stream(p, m)
         times = time_stream(s, s.steady_from + 1, forward_cost)[-1]
         t0 = min(b for b, _ in times.values())

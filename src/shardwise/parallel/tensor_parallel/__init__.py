@@ -12,21 +12,39 @@ sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198). See
 """
 
 from shardwise.parallel.tensor_parallel.group import RankGroup
-from shardwise.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                              VocabParallelEmbedding, gather_tensor,
-                                              padded_vocab_size, shard_tensor)
+from shardwise.parallel.tensor_parallel.layers import (
+                                              ColumnParallelLinear,
+                                              RowParallelLinear,
+                                              VocabParallelEmbedding,
+                                              gather_tensor,
+                                              padded_vocab_size,
+                                              shard_tensor,
+)
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from shardwise.parallel.tensor_parallel.mappings import (copy_to_region, gather_from_region,
-                                                gather_from_sequence, per_layer_table,
-                                                reduce_from_region, reduce_scatter_to_sequence,
-                                                scatter_to_region, scatter_to_sequence)
+from shardwise.parallel.tensor_parallel.mappings import (
+                                              copy_to_region,
+                                              gather_from_region,
+                                              gather_from_sequence,
+                                              per_layer_table,
+                                              reduce_from_region,
+                                              reduce_scatter_to_sequence,
+                                              scatter_to_region,
+                                              scatter_to_sequence,
+)
 from shardwise.parallel.tensor_parallel.model import check_divisible, parallelize_layer
 from shardwise.parallel.tensor_parallel.random import ParallelRNG, TPDropout
-from shardwise.parallel.tensor_parallel.state import (clip_grad_norm_, gather_optimizer_state,
-                                             gather_param, gather_state_dict, grad_norm,
-                                             is_sharded, load_full_state_dict,
-                                             load_optimizer_state, shard_param,
-                                             sync_replicated_grads)
+from shardwise.parallel.tensor_parallel.state import (
+                                              clip_grad_norm_,
+                                              gather_optimizer_state,
+                                              gather_param,
+                                              gather_state_dict,
+                                              grad_norm,
+                                              is_sharded,
+                                              load_full_state_dict,
+                                              load_optimizer_state,
+                                              shard_param,
+                                              sync_replicated_grads,
+)
 
 __all__ = [
     "RankGroup", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.comm.accounting import recording
+from shardwise.parallel.tensor_parallel import mappings
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -102,8 +103,6 @@ def measure_gpt_layers(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     ``mappings.per_layer_table``): ``loss_of(x, y)`` runs the forward of ids ``x`` (B, T)
     against targets ``y`` (B, T) and returns the scalar loss, which is then backpropagated.
     Use counted algorithms in the model's ``RankGroup`` for bytes."""
-    from shardwise.parallel.tensor_parallel import mappings
-
     mappings.layer_log.clear()
     with recording():
         loss_of(x, y).backward()

@@ -32,9 +32,14 @@ import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.parallel.tensor_parallel.group import RankGroup
-from shardwise.parallel.tensor_parallel.mappings import (copy_to_region, gather_from_region,
-                                                gather_from_sequence, reduce_from_region,
-                                                reduce_scatter_to_sequence, scatter_to_region)
+from shardwise.parallel.tensor_parallel.mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_region,
+)
 
 
 def shard_tensor(full: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:

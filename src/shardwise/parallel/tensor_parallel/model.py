@@ -26,8 +26,12 @@ import torch.nn.functional as F
 
 from shardwise.models.gpt import Block, Embedding, GPTConfig, LMHead, causal_attention
 from shardwise.parallel.tensor_parallel.group import RankGroup
-from shardwise.parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                       VocabParallelEmbedding, padded_vocab_size)
+from shardwise.parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    padded_vocab_size,
+)
 from shardwise.parallel.tensor_parallel.random import ParallelRNG, TPDropout
 
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.comm.coalesce import coalesced_
+from shardwise.parallel.precision import global_norm
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor, shard_tensor
 
@@ -89,8 +90,6 @@ def grad_norm(params, tp: RankGroup) -> torch.Tensor:
     """Global L2 norm of the gradients of a tensor-parallel model: squares of sharded
     gradients summed over the tp ranks, replicated gradients counted once (on tp rank 0);
     ``zero.precision.global_norm`` does the sum."""
-    from shardwise.parallel.precision import global_norm
-
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
     counted = [is_sharded(p) or tp.rank == 0 for p in params]

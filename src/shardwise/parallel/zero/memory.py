@@ -37,7 +37,10 @@ def predicted_bytes(padded_numel: int, world_size: int, stage: int, param_bytes:
             "total": params + grads + optimizer}
 
 
-def _add(seen: set, t: torch.Tensor | None) -> int:
+def storage_bytes_once(seen: set, t: torch.Tensor | None) -> int:
+    """Bytes of ``t``'s storage, or 0 if that storage is in ``seen`` (then it is added), is
+    empty, or ``t`` is None: summing it over tensors counts each storage once (views of one
+    flat buffer, a bucket and the gradients in it)."""
     if t is None:
         return 0
     st = t.untyped_storage()
@@ -51,13 +54,13 @@ def _add(seen: set, t: torch.Tensor | None) -> int:
 def measured_bytes(model: torch.nn.Module, wrapper, optimizer) -> dict:
     """Bytes this rank holds now, by category, each storage counted once."""
     seen: set = set()
-    params = sum(_add(seen, p) for p in model.parameters())
-    params += sum(_add(seen, t) for t in wrapper.param_shards())
-    optim = sum(_add(seen, m) for m in wrapper.pieces)  # fp32 masters
+    params = sum(storage_bytes_once(seen, p) for p in model.parameters())
+    params += sum(storage_bytes_once(seen, t) for t in wrapper.param_shards())
+    optim = sum(storage_bytes_once(seen, m) for m in wrapper.pieces)  # fp32 masters
     for state in optimizer.state.values():
-        optim += sum(_add(seen, state.get(k)) for k in ("exp_avg", "exp_avg_sq"))
-    grads = sum(_add(seen, p.grad) for p in model.parameters())
-    grads += sum(_add(seen, g) for g in wrapper.grad_shards())
+        optim += sum(storage_bytes_once(seen, state.get(k)) for k in ("exp_avg", "exp_avg_sq"))
+    grads = sum(storage_bytes_once(seen, p.grad) for p in model.parameters())
+    grads += sum(storage_bytes_once(seen, g) for g in wrapper.grad_shards())
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
