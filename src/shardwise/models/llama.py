@@ -1,0 +1,352 @@
+"""Llama-family decoder from separable building blocks (single-process reference).
+
+Token embedding (no learned positions), ``n_layer`` pre-RMSNorm blocks (causal
+grouped-query self-attention with rotary position embeddings, then a SwiGLU MLP, each
+inside a residual), a final RMSNorm and an LM head, tied to the embedding or not; no
+biases anywhere. Sources:
+
+- Touvron et al. 2023, "LLaMA" (arXiv:2302.13971): RMSNorm pre-normalisation, SwiGLU,
+  rotary embeddings, the FFN width ``8h/3`` rounded up to ``multiple_of``;
+- Su et al. 2021, "RoFormer" (arXiv:2104.09864): rotary position embeddings, here in the
+  Hugging Face "rotate_half" layout (the two halves of a head are the pair rotated
+  together), so weights map 1:1 onto ``transformers.LlamaForCausalLM``;
+- Shazeer 2020, "GLU Variants Improve Transformer" (arXiv:2002.05202): SwiGLU;
+- Ainslie et al. 2023, "GQA" (arXiv:2305.13245): ``n_kv_heads`` key/value heads, each
+  shared by ``n_head / n_kv_heads`` query heads;
+- Grattafiori et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783): the rotary
+  frequency scaling for long context (``RopeScaling``).
+
+As in ``models.gpt``, the model is ``embed -> blocks[i] -> head`` so a pipeline can cut it
+by layer, and attention keeps separate Q, K, V and output projections (column- then
+row-parallel under tensor parallelism). Parameter names follow Hugging Face's inside a
+block (``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm`` ...), so
+``hf_state_dict`` / ``from_hf_state_dict`` only rename the prefixes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardwise.models.gpt import causal_attention, generate
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (Llama 3 paper, sec. 3.3; HF ``rope_type="llama3"``).
+
+    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` tokens
+    are stretched by ``factor``, shorter than ``.../ high_freq_factor`` kept, and those in
+    between interpolated smoothly. Llama 3.1: factor 8, low 1, high 4, original 8192.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes of one Llama. Every field has Hugging Face's ``LlamaConfig`` meaning.
+
+    vocab_size: tokens V. block_size: longest sequence T (``max_position_embeddings``).
+    n_layer, n_head: blocks and query heads. n_kv_heads: key/value heads (GQA; None means
+    ``n_head``, i.e. multi-head attention); must divide ``n_head``. n_embd: width h, a
+    multiple of ``n_head``. ffn_hidden: SwiGLU width (``intermediate_size``); None means
+    Llama's rule ``multiple_of * ceil(int(8h/3) / multiple_of)``. norm_eps: RMSNorm
+    epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, a dict of its fields,
+    or None. tie_weights: head shares the embedding matrix. attention: "sdpa" or "math"
+    (``models.gpt.causal_attention``). Raises ``ValueError`` (one line, naming the
+    fields) for inconsistent sizes.
+    """
+
+    vocab_size: int
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_heads: int | None = None
+    n_embd: int = 128
+    ffn_hidden: int | None = None
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_weights: bool = False
+    dropout: float = 0.0
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model.{name}={v!r}: expected a whole number >= 1")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_head)
+        if self.n_kv_heads < 1 or self.n_head % self.n_kv_heads:
+            raise ValueError(f"model.n_head={self.n_head} is not divisible by "
+                             f"model.n_kv_heads={self.n_kv_heads}")
+        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by "
+                             f"2 * model.n_head={2 * self.n_head} (rotary pairs per head)")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.n_embd / 3)
+            object.__setattr__(self, "ffn_hidden",
+                               self.multiple_of * -(-hidden // self.multiple_of))
+        if self.ffn_hidden < 1:
+            raise ValueError(f"model.ffn_hidden={self.ffn_hidden}: expected a whole number >= 1")
+        if isinstance(self.rope_scaling, dict):
+            known = {f.name for f in fields(RopeScaling)}
+            extra = set(self.rope_scaling) - known - {"rope_type"}
+            if extra:
+                raise ValueError(f"model.rope_scaling.{sorted(extra)[0]}: unknown key; "
+                                 f"expected {', '.join(sorted(known))}")
+            object.__setattr__(self, "rope_scaling", RopeScaling(
+                **{k: v for k, v in self.rope_scaling.items() if k in known}))
+        rs = self.rope_scaling
+        if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor):
+            raise ValueError("model.rope_scaling: expected factor > 0 and "
+                             "0 < low_freq_factor < high_freq_factor")
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"model.attention={self.attention!r}: expected 'sdpa' or 'math'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) fp32, radians per token: ``theta^(-2i/d)``, then
+    Llama 3's scaling when ``cfg.rope_scaling`` is set (as HF ``_compute_llama3_parameters``)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
+                                    .float() / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    old = rs.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32):
+    """cos and sin of the rotation angles, each (T, head_dim): angle(t, i) = t * inv_freq[i
+    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves)."""
+    inv = rope_frequencies(cfg, device)
+    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)  # (T, d/2)
+    emb = torch.cat([angles, angles], dim=-1)  # (T, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, D) queries or keys: ``x cos + rotate_half(x) sin`` with
+    ``rotate_half([x1, x2]) = [-x2, x1]`` (RoFormer, eq. 34, in HF's layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 (Zhang &
+    Sennrich 2019, arXiv:1910.07467). (..., C) -> (..., C), the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings. (B, T, C) -> (B, T, C).
+
+    Q has ``n_head`` heads, K and V ``n_kv_heads``; each K/V head serves ``n_head /
+    n_kv_heads`` consecutive query heads (HF ``repeat_kv``)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_head, self.n_kv_heads, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # (B, T, C) -> (B, H, T, D); a tensor-parallel rank holds -1 = its share of heads
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype)  # (T, D) each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        p = self.cfg.dropout if self.training else 0.0
+        y = causal_attention(q, k, v, p, self.cfg.attention)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, width ``ffn_hidden``.
+    (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-RMSNorm block: ``x + self_attn(input_layernorm(x))`` then
+    ``x + mlp(post_attention_layernorm(x))``. (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding only (positions enter through the rotary angles). (B, T) -> (B, T, C)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx)
+
+
+class LMHead(nn.Module):
+    """Final RMSNorm and projection to the vocabulary. (B, T, C) -> (B, T, V) logits."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class Llama(nn.Module):
+    """``embed -> blocks -> head``. ``forward(idx (B, T) int64, targets (B, T) | None)``.
+
+    Returns ``(logits (B, T, V), loss)``, ``loss`` the mean cross-entropy in nats per token
+    over targets other than -100 (None without targets). Raises ``ValueError`` if ``T >
+    block_size``. Init as HF's Llama: normal(0, 0.02) for linear and embedding weights,
+    ones for the norms, drawn from the global torch generator in module order, so
+    ``torch.manual_seed(s); Llama(cfg)`` is reproducible.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.head = LMHead(cfg)
+        if cfg.tie_weights:
+            self.head.proj.weight = self.embed.tok.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+    def num_parameters(self) -> int:
+        """Parameters, the tied matrix counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        if idx.shape[1] > self.cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size "
+                             f"{self.cfg.block_size}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``new_tokens`` ids after ``idx`` (B, T0); returns (B, T0 + new_tokens)
+        (``models.gpt.generate`` with this model's logits; no KV cache)."""
+        was_training = self.training
+        self.eval()
+        idx = generate(lambda ctx: self(ctx)[0], idx, new_tokens, self.cfg.block_size,
+                       temperature=temperature, top_k=top_k, generator=generator)
+        self.train(was_training)
+        return idx
+
+
+# our prefix -> Hugging Face's; inside a block the names are already HF's
+_TO_HF = (("embed.tok.", "model.embed_tokens."), ("blocks.", "model.layers."),
+          ("head.norm.", "model.norm."), ("head.proj.", "lm_head."))
+
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> ``LlamaForCausalLM``'s (``blocks.3.mlp.up_proj.weight`` ->
+    ``model.layers.3.mlp.up_proj.weight``). Raises ``KeyError`` for a name it does not know."""
+    for ours, theirs in _TO_HF:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    raise KeyError(f"{name}: not a Llama parameter name")
+
+
+def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under Hugging Face ``LlamaForCausalLM`` names (the same
+    tensors, not copies). With tied weights both ``model.embed_tokens.weight`` and
+    ``lm_head.weight`` are present, as in HF's own state dict."""
+    return {hf_name(k): v for k, v in model.state_dict().items()}
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor],
+                       tie_weights: bool = False) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` state dict under our names, for ``Llama.load_state_dict``.
+    Buffers HF may store (``rotary_emb.inv_freq``) are dropped: ours are computed. With
+    ``tie_weights`` a missing ``lm_head.weight`` is the embedding. Raises ``KeyError``
+    naming an unknown key."""
+    back = {theirs: ours for ours, theirs in _TO_HF}
+    out = {}
+    for key, value in sd.items():
+        if "rotary_emb." in key:
+            continue
+        for theirs, ours in back.items():
+            if key.startswith(theirs):
+                out[ours + key[len(theirs):]] = value
+                break
+        else:
+            raise KeyError(f"{key}: not a LlamaForCausalLM parameter name")
+    if tie_weights and "head.proj.weight" not in out:
+        out["head.proj.weight"] = out["embed.tok.weight"]
+    return out
