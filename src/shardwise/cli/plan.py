@@ -25,7 +25,8 @@ from shardwise.planner.specs import SpecError, load_model, positive_number
 def build_parser():
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True,
-                    help="named size (gpt2-124m ... megatron-1t), a TOML with a [model] table "
+                    help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
+                         "llama3-405b), a TOML with a [model] table "
                          "(a shardwise train config), or cnn")
     ap.add_argument("--cluster", default="local",
                     help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100 or local (default)")
@@ -89,6 +90,9 @@ def _run(args) -> int:
     spec = load_model(args.model)
     if args.seq is not None:
         spec = spec.with_seq(positive_number(args.seq, "--seq", integer=True))
+    if args.emit_toml and spec.family != "gpt":
+        raise SpecError(f"--emit-toml: {spec.name} is a {spec.family} model; shardwise train "
+                        "builds only the GPT so far")
     cluster = get_cluster(args.cluster, spec, world)
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib

@@ -11,7 +11,11 @@ Static bytes (parameters, gradients, optimizer states) per rank:
   per block 12h^2/t + 6h/t (sharded Q, K, V, out, fc, proj and their column biases) +
   2h (out and proj biases) + 4h (LayerNorms); the embedding V_pad h / t + s h; the head
   2h + (V_pad h / t unless it is the embedding's own parameter), V_pad = V rounded up to a
-  multiple of t. Stages get layers as ``pipeline.partition.balanced`` cuts them.
+  multiple of t. Stages get layers as ``pipeline.partition.balanced`` cuts them. A Llama
+  (``specs.ModelSpec.family``) has per block (2h^2 + 2 h k + 3 h f)/t + 2h (k = key/value
+  heads x head width, f the SwiGLU width; RMSNorm weights whole, no biases), no position
+  table and an untied head; ``tests/test_llama_planner.py`` checks the counts against
+  ``models.llama`` and the published totals.
 - bytes per element from the parameter count P of the rank (Rajbhandari et al. 2020, sec. 3;
   b = 2 for bf16/fp16, 4 for fp32, K = 12 bytes of fp32 master + Adam moments, or 8 in fp32
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
@@ -47,7 +51,7 @@ from shardwise.engine.memory import predict_rank
 from shardwise.models import GPTConfig
 from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import warmup_forwards
-from shardwise.planner.specs import ModelSpec, block_params
+from shardwise.planner.specs import ModelSpec, block_matmul_params, block_params
 
 MiB, GiB = 2 ** 20, 2 ** 30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -73,13 +77,14 @@ def layer_weights(spec: ModelSpec, by: str = "layers") -> list[float]:
     """The weights ``pipeline.partition.partition_layers`` gives the GPT's layers: 1 each
     ("layers"), or each layer's parameter count ("params": the tied head counts the
     embedding matrix again, as its ``parameters()`` include it)."""
-    L, h, V, s = spec.n_layer, spec.n_embd, spec.vocab_size, spec.block_size
+    L, h, V = spec.n_layer, spec.n_embd, spec.vocab_size
     if by == "layers":
         return [1.0] * (L + 2)
     if by != "params":
         raise ValueError(f"partition {by!r}: the planner models layers or params")
     ln = 2 * h if spec.bias else h
-    return [float(V * h + s * h)] + [float(block_params(h, spec.bias))] * L + [float(ln + V * h)]
+    return ([float(V * h + spec.pos_params)] + [float(block_params(h, spec.bias, spec))] * L
+            + [float(ln + V * h)])
 
 
 def cut(spec: ModelSpec, n_chunks: int, by: str = "layers"):
@@ -99,15 +104,17 @@ def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> li
 
 def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int) -> int:
     """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps."""
-    L, h, s = spec.n_layer, spec.n_embd, spec.block_size
+    L, h = spec.n_layer, spec.n_embd
     Vp = padded_vocab(spec.vocab_size, tp)
     bias = spec.bias
-    per_block = block_params(h, bias) if tp == 1 else (
-        12 * h * h // tp + (6 * h // tp + 2 * h + 4 * h if bias else 2 * h))
+    # column biases (Q, V, MLP in) split, row biases (out, MLP out) and norms whole
+    col_bias = h + spec.kv_heads * (h // spec.n_head) + (2 if spec.gated else 1) * spec.ffn
+    per_block = block_params(h, bias, spec) if tp == 1 else (
+        block_matmul_params(spec) // tp + (col_bias // tp + 2 * h + 4 * h if bias else 2 * h))
     n, emb, head = 0, 0 in layers, L + 1 in layers
     n += sum(per_block for i in layers if 1 <= i <= L)
     if emb:
-        n += Vp * h // tp + s * h
+        n += Vp * h // tp + spec.pos_params
     if head:
         n += (2 * h if bias else h) + (0 if spec.tie_weights and emb else Vp * h // tp)
     return n
@@ -142,7 +149,8 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  bucket_mb: float = 25.0, partition: str = "layers") -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0)."""
-    if spec.params <= EXACT_LIMIT and zero > 0:  # ZeRO-0 has no padding: the closed form
+    # ZeRO-0 has no padding: the closed form; the engine builds only the GPT so far
+    if spec.params <= EXACT_LIMIT and zero > 0 and spec.family == "gpt":
         cfg = GPTConfig(spec.vocab_size, spec.block_size, spec.n_layer, spec.n_head,
                         spec.n_embd, bias=spec.bias, tie_weights=spec.tie_weights)
         best = None
@@ -182,8 +190,14 @@ class ActivationModel:
 MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2)
 
 
-def shardwise_model(precision: str) -> ActivationModel:
+def shardwise_model(precision: str, spec: ModelSpec | None = None) -> ActivationModel:
+    """The GPT's measured model (module docstring). For a Llama spec (not measured yet: a
+    count of what autograd saves) S = e (4 + 4 f / h): Q, K and V repeated to all heads,
+    the attention output; gate, up, silu(gate) and their product, f wide each."""
     e = BYTES[precision]
+    if spec is not None and spec.gated:
+        return ActivationModel(f"shardwise-llama-{precision}", 4 * e,
+                               e * (4 + 4 * spec.ffn / spec.n_embd), 2 * e, 0, 8, e)
     return ActivationModel(f"shardwise-{precision}", 4 * e, 12 * e, 2 * e, 0, 8, e)
 
 
@@ -221,7 +235,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
                      partition: str = "layers") -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank)."""
-    am = am or shardwise_model(precision)
+    am = am or shardwise_model(precision, spec)
     s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
     e = BYTES[precision]

@@ -72,6 +72,10 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
     """Why the engine cannot run ``lay`` (or the cluster cannot hold it), or None."""
     if spec.n_head % lay.tp:
         return f"tp={lay.tp} does not divide the {spec.n_head} heads"
+    if spec.kv_heads % lay.tp:
+        return f"tp={lay.tp} does not divide the {spec.kv_heads} key/value heads"
+    if spec.ffn % lay.tp:
+        return f"tp={lay.tp} does not divide the MLP width {spec.ffn}"
     if lay.tp > cluster.gpus_per_node and not tp_across_nodes:
         return f"tp={lay.tp} would cross nodes of {cluster.gpus_per_node} GPUs"
     if lay.pp * lay.chunks_per_rank > spec.n_layer + 2:

@@ -36,7 +36,7 @@ from shardwise.parallel.pipeline.schedules import (
 )
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers
-from shardwise.planner.specs import ModelSpec
+from shardwise.planner.specs import ModelSpec, block_matmul_params
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,10 @@ class Layout:
 
 
 def block_flops(spec: ModelSpec, mb: int) -> float:
+    """Forward FLOPs of one block: 2 per weight of its matrices per token (GPT: 24 s h^2),
+    and Q K^T and softmax(.) V, 4 s^2 h."""
     s, h = spec.block_size, spec.n_embd
-    return 24 * mb * s * h * h + 4 * mb * s * s * h
+    return 2 * mb * s * block_matmul_params(spec) + 4 * mb * s * s * h
 
 
 def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,

@@ -1,15 +1,26 @@
-"""What the planner plans for: a decoder-only GPT's sizes, named or read from a TOML.
+"""What the planner plans for: a decoder-only transformer's sizes, named or read from a TOML.
 
 ``ModelSpec`` holds the sizes the memory and time formulas need (layers L, width h, heads
-a, vocabulary V, sequence s, tied embeddings, biases). It describes shardwise's own GPT
-(``models.gpt``): pre-LayerNorm blocks with separate Q, K, V, output projections (no key
-bias), a 4h GELU MLP and learned positions. Named sizes:
+a, vocabulary V, sequence s, tied embeddings, biases; key/value heads and the MLP width).
+Two families:
+
+- ``"gpt"``: shardwise's own GPT (``models.gpt``): pre-LayerNorm blocks with separate Q, K,
+  V, output projections (no key bias), a 4h GELU MLP and learned positions;
+- ``"llama"``: ``models.llama``: pre-RMSNorm blocks, grouped-query attention (``n_kv_heads``
+  K and V heads of width h / a), a SwiGLU MLP of width f (gate, up, down: 3 h f), rotary
+  positions (no parameters), no biases, head untied unless said.
+
+Named sizes:
 
 - GPT-2 (Radford et al. 2019, Table 2; vocab 50257, context 1024);
 - GPT-3 (Brown et al. 2020, Table 2.1; context 2048; 13B's width 5140 rounded to 5120 so
   that the 40 heads divide it);
 - Megatron-LM's weak-scaling series (Narayanan et al. SC 2021, Table 1: 1.7B ... 1T,
-  vocab 51200, context 2048), which ``benchmarks/planner_published.py`` predicts.
+  vocab 51200, context 2048), which ``benchmarks/planner_published.py`` predicts;
+- Llama: TinyLlama 1.1B (Zhang et al. 2024, arXiv:2401.02385, sec. 2.2), Llama 2 7B/13B/70B
+  (Touvron et al. 2023, arXiv:2307.09288, Table 1; sizes of the released config.json),
+  Llama 3 8B/70B/405B (Grattafiori et al. 2024, arXiv:2407.21783, Table 3; context 8192, the
+  pre-training length: Llama 3.1's 128K is ``--seq 131072``).
 
 A TOML model file has the ``[model]`` table of a ``shardwise train`` config (``n_layer``,
 ``n_head``, ``n_embd``, ``block_size``, ``vocab_size``, ``tie_weights``, ``bias``), so a
@@ -30,7 +41,9 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of one GPT. ``params`` is the exact parameter count of shardwise's GPT."""
+    """Sizes of one GPT or Llama. ``params`` is the exact parameter count of shardwise's
+    model of that family. ``n_kv_heads`` None: ``n_head`` (multi-head attention);
+    ``ffn_hidden`` None: 4h (the GPT's MLP)."""
 
     name: str
     n_layer: int
@@ -40,32 +53,73 @@ class ModelSpec:
     block_size: int
     tie_weights: bool = True
     bias: bool = True
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    family: str = "gpt"  # "gpt" or "llama" (module docstring)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_head
+
+    @property
+    def ffn(self) -> int:
+        """MLP width f: ``ffn_hidden``, or 4h."""
+        return self.ffn_hidden or 4 * self.n_embd
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU (three h x f matrices) rather than GELU (two)."""
+        return self.family == "llama"
+
+    @property
+    def pos_params(self) -> int:
+        """Learned position embedding (GPT: s h); rotary positions have none."""
+        return 0 if self.family == "llama" else self.block_size * self.n_embd
 
     @property
     def params(self) -> int:
         """Parameters of the unsharded model (tied head counted once)."""
-        L, h, V, s = self.n_layer, self.n_embd, self.vocab_size, self.block_size
-        return V * h + s * h + L * block_params(h, self.bias) + head_params(self)
+        L, h, V = self.n_layer, self.n_embd, self.vocab_size
+        return V * h + self.pos_params + L * block_params(h, self.bias, self) + head_params(self)
 
     def with_seq(self, seq: int) -> "ModelSpec":
         return replace(self, block_size=seq)
 
 
-def block_params(h: int, bias: bool = True) -> int:
-    """One transformer block: Q, K, V, output (4h^2; biases on Q, V, out), MLP (8h^2;
-    biases 4h + h), two LayerNorms (2h each with bias, h without)."""
+def block_matmul_params(spec: "ModelSpec") -> int:
+    """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
+    each, the MLP 2 h f (GELU) or 3 h f (SwiGLU). GPT: 12 h^2."""
+    h = spec.n_embd
+    kv = spec.kv_heads * (h // spec.n_head)
+    return 2 * h * h + 2 * h * kv + (3 if spec.gated else 2) * h * spec.ffn
+
+
+def block_params(h: int, bias: bool = True, spec: "ModelSpec | None" = None) -> int:
+    """One transformer block. GPT (``spec`` None or a GPT spec with a 4h MLP): Q, K, V,
+    output (4h^2; biases on Q, V, out), MLP (8h^2; biases 4h + h), two LayerNorms (2h each
+    with bias, h without). Otherwise ``block_matmul_params`` + the biases (Q, V, out; the
+    MLP's f, or 2f gated, + h) when ``bias`` + two norms."""
     b = 1 if bias else 0
-    return 12 * h * h + b * (3 * h + 5 * h) + 2 * (2 * h if bias else h)
+    if spec is None or (not spec.gated and spec.ffn == 4 * h and spec.kv_heads == spec.n_head):
+        return 12 * h * h + b * (3 * h + 5 * h) + 2 * (2 * h if bias else h)
+    kv = spec.kv_heads * (h // spec.n_head)
+    biases = b * (h + kv + h + (2 if spec.gated else 1) * spec.ffn + h)
+    return block_matmul_params(spec) + biases + 2 * (2 * h if bias else h)
 
 
 def head_params(spec: ModelSpec) -> int:
-    """Final LayerNorm, plus the projection when it is not tied to the embedding."""
+    """Final norm, plus the projection when it is not tied to the embedding."""
     ln = 2 * spec.n_embd if spec.bias else spec.n_embd
     return ln + (0 if spec.tie_weights else spec.vocab_size * spec.n_embd)
 
 
 def _m(name, L, h, a, V, s) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s)
+
+
+def _llama(name, L, h, a, kv, f, V, s) -> ModelSpec:
+    return ModelSpec(name, L, h, a, V, s, tie_weights=False, bias=False, n_kv_heads=kv,
+                     ffn_hidden=f, family="llama")
 
 
 NAMED: dict[str, ModelSpec] = {m.name: m for m in [
@@ -88,6 +142,14 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _m("megatron-310b", 96, 16384, 128, 51200, 2048),
     _m("megatron-530b", 105, 20480, 128, 51200, 2048),
     _m("megatron-1t", 128, 25600, 160, 51200, 2048),
+    # name, layers, hidden, heads, kv heads, FFN width, vocab, context
+    _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),
+    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
 ]}
 
 _FIELDS = {"n_layer": int, "n_head": int, "n_embd": int, "block_size": int, "vocab_size": int,
