@@ -62,3 +62,19 @@ def test_plan_refuses_to_emit_a_llama_train_config(capsys, tmp_path):
                  "--global-batch", "64", "--emit-toml", str(tmp_path / "x.toml")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--emit-toml" in err and "llama" in err
+
+
+def test_memory_takes_a_named_size(capsys):
+    assert main(["memory", "--model", "llama3-8b", "--dp", "64", "--stages", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama3-8b: P = 8,030,261,248 parameters, N = 64 ranks")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--model", "llama-7b"], "--model 'llama-7b': not a named size"),
+    (["--model", "llama3-8b", "--params", "1e9"], "--model and --params: give one"),
+])
+def test_memory_model_errors_are_one_line(capsys, argv, msg):
+    assert main(["memory", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and msg in err

@@ -1,6 +1,7 @@
 """``shardwise memory``: predicted bytes per rank for each ZeRO stage and any layout.
 
     shardwise memory --params 1.5e9 --dp 64 --precision bf16     # ZeRO formulas, dp only
+    shardwise memory --model llama3-8b --dp 64                     # a named size's P
     shardwise memory --config configs/tiny.toml --dp 2 --tp 2 --pp 2 --stages 0,1,2
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
 
@@ -8,7 +9,8 @@ With a model (``--config``), every rank of the layout is predicted exactly
 (``engine.memory.predict_rank``: the rank's model built on the meta device, packed as the
 dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
 local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
-With ``--params`` only, the formulas of Rajbhandari et al. for dp alone. Both paths are the
+With ``--params`` only (or ``--model``, a named size of ``shardwise plan``, for its
+parameter count), the formulas of Rajbhandari et al. for dp alone. Both paths are the
 planner's memory model (``planner.memory``: ``predict_rank`` with a model, ``zero_bytes``
 with a parameter count), so ``shardwise plan`` and this report print the same bytes. Units
 are named in the header: binary, MiB (2**20 bytes) or GiB (2**30) from 1 GiB, as every size
@@ -24,6 +26,7 @@ import sys
 
 from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.planner.memory import MiB, unit_for, zero_bytes
+from shardwise.planner.specs import NAMED
 
 
 def measure_worker(cfg_dict: dict) -> dict:
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="shardwise memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="TOML config whose model is measured")
     ap.add_argument("--params", type=float, default=None, help="parameter count P (formulas only)")
+    ap.add_argument("--model", default=None, help="named size (gpt2-124m ... llama3-405b): "
+                    "its parameter count P (formulas only)")
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --config)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
@@ -131,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardwise memory: error: {flag} {value:g}: expected a finite number "
                   f"{'>= 1' if least else '> 0'}", file=sys.stderr)
             return EXIT_USAGE
+    name = None
+    if args.model is not None:
+        if args.params is not None:
+            print("shardwise memory: error: --model and --params: give one", file=sys.stderr)
+            return EXIT_USAGE
+        if args.model not in NAMED:
+            print(f"shardwise memory: error: --model {args.model!r}: not a named size "
+                  f"({', '.join(NAMED)})", file=sys.stderr)
+            return EXIT_USAGE
+        name, args.params = args.model, float(NAMED[args.model].params)
     if args.params is not None and args.measure:
         print("shardwise memory: error: --measure needs a model (--config), not --params",
               file=sys.stderr)
@@ -148,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     measured, P = {}, int(args.params)
     preds = {s: zero_bytes(P, args.dp, s, args.precision) for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)
-    print(f"P = {P:,} parameters, N = {args.dp} ranks, {args.precision} compute with fp32 "
+    print(f"{name + ': ' if name else ''}P = {P:,} parameters, N = {args.dp} ranks, "
+          f"{args.precision} compute with fp32 "
           f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes: decimal, as the "
           "ZeRO paper's table)")
     head = f"{'stage':>5} {'params':>10} {'grads':>10} {'optimizer':>10} {'total':>10}"
