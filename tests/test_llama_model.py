@@ -4,6 +4,8 @@ HF's model is built locally from a transformers ``LlamaConfig`` with random weig
 its state dict loaded into ours through ``from_hf_state_dict``; fp32 on the CPU.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,10 +26,10 @@ CASES = {
     "gqa-tied": dict(n_kv_heads=2, tie_weights=True, rope_scaling=None),
     "mha-tied": dict(n_kv_heads=4, tie_weights=True, rope_scaling=None),
     # original_max_position_embeddings small so that all three bands (kept, interpolated,
-    # stretched) occur among head_dim/2 = 8 frequencies
-    "gqa-llama3-rope": dict(n_kv_heads=2, tie_weights=False,
+    # stretched) occur among head_dim/2 = 8 frequencies; below block_size, as in Llama 3.1
+    "gqa-llama3-rope": dict(n_kv_heads=2, tie_weights=False, block_size=128,
                             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)),
-    "mha-tied-llama3-rope": dict(n_kv_heads=4, tie_weights=True,
+    "mha-tied-llama3-rope": dict(n_kv_heads=4, tie_weights=True, block_size=128,
                                  rope_scaling=RopeScaling(4.0, 1.0, 2.0, 32)),
 }
 
@@ -71,12 +73,16 @@ def test_logits_loss_and_grads_match_hf(case, attn):
     assert ours.num_parameters() == sum(p.numel() for p in ref.parameters())
 
     g = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, cfg.vocab_size, (3, cfg.block_size), generator=g)
+    idx = torch.randint(0, cfg.vocab_size, (3, 32), generator=g)
     # HF shifts labels inside; ours are the next tokens, the last position ignored (-100)
     targets = torch.cat([idx[:, 1:], torch.full((3, 1), -100)], dim=1)
     out = ref(input_ids=idx, labels=idx)
     logits, loss = ours(idx, targets)
     torch.testing.assert_close(logits, out.logits, rtol=RTOL, atol=ATOL)
+    if cfg.rope_scaling is not None:  # the scaling matters: without it the logits differ
+        plain = Llama(replace(cfg, rope_scaling=None))
+        plain.load_state_dict(ours.state_dict())
+        assert (plain(idx)[0] - out.logits).abs().max() > 1e-4
     torch.testing.assert_close(loss, out.loss, rtol=RTOL, atol=ATOL)
 
     out.loss.backward()
