@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     # models
     "GPT": "shardwise.models.gpt:GPT",
     "GPTConfig": "shardwise.models.gpt:GPTConfig",
+    "Llama": "shardwise.models.llama:Llama",
+    "LlamaConfig": "shardwise.models.llama:LlamaConfig",
     # data parallel & ZeRO
     "DistributedDataParallel": "shardwise.parallel.data_parallel.ddp:DistributedDataParallel",
     "ZeroDataParallel": "shardwise.parallel.zero.optimizer:ZeroDataParallel",
