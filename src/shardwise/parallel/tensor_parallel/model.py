@@ -142,7 +142,7 @@ class TPHead(nn.Module):
         super().__init__()
         self.ln_f = copy.deepcopy(master.ln_f)
         c, padded = master.proj.in_features, padded_vocab_size(vocab_size, tp.size)
-        full = nn.Linear(c, padded, bias=False)
+        full = nn.Linear(c, padded, bias=False, device=master.proj.weight.device)
         with torch.no_grad():
             full.weight.zero_()
             full.weight[:vocab_size] = master.proj.weight
