@@ -82,3 +82,22 @@ def test_peak_memory_near_what_a_rank_holds():
               f"model {model_bytes / 2**20:.1f} MiB")
         assert r["rise"] <= 1.3 * r["held"] + largest, r
         assert r["rise"] < 0.5 * model_bytes, r
+
+
+def test_one_process_tied_and_meta():
+    """dp = pp = tp = 1: the head shares the embedding's materialised parameter; every
+    parameter equals the GPT's; on the meta device nothing is materialised."""
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    cfg = GPTConfig(**GPT_SMALL)
+    kw = dict(pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=RankGroup(), seed=SEED,
+              dropout_seed=0)
+    local = build_local_model(cfg, device=torch.device("cpu"), **kw)
+    chunk = local.chunks[0]
+    assert chunk.layers[-1].proj.weight is chunk.layers[0].tok.weight
+    ref = _reference(GPT_SMALL)
+    for name, p in local.named_parameters():
+        assert torch.equal(p, ref[name]), name
+    meta = build_local_model(cfg, device=torch.device("meta"), **kw)
+    assert all(p.is_meta for _, p in meta.named_parameters())

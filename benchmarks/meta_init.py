@@ -1,0 +1,106 @@
+"""Peak resident memory per rank while building this rank's part of a GPT.
+
+One spawn of 4 local gloo ranks (dp 1 x pp 2 x tp 2, 1 torch thread each) per mode, since
+``ru_maxrss`` is a process's lifetime peak; each rank reports the rise of ``ru_maxrss``
+(bytes) across the measured call, the bytes of parameters it holds and the time taken:
+
+- ``full``: ``torch.manual_seed(seed); GPT(cfg)``, what every rank did first before meta
+  construction (a lower bound of the old path's peak: the whole model on every rank);
+- ``local``: ``engine.model.build_local_model`` (GPT on meta, this rank's layers sharded,
+  materialised and given the single-process values by replaying the init stream);
+- ``engine``: the whole ``Engine`` (the above, then DDP gradient buckets and the
+  optimizer's fp32 masters, which add about two more copies of what the rank holds).
+
+Writes ``OUT/meta_init.json`` and ``OUT/meta_init.txt``.
+
+    python benchmarks/meta_init.py --n-layer 8 --n-embd 1024 --vocab 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ("full", "local", "engine")
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def rank_worker(mode: str, gpt: dict, pp: int, tp: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    from shardwise.base.topology import Topology, init_process_groups
+    from shardwise.engine.engine import Engine, EngineSettings
+    from shardwise.engine.model import build_local_model
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(**gpt)
+    topo = init_process_groups(Topology.build(1, pp, tp, rank=dist.get_rank(),
+                                              world_size=dist.get_world_size()))
+    before, t0 = _rss(), time.perf_counter()
+    if mode == "full":
+        torch.manual_seed(seed)
+        params = list(GPT(cfg).parameters())
+    elif mode == "local":
+        group = RankGroup.from_topology(topo) if tp > 1 else RankGroup()
+        local = build_local_model(cfg, pp=pp, pp_rank=topo.pp_rank, chunk_ids=[topo.pp_rank],
+                                  n_chunks=pp, tp=group, seed=seed, dropout_seed=0,
+                                  device=torch.device("cpu"))
+        params = [p for _, p in local.named_parameters()]
+    else:
+        s = EngineSettings(micro_batches=2, seed=seed, batch_size=8, seq_len=cfg.block_size)
+        engine = Engine(cfg, topo, s, torch.device("cpu"))
+        params = [p for _, p in engine.local.named_parameters()]
+    secs = time.perf_counter() - t0
+    return {"rise": _rss() - before, "held": sum(p.numel() * p.element_size() for p in params),
+            "seconds": secs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-embd", type=int, default=1024)
+    ap.add_argument("--n-head", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "meta_init_results")
+    a = ap.parse_args()
+    from shardwise.launch import spawn
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.models.meta_init import record_init
+
+    gpt = {"vocab_size": a.vocab, "n_layer": a.n_layer, "n_head": a.n_head,
+           "n_embd": a.n_embd, "block_size": 64}
+    model = record_init(lambda: GPT(GPTConfig(**gpt))).model
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    largest = 4 * max(p.numel() for p in model.parameters())
+    mib = lambda b: b / 2**20
+    lines = [f"GPT {gpt}: {mib(model_bytes):.1f} MiB of fp32 parameters, largest tensor "
+             f"{mib(largest):.1f} MiB; 4 ranks, pp 2 x tp 2; torch {torch.__version__}, "
+             f"{platform.machine()}",
+             f"{'mode':<7} {'rank':>4} {'held MiB':>9} {'peak rise MiB':>14} {'rise/held':>9} "
+             f"{'seconds':>8}"]
+    results = {"gpt": gpt, "model_bytes": model_bytes, "largest_tensor_bytes": largest}
+    for mode in MODES:
+        rows = spawn(rank_worker, 4, (mode, gpt, 2, 2, 1337))
+        results[mode] = rows
+        for r, row in enumerate(rows):
+            lines.append(f"{mode:<7} {r:>4} {mib(row['held']):>9.1f} {mib(row['rise']):>14.1f} "
+                         f"{row['rise'] / row['held']:>9.2f} {row['seconds']:>8.2f}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "meta_init.json").write_text(json.dumps(results, indent=1))
+    (a.out / "meta_init.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
