@@ -1,8 +1,8 @@
 """Peak resident memory per rank while building this rank's part of a GPT.
 
 One spawn of 4 local gloo ranks (dp 1 x pp 2 x tp 2, 1 torch thread each) per mode, since
-``ru_maxrss`` is a process's lifetime peak; each rank reports the rise of ``ru_maxrss``
-(bytes) across the measured call, the bytes of parameters it holds and the time taken:
+``ru_maxrss`` is a process's lifetime peak; each rank reports its peak rise over the measured
+call (``ru_maxrss`` after minus ``VmRSS`` before, bytes), the bytes of parameters it holds and the time taken:
 
 - ``full``: ``torch.manual_seed(seed); GPT(cfg)``, what every rank did first before meta
   construction (a lower bound of the old path's peak: the whole model on every rank);
@@ -10,6 +10,10 @@ One spawn of 4 local gloo ranks (dp 1 x pp 2 x tp 2, 1 torch thread each) per mo
   materialised and given the single-process values by replaying the init stream);
 - ``engine``: the whole ``Engine`` (the above, then DDP gradient buckets and the
   optimizer's fp32 masters, which add about two more copies of what the rank holds).
+
+Before the measured call each rank builds a tiny GPT on meta once: the first meta
+construction imports torch's meta kernels and decompositions (a fixed ~75 MiB whatever the
+model, reported apart as ``imports``; code, not model).
 
 Writes ``OUT/meta_init.json`` and ``OUT/meta_init.txt``.
 
@@ -30,8 +34,13 @@ import torch
 MODES = ("full", "local", "engine")
 
 
-def _rss() -> int:
+def _peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _now() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def rank_worker(mode: str, gpt: dict, pp: int, tp: int, seed: int) -> dict:
@@ -47,7 +56,13 @@ def rank_worker(mode: str, gpt: dict, pp: int, tp: int, seed: int) -> dict:
     cfg = GPTConfig(**gpt)
     topo = init_process_groups(Topology.build(1, pp, tp, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
-    before, t0 = _rss(), time.perf_counter()
+    # the first meta construction imports ~800 torch modules (meta kernels, decompositions),
+    # a fixed cost whatever the model; measured apart so the rise is the model's own
+    from shardwise.models.meta_init import record_init
+    warm = _now()
+    record_init(lambda: GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8)))
+    imports = _now() - warm
+    before, t0 = _now(), time.perf_counter()
     if mode == "full":
         torch.manual_seed(seed)
         params = list(GPT(cfg).parameters())
@@ -62,8 +77,8 @@ def rank_worker(mode: str, gpt: dict, pp: int, tp: int, seed: int) -> dict:
         engine = Engine(cfg, topo, s, torch.device("cpu"))
         params = [p for _, p in engine.local.named_parameters()]
     secs = time.perf_counter() - t0
-    return {"rise": _rss() - before, "held": sum(p.numel() * p.element_size() for p in params),
-            "seconds": secs}
+    return {"rise": _peak() - before, "held": sum(p.numel() * p.element_size() for p in params),
+            "seconds": secs, "imports": imports}
 
 
 def main() -> None:
@@ -88,14 +103,15 @@ def main() -> None:
              f"{mib(largest):.1f} MiB; 4 ranks, pp 2 x tp 2; torch {torch.__version__}, "
              f"{platform.machine()}",
              f"{'mode':<7} {'rank':>4} {'held MiB':>9} {'peak rise MiB':>14} {'rise/held':>9} "
-             f"{'seconds':>8}"]
+             f"{'seconds':>8} {'imports MiB':>11}"]
     results = {"gpt": gpt, "model_bytes": model_bytes, "largest_tensor_bytes": largest}
     for mode in MODES:
         rows = spawn(rank_worker, 4, (mode, gpt, 2, 2, 1337))
         results[mode] = rows
         for r, row in enumerate(rows):
             lines.append(f"{mode:<7} {r:>4} {mib(row['held']):>9.1f} {mib(row['rise']):>14.1f} "
-                         f"{row['rise'] / row['held']:>9.2f} {row['seconds']:>8.2f}")
+                         f"{row['rise'] / row['held']:>9.2f} {row['seconds']:>8.2f} "
+                         f"{mib(row['imports']):>11.1f}")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "meta_init.json").write_text(json.dumps(results, indent=1))
     (a.out / "meta_init.txt").write_text("\n".join(lines) + "\n")

@@ -10,14 +10,19 @@ import torch.distributed as dist
 
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine.model import build_local_model
-from shardwise.models.gpt import GPTConfig
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.meta_init import record_init
 from shardwise.parallel.tensor_parallel.group import RankGroup
 
 
-def _local(cfg: GPTConfig, dp: int, pp: int, tp: int, v: int, seed: int):
+def _topology(dp: int, pp: int, tp: int):
     topo = init_process_groups(Topology.build(dp, pp, tp, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
-    group = RankGroup.from_topology(topo) if tp > 1 else RankGroup()
+    return topo, (RankGroup.from_topology(topo) if tp > 1 else RankGroup())
+
+
+def _local(cfg: GPTConfig, dp: int, pp: int, tp: int, v: int, seed: int, made=None):
+    topo, group = made or _topology(dp, pp, tp)
     chunk_ids = [c for c in range(pp * v) if c % pp == topo.pp_rank]
     return build_local_model(cfg, pp=pp, pp_rank=topo.pp_rank, chunk_ids=chunk_ids,
                              n_chunks=pp * v, tp=group, seed=seed, dropout_seed=0,
@@ -41,12 +46,29 @@ def local_params_worker(layouts: list[dict], seed: int) -> list[dict]:
     return out
 
 
+def current_rss() -> int:
+    """Resident bytes now (``VmRSS``): the baseline, since the lifetime peak
+    (``ru_maxrss``) may already sit above it from start-up."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def memory_worker(gpt: dict, dp: int, pp: int, tp: int, seed: int) -> dict:
-    """Peak resident memory (``ru_maxrss``, bytes) gained while this rank builds its part,
-    the bytes of parameters it holds and the largest full tensor of the model."""
+    """Peak resident memory gained (``ru_maxrss`` after minus ``VmRSS`` before, bytes) while this rank builds its part,
+    the bytes of parameters it holds, and what the one-time imports of meta construction
+    took (bytes)."""
     torch.set_num_threads(1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    local = _local(GPTConfig(**gpt), dp, pp, tp, 1, seed)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    made = _topology(dp, pp, tp)  # process groups are not the model's memory
+    # the first meta construction imports ~800 torch modules (meta kernels, decompositions:
+    # ~75 MiB, whatever the model's size); warm them so the rise is the model's own
+    warm = current_rss()
+    record_init(lambda: GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8)))
+    imports = current_rss() - warm
+    before = current_rss()
+    local = _local(GPTConfig(**gpt), dp, pp, tp, 1, seed, made)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     held = sum(p.numel() * p.element_size() for _, p in local.named_parameters())
-    return {"rise": after - before, "held": held}
+    return {"rise": after - before, "held": held, "imports": imports}

@@ -79,6 +79,7 @@ def test_peak_memory_near_what_a_rank_holds():
     results = spawn(memory_worker, 4, (gpt, 1, 2, 2, SEED))
     for r in results:
         print(f"rise {r['rise'] / 2**20:.1f} MiB, held {r['held'] / 2**20:.1f} MiB, "
+              f"one-time imports {r['imports'] / 2**20:.1f} MiB, "
               f"model {model_bytes / 2**20:.1f} MiB")
         assert r["rise"] <= 1.3 * r["held"] + largest, r
         assert r["rise"] < 0.5 * model_bytes, r

@@ -178,10 +178,11 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     0.02 / sqrt(2 * n_layer). ``record`` logged those writes on meta; ``replay_init`` makes
     every draw again from a generator seeded with ``seed`` into a scratch tensor (the CPU
     generator cannot skip ahead, so draws nobody here needs are made and dropped, one
-    tensor at a time), and at each parameter's last write we keep this rank's slice
-    (``LocalModel.local_tensor``: the tp slice, vocabulary padding as zeros; the untied
-    head copy on the last stage takes the embedding's value). Peak memory beyond the local
-    parameters: one full tensor on the CPU and its slice. The global RNG is not touched.
+    tensor at a time), and at each parameter's last write we copy this rank's slice into it
+    (``_copy_slice``, what ``LocalModel.local_tensor`` gives: the tp slice, vocabulary
+    padding as zeros; the untied head copy on the last stage takes the embedding's value).
+    Peak memory beyond the local parameters: one full tensor on the CPU. The global RNG is
+    not touched (the engine reseeds it for dropout right after).
     """
     materialise(local.chunks.values(), device)
     targets: dict[str, list[nn.Parameter]] = {}
@@ -194,9 +195,25 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
 
     def sink(name: str, full: torch.Tensor) -> None:
         for p in targets[name]:
-            p.detach().copy_(local.local_tensor(name, p, full))
+            _copy_slice(p.detach(), full, getattr(p, "tp_dim", None), local.tp.rank)
 
     replay_init(record, seed, list(targets), sink)
+
+
+def _copy_slice(dst: torch.Tensor, full: torch.Tensor, dim: int | None, rank: int) -> None:
+    """``dst`` := this rank's slice of ``full`` along ``dim`` (all of it when ``dim`` is None),
+    rows past the end of ``full`` (vocabulary padding) zero: ``LocalModel.local_tensor``
+    without its padded and sliced copies, so nothing beyond ``full`` is allocated."""
+    if dim is None:
+        dst.copy_(full)
+        return
+    n = dst.shape[dim]
+    start = rank * n
+    have = max(0, min(n, full.shape[dim] - start))
+    if have:
+        dst.narrow(dim, 0, have).copy_(full.narrow(dim, start, have))
+    if have < n:
+        dst.narrow(dim, have, n - have).zero_()
 
 
 def _one_at_a_time(layers: list[tuple[str, nn.Module]]):
