@@ -99,11 +99,12 @@ def main() -> None:
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
     largest = 4 * max(p.numel() for p in model.parameters())
     mib = lambda b: b / 2**20
-    lines = [f"GPT {gpt}: {mib(model_bytes):.1f} MiB of fp32 parameters, largest tensor "
-             f"{mib(largest):.1f} MiB; 4 ranks, pp 2 x tp 2; torch {torch.__version__}, "
-             f"{platform.machine()}",
-             f"{'mode':<7} {'rank':>4} {'held MiB':>9} {'peak rise MiB':>14} {'rise/held':>9} "
-             f"{'seconds':>8} {'imports MiB':>11}"]
+    head = (f"GPT {gpt}: {mib(model_bytes):.1f} MiB of fp32 parameters, largest tensor "
+            f"{mib(largest):.1f} MiB; 4 ranks, pp 2 x tp 2; torch {torch.__version__}, "
+            f"{platform.machine()}")
+    columns = (f"{'mode':<7} {'rank':>4} {'held MiB':>9} {'peak rise MiB':>14} "
+               f"{'rise/held':>9} {'seconds':>8} {'imports MiB':>11}")
+    lines = [head, columns]
     results = {"gpt": gpt, "model_bytes": model_bytes, "largest_tensor_bytes": largest}
     for mode in MODES:
         rows = spawn(rank_worker, 4, (mode, gpt, 2, 2, 1337))

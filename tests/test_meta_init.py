@@ -92,8 +92,8 @@ def test_one_process_tied_and_meta():
     from shardwise.parallel.tensor_parallel.group import RankGroup
 
     cfg = GPTConfig(**GPT_SMALL)
-    kw = dict(pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=RankGroup(), seed=SEED,
-              dropout_seed=0)
+    kw = {"pp": 1, "pp_rank": 0, "chunk_ids": [0], "n_chunks": 1, "tp": RankGroup(),
+          "seed": SEED, "dropout_seed": 0}
     local = build_local_model(cfg, device=torch.device("cpu"), **kw)
     chunk = local.chunks[0]
     assert chunk.layers[-1].proj.weight is chunk.layers[0].tok.weight

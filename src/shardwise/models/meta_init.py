@@ -10,7 +10,9 @@ stream instead of inventing a new one:
 - ``record_init(build)`` runs ``build()`` on the meta device under a ``TorchDispatchMode``
   that logs, in order, every initialising write to a tensor (``normal_``, ``uniform_``:
   they draw from the CPU generator; ``zero_``, ``fill_``: they do not). Meta tensors hold
-  no memory, so this costs nothing whatever the model's size. Any other in-place write or
+  no memory, so this costs nothing that grows with the model (the first meta construction
+  in a process imports torch's meta kernels and decompositions once: about 75 MiB of
+  resident code, measured in ``benchmarks/meta_init.py``). Any other in-place write or
   random draw during construction raises ``NotImplementedError`` (it could not be replayed).
 - ``replay_init(record, seed, names, sink)`` walks that log with a CPU generator seeded with
   ``seed`` (the stream ``torch.manual_seed(seed)`` gives the default generator). Every draw
