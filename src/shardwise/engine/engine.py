@@ -2,8 +2,9 @@
 
 ``Engine(gpt_cfg, topology, settings, device)`` composes, once, in this order:
 
-1. ``engine.model.build_local_model``: the full GPT from the seed, this rank's pipeline
-   chunks kept, each sharded for tp in place;
+1. ``engine.model.build_local_model``: the GPT on the meta device, this rank's pipeline
+   chunks kept and sharded for tp, then only those materialised, each equal to its slice
+   of the GPT built from the seed (no rank holds the whole model);
 2. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
    ZeRO-3 gather/free units);
 3. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow

@@ -3,12 +3,17 @@
 The composition of torchtitan (split the model for the pipeline, then parallelize each
 part) and Megatron-LM (tensor-parallel layers inside each pipeline chunk):
 
-1. build the full GPT from ``seed`` (every rank alike, so parity holds by construction);
+1. build the GPT on the meta device (no memory), logging its initialising writes
+   (``models.meta_init.record_init``);
 2. cut its ``n_layer + 2`` layers into ``pp * v`` chunks and keep this rank's (chunk ``c``
-   lives on pipeline rank ``c % pp``); the other layers are dropped and freed;
-3. with tp > 1, shard each kept layer in place: the embedding becomes vocab-parallel, each
-   block column/row parallel (Shoeybi et al. 2019, section 3), the head vocab-parallel;
-4. move the result to ``device``. Wrapping for dp (buckets, ZeRO) is ``engine.sync``'s job.
+   lives on pipeline rank ``c % pp``); the other layers are dropped;
+3. with tp > 1, shard each kept layer, still on meta: the embedding becomes vocab-parallel,
+   each block column/row parallel (Shoeybi et al. 2019, section 3), the head vocab-parallel;
+4. materialise the kept parameters on ``device`` and give them their values by replaying
+   the single-process constructor's random stream (``_initialise``): each equals, bit for
+   bit, its slice of ``torch.manual_seed(seed); GPT(cfg)``, and no rank ever holds more
+   than its own parameters plus one full tensor. Wrapping for dp (buckets, ZeRO) is
+   ``engine.sync``'s job.
 
 Tied input/output embeddings: with pp = 1 the head shares the embedding's parameter. With
 pp > 1 the head on the last stage gets its own copy, equal at start; the engine sums the two
@@ -18,6 +23,7 @@ embedding group), so the copies stay equal and the gradient is the one of the ti
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models.gpt import GPT, GPTConfig, LMHead
+from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
 from shardwise.parallel.pipeline.partition import (
     Partition,
     balanced,
@@ -98,7 +105,10 @@ def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
                       average: Callable = lambda t: t) -> LocalModel:
-    """This rank's chunks of ``GPT(cfg)`` built after ``torch.manual_seed(seed)``.
+    """This rank's chunks of ``GPT(cfg)`` built after ``torch.manual_seed(seed)``, each
+    parameter equal (``torch.equal``) to its slice of that model, built without ever
+    materialising the whole model (the GPT on meta, then ``_initialise``); with ``device``
+    meta the parameters stay on meta (shapes only).
 
     ``chunk_ids``: the chunks this pipeline rank runs (``schedule.chunks_of(pp_rank)``);
     ``partition`` (or ``partition_by``: "layers" | "params") cuts the layers into
@@ -109,15 +119,14 @@ def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[
     """
     if tp.size > 1:
         check_divisible(cfg, tp)
-    torch.manual_seed(seed)
-    full = GPT(cfg)
-    layers = gpt_layers(full)
+    record = record_init(lambda: GPT(cfg))  # every tensor on meta: nothing allocated
+    layers = gpt_layers(record.model)
     if n_chunks > len(layers):
         raise ValueError(f"cannot cut {len(layers)} layers (embedding, {len(layers) - 2} "
                          f"blocks, head) into {n_chunks} pipeline chunks")
     if partition is None and partition_by == "time":  # profiled here, averaged over ranks
         sample = torch.zeros(time_sample, dtype=torch.long)
-        secs = torch.tensor(profile_layers([m for _, m in layers], sample).seconds,
+        secs = torch.tensor(profile_layers(_one_at_a_time(layers), sample).seconds,
                             dtype=torch.float64, device=device)
         partition = balanced(average(secs).cpu().tolist(), n_chunks)
     elif partition is None:
@@ -133,7 +142,7 @@ def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[
         for i in partition.layers(c):
             name, m = layers[i]
             if tp.size > 1:
-                m = parallelize_layer(name, m, tp, rng, cfg.vocab_size)
+                m = parallelize_layer(name, m, tp, rng, cfg.vocab_size)  # on meta
             elif isinstance(m, LMHead) and cfg.tie_weights and not share:
                 m.proj.weight = nn.Parameter(m.proj.weight.detach().clone())  # own copy
             if name == "embed":
@@ -143,15 +152,83 @@ def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[
     if share and tp.size > 1:  # TPHead built its own slice; point it at the embedding's
         # (the same vocab rows on the same rank: tying survives the sharding)
         chunks[n_chunks - 1].layers[-1].proj.weight = embed_weight
-    del full, layers
+    del layers
     tied: tuple[str, ...] = ()
     if cfg.tie_weights and not share:
         tied = (("embed.tok.weight",) if emb_here else ()) + (("head.proj.weight",) if head_here else ())
-    for chunk in chunks.values():
-        chunk.to(device)
     loss_fn = _vocab_parallel_loss(tp, cfg.vocab_size) if tp.size > 1 else lm_loss_fp32
-    return LocalModel(cfg=cfg, chunks=chunks, partition=partition, tp=tp, rng=rng, tied=tied,
-                      n_chunks=n_chunks, loss_fn=loss_fn)
+    local = LocalModel(cfg=cfg, chunks=chunks, partition=partition, tp=tp, rng=rng, tied=tied,
+                       n_chunks=n_chunks, loss_fn=loss_fn)
+    if torch.device(device).type != "meta":  # meta: shapes only (engine.memory's prediction)
+        _initialise(local, record, seed, torch.device(device))
+    return local
+
+
+def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.device) -> None:
+    """Materialise ``local``'s meta parameters on ``device`` with exactly the values of
+    their slices of ``torch.manual_seed(seed); GPT(cfg)`` (CPU), never holding the model.
+
+    How it stays exact: ``GPT(cfg)``'s values are what one CPU generator, seeded by
+    ``torch.manual_seed(seed)``, produced in the constructor's order of writes: each
+    ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` first runs its own
+    ``reset_parameters`` (Kaiming-uniform weights and uniform biases, normal(0, 1)
+    embeddings, ones and zeros for norms), then ``GPT._init_weights`` redraws every Linear
+    and Embedding weight as normal(0, 0.02) (the tied head redrawing the embedding's weight
+    last) and zeroes the biases, then the residual projections are drawn once more with std
+    0.02 / sqrt(2 * n_layer). ``record`` logged those writes on meta; ``replay_init`` makes
+    every draw again from a generator seeded with ``seed`` into a scratch tensor (the CPU
+    generator cannot skip ahead, so draws nobody here needs are made and dropped, one
+    tensor at a time), and at each parameter's last write we copy this rank's slice into it
+    (``_copy_slice``, what ``LocalModel.local_tensor`` gives: the tp slice, vocabulary
+    padding as zeros; the untied head copy on the last stage takes the embedding's value).
+    Peak memory beyond the local parameters: one full tensor on the CPU. The global RNG is
+    not touched (the engine reseeds it for dropout right after).
+    """
+    materialise(local.chunks.values(), device)
+    targets: dict[str, list[nn.Parameter]] = {}
+    seen = set()
+    for c in sorted(local.chunks):
+        for name, p in local.chunks[c].model_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                targets.setdefault(name, []).append(p)
+
+    def sink(name: str, full: torch.Tensor) -> None:
+        for p in targets[name]:
+            _copy_slice(p.detach(), full, getattr(p, "tp_dim", None), local.tp.rank)
+
+    replay_init(record, seed, list(targets), sink)
+
+
+def _copy_slice(dst: torch.Tensor, full: torch.Tensor, dim: int | None, rank: int) -> None:
+    """``dst`` := this rank's slice of ``full`` along ``dim`` (all of it when ``dim`` is None),
+    rows past the end of ``full`` (vocabulary padding) zero: ``LocalModel.local_tensor``
+    without its padded and sliced copies, so nothing beyond ``full`` is allocated."""
+    if dim is None:
+        dst.copy_(full)
+        return
+    n = dst.shape[dim]
+    start = rank * n
+    have = max(0, min(n, full.shape[dim] - start))
+    if have:
+        dst.narrow(dim, 0, have).copy_(full.narrow(dim, start, have))
+    if have < n:
+        dst.narrow(dim, have, n - have).zero_()
+
+
+def _one_at_a_time(layers: list[tuple[str, nn.Module]]):
+    """Each meta layer materialised on the CPU in turn, for ``profile_layers``: its timing
+    only, so any finite values do (normal(0, 0.02) from a private generator); one layer is
+    alive at a time."""
+    g = torch.Generator().manual_seed(0)
+    for _, m in layers:
+        m = copy.deepcopy(m)
+        materialise([m], torch.device("cpu"))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0.0, 0.02, generator=g)
+        yield m
+        del m
 
 
 def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -156,7 +156,8 @@ class VocabParallelEmbedding(nn.Module):
         per = self.padded // tp.size
         self.vocab_start, self.vocab_end = tp.rank * per, (tp.rank + 1) * per
         master = master if master is not None else nn.Embedding(num_embeddings, embedding_dim)
-        full = torch.zeros(self.padded, embedding_dim, dtype=master.weight.dtype)
+        full = torch.zeros(self.padded, embedding_dim, dtype=master.weight.dtype,
+                           device=master.weight.device)  # meta when built on meta
         full[:num_embeddings] = master.weight.detach()
         self.weight = _sharded(shard_tensor(full, 0, tp), 0)     # (V_pad / N, dim)
 

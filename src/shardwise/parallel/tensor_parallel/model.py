@@ -11,7 +11,8 @@ arXiv:2205.05198) the residual stream is (B, T / tp, C) between the parallel reg
 ``parallelize_layer(name, layer, tp, rng, vocab_size)`` is the GPT's tp plan: it maps one
 layer of the unsharded GPT (``Embedding``, ``Block``, ``LMHead``) to its sharded
 counterpart, copying this rank's slices out of it, so the sharded layers equal, slice for
-slice, those of the GPT they came from. ``engine.model.build_local_model`` applies it to the
+slice, those of the GPT they came from. A layer on the meta device gives a sharded layer on
+the meta device (the engine shards before it materialises; ``models.meta_init``). ``engine.model.build_local_model`` applies it to the
 layers of this rank's pipeline chunks (and ties the head to the embedding where both sit
 on one stage). Parameter names stay the unsharded layer's names.
 """
@@ -142,7 +143,7 @@ class TPHead(nn.Module):
         super().__init__()
         self.ln_f = copy.deepcopy(master.ln_f)
         c, padded = master.proj.in_features, padded_vocab_size(vocab_size, tp.size)
-        full = nn.Linear(c, padded, bias=False)
+        full = nn.Linear(c, padded, bias=False, device=master.proj.weight.device)
         with torch.no_grad():
             full.weight.zero_()
             full.weight[:vocab_size] = master.proj.weight

@@ -1,0 +1,74 @@
+"""Rank functions for ``test_meta_init.py``: build this rank's part of the GPT (meta
+construction + replayed initialisation) and report its parameters or its memory."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+import torch.distributed as dist
+
+from shardwise.base.topology import Topology, init_process_groups
+from shardwise.engine.model import build_local_model
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.meta_init import record_init
+from shardwise.parallel.tensor_parallel.group import RankGroup
+
+
+def _topology(dp: int, pp: int, tp: int):
+    topo = init_process_groups(Topology.build(dp, pp, tp, rank=dist.get_rank(),
+                                              world_size=dist.get_world_size()))
+    return topo, (RankGroup.from_topology(topo) if tp > 1 else RankGroup())
+
+
+def _local(cfg: GPTConfig, dp: int, pp: int, tp: int, v: int, seed: int, made=None):
+    topo, group = made or _topology(dp, pp, tp)
+    chunk_ids = [c for c in range(pp * v) if c % pp == topo.pp_rank]
+    return build_local_model(cfg, pp=pp, pp_rank=topo.pp_rank, chunk_ids=chunk_ids,
+                             n_chunks=pp * v, tp=group, seed=seed, dropout_seed=0,
+                             device=torch.device("cpu"))
+
+
+def local_params_worker(layouts: list[dict], seed: int) -> list[dict]:
+    """Per layout: this rank's parameters (full GPT names) with their ``tp_dim`` (-1 when
+    replicated) and this rank's tp coordinates."""
+    out = []
+    for lay in layouts:
+        cfg = GPTConfig(**lay["gpt"])
+        local = _local(cfg, lay["dp"], lay["pp"], lay["tp"], lay.get("v", 1), seed)
+        seen, params = set(), {}
+        for c in sorted(local.chunks):
+            for name, p in local.chunks[c].model_parameters():
+                key = name if id(p) not in seen else name + "#shared"
+                seen.add(id(p))
+                params[key] = (p.detach().clone(), getattr(p, "tp_dim", -1))
+        out.append({"params": params, "tp_rank": local.tp.rank, "tp_size": local.tp.size})
+    return out
+
+
+def current_rss() -> int:
+    """Resident bytes now (``VmRSS``): the baseline, since the lifetime peak
+    (``ru_maxrss``) may already sit above it from start-up."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def memory_worker(gpt: dict, dp: int, pp: int, tp: int, seed: int) -> dict:
+    """Peak resident memory gained (``ru_maxrss`` after minus ``VmRSS`` before, bytes) while this rank builds its part,
+    the bytes of parameters it holds, and what the one-time imports of meta construction
+    took (bytes)."""
+    torch.set_num_threads(1)
+    made = _topology(dp, pp, tp)  # process groups are not the model's memory
+    # the first meta construction imports ~800 torch modules (meta kernels, decompositions:
+    # ~75 MiB, whatever the model's size); warm them so the rise is the model's own
+    warm = current_rss()
+    record_init(lambda: GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8)))
+    imports = current_rss() - warm
+    before = current_rss()
+    local = _local(GPTConfig(**gpt), dp, pp, tp, 1, seed, made)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    held = sum(p.numel() * p.element_size() for _, p in local.named_parameters())
+    return {"rise": after - before, "held": held, "imports": imports}

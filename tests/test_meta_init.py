@@ -1,0 +1,104 @@
+"""Meta-device construction: no rank ever holds the whole GPT, and every parameter a rank
+holds equals (``torch.equal``) its slice of the single-process ``torch.manual_seed(seed);
+GPT(cfg)`` in every layout (pp, tp, dp x tp x pp, interleaved chunks, tied or not, a
+vocabulary tp does not divide); each rank's peak memory while building stays near what it
+holds, well under the model's size."""
+
+import pytest
+import torch
+
+from meta_init_workers import local_params_worker, memory_worker
+from shardwise.launch import spawn
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.meta_init import record_init, replay_init
+
+SEED = 7
+GPT_SMALL = {"vocab_size": 67, "n_layer": 3, "n_head": 4, "n_embd": 32, "block_size": 16}
+UNTIED = {**GPT_SMALL, "tie_weights": False}
+
+
+def _reference(gpt: dict) -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)
+    return {n: p.detach() for n, p in GPT(GPTConfig(**gpt)).named_parameters(remove_duplicate=False)}
+
+
+def _expected(full: torch.Tensor, tp_dim: int, tp_rank: int, tp_size: int, local_shape) -> torch.Tensor:
+    if tp_dim < 0:
+        return full
+    rows = local_shape[0] * tp_size if tp_dim == 0 else full.shape[0]
+    if rows > full.shape[0]:  # vocabulary padded with zero rows to a multiple of tp
+        full = torch.cat([full, full.new_zeros((rows - full.shape[0],) + tuple(full.shape[1:]))])
+    return full.chunk(tp_size, dim=tp_dim)[tp_rank]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_replay_equals_gpt_constructor(tie):
+    gpt = GPT_SMALL if tie else UNTIED
+    ref = _reference(gpt)
+    rec = record_init(lambda: GPT(GPTConfig(**gpt)))
+    assert all(p.is_meta for p in rec.model.parameters())
+    got = {}
+    replay_init(rec, SEED, list(ref), lambda n, t: got.__setitem__(n, t.clone()))
+    assert got.keys() == ref.keys()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+
+
+LAYOUTS = {
+    4: [{"dp": 2, "pp": 2, "tp": 1, "gpt": GPT_SMALL},
+        {"dp": 1, "pp": 4, "tp": 1, "gpt": UNTIED},
+        {"dp": 2, "pp": 1, "tp": 2, "gpt": GPT_SMALL},
+        {"dp": 1, "pp": 2, "tp": 2, "gpt": GPT_SMALL},
+        {"dp": 1, "pp": 2, "tp": 2, "v": 2, "gpt": UNTIED}],
+    8: [{"dp": 2, "pp": 2, "tp": 2, "gpt": GPT_SMALL},
+        {"dp": 2, "pp": 2, "tp": 2, "gpt": UNTIED}],
+}
+
+
+@pytest.mark.parametrize("ws", [4, 8])
+def test_every_rank_holds_its_exact_slices(ws):
+    results = spawn(local_params_worker, ws, (LAYOUTS[ws], SEED))
+    for i, lay in enumerate(LAYOUTS[ws]):
+        ref = _reference(lay["gpt"])
+        covered = set()
+        for rank_out in results:
+            r = rank_out[i]
+            for key, (local, tp_dim) in r["params"].items():
+                name = key.removesuffix("#shared")
+                want = _expected(ref[name], tp_dim, r["tp_rank"], r["tp_size"], local.shape)
+                assert torch.equal(local, want), (lay, key)
+                covered.add(name)
+        assert covered == set(ref), lay  # every parameter held by some rank
+
+
+def test_peak_memory_near_what_a_rank_holds():
+    # ~230 MB of fp32 parameters; tp2 x pp2: each rank holds about a quarter
+    gpt = {"vocab_size": 4096, "n_layer": 8, "n_head": 8, "n_embd": 768, "block_size": 64}
+    model_bytes = 4 * sum(p.numel() for p in record_init(lambda: GPT(GPTConfig(**gpt))).model.parameters())
+    largest = 4 * max(4096 * 768, 4 * 768 * 768)
+    results = spawn(memory_worker, 4, (gpt, 1, 2, 2, SEED))
+    for r in results:
+        print(f"rise {r['rise'] / 2**20:.1f} MiB, held {r['held'] / 2**20:.1f} MiB, "
+              f"one-time imports {r['imports'] / 2**20:.1f} MiB, "
+              f"model {model_bytes / 2**20:.1f} MiB")
+        assert r["rise"] <= 1.3 * r["held"] + largest, r
+        assert r["rise"] < 0.5 * model_bytes, r
+
+
+def test_one_process_tied_and_meta():
+    """dp = pp = tp = 1: the head shares the embedding's materialised parameter; every
+    parameter equals the GPT's; on the meta device nothing is materialised."""
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    cfg = GPTConfig(**GPT_SMALL)
+    kw = {"pp": 1, "pp_rank": 0, "chunk_ids": [0], "n_chunks": 1, "tp": RankGroup(),
+          "seed": SEED, "dropout_seed": 0}
+    local = build_local_model(cfg, device=torch.device("cpu"), **kw)
+    chunk = local.chunks[0]
+    assert chunk.layers[-1].proj.weight is chunk.layers[0].tok.weight
+    ref = _reference(GPT_SMALL)
+    for name, p in local.named_parameters():
+        assert torch.equal(p, ref[name]), name
+    meta = build_local_model(cfg, device=torch.device("meta"), **kw)
+    assert all(p.is_meta for _, p in meta.named_parameters())
