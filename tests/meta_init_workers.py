@@ -3,7 +3,6 @@ construction + replayed initialisation) and report its parameters or its memory.
 
 from __future__ import annotations
 
-import resource
 
 import torch
 import torch.distributed as dist
@@ -46,18 +45,34 @@ def local_params_worker(layouts: list[dict], seed: int) -> list[dict]:
     return out
 
 
-def current_rss() -> int:
-    """Resident bytes now (``VmRSS``): the baseline, since the lifetime peak
-    (``ru_maxrss``) may already sit above it from start-up."""
+def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def current_rss() -> int:
+    """Resident bytes now (``VmRSS``), after resetting the peak (``VmHWM``) to it where the
+    kernel allows (``/proc/self/clear_refs`` = 5), so ``peak_rss`` measures from here."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def peak_rss() -> int:
+    """Peak resident bytes (``VmHWM``) since the last ``current_rss`` (since start-up where
+    the peak cannot be reset, which only overstates the rise)."""
+    return _status("VmHWM")
 
 
 def memory_worker(gpt: dict, dp: int, pp: int, tp: int, seed: int) -> dict:
-    """Peak resident memory gained (``ru_maxrss`` after minus ``VmRSS`` before, bytes) while this rank builds its part,
+    """Peak resident memory gained (``VmHWM`` after minus ``VmRSS`` before, bytes) while
+    this rank builds its part,
     the bytes of parameters it holds, and what the one-time imports of meta construction
     took (bytes)."""
     torch.set_num_threads(1)
@@ -69,6 +84,6 @@ def memory_worker(gpt: dict, dp: int, pp: int, tp: int, seed: int) -> dict:
     imports = current_rss() - warm
     before = current_rss()
     local = _local(GPTConfig(**gpt), dp, pp, tp, 1, seed, made)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    after = peak_rss()
     held = sum(p.numel() * p.element_size() for _, p in local.named_parameters())
     return {"rise": after - before, "held": held, "imports": imports}
