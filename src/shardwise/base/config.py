@@ -442,10 +442,10 @@ def _unknown(loc: tuple[str, ...]) -> str:
     where, name = ".".join(loc), loc[-1]
     prefix = ".".join(loc[:-1])
     what = "section" if node is Config else "key"
-    close = _closest(name, _accepted_names(node))
+    close = _closest(name, list(node.model_fields))
     if close:
         return f"{where}: unknown {what}; did you mean {'.'.join(filter(None, (prefix, close)))}?"
-    elsewhere = [f.key for f in config_fields() if name in (f.name, *f.aliases)]
+    elsewhere = [f.key for f in config_fields() if name == f.name]
     if elsewhere:
         return f"{where}: unknown {what}; did you mean {' or '.join(elsewhere)}?"
     return f"{where}: unknown {what}; expected one of {', '.join(node.model_fields)}"
@@ -462,23 +462,13 @@ def _closest(name: str, candidates: list[str], cutoff: float = 0.6) -> str | Non
     return best if best is not None and score(best)[0] >= cutoff else None
 
 
-def _accepted_names(model: type[BaseModel]) -> list[str]:
-    """Field names of ``model`` and their alternative spellings (``AliasChoices``)."""
-    out = []
-    for name, info in model.model_fields.items():
-        out.append(name)
-        alias = info.validation_alias
-        out += [a for a in getattr(alias, "choices", ()) if isinstance(a, str) and a != name]
-    return out
-
-
 # ---- the fields, for help text (the CLI's `shardwise train --help`) -----------------------
 @dataclass(frozen=True)
 class FieldDoc:
     """One config field: ``section.name``, the type of its TOML value (``int``, ``float``,
     ``bool``, ``str``, ``list[int]``, ``str | list[str]``; "unset" is not a TOML value, so
-    an optional field shows its other type), its default (None: unset), its description,
-    its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, or ""), and other accepted spellings."""
+    an optional field shows its other type), its default (None: unset), its description
+    and its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, or "")."""
 
     section: str
     name: str
@@ -486,7 +476,6 @@ class FieldDoc:
     default: Any
     description: str
     bounds: str
-    aliases: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -512,10 +501,8 @@ def config_fields() -> list[FieldDoc]:
             bounds = ", ".join(f"{op} {getattr(m, attr)}" for m in info.metadata
                                for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
                                if getattr(m, attr, None) is not None)
-            aliases = tuple(a for a in _accepted_names(model) if a not in model.model_fields
-                            and a in getattr(info.validation_alias, "choices", ()))
             out.append(FieldDoc(section, name, _type_name(info.annotation), info.default,
-                                info.description or "", bounds, aliases))
+                                info.description or "", bounds))
     return out
 
 

@@ -42,7 +42,7 @@ def format_default(value) -> str:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One argument group per config section, one ``--section.field TYPE`` option per field
-    (and any alias a field accepts); help: description (default: X; bounds)."""
+    help: description (default: X; bounds)."""
     from shardwise.base.config import config_fields, config_sections
 
     parser.set_defaults(**{DEST: []})
@@ -52,8 +52,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         for f in (f for f in fields if f.section == section):
             extra = f"; {f.bounds}" if f.bounds else ""
             text = f"{f.description or f.name} (default: {format_default(f.default)}{extra})"
-            names = [f"--{f.key}"] + [f"--{section}.{a}" for a in f.aliases]
-            action = group.add_argument(*names, action=_Override, metavar=f.type,
+            action = group.add_argument(f"--{f.key}", action=_Override, metavar=f.type,
                                         dest=argparse.SUPPRESS, help=text.replace("%", "%%"))
             action.metavar_key = f.key
 
