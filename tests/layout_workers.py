@@ -38,7 +38,7 @@ def run_layout(cfg_dict: dict) -> dict:
             "skipped": [i.get("skipped", False) for i in infos],
             "loss_scale": [i.get("loss_scale") for i in infos],
             "replicated": replicated, "param_bytes": param_bytes,
-            "memory": e.memory_bytes(), "gpt": dataclasses.asdict(trainer.gpt_cfg)}
+            "memory": e.memory_bytes(), "gpt": dataclasses.asdict(trainer.model_cfg)}
 
 
 def resume_layout(cfg_dict: dict, stop_at: int) -> dict:

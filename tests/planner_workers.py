@@ -21,5 +21,5 @@ def measure_worker(configs: list[dict]) -> list[dict]:
         trainer.train_step()
         out.append({"coords": trainer.topology.coords, "memory": trainer.engine.memory_bytes(),
                     "activations": trainer.engine.executor.meter.peak,
-                    "gpt": dataclasses.asdict(trainer.gpt_cfg)})
+                    "gpt": dataclasses.asdict(trainer.model_cfg)})
     return out

@@ -242,7 +242,7 @@ def test_trainer_reads_losses_at_its_interval_and_names_the_non_finite_step(tmp_
     assert [r["step"] for r in train] == [3, 6] and len(trainer.history) == 6
     for r in train:  # the interval's rates, per rank, against the CPU's measured peak
         assert r["tokens_per_s"] > 0 and r["flops_per_s"] == pytest.approx(
-            r["tokens_per_s"] * flops_per_token(trainer.gpt_cfg))
+            r["tokens_per_s"] * flops_per_token(trainer.model_cfg))
         assert r["mfu"] is not None and 0 < r["mfu"] < 10
         assert isinstance(r["loss"], float) and math.isfinite(r["grad_norm"])
     # a step whose loss is NaN: the loop learns it at the next reading, naming that step

@@ -166,4 +166,4 @@ def test_gpt_communication_per_layer(suite):
         assert (f"blocks.{i}.mlp.proj", "forward") in phases
         assert (f"blocks.{i}.mlp.fc", "backward") in phases
         assert (f"blocks.{i}.attn.out_proj", "forward") in phases
-        assert (f"blocks.{i}.attn.qkv", "backward") in phases
+        assert (f"blocks.{i}.attn.input", "backward") in phases

@@ -6,6 +6,8 @@ each check compares the sharded computation with the unsharded one on the same r
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -15,7 +17,9 @@ from shardwise import comm
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine import Engine, EngineSettings
 from shardwise.engine.model import build_local_model
+from shardwise.models import gpt, llama
 from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
+from shardwise.models.llama import LlamaConfig
 from shardwise.parallel.tensor_parallel import (
     ColumnParallelLinear,
     ParallelRNG,
@@ -35,7 +39,7 @@ from shardwise.parallel.tensor_parallel import (
     sync_replicated_grads,
     vocab_parallel_cross_entropy,
 )
-from shardwise.parallel.tensor_parallel.model import TPMLP, TPAttention
+from shardwise.parallel.tensor_parallel.plan import parallelize
 
 B, T, C = 2, 8, 32  # layer tests: batch, sequence, hidden
 
@@ -148,6 +152,11 @@ def _compare(name: str, ref_mod: nn.Module, tp_mod: nn.Module, tp: RankGroup, se
     return out
 
 
+def _planned(module: nn.Module, plan: dict, name: str, tp: RankGroup, rng) -> nn.Module:
+    """A copy of ``module`` (named ``name`` in its model) split by the model's tp plan."""
+    return parallelize(copy.deepcopy(module), plan, tp, rng, name=name)
+
+
 def layer_checks(tp: RankGroup) -> dict[str, float]:
     sp, out = tp.sequence_parallel, {}
     torch.manual_seed(11)
@@ -168,11 +177,21 @@ def layer_checks(tp: RankGroup) -> dict[str, float]:
     rng = ParallelRNG(0, tp.rank)
     torch.manual_seed(13)
     mlp = MLP(cfg)
-    out |= _compare("mlp", mlp, TPMLP(mlp, tp, rng, "mlp"), tp, seq_in=sp, seq_out=sp)
+    out |= _compare("mlp", mlp, _planned(mlp, gpt.TP_PLAN, "blocks.0.mlp", tp, rng), tp,
+                    seq_in=sp, seq_out=sp)
     torch.manual_seed(14)
     attn = CausalSelfAttention(cfg)
-    out |= _compare("attention", attn, TPAttention(attn, tp, rng, "attn"), tp, seq_in=sp,
-                    seq_out=sp)
+    out |= _compare("attention", attn, _planned(attn, gpt.TP_PLAN, "blocks.0.attn", tp, rng), tp,
+                    seq_in=sp, seq_out=sp)
+    # Llama: grouped-query attention with one kv head per tp rank, and SwiGLU
+    lcfg = LlamaConfig(vocab_size=16, block_size=T, n_layer=1, n_head=2 * tp.size,
+                       n_kv_heads=tp.size, n_embd=C, ffn_hidden=4 * tp.size)
+    torch.manual_seed(16)
+    for what, m in (("llama_attention", "self_attn"), ("swiglu", "mlp")):
+        block = llama.Block(lcfg)
+        ref = getattr(block, m)
+        out |= _compare(what, ref, _planned(ref, llama.TP_PLAN, f"blocks.0.{m}", tp, rng), tp,
+                        seq_in=sp, seq_out=sp)
     for vocab in (4 * tp.size * 3, 4 * tp.size * 3 - 1):  # divisible, and padded
         torch.manual_seed(15)
         emb = nn.Embedding(vocab, C)
@@ -244,7 +263,7 @@ def layers_worker() -> dict:
 class ShardedGPT(nn.Module):
     """This rank's tp shard of ``GPT(cfg)`` built after ``torch.manual_seed(seed)``, exactly
     as the engine builds it (``engine.model.build_local_model`` with pp = 1: the GPT's
-    layers through ``parallelize_layer``, the head tied to the embedding), laid out as the
+    layers through its tp plan (``tensor_parallel.plan.parallelize``), the head tied to the embedding), laid out as the
     GPT (``embed``, ``blocks``, ``head``: parameters under the GPT's names) so the tp state
     functions and a plain optimizer loop can drive it. ``forward(idx (B, T), targets)``
     -> (logits (B, T, V_pad / tp), mean cross-entropy | None)."""

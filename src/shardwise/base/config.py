@@ -32,10 +32,12 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Decoder-only GPT sizes. ``vocab_size`` comes from the tokenizer when left at 0.
-    ``kind = "cnn"`` trains the convolutional classifier instead (the [cnn] section)."""
+    """Decoder sizes (the GPT's, the Llama's, or a registered model's). ``vocab_size``
+    comes from the tokenizer when left at 0. ``kind = "cnn"`` trains the convolutional
+    classifier instead (the [cnn] section)."""
 
-    kind: str = Field("gpt", description="gpt, or cnn (Fashion-MNIST; sizes in [cnn])")
+    kind: str = Field("gpt", description="gpt, llama, a kind registered with "
+                      "shardwise.register_model, or cnn (Fashion-MNIST; sizes in [cnn])")
 
     n_layer: int = Field(4, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads per block")
@@ -49,13 +51,21 @@ class ModelConfig(_Section):
     tie_weights: bool = Field(True, description="share the token embedding with the LM head")
     attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
                            "(FlashAttention on CUDA); math: the scores written out")
+    n_kv_heads: int = Field(0, ge=0, description="llama: key/value heads (grouped-query "
+                            "attention); 0: n_head")
+    ffn_hidden: int = Field(0, ge=0, description="llama: SwiGLU width; 0: Llama's rule, "
+                            "8 n_embd / 3 rounded up to multiple_of")
+    multiple_of: int = Field(256, ge=1, description="llama: the SwiGLU width's rounding")
+    norm_eps: float = Field(1e-5, gt=0.0, description="llama: RMSNorm epsilon")
+    rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base theta")
 
     @model_validator(mode="after")
     def _heads_divide(self):
         if self.attention not in ("sdpa", "math"):
             raise ValueError(f"model.attention={self.attention!r}: expected sdpa or math")
-        if self.kind not in ("gpt", "cnn"):
-            raise ValueError(f"model.kind={self.kind!r}: expected gpt or cnn")
+        if not self.kind.replace("-", "_").isidentifier():
+            raise ValueError(f"model.kind={self.kind!r}: expected gpt, llama, cnn or a "
+                             "registered model's name")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
                              f"model.n_head={self.n_head}")

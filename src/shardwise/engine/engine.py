@@ -1,10 +1,12 @@
-"""One engine for every layout: dp x pp x tp, ZeRO 0-3, fp32 / bf16 / fp16.
+"""One engine for every model and layout: dp x pp x tp, ZeRO 0-3, fp32 / bf16 / fp16.
 
-``Engine(gpt_cfg, topology, settings, device)`` composes, once, in this order:
+``Engine(model, topology, settings, device)`` composes, once, in this order, for any model
+described by a ``models.description.ModelDescription`` (``model`` is one, or a registered
+config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
 
-1. ``engine.model.build_local_model``: the GPT on the meta device, this rank's pipeline
-   chunks kept and sharded for tp, then only those materialised, each equal to its slice
-   of the GPT built from the seed (no rank holds the whole model);
+1. ``engine.model.build_local_model``: the model on the meta device, this rank's pipeline
+   chunks kept and sharded by its tensor-parallel plan, then only those materialised, each
+   equal to its slice of the model built from the seed (no rank holds the whole model);
 2. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
    ZeRO-3 gather/free units);
 3. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
@@ -30,7 +32,8 @@ from shardwise import comm
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
-from shardwise.models.gpt import GPTConfig, generate
+from shardwise.models.description import ModelDescription
+from shardwise.models.sampling import generate
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
@@ -98,15 +101,15 @@ def settle(info: dict) -> dict:
 
 
 class Engine:
-    """This rank's share of a GPT trained in any layout (see module docstring).
+    """This rank's share of a model trained in any layout (see module docstring).
 
     Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
     built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1.
     """
 
-    def __init__(self, gpt_cfg: GPTConfig, topology, s: EngineSettings,
+    def __init__(self, model, topology, s: EngineSettings,
                  device: torch.device | None = None):
-        self.cfg, self.topology, self.s = gpt_cfg, topology, s
+        self.topology, self.s = topology, s
         self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
         groups = topology.groups if self.distributed else None
@@ -136,11 +139,12 @@ class Engine:
         # dp replica and stage; tp-sharded regions add the tp rank (Megatron's RNG tracker)
         self.dropout_seed = s.seed + 1000 * (topology.dp_rank + 1) + 100 * topology.pp_rank
         self.local: LocalModel = build_local_model(
-            gpt_cfg, pp=p, pp_rank=self.pp_rank, chunk_ids=self.schedule.chunks_of(self.pp_rank),
+            model, pp=p, pp_rank=self.pp_rank, chunk_ids=self.schedule.chunks_of(self.pp_rank),
             n_chunks=p * v, tp=self.tp, seed=s.seed, dropout_seed=self.dropout_seed,
             device=self.device, partition_by=s.partition,
             time_sample=(s.batch_size // topology.dp // s.micro_batches, s.seq_len),
             average=self._average)
+        self.description: ModelDescription = self.local.description
         torch.manual_seed(self.dropout_seed)
         if s.compile:
             self._compile_blocks()
@@ -159,7 +163,7 @@ class Engine:
             tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing,
             fused=self.device.type == "cuda" if s.fused is None else s.fused)
         seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
-        self.act_shape = (local_batch // s.micro_batches, seq, gpt_cfg.n_embd)
+        self.act_shape = (local_batch // s.micro_batches, seq, self.description.hidden_size)
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
             loss_fn=self.local.loss_fn, on_step=self._optimizer_step, dtype=self.dtype,
@@ -224,7 +228,7 @@ class Engine:
                       timeline.from_executor(self.executor, self.topology.rank), meta)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their full GPT names (tp-local shapes)."""
+        """This rank's parameters under their full model names (tp-local shapes)."""
         return self.local.named_parameters()
 
     def full_parameters(self):
@@ -335,7 +339,7 @@ class Engine:
             if c == 0:
                 x = idx
             elif (c - 1) % p != me:
-                x = torch.empty(B, seq, self.cfg.n_embd, dtype=self.dtype, device=self.device)
+                x = torch.empty(B, seq, self.description.hidden_size, dtype=self.dtype, device=self.device)
                 comm.recv(x, src=self.pp_ranks[(c - 1) % p], group=self.pp_group)
             x = self.chunks[c](x)
             if c < n - 1 and (c + 1) % p != me:
@@ -359,24 +363,24 @@ class Engine:
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, generator: torch.Generator | None = None,
                  **sampling) -> torch.Tensor:
-        """``GPT.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
+        """``GPT.generate`` / ``Llama.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
         every rank of the replica (the last stage samples; tp ranks draw alike from
         ``generator``; the token is broadcast over pp). Under sequence parallelism the
         context is right-padded to a multiple of tp (causal attention ignores the pads).
-        ``sampling``: ``temperature``, ``top_k`` as ``models.gpt.generate``."""
+        ``sampling``: ``temperature``, ``top_k`` as ``models.sampling.generate``."""
         last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
 
         def logits_of(ctx):  # (B, T, V) on the last stage, gathered over tp; None elsewhere
             logits = self._logits(ctx)
             if logits is None:
                 return None
-            return gather_tensor(logits, -1, self.tp)[..., :self.cfg.vocab_size]
+            return gather_tensor(logits, -1, self.tp)[..., :self.description.vocab_size]
 
         share = None
         if self.distributed and self.topology.pp > 1:
             share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group)
         self._train(False)
-        idx = generate(logits_of, idx, new_tokens, self.cfg.block_size,
+        idx = generate(logits_of, idx, new_tokens, self.description.block_size,
                        pad_to=self.tp.size if self.tp.sequence_parallel else 1, share=share,
                        generator=generator, **sampling)
         self._train(True)

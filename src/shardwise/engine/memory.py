@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from shardwise.engine.model import build_local_model
-from shardwise.models.gpt import GPTConfig
 from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.parallel.precision import DTYPES
 from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -40,18 +39,19 @@ def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[
     return owned, real
 
 
-def predict_rank(cfg: GPTConfig, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int = 0,
+def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int = 0,
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers") -> dict:
-    """Predicted bytes of the rank at (dp_rank, pp_rank, tp_rank): ``{"params", "grads",
+    """Predicted bytes of the rank at (dp_rank, pp_rank, tp_rank) of ``model`` (a
+    ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
     with torch.device("meta"):
         local = build_local_model(
-            cfg, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
+            model, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
             n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
             seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by)
         named = local.named_parameters()

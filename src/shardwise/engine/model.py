@@ -1,21 +1,24 @@
-"""Split, then parallelize: this rank's part of the GPT for any dp x pp x tp layout.
+"""Split, then parallelize: this rank's part of any described model for any layout.
 
 The composition of torchtitan (split the model for the pipeline, then parallelize each
-part) and Megatron-LM (tensor-parallel layers inside each pipeline chunk):
+part) and Megatron-LM (tensor-parallel layers inside each pipeline chunk), driven by the
+model's ``models.description.ModelDescription`` (no model is imported here):
 
-1. build the GPT on the meta device (no memory), logging its initialising writes
+1. build the model on the meta device (no memory), logging its initialising writes
    (``models.meta_init.record_init``);
-2. cut its ``n_layer + 2`` layers into ``pp * v`` chunks and keep this rank's (chunk ``c``
-   lives on pipeline rank ``c % pp``); the other layers are dropped;
-3. with tp > 1, shard each kept layer, still on meta: the embedding becomes vocab-parallel,
-   each block column/row parallel (Shoeybi et al. 2019, section 3), the head vocab-parallel;
+2. cut its layers (``description.layers``: embedding, blocks, head) into ``pp * v`` chunks
+   and keep this rank's (chunk ``c`` lives on pipeline rank ``c % pp``); the other layers
+   are dropped;
+3. with tp > 1, shard each kept layer by the model's tensor-parallel plan, still on meta
+   (``parallel.tensor_parallel.plan.parallelize``: vocab-parallel embedding and head,
+   column / row parallel linears, Shoeybi et al. 2019, section 3);
 4. materialise the kept parameters on ``device`` and give them their values by replaying
    the single-process constructor's random stream (``_initialise``): each equals, bit for
-   bit, its slice of ``torch.manual_seed(seed); GPT(cfg)``, and no rank ever holds more
-   than its own parameters plus one full tensor. Wrapping for dp (buckets, ZeRO) is
-   ``engine.sync``'s job.
+   bit, its slice of ``torch.manual_seed(seed); description.build()``, and no rank ever
+   holds more than its own parameters plus one full tensor. Wrapping for dp (buckets,
+   ZeRO) is ``engine.sync``'s job.
 
-Tied input/output embeddings: with pp = 1 the head shares the embedding's parameter. With
+Tied input/output embeddings (``description.tied``): with pp = 1 the head shares the embedding's parameter. With
 pp > 1 the head on the last stage gets its own copy, equal at start; the engine sums the two
 copies' gradients between the first and the last stage before every step (Megatron's
 embedding group), so the copies stay equal and the gradient is the one of the tied weight.
@@ -25,41 +28,41 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.models.gpt import GPT, GPTConfig, LMHead
+from shardwise.models.description import ModelDescription, describe
 from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
 from shardwise.parallel.pipeline.partition import (
     Partition,
     balanced,
-    gpt_layers,
     partition_layers,
     profile_layers,
 )
 from shardwise.parallel.pipeline.stage import StageChunk
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from shardwise.parallel.tensor_parallel.model import check_divisible, parallelize_layer
+from shardwise.parallel.tensor_parallel.plan import check_divisible, parallelize
 from shardwise.parallel.tensor_parallel.random import ParallelRNG
-from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS, gather_like, shard_like
+from shardwise.parallel.tensor_parallel.state import gather_like, shard_like
 
 
 @dataclass
 class LocalModel:
     """This rank's chunks and what the engine needs to know about them.
 
-    ``chunks``: global chunk id -> ``StageChunk`` (its parameters keep the full GPT's names,
-    see ``named_parameters``). ``tied``: names of this rank's copies of the tied weight that
-    cross pipeline stages (``embed.tok.weight`` on the first stage, ``head.proj.weight`` on
-    the last), empty when the head shares the embedding's parameter or nothing is tied.
-    ``rng``: the tensor-parallel dropout stream (None with tp = 1).
+    ``description``: the model's. ``chunks``: global chunk id -> ``StageChunk`` (its
+    parameters keep the full model's names, see ``named_parameters``). ``tied``: names of
+    this rank's copies of the tied weight that cross pipeline stages (the embedding's on
+    the first stage, the head's on the last), empty when the head shares the embedding's
+    parameter or nothing is tied. ``rng``: the tensor-parallel dropout stream (None with
+    tp = 1). ``vocab_params``: names of the parameters split by vocabulary rows.
     """
 
-    cfg: GPTConfig
+    description: ModelDescription
     chunks: dict[int, StageChunk]
     partition: Partition
     tp: RankGroup
@@ -67,10 +70,12 @@ class LocalModel:
     tied: tuple[str, ...] = ()
     n_chunks: int = 1
     loss_fn: Callable = field(default=None, repr=False)
+    vocab_params: tuple[str, ...] = ()
+    flops_per_token: float = 0.0
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(full GPT name, parameter)`` of this rank's parameters, chunk by chunk, each
-        parameter once (a tied head listed under the embedding's name, as the GPT does)."""
+        """``(full model name, parameter)`` of this rank's parameters, chunk by chunk, each
+        parameter once (a tied head listed under the embedding's name, as the model does)."""
         seen, out = set(), []
         for c in sorted(self.chunks):
             for name, p in self.chunks[c].model_parameters():
@@ -97,30 +102,36 @@ class LocalModel:
         return shard_like(p, full, self.tp, self._rows(name))
 
     def _rows(self, name: str) -> int | None:
-        return self.cfg.vocab_size if name in VOCAB_PARAMS else None
+        return self.description.vocab_size if name in self.vocab_params else None
 
 
-def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[int],
+def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int],
                       n_chunks: int, tp: RankGroup, seed: int, dropout_seed: int,
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
                       average: Callable = lambda t: t) -> LocalModel:
-    """This rank's chunks of ``GPT(cfg)`` built after ``torch.manual_seed(seed)``, each
-    parameter equal (``torch.equal``) to its slice of that model, built without ever
-    materialising the whole model (the GPT on meta, then ``_initialise``); with ``device``
-    meta the parameters stay on meta (shapes only).
+    """This rank's chunks of ``model`` (a ``ModelDescription`` or a registered config:
+    ``GPTConfig``, ``LlamaConfig``) built after ``torch.manual_seed(seed)``, each parameter
+    equal (``torch.equal``) to its slice of that model, built without ever materialising
+    the whole model (the model on meta, then ``_initialise``); with ``device`` meta the
+    parameters stay on meta (shapes only).
 
     ``chunk_ids``: the chunks this pipeline rank runs (``schedule.chunks_of(pp_rank)``);
     ``partition`` (or ``partition_by``: "layers" | "params") cuts the layers into
     ``n_chunks`` chunks ("time": layers profiled on a ``time_sample``-shaped batch, the
-    seconds passed through ``average``, which must make every rank cut alike). ``dropout_seed`` seeds the tensor-parallel dropout stream (plus
-    the tp rank, as Megatron's model-parallel RNG). Raises ``ValueError`` (one line) when tp
-    does not divide a size or there are more chunks than layers.
+    seconds passed through ``average``, which must make every rank cut alike).
+    ``dropout_seed`` seeds the tensor-parallel dropout stream (plus the tp rank, as
+    Megatron's model-parallel RNG). Raises ``ValueError`` (one line) when tp does not
+    divide a size, the plan does not fit the model, or there are more chunks than layers.
     """
+    d = describe(model)
     if tp.size > 1:
-        check_divisible(cfg, tp)
-    record = record_init(lambda: GPT(cfg))  # every tensor on meta: nothing allocated
-    layers = gpt_layers(record.model)
+        check_divisible(d, tp)
+    record = record_init(d.build)  # every tensor on meta: nothing allocated
+    d.check_plan(record.model)
+    vocab_params = d.vocab_params(record.model)
+    flops = d.flops_per_token(record.model)
+    layers = d.layers(record.model)
     if n_chunks > len(layers):
         raise ValueError(f"cannot cut {len(layers)} layers (embedding, {len(layers) - 2} "
                          f"blocks, head) into {n_chunks} pipeline chunks")
@@ -134,43 +145,69 @@ def build_local_model(cfg: GPTConfig, *, pp: int, pp_rank: int, chunk_ids: list[
     rng = ParallelRNG(dropout_seed, tp.rank, device) if tp.size > 1 else None
     head_here = n_chunks - 1 in chunk_ids
     emb_here = 0 in chunk_ids
-    share = cfg.tie_weights and head_here and emb_here  # one stage holds both: one parameter
+    share = d.tied is not None and head_here and emb_here  # one stage holds both: one parameter
     chunks: dict[int, StageChunk] = {}
-    embed_weight = None
     for c in chunk_ids:
         named = []
         for i in partition.layers(c):
             name, m = layers[i]
             if tp.size > 1:
-                m = parallelize_layer(name, m, tp, rng, cfg.vocab_size)  # on meta
-            elif isinstance(m, LMHead) and cfg.tie_weights and not share:
-                m.proj.weight = nn.Parameter(m.proj.weight.detach().clone())  # own copy
-            if name == "embed":
-                embed_weight = m.tok.weight
+                m = parallelize(m, d.tp_plan, tp, rng, name=name, vocab_size=d.vocab_size)  # meta
             named.append((name, m))
         chunks[c] = StageChunk(named)
-    if share and tp.size > 1:  # TPHead built its own slice; point it at the embedding's
-        # (the same vocab rows on the same rank: tying survives the sharding)
-        chunks[n_chunks - 1].layers[-1].proj.weight = embed_weight
     del layers
     tied: tuple[str, ...] = ()
-    if cfg.tie_weights and not share:
-        tied = (("embed.tok.weight",) if emb_here else ()) + (("head.proj.weight",) if head_here else ())
-    loss_fn = _vocab_parallel_loss(tp, cfg.vocab_size) if tp.size > 1 else lm_loss_fp32
-    local = LocalModel(cfg=cfg, chunks=chunks, partition=partition, tp=tp, rng=rng, tied=tied,
-                       n_chunks=n_chunks, loss_fn=loss_fn)
+    if d.tied is not None:
+        _tie(chunks, d.tied, share)
+        if not share:
+            tied = (d.tied[:1] if emb_here else ()) + (d.tied[1:] if head_here else ())
+    loss_fn = _vocab_parallel_loss(tp, d.vocab_size) if tp.size > 1 else lm_loss_fp32
+    local = LocalModel(description=d, chunks=chunks, partition=partition, tp=tp, rng=rng,
+                       tied=tied, n_chunks=n_chunks, loss_fn=loss_fn,
+                       vocab_params=vocab_params, flops_per_token=flops)
     if torch.device(device).type != "meta":  # meta: shapes only (engine.memory's prediction)
         _initialise(local, record, seed, torch.device(device))
     return local
 
 
+def _tie(chunks: dict[int, StageChunk], tied: tuple[str, str], share: bool) -> None:
+    """With both ends on this rank (``share``), point the head at the embedding's parameter
+    (after tp sharding: the same vocabulary rows on the same rank, so tying survives it).
+    Otherwise give the head its own parameter, a copy equal at start (the engine sums the
+    copies' gradients across stages)."""
+    head = _find(chunks, tied[1])
+    if head is None:
+        return
+    layer, path = head
+    owner_path, _, attr = path.rpartition(".")
+    owner = layer.get_submodule(owner_path) if owner_path else layer
+    if share:
+        emb_layer, emb_path = _find(chunks, tied[0])
+        setattr(owner, attr, emb_layer.get_parameter(emb_path))
+    else:
+        p = getattr(owner, attr)
+        new = nn.Parameter(p.detach().clone())
+        new.__dict__.update(p.__dict__)  # tp_dim
+        setattr(owner, attr, new)
+
+
+def _find(chunks: dict[int, StageChunk], name: str) -> tuple[nn.Module, str] | None:
+    """(layer, name inside it) of parameter ``name`` among ``chunks``' layers, or None."""
+    for c in chunks.values():
+        for lname, layer in zip(c.names, c.layers):
+            if name.startswith(lname + "."):
+                return layer, name[len(lname) + 1:]
+    return None
+
+
 def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.device) -> None:
     """Materialise ``local``'s meta parameters on ``device`` with exactly the values of
-    their slices of ``torch.manual_seed(seed); GPT(cfg)`` (CPU), never holding the model.
+    their slices of ``torch.manual_seed(seed); description.build()`` (CPU), never holding
+    the model.
 
-    How it stays exact: ``GPT(cfg)``'s values are what one CPU generator, seeded by
-    ``torch.manual_seed(seed)``, produced in the constructor's order of writes: each
-    ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` first runs its own
+    How it stays exact: the model's values are what one CPU generator, seeded by
+    ``torch.manual_seed(seed)``, produced in the constructor's order of writes. For the
+    GPT: each ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` first runs its own
     ``reset_parameters`` (Kaiming-uniform weights and uniform biases, normal(0, 1)
     embeddings, ones and zeros for norms), then ``GPT._init_weights`` redraws every Linear
     and Embedding weight as normal(0, 0.02) (the tied head redrawing the embedding's weight
@@ -184,6 +221,10 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     Peak memory beyond the local parameters: one full tensor on the CPU. The global RNG is
     not touched (the engine reseeds it for dropout right after).
     """
+    for c in local.chunks.values():
+        for n, _ in c.named_buffers():
+            raise ValueError(f"{local.description.kind}: buffer {n!r} has no value when built "
+                             "on the meta device; compute it in forward instead")
     materialise(local.chunks.values(), device)
     targets: dict[str, list[nn.Parameter]] = {}
     seen = set()
@@ -232,7 +273,8 @@ def _one_at_a_time(layers: list[tuple[str, nn.Module]]):
 
 
 def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in nats per token, computed in fp32 (as ``GPT.forward``)."""
+    """Mean cross-entropy in nats per token, computed in fp32 (as ``GPT.forward`` and
+    ``Llama.forward``)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 

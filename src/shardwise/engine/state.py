@@ -39,18 +39,17 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise import comm
 from shardwise.comm.coalesce import coalesced_
-from shardwise.parallel.tensor_parallel.state import VOCAB_PARAMS
 
 FORMAT = 2  # meta["format"]: 2 = logical tensors (this module); absent = per-piece keys
 _PIECE = re.compile(r"^(?P<name>.+)\[(?P<a>\d+):(?P<b>\d+)\]$")
-_TIED_HEAD, _EMBED = "head.proj.weight", "embed.tok.weight"
 
 
 def model_tensors(engine) -> dict[str, torch.Tensor]:
     """Full compute-dtype tensors of this rank's parameters (collective over tp; call
     inside ``engine.full_parameters()`` under ZeRO-3). For tests and reports."""
     local = engine.local
-    skip = {_TIED_HEAD} if _TIED_HEAD in local.tied else set()
+    tied = local.description.tied
+    skip = {tied[1]} if tied is not None and tied[1] in local.tied else set()
     return {n: local.full_tensor(n, p, p.detach()) for n, p in local.named_parameters()
             if n not in skip}
 
@@ -73,7 +72,8 @@ def _zero_sharded(engine) -> bool:
 
 def _key(engine, name: str) -> str:
     """Checkpoint name of local parameter ``name`` (the tied head copy: the embedding's)."""
-    return _EMBED if name == _TIED_HEAD and name in engine.local.tied else name
+    tied = engine.local.description.tied
+    return tied[0] if tied is not None and name == tied[1] and name in engine.local.tied else name
 
 
 @torch.no_grad()
@@ -135,8 +135,8 @@ def _logical(engine, name: str, p, local: torch.Tensor) -> torch.Tensor:
     d, tp = p.tp_dim, engine.tp
     shape = list(local.shape)
     shape[d] *= tp.size
-    if name in VOCAB_PARAMS:  # padded rows: the logical tensor has vocab_size of them
-        shape[0] = engine.cfg.vocab_size
+    if name in engine.local.vocab_params:  # padded rows: the logical tensor has V of them
+        shape[0] = engine.description.vocab_size
         local = local[:max(0, min(local.shape[0], shape[0] - tp.rank * local.shape[0]))]
     local = local.detach().cpu().contiguous().clone()
     stride = torch.empty(shape, device="meta").stride()

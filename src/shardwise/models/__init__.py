@@ -1,7 +1,23 @@
-"""Models written from building blocks that the parallel wrappers can split."""
+"""Models written from building blocks that the parallel wrappers can split, and the
+registry of model kinds the engine trains (``models.description``)."""
 
+from shardwise.models import gpt, llama
 from shardwise.models.cnn import CNN, CNNConfig
+from shardwise.models.description import (
+    ModelDescription,
+    decoder_layers,
+    describe,
+    describe_section,
+    model_kind,
+    model_kinds,
+    register_model,
+)
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.llama import Llama, LlamaConfig
 
-__all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig"]
+register_model("gpt", GPTConfig, gpt.describe, gpt.from_section)
+register_model("llama", LlamaConfig, llama.describe, llama.from_section)
+
+__all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ModelDescription",
+           "decoder_layers", "describe", "describe_section", "model_kind", "model_kinds",
+           "register_model"]

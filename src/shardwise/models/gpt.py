@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from shardwise.models.sampling import generate, sample_next  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -196,43 +197,50 @@ class GPT(nn.Module):
         return idx
 
 
-@torch.no_grad()
-def generate(logits_of: Callable[[torch.Tensor], torch.Tensor | None], idx: torch.Tensor,
-             new_tokens: int, block_size: int, *, pad_to: int = 1,
-             share: Callable[[torch.Tensor], None] | None = None, temperature: float = 0.8,
-             top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Autoregressive sampling: ``idx`` (B, T0) int64 -> (B, T0 + new_tokens).
-
-    Each step feeds the last ``block_size`` ids, right-padded with id 0 to a multiple of
-    ``pad_to`` (sequence parallelism splits the sequence; causal attention keeps the pads
-    from reaching the position read), to ``logits_of``, which returns the logits
-    (B, T, V) or None on a rank that does not sample (a pipeline stage before the last);
-    ``sample_next`` draws from the last real position. ``share(next_ids)`` (B, 1), if
-    given, makes every rank agree in place (a broadcast from the sampling rank). Used by
-    ``GPT.generate`` and ``engine.Engine.generate``: the same ids for the same
-    ``generator`` state whatever the layout."""
-    for _ in range(new_tokens):
-        ctx = idx[:, -block_size:]
-        t = ctx.shape[1]
-        if t % pad_to:
-            ctx = torch.cat([ctx, ctx.new_zeros(ctx.shape[0], pad_to - t % pad_to)], dim=1)
-        logits = logits_of(ctx)
-        if logits is None:
-            nxt = torch.zeros(idx.shape[0], 1, dtype=torch.long, device=idx.device)
-        else:
-            nxt = sample_next(logits[:, t - 1, :], temperature, top_k, generator)
-        if share is not None:
-            share(nxt)
-        idx = torch.cat([idx, nxt], dim=1)
-    return idx
+# The GPT's tensor-parallel plan (Megatron-LM's: Shoeybi et al. 2019, figure 3; styles in
+# ``models.description``): Q, K, V column-parallel by heads, the output projection
+# row-parallel; ``fc`` column then ``proj`` row; the vocabulary split in the embedding and
+# the head; LayerNorms token-wise under sequence parallelism.
+TP_PLAN = {
+    "embed.tok": "vocab_embedding",
+    "embed.pos": "sequence_positions",
+    "embed.dropout": "dropout",
+    "blocks.*.ln_1": "sequence_parallel",
+    "blocks.*.attn": "attention",
+    "blocks.*.attn.[qkv]_proj": "column",
+    "blocks.*.attn.out_proj": "row",
+    "blocks.*.attn.resid_dropout": "dropout",
+    "blocks.*.ln_2": "sequence_parallel",
+    "blocks.*.mlp.fc": "column",
+    "blocks.*.mlp.proj": "row",
+    "blocks.*.mlp.dropout": "dropout",
+    "head.ln_f": "sequence_parallel",
+    "head.proj": "vocab_head",
+}
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 20,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from last-position ``logits`` (B, V): temperature, then top-k, then
-    a multinomial draw. Returns (B, 1) int64."""
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+def describe(cfg: GPTConfig):
+    """The GPT as a ``models.description.ModelDescription`` (kind "gpt")."""
+    from shardwise.models.description import ModelDescription
+
+    c = cfg.n_embd
+    return ModelDescription(
+        kind="gpt", config=cfg, build=lambda: GPT(cfg), tp_plan=TP_PLAN, hidden_size=c,
+        vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+        attention_width=c,
+        tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
+        tp_divides={"model.n_head (attention heads)": cfg.n_head,
+                    "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c})
+
+
+def from_section(m, vocab_size: int) -> GPTConfig:
+    """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
+    ``attention`` included; ``model.vocab_size`` when set, else ``vocab_size`` (the
+    tokenizer's). Raises ``ValueError`` (one line) for a field only the Llama has."""
+    for name in ("n_kv_heads", "ffn_hidden"):
+        if getattr(m, name, 0):
+            raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such size "
+                             "(model.kind = \"llama\" has)")
+    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
+                     n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
+                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention)

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.models.gpt import causal_attention, generate
+from shardwise.models.gpt import causal_attention
+from shardwise.models.sampling import generate
 
 
 @dataclass(frozen=True)
@@ -350,3 +351,52 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor],
     if tie_weights and "head.proj.weight" not in out:
         out["head.proj.weight"] = out["embed.tok.weight"]
     return out
+
+
+# Llama's tensor-parallel plan (as torchtitan's ``parallelize_llama``; styles in
+# ``models.description``): Q, K, V column-parallel by heads (the key/value heads split over
+# tp too: each rank keeps the kv heads its query heads read), ``o_proj`` row-parallel;
+# SwiGLU's gate and up column-parallel reading one input, ``down_proj`` row-parallel; the
+# vocabulary split in the embedding and the head; RMSNorms token-wise under SP.
+TP_PLAN = {
+    "embed.tok": "vocab_embedding",
+    "blocks.*.input_layernorm": "sequence_parallel",
+    "blocks.*.self_attn": "attention",
+    "blocks.*.self_attn.[qkv]_proj": "column",
+    "blocks.*.self_attn.o_proj": "row",
+    "blocks.*.post_attention_layernorm": "sequence_parallel",
+    "blocks.*.mlp": "shared_input",
+    "blocks.*.mlp.gate_proj": "column",
+    "blocks.*.mlp.up_proj": "column",
+    "blocks.*.mlp.down_proj": "row",
+    "head.norm": "sequence_parallel",
+    "head.proj": "vocab_head",
+}
+
+
+def describe(cfg: LlamaConfig):
+    """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
+    the query heads, the key/value heads (each rank holds whole kv heads: the ones its
+    query heads share) and the SwiGLU width."""
+    from shardwise.models.description import ModelDescription
+
+    return ModelDescription(
+        kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=TP_PLAN,
+        hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
+        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim,
+        tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
+        tp_divides={"model.n_head (attention heads)": cfg.n_head,
+                    "model.n_kv_heads (key/value heads)": cfg.n_kv_heads,
+                    "model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
+
+
+def from_section(m, vocab_size: int) -> LlamaConfig:
+    """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
+    ``n_kv_heads`` / ``ffn_hidden`` 0 mean Llama's defaults (n_head; the 8h/3 rule).
+    ``model.bias`` is ignored (Llama has no biases)."""
+    return LlamaConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
+                       n_layer=m.n_layer, n_head=m.n_head, n_kv_heads=m.n_kv_heads or None,
+                       n_embd=m.n_embd, ffn_hidden=m.ffn_hidden or None,
+                       multiple_of=m.multiple_of, norm_eps=m.norm_eps,
+                       rope_theta=m.rope_theta, tie_weights=m.tie_weights,
+                       dropout=m.dropout, attention=m.attention)

@@ -14,7 +14,6 @@ from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm import check as comm_check
 from shardwise.data import CharTokenizer
-from shardwise.models import GPT
 
 
 def train_rank(cfg_dict: dict, device: torch.device | None = None,
@@ -42,8 +41,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         tokenizer = CharTokenizer.from_state_dict(checkpoint.read_meta(latest)["tokenizer"])
     trainer = Trainer(cfg, topology, device, tokenizer=tokenizer)
     if topology.rank == 0:
-        n = _full_size(trainer.gpt_cfg)
-        print(f"shardwise: GPT {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
+        n = _full_size(trainer.description)
+        print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
               f"{describe_layout(cfg)}, {_where(device)}, {torch.get_num_threads()} threads "
               "per rank", flush=True)
@@ -78,8 +77,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _full_size(cfg) -> int:
-    """Parameters of the single-process GPT (what every layout trains), counted on the meta
-    device: nothing is allocated."""
+def _full_size(description) -> int:
+    """Parameters of the single-process model (what every layout trains; a tied matrix
+    once), counted on the meta device: nothing is allocated."""
     with torch.device("meta"):
-        return GPT(cfg).num_parameters()
+        return sum(p.numel() for p in description.build().parameters())

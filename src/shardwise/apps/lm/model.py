@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-from shardwise.base.config import Config, ModelConfig
-from shardwise.models import GPTConfig
-
-
-def gpt_config(m: ModelConfig, vocab_size: int) -> GPTConfig:
-    """The GPT of the ``[model]`` section (every field, ``attention`` included);
-    ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's)."""
-    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
-                     n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention)
+from shardwise.base.config import Config
+from shardwise.models.gpt import from_section as gpt_config  # noqa: F401 (the PS's GPT)
 
 
 def describe_layout(cfg: Config) -> str:

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.apps.lm.model import describe_layout, gpt_config
+from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
 from shardwise.apps.lm.text import split_corpus
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data import CharTokenizer, DistributedBatchSampler
 from shardwise.engine import Engine, EngineSettings
-from shardwise.perf import flops_per_token
+from shardwise.models import describe_section
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import plot_loss
 from shardwise.training.schedule import warmup_cosine
@@ -44,9 +44,12 @@ class Trainer(TrainerState, TrainTask):
         self.is_main = topology.rank == 0
         self.tokenizer, self.train_tokens, self.val_tokens = split_corpus(cfg, tokenizer)
         o, t = cfg.optimizer, cfg.training
-        self.gpt_cfg = gpt_config(cfg.model, self.tokenizer.vocab_size)
+        # the [model] section's kind (gpt, llama, a registered one) as the engine reads it
+        self.description = describe_section(cfg.model, self.tokenizer.vocab_size)
+        self.model_cfg = self.description.config
         # split, then parallelize: pipeline chunks, tp shards, dp sync, one optimizer
-        self.engine = Engine(self.gpt_cfg, topology, EngineSettings.from_config(cfg), self.device)
+        self.engine = Engine(self.description, topology, EngineSettings.from_config(cfg),
+                             self.device)
         self.optimizer = self.engine.optimizer
         self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
         self.sampler = DistributedBatchSampler(self.train_tokens, cfg.model.block_size,
@@ -61,7 +64,7 @@ class Trainer(TrainerState, TrainTask):
         self.cadence = Cadence.from_config(cfg)
         self.sample_unit = "tokens"
         self.samples_per_step = t.global_batch_size * cfg.model.block_size
-        self.flops_per_sample = flops_per_token(self.gpt_cfg)
+        self.flops_per_sample = self.engine.local.flops_per_token
         self.world_size = topology.dp * topology.pp * topology.tp
         self.dtype = self.engine.dtype
 
@@ -140,7 +143,8 @@ class Trainer(TrainerState, TrainTask):
 
     def _write_outputs(self) -> None:
         png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
-                        title=f"GPT on Shakespeare, {describe_layout(self.cfg)}")
+                        title=f"{self.description.kind} on {self.cfg.data.path or 'Shakespeare'}, "
+                              f"{describe_layout(self.cfg)}")
         print(f"loss curve: {png}")
         if self.cfg.training.sample_chars:
             text = self._sample()

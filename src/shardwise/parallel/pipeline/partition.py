@@ -17,6 +17,8 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from shardwise.models.description import decoder_layers
+
 
 class PartitionError(ValueError):
     """The layers cannot be cut as asked (one-line message)."""
@@ -83,10 +85,8 @@ def balanced(weights: Sequence[float], parts: int) -> Partition:
     return Partition(tuple(bounds), costs)
 
 
-def gpt_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``[("embed", ...), ("blocks.0", ...), ..., ("head", ...)]`` of a shardwise GPT."""
-    return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
-            + [("head", model.head)])
+# ``[("embed", ...), ("blocks.0", ...), ..., ("head", ...)]`` of a shardwise GPT or Llama
+gpt_layers = decoder_layers
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198). See
 - ``layers``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``.
 - ``loss``: ``vocab_parallel_cross_entropy``.
 - ``random``: ``ParallelRNG`` / ``TPDropout`` (same masks on replicas, different on shards).
-- ``model``: ``parallelize_layer`` and the sharded GPT layers it builds (the engine applies it).
+- ``plan``: ``parallelize``, a model's tensor-parallel plan (``models.description``) applied
+  to one of its layers (the engine applies it to the layers of its pipeline chunks).
 - ``state``: global grad norm and clipping, replica grad sync, full state dicts.
 """
 
@@ -31,7 +32,7 @@ from shardwise.parallel.tensor_parallel.mappings import (
                                               scatter_to_region,
                                               scatter_to_sequence,
 )
-from shardwise.parallel.tensor_parallel.model import check_divisible, parallelize_layer
+from shardwise.parallel.tensor_parallel.plan import check_divisible, parallelize
 from shardwise.parallel.tensor_parallel.random import ParallelRNG, TPDropout
 from shardwise.parallel.tensor_parallel.state import (
                                               clip_grad_norm_,
@@ -51,7 +52,7 @@ __all__ = [
     "gather_tensor", "shard_tensor", "padded_vocab_size", "vocab_parallel_cross_entropy",
     "copy_to_region", "reduce_from_region", "scatter_to_region", "gather_from_region",
     "scatter_to_sequence", "gather_from_sequence", "reduce_scatter_to_sequence",
-    "per_layer_table", "parallelize_layer", "check_divisible", "ParallelRNG",
+    "per_layer_table", "parallelize", "check_divisible", "ParallelRNG",
     "TPDropout", "clip_grad_norm_", "grad_norm", "gather_param", "gather_state_dict",
     "shard_param", "load_full_state_dict", "is_sharded", "sync_replicated_grads",
     "gather_optimizer_state", "load_optimizer_state",

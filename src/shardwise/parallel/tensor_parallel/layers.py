@@ -70,14 +70,16 @@ class ColumnParallelLinear(nn.Module):
     (..., out) with ``gather_output``. Under sequence parallelism the input is
     (B, T / N, in) and is all-gathered along the sequence first.
 
-    Raises ValueError (naming the size) when ``out_features`` is not divisible by tp.
+    ``enters=False``: the input has already entered the region (an enclosing module called
+    ``enter`` once for several column layers reading it: Q, K and V). Raises ValueError
+    (naming the size) when ``out_features`` is not divisible by tp.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: RankGroup, bias: bool = True,
                  gather_output: bool = False, master: nn.Linear | None = None,
-                 tag: str = "column"):
+                 tag: str = "column", enters: bool = True):
         super().__init__()
-        self.tp, self.gather_output, self.tag = tp, gather_output, tag
+        self.tp, self.gather_output, self.tag, self.enters = tp, gather_output, tag, enters
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = tp.shard(out_features, f"{tag}: out_features")
         master = master if master is not None else nn.Linear(in_features, out_features, bias)
@@ -97,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local(self.enter(x))                            # (..., out / N)
+        y = self.local(self.enter(x) if self.enters else x)      # (..., out / N)
         return gather_from_region(y, self.tp, tag=self.tag) if self.gather_output else y
 
 

@@ -27,6 +27,7 @@ class ParallelRNG:
     def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.tp_rank = tp_rank
+        self._outer: list = []  # default-stream states saved by enter(), innermost last
         self.reseed(seed)
 
     def reseed(self, seed: int) -> None:
@@ -51,13 +52,42 @@ class ParallelRNG:
 
     @contextlib.contextmanager
     def fork(self):
-        saved = self._get()
-        self._set(self.state)
+        """Draw from the parallel stream inside; nested forks share the one being drawn."""
+        self.enter()
         try:
             yield
         finally:
+            self.exit()
+
+    def enter(self) -> None:
+        """Start a parallel region (``fork`` without the ``with``: a module's forward hooks)."""
+        if self._outer:  # already inside one: keep drawing from it
+            self._outer.append(None)
+            return
+        self._outer.append(self._get())
+        self._set(self.state)
+
+    def exit(self) -> None:
+        saved = self._outer.pop()
+        if saved is not None:
             self.state = self._get()
             self._set(saved)
+
+    @contextlib.contextmanager
+    def replicated(self):
+        """Draw from the replicated (default) stream, even inside a parallel region: a
+        dropout on a replicated activation within a module that computes on heads."""
+        if not self._outer:
+            yield
+            return
+        outer = self._outer[0]
+        mine = self._get()
+        self._set(outer)
+        try:
+            yield
+        finally:
+            self._outer[0] = self._get()
+            self._set(mine)
 
 
 class TPDropout(nn.Module):
@@ -71,7 +101,5 @@ class TPDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self.parallel:
-            with self.rng.fork():
-                return F.dropout(x, self.p, True)
-        return F.dropout(x, self.p, True)
+        with self.rng.fork() if self.parallel else self.rng.replicated():
+            return F.dropout(x, self.p, True)

@@ -1,0 +1,209 @@
+"""What the engine needs to know about a model, without importing it.
+
+A ``ModelDescription`` tells the engine, the checkpoint format, ``shardwise memory`` and the
+planner everything they use about a decoder: how to build the single-process model (on the
+meta device, see ``models.meta_init``), its layers in pipeline order, and a tensor-parallel
+plan naming the style of each submodule, in the spirit of PyTorch's ``parallelize_module``
+plans and torchtitan's ``parallelize_llama`` (there each style is a ``ParallelStyle`` over
+DTensors; here each names one of Megatron-LM's layers, Shoeybi et al. 2019, section 3, and
+Korthikanti et al. 2022 for sequence parallelism). The engine applies the plan with
+``parallel.tensor_parallel.plan.parallelize``; nothing under ``engine`` imports a model.
+
+The styles (``STYLES``), keyed by module-name patterns (``fnmatch``: ``*`` matches any run of
+characters, dots included) on the full model's module names:
+
+=====================  =====================================================================
+``column``             ``nn.Linear`` split by output features (heads, MLP width); its input
+                       enters the tensor-parallel region (identity forward, all-reduce of the
+                       gradient backward; an all-gather along the sequence under SP) unless
+                       an enclosing ``attention`` / ``shared_input`` module did it once.
+``row``                ``nn.Linear`` split by input features; partial outputs all-reduced
+                       (reduce-scattered along the sequence under SP); a bias is added once.
+``vocab_embedding``    ``nn.Embedding`` split by vocabulary rows (padded to a multiple of tp).
+``vocab_head``         the ``nn.Linear`` to the vocabulary, split by vocabulary rows; its
+                       logits stay split for the vocab-parallel cross-entropy.
+``attention``          a module computing on heads: its input enters the region once for its
+                       ``column`` children, and its forward is a parallel region for dropout
+                       (each tp rank draws its own masks, Megatron's RNG tracker).
+``shared_input``       a module whose ``column`` children read one input (SwiGLU's gate and
+                       up): the input enters the region once.
+``dropout``            ``nn.Dropout`` on a replicated activation (the same mask on every tp
+                       rank; under SP, where each rank holds other tokens, its own).
+``sequence_parallel``  a token-wise module (a norm) that, under SP, runs on this rank's slice
+                       of the sequence; its replicated parameters' gradients are summed over
+                       tp by the optimizer.
+``sequence_positions`` a module fed position ids of the whole sequence (a learned position
+                       embedding): under SP it reads this rank's slice of them.
+``replicate``          left as it is (the default for any module the plan does not name).
+=====================  =====================================================================
+
+Models register under a kind (``register_model``): ``"gpt"`` and ``"llama"`` are shardwise's
+own; ``examples/own_decoder.py`` registers one of yours.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch.nn as nn
+
+STYLES = ("column", "row", "vocab_embedding", "vocab_head", "attention", "shared_input",
+          "dropout", "sequence_parallel", "sequence_positions", "replicate")
+_MODULE_TYPES = {"column": nn.Linear, "row": nn.Linear, "vocab_head": nn.Linear,
+                 "vocab_embedding": nn.Embedding, "dropout": nn.Dropout}
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[("embed", ...), ("blocks.0", ...), ..., ("head", ...)]``: the pipeline layers of a
+    decoder built as ``embed -> blocks[i] -> head`` (shardwise's GPT and Llama)."""
+    return ([("embed", model.embed)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+            + [("head", model.head)])
+
+
+def style_of(plan: Mapping[str, str], name: str) -> str:
+    """The style ``plan`` gives module ``name``: the last matching pattern's, else
+    "replicate"."""
+    style = "replicate"
+    for pattern, s in plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            style = s
+    return style
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A decoder as the engine sees it.
+
+    kind: the registered name ("gpt", "llama", yours); it appears in the start-up line.
+    config: the model's own config (a frozen dataclass), for the record.
+    build: ``() -> nn.Module``, the single-process model drawing its initial values from the
+        default torch generator (``torch.manual_seed(seed); build()`` is the reference every
+        layout equals); run on the meta device by the engine. Every parameter must be given
+        its value by an ``nn.init``-style in-place write (``models.meta_init``).
+    layers: ``model -> [(name, module)]`` in pipeline order: the first takes token ids
+        (B, T) int64, each passes (B, T, hidden_size) activations, the last returns logits
+        (B, T, vocab_size). Names are the modules' names in the model.
+    tp_plan: module-name pattern -> style (see the module docstring).
+    hidden_size: width of the activations between layers (C).
+    vocab_size, block_size: tokens V and the longest sequence T.
+    tied: ``(embedding weight, head weight)`` parameter names when the head shares the
+        embedding's matrix, else None.
+    tp_divides: what tp must divide, ``{"model.n_head (attention heads)": 12, ...}``; the
+        engine checks them first, so a bad tp is one line naming the size.
+    n_layer, attention_width: L and H * D for the attention term of the FLOP count.
+    """
+
+    kind: str
+    config: Any
+    build: Callable[[], nn.Module]
+    tp_plan: Mapping[str, str]
+    hidden_size: int
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    attention_width: int
+    layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] = decoder_layers
+    tied: tuple[str, str] | None = None
+    tp_divides: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for pattern, style in self.tp_plan.items():
+            if style not in STYLES:
+                raise ValueError(f"tp plan of {self.kind!r}: {pattern!r} has style {style!r}; "
+                                 f"expected one of {', '.join(STYLES)}")
+
+    def style_of(self, name: str) -> str:
+        """The style of module ``name`` (``style_of`` on ``tp_plan``)."""
+        return style_of(self.tp_plan, name)
+
+    def vocab_params(self, model: nn.Module) -> tuple[str, ...]:
+        """Names of the parameters split by vocabulary rows (padded to a multiple of tp)."""
+        return tuple(f"{n}.weight" for n, _ in model.named_modules()
+                     if self.style_of(n) in ("vocab_embedding", "vocab_head"))
+
+    def check_plan(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` (one line) for a pattern that names no module of ``model`` or
+        a style on a module it does not fit (``column`` on a non-Linear ...)."""
+        names = dict(model.named_modules())
+        for pattern, style in self.tp_plan.items():
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise ValueError(f"tp plan of {self.kind!r}: {pattern!r} names no module")
+            want = _MODULE_TYPES.get(style)
+            for n in hits:
+                if want is not None and not isinstance(names[n], want):
+                    raise ValueError(f"tp plan of {self.kind!r}: {n} is a "
+                                     f"{type(names[n]).__name__}; style {style!r} needs "
+                                     f"an nn.{want.__name__}")
+
+    def flops_per_token(self, model: nn.Module, seq_len: int | None = None) -> float:
+        """Training FLOPs per token, ``6 N + 12 L (H D) T`` (PaLM, appendix B; see
+        ``perf.flops``): N every parameter but embedding lookups, the head counted even
+        when tied. ``model`` may be on the meta device."""
+        t = self.block_size if seq_len is None else seq_len
+        lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+        n = sum(p.numel() for p in model.parameters()) - lookups
+        if self.tied is not None:
+            n += model.get_parameter(self.tied[1]).numel()
+        return 6.0 * n + 12.0 * self.n_layer * self.attention_width * t
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """A registered model: its config type, ``describe(config) -> ModelDescription`` and
+    ``from_section(model_section, vocab_size) -> config`` (the ``[model]`` section of a run's
+    config, ``vocab_size`` the tokenizer's)."""
+
+    name: str
+    config_type: type
+    describe: Callable[[Any], ModelDescription]
+    from_section: Callable[[Any, int], Any]
+
+
+_KINDS: dict[str, ModelKind] = {}
+
+
+def register_model(name: str, config_type: type, describe: Callable[[Any], ModelDescription],
+                   from_section: Callable[[Any, int], Any]) -> None:
+    """Make ``model.kind = name`` trainable in every layout (see ``ModelKind``). Registering
+    a name again replaces it. Call it at import time of the module that defines the model,
+    so spawned ranks, which import that module again, know it too."""
+    _KINDS[name] = ModelKind(name, config_type, describe, from_section)
+
+
+def model_kinds() -> tuple[str, ...]:
+    """The registered kinds, shardwise's own first."""
+    import shardwise.models  # noqa: F401  (registers "gpt" and "llama")
+
+    return tuple(_KINDS)
+
+
+def model_kind(name: str) -> ModelKind:
+    """The registered kind ``name``; ``ValueError`` (one line, listing the kinds) if none."""
+    kinds = model_kinds()
+    if name not in _KINDS:
+        raise ValueError(f"model.kind={name!r}: expected one of {', '.join(kinds)} (or a "
+                         "kind registered with shardwise.register_model)")
+    return _KINDS[name]
+
+
+def describe(model: Any) -> ModelDescription:
+    """``model`` as a ``ModelDescription``: a description itself, or a registered config
+    (``GPTConfig``, ``LlamaConfig``, yours). Raises ``TypeError`` for anything else."""
+    if isinstance(model, ModelDescription):
+        return model
+    model_kinds()
+    for kind in _KINDS.values():
+        if isinstance(model, kind.config_type):
+            return kind.describe(model)
+    raise TypeError(f"{type(model).__name__} is not a registered model config "
+                    "(shardwise.register_model)")
+
+
+def describe_section(section: Any, vocab_size: int) -> ModelDescription:
+    """The model of a run's ``[model]`` section (``section.kind``); ``vocab_size`` the
+    tokenizer's, used when ``section.vocab_size`` is 0."""
+    kind = model_kind(section.kind)
+    return kind.describe(kind.from_section(section, vocab_size))

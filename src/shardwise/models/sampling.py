@@ -1,0 +1,55 @@
+"""Autoregressive sampling from any model's logits: temperature, top-k, multinomial.
+
+Shared by the single-process models (``GPT.generate``, ``Llama.generate``) and the
+engine's generation in any layout (``engine.Engine.generate``), so both draw the same ids
+from the same generator state.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def generate(logits_of: Callable[[torch.Tensor], torch.Tensor | None], idx: torch.Tensor,
+             new_tokens: int, block_size: int, *, pad_to: int = 1,
+             share: Callable[[torch.Tensor], None] | None = None, temperature: float = 0.8,
+             top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Autoregressive sampling: ``idx`` (B, T0) int64 -> (B, T0 + new_tokens).
+
+    Each step feeds the last ``block_size`` ids, right-padded with id 0 to a multiple of
+    ``pad_to`` (sequence parallelism splits the sequence; causal attention keeps the pads
+    from reaching the position read), to ``logits_of``, which returns the logits
+    (B, T, V) or None on a rank that does not sample (a pipeline stage before the last);
+    ``sample_next`` draws from the last real position. ``share(next_ids)`` (B, 1), if
+    given, makes every rank agree in place (a broadcast from the sampling rank). Used by
+    ``GPT.generate`` and ``engine.Engine.generate``: the same ids for the same
+    ``generator`` state whatever the layout."""
+    for _ in range(new_tokens):
+        ctx = idx[:, -block_size:]
+        t = ctx.shape[1]
+        if t % pad_to:
+            ctx = torch.cat([ctx, ctx.new_zeros(ctx.shape[0], pad_to - t % pad_to)], dim=1)
+        logits = logits_of(ctx)
+        if logits is None:
+            nxt = torch.zeros(idx.shape[0], 1, dtype=torch.long, device=idx.device)
+        else:
+            nxt = sample_next(logits[:, t - 1, :], temperature, top_k, generator)
+        if share is not None:
+            share(nxt)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | None = 20,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from last-position ``logits`` (B, V): temperature, then top-k, then
+    a multinomial draw. Returns (B, 1) int64."""
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
