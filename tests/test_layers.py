@@ -157,3 +157,19 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     edges, upward = _graph()
     assert any("comm/x.py:2" in u and "shardwise.engine.y" in u for u in upward), upward
     assert _cycles(edges) == [["shardwise.comm.x", "shardwise.engine.y"]]
+
+
+def test_the_engine_imports_no_concrete_model():
+    """The engine (and parallel, checkpoint, training beneath or beside it) reads a model's
+    ``ModelDescription``: of ``models`` it may import only the description, the meta-device
+    construction and sampling, never the GPT, the Llama or the CNN (issue 21)."""
+    allowed = {"shardwise.models.description", "shardwise.models.meta_init",
+               "shardwise.models.sampling"}
+    mods = _modules()
+    known = set(mods)
+    bad = [f"{path.relative_to(SRC)}:{line} imports {target}"
+           for name, path in sorted(mods.items())
+           if _layer(name) in ("engine", "parallel", "checkpoint", "training")
+           for target, line in _imports(name, path, known)
+           if _layer(target) == "models" and target not in allowed]
+    assert not bad, "concrete models imported below the applications:\n" + "\n".join(bad)

@@ -304,8 +304,11 @@ class Config(_Section):
     def _sections_agree(self):
         """Rules that span sections: sizes that must divide, layouts that cannot combine."""
         p, t, m = self.parallel, self.training, self.model
-        for name, size in (("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
-                           ("MLP width 4 x model.n_embd", 4 * m.n_embd)):
+        # the GPT's sizes (the default kind); other kinds are checked against their model
+        # description when the run starts (apps.lm.app.check_config)
+        for name, size in ((("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+                            ("MLP width 4 x model.n_embd", 4 * m.n_embd))
+                           if m.kind == "gpt" else ()):
             if size % p.tp:
                 raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
         if p.pp * p.chunks_per_rank > m.n_layer + 2:

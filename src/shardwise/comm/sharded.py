@@ -27,6 +27,11 @@ from shardwise.comm.api import (
 )
 from shardwise.comm.primitives import check_op, finish_, group_info
 
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single
+# names (same arguments), which torch 2.11 lacks: the newer name where it exists
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False, algorithm: str = "ring",
@@ -50,8 +55,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         if n > 1:
             call = _call("all_gather", algo, info, output)
             if algo == "native":
-                # all_gather_into_tensor, not all_gather_single: torch 2.11 lacks the latter
-                call.wait_native(dist.all_gather_into_tensor(
+                call.wait_native(_ALL_GATHER(
                     out.flat, out.flat[info.rank * m:(info.rank + 1) * m].clone(), group=group,
                     async_op=True))
             elif algo == "ring":
@@ -114,8 +118,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
             pass
         elif algo == "native":
             res = torch.empty_like(work[:m])
-            call.wait_native(dist.reduce_scatter_tensor(res, work, _NATIVE_OPS[op], group=group,
-                                                        async_op=True))
+            call.wait_native(_REDUCE_SCATTER(res, work, _NATIVE_OPS[op], group=group,
+                                             async_op=True))
             finish_(res, op, n)
             work[r * m:(r + 1) * m].copy_(res)
         elif algo == "ring":

@@ -31,7 +31,8 @@ from shardwise.training.metrics import truncate_metrics
 
 LOCK = ".shardwise.lock"
 CHECKPOINT_FORMAT = 2  # engine.state.FORMAT (not imported: the launcher builds no engine)
-_MODEL_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights")
+_MODEL_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights",
+                 "n_kv_heads", "ffn_hidden", "multiple_of")
 _CNN_FIELDS = ("channels", "hidden", "kernel")  # model.kind = "cnn" (issue 16)
 
 
@@ -100,8 +101,8 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
     """``RunDirError`` naming the first model field or step count that makes resuming
     ``path`` impossible under ``cfg``."""
     saved = meta.get("config", {}).get("model", {})
-    gpt = saved.get("kind", "gpt") == "gpt"  # the CNN's checkpoints have their own layout
-    if gpt and "history" in meta and meta.get("format") != CHECKPOINT_FORMAT:  # older trainer
+    lm = saved.get("kind", "gpt") != "cnn"  # the CNN's checkpoints have their own layout
+    if lm and "history" in meta and meta.get("format") != CHECKPOINT_FORMAT:  # older trainer
         raise RunDirError(f"cannot resume {path}: written by an older shardwise (checkpoint "
                           f"format {meta.get('format', 1)}, this one reads "
                           f"{CHECKPOINT_FORMAT}); --fresh starts over (the old checkpoints "

@@ -14,6 +14,9 @@ from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm import check as comm_check
 from shardwise.data import CharTokenizer
+from shardwise.models import describe_section
+from shardwise.parallel.tensor_parallel.group import RankGroup
+from shardwise.parallel.tensor_parallel.plan import check_divisible
 
 
 def train_rank(cfg_dict: dict, device: torch.device | None = None,
@@ -59,6 +62,16 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
     trainer.finish()
     return summary
+
+
+def check_config(cfg: Config) -> None:
+    """The model's own rules, from its description: a registered ``model.kind``, sizes it
+    accepts, and tp dividing what its plan splits (n_kv_heads for the Llama). Raises
+    ``ValueError`` (one line naming the field)."""
+    d = describe_section(cfg.model, cfg.model.vocab_size or 1)
+    p = cfg.parallel
+    check_divisible(d, RankGroup(size=p.tp, sequence_parallel=p.sequence_parallel,
+                                 axis="parallel.tp"), seq_len=cfg.model.block_size)
 
 
 def summary(result: dict) -> str:

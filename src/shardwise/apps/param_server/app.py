@@ -7,7 +7,11 @@ from shardwise.base.config import Config
 
 
 def check_config(cfg: Config) -> None:
-    """Every server must own at least one key range: ``ValueError`` (one line) otherwise."""
+    """The parameter server trains the GPT, and every server must own at least one key
+    range: ``ValueError`` (one line) otherwise."""
+    if cfg.model.kind != "gpt":
+        raise ValueError(f"model.kind={cfg.model.kind!r} with parallel.mode=ps: the parameter "
+                         "server trains the GPT only (model.kind = \"gpt\")")
     keys = count_keys(cfg.model)
     if cfg.ps.servers > keys:
         raise ValueError(f"ps.servers={cfg.ps.servers} is more than the model's {keys} key "
