@@ -106,3 +106,43 @@ def test_one_process_tied_and_meta():
         assert torch.equal(p, ref[name]), name
     meta = build_local_model(cfg, device=torch.device("meta"), **kw)
     assert all(p.is_meta for _, p in meta.named_parameters())
+
+
+class _UserInits(torch.nn.Module):
+    """Initialisers a user's model may use: trunc_normal_ (a no-op on the meta device in
+    torch 2.13, so its draws must be replayed by calling it), a draw followed by in-place
+    arithmetic on the same tensor, orthogonal_, eye_, a write through ``.data``."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4, bias=False)
+        self.c = nn.Parameter(torch.empty(3, 5))
+        self.d = nn.Parameter(torch.empty(4, 4))
+        nn.init.trunc_normal_(self.a.weight, std=0.02, a=-0.04, b=0.04)
+        with torch.no_grad():
+            self.b.weight.uniform_(-1, 1)
+            self.b.weight.mul_(3).add_(1).clamp_(-1, 2.5)
+        nn.init.orthogonal_(self.c)
+        nn.init.eye_(self.d)
+        self.e = nn.Linear(3, 3, bias=False)
+        self.e.weight.data.normal_(0.0, 0.02)  # through an alias of the parameter
+
+
+def test_replay_covers_user_initialisers():
+    torch.manual_seed(3)
+    ref = dict(_UserInits().named_parameters())
+    got = {}
+    replay_init(record_init(_UserInits), 3, list(ref), lambda n, t: got.__setitem__(n, t.clone()))
+    for name, p in ref.items():
+        assert torch.equal(got[name], p.detach()), name
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3))]), "out of place"),
+    (lambda: torch.nn.Linear(4, 4).weight.detach()[:2].normal_() and None, "view"),
+])
+def test_writes_that_cannot_be_replayed_are_refused(build, match):
+    with pytest.raises(NotImplementedError, match=match):
+        record_init(build)
