@@ -38,6 +38,10 @@ class ModelConfig(_Section):
 
     kind: str = Field("gpt", description="gpt, llama, a kind registered with "
                       "shardwise.register_model, or cnn (Fashion-MNIST; sizes in [cnn])")
+    module: str = Field("", description="a Python module name or a path to a .py file, "
+                        "imported (its code run) before model.kind is looked up, on the "
+                        "launcher and on every rank: the module that registers your model "
+                        "(docs/models.md); empty: none")
 
     n_layer: int = Field(4, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads per block")

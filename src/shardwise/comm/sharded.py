@@ -10,6 +10,8 @@ two, log2 p + 2 otherwise; same bytes per rank for powers of two), or "native".
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,11 @@ from shardwise.comm.api import (
     _tensor,
 )
 from shardwise.comm.primitives import check_op, finish_, group_info
+
+# torch 2.13 deprecates the *_tensor names for *_single, which 2.11 and 2.12 lack: the
+# "native" paths keep the names every supported torch has, without a warning per rank
+warnings.filterwarnings("ignore", category=FutureWarning, message=r"`torch\.distributed\."
+                        r"(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,

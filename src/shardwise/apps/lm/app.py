@@ -1,4 +1,6 @@
-"""The language model's per-rank entry point under ``shardwise train`` and its closing line."""
+"""The language model under ``shardwise train``: its checks at the door (the user's model
+module, the kind, the corpus and the model it implies), its per-rank entry point and its
+closing line."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch.distributed as dist
 
 from shardwise import checkpoint, comm
 from shardwise.apps.lm.model import describe_layout
+from shardwise.apps.lm.text import check_corpus
 from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
@@ -59,6 +62,32 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
     trainer.finish()
     return summary
+
+
+def check_config(cfg: Config) -> None:
+    """At the door, on the launcher: import ``model.module`` (the user's code that registers
+    a model) and look ``model.kind`` up; ``ValueError`` (one line naming the field) when
+    either fails. Every rank imports the module again (``models.describe_section``)."""
+    from shardwise.models import section_kind
+
+    section_kind(cfg.model)
+
+
+def check_data(cfg: Config) -> None:
+    """At the door: the corpus (``apps.lm.text.check_corpus``), then the model it implies:
+    the ``[model]`` section through the kind's ``from_section`` with the text's vocabulary
+    (the character tokenizer's), and the sizes ``parallel.tp`` must divide
+    (``ModelDescription.tp_divides``). ``DataError`` / ``ValueError``, one line."""
+    from shardwise.data import load_text
+    from shardwise.models import describe_section
+
+    text = load_text(cfg.data.path)
+    check_corpus(cfg, text)
+    description = describe_section(cfg.model, len(set(text)))
+    tp = cfg.parallel.tp
+    for what, n in description.tp_divides.items():
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}")
 
 
 def summary(result: dict) -> str:
