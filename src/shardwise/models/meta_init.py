@@ -12,8 +12,15 @@ stream instead of inventing a new one:
   they draw from the CPU generator; ``zero_``, ``fill_``: they do not). Meta tensors hold
   no memory, so this costs nothing that grows with the model (the first meta construction
   in a process imports torch's meta kernels and decompositions once: about 75 MiB of
-  resident code, measured in ``benchmarks/meta_init.py``). Any other in-place write or
-  random draw during construction raises ``NotImplementedError`` (it could not be replayed).
+  resident code, measured in ``benchmarks/meta_init.py``). A write is matched to its
+  parameter by storage, so ``p.data.normal_()`` and ``p.detach().uniform_()`` count; it
+  must cover the whole tensor in order (a slice, a transpose: ``NotImplementedError``).
+  ``nn.init.trunc_normal_``, ``dirac_`` and ``eye_`` are logged when called (a profile
+  hook: torch skips their work on meta tensors, so no write would reach the dispatch mode
+  and the parameter would silently keep its earlier value) and replayed by calling them
+  again. Any other in-place write, ``out=`` write or random draw during construction,
+  ``nn.init.orthogonal_`` and ``sparse_`` included, raises ``NotImplementedError`` (it
+  could not be replayed bit for bit).
 - ``replay_init(record, seed, names, sink)`` walks that log with a CPU generator seeded with
   ``seed`` (the stream ``torch.manual_seed(seed)`` gives the default generator). Every draw
   is made again, at the recorded shape and dtype, into a fresh scratch tensor, so the
@@ -28,7 +35,8 @@ stream instead of inventing a new one:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -37,68 +45,143 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _DRAWS = ("normal_", "uniform_")   # draw from the CPU generator
 _FILLS = ("zero_", "fill_")        # no draw
+# nn.init functions that return at once on the meta device (torch skips their work there,
+# so no write reaches the dispatch mode) or write through ``out=``: name -> (arguments, draws).
+# They are logged when called (``sys.setprofile``, whatever name they are called by) and
+# replayed by calling them again on the CPU tensor with the replay's generator.
+_CALLED = {"trunc_normal_": (("mean", "std", "a", "b"), True), "dirac_": (("groups",), False),
+           "eye_": ((), False)}
+# the same kind, not replayable bit for bit: refused with the reason
+_REFUSED = {"orthogonal_": "its QR decomposition is not guaranteed to round alike on every "
+            "rank", "sparse_": "it draws its permutations from the global generator, whatever "
+            "generator it is given"}
 
 
 @dataclass(frozen=True)
 class _Op:
-    target: int             # id() of the tensor written
-    method: str             # one of _DRAWS + _FILLS
+    target: int             # the storage written (``_storage_key``)
+    method: str             # one of _DRAWS + _FILLS, or "init." + a name of _CALLED
     shape: tuple[int, ...]
     dtype: torch.dtype
     args: tuple
     kwargs: dict
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """Which tensor a write reaches: its storage (``p``, ``p.data`` and ``p.detach()`` share
+    one; each meta tensor has its own)."""
+    return t.untyped_storage()._cdata
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """``t`` covers its whole storage, in order (not a slice, a transpose or an expansion)."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
+
 @dataclass
 class InitRecord:
-    """``model`` (every tensor on the meta device), the ordered writes that initialised it
-    and ``ids``: parameter name (tied names included) -> id() of the tensor the writes name,
-    taken at construction, so the model's modules may be sharded or materialised after.
-    ``written`` keeps every written tensor alive (meta: free), so no id() is reused."""
+    """``model`` (every tensor on the meta device), the ordered writes that initialised it,
+    ``ids``: parameter name (tied names included) -> the storage the writes name, and
+    ``shapes``: parameter name -> shape, both taken at construction, so the model's modules
+    may be sharded or materialised after. ``written`` keeps every written tensor alive (meta:
+    free), so no storage key is reused."""
 
     model: nn.Module
     ops: list[_Op]
     ids: dict[str, int]
     written: list[torch.Tensor]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def last_writes(self) -> dict[int, int]:
-        """id(tensor) -> index in ``ops`` of the write that fixed its value."""
+        """storage key -> index in ``ops`` of the write that fixed its value."""
         return {op.target: i for i, op in enumerate(self.ops)}
 
 
 class _Recorder(TorchDispatchMode):
-    """Logs initialising writes at the ATen level, below ``nn.init``'s own dispatch."""
+    """Logs initialising writes at the ATen level, below ``nn.init``'s own dispatch, and the
+    ``_CALLED`` nn.init functions at the Python level (a profile hook)."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[_Op] = []
         self.written: list[torch.Tensor] = []
+        self.error: str | None = None  # raised once ``build`` returns (see ``_profile``)
+        self.inside = None  # the frame of a logged nn.init call: its own writes are in it
+        self.codes = {getattr(nn.init, n).__code__: n for n in (*_CALLED, *_REFUSED)
+                      if hasattr(nn.init, n)}
+
+    def _log(self, t: torch.Tensor, method: str, args: tuple, kwargs: dict) -> None:
+        if not _whole(t):
+            raise NotImplementedError(
+                f"{method} on part of a tensor (a slice or a view) while building on the meta "
+                "device cannot be replayed: initialise whole parameters")
+        self.written.append(t)
+        self.ops.append(_Op(_storage_key(t), method, tuple(t.shape), t.dtype, args, kwargs))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.inside is not None:  # within a logged nn.init call: replayed as one
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if name in _DRAWS + _FILLS:
-            t = args[0]
             if kwargs.get("generator") is not None:
                 raise NotImplementedError(f"{name} with its own generator cannot be replayed")
-            self.written.append(t)
-            self.ops.append(_Op(id(t), name, tuple(t.shape), t.dtype, tuple(args[1:]),
-                                {k: v for k, v in kwargs.items() if k != "generator"}))
-        elif torch.Tag.nondeterministic_seeded in func.tags or (
-                name.endswith("_") and not name.startswith("_")):
+            self._log(args[0], name, tuple(args[1:]),
+                      {k: v for k, v in kwargs.items() if k != "generator"})
+        elif torch.Tag.nondeterministic_seeded in func.tags or func._schema.is_mutable:
             raise NotImplementedError(f"aten.{name} while building on the meta device: its "
-                                      "effect on the values cannot be replayed")
+                                      "effect on the values cannot be replayed (nn.init's "
+                                      "normal_, uniform_, zeros_, ones_, constant_, "
+                                      "trunc_normal_ can)")
         return func(*args, **kwargs)
+
+    def _profile(self, frame, event, arg) -> None:
+        """``sys.setprofile`` hook: log a call of a ``_CALLED`` nn.init function on a meta
+        tensor (torch skips their work there). Never raises (a profile hook's exception
+        would unset it): the first problem is kept in ``error``."""
+        if event == "return" and frame is self.inside:
+            self.inside = None
+        if event != "call" or self.inside is not None or frame.f_code not in self.codes:
+            return
+        name = self.codes[frame.f_code]
+        local = frame.f_locals
+        t = local.get("tensor")
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return  # a real tensor: its writes reach the dispatch mode
+        self.inside = frame
+        if self.error is not None:
+            return
+        if name in _REFUSED:
+            self.error = (f"nn.init.{name} while building on the meta device cannot be "
+                          f"replayed: {_REFUSED[name]}")
+        elif local.get("generator") is not None:
+            self.error = f"nn.init.{name} with its own generator cannot be replayed"
+        else:
+            try:
+                self._log(t, f"init.{name}", (), {k: local[k] for k in _CALLED[name][0]})
+            except NotImplementedError as e:
+                self.error = str(e)
 
 
 def record_init(build: Callable[[], nn.Module]) -> InitRecord:
     """``build()`` on the meta device, with the log of its initialising writes. Raises
     ``NotImplementedError`` for a write it could not replay (see the module docstring)."""
     rec = _Recorder()
-    with torch.device("meta"), rec:
-        model = build()
-    ids = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-    return InitRecord(model, rec.ops, ids, rec.written)
+    previous = sys.getprofile()
+    sys.setprofile(rec._profile)
+    try:
+        with torch.device("meta"), rec:
+            model = build()
+    finally:
+        sys.setprofile(previous)
+    if rec.error is not None:
+        raise NotImplementedError(rec.error)
+    named = model.named_parameters(remove_duplicate=False)
+    ids, shapes = {}, {}
+    for n, p in named:
+        ids[n], shapes[n] = _storage_key(p), tuple(p.shape)
+    return InitRecord(model, rec.ops, ids, rec.written, shapes)
 
 
 @torch.no_grad()
@@ -116,19 +199,27 @@ def replay_init(record: InitRecord, seed: int, names: Iterable[str],
     final = {last[t]: ns for t, ns in wanted.items() if t in last}
     missing = [n for t, ns in wanted.items() if t not in last for n in ns]
     if missing:
-        raise ValueError(f"no initialising write recorded for {missing[0]!r}")
+        raise ValueError(f"no initialising write recorded for {missing[0]!r}: give it its "
+                         "value with an nn.init in-place write (a tensor made by torch.zeros, "
+                         "torch.ones or torch.tensor has no value on the meta device)")
     g = torch.Generator().manual_seed(seed)
     for i, op in enumerate(record.ops):
         keep = final.get(i)
         if op.method in _FILLS and keep is None:
             continue  # nothing drawn, nothing wanted
+        called = _CALLED.get(op.method[len("init."):]) if op.method.startswith("init.") else None
+        if called is not None and not called[1] and keep is None:
+            continue  # deterministic (dirac_, eye_), nothing wanted
         full = torch.empty(op.shape, dtype=op.dtype)  # scratch: one full tensor at a time
-        if op.method in _DRAWS:
+        if called is not None:
+            draw = {"generator": g} if called[1] else {}
+            getattr(nn.init, op.method[len("init."):])(full, **op.kwargs, **draw)
+        elif op.method in _DRAWS:
             getattr(full, op.method)(*op.args, **op.kwargs, generator=g)
         else:
             getattr(full, op.method)(*op.args, **op.kwargs)
         for n in keep or ():
-            sink(n, full)
+            sink(n, full.view(record.shapes[n]) if record.shapes else full)
         del full
 
 
