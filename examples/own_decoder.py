@@ -19,8 +19,8 @@ untied head. What makes it trainable in every layout is three small things:
 
 The engine builds the model on the meta device and replays its initialisation, so the
 model keeps three rules (``docs/models.md``): every parameter gets its value from an
-``nn.init`` in-place write (``normal_``, ``uniform_``, ``zeros_``, ``ones_``; not
-``trunc_normal_``), there are no buffers (the rotary angles are computed in ``forward``),
+``nn.init`` in-place write (``normal_``, ``uniform_``, ``trunc_normal_``, ``zeros_``,
+``ones_``, ...), there are no buffers (the rotary angles are computed in ``forward``),
 and attention reshapes with ``-1`` heads (``view(B, T, -1, head_dim)``), so a
 tensor-parallel rank computes on its share of the heads.
 
@@ -40,7 +40,7 @@ does not run), and ``model.kind`` picks the registered name; the [model] fields 
 
     shardwise train --model.module examples/own_decoder.py --model.kind own-decoder \\
         --config configs/tiny.toml --model.n_kv_heads 2 --parallel.dp 2 --parallel.pp 2 \\
-        --parallel.tp 2 --parallel.micro_batches 2 --model.tie_weights false
+        --parallel.tp 2 --parallel.micro_batches 2
 
 (``shardwise`` is ``python -m shardwise`` with ``PYTHONPATH=src``; a module name on
 ``sys.path``, ``--model.module mypkg.models``, works the same way.)
@@ -167,12 +167,17 @@ class OwnDecoder(nn.Module):
         self.layers = nn.ModuleList(ParallelBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps, bias=False)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # every value by an nn.init in-place write (the engine replays them on each rank)
+        # every value by an nn.init in-place write (the engine replays them on each rank);
+        # torchtitan's choices: normal embeddings, truncated-normal matrices (within 2 std
+        # by default, 3 std for the head), residual outputs scaled down (GPT-2)
+        nn.init.normal_(self.tok_embeddings.weight)
         for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight")):  # residual branches, GPT-2's scaling
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
-            elif p.dim() == 2:
-                nn.init.normal_(p, std=0.02)
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.trunc_normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+            elif name.startswith("layers.") and p.dim() == 2:
+                nn.init.trunc_normal_(p, std=0.02)
+        std = cfg.dim ** -0.5
+        nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
