@@ -93,6 +93,8 @@ def test_bad_model_module_or_kind_is_one_line_and_exit_2(corpus, tmp_path, capsy
         (mine + ["--model.dropout", "0.1"], "model.dropout=0.1: own-decoder has no dropout"),
         (mine + ["--parallel.tp", "2"] + ["--model.n_kv_heads", "1"],
          "model.n_kv_heads (key/value heads)=1 is not divisible by parallel.tp=2"),
+        (mine + ["--parallel.mode", "ps"], "model.kind='own-decoder' with parallel.mode=ps: "
+         "the parameter server trains the GPT only"),
     ]
     out = tmp_path / "run"
     for extra, expected in cases:

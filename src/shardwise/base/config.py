@@ -361,6 +361,9 @@ class Config(_Section):
 
     def _ps_agrees(self):
         p, ps, t = self.parallel, self.ps, self.training
+        if self.model.kind != "gpt":
+            raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
+                             "parameter server trains the GPT only; use parallel.mode = grid")
         for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:
