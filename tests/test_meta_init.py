@@ -4,8 +4,12 @@ GPT(cfg)`` in every layout (pp, tp, dp x tp x pp, interleaved chunks, tied or no
 vocabulary tp does not divide); each rank's peak memory while building stays near what it
 holds, well under the model's size."""
 
+import sys
+
 import pytest
 import torch
+import torch.nn as nn
+from torch.nn.init import trunc_normal_
 
 from meta_init_workers import local_params_worker, memory_worker
 from shardwise.launch import spawn
@@ -108,41 +112,93 @@ def test_one_process_tied_and_meta():
     assert all(p.is_meta for _, p in meta.named_parameters())
 
 
-class _UserInits(torch.nn.Module):
-    """Initialisers a user's model may use: trunc_normal_ (a no-op on the meta device in
-    torch 2.13, so its draws must be replayed by calling it), a draw followed by in-place
-    arithmetic on the same tensor, orthogonal_, eye_, a write through ``.data``."""
+class _Init(nn.Module):
+    """A Linear (its own Kaiming draws first) and a parameter ``w`` given its value by
+    ``how``: the idioms of users' models."""
 
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
-        nn = torch.nn
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4, bias=False)
-        self.c = nn.Parameter(torch.empty(3, 5))
-        self.d = nn.Parameter(torch.empty(4, 4))
-        nn.init.trunc_normal_(self.a.weight, std=0.02, a=-0.04, b=0.04)
+        self.lin = nn.Linear(6, 4)
+        self.w = nn.Parameter(torch.empty(4, 4))
+        nn.init.ones_(self.w)
+        w = self.w
         with torch.no_grad():
-            self.b.weight.uniform_(-1, 1)
-            self.b.weight.mul_(3).add_(1).clamp_(-1, 2.5)
-        nn.init.orthogonal_(self.c)
-        nn.init.eye_(self.d)
-        self.e = nn.Linear(3, 3, bias=False)
-        self.e.weight.data.normal_(0.0, 0.02)  # through an alias of the parameter
+            if how == "p.data.normal_":  # Hugging Face's _init_weights
+                w.data.normal_(0.0, 0.02)
+            elif how == "p.detach().uniform_":
+                w.detach().uniform_(-0.1, 0.1)
+            elif how == "whole view":
+                w.data.view(-1).normal_()
+            elif how == "trunc_normal_":  # torchtitan's init
+                nn.init.trunc_normal_(w, std=0.02, a=-0.04, b=0.04)
+                nn.init.trunc_normal_(self.lin.weight)
+            elif how == "trunc_normal_ imported by name":
+                trunc_normal_(w, std=0.5)
+            elif how == "eye_":
+                nn.init.eye_(w)
+            elif how == "arithmetic after a draw":
+                w.uniform_(-1.0, 1.0)
+                w.mul_(3.0).add_(1.0).clamp_(-1.0, 2.5)
+            elif how == "torch.randn":
+                self.r = nn.Parameter(torch.randn(4))
+            elif how == "dirac_":
+                self.c = nn.Parameter(torch.empty(4, 4, 3))
+                nn.init.dirac_(self.c)
+            elif how == "a slice":
+                w[:2].zero_()
+            elif how == "a transpose":
+                w.data.t().normal_()
+            elif how == "copy_":
+                w.copy_(torch.ones(4, 4))
+            elif how == "out=":
+                torch.arange(16.0, out=w.data.view(-1))
+            elif how == "orthogonal_":
+                nn.init.orthogonal_(w)
+            elif how == "sparse_":
+                nn.init.sparse_(w, 0.5)
+            elif how == "own generator":
+                nn.init.trunc_normal_(w, generator=torch.Generator())
 
 
-def test_replay_covers_user_initialisers():
-    torch.manual_seed(3)
-    ref = dict(_UserInits().named_parameters())
+@pytest.mark.parametrize("how", ["p.data.normal_", "p.detach().uniform_", "whole view",
+                                 "trunc_normal_", "trunc_normal_ imported by name", "eye_",
+                                 "dirac_", "arithmetic after a draw"])
+def test_replay_follows_every_replayable_idiom(how):
+    """Writes through an alias of the parameter, and the nn.init functions torch skips on
+    meta tensors, replay to the CPU constructor's values (before: all but dirac_ left the
+    earlier value in place, silently; dirac_'s parameter had no write at all)."""
+    torch.manual_seed(SEED)
+    ref = dict(_Init(how).named_parameters())
+    rec = record_init(lambda: _Init(how))
     got = {}
-    replay_init(record_init(_UserInits), 3, list(ref), lambda n, t: got.__setitem__(n, t.clone()))
-    for name, p in ref.items():
-        assert torch.equal(got[name], p.detach()), name
+    replay_init(rec, SEED, list(ref), lambda n, t: got.__setitem__(n, t.clone()))
+    for n in ref:
+        assert torch.equal(got[n], ref[n].detach()), n
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3))]), "out of place"),
-    (lambda: torch.nn.Linear(4, 4).weight.detach()[:2].normal_() and None, "view"),
+@pytest.mark.parametrize("how, expected", [
+    ("a slice", "zero_ on part of a tensor"),
+    ("a transpose", "normal_ on part of a tensor"),
+    ("copy_", "aten.copy_ while building on the meta device"),
+    ("out=", "aten.arange while building on the meta device"),
+    ("orthogonal_", "nn.init.orthogonal_ while building on the meta device cannot be replayed"),
+    ("sparse_", "nn.init.sparse_ while building on the meta device cannot be replayed"),
+    ("own generator", "nn.init.trunc_normal_ with its own generator cannot be replayed"),
+    ("torch.randn", "aten.randn while building on the meta device"),
 ])
-def test_writes_that_cannot_be_replayed_are_refused(build, match):
-    with pytest.raises(NotImplementedError, match=match):
-        record_init(build)
+def test_writes_that_cannot_be_replayed_are_refused(how, expected):
+    before = sys.getprofile()
+    with pytest.raises(NotImplementedError, match=expected.replace(".", r"\.").replace("(", r"\(")):
+        record_init(lambda: _Init(how))
+    assert sys.getprofile() is before  # the profile hook is gone
+
+
+def test_a_parameter_without_an_init_write_is_named():
+    class Zeros(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(3))
+
+    rec = record_init(Zeros)
+    with pytest.raises(ValueError, match="no initialising write recorded for 'w': give it"):
+        replay_init(rec, SEED, ["w"], lambda n, t: None)

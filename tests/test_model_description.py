@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.apps.lm.app import check_config
+from shardwise.apps.lm.app import check_config, check_model
 from shardwise.base.config import Config
 from shardwise.engine.model import build_local_model
 from shardwise.models import GPTConfig, LlamaConfig, describe
@@ -63,9 +63,11 @@ def test_gqa_tp_must_divide_kv_heads_one_line():
         _local(bad, 2, 0)
     cfg = Config.from_dict({"model": {"kind": "llama", "n_head": 4, "n_kv_heads": 1},
                             "parallel": {"dp": 1, "tp": 2}})
-    with pytest.raises(ValueError, match=r"n_kv_heads.*parallel.tp=2"):
-        check_config(cfg)
-    with pytest.raises(ValueError, match=r"model.kind='nope': expected one of gpt, llama"):
+    with pytest.raises(ValueError, match=r"^model.n_kv_heads \(key/value heads\)=1 is not "
+                                         r"divisible by parallel.tp=2$"):
+        check_model(cfg, 65)
+    with pytest.raises(ValueError, match=r"model.kind='nope': not a registered model \(gpt, "
+                                         r"llama"):
         check_config(Config.from_dict({"model": {"kind": "nope"}}))
 
 

@@ -6,6 +6,7 @@ The public API, one name each (``docs/api.md`` documents every one)::
     shardwise.launch.spawn(fn, 2)                     # 2 local ranks, gloo on the CPU
     model = shardwise.DistributedDataParallel(net)    # or ZeroDataParallel(net, stage=2)
     tp = shardwise.RankGroup(group, size, rank)       # Megatron's column / row layers
+    shardwise.register_model("mine", MyConfig, describe, from_section)  # any layout, the CLI
 
 Names are loaded lazily (PEP 562: a module ``__getattr__`` and ``__dir__`` over
 ``_EXPORTS``), so ``import shardwise`` imports neither torch nor any subpackage: the CLI's
@@ -39,6 +40,15 @@ _EXPORTS: dict[str, str] = {
     "GPTConfig": "shardwise.models.gpt:GPTConfig",
     "Llama": "shardwise.models.llama:Llama",
     "LlamaConfig": "shardwise.models.llama:LlamaConfig",
+    # your own model: describe it, register it, train it in any layout (docs/models.md)
+    "ModelDescription": "shardwise.models.description:ModelDescription",
+    "register_model": "shardwise.models.description:register_model",
+    "decoder_layers": "shardwise.models.description:decoder_layers",
+    "model_kinds": "shardwise.models.description:model_kinds",
+    "TP_STYLES": "shardwise.models.description:STYLES",
+    # data: the text and its characters
+    "load_text": "shardwise.data:load_text",
+    "CharTokenizer": "shardwise.data:CharTokenizer",
     # data parallel & ZeRO
     "DistributedDataParallel": "shardwise.parallel.data_parallel.ddp:DistributedDataParallel",
     "ZeroDataParallel": "shardwise.parallel.zero.optimizer:ZeroDataParallel",

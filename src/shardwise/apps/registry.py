@@ -101,9 +101,10 @@ def _register_builtin() -> None:
         check_resumable=ps_state.check_resumable,
         result_rank=lambda cfg: cfg.ps.servers))  # worker 0: after the servers' ranks
     register(AppSpec(
-        name="lm", description="a decoder (GPT, Llama, yours) on text in any dp x tp x pp "
-        "layout (the default)", handles=lambda cfg: True, train_rank=lm_app.train_rank,
-        summary=lm_app.summary, check_config=lm_app.check_config, check_data=check_corpus))
+        name="lm", description="a decoder (gpt, llama or yours: model.kind, model.module) on "
+        "text in any dp x tp x pp layout (the default)",
+        handles=lambda cfg: True, train_rank=lm_app.train_rank, summary=lm_app.summary,
+        check_config=lm_app.check_config, check_data=lm_app.check_data))
 
 
 _register_builtin()

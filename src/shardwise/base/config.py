@@ -38,6 +38,10 @@ class ModelConfig(_Section):
 
     kind: str = Field("gpt", description="gpt, llama, a kind registered with "
                       "shardwise.register_model, or cnn (Fashion-MNIST; sizes in [cnn])")
+    module: str = Field("", description="a Python module name or a path to a .py file, "
+                        "imported (its code run) before model.kind is looked up, on the "
+                        "launcher and on every rank: the module that registers your model "
+                        "(docs/models.md); empty: none")
 
     n_layer: int = Field(4, ge=1, description="transformer blocks")
     n_head: int = Field(4, ge=1, description="attention heads per block")
@@ -360,6 +364,9 @@ class Config(_Section):
 
     def _ps_agrees(self):
         p, ps, t = self.parallel, self.ps, self.training
+        if self.model.kind != "gpt":
+            raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
+                             "parameter server trains the GPT only; use parallel.mode = grid")
         for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:

@@ -10,6 +10,7 @@ two, log2 p + 2 otherwise; same bytes per rank for powers of two), or "native".
 
 from __future__ import annotations
 
+
 import torch
 import torch.distributed as dist
 

@@ -236,6 +236,17 @@ class Engine:
         collective over dp)."""
         return getattr(self.sync, "full_parameters", contextlib.nullcontext)()
 
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' parameters as the single-process model holds them: full model
+        names, unsharded over tp (vocabulary padding dropped), gathered over dp under ZeRO-3,
+        compute dtype, copies. A tied head copy on the last stage is left out (the
+        embedding's is the same tensor). Collective over tp (and dp under ZeRO-3): every
+        rank calls it. For parity checks and reports (``examples/own_decoder.py``)."""
+        from shardwise.engine.state import model_tensors
+
+        with self.full_parameters():
+            return model_tensors(self)
+
     def memory_bytes(self) -> dict:
         """Bytes this rank holds for ``params`` (compute-dtype parameters and shards),
         ``grads`` (buckets, gradient shards) and ``optimizer`` (fp32 masters that are not the

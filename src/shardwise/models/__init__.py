@@ -8,9 +8,11 @@ from shardwise.models.description import (
     decoder_layers,
     describe,
     describe_section,
+    import_model_module,
     model_kind,
     model_kinds,
     register_model,
+    section_kind,
 )
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.llama import Llama, LlamaConfig
@@ -19,5 +21,5 @@ register_model("gpt", GPTConfig, gpt.describe, gpt.from_section)
 register_model("llama", LlamaConfig, llama.describe, llama.from_section)
 
 __all__ = ["CNN", "CNNConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ModelDescription",
-           "decoder_layers", "describe", "describe_section", "model_kind", "model_kinds",
-           "register_model"]
+           "decoder_layers", "describe", "describe_section", "import_model_module",
+           "model_kind", "model_kinds", "register_model", "section_kind"]

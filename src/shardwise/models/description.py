@@ -44,7 +44,12 @@ own; ``examples/own_decoder.py`` registers one of yours.
 from __future__ import annotations
 
 import fnmatch
+import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Mapping
 
 import torch.nn as nn
@@ -168,8 +173,11 @@ _KINDS: dict[str, ModelKind] = {}
 def register_model(name: str, config_type: type, describe: Callable[[Any], ModelDescription],
                    from_section: Callable[[Any, int], Any]) -> None:
     """Make ``model.kind = name`` trainable in every layout (see ``ModelKind``). Registering
-    a name again replaces it. Call it at import time of the module that defines the model,
-    so spawned ranks, which import that module again, know it too."""
+    a name again replaces it (shardwise's own are registered first, so yours win). Call it
+    at import time of the module that defines the model, so spawned ranks, which import that
+    module again (``model.module`` on the command line), know it too."""
+    import shardwise.models  # noqa: F401  ("gpt" and "llama" first, whoever imports first)
+
     _KINDS[name] = ModelKind(name, config_type, describe, from_section)
 
 
@@ -184,9 +192,67 @@ def model_kind(name: str) -> ModelKind:
     """The registered kind ``name``; ``ValueError`` (one line, listing the kinds) if none."""
     kinds = model_kinds()
     if name not in _KINDS:
-        raise ValueError(f"model.kind={name!r}: expected one of {', '.join(kinds)} (or a "
-                         "kind registered with shardwise.register_model)")
+        raise ValueError(f"model.kind={name!r}: not a registered model ({', '.join(kinds)}); "
+                         "set model.module to the module that registers it with "
+                         "shardwise.register_model")
     return _KINDS[name]
+
+
+def import_model_module(spec: str) -> ModuleType | None:
+    """Import ``spec`` (``model.module``): a module name (``mypkg.models``, found on
+    ``sys.path``) or a path to a ``.py`` file (relative to the working directory), and
+    return it; "" imports nothing (None). Importing runs the module's code: that is how it
+    registers its models (``register_model`` at import time). A file is imported once per
+    process, as a module named after its stem (``examples/own_decoder.py`` ->
+    ``own_decoder``), so every rank's import gives the same names. Raises ``ValueError``
+    (one line naming ``model.module``) for a missing file or module, a name taken by another
+    file, or any exception the module raises while it is imported."""
+    if not spec:
+        return None
+    try:
+        if spec.endswith(".py") or "/" in spec or "\\" in spec:
+            return _import_file(spec)
+        return importlib.import_module(spec)
+    except ValueError:
+        raise
+    except Exception as e:  # the user's code: any error, as one line
+        text = str(e).strip().splitlines()
+        detail = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+        raise ValueError(f"model.module={spec!r}: cannot import it ({detail})") from None
+
+
+def _import_file(spec: str) -> ModuleType:
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"model.module={spec!r}: no such file")
+    path = path.resolve()
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        where = getattr(loaded, "__file__", None)
+        if where is not None and Path(where).resolve() == path:
+            return loaded  # imported already (by this function or by its name)
+        raise ValueError(f"model.module={spec!r}: a module named {name!r} is already "
+                         f"imported from {where or 'elsewhere'}; rename the file")
+    if not name.isidentifier():
+        raise ValueError(f"model.module={spec!r}: {path.name} is not a module name")
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # before running it: dataclasses look their module up
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def section_kind(section: Any) -> ModelKind:
+    """The registered kind of a run's ``[model]`` section, after importing
+    ``section.module`` (``import_model_module``); ``ValueError`` (one line) for a module
+    that cannot be imported or a kind nobody registered."""
+    import_model_module(getattr(section, "module", ""))
+    return model_kind(section.kind)
 
 
 def describe(model: Any) -> ModelDescription:
@@ -203,7 +269,8 @@ def describe(model: Any) -> ModelDescription:
 
 
 def describe_section(section: Any, vocab_size: int) -> ModelDescription:
-    """The model of a run's ``[model]`` section (``section.kind``); ``vocab_size`` the
-    tokenizer's, used when ``section.vocab_size`` is 0."""
-    kind = model_kind(section.kind)
+    """The model of a run's ``[model]`` section (``section.kind``, registered by
+    ``section.module`` when set: imported first); ``vocab_size`` the tokenizer's, used when
+    ``section.vocab_size`` is 0."""
+    kind = section_kind(section)
     return kind.describe(kind.from_section(section, vocab_size))

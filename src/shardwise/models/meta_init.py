@@ -8,174 +8,198 @@ built after ``torch.manual_seed(seed)`` on the CPU. So we replay that constructi
 stream instead of inventing a new one:
 
 - ``record_init(build)`` runs ``build()`` on the meta device under a ``TorchDispatchMode``
-  that logs, in order, every in-place write to a tensor: draws from the CPU generator
-  (``normal_``, ``uniform_``, any op that takes a generator), fills, and the arithmetic a
-  constructor does in place (``mul_``, ``clamp_``, ``erfinv_`` ...). The nn.init functions
-  that return at once on the meta device (``trunc_normal_``, ``orthogonal_``, ``sparse_``,
-  ``dirac_``, ``eye_``: torch 2.13 skips their sampling there) are logged whole. Writes are
-  keyed by storage, so a write through ``.data`` or ``detach()`` counts for the parameter.
-  Meta tensors hold no memory, so this costs nothing that grows with the model (the first
-  meta construction in a process imports torch's meta kernels and decompositions once:
-  about 75 MiB of resident code, measured in ``benchmarks/meta_init.py``). What could not
-  be replayed raises ``NotImplementedError`` naming the op: a random tensor made out of
-  place (``torch.randn``), a write into part of a tensor, an op reading another tensor,
-  ``out=``, a generator of the model's own.
+  that logs, in order, every initialising write to a tensor (``normal_``, ``uniform_``:
+  they draw from the CPU generator; ``zero_``, ``fill_``: they do not). Meta tensors hold
+  no memory, so this costs nothing that grows with the model (the first meta construction
+  in a process imports torch's meta kernels and decompositions once: about 75 MiB of
+  resident code, measured in ``benchmarks/meta_init.py``). A write is matched to its
+  parameter by storage, so ``p.data.normal_()`` and ``p.detach().uniform_()`` count; it
+  must cover the whole tensor in order (a slice, a transpose: ``NotImplementedError``).
+  ``nn.init.trunc_normal_``, ``dirac_`` and ``eye_`` are logged when called (a profile
+  hook: torch skips their work on meta tensors, so no write would reach the dispatch mode
+  and the parameter would silently keep its earlier value) and replayed by calling them
+  again. In-place arithmetic on one tensor after a draw (``w.mul_(2).clamp_(-1, 1)``) is
+  replayed on the same tensor. Any other write (one reading another tensor, ``out=``), a
+  random tensor made out of place (``torch.randn``), ``nn.init.orthogonal_`` and
+  ``sparse_`` raise ``NotImplementedError`` (they could not be replayed bit for bit).
 - ``replay_init(record, seed, names, sink)`` walks that log with a CPU generator seeded with
   ``seed`` (the stream ``torch.manual_seed(seed)`` gives the default generator). Every draw
   is made again, at the recorded shape and dtype, into a fresh scratch tensor, so the
   generator advances exactly as it did in the single-process constructor. The CPU
   generator (Mersenne Twister) has no way to skip ahead, so a draw nobody needs is made and
-  dropped: memory stays at one full tensor (two while an op reads what the previous one
-  left). At the last write to a parameter, for each wanted name, ``sink(name, full)``
-  receives the full tensor (CPU) to cut its slice from; earlier writes that the next one
-  overwrites whole (an ``nn.Linear``'s own Kaiming init before the GPT's normal init, a tied
-  head's first embedding draw) only advance the generator.
+  dropped: memory stays at one full tensor. The last write to a parameter fixes its value
+  (each logged op overwrites the whole tensor), so at that write, for each wanted name,
+  ``sink(name, full)`` receives the full tensor (CPU) to cut its slice from; earlier writes
+  to it (an ``nn.Linear``'s own Kaiming init before the GPT's normal init, a tied head's
+  first embedding draw) only advance the generator.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# nn.init functions that return at once on the meta device (torch 2.13: "sampling is a
-# no-op"), so their draws would be lost: while recording, each call is logged whole and
-# replayed by calling the function itself on the CPU scratch tensor
-_META_SKIPPING_INITS = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_", "eye_")
-_OVERWRITES = ("normal_", "uniform_", "random_", "exponential_", "cauchy_", "log_normal_",
-               "geometric_", "fill_", "zero_")
+_DRAWS = ("normal_", "uniform_")   # draw from the CPU generator
+_FILLS = ("zero_", "fill_")        # no draw
+# nn.init functions that return at once on the meta device (torch skips their work there,
+# so no write reaches the dispatch mode) or write through ``out=``: name -> (arguments, draws).
+# They are logged when called (``sys.setprofile``, whatever name they are called by) and
+# replayed by calling them again on the CPU tensor with the replay's generator.
+_CALLED = {"trunc_normal_": (("mean", "std", "a", "b"), True), "dirac_": (("groups",), False),
+           "eye_": ((), False)}
+# the same kind, not replayable bit for bit: refused with the reason
+_REFUSED = {"orthogonal_": "its QR decomposition is not guaranteed to round alike on every "
+            "rank", "sparse_": "it draws its permutations from the global generator, whatever "
+            "generator it is given"}
 
 
 @dataclass(frozen=True)
 class _Op:
-    target: int             # the storage written (``_key``)
-    func: Callable          # an in-place ATen op, or an nn.init function (``call``)
-    shape: tuple[int, ...]
+    target: int             # the storage written (``_storage_key``)
+    method: str             # one of _DRAWS + _FILLS, "init." + a name of _CALLED, or
+    shape: tuple[int, ...]  # "aten." + an in-place op that reads the tensor (``func``)
     dtype: torch.dtype
-    args: tuple             # every argument after the tensor (no tensors among them)
+    args: tuple
     kwargs: dict
-    draws: bool             # draws from the generator (replayed with ``generator=g``)
-    call: bool = False      # an nn.init function called whole
+    func: Callable | None = None
 
     @property
     def overwrites(self) -> bool:
         """Whether the op sets every element without reading the old values (a draw, a
-        fill, an nn.init function); ``mul_``, ``clamp_``, ``erfinv_`` ... read them."""
-        return self.call or self.name.split(".")[0] in _OVERWRITES
+        fill, an nn.init function); the in-place arithmetic after a draw (``mul_``,
+        ``clamp_``, ``erfinv_`` ...) reads them."""
+        return self.func is None
 
-    @property
-    def name(self) -> str:
-        return getattr(self.func, "__name__", str(self.func))
 
-    def apply(self, t: torch.Tensor, g: torch.Generator) -> None:
-        kwargs = dict(self.kwargs, generator=g) if self.draws else self.kwargs
-        self.func(t, *self.args, **kwargs)
+def _storage_key(t: torch.Tensor) -> int:
+    """Which tensor a write reaches: its storage (``p``, ``p.data`` and ``p.detach()`` share
+    one; each meta tensor has its own)."""
+    return t.untyped_storage()._cdata
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """``t`` covers its whole storage, in order (not a slice, a transpose or an expansion)."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
 
 
 @dataclass
 class InitRecord:
-    """``model`` (every tensor on the meta device), the ordered writes that initialised it
-    and ``ids``: parameter name (tied names included) -> the storage the writes name (a
-    parameter and its aliases share it), taken at construction, so the model's modules may
-    be sharded or materialised after. ``written`` keeps every written tensor alive (meta:
-    free), so no storage identity is reused."""
+    """``model`` (every tensor on the meta device), the ordered writes that initialised it,
+    ``ids``: parameter name (tied names included) -> the storage the writes name, and
+    ``shapes``: parameter name -> shape, both taken at construction, so the model's modules
+    may be sharded or materialised after. ``written`` keeps every written tensor alive (meta:
+    free), so no storage key is reused."""
 
     model: nn.Module
     ops: list[_Op]
     ids: dict[str, int]
     written: list[torch.Tensor]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def last_writes(self) -> dict[int, int]:
-        """storage -> index in ``ops`` of the write that fixed its value."""
+        """storage key -> index in ``ops`` of the write that fixed its value."""
         return {op.target: i for i, op in enumerate(self.ops)}
 
 
 class _Recorder(TorchDispatchMode):
-    """Logs every in-place write at the ATen level, below ``nn.init``'s own dispatch:
-    draws (``normal_``, ``uniform_``, any op that takes a generator) and the deterministic
-    ops that follow them on the same tensor (``erfinv_``, ``mul_``, ``clamp_`` ...)."""
+    """Logs initialising writes at the ATen level, below ``nn.init``'s own dispatch, and the
+    ``_CALLED`` nn.init functions at the Python level (a profile hook)."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[_Op] = []
         self.written: list[torch.Tensor] = []
+        self.error: str | None = None  # raised once ``build`` returns (see ``_profile``)
+        self.inside = None  # the frame of a logged nn.init call: its own writes are in it
+        self.codes = {getattr(nn.init, n).__code__: n for n in (*_CALLED, *_REFUSED)
+                      if hasattr(nn.init, n)}
 
-    def log(self, t: torch.Tensor, func: Callable, args: tuple, kwargs: dict, draws: bool,
-            call: bool = False) -> None:
-        if kwargs.get("generator") is not None:
-            raise NotImplementedError(f"{getattr(func, '__name__', func)} with its own "
-                                      "generator cannot be replayed")
-        if any(isinstance(a, torch.Tensor) for a in tuple(args) + tuple(kwargs.values())):
-            raise NotImplementedError(f"{getattr(func, '__name__', func)} reads another "
-                                      "tensor while building on the meta device: its value "
-                                      "cannot be replayed")
-        storage = t.untyped_storage()
-        if t.storage_offset() or t.numel() * t.element_size() != storage.nbytes():
-            raise NotImplementedError(f"{getattr(func, '__name__', func)} writes into a view "
-                                      "while building on the meta device: initialise the "
-                                      "whole tensor")
+    def _log(self, t: torch.Tensor, method: str, args: tuple, kwargs: dict,
+             func: Callable | None = None) -> None:
+        if not _whole(t):
+            raise NotImplementedError(
+                f"{method} on part of a tensor (a slice or a view) while building on the meta "
+                "device cannot be replayed: initialise whole parameters")
         self.written.append(t)
-        self.ops.append(_Op(_key(t), func, tuple(t.shape), t.dtype, tuple(args),
-                            {k: v for k, v in kwargs.items() if k != "generator"}, draws, call))
+        self.ops.append(_Op(_storage_key(t), method, tuple(t.shape), t.dtype, args, kwargs,
+                            func))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.inside is not None:  # within a logged nn.init call: replayed as one
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        seeded = torch.Tag.nondeterministic_seeded in func.tags
-        if isinstance(kwargs.get("out"), torch.Tensor):
-            raise NotImplementedError(f"aten.{name}(out=...) while building on the meta "
-                                      "device: its effect on the values cannot be replayed")
-        if name.endswith("_") and not name.startswith("_") and args and \
-                isinstance(args[0], torch.Tensor):
-            self.log(args[0], func, args[1:], kwargs, seeded)
-        elif seeded:
-            raise NotImplementedError(f"aten.{name} while building on the meta device: a "
-                                      "random tensor made out of place cannot be replayed "
-                                      "(draw into the parameter with nn.init instead)")
+        if name in _DRAWS + _FILLS:
+            if kwargs.get("generator") is not None:
+                raise NotImplementedError(f"{name} with its own generator cannot be replayed")
+            self._log(args[0], name, tuple(args[1:]),
+                      {k: v for k, v in kwargs.items() if k != "generator"})
+        elif (name.endswith("_") and not name.startswith("_") and args
+              and isinstance(args[0], torch.Tensor) and "out" not in kwargs
+              and torch.Tag.nondeterministic_seeded not in func.tags
+              and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))):
+            # in-place arithmetic on one tensor (``w.uniform_(); w.mul_(2).clamp_(-1, 1)``):
+            # deterministic given the values before it, so replayed on the same tensor
+            self._log(args[0], f"aten.{name}", tuple(args[1:]), dict(kwargs), func)
+        elif torch.Tag.nondeterministic_seeded in func.tags or func._schema.is_mutable:
+            raise NotImplementedError(f"aten.{name} while building on the meta device: its "
+                                      "effect on the values cannot be replayed (nn.init's "
+                                      "normal_, uniform_, zeros_, ones_, constant_, "
+                                      "trunc_normal_ can)")
         return func(*args, **kwargs)
 
-
-def _key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage: the same for the parameter, its ``.data`` and its
-    ``detach()`` (aliases a constructor may write through)."""
-    return t.untyped_storage()._cdata
-
-
-@contextlib.contextmanager
-def _recording_inits(rec: _Recorder):
-    """Route the nn.init functions that skip the meta device through ``rec``."""
-    saved = {n: getattr(nn.init, n) for n in _META_SKIPPING_INITS}
-
-    def logged(name: str, fn: Callable) -> Callable:
-        draws = "generator" in fn.__code__.co_varnames
-
-        def init(tensor, *args, **kwargs):
-            rec.log(tensor, fn, args, kwargs, draws, call=True)
-            return tensor
-        init.__name__ = name
-        return init
-
-    for n, fn in saved.items():
-        setattr(nn.init, n, logged(n, fn))
-    try:
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(nn.init, n, fn)
+    def _profile(self, frame, event, arg) -> None:
+        """``sys.setprofile`` hook: log a call of a ``_CALLED`` nn.init function on a meta
+        tensor (torch skips their work there). Never raises (a profile hook's exception
+        would unset it): the first problem is kept in ``error``."""
+        if event == "return" and frame is self.inside:
+            self.inside = None
+        if event != "call" or self.inside is not None or frame.f_code not in self.codes:
+            return
+        name = self.codes[frame.f_code]
+        local = frame.f_locals
+        t = local.get("tensor")
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return  # a real tensor: its writes reach the dispatch mode
+        self.inside = frame
+        if self.error is not None:
+            return
+        if name in _REFUSED:
+            self.error = (f"nn.init.{name} while building on the meta device cannot be "
+                          f"replayed: {_REFUSED[name]}")
+        elif local.get("generator") is not None:
+            self.error = f"nn.init.{name} with its own generator cannot be replayed"
+        else:
+            try:
+                self._log(t, f"init.{name}", (), {k: local[k] for k in _CALLED[name][0]})
+            except NotImplementedError as e:
+                self.error = str(e)
 
 
 def record_init(build: Callable[[], nn.Module]) -> InitRecord:
     """``build()`` on the meta device, with the log of its initialising writes. Raises
     ``NotImplementedError`` for a write it could not replay (see the module docstring)."""
     rec = _Recorder()
-    with torch.device("meta"), _recording_inits(rec), rec:
-        model = build()
-    ids = {n: _key(p) for n, p in model.named_parameters(remove_duplicate=False)}
-    return InitRecord(model, rec.ops, ids, rec.written)
+    previous = sys.getprofile()
+    sys.setprofile(rec._profile)
+    try:
+        with torch.device("meta"), rec:
+            model = build()
+    finally:
+        sys.setprofile(previous)
+    if rec.error is not None:
+        raise NotImplementedError(rec.error)
+    named = model.named_parameters(remove_duplicate=False)
+    ids, shapes = {}, {}
+    for n, p in named:
+        ids[n], shapes[n] = _storage_key(p), tuple(p.shape)
+    return InitRecord(model, rec.ops, ids, rec.written, shapes)
 
 
 @torch.no_grad()
@@ -184,36 +208,49 @@ def replay_init(record: InitRecord, seed: int, names: Iterable[str],
     """Replay ``record`` from ``seed``: ``sink(name, full)`` once for each of ``names``
     (parameter names of the model as built, tied names included), ``full`` the CPU tensor of
     that parameter's shape holding exactly the value ``torch.manual_seed(seed); build()``
-    gives it on the CPU. Peak extra memory: one full tensor per parameter whose writes are
-    under way (one, for writes made tensor by tensor), and what ``sink`` keeps.
+    gives it on the CPU. Peak extra memory: one full tensor (two while in-place arithmetic
+    follows a draw on a tensor this rank wants), and what ``sink`` keeps.
     Raises ``KeyError`` for a name the model does not have."""
     wanted: dict[int, list[str]] = {}
     for n in names:
         wanted.setdefault(record.ids[n], []).append(n)
     last = record.last_writes()
+    final = {last[t]: ns for t, ns in wanted.items() if t in last}
     missing = [n for t, ns in wanted.items() if t not in last for n in ns]
     if missing:
-        raise ValueError(f"no initialising write recorded for {missing[0]!r}")
+        raise ValueError(f"no initialising write recorded for {missing[0]!r}: give it its "
+                         "value with an nn.init in-place write (a tensor made by torch.zeros, "
+                         "torch.ones or torch.tensor has no value on the meta device)")
     reads_next = _reads_next(record.ops)
     g = torch.Generator().manual_seed(seed)
     live: dict[int, torch.Tensor] = {}  # wanted tensors whose next write reads them
     for i, op in enumerate(record.ops):
+        keep = final.get(i)
         want = op.target in wanted
-        if not want and not op.draws:
+        called = _CALLED.get(op.method[len("init."):]) if op.method.startswith("init.") else None
+        draws = op.method in _DRAWS or (called is not None and called[1])
+        if not want and not draws:
             continue  # nothing drawn, nothing wanted
         full = live.pop(op.target, None)
         if full is None:
-            if want and not op.overwrites:
-                raise NotImplementedError(f"{op.name} on {wanted[op.target][0]!r} reads the "
-                                          "value its factory gave (torch.ones ...), which "
-                                          "the meta device does not keep: initialise it "
-                                          "with nn.init first")
-            full = torch.empty(op.shape, dtype=op.dtype)  # scratch, one tensor at a time
-        op.apply(full, g)
-        if want and last[op.target] == i:
-            for n in wanted[op.target]:
-                sink(n, full)
-        elif want and reads_next[i]:
+            if not op.overwrites:
+                raise NotImplementedError(f"{op.method} on {wanted[op.target][0]!r} reads the "
+                                          "value its factory gave (torch.ones ...), which the "
+                                          "meta device does not keep: give it a value with "
+                                          "nn.init first")
+            full = torch.empty(op.shape, dtype=op.dtype)  # scratch: one tensor at a time
+        if called is not None:
+            draw = {"generator": g} if called[1] else {}
+            getattr(nn.init, op.method[len("init."):])(full, **op.kwargs, **draw)
+        elif op.func is not None:
+            op.func(full, *op.args, **op.kwargs)
+        elif op.method in _DRAWS:
+            getattr(full, op.method)(*op.args, **op.kwargs, generator=g)
+        else:
+            getattr(full, op.method)(*op.args, **op.kwargs)
+        for n in keep or ():
+            sink(n, full.view(record.shapes[n]) if record.shapes else full)
+        if want and keep is None and reads_next[i]:
             live[op.target] = full
         del full
 

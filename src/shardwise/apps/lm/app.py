@@ -1,4 +1,6 @@
-"""The language model's per-rank entry point under ``shardwise train`` and its closing line."""
+"""The language model under ``shardwise train``: its checks at the door (the user's model
+module, the kind, the corpus and the model it implies), its per-rank entry point and its
+closing line."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch.distributed as dist
 
 from shardwise import checkpoint, comm
 from shardwise.apps.lm.model import describe_layout
+from shardwise.apps.lm.text import check_corpus
 from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
@@ -65,13 +68,34 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
 
 
 def check_config(cfg: Config) -> None:
-    """The model's own rules, from its description: a registered ``model.kind``, sizes it
-    accepts, and tp dividing what its plan splits (n_kv_heads for the Llama). Raises
-    ``ValueError`` (one line naming the field)."""
-    d = describe_section(cfg.model, cfg.model.vocab_size or 1)
+    """At the door, on the launcher: import ``model.module`` (the user's code that registers
+    a model) and look ``model.kind`` up; ``ValueError`` (one line naming the field) when
+    either fails. Every rank imports the module again (``models.describe_section``)."""
+    from shardwise.models import section_kind
+
+    section_kind(cfg.model)
+
+
+def check_model(cfg: Config, vocab_size: int) -> None:
+    """The model ``cfg`` implies: the ``[model]`` section through the kind's
+    ``from_section`` with ``vocab_size``, and tp dividing what its plan splits
+    (``ModelDescription.tp_divides``: n_kv_heads for the Llama; the sequence under SP).
+    ``ValueError``, one line naming the field."""
+    d = describe_section(cfg.model, vocab_size)
     p = cfg.parallel
     check_divisible(d, RankGroup(size=p.tp, sequence_parallel=p.sequence_parallel,
                                  axis="parallel.tp"), seq_len=cfg.model.block_size)
+
+
+def check_data(cfg: Config) -> None:
+    """At the door: the corpus (``apps.lm.text.check_corpus``), then the model it implies
+    with the text's vocabulary (the character tokenizer's): ``check_model``.
+    ``DataError`` / ``ValueError``, one line."""
+    from shardwise.data import load_text
+
+    text = load_text(cfg.data.path)
+    check_corpus(cfg, text)
+    check_model(cfg, len(set(text)))
 
 
 def summary(result: dict) -> str:

@@ -28,10 +28,11 @@ def split_corpus(cfg: Config, tokenizer: CharTokenizer | None = None
     return tokenizer, tokens[:-n_val], tokens[-n_val:]
 
 
-def check_corpus(cfg: Config) -> None:
+def check_corpus(cfg: Config, text: str | None = None) -> None:
     """At the door: ``data.path`` must be readable (``DataError``) and leave one global batch
-    of training windows after the validation split (``ValueError``, one line)."""
-    n_chars = len(load_text(cfg.data.path))
+    of training windows after the validation split (``ValueError``, one line). ``text``:
+    the corpus when the caller has read it already."""
+    n_chars = len(load_text(cfg.data.path) if text is None else text)
     T, G = cfg.model.block_size, cfg.training.global_batch_size
     windows = max(0, (n_chars - n_val_tokens(cfg, n_chars) - 1) // T)
     if windows < G:
