@@ -206,7 +206,7 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
     the memory-bound operations around them) and the fixed seconds per block pass (the
     intercept: dispatch, Python). Also the raw matmul FLOP/s."""
     import torch
-    import torch.nn as nn
+    from torch import nn
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -76,14 +76,14 @@ class ModelSpec:
     description: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_description(cls, d, name: str | None = None) -> "ModelSpec":
+    def from_description(cls, d, name: str | None = None) -> ModelSpec:
         """The spec of a ``models.description.ModelDescription`` (or a registered config):
         sizes from the description (layers, width, vocabulary, sequence, tied), heads, key/
         value heads, MLP width and rotary base from its config where it has those fields
         (``n_head`` 1 otherwise: only the activations' small log-sum-exp term reads it),
         biases and the parameter count from the model built on the meta device, ``family``
         its kind. Raises ``ValueError`` for a model the planner cannot read."""
-        import torch.nn as nn
+        from torch import nn
 
         from shardwise.models.description import describe
 
@@ -267,7 +267,7 @@ def described_layers(spec: ModelSpec, tp: int) -> DescribedLayers:
     divides the split sizes; the vocabulary is padded). Raises ``ValueError`` when tp does
     not divide a size (as the engine would)."""
     import torch
-    import torch.nn as nn
+    from torch import nn
 
     from shardwise.engine.model import build_local_model
     from shardwise.parallel.tensor_parallel.group import RankGroup
