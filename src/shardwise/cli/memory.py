@@ -3,11 +3,13 @@
     shardwise memory --params 1.5e9 --dp 64 --precision bf16     # ZeRO formulas, dp only
     shardwise memory --model llama3-8b --dp 64                     # a named size's P
     shardwise memory --config configs/tiny.toml --dp 2 --tp 2 --pp 2 --stages 0,1,2
+    shardwise memory --config my_llama.toml --dp 2 --tp 2 --pp 2  # model.kind = "llama"
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
 
-With a model (``--config``), every rank of the layout is predicted exactly
-(``engine.memory.predict_rank``: the rank's model built on the meta device, packed as the
-dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
+With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
+with ``shardwise.register_model``, as ``shardwise train`` builds it; the header names the
+kind), every rank of the layout is predicted exactly (``engine.memory.predict_rank``: the
+rank's model built on the meta device, packed as the dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
 local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
 With ``--params`` only (or ``--model``, a named size of ``shardwise plan``, for its
 parameter count), the formulas of Rajbhandari et al. for dp alone. Both paths are the
