@@ -10,8 +10,8 @@ the rise), the bytes of parameters it holds and the time taken:
   construction (a lower bound of the old path's peak: the whole model on every rank);
 - ``local``: ``engine.model.build_local_model`` (the model on meta, this rank's layers
   sharded, materialised and given the single-process values by replaying the init stream);
-- ``engine``: the whole ``Engine`` (the above, then DDP gradient buckets and the
-  optimizer's fp32 masters, which add about two more copies of what the rank holds).
+- ``engine``: the whole ``Engine`` (the above, then the dp sync's buckets and the
+  optimizer; in fp32 its peak measured the same as ``local``'s).
 
 Before the measured call each rank builds a tiny model on meta once: the first meta
 construction imports torch's meta kernels and decompositions (a fixed ~75 MiB whatever the
