@@ -259,16 +259,16 @@ def vs_torch(repeats: int, steps: int, warmup: int, model: str = "gpt") -> list[
     last = res[2]  # global rank 2: dp 0, pp 1 (the last stage) in both rank orders
     o, t = statistics.median(ours), statistics.median(theirs)
     what = "GPT" if model == "gpt" else "Llama (GQA 4/2 heads, SwiGLU)"
-    return [f"dp2 x tp2 x pp2 (1F1B, m={M}), untied {what}, random tokens, {repeats} "
-            f"alternated repeats of {steps} steps after {warmup}; load average before: "
-            f"{load:.2f}:",
+    return [(f"dp2 x tp2 x pp2 (1F1B, m={M}), untied {what}, random tokens, {repeats} "
+             f"alternated repeats of {steps} steps after {warmup}; load average before: "
+             f"{load:.2f}:"),
             f"  shardwise (ZeRO-2)          {o:9.0f} tokens/s  runs {[round(v) for v in ours]}",
             f"  torch FSDP2 + TP + pipelining {t:7.0f} tokens/s  runs {[round(v) for v in theirs]}",
-            f"  ratio ours/torch = {o / t:.3f} (medians), "
-            f"{statistics.median(a / b for a, b in zip(ours, theirs)):.3f} (median of pairs); "
-            f"loss (mean over dp) at the first step: ours {last['loss_ours'][0][0]:.5f}, "
-            f"torch {last['loss_torch'][0][0]:.5f}; at the last: ours "
-            f"{last['loss_ours'][0][-1]:.5f}, torch {last['loss_torch'][0][-1]:.5f}"]
+            (f"  ratio ours/torch = {o / t:.3f} (medians), "
+             f"{statistics.median(a / b for a, b in zip(ours, theirs)):.3f} (median of pairs); "
+             f"loss (mean over dp) at the first step: ours {last['loss_ours'][0][0]:.5f}, "
+             f"torch {last['loss_torch'][0][0]:.5f}; at the last: ours "
+             f"{last['loss_ours'][0][-1]:.5f}, torch {last['loss_torch'][0][-1]:.5f}")]
 
 
 def _name(r: dict) -> str:
@@ -303,10 +303,10 @@ def _title(model: str) -> str:
 def sweep(model: str, a: argparse.Namespace, out: Path) -> None:
     """The layout sweep of ``model`` and, with ``--vs-torch``, its torch comparison."""
     prefix = PREFIX[model]
-    lines = [f"{_title(model)}, context {MODELS[model]['block_size']}, "
-             f"global batch {BATCH}; {os.cpu_count()} cores, gloo, 1 thread per rank, "
-             f"torch {torch.__version__}; median of {a.steps} steps after {a.warmup}; "
-             f"load average before: {os.getloadavg()[0]:.2f}",
+    lines = [(f"{_title(model)}, context {MODELS[model]['block_size']}, "
+              f"global batch {BATCH}; {os.cpu_count()} cores, gloo, 1 thread per rank, "
+              f"torch {torch.__version__}; median of {a.steps} steps after {a.warmup}; "
+              f"load average before: {os.getloadavg()[0]:.2f}"),
              f"{'ws':>3} {'layout':<20} {'m':>3} {'tokens/s':>9} {'MiB/rank':>9}"]
     all_rows = {}
     for ws in a.world_size:
