@@ -20,7 +20,8 @@ and "llama_" for the Llama.
 
 ``--vs-torch R`` also times dp2 x tp2 x pp2 (1F1B) against PyTorch's own composition of the
 same layout (FSDP2 + DTensor TP + ``torch.distributed.pipelining``) on the same untied model,
-R alternated repeats in one spawn of 8 ranks.
+R alternated repeats in one spawn of 8 ranks; with ``--world-size`` and no sizes only that
+pair runs, and its lines go to ``OUT/{prefix}vs_torch.txt``.
 
 On a 2-core machine 8 ranks share 2 cores: the figures rank layouts by what they cost in
 compute and messages here, not by what they would do with a core per rank.
@@ -306,8 +307,9 @@ def sweep(model: str, a: argparse.Namespace, out: Path) -> None:
     lines = [(f"{_title(model)}, context {MODELS[model]['block_size']}, "
               f"global batch {BATCH}; {os.cpu_count()} cores, gloo, 1 thread per rank, "
               f"torch {torch.__version__}; median of {a.steps} steps after {a.warmup}; "
-              f"load average before: {os.getloadavg()[0]:.2f}"),
-             f"{'ws':>3} {'layout':<20} {'m':>3} {'tokens/s':>9} {'MiB/rank':>9}"]
+              f"load average before: {os.getloadavg()[0]:.2f}")]
+    if a.world_size:
+        lines.append(f"{'ws':>3} {'layout':<20} {'m':>3} {'tokens/s':>9} {'MiB/rank':>9}")
     all_rows = {}
     for ws in a.world_size:
         rows = run(ws, a.steps, a.warmup, model)
