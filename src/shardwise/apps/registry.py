@@ -103,7 +103,7 @@ def _register_builtin() -> None:
     register(AppSpec(
         name="lm", description="a GPT on text in any dp x tp x pp layout (the default)",
         handles=lambda cfg: True, train_rank=lm_app.train_rank, summary=lm_app.summary,
-        check_data=check_corpus))
+        check_config=lm_app.check_config, check_data=check_corpus))
 
 
 _register_builtin()

@@ -61,6 +61,23 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     return summary
 
 
+def check_config(cfg: Config) -> None:
+    """The model's own sizes against the layout, before any rank starts: ``ValueError`` (one
+    line naming the field) for an unknown ``model.kind``, inconsistent sizes (a Llama's
+    ``n_head`` not divisible by ``n_kv_heads``) or a size ``parallel.tp`` does not divide
+    (the description's ``tp_divides``: a Llama's ``n_kv_heads``, its SwiGLU width). The
+    vocabulary is not known here and decides none of them (it is padded to tp)."""
+    from shardwise.models import describe_section
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+    from shardwise.parallel.tensor_parallel.plan import check_divisible
+
+    p = cfg.parallel
+    description = describe_section(cfg.model, cfg.model.vocab_size or 1)
+    check_divisible(description, RankGroup(size=p.tp, axis="parallel.tp",
+                                           sequence_parallel=p.sequence_parallel),
+                    cfg.model.block_size)
+
+
 def summary(result: dict) -> str:
     """The end of the closing line: final train and validation loss (nats/char)."""
     return (f"final train loss {result['loss']:.4f}, validation loss "
