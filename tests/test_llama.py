@@ -283,7 +283,7 @@ def test_tp_not_dividing_kv_heads_is_one_line(corpus, tmp_path, capsys):
                           device=torch.device("cpu"))
     assert "\n" not in str(e.value)
     out = tmp_path / "run"
-    assert main(["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+    assert main(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data", str(corpus),
                  "--model.kind", "llama", "--model.n_kv_heads", "1", "--parallel.dp", "1",
                  "--parallel.tp", "2", "--training.out_dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
