@@ -326,6 +326,13 @@ class Config(_Section):
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "
                              "stages; use bf16")
+        if (p.schedule == "pipedream" and p.pp > 1 and m.tie_weights and m.kind != "cnn"
+                and p.mode == "grid"):
+            raise ValueError(f"parallel.schedule=pipedream with model.tie_weights=true and "
+                             f"parallel.pp={p.pp}: the embedding and the head are on different "
+                             "stages, each stepping on its own clock, so their copies of the "
+                             "tied matrix cannot be summed per step; set model.tie_weights = "
+                             "false or use a flush schedule (1f1b, interleaved, gpipe)")
         if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")
