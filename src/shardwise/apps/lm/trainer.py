@@ -1,4 +1,4 @@
-"""The language model's trainer: a GPT on characters of a text, in any layout.
+"""The language model's trainer: a decoder (any ``model.kind``) on a text, in any layout.
 
 ``Trainer(cfg, topology, device)`` builds the data (``apps.lm.text``) and one
 ``engine.Engine`` for this rank (whatever the layout: the engine composes dp, tp, pp, ZeRO
