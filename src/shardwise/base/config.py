@@ -93,6 +93,9 @@ class ParallelConfig(_Section):
     dp: int = Field(2, ge=1, description="data-parallel ranks")
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
+    cp: int = Field(1, ge=1, description="context-parallel ranks: each holds two chunks of "
+                    "every sequence (i and 2cp-1-i) and attention runs as ring attention; "
+                    "model.block_size must be divisible by 2 cp")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
                                "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
@@ -109,8 +112,8 @@ class ParallelConfig(_Section):
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
                       "sharded), 2 (gradients too) or 3 (parameters too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
-    mode: str = Field("grid", description="grid: the dp x pp x tp rank grid; ps: a parameter "
-                      "server (the [ps] section; parallel.dp/pp/tp are not used)")
+    mode: str = Field("grid", description="grid: the dp x pp x cp x tp rank grid; ps: a parameter "
+                      "server (the [ps] section; parallel.dp/pp/cp/tp are not used)")
 
     @model_validator(mode="after")
     def _known_algorithm(self):
@@ -336,8 +339,11 @@ class Config(_Section):
         if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")
-        if p.sequence_parallel and m.block_size % p.tp:
-            raise ValueError(f"model.block_size={m.block_size} is not divisible by "
+        if p.cp > 1 and m.kind != "cnn" and p.mode == "grid":
+            self._cp_agrees()
+        if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
+            cp = f" / parallel.cp={p.cp}" if p.cp > 1 else ""
+            raise ValueError(f"model.block_size={m.block_size}{cp} is not divisible by "
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
@@ -360,9 +366,27 @@ class Config(_Section):
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
         return self
 
+    def _cp_agrees(self):
+        """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks)."""
+        p, m, t = self.parallel, self.model, self.training
+        if m.block_size % (2 * p.cp):
+            raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
+                             f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
+                             "2cp-1-i of every sequence)")
+        if m.dropout > 0:
+            raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
+                             "attention has no attention dropout; set model.dropout = 0")
+        if t.compile:
+            raise ValueError(f"training.compile with parallel.cp={p.cp}: ring attention "
+                             "sends and receives inside the layers; compile needs cp = 1")
+        return self
+
     def _cnn_agrees(self):
         """The CNN's own section rules; its plan is checked against the model by the CNN
         application (``shardwise.apps.cnn.check_config``) before any rank starts."""
+        if self.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={self.parallel.cp} with model.kind=cnn: context "
+                             "parallelism splits a sequence; the CNN has none")
         if self.parallel.mode != "grid" or self.parallel.zero or self.training.precision != "fp32":
             raise ValueError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): "
                              "leave parallel.mode, parallel.zero and training.precision at "
@@ -374,7 +398,7 @@ class Config(_Section):
         if self.model.kind != "gpt":
             raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
                              "parameter server trains the GPT only; use parallel.mode = grid")
-        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
+        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:
                 raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "
@@ -393,7 +417,8 @@ class Config(_Section):
             return self.cnn.ranks
         if self.parallel.mode == "ps":
             return self.ps.servers + self.ps.workers
-        return self.parallel.dp * self.parallel.pp * self.parallel.tp
+        p = self.parallel
+        return p.dp * p.pp * p.cp * p.tp
 
     @property
     def checkpoint_dir(self) -> Path:

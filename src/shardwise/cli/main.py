@@ -94,7 +94,7 @@ def cmd_train(args, extra: list[str]) -> int:
         app.check_data(cfg)  # missing, unreadable or too small
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
-                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
+                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x cp x tp, or ps.servers "
                 f"+ ps.workers), but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
         local = env.local_world_size if env is not None else cfg.world_size

@@ -98,6 +98,10 @@ class ModelDescription:
     tp_divides: what tp must divide, ``{"model.n_head (attention heads)": 12, ...}``; the
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
+    context_parallel: the model reads token positions from ``models.sequence.positions`` and
+        attends through ``models.gpt.causal_attention``, so a rank may hold only some chunks
+        of each sequence (``parallel.cp > 1``); False (the default for your own model): the
+        engine refuses cp > 1, since positions computed as ``arange(T)`` would be wrong.
     """
 
     kind: str
@@ -112,6 +116,7 @@ class ModelDescription:
     layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] = decoder_layers
     tied: tuple[str, str] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
+    context_parallel: bool = False
 
     def __post_init__(self):
         for pattern, style in self.tp_plan.items():

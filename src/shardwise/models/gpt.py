@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.models import sequence
 from shardwise.models.sampling import generate, sample_next  # noqa: F401 (re-exported)
 
 
@@ -45,7 +46,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     materialises the (T, T) scores; on the CPU it is a fused kernel of the same maths.
     ``impl="math"``: the scores written out (B, H, T, T), as in Vaswani et al. 2017; the
     baseline ``benchmarks/gpu_mfu.py`` measures fused attention against.
+
+    Under context parallelism (``models.sequence.current()`` set by the engine) the call
+    goes to that shard's attention instead: ring attention over every rank's keys, T being
+    this rank's tokens of the sequence (``parallel.context``).
     """
+    shard = sequence.current()
+    if shard is not None and shard.attention is not None:
+        return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl)
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if impl != "math":
@@ -114,7 +122,9 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token + position embedding. (B, T) int64 -> (B, T, C)."""
+    """Token + position embedding. (B, T) int64 -> (B, T, C). Positions are
+    ``models.sequence.positions``: 0..T-1, or the true positions of a context-parallel
+    rank's tokens."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -123,7 +133,7 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = sequence.positions(idx.shape[1], idx.device)  # (T,)
         return self.dropout(self.tok(idx) + self.pos(pos))
 
 
@@ -227,7 +237,7 @@ def describe(cfg: GPTConfig):
     return ModelDescription(
         kind="gpt", config=cfg, build=lambda: GPT(cfg), tp_plan=TP_PLAN, hidden_size=c,
         vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-        attention_width=c,
+        attention_width=c, context_parallel=True,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c})

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.models.sampling import generate
 
@@ -139,11 +140,15 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32):
+def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
+                 positions: torch.Tensor | None = None):
     """cos and sin of the rotation angles, each (T, head_dim): angle(t, i) = t * inv_freq[i
-    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves)."""
+    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves).
+    ``positions``: (T,) the tokens' positions t (default 0..T-1; a context-parallel rank's
+    are its chunks', ``models.sequence.positions``)."""
     inv = rope_frequencies(cfg, device)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)  # (T, d/2)
+    t = torch.arange(T, device=device) if positions is None else positions
+    angles = torch.outer(t.to(device=device, dtype=torch.float32), inv)  # (T, d/2)
     emb = torch.cat([angles, angles], dim=-1)  # (T, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -190,7 +195,8 @@ class Attention(nn.Module):
         # (B, T, C) -> (B, H, T, D); a tensor-parallel rank holds -1 = its share of heads
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype)  # (T, D) each
+        cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype,  # (T, D) each
+                                positions=sequence.positions(T, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
@@ -383,7 +389,7 @@ def describe(cfg: LlamaConfig):
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=TP_PLAN,
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim,
+        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim, context_parallel=True,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads,
