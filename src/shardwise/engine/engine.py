@@ -1,4 +1,4 @@
-"""One engine for every model and layout: dp x pp x tp, ZeRO 0-3, fp32 / bf16 / fp16.
+"""One engine for every model and layout: dp x pp x cp x tp, ZeRO 0-3, fp32 / bf16 / fp16.
 
 ``Engine(model, topology, settings, device)`` composes, once, in this order, for any model
 described by a ``models.description.ModelDescription`` (``model`` is one, or a registered
@@ -7,11 +7,14 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
 1. ``engine.model.build_local_model``: the model on the meta device, this rank's pipeline
    chunks kept and sharded by its tensor-parallel plan, then only those materialised, each
    equal to its slice of the model built from the seed (no rank holds the whole model);
-2. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
-   ZeRO-3 gather/free units);
-3. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
+2. with cp > 1, ``parallel.context.ContextParallel``: every batch cut to this rank's chunks
+   of each sequence (i and 2cp-1-i), and the chunks hooked so the model reads the true
+   positions of its tokens and attends by ring attention (``models.sequence``);
+3. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
+   ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``);
+4. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
    flag, AdamW;
-4. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
+5. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
    micro-batch loop is gradient accumulation) run by ``pipeline.executor.Executor``.
 
 ``train_step`` runs one step of the schedule; ``loss`` and ``generate`` run forward-only
@@ -34,6 +37,7 @@ from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.sampling import generate
+from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
@@ -105,7 +109,8 @@ class Engine:
 
     Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
     built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1, PipeDream
-    with a tied embedding across stages.
+    with a tied embedding across stages, cp > 1 with a sequence length 2 cp does not divide
+    or a model whose description does not read positions through ``models.sequence``.
     """
 
     def __init__(self, model, topology, s: EngineSettings,
@@ -140,6 +145,9 @@ class Engine:
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = groups.pp if groups is not None else None
         self.dp_group = groups.dp if groups is not None else None
+        # the replicas of every parameter: dp x cp (cp splits tokens, not weights)
+        self.grad_group = groups.dp_cp if groups is not None else None
+        self.cp = self._context_parallel(model)
         self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
                    if groups is not None and topology.tp > 1 else RankGroup())
         # dropout: the same stream on the tp ranks of a replica (replicated regions), one per
@@ -153,6 +161,9 @@ class Engine:
             average=self._average)
         self.description: ModelDescription = self.local.description
         torch.manual_seed(self.dropout_seed)
+        if self.cp is not None:
+            for chunk in self.local.chunks.values():
+                self.cp.attach(chunk)
         if s.compile:
             self._compile_blocks()
         self.loss_scaler = (DynamicLossScaler(s.initial_loss_scale)
@@ -162,14 +173,16 @@ class Engine:
         tied_peer = None
         if self.local.tied and p > 1:
             other = p - 1 if self.local.has_first else 0
-            tied_peer = topology.rank_of(topology.dp_rank, other, topology.tp_rank)
+            tied_peer = topology.rank_of(topology.dp_rank, other, topology.tp_rank,
+                                         cp=topology.cp_rank)
         self.optimizer = DistributedOptimizer(
             self.sync, tp=self.tp, sequence_parallel=s.sequence_parallel, lr=s.lr,
             betas=s.betas, weight_decay=s.weight_decay, loss_scaler=self.loss_scaler,
             tied_peer=tied_peer, tied_names=self.local.tied,
             tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing,
             fused=self.device.type == "cuda" if s.fused is None else s.fused)
-        seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
+        seq = s.seq_len // topology.cp  # this rank's tokens of each sequence
+        seq = seq // self.tp.size if self.tp.sequence_parallel else seq
         self.act_shape = (local_batch // s.micro_batches, seq, self.description.hidden_size)
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
@@ -183,6 +196,28 @@ class Engine:
         self.sync.zero_grad()
 
     # -- composition ----------------------------------------------------------------------
+    def _context_parallel(self, model) -> ContextParallel | None:
+        """With cp > 1, this rank's ``ContextParallel`` (its ring of cp ranks); None else.
+        Checks the sequence length and that the model reads positions through
+        ``models.sequence`` (one-line ``ValueError``)."""
+        topo, s = self.topology, self.s
+        if topo.cp == 1:
+            return None
+        d = describe(model)
+        if not d.context_parallel:
+            raise ValueError(f"parallel.cp={topo.cp}: model {d.kind!r} does not say it reads "
+                             "token positions from models.sequence.positions and attends "
+                             "through models.gpt.causal_attention "
+                             "(ModelDescription.context_parallel); use cp = 1")
+        ring = Ring(self.topology.groups.cp if self.distributed else None,
+                    tuple(topo.axis_ranks("cp")), topo.cp_rank)
+        cp = ContextParallel(ring, self.device)
+        cp.check(s.seq_len)
+        if s.sequence_parallel and (s.seq_len // topo.cp) % topo.tp:
+            raise ValueError(f"sequence length {s.seq_len} / cp={topo.cp} is not divisible by "
+                             f"tp={topo.tp} (sequence parallelism splits each rank's tokens)")
+        return cp
+
     def _compile_blocks(self) -> None:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
         transformer block, the head) and the loss, so Inductor fuses the logits' cast into
@@ -200,22 +235,23 @@ class Engine:
         return t
 
     def _wrap_for_dp(self):
-        """The gradient sync of ``parallel.zero`` over the dp group (see ``engine.sync``)."""
+        """The gradient sync of ``parallel.zero`` over the dp x cp replicas (``engine.sync``;
+        the dp group itself when cp = 1)."""
         s, topo = self.s, self.topology
         named = self.local.named_parameters()
         names = {id(q): n for n, q in named}
         params = [q for _, q in named]
         if s.zero == 0 or not self.distributed:
-            return ReplicatedSync(params, names, self.dp_group, topo.dp, topo.dp_rank,
+            return ReplicatedSync(params, names, self.grad_group, topo.dp_cp, topo.dp_cp_rank,
                                   self.dtype, s.bucket_mb, s.first_bucket_mb, s.allreduce)
         if s.zero in (1, 2):
             tied = frozenset(id(q) for n, q in named if n in self.local.tied)
             container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
-            return ZeroDataParallel(container, self.dp_group, s.zero, s.bucket_mb, self.dtype,
+            return ZeroDataParallel(container, self.grad_group, s.zero, s.bucket_mb, self.dtype,
                                     self.loss_scaler, names=names, isolate=tied, explicit=True)
         (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
         units = list(zip(chunk.names, chunk.layers))
-        wrapper = ZeroStage3(chunk, self.dp_group, units, self.dtype, self.loss_scaler, names)
+        wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names)
         self.chunks[c] = wrapper
         return wrapper
 
@@ -240,7 +276,7 @@ class Engine:
 
     def full_parameters(self):
         """A context in which every local parameter is materialised (ZeRO-3 gathers them;
-        collective over dp)."""
+        collective over dp x cp)."""
         return getattr(self.sync, "full_parameters", contextlib.nullcontext)()
 
     def full_tensors(self) -> dict[str, torch.Tensor]:
@@ -285,15 +321,18 @@ class Engine:
         self.sync.zero_grad()
 
     def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True) -> dict:
-        """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64.
+        """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64
+        (whole sequences: with cp > 1 each rank keeps its chunks of them).
         Returns ``{"loss", "grad_norm", "skipped"}`` (and, with ZeRO-0 buckets,
         ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
-        mean over micro-batches and dp replicas, the same on every rank. ``sync=True``: loss
+        mean over micro-batches, cp shards and dp replicas, the same on every rank. ``sync=True``: loss
         and norm as Python floats (the host waits for the device); ``sync=False``: as 0-d
         tensors on the device, so a loop can run ahead and read them at its logging interval
         (``settle`` converts such a dict)."""
         m = self.schedule.m
         self._seed_step()
+        if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
+            idx, targets = self.cp.shard(idx, targets)
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
             losses = self.executor.run(inputs, tgts)
@@ -330,15 +369,15 @@ class Engine:
 
     def _share_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's value (0-d float64) on every rank (broadcast over pp), averaged
-        over dp; stays on the device."""
+        over dp and cp (each cp rank's is the mean over as many tokens); stays on the device."""
         if not self.distributed:
             return value
         t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
             comm.broadcast(t, src=last, group=self.pp_group)
-        if self.topology.dp > 1:
-            comm.all_reduce(t, op="mean", group=self.dp_group, check=False)
+        if self.topology.dp_cp > 1:
+            comm.all_reduce(t, op="mean", group=self.grad_group, check=False)
         return t[0]
 
     # -- forward only: evaluation and generation ------------------------------------------
@@ -366,8 +405,12 @@ class Engine:
 
     @torch.no_grad()
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        """Mean cross-entropy (nats per token) of one batch, on every rank of the replica."""
+        """Mean cross-entropy (nats per token) of one batch (B, T) of whole sequences, on every
+        rank of the replica (with cp > 1 each rank evaluates its chunks, then the cp ranks
+        average)."""
         self._train(False)
+        if self.cp is not None:
+            idx, targets = self.cp.shard(idx, targets)
         logits = self._logits(idx)
         value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
         self._train(True)
@@ -375,6 +418,10 @@ class Engine:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
             comm.broadcast(t, src=last, group=self.pp_group)
+            value = float(t)
+        if self.cp is not None and self.distributed:
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            comm.all_reduce(t, op="mean", group=self.topology.groups.cp, check=False)
             value = float(t)
         return value
 
@@ -384,7 +431,8 @@ class Engine:
         """``GPT.generate`` / ``Llama.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
         every rank of the replica (the last stage samples; tp ranks draw alike from
         ``generator``; the token is broadcast over pp). Under sequence parallelism the
-        context is right-padded to a multiple of tp (causal attention ignores the pads).
+        context is right-padded to a multiple of tp (causal attention ignores the pads). With
+        cp > 1 every cp rank runs the whole context itself (no ring: contexts of any length).
         ``sampling``: ``temperature``, ``top_k`` as ``models.sampling.generate``."""
         last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
 
@@ -398,9 +446,10 @@ class Engine:
         if self.distributed and self.topology.pp > 1:
             share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group)
         self._train(False)
-        idx = generate(logits_of, idx, new_tokens, self.description.block_size,
-                       pad_to=self.tp.size if self.tp.sequence_parallel else 1, share=share,
-                       generator=generator, **sampling)
+        with self.cp.whole() if self.cp is not None else contextlib.nullcontext():
+            idx = generate(logits_of, idx, new_tokens, self.description.block_size,
+                           pad_to=self.tp.size if self.tp.sequence_parallel else 1,
+                           share=share, generator=generator, **sampling)
         self._train(True)
         return idx
 

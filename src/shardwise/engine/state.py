@@ -1,7 +1,8 @@
 """The engine's tensors in a checkpoint, in a layout-independent (logical) form.
 
 A checkpoint holds what one process training the same model would hold, whatever the
-layout that wrote it (dp, tp, pp, ZeRO stage, precision):
+layout that wrote it (dp, cp, tp, pp, ZeRO stage, precision; cp ranks are replicas of the
+weights, so ZeRO's pieces are spread over dp x cp and joined over it):
 
 - ``model.NAME``: the fp32 master of parameter ``NAME`` (the single-process model's names
   and shapes: unsharded over tp, vocabulary padding dropped, ZeRO pieces joined);
@@ -67,7 +68,7 @@ def _pieces_by_param(engine) -> dict[str, list[tuple[int, int, int]]]:
 
 
 def _zero_sharded(engine) -> bool:
-    return engine.s.zero > 0 and engine.distributed and engine.topology.dp > 1
+    return engine.s.zero > 0 and engine.distributed and engine.topology.dp_cp > 1
 
 
 def _key(engine, name: str) -> str:
@@ -81,7 +82,7 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
     for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
     parameters; see module docstring), fresh copies that later steps do not change.
-    Collective over dp under ZeRO. Parameters not stepped yet get zero moments and step 0.
+    Collective over dp x cp under ZeRO. Parameters not stepped yet get zero moments and step 0.
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
@@ -99,9 +100,9 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                 bufs[j][1, a:b] = st["exp_avg"].reshape(-1)
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
-    if _zero_sharded(engine) and bufs:  # dp ranks hold disjoint ranges: a sum joins them
-        coalesced_(bufs, lambda flat: comm.all_reduce(flat, group=engine.dp_group, check=False))
-        comm.all_reduce(steps, op="max", group=engine.dp_group, check=False)
+    if _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
+        coalesced_(bufs, lambda flat: comm.all_reduce(flat, group=engine.grad_group, check=False))
+        comm.all_reduce(steps, op="max", group=engine.grad_group, check=False)
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
         key = _key(engine, n)

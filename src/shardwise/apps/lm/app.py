@@ -29,13 +29,14 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
 
     ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
     newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
-    be initialised with ``dp * pp * tp`` ranks; ``device``: None for the process group's
+    be initialised with ``dp * pp * cp * tp`` ranks; ``device``: None for the process group's
     (CUDA with NCCL, else the CPU).
     """
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
-    topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+    topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
+                                                  rank=dist.get_rank(),
                                                   world_size=dist.get_world_size()))
     device = device or comm_check.group_device(None)
     tokenizer = None

@@ -6,7 +6,7 @@ beside them. The tensors are the engine's in logical form (``engine.state``: fp3
 and AdamW moments as the single-process model's tensors, whatever the layout); meta holds
 the step, scheduler, the sampler's global position, optimizer hyper-parameters, loss
 scale, tokenizer, config and the layout that wrote it. Nothing in either depends on the
-layout, so a checkpoint resumes into any dp x tp x pp, ZeRO stage and precision.
+layout, so a checkpoint resumes into any dp x cp x tp x pp, ZeRO stage and precision.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class TrainerState:
             "tokenizer": self.tokenizer.state_dict(),
             "config": self.cfg.model_dump(),
             "layout": {"dp": self.topology.dp, "pp": self.topology.pp, "tp": self.topology.tp,
+                       "cp": self.topology.cp,
                        "zero": p.zero, "precision": self.cfg.training.precision},
         }
         return tensors, meta

@@ -65,7 +65,7 @@ class Trainer(TrainerState, TrainTask):
         self.sample_unit = "tokens"
         self.samples_per_step = t.global_batch_size * cfg.model.block_size
         self.flops_per_sample = self.engine.local.flops_per_token
-        self.world_size = topology.dp * topology.pp * topology.tp
+        self.world_size = topology.world_size
         self.dtype = self.engine.dtype
 
     # -- one step -------------------------------------------------------------------------
@@ -164,9 +164,10 @@ def build_trainer(cfg: Config) -> Trainer:
     ``torch.distributed``."""
     p = cfg.parallel
     if dist.is_initialized():
-        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
+                                                  rank=dist.get_rank(),
                                                   world_size=dist.get_world_size()))
     else:
-        topo = Topology.build(p.dp, p.pp, p.tp)
+        topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp)
     return Trainer(cfg, topo)
 
