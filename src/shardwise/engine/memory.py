@@ -15,7 +15,9 @@ counts of mixed-precision Adam (Micikevicius et al. 2018; Rajbhandari et al. 202
 
 P_pad is P with every bucket (unit, for ZeRO-3) padded to a multiple of dp, S = P_pad / dp
 the shard this rank owns, R <= S its real elements (AdamW keeps no moments for padding: the
-padding is stated, ``padding``). ``Engine.memory_bytes`` measures the same categories from
+padding is stated, ``padding``). Under context parallelism the cp ranks are replicas of the
+weights and ZeRO shards over dp x cp of them (``topology.dp_cp``): read dp x cp for dp
+above; cp changes no other static byte (it splits activations: ``planner.memory``). ``Engine.memory_bytes`` measures the same categories from
 the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
 """
 
@@ -42,11 +44,14 @@ def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[
 def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int = 0,
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
-                 sequence_parallel: bool = False, partition_by: str = "layers") -> dict:
-    """Predicted bytes of the rank at (dp_rank, pp_rank, tp_rank) of ``model`` (a
+                 sequence_parallel: bool = False, partition_by: str = "layers",
+                 cp: int = 1, cp_rank: int = 0) -> dict:
+    """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
+    # ZeRO's group is every replica of the weights: dp x cp, this rank at dp_rank * cp + cp_rank
+    dp, dp_rank = dp * cp, dp_rank * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
     with torch.device("meta"):
