@@ -123,9 +123,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float):
-        T = q.shape[2]
-        c = T // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        c = q.shape[2] // 2
+        # (B, H, T, D) laid out as (B, T, H, D), as the fused kernels return it: the caller's
+        # ``transpose(1, 2).reshape(B, T, H * D)`` is then a view, not one more saved copy
+        B, H, T, D = q.shape
+        out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = (k, v)
         for step in range(ring.size):
