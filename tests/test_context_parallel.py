@@ -6,7 +6,8 @@ stitched back from every rank's shard, equal full attention's (``F.scaled_dot_pr
 for causal and non-causal masks, with both block kernels (the fused CPU one and the scores
 written out); measured at most 8.5e-7 relative to the largest entry. Then training: one
 process trains each model ``STEPS`` steps (the reference); a spawn of 2, one of 4 and one
-of 8 ranks train every layout of ``LAYOUTS`` on the same global batches. Parity (fp32):
+of 8 ranks train every layout of ``LAYOUTS`` on the same global batches (recomputation
+included: the chunks' hooks set the shard again when the backward reruns a forward). Parity (fp32):
 every loss and every parameter of every rank within ``RTOL`` relative of the reference
 (measured at most: losses 1.2e-7, parameters 1.2e-6). ``RESUMES``: checkpoints cross cp
 sizes both ways (one process -> cp 2 x dp 2, and back into one process). Memory: the bytes
@@ -46,7 +47,7 @@ MODELS = {
 }
 # name -> (world size, model, parallel section); MEASURED: the activation meter is on
 LAYOUTS = {
-    "cp2-gpt": (2, "gpt", {"cp": 2}),
+    "cp2-recompute-gpt": (2, "gpt", {"cp": 2, "recompute": True}),  # the hooks run again
     "cp2-llama": (2, "llama", {"cp": 2}),
     "cp2xdp2-z1-llama": (4, "llama", {"cp": 2, "dp": 2, "zero": 1}),
     "cp2xdp2-z3-gpt": (4, "gpt", {"cp": 2, "dp": 2, "zero": 3}),
@@ -280,13 +281,13 @@ def test_cp4_saves_a_quarter_of_the_activations(results, references):
     """The bytes autograd holds for backward at once, per rank: at cp = 4 each rank holds a
     quarter of the sequence's tokens, and every saved tensor is per token (q, k, v, the
     attention output and its log-sum-exp, the MLP's, the logits), so each rank saves about a
-    quarter of what one process saves for the same batch (measured 0.260: 1.62 MiB per rank
+    quarter of what one process saves for the same batch (measured 0.250: 1.56 MiB per rank
     against 6.25 MiB)."""
     one = references["llama-long"]["activations"]
     per_rank = [r["activations"] for r in results["cp4-llama-long"]]
     assert max(per_rank) - min(per_rank) <= 0.01 * one  # balanced
     ratio = max(per_rank) / one
-    assert 0.22 <= ratio <= 0.28, (ratio, per_rank, one)
+    assert 0.24 <= ratio <= 0.26, (ratio, per_rank, one)
 
 
 def test_memory_prediction_counts_dp_x_cp(results):
