@@ -27,7 +27,7 @@ context_parallel``, 2 gloo ranks on the CPU) is tried on one attention call firs
 math backend mixes DTensors with plain tensors), so the reason is recorded instead of a
 ratio.
 
-    python benchmarks/context_parallel.py                    # ~6 minutes on 2 cores
+    python benchmarks/context_parallel.py                    # ~3 minutes on 2 cores
     python benchmarks/context_parallel.py --lengths 256,512 --steps 2
 
 Writes ``OUT/context_parallel.json``, ``OUT/context_parallel.txt`` and
