@@ -103,7 +103,8 @@ def _register_builtin() -> None:
     register(AppSpec(
         name="lm", description="a decoder (GPT, Llama, yours) on text in any dp x tp x pp "
         "layout (the default)", handles=lambda cfg: True, train_rank=lm_app.train_rank,
-        summary=lm_app.summary, check_config=lm_app.check_config, check_data=check_corpus))
+        summary=lm_app.summary, check_config=lm_app.check_config, check_data=check_corpus,
+        check_resumable=lm_app.check_resumable))
 
 
 _register_builtin()
