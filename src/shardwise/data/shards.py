@@ -29,8 +29,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from shardwise.data.corpus import DataError
 from shardwise.data.tokenizer import CharTokenizer, HFTokenizer
@@ -41,6 +42,9 @@ MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
 UINT32_VOCAB = 2**32  # ids 0 .. 2**32 - 1
+
+if TYPE_CHECKING:
+    import torch
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -134,6 +138,8 @@ class TokenStream:
         return int(self._ends[-1]) if len(self._ends) else 0
 
     def __getitem__(self, idx) -> torch.Tensor:
+        import torch  # here, not at the top: shardwise prepare writes shards without torch
+
         n = len(self)
         if isinstance(idx, slice):
             idx = np.arange(*idx.indices(n))

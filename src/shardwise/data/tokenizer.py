@@ -1,6 +1,8 @@
 """Tokenizers a run trains with: our character tokenizer, or a Hugging Face ``tokenizers``
 one (a byte-level BPE that ``shardwise prepare`` trained, or any ``tokenizer.json``).
 
+``torch`` is imported when ``encode`` first runs: ``shardwise prepare`` never needs it.
+
 Both give ``vocab_size``, ``encode`` (text -> int64 ids), ``decode``, ``start_ids`` (the
 prompt a sample starts from) and a JSON-safe ``state_dict`` that a checkpoint stores beside
 its tensors; ``tokenizer_from_state`` rebuilds either from it without unpickling.
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class CharTokenizer:
@@ -39,6 +43,8 @@ class CharTokenizer:
 
     def encode(self, text: str) -> torch.Tensor:
         """``text`` -> int64 tensor of shape ``(len(text),)``; unknown characters raise KeyError."""
+        import torch
+
         return torch.tensor([self._stoi[c] for c in text], dtype=torch.long)
 
     def decode(self, ids) -> str:
@@ -91,6 +97,8 @@ class HFTokenizer:
 
     def encode(self, text: str) -> torch.Tensor:
         """``text`` -> int64 tensor ``(n,)``: the ids ``tokenizers`` gives, no special tokens."""
+        import torch
+
         return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False).ids,
                             dtype=torch.long)
 
