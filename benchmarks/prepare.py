@@ -9,7 +9,9 @@ Shakespeare texts, drawn with a fixed seed, until ``--mb`` megabytes), then runs
 - ``tokenizer.json``: encode with the BPE the first case trained (no training pass);
 - ``char``: the character tokenizer (a reading pass, then a numpy lookup);
 - ``tokenizer.json`` again on a quarter of the corpus: memory does not grow with the
-  corpus (the peak is the same at 25 and 100 MB).
+  corpus (the peak is the same at 25 and 100 MB);
+- reading only: the records streamed through ``datasets`` and dropped, the floor under
+  every case (most of the peak is the reader's).
 
     PYTHONPATH=src python benchmarks/prepare.py                      # ~100 MB, ~3 minutes here
     PYTHONPATH=src python benchmarks/prepare.py --mb 10 --out /tmp/x  # quicker
@@ -68,15 +70,23 @@ def run_prepare(args: list[str]) -> dict:
 
 
 def child(args: list[str]) -> None:
-    """Run ``shardwise prepare`` in this process, then print its peak RSS as JSON."""
+    """Run ``shardwise prepare`` in this process (``ARGS[0] == "read-only"``: only stream
+    the corpus's records through ``datasets``, as prepare reads them), then print the peak
+    RSS as JSON."""
     import resource
 
-    from shardwise.cli.main import main as cli_main
+    if args[0] == "read-only":
+        from shardwise.data.prepare import _records, find_sources
 
-    code = cli_main(["prepare", *args])
-    sys.stdout.flush()
-    if code:
-        raise SystemExit(code)
+        n = sum(len(t) for src in find_sources([args[1]]) for t in _records(src, "text"))
+        print(f"read {n:,} characters through datasets, nothing else")
+    else:
+        from shardwise.cli.main import main as cli_main
+
+        code = cli_main(["prepare", *args])
+        sys.stdout.flush()
+        if code:
+            raise SystemExit(code)
     print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 
 
@@ -110,7 +120,8 @@ def main() -> None:
     make_corpus(quarter, a.mb / 4)
     lines = [f"# shardwise prepare on a {size / 1e6:.0f} MB JSONL corpus ({docs:,} documents, "
              f"Shakespeare paragraphs; generated in {time.perf_counter() - t0:.0f} s)",
-             f"# machine: {machine()}",
+             f"# machine: {machine()}; load average {os.getloadavg()[0]:.1f} at the start "
+             "(a machine shared with other jobs: wall times are noisy)",
              f"# {'case':<34} {'wall s':>7} {'MB/s':>6} {'peak RSS MiB':>13}  closing line"]
     print("\n".join(lines), flush=True)
     cases = [
@@ -121,9 +132,10 @@ def main() -> None:
         ("char", corpus, ["--tokenizer", "char"], "char"),
         ("tokenizer.json, quarter corpus", quarter, ["--tokenizer", str(root / "bpe/tokenizer.json")],
          "json_quarter"),
+        ("reading only (datasets streaming)", corpus, ["read-only", str(corpus)], None),
     ]
     for name, data, extra, out in cases:
-        r = run_prepare([str(data), *extra, "--out", str(root / out)])
+        r = run_prepare([str(data), *extra, "--out", str(root / out)] if out else extra)
         mb = data.stat().st_size / 1e6
         row = (f"  {name:<34} {r['wall_s']:>7.1f} {mb / r['wall_s']:>6.1f} {r['rss_mib']:>13.0f}  "
                f"{r['line'].replace('shardwise prepare: ', '').split('; shardwise train')[0]}")
