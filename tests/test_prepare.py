@@ -207,7 +207,7 @@ def test_second_run_refuses_and_an_interrupted_one_resumes(tmp_path, monkeypatch
         prep.prepare(_opts([txt, jsonl], out, **{**kw, "vocab_size": 320}), log=print)
     lines = []
     resumed = prep.prepare(_opts([txt, jsonl], out, **kw), log=lines.append)
-    assert lines and "resuming" in lines[0] and "1 train shards" in lines[0]
+    assert lines and "resuming" in lines[0] and "after 1 complete train shard (" in lines[0]
     assert resumed == reference  # same shards, checksums, counts
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in done.iterdir())
 
@@ -216,6 +216,14 @@ def test_second_run_refuses_and_an_interrupted_one_resumes(tmp_path, monkeypatch
     (stray / "notes").write_text("mine")
     with pytest.raises(DataError, match="not an empty directory"):
         prep.prepare(_opts([txt], stray, tokenizer="char"), log=print)
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["prepare", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: shardwise prepare")
+    assert "--tokenizer char|bpe|PATH" in out and "--vocab-size N" in out
 
 
 def _one_line_exit_2(argv, capsys) -> str:

@@ -35,6 +35,7 @@ import codecs
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -163,8 +164,14 @@ def _records(source: Source, field: str) -> Iterator[str]:
     kwargs = {"text": {"keep_linebreaks": True, "chunksize": READ_CHUNK},
               "json": {"chunksize": READ_CHUNK}, "parquet": {"columns": [field]}}[source.format]
     column = "text" if source.format == "text" else field
-    ds = datasets.load_dataset(source.format, data_files=[source.path], split="train",
-                               streaming=True, **kwargs)
+    # cache_dir: datasets leaves a lock file per input in its cache even when streaming
+    with tempfile.TemporaryDirectory(prefix="shardwise-prepare-") as cache:
+        ds = datasets.load_dataset(source.format, data_files=[source.path], split="train",
+                                   streaming=True, cache_dir=cache, **kwargs)
+        yield from _values(ds, source, field, column)
+
+
+def _values(ds, source: Source, field: str, column: str) -> Iterator[str]:
     n = 0
     try:
         for batch in ds.iter(batch_size=1024):
@@ -461,8 +468,9 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
                                     f"unfinished prepare began; remove {root}")
                 tokenizer = HFTokenizer.from_str(path.read_text(encoding="utf-8"), spec["eos_id"])
             progress = _Progress(**state["progress"])
-            log(f"shardwise prepare: resuming {root} after {len(progress.shards['train'])} "
-                f"train shards ({progress.tokens['train']:,} tokens)")
+            n = len(progress.shards["train"])
+            log(f"shardwise prepare: resuming {root} after {n} complete train "
+                f"shard{'s' if n != 1 else ''} ({progress.tokens['train']:,} tokens)")
         manifest = _encode_all(opts, sources, root, state, tokenizer, progress)
     except BaseException as e:
         # bad input: a fresh run leaves nothing behind; interrupted: the shards so far stay
