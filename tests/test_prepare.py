@@ -21,7 +21,7 @@ import torch
 from shardwise.cli.main import main
 from shardwise.data import CharTokenizer, DataError, DistributedBatchSampler
 from shardwise.data import prepare as prep
-from shardwise.data.shards import TokenStream, load_prepared
+from shardwise.data.shards import load_prepared
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,7 +238,7 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\u00e9 ol\u00e9\n".encode("latin-1"))
     no_field = tmp_path / "no_field.jsonl"
-    no_field.write_text('{"text": "a"}\n{"body": "b"}\n', encoding="utf-8")
+    no_field.write_text('{"text": "a"}\n\n{"body": "b"}\n', encoding="utf-8")
     out = str(tmp_path / "out")
     cases = [
         (["prepare", str(tmp_path / "missing.jsonl"), "--tokenizer", "char", "--out", out],
@@ -246,7 +246,7 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
         (["prepare", str(latin1), "--tokenizer", "char", "--out", out],
          "latin1.txt: not UTF-8 (byte 3 is e9)"),
         (["prepare", str(no_field), "--tokenizer", "char", "--out", out],
-         "no_field.jsonl: record 2 has no field 'text' (its fields: body)"),
+         "no_field.jsonl: line 3 has no field 'text' (its fields: body)"),
         (["prepare", str(jsonl), "--tokenizer", "bpe", "--vocab-size", str(2**32 + 1), "--out", out],
          "a vocabulary of 4,294,967,297 tokens does not fit uint32 ids"),
         (["prepare", str(jsonl), "--tokenizer", "nope.json", "--out", out],

@@ -11,7 +11,7 @@ Examples::
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from shardwise.cli.common import EXIT_USAGE, Parser
 

@@ -13,8 +13,10 @@ Tokenizers: ``char`` (``CharTokenizer`` over every character of the corpus: one 
 pass first), ``bpe`` (a byte-level BPE trained with ``tokenizers``' ``BpeTrainer`` on the
 corpus, GPT-2's pre-tokenization plus a split after every newline, so encoding a text in
 pieces cut at line ends gives exactly the ids of encoding it whole), or the path of a
-``tokenizer.json``. Encoding uses ``tokenizers``' batch encoder (Rust, all cores) or, for
-``char``, a numpy lookup of code points; no Python loop per character.
+``tokenizer.json`` (a text file longer than ``piece_chars`` is then encoded piece by piece:
+a token that would span a piece's last line break is split there; JSONL and Parquet
+documents are always encoded whole). Encoding uses ``tokenizers``' batch encoder (Rust,
+all cores) or, for ``char``, a numpy lookup of code points; no Python loop per character.
 
 Split: of each block's tokens, the tail goes to ``val`` so that the validation tokens so
 far are ``floor(val_fraction * tokens so far)``: held-out text spread over the whole
@@ -31,14 +33,11 @@ rename.
 
 from __future__ import annotations
 
-import codecs
-import os
 import shutil
 import sys
-import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -46,17 +45,15 @@ from shardwise.data.corpus import DataError
 from shardwise.data.shards import (FORMAT, MANIFEST, SPLITS, TOKENIZER_FILE, UINT32_VOCAB,
                                    VERSION, ShardWriter, fsync_dir, sha256_file, token_dtype,
                                    write_json_atomic)
+from shardwise.data.sources import Piece, Source, blocks, check_source, find_sources
 from shardwise.data.tokenizer import CharTokenizer, HFTokenizer
 
 STATE = "prepare.json"
-FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json",
-           ".ndjson": "json", ".json": "json", ".parquet": "parquet"}
 BPE_EOS = "<|endoftext|>"
 EOS_CANDIDATES = (BPE_EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 CHAR_SEPARATOR = "\n\n"
 DEFAULT_BPE_VOCAB = 8192
 MIN_BPE_VOCAB = 257  # 256 bytes + <|endoftext|>
-READ_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -82,158 +79,8 @@ class PrepareOptions:
     progress: bool | None = None
 
 
-@dataclass(frozen=True)
-class Source:
-    """One input file: its absolute ``path``, ``format`` (text, json, parquet), size in
-    bytes and modification time (ns), which a resumed prepare must find unchanged."""
-
-    path: str
-    format: str
-    bytes: int
-    mtime_ns: int
-
-
-# -- inputs ------------------------------------------------------------------------------
-def find_sources(inputs: list[str] | tuple[str, ...]) -> list[Source]:
-    """The files ``inputs`` name, in order (a directory: its files of known formats,
-    sorted). ``DataError`` (one line) for a missing path, an unknown suffix, an empty
-    directory."""
-    out: list[Source] = []
-    for name in inputs:
-        p = Path(name).expanduser()
-        if p.is_dir():
-            files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in FORMATS)
-            if not files:
-                raise DataError(f"{name}: a directory with no {', '.join(sorted(FORMATS))} files")
-        elif p.is_file():
-            files = [p]
-        else:
-            raise DataError(f"{name}: file not found")
-        for f in files:
-            fmt = FORMATS.get(f.suffix.lower())
-            if fmt is None:
-                raise DataError(f"{f}: unknown format {f.suffix or '(no suffix)'}; expected "
-                                ".txt/.md (text), .jsonl/.json (JSON lines) or .parquet")
-            st = f.stat()
-            out.append(Source(str(f.resolve()), fmt, st.st_size, st.st_mtime_ns))
-    if not out:
-        raise DataError("no input files given")
-    return out
-
-
-def check_source(source: Source, field: str) -> None:
-    """Before any work: a text or JSON file must be UTF-8 (read once, incrementally); a
-    Parquet file must have the ``field`` column. ``DataError`` naming the file and the
-    offset of the first bad byte."""
-    if source.format == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            names = pq.read_schema(source.path).names
-        except Exception as e:  # pyarrow's ArrowInvalid and friends
-            raise DataError(f"{source.path}: not a Parquet file ({str(e).splitlines()[0]})") from None
-        if field not in names:
-            raise DataError(f"{source.path}: no column {field!r} (columns: {', '.join(names)}); "
-                            "--field NAME picks another")
-        return
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with open(source.path, "rb") as f:
-        while True:
-            chunk = f.read(8 << 20)
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as e:
-                raise DataError(f"{source.path}: not UTF-8 (byte {offset + e.start:,} is "
-                                f"{chunk[e.start:e.start + 1].hex() if e.start < len(chunk) else 'a cut sequence'})") from None
-            if not chunk:
-                return
-            offset += len(chunk)
-
-
-def _records(source: Source, field: str) -> Iterator[str]:
-    """The rows ``datasets`` streams from one file: a text file's lines (line breaks kept),
-    a JSONL / Parquet file's ``field`` values. ``DataError`` for a record without it."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never the hub
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    # chunksize: bytes datasets parses at once (its default, 10 MB, costs memory for no speed)
-    kwargs = {"text": {"keep_linebreaks": True, "chunksize": READ_CHUNK},
-              "json": {"chunksize": READ_CHUNK}, "parquet": {"columns": [field]}}[source.format]
-    column = "text" if source.format == "text" else field
-    # cache_dir: datasets leaves a lock file per input in its cache even when streaming
-    with tempfile.TemporaryDirectory(prefix="shardwise-prepare-") as cache:
-        ds = datasets.load_dataset(source.format, data_files=[source.path], split="train",
-                                   streaming=True, cache_dir=cache, **kwargs)
-        yield from _values(ds, source, field, column)
-
-
-def _values(ds, source: Source, field: str, column: str) -> Iterator[str]:
-    n = 0
-    try:
-        for batch in ds.iter(batch_size=1024):
-            values = batch.get(column)
-            rows = len(next(iter(batch.values()))) if batch else 0
-            for i in range(rows):
-                v = values[i] if values is not None else None
-                n += 1
-                if not isinstance(v, str):
-                    have = [k for k in batch if batch[k][i] is not None]
-                    what = "has no field" if v is None else f"has a {type(v).__name__} in field"
-                    raise DataError(f"{source.path}: record {n} {what} {field!r} (its fields: "
-                                    f"{', '.join(have) or 'none'}); --field NAME picks another")
-                yield v
-    except UnicodeDecodeError as e:
-        raise DataError(f"{source.path}: not UTF-8 ({e.reason})") from None
-
-
-Piece = tuple[str, bool, int]  # (text, starts a document, source index)
-
-
-def _pieces(sources: list[Source], opts: PrepareOptions,
-            advance: Callable[[int], None]) -> Iterator[Piece]:
-    """Every document's text in order, a text file cut into pieces of about
-    ``piece_chars`` at line ends; empty documents skipped. ``advance(bytes)`` follows the
-    reading (characters as an estimate, corrected at each file's end)."""
-    for k, src in enumerate(sources):
-        read = 0
-        if src.format == "text":
-            buf, size, first = [], 0, True
-            for line in _records(src, opts.field):
-                buf.append(line)
-                size += len(line)
-                if size >= opts.piece_chars:
-                    yield "".join(buf), first, k
-                    advance(size)
-                    read += size
-                    buf, size, first = [], 0, False
-            if buf:
-                yield "".join(buf), first, k
-        else:
-            for text in _records(src, opts.field):
-                if text:
-                    yield text, True, k
-                    advance(len(text))
-                    read += len(text)
-        advance(src.bytes - read)  # this file read: the exact total so far
-
-
-def _blocks(sources: list[Source], opts: PrepareOptions,
-            advance: Callable[[int], None]) -> Iterator[list[Piece]]:
-    """Pieces grouped into blocks of at least ``block_chars`` characters (the last may be
-    smaller): the unit of encoding, splitting and resuming."""
-    block, chars = [], 0
-    for piece in _pieces(sources, opts, advance):
-        block.append(piece)
-        chars += len(piece[0])
-        if chars >= opts.block_chars:
-            yield block
-            block, chars = [], 0
-    if block:
-        yield block
+def _blocks(sources: list[Source], opts: PrepareOptions, advance) -> Iterator[list[Piece]]:
+    return blocks(sources, opts.field, opts.piece_chars, opts.block_chars, advance)
 
 
 # -- tokenizers --------------------------------------------------------------------------
@@ -247,9 +94,9 @@ def _bar(opts: PrepareOptions, total: int, desc: str, initial: int = 0):
                 mininterval=0.5 if sys.stderr.isatty() else 30.0)
 
 
-def train_bpe(blocks: Iterator[list[Piece]], vocab_size: int):
+def train_bpe(texts: Iterator[list[Piece]], vocab_size: int):
     """A byte-level BPE of ``vocab_size`` ids (fewer if the corpus has fewer merges) trained
-    on the texts of ``blocks`` with ``tokenizers.trainers.BpeTrainer``; id 0 is
+    on the texts of the blocks ``texts`` with ``tokenizers.trainers.BpeTrainer``; id 0 is
     ``<|endoftext|>``. Pre-tokenization: a split after each newline, then GPT-2's byte-level
     regex (Radford et al. 2019), so no token spans a line break."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -262,7 +109,7 @@ def train_bpe(blocks: Iterator[list[Piece]], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(([text for text, _, _ in block] for block in blocks), trainer=trainer)
+    tok.train_from_iterator(([text for text, _, _ in block] for block in texts), trainer=trainer)
     return tok
 
 

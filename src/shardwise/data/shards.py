@@ -28,7 +28,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
