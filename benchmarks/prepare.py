@@ -76,9 +76,9 @@ def child(args: list[str]) -> None:
     import resource
 
     if args[0] == "read-only":
-        from shardwise.data.prepare import _records, find_sources
+        from shardwise.data.sources import find_sources, records
 
-        n = sum(len(t) for src in find_sources([args[1]]) for t in _records(src, "text"))
+        n = sum(len(t) for src in find_sources([args[1]]) for t in records(src, "text"))
         print(f"read {n:,} characters through datasets, nothing else")
     else:
         from shardwise.cli.main import main as cli_main

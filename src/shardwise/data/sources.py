@@ -78,15 +78,17 @@ def check_source(source: Source, field: str) -> None:
                             "--field NAME picks another")
         return
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
+    offset = 0  # bytes read before this chunk
     with open(source.path, "rb") as f:
         while True:
             chunk = f.read(8 << 20)
+            pending = decoder.getstate()[0]  # a sequence the last chunk cut, decoded now
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:
-                raise DataError(f"{source.path}: not UTF-8 (byte {offset + e.start:,} is "
-                                f"{chunk[e.start:e.start + 1].hex() if e.start < len(chunk) else 'a cut sequence'})") from None
+                bad = (pending + chunk)[e.start:e.start + 1].hex() or "a cut sequence"
+                raise DataError(f"{source.path}: not UTF-8 (byte "
+                                f"{offset - len(pending) + e.start:,} is {bad})") from None
             if not chunk:
                 return
             offset += len(chunk)
@@ -101,7 +103,6 @@ def records(source: Source, field: str) -> Iterator[str]:
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
-    # chunksize: bytes datasets parses at once (its default, 10 MB, costs memory for no speed)
     kwargs = {"text": {"keep_linebreaks": True, "chunksize": READ_CHUNK},
               "json": {"chunksize": READ_CHUNK}, "parquet": {"columns": [field]}}[source.format]
     column = "text" if source.format == "text" else field
