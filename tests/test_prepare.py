@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -310,11 +311,13 @@ def _record_windows(trainer, steps: int) -> list[torch.Tensor]:
     return seen
 
 
-def test_readme_commands_train_at_dp2_and_resume_in_another_layout(corpus, tmp_path):
+def test_readme_commands_train_at_dp2_and_resume_in_another_layout(corpus, tmp_path, capsys,
+                                                                 monkeypatch):
     """The README's "Your own data" commands as a user runs them (prepare; train at dp = 2,
     checkpoints at steps 3 and 6). Then: the run resumed from step 3 at dp = 1 reads, step by
     step, the windows of an uninterrupted dp = 1 run and ends at the sampler position the
-    dp = 2 run saved; four dp = 4 ranks resumed from it draw that global batch between them."""
+    dp = 2 run saved; four dp = 4 ranks resumed from it draw that global batch between them.
+    Prepared again with another tokenizer, the directory no longer resumes the run."""
     from shardwise import checkpoint
     from shardwise.apps.lm.trainer import build_trainer
     from shardwise.base.config import Config
@@ -371,3 +374,13 @@ def test_readme_commands_train_at_dp2_and_resume_in_another_layout(corpus, tmp_p
         parts.append(s.next_batch()[0])
     assert torch.equal(torch.cat(parts), windows[3])
     assert all(len(p) == 2 for p in parts)
+
+    # DIR prepared again with another tokenizer: resuming the run is refused at the door
+    shutil.rmtree(data_dir)
+    prep.prepare(_opts([tmp_path / "my_corpus.jsonl"], data_dir, tokenizer="bpe",
+                       vocab_size=600), log=print)
+    monkeypatch.chdir(tmp_path)
+    code = main([*shlex.split(commands[1])[1:], "--training.steps", "8"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.endswith("tokenizer is not the one the checkpoint trained with "
+                                      "(prepared again?); --fresh starts over"), err
