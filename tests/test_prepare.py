@@ -212,6 +212,23 @@ def test_second_run_refuses_and_an_interrupted_one_resumes(tmp_path, monkeypatch
     assert resumed == reference  # same shards, checksums, counts
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in done.iterdir())
 
+    # a crash while the manifest is renamed into place: no manifest, and the next run finishes
+    torn = tmp_path / "torn"
+    real_replace = os.replace
+
+    def no_manifest(src, dst):
+        if Path(dst).name == "manifest.json":
+            raise OSError("disk gone")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", no_manifest)
+    with pytest.raises(OSError, match="disk gone"):
+        prep.prepare(_opts([txt, jsonl], torn, **kw), log=print)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not (torn / "manifest.json").exists() and (torn / "prepare.json").exists()
+    assert prep.prepare(_opts([txt, jsonl], torn, **kw), log=print) == reference
+    assert not (torn / "manifest.json.tmp").exists() and not (torn / "prepare.json").exists()
+
     stray = tmp_path / "stray"
     stray.mkdir()
     (stray / "notes").write_text("mine")
@@ -276,6 +293,8 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     assert main(["prepare", str(txt), str(jsonl), "--tokenizer", "char", "--out", str(good),
                  "--no-progress"]) == 0
     capsys.readouterr()
+    err = _one_line_exit_2(["prepare", str(txt), "--tokenizer", "char", "--out", str(good)], capsys)
+    assert "already holds a prepared dataset" in err
     shard = good / "train_00000.bin"
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 1
