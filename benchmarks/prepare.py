@@ -93,7 +93,8 @@ def child(args: list[str]) -> None:
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
-    mem = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    mem = next(int(line.split()[1]) for line in open("/proc/meminfo")
+               if line.startswith("MemTotal"))
     import datasets
     import tokenizers
 
@@ -130,7 +131,8 @@ def main() -> None:
         ("tokenizer.json (encode only)", corpus, ["--tokenizer", str(root / "bpe/tokenizer.json")],
          "json"),
         ("char", corpus, ["--tokenizer", "char"], "char"),
-        ("tokenizer.json, quarter corpus", quarter, ["--tokenizer", str(root / "bpe/tokenizer.json")],
+        ("tokenizer.json, quarter corpus", quarter,
+         ["--tokenizer", str(root / "bpe/tokenizer.json")],
          "json_quarter"),
         ("reading only (datasets streaming)", corpus, ["read-only", str(corpus)], None),
     ]

@@ -147,7 +147,8 @@ def test_parquet_field(tmp_path):
                      log=print)
     assert m["documents"] == len(DOCS)
     text = "\n\n".join(DOCS)
-    assert _all_tokens(out, "train").tolist() == CharTokenizer(m["tokenizer"]["chars"]).encode(text).tolist()
+    expected = CharTokenizer(m["tokenizer"]["chars"]).encode(text).tolist()
+    assert _all_tokens(out, "train").tolist() == expected
 
 
 def test_manifest_counts_checksums_and_the_memory_mapped_stream(tmp_path):
@@ -156,10 +157,12 @@ def test_manifest_counts_checksums_and_the_memory_mapped_stream(tmp_path):
     m = prep.prepare(_opts([txt, jsonl], out, tokenizer="bpe", vocab_size=300,
                            block_chars=600, shard_tokens=200), log=print)
     assert m["format"] == "shardwise.tokens" and m["version"] == 1
-    assert m["documents"] == 1 + len(DOCS) * 20 and [s["documents"] for s in m["sources"]] == [1, 100]
+    assert m["documents"] == 1 + len(DOCS) * 20
+    assert [s["documents"] for s in m["sources"]] == [1, 100]
     assert m["characters"] == len(txt.read_text(encoding="utf-8")) + len("".join(DOCS)) * 20
     assert m["split"]["val_fraction"] == 0.1 and m["tokenizer"]["kind"] == "hf"
-    assert m["tokenizer"]["sha256"] == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    digest = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
+    assert m["tokenizer"]["sha256"] == digest
     for split in ("train", "val"):
         assert m["tokens"][split] == sum(r["tokens"] for r in m["shards"][split])
         for r in m["shards"][split]:
@@ -174,7 +177,8 @@ def test_manifest_counts_checksums_and_the_memory_mapped_stream(tmp_path):
     assert len(data.train) == len(flat)
     idx = torch.tensor([[0, 1, 2], [198, 199, 200], [len(flat) - 3, len(flat) - 2, len(flat) - 1]])
     assert torch.equal(data.train[idx], torch.from_numpy(flat[idx.numpy()]))  # across shards
-    assert data.train[5].item() == flat[5] and data.train[190:210].tolist() == flat[190:210].tolist()
+    assert data.train[5].item() == flat[5]
+    assert data.train[190:210].tolist() == flat[190:210].tolist()
     with pytest.raises(IndexError):
         data.train[torch.tensor([len(flat)])]
 
@@ -265,7 +269,8 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
          "latin1.txt: not UTF-8 (byte 3 is e9)"),
         (["prepare", str(no_field), "--tokenizer", "char", "--out", out],
          "no_field.jsonl: line 3 has no field 'text' (its fields: body)"),
-        (["prepare", str(jsonl), "--tokenizer", "bpe", "--vocab-size", str(2**32 + 1), "--out", out],
+        (["prepare", str(jsonl), "--tokenizer", "bpe", "--vocab-size", str(2**32 + 1),
+          "--out", out],
          "a vocabulary of 4,294,967,297 tokens does not fit uint32 ids"),
         (["prepare", str(jsonl), "--tokenizer", "nope.json", "--out", out],
          "--tokenizer nope.json: not char, bpe, or an existing tokenizer.json file"),

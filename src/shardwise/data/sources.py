@@ -72,7 +72,8 @@ def check_source(source: Source, field: str) -> None:
         try:
             names = pq.read_schema(source.path).names
         except Exception as e:  # pyarrow's ArrowInvalid and friends
-            raise DataError(f"{source.path}: not a Parquet file ({str(e).splitlines()[0]})") from None
+            reason = str(e).splitlines()[0]
+            raise DataError(f"{source.path}: not a Parquet file ({reason})") from None
         if field not in names:
             raise DataError(f"{source.path}: no column {field!r} (columns: {', '.join(names)}); "
                             "--field NAME picks another")
