@@ -211,7 +211,8 @@ def load_tokenizer(root: str | Path, manifest: dict) -> CharTokenizer | HFTokeni
 def verify(root: str | Path, manifest: dict | None = None, checksums: bool = True) -> dict:
     """Check every file the manifest lists: present, of the size its token count says, and
     (``checksums``) of its sha256. Returns the manifest; ``DataError`` naming the first
-    file that fails. Reads every shard once when ``checksums`` (about 1 s per GB)."""
+    file that fails. Reads every shard once when ``checksums`` (0.8 GB/s on the 2-core CPU,
+    from the page cache)."""
     root = Path(root)
     manifest = manifest or read_manifest(root)
     itemsize = np.dtype(manifest["dtype"]).itemsize
