@@ -1,4 +1,5 @@
-"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``plan``
+"""Command line: ``shardwise train`` (the main job), ``export`` (a checkpoint as a Hugging
+Face model), ``generate`` (sample from a checkpoint), ``bench comm``, ``memory``, ``plan``
 (``--model cnn``: the CNN's per-layer plan), ``timeline``.
 
 Examples::
@@ -11,6 +12,9 @@ Examples::
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
     shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
     shardwise plan --model cnn --batch 64 --ranks 4   # the CNN's per-layer plan and its bytes
+    shardwise train --config configs/finetune_hf.toml --model.init_from hf:DIR --data my.txt
+    shardwise export runs/finetune --format hf --out exported   # from_pretrained loads it
+    shardwise generate runs/finetune --prompt "ROMEO:" --parallel.tp 2
     shardwise train --help                            # every config field: type, default, meaning
     shardwise --version
 
@@ -28,7 +32,7 @@ import sys
 from pathlib import Path
 
 from shardwise.base.version import version
-from shardwise.cli.common import EXIT_USAGE, Parser
+from shardwise.cli.common import EXIT_USAGE, Parser, split_overrides
 
 DEFAULT_CONFIG = "configs/shakespeare.toml"
 
@@ -41,24 +45,6 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return value
-
-
-def _split_overrides(extra: list[str]) -> dict:
-    from shardwise.base.config import ConfigError, parse_override_value
-
-    out, i = {}, 0
-    while i < len(extra):
-        tok = extra[i]
-        if not tok.startswith("--") or "." not in tok:
-            raise ConfigError(f"unrecognised argument {tok!r}; overrides look like --section.field VALUE")
-        key, eq, val = tok[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(extra):
-                raise ConfigError(f"--{key}: missing value")
-            val, i = extra[i + 1], i + 1
-        out[key] = parse_override_value(val)
-        i += 1
-    return out
 
 
 def cmd_train(args, extra: list[str]) -> int:
@@ -82,7 +68,7 @@ def cmd_train(args, extra: list[str]) -> int:
     # under torchrun --max-restarts, a restarted gang resumes even if launched with --fresh
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     try:
-        overrides = _split_overrides(extra)
+        overrides = split_overrides(extra)
         if args.data is not None:
             overrides["data.path"] = args.data
         config_path = args.config
@@ -90,6 +76,7 @@ def cmd_train(args, extra: list[str]) -> int:
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
         app = app_for(cfg)
+        cfg = app.resolve(cfg)  # model.init_from: the model of its config.json
         app.check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)
         app.check_data(cfg)  # missing, unreadable or too small
         if env is not None and env.world_size != cfg.world_size:
@@ -222,6 +209,18 @@ def cmd_plan(args, extra: list[str]) -> int:
     return plan_main(extra)
 
 
+def cmd_export(args, extra: list[str]) -> int:
+    from shardwise.cli.export import main as export_main
+
+    return export_main(extra)
+
+
+def cmd_generate(args, extra: list[str]) -> int:
+    from shardwise.cli.generate import main as generate_main
+
+    return generate_main(extra)
+
+
 def cmd_timeline(args, extra: list[str]) -> int:
     from shardwise.cli.timeline import main as timeline_main
 
@@ -286,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="rank layouts of a model on a cluster: memory per GPU and "
                         "predicted step time; emit the best as a TOML", add_help=False)
     pl.set_defaults(func=cmd_plan)
+    ex = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model "
+                        "(config.json, safetensors, tokenizer)", add_help=False)
+    ex.set_defaults(func=cmd_export)
+    ge = sub.add_parser("generate", help="sample from a run's checkpoint in the layout of this "
+                        "launch", add_help=False)
+    ge.set_defaults(func=cmd_generate)
     tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
                         add_help=False)
     tl.set_defaults(func=cmd_timeline)

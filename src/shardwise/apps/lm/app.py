@@ -89,13 +89,29 @@ def check_model(cfg: Config, vocab_size: int) -> None:
 
 def check_data(cfg: Config) -> None:
     """At the door: the corpus (``apps.lm.text.check_corpus``), then the model it implies
-    with the text's vocabulary (the character tokenizer's): ``check_model``.
+    with the text's vocabulary (the character tokenizer's): ``check_model``, at most
+    ``model.vocab_size`` tokens when that is set; with ``model.init_from``, the checkpoint's
+    tensors against its config.json (``apps.lm.hf.check_init_from``).
     ``DataError`` / ``ValueError``, one line."""
+    from shardwise.apps.lm.hf import check_init_from
     from shardwise.data import load_text
 
     text = load_text(cfg.data.path)
     check_corpus(cfg, text)
-    check_model(cfg, len(set(text)))
+    vocab = len(set(text))
+    check_init_from(cfg, vocab)
+    if cfg.model.vocab_size and vocab > cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the text has {vocab} "
+                         "distinct characters (the tokenizer's vocabulary); it must not be larger")
+    check_model(cfg, vocab)
+
+
+def resolve(cfg: Config) -> Config:
+    """At the door and on every rank: ``cfg`` with what files decide filled in
+    (``model.init_from``: the model of its config.json, ``apps.lm.hf.resolve_init_from``)."""
+    from shardwise.apps.lm.hf import resolve_init_from
+
+    return resolve_init_from(cfg)
 
 
 def summary(result: dict) -> str:
