@@ -296,6 +296,18 @@ class TrainingConfig(_Section):
     peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
                                       "for MFU; unset: the table of known GPUs, or a matmul "
                                       "probe on the CPU (shardwise.perf)")
+    tensorboard: bool = Field(False, description="also write the metrics (loss, lr, grad norm, "
+                              "tokens/s, MFU, memory) as TensorBoard event files under "
+                              "out_dir/tensorboard (needs the tensorboard package)")
+    wandb: str = Field("", description="offline or online: also log the metrics to Weights & "
+                       "Biases, its run under out_dir/wandb (needs the wandb package); "
+                       "empty: no")
+
+    @model_validator(mode="after")
+    def _loggers(self):
+        if self.wandb not in ("", "offline", "online"):
+            raise ValueError(f"training.wandb={self.wandb!r}: expected offline, online or empty")
+        return self
 
 
 class CheckpointConfig(_Section):

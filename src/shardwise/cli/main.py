@@ -56,6 +56,7 @@ def cmd_train(args, extra: list[str]) -> int:
     from shardwise.base.errors import RunError
     from shardwise.data import DataError
     from shardwise.training import rundir
+    from shardwise.training.loggers import check_loggers
 
     started = time.perf_counter()  # the closing line reports the command's wall time
 
@@ -77,6 +78,7 @@ def cmd_train(args, extra: list[str]) -> int:
         cfg = Config.load(config_path, overrides)
         app = app_for(cfg)
         cfg = app.resolve(cfg)  # model.init_from: the model of its config.json
+        check_loggers(cfg)  # training.tensorboard / wandb: their packages are there
         app.check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)
         app.check_data(cfg)  # missing, unreadable or too small
         if env is not None and env.world_size != cfg.world_size:
