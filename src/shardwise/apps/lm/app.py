@@ -48,7 +48,9 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     trainer = Trainer(cfg, topology, device, tokenizer=tokenizer)
     if topology.rank == 0:
         n = _full_size(trainer.description)
-        print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
+        source = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
+        print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters{source}, "
+              f"vocab {trainer.tokenizer.vocab_size}{_model_vocab(trainer)}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
               f"{describe_layout(cfg)}, {_where(device)}, {torch.get_num_threads()} threads "
               "per rank", flush=True)
@@ -118,6 +120,11 @@ def summary(result: dict) -> str:
     """The end of the closing line: final train and validation loss (nats/char)."""
     return (f"final train loss {result['loss']:.4f}, validation loss "
             f"{result['val_loss']:.4f} nats/char")
+
+
+def _model_vocab(trainer) -> str:
+    v = trainer.description.vocab_size
+    return f" (the model's {v})" if v != trainer.tokenizer.vocab_size else ""
 
 
 def _where(device: torch.device) -> str:
