@@ -79,7 +79,8 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     engine = Engine(d, topology, EngineSettings.from_config(cfg), device)
     with engine.full_parameters():
         targets = engine_state.logical_tensors(engine, targets=True)["model"]
-    checkpoint.load(Path(path), {"model": targets})  # each rank reads its own slices
+    # each rank reads its own slices; the launcher verified the checksums (check_loadable)
+    checkpoint.load(Path(path), {"model": targets}, verified=True)
     engine_state.load_logical_tensors(engine, {"model": targets})
     g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
