@@ -143,7 +143,6 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices), both models."""
     from hf_workers import imported_logits
-
     from shardwise.launch import spawn
 
     dirs = [str(hf_dirs["llama"]), str(hf_dirs["gpt2"])]

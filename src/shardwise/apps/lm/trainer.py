@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.hf import resolve_init_from, source_config
+from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
 from shardwise.apps.lm.text import split_corpus
 from shardwise.base.config import Config
