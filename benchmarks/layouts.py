@@ -1,19 +1,27 @@
-"""Tokens/s and bytes per rank of every feasible layout of one GPT at a given world size.
+"""Tokens/s and bytes per rank of every feasible layout of one small decoder (a GPT or a
+Llama) at a given world size.
 
 For each world size, one spawn of local gloo ranks (1 torch thread each) trains, in turn,
-every dp x tp x pp layout whose sizes divide the model (heads by tp, layers by pp) and the
-global batch, with ZeRO-0 and ZeRO-1 (and ZeRO-3 where pp = 1), on the same Shakespeare
-batches: ``--warmup`` untimed steps, then ``--steps`` timed ones. Reports the median step
-time as tokens/s (global batch x context / step) and the largest total of bytes any rank
-holds (``Engine.memory_bytes``: parameters, gradients, optimizer states). Writes
-``OUT/layouts_wsN.json``, a table ``OUT/layouts.txt`` and a PNG ``OUT/layouts.png``.
+every dp x tp x pp layout whose sizes divide the model (heads, and the Llama's key/value
+heads and SwiGLU width, by tp; layers by pp) and the global batch, with ZeRO-0 and ZeRO-1
+(and ZeRO-3 where pp = 1), on the same Shakespeare batches: ``--warmup`` untimed steps, then
+``--steps`` timed ones. Reports the median step time as tokens/s (global batch x context /
+step) and the largest total of bytes any rank holds (``Engine.memory_bytes``: parameters,
+gradients, optimizer states). Writes ``OUT/{prefix}layouts_wsN.json``, a table
+``OUT/{prefix}layouts.txt`` and a PNG ``OUT/{prefix}layouts.png``, the prefix "" for the GPT
+and "llama_" for the Llama.
 
     python benchmarks/layouts.py --world-size 4 8 --steps 6 --out benchmarks/layout_results
     python benchmarks/layouts.py --world-size --vs-torch 3 --steps 6   # only the torch pair
+    python benchmarks/layouts.py --model llama --world-size 4 8 --vs-torch 3 --steps 6
+
+``--model``: ``gpt`` (4 x 128, tied, the default), ``llama`` (4 x 128, GQA with 4 query and
+2 key/value heads, SwiGLU width 352, untied, rotary), or both.
 
 ``--vs-torch R`` also times dp2 x tp2 x pp2 (1F1B) against PyTorch's own composition of the
-same layout (FSDP2 + DTensor TP + ``torch.distributed.pipelining``), R alternated repeats in
-one spawn of 8 ranks.
+same layout (FSDP2 + DTensor TP + ``torch.distributed.pipelining``) on the same untied model,
+R alternated repeats in one spawn of 8 ranks; with ``--world-size`` and no sizes only that
+pair runs, and its lines go to ``OUT/{prefix}vs_torch.txt``.
 
 On a 2-core machine 8 ranks share 2 cores: the figures rank layouts by what they cost in
 compute and messages here, not by what they would do with a core per rank.
@@ -33,15 +41,28 @@ import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "tie_weights": True}
+# The Llama: the GPT's depth, width and context; grouped-query attention (2 key/value heads
+# for 4 query heads) and SwiGLU at Llama's 8h/3 rule rounded up to 32; untied, as Llama 2.
+LLAMA = {"kind": "llama", "n_layer": 4, "n_head": 4, "n_kv_heads": 2, "n_embd": 128,
+         "ffn_hidden": 352, "block_size": 64, "tie_weights": False}
+MODELS = {"gpt": MODEL, "llama": LLAMA}
+PREFIX = {"gpt": "", "llama": "llama_"}  # results files: layouts.txt, llama_layouts.txt
 BATCH = 16
 
 
-def layouts(ws: int) -> list[dict]:
+def _tp_divides(model: dict) -> list[int]:
+    """The sizes tp must divide: heads, and the Llama's key/value heads and SwiGLU width."""
+    return [model[k] for k in ("n_head", "n_kv_heads", "ffn_hidden") if k in model]
+
+
+def layouts(ws: int, model: str = "gpt") -> list[dict]:
     """Every (dp, tp, pp, zero) at world size ``ws`` that the model and batch allow."""
+    mdl = MODELS[model]
     out = []
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4, 8):
-            if ws % (tp * pp) or MODEL["n_head"] % tp or pp > MODEL["n_layer"] + 2:
+            if (ws % (tp * pp) or any(n % tp for n in _tp_divides(mdl))
+                    or pp > mdl["n_layer"] + 2):
                 continue
             dp = ws // (tp * pp)
             m = 2 * pp if pp > 1 else 1
@@ -52,11 +73,11 @@ def layouts(ws: int) -> list[dict]:
     return out
 
 
-def _config(layout: dict, steps: int) -> dict:
+def _config(layout: dict, steps: int, model: str = "gpt") -> dict:
     from shardwise.base.config import Config
 
     return Config.from_dict({
-        "model": MODEL, "parallel": dict(layout, schedule="1f1b"),
+        "model": MODELS[model], "parallel": dict(layout, schedule="1f1b"),
         "optimizer": {"warmup_steps": 2},
         "training": {"steps": steps, "global_batch_size": BATCH, "eval_every": 0,
                      "progress": False, "sample_chars": 0, "out_dir": "/tmp/shardwise-layouts"},
@@ -85,13 +106,13 @@ def worker(configs: list[dict], warmup: int) -> list[dict]:
     return out
 
 
-def run(ws: int, steps: int, warmup: int) -> list[dict]:
+def run(ws: int, steps: int, warmup: int, model: str = "gpt") -> list[dict]:
     from shardwise.launch import spawn
 
-    lays = layouts(ws)
-    configs = [_config(lay, steps + warmup) for lay in lays]
+    lays = layouts(ws, model)
+    configs = [_config(lay, steps + warmup, model) for lay in lays]
     results = spawn(worker, ws, (configs, warmup))
-    tokens = BATCH * MODEL["block_size"]
+    tokens = BATCH * MODELS[model]["block_size"]
     rows = []
     for i, lay in enumerate(lays):
         step = max(r[i]["step_s"] for r in results)
@@ -104,32 +125,60 @@ def run(ws: int, steps: int, warmup: int) -> list[dict]:
 VOCAB, M = 65, 4  # the torch comparison: random tokens, 4 micro-batches
 
 
-def _batches(n: int) -> list[torch.Tensor]:
+def _batches(n: int, model: str = "gpt") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, MODEL["block_size"]), generator=g) for _ in range(n)]
+    T = MODELS[model]["block_size"]
+    return [torch.randint(0, VOCAB, (BATCH, T), generator=g) for _ in range(n)]
 
 
-def _ours_3d(topo):
+def _untied(model: str):
+    """The untied model config of the torch comparison (``GPTConfig`` / ``LlamaConfig``)."""
+    from shardwise.models import GPTConfig, LlamaConfig
+
+    sizes = {k: v for k, v in MODELS[model].items() if k != "kind"}
+    sizes["tie_weights"] = False
+    return (GPTConfig if model == "gpt" else LlamaConfig)(vocab_size=VOCAB, **sizes)
+
+
+def _build(model: str):
+    from shardwise.models import GPT, Llama
+
+    return (GPT if model == "gpt" else Llama)(_untied(model))
+
+
+# PyTorch's tensor-parallel plan of one block, per model: (module, "col" | "row"), as the
+# shardwise plans (GPT: Megatron's; Llama: torchtitan's parallelize_llama), on the blocks
+TORCH_TP = {
+    "gpt": [("attn.q_proj", "col"), ("attn.k_proj", "col"), ("attn.v_proj", "col"),
+            ("attn.out_proj", "row"), ("mlp.fc", "col"), ("mlp.proj", "row")],
+    "llama": [("self_attn.q_proj", "col"), ("self_attn.k_proj", "col"),
+              ("self_attn.v_proj", "col"), ("self_attn.o_proj", "row"),
+              ("mlp.gate_proj", "col"), ("mlp.up_proj", "col"), ("mlp.down_proj", "row")],
+}
+
+
+def _ours_3d(topo, model: str = "gpt"):
     from shardwise.engine import Engine, EngineSettings
-    from shardwise.models import GPTConfig
 
-    cfg = GPTConfig(vocab_size=VOCAB, **{**MODEL, "tie_weights": False})
-    engine = Engine(cfg, topo, EngineSettings(
+    T = MODELS[model]["block_size"]
+    engine = Engine(_untied(model), topo, EngineSettings(
         schedule="1f1b", micro_batches=M, zero=2, lr=1e-3, betas=(0.9, 0.999),
-        weight_decay=0.01, grad_clip=0.0, seed=0, batch_size=BATCH, seq_len=MODEL["block_size"]))
+        weight_decay=0.01, grad_clip=0.0, seed=0, batch_size=BATCH, seq_len=T))
     share = BATCH // topo.dp
 
     def step(idx):
         x = idx[topo.dp_rank * share:(topo.dp_rank + 1) * share]
-        return engine.train_step(x, (x + 1) % VOCAB)["loss"]
+        return engine.train_step(x, (x + 1) % VOCAB)["loss"]  # mean over dp replicas
     return step
 
 
-def _torch_3d():
+def _torch_3d(model: str = "gpt"):
     """PyTorch's own composition of dp2 x tp2 x pp2: ``fully_shard`` (FSDP2, no reshard
-    after forward: the ZeRO-2 peer) over dp, ``parallelize_module`` (Colwise Q/K/V/fc,
-    Rowwise out/proj) over tp, ``torch.distributed.pipelining`` 1F1B over pp, on the same
-    GPT chunks built from the same seed."""
+    after forward: the ZeRO-2 peer) over dp, ``parallelize_module`` (``TORCH_TP``: Colwise
+    Q/K/V and the MLP's input side, Rowwise the outputs) over tp, ``torch.distributed.
+    pipelining`` 1F1B over pp, on the same chunks built from the same seed. Each attention
+    module views its projections as (B, T, -1, head_dim), so under ColwiseParallel (local
+    outputs) it computes on this rank's query heads and, with GQA, its key/value heads."""
     from torch.distributed import pipelining as tpp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -139,24 +188,20 @@ def _torch_3d():
         parallelize_module,
     )
 
-    from shardwise.models import GPT, GPTConfig
     from shardwise.parallel.pipeline.partition import balanced, gpt_layers
     from shardwise.parallel.pipeline.stage import gpt_chunks, lm_loss
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, **{**MODEL, "tie_weights": False}))
+    full = _build(model)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    layers = gpt_layers(model)
-    chunk = gpt_chunks(model, balanced([1.0] * len(layers), 2), [pp_rank])[pp_rank]
+    layers = gpt_layers(full)
+    chunk = gpt_chunks(full, balanced([1.0] * len(layers), 2), [pp_rank])[pp_rank]
     plan = {}
     for j, name in enumerate(chunk.names):
         if name.startswith("blocks"):
-            for n in ("q_proj", "k_proj", "v_proj"):
-                plan[f"layers.{j}.attn.{n}"] = ColwiseParallel()
-            plan[f"layers.{j}.attn.out_proj"] = RowwiseParallel()
-            plan[f"layers.{j}.mlp.fc"] = ColwiseParallel()
-            plan[f"layers.{j}.mlp.proj"] = RowwiseParallel()
+            for sub, style in TORCH_TP[model]:
+                plan[f"layers.{j}.{sub}"] = ColwiseParallel() if style == "col" else RowwiseParallel()
     parallelize_module(chunk, mesh["tp"], plan)
     fully_shard(chunk, mesh=mesh["dp"], reshard_after_forward=False)
     stage = tpp.PipelineStage(chunk, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -173,47 +218,58 @@ def _torch_3d():
             sched.step(target=(x + 1) % VOCAB, losses=losses)
         opt.step()
         opt.zero_grad()
-        return float(sum(v.detach() for v in losses) / M) if losses else 0.0
+        return float(sum(v.detach() for v in losses) / M) if losses else 0.0  # this replica's
+    step.dp_group = mesh["dp"].get_group()
     return step
 
 
-def torch_worker(repeats: int, steps: int, warmup: int) -> dict:
+def torch_worker(repeats: int, steps: int, warmup: int, model: str = "gpt") -> dict:
     from shardwise import comm
     from shardwise.base.topology import Topology, init_process_groups
 
     torch.set_num_threads(1)
     topo = init_process_groups(Topology.build(2, 2, 2, rank=dist.get_rank(),
                                               world_size=dist.get_world_size()))
-    data = _batches(warmup + steps)
+    data = _batches(warmup + steps, model)
+    T = MODELS[model]["block_size"]
     out: dict = {"ours": [], "torch": [], "loss_ours": [], "loss_torch": []}
     for r in range(repeats):
         for kind in (("ours", "torch") if r % 2 == 0 else ("torch", "ours")):
-            step = _ours_3d(topo) if kind == "ours" else _torch_3d()
+            step = _ours_3d(topo, model) if kind == "ours" else _torch_3d(model)
             losses = [step(data[i]) for i in range(warmup)]
             comm.barrier()
             t0 = time.perf_counter()
             losses += [step(data[warmup + i]) for i in range(steps)]
             comm.barrier()
-            out[kind].append(BATCH * MODEL["block_size"] * steps / (time.perf_counter() - t0))
-            out[f"loss_{kind}"].append(losses[0])
+            out[kind].append(BATCH * T * steps / (time.perf_counter() - t0))
+            if kind == "torch":  # the mean over dp replicas, as ours reports (untimed)
+                t = torch.tensor(losses, dtype=torch.float64)
+                dist.all_reduce(t, group=step.dp_group)
+                losses = (t / 2).tolist()
+            out[f"loss_{kind}"].append(losses)  # every step's, warm-up included
     return out
 
 
-def vs_torch(repeats: int, steps: int, warmup: int) -> list[str]:
+def vs_torch(repeats: int, steps: int, warmup: int, model: str = "gpt") -> list[str]:
     from shardwise.launch import spawn
 
-    res = spawn(torch_worker, 8, (repeats, steps, warmup))
+    load = os.getloadavg()[0]
+    res = spawn(torch_worker, 8, (repeats, steps, warmup, model))
     ours = [min(r["ours"][i] for r in res) for i in range(repeats)]   # the slowest rank
     theirs = [min(r["torch"][i] for r in res) for i in range(repeats)]
     last = res[2]  # global rank 2: dp 0, pp 1 (the last stage) in both rank orders
     o, t = statistics.median(ours), statistics.median(theirs)
-    return [f"dp2 x tp2 x pp2 (1F1B, m={M}), untied GPT, random tokens, {repeats} alternated "
-            f"repeats of {steps} steps:",
+    what = "GPT" if model == "gpt" else "Llama (GQA 4/2 heads, SwiGLU)"
+    return [(f"dp2 x tp2 x pp2 (1F1B, m={M}), untied {what}, random tokens, {repeats} "
+             f"alternated repeats of {steps} steps after {warmup}; load average before: "
+             f"{load:.2f}:"),
             f"  shardwise (ZeRO-2)          {o:9.0f} tokens/s  runs {[round(v) for v in ours]}",
             f"  torch FSDP2 + TP + pipelining {t:7.0f} tokens/s  runs {[round(v) for v in theirs]}",
-            f"  ratio ours/torch = {o / t:.3f} (medians), "
-            f"{statistics.median(a / b for a, b in zip(ours, theirs)):.3f} (median of pairs); "
-            f"first-step loss ours {last['loss_ours'][0]:.4f}, torch {last['loss_torch'][0]:.4f}"]
+            (f"  ratio ours/torch = {o / t:.3f} (medians), "
+             f"{statistics.median(a / b for a, b in zip(ours, theirs)):.3f} (median of pairs); "
+             f"loss (mean over dp) at the first step: ours {last['loss_ours'][0][0]:.5f}, "
+             f"torch {last['loss_torch'][0][0]:.5f}; at the last: ours "
+             f"{last['loss_ours'][0][-1]:.5f}, torch {last['loss_torch'][0][-1]:.5f}")]
 
 
 def _name(r: dict) -> str:
@@ -222,6 +278,8 @@ def _name(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["gpt"],
+                    help="the model(s) to sweep: gpt (the default), llama, or both")
     ap.add_argument("--world-size", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
@@ -231,25 +289,42 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"GPT {MODEL['n_layer']} x {MODEL['n_embd']}, context {MODEL['block_size']}, "
-             f"global batch {BATCH}; {os.cpu_count()} cores, gloo, 1 thread per rank; "
-             f"median of {a.steps} steps after {a.warmup}; load average before: "
-             f"{os.getloadavg()[0]:.2f}",
-             f"{'ws':>3} {'layout':<20} {'m':>3} {'tokens/s':>9} {'MiB/rank':>9}"]
+    for model in a.model:
+        sweep(model, a, out)
+
+
+def _title(model: str) -> str:
+    m = MODELS[model]
+    if model == "gpt":
+        return f"GPT {m['n_layer']} x {m['n_embd']}"
+    return (f"Llama {m['n_layer']} x {m['n_embd']} (heads {m['n_head']}, kv heads "
+            f"{m['n_kv_heads']}, SwiGLU {m['ffn_hidden']}, untied)")
+
+
+def sweep(model: str, a: argparse.Namespace, out: Path) -> None:
+    """The layout sweep of ``model`` and, with ``--vs-torch``, its torch comparison."""
+    prefix = PREFIX[model]
+    lines = [(f"{_title(model)}, context {MODELS[model]['block_size']}, "
+              f"global batch {BATCH}; {os.cpu_count()} cores, gloo, 1 thread per rank, "
+              f"torch {torch.__version__}; median of {a.steps} steps after {a.warmup}; "
+              f"load average before: {os.getloadavg()[0]:.2f}")]
+    if a.world_size:
+        lines.append(f"{'ws':>3} {'layout':<20} {'m':>3} {'tokens/s':>9} {'MiB/rank':>9}")
     all_rows = {}
     for ws in a.world_size:
-        rows = run(ws, a.steps, a.warmup)
+        rows = run(ws, a.steps, a.warmup, model)
         all_rows[ws] = rows
-        (out / f"layouts_ws{ws}.json").write_text(json.dumps(rows, indent=1))
+        (out / f"{prefix}layouts_ws{ws}.json").write_text(json.dumps(rows, indent=1))
         for r in sorted(rows, key=lambda r: -r["tokens_per_s"]):
             lines.append(f"{ws:>3} {_name(r):<20} {r['micro_batches']:>3} "
                          f"{r['tokens_per_s']:>9.0f} {r['max_bytes_per_rank'] / 2**20:>9.2f}")
     if a.vs_torch:
-        lines += [""] + vs_torch(a.vs_torch, a.steps, a.warmup)
-    (out / "layouts.txt").write_text("\n".join(lines) + "\n")
+        lines += [""] + vs_torch(a.vs_torch, a.steps, a.warmup, model)
+    name = "layouts.txt" if all_rows else "vs_torch.txt"
+    (out / f"{prefix}{name}").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if all_rows:
-        _plot(all_rows, out / "layouts.png", lines[0])
+        _plot(all_rows, out / f"{prefix}layouts.png", lines[0])
 
 
 def _plot(all_rows: dict, path: Path, title: str) -> None:

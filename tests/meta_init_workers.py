@@ -10,6 +10,7 @@ import torch.distributed as dist
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine.model import build_local_model
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.llama import LlamaConfig
 from shardwise.models.meta_init import record_init
 from shardwise.parallel.tensor_parallel.group import RankGroup
 
@@ -20,7 +21,7 @@ def _topology(dp: int, pp: int, tp: int):
     return topo, (RankGroup.from_topology(topo) if tp > 1 else RankGroup())
 
 
-def _local(cfg: GPTConfig, dp: int, pp: int, tp: int, v: int, seed: int, made=None):
+def _local(cfg, dp: int, pp: int, tp: int, v: int, seed: int, made=None):
     topo, group = made or _topology(dp, pp, tp)
     chunk_ids = [c for c in range(pp * v) if c % pp == topo.pp_rank]
     return build_local_model(cfg, pp=pp, pp_rank=topo.pp_rank, chunk_ids=chunk_ids,
@@ -70,11 +71,11 @@ def peak_rss() -> int:
     return _status("VmHWM")
 
 
-def memory_worker(gpt: dict, dp: int, pp: int, tp: int, seed: int) -> dict:
+def memory_worker(sizes: dict, dp: int, pp: int, tp: int, seed: int, kind: str = "gpt") -> dict:
     """Peak resident memory gained (``VmHWM`` after minus ``VmRSS`` before, bytes) while
-    this rank builds its part,
-    the bytes of parameters it holds, and what the one-time imports of meta construction
-    took (bytes)."""
+    this rank builds its part of the GPT (``kind`` "gpt") or the Llama ("llama") of
+    ``sizes``, the bytes of parameters it holds, and what the one-time imports of meta
+    construction took (bytes)."""
     torch.set_num_threads(1)
     made = _topology(dp, pp, tp)  # process groups are not the model's memory
     # the first meta construction imports ~800 torch modules (meta kernels, decompositions:
@@ -83,7 +84,8 @@ def memory_worker(gpt: dict, dp: int, pp: int, tp: int, seed: int) -> dict:
     record_init(lambda: GPT(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8)))
     imports = current_rss() - warm
     before = current_rss()
-    local = _local(GPTConfig(**gpt), dp, pp, tp, 1, seed, made)
+    cfg = LlamaConfig(**sizes) if kind == "llama" else GPTConfig(**sizes)
+    local = _local(cfg, dp, pp, tp, 1, seed, made)
     after = peak_rss()
     held = sum(p.numel() * p.element_size() for _, p in local.named_parameters())
     return {"rise": after - before, "held": held, "imports": imports}

@@ -1,15 +1,26 @@
-"""Llama presets of the planner: published sizes, parameter counts, sharding, the CLI."""
+"""Llama presets of the planner: published sizes, parameter counts, sharding, the CLI;
+``shardwise plan`` and ``shardwise memory`` on a config of any model.kind (gpt, llama, a
+kind registered here): specs made from the model's description, memory counted on its own
+layers, Llama train configs emitted."""
+
+import subprocess
+import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
 from shardwise.cli.main import main
+from shardwise.engine.memory import predict_rank
+from shardwise.models import GPTConfig, describe, register_model
+from shardwise.models.description import ModelDescription
 from shardwise.models.llama import Llama, LlamaConfig
 from shardwise.planner.hardware import PRESETS
-from shardwise.planner.memory import rank_params
-from shardwise.planner.search import prune_reason
+from shardwise.planner.memory import rank_params, stage_layers, static_bytes
+from shardwise.planner.search import plan, prune_reason
 from shardwise.planner.simulate import Layout, block_flops
-from shardwise.planner.specs import NAMED
+from shardwise.planner.specs import NAMED, ModelSpec, load_model
 
 # published totals: TinyLlama's model card, Llama 2's and Llama 3's released checkpoints
 PUBLISHED = {"tinyllama-1.1b": 1.100e9, "llama2-7b": 6.738e9, "llama2-13b": 13.016e9,
@@ -57,11 +68,27 @@ def test_plan_answers_for_llama3_8b(capsys):
     assert out.startswith("llama3-8b: 8.03B parameters, 32 layers x 4096, sequence 8192")
 
 
-def test_plan_refuses_to_emit_a_llama_train_config(capsys, tmp_path):
+def test_plan_emits_a_llama_train_config(capsys, tmp_path):
+    """A named Llama is written as model.kind = "llama" with its sizes: the config train
+    reads describes the same model (parameter count) with the planned layout."""
+    from shardwise.base.config import Config
+    from shardwise.planner.specs import describe_config, full_size
+
+    out = tmp_path / "tl.toml"
     assert main(["plan", "--model", "tinyllama-1.1b", "--cluster", "dgx-h100", "--gpus", "8",
-                 "--global-batch", "64", "--emit-toml", str(tmp_path / "x.toml")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "--emit-toml" in err and "llama" in err
+                 "--global-batch", "64", "--top", "1", "--emit-toml", str(out)]) == 0
+    assert "best layout written" in capsys.readouterr().out
+    cfg = Config.load(out)
+    spec = NAMED["tinyllama-1.1b"]
+    m = cfg.model
+    assert (m.kind, m.n_layer, m.n_head, m.n_kv_heads, m.n_embd, m.ffn_hidden, m.vocab_size,
+            m.block_size, m.tie_weights) == ("llama", 22, 32, 4, 2048, 5632, 32000, 2048, False)
+    d = describe_config(cfg)
+    assert d.kind == "llama" and full_size(d) == spec.params
+    l3 = tmp_path / "l3.toml"
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                 "--global-batch", "64", "--top", "1", "--emit-toml", str(l3)]) == 0
+    assert Config.load(l3).model.rope_theta == 500000.0  # Llama 3's rotary base
 
 
 def test_memory_takes_a_named_size(capsys):
@@ -78,3 +105,256 @@ def test_memory_model_errors_are_one_line(capsys, argv, msg):
     assert main(["memory", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and msg in err
+
+
+# ---- specs from a model's description (plan --config, any model.kind) --------------------
+
+LLAMA_SMALL = LlamaConfig(vocab_size=67, block_size=32, n_layer=3, n_head=4, n_kv_heads=2,
+                          n_embd=64, ffn_hidden=96)
+GPT_SMALL = GPTConfig(vocab_size=67, block_size=32, n_layer=3, n_head=4, n_embd=64)
+
+
+def _closed(cfg) -> ModelSpec:
+    """The spec of ``cfg`` the old way: sizes, closed forms."""
+    if isinstance(cfg, LlamaConfig):
+        return ModelSpec("c", cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size,
+                         cfg.block_size, cfg.tie_weights, False, cfg.n_kv_heads,
+                         cfg.ffn_hidden, "llama")
+    return ModelSpec("c", cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size,
+                     cfg.block_size, cfg.tie_weights, cfg.bias)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_SMALL, GPT_SMALL], ids=["llama", "gpt"])
+def test_spec_from_description_counts_what_the_closed_forms_count(cfg):
+    spec, closed = ModelSpec.from_description(describe(cfg)), _closed(cfg)
+    assert spec.family == closed.family and spec.description is not None
+    assert (spec.n_layer, spec.n_embd, spec.n_head, spec.kv_heads, spec.ffn, spec.bias,
+            spec.tie_weights) == (closed.n_layer, closed.n_embd, closed.n_head,
+                                  closed.kv_heads, closed.ffn, closed.bias, closed.tie_weights)
+    assert spec.params == closed.params == sum(p.numel() for p in cfg_model(cfg).parameters())
+    assert block_flops(spec, 2) == block_flops(closed, 2)
+    for tp in (1, 2):
+        for pp, v in ((1, 1), (2, 1), (2, 2), (5, 1)):
+            for layers in stage_layers(spec, pp, v):
+                assert rank_params(spec, layers, tp, pp) == rank_params(closed, layers, tp, pp)
+
+
+def cfg_model(cfg):
+    with torch.device("meta"):
+        return describe(cfg).build()
+
+
+def test_exact_small_model_bytes_build_the_llama():
+    """Below the exact limit the planner packs the Llama's own buckets (predict_rank), as it
+    does the GPT's: bucket padding included (the closed form has none)."""
+    spec = _closed(LLAMA_SMALL)
+    for dp, tp, pp, zero in ((3, 1, 1, 1), (3, 2, 1, 2), (3, 1, 2, 2)):
+        got = static_bytes(spec, dp, tp, pp, 1, zero, "bf16", bucket_mb=0.01)
+        want = max((predict_rank(LLAMA_SMALL, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
+                                 zero=zero, precision="bf16", bucket_mb=0.01)
+                    for pr in range(pp) for tr in range(tp)), key=lambda r: r["total"])
+        assert got == {k: want[k] for k in ("params", "grads", "optimizer", "total")}
+
+
+# a model of its own kind: no attention, a 3h two-layer MLP per block, no biases, untied
+
+
+@dataclass(frozen=True)
+class MLPDecoderConfig:
+    vocab_size: int
+    block_size: int = 32
+    n_layer: int = 2
+    n_embd: int = 32
+
+
+class _Embed(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab_size, c.n_embd)
+
+    def forward(self, idx):
+        return self.tok(idx)
+
+
+class _Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.norm = nn.LayerNorm(c.n_embd)
+        self.fc = nn.Linear(c.n_embd, 3 * c.n_embd, bias=False)
+        self.proj = nn.Linear(3 * c.n_embd, c.n_embd, bias=False)
+
+    def forward(self, x):
+        return x + self.proj(torch.relu(self.fc(self.norm(x))))
+
+
+class _Head(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.proj = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class MLPDecoder(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed = _Embed(c)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.n_layer))
+        self.head = _Head(c)
+
+
+def _describe_mlp(c: MLPDecoderConfig) -> ModelDescription:
+    return ModelDescription(
+        kind="mlp_decoder", config=c, build=lambda: MLPDecoder(c),
+        tp_plan={"embed.tok": "vocab_embedding", "blocks.*.fc": "column",
+                 "blocks.*.proj": "row", "head.proj": "vocab_head"},
+        hidden_size=c.n_embd, vocab_size=c.vocab_size, block_size=c.block_size,
+        n_layer=c.n_layer, attention_width=0,
+        tp_divides={"MLP width 3 * model.n_embd": 3 * c.n_embd})
+
+
+register_model("mlp_decoder", MLPDecoderConfig, _describe_mlp,
+               lambda m, vocab: MLPDecoderConfig(m.vocab_size or vocab, m.block_size,
+                                                 m.n_layer, m.n_embd))
+
+MLP_TOML = """[model]
+kind = "mlp_decoder"
+n_layer = 3
+n_head = 2
+n_embd = 32
+block_size = 16
+vocab_size = 61
+"""
+
+LLAMA_TOML = """[model]
+kind = "llama"
+n_layer = 2
+n_head = 4
+n_kv_heads = 2
+n_embd = 64
+ffn_hidden = 96
+block_size = 32
+vocab_size = 67
+"""
+
+
+def test_registered_kind_is_planned_from_its_own_layers(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(MLP_TOML)
+    spec = load_model(str(path))
+    d = describe(MLPDecoderConfig(61, 16, 3, 32))
+    assert (spec.name, spec.family, spec.n_layer, spec.n_embd, spec.bias, spec.tie_weights) == \
+        ("mine", "mlp_decoder", 3, 32, False, False)
+    assert spec.params == 61 * 32 * 2 + 3 * (2 * 32 + 6 * 32 * 32)
+    assert block_flops(spec, 1) == 2 * 16 * 6 * 32 * 32  # its matrices, no attention
+    # every rank's parameters, as the engine builds it (the closed forms of a GPT would
+    # count attention and position tables this model does not have)
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 3):
+            for pr, layers in enumerate(stage_layers(spec, pp)):
+                for tr in range(tp):
+                    want = predict_rank(d, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr)["params"] // 4
+                    assert rank_params(spec, layers, tp, pp) == want, (tp, pp, pr)
+    # tp must divide what the model says (3 * 32 = 96: not 64), not a GPT's heads
+    lay = Layout(dp=1, tp=64, pp=1, micro_batch_size=1, micro_batches=1)
+    assert prune_reason(spec, lay, PRESETS["dgx-h100"], True) == \
+        "tp=64 does not divide MLP width 3 * model.n_embd = 96"
+    feasible, _ = plan(spec, PRESETS["dgx-h100"], 4, 8, simulate_top=5)
+    assert feasible
+    # --seq describes the model again at that length
+    assert load_model(str(path), 8).block_size == spec.with_seq(8).block_size == 8
+
+
+@pytest.mark.parametrize("text, kind", [(LLAMA_TOML, "llama"), (MLP_TOML, "mlp_decoder")],
+                         ids=["llama", "registered"])
+def test_plan_takes_a_config_of_any_kind(capsys, tmp_path, text, kind):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    for flag in ("--config", "--model"):
+        assert main(["plan", flag, str(path), "--cluster", "dgx-h100", "--gpus", "4",
+                     "--global-batch", "8", "--top", "2"]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert head.startswith("run: ") and f"model.kind {kind};" in head
+
+
+@pytest.mark.parametrize("text, cfg", [
+    (LLAMA_TOML, LlamaConfig(vocab_size=67, block_size=32, n_layer=2, n_head=4, n_kv_heads=2,
+                             n_embd=64, ffn_hidden=96)),
+    (MLP_TOML, MLPDecoderConfig(61, 16, 3, 32))], ids=["llama", "registered"])
+def test_memory_config_predicts_the_configured_kind(capsys, tmp_path, text, cfg):
+    """``shardwise memory --config`` predicts the model train builds (model.kind), every
+    rank of the layout, and names its kind."""
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    assert main(["memory", "--config", str(path), "--dp", "2", "--tp", "2", "--pp", "2",
+                 "--stages", "1,2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    kind = describe(cfg).kind
+    n = sum(p.numel() for p in cfg_model(cfg).parameters())
+    assert out[0].startswith(f"{kind} {n / 1e6:.2f}M parameters, ")
+    assert "bytes per rank in MiB" in out[0]
+    rows = [line.split() for line in out[2:]]
+    assert len(rows) == 8
+    for z, pr, tr, *vals in rows:
+        want = predict_rank(cfg, dp=2, pp=2, tp=2, pp_rank=int(pr), tp_rank=int(tr),
+                            zero=int(z), precision="bf16")
+        assert float(vals[-1]) == pytest.approx(want["total"] / 2**20, abs=6e-4), (z, pr, tr)
+
+
+@pytest.mark.parametrize("model, argv, msg", [
+    ('kind = "nosuch"\n', [], "model.kind='nosuch': not a registered model (gpt, llama"),
+    ('kind = "llama"\nn_head = 4\nn_kv_heads = 2\nn_embd = 64\nvocab_size = 67\n',
+     ["--tp", "4"], "model.n_kv_heads (key/value heads)"),
+    ('kind = "llama"\nn_head = 4\nn_kv_heads = 3\nn_embd = 64\nvocab_size = 67\n',
+     [], "model.n_head=4 is not divisible by model.n_kv_heads=3"),
+    ('kind = "cnn"\n', [], "model.kind=cnn"),
+])
+def test_memory_config_errors_are_one_line(capsys, tmp_path, model, argv, msg):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\n" + model)
+    assert main(["memory", "--config", str(path), "--dp", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("shardwise memory: error: ") and msg in err, err
+
+
+def test_local_calibration_times_the_planned_models_block():
+    from shardwise.models.llama import Block
+    from shardwise.planner.hardware import calibration_block
+
+    blk, width, attn = calibration_block(64, 16, 4, _closed(LLAMA_SMALL))
+    assert isinstance(blk, Block) and (width, attn) == (64, 64)
+    assert not any(p.is_meta for p in blk.parameters())
+    spec = load_model_text(MLP_TOML)
+    blk, width, attn = calibration_block(32, 16, 2, spec)
+    assert isinstance(blk, _Block) and (width, attn) == (32, 0)
+
+
+def load_model_text(text: str) -> ModelSpec:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.toml"
+        path.write_text(text)
+        return load_model(str(path))
+
+
+def test_emitted_llama_toml_trains(corpus, tmp_path):
+    """``plan --config`` of a Llama config writes a layout ``shardwise train`` runs as is."""
+    src = tmp_path / "llama.toml"
+    src.write_text(LLAMA_TOML.replace("vocab_size = 67\n", "") +
+                   f'\n[data]\npath = "{corpus}"\n\n[training]\nsteps = 2\neval_every = 0\n'
+                   f'sample_chars = 0\nprogress = false\nout_dir = "{tmp_path / "run"}"\n\n'
+                   '[checkpoint]\nat_end = false\n')
+    out = tmp_path / "best.toml"
+    r = subprocess.run([sys.executable, "-m", "shardwise", "plan", "--config", str(src),
+                        "--cluster", "dgx-h100", "--gpus", "2", "--global-batch", "8",
+                        "--precision", "fp32", "--emit-toml", str(out)],
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert 'kind = "llama"' in out.read_text()
+    t = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", str(out)],
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert t.returncode == 0, t.stderr
+    assert "shardwise: llama " in t.stdout and "done: 2 steps" in t.stdout

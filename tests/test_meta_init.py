@@ -1,8 +1,9 @@
 """Meta-device construction: no rank ever holds the whole GPT, and every parameter a rank
 holds equals (``torch.equal``) its slice of the single-process ``torch.manual_seed(seed);
 GPT(cfg)`` in every layout (pp, tp, dp x tp x pp, interleaved chunks, tied or not, a
-vocabulary tp does not divide); each rank's peak memory while building stays near what it
-holds, well under the model's size."""
+vocabulary tp does not divide); the replay equals the Llama's constructor too; each rank's
+peak memory while building (GPT and Llama) is what it holds plus one full tensor (the
+replay's scratch) and a few MiB, well under the model's size."""
 
 import sys
 
@@ -14,7 +15,8 @@ from torch.nn.init import trunc_normal_
 from meta_init_workers import local_params_worker, memory_worker
 from shardwise.launch import spawn
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.models.meta_init import record_init, replay_init
+from shardwise.models.llama import Llama, LlamaConfig
+from shardwise.models.meta_init import _MAP_BYTES, record_init, replay_init
 
 SEED = 7
 GPT_SMALL = {"vocab_size": 67, "n_layer": 3, "n_head": 4, "n_embd": 32, "block_size": 16}
@@ -48,6 +50,23 @@ def test_replay_equals_gpt_constructor(tie):
         assert torch.equal(got[n], ref[n]), n
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_replay_equals_llama_constructor(tie):
+    """Grouped-query attention, SwiGLU, RMSNorm: every parameter (tied or not) as
+    ``torch.manual_seed(seed); Llama(cfg)`` gives it, scratch tensors mapped or not."""
+    cfg = LlamaConfig(vocab_size=1100, block_size=16, n_layer=2, n_head=8, n_kv_heads=2,
+                      n_embd=256, ffn_hidden=640, tie_weights=tie)
+    torch.manual_seed(SEED)
+    ref = {n: p.detach() for n, p in Llama(cfg).named_parameters(remove_duplicate=False)}
+    assert 4 * 1100 * 256 >= _MAP_BYTES > 4 * 256 * 256  # both kinds of scratch are used
+    rec = record_init(lambda: Llama(cfg))
+    got = {}
+    replay_init(rec, SEED, list(ref), lambda n, t: got.__setitem__(n, t.clone()))
+    assert got.keys() == ref.keys()
+    for n, want in ref.items():
+        assert torch.equal(got[n], want), n
+
+
 LAYOUTS = {
     4: [{"dp": 2, "pp": 2, "tp": 1, "gpt": GPT_SMALL},
         {"dp": 1, "pp": 4, "tp": 1, "gpt": UNTIED},
@@ -75,21 +94,32 @@ def test_every_rank_holds_its_exact_slices(ws):
         assert covered == set(ref), lay  # every parameter held by some rank
 
 
-def test_peak_memory_near_what_a_rank_holds():
-    # ~230 MB of fp32 parameters; tp2 x pp2: each rank holds about a quarter
-    gpt = {"vocab_size": 4096, "n_layer": 8, "n_head": 8, "n_embd": 768, "block_size": 64}
-    model_bytes = 4 * sum(p.numel() for p in record_init(lambda: GPT(GPTConfig(**gpt))).model.parameters())
-    largest = 4 * max(4096 * 768, 4 * 768 * 768)
-    results = spawn(memory_worker, 4, (gpt, 1, 2, 2, SEED))
+MEMORY_MODELS = {
+    # ~230 MB of fp32 parameters each; tp2 x pp2: each rank holds about a quarter
+    "gpt": {"vocab_size": 4096, "n_layer": 8, "n_head": 8, "n_embd": 768, "block_size": 64},
+    "llama": {"vocab_size": 4096, "n_layer": 8, "n_head": 12, "n_kv_heads": 4, "n_embd": 768,
+              "ffn_hidden": 2048, "block_size": 64},
+}
+
+
+@pytest.mark.parametrize("kind", list(MEMORY_MODELS))
+def test_peak_memory_near_what_a_rank_holds(kind):
+    sizes = MEMORY_MODELS[kind]
+    build = (lambda: Llama(LlamaConfig(**sizes))) if kind == "llama" else (
+        lambda: GPT(GPTConfig(**sizes)))
+    params = list(record_init(build).model.parameters())
+    model_bytes = 4 * sum(p.numel() for p in params)
+    largest = 4 * max(p.numel() for p in params)
+    results = spawn(memory_worker, 4, (sizes, 1, 2, 2, SEED, kind))
     for r in results:
-        print(f"rise {r['rise'] / 2**20:.1f} MiB, held {r['held'] / 2**20:.1f} MiB, "
+        print(f"{kind}: rise {r['rise'] / 2**20:.1f} MiB, held {r['held'] / 2**20:.1f} MiB, "
               f"one-time imports {r['imports'] / 2**20:.1f} MiB, "
               f"model {model_bytes / 2**20:.1f} MiB")
-        # the issue's target (1.3 x held) is measured by benchmarks/meta_init.py (1.16x); here
-        # the allocator's arenas add up to ~12 MiB of noise, so the bound keeps that room
-        # and the check that matters: a rank never builds the whole model (the old code rose
-        # by the full 228 MiB here)
-        assert r["rise"] <= 1.5 * r["held"] + largest, r
+        # what the rank holds plus one full tensor (the replay's scratch, in its own memory
+        # map: nothing left in the heap) and a few MiB of the build's own; the issue's 1.3x
+        # at 1B parameters is measured by benchmarks/meta_init.py --model llama (1.24x).
+        # The old code rose by the whole model here (228 MiB).
+        assert r["rise"] <= r["held"] + largest + 8 * 2**20, r
         assert r["rise"] < 0.5 * model_bytes, r
 
 

@@ -58,6 +58,11 @@ def test_pp_bad_layouts_are_one_line():
     with pytest.raises(ConfigError, match="parallel.schedule=pipedream with parallel.zero=1"):
         Config.from_dict({"parallel": {"dp": 1, "pp": 2, "zero": 1, "schedule": "pipedream"},
                           "optimizer": {"grad_clip": 0.0}})
+    pipedream = {"parallel": {"dp": 1, "pp": 2, "micro_batches": 2, "schedule": "pipedream"},
+                 "optimizer": {"grad_clip": 0.0}}
+    with pytest.raises(ConfigError, match="pipedream with model.tie_weights=true and parallel.pp=2"):
+        Config.from_dict(pipedream)  # the GPT's default: tied, across the two stages
+    Config.from_dict({**pipedream, "model": {"tie_weights": False}})
     with pytest.raises(ConfigError, match="more than the 4 layers"):
         Config.from_dict({"parallel": {"dp": 1, "pp": 5}, "model": {"n_layer": 2, "tie_weights": False}})
     with pytest.raises(ConfigError, match="multiple of parallel.pp=2 for the interleaved"):

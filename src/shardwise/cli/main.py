@@ -1,12 +1,14 @@
-"""Command line: ``shardwise train`` (the main job), ``export`` (a checkpoint as a Hugging
-Face model), ``generate`` (sample from a checkpoint), ``bench comm``, ``memory``, ``plan``
-(``--model cnn``: the CNN's per-layer plan), ``timeline``.
+"""Command line: ``shardwise train`` (the main job), ``prepare`` (token shards of your own
+data), ``export`` (a checkpoint as a Hugging Face model), ``generate`` (sample from a
+checkpoint), ``bench comm``, ``memory``, ``plan`` (``--model cnn``: the CNN's per-layer
+plan), ``timeline``.
 
 Examples::
 
     shardwise train                                   # configs/shakespeare.toml, dp=2 local ranks
     shardwise train --config configs/tiny.toml --parallel.dp 4 --training.steps 50
     shardwise train --data my.txt                     # resumes if out_dir holds a checkpoint
+    shardwise prepare my.jsonl --tokenizer bpe --out data/mine && shardwise train --data data/mine
     shardwise train --fresh                           # start over; old checkpoints moved aside
     shardwise train --max-restarts 3                  # restart the local ranks after a failure
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
@@ -211,6 +213,12 @@ def cmd_plan(args, extra: list[str]) -> int:
     return plan_main(extra)
 
 
+def cmd_prepare(args, extra: list[str]) -> int:
+    from shardwise.cli.prepare import main as prepare_main
+
+    return prepare_main(extra)
+
+
 def cmd_export(args, extra: list[str]) -> int:
     from shardwise.cli.export import main as export_main
 
@@ -260,13 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train across local ranks (or as one rank under torchrun). "
                        "Any config field can be overridden: --section.field VALUE (a TOML "
                        "literal: 4, 1e-3, true, \"[32, 64]\"); every field is listed below.",
-                       usage="shardwise train [--config TOML] [--data FILE] [--resume | --fresh] "
+                       usage="shardwise train [--config TOML] [--data FILE|DIR] [--resume | --fresh] "
                        "[--max-restarts N] [--section.field VALUE ...]",
                        allow_abbrev=False, late_arguments=add_config_arguments,
                        formatter_class=_wide)
     t.add_argument("--config", metavar="TOML", help=f"TOML config (default {DEFAULT_CONFIG})")
-    t.add_argument("--data", metavar="FILE",
-                   help="train on this UTF-8 text file instead of Shakespeare")
+    t.add_argument("--data", metavar="FILE|DIR",
+                   help="train on this UTF-8 text file, or on the token shards `shardwise "
+                        "prepare` wrote to DIR, instead of Shakespeare")
     t.add_argument("--resume", action="store_true",
                    help="require a checkpoint to continue from (a run resumes by default when "
                         "its checkpoint.dir holds one)")
@@ -287,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="rank layouts of a model on a cluster: memory per GPU and "
                         "predicted step time; emit the best as a TOML", add_help=False)
     pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet into token shards for "
+                        "train --data DIR (char, a BPE trained here, or a tokenizer.json)",
+                        add_help=False)
+    pr.set_defaults(func=cmd_prepare)
     ex = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model "
                         "(config.json, safetensors, tokenizer)", add_help=False)
     ex.set_defaults(func=cmd_export)

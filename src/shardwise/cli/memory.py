@@ -3,11 +3,13 @@
     shardwise memory --params 1.5e9 --dp 64 --precision bf16     # ZeRO formulas, dp only
     shardwise memory --model llama3-8b --dp 64                     # a named size's P
     shardwise memory --config configs/tiny.toml --dp 2 --tp 2 --pp 2 --stages 0,1,2
+    shardwise memory --config my_llama.toml --dp 2 --tp 2 --pp 2  # model.kind = "llama"
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
 
-With a model (``--config``), every rank of the layout is predicted exactly
-(``engine.memory.predict_rank``: the rank's model built on the meta device, packed as the
-dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
+With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
+with ``shardwise.register_model``, as ``shardwise train`` builds it; the header names the
+kind), every rank of the layout is predicted exactly (``engine.memory.predict_rank``: the
+rank's model built on the meta device, packed as the dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
 local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
 With ``--params`` only (or ``--model``, a named size of ``shardwise plan``, for its
 parameter count), the formulas of Rajbhandari et al. for dp alone. Both paths are the
@@ -42,35 +44,32 @@ def measure_worker(cfg_dict: dict) -> dict:
 def _layout_table(args, stages: list[int]) -> int:
     """Per-rank prediction for a model and a dp x tp x pp layout (``engine.memory``), with
     ``--measure`` the bytes each rank holds after one step beside it."""
-    from shardwise.base.config import Config, ConfigError
-    from shardwise.data import CharTokenizer, load_text
+    from shardwise.base.config import Config
     from shardwise.engine.memory import predict_rank
-    from shardwise.models import GPTConfig
+    from shardwise.planner.specs import describe_config, full_size
 
     over = {"parallel.dp": args.dp, "parallel.tp": args.tp, "parallel.pp": args.pp,
             "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
     if args.bucket_mb is not None:
         over["parallel.bucket_mb"] = args.bucket_mb
-    try:
+    try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
         base = Config.load(args.config, over)
-    except ConfigError as e:
+        p, d = base.parallel, describe_config(base)
+        preds = {}
+        for z in stages:
+            for pr in range(p.pp):
+                for tr in range(p.tp):
+                    if z == 3 and p.pp > 1:
+                        continue
+                    preds[(z, pr, tr)] = predict_rank(
+                        d, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr, zero=z,
+                        precision=args.precision, bucket_mb=p.bucket_mb)
+    except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    m, p = base.model, base.parallel
-    vocab = m.vocab_size or CharTokenizer.from_text(load_text(base.data.path)).vocab_size
-    gpt = GPTConfig(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias,
-                    tie_weights=m.tie_weights)
-    preds = {}
-    for z in stages:
-        for pr in range(p.pp):
-            for tr in range(p.tp):
-                if z == 3 and p.pp > 1:
-                    continue
-                preds[(z, pr, tr)] = predict_rank(
-                    gpt, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr, zero=z,
-                    precision=args.precision, bucket_mb=p.bucket_mb)
-    unit, div = unit_for(max([d["total"] for d in preds.values()] or [0]))
-    print(f"GPT {m.n_layer} x {m.n_embd}, vocab {vocab}; dp={p.dp} x pp={p.pp} x tp={p.tp}, "
+    unit, div = unit_for(max([x["total"] for x in preds.values()] or [0]))
+    print(f"{d.kind} {full_size(d) / 1e6:.2f}M parameters, {d.n_layer} layers x {d.hidden_size}, "
+          f"vocab {d.vocab_size}; dp={p.dp} x pp={p.pp} x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "

@@ -5,6 +5,14 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
     shardwise plan --model gpt3-175b --cluster dgx-a100-80gb --gpus 1024 --global-batch 1536
     shardwise plan --model gpt2-124m --cluster dgx-h100 --gpus 8 --global-batch 64 --pruned 10
     shardwise plan --model configs/tiny.toml --gpus 4 --global-batch 8 --emit-toml best.toml
+    shardwise plan --config my_llama.toml --gpus 4 --global-batch 8   # any model.kind
+    shardwise plan --model tinyllama-1.1b --cluster dgx-h100 --gpus 8 --emit-toml tl.toml
+
+A TOML (``--model PATH`` or ``--config PATH``) is read as ``shardwise train`` reads it: the
+model of its ``model.kind`` (gpt, llama, a kind registered with ``shardwise.register_model``),
+planned from that model's own layers (``planner.specs``). ``--emit-toml`` writes a config
+train runs: a named Llama as ``model.kind = "llama"`` with its sizes, a TOML's model table
+as it was.
 
 Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
 no layout) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
@@ -24,10 +32,13 @@ from shardwise.planner.specs import SpecError, load_model, positive_number
 
 def build_parser():
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True,
+    ap.add_argument("--model", default=None,
                     help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
                          "llama3-405b), a TOML with a [model] table "
                          "(a shardwise train config), or cnn")
+    ap.add_argument("--config", default=None, metavar="PATH",
+                    help="a shardwise train config: plan the model it trains (any "
+                         "model.kind); same as --model PATH")
     ap.add_argument("--cluster", default="local",
                     help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100 or local (default)")
     ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks)")
@@ -87,12 +98,13 @@ def _run(args) -> int:
     batch = positive_number(args.global_batch, "--global-batch", integer=True)
     top = positive_number(args.top, "--top", integer=True)
     n_pruned = int(positive_number(args.pruned, "--pruned", integer=True)) if args.pruned != "0" else 0
-    spec = load_model(args.model)
-    if args.seq is not None:
-        spec = spec.with_seq(positive_number(args.seq, "--seq", integer=True))
-    if args.emit_toml and spec.family != "gpt":
-        raise SpecError(f"--emit-toml: {spec.name} is a {spec.family} model; shardwise train "
-                        "builds only the GPT so far")
+    if (args.model is None) == (args.config is None):
+        raise SpecError("give one of --model NAME|PATH and --config PATH")
+    source = args.model if args.model is not None else args.config
+    if args.config is not None and not Path(args.config).is_file():
+        raise SpecError(f"--config {args.config!r}: no such file")
+    seq = positive_number(args.seq, "--seq", integer=True) if args.seq is not None else None
+    spec = load_model(source, seq)
     cluster = get_cluster(args.cluster, spec, world)
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
@@ -119,7 +131,7 @@ def _run(args) -> int:
             print(f"  {len(ps):>5}  {name:<42} {ps[0].reason}")
     best = feasible[0]
     if args.emit_toml:
-        path = emit_toml(args.emit_toml, args.model, spec, best.layout, batch, precision)
+        path = emit_toml(args.emit_toml, source, spec, best.layout, batch, precision)
         print(f"\nbest layout written to {path}: shardwise train --config {path}")
     if args.timeline:
         from shardwise.parallel.pipeline.timeline import render
@@ -135,7 +147,8 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
     unit, div = unit_for(max(r.memory["total"] for r in rows))
     tokens = batch * spec.block_size
     print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters, {spec.n_layer} layers x "
-          f"{spec.n_embd}, sequence {spec.block_size}; {world} x {cluster.gpu} ({cluster.name}, "
+          f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
+          f"{world} x {cluster.gpu} ({cluster.name}, "
           f"{limit / GiB:.3g} GiB each), global batch {batch}, {precision}")
     print(f"memory per GPU in {unit} (1 {unit} = 2**{int(div).bit_length() - 1} bytes); time "
           "per step in ms, split "
@@ -152,18 +165,19 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
 
 
 def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) -> Path:
-    """Write ``lay`` as a train config. A TOML model keeps its other sections; a named model
-    gets its sizes written out. Returns the path."""
+    """Write ``lay`` as a train config. A TOML model keeps its sections, its model table as
+    written (any ``model.kind``; ``block_size`` the planned sequence); a named model gets
+    its sizes written out (``ModelSpec.model_table``: a Llama as ``model.kind = "llama"``
+    with its key/value heads, SwiGLU width and rotary base). Returns the path."""
     data: dict = {}
     src = Path(model_arg)
     if src.is_file():
         data = tomllib.loads(src.read_text())
-    model = dict(data.get("model", {}))
-    model.update({"n_layer": spec.n_layer, "n_head": spec.n_head, "n_embd": spec.n_embd,
-                  "block_size": spec.block_size, "tie_weights": spec.tie_weights,
-                  "bias": spec.bias})
-    if not src.is_file():
-        model["vocab_size"] = spec.vocab_size
+        if "model" not in data:  # a bare [model] table
+            data = {"model": data}
+        model = {**data["model"], "block_size": spec.block_size}
+    else:
+        model = spec.model_table()
     parallel = {k: v for k, v in data.get("parallel", {}).items()
                 if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
     parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,

@@ -1,4 +1,5 @@
-"""The composition of every layout: split the GPT, parallelize each part, one optimizer,
+"""The composition of every layout: split the model (any ``ModelDescription``),
+parallelize each part, one optimizer,
 one engine (see ``docs/architecture.md``, "How a layout is composed").
 
 - ``model``: ``build_local_model``: this rank's pipeline chunks, sharded for tp.

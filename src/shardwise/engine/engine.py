@@ -32,7 +32,7 @@ from shardwise import comm
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
-from shardwise.models.description import ModelDescription
+from shardwise.models.description import ModelDescription, describe
 from shardwise.models.sampling import generate
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import Executor
@@ -106,7 +106,8 @@ class Engine:
     """This rank's share of a model trained in any layout (see module docstring).
 
     Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
-    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1.
+    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1, PipeDream
+    with a tied embedding across stages.
     """
 
     def __init__(self, model, topology, s: EngineSettings,
@@ -125,6 +126,12 @@ class Engine:
                              f"{local_batch} sequences per data-parallel replica")
         if kind == "pipedream" and s.grad_clip > 0:
             raise ValueError("gradient clipping needs a flush; PipeDream has none")
+        if kind == "pipedream" and p > 1 and describe(model).tied is not None:
+            # the last stage steps (and would sum its copy's gradient) before the first
+            # stage has run that micro-batch's backward: the stream deadlocks
+            raise ValueError("PipeDream with tied embeddings across pipeline stages: each "
+                             "stage steps on its own clock, so the two copies cannot be "
+                             "summed per step; untie them or use a flush schedule")
         try:
             self.schedule = schedule(kind, p, s.micro_batches, v)
             self.stream = stream(p, s.micro_batches) if kind == "pipedream" else None

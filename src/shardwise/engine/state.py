@@ -3,12 +3,12 @@
 A checkpoint holds what one process training the same model would hold, whatever the
 layout that wrote it (dp, tp, pp, ZeRO stage, precision):
 
-- ``model.NAME``: the fp32 master of parameter ``NAME`` (the single-process GPT's names
+- ``model.NAME``: the fp32 master of parameter ``NAME`` (the single-process model's names
   and shapes: unsharded over tp, vocabulary padding dropped, ZeRO pieces joined);
 - ``optimizer.NAME.{exp_avg, exp_avg_sq}``: AdamW's moments, the same shapes, fp32;
   ``optimizer.NAME.step``: its step count (a 0-dim tensor).
 
-A tied head is not listed (the GPT lists the embedding only); at pp > 1 the last stage's
+A tied head is not listed (the model lists the embedding only); at pp > 1 the last stage's
 copy of it is loaded from the embedding's entries. Random streams are not stored: the
 engine reseeds its dropout streams from ``(seed, step, coordinates)`` before every step
 (``Engine.train_step``), so a run resumed at step k in any layout draws, from k on, the

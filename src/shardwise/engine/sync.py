@@ -31,7 +31,7 @@ from shardwise.parallel.data_parallel.grad_sync import GradientSync
 class ReplicatedSync:
     """ZeRO-0: every dp rank holds full parameters, gradients and optimizer states.
 
-    ``params``: this rank's parameters (full GPT names in ``names``), in registration order.
+    ``params``: this rank's parameters (full model names in ``names``), in registration order.
     ``group``/``dp_size``/``dp_rank``: the dp group (``dp_size == 1``: no communication).
     ``param_dtype``: compute dtype; with bf16/fp16 each parameter gets an fp32 master and
     the parameter is cast down (Micikevicius et al. 2018), with fp32 the parameter is its own

@@ -25,7 +25,9 @@ end, including communication and bubbles, which the simulator adds on top). It i
 here and never fitted per prediction.
 
 ``local``: the compute rate is measured (``calibrate_local``: one rank's matmul FLOP/s with
-one thread, and the fixed per-layer overhead of running a block, forward and backward),
+one thread, and the fixed per-layer overhead of running a block, forward and backward; the
+block is one of the planned model's own, GPT, Llama or a registered kind, built as the
+engine builds it),
 divided among the ranks that share the cores; links are the calibrated comm profile at the
 group's size, with the algorithm ``auto`` picks (``comm.cost``).
 """
@@ -35,15 +37,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from shardwise.comm import cost
 from shardwise.comm.cost import LinkParams
-from shardwise.models.gpt import Block, GPTConfig
 from shardwise.perf.peak import gpu_peak
 from shardwise.planner.contention import calibrate_sync_penalty
-from shardwise.planner.specs import SpecError
+from shardwise.planner.specs import ModelSpec, SpecError
 
 EFFICIENCY = 0.5
 MEMCPY_LOCAL = 15e9  # bytes/s, memcpy on the development machine (docs/architecture.md)
@@ -163,25 +164,55 @@ def get_cluster(name: str, spec=None, world_size: int = 1) -> Cluster:
     if name == "local":
         if spec is None:
             return local_cluster(world_size=world_size)
-        return local_cluster(spec.n_embd, min(spec.block_size, 256), spec.n_head, world_size)
+        return local_cluster(spec.n_embd, min(spec.block_size, 256), spec.n_head, world_size,
+                             spec=spec)
     if name not in PRESETS:
         raise SpecError(f"--cluster {name!r}: unknown preset; expected one of "
                         f"{', '.join(list(PRESETS) + ['local'])}")
     return PRESETS[name]
 
 
-@lru_cache(maxsize=8)
-def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
-    """Measure, with one torch thread, one block of shardwise's GPT (width ``width``,
-    ``seq`` tokens per sequence), forward + backward at 1 and 8 sequences: the effective
-    FLOP/s (the slope: matmuls and the memory-bound operations around them) and the fixed
-    seconds per block pass (the intercept: dispatch, Python). Also the raw matmul FLOP/s."""
+def calibration_block(width: int, seq: int, heads: int, spec: ModelSpec | None = None):
+    """``(block, width, attention width)``: the first block of ``spec``'s model (its
+    description's, or its family's built from the sizes with one layer), on the CPU with
+    normal(0, 0.02) values from a private generator (timing only); without ``spec``, a
+    block of shardwise's GPT of width ``width`` and ``heads`` heads."""
     import torch
+
+    from shardwise.models.meta_init import materialise
+
+    if spec is None:
+        spec = ModelSpec("calibration", 1, width, heads, 65, seq)
+    elif spec.description is None:  # a named size: one block of its family is enough
+        spec = replace(spec, n_layer=1, block_size=max(seq, 1))
+    d = spec.model()
+    with torch.device("meta"):
+        model = d.build()
+    blk = d.layers(model)[1][1]
+    materialise([blk], torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    return blk, d.hidden_size, d.attention_width
+
+
+@lru_cache(maxsize=8)
+def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
+                    spec: ModelSpec | None = None) -> dict:
+    """Measure, with one torch thread, one block of the planned model (``calibration_block``:
+    ``spec``'s, else shardwise's GPT of width ``width``; ``seq`` tokens per sequence),
+    forward + backward at 1 and 8 sequences: the effective FLOP/s (the slope: matmuls and
+    the memory-bound operations around them) and the fixed seconds per block pass (the
+    intercept: dispatch, Python). Also the raw matmul FLOP/s."""
+    import torch
+    from torch import nn
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        blk = Block(GPTConfig(65, seq, 1, heads, width))
+        blk, width, attn = calibration_block(width, seq, heads, spec)
+        matmul_params = sum(m.weight.numel() for m in blk.modules() if isinstance(m, nn.Linear))
 
         def timed(b: int) -> float:
             x = torch.randn(b, seq, width, requires_grad=True)
@@ -194,7 +225,8 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
 
         timed(1)
         small, big = timed(1), timed(8)
-        fl = 3 * (24 * seq * width * width + 4 * seq * seq * width)  # per sequence, fwd+bwd
+        # per sequence, forward + backward: 2 per weight per token, Q K^T and P V (GPT: 24 s h^2)
+        fl = 3 * (2 * seq * matmul_params + 4 * seq * seq * attn)
         rate = 7 * fl / max(big - small, 1e-9)
         overhead = max(0.0, small - fl / rate) / 3  # per pass (forward = 1, backward = 2)
         a, b = torch.randn(512, width), torch.randn(width, 4 * width)
@@ -209,11 +241,12 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4) -> dict:
 
 
 def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
-                  world_size: int = 1) -> Cluster:
-    """This machine: compute measured on a block of the planned width (ranks sharing the
-    cores equally), the comm profile's links (gloo over loopback; one "node"), and the
-    measured wait of a synchronisation when ``world_size`` ranks share the cores."""
-    cal = dict(calibrate_local(width, seq, heads))
+                  world_size: int = 1, spec: ModelSpec | None = None) -> Cluster:
+    """This machine: compute measured on a block of the planned model (``spec``'s, else a
+    GPT's of the planned width; ranks sharing the cores equally), the comm profile's links
+    (gloo over loopback; one "node"), and the measured wait of a synchronisation when
+    ``world_size`` ranks share the cores."""
+    cal = dict(calibrate_local(width, seq, heads, spec))
     cal["sync_penalty_s"] = calibrate_sync_penalty(world_size)
     prof = cost.active_profile()
     link = Link("loopback (comm profile)", profile=prof, algorithm="auto")

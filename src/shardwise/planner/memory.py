@@ -2,7 +2,8 @@
 
 Static bytes (parameters, gradients, optimizer states) per rank:
 
-- for shardwise's own GPT at sizes the meta device builds in milliseconds, exactly
+- for a model at sizes the meta device builds in milliseconds (any kind: the spec's
+  ``ModelSpec.model()``, its own description or the registered kind of its family), exactly
   ``engine.memory.predict_rank`` (the rank's model built on the meta device, packed into
   the buckets or units the dp sync uses; ``tests/test_layouts.py`` holds it equal to the
   bytes real ranks hold), maximised over the pipeline and tensor-parallel ranks;
@@ -16,6 +17,9 @@ Static bytes (parameters, gradients, optimizer states) per rank:
   heads x head width, f the SwiGLU width; RMSNorm weights whole, no biases), no position
   table and an untied head; ``tests/test_llama_planner.py`` checks the counts against
   ``models.llama`` and the published totals.
+- for a spec made from a description (``plan --model run.toml``: any kind) the elements of
+  each layer as the engine shards it on meta (``specs.described_layers``), summed over the
+  layers a rank holds: no closed form of a family is assumed.
 - bytes per element from the parameter count P of the rank (Rajbhandari et al. 2020, sec. 3;
   b = 2 for bf16/fp16, 4 for fp32, K = 12 bytes of fp32 master + Adam moments, or 8 in fp32
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
@@ -48,10 +52,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from shardwise.engine.memory import predict_rank
-from shardwise.models import GPTConfig
 from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import warmup_forwards
-from shardwise.planner.specs import ModelSpec, block_matmul_params, block_params
+from shardwise.planner.specs import (
+    ModelSpec,
+    block_matmul_params,
+    block_params,
+    described_layers,
+)
 
 MiB, GiB = 2 ** 20, 2 ** 30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -82,6 +90,8 @@ def layer_weights(spec: ModelSpec, by: str = "layers") -> list[float]:
         return [1.0] * (L + 2)
     if by != "params":
         raise ValueError(f"partition {by!r}: the planner models layers or params")
+    if spec.description is not None:
+        return [float(n) for n in described_layers(spec, 1).counts]
     ln = 2 * h if spec.bias else h
     return ([float(V * h + spec.pos_params)] + [float(block_params(h, spec.bias, spec))] * L
             + [float(ln + V * h)])
@@ -105,6 +115,10 @@ def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> li
 def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int) -> int:
     """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps."""
     L, h = spec.n_layer, spec.n_embd
+    if spec.description is not None:  # counted on meta, as the engine shards it
+        t = described_layers(spec, tp)
+        both = 0 in layers and L + 1 in layers  # one rank, one tied matrix
+        return sum(t.counts[i] for i in layers) - (t.tied if both else 0)
     Vp = padded_vocab(spec.vocab_size, tp)
     bias = spec.bias
     # column biases (Q, V, MLP in) split, row biases (out, MLP out) and norms whole
@@ -138,8 +152,8 @@ def zero_bytes(P: float, dp: int, zero: int, precision: str) -> dict:
     return out
 
 
-# Below this many parameters the planner builds our GPT on the meta device (exact,
-# with bucket padding); above, the closed forms (equal up to that padding).
+# Below this many parameters the planner builds the model on the meta device (exact,
+# with bucket padding); above, the per-layer counts (equal up to that padding).
 EXACT_LIMIT = 50_000_000
 
 
@@ -149,19 +163,18 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  bucket_mb: float = 25.0, partition: str = "layers") -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0)."""
-    # ZeRO-0 has no padding: the closed form; the engine builds only the GPT so far
-    if spec.params <= EXACT_LIMIT and zero > 0 and spec.family == "gpt":
-        cfg = GPTConfig(spec.vocab_size, spec.block_size, spec.n_layer, spec.n_head,
-                        spec.n_embd, bias=spec.bias, tie_weights=spec.tie_weights)
+    # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
+    if spec.params <= EXACT_LIMIT and zero > 0:
+        d = spec.model()  # the spec's description, or its family's model of these sizes
         best = None
         for pr in range(pp):
             for tr in sorted({0, tp - 1}):
-                d = predict_rank(cfg, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
+                r = predict_rank(d, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
                                  chunks_per_rank=v, zero=zero, precision=precision,
                                  bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
                                  partition_by=partition)
-                if best is None or d["total"] > best["total"]:
-                    best = d
+                if best is None or r["total"] > best["total"]:
+                    best = r
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
     for layers in stage_layers(spec, pp, v, partition):

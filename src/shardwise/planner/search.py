@@ -69,12 +69,17 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
 
 
 def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes: bool) -> str | None:
-    """Why the engine cannot run ``lay`` (or the cluster cannot hold it), or None."""
-    if spec.n_head % lay.tp:
+    """Why the engine cannot run ``lay`` (or the cluster cannot hold it), or None. The sizes
+    tp must divide: a described model's own (``ModelSpec.tp_divides``, what the engine
+    checks), else the heads, key/value heads and MLP width."""
+    for what, n in spec.tp_divides:
+        if n % lay.tp:
+            return f"tp={lay.tp} does not divide {what} = {n}"
+    if not spec.tp_divides and spec.n_head % lay.tp:
         return f"tp={lay.tp} does not divide the {spec.n_head} heads"
-    if spec.kv_heads % lay.tp:
+    if not spec.tp_divides and spec.kv_heads % lay.tp:
         return f"tp={lay.tp} does not divide the {spec.kv_heads} key/value heads"
-    if spec.ffn % lay.tp:
+    if not spec.tp_divides and spec.ffn % lay.tp:
         return f"tp={lay.tp} does not divide the MLP width {spec.ffn}"
     if lay.tp > cluster.gpus_per_node and not tp_across_nodes:
         return f"tp={lay.tp} would cross nodes of {cluster.gpus_per_node} GPUs"

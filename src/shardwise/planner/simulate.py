@@ -70,9 +70,9 @@ class Layout:
 
 def block_flops(spec: ModelSpec, mb: int) -> float:
     """Forward FLOPs of one block: 2 per weight of its matrices per token (GPT: 24 s h^2),
-    and Q K^T and softmax(.) V, 4 s^2 h."""
-    s, h = spec.block_size, spec.n_embd
-    return 2 * mb * s * block_matmul_params(spec) + 4 * mb * s * s * h
+    and Q K^T and softmax(.) V, 4 s^2 H D (H D = h for the GPT and Llama)."""
+    s = spec.block_size
+    return 2 * mb * s * block_matmul_params(spec) + 4 * mb * s * s * spec.attn_width
 
 
 def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,

@@ -22,17 +22,25 @@ Named sizes:
   Llama 3 8B/70B/405B (Grattafiori et al. 2024, arXiv:2407.21783, Table 3; context 8192, the
   pre-training length: Llama 3.1's 128K is ``--seq 131072``).
 
-A TOML model file has the ``[model]`` table of a ``shardwise train`` config (``n_layer``,
-``n_head``, ``n_embd``, ``block_size``, ``vocab_size``, ``tie_weights``, ``bias``), so a
-run's own config is a valid model file.
+A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
+model it trains is read as train reads it (``describe_config``: ``model.kind``'s
+``ModelDescription``, gpt, llama or a kind registered with ``shardwise.register_model``; the
+vocabulary the tokenizer's when ``model.vocab_size`` is 0), and ``ModelSpec.from_description``
+takes its sizes, its parameters counted on the meta device, and what tp must divide. Such a
+spec keeps its description: the planner's memory counts then come from the model itself
+(``described_layers``: each layer's parameters, tp-sharded on meta), not from the closed
+forms of the named families.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 
 class SpecError(ValueError):
@@ -41,9 +49,14 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of one GPT or Llama. ``params`` is the exact parameter count of shardwise's
-    model of that family. ``n_kv_heads`` None: ``n_head`` (multi-head attention);
-    ``ffn_hidden`` None: 4h (the GPT's MLP)."""
+    """Sizes of one decoder. ``params`` is the exact parameter count of shardwise's model
+    of that family (counted on meta, ``n_params``, for a spec made ``from_description``).
+    ``n_kv_heads`` None: ``n_head`` (multi-head attention); ``ffn_hidden`` None: 4h (the
+    GPT's MLP). ``family``: the model kind ("gpt", "llama", a registered one).
+    ``rope_theta``: the Llama's rotary base (written by ``plan --emit-toml``).
+    ``attention_width``: H D of the attention's s^2 terms (None: h, as the GPT and Llama).
+    ``description``: the ``ModelDescription`` a spec was made from (None for the named
+    sizes: ``model()`` builds it from the sizes); ``tp_divides``: its sizes tp must divide."""
 
     name: str
     n_layer: int
@@ -55,7 +68,70 @@ class ModelSpec:
     bias: bool = True
     n_kv_heads: int | None = None
     ffn_hidden: int | None = None
-    family: str = "gpt"  # "gpt" or "llama" (module docstring)
+    family: str = "gpt"  # "gpt", "llama" (module docstring) or a registered kind
+    rope_theta: float = 10000.0
+    n_params: int | None = None
+    attention_width: int | None = None
+    tp_divides: tuple[tuple[str, int], ...] = ()
+    description: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_description(cls, d, name: str | None = None) -> ModelSpec:
+        """The spec of a ``models.description.ModelDescription`` (or a registered config):
+        sizes from the description (layers, width, vocabulary, sequence, tied), heads, key/
+        value heads, MLP width and rotary base from its config where it has those fields
+        (``n_head`` 1 otherwise: only the activations' small log-sum-exp term reads it),
+        biases and the parameter count from the model built on the meta device, ``family``
+        its kind. Raises ``ValueError`` for a model the planner cannot read."""
+        from torch import nn
+
+        from shardwise.models.description import describe
+
+        d = describe(d)
+        model = _meta_model(d)
+        cfg = d.config
+        bias = any(m.bias is not None for m in model.modules() if isinstance(m, nn.Linear))
+        return cls(name or d.kind, d.n_layer, d.hidden_size, getattr(cfg, "n_head", None) or 1,
+                   d.vocab_size, d.block_size, tie_weights=d.tied is not None, bias=bias,
+                   n_kv_heads=getattr(cfg, "n_kv_heads", None),
+                   ffn_hidden=getattr(cfg, "ffn_hidden", None), family=d.kind,
+                   rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
+                   n_params=sum(p.numel() for p in model.parameters()),
+                   attention_width=d.attention_width,
+                   tp_divides=tuple(d.tp_divides.items()), description=d)
+
+    def section(self):
+        """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
+        ``family``): what ``model_table`` writes and ``model()`` describes."""
+        from shardwise.base.config import ModelConfig
+
+        return ModelConfig(**self.model_table())
+
+    def model_table(self) -> dict:
+        """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
+        the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base;
+        no biases to name)."""
+        t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
+             "n_embd": self.n_embd, "block_size": self.block_size,
+             "vocab_size": self.vocab_size, "tie_weights": self.tie_weights}
+        if self.family == "gpt":
+            return {**t, "bias": self.bias}
+        return {**t, "n_kv_heads": self.kv_heads, "ffn_hidden": self.ffn,
+                "rope_theta": float(self.rope_theta)}
+
+    def model(self):
+        """The ``ModelDescription`` of this spec: its own, or the registered kind
+        ``family`` built from ``section()`` (the engine's model of these sizes)."""
+        if self.description is not None:
+            return self.description
+        from shardwise.models.description import describe_section
+
+        return describe_section(self.section(), self.vocab_size)
+
+    @property
+    def attn_width(self) -> int:
+        """H D, the width of the attention's Q K^T and P V (``attention_width`` or h)."""
+        return self.n_embd if self.attention_width is None else self.attention_width
 
     @property
     def kv_heads(self) -> int:
@@ -79,16 +155,32 @@ class ModelSpec:
     @property
     def params(self) -> int:
         """Parameters of the unsharded model (tied head counted once)."""
+        if self.n_params is not None:
+            return self.n_params
         L, h, V = self.n_layer, self.n_embd, self.vocab_size
         return V * h + self.pos_params + L * block_params(h, self.bias, self) + head_params(self)
 
     def with_seq(self, seq: int) -> "ModelSpec":
-        return replace(self, block_size=seq)
+        """These sizes at sequence length ``seq`` (a described model is described again
+        from its config with ``block_size = seq``: a learned position table grows with it)."""
+        if self.description is None:
+            return replace(self, block_size=seq)
+        from shardwise.models.description import describe
+
+        cfg = self.description.config
+        if not (dataclasses.is_dataclass(cfg) and hasattr(cfg, "block_size")):
+            raise SpecError(f"--seq: the config of model.kind={self.family!r} has no "
+                            "block_size field; set the sequence in the model's config")
+        return ModelSpec.from_description(describe(dataclasses.replace(cfg, block_size=seq)),
+                                          name=self.name)
 
 
 def block_matmul_params(spec: "ModelSpec") -> int:
     """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
-    each, the MLP 2 h f (GELU) or 3 h f (SwiGLU). GPT: 12 h^2."""
+    each, the MLP 2 h f (GELU) or 3 h f (SwiGLU). GPT: 12 h^2. A spec with a description:
+    its first block's ``nn.Linear`` weights, counted on meta."""
+    if spec.description is not None:
+        return described_layers(spec, 1).block_matmul
     h = spec.n_embd
     kv = spec.kv_heads * (h // spec.n_head)
     return 2 * h * h + 2 * h * kv + (3 if spec.gated else 2) * h * spec.ffn
@@ -117,9 +209,9 @@ def _m(name, L, h, a, V, s) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s)
 
 
-def _llama(name, L, h, a, kv, f, V, s) -> ModelSpec:
+def _llama(name, L, h, a, kv, f, V, s, theta=10000.0) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s, tie_weights=False, bias=False, n_kv_heads=kv,
-                     ffn_hidden=f, family="llama")
+                     ffn_hidden=f, family="llama", rope_theta=theta)
 
 
 NAMED: dict[str, ModelSpec] = {m.name: m for m in [
@@ -142,48 +234,102 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _m("megatron-310b", 96, 16384, 128, 51200, 2048),
     _m("megatron-530b", 105, 20480, 128, 51200, 2048),
     _m("megatron-1t", 128, 25600, 160, 51200, 2048),
-    # name, layers, hidden, heads, kv heads, FFN width, vocab, context
+    # name, layers, hidden, heads, kv heads, FFN width, vocab, context (, rotary base: the
+    # released config.json's rope_theta, 500000 for Llama 3)
     _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),
     _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
     _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
+    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
+    _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 500000.0),
 ]}
 
-_FIELDS = {"n_layer": int, "n_head": int, "n_embd": int, "block_size": int, "vocab_size": int,
-           "tie_weights": bool, "bias": bool}
+@dataclass(frozen=True)
+class DescribedLayers:
+    """Parameter elements of a described model's layers on one tp rank (``described_layers``).
+
+    counts: per layer in pipeline order (embedding, blocks, head), tp-sharded, vocabulary
+    padded, each layer's own parameters (a tied head counts the embedding's matrix, as its
+    ``parameters()`` include it); tied: elements of the tied matrix on that rank (0 if
+    untied), counted once when one rank holds both ends; block_matmul: the first block's
+    ``nn.Linear`` weights, unsharded (2 per token per weight: its forward FLOPs)."""
+
+    counts: tuple[int, ...]
+    tied: int
+    block_matmul: int
 
 
-def from_dict(name: str, table: dict, where: str = "model") -> ModelSpec:
-    """A ``ModelSpec`` from a ``[model]`` table; ``SpecError`` naming the bad field."""
-    vals = {"tie_weights": True, "bias": True, "block_size": 128, "vocab_size": 65}
-    for key, value in table.items():
-        if key in ("dropout",):
-            continue
-        if key not in _FIELDS:
-            raise SpecError(f"{where}.{key}: unknown key; expected {', '.join(_FIELDS)}")
-        want = _FIELDS[key]
-        if want is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise SpecError(f"{where}.{key}: expected a whole number >= 1, got {value!r}")
-        if want is bool and not isinstance(value, bool):
-            raise SpecError(f"{where}.{key}: expected true or false, got {value!r}")
-        vals[key] = value
-    for key in ("n_layer", "n_head", "n_embd"):
-        if key not in vals:
-            raise SpecError(f"{where}.{key}: missing")
-    if vals["n_embd"] % vals["n_head"]:
-        raise SpecError(f"{where}.n_embd={vals['n_embd']} is not divisible by "
-                        f"{where}.n_head={vals['n_head']}")
-    return ModelSpec(name, vals["n_layer"], vals["n_embd"], vals["n_head"], vals["vocab_size"],
-                     vals["block_size"], vals["tie_weights"], vals["bias"])
+@lru_cache(maxsize=64)
+def described_layers(spec: ModelSpec, tp: int) -> DescribedLayers:
+    """``spec.model()`` built as the engine builds it on tp rank 0 of ``tp`` (meta device:
+    nothing allocated), its layers counted. Every tp rank holds as many elements (tp
+    divides the split sizes; the vocabulary is padded). Raises ``ValueError`` when tp does
+    not divide a size (as the engine would)."""
+    import torch
+    from torch import nn
+
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    d = spec.model()
+    with torch.device("meta"):  # one pipeline stage: every layer, as the engine cuts none
+        local = build_local_model(d, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1,
+                                  tp=RankGroup(size=tp, rank=0), seed=0, dropout_seed=0,
+                                  device=torch.device("meta"))
+    layers = local.chunks[0].layers
+    counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    tied = dict(local.named_parameters())[d.tied[0]].numel() if d.tied is not None else 0
+    if tp > 1:
+        block_matmul = described_layers(spec, 1).block_matmul
+    else:
+        block_matmul = sum(m.weight.numel() for m in layers[1].modules()
+                           if isinstance(m, nn.Linear)) if len(layers) > 2 else 0
+    return DescribedLayers(counts, tied, block_matmul)
 
 
-def load_model(text: str) -> ModelSpec:
-    """A named size (``NAMED``), or a TOML file whose ``[model]`` table gives the sizes."""
+def _meta_model(d):
+    import torch
+
+    with torch.device("meta"):
+        return d.build()
+
+
+def describe_config(cfg) -> Any:
+    """The ``ModelDescription`` of the model a run's ``Config`` trains, read as ``shardwise
+    train`` reads it: ``model.kind``'s (gpt, llama, a registered kind), the vocabulary
+    ``model.vocab_size`` or, when 0, the character tokenizer's of ``data.path``. Raises
+    ``ValueError`` (one line) for the CNN, an unknown kind or sizes the model refuses
+    (``DataError`` for a corpus it cannot read)."""
+    from shardwise.models.description import describe_section
+
+    m = cfg.model
+    if m.kind == "cnn":
+        raise SpecError("model.kind=cnn: the CNN has its own planner (shardwise plan "
+                        "--model cnn --config ...)")
+    vocab = m.vocab_size
+    if not vocab:
+        from shardwise.data import CharTokenizer, load_text
+
+        vocab = CharTokenizer.from_text(load_text(cfg.data.path)).vocab_size
+    return describe_section(m, vocab)
+
+
+def full_size(d) -> int:
+    """Parameters of the single-process model of description ``d`` (a tied matrix once),
+    counted on the meta device."""
+    return sum(p.numel() for p in _meta_model(d).parameters())
+
+
+def load_model(text: str, seq: int | None = None) -> ModelSpec:
+    """A named size (``NAMED``), or a TOML file: a train config, or its ``[model]`` table
+    alone (``describe_config``; ``ModelSpec.from_description``). ``seq``: the sequence
+    length (a named size's ``with_seq``; a file's ``model.block_size``). ``SpecError`` for
+    anything else, naming the file and the field (the config's own one-line errors)."""
+    from shardwise.base.config import Config
+
     if text in NAMED:
-        return NAMED[text]
+        return NAMED[text] if seq is None else NAMED[text].with_seq(seq)
     path = Path(text)
     if not path.is_file():
         raise SpecError(f"--model {text!r}: neither a named size ({', '.join(NAMED)}) nor a "
@@ -192,13 +338,19 @@ def load_model(text: str) -> ModelSpec:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: not valid TOML: {exc}") from None
-    table = data.get("model", data)
-    if not isinstance(table, dict):
+    if "model" not in data:  # a bare [model] table
+        data = {"model": data}
+    if not isinstance(data["model"], dict):
         raise SpecError(f"{path}: expected a [model] table")
-    table = {k: v for k, v in table.items() if not isinstance(v, dict)}
-    if table.get("vocab_size", 0) == 0:  # a train config: vocabulary from the tokenizer
-        table["vocab_size"] = 65
-    return from_dict(path.stem, table, where=f"{path}: model")
+    if seq is not None:
+        data["model"]["block_size"] = seq
+    try:
+        return ModelSpec.from_description(describe_config(Config.from_dict(data)),
+                                          name=path.stem)
+    except SpecError:
+        raise
+    except ValueError as exc:  # ConfigError, DataError, a model's own size checks
+        raise SpecError(f"{path}: {exc}") from None
 
 
 def positive_number(text: str, flag: str, integer: bool = False) -> float:

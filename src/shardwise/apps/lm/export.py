@@ -12,8 +12,9 @@ tensors whatever layout wrote them. Writes into DIR:
   ``model.safetensors.index.json``: the tensors under ``transformers``' names and layouts
   (GPT-2's packed, transposed ``c_attn``; a tied head written once, as HF does), fp32;
 - ``tokenizer.json`` and ``tokenizer_config.json``: the run's tokenizer for
-  ``AutoTokenizer`` (the character tokenizer as a ``tokenizers`` BPE with no merges, so
-  every character is one token with the run's id).
+  ``AutoTokenizer``: a ``shardwise prepare`` tokenizer as it is (its end-of-text token as
+  ``eos_token``), the character tokenizer as a ``tokenizers`` BPE with no merges, so every
+  character is one token with the run's id.
 
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it with no custom code.
 """
@@ -104,9 +105,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
 
 
 def _vocab_size(tok_state: dict) -> int:
-    if tok_state.get("kind") == "char":
-        return len(tok_state["chars"])
-    return int(tok_state.get("vocab_size", 0))
+    from shardwise.data.tokenizer import tokenizer_from_state
+
+    return tokenizer_from_state(tok_state).vocab_size
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -127,12 +128,18 @@ def _write_tokenizer(out: Path, state: dict, max_length: int) -> list[str]:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
         tok.decoder = decoders.Fuse()
         text = tok.to_str()
-    elif isinstance(state.get("json"), str):
+    elif isinstance(state.get("json"), str):  # shardwise prepare's: a tokenizer.json
         text = state["json"]
     else:
         return []
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
-    _write_json(out / "tokenizer_config.json",
-                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-                 "clean_up_tokenization_spaces": False})
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    if state.get("eos_id") is not None:  # documents were joined by it: HF's eos token
+        from tokenizers import Tokenizer
+
+        eos = Tokenizer.from_str(text).id_to_token(int(state["eos_id"]))
+        if eos is not None:
+            config["eos_token"] = eos
+    _write_json(out / "tokenizer_config.json", config)
     return ["tokenizer.json", "tokenizer_config.json"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from shardwise import checkpoint, comm
 from shardwise.base.config import Config, ConfigError
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.data import CharTokenizer
+from shardwise.data.tokenizer import tokenizer_from_state
 from shardwise.engine import Engine, EngineSettings
 from shardwise.engine import state as engine_state
 from shardwise.models import describe_section
@@ -74,7 +74,7 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     if distributed and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     meta = checkpoint.read_meta(path)
-    tokenizer = CharTokenizer.from_state_dict(meta["tokenizer"])
+    tokenizer = tokenizer_from_state(meta["tokenizer"])
     d = describe_section(cfg.model, tokenizer.vocab_size)
     engine = Engine(d, topology, EngineSettings.from_config(cfg), device)
     with engine.full_parameters():
