@@ -233,5 +233,5 @@ def test_readme_start_from_a_hugging_face_checkpoint(text, tmp_path):
               (tmp_path / "runs" / "finetune" / "metrics.jsonl").read_text().splitlines()
               if '"train"' in line]
     assert losses[-1] < losses[0]  # it fine-tunes
-    assert outputs[2].startswith("ROMEO:") and len(outputs[2].rstrip("\n")) == len("ROMEO:") + 100
+    assert outputs[2].startswith("ROMEO:") and len(outputs[2].rstrip("\n")) == len("ROMEO:") + 40
     assert outputs[4].split() == ["LlamaForCausalLM", outputs[4].split()[1]]
