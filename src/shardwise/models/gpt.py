@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from shardwise.models.sampling import generate, sample_next  # noqa: F401 (re-exported)
 
-
 # the MLP's GELU: exact (erf), or the tanh approximation of GPT-2 (F.gelu's "tanh")
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
 
