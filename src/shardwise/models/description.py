@@ -98,6 +98,9 @@ class ModelDescription:
     tp_divides: what tp must divide, ``{"model.n_head (attention heads)": 12, ...}``; the
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
+    hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
+        config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``
+        read it), or None when it has none.
     """
 
     kind: str
@@ -112,6 +115,7 @@ class ModelDescription:
     layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] = decoder_layers
     tied: tuple[str, str] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
+    hf: Any = None
 
     def __post_init__(self):
         for pattern, style in self.tp_plan.items():

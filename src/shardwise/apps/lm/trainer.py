@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.apps.lm.hf import resolve_init_from, source_config
 from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
 from shardwise.apps.lm.text import split_corpus, token_unit
@@ -36,6 +37,8 @@ class Trainer(TrainerState, TrainTask):
 
     def __init__(self, cfg: Config, topology: Topology, device: torch.device | None = None,
                  tokenizer: CharTokenizer | HFTokenizer | None = None):
+        cfg = resolve_init_from(cfg)  # model.init_from: the sizes of its config.json
+        self.hf_config = source_config(cfg)  # kept in checkpoints, for `shardwise export`
         self.cfg, self.topology = cfg, topology
         self.device = device or torch.device("cpu")
         if self.device.type == "cuda":  # TF32 for fp32 matmuls (training.tf32); CPU: no effect
@@ -155,7 +158,9 @@ class Trainer(TrainerState, TrainTask):
     def _sample(self) -> str:
         g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
         prompt = torch.tensor([self.tokenizer.start_ids()], device=self.device)  # (1, P)
-        out = self.engine.generate(prompt, self.cfg.training.sample_chars, generator=g)
+        # a checkpoint's vocabulary may be larger than the tokenizer's: sample from the latter
+        out = self.engine.generate(prompt, self.cfg.training.sample_chars, generator=g,
+                                   vocab_size=self.tokenizer.vocab_size)
         return self.tokenizer.decode(out[0].tolist())
 
 
