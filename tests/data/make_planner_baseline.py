@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardwise.planner.hardware import PRESETS
 from shardwise.planner.search import enumerate_layouts, memory_of, prune_reason
-from shardwise.planner.simulate import simulate
+from shardwise.planner.simulate import Layout, simulate
 from shardwise.planner.specs import NAMED
 
 CASES = [  # model, cluster, GPUs, global batch, micro-batch sizes, layouts kept (None: all)
@@ -22,6 +22,9 @@ CASES = [  # model, cluster, GPUs, global batch, micro-batch sizes, layouts kept
     ("gpt3-13b", "dgx-a100-40gb", 32, 64, [1, 2], 80),
     ("megatron-146b", "dgx-a100-80gb", 192, 96, [1], 24),
 ]
+# and two of the published layouts of Megatron-LM's Table 1 (model, cluster, Layout fields)
+EXTRA = [("megatron-1t", "dgx-a100-80gb", (6, 8, 64, 1, 512, "interleaved", 2, 0, True, False, "params")),
+         ("megatron-530b", "dgx-a100-80gb", (9, 8, 35, 1, 280, "1f1b", 1, 0, True, False, "params"))]
 
 
 def main() -> None:
@@ -39,6 +42,11 @@ def main() -> None:
             rows.append({"model": name, "cluster": cl, "layout": asdict(lay),
                          "memory": mem, "time": t})
         print(name, len(lays), flush=True)
+    for name, cl, fields in EXTRA:
+        spec, cluster, lay = NAMED[name], PRESETS[cl], Layout(*fields)
+        rows.append({"model": name, "cluster": cl, "layout": asdict(lay),
+                     "memory": memory_of(spec, lay, cluster.precision),
+                     "time": simulate(spec, lay, cluster)})
     out = Path(__file__).with_name("planner_baseline.json")
     out.write_text("[\n" + ",\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n]\n")
     print(len(rows), "layouts ->", out)
