@@ -26,6 +26,7 @@ on pipeline transfers beyond the ideal bubble), ``bubble`` (idle with free trans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from shardwise.parallel.pipeline.schedules import (
     Backward,
@@ -33,6 +34,7 @@ from shardwise.parallel.pipeline.schedules import (
     SendActivation,
     SendGrad,
     schedule,
+    warmup_forwards,
 )
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers
@@ -237,6 +239,86 @@ def walk(sched, costs, p2p: float):
     return free, busy, tp_time, events
 
 
+@lru_cache(maxsize=16)
+def _orders(p: int, m: int, v: int):
+    """The compute orders of ``schedules.compute_order("1f1b"/"interleaved", p, m, v)`` as
+    arrays ``[rank, position]`` (``tests/test_planner_search.py`` holds them equal), with
+    what ``walk_fast`` reads: per op its micro-batch, chunk, backward flag; the rank and
+    position of the op its remote input comes from (the previous chunk's forward, the next
+    chunk's backward: a send), the position of a backward's own forward, and per rank the
+    positions of the ops that send (in order: a rank posts its sends one at a time)."""
+    import numpy as np
+
+    mv, n = m * v, p * v
+    k = np.arange(mv)
+    mb = (k // (p * v)) * p + k % p
+    local = (k // p) % v
+    bwd = np.zeros((p, 2 * mv), dtype=bool)
+    O_mb = np.empty((p, 2 * mv), dtype=np.int64)
+    O_c = np.empty((p, 2 * mv), dtype=np.int64)
+    for r in range(p):
+        w = warmup_forwards(p, m, v, r)
+        b = np.concatenate([np.zeros(w, bool), np.tile([False, True], mv - w), np.ones(w, bool)])
+        bwd[r] = b
+        O_mb[r, ~b], O_c[r, ~b] = mb, local * p + r
+        O_mb[r, b], O_c[r, b] = mb, (v - 1 - local) * p + r
+    pos = np.empty((2, m, n), dtype=np.int64)
+    pos[bwd.astype(np.int64), O_mb, O_c] = np.arange(2 * mv)[None, :]
+    rem_c = np.where(bwd, O_c + 1, O_c - 1)
+    has_rem = np.where(bwd, O_c < n - 1, O_c > 0)
+    rem_k = pos[bwd.astype(np.int64), O_mb, np.clip(rem_c, 0, n - 1)]
+    own_k = pos[0, O_mb, O_c]
+    sends = np.where(bwd, O_c > 0, O_c < n - 1) if p > 1 else np.zeros_like(bwd)
+    send_pos = [np.nonzero(sends[r])[0] for r in range(p)]
+    return bwd, O_c, has_rem, rem_c % p, rem_k, own_k, send_pos
+
+
+def walk_fast(p: int, m: int, v: int, costs, p2p: float):
+    """``walk``'s (end of each rank's last compute, busy compute seconds, tp seconds) for the
+    1F1B and interleaved schedules, without walking instruction by instruction.
+
+    The walk is a longest-path problem on a fixed graph: an op ends at max(its rank's
+    previous op, its input) + its cost; a send arrives at max(the rank's previous send,
+    its source op) + ``p2p``. Along one rank both are max-plus prefix scans (``end_k =
+    C_k + max_{j<=k}(ready_j - C_{j-1})``, C the running cost), one numpy call each. The
+    ranks are swept down and up (Gauss-Seidel), each scan reading its neighbours' latest
+    arrivals, until nothing moves: every value only grows towards the longest path, which
+    it reaches after as many sweeps as the critical path turns between going down and up
+    the pipeline (3 to 7 here). Sums of busy time are taken in the walk's order (``cumsum``),
+    so they are the walk's to the last bit; end times agree to rounding (1e-12)."""
+    import numpy as np
+
+    bwd, O_c, has_rem, rem_r, rem_k, own_k, send_pos = _orders(p, m, v)
+    cf = np.array([c[0] for c in costs])
+    cb = np.array([c[1] for c in costs])
+    cost = np.where(bwd, cb[O_c], cf[O_c])
+    busy_v = np.where(bwd, np.array([c[1] - c[3] for c in costs])[O_c],
+                      np.array([c[0] - c[2] for c in costs])[O_c])
+    tp_v = np.where(bwd, np.array([c[3] for c in costs])[O_c],
+                    np.array([c[2] for c in costs])[O_c])
+    busy = np.cumsum(busy_v, axis=1)[:, -1].tolist()
+    tp_time = np.cumsum(tp_v, axis=1)[:, -1].tolist()
+    C = np.cumsum(cost, axis=1)
+    Cp = C - cost
+    end = np.zeros_like(cost)
+    arrival = np.zeros_like(cost)
+    steps = [np.arange(len(s)) * p2p for s in send_pos]
+    order = list(range(p)) + list(range(p - 2, 0, -1)) if p > 2 else list(range(p))
+    while True:
+        before = end.copy()
+        for r in order:
+            ready = np.where(has_rem[r], arrival[rem_r[r], rem_k[r]], 0.0)
+            ready = np.where(bwd[r], np.maximum(ready, end[r, own_k[r]]), ready)
+            e = C[r] + np.maximum.accumulate(ready - Cp[r])
+            end[r] = e
+            sp = send_pos[r]
+            if len(sp):
+                arrival[r, sp] = steps[r] + p2p + np.maximum.accumulate(e[sp] - steps[r])
+        if np.array_equal(before, end):
+            break
+    return end[:, -1].tolist(), busy, tp_time
+
+
 def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
     """``walk`` for ranks that share ``cores`` cores (this machine): processor sharing. At
     every moment the ranks computing (times ``replicas``: the dp x tp copies of each
@@ -341,17 +423,22 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
              with_events: bool = False) -> dict:
     """Predicted seconds of one optimizer step and its split (see the module docstring)."""
     precision = precision or cluster.precision
-    sched = schedule(lay.schedule if lay.pp > 1 else "1f1b", lay.pp, lay.micro_batches,
-                     lay.chunks_per_rank)
+    kind = lay.schedule if lay.pp > 1 else "1f1b"
     shared = bool(cluster.cores)
     costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
     e = BYTES[precision]
     msg = lay.micro_batch_size * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
     p2p = (cluster.link(lay.tp * lay.pp).p2p(msg) + cluster.sync_penalty_s) if lay.pp > 1 else 0.0
-    if shared:
-        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)  # noqa: E731
+    fast = not shared and not with_events and kind in ("1f1b", "interleaved")
+    p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
+    if fast:  # the same numbers as walk(), without the instruction lists
+        run = lambda c: walk_fast(p, m, v, costs, c) + ([],)
+    elif shared:
+        sched = schedule(kind, p, m, v)
+        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)
     else:
-        run = lambda c: walk(sched, costs, c)  # noqa: E731
+        sched = schedule(kind, p, m, v)
+        run = lambda c: walk(sched, costs, c)
     end, busy, tp_time, events = run(p2p)
     ideal_end = run(0.0)[0] if lay.pp > 1 else end
     per_rank = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
