@@ -110,7 +110,8 @@ def _run(args) -> int:
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
              else cluster.memory_per_rank(world))
     feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
-                            memory_limit=limit, tp_across_nodes=args.tp_across_nodes)
+                            memory_limit=limit, tp_across_nodes=args.tp_across_nodes,
+                            top=top, progress=True)
     if not feasible:
         need = smallest_need(pruned)
         if need is not None:

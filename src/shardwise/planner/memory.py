@@ -285,33 +285,46 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     return -(-(warmup_forwards(p, m, v, rank) + 1) // v)
 
 
+@lru_cache(maxsize=256)
+def chunk_blocks(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[int, bool], ...]:
+    """Per chunk of ``cut``: (blocks it holds, whether it holds the head)."""
+    part, L = cut(spec, n_chunks, partition), spec.n_layer
+    return tuple((sum(1 for i in part.layers(c) if 1 <= i <= L), L + 1 in part.layers(c))
+                 for c in range(n_chunks))
+
+
+@lru_cache(maxsize=65536)
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
                      v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers") -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
-    ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank)."""
+    ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
+    search asks again for every ZeRO stage)."""
     am = am or shardwise_model(precision, spec)
-    s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
+    s, h, a = spec.block_size, spec.n_embd, spec.n_head
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
     e = BYTES[precision]
-    part = cut(spec, pp * v, partition)
     head = head_activation_bytes(spec, mb, tp, precision)
+    sums: dict = {}
 
-    def chunk_full(c: int) -> float:
-        ls = list(part.layers(c))
-        return sum(blk for i in ls if 1 <= i <= L) + (head if L + 1 in ls else 0.0)
+    def chunk_full(nb: int, has_head: bool) -> float:
+        """nb blocks' bytes added one by one (as a sum over the chunk's layers), + the head."""
+        x = sums.get((nb, has_head))
+        if x is None:
+            x = sums[(nb, has_head)] = sum(blk for _ in range(nb)) + (head if has_head else 0.0)
+        return x
 
+    chunks_of = chunk_blocks(spec, pp * v, partition)
+    keep = mb * s * h * e / (tp if sp else 1)
     worst = 0.0
     for r in range(pp):
-        chunks = [r + i * pp for i in range(v)]
-        full = sum(chunk_full(c) for c in chunks)
+        fulls = [chunk_full(*chunks_of[r + i * pp]) for i in range(v)]
         k = in_flight(schedule, pp, micro_batches, v, r)
         if recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
             # recomputed in full while (measured) about one other input is still held
-            keep = mb * s * h * e / (tp if sp else 1)
-            total = max(max(chunk_full(c) for c in chunks) + keep, k * v * keep)
+            total = max(max(fulls) + keep, k * v * keep)
         else:
-            total = k * full
+            total = k * sum(fulls)
         worst = max(worst, total)
     return worst

@@ -141,6 +141,15 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                                      + 3 * units * pen)
 
 
+def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
+    """The all-reduce of a tied embedding's gradient between the first and last pipeline
+    ranks (``r`` one of them, pp > 1), else 0."""
+    if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)):
+        return cluster.link(lay.tp * lay.pp).all_reduce(
+            2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * BYTES[precision])
+    return 0.0
+
+
 def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
     """AdamW over this rank's masters: ~40 bytes of memory traffic per element."""
     P = rank_params(spec, layers, lay.tp, lay.pp)
@@ -446,10 +455,7 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
     for r in range(lay.pp):
         dp_after, dp_inside = dp_seconds(spec, lay, cluster, precision, per_rank[r])
         opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
-        tied = 0.0
-        if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)):
-            tied = cluster.link(lay.tp * lay.pp).all_reduce(
-                2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * e)
+        tied = tied_seconds(spec, lay, cluster, precision, r)
         totals.append(end[r] + dp_inside + dp_after + tied + opt)
         parts.append({"compute": busy[r], "tp": tp_time[r],
                       "pp": max(0.0, end[r] - ideal_end[r]),
