@@ -88,11 +88,11 @@ CASES = [("gpt3-13b", "dgx-a100-80gb", 64, 128), ("megatron-18b", "dgx-a100-80gb
 @pytest.mark.parametrize("name,cl,world,batch", CASES)
 def test_bounded_search_finds_the_exhaustive_best(name, cl, world, batch):
     spec, cluster = NAMED[name], PRESETS[cl]
-    space = dict(micro_batches=[1, 2, 4])
+    space = {"micro_batches": [1, 2, 4]}
     every, _ = plan(spec, cluster, world, batch, exhaustive=True, **space)
     fast, pruned = plan(spec, cluster, world, batch, top=5, **space)
     assert len(every) > 50 and len(fast) < len(every)
-    key = lambda c: (c.layout, c.time["step"])  # noqa: E731
+    key = lambda c: (c.layout, c.time["step"])
     assert [key(c) for c in fast[:5]] == [key(c) for c in every[:5]]
     b = Bounds(spec, cluster, cluster.precision)
     for c in every:  # the bound holds for every layout
@@ -119,9 +119,57 @@ def test_the_1t_plan_answers_fast():
     import time
 
     t0 = time.process_time()
-    feasible, pruned = plan(NAMED["megatron-1t"], PRESETS["dgx-a100-80gb"], 3072, 3072)
+    feasible, _ = plan(NAMED["megatron-1t"], PRESETS["dgx-a100-80gb"], 3072, 3072)
     cpu = time.process_time() - t0
     assert 10 <= len(feasible) < 100
     assert feasible[0].memory["total"] <= 80 * 2**30
     assert cpu < 30, cpu  # about 2 s of CPU on the 2-core machine
     assert asdict(feasible[0].layout)["tp"] == 8
+
+
+def _cli(capsys, *argv):
+    from shardwise.cli.main import main
+
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr()
+
+
+def test_table_columns_stay_aligned_with_long_names(capsys):
+    out = _cli(capsys, "--model", "megatron-39b", "--cluster", "dgx-a100-80gb", "--gpus", "64",
+               "--global-batch", "128", "--top", "8", "--pruned", "5").out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.lstrip().startswith("#"))
+    rows = out[head:head + 9]
+    assert any("interleaved" in r and "cut=params" in r for r in rows[1:])  # long names
+    # every column ends where its header ends
+    for word in ("static", "total", "step ms", "tokens/s", "opt"):
+        end = rows[0].index(word) + len(word)
+        for r in rows[1:]:
+            assert r[end - 1] != " " and (end == len(r) or r[end] == " "), (word, r)
+    import re
+
+    pruned = out[out.index(next(x for x in out if x.startswith("pruned:"))) + 1:]
+    assert len(pruned) == 5
+    starts = {line.index(re.split(r"\s{2,}", line.strip())[2]) for line in pruned}
+    assert len(starts) == 1, pruned  # the reasons start in one column
+
+
+def test_json_output(capsys):
+    import json
+
+    got = _cli(capsys, "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "16",
+               "--global-batch", "64", "--top", "4", "--json")
+    doc = json.loads(got.out)  # nothing but the document on stdout
+    assert doc["model"]["name"] == "llama3-8b" and doc["model"]["kind"] == "llama"
+    assert doc["gpus"] == 16 and doc["global_batch"] == 64 and doc["precision"] == "bf16"
+    rows = doc["layouts"]
+    assert [r["rank"] for r in rows] == [1, 2, 3, 4]
+    steps = [r["step_s"] for r in rows]
+    assert steps == sorted(steps)
+    for r in rows:
+        lay = r["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] == 16
+        assert r["memory_bytes"]["total"] <= doc["cluster"]["memory_limit_bytes"]
+        assert sum(r["split_s"].values()) == pytest.approx(r["step_s"], rel=1e-9)
+        assert r["tokens_per_s"] == pytest.approx(64 * 8192 / r["step_s"])
+    assert doc["simulated"] >= 4
+    assert all(p["count"] >= 1 and p["reason"] for p in doc["pruned"])

@@ -319,16 +319,15 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     order = sorted(((lower_bound(b, c.layout), i) for i, c in enumerate(feasible)))
     done: list[Candidate] = []
     kth: list[float] = []  # the top best steps so far, as a max-heap (negated)
-    with tqdm(total=len(order), desc="plan: simulating", unit="layout", **bar) as pbar:
+    with tqdm(desc="plan: simulating", unit="layout", **bar) as pbar:
         for j, (lb, i) in enumerate(order):
             if not exhaustive and len(kth) >= top and lb * (1 - 1e-9) > -kth[0]:
                 worst = -kth[0]
                 for lb2, i2 in order[j:]:
                     pruned.append(Pruned(feasible[i2].layout,
-                                         f"at least {lb2 * 1e3:.4g} ms per step (a lower "
-                                         f"bound), slower than the {top} best (the {top}th: "
-                                         f"{worst * 1e3:.4g} ms)"))
-                pbar.update(len(order) - j)
+                                         f"at least {lb2:.5g} s per step (a lower bound), "
+                                         f"slower than the slowest of the {top} best "
+                                         f"({worst:.5g} s)"))
                 break
             c = feasible[i]
             c.time = simulate(spec, c.layout, cluster, precision)
@@ -337,6 +336,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
             if len(kth) > top:
                 heapq.heappop(kth)
             pbar.update(1)
+            pbar.set_postfix_str(f"bound {lb:.4g} s, {len(kth)}th best {-kth[0]:.4g} s",
+                                 refresh=False)
     done.sort(key=lambda c: (c.time["step"], c.memory["total"]))
     return done, pruned
 
