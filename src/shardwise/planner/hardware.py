@@ -120,6 +120,8 @@ class Cluster:
     source: str = ""
     cores: int = 0
     meta: dict = field(default_factory=dict)
+    ops: OpModel | None = None  # per-operation compute model; None: flops x efficiency
+    kernels: str = "shardwise"  # which kernels a block runs (KERNELS), for ``ops``
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -142,6 +144,54 @@ class Cluster:
 NVLINK3, NVLINK4 = fabric("NVLink3", 300e9, 5e-6), fabric("NVLink4", 450e9, 5e-6)
 HDR, NDR = fabric("HDR IB 200 Gb/s", 25e9, 10e-6), fabric("NDR IB 400 Gb/s", 50e9, 10e-6)
 
+@dataclass(frozen=True)
+class OpModel:
+    """Per-operation compute model of one GPU (``Cluster.ops``; ``simulate.block_ops`` lists
+    the operations). A GEMM of F FLOPs takes F / (``matrix_flops`` x the efficiency of the
+    first row of ``gemm_eff`` whose GFLOP threshold F reaches); a memory-bound operation
+    moving B bytes takes B / (``mem_bw`` x the efficiency of the first row of ``mem_eff``
+    whose MB threshold B reaches). The tables are documented, not fitted (``source``)."""
+
+    name: str
+    matrix_flops: float
+    gemm_eff: tuple[tuple[float, float], ...]  # (GFLOP threshold, efficiency), descending
+    mem_bw: float
+    mem_eff: tuple[tuple[float, float], ...]   # (MB threshold, efficiency), descending
+    source: str = ""
+
+    def gemm(self, flops: float) -> float:
+        if flops <= 0:
+            return 0.0
+        g = flops / 1e9
+        return flops / (self.matrix_flops * next(e for t, e in self.gemm_eff if g >= t))
+
+    def memory(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        mb = nbytes / 1e6
+        return nbytes / (self.mem_bw * next(e for t, e in self.mem_eff if mb >= t))
+
+
+# Calculon (Isaev et al., SC 2023, "Calculon: a methodology and tool for high-level
+# co-design of systems and large language models"; its repository's systems/a100_80g.json
+# and systems/h100_80g_nvl8.json): matrix efficiency by the GEMM's GFLOPs (>= 128: 0.95,
+# >= 16: 0.9, >= 1: 0.6, below: 0.1) and device-memory efficiency by the bytes an operation
+# moves (>= 100 MB: 0.9, >= 10 MB: 0.75, >= 1 MB: 0.6, below: 0.3), the same for A100 and
+# H100; network efficiency 0.6 of NVLink's bandwidth and 0.9 of InfiniBand's.
+CALCULON_GEMM = ((128.0, 0.95), (16.0, 0.9), (1.0, 0.6), (0.0, 0.1))
+CALCULON_MEM = ((100.0, 0.9), (10.0, 0.75), (1.0, 0.6), (0.0, 0.3))
+CALCULON_NVLINK_EFF, CALCULON_IB_EFF = 0.6, 0.9
+CALCULON = "Calculon (Isaev et al. SC 2023), systems/a100_80g.json and h100_80g_nvl8.json"
+
+# Kernels a block runs (``Cluster.kernels``; ``simulate.block_ops``):
+# - "shardwise": this engine on a GPU: F.scaled_dot_product_attention (flash: no s x s
+#   scores in memory), no dropout, GELU or SwiGLU unfused from the bias;
+# - "megatron-2021": Megatron-LM as Narayanan et al. 2021 ran it: attention unfused (Q K^T
+#   and P V batched GEMMs, a fused scale-mask-softmax and a dropout on the s x s scores),
+#   fused bias + GELU, fused bias + dropout + residual add.
+KERNELS = ("shardwise", "megatron-2021")
+
+
 def _bf16_peak(gpu: str) -> float:
     """The dense bf16 peak of ``perf.peak``'s table: one table of GPUs for MFU and the planner."""
     return gpu_peak(gpu, "bf16").flops
@@ -156,6 +206,28 @@ PRESETS: dict[str, Cluster] = {
                         NVLINK4, NDR,
                         mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets"),
 }
+
+
+def per_op(cluster: Cluster, kernels: str = "shardwise") -> Cluster:
+    """``cluster`` with the per-operation compute model (``OpModel``, Calculon's documented
+    A100/H100 tables over the preset's datasheet peak and memory bandwidth) and links at
+    Calculon's efficiencies (NVLink 0.6, InfiniBand 0.9 of the datasheet bandwidth, the
+    same latencies), running ``kernels``."""
+    if cluster.cores:
+        raise SpecError("the per-operation model is for GPU presets; local is measured")
+    if kernels not in KERNELS:
+        raise SpecError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    ops = OpModel(f"{cluster.gpu} per-op", cluster.flops, CALCULON_GEMM, cluster.mem_bw,
+                  CALCULON_MEM, CALCULON)
+
+    def derate(link: Link, eff: float) -> Link:
+        p = link.fixed
+        return fabric(f"{link.name} x {eff:g}", eff / p.beta_link, p.alpha)
+
+    return replace(cluster, ops=ops, kernels=kernels,
+                   intra=derate(cluster.intra, CALCULON_NVLINK_EFF),
+                   inter=derate(cluster.inter, CALCULON_IB_EFF),
+                   source=f"{cluster.source}; per-op: {CALCULON}")
 
 
 def get_cluster(name: str, spec=None, world_size: int = 1) -> Cluster:

@@ -77,6 +77,67 @@ def block_flops(spec: ModelSpec, mb: int) -> float:
     return 2 * mb * s * block_matmul_params(spec) + 4 * mb * s * s * spec.attn_width
 
 
+def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int):
+    """One block's forward on one tp rank, as operations: ``(gemms, moves)``, the FLOPs of
+    each GEMM and the bytes each memory-bound operation reads and writes (``e`` bytes per
+    value; T = mb s tokens, d = h / a, k = key/value heads x d, f the MLP width):
+
+    - GEMMs: Q K V 2 T h (h + 2k) / t; Q K^T and P V 2 mb s^2 H D / t each (batched over
+      the rank's heads); the output projection 2 T h^2 / t; the MLP 2 T h f / t per matrix
+      (2 matrices, 3 gated);
+    - two norms (read and write T h; / t under sequence parallelism);
+    - attention, by kernel: ``megatron-2021`` materialises the s x s scores (a fused
+      scale-mask-softmax reads and writes them, a dropout reads them and writes them and a
+      1-byte mask); ``shardwise`` (flash) keeps them on chip and moves only Q, K, V and the
+      output;
+    - the MLP's activation (read and write T f / t; SwiGLU reads two);
+    - the two residual adds: ``megatron-2021`` fused bias + dropout + add (reads two,
+      writes one, a mask), ``shardwise`` a plain add (reads two, writes one).
+    Backward is priced as twice the forward (its GEMMs are two of the same shape, its
+    element-wise kernels read and write about twice as much)."""
+    s, h, a = spec.block_size, spec.n_embd, spec.n_head
+    T = mb * s
+    d = h // a
+    k = spec.kv_heads * d
+    f = spec.ffn
+    att = spec.attn_width
+    gemms = [2 * T * h * (h + 2 * k) / tp, 2 * mb * s * s * att / tp, 2 * mb * s * s * att / tp,
+             2 * T * h * h / tp] + [2 * T * h * f / tp] * (3 if spec.gated else 2)
+    th = T * h * e / (tp if sp else 1)  # a whole-width activation on this rank
+    moves = [2 * th, 2 * th]
+    if kernels == "megatron-2021":
+        scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s
+        moves += [2 * scores * e, scores * (2 * e + 1)]
+        moves += [T * h / (tp if sp else 1) * (3 * e + 1)] * 2
+    else:
+        moves += [T * (h + 2 * k + h) * e / tp]
+        moves += [3 * th] * 2
+    moves += [(3 if spec.gated else 2) * T * f * e / tp]
+    return gemms, moves
+
+
+def attention_core_ops(spec: ModelSpec, mb: int, tp: int, kernels: str, e: int):
+    """The part of ``block_ops`` selective recomputation runs again (Korthikanti et al.
+    2022, sec. 5: Q K^T, softmax, dropout, P V): ``(gemms, moves)``."""
+    gemms, moves = block_ops(spec, mb, tp, False, kernels, e)
+    return gemms[1:3], (moves[2:4] if kernels == "megatron-2021" else moves[2:3])
+
+
+def op_seconds(cluster: Cluster, ops) -> float:
+    gemms, moves = ops
+    return sum(cluster.ops.gemm(x) for x in gemms) + sum(cluster.ops.memory(x) for x in moves)
+
+
+def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int) -> float:
+    """The LM head's forward under the per-operation model: its GEMM 2 T h V / t, the final
+    norm, and the vocabulary-parallel cross entropy reading the logits three times (max,
+    exp-sum, loss) in fp32."""
+    T, h = mb * spec.block_size, spec.n_embd
+    V = padded_vocab(spec.vocab_size, tp) / tp
+    return (cluster.ops.gemm(2 * T * h * V) + cluster.ops.memory(2 * T * h * e)
+            + cluster.ops.memory(3 * T * V * 4))
+
+
 def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                 dedicated: bool = False):
     """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
@@ -102,11 +163,17 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
     part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
     out = []
+    if cluster.ops is not None:  # per operation (hardware.OpModel)
+        blk_s = op_seconds(cluster, block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp,
+                                              cluster.kernels, e))
+        head_s = head_seconds(spec, lay.micro_batch_size, lay.tp, cluster, e)
+    else:
+        blk_s, head_s = bf / rate + over, head_f / rate
     for c in range(lay.pp * lay.chunks_per_rank):
         layers = list(part.layers(c))
         nb = sum(1 for i in layers if 1 <= i <= L)
         emb, head = 0 in layers, L + 1 in layers
-        comp_f = nb * (bf / rate + over) + (head_f / rate if head else 0.0)
+        comp_f = nb * blk_s + (head_s if head else 0.0)
         tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0)
         syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
         wait_f = syncs * pen
