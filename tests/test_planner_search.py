@@ -29,10 +29,14 @@ BASELINE = Path(__file__).parent / "data" / "planner_baseline.json"
 
 
 def test_predictions_equal_the_recorded_ones():
+    """The recorded model: the fixed efficiency of the presets and ZeRO-3's collectives
+    without overlap (``zero3_overlap=False``; the overlap came after the recording)."""
+    from dataclasses import replace
+
     rows = json.loads(BASELINE.read_text())
     assert len(rows) == 646
     for row in rows:
-        spec, cluster = NAMED[row["model"]], PRESETS[row["cluster"]]
+        spec, cluster = NAMED[row["model"]], replace(PRESETS[row["cluster"]], zero3_overlap=False)
         lay = Layout(**row["layout"])
         assert memory_of(spec, lay, cluster.precision) == row["memory"], lay
         t = simulate(spec, lay, cluster)
@@ -135,18 +139,19 @@ def _cli(capsys, *argv):
 
 
 def test_table_columns_stay_aligned_with_long_names(capsys):
+    import re
+
     out = _cli(capsys, "--model", "megatron-39b", "--cluster", "dgx-a100-80gb", "--gpus", "64",
-               "--global-batch", "128", "--top", "8", "--pruned", "5").out.splitlines()
+               "--global-batch", "128", "--top", "30", "--pruned", "5").out.splitlines()
     head = next(i for i, line in enumerate(out) if line.lstrip().startswith("#"))
-    rows = out[head:head + 9]
-    assert any("interleaved" in r and "cut=params" in r for r in rows[1:])  # long names
+    rows = out[head:head + 31]
+    names = [re.split(r"\s{2,}", r.strip())[1] for r in rows[1:]]
+    assert max(map(len, names)) - min(map(len, names)) >= 10, names  # short and long names
     # every column ends where its header ends
     for word in ("static", "total", "step ms", "tokens/s", "opt"):
         end = rows[0].index(word) + len(word)
         for r in rows[1:]:
             assert r[end - 1] != " " and (end == len(r) or r[end] == " "), (word, r)
-    import re
-
     pruned = out[out.index(next(x for x in out if x.startswith("pruned:"))) + 1:]
     assert len(pruned) == 5
     starts = {line.index(re.split(r"\s{2,}", line.strip())[2]) for line in pruned}

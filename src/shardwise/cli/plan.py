@@ -226,7 +226,7 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
     for i, (c, label) in enumerate(zip(rows, labels), 1):
         t, m = c.time, c.memory
         static = m["params"] + m["grads"] + m["optimizer"]
-        pct = [100 * t[k] / t["step"] for k in SPLIT]
+        pct = [max(0.0, 100 * t[k] / t["step"]) for k in SPLIT]  # no "-0" from rounding
         print(f"{i:>3}  {label:<{w}}  {static / div:>8.3f} {m['activations'] / div:>8.3f} "
               f"{m['total'] / div:>8.3f} {t['step'] * 1e3:>10.1f} {tokens / t['step']:>10.0f}  "
               + f"{pct[0]:>4.0f} " + " ".join(f"{p:>3.0f}" for p in pct[1:]))

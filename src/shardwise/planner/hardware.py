@@ -122,6 +122,7 @@ class Cluster:
     meta: dict = field(default_factory=dict)
     ops: OpModel | None = None  # per-operation compute model; None: flops x efficiency
     kernels: str = "shardwise"  # which kernels a block runs (KERNELS), for ``ops``
+    zero3_overlap: bool = True  # ZeRO-3 gathers overlap compute (``simulate.zero3_exposed``)
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -330,7 +331,7 @@ def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
     return Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
                    link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
                    sync_penalty_s=cal["sync_penalty_s"], precision="fp32",
-                   source=f"measured now; comm profile {prof.name}", cores=cores,
+                   source=f"measured now; comm profile {prof.name}", cores=cores, zero3_overlap=False,
                    meta=cal)
 
 

@@ -31,7 +31,8 @@ A a s^2 b / t, with R the bytes per token and width kept whole under tensor para
 those split over t, and A the attention-score term. Two implementations are described:
 
 - ``MEGATRON``: the paper's fp16 numbers with dropout: R = 10, S = 24, A = 5; with sequence
-  parallelism R moves into S (34/t); full recomputation keeps 2 s b h (the block input).
+  parallelism R moves into S (34/t); full recomputation keeps 2 s b h (the block input) of
+  every block and recomputes one block at a time; selective recomputation drops A.
 - ``SHARDWISE``: this repository's GPT, measured with the executor's activation meter: no
   dropout masks, flash-style attention on CPU (no s^2 scores, a log-sum-exp of 2 fp32 values
   per head and token), e values per byte: R = 4e (block input, its LayerNorm output, the
@@ -48,7 +49,7 @@ reading is not an activation figure; ``tests/test_planner.py`` leaves ZeRO-3 out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardwise.engine.memory import predict_rank
@@ -241,9 +242,10 @@ class ActivationModel:
     scores: float
     lse: float
     recompute_keep: float  # bytes per token per width kept per block under full recompute
+    per_layer: bool = False  # recompute layer by layer (Megatron) rather than chunk by chunk
 
 
-MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2)
+MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, per_layer=True)
 
 
 def shardwise_model(precision: str, spec: ModelSpec | None = None) -> ActivationModel:
@@ -297,11 +299,15 @@ def chunk_blocks(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
                      v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
-                     partition: str = "layers") -> float:
+                     partition: str = "layers", selective: bool = False) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
-    search asks again for every ZeRO stage)."""
+    search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
+    in backward (Korthikanti et al. 2022, sec. 5), so its s x s scores are not kept (the
+    ``scores`` term; flash attention keeps none anyway)."""
     am = am or shardwise_model(precision, spec)
+    if selective and not recompute:
+        am = replace(am, scores=0.0)
     s, h, a = spec.block_size, spec.n_embd, spec.n_head
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
     e = BYTES[precision]
@@ -321,7 +327,12 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     for r in range(pp):
         fulls = [chunk_full(*chunks_of[r + i * pp]) for i in range(v)]
         k = in_flight(schedule, pp, micro_batches, v, r)
-        if recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
+        if recompute and am.per_layer:  # Megatron: every block's input (2 s b h) kept for
+            # each micro-batch in flight, one block recomputed in full at a time
+            nbs = sum(chunks_of[r + i * pp][0] for i in range(v))
+            layer_keep = mb * s * h * am.recompute_keep / (tp if sp else 1)
+            total = k * nbs * layer_keep + blk
+        elif recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
             # recomputed in full while (measured) about one other input is still held
             total = max(max(fulls) + keep, k * v * keep)
         else:

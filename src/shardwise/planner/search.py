@@ -33,7 +33,14 @@ import sys
 from dataclasses import dataclass, field
 
 from shardwise.planner.hardware import Cluster
-from shardwise.planner.memory import BYTES, GiB, activation_bytes, stage_layers, static_bytes
+from shardwise.planner.memory import (
+    BYTES,
+    MEGATRON,
+    GiB,
+    activation_bytes,
+    stage_layers,
+    static_bytes,
+)
 from shardwise.planner.simulate import (
     Layout,
     chunk_costs,
@@ -139,16 +146,23 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
         return f"sequence parallelism: tp={lay.tp} does not divide the sequence {spec.block_size}"
     if lay.zero and lay.dp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
+    if lay.selective and lay.recompute:
+        return "selective and full recomputation together (full recomputes everything)"
     return None
 
 
-def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
+def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shardwise") -> dict:
+    """Bytes per GPU of ``lay``: the static bytes and the activations of the kernels a block
+    runs (``hardware.KERNELS``: shardwise's measured model, or Megatron-LM's of Korthikanti
+    et al. 2022 for ``megatron-2021``)."""
     st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
                       lay.sp, partition=lay.partition)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
-                           precision=precision, partition=lay.partition)
+                           precision=precision, partition=lay.partition,
+                           am=MEGATRON if kernels == "megatron-2021" else None,
+                           selective=lay.selective)
     return {**st, "activations": act, "total": st["total"] + act}
 
 
@@ -161,8 +175,8 @@ def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
 
 class Bounds:
     """``lower_bound`` with its per-chunk costs and per-rank extras memoised for one search
-    (chunk costs do not depend on ZeRO or the micro-batch count; the extras not on the
-    micro-batch size)."""
+    (chunk costs do not depend on ZeRO or the micro-batch count; the extras, but ZeRO-3's,
+    not on the micro-batch size)."""
 
     def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str):
         self.spec, self.cluster, self.precision = spec, cluster, precision
@@ -181,8 +195,9 @@ class Bounds:
         """Per pipeline rank: seconds after (or beside) its last compute that ``simulate``
         adds: dp collectives, ZeRO-3 gathers, the tied embedding's all-reduce, the
         optimizer (the same functions)."""
-        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero,
-               lay.micro_batches if lay.zero == 3 else 0)
+        z3 = (lay.micro_batches, lay.micro_batch_size, lay.sp, lay.recompute,
+              lay.selective) if lay.zero == 3 else ()  # its gathers hide behind compute
+        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero, z3)
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
@@ -250,12 +265,14 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          micro_batches: list[int] | None = None, zero: list[int] = (0, 1, 2, 3),
          recompute: list[bool] = (False, True), sp: list[bool] = (False, True),
          schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
-         pp_max: int | None = None, partitions: list[str] = ("layers", "params")
-         ) -> tuple[list, list]:
+         pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
+         selective: list[bool] = (False,)) -> tuple[list, list]:
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
-    stderr when the search takes over a second."""
+    stderr when the search takes over a second. ``selective=(False, True)`` adds selective
+    recomputation (the attention core only) to the space: the model prices it, the engine
+    does not run it yet, so it is off by default."""
     from tqdm import tqdm
 
     precision = precision or cluster.precision
@@ -264,6 +281,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
         top = simulate_top
     top = max(1, int(top))
     feasible, pruned = [], []
+    modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
     bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
     groups = list(_space(spec, world, global_batch, micro_batches, zero, recompute, sp,
                          schedules, vs, pp_max, partitions))
@@ -275,14 +293,14 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
             continue
         why = tp_reason(spec, tp, cluster, tp_across_nodes)
         if why:
-            n = _count(mbs, scheds, zero, recompute, sp, partitions, tp, pp)
+            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp)
             if n:
                 pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0]), why, count=n))
             continue
         for kind, v in scheds:
             why = chunks_reason(spec, pp, v)
             if why:
-                n = _count(mbs, [(kind, v)], zero, recompute, sp, partitions, tp, pp)
+                n = _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp)
                 if n:
                     pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0], kind, v),
                                          why, count=n))
@@ -290,15 +308,16 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
             for mb in mbs:
                 m = per // mb
                 for z in zero:
-                    for rc in recompute:
+                    for rc, sel in modes:
                         for s in (sp if tp > 1 else (False,)):
                             for cut_by in (partitions if pp > 1 else ("layers",)):
-                                lay = Layout(dp, tp, pp, mb, m, kind, v, z, rc, s, cut_by)
+                                lay = Layout(dp, tp, pp, mb, m, kind, v, z, rc, s, cut_by,
+                                             sel)
                                 why = layout_reason(spec, lay)
                                 if why:
                                     pruned.append(Pruned(lay, why))
                                     continue
-                                mem = memory_of(spec, lay, precision)
+                                mem = memory_of(spec, lay, precision, cluster.kernels)
                                 if mem["total"] > limit:
                                     pruned.append(Pruned(
                                         lay, f"needs {mem['total'] / GiB:.3g} GiB per GPU, "

@@ -25,7 +25,7 @@ on pipeline transfers beyond the ideal bubble), ``bubble`` (idle with free trans
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardwise.parallel.pipeline.schedules import (
@@ -56,6 +56,7 @@ class Layout:
     recompute: bool = False
     sp: bool = False
     partition: str = "layers"  # how the engine cuts layers into chunks: layers or params
+    selective: bool = False  # recompute only the attention core (Korthikanti et al. 2022)
 
     @property
     def world(self) -> int:
@@ -64,7 +65,8 @@ class Layout:
     def label(self) -> str:
         v = self.chunks_per_rank
         sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{v}" if v > 1 else ""))
-        extra = ("" if not self.recompute else " rc") + ("" if not self.sp else " sp") + (
+        extra = ("" if not self.recompute else " rc") + (" rc=attn" if self.selective else "") + (
+            "" if not self.sp else " sp") + (
             " cut=params" if self.partition == "params" and self.pp > 1 else "")
         return (f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch_size} "
                 f"m{self.micro_batches}{sched} z{self.zero}{extra}")
@@ -169,6 +171,13 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         head_s = head_seconds(spec, lay.micro_batch_size, lay.tp, cluster, e)
     else:
         blk_s, head_s = bf / rate + over, head_f / rate
+    attn_s = 0.0
+    if lay.selective:
+        if cluster.ops is not None:
+            attn_s = op_seconds(cluster, attention_core_ops(spec, lay.micro_batch_size, lay.tp,
+                                                            cluster.kernels, e))
+        else:
+            attn_s = 4 * lay.micro_batch_size * s * s * spec.attn_width / lay.tp / rate
     for c in range(lay.pp * lay.chunks_per_rank):
         layers = list(part.layers(c))
         nb = sum(1 for i in layers if 1 <= i <= L)
@@ -184,6 +193,8 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
             comp_b += comp_f
             tpb += tpf
             wait_b += wait_f
+        elif lay.selective:  # the attention core's forward again, no collective in it
+            comp_b += nb * attn_s
         out.append((comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f, tpb + wait_b,
                     wait_f, wait_b))
     return out
@@ -203,9 +214,51 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         return link.all_reduce(n, x) + pen, 0.0
     if lay.zero in (1, 2):
         return link.reduce_scatter(n, x) + link.all_gather(n, x) + 2 * pen, 0.0
+    if cluster.zero3_overlap and not cluster.cores:
+        return 0.0, lay.micro_batches * zero3_exposed(spec, lay, cluster, precision, layers)
     units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
     return 0.0, lay.micro_batches * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x)
                                      + 3 * units * pen)
+
+
+def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
+                         precision: str) -> dict:
+    """Forward seconds of one micro-batch through one layer of each kind (its compute and
+    tensor-parallel collectives, as ``chunk_costs`` prices them): ``embed``, ``block``,
+    ``head``."""
+    one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp)
+    c = chunk_costs(replace(spec, n_layer=1), one, cluster, precision)[0]
+    blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0][0] - c[0]
+    e = BYTES[precision]
+    act = lay.micro_batch_size * spec.block_size * spec.n_embd * e
+    emb = cluster.link(lay.tp).all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
+    return {"embed": emb, "block": blk, "head": c[0] - blk - emb}
+
+
+def zero3_exposed(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                  layers: list[int]) -> float:
+    """Seconds per micro-batch that ZeRO-3's collectives add to a rank's compute, with the
+    engine's overlap (``parallel.zero.stage3``): each unit (a layer) is all-gathered before
+    it runs, the next unit's gather launched as it starts (prefetch), so in forward only
+    the first gather and what each later gather takes beyond the previous unit's compute
+    is exposed; in backward the unit's gather again (prefetched during the later unit's
+    backward, which also carries that unit's reduce-scatter on the same stream), and the
+    last reduce-scatter after the last backward."""
+    e, n, L = BYTES[precision], lay.dp, spec.n_layer
+    link = cluster.link(lay.world)
+    fwd = unit_forward_seconds(spec, lay, cluster, precision)
+    kind = ["embed" if i == 0 else "head" if i == L + 1 else "block" for i in layers]
+    g = [link.all_gather(n, rank_params(spec, [i], lay.tp, lay.pp) * e) for i in layers]
+    r = [link.reduce_scatter(n, rank_params(spec, [i], lay.tp, lay.pp) * e) for i in layers]
+    c = [fwd[k] for k in kind]
+    b = [(3 if lay.recompute else 2) * x for x in c]
+    exposed = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, len(layers)))
+    k = len(layers) - 1
+    exposed += g[k]  # the last unit, freed after forward, gathered again for backward
+    for j in range(k, -1, -1):  # during unit j's backward: unit j-1's gather, j+1's scatter
+        comm = (g[j - 1] if j >= 1 else 0.0) + (r[j + 1] if j + 1 <= k else 0.0)
+        exposed += max(0.0, comm - b[j])
+    return exposed + r[0]  # the first unit's scatter, after the last backward
 
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
