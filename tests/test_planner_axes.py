@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from shardwise.planner.hardware import PRESETS, per_op
+from shardwise.planner.hardware import FIXED_PRESETS, PRESETS, per_op
 from shardwise.planner.memory import MEGATRON, activation_bytes
 from shardwise.planner.search import memory_of, plan, prune_reason
 from shardwise.planner.simulate import Layout, simulate, zero3_exposed
@@ -37,7 +37,8 @@ def test_full_recomputation_trades_memory_for_time():
 def test_selective_recomputation_sits_between_none_and_full(ops):
     """Megatron's kernels keep the s x s attention scores: recomputing only the attention
     core (Korthikanti et al. 2022) frees them for a fraction of full recomputation's time."""
-    cl = per_op(A100, "megatron-2021") if ops else A100
+    cl = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021") if ops else \
+        FIXED_PRESETS["dgx-a100-80gb"]
     base = Layout(4, 2, 2, 1, 8)
     none, sel, full = base, replace(base, selective=True), replace(base, recompute=True)
     mem = {k: memory_of(SPEC, lay, "bf16", "megatron-2021")["activations"]
@@ -115,12 +116,12 @@ def test_pipeline_depth_and_interleaving_shrink_the_bubble():
 
 
 def test_per_op_gemm_efficiency_grows_with_size_and_megatron_attention_costs_bytes():
-    cl = per_op(A100)
+    cl = A100  # the default: per operation
     assert cl.ops.gemm(1e12) / 1e12 < cl.ops.gemm(1e10) / 1e10 < cl.ops.gemm(1e8) / 1e8
     assert cl.ops.memory(1e9) / 1e9 < cl.ops.memory(1e6) / 1e6
     lay = Layout(8, 1, 1, 1, 4)
     flash = simulate(SPEC, lay, cl)["compute"]
-    unfused = simulate(SPEC, lay, per_op(A100, "megatron-2021"))["compute"]
+    unfused = simulate(SPEC, lay, replace(A100, kernels="megatron-2021"))["compute"]
     assert unfused > flash  # softmax and dropout over the s x s scores in memory
     # wider models spend a smaller share of their time in memory-bound kernels
     small, large = NAMED["megatron-1.7b"], NAMED["megatron-1t"]

@@ -1,16 +1,17 @@
 """Record what the planner predicts (memory per GPU, simulated step time and its split) for a
 fixed sample of layouts, so that a faster search can be held to the same numbers
-(``tests/test_planner_search.py``). Recorded from commit 2164532 (before the fast search):
+(``tests/test_planner_search.py``). Recorded from commit 2164532 (before the fast search;
+the presets then had one fixed efficiency, now ``FIXED_PRESETS``, and ZeRO-3 no overlap):
 
     PYTHONPATH=src python tests/data/make_planner_baseline.py
 """
 
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from shardwise.planner.hardware import PRESETS
+from shardwise.planner.hardware import FIXED_PRESETS
 from shardwise.planner.search import enumerate_layouts, memory_of, prune_reason
 from shardwise.planner.simulate import Layout, simulate
 from shardwise.planner.specs import NAMED
@@ -31,7 +32,7 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     for name, cl, world, batch, mbs, keep in CASES:
-        spec, cluster = NAMED[name], PRESETS[cl]
+        spec, cluster = NAMED[name], replace(FIXED_PRESETS[cl], zero3_overlap=False)
         lays = [lay for lay, why in enumerate_layouts(spec, world, batch, micro_batches=mbs)
                 if why is None and prune_reason(spec, lay, cluster, False) is None]
         if keep is not None and len(lays) > keep:
@@ -43,7 +44,7 @@ def main() -> None:
                          "memory": mem, "time": t})
         print(name, len(lays), flush=True)
     for name, cl, fields in EXTRA:
-        spec, cluster, lay = NAMED[name], PRESETS[cl], Layout(*fields)
+        spec, cluster, lay = NAMED[name], replace(FIXED_PRESETS[cl], zero3_overlap=False), Layout(*fields)
         rows.append({"model": name, "cluster": cl, "layout": asdict(lay),
                      "memory": memory_of(spec, lay, cluster.precision),
                      "time": simulate(spec, lay, cluster)})

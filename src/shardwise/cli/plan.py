@@ -63,6 +63,10 @@ def build_parser():
                     "`shardwise train --config PATH` runs")
     ap.add_argument("--timeline", metavar="PNG", help="draw the best layout's predicted "
                     "pipeline timeline")
+    ap.add_argument("--compute", choices=("per-op", "fixed"), default="per-op",
+                    help="GPU presets' compute model: per operation (GEMMs by size, "
+                         "memory-bound kernels by bytes; default) or one fixed matmul "
+                         "efficiency (the older model)")
     ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
                     "memory in bytes, times in seconds, pruned counts by reason) instead of "
                     "the tables")
@@ -115,7 +119,7 @@ def _run(args) -> int:
         raise SpecError(f"--config {args.config!r}: no such file")
     seq = positive_number(args.seq, "--seq", integer=True) if args.seq is not None else None
     spec = load_model(source, seq)
-    cluster = get_cluster(args.cluster, spec, world)
+    cluster = get_cluster(args.cluster, spec, world, args.compute)
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
              else cluster.memory_per_rank(world))
@@ -201,7 +205,10 @@ def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simu
                       "n_layer": spec.n_layer, "n_embd": spec.n_embd,
                       "sequence": spec.block_size},
             "cluster": {"name": cluster.name, "gpu": cluster.gpu,
-                        "memory_limit_bytes": float(limit)},
+                        "memory_limit_bytes": float(limit),
+                        "compute": cluster.ops.name if cluster.ops else
+                        ("measured" if cluster.cores else f"fixed {cluster.efficiency:g}"),
+                        "kernels": cluster.kernels},
             "gpus": world, "global_batch": batch, "precision": precision,
             "layouts": layouts, "simulated": n_simulated,
             "pruned": [{"count": n, "reason": ps[0].reason, "example": _name(ps[0].layout)}
@@ -218,6 +225,10 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
           f"{world} x {cluster.gpu} ({cluster.name}, "
           f"{limit / GiB:.3g} GiB each), global batch {batch}, {precision}")
+    model = (f"per operation ({cluster.ops.name}, {cluster.kernels} kernels)" if cluster.ops
+             else "measured on this machine" if cluster.cores
+             else f"fixed: matmuls at {cluster.efficiency:g} of peak")
+    print(f"compute model: {model}")
     print(f"memory per GPU in {unit} (1 {unit} = 2**{int(div).bit_length() - 1} bytes); time "
           "per step in ms, split "
           "in % (compute, tp, pp, bubble, dp, optimizer)")
