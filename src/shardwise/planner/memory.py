@@ -157,7 +157,13 @@ def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> li
 
 
 def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int) -> int:
-    """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps."""
+    """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps
+    (memoised per layer set)."""
+    return _rank_params(spec, tuple(layers), tp, pp)
+
+
+@lru_cache(maxsize=65536)
+def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int) -> int:
     L, h = spec.n_layer, spec.n_embd
     if spec.description is not None:  # counted on meta, as the engine shards it
         t = described_layers(spec, tp)

@@ -37,7 +37,13 @@ from shardwise.parallel.pipeline.schedules import (
     warmup_forwards,
 )
 from shardwise.planner.hardware import Cluster
-from shardwise.planner.memory import BYTES, cut, padded_vocab, rank_params, stage_layers
+from shardwise.planner.memory import (
+    BYTES,
+    chunk_blocks,
+    padded_vocab,
+    rank_params,
+    stage_layers,
+)
 from shardwise.planner.specs import ModelSpec, block_matmul_params
 
 
@@ -148,7 +154,7 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     to itself (the shared walk slows it down)."""
     world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
-    e, s, h, L = BYTES[precision], spec.block_size, spec.n_embd, spec.n_layer
+    e, s, h = BYTES[precision], spec.block_size, spec.n_embd
     tl = cluster.link(lay.tp)
     act = lay.micro_batch_size * s * h * e
     pen = cluster.sync_penalty_s
@@ -163,7 +169,7 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
     loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
-    part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
     out = []
     if cluster.ops is not None:  # per operation (hardware.OpModel)
         blk_s = op_seconds(cluster, block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp,
@@ -178,10 +184,8 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                                                             cluster.kernels, e))
         else:
             attn_s = 4 * lay.micro_batch_size * s * s * spec.attn_width / lay.tp / rate
-    for c in range(lay.pp * lay.chunks_per_rank):
-        layers = list(part.layers(c))
-        nb = sum(1 for i in layers if 1 <= i <= L)
-        emb, head = 0 in layers, L + 1 in layers
+    for c, (nb, head) in enumerate(chunks):
+        emb = c == 0  # the first chunk holds the embedding
         comp_f = nb * blk_s + (head_s if head else 0.0)
         tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0)
         syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
