@@ -180,3 +180,23 @@ def test_json_output(capsys):
         assert r["tokens_per_s"] == pytest.approx(64 * 8192 / r["step_s"])
     assert doc["simulated"] >= 4
     assert all(p["count"] >= 1 and p["reason"] for p in doc["pruned"])
+
+
+def test_progress_bar_only_when_slow(capsys, monkeypatch):
+    """A bar on stderr once the search has taken a second, none for a quick one."""
+    import time
+
+    import shardwise.planner.search as search
+
+    spec, cluster = NAMED["gpt2-350m"], PRESETS["dgx-a100-80gb"]
+    plan(spec, cluster, 8, 64, micro_batches=[8], top=2, progress=True)
+    assert capsys.readouterr().err == ""
+    real = search.simulate
+
+    def slow(*a, **k):
+        time.sleep(0.4)
+        return real(*a, **k)
+
+    monkeypatch.setattr(search, "simulate", slow)
+    plan(spec, cluster, 8, 64, micro_batches=[8], top=5, progress=True)
+    assert "plan: simulating" in capsys.readouterr().err
