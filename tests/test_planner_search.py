@@ -186,7 +186,7 @@ def test_progress_bar_only_when_slow(capsys, monkeypatch):
     """A bar on stderr once the search has taken a second, none for a quick one."""
     import time
 
-    import shardwise.planner.search as search
+    from shardwise.planner import search
 
     spec, cluster = NAMED["gpt2-350m"], PRESETS["dgx-a100-80gb"]
     plan(spec, cluster, 8, 64, micro_batches=[8], top=2, progress=True)
