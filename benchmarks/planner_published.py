@@ -223,12 +223,12 @@ def main() -> None:
     models = clusters(GEMM_SCALE)
     meg, kor, zero = megatron_rows(models), korthikanti_rows(models), zero_rows()
     keys = list(models)
-    lines = ["Megatron-LM weak scaling on DGX A100 80 GB (Narayanan et al. SC 2021, Table 1): "
-             "teraFLOP/s per GPU in the paper's layout (tp x pp x dp, full recomputation, fp16)",
-             "fixed: every matmul at 0.5 x 312 TFLOP/s, NVLink3 300 GB/s, HDR 200 Gb/s per GPU; "
+    lines = [("Megatron-LM weak scaling on DGX A100 80 GB (Narayanan et al. SC 2021, Table 1): "
+             "teraFLOP/s per GPU in the paper's layout (tp x pp x dp, full recomputation, fp16)"),
+             ("fixed: every matmul at 0.5 x 312 TFLOP/s, NVLink3 300 GB/s, HDR 200 Gb/s per GPU; "
              "per-op: GEMMs by size, memory-bound kernels by bytes (Calculon's A100 tables), "
              "Megatron's kernels, links at Calculon's efficiencies; calibrated: per-op with "
-             f"GEMM efficiencies x {scale:.4f} (solved on Korthikanti et al.'s 22B run)",
+             f"GEMM efficiencies x {scale:.4f} (solved on Korthikanti et al.'s 22B run)"),
              f"{'model':<15} {'GPUs':>5} {'tp':>2} {'pp':>3} {'dp':>3} {'published':>9} "
              + " ".join(f"{k:>10} {'error':>6}" for k in keys)
              + "  planner's choice (calibrated, TFLOP/s)"]
@@ -248,8 +248,8 @@ def main() -> None:
     for r in meg:
         lines.append(f"  {r['model']:<15} " + "; ".join(f"{k}: {r[k]['layout']}" for k in keys))
     lw = max(len(r["layout"]) for r in kor)
-    lines += ["", "Megatron-LM iteration time on A100s (Korthikanti et al. 2022, Table 5), "
-              "seconds; full recomputation, and sequence parallelism + selective recomputation",
+    lines += ["", ("Megatron-LM iteration time on A100s (Korthikanti et al. 2022, Table 5), "
+              "seconds; full recomputation, and sequence parallelism + selective recomputation"),
               f"{'model':<5} {'mode':<8} {'layout':<{lw}} {'published':>9} "
               + " ".join(f"{k:>10} {'error':>6}" for k in keys) + f"  {'GiB/GPU':>7}"]
     for r in kor:
@@ -262,8 +262,8 @@ def main() -> None:
         errs = [abs(r[key]["error"]) for r in kor if not r["calibration"]]
         lines.append(f"{key}: the 7 predicted runs: worst |error| {max(errs):.1%}, mean "
                      f"{sum(errs) / len(errs):.1%}")
-    lines += ["", "ZeRO memory per device, GB (Rajbhandari et al. SC 2020, Table 1) vs "
-              "planner.memory.zero_bytes (fp16, K = 12)",
+    lines += ["", ("ZeRO memory per device, GB (Rajbhandari et al. SC 2020, Table 1) vs "
+              "planner.memory.zero_bytes (fp16, K = 12)"),
               f"{'params':>8} {'dp':>5} {'stage':>5} {'published':>9} {'predicted':>9} {'error':>6}"]
     for r in zero:
         lines.append(f"{r['params'] / 1e9:>7g}B {r['dp']:>5} {r['stage']:>5} "
