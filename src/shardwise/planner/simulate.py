@@ -422,6 +422,7 @@ def walk_fast(p: int, m: int, v: int, costs, p2p: float):
     import numpy as np
 
     bwd, O_c, has_rem, rem_r, rem_k, own_k, send_pos = _orders(p, m, v)
+    n = bwd.shape[1]
     cf = np.array([c[0] for c in costs])
     cb = np.array([c[1] for c in costs])
     cost = np.where(bwd, cb[O_c], cf[O_c])
@@ -433,23 +434,26 @@ def walk_fast(p: int, m: int, v: int, costs, p2p: float):
     tp_time = np.cumsum(tp_v, axis=1)[:, -1].tolist()
     C = np.cumsum(cost, axis=1)
     Cp = C - cost
-    end = np.zeros_like(cost)
-    arrival = np.zeros_like(cost)
+    sentinel = p * n  # a cell that stays 0: the input of an op that has none
+    src = np.where(has_rem, rem_r * n + rem_k, sentinel)
+    own = np.where(bwd, np.arange(p)[:, None] * n + own_k, sentinel)
+    end = np.zeros(p * n + 1)
+    arrival = np.zeros(p * n + 1)
     steps = [np.arange(len(s)) * p2p for s in send_pos]
+    sends = [r * n + s for r, s in enumerate(send_pos)]
     order = list(range(p)) + list(range(p - 2, 0, -1)) if p > 2 else list(range(p))
     while True:
         before = end.copy()
         for r in order:
-            ready = np.where(has_rem[r], arrival[rem_r[r], rem_k[r]], 0.0)
-            ready = np.where(bwd[r], np.maximum(ready, end[r, own_k[r]]), ready)
+            ready = np.maximum(arrival[src[r]], end[own[r]])
             e = C[r] + np.maximum.accumulate(ready - Cp[r])
-            end[r] = e
+            end[r * n:(r + 1) * n] = e
             sp = send_pos[r]
             if len(sp):
-                arrival[r, sp] = steps[r] + p2p + np.maximum.accumulate(e[sp] - steps[r])
+                arrival[sends[r]] = steps[r] + p2p + np.maximum.accumulate(e[sp] - steps[r])
         if np.array_equal(before, end):
             break
-    return end[:, -1].tolist(), busy, tp_time
+    return end[n - 1:p * n:n].tolist(), busy, tp_time
 
 
 def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
