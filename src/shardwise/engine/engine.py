@@ -79,6 +79,7 @@ class EngineSettings:
     measure_memory: bool = False  # meter saved-for-backward bytes (executor.meter.peak)
     fused: bool | None = None  # AdamW kernel; None: fused on CUDA, the per-tensor loop on CPU
     compile: bool = False  # torch.compile each transformer block
+    init_from: str = ""  # a Hugging Face checkpoint directory the weights come from; "": seed
 
     @classmethod
     def from_config(cls, cfg) -> "EngineSettings":
@@ -91,7 +92,8 @@ class EngineSettings:
                    initial_loss_scale=t.initial_loss_scale, lr=o.lr, betas=(o.beta1, o.beta2),
                    weight_decay=o.weight_decay, grad_clip=o.grad_clip, seed=t.seed,
                    batch_size=t.global_batch_size, seq_len=cfg.model.block_size,
-                   fused=o.fused, compile=t.compile)
+                   fused=o.fused, compile=t.compile,
+                   init_from=cfg.model.init_from.removeprefix("hf:"))
 
 
 def settle(info: dict) -> dict:
@@ -158,7 +160,7 @@ class Engine:
             n_chunks=p * v, tp=self.tp, seed=s.seed, dropout_seed=self.dropout_seed,
             device=self.device, partition_by=s.partition,
             time_sample=(s.batch_size // topology.dp // s.micro_batches, s.seq_len),
-            average=self._average)
+            average=self._average, init_from=s.init_from or None)
         self.description: ModelDescription = self.local.description
         torch.manual_seed(self.dropout_seed)
         if self.cp is not None:
@@ -427,20 +429,23 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, generator: torch.Generator | None = None,
-                 **sampling) -> torch.Tensor:
+                 vocab_size: int | None = None, **sampling) -> torch.Tensor:
         """``GPT.generate`` / ``Llama.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
         every rank of the replica (the last stage samples; tp ranks draw alike from
         ``generator``; the token is broadcast over pp). Under sequence parallelism the
         context is right-padded to a multiple of tp (causal attention ignores the pads). With
         cp > 1 every cp rank runs the whole context itself (no ring: contexts of any length).
-        ``sampling``: ``temperature``, ``top_k`` as ``models.sampling.generate``."""
+        ``vocab_size``: sample among the first ``vocab_size`` ids only (a tokenizer smaller
+        than the model's vocabulary; None: all of it). ``sampling``: ``temperature``,
+        ``top_k`` as ``models.sampling.generate``."""
+        vocab = min(vocab_size or self.description.vocab_size, self.description.vocab_size)
         last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
 
         def logits_of(ctx):  # (B, T, V) on the last stage, gathered over tp; None elsewhere
             logits = self._logits(ctx)
             if logits is None:
                 return None
-            return gather_tensor(logits, -1, self.tp)[..., :self.description.vocab_size]
+            return gather_tensor(logits, -1, self.tp)[..., :vocab]
 
         share = None
         if self.distributed and self.topology.pp > 1:

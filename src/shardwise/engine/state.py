@@ -160,7 +160,9 @@ def _tp_local(engine, name: str, p, t: torch.Tensor) -> torch.Tensor:
 def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
     """Inverse of ``logical_tensors`` (``loaded`` as DCP filled it): each rank copies its
     tp slice and ZeRO ranges into its masters and AdamW's state, then the compute-dtype
-    parameters are rebuilt from the masters (``sync.after_step``). No communication."""
+    parameters are rebuilt from the masters (``sync.after_step``). No communication.
+    Without ``loaded["optimizer"]`` (the weights only: ``shardwise generate``) AdamW's state
+    is left as it is."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
     # AdamW keeps ``step`` on the CPU, except the fused kernel, which reads it on the device
@@ -168,13 +170,16 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
     by_param = _pieces_by_param(engine)
     for n, p in local.named_parameters():
         key = _key(engine, n)
-        opt = loaded["optimizer"][key]
+        opt = loaded.get("optimizer", {}).get(key)
         mine = [_tp_local(engine, n, p, t).reshape(-1)
-                for t in (loaded["model"][key], opt["exp_avg"], opt["exp_avg_sq"])]
-        step = float(opt["step"])
+                for t in (loaded["model"][key],) + ((opt["exp_avg"], opt["exp_avg_sq"])
+                                                   if opt is not None else ())]
+        step = float(opt["step"]) if opt is not None else 0.0
         for i, a, b in by_param.get(n, []):
             m = sync.pieces[i]
             m.copy_(mine[0][a:b].view_as(m))
+            if opt is None:
+                continue
             state.pop(m, None)
             if step > 0:
                 state[m] = {"step": torch.tensor(step, dtype=torch.float32,

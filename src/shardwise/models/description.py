@@ -102,6 +102,9 @@ class ModelDescription:
         attends through ``models.gpt.causal_attention``, so a rank may hold only some chunks
         of each sequence (``parallel.cp > 1``); False (the default for your own model): the
         engine refuses cp > 1, since positions computed as ``arange(T)`` would be wrong.
+    hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
+        config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``
+        read it), or None when it has none.
     """
 
     kind: str
@@ -117,6 +120,7 @@ class ModelDescription:
     tied: tuple[str, str] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     context_parallel: bool = False
+    hf: Any = None
 
     def __post_init__(self):
         for pattern, style in self.tp_plan.items():

@@ -23,9 +23,26 @@ import torch.nn.functional as F
 from shardwise.models import sequence
 from shardwise.models.sampling import generate, sample_next  # noqa: F401 (re-exported)
 
+# the MLP's GELU: exact (erf), or the tanh approximation of GPT-2 (F.gelu's "tanh")
+ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """Sizes of one GPT.
+
+    vocab_size: tokens V. block_size: longest sequence T (the rows of the position
+    embedding). n_layer, n_head, n_embd: blocks, heads, width C. dropout: on the embeddings,
+    attention weights and residual branches. bias: biases in the linear layers and
+    LayerNorms. tie_weights: the head shares the token embedding. attention: "sdpa" (fused
+    kernels) or "math" (softmax(QK^T)V written out). activation: the MLP's GELU, "gelu"
+    (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained with, Hendrycks &
+    Gimpel 2016, eq. 2; HF's ``gelu_new``). k_bias: a bias on the key projection too
+    (GPT-2's packed ``c_attn`` has one; only with ``bias``). norm_eps: the LayerNorms'
+    epsilon. Raises ``ValueError`` (one line naming the field) for an unknown activation or
+    a key bias without biases.
+    """
+
     vocab_size: int
     block_size: int = 128
     n_layer: int = 4
@@ -35,6 +52,18 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = True
     attention: str = "sdpa"  # "sdpa": fused kernels; "math": explicit softmax(QK^T)V
+    activation: str = "gelu"
+    k_bias: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r}: expected "
+                             f"{' or '.join(ACTIVATIONS)}")
+        if self.k_bias and not self.bias:
+            raise ValueError("model.k_bias=true with model.bias=false: a key bias needs the "
+                             "other biases too")
+
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -74,9 +103,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        # no key bias: q.(k + b) shifts every score of a query equally, so softmax ignores it
-        # and its gradient is zero up to rounding, which Adam would amplify into noise
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        # no key bias by default: q.(k + b) shifts every score of a query equally, so softmax
+        # ignores it and its gradient is zero up to rounding, which Adam would amplify into
+        # noise; ``k_bias`` keeps one only to hold GPT-2's weights exactly
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.k_bias)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
@@ -94,16 +124,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``fc`` (C -> 4C), GELU, ``proj`` (4C -> C). (B, T, C) -> (B, T, C)."""
+    """``fc`` (C -> 4C), GELU (``cfg.activation``), ``proj`` (4C -> C). (B, T, C) -> (B, T, C)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.approximate = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -111,9 +142,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +173,7 @@ class LMHead(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,8 +261,10 @@ TP_PLAN = {
 
 
 def describe(cfg: GPTConfig):
-    """The GPT as a ``models.description.ModelDescription`` (kind "gpt")."""
+    """The GPT as a ``models.description.ModelDescription`` (kind "gpt"; Hugging Face's
+    ``GPT2LMHeadModel`` in and out, ``models.hf.GPT2``)."""
     from shardwise.models.description import ModelDescription
+    from shardwise.models.hf import GPT2
 
     c = cfg.n_embd
     return ModelDescription(
@@ -240,17 +273,24 @@ def describe(cfg: GPTConfig):
         attention_width=c, context_parallel=True,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
-                    "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c})
+                    "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c},
+        hf=GPT2)
 
 
 def from_section(m, vocab_size: int) -> GPTConfig:
     """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
-    ``attention`` included; ``model.vocab_size`` when set, else ``vocab_size`` (the
-    tokenizer's). Raises ``ValueError`` (one line) for a field only the Llama has."""
+    ``attention``, ``activation``, ``k_bias`` and ``norm_eps`` included; ``model.vocab_size``
+    when set, else ``vocab_size`` (the tokenizer's). Raises ``ValueError`` (one line) for a
+    field only the Llama has."""
     for name in ("n_kv_heads", "ffn_hidden"):
         if getattr(m, name, 0):
             raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such size "
                              "(model.kind = \"llama\" has)")
+    if getattr(m, "rope_scaling", None):
+        raise ValueError("model.rope_scaling: the GPT has learned positions, no rotary "
+                         "embedding (model.kind = \"llama\" has)")
     return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
                      n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention)
+                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention,
+                     activation=getattr(m, "activation", "gelu"),
+                     k_bias=getattr(m, "k_bias", False), norm_eps=getattr(m, "norm_eps", 1e-5))

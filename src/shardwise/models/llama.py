@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
+from shardwise.models.hf import LLAMA_PREFIXES
 from shardwise.models.sampling import generate
 
 
@@ -317,8 +318,7 @@ class Llama(nn.Module):
 
 
 # our prefix -> Hugging Face's; inside a block the names are already HF's
-_TO_HF = (("embed.tok.", "model.embed_tokens."), ("blocks.", "model.layers."),
-          ("head.norm.", "model.norm."), ("head.proj.", "lm_head."))
+_TO_HF = LLAMA_PREFIXES
 
 
 def hf_name(name: str) -> str:
@@ -383,8 +383,10 @@ TP_PLAN = {
 def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
-    query heads share) and the SwiGLU width."""
+    query heads share) and the SwiGLU width. Hugging Face's ``LlamaForCausalLM`` in and out:
+    ``models.hf.LLAMA``."""
     from shardwise.models.description import ModelDescription
+    from shardwise.models.hf import LLAMA
 
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=TP_PLAN,
@@ -393,16 +395,22 @@ def describe(cfg: LlamaConfig):
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads,
-                    "model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
+                    "model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden},
+        hf=LLAMA)
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
     """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
     ``n_kv_heads`` / ``ffn_hidden`` 0 mean Llama's defaults (n_head; the 8h/3 rule).
-    ``model.bias`` is ignored (Llama has no biases)."""
+    ``model.bias`` is ignored (Llama has no biases); ``model.rope_scaling`` is Llama 3's
+    (``RopeScaling``'s fields). Raises ``ValueError`` (one line) for a field only the GPT
+    has (``activation`` other than gelu, ``k_bias``)."""
+    if getattr(m, "k_bias", False) or getattr(m, "activation", "gelu") != "gelu":
+        raise ValueError("model.k_bias / model.activation: the GPT's; the Llama has no "
+                         "biases and a SwiGLU MLP")
     return LlamaConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
                        n_layer=m.n_layer, n_head=m.n_head, n_kv_heads=m.n_kv_heads or None,
                        n_embd=m.n_embd, ffn_hidden=m.ffn_hidden or None,
                        multiple_of=m.multiple_of, norm_eps=m.norm_eps,
-                       rope_theta=m.rope_theta, tie_weights=m.tie_weights,
-                       dropout=m.dropout, attention=m.attention)
+                       rope_theta=m.rope_theta, rope_scaling=getattr(m, "rope_scaling", None),
+                       tie_weights=m.tie_weights, dropout=m.dropout, attention=m.attention)
