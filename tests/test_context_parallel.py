@@ -306,3 +306,21 @@ def test_memory_prediction_counts_dp_x_cp(results):
             pred = predict_rank(describe(config), dp=2, cp=2, dp_rank=r["coords"]["dp"],
                                 cp_rank=r["coords"]["cp"], zero=parallel["zero"])
             assert {k: pred[k] for k in r["memory"]} == r["memory"], (name, r["coords"])
+
+
+def test_planner_activations_fall_with_cp():
+    """``planner.memory.activation_bytes(cp=)``: every per-token term a quarter at cp = 4 (as
+    measured above), Megatron's written-out scores this rank's queries against all keys."""
+    from shardwise.planner.memory import MEGATRON, activation_bytes
+    from shardwise.planner.specs import ModelSpec
+
+    spec = ModelSpec("t", 4, 128, 4, 256, 4096)
+    one, four = (activation_bytes(spec, mb=1, tp=1, pp=1, micro_batches=1, cp=cp)
+                 for cp in (1, 4))
+    assert four == pytest.approx(one / 4, rel=1e-12)
+    # Megatron's model writes the scores out: a quarter of the queries against every key is
+    # a quarter of the scores too (had the planner counted local keys only: a sixteenth)
+    meg = [activation_bytes(spec, mb=1, tp=1, pp=1, micro_batches=1, am=MEGATRON, cp=cp)
+           for cp in (1, 4)]
+    assert meg[1] == pytest.approx(meg[0] / 4, rel=1e-12)
+    assert MEGATRON.scores > 0

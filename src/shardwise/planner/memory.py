@@ -266,19 +266,23 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None) -> Activation
 
 
 def block_activation_bytes(am: ActivationModel, mb: int, s: int, h: int, a: int, tp: int,
-                           sp: bool) -> float:
-    """Bytes one block saves for backward on one micro-batch of ``mb`` sequences."""
+                           sp: bool, keys: int | None = None) -> float:
+    """Bytes one block saves for backward on one micro-batch of ``mb`` sequences of ``s``
+    tokens each, their queries reading ``keys`` keys (default ``s``; a context-parallel
+    rank's ``s`` tokens read the whole sequence's)."""
+    keys = s if keys is None else keys
     sbh = s * mb * h
     rep = am.replicated
     if sp:
         rep = am.gathered_sp + (am.replicated - am.gathered_sp) / tp
-    return sbh * (rep + am.sharded / tp) + (am.scores * a * s * s * mb + am.lse * a * s * mb) / tp
+    return sbh * (rep + am.sharded / tp) + (am.scores * a * s * keys * mb + am.lse * a * s * mb) / tp
 
 
-def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str) -> float:
+def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str,
+                          cp: int = 1) -> float:
     """Final LayerNorm input and output, logits and their log-softmax (vocab-split over tp),
-    targets."""
-    e, s, h = BYTES[precision], spec.block_size, spec.n_embd
+    targets, for the ``block_size / cp`` tokens of each sequence a rank holds."""
+    e, s, h = BYTES[precision], spec.block_size // cp, spec.n_embd
     return mb * s * (2 * e * h + 2 * 4 * padded_vocab(spec.vocab_size, tp) / tp + 8)
 
 
@@ -305,19 +309,24 @@ def chunk_blocks(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
                      v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
-                     partition: str = "layers", selective: bool = False) -> float:
+                     partition: str = "layers", selective: bool = False,
+                     cp: int = 1) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
     search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
     in backward (Korthikanti et al. 2022, sec. 5), so its s x s scores are not kept (the
-    ``scores`` term; flash attention keeps none anyway)."""
+    ``scores`` term; flash attention keeps none anyway). ``cp``: context-parallel ranks, each
+    holding ``block_size / cp`` tokens of every sequence: every term is per token and cut by
+    cp (ring attention keeps this rank's Q, K, V, output and log-sum-exp; measured 0.250 of
+    cp = 1 at cp = 4, ``benchmarks/context_parallel.py``), except written-out scores, which
+    are this rank's queries against all ``block_size`` keys."""
     am = am or shardwise_model(precision, spec)
     if selective and not recompute:
         am = replace(am, scores=0.0)
-    s, h, a = spec.block_size, spec.n_embd, spec.n_head
-    blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
+    s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
+    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=spec.block_size)
     e = BYTES[precision]
-    head = head_activation_bytes(spec, mb, tp, precision)
+    head = head_activation_bytes(spec, mb, tp, precision, cp)
     sums: dict = {}
 
     def chunk_full(nb: int, has_head: bool) -> float:
