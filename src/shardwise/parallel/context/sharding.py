@@ -2,7 +2,7 @@
 
 The sequence of length T is cut into ``2 cp`` chunks of ``c = T / (2 cp)`` tokens; rank ``i``
 holds chunks ``i`` and ``2cp-1-i``, in that order (Megatron-LM's context parallelism and
-torchtitan's "head-tail" load balancer; Brandon et al. 2023, "Striped Attention", discuss
+PyTorch's ``_HeadTailLoadBalancer``, which torchtitan uses; Brandon et al. 2023, "Striped Attention", discuss
 the same imbalance). Under a causal mask, a query in chunk ``a`` attends to the keys of
 chunks ``<= a``; pairing an early chunk with a late one gives every rank the same work,
 ``i + 1/2 + (2cp-1-i) + 1/2 = 2cp`` blocks of ``c x c`` scores (a diagonal block counting half),
