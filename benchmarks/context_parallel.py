@@ -123,8 +123,9 @@ def torch_peer() -> list:
 
 def _table(rows: list[dict], budget_mib: float) -> str:
     one = {r["T"]: r for r in rows if r["cp"] == 1}
-    lines = [f"{'T':>6} {'cp':>3} {'tokens/s':>9} {'step s':>8} {'median':>7} {'activations MiB':>15} "
-             f"{'vs cp1':>6} {'ring MiB':>9} {'formula':>9}  fits {budget_mib:g} MiB?"]
+    lines = [(f"{'T':>6} {'cp':>3} {'tokens/s':>9} {'step s':>8} {'median':>7} "
+              f"{'activations MiB':>15} {'vs cp1':>6} {'ring MiB':>9} {'formula':>9}  "
+              f"fits {budget_mib:g} MiB?")]
     for r in sorted(rows, key=lambda r: (r["T"], r["cp"])):
         base = one.get(r["T"])
         ratio = f"{r['activations'] / base['activations']:.3f}" if base else "-"

@@ -271,7 +271,7 @@ def test_layout_matches_one_process(results, references, name):
 
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_checkpoint_resumes_across_cp_sizes(results, references, name):
-    saver, layout = RESUMES[name]
+    saver, _ = RESUMES[name]
     model = saver[4:] if saver.startswith("ref:") else LAYOUTS[saver][1]
     assert all(r["resumed_at"] == STOP for r in results[name])
     _check(name, results[name], references[model])

@@ -17,5 +17,5 @@ from shardwise.parallel.context.sharding import (
     unshard_sequence,
 )
 
-__all__ = ["ContextParallel", "Ring", "ring_attention", "check_length", "local_positions",
+__all__ = ["ContextParallel", "Ring", "check_length", "local_positions", "ring_attention",
            "shard_sequence", "unshard_sequence"]

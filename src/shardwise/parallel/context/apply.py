@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from shardwise.models import sequence
 from shardwise.parallel.context.ring_attention import ring_attention

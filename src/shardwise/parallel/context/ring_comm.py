@@ -11,8 +11,9 @@ block it holds while the next one travels, and waits only when it needs it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
