@@ -59,3 +59,31 @@ def split_overrides(extra: list[str]) -> dict:
         out[key] = parse_override_value(val)
         i += 1
     return out
+
+
+def run_rank_and_exit(body: Callable[[], None], command: str = "shardwise") -> None:
+    """Run ``body`` as one rank of torchrun's gang, then leave with ``os._exit``: 0 when it
+    returned, 1 when it raised (a ``RunError`` as one line, anything else with its
+    traceback). ``launch.shutdown`` runs either way; ``os._exit`` skips gloo's abort at
+    interpreter exit."""
+    import os
+
+    from shardwise import launch
+    from shardwise.base.errors import RunError
+
+    code = 0
+    try:
+        body()
+    except RunError as e:
+        print(f"{command}: error: {e}", file=sys.stderr)
+        code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        launch.shutdown(clean=code == 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -15,11 +15,10 @@ of the config) say otherwise; under torchrun the world it started must equal it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
-from shardwise.cli.common import EXIT_USAGE, Parser, split_overrides
+from shardwise.cli.common import EXIT_USAGE, Parser, run_rank_and_exit, split_overrides
 
 
 def _positive(kind):
@@ -80,22 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = (cfg.model_dump(), str(path), prompt, args.tokens, args.temperature,
             args.top_k or None, args.seed)
     if env is not None:  # this process is one rank of torchrun's gang
-        code = 0
-        try:
+        def body() -> None:
             launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s,
                                     threads=cfg.training.threads or None, device=device)
             ids = generate_rank(*work)
             if env.rank == 0:
                 print(tokenizer.decode(ids), flush=True)
-        except BaseException:
-            import traceback
 
-            traceback.print_exc()
-            code = 1
-        finally:
-            launch.shutdown(clean=code == 0)
-        sys.stdout.flush()
-        os._exit(code)
+        run_rank_and_exit(body, "shardwise generate")
     if cfg.world_size == 1:
         ids = generate_rank(*work)
     else:

@@ -113,28 +113,16 @@ def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> Non
     """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``."""
     from shardwise import launch
     from shardwise.apps.jobs import train_worker
-    from shardwise.base.errors import RunError
+    from shardwise.cli.common import run_rank_and_exit
 
-    code = 0
-    try:
+    def body() -> None:
         dev = launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s,
                                       threads=cfg.training.threads or None,
                                       store=launch.elastic_store(env, cfg.parallel.timeout_s),
                                       device=device)
         train_worker(cfg.model_dump(), resume_from, str(dev))
-    except RunError as e:
-        print(f"shardwise: error: {e}", file=sys.stderr)
-        code = 1
-    except BaseException:
-        import traceback
 
-        traceback.print_exc()
-        code = 1
-    finally:
-        launch.shutdown(clean=code == 0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip gloo's abort at interpreter exit
+    run_rank_and_exit(body)
 
 
 def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "auto",
