@@ -62,6 +62,26 @@ class ModelConfig(_Section):
     multiple_of: int = Field(256, ge=1, description="llama: the SwiGLU width's rounding")
     norm_eps: float = Field(1e-5, gt=0.0, description="llama: RMSNorm epsilon")
     rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base theta")
+    n_experts: int = Field(0, ge=0, description="llama: experts in each block's mixture of "
+                           "experts (docs/moe.md); 0: the dense SwiGLU MLP")
+    top_k: int = Field(2, ge=1, description="llama with n_experts: experts each token is "
+                       "routed to")
+    moe_ffn_hidden: int = Field(0, ge=0, description="llama with n_experts: each expert's "
+                                "SwiGLU width; 0: model.ffn_hidden's")
+    moe_gating: str = Field("softmax", description="llama with n_experts: softmax (top-k of "
+                            "the softmax, Switch/GShard/Mixtral) or sigmoid (top-k of the "
+                            "sigmoids, DeepSeek-V3)")
+    moe_norm_topk: bool = Field(True, description="llama with n_experts: renormalise the k "
+                                "gate weights to sum to 1 (Mixtral, DeepSeek-V3)")
+    moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="llama with n_experts: weight "
+                                     "of the load-balancing loss (Switch's alpha), per "
+                                     "sequence (DeepSeek-V3's sequence-wise form)")
+    moe_capacity_factor: float = Field(0.0, ge=0.0, description="llama with n_experts: at "
+                                       "most ceil(factor x tokens x top_k / n_experts) "
+                                       "tokens per expert per micro-batch and rank, the rest "
+                                       "dropped (GShard); 0: dropless")
+    moe_shared_expert: bool = Field(False, description="llama with n_experts: one more "
+                                    "SwiGLU expert every token goes through (DeepSeek-V3)")
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -73,6 +93,14 @@ class ModelConfig(_Section):
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
                              f"model.n_head={self.n_head}")
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} is more than model.n_experts="
+                             f"{self.n_experts}")
+        if self.moe_gating not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
+        if self.n_experts and self.kind == "gpt":
+            raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
+                             "mixture of experts is the Llama's; set model.kind = llama")
         return self
 
 
