@@ -57,3 +57,21 @@ def test_is_immutable():
     topo = Topology.build(dp=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         topo.dp = 3
+
+
+def test_ep_folds_over_dp():
+    """ep x dp/ep = dp: ep groups are blocks of consecutive dp ranks, ep_dp groups stride
+    them (DeepSpeed-MoE, Megatron-Core); with tp the groups keep the tp coordinate."""
+    topo = Topology.build(dp=4, ep=2, world_size=4)
+    assert topo.all_ep_groups("ep") == [[0, 1], [2, 3]]
+    assert topo.all_ep_groups("ep_dp") == [[0, 2], [1, 3]]
+    t = Topology.build(dp=4, tp=2, ep=2, rank=5, world_size=8)   # dp 2, tp 1
+    assert (t.dp_rank, t.ep_rank, t.ep_dp_rank) == (2, 0, 1)
+    assert t.ep_ranks() == [5, 7] and t.ep_dp_ranks() == [1, 5]
+    for r in range(8):
+        c = Topology.build(dp=4, tp=2, ep=2, rank=r)
+        assert c.dp_rank == c.ep_dp_rank * 2 + c.ep_rank
+        assert set(c.ep_ranks()) | set(c.ep_dp_ranks()) <= set(c.axis_ranks("dp"))
+    assert Topology.build(dp=4, ep=4).all_ep_groups("ep_dp") == [[0], [1], [2], [3]]
+    with pytest.raises(TopologyError, match=r"parallel.ep=3 does not divide parallel.dp=4"):
+        Topology.build(dp=4, ep=3)

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
 ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
                         "rabenseifner", "tree", "parallel", "shm", "hierarchical")
+# and of its all-to-all (comm.alltoall takes them from here)
+ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 
 
 class ConfigError(ValueError):
@@ -121,12 +123,18 @@ class ParallelConfig(_Section):
     dp: int = Field(2, ge=1, description="data-parallel ranks")
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks (model.n_experts > 0): the "
+                    "experts split over ep ranks folded over the data-parallel ones (ep must "
+                    "divide parallel.dp: ep x dp/ep = dp, as DeepSpeed-MoE and Megatron-Core)")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
                                "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")
     allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
+    all_to_all: str = Field("native", description="expert parallelism's token dispatch: "
+                            "native (the backend's all-to-all), pairwise or linear (ours on "
+                            "send/recv, bytes counted)")
     schedule: str = Field("1f1b", description="pipeline schedule with pp > 1: naive, gpipe, "
                           "1f1b, interleaved or pipedream; parallel.micro_batches is its m")
     chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
@@ -147,6 +155,9 @@ class ParallelConfig(_Section):
         if self.allreduce not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"parallel.allreduce={self.allreduce!r}: expected one of "
                              f"{', '.join(ALLREDUCE_ALGORITHMS)}")
+        if self.all_to_all not in ALL_TO_ALL_ALGORITHMS:
+            raise ValueError(f"parallel.all_to_all={self.all_to_all!r}: expected one of "
+                             f"{', '.join(ALL_TO_ALL_ALGORITHMS)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
         if self.schedule not in ("naive", "gpipe", "1f1b", "interleaved", "pipedream"):
@@ -382,10 +393,33 @@ class Config(_Section):
             return self._cnn_agrees()
         if p.mode == "ps":
             return self._ps_agrees()
+        if p.ep > 1 or m.n_experts:
+            self._experts_agree()
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        return self
+
+    def _experts_agree(self):
+        """Mixture of experts and expert parallelism (docs/moe.md)."""
+        p, m = self.parallel, self.model
+        if p.ep > 1 and not m.n_experts:
+            raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
+                             "needs experts; set model.n_experts (and model.kind = llama)")
+        if p.dp % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}: expert "
+                             "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
+        if m.n_experts % p.ep:
+            raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
+                             f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
+        if p.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
+                             "the experts read whole sequences; leave sequence parallelism off")
+        if p.ep > 1 and p.zero == 3:
+            raise ValueError(f"parallel.zero=3 with parallel.ep={p.ep}: ZeRO-3 gathers over "
+                             "the whole dp group and the experts differ across it; use ZeRO-1 "
+                             "or 2 with expert parallelism")
         return self
 
     def _cnn_agrees(self):
@@ -402,7 +436,7 @@ class Config(_Section):
         if self.model.kind != "gpt":
             raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
                              "parameter server trains the GPT only; use parallel.mode = grid")
-        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp),
+        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.ep", p.ep),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:
                 raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "

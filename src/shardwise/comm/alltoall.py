@@ -44,11 +44,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from shardwise.base.config import ALL_TO_ALL_ALGORITHMS  # one list, read by the config too
 from shardwise.comm import check as _check
 from shardwise.comm.api import _agree, _call, _Flat, _launch, _pick, _tensor
 from shardwise.comm.primitives import Call, CommError, GroupInfo, group_info, settings
-
-ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -7,7 +7,8 @@ from shardwise.models.gpt import from_section as gpt_config  # noqa: F401 (the P
 
 
 def describe_layout(cfg: Config) -> str:
-    """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x tp=2 (SP)``, ZeRO and precision."""
+    """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x tp=2 (SP)`` / ``dp=4 (ep=2)``,
+    ZeRO and precision."""
     p = cfg.parallel
     parts = [f"dp={p.dp}"]
     if p.pp > 1:
@@ -15,6 +16,8 @@ def describe_layout(cfg: Config) -> str:
         parts.append(f"pp={p.pp} ({p.schedule}, m={p.micro_batches}{v})")
     if p.tp > 1:
         parts.append(f"tp={p.tp}" + (" (SP)" if p.sequence_parallel else ""))
+    if p.ep > 1:
+        parts[0] += f" (ep={p.ep})"
     extra = (f", ZeRO-{p.zero}" if p.zero else "") + (
         f", {cfg.training.precision}" if cfg.training.precision != "fp32" else "")
     return " x ".join(parts) + extra

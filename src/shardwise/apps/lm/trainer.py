@@ -129,11 +129,14 @@ class Trainer(TrainerState, TrainTask):
 
     def finish(self) -> None:
         """Rank 0: loss-curve PNG and a generated sample, printed. Call on every rank:
-        generation is collective over dp replica 0's tp and pp groups."""
+        generation is collective over dp replica 0's tp and pp groups (and ep group)."""
+        # generation runs on dp replica 0, and under expert parallelism on its ep group too
+        # (the experts' all-to-all needs every rank of it; they sample the same tokens)
+        samplers = self.topology.dp_rank < getattr(self.topology, "ep", 1)
         with self.engine.full_parameters():  # ZeRO-3: gathered once (collective over dp)
             if self.is_main:
                 self._write_outputs()
-            elif self.topology.dp_rank == 0 and self.cfg.training.sample_chars:
+            elif samplers and self.cfg.training.sample_chars:
                 self._sample()
 
     def _save_timeline(self) -> None:
@@ -165,8 +168,8 @@ def build_trainer(cfg: Config) -> Trainer:
     p = cfg.parallel
     if dist.is_initialized():
         topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size()))
+                                                  world_size=dist.get_world_size(), ep=p.ep))
     else:
-        topo = Topology.build(p.dp, p.pp, p.tp)
+        topo = Topology.build(p.dp, p.pp, p.tp, ep=p.ep)
     return Trainer(cfg, topo)
 
