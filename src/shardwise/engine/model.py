@@ -144,6 +144,9 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     ep = ep if ep is not None else RankGroup(axis="ep")
     if tp.size > 1:
         check_divisible(d, tp)
+    if d.n_experts and tp.sequence_parallel:
+        raise ValueError("sequence parallelism with a mixture of experts: the router and the "
+                         "experts read whole sequences; leave sequence parallelism off")
     if ep.size > 1:
         if not d.n_experts:
             raise ValueError(f"ep={ep.size} but {d.kind} has no experts (model.n_experts = 0)")
