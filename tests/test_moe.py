@@ -6,7 +6,8 @@ One process trains each for ``STEPS`` steps (the reference); then a spawn of 4 r
 of 2 train every layout of ``LAYOUTS`` on the same global batches: ep2 (dp2), ep2 folded
 over dp4 with ZeRO-1 (two expert-data-parallel replicas of each expert), ep4 over dp4 with
 two micro-batches, ep2 x tp2 (experts split by expert and by width), ep2 x pp2 (1F1B, ZeRO-2,
-the tied embedding across stages), and without ep, ZeRO-3 over dp2 (the MoE as any layer). Parity: every loss, every step's auxiliary loss and
+the tied embedding across stages; and GPipe with recomputation, whose forwards run twice
+and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer). Parity: every loss, every step's auxiliary loss and
 every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
 the reference, and every step's expert load (tokens routed to each expert of each layer)
 equal. ``RESUMES``: checkpoints saved at step ``STOP`` at one ep size continue at another
@@ -46,6 +47,8 @@ LAYOUTS = {
     "ep2xtp2": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "tp": 2}),
     "ep2xpp2": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
                                       "zero": 2}),
+    "ep2xpp2-gpipe-recompute": (4, "softmax", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
+                                               "schedule": "gpipe", "recompute": True}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)

@@ -155,6 +155,9 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     d.check_plan(record.model)
     moe_layers = tuple(n for n, m in record.model.named_modules()
                        if callable(getattr(m, "pop_router_stats", None)))
+    if moe_layers and not d.n_experts:
+        raise ValueError(f"{d.kind}: {moe_layers[0]} is a mixture of experts "
+                         "(pop_router_stats) but the description's n_experts is 0")
     vocab_params = d.vocab_params(record.model)
     flops = d.flops_per_token(record.model)
     layers = d.layers(record.model)
