@@ -35,14 +35,15 @@ def _report(trainer, stats: list[dict]) -> dict:
 
 
 def run_job(job: dict) -> dict:
+    from shardwise import checkpoint
     from shardwise.apps.lm.trainer import build_trainer
     from shardwise.comm import accounting
 
     cfg = Config.from_dict(job["cfg"])
     trainer = build_trainer(cfg)
     out, stats = {}, []
-    if job["kind"] == "resume":
-        trainer.resume(job["path"])
+    if job["kind"] == "resume":  # a path, or the newest checkpoint of a run of this spawn
+        trainer.resume(job.get("path") or checkpoint.latest_checkpoint(job["from_dir"]))
         out["resumed_at"] = trainer.step
     while trainer.step < cfg.training.steps:
         info = trainer.train_step()

@@ -10,8 +10,8 @@ the tied embedding across stages; and GPipe with recomputation, whose forwards r
 and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer). Parity: every loss, every step's auxiliary loss and
 every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
 the reference, and every step's expert load (tokens routed to each expert of each layer)
-equal. ``RESUMES``: checkpoints saved at step ``STOP`` at one ep size continue at another
-(one process -> ep4, ep4 -> ep2). Then the bytes of the all-to-all, the memory each rank
+equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
+(one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2). Then the bytes of the all-to-all, the memory each rank
 holds, the refusals at the door and the issue's command. About 45 s on 2 cores.
 """
 
@@ -52,7 +52,9 @@ LAYOUTS = {
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
-RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"), "ep4->ep2": ("ep4", "ep2")}
+RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
+           "ep2-dp4-z1->ep2": ("ep2-dp4-z1", "ep2"),          # ZeRO pieces joined over ep_dp
+           "ep2xtp2->ep2xpp2": ("ep2xtp2", "ep2xpp2")}        # experts on an (ep, tp) mesh
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None):
@@ -69,8 +71,8 @@ def references(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(corpus, tmp_path_factory, references):
-    """name -> every rank's report: the spawn of 4 first (ep4 resumes the reference's
-    checkpoint and saves its own), then the spawn of 2."""
+    """name -> every rank's report: the spawn of 4 first (its layouts save, then ep4 and
+    ep2 x pp2 resume), then the spawn of 2 (ep2, and ep2 resuming)."""
     root = tmp_path_factory.mktemp("moe-layouts")
     saved = {f"ref:{m}": r.get("saved") for m, r in references.items()}
     savers = {a for a, _ in RESUMES.values()}
@@ -81,8 +83,10 @@ def results(corpus, tmp_path_factory, references):
                 for name, (w, model, parallel) in LAYOUTS.items() if w == ws]
         for name, (a, b) in RESUMES.items():
             w, model, parallel = LAYOUTS[b]
-            if w == ws:
-                jobs.append((name, {"kind": "resume", "path": saved[a],
+            if w == ws:  # a saver of this spawn has not run yet: its checkpoint directory
+                where = ({"path": saved[a]} if saved.get(a) else
+                         {"from_dir": str(root / a / "checkpoints")})
+                jobs.append((name, {"kind": "resume", **where,
                                     "cfg": _cfg(corpus, root / name, model, parallel)}))
         ranks = spawn(moe_worker, ws, ([j for _, j in jobs],))
         for i, (name, _) in enumerate(jobs):
