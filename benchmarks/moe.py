@@ -124,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     res = spawn(worker, args.ranks, (vars(args),), threads=1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"MoE Llama {args.layers} x {args.width}, {args.experts} experts top-{args.top_k} of "
-             f"width {args.expert_width}, dropless; batch {args.batch} x {args.seq} tokens, "
-             f"m={args.micro_batches}; dp={args.ranks} gloo ranks on the CPU, 1 thread each; "
-             f"{args.repeats} alternated repeats of {args.steps} steps",
-             f"{'layout':>14} {'step ms':>8} {'a2a KiB/rank':>13} {'uniform KiB':>12} "
-             f"{'grad AR KiB/rank':>17} {'expert KiB/rank':>16} {'params KiB/rank':>16}"]
+    lines = [(f"MoE Llama {args.layers} x {args.width}, {args.experts} experts top-{args.top_k} "
+              f"of width {args.expert_width}, dropless; batch {args.batch} x {args.seq} tokens, "
+              f"m={args.micro_batches}; dp={args.ranks} gloo ranks on the CPU, 1 thread each; "
+              f"{args.repeats} alternated repeats of {args.steps} steps"),
+             (f"{'layout':>14} {'step ms':>8} {'a2a KiB/rank':>13} {'uniform KiB':>12} "
+              f"{'grad AR KiB/rank':>17} {'expert KiB/rank':>16} {'params KiB/rank':>16}")]
     summary = {}
     for key in res[0]:
         ep = int(key[2:].split("-")[0])

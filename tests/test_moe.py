@@ -152,7 +152,7 @@ def test_layout_matches_one_process(results, references, name):
 def test_checkpoint_resumes_at_another_ep(results, references, name):
     """Saved at step ``STOP`` at one ep size (experts stored under the single-process names
     and shapes), loaded at another: the run continues as the uninterrupted one."""
-    a, b = RESUMES[name]
+    _, b = RESUMES[name]
     ws, model, _ = LAYOUTS[b]
     ranks = results[name]
     assert len(ranks) == ws

@@ -143,7 +143,7 @@ def test_capacity_drops_second_choices_first():
 def test_grouped_mm_padded_bmm_fallback(monkeypatch):
     """The padded batched product (torch without a CPU grouped GEMM) equals the grouped one,
     forward and backward, an empty group included."""
-    import shardwise.models.moe as moe
+    from shardwise.models import moe
 
     x = torch.randn(9, 8, requires_grad=True)
     w = torch.randn(3, 8, 4, requires_grad=True)

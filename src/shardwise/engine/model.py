@@ -38,13 +38,13 @@ import torch.nn.functional as F
 
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
+from shardwise.parallel.experts import parallelize_experts
 from shardwise.parallel.pipeline.partition import (
     Partition,
     balanced,
     partition_layers,
     profile_layers,
 )
-from shardwise.parallel.experts import parallelize_experts
 from shardwise.parallel.pipeline.stage import StageChunk
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor, shard_tensor

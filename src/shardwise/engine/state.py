@@ -111,7 +111,7 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
         expert = [_ep_split(engine) and is_expert(p) for _, p in named]
         for group, which in ((engine.dp_group, False), (_ep_dp_group(engine), True)):
             coalesced_([b for b, e in zip(bufs, expert) if e == which],
-                       lambda flat: comm.all_reduce(flat, group=group, check=False))
+                       lambda flat, g=group: comm.all_reduce(flat, group=g, check=False))
         comm.all_reduce(steps, op="max", group=engine.dp_group, check=False)
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models.gpt import causal_attention
-from shardwise.models.moe import GATINGS, MoE, Experts
+from shardwise.models.moe import GATINGS, Experts, MoE
 from shardwise.models.sampling import generate
 
 

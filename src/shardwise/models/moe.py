@@ -51,8 +51,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 GATINGS = ("softmax", "sigmoid")
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9 (CPU: 2.10); else padded bmm

@@ -25,10 +25,10 @@ SwiGLU with its own column / row styles).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from shardwise.models.description import style_of
 from shardwise.parallel.experts.dispatch import combine, dispatch
