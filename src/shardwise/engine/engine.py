@@ -149,9 +149,8 @@ class Engine:
         self.dp_group = groups.dp if groups is not None else None
         self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
                    if groups is not None and topology.tp > 1 else RankGroup())
-        ep = getattr(topology, "ep", 1)
-        self.ep = (RankGroup.from_topology(topology, "ep") if groups is not None and ep > 1
-                   else RankGroup(axis="ep"))
+        self.ep = (RankGroup.from_topology(topology, "ep")
+                   if groups is not None and topology.ep > 1 else RankGroup(axis="ep"))
         # dropout: the same stream on the tp ranks of a replica (replicated regions), one per
         # dp replica and stage; tp-sharded regions add the tp rank (Megatron's RNG tracker)
         self.dropout_seed = s.seed + 1000 * (topology.dp_rank + 1) + 100 * topology.pp_rank

@@ -115,7 +115,6 @@ class SplitSync:
         self.piece_params = dense.piece_params + experts.piece_params
         self.piece_names = dense.piece_names + experts.piece_names
         self.counted = list(dense.counted) + list(experts.counted)
-        self.group_of_piece = ["dp"] * len(dense.pieces) + ["ep_dp"] * len(experts.pieces)
 
     def final_backward(self):
         stack = ExitStack()

@@ -132,7 +132,7 @@ class Trainer(TrainerState, TrainTask):
         generation is collective over dp replica 0's tp and pp groups (and ep group)."""
         # generation runs on dp replica 0, and under expert parallelism on its ep group too
         # (the experts' all-to-all needs every rank of it; they sample the same tokens)
-        samplers = self.topology.dp_rank < getattr(self.topology, "ep", 1)
+        samplers = self.topology.ep_dp_rank == 0
         with self.engine.full_parameters():  # ZeRO-3: gathered once (collective over dp)
             if self.is_main:
                 self._write_outputs()

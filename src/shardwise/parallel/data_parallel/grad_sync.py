@@ -57,7 +57,7 @@ class GradientSync:
                  average: bool = True, divisor: int | None = None) -> None:
         self.group, self.allreduce, self.on_grad = group, allreduce, on_grad
         self.average = average
-        self.dp_size = dist.get_world_size(group) if divisor is None else divisor
+        self.divisor = dist.get_world_size(group) if divisor is None else divisor
         first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
         self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_mb * MiB)), first)
         self._slot: dict[int, tuple[Bucket, int]] = {}
@@ -122,7 +122,7 @@ class GradientSync:
         for b in self.buckets:
             b.work.wait()
             if self.average:
-                b.buffer.div_(self.dp_size)
+                b.buffer.div_(self.divisor)
             for i, p in enumerate(b.params):
                 view = b.view_of(i)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
