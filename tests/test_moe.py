@@ -236,3 +236,24 @@ def test_cli_ep2_dp2(tmp_path):
     assert all(len(r["expert_load"]) == 2 and sum(r["expert_load"][0]) == 8 * 32 * 2
                for r in rows)
     assert all(0 < r["aux_loss"] < 1 for r in rows)
+
+
+def test_shardwise_memory_with_ep(tmp_path, capsys):
+    """``shardwise memory --ep`` predicts E / ep experts per rank: at ZeRO-0 the expert bytes
+    fall with ep; at ZeRO-1 the optimizer state per rank is the same at every ep (experts
+    are sharded over dp / ep ranks, each holding E / ep of them)."""
+    from shardwise.cli.memory import main
+
+    toml = tmp_path / "moe.toml"
+    toml.write_text('[model]\nkind = "llama"\nn_layer = 2\nn_head = 4\nn_embd = 64\n'
+                    'block_size = 32\nn_experts = 8\n[training]\nglobal_batch_size = 8\n')
+    rows = {}
+    for ep in (1, 2, 4):
+        assert main(["--config", str(toml), "--dp", "4", "--ep", str(ep), "--stages", "0,1",
+                     "--precision", "fp32"]) == 0
+        out = capsys.readouterr().out
+        assert f"dp=4 (ep={ep})" in out or ep == 1, out
+        rows[ep] = [line.split() for line in out.splitlines() if line.startswith(("   0", "   1"))]
+    params = {ep: float(r[0][3]) for ep, r in rows.items()}
+    assert params[1] > params[2] > params[4]
+    assert len({r[1][5] for r in rows.values()}) == 1  # ZeRO-1 optimizer column

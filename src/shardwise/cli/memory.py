@@ -52,6 +52,8 @@ def _layout_table(args, stages: list[int]) -> int:
             "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
     if args.bucket_mb is not None:
         over["parallel.bucket_mb"] = args.bucket_mb
+    if args.ep is not None:
+        over["parallel.ep"] = args.ep
     try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
         base = Config.load(args.config, over)
         p, d = base.parallel, describe_config(base)
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --config)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over "
+                    "--dp (needs --config with model.n_experts; default: the config's)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
