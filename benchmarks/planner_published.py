@@ -7,21 +7,35 @@
    vocabulary 51200. Published: achieved teraFLOP/s per GPU, counting the paper's FLOPs
    F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) (their eq. 3, recomputation included).
    Predicted: the same F divided by the simulator's step time and the GPU count, for the
-   published tp x pp x dp with recomputation, the planner choosing only the micro-batch
-   size (1, 2, 4), schedule (1F1B, interleaved v = 2, 4) and stage cut (by layer count, or
-   by parameters: Megatron's even blocks per stage) -- the paper does not list them; with
-   pp >= 16 only micro-batch 1, 1F1B or interleaved v = 2, cut by parameters (each walk of
-   hundreds of micro-batches over tens of stages takes tens of seconds here).
+   published tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, the
+   planner choosing only what the paper does not list: micro-batch size (1, 2, 4, 8),
+   schedule (1F1B, interleaved v = 2, 4) and stage cut (by layer count, or by parameters:
+   Megatron's even blocks per stage). Three compute models: ``fixed`` (``FIXED_PRESETS``:
+   every matmul at 0.5 of the datasheet peak); ``per-op`` (``hardware.per_op``: each GEMM
+   at the efficiency Calculon's A100 table gives its size, each memory-bound kernel of
+   Megatron-LM -- softmax and dropout on the s x s scores, fused bias + GELU, fused bias +
+   dropout + add, LayerNorm -- by the bytes it moves, links at Calculon's efficiencies;
+   Isaev et al. SC 2023), as documented; and ``calibrated``: the same with the GEMM
+   efficiencies times ``hardware.GEMM_SCALE``, the one constant solved (here, again) so
+   that run 3's first row comes out exactly. Nothing else is fitted.
    Then the planner's own choice over the whole space (tp inside a node, ZeRO 0-1,
-   recompute and sequence parallelism on or off), with its predicted time.
+   recompute and sequence parallelism on or off, micro-batches 1, 2, 4) under the
+   calibrated model with Megatron's kernels, and whether it is the published layout.
+3. Iteration times of Megatron-LM on A100s, Korthikanti et al. 2022, "Reducing Activation
+   Recomputation in Large Transformer Models", arXiv:2205.05198, Table 5 (the layouts as
+   Calculon's repository states them, validation/seqsel/tab5/): 22B (tp 8, 8 GPUs, batch
+   4 in one micro-batch of 4), 175B (tp 8 pp 8, batch 64, interleaved v = 3), 530B (tp 8
+   pp 35, batch 280, v = 3), 1T (tp 8 pp 64, batch 512, 1F1B), micro-batch 1 but 22B's,
+   each with full recomputation and with sequence parallelism + selective recomputation.
+   The 22B full-recomputation run calibrates ``GEMM_SCALE``; the 7 others are predictions.
 2. ZeRO memory, Rajbhandari et al., SC 2020, "ZeRO: Memory Optimizations Toward Training
    Trillion Parameter Models", arXiv:1910.02054, Table 1: GB per device for 7.5B, 128B and
    1T parameters with P_os, P_os+g, P_os+g+p (ZeRO-1, 2, 3) at dp 1 ... 1024
    (mixed-precision Adam, K = 12), against ``planner.memory.zero_bytes``.
 
 The constants are the cluster preset's (``planner.hardware``: datasheet peak, NVLink and
-InfiniBand bandwidths) and one efficiency, 0.5 of peak for the matmuls, fixed for every
-row. Writes ``OUT/planner_published.txt`` and ``.json``.
+InfiniBand bandwidths), Calculon's documented efficiency tables and the one calibrated
+``GEMM_SCALE``. Writes ``OUT/planner_published.txt`` and ``.json``.
 
     python benchmarks/planner_published.py --out benchmarks/planner_results
 """
@@ -43,6 +57,14 @@ MEGATRON = [("megatron-1.7b", 1, 1, 32, 512, 137), ("megatron-3.6b", 2, 1, 64, 5
             ("megatron-146b", 8, 8, 1536, 2304, 148), ("megatron-310b", 8, 16, 1920, 2160, 155),
             ("megatron-530b", 8, 35, 2520, 2520, 163), ("megatron-1t", 8, 64, 3072, 3072, 163)]
 
+# Korthikanti et al. 2022, Table 5: name, layers, hidden, heads, tp, pp, batch, micro-batch,
+# chunks per rank, iteration seconds with full recomputation, with sequence parallelism +
+# selective recomputation (vocabulary 51200, sequence 2048, fp16, dp 1)
+KORTHIKANTI = [("22B", 48, 6144, 64, 8, 1, 4, 4, 1, 1.42, 1.10),
+               ("175B", 96, 12288, 96, 8, 8, 64, 1, 3, 18.13, 13.75),
+               ("530B", 105, 20480, 128, 8, 35, 280, 1, 3, 49.05, 37.83),
+               ("1T", 128, 25600, 160, 8, 64, 512, 1, 1, 94.42, 71.49)]
+
 # Rajbhandari et al. Table 1: GB per device, (P_os, P_os+g, P_os+g+p) per dp degree
 ZERO = {7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5),
                 64: (31.4, 16.6, 1.88), 256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
@@ -57,54 +79,120 @@ def paper_flops(spec, batch: int) -> float:
     return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def megatron_rows(simulate_top: int) -> list[dict]:
-    from shardwise.planner.hardware import PRESETS
-    from shardwise.planner.search import memory_of, plan, prune_reason
+def published_layout(spec, cluster, tp, pp, gpus, batch):
+    """The paper's tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, fp16,
+    the best (predicted) of what it does not list: micro-batch size 1, 2, 4, 8, schedule
+    (1F1B, interleaved v = 2, 4) and stage cut (layer count, parameters)."""
+    from shardwise.planner.search import memory_of, prune_reason
     from shardwise.planner.simulate import Layout, simulate
+
+    dp = gpus // (tp * pp)
+    per = batch // dp
+    best = None
+    scheds = [("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if pp > 1 else [])
+    for mb in (1, 2, 4, 8):
+        if per % mb:
+            continue
+        for (kind, v), by in itertools.product(scheds, ("layers", "params") if pp > 1
+                                               else ("layers",)):
+            lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False, by)
+            if prune_reason(spec, lay, cluster, False):
+                continue
+            mem = memory_of(spec, lay, "fp16", "megatron-2021")
+            if mem["total"] > cluster.memory:
+                continue
+            t = simulate(spec, lay, cluster, "fp16")
+            if best is None or t["step"] < best[1]["step"]:
+                best = (lay, t, mem)
+    return best
+
+
+def korthikanti_layout(row, mode):
+    from shardwise.planner.simulate import Layout
+    from shardwise.planner.specs import ModelSpec
+
+    name, L, h, a, tp, pp, batch, mb, v, _, _ = row
+    spec = ModelSpec(f"megatron-{name.lower()}", L, h, a, 51200, 2048)
+    sel = mode == "seq+sel"
+    lay = Layout(1, tp, pp, mb, batch // mb, "interleaved" if v > 1 else "1f1b", v, 0,
+                 not sel, sel, "params", sel)
+    return spec, lay
+
+
+def calibrate() -> float:
+    """The GEMM scale that makes Korthikanti et al.'s 22B full-recomputation iteration take
+    its published 1.42 s (bisection; the predicted time falls as the scale grows)."""
+    from shardwise.planner.hardware import FIXED_PRESETS, per_op
+    from shardwise.planner.simulate import simulate
+
+    spec, lay = korthikanti_layout(KORTHIKANTI[0], "full")
+    lo, hi = 0.3, 1.0 / 0.95
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        t = simulate(spec, lay, per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021", mid),
+                     "fp16")["step"]
+        lo, hi = (lo, mid) if t < KORTHIKANTI[0][9] else (mid, hi)
+    return (lo + hi) / 2
+
+
+def clusters(scale: float) -> dict:
+    from shardwise.planner.hardware import FIXED_PRESETS, per_op
+
+    a100 = FIXED_PRESETS["dgx-a100-80gb"]
+    return {"fixed": a100, "per-op": per_op(a100, "megatron-2021"),
+            "calibrated": per_op(a100, "megatron-2021", scale)}
+
+
+def korthikanti_rows(models: dict) -> list[dict]:
+    from shardwise.planner.search import memory_of
+    from shardwise.planner.simulate import simulate
+
+    rows = []
+    for row in KORTHIKANTI:
+        for mode, published in (("full", row[9]), ("seq+sel", row[10])):
+            spec, lay = korthikanti_layout(row, mode)
+            r = {"model": row[0], "mode": mode, "layout": lay.label(),
+                 "published_s": published, "calibration": row[0] == "22B" and mode == "full",
+                 "memory_gib": memory_of(spec, lay, "fp16", "megatron-2021")["total"] / 2**30}
+            for key, cl in models.items():
+                t = simulate(spec, lay, cl, "fp16")["step"]
+                r[key] = {"predicted_s": t, "error": t / published - 1}
+            rows.append(r)
+    return rows
+
+
+def megatron_rows(models: dict) -> list[dict]:
+    from shardwise.planner.search import plan
     from shardwise.planner.specs import NAMED
 
-    a100 = PRESETS["dgx-a100-80gb"]
     rows = []
     for name, tp, pp, gpus, batch, published in MEGATRON:
-        t0 = time.time()
+        t0 = time.process_time()
         spec = NAMED[name]
-        dp = gpus // (tp * pp)
         F = paper_flops(spec, batch)
-        best = None
-        big = pp >= 16  # hundreds of micro-batches on tens of stages: fewer, slower walks
-        for mb in ((1,) if big else (1, 2, 4)):
-            per = batch // dp
-            if per % mb:
-                continue
-            scheds = [("1f1b", 1)] + ([("interleaved", 2)] + ([] if big else [("interleaved", 4)])
-                                      if pp > 1 else [])
-            cuts = ("params",) if big else ("layers", "params") if pp > 1 else ("layers",)
-            for (kind, v), by in itertools.product(scheds, cuts):
-                lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False, by)
-                if prune_reason(spec, lay, a100, False):
-                    continue
-                mem = memory_of(spec, lay, "fp16")
-                if mem["total"] > a100.memory:
-                    continue
-                t = simulate(spec, lay, a100, "fp16")
-                if best is None or t["step"] < best[1]["step"]:
-                    best = (lay, t, mem)
-        lay, t, mem = best
-        pred = F / t["step"] / gpus / 1e12
-        feasible, _ = plan(spec, a100, gpus, batch, precision="fp16", micro_batches=[1, 2, 4],
-                           zero=(0, 1), simulate_top=simulate_top)
-        own = feasible[0] if feasible else None
-        rows.append({"model": name, "params_b": spec.params / 1e9, "gpus": gpus, "tp": tp,
-                     "pp": pp, "dp": dp, "batch": batch, "published_tflops": published,
-                     "predicted_tflops": pred, "error": pred / published - 1,
-                     "layout": lay.label(), "memory_gb": mem["total"] / 1e9,
-                     "split": {k: v / t["step"] for k, v in t.items() if k != "step"},
-                     "planner_choice": own.layout.label() if own else None,
-                     "planner_choice_tflops": F / own.time["step"] / gpus / 1e12 if own else None,
-                     "planner_choice_memory_gb": own.memory["total"] / 1e9 if own else None,
-                     "seconds": time.time() - t0})
-        print(rows[-1]["model"], f"{pred:.0f} vs {published}", rows[-1]["planner_choice"],
-              f"{rows[-1]['seconds']:.0f}s", flush=True)
+        row = {"model": name, "params_b": spec.params / 1e9, "gpus": gpus, "tp": tp, "pp": pp,
+               "dp": gpus // (tp * pp), "batch": batch, "published_tflops": published}
+        for key, cluster in models.items():
+            lay, t, mem = published_layout(spec, cluster, tp, pp, gpus, batch)
+            pred = F / t["step"] / gpus / 1e12
+            row[key] = {"predicted_tflops": pred, "error": pred / published - 1,
+                        "layout": lay.label(), "memory_gb": mem["total"] / 1e9,
+                        "split": {k: v / t["step"] for k, v in t.items() if k != "step"}}
+        # the planner's own choice, calibrated model, Megatron's kernels
+        feasible, _ = plan(spec, models["calibrated"], gpus, batch, precision="fp16",
+                           micro_batches=[1, 2, 4], zero=(0, 1), top=1)
+        own = feasible[0].layout
+        same = (own.tp, own.pp, own.dp, own.recompute, own.sp, own.zero) == (
+            tp, pp, row["dp"], True, False, 0)
+        row["planner_choice"] = own.label()
+        row["planner_choice_is_published"] = same
+        row["planner_choice_tflops"] = F / feasible[0].time["step"] / gpus / 1e12
+        row["planner_choice_memory_gb"] = feasible[0].memory["total"] / 1e9
+        row["cpu_seconds"] = time.process_time() - t0
+        print(name, " ".join(f"{k} {row[k]['predicted_tflops']:.0f}" for k in models),
+              f"vs {published}; plan: {own.label()} ({row['cpu_seconds']:.1f} s CPU)",
+              flush=True)
+        rows.append(row)
     return rows
 
 
@@ -122,38 +210,69 @@ def zero_rows() -> list[dict]:
 
 
 def main() -> None:
+    from shardwise.planner.hardware import GEMM_SCALE
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "planner_results"))
-    ap.add_argument("--simulate-top", type=int, default=4,
-                    help="layouts of the free search the simulator runs (after the analytic rank)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meg, zero = megatron_rows(a.simulate_top), zero_rows()
-    lines = ["Megatron-LM weak scaling on DGX A100 80 GB (Narayanan et al. SC 2021, Table 1): "
-             "teraFLOP/s per GPU; constants: 312 TFLOP/s peak x 0.5, NVLink3 300 GB/s, HDR "
-             "200 Gb/s per GPU",
+    t0 = time.process_time()
+    scale = calibrate()
+    assert abs(scale - GEMM_SCALE) < 5e-4, (scale, GEMM_SCALE)  # the constant in hardware.py
+    models = clusters(GEMM_SCALE)
+    meg, kor, zero = megatron_rows(models), korthikanti_rows(models), zero_rows()
+    keys = list(models)
+    lines = [("Megatron-LM weak scaling on DGX A100 80 GB (Narayanan et al. SC 2021, Table 1): "
+             "teraFLOP/s per GPU in the paper's layout (tp x pp x dp, full recomputation, fp16)"),
+             ("fixed: every matmul at 0.5 x 312 TFLOP/s, NVLink3 300 GB/s, HDR 200 Gb/s per GPU; "
+             "per-op: GEMMs by size, memory-bound kernels by bytes (Calculon's A100 tables), "
+             "Megatron's kernels, links at Calculon's efficiencies; calibrated: per-op with "
+             f"GEMM efficiencies x {scale:.4f} (solved on Korthikanti et al.'s 22B run)"),
              f"{'model':<15} {'GPUs':>5} {'tp':>2} {'pp':>3} {'dp':>3} {'published':>9} "
-             f"{'predicted':>9} {'error':>6}  {'layout simulated (published tp/pp/dp)':<44} "
-             f"{'GB/GPU':>6}  planner's own choice (TFLOP/s)"]
+             + " ".join(f"{k:>10} {'error':>6}" for k in keys)
+             + "  planner's choice (calibrated, TFLOP/s)"]
     for r in meg:
+        choice = ("the published layout" if r["planner_choice_is_published"] else
+                  f"{r['planner_choice']}")
         lines.append(f"{r['model']:<15} {r['gpus']:>5} {r['tp']:>2} {r['pp']:>3} {r['dp']:>3} "
-                     f"{r['published_tflops']:>9} {r['predicted_tflops']:>9.0f} "
-                     f"{r['error']:>+6.0%}  {r['layout']:<44} {r['memory_gb']:>6.1f}  "
-                     f"{r['planner_choice']} ({r['planner_choice_tflops'] or 0:.0f})")
-    worst = max(abs(r["error"]) for r in meg)
-    lines.append(f"worst |error| {worst:.0%}; rows within 15%: "
-                 f"{sum(abs(r['error']) <= 0.15 for r in meg)} of {len(meg)}")
-    lines += ["", "ZeRO memory per device, GB (Rajbhandari et al. SC 2020, Table 1) vs "
-              "planner.memory.zero_bytes (fp16, K = 12)",
+                     f"{r['published_tflops']:>9} "
+                     + " ".join(f"{r[k]['predicted_tflops']:>10.0f} {r[k]['error']:>+6.0%}"
+                                for k in keys)
+                     + f"  {choice} ({r['planner_choice_tflops']:.0f})")
+    for key in keys:
+        errs = [abs(r[key]["error"]) for r in meg]
+        lines.append(f"{key}: worst |error| {max(errs):.1%}, mean {sum(errs) / len(errs):.1%}; "
+                     f"rows within 10%: {sum(e <= 0.10 for e in errs)} of {len(errs)}")
+    lines.append("layouts simulated (best micro-batch, schedule, cut, per model):")
+    for r in meg:
+        lines.append(f"  {r['model']:<15} " + "; ".join(f"{k}: {r[k]['layout']}" for k in keys))
+    lw = max(len(r["layout"]) for r in kor)
+    lines += ["", ("Megatron-LM iteration time on A100s (Korthikanti et al. 2022, Table 5), "
+              "seconds; full recomputation, and sequence parallelism + selective recomputation"),
+              f"{'model':<5} {'mode':<8} {'layout':<{lw}} {'published':>9} "
+              + " ".join(f"{k:>10} {'error':>6}" for k in keys) + f"  {'GiB/GPU':>7}"]
+    for r in kor:
+        lines.append(f"{r['model']:<5} {r['mode']:<8} {r['layout']:<{lw}} {r['published_s']:>9} "
+                     + " ".join(f"{r[k]['predicted_s']:>10.2f} {r[k]['error']:>+6.1%}"
+                                for k in keys)
+                     + f"  {r['memory_gib']:>7.1f}" + ("  (calibration)" if r["calibration"]
+                                                       else ""))
+    for key in keys:
+        errs = [abs(r[key]["error"]) for r in kor if not r["calibration"]]
+        lines.append(f"{key}: the 7 predicted runs: worst |error| {max(errs):.1%}, mean "
+                     f"{sum(errs) / len(errs):.1%}")
+    lines += ["", ("ZeRO memory per device, GB (Rajbhandari et al. SC 2020, Table 1) vs "
+              "planner.memory.zero_bytes (fp16, K = 12)"),
               f"{'params':>8} {'dp':>5} {'stage':>5} {'published':>9} {'predicted':>9} {'error':>6}"]
     for r in zero:
         lines.append(f"{r['params'] / 1e9:>7g}B {r['dp']:>5} {r['stage']:>5} "
                      f"{r['published_gb']:>9g} {r['predicted_gb']:>9.3g} {r['error']:>+6.1%}")
     zw = max(abs(r["error"]) for r in zero)
     lines.append(f"worst |error| {zw:.1%} (the paper rounds to 3 significant figures)")
-    (out / "planner_published.json").write_text(json.dumps({"megatron": meg, "zero": zero},
-                                                           indent=1))
+    lines.append(f"CPU time: {time.process_time() - t0:.1f} s")
+    (out / "planner_published.json").write_text(json.dumps(
+        {"gemm_scale": scale, "megatron": meg, "korthikanti": kor, "zero": zero}, indent=1))
     (out / "planner_published.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -201,7 +201,7 @@ def test_overrides_given_as_options_reach_the_config(monkeypatch):
     assert cli_main.main(parser_args) == 0
     assert seen["x"] == ["--optimizer.lr", "1e-3", "--parallel.micro_batches", "4",
                          "--model.bias", "false", "--optimizer.lr", "2e-3"]
-    assert cli_main._split_overrides(seen["x"]) == {"optimizer.lr": 2e-3,
+    assert cli_main.split_overrides(seen["x"]) == {"optimizer.lr": 2e-3,
                                                     "parallel.micro_batches": 4,
                                                     "model.bias": False}
 

@@ -214,6 +214,13 @@ def test_refusals_at_the_door():
     assert "parallel.zero=3 with parallel.ep=2" in refuse({"dp": 2, "ep": 2, "zero": 3})
     assert "parallel.sequence_parallel with model.n_experts" in refuse(
         {"dp": 2, "tp": 2, "sequence_parallel": True})
+    # context parallelism (main's cp axis) with experts: refused in one line naming both
+    msg = refuse({"dp": 2, "ep": 2, "cp": 2})
+    assert "parallel.cp=2 with model.n_experts=4 (parallel.ep=2)" in msg, msg
+    msg = refuse({"dp": 2, "cp": 2})  # ep = 1: the per-sequence aux loss would still be wrong
+    assert "parallel.cp=2 with model.n_experts=4 (parallel.ep=1)" in msg, msg
+    assert "model.n_experts=4 with model.init_from" in refuse({"dp": 2},
+                                                              {"init_from": "hf:/nowhere"})
 
 
 def test_cli_ep2_dp2(tmp_path):
@@ -257,3 +264,17 @@ def test_shardwise_memory_with_ep(tmp_path, capsys):
     params = {ep: float(r[0][3]) for ep, r in rows.items()}
     assert params[1] > params[2] > params[4]
     assert len({r[1][5] for r in rows.values()}) == 1  # ZeRO-1 optimizer column
+
+
+def test_engine_refuses_experts_with_cp():
+    """Past the configuration too: an Engine built with cp > 1 for a model with experts
+    stops in one line (the aux loss and expert gradients are not cp-aware: docs/moe.md)."""
+    from shardwise.base.topology import Topology
+    from shardwise.engine.engine import Engine, EngineSettings
+    from shardwise.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32,
+                      n_experts=4, top_k=2, multiple_of=16)
+    with pytest.raises(ValueError, match=r"parallel.cp=2 with model.n_experts=4") as e:
+        Engine(cfg, Topology.build(cp=2, rank=0), EngineSettings(batch_size=2, seq_len=16), "cpu")
+    assert "\n" not in str(e.value)

@@ -9,7 +9,7 @@ from shardwise.base.topology import Topology, TopologyError
 
 def test_single_axis_dp4():
     topo = Topology.build(dp=4, rank=2, world_size=4)
-    assert topo.coords == {"dp": 2, "pp": 0, "tp": 0}
+    assert topo.coords == {"dp": 2, "pp": 0, "cp": 0, "tp": 0}
     assert topo.axis_ranks("dp") == [0, 1, 2, 3]
     assert topo.axis_ranks("tp") == [2] and topo.axis_ranks("pp") == [2]
     assert topo.is_first_stage and topo.is_last_stage
@@ -24,7 +24,7 @@ def test_grid_2x2x2_coordinates_roundtrip_and_groups():
         seen.add(tuple(c.values()))
     assert len(seen) == 8
     # tp fastest, then pp, then dp
-    assert topo.coords_of(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert topo.coords_of(5) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
     assert topo.all_axis_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topo.all_axis_groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert topo.all_axis_groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
@@ -75,3 +75,45 @@ def test_ep_folds_over_dp():
     assert Topology.build(dp=4, ep=4).all_ep_groups("ep_dp") == [[0], [1], [2], [3]]
     with pytest.raises(TopologyError, match=r"parallel.ep=3 does not divide parallel.dp=4"):
         Topology.build(dp=4, ep=3)
+
+
+def test_cp_sits_between_pp_and_tp():
+    """rank = ((dp * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tp fastest, then cp."""
+    topo = Topology.build(dp=2, pp=2, tp=2, cp=2, world_size=16)
+    assert topo.coords_of(0b1011) == {"dp": 1, "pp": 0, "cp": 1, "tp": 1}
+    for r in range(16):
+        assert topo.rank_of(**topo.coords_of(r)) == r
+    assert topo.all_axis_groups("tp")[:2] == [[0, 1], [2, 3]]
+    assert topo.all_axis_groups("cp")[:2] == [[0, 2], [1, 3]]
+    assert topo.all_axis_groups("pp")[0] == [0, 4]
+    assert topo.all_axis_groups("dp")[0] == [0, 8]
+    # the folded group: the dp x cp replicas of one (pp, tp) place, by dp_rank * cp + cp_rank
+    assert topo.all_axis_groups("dp_cp")[:2] == [[0, 2, 8, 10], [1, 3, 9, 11]]
+    me = Topology.build(dp=2, pp=2, tp=2, cp=2, rank=10)
+    assert (me.dp_rank, me.cp_rank, me.dp_cp, me.dp_cp_rank) == (1, 1, 4, 3)
+    assert me.axis_ranks("dp_cp")[me.dp_cp_rank] == 10
+    for axis in ("dp", "pp", "cp", "tp", "dp_cp"):
+        flat = sorted(r for g in topo.all_axis_groups(axis) for r in g)
+        assert flat == list(range(16)), axis
+
+
+def test_cp_one_keeps_the_old_grid_and_names_cp_in_errors():
+    old = Topology.build(dp=2, pp=2, tp=2)
+    assert [old.coords_of(r)["cp"] for r in range(8)] == [0] * 8
+    assert old.all_axis_groups("dp_cp") == old.all_axis_groups("dp")
+    with pytest.raises(TopologyError, match=r"dp=1 x pp=1 x cp=4 x tp=1 = 4 ranks, but the world size is 2"):
+        Topology.build(cp=4, world_size=2)
+    with pytest.raises(TopologyError, match="parallel.cp"):
+        Topology.build(cp=0)
+
+
+def test_ep_groups_stay_within_one_cp_rank():
+    """ep and ep_dp are sub-groups of dp, so with cp > 1 they hold the dp ranks of one cp
+    rank (the configuration refuses experts with cp > 1; the grid itself is consistent)."""
+    topo = Topology.build(dp=4, cp=2, ep=2, world_size=8)
+    assert topo.all_ep_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for r in range(8):
+        t = Topology.build(dp=4, cp=2, ep=2, rank=r)
+        cps = {t.coords_of(x)["cp"] for x in t.ep_ranks() + t.ep_dp_ranks()}
+        assert cps == {t.cp_rank}
+        assert t.dp_rank == t.ep_dp_rank * 2 + t.ep_rank

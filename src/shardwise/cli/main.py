@@ -1,16 +1,22 @@
-"""Command line: ``shardwise train`` (the main job), ``bench comm``, ``memory``, ``plan``
-(``--model cnn``: the CNN's per-layer plan), ``timeline``.
+"""Command line: ``shardwise train`` (the main job), ``prepare`` (token shards of your own
+data), ``export`` (a checkpoint as a Hugging Face model), ``generate`` (sample from a
+checkpoint), ``bench comm``, ``memory``, ``plan`` (``--model cnn``: the CNN's per-layer
+plan), ``timeline``.
 
 Examples::
 
     shardwise train                                   # configs/shakespeare.toml, dp=2 local ranks
     shardwise train --config configs/tiny.toml --parallel.dp 4 --training.steps 50
     shardwise train --data my.txt                     # resumes if out_dir holds a checkpoint
+    shardwise prepare my.jsonl --tokenizer bpe --out data/mine && shardwise train --data data/mine
     shardwise train --fresh                           # start over; old checkpoints moved aside
     shardwise train --max-restarts 3                  # restart the local ranks after a failure
     torchrun --nproc-per-node 2 -m shardwise train    # ranks come from torchrun's environment
     shardwise train --config configs/fashion_cnn.toml # the CNN, one strategy per layer
     shardwise plan --model cnn --batch 64 --ranks 4   # the CNN's per-layer plan and its bytes
+    shardwise train --config configs/finetune_hf.toml --model.init_from hf:DIR --data my.txt
+    shardwise export runs/finetune --format hf --out exported   # from_pretrained loads it
+    shardwise generate runs/finetune --prompt "ROMEO:" --parallel.tp 2
     shardwise train --help                            # every config field: type, default, meaning
     shardwise --version
 
@@ -28,7 +34,7 @@ import sys
 from pathlib import Path
 
 from shardwise.base.version import version
-from shardwise.cli.common import EXIT_USAGE, Parser
+from shardwise.cli.common import EXIT_USAGE, Parser, split_overrides
 
 DEFAULT_CONFIG = "configs/shakespeare.toml"
 
@@ -43,24 +49,6 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _split_overrides(extra: list[str]) -> dict:
-    from shardwise.base.config import ConfigError, parse_override_value
-
-    out, i = {}, 0
-    while i < len(extra):
-        tok = extra[i]
-        if not tok.startswith("--") or "." not in tok:
-            raise ConfigError(f"unrecognised argument {tok!r}; overrides look like --section.field VALUE")
-        key, eq, val = tok[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(extra):
-                raise ConfigError(f"--{key}: missing value")
-            val, i = extra[i + 1], i + 1
-        out[key] = parse_override_value(val)
-        i += 1
-    return out
-
-
 def cmd_train(args, extra: list[str]) -> int:
     import time
 
@@ -70,6 +58,7 @@ def cmd_train(args, extra: list[str]) -> int:
     from shardwise.base.errors import RunError
     from shardwise.data import DataError
     from shardwise.training import rundir
+    from shardwise.training.loggers import check_loggers
 
     started = time.perf_counter()  # the closing line reports the command's wall time
 
@@ -82,7 +71,7 @@ def cmd_train(args, extra: list[str]) -> int:
     # under torchrun --max-restarts, a restarted gang resumes even if launched with --fresh
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     try:
-        overrides = _split_overrides(extra)
+        overrides = split_overrides(extra)
         if args.data is not None:
             overrides["data.path"] = args.data
         config_path = args.config
@@ -90,11 +79,13 @@ def cmd_train(args, extra: list[str]) -> int:
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
         app = app_for(cfg)
+        cfg = app.resolve(cfg)  # model.init_from: the model of its config.json
+        check_loggers(cfg)  # training.tensorboard / wandb: their packages are there
         app.check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)
         app.check_data(cfg)  # missing, unreadable or too small
         if env is not None and env.world_size != cfg.world_size:
             raise ConfigError(
-                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x tp, or ps.servers "
+                f"the layout needs {cfg.world_size} ranks (parallel.dp x pp x cp x tp, or ps.servers "
                 f"+ ps.workers), but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
         local = env.local_world_size if env is not None else cfg.world_size
@@ -222,6 +213,24 @@ def cmd_plan(args, extra: list[str]) -> int:
     return plan_main(extra)
 
 
+def cmd_prepare(args, extra: list[str]) -> int:
+    from shardwise.cli.prepare import main as prepare_main
+
+    return prepare_main(extra)
+
+
+def cmd_export(args, extra: list[str]) -> int:
+    from shardwise.cli.export import main as export_main
+
+    return export_main(extra)
+
+
+def cmd_generate(args, extra: list[str]) -> int:
+    from shardwise.cli.generate import main as generate_main
+
+    return generate_main(extra)
+
+
 def cmd_timeline(args, extra: list[str]) -> int:
     from shardwise.cli.timeline import main as timeline_main
 
@@ -259,13 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train across local ranks (or as one rank under torchrun). "
                        "Any config field can be overridden: --section.field VALUE (a TOML "
                        "literal: 4, 1e-3, true, \"[32, 64]\"); every field is listed below.",
-                       usage="shardwise train [--config TOML] [--data FILE] [--resume | --fresh] "
+                       usage="shardwise train [--config TOML] [--data FILE|DIR] [--resume | --fresh] "
                        "[--max-restarts N] [--section.field VALUE ...]",
                        allow_abbrev=False, late_arguments=add_config_arguments,
                        formatter_class=_wide)
     t.add_argument("--config", metavar="TOML", help=f"TOML config (default {DEFAULT_CONFIG})")
-    t.add_argument("--data", metavar="FILE",
-                   help="train on this UTF-8 text file instead of Shakespeare")
+    t.add_argument("--data", metavar="FILE|DIR",
+                   help="train on this UTF-8 text file, or on the token shards `shardwise "
+                        "prepare` wrote to DIR, instead of Shakespeare")
     t.add_argument("--resume", action="store_true",
                    help="require a checkpoint to continue from (a run resumes by default when "
                         "its checkpoint.dir holds one)")
@@ -286,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="rank layouts of a model on a cluster: memory per GPU and "
                         "predicted step time; emit the best as a TOML", add_help=False)
     pl.set_defaults(func=cmd_plan)
+    pr = sub.add_parser("prepare", help="tokenize text, JSONL or Parquet into token shards for "
+                        "train --data DIR (char, a BPE trained here, or a tokenizer.json)",
+                        add_help=False)
+    pr.set_defaults(func=cmd_prepare)
+    ex = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model "
+                        "(config.json, safetensors, tokenizer)", add_help=False)
+    ex.set_defaults(func=cmd_export)
+    ge = sub.add_parser("generate", help="sample from a run's checkpoint in the layout of this "
+                        "launch", add_help=False)
+    ge.set_defaults(func=cmd_generate)
     tl = sub.add_parser("timeline", help="pipeline Gantt chart of a run, or of a schedule (--predict)",
                         add_help=False)
     tl.set_defaults(func=cmd_timeline)

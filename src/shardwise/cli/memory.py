@@ -5,6 +5,7 @@
     shardwise memory --config configs/tiny.toml --dp 2 --tp 2 --pp 2 --stages 0,1,2
     shardwise memory --config my_llama.toml --dp 2 --tp 2 --pp 2  # model.kind = "llama"
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
+    shardwise memory --config configs/tiny.toml --dp 2 --cp 2 --stages 1    # ZeRO over dp x cp
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, as ``shardwise train`` builds it; the header names the
@@ -18,7 +19,9 @@ with a parameter count), so ``shardwise plan`` and this report print the same by
 are named in the header: binary, MiB (2**20 bytes) or GiB (2**30) from 1 GiB, as every size
 in shardwise; except the ``--params`` table, which reproduces the ZeRO paper's (Rajbhandari
 et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
-``--budget-mb`` is MiB in both.
+``--budget-mb`` is MiB in both. Context parallelism (``--cp``) replicates the weights on its
+ranks, so ZeRO's shards span dp x cp of them (with ``--params``: N = dp x cp); it splits
+activations, which this report of static bytes does not count.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def _layout_table(args, stages: list[int]) -> int:
     from shardwise.planner.specs import describe_config, full_size
 
     over = {"parallel.dp": args.dp, "parallel.tp": args.tp, "parallel.pp": args.pp,
+            "parallel.cp": args.cp,
             "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
     if args.bucket_mb is not None:
         over["parallel.bucket_mb"] = args.bucket_mb
@@ -64,7 +68,7 @@ def _layout_table(args, stages: list[int]) -> int:
                     if z == 3 and (p.pp > 1 or p.ep > 1):
                         continue
                     preds[(z, pr, tr)] = predict_rank(
-                        d, dp=p.dp, pp=p.pp, tp=p.tp, pp_rank=pr, tp_rank=tr, zero=z,
+                        d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
@@ -72,7 +76,7 @@ def _layout_table(args, stages: list[int]) -> int:
     unit, div = unit_for(max([x["total"] for x in preds.values()] or [0]))
     print(f"{d.kind} {full_size(d) / 1e6:.2f}M parameters, {d.n_layer} layers x {d.hidden_size}, "
           f"vocab {d.vocab_size}; dp={p.dp}{f' (ep={p.ep})' if p.ep > 1 else ''} x "
-          f"pp={p.pp} x tp={p.tp}, "
+          f"pp={p.pp}" + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
@@ -91,7 +95,7 @@ def _layout_table(args, stages: list[int]) -> int:
                                             "training.precision": args.precision,
                                             "training.global_batch_size": 2 * p.dp})
             for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
-                if r["coords"]["dp"] == 0:
+                if r["coords"]["dp"] == 0 and r["coords"].get("cp", 0) == 0:
                     measured[(r["coords"]["pp"], r["coords"]["tp"])] = r["total"]
         for pr in range(p.pp):
             for tr in range(p.tp):
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
     ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over "
                     "--dp (needs --config with model.n_experts; default: the config's)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: replicas of "
+                    "the weights, ZeRO shards over dp x cp")
     ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
@@ -132,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise memory: error: --stages {args.stages!r}: expected stages 0-3, "
               "comma-separated", file=sys.stderr)
         return EXIT_USAGE
-    if args.dp < 1:
-        print(f"shardwise memory: error: --dp {args.dp}: expected a whole number >= 1",
-              file=sys.stderr)
-        return EXIT_USAGE
+    for flag, value in (("--dp", args.dp), ("--cp", args.cp)):
+        if value < 1:
+            print(f"shardwise memory: error: {flag} {value}: expected a whole number >= 1",
+                  file=sys.stderr)
+            return EXIT_USAGE
     for flag, value, least in (("--params", args.params, 1.0), ("--budget-mb", args.budget_mb, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= least and value > 0):
             print(f"shardwise memory: error: {flag} {value:g}: expected a finite number "
@@ -166,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
-    preds = {s: zero_bytes(P, args.dp, s, args.precision) for s in stages}
+    preds = {s: zero_bytes(P, args.dp * args.cp, s, args.precision) for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)
-    print(f"{name + ': ' if name else ''}P = {P:,} parameters, N = {args.dp} ranks, "
+    ranks = f"dp {args.dp} x cp {args.cp} = {args.dp * args.cp}" if args.cp > 1 else args.dp
+    print(f"{name + ': ' if name else ''}P = {P:,} parameters, N = {ranks} ranks, "
           f"{args.precision} compute with fp32 "
           f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes: decimal, as the "
           "ZeRO paper's table)")

@@ -7,12 +7,19 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
     shardwise plan --model configs/tiny.toml --gpus 4 --global-batch 8 --emit-toml best.toml
     shardwise plan --config my_llama.toml --gpus 4 --global-batch 8   # any model.kind
     shardwise plan --model tinyllama-1.1b --cluster dgx-h100 --gpus 8 --emit-toml tl.toml
+    shardwise plan --model megatron-1t --cluster dgx-a100-80gb --gpus 3072 --global-batch 3072
+    shardwise plan --model llama3-8b --cluster dgx-h100 --gpus 16 --global-batch 64 --json
 
 A TOML (``--model PATH`` or ``--config PATH``) is read as ``shardwise train`` reads it: the
 model of its ``model.kind`` (gpt, llama, a kind registered with ``shardwise.register_model``),
 planned from that model's own layers (``planner.specs``). ``--emit-toml`` writes a config
 train runs: a named Llama as ``model.kind = "llama"`` with its sizes, a TOML's model table
 as it was.
+
+The table's columns stay aligned whatever the layouts' names; ``--json`` prints one JSON
+document instead (the ranked layouts with memory in bytes and time in seconds, the pruned
+ones counted by reason), for scripts. A search that takes over a second shows a progress
+bar on stderr.
 
 Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
 no layout) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
@@ -56,6 +63,13 @@ def build_parser():
                     "`shardwise train --config PATH` runs")
     ap.add_argument("--timeline", metavar="PNG", help="draw the best layout's predicted "
                     "pipeline timeline")
+    ap.add_argument("--compute", choices=("per-op", "fixed"), default="per-op",
+                    help="GPU presets' compute model: per operation (GEMMs by size, "
+                         "memory-bound kernels by bytes; default) or one fixed matmul "
+                         "efficiency (the older model)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
+                    "memory in bytes, times in seconds, pruned counts by reason) instead of "
+                    "the tables")
     return ap
 
 
@@ -105,12 +119,13 @@ def _run(args) -> int:
         raise SpecError(f"--config {args.config!r}: no such file")
     seq = positive_number(args.seq, "--seq", integer=True) if args.seq is not None else None
     spec = load_model(source, seq)
-    cluster = get_cluster(args.cluster, spec, world)
+    cluster = get_cluster(args.cluster, spec, world, args.compute)
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
              else cluster.memory_per_rank(world))
     feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
-                            memory_limit=limit, tp_across_nodes=args.tp_across_nodes)
+                            memory_limit=limit, tp_across_nodes=args.tp_across_nodes,
+                            top=top, progress=True)
     if not feasible:
         need = smallest_need(pruned)
         if need is not None:
@@ -119,49 +134,113 @@ def _run(args) -> int:
                             f"needs {need / GiB:.3g} GiB per GPU")
         first = pruned[0].reason if pruned else "no layout"
         raise SpecError(f"no feasible layout of {spec.name} on {world} GPUs: {first}")
-    _print(spec, cluster, world, batch, precision, feasible[:top], limit)
-    if n_pruned:
-        groups: dict[str, list] = {}
-        for p in pruned:  # one line per kind of reason (numbers stripped), with an example
-            groups.setdefault("".join(ch for ch in p.reason if not ch.isdigit()), []).append(p)
-        print(f"\npruned: {len(pruned)} layouts; by reason (count, an example):")
-        for ps in sorted(groups.values(), key=len, reverse=True)[:n_pruned]:
-            lay = ps[0].layout
-            name = lay.label() if lay.micro_batches else f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
-            print(f"  {len(ps):>5}  {name:<42} {ps[0].reason}")
     best = feasible[0]
+    groups = _pruned_groups(pruned)
+    extra: dict = {}
     if args.emit_toml:
-        path = emit_toml(args.emit_toml, source, spec, best.layout, batch, precision)
-        print(f"\nbest layout written to {path}: shardwise train --config {path}")
+        extra["emitted_toml"] = str(emit_toml(args.emit_toml, source, spec, best.layout, batch,
+                                              precision))
     if args.timeline:
         from shardwise.parallel.pipeline.timeline import render
         from shardwise.planner.simulate import simulate
 
         ev = simulate(spec, best.layout, cluster, precision, with_events=True)["events"]
         render(ev, args.timeline, f"predicted {best.layout.label()} on {cluster.name}")
+        extra["timeline"] = args.timeline
+    if args.json:
+        import json
+
+        print(json.dumps(_as_json(spec, cluster, world, batch, precision, feasible[:top],
+                                  limit, groups, len(feasible), extra), indent=1))
+        return 0
+    _print(spec, cluster, world, batch, precision, feasible[:top], limit)
+    if n_pruned:
+        total = sum(n for n, _ in groups)
+        print(f"\npruned: {total} layouts; by reason (count, an example):")
+        shown = groups[:n_pruned]
+        names = [_name(ps[0].layout) for _, ps in shown]
+        width = max(len(x) for x in names)
+        for (n, ps), name in zip(shown, names):
+            print(f"  {n:>6}  {name:<{width}}  {ps[0].reason}")
+    if "emitted_toml" in extra:
+        path = extra["emitted_toml"]
+        print(f"\nbest layout written to {path}: shardwise train --config {path}")
+    if "timeline" in extra:
         print(f"predicted timeline: {args.timeline}")
     return 0
+
+
+def _name(lay) -> str:
+    return lay.label() if lay.micro_batches else f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
+
+
+def _pruned_groups(pruned) -> list[tuple[int, list]]:
+    """(layouts, records) per kind of reason (its numbers stripped), most layouts first."""
+    import re
+
+    number = re.compile(r"[0-9][0-9.]*(e[+-]?[0-9]+)?")
+    groups: dict[str, list] = {}
+    for p in pruned:
+        groups.setdefault(number.sub("#", p.reason), []).append(p)
+    out = [(sum(p.count for p in ps), ps) for ps in groups.values()]
+    return sorted(out, key=lambda g: g[0], reverse=True)
+
+
+SPLIT = ("compute", "tp", "pp", "bubble", "dp", "optimizer")
+
+
+def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simulated,
+             extra) -> dict:
+    from dataclasses import asdict
+
+    tokens = batch * spec.block_size
+    layouts = []
+    for i, c in enumerate(rows, 1):
+        t = c.time
+        layouts.append({"rank": i, "label": c.layout.label(), "layout": asdict(c.layout),
+                        "memory_bytes": {k: float(v) for k, v in c.memory.items()},
+                        "step_s": t["step"], "tokens_per_s": tokens / t["step"],
+                        "split_s": {k: t[k] for k in SPLIT}})
+    return {"model": {"name": spec.name, "kind": spec.family, "params": spec.params,
+                      "n_layer": spec.n_layer, "n_embd": spec.n_embd,
+                      "sequence": spec.block_size},
+            "cluster": {"name": cluster.name, "gpu": cluster.gpu,
+                        "memory_limit_bytes": float(limit),
+                        "compute": cluster.ops.name if cluster.ops else
+                        ("measured" if cluster.cores else f"fixed {cluster.efficiency:g}"),
+                        "kernels": cluster.kernels},
+            "gpus": world, "global_batch": batch, "precision": precision,
+            "layouts": layouts, "simulated": n_simulated,
+            "pruned": [{"count": n, "reason": ps[0].reason, "example": _name(ps[0].layout)}
+                       for n, ps in groups],
+            **extra}
 
 
 def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
     unit, div = unit_for(max(r.memory["total"] for r in rows))
     tokens = batch * spec.block_size
+    labels = [c.layout.label() for c in rows]
+    w = max(len("layout"), *(len(x) for x in labels))
     print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters, {spec.n_layer} layers x "
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
           f"{world} x {cluster.gpu} ({cluster.name}, "
           f"{limit / GiB:.3g} GiB each), global batch {batch}, {precision}")
+    model = (f"per operation ({cluster.ops.name}, {cluster.kernels} kernels)" if cluster.ops
+             else "measured on this machine" if cluster.cores
+             else f"fixed: matmuls at {cluster.efficiency:g} of peak")
+    print(f"compute model: {model}")
     print(f"memory per GPU in {unit} (1 {unit} = 2**{int(div).bit_length() - 1} bytes); time "
           "per step in ms, split "
           "in % (compute, tp, pp, bubble, dp, optimizer)")
-    print(f"{'#':>3} {'layout':<42} {'static':>8} {'activ.':>8} {'total':>8} {'step ms':>10} "
+    print(f"{'#':>3}  {'layout':<{w}}  {'static':>8} {'activ.':>8} {'total':>8} {'step ms':>10} "
           f"{'tokens/s':>10}  {'comp':>4} {'tp':>3} {'pp':>3} {'bub':>3} {'dp':>3} {'opt':>3}")
-    for i, c in enumerate(rows, 1):
+    for i, (c, label) in enumerate(zip(rows, labels), 1):
         t, m = c.time, c.memory
         static = m["params"] + m["grads"] + m["optimizer"]
-        pct = [100 * t[k] / t["step"] for k in ("compute", "tp", "pp", "bubble", "dp", "optimizer")]
-        print(f"{i:>3} {c.layout.label():<42} {static / div:>8.3f} {m['activations'] / div:>8.3f} "
+        pct = [max(0.0, 100 * t[k] / t["step"]) for k in SPLIT]  # no "-0" from rounding
+        print(f"{i:>3}  {label:<{w}}  {static / div:>8.3f} {m['activations'] / div:>8.3f} "
               f"{m['total'] / div:>8.3f} {t['step'] * 1e3:>10.1f} {tokens / t['step']:>10.0f}  "
-              + " ".join(f"{p:>3.0f}" for p in pct))
+              + f"{pct[0]:>4.0f} " + " ".join(f"{p:>3.0f}" for p in pct[1:]))
 
 
 def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) -> Path:

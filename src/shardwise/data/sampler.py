@@ -7,6 +7,10 @@ The token stream of length L is cut into ``n = (L - 1) // T`` windows of ``T + 1
 ``[r*G/dp : (r+1)*G/dp]`` of it. So for any dp the union of the ranks' batches is the same
 global batch a single process would draw, which is what makes DDP parity testable, and the
 ranks' shards never overlap. Ragged windows at an epoch's end are dropped.
+
+The position (epoch, batch in epoch) counts global batches, not a rank's: saved in a
+checkpoint, it resumes the same stream of global batches under any dp (and any tp or pp,
+which read what their dp rank reads).
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ class DistributedBatchSampler:
     """Yields this rank's ``(x, y)`` of shape ``(G/dp, T)`` each, int64, for every step.
 
     Args:
-        tokens: 1-D int64 tensor, the encoded split.
+        tokens: the encoded split, 1-D: an int64 tensor, or a ``data.shards.TokenStream``
+            (memory-mapped shards, indexed like one; only the windows drawn are read).
         block_size: T, tokens per sequence.
         global_batch_size: G, sequences per step over all dp ranks.
         dp_rank, dp_size: this rank's place on the data-parallel axis.

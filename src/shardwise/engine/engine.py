@@ -1,4 +1,4 @@
-"""One engine for every model and layout: dp x pp x tp (x ep), ZeRO 0-3, fp32 / bf16 / fp16.
+"""One engine for every model and layout: dp x pp x cp x tp (x ep), ZeRO 0-3, fp32 / bf16 / fp16.
 
 ``Engine(model, topology, settings, device)`` composes, once, in this order, for any model
 described by a ``models.description.ModelDescription`` (``model`` is one, or a registered
@@ -8,11 +8,15 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
    chunks kept and sharded by its tensor-parallel plan, then only those materialised, each
    equal to its slice of the model built from the seed (no rank holds the whole model);
    with ep > 1 each rank keeps its experts (``parallel.experts``);
-2. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
-   ZeRO-3 gather/free units); under ep the expert parameters apart, over ``ep_dp``;
-3. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
+2. with cp > 1, ``parallel.context.ContextParallel``: every batch cut to this rank's chunks
+   of each sequence (i and 2cp-1-i), and the chunks hooked so the model reads the true
+   positions of its tokens and attends by ring attention (``models.sequence``);
+3. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
+   ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``);
+   under ep the expert parameters apart, over ``ep_dp`` (experts refuse cp > 1);
+4. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
    flag, AdamW;
-4. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
+5. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
    micro-batch loop is gradient accumulation) run by ``pipeline.executor.Executor``.
 
 ``train_step`` runs one step of the schedule; ``loss`` and ``generate`` run forward-only
@@ -37,6 +41,7 @@ from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.sampling import generate
+from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.experts import is_expert
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import Executor
@@ -80,6 +85,7 @@ class EngineSettings:
     fused: bool | None = None  # AdamW kernel; None: fused on CUDA, the per-tensor loop on CPU
     compile: bool = False  # torch.compile each transformer block
     all_to_all: str = "native"  # expert parallelism's all-to-all (comm.ALL_TO_ALL_ALGORITHMS)
+    init_from: str = ""  # a Hugging Face checkpoint directory the weights come from; "": seed
 
     @classmethod
     def from_config(cls, cfg) -> "EngineSettings":
@@ -92,7 +98,8 @@ class EngineSettings:
                    initial_loss_scale=t.initial_loss_scale, lr=o.lr, betas=(o.beta1, o.beta2),
                    weight_decay=o.weight_decay, grad_clip=o.grad_clip, seed=t.seed,
                    batch_size=t.global_batch_size, seq_len=cfg.model.block_size,
-                   fused=o.fused, compile=t.compile, all_to_all=p.all_to_all)
+                   fused=o.fused, compile=t.compile, all_to_all=p.all_to_all,
+                   init_from=cfg.model.init_from.removeprefix("hf:"))
 
 
 def settle(info: dict) -> dict:
@@ -112,7 +119,8 @@ class Engine:
 
     Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
     built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1, PipeDream
-    with a tied embedding across stages.
+    with a tied embedding across stages, cp > 1 with a sequence length 2 cp does not divide
+    or a model whose description does not read positions through ``models.sequence``.
     """
 
     def __init__(self, model, topology, s: EngineSettings,
@@ -147,6 +155,9 @@ class Engine:
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = groups.pp if groups is not None else None
         self.dp_group = groups.dp if groups is not None else None
+        # the replicas of every parameter: dp x cp (cp splits tokens, not weights)
+        self.grad_group = groups.dp_cp if groups is not None else None
+        self.cp = self._context_parallel(model)
         self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
                    if groups is not None and topology.tp > 1 else RankGroup())
         self.ep = (RankGroup.from_topology(topology, "ep")
@@ -159,9 +170,13 @@ class Engine:
             n_chunks=p * v, tp=self.tp, seed=s.seed, dropout_seed=self.dropout_seed,
             device=self.device, partition_by=s.partition,
             time_sample=(s.batch_size // topology.dp // s.micro_batches, s.seq_len),
-            average=self._average, ep=self.ep, all_to_all=s.all_to_all)
+            average=self._average, ep=self.ep, all_to_all=s.all_to_all,
+            init_from=s.init_from or None)
         self.description: ModelDescription = self.local.description
         torch.manual_seed(self.dropout_seed)
+        if self.cp is not None:
+            for chunk in self.local.chunks.values():
+                self.cp.attach(chunk)
         if s.compile:
             self._compile_blocks()
         self.loss_scaler = (DynamicLossScaler(s.initial_loss_scale)
@@ -171,14 +186,16 @@ class Engine:
         tied_peer = None
         if self.local.tied and p > 1:
             other = p - 1 if self.local.has_first else 0
-            tied_peer = topology.rank_of(topology.dp_rank, other, topology.tp_rank)
+            tied_peer = topology.rank_of(topology.dp_rank, other, topology.tp_rank,
+                                         cp=topology.cp_rank)
         self.optimizer = DistributedOptimizer(
             self.sync, tp=self.tp, sequence_parallel=s.sequence_parallel, lr=s.lr,
             betas=s.betas, weight_decay=s.weight_decay, loss_scaler=self.loss_scaler,
             tied_peer=tied_peer, tied_names=self.local.tied,
             tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing,
             fused=self.device.type == "cuda" if s.fused is None else s.fused)
-        seq = s.seq_len // self.tp.size if self.tp.sequence_parallel else s.seq_len
+        seq = s.seq_len // topology.cp  # this rank's tokens of each sequence
+        seq = seq // self.tp.size if self.tp.sequence_parallel else seq
         self.act_shape = (local_batch // s.micro_batches, seq, self.description.hidden_size)
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
@@ -192,6 +209,32 @@ class Engine:
         self.sync.zero_grad()
 
     # -- composition ----------------------------------------------------------------------
+    def _context_parallel(self, model) -> ContextParallel | None:
+        """With cp > 1, this rank's ``ContextParallel`` (its ring of cp ranks); None else.
+        Checks the sequence length and that the model reads positions through
+        ``models.sequence`` (one-line ``ValueError``)."""
+        topo, s = self.topology, self.s
+        if topo.cp == 1:
+            return None
+        d = describe(model)
+        if not d.context_parallel:
+            raise ValueError(f"parallel.cp={topo.cp}: model {d.kind!r} does not say it reads "
+                             "token positions from models.sequence.positions and attends "
+                             "through models.gpt.causal_attention "
+                             "(ModelDescription.context_parallel); use cp = 1")
+        if d.n_experts:
+            raise ValueError(f"parallel.cp={topo.cp} with model.n_experts={d.n_experts}: the "
+                             "mixture of experts does not run with context parallelism; "
+                             "set parallel.cp = 1 (docs/moe.md)")
+        ring = Ring(self.topology.groups.cp if self.distributed else None,
+                    tuple(topo.axis_ranks("cp")), topo.cp_rank)
+        cp = ContextParallel(ring, self.device)
+        cp.check(s.seq_len)
+        if s.sequence_parallel and (s.seq_len // topo.cp) % topo.tp:
+            raise ValueError(f"sequence length {s.seq_len} / cp={topo.cp} is not divisible by "
+                             f"tp={topo.tp} (sequence parallelism splits each rank's tokens)")
+        return cp
+
     def _compile_blocks(self) -> None:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
         transformer block, the head) and the loss, so Inductor fuses the logits' cast into
@@ -209,17 +252,18 @@ class Engine:
         return t
 
     def _wrap_for_dp(self):
-        """The gradient sync of ``parallel.zero`` over the dp group (see ``engine.sync``);
-        under ep > 1 the expert parameters get their own, over the ep_dp group."""
+        """The gradient sync of ``parallel.zero`` over the dp x cp replicas (``engine.sync``;
+        the dp group itself when cp = 1); under ep > 1 the expert parameters get their own,
+        over the ep_dp group (experts are refused with cp > 1)."""
         named = self.local.named_parameters()
         experts = [(n, q) for n, q in named if is_expert(q)]
+        topo = self.topology
         if not experts or not self.distributed:
-            return self._sync_of(named, self.dp_group, self.topology.dp, self.topology.dp_rank)
+            return self._sync_of(named, self.grad_group, topo.dp_cp, topo.dp_cp_rank)
         if self.s.zero == 3:
             raise ValueError("parallel.zero=3 with expert parallelism: use ZeRO-1 or 2")
         dense = [(n, q) for n, q in named if not is_expert(q)]
-        topo = self.topology
-        return SplitSync(self._sync_of(dense, self.dp_group, topo.dp, topo.dp_rank),
+        return SplitSync(self._sync_of(dense, self.grad_group, topo.dp_cp, topo.dp_cp_rank),
                          self._sync_of(experts, topo.groups.ep_dp, topo.dp // topo.ep,
                                        topo.ep_dp_rank, divisor=topo.dp))
 
@@ -240,7 +284,7 @@ class Engine:
                                     params=None if whole else params, divisor=divisor)
         (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
         units = list(zip(chunk.names, chunk.layers))
-        wrapper = ZeroStage3(chunk, self.dp_group, units, self.dtype, self.loss_scaler, names)
+        wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names)
         self.chunks[c] = wrapper
         return wrapper
 
@@ -265,7 +309,7 @@ class Engine:
 
     def full_parameters(self):
         """A context in which every local parameter is materialised (ZeRO-3 gathers them;
-        collective over dp)."""
+        collective over dp x cp)."""
         return getattr(self.sync, "full_parameters", contextlib.nullcontext)()
 
     def full_tensors(self) -> dict[str, torch.Tensor]:
@@ -310,15 +354,18 @@ class Engine:
         self.sync.zero_grad()
 
     def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True) -> dict:
-        """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64.
+        """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64
+        (whole sequences: with cp > 1 each rank keeps its chunks of them).
         Returns ``{"loss", "grad_norm", "skipped"}`` (and, with ZeRO-0 buckets,
         ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
-        mean over micro-batches and dp replicas, the same on every rank. ``sync=True``: loss
+        mean over micro-batches, cp shards and dp replicas, the same on every rank. ``sync=True``: loss
         and norm as Python floats (the host waits for the device); ``sync=False``: as 0-d
         tensors on the device, so a loop can run ahead and read them at its logging interval
         (``settle`` converts such a dict)."""
         m = self.schedule.m
         self._seed_step()
+        if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
+            idx, targets = self.cp.shard(idx, targets)
         for _, layer in self.local.moe_local:  # the auxiliary losses' share of the gradient
             layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / m
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
@@ -383,15 +430,15 @@ class Engine:
 
     def _share_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The last stage's value (0-d float64) on every rank (broadcast over pp), averaged
-        over dp; stays on the device."""
+        over dp and cp (each cp rank's is the mean over as many tokens); stays on the device."""
         if not self.distributed:
             return value
         t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
             comm.broadcast(t, src=last, group=self.pp_group)
-        if self.topology.dp > 1:
-            comm.all_reduce(t, op="mean", group=self.dp_group, check=False)
+        if self.topology.dp_cp > 1:
+            comm.all_reduce(t, op="mean", group=self.grad_group, check=False)
         return t[0]
 
     # -- forward only: evaluation and generation ------------------------------------------
@@ -419,8 +466,12 @@ class Engine:
 
     @torch.no_grad()
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        """Mean cross-entropy (nats per token) of one batch, on every rank of the replica."""
+        """Mean cross-entropy (nats per token) of one batch (B, T) of whole sequences, on every
+        rank of the replica (with cp > 1 each rank evaluates its chunks, then the cp ranks
+        average)."""
         self._train(False)
+        if self.cp is not None:
+            idx, targets = self.cp.shard(idx, targets)
         logits = self._logits(idx)
         value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
         self._train(True)
@@ -429,31 +480,40 @@ class Engine:
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
             comm.broadcast(t, src=last, group=self.pp_group)
             value = float(t)
+        if self.cp is not None and self.distributed:
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            comm.all_reduce(t, op="mean", group=self.topology.groups.cp, check=False)
+            value = float(t)
         return value
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, generator: torch.Generator | None = None,
-                 **sampling) -> torch.Tensor:
+                 vocab_size: int | None = None, **sampling) -> torch.Tensor:
         """``GPT.generate`` / ``Llama.generate`` on this replica: (B, T0) -> (B, T0 + new_tokens), the same ids on
         every rank of the replica (the last stage samples; tp ranks draw alike from
         ``generator``; the token is broadcast over pp). Under sequence parallelism the
-        context is right-padded to a multiple of tp (causal attention ignores the pads).
-        ``sampling``: ``temperature``, ``top_k`` as ``models.sampling.generate``."""
+        context is right-padded to a multiple of tp (causal attention ignores the pads). With
+        cp > 1 every cp rank runs the whole context itself (no ring: contexts of any length).
+        ``vocab_size``: sample among the first ``vocab_size`` ids only (a tokenizer smaller
+        than the model's vocabulary; None: all of it). ``sampling``: ``temperature``,
+        ``top_k`` as ``models.sampling.generate``."""
+        vocab = min(vocab_size or self.description.vocab_size, self.description.vocab_size)
         last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
 
         def logits_of(ctx):  # (B, T, V) on the last stage, gathered over tp; None elsewhere
             logits = self._logits(ctx)
             if logits is None:
                 return None
-            return gather_tensor(logits, -1, self.tp)[..., :self.description.vocab_size]
+            return gather_tensor(logits, -1, self.tp)[..., :vocab]
 
         share = None
         if self.distributed and self.topology.pp > 1:
             share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group)
         self._train(False)
-        idx = generate(logits_of, idx, new_tokens, self.description.block_size,
-                       pad_to=self.tp.size if self.tp.sequence_parallel else 1, share=share,
-                       generator=generator, **sampling)
+        with self.cp.whole() if self.cp is not None else contextlib.nullcontext():
+            idx = generate(logits_of, idx, new_tokens, self.description.block_size,
+                           pad_to=self.tp.size if self.tp.sequence_parallel else 1,
+                           share=share, generator=generator, **sampling)
         self._train(True)
         return idx
 

@@ -17,7 +17,10 @@ P_pad is P with every bucket (unit, for ZeRO-3) padded to a multiple of dp, S = 
 the shard this rank owns, R <= S its real elements (AdamW keeps no moments for padding: the
 padding is stated, ``padding``). Under expert parallelism (ep > 1) the rank holds E / ep of
 each layer's experts, and with ZeRO-1/2 their buckets are padded to, and sharded over, the
-dp / ep ranks that hold the same experts (``engine.sync``); the dense ones over dp. ``Engine.memory_bytes`` measures the same categories from
+dp / ep ranks that hold the same experts (``engine.sync``); the dense ones over dp. Under
+context parallelism the cp ranks are replicas of the weights and ZeRO shards over dp x cp
+of them (``topology.dp_cp``): read dp x cp for dp above; cp changes no other static byte
+(it splits activations: ``planner.memory``); experts refuse cp > 1. ``Engine.memory_bytes`` measures the same categories from
 the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
 """
 
@@ -46,12 +49,18 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers",
-                 ep: int = 1) -> dict:
-    """Predicted bytes of the rank at (dp_rank, pp_rank, tp_rank) of ``model`` (a
+                 ep: int = 1, cp: int = 1, cp_rank: int = 0) -> dict:
+    """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     ``ep``: expert-parallel ranks (folded over dp: the rank's ep rank is dp_rank mod ep).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
+    if cp > 1 and ep > 1:
+        raise ValueError(f"parallel.cp={cp} with parallel.ep={ep}: expert parallelism does "
+                         "not run with context parallelism; set parallel.cp = 1")
+    ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
+    # ZeRO's group is every replica of the weights: dp x cp, this rank at dp_rank * cp + cp_rank
+    dp, dp_rank = dp * cp, dp_rank * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
     with torch.device("meta"):
@@ -59,7 +68,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
             model, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
             n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
             seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
-            ep=RankGroup(size=ep, rank=dp_rank % ep, axis="ep"))
+            ep=RankGroup(size=ep, rank=ep_rank, axis="ep"))
         named = local.named_parameters()
         for _, q in named:
             q.data = q.data.to(DTYPES[precision])

@@ -17,8 +17,10 @@ model's ``models.description.ModelDescription`` (no model is imported here):
 4. materialise the kept parameters on ``device`` and give them their values by replaying
    the single-process constructor's random stream (``_initialise``): each equals, bit for
    bit, its slice of ``torch.manual_seed(seed); description.build()``, and no rank ever
-   holds more than its own parameters plus one full tensor. Wrapping for dp (buckets,
-   ZeRO) is ``engine.sync``'s job.
+   holds more than its own parameters plus one full tensor. Or, from a Hugging Face
+   checkpoint (``init_from``), read each parameter's slice from its safetensors file
+   (``_load_hf``): a rank reads the bytes of its own slices only. Wrapping for dp
+   (buckets, ZeRO) is ``engine.sync``'s job.
 
 Tied input/output embeddings (``description.tied``): with pp = 1 the head shares the embedding's parameter. With
 pp > 1 the head on the last stage gets its own copy, equal at start; the engine sums the two
@@ -123,7 +125,7 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
                       average: Callable = lambda t: t, ep: RankGroup | None = None,
-                      all_to_all: str = "native") -> LocalModel:
+                      all_to_all: str = "native", init_from: str | None = None) -> LocalModel:
     """This rank's chunks of ``model`` (a ``ModelDescription`` or a registered config:
     ``GPTConfig``, ``LlamaConfig``) built after ``torch.manual_seed(seed)``, each parameter
     equal (``torch.equal``) to its slice of that model, built without ever materialising
@@ -136,9 +138,12 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     seconds passed through ``average``, which must make every rank cut alike).
     ``dropout_seed`` seeds the tensor-parallel dropout stream (plus the tp rank, as
     Megatron's model-parallel RNG). ``ep``: the expert-parallel group (None: one rank),
-    ``all_to_all`` its algorithm. Raises ``ValueError`` (one line) when tp does not divide a
-    size, ep the experts, the plan does not fit the model, or there are more chunks than
-    layers.
+    ``all_to_all`` its algorithm. ``init_from``: a Hugging Face checkpoint directory whose
+    tensors the parameters take instead (``_load_hf``; the description's ``hf`` arch names
+    them); ``seed`` is then not used. Raises ``ValueError`` (one line) when tp does not
+    divide a size, ep the experts, the plan does not fit the model, or there are more chunks
+    than layers, and ``CheckpointError`` (a ``ValueError``) for a checkpoint that lacks a
+    tensor or holds it in another shape.
     """
     d = describe(model)
     ep = ep if ep is not None else RankGroup(axis="ep")
@@ -158,6 +163,8 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     if moe_layers and not d.n_experts:
         raise ValueError(f"{d.kind}: {moe_layers[0]} is a mixture of experts "
                          "(pop_router_stats) but the description's n_experts is 0")
+    # the full shapes, before tp sharding replaces the layers' modules (init_from reads them)
+    full_shapes = {n: tuple(p.shape) for n, p in record.model.named_parameters()}
     vocab_params = d.vocab_params(record.model)
     flops = d.flops_per_token(record.model)
     layers = d.layers(record.model)
@@ -202,7 +209,7 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
                        vocab_params=vocab_params, flops_per_token=flops, ep=ep,
                        moe_layers=moe_layers, moe_local=moe_local)
     if torch.device(device).type != "meta":  # meta: shapes only (engine.memory's prediction)
-        _initialise(local, record, seed, torch.device(device))
+        _initialise(local, record, seed, torch.device(device), init_from, full_shapes)
     return local
 
 
@@ -236,7 +243,9 @@ def _find(chunks: dict[int, StageChunk], name: str) -> tuple[nn.Module, str] | N
     return None
 
 
-def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.device) -> None:
+def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.device,
+                init_from: str | None = None,
+                full_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Materialise ``local``'s meta parameters on ``device`` with exactly the values of
     their slices of ``torch.manual_seed(seed); description.build()`` (CPU), never holding
     the model.
@@ -255,7 +264,9 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     (``_copy_slice``, what ``LocalModel.local_tensor`` gives: the ep and tp slice, vocabulary
     padding as zeros; the untied head copy on the last stage takes the embedding's value).
     Peak memory beyond the local parameters: one full tensor on the CPU. The global RNG is
-    not touched (the engine reseeds it for dropout right after).
+    not touched (the engine reseeds it for dropout right after). With ``init_from`` the
+    values come from that Hugging Face checkpoint instead (``_load_hf``, ``full_shapes``
+    the unsharded shape of each parameter).
     """
     for c in local.chunks.values():
         for n, _ in c.named_buffers():
@@ -270,6 +281,10 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
                 seen.add(id(p))
                 targets.setdefault(name, []).append(p)
 
+    if init_from:
+        _load_hf(local, init_from, targets, full_shapes)
+        return
+
     def sink(name: str, full: torch.Tensor) -> None:
         for p in targets[name]:
             src, ep_dim = full, getattr(p, "ep_dim", None)
@@ -279,6 +294,53 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
             _copy_slice(p.detach(), src, getattr(p, "tp_dim", None), local.tp.rank)
 
     replay_init(record, seed, list(targets), sink)
+
+
+@torch.no_grad()
+def _load_hf(local: LocalModel, path: str, targets: dict[str, list[nn.Parameter]],
+             full_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Fill ``targets`` (full model name -> this rank's parameters of that name) from the
+    Hugging Face checkpoint at ``path``: for each, the description's arch
+    (``ModelDescription.hf``) names the checkpoint tensor and how ours lies in it
+    (transposed, a piece of a packed tensor), and only this rank's slice along ``tp_dim``
+    is read (``safetensors`` slicing); vocabulary padding rows are zero; the head tied to
+    the embedding (one parameter at pp = 1, a copy on the last stage otherwise) reads the
+    embedding's tensor. Values are cast to the parameter's dtype (fp32 here: the masters
+    are made from them)."""
+    from shardwise.base.errors import CheckpointError
+    from shardwise.checkpoint.hf import SafetensorsDir
+
+    d = local.description
+    if d.hf is None:
+        raise ValueError(f"model.init_from: model.kind={d.kind!r} has no Hugging Face mapping "
+                         "(its ModelDescription.hf is None)")
+    files = SafetensorsDir(path)
+    rank = local.tp.rank
+    try:
+        for name, params in targets.items():
+            src = d.tied[0] if d.tied is not None and name == d.tied[1] else name
+            spec = d.hf.tensor(src)
+            shape = full_shapes[src]  # unsharded
+            want = spec.hf_shape(shape)
+            if files.shape(spec.name) != want:
+                raise CheckpointError(f"{path}: {spec.name} has shape "
+                                      f"{list(files.shape(spec.name))}, config.json implies "
+                                      f"{list(want)}")
+            for p in params:
+                dim = getattr(p, "tp_dim", None)
+                dst = p.detach()
+                if dim is None:
+                    dst.copy_(spec.to_ours(files.read(spec.name, spec.index(shape))))
+                    continue
+                n = dst.shape[dim]
+                have = max(0, min(n, shape[dim] - rank * n))
+                if have:
+                    piece = files.read(spec.name, spec.index(shape, dim, rank * n, have))
+                    dst.narrow(dim, 0, have).copy_(spec.to_ours(piece))
+                if have < n:  # vocabulary padding
+                    dst.narrow(dim, have, n - have).zero_()
+    finally:
+        files.close()
 
 
 def _copy_slice(dst: torch.Tensor, full: torch.Tensor, dim: int | None, rank: int) -> None:

@@ -1,7 +1,8 @@
 """The engine's tensors in a checkpoint, in a layout-independent (logical) form.
 
 A checkpoint holds what one process training the same model would hold, whatever the
-layout that wrote it (dp, tp, pp, ZeRO stage, precision):
+layout that wrote it (dp, cp, tp, pp, ZeRO stage, precision; cp ranks are replicas of the
+weights, so ZeRO's pieces are spread over dp x cp and joined over it):
 
 - ``model.NAME``: the fp32 master of parameter ``NAME`` (the single-process model's names
   and shapes: unsharded over tp, vocabulary padding dropped, ZeRO pieces joined);
@@ -75,7 +76,7 @@ def _pieces_by_param(engine) -> dict[str, list[tuple[int, int, int]]]:
 
 
 def _zero_sharded(engine) -> bool:
-    return engine.s.zero > 0 and engine.distributed and engine.topology.dp > 1
+    return engine.s.zero > 0 and engine.distributed and engine.topology.dp_cp > 1
 
 
 def _key(engine, name: str) -> str:
@@ -89,7 +90,7 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
     for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
     parameters; see module docstring), fresh copies that later steps do not change.
-    Collective over dp under ZeRO. Parameters not stepped yet get zero moments and step 0.
+    Collective over dp x cp under ZeRO. Parameters not stepped yet get zero moments and step 0.
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
@@ -107,12 +108,12 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                 bufs[j][1, a:b] = st["exp_avg"].reshape(-1)
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
-    if _zero_sharded(engine) and bufs:  # dp ranks hold disjoint ranges: a sum joins them
+    if _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
         expert = [_ep_split(engine) and is_expert(p) for _, p in named]
-        for group, which in ((engine.dp_group, False), (_ep_dp_group(engine), True)):
+        for group, which in ((engine.grad_group, False), (_ep_dp_group(engine), True)):
             coalesced_([b for b, e in zip(bufs, expert) if e == which],
                        lambda flat, g=group: comm.all_reduce(flat, group=g, check=False))
-        comm.all_reduce(steps, op="max", group=engine.dp_group, check=False)
+        comm.all_reduce(steps, op="max", group=engine.grad_group, check=False)
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
         key = _key(engine, n)
@@ -201,7 +202,9 @@ def _tp_local(engine, name: str, p, t: torch.Tensor) -> torch.Tensor:
 def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
     """Inverse of ``logical_tensors`` (``loaded`` as DCP filled it): each rank copies its
     tp slice and ZeRO ranges into its masters and AdamW's state, then the compute-dtype
-    parameters are rebuilt from the masters (``sync.after_step``). No communication."""
+    parameters are rebuilt from the masters (``sync.after_step``). No communication.
+    Without ``loaded["optimizer"]`` (the weights only: ``shardwise generate``) AdamW's state
+    is left as it is."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
     # AdamW keeps ``step`` on the CPU, except the fused kernel, which reads it on the device
@@ -209,13 +212,16 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
     by_param = _pieces_by_param(engine)
     for n, p in local.named_parameters():
         key = _key(engine, n)
-        opt = loaded["optimizer"][key]
+        opt = loaded.get("optimizer", {}).get(key)
         mine = [_tp_local(engine, n, p, t).reshape(-1)
-                for t in (loaded["model"][key], opt["exp_avg"], opt["exp_avg_sq"])]
-        step = float(opt["step"])
+                for t in (loaded["model"][key],) + ((opt["exp_avg"], opt["exp_avg_sq"])
+                                                   if opt is not None else ())]
+        step = float(opt["step"]) if opt is not None else 0.0
         for i, a, b in by_param.get(n, []):
             m = sync.pieces[i]
             m.copy_(mine[0][a:b].view_as(m))
+            if opt is None:
+                continue
             state.pop(m, None)
             if step > 0:
                 state[m] = {"step": torch.tensor(step, dtype=torch.float32,

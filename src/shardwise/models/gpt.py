@@ -20,11 +20,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.models import sequence
 from shardwise.models.sampling import generate, sample_next  # noqa: F401 (re-exported)
+
+# the MLP's GELU: exact (erf), or the tanh approximation of GPT-2 (F.gelu's "tanh")
+ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """Sizes of one GPT.
+
+    vocab_size: tokens V. block_size: longest sequence T (the rows of the position
+    embedding). n_layer, n_head, n_embd: blocks, heads, width C. dropout: on the embeddings,
+    attention weights and residual branches. bias: biases in the linear layers and
+    LayerNorms. tie_weights: the head shares the token embedding. attention: "sdpa" (fused
+    kernels) or "math" (softmax(QK^T)V written out). activation: the MLP's GELU, "gelu"
+    (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained with, Hendrycks &
+    Gimpel 2016, eq. 2; HF's ``gelu_new``). k_bias: a bias on the key projection too
+    (GPT-2's packed ``c_attn`` has one; only with ``bias``). norm_eps: the LayerNorms'
+    epsilon. Raises ``ValueError`` (one line naming the field) for an unknown activation or
+    a key bias without biases.
+    """
+
     vocab_size: int
     block_size: int = 128
     n_layer: int = 4
@@ -34,6 +52,18 @@ class GPTConfig:
     bias: bool = True
     tie_weights: bool = True
     attention: str = "sdpa"  # "sdpa": fused kernels; "math": explicit softmax(QK^T)V
+    activation: str = "gelu"
+    k_bias: bool = False
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r}: expected "
+                             f"{' or '.join(ACTIVATIONS)}")
+        if self.k_bias and not self.bias:
+            raise ValueError("model.k_bias=true with model.bias=false: a key bias needs the "
+                             "other biases too")
+
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -45,7 +75,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     materialises the (T, T) scores; on the CPU it is a fused kernel of the same maths.
     ``impl="math"``: the scores written out (B, H, T, T), as in Vaswani et al. 2017; the
     baseline ``benchmarks/gpu_mfu.py`` measures fused attention against.
+
+    Under context parallelism (``models.sequence.current()`` set by the engine) the call
+    goes to that shard's attention instead: ring attention over every rank's keys, T being
+    this rank's tokens of the sequence (``parallel.context``).
     """
+    shard = sequence.current()
+    if shard is not None and shard.attention is not None:
+        return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl)
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if impl != "math":
@@ -66,9 +103,10 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        # no key bias: q.(k + b) shifts every score of a query equally, so softmax ignores it
-        # and its gradient is zero up to rounding, which Adam would amplify into noise
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        # no key bias by default: q.(k + b) shifts every score of a query equally, so softmax
+        # ignores it and its gradient is zero up to rounding, which Adam would amplify into
+        # noise; ``k_bias`` keeps one only to hold GPT-2's weights exactly
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.k_bias)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
@@ -86,16 +124,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``fc`` (C -> 4C), GELU, ``proj`` (4C -> C). (B, T, C) -> (B, T, C)."""
+    """``fc`` (C -> 4C), GELU (``cfg.activation``), ``proj`` (4C -> C). (B, T, C) -> (B, T, C)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.approximate = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -103,9 +142,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +153,9 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token + position embedding. (B, T) int64 -> (B, T, C)."""
+    """Token + position embedding. (B, T) int64 -> (B, T, C). Positions are
+    ``models.sequence.positions``: 0..T-1, or the true positions of a context-parallel
+    rank's tokens."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -123,7 +164,7 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = sequence.positions(idx.shape[1], idx.device)  # (T,)
         return self.dropout(self.tok(idx) + self.pos(pos))
 
 
@@ -132,7 +173,7 @@ class LMHead(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,27 +261,36 @@ TP_PLAN = {
 
 
 def describe(cfg: GPTConfig):
-    """The GPT as a ``models.description.ModelDescription`` (kind "gpt")."""
+    """The GPT as a ``models.description.ModelDescription`` (kind "gpt"; Hugging Face's
+    ``GPT2LMHeadModel`` in and out, ``models.hf.GPT2``)."""
     from shardwise.models.description import ModelDescription
+    from shardwise.models.hf import GPT2
 
     c = cfg.n_embd
     return ModelDescription(
         kind="gpt", config=cfg, build=lambda: GPT(cfg), tp_plan=TP_PLAN, hidden_size=c,
         vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-        attention_width=c,
+        attention_width=c, context_parallel=True,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
-                    "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c})
+                    "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c},
+        hf=GPT2)
 
 
 def from_section(m, vocab_size: int) -> GPTConfig:
     """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
-    ``attention`` included; ``model.vocab_size`` when set, else ``vocab_size`` (the
-    tokenizer's). Raises ``ValueError`` (one line) for a field only the Llama has."""
+    ``attention``, ``activation``, ``k_bias`` and ``norm_eps`` included; ``model.vocab_size``
+    when set, else ``vocab_size`` (the tokenizer's). Raises ``ValueError`` (one line) for a
+    field only the Llama has."""
     for name in ("n_kv_heads", "ffn_hidden"):
         if getattr(m, name, 0):
             raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such size "
                              "(model.kind = \"llama\" has)")
+    if getattr(m, "rope_scaling", None):
+        raise ValueError("model.rope_scaling: the GPT has learned positions, no rotary "
+                         "embedding (model.kind = \"llama\" has)")
     return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
                      n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention)
+                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention,
+                     activation=getattr(m, "activation", "gelu"),
+                     k_bias=getattr(m, "k_bias", False), norm_eps=getattr(m, "norm_eps", 1e-5))

@@ -32,7 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
+from shardwise.models.hf import LLAMA_PREFIXES
 from shardwise.models.moe import GATINGS, Experts, MoE
 from shardwise.models.sampling import generate
 
@@ -171,11 +173,15 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32):
+def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
+                 positions: torch.Tensor | None = None):
     """cos and sin of the rotation angles, each (T, head_dim): angle(t, i) = t * inv_freq[i
-    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves)."""
+    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves).
+    ``positions``: (T,) the tokens' positions t (default 0..T-1; a context-parallel rank's
+    are its chunks', ``models.sequence.positions``)."""
     inv = rope_frequencies(cfg, device)
-    angles = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)  # (T, d/2)
+    t = torch.arange(T, device=device) if positions is None else positions
+    angles = torch.outer(t.to(device=device, dtype=torch.float32), inv)  # (T, d/2)
     emb = torch.cat([angles, angles], dim=-1)  # (T, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -222,7 +228,8 @@ class Attention(nn.Module):
         # (B, T, C) -> (B, H, T, D); a tensor-parallel rank holds -1 = its share of heads
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype)  # (T, D) each
+        cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype,  # (T, D) each
+                                positions=sequence.positions(T, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
@@ -358,8 +365,7 @@ class Llama(nn.Module):
 
 
 # our prefix -> Hugging Face's; inside a block the names are already HF's
-_TO_HF = (("embed.tok.", "model.embed_tokens."), ("blocks.", "model.layers."),
-          ("head.norm.", "model.norm."), ("head.proj.", "lm_head."))
+_TO_HF = LLAMA_PREFIXES
 
 
 def hf_name(name: str) -> str:
@@ -445,32 +451,40 @@ def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
     query heads share) and the SwiGLU width (the experts' with ``n_experts``); ep must
-    divide ``n_experts``."""
+    divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``
+    (not with ``n_experts``: a mixture of experts has no such mapping, ``hf`` is None)."""
     from shardwise.models.description import ModelDescription
+    from shardwise.models.hf import LLAMA
 
     width = ({"model.moe_ffn_hidden (expert width)": cfg.moe_ffn_hidden} if cfg.n_experts
              else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim,
+        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim, context_parallel=True,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},
-        n_experts=cfg.n_experts)
+        n_experts=cfg.n_experts, hf=None if cfg.n_experts else LLAMA)
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
     """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
     ``n_kv_heads`` / ``ffn_hidden`` / ``moe_ffn_hidden`` 0 mean Llama's defaults (n_head;
-    the 8h/3 rule; ffn_hidden). ``model.bias`` is ignored (Llama has no biases)."""
+    the 8h/3 rule; ffn_hidden). ``model.bias`` is ignored (Llama has no biases);
+    ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields). Raises ``ValueError``
+    (one line) for a field only the GPT has (``activation`` other than gelu, ``k_bias``)."""
+    if getattr(m, "k_bias", False) or getattr(m, "activation", "gelu") != "gelu":
+        raise ValueError("model.k_bias / model.activation: the GPT's; the Llama has no "
+                         "biases and a SwiGLU MLP")
     return LlamaConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
                        n_layer=m.n_layer, n_head=m.n_head, n_kv_heads=m.n_kv_heads or None,
                        n_embd=m.n_embd, ffn_hidden=m.ffn_hidden or None,
                        multiple_of=m.multiple_of, norm_eps=m.norm_eps,
-                       rope_theta=m.rope_theta, tie_weights=m.tie_weights,
-                       dropout=m.dropout, attention=m.attention, n_experts=m.n_experts,
-                       top_k=m.top_k, moe_ffn_hidden=m.moe_ffn_hidden or None,
+                       rope_theta=m.rope_theta, rope_scaling=getattr(m, "rope_scaling", None),
+                       tie_weights=m.tie_weights, dropout=m.dropout, attention=m.attention,
+                       n_experts=m.n_experts, top_k=m.top_k,
+                       moe_ffn_hidden=m.moe_ffn_hidden or None,
                        moe_gating=m.moe_gating, moe_norm_topk=m.moe_norm_topk,
                        moe_aux_loss_coef=m.moe_aux_loss_coef,
                        moe_capacity_factor=m.moe_capacity_factor,

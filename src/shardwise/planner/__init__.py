@@ -2,17 +2,18 @@
 per GPU and its step time (``shardwise plan``).
 
 - ``specs``: model sizes (named GPT-2 ... 1T, or a TOML ``[model]`` table);
-- ``hardware``: cluster presets (DGX A100 40/80 GB, DGX H100, this machine calibrated);
+- ``hardware``: cluster presets (DGX A100 40/80 GB, DGX H100, this machine calibrated), the
+  per-operation compute model (``per_op``) and the fixed-efficiency one (``FIXED_PRESETS``);
 - ``memory``: the one memory model (static bytes exact or closed form, activations after
   Korthikanti et al. 2022), shared with ``shardwise memory``;
 - ``simulate``: step time by walking the pipeline schedule's instruction lists;
 - ``search``: enumerate, prune with reasons, rank; ``cli``: the command line and the TOML.
 """
 
-from shardwise.planner.hardware import PRESETS, Cluster, get_cluster
+from shardwise.planner.hardware import FIXED_PRESETS, PRESETS, Cluster, get_cluster, per_op
 from shardwise.planner.search import Candidate, Pruned, plan
 from shardwise.planner.simulate import Layout, simulate
 from shardwise.planner.specs import NAMED, ModelSpec, SpecError, load_model
 
-__all__ = ["NAMED", "PRESETS", "Candidate", "Cluster", "Layout", "ModelSpec", "Pruned",
-           "SpecError", "get_cluster", "load_model", "plan", "simulate"]
+__all__ = ["FIXED_PRESETS", "NAMED", "PRESETS", "Candidate", "Cluster", "Layout", "ModelSpec",
+           "Pruned", "SpecError", "get_cluster", "load_model", "per_op", "plan", "simulate"]

@@ -31,7 +31,8 @@ A a s^2 b / t, with R the bytes per token and width kept whole under tensor para
 those split over t, and A the attention-score term. Two implementations are described:
 
 - ``MEGATRON``: the paper's fp16 numbers with dropout: R = 10, S = 24, A = 5; with sequence
-  parallelism R moves into S (34/t); full recomputation keeps 2 s b h (the block input).
+  parallelism R moves into S (34/t); full recomputation keeps 2 s b h (the block input) of
+  every block and recomputes one block at a time; selective recomputation drops A.
 - ``SHARDWISE``: this repository's GPT, measured with the executor's activation meter: no
   dropout masks, flash-style attention on CPU (no s^2 scores, a log-sum-exp of 2 fp32 values
   per head and token), e values per byte: R = 4e (block input, its LayerNorm output, the
@@ -48,7 +49,7 @@ reading is not an activation figure; ``tests/test_planner.py`` leaves ZeRO-3 out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardwise.engine.memory import predict_rank
@@ -97,9 +98,52 @@ def layer_weights(spec: ModelSpec, by: str = "layers") -> list[float]:
             + [float(ln + V * h)])
 
 
+@lru_cache(maxsize=1024)
 def cut(spec: ModelSpec, n_chunks: int, by: str = "layers"):
-    """The ``Partition`` of the GPT's layers into ``n_chunks`` chunks, as the engine cuts."""
-    return balanced(layer_weights(spec, by), n_chunks)
+    """The ``Partition`` of the GPT's layers into ``n_chunks`` chunks, as the engine cuts
+    (memoised: a search asks for the same few cuts thousands of times)."""
+    return fast_balanced(layer_weights(spec, by), n_chunks)
+
+
+def fast_balanced(weights: list[float], parts: int):
+    """``pipeline.partition.balanced``'s cut, computed with one numpy step per part instead
+    of a Python loop per (part, end, start): the same dynamic program (the smallest largest
+    part; ties to the earliest cut), for whole-number weights (layer counts, parameter
+    counts, all sums below 2**53: every cost exact, so the first minimum is the cut the
+    Python loop keeps). Other weights go to ``balanced`` itself."""
+    import numpy as np
+
+    from shardwise.parallel.pipeline.partition import Partition
+
+    n = len(weights)
+    w = np.asarray(weights, dtype=np.float64)
+    if (parts < 1 or parts > n or not np.all(w == np.round(w)) or np.any(w < 0)
+            or w.sum() >= 2.0 ** 53):
+        return balanced(weights, parts)
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    inf = np.inf
+    best = np.full(n + 1, inf)
+    best[0] = 0.0
+    cuts = np.zeros((parts + 1, n + 1), dtype=np.int64)
+    idx = np.arange(n + 1)
+    for k in range(1, parts + 1):
+        lo, hi = k, n - (parts - k)  # ends j in lo..hi, as balanced() visits them
+        js = idx[lo:hi + 1]
+        # cost[j, i] = max(best[i], prefix[j] - prefix[i]) for k-1 <= i < j, else inf
+        cost = np.maximum(best[None, :], prefix[js, None] - prefix[None, :])
+        cost[(idx[None, :] >= js[:, None]) | (idx[None, :] < k - 1)] = inf
+        arg = np.argmin(cost, axis=1)
+        nxt = np.full(n + 1, inf)
+        nxt[js] = cost[np.arange(len(js)), arg]
+        cuts[k, js] = arg
+        best = nxt
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(int(cuts[k, bounds[-1]]))
+    bounds.reverse()
+    pf = prefix.tolist()
+    costs = tuple(pf[bounds[i + 1]] - pf[bounds[i]] for i in range(parts))
+    return Partition(tuple(bounds), costs)
 
 
 def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> list[list[int]]:
@@ -113,7 +157,13 @@ def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> li
 
 
 def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int) -> int:
-    """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps."""
+    """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps
+    (memoised per layer set)."""
+    return _rank_params(spec, tuple(layers), tp, pp)
+
+
+@lru_cache(maxsize=65536)
+def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int) -> int:
     L, h = spec.n_layer, spec.n_embd
     if spec.description is not None:  # counted on meta, as the engine shards it
         t = described_layers(spec, tp)
@@ -198,9 +248,10 @@ class ActivationModel:
     scores: float
     lse: float
     recompute_keep: float  # bytes per token per width kept per block under full recompute
+    per_layer: bool = False  # recompute layer by layer (Megatron) rather than chunk by chunk
 
 
-MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2)
+MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, per_layer=True)
 
 
 def shardwise_model(precision: str, spec: ModelSpec | None = None) -> ActivationModel:
@@ -215,19 +266,23 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None) -> Activation
 
 
 def block_activation_bytes(am: ActivationModel, mb: int, s: int, h: int, a: int, tp: int,
-                           sp: bool) -> float:
-    """Bytes one block saves for backward on one micro-batch of ``mb`` sequences."""
+                           sp: bool, keys: int | None = None) -> float:
+    """Bytes one block saves for backward on one micro-batch of ``mb`` sequences of ``s``
+    tokens each, their queries reading ``keys`` keys (default ``s``; a context-parallel
+    rank's ``s`` tokens read the whole sequence's)."""
+    keys = s if keys is None else keys
     sbh = s * mb * h
     rep = am.replicated
     if sp:
         rep = am.gathered_sp + (am.replicated - am.gathered_sp) / tp
-    return sbh * (rep + am.sharded / tp) + (am.scores * a * s * s * mb + am.lse * a * s * mb) / tp
+    return sbh * (rep + am.sharded / tp) + (am.scores * a * s * keys * mb + am.lse * a * s * mb) / tp
 
 
-def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str) -> float:
+def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str,
+                          cp: int = 1) -> float:
     """Final LayerNorm input and output, logits and their log-softmax (vocab-split over tp),
-    targets."""
-    e, s, h = BYTES[precision], spec.block_size, spec.n_embd
+    targets, for the ``block_size / cp`` tokens of each sequence a rank holds."""
+    e, s, h = BYTES[precision], spec.block_size // cp, spec.n_embd
     return mb * s * (2 * e * h + 2 * 4 * padded_vocab(spec.vocab_size, tp) / tp + 8)
 
 
@@ -242,33 +297,60 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     return -(-(warmup_forwards(p, m, v, rank) + 1) // v)
 
 
+@lru_cache(maxsize=256)
+def chunk_blocks(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[int, bool], ...]:
+    """Per chunk of ``cut``: (blocks it holds, whether it holds the head)."""
+    part, L = cut(spec, n_chunks, partition), spec.n_layer
+    return tuple((sum(1 for i in part.layers(c) if 1 <= i <= L), L + 1 in part.layers(c))
+                 for c in range(n_chunks))
+
+
+@lru_cache(maxsize=65536)
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
                      v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
-                     partition: str = "layers") -> float:
+                     partition: str = "layers", selective: bool = False,
+                     cp: int = 1) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
-    ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank)."""
+    ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
+    search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
+    in backward (Korthikanti et al. 2022, sec. 5), so its s x s scores are not kept (the
+    ``scores`` term; flash attention keeps none anyway). ``cp``: context-parallel ranks, each
+    holding ``block_size / cp`` tokens of every sequence: every term is per token and cut by
+    cp (ring attention keeps this rank's Q, K, V, output and log-sum-exp; measured 0.250 of
+    cp = 1 at cp = 4, ``benchmarks/context_parallel.py``), except written-out scores, which
+    are this rank's queries against all ``block_size`` keys."""
     am = am or shardwise_model(precision, spec)
-    s, h, a, L = spec.block_size, spec.n_embd, spec.n_head, spec.n_layer
-    blk = block_activation_bytes(am, mb, s, h, a, tp, sp)
+    if selective and not recompute:
+        am = replace(am, scores=0.0)
+    s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
+    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=spec.block_size)
     e = BYTES[precision]
-    part = cut(spec, pp * v, partition)
-    head = head_activation_bytes(spec, mb, tp, precision)
+    head = head_activation_bytes(spec, mb, tp, precision, cp)
+    sums: dict = {}
 
-    def chunk_full(c: int) -> float:
-        ls = list(part.layers(c))
-        return sum(blk for i in ls if 1 <= i <= L) + (head if L + 1 in ls else 0.0)
+    def chunk_full(nb: int, has_head: bool) -> float:
+        """nb blocks' bytes added one by one (as a sum over the chunk's layers), + the head."""
+        x = sums.get((nb, has_head))
+        if x is None:
+            x = sums[(nb, has_head)] = sum(blk for _ in range(nb)) + (head if has_head else 0.0)
+        return x
 
+    chunks_of = chunk_blocks(spec, pp * v, partition)
+    keep = mb * s * h * e / (tp if sp else 1)
     worst = 0.0
     for r in range(pp):
-        chunks = [r + i * pp for i in range(v)]
-        full = sum(chunk_full(c) for c in chunks)
+        fulls = [chunk_full(*chunks_of[r + i * pp]) for i in range(v)]
         k = in_flight(schedule, pp, micro_batches, v, r)
-        if recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
+        if recompute and am.per_layer:  # Megatron: every block's input (2 s b h) kept for
+            # each micro-batch in flight, one block recomputed in full at a time
+            nbs = sum(chunks_of[r + i * pp][0] for i in range(v))
+            layer_keep = mb * s * h * am.recompute_keep / (tp if sp else 1)
+            total = k * nbs * layer_keep + blk
+        elif recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
             # recomputed in full while (measured) about one other input is still held
-            keep = mb * s * h * e / (tp if sp else 1)
-            total = max(max(chunk_full(c) for c in chunks) + keep, k * v * keep)
+            total = max(max(fulls) + keep, k * v * keep)
         else:
-            total = k * full
+            total = k * sum(fulls)
         worst = max(worst, total)
     return worst

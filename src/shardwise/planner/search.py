@@ -3,20 +3,52 @@
 The space: every dp x tp x pp = world size, micro-batch size (a divisor of the global
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
-sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1). Tensor parallelism stays inside a node unless
-``tp_across_nodes``. Each pruned layout keeps its reason (``Pruned``); the feasible ones
-are ranked by the simulator's predicted step time (``simulate.simulate``); with many
-candidates an analytic pre-rank (the same chunk costs with the textbook bubble) keeps the
-best ``simulate_top`` for the simulator.
+sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1).
+Tensor parallelism stays inside a node unless ``tp_across_nodes``.
+
+Order of work (``plan``), each pruned layout keeping its reason (``Pruned``; a whole group
+pruned for one reason is one record with its ``count``):
+
+1. reasons that hold for a whole (tp, pp) or (pp, v) group (tp does not divide the heads,
+   tp would cross nodes, more chunks than layers) prune the group without enumerating it;
+2. the other reasons the engine has, then memory (``memory_of``: static bytes memoised per
+   (dp, tp, pp, v, ZeRO, cut), activations per micro-batch size) before any timing;
+3. every layout left gets a lower bound on its step time (``lower_bound``: the busiest
+   rank's own work, the forward chain that reaches it and the backward chain back to rank 0,
+   its data-parallel and optimizer time; per-chunk costs memoised); layouts are simulated
+   in order of that bound (``simulate.simulate``), and once ``top`` have been simulated,
+   every layout whose bound exceeds the ``top``-th best step is pruned, saying so: the
+   ``top`` best are exactly the ones simulating everything would rank first
+   (``exhaustive=True`` does, for the tests).
+
+On a cluster whose ranks share cores (``local``) the simulator is processor-sharing and the
+bound does not hold: there the old pre-rank stays (the chunk costs with the textbook bubble
+keep ``simulate_top`` layouts for the simulator, 40 by default).
 """
 
 from __future__ import annotations
 
+import heapq
+import sys
 from dataclasses import dataclass, field
 
 from shardwise.planner.hardware import Cluster
-from shardwise.planner.memory import GiB, activation_bytes, static_bytes
-from shardwise.planner.simulate import Layout, chunk_costs, simulate
+from shardwise.planner.memory import (
+    BYTES,
+    MEGATRON,
+    GiB,
+    activation_bytes,
+    stage_layers,
+    static_bytes,
+)
+from shardwise.planner.simulate import (
+    Layout,
+    chunk_costs,
+    dp_seconds,
+    optimizer_seconds,
+    simulate,
+    tied_seconds,
+)
 from shardwise.planner.specs import ModelSpec
 
 
@@ -29,9 +61,14 @@ class Candidate:
 
 @dataclass
 class Pruned:
+    """Layouts left out and why: ``layout`` (one of them, for a group), ``reason`` (one
+    line), ``need`` (bytes per GPU, when pruned for memory), ``count`` (layouts of the
+    space this record stands for: a group pruned at once for one reason)."""
+
     layout: Layout
     reason: str
     need: float | None = None  # bytes per GPU, when pruned for memory
+    count: int = 1
 
 
 def divisors(n: int) -> list[int]:
@@ -68,23 +105,39 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                                                  cut_by), None
 
 
+def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool) -> str | None:
+    """The reasons of ``prune_reason`` that depend on tp alone."""
+    for what, n in spec.tp_divides:
+        if n % tp:
+            return f"tp={tp} does not divide {what} = {n}"
+    if not spec.tp_divides and spec.n_head % tp:
+        return f"tp={tp} does not divide the {spec.n_head} heads"
+    if not spec.tp_divides and spec.kv_heads % tp:
+        return f"tp={tp} does not divide the {spec.kv_heads} key/value heads"
+    if not spec.tp_divides and spec.ffn % tp:
+        return f"tp={tp} does not divide the MLP width {spec.ffn}"
+    if tp > cluster.gpus_per_node and not tp_across_nodes:
+        return f"tp={tp} would cross nodes of {cluster.gpus_per_node} GPUs"
+    return None
+
+
+def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
+    if pp * v > spec.n_layer + 2:
+        return f"{pp * v} pipeline chunks for {spec.n_layer + 2} layers"
+    return None
+
+
 def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes: bool) -> str | None:
     """Why the engine cannot run ``lay`` (or the cluster cannot hold it), or None. The sizes
     tp must divide: a described model's own (``ModelSpec.tp_divides``, what the engine
     checks), else the heads, key/value heads and MLP width."""
-    for what, n in spec.tp_divides:
-        if n % lay.tp:
-            return f"tp={lay.tp} does not divide {what} = {n}"
-    if not spec.tp_divides and spec.n_head % lay.tp:
-        return f"tp={lay.tp} does not divide the {spec.n_head} heads"
-    if not spec.tp_divides and spec.kv_heads % lay.tp:
-        return f"tp={lay.tp} does not divide the {spec.kv_heads} key/value heads"
-    if not spec.tp_divides and spec.ffn % lay.tp:
-        return f"tp={lay.tp} does not divide the MLP width {spec.ffn}"
-    if lay.tp > cluster.gpus_per_node and not tp_across_nodes:
-        return f"tp={lay.tp} would cross nodes of {cluster.gpus_per_node} GPUs"
-    if lay.pp * lay.chunks_per_rank > spec.n_layer + 2:
-        return f"{lay.pp * lay.chunks_per_rank} pipeline chunks for {spec.n_layer + 2} layers"
+    why = tp_reason(spec, lay.tp, cluster, tp_across_nodes) or chunks_reason(
+        spec, lay.pp, lay.chunks_per_rank)
+    return why or layout_reason(spec, lay)
+
+
+def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
+    """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
     if lay.zero == 3 and lay.pp > 1:
         return "ZeRO-3 with pipeline parallelism (the engine refuses it, as DeepSpeed)"
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
@@ -93,16 +146,23 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
         return f"sequence parallelism: tp={lay.tp} does not divide the sequence {spec.block_size}"
     if lay.zero and lay.dp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
+    if lay.selective and lay.recompute:
+        return "selective and full recomputation together (full recomputes everything)"
     return None
 
 
-def memory_of(spec: ModelSpec, lay: Layout, precision: str) -> dict:
+def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shardwise") -> dict:
+    """Bytes per GPU of ``lay``: the static bytes and the activations of the kernels a block
+    runs (``hardware.KERNELS``: shardwise's measured model, or Megatron-LM's of Korthikanti
+    et al. 2022 for ``megatron-2021``)."""
     st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
                       lay.sp, partition=lay.partition)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
-                           precision=precision, partition=lay.partition)
+                           precision=precision, partition=lay.partition,
+                           am=MEGATRON if kernels == "megatron-2021" else None,
+                           selective=lay.selective)
     return {**st, "activations": act, "total": st["total"] + act}
 
 
@@ -113,31 +173,192 @@ def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     return per_chunk * (lay.chunks_per_rank * lay.micro_batches + lay.pp - 1)
 
 
+class Bounds:
+    """``lower_bound`` with its per-chunk costs and per-rank extras memoised for one search
+    (chunk costs do not depend on ZeRO or the micro-batch count; the extras, but ZeRO-3's,
+    not on the micro-batch size)."""
+
+    def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str):
+        self.spec, self.cluster, self.precision = spec, cluster, precision
+        self._costs: dict = {}
+        self._extras: dict = {}
+
+    def costs(self, lay: Layout):
+        key = (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
+               lay.recompute, lay.partition)
+        c = self._costs.get(key)
+        if c is None:
+            c = self._costs[key] = chunk_costs(self.spec, lay, self.cluster, self.precision)
+        return c
+
+    def extras(self, lay: Layout) -> list[float]:
+        """Per pipeline rank: seconds after (or beside) its last compute that ``simulate``
+        adds: dp collectives, ZeRO-3 gathers, the tied embedding's all-reduce, the
+        optimizer (the same functions)."""
+        z3 = (lay.micro_batches, lay.micro_batch_size, lay.sp, lay.recompute,
+              lay.selective) if lay.zero == 3 else ()  # its gathers hide behind compute
+        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero, z3)
+        x = self._extras.get(key)
+        if x is None:
+            spec, cl, prec = self.spec, self.cluster, self.precision
+            x = []
+            for r, layers in enumerate(stage_layers(spec, lay.pp, lay.chunks_per_rank,
+                                                    lay.partition)):
+                after, inside = dp_seconds(spec, lay, cl, prec, layers)
+                x.append(after + inside + tied_seconds(spec, lay, cl, prec, r)
+                         + optimizer_seconds(spec, lay, cl, layers))
+            self._extras[key] = x
+        return x
+
+
+def lower_bound(b: Bounds, lay: Layout) -> float:
+    """Seconds ``simulate`` cannot go below for ``lay`` (1F1B or interleaved, ranks with a
+    GPU each). Rank r runs m x (its chunks' forward + backward) of work; it cannot start
+    before micro-batch 0's forward has passed chunks 0..r-1 (each its forward time and one
+    transfer), its last op is the backward of the last micro-batch on chunk r, after which
+    chunks r-1..0 still run their backward (and transfers) before rank 0 ends; then each
+    rank adds its dp, tied-embedding and optimizer time. The maximum over ranks."""
+    costs = b.costs(lay)
+    p, m = lay.pp, lay.micro_batches
+    ex = b.extras(lay)
+    if p == 1:
+        return m * sum(c[0] + c[1] for c in costs) + ex[0]
+    spec, e = b.spec, BYTES[b.precision]
+    msg = lay.micro_batch_size * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
+    hop = b.cluster.link(lay.tp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s
+    work = [0.0] * p
+    for c, cc in enumerate(costs):
+        work[c % p] += cc[0] + cc[1]
+    best, head, tail = 0.0, 0.0, 0.0
+    for r in range(p):
+        end = head + m * work[r]
+        best = max(best, end + ex[r], end + tail + ex[0])
+        head += costs[r][0] + hop
+        tail += costs[r][1] + hop
+    return best
+
+
+def _space(spec, world, global_batch, micro_batches, zero, recompute, sp, schedules, vs,
+           pp_max, partitions):
+    """Per (tp, pp): dp, the micro-batch sizes, and the (kind, v) schedules of the space."""
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            if pp_max and pp > pp_max:
+                continue
+            dp = world // (tp * pp)
+            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
+                [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
+            per = global_batch // dp if global_batch % dp == 0 else 0
+            mbs = [mb for mb in (micro_batches or divisors(per)) if per and per % mb == 0]
+            yield tp, pp, dp, per, mbs, scheds
+
+
+def _count(mbs, scheds, zero, recompute, sp, partitions, tp, pp) -> int:
+    return (len(mbs) * len(scheds) * len(zero) * len(recompute)
+            * (len(sp) if tp > 1 else 1) * (len(partitions) if pp > 1 else 1))
+
+
 def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          precision: str | None = None, memory_limit: float | None = None,
-         tp_across_nodes: bool = False, simulate_top: int = 40, **space) -> tuple[list, list]:
-    """``(feasible ranked by predicted step time, pruned with reasons)``."""
+         tp_across_nodes: bool = False, top: int = 10, exhaustive: bool = False,
+         simulate_top: int | None = None, progress: bool = False,
+         micro_batches: list[int] | None = None, zero: list[int] = (0, 1, 2, 3),
+         recompute: list[bool] = (False, True), sp: list[bool] = (False, True),
+         schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
+         pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
+         selective: list[bool] = (False,)) -> tuple[list, list]:
+    """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
+    ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
+    is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
+    stderr when the search takes over a second. ``selective=(False, True)`` adds selective
+    recomputation (the attention core only) to the space: the model prices it, the engine
+    does not run it yet, so it is off by default."""
+    from tqdm import tqdm
+
     precision = precision or cluster.precision
     limit = memory_limit or cluster.memory_per_rank(world)
+    if simulate_top is not None:
+        top = simulate_top
+    top = max(1, int(top))
     feasible, pruned = [], []
-    for lay, why in enumerate_layouts(spec, world, global_batch, **space):
-        why = why or prune_reason(spec, lay, cluster, tp_across_nodes)
+    modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
+    bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
+    groups = list(_space(spec, world, global_batch, micro_batches, zero, recompute, sp,
+                         schedules, vs, pp_max, partitions))
+    for tp, pp, dp, per, mbs, scheds in tqdm(groups, desc="plan: layouts", unit="tp x pp",
+                                             **bar):
+        if not per:
+            pruned.append(Pruned(Layout(dp, tp, pp, 0, 0),
+                                 f"global batch {global_batch} is not divisible by dp={dp}"))
+            continue
+        why = tp_reason(spec, tp, cluster, tp_across_nodes)
         if why:
-            pruned.append(Pruned(lay, why))
+            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp)
+            if n:
+                pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0]), why, count=n))
             continue
-        mem = memory_of(spec, lay, precision)
-        if mem["total"] > limit:
-            pruned.append(Pruned(lay, f"needs {mem['total'] / GiB:.3g} GiB per GPU, more "
-                                      f"than the {limit / GiB:.3g} GiB it has", mem["total"]))
-            continue
-        feasible.append(Candidate(lay, mem))
-    if len(feasible) > simulate_top:
-        feasible.sort(key=lambda c: quick_estimate(spec, c.layout, cluster, precision))
-        feasible = feasible[:simulate_top]
-    for c in feasible:
-        c.time = simulate(spec, c.layout, cluster, precision)
-    feasible.sort(key=lambda c: (c.time["step"], c.memory["total"]))
-    return feasible, pruned
+        for kind, v in scheds:
+            why = chunks_reason(spec, pp, v)
+            if why:
+                n = _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp)
+                if n:
+                    pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0], kind, v),
+                                         why, count=n))
+                continue
+            for mb in mbs:
+                m = per // mb
+                for z in zero:
+                    for rc, sel in modes:
+                        for s in (sp if tp > 1 else (False,)):
+                            for cut_by in (partitions if pp > 1 else ("layers",)):
+                                lay = Layout(dp, tp, pp, mb, m, kind, v, z, rc, s, cut_by,
+                                             sel)
+                                why = layout_reason(spec, lay)
+                                if why:
+                                    pruned.append(Pruned(lay, why))
+                                    continue
+                                mem = memory_of(spec, lay, precision, cluster.kernels)
+                                if mem["total"] > limit:
+                                    pruned.append(Pruned(
+                                        lay, f"needs {mem['total'] / GiB:.3g} GiB per GPU, "
+                                        f"more than the {limit / GiB:.3g} GiB it has",
+                                        mem["total"]))
+                                    continue
+                                feasible.append(Candidate(lay, mem))
+    if cluster.cores:  # ranks share cores: the processor-sharing walk, no bound (docstring)
+        keep = max(top, 40 if simulate_top is None else simulate_top)
+        if len(feasible) > keep and not exhaustive:
+            feasible.sort(key=lambda c: quick_estimate(spec, c.layout, cluster, precision))
+            feasible = feasible[:keep]
+        for c in tqdm(feasible, desc="plan: simulating", unit="layout", **bar):
+            c.time = simulate(spec, c.layout, cluster, precision)
+        feasible.sort(key=lambda c: (c.time["step"], c.memory["total"]))
+        return feasible, pruned
+    b = Bounds(spec, cluster, precision)
+    order = sorted(((lower_bound(b, c.layout), i) for i, c in enumerate(feasible)))
+    done: list[Candidate] = []
+    kth: list[float] = []  # the top best steps so far, as a max-heap (negated)
+    with tqdm(desc="plan: simulating", unit="layout", **bar) as pbar:
+        for j, (lb, i) in enumerate(order):
+            if not exhaustive and len(kth) >= top and lb * (1 - 1e-9) > -kth[0]:
+                worst = -kth[0]
+                for lb2, i2 in order[j:]:
+                    pruned.append(Pruned(feasible[i2].layout,
+                                         f"at least {lb2:.5g} s per step (a lower bound), "
+                                         f"slower than the slowest of the {top} best "
+                                         f"({worst:.5g} s)"))
+                break
+            c = feasible[i]
+            c.time = simulate(spec, c.layout, cluster, precision)
+            done.append(c)
+            heapq.heappush(kth, -c.time["step"])
+            if len(kth) > top:
+                heapq.heappop(kth)
+            pbar.update(1)
+            pbar.set_postfix_str(f"bound {lb:.4g} s, {len(kth)}th best {-kth[0]:.4g} s",
+                                 refresh=False)
+    done.sort(key=lambda c: (c.time["step"], c.memory["total"]))
+    return done, pruned
 
 
 def smallest_need(pruned: list[Pruned]) -> float | None:

@@ -8,6 +8,7 @@ checkpoint, behind the small protocol of ``TrainTask``.
     every step          task.train_step(sync=False)   losses may stay device tensors
     log / eval / save   task.settle(info)             the loop's only host synchronisations
     log (log_every)     {"kind": "train", "step", **info, <unit>_per_s, step_s, flops_per_s, mfu}
+                        to metrics.jsonl, and TensorBoard / W&B when asked (``training.loggers``)
     eval (eval_every)   {"kind": "val", "step", **task.evaluate()}
     save (every)        task.save_checkpoint()
     end                 task.end_of_training(); a last evaluation; checkpoint.at_end
@@ -28,7 +29,7 @@ from shardwise.base.config import Config
 from shardwise.base.errors import NonFiniteLossError
 from shardwise.engine import settle
 from shardwise.perf import Peak, Throughput, peak_flops
-from shardwise.training.metrics import MetricsLog
+from shardwise.training.loggers import RunLog
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     ``elapsed_s`` (this loop's seconds)."""
     t, c = task.cfg.training, task.cadence
     show = task.is_main and (t.progress if progress is None else progress)
-    metrics = MetricsLog(f"{t.out_dir}/metrics.jsonl", enabled=task.is_main)
+    metrics = RunLog(task.cfg, enabled=task.is_main, device=task.device)  # jsonl, TB, W&B
     bar = progress_bar(t.steps, task.step) if show else None
     rate = task.throughput()
     started = time.perf_counter()
@@ -189,9 +190,12 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     finally:
         if bar is not None:
             bar.close()
-    task.settle()
-    task.end_of_training()
-    last = _evaluate(task, metrics, show)
+    try:
+        task.settle()
+        task.end_of_training()
+        last = _evaluate(task, metrics, show)
+    finally:
+        metrics.close()
     if c.at_end:
         task.save_checkpoint()
     history = getattr(task, "history", [])
@@ -207,7 +211,7 @@ def _postfix(task: TrainTask, row: dict) -> dict:
     return out
 
 
-def _evaluate(task: TrainTask, metrics: MetricsLog, show: bool) -> dict:
+def _evaluate(task: TrainTask, metrics: RunLog, show: bool) -> dict:
     fields = task.evaluate()
     if fields is None:
         return {}

@@ -32,7 +32,7 @@ from shardwise.training.metrics import truncate_metrics
 LOCK = ".shardwise.lock"
 CHECKPOINT_FORMAT = 2  # engine.state.FORMAT (not imported: the launcher builds no engine)
 _MODEL_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights",
-                 "n_kv_heads", "ffn_hidden", "multiple_of")
+                 "n_kv_heads", "ffn_hidden", "multiple_of", "k_bias", "activation")
 _CNN_FIELDS = ("channels", "hidden", "kernel")  # model.kind = "cnn" (issue 16)
 
 

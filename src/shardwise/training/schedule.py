@@ -14,7 +14,9 @@ from shardwise.base.config import OptimizerConfig
 def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
     """Multiplier of ``lr`` at ``step`` (0-based optimizer step): ``(step + 1) / (warmup + 1)``
     for the first ``warmup`` steps, then cosine from 1 down to ``min_lr / lr`` at ``total``
-    (held there after it)."""
+    (held there after it). ``lr`` 0 (a frozen run): 0."""
+    if lr == 0:
+        return 0.0
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))

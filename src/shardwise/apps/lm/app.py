@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from shardwise import checkpoint, comm
 from shardwise.apps.lm.model import describe_layout
-from shardwise.apps.lm.text import check_corpus
+from shardwise.apps.lm.text import check_corpus, check_tokenizer, token_unit
 from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm import check as comm_check
-from shardwise.data import CharTokenizer
+from shardwise.data.tokenizer import tokenizer_from_state
 from shardwise.models import describe_section
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.plan import check_divisible
@@ -29,13 +29,14 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
 
     ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
     newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
-    be initialised with ``dp * pp * tp`` ranks; ``device``: None for the process group's
+    be initialised with ``dp * pp * cp * tp`` ranks; ``device``: None for the process group's
     (CUDA with NCCL, else the CPU).
     """
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
-    topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+    topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
+                                                  rank=dist.get_rank(),
                                                   world_size=dist.get_world_size(), ep=p.ep))
     device = device or comm_check.group_device(None)
     tokenizer = None
@@ -44,12 +45,15 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     else:
         latest = checkpoint.find_resumable(cfg.checkpoint_dir)[0] if resume else None
     if latest is not None:
-        tokenizer = CharTokenizer.from_state_dict(checkpoint.read_meta(latest)["tokenizer"])
+        tokenizer = tokenizer_from_state(checkpoint.read_meta(latest)["tokenizer"])
     trainer = Trainer(cfg, topology, device, tokenizer=tokenizer)
     if topology.rank == 0:
         n = _full_size(trainer.description)
-        print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters, vocab {trainer.tokenizer.vocab_size}, "
-              f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val chars; "
+        source = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
+        unit = token_unit(trainer.tokenizer) + "s"
+        print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters{source}, "
+              f"vocab {trainer.tokenizer.vocab_size}{_model_vocab(trainer)}, "
+              f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val {unit}; "
               f"{describe_layout(cfg)}, {_where(device)}, {torch.get_num_threads()} threads "
               "per rank", flush=True)
         mem = trainer.engine.memory_bytes()
@@ -64,7 +68,7 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     summary = trainer.fit()
     trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
     trainer.finish()
-    return summary
+    return {**summary, "unit": token_unit(trainer.tokenizer)}
 
 
 def check_config(cfg: Config) -> None:
@@ -88,20 +92,55 @@ def check_model(cfg: Config, vocab_size: int) -> None:
 
 
 def check_data(cfg: Config) -> None:
-    """At the door: the corpus (``apps.lm.text.check_corpus``), then the model it implies
-    with the text's vocabulary (the character tokenizer's): ``check_model``.
+    """At the door: the corpus (``apps.lm.text.check_corpus``: a text file, or a prepared
+    directory and its checksums), then the model it implies with the corpus's vocabulary
+    (the character tokenizer's, or the prepared tokenizer's): ``check_model``, at most
+    ``model.vocab_size`` tokens when that is set; with ``model.init_from``, the checkpoint's
+    tensors against its config.json (``apps.lm.hf.check_init_from``).
     ``DataError`` / ``ValueError``, one line."""
+    from shardwise.apps.lm.hf import check_init_from
     from shardwise.data import load_text
+    from shardwise.data.shards import is_prepared_dir, read_manifest
 
-    text = load_text(cfg.data.path)
-    check_corpus(cfg, text)
-    check_model(cfg, len(set(text)))
+    if is_prepared_dir(cfg.data.path):
+        check_corpus(cfg)
+        vocab = read_manifest(cfg.data.path)["vocab_size"]
+    else:
+        text = load_text(cfg.data.path)
+        check_corpus(cfg, text)
+        vocab = len(set(text))
+    check_init_from(cfg, vocab)
+    if cfg.model.vocab_size and vocab > cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer has {vocab} "
+                         "ids; it must not be larger")
+    check_model(cfg, vocab)
+
+
+def check_resumable(path: str | Path, cfg: Config) -> None:
+    """At the door, before resuming ``path``: on a prepared directory, the checkpoint's
+    tokenizer must be the directory's (``DataError``)."""
+    check_tokenizer(cfg, checkpoint.read_meta(path).get("tokenizer"))
+
+
+def resolve(cfg: Config) -> Config:
+    """At the door and on every rank: ``cfg`` with what files decide filled in
+    (``model.init_from``: the model of its config.json, ``apps.lm.hf.resolve_init_from``)."""
+    from shardwise.apps.lm.hf import resolve_init_from
+
+    return resolve_init_from(cfg)
 
 
 def summary(result: dict) -> str:
-    """The end of the closing line: final train and validation loss (nats/char)."""
+    """The end of the closing line: final train and validation loss (nats per char, or per
+    token with a prepared tokenizer)."""
+    unit = result.get("unit", "char")
     return (f"final train loss {result['loss']:.4f}, validation loss "
-            f"{result['val_loss']:.4f} nats/char")
+            f"{result['val_loss']:.4f} nats/{unit}")
+
+
+def _model_vocab(trainer) -> str:
+    v = trainer.description.vocab_size
+    return f" (the model's {v})" if v != trainer.tokenizer.vocab_size else ""
 
 
 def _where(device: torch.device) -> str:

@@ -7,13 +7,15 @@ from shardwise.models.gpt import from_section as gpt_config  # noqa: F401 (the P
 
 
 def describe_layout(cfg: Config) -> str:
-    """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x tp=2 (SP)`` / ``dp=4 (ep=2)``,
-    ZeRO and precision."""
+    """``dp=2`` / ``dp=1 x pp=2 (pipedream, m=4)`` / ``dp=2 x cp=2 (ring)`` / ``dp=2 x tp=2
+    (SP)`` / ``dp=4 (ep=2)``, ZeRO and precision."""
     p = cfg.parallel
     parts = [f"dp={p.dp}"]
     if p.pp > 1:
         v = f", v={p.chunks_per_rank}" if p.schedule == "interleaved" else ""
         parts.append(f"pp={p.pp} ({p.schedule}, m={p.micro_batches}{v})")
+    if p.cp > 1:
+        parts.append(f"cp={p.cp} (ring)")
     if p.tp > 1:
         parts.append(f"tp={p.tp}" + (" (SP)" if p.sequence_parallel else ""))
     if p.ep > 1:

@@ -6,7 +6,7 @@ beside them. The tensors are the engine's in logical form (``engine.state``: fp3
 and AdamW moments as the single-process model's tensors, whatever the layout); meta holds
 the step, scheduler, the sampler's global position, optimizer hyper-parameters, loss
 scale, tokenizer, config and the layout that wrote it. Nothing in either depends on the
-layout, so a checkpoint resumes into any dp x tp x pp, ZeRO stage and precision.
+layout, so a checkpoint resumes into any dp x cp x tp x pp, ZeRO stage and precision.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ class TrainerState:
             "history": self.history,
             "loss_scaler": e.loss_scaler.state_dict() if e.loss_scaler else None,
             "tokenizer": self.tokenizer.state_dict(),
+            # model.init_from's config.json: `shardwise export` writes ours over it
+            "hf_config": getattr(self, "hf_config", None),
             "config": self.cfg.model_dump(),
             "layout": {"dp": self.topology.dp, "pp": self.topology.pp, "tp": self.topology.tp,
+                       "cp": self.topology.cp,
                        "zero": p.zero, "precision": self.cfg.training.precision},
         }
         return tensors, meta
@@ -50,6 +53,8 @@ class TrainerState:
         self.scheduler.load_state_dict(dict(meta["scheduler"]))
         for saved, live in zip(meta["param_groups"], self.optimizer.param_groups):
             live.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+        if meta.get("hf_config") is not None:
+            self.hf_config = meta["hf_config"]
         e = self.engine
         if e.loss_scaler is not None and meta.get("loss_scaler"):
             e.loss_scaler.load_state_dict(meta["loss_scaler"])

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.apps.lm.hf import resolve_init_from, source_config
 from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
-from shardwise.apps.lm.text import split_corpus
+from shardwise.apps.lm.text import split_corpus, token_unit
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.data import CharTokenizer, DistributedBatchSampler
+from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
 from shardwise.engine import Engine, EngineSettings
 from shardwise.models import describe_section
 from shardwise.training.loop import Cadence, TrainTask, run_loop
@@ -35,7 +36,9 @@ class Trainer(TrainerState, TrainTask):
     """One rank's view of a training run in any layout (see module docstring)."""
 
     def __init__(self, cfg: Config, topology: Topology, device: torch.device | None = None,
-                 tokenizer: CharTokenizer | None = None):
+                 tokenizer: CharTokenizer | HFTokenizer | None = None):
+        cfg = resolve_init_from(cfg)  # model.init_from: the sizes of its config.json
+        self.hf_config = source_config(cfg)  # kept in checkpoints, for `shardwise export`
         self.cfg, self.topology = cfg, topology
         self.device = device or torch.device("cpu")
         if self.device.type == "cuda":  # TF32 for fp32 matmuls (training.tf32); CPU: no effect
@@ -65,7 +68,7 @@ class Trainer(TrainerState, TrainTask):
         self.sample_unit = "tokens"
         self.samples_per_step = t.global_batch_size * cfg.model.block_size
         self.flops_per_sample = self.engine.local.flops_per_token
-        self.world_size = topology.dp * topology.pp * topology.tp
+        self.world_size = topology.world_size
         self.dtype = self.engine.dtype
 
     # -- one step -------------------------------------------------------------------------
@@ -97,8 +100,8 @@ class Trainer(TrainerState, TrainTask):
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """``{"val_loss": mean validation loss (nats/char)}`` over a fixed set of held-out
-        windows (collective over dp)."""
+        """``{"val_loss": mean validation loss (nats per token: per char with the character
+        tokenizer)}`` over a fixed set of held-out windows (collective over dp)."""
         t, m = self.cfg.training, self.cfg.model
         local = max(1, t.global_batch_size // self.topology.dp)
         n_windows = (len(self.val_tokens) - 1) // m.block_size
@@ -114,7 +117,8 @@ class Trainer(TrainerState, TrainTask):
         return {"val_loss": self._mean_over_dp(sum(losses) / len(losses))}
 
     def eval_line(self, row: dict) -> str:
-        return f"step {row['step']}: validation loss {row['val_loss']:.4f} nats/char"
+        return (f"step {row['step']}: validation loss {row['val_loss']:.4f} "
+                f"nats/{token_unit(self.tokenizer)}")
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self, progress: bool | None = None) -> dict:
@@ -156,8 +160,10 @@ class Trainer(TrainerState, TrainTask):
 
     def _sample(self) -> str:
         g = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed)
-        prompt = self.tokenizer.encode("\n").view(1, 1).to(self.device)
-        out = self.engine.generate(prompt, self.cfg.training.sample_chars, generator=g)
+        prompt = torch.tensor([self.tokenizer.start_ids()], device=self.device)  # (1, P)
+        # a checkpoint's vocabulary may be larger than the tokenizer's: sample from the latter
+        out = self.engine.generate(prompt, self.cfg.training.sample_chars, generator=g,
+                                   vocab_size=self.tokenizer.vocab_size)
         return self.tokenizer.decode(out[0].tolist())
 
 
@@ -167,9 +173,10 @@ def build_trainer(cfg: Config) -> Trainer:
     ``torch.distributed``."""
     p = cfg.parallel
     if dist.is_initialized():
-        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, rank=dist.get_rank(),
+        topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
+                                                  rank=dist.get_rank(),
                                                   world_size=dist.get_world_size(), ep=p.ep))
     else:
-        topo = Topology.build(p.dp, p.pp, p.tp, ep=p.ep)
+        topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep)
     return Trainer(cfg, topo)
 

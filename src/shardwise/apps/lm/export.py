@@ -1,0 +1,145 @@
+"""``shardwise export RUN_DIR --format hf --out DIR``: a checkpoint as a Hugging Face model.
+
+Reads one checkpoint of a run (the newest, or ``--step N``) with the checkpoint reader
+(checksums verified, metadata unpickled by the restricted unpickler, tensors by DCP with
+``weights_only``): its ``model.NAME`` fp32 masters are the single-process model's
+tensors whatever layout wrote them. Writes into DIR:
+
+- ``config.json``: the model's ``transformers`` config (``HFArch.config_json``: over the
+  source checkpoint's config.json when the run started from one, so its other fields,
+  token ids and context survive);
+- ``model.safetensors``, or shards above ``max_shard_bytes`` with
+  ``model.safetensors.index.json``: the tensors under ``transformers``' names and layouts
+  (GPT-2's packed, transposed ``c_attn``; a tied head written once, as HF does), fp32;
+- ``tokenizer.json`` and ``tokenizer_config.json``: the run's tokenizer for
+  ``AutoTokenizer``: a ``shardwise prepare`` tokenizer as it is (its end-of-text token as
+  ``eos_token``), the character tokenizer as a ``tokenizers`` BPE with no merges, so every
+  character is one token with the run's id.
+
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it with no custom code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise import checkpoint
+from shardwise.base.config import Config
+from shardwise.base.errors import CheckpointError
+from shardwise.checkpoint.hf import CONFIG, write_safetensors
+from shardwise.models.description import describe, describe_section
+from shardwise.models.hf import to_hf_tensors
+
+
+class ExportError(CheckpointError):
+    """Nothing to export, or nowhere to write it; one line."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What ``export_hf`` wrote: the checkpoint it read, the architecture, the files."""
+
+    source: Path
+    step: int
+    architecture: str
+    files: list[str]
+    parameters: int
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
+    """The checkpoint of ``run_dir`` to read: ``run_dir`` itself when it is one
+    (``step_NNNNNN``), else the newest complete one (or ``step``'s) under
+    ``run_dir/checkpoints`` or ``run_dir``. ``ExportError`` (one line) when there is none."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ExportError(f"{run}: no such run directory")
+    if (run / checkpoint.META).is_file() and (run / ".metadata").is_file():
+        return run
+    for root in (run / "checkpoints", run):
+        done = checkpoint.complete_checkpoints(root)
+        if step is not None:
+            done = [d for d in done if checkpoint.step_of(d) == step]
+        if done:
+            return done[-1]
+    which = f"at step {step}" if step is not None else "complete"
+    raise ExportError(f"{run}: no {which} checkpoint in it or in {run / 'checkpoints'} (a run "
+                      "writes one at its end, or every checkpoint.every steps)")
+
+
+def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
+              max_shard_bytes: int = 5 * 2**30) -> Exported:
+    """Write the checkpoint of ``run_dir`` (``find_checkpoint``) into ``out`` as a Hugging
+    Face model (see the module docstring). ``out`` must be empty or absent. Raises
+    ``ExportError`` / ``CheckpointError`` (one line) for no checkpoint, a damaged or unsafe
+    one, a non-empty ``out``, or a model kind with no Hugging Face architecture."""
+    path = find_checkpoint(run_dir, step)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {out}: exists and is not an empty directory")
+    meta = checkpoint.read_meta(path)
+    if "config" not in meta or "tokenizer" not in meta:
+        raise ExportError(f"{path}: not a language model's checkpoint (no config or tokenizer)")
+    cfg = Config.from_dict(meta["config"])
+    tok_state = meta["tokenizer"]
+    d = describe_section(cfg.model, _vocab_size(tok_state))
+    if d.hf is None:
+        raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
+                          "(ModelDescription.hf)")
+    tensors = {k.removeprefix("model."): v
+               for k, v in checkpoint.read_tensors(path, "model.").items()}
+    with torch.device("meta"):
+        complete = describe(d.hf.complete(d.config)).build()
+    hf_tensors = to_hf_tensors(d, tensors, complete)
+    config_json = d.hf.config_json(d.config, meta.get("hf_config"))
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_safetensors(out, hf_tensors, max_shard_bytes)
+    _write_json(out / CONFIG, config_json)
+    files = [CONFIG] + files + _write_tokenizer(out, tok_state, d.block_size)
+    return Exported(path, int(meta.get("step", 0)), d.hf.architecture, files,
+                    sum(t.numel() for t in hf_tensors.values()))
+
+
+def _vocab_size(tok_state: dict) -> int:
+    from shardwise.data.tokenizer import tokenizer_from_state
+
+    return tokenizer_from_state(tok_state).vocab_size
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_tokenizer(out: Path, state: dict, max_length: int) -> list[str]:
+    """``tokenizer.json`` + ``tokenizer_config.json`` for the run's tokenizer; the file names.
+    The character tokenizer becomes a ``tokenizers`` BPE over its characters with no merges
+    (each character one token, the run's ids) and a decoder that joins them; a tokenizer
+    that carries its own ``tokenizer.json`` (``state["json"]``) is written as it is."""
+    if state.get("kind") == "char":
+        from tokenizers import Tokenizer, decoders, models
+
+        vocab = {c: i for i, c in enumerate(state["chars"])}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], ignore_merges=True))
+        tok.decoder = decoders.Fuse()
+        text = tok.to_str()
+    elif isinstance(state.get("json"), str):  # shardwise prepare's: a tokenizer.json
+        text = state["json"]
+    else:
+        return []
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    if state.get("eos_id") is not None:  # documents were joined by it: HF's eos token
+        from tokenizers import Tokenizer
+
+        eos = Tokenizer.from_str(text).id_to_token(int(state["eos_id"]))
+        if eos is not None:
+            config["eos_token"] = eos
+    _write_json(out / "tokenizer_config.json", config)
+    return ["tokenizer.json", "tokenizer_config.json"]

@@ -1,0 +1,63 @@
+"""``shardwise export RUN_DIR --format hf --out DIR [--step N]``: a run's checkpoint as a
+Hugging Face model that ``transformers``' ``from_pretrained`` loads with no custom code
+(``apps.lm.export``).
+
+Examples::
+
+    shardwise export runs/finetune --format hf --out exported            # the newest checkpoint
+    shardwise export runs/finetune --format hf --out exported --step 50  # that step's
+    python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('exported')"
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Sequence
+
+from shardwise.cli.common import EXIT_USAGE, Parser
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5e9 bytes, ``"40KB"``, ``"2GiB"``, ``"1000"``; ``ValueError`` otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB, 40KB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``shardwise export``: returns 0, or 2 with one line on stderr (no checkpoint, a
+    non-empty --out, a model with no Hugging Face architecture)."""
+    ap = Parser(prog="shardwise export",
+                description="Write a run's checkpoint as a Hugging Face model: config.json, "
+                "safetensors (sharded above --max-shard-size, with an index) and the tokenizer.")
+    ap.add_argument("run_dir", metavar="RUN_DIR",
+                    help="the run's training.out_dir (its checkpoints/), a checkpoint "
+                    "directory, or one step_NNNNNN")
+    ap.add_argument("--format", required=True, choices=["hf"],
+                    help="hf: transformers' LlamaForCausalLM / GPT2LMHeadModel")
+    ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
+    ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
+                    "(default: the newest)")
+    ap.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest safetensors file before sharding (default 5GB, as "
+                    "transformers)")
+    args = ap.parse_args(argv)
+    from shardwise.apps.lm.export import export_hf
+
+    try:
+        done = export_hf(args.run_dir, args.out, args.step, parse_size(args.max_shard_size))
+    except ValueError as e:  # ExportError, CheckpointError, ConfigError: one line each
+        print(f"shardwise export: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    shards = [f for f in done.files if f.endswith(".safetensors")]
+    files = [f for f in done.files if f not in shards[1:]]
+    if len(shards) > 1:
+        files[files.index(shards[0])] = f"{len(shards)} safetensors shards"
+    print(f"shardwise export: {done.architecture}, {done.parameters / 1e6:.2f}M parameters "
+          f"from {done.source} (step {done.step}) -> {args.out}: {', '.join(files)}")
+    return 0

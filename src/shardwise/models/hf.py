@@ -1,0 +1,341 @@
+"""Hugging Face checkpoints of shardwise's decoders: tensor names, layouts and config.json.
+
+An ``HFArch`` says how one of our model kinds maps onto a ``transformers`` architecture:
+
+- ``section(config_json)``: the ``[model]`` fields (``base.config.ModelConfig``) of a
+  ``config.json``, refusing in one line what our model cannot hold exactly;
+- ``config_json(model_config, source)``: the ``config.json`` of one of our models (the
+  source checkpoint's, when the run started from one, with our sizes written over it);
+- ``tensor(name)``: where our parameter ``name`` lives in the Hugging Face state dict
+  (``HFTensor``: its name, whether it is stored transposed, which piece of a packed tensor).
+
+The description of a model carries its arch (``ModelDescription.hf``), so the engine fills
+each rank's slices from a checkpoint without importing a model, and the export packs our
+tensors back without knowing which model it writes.
+
+``LlamaForCausalLM``: our names map 1:1 (``models.llama.hf_name``), and both use the
+"rotate_half" rotary layout, so no weight is permuted. ``GPT2LMHeadModel``: its ``Conv1D``
+layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
+and V along the output features (Radford et al. 2019, the released code); our GPT holds
+them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
+tanh GELU (``activation = "gelu_tanh"``) to be GPT-2 exactly.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+
+class HFConfigError(ValueError):
+    """A ``config.json`` our models cannot hold exactly; ``str(err)`` is one line."""
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """Where one of our parameters lives in a Hugging Face state dict.
+
+    name: the Hugging Face tensor's name. transpose: it holds ours transposed (GPT-2's
+    ``Conv1D``, (in, out) where ``nn.Linear`` has (out, in)). part: ``(i, n)`` when ours is
+    the i-th of n equal pieces of it along our dim 0, the output features (GPT-2's
+    ``c_attn`` packs Q, K, V: (0, 3), (1, 3), (2, 3)); None: all of it.
+    """
+
+    name: str
+    transpose: bool = False
+    part: tuple[int, int] | None = None
+
+    def hf_dim(self, dim: int, ndim: int) -> int:
+        """The Hugging Face tensor's dim that holds our dim ``dim``."""
+        return ndim - 1 - dim if self.transpose and ndim == 2 else dim
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face tensor's shape, from our parameter's full ``shape``."""
+        out = list(shape)
+        if self.part is not None:
+            out[0] *= self.part[1]
+        return tuple(reversed(out)) if self.transpose and len(out) == 2 else tuple(out)
+
+    def index(self, shape: tuple[int, ...], dim: int | None = None, start: int = 0,
+              length: int | None = None) -> tuple[slice, ...]:
+        """The index into the Hugging Face tensor of our parameter (full ``shape``), or of
+        its rows ``start:start + length`` along our ``dim`` (a tensor-parallel slice):
+        what ``safetensors``' ``get_slice(name)[index]`` reads, nothing else."""
+        nd = len(shape)
+        index = [slice(None)] * nd
+        offset = [0] * nd
+        if self.part is not None:
+            d0 = self.hf_dim(0, nd)
+            offset[d0] = self.part[0] * shape[0]
+            index[d0] = slice(offset[d0], offset[d0] + shape[0])
+        if dim is not None:
+            d = self.hf_dim(dim, nd)
+            n = shape[dim] - start if length is None else length
+            index[d] = slice(offset[d] + start, offset[d] + start + n)
+        return tuple(index)
+
+    def to_ours(self, t: torch.Tensor) -> torch.Tensor:
+        """What ``index`` read, in our layout (a view)."""
+        return t.t() if self.transpose and t.dim() == 2 else t
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """How our model kind ``kind`` maps onto the ``transformers`` class ``architecture``
+    (``config.json``'s ``model_type``). See the module docstring for ``section``,
+    ``config_json`` and ``tensor``. ``ignored``: ``fnmatch`` patterns of checkpoint tensors
+    that are not parameters (buffers older versions saved). ``complete(config)``: the model
+    config whose parameters are every tensor the architecture has (our GPT without biases
+    is GPT-2 with zero biases; those are written as zeros on export). ``at_most``: [model]
+    fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
+    parameter depends on it)."""
+
+    kind: str
+    model_type: str
+    architecture: str
+    section: Callable[[dict], dict]
+    config_json: Callable[[Any, dict | None], dict]
+    tensor: Callable[[str], HFTensor]
+    ignored: tuple[str, ...] = ()
+    complete: Callable[[Any], Any] = lambda cfg: cfg
+    at_most: tuple[str, ...] = ()
+
+    def is_ignored(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
+
+
+def _get(c: dict, key: str, default: Any) -> Any:
+    v = c.get(key)
+    return default if v is None else v
+
+
+def _refuse(arch: str, what: str) -> HFConfigError:
+    return HFConfigError(f"config.json: {what}; shardwise's {arch} cannot hold it exactly")
+
+
+# ---- Llama -----------------------------------------------------------------------------------
+def _llama_rope(c: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling fields or None) of a config.json: transformers 5's
+    ``rope_parameters`` or the older ``rope_theta`` / ``rope_scaling``."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", _get(c, "rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise _refuse("Llama", f"rope_type={kind!r} (shardwise has default and llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise HFConfigError(f"config.json: rope_type llama3 without {missing[0]}")
+    return theta, {k: rope[k] for k in keys}
+
+
+def _llama_section(c: dict) -> dict:
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if _get(c, key, want) != want:
+            raise _refuse("Llama", f"{key}={c[key]!r} (shardwise's is {want!r})")
+    if _get(c, "head_dim", h // heads) != h // heads:
+        raise _refuse("Llama", f"head_dim={c['head_dim']} is not hidden_size / "
+                      f"num_attention_heads = {h // heads}")
+    theta, scaling = _llama_rope(c)
+    return dict(kind="llama", vocab_size=c["vocab_size"], n_embd=h,
+                n_layer=c["num_hidden_layers"], n_head=heads,
+                n_kv_heads=_get(c, "num_key_value_heads", heads),
+                ffn_hidden=c["intermediate_size"],
+                block_size=_get(c, "max_position_embeddings", 2048),
+                norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
+                rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)))
+
+
+def _llama_config_json(cfg, source: dict | None) -> dict:
+    out = dict(source or {"bos_token_id": None, "eos_token_id": None})
+    for legacy in ("rope_scaling", "rope_theta", "_name_or_path", "torch_dtype"):
+        out.pop(legacy, None)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings}
+    out.update(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        # a run may train on shorter windows than the checkpoint's context: keep its context
+        max_position_embeddings=max(cfg.block_size,
+                                    int(out.get("max_position_embeddings") or 0)),
+        rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_weights, attention_bias=False, mlp_bias=False,
+        attention_dropout=cfg.dropout, dtype="float32")
+    return out
+
+
+# our prefix -> Hugging Face's (``models.llama.hf_name``); inside a block the names are HF's
+LLAMA_PREFIXES = (("embed.tok.", "model.embed_tokens."), ("blocks.", "model.layers."),
+                  ("head.norm.", "model.norm."), ("head.proj.", "lm_head."))
+
+
+def _llama_tensor(name: str) -> HFTensor:
+    for ours, theirs in LLAMA_PREFIXES:
+        if name.startswith(ours):
+            return HFTensor(theirs + name[len(ours):])
+    raise KeyError(f"{name}: not a Llama parameter name")
+
+
+# ---- GPT-2 -----------------------------------------------------------------------------------
+# HF's names for GPT-2's activation: the tanh approximation under three names, and the exact one
+_GPT2_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_GPT2_PREFIX = (("embed.tok.", "transformer.wte."), ("embed.pos.", "transformer.wpe."),
+                ("blocks.", "transformer.h."), ("head.ln_f.", "transformer.ln_f."),
+                ("head.proj.", "lm_head."))
+_GPT2_INNER = {"attn.q_proj": ("attn.c_attn", (0, 3)), "attn.k_proj": ("attn.c_attn", (1, 3)),
+               "attn.v_proj": ("attn.c_attn", (2, 3)), "attn.out_proj": ("attn.c_proj", None),
+               "mlp.fc": ("mlp.c_fc", None), "mlp.proj": ("mlp.c_proj", None)}
+
+
+def _gpt2_section(c: dict) -> dict:
+    h = _get(c, "n_embd", 768)
+    act = _get(c, "activation_function", "gelu_new")
+    if act not in _GPT2_TANH + ("gelu",):
+        raise _refuse("GPT", f"activation_function={act!r} (shardwise's GPT has gelu and the "
+                      "tanh GELU)")
+    if _get(c, "n_inner", 4 * h) != 4 * h:
+        raise _refuse("GPT", f"n_inner={c['n_inner']} (shardwise's MLP is 4 x n_embd = {4 * h})")
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("add_cross_attention", False)):
+        if _get(c, key, want) != want:
+            raise _refuse("GPT", f"{key}={c[key]!r}")
+    return dict(kind="gpt", vocab_size=_get(c, "vocab_size", 50257), n_embd=h,
+                n_layer=_get(c, "n_layer", 12), n_head=_get(c, "n_head", 12),
+                block_size=_get(c, "n_positions", 1024), bias=True, k_bias=True,
+                activation="gelu_tanh" if act in _GPT2_TANH else "gelu",
+                norm_eps=float(_get(c, "layer_norm_epsilon", 1e-5)),
+                tie_weights=bool(_get(c, "tie_word_embeddings", True)))
+
+
+def _gpt2_config_json(cfg, source: dict | None) -> dict:
+    out = dict(source or {"bos_token_id": None, "eos_token_id": None})
+    out.pop("_name_or_path", None)
+    out.pop("torch_dtype", None)
+    act = out.get("activation_function")
+    if cfg.activation == "gelu_tanh":
+        act = act if act in _GPT2_TANH else "gelu_new"
+    else:
+        act = "gelu"
+    drop = {k: out.get(k, cfg.dropout) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    out.update(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=cfg.vocab_size,
+               n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+               n_positions=cfg.block_size, n_inner=None, activation_function=act,
+               layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=cfg.tie_weights,
+               scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+               add_cross_attention=False, dtype="float32", **drop)
+    return out
+
+
+def _gpt2_tensor(name: str) -> HFTensor:
+    for ours, theirs in _GPT2_PREFIX:
+        if name.startswith(ours):
+            rest = name[len(ours):]
+            break
+    else:
+        raise KeyError(f"{name}: not a GPT parameter name")
+    if ours != "blocks.":
+        return HFTensor(theirs + rest)
+    layer, _, inner = rest.partition(".")
+    module, _, kind = inner.rpartition(".")
+    if module in _GPT2_INNER:
+        hf_module, part = _GPT2_INNER[module]
+        return HFTensor(f"{theirs}{layer}.{hf_module}.{kind}", transpose=kind == "weight",
+                        part=part)
+    return HFTensor(f"{theirs}{layer}.{inner}")
+
+
+def _gpt2_complete(cfg):
+    return replace(cfg, bias=True, k_bias=True)
+
+
+LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
+               section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
+               ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",))
+GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
+              section=_gpt2_section, config_json=_gpt2_config_json, tensor=_gpt2_tensor,
+              ignored=("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias"),
+              complete=_gpt2_complete)
+ARCHS = (LLAMA, GPT2)
+
+
+def arch_of(config_json: dict) -> HFArch:
+    """The arch of a ``config.json`` (its ``model_type``, else its ``architectures``);
+    ``HFConfigError`` (one line, naming what is supported) for any other."""
+    model_type = config_json.get("model_type")
+    names = config_json.get("architectures") or []
+    for arch in ARCHS:
+        if model_type == arch.model_type or (model_type is None and arch.architecture in names):
+            return arch
+    what = ", ".join(names) if names else f"model_type {model_type!r}"
+    supported = " and ".join(a.architecture for a in ARCHS)
+    raise HFConfigError(f"config.json: unsupported architecture {what} (shardwise loads "
+                        f"{supported})")
+
+
+def section_of(config_json: dict) -> dict:
+    """The ``[model]`` fields of a ``config.json`` (``arch_of(...).section``); one-line
+    ``HFConfigError`` for an architecture or option our models do not have, or a size
+    missing."""
+    arch = arch_of(config_json)
+    try:
+        return arch.section(config_json)
+    except KeyError as e:
+        raise HFConfigError(f"config.json: no {e.args[0]} ({arch.architecture} needs it)") from None
+
+
+def hf_shapes(description, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{Hugging Face name: shape}`` of every tensor holding ``model``'s parameters (a
+    meta model is enough), through ``description.hf``; a tied head is the embedding's."""
+    hf = description.hf
+    tied = description.tied
+    out: dict[str, tuple[int, ...]] = {}
+    for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
+        if tied is not None and name == tied[1]:
+            continue
+        spec = hf.tensor(name)
+        out[spec.name] = spec.hf_shape(tuple(p.shape))
+    return out
+
+
+def to_hf_tensors(description, tensors: dict[str, torch.Tensor],
+                  complete_model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """Our full tensors (the single-process names and shapes, a tied head absent) as the
+    Hugging Face state dict: transposed, packed (``c_attn``), contiguous, none sharing
+    memory. ``complete_model``: the model of ``description.hf.complete(config)`` (on meta),
+    whose parameters ours lacks are written as zeros (GPT-2's biases for a GPT without
+    them); None: ``tensors`` are all there is. Raises ``KeyError`` for a name the
+    description's arch does not know."""
+    hf = description.hf
+    tied = description.tied
+    dtype = next(iter(tensors.values())).dtype
+    wanted = ({n: tuple(p.shape) for n, p in complete_model.named_parameters()}
+              if complete_model is not None else {n: tuple(t.shape) for n, t in tensors.items()})
+    out: dict[str, torch.Tensor] = {}
+    packed: dict[str, tuple[HFTensor, dict[int, torch.Tensor]]] = {}
+    for name, shape in wanted.items():
+        if tied is not None and name == tied[1]:
+            continue
+        spec = hf.tensor(name)
+        t = tensors.get(name)
+        t = torch.zeros(shape, dtype=dtype) if t is None else t
+        t = spec.to_ours(t)  # our layout -> theirs (a transpose is its own inverse)
+        if spec.part is None:
+            out[spec.name] = t.contiguous().clone()
+        else:
+            packed.setdefault(spec.name, (spec, {}))[1][spec.part[0]] = t
+    for name, (spec, parts) in packed.items():
+        dim = spec.hf_dim(0, parts[0].dim())  # the pieces lie along our output features
+        out[name] = torch.cat([parts[i] for i in sorted(parts)], dim=dim).contiguous()
+    return out

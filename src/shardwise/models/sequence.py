@@ -1,0 +1,87 @@
+"""Which tokens of each sequence a model's layers see, and how their attention reaches the rest.
+
+One process sees whole sequences: token ``t`` sits at position ``t``, and attention reads
+every key. Under context parallelism (``parallel.cp > 1``) a rank holds only some chunks of
+every sequence (``parallel.context.sharding``: chunks ``i`` and ``2cp-1-i``), so a model must
+not assume ``arange(T)``: it asks ``positions(T, device)`` for the true positions of the
+tokens it holds (the learned position table of the GPT, the rotary angles of the Llama), and
+its attention goes through ``models.gpt.causal_attention``, which hands the call to
+``current().attention`` (ring attention) when one is set.
+
+The engine sets a ``SequenceShard`` around each forward of its pipeline chunks (``use``, a
+context manager on a ``contextvars.ContextVar``: per thread, nothing left behind after an
+exception), as ``torch.autocast`` sets a dtype; with none set, the two functions are the
+single-process ones. A model that reads positions and attends this way says so in its
+description (``ModelDescription.context_parallel``); the engine refuses ``cp > 1`` for any
+other (its positions would be silently wrong). Sources: torchtitan's ``context_parallel``
+(which shards the rotary buffer and swaps ``scaled_dot_product_attention`` for the run of
+a context manager) and Megatron-LM's ``get_pos_emb_on_this_cp_rank``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """The tokens of each sequence this rank holds, and its attention over all of them.
+
+    positions: (T_local,) int64, the position in the whole sequence of each local token, in
+        local order (not sorted: chunk ``i`` then chunk ``2cp-1-i``).
+    attention: ``(q, k, v, dropout_p, impl) -> out`` over (B, H, T_local, D) tensors, causal
+        over the whole sequence (ring attention bound to its group), or None for the
+        single-process kernel.
+    """
+
+    positions: torch.Tensor
+    attention: Callable[..., torch.Tensor] | None = None
+
+
+_CURRENT: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar(
+    "shardwise_sequence_shard", default=None)
+
+
+def current() -> SequenceShard | None:
+    """The shard set by the innermost ``use``, or None (whole sequences)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(shard: SequenceShard | None) -> Iterator[None]:
+    """Within the block, ``positions`` and ``causal_attention`` follow ``shard`` (None:
+    whole sequences, even inside an outer ``use``)."""
+    token = _CURRENT.set(shard)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def enter(shard: SequenceShard | None) -> contextvars.Token:
+    """``use`` in two halves, for module hooks: ``token = enter(s)`` ... ``leave(token)``."""
+    return _CURRENT.set(shard)
+
+
+def leave(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)
+
+
+def positions(T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(T,) int64 positions of the ``T`` tokens a layer holds: ``arange(T)`` for whole
+    sequences, the shard's ``positions`` under context parallelism. Raises ``ValueError``
+    when a shard is set and holds another number of tokens (a layer that split the sequence
+    itself, e.g. one running after a sequence-parallel scatter, must slice them further)."""
+    shard = _CURRENT.get()
+    if shard is None:
+        return torch.arange(T, device=device)
+    if shard.positions.numel() != T:
+        raise ValueError(f"models.sequence.positions: a layer asked for {T} positions, but "
+                         f"this context-parallel rank holds {shard.positions.numel()} tokens "
+                         "of each sequence")
+    return shard.positions.to(device)

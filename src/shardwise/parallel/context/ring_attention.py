@@ -1,0 +1,208 @@
+"""Ring attention: exact softmax attention over a sequence split across cp ranks.
+
+Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+Context" (arXiv:2310.01889), as torchtitan's context parallel and Megatron-LM's
+``AttnFuncWithCPAndKVP2P`` run it: each rank keeps its queries; the key/value blocks travel
+once around the ring of cp ranks (``ring_comm.Ring.shift``, posted before the block it holds
+is computed, so the transfer overlaps that compute); each block's partial result is merged
+into the running one by its log-sum-exp (the online softmax of Milakov & Gimelshein 2018
+and FlashAttention, Dao et al. 2022):
+
+    lse = log(exp(lse_a) + exp(lse_b)),   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
+
+Causal masking per block pair under the load-balanced layout (``sharding``: rank i holds
+chunks i and 2cp-1-i, c tokens each; block j came from rank j):
+
+- j = i (the first step): the local queries against the local keys, causal (the local
+  concatenation is in increasing position order, so the causal mask of the whole sequence
+  restricted to it is the plain triangular one);
+- j < i: every local query against the first chunk of block j (chunk j, earlier than both
+  local chunks); its second chunk (2cp-1-j) is later than both: skipped;
+- j > i: the second local chunk (2cp-1-i) against the whole block (chunks j and 2cp-1-j are
+  both earlier); the first local chunk (i) sees neither: skipped.
+
+Every step after the first computes 2c x c scores on every rank: equal work. Without a
+causal mask every block is computed whole. The backward (``_RingAttention.backward``) passes
+the key/value blocks around the ring again, and with them their gradient accumulators dK,
+dV: each rank adds its queries' contribution to the block it holds and passes it on; after
+cp hops each accumulator is back with its owner. The per-block gradients are FlashAttention's
+(Dao 2023, algorithm 2) from the global ``out`` and ``lse``: ``P = exp(S - lse)``,
+``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO * out))``, ``dQ = dS K / sqrt(D)``,
+``dK = dS^T Q / sqrt(D)``.
+
+Block kernels (``impl``): "sdpa" uses PyTorch's fused CPU flash-attention kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and
+take the log-sum-exp) on CPU tensors and the scores written out elsewhere; "math" writes
+the scores out (B, H, Tq, Tk) in fp32 on any device. Merges and gradient accumulators are
+fp32. No attention dropout (``ValueError``): its masks would have to be drawn per block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardwise.parallel.context.ring_comm import Ring
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                         None)
+
+
+def _fused(q: torch.Tensor, impl: str) -> bool:
+    if impl not in ("sdpa", "math"):
+        raise ValueError(f"ring attention: impl={impl!r}: expected 'sdpa' or 'math'")
+    return impl == "sdpa" and q.device.type == "cpu" and _FLASH_CPU is not None
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, impl: str):
+    """Attention of queries ``q`` (B, H, Tq, D) on one key/value block (B, H, Tk, D):
+    ``(out (B, H, Tq, D) fp32, lse (B, H, Tq) fp32)``; ``causal`` needs Tq == Tk."""
+    if _fused(q, impl):
+        out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal,
+                              scale=scale)
+        return out.float(), lse.float()
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if causal:
+        T = s.shape[-1]
+        s.masked_fill_(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+
+
+def _block_backward(dout, q, k, v, out, lse, delta, causal: bool, scale: float, impl: str):
+    """Gradients ``(dq, dk, dv)`` of one block pair given the final ``out`` and ``lse`` of
+    the rows (and ``delta = rowsum(dout * out)``, fp32, (B, H, Tq))."""
+    if _fused(q, impl):
+        dq, dk, dv = _FLASH_CPU_BWD(dout.contiguous(), q.contiguous(), k.contiguous(),
+                                    v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
+                                    causal, scale=scale)
+        return dq.float(), dk.float(), dv.float()
+    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
+    s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    if causal:
+        T = s.shape[-1]
+        s.masked_fill_(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, Tq, Tk): the softmax of the whole row
+    dv = torch.matmul(p.transpose(-2, -1), df)
+    ds = p * (torch.matmul(df, vf.transpose(-2, -1)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-2, -1), qf) * scale, dv
+
+
+def _plan(ring: Ring, step: int, causal: bool, c: int):
+    """What step ``step`` computes: ``(query rows, key rows, causal)`` as slices of the
+    local sequence and of the block held, or None when the block is masked out whole."""
+    j, i = ring.source(step), ring.rank
+    everything = slice(None)
+    if step == 0:
+        return everything, everything, causal
+    if not causal:
+        return everything, everything, False
+    if j < i:
+        return everything, slice(0, c), False
+    return slice(c, None), everything, False
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor,
+           l: torch.Tensor) -> None:
+    """Fold one block's ``(o, l)`` into the running ``(out, lse)`` of ``rows``, in place."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, l)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
+                       + o * torch.exp(l - new).unsqueeze(-1))
+    lse[:, :, rows] = new
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    return t[:, :, rows]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: ring attention's output; backward: dQ here, dK/dV around the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float):
+        c = q.shape[2] // 2
+        # (B, H, T, D) laid out as (B, T, H, D), as the fused kernels return it: the caller's
+        # ``transpose(1, 2).reshape(B, T, H * D)`` is then a view, not one more saved copy
+        B, H, T, D = q.shape
+        out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = (k, v)
+        for step in range(ring.size):
+            nxt = ring.shift(kv) if step < ring.size - 1 else None  # travels while we compute
+            qr, kr, cz = _plan(ring, step, causal, c)
+            o, l = _block_forward(_rows(q, qr), _rows(kv[0], kr), _rows(kv[1], kr), cz, scale,
+                                  impl)
+            _merge(out, lse, qr, o, l)
+            if nxt is not None:
+                kv, handle = nxt
+                handle.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.causal, ctx.impl, ctx.scale = ring, causal, impl, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, causal, impl, scale = ctx.ring, ctx.causal, ctx.impl, ctx.scale
+        c = q.shape[2] // 2
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = (k, v)
+        dkv = None  # the accumulators of the block held: (dK, dV) fp32
+        pending = None  # the accumulators on their way from the previous rank
+        for step in range(ring.size):
+            nxt = ring.shift(kv) if step < ring.size - 1 else None
+            qr, kr, cz = _plan(ring, step, causal, c)
+            dq_b, dk_b, dv_b = _block_backward(
+                _rows(dout, qr), _rows(q, qr), _rows(kv[0], kr), _rows(kv[1], kr),
+                _rows(out, qr), _rows(lse, qr), _rows(delta, qr), cz, scale, impl)
+            dq[:, :, qr] += dq_b
+            if pending is None:  # step 0: this rank's own block starts its accumulators
+                dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                       torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+            else:
+                dkv, handle = pending
+                handle.wait()
+            dkv[0][:, :, kr] += dk_b
+            dkv[1][:, :, kr] += dv_b
+            # pass the accumulators on with their block; after the last step they go home
+            pending = ring.shift(dkv) if ring.size > 1 else (dkv, None)
+            if nxt is not None:
+                kv, handle = nxt
+                handle.wait()
+        dkv, handle = pending
+        if handle is not None:
+            handle.wait()
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
+                   causal: bool = True, dropout_p: float = 0.0, impl: str = "sdpa",
+                   scale: float | None = None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(D)) V over the whole sequence, from this rank's shard of it.
+
+    ``q``, ``k``, ``v``: (B, H, T_local, D), this rank's tokens in the layout of
+    ``sharding.shard_sequence`` (chunks ``i`` and ``2cp-1-i``; any layout without a causal
+    mask), the same H for all three (repeat grouped key/value heads first). Returns
+    (B, H, T_local, D) in ``q``'s dtype: this rank's rows of full attention, equal to them
+    up to rounding. Collective over ``ring`` (every rank calls it, in the same order);
+    autograd flows to the keys and values of every rank. Raises ``ValueError`` (one line)
+    for ``dropout_p > 0``, an odd T_local with ``causal``, or an unknown ``impl``.
+    """
+    if dropout_p > 0.0:
+        raise ValueError(f"ring attention: dropout_p={dropout_p}: attention dropout is not "
+                         "supported under context parallelism; set model.dropout = 0")
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"ring attention: expected q, k, v as (B, H, T, D) with one H; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if causal and q.shape[2] % 2:
+        raise ValueError(f"ring attention: {q.shape[2]} local tokens cannot be the two "
+                         "chunks of the load-balanced layout (odd length)")
+    _fused(q, impl)  # checks impl
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _RingAttention.apply(q, k, v, ring, causal, impl, scale)

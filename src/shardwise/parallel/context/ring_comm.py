@@ -1,0 +1,65 @@
+"""Where ring attention talks to the network: one shift around the cp ring, through comm.
+
+Every step of ring attention passes blocks one hop around the ring of context-parallel ranks
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889, figure 2):
+each rank sends what it holds to the next rank and receives the previous rank's, in one
+``shardwise.comm.exchange`` (every receive and send of the round posted together, so no rank
+waits for its neighbour to finish sending first; counted as "sendrecv" by comm's accounting).
+The exchange is posted asynchronously, on comm's FIFO thread, so the caller computes on the
+block it holds while the next one travels, and waits only when it needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise import comm
+
+
+@dataclass(frozen=True)
+class Ring:
+    """The context-parallel ranks of this rank's ring.
+
+    group: their ``torch.distributed`` process group (None with one rank).
+    ranks: their global ranks, in ring (cp coordinate) order; ``rank``: this rank's index.
+    """
+
+    group: Any = None
+    ranks: tuple[int, ...] = (0,)
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < len(self.ranks):
+            raise ValueError(f"Ring: index {self.rank} outside a ring of {len(self.ranks)} ranks")
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def next(self) -> int:
+        """Global rank this rank sends to."""
+        return self.ranks[(self.rank + 1) % self.size]
+
+    @property
+    def prev(self) -> int:
+        """Global rank this rank receives from."""
+        return self.ranks[(self.rank - 1) % self.size]
+
+    def source(self, step: int) -> int:
+        """Ring index of the rank whose block this rank holds after ``step`` shifts."""
+        return (self.rank - step) % self.size
+
+    def shift(self, tensors: Sequence[torch.Tensor]):
+        """Send ``tensors`` to the next rank and receive as many, shaped alike, from the
+        previous one, asynchronously. Returns ``(received, handle)``: ``received`` holds the
+        data once ``handle.wait()`` returned; ``tensors`` must not change before then."""
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends]
+        handle = comm.exchange([(t, self.next) for t in sends], [(r, self.prev) for r in recvs],
+                               group=self.group, async_op=True)
+        return recvs, handle

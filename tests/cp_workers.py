@@ -1,0 +1,91 @@
+"""Rank functions for the context-parallel tests (run inside ``shardwise.launch.spawn``).
+
+``cp_worker(jobs)`` runs each job in turn on every rank of the spawn, each with its own
+process groups over the same world:
+
+- ``kernel``: ``ring_kernel`` on rings of ``job["cp"]`` ranks (dp = world / cp rings side
+  by side): for each case, every rank builds the same full q, k, v (B, H, T, D) from a seed,
+  keeps its shard of the sequence, runs ``ring_attention`` forward and backward (with the
+  same upstream gradient, sharded), and reports its shard of the output and of the three
+  gradients, for the test to stitch together and hold against full attention;
+- ``run`` / ``resume``: ``llama_workers.run_job`` (train a layout, report losses, whole
+  parameters, bytes held); with ``measure_memory`` the executor's activation meter is on
+  and its peak (bytes autograd saved for backward at once) is reported as ``activations``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.base.topology import Topology, init_process_groups
+
+
+def ring_of(topology):
+    from shardwise.parallel.context import Ring
+
+    return Ring(topology.groups.cp, tuple(topology.axis_ranks("cp")), topology.cp_rank)
+
+
+def full_inputs(case: dict):
+    g = torch.Generator().manual_seed(case["seed"])
+    B, H, T, D = case["shape"]
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(4))
+    return q, k, v, dout
+
+
+def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
+    from shardwise.parallel.context import ring_attention, shard_sequence
+
+    ws = dist.get_world_size()
+    cp = cp or ws
+    topo = init_process_groups(Topology.build(dp=ws // cp, cp=cp, rank=dist.get_rank(),
+                                              world_size=ws))
+    ws = cp
+    ring = ring_of(topo)
+    out = []
+    for case in cases:
+        q, k, v, dout = full_inputs(case)
+        # the causal layout is the load-balanced one; without a mask any cut is exact, so
+        # the non-causal cases use the same one (the test stitches them back alike)
+        mine = [shard_sequence(t, ws, topo.cp_rank, dim=2).clone().requires_grad_()
+                for t in (q, k, v)]
+        try:
+            y = ring_attention(*mine, ring, causal=case["causal"], impl=case["impl"])
+        except ValueError as e:
+            out.append({"error": str(e)})
+            continue
+        y.backward(shard_sequence(dout, ws, topo.cp_rank, dim=2))
+        out.append({"out": y.detach(), "dq": mine[0].grad, "dk": mine[1].grad,
+                    "dv": mine[2].grad})
+    return out
+
+
+def run_measured(job: dict) -> dict:
+    """``llama_workers.run_job`` (the same jobs and report), with the executor's activation
+    meter on when ``job["measure_memory"]``; its peak is reported as ``activations``."""
+    from llama_workers import _report
+    from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
+
+    cfg = Config.from_dict(job["cfg"])
+    trainer = build_trainer(cfg)
+    trainer.engine.executor.measure_memory = bool(job.get("measure_memory"))
+    out = {}
+    if job["kind"] == "resume":
+        trainer.resume(job["path"])
+        out["resumed_at"] = trainer.step
+    while trainer.step < cfg.training.steps:
+        trainer.train_step()
+        if trainer.step == job.get("save_at"):
+            out["saved"] = str(trainer.save_checkpoint())
+    if job.get("measure_memory"):
+        out["activations"] = trainer.engine.executor.meter.peak
+    return {**_report(trainer), **out}
+
+
+def cp_worker(jobs: list[dict]) -> list[dict]:
+    torch.set_num_threads(1)
+    return [ring_kernel(j["cases"], j["cp"]) if j["kind"] == "kernel" else run_measured(j)
+            for j in jobs]

@@ -1,0 +1,35 @@
+"""Rank functions for tests/test_hf.py (run inside ``shardwise.launch.spawn``, or in one
+process without ``torch.distributed``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.base.config import ModelConfig
+from shardwise.base.topology import Topology, init_process_groups
+from shardwise.checkpoint.hf import read_config
+from shardwise.engine import Engine, EngineSettings
+from shardwise.models.description import describe_section
+from shardwise.models.hf import section_of
+from shardwise.parallel.tensor_parallel import gather_tensor
+
+
+def imported_logits(dirs: list[str], idx: torch.Tensor, tp: int = 1) -> list[torch.Tensor]:
+    """Our forward of ``idx`` (B, T) on the weights of each Hugging Face checkpoint in
+    ``dirs``, built by the engine at tp ranks (the world, or one process for tp = 1) with
+    ``init_from``; the logits (B, T, V) gathered over tp, one tensor per directory."""
+    if dist.is_initialized():
+        topo = init_process_groups(Topology.build(1, 1, tp, rank=dist.get_rank(),
+                                                  world_size=dist.get_world_size()))
+    else:
+        topo = Topology.build(1, 1, 1)
+    out = []
+    for d in dirs:
+        model = describe_section(ModelConfig(**section_of(read_config(d))), 0)
+        engine = Engine(model, topo, EngineSettings(batch_size=1, seq_len=idx.shape[1],
+                                                    init_from=d))
+        engine._train(False)
+        logits = engine._logits(idx)
+        out.append(gather_tensor(logits, -1, engine.tp)[..., :model.vocab_size].clone())
+    return out

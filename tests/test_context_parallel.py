@@ -1,0 +1,326 @@
+"""Context parallelism (``parallel.cp``): ring attention, and the GPT and the Llama trained
+with the sequence split over cp ranks, against one process.
+
+Ring attention first: on rings of 2 and 4 ranks, its output and its gradients for q, k and v,
+stitched back from every rank's shard, equal full attention's (``F.scaled_dot_product_attention``)
+for causal and non-causal masks, with both block kernels (the fused CPU one and the scores
+written out); measured at most 8.5e-7 relative to the largest entry. Then training: one
+process trains each model ``STEPS`` steps (the reference); a spawn of 2, one of 4 and one
+of 8 ranks train every layout of ``LAYOUTS`` on the same global batches (recomputation
+included: the chunks' hooks set the shard again when the backward reruns a forward). Parity (fp32):
+every loss and every parameter of every rank within ``RTOL`` relative of the reference
+(measured at most: losses 1.2e-7, parameters 1.2e-6). ``RESUMES``: checkpoints cross cp
+sizes both ways (one process -> cp 2 x dp 2, and back into one process). Memory: the bytes
+autograd saves for backward per rank at cp = 4 are about a quarter of one process's for the
+same sequences (``activations``, the executor's meter), and the bytes each rank holds equal
+``engine.memory.predict_rank``. Three spawns: about a minute on 2 cores.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_workers import cp_worker, full_inputs, run_measured
+from ddp_workers import tiny_config
+from shardwise.base.config import Config, ConfigError
+from shardwise.launch import spawn
+from shardwise.parallel.context import (
+    Ring,
+    check_length,
+    local_positions,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
+)
+from test_ddp import rel_err
+
+STEPS, STOP = 4, 2
+RTOL = 1e-5
+_BASE = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16}
+MODELS = {
+    "gpt": {**_BASE},  # tied head, learned positions
+    "llama": {**_BASE, "kind": "llama", "n_kv_heads": 2, "multiple_of": 16, "tie_weights": True},
+    "llama-long": {**_BASE, "kind": "llama", "block_size": 128, "n_kv_heads": 2,
+                   "multiple_of": 16},
+}
+# name -> (world size, model, parallel section); MEASURED: the activation meter is on
+LAYOUTS = {
+    "cp2-recompute-gpt": (2, "gpt", {"cp": 2, "recompute": True}),  # the hooks run again
+    "cp2-llama": (2, "llama", {"cp": 2}),
+    "cp2xdp2-z1-llama": (4, "llama", {"cp": 2, "dp": 2, "zero": 1}),
+    "cp2xdp2-z3-gpt": (4, "gpt", {"cp": 2, "dp": 2, "zero": 3}),
+    "cp4-llama-long": (4, "llama-long", {"cp": 4}),
+    "cp2xtp2xpp2-sp-z1-llama": (8, "llama", {"cp": 2, "tp": 2, "pp": 2, "micro_batches": 2,
+                                             "sequence_parallel": True, "zero": 1}),
+    "cp2xtp2xpp2-interleaved-z2-gpt": (8, "gpt", {"cp": 2, "tp": 2, "pp": 2, "micro_batches": 2,
+                                                  "zero": 2, "schedule": "interleaved",
+                                                  "chunks_per_rank": 2}),
+}
+MEASURED = {"cp4-llama-long"}
+# name -> (the run that saved at step STOP: "ref:<model>" or a layout, the layout resuming:
+# a layout or "one process")
+RESUMES = {
+    "cp1->cp2xdp2-z1": ("ref:llama", "cp2xdp2-z1-llama"),
+    "cp2xdp2-z1->cp1": ("cp2xdp2-z1-llama", "one process"),
+}
+KERNEL_CASES = [{"seed": n, "shape": (2, 3, 32, 8), "causal": causal, "impl": impl}
+                for n, (causal, impl) in enumerate((c, i) for c in (True, False)
+                                                   for i in ("sdpa", "math"))]
+
+
+def _cfg(corpus, out, model: str, parallel: dict | None = None):
+    return tiny_config(str(corpus), str(out), model=MODELS[model], parallel=parallel or {},
+                       training={"steps": STEPS, "global_batch_size": 8})
+
+
+# -- no processes ----------------------------------------------------------------------------
+def test_sharding_is_load_balanced_and_refuses_other_lengths():
+    T, cp = 16, 4
+    parts = [local_positions(T, cp, r) for r in range(cp)]
+    assert parts[1].tolist() == [2, 3, 12, 13]  # chunks 1 and 2cp-1-1 = 6 of c = 2 tokens
+    assert sorted(torch.cat(parts).tolist()) == list(range(T))
+    x = torch.arange(3 * T).view(3, T)
+    assert torch.equal(unshard_sequence([shard_sequence(x, cp, r) for r in range(cp)]), x)
+    assert torch.equal(shard_sequence(x, cp, 1)[0], parts[1])
+    # causal work per rank: query positions times the keys they see, all equal
+    work = [sum(int(p) + 1 for p in part) for part in parts]
+    assert len(set(work)) == 1, work
+    with pytest.raises(ValueError) as e:
+        check_length(18, 4)
+    assert str(e.value) == ("sequence length 18 is not divisible by 2 x cp = 8 (each "
+                            "context-parallel rank holds chunks i and 2cp-1-i of every sequence)")
+    with pytest.raises(ValueError, match="not divisible by 2 x cp = 4"):
+        shard_sequence(torch.zeros(2, 10), 2, 0)
+
+
+def test_ring_of_one_rank_is_full_attention():
+    q, k, v, dout = full_inputs({"seed": 0, "shape": (2, 3, 8, 4)})
+    for causal in (True, False):
+        for impl in ("sdpa", "math"):
+            a = [t.clone().requires_grad_() for t in (q, k, v)]
+            b = [t.clone().requires_grad_() for t in (q, k, v)]
+            y = ring_attention(*a, Ring(), causal=causal, impl=impl)
+            ref = F.scaled_dot_product_attention(*b, is_causal=causal)
+            y.backward(dout)
+            ref.backward(dout)
+            assert rel_err(y.detach(), ref.detach()) < 1e-6, (causal, impl)
+            for s, r in zip(a, b):
+                assert rel_err(s.grad, r.grad) < 1e-6, (causal, impl)
+    with pytest.raises(ValueError, match="dropout_p=0.1"):
+        ring_attention(q, k, v, Ring(), dropout_p=0.1)
+
+
+def test_models_read_the_positions_of_their_shard():
+    """The GPT's position table and the Llama's rotary angles under ``models.sequence.use``
+    give a shard of the tokens what the whole sequence gives them (attention aside)."""
+    from shardwise.models import sequence
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.models.llama import Attention, LlamaConfig, rope_cos_sin
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8))
+    idx = torch.randint(0, 11, (2, 16))
+    whole = gpt.embed(idx)
+    pos = local_positions(16, 2, 1)
+    with sequence.use(sequence.SequenceShard(pos)):
+        mine = gpt.embed(shard_sequence(idx, 2, 1))
+        with pytest.raises(ValueError, match="asked for 4 positions, but this context-parallel "
+                                             "rank holds 8 tokens"):
+            sequence.positions(4)
+    assert torch.equal(mine, shard_sequence(whole, 2, 1))
+    assert sequence.current() is None
+    # the Llama: its rotary angles at the true positions, asked of models.sequence
+    cfg = LlamaConfig(vocab_size=11, block_size=16, n_head=2, n_embd=8)
+    whole_cos, whole_sin = rope_cos_sin(cfg, 16)
+    cos, sin = rope_cos_sin(cfg, 8, positions=pos)
+    assert torch.equal(cos, whole_cos[pos]) and torch.equal(sin, whole_sin[pos])
+    with sequence.use(sequence.SequenceShard(pos)), pytest.raises(ValueError, match="asked for 4"):
+        Attention(cfg)(torch.randn(1, 4, 8))
+
+
+def test_config_rules_for_cp():
+    def load(**parallel):
+        model, training = parallel.pop("model", {}), parallel.pop("training", {})
+        return Config.from_dict({"model": {"block_size": 32, **model},
+                                 "parallel": {"dp": 1, **parallel}, "training": training})
+
+    assert load(cp=4).world_size == 4 and load(cp=2, dp=2, tp=2, pp=2).world_size == 16
+    cases = {
+        "model.block_size=32 is not divisible by 2 x parallel.cp = 12 (each cp rank holds "
+        "chunks i and 2cp-1-i of every sequence)": {"cp": 6},
+        "model.dropout=0.1 with parallel.cp=2: ring attention has no attention dropout; set "
+        "model.dropout = 0": {"cp": 2, "model": {"dropout": 0.1}},
+        "training.compile with parallel.cp=2: ring attention sends and receives inside the "
+        "layers; compile needs cp = 1": {"cp": 2, "training": {"compile": True}},
+        "model.block_size=32 / parallel.cp=4 is not divisible by parallel.tp=16 (sequence "
+        "parallelism splits it)": {"cp": 4, "tp": 16, "sequence_parallel": True,
+                                   "model": {"n_head": 16, "n_embd": 64}},
+    }
+    for message, parallel in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load(**parallel)
+        assert str(e.value) == message
+    with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.mode=ps"):
+        Config.from_dict({"parallel": {"mode": "ps", "cp": 2}})
+    with pytest.raises(ConfigError, match="parallel.cp=2 with model.kind=cnn"):
+        Config.from_dict({"model": {"kind": "cnn"}, "parallel": {"cp": 2}})
+
+
+def test_engine_refuses_what_it_cannot_shard():
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models.description import describe
+    from shardwise.models.gpt import GPTConfig
+
+    gpt = describe(GPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8))
+    own = dataclasses.replace(gpt, kind="own", context_parallel=False)
+    with pytest.raises(ValueError, match=r"^parallel.cp=2: model 'own' does not say it reads "
+                                         "token positions from models.sequence.positions"):
+        Engine(own, Topology.build(cp=2), EngineSettings(batch_size=2, seq_len=16))
+    with pytest.raises(ValueError, match="sequence length 12 is not divisible by 2 x cp = 8"):
+        Engine(gpt, Topology.build(cp=4), EngineSettings(batch_size=2, seq_len=12))
+
+
+# -- ranks -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    """One process (no torch.distributed), each model; ``llama`` saves at ``STOP``,
+    ``llama-long`` meters its activations."""
+    root = tmp_path_factory.mktemp("cp-ref")
+    return {m: run_measured({"kind": "run", "cfg": _cfg(corpus, root / m, m),
+                             "save_at": STOP if f"ref:{m}" in {a for a, _ in RESUMES.values()}
+                             else None, "measure_memory": m == "llama-long"})
+            for m in MODELS}
+
+
+@pytest.fixture(scope="module")
+def results(corpus, tmp_path_factory, references):
+    """name -> every rank's report: the kernel on rings of 2 (spawn of 2) and 4 (spawn of 4),
+    ``LAYOUTS`` and ``RESUMES`` in spawns of 2, 4 and 8 (4 first: it saves), then the
+    resume into one process."""
+    root = tmp_path_factory.mktemp("cp-layouts")
+    saved = {f"ref:{m}": r.get("saved") for m, r in references.items()}
+    savers = {a for a, _ in RESUMES.values()}
+    out = {}
+    for ws in (4, 2, 8):
+        jobs = [(f"kernel-cp{ws}", {"kind": "kernel", "cp": ws, "cases": KERNEL_CASES})
+                ] if ws in (2, 4) else []
+        for name, (w, model, parallel) in LAYOUTS.items():
+            if w == ws:
+                jobs.append((name, {"kind": "run", "save_at": STOP if name in savers else None,
+                                    "measure_memory": name in MEASURED,
+                                    "cfg": _cfg(corpus, root / name, model, parallel)}))
+        for name, (a, b) in RESUMES.items():
+            if b in LAYOUTS and LAYOUTS[b][0] == ws:
+                w, model, parallel = LAYOUTS[b]
+                jobs.append((name, {"kind": "resume", "path": saved[a],
+                                    "cfg": _cfg(corpus, root / name, model, parallel)}))
+        ranks = spawn(cp_worker, ws, ([j for _, j in jobs],))
+        for i, (name, _) in enumerate(jobs):
+            out[name] = [r[i] for r in ranks]
+            if name in savers:
+                saved[name] = out[name][0]["saved"]
+    for name, (a, b) in RESUMES.items():
+        if b == "one process":
+            out[name] = [run_measured({"kind": "resume", "path": saved[a], "cfg": _cfg(
+                corpus, root / name, LAYOUTS[a][1])})]
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_equals_full_attention(results, cp):
+    ranks = results[f"kernel-cp{cp}"]
+    for n, case in enumerate(KERNEL_CASES):
+        q, k, v, dout = full_inputs(case)
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=case["causal"])
+        y.backward(dout)
+        for key, ref in (("out", y), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            got = unshard_sequence([r[n][key] for r in ranks], dim=2)
+            err = float((got - ref.detach()).abs().max() / ref.detach().abs().max())
+            assert err < 5e-6, (cp, case, key, err)
+
+
+def _check(name: str, ranks: list[dict], ref: dict) -> None:
+    ref_losses = torch.tensor(ref["losses"])
+    assert ref["losses"][-1] < ref["losses"][0]  # it trained: equality is no tautology
+    names = set()
+    for r in ranks:
+        losses = torch.tensor(r["losses"])
+        assert len(losses) == STEPS, (name, r["coords"])
+        assert ((losses - ref_losses).abs() <= RTOL * ref_losses.abs()).all(), (
+            name, r["coords"], r["losses"], ref["losses"])
+        for n, t in r["params"].items():
+            err = rel_err(t, ref["params"][n])
+            assert err <= RTOL, (name, r["coords"], n, err)
+        if "tied_head" in r:
+            assert rel_err(r["tied_head"], ref["params"]["embed.tok.weight"]) <= RTOL, name
+        names |= set(r["params"])
+    assert names == set(ref["params"]), name
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_one_process(results, references, name):
+    ws, model, parallel = LAYOUTS[name]
+    assert len(results[name]) == ws
+    assert {r["coords"]["cp"] for r in results[name]} == set(range(parallel["cp"]))
+    _check(name, results[name], references[model])
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_checkpoint_resumes_across_cp_sizes(results, references, name):
+    saver, _ = RESUMES[name]
+    model = saver[4:] if saver.startswith("ref:") else LAYOUTS[saver][1]
+    assert all(r["resumed_at"] == STOP for r in results[name])
+    _check(name, results[name], references[model])
+
+
+def test_cp4_saves_a_quarter_of_the_activations(results, references):
+    """The bytes autograd holds for backward at once, per rank: at cp = 4 each rank holds a
+    quarter of the sequence's tokens, and every saved tensor is per token (q, k, v, the
+    attention output and its log-sum-exp, the MLP's, the logits), so each rank saves about a
+    quarter of what one process saves for the same batch (measured 0.250: 1.56 MiB per rank
+    against 6.25 MiB)."""
+    one = references["llama-long"]["activations"]
+    per_rank = [r["activations"] for r in results["cp4-llama-long"]]
+    assert max(per_rank) - min(per_rank) <= 0.01 * one  # balanced
+    ratio = max(per_rank) / one
+    assert 0.24 <= ratio <= 0.26, (ratio, per_rank, one)
+
+
+def test_memory_prediction_counts_dp_x_cp(results):
+    """What each rank holds (``Engine.memory_bytes``) is ``predict_rank`` with the ZeRO
+    shards spread over dp x cp."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models.description import describe
+    from shardwise.models.gpt import GPTConfig
+    from shardwise.models.llama import LlamaConfig
+
+    for name in ("cp2xdp2-z1-llama", "cp2xdp2-z3-gpt"):
+        _, model, parallel = LAYOUTS[name]
+        for r in results[name]:
+            config = (LlamaConfig if MODELS[model].get("kind") == "llama" else GPTConfig)(
+                **r["model"])
+            pred = predict_rank(describe(config), dp=2, cp=2, dp_rank=r["coords"]["dp"],
+                                cp_rank=r["coords"]["cp"], zero=parallel["zero"])
+            assert {k: pred[k] for k in r["memory"]} == r["memory"], (name, r["coords"])
+
+
+def test_planner_activations_fall_with_cp():
+    """``planner.memory.activation_bytes(cp=)``: every per-token term a quarter at cp = 4 (as
+    measured above), Megatron's written-out scores this rank's queries against all keys."""
+    from shardwise.planner.memory import MEGATRON, activation_bytes
+    from shardwise.planner.specs import ModelSpec
+
+    spec = ModelSpec("t", 4, 128, 4, 256, 4096)
+    one, four = (activation_bytes(spec, mb=1, tp=1, pp=1, micro_batches=1, cp=cp)
+                 for cp in (1, 4))
+    assert four == pytest.approx(one / 4, rel=1e-12)
+    # Megatron's model writes the scores out: a quarter of the queries against every key is
+    # a quarter of the scores too (had the planner counted local keys only: a sixteenth)
+    meg = [activation_bytes(spec, mb=1, tp=1, pp=1, micro_batches=1, am=MEGATRON, cp=cp)
+           for cp in (1, 4)]
+    assert meg[1] == pytest.approx(meg[0] / 4, rel=1e-12)
+    assert MEGATRON.scores > 0

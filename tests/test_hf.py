@@ -1,0 +1,237 @@
+"""Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
+
+Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` with random weights are built here and
+saved with ``save_pretrained`` (no hub). The round trip: ``shardwise train --model.init_from
+hf:DIR`` at dp2 x tp2 x pp2 for one step with ``--optimizer.lr 0`` -> ``shardwise export``
+-> ``from_pretrained``: every tensor equal bit for bit (fp32) and the logits equal. Our
+forward on the imported weights against ``transformers``' within 1e-5 at tp = 1 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from shardwise.cli.main import main
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+VOCAB = 97  # more than the text's characters: the tokenizer may be smaller than the model's
+
+
+def _perturb(model):
+    """Random weights away from the init (norms away from 1, biases away from 0)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A Llama (grouped-query attention, untied head, sharded into several safetensors with
+    an index) and a GPT-2 (tied head, one safetensors file), saved as transformers does."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=False)))
+    llama.save_pretrained(root / "llama", max_shard_size="40KB")
+    gpt2 = _perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+        eos_token_id=0)))
+    gpt2.save_pretrained(root / "gpt2")
+    assert (root / "llama" / "model.safetensors.index.json").is_file()
+    assert (root / "gpt2" / "model.safetensors").is_file()
+    return {"llama": root / "llama", "gpt2": root / "gpt2"}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory, corpus) -> Path:
+    """20 KB of Shakespeare: fewer distinct characters than VOCAB."""
+    path = tmp_path_factory.mktemp("text") / "my.txt"
+    path.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    assert len(set(path.read_text(encoding="utf-8"))) < VOCAB
+    return path
+
+
+def _shardwise(*args, cwd=REPO, timeout=300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+    return subprocess.run([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(idx).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, capfd):
+    """init_from at dp2 x tp2 x pp2, one step at lr 0, export: the exported model's tensors
+    equal the original's bit for bit and so do its logits; the Llama run also writes
+    TensorBoard events, read back with tensorboard's own reader. (The commands run in this
+    process, ``cli.main``: the ranks are spawned either way.)"""
+    run, out = tmp_path / "run", tmp_path / "exported"
+    extra = ["--training.tensorboard", "true"] if arch == "llama" else []
+    code = main(["train", "--config", str(REPO / "configs" / "finetune_hf.toml"),
+                 "--data", str(text), "--model.init_from", f"hf:{hf_dirs[arch]}",
+                 "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
+                 "--training.steps", "1", "--optimizer.lr", "0",
+                 "--training.out_dir", str(run), "--training.eval_batches", "1",
+                 "--training.sample_chars", "0", "--training.progress", "false", *extra])
+    done = capfd.readouterr()
+    assert code == 0, done.err[-3000:]
+    kind = "llama" if arch == "llama" else "gpt"
+    assert f"shardwise: {kind} " in done.out and "dp=2 x pp=2" in done.out
+    assert f"from hf:{hf_dirs[arch]}" in done.out
+    assert main(["export", str(run), "--format", "hf", "--out", str(out),
+                 "--max-shard-size", "30KB"]) == 0, capfd.readouterr().err
+    assert (out / "model.safetensors.index.json").is_file()  # sharded above the size
+
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch]).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported) is type(original)
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype == torch.float32, name
+        assert torch.equal(a[name], b[name]), name
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(original(idx).logits, exported(idx).logits)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(original).__name__]
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)  # the run's characters, same ids
+    sample = text.read_text(encoding="utf-8")[:200]
+    chars = sorted(set(text.read_text(encoding="utf-8")))
+    assert tok(sample)["input_ids"] == [chars.index(c) for c in sample]
+    assert tok.decode(tok(sample)["input_ids"]) == sample
+
+    if arch == "llama":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        from shardwise.training.metrics import read_metrics
+
+        events = EventAccumulator(str(run / "tensorboard"))
+        events.Reload()
+        tags = set(events.Tags()["scalars"])
+        assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
+                "memory/max_rss_mib", "val/val_loss"} <= tags, tags
+        rows = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+        assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+            (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
+        assert events.Scalars("train/lr")[0].value == 0.0
+
+
+def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
+    """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
+    in one process, and at tp = 2 (each rank loading its slices), both models."""
+    from hf_workers import imported_logits
+    from shardwise.launch import spawn
+
+    dirs = [str(hf_dirs["llama"]), str(hf_dirs["gpt2"])]
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    want = [_hf_logits(Path(d), idx) for d in dirs]
+    tp1 = imported_logits(dirs, idx)
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2), threads=1)
+    for ours in (tp1, tp2[0], tp2[1]):
+        for got, ref in zip(ours, want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _one_line_exit_2(argv, capsys, expected: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert expected in err, err
+
+
+def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
+    """Before any rank starts: no config.json, another architecture, shapes that disagree
+    with config.json, a contradicting [model] field, a tokenizer larger than the model's
+    vocabulary; an export of a run with no checkpoint."""
+    train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
+             str(text), "--training.out_dir", str(tmp_path / "run")]
+
+    def variant(name: str, **changes) -> Path:
+        d = tmp_path / name
+        shutil.copytree(hf_dirs["llama"], d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+        return d
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_exit_2([*train, "--model.init_from", f"hf:{empty}"], capsys, "no config.json")
+    other = variant("mistral", model_type="mistral", architectures=["MistralForCausalLM"])
+    _one_line_exit_2([*train, "--model.init_from", f"hf:{other}"], capsys,
+                     "unsupported architecture MistralForCausalLM")
+    wide = variant("wide", intermediate_size=128)
+    _one_line_exit_2([*train, "--model.init_from", f"hf:{wide}"], capsys,
+                     "has shape [96, 64] in the checkpoint, config.json implies [128, 64]")
+    _one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
+                      "--model.n_layer", "3"], capsys,
+                     "model.n_layer=3 contradicts model.init_from")
+    small = variant("small", vocab_size=40)
+    _one_line_exit_2([*train, "--model.init_from", f"hf:{small}"], capsys,
+                     "more than the model's vocabulary of 40")
+    _one_line_exit_2(["export", str(empty), "--format", "hf", "--out", str(tmp_path / "x")],
+                     capsys, "no complete checkpoint")
+
+
+def test_wandb_without_the_package_is_one_line(capsys, text):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed")
+    _one_line_exit_2(["train", "--data", str(text), "--training.wandb", "offline"], capsys,
+                     "the wandb package is not installed")
+
+
+def test_readme_start_from_a_hugging_face_checkpoint(text, tmp_path):
+    """The README's commands, as a user runs them (in a fresh directory holding the
+    configs and examples, with my.txt): fine-tune a Llama from a checkpoint, generate at
+    tp = 2, export, load with transformers."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Start from a Hugging Face checkpoint", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert [c.split()[0] for c in commands] == ["python", "shardwise", "shardwise", "shardwise",
+                                                "python"]
+    for name in ("configs", "examples"):
+        (tmp_path / name).symlink_to(REPO / name)
+    shutil.copy(text, tmp_path / "my.txt")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command)
+        argv = [sys.executable, "-m", "shardwise", *argv[1:]] if argv[0] == "shardwise" \
+            else [sys.executable, *argv[1:]]
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
+        outputs.append(done.stdout)
+    train = outputs[1]
+    assert "shardwise: llama" in train and "dp=2" in train
+    losses = [json.loads(line)["loss"] for line in
+              (tmp_path / "runs" / "finetune" / "metrics.jsonl").read_text().splitlines()
+              if '"train"' in line]
+    assert losses[-1] < losses[0]  # it fine-tunes
+    assert outputs[2].startswith("ROMEO:") and len(outputs[2].rstrip("\n")) == len("ROMEO:") + 40
+    assert outputs[4].split() == ["LlamaForCausalLM", outputs[4].split()[1]]
