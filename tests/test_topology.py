@@ -59,6 +59,24 @@ def test_is_immutable():
         topo.dp = 3
 
 
+def test_ep_folds_over_dp():
+    """ep x dp/ep = dp: ep groups are blocks of consecutive dp ranks, ep_dp groups stride
+    them (DeepSpeed-MoE, Megatron-Core); with tp the groups keep the tp coordinate."""
+    topo = Topology.build(dp=4, ep=2, world_size=4)
+    assert topo.all_ep_groups("ep") == [[0, 1], [2, 3]]
+    assert topo.all_ep_groups("ep_dp") == [[0, 2], [1, 3]]
+    t = Topology.build(dp=4, tp=2, ep=2, rank=5, world_size=8)   # dp 2, tp 1
+    assert (t.dp_rank, t.ep_rank, t.ep_dp_rank) == (2, 0, 1)
+    assert t.ep_ranks() == [5, 7] and t.ep_dp_ranks() == [1, 5]
+    for r in range(8):
+        c = Topology.build(dp=4, tp=2, ep=2, rank=r)
+        assert c.dp_rank == c.ep_dp_rank * 2 + c.ep_rank
+        assert set(c.ep_ranks()) | set(c.ep_dp_ranks()) <= set(c.axis_ranks("dp"))
+    assert Topology.build(dp=4, ep=4).all_ep_groups("ep_dp") == [[0], [1], [2], [3]]
+    with pytest.raises(TopologyError, match=r"parallel.ep=3 does not divide parallel.dp=4"):
+        Topology.build(dp=4, ep=3)
+
+
 def test_cp_sits_between_pp_and_tp():
     """rank = ((dp * pp + pp_rank) * cp + cp_rank) * tp + tp_rank: tp fastest, then cp."""
     topo = Topology.build(dp=2, pp=2, tp=2, cp=2, world_size=16)
@@ -87,3 +105,15 @@ def test_cp_one_keeps_the_old_grid_and_names_cp_in_errors():
         Topology.build(cp=4, world_size=2)
     with pytest.raises(TopologyError, match="parallel.cp"):
         Topology.build(cp=0)
+
+
+def test_ep_groups_stay_within_one_cp_rank():
+    """ep and ep_dp are sub-groups of dp, so with cp > 1 they hold the dp ranks of one cp
+    rank (the configuration refuses experts with cp > 1; the grid itself is consistent)."""
+    topo = Topology.build(dp=4, cp=2, ep=2, world_size=8)
+    assert topo.all_ep_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for r in range(8):
+        t = Topology.build(dp=4, cp=2, ep=2, rank=r)
+        cps = {t.coords_of(x)["cp"] for x in t.ep_ranks() + t.ep_dp_ranks()}
+        assert cps == {t.cp_rank}
+        assert t.dp_rank == t.ep_dp_rank * 2 + t.ep_rank

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
 ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
                         "rabenseifner", "tree", "parallel", "shm", "hierarchical")
+# and of its all-to-all (comm.alltoall takes them from here)
+ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,26 @@ class ModelConfig(_Section):
     multiple_of: int = Field(256, ge=1, description="llama: the SwiGLU width's rounding")
     norm_eps: float = Field(1e-5, gt=0.0, description="llama: RMSNorm epsilon")
     rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base theta")
+    n_experts: int = Field(0, ge=0, description="llama: experts in each block's mixture of "
+                           "experts (docs/moe.md); 0: the dense SwiGLU MLP")
+    top_k: int = Field(2, ge=1, description="llama with n_experts: experts each token is "
+                       "routed to")
+    moe_ffn_hidden: int = Field(0, ge=0, description="llama with n_experts: each expert's "
+                                "SwiGLU width; 0: model.ffn_hidden's")
+    moe_gating: str = Field("softmax", description="llama with n_experts: softmax (top-k of "
+                            "the softmax, Switch/GShard/Mixtral) or sigmoid (top-k of the "
+                            "sigmoids, DeepSeek-V3)")
+    moe_norm_topk: bool = Field(True, description="llama with n_experts: renormalise the k "
+                                "gate weights to sum to 1 (Mixtral, DeepSeek-V3)")
+    moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="llama with n_experts: weight "
+                                     "of the load-balancing loss (Switch's alpha), per "
+                                     "sequence (DeepSeek-V3's sequence-wise form)")
+    moe_capacity_factor: float = Field(0.0, ge=0.0, description="llama with n_experts: at "
+                                       "most ceil(factor x tokens x top_k / n_experts) "
+                                       "tokens per expert per micro-batch and rank, the rest "
+                                       "dropped (GShard); 0: dropless")
+    moe_shared_expert: bool = Field(False, description="llama with n_experts: one more "
+                                    "SwiGLU expert every token goes through (DeepSeek-V3)")
     rope_scaling: dict[str, float | int | str] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
         "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")
@@ -85,6 +107,17 @@ class ModelConfig(_Section):
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
                              f"model.n_head={self.n_head}")
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k} is more than model.n_experts="
+                             f"{self.n_experts}")
+        if self.moe_gating not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
+        if self.n_experts and self.init_from:
+            raise ValueError(f"model.n_experts={self.n_experts} with model.init_from: Hugging "
+                             "Face's LlamaForCausalLM has no experts; leave one of them unset")
+        if self.n_experts and self.kind == "gpt":
+            raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
+                             "mixture of experts is the Llama's; set model.kind = llama")
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"model.activation={self.activation!r}: expected gelu or gelu_tanh")
         if self.init_from and not (self.init_from.startswith("hf:") and self.init_from[3:]):
@@ -114,6 +147,9 @@ class ParallelConfig(_Section):
     dp: int = Field(2, ge=1, description="data-parallel ranks")
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
+    ep: int = Field(1, ge=1, description="expert-parallel ranks (model.n_experts > 0): the "
+                    "experts split over ep ranks folded over the data-parallel ones (ep must "
+                    "divide parallel.dp: ep x dp/ep = dp, as DeepSpeed-MoE and Megatron-Core)")
     cp: int = Field(1, ge=1, description="context-parallel ranks: each holds two chunks of "
                     "every sequence (i and 2cp-1-i) and attention runs as ring attention; "
                     "model.block_size must be divisible by 2 cp")
@@ -123,6 +159,9 @@ class ParallelConfig(_Section):
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")
     allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
+    all_to_all: str = Field("native", description="expert parallelism's token dispatch: "
+                            "native (the backend's all-to-all), pairwise or linear (ours on "
+                            "send/recv, bytes counted)")
     schedule: str = Field("1f1b", description="pipeline schedule with pp > 1: naive, gpipe, "
                           "1f1b, interleaved or pipedream; parallel.micro_batches is its m")
     chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
@@ -143,6 +182,9 @@ class ParallelConfig(_Section):
         if self.allreduce not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"parallel.allreduce={self.allreduce!r}: expected one of "
                              f"{', '.join(ALLREDUCE_ALGORITHMS)}")
+        if self.all_to_all not in ALL_TO_ALL_ALGORITHMS:
+            raise ValueError(f"parallel.all_to_all={self.all_to_all!r}: expected one of "
+                             f"{', '.join(ALL_TO_ALL_ALGORITHMS)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
         if self.schedule not in ("naive", "gpipe", "1f1b", "interleaved", "pipedream"):
@@ -394,10 +436,38 @@ class Config(_Section):
             return self._cnn_agrees()
         if p.mode == "ps":
             return self._ps_agrees()
+        if p.ep > 1 or m.n_experts:
+            self._experts_agree()
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        return self
+
+    def _experts_agree(self):
+        """Mixture of experts and expert parallelism (docs/moe.md)."""
+        p, m = self.parallel, self.model
+        if p.ep > 1 and not m.n_experts:
+            raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
+                             "needs experts; set model.n_experts (and model.kind = llama)")
+        if p.dp % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}: expert "
+                             "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
+        if m.n_experts % p.ep:
+            raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
+                             f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
+        if p.cp > 1:
+            raise ValueError(f"parallel.cp={p.cp} with model.n_experts={m.n_experts} "
+                             f"(parallel.ep={p.ep}): the mixture of experts does not run with "
+                             "context parallelism (its per-sequence load-balancing loss would "
+                             "see only a cp rank's chunks); set parallel.cp = 1 (docs/moe.md)")
+        if p.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
+                             "the experts read whole sequences; leave sequence parallelism off")
+        if p.ep > 1 and p.zero == 3:
+            raise ValueError(f"parallel.zero=3 with parallel.ep={p.ep}: ZeRO-3 gathers over "
+                             "the whole dp group and the experts differ across it; use ZeRO-1 "
+                             "or 2 with expert parallelism")
         return self
 
     def _cp_agrees(self):
@@ -439,6 +509,7 @@ class Config(_Section):
             raise ValueError("model.init_from with parallel.mode=ps: the parameter server "
                              "starts from the seed only; use parallel.mode = grid")
         for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp),
+                            ("parallel.ep", p.ep),
                             ("parallel.micro_batches", p.micro_batches)):
             if value != 1:
                 raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "

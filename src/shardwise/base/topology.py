@@ -10,10 +10,24 @@ With ``cp = 1`` this is the dp x pp x tp grid of before, rank for rank.
 
 For each axis, a group holds the ranks that differ only in that axis' coordinate; e.g. with
 dp=2, pp=1, tp=2 the dp groups are {0, 2} and {1, 3} and the tp groups are {0, 1} and {2, 3}.
+
 One folded group more, ``dp_cp``: the ranks that differ only in their dp or cp coordinate
 (dp x cp of them, ordered by ``dp_rank * cp + cp_rank``). They hold the same parameters
 (context parallelism splits the sequence, not the weights), so the gradient sync and ZeRO's
 shards span it, as Megatron-LM's data-parallel group "with context parallel" does.
+
+Expert parallelism folds over dp, as in DeepSpeed-MoE and Megatron-Core: ``ep`` divides
+``dp`` and each dp group is cut into blocks of ``ep`` consecutive dp coordinates, the ep
+groups (the ranks that split the experts among them and swap tokens by all-to-all); the
+dp ranks at the same place of every block form the ``ep_dp`` group (dp / ep ranks holding
+the same experts, over which the experts' gradients are reduced)::
+
+    dp_rank = ep_dp_rank * ep + ep_rank
+
+With dp=4, ep=2 (pp = cp = tp = 1) the ep groups are {0, 1} and {2, 3}, the ep_dp groups
+{0, 2} and {1, 3}. They are named sub-groups of the dp axis, not an axis of the world: both
+are drawn from one dp group, so from the dp ranks of one (pp, cp, tp) place. (The
+configuration refuses ep, or any experts, with cp > 1: docs/moe.md.)
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ class AxisGroups:
     tp: Any
     cp: Any = None
     dp_cp: Any = None
+    ep: Any = None     # with ep > 1: this rank's expert-parallel group (a block of dp)
+    ep_dp: Any = None  # with ep > 1: the dp ranks holding this rank's experts
 
 
 @dataclass(frozen=True)
@@ -48,8 +64,11 @@ class Topology:
     Build with ``Topology.build(dp, pp, tp, cp=c, rank=r)``; attach process groups with
     ``init_process_groups(topology)`` once ``torch.distributed`` is initialised.
 
+    ``ep`` (expert parallelism, folded over dp: see the module docstring) must divide dp.
+
     Raises ``TopologyError`` (naming the sizes) when a size is < 1, when
-    ``dp * pp * cp * tp != world_size``, or when ``rank`` is outside ``[0, world_size)``.
+    ``dp * pp * cp * tp != world_size``, when ep does not divide dp, or when ``rank`` is
+    outside ``[0, world_size)``.
     """
 
     dp: int = 1
@@ -58,20 +77,24 @@ class Topology:
     rank: int = 0
     groups: AxisGroups | None = field(default=None, compare=False, repr=False)
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def build(cls, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1, rank: int = 0,
-              world_size: int | None = None) -> "Topology":
-        for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
+              world_size: int | None = None, ep: int = 1) -> "Topology":
+        for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
             if not isinstance(size, int) or size < 1:
                 raise TopologyError(f"parallel.{name}={size!r}: every axis size must be an integer >= 1")
+        if dp % ep:
+            raise TopologyError(f"parallel.ep={ep} does not divide parallel.dp={dp}: expert "
+                                "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
         product = dp * pp * cp * tp
         if world_size is not None and product != world_size:
             sizes = f"dp={dp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "") + f" x tp={tp}"
             raise TopologyError(f"{sizes} = {product} ranks, but the world size is {world_size}")
         if not 0 <= rank < product:
             raise TopologyError(f"rank {rank} is outside the grid of {product} ranks")
-        return cls(dp=dp, pp=pp, tp=tp, rank=rank, cp=cp)
+        return cls(dp=dp, pp=pp, tp=tp, rank=rank, cp=cp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -118,6 +141,35 @@ class Topology:
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
+    def ep_rank(self) -> int:
+        """Place in the ep group: which slice of the experts this rank holds."""
+        return self.dp_rank % self.ep
+
+    @property
+    def ep_dp_rank(self) -> int:
+        """Place in the ep_dp group (the dp ranks holding the same experts)."""
+        return self.dp_rank // self.ep
+
+    def ep_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s ep group, by ep rank: its block of ep dp ranks."""
+        dp = self.axis_ranks("dp", rank)
+        start = self.coords_of(self.rank if rank is None else rank)["dp"] // self.ep * self.ep
+        return dp[start:start + self.ep]
+
+    def ep_dp_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s ep_dp group, by ep_dp rank: every ep-th dp rank."""
+        dp = self.axis_ranks("dp", rank)
+        return dp[self.coords_of(self.rank if rank is None else rank)["dp"] % self.ep::self.ep]
+
+    def all_ep_groups(self, kind: str = "ep") -> list[list[int]]:
+        """Every ``kind`` ("ep" or "ep_dp") group, each a list of global ranks, fixed order."""
+        of = self.ep_ranks if kind == "ep" else self.ep_dp_ranks
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(tuple(of(r)), None)
+        return [list(g) for g in seen]
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -153,7 +205,8 @@ def init_process_groups(topology: Topology) -> Topology:
 
     Every rank must call this in the same order; returns a copy of ``topology`` whose
     ``groups`` hold this rank's dp, pp, cp and tp groups and its ``dp_cp`` group (with
-    ``cp = 1`` the dp group itself: no group is made twice).
+    ``cp = 1`` the dp group itself: no group is made twice), and with ep > 1 its ep and
+    ep_dp groups (with ep = 1 the ep_dp group is the dp group).
     """
     import torch.distributed as dist
 
@@ -169,4 +222,11 @@ def init_process_groups(topology: Topology) -> Topology:
             if topology.rank in ranks:
                 mine[axis] = group
     mine.setdefault("dp_cp", mine["dp"])
+    mine["ep_dp"] = mine["dp"]
+    if topology.ep > 1:
+        for kind in ("ep", "ep_dp"):
+            for ranks in topology.all_ep_groups(kind):
+                group = dist.new_group(ranks)
+                if topology.rank in ranks:
+                    mine[kind] = group
     return replace(topology, groups=AxisGroups(**mine))

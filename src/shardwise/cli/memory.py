@@ -56,6 +56,8 @@ def _layout_table(args, stages: list[int]) -> int:
             "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
     if args.bucket_mb is not None:
         over["parallel.bucket_mb"] = args.bucket_mb
+    if args.ep is not None:
+        over["parallel.ep"] = args.ep
     try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
         base = Config.load(args.config, over)
         p, d = base.parallel, describe_config(base)
@@ -63,26 +65,27 @@ def _layout_table(args, stages: list[int]) -> int:
         for z in stages:
             for pr in range(p.pp):
                 for tr in range(p.tp):
-                    if z == 3 and p.pp > 1:
+                    if z == 3 and (p.pp > 1 or p.ep > 1):
                         continue
                     preds[(z, pr, tr)] = predict_rank(
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
-                        precision=args.precision, bucket_mb=p.bucket_mb)
+                        precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     unit, div = unit_for(max([x["total"] for x in preds.values()] or [0]))
     print(f"{d.kind} {full_size(d) / 1e6:.2f}M parameters, {d.n_layer} layers x {d.hidden_size}, "
-          f"vocab {d.vocab_size}; dp={p.dp} x pp={p.pp}"
-          + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
+          f"vocab {d.vocab_size}; dp={p.dp}{f' (ep={p.ep})' if p.ep > 1 else ''} x "
+          f"pp={p.pp}" + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
           f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
           + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
-        if z == 3 and p.pp > 1:
-            print(f"{z:>4}   ZeRO-3 with pp > 1 is refused (see shardwise train)")
+        if z == 3 and (p.pp > 1 or p.ep > 1):
+            print(f"{z:>4}   ZeRO-3 with {'pp' if p.pp > 1 else 'ep'} > 1 is refused "
+                  "(see shardwise train)")
             continue
         measured = {}
         if args.measure:
@@ -117,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --config)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
+    ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over "
+                    "--dp (needs --config with model.n_experts; default: the config's)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: replicas of "
                     "the weights, ZeRO shards over dp x cp")
     ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")

@@ -14,14 +14,15 @@ Contract used by the rest of shardwise (stable signatures):
 - ``barrier(group=None)``.
 
 Also: ``reduce``, ``gather``, ``scatter``, ``all_gather``, ``all_gather_into_tensor``,
-``reduce_scatter``, ``reduce_scatter_tensor``, ``send``, ``recv``, ``exchange`` (p2p, each
-with ``async_op``); ``configure`` (timeout, argument check), ``accounting`` (per-rank byte
+``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``, ``all_to_all_single`` (uneven
+splits: ``alltoall.py``), ``send``, ``recv``, ``exchange`` (p2p, each with ``async_op``); ``configure`` (timeout, argument check), ``accounting`` (per-rank byte
 counters), ``cost`` (the model and ``auto``), ``shutdown`` (stop the communication thread).
 """
 
 from __future__ import annotations
 
 from shardwise.comm import accounting, cost
+from shardwise.comm.alltoall import ALL_TO_ALL_ALGORITHMS, all_to_all, all_to_all_single
 from shardwise.comm.api import (
                                 ALL_GATHER_ALGORITHMS,
                                 ALLREDUCE_ALGORITHMS,
@@ -56,7 +57,7 @@ __all__ = [
     "BROADCAST_ALGORITHMS", "REDUCE_ALGORITHMS", "REDUCE_OPS",
     "all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather",
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
-    "exchange",
+    "exchange", "all_to_all", "all_to_all_single", "ALL_TO_ALL_ALGORITHMS",
     "barrier", "configure", "settings", "Settings", "CommError", "CommTimeoutError", "Handle",
     "drain", "shutdown", "accounting", "cost",
 ]

@@ -22,10 +22,10 @@ FIELDS = ("call", "collective", "algorithm", "op", "dtype", "numel", "root", "gr
           "group")
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather",
-               "scatter", "barrier")
+               "scatter", "barrier", "all_to_all")
 ALGORITHM_CODES = ("native", "naive", "sequential", "ring", "halving_doubling", "tree",
                    "parallel", "recursive_doubling", "recursive_halving", "linear",
-                   "dissemination", "shm", "hierarchical")
+                   "dissemination", "shm", "hierarchical", "pairwise")
 OPS = ("sum", "mean", "max", "min", "-")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,

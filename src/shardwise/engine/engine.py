@@ -1,4 +1,4 @@
-"""One engine for every model and layout: dp x pp x cp x tp, ZeRO 0-3, fp32 / bf16 / fp16.
+"""One engine for every model and layout: dp x pp x cp x tp (x ep), ZeRO 0-3, fp32 / bf16 / fp16.
 
 ``Engine(model, topology, settings, device)`` composes, once, in this order, for any model
 described by a ``models.description.ModelDescription`` (``model`` is one, or a registered
@@ -7,11 +7,13 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
 1. ``engine.model.build_local_model``: the model on the meta device, this rank's pipeline
    chunks kept and sharded by its tensor-parallel plan, then only those materialised, each
    equal to its slice of the model built from the seed (no rank holds the whole model);
+   with ep > 1 each rank keeps its experts (``parallel.experts``);
 2. with cp > 1, ``parallel.context.ContextParallel``: every batch cut to this rank's chunks
    of each sequence (i and 2cp-1-i), and the chunks hooked so the model reads the true
    positions of its tokens and attends by ring attention (``models.sequence``);
 3. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
    ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``);
+   under ep the expert parameters apart, over ``ep_dp`` (experts refuse cp > 1);
 4. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
    flag, AdamW;
 5. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
@@ -19,7 +21,9 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
 
 ``train_step`` runs one step of the schedule; ``loss`` and ``generate`` run forward-only
 passes through the same chunks, stage after stage. Nothing here branches on the layout:
-each part answers the same calls whatever it holds.
+each part answers the same calls whatever it holds. A model with mixture-of-experts layers
+(``models.description``: modules with ``pop_router_stats``) also reports, per step, their
+auxiliary loss and expert load (``train_step``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import torch.nn as nn
 from shardwise import comm
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
-from shardwise.engine.sync import ReplicatedSync
+from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.sampling import generate
 from shardwise.parallel.context import ContextParallel, Ring
+from shardwise.parallel.experts import is_expert
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.executor import Executor
 from shardwise.parallel.pipeline.schedules import ScheduleError, schedule
@@ -79,6 +84,7 @@ class EngineSettings:
     measure_memory: bool = False  # meter saved-for-backward bytes (executor.meter.peak)
     fused: bool | None = None  # AdamW kernel; None: fused on CUDA, the per-tensor loop on CPU
     compile: bool = False  # torch.compile each transformer block
+    all_to_all: str = "native"  # expert parallelism's all-to-all (comm.ALL_TO_ALL_ALGORITHMS)
     init_from: str = ""  # a Hugging Face checkpoint directory the weights come from; "": seed
 
     @classmethod
@@ -92,18 +98,20 @@ class EngineSettings:
                    initial_loss_scale=t.initial_loss_scale, lr=o.lr, betas=(o.beta1, o.beta2),
                    weight_decay=o.weight_decay, grad_clip=o.grad_clip, seed=t.seed,
                    batch_size=t.global_batch_size, seq_len=cfg.model.block_size,
-                   fused=o.fused, compile=t.compile,
+                   fused=o.fused, compile=t.compile, all_to_all=p.all_to_all,
                    init_from=cfg.model.init_from.removeprefix("hf:"))
 
 
 def settle(info: dict) -> dict:
-    """``info`` with every 0-d tensor read into a Python float: one host synchronisation
-    for all of them."""
+    """``info`` with every 0-d tensor read into a Python float (one host synchronisation
+    for all of them) and every larger one into nested lists (``expert_load``)."""
     keys = [k for k, v in info.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+    more = {k: v.detach().cpu().tolist() for k, v in info.items()
+            if isinstance(v, torch.Tensor) and v.dim() > 0}
     if not keys:
-        return info
+        return {**info, **more}
     values = torch.stack([info[k].detach().double() for k in keys]).tolist()
-    return {**info, **dict(zip(keys, values))}
+    return {**info, **dict(zip(keys, values)), **more}
 
 
 class Engine:
@@ -152,6 +160,8 @@ class Engine:
         self.cp = self._context_parallel(model)
         self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
                    if groups is not None and topology.tp > 1 else RankGroup())
+        self.ep = (RankGroup.from_topology(topology, "ep")
+                   if groups is not None and topology.ep > 1 else RankGroup(axis="ep"))
         # dropout: the same stream on the tp ranks of a replica (replicated regions), one per
         # dp replica and stage; tp-sharded regions add the tp rank (Megatron's RNG tracker)
         self.dropout_seed = s.seed + 1000 * (topology.dp_rank + 1) + 100 * topology.pp_rank
@@ -160,7 +170,8 @@ class Engine:
             n_chunks=p * v, tp=self.tp, seed=s.seed, dropout_seed=self.dropout_seed,
             device=self.device, partition_by=s.partition,
             time_sample=(s.batch_size // topology.dp // s.micro_batches, s.seq_len),
-            average=self._average, init_from=s.init_from or None)
+            average=self._average, ep=self.ep, all_to_all=s.all_to_all,
+            init_from=s.init_from or None)
         self.description: ModelDescription = self.local.description
         torch.manual_seed(self.dropout_seed)
         if self.cp is not None:
@@ -211,6 +222,10 @@ class Engine:
                              "token positions from models.sequence.positions and attends "
                              "through models.gpt.causal_attention "
                              "(ModelDescription.context_parallel); use cp = 1")
+        if d.n_experts:
+            raise ValueError(f"parallel.cp={topo.cp} with model.n_experts={d.n_experts}: the "
+                             "mixture of experts does not run with context parallelism; "
+                             "set parallel.cp = 1 (docs/moe.md)")
         ring = Ring(self.topology.groups.cp if self.distributed else None,
                     tuple(topo.axis_ranks("cp")), topo.cp_rank)
         cp = ContextParallel(ring, self.device)
@@ -238,19 +253,35 @@ class Engine:
 
     def _wrap_for_dp(self):
         """The gradient sync of ``parallel.zero`` over the dp x cp replicas (``engine.sync``;
-        the dp group itself when cp = 1)."""
-        s, topo = self.s, self.topology
+        the dp group itself when cp = 1); under ep > 1 the expert parameters get their own,
+        over the ep_dp group (experts are refused with cp > 1)."""
         named = self.local.named_parameters()
+        experts = [(n, q) for n, q in named if is_expert(q)]
+        topo = self.topology
+        if not experts or not self.distributed:
+            return self._sync_of(named, self.grad_group, topo.dp_cp, topo.dp_cp_rank)
+        if self.s.zero == 3:
+            raise ValueError("parallel.zero=3 with expert parallelism: use ZeRO-1 or 2")
+        dense = [(n, q) for n, q in named if not is_expert(q)]
+        return SplitSync(self._sync_of(dense, self.grad_group, topo.dp_cp, topo.dp_cp_rank),
+                         self._sync_of(experts, topo.groups.ep_dp, topo.dp // topo.ep,
+                                       topo.ep_dp_rank, divisor=topo.dp))
+
+    def _sync_of(self, named, group, size: int, rank: int, divisor: int | None = None):
+        """One gradient sync of ``parallel.zero`` for ``named`` over ``group``."""
+        s = self.s
+        whole = len(named) == len(self.local.named_parameters())
         names = {id(q): n for n, q in named}
         params = [q for _, q in named]
         if s.zero == 0 or not self.distributed:
-            return ReplicatedSync(params, names, self.grad_group, topo.dp_cp, topo.dp_cp_rank,
-                                  self.dtype, s.bucket_mb, s.first_bucket_mb, s.allreduce)
+            return ReplicatedSync(params, names, group, size, rank, self.dtype, s.bucket_mb,
+                                  s.first_bucket_mb, s.allreduce, divisor=divisor)
         if s.zero in (1, 2):
             tied = frozenset(id(q) for n, q in named if n in self.local.tied)
             container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
-            return ZeroDataParallel(container, self.grad_group, s.zero, s.bucket_mb, self.dtype,
-                                    self.loss_scaler, names=names, isolate=tied, explicit=True)
+            return ZeroDataParallel(container, group, s.zero, s.bucket_mb, self.dtype,
+                                    self.loss_scaler, names=names, isolate=tied, explicit=True,
+                                    params=None if whole else params, divisor=divisor)
         (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
         units = list(zip(chunk.names, chunk.layers))
         wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names)
@@ -335,6 +366,8 @@ class Engine:
         self._seed_step()
         if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
             idx, targets = self.cp.shard(idx, targets)
+        for _, layer in self.local.moe_local:  # the auxiliary losses' share of the gradient
+            layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / m
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
             losses = self.executor.run(inputs, tgts)
@@ -346,11 +379,37 @@ class Engine:
         total = (torch.stack(losses).double().sum() / m if losses
                  else torch.zeros((), dtype=torch.float64, device=self.device))
         self.step += 1
-        info = {"loss": self._share_loss(total), **self.last_step}
+        info = {"loss": self._share_loss(total), **self.last_step, **self._router_stats(m)}
         buckets = getattr(self.sync, "sync", None)
         if buckets is not None:  # our DDP's buckets: how many started before backward ended
             info["buckets_overlapped"] = [buckets.launched_early, len(buckets.buckets)]
         return settle(info) if sync else info
+
+    def _router_stats(self, m: int) -> dict:
+        """The mixture-of-experts layers' statistics of this step, the same on every rank:
+        ``aux_loss`` (0-d: the sum over layers of each one's coef-weighted auxiliary loss,
+        averaged over micro-batches and dp replicas, as one process computes it on the
+        global batch), ``expert_load`` (layers, E) int64: assignments routed to each expert
+        over the global batch, and with a capacity factor ``expert_dropped`` (0-d). One
+        all-reduce over the world (tp rank 0 of each replica counts; stages hold other
+        layers). Empty without such layers."""
+        layers = self.local.moe_layers
+        if not layers:
+            return {}
+        e = self.description.n_experts
+        t = torch.zeros(len(layers), e + 2, dtype=torch.float64, device=self.device)
+        for i, layer in self.local.moe_local:
+            got = layer.pop_router_stats()
+            if got is not None and self.tp.rank == 0:
+                t[i, 0] = got["aux_loss"].double() / (m * self.topology.dp)
+                t[i, 1] = got["dropped"].double()
+                t[i, 2:] = got["load"].double()
+        if self.distributed and dist.get_world_size() > 1:
+            comm.all_reduce(t, check=False)
+        out = {"aux_loss": t[:, 0].sum(), "expert_load": t[:, 2:].round().long()}
+        if getattr(self.description.config, "moe_capacity_factor", 0):
+            out["expert_dropped"] = t[:, 1].sum()
+        return out
 
     def _seed_step(self) -> None:
         """Dropout streams as a function of (seed, coordinates, step) alone: a run resumed

@@ -15,9 +15,12 @@ counts of mixed-precision Adam (Micikevicius et al. 2018; Rajbhandari et al. 202
 
 P_pad is P with every bucket (unit, for ZeRO-3) padded to a multiple of dp, S = P_pad / dp
 the shard this rank owns, R <= S its real elements (AdamW keeps no moments for padding: the
-padding is stated, ``padding``). Under context parallelism the cp ranks are replicas of the
-weights and ZeRO shards over dp x cp of them (``topology.dp_cp``): read dp x cp for dp
-above; cp changes no other static byte (it splits activations: ``planner.memory``). ``Engine.memory_bytes`` measures the same categories from
+padding is stated, ``padding``). Under expert parallelism (ep > 1) the rank holds E / ep of
+each layer's experts, and with ZeRO-1/2 their buckets are padded to, and sharded over, the
+dp / ep ranks that hold the same experts (``engine.sync``); the dense ones over dp. Under
+context parallelism the cp ranks are replicas of the weights and ZeRO shards over dp x cp
+of them (``topology.dp_cp``): read dp x cp for dp above; cp changes no other static byte
+(it splits activations: ``planner.memory``); experts refuse cp > 1. ``Engine.memory_bytes`` measures the same categories from
 the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
 """
 
@@ -27,6 +30,7 @@ import torch
 
 from shardwise.engine.model import build_local_model
 from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
+from shardwise.parallel.experts import is_expert
 from shardwise.parallel.precision import DTYPES
 from shardwise.parallel.tensor_parallel.group import RankGroup
 
@@ -45,11 +49,16 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers",
-                 cp: int = 1, cp_rank: int = 0) -> dict:
+                 ep: int = 1, cp: int = 1, cp_rank: int = 0) -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
+    ``ep``: expert-parallel ranks (folded over dp: the rank's ep rank is dp_rank mod ep).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
+    if cp > 1 and ep > 1:
+        raise ValueError(f"parallel.cp={cp} with parallel.ep={ep}: expert parallelism does "
+                         "not run with context parallelism; set parallel.cp = 1")
+    ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
     # ZeRO's group is every replica of the weights: dp x cp, this rank at dp_rank * cp + cp_rank
     dp, dp_rank = dp * cp, dp_rank * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
@@ -58,7 +67,8 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
         local = build_local_model(
             model, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
             n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
-            seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by)
+            seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
+            ep=RankGroup(size=ep, rank=ep_rank, axis="ep"))
         named = local.named_parameters()
         for _, q in named:
             q.data = q.data.to(DTYPES[precision])
@@ -69,9 +79,15 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                    "optimizer": 8 * P + (0 if b == 4 else 4 * P), "padding": 0}
         elif zero in (1, 2):
             tied = frozenset(id(q) for n, q in named if n in local.tied)
-            buckets = build_buckets(params, max(1, int(bucket_mb * MiB)), pad_to=dp, isolate=tied)
-            padded = [bk.buffer.numel() for bk in buckets]
-            S, R = _shard(padded, [bk.numel for bk in buckets], dp, dp_rank)
+            groups = [([q for q in params if not is_expert(q)], dp, dp_rank),
+                      ([q for q in params if is_expert(q)], dp // ep, dp_rank // ep)]
+            padded, S, R = [], 0, 0
+            for mine, size, rank in groups if ep > 1 and dp > 1 else [(params, dp, dp_rank)]:
+                buckets = build_buckets(mine, max(1, int(bucket_mb * MiB)), pad_to=size,
+                                        isolate=tied)
+                pad = [bk.buffer.numel() for bk in buckets]
+                owned, real = _shard(pad, [bk.numel for bk in buckets], size, rank)
+                padded, S, R = padded + pad, S + owned, R + real
             out = {"params": b * sum(padded), "grads": b * (sum(padded) if zero == 1 else S),
                    "optimizer": 4 * S + 8 * R, "padding": S - R}
         else:

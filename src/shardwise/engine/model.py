@@ -11,7 +11,9 @@ model's ``models.description.ModelDescription`` (no model is imported here):
    are dropped;
 3. with tp > 1, shard each kept layer by the model's tensor-parallel plan, still on meta
    (``parallel.tensor_parallel.plan.parallelize``: vocab-parallel embedding and head,
-   column / row parallel linears, Shoeybi et al. 2019, section 3);
+   column / row parallel linears, Shoeybi et al. 2019, section 3); with ep > 1 or tp > 1,
+   split the plan's ``experts`` modules by expert over ep and by width over tp
+   (``parallel.experts.parallelize_experts``);
 4. materialise the kept parameters on ``device`` and give them their values by replaying
    the single-process constructor's random stream (``_initialise``): each equals, bit for
    bit, its slice of ``torch.manual_seed(seed); description.build()``, and no rank ever
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
+from shardwise.parallel.experts import parallelize_experts
 from shardwise.parallel.pipeline.partition import (
     Partition,
     balanced,
@@ -46,6 +49,7 @@ from shardwise.parallel.pipeline.partition import (
 )
 from shardwise.parallel.pipeline.stage import StageChunk
 from shardwise.parallel.tensor_parallel.group import RankGroup
+from shardwise.parallel.tensor_parallel.layers import gather_tensor, shard_tensor
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
 from shardwise.parallel.tensor_parallel.plan import check_divisible, parallelize
 from shardwise.parallel.tensor_parallel.random import ParallelRNG
@@ -74,6 +78,9 @@ class LocalModel:
     loss_fn: Callable = field(default=None, repr=False)
     vocab_params: tuple[str, ...] = ()
     flops_per_token: float = 0.0
+    ep: RankGroup = field(default_factory=lambda: RankGroup(axis="ep"))
+    moe_layers: tuple[str, ...] = ()
+    moe_local: list = field(default_factory=list)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(full model name, parameter)`` of this rank's parameters, chunk by chunk, each
@@ -96,11 +103,17 @@ class LocalModel:
 
     def full_tensor(self, name: str, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The unsharded, unpadded tensor of ``local`` (parameter ``p`` named ``name``, or a
-        tensor shaped like it: a moment, a master). Collective over tp when ``p`` is sharded."""
-        return gather_like(p, local, self.tp, self._rows(name))
+        tensor shaped like it: a moment, a master). Collective over tp when ``p`` is sharded,
+        and over ep for an expert parameter."""
+        full = gather_like(p, local, self.tp, self._rows(name))
+        dim = getattr(p, "ep_dim", None)
+        return full if dim is None or self.ep.size == 1 else gather_tensor(full, dim, self.ep)
 
     def local_tensor(self, name: str, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """Inverse of ``full_tensor``: this rank's slice (vocabulary padding added back)."""
+        dim = getattr(p, "ep_dim", None)
+        if dim is not None and self.ep.size > 1:
+            full = shard_tensor(full, dim, self.ep)
         return shard_like(p, full, self.tp, self._rows(name))
 
     def _rows(self, name: str) -> int | None:
@@ -111,8 +124,8 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
                       n_chunks: int, tp: RankGroup, seed: int, dropout_seed: int,
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
-                      average: Callable = lambda t: t,
-                      init_from: str | None = None) -> LocalModel:
+                      average: Callable = lambda t: t, ep: RankGroup | None = None,
+                      all_to_all: str = "native", init_from: str | None = None) -> LocalModel:
     """This rank's chunks of ``model`` (a ``ModelDescription`` or a registered config:
     ``GPTConfig``, ``LlamaConfig``) built after ``torch.manual_seed(seed)``, each parameter
     equal (``torch.equal``) to its slice of that model, built without ever materialising
@@ -124,18 +137,32 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     ``n_chunks`` chunks ("time": layers profiled on a ``time_sample``-shaped batch, the
     seconds passed through ``average``, which must make every rank cut alike).
     ``dropout_seed`` seeds the tensor-parallel dropout stream (plus the tp rank, as
-    Megatron's model-parallel RNG). ``init_from``: a Hugging Face checkpoint directory whose
+    Megatron's model-parallel RNG). ``ep``: the expert-parallel group (None: one rank),
+    ``all_to_all`` its algorithm. ``init_from``: a Hugging Face checkpoint directory whose
     tensors the parameters take instead (``_load_hf``; the description's ``hf`` arch names
     them); ``seed`` is then not used. Raises ``ValueError`` (one line) when tp does not
-    divide a size, the plan does not fit the model, or there are more chunks than layers,
-    and ``CheckpointError`` (a ``ValueError``) for a checkpoint that lacks a tensor or holds
-    it in another shape.
+    divide a size, ep the experts, the plan does not fit the model, or there are more chunks
+    than layers, and ``CheckpointError`` (a ``ValueError``) for a checkpoint that lacks a
+    tensor or holds it in another shape.
     """
     d = describe(model)
+    ep = ep if ep is not None else RankGroup(axis="ep")
     if tp.size > 1:
         check_divisible(d, tp)
+    if d.n_experts and tp.sequence_parallel:
+        raise ValueError("sequence parallelism with a mixture of experts: the router and the "
+                         "experts read whole sequences; leave sequence parallelism off")
+    if ep.size > 1:
+        if not d.n_experts:
+            raise ValueError(f"ep={ep.size} but {d.kind} has no experts (model.n_experts = 0)")
+        ep.shard(d.n_experts, "model.n_experts")
     record = record_init(d.build)  # every tensor on meta: nothing allocated
     d.check_plan(record.model)
+    moe_layers = tuple(n for n, m in record.model.named_modules()
+                       if callable(getattr(m, "pop_router_stats", None)))
+    if moe_layers and not d.n_experts:
+        raise ValueError(f"{d.kind}: {moe_layers[0]} is a mixture of experts "
+                         "(pop_router_stats) but the description's n_experts is 0")
     # the full shapes, before tp sharding replaces the layers' modules (init_from reads them)
     full_shapes = {n: tuple(p.shape) for n, p in record.model.named_parameters()}
     vocab_params = d.vocab_params(record.model)
@@ -162,6 +189,8 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
             name, m = layers[i]
             if tp.size > 1:
                 m = parallelize(m, d.tp_plan, tp, rng, name=name, vocab_size=d.vocab_size)  # meta
+            if tp.size > 1 or ep.size > 1:
+                m = parallelize_experts(m, d.tp_plan, ep, tp, name=name, algorithm=all_to_all)
             named.append((name, m))
         chunks[c] = StageChunk(named)
     del layers
@@ -171,9 +200,14 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
         if not share:
             tied = (d.tied[:1] if emb_here else ()) + (d.tied[1:] if head_here else ())
     loss_fn = _vocab_parallel_loss(tp, d.vocab_size) if tp.size > 1 else lm_loss_fp32
+    moe_local = [(moe_layers.index(f"{lname}.{sub}" if sub else lname), m)
+                 for c in sorted(chunks) for lname, layer in zip(chunks[c].names, chunks[c].layers)
+                 for sub, m in layer.named_modules()
+                 if callable(getattr(m, "pop_router_stats", None))]
     local = LocalModel(description=d, chunks=chunks, partition=partition, tp=tp, rng=rng,
                        tied=tied, n_chunks=n_chunks, loss_fn=loss_fn,
-                       vocab_params=vocab_params, flops_per_token=flops)
+                       vocab_params=vocab_params, flops_per_token=flops, ep=ep,
+                       moe_layers=moe_layers, moe_local=moe_local)
     if torch.device(device).type != "meta":  # meta: shapes only (engine.memory's prediction)
         _initialise(local, record, seed, torch.device(device), init_from, full_shapes)
     return local
@@ -227,7 +261,7 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     every draw again from a generator seeded with ``seed`` into a scratch tensor (the CPU
     generator cannot skip ahead, so draws nobody here needs are made and dropped, one
     tensor at a time), and at each parameter's last write we copy this rank's slice into it
-    (``_copy_slice``, what ``LocalModel.local_tensor`` gives: the tp slice, vocabulary
+    (``_copy_slice``, what ``LocalModel.local_tensor`` gives: the ep and tp slice, vocabulary
     padding as zeros; the untied head copy on the last stage takes the embedding's value).
     Peak memory beyond the local parameters: one full tensor on the CPU. The global RNG is
     not touched (the engine reseeds it for dropout right after). With ``init_from`` the
@@ -253,7 +287,11 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
 
     def sink(name: str, full: torch.Tensor) -> None:
         for p in targets[name]:
-            _copy_slice(p.detach(), full, getattr(p, "tp_dim", None), local.tp.rank)
+            src, ep_dim = full, getattr(p, "ep_dim", None)
+            if ep_dim is not None:  # this ep rank's experts, then their tp slice
+                n = p.shape[ep_dim]
+                src = full.narrow(ep_dim, local.ep.rank * n, n)
+            _copy_slice(p.detach(), src, getattr(p, "tp_dim", None), local.tp.rank)
 
     replay_init(record, seed, list(targets), sink)
 

@@ -29,6 +29,13 @@ each rank, the parts of the saved chunks that overlap its slice (its planner res
 and each rank keeps its ZeRO ranges. ZeRO pieces are joined over dp rather than written
 as chunks because a piece is a flat range of a tp slice, which is not a box of the
 logical tensor, and DCP describes chunks as boxes (offsets and sizes per dim).
+
+Expert parameters under expert parallelism (``ep_dim``: each ep rank holds E / ep of the
+experts) are stored under the same single-process names and shapes, (E, ...): a ``DTensor``
+sharded along the experts over the ep group (``Shard(0)``), and along ``tp_dim`` too on a
+two-dimensional (ep, tp) mesh when tp > 1; their ZeRO pieces are joined over the ``ep_dp``
+group, the dp ranks that hold the same experts. So a checkpoint written at one ep loads at
+any other (DCP reads each rank's experts from whichever chunks hold them).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise import comm
 from shardwise.comm.coalesce import coalesced_
+from shardwise.parallel.experts import is_expert
 
 FORMAT = 2  # meta["format"]: 2 = logical tensors (this module); absent = per-piece keys
 _PIECE = re.compile(r"^(?P<name>.+)\[(?P<a>\d+):(?P<b>\d+)\]$")
@@ -101,7 +109,10 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
     if _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
-        coalesced_(bufs, lambda flat: comm.all_reduce(flat, group=engine.grad_group, check=False))
+        expert = [_ep_split(engine) and is_expert(p) for _, p in named]
+        for group, which in ((engine.grad_group, False), (_ep_dp_group(engine), True)):
+            coalesced_([b for b, e in zip(bufs, expert) if e == which],
+                       lambda flat, g=group: comm.all_reduce(flat, group=g, check=False))
         comm.all_reduce(steps, op="max", group=engine.grad_group, check=False)
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
@@ -119,29 +130,60 @@ def _sharded(engine, p) -> bool:
     return engine.distributed and engine.tp.size > 1 and getattr(p, "tp_dim", None) is not None
 
 
-def _mesh(engine):
-    """A one-axis ``DeviceMesh`` over the tp group, made once per engine (no collective)."""
-    if getattr(engine, "_checkpoint_mesh", None) is None:
+def _ep_sharded(engine, p) -> bool:
+    return engine.distributed and engine.ep.size > 1 and is_expert(p)
+
+
+def _ep_dp_group(engine):
+    """The dp ranks holding this rank's experts (ZeRO shards expert parameters over it)."""
+    return engine.topology.groups.ep_dp if _ep_split(engine) else engine.dp_group
+
+
+def _ep_split(engine) -> bool:
+    """Whether expert parameters are synced apart, over ep_dp (expert parallelism)."""
+    return engine.distributed and engine.ep.size > 1
+
+
+def _mesh(engine, axes: tuple[str, ...] = ("tp",)):
+    """A ``DeviceMesh`` over the tp group, the ep group, or both (ep rows, tp columns: the
+    global ranks of this rank's ep group, each with its tp group), made once per engine
+    (no collective)."""
+    cache = engine.__dict__.setdefault("_checkpoint_meshes", {})
+    if axes not in cache:
         from torch.distributed.device_mesh import DeviceMesh
 
-        engine._checkpoint_mesh = DeviceMesh.from_group(engine.tp.group, "cpu")
-    return engine._checkpoint_mesh
+        groups = {"tp": engine.tp.group, "ep": engine.ep.group}
+        if len(axes) == 1:
+            cache[axes] = DeviceMesh.from_group(groups[axes[0]], "cpu")
+        else:
+            topo = engine.topology
+            grid = [topo.axis_ranks("tp", r) for r in topo.ep_ranks()]
+            cache[axes] = DeviceMesh.from_group([groups[a] for a in axes], "cpu",
+                                                mesh=torch.tensor(grid), mesh_dim_names=axes)
+    return cache[axes]
 
 
 def _logical(engine, name: str, p, local: torch.Tensor) -> torch.Tensor:
-    """``local`` (shaped like the tp-local ``p``) as a tensor of the logical shape on the
-    CPU: a ``DTensor`` holding this rank's slice when ``p`` is tp-sharded, else a copy."""
-    if not _sharded(engine, p):
+    """``local`` (shaped like the local ``p``) as a tensor of the logical shape on the CPU:
+    a ``DTensor`` holding this rank's slice when ``p`` is tp-sharded or an expert parameter
+    under ep, else a copy."""
+    tp_split, ep_split = _sharded(engine, p), _ep_sharded(engine, p)
+    if not (tp_split or ep_split):
         return local.detach().cpu().clone()
-    d, tp = p.tp_dim, engine.tp
-    shape = list(local.shape)
-    shape[d] *= tp.size
-    if name in engine.local.vocab_params:  # padded rows: the logical tensor has V of them
-        shape[0] = engine.description.vocab_size
-        local = local[:max(0, min(local.shape[0], shape[0] - tp.rank * local.shape[0]))]
+    shape, axes, placements = list(local.shape), (), []
+    if ep_split:
+        shape[p.ep_dim] *= engine.ep.size
+        axes, placements = ("ep",), [Shard(p.ep_dim)]
+    if tp_split:
+        d, tp = p.tp_dim, engine.tp
+        shape[d] *= tp.size
+        axes, placements = axes + ("tp",), placements + [Shard(d)]
+        if name in engine.local.vocab_params:  # padded rows: the logical tensor has V
+            shape[0] = engine.description.vocab_size
+            local = local[:max(0, min(local.shape[0], shape[0] - tp.rank * local.shape[0]))]
     local = local.detach().cpu().contiguous().clone()
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, _mesh(engine), [Shard(d)], run_check=False,
+    return DTensor.from_local(local, _mesh(engine, axes), placements, run_check=False,
                               shape=torch.Size(shape), stride=stride)
 
 

@@ -16,11 +16,17 @@ which one it holds:
 compute dtype is bf16/fp16), ``zero.ZeroDataParallel`` (ZeRO-1/2: the same buckets,
 reduce-scattered; masters of this rank's shard; all-gather after the step) and
 ``zero.ZeroStage3`` (parameters sharded too, gathered per unit) are the three.
+
+Under expert parallelism (ep > 1) the engine wraps twice and joins the two with
+``SplitSync``: the dense parameters over the dp group as above, the expert parameters
+(``parallel.experts.is_expert``) over the ``ep_dp`` group, the dp ranks holding the same
+experts (DeepSpeed-MoE's expert-data-parallel group), their sums divided by the whole dp
+size (each expert already summed the gradients of the ep ranks' tokens it served).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 import torch
 import torch.nn as nn
@@ -36,12 +42,14 @@ class ReplicatedSync:
     ``param_dtype``: compute dtype; with bf16/fp16 each parameter gets an fp32 master and
     the parameter is cast down (Micikevicius et al. 2018), with fp32 the parameter is its own
     master. ``bucket_mb`` / ``first_bucket_mb``: bucket capacities in MiB; they and the
-    all-reduce algorithm are our DDP's (``GradientSync``).
+    all-reduce algorithm are our DDP's (``GradientSync``). ``divisor``: the sums are divided
+    by it (default ``dp_size``; expert parameters: the whole dp size, also when their group
+    is one rank).
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,
                  dp_rank: int, param_dtype: torch.dtype, bucket_mb: float,
-                 first_bucket_mb: float, allreduce: str):
+                 first_bucket_mb: float, allreduce: str, divisor: int | None = None):
         self.params = params
         self.piece_params = list(params)
         self.piece_names = [names[id(p)] for p in params]
@@ -52,7 +60,9 @@ class ReplicatedSync:
             for p in params:
                 p.data = p.data.to(param_dtype)
         self.counted = [dp_rank == 0] * len(params)  # replicas: counted once over dp
-        self.sync = (GradientSync(params, group, bucket_mb, first_bucket_mb, allreduce)
+        self.divisor = dp_size if divisor is None else divisor
+        self.sync = (GradientSync(params, group, bucket_mb, first_bucket_mb, allreduce,
+                                  divisor=self.divisor)
                      if dp_size > 1 else None)
 
     def final_backward(self):
@@ -61,6 +71,10 @@ class ReplicatedSync:
     def finish(self) -> None:
         if self.sync is not None:
             self.sync.finish()
+        elif self.divisor > 1:  # one rank holds these experts: only the mean over dp
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.divisor)
 
     def zero_grad(self) -> None:
         if self.sync is not None:
@@ -89,3 +103,45 @@ class ReplicatedSync:
         if self.sync is not None:
             return [b.buffer for b in self.sync.buckets]
         return [p.grad for p in self.params if p.grad is not None]
+
+
+class SplitSync:
+    """Two syncs answering as one (see module docstring): ``dense`` over dp, ``experts``
+    over ep_dp. Pieces are the dense sync's, then the experts'."""
+
+    def __init__(self, dense, experts):
+        self.parts = (dense, experts)
+        self.pieces = dense.pieces + experts.pieces
+        self.piece_params = dense.piece_params + experts.piece_params
+        self.piece_names = dense.piece_names + experts.piece_names
+        self.counted = list(dense.counted) + list(experts.counted)
+
+    def final_backward(self):
+        stack = ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.final_backward())
+        return stack
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish()
+
+    def zero_grad(self) -> None:
+        for part in self.parts:
+            part.zero_grad()
+
+    def piece_grads(self) -> list[torch.Tensor]:
+        return [g for part in self.parts for g in part.piece_grads()]
+
+    def after_step(self) -> None:
+        for part in self.parts:
+            part.after_step()
+
+    def param_shards(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.param_shards()]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.grad_shards()]
+
+    def full_parameters(self):
+        return nullcontext()

@@ -34,8 +34,18 @@ characters, dots included) on the full model's module names:
                        tp by the optimizer.
 ``sequence_positions`` a module fed position ids of the whole sequence (a learned position
                        embedding): under SP it reads this rank's slice of them.
+``experts``            stacked expert weights (``models.moe.Experts``: ``gate_proj`` and
+                       ``up_proj`` (E, C, F), ``down_proj`` (E, F, C), ``forward(x, counts)``
+                       on tokens sorted by expert): split by expert over ep and by the width
+                       F over tp; tokens reach their experts by all-to-all over ep
+                       (``parallel.experts``). Its parameters are expert parameters: their
+                       gradients are reduced over the dp ranks holding the same experts.
 ``replicate``          left as it is (the default for any module the plan does not name).
 =====================  =====================================================================
+
+Mixture-of-experts layers (``models.moe.MoE``) are found by what they offer, not their type:
+a module with ``pop_router_stats()`` reports its auxiliary loss and expert load per step, and
+its ``aux_grad_scale`` is the factor the engine multiplies its loss by.
 
 Models register under a kind (``register_model``): ``"gpt"`` and ``"llama"`` are shardwise's
 own; ``examples/own_decoder.py`` registers one of yours.
@@ -55,7 +65,7 @@ from typing import Any, Callable, Mapping
 import torch.nn as nn
 
 STYLES = ("column", "row", "vocab_embedding", "vocab_head", "attention", "shared_input",
-          "dropout", "sequence_parallel", "sequence_positions", "replicate")
+          "dropout", "sequence_parallel", "sequence_positions", "experts", "replicate")
 _MODULE_TYPES = {"column": nn.Linear, "row": nn.Linear, "vocab_head": nn.Linear,
                  "vocab_embedding": nn.Embedding, "dropout": nn.Dropout}
 
@@ -98,6 +108,8 @@ class ModelDescription:
     tp_divides: what tp must divide, ``{"model.n_head (attention heads)": 12, ...}``; the
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
+    n_experts: experts per mixture-of-experts layer (0: none); ep must divide it. The engine
+        refuses cp > 1 with experts (docs/moe.md).
     context_parallel: the model reads token positions from ``models.sequence.positions`` and
         attends through ``models.gpt.causal_attention``, so a rank may hold only some chunks
         of each sequence (``parallel.cp > 1``); False (the default for your own model): the
@@ -119,6 +131,7 @@ class ModelDescription:
     layers: Callable[[nn.Module], list[tuple[str, nn.Module]]] = decoder_layers
     tied: tuple[str, str] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
+    n_experts: int = 0
     context_parallel: bool = False
     hf: Any = None
 
@@ -155,10 +168,12 @@ class ModelDescription:
     def flops_per_token(self, model: nn.Module, seq_len: int | None = None) -> float:
         """Training FLOPs per token, ``6 N + 12 L (H D) T`` (PaLM, appendix B; see
         ``perf.flops``): N every parameter but embedding lookups, the head counted even
-        when tied. ``model`` may be on the meta device."""
+        when tied, a parameter marked ``active_fraction`` (an expert's: top_k / E) counted
+        for that share. ``model`` may be on the meta device."""
         t = self.block_size if seq_len is None else seq_len
         lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-        n = sum(p.numel() for p in model.parameters()) - lookups
+        n = sum(p.numel() * getattr(p, "active_fraction", 1.0)
+                for p in model.parameters()) - lookups
         if self.tied is not None:
             n += model.get_parameter(self.tied[1]).numel()
         return 6.0 * n + 12.0 * self.n_layer * self.attention_width * t

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.models.hf import LLAMA_PREFIXES
+from shardwise.models.moe import GATINGS, Experts, MoE
 from shardwise.models.sampling import generate
 
 
@@ -64,8 +65,13 @@ class LlamaConfig:
     Llama's rule ``multiple_of * ceil(int(8h/3) / multiple_of)``. norm_eps: RMSNorm
     epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, a dict of its fields,
     or None. tie_weights: head shares the embedding matrix. attention: "sdpa" or "math"
-    (``models.gpt.causal_attention``). Raises ``ValueError`` (one line, naming the
-    fields) for inconsistent sizes.
+    (``models.gpt.causal_attention``). n_experts: 0 for the dense SwiGLU MLP, else a
+    mixture of that many SwiGLU experts in every block (``models.moe.MoE``): ``top_k`` per
+    token, of width ``moe_ffn_hidden`` (None: ``ffn_hidden``), ``moe_gating`` "softmax" or
+    "sigmoid", the k gates renormalised with ``moe_norm_topk``, auxiliary loss weight
+    ``moe_aux_loss_coef``, ``moe_capacity_factor`` (0: dropless), and with
+    ``moe_shared_expert`` one more SwiGLU of that width every token goes through. Raises
+    ``ValueError`` (one line, naming the fields) for inconsistent sizes.
     """
 
     vocab_size: int
@@ -82,6 +88,14 @@ class LlamaConfig:
     tie_weights: bool = False
     dropout: float = 0.0
     attention: str = "sdpa"
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_hidden: int | None = None
+    moe_gating: str = "softmax"
+    moe_norm_topk: bool = True
+    moe_aux_loss_coef: float = 0.01
+    moe_capacity_factor: float = 0.0
+    moe_shared_expert: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
@@ -116,6 +130,24 @@ class LlamaConfig:
                              "0 < low_freq_factor < high_freq_factor")
         if self.attention not in ("sdpa", "math"):
             raise ValueError(f"model.attention={self.attention!r}: expected 'sdpa' or 'math'")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.n_experts < 0:
+            raise ValueError(f"model.n_experts={self.n_experts}: expected 0 (dense) or more")
+        if self.moe_ffn_hidden is None:
+            object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+        if not self.n_experts:
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"model.top_k={self.top_k}: expected 1 <= top_k <= "
+                             f"model.n_experts={self.n_experts}")
+        if self.moe_gating not in GATINGS:
+            raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected "
+                             f"{' or '.join(GATINGS)}")
+        if self.moe_ffn_hidden < 1 or self.moe_capacity_factor < 0 or self.moe_aux_loss_coef < 0:
+            raise ValueError("model.moe_ffn_hidden >= 1, model.moe_capacity_factor >= 0 and "
+                             "model.moe_aux_loss_coef >= 0 expected")
 
     @property
     def head_dim(self) -> int:
@@ -208,29 +240,39 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, width ``ffn_hidden``.
-    (B, T, C) -> (B, T, C)."""
+    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, width ``hidden`` (default
+    ``ffn_hidden``). (B, T, C) -> (B, T, C)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, hidden: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+        hidden = cfg.ffn_hidden if hidden is None else hidden
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def moe(cfg: LlamaConfig) -> MoE:
+    """The mixture of experts that replaces the MLP when ``cfg.n_experts`` > 0."""
+    h = cfg.moe_ffn_hidden
+    return MoE(cfg.n_embd, cfg.n_experts, h, cfg.top_k, cfg.moe_gating, cfg.moe_norm_topk,
+               cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
+               shared_expert=MLP(cfg, h) if cfg.moe_shared_expert else None)
+
+
 class Block(nn.Module):
     """Pre-RMSNorm block: ``x + self_attn(input_layernorm(x))`` then
-    ``x + mlp(post_attention_layernorm(x))``. (B, T, C) -> (B, T, C)."""
+    ``x + mlp(post_attention_layernorm(x))``, ``mlp`` a SwiGLU ``MLP`` or, with
+    ``n_experts``, a ``models.moe.MoE``. (B, T, C) -> (B, T, C)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = moe(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -267,7 +309,10 @@ class Llama(nn.Module):
     over targets other than -100 (None without targets). Raises ``ValueError`` if ``T >
     block_size``. Init as HF's Llama: normal(0, 0.02) for linear and embedding weights,
     ones for the norms, drawn from the global torch generator in module order, so
-    ``torch.manual_seed(s); Llama(cfg)`` is reproducible.
+    ``torch.manual_seed(s); Llama(cfg)`` is reproducible (experts: normal(0, 0.02) too).
+    With ``n_experts`` the blocks' auxiliary losses enter the gradient of any loss
+    backpropagated through them (``models.moe.AuxLossScaler``); ``loss`` stays the
+    cross-entropy.
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -286,6 +331,8 @@ class Llama(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
+        elif isinstance(m, Experts):
+            m.reset_parameters(std=0.02)
 
     def num_parameters(self) -> int:
         """Parameters, the tied matrix counted once."""
@@ -378,33 +425,55 @@ TP_PLAN = {
     "head.norm": "sequence_parallel",
     "head.proj": "vocab_head",
 }
+# With experts the MLP's entries give way to the MoE's (torchtitan's ``apply_moe_ep_tp``):
+# the router replicated, the stacked experts split by expert over ep and by width over tp
+# (Megatron-Core's expert tensor parallelism), the shared expert as a dense SwiGLU.
+MOE_TP_PLAN = {
+    **{k: v for k, v in TP_PLAN.items() if not k.startswith("blocks.*.mlp")},
+    "blocks.*.mlp.experts": "experts",
+    "blocks.*.mlp.shared_expert": "shared_input",
+    "blocks.*.mlp.shared_expert.gate_proj": "column",
+    "blocks.*.mlp.shared_expert.up_proj": "column",
+    "blocks.*.mlp.shared_expert.down_proj": "row",
+}
+
+
+def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
+    """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
+    there is none)."""
+    if not cfg.n_experts:
+        return dict(TP_PLAN)
+    return {k: v for k, v in MOE_TP_PLAN.items()
+            if cfg.moe_shared_expert or "shared_expert" not in k}
 
 
 def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
-    query heads share) and the SwiGLU width. Hugging Face's ``LlamaForCausalLM`` in and out:
-    ``models.hf.LLAMA``."""
+    query heads share) and the SwiGLU width (the experts' with ``n_experts``); ep must
+    divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``
+    (not with ``n_experts``: a mixture of experts has no such mapping, ``hf`` is None)."""
     from shardwise.models.description import ModelDescription
     from shardwise.models.hf import LLAMA
 
+    width = ({"model.moe_ffn_hidden (expert width)": cfg.moe_ffn_hidden} if cfg.n_experts
+             else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
     return ModelDescription(
-        kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=TP_PLAN,
+        kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
         n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim, context_parallel=True,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
-                    "model.n_kv_heads (key/value heads)": cfg.n_kv_heads,
-                    "model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden},
-        hf=LLAMA)
+                    "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},
+        n_experts=cfg.n_experts, hf=None if cfg.n_experts else LLAMA)
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
     """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
-    ``n_kv_heads`` / ``ffn_hidden`` 0 mean Llama's defaults (n_head; the 8h/3 rule).
-    ``model.bias`` is ignored (Llama has no biases); ``model.rope_scaling`` is Llama 3's
-    (``RopeScaling``'s fields). Raises ``ValueError`` (one line) for a field only the GPT
-    has (``activation`` other than gelu, ``k_bias``)."""
+    ``n_kv_heads`` / ``ffn_hidden`` / ``moe_ffn_hidden`` 0 mean Llama's defaults (n_head;
+    the 8h/3 rule; ffn_hidden). ``model.bias`` is ignored (Llama has no biases);
+    ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields). Raises ``ValueError``
+    (one line) for a field only the GPT has (``activation`` other than gelu, ``k_bias``)."""
     if getattr(m, "k_bias", False) or getattr(m, "activation", "gelu") != "gelu":
         raise ValueError("model.k_bias / model.activation: the GPT's; the Llama has no "
                          "biases and a SwiGLU MLP")
@@ -413,4 +482,10 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        n_embd=m.n_embd, ffn_hidden=m.ffn_hidden or None,
                        multiple_of=m.multiple_of, norm_eps=m.norm_eps,
                        rope_theta=m.rope_theta, rope_scaling=getattr(m, "rope_scaling", None),
-                       tie_weights=m.tie_weights, dropout=m.dropout, attention=m.attention)
+                       tie_weights=m.tie_weights, dropout=m.dropout, attention=m.attention,
+                       n_experts=m.n_experts, top_k=m.top_k,
+                       moe_ffn_hidden=m.moe_ffn_hidden or None,
+                       moe_gating=m.moe_gating, moe_norm_topk=m.moe_norm_topk,
+                       moe_aux_loss_coef=m.moe_aux_loss_coef,
+                       moe_capacity_factor=m.moe_capacity_factor,
+                       moe_shared_expert=m.moe_shared_expert)

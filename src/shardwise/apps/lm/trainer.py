@@ -133,11 +133,14 @@ class Trainer(TrainerState, TrainTask):
 
     def finish(self) -> None:
         """Rank 0: loss-curve PNG and a generated sample, printed. Call on every rank:
-        generation is collective over dp replica 0's tp and pp groups."""
+        generation is collective over dp replica 0's tp and pp groups (and ep group)."""
+        # generation runs on dp replica 0, and under expert parallelism on its ep group too
+        # (the experts' all-to-all needs every rank of it; they sample the same tokens)
+        samplers = self.topology.ep_dp_rank == 0
         with self.engine.full_parameters():  # ZeRO-3: gathered once (collective over dp)
             if self.is_main:
                 self._write_outputs()
-            elif self.topology.dp_rank == 0 and self.cfg.training.sample_chars:
+            elif samplers and self.cfg.training.sample_chars:
                 self._sample()
 
     def _save_timeline(self) -> None:
@@ -172,8 +175,8 @@ def build_trainer(cfg: Config) -> Trainer:
     if dist.is_initialized():
         topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
                                                   rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size()))
+                                                  world_size=dist.get_world_size(), ep=p.ep))
     else:
-        topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp)
+        topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep)
     return Trainer(cfg, topo)
 

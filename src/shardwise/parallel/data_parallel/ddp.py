@@ -118,9 +118,15 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
     broadcast's argument check makes every rank agree on the total size, so replicas with
     different shapes fail here with an error naming the rank, not later.
     """
+    broadcast_tensors(list(module.parameters()) + list(module.buffers()), group)
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], group=None) -> None:
+    """Copy ``tensors`` from the group's first rank, in place: one broadcast per (dtype,
+    device), checked like ``broadcast_module_state``'s."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
+    for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for tensors in by_dtype.values():
-        coalesced_(tensors, lambda flat: comm.broadcast(flat, src=src, group=group))
+    for same in by_dtype.values():
+        coalesced_(same, lambda flat: comm.broadcast(flat, src=src, group=group))

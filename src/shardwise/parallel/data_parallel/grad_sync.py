@@ -46,15 +46,18 @@ class GradientSync:
         average: divide the sums by the group size (default); False leaves the sums (the
             CNN's per-layer plans, whose local losses already carry the 1/B of the global
             mean: ``shardwise.apps.cnn.layout``).
+        divisor: what ``average`` divides by instead of the group size: expert gradients
+            summed over the ``ep_dp`` ranks already hold the ep ranks' tokens, so their mean
+            over the whole dp group divides by dp (Megatron-Core's expert gradient scaling).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group, bucket_mb: float = 25.0,
                  first_bucket_mb: float | None = None, allreduce: str = "auto",
                  on_grad: Callable[[], None] | None = None, armed: bool = False,
-                 average: bool = True) -> None:
+                 average: bool = True, divisor: int | None = None) -> None:
         self.group, self.allreduce, self.on_grad = group, allreduce, on_grad
         self.average = average
-        self.dp_size = dist.get_world_size(group)
+        self.divisor = dist.get_world_size(group) if divisor is None else divisor
         first = None if first_bucket_mb is None else max(1, int(first_bucket_mb * MiB))
         self.buckets: list[Bucket] = build_buckets(params, max(1, int(bucket_mb * MiB)), first)
         self._slot: dict[int, tuple[Bucket, int]] = {}
@@ -119,7 +122,7 @@ class GradientSync:
         for b in self.buckets:
             b.work.wait()
             if self.average:
-                b.buffer.div_(self.dp_size)
+                b.buffer.div_(self.divisor)
             for i, p in enumerate(b.params):
                 view = b.view_of(i)
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():

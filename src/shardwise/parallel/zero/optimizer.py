@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.parallel.data_parallel.buckets import MiB
-from shardwise.parallel.data_parallel.ddp import broadcast_module_state
+from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step
 from shardwise.parallel.zero.sharding import ShardLayout
 
@@ -46,6 +46,11 @@ class ZeroDataParallel(nn.Module):
         bucket_mb: bucket capacity in MiB (also the unit of reduce-scatter/all-gather).
         param_dtype: compute dtype of parameters and gradients (fp32, bf16 or fp16).
         loss_scaler: a ``DynamicLossScaler`` (needed for fp16), or None.
+        params: the parameters to shard (default: every trainable one of ``module``); only
+            they are broadcast from the group's first rank (expert parallelism wraps its
+            expert parameters in a second instance over the ``ep_dp`` group).
+        divisor: the gradient shards are the sums divided by this (default: the group
+            size; expert parameters: the whole dp size).
 
     Build the optimizer over ``param_groups(weight_decay)``: those are fp32 pieces of this
     rank's shard, one per parameter that intersects it. Per step: ``zero_grad()``,
@@ -60,20 +65,26 @@ class ZeroDataParallel(nn.Module):
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
-                 explicit: bool = False):
+                 explicit: bool = False, params: list[nn.Parameter] | None = None,
+                 divisor: int | None = None):
         super().__init__()
         # explicit: the engine says which backward is final (``final_backward``) and calls
         # ``finish``; otherwise every backward is final and ends in an autograd callback
         self.explicit = explicit
         if stage not in (1, 2):
             raise ValueError(f"parallel.zero={stage}: ZeroDataParallel implements stages 1 and 2")
-        params = [p for p in module.parameters() if p.requires_grad]
+        whole = params is None
+        params = [p for p in (module.parameters() if whole else params) if p.requires_grad]
         if not params:
             raise ValueError("parallel.zero: the model has no trainable parameters to shard")
         self.module, self.group, self.stage = module, group, stage
         self.loss_scaler = loss_scaler
         self.world_size = dist.get_world_size(group)
-        broadcast_module_state(module, group)
+        self.divisor = self.world_size if divisor is None else divisor
+        if whole:
+            broadcast_module_state(module, group)
+        else:
+            broadcast_tensors(params, group)
         fp32 = {id(p): p.detach().float().clone() for p in params}  # source of the masters
         for p in params:
             p.data = p.data.to(param_dtype)
@@ -268,7 +279,7 @@ class ZeroDataParallel(nn.Module):
         for b in self.layout.buckets:
             b.work.wait()
         for g in self._grad_shard:
-            g.div_(self.world_size)
+            g.div_(self.divisor)
         for b in self.layout.buckets:
             if self.stage == 2:
                 for p in b.params:

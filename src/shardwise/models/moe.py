@@ -1,0 +1,238 @@
+"""Mixture of experts: a top-k router over E SwiGLU experts (the single-process reference).
+
+A ``MoE`` block replaces a decoder block's MLP: each token is sent to the k experts its router
+scores highest and its output is their outputs weighted by the gates (plus an optional
+shared expert every token goes through). Sources:
+
+- Shazeer et al. 2017, "Outrageously Large Neural Networks" (arXiv:1701.06538): the sparsely
+  gated layer;
+- Lepikhin et al. 2020, "GShard" (arXiv:2006.16668), section 2.2: top-2 gating, expert
+  capacity, the auxiliary load-balancing loss over a group of tokens;
+- Fedus et al. 2021, "Switch Transformers" (arXiv:2101.03961), eq. 4-6: the load-balancing
+  loss ``alpha E sum_i f_i P_i``, the capacity factor;
+- Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088): SwiGLU experts, the top-k
+  gates renormalised to sum to one;
+- DeepSeek-AI 2024, "DeepSeek-V3" (arXiv:2412.19437), eq. 12-20: sigmoid gating, the shared
+  expert, the sequence-wise balance loss;
+- Megatron-Core MoE (``megatron/core/transformer/moe``): dropless routing with grouped GEMMs,
+  ``MoEAuxLossAutoScaler`` (how the auxiliary loss enters backward, below).
+
+Routing (``route``): fp32 router logits (N, E); ``softmax`` gating takes the top k of the
+softmax probabilities, ``sigmoid`` gating (DeepSeek-V3) the top k of the sigmoids; with
+``norm_topk`` the k gate weights are divided by their sum.
+
+The auxiliary loss (``load_balancing_loss``) is GShard's group loss with one group per
+sequence, as DeepSeek-V3's sequence-wise loss: for each sequence of T tokens, ``f_i`` is the
+fraction of its T k assignments that chose expert i and ``P_i`` its mean normalised affinity
+(softmax probability, or sigmoid score over the token's sum of scores), and the loss is
+``coef E sum_i f_i P_i`` averaged over the sequences (1 x coef when perfectly balanced).
+Because every sequence is whole on one rank, the loss of a batch is the mean of its
+sequences' whatever the layout cuts the batch into (micro-batches, dp replicas): so one
+process and every layout compute the same loss, as they do for the cross-entropy.
+
+It reaches the gradient without travelling to the loss: the block's output passes through
+``AuxLossScaler`` (identity forward; in backward the auxiliary loss receives the gradient
+``aux_grad_scale``), so it works in any pipeline stage. ``aux_grad_scale`` is 1 by default
+(``loss.backward()`` of a plain model differentiates cross-entropy plus every block's
+auxiliary loss); the engine sets it to the factor its loss is multiplied by (1 / micro-batches,
+times the fp16 loss scale).
+
+Dispatch: the N k assignments are sorted by expert (stable, so by token within an expert),
+the experts run on them in one grouped matrix product per weight (``grouped_mm``), and the
+results are put back and weighted. ``capacity_factor`` c > 0 keeps at most
+``ceil(c N k / E)`` assignments per expert (first choices before second, then by token;
+GShard's priority) and drops the rest (the token keeps its residual); 0 is dropless, so no
+result depends on how tokens are batched. Each forward in training (grad enabled) adds its
+auxiliary loss and expert load to ``pop_router_stats()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATINGS = ("softmax", "sigmoid")
+_GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9 (CPU: 2.10); else padded bmm
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` (M, K), sorted by group, each times its group's matrix of ``w`` (G, K,
+    Nout): ``counts`` (G,) int64 rows per group (summing to M). Returns (M, Nout). One call
+    for every group: torch's grouped GEMM (``F.grouped_mm``) where it runs (the CPU, bf16 on
+    CUDA; rows of K and Nout a multiple of 16 bytes), else one ``torch.bmm`` over the groups
+    padded to the largest (which reads the counts on the host)."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[-1])
+    aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], w.shape[-1]))
+    if _GROUPED_MM is not None and aligned and (x.device.type == "cpu"
+                                                 or x.dtype == torch.bfloat16):
+        out = _GROUPED_MM(x, w, offs=counts.cumsum(0).to(torch.int32))
+        if out.requires_grad:  # its backward refuses an expanded gradient (``y.sum()``'s)
+            out.register_hook(lambda g: g.contiguous())
+        return out
+    g = w.shape[0]
+    group = torch.repeat_interleave(torch.arange(g, device=x.device), counts)      # (M,)
+    pos = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[group]
+    padded = x.new_zeros(g, int(counts.max()), x.shape[1])
+    padded[group, pos] = x                                                         # (G, cap, K)
+    return torch.bmm(padded, w)[group, pos]                                        # (M, Nout)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as stacked weights: ``gate_proj`` and ``up_proj`` (E, C, F),
+    ``down_proj`` (E, F, C); expert e computes ``(silu(x W_gate[e]) * x W_up[e]) W_down[e]``.
+
+    ``forward(x, counts)``: tokens ``x`` (M, C) sorted by expert, ``counts`` (E,) int64 how
+    many rows each expert takes; returns (M, C). Every parameter is marked
+    ``active_fraction = top_k / n_experts`` (the share of it a token uses: the FLOP count).
+    Expert parallelism keeps a slice of the experts (``parallel.experts``); the forward is
+    the same on any slice."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int, top_k: int = 1):
+        super().__init__()
+        self.n_experts, self.dim, self.hidden = n_experts, dim, hidden
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        for p in self.parameters():
+            p.active_fraction = top_k / n_experts
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        h = F.silu(grouped_mm(x, self.gate_proj, counts)) * grouped_mm(x, self.up_proj, counts)
+        return grouped_mm(h, self.down_proj, counts)                            # (M, C)
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on ``x``; backward gives ``aux`` the gradient ``scale`` (Megatron-Core's
+    ``MoEAuxLossAutoScaler``): the auxiliary loss enters the gradient wherever the block
+    runs, as if ``scale * aux`` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def route(logits: torch.Tensor, top_k: int, gating: str = "softmax", norm_topk: bool = True):
+    """Top-k routing of router logits (N, E). Returns ``(scores, weights, experts)``:
+    ``scores`` (N, E) fp32 the normalised affinities the auxiliary loss averages (softmax
+    probabilities; sigmoid scores divided by their sum), ``weights`` (N, k) fp32 the gates,
+    ``experts`` (N, k) int64 the chosen experts, best first. ValueError for an unknown
+    gating."""
+    z = logits.float()
+    if gating == "softmax":
+        probs = z.softmax(dim=-1)
+        weights, experts = probs.topk(top_k, dim=-1)
+        scores = probs
+    elif gating == "sigmoid":
+        s = z.sigmoid()
+        weights, experts = s.topk(top_k, dim=-1)
+        scores = s / s.sum(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"model.moe_gating={gating!r}: expected one of {', '.join(GATINGS)}")
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return scores, weights, experts
+
+
+def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, n_seq: int) -> torch.Tensor:
+    """``mean over sequences of E sum_i f_i P_i`` (module docstring; Switch eq. 4 with
+    GShard's groups taken as sequences). ``scores`` (N, E), ``experts`` (N, k), the N tokens
+    ``n_seq`` whole sequences in order. 0-d fp32; the gradient flows through P only."""
+    n, e = scores.shape
+    k = experts.shape[1]
+    t = n // n_seq
+    counts = F.one_hot(experts, e).sum(dim=1).view(n_seq, t, e).sum(dim=1)  # (S, E)
+    f = counts.float() / (t * k)
+    p = scores.view(n_seq, t, e).mean(dim=1)                                 # (S, E)
+    return (e * (f * p).sum(dim=-1)).mean()
+
+
+def keep_within_capacity(experts: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """(N, k) bool: the assignments an expert of ``capacity`` slots takes, first choices of
+    every token before second choices, then by token (GShard's priority)."""
+    by_slot = experts.t().reshape(-1)                                 # (k N,) slot-major
+    onehot = F.one_hot(by_slot, n_experts)
+    position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1        # place in its expert
+    return (position < capacity).view(experts.shape[1], -1).t()
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts SwiGLU layer. (B, T, C) -> (B, T, C) (module docstring).
+
+    ``router``: ``nn.Linear(C, E)`` without bias; ``experts``: ``Experts`` of width
+    ``hidden``; ``shared_expert``: a module (B, T, C) -> (B, T, C) every token goes through,
+    or None. ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless). Raises ValueError
+    for ``top_k`` outside [1, n_experts] or an unknown gating."""
+
+    def __init__(self, dim: int, n_experts: int, hidden: int, top_k: int = 2,
+                 gating: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
+                 capacity_factor: float = 0.0, shared_expert: nn.Module | None = None):
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"model.top_k={top_k}: expected 1 <= top_k <= model.n_experts="
+                             f"{n_experts}")
+        if gating not in GATINGS:
+            raise ValueError(f"model.moe_gating={gating!r}: expected one of {', '.join(GATINGS)}")
+        self.n_experts, self.top_k, self.gating, self.norm_topk = n_experts, top_k, gating, norm_topk
+        self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = Experts(n_experts, dim, hidden, top_k)
+        self.shared_expert = shared_expert
+        self.aux_grad_scale = 1.0  # the engine's loss factor (module docstring)
+        self._stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)                                          # (N, C)
+        scores, weights, chosen = route(self.router(flat), self.top_k, self.gating,
+                                        self.norm_topk)                 # (N, E), (N, k), (N, k)
+        n, k = chosen.shape
+        keep = None
+        if self.capacity_factor > 0:
+            cap = math.ceil(self.capacity_factor * n * k / self.n_experts)
+            keep = keep_within_capacity(chosen, self.n_experts, cap)     # (N, k)
+        flat_e = chosen.reshape(-1)                                      # (N k,) token-major
+        kept = (torch.arange(n * k, device=x.device) if keep is None
+                else keep.reshape(-1).nonzero().squeeze(1))
+        order = kept[torch.argsort(flat_e[kept], stable=True)]          # sorted by expert
+        counts = torch.bincount(flat_e[kept], minlength=self.n_experts)  # (E,)
+        ys = self.experts(flat[order // k], counts)                      # (M, C)
+        placed = flat.new_zeros(n * k, C).index_copy(0, order, ys)       # dropped: zeros
+        out = (placed.view(n, k, C) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
+        out = out.view(B, T, C)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if self.training and torch.is_grad_enabled():
+            aux = self.aux_loss_coef * load_balancing_loss(scores, chosen, B)
+            load = torch.bincount(flat_e, minlength=self.n_experts)
+            dropped = (n * k - kept.numel()) * torch.ones((), dtype=torch.int64,
+                                                          device=x.device)
+            self._stats.append((aux.detach(), load, dropped))
+            out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    def pop_router_stats(self) -> dict[str, torch.Tensor] | None:
+        """What the forwards since the last call routed, then forgotten: ``aux_loss`` (0-d
+        fp32, the sum of each forward's coef-weighted auxiliary loss), ``load`` (E,) int64
+        assignments per expert (before capacity), ``dropped`` (0-d int64) assignments over
+        capacity, ``calls``; None when nothing ran."""
+        if not self._stats:
+            return None
+        aux, load, dropped = (torch.stack(t).sum(dim=0) for t in zip(*self._stats))
+        calls = len(self._stats)
+        self._stats = []
+        return {"aux_loss": aux, "load": load, "dropped": dropped, "calls": calls}

@@ -1,0 +1,221 @@
+"""The mixture-of-experts block on one process (``models.moe``), against the formulas written
+out token by token: routing (softmax and sigmoid gating), the grouped experts, capacity,
+the auxiliary loss and its gradient, the per-step statistics, and the Llama built with it
+(also on the meta device, as the engine builds it). No process group; a few seconds."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.models.moe import (
+    MoE,
+    grouped_mm,
+    keep_within_capacity,
+    load_balancing_loss,
+    route,
+)
+
+
+def naive_moe(m: MoE, x: torch.Tensor, keep=None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * expert_{e[t, j]}(x[t]), one token and one expert at a time."""
+    B, T, C = x.shape
+    flat = x.reshape(-1, C)
+    _, w, e = route(m.router(flat), m.top_k, m.gating, m.norm_topk)
+    ex = m.experts
+    out = []
+    for t in range(flat.shape[0]):
+        acc = torch.zeros(C, dtype=x.dtype)
+        for j in range(m.top_k):
+            if keep is not None and not keep[t, j]:
+                continue
+            i = int(e[t, j])
+            h = F.silu(flat[t] @ ex.gate_proj[i]) * (flat[t] @ ex.up_proj[i])
+            acc = acc + w[t, j] * (h @ ex.down_proj[i])
+        out.append(acc)
+    y = torch.stack(out).view(B, T, C)
+    return y + m.shared_expert(x) if m.shared_expert is not None else y
+
+
+def _moe(seed=0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    m = MoE(dim=8, n_experts=4, hidden=12, **kw)
+    m.experts.reset_parameters(std=0.3)
+    return m
+
+
+@pytest.mark.parametrize("gating,top_k,norm", [("softmax", 2, True), ("softmax", 1, False),
+                                               ("sigmoid", 2, True), ("sigmoid", 3, False)])
+def test_forward_and_gradients_equal_the_token_by_token_formula(gating, top_k, norm):
+    m = _moe(gating=gating, top_k=top_k, norm_topk=norm, aux_loss_coef=0.0)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    g = torch.randn(3, 5, 8)
+    y = m(x)
+    grads = torch.autograd.grad(y, [x, *m.parameters()], g)
+    y_ref = naive_moe(m, x)
+    grads_ref = torch.autograd.grad(y_ref, [x, *m.parameters()], g)
+    assert (y - y_ref).abs().max() <= 1e-5 * y_ref.abs().max()
+    for a, b in zip(grads, grads_ref):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (a - b).abs().max()
+
+
+def test_routing_scores_and_gates():
+    z = torch.tensor([[2.0, 0.0, 1.0, -1.0]])
+    s, w, e = route(z, 2, "softmax", True)
+    assert e.tolist() == [[0, 2]] and torch.allclose(s, z.softmax(-1))
+    assert torch.allclose(w, z[:, [0, 2]].softmax(-1))                 # Mixtral's renormalised
+    s, w, e = route(z, 2, "sigmoid", False)
+    assert torch.allclose(w, z[:, [0, 2]].sigmoid())                    # raw (DeepSeek: + norm)
+    assert torch.allclose(s, z.sigmoid() / z.sigmoid().sum())
+    with pytest.raises(ValueError, match="model.moe_gating='relu'"):
+        route(z, 2, "relu")
+
+
+def test_load_balancing_loss_is_switch_per_sequence():
+    """E sum_i f_i P_i per sequence, averaged: 1 when balanced, E when all on one expert."""
+    E = 4
+    scores = torch.full((8, E), 1 / E)
+    experts = torch.tensor([[0], [1], [2], [3], [0], [1], [2], [3]])
+    assert math.isclose(float(load_balancing_loss(scores, experts, n_seq=2)), 1.0, rel_tol=1e-6)
+    skewed = torch.zeros(8, E)
+    skewed[:, 0] = 1
+    assert math.isclose(float(load_balancing_loss(skewed, torch.zeros(8, 1, dtype=torch.long), 2)),
+                        E, rel_tol=1e-6)
+    # by hand, two sequences of 2 tokens, top-2
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(4, E, generator=g).softmax(-1)
+    experts = torch.tensor([[0, 1], [1, 2], [3, 0], [0, 2]])
+    want = 0.0
+    for s in range(2):
+        f = torch.zeros(E)
+        for t in (2 * s, 2 * s + 1):
+            for i in experts[t]:
+                f[i] += 1 / (2 * 2)
+        want += float(E * (f * scores[2 * s:2 * s + 2].mean(0)).sum()) / 2
+    assert math.isclose(float(load_balancing_loss(scores, experts, 2)), want, rel_tol=1e-6)
+
+
+def test_the_auxiliary_loss_enters_the_gradient_once():
+    """Training: grad(output . g) = grad of (output . g + coef * aux) with the aux loss
+    written out; the scale multiplies the aux loss's share only; stats: the aux value and
+    the load (B T k assignments), nothing in eval or no_grad."""
+    x = torch.randn(2, 6, 8)
+    g = torch.randn(2, 6, 8)
+    coef = 0.5
+    m = _moe(aux_loss_coef=coef)
+    base = torch.autograd.grad((m(x) * g).sum(), m.router.weight)[0]
+    stats = m.pop_router_stats()
+    scores, _, chosen = route(m.router(x.reshape(-1, 8)), 2)
+    aux = coef * load_balancing_loss(scores, chosen, 2)
+    m_free = _moe(aux_loss_coef=0.0)
+    free = torch.autograd.grad((m_free(x) * g).sum(), m_free.router.weight)[0]
+    want = free + torch.autograd.grad(aux, m.router.weight)[0]
+    assert torch.allclose(base, want, rtol=1e-5, atol=1e-7)
+    assert math.isclose(float(stats["aux_loss"]), aux.item(), rel_tol=1e-6)
+    assert stats["load"].sum() == 2 * 6 * 2 and stats["calls"] == 1 and stats["dropped"] == 0
+    m.aux_grad_scale = 3.0
+    scaled = torch.autograd.grad((m(x) * g).sum(), m.router.weight)[0]
+    assert torch.allclose(scaled, free + 3 * (want - free), rtol=1e-5, atol=1e-7)
+    m.pop_router_stats()
+    with torch.no_grad():
+        m(x)
+    m.eval()
+    m(x)
+    assert m.pop_router_stats() is None
+
+
+def test_capacity_drops_second_choices_first():
+    m = _moe(top_k=2, capacity_factor=0.5, aux_loss_coef=0.0)
+    x = torch.randn(1, 16, 8)
+    _, _, e = route(m.router(x.reshape(-1, 8)), 2)
+    cap = math.ceil(0.5 * 16 * 2 / 4)
+    keep = keep_within_capacity(e, 4, cap)
+    for i in range(4):  # never more than cap per expert; first choices taken before second
+        assert int(((e == i) & keep).sum()) == min(cap, int((e == i).sum()))
+        if int((e[:, 0] == i).sum()) >= cap:
+            assert not ((e[:, 1] == i) & keep[:, 1]).any()
+    y = m(x)
+    assert (y - naive_moe(m, x, keep)).abs().max() <= 1e-5 * y.abs().max()
+    assert int(m.pop_router_stats()["dropped"]) == int((~keep).sum()) > 0
+
+
+def test_grouped_mm_padded_bmm_fallback(monkeypatch):
+    """The padded batched product (torch without a CPU grouped GEMM) equals the grouped one,
+    forward and backward, an empty group included."""
+    from shardwise.models import moe
+
+    x = torch.randn(9, 8, requires_grad=True)
+    w = torch.randn(3, 8, 4, requires_grad=True)
+    counts = torch.tensor([4, 0, 5])
+    y = grouped_mm(x, w, counts)
+    ref = torch.cat([x[:4] @ w[0], x[4:] @ w[2]])
+    assert torch.allclose(y, ref, atol=1e-6)
+    monkeypatch.setattr(moe, "_GROUPED_MM", None)
+    y2 = grouped_mm(x, w, counts)
+    assert torch.allclose(y2, ref, atol=1e-6)
+    ga = torch.autograd.grad(y.sum(), [x, w])
+    gb = torch.autograd.grad(y2.sum(), [x, w])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ga, gb))
+    assert grouped_mm(x[:0], w, torch.zeros(3, dtype=torch.long)).shape == (0, 4)
+    monkeypatch.undo()  # rows of 20 bytes: torch's grouped GEMM refuses them, bmm runs
+    assert torch.allclose(grouped_mm(x[:, :5], w[:, :5], counts),
+                          torch.cat([x[:4, :5] @ w[0, :5], x[4:, :5] @ w[2, :5]]), atol=1e-6)
+
+
+def _llama_cfg(**kw):
+    from shardwise.models.llama import LlamaConfig
+
+    return LlamaConfig(**{"vocab_size": 32, "block_size": 16, "n_layer": 2, "n_head": 4,
+                          "n_embd": 32, "n_experts": 4, "top_k": 2, "moe_ffn_hidden": 24, **kw})
+
+
+def test_llama_with_experts_trains_and_is_built_alike_on_meta():
+    from shardwise.engine.model import build_local_model
+    from shardwise.models.llama import Llama, describe
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    cfg = _llama_cfg(moe_shared_expert=True)
+    torch.manual_seed(3)
+    model = Llama(cfg)
+    names = dict(model.named_parameters())
+    assert names["blocks.0.mlp.experts.gate_proj"].shape == (4, 32, 24)
+    assert names["blocks.1.mlp.experts.down_proj"].shape == (4, 24, 32)
+    assert names["blocks.0.mlp.router.weight"].shape == (4, 32)
+    assert "blocks.0.mlp.shared_expert.up_proj.weight" in names
+    local = build_local_model(cfg, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=RankGroup(),
+                              seed=3, dropout_seed=0, device=torch.device("cpu"))
+    for n, p in local.named_parameters():
+        assert torch.equal(p, names[n]), n
+    # FLOPs count a token's top_k of E experts
+    d = describe(cfg)
+    expert = sum(p.numel() for n, p in names.items() if ".experts." in n)
+    dense = d.flops_per_token(model) - 6 * expert * 2 / 4
+    assert dense == 6 * (sum(p.numel() for p in model.parameters()) - expert - 32 * 32) \
+        + 12 * 2 * 32 * 16
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (4, 16), generator=g)
+    losses = []
+    for _ in range(8):
+        _, loss = model(idx, idx.roll(-1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        stats = [b.mlp.pop_router_stats() for b in model.blocks]
+        assert all(int(s["load"].sum()) == 4 * 16 * 2 for s in stats)
+    assert losses[-1] < losses[0], losses
+
+
+def test_config_refusals_are_one_line():
+    from shardwise.base.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.top_k=5 is more than model.n_experts=4$"):
+        Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "top_k": 5}})
+    with pytest.raises(ConfigError, match="model.n_experts=4 with model.kind=gpt"):
+        Config.from_dict({"model": {"n_experts": 4}})
+    with pytest.raises(ConfigError, match="model.moe_gating='relu'"):
+        Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "moe_gating": "relu"}})
+    with pytest.raises(ValueError, match="model.top_k=0"):
+        _llama_cfg(top_k=0)
