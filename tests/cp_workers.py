@@ -63,26 +63,11 @@ def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
 
 
 def run_measured(job: dict) -> dict:
-    """``llama_workers.run_job`` (the same jobs and report), with the executor's activation
-    meter on when ``job["measure_memory"]``; its peak is reported as ``activations``."""
-    from llama_workers import _report
-    from shardwise.apps.lm.trainer import build_trainer
-    from shardwise.base.config import Config
+    """``llama_workers.run_job``: the same jobs and report, the executor's activation meter
+    on when ``job["measure_memory"]`` (its peak reported as ``activations``)."""
+    from llama_workers import run_job
 
-    cfg = Config.from_dict(job["cfg"])
-    trainer = build_trainer(cfg)
-    trainer.engine.executor.measure_memory = bool(job.get("measure_memory"))
-    out = {}
-    if job["kind"] == "resume":
-        trainer.resume(job["path"])
-        out["resumed_at"] = trainer.step
-    while trainer.step < cfg.training.steps:
-        trainer.train_step()
-        if trainer.step == job.get("save_at"):
-            out["saved"] = str(trainer.save_checkpoint())
-    if job.get("measure_memory"):
-        out["activations"] = trainer.engine.executor.meter.peak
-    return {**_report(trainer), **out}
+    return run_job(job)
 
 
 def cp_worker(jobs: list[dict]) -> list[dict]:

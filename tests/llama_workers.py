@@ -41,10 +41,14 @@ def _report(trainer) -> dict:
 
 
 def run_job(job: dict) -> dict:
+    """Train ``job["cfg"]`` (resuming ``job["path"]`` when ``job["kind"] == "resume"``,
+    saving at ``job["save_at"]``) and report it; with ``job["measure_memory"]`` the
+    executor's activation meter is on and its peak is reported as ``activations``."""
     from shardwise.apps.lm.trainer import build_trainer
 
     cfg = Config.from_dict(job["cfg"])
     trainer = build_trainer(cfg)
+    trainer.engine.executor.measure_memory = bool(job.get("measure_memory"))
     out = {}
     if job["kind"] == "resume":
         trainer.resume(job["path"])
@@ -53,6 +57,8 @@ def run_job(job: dict) -> dict:
         trainer.train_step()
         if trainer.step == job.get("save_at"):
             out["saved"] = str(trainer.save_checkpoint())
+    if job.get("measure_memory"):
+        out["activations"] = trainer.engine.executor.meter.peak
     return {**_report(trainer), **out}
 
 

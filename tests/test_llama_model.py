@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from shardwise.models.hf import rope_parameters
 from shardwise.models.llama import (
     Llama,
     LlamaConfig,
@@ -42,12 +43,7 @@ def small(**kw) -> LlamaConfig:
 
 def hf_model(cfg: LlamaConfig, attn: str):
     transformers = pytest.importorskip("transformers")
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
-                "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings}
+    rope = rope_parameters(cfg)
     hcfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
         num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,

@@ -152,16 +152,22 @@ def _llama_section(c: dict) -> dict:
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)))
 
 
+def rope_parameters(cfg) -> dict:
+    """``transformers``' ``rope_parameters`` of a ``LlamaConfig``: the default rotary base,
+    or Llama 3's frequency scaling (``rope_type = "llama3"``)."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    rs = cfg.rope_scaling
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings}
+
+
 def _llama_config_json(cfg, source: dict | None) -> dict:
     out = dict(source or {"bos_token_id": None, "eos_token_id": None})
     for legacy in ("rope_scaling", "rope_theta", "_name_or_path", "torch_dtype"):
         out.pop(legacy, None)
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
-                "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings}
+    rope = rope_parameters(cfg)
     out.update(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=cfg.vocab_size,
         hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
