@@ -142,6 +142,9 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
         raise launch.Interrupted(signum)
 
     signal.signal(signal.SIGTERM, _terminate)
+    # SIGINT too, explicitly: a launcher started in the background by a shell inherits SIGINT
+    # ignored (POSIX, for asynchronous commands), and Python then leaves it ignored
+    signal.signal(signal.SIGINT, _terminate)
     started = time.perf_counter() if started is None else started
     restarts = 0
     while True:
