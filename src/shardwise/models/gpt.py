@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise.models import sequence
-from shardwise.models.sampling import generate, sample_next  # noqa: F401 (re-exported)
+from shardwise.models.sampling import DecoderLM, generate, sample_next  # noqa: F401 (re-exported)
 
 # the MLP's GELU: exact (erf), or the tanh approximation of GPT-2 (F.gelu's "tanh")
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
@@ -180,7 +180,7 @@ class LMHead(nn.Module):
         return self.proj(self.ln_f(x))
 
 
-class GPT(nn.Module):
+class GPT(DecoderLM):
     """``embed -> blocks -> head``. ``forward(idx (B, T), targets (B, T) | None)``.
 
     Returns ``(logits (B, T, V), loss)`` where ``loss`` is the mean cross-entropy in nats
@@ -208,34 +208,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if idx.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.cfg.block_size}")
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        # the loss in fp32 even when the model computes in bf16/fp16 (mixed precision)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``new_tokens`` ids after ``idx`` (B, T0); returns (B, T0 + new_tokens)
-        (``generate`` with this model's logits)."""
-        was_training = self.training
-        self.eval()
-        idx = generate(lambda ctx: self(ctx)[0], idx, new_tokens, self.cfg.block_size,
-                       temperature=temperature, top_k=top_k, generator=generator)
-        self.train(was_training)
-        return idx
 
 
 # The GPT's tensor-parallel plan (Megatron-LM's: Shoeybi et al. 2019, figure 3; styles in

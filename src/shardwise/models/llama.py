@@ -36,7 +36,7 @@ from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.models.hf import LLAMA_PREFIXES
 from shardwise.models.moe import GATINGS, Experts, MoE
-from shardwise.models.sampling import generate
+from shardwise.models.sampling import DecoderLM, generate  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ class LMHead(nn.Module):
         return self.proj(self.norm(x))
 
 
-class Llama(nn.Module):
+class Llama(DecoderLM):
     """``embed -> blocks -> head``. ``forward(idx (B, T) int64, targets (B, T) | None)``.
 
     Returns ``(logits (B, T, V), loss)``, ``loss`` the mean cross-entropy in nats per token
@@ -333,35 +333,6 @@ class Llama(nn.Module):
             nn.init.ones_(m.weight)
         elif isinstance(m, Experts):
             m.reset_parameters(std=0.02)
-
-    def num_parameters(self) -> int:
-        """Parameters, the tied matrix counted once."""
-        return sum(p.numel() for p in self.parameters())
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if idx.shape[1] > self.cfg.block_size:
-            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size "
-                             f"{self.cfg.block_size}")
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``new_tokens`` ids after ``idx`` (B, T0); returns (B, T0 + new_tokens)
-        (``models.gpt.generate`` with this model's logits; no KV cache)."""
-        was_training = self.training
-        self.eval()
-        idx = generate(lambda ctx: self(ctx)[0], idx, new_tokens, self.cfg.block_size,
-                       temperature=temperature, top_k=top_k, generator=generator)
-        self.train(was_training)
-        return idx
 
 
 # our prefix -> Hugging Face's; inside a block the names are already HF's

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -53,3 +54,42 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.8, top_k: int | Non
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+class DecoderLM(nn.Module):
+    """What the single-process GPT and Llama share: ``embed -> blocks -> head`` (subclasses
+    set ``cfg`` with ``block_size``, and the three parts), the fp32 loss and sampling.
+
+    ``forward(idx (B, T) int64, targets (B, T) | None)`` returns ``(logits (B, T, V),
+    loss)``, ``loss`` the mean cross-entropy in nats per token computed in fp32 (None
+    without targets). Raises ``ValueError`` if ``T > cfg.block_size``."""
+
+    def num_parameters(self) -> int:
+        """Parameters, a tied matrix counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        if idx.shape[1] > self.cfg.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size "
+                             f"{self.cfg.block_size}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits, None
+        # the loss in fp32 even when the model computes in bf16/fp16 (mixed precision)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 20, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``new_tokens`` ids after ``idx`` (B, T0); returns (B, T0 + new_tokens)
+        (``generate`` with this model's logits; no KV cache)."""
+        was_training = self.training
+        self.eval()
+        idx = generate(lambda ctx: self(ctx)[0], idx, new_tokens, self.cfg.block_size,
+                       temperature=temperature, top_k=top_k, generator=generator)
+        self.train(was_training)
+        return idx
