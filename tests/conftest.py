@@ -1,6 +1,13 @@
 """Shared fixtures. Multi-rank tests spawn gloo ranks with ``shardwise.launch.spawn``; the
-rank functions live in importable ``*_workers.py`` modules next to the tests."""
+rank functions live in importable ``*_workers.py`` modules next to the tests.
 
+``SHARDWISE_TEST_DEVICE=cuda`` runs the multi-rank suites on CUDA: every rank on the one
+GPU (``training.device = "cuda"`` with ``parallel.backend = "gloo"``, the test mode of
+several ranks per GPU), TF32 off so that fp32 parity holds as on the CPU. Tests marked
+``gpu`` need CUDA and are skipped without it."""
+
+import functools
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +17,25 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+DEVICE = os.environ.get("SHARDWISE_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"SHARDWISE_TEST_DEVICE={DEVICE!r}: expected cpu or cuda")
+if DEVICE == "cuda":  # before the test modules import spawn
+    from shardwise import launch
+
+    launch.spawn = functools.partial(launch.spawn, device="cuda", backend="gloo")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (a GPU test; make test skips it on the CPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

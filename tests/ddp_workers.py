@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -9,6 +11,9 @@ from shardwise.base.config import Config
 
 
 def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
+    """A 2-layer GPT config on ``corpus`` (sections update it). Under
+    ``SHARDWISE_TEST_DEVICE=cuda`` (tests/conftest.py) it trains on the GPU, every rank on
+    it, over gloo, TF32 off."""
     cfg = {
         "model": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32},
         "data": {"path": corpus},
@@ -18,6 +23,9 @@ def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
                      "out_dir": out_dir, "sample_chars": 0, "progress": False},
         "checkpoint": {"every": 0, "at_end": False},
     }
+    if os.environ.get("SHARDWISE_TEST_DEVICE") == "cuda":
+        cfg["training"].update(device="cuda", tf32=False)
+        cfg["parallel"]["backend"] = "gloo"
     for name, values in sections.items():
         cfg[name].update(values)
     return Config.from_dict(cfg).model_dump()

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from shardwise.cli import bench
 from shardwise.cli import comm_table as table
@@ -239,3 +240,49 @@ def test_quiet_values_keep_undisturbed_repeats_or_all():
     assert quiet.quiet_values(vals, [1.0, 1.0, 0.0, 1.0]) == vals  # fewer than 3 quiet: all
     f = quiet.Foreign([])
     assert f.stop() == 0.0  # never started
+
+
+def test_auto_is_the_native_collective_on_cuda_with_nccl_and_a_foreign_profile_is_refused(
+        monkeypatch):
+    """The repository's profile is gloo on this CPU; for CUDA tensors on NCCL ``auto`` must
+    not route gradients through our send/recv algorithms with those constants (issue 23)."""
+    from shardwise.comm import api
+    from shardwise.comm.primitives import GroupInfo
+
+    cpu = cost.Profile("cpu-here", {2: PRM, 4: PRM}, {"backend": "gloo", "device": "cpu"})
+    h100 = "cuda:NVIDIA H100 80GB HBM3"
+    cost._refused.clear()
+    try:
+        cost.use_profile(cpu)
+        assert cost.choose_all_reduce(2, 25 << 20, (), 1, "gloo", "cpu") != "native"
+        with pytest.warns(RuntimeWarning) as seen:
+            assert cost.choose_all_reduce(2, 25 << 20, (), 1, "nccl", h100) == "native"
+        (w,) = seen
+        line = str(w.message)
+        assert "\n" not in line and "gloo/cpu" in line and f"nccl/{h100}" in line
+        # through the public choice: an NCCL group and a CUDA tensor (a meta tensor stands in
+        # for the CUDA one; its device kind is what a CUDA device reports)
+        monkeypatch.setattr(api, "backend_of", lambda group: "nccl")
+        monkeypatch.setattr(cost, "device_kind", lambda device: h100)
+        info = GroupInfo(None, (0, 1), 0)
+        grads = torch.empty(25 << 18, device="meta")  # a 25 MiB bucket of fp32 gradients
+        assert api.choose(info, grads) == "native"
+        # a profile calibrated with NCCL on this GPU model does choose, among ours too
+        gpu = cost.Profile("h100", {2: PRM}, {"backend": "nccl", "device": h100})
+        cost.use_profile(gpu)
+        assert api.choose(info, grads) == min(
+            cost.AUTO_CANDIDATES, key=lambda a: cost.predict(a, 2, 25 << 20, PRM))
+        # ... but not for another GPU model
+        monkeypatch.setattr(cost, "device_kind", lambda device: "cuda:NVIDIA A100-SXM4-80GB")
+        with pytest.warns(RuntimeWarning, match="not nccl/cuda:NVIDIA A100"):
+            assert api.choose(info, grads) == "native"
+    finally:
+        cost.use_profile(None)
+        cost._refused.clear()
+
+
+def test_old_profiles_count_as_gloo_on_the_cpu_and_calibration_records_where():
+    old = cost.Profile("old", {2: PRM}, {"host": "vm"})
+    assert (old.backend, old.device) == ("gloo", "cpu")
+    assert (cost.BUILTIN.backend, cost.BUILTIN.device) == ("gloo", "cpu")
+    assert cost.device_kind(torch.device("cpu")) == "cpu"

@@ -165,44 +165,68 @@ class DeviceError(ValueError):
     """The requested device cannot serve this many local ranks (one line, names the field)."""
 
 
-def pick_device(requested: str, local_ranks: int, gpus: int | None = None) -> tuple[str, str | None]:
+def pick_device(requested: str, local_ranks: int, gpus: int | None = None,
+                backend: str = "auto") -> tuple[str, str | None]:
     """``(device type, note)`` for ``training.device`` = auto | cpu | cuda with
-    ``local_ranks`` ranks on this host. CUDA needs one GPU per local rank (NCCL refuses two
-    ranks on one GPU: "Duplicate GPU detected"). ``auto`` takes CUDA when there are enough
+    ``local_ranks`` ranks on this host and ``parallel.backend`` = auto | nccl | gloo.
+
+    With NCCL (the CUDA default) every local rank needs its own GPU (NCCL refuses two ranks
+    on one GPU: "Duplicate GPU detected"); ``auto`` then takes CUDA when there are enough
     GPUs, else the CPU with gloo, and ``note`` says why in one line when GPUs were there.
-    Raises ``DeviceError`` for ``cuda`` without enough GPUs."""
+    ``cuda`` with ``backend = "gloo"`` lets the local ranks share the GPUs (rank i on GPU
+    i mod count): a test mode, every CUDA tensor crossing ranks through host memory
+    (``comm.primitives.HostCopy``); ``auto`` with gloo is the CPU. Raises ``DeviceError``
+    (one line, naming the field) for ``cuda`` without a GPU, or without enough GPUs for NCCL."""
     if gpus is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "cpu":
+    if requested == "cpu" or (requested == "auto" and backend == "gloo"):
         return "cpu", None
+    if requested == "cuda" and backend == "gloo":
+        if gpus:
+            return "cuda", None
+        raise DeviceError("training.device=cuda: no GPU (torch.cuda.is_available() is false); "
+                          "use --training.device cpu")
     if gpus >= local_ranks:
         return ("cuda", None) if gpus else ("cpu", None)
     why = (f"{local_ranks} local ranks but {gpus} GPU{'s' if gpus != 1 else ''} "
            "(NCCL refuses two ranks on one GPU)")
     if requested == "cuda":
-        raise DeviceError(f"training.device=cuda: {why}; use at most {gpus} ranks per host "
-                          "or --training.device cpu")
+        hint = " or --parallel.backend gloo (ranks share a GPU, for testing)" if gpus else ""
+        raise DeviceError(f"training.device=cuda: {why}; use at most {gpus} ranks per host, "
+                          f"--training.device cpu{hint}")
     if gpus == 0:
         return "cpu", None
     return "cpu", f"shardwise: training on the CPU with gloo: {why}; at most {gpus} ranks " \
                   "per host train on CUDA"
 
 
+def rank_device(requested: str = "auto") -> torch.device:
+    """The device this process computes on, once ``init_distributed`` has run (or in one
+    process): CUDA's current device for ``training.device = "cuda"``, or for "auto" when the
+    world's backend is NCCL; otherwise the CPU."""
+    if requested == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if requested == "auto" and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
                      threads: int | None = None, store=None,
-                     device: str = "auto") -> torch.device:
+                     device: str = "auto", backend: str = "auto") -> torch.device:
     """Set threads, pick backend (NCCL on CUDA, gloo on the CPU), join the process group.
 
     ``store``: an already connected rendezvous store (local runs); ``None`` rendezvouses at
-    ``tcp://MASTER_ADDR:MASTER_PORT`` (torchrun). ``device``: "cpu", "cuda" or "auto"
-    (``pick_device``). Returns the device this rank computes on.
+    ``tcp://MASTER_ADDR:MASTER_PORT`` (torchrun). ``device``: "cpu", "cuda" or "auto";
+    ``backend``: "auto", "nccl" or "gloo" (``pick_device``). Returns the device this rank
+    computes on.
     """
-    kind = pick_device(device, env.local_world_size)[0]
+    kind = pick_device(device, env.local_world_size, backend=backend)[0]
     torch.set_num_threads(threads or threads_per_rank(env.local_world_size, kind))
     if kind == "cuda":
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "gloo" if backend == "gloo" else "nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
@@ -235,7 +259,7 @@ def _to_bytes(obj: Any) -> bytes:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             conn, threads: int | None, timeout_s: float, parent_pid: int,
-            device: str = "cpu") -> None:
+            device: str = "cpu", backend: str = "auto") -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     code = 0
@@ -248,7 +272,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             os.environ.setdefault(var, "lo")
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        init_distributed(env, timeout_s=timeout_s, threads=threads, store=store, device=device)
+        init_distributed(env, timeout_s=timeout_s, threads=threads, store=store, device=device,
+                         backend=backend)
         result = fn(*args)
         conn.send(("ok", _to_bytes(result)))
     except RunError as e:  # one line for the user; no restart would help
@@ -276,7 +301,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
 
 def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None,
-          device: str = "auto") -> list:
+          device: str = "auto", backend: str = "auto") -> list:
     """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
 
     ``fn`` must be importable (module-level). Results travel back through ``torch.save``
@@ -285,9 +310,10 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     are terminated so nothing hangs. Any exception in the launcher itself (``Interrupted``,
     ``KeyboardInterrupt``) also terminates every rank before it propagates. ``device``: as
     ``init_distributed``; "auto" falls back to the CPU when there are fewer GPUs than ranks.
-    Raises ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
+    ``backend``: as ``init_distributed`` ("gloo" with ``device="cuda"``: the ranks share
+    the GPUs). Raises ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
     """
-    device, _ = pick_device(device, world_size)
+    device, _ = pick_device(device, world_size, backend=backend)
     ctx = mp.get_context("spawn")
     store = loopback_store(timeout_s)  # fresh port per call: a restart meets no stale peer
     port = store.port
@@ -301,7 +327,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child,
-                                                  threads, timeout_s, os.getpid(), device),
+                                                  threads, timeout_s, os.getpid(), device,
+                                                  backend),
                             daemon=False)
             procs.append(p)
             p.start()

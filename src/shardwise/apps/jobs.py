@@ -15,8 +15,13 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
 
     ``resume``: a checkpoint path (the launcher chose and verified it), ``True`` for the
     newest usable one of ``checkpoint_dir``, or ``False``. Expects ``torch.distributed`` to
-    be initialised with ``cfg.world_size`` ranks; ``device_str``: this rank's device (None:
-    the application's default).
+    be initialised with ``cfg.world_size`` ranks; ``device_str``: this rank's device ("cuda":
+    the current CUDA device, which ``init_distributed`` set; None: the application's default).
     """
+    from shardwise.launch import rank_device
+
     app = app_for(Config.from_dict(cfg_dict))
-    return app.train_rank(cfg_dict, torch.device(device_str) if device_str else None, resume)
+    device = None
+    if device_str:
+        device = rank_device("cuda") if device_str == "cuda" else torch.device(device_str)
+    return app.train_rank(cfg_dict, device, resume)

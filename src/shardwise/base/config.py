@@ -172,6 +172,11 @@ class ParallelConfig(_Section):
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
                       "sharded), 2 (gradients too) or 3 (parameters too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
+    backend: str = Field("auto", description="torch.distributed backend: auto (NCCL on CUDA, "
+                         "gloo on the CPU), nccl, or gloo; gloo with training.device = cuda "
+                         "lets several local ranks share one GPU (CUDA tensors cross ranks "
+                         "through page-locked host buffers: for testing every layout on one "
+                         "GPU, not for speed)")
     mode: str = Field("grid", description="grid: the dp x pp x cp x tp rank grid; ps: a parameter "
                       "server (the [ps] section; parallel.dp/pp/cp/tp are not used)")
 
@@ -187,6 +192,8 @@ class ParallelConfig(_Section):
                              f"{', '.join(ALL_TO_ALL_ALGORITHMS)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"parallel.backend={self.backend!r}: expected auto, nccl or gloo")
         if self.schedule not in ("naive", "gpipe", "1f1b", "interleaved", "pipedream"):
             raise ValueError(f"parallel.schedule={self.schedule!r}: expected naive, gpipe, 1f1b, "
                              "interleaved or pipedream")
@@ -423,6 +430,10 @@ class Config(_Section):
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
+        if p.backend == "nccl" and t.device == "cpu":
+            raise ValueError("parallel.backend=nccl with training.device=cpu: NCCL moves CUDA "
+                             "tensors only; use training.device = cuda, or parallel.backend = "
+                             "gloo")
         if t.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
         if t.compile and (p.tp > 1 or p.zero == 3):

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.comm import quiet, shm
-from shardwise.comm.cost import LinkParams, Profile, host_meta
+from shardwise.comm.check import group_device
+from shardwise.comm.cost import LinkParams, Profile, device_kind, host_meta
 from shardwise.comm.primitives import Call, configure, group_info
 
 LATENCY_SIZES = [16 << 10, 64 << 10, 256 << 10]  # steps whose median time is alpha / alpha_1
@@ -66,13 +67,16 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
     configure(check=False)
     info = group_info(None, "calibrate")
     n, r = info.size, info.rank
+    dev = group_device(None)  # CUDA with NCCL: a profile of that backend on that GPU model
     pids = quiet.rank_pids()  # collective: every rank
     foreign = quiet.Foreign(pids) if r == 0 else None
     out: dict = {p: {} for p in PATTERNS}
     out["foreign"] = {}
-    seg = shm.segment(info) if shm.available() else None
+    out["backend"], out["device"] = str(dist.get_backend()), device_kind(dev)
+    seg = shm.segment(info) if shm.available() and dev.type == "cpu" else None
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for m in sizes:
-        x, y = torch.ones(m // 4), torch.empty(m // 4)
+        x, y = torch.ones(m // 4, device=dev), torch.empty(m // 4, device=dev)
         call = Call("calibrate", "pattern", info, m, account=False)
         inner = _inner(m)
 
@@ -120,8 +124,10 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
                 call.exchange(1, sends=[((r + 1) % n, x)], recvs=[((r - 1) % n, y)])
             if r not in receivers:
                 return 0.0
+            sync()
             t0 = time.perf_counter()
             x.add_(y)
+            sync()
             return time.perf_counter() - t0
 
         fns = {"relay": relay, "exchange": exchange, "swap": swap,
@@ -139,6 +145,7 @@ def calibration_worker(sizes: list[int], repeats: int) -> dict:
                 dist.barrier()
                 t0 = time.perf_counter()
                 own = fns[p]()
+                sync()
                 t = own if isinstance(own, float) else (time.perf_counter() - t0) / inner
                 times[p].append(t)
                 x.fill_(1.0)
@@ -220,21 +227,28 @@ def params_from(result: dict, n: int) -> LinkParams:
 
 def calibrate(world_sizes: list[int], name: str, repeats: int = 5,
               sizes: list[int] = SIZES, threads: int | None = None,
-              spawns: int = 3) -> tuple[Profile, dict]:
+              spawns: int = 3, device: str = "cpu") -> tuple[Profile, dict]:
     """Spawn each world size ``spawns`` times, measure, pool, fit; returns the profile and
     the pooled medians.
+
+    ``device``: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank); the profile records the
+    backend and the device kind, and ``auto`` uses it only for tensors of that kind.
 
     Several spawns because where the scheduler puts the ranks (two neighbours on one core
     or on two) is decided per spawn and changes a hop's time by up to 2x at N = 4 here.
     """
     from shardwise.launch import spawn, threads_per_rank
     params, raw = {}, {}
+    where = ("gloo", "cpu")
     for n in world_sizes:
-        res = pool([spawn(calibration_worker, n, (sizes, repeats), threads=threads)[0]
-                    for _ in range(spawns)])
+        runs = [spawn(calibration_worker, n, (sizes, repeats), threads=threads,
+                      device=device)[0] for _ in range(spawns)]
+        where = (runs[0].pop("backend"), runs[0].pop("device"))
+        res = pool(runs)
         raw[n] = res
         params[n] = params_from(res, n)
-    meta = host_meta() | {"created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    meta = host_meta() | {"backend": where[0], "device": where[1],
+                          "created": time.strftime("%Y-%m-%d %H:%M:%S"),
                           "torch": torch.__version__, "sizes": sizes, "repeats": repeats,
                           "spawns": spawns,
                           "threads_per_rank": {n: threads or threads_per_rank(n)

@@ -89,7 +89,8 @@ def cmd_train(args, extra: list[str]) -> int:
                 f"+ ps.workers), but torchrun started "
                 f"WORLD_SIZE={env.world_size}")
         local = env.local_world_size if env is not None else cfg.world_size
-        device, device_note = launch.pick_device(cfg.training.device, local)  # before any rank
+        device, device_note = launch.pick_device(cfg.training.device, local,  # before any rank
+                                                 backend=cfg.parallel.backend)
         plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
         if plan.resume_from and app.check_resumable is not None:
             app.check_resumable(plan.resume_from, cfg)
@@ -119,7 +120,7 @@ def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> Non
         dev = launch.init_distributed(env, timeout_s=cfg.parallel.timeout_s,
                                       threads=cfg.training.threads or None,
                                       store=launch.elastic_store(env, cfg.parallel.timeout_s),
-                                      device=device)
+                                      device=device, backend=cfg.parallel.backend)
         train_worker(cfg.model_dump(), resume_from, str(dev))
 
     run_rank_and_exit(body)
@@ -149,9 +150,11 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
     restarts = 0
     while True:
         try:
-            results = launch.spawn(train_worker, cfg.world_size, (cfg.model_dump(), resume_from),
+            results = launch.spawn(train_worker, cfg.world_size,
+                                   (cfg.model_dump(), resume_from, device),
                                    threads=cfg.training.threads or None,
-                                   timeout_s=cfg.parallel.timeout_s, device=device)
+                                   timeout_s=cfg.parallel.timeout_s, device=device,
+                                   backend=cfg.parallel.backend)
             break
         except launch.WorkerError as e:
             if e.fatal:

@@ -47,7 +47,14 @@ import torch.distributed as dist
 from shardwise.base.config import ALL_TO_ALL_ALGORITHMS  # one list, read by the config too
 from shardwise.comm import check as _check
 from shardwise.comm.api import _agree, _call, _Flat, _launch, _pick, _tensor
-from shardwise.comm.primitives import Call, CommError, GroupInfo, group_info, settings
+from shardwise.comm.primitives import (
+    Call,
+    CommError,
+    GroupInfo,
+    group_info,
+    native_buffer,
+    settings,
+)
 
 
 def _offsets(sizes: list[int]) -> list[int]:
@@ -167,9 +174,12 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
         elif width:
             call = _call("all_to_all", algo, info, input)
             if algo == "native":
+                sbuf, _ = native_buffer(group, src)
+                dbuf, done = native_buffer(group, out.flat, fill=False)
                 call.wait_native(dist.all_to_all_single(
-                    out.flat.view(output.shape[0], width), src.view(input.shape[0], width),
+                    dbuf.view(output.shape[0], width), sbuf.view(input.shape[0], width),
                     d_rows, s_rows, group=group, async_op=True))
+                done()
             else:
                 _ALGORITHMS[algo](call, src, _offsets([s * width for s in s_rows]), out.flat,
                                   _offsets([d * width for d in d_rows]))

@@ -31,6 +31,8 @@ from shardwise.comm.async_ import executor
 from shardwise.comm.primitives import (
     Call,
     GroupInfo,
+    backend_of,
+    native_buffer,
     check_op,
     finish_,
     group_info,
@@ -100,15 +102,19 @@ def choose(info: GroupInfo, t: torch.Tensor) -> str:
     send/recv algorithms, plus "shm" when every rank is on one host, or "hierarchical" when
     the group spans hosts of equally many ranks (CPU tensors, ``shm.available()``). Learning
     the hosts is collective (once per group, see ``hierarchical.layout``); the choice is the
-    same on every rank given the same profile."""
+    same on every rank given the same profile. Only a profile calibrated on this group's
+    backend and this tensor's device kind chooses; otherwise (CUDA tensors on NCCL with the
+    CPU profile of the repository, say) the answer is "native", the backend's own."""
     nbytes = t.numel() * t.element_size()
+    where = (backend_of(info.group), cost.device_kind(t.device))
     if info.size > 1 and t.device.type == "cpu" and shm.available():
         lay = hierarchical.layout(info)
         if lay.one_host:
-            return cost.choose_all_reduce(info.size, nbytes, ("shm",))
+            return cost.choose_all_reduce(info.size, nbytes, ("shm",), 1, *where)
         if lay.uniform:
-            return cost.choose_all_reduce(info.size, nbytes, ("hierarchical",), len(lay.hosts))
-    return cost.choose_all_reduce(info.size, nbytes)
+            return cost.choose_all_reduce(info.size, nbytes, ("hierarchical",), len(lay.hosts),
+                                          *where)
+    return cost.choose_all_reduce(info.size, nbytes, (), 1, *where)
 
 
 def _call(name: str, algorithm: str, info: GroupInfo, t: torch.Tensor) -> Call:
@@ -151,8 +157,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
         f = _Flat(tensor)
         call = _call("all_reduce", algo, info, tensor)
         if algo == "native":
-            call.wait_native(dist.all_reduce(f.flat, _NATIVE_OPS[op], group=group,
-                                             async_op=True))
+            buf, done = native_buffer(group, f.flat)
+            call.wait_native(dist.all_reduce(buf, _NATIVE_OPS[op], group=group, async_op=True))
+            done()
             finish_(f.flat, op, info.size)
         else:
             _ALL_REDUCE[algo](call, f.flat, op)
@@ -165,11 +172,12 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
 # ---------------------------------------------------------------------------- rooted
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False,
-              algorithm: str = "tree"):
+              algorithm: str = "tree", check: bool | None = None):
     """Copy ``tensor`` of global rank ``src`` into ``tensor`` on every rank of ``group``.
 
     "tree": binomial tree, ceil(log2 N) steps, each a message of the whole tensor. "shm":
     through the root's shared-memory slot (ranks of one host), one round per slot's worth.
+    ``check`` overrides ``settings.check`` for this call (see ``all_reduce``).
     """
     _tensor(tensor, "broadcast")
     info = group_info(group, "broadcast")
@@ -177,13 +185,15 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     root = group_rank_of(info, src, "broadcast", "src")
 
     def run() -> None:
-        _agree(info, "broadcast", algo, "-", tensor, tensor.numel(), src)
+        _agree(info, "broadcast", algo, "-", tensor, tensor.numel(), src, enabled=check)
         if info.size == 1:
             return
         f = _Flat(tensor)
         call = _call("broadcast", algo, info, tensor)
         if algo == "native":
-            call.wait_native(dist.broadcast(f.flat, src, group=group, async_op=True))
+            buf, done = native_buffer(group, f.flat)
+            call.wait_native(dist.broadcast(buf, src, group=group, async_op=True))
+            done()
         elif algo == "shm":
             shm.broadcast(shm.segment(info), call, f.flat, root)
         else:
@@ -214,8 +224,10 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, async_op
         f = _Flat(tensor if mine else tensor.detach().clone())
         call = _call("reduce", algo, info, tensor)
         if algo == "native":
-            call.wait_native(dist.reduce(f.flat, dst, _NATIVE_OPS[op], group=group,
+            buf, done = native_buffer(group, f.flat)
+            call.wait_native(dist.reduce(buf, dst, _NATIVE_OPS[op], group=group,
                                          async_op=True))
+            done()
             if mine:
                 finish_(f.flat, op, info.size)
         else:

@@ -137,6 +137,17 @@ class Profile:
             raise ValueError("profile has no world_sizes")
         return cls(data.get("name", "unnamed"), ws, data.get("meta", {}))
 
+    @property
+    def backend(self) -> str:
+        """The backend it was calibrated on (profiles written before this was recorded were
+        all measured with gloo on the CPU)."""
+        return self.meta.get("backend", "gloo")
+
+    @property
+    def device(self) -> str:
+        """The device kind it was calibrated on (``device_kind``): "cpu" or "cuda:<name>"."""
+        return self.meta.get("device", "cpu")
+
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,7 +213,8 @@ REPO_PROFILE = Path(__file__).resolve().parents[3] / "profiles" / "default.json"
 BUILTIN = Profile("builtin", {
     2: LinkParams(alpha=1e-4, beta_link=2.6e-10, beta_host=1.3e-10, gamma=9e-11,
                   gamma_host=5e-11, native_alpha=5e-4, native_beta=5.5e-10),
-}, {"note": "fallback constants; run `shardwise bench comm --calibrate`"})
+}, {"note": "fallback constants; run `shardwise bench comm --calibrate`",
+    "backend": "gloo", "device": "cpu"})
 
 # Shared-memory constants where a profile has none (measured with benchmarks/comm_bench.py on
 # the 2-core development VM, N = 2; ``shardwise bench comm --calibrate`` measures them per N).
@@ -260,11 +272,59 @@ def predict_hierarchical(n: int, hosts: int, nbytes: float, profile: "Profile") 
     return t + predict("ring", hosts, nbytes / local, profile.params(hosts))
 
 
+def device_kind(device) -> str:
+    """What a profile records of the device it was calibrated on: "cpu", or "cuda:" and the
+    GPU's name ("cuda:NVIDIA H100 80GB HBM3"), so a profile from one GPU model is not used
+    for another. ``device``: a ``torch.device`` or its string."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return _cuda_kind(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=None)
+def _cuda_kind(index: int) -> str:
+    import torch
+
+    return f"cuda:{torch.cuda.get_device_name(index)}"
+
+
+_refused: set[tuple[str, str, str]] = set()
+
+
+def _refuse(profile: Profile, backend: str, device: str) -> None:
+    """Say once per (profile, backend, device), in one line, that ``auto`` will not use a
+    profile calibrated elsewhere."""
+    key = (profile.name, backend, device)
+    if key in _refused:
+        return
+    _refused.add(key)
+    import warnings
+    warnings.warn(f"comm profile {profile.name!r} was calibrated on {profile.backend}/"
+                  f"{profile.device}, not {backend}/{device}: parallel.allreduce=auto uses the "
+                  f"backend's own all-reduce (calibrate on this backend and device with "
+                  "`shardwise bench comm --calibrate` to choose among ours)", RuntimeWarning,
+                  stacklevel=4)
+
+
 @lru_cache(maxsize=4096)
-def choose_all_reduce(n: int, nbytes: int, extra: tuple[str, ...] = (), hosts: int = 1) -> str:
+def choose_all_reduce(n: int, nbytes: int, extra: tuple[str, ...] = (), hosts: int = 1,
+                      backend: str = "gloo", device: str = "cpu") -> str:
     """The ``auto`` choice: the candidate with the least predicted time (ties: first).
-    ``extra``: "shm" (every rank on one host) and / or "hierarchical" (``hosts`` hosts)."""
+    ``extra``: "shm" (every rank on one host) and / or "hierarchical" (``hosts`` hosts).
+
+    Only a profile calibrated on this ``backend`` and ``device`` kind (``device_kind``) is
+    used to choose; with any other the answer is "native", the backend's own all-reduce,
+    and a one-line warning says so once. So on CUDA tensors with NCCL, ``auto`` is NCCL's
+    all-reduce (NVLink, many channels) unless a profile measured with NCCL on that GPU model
+    says one of ours is faster; the CPU/gloo constants of the development machine are never
+    used to route GPU gradients around NCCL."""
     profile = active_profile()
+    if (profile.backend, profile.device) != (backend, device):
+        _refuse(profile, backend, device)
+        return "native"
     prm = profile.params(n)
 
     def t(a: str) -> float:
@@ -276,5 +336,7 @@ def choose_all_reduce(n: int, nbytes: int, extra: tuple[str, ...] = (), hosts: i
 
 
 def host_meta() -> dict:
+    """Where a profile is measured: host name, machine, cores, Python (``calibrate`` adds
+    the backend and the device kind)."""
     return {"host": platform.node(), "machine": platform.machine(),
             "cores": os.cpu_count(), "python": platform.python_version()}

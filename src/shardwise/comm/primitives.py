@@ -126,6 +126,55 @@ def group_rank_of(info: GroupInfo, global_rank: int, collective: str, what: str)
     return info.ranks.index(global_rank)
 
 
+# ---------------------------------------------------------------------------- host staging
+
+def backend_of(group) -> str:
+    """The backend of ``group`` (None: the world) in lower case: "gloo", "nccl", "fake"..."""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return "gloo"
+
+
+class HostCopy:
+    """A page-locked host copy of a CUDA tensor, for a backend that moves host memory only.
+
+    Gloo reads and writes host memory (its send/recv and reduce-scatter take CPU tensors
+    only); with several ranks sharing one GPU (``training.device = "cuda"`` with
+    ``parallel.backend = "gloo"``: the mode in which the multi-rank suites run on one lent
+    GPU) every CUDA tensor that crosses ranks goes through one of these. ``host`` is pinned
+    (torch's caching host allocator reuses it), filled from ``t`` when ``fill``; ``back()``
+    copies it into ``t``. Both copies are synchronous on the current stream, so the data is
+    in place before gloo reads it and before the caller reads the result."""
+
+    def __init__(self, t: torch.Tensor, fill: bool = True) -> None:
+        self.t = t
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if fill:
+            self.host.copy_(t)
+
+    def back(self) -> None:
+        self.t.copy_(self.host)
+
+
+def host_copy(group, t: torch.Tensor, fill: bool = True) -> HostCopy | None:
+    """A ``HostCopy`` of ``t`` when ``group``'s backend is gloo and ``t`` is on CUDA, else
+    None (the backend takes ``t`` as it is)."""
+    if t.device.type != "cuda" or backend_of(group) != "gloo":
+        return None
+    return HostCopy(t, fill)
+
+
+def native_buffer(group, t: torch.Tensor, fill: bool = True):
+    """``(buffer, done)``: the tensor a backend collective should read/write in place of
+    ``t`` (``t`` itself, or its ``HostCopy``), and ``done()``, which copies the result back
+    into ``t`` (a no-op without staging)."""
+    h = host_copy(group, t, fill)
+    if h is None:
+        return t, lambda: None
+    return h.host, h.back
+
+
 # ---------------------------------------------------------------------------- reduce ops
 
 def check_op(op: str, dtype: torch.dtype, collective: str) -> None:
@@ -221,6 +270,7 @@ class Posted:
     peer: int   # group rank
     step: int
     send: bool
+    staged: "HostCopy | None" = None  # a receive through host memory, copied back on wait
 
 
 class Call:
@@ -289,20 +339,25 @@ class Call:
         if not t.numel():
             return None
         rank, group = self.info.ranks[peer], self.info.group
+        staged = host_copy(group, t, fill=send)
+        buf = t if staged is None else staged.host
         try:
-            work = (dist.isend(t, rank, group=group, tag=self.tag) if send else
-                    dist.irecv(t, rank, group=group, tag=self.tag))
+            work = (dist.isend(buf, rank, group=group, tag=self.tag) if send else
+                    dist.irecv(buf, rank, group=group, tag=self.tag))
         except Exception as exc:
             raise self._error(f"posting step {step} failed: {exc}") from exc
         if self.record is not None:
             self.record.add_message(step, t.numel() * t.element_size(), send)
-        return Posted(work, peer, step, send)
+        # a staged send keeps its host copy alive through ``work`` until it is waited for
+        return Posted(work, peer, step, send, staged)
 
     def wait(self, posted: "Posted | None") -> None:
         """Wait for a posted message (no-op for None) under this call's deadline."""
         if posted is not None:
             self._wait(posted.work, "send to" if posted.send else "receive from", posted.peer,
                        posted.step)
+            if posted.staged is not None and not posted.send:
+                posted.staged.back()
 
     def wait_native(self, work) -> None:
         """Wait for a backend collective's work object under this call's deadline."""

@@ -26,7 +26,7 @@ from shardwise.comm.api import (
     _pick,
     _tensor,
 )
-from shardwise.comm.primitives import check_op, finish_, group_info
+from shardwise.comm.primitives import check_op, finish_, group_info, native_buffer
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single
 # names (same arguments), which torch 2.11 lacks: the newer name where it exists
@@ -56,9 +56,10 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         if n > 1:
             call = _call("all_gather", algo, info, output)
             if algo == "native":
-                call.wait_native(_ALL_GATHER(
-                    out.flat, out.flat[info.rank * m:(info.rank + 1) * m].clone(), group=group,
-                    async_op=True))
+                mine, _ = native_buffer(group, out.flat[info.rank * m:(info.rank + 1) * m].clone())
+                buf, done = native_buffer(group, out.flat, fill=False)
+                call.wait_native(_ALL_GATHER(buf, mine, group=group, async_op=True))
+                done()
             elif algo == "ring":
                 ring.all_gather(call, out.flat, [i * m for i in range(n + 1)])
             elif algo == "shm":
@@ -119,8 +120,11 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
             pass
         elif algo == "native":
             res = torch.empty_like(work[:m])
-            call.wait_native(_REDUCE_SCATTER(res, work, _NATIVE_OPS[op], group=group,
+            src, _ = native_buffer(group, work)
+            buf, done = native_buffer(group, res, fill=False)
+            call.wait_native(_REDUCE_SCATTER(buf, src, _NATIVE_OPS[op], group=group,
                                              async_op=True))
+            done()
             finish_(res, op, n)
             work[r * m:(r + 1) * m].copy_(res)
         elif algo == "ring":

@@ -436,7 +436,7 @@ class Engine:
         t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
-            comm.broadcast(t, src=last, group=self.pp_group)
+            comm.broadcast(t, src=last, group=self.pp_group, check=False)  # fixed shape
         if self.topology.dp_cp > 1:
             comm.all_reduce(t, op="mean", group=self.grad_group, check=False)
         return t[0]

@@ -15,8 +15,8 @@ from shardwise.apps.lm.text import check_corpus, check_tokenizer, token_unit
 from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.comm import check as comm_check
 from shardwise.data.tokenizer import tokenizer_from_state
+from shardwise.launch import rank_device
 from shardwise.models import describe_section
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.plan import check_divisible
@@ -38,7 +38,7 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
                                                   rank=dist.get_rank(),
                                                   world_size=dist.get_world_size(), ep=p.ep))
-    device = device or comm_check.group_device(None)
+    device = device or rank_device(cfg.training.device)
     tokenizer = None
     if isinstance(resume, str):
         latest = Path(resume)

@@ -26,6 +26,7 @@ from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
 from shardwise.engine import Engine, EngineSettings
+from shardwise.launch import rank_device
 from shardwise.models import describe_section
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import plot_loss
@@ -178,5 +179,5 @@ def build_trainer(cfg: Config) -> Trainer:
                                                   world_size=dist.get_world_size(), ep=p.ep))
     else:
         topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep)
-    return Trainer(cfg, topo)
+    return Trainer(cfg, topo, rank_device(cfg.training.device))
 

@@ -28,8 +28,8 @@ class RankGroup:
         (Korthikanti et al. 2022, arXiv:2205.05198).
     check: run ``shardwise.comm``'s cross-rank argument agreement on each all-reduce. Off
         by default: shapes inside a parallel model are fixed by construction, and the agreement
-        round would double the number of messages on the critical path. (All-gather and
-        reduce-scatter have no per-call switch; they follow ``comm.configure(check=...)``.)
+        round would double the number of messages on the critical path; it applies to the
+        all-gathers and reduce-scatters of sequence parallelism too.
     """
 
     group: Any = None

@@ -79,7 +79,8 @@ def _split(x: torch.Tensor, dim: int, tp: RankGroup) -> torch.Tensor:
 def _gather(x: torch.Tensor, dim: int, tp: RankGroup, tag: str, phase: str) -> torch.Tensor:
     out = torch.empty((tp.size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     start = _mark()
-    comm.all_gather_into_tensor(out, x.contiguous(), group=tp.group, algorithm=tp.gather)
+    comm.all_gather_into_tensor(out, x.contiguous(), group=tp.group, algorithm=tp.gather,
+                                check=tp.check)
     _note(tag, phase, start, "all_gather", out.numel() * out.element_size())
     return torch.cat(out.unbind(0), dim=dim)
 
@@ -91,7 +92,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, tp: RankGroup, tag: str,
     stacked = torch.stack(x.chunk(tp.size, dim=dim))  # (N, ..., n/N, ...) contiguous
     out = torch.empty_like(stacked[0])
     start = _mark()
-    comm.reduce_scatter_tensor(out, stacked, group=tp.group, algorithm=tp.gather)
+    comm.reduce_scatter_tensor(out, stacked, group=tp.group, algorithm=tp.gather,
+                               check=tp.check)
     _note(tag, phase, start, "reduce_scatter", stacked.numel() * stacked.element_size())
     return out
 
