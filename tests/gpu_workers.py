@@ -17,11 +17,13 @@ def _data(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-8, 9, (n,), generator=g).to(dtype)
 
 
-def staged_collectives() -> dict:
+def staged_collectives(device: str = "cuda") -> dict:
     """Each collective and algorithm on CUDA and on the CPU; ``bad`` lists the cases where
     the CUDA result differs from the CPU one (or is not on CUDA)."""
+    comm.configure(timeout_s=60)  # a hang fails in a minute, naming the collective
     r, n = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = (torch.device("cuda", torch.cuda.current_device()) if device == "cuda"
+           else torch.device(device))
     bad, count = [], 0
 
     def same(key: str, gpu: torch.Tensor, cpu: torch.Tensor) -> None:
@@ -70,13 +72,17 @@ def staged_collectives() -> dict:
                 comm.all_to_all_single(a, src.to(dev), theirs, rows, algorithm=algo)
                 comm.all_to_all_single(b, src, theirs, rows, algorithm=algo)
                 same(f"all_to_all/{algo}/{dtype}/{m}", a, b)
-    # point to point: a ring of sends, sync and async
+    # point to point: a ring of sends in one round, then a blocking send / recv pair
     x = _data(513, torch.float32, r)
     got = torch.empty(513, device=dev)
-    h = comm.recv(got, (r - 1) % n, async_op=True)
-    comm.send(x.to(dev), (r + 1) % n)
-    h.wait()
-    same("send/recv", got, _data(513, torch.float32, (r - 1) % n))
+    comm.exchange(sends=[(x.to(dev), (r + 1) % n)], recvs=[(got, (r - 1) % n)])
+    same("exchange", got, _data(513, torch.float32, (r - 1) % n))
+    if r == 0:
+        comm.send(x.to(dev), n - 1)
+    elif r == n - 1:
+        got = torch.empty(513, device=dev)
+        comm.recv(got, 0)
+        same("send/recv", got, _data(513, torch.float32, 0))
     # the argument check runs on CUDA tensors too, and still catches a mismatch
     try:
         comm.all_reduce(torch.ones(3 + (r == 0), device=dev), algorithm="ring", check=True)
