@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
 ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
@@ -166,7 +166,13 @@ class ParallelConfig(_Section):
                           "1f1b, interleaved or pipedream; parallel.micro_batches is its m")
     chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
     partition: str = Field("layers", description="pipeline stage balance: layers, params or time")
-    recompute: bool = Field(False, description="pipeline: recompute activations in backward")
+    recompute: bool | str = Field(False, description="activation recomputation: true (or "
+                                  "\"full\"): each stage keeps only its input and recomputes "
+                                  "its forward in backward; \"selective\": every layer is "
+                                  "checkpointed with torch's selective policy, matmul and "
+                                  "attention outputs saved, element-wise ops recomputed "
+                                  "(torchtitan's op-level selective AC; tp = 1, zero < 3, no "
+                                  "cp or experts); false: none")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
@@ -179,6 +185,18 @@ class ParallelConfig(_Section):
                          "GPU, not for speed)")
     mode: str = Field("grid", description="grid: the dp x pp x cp x tp rank grid; ps: a parameter "
                       "server (the [ps] section; parallel.dp/pp/cp/tp are not used)")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_mode(cls, value):
+        """true / "full", false / "none", or "selective" (kept as the string)."""
+        if isinstance(value, str):
+            named = {"full": True, "none": False, "selective": "selective"}
+            if value not in named:
+                raise ValueError(f"parallel.recompute={value!r}: expected true, false, "
+                                 "\"full\", \"none\" or \"selective\"")
+            return named[value]
+        return value
 
     @model_validator(mode="after")
     def _known_algorithm(self):
@@ -206,6 +224,11 @@ class ParallelConfig(_Section):
             raise ValueError(f"parallel.zero=3 with parallel.pp={self.pp}: ZeRO-3 gathers the "
                              "parameters for every forward and a pipeline runs many per step; "
                              "use parallel.zero = 1 or 2 with pipelines (DeepSpeed refuses it too)")
+        if self.recompute == "selective" and (self.tp > 1 or self.zero == 3 or self.cp > 1):
+            raise ValueError(f"parallel.recompute=selective with parallel.tp={self.tp}, "
+                             f"zero={self.zero}, cp={self.cp}: recomputing a layer would run its "
+                             "collectives (tp, ZeRO-3 gathers, the cp ring) again in backward; "
+                             "use recompute = true with those")
         if self.zero > 0 and self.schedule == "pipedream":
             raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
                              "PipeDream steps after every backward and stashes whole weights; "

@@ -41,6 +41,7 @@ from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.sampling import generate
+from shardwise.parallel.activation_checkpoint import checkpoint_selectively
 from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.experts import is_expert
 from shardwise.parallel.pipeline import timeline
@@ -65,7 +66,7 @@ class EngineSettings:
     micro_batches: int = 1
     chunks_per_rank: int = 1
     partition: str = "layers"
-    recompute: bool = False
+    recompute: bool | str = False  # True: the pipeline's full recomputation; "selective"
     sequence_parallel: bool = False
     zero: int = 0
     bucket_mb: float = 25.0
@@ -177,6 +178,8 @@ class Engine:
         if self.cp is not None:
             for chunk in self.local.chunks.values():
                 self.cp.attach(chunk)
+        if s.recompute == "selective":
+            self._checkpoint_selectively()
         if s.compile:
             self._compile_blocks()
         self.loss_scaler = (DynamicLossScaler(s.initial_loss_scale)
@@ -200,7 +203,7 @@ class Engine:
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
             loss_fn=self.local.loss_fn, on_step=self._optimizer_step, dtype=self.dtype,
-            group=self.pp_group, recompute=s.recompute, grad_sync=self.sync,
+            group=self.pp_group, recompute=s.recompute is True, grad_sync=self.sync,
             device=self.device, measure_memory=s.measure_memory,
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
@@ -234,6 +237,19 @@ class Engine:
             raise ValueError(f"sequence length {s.seq_len} / cp={topo.cp} is not divisible by "
                              f"tp={topo.tp} (sequence parallelism splits each rank's tokens)")
         return cp
+
+    def _checkpoint_selectively(self) -> None:
+        """``parallel.recompute = "selective"``: every layer of this rank's chunks keeps its
+        matmul and attention outputs and recomputes the rest in backward
+        (``parallel.activation_checkpoint``). Refused with experts (their all-to-all would
+        run again in backward); the config refuses tp, ZeRO-3 and cp."""
+        if self.description.n_experts:
+            raise ValueError(f"parallel.recompute=selective with model.n_experts="
+                             f"{self.description.n_experts}: recomputing a block would run its "
+                             "expert all-to-all again in backward; use recompute = true")
+        for chunk in self.local.chunks.values():
+            for layer in chunk.layers:
+                checkpoint_selectively(layer)
 
     def _compile_blocks(self) -> None:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each

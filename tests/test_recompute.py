@@ -1,0 +1,71 @@
+"""Selective activation recomputation (``parallel.recompute = "selective"``): the same
+losses and parameters as without it, bit for bit, and the ops it keeps for backward are the
+matmuls and attention only. (Its memory saving is measured on a GPU: benchmarks/gpu_llama.py,
+row "ours bf16 + selective recompute".)"""
+
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from shardwise.base.config import Config, ConfigError
+from shardwise.base.topology import Topology
+from shardwise.engine import Engine, EngineSettings
+from shardwise.models.llama import Block, LlamaConfig
+from shardwise.parallel import activation_checkpoint as ac
+
+CFG = LlamaConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32,
+                  ffn_hidden=64)
+
+
+def _train(recompute, steps=3):
+    torch.manual_seed(0)
+    s = EngineSettings(micro_batches=2, lr=1e-2, grad_clip=1.0, seed=3, batch_size=4,
+                       seq_len=16, recompute=recompute)
+    e = Engine(CFG, Topology.build(1, 1, 1), s)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 96, (4, 17), generator=g)
+        losses.append(e.train_step(x[:, :-1], x[:, 1:])["loss"])
+    return losses, {n: p.detach().clone() for n, p in e.named_parameters()}
+
+
+def test_selective_recomputation_changes_nothing_but_memory():
+    base_losses, base = _train(False)
+    sel_losses, sel = _train("selective")
+    assert sel_losses == base_losses
+    assert base.keys() == sel.keys()
+    for name in base:
+        assert torch.equal(base[name], sel[name]), name
+
+
+def test_the_policy_saves_matmuls_and_attention_and_recomputes_the_rest():
+    decided = []
+
+    def policy(ctx, op, *args, **kwargs):
+        choice = ac._policy(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute:
+            decided.append((str(op.overloadpacket).split(".")[-1], choice))
+        return choice
+
+    block = Block(CFG)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False,
+                   context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    y.sum().backward()
+    saved = {op for op, c in decided if c == ac.CheckpointPolicy.MUST_SAVE}
+    recomputed = {op for op, c in decided if c != ac.CheckpointPolicy.MUST_SAVE}
+    assert "mm" in saved or "addmm" in saved
+    assert any("scaled_dot_product" in op for op in saved), saved
+    assert {"mul", "silu"} <= recomputed, recomputed
+    assert not any(op in recomputed for op in ("mm", "addmm", "bmm")), recomputed
+
+
+def test_selective_with_collectives_in_the_layer_is_one_line():
+    with pytest.raises(ConfigError, match="recompute=selective with parallel.tp=2"):
+        Config.from_dict({"parallel": {"recompute": "selective", "dp": 1, "tp": 2}})
+    with pytest.raises(ConfigError, match=r"expected true, false, \"full\""):
+        Config.from_dict({"parallel": {"recompute": "some"}})
+    assert Config.from_dict({"parallel": {"recompute": "full"}}).parallel.recompute is True
