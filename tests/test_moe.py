@@ -9,14 +9,15 @@ two micro-batches, ep2 x tp2 (experts split by expert and by width), ep2 x pp2 (
 the tied embedding across stages; and GPipe with recomputation, whose forwards run twice
 and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer). With context
 parallelism (each cp rank holds chunks i and 2cp-1-i of every sequence, the same experts):
-cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 over dp2 with
-ZeRO-1 (expert gradients and shards over ep_dp x cp), and a spawn of 8: cp2 x ep2 x tp2 and
+cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 over dp2 (the
+issue's layout: expert gradients over ep_dp x cp), and a spawn of 8: cp2 x ep2 over dp4 with
+ZeRO-1 (ep_dp x cp = 4 ranks hold each expert and its shards), cp2 x ep2 x tp2 and
 cp2 x ep2 x pp2 (1F1B, ZeRO-2). Parity: every loss, every step's auxiliary loss and
 every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
 the reference, and every step's expert load (tokens routed to each expert of each layer)
 equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
-one process -> cp2 x ep2; cp2 x ep2 -> ep4). Then the bytes of the all-to-all, the memory
+one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4). Then the bytes of the all-to-all, the memory
 each rank holds, the refusals at the door and the issue's command (cp2 x ep2 x dp2).
 """
 
@@ -55,7 +56,9 @@ LAYOUTS = {
     "ep2xpp2-gpipe-recompute": (4, "softmax", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
                                                "schedule": "gpipe", "recompute": True}),
     "cp2": (2, "softmax", {"dp": 1, "cp": 2, "ep": 1}),
-    "cp2xep2": (4, "softmax", {"dp": 2, "cp": 2, "ep": 2, "zero": 1}),
+    "cp2xep2": (4, "softmax", {"dp": 2, "cp": 2, "ep": 2}),
+    "cp2xep2-dp4-z1": (8, "softmax", {"dp": 4, "cp": 2, "ep": 2, "zero": 1,
+                                      "all_to_all": "pairwise"}),
     "cp2xep2xtp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2}),
     "cp2xep2xpp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "pp": 2,
                                           "micro_batches": 2, "zero": 2}),
@@ -66,7 +69,7 @@ RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
            "ep2-dp4-z1->ep2": ("ep2-dp4-z1", "ep2"),          # ZeRO pieces joined over ep_dp
            "ep2xtp2->ep2xpp2": ("ep2xtp2", "ep2xpp2"),        # experts on an (ep, tp) mesh
            "dp1->cp2xep2": ("ref:softmax", "cp2xep2"),
-           "cp2xep2->ep4": ("cp2xep2", "ep4")}                # ZeRO pieces over ep_dp x cp
+           "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4")}  # ZeRO pieces over ep_dp x cp
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None):
@@ -83,9 +86,9 @@ def references(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(corpus, tmp_path_factory, references):
-    """name -> every rank's report: the spawn of 8, then the spawn of 4 (its layouts save,
-    then ep4, ep2 x pp2 and cp2 x ep2 resume), then the spawn of 2 (ep2, cp2, and ep2
-    resuming)."""
+    """name -> every rank's report: the spawn of 8 (cp2 x ep2 over dp4 saves), then the
+    spawn of 4 (its layouts save, then ep4, ep2 x pp2 and cp2 x ep2 resume), then the spawn
+    of 2 (ep2, cp2, and ep2 resuming)."""
     root = tmp_path_factory.mktemp("moe-layouts")
     saved = {f"ref:{m}": r.get("saved") for m, r in references.items()}
     savers = {a for a, _ in RESUMES.values()}
