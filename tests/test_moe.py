@@ -18,7 +18,8 @@ the reference, and every step's expert load (tokens routed to each expert of eac
 equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
 one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4). Then the bytes of the all-to-all, the memory
-each rank holds, the refusals at the door and the issue's command (cp2 x ep2 x dp2).
+each rank holds, the refusals at the door and the issue's command (cp2 x ep2 x dp2). About
+70 s on 2 shared cores (30 s before the cp layouts and their spawn of 8).
 """
 
 import math

@@ -34,8 +34,9 @@ Expert parameters under expert parallelism (``ep_dim``: each ep rank holds E / e
 experts) are stored under the same single-process names and shapes, (E, ...): a ``DTensor``
 sharded along the experts over the ep group (``Shard(0)``), and along ``tp_dim`` too on a
 two-dimensional (ep, tp) mesh when tp > 1; their ZeRO pieces are joined over the
-``ep_dp_cp`` group, the ranks that hold the same experts (``ep_dp``, times cp). So a checkpoint written at one ep loads at
-any other (DCP reads each rank's experts from whichever chunks hold them).
+``ep_dp_cp`` group, the ranks that hold the same experts (``ep_dp``, times cp). So a
+checkpoint written at one ep (or cp) loads at any other (DCP reads each rank's experts from
+whichever chunks hold them).
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ class ReplicatedSync:
     the parameter is cast down (Micikevicius et al. 2018), with fp32 the parameter is its own
     master. ``bucket_mb`` / ``first_bucket_mb``: bucket capacities in MiB; they and the
     all-reduce algorithm are our DDP's (``GradientSync``). ``divisor``: the sums are divided
-    by it (default ``dp_size``; expert parameters: the whole dp size, also when their group
-    is one rank).
+    by it (default ``dp_size``; expert parameters: the whole dp x cp size, also when their
+    group is one rank).
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,
