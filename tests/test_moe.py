@@ -17,9 +17,10 @@ every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` r
 the reference, and every step's expert load (tokens routed to each expert of each layer)
 equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
-one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4). Then the bytes of the all-to-all, the memory
-each rank holds, the refusals at the door and the issue's command (cp2 x ep2 x dp2). About
-70 s on 2 shared cores (30 s before the cp layouts and their spawn of 8).
+one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4). Then the bytes of the
+all-to-all, the memory each rank holds, the refusals at the door and the issue's command
+(cp2 x ep2 x dp2). About 70 s on 2 shared cores (30 s before the cp layouts and their
+spawn of 8).
 """
 
 import math
@@ -234,6 +235,10 @@ def test_refusals_at_the_door():
         {"dp": 2, "tp": 2, "sequence_parallel": True})
     assert "model.n_experts=4 with model.init_from" in refuse({"dp": 2},
                                                               {"init_from": "hf:/nowhere"})
+    # context parallelism with experts passes the door (once refused: docs/moe.md)
+    cfg = Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "cp": 2},
+                            "training": {"global_batch_size": 8}})
+    assert cfg.world_size == 4
 
 
 def test_cli_issue_command_cp2_ep2_dp2(tmp_path):
