@@ -7,12 +7,20 @@ of 2 train every layout of ``LAYOUTS`` on the same global batches: ep2 (dp2), ep
 over dp4 with ZeRO-1 (two expert-data-parallel replicas of each expert), ep4 over dp4 with
 two micro-batches, ep2 x tp2 (experts split by expert and by width), ep2 x pp2 (1F1B, ZeRO-2,
 the tied embedding across stages; and GPipe with recomputation, whose forwards run twice
-and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer). Parity: every loss, every step's auxiliary loss and
+and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer). With context
+parallelism (each cp rank holds chunks i and 2cp-1-i of every sequence, the same experts):
+cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 over dp2 (the
+issue's layout: expert gradients over ep_dp x cp), and a spawn of 8: cp2 x ep2 over dp4 with
+ZeRO-1 (ep_dp x cp = 4 ranks hold each expert and its shards), cp2 x ep2 x tp2 and
+cp2 x ep2 x pp2 (1F1B, ZeRO-2). Parity: every loss, every step's auxiliary loss and
 every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
 the reference, and every step's expert load (tokens routed to each expert of each layer)
 equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
-(one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2). Then the bytes of the all-to-all, the memory each rank
-holds, the refusals at the door and the issue's command. About 45 s on 2 cores.
+(one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
+one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4). Then the bytes of the
+all-to-all, the memory each rank holds, the refusals at the door and the issue's command
+(cp2 x ep2 x dp2). About 70 s on 2 shared cores (30 s before the cp layouts and their
+spawn of 8).
 """
 
 import math
@@ -49,12 +57,21 @@ LAYOUTS = {
                                       "zero": 2}),
     "ep2xpp2-gpipe-recompute": (4, "softmax", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
                                                "schedule": "gpipe", "recompute": True}),
+    "cp2": (2, "softmax", {"dp": 1, "cp": 2, "ep": 1}),
+    "cp2xep2": (4, "softmax", {"dp": 2, "cp": 2, "ep": 2}),
+    "cp2xep2-dp4-z1": (8, "softmax", {"dp": 4, "cp": 2, "ep": 2, "zero": 1,
+                                      "all_to_all": "pairwise"}),
+    "cp2xep2xtp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2}),
+    "cp2xep2xpp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "pp": 2,
+                                          "micro_batches": 2, "zero": 2}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
 RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
            "ep2-dp4-z1->ep2": ("ep2-dp4-z1", "ep2"),          # ZeRO pieces joined over ep_dp
-           "ep2xtp2->ep2xpp2": ("ep2xtp2", "ep2xpp2")}        # experts on an (ep, tp) mesh
+           "ep2xtp2->ep2xpp2": ("ep2xtp2", "ep2xpp2"),        # experts on an (ep, tp) mesh
+           "dp1->cp2xep2": ("ref:softmax", "cp2xep2"),
+           "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4")}  # ZeRO pieces over ep_dp x cp
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None):
@@ -71,13 +88,14 @@ def references(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(corpus, tmp_path_factory, references):
-    """name -> every rank's report: the spawn of 4 first (its layouts save, then ep4 and
-    ep2 x pp2 resume), then the spawn of 2 (ep2, and ep2 resuming)."""
+    """name -> every rank's report: the spawn of 8 (cp2 x ep2 over dp4 saves), then the
+    spawn of 4 (its layouts save, then ep4, ep2 x pp2 and cp2 x ep2 resume), then the spawn
+    of 2 (ep2, cp2, and ep2 resuming)."""
     root = tmp_path_factory.mktemp("moe-layouts")
     saved = {f"ref:{m}": r.get("saved") for m, r in references.items()}
     savers = {a for a, _ in RESUMES.values()}
     out = {}
-    for ws in (4, 2):
+    for ws in (8, 4, 2):
         jobs = [(name, {"kind": "run", "cfg": _cfg(corpus, root / name, model, parallel),
                         "save_at": STOP if name in savers else None, "record": name == RECORD})
                 for name, (w, model, parallel) in LAYOUTS.items() if w == ws]
@@ -192,7 +210,8 @@ def test_memory_prediction_equals_measured_bytes(results):
             c = r["coords"]
             pred = predict_rank(LlamaConfig(**r["model"]), dp=p["dp"], pp=p.get("pp", 1),
                                 tp=p.get("tp", 1), dp_rank=c["dp"], pp_rank=c["pp"],
-                                tp_rank=c["tp"], zero=p.get("zero", 0), ep=p["ep"])
+                                tp_rank=c["tp"], zero=p.get("zero", 0), ep=p["ep"],
+                                cp=p.get("cp", 1), cp_rank=c["cp"])
             for k in ("params", "grads", "optimizer"):
                 assert pred[k] == r["memory"][k], (name, c, k, pred, r["memory"])
 
@@ -214,41 +233,44 @@ def test_refusals_at_the_door():
     assert "parallel.zero=3 with parallel.ep=2" in refuse({"dp": 2, "ep": 2, "zero": 3})
     assert "parallel.sequence_parallel with model.n_experts" in refuse(
         {"dp": 2, "tp": 2, "sequence_parallel": True})
-    # context parallelism (main's cp axis) with experts: refused in one line naming both
-    msg = refuse({"dp": 2, "ep": 2, "cp": 2})
-    assert "parallel.cp=2 with model.n_experts=4 (parallel.ep=2)" in msg, msg
-    msg = refuse({"dp": 2, "cp": 2})  # ep = 1: the per-sequence aux loss would still be wrong
-    assert "parallel.cp=2 with model.n_experts=4 (parallel.ep=1)" in msg, msg
     assert "model.n_experts=4 with model.init_from" in refuse({"dp": 2},
                                                               {"init_from": "hf:/nowhere"})
+    # context parallelism with experts passes the door (once refused: docs/moe.md)
+    cfg = Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "cp": 2},
+                            "training": {"global_batch_size": 8}})
+    assert cfg.world_size == 4
 
 
-def test_cli_ep2_dp2(tmp_path):
-    """The issue's command without its cp part: a 4-expert top-2 Llama at ep2 over dp2 for
-    20 steps exits 0, logs the auxiliary loss and expert load per step, and samples."""
+def test_cli_issue_command_cp2_ep2_dp2(tmp_path):
+    """The issue's command: a 4-expert top-2 Llama at ep2 x cp2 over dp2 for 20 steps exits
+    0, logs the auxiliary loss and the expert load of the global batch per step, and
+    samples."""
     from shardwise.training.metrics import read_metrics
 
     out = tmp_path / "run"
     cmd = ["train", "--model.kind", "llama", "--model.n_experts", "4", "--model.top_k", "2",
-           "--parallel.ep", "2", "--parallel.dp", "2", "--config", "configs/tiny.toml",
-           "--training.steps", "20", "--training.out_dir", str(out), "--checkpoint.every", "0"]
+           "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.dp", "2", "--config",
+           "configs/tiny.toml", "--training.steps", "20", "--training.out_dir", str(out),
+           "--checkpoint.every", "0"]
     proc = subprocess.run([sys.executable, "-m", "shardwise", *cmd], check=False, cwd=REPO,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dp=2 (ep=2)" in proc.stdout and "done: 20 steps" in proc.stdout, proc.stdout
+    assert "dp=2 (ep=2) x cp=2 (ring)" in proc.stdout, proc.stdout
+    assert "done: 20 steps" in proc.stdout, proc.stdout
     rows = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert len(rows) == 20 and all(math.isfinite(r["loss"]) for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert all(len(r["expert_load"]) == 2 and sum(r["expert_load"][0]) == 8 * 32 * 2
-               for r in rows)
+               for r in rows)  # every token of the global batch, over both cp ranks
     assert all(0 < r["aux_loss"] < 1 for r in rows)
 
 
 def test_shardwise_memory_with_ep(tmp_path, capsys):
     """``shardwise memory --ep`` predicts E / ep experts per rank: at ZeRO-0 the expert bytes
     fall with ep; at ZeRO-1 the optimizer state per rank is the same at every ep (experts
-    are sharded over dp / ep ranks, each holding E / ep of them)."""
+    are sharded over dp / ep ranks, each holding E / ep of them); with ``--cp 2`` too, the
+    ZeRO-1 optimizer state halves (dense over dp x cp, experts over dp / ep x cp)."""
     from shardwise.cli.memory import main
 
     toml = tmp_path / "moe.toml"
@@ -264,17 +286,11 @@ def test_shardwise_memory_with_ep(tmp_path, capsys):
     params = {ep: float(r[0][3]) for ep, r in rows.items()}
     assert params[1] > params[2] > params[4]
     assert len({r[1][5] for r in rows.values()}) == 1  # ZeRO-1 optimizer column
-
-
-def test_engine_refuses_experts_with_cp():
-    """Past the configuration too: an Engine built with cp > 1 for a model with experts
-    stops in one line (the aux loss and expert gradients are not cp-aware: docs/moe.md)."""
-    from shardwise.base.topology import Topology
-    from shardwise.engine.engine import Engine, EngineSettings
-    from shardwise.models.llama import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                      n_experts=4, top_k=2, multiple_of=16)
-    with pytest.raises(ValueError, match=r"parallel.cp=2 with model.n_experts=4") as e:
-        Engine(cfg, Topology.build(cp=2, rank=0), EngineSettings(batch_size=2, seq_len=16), "cpu")
-    assert "\n" not in str(e.value)
+    # with cp 2 the weights (experts too) have twice the replicas: ZeRO-1 shards halve
+    assert main(["--config", str(toml), "--dp", "4", "--ep", "2", "--cp", "2", "--stages",
+                 "0,1", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=4 (ep=2) x pp=1 x cp=2" in out, out
+    cp2 = [line.split() for line in out.splitlines() if line.startswith(("   0", "   1"))]
+    assert cp2[0][3] == rows[2][0][3]  # ZeRO-0: the same parameters as at cp 1
+    assert abs(float(cp2[1][5]) - float(rows[2][1][5]) / 2) < 0.01 * float(cp2[1][5])

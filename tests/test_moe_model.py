@@ -96,6 +96,36 @@ def test_load_balancing_loss_is_switch_per_sequence():
     assert math.isclose(float(load_balancing_loss(scores, experts, 2)), want, rel_tol=1e-6)
 
 
+def test_cp_shards_average_to_the_whole_sequences_loss():
+    """Under context parallelism (``models.sequence.SequenceShard.total``: here the sum of
+    the cp ranks' counts, as the ring's all-reduce gives it) the mean over the cp ranks of
+    their local auxiliary losses, and of its gradient, is the whole sequences' loss; with
+    each rank's own counts (no total) it is not."""
+    from shardwise.models import sequence
+    from shardwise.parallel.context import local_positions, shard_sequence
+
+    S, T, E, k, cp = 3, 16, 4, 2, 2
+    logits = torch.randn(S * T, E, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    scores, _, chosen = route(logits, k)
+    whole = load_balancing_loss(scores, chosen, S)
+    (want,) = torch.autograd.grad(whole, logits, retain_graph=True)
+    rows = [shard_sequence(torch.arange(S * T).view(S, T), cp, r, dim=1).reshape(-1)
+            for r in range(cp)]
+    counts = sum(F.one_hot(chosen[i], E).sum(1).view(S, T // cp, E).sum(1) for i in rows)
+
+    def local(r: int, total) -> torch.Tensor:
+        shard = sequence.SequenceShard(local_positions(T, cp, r), None, total)
+        with sequence.use(shard):
+            return load_balancing_loss(scores[rows[r]], chosen[rows[r]], S)
+
+    mean = sum(local(r, lambda t: counts.clone()) for r in range(cp)) / cp
+    (got,) = torch.autograd.grad(mean, logits)
+    assert math.isclose(mean.item(), whole.item(), rel_tol=1e-6)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-9)
+    alone = sum(local(r, None) for r in range(cp)) / cp  # each rank's own chunks
+    assert not math.isclose(alone.item(), whole.item(), rel_tol=1e-3)
+
+
 def test_the_auxiliary_loss_enters_the_gradient_once():
     """Training: grad(output . g) = grad of (output . g + coef * aux) with the aux loss
     written out; the scale multiplies the aux loss's share only; stats: the aux value and

@@ -109,11 +109,22 @@ def test_cp_one_keeps_the_old_grid_and_names_cp_in_errors():
 
 def test_ep_groups_stay_within_one_cp_rank():
     """ep and ep_dp are sub-groups of dp, so with cp > 1 they hold the dp ranks of one cp
-    rank (the configuration refuses experts with cp > 1; the grid itself is consistent)."""
+    rank; ep_dp_cp (the experts' gradient group) adds every cp rank: all the ranks holding
+    the same experts, ordered by ep_dp_rank * cp + cp_rank."""
     topo = Topology.build(dp=4, cp=2, ep=2, world_size=8)
     assert topo.all_ep_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.all_ep_groups("ep_dp_cp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
     for r in range(8):
         t = Topology.build(dp=4, cp=2, ep=2, rank=r)
         cps = {t.coords_of(x)["cp"] for x in t.ep_ranks() + t.ep_dp_ranks()}
         assert cps == {t.cp_rank}
         assert t.dp_rank == t.ep_dp_rank * 2 + t.ep_rank
+        group = t.ep_dp_cp_ranks()
+        assert len(group) == t.ep_dp_cp == 4 and group[t.ep_dp_cp_rank] == r
+        assert {t.coords_of(x)["dp"] % 2 for x in group} == {t.ep_rank}  # the same experts
+    # with pp and tp the group keeps this rank's (pp, tp) place
+    t = Topology.build(dp=2, pp=2, cp=2, tp=2, ep=2, rank=13)
+    assert [t.coords_of(x) for x in t.ep_dp_cp_ranks()] == [
+        {"dp": 1, "pp": 1, "cp": c, "tp": 1} for c in (0, 1)]
+    assert Topology.build(dp=4, ep=2).all_ep_groups("ep_dp_cp") == \
+        Topology.build(dp=4, ep=2).all_ep_groups("ep_dp")

@@ -490,11 +490,6 @@ class Config(_Section):
         if m.n_experts % p.ep:
             raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
                              f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
-        if p.cp > 1:
-            raise ValueError(f"parallel.cp={p.cp} with model.n_experts={m.n_experts} "
-                             f"(parallel.ep={p.ep}): the mixture of experts does not run with "
-                             "context parallelism (its per-sequence load-balancing loss would "
-                             "see only a cp rank's chunks); set parallel.cp = 1 (docs/moe.md)")
         if p.sequence_parallel:
             raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
                              "the experts read whole sequences; leave sequence parallelism off")

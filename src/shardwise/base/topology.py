@@ -26,8 +26,15 @@ the same experts, over which the experts' gradients are reduced)::
 
 With dp=4, ep=2 (pp = cp = tp = 1) the ep groups are {0, 1} and {2, 3}, the ep_dp groups
 {0, 2} and {1, 3}. They are named sub-groups of the dp axis, not an axis of the world: both
-are drawn from one dp group, so from the dp ranks of one (pp, cp, tp) place. (The
-configuration refuses ep, or any experts, with cp > 1: docs/moe.md.)
+are drawn from one dp group, so from the dp ranks of one (pp, cp, tp) place.
+
+With cp > 1 the cp ranks of a dp rank hold the same experts too (cp splits tokens, not
+weights), so the experts' gradients are reduced over the folded ``ep_dp_cp`` group: the
+ep_dp ranks of every cp coordinate ((dp / ep) x cp ranks, ordered by
+``ep_dp_rank * cp + cp_rank``), as ``dp_cp`` folds cp into dp for the dense weights
+(Megatron-Core's expert data-parallel group, which takes cp in the same way). With dp=4,
+cp=2, ep=2 (ranks ``dp_rank * 2 + cp_rank``): ep groups {0, 2}, {1, 3}, {4, 6}, {5, 7};
+ep_dp_cp groups {0, 1, 4, 5} and {2, 3, 6, 7}.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ class AxisGroups:
     dp_cp: Any = None
     ep: Any = None     # with ep > 1: this rank's expert-parallel group (a block of dp)
     ep_dp: Any = None  # with ep > 1: the dp ranks holding this rank's experts
+    ep_dp_cp: Any = None  # ep_dp x cp: every rank holding this rank's experts (their grads)
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,16 @@ class Topology:
         """Place in the ep_dp group (the dp ranks holding the same experts)."""
         return self.dp_rank // self.ep
 
+    @property
+    def ep_dp_cp(self) -> int:
+        """Size of the folded ep_dp x cp group: the replicas of this rank's experts."""
+        return self.dp // self.ep * self.cp
+
+    @property
+    def ep_dp_cp_rank(self) -> int:
+        """This rank's index in its ``ep_dp_cp`` group, ``ep_dp_rank * cp + cp_rank``."""
+        return self.ep_dp_rank * self.cp + self.cp_rank
+
     def ep_ranks(self, rank: int | None = None) -> list[int]:
         """Global ranks of ``rank``'s ep group, by ep rank: its block of ep dp ranks."""
         dp = self.axis_ranks("dp", rank)
@@ -161,9 +179,18 @@ class Topology:
         dp = self.axis_ranks("dp", rank)
         return dp[self.coords_of(self.rank if rank is None else rank)["dp"] % self.ep::self.ep]
 
+    def ep_dp_cp_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s ep_dp_cp group, by ``ep_dp_rank * cp + cp_rank``: its
+        ep_dp ranks at every cp coordinate (every rank holding the same experts)."""
+        c = self.coords_of(self.rank if rank is None else rank)
+        return [self.rank_of(d, c["pp"], c["tp"], cp=k)
+                for d in range(c["dp"] % self.ep, self.dp, self.ep) for k in range(self.cp)]
+
     def all_ep_groups(self, kind: str = "ep") -> list[list[int]]:
-        """Every ``kind`` ("ep" or "ep_dp") group, each a list of global ranks, fixed order."""
-        of = self.ep_ranks if kind == "ep" else self.ep_dp_ranks
+        """Every ``kind`` ("ep", "ep_dp" or "ep_dp_cp") group, each a list of global ranks,
+        fixed order."""
+        of = {"ep": self.ep_ranks, "ep_dp": self.ep_dp_ranks,
+              "ep_dp_cp": self.ep_dp_cp_ranks}[kind]
         seen: dict[tuple[int, ...], None] = {}
         for r in range(self.world_size):
             seen.setdefault(tuple(of(r)), None)
@@ -206,7 +233,9 @@ def init_process_groups(topology: Topology) -> Topology:
     Every rank must call this in the same order; returns a copy of ``topology`` whose
     ``groups`` hold this rank's dp, pp, cp and tp groups and its ``dp_cp`` group (with
     ``cp = 1`` the dp group itself: no group is made twice), and with ep > 1 its ep and
-    ep_dp groups (with ep = 1 the ep_dp group is the dp group).
+    ep_dp groups (with ep = 1 the ep_dp group is the dp group) and its ``ep_dp_cp`` group
+    (made only with ep > 1 and cp > 1: else the ep_dp group with cp = 1, the dp_cp group
+    with ep = 1).
     """
     import torch.distributed as dist
 
@@ -223,10 +252,12 @@ def init_process_groups(topology: Topology) -> Topology:
                 mine[axis] = group
     mine.setdefault("dp_cp", mine["dp"])
     mine["ep_dp"] = mine["dp"]
+    kinds = ("ep", "ep_dp") + (("ep_dp_cp",) if topology.cp > 1 else ())
     if topology.ep > 1:
-        for kind in ("ep", "ep_dp"):
+        for kind in kinds:
             for ranks in topology.all_ep_groups(kind):
                 group = dist.new_group(ranks)
                 if topology.rank in ranks:
                     mine[kind] = group
+    mine.setdefault("ep_dp_cp", mine["ep_dp"] if topology.cp == 1 else mine["dp_cp"])
     return replace(topology, groups=AxisGroups(**mine))

@@ -13,7 +13,7 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
    positions of its tokens and attends by ring attention (``models.sequence``);
 3. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
    ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``);
-   under ep the expert parameters apart, over ``ep_dp`` (experts refuse cp > 1);
+   under ep the expert parameters apart, over their replicas ``ep_dp`` x cp (``ep_dp_cp``);
 4. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
    flag, AdamW;
 5. a pipeline schedule (``pipeline.schedules``; pp = 1 is the one-stage case, and its
@@ -225,10 +225,6 @@ class Engine:
                              "token positions from models.sequence.positions and attends "
                              "through models.gpt.causal_attention "
                              "(ModelDescription.context_parallel); use cp = 1")
-        if d.n_experts:
-            raise ValueError(f"parallel.cp={topo.cp} with model.n_experts={d.n_experts}: the "
-                             "mixture of experts does not run with context parallelism; "
-                             "set parallel.cp = 1 (docs/moe.md)")
         ring = Ring(self.topology.groups.cp if self.distributed else None,
                     tuple(topo.axis_ranks("cp")), topo.cp_rank)
         cp = ContextParallel(ring, self.device)
@@ -270,7 +266,9 @@ class Engine:
     def _wrap_for_dp(self):
         """The gradient sync of ``parallel.zero`` over the dp x cp replicas (``engine.sync``;
         the dp group itself when cp = 1); under ep > 1 the expert parameters get their own,
-        over the ep_dp group (experts are refused with cp > 1)."""
+        over their replicas, the ep_dp x cp group (``ep_dp_cp``; ep_dp when cp = 1), their
+        sums divided by dp x cp as the dense ones: each expert's gradient already holds
+        what every rank of its ep group routed to it."""
         named = self.local.named_parameters()
         experts = [(n, q) for n, q in named if is_expert(q)]
         topo = self.topology
@@ -280,8 +278,8 @@ class Engine:
             raise ValueError("parallel.zero=3 with expert parallelism: use ZeRO-1 or 2")
         dense = [(n, q) for n, q in named if not is_expert(q)]
         return SplitSync(self._sync_of(dense, self.grad_group, topo.dp_cp, topo.dp_cp_rank),
-                         self._sync_of(experts, topo.groups.ep_dp, topo.dp // topo.ep,
-                                       topo.ep_dp_rank, divisor=topo.dp))
+                         self._sync_of(experts, topo.groups.ep_dp_cp, topo.ep_dp_cp,
+                                       topo.ep_dp_cp_rank, divisor=topo.dp_cp))
 
     def _sync_of(self, named, group, size: int, rank: int, divisor: int | None = None):
         """One gradient sync of ``parallel.zero`` for ``named`` over ``group``."""
@@ -404,11 +402,13 @@ class Engine:
     def _router_stats(self, m: int) -> dict:
         """The mixture-of-experts layers' statistics of this step, the same on every rank:
         ``aux_loss`` (0-d: the sum over layers of each one's coef-weighted auxiliary loss,
-        averaged over micro-batches and dp replicas, as one process computes it on the
-        global batch), ``expert_load`` (layers, E) int64: assignments routed to each expert
-        over the global batch, and with a capacity factor ``expert_dropped`` (0-d). One
-        all-reduce over the world (tp rank 0 of each replica counts; stages hold other
-        layers). Empty without such layers."""
+        averaged over micro-batches, cp ranks and dp replicas, as one process computes it
+        on the global batch: under cp each rank's is the local share whose mean over the
+        sequence's cp ranks is the whole sequences' loss, ``models.moe``),
+        ``expert_load`` (layers, E) int64: assignments routed to each expert over the
+        global batch (each cp rank counts its own tokens), and with a capacity factor
+        ``expert_dropped`` (0-d). One all-reduce over the world (tp rank 0 of each replica
+        counts; stages hold other layers). Empty without such layers."""
         layers = self.local.moe_layers
         if not layers:
             return {}
@@ -417,7 +417,7 @@ class Engine:
         for i, layer in self.local.moe_local:
             got = layer.pop_router_stats()
             if got is not None and self.tp.rank == 0:
-                t[i, 0] = got["aux_loss"].double() / (m * self.topology.dp)
+                t[i, 0] = got["aux_loss"].double() / (m * self.topology.dp_cp)
                 t[i, 1] = got["dropped"].double()
                 t[i, 2:] = got["load"].double()
         if self.distributed and dist.get_world_size() > 1:

@@ -19,8 +19,9 @@ padding is stated, ``padding``). Under expert parallelism (ep > 1) the rank hold
 each layer's experts, and with ZeRO-1/2 their buckets are padded to, and sharded over, the
 dp / ep ranks that hold the same experts (``engine.sync``); the dense ones over dp. Under
 context parallelism the cp ranks are replicas of the weights and ZeRO shards over dp x cp
-of them (``topology.dp_cp``): read dp x cp for dp above; cp changes no other static byte
-(it splits activations: ``planner.memory``); experts refuse cp > 1. ``Engine.memory_bytes`` measures the same categories from
+of them (``topology.dp_cp``): read dp x cp for dp above, and (dp / ep) x cp for the
+experts' dp / ep (``topology.ep_dp_cp``); cp changes no other static byte (it splits
+activations: ``planner.memory``). ``Engine.memory_bytes`` measures the same categories from
 the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
 """
 
@@ -55,11 +56,10 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     ``ep``: expert-parallel ranks (folded over dp: the rank's ep rank is dp_rank mod ep).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
-    if cp > 1 and ep > 1:
-        raise ValueError(f"parallel.cp={cp} with parallel.ep={ep}: expert parallelism does "
-                         "not run with context parallelism; set parallel.cp = 1")
     ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
-    # ZeRO's group is every replica of the weights: dp x cp, this rank at dp_rank * cp + cp_rank
+    # ZeRO's groups are the replicas: of the dense weights dp x cp (this rank at
+    # dp_rank * cp + cp_rank), of its experts (dp / ep) x cp (at ep_dp_rank * cp + cp_rank)
+    ep_dp, ep_dp_rank = dp // ep * cp, dp_rank // ep * cp + cp_rank
     dp, dp_rank = dp * cp, dp_rank * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
@@ -80,7 +80,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
         elif zero in (1, 2):
             tied = frozenset(id(q) for n, q in named if n in local.tied)
             groups = [([q for q in params if not is_expert(q)], dp, dp_rank),
-                      ([q for q in params if is_expert(q)], dp // ep, dp_rank // ep)]
+                      ([q for q in params if is_expert(q)], ep_dp, ep_dp_rank)]
             padded, S, R = [], 0, 0
             for mine, size, rank in groups if ep > 1 and dp > 1 else [(params, dp, dp_rank)]:
                 buckets = build_buckets(mine, max(1, int(bucket_mb * MiB)), pad_to=size,

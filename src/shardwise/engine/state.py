@@ -33,9 +33,10 @@ logical tensor, and DCP describes chunks as boxes (offsets and sizes per dim).
 Expert parameters under expert parallelism (``ep_dim``: each ep rank holds E / ep of the
 experts) are stored under the same single-process names and shapes, (E, ...): a ``DTensor``
 sharded along the experts over the ep group (``Shard(0)``), and along ``tp_dim`` too on a
-two-dimensional (ep, tp) mesh when tp > 1; their ZeRO pieces are joined over the ``ep_dp``
-group, the dp ranks that hold the same experts. So a checkpoint written at one ep loads at
-any other (DCP reads each rank's experts from whichever chunks hold them).
+two-dimensional (ep, tp) mesh when tp > 1; their ZeRO pieces are joined over the
+``ep_dp_cp`` group, the ranks that hold the same experts (``ep_dp``, times cp). So a
+checkpoint written at one ep (or cp) loads at any other (DCP reads each rank's experts from
+whichever chunks hold them).
 """
 
 from __future__ import annotations
@@ -135,12 +136,13 @@ def _ep_sharded(engine, p) -> bool:
 
 
 def _ep_dp_group(engine):
-    """The dp ranks holding this rank's experts (ZeRO shards expert parameters over it)."""
-    return engine.topology.groups.ep_dp if _ep_split(engine) else engine.dp_group
+    """The ranks holding this rank's experts, ep_dp x cp (ZeRO shards expert parameters
+    over it); without expert parallelism the dp group (unused: no parameter is an expert)."""
+    return engine.topology.groups.ep_dp_cp if _ep_split(engine) else engine.dp_group
 
 
 def _ep_split(engine) -> bool:
-    """Whether expert parameters are synced apart, over ep_dp (expert parallelism)."""
+    """Whether expert parameters are synced apart, over ep_dp x cp (expert parallelism)."""
     return engine.distributed and engine.ep.size > 1
 
 

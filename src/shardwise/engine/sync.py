@@ -18,10 +18,11 @@ reduce-scattered; masters of this rank's shard; all-gather after the step) and
 ``zero.ZeroStage3`` (parameters sharded too, gathered per unit) are the three.
 
 Under expert parallelism (ep > 1) the engine wraps twice and joins the two with
-``SplitSync``: the dense parameters over the dp group as above, the expert parameters
-(``parallel.experts.is_expert``) over the ``ep_dp`` group, the dp ranks holding the same
-experts (DeepSpeed-MoE's expert-data-parallel group), their sums divided by the whole dp
-size (each expert already summed the gradients of the ep ranks' tokens it served).
+``SplitSync``: the dense parameters over the dp x cp group as above, the expert parameters
+(``parallel.experts.is_expert``) over the ``ep_dp_cp`` group, the ranks holding the same
+experts (DeepSpeed-MoE's expert-data-parallel group, ``ep_dp``, times the cp ranks, which
+hold the same experts and see other tokens), their sums divided by the whole dp x cp size
+(each expert already summed the gradients of the ep ranks' tokens it served).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class ReplicatedSync:
     the parameter is cast down (Micikevicius et al. 2018), with fp32 the parameter is its own
     master. ``bucket_mb`` / ``first_bucket_mb``: bucket capacities in MiB; they and the
     all-reduce algorithm are our DDP's (``GradientSync``). ``divisor``: the sums are divided
-    by it (default ``dp_size``; expert parameters: the whole dp size, also when their group
-    is one rank).
+    by it (default ``dp_size``; expert parameters: the whole dp x cp size, also when their
+    group is one rank).
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,
@@ -106,8 +107,8 @@ class ReplicatedSync:
 
 
 class SplitSync:
-    """Two syncs answering as one (see module docstring): ``dense`` over dp, ``experts``
-    over ep_dp. Pieces are the dense sync's, then the experts'."""
+    """Two syncs answering as one (see module docstring): ``dense`` over dp x cp,
+    ``experts`` over ep_dp x cp. Pieces are the dense sync's, then the experts'."""
 
     def __init__(self, dense, experts):
         self.parts = (dense, experts)

@@ -108,11 +108,11 @@ class ModelDescription:
     tp_divides: what tp must divide, ``{"model.n_head (attention heads)": 12, ...}``; the
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
-    n_experts: experts per mixture-of-experts layer (0: none); ep must divide it. The engine
-        refuses cp > 1 with experts (docs/moe.md).
-    context_parallel: the model reads token positions from ``models.sequence.positions`` and
-        attends through ``models.gpt.causal_attention``, so a rank may hold only some chunks
-        of each sequence (``parallel.cp > 1``); False (the default for your own model): the
+    n_experts: experts per mixture-of-experts layer (0: none); ep must divide it.
+    context_parallel: the model reads token positions from ``models.sequence.positions``,
+        attends through ``models.gpt.causal_attention`` and sums any per-sequence statistic
+        (an MoE's token counts per expert) with ``models.sequence.sequence_total``, so a
+        rank may hold only some chunks of each sequence (``parallel.cp > 1``); False (the default for your own model): the
         engine refuses cp > 1, since positions computed as ``arange(T)`` would be wrong.
     hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
         config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``

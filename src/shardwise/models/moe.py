@@ -26,9 +26,15 @@ sequence, as DeepSeek-V3's sequence-wise loss: for each sequence of T tokens, ``
 fraction of its T k assignments that chose expert i and ``P_i`` its mean normalised affinity
 (softmax probability, or sigmoid score over the token's sum of scores), and the loss is
 ``coef E sum_i f_i P_i`` averaged over the sequences (1 x coef when perfectly balanced).
-Because every sequence is whole on one rank, the loss of a batch is the mean of its
-sequences' whatever the layout cuts the batch into (micro-batches, dp replicas): so one
-process and every layout compute the same loss, as they do for the cross-entropy.
+The loss of a batch is the mean of its sequences' whatever the layout cuts the batch into
+(micro-batches, dp replicas): so one process and every layout compute the same loss, as
+they do for the cross-entropy. Under context parallelism a rank holds only some tokens of
+each sequence (``models.sequence``): the counts behind ``f_i`` are summed over the
+sequence's ranks (``sequence.sequence_total``: one all-reduce of (S, E) over cp) before
+the product, and ``P_i`` is the mean over the rank's own tokens. Since ``P_i`` enters
+linearly and every cp rank holds as many tokens, the mean over the cp ranks of their local
+losses is the loss of the whole sequences, exactly as each rank's cross-entropy is the mean
+over its own tokens; the engine averages both over cp (its gradient sync, its statistics).
 
 It reaches the gradient without travelling to the loss: the block's output passes through
 ``AuxLossScaler`` (identity forward; in backward the auxiliary loss receives the gradient
@@ -53,6 +59,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardwise.models import sequence
 
 GATINGS = ("softmax", "sigmoid")
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9 (CPU: 2.10); else padded bmm
@@ -151,12 +159,15 @@ def route(logits: torch.Tensor, top_k: int, gating: str = "softmax", norm_topk: 
 def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, n_seq: int) -> torch.Tensor:
     """``mean over sequences of E sum_i f_i P_i`` (module docstring; Switch eq. 4 with
     GShard's groups taken as sequences). ``scores`` (N, E), ``experts`` (N, k), the N tokens
-    ``n_seq`` whole sequences in order. 0-d fp32; the gradient flows through P only."""
+    ``n_seq`` sequences in order (whole, or this context-parallel rank's tokens of each:
+    then ``f`` counts the whole sequences', summed over their ranks, and ``P`` this rank's
+    tokens, so the mean over the cp ranks is the whole sequences' loss). 0-d fp32; the
+    gradient flows through P only."""
     n, e = scores.shape
-    k = experts.shape[1]
     t = n // n_seq
     counts = F.one_hot(experts, e).sum(dim=1).view(n_seq, t, e).sum(dim=1)  # (S, E)
-    f = counts.float() / (t * k)
+    counts = sequence.sequence_total(counts)             # whole sequences' (a sum over cp)
+    f = counts.float() / counts.sum(dim=-1, keepdim=True)  # each sequence's T k assignments
     p = scores.view(n_seq, t, e).mean(dim=1)                                 # (S, E)
     return (e * (f * p).sum(dim=-1)).mean()
 

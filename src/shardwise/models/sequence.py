@@ -6,7 +6,9 @@ every sequence (``parallel.context.sharding``: chunks ``i`` and ``2cp-1-i``), so
 not assume ``arange(T)``: it asks ``positions(T, device)`` for the true positions of the
 tokens it holds (the learned position table of the GPT, the rotary angles of the Llama), and
 its attention goes through ``models.gpt.causal_attention``, which hands the call to
-``current().attention`` (ring attention) when one is set.
+``current().attention`` (ring attention) when one is set. A layer that needs a statistic of
+whole sequences (the mixture of experts' load-balancing loss counts the tokens each expert
+took in a sequence) sums its own tokens' share with ``sequence_total``.
 
 The engine sets a ``SequenceShard`` around each forward of its pipeline chunks (``use``, a
 context manager on a ``contextvars.ContextVar``: per thread, nothing left behind after an
@@ -37,10 +39,14 @@ class SequenceShard:
     attention: ``(q, k, v, dropout_p, impl) -> out`` over (B, H, T_local, D) tensors, causal
         over the whole sequence (ring attention bound to its group), or None for the
         single-process kernel.
+    total: ``t -> t`` summing a tensor of per-sequence statistics over the ranks holding
+        the other tokens of the same sequences, in place (an all-reduce over the cp
+        group; no gradient), or None when this rank holds whole sequences.
     """
 
     positions: torch.Tensor
     attention: Callable[..., torch.Tensor] | None = None
+    total: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 _CURRENT: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar(
@@ -85,3 +91,15 @@ def positions(T: int, device: torch.device | str | None = None) -> torch.Tensor:
                          f"this context-parallel rank holds {shard.positions.numel()} tokens "
                          "of each sequence")
     return shard.positions.to(device)
+
+
+def sequence_total(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (S, ...): statistics of this rank's tokens of each of S sequences (counts, sums),
+    summed over every rank holding tokens of those sequences: ``t`` itself for whole
+    sequences, the shard's ``total`` (the same tensor, reduced over the cp ranks) under
+    context parallelism. No gradient flows through the sum; every rank holding the
+    sequences must call it at the same point of its forward (a collective)."""
+    shard = _CURRENT.get()
+    if shard is None or shard.total is None:
+        return t
+    return shard.total(t)

@@ -6,9 +6,11 @@
    (B, T / cp), chunks ``i`` and ``2cp-1-i`` of each sequence (``sharding``);
 2. hooks each of its chunks (``attach``): around every forward (recomputation included) the
    chunk runs inside ``models.sequence.use(shard)``, so the model reads the true positions of
-   its tokens and attends through ``ring_attention`` on this ring. Nothing of the model is
-   replaced: a model that reads positions and attends through ``models.sequence`` and
-   ``models.gpt.causal_attention`` (``ModelDescription.context_parallel``) is ready;
+   its tokens, attends through ``ring_attention`` on this ring and sums per-sequence
+   statistics over it (``sequence.sequence_total``: the MoE's token counts per expert).
+   Nothing of the model is replaced: a model that reads positions and attends through
+   ``models.sequence`` and ``models.gpt.causal_attention``
+   (``ModelDescription.context_parallel``) is ready;
 3. folds cp into the gradient sync's group (``topology.dp_cp``): the cp ranks hold the same
    parameters and each computed the gradient of its own tokens' loss (the mean over its
    T / cp tokens of each sequence), so averaging over dp x cp gives the gradient of the mean
@@ -63,7 +65,7 @@ class ContextParallel:
                 return ring_attention(q, k, v, ring, causal=True, dropout_p=dropout_p, impl=impl)
 
             self._shards[T] = sequence.SequenceShard(
-                local_positions(T, self.size, self.rank, self.device), attention)
+                local_positions(T, self.size, self.rank, self.device), attention, ring.total)
         return self._shards[T]
 
     @contextlib.contextmanager

@@ -6,7 +6,9 @@ each rank sends what it holds to the next rank and receives the previous rank's,
 ``shardwise.comm.exchange`` (every receive and send of the round posted together, so no rank
 waits for its neighbour to finish sending first; counted as "sendrecv" by comm's accounting).
 The exchange is posted asynchronously, on comm's FIFO thread, so the caller computes on the
-block it holds while the next one travels, and waits only when it needs it.
+block it holds while the next one travels, and waits only when it needs it. ``total`` is the
+ring's one other call: a per-sequence statistic summed over its ranks (the mixture of
+experts' token counts per expert, ``models.moe.load_balancing_loss``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ class Ring:
     def source(self, step: int) -> int:
         """Ring index of the rank whose block this rank holds after ``step`` shifts."""
         return (self.rank - step) % self.size
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ring's ranks, in place (one ``comm.all_reduce``, blocking;
+        no autograd). Returns ``t``. Every rank of the ring must call it."""
+        if self.size > 1:
+            comm.all_reduce(t, group=self.group, check=False)
+        return t
 
     def shift(self, tensors: Sequence[torch.Tensor]):
         """Send ``tensors`` to the next rank and receive as many, shaped alike, from the
