@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "repeats pooled (default 3: the scheduler places ranks per spawn)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank "
                    "(default: cores // ranks, at least 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="--calibrate on: cpu (gloo) or cuda (NCCL, one GPU per rank); the "
+                   "profile records the backend and the GPU model, and auto uses it for "
+                   "those only")
     p.add_argument("--check", action="store_true", help="keep the argument check on while timing")
     p.add_argument("--out", default="runs/bench_comm", help="directory for results JSON and PNG")
     p.add_argument("--profile", default=None, help="profile JSON to predict with (default: "
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         from shardwise.cli.calibrate import calibrate
         prof, raw = calibrate(args.world_size or [2, 4], args.name, args.repeats,
-                              threads=args.threads, spawns=args.spawns)
+                              threads=args.threads, spawns=args.spawns, device=args.device)
         prof.meta["loadavg_1min_before"] = load
         path = prof.save(args.profile or cost.REPO_PROFILE.parent / f"{args.name}.json")
         print(json.dumps(prof.to_json(), indent=2))
