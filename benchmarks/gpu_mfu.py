@@ -168,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per row")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled rows")
+    ap.add_argument("--last-only", action="store_true", help="only the last row (everything "
+                    "on) and the peer, skipping the one-switch-at-a-time rows")
     ap.add_argument("--batch", type=int, default=None, help="sequences per optimizer step")
     ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step")
     ap.add_argument("--tag", default=None, help="results file name (default: cuda / cpu)")
@@ -200,10 +202,10 @@ def main(argv=None) -> int:
           f"GFLOP/s ({peak.source})", flush=True)
     rows = []
     runs = [(label, precision, peak, lambda v=v: ours(model, *v, precision, batch, micro, device))
-            for label, *v in STEPS]
+            for label, *v in (STEPS[-1:] if a.last_only else STEPS)]
     runs.append(("peer: nanoGPT loop (compiled)", precision, peak,
                  lambda: peer(model, precision, batch, micro, device)))
-    if cuda:  # TF32's own effect: everything on, fp32 compute, against the fp32 / TF32 peak
+    if cuda and not a.last_only:  # TF32's own effect: everything on, fp32 compute, against the fp32 / TF32 peak
         for tf32 in (False, True):
             runs.append((f"fp32, all on, TF32 {'on' if tf32 else 'off'}", "fp32",
                          peak_flops(device, torch.float32, tf32),
