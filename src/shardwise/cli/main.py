@@ -90,6 +90,10 @@ def cmd_train(args, extra: list[str]) -> int:
                 f"WORLD_SIZE={env.world_size}")
         local = env.local_world_size if env is not None else cfg.world_size
         device, device_note = launch.pick_device(cfg.training.device, local)  # before any rank
+        if cfg.training.precision == "fp8":  # torchao installed, float8 matmuls on this device
+            from shardwise.parallel.float8 import check_fp8
+
+            check_fp8(device, list(range(local)) if device == "cuda" else None)
         plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
         if plan.resume_from and app.check_resumable is not None:
             app.check_resumable(plan.resume_from, cfg)
