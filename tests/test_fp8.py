@@ -28,6 +28,8 @@ def test_config_accepts_fp8_and_its_recipes():
     ({"training.precision": "fp8", "parallel.tp": 2},
      "training.precision=fp8 with parallel.tp=2: torchao's float8 tensor parallelism"),
     ({"training.precision": "fp4"}, "training.precision='fp4': expected fp32, bf16, fp16 or fp8"),
+    ({"training.precision": "fp8", "model.block_size": 20, "training.global_batch_size": 4},
+     "training.precision=fp8 with 40 tokens per micro-batch and rank"),
 ])
 def test_config_refuses_in_one_line(over, expected):
     with pytest.raises(ConfigError) as e:

@@ -456,6 +456,12 @@ class Config(_Section):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        tokens = t.global_batch_size // (p.dp * p.micro_batches) * (m.block_size // p.cp)
+        if t.precision == "fp8" and tokens % 16:
+            # the weight gradient's float8 matmul (torch._scaled_mm) runs over the tokens
+            raise ValueError(f"training.precision=fp8 with {tokens} tokens per micro-batch "
+                             "and rank (global_batch_size / (dp x micro_batches) x "
+                             "block_size / cp): float8 matmuls need a multiple of 16")
         return self
 
     def _experts_agree(self):
