@@ -118,10 +118,10 @@ def _markdown(rows: list[dict]) -> str:
             c = k["coords"]
             out.append(
                 f"| {r['label']} | {r['precision']}{' compiled' if r['compile'] else ''} | "
-                f"{c['dp']},{c['pp']},{c['tp']} | {k['predicted_mib']['total']:,.0f} | "
-                f"{k['held_mib']['total']:,.0f} | {k['peak_allocated_mib']:,.0f} | "
-                f"{k['peak_reserved_mib']:,.0f} | "
-                f"{k['peak_allocated_mib'] - k['predicted_mib']['total']:,.0f} | "
+                f"{c['dp']},{c['pp']},{c['tp']} | {k['predicted_mib']['total']:,.1f} | "
+                f"{k['held_mib']['total']:,.1f} | {k['peak_allocated_mib']:,.1f} | "
+                f"{k['peak_reserved_mib']:,.1f} | "
+                f"{k['peak_allocated_mib'] - k['predicted_mib']['total']:,.1f} | "
                 f"{k['ms_per_step']:.1f} | {k['tokens_per_s']:,.0f} | "
                 f"{r['device']}, {r['torch']} |")
     out += ["", "Commands:", ""] + [f"- {r['label']}: `{r['command']}`" for r in rows]
@@ -130,7 +130,7 @@ def _markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny.toml"))
     ap.add_argument("--steps", type=int, default=5, help="timed optimizer steps (after one)")
     ap.add_argument("--label", default=None, help="the row's name (default: the config's stem)")
