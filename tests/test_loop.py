@@ -66,3 +66,84 @@ def test_registry_picks_the_application():
     assert app_for(Config.load(overrides={"model.kind": "cnn"})).name == "cnn"
     assert app_for(Config.load(overrides={"parallel.mode": "ps"})).name == "ps"
     assert app_for(Config.load()).name == "lm"
+
+
+class FakeCuda:
+    """torch.cuda's peak-memory calls on a made-up device: the peaks grow by 1 MiB a read
+    (allocated) and 2 MiB (reserved) and count resets."""
+
+    def __init__(self, monkeypatch):
+        import torch
+
+        self.reads, self.resets = 0, 0
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", self._alloc)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", self._reserved)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+
+    def _alloc(self, device=None):
+        self.reads += 1
+        return (1536 + self.reads) * 2**20
+
+    def _reserved(self, device=None):
+        return (2048 + 2 * self.reads) * 2**20
+
+    def _reset(self, device=None):
+        self.resets += 1
+
+
+def test_cuda_rows_carry_peak_memory_per_rank(tmp_path, monkeypatch):
+    import torch
+
+    from shardwise.training.loop import _postfix
+
+    fake = FakeCuda(monkeypatch)
+    task = Counting(_cfg(tmp_path, eval_every=0))
+    task.device = torch.device("cuda", 0)
+    run_loop(task)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["peak_allocated_mib"] for r in train] == [[1537.0], [1538.0], [1539.0]]
+    assert [r["peak_reserved_mib"] for r in train] == [[2050.0], [2052.0], [2054.0]]
+    assert fake.resets == 1 + len(train)  # at the start, then a window per train row
+    assert all("peak_allocated_mib" not in r for r in rows if r["kind"] == "val")
+    assert _postfix(task, train[0])["mem"] == "1.5/2.0G"
+
+
+def test_cpu_rows_carry_no_memory(tmp_path):
+    task = Counting(_cfg(tmp_path))
+    run_loop(task)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows and not any("peak_allocated_mib" in r or "peak_reserved_mib" in r for r in rows)
+    from shardwise.training.loop import _postfix
+
+    assert "mem" not in _postfix(task, rows[0] | {"images_per_s": 1.0})
+
+
+def test_memory_postfix_names_the_busiest_rank():
+    from shardwise.training.memory import memory_postfix
+
+    row = {"peak_allocated_mib": [1024.0, 3072.0, 2048.0], "peak_reserved_mib": [4096.0, 3584.0, 2048.0]}
+    assert memory_postfix(row) == "3.0/4.0G@r1"  # max allocated (rank 1) / max reserved
+    assert memory_postfix({"loss": 1.0}) is None
+
+
+def test_tensorboard_scalars_take_the_busiest_rank():
+    from shardwise.training.loggers import _memory_mib
+
+    out = _memory_mib({"kind": "train", "peak_allocated_mib": [10.0, 30.0],
+                       "peak_reserved_mib": [40.0, 35.0]})
+    assert out["memory/peak_allocated_mib_max"] == 30.0
+    assert out["memory/peak_reserved_mib_max"] == 40.0 and out["memory/max_rss_mib"] > 0
+    assert set(_memory_mib({"kind": "train"})) == {"memory/max_rss_mib"}
+
+
+def test_every_ranks_memory_reaches_the_row():
+    """The gather behind the per-rank lists, on two CPU ranks (the same comm.all_reduce the
+    CUDA path runs on the device): every rank gets every rank's values, in rank order."""
+    from memory_workers import gather
+
+    from shardwise.launch import spawn
+
+    values = [[1.5, 10.0], [2.5, 20.0]]
+    r0, r1 = spawn(gather, 2, (values,))
+    assert r0 == r1 == [[1.5, 2.5], [10.0, 20.0]]

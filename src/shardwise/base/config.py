@@ -363,8 +363,14 @@ class TrainingConfig(_Section):
                            "tokens/s)")
     device: str = Field("auto", description="auto (CUDA + NCCL when every local rank gets a "
                         "GPU, else the CPU + gloo), cpu or cuda")
-    precision: str = Field("fp32", description="compute dtype: fp32, bf16 or fp16 (bf16/fp16 "
-                           "keep fp32 master weights, sharded with ZeRO, whole without)")
+    precision: str = Field("fp32", description="compute dtype: fp32, bf16, fp16 or fp8 "
+                           "(bf16/fp16/fp8 keep fp32 master weights, sharded with ZeRO, whole "
+                           "without; fp8: bf16 plus the Linear layers' matmuls in float8 "
+                           "through torchao, CUDA capability >= 8.9, not with parallel.tp > "
+                           "1; ZeRO-3 gathers its weights in bf16: docs/fp8.md)")
+    fp8_recipe: str = Field("tensorwise", description="fp8 scaling (torchao's recipes): "
+                            "tensorwise (one scale per tensor) or rowwise (one per row, "
+                            "more accurate, a little slower); only with precision = fp8")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
     initial_loss_scale: float = Field(65536.0, gt=0.0, description="first loss scale of "
                                       "dynamic loss scaling (fp16)")
@@ -457,8 +463,16 @@ class Config(_Section):
             raise ValueError("parallel.backend=nccl with training.device=cpu: NCCL moves CUDA "
                              "tensors only; use training.device = cuda, or parallel.backend = "
                              "gloo")
-        if t.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16 or fp16")
+        if t.precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16, fp16 "
+                             "or fp8")
+        if t.fp8_recipe not in ("tensorwise", "rowwise"):
+            raise ValueError(f"training.fp8_recipe={t.fp8_recipe!r}: expected tensorwise or "
+                             "rowwise")
+        if t.precision == "fp8" and p.tp > 1:
+            raise ValueError(f"training.precision=fp8 with parallel.tp={p.tp}: torchao's float8 "
+                             "tensor parallelism is built on DTensor, ours on our own layers; "
+                             "use parallel.tp = 1 or training.precision = bf16")
         if t.compile and (p.tp > 1 or p.zero == 3):
             raise ValueError(f"training.compile with parallel.tp={p.tp}, parallel.zero={p.zero}: "
                              "compiled blocks cannot hold the collectives of tensor parallelism "
@@ -476,6 +490,12 @@ class Config(_Section):
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} must be divisible by "
                 f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        tokens = t.global_batch_size // (p.dp * p.micro_batches) * (m.block_size // p.cp)
+        if t.precision == "fp8" and tokens % 16:
+            # the weight gradient's float8 matmul (torch._scaled_mm) runs over the tokens
+            raise ValueError(f"training.precision=fp8 with {tokens} tokens per micro-batch "
+                             "and rank (global_batch_size / (dp x micro_batches) x "
+                             "block_size / cp): float8 matmuls need a multiple of 16")
         return self
 
     def _experts_agree(self):

@@ -1,4 +1,5 @@
-"""One engine for every model and layout: dp x pp x cp x tp (x ep), ZeRO 0-3, fp32 / bf16 / fp16.
+"""One engine for every model and layout: dp x pp x cp x tp (x ep), ZeRO 0-3, fp32 / bf16 / fp16
+(/ fp8: bf16 with torchao's float8 Linear layers, ``parallel.float8``).
 
 ``Engine(model, topology, settings, device)`` composes, once, in this order, for any model
 described by a ``models.description.ModelDescription`` (``model`` is one, or a registered
@@ -87,6 +88,7 @@ class EngineSettings:
     compile: bool = False  # torch.compile each transformer block
     all_to_all: str = "native"  # expert parallelism's all-to-all (comm.ALL_TO_ALL_ALGORITHMS)
     init_from: str = ""  # a Hugging Face checkpoint directory the weights come from; "": seed
+    fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's scaling (parallel.float8)
 
     @classmethod
     def from_config(cls, cfg) -> "EngineSettings":
@@ -100,7 +102,8 @@ class EngineSettings:
                    weight_decay=o.weight_decay, grad_clip=o.grad_clip, seed=t.seed,
                    batch_size=t.global_batch_size, seq_len=cfg.model.block_size,
                    fused=o.fused, compile=t.compile, all_to_all=p.all_to_all,
-                   init_from=cfg.model.init_from.removeprefix("hf:"))
+                   init_from=cfg.model.init_from.removeprefix("hf:"),
+                   fp8_recipe=t.fp8_recipe)
 
 
 def settle(info: dict) -> dict:
@@ -178,6 +181,7 @@ class Engine:
         if self.cp is not None:
             for chunk in self.local.chunks.values():
                 self.cp.attach(chunk)
+        self.fp8_layers: list[str] = self._float8() if s.precision == "fp8" else []
         if s.recompute == "selective":
             self._checkpoint_selectively()
         if s.compile:
@@ -246,6 +250,23 @@ class Engine:
         for chunk in self.local.chunks.values():
             for layer in chunk.layers:
                 checkpoint_selectively(layer)
+
+    def _float8(self) -> list[str]:
+        """``precision = "fp8"``: this rank's eligible ``nn.Linear`` swapped for torchao's
+        ``Float8Linear`` (``parallel.float8``: same Parameters, bf16 around float8 matmuls),
+        after tp sharding and before the dp sync and compile. Returns the converted module
+        names. Raises ``ValueError`` (one line) without torchao, on a device without float8
+        matmuls, or with tp > 1 (the config refuses these before any rank starts)."""
+        from shardwise.parallel.float8 import check_fp8, convert_layers
+
+        if self.tp.size > 1:
+            raise ValueError(f"training.precision=fp8 with parallel.tp={self.tp.size}: not "
+                             "supported (parallel.float8); use parallel.tp = 1")
+        check_fp8(self.device.type, [self.device.index or 0]
+                  if self.device.type == "cuda" else None)
+        named = [(n, layer) for c in sorted(self.local.chunks)
+                 for n, layer in zip(self.local.chunks[c].names, self.local.chunks[c].layers)]
+        return convert_layers(named, self.description.style_of, self.s.fp8_recipe)
 
     def _compile_blocks(self) -> None:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each

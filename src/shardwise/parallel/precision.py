@@ -16,7 +16,10 @@ import torch.distributed as dist
 
 from shardwise import comm
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the compute dtype of each training.precision: fp8 computes in bf16 around its float8
+# matmuls (``parallel.float8``), so parameters, gradients and activations are bf16's
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.bfloat16}
 
 
 class DynamicLossScaler:

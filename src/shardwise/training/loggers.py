@@ -3,9 +3,11 @@ Biases when asked (``training.tensorboard``, ``training.wandb``), on rank 0 only
 
 Every number of a row becomes a scalar named ``train/<key>`` or ``val/<key>`` at the row's
 step (loss, lr, grad_norm, tokens_per_s, step_s, flops_per_s, mfu, loss_scale, val_loss;
-lists and None are skipped), and each train row adds this process's memory high-water
-marks: ``memory/max_rss_mib`` (``getrusage``: the peak resident set of rank 0's process)
-and, on CUDA, ``memory/cuda_max_allocated_mib`` (``torch.cuda.max_memory_allocated``).
+lists and None are skipped), and each train row adds memory high-water marks:
+``memory/max_rss_mib`` (``getrusage``: the peak resident set of rank 0's process, since it
+started) and, on CUDA, ``memory/peak_allocated_mib_max`` and ``memory/peak_reserved_mib_max``
+(the largest over the ranks of the row's per-rank lists: the window's peaks,
+``training.memory``).
 TensorBoard's event files are written by ``torch.utils.tensorboard.SummaryWriter`` under
 ``out_dir/tensorboard`` (``tensorboard --logdir OUT_DIR/tensorboard``); W&B's run lives in
 ``out_dir/wandb`` (``wandb sync`` uploads an offline one).
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from shardwise.base.config import Config, ConfigError
+from shardwise.training.memory import KEYS as MEMORY_KEYS
 from shardwise.training.metrics import MetricsLog
 
 
@@ -38,11 +41,12 @@ def check_loggers(cfg: Config) -> None:
                           "(pip install wandb)")
 
 
-def _memory_mib(device: torch.device) -> dict[str, float]:
+def _memory_mib(row: dict[str, Any]) -> dict[str, float]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     out = {"memory/max_rss_mib": rss / (2**20 if sys.platform == "darwin" else 2**10)}
-    if device.type == "cuda":
-        out["memory/cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    for key in MEMORY_KEYS:  # CUDA: per-rank lists (training.memory); the busiest rank's
+        if row.get(key):
+            out[f"memory/{key}_max"] = float(max(row[key]))
     return out
 
 
@@ -80,7 +84,7 @@ class RunLog:
             return
         scalars = _scalars(row)
         if row.get("kind") == "train":
-            scalars.update(_memory_mib(self.device))
+            scalars.update(_memory_mib(row))
         step = int(row.get("step", 0))
         if self.tensorboard is not None:
             for key, value in scalars.items():

@@ -8,7 +8,9 @@ checkpoint, behind the small protocol of ``TrainTask``.
     every step          task.train_step(sync=False)   losses may stay device tensors
     log / eval / save   task.settle(info)             the loop's only host synchronisations
     log (log_every)     {"kind": "train", "step", **info, <unit>_per_s, step_s, flops_per_s, mfu}
-                        to metrics.jsonl, and TensorBoard / W&B when asked (``training.loggers``)
+                        (+ on CUDA peak_allocated_mib, peak_reserved_mib: one value per rank,
+                        the window's peaks, ``training.memory``) to metrics.jsonl, and
+                        TensorBoard / W&B when asked (``training.loggers``)
     eval (eval_every)   {"kind": "val", "step", **task.evaluate()}
     save (every)        task.save_checkpoint()
     end                 task.end_of_training(); a last evaluation; checkpoint.at_end
@@ -30,6 +32,7 @@ from shardwise.base.errors import NonFiniteLossError
 from shardwise.engine import settle
 from shardwise.perf import Peak, Throughput, peak_flops
 from shardwise.training.loggers import RunLog
+from shardwise.training.memory import memory_postfix, peak_memory, reset_peaks
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,10 @@ class TrainTask:
     ``step`` (optimizer steps done), ``samples_per_step`` (the ``sample_unit`` — "tokens",
     "images" — one optimizer step consumes, counted as the throughput's work),
     ``flops_per_sample`` (training FLOPs of one sample, or None: no MFU), ``world_size``
-    (ranks sharing those FLOPs), ``dtype`` (the compute dtype, for the device's peak) and
-    ``cadence``; and implements ``train_step``, ``evaluate``, ``save_checkpoint``. Each step's
+    (ranks sharing those FLOPs), ``dtype`` (the compute dtype, for the device's peak),
+    ``cadence`` and ``memory_group`` (the ranks whose CUDA memory peaks a train row gathers:
+    None, the world, when every rank runs the loop; "local", the default: this rank's own);
+    and implements ``train_step``, ``evaluate``, ``save_checkpoint``. Each step's
     loss goes to ``record_loss``; ``settle`` reads them into ``history`` (floats, one per step).
     """
 
@@ -71,6 +76,7 @@ class TrainTask:
     sample_unit: str = "samples"
     flops_per_sample: float | None = None
     world_size: int = 1
+    memory_group = "local"
     cadence: Cadence
 
     # -- the protocol ---------------------------------------------------------------------
@@ -163,6 +169,7 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     metrics = RunLog(task.cfg, enabled=task.is_main, device=task.device)  # jsonl, TB, W&B
     bar = progress_bar(t.steps, task.step) if show else None
     rate = task.throughput()
+    reset_peaks(task.device)  # the rows' memory peaks count training steps, per window
     started = time.perf_counter()
     try:
         while task.step < t.steps:
@@ -176,7 +183,8 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
                 info = task.settle(info)
                 rate.pause()  # evaluation and checkpoints are not training time
             if log:
-                row = {"kind": "train", "step": s, **info, **_rates(task, rate)}
+                row = {"kind": "train", "step": s, **info, **_rates(task, rate),
+                       **peak_memory(task.device, task.memory_group)}  # CUDA; CPU: {}
                 metrics.write(row)
                 if bar is not None:
                     bar.set_postfix(_postfix(task, row), refresh=False)  # redrawn at mininterval
@@ -208,6 +216,9 @@ def _postfix(task: TrainTask, row: dict) -> dict:
     out = {"loss": f"{row['loss']:.3f}", f"{unit}_s": f"{row[f'{task.sample_unit}_per_s']:.0f}"}
     if task.flops_per_sample:
         out["mfu"] = f"{100 * row['mfu']:.0f}%" if row["mfu"] is not None else "n/a"
+    mem = memory_postfix(row)  # CUDA: the busiest rank's peak allocated / reserved, GiB
+    if mem is not None:
+        out["mem"] = mem
     return out
 
 

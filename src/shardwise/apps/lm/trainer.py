@@ -70,6 +70,7 @@ class Trainer(TrainerState, TrainTask):
         self.samples_per_step = t.global_batch_size * cfg.model.block_size
         self.flops_per_sample = self.engine.local.flops_per_token
         self.world_size = topology.world_size
+        self.memory_group = None if self.distributed else "local"  # every rank runs the loop
         self.dtype = self.engine.dtype
 
     # -- one step -------------------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""Rank function for fp8 under ZeRO (run inside ``shardwise.launch.spawn``; needs torchao).
+The CPU has no float8 tensor cores: the device check is lifted here, and torch runs the
+float8 matmuls emulated, which is enough to test how the layers compose with the syncs."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def train(zero: int, precision: str, steps: int = 4) -> dict:
+    """``steps`` engine steps of a small Llama at dp = 2 with ``parallel.zero = zero``; the
+    losses and how many layers were converted to float8."""
+    import shardwise.parallel.float8 as float8
+    from shardwise.base.topology import Topology, init_process_groups
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models import LlamaConfig
+
+    float8.check_fp8 = lambda *a, **k: None  # the CPU: emulated float8 matmuls
+    topo = init_process_groups(Topology.build(2, 1, 1, rank=dist.get_rank(), world_size=2))
+    cfg = LlamaConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=64)
+    engine = Engine(cfg, topo, EngineSettings(precision=precision, zero=zero, batch_size=8,
+                                              seq_len=32, lr=1e-2))
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 128, (8, 33), generator=g)
+        mine = x.chunk(2)[topo.dp_rank]  # this replica's half of the global batch
+        losses.append(engine.train_step(mine[:, :-1], mine[:, 1:])["loss"])
+    return {"losses": losses, "fp8_layers": len(engine.fp8_layers)}
