@@ -20,7 +20,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Per-tensor relative error. fp32 sums in another order differ by ~1e-7 per element,
     and Adam turns that into relative noise on entries near zero, so an elementwise
     relative bound would be meaningless there; the tensor-level one is not."""
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()  # either may be on CUDA
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def assert_parity(result: dict, ref: dict) -> None:

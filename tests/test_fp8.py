@@ -156,6 +156,7 @@ def _fp8_gpu() -> bool:
             and torch.cuda.get_device_capability(0) >= (8, 9))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU of capability >= 8.9 and torchao")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_on_cuda_trains_near_bf16_and_rows_carry_memory(recipe, corpus, tmp_path):
