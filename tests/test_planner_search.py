@@ -202,3 +202,48 @@ def test_progress_bar_only_when_slow(capsys, monkeypatch):
     monkeypatch.setattr(search, "simulate", slow)
     plan(spec, cluster, 8, 64, micro_batches=[8], top=5, progress=True)
     assert "plan: simulating" in capsys.readouterr().err
+
+
+def test_json_and_columns_carry_the_new_axes(capsys):
+    """A mixture of experts on H100s: ep in the names, the layouts and the split (JSON), an
+    ep column in the table, aligned; a long sequence: cp likewise."""
+    import json
+    import re
+
+    doc = json.loads(_cli(capsys, "--model", "mixtral-8x7b", "--seq", "4096", "--cluster",
+                          "dgx-h100", "--gpus", "64", "--global-batch", "256", "--top", "5",
+                          "--json").out)
+    assert doc["model"]["n_experts"] == 8 and doc["model"]["top_k"] == 2
+    rows = doc["layouts"]
+    assert any(r["layout"]["ep"] > 1 for r in rows)
+    for r in rows:
+        lay = r["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 64 and lay["dp"] % lay["ep"] == 0
+        assert (f"ep{lay['ep']}" in r["label"]) == (lay["ep"] > 1)
+        assert (r["split_s"]["ep"] > 0) == (lay["ep"] > 1)
+        assert sum(r["split_s"].values()) == pytest.approx(r["step_s"], rel=1e-9)
+    out = _cli(capsys, "--model", "llama3-8b", "--seq", "65536", "--cluster", "dgx-h100",
+               "--gpus", "32", "--global-batch", "32", "--top", "8", "--fp8").out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.lstrip().startswith("#"))
+    rows = out[head:head + 9]
+    assert " cp " in rows[0] and " ep " not in rows[0] and "(fp8:" in out[head - 1]
+    assert any(re.search(r" cp[0-9]+ ", r) for r in rows[1:])
+    for word in ("total", "step ms", "comp", "cp", "opt"):
+        end = rows[0].index(f" {word}") + 1 + len(word)
+        for r in rows[1:]:
+            assert r[end - 1] != " " and (end == len(r) or r[end] == " "), (word, r)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "llama3-8b", "--cluster", "dgx-a100-80gb", "--fp8"], "has no FP8 tensor cores"),
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--ep", "2"], "has no experts"),
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--cp", "2,x"], "--cp 'x'"),
+    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+      "--fp8", "--emit-toml", "/nonexistent/never.toml"], "shardwise train does not run"),
+])
+def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
+    from shardwise.cli.main import main
+
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
