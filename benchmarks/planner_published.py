@@ -8,9 +8,14 @@
    F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) (their eq. 3, recomputation included).
    Predicted: the same F divided by the simulator's step time and the GPU count, for the
    published tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, the
-   planner choosing only what the paper does not list: micro-batch size (1, 2, 4, 8),
-   schedule (1F1B, interleaved v = 2, 4) and stage cut (by layer count, or by parameters:
-   Megatron's even blocks per stage). Three compute models: ``fixed`` (``FIXED_PRESETS``:
+   planner choosing only what the paper does not list: micro-batch size (1, 2, 4, 8) and
+   schedule (1F1B, interleaved v = 2, 4), among the layouts Megatron-LM could run then:
+   its arguments.py (2021) interleaves only with pp > 2 and whole, equal chunks of blocks
+   (the blocks per stage divisible by v), and cuts L / (pp v) blocks per chunk, the
+   embedding on the first, the head on the last (the stage cut, by layer count or by
+   parameters, that gives exactly that cut; ``megatron_cut``). Its pipeline transfers
+   block the compute stream (``simulate.blocking_p2p``, with Megatron's kernels) and use
+   its scatter/gather (sec. 4.1). Three compute models: ``fixed`` (``FIXED_PRESETS``:
    every matmul at 0.5 of the datasheet peak); ``per-op`` (``hardware.per_op``: each GEMM
    at the efficiency Calculon's A100 table gives its size, each memory-bound kernel of
    Megatron-LM -- softmax and dropout on the s x s scores, fused bias + GELU, fused bias +
@@ -43,7 +48,6 @@ InfiniBand bandwidths), Calculon's documented efficiency tables and the one cali
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from pathlib import Path
@@ -79,22 +83,41 @@ def paper_flops(spec, batch: int) -> float:
     return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
+def megatron_cut(spec, pp: int, v: int) -> str | None:
+    """The planner's stage cut ("layers" or "params") that equals Megatron-LM's for pp
+    stages of v chunks: L / (pp v) blocks per chunk, the embedding with the first, the head
+    with the last; None when the blocks do not divide or neither cut is Megatron's."""
+    from shardwise.planner.memory import cut
+
+    L, n = spec.n_layer, pp * v
+    if pp == 1:
+        return "layers"
+    if L % n:
+        return None
+    k = L // n
+    bounds = tuple([0] + [c * k + 1 for c in range(1, n)] + [L + 2])
+    return next((by for by in ("layers", "params") if cut(spec, n, by).bounds == bounds), None)
+
+
 def published_layout(spec, cluster, tp, pp, gpus, batch):
     """The paper's tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, fp16,
-    the best (predicted) of what it does not list: micro-batch size 1, 2, 4, 8, schedule
-    (1F1B, interleaved v = 2, 4) and stage cut (layer count, parameters)."""
+    the best (predicted) of what it does not list: micro-batch size 1, 2, 4, 8 and schedule
+    (1F1B, interleaved v = 2, 4) where Megatron-LM 2021 could run it (interleaving only with
+    pp > 2, Megatron's cut: ``megatron_cut``)."""
     from shardwise.planner.search import memory_of, prune_reason
     from shardwise.planner.simulate import Layout, simulate
 
     dp = gpus // (tp * pp)
     per = batch // dp
     best = None
-    scheds = [("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if pp > 1 else [])
+    scheds = [("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if pp > 2 else [])
+    scheds = [(kind, v, megatron_cut(spec, pp, v)) for kind, v in scheds]
     for mb in (1, 2, 4, 8):
         if per % mb:
             continue
-        for (kind, v), by in itertools.product(scheds, ("layers", "params") if pp > 1
-                                               else ("layers",)):
+        for kind, v, by in scheds:
+            if by is None:
+                continue
             lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False, by)
             if prune_reason(spec, lay, cluster, False):
                 continue

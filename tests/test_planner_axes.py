@@ -297,3 +297,24 @@ def test_selective_recomputation_drops_exactly_the_score_term():
         5 * a * s * s * b
     sel = replace(MEGATRON, scores=0.0)  # what activation_bytes(selective=True) uses
     assert block_activation_bytes(sel, b, s, h, a, 1, False) == 34 * s * b * h
+
+
+def test_megatron_2021_pipeline_sends_block_the_compute_stream():
+    """With Megatron-LM 2021's kernels a pipeline send is the sender's time (its
+    scatter/gather: 1 / t of the activation across, an all-gather inside the node), counted
+    in ``pp``; shardwise's sends travel beside compute."""
+    from shardwise.planner.simulate import blocking_p2p, megatron_send_seconds
+
+    spec = NAMED["megatron-39b"]
+    meg = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021")
+    lay = Layout(8, 8, 4, 1, 16)
+    assert blocking_p2p(meg, lay) and not blocking_p2p(A100, lay)
+    assert not blocking_p2p(meg, replace(lay, pp=1))
+    send = megatron_send_seconds(spec, lay, meg, 2)
+    whole = meg.link(lay.tp * lay.pp).p2p(1 * 2048 * 8192 * 2)
+    assert 0 < send < whole  # scatter/gather: an eighth across the nodes
+    t = simulate(spec, lay, meg, "bf16")
+    # every micro-batch sends forward from 3 of 4 stages and back from 3: the busiest rank
+    # (stage 1 or 2) blocks 2 m sends at least
+    assert t["pp"] >= 2 * lay.micro_batches * send * (1 - 1e-9)
+    assert sum(t[k] for k in t if k != "step") == pytest.approx(t["step"], rel=1e-9)

@@ -48,6 +48,7 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.simulate import (
     Layout,
+    blocking_p2p,
     chunk_costs,
     dp_seconds,
     optimizer_seconds,
@@ -199,7 +200,7 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
         return "sequence parallelism with experts (the engine refuses it: routing reads whole sequences)"
     if lay.zero == 3 and lay.ep > 1:
         return f"ZeRO-3 with ep={lay.ep} (the engine refuses it: its gathers span dp)"
-    if lay.zero and lay.dp == 1:
+    if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:
         return "selective and full recomputation together (full recomputes everything)"
@@ -290,7 +291,8 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
         return m * sum(c[0] + c[1] for c in costs) + ex[0]
     spec, e = b.spec, BYTES[b.precision]
     msg = p2p_bytes(spec, lay, e)
-    hop = b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s
+    hop = 0.0 if blocking_p2p(b.cluster, lay) else (
+        b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
     work = [0.0] * p
     for c, cc in enumerate(costs):
         work[c % p] += cc[0] + cc[1]
@@ -389,12 +391,15 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 # layouts left are priced from these same memoised pieces
                 base = Layout(dp, tp, pp, mbs[0] if mbs else 0, per // mbs[0] if mbs else 0,
                               kind, v, partition=cut_by, cp=c)
+                # (not for a ZeRO stage the engine refuses here whatever the rest: _expand
+                # prunes those by their reason)
                 statics = {(z, e, s): static_bytes(spec, dp, tp, pp, v, z, precision, s,
                                                    partition=cut_by, cp=c, ep=e)
-                           for z in zero for e in eps for s in sps}
-                least = min(x["total"] for x in statics.values())
+                           for z in zero for e in eps for s in sps
+                           if not (z == 3 and (pp > 1 or e > 1) or z and dp * c == 1)}
+                least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
-                if least > limit:
+                if statics and least > limit:
                     if mbs:
                         pruned.append(Pruned(base, _needs(least, limit, True), least,
                                              count=n_mb * len(mbs)))
@@ -406,7 +411,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                                                   selective=sel, sp=s),
                                                     precision, cluster.kernels, static=False)
                             for rc, sel in modes for s in sps}
-                    if least + min(acts.values()) > limit:
+                    if statics and least + min(acts.values()) > limit:
                         need = least + min(acts.values())
                         pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
                         continue

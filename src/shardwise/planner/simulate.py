@@ -311,6 +311,7 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                                                             cluster.kernels, e, lay.cp))
         else:
             attn_s = core_f / rate
+    send = megatron_send_seconds(spec, lay, cluster, e)
     ring_f, ring_b = ring_seconds(spec, lay, cluster, e)
     cp_f, cp_b = max(0.0, ring_f - attn_s), max(0.0, ring_b - 2 * attn_s)  # overlapped
     a2a = all_to_all_seconds(spec, lay, cluster, e)
@@ -336,8 +337,12 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
             cpb, epb = cpb + cpf, epb + epf
         elif lay.selective:  # the attention core's forward again, no collective in it
             comp_b += nb * attn_s
+        # a blocking send (Megatron-LM 2021): the activation on, unless the head is here;
+        # the gradient back, unless the embedding is
+        ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
+        tpf, tpb = tpf + ppf, tpb + ppb
         out.append((comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f, tpb + wait_b,
-                    wait_f, wait_b, cpf + cpb, epf + epb))
+                    wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
         seen[(nb, head, emb)] = out[-1]
     return out
 
@@ -707,13 +712,32 @@ def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
             / (lay.tp if lay.sp else 1))
 
 
-def _rank_comm(costs, r: int, lay: Layout) -> tuple[float, float]:
-    """(cp, ep) seconds rank ``r`` spends in the walk: m passes of each of its chunks."""
-    if lay.cp == 1 and lay.ep == 1:
-        return 0.0, 0.0
+def _rank_comm(costs, r: int, lay: Layout) -> tuple[float, float, float]:
+    """(cp, ep, blocking pp) seconds rank ``r`` spends in the walk: m passes of each of its
+    chunks."""
     mine = [c for i, c in enumerate(costs) if i % lay.pp == r]
-    return (lay.micro_batches * sum(c[6] for c in mine),
-            lay.micro_batches * sum(c[7] for c in mine))
+    if not any(c[6] or c[7] or c[8] for c in mine):
+        return 0.0, 0.0, 0.0
+    return tuple(lay.micro_batches * sum(c[i] for c in mine) for i in (6, 7, 8))
+
+
+def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:
+    """Whether pipeline transfers block the compute stream: Megatron-LM as Narayanan et al.
+    2021 ran it (``kernels="megatron-2021"``: its ``p2p_communication`` posts a batched
+    isend/irecv and waits on it before the next micro-batch, 1F1B's send_forward_recv_
+    backward included), so a send's time is the sender's and nothing travels on its own."""
+    return lay.pp > 1 and cluster.kernels == "megatron-2021"
+
+
+def megatron_send_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
+    """Seconds a blocking send takes (``blocking_p2p``; else 0): Megatron's scatter/gather
+    (Narayanan et al. 2021, sec. 4.1): each of the t ranks sends 1 / t of the activation
+    over the link between the stages, the receiving ranks all-gather it over NVLink."""
+    if not blocking_p2p(cluster, lay):
+        return 0.0
+    msg = lay.micro_batch_size * (spec.block_size // lay.cp) * spec.n_embd * e
+    return (cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg / lay.tp)
+            + cluster.link(lay.tp).all_gather(lay.tp, msg))
 
 
 def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | None = None,
@@ -726,7 +750,7 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
     e = BYTES[precision]
     msg = p2p_bytes(spec, lay, e)
     p2p = (cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + cluster.sync_penalty_s
-           ) if lay.pp > 1 else 0.0
+           ) if lay.pp > 1 and not blocking_p2p(cluster, lay) else 0.0
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
@@ -746,9 +770,9 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
         tied = tied_seconds(spec, lay, cluster, precision, r)
         totals.append(end[r] + dp_inside + dp_after + tied + opt)
-        cp_r, ep_r = _rank_comm(costs, r, lay)
-        parts.append({"compute": busy[r], "tp": tp_time[r] - cp_r - ep_r, "cp": cp_r,
-                      "ep": ep_r, "pp": max(0.0, end[r] - ideal_end[r]),
+        cp_r, ep_r, pp_r = _rank_comm(costs, r, lay)
+        parts.append({"compute": busy[r], "tp": tp_time[r] - cp_r - ep_r - pp_r, "cp": cp_r,
+                      "ep": ep_r, "pp": max(0.0, end[r] - ideal_end[r]) + pp_r,
                       "dp": dp_after + dp_inside + tied, "optimizer": opt})
     # the split of the bottleneck stage (most compute); its idle time is the bubble
     star = max(range(lay.pp), key=lambda r: busy[r] + tp_time[r])
