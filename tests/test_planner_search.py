@@ -247,3 +247,21 @@ def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bounded_search_with_blocking_sends_and_context_parallelism():
+    """Megatron's kernels (sends charged to the sender, none in flight) and a long sequence
+    (cp in the space): the bound still holds and the bounded search finds the same best."""
+    from shardwise.planner.hardware import GEMM_SCALE, per_op
+
+    cluster = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021", GEMM_SCALE)
+    spec = NAMED["gpt3-13b"].with_seq(8192)
+    space = {"micro_batches": [1, 2], "zero": (0, 1)}
+    every, _ = plan(spec, cluster, 32, 64, exhaustive=True, **space)
+    fast, _ = plan(spec, cluster, 32, 64, top=3, **space)
+    assert any(c.layout.cp > 1 for c in every) and any(c.layout.pp > 1 for c in every)
+    key = lambda c: (c.layout, c.time["step"])
+    assert [key(c) for c in fast[:3]] == [key(c) for c in every[:3]]
+    b = Bounds(spec, cluster, "bf16")
+    for c in every:
+        assert lower_bound(b, c.layout) <= c.time["step"] * (1 + 1e-9), c.layout

@@ -246,14 +246,17 @@ class Bounds:
     def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str):
         self.spec, self.cluster, self.precision = spec, cluster, precision
         self._costs: dict = {}
+        self._blocks: dict = {}  # chunk_costs' per-block prices
         self._extras: dict = {}
+        self._ranks: dict = {}  # a rank's extras by what they read of its layers
 
     def costs(self, lay: Layout):
         key = (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
                lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8)
         c = self._costs.get(key)
         if c is None:
-            c = self._costs[key] = chunk_costs(self.spec, lay, self.cluster, self.precision)
+            c = self._costs[key] = chunk_costs(self.spec, lay, self.cluster, self.precision,
+                                               memo=self._blocks)
         return c
 
     def extras(self, lay: Layout) -> list[float]:
@@ -268,11 +271,20 @@ class Bounds:
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
             x = []
+            L = spec.n_layer
             for r, layers in enumerate(stage_layers(spec, lay.pp, lay.chunks_per_rank,
                                                     lay.partition)):
-                after, inside = dp_seconds(spec, lay, cl, prec, layers)
-                x.append(after + inside + tied_seconds(spec, lay, cl, prec, r)
-                         + optimizer_seconds(spec, lay, cl, layers))
+                # a named size's dp and optimizer seconds read only how many blocks a rank
+                # holds and whether the embedding and head are among them (rank_params)
+                sig = ((len(layers), 0 in layers, L + 1 in layers)
+                       if spec.description is None and lay.zero != 3 else tuple(layers))
+                rk = (key, sig)
+                own = self._ranks.get(rk)
+                if own is None:
+                    after, inside = dp_seconds(spec, lay, cl, prec, layers)
+                    own = self._ranks[rk] = (after + inside, optimizer_seconds(spec, lay, cl,
+                                                                               layers))
+                x.append(own[0] + tied_seconds(spec, lay, cl, prec, r) + own[1])
             self._extras[key] = x
         return x
 

@@ -266,14 +266,12 @@ def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int,
             + cluster.ops.memory(3 * T * V * 4))
 
 
-def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-                dedicated: bool = False):
-    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
-    s in forward, waiting s in backward, cp s, ep s). Waiting: the sync penalty of ranks
-    sharing cores (``contention``), spent off the core. ``dedicated``: compute as if the
-    rank had a core to itself (the shared walk slows it down). cp and ep: the exposed ring
-    and all-to-all seconds of the chunk, forward + backward, counted in the tp columns
-    too (communication inside compute; ``simulate`` splits them out)."""
+def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                dedicated: bool = False) -> tuple:
+    """The per-block prices ``chunk_costs`` composes chunks of: (tp seconds of a block,
+    its synchronisations, the embedding's and the loss's tp seconds, a block's and the
+    head's forward compute, the attention core's, a blocking send, the ring's exposed
+    forward and backward, a block's all-to-alls, the sync penalty)."""
     world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
     e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd
@@ -292,8 +290,6 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
     loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
-    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
-    out = []
     core_f = attention_gemm_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     if cluster.ops is not None:  # per operation (hardware.OpModel)
         blk_s = op_seconds(cluster, block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp,
@@ -315,6 +311,31 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     ring_f, ring_b = ring_seconds(spec, lay, cluster, e)
     cp_f, cp_b = max(0.0, ring_f - attn_s), max(0.0, ring_b - 2 * attn_s)  # overlapped
     a2a = all_to_all_seconds(spec, lay, cluster, e)
+    return (tp_blk, n_sync, emb_tp, loss_tp, blk_s, head_s, attn_s, send, cp_f, cp_b, a2a,
+            pen)
+
+
+def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                dedicated: bool = False, memo: dict | None = None):
+    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
+    s in forward, waiting s in backward, cp s, ep s, blocking pp s). Waiting: the sync
+    penalty of ranks sharing cores (``contention``), spent off the core. ``dedicated``:
+    compute as if the rank had a core to itself (the shared walk slows it down). cp, ep and
+    pp: the exposed ring, all-to-all and blocking-send seconds of the chunk, forward +
+    backward, counted in the tp columns too (communication inside compute; ``simulate``
+    splits them out). ``memo``: a dict kept by the caller for one search, holding the
+    per-block prices (``block_costs``) of layouts that differ only in their chunks."""
+    key = (lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size, lay.sp,
+           lay.cp, lay.ep, lay.fp8, lay.selective, dedicated)
+    blk = None if memo is None else memo.get(key)
+    if blk is None:
+        blk = block_costs(spec, lay, cluster, precision, dedicated)
+        if memo is not None:
+            memo[key] = blk
+    (tp_blk, n_sync, emb_tp, loss_tp, blk_s, head_s, attn_s, send, cp_f, cp_b, a2a,
+     pen) = blk
+    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+    out = []
     seen: dict = {}
     for c, (nb, head) in enumerate(chunks):
         emb = c == 0  # the first chunk holds the embedding
