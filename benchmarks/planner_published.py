@@ -23,9 +23,10 @@
    Isaev et al. SC 2023), as documented; and ``calibrated``: the same with the GEMM
    efficiencies times ``hardware.GEMM_SCALE``, the one constant solved (here, again) so
    that run 3's first row comes out exactly. Nothing else is fitted.
-   Then the planner's own choice over the whole space (tp inside a node, ZeRO 0-1,
-   recompute and sequence parallelism on or off, micro-batches 1, 2, 4) under the
-   calibrated model with Megatron's kernels, and whether it is the published layout.
+   Then the planner's own choice over the whole space (tp inside a node, context
+   parallelism, ZeRO 0-1, recompute and sequence parallelism on or off, micro-batches 1, 2,
+   4) under the calibrated model with Megatron's kernels, and whether it is the published
+   layout.
 3. Iteration times of Megatron-LM on A100s, Korthikanti et al. 2022, "Reducing Activation
    Recomputation in Large Transformer Models", arXiv:2205.05198, Table 5 (the layouts as
    Calculon's repository states them, validation/seqsel/tab5/): 22B (tp 8, 8 GPUs, batch

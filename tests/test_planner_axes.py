@@ -318,3 +318,22 @@ def test_megatron_2021_pipeline_sends_block_the_compute_stream():
     # (stage 1 or 2) blocks 2 m sends at least
     assert t["pp"] >= 2 * lay.micro_batches * send * (1 - 1e-9)
     assert sum(t[k] for k in t if k != "step") == pytest.approx(t["step"], rel=1e-9)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
+def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_path, tp, ep):
+    """A TOML Llama with 4 experts: the rank's elements, experts among them, equal what the
+    engine builds (``predict_rank`` on meta) for every tp x ep."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.planner.memory import rank_expert_params, rank_params
+    from shardwise.planner.specs import load_model
+
+    path = tmp_path / "moe.toml"
+    path.write_text('[model]\nkind = "llama"\nn_layer = 2\nn_head = 4\nn_embd = 64\n'
+                    'block_size = 64\nvocab_size = 128\nn_experts = 4\ntop_k = 2\n')
+    spec = load_model(str(path))
+    assert spec.moe and spec.n_experts == 4 and spec.top_k == 2
+    layers = list(range(spec.n_layer + 2))
+    want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32")["params"]
+    assert 4 * rank_params(spec, layers, tp, 1, ep) == want
+    assert rank_expert_params(spec, layers, tp, ep) == spec.n_layer * spec.expert_params // (tp * ep)

@@ -307,6 +307,7 @@ class ActivationModel:
 MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, per_layer=True)
 
 
+@lru_cache(maxsize=256)
 def shardwise_model(precision: str, spec: ModelSpec | None = None) -> ActivationModel:
     """The GPT's measured model (module docstring). For a Llama spec (not measured yet: a
     count of what autograd saves) S = e (4 + 4 f / h): Q, K and V repeated to all heads,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 import sys
 from dataclasses import dataclass, field, replace
+from operator import add
 
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import (
@@ -249,10 +250,16 @@ class Bounds:
         self._blocks: dict = {}  # chunk_costs' per-block prices
         self._extras: dict = {}
         self._ranks: dict = {}  # a rank's extras by what they read of its layers
+        self._ends: dict = {}  # lower_bound's per-rank ends, by chunk costs and m
+
+    @staticmethod
+    def costs_key(lay: Layout) -> tuple:
+        """What ``chunk_costs`` reads of a layout (not ZeRO, dp or the micro-batch count)."""
+        return (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
+                lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8)
 
     def costs(self, lay: Layout):
-        key = (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
-               lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8)
+        key = self.costs_key(lay)
         c = self._costs.get(key)
         if c is None:
             c = self._costs[key] = chunk_costs(self.spec, lay, self.cluster, self.precision,
@@ -301,20 +308,26 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     ex = b.extras(lay)
     if p == 1:
         return m * sum(c[0] + c[1] for c in costs) + ex[0]
-    spec, e = b.spec, BYTES[b.precision]
-    msg = p2p_bytes(spec, lay, e)
-    hop = 0.0 if blocking_p2p(b.cluster, lay) else (
-        b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
-    work = [0.0] * p
-    for c, cc in enumerate(costs):
-        work[c % p] += cc[0] + cc[1]
-    best, head, tail = 0.0, 0.0, 0.0
-    for r in range(p):
-        end = head + m * work[r]
-        best = max(best, end + ex[r], end + tail + ex[0])
-        head += costs[r][0] + hop
-        tail += costs[r][1] + hop
-    return best
+    key = (b.costs_key(lay), m)
+    ends = b._ends.get(key)
+    if ends is None:  # per rank: the end of its own work, and of the backward chain after
+        spec, e = b.spec, BYTES[b.precision]
+        msg = p2p_bytes(spec, lay, e)
+        hop = 0.0 if blocking_p2p(b.cluster, lay) else (
+            b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
+        work = [0.0] * p
+        for c, cc in enumerate(costs):
+            work[c % p] += cc[0] + cc[1]
+        own, chain, head, tail = [], [], 0.0, 0.0
+        for r in range(p):
+            end = head + m * work[r]
+            own.append(end)
+            chain.append(end + tail)
+            head += costs[r][0] + hop
+            tail += costs[r][1] + hop
+        ends = b._ends[key] = (own, max(chain))
+    own, chain = ends
+    return max(max(map(add, own, ex)), chain + ex[0])
 
 
 def _space(spec, world, global_batch, micro_batches, schedules, vs, pp_max, cps):
@@ -408,7 +421,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 statics = {(z, e, s): static_bytes(spec, dp, tp, pp, v, z, precision, s,
                                                    partition=cut_by, cp=c, ep=e)
                            for z in zero for e in eps for s in sps
-                           if not (z == 3 and (pp > 1 or e > 1) or z and dp * c == 1)}
+                           if not (z == 3 and (pp > 1 or e > 1) or z and dp * c == 1
+                                   or s and layout_reason(spec, replace(base, sp=True)))}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
                 if statics and least > limit:
@@ -418,11 +432,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                     continue
                 for mb in mbs:
                     m = per // mb
-                    at = replace(base, micro_batch_size=mb, micro_batches=m)
-                    acts = {(rc, sel, s): memory_of(spec, replace(at, recompute=rc,
-                                                                  selective=sel, sp=s),
-                                                    precision, cluster.kernels, static=False)
-                            for rc, sel in modes for s in sps}
+                    at = Layout(dp, tp, pp, mb, m, kind, v, partition=cut_by, cp=c)
+                    acts = {(rc, sel, s): memory_of(spec, Layout(
+                        dp, tp, pp, mb, m, kind, v, 0, rc, s, cut_by, sel, c), precision,
+                        cluster.kernels, static=False) for rc, sel in modes for s in sps}
+                    least_act = {s: min(acts[(rc, sel, s)] for rc, sel in modes) for s in sps}
                     if statics and least + min(acts.values()) > limit:
                         need = least + min(acts.values())
                         pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
@@ -432,8 +446,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                             for f8 in f8s:
                                 rep = Layout(dp, tp, pp, mb, m, kind, v, z,
                                              partition=cut_by, cp=c, ep=e, fp8=f8)
-                                _expand(spec, rep, modes, sps, statics, acts, limit, feasible,
-                                        pruned)
+                                _expand(spec, rep, modes, sps, statics, acts, least_act,
+                                        limit, feasible, pruned)
     if cluster.cores:  # ranks share cores: the processor-sharing walk, no bound (docstring)
         keep = max(top, 40 if simulate_top is None else simulate_top)
         if len(feasible) > keep and not exhaustive:
@@ -470,7 +484,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     return done, pruned
 
 
-def _expand(spec, rep: Layout, modes, sps, statics, acts, limit, feasible, pruned) -> None:
+def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, limit, feasible,
+            pruned) -> None:
     """The layouts of ``rep`` (a micro-batch size, ZeRO stage, ep, fp8) over recomputation
     modes and sequence parallelism into ``feasible``, or ``pruned`` with a reason: one
     record for a reason every one of them has (the engine's rules that read neither
@@ -481,8 +496,13 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, limit, feasible, prune
         pruned.append(Pruned(rep, why, count=len(modes) * len(sps)))
         return
     for s in sps:
+        if s:  # sequence parallelism's own reasons (the sequence, experts), for every mode
+            why = layout_reason(spec, replace(rep, sp=True))
+            if why:
+                pruned.append(Pruned(replace(rep, sp=True), why, count=len(modes)))
+                continue
         st = statics[(rep.zero, rep.ep, s)]
-        least = st["total"] + min(acts[(rc, sel, s)] for rc, sel in modes)
+        least = st["total"] + least_act[s]
         if least > limit:
             pruned.append(Pruned(replace(rep, sp=s), _needs(least, limit, True), least,
                                  count=len(modes)))

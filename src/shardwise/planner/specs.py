@@ -333,8 +333,15 @@ def described_layers(spec: ModelSpec, tp: int) -> DescribedLayers:
 
     layers = local.chunks[0].layers
     counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
-    experts = tuple(sum(p.numel() for p in layer.parameters() if is_expert(p))
-                    for layer in layers)
+    def expert_elements(layer) -> int:
+        """Its experts' elements: split over ep (``is_expert``), or, built here without
+        ep, the stacked weights held directly by modules with ``n_experts`` (``models.moe``'s
+        ``Experts``; its ``MoE`` holds none directly, the shared expert is a submodule)."""
+        own = sum(p.numel() for m in layer.modules() if hasattr(m, "n_experts")
+                  for p in m.parameters(recurse=False))
+        return own or sum(p.numel() for p in layer.parameters() if is_expert(p))
+
+    experts = tuple(expert_elements(layer) for layer in layers)
     tied = dict(local.named_parameters())[d.tied[0]].numel() if d.tied is not None else 0
     if tp > 1:
         block_matmul = described_layers(spec, 1).block_matmul
