@@ -418,11 +418,14 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                               kind, v, partition=cut_by, cp=c)
                 # (not for a ZeRO stage the engine refuses here whatever the rest: _expand
                 # prunes those by their reason)
+                # sequence parallelism's own reasons (the sequence, experts) read nothing
+                # a group's layouts differ in
+                sp_why = layout_reason(spec, replace(base, sp=True)) if True in sps else None
                 statics = {(z, e, s): static_bytes(spec, dp, tp, pp, v, z, precision, s,
                                                    partition=cut_by, cp=c, ep=e)
                            for z in zero for e in eps for s in sps
                            if not (z == 3 and (pp > 1 or e > 1) or z and dp * c == 1
-                                   or s and layout_reason(spec, replace(base, sp=True)))}
+                                   or s and sp_why)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
                 if statics and least > limit:
@@ -447,7 +450,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                 rep = Layout(dp, tp, pp, mb, m, kind, v, z,
                                              partition=cut_by, cp=c, ep=e, fp8=f8)
                                 _expand(spec, rep, modes, sps, statics, acts, least_act,
-                                        limit, feasible, pruned)
+                                        sp_why, limit, feasible, pruned)
     if cluster.cores:  # ranks share cores: the processor-sharing walk, no bound (docstring)
         keep = max(top, 40 if simulate_top is None else simulate_top)
         if len(feasible) > keep and not exhaustive:
@@ -484,10 +487,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     return done, pruned
 
 
-def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, limit, feasible,
-            pruned) -> None:
+def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, limit,
+            feasible, pruned) -> None:
     """The layouts of ``rep`` (a micro-batch size, ZeRO stage, ep, fp8) over recomputation
-    modes and sequence parallelism into ``feasible``, or ``pruned`` with a reason: one
+    modes and sequence parallelism into ``feasible``, or ``pruned`` with a reason (``sp_why``:
+    the group's reason against sequence parallelism, or None): one
     record for a reason every one of them has (the engine's rules that read neither
     recomputation nor sp: ``rep`` has neither; memory over the least activations), else
     one each."""
@@ -496,11 +500,9 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, limit, feas
         pruned.append(Pruned(rep, why, count=len(modes) * len(sps)))
         return
     for s in sps:
-        if s:  # sequence parallelism's own reasons (the sequence, experts), for every mode
-            why = layout_reason(spec, replace(rep, sp=True))
-            if why:
-                pruned.append(Pruned(replace(rep, sp=True), why, count=len(modes)))
-                continue
+        if s and sp_why:  # sequence parallelism's own reason (the sequence, experts)
+            pruned.append(Pruned(replace(rep, sp=True), sp_why, count=len(modes)))
+            continue
         st = statics[(rep.zero, rep.ep, s)]
         least = st["total"] + least_act[s]
         if least > limit:
