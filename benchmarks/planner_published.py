@@ -100,25 +100,42 @@ def megatron_cut(spec, pp: int, v: int) -> str | None:
     return next((by for by in ("layers", "params") if cut(spec, n, by).bounds == bounds), None)
 
 
-def published_layout(spec, cluster, tp, pp, gpus, batch):
+# How published_layout picks the schedules it tries (the ablation below): "megatron" the
+# planner's v = 2, 4 where Megatron-LM 2021 could run them, with its cut (the table);
+# "any-v": every v Megatron could run; "unconstrained": v = 2, 4 at any pp, both cuts (the
+# previous version of this benchmark)
+RULES = ("megatron", "any-v", "unconstrained")
+
+
+def schedules(spec, pp: int, rule: str = "megatron") -> list[tuple[str, int, str]]:
+    """(kind, v, cut) tried for ``pp`` stages under ``rule`` (``RULES``)."""
+    if pp == 1:
+        return [("1f1b", 1, "layers")]
+    if rule == "unconstrained":
+        return [(k, v, by) for k, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+                for by in ("layers", "params")]
+    vs = (2, 4) if rule == "megatron" else range(2, spec.n_layer // pp + 1)
+    out = [("1f1b", 1, megatron_cut(spec, pp, 1))]
+    out += [("interleaved", v, megatron_cut(spec, pp, v)) for v in vs if pp > 2]
+    return [x for x in out if x[2] is not None]
+
+
+def published_layout(spec, cluster, tp, pp, gpus, batch, rule: str = "megatron"):
     """The paper's tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, fp16,
     the best (predicted) of what it does not list: micro-batch size 1, 2, 4, 8 and schedule
     (1F1B, interleaved v = 2, 4) where Megatron-LM 2021 could run it (interleaving only with
-    pp > 2, Megatron's cut: ``megatron_cut``)."""
+    pp > 2, Megatron's cut: ``megatron_cut``); ``rule``: another choice of schedules
+    (``RULES``), for the ablation."""
     from shardwise.planner.search import memory_of, prune_reason
     from shardwise.planner.simulate import Layout, simulate
 
     dp = gpus // (tp * pp)
     per = batch // dp
     best = None
-    scheds = [("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if pp > 2 else [])
-    scheds = [(kind, v, megatron_cut(spec, pp, v)) for kind, v in scheds]
     for mb in (1, 2, 4, 8):
         if per % mb:
             continue
-        for kind, v, by in scheds:
-            if by is None:
-                continue
+        for kind, v, by in schedules(spec, pp, rule):
             lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False, by)
             if prune_reason(spec, lay, cluster, False):
                 continue
@@ -220,6 +237,33 @@ def megatron_rows(models: dict) -> list[dict]:
     return rows
 
 
+def ablation_rows(cluster) -> list[dict]:
+    """The pipelined Table 1 rows under the calibrated model with each schedule rule
+    (``RULES``), with Megatron's blocking sends and without (``Cluster.blocking_sends``):
+    what each of the two Megatron-2021 effects does to the prediction."""
+    from dataclasses import replace
+
+    from shardwise.planner.specs import NAMED
+
+    rows = []
+    for name, tp, pp, gpus, batch, published in MEGATRON:
+        if pp == 1:
+            continue
+        spec = NAMED[name]
+        F = paper_flops(spec, batch)
+        row = {"model": name, "published_tflops": published}
+        for blocking in (False, True):
+            for rule in RULES:
+                lay, t, _ = published_layout(spec, replace(cluster, blocking_sends=blocking),
+                                             tp, pp, gpus, batch, rule)
+                pred = F / t["step"] / gpus / 1e12
+                row[f"{rule}{' blocking' if blocking else ''}"] = {
+                    "predicted_tflops": pred, "error": pred / published - 1,
+                    "layout": lay.label()}
+        rows.append(row)
+    return rows
+
+
 def zero_rows() -> list[dict]:
     from shardwise.planner.memory import zero_bytes
 
@@ -246,6 +290,7 @@ def main() -> None:
     assert abs(scale - GEMM_SCALE) < 5e-4, (scale, GEMM_SCALE)  # the constant in hardware.py
     models = clusters(GEMM_SCALE)
     meg, kor, zero = megatron_rows(models), korthikanti_rows(models), zero_rows()
+    abl = ablation_rows(models["calibrated"])
     keys = list(models)
     lines = [("Megatron-LM weak scaling on DGX A100 80 GB (Narayanan et al. SC 2021, Table 1): "
              "teraFLOP/s per GPU in the paper's layout (tp x pp x dp, full recomputation, fp16)"),
@@ -271,6 +316,20 @@ def main() -> None:
     lines.append("layouts simulated (best micro-batch, schedule, cut, per model):")
     for r in meg:
         lines.append(f"  {r['model']:<15} " + "; ".join(f"{k}: {r[k]['layout']}" for k in keys))
+    cols = [k for k in abl[0] if k not in ("model", "published_tflops")]
+    lines += ["", ("Ablation, calibrated model, pipelined rows: TFLOP/s (error) with each rule "
+              "for the schedules tried (megatron: v = 2, 4 where Megatron-LM 2021 could "
+              "run them, its cut; any-v: every v it could run; unconstrained: v = 2, 4 at any "
+              "pp, either cut, as before), without and with its blocking sends; the table "
+              "above is 'megatron blocking'"),
+              f"{'model':<15} {'published':>9} " + " ".join(f"{k:>22}" for k in cols)]
+    for r in abl:
+        lines.append(f"{r['model']:<15} {r['published_tflops']:>9} " + " ".join(
+            f"{r[k]['predicted_tflops']:>13.1f} ({r[k]['error']:>+6.1%})" for k in cols))
+    for k in cols:
+        errs = [abs(r[k]["error"]) for r in abl]
+        lines.append(f"  {k}: worst |error| {max(errs):.1%}; layouts: "
+                     + "; ".join(f"{r['model'][9:]} {r[k]['layout']}" for r in abl))
     lw = max(len(r["layout"]) for r in kor)
     lines += ["", ("Megatron-LM iteration time on A100s (Korthikanti et al. 2022, Table 5), "
               "seconds; full recomputation, and sequence parallelism + selective recomputation"),
@@ -296,7 +355,8 @@ def main() -> None:
     lines.append(f"worst |error| {zw:.1%} (the paper rounds to 3 significant figures)")
     lines.append(f"CPU time: {time.process_time() - t0:.1f} s")
     (out / "planner_published.json").write_text(json.dumps(
-        {"gemm_scale": scale, "megatron": meg, "korthikanti": kor, "zero": zero}, indent=1))
+        {"gemm_scale": scale, "megatron": meg, "korthikanti": kor, "zero": zero,
+         "ablation": abl}, indent=1))
     (out / "planner_published.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -309,6 +309,7 @@ def test_megatron_2021_pipeline_sends_block_the_compute_stream():
     meg = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021")
     lay = Layout(8, 8, 4, 1, 16)
     assert blocking_p2p(meg, lay) and not blocking_p2p(A100, lay)
+    assert not blocking_p2p(replace(meg, blocking_sends=False), lay)  # the ablation's switch
     assert not blocking_p2p(meg, replace(lay, pp=1))
     send = megatron_send_seconds(spec, lay, meg, 2)
     whole = meg.link(lay.tp * lay.pp).p2p(1 * 2048 * 8192 * 2)

@@ -143,6 +143,7 @@ class Cluster:
     ops: OpModel | None = None  # per-operation compute model; None: flops x efficiency
     kernels: str = "shardwise"  # which kernels a block runs (KERNELS), for ``ops``
     zero3_overlap: bool = True  # ZeRO-3 gathers overlap compute (``simulate.zero3_exposed``)
+    blocking_sends: bool = False  # pipeline sends block compute (``simulate.blocking_p2p``)
     fp8_flops: float | None = None
 
     def link(self, span: int) -> Link:
@@ -257,7 +258,8 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
     """``cluster`` with the per-operation compute model (``OpModel``, Calculon's documented
     A100/H100 tables over the preset's datasheet peak and memory bandwidth) and links at
     Calculon's efficiencies (NVLink 0.6, InfiniBand 0.9 of the datasheet bandwidth, the
-    same latencies), running ``kernels``. ``gemm_scale`` multiplies every GEMM efficiency
+    same latencies), running ``kernels`` (Megatron-LM 2021's with its blocking pipeline
+    sends: ``Cluster.blocking_sends``). ``gemm_scale`` multiplies every GEMM efficiency
     of the table (1: Calculon's as documented; ``benchmarks/planner_published.py``
     calibrates it on one published run and says so)."""
     if cluster.cores:
@@ -275,6 +277,7 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
         return fabric(f"{link.name} x {eff:g}", eff / p.beta_link, p.alpha)
 
     return replace(cluster, ops=ops, kernels=kernels,
+                   blocking_sends=kernels == "megatron-2021",
                    intra=derate(cluster.intra, CALCULON_NVLINK_EFF),
                    inter=derate(cluster.inter, CALCULON_IB_EFF),
                    source=f"{cluster.source}; per-op: {CALCULON}")

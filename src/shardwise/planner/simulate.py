@@ -744,10 +744,11 @@ def _rank_comm(costs, r: int, lay: Layout) -> tuple[float, float, float]:
 
 def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:
     """Whether pipeline transfers block the compute stream: Megatron-LM as Narayanan et al.
-    2021 ran it (``kernels="megatron-2021"``: its ``p2p_communication`` posts a batched
-    isend/irecv and waits on it before the next micro-batch, 1F1B's send_forward_recv_
-    backward included), so a send's time is the sender's and nothing travels on its own."""
-    return lay.pp > 1 and cluster.kernels == "megatron-2021"
+    2021 ran it (``Cluster.blocking_sends``, set by ``per_op(kernels="megatron-2021")``: its
+    ``p2p_communication`` posts a batched isend/irecv and waits on it before the next
+    micro-batch, 1F1B's send_forward_recv_backward included), so a send's time is the
+    sender's and nothing travels on its own."""
+    return lay.pp > 1 and cluster.blocking_sends
 
 
 def megatron_send_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
