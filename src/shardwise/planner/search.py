@@ -416,11 +416,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 # layouts left are priced from these same memoised pieces
                 base = Layout(dp, tp, pp, mbs[0] if mbs else 0, per // mbs[0] if mbs else 0,
                               kind, v, partition=cut_by, cp=c)
-                # (not for a ZeRO stage the engine refuses here whatever the rest: _expand
-                # prunes those by their reason)
                 # sequence parallelism's own reasons (the sequence, experts) read nothing
                 # a group's layouts differ in
                 sp_why = layout_reason(spec, replace(base, sp=True)) if True in sps else None
+                # (not for a ZeRO stage or sp the engine refuses here whatever the rest:
+                # _expand prunes those by their reason)
                 statics = {(z, e, s): static_bytes(spec, dp, tp, pp, v, z, precision, s,
                                                    partition=cut_by, cp=c, ep=e)
                            for z in zero for e in eps for s in sps
