@@ -8,9 +8,14 @@
    F = 96 B s l h^2 (1 + s / 6h + V / 16 l h) (their eq. 3, recomputation included).
    Predicted: the same F divided by the simulator's step time and the GPU count, for the
    published tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, the
-   planner choosing only what the paper does not list: micro-batch size (1, 2, 4, 8),
-   schedule (1F1B, interleaved v = 2, 4) and stage cut (by layer count, or by parameters:
-   Megatron's even blocks per stage). Three compute models: ``fixed`` (``FIXED_PRESETS``:
+   planner choosing only what the paper does not list: micro-batch size (1, 2, 4, 8) and
+   schedule (1F1B, interleaved v = 2, 4), among the layouts Megatron-LM could run then:
+   its arguments.py (2021) interleaves only with pp > 2 and whole, equal chunks of blocks
+   (the blocks per stage divisible by v), and cuts L / (pp v) blocks per chunk, the
+   embedding on the first, the head on the last (the stage cut, by layer count or by
+   parameters, that gives exactly that cut; ``megatron_cut``). Its pipeline transfers
+   block the compute stream (``simulate.blocking_p2p``, with Megatron's kernels) and use
+   its scatter/gather (sec. 4.1). Three compute models: ``fixed`` (``FIXED_PRESETS``:
    every matmul at 0.5 of the datasheet peak); ``per-op`` (``hardware.per_op``: each GEMM
    at the efficiency Calculon's A100 table gives its size, each memory-bound kernel of
    Megatron-LM -- softmax and dropout on the s x s scores, fused bias + GELU, fused bias +
@@ -18,9 +23,10 @@
    Isaev et al. SC 2023), as documented; and ``calibrated``: the same with the GEMM
    efficiencies times ``hardware.GEMM_SCALE``, the one constant solved (here, again) so
    that run 3's first row comes out exactly. Nothing else is fitted.
-   Then the planner's own choice over the whole space (tp inside a node, ZeRO 0-1,
-   recompute and sequence parallelism on or off, micro-batches 1, 2, 4) under the
-   calibrated model with Megatron's kernels, and whether it is the published layout.
+   Then the planner's own choice over the whole space (tp inside a node, context
+   parallelism, ZeRO 0-1, recompute and sequence parallelism on or off, micro-batches 1, 2,
+   4) under the calibrated model with Megatron's kernels, and whether it is the published
+   layout.
 3. Iteration times of Megatron-LM on A100s, Korthikanti et al. 2022, "Reducing Activation
    Recomputation in Large Transformer Models", arXiv:2205.05198, Table 5 (the layouts as
    Calculon's repository states them, validation/seqsel/tab5/): 22B (tp 8, 8 GPUs, batch
@@ -43,7 +49,6 @@ InfiniBand bandwidths), Calculon's documented efficiency tables and the one cali
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 from pathlib import Path
@@ -79,22 +84,58 @@ def paper_flops(spec, batch: int) -> float:
     return 96 * batch * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def published_layout(spec, cluster, tp, pp, gpus, batch):
+def megatron_cut(spec, pp: int, v: int) -> str | None:
+    """The planner's stage cut ("layers" or "params") that equals Megatron-LM's for pp
+    stages of v chunks: L / (pp v) blocks per chunk, the embedding with the first, the head
+    with the last; None when the blocks do not divide or neither cut is Megatron's."""
+    from shardwise.planner.memory import cut
+
+    L, n = spec.n_layer, pp * v
+    if pp == 1:
+        return "layers"
+    if L % n:
+        return None
+    k = L // n
+    bounds = tuple([0] + [c * k + 1 for c in range(1, n)] + [L + 2])
+    return next((by for by in ("layers", "params") if cut(spec, n, by).bounds == bounds), None)
+
+
+# How published_layout picks the schedules it tries (the ablation below): "megatron" the
+# planner's v = 2, 4 where Megatron-LM 2021 could run them, with its cut (the table);
+# "any-v": every v Megatron could run; "unconstrained": v = 2, 4 at any pp, both cuts (the
+# previous version of this benchmark)
+RULES = ("megatron", "any-v", "unconstrained")
+
+
+def schedules(spec, pp: int, rule: str = "megatron") -> list[tuple[str, int, str]]:
+    """(kind, v, cut) tried for ``pp`` stages under ``rule`` (``RULES``)."""
+    if pp == 1:
+        return [("1f1b", 1, "layers")]
+    if rule == "unconstrained":
+        return [(k, v, by) for k, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4))
+                for by in ("layers", "params")]
+    vs = (2, 4) if rule == "megatron" else range(2, spec.n_layer // pp + 1)
+    out = [("1f1b", 1, megatron_cut(spec, pp, 1))]
+    out += [("interleaved", v, megatron_cut(spec, pp, v)) for v in vs if pp > 2]
+    return [x for x in out if x[2] is not None]
+
+
+def published_layout(spec, cluster, tp, pp, gpus, batch, rule: str = "megatron"):
     """The paper's tp x pp x dp with full recomputation, ZeRO-0, no sequence parallelism, fp16,
-    the best (predicted) of what it does not list: micro-batch size 1, 2, 4, 8, schedule
-    (1F1B, interleaved v = 2, 4) and stage cut (layer count, parameters)."""
+    the best (predicted) of what it does not list: micro-batch size 1, 2, 4, 8 and schedule
+    (1F1B, interleaved v = 2, 4) where Megatron-LM 2021 could run it (interleaving only with
+    pp > 2, Megatron's cut: ``megatron_cut``); ``rule``: another choice of schedules
+    (``RULES``), for the ablation."""
     from shardwise.planner.search import memory_of, prune_reason
     from shardwise.planner.simulate import Layout, simulate
 
     dp = gpus // (tp * pp)
     per = batch // dp
     best = None
-    scheds = [("1f1b", 1)] + ([("interleaved", 2), ("interleaved", 4)] if pp > 1 else [])
     for mb in (1, 2, 4, 8):
         if per % mb:
             continue
-        for (kind, v), by in itertools.product(scheds, ("layers", "params") if pp > 1
-                                               else ("layers",)):
+        for kind, v, by in schedules(spec, pp, rule):
             lay = Layout(dp, tp, pp, mb, per // mb, kind, v, 0, True, False, by)
             if prune_reason(spec, lay, cluster, False):
                 continue
@@ -196,6 +237,33 @@ def megatron_rows(models: dict) -> list[dict]:
     return rows
 
 
+def ablation_rows(cluster) -> list[dict]:
+    """The pipelined Table 1 rows under the calibrated model with each schedule rule
+    (``RULES``), with Megatron's blocking sends and without (``Cluster.blocking_sends``):
+    what each of the two Megatron-2021 effects does to the prediction."""
+    from dataclasses import replace
+
+    from shardwise.planner.specs import NAMED
+
+    rows = []
+    for name, tp, pp, gpus, batch, published in MEGATRON:
+        if pp == 1:
+            continue
+        spec = NAMED[name]
+        F = paper_flops(spec, batch)
+        row = {"model": name, "published_tflops": published}
+        for blocking in (False, True):
+            for rule in RULES:
+                lay, t, _ = published_layout(spec, replace(cluster, blocking_sends=blocking),
+                                             tp, pp, gpus, batch, rule)
+                pred = F / t["step"] / gpus / 1e12
+                row[f"{rule}{' blocking' if blocking else ''}"] = {
+                    "predicted_tflops": pred, "error": pred / published - 1,
+                    "layout": lay.label()}
+        rows.append(row)
+    return rows
+
+
 def zero_rows() -> list[dict]:
     from shardwise.planner.memory import zero_bytes
 
@@ -222,6 +290,7 @@ def main() -> None:
     assert abs(scale - GEMM_SCALE) < 5e-4, (scale, GEMM_SCALE)  # the constant in hardware.py
     models = clusters(GEMM_SCALE)
     meg, kor, zero = megatron_rows(models), korthikanti_rows(models), zero_rows()
+    abl = ablation_rows(models["calibrated"])
     keys = list(models)
     lines = [("Megatron-LM weak scaling on DGX A100 80 GB (Narayanan et al. SC 2021, Table 1): "
              "teraFLOP/s per GPU in the paper's layout (tp x pp x dp, full recomputation, fp16)"),
@@ -247,6 +316,20 @@ def main() -> None:
     lines.append("layouts simulated (best micro-batch, schedule, cut, per model):")
     for r in meg:
         lines.append(f"  {r['model']:<15} " + "; ".join(f"{k}: {r[k]['layout']}" for k in keys))
+    cols = [k for k in abl[0] if k not in ("model", "published_tflops")]
+    lines += ["", ("Ablation, calibrated model, pipelined rows: TFLOP/s (error) with each rule "
+              "for the schedules tried (megatron: v = 2, 4 where Megatron-LM 2021 could "
+              "run them, its cut; any-v: every v it could run; unconstrained: v = 2, 4 at any "
+              "pp, either cut, as before), without and with its blocking sends; the table "
+              "above is 'megatron blocking'"),
+              f"{'model':<15} {'published':>9} " + " ".join(f"{k:>22}" for k in cols)]
+    for r in abl:
+        lines.append(f"{r['model']:<15} {r['published_tflops']:>9} " + " ".join(
+            f"{r[k]['predicted_tflops']:>13.1f} ({r[k]['error']:>+6.1%})" for k in cols))
+    for k in cols:
+        errs = [abs(r[k]["error"]) for r in abl]
+        lines.append(f"  {k}: worst |error| {max(errs):.1%}; layouts: "
+                     + "; ".join(f"{r['model'][9:]} {r[k]['layout']}" for r in abl))
     lw = max(len(r["layout"]) for r in kor)
     lines += ["", ("Megatron-LM iteration time on A100s (Korthikanti et al. 2022, Table 5), "
               "seconds; full recomputation, and sequence parallelism + selective recomputation"),
@@ -272,7 +355,8 @@ def main() -> None:
     lines.append(f"worst |error| {zw:.1%} (the paper rounds to 3 significant figures)")
     lines.append(f"CPU time: {time.process_time() - t0:.1f} s")
     (out / "planner_published.json").write_text(json.dumps(
-        {"gemm_scale": scale, "megatron": meg, "korthikanti": kor, "zero": zero}, indent=1))
+        {"gemm_scale": scale, "megatron": meg, "korthikanti": kor, "zero": zero,
+         "ablation": abl}, indent=1))
     (out / "planner_published.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

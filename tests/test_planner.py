@@ -195,7 +195,8 @@ def test_plan_ranks_a100_layouts():
     assert steps == sorted(steps) and pruned
     for c in feasible:
         assert c.memory["total"] <= 80 * 2**30
-        parts = sum(c.time[k] for k in ("compute", "tp", "pp", "bubble", "dp", "optimizer"))
+        parts = sum(c.time[k] for k in ("compute", "tp", "cp", "ep", "pp", "bubble", "dp",
+                                        "optimizer"))
         assert parts == pytest.approx(c.time["step"], rel=1e-9)
 
 

@@ -1,8 +1,11 @@
 """Each axis the planner models moves its predictions the right way (no processes, seconds).
 
 Full and selective recomputation, sequence parallelism, ZeRO 1-3 (and ZeRO-3's overlap of
-its gathers with compute), micro-batch size, pipeline depth and interleaving; the per-
-operation compute model (GEMMs by size, memory-bound kernels by bytes, attention by kernel).
+its gathers with compute), micro-batch size, pipeline depth and interleaving; context
+parallelism (activations 1 / cp, ring traffic, gradients over dp x cp), expert parallelism
+(expert memory 1 / ep, all-to-all bytes, expert gradients over dp / ep), FP8 (faster GEMMs
+only where the GPU has FP8); the per-operation compute model (GEMMs by size, memory-bound
+kernels by bytes, attention by kernel); which axes the search offers for which model.
 """
 
 from dataclasses import replace
@@ -140,3 +143,198 @@ def test_megatron_activation_model_counts_scores():
     kw = {"mb": 1, "tp": 2, "pp": 1, "micro_batches": 1, "precision": "bf16"}
     assert activation_bytes(s, am=MEGATRON, **kw) > activation_bytes(s, am=MEGATRON,
                                                                       selective=True, **kw)
+
+
+# --- context parallelism ----------------------------------------------------------------
+
+LONG = NAMED["llama3-8b"].with_seq(32768)
+H100 = PRESETS["dgx-h100"]
+
+
+def _cp(cp, **kw):
+    return Layout(2, 1, 1, 1, 4, cp=cp, **kw)
+
+
+def test_more_cp_means_less_activation_memory_and_more_ring_traffic():
+    from shardwise.planner.simulate import ring_bytes
+
+    acts = {cp: memory_of(LONG, _cp(cp), "bf16")["activations"] for cp in (1, 2, 4, 8)}
+    for cp in (2, 4, 8):
+        assert acts[cp] / acts[1] == pytest.approx(1 / cp, rel=1e-9)  # every term per token
+    # static bytes: the same weights; ZeRO shards them over dp x cp
+    assert memory_of(LONG, _cp(4), "bf16")["params"] == memory_of(LONG, _cp(1), "bf16")["params"]
+    assert memory_of(LONG, _cp(4, zero=1), "bf16")["optimizer"] == pytest.approx(
+        memory_of(LONG, Layout(8, 1, 1, 1, 1, zero=1), "bf16")["optimizer"], rel=1e-6)
+    # forward: 2 (cp - 1) / cp of the sequence's K/V bytes (2 s k e: K and V, k = H D here)
+    kv = 2 * 32768 * LONG.attn_width * 2
+    for cp in (1, 2, 4, 8):
+        fwd, bwd = ring_bytes(LONG, _cp(cp), 2)
+        assert fwd == pytest.approx((cp - 1) / cp * kv)
+        assert bwd > fwd or cp == 1
+    assert [ring_bytes(LONG, _cp(c), 2)[0] for c in (2, 4, 8)] == sorted(
+        ring_bytes(LONG, _cp(c), 2)[0] for c in (2, 4, 8))
+
+
+def test_ring_traffic_hides_behind_attention_unless_the_link_is_slow():
+    lay = Layout(1, 1, 1, 1, 2, cp=8)
+    fast = simulate(LONG, lay, H100)
+    assert fast["cp"] == 0.0  # 4096 queries x 32768 keys of attention per rank hide it
+    slow_link = replace(H100, intra=replace(H100.intra, fixed=replace(
+        H100.intra.fixed, beta_link=H100.intra.fixed.beta_link * 200)))
+    slow = simulate(LONG, lay, slow_link)
+    assert slow["cp"] > 0 and slow["step"] > fast["step"]
+    assert simulate(LONG, Layout(1, 1, 1, 1, 2, cp=1), slow_link)["cp"] == 0.0
+    # compute per rank falls with cp (s / cp tokens, 1 / cp of the score FLOPs)
+    assert simulate(LONG, Layout(1, 1, 1, 1, 2, cp=4), H100)["compute"] < \
+        simulate(LONG, Layout(1, 1, 1, 1, 2, cp=2), H100)["compute"]
+
+
+def test_gradients_of_replicated_weights_are_reduced_over_dp_times_cp():
+    a, b = simulate(LONG, Layout(2, 1, 1, 1, 4, cp=4), H100), \
+        simulate(LONG, Layout(8, 1, 1, 1, 1), H100)
+    assert a["dp"] == pytest.approx(b["dp"], rel=1e-12)  # one all-reduce over 8 replicas
+    assert simulate(LONG, Layout(1, 1, 1, 1, 8, cp=8), H100)["dp"] > 0
+
+
+def test_cp_is_searched_only_where_twice_it_divides_the_sequence():
+    from shardwise.planner.search import cp_choices
+
+    spec = NAMED["gpt2-124m"].with_seq(24)
+    assert cp_choices(spec, 16) == [1, 2, 4]  # 2 x 8 does not divide 24
+    feasible, _ = plan(spec, H100, 16, 32, micro_batches=[1], top=200, exhaustive=True)
+    assert {c.layout.cp for c in feasible} == {1, 2, 4}
+    assert "does not divide the sequence" in prune_reason(
+        spec, Layout(2, 1, 1, 1, 16, cp=8), H100, False)
+
+
+# --- expert parallelism -------------------------------------------------------------------
+
+MOE = NAMED["mixtral-8x7b"].with_seq(4096)
+
+
+def test_mixtral_preset_counts_its_published_sizes():
+    from shardwise.planner.specs import active_matmul_params
+
+    m = NAMED["mixtral-8x7b"]
+    assert m.params / 1e9 == pytest.approx(46.7, abs=0.05)  # Jiang et al. 2024
+    active = m.params - m.n_layer * (m.expert_params - m.top_k * 3 * m.n_embd * m.expert_ffn)
+    assert active / 1e9 == pytest.approx(12.9, abs=0.05)
+    assert active_matmul_params(m) < m.n_embd * m.n_embd * 60
+
+
+def test_more_ep_means_less_expert_memory_and_more_all_to_all_bytes():
+    from shardwise.planner.memory import rank_expert_params
+    from shardwise.planner.simulate import all_to_all_bytes
+
+    per_block = MOE.expert_params
+    layers = list(range(MOE.n_layer + 2))
+    mems = {}
+    for ep in (1, 2, 4, 8):
+        lay = Layout(8, 1, 1, 1, 4, zero=1, ep=ep)
+        assert rank_expert_params(MOE, layers, 1, ep) == MOE.n_layer * per_block // ep
+        mems[ep] = memory_of(MOE, lay, "bf16")["total"]
+        T = 4096  # tokens per micro-batch
+        assert all_to_all_bytes(MOE, lay, 2) == pytest.approx(
+            2 * T * MOE.top_k * MOE.n_embd * 2 * (ep - 1) / ep)
+    assert mems[1] > mems[2] > mems[4] > mems[8]
+    # the experts' bytes fall as 1 / ep: params of ep=1 minus ep=2 is half the experts
+    p1 = memory_of(MOE, Layout(8, 1, 1, 1, 4, ep=1), "bf16")["params"]
+    p2 = memory_of(MOE, Layout(8, 1, 1, 1, 4, ep=2), "bf16")["params"]
+    assert p1 - p2 == MOE.n_layer * per_block // 2 * 2  # bf16: 2 bytes each
+
+
+def test_ep_prices_all_to_all_and_reduces_expert_gradients_over_dp_over_ep():
+    one, four = Layout(8, 1, 1, 1, 4, ep=1), Layout(8, 1, 1, 1, 4, ep=4)
+    t1, t4 = simulate(MOE, one, H100), simulate(MOE, four, H100)
+    assert t1["ep"] == 0.0 and t4["ep"] > 0
+    assert t4["dp"] < t1["dp"]  # the experts' gradients: 1 / ep of them, over 2 ranks not 8
+    eight = simulate(MOE, Layout(8, 1, 1, 1, 4, ep=8), H100)
+    assert eight["ep"] > t4["ep"]
+    # across nodes (ep over 16 ranks of 8-GPU nodes) the all-to-all is slower per byte
+    wide = simulate(MOE, Layout(16, 1, 1, 1, 2, ep=8), H100)
+    assert wide["ep"] == pytest.approx(eight["ep"] / 2, rel=1e-9)  # half the micro-batches
+    across = Layout(8, 1, 2, 1, 4, ep=8)  # ep x pp = 16 ranks: InfiniBand
+    assert simulate(MOE, across, H100)["ep"] > eight["ep"]
+
+
+def test_ep_is_searched_only_for_a_mixture_of_experts():
+    dense, _ = plan(NAMED["llama2-7b"], H100, 16, 32, micro_batches=[1], top=5)
+    assert all(c.layout.ep == 1 for c in dense)
+    moe, pruned = plan(MOE, H100, 16, 32, micro_batches=[1], top=400, exhaustive=True)
+    assert {c.layout.ep for c in moe} > {1}
+    assert all(c.layout.cp == 1 and not c.layout.sp for c in moe)  # the engine refuses them
+    assert all(not (c.layout.zero == 3 and c.layout.ep > 1) for c in moe)
+    assert any("cp=2 with 8 experts" in p.reason for p in pruned)
+
+
+# --- FP8 ----------------------------------------------------------------------------------
+
+def test_fp8_speeds_up_gemms_only_where_the_gpu_has_fp8():
+    assert [k for k, c in PRESETS.items() if c.fp8_flops] == ["dgx-h100"]
+    assert [k for k, c in FIXED_PRESETS.items() if c.fp8_flops] == ["dgx-h100"]
+    lay = Layout(8, 1, 1, 1, 4)
+    for cl in (H100, FIXED_PRESETS["dgx-h100"]):
+        bf16, fp8 = simulate(SPEC, lay, cl), simulate(SPEC, replace(lay, fp8=True), cl)
+        assert fp8["compute"] < bf16["compute"]
+        assert fp8["compute"] > bf16["compute"] / 2  # attention core, head, memory-bound: bf16
+    assert H100.ops.gemm(1e12, fp8=True) == pytest.approx(H100.ops.gemm(1e12) / 2, rel=1e-4)
+    a = simulate(SPEC, lay, A100)
+    assert simulate(SPEC, replace(lay, fp8=True), A100)["step"] == a["step"]
+    assert "no FP8" in prune_reason(SPEC, replace(lay, fp8=True), A100, False)
+    asked, pruned = plan(SPEC, A100, 8, 32, micro_batches=[1], top=3, fp8=(False, True))
+    assert not any(c.layout.fp8 for c in asked) and any("no FP8" in p.reason for p in pruned)
+    asked, _ = plan(SPEC, H100, 8, 32, micro_batches=[1], top=3, fp8=(False, True))
+    assert asked[0].layout.fp8
+
+
+def test_selective_recomputation_drops_exactly_the_score_term():
+    """Korthikanti et al. 2022, eq. 2 and sec. 5: per layer 34 s b h + 5 a s^2 b bytes
+    without recomputation (tp = 1), 34 s b h with the attention core recomputed."""
+    from shardwise.planner.memory import block_activation_bytes
+
+    s, b, h, a = 2048, 1, 5120, 40
+    assert block_activation_bytes(MEGATRON, b, s, h, a, 1, False) == 34 * s * b * h + \
+        5 * a * s * s * b
+    sel = replace(MEGATRON, scores=0.0)  # what activation_bytes(selective=True) uses
+    assert block_activation_bytes(sel, b, s, h, a, 1, False) == 34 * s * b * h
+
+
+def test_megatron_2021_pipeline_sends_block_the_compute_stream():
+    """With Megatron-LM 2021's kernels a pipeline send is the sender's time (its
+    scatter/gather: 1 / t of the activation across, an all-gather inside the node), counted
+    in ``pp``; shardwise's sends travel beside compute."""
+    from shardwise.planner.simulate import blocking_p2p, megatron_send_seconds
+
+    spec = NAMED["megatron-39b"]
+    meg = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021")
+    lay = Layout(8, 8, 4, 1, 16)
+    assert blocking_p2p(meg, lay) and not blocking_p2p(A100, lay)
+    assert not blocking_p2p(replace(meg, blocking_sends=False), lay)  # the ablation's switch
+    assert not blocking_p2p(meg, replace(lay, pp=1))
+    send = megatron_send_seconds(spec, lay, meg, 2)
+    whole = meg.link(lay.tp * lay.pp).p2p(1 * 2048 * 8192 * 2)
+    assert 0 < send < whole  # scatter/gather: an eighth across the nodes
+    t = simulate(spec, lay, meg, "bf16")
+    # every micro-batch sends forward from 3 of 4 stages and back from 3: the busiest rank
+    # (stage 1 or 2) blocks 2 m sends at least
+    assert t["pp"] >= 2 * lay.micro_batches * send * (1 - 1e-9)
+    assert sum(t[k] for k in t if k != "step") == pytest.approx(t["step"], rel=1e-9)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
+def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_path, tp, ep):
+    """A TOML Llama with 4 experts: the rank's elements, experts among them, equal what the
+    engine builds (``predict_rank`` on meta) for every tp x ep."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.planner.memory import rank_expert_params, rank_params
+    from shardwise.planner.specs import load_model
+
+    path = tmp_path / "moe.toml"
+    path.write_text('[model]\nkind = "llama"\nn_layer = 2\nn_head = 4\nn_embd = 64\n'
+                    'block_size = 64\nvocab_size = 128\nn_experts = 4\ntop_k = 2\n')
+    spec = load_model(str(path))
+    assert spec.moe and spec.n_experts == 4 and spec.top_k == 2
+    layers = list(range(spec.n_layer + 2))
+    want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32")["params"]
+    assert 4 * rank_params(spec, layers, tp, 1, ep) == want
+    assert rank_expert_params(spec, layers, tp, ep) == spec.n_layer * spec.expert_params // (tp * ep)

@@ -42,7 +42,8 @@ def test_predictions_equal_the_recorded_ones():
         lay = Layout(**row["layout"])
         assert memory_of(spec, lay, cluster.precision) == row["memory"], lay
         t = simulate(spec, lay, cluster)
-        assert set(t) == set(row["time"])
+        assert set(t) == set(row["time"]) | {"cp", "ep"}  # the parts recorded, and cp and
+        assert t["cp"] == t["ep"] == 0.0  # ep's, which came after (none in these layouts)
         for k, old in row["time"].items():
             assert t[k] == pytest.approx(old, rel=1e-9, abs=1e-12 * row["time"]["step"]), (lay, k)
 
@@ -130,7 +131,8 @@ def test_the_1t_plan_answers_fast():
     assert 10 <= len(feasible) < 100
     assert feasible[0].memory["total"] <= 80 * 2**30
     assert cpu < 30, cpu  # about 2 s of CPU on the 2-core machine
-    assert asdict(feasible[0].layout)["tp"] == 8
+    best = asdict(feasible[0].layout)
+    assert best["tp"] * best["cp"] == 8  # the model-parallel ranks fill a node, no more
 
 
 def _cli(capsys, *argv):
@@ -174,7 +176,7 @@ def test_json_output(capsys):
     assert steps == sorted(steps)
     for r in rows:
         lay = r["layout"]
-        assert lay["dp"] * lay["tp"] * lay["pp"] == 16
+        assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 16
         assert r["memory_bytes"]["total"] <= doc["cluster"]["memory_limit_bytes"]
         assert sum(r["split_s"].values()) == pytest.approx(r["step_s"], rel=1e-9)
         assert r["tokens_per_s"] == pytest.approx(64 * 8192 / r["step_s"])
@@ -200,3 +202,66 @@ def test_progress_bar_only_when_slow(capsys, monkeypatch):
     monkeypatch.setattr(search, "simulate", slow)
     plan(spec, cluster, 8, 64, micro_batches=[8], top=5, progress=True)
     assert "plan: simulating" in capsys.readouterr().err
+
+
+def test_json_and_columns_carry_the_new_axes(capsys):
+    """A mixture of experts on H100s: ep in the names, the layouts and the split (JSON), an
+    ep column in the table, aligned; a long sequence: cp likewise."""
+    import json
+    import re
+
+    doc = json.loads(_cli(capsys, "--model", "mixtral-8x7b", "--seq", "4096", "--cluster",
+                          "dgx-h100", "--gpus", "64", "--global-batch", "256", "--top", "5",
+                          "--json").out)
+    assert doc["model"]["n_experts"] == 8 and doc["model"]["top_k"] == 2
+    rows = doc["layouts"]
+    assert any(r["layout"]["ep"] > 1 for r in rows)
+    for r in rows:
+        lay = r["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 64 and lay["dp"] % lay["ep"] == 0
+        assert (f"ep{lay['ep']}" in r["label"]) == (lay["ep"] > 1)
+        assert (r["split_s"]["ep"] > 0) == (lay["ep"] > 1)
+        assert sum(r["split_s"].values()) == pytest.approx(r["step_s"], rel=1e-9)
+    out = _cli(capsys, "--model", "llama3-8b", "--seq", "65536", "--cluster", "dgx-h100",
+               "--gpus", "32", "--global-batch", "32", "--top", "8", "--fp8").out.splitlines()
+    head = next(i for i, line in enumerate(out) if line.lstrip().startswith("#"))
+    rows = out[head:head + 9]
+    assert " cp " in rows[0] and " ep " not in rows[0] and "(fp8:" in out[head - 1]
+    assert any(re.search(r" cp[0-9]+ ", r) for r in rows[1:])
+    for word in ("total", "step ms", "comp", "cp", "opt"):
+        end = rows[0].index(f" {word}") + 1 + len(word)
+        for r in rows[1:]:
+            assert r[end - 1] != " " and (end == len(r) or r[end] == " "), (word, r)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "llama3-8b", "--cluster", "dgx-a100-80gb", "--fp8"], "has no FP8 tensor cores"),
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--ep", "2"], "has no experts"),
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--cp", "2,x"], "--cp 'x'"),
+    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+      "--fp8", "--emit-toml", "/nonexistent/never.toml"], "shardwise train does not run"),
+])
+def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
+    from shardwise.cli.main import main
+
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bounded_search_with_blocking_sends_and_context_parallelism():
+    """Megatron's kernels (sends charged to the sender, none in flight) and a long sequence
+    (cp in the space): the bound still holds and the bounded search finds the same best."""
+    from shardwise.planner.hardware import GEMM_SCALE, per_op
+
+    cluster = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021", GEMM_SCALE)
+    spec = NAMED["gpt3-13b"].with_seq(8192)
+    space = {"micro_batches": [1, 2], "zero": (0, 1)}
+    every, _ = plan(spec, cluster, 32, 64, exhaustive=True, **space)
+    fast, _ = plan(spec, cluster, 32, 64, top=3, **space)
+    assert any(c.layout.cp > 1 for c in every) and any(c.layout.pp > 1 for c in every)
+    key = lambda c: (c.layout, c.time["step"])
+    assert [key(c) for c in fast[:3]] == [key(c) for c in every[:3]]
+    b = Bounds(spec, cluster, "bf16")
+    for c in every:
+        assert lower_bound(b, c.layout) <= c.time["step"] * (1 + 1e-9), c.layout

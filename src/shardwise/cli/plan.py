@@ -9,6 +9,9 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
     shardwise plan --model tinyllama-1.1b --cluster dgx-h100 --gpus 8 --emit-toml tl.toml
     shardwise plan --model megatron-1t --cluster dgx-a100-80gb --gpus 3072 --global-batch 3072
     shardwise plan --model llama3-8b --cluster dgx-h100 --gpus 16 --global-batch 64 --json
+    shardwise plan --model llama3-8b --seq 131072 --cluster dgx-h100 --gpus 64 --global-batch 64
+    shardwise plan --model mixtral-8x7b --seq 4096 --cluster dgx-h100 --gpus 64 --global-batch 256
+    shardwise plan --model llama3-70b --cluster dgx-h100 --gpus 64 --global-batch 256 --fp8
 
 A TOML (``--model PATH`` or ``--config PATH``) is read as ``shardwise train`` reads it: the
 model of its ``model.kind`` (gpt, llama, a kind registered with ``shardwise.register_model``),
@@ -16,10 +19,16 @@ planned from that model's own layers (``planner.specs``). ``--emit-toml`` writes
 train runs: a named Llama as ``model.kind = "llama"`` with its sizes, a TOML's model table
 as it was.
 
-The table's columns stay aligned whatever the layouts' names; ``--json`` prints one JSON
-document instead (the ranked layouts with memory in bytes and time in seconds, the pruned
-ones counted by reason), for scripts. A search that takes over a second shows a progress
-bar on stderr.
+The search covers context parallelism (cp, where 2 cp divides the sequence) and, for a
+mixture of experts, expert parallelism (ep); ``--cp`` / ``--ep`` restrict their sizes.
+``--fp8`` (a cluster with FP8 tensor cores: dgx-h100) and ``--selective`` (recompute only
+the attention core) add what the engine does not run yet: priced, not emitted.
+
+The table's columns stay aligned whatever the layouts' names; a layout's name says its cp,
+ep, recomputation (rc, rc=attn) and fp8, and the time split gains cp and ep columns when a
+row has them. ``--json`` prints one JSON document instead (the ranked layouts with memory
+in bytes and time in seconds, the pruned ones counted by reason), for scripts. A search
+that takes over a second shows a progress bar on stderr.
 
 Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
 no layout) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
@@ -41,7 +50,7 @@ def build_parser():
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
-                         "llama3-405b), a TOML with a [model] table "
+                         "llama3-405b, mixtral-8x7b), a TOML with a [model] table "
                          "(a shardwise train config), or cnn")
     ap.add_argument("--config", default=None, metavar="PATH",
                     help="a shardwise train config: plan the model it trains (any "
@@ -67,6 +76,16 @@ def build_parser():
                     help="GPU presets' compute model: per operation (GEMMs by size, "
                          "memory-bound kernels by bytes; default) or one fixed matmul "
                          "efficiency (the older model)")
+    ap.add_argument("--cp", default=None, metavar="N[,N]",
+                    help="context-parallel sizes to search (default: every one where 2 cp "
+                         "divides the sequence)")
+    ap.add_argument("--ep", default=None, metavar="N[,N]",
+                    help="expert-parallel sizes to search, a mixture of experts only "
+                         "(default: every divisor of dp that divides the experts)")
+    ap.add_argument("--fp8", action="store_true", help="also price FP8 linear layers (a "
+                    "cluster with FP8 tensor cores: dgx-h100); the engine does not run FP8")
+    ap.add_argument("--selective", action="store_true", help="also price selective "
+                    "recomputation (the attention core only); the engine does not run it")
     ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
                     "memory in bytes, times in seconds, pruned counts by reason) instead of "
                     "the tables")
@@ -123,9 +142,19 @@ def _run(args) -> int:
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
              else cluster.memory_per_rank(world))
+    cps = _sizes(args.cp, "--cp") if args.cp is not None else None
+    eps = _sizes(args.ep, "--ep") if args.ep is not None else None
+    if eps is not None and not spec.moe and eps != [1]:
+        raise SpecError(f"--ep {args.ep}: {spec.name} has no experts (expert parallelism "
+                        "needs a mixture of experts, e.g. mixtral-8x7b)")
+    if args.fp8 and cluster.fp8_flops is None:
+        raise SpecError(f"--fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores "
+                        "(dgx-h100 has)")
     feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
                             memory_limit=limit, tp_across_nodes=args.tp_across_nodes,
-                            top=top, progress=True)
+                            top=top, progress=True, cp=cps, ep=eps,
+                            fp8=(False, True) if args.fp8 else (False,),
+                            selective=(False, True) if args.selective else (False,))
     if not feasible:
         need = smallest_need(pruned)
         if need is not None:
@@ -170,6 +199,11 @@ def _run(args) -> int:
     return 0
 
 
+def _sizes(text: str, flag: str) -> list[int]:
+    """``"1,2,4"`` as whole numbers > 0 (one-line error otherwise)."""
+    return [int(positive_number(x.strip(), flag, integer=True)) for x in text.split(",")]
+
+
 def _name(lay) -> str:
     return lay.label() if lay.micro_batches else f"dp{lay.dp} tp{lay.tp} pp{lay.pp}"
 
@@ -186,7 +220,7 @@ def _pruned_groups(pruned) -> list[tuple[int, list]]:
     return sorted(out, key=lambda g: g[0], reverse=True)
 
 
-SPLIT = ("compute", "tp", "pp", "bubble", "dp", "optimizer")
+SPLIT = ("compute", "tp", "cp", "ep", "pp", "bubble", "dp", "optimizer")
 
 
 def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simulated,
@@ -203,7 +237,8 @@ def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simu
                         "split_s": {k: t[k] for k in SPLIT}})
     return {"model": {"name": spec.name, "kind": spec.family, "params": spec.params,
                       "n_layer": spec.n_layer, "n_embd": spec.n_embd,
-                      "sequence": spec.block_size},
+                      "sequence": spec.block_size, "n_experts": spec.n_experts,
+                      **({"top_k": spec.top_k} if spec.moe else {})},
             "cluster": {"name": cluster.name, "gpu": cluster.gpu,
                         "memory_limit_bytes": float(limit),
                         "compute": cluster.ops.name if cluster.ops else
@@ -221,7 +256,12 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
     tokens = batch * spec.block_size
     labels = [c.layout.label() for c in rows]
     w = max(len("layout"), *(len(x) for x in labels))
-    print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters, {spec.n_layer} layers x "
+    # the split's columns: cp's and ep's only when a row has that axis
+    cols = [k for k in SPLIT if k not in ("cp", "ep")
+            or any(getattr(c.layout, k) > 1 for c in rows)]
+    short = {"compute": "comp", "bubble": "bub", "optimizer": "opt"}
+    moe = (f", {spec.n_experts} experts (top-{spec.top_k})" if spec.moe else "")
+    print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters{moe}, {spec.n_layer} layers x "
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
           f"{world} x {cluster.gpu} ({cluster.name}, "
           f"{limit / GiB:.3g} GiB each), global batch {batch}, {precision}")
@@ -229,15 +269,15 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
              else "measured on this machine" if cluster.cores
              else f"fixed: matmuls at {cluster.efficiency:g} of peak")
     print(f"compute model: {model}")
+    fp8 = " (fp8: linear layers in FP8)" if any(c.layout.fp8 for c in rows) else ""
     print(f"memory per GPU in {unit} (1 {unit} = 2**{int(div).bit_length() - 1} bytes); time "
-          "per step in ms, split "
-          "in % (compute, tp, pp, bubble, dp, optimizer)")
+          f"per step in ms, split in % ({', '.join(cols)}){fp8}")
     print(f"{'#':>3}  {'layout':<{w}}  {'static':>8} {'activ.':>8} {'total':>8} {'step ms':>10} "
-          f"{'tokens/s':>10}  {'comp':>4} {'tp':>3} {'pp':>3} {'bub':>3} {'dp':>3} {'opt':>3}")
+          f"{'tokens/s':>10}  {'comp':>4} " + " ".join(f"{short.get(k, k):>3}" for k in cols[1:]))
     for i, (c, label) in enumerate(zip(rows, labels), 1):
         t, m = c.time, c.memory
         static = m["params"] + m["grads"] + m["optimizer"]
-        pct = [max(0.0, 100 * t[k] / t["step"]) for k in SPLIT]  # no "-0" from rounding
+        pct = [max(0.0, 100 * t[k] / t["step"]) for k in cols]  # no "-0" from rounding
         print(f"{i:>3}  {label:<{w}}  {static / div:>8.3f} {m['activations'] / div:>8.3f} "
               f"{m['total'] / div:>8.3f} {t['step'] * 1e3:>10.1f} {tokens / t['step']:>10.0f}  "
               + f"{pct[0]:>4.0f} " + " ".join(f"{p:>3.0f}" for p in pct[1:]))
@@ -247,7 +287,13 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     """Write ``lay`` as a train config. A TOML model keeps its sections, its model table as
     written (any ``model.kind``; ``block_size`` the planned sequence); a named model gets
     its sizes written out (``ModelSpec.model_table``: a Llama as ``model.kind = "llama"``
-    with its key/value heads, SwiGLU width and rotary base). Returns the path."""
+    with its key/value heads, SwiGLU width and rotary base, and its experts). A layout the
+    engine does not run (fp8, selective recomputation) is refused in one line. Returns the
+    path."""
+    if lay.fp8 or lay.selective:
+        what = "FP8" if lay.fp8 else "selective recomputation"
+        raise SpecError(f"--emit-toml: the best layout ({lay.label()}) uses {what}, which "
+                        "shardwise train does not run; drop --fp8 / --selective to emit one")
     data: dict = {}
     src = Path(model_arg)
     if src.is_file():
@@ -262,7 +308,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
                      "micro_batches": lay.micro_batches, "schedule": lay.schedule,
                      "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero, "recompute": lay.recompute,
-                     "sequence_parallel": lay.sp, "partition": lay.partition})
+                     "sequence_parallel": lay.sp, "partition": lay.partition,
+                     "cp": lay.cp, "ep": lay.ep})
     training = dict(data.get("training", {}))
     training.update({"global_batch_size": batch, "precision": precision})
     out = {**data, "model": model, "parallel": parallel, "training": training}

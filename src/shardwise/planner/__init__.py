@@ -1,12 +1,14 @@
 """Planner and simulator: choose the layout for a model and a cluster, predict its memory
 per GPU and its step time (``shardwise plan``).
 
-- ``specs``: model sizes (named GPT-2 ... 1T, or a TOML ``[model]`` table);
+- ``specs``: model sizes (named GPT-2 ... 1T, Llama, Mixtral 8x7B, or a TOML ``[model]``
+  table);
 - ``hardware``: cluster presets (DGX A100 40/80 GB, DGX H100, this machine calibrated), the
   per-operation compute model (``per_op``) and the fixed-efficiency one (``FIXED_PRESETS``);
 - ``memory``: the one memory model (static bytes exact or closed form, activations after
   Korthikanti et al. 2022), shared with ``shardwise memory``;
-- ``simulate``: step time by walking the pipeline schedule's instruction lists;
+- ``simulate``: step time by walking the pipeline schedule's instruction lists (dp, tp, pp,
+  cp, ep, ZeRO, recomputation, FP8);
 - ``search``: enumerate, prune with reasons, rank; ``cli``: the command line and the TOML.
 """
 

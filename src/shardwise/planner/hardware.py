@@ -10,6 +10,7 @@ preset         GPU (dense bf16 peak)        memory   intra-node link  inter-node
 dgx-a100-40gb  A100 SXM4 312 TFLOP/s [1]    40 GiB   NVLink3 300 GB/s  HDR IB 200 Gb/s [2]
 dgx-a100-80gb  A100 SXM4 312 TFLOP/s [1]    80 GiB   NVLink3 300 GB/s  HDR IB 200 Gb/s [2]
 dgx-h100       H100 SXM5 989 TFLOP/s [3]    80 GiB   NVLink4 450 GB/s  NDR IB 400 Gb/s [4]
+               (FP8: 1,979 TFLOP/s [3])
 local          this machine, measured       RAM      comm profile (``profiles/default.json``)
 =============  ==========================  =======  ===============  =====================
 
@@ -95,6 +96,14 @@ class Link:
         prm = self.params(n)
         return (n - 1) * prm.a(n) + (n - 1) / n * nbytes * prm.b(n)
 
+    def all_to_all(self, n: int, nbytes: float) -> float:
+        """All-to-all of ``nbytes`` per rank (its whole send buffer), (n - 1) / n of it to
+        the n - 1 others, pairwise: n - 1 steps of one message each way."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        prm = self.params(n)
+        return (n - 1) * prm.a(n) + (n - 1) / n * nbytes * prm.b(n)
+
     def p2p(self, nbytes: float) -> float:
         """One message alone on its link (a pipeline send)."""
         prm = self.params(2)
@@ -113,7 +122,8 @@ class Cluster:
     """``flops``: dense peak per GPU at the compute dtype; ``efficiency``: fraction of it
     the matmuls reach; ``overhead_s``: fixed seconds per block pass (kernel launches,
     Python); ``memory``: bytes per GPU; ``share``: ranks per compute unit (local: ranks
-    per core, compute slows by it)."""
+    per core, compute slows by it); ``fp8_flops``: dense FP8 tensor-core peak per GPU
+    (None: the GPU has no FP8 tensor cores, as the A100)."""
 
     name: str
     gpu: str
@@ -133,6 +143,8 @@ class Cluster:
     ops: OpModel | None = None  # per-operation compute model; None: flops x efficiency
     kernels: str = "shardwise"  # which kernels a block runs (KERNELS), for ``ops``
     zero3_overlap: bool = True  # ZeRO-3 gathers overlap compute (``simulate.zero3_exposed``)
+    blocking_sends: bool = False  # pipeline sends block compute (``simulate.blocking_p2p``)
+    fp8_flops: float | None = None
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -169,12 +181,16 @@ class OpModel:
     mem_bw: float
     mem_eff: tuple[tuple[float, float], ...]   # (MB threshold, efficiency), descending
     source: str = ""
+    fp8_flops: float | None = None  # FP8 tensor-core peak (None: none on this GPU)
 
-    def gemm(self, flops: float) -> float:
+    def gemm(self, flops: float, fp8: bool = False) -> float:
+        """Seconds of a GEMM of ``flops``; ``fp8``: at the FP8 peak where the GPU has one,
+        the same efficiency table (Calculon's has none for FP8)."""
         if flops <= 0:
             return 0.0
         g = flops / 1e9
-        return flops / (self.matrix_flops * next(e for t, e in self.gemm_eff if g >= t))
+        peak = self.fp8_flops if fp8 and self.fp8_flops else self.matrix_flops
+        return flops / (peak * next(e for t, e in self.gemm_eff if g >= t))
 
     def memory(self, nbytes: float) -> float:
         if nbytes <= 0:
@@ -208,6 +224,12 @@ def _bf16_peak(gpu: str) -> float:
     return gpu_peak(gpu, "bf16").flops
 
 
+# Dense FP8 tensor-core peak of the H100 SXM5: 3,958 TFLOP/s with 2:4 sparsity in the
+# NVIDIA H100 datasheet, 1,979 dense: twice the bf16 peak. The A100 has no FP8 (its
+# datasheet lists FP16/BF16, TF32, INT8, INT4): the A100 presets have ``fp8_flops`` None.
+H100_FP8 = 1978.9e12
+
+
 # The presets with one efficiency for every matmul (``EFFICIENCY``), the model before the
 # per-operation one: ``--compute fixed``, and what tests/data/planner_baseline.json recorded.
 FIXED_PRESETS: dict[str, Cluster] = {
@@ -217,7 +239,8 @@ FIXED_PRESETS: dict[str, Cluster] = {
                              NVLINK3, HDR, mem_bw=2.039e12, source="NVIDIA A100 and DGX A100 datasheets"),
     "dgx-h100": Cluster("dgx-h100", "H100-SXM5-80GB", _bf16_peak("H100 SXM"), 80 * GiB, 8,
                         NVLINK4, NDR,
-                        mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets"),
+                        mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets",
+                        fp8_flops=H100_FP8),
 }
 
 
@@ -235,7 +258,8 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
     """``cluster`` with the per-operation compute model (``OpModel``, Calculon's documented
     A100/H100 tables over the preset's datasheet peak and memory bandwidth) and links at
     Calculon's efficiencies (NVLink 0.6, InfiniBand 0.9 of the datasheet bandwidth, the
-    same latencies), running ``kernels``. ``gemm_scale`` multiplies every GEMM efficiency
+    same latencies), running ``kernels`` (Megatron-LM 2021's with its blocking pipeline
+    sends: ``Cluster.blocking_sends``). ``gemm_scale`` multiplies every GEMM efficiency
     of the table (1: Calculon's as documented; ``benchmarks/planner_published.py``
     calibrates it on one published run and says so)."""
     if cluster.cores:
@@ -245,13 +269,15 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
     gemm = tuple((t, min(1.0, e * gemm_scale)) for t, e in CALCULON_GEMM)
     ops = OpModel(f"{cluster.gpu} per-op" + (f", GEMMs x {gemm_scale:.3g}"
                                               if gemm_scale != 1.0 else ""),
-                  cluster.flops, gemm, cluster.mem_bw, CALCULON_MEM, CALCULON)
+                  cluster.flops, gemm, cluster.mem_bw, CALCULON_MEM, CALCULON,
+                  fp8_flops=cluster.fp8_flops)
 
     def derate(link: Link, eff: float) -> Link:
         p = link.fixed
         return fabric(f"{link.name} x {eff:g}", eff / p.beta_link, p.alpha)
 
     return replace(cluster, ops=ops, kernels=kernels,
+                   blocking_sends=kernels == "megatron-2021",
                    intra=derate(cluster.intra, CALCULON_NVLINK_EFF),
                    inter=derate(cluster.inter, CALCULON_IB_EFF),
                    source=f"{cluster.source}; per-op: {CALCULON}")

@@ -24,6 +24,13 @@ Static bytes (parameters, gradients, optimizer states) per rank:
   b = 2 for bf16/fp16, 4 for fp32, K = 12 bytes of fp32 master + Adam moments, or 8 in fp32
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
   ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32).
+- context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
+  every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
+- a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
+  every rank) and the experts' 3 h F E / (t ep) on a rank of ep expert-parallel ranks
+  (``parallel.experts.shard``: E / ep experts, their width F split over tp); ZeRO shards
+  the dense parameters over dp and the expert ones over the dp / ep ranks that hold the
+  same experts (``ep_dp``, the group their gradients are reduced over).
 
 Activation bytes per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", sec. 4, Table 2): s b h (R + S/t) +
@@ -38,6 +45,13 @@ those split over t, and A the attention-score term. Two implementations are desc
   per head and token), e values per byte: R = 4e (block input, its LayerNorm output, the
   second LayerNorm's input and output), S = 12e (Q, K, V, attention output, fc output, GELU
   output); under sequence parallelism the two all-gathered LayerNorm outputs stay whole.
+  A mixture of experts (counted, not measured) keeps per token, for each of its k experts,
+  the expert's gate, up, silu and product (4 F e, F split over tp) and the dispatched input
+  and combined output (2 h e, whole), in place of the dense MLP's.
+
+Context parallelism: every per-token term is over the ``s / cp`` tokens a rank holds
+(Korthikanti's 34 s b h falls to 34 s b h / cp); expert parallelism moves no activation
+(each rank runs k assignments per token it holds, balanced routing).
 
 A pipeline rank holds the activations of ``in_flight`` micro-batches of its chunks (1F1B:
 min(p - r, m); interleaved: Narayanan et al.'s warm-up count, GPipe: m); with recompute it
@@ -156,25 +170,57 @@ def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> li
     return out
 
 
-def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int) -> int:
-    """Elements of the parameters a (pipeline, tensor) rank holding ``layers`` keeps
-    (memoised per layer set)."""
-    return _rank_params(spec, tuple(layers), tp, pp)
+def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int, ep: int = 1) -> int:
+    """Elements of the parameters a (pipeline, tensor, expert) rank holding ``layers`` keeps
+    (memoised per layer set; for the closed forms per count of blocks and whether the
+    embedding and the head are among them, all they read)."""
+    if spec.description is None:
+        L = spec.n_layer
+        emb, head = 0 in layers, L + 1 in layers
+        return _closed_params(spec, len(layers) - emb - head, emb, head, tp, pp, ep)
+    return _rank_params(spec, tuple(layers), tp, pp, ep)
 
 
 @lru_cache(maxsize=65536)
-def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int) -> int:
+def _closed_params(spec: ModelSpec, nb: int, emb: bool, head: bool, tp: int, pp: int,
+                   ep: int) -> int:
+    layers = ([0] if emb else []) + list(range(1, nb + 1)) + ([spec.n_layer + 1] if head else [])
+    return _rank_params(spec, tuple(layers), tp, pp, ep)
+
+
+def rank_expert_params(spec: ModelSpec, layers: list[int], tp: int, ep: int = 1) -> int:
+    """Of ``rank_params``, the expert elements (E / ep experts of each block, their width
+    split over tp); 0 for a dense model."""
+    if not spec.moe:
+        return 0
+    blocks = len(layers) - (0 in layers) - (spec.n_layer + 1 in layers)
+    if spec.description is not None:
+        t = described_layers(spec, tp)
+        return sum(t.experts[i] for i in layers) // ep
+    return blocks * spec.expert_params // (tp * ep)
+
+
+@lru_cache(maxsize=65536)
+def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int,
+                 ep: int = 1) -> int:
     L, h = spec.n_layer, spec.n_embd
     if spec.description is not None:  # counted on meta, as the engine shards it
         t = described_layers(spec, tp)
         both = 0 in layers and L + 1 in layers  # one rank, one tied matrix
-        return sum(t.counts[i] for i in layers) - (t.tied if both else 0)
+        n = sum(t.counts[i] for i in layers) - (t.tied if both else 0)
+        if ep > 1 and t.experts:
+            n -= sum(t.experts[i] for i in layers) * (ep - 1) // ep
+        return n
     Vp = padded_vocab(spec.vocab_size, tp)
     bias = spec.bias
     # column biases (Q, V, MLP in) split, row biases (out, MLP out) and norms whole
     col_bias = h + spec.kv_heads * (h // spec.n_head) + (2 if spec.gated else 1) * spec.ffn
     per_block = block_params(h, bias, spec) if tp == 1 else (
         block_matmul_params(spec) // tp + (col_bias // tp + 2 * h + 4 * h if bias else 2 * h))
+    if spec.moe:  # attention / t, the router whole, E / ep experts of width F / t, norms
+        attn = block_matmul_params(spec) - spec.expert_params - spec.n_experts * h
+        per_block = (attn // tp + spec.n_experts * h + spec.expert_params // (tp * ep)
+                     + (col_bias // tp + 6 * h if bias else 2 * h))
     n, emb, head = 0, 0 in layers, L + 1 in layers
     n += sum(per_block for i in layers if 1 <= i <= L)
     if emb:
@@ -210,9 +256,11 @@ EXACT_LIMIT = 50_000_000
 @lru_cache(maxsize=4096)
 def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  precision: str, sequence_parallel: bool = False,
-                 bucket_mb: float = 25.0, partition: str = "layers") -> dict:
+                 bucket_mb: float = 25.0, partition: str = "layers", cp: int = 1,
+                 ep: int = 1) -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
-    (over pipeline ranks, and tp ranks in the exact path; dp rank 0)."""
+    (over pipeline ranks, and tp ranks in the exact path; dp rank 0). ``cp``: ZeRO shards
+    over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over dp / ep."""
     # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
     if spec.params <= EXACT_LIMIT and zero > 0:
         d = spec.model()  # the spec's description, or its family's model of these sizes
@@ -222,13 +270,18 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                 r = predict_rank(d, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
                                  chunks_per_rank=v, zero=zero, precision=precision,
                                  bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
-                                 partition_by=partition)
+                                 partition_by=partition, cp=cp, ep=ep)
                 if best is None or r["total"] > best["total"]:
                     best = r
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
     for layers in stage_layers(spec, pp, v, partition):
-        d = zero_bytes(rank_params(spec, layers, tp, pp), dp, zero, precision)
+        P = rank_params(spec, layers, tp, pp, ep)
+        X = rank_expert_params(spec, layers, tp, ep)
+        d = zero_bytes(P - X, dp * cp, zero, precision)
+        if X:
+            x = zero_bytes(X, dp // ep, zero, precision)
+            d = {k: d[k] + x[k] for k in d}
         if best is None or d["total"] > best["total"]:
             best = d
     return best
@@ -254,11 +307,16 @@ class ActivationModel:
 MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, per_layer=True)
 
 
+@lru_cache(maxsize=256)
 def shardwise_model(precision: str, spec: ModelSpec | None = None) -> ActivationModel:
     """The GPT's measured model (module docstring). For a Llama spec (not measured yet: a
     count of what autograd saves) S = e (4 + 4 f / h): Q, K and V repeated to all heads,
     the attention output; gate, up, silu(gate) and their product, f wide each."""
     e = BYTES[precision]
+    if spec is not None and spec.moe:
+        k, F, h = spec.top_k, spec.expert_ffn, spec.n_embd
+        return ActivationModel(f"shardwise-moe-{precision}", e * (4 + 2 * k),
+                               e * (4 + 4 * k * F / h), 2 * e, 0, 8, e)
     if spec is not None and spec.gated:
         return ActivationModel(f"shardwise-llama-{precision}", 4 * e,
                                e * (4 + 4 * spec.ffn / spec.n_embd), 2 * e, 0, 8, e)
@@ -306,6 +364,28 @@ def chunk_blocks(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[
 
 
 @lru_cache(maxsize=65536)
+def _repeated(x: float, n: int) -> float:
+    """``x`` added ``n`` times one by one (``sum`` over a chunk's blocks: the exact float the
+    recorded predictions hold), memoised across calls."""
+    return sum(x for _ in range(n))
+
+
+@lru_cache(maxsize=4096)
+def rank_groups(spec: ModelSpec, pp: int, v: int, partition: str, schedule: str,
+                micro_batches: int) -> tuple:
+    """The pipeline ranks of ``activation_bytes``' maximum, one per distinct set of chunks
+    (their ``chunk_blocks``, in order), each with the most micro-batches any rank of that
+    set holds in flight: every peak grows with that count, so the others cannot be the
+    largest (the search asks for thousands of layouts of one cut)."""
+    chunks_of = chunk_blocks(spec, pp * v, partition)
+    most: dict = {}
+    for r in range(pp):
+        key = tuple(chunks_of[r + i * pp] for i in range(v))
+        most[key] = max(most.get(key, 0), in_flight(schedule, pp, micro_batches, v, r))
+    return tuple((k, key) for key, k in most.items())
+
+
+@lru_cache(maxsize=65536)
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
                      v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
@@ -333,18 +413,16 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
         """nb blocks' bytes added one by one (as a sum over the chunk's layers), + the head."""
         x = sums.get((nb, has_head))
         if x is None:
-            x = sums[(nb, has_head)] = sum(blk for _ in range(nb)) + (head if has_head else 0.0)
+            x = sums[(nb, has_head)] = _repeated(blk, nb) + (head if has_head else 0.0)
         return x
 
-    chunks_of = chunk_blocks(spec, pp * v, partition)
     keep = mb * s * h * e / (tp if sp else 1)
     worst = 0.0
-    for r in range(pp):
-        fulls = [chunk_full(*chunks_of[r + i * pp]) for i in range(v)]
-        k = in_flight(schedule, pp, micro_batches, v, r)
+    for k, chunks in rank_groups(spec, pp, v, partition, schedule, micro_batches):
+        fulls = [chunk_full(*c) for c in chunks]
         if recompute and am.per_layer:  # Megatron: every block's input (2 s b h) kept for
             # each micro-batch in flight, one block recomputed in full at a time
-            nbs = sum(chunks_of[r + i * pp][0] for i in range(v))
+            nbs = sum(c[0] for c in chunks)
             layer_keep = mb * s * h * am.recompute_keep / (tp if sp else 1)
             total = k * nbs * layer_keep + blk
         elif recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is

@@ -1,10 +1,15 @@
 """Search over layouts: enumerate, prune with a reason, simulate, rank.
 
-The space: every dp x tp x pp = world size, micro-batch size (a divisor of the global
+The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of the global
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
-sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1).
-Tensor parallelism stays inside a node unless ``tp_across_nodes``.
+sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
+context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks)
+and the model has no experts (the engine refuses cp with them); for a mixture of experts,
+expert parallelism ep over the divisors of dp that divide the experts (ZeRO-3 and sequence
+parallelism refused with experts, as the engine does); FP8 (``fp8=(False, True)``) and
+selective recomputation (``selective=(False, True)``) only when asked, since the engine
+runs neither. Tensor parallelism stays inside a node unless ``tp_across_nodes``.
 
 Order of work (``plan``), each pruned layout keeping its reason (``Pruned``; a whole group
 pruned for one reason is one record with its ``count``):
@@ -30,7 +35,8 @@ from __future__ import annotations
 
 import heapq
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from operator import add
 
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import (
@@ -43,9 +49,11 @@ from shardwise.planner.memory import (
 )
 from shardwise.planner.simulate import (
     Layout,
+    blocking_p2p,
     chunk_costs,
     dp_seconds,
     optimizer_seconds,
+    p2p_bytes,
     simulate,
     tied_seconds,
 )
@@ -75,34 +83,58 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_choices(spec: ModelSpec, world: int, cp: list[int] | None = None) -> list[int]:
+    """Context-parallel sizes of the space: ``cp`` if given, else every divisor c of the
+    world size with 2 c dividing the sequence (each cp rank holds chunks i and 2c-1-i)."""
+    if cp is not None:
+        return [c for c in cp if world % c == 0]
+    return [c for c in divisors(world) if spec.block_size % (2 * c) == 0 or c == 1]
+
+
+def ep_choices(spec: ModelSpec, dp: int, ep: list[int] | None = None) -> list[int]:
+    """Expert-parallel sizes for ``dp`` replicas: 1 for a dense model, else the divisors of
+    dp that divide the experts (or those of ``ep``)."""
+    if not spec.moe:
+        return [1]
+    return [e for e in (ep or divisors(dp)) if dp % e == 0 and spec.n_experts % e == 0]
+
+
 def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                       micro_batches: list[int] | None = None, zero: list[int] = (0, 1, 2, 3),
                       recompute: list[bool] = (False, True), sp: list[bool] = (False, True),
                       schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
-                      pp_max: int | None = None, partitions: list[str] = ("layers", "params")):
+                      pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
+                      cp: list[int] | None = None, ep: list[int] | None = None,
+                      fp8: list[bool] = (False,), selective: list[bool] = (False,)):
     """Yield every layout of the space (feasible or not)."""
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            if pp_max and pp > pp_max:
-                continue
-            dp = world // (tp * pp)
-            if global_batch % dp:
-                yield Layout(dp, tp, pp, 0, 0), f"global batch {global_batch} is not divisible by dp={dp}"
-                continue
-            per = global_batch // dp
-            for mb in (micro_batches or divisors(per)):
-                if per % mb:
+    modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
+    for c in cp_choices(spec, world, cp):
+        for tp in divisors(world // c):
+            for pp in divisors(world // (tp * c)):
+                if pp_max and pp > pp_max:
                     continue
-                m = per // mb
-                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
-                    [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
-                for kind, v in scheds:
-                    for z in zero:
-                        for rc in recompute:
-                            for s in (sp if tp > 1 else (False,)):
-                                for cut_by in (partitions if pp > 1 else ("layers",)):
-                                    yield Layout(dp, tp, pp, mb, m, kind, v, z, rc, s,
-                                                 cut_by), None
+                dp = world // (tp * pp * c)
+                if global_batch % dp:
+                    yield Layout(dp, tp, pp, 0, 0, cp=c), \
+                        f"global batch {global_batch} is not divisible by dp={dp}"
+                    continue
+                per = global_batch // dp
+                for mb in (micro_batches or divisors(per)):
+                    if per % mb:
+                        continue
+                    m = per // mb
+                    scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
+                        [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
+                    for kind, v in scheds:
+                        for e in ep_choices(spec, dp, ep):
+                            for z in zero:
+                                for f8 in fp8:
+                                    for rc, sel in modes:
+                                        for s in (sp if tp > 1 else (False,)):
+                                            for cut_by in (partitions if pp > 1
+                                                           else ("layers",)):
+                                                yield Layout(dp, tp, pp, mb, m, kind, v, z, rc,
+                                                             s, cut_by, sel, c, e, f8), None
 
 
 def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool) -> str | None:
@@ -121,6 +153,17 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
     return None
 
 
+def cp_reason(spec: ModelSpec, cp: int) -> str | None:
+    """The reasons that hold for every layout of one cp size."""
+    if cp > 1 and spec.block_size % (2 * cp):
+        return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
+                "(each cp rank holds chunks i and 2cp-1-i)")
+    if cp > 1 and spec.moe:
+        return (f"cp={cp} with {spec.n_experts} experts (the engine refuses context "
+                "parallelism with a mixture of experts: docs/moe.md)")
+    return None
+
+
 def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
     if pp * v > spec.n_layer + 2:
         return f"{pp * v} pipeline chunks for {spec.n_layer + 2} layers"
@@ -132,8 +175,14 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
     tp must divide: a described model's own (``ModelSpec.tp_divides``, what the engine
     checks), else the heads, key/value heads and MLP width."""
     why = tp_reason(spec, lay.tp, cluster, tp_across_nodes) or chunks_reason(
-        spec, lay.pp, lay.chunks_per_rank)
+        spec, lay.pp, lay.chunks_per_rank) or cp_reason(spec, lay.cp)
+    if not why and lay.fp8 and cluster.fp8_flops is None:
+        why = fp8_reason(cluster)
     return why or layout_reason(spec, lay)
+
+
+def fp8_reason(cluster: Cluster) -> str:
+    return f"fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores"
 
 
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
@@ -142,27 +191,44 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
         return "ZeRO-3 with pipeline parallelism (the engine refuses it, as DeepSpeed)"
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
         return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
-    if lay.sp and spec.block_size % lay.tp:
-        return f"sequence parallelism: tp={lay.tp} does not divide the sequence {spec.block_size}"
-    if lay.zero and lay.dp == 1:
+    if lay.sp and (spec.block_size // lay.cp) % lay.tp:
+        return (f"sequence parallelism: tp={lay.tp} does not divide the sequence "
+                f"{spec.block_size // lay.cp}" + (" (per cp rank)" if lay.cp > 1 else ""))
+    if lay.ep > 1 and (not spec.moe or lay.dp % lay.ep or spec.n_experts % lay.ep):
+        return (f"ep={lay.ep} must divide dp={lay.dp} and the experts "
+                f"({spec.n_experts})")
+    if lay.sp and spec.moe:
+        return "sequence parallelism with experts (the engine refuses it: routing reads whole sequences)"
+    if lay.zero == 3 and lay.ep > 1:
+        return f"ZeRO-3 with ep={lay.ep} (the engine refuses it: its gathers span dp)"
+    if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:
         return "selective and full recomputation together (full recomputes everything)"
     return None
 
 
-def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shardwise") -> dict:
+def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shardwise",
+              static: bool = True) -> dict:
     """Bytes per GPU of ``lay``: the static bytes and the activations of the kernels a block
     runs (``hardware.KERNELS``: shardwise's measured model, or Megatron-LM's of Korthikanti
-    et al. 2022 for ``megatron-2021``)."""
+    et al. 2022 for ``megatron-2021``). ``static=False``: the activations' bytes alone (a
+    number)."""
+    if not static:
+        return activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
+                                micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
+                                schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
+                                precision=precision, partition=lay.partition,
+                                am=MEGATRON if kernels == "megatron-2021" else None,
+                                selective=lay.selective, cp=lay.cp)
     st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
-                      lay.sp, partition=lay.partition)
+                      lay.sp, partition=lay.partition, cp=lay.cp, ep=lay.ep)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition,
                            am=MEGATRON if kernels == "megatron-2021" else None,
-                           selective=lay.selective)
+                           selective=lay.selective, cp=lay.cp)
     return {**st, "activations": act, "total": st["total"] + act}
 
 
@@ -181,14 +247,23 @@ class Bounds:
     def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str):
         self.spec, self.cluster, self.precision = spec, cluster, precision
         self._costs: dict = {}
+        self._blocks: dict = {}  # chunk_costs' per-block prices
         self._extras: dict = {}
+        self._ranks: dict = {}  # a rank's extras by what they read of its layers
+        self._ends: dict = {}  # lower_bound's per-rank ends, by chunk costs and m
+
+    @staticmethod
+    def costs_key(lay: Layout) -> tuple:
+        """What ``chunk_costs`` reads of a layout (not ZeRO, dp or the micro-batch count)."""
+        return (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
+                lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8)
 
     def costs(self, lay: Layout):
-        key = (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
-               lay.recompute, lay.partition)
+        key = self.costs_key(lay)
         c = self._costs.get(key)
         if c is None:
-            c = self._costs[key] = chunk_costs(self.spec, lay, self.cluster, self.precision)
+            c = self._costs[key] = chunk_costs(self.spec, lay, self.cluster, self.precision,
+                                               memo=self._blocks)
         return c
 
     def extras(self, lay: Layout) -> list[float]:
@@ -197,16 +272,26 @@ class Bounds:
         optimizer (the same functions)."""
         z3 = (lay.micro_batches, lay.micro_batch_size, lay.sp, lay.recompute,
               lay.selective) if lay.zero == 3 else ()  # its gathers hide behind compute
-        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero, z3)
+        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero, z3,
+               lay.cp, lay.ep, lay.fp8 if lay.zero == 3 else False)
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
             x = []
+            L = spec.n_layer
             for r, layers in enumerate(stage_layers(spec, lay.pp, lay.chunks_per_rank,
                                                     lay.partition)):
-                after, inside = dp_seconds(spec, lay, cl, prec, layers)
-                x.append(after + inside + tied_seconds(spec, lay, cl, prec, r)
-                         + optimizer_seconds(spec, lay, cl, layers))
+                # a named size's dp and optimizer seconds read only how many blocks a rank
+                # holds and whether the embedding and head are among them (rank_params)
+                sig = ((len(layers), 0 in layers, L + 1 in layers)
+                       if spec.description is None and lay.zero != 3 else tuple(layers))
+                rk = (key, sig)
+                own = self._ranks.get(rk)
+                if own is None:
+                    after, inside = dp_seconds(spec, lay, cl, prec, layers)
+                    own = self._ranks[rk] = (after + inside, optimizer_seconds(spec, lay, cl,
+                                                                               layers))
+                x.append(own[0] + tied_seconds(spec, lay, cl, prec, r) + own[1])
             self._extras[key] = x
         return x
 
@@ -223,38 +308,45 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     ex = b.extras(lay)
     if p == 1:
         return m * sum(c[0] + c[1] for c in costs) + ex[0]
-    spec, e = b.spec, BYTES[b.precision]
-    msg = lay.micro_batch_size * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
-    hop = b.cluster.link(lay.tp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s
-    work = [0.0] * p
-    for c, cc in enumerate(costs):
-        work[c % p] += cc[0] + cc[1]
-    best, head, tail = 0.0, 0.0, 0.0
-    for r in range(p):
-        end = head + m * work[r]
-        best = max(best, end + ex[r], end + tail + ex[0])
-        head += costs[r][0] + hop
-        tail += costs[r][1] + hop
-    return best
+    key = (b.costs_key(lay), m)
+    ends = b._ends.get(key)
+    if ends is None:  # per rank: the end of its own work, and of the backward chain after
+        spec, e = b.spec, BYTES[b.precision]
+        msg = p2p_bytes(spec, lay, e)
+        hop = 0.0 if blocking_p2p(b.cluster, lay) else (
+            b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
+        work = [0.0] * p
+        for c, cc in enumerate(costs):
+            work[c % p] += cc[0] + cc[1]
+        own, chain, head, tail = [], [], 0.0, 0.0
+        for r in range(p):
+            end = head + m * work[r]
+            own.append(end)
+            chain.append(end + tail)
+            head += costs[r][0] + hop
+            tail += costs[r][1] + hop
+        ends = b._ends[key] = (own, max(chain))
+    own, chain = ends
+    return max(max(map(add, own, ex)), chain + ex[0])
 
 
-def _space(spec, world, global_batch, micro_batches, zero, recompute, sp, schedules, vs,
-           pp_max, partitions):
-    """Per (tp, pp): dp, the micro-batch sizes, and the (kind, v) schedules of the space."""
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            if pp_max and pp > pp_max:
-                continue
-            dp = world // (tp * pp)
-            scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
-                [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
-            per = global_batch // dp if global_batch % dp == 0 else 0
-            mbs = [mb for mb in (micro_batches or divisors(per)) if per and per % mb == 0]
-            yield tp, pp, dp, per, mbs, scheds
+def _space(spec, world, global_batch, micro_batches, schedules, vs, pp_max, cps):
+    """Per (cp, tp, pp): dp, the micro-batch sizes, the (kind, v) schedules of the space."""
+    for cp in cps:
+        for tp in divisors(world // cp):
+            for pp in divisors(world // (tp * cp)):
+                if pp_max and pp > pp_max:
+                    continue
+                dp = world // (tp * pp * cp)
+                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
+                    [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
+                per = global_batch // dp if global_batch % dp == 0 else 0
+                mbs = [mb for mb in (micro_batches or divisors(per)) if per and per % mb == 0]
+                yield cp, tp, pp, dp, per, mbs, scheds
 
 
-def _count(mbs, scheds, zero, recompute, sp, partitions, tp, pp) -> int:
-    return (len(mbs) * len(scheds) * len(zero) * len(recompute)
+def _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps=(1,), fp8=(False,)) -> int:
+    return (len(mbs) * len(scheds) * len(zero) * len(modes) * len(eps) * len(fp8)
             * (len(sp) if tp > 1 else 1) * (len(partitions) if pp > 1 else 1))
 
 
@@ -266,13 +358,16 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          recompute: list[bool] = (False, True), sp: list[bool] = (False, True),
          schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
          pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
-         selective: list[bool] = (False,)) -> tuple[list, list]:
+         selective: list[bool] = (False,), cp: list[int] | None = None,
+         ep: list[int] | None = None, fp8: list[bool] = (False,)) -> tuple[list, list]:
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
     stderr when the search takes over a second. ``selective=(False, True)`` adds selective
-    recomputation (the attention core only) to the space: the model prices it, the engine
-    does not run it yet, so it is off by default."""
+    recomputation (the attention core only) and ``fp8=(False, True)`` FP8 linear layers to
+    the space: the model prices them, the engine runs neither, so they are off by default.
+    ``cp`` / ``ep``: the context / expert-parallel sizes to search (None: every one the
+    model allows, ``cp_choices`` / ``ep_choices``)."""
     from tqdm import tqdm
 
     precision = precision or cluster.precision
@@ -283,48 +378,79 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     feasible, pruned = [], []
     modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
     bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
-    groups = list(_space(spec, world, global_batch, micro_batches, zero, recompute, sp,
-                         schedules, vs, pp_max, partitions))
-    for tp, pp, dp, per, mbs, scheds in tqdm(groups, desc="plan: layouts", unit="tp x pp",
-                                             **bar):
+    fp8s = tuple(fp8)
+    groups = list(_space(spec, world, global_batch, micro_batches, schedules, vs, pp_max,
+                         cp_choices(spec, world, cp)))
+    for c, tp, pp, dp, per, mbs, scheds in tqdm(groups, desc="plan: layouts",
+                                                unit="cp x tp x pp", **bar):
         if not per:
-            pruned.append(Pruned(Layout(dp, tp, pp, 0, 0),
+            pruned.append(Pruned(Layout(dp, tp, pp, 0, 0, cp=c),
                                  f"global batch {global_batch} is not divisible by dp={dp}"))
             continue
-        why = tp_reason(spec, tp, cluster, tp_across_nodes)
+        eps = ep_choices(spec, dp, ep)
+        first = Layout(dp, tp, pp, mbs[0], per // mbs[0], cp=c) if mbs else None
+        why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c)
         if why:
-            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp)
+            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, fp8s)
             if n:
-                pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0]), why, count=n))
+                pruned.append(Pruned(first, why, count=n))
             continue
+        f8s = fp8s
+        if True in fp8s and cluster.fp8_flops is None:  # the whole fp8 half, one record
+            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, (True,))
+            if n:
+                pruned.append(Pruned(replace(first, fp8=True), fp8_reason(cluster), count=n))
+            f8s = tuple(f for f in fp8s if not f)
         for kind, v in scheds:
             why = chunks_reason(spec, pp, v)
             if why:
-                n = _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp)
+                n = _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp, eps, f8s)
                 if n:
-                    pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0], kind, v),
-                                         why, count=n))
+                    pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0], kind, v,
+                                                cp=c), why, count=n))
                 continue
-            for mb in mbs:
-                m = per // mb
-                for z in zero:
-                    for rc, sel in modes:
-                        for s in (sp if tp > 1 else (False,)):
-                            for cut_by in (partitions if pp > 1 else ("layers",)):
-                                lay = Layout(dp, tp, pp, mb, m, kind, v, z, rc, s, cut_by,
-                                             sel)
-                                why = layout_reason(spec, lay)
-                                if why:
-                                    pruned.append(Pruned(lay, why))
-                                    continue
-                                mem = memory_of(spec, lay, precision, cluster.kernels)
-                                if mem["total"] > limit:
-                                    pruned.append(Pruned(
-                                        lay, f"needs {mem['total'] / GiB:.3g} GiB per GPU, "
-                                        f"more than the {limit / GiB:.3g} GiB it has",
-                                        mem["total"]))
-                                    continue
-                                feasible.append(Candidate(lay, mem))
+            sps = sp if tp > 1 else (False,)
+            for cut_by in (partitions if pp > 1 else ("layers",)):
+                # memory first by a bound: the least static bytes of any ZeRO stage, ep and
+                # sp of the group, then per micro-batch size the least activations; the
+                # layouts left are priced from these same memoised pieces
+                base = Layout(dp, tp, pp, mbs[0] if mbs else 0, per // mbs[0] if mbs else 0,
+                              kind, v, partition=cut_by, cp=c)
+                # sequence parallelism's own reasons (the sequence, experts) read nothing
+                # a group's layouts differ in
+                sp_why = layout_reason(spec, replace(base, sp=True)) if True in sps else None
+                # (not for a ZeRO stage or sp the engine refuses here whatever the rest:
+                # _expand prunes those by their reason)
+                statics = {(z, e, s): static_bytes(spec, dp, tp, pp, v, z, precision, s,
+                                                   partition=cut_by, cp=c, ep=e)
+                           for z in zero for e in eps for s in sps
+                           if not (z == 3 and (pp > 1 or e > 1) or z and dp * c == 1
+                                   or s and sp_why)}
+                least = min((x["total"] for x in statics.values()), default=0.0)
+                n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
+                if statics and least > limit:
+                    if mbs:
+                        pruned.append(Pruned(base, _needs(least, limit, True), least,
+                                             count=n_mb * len(mbs)))
+                    continue
+                for mb in mbs:
+                    m = per // mb
+                    at = Layout(dp, tp, pp, mb, m, kind, v, partition=cut_by, cp=c)
+                    acts = {(rc, sel, s): memory_of(spec, Layout(
+                        dp, tp, pp, mb, m, kind, v, 0, rc, s, cut_by, sel, c), precision,
+                        cluster.kernels, static=False) for rc, sel in modes for s in sps}
+                    least_act = {s: min(acts[(rc, sel, s)] for rc, sel in modes) for s in sps}
+                    if statics and least + min(acts.values()) > limit:
+                        need = least + min(acts.values())
+                        pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
+                        continue
+                    for e in eps:
+                        for z in zero:
+                            for f8 in f8s:
+                                rep = Layout(dp, tp, pp, mb, m, kind, v, z,
+                                             partition=cut_by, cp=c, ep=e, fp8=f8)
+                                _expand(spec, rep, modes, sps, statics, acts, least_act,
+                                        sp_why, limit, feasible, pruned)
     if cluster.cores:  # ranks share cores: the processor-sharing walk, no bound (docstring)
         keep = max(top, 40 if simulate_top is None else simulate_top)
         if len(feasible) > keep and not exhaustive:
@@ -359,6 +485,50 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                  refresh=False)
     done.sort(key=lambda c: (c.time["step"], c.memory["total"]))
     return done, pruned
+
+
+def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, limit,
+            feasible, pruned) -> None:
+    """The layouts of ``rep`` (a micro-batch size, ZeRO stage, ep, fp8) over recomputation
+    modes and sequence parallelism into ``feasible``, or ``pruned`` with a reason (``sp_why``:
+    the group's reason against sequence parallelism, or None): one
+    record for a reason every one of them has (the engine's rules that read neither
+    recomputation nor sp: ``rep`` has neither; memory over the least activations), else
+    one each."""
+    why = layout_reason(spec, rep)
+    if why:
+        pruned.append(Pruned(rep, why, count=len(modes) * len(sps)))
+        return
+    for s in sps:
+        if s and sp_why:  # sequence parallelism's own reason (the sequence, experts)
+            pruned.append(Pruned(replace(rep, sp=True), sp_why, count=len(modes)))
+            continue
+        st = statics[(rep.zero, rep.ep, s)]
+        least = st["total"] + least_act[s]
+        if least > limit:
+            pruned.append(Pruned(replace(rep, sp=s), _needs(least, limit, True), least,
+                                 count=len(modes)))
+            continue
+        for rc, sel in modes:
+            lay = Layout(rep.dp, rep.tp, rep.pp, rep.micro_batch_size, rep.micro_batches,
+                         rep.schedule, rep.chunks_per_rank, rep.zero, rc, s, rep.partition,
+                         sel, rep.cp, rep.ep, rep.fp8)
+            why = layout_reason(spec, lay)
+            if why:
+                pruned.append(Pruned(lay, why))
+                continue
+            act = acts[(rc, sel, s)]
+            total = st["total"] + act
+            if total > limit:
+                pruned.append(Pruned(lay, _needs(total, limit), total))
+                continue
+            feasible.append(Candidate(lay, {**st, "activations": act, "total": total}))
+
+
+def _needs(need: float, limit: float, bound: bool = False) -> str:
+    return (f"needs {'at least ' if bound else ''}{need / GiB:.3g} GiB per GPU"
+            f"{' (its group: a bound)' if bound else ''}, more than the {limit / GiB:.3g} "
+            "GiB it has")
 
 
 def smallest_need(pruned: list[Pruned]) -> float | None:

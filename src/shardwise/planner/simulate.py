@@ -18,9 +18,37 @@ recomputation adds one forward; all divided by tp; seconds = FLOPs / (peak x eff
 + a fixed overhead per block pass. Tensor parallelism: per block two all-reduces of b s h e
 bytes forward and two backward (Shoeybi et al. 2019), or with sequence parallelism an
 all-gather and a reduce-scatter in place of each (Korthikanti et al. 2022); priced on the
-link the tp group crosses. The time split reported: ``compute``, ``tp``, ``pp`` (waiting
-on pipeline transfers beyond the ideal bubble), ``bubble`` (idle with free transfers),
-``dp`` and ``optimizer``, for the slowest rank; they add up to ``step``.
+link the tp group crosses. The time split reported: ``compute``, ``tp``, ``cp`` (ring
+traffic not hidden behind attention), ``ep`` (all-to-all), ``pp`` (waiting on pipeline
+transfers beyond the ideal bubble), ``bubble`` (idle with free transfers), ``dp`` and
+``optimizer``, for the slowest rank; they add up to ``step``.
+
+Context parallelism (``Layout.cp``; Liu et al. 2023, ring attention; the engine's
+``parallel.context``): a rank holds s / cp tokens of each sequence, so every per-token
+GEMM and kernel runs on s / cp tokens and its attention on its queries against all s keys
+(1 / cp of the score FLOPs, causal chunks load-balanced). Per block, forward, the K and V
+blocks go cp - 1 steps round the ring: 2 (cp - 1) / cp of the sequence's K/V bytes
+(2 s b k e / t, k the width passed: ``ring_kv_width``) received per rank; backward K and V
+again and their gradient accumulators dK, dV (fp32, as the engine keeps them) cp steps.
+Each ring pass overlaps the attention compute of its blocks (forward: the attention core,
+backward: twice it), so only what exceeds it is exposed. Gradients of replicated weights
+are reduced over dp x cp (``Topology``'s folded ``dp_cp`` group).
+
+Expert parallelism (``Layout.ep``, folded over dp, mixture-of-experts specs; Lepikhin et
+al. 2020, GShard; the engine's ``parallel.experts``): per MoE block and micro-batch, the
+dispatch and the combine are all-to-alls of the rank's T k token copies (T tokens of h
+values, k experts each), (ep - 1) / ep of them leaving the rank: 2 T k h e (ep - 1) / ep
+bytes forward and as many backward, on the critical path (not overlapped). The experts'
+GEMMs: a rank runs E / ep experts on T k ep / E tokens each (balanced routing), so more ep
+means fewer, larger expert GEMMs. Expert gradients are reduced over the dp / ep ranks
+holding the same experts (``ep_dp``), the dense ones over dp.
+
+FP8 (``Layout.fp8``): the block's linear-layer GEMMs at the FP8 tensor-core peak (twice
+the bf16 one: the H100 datasheet's 1,979 dense TFLOP/s) on a cluster that has one
+(``Cluster.fp8_flops``: ``dgx-h100``; none on the A100s), the attention core, the head
+and every memory-bound kernel as before (Transformer Engine's recipe: FP8 for the linear
+layers only; Micikevicius et al. 2022, "FP8 formats for deep learning"). Memory is
+priced as bf16 (the engine has no FP8; its savings on activations are not claimed).
 """
 
 from __future__ import annotations
@@ -41,10 +69,11 @@ from shardwise.planner.memory import (
     BYTES,
     chunk_blocks,
     padded_vocab,
+    rank_expert_params,
     rank_params,
     stage_layers,
 )
-from shardwise.planner.specs import ModelSpec, block_matmul_params
+from shardwise.planner.specs import ModelSpec, active_matmul_params
 
 
 @dataclass(frozen=True)
@@ -63,98 +92,189 @@ class Layout:
     sp: bool = False
     partition: str = "layers"  # how the engine cuts layers into chunks: layers or params
     selective: bool = False  # recompute only the attention core (Korthikanti et al. 2022)
+    cp: int = 1  # context-parallel ranks per sequence (s / cp tokens each)
+    ep: int = 1  # expert-parallel ranks, folded over dp (ep divides dp)
+    fp8: bool = False  # linear-layer GEMMs in FP8 (Cluster.fp8_flops)
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def label(self) -> str:
         v = self.chunks_per_rank
         sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{v}" if v > 1 else ""))
         extra = ("" if not self.recompute else " rc") + (" rc=attn" if self.selective else "") + (
             "" if not self.sp else " sp") + (
-            " cut=params" if self.partition == "params" and self.pp > 1 else "")
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch_size} "
+            " cut=params" if self.partition == "params" and self.pp > 1 else "") + (
+            " fp8" if self.fp8 else "")
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"dp{self.dp}{ep} tp{self.tp} pp{self.pp}{cp} mb{self.micro_batch_size} "
                 f"m{self.micro_batches}{sched} z{self.zero}{extra}")
 
 
-def block_flops(spec: ModelSpec, mb: int) -> float:
-    """Forward FLOPs of one block: 2 per weight of its matrices per token (GPT: 24 s h^2),
-    and Q K^T and softmax(.) V, 4 s^2 H D (H D = h for the GPT and Llama)."""
+def block_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
+    """Forward FLOPs of one block on one cp rank (``s / cp`` tokens): 2 per weight of its
+    matrices a token meets (GPT: 24 s h^2; experts: the top-k a token goes to), and Q K^T
+    and softmax(.) V, 4 s^2 H D (H D = h for the GPT and Llama), of which a cp rank's
+    queries do 1 / cp."""
     s = spec.block_size
-    return 2 * mb * s * block_matmul_params(spec) + 4 * mb * s * s * spec.attn_width
+    return (2 * mb * s * active_matmul_params(spec) + 4 * mb * s * s * spec.attn_width) / cp
 
 
-def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int):
+def attention_gemm_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
+    """Of ``block_flops``, the attention core's (Q K^T and P V): 4 s^2 H D / cp."""
+    s = spec.block_size
+    return 4 * mb * s * s * spec.attn_width / cp
+
+
+def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
+              cp: int = 1, ep: int = 1):
     """One block's forward on one tp rank, as operations: ``(gemms, moves)``, the FLOPs of
     each GEMM and the bytes each memory-bound operation reads and writes (``e`` bytes per
-    value; T = mb s tokens, d = h / a, k = key/value heads x d, f the MLP width):
+    value; T = mb s / cp tokens on a rank of ``cp`` context-parallel ones, d = h / a, k =
+    key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
-    - GEMMs: Q K V 2 T h (h + 2k) / t; Q K^T and P V 2 mb s^2 H D / t each (batched over
-      the rank's heads); the output projection 2 T h^2 / t; the MLP 2 T h f / t per matrix
-      (2 matrices, 3 gated);
+    - GEMMs: Q K V 2 T h (h + 2k) / t; Q K^T and P V 2 mb s^2 H D / (t cp) each (batched
+      over the rank's heads; its s / cp queries against all s keys); the output projection
+      2 T h^2 / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
+      router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
+      of 2 (T k ep / E) h F / t each (balanced routing);
     - two norms (read and write T h; / t under sequence parallelism);
     - attention, by kernel: ``megatron-2021`` materialises the s x s scores (a fused
       scale-mask-softmax reads and writes them, a dropout reads them and writes them and a
       1-byte mask); ``shardwise`` (flash) keeps them on chip and moves only Q, K, V and the
       output;
-    - the MLP's activation (read and write T f / t; SwiGLU reads two);
+    - the MLP's activation (read and write T f / t; SwiGLU reads two; experts: T k F / t);
     - the two residual adds: ``megatron-2021`` fused bias + dropout + add (reads two,
       writes one, a mask), ``shardwise`` a plain add (reads two, writes one).
     Backward is priced as twice the forward (its GEMMs are two of the same shape, its
     element-wise kernels read and write about twice as much)."""
     s, h, a = spec.block_size, spec.n_embd, spec.n_head
-    T = mb * s
+    T = mb * s // cp
     d = h // a
     k = spec.kv_heads * d
     f = spec.ffn
     att = spec.attn_width
-    gemms = [2 * T * h * (h + 2 * k) / tp, 2 * mb * s * s * att / tp, 2 * mb * s * s * att / tp,
-             2 * T * h * h / tp] + [2 * T * h * f / tp] * (3 if spec.gated else 2)
+    core = 2 * mb * s * s * att / (tp * cp)
+    gemms = [2 * T * h * (h + 2 * k) / tp, core, core, 2 * T * h * h / tp]
+    if spec.moe:
+        E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
+        local = max(1, E // ep)
+        gemms += [2 * T * h * E] + [2 * (T * top / local) * h * F / tp] * (3 * local)
+        f_moved = top * F
+    else:
+        gemms += [2 * T * h * f / tp] * (3 if spec.gated else 2)
+        f_moved = f
     th = T * h * e / (tp if sp else 1)  # a whole-width activation on this rank
     moves = [2 * th, 2 * th]
     if kernels == "megatron-2021":
-        scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s
+        scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s / cp
         moves += [2 * scores * e, scores * (2 * e + 1)]
         moves += [T * h / (tp if sp else 1) * (3 * e + 1)] * 2
     else:
         moves += [T * (h + 2 * k + h) * e / tp]
         moves += [3 * th] * 2
-    moves += [(3 if spec.gated else 2) * T * f * e / tp]
+    moves += [(3 if spec.gated else 2) * T * f_moved * e / tp]
     return gemms, moves
 
 
-def attention_core_ops(spec: ModelSpec, mb: int, tp: int, kernels: str, e: int):
+def attention_core_ops(spec: ModelSpec, mb: int, tp: int, kernels: str, e: int, cp: int = 1):
     """The part of ``block_ops`` selective recomputation runs again (Korthikanti et al.
     2022, sec. 5: Q K^T, softmax, dropout, P V): ``(gemms, moves)``."""
-    gemms, moves = block_ops(spec, mb, tp, False, kernels, e)
+    gemms, moves = block_ops(spec, mb, tp, False, kernels, e, cp)
     return gemms[1:3], (moves[2:4] if kernels == "megatron-2021" else moves[2:3])
 
 
-def op_seconds(cluster: Cluster, ops) -> float:
+def op_seconds(cluster: Cluster, ops, fp8: bool = False) -> float:
+    """Seconds of ``(gemms, moves)`` under ``cluster.ops``; ``fp8``: the GEMMs but the
+    attention core's (``gemms[1:3]`` of a whole block) at the FP8 peak."""
     gemms, moves = ops
-    return sum(cluster.ops.gemm(x) for x in gemms) + sum(cluster.ops.memory(x) for x in moves)
+    g = sum(cluster.ops.gemm(x, fp8 and i not in (1, 2)) for i, x in enumerate(gemms))
+    return g + sum(cluster.ops.memory(x) for x in moves)
 
 
-def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int) -> float:
+def ring_kv_width(spec: ModelSpec, kernels: str) -> int:
+    """Width of the K and V a cp ring passes: shardwise's models repeat grouped key/value
+    heads before attention, so its ring passes all H D (docs/context_parallel.md, "Not
+    done"); Megatron's kernels pass the kv_heads x d of grouped-query attention."""
+    if kernels == "shardwise":
+        return spec.attn_width
+    return spec.kv_heads * (spec.n_embd // spec.n_head)
+
+
+def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int, kernels: str = "shardwise") -> float:
+    """Bytes of one K/V block a cp rank passes on: K and V of its s / cp tokens,
+    2 mb (s / cp) k e / t (k = ``ring_kv_width``)."""
+    kw = ring_kv_width(spec, kernels)
+    return 2 * lay.micro_batch_size * (spec.block_size // lay.cp) * kw * e / lay.tp
+
+
+def ring_bytes(spec: ModelSpec, lay: Layout, e: int,
+               kernels: str = "shardwise") -> tuple[float, float]:
+    """Bytes one rank receives round the cp ring per block, (forward, backward): forward
+    the cp - 1 other K/V blocks, 2 (cp - 1) / cp of the sequence's K/V bytes
+    (2 mb s k e / t, K and V); backward those again and the fp32 dK/dV accumulators of
+    every block (cp steps; the engine accumulates in fp32)."""
+    if lay.cp == 1:
+        return 0.0, 0.0
+    kv = ring_block_bytes(spec, lay, e, kernels)
+    return (lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * kv * 4 / e
+
+
+def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> tuple[float, float]:
+    """Seconds of one block's ring traffic on one rank, (forward, backward), before any
+    overlap (``ring_bytes``): each step one message to the next rank of the ring
+    (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks)."""
+    if lay.cp == 1:
+        return 0.0, 0.0
+    link = cluster.link(lay.tp * lay.cp)
+    blk = ring_block_bytes(spec, lay, e, cluster.kernels)
+    kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
+    return (lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * dkv
+
+
+def all_to_all_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
+    """Bytes one rank sends to other ranks per MoE block and pass (forward; backward the
+    same): dispatch and combine each move the rank's T k token copies of h values, (ep - 1)
+    / ep of them away: 2 T k h e (ep - 1) / ep, T = mb s / cp tokens."""
+    if lay.ep == 1 or not spec.moe:
+        return 0.0
+    T = lay.micro_batch_size * spec.block_size // lay.cp
+    return 2 * T * spec.top_k * spec.n_embd * e * (lay.ep - 1) / lay.ep
+
+
+def all_to_all_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
+    """Seconds of one MoE block's all-to-alls in one pass (dispatch + combine) on one rank
+    (``all_to_all_bytes``; ``Link.all_to_all`` each), on the link the ep group crosses (ep
+    consecutive dp ranks: ep x pp x cp x tp ranks)."""
+    if lay.ep == 1 or not spec.moe:
+        return 0.0
+    T = lay.micro_batch_size * spec.block_size // lay.cp
+    link = cluster.link(lay.ep * lay.pp * lay.cp * lay.tp)
+    return 2 * link.all_to_all(lay.ep, T * spec.top_k * spec.n_embd * e)
+
+
+def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int,
+                 cp: int = 1) -> float:
     """The LM head's forward under the per-operation model: its GEMM 2 T h V / t, the final
     norm, and the vocabulary-parallel cross entropy reading the logits three times (max,
     exp-sum, loss) in fp32."""
-    T, h = mb * spec.block_size, spec.n_embd
+    T, h = mb * spec.block_size // cp, spec.n_embd
     V = padded_vocab(spec.vocab_size, tp) / tp
     return (cluster.ops.gemm(2 * T * h * V) + cluster.ops.memory(2 * T * h * e)
             + cluster.ops.memory(3 * T * V * 4))
 
 
-def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-                dedicated: bool = False):
-    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
-    s in forward, waiting s in backward). Waiting: the sync penalty of ranks sharing cores
-    (``contention``), spent off the core. ``dedicated``: compute as if the rank had a core
-    to itself (the shared walk slows it down)."""
+def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                dedicated: bool = False) -> tuple:
+    """The per-block prices ``chunk_costs`` composes chunks of: (tp seconds of a block,
+    its synchronisations, the embedding's and the loss's tp seconds, a block's and the
+    head's forward compute, the attention core's, a blocking send, the ring's exposed
+    forward and backward, a block's all-to-alls, the sync penalty)."""
     world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
-    e, s, h = BYTES[precision], spec.block_size, spec.n_embd
+    e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd
     tl = cluster.link(lay.tp)
     act = lay.micro_batch_size * s * h * e
     pen = cluster.sync_penalty_s
@@ -164,43 +284,87 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         tp_blk, n_sync = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act)), 4
     else:
         tp_blk, n_sync = 2 * tl.all_reduce(lay.tp, act), 2
-    bf = block_flops(spec, lay.micro_batch_size) / lay.tp
+    bf = block_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
+    fp8 = lay.fp8 and cluster.fp8_flops is not None
     head_f = 2 * lay.micro_batch_size * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
     loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
-    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
-    out = []
+    core_f = attention_gemm_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     if cluster.ops is not None:  # per operation (hardware.OpModel)
         blk_s = op_seconds(cluster, block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp,
-                                              cluster.kernels, e))
-        head_s = head_seconds(spec, lay.micro_batch_size, lay.tp, cluster, e)
+                                              cluster.kernels, e, lay.cp, lay.ep), fp8)
+        head_s = head_seconds(spec, lay.micro_batch_size, lay.tp, cluster, e, lay.cp)
+    elif fp8:  # the linear layers at twice the rate
+        blk_s = (bf - core_f) / (rate * cluster.fp8_flops / cluster.flops) + core_f / rate + over
+        head_s = head_f / rate
     else:
         blk_s, head_s = bf / rate + over, head_f / rate
     attn_s = 0.0
-    if lay.selective:
+    if lay.selective or lay.cp > 1:
         if cluster.ops is not None:
             attn_s = op_seconds(cluster, attention_core_ops(spec, lay.micro_batch_size, lay.tp,
-                                                            cluster.kernels, e))
+                                                            cluster.kernels, e, lay.cp))
         else:
-            attn_s = 4 * lay.micro_batch_size * s * s * spec.attn_width / lay.tp / rate
+            attn_s = core_f / rate
+    send = megatron_send_seconds(spec, lay, cluster, e)
+    ring_f, ring_b = ring_seconds(spec, lay, cluster, e)
+    cp_f, cp_b = max(0.0, ring_f - attn_s), max(0.0, ring_b - 2 * attn_s)  # overlapped
+    a2a = all_to_all_seconds(spec, lay, cluster, e)
+    return (tp_blk, n_sync, emb_tp, loss_tp, blk_s, head_s, attn_s, send, cp_f, cp_b, a2a,
+            pen)
+
+
+def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                dedicated: bool = False, memo: dict | None = None):
+    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
+    s in forward, waiting s in backward, cp s, ep s, blocking pp s). Waiting: the sync
+    penalty of ranks sharing cores (``contention``), spent off the core. ``dedicated``:
+    compute as if the rank had a core to itself (the shared walk slows it down). cp, ep and
+    pp: the exposed ring, all-to-all and blocking-send seconds of the chunk, forward +
+    backward, counted in the tp columns too (communication inside compute; ``simulate``
+    splits them out). ``memo``: a dict kept by the caller for one search, holding the
+    per-block prices (``block_costs``) of layouts that differ only in their chunks."""
+    key = (lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size, lay.sp,
+           lay.cp, lay.ep, lay.fp8, lay.selective, dedicated)
+    blk = None if memo is None else memo.get(key)
+    if blk is None:
+        blk = block_costs(spec, lay, cluster, precision, dedicated)
+        if memo is not None:
+            memo[key] = blk
+    (tp_blk, n_sync, emb_tp, loss_tp, blk_s, head_s, attn_s, send, cp_f, cp_b, a2a,
+     pen) = blk
+    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+    out = []
+    seen: dict = {}
     for c, (nb, head) in enumerate(chunks):
         emb = c == 0  # the first chunk holds the embedding
+        if (nb, head, emb) in seen:  # the same arithmetic as the chunk priced before
+            out.append(seen[(nb, head, emb)])
+            continue
         comp_f = nb * blk_s + (head_s if head else 0.0)
-        tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0)
+        cpf, epf = nb * cp_f, nb * a2a
+        tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
         syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
         wait_f = syncs * pen
-        tpb = nb * tp_blk + (loss_tp if head else 0.0)  # backward: the block collectives
+        cpb, epb = nb * cp_b, nb * a2a
+        tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
         wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
         comp_b = 2 * comp_f
         if lay.recompute:
             comp_b += comp_f
             tpb += tpf
             wait_b += wait_f
+            cpb, epb = cpb + cpf, epb + epf
         elif lay.selective:  # the attention core's forward again, no collective in it
             comp_b += nb * attn_s
+        # a blocking send (Megatron-LM 2021): the activation on, unless the head is here;
+        # the gradient back, unless the embedding is
+        ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
+        tpf, tpb = tpf + ppf, tpb + ppb
         out.append((comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f, tpb + wait_b,
-                    wait_f, wait_b))
+                    wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
+        seen[(nb, head, emb)] = out[-1]
     return out
 
 
@@ -208,19 +372,24 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                layers: list[int]) -> tuple[float, float]:
     """(seconds of dp collectives after the flush, seconds of ZeRO-3 gathers inside the
     schedule) for a rank holding ``layers``."""
-    if lay.dp == 1:
+    n = lay.dp * lay.cp  # every replica of the dense weights
+    if n == 1:
         return 0.0, 0.0
     e = BYTES[precision]
-    P = rank_params(spec, layers, lay.tp, lay.pp)
+    X = rank_expert_params(spec, layers, lay.tp, lay.ep)
+    P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep) - X
     link = cluster.link(lay.world)
-    n, x, pen = lay.dp, P * e, cluster.sync_penalty_s
+    x, pen = P * e, cluster.sync_penalty_s
+    nx = lay.dp // lay.ep  # the ranks holding the same experts (ep_dp), a stride of ep
     if lay.zero == 0:
-        return link.all_reduce(n, x) + pen, 0.0
+        return link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen, 0.0
     if lay.zero in (1, 2):
-        return link.reduce_scatter(n, x) + link.all_gather(n, x) + 2 * pen, 0.0
+        return (link.reduce_scatter(n, x) + link.all_gather(n, x) + link.reduce_scatter(nx, X * e)
+                + link.all_gather(nx, X * e) + 2 * pen, 0.0)
     if cluster.zero3_overlap and not cluster.cores:
         return 0.0, lay.micro_batches * zero3_exposed(spec, lay, cluster, precision, layers)
     units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
+    x = (P + X) * e  # every parameter over dp x cp (the engine refuses ZeRO-3 with ep > 1)
     return 0.0, lay.micro_batches * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x)
                                      + 3 * units * pen)
 
@@ -230,11 +399,11 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
     """Forward seconds of one micro-batch through one layer of each kind (its compute and
     tensor-parallel collectives, as ``chunk_costs`` prices them): ``embed``, ``block``,
     ``head``."""
-    one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp)
+    one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp, cp=lay.cp, fp8=lay.fp8)
     c = chunk_costs(replace(spec, n_layer=1), one, cluster, precision)[0]
     blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0][0] - c[0]
     e = BYTES[precision]
-    act = lay.micro_batch_size * spec.block_size * spec.n_embd * e
+    act = lay.micro_batch_size * spec.block_size // lay.cp * spec.n_embd * e
     emb = cluster.link(lay.tp).all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
     return {"embed": emb, "block": blk, "head": c[0] - blk - emb}
 
@@ -248,7 +417,7 @@ def zero3_exposed(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     is exposed; in backward the unit's gather again (prefetched during the later unit's
     backward, which also carries that unit's reduce-scatter on the same stream), and the
     last reduce-scatter after the last backward."""
-    e, n, L = BYTES[precision], lay.dp, spec.n_layer
+    e, n, L = BYTES[precision], lay.dp * lay.cp, spec.n_layer
     link = cluster.link(lay.world)
     fwd = unit_forward_seconds(spec, lay, cluster, precision)
     kind = ["embed" if i == 0 else "head" if i == L + 1 else "block" for i in layers]
@@ -269,16 +438,17 @@ def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     """The all-reduce of a tied embedding's gradient between the first and last pipeline
     ranks (``r`` one of them, pp > 1), else 0."""
     if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)):
-        return cluster.link(lay.tp * lay.pp).all_reduce(
+        return cluster.link(lay.tp * lay.cp * lay.pp).all_reduce(
             2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * BYTES[precision])
     return 0.0
 
 
 def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
     """AdamW over this rank's masters: ~40 bytes of memory traffic per element."""
-    P = rank_params(spec, layers, lay.tp, lay.pp)
+    P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep)
     if lay.zero:
-        P = P / lay.dp
+        X = rank_expert_params(spec, layers, lay.tp, lay.ep)
+        P = (P - X) / (lay.dp * lay.cp) + X / (lay.dp // lay.ep)
     share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
     return 40 * P / cluster.mem_bw * share
 
@@ -556,6 +726,42 @@ def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
     return end_of, busy, tp_time, events
 
 
+def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
+    """Bytes of one pipeline transfer: a micro-batch's activation (s / cp tokens; / t
+    under sequence parallelism)."""
+    return (lay.micro_batch_size * (spec.block_size // lay.cp) * spec.n_embd * e
+            / (lay.tp if lay.sp else 1))
+
+
+def _rank_comm(costs, r: int, lay: Layout) -> tuple[float, float, float]:
+    """(cp, ep, blocking pp) seconds rank ``r`` spends in the walk: m passes of each of its
+    chunks."""
+    mine = [c for i, c in enumerate(costs) if i % lay.pp == r]
+    if not any(c[6] or c[7] or c[8] for c in mine):
+        return 0.0, 0.0, 0.0
+    return tuple(lay.micro_batches * sum(c[i] for c in mine) for i in (6, 7, 8))
+
+
+def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:
+    """Whether pipeline transfers block the compute stream: Megatron-LM as Narayanan et al.
+    2021 ran it (``Cluster.blocking_sends``, set by ``per_op(kernels="megatron-2021")``: its
+    ``p2p_communication`` posts a batched isend/irecv and waits on it before the next
+    micro-batch, 1F1B's send_forward_recv_backward included), so a send's time is the
+    sender's and nothing travels on its own."""
+    return lay.pp > 1 and cluster.blocking_sends
+
+
+def megatron_send_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
+    """Seconds a blocking send takes (``blocking_p2p``; else 0): Megatron's scatter/gather
+    (Narayanan et al. 2021, sec. 4.1): each of the t ranks sends 1 / t of the activation
+    over the link between the stages, the receiving ranks all-gather it over NVLink."""
+    if not blocking_p2p(cluster, lay):
+        return 0.0
+    msg = lay.micro_batch_size * (spec.block_size // lay.cp) * spec.n_embd * e
+    return (cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg / lay.tp)
+            + cluster.link(lay.tp).all_gather(lay.tp, msg))
+
+
 def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | None = None,
              with_events: bool = False) -> dict:
     """Predicted seconds of one optimizer step and its split (see the module docstring)."""
@@ -564,8 +770,9 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
     shared = bool(cluster.cores)
     costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
     e = BYTES[precision]
-    msg = lay.micro_batch_size * spec.block_size * spec.n_embd * e / (lay.tp if lay.sp else 1)
-    p2p = (cluster.link(lay.tp * lay.pp).p2p(msg) + cluster.sync_penalty_s) if lay.pp > 1 else 0.0
+    msg = p2p_bytes(spec, lay, e)
+    p2p = (cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + cluster.sync_penalty_s
+           ) if lay.pp > 1 and not blocking_p2p(cluster, lay) else 0.0
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
@@ -585,8 +792,9 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
         tied = tied_seconds(spec, lay, cluster, precision, r)
         totals.append(end[r] + dp_inside + dp_after + tied + opt)
-        parts.append({"compute": busy[r], "tp": tp_time[r],
-                      "pp": max(0.0, end[r] - ideal_end[r]),
+        cp_r, ep_r, pp_r = _rank_comm(costs, r, lay)
+        parts.append({"compute": busy[r], "tp": tp_time[r] - cp_r - ep_r - pp_r, "cp": cp_r,
+                      "ep": ep_r, "pp": max(0.0, end[r] - ideal_end[r]) + pp_r,
                       "dp": dp_after + dp_inside + tied, "optimizer": opt})
     # the split of the bottleneck stage (most compute); its idle time is the bubble
     star = max(range(lay.pp), key=lambda r: busy[r] + tp_time[r])

@@ -20,7 +20,12 @@ Named sizes:
 - Llama: TinyLlama 1.1B (Zhang et al. 2024, arXiv:2401.02385, sec. 2.2), Llama 2 7B/13B/70B
   (Touvron et al. 2023, arXiv:2307.09288, Table 1; sizes of the released config.json),
   Llama 3 8B/70B/405B (Grattafiori et al. 2024, arXiv:2407.21783, Table 3; context 8192, the
-  pre-training length: Llama 3.1's 128K is ``--seq 131072``).
+  pre-training length: Llama 3.1's 128K is ``--seq 131072``);
+- mixture of experts: Mixtral 8x7B (Jiang et al. 2024, arXiv:2401.04088, Table 1: 32
+  layers, width 4096, 32 heads, 8 key/value heads, 8 SwiGLU experts of width 14336, top-2,
+  vocabulary 32000, context 32768; rotary base 1e6 from the released config.json): 46.7B
+  parameters, 12.9B active per token. The planner searches expert parallelism (ep) only
+  for such a model.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -56,7 +61,10 @@ class ModelSpec:
     ``rope_theta``: the Llama's rotary base (written by ``plan --emit-toml``).
     ``attention_width``: H D of the attention's s^2 terms (None: h, as the GPT and Llama).
     ``description``: the ``ModelDescription`` a spec was made from (None for the named
-    sizes: ``model()`` builds it from the sizes); ``tp_divides``: its sizes tp must divide."""
+    sizes: ``model()`` builds it from the sizes); ``tp_divides``: its sizes tp must divide.
+    ``n_experts`` > 0: every block's MLP is a mixture of that many SwiGLU experts of width
+    ``moe_ffn_hidden`` (None: ``ffn_hidden``), each token routed to ``top_k`` of them
+    (``models.moe``; a router of E x h weights, replicated over tp)."""
 
     name: str
     n_layer: int
@@ -74,6 +82,9 @@ class ModelSpec:
     attention_width: int | None = None
     tp_divides: tuple[tuple[str, int], ...] = ()
     description: Any = field(default=None, compare=False, repr=False)
+    n_experts: int = 0
+    top_k: int = 2
+    moe_ffn_hidden: int | None = None
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -98,7 +109,10 @@ class ModelSpec:
                    rope_theta=float(getattr(cfg, "rope_theta", 10000.0)),
                    n_params=sum(p.numel() for p in model.parameters()),
                    attention_width=d.attention_width,
-                   tp_divides=tuple(d.tp_divides.items()), description=d)
+                   tp_divides=tuple(d.tp_divides.items()), description=d,
+                   n_experts=getattr(cfg, "n_experts", 0) or 0,
+                   top_k=getattr(cfg, "top_k", 2) or 2,
+                   moe_ffn_hidden=getattr(cfg, "moe_ffn_hidden", None) or None)
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -116,8 +130,10 @@ class ModelSpec:
              "vocab_size": self.vocab_size, "tie_weights": self.tie_weights}
         if self.family == "gpt":
             return {**t, "bias": self.bias}
+        moe = ({"n_experts": self.n_experts, "top_k": self.top_k,
+                "moe_ffn_hidden": self.expert_ffn} if self.moe else {})
         return {**t, "n_kv_heads": self.kv_heads, "ffn_hidden": self.ffn,
-                "rope_theta": float(self.rope_theta)}
+                "rope_theta": float(self.rope_theta), **moe}
 
     def model(self):
         """The ``ModelDescription`` of this spec: its own, or the registered kind
@@ -143,6 +159,21 @@ class ModelSpec:
         return self.ffn_hidden or 4 * self.n_embd
 
     @property
+    def moe(self) -> bool:
+        """A mixture of experts in every block (``n_experts`` > 0)."""
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each expert's SwiGLU width F: ``moe_ffn_hidden``, or ``ffn``."""
+        return self.moe_ffn_hidden or self.ffn
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one block's experts, unsharded: E x 3 h F (gate, up, down); 0 dense."""
+        return self.n_experts * 3 * self.n_embd * self.expert_ffn if self.moe else 0
+
+    @property
     def gated(self) -> bool:
         """SwiGLU (three h x f matrices) rather than GELU (two)."""
         return self.family == "llama"
@@ -160,7 +191,7 @@ class ModelSpec:
         L, h, V = self.n_layer, self.n_embd, self.vocab_size
         return V * h + self.pos_params + L * block_params(h, self.bias, self) + head_params(self)
 
-    def with_seq(self, seq: int) -> "ModelSpec":
+    def with_seq(self, seq: int) -> ModelSpec:
         """These sizes at sequence length ``seq`` (a described model is described again
         from its config with ``block_size = seq``: a learned position table grows with it)."""
         if self.description is None:
@@ -175,18 +206,33 @@ class ModelSpec:
                                           name=self.name)
 
 
-def block_matmul_params(spec: "ModelSpec") -> int:
+def block_matmul_params(spec: ModelSpec) -> int:
     """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
-    each, the MLP 2 h f (GELU) or 3 h f (SwiGLU). GPT: 12 h^2. A spec with a description:
-    its first block's ``nn.Linear`` weights, counted on meta."""
+    each, the MLP 2 h f (GELU) or 3 h f (SwiGLU), or with experts the router E h and every
+    expert's 3 h F. GPT: 12 h^2. A spec with a description: its first block's
+    ``nn.Linear`` weights and experts, counted on meta."""
     if spec.description is not None:
-        return described_layers(spec, 1).block_matmul
+        d = described_layers(spec, 1)
+        return d.block_matmul + (d.experts[1] if len(d.experts) > 2 else 0)
     h = spec.n_embd
     kv = spec.kv_heads * (h // spec.n_head)
+    if spec.moe:
+        return 2 * h * h + 2 * h * kv + spec.n_experts * h + spec.expert_params
     return 2 * h * h + 2 * h * kv + (3 if spec.gated else 2) * h * spec.ffn
 
 
-def block_params(h: int, bias: bool = True, spec: "ModelSpec | None" = None) -> int:
+def active_matmul_params(spec: ModelSpec) -> int:
+    """Weights one token meets in a block, the ones its forward FLOPs count (2 each):
+    ``block_matmul_params``, with experts only the ``top_k`` a token is routed to (Mixtral
+    8x7B: 12.9B active of 46.7B; Jiang et al. 2024)."""
+    if not spec.moe:
+        return block_matmul_params(spec)
+    h, F = spec.n_embd, spec.expert_ffn
+    return (block_matmul_params(spec) - spec.expert_params
+            + spec.top_k * 3 * h * F)
+
+
+def block_params(h: int, bias: bool = True, spec: ModelSpec | None = None) -> int:
     """One transformer block. GPT (``spec`` None or a GPT spec with a 4h MLP): Q, K, V,
     output (4h^2; biases on Q, V, out), MLP (8h^2; biases 4h + h), two LayerNorms (2h each
     with bias, h without). Otherwise ``block_matmul_params`` + the biases (Q, V, out; the
@@ -209,9 +255,10 @@ def _m(name, L, h, a, V, s) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s)
 
 
-def _llama(name, L, h, a, kv, f, V, s, theta=10000.0) -> ModelSpec:
+def _llama(name, L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s, tie_weights=False, bias=False, n_kv_heads=kv,
-                     ffn_hidden=f, family="llama", rope_theta=theta)
+                     ffn_hidden=f, family="llama", rope_theta=theta, n_experts=experts,
+                     top_k=top_k)
 
 
 NAMED: dict[str, ModelSpec] = {m.name: m for m in [
@@ -243,6 +290,8 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
     _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 500000.0),
+    # Jiang et al. 2024, Table 1 (module docstring): 8 experts, top-2
+    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1e6, experts=8, top_k=2),
 ]}
 
 @dataclass(frozen=True)
@@ -253,11 +302,14 @@ class DescribedLayers:
     padded, each layer's own parameters (a tied head counts the embedding's matrix, as its
     ``parameters()`` include it); tied: elements of the tied matrix on that rank (0 if
     untied), counted once when one rank holds both ends; block_matmul: the first block's
-    ``nn.Linear`` weights, unsharded (2 per token per weight: its forward FLOPs)."""
+    ``nn.Linear`` weights, unsharded (2 per token per weight: its forward FLOPs);
+    experts: per layer, the elements of ``counts`` that expert parallelism splits
+    (``parallel.experts.is_expert``; all experts, ep = 1)."""
 
     counts: tuple[int, ...]
     tied: int
     block_matmul: int
+    experts: tuple[int, ...] = ()
 
 
 @lru_cache(maxsize=64)
@@ -277,15 +329,26 @@ def described_layers(spec: ModelSpec, tp: int) -> DescribedLayers:
         local = build_local_model(d, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1,
                                   tp=RankGroup(size=tp, rank=0), seed=0, dropout_seed=0,
                                   device=torch.device("meta"))
+    from shardwise.parallel.experts import is_expert
+
     layers = local.chunks[0].layers
     counts = tuple(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    def expert_elements(layer) -> int:
+        """Its experts' elements: split over ep (``is_expert``), or, built here without
+        ep, the stacked weights held directly by modules with ``n_experts`` (``models.moe``'s
+        ``Experts``; its ``MoE`` holds none directly, the shared expert is a submodule)."""
+        own = sum(p.numel() for m in layer.modules() if hasattr(m, "n_experts")
+                  for p in m.parameters(recurse=False))
+        return own or sum(p.numel() for p in layer.parameters() if is_expert(p))
+
+    experts = tuple(expert_elements(layer) for layer in layers)
     tied = dict(local.named_parameters())[d.tied[0]].numel() if d.tied is not None else 0
     if tp > 1:
         block_matmul = described_layers(spec, 1).block_matmul
     else:
         block_matmul = sum(m.weight.numel() for m in layers[1].modules()
                            if isinstance(m, nn.Linear)) if len(layers) > 2 else 0
-    return DescribedLayers(counts, tied, block_matmul)
+    return DescribedLayers(counts, tied, block_matmul, experts)
 
 
 def _meta_model(d):
