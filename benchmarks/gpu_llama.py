@@ -168,6 +168,10 @@ def main(argv=None) -> int:
         "peer": ("peer: torchtitan recipe", lambda: peer(cfg, a.batch, a.micro_batches)),
     }
     rows = []
+
+    def write(rows):
+        _write(rows, a, cfg, n_params, fpt, peak, name, titan, argv)
+
     for key in rows_wanted:
         label, make = makers[key]
         gc.collect()
@@ -182,6 +186,7 @@ def main(argv=None) -> int:
             rows.append({"row": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
             print(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
                   flush=True)
+            write(rows)
             continue
         tps = tokens / dt
         mfu = fpt * tps / peak.flops
@@ -191,6 +196,12 @@ def main(argv=None) -> int:
         print(f"{label:28s} {dt * 1e3:8.1f} ms/step {tps:10,.0f} tok/s  MFU {100 * mfu:5.1f}%"
               f"  peak {mem:5.1f} GiB  loss {loss:.3f}", flush=True)
         del step
+        write(rows)  # after every row: a run cut short keeps what it measured
+    print(f"wrote {Path(a.out) / a.tag}.json and .md")
+    return 0
+
+
+def _write(rows, a, cfg, n_params, fpt, peak, name, titan, argv) -> None:
     by = {r["row"]: r for r in rows if "tokens_per_s" in r}
     ratio = (by["ours bf16"]["tokens_per_s"] / by["peer: torchtitan recipe"]["tokens_per_s"]
              if "ours bf16" in by and "peer: torchtitan recipe" in by else None)
@@ -226,8 +237,6 @@ def main(argv=None) -> int:
     if fp8_gain:
         lines += [f"best fp8 / bf16: **{fp8_gain:.2f}x**."]
     (out / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / a.tag}.json and .md")
-    return 0
 
 
 if __name__ == "__main__":

@@ -239,7 +239,7 @@ def test_json_and_columns_carry_the_new_axes(capsys):
     (["--model", "llama3-8b", "--cluster", "dgx-h100", "--ep", "2"], "has no experts"),
     (["--model", "llama3-8b", "--cluster", "dgx-h100", "--cp", "2,x"], "--cp 'x'"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
-      "--fp8", "--emit-toml", "/nonexistent/never.toml"], "shardwise train does not run"),
+      "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 / --selective"),
 ])
 def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
     from shardwise.cli.main import main

@@ -22,7 +22,10 @@ as it was.
 The search covers context parallelism (cp, where 2 cp divides the sequence) and, for a
 mixture of experts, expert parallelism (ep); ``--cp`` / ``--ep`` restrict their sizes.
 ``--fp8`` (a cluster with FP8 tensor cores: dgx-h100) and ``--selective`` (recompute only
-the attention core) add what the engine does not run yet: priced, not emitted.
+the attention core) are priced, not emitted: the engine's FP8 (``training.precision =
+"fp8"``) runs with tp = 1 only, and its ``parallel.recompute = "selective"`` is torch's
+op-level selective checkpointing, not Korthikanti et al.'s attention-core recomputation
+priced here.
 
 The table's columns stay aligned whatever the layouts' names; a layout's name says its cp,
 ep, recomputation (rc, rc=attn) and fp8, and the time split gains cp and ep columns when a
@@ -288,12 +291,14 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     written (any ``model.kind``; ``block_size`` the planned sequence); a named model gets
     its sizes written out (``ModelSpec.model_table``: a Llama as ``model.kind = "llama"``
     with its key/value heads, SwiGLU width and rotary base, and its experts). A layout the
-    engine does not run (fp8, selective recomputation) is refused in one line. Returns the
-    path."""
+    engine does not run as priced (fp8 here, priced with tp; the attention-core selective
+    recomputation) is refused in one line. Returns the path."""
     if lay.fp8 or lay.selective:
-        what = "FP8" if lay.fp8 else "selective recomputation"
-        raise SpecError(f"--emit-toml: the best layout ({lay.label()}) uses {what}, which "
-                        "shardwise train does not run; drop --fp8 / --selective to emit one")
+        what = ("FP8 (shardwise train runs it with tp = 1 only)" if lay.fp8 else
+                "attention-core selective recomputation (shardwise train's selective is "
+                "torch's op-level one)")
+        raise SpecError(f"--emit-toml: the best layout ({lay.label()}) uses {what}; drop "
+                        "--fp8 / --selective to emit one")
     data: dict = {}
     src = Path(model_arg)
     if src.is_file():

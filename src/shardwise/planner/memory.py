@@ -29,8 +29,8 @@ Static bytes (parameters, gradients, optimizer states) per rank:
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
   every rank) and the experts' 3 h F E / (t ep) on a rank of ep expert-parallel ranks
   (``parallel.experts.shard``: E / ep experts, their width F split over tp); ZeRO shards
-  the dense parameters over dp and the expert ones over the dp / ep ranks that hold the
-  same experts (``ep_dp``, the group their gradients are reduced over).
+  the dense parameters over dp x cp and the expert ones over the (dp / ep) x cp ranks that
+  hold the same experts (``ep_dp_cp``, the group their gradients are reduced over).
 
 Activation bytes per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", sec. 4, Table 2): s b h (R + S/t) +
@@ -260,7 +260,7 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  ep: int = 1) -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0). ``cp``: ZeRO shards
-    over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over dp / ep."""
+    over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over (dp / ep) x cp."""
     # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
     if spec.params <= EXACT_LIMIT and zero > 0:
         d = spec.model()  # the spec's description, or its family's model of these sizes
@@ -280,7 +280,7 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
         X = rank_expert_params(spec, layers, tp, ep)
         d = zero_bytes(P - X, dp * cp, zero, precision)
         if X:
-            x = zero_bytes(X, dp // ep, zero, precision)
+            x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them
             d = {k: d[k] + x[k] for k in d}
         if best is None or d["total"] > best["total"]:
             best = d

@@ -4,12 +4,13 @@ The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of 
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
 sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
-context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks)
-and the model has no experts (the engine refuses cp with them); for a mixture of experts,
+context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks);
+for a mixture of experts,
 expert parallelism ep over the divisors of dp that divide the experts (ZeRO-3 and sequence
 parallelism refused with experts, as the engine does); FP8 (``fp8=(False, True)``) and
-selective recomputation (``selective=(False, True)``) only when asked, since the engine
-runs neither. Tensor parallelism stays inside a node unless ``tp_across_nodes``.
+selective recomputation (``selective=(False, True)``) only when asked: the engine's FP8
+needs tp = 1 and its selective recomputation is torch's op-level one, not the
+attention-core recomputation of Korthikanti et al. priced here. Tensor parallelism stays inside a node unless ``tp_across_nodes``.
 
 Order of work (``plan``), each pruned layout keeping its reason (``Pruned``; a whole group
 pruned for one reason is one record with its ``count``):
@@ -158,9 +159,6 @@ def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     if cp > 1 and spec.block_size % (2 * cp):
         return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
                 "(each cp rank holds chunks i and 2cp-1-i)")
-    if cp > 1 and spec.moe:
-        return (f"cp={cp} with {spec.n_experts} experts (the engine refuses context "
-                "parallelism with a mixture of experts: docs/moe.md)")
     return None
 
 

@@ -40,8 +40,8 @@ dispatch and the combine are all-to-alls of the rank's T k token copies (T token
 values, k experts each), (ep - 1) / ep of them leaving the rank: 2 T k h e (ep - 1) / ep
 bytes forward and as many backward, on the critical path (not overlapped). The experts'
 GEMMs: a rank runs E / ep experts on T k ep / E tokens each (balanced routing), so more ep
-means fewer, larger expert GEMMs. Expert gradients are reduced over the dp / ep ranks
-holding the same experts (``ep_dp``), the dense ones over dp.
+means fewer, larger expert GEMMs. Expert gradients are reduced over the (dp / ep) x cp ranks
+holding the same experts (``ep_dp_cp``), the dense ones over dp x cp.
 
 FP8 (``Layout.fp8``): the block's linear-layer GEMMs at the FP8 tensor-core peak (twice
 the bf16 one: the H100 datasheet's 1,979 dense TFLOP/s) on a cluster that has one
@@ -380,7 +380,7 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep) - X
     link = cluster.link(lay.world)
     x, pen = P * e, cluster.sync_penalty_s
-    nx = lay.dp // lay.ep  # the ranks holding the same experts (ep_dp), a stride of ep
+    nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
     if lay.zero == 0:
         return link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen, 0.0
     if lay.zero in (1, 2):
