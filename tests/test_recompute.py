@@ -69,3 +69,29 @@ def test_selective_with_collectives_in_the_layer_is_one_line():
     with pytest.raises(ConfigError, match=r"expected true, false, \"full\""):
         Config.from_dict({"parallel": {"recompute": "some"}})
     assert Config.from_dict({"parallel": {"recompute": "full"}}).parallel.recompute is True
+
+
+@pytest.mark.gpu
+def test_selective_checkpointing_on_cuda_gives_the_plain_gradients():
+    """What the engine's CUDA refusal waits for: a compiled bf16 Llama's gradients with and
+    without ``checkpoint_selectively`` on every block, on the GPU (on an H100 the engine's
+    selective row trained to another loss; docs/gpu.md)."""
+    from shardwise.models.llama import Llama
+
+    cfg = LlamaConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=64, ffn_hidden=128)
+    x = torch.randint(0, 256, (2, 65), device="cuda")
+    grads = []
+    for selective in (False, True):
+        torch.manual_seed(0)
+        model = Llama(cfg).cuda().bfloat16()
+        for block in model.blocks:
+            if selective:
+                ac.checkpoint_selectively(block)
+            block.compile()
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        err = (grads[1][name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err < 2e-2, (name, float(err))

@@ -172,7 +172,7 @@ class ParallelConfig(_Section):
                                   "checkpointed with torch's selective policy, matmul and "
                                   "attention outputs saved, element-wise ops recomputed "
                                   "(torchtitan's op-level selective AC; tp = 1, zero < 3, no "
-                                  "cp or experts); false: none")
+                                  "cp or experts; not yet on CUDA: docs/gpu.md); false: none")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
