@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -21,3 +22,13 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "shakespeare_small.txt"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
