@@ -425,11 +425,11 @@ class RankResult:
 
 
 def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
-             steps: int = 2) -> RankResult:
+             steps: int = 2, evaluate: bool = True) -> RankResult:
     """Rank ``rank`` of ``world_size`` of the layout ``sections``: engine built and
     ``steps`` training steps run under ``PlacementCheck`` on ``device`` (fake process
-    group). Also checks, after the steps, where the state lives: every parameter and
-    gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32."""
+    group), then (``evaluate``) a validation loss and a two-token generation. Also checks,
+    after the steps, where the state lives: every parameter and gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32."""
     from shardwise.base.topology import Topology, init_process_groups
     from shardwise.engine import Engine, EngineSettings
     from shardwise.models import describe_section
@@ -457,6 +457,12 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
                     info = engine.train_step(b[:, :-1], b[:, 1:], sync=False)
                     losses.append(info["loss"])
                 engine.drain()
+                if evaluate:  # forward-only passes: the validation loss, two sampled tokens
+                    b = batches[0].to(device)
+                    engine.loss(b[:, :-1], b[:, 1:])
+                    g = (None if device.type == "meta"  # meta has no generator
+                         else torch.Generator(device=device).manual_seed(0))
+                    engine.generate(b[:1, :4], 2, generator=g)
         except Exception as exc:  # a stray tensor made something fail: name where it was made
             if mode.violations:
                 raise PlacementError(f"{type(exc).__name__} after a tensor left the device: "
