@@ -51,6 +51,13 @@ VOCAB = 65  # the characters of Shakespeare: not divisible by tp, so padding row
 _COPIES = {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "to", "lift_fresh",
            "lift_fresh_copy", "_local_scalar_dense", "detach", "alias"}
 
+# torch's fused attention kernels return their dropout RNG state (philox seed and offset)
+# as 0-d CPU tensors by design: not the library's tensors.
+_RNG_STATE_OUTPUTS = {"_scaled_dot_product_efficient_attention",
+                      "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_cudnn_attention", "_efficient_attention_forward",
+                      "_flash_attention_forward"}
+
 # Code that makes CPU tensors on purpose, with the reason. Matched against the stack of a
 # flagged op (file suffix, function name).
 HOST_BY_DESIGN = {
@@ -109,9 +116,11 @@ class PlacementCheck(TorchDispatchMode):
         self.values = MetaValues()
 
     def _on_device(self, t: torch.Tensor) -> bool:
+        """On the run's device, or on meta: a shape with no storage (the engine builds the
+        model there first, by design)."""
         d = t.device
-        return d.type == self.device.type and (self.device.index is None or d.index in
-                                               (None, self.device.index))
+        return d.type == "meta" or d.type == self.device.type and (
+            self.device.index is None or d.index in (None, self.device.index))
 
     def _flag(self, op: str, what: str) -> None:
         frames = traceback.extract_stack()[:-2]
@@ -142,7 +151,8 @@ class PlacementCheck(TorchDispatchMode):
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         on_dev = [t for t in ins if self._on_device(t)]
         host = [t for t in ins if t.device.type == "cpu"]
-        mixed = name not in _COPIES and on_dev and any(t.dim() > 0 for t in host)
+        mixed = (self.device.type != "cpu" and name not in _COPIES and on_dev
+                 and any(t.dim() > 0 for t in host))
         if mixed:
             t = next(t for t in host if t.dim() > 0)
             self._flag(str(func), f"mixes {self.device.type} tensors with a CPU tensor "
@@ -152,6 +162,8 @@ class PlacementCheck(TorchDispatchMode):
                 out = self.values.run(func, name, args, kwargs)
             else:
                 out = func(*args, **kwargs)
+                if func.namespace == "c10d":
+                    _fake_arrival(func, name, args, kwargs)
         except RuntimeError as exc:  # meta and CUDA refuse the mix: say where it was made
             if mixed:
                 first = self.violations[0]
@@ -163,6 +175,8 @@ class PlacementCheck(TorchDispatchMode):
         host_work = bool(ins) and not on_dev  # computing on host copies already made
         for o in tree_flatten(out)[0]:
             if not isinstance(o, torch.Tensor):
+                continue
+            if name in _RNG_STATE_OUTPUTS and o.dim() == 0 and not o.is_floating_point():
                 continue
             if not self._on_device(o) and not host_work:
                 self._flag(str(func), f"device {o.device} (expected {self.device}) "
@@ -300,6 +314,30 @@ class MetaValues:
                     and not self.known(o):
                 self.adopt(o, c)
         return out
+
+
+_IN_PLACE = {"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_", "send", "barrier"}
+
+
+@torch.no_grad()
+def _fake_arrival(func, name: str, args, kwargs) -> None:
+    """What the fake group did not deliver, made harmless: the buffers a collective or a
+    recv fills (its first argument; c10d's schemas mark no writes) would keep
+    ``torch.empty``'s garbage (NaN logits for sampling, ids past the vocabulary, negative
+    counts sizing the experts' all-to-all). Each takes the values of the input of the same
+    size (the second argument: as if every peer held this rank's), else zeros. In-place
+    collectives keep this rank's values."""
+    if name in _IN_PLACE:
+        return
+    outs = [t for t in tree_flatten(args[0])[0] if isinstance(t, torch.Tensor)]
+    ins = [t for t in tree_flatten(args[1:2])[0] if isinstance(t, torch.Tensor)]
+    if len(ins) == len(outs) and all(i.numel() == o.numel() and i.dtype == o.dtype
+                                     for i, o in zip(ins, outs)):
+        for o, i in zip(outs, ins):
+            o.copy_(i.reshape(o.shape))
+    else:
+        for o in outs:
+            o.zero_()
 
 
 def _written(func, args, kwargs) -> list:
