@@ -90,7 +90,11 @@ def test_placement_cuda(name, kind):
     _check(name, kind, "cuda")
 
 
-def test_a_stray_cpu_tensor_is_caught(monkeypatch):
+DEVICES = [pytest.param("meta", id="meta"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stray_cpu_tensor_is_caught(monkeypatch, device):
     """A tensor made without ``device=`` inside the library (here: the gradient norm's
     accumulator, as ``torch.zeros(2, dtype=torch.float64)``) is reported with its line."""
     from shardwise.parallel import precision
@@ -104,12 +108,13 @@ def test_a_stray_cpu_tensor_is_caught(monkeypatch):
 
     monkeypatch.setattr(precision.torch, "zeros", stray)
     _, sections = _sections("dp8-z1", "gpt")
-    res = run_rank(sections, 7, 8, torch.device("meta"), steps=1)
+    res = run_rank(sections, 7, 8, torch.device(device), steps=1)
     assert any("device cpu" in str(v) and "precision.py" in v.where and "global_norm" in v.where
                for v in res.violations), [str(v) for v in res.violations]
 
 
-def test_a_wrong_dtype_is_caught(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_wrong_dtype_is_caught(monkeypatch, device):
     """A floating tensor in neither the compute dtype nor fp32 / fp64 (here: the loss of a
     fp32 run computed in fp16) is reported."""
     from shardwise.engine import model as engine_model
@@ -118,6 +123,23 @@ def test_a_wrong_dtype_is_caught(monkeypatch):
     monkeypatch.setattr(engine_model, "lm_loss_fp32",
                         lambda logits, targets: real(logits.half(), targets))
     _, sections = _sections("dp8-z0", "gpt")
-    res = run_rank(sections, 0, 8, torch.device("meta"), steps=1)
+    res = run_rank(sections, 0, 8, torch.device(device), steps=1)
     assert any("dtype torch.float16" in str(v) for v in res.violations), \
         [str(v) for v in res.violations]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stray_pipeline_buffer_is_caught(monkeypatch, device):
+    """A pipeline receive buffer made on the CPU (what ``Executor._recv_act`` would make
+    without ``device=``) fails the run where the activation is used, naming where the
+    buffer was made."""
+    from placement import PlacementError
+    from shardwise.parallel.pipeline.executor import Executor
+
+    def stray(self, op):
+        return "recv", torch.empty(self.act_shape, dtype=self.dtype), ("act", op.mb, op.chunk)
+
+    monkeypatch.setattr(Executor, "_recv_act", stray)
+    ws, sections = _sections("dp2xtp2xpp4-1f1b-z1", "llama")
+    with pytest.raises(PlacementError, match=r"device cpu .* at parallel/pipeline/executor.py"):
+        run_rank(sections, ws - 1, ws, torch.device(device), steps=1)
