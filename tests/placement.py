@@ -58,14 +58,20 @@ _RNG_STATE_OUTPUTS = {"_scaled_dot_product_efficient_attention",
                       "_scaled_dot_product_cudnn_attention", "_efficient_attention_forward",
                       "_flash_attention_forward"}
 
-# Code that makes CPU tensors on purpose, with the reason. Matched against the stack of a
-# flagged op (file suffix, function name).
+# Code that makes CPU tensors on purpose, with the reason: (file suffix, function), or (a
+# folder, None) for all of it. Matched against the innermost frame of a flagged op (torch's
+# own code) and its innermost shardwise frame (the library's line that asked for it).
 HOST_BY_DESIGN = {
     ("shardwise/models/meta_init.py", "replay_init"):
         "initialisation replays one CPU generator (parity with torch.manual_seed), then "
         "copies each slice to the device",
     ("shardwise/engine/model.py", "_one_at_a_time"):
         "partition by time profiles each layer on the CPU",
+    ("shardwise/data/", None):
+        "the corpus, its tokens and the sampler's batches live on the host; the trainer "
+        "moves each batch to the device",
+    ("shardwise/apps/lm/trainer.py", "evaluate"):
+        "the validation windows are cut from the host tokens, then moved to the device",
     ("torch/optim/adamw.py", "_init_group"):
         "torch's AdamW keeps its step count on the CPU unless fused or capturable",
     ("torch/optim/adam.py", "_init_group"):
@@ -124,22 +130,14 @@ class PlacementCheck(TorchDispatchMode):
 
     def _flag(self, op: str, what: str) -> None:
         frames = traceback.extract_stack()[:-2]
-        for f in frames:
+        ours = [f for f in frames if _SRC in f.filename and "/tests/" not in f.filename]
+        for f in frames[-1:] + ours[-1:]:  # where torch made it, where our code asked
             for (suffix, name) in HOST_BY_DESIGN:
-                if f.name == name and f.filename.endswith(suffix):
-                    return
+                if f.filename.endswith(suffix) if name else suffix in f.filename:
+                    if name is None or f.name == name:
+                        return
         self.violations.append(Violation(op, what, _where(frames),
                                          "".join(traceback.format_list(frames[-12:]))))
-
-    def __enter__(self):
-        self._factories = _Factories(self)
-        self._factories.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        out = super().__exit__(*exc)
-        self._factories.__exit__(*exc)
-        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -463,17 +461,18 @@ class RankResult:
 
 
 def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
-             steps: int = 2, evaluate: bool = True) -> RankResult:
+             steps: int = 2, evaluate: bool = True, corpus: str | None = None) -> RankResult:
     """Rank ``rank`` of ``world_size`` of the layout ``sections``: engine built and
     ``steps`` training steps run under ``PlacementCheck`` on ``device`` (fake process
-    group), then (``evaluate``) a validation loss and a two-token generation. Also checks,
-    after the steps, where the state lives: every parameter and gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32."""
+    group), then (``evaluate``) a validation loss and a two-token generation. With
+    ``corpus`` (a text file) the language-model app's ``Trainer`` runs instead of the bare
+    engine: its batches, its step, ``evaluate`` (the loss averaged over dp) and ``finish``'s
+    sampling. Also checks, after the steps, where the state lives: every parameter and
+    gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32."""
     from shardwise.base.topology import Topology, init_process_groups
-    from shardwise.engine import Engine, EngineSettings
-    from shardwise.models import describe_section
     from shardwise.parallel.precision import DTYPES
 
-    cfg = config(sections)
+    cfg = config({**sections, "data": {"path": corpus}} if corpus else sections)
     p, t = cfg.parallel, cfg.training
     device = torch.device(device)
     dtype = DTYPES[t.precision]
@@ -481,26 +480,16 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
     with fake_world(rank, world_size):
         topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp, rank=rank,
                                                   world_size=world_size, ep=p.ep))
-        local = t.global_batch_size // p.dp
+        local = t.global_batch_size // p.dp  # the bare engine's batches (the trainer samples)
         g = torch.Generator().manual_seed(rank)
         batches = [torch.randint(0, VOCAB, (local, cfg.model.block_size + 1), generator=g)
                    for _ in range(steps)]
-        losses = []
         try:
             with mode:
-                description = describe_section(cfg.model, VOCAB)
-                engine = Engine(description, topo, EngineSettings.from_config(cfg), device)
-                for b in batches:
-                    b = b.to(device)
-                    info = engine.train_step(b[:, :-1], b[:, 1:], sync=False)
-                    losses.append(info["loss"])
-                engine.drain()
-                if evaluate:  # forward-only passes: the validation loss, two sampled tokens
-                    b = batches[0].to(device)
-                    engine.loss(b[:, :-1], b[:, 1:])
-                    g = (None if device.type == "meta"  # meta has no generator
-                         else torch.Generator(device=device).manual_seed(0))
-                    engine.generate(b[:1, :4], 2, generator=g)
+                if corpus:
+                    engine, losses = _run_trainer(cfg, topo, device, steps, evaluate)
+                else:
+                    engine, losses = _run_engine(cfg, topo, device, batches, evaluate)
         except Exception as exc:  # a stray tensor made something fail: name where it was made
             if mode.violations:
                 raise PlacementError(f"{type(exc).__name__} after a tensor left the device: "
@@ -508,8 +497,41 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
             raise
         structure = _state_placement(engine, device, dtype)
         return RankResult(topo.coords, mode.violations, structure, mode.ops,
-                          mode.backward_ops, mode.seen,
-                          losses)
+                          mode.backward_ops, mode.seen, losses)
+
+
+def _run_engine(cfg: Config, topo, device: torch.device, batches: list, evaluate: bool):
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models import describe_section
+
+    engine = Engine(describe_section(cfg.model, VOCAB), topo, EngineSettings.from_config(cfg),
+                    device)
+    losses = []
+    for b in batches:
+        b = b.to(device)
+        losses.append(engine.train_step(b[:, :-1], b[:, 1:], sync=False)["loss"])
+    engine.drain()
+    if evaluate:  # forward-only passes: the validation loss, two sampled tokens
+        b = batches[0].to(device)
+        engine.loss(b[:, :-1], b[:, 1:])
+        gen = (None if device.type == "meta"  # meta has no generator
+               else torch.Generator(device=device).manual_seed(0))
+        engine.generate(b[:1, :4], 2, generator=gen)
+    return engine, losses
+
+
+def _run_trainer(cfg: Config, topo, device: torch.device, steps: int, evaluate: bool):
+    from shardwise.apps.lm.trainer import Trainer
+
+    trainer = Trainer(cfg, topo, device)
+    losses = [trainer.train_step(sync=i == steps - 1)["loss"] for i in range(steps)]
+    trainer.engine.drain()
+    if evaluate:
+        trainer.evaluate()
+        if device.type != "meta":  # sampling draws from a generator on the device
+            with trainer.engine.full_parameters():
+                trainer._sample()
+    return trainer.engine, losses
 
 
 def _state_placement(engine, device: torch.device, dtype: torch.dtype) -> list[str]:

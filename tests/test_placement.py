@@ -90,6 +90,41 @@ def test_placement_cuda(name, kind):
     _check(name, kind, "cuda")
 
 
+TRAINER_CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name, kind in (
+    ("dp2xtp2xpp4-1f1b-z1", "gpt"), ("dp8-z3-bf16", "llama"), ("moe-dp8xtp2-ep8-bf16", "llama"),
+    ("dp2xpp2xcp2xtp2-sp-bf16", "gpt"))]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """A small plain-text corpus (no download, no package): 40 KB of a few sentences."""
+    path = tmp_path_factory.mktemp("placement") / "text.txt"
+    line = "Now is the winter of our discontent made glorious summer by this sun of York.\n"
+    path.write_text(line * 500, encoding="utf-8")
+    return str(path)
+
+
+def _check_trainer(name: str, kind: str, device: str, corpus: str) -> None:
+    ws, sections = _sections(name, kind)
+    for rank in (0, ws - 1):
+        res = run_rank(sections, rank, ws, torch.device(device), corpus=corpus)
+        seen = list(dict.fromkeys(str(v) for v in res.violations))
+        assert not seen, f"trainer {name} {kind} rank {rank} of {ws}: " + "; ".join(seen[:5])
+        assert not res.structure, f"{name} {kind} rank {rank}: " + "; ".join(res.structure[:5])
+
+
+@pytest.mark.parametrize("name, kind", TRAINER_CASES)
+def test_trainer_placement_meta(name, kind, text_file):
+    """The language-model app's Trainer (batches, step, evaluate over dp) in four layouts."""
+    _check_trainer(name, kind, "meta", text_file)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, kind", TRAINER_CASES)
+def test_trainer_placement_cuda(name, kind, text_file):
+    _check_trainer(name, kind, "cuda", text_file)
+
+
 DEVICES = [pytest.param("meta", id="meta"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
