@@ -65,6 +65,7 @@ HOST_BY_DESIGN = {
     ("shardwise/models/meta_init.py", "replay_init"):
         "initialisation replays one CPU generator (parity with torch.manual_seed), then "
         "copies each slice to the device",
+    ("shardwise/models/meta_init.py", "_scratch"): "replay_init's CPU draws",
     ("shardwise/engine/model.py", "_one_at_a_time"):
         "partition by time profiles each layer on the CPU",
     ("shardwise/data/", None):
