@@ -134,9 +134,9 @@ class PlacementCheck(TorchDispatchMode):
         ours = [f for f in frames if _SRC in f.filename and "/tests/" not in f.filename]
         for f in frames[-1:] + ours[-1:]:  # where torch made it, where our code asked
             for (suffix, name) in HOST_BY_DESIGN:
-                if f.filename.endswith(suffix) if name else suffix in f.filename:
-                    if name is None or f.name == name:
-                        return
+                if (f.filename.endswith(suffix) and f.name == name) or (
+                        name is None and suffix in f.filename):
+                    return
         self.violations.append(Violation(op, what, _where(frames),
                                          "".join(traceback.format_list(frames[-12:]))))
 
@@ -219,9 +219,9 @@ class MetaValues:
     shadowed storage from a meta tensor without one drops it. Collectives copy their input
     into their output (as if every peer held this rank's values)."""
 
-    _FACTORIES = {"arange", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
+    _FACTORIES = frozenset({"arange", "empty", "zeros", "ones", "full", "empty_like", "zeros_like",
                   "ones_like", "full_like", "new_empty", "new_zeros", "new_ones", "new_full",
-                  "scalar_tensor", "empty_strided"}
+                  "scalar_tensor", "empty_strided"})
 
     def __init__(self):
         self.shadow: dict[int, tuple] = {}  # storage key -> (storage, CPU uint8 buffer)
@@ -386,7 +386,7 @@ class _InlineExecutor:
         try:
             with torch.no_grad():
                 fut.set_result(fn())
-        except BaseException as exc:  # delivered to wait(), as the thread does
+        except BaseException as exc:  # noqa: BLE001 (delivered to wait(), as the thread does)
             fut.set_exception(exc)
         return Handle(fut)
 
