@@ -20,6 +20,9 @@ On meta nothing has values, so the check answers host reads itself (``MetaValues
 mixture of experts' routing counts, which size its all-to-all and its grouped GEMM): those
 get consistent values on a CPU shadow. The checks themselves never depend on values.
 
+On meta ``comm``'s argument check runs too (its rounds read zeros: every rank agrees), so
+its tensors are checked as well; on CUDA it is off (``fake_world``).
+
 Collectives run inline (``comm``'s FIFO thread would run them outside the mode, which is
 per thread); with the fake group nothing waits, so the order is unchanged.
 """
@@ -66,8 +69,8 @@ HOST_BY_DESIGN = {
         "initialisation replays one CPU generator (parity with torch.manual_seed), then "
         "copies each slice to the device",
     ("shardwise/models/meta_init.py", "_scratch"): "replay_init's CPU draws",
-    ("shardwise/engine/model.py", "_one_at_a_time"):
-        "partition by time profiles each layer on the CPU",
+    ("shardwise/engine/model.py", "build_local_model"):
+        "partition by time: the profiling sample (the layers are profiled on the CPU)",
     ("shardwise/data/", None):
         "the corpus, its tokens and the sampler's batches live on the host; the trainer "
         "moves each batch to the device",
@@ -77,6 +80,13 @@ HOST_BY_DESIGN = {
         "torch's AdamW keeps its step count on the CPU unless fused or capturable",
     ("torch/optim/adam.py", "_init_group"):
         "torch's Adam keeps its step count on the CPU unless fused or capturable",
+}
+
+# Calls whose whole extent runs on the CPU by design, wherever in the stack.
+HOST_REGIONS = {
+    ("shardwise/engine/model.py", "_one_at_a_time"):
+        "partition by time materialises and profiles each layer on the CPU",
+    ("shardwise/parallel/pipeline/partition.py", "profile_layers"): "the same profiling",
 }
 
 _SRC = os.sep + "shardwise" + os.sep
@@ -131,6 +141,9 @@ class PlacementCheck(TorchDispatchMode):
 
     def _flag(self, op: str, what: str) -> None:
         frames = traceback.extract_stack()[:-2]
+        if any(f.filename.endswith(suffix) and f.name == name for f in frames
+               for suffix, name in HOST_REGIONS):
+            return
         ours = [f for f in frames if _SRC in f.filename and "/tests/" not in f.filename]
         for f in frames[-1:] + ours[-1:]:  # where torch made it, where our code asked
             for (suffix, name) in HOST_BY_DESIGN:
@@ -402,10 +415,11 @@ class _InlineExecutor:
 
 
 @contextlib.contextmanager
-def fake_world(rank: int, world_size: int):
+def fake_world(rank: int, world_size: int, check_args: bool = False):
     """torch.distributed initialised as rank ``rank`` of ``world_size`` on the fake process
-    group; ``comm`` without its argument check (it compares values, which never arrive) and
-    with collectives inline. Restored on exit."""
+    group, ``comm``'s collectives inline, its argument check (``comm.check.agree``) on only
+    with ``check_args``: it compares values that never arrive, which on meta read as zeros
+    (every rank agrees) and on a real device as a disagreement. Restored on exit."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardwise import comm
@@ -416,7 +430,7 @@ def fake_world(rank: int, world_size: int):
     check = primitives.settings.check
     real = async_.executor
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    comm.configure(check=False)
+    comm.configure(check=check_args)
     inline = _InlineExecutor(real)
     patched = [m for m in list(sys.modules.values())
                if m is not None and getattr(m, "__name__", "").startswith("shardwise.")
@@ -478,7 +492,7 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
     device = torch.device(device)
     dtype = DTYPES[t.precision]
     mode = PlacementCheck(device, {dtype, torch.float32, torch.float64})
-    with fake_world(rank, world_size):
+    with fake_world(rank, world_size, check_args=device.type == "meta"):
         topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp, rank=rank,
                                                   world_size=world_size, ep=p.ep))
         local = t.global_batch_size // p.dp  # the bare engine's batches (the trainer samples)

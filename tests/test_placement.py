@@ -11,7 +11,10 @@ send/recv, the all-to-all of the experts). Values are garbage; placement is the 
 On the CPU the run's device is ``meta``, where a tensor created without ``device=`` shows
 up on the CPU; with a GPU (``pytest -m gpu tests/test_placement.py``) it is ``cuda``, with
 real values (host reads, routing) and the CUDA branches of the library (fused AdamW, the
-foreach norm). ``test_a_stray_cpu_tensor_is_caught`` proves the check can fail.
+foreach norm). The app's ``Trainer`` (its batches, step, evaluation, sampling) runs in four
+of the layouts. The ``test_a_*_is_caught`` tests plant a stray tensor (a CPU gradient-norm
+accumulator, a CPU pipeline receive buffer, an fp16 loss in an fp32 run) and require the
+check to name it, on both devices.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
                                                   **SP}}),
     "dp2xtp2xpp4-1f1b-z1": (16, {"parallel": {"dp": 2, "tp": 2, "pp": 4, "zero": 1,
                                               "micro_batches": 4}}),
+    "dp2xpp4-1f1b-partition-by-time": (8, {"parallel": {"dp": 2, "pp": 4, "micro_batches": 2,
+                                                        "partition": "time"}}),
     "dp2xtp2xpp2-interleaved-z2-bf16": (8, {"parallel": {
         "dp": 2, "tp": 2, "pp": 2, "zero": 2, "micro_batches": 2, "schedule": "interleaved",
         "chunks_per_rank": 2}, "model": UNTIED, "training": BF16}),
@@ -54,8 +59,15 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
                                   "model": {**MOE, "n_embd": 64}, "training": BF16}),
 }
 KINDS = ("gpt", "llama")
-CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name in LAYOUTS for kind in KINDS
-         if kind == "llama" or "kind" not in LAYOUTS[name][1].get("model", {})]
+# profiling every layer on the CPU takes ~4 s a rank here: only with -m slow on the CPU
+SLOW_ON_CPU = {"dp2xpp4-1f1b-partition-by-time"}
+
+
+def _cases(slow_marks: bool) -> list:
+    return [pytest.param(name, kind, id=f"{name}-{kind}",
+                         marks=pytest.mark.slow if slow_marks and name in SLOW_ON_CPU else ())
+            for name in LAYOUTS for kind in KINDS
+            if kind == "llama" or "kind" not in LAYOUTS[name][1].get("model", {})]
 
 
 def _sections(name: str, kind: str) -> tuple[int, dict]:
@@ -79,13 +91,13 @@ def _check(name: str, kind: str, device: str) -> None:
         assert not res.structure, f"{name} {kind} rank {rank}: " + "; ".join(res.structure[:5])
 
 
-@pytest.mark.parametrize("name, kind", CASES)
+@pytest.mark.parametrize("name, kind", _cases(slow_marks=True))
 def test_placement_meta(name, kind):
     _check(name, kind, "meta")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, kind", CASES)
+@pytest.mark.parametrize("name, kind", _cases(slow_marks=False))
 def test_placement_cuda(name, kind):
     _check(name, kind, "cuda")
 
