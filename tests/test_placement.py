@@ -9,9 +9,11 @@ torch's fake process group, every aten op watched by ``placement.PlacementCheck`
 send/recv, the all-to-all of the experts). Values are garbage; placement is the check.
 
 On the CPU the run's device is ``meta``, where a tensor created without ``device=`` shows
-up on the CPU; with a GPU (``pytest -m gpu tests/test_placement.py``) it is ``cuda``, with
-real values (host reads, routing) and the CUDA branches of the library (fused AdamW, the
-foreach norm). The app's ``Trainer`` (its batches, step, evaluation, sampling) runs in four
+up on the CPU. On meta the engine keeps its parameters there (``build_local_model`` skips
+materialising), so materialisation and the initialisation replay are checked on CUDA only:
+with a GPU (``pytest -m gpu tests/test_placement.py``) the device is ``cuda``, with computed
+values (host reads, routing; collectives still deliver nothing) and the library's CUDA
+branches (fused AdamW, the foreach norm). The app's ``Trainer`` (its batches, step, evaluation, sampling) runs in four
 of the layouts. The ``test_a_*_is_caught`` tests plant a stray tensor (a CPU gradient-norm
 accumulator, a CPU pipeline receive buffer, an fp16 loss in an fp32 run) and require the
 check to name it, on both devices.
