@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from placement import run_rank
+from placement_run import run_rank
 
 UNTIED = {"tie_weights": False}
 SP = {"sequence_parallel": True}
