@@ -61,15 +61,8 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
                                   "model": {**MOE, "n_embd": 64}, "training": BF16}),
 }
 KINDS = ("gpt", "llama")
-# profiling every layer on the CPU takes ~4 s a rank here: only with -m slow on the CPU
-SLOW_ON_CPU = {"dp2xpp4-1f1b-partition-by-time"}
-
-
-def _cases(slow_marks: bool) -> list:
-    return [pytest.param(name, kind, id=f"{name}-{kind}",
-                         marks=pytest.mark.slow if slow_marks and name in SLOW_ON_CPU else ())
-            for name in LAYOUTS for kind in KINDS
-            if kind == "llama" or "kind" not in LAYOUTS[name][1].get("model", {})]
+CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name in LAYOUTS for kind in KINDS
+         if kind == "llama" or "kind" not in LAYOUTS[name][1].get("model", {})]
 
 
 def _sections(name: str, kind: str) -> tuple[int, dict]:
@@ -93,13 +86,13 @@ def _check(name: str, kind: str, device: str) -> None:
         assert not res.structure, f"{name} {kind} rank {rank}: " + "; ".join(res.structure[:5])
 
 
-@pytest.mark.parametrize("name, kind", _cases(slow_marks=True))
+@pytest.mark.parametrize("name, kind", CASES)
 def test_placement_meta(name, kind):
     _check(name, kind, "meta")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, kind", _cases(slow_marks=False))
+@pytest.mark.parametrize("name, kind", CASES)
 def test_placement_cuda(name, kind):
     _check(name, kind, "cuda")
 
