@@ -286,3 +286,17 @@ def test_old_profiles_count_as_gloo_on_the_cpu_and_calibration_records_where():
     assert (old.backend, old.device) == ("gloo", "cpu")
     assert (cost.BUILTIN.backend, cost.BUILTIN.device) == ("gloo", "cpu")
     assert cost.device_kind(torch.device("cpu")) == "cpu"
+
+
+def test_zero_and_pipeline_collectives_are_nccls_own_on_nccl(monkeypatch):
+    """ZeRO's gathers and reduce-scatters, DDP's and the pipeline's broadcasts ask for "auto":
+    the backend's own collective on NCCL, ours (bytes counted) on gloo."""
+    from shardwise.comm import api
+
+    monkeypatch.setattr(api, "backend_of", lambda group: "nccl")
+    assert [api.resolve_auto("auto", None, c) for c in ("all_gather", "reduce_scatter",
+                                                         "broadcast")] == ["native"] * 3
+    assert api.resolve_auto("ring", None, "all_gather") == "ring"  # by name, on every backend
+    monkeypatch.setattr(api, "backend_of", lambda group: "gloo")
+    assert [api.resolve_auto("auto", None, c) for c in ("all_gather", "reduce_scatter",
+                                                         "broadcast")] == ["ring", "ring", "tree"]

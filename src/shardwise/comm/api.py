@@ -40,9 +40,20 @@ from shardwise.comm.primitives import (
     settings,
 )
 
-ALL_GATHER_ALGORITHMS = ("native", "ring", "recursive_doubling", "shm")
-REDUCE_SCATTER_ALGORITHMS = ("native", "ring", "recursive_halving", "shm")
-BROADCAST_ALGORITHMS = ("native", "tree", "shm")
+ALL_GATHER_ALGORITHMS = ("native", "ring", "recursive_doubling", "shm", "auto")
+REDUCE_SCATTER_ALGORITHMS = ("native", "ring", "recursive_halving", "shm", "auto")
+BROADCAST_ALGORITHMS = ("native", "tree", "shm", "auto")
+# "auto" for the collectives without a cost model: the backend's own on NCCL (NVLink, many
+# channels), ours elsewhere (gloo: bytes counted, and its CUDA tensors staged per message)
+_AUTO_OURS = {"all_gather": "ring", "reduce_scatter": "ring", "broadcast": "tree"}
+
+
+def resolve_auto(algorithm: str, group, collective: str) -> str:
+    """``algorithm``, with "auto" made concrete for ``collective`` on ``group``: "native" when
+    the group's backend is NCCL, else ``_AUTO_OURS[collective]``."""
+    if algorithm != "auto":
+        return algorithm
+    return "native" if backend_of(group) == "nccl" else _AUTO_OURS[collective]
 REDUCE_ALGORITHMS = ("native", "tree")
 
 _ALL_REDUCE: dict[str, Callable] = {
@@ -177,11 +188,12 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 
     "tree": binomial tree, ceil(log2 N) steps, each a message of the whole tensor. "shm":
     through the root's shared-memory slot (ranks of one host), one round per slot's worth.
+    "auto": "native" on NCCL, "tree" elsewhere.
     ``check`` overrides ``settings.check`` for this call (see ``all_reduce``).
     """
     _tensor(tensor, "broadcast")
     info = group_info(group, "broadcast")
-    algo = _pick(algorithm, BROADCAST_ALGORITHMS, "broadcast")
+    algo = resolve_auto(_pick(algorithm, BROADCAST_ALGORITHMS, "broadcast"), group, "broadcast")
     root = group_rank_of(info, src, "broadcast", "src")
 
     def run() -> None:

@@ -5,7 +5,8 @@ Shard i (``block`` = input numel elements) belongs to group rank i, as in
 "ring" (Patarasuk & Yuan 2009: N-1 steps, (N-1) block bytes sent per rank),
 "shm" (ranks of one host, through a shared-memory segment: ``shm.py``) and
 "recursive_doubling" / "recursive_halving" (Thakur et al. 2005: log2 N steps for powers of
-two, log2 p + 2 otherwise; same bytes per rank for powers of two), or "native".
+two, log2 p + 2 otherwise; same bytes per rank for powers of two), "native", or "auto"
+(native on NCCL, ring elsewhere: what ZeRO uses).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardwise.comm.api import (
     _launch,
     _pick,
     _tensor,
+    resolve_auto,
 )
 from shardwise.comm.primitives import check_op, finish_, group_info, native_buffer
 
@@ -43,7 +45,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     _tensor(output, "all_gather", "output")
     _tensor(input, "all_gather", "input")
     info = group_info(group, "all_gather")
-    algo = _pick(algorithm, ALL_GATHER_ALGORITHMS, "all_gather")
+    algo = resolve_auto(_pick(algorithm, ALL_GATHER_ALGORITHMS, "all_gather"), group,
+                        "all_gather")
     n, m = info.size, input.numel()
     if output.numel() != n * m or output.dtype != input.dtype:
         raise ValueError(f"all_gather: output must hold {n} x {m} elements of {input.dtype}, "
@@ -104,7 +107,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
     _tensor(input, "reduce_scatter", "input")
     info = group_info(group, "reduce_scatter")
     check_op(op, input.dtype, "reduce_scatter")
-    algo = _pick(algorithm, REDUCE_SCATTER_ALGORITHMS, "reduce_scatter")
+    algo = resolve_auto(_pick(algorithm, REDUCE_SCATTER_ALGORITHMS, "reduce_scatter"), group,
+                        "reduce_scatter")
     n, m = info.size, output.numel()
     if input.numel() != n * m or output.dtype != input.dtype:
         raise ValueError(f"reduce_scatter: input must hold {n} x {m} elements of "

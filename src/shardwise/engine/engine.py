@@ -478,7 +478,8 @@ class Engine:
         t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
-            comm.broadcast(t, src=last, group=self.pp_group, check=False)  # fixed shape
+            comm.broadcast(t, src=last, group=self.pp_group, check=False,  # fixed shape
+                           algorithm="auto")
         if self.topology.dp_cp > 1:
             comm.all_reduce(t, op="mean", group=self.grad_group, check=False)
         return t[0]
@@ -520,7 +521,7 @@ class Engine:
         if self.distributed and self.topology.pp > 1:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
             last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
-            comm.broadcast(t, src=last, group=self.pp_group)
+            comm.broadcast(t, src=last, group=self.pp_group, algorithm="auto")
             value = float(t)
         if self.cp is not None and self.distributed:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -550,7 +551,8 @@ class Engine:
 
         share = None
         if self.distributed and self.topology.pp > 1:
-            share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group)
+            share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group,
+                                               algorithm="auto")
         self._train(False)
         with self.cp.whole() if self.cp is not None else contextlib.nullcontext():
             idx = generate(logits_of, idx, new_tokens, self.description.block_size,

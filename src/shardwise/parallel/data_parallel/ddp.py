@@ -129,4 +129,5 @@ def broadcast_tensors(tensors: list[torch.Tensor], group=None) -> None:
     for t in tensors:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)
     for same in by_dtype.values():
-        coalesced_(same, lambda flat: comm.broadcast(flat, src=src, group=group))
+        coalesced_(same, lambda flat: comm.broadcast(flat, src=src, group=group,
+                                                                   algorithm="auto"))

@@ -184,7 +184,7 @@ class ZeroDataParallel(nn.Module):
     def all_gather_params(self) -> None:
         """After the optimizer step: every rank's updated shard into the full parameters."""
         handles = [comm.all_gather_into_tensor(flat, master.to(flat.dtype), group=self.group,
-                                               async_op=True, check=False)
+                                               async_op=True, check=False, algorithm="auto")
                    for flat, master in zip(self._flat_params, self._master)]
         for h in handles:
             h.wait()
@@ -240,7 +240,8 @@ class ZeroDataParallel(nn.Module):
         while self._next < len(buckets) and buckets[self._next].ready:
             b = buckets[self._next]
             b.work = comm.reduce_scatter_tensor(self._grad_shard[b.index], b.buffer, op="sum",
-                                                group=self.group, async_op=True, check=False)
+                                                group=self.group, async_op=True, check=False,
+                                                algorithm="auto")
             self._next += 1
 
     def final_backward(self):

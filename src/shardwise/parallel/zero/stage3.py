@@ -140,7 +140,7 @@ class ZeroStage3(nn.Module):
         u.full.untyped_storage().resize_(u.nbytes)
         # check=False: shapes were agreed once, by the construction-time broadcast
         u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=self.group, async_op=True,
-                                               check=False)
+                                               check=False, algorithm="auto")
 
     def _gather(self, u: _Unit) -> None:
         self._launch_gather(u)
@@ -207,7 +207,7 @@ class ZeroStage3(nn.Module):
                 p.grad = None
         out = torch.empty(u.shard_size, dtype=flat.dtype, device=flat.device)
         work = comm.reduce_scatter_tensor(out, flat, op="sum", group=self.group, async_op=True,
-                                          check=False)
+                                          check=False, algorithm="auto")
         self._pending.append((u, work, out))
         u.fired = set()
         if u is not self.root:
