@@ -172,8 +172,9 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
         raise ValueError(f"cannot cut {len(layers)} layers (embedding, {len(layers) - 2} "
                          f"blocks, head) into {n_chunks} pipeline chunks")
     if partition is None and partition_by == "time":  # profiled here, averaged over ranks
-        sample = torch.zeros(time_sample, dtype=torch.long)
-        secs = torch.tensor(profile_layers(_one_at_a_time(layers), sample).seconds,
+        where = device if device.type == "cuda" else torch.device("cpu")  # where it trains
+        sample = torch.zeros(time_sample, dtype=torch.long, device=where)
+        secs = torch.tensor(profile_layers(_one_at_a_time(layers, where), sample).seconds,
                             dtype=torch.float64, device=device)
         partition = balanced(average(secs).cpu().tolist(), n_chunks)
     elif partition is None:
@@ -359,10 +360,11 @@ def _copy_slice(dst: torch.Tensor, full: torch.Tensor, dim: int | None, rank: in
         dst.narrow(dim, have, n - have).zero_()
 
 
-def _one_at_a_time(layers: list[tuple[str, nn.Module]]):
-    """Each meta layer materialised on the CPU in turn, for ``profile_layers``: its timing
-    only, so any finite values do (normal(0, 0.02) from a private generator); one layer is
-    alive at a time."""
+def _one_at_a_time(layers: list[tuple[str, nn.Module]], device: torch.device | None = None):
+    """Each meta layer materialised in turn, for ``profile_layers``, then moved to
+    ``device`` (None: the CPU; CUDA when training there, so stages are balanced by the
+    GPU's times, not the host's): its timing only, so any finite values do (normal(0, 0.02)
+    from a private CPU generator); one layer is alive at a time."""
     g = torch.Generator().manual_seed(0)
     for _, m in layers:
         m = copy.deepcopy(m)
@@ -370,7 +372,7 @@ def _one_at_a_time(layers: list[tuple[str, nn.Module]]):
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0.0, 0.02, generator=g)
-        yield m
+        yield m.to(device) if device is not None else m
         del m
 
 

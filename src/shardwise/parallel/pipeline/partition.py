@@ -101,18 +101,22 @@ class LayerProfile:
 def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 5) -> LayerProfile:
     """Time each layer's forward+backward on the activations the previous one produces.
 
-    ``sample`` is the first layer's input (for the GPT: token ids (B, T)). Times are the
-    median over ``repeats`` runs after one warm-up, in seconds.
+    ``sample`` is the first layer's input (for the GPT: token ids (B, T)), on the device the
+    layers are on. Times are the median over ``repeats`` runs after one warm-up, in seconds
+    (on CUDA, synchronised before and after each run).
     """
     seconds, act, params = [], [], []
     x = sample
+    sync = torch.cuda.synchronize if sample.device.type == "cuda" else (lambda: None)
     for layer in layers:
         inp = x.detach().requires_grad_(x.is_floating_point())
         runs = []
         for i in range(repeats + 1):
+            sync()
             t0 = time.perf_counter()
             y = layer(inp)
             y.backward(torch.ones_like(y))
+            sync()
             if i:
                 runs.append(time.perf_counter() - t0)
         layer.zero_grad(set_to_none=True)
