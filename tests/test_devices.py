@@ -40,3 +40,19 @@ def test_cli_refuses_cuda_without_gpus_before_spawning(capsys, monkeypatch):
     assert "training.device=cuda: 2 local ranks but 0 GPUs" in err and "\n" not in err
     assert main(["train", "--training.device", "tpu"]) == 2
     assert "training.device='tpu': expected auto, cpu or cuda" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("requested, backend, ranks, gpus, expected", [
+    ("cuda", "gloo", 8, 1, "cuda"),   # several ranks share the one GPU (test mode)
+    ("auto", "gloo", 2, 2, "cpu"),    # gloo without asking for CUDA: the CPU
+    ("cuda", "nccl", 2, 2, "cuda"),
+])
+def test_pick_device_with_a_backend(requested, backend, ranks, gpus, expected):
+    assert pick_device(requested, ranks, gpus, backend=backend)[0] == expected
+
+
+def test_sharing_a_gpu_needs_gloo_and_a_gpu():
+    with pytest.raises(DeviceError, match=r"--parallel.backend gloo \(ranks share a GPU"):
+        pick_device("cuda", 4, 1)  # NCCL: one line, naming the way out
+    with pytest.raises(DeviceError, match="training.device=cuda: no GPU"):
+        pick_device("cuda", 4, 0, backend="gloo")
