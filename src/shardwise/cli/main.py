@@ -94,10 +94,7 @@ def cmd_train(args, extra: list[str]) -> int:
         if cfg.training.precision == "fp8":  # torchao installed, float8 matmuls on this device
             from shardwise.parallel.float8 import check_fp8
 
-            import torch  # the GPUs the local ranks use (several share one over gloo)
-
-            check_fp8(device, sorted({i % max(1, torch.cuda.device_count()) for i in range(local)})
-                      if device == "cuda" else None)
+            check_fp8(device)  # every visible GPU (the local ranks use them, sharing or not)
         plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
         if plan.resume_from and app.check_resumable is not None:
             app.check_resumable(plan.resume_from, cfg)

@@ -32,17 +32,18 @@ from shardwise.comm.primitives import (
     Call,
     GroupInfo,
     backend_of,
-    native_buffer,
     check_op,
     finish_,
     group_info,
     group_rank_of,
+    native_buffer,
     settings,
 )
 
 ALL_GATHER_ALGORITHMS = ("native", "ring", "recursive_doubling", "shm", "auto")
 REDUCE_SCATTER_ALGORITHMS = ("native", "ring", "recursive_halving", "shm", "auto")
 BROADCAST_ALGORITHMS = ("native", "tree", "shm", "auto")
+REDUCE_ALGORITHMS = ("native", "tree")
 # "auto" for the collectives without a cost model: the backend's own on NCCL (NVLink, many
 # channels), ours elsewhere (gloo: bytes counted, and its CUDA tensors staged per message)
 _AUTO_OURS = {"all_gather": "ring", "reduce_scatter": "ring", "broadcast": "tree"}
@@ -54,7 +55,7 @@ def resolve_auto(algorithm: str, group, collective: str) -> str:
     if algorithm != "auto":
         return algorithm
     return "native" if backend_of(group) == "nccl" else _AUTO_OURS[collective]
-REDUCE_ALGORITHMS = ("native", "tree")
+
 
 _ALL_REDUCE: dict[str, Callable] = {
     "ring": ring.all_reduce, "halving_doubling": halving_doubling.all_reduce,
