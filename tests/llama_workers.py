@@ -34,7 +34,9 @@ def _report(trainer) -> dict:
         if tied is not None and tied[1] in e.local.tied:  # the last stage's copy of the
             head = dict(e.local.named_parameters())[tied[1]]  # tied matrix (pp > 1)
             out["tied_head"] = e.local.full_tensor(tied[1], head, head.detach()).float().clone()
+    local = {n: tuple(p.shape) for n, p in e.named_parameters()}  # this rank's pieces
     return {"coords": trainer.topology.coords, "losses": list(trainer.history),
+            "local_shapes": local,
             "finite": all(math.isfinite(x) for x in trainer.history), "params": params,
             "memory": e.memory_bytes(), "kind": trainer.description.kind,
             "model": dataclasses.asdict(trainer.model_cfg), **out}

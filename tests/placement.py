@@ -53,7 +53,8 @@ HOST_BY_DESIGN = {
         "copies each slice to the device",
     ("shardwise/models/meta_init.py", "_scratch"): "replay_init's CPU draws",
     ("shardwise/engine/model.py", "build_local_model"):
-        "partition by time: the profiling sample (the layers are profiled on the CPU)",
+        "partition by time: the profiling sample and times (on the CPU when the run is on "
+        "the CPU or meta; on CUDA runs they are on the GPU and checked)",
     ("shardwise/data/", None):
         "the corpus, its tokens and the sampler's batches live on the host; the trainer "
         "moves each batch to the device",
@@ -68,7 +69,8 @@ HOST_BY_DESIGN = {
 # Calls whose whole extent runs on the CPU by design, wherever in the stack.
 HOST_REGIONS = {
     ("shardwise/engine/model.py", "_one_at_a_time"):
-        "partition by time materialises and profiles each layer on the CPU",
+        "partition by time materialises each layer on the CPU (a private generator's "
+        "draws) before moving it to where it is profiled",
     ("shardwise/parallel/pipeline/partition.py", "profile_layers"): "the same profiling",
 }
 

@@ -203,9 +203,10 @@ def test_gqa_key_value_heads_split_over_tp(results):
         assert parallel["tp"] == 2
         for r in results[name]:
             assert r["model"]["n_kv_heads"] == 2 and r["model"]["n_head"] == 4
-            for n, t in r["params"].items():
+            for n, shape in r["local_shapes"].items():  # this rank's piece, not the gathered
                 if n.endswith(("k_proj.weight", "v_proj.weight")):
-                    assert t.shape == (2 * 8, 32), (name, n, t.shape)
+                    assert shape == (8, 32), (name, n, shape)  # one kv head of 8 per tp rank
+                    assert r["params"][n].shape == (2 * 8, 32), (name, n)  # gathered: both
                     checked += 1
     assert checked > 0
 

@@ -72,15 +72,19 @@ def _sections(name: str, kind: str) -> tuple[int, dict]:
     return ws, sections
 
 
+def _ran(res, name: str, rank: int) -> None:
+    """It ran: forward and backward, collectives (fake), the optimizer's update, every step."""
+    assert res.backward_ops > 0, (name, rank)
+    assert any(op.startswith("c10d.") for op in res.seen), (name, rank)
+    assert {"aten.lerp_", "aten._fused_adamw_", "aten._foreach_lerp_"} & res.seen, (name, rank)
+    assert len(res.losses) == 2, (name, rank, res.losses)
+
+
 def _check(name: str, kind: str, device: str) -> None:
     ws, sections = _sections(name, kind)
     for rank in (0, ws - 1):
         res = run_rank(sections, rank, ws, torch.device(device))
-        # it ran: forward and backward, collectives (fake), the optimizer's update
-        assert res.backward_ops > 0, (name, rank)
-        assert any(op.startswith("c10d.") for op in res.seen), (name, rank)
-        assert {"aten.lerp_", "aten._fused_adamw_", "aten._foreach_lerp_"} & res.seen, \
-            (name, rank)
+        _ran(res, name, rank)
         seen = list(dict.fromkeys(str(v) for v in res.violations))
         assert not seen, f"{name} {kind} rank {rank} of {ws}: " + "; ".join(seen[:5])
         assert not res.structure, f"{name} {kind} rank {rank}: " + "; ".join(res.structure[:5])
@@ -115,6 +119,7 @@ def _check_trainer(name: str, kind: str, device: str, corpus: str) -> None:
     ws, sections = _sections(name, kind)
     for rank in (0, ws - 1):
         res = run_rank(sections, rank, ws, torch.device(device), corpus=corpus)
+        _ran(res, name, rank)
         seen = list(dict.fromkeys(str(v) for v in res.violations))
         assert not seen, f"trainer {name} {kind} rank {rank} of {ws}: " + "; ".join(seen[:5])
         assert not res.structure, f"{name} {kind} rank {rank}: " + "; ".join(res.structure[:5])

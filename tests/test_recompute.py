@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from conftest import REPO
 from shardwise.base.config import Config, ConfigError
 from shardwise.base.topology import Topology
 from shardwise.engine import Engine, EngineSettings
@@ -24,6 +25,9 @@ def _train(recompute, steps=3):
     s = EngineSettings(micro_batches=2, lr=1e-2, grad_clip=1.0, seed=3, batch_size=4,
                        seq_len=16, recompute=recompute)
     e = Engine(CFG, Topology.build(1, 1, 1), s)
+    wrapped = [hasattr(layer.forward, "__wrapped__") for c in e.local.chunks.values()
+               for layer in c.layers]
+    assert all(wrapped) if recompute == "selective" else not any(wrapped)  # not a no-op
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
@@ -95,3 +99,16 @@ def test_selective_checkpointing_on_cuda_gives_the_plain_gradients():
     for name, g in grads[0].items():
         err = (grads[1][name] - g).norm() / g.norm().clamp_min(1e-12)
         assert err < 2e-2, (name, float(err))
+
+
+def test_selective_on_cuda_is_refused_at_the_door_before_any_rank(monkeypatch, capsys, tmp_path):
+    """Until the GPU check above has run, one line and exit 2, before any rank starts."""
+    from shardwise import launch
+    from shardwise.cli.main import main
+
+    monkeypatch.setattr(launch, "pick_device", lambda *a, **k: ("cuda", None))
+    code = main(["train", "--config", str(REPO / "configs/tiny.toml"), "--parallel.recompute", "selective",
+                 "--training.out_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "parallel.recompute=selective on CUDA" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()

@@ -95,6 +95,10 @@ def cmd_train(args, extra: list[str]) -> int:
             from shardwise.parallel.float8 import check_fp8
 
             check_fp8(device)  # every visible GPU (the local ranks use them, sharing or not)
+        if device == "cuda" and cfg.parallel.recompute == "selective":
+            from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL
+
+            raise ConfigError(CUDA_REFUSAL)
         plan = rundir.prepare(cfg, mode, is_rank0=is_rank0, restart=restart)
         if plan.resume_from and app.check_resumable is not None:
             app.check_resumable(plan.resume_from, cfg)

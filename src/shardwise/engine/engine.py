@@ -42,6 +42,7 @@ from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.sampling import generate
+from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL as SELECTIVE_ON_CUDA
 from shardwise.parallel.activation_checkpoint import checkpoint_selectively
 from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.experts import is_expert
@@ -245,9 +246,7 @@ class Engine:
         run again in backward) and, until checked there, on CUDA; the config refuses tp, ZeRO-3
         and cp."""
         if self.device.type == "cuda":
-            raise ValueError("parallel.recompute=selective on CUDA: not verified there yet (on an "
-                             "H100 its loss after 7 steps left the plain run's, 8.03 against "
-                             "9.19: docs/gpu.md); use parallel.recompute = true")
+            raise ValueError(SELECTIVE_ON_CUDA)
         if self.description.n_experts:
             raise ValueError(f"parallel.recompute=selective with model.n_experts="
                              f"{self.description.n_experts}: recomputing a block would run its "
@@ -267,7 +266,8 @@ class Engine:
         if self.tp.size > 1:
             raise ValueError(f"training.precision=fp8 with parallel.tp={self.tp.size}: not "
                              "supported (parallel.float8); use parallel.tp = 1")
-        check_fp8(self.device.type, [self.device.index or 0]
+        check_fp8(self.device.type, [torch.cuda.current_device() if self.device.index is None
+                                     else self.device.index]
                   if self.device.type == "cuda" else None)
         named = [(n, layer) for c in sorted(self.local.chunks)
                  for n, layer in zip(self.local.chunks[c].names, self.local.chunks[c].layers)]

@@ -30,6 +30,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+# Not yet on CUDA: on an H100 the engine's selective row trained to another loss than the
+# plain run (docs/gpu.md); refused at the door (cli) and in the engine until the gpu-marked
+# tests/test_recompute.py check has run there.
+CUDA_REFUSAL = ("parallel.recompute=selective on CUDA: not verified there yet (on an H100 its "
+                "loss after 7 steps left the plain run's, 8.03 against 9.19: docs/gpu.md); "
+                "use parallel.recompute = true")
+
 _aten = torch.ops.aten
 # the ops whose outputs are saved: what costs FLOPs to recompute
 SAVED_OPS = frozenset(op for op in (

@@ -64,7 +64,7 @@ def gather_per_rank(values: list[float], group, device: torch.device) -> list[li
         return [[v] for v in values]
     n, r = dist.get_world_size(group), dist.get_rank(group)
     t = torch.zeros(n, len(values), dtype=torch.float64, device=device)
-    t[r] = torch.tensor(values, dtype=torch.float64)
+    t[r] = torch.tensor(values, dtype=torch.float64, device=device)
     comm.all_reduce(t, op="sum", group=group, check=False)  # fixed shape: no agreement round
     return t.t().tolist()
 
