@@ -280,6 +280,9 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
          "x.csv: file not found"),
     ]
     (tmp_path / "y.csv").write_text("a,b\n")
+    (tmp_path / "bad.json").write_text("{bad")
+    cases.append((["prepare", str(jsonl), "--tokenizer", str(tmp_path / "bad.json"),
+                   "--out", out], "bad.json: not a tokenizer.json"))
     cases.append((["prepare", str(tmp_path / "y.csv"), "--tokenizer", "char", "--out", out],
                   "y.csv: unknown format .csv"))
     for argv, expected in cases:
@@ -310,6 +313,17 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     shard.write_bytes(shard.read_bytes() + b"\0\0")
     err = _one_line_exit_2(base + ["--data", str(good)], capsys)
     assert "manifest.json says" in err and "bytes" in err
+    # a damaged manifest: a missing field, a shard file name that leaves the directory
+    manifest = good / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    for damage, expected in ((lambda m: m.pop("dtype"), "dtype None"),
+                             (lambda m: m["shards"]["val"][0].update(file="../a.txt"),
+                              "a val shard entry")):
+        m = json.loads(json.dumps(saved))
+        damage(m)
+        manifest.write_text(json.dumps(m))
+        err = _one_line_exit_2(base + ["--data", str(good)], capsys)
+        assert "manifest.json is damaged" in err and expected in err, err
 
 
 def _readme_commands() -> list[str]:

@@ -254,6 +254,10 @@ def check_options(opts: PrepareOptions) -> None:
         if not p.is_file():
             raise DataError(f"--tokenizer {opts.tokenizer}: not char, bpe, or an existing "
                             "tokenizer.json file")
+        try:
+            HFTokenizer.from_str(p.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise DataError(f"--tokenizer {opts.tokenizer}: {e}") from None
     if opts.vocab_size is not None:
         if opts.tokenizer != "bpe":
             raise DataError("--vocab-size: only with --tokenizer bpe (the others bring their "

@@ -193,7 +193,39 @@ def read_manifest(root: str | Path) -> dict:
     if manifest.get("version") != VERSION:
         raise DataError(f"data.path: {path} is version {manifest.get('version')}; this "
                         f"shardwise reads version {VERSION}")
+    _check_shape(manifest, path)
     return manifest
+
+
+def _check_shape(manifest: dict, path: Path) -> None:
+    """The fields the readers index, of the right kinds, and file names that stay inside the
+    directory; ``DataError`` (one line, naming the manifest) otherwise."""
+    def bad(what: str) -> DataError:
+        return DataError(f"data.path: {path} is damaged: {what}")
+
+    def plain(name) -> bool:
+        return isinstance(name, str) and name and "/" not in name and "\\" not in name \
+            and name not in (".", "..")
+
+    try:
+        ok = np.dtype(manifest.get("dtype")) in (np.dtype(np.uint16), np.dtype(np.uint32))
+    except TypeError:
+        ok = False
+    if not ok or manifest.get("dtype") is None:
+        raise bad(f"dtype {manifest.get('dtype')!r}, expected uint16 or uint32")
+    shards = manifest.get("shards")
+    if not isinstance(shards, dict) or any(not isinstance(shards.get(s), list) for s in SPLITS):
+        raise bad(f"shards must list the {' and '.join(SPLITS)} shards")
+    for split in SPLITS:
+        for r in shards[split]:
+            if not (isinstance(r, dict) and plain(r.get("file"))
+                    and isinstance(r.get("tokens"), int) and isinstance(r.get("sha256"), str)):
+                raise bad(f"a {split} shard entry {r!r} (file: a plain name, tokens, sha256)")
+    tok = manifest.get("tokenizer")
+    if not (isinstance(tok, dict) and tok.get("kind") in ("char", "hf")):
+        raise bad("tokenizer must be {kind: char | hf, ...}")
+    if tok["kind"] == "hf" and not (plain(tok.get("file")) and isinstance(tok.get("sha256"), str)):
+        raise bad("the hf tokenizer needs a plain file name and its sha256")
 
 
 def load_tokenizer(root: str | Path, manifest: dict) -> CharTokenizer | HFTokenizer:

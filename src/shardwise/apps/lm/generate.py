@@ -27,7 +27,8 @@ from shardwise.engine import state as engine_state
 from shardwise.models import describe_section
 
 # the layout of a launch that names none: one process, no pipeline, no sharding
-_ONE_PROCESS = {"mode": "grid", "dp": 1, "cp": 1, "tp": 1, "pp": 1, "zero": 0, "micro_batches": 1,
+_ONE_PROCESS = {"mode": "grid", "dp": 1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, "zero": 0,
+                "micro_batches": 1,
                 "schedule": "1f1b", "chunks_per_rank": 1, "sequence_parallel": False}
 
 
@@ -66,11 +67,11 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     distributed = dist.is_initialized()
     if distributed:
         comm.configure(timeout_s=p.timeout_s)
-        topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
+        topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep,
                                                       rank=dist.get_rank(),
                                                       world_size=dist.get_world_size()))
     else:
-        topology = Topology.build(p.dp, p.pp, p.tp, cp=p.cp)
+        topology = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep)
     device = torch.device("cpu")
     if distributed and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
