@@ -264,7 +264,21 @@ def test_ep_is_searched_only_for_a_mixture_of_experts():
     assert {c.layout.ep for c in moe} > {1}
     assert all(not c.layout.sp for c in moe)  # the engine refuses SP with experts
     assert all(not (c.layout.zero == 3 and c.layout.ep > 1) for c in moe)
-    assert not any("experts" in p.reason and "cp=" in p.reason for p in pruned)
+    assert {c.layout.cp for c in moe} > {1}  # context parallelism with experts is searched
+
+
+def test_the_optimizer_of_experts_shards_over_dp_ep_and_cp_as_their_memory():
+    """ZeRO spreads the expert masters over (dp / ep) x cp ranks: AdamW's time falls with cp
+    as the optimizer bytes do (they once kept the dp / ep share)."""
+    from shardwise.planner.memory import stage_layers
+    from shardwise.planner.simulate import optimizer_seconds
+
+    layers = stage_layers(MOE, 1, 1)[0]
+    base = Layout(4, 1, 1, 1, 1, zero=1, ep=2)
+    t = [optimizer_seconds(MOE, replace(base, cp=c), H100, layers) for c in (1, 2, 4)]
+    mem = [memory_of(MOE, replace(base, cp=c), "bf16")["optimizer"] for c in (1, 2, 4)]
+    assert t[1] == pytest.approx(t[0] / 2, rel=1e-9) and t[2] == pytest.approx(t[0] / 4, rel=1e-9)
+    assert mem[1] == pytest.approx(mem[0] / 2, rel=1e-3)
 
 
 # --- FP8 ----------------------------------------------------------------------------------

@@ -238,6 +238,10 @@ def test_json_and_columns_carry_the_new_axes(capsys):
     (["--model", "llama3-8b", "--cluster", "dgx-a100-80gb", "--fp8"], "has no FP8 tensor cores"),
     (["--model", "llama3-8b", "--cluster", "dgx-h100", "--ep", "2"], "has no experts"),
     (["--model", "llama3-8b", "--cluster", "dgx-h100", "--cp", "2,x"], "--cp 'x'"),
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--cp", "3"],
+     "--cp 3: does not divide the 8 GPUs"),
+    (["--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "8", "--ep", "3"],
+     "--ep 3: must divide the 8 GPUs and the 8 experts"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
       "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 / --selective"),
 ])

@@ -150,6 +150,13 @@ def _run(args) -> int:
     if eps is not None and not spec.moe and eps != [1]:
         raise SpecError(f"--ep {args.ep}: {spec.name} has no experts (expert parallelism "
                         "needs a mixture of experts, e.g. mixtral-8x7b)")
+    for c in cps or ():
+        if world % c:
+            raise SpecError(f"--cp {c}: does not divide the {world} GPUs")
+    for e in eps or ():
+        if e > 1 and (world % e or spec.n_experts % e):
+            raise SpecError(f"--ep {e}: must divide the {world} GPUs and the "
+                            f"{spec.n_experts} experts")
     if args.fp8 and cluster.fp8_flops is None:
         raise SpecError(f"--fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores "
                         "(dgx-h100 has)")
@@ -203,8 +210,8 @@ def _run(args) -> int:
 
 
 def _sizes(text: str, flag: str) -> list[int]:
-    """``"1,2,4"`` as whole numbers > 0 (one-line error otherwise)."""
-    return [int(positive_number(x.strip(), flag, integer=True)) for x in text.split(",")]
+    """``"1,2,4"`` as whole numbers > 0, each once, ascending (one-line error otherwise)."""
+    return sorted({int(positive_number(x.strip(), flag, integer=True)) for x in text.split(",")})
 
 
 def _name(lay) -> str:

@@ -448,7 +448,7 @@ def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: li
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep)
     if lay.zero:
         X = rank_expert_params(spec, layers, lay.tp, lay.ep)
-        P = (P - X) / (lay.dp * lay.cp) + X / (lay.dp // lay.ep)
+        P = (P - X) / (lay.dp * lay.cp) + X / (lay.dp // lay.ep * lay.cp)  # as memory_of
     share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
     return 40 * P / cluster.mem_bw * share
 
