@@ -187,11 +187,17 @@ LLAMA_PREFIXES = (("embed.tok.", "model.embed_tokens."), ("blocks.", "model.laye
                   ("head.norm.", "model.norm."), ("head.proj.", "lm_head."))
 
 
-def _llama_tensor(name: str) -> HFTensor:
+def llama_hf_name(name: str) -> str:
+    """Our Llama parameter name -> ``LlamaForCausalLM``'s (``blocks.3.mlp.up_proj.weight`` ->
+    ``model.layers.3.mlp.up_proj.weight``). Raises ``KeyError`` for a name it does not know."""
     for ours, theirs in LLAMA_PREFIXES:
         if name.startswith(ours):
-            return HFTensor(theirs + name[len(ours):])
+            return theirs + name[len(ours):]
     raise KeyError(f"{name}: not a Llama parameter name")
+
+
+def _llama_tensor(name: str) -> HFTensor:
+    return HFTensor(llama_hf_name(name))
 
 
 # ---- GPT-2 -----------------------------------------------------------------------------------

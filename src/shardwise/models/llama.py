@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
-from shardwise.models.hf import LLAMA_PREFIXES
+from shardwise.models.hf import LLAMA_PREFIXES, llama_hf_name
 from shardwise.models.moe import GATINGS, Experts, MoE
 from shardwise.models.sampling import DecoderLM, generate  # noqa: F401 (re-exported)
 
@@ -335,17 +335,10 @@ class Llama(DecoderLM):
             m.reset_parameters(std=0.02)
 
 
-# our prefix -> Hugging Face's; inside a block the names are already HF's
-_TO_HF = LLAMA_PREFIXES
-
-
 def hf_name(name: str) -> str:
-    """Our parameter name -> ``LlamaForCausalLM``'s (``blocks.3.mlp.up_proj.weight`` ->
-    ``model.layers.3.mlp.up_proj.weight``). Raises ``KeyError`` for a name it does not know."""
-    for ours, theirs in _TO_HF:
-        if name.startswith(ours):
-            return theirs + name[len(ours):]
-    raise KeyError(f"{name}: not a Llama parameter name")
+    """Our parameter name -> ``LlamaForCausalLM``'s (``models.hf.llama_hf_name``).
+    Raises ``KeyError`` for a name it does not know."""
+    return llama_hf_name(name)
 
 
 def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
@@ -361,7 +354,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor],
     Buffers HF may store (``rotary_emb.inv_freq``) are dropped: ours are computed. With
     ``tie_weights`` a missing ``lm_head.weight`` is the embedding. Raises ``KeyError``
     naming an unknown key."""
-    back = {theirs: ours for ours, theirs in _TO_HF}
+    back = {theirs: ours for ours, theirs in LLAMA_PREFIXES}
     out = {}
     for key, value in sd.items():
         if "rotary_emb." in key:
