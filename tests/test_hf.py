@@ -235,3 +235,17 @@ def test_readme_start_from_a_hugging_face_checkpoint(text, tmp_path):
     assert losses[-1] < losses[0]  # it fine-tunes
     assert outputs[2].startswith("ROMEO:") and len(outputs[2].rstrip("\n")) == len("ROMEO:") + 40
     assert outputs[4].split() == ["LlamaForCausalLM", outputs[4].split()[1]]
+
+
+def test_export_of_a_checkpoint_directory_honours_step(tmp_path):
+    """RUN_DIR may be a checkpoint itself; --step must then be its step, not ignored."""
+    from shardwise import checkpoint
+    from shardwise.apps.lm.export import ExportError, find_checkpoint
+
+    ckpt = tmp_path / "step_000100"
+    ckpt.mkdir()
+    (ckpt / checkpoint.META).write_text(json.dumps({"step": 100}))
+    (ckpt / ".metadata").write_bytes(b"")
+    assert find_checkpoint(ckpt) == ckpt and find_checkpoint(ckpt, 100) == ckpt
+    with pytest.raises(ExportError, match="checkpoint of step 100, not --step 50"):
+        find_checkpoint(ckpt, 50)

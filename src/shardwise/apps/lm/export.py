@@ -59,6 +59,9 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     if not run.is_dir():
         raise ExportError(f"{run}: no such run directory")
     if (run / checkpoint.META).is_file() and (run / ".metadata").is_file():
+        named = checkpoint.read_meta(run).get("step")  # the step it was saved at
+        if step is not None and named is not None and named != step:
+            raise ExportError(f"{run} is the checkpoint of step {named}, not --step {step}")
         return run
     for root in (run / "checkpoints", run):
         done = checkpoint.complete_checkpoints(root)
