@@ -92,14 +92,18 @@ def faulty(cfg_dict: dict, stop: dict, join: dict, pause: dict | None = None) ->
 
 
 def run_plan(plan: list[tuple]) -> list[dict]:
-    """Jobs one after another on the same ranks: ``("train", cfg, resume)`` entries (a
-    barrier after each), then optionally one ``("faulty", cfg, stop, join)`` last (it ends
+    """Jobs one after another on the same ranks: ``("train", cfg, resume)``, ``("paused",
+    cfg, pauses)`` and ``("late", cfg, late, pauses)`` entries (a barrier after each), then optionally one ``("faulty", cfg, stop, join)`` last (it ends
     with a rank gone, so nothing may follow it)."""
     from shardwise import comm
     from shardwise.apps.param_server import train_rank
 
     out = []
     for kind, cfg, *args in plan:
+        if kind == "late":  # nobody leaves: a barrier may follow
+            out.append(late_push(cfg, *args))
+            comm.barrier()
+            continue
         if kind == "paused":  # nobody leaves: a barrier may follow
             out.append(faulty(cfg, {}, {}, args[0]))
             comm.barrier()
@@ -112,3 +116,43 @@ def run_plan(plan: list[tuple]) -> list[dict]:
         out.append(res)
         comm.barrier()
     return out
+
+
+def late_push(cfg_dict: dict, late: dict[int, dict[int, float]],
+              pause: dict[int, dict[int, float]] | None = None) -> dict:
+    """One job where worker ``w`` sleeps ``late[w][clock]`` seconds between pushing its
+    gradient of ``clock`` to server 0 and to the other servers: a server can then reach a
+    collective checkpoint while the other still waits for that push."""
+    import time
+
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.apps.param_server import protocol as P
+    from shardwise.apps.param_server.training import run_server, run_worker
+    from shardwise.apps.param_server.worker import Worker
+
+    cfg = Config.from_dict(cfg_dict)
+    comm.configure(timeout_s=cfg.parallel.timeout_s)
+    rank, S = dist.get_rank(), cfg.ps.servers
+    cpu = torch.device("cpu")
+    if rank < S:
+        return run_server(cfg, rank, cpu, group=dist.new_group(list(range(S))))
+    dist.new_group(list(range(S)))  # every rank makes every group
+    w, pushed = rank - S, []
+
+    def push(self, clock: int) -> None:
+        for i, dst in enumerate(self.server_ranks):
+            if i == 1 and clock in late.get(w, {}):
+                time.sleep(late[w][clock])
+            P.send_header(dst, P.TAG_REQUEST, P.PUSH, self.index, clock, 0, self.device)
+            comm.send(self._slice(self.grad, i), dst, tag=P.TAG_REQUEST)
+        pushed.append(clock)
+
+    plain, Worker.push = Worker.push, push
+    try:
+        res = run_worker(cfg, w, cpu, pauses=(pause or {}).get(w))
+    finally:  # the jobs after this one push as usual
+        Worker.push = plain
+    res.pop("params", None)
+    return res | {"pushed": pushed}

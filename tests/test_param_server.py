@@ -47,15 +47,23 @@ def two_by_two(corpus, tmp_path_factory):
         "bsp_sgd": ps_config(str(corpus), out, 2, 2, "bsp", optimizer="sgd"),
         "ssp2": ps_config(str(corpus), out, 2, 2, "ssp", 2, steps=10, slow_worker="1:4"),
         "asp": ps_config(str(corpus), out, 2, 2, "asp", steps=8),
+        "ssp1_late": ps_config(str(corpus), out, 2, 2, "ssp", 1, steps=6, checkpoint_every=3,
+                               checkpoint_dir=str(tmp_path_factory.mktemp("ps22late"))),
         "asp_paused": ps_config(str(corpus), out, 2, 2, "asp", steps=8, worker_timeout_s=1.5),
         "bsp_dead": ps_config(str(corpus), out, 2, 2, "bsp", steps=6, worker_timeout_s=2.0),
-    }
-    plan = [("train", c, False) for n, c in cases.items() if n not in ("bsp_dead", "asp_paused")]
+    }  # in the order the plan below runs them
+    cases["ssp1_late"]["parallel"]["timeout_s"] = 60.0  # the old deadlock fails in a minute
+    special = ("bsp_dead", "asp_paused", "ssp1_late")
+    plan = [("train", c, False) for n, c in cases.items() if n not in special]
+    # worker 0 stalls 0.5 s before clock 2, so worker 1 pushes clock 2 to server 0 first and
+    # then sleeps 2 s before pushing it to server 1 (see the test)
+    plan.append(("late", cases["ssp1_late"], {1: {2: 2.0}}, {0: {2: 0.5}}))
     # worker 1 stalls 3 s before clock 2 (dropped after 1.5 s of silence, then taken back);
     # worker 0 stalls 0.6 s before each clock, so it is still training when worker 1 returns
     plan.append(("paused", cases["asp_paused"], {1: {2: 3.0}, 0: {c: 0.6 for c in range(8)}}))
     plan.append(("faulty", cases["bsp_dead"], {1: 3}, {}))  # last: it ends with a rank gone
     results = spawn(run_plan, 4, (plan,), timeout_s=120)
+    assert [c for _, c, *_ in plan] == list(cases.values())  # results are named in that order
     return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}, cases
 
 
@@ -156,6 +164,27 @@ def test_bsp_drops_a_dead_worker_and_carries_on(two_by_two):
     assert all(s["updates"] == 6 for s in servers)  # one step per clock, none lost or doubled
     assert set(gaps(servers)) == {0}  # still bulk synchronous among the live
     assert w0["val_loss"] < w0["losses"][0]
+
+
+def test_a_server_in_a_checkpoint_does_not_deadlock_the_other(two_by_two):
+    """SSP s=1, S=2, W=2, checkpoints every 3 clocks. Worker 1 pushes clock 2 to server 0,
+    then is late to server 1; server 0 applies clock 2 and enters the collective save of
+    step 3, waiting for server 1. Worker 0 pulls clock 3: server 1 may answer it (s=1),
+    server 0 cannot until the save ends. When a server's main loop sent replies itself,
+    server 1 blocked sending to worker 0 (a send waits for the receive, and worker 0 waits
+    for server 0 first), so it never took worker 1's push nor joined the save: the job hung
+    until the comm timeout (a fresh-clone ``make test`` met it in the CLI run). Replies now
+    go out on a thread per worker."""
+    results, cases = two_by_two
+    servers, workers = results["ssp1_late"][:2], results["ssp1_late"][2:]
+    assert [w["pushed"] for w in workers] == [list(range(6))] * 2
+    assert all(s["updates"] == 6 and s["dead"] == [] for s in servers)
+    root = cases["ssp1_late"]["checkpoint"]["dir"]
+    from pathlib import Path
+    assert sorted(p.name for p in Path(root).iterdir()) == ["step_000003", "step_000006"]
+    # the scenario happened: worker 0 read clock 3 from server 1 before server 1 applied 2
+    pulls_of_3 = [e for e in servers[1]["pull_log"] if e[0] == 0 and e[1] == 3]
+    assert pulls_of_3 and pulls_of_3[0][2] == 2, servers[1]["pull_log"]
 
 
 def test_servers_checkpoint_and_a_restarted_job_resumes(two_by_two, one_by_four):

@@ -4,10 +4,15 @@ Li et al., OSDI 2014 (server nodes, range partitioning); the consistency rules a
 ``clock.py``. One receiver thread per worker blocks in ``comm.recv`` on that worker's next
 request and hands it to the main loop through a queue, so the server serves whichever
 worker speaks first (p2p needs a known source; a thread per source gives "any source"
-without backend support for it). The main loop alone touches the weights, the clocks and
-the replies (``comm.send``), so no lock guards them. Nothing here uses ``async_op``, so
-comm runs each call inline in its calling thread. Tested on CPU + gloo; with NCCL, p2p from
-several threads would go through torch's per-pair communicators (untested).
+without backend support for it). One sender thread per worker sends the replies the main
+loop queues for it (a copy of the range, taken when the pull is answered): a send blocks
+until its worker posts the receive, and a worker receives from the servers in order, so a
+main loop that sent itself could wait on a worker that waits on another server, which may
+be in a collective checkpoint waiting on this one (that deadlock hung SSP jobs; the main
+loop must never block on a worker). The main loop alone touches the weights and the
+clocks, so no lock guards them. Nothing here uses ``async_op``, so comm runs each call
+inline in its calling thread. Tested on CPU + gloo; with NCCL, p2p from several threads
+would go through torch's per-pair communicators (untested).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class Server:
         self.finished: set[int] = set()
         self.dead: set[int] = set()
         self.events: queue.Queue = queue.Queue()
+        # worker -> its replies, (kind, clock, version, payload or None); None ends the thread
+        self.replies: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in worker_ranks]
         self.pull_log: list[tuple[int, int, int, int]] = []  # (worker, clock, slowest, t_us)
         self.unchanged = 0                                # pulls answered without payload
         self.rejoined: list[int] = []                     # dropped workers taken back
@@ -93,11 +100,29 @@ class Server:
         except Exception as exc:  # a dead or hung worker: drop it, carry on
             self.events.put((_DEAD, w, -1, str(exc).splitlines()[0][:200]))
 
+    def _reply(self, w: int) -> None:
+        """Thread: send worker ``w`` the replies the main loop queues, in order, until None.
+        A failed send reports the worker dead to the main loop and drops what is left."""
+        dst, failed = self.worker_ranks[w], False
+        while (item := self.replies[w].get()) is not None:
+            if failed:
+                continue
+            kind, clock, version, payload = item
+            try:
+                P.send_header(dst, P.TAG_REPLY, kind, w, clock, version, self.device)
+                if payload is not None:
+                    comm.send(payload, dst, tag=P.TAG_REPLY)
+            except comm.CommError as exc:
+                failed = True
+                self.events.put((_DEAD, w, -1, str(exc).splitlines()[0][:200]))
+
     # -- the main loop ----------------------------------------------------------------------
     def serve(self) -> dict:
         threads = [threading.Thread(target=self._receive, args=(w,), daemon=True,
                                     name=f"ps-recv-{w}") for w in range(len(self.worker_ranks))]
-        for t in threads:
+        senders = [threading.Thread(target=self._reply, args=(w,), daemon=True,
+                                    name=f"ps-send-{w}") for w in range(len(self.worker_ranks))]
+        for t in threads + senders:
             t.start()
         started = time.perf_counter()
         # when each worker last spoke; None until its first request (a worker still starting
@@ -118,9 +143,12 @@ class Server:
                     and self.table.bound is not None and done < self.range.total):
                 self._save(done)
         if 0 in self.finished:  # worker 0 evaluates the final weights
-            P.send_header(self.worker_ranks[0], P.TAG_REPLY, P.FINAL, 0, self.table.applied,
-                          self.version, self.device)
-            comm.send(self.range.flat, self.worker_ranks[0], tag=P.TAG_REPLY)
+            self.replies[0].put((P.FINAL, self.table.applied, self.version,
+                                 self.range.flat.clone()))
+        for q in self.replies:
+            q.put(None)
+        for t in senders:  # every reply sent (or failed: comm's timeout bounds each send)
+            t.join()
         for t in threads:
             t.join(timeout=1.0)
         return {"role": "server", "index": self.index, "flat": self.range.flat.clone(),
@@ -197,15 +225,8 @@ class Server:
             slowest = self.table.slowest()
             self.pull_log.append((w, clock, -1 if slowest is None else slowest,
                                   int((time.perf_counter() - started) * 1e6)))
-            dst = self.worker_ranks[w]
-            try:
-                if held == self.version:
-                    self.unchanged += 1
-                    P.send_header(dst, P.TAG_REPLY, P.UNCHANGED, w, clock, self.version,
-                                  self.device)
-                else:
-                    P.send_header(dst, P.TAG_REPLY, P.WEIGHTS, w, clock, self.version,
-                                  self.device)
-                    comm.send(self.range.flat, dst, tag=P.TAG_REPLY)
-            except comm.CommError as exc:
-                self._handle(_DEAD, w, -1, str(exc).splitlines()[0][:200])
+            if held == self.version:
+                self.unchanged += 1
+                self.replies[w].put((P.UNCHANGED, clock, self.version, None))
+            else:  # a copy: the range may change before the sender thread sends it
+                self.replies[w].put((P.WEIGHTS, clock, self.version, self.range.flat.clone()))
