@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What a lent GPU machine should run, in order, one step per call (each fits the 10-minute
+# limit of one call; a session has about 30 minutes of device time in all).
+#
+#   bash benchmarks/gpu_session.sh STEP [OUT]
+#
+# STEP: tests | llama | gpt2 | all-tests. OUT (default: $OUT, else benchmarks/gpu_results):
+# where logs and result files go. The machine has torch with CUDA but not our pure-Python
+# dependencies: wheels in .whl/ (pydantic, pydantic_core, annotated_types,
+# typing_inspection, torchao; gitignored, carry them with the run) are installed into
+# /tmp/site first. Results name the torch version and the device; copy them into
+# benchmarks/gpu_results/ and docs/gpu.md by hand.
+#
+#   tests      the suites that have not passed on CUDA yet: the GPU-marked tests (selective
+#              recomputation on CUDA among them) and, in the several-ranks-on-one-GPU mode,
+#              the Llama and resharding parity suites (~6-9 min)
+#   llama      the Llama-3.2-1B-shaped rows with 2 micro-batches of 8 sequences (larger
+#              GEMMs than the 4 x 4 of the recorded run): bf16 and fp8 tensorwise (~4 min)
+#   gpt2       GPT-2 small, the compiled row only, batch 64 in 4 micro-batches (~3 min)
+#   all-tests  tests/ whole in the several-ranks-on-one-GPU mode (longer than one call:
+#              only with a machine to spare)
+set -uo pipefail
+step=${1:?usage: gpu_session.sh tests|llama|gpt2|all-tests [OUT]}
+out=${2:-${OUT:-benchmarks/gpu_results}}
+case $step in tests|llama|gpt2|all-tests) ;;
+    *) echo "gpu_session.sh: STEP: expected tests, llama, gpt2 or all-tests, got '$step'" >&2
+       exit 2 ;;
+esac
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" \
+    | tee "$out/device.txt"
+case $step in
+    tests)
+        python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_marked_tests.log" | tail -5
+        SHARDWISE_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -x \
+            tests/test_llama.py tests/test_reshard.py 2>&1 \
+            | tee "$out/llama_reshard_cuda_gloo_one_gpu.log" | tail -5 ;;
+    llama)
+        python3 benchmarks/gpu_llama.py --rows ours,ours-fp8-tensorwise --micro-batches 2 \
+            --steps 5 --warmup 2 --tag cuda_llama1b_m2 --out "$out" ;;
+    gpt2)
+        python3 benchmarks/gpu_mfu.py --last-only --batch 64 --micro-batches 4 \
+            --tag cuda_b64_m4_rerun --out "$out" ;;
+    all-tests)
+        SHARDWISE_TEST_DEVICE=cuda python3 -m pytest -q tests/ 2>&1 \
+            | tee "$out/all_cuda_gloo_one_gpu.log" | tail -5 ;;
+esac
