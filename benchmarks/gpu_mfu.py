@@ -19,6 +19,9 @@ path `shardwise train` runs):
 4. + TF32 for fp32 matmuls (``training.tf32``; under bf16 only the fp32 leftovers use it);
 5. + ``torch.compile`` of each block (``training.compile``).
 
+On CUDA one more row: everything on with ``training.precision = "fp8"`` (torchao float8,
+tensorwise scaling; MFU still against the bf16 peak).
+
 The peer is nanoGPT's loop (Karpathy, github.com/karpathy/nanoGPT, train.py/model.py) written
 here from its description: fused Q/K/V projection, fp32 parameters under bf16 autocast,
 FlashAttention, fused AdamW, ``torch.compile`` of the whole model, TF32 on, gradient clipping.
@@ -90,12 +93,12 @@ def _time(step, batches, warmup: int, steps: int, device: torch.device) -> tuple
 
 
 def ours(model: dict, attention: str, fused: bool, tf32: bool, compile_: bool, precision: str,
-         batch: int, micro: int, device: torch.device):
+         batch: int, micro: int, device: torch.device, **extra):
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     cfg = GPTConfig(**model, attention=attention)
     s = EngineSettings(micro_batches=micro, precision=precision, lr=6e-4, betas=(0.9, 0.95),
                        weight_decay=0.1, grad_clip=1.0, seed=0, batch_size=batch,
-                       seq_len=model["block_size"], fused=fused, compile=compile_)
+                       seq_len=model["block_size"], fused=fused, compile=compile_, **extra)
     engine = Engine(cfg, Topology.build(1, 1, 1), s, device)
     return lambda x, y: engine.train_step(x, y, sync=False)["loss"]
 
@@ -205,6 +208,10 @@ def main(argv=None) -> int:
             for label, *v in (STEPS[-1:] if a.last_only else STEPS)]
     runs.append(("peer: nanoGPT loop (compiled)", precision, peak,
                  lambda: peer(model, precision, batch, micro, device)))
+    if cuda and precision == "bf16":  # training.precision = "fp8" (torchao), against the bf16 peak
+        runs.append(("all on, fp8 tensorwise", "fp8", peak,
+                     lambda: ours(model, "sdpa", True, True, True, "fp8", batch, micro, device,
+                                  fp8_recipe="tensorwise")))
     if cuda and not a.last_only:  # TF32's own effect: everything on, fp32 compute, against the fp32 / TF32 peak
         for tf32 in (False, True):
             runs.append((f"fp32, all on, TF32 {'on' if tf32 else 'off'}", "fp32",
