@@ -432,8 +432,9 @@ class Engine:
         on the global batch: under cp each rank's is the local share whose mean over the
         sequence's cp ranks is the whole sequences' loss, ``models.moe``),
         ``expert_load`` (layers, E) int64: assignments routed to each expert over the
-        global batch (each cp rank counts its own tokens), and with a capacity factor
-        ``expert_dropped`` (0-d). One all-reduce over the world (tp rank 0 of each replica
+        global batch (each cp rank counts its own tokens), and when the description has a
+        capacity factor (``capacity_factor`` > 0) ``expert_dropped`` (0-d float64:
+        assignments over capacity, summed over layers and the global batch). One all-reduce over the world (tp rank 0 of each replica
         counts; stages hold other layers). Empty without such layers."""
         layers = self.local.moe_layers
         if not layers:
@@ -449,7 +450,7 @@ class Engine:
         if self.distributed and dist.get_world_size() > 1:
             comm.all_reduce(t, check=False)
         out = {"aux_loss": t[:, 0].sum(), "expert_load": t[:, 2:].round().long()}
-        if getattr(self.description.config, "moe_capacity_factor", 0):
+        if self.description.capacity_factor > 0:
             out["expert_dropped"] = t[:, 1].sum()
         return out
 

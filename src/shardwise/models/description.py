@@ -109,6 +109,10 @@ class ModelDescription:
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
     n_experts: experts per mixture-of-experts layer (0: none); ep must divide it.
+    capacity_factor: the experts' capacity factor c (``models.moe.MoE``: an expert takes at
+        most ceil(c N k / E) of a micro-batch's N tokens' k assignments, the rest dropped);
+        0 (the default): dropless. When > 0 the engine reports the dropped assignments per
+        step (``expert_dropped``); it needs ``n_experts`` > 0.
     context_parallel: the model reads token positions from ``models.sequence.positions``,
         attends through ``models.gpt.causal_attention`` and sums any per-sequence statistic
         (an MoE's token counts per expert) with ``models.sequence.sequence_total``, so a
@@ -132,10 +136,17 @@ class ModelDescription:
     tied: tuple[str, str] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     n_experts: int = 0
+    capacity_factor: float = 0.0
     context_parallel: bool = False
     hf: Any = None
 
     def __post_init__(self):
+        if self.capacity_factor < 0:
+            raise ValueError(f"description of {self.kind!r}: capacity_factor="
+                             f"{self.capacity_factor}; expected >= 0 (0: dropless)")
+        if self.capacity_factor and not self.n_experts:
+            raise ValueError(f"description of {self.kind!r}: capacity_factor="
+                             f"{self.capacity_factor} needs experts (n_experts is 0)")
         for pattern, style in self.tp_plan.items():
             if style not in STYLES:
                 raise ValueError(f"tp plan of {self.kind!r}: {pattern!r} has style {style!r}; "

@@ -429,7 +429,9 @@ def describe(cfg: LlamaConfig):
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},
-        n_experts=cfg.n_experts, hf=None if cfg.n_experts else LLAMA)
+        n_experts=cfg.n_experts,
+        capacity_factor=cfg.moe_capacity_factor if cfg.n_experts else 0.0,  # dense: unused
+        hf=None if cfg.n_experts else LLAMA)
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
