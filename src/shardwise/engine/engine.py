@@ -271,7 +271,8 @@ class Engine:
                   if self.device.type == "cuda" else None)
         named = [(n, layer) for c in sorted(self.local.chunks)
                  for n, layer in zip(self.local.chunks[c].names, self.local.chunks[c].layers)]
-        return convert_layers(named, self.description.style_of, self.s.fp8_recipe)
+        return convert_layers(named, self.description.style_of, self.s.fp8_recipe,
+                              high_precision=self.description.is_high_precision)
 
     def _compile_blocks(self) -> None:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
@@ -434,8 +435,9 @@ class Engine:
         ``expert_load`` (layers, E) int64: assignments routed to each expert over the
         global batch (each cp rank counts its own tokens), and when the description has a
         capacity factor (``capacity_factor`` > 0) ``expert_dropped`` (0-d float64:
-        assignments over capacity, summed over layers and the global batch). One all-reduce over the world (tp rank 0 of each replica
-        counts; stages hold other layers). Empty without such layers."""
+        assignments over capacity, summed over layers and the global batch). One all-reduce
+        over the world (tp rank 0 of each replica counts; stages hold other layers). Empty
+        without such layers."""
         layers = self.local.moe_layers
         if not layers:
             return {}
