@@ -159,7 +159,6 @@ class Engine:
         self.pp_rank = topology.pp_rank
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = groups.pp if groups is not None else None
-        self.dp_group = groups.dp if groups is not None else None
         # the replicas of every parameter: dp x cp (cp splits tokens, not weights)
         self.grad_group = groups.dp_cp if groups is not None else None
         self.cp = self._context_parallel(model)
