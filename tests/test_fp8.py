@@ -1,6 +1,7 @@
 """training.precision = "fp8" without a GPU: the config's rules, the one-line refusals at
 the door (CPU, CUDA below compute capability 8.9, torchao missing), the engine's own
-refusal, and, when torchao imports here, which Linear layers the conversion swaps (the
+refusal, which Linear layers the filter picks (what the model's description keeps in high
+precision), and, when torchao imports here, which Linear layers the conversion swaps (the
 float8 matmuls themselves need a GPU: benchmarks/gpu_mfu.py, docs/fp8.md)."""
 
 import importlib.util
@@ -87,6 +88,54 @@ def test_engine_refuses_fp8_on_the_cpu():
     assert "\n" not in str(e.value)
 
 
+def _picked(d, **kw) -> list[str]:
+    """Full names of the modules ``float8_filter`` picks in ``d``'s model built on meta,
+    walked as ``convert_to_float8_training`` walks each pipeline layer."""
+    from shardwise.parallel.float8 import float8_filter
+
+    with torch.device("meta"):
+        model = d.build()
+    picked = []
+    for prefix, layer in d.layers(model):
+        keep = float8_filter(d.style_of, prefix, **kw)
+        picked += [f"{prefix}.{fqn}" if fqn else prefix
+                   for fqn, m in layer.named_modules() if keep(m, fqn)]
+    return picked
+
+
+def test_the_filter_keeps_what_the_description_declares():
+    """The routers stay out of fp8 because the Llama's description declares them
+    (``keep_high_precision``), not by their name: a description that declares nothing gets
+    them converted, one that declares another module keeps that one; the head stays out by
+    its style. No torchao needed: the filter is pure logic, on the meta device."""
+    import dataclasses
+
+    from shardwise.models import LlamaConfig
+    from shardwise.models.description import describe
+
+    d = describe(LlamaConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                             n_embd=64, n_experts=16, top_k=2))
+    assert d.keep_high_precision == ("blocks.*.mlp.router",)
+    attention = [f"blocks.{i}.self_attn.{p}" for i in (0, 1)
+                 for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    routers = ["blocks.0.mlp.router", "blocks.1.mlp.router"]
+    assert _picked(d, high_precision=d.is_high_precision) == attention
+    assert sorted(_picked(d)) == sorted(attention + routers)  # the default keeps none
+    bare = dataclasses.replace(d, keep_high_precision=())
+    assert sorted(_picked(bare, high_precision=bare.is_high_precision)) == sorted(
+        attention + routers)
+    other = dataclasses.replace(d, keep_high_precision=("blocks.1.self_attn.o_proj",))
+    assert sorted(_picked(other, high_precision=other.is_high_precision)) == sorted(
+        [n for n in attention if n != "blocks.1.self_attn.o_proj"] + routers)
+    assert describe(LlamaConfig(vocab_size=128, block_size=16, n_layer=1, n_head=4,
+                                n_embd=64)).keep_high_precision == ()
+    with torch.device("meta"):
+        model = d.build()
+    with pytest.raises(ValueError, match=r"^keep_high_precision of 'llama': "
+                       r"'blocks.\*.mlp.gate' names no module$"):
+        dataclasses.replace(d, keep_high_precision=("blocks.*.mlp.gate",)).check_plan(model)
+
+
 @pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install 'shardwise[fp8]')")
 def test_conversion_picks_the_linear_layers():
     """Every block's Linear (dims multiples of 16) becomes a Float8Linear holding the same
@@ -104,7 +153,8 @@ def test_conversion_picks_the_linear_layers():
     model = d.build()
     model.blocks[1].self_attn.o_proj = torch.nn.Linear(64, 64 + 8, bias=False)  # 72: not x16
     before = {n: p for n, p in model.named_parameters()}
-    done = convert_layers(d.layers(model), d.style_of, "rowwise")
+    done = convert_layers(d.layers(model), d.style_of, "rowwise",
+                          high_precision=d.is_high_precision)
     assert done == [f"blocks.{i}.self_attn.{p}" for i in (0, 1)
                     for p in ("q_proj", "k_proj", "v_proj", "o_proj") if (i, p) != (1, "o_proj")]
     modules = dict(model.named_modules())

@@ -249,3 +249,37 @@ def test_config_refusals_are_one_line():
         Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "moe_gating": "relu"}})
     with pytest.raises(ValueError, match="model.top_k=0"):
         _llama_cfg(top_k=0)
+
+
+def test_engine_reports_drops_as_the_description_declares():
+    """``expert_dropped`` follows the description's ``capacity_factor``, whatever the model's
+    own config holds: a model described under another kind, with no config of the Llama's
+    (``config=None``), reports the assignments its layers dropped (the single-process
+    model's count on the same batch); the dropless Llama reports none."""
+    import dataclasses
+
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models.description import ModelDescription
+    from shardwise.models.llama import describe
+
+    d = describe(_llama_cfg(moe_capacity_factor=0.5))
+    assert d.capacity_factor == 0.5 and describe(_llama_cfg()).capacity_factor == 0.0
+    own = dataclasses.replace(d, kind="own-moe", config=None)
+    idx = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    settings = EngineSettings(batch_size=4, seq_len=16, seed=3)
+    info = Engine(own, Topology.build(1, 1, 1), settings).train_step(idx, idx.roll(-1, 1))
+    torch.manual_seed(3)
+    model = own.build()
+    model(idx, idx.roll(-1, 1))
+    dropped = sum(int(b.mlp.pop_router_stats()["dropped"]) for b in model.blocks)
+    assert dropped > 0 and info["expert_dropped"] == dropped
+    info = Engine(describe(_llama_cfg()), Topology.build(1, 1, 1),
+                  settings).train_step(idx, idx.roll(-1, 1))
+    assert "expert_dropped" not in info and "expert_load" in info
+    with pytest.raises(ValueError, match="capacity_factor=0.5 needs experts"):
+        dataclasses.replace(own, n_experts=0)
+    with pytest.raises(ValueError, match="capacity_factor=-1; expected >= 0"):
+        ModelDescription(kind="x", config=None, build=own.build, tp_plan={}, hidden_size=32,
+                         vocab_size=32, block_size=16, n_layer=2, attention_width=32,
+                         n_experts=4, capacity_factor=-1)

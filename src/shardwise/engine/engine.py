@@ -159,7 +159,6 @@ class Engine:
         self.pp_rank = topology.pp_rank
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = groups.pp if groups is not None else None
-        self.dp_group = groups.dp if groups is not None else None
         # the replicas of every parameter: dp x cp (cp splits tokens, not weights)
         self.grad_group = groups.dp_cp if groups is not None else None
         self.cp = self._context_parallel(model)
@@ -271,7 +270,8 @@ class Engine:
                   if self.device.type == "cuda" else None)
         named = [(n, layer) for c in sorted(self.local.chunks)
                  for n, layer in zip(self.local.chunks[c].names, self.local.chunks[c].layers)]
-        return convert_layers(named, self.description.style_of, self.s.fp8_recipe)
+        return convert_layers(named, self.description.style_of, self.s.fp8_recipe,
+                              high_precision=self.description.is_high_precision)
 
     def _compile_blocks(self) -> None:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
@@ -432,9 +432,11 @@ class Engine:
         on the global batch: under cp each rank's is the local share whose mean over the
         sequence's cp ranks is the whole sequences' loss, ``models.moe``),
         ``expert_load`` (layers, E) int64: assignments routed to each expert over the
-        global batch (each cp rank counts its own tokens), and with a capacity factor
-        ``expert_dropped`` (0-d). One all-reduce over the world (tp rank 0 of each replica
-        counts; stages hold other layers). Empty without such layers."""
+        global batch (each cp rank counts its own tokens), and when the description has a
+        capacity factor (``capacity_factor`` > 0) ``expert_dropped`` (0-d float64:
+        assignments over capacity, summed over layers and the global batch). One all-reduce
+        over the world (tp rank 0 of each replica counts; stages hold other layers). Empty
+        without such layers."""
         layers = self.local.moe_layers
         if not layers:
             return {}
@@ -449,7 +451,7 @@ class Engine:
         if self.distributed and dist.get_world_size() > 1:
             comm.all_reduce(t, check=False)
         out = {"aux_loss": t[:, 0].sum(), "expert_load": t[:, 2:].round().long()}
-        if getattr(self.description.config, "moe_capacity_factor", 0):
+        if self.description.capacity_factor > 0:
             out["expert_dropped"] = t[:, 1].sum()
         return out
 

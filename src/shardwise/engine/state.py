@@ -110,10 +110,11 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
     if _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
-        expert = [_ep_split(engine) and is_expert(p) for _, p in named]
-        for group, which in ((engine.grad_group, False), (_ep_dp_group(engine), True)):
-            coalesced_([b for b, e in zip(bufs, expert) if e == which],
-                       lambda flat, g=group: comm.all_reduce(flat, group=g, check=False))
+        split = _ep_split(engine)
+        expert = [split and is_expert(p) for _, p in named]
+        _join([b for b, e in zip(bufs, expert) if not e], engine.grad_group)
+        if split:  # ZeRO shards expert parameters over the ranks holding them, ep_dp x cp
+            _join([b for b, e in zip(bufs, expert) if e], engine.topology.groups.ep_dp_cp)
         comm.all_reduce(steps, op="max", group=engine.grad_group, check=False)
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
@@ -135,10 +136,10 @@ def _ep_sharded(engine, p) -> bool:
     return engine.distributed and engine.ep.size > 1 and is_expert(p)
 
 
-def _ep_dp_group(engine):
-    """The ranks holding this rank's experts, ep_dp x cp (ZeRO shards expert parameters
-    over it); without expert parallelism the dp group (unused: no parameter is an expert)."""
-    return engine.topology.groups.ep_dp_cp if _ep_split(engine) else engine.dp_group
+def _join(bufs: list[torch.Tensor], group) -> None:
+    """Sum ``bufs`` over ``group`` in place, one all-reduce (nothing for an empty list): the
+    ranks' zero-filled buffers, each holding its disjoint ZeRO pieces, become whole."""
+    coalesced_(bufs, lambda flat: comm.all_reduce(flat, group=group, check=False))
 
 
 def _ep_split(engine) -> bool:

@@ -109,6 +109,15 @@ class ModelDescription:
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
     n_experts: experts per mixture-of-experts layer (0: none); ep must divide it.
+    capacity_factor: the experts' capacity factor c (``models.moe.MoE``: an expert takes at
+        most ceil(c N k / E) of a micro-batch's N tokens' k assignments, the rest dropped);
+        0 (the default): dropless. When > 0 the engine reports the dropped assignments per
+        step (``expert_dropped``); it needs ``n_experts`` > 0.
+    keep_high_precision: module-name patterns (``fnmatch``, as in ``tp_plan``) of the
+        ``nn.Linear`` layers kept out of low-precision matmuls (``training.precision = "fp8"``,
+        ``parallel.float8``) besides the ``vocab_head``: a mixture of experts' router, whose
+        top-k decisions float8 rounding would change (torchtitan's ``filter_fqns``). Default
+        (): none.
     context_parallel: the model reads token positions from ``models.sequence.positions``,
         attends through ``models.gpt.causal_attention`` and sums any per-sequence statistic
         (an MoE's token counts per expert) with ``models.sequence.sequence_total``, so a
@@ -132,10 +141,18 @@ class ModelDescription:
     tied: tuple[str, str] | None = None
     tp_divides: Mapping[str, int] = field(default_factory=dict)
     n_experts: int = 0
+    capacity_factor: float = 0.0
+    keep_high_precision: tuple[str, ...] = ()
     context_parallel: bool = False
     hf: Any = None
 
     def __post_init__(self):
+        if self.capacity_factor < 0:
+            raise ValueError(f"description of {self.kind!r}: capacity_factor="
+                             f"{self.capacity_factor}; expected >= 0 (0: dropless)")
+        if self.capacity_factor and not self.n_experts:
+            raise ValueError(f"description of {self.kind!r}: capacity_factor="
+                             f"{self.capacity_factor} needs experts (n_experts is 0)")
         for pattern, style in self.tp_plan.items():
             if style not in STYLES:
                 raise ValueError(f"tp plan of {self.kind!r}: {pattern!r} has style {style!r}; "
@@ -145,6 +162,10 @@ class ModelDescription:
         """The style of module ``name`` (``style_of`` on ``tp_plan``)."""
         return style_of(self.tp_plan, name)
 
+    def is_high_precision(self, name: str) -> bool:
+        """Whether module ``name`` (its full model name) matches ``keep_high_precision``."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.keep_high_precision)
+
     def vocab_params(self, model: nn.Module) -> tuple[str, ...]:
         """Names of the parameters split by vocabulary rows (padded to a multiple of tp)."""
         return tuple(f"{n}.weight" for n, _ in model.named_modules()
@@ -152,8 +173,13 @@ class ModelDescription:
 
     def check_plan(self, model: nn.Module) -> None:
         """Raise ``ValueError`` (one line) for a pattern that names no module of ``model`` or
-        a style on a module it does not fit (``column`` on a non-Linear ...)."""
+        a style on a module it does not fit (``column`` on a non-Linear ...), and for a
+        ``keep_high_precision`` pattern that names no module."""
         names = dict(model.named_modules())
+        for pattern in self.keep_high_precision:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                raise ValueError(f"keep_high_precision of {self.kind!r}: {pattern!r} names "
+                                 "no module")
         for pattern, style in self.tp_plan.items():
             hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             if not hits:

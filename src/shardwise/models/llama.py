@@ -402,6 +402,11 @@ MOE_TP_PLAN = {
 }
 
 
+# fp8 leaves the routers in bf16 (torchtitan's float8 ``filter_fqns``): their top-k choices
+# would change with float8 rounding
+ROUTERS = ("blocks.*.mlp.router",)
+
+
 def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
     """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
     there is none)."""
@@ -429,7 +434,10 @@ def describe(cfg: LlamaConfig):
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},
-        n_experts=cfg.n_experts, hf=None if cfg.n_experts else LLAMA)
+        n_experts=cfg.n_experts,
+        capacity_factor=cfg.moe_capacity_factor if cfg.n_experts else 0.0,  # dense: unused
+        keep_high_precision=ROUTERS if cfg.n_experts else (),
+        hf=None if cfg.n_experts else LLAMA)
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:

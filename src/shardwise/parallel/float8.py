@@ -17,7 +17,8 @@ al., "FP8 Formats for Deep Learning", arXiv:2209.05433):
 Which layers (torchtitan's choice, ``components/quantization/float8.py``): every
 ``nn.Linear`` whose in and out features are multiples of 16 (``torch._scaled_mm``'s
 requirement), except the output head (tp style ``vocab_head``: the logits stay bf16) and the
-mixture-of-experts router (a module named ``router``: routing decisions stay bf16).
+modules the model's description keeps in high precision (``ModelDescription.keep_high_precision``:
+the Llama's mixture-of-experts routers, so routing decisions stay bf16).
 
 What composes (torchao 0.18):
 
@@ -83,24 +84,33 @@ def check_fp8(device_type: str, devices: Sequence[int] | None = None) -> None:
         raise ValueError(why)
 
 
-def float8_filter(style_of: Callable[[str], str], prefix: str = "") -> Callable[[nn.Module, str], bool]:
+def _none(name: str) -> bool:
+    return False
+
+
+def float8_filter(style_of: Callable[[str], str], prefix: str = "", *,
+                  high_precision: Callable[[str], bool] = _none,
+                  ) -> Callable[[nn.Module, str], bool]:
     """``module_filter_fn`` for ``convert_to_float8_training``: True for an ``nn.Linear``
     (named ``fqn`` under ``prefix``, the layer's full model name) to be converted: in and
     out features multiples of 16, not the output head (``style_of(full name) ==
-    "vocab_head"``), not a router."""
+    "vocab_head"``), not a module ``high_precision(full name)`` keeps (the description's
+    ``is_high_precision``: its routers; default: none)."""
     def keep(module: nn.Module, fqn: str) -> bool:
         name = f"{prefix}.{fqn}" if prefix and fqn else (prefix or fqn)
         if not isinstance(module, nn.Linear):
             return False
         if module.in_features % 16 or module.out_features % 16:
             return False
-        return style_of(name) != "vocab_head" and name.rsplit(".", 1)[-1] != "router"
+        return style_of(name) != "vocab_head" and not high_precision(name)
     return keep
 
 
 def convert_layers(named_layers: Sequence[tuple[str, nn.Module]],
-                   style_of: Callable[[str], str], recipe: str = "tensorwise") -> list[str]:
-    """Swap, in place, the eligible ``nn.Linear`` of each ``(full model name, layer)`` for
+                   style_of: Callable[[str], str], recipe: str = "tensorwise", *,
+                   high_precision: Callable[[str], bool] = _none) -> list[str]:
+    """Swap, in place, the eligible ``nn.Linear`` of each ``(full model name, layer)``
+    (``float8_filter``: ``style_of`` and ``high_precision`` read the model's description) for
     torchao's ``Float8Linear`` with ``recipe`` (``RECIPES``); the Parameters are kept (same
     objects, names and dtypes). Returns the full names of the converted modules. Raises
     ``ValueError`` (one line) for an unknown recipe or a missing torchao. Call it on the
@@ -115,7 +125,7 @@ def convert_layers(named_layers: Sequence[tuple[str, nn.Module]],
     config = Float8LinearConfig.from_recipe_name(recipe)
     converted: list[str] = []
     for prefix, layer in named_layers:
-        keep = float8_filter(style_of, prefix)
+        keep = float8_filter(style_of, prefix, high_precision=high_precision)
 
         def record(module: nn.Module, fqn: str, keep=keep, prefix=prefix) -> bool:
             if keep(module, fqn):
