@@ -207,6 +207,40 @@ def test_cp_is_searched_only_where_twice_it_divides_the_sequence():
         spec, Layout(2, 1, 1, 1, 16, cp=8), H100, False)
 
 
+
+def test_a_model_with_dropout_gets_no_context_parallelism(tmp_path):
+    """The engine refuses cp > 1 with model.dropout > 0 (ring attention has no attention
+    dropout): the search prunes those layouts with that reason, where the same model
+    without dropout ranks cp first; a TOML's model.dropout reaches the spec; the emitted
+    TOML keeps the dropout and cp = 1, and trains' config accepts it."""
+    import tomllib
+
+    from shardwise.cli.plan import emit_toml
+    from shardwise.planner.search import cp_reason
+    from shardwise.planner.specs import load_model
+
+    spec = NAMED["llama2-7b"].with_seq(32768)
+    plain, _ = plan(spec, H100, 16, 16, micro_batches=[1], top=3)
+    assert plain[0].layout.cp > 1  # the same model without dropout: cp wins
+    wet = replace(spec, dropout=0.1)
+    feasible, pruned = plan(wet, H100, 16, 16, micro_batches=[1], top=3)
+    assert feasible and all(c.layout.cp == 1 for c in feasible)
+    why = [p for p in pruned if "model.dropout=0.1" in p.reason]
+    assert why and all(p.layout.cp > 1 for p in why)
+    assert cp_reason(wet, 1) is None and "ring attention" in cp_reason(wet, 2)
+    assert "model.dropout" in prune_reason(wet, Layout(8, 1, 1, 1, 2, cp=2), H100, False)
+    out = emit_toml(str(tmp_path / "best.toml"), "llama2-7b", wet, feasible[0].layout, 16,
+                    "bf16")
+    emitted = tomllib.loads(out.read_text())
+    assert emitted["model"]["dropout"] == 0.1 and emitted["parallel"]["cp"] == 1
+    assert "dropout" not in NAMED["llama2-7b"].model_table()  # named sizes: none
+    toml = tmp_path / "m.toml"
+    toml.write_text("[model]\nn_layer = 2\nn_head = 4\nn_embd = 64\nblock_size = 64\n"
+                    "vocab_size = 256\ndropout = 0.25\n")
+    assert load_model(str(toml)).dropout == 0.25
+    assert load_model(str(toml), seq=128).dropout == 0.25
+    assert load_model(str(toml)).with_seq(128).dropout == 0.25
+
 # --- expert parallelism -------------------------------------------------------------------
 
 MOE = NAMED["mixtral-8x7b"].with_seq(4096)

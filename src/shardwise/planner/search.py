@@ -4,8 +4,9 @@ The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of 
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
 sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
-context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks);
-for a mixture of experts,
+context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks),
+pruned for a model with dropout (the engine refuses cp > 1 with dropout); for a mixture of
+experts,
 expert parallelism ep over the divisors of dp that divide the experts (ZeRO-3 and sequence
 parallelism refused with experts, as the engine does); FP8 (``fp8=(False, True)``) and
 selective recomputation (``selective=(False, True)``) only when asked: the engine's FP8
@@ -155,7 +156,12 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
 
 
 def cp_reason(spec: ModelSpec, cp: int) -> str | None:
-    """The reasons that hold for every layout of one cp size."""
+    """The reasons that hold for every layout of one cp size: 2 cp must divide the
+    sequence, and a model with dropout gets no cp > 1 (the engine refuses it:
+    ``base.config``'s cp check, ring attention has no attention dropout)."""
+    if cp > 1 and spec.dropout > 0:
+        return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
+                "attention dropout (the engine refuses cp > 1 with dropout)")
     if cp > 1 and spec.block_size % (2 * cp):
         return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
                 "(each cp rank holds chunks i and 2cp-1-i)")
