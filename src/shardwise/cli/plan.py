@@ -36,8 +36,8 @@ in bytes and time in seconds, the pruned ones counted by reason), for scripts. A
 that takes over a second shows a progress bar on stderr.
 
 Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
-no layout, ``--cp`` / ``--ep`` sizes the model or the GPUs refuse) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
-chooser (``shardwise.cli.plan_cnn``).
+no layout, ``--cp`` / ``--ep`` sizes the model or the GPUs refuse) prints one line and exits
+2. ``--model cnn`` is routed to the CNN's per-layer chooser (``shardwise.cli.plan_cnn``).
 """
 
 from __future__ import annotations

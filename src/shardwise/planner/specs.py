@@ -97,7 +97,8 @@ class ModelSpec:
         value heads, MLP width and rotary base from its config where it has those fields
         (``n_head`` 1 otherwise: only the activations' small log-sum-exp term reads it),
         ``dropout`` from its config's ``dropout`` (0 without one), biases and the parameter
-        count from the model built on the meta device, ``family`` its kind. Raises ``ValueError`` for a model the planner cannot read."""
+        count from the model built on the meta device, ``family`` its kind. Raises
+        ``ValueError`` for a model the planner cannot read."""
         from torch import nn
 
         from shardwise.models.description import describe
