@@ -127,6 +127,25 @@ def test_damaged_latest_falls_back_to_previous(saved, damage):
         rundir.prepare(Config.from_dict(cfg), "auto")  # never a silent start over them
 
 
+
+def test_checksums_use_the_one_file_hash(tmp_path):
+    """One sha256 of a file for checkpoints and token shards (``data.shards.sha256_file``):
+    the checkpoint's manifest holds hashlib's digest, read in pieces of any size."""
+    import hashlib
+
+    from shardwise.checkpoint import integrity
+    from shardwise.data import shards
+
+    assert integrity.sha256_file is shards.sha256_file
+    body = bytes(range(256)) * 41 + b"tail"  # 10,500 bytes: pieces end mid-file
+    (tmp_path / "a.distcp").write_bytes(body)
+    (tmp_path / "meta.json").write_bytes(b"{}")
+    want = hashlib.sha256(body).hexdigest()
+    assert shards.sha256_file(tmp_path / "a.distcp", chunk=1000) == want
+    manifest = write_manifest(tmp_path)
+    assert manifest["files"]["a.distcp"] == {"bytes": len(body), "sha256": want}
+    assert manifest["files"]["meta.json"]["sha256"] == hashlib.sha256(b"{}").hexdigest()
+
 def test_non_finite_weights_are_never_saved_and_stop_the_run(saved):
     cfg, root, _ = saved
     before = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}

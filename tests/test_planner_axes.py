@@ -175,6 +175,48 @@ def test_more_cp_means_less_activation_memory_and_more_ring_traffic():
         ring_bytes(LONG, _cp(c), 2)[0] for c in (2, 4, 8))
 
 
+def _round(kernels="shardwise"):
+    """A cluster of round numbers for the formula tests: 8 GPUs a node, 100 GB/s and 2 us
+    inside, 10 GB/s and 20 us across (``hardware.fabric``: a step costs alpha + bytes /
+    bandwidth)."""
+    from shardwise.planner.hardware import fabric
+
+    return replace(FIXED_PRESETS["dgx-h100"], gpus_per_node=8, kernels=kernels,
+                   intra=fabric("in", 100e9, 2e-6), inter=fabric("out", 10e9, 20e-6))
+
+
+@pytest.mark.parametrize("tp,cp,kernels,precision,bw,alpha,width", [
+    (1, 4, "shardwise", "bf16", 100e9, 2e-6, 4096),  # one node; all H D = 4096 passed
+    (2, 8, "shardwise", "bf16", 10e9, 20e-6, 4096),  # tp x cp = 16 ranks: across nodes
+    (1, 2, "megatron-2021", "bf16", 100e9, 2e-6, 1024),  # grouped K/V: 8 heads x 128
+    (2, 2, "shardwise", "fp32", 100e9, 2e-6, 4096),  # fp32: dK/dV as wide as K/V
+])
+def test_ring_seconds_are_the_documented_formula(tp, cp, kernels, precision, bw, alpha, width):
+    """``ring_seconds`` by hand: a K/V block is 2 mb (s / cp) k e / t bytes (K and V of a
+    rank's tokens, k the width passed); forward cp - 1 messages of it, backward those again
+    and cp messages of the fp32 dK/dV block (4 / e times the bytes), each message alpha +
+    bytes / bandwidth on the link tp x cp ranks cross."""
+    from shardwise.planner.memory import BYTES
+    from shardwise.planner.simulate import ring_bytes, ring_seconds
+
+    e = BYTES[precision]
+    mb, s = 2, 32768  # LONG: llama3-8b, h = 4096, 8 key/value heads of 128
+    lay = Layout(2, tp, 1, mb, 4, cp=cp)
+    block = 2 * mb * (s // cp) * width * e / tp
+    dkv = block * 4 / e
+    fwd = (cp - 1) * (alpha + block / bw)
+    bwd = (cp - 1) * (alpha + block / bw) + cp * (alpha + dkv / bw)
+    got = ring_seconds(LONG, lay, _round(kernels), e)
+    assert got.forward == pytest.approx(fwd, rel=1e-12)
+    assert got.backward == pytest.approx(bwd, rel=1e-12)
+    # and in terms of ring_bytes: one alpha per message, the bytes at the bandwidth
+    nbytes = ring_bytes(LONG, lay, e, kernels)
+    assert got.forward == pytest.approx((cp - 1) * alpha + nbytes.forward / bw, rel=1e-12)
+    assert got.backward == pytest.approx((2 * cp - 1) * alpha + nbytes.backward / bw,
+                                         rel=1e-12)
+    assert ring_seconds(LONG, Layout(2, tp, 1, mb, 4), _round(kernels), e) == (0.0, 0.0)
+
+
 def test_ring_traffic_hides_behind_attention_unless_the_link_is_slow():
     lay = Layout(1, 1, 1, 1, 2, cp=8)
     fast = simulate(LONG, lay, H100)
@@ -206,6 +248,40 @@ def test_cp_is_searched_only_where_twice_it_divides_the_sequence():
     assert "does not divide the sequence" in prune_reason(
         spec, Layout(2, 1, 1, 1, 16, cp=8), H100, False)
 
+
+
+def test_a_model_with_dropout_gets_no_context_parallelism(tmp_path):
+    """The engine refuses cp > 1 with model.dropout > 0 (ring attention has no attention
+    dropout): the search prunes those layouts with that reason, where the same model
+    without dropout ranks cp first; a TOML's model.dropout reaches the spec; the emitted
+    TOML keeps the dropout and cp = 1, and trains' config accepts it."""
+    import tomllib
+
+    from shardwise.cli.plan import emit_toml
+    from shardwise.planner.search import cp_reason
+    from shardwise.planner.specs import load_model
+
+    spec = NAMED["llama2-7b"].with_seq(32768)
+    plain, _ = plan(spec, H100, 16, 16, micro_batches=[1], top=3)
+    assert plain[0].layout.cp > 1  # the same model without dropout: cp wins
+    wet = replace(spec, dropout=0.1)
+    feasible, pruned = plan(wet, H100, 16, 16, micro_batches=[1], top=3)
+    assert feasible and all(c.layout.cp == 1 for c in feasible)
+    why = [p for p in pruned if "model.dropout=0.1" in p.reason]
+    assert why and all(p.layout.cp > 1 for p in why)
+    assert cp_reason(wet, 1) is None and "ring attention" in cp_reason(wet, 2)
+    assert "model.dropout" in prune_reason(wet, Layout(8, 1, 1, 1, 2, cp=2), H100, False)
+    out = emit_toml(str(tmp_path / "best.toml"), "llama2-7b", wet, feasible[0].layout, 16,
+                    "bf16")
+    emitted = tomllib.loads(out.read_text())
+    assert emitted["model"]["dropout"] == 0.1 and emitted["parallel"]["cp"] == 1
+    assert "dropout" not in NAMED["llama2-7b"].model_table()  # named sizes: none
+    toml = tmp_path / "m.toml"
+    toml.write_text("[model]\nn_layer = 2\nn_head = 4\nn_embd = 64\nblock_size = 64\n"
+                    "vocab_size = 256\ndropout = 0.25\n")
+    assert load_model(str(toml)).dropout == 0.25
+    assert load_model(str(toml), seq=128).dropout == 0.25
+    assert load_model(str(toml)).with_seq(128).dropout == 0.25
 
 # --- expert parallelism -------------------------------------------------------------------
 
@@ -241,6 +317,32 @@ def test_more_ep_means_less_expert_memory_and_more_all_to_all_bytes():
     p1 = memory_of(MOE, Layout(8, 1, 1, 1, 4, ep=1), "bf16")["params"]
     p2 = memory_of(MOE, Layout(8, 1, 1, 1, 4, ep=2), "bf16")["params"]
     assert p1 - p2 == MOE.n_layer * per_block // 2 * 2  # bf16: 2 bytes each
+
+
+@pytest.mark.parametrize("dp,tp,pp,cp,ep,mb,bw,alpha", [
+    (4, 1, 1, 1, 4, 1, 100e9, 2e-6),  # ep 4 inside a node
+    (8, 1, 2, 1, 8, 1, 10e9, 20e-6),  # ep 8 x pp 2 = 16 ranks: across nodes
+    (4, 1, 1, 2, 2, 2, 100e9, 2e-6),  # cp 2 halves a rank's tokens, mb 2 doubles them
+    (2, 2, 1, 2, 2, 1, 100e9, 2e-6),  # ep x cp x tp = 8: still one node
+])
+def test_all_to_all_seconds_are_the_documented_formula(dp, tp, pp, cp, ep, mb, bw, alpha):
+    """``all_to_all_seconds`` by hand: dispatch and combine each send a rank's T k token
+    copies of h values (T = mb s / cp), (ep - 1) / ep of them to the ep - 1 others in
+    ep - 1 pairwise steps: 2 ((ep - 1) alpha + (ep - 1) / ep T k h e / bandwidth), on the
+    link ep x pp x cp x tp ranks cross."""
+    from shardwise.planner.simulate import all_to_all_bytes, all_to_all_seconds
+
+    e, s, k, h = 2, 4096, 2, 4096  # MOE: mixtral-8x7b at 4096, top-2, width 4096
+    lay = Layout(dp, tp, pp, mb, 4, ep=ep, cp=cp)
+    T = mb * s // cp
+    want = 2 * ((ep - 1) * alpha + (ep - 1) / ep * T * k * h * e / bw)
+    got = all_to_all_seconds(MOE, lay, _round(), e)
+    assert got == pytest.approx(want, rel=1e-12)
+    # and in terms of all_to_all_bytes (both passes' messages: 2 (ep - 1) alphas)
+    assert got == pytest.approx(2 * (ep - 1) * alpha + all_to_all_bytes(MOE, lay, e) / bw,
+                                rel=1e-12)
+    assert all_to_all_seconds(MOE, replace(lay, ep=1), _round(), e) == 0.0
+    assert all_to_all_seconds(NAMED["llama2-7b"], lay, _round(), e) == 0.0  # no experts
 
 
 def test_ep_prices_all_to_all_and_reduces_expert_gradients_over_dp_over_ep():

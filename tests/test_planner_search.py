@@ -22,7 +22,7 @@ from shardwise.parallel.pipeline.schedules import Forward, compute_order, schedu
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS
 from shardwise.planner.memory import fast_balanced, layer_weights
 from shardwise.planner.search import Bounds, enumerate_layouts, lower_bound, memory_of, plan
-from shardwise.planner.simulate import Layout, _orders, simulate, walk, walk_fast
+from shardwise.planner.simulate import ChunkCost, Layout, _orders, simulate, walk, walk_fast
 from shardwise.planner.specs import NAMED
 
 BASELINE = Path(__file__).parent / "data" / "planner_baseline.json"
@@ -81,11 +81,54 @@ def test_walk_fast_is_the_walk(p, m, v):
         for _ in range(p * v):
             f = rng.uniform(0.5, 3.0)
             tp = rng.uniform(0, 0.2)
-            costs.append((f, 2 * f + rng.uniform(0, 1), tp, 2 * tp, 0.0, 0.0))
-        end, busy, tp_time, _ = walk(sched, costs, p2p)
-        fend, fbusy, ftp = walk_fast(p, m, v, costs, p2p)
-        assert fbusy == busy and ftp == tp_time  # summed in the walk's order
-        assert fend == pytest.approx(end, rel=1e-12)
+            costs.append(ChunkCost(f, 2 * f + rng.uniform(0, 1), tp, 2 * tp, 0.0, 0.0,
+                                   0.0, 0.0, 0.0))
+        slow, fast = walk(sched, costs, p2p), walk_fast(p, m, v, costs, p2p)
+        assert fast.busy == slow.busy and fast.tp == slow.tp  # summed in the walk's order
+        assert fast.end == pytest.approx(slow.end, rel=1e-12)
+        assert fast.events == [] and len(slow.events) == 2 * m * p * v
+
+
+def test_cost_tuples_carry_their_names():
+    """The prices that cross functions are named tuples (their units in the field docs):
+    a field reads what its position held, and the composed numbers agree with them."""
+    from shardwise.planner.simulate import (
+        BlockCosts,
+        DpSeconds,
+        Ops,
+        RingBytes,
+        RingSeconds,
+        _rank_comm,
+        block_costs,
+        block_ops,
+        chunk_costs,
+        dp_seconds,
+        ring_bytes,
+        ring_seconds,
+    )
+
+    spec, cluster = NAMED["llama3-8b"].with_seq(32768), PRESETS["dgx-h100"]
+    lay = Layout(2, 2, 2, 1, 4, cp=2, zero=1)
+    ops = block_ops(spec, 1, 2, False, cluster.kernels, 2, 2)
+    assert type(ops) is Ops and ops.gemms is ops[0] and ops.moves is ops[1]
+    rb, rs = ring_bytes(spec, lay, 2), ring_seconds(spec, lay, cluster, 2)
+    assert type(rb) is RingBytes and type(rs) is RingSeconds
+    assert 0 < rb.forward < rb.backward and 0 < rs.forward < rs.backward
+    blk = block_costs(spec, lay, cluster, "bf16")
+    assert type(blk) is BlockCosts and blk.n_sync == 2 and blk.tp > 0 and blk.attention > 0
+    assert blk.cp_forward == max(0.0, rs.forward - blk.attention)
+    assert blk.cp_backward == max(0.0, rs.backward - 2 * blk.attention)
+    costs = chunk_costs(spec, lay, cluster, "bf16")
+    for c in costs:
+        assert c._fields == ("forward", "backward", "tp_forward", "tp_backward",
+                             "wait_forward", "wait_backward", "cp", "ep", "pp")
+        assert c.forward > c.tp_forward > 0 and c.backward > c.tp_backward > 0
+    dp = dp_seconds(spec, lay, cluster, "bf16", [0, 1, 2])
+    assert type(dp) is DpSeconds and dp.after > 0 and dp.inside == 0.0
+    comm = _rank_comm(costs, 0, lay)
+    assert comm.cp == 4 * sum(c.cp for c in costs[::2]) and comm.ep == comm.pp == 0.0
+    w = walk_fast(2, 4, 1, costs, 0.0)
+    assert len(w.end) == len(w.busy) == len(w.tp) == 2 and w.events == []
 
 
 CASES = [("gpt3-13b", "dgx-a100-80gb", 64, 128), ("megatron-18b", "dgx-a100-80gb", 128, 256),
@@ -252,6 +295,20 @@ def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
+
+
+def test_forced_cp_for_a_model_with_dropout_is_one_line_exit_2(capsys, tmp_path):
+    """``--cp 2`` for a model with dropout: the engine would refuse every such layout."""
+    from shardwise.cli.main import main
+
+    toml = tmp_path / "drop.toml"
+    toml.write_text("[model]\nn_layer = 2\nn_head = 4\nn_embd = 64\nblock_size = 64\n"
+                    "vocab_size = 256\ndropout = 0.1\n")
+    assert main(["plan", "--model", str(toml), "--cluster", "dgx-h100", "--gpus", "8",
+                 "--global-batch", "8", "--cp", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp 2: drop has model.dropout = 0.1" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 def test_bounded_search_with_blocking_sends_and_context_parallelism():
     """Megatron's kernels (sends charged to the sender, none in flight) and a long sequence

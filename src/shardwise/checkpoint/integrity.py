@@ -9,7 +9,6 @@ falls back to the previous one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,21 +17,13 @@ from typing import Any, Iterator
 import torch
 
 from shardwise.base.errors import CheckpointError
+from shardwise.data.shards import sha256_file  # the one file hash: data precedes checkpoint
 
 MANIFEST = "checksums.json"
-_CHUNK = 1 << 20
 
 
 class IntegrityError(CheckpointError):
     """A checkpoint's files do not match its manifest; ``str`` is one line naming the file."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_manifest(directory: Path) -> dict[str, Any]:

@@ -21,6 +21,8 @@ as it was.
 
 The search covers context parallelism (cp, where 2 cp divides the sequence) and, for a
 mixture of experts, expert parallelism (ep); ``--cp`` / ``--ep`` restrict their sizes.
+A model with dropout (``model.dropout`` > 0) gets no cp > 1, as ``shardwise train`` refuses
+it (ring attention has no attention dropout); ``--cp N`` with N > 1 is then an error.
 ``--fp8`` (a cluster with FP8 tensor cores: dgx-h100) and ``--selective`` (recompute only
 the attention core) are priced, not emitted: the engine's FP8 (``training.precision =
 "fp8"``) runs with tp = 1 only, and its ``parallel.recompute = "selective"`` is torch's
@@ -34,8 +36,8 @@ in bytes and time in seconds, the pruned ones counted by reason), for scripts. A
 that takes over a second shows a progress bar on stderr.
 
 Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
-no layout) prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer
-chooser (``shardwise.cli.plan_cnn``).
+no layout, ``--cp`` / ``--ep`` sizes the model or the GPUs refuse) prints one line and exits
+2. ``--model cnn`` is routed to the CNN's per-layer chooser (``shardwise.cli.plan_cnn``).
 """
 
 from __future__ import annotations
@@ -153,6 +155,10 @@ def _run(args) -> int:
     for c in cps or ():
         if world % c:
             raise SpecError(f"--cp {c}: does not divide the {world} GPUs")
+        if c > 1 and spec.dropout > 0:
+            raise SpecError(f"--cp {c}: {spec.name} has model.dropout = {spec.dropout:g} and "
+                            "ring attention has no attention dropout (the engine refuses cp "
+                            "> 1 with dropout); set model.dropout = 0")
     for e in eps or ():
         if e > 1 and (world % e or spec.n_experts % e):
             raise SpecError(f"--ep {e}: must divide the {world} GPUs and the "

@@ -57,7 +57,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a file, read in ``chunk``-byte pieces (bounded memory)."""
+    """Hex sha256 of a file, read in ``chunk``-byte pieces (bounded memory). The one file
+    hash of the package: prepared shards and tokenizers here, a checkpoint's
+    ``checksums.json`` in ``checkpoint.integrity`` (data precedes checkpoint in the layers
+    of docs/architecture.md, so checkpoint may import it)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

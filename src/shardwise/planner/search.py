@@ -4,8 +4,9 @@ The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of 
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
 sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
-context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks);
-for a mixture of experts,
+context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks),
+pruned for a model with dropout (the engine refuses cp > 1 with dropout); for a mixture of
+experts,
 expert parallelism ep over the divisors of dp that divide the experts (ZeRO-3 and sequence
 parallelism refused with experts, as the engine does); FP8 (``fp8=(False, True)``) and
 selective recomputation (``selective=(False, True)``) only when asked: the engine's FP8
@@ -155,7 +156,12 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
 
 
 def cp_reason(spec: ModelSpec, cp: int) -> str | None:
-    """The reasons that hold for every layout of one cp size."""
+    """The reasons that hold for every layout of one cp size: 2 cp must divide the
+    sequence, and a model with dropout gets no cp > 1 (the engine refuses it:
+    ``base.config``'s cp check, ring attention has no attention dropout)."""
+    if cp > 1 and spec.dropout > 0:
+        return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
+                "attention dropout (the engine refuses cp > 1 with dropout)")
     if cp > 1 and spec.block_size % (2 * cp):
         return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
                 "(each cp rank holds chunks i and 2cp-1-i)")
@@ -233,7 +239,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
 def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str) -> float:
     """Analytic step time: chunk costs x (v m + p - 1) per rank (the textbook bubble)."""
     costs = chunk_costs(spec, lay, cluster, precision)
-    per_chunk = max(c[0] + c[1] for c in costs)
+    per_chunk = max(c.forward + c.backward for c in costs)
     return per_chunk * (lay.chunks_per_rank * lay.micro_batches + lay.pp - 1)
 
 
@@ -286,9 +292,9 @@ class Bounds:
                 rk = (key, sig)
                 own = self._ranks.get(rk)
                 if own is None:
-                    after, inside = dp_seconds(spec, lay, cl, prec, layers)
-                    own = self._ranks[rk] = (after + inside, optimizer_seconds(spec, lay, cl,
-                                                                               layers))
+                    dp = dp_seconds(spec, lay, cl, prec, layers)
+                    own = self._ranks[rk] = (dp.after + dp.inside,
+                                             optimizer_seconds(spec, lay, cl, layers))
                 x.append(own[0] + tied_seconds(spec, lay, cl, prec, r) + own[1])
             self._extras[key] = x
         return x
@@ -305,7 +311,7 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     p, m = lay.pp, lay.micro_batches
     ex = b.extras(lay)
     if p == 1:
-        return m * sum(c[0] + c[1] for c in costs) + ex[0]
+        return m * sum(c.forward + c.backward for c in costs) + ex[0]
     key = (b.costs_key(lay), m)
     ends = b._ends.get(key)
     if ends is None:  # per rank: the end of its own work, and of the backward chain after
@@ -315,14 +321,14 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
             b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
         work = [0.0] * p
         for c, cc in enumerate(costs):
-            work[c % p] += cc[0] + cc[1]
+            work[c % p] += cc.forward + cc.backward
         own, chain, head, tail = [], [], 0.0, 0.0
         for r in range(p):
             end = head + m * work[r]
             own.append(end)
             chain.append(end + tail)
-            head += costs[r][0] + hop
-            tail += costs[r][1] + hop
+            head += costs[r].forward + hop
+            tail += costs[r].backward + hop
         ends = b._ends[key] = (own, max(chain))
     own, chain = ends
     return max(max(map(add, own, ex)), chain + ex[0])

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from shardwise.parallel.pipeline.schedules import (
     Backward,
@@ -113,6 +114,127 @@ class Layout:
                 f"m{self.micro_batches}{sched} z{self.zero}{extra}")
 
 
+class Ops(NamedTuple):
+    """One block's forward as operations (``block_ops``; ``op_seconds`` prices them)."""
+
+    gemms: list[float]
+    """FLOPs of each GEMM, in the block's order (``gemms[1:3]``: the attention core's)."""
+    moves: list[float]
+    """Bytes each memory-bound operation reads and writes."""
+
+
+class RingBytes(NamedTuple):
+    """Bytes one rank receives round the cp ring per block (``ring_bytes``)."""
+
+    forward: float
+    """Bytes, forward: the other cp - 1 K/V blocks."""
+    backward: float
+    """Bytes, backward: the K/V blocks again and the fp32 dK/dV accumulators."""
+
+
+class RingSeconds(NamedTuple):
+    """Seconds of one block's ring traffic on one rank, before overlap (``ring_seconds``)."""
+
+    forward: float
+    """Seconds, forward."""
+    backward: float
+    """Seconds, backward."""
+
+
+class BlockCosts(NamedTuple):
+    """The per-block prices ``chunk_costs`` composes chunks of (``block_costs``); one pass
+    of one micro-batch on one rank."""
+
+    tp: float
+    """Seconds of a block's tensor-parallel collectives in one pass (forward or backward)."""
+    n_sync: int
+    """Synchronisations (collectives) of those, a count."""
+    embed_tp: float
+    """Seconds of the vocabulary-parallel embedding's all-reduce (forward)."""
+    loss_tp: float
+    """Seconds of the vocabulary-parallel loss's three small all-reduces."""
+    block: float
+    """Seconds of a block's forward compute."""
+    head: float
+    """Seconds of the head's forward compute."""
+    attention: float
+    """Seconds of the attention core's forward (with selective recomputation or cp > 1;
+    else 0)."""
+    send: float
+    """Seconds of a blocking pipeline send (``megatron_send_seconds``; else 0)."""
+    cp_forward: float
+    """Seconds of the ring's traffic not hidden behind attention, forward."""
+    cp_backward: float
+    """Seconds of the ring's traffic not hidden behind attention, backward."""
+    all_to_all: float
+    """Seconds of a block's all-to-alls in one pass (``all_to_all_seconds``)."""
+    sync_penalty: float
+    """Seconds each synchronisation waits on a machine whose ranks share cores
+    (``Cluster.sync_penalty_s``)."""
+
+
+class ChunkCost(NamedTuple):
+    """One chunk's seconds for one micro-batch (``chunk_costs``); the tp, wait, cp, ep and
+    pp seconds are parts of ``forward`` / ``backward``."""
+
+    forward: float
+    """Seconds of its forward: compute, collectives and waiting."""
+    backward: float
+    """Seconds of its backward (with any recomputation)."""
+    tp_forward: float
+    """Seconds of communication inside the forward (tp, cp, ep, a blocking send) and its
+    waiting."""
+    tp_backward: float
+    """Seconds of communication inside the backward, and its waiting."""
+    wait_forward: float
+    """Seconds of the forward's sync penalty (ranks sharing cores), spent off the core."""
+    wait_backward: float
+    """Seconds of the backward's sync penalty."""
+    cp: float
+    """Seconds of exposed ring traffic, forward + backward."""
+    ep: float
+    """Seconds of all-to-alls, forward + backward."""
+    pp: float
+    """Seconds of blocking pipeline sends, forward + backward."""
+
+
+class DpSeconds(NamedTuple):
+    """A rank's data-parallel seconds (``dp_seconds``)."""
+
+    after: float
+    """Seconds of dp collectives after the flush (ZeRO-0 all-reduce, ZeRO-1/2 reduce-scatter
+    and all-gather)."""
+    inside: float
+    """Seconds of ZeRO-3 gathers and scatters inside the schedule, every micro-batch."""
+
+
+class RankComm(NamedTuple):
+    """Seconds one pipeline rank spends in communication inside its compute over a step
+    (``_rank_comm``): m passes of each of its chunks."""
+
+    cp: float
+    """Seconds of exposed ring traffic."""
+    ep: float
+    """Seconds of all-to-alls."""
+    pp: float
+    """Seconds of blocking pipeline sends."""
+
+
+class Walk(NamedTuple):
+    """What a walk of the schedule gives per pipeline rank (``walk``, ``walk_fast``,
+    ``walk_shared``)."""
+
+    end: list[float]
+    """Seconds from the step's start to the end of each rank's last compute."""
+    busy: list[float]
+    """Seconds each rank computes (its ops' time less their communication)."""
+    tp: list[float]
+    """Seconds each rank spends in communication inside its ops (``ChunkCost.tp_*``)."""
+    events: list[dict]
+    """The timeline: one dict per op (rank, kind, mb, chunk, start, end seconds); empty
+    from ``walk_fast``."""
+
+
 def block_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
     """Forward FLOPs of one block on one cp rank (``s / cp`` tokens): 2 per weight of its
     matrices a token meets (GPT: 24 s h^2; experts: the top-k a token goes to), and Q K^T
@@ -129,9 +251,9 @@ def attention_gemm_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
 
 
 def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
-              cp: int = 1, ep: int = 1):
-    """One block's forward on one tp rank, as operations: ``(gemms, moves)``, the FLOPs of
-    each GEMM and the bytes each memory-bound operation reads and writes (``e`` bytes per
+              cp: int = 1, ep: int = 1) -> Ops:
+    """One block's forward on one tp rank, as operations: ``Ops(gemms, moves)``, the FLOPs
+    of each GEMM and the bytes each memory-bound operation reads and writes (``e`` bytes per
     value; T = mb s / cp tokens on a rank of ``cp`` context-parallel ones, d = h / a, k =
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
@@ -176,22 +298,23 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         moves += [T * (h + 2 * k + h) * e / tp]
         moves += [3 * th] * 2
     moves += [(3 if spec.gated else 2) * T * f_moved * e / tp]
-    return gemms, moves
+    return Ops(gemms, moves)
 
 
-def attention_core_ops(spec: ModelSpec, mb: int, tp: int, kernels: str, e: int, cp: int = 1):
+def attention_core_ops(spec: ModelSpec, mb: int, tp: int, kernels: str, e: int,
+                       cp: int = 1) -> Ops:
     """The part of ``block_ops`` selective recomputation runs again (Korthikanti et al.
-    2022, sec. 5: Q K^T, softmax, dropout, P V): ``(gemms, moves)``."""
-    gemms, moves = block_ops(spec, mb, tp, False, kernels, e, cp)
-    return gemms[1:3], (moves[2:4] if kernels == "megatron-2021" else moves[2:3])
+    2022, sec. 5: Q K^T, softmax, dropout, P V), as ``Ops``."""
+    ops = block_ops(spec, mb, tp, False, kernels, e, cp)
+    return Ops(ops.gemms[1:3],
+               ops.moves[2:4] if kernels == "megatron-2021" else ops.moves[2:3])
 
 
-def op_seconds(cluster: Cluster, ops, fp8: bool = False) -> float:
-    """Seconds of ``(gemms, moves)`` under ``cluster.ops``; ``fp8``: the GEMMs but the
-    attention core's (``gemms[1:3]`` of a whole block) at the FP8 peak."""
-    gemms, moves = ops
-    g = sum(cluster.ops.gemm(x, fp8 and i not in (1, 2)) for i, x in enumerate(gemms))
-    return g + sum(cluster.ops.memory(x) for x in moves)
+def op_seconds(cluster: Cluster, ops: Ops, fp8: bool = False) -> float:
+    """Seconds of ``ops`` under ``cluster.ops``; ``fp8``: the GEMMs but the attention
+    core's (``gemms[1:3]`` of a whole block) at the FP8 peak."""
+    g = sum(cluster.ops.gemm(x, fp8 and i not in (1, 2)) for i, x in enumerate(ops.gemms))
+    return g + sum(cluster.ops.memory(x) for x in ops.moves)
 
 
 def ring_kv_width(spec: ModelSpec, kernels: str) -> int:
@@ -211,27 +334,28 @@ def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int, kernels: str = "shard
 
 
 def ring_bytes(spec: ModelSpec, lay: Layout, e: int,
-               kernels: str = "shardwise") -> tuple[float, float]:
-    """Bytes one rank receives round the cp ring per block, (forward, backward): forward
+               kernels: str = "shardwise") -> RingBytes:
+    """Bytes one rank receives round the cp ring per block, ``RingBytes(forward,
+    backward)``: forward
     the cp - 1 other K/V blocks, 2 (cp - 1) / cp of the sequence's K/V bytes
     (2 mb s k e / t, K and V); backward those again and the fp32 dK/dV accumulators of
     every block (cp steps; the engine accumulates in fp32)."""
     if lay.cp == 1:
-        return 0.0, 0.0
+        return RingBytes(0.0, 0.0)
     kv = ring_block_bytes(spec, lay, e, kernels)
-    return (lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * kv * 4 / e
+    return RingBytes((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * kv * 4 / e)
 
 
-def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> tuple[float, float]:
-    """Seconds of one block's ring traffic on one rank, (forward, backward), before any
-    overlap (``ring_bytes``): each step one message to the next rank of the ring
+def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> RingSeconds:
+    """Seconds of one block's ring traffic on one rank, ``RingSeconds(forward, backward)``,
+    before any overlap (``ring_bytes``): each step one message to the next rank of the ring
     (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks)."""
     if lay.cp == 1:
-        return 0.0, 0.0
+        return RingSeconds(0.0, 0.0)
     link = cluster.link(lay.tp * lay.cp)
     blk = ring_block_bytes(spec, lay, e, cluster.kernels)
     kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
-    return (lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * dkv
+    return RingSeconds((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * dkv)
 
 
 def all_to_all_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
@@ -267,11 +391,11 @@ def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int,
 
 
 def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-                dedicated: bool = False) -> tuple:
-    """The per-block prices ``chunk_costs`` composes chunks of: (tp seconds of a block,
-    its synchronisations, the embedding's and the loss's tp seconds, a block's and the
-    head's forward compute, the attention core's, a blocking send, the ring's exposed
-    forward and backward, a block's all-to-alls, the sync penalty)."""
+                dedicated: bool = False) -> BlockCosts:
+    """The per-block prices ``chunk_costs`` composes chunks of (``BlockCosts``: tp seconds
+    of a block, its synchronisations, the embedding's and the loss's tp seconds, a block's
+    and the head's forward compute, the attention core's, a blocking send, the ring's
+    exposed forward and backward, a block's all-to-alls, the sync penalty)."""
     world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
     e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd
@@ -308,17 +432,20 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         else:
             attn_s = core_f / rate
     send = megatron_send_seconds(spec, lay, cluster, e)
-    ring_f, ring_b = ring_seconds(spec, lay, cluster, e)
-    cp_f, cp_b = max(0.0, ring_f - attn_s), max(0.0, ring_b - 2 * attn_s)  # overlapped
+    ring = ring_seconds(spec, lay, cluster, e)
+    cp_f = max(0.0, ring.forward - attn_s)  # overlapped
+    cp_b = max(0.0, ring.backward - 2 * attn_s)
     a2a = all_to_all_seconds(spec, lay, cluster, e)
-    return (tp_blk, n_sync, emb_tp, loss_tp, blk_s, head_s, attn_s, send, cp_f, cp_b, a2a,
-            pen)
+    return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
+                      block=blk_s, head=head_s, attention=attn_s, send=send,
+                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen)
 
 
 def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-                dedicated: bool = False, memo: dict | None = None):
-    """Per global chunk: (forward s, backward s, tp s in forward, tp s in backward, waiting
-    s in forward, waiting s in backward, cp s, ep s, blocking pp s). Waiting: the sync
+                dedicated: bool = False, memo: dict | None = None) -> list[ChunkCost]:
+    """Per global chunk, a ``ChunkCost``: (forward s, backward s, tp s in forward, tp s in
+    backward, waiting s in forward, waiting s in backward, cp s, ep s, blocking pp s),
+    seconds of one micro-batch. Waiting: the sync
     penalty of ranks sharing cores (``contention``), spent off the core. ``dedicated``:
     compute as if the rank had a core to itself (the shared walk slows it down). cp, ep and
     pp: the exposed ring, all-to-all and blocking-send seconds of the chunk, forward +
@@ -332,8 +459,10 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         blk = block_costs(spec, lay, cluster, precision, dedicated)
         if memo is not None:
             memo[key] = blk
-    (tp_blk, n_sync, emb_tp, loss_tp, blk_s, head_s, attn_s, send, cp_f, cp_b, a2a,
-     pen) = blk
+    tp_blk, n_sync, pen = blk.tp, blk.n_sync, blk.sync_penalty
+    emb_tp, loss_tp, blk_s, head_s = blk.embed_tp, blk.loss_tp, blk.block, blk.head
+    attn_s, send, a2a = blk.attention, blk.send, blk.all_to_all
+    cp_f, cp_b = blk.cp_forward, blk.cp_backward
     chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
     out = []
     seen: dict = {}
@@ -362,19 +491,19 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         # the gradient back, unless the embedding is
         ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
         tpf, tpb = tpf + ppf, tpb + ppb
-        out.append((comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f, tpb + wait_b,
-                    wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
+        out.append(ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
+                             tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
         seen[(nb, head, emb)] = out[-1]
     return out
 
 
 def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-               layers: list[int]) -> tuple[float, float]:
-    """(seconds of dp collectives after the flush, seconds of ZeRO-3 gathers inside the
-    schedule) for a rank holding ``layers``."""
+               layers: list[int]) -> DpSeconds:
+    """``DpSeconds(after, inside)``: seconds of dp collectives after the flush, seconds of
+    ZeRO-3 gathers inside the schedule, for a rank holding ``layers``."""
     n = lay.dp * lay.cp  # every replica of the dense weights
     if n == 1:
-        return 0.0, 0.0
+        return DpSeconds(0.0, 0.0)
     e = BYTES[precision]
     X = rank_expert_params(spec, layers, lay.tp, lay.ep)
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep) - X
@@ -382,16 +511,18 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     x, pen = P * e, cluster.sync_penalty_s
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
     if lay.zero == 0:
-        return link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen, 0.0
+        return DpSeconds(link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen, 0.0)
     if lay.zero in (1, 2):
-        return (link.reduce_scatter(n, x) + link.all_gather(n, x) + link.reduce_scatter(nx, X * e)
-                + link.all_gather(nx, X * e) + 2 * pen, 0.0)
+        return DpSeconds(link.reduce_scatter(n, x) + link.all_gather(n, x)
+                         + link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e)
+                         + 2 * pen, 0.0)
     if cluster.zero3_overlap and not cluster.cores:
-        return 0.0, lay.micro_batches * zero3_exposed(spec, lay, cluster, precision, layers)
+        return DpSeconds(0.0, lay.micro_batches * zero3_exposed(spec, lay, cluster, precision,
+                                                                layers))
     units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
     x = (P + X) * e  # every parameter over dp x cp (the engine refuses ZeRO-3 with ep > 1)
-    return 0.0, lay.micro_batches * (2 * link.all_gather(n, x) + link.reduce_scatter(n, x)
-                                     + 3 * units * pen)
+    return DpSeconds(0.0, lay.micro_batches * (2 * link.all_gather(n, x)
+                                               + link.reduce_scatter(n, x) + 3 * units * pen))
 
 
 def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
@@ -401,11 +532,11 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
     ``head``."""
     one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp, cp=lay.cp, fp8=lay.fp8)
     c = chunk_costs(replace(spec, n_layer=1), one, cluster, precision)[0]
-    blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0][0] - c[0]
+    blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0].forward - c.forward
     e = BYTES[precision]
     act = lay.micro_batch_size * spec.block_size // lay.cp * spec.n_embd * e
     emb = cluster.link(lay.tp).all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
-    return {"embed": emb, "block": blk, "head": c[0] - blk - emb}
+    return {"embed": emb, "block": blk, "head": c.forward - blk - emb}
 
 
 def zero3_exposed(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
@@ -463,9 +594,9 @@ def _post_send(ins, r: int, comm_free: list, done: dict, arrival: dict, p2p: flo
     arrival[(kind, ins.mb, ins.chunk)] = t0 + p2p
 
 
-def walk(sched, costs, p2p: float):
+def walk(sched, costs: list[ChunkCost], p2p: float) -> Walk:
     """Run the instruction lists; returns per rank (end of its last compute, busy compute
-    seconds, tp seconds) and the timeline events."""
+    seconds, tp seconds) and the timeline events, as a ``Walk``."""
     p = sched.p
     free, comm_free = [0.0] * p, [0.0] * p
     busy, tp_time = [0.0] * p, [0.0] * p
@@ -495,9 +626,9 @@ def walk(sched, costs, p2p: float):
                         ready = arrival[key]
                     f = costs[ins.chunk]
                     start = max(free[r], ready)
-                    end = start + f[0]
-                    busy[r] += f[0] - f[2]
-                    tp_time[r] += f[2]
+                    end = start + f.forward
+                    busy[r] += f.forward - f.tp_forward
+                    tp_time[r] += f.tp_forward
                 elif isinstance(ins, Backward):
                     own = done.get(Forward(ins.mb, ins.chunk))
                     if own is None:
@@ -516,9 +647,9 @@ def walk(sched, costs, p2p: float):
                             ready = max(ready, arrival[key])
                     f = costs[ins.chunk]
                     start = max(free[r], ready)
-                    end = start + f[1]
-                    busy[r] += f[1] - f[3]
-                    tp_time[r] += f[3]
+                    end = start + f.backward
+                    busy[r] += f.backward - f.tp_backward
+                    tp_time[r] += f.tp_backward
                 elif isinstance(ins, (SendActivation, SendGrad)):
                     _post_send(ins, r, comm_free, done, arrival, p2p)
                     pc[r] += 1
@@ -539,7 +670,7 @@ def walk(sched, costs, p2p: float):
                 progressed = True
         if not progressed:
             raise RuntimeError("schedule deadlocked in the simulator")
-    return free, busy, tp_time, events
+    return Walk(free, busy, tp_time, events)
 
 
 @lru_cache(maxsize=16)
@@ -576,9 +707,10 @@ def _orders(p: int, m: int, v: int):
     return bwd, O_c, has_rem, rem_c % p, rem_k, own_k, send_pos
 
 
-def walk_fast(p: int, m: int, v: int, costs, p2p: float):
-    """``walk``'s (end of each rank's last compute, busy compute seconds, tp seconds) for the
-    1F1B and interleaved schedules, without walking instruction by instruction.
+def walk_fast(p: int, m: int, v: int, costs: list[ChunkCost], p2p: float) -> Walk:
+    """``walk``'s ``Walk`` (end of each rank's last compute, busy compute seconds, tp
+    seconds; no events) for the 1F1B and interleaved schedules, without walking instruction
+    by instruction.
 
     The walk is a longest-path problem on a fixed graph: an op ends at max(its rank's
     previous op, its input) + its cost; a send arrives at max(the rank's previous send,
@@ -593,13 +725,13 @@ def walk_fast(p: int, m: int, v: int, costs, p2p: float):
 
     bwd, O_c, has_rem, rem_r, rem_k, own_k, send_pos = _orders(p, m, v)
     n = bwd.shape[1]
-    cf = np.array([c[0] for c in costs])
-    cb = np.array([c[1] for c in costs])
+    cf = np.array([c.forward for c in costs])
+    cb = np.array([c.backward for c in costs])
     cost = np.where(bwd, cb[O_c], cf[O_c])
-    busy_v = np.where(bwd, np.array([c[1] - c[3] for c in costs])[O_c],
-                      np.array([c[0] - c[2] for c in costs])[O_c])
-    tp_v = np.where(bwd, np.array([c[3] for c in costs])[O_c],
-                    np.array([c[2] for c in costs])[O_c])
+    busy_v = np.where(bwd, np.array([c.backward - c.tp_backward for c in costs])[O_c],
+                      np.array([c.forward - c.tp_forward for c in costs])[O_c])
+    tp_v = np.where(bwd, np.array([c.tp_backward for c in costs])[O_c],
+                    np.array([c.tp_forward for c in costs])[O_c])
     busy = np.cumsum(busy_v, axis=1)[:, -1].tolist()
     tp_time = np.cumsum(tp_v, axis=1)[:, -1].tolist()
     C = np.cumsum(cost, axis=1)
@@ -623,10 +755,10 @@ def walk_fast(p: int, m: int, v: int, costs, p2p: float):
                 arrival[sends[r]] = steps[r] + p2p + np.maximum.accumulate(e[sp] - steps[r])
         if np.array_equal(before, end):
             break
-    return end[n - 1:p * n:n].tolist(), busy, tp_time
+    return Walk(end[n - 1:p * n:n].tolist(), busy, tp_time, [])
 
 
-def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
+def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas: int) -> Walk:
     """``walk`` for ranks that share ``cores`` cores (this machine): processor sharing. At
     every moment the ranks computing (times ``replicas``: the dp x tp copies of each
     pipeline rank, running the same schedule at once) share the cores equally, so a rank
@@ -678,7 +810,8 @@ def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
                 break
             f = costs[ins.chunk]
             fwd = isinstance(ins, Forward)
-            work, tpw, wait = (f[0], f[2], f[4]) if fwd else (f[1], f[3], f[5])
+            work, tpw, wait = ((f.forward, f.tp_forward, f.wait_forward) if fwd
+                               else (f.backward, f.tp_backward, f.wait_backward))
             running[r] = [ins, work - wait, t, tpw / work if work else 0.0, wait]
             pc[r] += 1
 
@@ -723,7 +856,7 @@ def walk_shared(sched, costs, p2p: float, cores: int, replicas: int):
                                "chunk": ins.chunk, "start": start, "end": t_next})
                 del running[r]
         t = t_next
-    return end_of, busy, tp_time, events
+    return Walk(end_of, busy, tp_time, events)
 
 
 def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
@@ -733,13 +866,15 @@ def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
             / (lay.tp if lay.sp else 1))
 
 
-def _rank_comm(costs, r: int, lay: Layout) -> tuple[float, float, float]:
-    """(cp, ep, blocking pp) seconds rank ``r`` spends in the walk: m passes of each of its
-    chunks."""
+def _rank_comm(costs: list[ChunkCost], r: int, lay: Layout) -> RankComm:
+    """``RankComm(cp, ep, pp)``: the exposed ring, all-to-all and blocking-send seconds
+    rank ``r`` spends in the walk, m passes of each of its chunks."""
     mine = [c for i, c in enumerate(costs) if i % lay.pp == r]
-    if not any(c[6] or c[7] or c[8] for c in mine):
-        return 0.0, 0.0, 0.0
-    return tuple(lay.micro_batches * sum(c[i] for c in mine) for i in (6, 7, 8))
+    if not any(c.cp or c.ep or c.pp for c in mine):
+        return RankComm(0.0, 0.0, 0.0)
+    m = lay.micro_batches
+    return RankComm(m * sum(c.cp for c in mine), m * sum(c.ep for c in mine),
+                    m * sum(c.pp for c in mine))
 
 
 def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:
@@ -776,7 +911,7 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
-        run = lambda c: walk_fast(p, m, v, costs, c) + ([],)
+        run = lambda c: walk_fast(p, m, v, costs, c)
     elif shared:
         sched = schedule(kind, p, m, v)
         run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)
@@ -784,18 +919,19 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         sched = schedule(kind, p, m, v)
         run = lambda c: walk(sched, costs, c)
     end, busy, tp_time, events = run(p2p)
-    ideal_end = run(0.0)[0] if lay.pp > 1 else end
+    ideal_end = run(0.0).end if lay.pp > 1 else end
     per_rank = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
     totals, parts = [], []
     for r in range(lay.pp):
-        dp_after, dp_inside = dp_seconds(spec, lay, cluster, precision, per_rank[r])
+        dp = dp_seconds(spec, lay, cluster, precision, per_rank[r])
         opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
         tied = tied_seconds(spec, lay, cluster, precision, r)
-        totals.append(end[r] + dp_inside + dp_after + tied + opt)
-        cp_r, ep_r, pp_r = _rank_comm(costs, r, lay)
-        parts.append({"compute": busy[r], "tp": tp_time[r] - cp_r - ep_r - pp_r, "cp": cp_r,
-                      "ep": ep_r, "pp": max(0.0, end[r] - ideal_end[r]) + pp_r,
-                      "dp": dp_after + dp_inside + tied, "optimizer": opt})
+        totals.append(end[r] + dp.inside + dp.after + tied + opt)
+        comm = _rank_comm(costs, r, lay)
+        parts.append({"compute": busy[r], "tp": tp_time[r] - comm.cp - comm.ep - comm.pp,
+                      "cp": comm.cp, "ep": comm.ep,
+                      "pp": max(0.0, end[r] - ideal_end[r]) + comm.pp,
+                      "dp": dp.after + dp.inside + tied, "optimizer": opt})
     # the split of the bottleneck stage (most compute); its idle time is the bubble
     star = max(range(lay.pp), key=lambda r: busy[r] + tp_time[r])
     step = max(totals)

@@ -64,7 +64,10 @@ class ModelSpec:
     sizes: ``model()`` builds it from the sizes); ``tp_divides``: its sizes tp must divide.
     ``n_experts`` > 0: every block's MLP is a mixture of that many SwiGLU experts of width
     ``moe_ffn_hidden`` (None: ``ffn_hidden``), each token routed to ``top_k`` of them
-    (``models.moe``; a router of E x h weights, replicated over tp)."""
+    (``models.moe``; a router of E x h weights, replicated over tp). ``dropout``: the
+    model's dropout probability (``model.dropout``; 0 for the named sizes): the engine
+    refuses context parallelism (cp > 1) when it is > 0, ring attention having no attention
+    dropout, so the search prunes every such layout (``search.cp_reason``)."""
 
     name: str
     n_layer: int
@@ -85,6 +88,7 @@ class ModelSpec:
     n_experts: int = 0
     top_k: int = 2
     moe_ffn_hidden: int | None = None
+    dropout: float = 0.0
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -92,8 +96,9 @@ class ModelSpec:
         sizes from the description (layers, width, vocabulary, sequence, tied), heads, key/
         value heads, MLP width and rotary base from its config where it has those fields
         (``n_head`` 1 otherwise: only the activations' small log-sum-exp term reads it),
-        biases and the parameter count from the model built on the meta device, ``family``
-        its kind. Raises ``ValueError`` for a model the planner cannot read."""
+        ``dropout`` from its config's ``dropout`` (0 without one), biases and the parameter
+        count from the model built on the meta device, ``family`` its kind. Raises
+        ``ValueError`` for a model the planner cannot read."""
         from torch import nn
 
         from shardwise.models.description import describe
@@ -112,7 +117,8 @@ class ModelSpec:
                    tp_divides=tuple(d.tp_divides.items()), description=d,
                    n_experts=getattr(cfg, "n_experts", 0) or 0,
                    top_k=getattr(cfg, "top_k", 2) or 2,
-                   moe_ffn_hidden=getattr(cfg, "moe_ffn_hidden", None) or None)
+                   moe_ffn_hidden=getattr(cfg, "moe_ffn_hidden", None) or None,
+                   dropout=float(getattr(cfg, "dropout", 0.0) or 0.0))
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -124,10 +130,11 @@ class ModelSpec:
     def model_table(self) -> dict:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base;
-        no biases to name)."""
+        no biases to name); ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
-             "vocab_size": self.vocab_size, "tie_weights": self.tie_weights}
+             "vocab_size": self.vocab_size, "tie_weights": self.tie_weights,
+             **({"dropout": self.dropout} if self.dropout else {})}
         if self.family == "gpt":
             return {**t, "bias": self.bias}
         moe = ({"n_experts": self.n_experts, "top_k": self.top_k,
@@ -193,7 +200,8 @@ class ModelSpec:
 
     def with_seq(self, seq: int) -> ModelSpec:
         """These sizes at sequence length ``seq`` (a described model is described again
-        from its config with ``block_size = seq``: a learned position table grows with it)."""
+        from its config with ``block_size = seq``: a learned position table grows with it;
+        its ``dropout`` is kept)."""
         if self.description is None:
             return replace(self, block_size=seq)
         from shardwise.models.description import describe
@@ -202,8 +210,9 @@ class ModelSpec:
         if not (dataclasses.is_dataclass(cfg) and hasattr(cfg, "block_size")):
             raise SpecError(f"--seq: the config of model.kind={self.family!r} has no "
                             "block_size field; set the sequence in the model's config")
-        return ModelSpec.from_description(describe(dataclasses.replace(cfg, block_size=seq)),
+        spec = ModelSpec.from_description(describe(dataclasses.replace(cfg, block_size=seq)),
                                           name=self.name)
+        return replace(spec, dropout=self.dropout)
 
 
 def block_matmul_params(spec: ModelSpec) -> int:
@@ -387,8 +396,10 @@ def full_size(d) -> int:
 def load_model(text: str, seq: int | None = None) -> ModelSpec:
     """A named size (``NAMED``), or a TOML file: a train config, or its ``[model]`` table
     alone (``describe_config``; ``ModelSpec.from_description``). ``seq``: the sequence
-    length (a named size's ``with_seq``; a file's ``model.block_size``). ``SpecError`` for
-    anything else, naming the file and the field (the config's own one-line errors)."""
+    length (a named size's ``with_seq``; a file's ``model.block_size``). A file's
+    ``dropout`` is its ``model.dropout`` (what the engine's cp check reads), or the model
+    config's own when that is 0. ``SpecError`` for anything else, naming the file and the
+    field (the config's own one-line errors)."""
     from shardwise.base.config import Config
 
     if text in NAMED:
@@ -408,8 +419,9 @@ def load_model(text: str, seq: int | None = None) -> ModelSpec:
     if seq is not None:
         data["model"]["block_size"] = seq
     try:
-        return ModelSpec.from_description(describe_config(Config.from_dict(data)),
-                                          name=path.stem)
+        cfg = Config.from_dict(data)
+        spec = ModelSpec.from_description(describe_config(cfg), name=path.stem)
+        return replace(spec, dropout=cfg.model.dropout or spec.dropout)
     except SpecError:
         raise
     except ValueError as exc:  # ConfigError, DataError, a model's own size checks
