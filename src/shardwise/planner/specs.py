@@ -93,9 +93,10 @@ class ModelSpec:
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
         """The spec of a ``models.description.ModelDescription`` (or a registered config):
-        sizes from the description (layers, width, vocabulary, sequence, tied), heads, key/
-        value heads, MLP width and rotary base from its config where it has those fields
-        (``n_head`` 1 otherwise: only the activations' small log-sum-exp term reads it),
+        sizes from the description (layers, width, vocabulary, sequence, tied, experts),
+        heads, key/value heads, MLP width, rotary base and the experts' top-k and width from
+        its config where it has those fields (``n_head`` 1 otherwise: only the activations'
+        small log-sum-exp term reads it),
         ``dropout`` from its config's ``dropout`` (0 without one), biases and the parameter
         count from the model built on the meta device, ``family`` its kind. Raises
         ``ValueError`` for a model the planner cannot read."""
@@ -115,7 +116,7 @@ class ModelSpec:
                    n_params=sum(p.numel() for p in model.parameters()),
                    attention_width=d.attention_width,
                    tp_divides=tuple(d.tp_divides.items()), description=d,
-                   n_experts=getattr(cfg, "n_experts", 0) or 0,
+                   n_experts=d.n_experts,
                    top_k=getattr(cfg, "top_k", 2) or 2,
                    moe_ffn_hidden=getattr(cfg, "moe_ffn_hidden", None) or None,
                    dropout=float(getattr(cfg, "dropout", 0.0) or 0.0))
