@@ -4,10 +4,11 @@
 process groups over the same world:
 
 - ``kernel``: ``ring_kernel`` on rings of ``job["cp"]`` ranks (dp = world / cp rings side
-  by side): for each case, every rank builds the same full q, k, v (B, H, T, D) from a seed,
-  keeps its shard of the sequence, runs ``ring_attention`` forward and backward (with the
-  same upstream gradient, sharded), and reports its shard of the output and of the three
-  gradients, for the test to stitch together and hold against full attention;
+  by side): for each case, every rank builds the same full q (B, H, T, D) and k, v (B, Hkv,
+  T, D) from a seed, keeps its shard of the sequence, runs ``ring_attention`` forward and
+  backward (with the same upstream gradient, sharded), and reports its shard of the output
+  and of the three gradients, for the test to stitch together and hold against full
+  attention, and the bytes its forward sent round the ring;
 - ``run`` / ``resume``: ``llama_workers.run_job`` (train a layout, report losses, whole
   parameters, bytes held); with ``measure_memory`` the executor's activation meter is on
   and its peak (bytes autograd saved for backward at once) is reported as ``activations``.
@@ -28,14 +29,18 @@ def ring_of(topology):
 
 
 def full_inputs(case: dict):
+    """q and dout (B, H, T, D), k and v (B, Hkv, T, D) with Hkv = ``case["kv_heads"]``
+    (default H): seeded, in ``case["dtype"]`` (default fp32)."""
     g = torch.Generator().manual_seed(case["seed"])
     B, H, T, D = case["shape"]
+    hkv = case.get("kv_heads", H)
     dtype = getattr(torch, case.get("dtype", "float32"))
-    q, k, v, dout = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(4))
+    q, k, v, dout = (torch.randn(B, h, T, D, generator=g).to(dtype) for h in (H, hkv, hkv, H))
     return q, k, v, dout
 
 
 def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
+    from shardwise.comm import accounting
     from shardwise.parallel.context import ring_attention, shard_sequence
 
     ws = dist.get_world_size()
@@ -52,13 +57,15 @@ def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
         mine = [shard_sequence(t, ws, topo.cp_rank, dim=2).clone().requires_grad_()
                 for t in (q, k, v)]
         try:
-            y = ring_attention(*mine, ring, causal=case["causal"], impl=case["impl"])
+            with accounting.recording() as rec:
+                y = ring_attention(*mine, ring, causal=case["causal"], impl=case["impl"])
         except ValueError as e:
             out.append({"error": str(e)})
             continue
         y.backward(shard_sequence(dout, ws, topo.cp_rank, dim=2))
         out.append({"out": y.detach(), "dq": mine[0].grad, "dk": mine[1].grad,
-                    "dv": mine[2].grad})
+                    "dv": mine[2].grad,
+                    "forward_bytes_sent": sum(r.bytes_sent or 0 for r in rec.records)})
     return out
 
 

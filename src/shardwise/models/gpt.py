@@ -68,7 +68,9 @@ class GPTConfig:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                      impl: str = "sdpa") -> torch.Tensor:
-    """Causal softmax(Q K^T / sqrt(D)) V over (B, H, T, D) tensors; returns (B, H, T, D).
+    """Causal softmax(Q K^T / sqrt(D)) V: ``q`` (B, H, T, D), ``k`` and ``v`` (B, Hkv, T, D)
+    with Hkv dividing H (grouped-query attention: key/value head j serves query heads
+    j rep .. (j + 1) rep - 1, rep = H / Hkv, HF's ``repeat_kv``); returns (B, H, T, D).
 
     ``impl="sdpa"``: ``F.scaled_dot_product_attention``, which on CUDA dispatches to
     FlashAttention-2 (Dao 2023) or memory-efficient attention (Rabe & Staats 2021) and never
@@ -81,8 +83,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     this rank's tokens of the sequence (``parallel.context``).
     """
     shard = sequence.current()
-    if shard is not None and shard.attention is not None:
+    if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if impl != "math":

@@ -231,11 +231,8 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype,  # (T, D) each
                                 positions=sequence.positions(T, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         p = self.cfg.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, p, self.cfg.attention)  # (B, H, T, D)
+        y = causal_attention(q, k, v, p, self.cfg.attention)  # (B, H, T, D); k, v: Hkv heads
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -317,24 +317,21 @@ def op_seconds(cluster: Cluster, ops: Ops, fp8: bool = False) -> float:
     return g + sum(cluster.ops.memory(x) for x in ops.moves)
 
 
-def ring_kv_width(spec: ModelSpec, kernels: str) -> int:
-    """Width of the K and V a cp ring passes: shardwise's models repeat grouped key/value
-    heads before attention, so its ring passes all H D (docs/context_parallel.md, "Not
-    done"); Megatron's kernels pass the kv_heads x d of grouped-query attention."""
-    if kernels == "shardwise":
-        return spec.attn_width
+def ring_kv_width(spec: ModelSpec) -> int:
+    """Width of the K and V a cp ring passes: the kv_heads x d of grouped-query attention
+    (the engine's ring attention, like Megatron-LM's, passes the key/value heads and repeats
+    them to the query heads per block; ``parallel.context.ring_attention``)."""
     return spec.kv_heads * (spec.n_embd // spec.n_head)
 
 
-def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int, kernels: str = "shardwise") -> float:
+def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
     """Bytes of one K/V block a cp rank passes on: K and V of its s / cp tokens,
     2 mb (s / cp) k e / t (k = ``ring_kv_width``)."""
-    kw = ring_kv_width(spec, kernels)
+    kw = ring_kv_width(spec)
     return 2 * lay.micro_batch_size * (spec.block_size // lay.cp) * kw * e / lay.tp
 
 
-def ring_bytes(spec: ModelSpec, lay: Layout, e: int,
-               kernels: str = "shardwise") -> RingBytes:
+def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
     """Bytes one rank receives round the cp ring per block, ``RingBytes(forward,
     backward)``: forward
     the cp - 1 other K/V blocks, 2 (cp - 1) / cp of the sequence's K/V bytes
@@ -342,7 +339,7 @@ def ring_bytes(spec: ModelSpec, lay: Layout, e: int,
     every block (cp steps; the engine accumulates in fp32)."""
     if lay.cp == 1:
         return RingBytes(0.0, 0.0)
-    kv = ring_block_bytes(spec, lay, e, kernels)
+    kv = ring_block_bytes(spec, lay, e)
     return RingBytes((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * kv * 4 / e)
 
 
@@ -353,7 +350,7 @@ def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> Ring
     if lay.cp == 1:
         return RingSeconds(0.0, 0.0)
     link = cluster.link(lay.tp * lay.cp)
-    blk = ring_block_bytes(spec, lay, e, cluster.kernels)
+    blk = ring_block_bytes(spec, lay, e)
     kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
     return RingSeconds((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * dkv)
 

@@ -21,6 +21,11 @@ chunks i and 2cp-1-i, c tokens each; block j came from rank j):
 - j > i: the second local chunk (2cp-1-i) against the whole block (chunks j and 2cp-1-j are
   both earlier); the first local chunk (i) sees neither: skipped.
 
+Grouped-query attention: the blocks travel with their Hkv key/value heads, as Megatron-LM's
+do, and a rank repeats the block it holds to the H query heads for its kernel (the dK/dV of
+the repeats summed back per key/value head), so the ring moves Hkv / H of the bytes of
+repeated heads.
+
 Every step after the first computes 2c x c scores on every rank: equal work. Without a
 causal mask every block is computed whole. The backward (``_RingAttention.backward``) passes
 the key/value blocks around the ring again, and with them their gradient accumulators dK,
@@ -118,6 +123,21 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t[:, :, rows]
 
 
+def _heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """(B, Hkv, T, D) -> (B, Hkv rep, T, D): each key/value head serves ``rep`` consecutive
+    query heads (HF ``repeat_kv``), repeated here, per block, after the ring moved it."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def _head_sum(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient of ``_heads``: (B, Hkv rep, T, D) -> (B, Hkv, T, D), summing each key/
+    value head's ``rep`` query heads."""
+    if rep == 1:
+        return t
+    B, H, T, D = t.shape
+    return t.view(B, H // rep, rep, T, D).sum(2)
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: ring attention's output; backward: dQ here, dK/dV around the ring."""
 
@@ -129,12 +149,13 @@ class _RingAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        rep = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
         kv = (k, v)
         for step in range(ring.size):
             nxt = ring.shift(kv) if step < ring.size - 1 else None  # travels while we compute
             qr, kr, cz = _plan(ring, step, causal, c)
-            o, l = _block_forward(_rows(q, qr), _rows(kv[0], kr), _rows(kv[1], kr), cz, scale,
-                                  impl)
+            o, l = _block_forward(_rows(q, qr), _heads(_rows(kv[0], kr), rep),
+                                  _heads(_rows(kv[1], kr), rep), cz, scale, impl)
             _merge(out, lse, qr, o, l)
             if nxt is not None:
                 kv, handle = nxt
@@ -152,6 +173,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        rep = q.shape[1] // k.shape[1]
         kv = (k, v)
         dkv = None  # the accumulators of the block held: (dK, dV) fp32
         pending = None  # the accumulators on their way from the previous rank
@@ -159,8 +181,10 @@ class _RingAttention(torch.autograd.Function):
             nxt = ring.shift(kv) if step < ring.size - 1 else None
             qr, kr, cz = _plan(ring, step, causal, c)
             dq_b, dk_b, dv_b = _block_backward(
-                _rows(dout, qr), _rows(q, qr), _rows(kv[0], kr), _rows(kv[1], kr),
-                _rows(out, qr), _rows(lse, qr), _rows(delta, qr), cz, scale, impl)
+                _rows(dout, qr), _rows(q, qr), _heads(_rows(kv[0], kr), rep),
+                _heads(_rows(kv[1], kr), rep), _rows(out, qr), _rows(lse, qr),
+                _rows(delta, qr), cz, scale, impl)
+            dk_b, dv_b = _head_sum(dk_b, rep), _head_sum(dv_b, rep)
             dq[:, :, qr] += dq_b
             if pending is None:  # step 0: this rank's own block starts its accumulators
                 dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -186,9 +210,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
                    scale: float | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(D)) V over the whole sequence, from this rank's shard of it.
 
-    ``q``, ``k``, ``v``: (B, H, T_local, D), this rank's tokens in the layout of
-    ``sharding.shard_sequence`` (chunks ``i`` and ``2cp-1-i``; any layout without a causal
-    mask), the same H for all three (repeat grouped key/value heads first). Returns
+    ``q``: (B, H, T_local, D) and ``k``, ``v``: (B, Hkv, T_local, D), this rank's tokens in
+    the layout of ``sharding.shard_sequence`` (chunks ``i`` and ``2cp-1-i``; any layout
+    without a causal mask). Grouped-query attention (Ainslie et al. 2023): Hkv divides H and
+    each key/value head serves H / Hkv consecutive query heads; the ring passes the Hkv heads
+    and each rank repeats a block for its kernel, so the ring's bytes are Hkv / H of
+    repeating first. Returns
     (B, H, T_local, D) in ``q``'s dtype: this rank's rows of full attention, equal to them
     up to rounding. Collective over ``ring`` (every rank calls it, in the same order);
     autograd flows to the keys and values of every rank. Raises ``ValueError`` (one line)
@@ -197,9 +224,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     if dropout_p > 0.0:
         raise ValueError(f"ring attention: dropout_p={dropout_p}: attention dropout is not "
                          "supported under context parallelism; set model.dropout = 0")
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"ring attention: expected q, k, v as (B, H, T, D) with one H; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0]
+            or k.shape[2:] != q.shape[2:] or k.shape[1] < 1 or q.shape[1] % k.shape[1]):
+        raise ValueError(f"ring attention: expected q (B, H, T, D) and k, v (B, Hkv, T, D) "
+                         f"with Hkv dividing H; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if causal and q.shape[2] % 2:
         raise ValueError(f"ring attention: {q.shape[2]} local tokens cannot be the two "
                          "chunks of the load-balanced layout (odd length)")
