@@ -74,7 +74,11 @@ def run_measured(job: dict) -> dict:
     on when ``job["measure_memory"]`` (its peak reported as ``activations``)."""
     from llama_workers import run_job
 
-    return run_job(job)
+    out = run_job(job)
+    if job["cfg"]["training"].get("compile"):  # that compiling happened: graphs were made
+        from torch._dynamo.utils import counters
+        out["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
+    return out
 
 
 def cp_worker(jobs: list[dict]) -> list[dict]:

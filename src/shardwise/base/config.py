@@ -529,9 +529,6 @@ class Config(_Section):
         if m.dropout > 0:
             raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
                              "attention has no attention dropout; set model.dropout = 0")
-        if t.compile:
-            raise ValueError(f"training.compile with parallel.cp={p.cp}: ring attention "
-                             "sends and receives inside the layers; compile needs cp = 1")
         return self
 
     def _cnn_agrees(self):

@@ -278,7 +278,9 @@ class Engine:
         transformer block, the head) and the loss, so Inductor fuses the logits' cast into
         the cross-entropy instead of writing fp32 logits out. One graph per kind of layer:
         a pipeline chunk of any length reuses it. The config refuses it with tp > 1 (the
-        layers' collectives) and ZeRO-3 (its gathers run in the layers' hooks)."""
+        layers' collectives) and ZeRO-3 (its gathers run in the layers' hooks); under cp,
+        ring attention and the ring's sums are ``torch.compiler.disable``d, so each block
+        compiles in pieces around them."""
         for chunk in self.local.chunks.values():
             for layer in chunk.layers:
                 layer.compile()

@@ -56,6 +56,7 @@ class Ring:
         """Ring index of the rank whose block this rank holds after ``step`` shifts."""
         return (self.rank - step) % self.size
 
+    @torch.compiler.disable  # a collective: a compiled layer (the MoE's counts) breaks here
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the ring's ranks, in place (one ``comm.all_reduce``, blocking;
         no autograd). Returns ``t``. Every rank of the ring must call it."""
