@@ -261,9 +261,15 @@ def test_gpu_ranks_keep_few_host_threads(monkeypatch):
     assert threads_per_rank(8, "cuda") == 2 == threads_per_rank(8, "cpu")
 
 
-def test_config_refuses_compile_with_tp_and_unknown_attention():
-    with pytest.raises(ConfigError, match="training.compile with parallel.tp=2"):
-        Config.load(overrides={"training.compile": True, "parallel.tp": 2, "parallel.dp": 1})
+def test_config_refuses_compile_with_zero3_and_unknown_attention():
+    with pytest.raises(ConfigError, match="training.compile with parallel.zero=3"):
+        Config.load(overrides={"training.compile": True, "parallel.zero": 3, "parallel.dp": 2})
+    assert Config.load(overrides={"training.compile": True, "parallel.tp": 2,
+                                  "parallel.dp": 1}).training.compile  # tp composes
+    with pytest.raises(ConfigError, match="training.compile with parallel.tp=2 and "
+                                          "model.dropout=0.1"):
+        Config.load(overrides={"training.compile": True, "parallel.tp": 2, "parallel.dp": 1,
+                               "model.dropout": 0.1})
     with pytest.raises(ConfigError, match="model.attention='flash': expected sdpa or math"):
         Config.load(overrides={"model.attention": "flash"})
 

@@ -377,7 +377,8 @@ class TrainingConfig(_Section):
     tf32: bool = Field(True, description="CUDA: fp32 matmuls in TF32 (10-bit mantissa, "
                        "torch.set_float32_matmul_precision('high')); no effect on the CPU")
     compile: bool = Field(False, description="torch.compile each transformer block (not with "
-                          "parallel.tp > 1 or parallel.zero = 3)")
+                          "parallel.zero = 3; the collectives of tp and cp run eagerly between "
+                          "compiled pieces)")
     peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
                                       "for MFU; unset: the table of known GPUs, or a matmul "
                                       "probe on the CPU (shardwise.perf)")
@@ -473,10 +474,13 @@ class Config(_Section):
             raise ValueError(f"training.precision=fp8 with parallel.tp={p.tp}: torchao's float8 "
                              "tensor parallelism is built on DTensor, ours on our own layers; "
                              "use parallel.tp = 1 or training.precision = bf16")
-        if t.compile and (p.tp > 1 or p.zero == 3):
-            raise ValueError(f"training.compile with parallel.tp={p.tp}, parallel.zero={p.zero}: "
-                             "compiled blocks cannot hold the collectives of tensor parallelism "
-                             "or ZeRO-3's gathers; compile needs tp = 1 and zero < 3")
+        if t.compile and p.tp > 1 and m.dropout > 0:
+            raise ValueError(f"training.compile with parallel.tp={p.tp} and model.dropout="
+                             f"{m.dropout}: tensor parallelism's own dropout streams "
+                             "are not traced; compile needs model.dropout = 0 with tp > 1")
+        if t.compile and p.zero == 3:
+            raise ValueError("training.compile with parallel.zero=3: ZeRO-3 gathers and frees "
+                             "the weights in the layers' hooks; compile needs zero < 3")
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")

@@ -277,10 +277,11 @@ class Engine:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
         transformer block, the head) and the loss, so Inductor fuses the logits' cast into
         the cross-entropy instead of writing fp32 logits out. One graph per kind of layer:
-        a pipeline chunk of any length reuses it. The config refuses it with tp > 1 (the
-        layers' collectives) and ZeRO-3 (its gathers run in the layers' hooks); under cp,
-        ring attention and the ring's sums are ``torch.compiler.disable``d, so each block
-        compiles in pieces around them."""
+        a pipeline chunk of any length reuses it. The config refuses it with ZeRO-3 (its
+        gathers run in the layers' hooks); the collectives of tensor parallelism
+        (``tensor_parallel.mappings``, the vocabulary-parallel loss) and of cp (ring
+        attention, the ring's sums) are ``torch.compiler.disable``d, so a block compiles in
+        pieces around them, which run eagerly."""
         for chunk in self.local.chunks.values():
             for layer in chunk.layers:
                 layer.compile()

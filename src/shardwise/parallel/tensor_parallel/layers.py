@@ -65,6 +65,15 @@ def _sharded(t: torch.Tensor, dim: int) -> nn.Parameter:
     return p
 
 
+def enter_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
+    """A column-parallel region's input communication: f (identity forward, all-reduce
+    backward), or under sequence parallelism the all-gather of the sequence (B, T / N, C)
+    -> (B, T, C)."""
+    if tp.sequence_parallel:
+        return gather_from_sequence(x, tp, tag=tag)
+    return copy_to_region(x, tp, tag=tag)
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear layer with W split by output features. (..., in) -> (..., out / N), or
     (..., out) with ``gather_output``. Under sequence parallelism the input is
@@ -88,11 +97,9 @@ class ColumnParallelLinear(nn.Module):
                      if bias and master.bias is not None else None)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """The input's communication: f, or the sequence all-gather under SP. Layers that
-        share one input (Q, K, V) call it once and then ``local`` for each."""
-        if self.tp.sequence_parallel:
-            return gather_from_sequence(x, self.tp, tag=self.tag)  # (B, T, in)
-        return copy_to_region(x, self.tp, tag=self.tag)
+        """The input's communication (``enter_region``). Layers that share one input (Q, K,
+        V) call it once and then ``local`` for each."""
+        return enter_region(x, self.tp, self.tag)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output columns, no communication. (..., in) -> (..., out / N)."""

@@ -63,6 +63,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
+@torch.compiler.disable  # its all-reduces run eagerly inside a compiled loss
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: RankGroup,
                                  vocab_size: int | None = None, reduction: str = "mean",
                                  tag: str = "cross_entropy") -> torch.Tensor:

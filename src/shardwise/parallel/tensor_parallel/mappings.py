@@ -178,32 +178,38 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 # ---------------------------------------------------------------- public operators
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def copy_to_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """Identity forward, all-reduce backward (Megatron's f). Same shape in and out."""
     return x if tp.size == 1 else _CopyToRegion.apply(x, tp, tag)
 
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def reduce_from_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """All-reduce (sum) forward, identity backward (Megatron's g). Same shape in and out."""
     return x if tp.size == 1 else _ReduceFromRegion.apply(x, tp, tag)
 
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def scatter_to_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """(..., n) -> (..., n / tp): my slice forward, all-gather backward."""
     return x if tp.size == 1 else _ScatterToRegion.apply(x, tp, tag)
 
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def gather_from_region(x: torch.Tensor, tp: RankGroup, tag: str = "") -> torch.Tensor:
     """(..., n / tp) -> (..., n): all-gather forward (rank order), my slice backward."""
     return x if tp.size == 1 else _GatherFromRegion.apply(x, tp, tag)
 
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def scatter_to_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
                         tag: str = "") -> torch.Tensor:
     """(B, T, C) -> (B, T / tp, C): my sequence slice forward, all-gather backward."""
     return x if tp.size == 1 else _ScatterToSequence.apply(x, tp, dim, tag)
 
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def gather_from_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
                          tag: str = "") -> torch.Tensor:
     """(B, T / tp, C) -> (B, T, C): all-gather forward, reduce-scatter backward
@@ -211,6 +217,7 @@ def gather_from_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
     return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, dim, tag)
 
 
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
                                tag: str = "") -> torch.Tensor:
     """(B, T, C) partial sums -> (B, T / tp, C) reduced: reduce-scatter forward, all-gather

@@ -31,6 +31,7 @@ from shardwise.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    enter_region,
     padded_vocab_size,
 )
 from shardwise.parallel.tensor_parallel.random import ParallelRNG, TPDropout
@@ -110,11 +111,8 @@ def _apply(style: str, m: nn.Module, tp: RankGroup, rng: ParallelRNG,
 
 def _enter_hook(tp: RankGroup, tag: str):
     """Forward pre-hook: the first input enters the region (f, or the SP all-gather)."""
-    probe = ColumnParallelLinear.__new__(ColumnParallelLinear)  # only its ``enter``
-    probe.tp, probe.tag = tp, tag
-
     def hook(module, args):
-        return (ColumnParallelLinear.enter(probe, args[0]),) + tuple(args[1:])
+        return (enter_region(args[0], tp, tag),) + tuple(args[1:])
     return hook
 
 

@@ -59,6 +59,7 @@ class ParallelRNG:
         finally:
             self.exit()
 
+    @torch.compiler.disable  # swaps the RNG state: runs eagerly inside a compiled layer
     def enter(self) -> None:
         """Start a parallel region (``fork`` without the ``with``: a module's forward hooks)."""
         if self._outer:  # already inside one: keep drawing from it
@@ -67,6 +68,7 @@ class ParallelRNG:
         self._outer.append(self._get())
         self._set(self.state)
 
+    @torch.compiler.disable
     def exit(self) -> None:
         saved = self._outer.pop()
         if saved is not None:
