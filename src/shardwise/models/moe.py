@@ -66,21 +66,33 @@ GATINGS = ("softmax", "sigmoid")
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9 (CPU: 2.10); else padded bmm
 
 
+def _contiguous_grad(out: torch.Tensor) -> torch.Tensor:
+    if out.requires_grad:  # grouped_mm's backward refuses an expanded gradient (``y.sum()``'s)
+        out.register_hook(lambda g: g.contiguous())
+    return out
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _contiguous_grad(_GROUPED_MM(x, w, offs=offs))
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` (M, K), sorted by group, each times its group's matrix of ``w`` (G, K,
     Nout): ``counts`` (G,) int64 rows per group (summing to M). Returns (M, Nout). One call
     for every group: torch's grouped GEMM (``F.grouped_mm``) where it runs (the CPU, bf16 on
-    CUDA; rows of K and Nout a multiple of 16 bytes), else one ``torch.bmm`` over the groups
-    padded to the largest (which reads the counts on the host)."""
+    CUDA; rows of K and Nout a multiple of 16 bytes; under ``torch.compile`` other dtypes
+    than bf16 run it eagerly, its traced form taking bf16 only), else one ``torch.bmm`` over
+    the groups padded to the largest (which reads the counts on the host)."""
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[-1])
     aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], w.shape[-1]))
     if _GROUPED_MM is not None and aligned and (x.device.type == "cpu"
                                                  or x.dtype == torch.bfloat16):
-        out = _GROUPED_MM(x, w, offs=counts.cumsum(0).to(torch.int32))
-        if out.requires_grad:  # its backward refuses an expanded gradient (``y.sum()``'s)
-            out.register_hook(lambda g: g.contiguous())
-        return out
+        offs = counts.cumsum(0).to(torch.int32)
+        if x.dtype != torch.bfloat16:  # what torch.compile traces (its meta kernel) is bf16
+            return _grouped_mm_eager(x, w, offs)  # only: other dtypes run it eagerly
+        return _contiguous_grad(_GROUPED_MM(x, w, offs=offs))
     g = w.shape[0]
     group = torch.repeat_interleave(torch.arange(g, device=x.device), counts)      # (M,)
     pos = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[group]
