@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from cnn_workers import SMALL, make_batches, reference, rel_err, suite_worker
+from cnn_workers import SMALL, make_batches, reference, suite_worker
+from helpers import rel_err
 from shardwise.apps.cnn import choose, named_plans
 from shardwise.apps.cnn.cost import STRATEGIES, allowed
 from shardwise.cli.main import main

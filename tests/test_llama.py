@@ -26,9 +26,9 @@ import torch
 
 from conftest import REPO
 from ddp_workers import tiny_config
+from helpers import rel_err
 from llama_workers import llama_worker, run_job
 from shardwise.launch import spawn
-from test_ddp import rel_err
 
 STEPS, STOP = 5, 3
 RTOL = 1e-5

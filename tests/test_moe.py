@@ -33,9 +33,9 @@ import torch
 
 from conftest import REPO
 from ddp_workers import tiny_config
+from helpers import rel_err
 from moe_workers import moe_worker, run_job
 from shardwise.launch import spawn
-from test_ddp import rel_err
 
 STEPS, STOP = 4, 2
 RTOL = 1e-5

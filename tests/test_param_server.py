@@ -4,6 +4,7 @@ clock rules and the key-range partition as pure logic; bad input is one line, ex
 import pytest
 import torch
 
+from helpers import rel_err
 from ps_workers import ps_config, reference, run_cases, run_plan
 from shardwise.apps.param_server import ClockTable, partition
 from shardwise.apps.param_server.partition import count_keys
@@ -13,10 +14,6 @@ from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
 
 RTOL = 1e-5  # per-tensor relative error, as in the DDP parity tests
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def assert_parity(worker_results: list[dict], ref: dict) -> None:
