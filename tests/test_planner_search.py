@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_one_line_exit_2
 from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import Forward, compute_order, schedule
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS
@@ -289,11 +290,7 @@ def test_json_and_columns_carry_the_new_axes(capsys):
       "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 / --selective"),
 ])
 def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
-    from shardwise.cli.main import main
-
-    assert main(["plan", *argv]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert_one_line_exit_2(["plan", *argv], capsys, needle)
 
 
 
