@@ -18,10 +18,6 @@ LR, CLIP = 3e-3, 1.0
 B, F_, R = "batch", "feature", "full"
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def make_batches(steps: int, batch: int, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     return [(torch.rand(batch, 1, 16, 16, generator=g),

@@ -11,6 +11,9 @@ for one rank (no ``torch.distributed``: the single-process reference):
   and the bytes it holds (``Engine.memory_bytes``);
 - ``resume``: a fresh trainer of this layout loads ``path`` (saved in another layout) and
   finishes the run; the same report, plus the step it resumed at.
+
+``train`` and ``report`` are the two halves of ``run_job``; ``moe_workers`` builds its
+jobs from them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ import torch
 from shardwise.base.config import Config
 
 
-def _report(trainer) -> dict:
+def report(trainer) -> dict:
+    """What every job reports: the losses (and whether all are finite), this rank's stage
+    parameters unsharded (full model names: gathered over tp and ep, and over dp under
+    ZeRO-3), the last stage's copy of a tied head (pp > 1) as ``tied_head``, the shapes of
+    this rank's own pieces (``local_shapes``), the bytes it holds, the model's config."""
     from shardwise.engine import state as engine_state
 
     e = trainer.engine
@@ -42,26 +49,37 @@ def _report(trainer) -> dict:
             "model": dataclasses.asdict(trainer.model_cfg), **out}
 
 
-def run_job(job: dict) -> dict:
-    """Train ``job["cfg"]`` (resuming ``job["path"]`` when ``job["kind"] == "resume"``,
-    saving at ``job["save_at"]``) and report it; with ``job["measure_memory"]`` the
-    executor's activation meter is on and its peak is reported as ``activations``."""
+def train(job: dict) -> tuple:
+    """Build the trainer of ``job["cfg"]`` and train it to ``training.steps``: when
+    ``job["kind"] == "resume"`` it first loads ``job["path"]`` (or, without one, the newest
+    checkpoint under ``job["from_dir"]``: a run of the same spawn); it saves after step
+    ``job["save_at"]``; with ``job["measure_memory"]`` the executor's activation meter is
+    on. Returns ``(trainer, out, infos)``: ``out`` holds ``resumed_at``, ``saved`` and
+    ``activations`` (the meter's peak) where they apply, ``infos`` what each
+    ``train_step`` returned."""
+    from shardwise import checkpoint
     from shardwise.apps.lm.trainer import build_trainer
 
     cfg = Config.from_dict(job["cfg"])
     trainer = build_trainer(cfg)
     trainer.engine.executor.measure_memory = bool(job.get("measure_memory"))
-    out = {}
+    out, infos = {}, []
     if job["kind"] == "resume":
-        trainer.resume(job["path"])
+        trainer.resume(job.get("path") or checkpoint.latest_checkpoint(job["from_dir"]))
         out["resumed_at"] = trainer.step
     while trainer.step < cfg.training.steps:
-        trainer.train_step()
+        infos.append(trainer.train_step())
         if trainer.step == job.get("save_at"):
             out["saved"] = str(trainer.save_checkpoint())
     if job.get("measure_memory"):
         out["activations"] = trainer.engine.executor.meter.peak
-    return {**_report(trainer), **out}
+    return trainer, out, infos
+
+
+def run_job(job: dict) -> dict:
+    """One job (see ``train``) and its report."""
+    trainer, out, _ = train(job)
+    return {**report(trainer), **out}
 
 
 def llama_worker(jobs: list[dict]) -> list[dict]:

@@ -12,50 +12,29 @@ more step (``comm.accounting``).
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 
-from shardwise.base.config import Config
-
-
-def _report(trainer, stats: list[dict]) -> dict:
-    from shardwise.engine import state as engine_state
-
-    e = trainer.engine
-    with e.full_parameters():
-        params = {n: t.float().clone() for n, t in engine_state.model_tensors(e).items()}
-    local = {n: tuple(p.shape) for n, p in e.named_parameters() if ".experts." in n}
-    return {"coords": {**trainer.topology.coords, "ep": trainer.topology.ep_rank},
-            "losses": list(trainer.history),
-            "finite": all(math.isfinite(x) for x in trainer.history), "params": params,
-            "local_shapes": local, "stats": stats, "memory": e.memory_bytes(),
-            "model": dataclasses.asdict(trainer.model_cfg)}
+from llama_workers import report, train
 
 
 def run_job(job: dict) -> dict:
-    from shardwise import checkpoint
-    from shardwise.apps.lm.trainer import build_trainer
+    """``llama_workers.train`` (a ``resume`` job may name ``from_dir`` instead of ``path``)
+    and ``llama_workers.report``, with the router statistics of each step (``stats``),
+    ``coords`` with the rank's ``ep`` coordinate, ``local_shapes`` of the expert weights
+    only, and with ``job["record"]`` the all-to-all calls of one more step (``a2a``: after
+    the report, which stays that of ``training.steps`` steps)."""
     from shardwise.comm import accounting
 
-    cfg = Config.from_dict(job["cfg"])
-    trainer = build_trainer(cfg)
-    out, stats = {}, []
-    if job["kind"] == "resume":  # a path, or the newest checkpoint of a run of this spawn
-        trainer.resume(job.get("path") or checkpoint.latest_checkpoint(job["from_dir"]))
-        out["resumed_at"] = trainer.step
-    while trainer.step < cfg.training.steps:
-        info = trainer.train_step()
-        stats.append({"aux_loss": info["aux_loss"], "expert_load": info["expert_load"]})
-        if trainer.step == job.get("save_at"):
-            out["saved"] = str(trainer.save_checkpoint())
-    report = _report(trainer, stats)
+    trainer, out, infos = train(job)
+    stats = [{"aux_loss": i["aux_loss"], "expert_load": i["expert_load"]} for i in infos]
+    rep = report(trainer)
+    rep["coords"] = {**rep["coords"], "ep": trainer.topology.ep_rank}
+    rep["local_shapes"] = {n: s for n, s in rep["local_shapes"].items() if ".experts." in n}
     if job.get("record"):
         with accounting.recording() as rec:
             trainer.train_step()
         out["a2a"] = [r for r in accounting.table(rec.records) if r["collective"] == "all_to_all"]
-    return {**report, **out}
+    return {**rep, "stats": stats, **out}
 
 
 def moe_worker(jobs: list[dict]) -> list[dict]:

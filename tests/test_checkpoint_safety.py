@@ -13,6 +13,7 @@ import torch
 from conftest import REPO
 from ddp_workers import tiny_config
 from fault_workers import train_saving, trainer_for
+from helpers import assert_proc_one_line_exit_2, run_shardwise
 from shardwise import checkpoint
 from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError, NonFiniteLossError
@@ -77,13 +78,10 @@ def test_cli_refuses_crafted_checkpoint_in_one_line(saved, corpus, tmp_path):
     cfg, root, _ = saved
     marker = tmp_path / "pwned"
     _craft(root / "step_000004", pickle.dumps(_Evil(marker)), marker)
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardwise", "train", "--config", "configs/tiny.toml", "--data",
-         str(corpus), "--training.out_dir", str(tmp_path / "run"), "--parallel.dp", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    err = proc.stderr.strip()
-    assert "\n" not in err and "Traceback" not in err and "refused to load" in err, err
+    proc = run_shardwise("train", "--config", "configs/tiny.toml", "--data", str(corpus),
+                         "--training.out_dir", str(tmp_path / "run"), "--parallel.dp", "1",
+                         timeout=120)
+    assert_proc_one_line_exit_2(proc, "refused to load")
     assert not marker.exists()
 
 

@@ -14,7 +14,8 @@ import json
 import pytest
 import torch
 
-from cnn_workers import SMALL, make_batches, reference, rel_err, suite_worker
+from cnn_workers import SMALL, make_batches, reference, suite_worker
+from helpers import assert_one_line_exit_2, rel_err
 from shardwise.apps.cnn import choose, named_plans
 from shardwise.apps.cnn.cost import STRATEGIES, allowed
 from shardwise.cli.main import main
@@ -114,26 +115,21 @@ def test_idx_reader(tmp_path):
         read_idx(tmp_path / "bad")
 
 
-def _one_line_exit_2(capsys, argv, *needles):
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    for s in needles:
-        assert s in err, err
-
-
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
-    _one_line_exit_2(capsys, ["train", "--config", "configs/fashion_cnn.toml", "--data",
-                              str(tmp_path), "--training.out_dir", str(tmp_path / "o")],
-                     str(tmp_path), "train-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-    _one_line_exit_2(capsys, ["plan", "--model", "cnn", "--ranks", "4", "--plan", "dp,dp,column,row,column"],
-                     "fc3=column", "width 10", "not divisible by cnn.ranks=4")
-    _one_line_exit_2(capsys, ["plan", "--model", "cnn", "--plan", "column,dp,dp,dp,dp"], "conv1=column")
-    _one_line_exit_2(capsys, ["train", "--config", "configs/fashion_cnn.toml",
-                              "--cnn.ranks", "4", "--cnn.hidden", "[510, 256]", "--cnn.plan",
-                              '["dp", "dp", "column", "row", "dp"]'],
-                     "fc1=column", "510", "cnn.ranks=4")
-    _one_line_exit_2(capsys, ["plan", "--model", "cnn", "--config", str(tmp_path / "none.toml")], "none.toml")
+    assert_one_line_exit_2(["train", "--config", "configs/fashion_cnn.toml", "--data",
+                            str(tmp_path), "--training.out_dir", str(tmp_path / "o")], capsys,
+                           str(tmp_path), "train-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+    assert_one_line_exit_2(["plan", "--model", "cnn", "--ranks", "4", "--plan",
+                            "dp,dp,column,row,column"], capsys,
+                           "fc3=column", "width 10", "not divisible by cnn.ranks=4")
+    assert_one_line_exit_2(["plan", "--model", "cnn", "--plan", "column,dp,dp,dp,dp"], capsys,
+                           "conv1=column")
+    assert_one_line_exit_2(["train", "--config", "configs/fashion_cnn.toml",
+                            "--cnn.ranks", "4", "--cnn.hidden", "[510, 256]", "--cnn.plan",
+                            '["dp", "dp", "column", "row", "dp"]'], capsys,
+                           "fc1=column", "510", "cnn.ranks=4")
+    assert_one_line_exit_2(["plan", "--model", "cnn", "--config", str(tmp_path / "none.toml")],
+                           capsys, "none.toml")
     assert main(["plan", "--model", "cnn", "--batch", "64", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "fc1" in out and "column" in out and "bytes sent per rank per step" in out
@@ -169,6 +165,5 @@ def test_train_cli_end_to_end(tmp_path, capfd):
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert any(r["kind"] == "test" and 0.0 <= r["test_acc"] <= 1.0 for r in rows)
     wider = argv[:argv.index("[4, 8]")] + ["[4, 12]"] + argv[argv.index("[4, 8]") + 1:]
-    assert main(wider) == 2  # another model into the same run directory: refused, one line
-    err = capfd.readouterr().err.strip()
-    assert "cnn.channels=[4, 8] there" in err and "\n" not in err
+    # another model into the same run directory: refused, one line
+    assert_one_line_exit_2(wider, capfd, "cnn.channels=[4, 8] there")

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from helpers import assert_one_line_exit_2
 from shardwise.cli import bench
 from shardwise.cli import comm_table as table
 from shardwise.comm import accounting, cost
@@ -223,9 +224,7 @@ def test_table_formulas_match_seed_orders():
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_bench_cli_bad_input_is_one_line_exit_2(argv, needle, capsys):
-    assert bench.main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and needle in err and "Traceback" not in err
+    assert_one_line_exit_2(argv, capsys, needle, main=bench.main)
 
 
 def test_parse_size():

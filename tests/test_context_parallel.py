@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from cp_workers import cp_worker, full_inputs, run_measured
 from ddp_workers import tiny_config
+from helpers import rel_err
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
 from shardwise.parallel.context import (
@@ -34,7 +35,6 @@ from shardwise.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
-from test_ddp import rel_err
 
 STEPS, STOP = 4, 2
 RTOL = 1e-5

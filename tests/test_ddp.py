@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ddp_workers import overlap_probe, tiny_config, train
+from helpers import rel_err
 from shardwise.launch import spawn
 
 RTOL = 1e-5  # relative error per tensor: ||a - b|| <= RTOL * ||b||
@@ -14,14 +15,6 @@ def reference(corpus, tmp_path_factory):
     """Single process (dp=1, one micro-batch) on the same 5 global batches."""
     out = tmp_path_factory.mktemp("ref")
     return train(tiny_config(str(corpus), str(out)))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Per-tensor relative error. fp32 sums in another order differ by ~1e-7 per element,
-    and Adam turns that into relative noise on entries near zero, so an elementwise
-    relative bound would be meaningless there; the tensor-level one is not."""
-    a, b = a.detach().cpu().double(), b.detach().cpu().double()  # either may be on CUDA
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def assert_parity(result: dict, ref: dict) -> None:

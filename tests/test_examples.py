@@ -7,15 +7,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import assert_one_line_exit_2
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python ARGS`` in the repository, in an environment a user's shell might have (only
+    PYTHONPATH and PATH: nothing of this test process leaks in, unlike
+    ``helpers.run_shardwise``)."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
 
 
 def test_own_module_ddp_zero_tp_matches_one_process():
     """``examples/own_module_ddp_zero_tp.py``: a user's MLP under our DDP, ZeRO-2 and
     Megatron column/row layers on 2 gloo ranks equals the single-process run to 1e-5."""
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "own_module_ddp_zero_tp.py")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    out = _run([str(ROOT / "examples" / "own_module_ddp_zero_tp.py")])
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.findall(r"^(\w+)\s+max relative difference vs one process: "
                        r"loss (\S+), parameters (\S+)$", out.stdout, re.M)
@@ -24,12 +33,6 @@ def test_own_module_ddp_zero_tp_matches_one_process():
         assert float(loss) <= 1e-5 and float(params) <= 1e-5, (way, loss, params)
     last, first = map(float, re.search(r"final loss (\S+), from (\S+)\)", out.stdout).groups())
     assert last < first, "the example must actually train"
-
-
-def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
 
 
 def test_own_decoder_at_2x2x2_matches_one_process():
@@ -72,8 +75,6 @@ def test_own_decoder_trains_from_the_cli_and_resumes(corpus, tmp_path):
 
 def test_bad_model_module_or_kind_is_one_line_and_exit_2(corpus, tmp_path, capsys, monkeypatch):
     """Each case: one line naming the field, exit code 2, and no rank started."""
-    from shardwise.cli.main import main
-
     monkeypatch.chdir(ROOT)
     broken = tmp_path / "broken_model_file.py"
     broken.write_text("raise RuntimeError('boom at import')\n")
@@ -100,9 +101,7 @@ def test_bad_model_module_or_kind_is_one_line_and_exit_2(corpus, tmp_path, capsy
     for extra, expected in cases:
         argv = ["train", "--config", "configs/tiny.toml", "--data", str(corpus),
                 "--training.out_dir", str(out), *extra]
-        assert main(argv) == 2, extra
-        err = capsys.readouterr().err.strip()
-        assert "\n" not in err and "Traceback" not in err and expected in err, (extra, err)
+        assert_one_line_exit_2(argv, capsys, expected)
     assert not out.exists()
     assert "broken_model_file" not in sys.modules
 

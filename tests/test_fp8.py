@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import REPO
+from helpers import assert_one_line_exit_2
 from shardwise.base.config import Config, ConfigError
-from shardwise.cli.main import main
 from shardwise.parallel.float8 import fp8_refusal
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -58,10 +58,9 @@ def test_refusal_lines(device, caps, torchao, expected):
 
 def test_cli_refuses_fp8_on_the_cpu_before_any_rank(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "--config", str(REPO / "configs/tiny.toml"), "--training.device", "cpu",
-                 "--training.precision", "fp8", "--training.out_dir", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err
+    err = assert_one_line_exit_2(["train", "--config", str(REPO / "configs/tiny.toml"),
+                                  "--training.device", "cpu", "--training.precision", "fp8",
+                                  "--training.out_dir", str(out)], capsys)
     assert err.startswith("shardwise: error: training.precision=fp8 needs")
     assert not out.exists()  # nothing written: refused before the run directory
 
@@ -70,10 +69,10 @@ def test_cli_refuses_fp8_below_capability_8_9(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 0))  # A100
-    assert main(["train", "--config", str(REPO / "configs/tiny.toml"), "--training.device", "cuda",
-                 "--training.precision", "fp8", "--training.out_dir", str(tmp_path / "r")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "compute capability >= 8.9" in err and "this GPU has 8.0" in err
+    assert_one_line_exit_2(["train", "--config", str(REPO / "configs/tiny.toml"),
+                            "--training.device", "cuda", "--training.precision", "fp8",
+                            "--training.out_dir", str(tmp_path / "r")], capsys,
+                           "compute capability >= 8.9", "this GPU has 8.0")
 
 
 def test_engine_refuses_fp8_on_the_cpu():

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from helpers import assert_one_line_exit_2
 from shardwise.cli.main import main
 
 transformers = pytest.importorskip("transformers")
@@ -66,12 +67,6 @@ def text(tmp_path_factory, corpus) -> Path:
     path.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     assert len(set(path.read_text(encoding="utf-8"))) < VOCAB
     return path
-
-
-def _shardwise(*args, cwd=REPO, timeout=300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
-    return subprocess.run([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
@@ -155,13 +150,6 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def _one_line_exit_2(argv, capsys, expected: str) -> None:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    assert expected in err, err
-
-
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
@@ -178,30 +166,30 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    _one_line_exit_2([*train, "--model.init_from", f"hf:{empty}"], capsys, "no config.json")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{empty}"], capsys,
+                           "no config.json")
     other = variant("mistral", model_type="mistral", architectures=["MistralForCausalLM"])
-    _one_line_exit_2([*train, "--model.init_from", f"hf:{other}"], capsys,
-                     "unsupported architecture MistralForCausalLM")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{other}"], capsys,
+                           "unsupported architecture MistralForCausalLM")
     wide = variant("wide", intermediate_size=128)
-    _one_line_exit_2([*train, "--model.init_from", f"hf:{wide}"], capsys,
-                     "has shape [96, 64] in the checkpoint, config.json implies [128, 64]")
-    _one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
-                      "--model.n_layer", "3"], capsys,
-                     "model.n_layer=3 contradicts model.init_from")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{wide}"], capsys,
+                           "has shape [96, 64] in the checkpoint, config.json implies [128, 64]")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
+                            "--model.n_layer", "3"], capsys,
+                           "model.n_layer=3 contradicts model.init_from")
     small = variant("small", vocab_size=40)
-    _one_line_exit_2([*train, "--model.init_from", f"hf:{small}"], capsys,
-                     "more than the model's vocabulary of 40")
-    _one_line_exit_2(["export", str(empty), "--format", "hf", "--out", str(tmp_path / "x")],
-                     capsys, "no complete checkpoint")
-
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{small}"], capsys,
+                           "more than the model's vocabulary of 40")
+    assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
+                            str(tmp_path / "x")], capsys, "no complete checkpoint")
 
 def test_wandb_without_the_package_is_one_line(capsys, text):
     import importlib.util
 
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed")
-    _one_line_exit_2(["train", "--data", str(text), "--training.wandb", "offline"], capsys,
-                     "the wandb package is not installed")
+    assert_one_line_exit_2(["train", "--data", str(text), "--training.wandb", "offline"],
+                           capsys, "the wandb package is not installed")
 
 
 def test_readme_start_from_a_hugging_face_checkpoint(text, tmp_path):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ddp_workers import tiny_config, train
+from helpers import rel_err
 from layout_workers import layouts_worker
 from shardwise.launch import spawn
-from test_ddp import rel_err
 
 RTOL = 1e-5
 UNTIED = {"tie_weights": False}

@@ -17,18 +17,15 @@ command of 8 ranks: about a minute on 2 cores.
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import REPO
 from ddp_workers import tiny_config
+from helpers import assert_one_line_exit_2, rel_err, run_shardwise
 from llama_workers import llama_worker, run_job
 from shardwise.launch import spawn
-from test_ddp import rel_err
 
 STEPS, STOP = 5, 3
 RTOL = 1e-5
@@ -272,7 +269,6 @@ def test_tp_not_dividing_kv_heads_is_one_line(corpus, tmp_path, capsys):
     """n_kv_heads = 1 at tp = 2: the engine's build (before any tensor exists) and
     ``shardwise train`` (exit 2, before any rank starts) say so in one line naming
     model.n_kv_heads."""
-    from shardwise.cli.main import main
     from shardwise.engine.model import build_local_model
     from shardwise.models.llama import LlamaConfig
     from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -284,12 +280,11 @@ def test_tp_not_dividing_kv_heads_is_one_line(corpus, tmp_path, capsys):
                           device=torch.device("cpu"))
     assert "\n" not in str(e.value)
     out = tmp_path / "run"
-    assert main(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data", str(corpus),
-                 "--model.kind", "llama", "--model.n_kv_heads", "1", "--parallel.dp", "1",
-                 "--parallel.tp", "2", "--training.out_dir", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    assert "model.n_kv_heads (key/value heads)=1 is not divisible by parallel.tp=2" in err, err
+    assert_one_line_exit_2(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data",
+                            str(corpus), "--model.kind", "llama", "--model.n_kv_heads", "1",
+                            "--parallel.dp", "1", "--parallel.tp", "2", "--training.out_dir",
+                            str(out)], capsys,
+                           "model.n_kv_heads (key/value heads)=1 is not divisible by parallel.tp=2")
     assert not out.exists()  # refused at the door
 
 
@@ -317,9 +312,7 @@ def test_cli_llama_dp2_tp2_pp2_zero1(tmp_path):
     cmd = ["train", "--model.kind", "llama", "--config", "configs/tiny.toml", "--parallel.dp",
            "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "1",
            "--training.steps", "20", "--training.out_dir", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "shardwise", *cmd], check=False, cwd=REPO,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
-                          text=True, timeout=300)
+    proc = run_shardwise(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shardwise: llama " in proc.stdout and "done: 20 steps" in proc.stdout, proc.stdout
     assert "dp=2 x pp=2 (1f1b, m=1) x tp=2, ZeRO-1" in proc.stdout

@@ -3,14 +3,13 @@
 kind registered here): specs made from the model's description, memory counted on its own
 layers, Llama train configs emitted."""
 
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
 
+from helpers import assert_one_line_exit_2, run_shardwise
 from shardwise.cli.main import main
 from shardwise.engine.memory import predict_rank
 from shardwise.models import GPTConfig, describe, register_model
@@ -102,9 +101,7 @@ def test_memory_takes_a_named_size(capsys):
     (["--model", "llama3-8b", "--params", "1e9"], "--model and --params: give one"),
 ])
 def test_memory_model_errors_are_one_line(capsys, argv, msg):
-    assert main(["memory", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and msg in err
+    assert_one_line_exit_2(["memory", *argv], capsys, msg)
 
 
 # ---- specs from a model's description (plan --config, any model.kind) --------------------
@@ -313,9 +310,9 @@ def test_memory_config_predicts_the_configured_kind(capsys, tmp_path, text, cfg)
 def test_memory_config_errors_are_one_line(capsys, tmp_path, model, argv, msg):
     path = tmp_path / "bad.toml"
     path.write_text("[model]\n" + model)
-    assert main(["memory", "--config", str(path), "--dp", "1", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("shardwise memory: error: ") and msg in err, err
+    err = assert_one_line_exit_2(["memory", "--config", str(path), "--dp", "1", *argv], capsys,
+                                 msg)
+    assert err.startswith("shardwise memory: error: "), err
 
 
 def test_local_calibration_times_the_planned_models_block():
@@ -348,13 +345,11 @@ def test_emitted_llama_toml_trains(corpus, tmp_path):
                    f'sample_chars = 0\nprogress = false\nout_dir = "{tmp_path / "run"}"\n\n'
                    '[checkpoint]\nat_end = false\n')
     out = tmp_path / "best.toml"
-    r = subprocess.run([sys.executable, "-m", "shardwise", "plan", "--config", str(src),
-                        "--cluster", "dgx-h100", "--gpus", "2", "--global-batch", "8",
-                        "--precision", "fp32", "--emit-toml", str(out)],
-                       check=False, capture_output=True, text=True, timeout=300)
+    r = run_shardwise("plan", "--config", str(src), "--cluster", "dgx-h100", "--gpus", "2",
+                      "--global-batch", "8", "--precision", "fp32", "--emit-toml", str(out),
+                      cwd=None)
     assert r.returncode == 0, r.stderr
     assert 'kind = "llama"' in out.read_text()
-    t = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", str(out)],
-                       check=False, capture_output=True, text=True, timeout=300)
+    t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "shardwise: llama " in t.stdout and "done: 2 steps" in t.stdout

@@ -24,18 +24,14 @@ spawn of 8).
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO
 from ddp_workers import tiny_config
+from helpers import rel_err, run_shardwise
 from moe_workers import moe_worker, run_job
 from shardwise.launch import spawn
-from test_ddp import rel_err
 
 STEPS, STOP = 4, 2
 RTOL = 1e-5
@@ -252,9 +248,7 @@ def test_cli_issue_command_cp2_ep2_dp2(tmp_path):
            "--parallel.ep", "2", "--parallel.cp", "2", "--parallel.dp", "2", "--config",
            "configs/tiny.toml", "--training.steps", "20", "--training.out_dir", str(out),
            "--checkpoint.every", "0"]
-    proc = subprocess.run([sys.executable, "-m", "shardwise", *cmd], check=False, cwd=REPO,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True,
-                          text=True, timeout=300)
+    proc = run_shardwise(*cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dp=2 (ep=2) x cp=2 (ring)" in proc.stdout, proc.stdout
     assert "done: 20 steps" in proc.stdout, proc.stdout

@@ -4,19 +4,15 @@ clock rules and the key-range partition as pure logic; bad input is one line, ex
 import pytest
 import torch
 
+from helpers import assert_one_line_exit_2, rel_err, run_shardwise
 from ps_workers import ps_config, reference, run_cases, run_plan
 from shardwise.apps.param_server import ClockTable, partition
 from shardwise.apps.param_server.partition import count_keys
 from shardwise.base.config import Config, ModelConfig
-from shardwise.cli.main import main
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
 
 RTOL = 1e-5  # per-tensor relative error, as in the DDP parity tests
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def assert_parity(worker_results: list[dict], ref: dict) -> None:
@@ -203,18 +199,6 @@ def test_servers_checkpoint_and_a_restarted_job_resumes(two_by_two, one_by_four)
     assert (ck["root"] / "step_000005").is_dir()  # the resumed job saved its end again
 
 
-def _cli(*args):
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "shardwise", "train", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-
-
 def _cli_common(corpus, out):
     return ["--config", "configs/tiny.toml", "--data", str(corpus), "--training.out_dir",
             str(out), "--training.threads", "1", "--parallel.mode", "ps", "--ps.workers", "2"]
@@ -225,8 +209,9 @@ def cli_run(corpus, tmp_path_factory):
     """`shardwise train --parallel.mode ps` with the local launcher: S=2, W=2, SSP s=1, the
     tiny config (6 clocks, checkpoints every 3), explicit softmax(QK^T)V attention."""
     out = tmp_path_factory.mktemp("cli") / "run"
-    proc = _cli(*_cli_common(corpus, out), "--ps.servers", "2", "--ps.consistency", "ssp",
-                "--ps.staleness", "1", "--model.attention", "math")
+    proc = run_shardwise("train", *_cli_common(corpus, out), "--ps.servers", "2",
+                         "--ps.consistency", "ssp", "--ps.staleness", "1",
+                         "--model.attention", "math")
     return proc, out
 
 
@@ -244,8 +229,8 @@ def test_cli_trains_with_the_local_launcher(cli_run):
 def test_cli_resumes_with_another_layout(cli_run, corpus):
     """`--resume` of the run above with S=1 instead of 2 and two more clocks (~30 s)."""
     _, out = cli_run
-    proc = _cli(*_cli_common(corpus, out), "--ps.servers", "1", "--resume",
-                "--training.steps", "8")
+    proc = run_shardwise("train", *_cli_common(corpus, out), "--ps.servers", "1", "--resume",
+                         "--training.steps", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at clock 6" in proc.stdout and "done: 8 steps" in proc.stdout
     assert (out / "checkpoints" / "step_000008").is_dir()
@@ -370,10 +355,7 @@ def test_dropping_a_worker_unblocks_the_others():
     (["--resume", "--checkpoint.dir", "/tmp/shardwise-none"], "--resume: no complete checkpoint"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
-    assert main(["train", "--parallel.mode", "ps", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err
-    assert expected in err
+    assert_one_line_exit_2(["train", "--parallel.mode", "ps", *argv], capsys, expected)
 
 
 def test_ps_world_size():
@@ -392,10 +374,8 @@ def test_resume_from_a_foreign_checkpoint_is_one_line(tmp_path, capsys, meta, ex
     from shardwise import checkpoint
 
     checkpoint.save(tmp_path, 1, {"x": torch.zeros(1)}, meta)  # complete, checksummed, foreign
-    assert main(["train", "--parallel.mode", "ps", "--resume", "--checkpoint.dir",
-                 str(tmp_path), *extra]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and expected in err
+    assert_one_line_exit_2(["train", "--parallel.mode", "ps", "--resume", "--checkpoint.dir",
+                            str(tmp_path), *extra], capsys, expected)
 
 
 @pytest.mark.slow

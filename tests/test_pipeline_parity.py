@@ -5,6 +5,7 @@ recomputation; PipeDream's weight stashing; activation memory; bad layouts."""
 import pytest
 import torch
 
+from helpers import rel_err
 from pipeline_workers import make_engine, pipedream_reference, reference, run_many
 from shardwise.base.topology import Topology
 from shardwise.cli import timeline as timeline_cli
@@ -17,10 +18,6 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def ref():
     return reference()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def assert_parity(results: list[dict], ref: dict) -> None:

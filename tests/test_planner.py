@@ -9,12 +9,10 @@
 - pruning reasons; one-line errors with exit 2; the emitted TOML trains.
 """
 
-import subprocess
-import sys
-
 import pytest
 
 from ddp_workers import tiny_config
+from helpers import assert_proc_one_line_exit_2, run_shardwise
 from planner_workers import measure_worker
 from shardwise.launch import spawn
 from shardwise.planner.memory import (
@@ -154,11 +152,6 @@ def test_pruning_reasons():
     assert not feasible and all(p.need is None or p.need > 40 * 2**30 for p in pruned)
 
 
-def _plan(*args):
-    return subprocess.run([sys.executable, "-m", "shardwise", "plan", *args],
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt2-124m", "--cluster", "dgx-z100"], "--cluster 'dgx-z100': unknown preset"),
     (["--model", "gpt3-175b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "8"],
@@ -169,18 +162,15 @@ def _plan(*args):
     (["--model", "no-such-model"], "neither a named size"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
-    r = _plan(*args)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert_proc_one_line_exit_2(run_shardwise("plan", *args, cwd=None), needle)
 
 
 def test_cnn_is_routed_to_its_chooser_with_its_own_options():
-    r = _plan("--model", "cnn", "--batch", "64", "--ranks", "4")
+    r = run_shardwise("plan", "--model", "cnn", "--batch", "64", "--ranks", "4", cwd=None)
     assert r.returncode == 0, r.stderr
     assert "batch 64, 4 ranks" in r.stdout and "compare: dp" in r.stdout
-    bad = _plan("--model=cnn", "--plan", "column,dp,dp,dp,dp")
-    assert bad.returncode == 2 and "conv1=column" in bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1
+    bad = run_shardwise("plan", "--model=cnn", "--plan", "column,dp,dp,dp,dp", cwd=None)
+    assert_proc_one_line_exit_2(bad, "conv1=column")
 
 
 def test_plan_ranks_a100_layouts():
@@ -208,11 +198,11 @@ def test_emitted_toml_trains(corpus, tmp_path):
                      f'sample_chars = 0\nprogress = false\nout_dir = "{tmp_path / "run"}"\n\n'
                      '[checkpoint]\nat_end = false\n')
     out = tmp_path / "best.toml"
-    r = _plan("--model", str(model), "--gpus", "2", "--global-batch", "8", "--emit-toml", str(out))
+    r = run_shardwise("plan", "--model", str(model), "--gpus", "2", "--global-batch", "8",
+                      "--emit-toml", str(out), cwd=None)
     assert r.returncode == 0, r.stderr
     assert "best layout written" in r.stdout and out.is_file()
-    t = subprocess.run([sys.executable, "-m", "shardwise", "train", "--config", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "done: 2 steps" in t.stdout
 

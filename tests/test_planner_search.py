@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_one_line_exit_2
 from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import Forward, compute_order, schedule
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS
@@ -289,26 +290,19 @@ def test_json_and_columns_carry_the_new_axes(capsys):
       "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 / --selective"),
 ])
 def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
-    from shardwise.cli.main import main
-
-    assert main(["plan", *argv]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert_one_line_exit_2(["plan", *argv], capsys, needle)
 
 
 
 def test_forced_cp_for_a_model_with_dropout_is_one_line_exit_2(capsys, tmp_path):
     """``--cp 2`` for a model with dropout: the engine would refuse every such layout."""
-    from shardwise.cli.main import main
-
     toml = tmp_path / "drop.toml"
     toml.write_text("[model]\nn_layer = 2\nn_head = 4\nn_embd = 64\nblock_size = 64\n"
                     "vocab_size = 256\ndropout = 0.1\n")
-    assert main(["plan", "--model", str(toml), "--cluster", "dgx-h100", "--gpus", "8",
-                 "--global-batch", "8", "--cp", "1,2"]) == 2
-    err = capsys.readouterr().err
-    assert "--cp 2: drop has model.dropout = 0.1" in err, err
-    assert len(err.strip().splitlines()) == 1, err
+    assert_one_line_exit_2(["plan", "--model", str(toml), "--cluster", "dgx-h100", "--gpus", "8",
+                            "--global-batch", "8", "--cp", "1,2"], capsys,
+                           "--cp 2: drop has model.dropout = 0.1")
+
 
 def test_bounded_search_with_blocking_sends_and_context_parallelism():
     """Megatron's kernels (sends charged to the sender, none in flight) and a long sequence

@@ -11,14 +11,13 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import assert_one_line_exit_2, run_shardwise
 from shardwise.cli.main import main
 from shardwise.data import CharTokenizer, DataError, DistributedBatchSampler
 from shardwise.data import prepare as prep
@@ -248,13 +247,6 @@ def test_help(capsys):
     assert "--tokenizer char|bpe|PATH" in out and "--vocab-size N" in out
 
 
-def _one_line_exit_2(argv, capsys) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err, err
-    return err
-
-
 def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     txt, jsonl = _corpus(tmp_path, repeat=1)
     latin1 = tmp_path / "latin1.txt"
@@ -286,7 +278,7 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     cases.append((["prepare", str(tmp_path / "y.csv"), "--tokenizer", "char", "--out", out],
                   "y.csv: unknown format .csv"))
     for argv, expected in cases:
-        err = _one_line_exit_2(argv, capsys)
+        err = assert_one_line_exit_2(argv, capsys)
         assert err.startswith("shardwise prepare: error: ") and expected in err, (argv, err)
         assert not Path(out).exists(), argv  # a failed fresh run leaves nothing
 
@@ -295,23 +287,24 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     empty.mkdir()
     base = ["train", "--config", str(REPO / "configs/tiny.toml"),
             "--training.out_dir", str(tmp_path / "run")]
-    err = _one_line_exit_2(base + ["--data", str(empty)], capsys)
+    err = assert_one_line_exit_2(base + ["--data", str(empty)], capsys)
     assert "holds no manifest.json; make one with: shardwise prepare" in err
     good = tmp_path / "good"
     assert main(["prepare", str(txt), str(jsonl), "--tokenizer", "char", "--out", str(good),
                  "--no-progress"]) == 0
     capsys.readouterr()
-    err = _one_line_exit_2(["prepare", str(txt), "--tokenizer", "char", "--out", str(good)], capsys)
+    err = assert_one_line_exit_2(["prepare", str(txt), "--tokenizer", "char", "--out", str(good)],
+                                 capsys)
     assert "already holds a prepared dataset" in err
     shard = good / "train_00000.bin"
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 1
     shard.write_bytes(bytes(raw))
-    err = _one_line_exit_2(base + ["--data", str(good)], capsys)
+    err = assert_one_line_exit_2(base + ["--data", str(good)], capsys)
     assert re.search(r"train_00000\.bin: checksum mismatch \(manifest\.json says sha256 \w+\.\.\., "
                      r"the file hashes to \w+\.\.\.\); prepare it again", err), err
     shard.write_bytes(shard.read_bytes() + b"\0\0")
-    err = _one_line_exit_2(base + ["--data", str(good)], capsys)
+    err = assert_one_line_exit_2(base + ["--data", str(good)], capsys)
     assert "manifest.json says" in err and "bytes" in err
     # a damaged manifest: a missing field, a shard file name that leaves the directory
     manifest = good / "manifest.json"
@@ -322,7 +315,7 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
         m = json.loads(json.dumps(saved))
         damage(m)
         manifest.write_text(json.dumps(m))
-        err = _one_line_exit_2(base + ["--data", str(good)], capsys)
+        err = assert_one_line_exit_2(base + ["--data", str(good)], capsys)
         assert "manifest.json is damaged" in err and expected in err, err
 
 
@@ -368,11 +361,10 @@ def test_readme_commands_train_at_dp2_and_resume_in_another_layout(corpus, tmp_p
         "".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "tiny.toml").write_text((REPO / "configs" / "tiny.toml").read_text())
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     outputs = []
     for command in commands:
-        proc = subprocess.run([sys.executable, "-m", "shardwise", *shlex.split(command)[1:]],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        proc = run_shardwise(*shlex.split(command)[1:], cwd=tmp_path, timeout=600,
+                             env={"PYTHONPATH": str(REPO / "src")})
         assert proc.returncode == 0, command + "\n" + proc.stdout + proc.stderr
         outputs.append(proc.stdout + proc.stderr)
     args = shlex.split(commands[1])

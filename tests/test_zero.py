@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint, train_infos
+from helpers import assert_one_line_exit_2
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
 from test_ddp import assert_parity
@@ -124,6 +125,4 @@ def test_memory_command_formulas_and_bad_input(capsys):
     assert "in GB (1 GB = 1e+09 bytes: decimal, as the ZeRO paper's" in out[0]  # named unit
     totals = [float(line.split()[4]) for line in out[2:6]]
     assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
-    assert main(["memory", "--stages", "0,4"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--stages" in err and "\n" not in err
+    assert_one_line_exit_2(["memory", "--stages", "0,4"], capsys, "--stages")

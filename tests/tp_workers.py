@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers import rel_err
 from shardwise import comm
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.engine import Engine, EngineSettings
@@ -42,10 +43,6 @@ from shardwise.parallel.tensor_parallel import (
 from shardwise.parallel.tensor_parallel.plan import parallelize
 
 B, T, C = 2, 8, 32  # layer tests: batch, sequence, hidden
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def topology(dp: int, tp: int) -> Topology:
