@@ -34,10 +34,6 @@ def test_compiled_tp_with_sp_trains_like_one_eager_process(corpus, tmp_path):
     attention): the blocks compile in pieces around the tp collectives, which run eagerly
     (``torch.compiler.disable``), and the run equals one eager process within 1e-4
     (Inductor's fused fp32 kernels round differently from eager ones)."""
-    import torch
-
-    from test_ddp import rel_err
-
     model = {"kind": "llama", "n_kv_heads": 2, "multiple_of": 16}
     ref = train(tiny_config(str(corpus), str(tmp_path / "ref"), model=model,
                             training={"steps": 4}))
@@ -46,12 +42,7 @@ def test_compiled_tp_with_sp_trains_like_one_eager_process(corpus, tmp_path):
                       training={"steps": 4, "compile": True})
     for r in spawn(train_compiled, 2, (cut,)):
         assert r["graphs"] > 0  # it compiled: not an eager run under another name
-        losses, ref_losses = torch.tensor(r["losses"]), torch.tensor(ref["losses"])
-        assert ((losses - ref_losses).abs() <= 1e-4 * ref_losses.abs()).all(), (losses,
-                                                                                 ref_losses)
-        assert r["params"].keys() == ref["params"].keys()
-        for name, p in ref["params"].items():
-            assert rel_err(r["params"][name], p) <= 1e-4, (name, rel_err(r["params"][name], p))
+        assert_parity(r, ref, rtol=1e-4)
 
 
 def test_tp_sizes_must_divide():

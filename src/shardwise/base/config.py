@@ -525,7 +525,7 @@ class Config(_Section):
 
     def _cp_agrees(self):
         """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks)."""
-        p, m, t = self.parallel, self.model, self.training
+        p, m = self.parallel, self.model
         if m.block_size % (2 * p.cp):
             raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
                              f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
