@@ -90,6 +90,22 @@ def test_bad_input_that_used_to_escape_the_early_checks(corpus, tmp_path, capsys
     assert not (tmp_path / "r1" / "metrics.jsonl").exists()
 
 
+def test_bad_numbers_in_generate_and_prepare_are_one_line(tmp_path, capsys):
+    """The shared argparse types (``cli.common.whole_number``, ``positive_number``): one
+    line naming the argument, exit 2, before anything is read."""
+    run = str(tmp_path / "no-run")
+    cases = [
+        (["generate", run, "--tokens", "0"], "argument --tokens: expected a whole number >= 1"),
+        (["generate", run, "--top-k", "-3"], "argument --top-k: expected a whole number >= 0"),
+        (["generate", run, "--temperature", "nan"],
+         "argument --temperature: expected a number > 0, got 'nan'"),
+        (["prepare", run, "--vocab-size", "0"],
+         "argument --vocab-size: expected a whole number >= 1"),
+    ]
+    for argv, expected in cases:
+        assert_one_line_exit_2(argv, capsys, expected, main=_exit_code)
+
+
 def test_resume_below_the_checkpoint_step_is_refused(corpus, tmp_path, capsys):
     from ddp_workers import tiny_config
     from fault_workers import train_saving

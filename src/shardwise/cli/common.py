@@ -41,6 +41,32 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def whole_number(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum`` (``_`` separators allowed), else the
+    usage error "expected a whole number >= minimum" (one line, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse ``type``: a float > 0 (nan refused), else a one-line usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:  # nan too
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def split_overrides(extra: list[str]) -> dict:
     """``["--parallel.tp", "2", "--model.kind=llama"]`` -> ``{"parallel.tp": 2, "model.kind":
     "llama"}`` (values as TOML literals); ``ConfigError`` (one line) for anything else."""

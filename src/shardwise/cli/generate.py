@@ -14,33 +14,17 @@ of the config) say otherwise; under torchrun the world it started must equal it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Sequence
 
-from shardwise.cli.common import EXIT_USAGE, Parser, run_rank_and_exit, split_overrides
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = -1
-        if not value > 0:  # nan too
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return value
-    return parse
+from shardwise.cli.common import (
+    EXIT_USAGE,
+    Parser,
+    positive_number,
+    run_rank_and_exit,
+    split_overrides,
+    whole_number,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,11 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run_dir", metavar="RUN_DIR", help="the run's training.out_dir, or a "
                     "checkpoint directory")
     ap.add_argument("--prompt", required=True, metavar="TEXT")
-    ap.add_argument("--tokens", type=_positive(int), default=200, metavar="N",
+    ap.add_argument("--tokens", type=whole_number(1), default=200, metavar="N",
                     help="tokens to generate (default 200)")
-    ap.add_argument("--temperature", type=_positive(float), default=0.8, metavar="T",
+    ap.add_argument("--temperature", type=positive_number, default=0.8, metavar="T",
                     help="softmax temperature (default 0.8)")
-    ap.add_argument("--top-k", type=_non_negative, default=20, metavar="K",
+    ap.add_argument("--top-k", type=whole_number(0), default=20, metavar="K",
                     help="sample among the K likeliest tokens; 0: all (default 20)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "

@@ -34,19 +34,9 @@ import sys
 from pathlib import Path
 
 from shardwise.base.version import version
-from shardwise.cli.common import EXIT_USAGE, Parser, split_overrides
+from shardwise.cli.common import EXIT_USAGE, Parser, split_overrides, whole_number
 
 DEFAULT_CONFIG = "configs/shakespeare.toml"
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
 
 
 def cmd_train(args, extra: list[str]) -> int:
@@ -283,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its checkpoint.dir holds one)")
     t.add_argument("--fresh", action="store_true",
                    help="start at step 0: move old checkpoints and metrics aside (never deleted)")
-    t.add_argument("--max-restarts", type=_non_negative, default=0, metavar="N",
+    t.add_argument("--max-restarts", type=whole_number(0), default=0, metavar="N",
                    help="restart the local ranks up to N times after a failure, resuming")
     t.set_defaults(func=cmd_train)
     b = sub.add_parser("bench", help="benchmarks: comm",

@@ -13,19 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from shardwise.cli.common import EXIT_USAGE, Parser
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text.replace("_", ""))
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
+from shardwise.cli.common import EXIT_USAGE, Parser, whole_number
 
 
 def _fraction(text: str) -> float:
@@ -48,14 +36,14 @@ def build_parser() -> Parser:
     ap.add_argument("--tokenizer", required=True, metavar="char|bpe|PATH",
                     help="char: one id per character; bpe: train a byte-level BPE here; or "
                          "the path of a Hugging Face tokenizer.json")
-    ap.add_argument("--vocab-size", type=_positive, metavar="N",
+    ap.add_argument("--vocab-size", type=whole_number(1), metavar="N",
                     help="the BPE's vocabulary (default 8192; --tokenizer bpe only)")
     ap.add_argument("--field", default="text", metavar="NAME",
                     help="the text field of JSONL / Parquet records (default text)")
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
     ap.add_argument("--val-fraction", type=_fraction, default=0.1, metavar="F",
                     help="tokens held out for validation, spread over the corpus (default 0.1)")
-    ap.add_argument("--shard-tokens", type=_positive, default=1 << 24, metavar="N",
+    ap.add_argument("--shard-tokens", type=whole_number(1), default=1 << 24, metavar="N",
                     help="tokens per train shard, about (default 16,777,216); a restart "
                          "resumes after the last complete shard")
     ap.add_argument("--no-progress", action="store_true",
