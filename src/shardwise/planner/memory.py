@@ -308,18 +308,22 @@ MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, p
 
 
 @lru_cache(maxsize=256)
-def shardwise_model(precision: str, spec: ModelSpec | None = None) -> ActivationModel:
+def shardwise_model(precision: str, spec: ModelSpec | None = None,
+                    ring: bool = False) -> ActivationModel:
     """The GPT's measured model (module docstring). For a Llama spec (not measured yet: a
-    count of what autograd saves) S = e (4 + 4 f / h): Q, K and V repeated to all heads,
-    the attention output; gate, up, silu(gate) and their product, f wide each."""
+    count of what autograd saves) S = e (2 + 2 r + 4 f / h): Q and the attention output,
+    K and V (r = 1: the one-process path repeats them to all heads before the kernel; under
+    ``ring`` attention, cp > 1, they are kept with their ``n_kv_heads``, r = kv_heads /
+    n_head); gate, up, silu(gate) and their product, f wide each."""
     e = BYTES[precision]
+    r = spec.kv_heads / spec.n_head if ring and spec is not None else 1.0
     if spec is not None and spec.moe:
         k, F, h = spec.top_k, spec.expert_ffn, spec.n_embd
         return ActivationModel(f"shardwise-moe-{precision}", e * (4 + 2 * k),
-                               e * (4 + 4 * k * F / h), 2 * e, 0, 8, e)
+                               e * (2 + 2 * r + 4 * k * F / h), 2 * e, 0, 8, e)
     if spec is not None and spec.gated:
         return ActivationModel(f"shardwise-llama-{precision}", 4 * e,
-                               e * (4 + 4 * spec.ffn / spec.n_embd), 2 * e, 0, 8, e)
+                               e * (2 + 2 * r + 4 * spec.ffn / spec.n_embd), 2 * e, 0, 8, e)
     return ActivationModel(f"shardwise-{precision}", 4 * e, 12 * e, 2 * e, 0, 8, e)
 
 
@@ -397,10 +401,11 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     in backward (Korthikanti et al. 2022, sec. 5), so its s x s scores are not kept (the
     ``scores`` term; flash attention keeps none anyway). ``cp``: context-parallel ranks, each
     holding ``block_size / cp`` tokens of every sequence: every term is per token and cut by
-    cp (ring attention keeps this rank's Q, K, V, output and log-sum-exp; measured 0.250 of
+    cp (ring attention keeps this rank's Q, K, V, output and log-sum-exp; measured 0.240 of
     cp = 1 at cp = 4, ``benchmarks/context_parallel.py``), except written-out scores, which
-    are this rank's queries against all ``block_size`` keys."""
-    am = am or shardwise_model(precision, spec)
+    are this rank's queries against all ``block_size`` keys, and K and V, which the ring
+    keeps with their ``n_kv_heads`` where one process repeats them to all heads."""
+    am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
     s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
