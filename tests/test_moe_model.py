@@ -272,7 +272,8 @@ def test_engine_reports_drops_as_the_description_declares():
     """``expert_dropped`` follows the description's ``capacity_factor``, whatever the model's
     own config holds: a model described under another kind, with no config of the Llama's
     (``config=None``), reports the assignments its layers dropped (the single-process
-    model's count on the same batch); the dropless Llama reports none."""
+    model's count on the same batch); the dropless Llama reports none. A description whose
+    ``capacity_factor`` or ``n_experts`` disagrees with what its layers state is refused."""
     import dataclasses
 
     from shardwise.base.topology import Topology
@@ -296,6 +297,13 @@ def test_engine_reports_drops_as_the_description_declares():
     assert "expert_dropped" not in info and "expert_load" in info
     with pytest.raises(ValueError, match="capacity_factor=0.5 needs experts"):
         dataclasses.replace(own, n_experts=0)
+    # a description that disagrees with its layers (they drop, it says dropless; or another
+    # number of experts) is one line naming the layer, before anything is built
+    for field, value, said in (("capacity_factor", 0.0, "0.5"), ("n_experts", 8, "4")):
+        wrong = dataclasses.replace(own, **{field: value})
+        with pytest.raises(ValueError, match=rf"^own-moe: blocks\.0\.mlp\.{field} is {said} "
+                                             rf"but the description's {field} is {value};"):
+            Engine(wrong, Topology.build(1, 1, 1), settings)
     with pytest.raises(ValueError, match="capacity_factor=-1; expected >= 0"):
         ModelDescription(kind="x", config=None, build=own.build, tp_plan={}, hidden_size=32,
                          vocab_size=32, block_size=16, n_layer=2, attention_width=32,

@@ -120,6 +120,21 @@ class LocalModel:
         return self.description.vocab_size if name in self.vocab_params else None
 
 
+def _check_moe_layers(d: ModelDescription, model: nn.Module, names: tuple[str, ...]) -> None:
+    """Each mixture-of-experts layer that states its ``n_experts`` or ``capacity_factor``
+    (``models.moe.MoE`` does) must agree with the description, which the engine reads to
+    shard experts over ep and to report dropped assignments: one-line ``ValueError`` naming
+    the layer otherwise. A layer that states neither is taken at the description's word."""
+    modules = dict(model.named_modules())
+    for name in names:
+        for attr in ("n_experts", "capacity_factor"):
+            mine = getattr(modules[name], attr, None)
+            if isinstance(mine, (int, float)) and mine != getattr(d, attr):
+                raise ValueError(f"{d.kind}: {name}.{attr} is {mine} but the description's "
+                                 f"{attr} is {getattr(d, attr)}; describe the model as its "
+                                 "layers are built")
+
+
 def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int],
                       n_chunks: int, tp: RankGroup, seed: int, dropout_seed: int,
                       device: torch.device, partition_by: str = "layers",
@@ -163,6 +178,7 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     if moe_layers and not d.n_experts:
         raise ValueError(f"{d.kind}: {moe_layers[0]} is a mixture of experts "
                          "(pop_router_stats) but the description's n_experts is 0")
+    _check_moe_layers(d, record.model, moe_layers)
     # the full shapes, before tp sharding replaces the layers' modules (init_from reads them)
     full_shapes = {n: tuple(p.shape) for n, p in record.model.named_parameters()}
     vocab_params = d.vocab_params(record.model)
