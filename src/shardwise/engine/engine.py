@@ -277,11 +277,12 @@ class Engine:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
         transformer block, the head) and the loss, so Inductor fuses the logits' cast into
         the cross-entropy instead of writing fp32 logits out. One graph per kind of layer:
-        a pipeline chunk of any length reuses it. The config refuses it with ZeRO-3 (its
-        gathers run in the layers' hooks); the collectives of tensor parallelism
+        a pipeline chunk of any length reuses it. The collectives of tensor parallelism
         (``tensor_parallel.mappings``, the vocabulary-parallel loss) and of cp (ring
         attention, the ring's sums) are ``torch.compiler.disable``d, so a block compiles in
-        pieces around them, which run eagerly."""
+        pieces around them, which run eagerly. ZeRO-3's forward hooks, registered on these
+        layers afterwards (``_wrap_for_dp``), are disabled too: each unit's gather and free
+        run eagerly before and after its compiled block (``zero.stage3``)."""
         for chunk in self.local.chunks.values():
             for layer in chunk.layers:
                 layer.compile()

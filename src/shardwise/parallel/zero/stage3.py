@@ -19,6 +19,14 @@ flat buffer padded to N; each rank keeps only its 1/N shard (the fp32 master).
 Autograd keeps references to the parameters it saved in forward; the storage they point
 to is refilled before the unit's backward, and writing through the flat buffer does not
 touch the parameters' own version counters, so this is safe.
+
+Compiled units (``training.compile``, ``nn.Module.compile`` on each layer): the forward
+hooks are ``torch.compiler.disable``d (as PyTorch FSDP2 does with its own), so they run
+eagerly around the compiled block and dynamo sees only gathered parameters. Dynamo guards a
+parameter on its dtype, shape and strides, which freeing and refilling its storage in place
+never change, so a block compiles once; the compiled backward saves the parameters
+themselves (views of the flat buffer), never copies, so it too reads the refilled storage.
+Both are checked by ``tests/test_zero.py::test_compiled_zero3_trains_like_one_eager_process``.
 """
 
 from __future__ import annotations
@@ -164,6 +172,7 @@ class ZeroStage3(nn.Module):
         return self.module(*args, **kwargs)
 
     def _pre_forward(self, u: _Unit):
+        @torch.compiler.disable  # gathers (collectives, storage resize): eager around a compiled unit
         def hook(module, args):
             self._gather(u)
             nxt = self._neighbour(u, +1)
@@ -172,6 +181,7 @@ class ZeroStage3(nn.Module):
         return hook
 
     def _post_forward(self, u: _Unit):
+        @torch.compiler.disable  # frees the storage, hooks the output: eager, as the gather
         def hook(module, args, output):
             self._free(u)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
