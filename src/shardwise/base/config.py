@@ -217,13 +217,9 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
-        if self.zero == 3 and self.pp == 1 and self.chunks_per_rank > 1:
+        if self.zero == 3 and self.chunks_per_rank > 1:
             raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={self.chunks_per_rank}: "
-                             "ZeRO-3 runs one chunk per rank")
-        if self.pp > 1 and self.zero == 3:
-            raise ValueError(f"parallel.zero=3 with parallel.pp={self.pp}: ZeRO-3 gathers the "
-                             "parameters for every forward and a pipeline runs many per step; "
-                             "use parallel.zero = 1 or 2 with pipelines (DeepSpeed refuses it too)")
+                             "ZeRO-3 runs one chunk (stage) per rank; use chunks_per_rank = 1")
         if self.recompute == "selective" and (self.tp > 1 or self.zero == 3 or self.cp > 1):
             raise ValueError(f"parallel.recompute=selective with parallel.tp={self.tp}, "
                              f"zero={self.zero}, cp={self.cp}: recomputing a layer would run its "
