@@ -261,9 +261,9 @@ def test_gpu_ranks_keep_few_host_threads(monkeypatch):
     assert threads_per_rank(8, "cuda") == 2 == threads_per_rank(8, "cpu")
 
 
-def test_config_refuses_compile_with_zero3_and_unknown_attention():
-    with pytest.raises(ConfigError, match="training.compile with parallel.zero=3"):
-        Config.load(overrides={"training.compile": True, "parallel.zero": 3, "parallel.dp": 2})
+def test_config_compile_layouts_and_unknown_attention():
+    assert Config.load(overrides={"training.compile": True, "parallel.zero": 3,
+                                  "parallel.dp": 2}).training.compile  # ZeRO-3 composes
     assert Config.load(overrides={"training.compile": True, "parallel.tp": 2,
                                   "parallel.dp": 1}).training.compile  # tp composes
     with pytest.raises(ConfigError, match="training.compile with parallel.tp=2 and "

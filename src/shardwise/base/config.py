@@ -217,13 +217,9 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
-        if self.zero == 3 and self.pp == 1 and self.chunks_per_rank > 1:
+        if self.zero == 3 and self.chunks_per_rank > 1:
             raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={self.chunks_per_rank}: "
-                             "ZeRO-3 runs one chunk per rank")
-        if self.pp > 1 and self.zero == 3:
-            raise ValueError(f"parallel.zero=3 with parallel.pp={self.pp}: ZeRO-3 gathers the "
-                             "parameters for every forward and a pipeline runs many per step; "
-                             "use parallel.zero = 1 or 2 with pipelines (DeepSpeed refuses it too)")
+                             "ZeRO-3 runs one chunk (stage) per rank; use chunks_per_rank = 1")
         if self.recompute == "selective" and (self.tp > 1 or self.zero == 3 or self.cp > 1):
             raise ValueError(f"parallel.recompute=selective with parallel.tp={self.tp}, "
                              f"zero={self.zero}, cp={self.cp}: recomputing a layer would run its "
@@ -376,9 +372,9 @@ class TrainingConfig(_Section):
                                       "dynamic loss scaling (fp16)")
     tf32: bool = Field(True, description="CUDA: fp32 matmuls in TF32 (10-bit mantissa, "
                        "torch.set_float32_matmul_precision('high')); no effect on the CPU")
-    compile: bool = Field(False, description="torch.compile each transformer block (not with "
-                          "parallel.zero = 3; the collectives of tp and cp run eagerly between "
-                          "compiled pieces)")
+    compile: bool = Field(False, description="torch.compile each transformer block (the "
+                          "collectives of tp and cp run eagerly between compiled pieces; "
+                          "ZeRO-3's gathers and frees eagerly around each block)")
     peak_tflops: float | None = Field(None, gt=0.0, description="the device's peak TFLOP/s "
                                       "for MFU; unset: the table of known GPUs, or a matmul "
                                       "probe on the CPU (shardwise.perf)")
@@ -478,9 +474,6 @@ class Config(_Section):
             raise ValueError(f"training.compile with parallel.tp={p.tp} and model.dropout="
                              f"{m.dropout}: tensor parallelism's own dropout streams "
                              "are not traced; compile needs model.dropout = 0 with tp > 1")
-        if t.compile and p.zero == 3:
-            raise ValueError("training.compile with parallel.zero=3: ZeRO-3 gathers and frees "
-                             "the weights in the layers' hooks; compile needs zero < 3")
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")

@@ -123,9 +123,10 @@ class Engine:
     """This rank's share of a model trained in any layout (see module docstring).
 
     Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
-    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with pp > 1, PipeDream
-    with a tied embedding across stages, cp > 1 with a sequence length 2 cp does not divide
-    or a model whose description does not read positions through ``models.sequence``.
+    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with more than one chunk
+    per rank, PipeDream with a tied embedding across stages, cp > 1 with a sequence length
+    2 cp does not divide or a model whose description does not read positions through
+    ``models.sequence``.
     """
 
     def __init__(self, model, topology, s: EngineSettings,
@@ -135,9 +136,9 @@ class Engine:
         self.distributed = dist.is_available() and dist.is_initialized()
         groups = topology.groups if self.distributed else None
         p, v, kind = topology.pp, s.chunks_per_rank, s.schedule  # pp = 1: one stage
-        if s.zero == 3 and p * v > 1:
-            raise ValueError("parallel.zero=3 with pipeline chunks: ZeRO-3 gathers parameters per "
-                             "forward, and a pipeline runs many; use ZeRO-1/2 with pp (as DeepSpeed)")
+        if s.zero == 3 and v > 1:
+            raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={v}: ZeRO-3 runs one "
+                             "chunk (stage) per rank; use chunks_per_rank = 1")
         local_batch = s.batch_size // topology.dp
         if local_batch % s.micro_batches:
             raise ValueError(f"{s.micro_batches} micro-batches do not divide the batch of "
@@ -277,11 +278,12 @@ class Engine:
         """``torch.compile`` every layer in place (``nn.Module.compile``: the embedding, each
         transformer block, the head) and the loss, so Inductor fuses the logits' cast into
         the cross-entropy instead of writing fp32 logits out. One graph per kind of layer:
-        a pipeline chunk of any length reuses it. The config refuses it with ZeRO-3 (its
-        gathers run in the layers' hooks); the collectives of tensor parallelism
+        a pipeline chunk of any length reuses it. The collectives of tensor parallelism
         (``tensor_parallel.mappings``, the vocabulary-parallel loss) and of cp (ring
         attention, the ring's sums) are ``torch.compiler.disable``d, so a block compiles in
-        pieces around them, which run eagerly."""
+        pieces around them, which run eagerly. ZeRO-3's forward hooks, registered on these
+        layers afterwards (``_wrap_for_dp``), are disabled too: each unit's gather and free
+        run eagerly before and after its compiled block (``zero.stage3``)."""
         for chunk in self.local.chunks.values():
             for layer in chunk.layers:
                 layer.compile()
@@ -316,18 +318,19 @@ class Engine:
         whole = len(named) == len(self.local.named_parameters())
         names = {id(q): n for n, q in named}
         params = [q for _, q in named]
+        tied = frozenset(id(q) for n, q in named if n in self.local.tied)  # across stages
         if s.zero == 0 or not self.distributed:
             return ReplicatedSync(params, names, group, size, rank, self.dtype, s.bucket_mb,
                                   s.first_bucket_mb, s.allreduce, divisor=divisor)
         if s.zero in (1, 2):
-            tied = frozenset(id(q) for n, q in named if n in self.local.tied)
             container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
             return ZeroDataParallel(container, group, s.zero, s.bucket_mb, self.dtype,
                                     self.loss_scaler, names=names, isolate=tied, explicit=True,
                                     params=None if whole else params, divisor=divisor)
-        (c, chunk), = self.local.chunks.items()  # pp = 1: one chunk, its layers the units
+        (c, chunk), = self.local.chunks.items()  # one chunk (stage) per rank, its layers the units
         units = list(zip(chunk.names, chunk.layers))
-        wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names)
+        wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names,
+                             isolate=tied)
         self.chunks[c] = wrapper
         return wrapper
 

@@ -101,16 +101,20 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
 
 
 def _units(local) -> list[int]:
-    """Elements of each ZeRO-3 unit, in ``ZeroStage3``'s order: every layer of the one chunk,
-    then the root unit of parameters shared by two layers (a tied embedding)."""
+    """Elements of each ZeRO-3 unit, in ``ZeroStage3``'s order: every layer of the one chunk
+    (a weight tied across stages first, as a unit of its own), then the root unit of
+    parameters shared by two layers (a weight tied within the chunk)."""
     (chunk,) = local.chunks.values()
+    tied = {id(q) for n, q in local.named_parameters() if n in local.tied}
     owners: dict[int, int] = {}
     for layer in chunk.layers:
         for q in layer.parameters():
             owners[id(q)] = owners.get(id(q), 0) + 1
     sizes, root = [], 0
     for layer in chunk.layers:
-        n = sum(q.numel() for q in layer.parameters() if owners[id(q)] == 1)
+        own = [q for q in layer.parameters() if owners[id(q)] == 1]
+        sizes += [q.numel() for q in own if id(q) in tied]
+        n = sum(q.numel() for q in own if id(q) not in tied)
         if n:
             sizes.append(n)
     seen = set()

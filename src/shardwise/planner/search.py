@@ -192,7 +192,8 @@ def fp8_reason(cluster: Cluster) -> str:
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
     if lay.zero == 3 and lay.pp > 1:
-        return "ZeRO-3 with pipeline parallelism (the engine refuses it, as DeepSpeed)"
+        return ("ZeRO-3 with pipeline parallelism (the engine runs it, gathering every unit "
+                "again per micro-batch; the cost model charges one gather per step: not planned)")
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
         return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
     if lay.sp and (spec.block_size // lay.cp) % lay.tp:

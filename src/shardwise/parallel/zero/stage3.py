@@ -15,10 +15,20 @@ flat buffer padded to N; each rank keeps only its 1/N shard (the fp32 master).
   and both the full gradients and the parameters are freed.
 - gradient accumulation: full gradients are never kept, so every micro-batch is
   reduce-scattered and summed into the shard; ``no_sync`` is accepted and changes nothing.
+  A pipeline stage (``parallel.pp > 1``) is the same: its units are gathered again for each
+  micro-batch's forward and for its backward (from the hook on that micro-batch's output).
 
 Autograd keeps references to the parameters it saved in forward; the storage they point
 to is refilled before the unit's backward, and writing through the flat buffer does not
 touch the parameters' own version counters, so this is safe.
+
+Compiled units (``training.compile``, ``nn.Module.compile`` on each layer): the forward
+hooks are ``torch.compiler.disable``d (as PyTorch FSDP2 does with its own), so they run
+eagerly around the compiled block and dynamo sees only gathered parameters. Dynamo guards a
+parameter on its dtype, shape and strides, which freeing and refilling its storage in place
+never change, so a block compiles once; the compiled backward saves the parameters
+themselves (views of the flat buffer), never copies, so it too reads the refilled storage.
+Both are checked by ``tests/test_zero.py::test_compiled_zero3_trains_like_one_eager_process``.
 """
 
 from __future__ import annotations
@@ -74,14 +84,16 @@ class ZeroStage3(nn.Module):
     ``step(optimizer, max_norm)``. ``full_parameters()`` gathers everything (every rank
     must enter it) for sampling or export. Per rank it holds 2P/N (compute-dtype shard) +
     2P/N (gradient shard) + 12P/N (fp32 master, Adam moments) bytes with bf16/fp16; in fp32
-    the master is the gathered shard, so 16P/N. Raises ``ValueError`` for a model without
-    trainable parameters.
+    the master is the gathered shard, so 16P/N. ``isolate``: ids of parameters that get a
+    unit of their own (gathered with their layer's): a weight tied across pipeline stages,
+    so that its shard covers the same elements of both copies and their gradients can be
+    summed piece by piece. Raises ``ValueError`` for a model without trainable parameters.
     """
 
     def __init__(self, module: nn.Module, group=None, units: list[tuple[str, nn.Module]] | None = None,
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
-                 names: dict[int, str] | None = None):
+                 names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset()):
         super().__init__()
         self.module, self.group, self.loss_scaler = module, group, loss_scaler
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -105,8 +117,9 @@ class ZeroStage3(nn.Module):
         self.root = _Unit("root", None, root, self.world_size, self.rank, param_dtype) if root else None
         for i, (name, m) in enumerate(units):
             mine = [p for p in m.parameters() if p.requires_grad and owner[id(p)] == [i]]
-            if mine:
-                u = _Unit(name, m, mine, self.world_size, self.rank, param_dtype)
+            rest = [p for p in mine if id(p) not in isolate]
+            for ps in [[p] for p in mine if id(p) in isolate] + ([rest] if rest else []):
+                u = _Unit(name, m, ps, self.world_size, self.rank, param_dtype)
                 self.units.append(u)
                 m.register_forward_pre_hook(self._pre_forward(u))
                 m.register_forward_hook(self._post_forward(u))
@@ -164,6 +177,7 @@ class ZeroStage3(nn.Module):
         return self.module(*args, **kwargs)
 
     def _pre_forward(self, u: _Unit):
+        @torch.compiler.disable  # gathers (collectives, storage resize): eager around a compiled unit
         def hook(module, args):
             self._gather(u)
             nxt = self._neighbour(u, +1)
@@ -172,6 +186,7 @@ class ZeroStage3(nn.Module):
         return hook
 
     def _post_forward(self, u: _Unit):
+        @torch.compiler.disable  # frees the storage, hooks the output: eager, as the gather
         def hook(module, args, output):
             self._free(u)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
