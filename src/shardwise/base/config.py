@@ -112,9 +112,6 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
-        if self.n_experts and self.init_from:
-            raise ValueError(f"model.n_experts={self.n_experts} with model.init_from: Hugging "
-                             "Face's LlamaForCausalLM has no experts; leave one of them unset")
         if self.n_experts and self.kind == "gpt":
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")
@@ -506,6 +503,8 @@ class Config(_Section):
         """Mixture of experts and expert parallelism (docs/moe.md)."""
         p, m = self.parallel, self.model
         if p.ep > 1 and not m.n_experts:
+            if m.init_from:  # config.json gives n_experts; checked again once it has
+                return self
             raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
                              "needs experts; set model.n_experts (and model.kind = llama)")
         if p.dp % p.ep:
