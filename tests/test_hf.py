@@ -24,7 +24,9 @@ import torch
 
 from conftest import REPO
 from helpers import assert_one_line_exit_2
+from shardwise.checkpoint.hf import read_config
 from shardwise.cli.main import main
+from shardwise.models.hf import section_of
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -166,13 +168,15 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
-    vocabulary; an export of a run with no checkpoint."""
+    vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
+    its sliding window, or a mixture of experts asked of a Llama; an export of a run with
+    no checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
-    def variant(name: str, **changes) -> Path:
+    def variant(name: str, source: str = "llama", **changes) -> Path:
         d = tmp_path / name
-        shutil.copytree(hf_dirs["llama"], d)
+        shutil.copytree(hf_dirs[source], d)
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, **changes}))
         return d
@@ -193,6 +197,17 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     small = variant("small", vocab_size=40)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{small}"], capsys,
                            "more than the model's vocabulary of 40")
+    jitter = variant("jitter", "mixtral", router_jitter_noise=0.1)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{jitter}"], capsys,
+                           "router_jitter_noise=0.1", "Mixtral cannot hold it exactly")
+    window = variant("window", "mixtral", sliding_window=16)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{window}", "--model.block_size",
+                            "32"], capsys, "model.block_size=32 contradicts",
+                           "gives 16 or less, its sliding_window")
+    assert section_of(read_config(window))["block_size"] == 16  # unset: the window's
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
+                            "--model.n_experts", "4"], capsys,
+                           "model.n_experts=4 contradicts", "gives 0")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 

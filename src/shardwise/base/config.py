@@ -112,7 +112,7 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
-        if self.n_experts and self.kind == "gpt":
+        if self.n_experts and self.kind == "gpt" and not self.init_from:  # init_from: its kind
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")
         if self.activation not in ("gelu", "gelu_tanh"):
