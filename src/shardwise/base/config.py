@@ -92,8 +92,9 @@ class ModelConfig(_Section):
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
-                           "(LlamaForCausalLM or GPT2LMHeadModel: config.json and safetensors "
-                           "files); the model's kind and sizes come from its config.json, and "
+                           "(LlamaForCausalLM, GPT2LMHeadModel or MixtralForCausalLM: "
+                           "config.json and safetensors files); the model's kind and sizes "
+                           "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
                            "training.seed")
 
