@@ -165,6 +165,35 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
+    """A Llama trained here with a Mixtral's mixture (no source config.json) is written as
+    a ``MixtralForCausalLM`` whose logits equal ours; sigmoid gating, unrenormalised
+    gates, a capacity factor or a shared expert have no such mapping."""
+    from dataclasses import replace
+
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import MIXTRAL, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2)
+    d = describe(cfg)
+    assert d.hf is MIXTRAL
+    for other in (dict(moe_gating="sigmoid"), dict(moe_norm_topk=False),
+                  dict(moe_capacity_factor=1.25), dict(moe_shared_expert=True)):
+        assert describe(replace(cfg, **other)).hf is None, other
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    write_safetensors(tmp_path, to_hf_tensors(d, {k: v.detach() for k, v in
+                                                  ours.state_dict().items()}))
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
