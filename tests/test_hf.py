@@ -179,8 +179,8 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
                       n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2)
     d = describe(cfg)
     assert d.hf is MIXTRAL
-    for other in (dict(moe_gating="sigmoid"), dict(moe_norm_topk=False),
-                  dict(moe_capacity_factor=1.25), dict(moe_shared_expert=True)):
+    for other in ({"moe_gating": "sigmoid"}, {"moe_norm_topk": False},
+                  {"moe_capacity_factor": 1.25}, {"moe_shared_expert": True}):
         assert describe(replace(cfg, **other)).hf is None, other
     torch.manual_seed(3)
     ours = _perturb(Llama(cfg))
