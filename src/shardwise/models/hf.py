@@ -345,7 +345,8 @@ def _mixtral_section(c: dict) -> dict:
 
 def _mixtral_bound_reason(c: dict) -> dict[str, str]:
     window = c.get("sliding_window")
-    if window is None or window >= _get(c, "max_position_embeddings", window):
+    context = _get(c, "max_position_embeddings", _MIXTRAL_DEFAULTS["max_position_embeddings"])
+    if window is None or window >= context:
         return {}
     return {"block_size": f"its sliding_window: shardwise's attention has no window, so it "
                           f"is exact on at most {window} tokens"}
