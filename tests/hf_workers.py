@@ -15,21 +15,30 @@ from shardwise.models.hf import section_of
 from shardwise.parallel.tensor_parallel import gather_tensor
 
 
-def imported_logits(dirs: list[str], idx: torch.Tensor, tp: int = 1) -> list[torch.Tensor]:
+def imported_logits(dirs: list[str], idx: torch.Tensor, tp: int = 1,
+                    ep_dirs: list[str] = ()) -> list[torch.Tensor]:
     """Our forward of ``idx`` (B, T) on the weights of each Hugging Face checkpoint in
     ``dirs``, built by the engine at tp ranks (the world, or one process for tp = 1) with
-    ``init_from``; the logits (B, T, V) gathered over tp, one tensor per directory."""
+    ``init_from``; the logits (B, T, V) gathered over tp, one tensor per directory. Then,
+    in a world of 2, each of ``ep_dirs`` (mixtures of experts) at dp = ep = 2, every rank
+    given the whole ``idx`` (its experts' tokens come from both ranks): appended."""
     if dist.is_initialized():
         topo = init_process_groups(Topology.build(1, 1, tp, rank=dist.get_rank(),
                                                   world_size=dist.get_world_size()))
     else:
         topo = Topology.build(1, 1, 1)
-    out = []
-    for d in dirs:
-        model = describe_section(ModelConfig(**section_of(read_config(d))), 0)
-        engine = Engine(model, topo, EngineSettings(batch_size=1, seq_len=idx.shape[1],
-                                                    init_from=d))
-        engine._train(False)
-        logits = engine._logits(idx)
-        out.append(gather_tensor(logits, -1, engine.tp)[..., :model.vocab_size].clone())
+    out = [_logits(d, topo, idx) for d in dirs]
+    if ep_dirs:
+        topo = init_process_groups(Topology.build(2, 1, 1, rank=dist.get_rank(),
+                                                  world_size=2, ep=2))
+        out += [_logits(d, topo, idx) for d in ep_dirs]
     return out
+
+
+def _logits(d: str, topo: Topology, idx: torch.Tensor) -> torch.Tensor:
+    model = describe_section(ModelConfig(**section_of(read_config(d))), 0)
+    engine = Engine(model, topo, EngineSettings(batch_size=1, seq_len=idx.shape[1],
+                                                init_from=d))
+    engine._train(False)
+    logits = engine._logits(idx)
+    return gather_tensor(logits, -1, engine.tp)[..., :model.vocab_size].clone()

@@ -1,10 +1,11 @@
 """Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
 
-Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` with random weights are built here and
-saved with ``save_pretrained`` (no hub). The round trip: ``shardwise train --model.init_from
-hf:DIR`` at dp2 x tp2 x pp2 for one step with ``--optimizer.lr 0`` -> ``shardwise export``
--> ``from_pretrained``: every tensor equal bit for bit (fp32) and the logits equal. Our
-forward on the imported weights against ``transformers``' within 1e-5 at tp = 1 and 2.
+Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` with random
+weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
+``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too)
+for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
+tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
+against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral at dp2 x ep2).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 
 from conftest import REPO
 from helpers import assert_one_line_exit_2
+from shardwise.checkpoint.hf import read_config
 from shardwise.cli.main import main
+from shardwise.models.hf import section_of
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -43,7 +46,9 @@ def _perturb(model):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """A Llama (grouped-query attention, untied head, sharded into several safetensors with
-    an index) and a GPT-2 (tied head, one safetensors file), saved as transformers does."""
+    an index), a GPT-2 (tied head, one safetensors file) and a Mixtral (top 2 of 4 experts,
+    grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), saved as transformers
+    does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -55,9 +60,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
         eos_token_id=0)))
     gpt2.save_pretrained(root / "gpt2")
+    mixtral = _perturb(transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)))
+    mixtral.save_pretrained(root / "mixtral")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
-    return {"llama": root / "llama", "gpt2": root / "gpt2"}
+    return {"llama": root / "llama", "gpt2": root / "gpt2", "mixtral": root / "mixtral"}
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +85,16 @@ def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
         return model(idx).logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, capfd):
-    """init_from at dp2 x tp2 x pp2, one step at lr 0, export: the exported model's tensors
+    """init_from at dp2 x tp2 x pp2 (the Mixtral's experts also over ep2: each rank reads
+    its two experts' tp slices), one step at lr 0, export: the exported model's tensors
     equal the original's bit for bit and so do its logits; the Llama run also writes
     TensorBoard events, read back with tensorboard's own reader. (The commands run in this
     process, ``cli.main``: the ranks are spawned either way.)"""
     run, out = tmp_path / "run", tmp_path / "exported"
-    extra = ["--training.tensorboard", "true"] if arch == "llama" else []
+    extra = {"llama": ["--training.tensorboard", "true"],
+             "mixtral": ["--parallel.ep", "2"]}.get(arch, [])
     code = main(["train", "--config", str(REPO / "configs" / "finetune_hf.toml"),
                  "--data", str(text), "--model.init_from", f"hf:{hf_dirs[arch]}",
                  "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2",
@@ -91,8 +103,9 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
                  "--training.sample_chars", "0", "--training.progress", "false", *extra])
     done = capfd.readouterr()
     assert code == 0, done.err[-3000:]
-    kind = "llama" if arch == "llama" else "gpt"
-    assert f"shardwise: {kind} " in done.out and "dp=2 x pp=2" in done.out
+    kind = "gpt" if arch == "gpt2" else "llama"
+    dp = "dp=2 (ep=2)" if arch == "mixtral" else "dp=2"
+    assert f"shardwise: {kind} " in done.out and f"{dp} x pp=2" in done.out
     assert f"from hf:{hf_dirs[arch]}" in done.out
     assert main(["export", str(run), "--format", "hf", "--out", str(out),
                  "--max-shard-size", "30KB"]) == 0, capfd.readouterr().err
@@ -136,30 +149,63 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
 
 def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
-    in one process, and at tp = 2 (each rank loading its slices), both models."""
+    in one process, and at tp = 2 (each rank loading its slices), all three models; the
+    Mixtral (top 2 of 4 experts) also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs["llama"]), str(hf_dirs["gpt2"])]
+    dirs = [str(hf_dirs["llama"]), str(hf_dirs["gpt2"]), str(hf_dirs["mixtral"])]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
-    tp2 = spawn(imported_logits, 2, (dirs, idx, 2), threads=1)
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[2:]), threads=1)
+    assert len(tp1) == 3 and len(tp2[0]) == 4
     for ours in (tp1, tp2[0], tp2[1]):
-        for got, ref in zip(ours, want):
+        for got, ref in zip(ours, want + want[2:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
+    """A Llama trained here with a Mixtral's mixture (no source config.json) is written as
+    a ``MixtralForCausalLM`` whose logits equal ours; sigmoid gating, unrenormalised
+    gates, a capacity factor or a shared expert have no such mapping."""
+    from dataclasses import replace
+
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import MIXTRAL, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2)
+    d = describe(cfg)
+    assert d.hf is MIXTRAL
+    for other in ({"moe_gating": "sigmoid"}, {"moe_norm_topk": False},
+                  {"moe_capacity_factor": 1.25}, {"moe_shared_expert": True}):
+        assert describe(replace(cfg, **other)).hf is None, other
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    write_safetensors(tmp_path, to_hf_tensors(d, {k: v.detach() for k, v in
+                                                  ours.state_dict().items()}))
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
-    vocabulary; an export of a run with no checkpoint."""
+    vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
+    its sliding window, or a mixture of experts asked of a Llama; an export of a run with
+    no checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
-    def variant(name: str, **changes) -> Path:
+    def variant(name: str, source: str = "llama", **changes) -> Path:
         d = tmp_path / name
-        shutil.copytree(hf_dirs["llama"], d)
+        shutil.copytree(hf_dirs[source], d)
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, **changes}))
         return d
@@ -180,6 +226,17 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     small = variant("small", vocab_size=40)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{small}"], capsys,
                            "more than the model's vocabulary of 40")
+    jitter = variant("jitter", "mixtral", router_jitter_noise=0.1)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{jitter}"], capsys,
+                           "router_jitter_noise=0.1", "Mixtral cannot hold it exactly")
+    window = variant("window", "mixtral", sliding_window=16)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{window}", "--model.block_size",
+                            "32"], capsys, "model.block_size=32 contradicts",
+                           "gives 16 or less, its sliding_window")
+    assert section_of(read_config(window))["block_size"] == 16  # unset: the window's
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
+                            "--model.n_experts", "4"], capsys,
+                           "model.n_experts=4 contradicts", "gives 0")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 

@@ -92,8 +92,9 @@ class ModelConfig(_Section):
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
-                           "(LlamaForCausalLM or GPT2LMHeadModel: config.json and safetensors "
-                           "files); the model's kind and sizes come from its config.json, and "
+                           "(LlamaForCausalLM, GPT2LMHeadModel or MixtralForCausalLM: "
+                           "config.json and safetensors files); the model's kind and sizes "
+                           "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
                            "training.seed")
 
@@ -112,10 +113,7 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
-        if self.n_experts and self.init_from:
-            raise ValueError(f"model.n_experts={self.n_experts} with model.init_from: Hugging "
-                             "Face's LlamaForCausalLM has no experts; leave one of them unset")
-        if self.n_experts and self.kind == "gpt":
+        if self.n_experts and self.kind == "gpt" and not self.init_from:  # init_from: its kind
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")
         if self.activation not in ("gelu", "gelu_tanh"):
@@ -499,6 +497,8 @@ class Config(_Section):
         """Mixture of experts and expert parallelism (docs/moe.md)."""
         p, m = self.parallel, self.model
         if p.ep > 1 and not m.n_experts:
+            if m.init_from:  # config.json gives n_experts; checked again once it has
+                return self
             raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
                              "needs experts; set model.n_experts (and model.kind = llama)")
         if p.dp % p.ep:

@@ -39,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the run's training.out_dir (its checkpoints/), a checkpoint "
                     "directory, or one step_NNNNNN")
     ap.add_argument("--format", required=True, choices=["hf"],
-                    help="hf: transformers' LlamaForCausalLM / GPT2LMHeadModel")
+                    help="hf: transformers' LlamaForCausalLM / GPT2LMHeadModel / "
+                    "MixtralForCausalLM")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")

@@ -318,11 +318,11 @@ def _load_hf(local: LocalModel, path: str, targets: dict[str, list[nn.Parameter]
              full_shapes: dict[str, tuple[int, ...]]) -> None:
     """Fill ``targets`` (full model name -> this rank's parameters of that name) from the
     Hugging Face checkpoint at ``path``: for each, the description's arch
-    (``ModelDescription.hf``) names the checkpoint tensor and how ours lies in it
-    (transposed, a piece of a packed tensor), and only this rank's slice along ``tp_dim``
-    is read (``safetensors`` slicing); vocabulary padding rows are zero; the head tied to
-    the embedding (one parameter at pp = 1, a copy on the last stage otherwise) reads the
-    embedding's tensor. Values are cast to the parameter's dtype (fp32 here: the masters
+    (``ModelDescription.hf``) names the checkpoint tensors and how ours lies in them
+    (transposed, a piece of a packed tensor, one tensor per expert), and only this rank's
+    block is read (``safetensors`` slicing): its experts along ``ep_dim``, its slice along
+    ``tp_dim``; vocabulary padding rows are zero; the head tied to the embedding (one
+    parameter at pp = 1, a copy on the last stage otherwise) reads the embedding's tensor. Values are cast to the parameter's dtype (fp32 here: the masters
     are made from them)."""
     from shardwise.base.errors import CheckpointError
     from shardwise.checkpoint.hf import SafetensorsDir
@@ -332,30 +332,33 @@ def _load_hf(local: LocalModel, path: str, targets: dict[str, list[nn.Parameter]
         raise ValueError(f"model.init_from: model.kind={d.kind!r} has no Hugging Face mapping "
                          "(its ModelDescription.hf is None)")
     files = SafetensorsDir(path)
-    rank = local.tp.rank
     try:
         for name, params in targets.items():
             src = d.tied[0] if d.tied is not None and name == d.tied[1] else name
             spec = d.hf.tensor(src)
             shape = full_shapes[src]  # unsharded
-            want = spec.hf_shape(shape)
-            if files.shape(spec.name) != want:
-                raise CheckpointError(f"{path}: {spec.name} has shape "
-                                      f"{list(files.shape(spec.name))}, config.json implies "
-                                      f"{list(want)}")
+            for hf_name, want in spec.hf_shapes(shape).items():
+                if files.shape(hf_name) != want:
+                    raise CheckpointError(f"{path}: {hf_name} has shape "
+                                          f"{list(files.shape(hf_name))}, config.json implies "
+                                          f"{list(want)}")
             for p in params:
-                dim = getattr(p, "tp_dim", None)
                 dst = p.detach()
-                if dim is None:
-                    dst.copy_(spec.to_ours(files.read(spec.name, spec.index(shape))))
-                    continue
-                n = dst.shape[dim]
-                have = max(0, min(n, shape[dim] - rank * n))
-                if have:
-                    piece = files.read(spec.name, spec.index(shape, dim, rank * n, have))
-                    dst.narrow(dim, 0, have).copy_(spec.to_ours(piece))
-                if have < n:  # vocabulary padding
-                    dst.narrow(dim, have, n - have).zero_()
+                region = [(0, n) for n in shape]  # (start, length) of ours this rank holds
+                ep_dim, tp_dim = getattr(p, "ep_dim", None), getattr(p, "tp_dim", None)
+                if ep_dim is not None:  # this ep rank's experts
+                    region[ep_dim] = (local.ep.rank * dst.shape[ep_dim], dst.shape[ep_dim])
+                if tp_dim is not None:  # this tp rank's rows, short of vocabulary padding
+                    n = dst.shape[tp_dim]
+                    have = max(0, min(n, shape[tp_dim] - local.tp.rank * n))
+                    region[tp_dim] = (local.tp.rank * n, have)
+                    if have < n:
+                        dst.narrow(tp_dim, have, n - have).zero_()
+                    if not have:
+                        continue
+                    dst = dst.narrow(tp_dim, 0, have)
+                for hf_name, index, where in spec.reads(shape, tuple(region)):
+                    dst[where].copy_(spec.to_ours(files.read(hf_name, index)))
     finally:
         files.close()
 

@@ -7,7 +7,8 @@ An ``HFArch`` says how one of our model kinds maps onto a ``transformers`` archi
 - ``config_json(model_config, source)``: the ``config.json`` of one of our models (the
   source checkpoint's, when the run started from one, with our sizes written over it);
 - ``tensor(name)``: where our parameter ``name`` lives in the Hugging Face state dict
-  (``HFTensor``: its name, whether it is stored transposed, which piece of a packed tensor).
+  (``HFTensor``: its name, whether it is stored transposed, which piece of a packed tensor,
+  or which tensors, one per expert, a stacked one of ours holds).
 
 The description of a model carries its arch (``ModelDescription.hf``), so the engine fills
 each rank's slices from a checkpoint without importing a model, and the export packs our
@@ -18,7 +19,12 @@ tensors back without knowing which model it writes.
 layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
 and V along the output features (Radford et al. 2019, the released code); our GPT holds
 them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
-tanh GELU (``activation = "gelu_tanh"``) to be GPT-2 exactly.
+tanh GELU (``activation = "gelu_tanh"``) to be GPT-2 exactly. ``MixtralForCausalLM``
+(Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088; transformers'
+``models/mixtral/modeling_mixtral.py``): our Llama with ``n_experts`` (``models.moe``),
+softmax top-k routing renormalised, dropless; the checkpoint holds each expert's three
+linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours stacks them
+(E, in, out).
 """
 
 from __future__ import annotations
@@ -41,44 +47,69 @@ class HFTensor:
     name: the Hugging Face tensor's name. transpose: it holds ours transposed (GPT-2's
     ``Conv1D``, (in, out) where ``nn.Linear`` has (out, in)). part: ``(i, n)`` when ours is
     the i-th of n equal pieces of it along our dim 0, the output features (GPT-2's
-    ``c_attn`` packs Q, K, V: (0, 3), (1, 3), (2, 3)); None: all of it.
+    ``c_attn`` packs Q, K, V: (0, 3), (1, 3), (2, 3)); None: all of it. stacked: ours
+    stacks E Hugging Face tensors along its dim 0, expert e's named ``name.format(e)``
+    (``name`` holds one ``{}``): our (E, in, out) expert weights
+    (``models.moe.Experts``) are Mixtral's E ``nn.Linear`` weights (out, in) each
+    (``block_sparse_moe.experts.{e}.w1.weight``), so ``transpose`` then applies to each
+    expert's matrix; ``part`` is not used with it.
+
+    Shapes: ``shape`` below is always our parameter's full (unsharded) shape.
     """
 
     name: str
     transpose: bool = False
     part: tuple[int, int] | None = None
+    stacked: bool = False
+
+    def names(self, shape: tuple[int, ...]) -> list[str]:
+        """The Hugging Face tensors holding ours: one, or one per expert (``stacked``)."""
+        return [self.name.format(e) for e in range(shape[0])] if self.stacked else [self.name]
+
+    def _inner(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape[1:]) if self.stacked else tuple(shape)
 
     def hf_dim(self, dim: int, ndim: int) -> int:
-        """The Hugging Face tensor's dim that holds our dim ``dim``."""
+        """The Hugging Face tensor's dim that holds dim ``dim`` of ours (of each expert's
+        matrix, ``ndim`` its dims, when ``stacked``)."""
         return ndim - 1 - dim if self.transpose and ndim == 2 else dim
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The Hugging Face tensor's shape, from our parameter's full ``shape``."""
-        out = list(shape)
+        """The shape of each Hugging Face tensor in ``names(shape)``."""
+        out = list(self._inner(shape))
         if self.part is not None:
             out[0] *= self.part[1]
         return tuple(reversed(out)) if self.transpose and len(out) == 2 else tuple(out)
 
-    def index(self, shape: tuple[int, ...], dim: int | None = None, start: int = 0,
-              length: int | None = None) -> tuple[slice, ...]:
-        """The index into the Hugging Face tensor of our parameter (full ``shape``), or of
-        its rows ``start:start + length`` along our ``dim`` (a tensor-parallel slice):
-        what ``safetensors``' ``get_slice(name)[index]`` reads, nothing else."""
-        nd = len(shape)
+    def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of the Hugging Face tensors holding ours."""
+        return dict.fromkeys(self.names(shape), self.hf_shape(shape))
+
+    def reads(self, shape: tuple[int, ...], region: tuple[tuple[int, int], ...]
+              ) -> list[tuple[str, tuple[slice, ...], tuple[int | slice, ...]]]:
+        """How to fill the block of ours ``region`` (one ``(start, length)`` per dim of our
+        full ``shape``: an ep rank's experts along dim 0, a tp rank's rows along its
+        ``tp_dim``): ``(name, index, where)`` triples, ``index`` what ``safetensors``'
+        ``get_slice(name)[index]`` reads (that block, nothing else) and ``where`` the index
+        into the block (as a tensor of its own, zero-based) that ``to_ours`` of it fills."""
+        inner_region = region[1:] if self.stacked else region
+        inner = self._inner(shape)
+        nd = len(inner)
         index = [slice(None)] * nd
-        offset = [0] * nd
-        if self.part is not None:
-            d0 = self.hf_dim(0, nd)
-            offset[d0] = self.part[0] * shape[0]
-            index[d0] = slice(offset[d0], offset[d0] + shape[0])
-        if dim is not None:
+        for dim, (start, length) in enumerate(inner_region):
+            offset = self.part[0] * inner[0] if self.part is not None and dim == 0 else 0
             d = self.hf_dim(dim, nd)
-            n = shape[dim] - start if length is None else length
-            index[d] = slice(offset[d] + start, offset[d] + start + n)
-        return tuple(index)
+            index[d] = slice(offset + start, offset + start + length)
+        if not self.stacked:
+            return [(self.name, tuple(index), ())]
+        start, length = region[0]
+        return [(self.name.format(e), tuple(index), (e - start,))
+                for e in range(start, start + length)]
 
     def to_ours(self, t: torch.Tensor) -> torch.Tensor:
-        """What ``index`` read, in our layout (a view)."""
+        """What ``reads``' index read, in our layout (a view); and the inverse, ours (one
+        expert's matrix when ``stacked``) in Hugging Face's (a transpose is its own
+        inverse)."""
         return t.t() if self.transpose and t.dim() == 2 else t
 
 
@@ -91,7 +122,9 @@ class HFArch:
     config whose parameters are every tensor the architecture has (our GPT without biases
     is GPT-2 with zero biases; those are written as zeros on export). ``at_most``: [model]
     fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
-    parameter depends on it)."""
+    parameter depends on it). ``bound_reason(config_json)``: ``{field: why}`` for an
+    ``at_most`` bound that is not simply the checkpoint's value (Mixtral's ``block_size``
+    under a sliding window), told when a run asks for more."""
 
     kind: str
     model_type: str
@@ -102,6 +135,7 @@ class HFArch:
     ignored: tuple[str, ...] = ()
     complete: Callable[[Any], Any] = lambda cfg: cfg
     at_most: tuple[str, ...] = ()
+    bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
 
     def is_ignored(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
@@ -117,7 +151,7 @@ def _refuse(arch: str, what: str) -> HFConfigError:
 
 
 # ---- Llama -----------------------------------------------------------------------------------
-def _llama_rope(c: dict) -> tuple[float, dict | None]:
+def _llama_rope(c: dict, arch: str = "Llama") -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling fields or None) of a config.json: transformers 5's
     ``rope_parameters`` or the older ``rope_theta`` / ``rope_scaling``."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
@@ -126,7 +160,7 @@ def _llama_rope(c: dict) -> tuple[float, dict | None]:
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise _refuse("Llama", f"rope_type={kind!r} (shardwise has default and llama3)")
+        raise _refuse(arch, f"rope_type={kind!r} (shardwise has default and llama3)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in rope]
     if missing:
@@ -134,22 +168,23 @@ def _llama_rope(c: dict) -> tuple[float, dict | None]:
     return theta, {k: rope[k] for k in keys}
 
 
-def _llama_section(c: dict) -> dict:
+def _llama_section(c: dict, arch: str = "Llama") -> dict:
     h, heads = c["hidden_size"], c["num_attention_heads"]
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if _get(c, key, want) != want:
-            raise _refuse("Llama", f"{key}={c[key]!r} (shardwise's is {want!r})")
+            raise _refuse(arch, f"{key}={c[key]!r} (shardwise's is {want!r})")
     if _get(c, "head_dim", h // heads) != h // heads:
-        raise _refuse("Llama", f"head_dim={c['head_dim']} is not hidden_size / "
+        raise _refuse(arch, f"head_dim={c['head_dim']} is not hidden_size / "
                       f"num_attention_heads = {h // heads}")
-    theta, scaling = _llama_rope(c)
+    theta, scaling = _llama_rope(c, arch)
     return dict(kind="llama", vocab_size=c["vocab_size"], n_embd=h,
                 n_layer=c["num_hidden_layers"], n_head=heads,
                 n_kv_heads=_get(c, "num_key_value_heads", heads),
                 ffn_hidden=c["intermediate_size"],
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
-                rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)))
+                rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
+                n_experts=0)
 
 
 def rope_parameters(cfg) -> dict:
@@ -272,6 +307,84 @@ def _gpt2_complete(cfg):
     return replace(cfg, bias=True, k_bias=True)
 
 
+# ---- Mixtral ---------------------------------------------------------------------------------
+# transformers' MixtralConfig defaults (configuration_mixtral.py), where they differ from the
+# Llama's, for a config.json that leaves a field out
+_MIXTRAL_DEFAULTS = {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1e6, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
+# our stacked expert weights -> Mixtral's per-expert linears (w1: gate, w2: down, w3: up)
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _mixtral_section(c: dict) -> dict:
+    """A Mixtral is our Llama with ``n_experts`` (``models.moe``): routing as
+    ``MixtralTopKRouter`` (softmax over all experts in fp32, top k, the k renormalised to
+    sum to 1: ``moe.route`` with softmax gating and ``norm_topk``), dropless, no shared
+    expert. A sliding window W bounds ``block_size`` (a sequence of at most W tokens sees
+    every earlier token under it too); jitter noise on the router's input is refused."""
+    c = {**_MIXTRAL_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
+    jitter = float(c.get("router_jitter_noise") or 0.0)
+    if jitter != 0.0:
+        raise _refuse("Mixtral", f"router_jitter_noise={jitter} (shardwise's router takes "
+                      "its input unperturbed: 0)")
+    out = _llama_section(c, "Mixtral")
+    window = c.get("sliding_window")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
+                                "number >= 1 or null")
+        out["block_size"] = min(out["block_size"], window)
+    width = c["intermediate_size"]
+    out.update(ffn_hidden=width, moe_ffn_hidden=width, n_experts=c["num_local_experts"],
+               top_k=c["num_experts_per_tok"], moe_gating="softmax", moe_norm_topk=True,
+               moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
+               moe_shared_expert=False)
+    return out
+
+
+def _mixtral_bound_reason(c: dict) -> dict[str, str]:
+    window = c.get("sliding_window")
+    context = _get(c, "max_position_embeddings", _MIXTRAL_DEFAULTS["max_position_embeddings"])
+    if window is None or window >= context:
+        return {}
+    return {"block_size": f"its sliding_window: shardwise's attention has no window, so it "
+                          f"is exact on at most {window} tokens"}
+
+
+def _mixtral_config_json(cfg, source: dict | None) -> dict:
+    out = _llama_config_json(cfg, source)
+    for llama_only in ("attention_bias", "mlp_bias"):
+        out.pop(llama_only, None)
+    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+               intermediate_size=cfg.moe_ffn_hidden, num_local_experts=cfg.n_experts,
+               num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef,
+               router_jitter_noise=0.0, sliding_window=out.get("sliding_window"),
+               output_router_logits=bool(out.get("output_router_logits", False)))
+    return out
+
+
+def _mixtral_tensor(name: str) -> HFTensor:
+    """Llama's names, but a block's mixture of experts is ``block_sparse_moe``, as in the
+    checkpoints on the Hub and in what ``save_pretrained`` writes (transformers 5 fuses the
+    experts into 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` in memory only, its
+    ``conversion_mapping`` converting on load and back on save): the router
+    ``mlp.router.weight`` (E, C) is ``block_sparse_moe.gate.weight``; our stacked
+    ``mlp.experts.gate_proj`` / ``up_proj`` (E, C, F) and ``down_proj`` (E, F, C) are
+    ``block_sparse_moe.experts.{e}.w1`` / ``w3`` (F, C) and ``w2`` (C, F), e = 0..E-1."""
+    hf = llama_hf_name(name)
+    layer, sep, rest = hf.partition(".mlp.")
+    if not sep:
+        return HFTensor(hf)
+    if rest == "router.weight":
+        return HFTensor(f"{layer}.block_sparse_moe.gate.weight")
+    kind = rest.removeprefix("experts.")
+    if kind in _MIXTRAL_EXPERTS:
+        return HFTensor(f"{layer}.block_sparse_moe.experts.{{}}.{_MIXTRAL_EXPERTS[kind]}.weight",
+                        transpose=True, stacked=True)
+    raise KeyError(f"{name}: not a Mixtral parameter name")
+
+
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
                section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
                ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",))
@@ -279,7 +392,18 @@ GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
               section=_gpt2_section, config_json=_gpt2_config_json, tensor=_gpt2_tensor,
               ignored=("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias"),
               complete=_gpt2_complete)
-ARCHS = (LLAMA, GPT2)
+MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",
+                 section=_mixtral_section, config_json=_mixtral_config_json,
+                 tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
+                 at_most=("block_size",), bound_reason=_mixtral_bound_reason)
+ARCHS = (LLAMA, GPT2, MIXTRAL)
+
+
+def mixtral_compatible(cfg) -> bool:
+    """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
+    the top k renormalised, dropless (capacity factor 0), no shared expert."""
+    return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_norm_topk
+            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert)
 
 
 def arch_of(config_json: dict) -> HFArch:
@@ -291,7 +415,8 @@ def arch_of(config_json: dict) -> HFArch:
         if model_type == arch.model_type or (model_type is None and arch.architecture in names):
             return arch
     what = ", ".join(names) if names else f"model_type {model_type!r}"
-    supported = " and ".join(a.architecture for a in ARCHS)
+    names_ = [a.architecture for a in ARCHS]
+    supported = ", ".join(names_[:-1]) + " and " + names_[-1]
     raise HFConfigError(f"config.json: unsupported architecture {what} (shardwise loads "
                         f"{supported})")
 
@@ -316,19 +441,18 @@ def hf_shapes(description, model: torch.nn.Module) -> dict[str, tuple[int, ...]]
     for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
         if tied is not None and name == tied[1]:
             continue
-        spec = hf.tensor(name)
-        out[spec.name] = spec.hf_shape(tuple(p.shape))
+        out.update(hf.tensor(name).hf_shapes(tuple(p.shape)))
     return out
 
 
 def to_hf_tensors(description, tensors: dict[str, torch.Tensor],
                   complete_model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """Our full tensors (the single-process names and shapes, a tied head absent) as the
-    Hugging Face state dict: transposed, packed (``c_attn``), contiguous, none sharing
-    memory. ``complete_model``: the model of ``description.hf.complete(config)`` (on meta),
-    whose parameters ours lacks are written as zeros (GPT-2's biases for a GPT without
-    them); None: ``tensors`` are all there is. Raises ``KeyError`` for a name the
-    description's arch does not know."""
+    Hugging Face state dict: transposed, packed (``c_attn``), one tensor per expert
+    (Mixtral's), contiguous, none sharing memory. ``complete_model``: the model of
+    ``description.hf.complete(config)`` (on meta), whose parameters ours lacks are written
+    as zeros (GPT-2's biases for a GPT without them); None: ``tensors`` are all there is.
+    Raises ``KeyError`` for a name the description's arch does not know."""
     hf = description.hf
     tied = description.tied
     dtype = next(iter(tensors.values())).dtype
@@ -342,6 +466,10 @@ def to_hf_tensors(description, tensors: dict[str, torch.Tensor],
         spec = hf.tensor(name)
         t = tensors.get(name)
         t = torch.zeros(shape, dtype=dtype) if t is None else t
+        if spec.stacked:  # one tensor per expert
+            for e, name_e in enumerate(spec.names(tuple(t.shape))):
+                out[name_e] = spec.to_ours(t[e]).contiguous().clone()
+            continue
         t = spec.to_ours(t)  # our layout -> theirs (a transpose is its own inverse)
         if spec.part is None:
             out[spec.name] = t.contiguous().clone()

@@ -417,10 +417,12 @@ def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
     query heads share) and the SwiGLU width (the experts' with ``n_experts``); ep must
-    divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``
-    (not with ``n_experts``: a mixture of experts has no such mapping, ``hf`` is None)."""
+    divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``;
+    with ``n_experts``, ``MixtralForCausalLM`` (``models.hf.MIXTRAL``) when the mixture is
+    Mixtral's (``models.hf.mixtral_compatible``: softmax top-k renormalised, dropless, no
+    shared expert), else none (``hf`` is None)."""
     from shardwise.models.description import ModelDescription
-    from shardwise.models.hf import LLAMA
+    from shardwise.models.hf import LLAMA, MIXTRAL, mixtral_compatible
 
     width = ({"model.moe_ffn_hidden (expert width)": cfg.moe_ffn_hidden} if cfg.n_experts
              else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
@@ -434,7 +436,7 @@ def describe(cfg: LlamaConfig):
         n_experts=cfg.n_experts,
         capacity_factor=cfg.moe_capacity_factor if cfg.n_experts else 0.0,  # dense: unused
         keep_high_precision=ROUTERS if cfg.n_experts else (),
-        hf=None if cfg.n_experts else LLAMA)
+        hf=(MIXTRAL if mixtral_compatible(cfg) else None) if cfg.n_experts else LLAMA)
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
