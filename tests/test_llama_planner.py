@@ -3,7 +3,7 @@
 kind registered here): specs made from the model's description, memory counted on its own
 layers, Llama train configs emitted."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -325,6 +325,31 @@ def test_local_calibration_times_the_planned_models_block():
     spec = load_model_text(MLP_TOML)
     blk, width, attn = calibration_block(32, 16, 2, spec)
     assert isinstance(blk, _Block) and (width, attn) == (32, 0)
+
+
+def test_a_named_size_is_calibrated_on_a_narrowed_block_of_its_shape():
+    """``--cluster local`` times one block of the planned model; a named size's is narrowed
+    to about ``CALIBRATION_WIDTH`` (Llama-3-8B's own block, 218M weights, took minutes at
+    one thread): the same heads and key/value heads, an even head dimension, the MLP and
+    expert widths scaled alike; a narrow one is timed as it is."""
+    from shardwise.models.llama import Block
+    from shardwise.planner.hardware import CALIBRATION_WIDTH, calibration_block, calibration_spec
+
+    big = NAMED["llama3-8b"]
+    small = calibration_spec(big, 64)
+    assert (small.n_head, small.kv_heads, small.n_layer, small.block_size) == (32, 8, 1, 64)
+    assert small.n_embd == 256 and (small.n_embd // small.n_head) % 2 == 0
+    assert small.ffn == round(big.ffn * 256 / 4096)
+    moe = calibration_spec(NAMED["mixtral-8x7b"], 64)
+    assert moe.n_experts == 8 and moe.expert_ffn == round(NAMED["mixtral-8x7b"].expert_ffn / 16)
+    for name in ("gpt3-175b", "llama3-405b", "gpt2-124m"):  # 96, 128 and 12 heads
+        s = calibration_spec(NAMED[name], 64)
+        assert s.n_embd <= CALIBRATION_WIDTH + s.n_head and s.n_embd % (2 * s.n_head) == 0
+    blk, width, attn = calibration_block(big.n_embd, 64, big.n_head, big)
+    assert isinstance(blk, Block) and width == attn == 256
+    assert sum(p.numel() for p in blk.parameters()) < 2e6  # 218M at Llama-3-8B's width
+    narrow = replace(big, n_embd=128, n_head=4, n_kv_heads=2, ffn_hidden=344)
+    assert calibration_spec(narrow, 64) == replace(narrow, n_layer=1, block_size=64)
 
 
 def load_model_text(text: str) -> ModelSpec:

@@ -38,7 +38,7 @@ Compute, two models:
 ``local``: the compute rate is measured (``calibrate_local``: one rank's matmul FLOP/s with
 one thread, and the fixed per-layer overhead of running a block, forward and backward; the
 block is one of the planned model's own, GPT, Llama or a registered kind, built as the
-engine builds it),
+engine builds it; a named size's narrowed to about 256 wide, ``calibration_spec``),
 divided among the ranks that share the cores; links are the calibrated comm profile at the
 group's size, with the algorithm ``auto`` picks (``comm.cost``).
 """
@@ -306,6 +306,30 @@ def get_cluster(name: str, spec=None, world_size: int = 1, compute: str = "per-o
     return PRESETS[name] if compute == "per-op" else FIXED_PRESETS[name]
 
 
+CALIBRATION_WIDTH = 256  # a named size's block is timed at most this wide (see calibration_spec)
+
+
+def calibration_spec(spec: ModelSpec, seq: int) -> ModelSpec:
+    """One block of a named size's family to time on this machine: its own when at most
+    ``CALIBRATION_WIDTH`` wide, else the same shape narrowed to about that width (the same
+    heads and key/value heads, an even head dimension; the MLP and expert widths scaled
+    by the same factor), so that ``shardwise plan --cluster local`` answers in seconds for
+    any named size (Llama-3-8B's own block, 218M weights, took minutes at one thread;
+    ``benchmarks/planner_local.py`` calibrates on the planned config's own block)."""
+    spec = replace(spec, n_layer=1, block_size=max(seq, 1), n_params=None)
+    if spec.n_embd <= CALIBRATION_WIDTH:
+        return spec
+    head = max(2, 2 * round(CALIBRATION_WIDTH / spec.n_head / 2))  # rotary pairs: even
+    width = head * spec.n_head
+    scale = width / spec.n_embd
+
+    def narrowed(f: int | None) -> int | None:
+        return None if f is None else max(1, round(f * scale))
+
+    return replace(spec, n_embd=width, ffn_hidden=narrowed(spec.ffn_hidden),
+                   moe_ffn_hidden=narrowed(spec.moe_ffn_hidden), attention_width=None)
+
+
 def calibration_block(width: int, seq: int, heads: int, spec: ModelSpec | None = None):
     """``(block, width, attention width)``: the first block of ``spec``'s model (its
     description's, or its family's built from the sizes with one layer), on the CPU with
@@ -317,8 +341,8 @@ def calibration_block(width: int, seq: int, heads: int, spec: ModelSpec | None =
 
     if spec is None:
         spec = ModelSpec("calibration", 1, width, heads, 65, seq)
-    elif spec.description is None:  # a named size: one block of its family is enough
-        spec = replace(spec, n_layer=1, block_size=max(seq, 1))
+    elif spec.description is None:  # a named size: one block of its family, scaled down
+        spec = calibration_spec(spec, seq)
     d = spec.model()
     with torch.device("meta"):
         model = d.build()
