@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
 
-Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` with random
-weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
-``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too)
+Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` with random weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
+``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
+the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
 against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral at dp2 x ep2).
@@ -46,9 +47,10 @@ def _perturb(model):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """A Llama (grouped-query attention, untied head, sharded into several safetensors with
-    an index), a GPT-2 (tied head, one safetensors file) and a Mixtral (top 2 of 4 experts,
-    grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), saved as transformers
-    does."""
+    an index), a GPT-2 (tied head, one safetensors file), a Mixtral (top 2 of 4 experts,
+    grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), a Qwen2 (Q/K/V biases,
+    tied head, rope_theta 1e6) and a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
+    heads is 16), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -65,9 +67,20 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)))
     mixtral.save_pretrained(root / "mixtral")
+    qwen2 = _perturb(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 1e6})))
+    qwen2.save_pretrained(root / "qwen2")
+    qwen3 = _perturb(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
+        max_position_embeddings=32, tie_word_embeddings=False, rms_norm_eps=1e-6)))
+    qwen3.save_pretrained(root / "qwen3")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
-    return {"llama": root / "llama", "gpt2": root / "gpt2", "mixtral": root / "mixtral"}
+    return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +98,7 @@ def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
         return model(idx).logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral", "qwen3"])
 def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, capfd):
     """init_from at dp2 x tp2 x pp2 (the Mixtral's experts also over ep2: each rank reads
     its two experts' tp slices), one step at lr 0, export: the exported model's tensors
@@ -149,19 +162,20 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
 
 def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
-    in one process, and at tp = 2 (each rank loading its slices), all three models; the
+    in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
+    split with their rows, the Qwen3's q_norm / k_norm whole), all five models; the
     Mixtral (top 2 of 4 experts) also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs["llama"]), str(hf_dirs["gpt2"]), str(hf_dirs["mixtral"])]
+    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
-    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[2:]), threads=1)
-    assert len(tp1) == 3 and len(tp2[0]) == 4
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-1:]), threads=1)
+    assert len(tp1) == 5 and len(tp2[0]) == 6
     for ours in (tp1, tp2[0], tp2[1]):
-        for got, ref in zip(ours, want + want[2:]):
+        for got, ref in zip(ours, want + want[-1:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
