@@ -208,6 +208,44 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
+                                          ({"qk_norm": True, "head_dim": 12},
+                                           "Qwen3ForCausalLM")])
+def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path):
+    """A Llama trained here with Qwen2's Q/K/V biases (tied head) or Qwen3's QK-norm and a
+    head_dim other than n_embd / n_head (no source config.json) is written as that Qwen,
+    whose logits equal ours; a plain Llama stays a Llama, and both options at once (or
+    with experts) have no mapping."""
+    from dataclasses import replace
+
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import LLAMA, MIXTRAL, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=24, rope_theta=1e6, tie_weights="qkv_bias" in options,
+                      **options)
+    d = describe(cfg)
+    assert d.hf.architecture == arch and describe(replace(cfg, qkv_bias=False, qk_norm=False,
+                                                          head_dim=8)).hf is LLAMA
+    assert describe(replace(cfg, qkv_bias=True, qk_norm=True)).hf is None
+    moe = replace(cfg, n_experts=4, top_k=2)
+    assert describe(moe).hf is None and describe(
+        replace(moe, qkv_bias=False, qk_norm=False)).hf is MIXTRAL
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    tensors = {k: v.detach() for k, v in ours.state_dict().items()}
+    tensors.pop("head.proj.weight") if cfg.tie_weights else None  # listed once, as the export
+    write_safetensors(tmp_path, to_hf_tensors(d, tensors))
+    (tmp_path / "config.json").write_text(json.dumps(d.hf.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == arch
+    assert set(theirs.state_dict()) >= set(to_hf_tensors(d, tensors))
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
@@ -251,6 +289,22 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
                             "--model.n_experts", "4"], capsys,
                            "model.n_experts=4 contradicts", "gives 0")
+    qwin = variant("qwin", "qwen2", use_sliding_window=True, sliding_window=16,
+                   layer_types=["full_attention", "sliding_attention"])
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qwin}", "--model.block_size",
+                            "32"], capsys, "model.block_size=32 contradicts",
+                           "gives 16 or less, its sliding_window")
+    assert section_of(read_config(qwin))["block_size"] == 16
+    off = variant("qoff", "qwen2", use_sliding_window=False, sliding_window=16,
+                  layer_types=["full_attention", "sliding_attention"])
+    assert transformers.AutoConfig.from_pretrained(off).sliding_window is None
+    assert section_of(read_config(off))["block_size"] == 32  # no window unless it is used
+    qbias = variant("qbias", "qwen3", attention_bias=True)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qbias}"], capsys,
+                           "attention_bias=True", "Qwen3 cannot hold it exactly")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
+                            "--model.qk_norm", "false"], capsys,
+                           "model.qk_norm=False contradicts")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 
