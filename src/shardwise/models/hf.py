@@ -460,14 +460,15 @@ def _qwen_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
         out.pop(llama_only, None)
-    full = ["full_attention"] * cfg.n_layer
+    # the source's window settings as they were (a run's block_size is at most its window);
+    # trained here: none
     types = out.get("layer_types")
-    sliding = bool(out.get("use_sliding_window", False))
     out.update(architectures=[f"{arch}ForCausalLM"], model_type=arch.lower(),
-               use_sliding_window=sliding,
-               sliding_window=out.get("sliding_window") if sliding else None,
+               use_sliding_window=bool(out.get("use_sliding_window", False)),
+               sliding_window=out.get("sliding_window"),
                max_window_layers=out.get("max_window_layers", cfg.n_layer),
-               layer_types=types if sliding and types and len(types) == cfg.n_layer else full)
+               layer_types=types if types and len(types) == cfg.n_layer
+               else ["full_attention"] * cfg.n_layer)
     if arch == "Qwen3":
         out["attention_bias"] = False
     return out
