@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
 
-Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` with random
-weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
-``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too)
+Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` with random weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
+``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
+the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
 against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral at dp2 x ep2).
@@ -46,9 +47,10 @@ def _perturb(model):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """A Llama (grouped-query attention, untied head, sharded into several safetensors with
-    an index), a GPT-2 (tied head, one safetensors file) and a Mixtral (top 2 of 4 experts,
-    grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), saved as transformers
-    does."""
+    an index), a GPT-2 (tied head, one safetensors file), a Mixtral (top 2 of 4 experts,
+    grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), a Qwen2 (Q/K/V biases,
+    tied head, rope_theta 1e6) and a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
+    heads is 16), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -65,9 +67,20 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)))
     mixtral.save_pretrained(root / "mixtral")
+    qwen2 = _perturb(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 1e6})))
+    qwen2.save_pretrained(root / "qwen2")
+    qwen3 = _perturb(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
+        max_position_embeddings=32, tie_word_embeddings=False, rms_norm_eps=1e-6)))
+    qwen3.save_pretrained(root / "qwen3")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
-    return {"llama": root / "llama", "gpt2": root / "gpt2", "mixtral": root / "mixtral"}
+    return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +98,7 @@ def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
         return model(idx).logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral", "qwen3"])
 def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, capfd):
     """init_from at dp2 x tp2 x pp2 (the Mixtral's experts also over ep2: each rank reads
     its two experts' tp slices), one step at lr 0, export: the exported model's tensors
@@ -149,19 +162,20 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
 
 def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
-    in one process, and at tp = 2 (each rank loading its slices), all three models; the
+    in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
+    split with their rows, the Qwen3's q_norm / k_norm whole), all five models; the
     Mixtral (top 2 of 4 experts) also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs["llama"]), str(hf_dirs["gpt2"]), str(hf_dirs["mixtral"])]
+    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
-    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[2:]), threads=1)
-    assert len(tp1) == 3 and len(tp2[0]) == 4
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-1:]), threads=1)
+    assert len(tp1) == 5 and len(tp2[0]) == 6
     for ours in (tp1, tp2[0], tp2[1]):
-        for got, ref in zip(ours, want + want[2:]):
+        for got, ref in zip(ours, want + want[-1:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -189,6 +203,44 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL.config_json(cfg, None)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == "MixtralForCausalLM"
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
+                                          ({"qk_norm": True, "head_dim": 12},
+                                           "Qwen3ForCausalLM")])
+def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path):
+    """A Llama trained here with Qwen2's Q/K/V biases (tied head) or Qwen3's QK-norm and a
+    head_dim other than n_embd / n_head (no source config.json) is written as that Qwen,
+    whose logits equal ours; a plain Llama stays a Llama, and both options at once (or
+    with experts) have no mapping."""
+    from dataclasses import replace
+
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import LLAMA, MIXTRAL, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=24, rope_theta=1e6, tie_weights="qkv_bias" in options,
+                      **options)
+    d = describe(cfg)
+    assert d.hf.architecture == arch and describe(replace(cfg, qkv_bias=False, qk_norm=False,
+                                                          head_dim=8)).hf is LLAMA
+    assert describe(replace(cfg, qkv_bias=True, qk_norm=True)).hf is None
+    moe = replace(cfg, n_experts=4, top_k=2)
+    assert describe(moe).hf is None and describe(
+        replace(moe, qkv_bias=False, qk_norm=False)).hf is MIXTRAL
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    tensors = {k: v.detach() for k, v in ours.state_dict().items()}
+    tensors.pop("head.proj.weight") if cfg.tie_weights else None  # listed once, as the export
+    write_safetensors(tmp_path, to_hf_tensors(d, tensors))
+    (tmp_path / "config.json").write_text(json.dumps(d.hf.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == arch
+    assert set(theirs.state_dict()) >= set(to_hf_tensors(d, tensors))
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
@@ -237,6 +289,22 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
                             "--model.n_experts", "4"], capsys,
                            "model.n_experts=4 contradicts", "gives 0")
+    qwin = variant("qwin", "qwen2", use_sliding_window=True, sliding_window=16,
+                   layer_types=["full_attention", "sliding_attention"])
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qwin}", "--model.block_size",
+                            "32"], capsys, "model.block_size=32 contradicts",
+                           "gives 16 or less, its sliding_window")
+    assert section_of(read_config(qwin))["block_size"] == 16
+    off = variant("qoff", "qwen2", use_sliding_window=False, sliding_window=16,
+                  layer_types=["full_attention", "sliding_attention"])
+    assert transformers.AutoConfig.from_pretrained(off).sliding_window is None
+    assert section_of(read_config(off))["block_size"] == 32  # no window unless it is used
+    qbias = variant("qbias", "qwen3", attention_bias=True)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qbias}"], capsys,
+                           "attention_bias=True", "Qwen3 cannot hold it exactly")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
+                            "--model.qk_norm", "false"], capsys,
+                           "model.qk_norm=False contradicts")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 

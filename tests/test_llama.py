@@ -2,14 +2,16 @@
 against one process.
 
 Two Llamas: ``gqa-tied`` (4 query heads sharing 2 key/value heads, the head tied to the
-embedding, the SwiGLU width from Llama's rule) and ``mha-untied`` (4 kv heads, untied,
-vocabulary 75 so that tp = 2 pads it). One process trains each for ``STEPS`` steps (the
+embedding, the SwiGLU width from Llama's rule) and ``mha-untied-qk`` (4 kv heads, untied,
+vocabulary 75 so that tp = 2 pads it, and Qwen's attention options: Q/K/V biases, QK-norm,
+a head_dim of 12 where n_embd / n_head is 8). One process trains each for ``STEPS`` steps (the
 reference, itself checked against a plain ``torch.manual_seed(seed); Llama(cfg)`` with
 AdamW); then one spawn of 8 ranks and one of 4 train every layout of ``LAYOUTS`` on the
 same global batches. Parity (fp32): every loss and every parameter tensor of every rank
 (every dp replica, tp rank and stage, gathered whole) within ``RTOL`` relative of the
-reference (measured at most: losses 1.2e-7; parameters 4.8e-6, ``mha-untied``'s
-``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order).
+reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
+``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order;
+with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
 finite. Then the size checks at the door and the issue's command line. Two spawns and one
@@ -32,24 +34,28 @@ RTOL = 1e-5
 _BASE = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16}
 MODELS = {
     "gqa-tied": {**_BASE, "n_kv_heads": 2, "multiple_of": 16, "tie_weights": True},  # ffn 96
-    "mha-untied": {**_BASE, "n_kv_heads": 0, "ffn_hidden": 64, "tie_weights": False,
-                   "vocab_size": 75},  # the corpus has 74 characters: 75 pads to 76 at tp 2
+    "mha-untied-qk": {**_BASE, "n_kv_heads": 0, "ffn_hidden": 64, "tie_weights": False,
+                      "vocab_size": 75,  # the corpus has 74 characters: 75 pads to 76 at tp 2
+                      # Qwen's attention: Q/K/V biases (split over tp with their rows),
+                      # q_norm / k_norm (replicated; each tp rank's gradient is its heads'
+                      # part, summed over tp with or without SP), heads 12 wide, not 32 / 4
+                      "qkv_bias": True, "qk_norm": True, "head_dim": 12},
 }
 DP2TP2PP2 = {"dp": 2, "tp": 2, "pp": 2, "micro_batches": 2}
 # name -> (world size, model, parallel section, other sections)
 LAYOUTS = {
     "2x2x2-1f1b-z1": (8, "gqa-tied", {**DP2TP2PP2, "zero": 1}, {}),
-    "2x2x2-interleaved-z2": (8, "mha-untied", {**DP2TP2PP2, "zero": 2, "schedule": "interleaved",
+    "2x2x2-interleaved-z2": (8, "mha-untied-qk", {**DP2TP2PP2, "zero": 2, "schedule": "interleaved",
                                                "chunks_per_rank": 2}, {}),
     "2x2x2-gpipe-recompute": (8, "gqa-tied", {**DP2TP2PP2, "schedule": "gpipe",
                                               "recompute": True}, {}),
-    "dp2xtp2-z3-sp": (4, "mha-untied", {"dp": 2, "tp": 2, "zero": 3,
+    "dp2xtp2-z3-sp": (4, "mha-untied-qk", {"dp": 2, "tp": 2, "zero": 3,
                                         "sequence_parallel": True}, {}),
     "dp2xtp2-z3-sp-gqa": (4, "gqa-tied", {"dp": 2, "tp": 2, "zero": 3,
                                           "sequence_parallel": True}, {}),
 }
 SMOKES = {  # PipeDream: no ZeRO, no clipping (no flush), no embedding tied across stages
-    "2x2x2-pipedream": (8, "mha-untied", {**DP2TP2PP2, "schedule": "pipedream"},
+    "2x2x2-pipedream": (8, "mha-untied-qk", {**DP2TP2PP2, "schedule": "pipedream"},
                         {"optimizer": {"grad_clip": 0.0}}),
     "2x2x2-bf16-z1": (8, "gqa-tied", {**DP2TP2PP2, "zero": 1},
                       {"training": {"precision": "bf16"}}),

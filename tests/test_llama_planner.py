@@ -141,6 +141,27 @@ def cfg_model(cfg):
         return describe(cfg).build()
 
 
+def test_a_head_dim_of_its_own_sets_the_attention_width():
+    """A Llama with Qwen3's head_dim (24 where n_embd / n_head is 16), QK-norm and Qwen2's
+    Q/K/V biases: the description's and the spec's attention width are H D = 96, the FLOPs
+    count Q K^T and P V at that width and the projections at their own sizes, a cp ring
+    passes kv_heads x D, and the emitted [model] table builds the same model."""
+    from shardwise.base.config import ModelConfig
+    from shardwise.models.llama import from_section
+    from shardwise.planner.simulate import block_ops, ring_kv_width
+
+    cfg = replace(LLAMA_SMALL, head_dim=24, qk_norm=True, qkv_bias=True)
+    d = describe(cfg)
+    spec = ModelSpec.from_description(d)
+    assert d.attention_width == spec.attn_width == 4 * 24
+    s = cfg.block_size
+    weights = 64 * 96 + 2 * 64 * 2 * 24 + 96 * 64 + 3 * 64 * 96  # Q, K V, out, SwiGLU
+    assert block_flops(spec, 1) == 2 * s * weights + 4 * s * s * 96
+    assert sum(block_ops(spec, 1, 1, False, "shardwise", 4).gemms) == block_flops(spec, 1)
+    assert ring_kv_width(spec) == 2 * 24
+    assert from_section(ModelConfig(**spec.model_table()), 0) == cfg
+
+
 def test_exact_small_model_bytes_build_the_llama():
     """Below the exact limit the planner packs the Llama's own buckets (predict_rank), as it
     does the GPT's: bucket padding included (the closed form has none)."""
@@ -278,7 +299,11 @@ def test_plan_takes_a_config_of_any_kind(capsys, tmp_path, text, kind):
 @pytest.mark.parametrize("text, cfg", [
     (LLAMA_TOML, LlamaConfig(vocab_size=67, block_size=32, n_layer=2, n_head=4, n_kv_heads=2,
                              n_embd=64, ffn_hidden=96)),
-    (MLP_TOML, MLPDecoderConfig(61, 16, 3, 32))], ids=["llama", "registered"])
+    (LLAMA_TOML + "head_dim = 24\nqk_norm = true\nqkv_bias = true\n",
+     LlamaConfig(vocab_size=67, block_size=32, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
+                 ffn_hidden=96, head_dim=24, qk_norm=True, qkv_bias=True)),
+    (MLP_TOML, MLPDecoderConfig(61, 16, 3, 32))], ids=["llama", "llama-qwen-options",
+                                                       "registered"])
 def test_memory_config_predicts_the_configured_kind(capsys, tmp_path, text, cfg):
     """``shardwise memory --config`` predicts the model train builds (model.kind), every
     rank of the layout, and names its kind."""

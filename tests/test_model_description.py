@@ -31,13 +31,20 @@ def _local(cfg, tp: int, rank: int, **kw):
                              device=torch.device("cpu"), **kw)
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPTConfig(vocab_size=37, block_size=16, n_layer=2,
-                                                  n_head=4, n_embd=32, tie_weights=True)],
-                         ids=["llama-gqa", "gpt-tied"])
+QWENISH = LlamaConfig(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=48, head_dim=12, qkv_bias=True, qk_norm=True)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, QWENISH,
+                                 GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=4,
+                                           n_embd=32, tie_weights=True)],
+                         ids=["llama-gqa", "llama-qwen-options", "gpt-tied"])
 def test_tp_slices_join_into_the_single_process_model(cfg):
     """Concatenating the two tp ranks' slices along each parameter's ``tp_dim`` (vocabulary
     padding dropped) gives exactly ``torch.manual_seed(5); Model(cfg)``; replicated
-    parameters are equal on both ranks. For the Llama, k/v hold n_kv_heads / tp heads."""
+    parameters are equal on both ranks. For the Llama, k/v hold n_kv_heads / tp heads (of
+    ``head_dim`` each, 12 for the one with Qwen's options: its Q/K/V biases split with
+    them, its q_norm / k_norm replicated and marked as holding a partial gradient)."""
     torch.manual_seed(5)
     full = dict((GPT if isinstance(cfg, GPTConfig) else Llama)(cfg).named_parameters())
     ranks = [dict(_local(cfg, 2, r).named_parameters()) for r in range(2)]
@@ -54,6 +61,12 @@ def test_tp_slices_join_into_the_single_process_model(cfg):
     if isinstance(cfg, LlamaConfig):
         k = ranks[0]["blocks.0.self_attn.k_proj.weight"]
         assert k.shape == (cfg.n_kv_heads // 2 * cfg.head_dim, cfg.n_embd)
+        partial = {n for n, p in ranks[0].items() if getattr(p, "tp_partial_grad", False)}
+        assert partial == ({f"blocks.{i}.self_attn.{x}_norm.weight" for i in range(2)
+                            for x in "qk"} if cfg.qk_norm else set())
+        if cfg.qkv_bias:
+            assert ranks[0]["blocks.0.self_attn.q_proj.bias"].shape == (2 * 12,)
+            assert ranks[0]["blocks.0.self_attn.q_proj.bias"].tp_dim == 0
 
 
 def test_gqa_tp_must_divide_kv_heads_one_line():

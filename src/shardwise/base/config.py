@@ -87,12 +87,20 @@ class ModelConfig(_Section):
     rope_scaling: dict[str, float | int | str] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
         "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")
+    head_dim: int = Field(0, ge=0, description="llama: each attention head's width D (Q is "
+                          "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
+                          "n_embd / n_head); even; 0: n_embd / n_head")
+    qkv_bias: bool = Field(False, description="llama: biases on the Q, K and V projections "
+                           "(Qwen2)")
+    qk_norm: bool = Field(False, description="llama: an RMSNorm over each head's D features "
+                          "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
     activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
                             "gelu_tanh (GPT-2's tanh approximation)")
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
-                           "(LlamaForCausalLM, GPT2LMHeadModel or MixtralForCausalLM: "
+                           "(LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, "
+                           "Qwen2ForCausalLM or Qwen3ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
@@ -105,9 +113,12 @@ class ModelConfig(_Section):
         if not self.kind.replace("-", "_").isidentifier():
             raise ValueError(f"model.kind={self.kind!r}: expected gpt, llama, cnn or a "
                              "registered model's name")
-        if self.n_embd % self.n_head:
+        if self.n_embd % self.n_head and not self.head_dim:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
-                             f"model.n_head={self.n_head}")
+                             f"model.n_head={self.n_head} (or set model.head_dim)")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim={self.head_dim}: expected an even number "
+                             "(rotary pairs per head), or 0")
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} is more than model.n_experts="
                              f"{self.n_experts}")

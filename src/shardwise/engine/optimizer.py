@@ -7,7 +7,8 @@ shard with ZeRO), and per step:
 1. the gradient sync's fp32 piece gradients are taken (``sync.piece_grads()``);
 2. under sequence parallelism, the gradients of tp-replicated parameters are summed over
    the tp group (each rank saw only its slice of the sequence; Korthikanti et al. 2022,
-   section 4.2.2);
+   section 4.2.2); without it only those of "partial_grad" modules (replicated weights
+   applied to this rank's heads: Qwen3's q_norm / k_norm);
 3. the two copies of a tied embedding / head on the first and last pipeline stage add each
    other's gradient (one exchange between the two stages, like Megatron's embedding group);
 4. ``zero.precision.fp32_step``: unscale (fp16), one all-reduce over the whole world for the
@@ -51,6 +52,7 @@ class DistributedOptimizer:
         self.pieces = sync.pieces
         params = sync.piece_params
         self.sharded = [getattr(p, "tp_dim", None) is not None for p in params]
+        self.partial = tp.size > 1 and any(getattr(p, "tp_partial_grad", False) for p in params)
         self.tied = [n.split("[")[0] in tied_names for n in sync.piece_names]
         self.counted = [c and (s or tp.rank == 0) and (tied_counted or not t)
                         for c, s, t in zip(sync.counted, self.sharded, self.tied)]
@@ -75,6 +77,8 @@ class DistributedOptimizer:
         grads = self.sync.piece_grads()
         if self.sequence_parallel:
             sync_replicated_grads(self.sync.piece_params, self.tp, grads)
+        elif self.partial:
+            sync_replicated_grads(self.sync.piece_params, self.tp, grads, only_partial=True)
         if self.tied_peer is not None:
             def add_peer(flat):
                 other = torch.empty_like(flat)

@@ -40,6 +40,10 @@ characters, dots included) on the full model's module names:
                        F over tp; tokens reach their experts by all-to-all over ep
                        (``parallel.experts``). Its parameters are expert parameters: their
                        gradients are reduced over the dp ranks holding the same experts.
+``partial_grad``       a module on this rank's share of the heads whose parameters are
+                       replicated (Qwen3's q_norm / k_norm: D weights every head shares):
+                       each rank's gradient is its heads' part, summed over tp by the
+                       optimizer (HF's "replicated_with_grad_allreduce").
 ``replicate``          left as it is (the default for any module the plan does not name).
 =====================  =====================================================================
 
@@ -65,7 +69,8 @@ from typing import Any, Callable, Mapping
 import torch.nn as nn
 
 STYLES = ("column", "row", "vocab_embedding", "vocab_head", "attention", "shared_input",
-          "dropout", "sequence_parallel", "sequence_positions", "experts", "replicate")
+          "dropout", "sequence_parallel", "sequence_positions", "experts", "partial_grad",
+          "replicate")
 _MODULE_TYPES = {"column": nn.Linear, "row": nn.Linear, "vocab_head": nn.Linear,
                  "vocab_embedding": nn.Embedding, "dropout": nn.Dropout}
 

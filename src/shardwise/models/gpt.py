@@ -259,9 +259,9 @@ def from_section(m, vocab_size: int) -> GPTConfig:
     ``attention``, ``activation``, ``k_bias`` and ``norm_eps`` included; ``model.vocab_size``
     when set, else ``vocab_size`` (the tokenizer's). Raises ``ValueError`` (one line) for a
     field only the Llama has."""
-    for name in ("n_kv_heads", "ffn_hidden"):
+    for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm"):
         if getattr(m, name, 0):
-            raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such size "
+            raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such option "
                              "(model.kind = \"llama\" has)")
     if getattr(m, "rope_scaling", None):
         raise ValueError("model.rope_scaling: the GPT has learned positions, no rotary "

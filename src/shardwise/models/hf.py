@@ -24,7 +24,12 @@ tanh GELU (``activation = "gelu_tanh"``) to be GPT-2 exactly. ``MixtralForCausal
 ``models/mixtral/modeling_mixtral.py``): our Llama with ``n_experts`` (``models.moe``),
 softmax top-k routing renormalised, dropless; the checkpoint holds each expert's three
 linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours stacks them
-(E, in, out).
+(E, in, out). ``Qwen2ForCausalLM`` (Yang et al. 2024, "Qwen2 Technical Report",
+arXiv:2407.10671; ``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias``;
+``Qwen3ForCausalLM`` (Yang et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388;
+``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with Llama's
+names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window bounding
+``block_size`` as Mixtral's.
 """
 
 from __future__ import annotations
@@ -173,9 +178,10 @@ def _llama_section(c: dict, arch: str = "Llama") -> dict:
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if _get(c, key, want) != want:
             raise _refuse(arch, f"{key}={c[key]!r} (shardwise's is {want!r})")
-    if _get(c, "head_dim", h // heads) != h // heads:
-        raise _refuse(arch, f"head_dim={c['head_dim']} is not hidden_size / "
-                      f"num_attention_heads = {h // heads}")
+    head_dim = _get(c, "head_dim", h // heads)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise HFConfigError(f"config.json: head_dim={head_dim!r}: expected an even whole "
+                            "number >= 2")
     theta, scaling = _llama_rope(c, arch)
     return dict(kind="llama", vocab_size=c["vocab_size"], n_embd=h,
                 n_layer=c["num_hidden_layers"], n_head=heads,
@@ -184,7 +190,9 @@ def _llama_section(c: dict, arch: str = "Llama") -> dict:
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
-                n_experts=0)
+                n_experts=0, qkv_bias=False, qk_norm=False,
+                # 0: n_embd / n_head, so a run need not name it
+                head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim)
 
 
 def rope_parameters(cfg) -> dict:
@@ -385,6 +393,93 @@ def _mixtral_tensor(name: str) -> HFTensor:
     raise KeyError(f"{name}: not a Mixtral parameter name")
 
 
+# ---- Qwen2 and Qwen3 ---------------------------------------------------------------------------
+# transformers' Qwen2Config / Qwen3Config defaults (configuration_qwen2.py / _qwen3.py), where
+# they differ from the Llama's, for a config.json that leaves a field out
+_QWEN_DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                  "num_key_value_heads": 32, "use_sliding_window": False,
+                  "sliding_window": 4096, "max_window_layers": 28}
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+def _qwen_window(c: dict) -> int | None:
+    """The sliding window W of a Qwen config.json when any layer has one, else None: as
+    ``Qwen2Config`` / ``Qwen3Config``, the window is ``sliding_window`` when
+    ``use_sliding_window`` (else none), on the layers ``layer_types`` marks
+    "sliding_attention" (default: those from ``max_window_layers`` on)."""
+    c = {**_QWEN_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
+    if not c["use_sliding_window"] or c.get("sliding_window") is None:
+        return None
+    n = c.get("num_hidden_layers", 0)
+    types = c.get("layer_types") or ["sliding_attention" if i >= c["max_window_layers"]
+                                     else "full_attention" for i in range(n)]
+    if "sliding_attention" not in types:
+        return None
+    window = c["sliding_window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
+                            "number >= 1 or null")
+    return window
+
+
+def _qwen_section(c: dict, arch: str) -> dict:
+    """A Qwen2 (``arch`` "Qwen2") is our Llama with ``qkv_bias``, a Qwen3 with ``qk_norm``
+    and its ``head_dim`` (default 128, as ``Qwen3Config``); no ``attention_bias`` on a
+    Qwen3 (its o_proj would have one too). A sliding window W on any layer bounds
+    ``block_size`` (a sequence of at most W tokens sees every earlier token under it too),
+    as Mixtral's."""
+    kv = c["num_attention_heads"] if "num_key_value_heads" in c else None  # null: MHA
+    c = {**_QWEN_DEFAULTS, **({"head_dim": 128} if arch == "Qwen3" else {}),
+         **({"num_key_value_heads": kv} if kv is not None else {}),
+         **{k: v for k, v in c.items() if v is not None}}
+    types = c.get("layer_types") or []
+    bad = [t for t in types if t not in _ATTENTION_TYPES]
+    if bad:
+        raise _refuse(arch, f"layer_types has {bad[0]!r} (expected "
+                      f"{' or '.join(_ATTENTION_TYPES)})")
+    if arch == "Qwen2":
+        c.pop("attention_bias", None)  # Qwen2's Q, K, V always have biases, o_proj none
+    out = _llama_section(c, arch)
+    out.update(qkv_bias=arch == "Qwen2", qk_norm=arch == "Qwen3")
+    window = _qwen_window(c)
+    if window is not None:
+        out["block_size"] = min(out["block_size"], window)
+    return out
+
+
+def _qwen_bound_reason(c: dict) -> dict[str, str]:
+    window = _qwen_window(c)
+    context = _get(c, "max_position_embeddings", _QWEN_DEFAULTS["max_position_embeddings"])
+    if window is None or window >= context:
+        return {}
+    return {"block_size": f"its sliding_window (use_sliding_window true): shardwise's "
+                          f"attention has no window, so it is exact on at most {window} tokens"}
+
+
+def _qwen_config_json(cfg, source: dict | None, arch: str) -> dict:
+    out = _llama_config_json(cfg, source)
+    for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        out.pop(llama_only, None)
+    # the source's window settings as they were (a run's block_size is at most its window);
+    # trained here: none
+    types = out.get("layer_types")
+    out.update(architectures=[f"{arch}ForCausalLM"], model_type=arch.lower(),
+               use_sliding_window=bool(out.get("use_sliding_window", False)),
+               sliding_window=out.get("sliding_window"),
+               max_window_layers=out.get("max_window_layers", cfg.n_layer),
+               layer_types=types if types and len(types) == cfg.n_layer
+               else ["full_attention"] * cfg.n_layer)
+    if arch == "Qwen3":
+        out["attention_bias"] = False
+    return out
+
+
+def _qwen_tensor(name: str) -> HFTensor:
+    """Llama's names: the biases are ``self_attn.{q,k,v}_proj.bias``, the QK-norms
+    ``self_attn.q_norm.weight`` / ``k_norm.weight`` (D,), ours and theirs alike."""
+    return HFTensor(llama_hf_name(name))
+
+
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
                section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
                ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",))
@@ -396,14 +491,38 @@ MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCau
                  section=_mixtral_section, config_json=_mixtral_config_json,
                  tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
                  at_most=("block_size",), bound_reason=_mixtral_bound_reason)
-ARCHS = (LLAMA, GPT2, MIXTRAL)
+QWEN2 = HFArch(kind="llama", model_type="qwen2", architecture="Qwen2ForCausalLM",
+               section=lambda c: _qwen_section(c, "Qwen2"),
+               config_json=lambda cfg, source: _qwen_config_json(cfg, source, "Qwen2"),
+               tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
+               at_most=("block_size",), bound_reason=_qwen_bound_reason)
+QWEN3 = HFArch(kind="llama", model_type="qwen3", architecture="Qwen3ForCausalLM",
+               section=lambda c: _qwen_section(c, "Qwen3"),
+               config_json=lambda cfg, source: _qwen_config_json(cfg, source, "Qwen3"),
+               tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
+               at_most=("block_size",), bound_reason=_qwen_bound_reason)
+ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3)
 
 
 def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
-    the top k renormalised, dropless (capacity factor 0), no shared expert."""
+    the top k renormalised, dropless (capacity factor 0), no shared expert, Llama's
+    attention (no Q/K/V biases, no QK-norm)."""
     return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_norm_topk
-            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert)
+            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert
+            and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False))
+
+
+def arch_for(cfg) -> HFArch | None:
+    """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: with
+    ``n_experts`` MIXTRAL when ``mixtral_compatible``; else QWEN2 with ``qkv_bias``, QWEN3
+    with ``qk_norm`` (not both: neither has the other's), LLAMA with neither."""
+    bias, norm = getattr(cfg, "qkv_bias", False), getattr(cfg, "qk_norm", False)
+    if cfg.n_experts:
+        return MIXTRAL if mixtral_compatible(cfg) else None
+    if bias and norm:
+        return None
+    return QWEN2 if bias else QWEN3 if norm else LLAMA
 
 
 def arch_of(config_json: dict) -> HFArch:

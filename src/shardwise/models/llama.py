@@ -14,7 +14,13 @@ biases anywhere. Sources:
 - Ainslie et al. 2023, "GQA" (arXiv:2305.13245): ``n_kv_heads`` key/value heads, each
   shared by ``n_head / n_kv_heads`` query heads;
 - Grattafiori et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783): the rotary
-  frequency scaling for long context (``RopeScaling``).
+  frequency scaling for long context (``RopeScaling``);
+- Yang et al. 2024, "Qwen2 Technical Report" (arXiv:2407.10671) and transformers'
+  ``models/qwen2/modeling_qwen2.py``: biases on the Q, K and V projections (``qkv_bias``);
+- Yang et al. 2025, "Qwen3 Technical Report" (arXiv:2505.09388) and transformers'
+  ``models/qwen3/modeling_qwen3.py``: QK-norm, an RMSNorm over each head's D features of
+  Q and of K before the rotary embedding (``qk_norm``), and a head dimension D that need
+  not be h / n_head (``head_dim``).
 
 As in ``models.gpt``, the model is ``embed -> blocks[i] -> head`` so a pipeline can cut it
 by layer, and attention keeps separate Q, K, V and output projections (column- then
@@ -96,6 +102,9 @@ class LlamaConfig:
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0
     moe_shared_expert: bool = False
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
@@ -107,9 +116,15 @@ class LlamaConfig:
         if self.n_kv_heads < 1 or self.n_head % self.n_kv_heads:
             raise ValueError(f"model.n_head={self.n_head} is not divisible by "
                              f"model.n_kv_heads={self.n_kv_heads}")
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by "
-                             f"2 * model.n_head={2 * self.n_head} (rotary pairs per head)")
+        if self.head_dim is None:
+            if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+                raise ValueError(f"model.n_embd={self.n_embd} is not divisible by "
+                                 f"2 * model.n_head={2 * self.n_head} (rotary pairs per head)")
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
+        d = self.head_dim
+        if isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2:
+            raise ValueError(f"model.head_dim={d!r}: expected an even whole number >= 2 "
+                             "(rotary pairs per head)")
         if self.ffn_hidden is None:
             hidden = int(8 * self.n_embd / 3)
             object.__setattr__(self, "ffn_hidden",
@@ -148,10 +163,6 @@ class LlamaConfig:
         if self.moe_ffn_hidden < 1 or self.moe_capacity_factor < 0 or self.moe_aux_loss_coef < 0:
             raise ValueError("model.moe_ffn_hidden >= 1, model.moe_capacity_factor >= 0 and "
                              "model.moe_aux_loss_coef >= 0 expected")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
@@ -211,23 +222,33 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal grouped-query attention with rotary embeddings. (B, T, C) -> (B, T, C).
 
-    Q has ``n_head`` heads, K and V ``n_kv_heads``; each K/V head serves ``n_head /
-    n_kv_heads`` consecutive query heads (HF ``repeat_kv``)."""
+    Q has ``n_head`` heads, K and V ``n_kv_heads``, each ``head_dim`` = D wide; each K/V
+    head serves ``n_head / n_kv_heads`` consecutive query heads (HF ``repeat_kv``). With
+    ``qkv_bias`` the Q, K, V projections have biases (Qwen2); with ``qk_norm``, ``q_norm``
+    and ``k_norm`` (RMSNorms of D weights) normalise each head of Q and K, (B, T, H, D)
+    over D, before the rotary embedding, as ``Qwen3Attention.forward``."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.n_head, self.n_kv_heads, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        # (B, T, C) -> (B, H, T, D); a tensor-parallel rank holds -1 = its share of heads
-        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        # (B, T, C) -> (B, T, H, D); a tensor-parallel rank holds -1 = its share of heads
+        q, k, v = (p(x).view(B, T, -1, self.head_dim)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.cfg.qk_norm:  # per head, before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype,  # (T, D) each
                                 positions=sequence.positions(T, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -305,7 +326,7 @@ class Llama(DecoderLM):
     Returns ``(logits (B, T, V), loss)``, ``loss`` the mean cross-entropy in nats per token
     over targets other than -100 (None without targets). Raises ``ValueError`` if ``T >
     block_size``. Init as HF's Llama: normal(0, 0.02) for linear and embedding weights,
-    ones for the norms, drawn from the global torch generator in module order, so
+    zeros for the biases (``qkv_bias``), ones for the norms, drawn from the global torch generator in module order, so
     ``torch.manual_seed(s); Llama(cfg)`` is reproducible (experts: normal(0, 0.02) too).
     With ``n_experts`` the blocks' auxiliary losses enter the gradient of any loss
     backpropagated through them (``models.moe.AuxLossScaler``); ``loss`` stays the
@@ -326,6 +347,8 @@ class Llama(DecoderLM):
     def _init_weights(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
         elif isinstance(m, RMSNorm):
             nn.init.ones_(m.weight)
         elif isinstance(m, Experts):
@@ -371,7 +394,10 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor],
 # ``models.description``): Q, K, V column-parallel by heads (the key/value heads split over
 # tp too: each rank keeps the kv heads its query heads read), ``o_proj`` row-parallel;
 # SwiGLU's gate and up column-parallel reading one input, ``down_proj`` row-parallel; the
-# vocabulary split in the embedding and the head; RMSNorms token-wise under SP.
+# vocabulary split in the embedding and the head; RMSNorms token-wise under SP. Biases of
+# Q, K, V (Qwen2) are split with their rows; Qwen3's q_norm / k_norm (D weights shared by
+# every head) are replicated, each rank's gradient the part of its heads, summed over tp
+# (HF's "replicated_with_grad_allreduce"): ``models.description``'s "partial_grad".
 TP_PLAN = {
     "embed.tok": "vocab_embedding",
     "blocks.*.input_layernorm": "sequence_parallel",
@@ -406,11 +432,12 @@ ROUTERS = ("blocks.*.mlp.router",)
 
 def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
     """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
-    there is none)."""
+    there is none); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"."""
+    qk = {"blocks.*.self_attn.[qk]_norm": "partial_grad"} if cfg.qk_norm else {}
     if not cfg.n_experts:
-        return dict(TP_PLAN)
-    return {k: v for k, v in MOE_TP_PLAN.items()
-            if cfg.moe_shared_expert or "shared_expert" not in k}
+        return {**TP_PLAN, **qk}
+    return {**{k: v for k, v in MOE_TP_PLAN.items()
+               if cfg.moe_shared_expert or "shared_expert" not in k}, **qk}
 
 
 def describe(cfg: LlamaConfig):
@@ -418,11 +445,13 @@ def describe(cfg: LlamaConfig):
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
     query heads share) and the SwiGLU width (the experts' with ``n_experts``); ep must
     divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``;
-    with ``n_experts``, ``MixtralForCausalLM`` (``models.hf.MIXTRAL``) when the mixture is
-    Mixtral's (``models.hf.mixtral_compatible``: softmax top-k renormalised, dropless, no
-    shared expert), else none (``hf`` is None)."""
+    with ``qkv_bias``, ``Qwen2ForCausalLM`` (``QWEN2``); with ``qk_norm``,
+    ``Qwen3ForCausalLM`` (``QWEN3``); with ``n_experts`` and neither, ``MixtralForCausalLM``
+    (``models.hf.MIXTRAL``) when the mixture is Mixtral's (``models.hf.mixtral_compatible``:
+    softmax top-k renormalised, dropless, no shared expert); else none (``hf`` is None):
+    ``models.hf.arch_for``."""
     from shardwise.models.description import ModelDescription
-    from shardwise.models.hf import LLAMA, MIXTRAL, mixtral_compatible
+    from shardwise.models.hf import arch_for
 
     width = ({"model.moe_ffn_hidden (expert width)": cfg.moe_ffn_hidden} if cfg.n_experts
              else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
@@ -436,13 +465,14 @@ def describe(cfg: LlamaConfig):
         n_experts=cfg.n_experts,
         capacity_factor=cfg.moe_capacity_factor if cfg.n_experts else 0.0,  # dense: unused
         keep_high_precision=ROUTERS if cfg.n_experts else (),
-        hf=(MIXTRAL if mixtral_compatible(cfg) else None) if cfg.n_experts else LLAMA)
+        hf=arch_for(cfg))
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
     """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
     ``n_kv_heads`` / ``ffn_hidden`` / ``moe_ffn_hidden`` 0 mean Llama's defaults (n_head;
-    the 8h/3 rule; ffn_hidden). ``model.bias`` is ignored (Llama has no biases);
+    the 8h/3 rule; ffn_hidden), ``head_dim`` 0 n_embd / n_head. ``model.bias`` is ignored
+    (the Llama's biases are ``model.qkv_bias``'s);
     ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields). Raises ``ValueError``
     (one line) for a field only the GPT has (``activation`` other than gelu, ``k_bias``)."""
     if getattr(m, "k_bias", False) or getattr(m, "activation", "gelu") != "gelu":
@@ -459,4 +489,7 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        moe_gating=m.moe_gating, moe_norm_topk=m.moe_norm_topk,
                        moe_aux_loss_coef=m.moe_aux_loss_coef,
                        moe_capacity_factor=m.moe_capacity_factor,
-                       moe_shared_expert=m.moe_shared_expert)
+                       moe_shared_expert=m.moe_shared_expert,
+                       head_dim=getattr(m, "head_dim", 0) or None,
+                       qkv_bias=getattr(m, "qkv_bias", False),
+                       qk_norm=getattr(m, "qk_norm", False))

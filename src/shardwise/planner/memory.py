@@ -311,19 +311,22 @@ MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, p
 def shardwise_model(precision: str, spec: ModelSpec | None = None,
                     ring: bool = False) -> ActivationModel:
     """The GPT's measured model (module docstring). For a Llama spec (not measured yet: a
-    count of what autograd saves) S = e (2 + 2 r + 4 f / h): Q and the attention output,
-    K and V (r = 1: the one-process path repeats them to all heads before the kernel; under
-    ``ring`` attention, cp > 1, they are kept with their ``n_kv_heads``, r = kv_heads /
-    n_head); gate, up, silu(gate) and their product, f wide each."""
+    count of what autograd saves) S = e (2 w + 2 r w + 4 f / h): Q and the attention
+    output, K and V, H D = w h wide (w = 1 but with a head_dim of its own; QK-norm's saved
+    inputs not counted) (r = 1: the one-process path repeats them to all heads before the
+    kernel; under ``ring`` attention, cp > 1, they are kept with their ``n_kv_heads``, r =
+    kv_heads / n_head); gate, up, silu(gate) and their product, f wide each."""
     e = BYTES[precision]
     r = spec.kv_heads / spec.n_head if ring and spec is not None else 1.0
+    w = spec.attn_width / spec.n_embd if spec is not None else 1.0  # H D / h
     if spec is not None and spec.moe:
         k, F, h = spec.top_k, spec.expert_ffn, spec.n_embd
         return ActivationModel(f"shardwise-moe-{precision}", e * (4 + 2 * k),
-                               e * (2 + 2 * r + 4 * k * F / h), 2 * e, 0, 8, e)
+                               e * (2 * w + 2 * r * w + 4 * k * F / h), 2 * e, 0, 8, e)
     if spec is not None and spec.gated:
         return ActivationModel(f"shardwise-llama-{precision}", 4 * e,
-                               e * (2 + 2 * r + 4 * spec.ffn / spec.n_embd), 2 * e, 0, 8, e)
+                               e * (2 * w + 2 * r * w + 4 * spec.ffn / spec.n_embd),
+                               2 * e, 0, 8, e)
     return ActivationModel(f"shardwise-{precision}", 4 * e, 12 * e, 2 * e, 0, 8, e)
 
 

@@ -254,12 +254,13 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
               cp: int = 1, ep: int = 1) -> Ops:
     """One block's forward on one tp rank, as operations: ``Ops(gemms, moves)``, the FLOPs
     of each GEMM and the bytes each memory-bound operation reads and writes (``e`` bytes per
-    value; T = mb s / cp tokens on a rank of ``cp`` context-parallel ones, d = h / a, k =
+    value; T = mb s / cp tokens on a rank of ``cp`` context-parallel ones, H D the
+    attention width (``attn_width``: h but with a head_dim of its own), d = H D / a, k =
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
-    - GEMMs: Q K V 2 T h (h + 2k) / t; Q K^T and P V 2 mb s^2 H D / (t cp) each (batched
+    - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s^2 H D / (t cp) each (batched
       over the rank's heads; its s / cp queries against all s keys); the output projection
-      2 T h^2 / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
+      2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
       of 2 (T k ep / E) h F / t each (balanced routing);
     - two norms (read and write T h; / t under sequence parallelism);
@@ -274,12 +275,12 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     element-wise kernels read and write about twice as much)."""
     s, h, a = spec.block_size, spec.n_embd, spec.n_head
     T = mb * s // cp
-    d = h // a
+    att = spec.attn_width  # H D: h, or wider / narrower with a head_dim of its own (Qwen3)
+    d = att // a
     k = spec.kv_heads * d
     f = spec.ffn
-    att = spec.attn_width
     core = 2 * mb * s * s * att / (tp * cp)
-    gemms = [2 * T * h * (h + 2 * k) / tp, core, core, 2 * T * h * h / tp]
+    gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
         local = max(1, E // ep)
@@ -295,7 +296,7 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         moves += [2 * scores * e, scores * (2 * e + 1)]
         moves += [T * h / (tp if sp else 1) * (3 * e + 1)] * 2
     else:
-        moves += [T * (h + 2 * k + h) * e / tp]
+        moves += [T * (att + 2 * k + att) * e / tp]
         moves += [3 * th] * 2
     moves += [(3 if spec.gated else 2) * T * f_moved * e / tp]
     return Ops(gemms, moves)
@@ -321,7 +322,7 @@ def ring_kv_width(spec: ModelSpec) -> int:
     """Width of the K and V a cp ring passes: the kv_heads x d of grouped-query attention
     (the engine's ring attention, like Megatron-LM's, passes the key/value heads and repeats
     them to the query heads per block; ``parallel.context.ring_attention``)."""
-    return spec.kv_heads * (spec.n_embd // spec.n_head)
+    return spec.kv_heads * (spec.attn_width // spec.n_head)
 
 
 def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:

@@ -59,7 +59,8 @@ class ModelSpec:
     ``n_kv_heads`` None: ``n_head`` (multi-head attention); ``ffn_hidden`` None: 4h (the
     GPT's MLP). ``family``: the model kind ("gpt", "llama", a registered one).
     ``rope_theta``: the Llama's rotary base (written by ``plan --emit-toml``).
-    ``attention_width``: H D of the attention's s^2 terms (None: h, as the GPT and Llama).
+    ``attention_width``: H D of the attention's s^2 terms and Q/K/V widths (None: h, as the
+    GPT and Llama; other with a Llama's ``head_dim`` of its own, Qwen3's).
     ``description``: the ``ModelDescription`` a spec was made from (None for the named
     sizes: ``model()`` builds it from the sizes); ``tp_divides``: its sizes tp must divide.
     ``n_experts`` > 0: every block's MLP is a mixture of that many SwiGLU experts of width
@@ -131,7 +132,8 @@ class ModelSpec:
     def model_table(self) -> dict:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base;
-        no biases to name); ``dropout`` when it is not 0."""
+        ``head_dim``, ``qkv_bias``, ``qk_norm`` when its description's config sets them);
+        ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
              "vocab_size": self.vocab_size, "tie_weights": self.tie_weights,
@@ -140,8 +142,12 @@ class ModelSpec:
             return {**t, "bias": self.bias}
         moe = ({"n_experts": self.n_experts, "top_k": self.top_k,
                 "moe_ffn_hidden": self.expert_ffn} if self.moe else {})
+        cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
+        qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm") if getattr(cfg, k, False)}
+        if self.attn_width != self.n_embd:
+            qwen["head_dim"] = self.attn_width // self.n_head
         return {**t, "n_kv_heads": self.kv_heads, "ffn_hidden": self.ffn,
-                "rope_theta": float(self.rope_theta), **moe}
+                "rope_theta": float(self.rope_theta), **moe, **qwen}
 
     def model(self):
         """The ``ModelDescription`` of this spec: its own, or the registered kind

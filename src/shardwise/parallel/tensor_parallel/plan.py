@@ -106,6 +106,9 @@ def _apply(style: str, m: nn.Module, tp: RankGroup, rng: ParallelRNG,
         return m
     if style == "sequence_positions" and tp.sequence_parallel:
         m.register_forward_pre_hook(_positions_hook(tp))
+    if style == "partial_grad":  # replicated, but each rank's gradient is a part of the sum
+        for p in m.parameters():
+            p.tp_partial_grad = True
     return m  # sequence_parallel / replicate: the module is token-wise or replicated
 
 

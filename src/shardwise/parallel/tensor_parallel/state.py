@@ -109,13 +109,22 @@ def clip_grad_norm_(params, max_norm: float, tp: RankGroup) -> torch.Tensor:
     return total
 
 
-def sync_replicated_grads(params, tp: RankGroup, grads: list[torch.Tensor] | None = None) -> None:
+def is_partial_grad(p: torch.Tensor) -> bool:
+    """A tp-replicated parameter whose gradient each rank holds only a part of, whether or
+    not under sequence parallelism (the "partial_grad" style: Qwen3's q_norm / k_norm)."""
+    return getattr(p, "tp_partial_grad", False)
+
+
+def sync_replicated_grads(params, tp: RankGroup, grads: list[torch.Tensor] | None = None,
+                          only_partial: bool = False) -> None:
     """Sum the gradients of the tp-replicated parameters among ``params`` over the tp group,
-    in one flat all-reduce, in place. Needed only under sequence parallelism: there
-    LayerNorms, the position embedding and row-parallel biases see only this rank's tokens,
-    so each rank holds a partial gradient (Korthikanti et al. 2022, arXiv:2205.05198,
-    section 4.2.2). Call after backward (after the last micro-batch) and before clipping /
-    the optimizer step.
+    in one flat all-reduce, in place. Needed under sequence parallelism: there LayerNorms,
+    the position embedding and row-parallel biases see only this rank's tokens, so each
+    rank holds a partial gradient (Korthikanti et al. 2022, arXiv:2205.05198, section
+    4.2.2); and, with or without it, for the parameters of "partial_grad" modules
+    (``is_partial_grad``: replicated weights applied to this rank's heads), the only ones
+    summed with ``only_partial``. Call after backward (after the last micro-batch) and
+    before clipping / the optimizer step.
 
     ``grads``: the gradients to sum, one per parameter (any shape, e.g. an fp32 master's
     gradient or a ZeRO shard of it); default each parameter's ``.grad`` (None skipped).
@@ -124,7 +133,8 @@ def sync_replicated_grads(params, tp: RankGroup, grads: list[torch.Tensor] | Non
         return
     params = list(params)
     grads = [p.grad for p in params] if grads is None else grads
-    coalesced_([g for p, g in zip(params, grads) if not is_sharded(p) and g is not None],
+    coalesced_([g for p, g in zip(params, grads) if not is_sharded(p) and g is not None
+                and (is_partial_grad(p) or not only_partial)],
                lambda flat: comm.all_reduce(flat, group=tp.group, algorithm=tp.all_reduce,
                                             check=tp.check))
 
