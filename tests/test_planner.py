@@ -62,7 +62,7 @@ def test_closed_form_equals_predict_rank():
             for pr, layers in enumerate(stage_layers(spec, pp, v, by)):
                 P = rank_params(spec, layers, tp, pp)
                 for z in (0, 1, 2, 3):
-                    if z == 3 and pp > 1:
+                    if z == 3 and v > 1:  # ZeRO-3 runs one chunk (stage) per rank
                         continue
                     d = predict_rank(cfg, dp=2, pp=pp, tp=tp, pp_rank=pr, chunks_per_rank=v,
                                      zero=z, precision="bf16", bucket_mb=0.01, partition_by=by)
@@ -143,7 +143,9 @@ def test_pruning_reasons():
     wide = ModelSpec("w", 4, 128, 16, 65, 32)
     assert "cross nodes" in prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, False)
     assert prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, True) is None
-    assert "ZeRO-3 with pipeline" in prune_reason(spec, Layout(2, 1, 2, 1, 2, zero=3), a100, False)
+    assert prune_reason(spec, Layout(2, 1, 2, 1, 2, zero=3), a100, False) is None
+    assert "ZeRO-3 with chunks_per_rank=2 (the engine refuses it" in prune_reason(
+        spec, Layout(2, 1, 2, 1, 2, "interleaved", 2, zero=3), a100, False)
     assert "chunks for 6 layers" in prune_reason(spec, Layout(1, 1, 4, 1, 4, "interleaved", 2), a100, False)
     assert "divisible by pp" in prune_reason(spec, Layout(1, 1, 2, 1, 3, "interleaved", 2), a100, False)
     assert prune_reason(spec, Layout(2, 2, 2, 1, 4), a100, False) is None

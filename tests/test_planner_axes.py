@@ -15,7 +15,7 @@ import pytest
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS, per_op
 from shardwise.planner.memory import MEGATRON, activation_bytes
 from shardwise.planner.search import memory_of, plan, prune_reason
-from shardwise.planner.simulate import Layout, simulate, zero3_exposed
+from shardwise.planner.simulate import Layout, simulate, zero3_seconds
 from shardwise.planner.specs import NAMED
 
 A100 = PRESETS["dgx-a100-80gb"]
@@ -95,18 +95,18 @@ def test_zero3_overlap_hides_gathers_behind_compute():
     spec = NAMED["gpt3-13b"]
     lay = Layout(32, 2, 1, 2, 4, zero=3)
     layers = list(range(spec.n_layer + 2))
-    on = zero3_exposed(spec, lay, A100, "bf16", layers)
+    on = sum(zero3_seconds(spec, lay, A100, "bf16", layers))
     off = replace(A100, zero3_overlap=False)
     t_on, t_off = simulate(spec, lay, A100), simulate(spec, lay, off)
     assert t_on["step"] < t_off["step"] and t_on["dp"] < t_off["dp"]
     # a slower fabric exposes more; with compute far longer than a gather, only the ends show
     slow = replace(A100, inter=replace(A100.inter, fixed=replace(
         A100.inter.fixed, beta_link=A100.inter.fixed.beta_link * 20)))
-    assert zero3_exposed(spec, lay, slow, "bf16", layers) > on
+    assert sum(zero3_seconds(spec, lay, slow, "bf16", layers)) > on
     big = replace(lay, micro_batch_size=8, micro_batches=1)
     g = A100.link(lay.world).all_gather
     ends = 2 * g(lay.dp, 1e9)  # generous: the first and last gathers, the last scatter
-    assert zero3_exposed(spec, big, A100, "bf16", layers) < ends
+    assert sum(zero3_seconds(spec, big, A100, "bf16", layers)) < ends
 
 
 def test_pipeline_depth_and_interleaving_shrink_the_bubble():
