@@ -34,7 +34,8 @@ LAYOUTS = {
         dict(dp=2, pp=2, micro_batches=4, zero=2), dict(dp=4, zero=3),
         dict(dp=1, tp=2, pp=2, micro_batches=4, schedule="interleaved", chunks_per_rank=2,
              recompute=True),
-        dict(dp=1, pp=4, micro_batches=4, schedule="gpipe")],
+        dict(dp=1, pp=4, micro_batches=4, schedule="gpipe"),
+        dict(dp=2, pp=2, micro_batches=4, zero=3)],
     8: [dict(dp=2, tp=2, pp=2, micro_batches=4, zero=1), dict(dp=2, pp=4, micro_batches=4),
         dict(dp=1, tp=2, pp=4, micro_batches=8, sequence_parallel=True),
         dict(dp=8, zero=2), dict(dp=4, tp=2, zero=3, recompute=True)],
@@ -74,6 +75,51 @@ def test_closed_form_equals_predict_rank():
                             assert abs(d[k] - c[k]) <= 16 * 2 * 64, (k, d[k], c[k])
                     checked += 1
     assert checked > 40
+
+
+def test_gathered_units_are_the_engines_units():
+    """``gathered_bytes`` against the units ``ZeroStage3`` makes of each rank's chunk as the
+    engine builds it (on meta): a layer's own parameters, a weight tied across stages a
+    unit of its own, one tied within the rank the root; each padded to dp. The peak is the
+    root and the two neighbouring layers with the most bytes (one gathered, the next
+    prefetched), at pp 1 (the tied matrix the root) and pp 2, 3 (a unit on both ends)."""
+    import torch
+
+    from shardwise.engine.model import build_local_model
+    from shardwise.models import GPTConfig
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+    from shardwise.planner.memory import gathered_bytes
+
+    for L, h, a, V, tie, bias in [(4, 64, 4, 67, True, True), (5, 64, 4, 65, False, True),
+                                  (3, 64, 8, 65, True, False)]:
+        spec = ModelSpec("x", L, h, a, V, 32, tie, bias)
+        cfg = GPTConfig(V, 32, L, a, h, bias=bias, tie_weights=tie)
+        for dp, tp, pp in ((2, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2), (2, 1, 3)):
+            want = 0
+            for pr in range(pp):
+                with torch.device("meta"):
+                    local = build_local_model(
+                        cfg, pp=pp, pp_rank=pr, chunk_ids=[pr], n_chunks=pp,
+                        tp=RankGroup(size=tp, rank=0), seed=0, dropout_seed=0,
+                        device=torch.device("meta"))
+                (chunk,) = local.chunks.values()
+                tied = {id(q) for n, q in local.named_parameters() if n in local.tied}
+                owners: dict = {}
+                for layer in chunk.layers:
+                    for q in layer.parameters():
+                        owners[id(q)] = owners.get(id(q), 0) + 1
+                pad = lambda x: -(-x // dp) * dp  # noqa: E731
+                root = pad(sum({id(q): q.numel() for layer in chunk.layers
+                                for q in layer.parameters() if owners[id(q)] > 1}.values()))
+                per = []
+                for layer in chunk.layers:
+                    own = [q for q in layer.parameters() if owners[id(q)] == 1]
+                    per.append(sum(pad(q.numel()) for q in own if id(q) in tied)
+                               + pad(sum(q.numel() for q in own if id(q) not in tied)))
+                pair = max([x + y for x, y in zip(per, per[1:])] or per)
+                want = max(want, 2 * (root + pair))
+            assert gathered_bytes(spec, dp, tp, pp, 3, "bf16") == want, (L, tie, dp, tp, pp)
+            assert gathered_bytes(spec, dp, tp, pp, 2, "bf16") == 0
 
 
 def test_named_sizes_match_their_papers():

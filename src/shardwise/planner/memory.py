@@ -23,7 +23,9 @@ Static bytes (parameters, gradients, optimizer states) per rank:
 - bytes per element from the parameter count P of the rank (Rajbhandari et al. 2020, sec. 3;
   b = 2 for bf16/fp16, 4 for fp32, K = 12 bytes of fp32 master + Adam moments, or 8 in fp32
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
-  ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32).
+  ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32), and at the
+  peak its gathered units (``gathered_bytes``, not a static byte: ``memory_of`` adds it).
+  With a pipeline the same hold for the rank's stage (ZeRO-3: one chunk per rank).
 - context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
   every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on

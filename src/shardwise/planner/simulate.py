@@ -188,9 +188,10 @@ class ChunkCost(NamedTuple):
     tp_backward: float
     """Seconds of communication inside the backward, and its waiting."""
     wait_forward: float
-    """Seconds of the forward's sync penalty (ranks sharing cores), spent off the core."""
+    """Seconds of the forward spent off the core: its sync penalty (ranks sharing cores)
+    and ZeRO-3's exposed collectives (``_with_zero3``)."""
     wait_backward: float
-    """Seconds of the backward's sync penalty."""
+    """Seconds of the backward spent off the core (as ``wait_forward``)."""
     cp: float
     """Seconds of exposed ring traffic, forward + backward."""
     ep: float
@@ -515,10 +516,13 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
 
 def _with_zero3(c: ChunkCost, z: Zero3Seconds) -> ChunkCost:
     """``c`` with ZeRO-3's exposed seconds inside its forward and backward (communication
-    inside compute, as tp's: the walk delays whatever waits on this chunk by them)."""
+    inside compute: the walk delays whatever waits on this chunk by them), spent off the
+    core as the sync penalty is (``walk_shared`` does not slow them down by core sharing,
+    as the step's ZeRO-3 seconds were priced before they moved into the chunks)."""
     return c._replace(forward=c.forward + z.forward, backward=c.backward + z.backward,
                       tp_forward=c.tp_forward + z.forward, tp_backward=c.tp_backward + z.backward,
-                      dp=z.forward + z.backward)
+                      wait_forward=c.wait_forward + z.forward,
+                      wait_backward=c.wait_backward + z.backward, dp=z.forward + z.backward)
 
 
 def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
