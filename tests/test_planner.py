@@ -255,6 +255,32 @@ def test_emitted_toml_trains(corpus, tmp_path):
     assert "done: 2 steps" in t.stdout
 
 
+def test_emitted_zero3_pipeline_is_a_config_the_engine_accepts(tmp_path, capsys):
+    """A ZeRO-3 x pp layout the search may now propose: ``--emit-toml``'s writer gives a
+    config ``Config.from_dict`` accepts (ZeRO-3, one chunk per rank), and ``shardwise
+    memory`` prices its ranks (``predict_rank``) rather than refusing them."""
+    import tomllib
+
+    from shardwise.base.config import Config
+    from shardwise.cli.memory import main
+    from shardwise.cli.plan import emit_toml
+    from shardwise.engine.memory import predict_rank
+
+    spec = NAMED["gpt2-124m"]
+    lay = Layout(2, 1, 2, 2, 4, "1f1b", zero=3)
+    path = emit_toml(str(tmp_path / "z3pp.toml"), "gpt2-124m", spec, lay, 16, "bf16")
+    cfg = Config.from_dict(tomllib.loads(path.read_text()))
+    assert (cfg.parallel.zero, cfg.parallel.pp, cfg.parallel.dp) == (3, 2, 2)
+    assert cfg.parallel.chunks_per_rank == 1 and cfg.parallel.micro_batches == 4
+    assert main(["--config", str(path), "--dp", "2", "--pp", "2", "--stages", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:3] for r in rows] == [["3", "0", "0"], ["3", "1", "0"]]
+    d = spec.model()
+    for z, pr, _, *vals in rows:
+        want = predict_rank(d, dp=2, pp=2, pp_rank=int(pr), zero=3, precision="bf16")
+        assert float(vals[-1]) == pytest.approx(want["total"] / 2**20, abs=6e-3)
+
+
 def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
     """``shardwise memory`` prints the planner's bytes, in the decimal unit its header
     names: the ZeRO paper's 7.5B example at dp 64 (120 / 31.4 / 16.6 / 1.88 GB), in the
