@@ -166,7 +166,8 @@ def test_exact_small_model_bytes_build_the_llama():
     """Below the exact limit the planner packs the Llama's own buckets (predict_rank), as it
     does the GPT's: bucket padding included (the closed form has none)."""
     spec = _closed(LLAMA_SMALL)
-    for dp, tp, pp, zero in ((3, 1, 1, 1), (3, 2, 1, 2), (3, 1, 2, 2)):
+    for dp, tp, pp, zero in ((3, 1, 1, 1), (3, 2, 1, 2), (3, 1, 2, 2), (2, 1, 2, 3),
+                             (3, 2, 2, 3)):
         got = static_bytes(spec, dp, tp, pp, 1, zero, "bf16", bucket_mb=0.01)
         want = max((predict_rank(LLAMA_SMALL, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
                                  zero=zero, precision="bf16", bucket_mb=0.01)

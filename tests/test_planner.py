@@ -34,7 +34,8 @@ LAYOUTS = {
         dict(dp=2, pp=2, micro_batches=4, zero=2), dict(dp=4, zero=3),
         dict(dp=1, tp=2, pp=2, micro_batches=4, schedule="interleaved", chunks_per_rank=2,
              recompute=True),
-        dict(dp=1, pp=4, micro_batches=4, schedule="gpipe")],
+        dict(dp=1, pp=4, micro_batches=4, schedule="gpipe"),
+        dict(dp=2, pp=2, micro_batches=4, zero=3)],
     8: [dict(dp=2, tp=2, pp=2, micro_batches=4, zero=1), dict(dp=2, pp=4, micro_batches=4),
         dict(dp=1, tp=2, pp=4, micro_batches=8, sequence_parallel=True),
         dict(dp=8, zero=2), dict(dp=4, tp=2, zero=3, recompute=True)],
@@ -62,7 +63,7 @@ def test_closed_form_equals_predict_rank():
             for pr, layers in enumerate(stage_layers(spec, pp, v, by)):
                 P = rank_params(spec, layers, tp, pp)
                 for z in (0, 1, 2, 3):
-                    if z == 3 and pp > 1:
+                    if z == 3 and v > 1:  # ZeRO-3 runs one chunk (stage) per rank
                         continue
                     d = predict_rank(cfg, dp=2, pp=pp, tp=tp, pp_rank=pr, chunks_per_rank=v,
                                      zero=z, precision="bf16", bucket_mb=0.01, partition_by=by)
@@ -74,6 +75,51 @@ def test_closed_form_equals_predict_rank():
                             assert abs(d[k] - c[k]) <= 16 * 2 * 64, (k, d[k], c[k])
                     checked += 1
     assert checked > 40
+
+
+def test_gathered_units_are_the_engines_units():
+    """``gathered_bytes`` against the units ``ZeroStage3`` makes of each rank's chunk as the
+    engine builds it (on meta): a layer's own parameters, a weight tied across stages a
+    unit of its own, one tied within the rank the root; each padded to dp. The peak is the
+    root and the two neighbouring layers with the most bytes (one gathered, the next
+    prefetched), at pp 1 (the tied matrix the root) and pp 2, 3 (a unit on both ends)."""
+    import torch
+
+    from shardwise.engine.model import build_local_model
+    from shardwise.models import GPTConfig
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+    from shardwise.planner.memory import gathered_bytes
+
+    for L, h, a, V, tie, bias in [(4, 64, 4, 67, True, True), (5, 64, 4, 65, False, True),
+                                  (3, 64, 8, 65, True, False)]:
+        spec = ModelSpec("x", L, h, a, V, 32, tie, bias)
+        cfg = GPTConfig(V, 32, L, a, h, bias=bias, tie_weights=tie)
+        for dp, tp, pp in ((2, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2), (2, 1, 3)):
+            want = 0
+            for pr in range(pp):
+                with torch.device("meta"):
+                    local = build_local_model(
+                        cfg, pp=pp, pp_rank=pr, chunk_ids=[pr], n_chunks=pp,
+                        tp=RankGroup(size=tp, rank=0), seed=0, dropout_seed=0,
+                        device=torch.device("meta"))
+                (chunk,) = local.chunks.values()
+                tied = {id(q) for n, q in local.named_parameters() if n in local.tied}
+                owners: dict = {}
+                for layer in chunk.layers:
+                    for q in layer.parameters():
+                        owners[id(q)] = owners.get(id(q), 0) + 1
+                pad = lambda x: -(-x // dp) * dp  # noqa: E731
+                root = pad(sum({id(q): q.numel() for layer in chunk.layers
+                                for q in layer.parameters() if owners[id(q)] > 1}.values()))
+                per = []
+                for layer in chunk.layers:
+                    own = [q for q in layer.parameters() if owners[id(q)] == 1]
+                    per.append(sum(pad(q.numel()) for q in own if id(q) in tied)
+                               + pad(sum(q.numel() for q in own if id(q) not in tied)))
+                pair = max([x + y for x, y in zip(per, per[1:])] or per)
+                want = max(want, 2 * (root + pair))
+            assert gathered_bytes(spec, dp, tp, pp, 3, "bf16") == want, (L, tie, dp, tp, pp)
+            assert gathered_bytes(spec, dp, tp, pp, 2, "bf16") == 0
 
 
 def test_named_sizes_match_their_papers():
@@ -143,7 +189,9 @@ def test_pruning_reasons():
     wide = ModelSpec("w", 4, 128, 16, 65, 32)
     assert "cross nodes" in prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, False)
     assert prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, True) is None
-    assert "ZeRO-3 with pipeline" in prune_reason(spec, Layout(2, 1, 2, 1, 2, zero=3), a100, False)
+    assert prune_reason(spec, Layout(2, 1, 2, 1, 2, zero=3), a100, False) is None
+    assert "ZeRO-3 with chunks_per_rank=2 (the engine refuses it" in prune_reason(
+        spec, Layout(2, 1, 2, 1, 2, "interleaved", 2, zero=3), a100, False)
     assert "chunks for 6 layers" in prune_reason(spec, Layout(1, 1, 4, 1, 4, "interleaved", 2), a100, False)
     assert "divisible by pp" in prune_reason(spec, Layout(1, 1, 2, 1, 3, "interleaved", 2), a100, False)
     assert prune_reason(spec, Layout(2, 2, 2, 1, 4), a100, False) is None
@@ -205,6 +253,32 @@ def test_emitted_toml_trains(corpus, tmp_path):
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "done: 2 steps" in t.stdout
+
+
+def test_emitted_zero3_pipeline_is_a_config_the_engine_accepts(tmp_path, capsys):
+    """A ZeRO-3 x pp layout the search may now propose: ``--emit-toml``'s writer gives a
+    config ``Config.from_dict`` accepts (ZeRO-3, one chunk per rank), and ``shardwise
+    memory`` prices its ranks (``predict_rank``) rather than refusing them."""
+    import tomllib
+
+    from shardwise.base.config import Config
+    from shardwise.cli.memory import main
+    from shardwise.cli.plan import emit_toml
+    from shardwise.engine.memory import predict_rank
+
+    spec = NAMED["gpt2-124m"]
+    lay = Layout(2, 1, 2, 2, 4, "1f1b", zero=3)
+    path = emit_toml(str(tmp_path / "z3pp.toml"), "gpt2-124m", spec, lay, 16, "bf16")
+    cfg = Config.from_dict(tomllib.loads(path.read_text()))
+    assert (cfg.parallel.zero, cfg.parallel.pp, cfg.parallel.dp) == (3, 2, 2)
+    assert cfg.parallel.chunks_per_rank == 1 and cfg.parallel.micro_batches == 4
+    assert main(["--config", str(path), "--dp", "2", "--pp", "2", "--stages", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:3] for r in rows] == [["3", "0", "0"], ["3", "1", "0"]]
+    d = spec.model()
+    for z, pr, _, *vals in rows:
+        want = predict_rank(d, dp=2, pp=2, pp_rank=int(pr), zero=3, precision="bf16")
+        assert float(vals[-1]) == pytest.approx(want["total"] / 2**20, abs=6e-3)
 
 
 def test_memory_cli_shares_the_model_and_names_its_unit(capsys):

@@ -15,7 +15,7 @@ import pytest
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS, per_op
 from shardwise.planner.memory import MEGATRON, activation_bytes
 from shardwise.planner.search import memory_of, plan, prune_reason
-from shardwise.planner.simulate import Layout, simulate, zero3_exposed
+from shardwise.planner.simulate import Layout, simulate, zero3_seconds
 from shardwise.planner.specs import NAMED
 
 A100 = PRESETS["dgx-a100-80gb"]
@@ -95,18 +95,104 @@ def test_zero3_overlap_hides_gathers_behind_compute():
     spec = NAMED["gpt3-13b"]
     lay = Layout(32, 2, 1, 2, 4, zero=3)
     layers = list(range(spec.n_layer + 2))
-    on = zero3_exposed(spec, lay, A100, "bf16", layers)
+    on = sum(zero3_seconds(spec, lay, A100, "bf16", layers))
     off = replace(A100, zero3_overlap=False)
     t_on, t_off = simulate(spec, lay, A100), simulate(spec, lay, off)
     assert t_on["step"] < t_off["step"] and t_on["dp"] < t_off["dp"]
     # a slower fabric exposes more; with compute far longer than a gather, only the ends show
     slow = replace(A100, inter=replace(A100.inter, fixed=replace(
         A100.inter.fixed, beta_link=A100.inter.fixed.beta_link * 20)))
-    assert zero3_exposed(spec, lay, slow, "bf16", layers) > on
+    assert sum(zero3_seconds(spec, lay, slow, "bf16", layers)) > on
     big = replace(lay, micro_batch_size=8, micro_batches=1)
     g = A100.link(lay.world).all_gather
     ends = 2 * g(lay.dp, 1e9)  # generous: the first and last gathers, the last scatter
-    assert zero3_exposed(spec, big, A100, "bf16", layers) < ends
+    assert sum(zero3_seconds(spec, big, A100, "bf16", layers)) < ends
+
+
+@pytest.mark.parametrize("overlap,recompute", [(True, False), (True, True), (False, False)])
+def test_zero3_pipeline_seconds_are_the_documented_formula(overlap, recompute):
+    """``zero3_seconds`` by hand for each stage of a dp 8 x tp 2 x pp 4 ZeRO-3 layout
+    (gathers g_i and reduce-scatters r_i of each layer's elements over dp, c_i its forward,
+    b_i = 2 c_i or 3 c_i): forward g_0 + sum_{i>=1} max(0, g_i - c_{i-1}); backward g_k +
+    sum_j max(0, g_{j-1} + r_{j+1} - b_j) + r_0; without overlap g(x) + u pen and g(x) +
+    r(x) + 2 u pen for the stage's x elements. Each chunk's forward and backward are
+    ZeRO-1's plus these (``ChunkCost.dp`` their sum), and the step's dp part is m of them."""
+    from shardwise.planner.memory import rank_params, stage_layers
+    from shardwise.planner.simulate import chunk_costs, unit_forward_seconds
+
+    cl = A100 if overlap else replace(A100, zero3_overlap=False)
+    lay = Layout(8, 2, 4, 1, 16, zero=3, recompute=recompute)
+    L, e, n = SPEC.n_layer, 2, 8
+    link = cl.link(lay.world)
+    unit = unit_forward_seconds(SPEC, lay, cl, "bf16")
+    z1 = chunk_costs(SPEC, replace(lay, zero=1), cl, "bf16")
+    z3 = chunk_costs(SPEC, lay, cl, "bf16")
+    for r, layers in enumerate(stage_layers(SPEC, 4)):
+        x = [rank_params(SPEC, [i], 2, 4) * e for i in layers]
+        g = [link.all_gather(n, b) for b in x]
+        rs = [link.reduce_scatter(n, b) for b in x]
+        c = [unit["embed" if i == 0 else "head" if i == L + 1 else "block"] for i in layers]
+        b = [(3 if recompute else 2) * t for t in c]
+        k = len(layers) - 1
+        if overlap:
+            fwd = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, k + 1))
+            bwd = g[k] + sum(
+                max(0.0, (g[j - 1] if j else 0.0) + (rs[j + 1] if j < k else 0.0) - b[j])
+                for j in range(k + 1)) + rs[0]
+        else:
+            whole = rank_params(SPEC, layers, 2, 4) * e
+            fwd = link.all_gather(n, whole) + len(layers) * cl.sync_penalty_s
+            bwd = (link.all_gather(n, whole) + link.reduce_scatter(n, whole)
+                   + 2 * len(layers) * cl.sync_penalty_s)
+        got = zero3_seconds(SPEC, lay, cl, "bf16", layers)
+        assert got.forward == pytest.approx(fwd, rel=1e-12) and fwd > 0
+        assert got.backward == pytest.approx(bwd, rel=1e-12) and bwd > 0
+        assert z3[r].forward == pytest.approx(z1[r].forward + fwd, rel=1e-12)
+        assert z3[r].backward == pytest.approx(z1[r].backward + bwd, rel=1e-12)
+        assert z3[r].dp == pytest.approx(fwd + bwd, rel=1e-12) and z1[r].dp == 0.0
+    t = simulate(SPEC, lay, cl, "bf16")
+    star = max(range(4), key=lambda r: z3[r].forward + z3[r].backward)  # simulate's split
+    assert t["dp"] == pytest.approx(16 * z3[star].dp, rel=1e-9)  # m of them, no flush sync
+    assert zero3_seconds(SPEC, replace(lay, zero=1), cl, "bf16", [1, 2]) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_zero3_pipeline_costs_more_comm_and_holds_less_than_zero1(schedule):
+    """The same pipeline under ZeRO-1 and ZeRO-3: ZeRO-3 holds fewer bytes (a 1 / dp shard of
+    the stage's parameters and gradients, two layers gathered at a time) and communicates
+    more (every micro-batch gathers its stage twice). Its gathers delay the stages waiting
+    on it, so the step grows by more than the busiest rank's m exposed seconds: the fill
+    and drain carry them too."""
+    from shardwise.planner.simulate import chunk_costs
+
+    z1, z3 = (Layout(8, 2, 4, 1, 16, schedule, zero=z) for z in (1, 3))
+    m1, t1 = _both(z1)
+    m3, t3 = _both(z3)
+    assert m3["total"] < m1["total"] and m3["activations"] == m1["activations"]
+    assert m3["params"] < m1["params"] and m3["grads"] < m1["grads"]
+    assert m3["gathered"] > 0 == m1["gathered"]
+    assert t3["dp"] > t1["dp"] and t3["step"] > t1["step"]
+    assert t3["compute"] == pytest.approx(t1["compute"], rel=1e-12)
+    exposed = max(c.dp for c in chunk_costs(SPEC, z3, A100, "bf16"))
+    assert t3["step"] - t1["step"] > 16 * exposed - t1["dp"]
+    assert t3["bubble"] > t1["bubble"]
+
+
+def test_search_plans_zero3_with_pipelines_but_not_interleaved():
+    """ZeRO-3 x pp layouts are simulated like any (no reason prunes them); ZeRO-3 with more
+    than one chunk per rank keeps the engine's reason."""
+    spec = NAMED["gpt2-350m"]
+    feasible, pruned = plan(spec, A100, 8, 32, micro_batches=[2], zero=[1, 3], sp=[False],
+                            recompute=[False], partitions=["layers"], exhaustive=True)
+    z3pp = [c for c in feasible if c.layout.zero == 3 and c.layout.pp > 1]
+    assert z3pp and all(c.layout.chunks_per_rank == 1 for c in z3pp)
+    for c in z3pp:
+        assert c.memory == memory_of(spec, c.layout, "bf16")
+        assert c.time == simulate(spec, c.layout, A100, "bf16")
+    reasons = [p.reason for p in pruned if p.layout.zero == 3]
+    assert not any("pipeline" in w for w in reasons)
+    assert any(w.startswith("ZeRO-3 with chunks_per_rank=") and "engine refuses" in w
+               for w in reasons)
 
 
 def test_pipeline_depth_and_interleaving_shrink_the_bubble():

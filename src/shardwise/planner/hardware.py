@@ -142,7 +142,7 @@ class Cluster:
     meta: dict = field(default_factory=dict)
     ops: OpModel | None = None  # per-operation compute model; None: flops x efficiency
     kernels: str = "shardwise"  # which kernels a block runs (KERNELS), for ``ops``
-    zero3_overlap: bool = True  # ZeRO-3 gathers overlap compute (``simulate.zero3_exposed``)
+    zero3_overlap: bool = True  # ZeRO-3 gathers overlap compute (``simulate.zero3_seconds``)
     blocking_sends: bool = False  # pipeline sends block compute (``simulate.blocking_p2p``)
     fp8_flops: float | None = None
 

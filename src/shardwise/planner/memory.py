@@ -23,7 +23,9 @@ Static bytes (parameters, gradients, optimizer states) per rank:
 - bytes per element from the parameter count P of the rank (Rajbhandari et al. 2020, sec. 3;
   b = 2 for bf16/fp16, 4 for fp32, K = 12 bytes of fp32 master + Adam moments, or 8 in fp32
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
-  ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32).
+  ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32), and at the
+  peak its gathered units (``gathered_bytes``, not a static byte: ``memory_of`` adds it).
+  With a pipeline the same hold for the rank's stage (ZeRO-3: one chunk per rank).
 - context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
   every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
@@ -56,9 +58,11 @@ Context parallelism: every per-token term is over the ``s / cp`` tokens a rank h
 A pipeline rank holds the activations of ``in_flight`` micro-batches of its chunks (1F1B:
 min(p - r, m); interleaved: Narayanan et al.'s warm-up count, GPipe: m); with recompute it
 holds each chunk's input per micro-batch in flight, and at its peak one chunk recomputed in
-full plus one held input. Not modelled: ZeRO-3's gathered units (the meter counts the
-weights saved for backward of units whose storage ZeRO-3 frees after forward, so its
-reading is not an activation figure; ``tests/test_planner.py`` leaves ZeRO-3 out).
+full plus one held input. ZeRO-3 (any pp: a pipeline stage is one ZeRO-3 chunk) also
+holds, at its peak, the units it has gathered (``gathered_bytes``), counted apart from the
+activations (the executor's meter counts the weights saved for backward of units whose
+storage ZeRO-3 frees after forward, so its reading is not an activation figure;
+``tests/test_planner.py`` leaves ZeRO-3 out of the activation comparison).
 """
 
 from __future__ import annotations
@@ -285,6 +289,49 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
         if best is None or d["total"] > best["total"]:
             best = d
     return best
+
+
+@lru_cache(maxsize=4096)
+def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precision: str,
+                   partition: str = "layers", cp: int = 1) -> int:
+    """Bytes of ZeRO-3's gathered units at the busiest pipeline rank's peak (0 for ZeRO
+    0-2, whose parameters are whole in ``static_bytes`` already), in the compute dtype (b
+    per element), each unit padded to a multiple of dp x cp as ``ZeroStage3`` pads it.
+
+    ``parallel.zero.stage3``: a unit is a layer's own parameters (embedding, a block, the
+    head); before a layer runs its units are gathered and the next unit's gather is
+    launched (forward; in backward the unit before it), so two neighbouring layers are
+    whole at once; a weight tied across pipeline stages is a unit of its own, gathered with
+    its layer, and one tied within the rank (embedding and head on one rank) is the root
+    unit, whole for the step. So: b (root + max over neighbouring layers i, i+1 of the
+    rank of their units' padded elements), with one layer a rank holding just one. Where a
+    layer is two units (its tied weight and the rest) this counts the first unit of the
+    next layer as the whole layer, at most a LayerNorm (or a position table) more than the
+    engine holds. Not counted: the full-size gradients of the unit in backward before they
+    are packed and reduce-scattered (transient, as ZeRO-1/2's gradients before their
+    bucket is reduced). ZeRO-3 runs one chunk per rank (``parallel.chunks_per_rank = 1``).
+    """
+    if zero != 3:
+        return 0
+    n, b, L = dp * cp, BYTES[precision], spec.n_layer
+    ends = (0, L + 1)
+    # the elements embedding and head share (a tied matrix), by inclusion-exclusion
+    tied = (rank_params(spec, [0], tp, pp) + rank_params(spec, [L + 1], tp, pp)
+            - rank_params(spec, list(ends), tp, pp))
+
+    def pad(x: int) -> int:
+        return -(-x // n) * n
+
+    worst = 0
+    for layers in stage_layers(spec, pp, 1, partition):
+        root = tied if all(i in layers for i in ends) else 0
+        per = []
+        for i in layers:
+            split = tied if i in ends else 0  # the tied matrix: a unit of its own, or root's
+            per.append(pad(rank_params(spec, [i], tp, pp) - split) + (0 if root else pad(split)))
+        pair = max((x + y for x, y in zip(per, per[1:])), default=per[0] if per else 0)
+        worst = max(worst, b * (pad(root) + pair))
+    return worst
 
 
 @dataclass(frozen=True)

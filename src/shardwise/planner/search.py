@@ -2,7 +2,7 @@
 
 The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of the global
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
-ZeRO 0-3 (3 only without a pipeline, as the engine requires), recomputation on/off,
+ZeRO 0-3 (3 with one chunk per pipeline rank, as the engine requires), recomputation on/off,
 sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
 context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks),
 pruned for a model with dropout (the engine refuses cp > 1 with dropout); for a mixture of
@@ -46,6 +46,7 @@ from shardwise.planner.memory import (
     MEGATRON,
     GiB,
     activation_bytes,
+    gathered_bytes,
     stage_layers,
     static_bytes,
 )
@@ -191,9 +192,9 @@ def fp8_reason(cluster: Cluster) -> str:
 
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
-    if lay.zero == 3 and lay.pp > 1:
-        return ("ZeRO-3 with pipeline parallelism (the engine runs it, gathering every unit "
-                "again per micro-batch; the cost model charges one gather per step: not planned)")
+    if lay.zero == 3 and lay.chunks_per_rank > 1:
+        return (f"ZeRO-3 with chunks_per_rank={lay.chunks_per_rank} (the engine refuses it: "
+                "ZeRO-3 runs one chunk (stage) per rank)")
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
         return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
     if lay.sp and (spec.block_size // lay.cp) % lay.tp:
@@ -213,12 +214,24 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     return None
 
 
+def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, precision: str,
+               sp: bool = False, partition: str = "layers", cp: int = 1, ep: int = 1) -> dict:
+    """``static_bytes`` (params, grads, optimizer) and ``"gathered"``, ZeRO-3's units in
+    flight at the peak (``gathered_bytes``; 0 for ZeRO 0-2), bytes per GPU; ``"total"``
+    their sum. Each is its largest pipeline rank's, so the total may exceed every one
+    rank's by the difference between the ranks' gathered units (a bound, never below)."""
+    st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
+                      ep=ep)
+    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp)
+    return {**st, "gathered": g, "total": st["total"] + g}
+
+
 def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shardwise",
               static: bool = True) -> dict:
-    """Bytes per GPU of ``lay``: the static bytes and the activations of the kernels a block
-    runs (``hardware.KERNELS``: shardwise's measured model, or Megatron-LM's of Korthikanti
-    et al. 2022 for ``megatron-2021``). ``static=False``: the activations' bytes alone (a
-    number)."""
+    """Bytes per GPU of ``lay``: what it holds between steps and ZeRO-3's gathered units
+    (``held_bytes``) and the activations of the kernels a block runs (``hardware.KERNELS``:
+    shardwise's measured model, or Megatron-LM's of Korthikanti et al. 2022 for
+    ``megatron-2021``). ``static=False``: the activations' bytes alone (a number)."""
     if not static:
         return activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                                 micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
@@ -226,8 +239,8 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
                                 precision=precision, partition=lay.partition,
                                 am=MEGATRON if kernels == "megatron-2021" else None,
                                 selective=lay.selective, cp=lay.cp)
-    st = static_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
-                      lay.sp, partition=lay.partition, cp=lay.cp, ep=lay.ep)
+    st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
+                    lay.sp, lay.partition, lay.cp, lay.ep)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
@@ -246,8 +259,8 @@ def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
 
 class Bounds:
     """``lower_bound`` with its per-chunk costs and per-rank extras memoised for one search
-    (chunk costs do not depend on ZeRO or the micro-batch count; the extras, but ZeRO-3's,
-    not on the micro-batch size)."""
+    (chunk costs do not depend on the micro-batch count, nor on ZeRO and dp but for
+    ZeRO-3's gathers inside them; the extras not on the micro-batch size)."""
 
     def __init__(self, spec: ModelSpec, cluster: Cluster, precision: str):
         self.spec, self.cluster, self.precision = spec, cluster, precision
@@ -259,9 +272,11 @@ class Bounds:
 
     @staticmethod
     def costs_key(lay: Layout) -> tuple:
-        """What ``chunk_costs`` reads of a layout (not ZeRO, dp or the micro-batch count)."""
+        """What ``chunk_costs`` reads of a layout (not the micro-batch count; ZeRO and dp
+        only for ZeRO-3, whose gathers are inside the chunks)."""
         return (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
-                lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8)
+                lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8,
+                lay.dp if lay.zero == 3 else 0)
 
     def costs(self, lay: Layout):
         key = self.costs_key(lay)
@@ -272,13 +287,11 @@ class Bounds:
         return c
 
     def extras(self, lay: Layout) -> list[float]:
-        """Per pipeline rank: seconds after (or beside) its last compute that ``simulate``
-        adds: dp collectives, ZeRO-3 gathers, the tied embedding's all-reduce, the
-        optimizer (the same functions)."""
-        z3 = (lay.micro_batches, lay.micro_batch_size, lay.sp, lay.recompute,
-              lay.selective) if lay.zero == 3 else ()  # its gathers hide behind compute
-        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero, z3,
-               lay.cp, lay.ep, lay.fp8 if lay.zero == 3 else False)
+        """Per pipeline rank: seconds after its last compute that ``simulate`` adds: dp
+        collectives after the flush, the tied embedding's all-reduce, the optimizer (the
+        same functions)."""
+        key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero,
+               lay.cp, lay.ep)
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
@@ -289,13 +302,12 @@ class Bounds:
                 # a named size's dp and optimizer seconds read only how many blocks a rank
                 # holds and whether the embedding and head are among them (rank_params)
                 sig = ((len(layers), 0 in layers, L + 1 in layers)
-                       if spec.description is None and lay.zero != 3 else tuple(layers))
+                       if spec.description is None else tuple(layers))
                 rk = (key, sig)
                 own = self._ranks.get(rk)
                 if own is None:
                     dp = dp_seconds(spec, lay, cl, prec, layers)
-                    own = self._ranks[rk] = (dp.after + dp.inside,
-                                             optimizer_seconds(spec, lay, cl, layers))
+                    own = self._ranks[rk] = (dp.after, optimizer_seconds(spec, lay, cl, layers))
                 x.append(own[0] + tied_seconds(spec, lay, cl, prec, r) + own[1])
             self._extras[key] = x
         return x
@@ -426,10 +438,10 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 sp_why = layout_reason(spec, replace(base, sp=True)) if True in sps else None
                 # (not for a ZeRO stage or sp the engine refuses here whatever the rest:
                 # _expand prunes those by their reason)
-                statics = {(z, e, s): static_bytes(spec, dp, tp, pp, v, z, precision, s,
-                                                   partition=cut_by, cp=c, ep=e)
+                statics = {(z, e, s): held_bytes(spec, dp, tp, pp, v, z, precision, s,
+                                                 cut_by, c, e)
                            for z in zero for e in eps for s in sps
-                           if not (z == 3 and (pp > 1 or e > 1) or z and dp * c == 1
+                           if not (z == 3 and (v > 1 or e > 1) or z and dp * c == 1
                                    or s and sp_why)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)

@@ -8,8 +8,9 @@ tensor-parallel collectives; a ``Send*`` posts the tensor on the rank's communic
 (one message at a time), to arrive after ``Link.p2p``; a ``Recv*`` costs nothing (the
 executor posts receives without waiting; the compute that needs the tensor waits).
 After the flush, the data-parallel gradient sync (ZeRO-0 all-reduce, ZeRO-1/2
-reduce-scatter + parameter all-gather; ZeRO-3 gathers per micro-batch, inside compute) and
-the optimizer run; the step ends when the slowest rank is done (the global norm is one
+reduce-scatter + parameter all-gather; ZeRO-3's gathers and reduce-scatters are inside every
+micro-batch's forward and backward, pipeline or not: ``zero3_seconds``) and the optimizer
+run; the step ends when the slowest rank is done (the global norm is one
 collective over all ranks).
 
 Compute: forward FLOPs per block and micro-batch of b sequences 24 b s h^2 + 4 b s^2 h
@@ -187,15 +188,19 @@ class ChunkCost(NamedTuple):
     tp_backward: float
     """Seconds of communication inside the backward, and its waiting."""
     wait_forward: float
-    """Seconds of the forward's sync penalty (ranks sharing cores), spent off the core."""
+    """Seconds of the forward spent off the core: its sync penalty (ranks sharing cores)
+    and ZeRO-3's exposed collectives (``_with_zero3``)."""
     wait_backward: float
-    """Seconds of the backward's sync penalty."""
+    """Seconds of the backward spent off the core (as ``wait_forward``)."""
     cp: float
     """Seconds of exposed ring traffic, forward + backward."""
     ep: float
     """Seconds of all-to-alls, forward + backward."""
     pp: float
     """Seconds of blocking pipeline sends, forward + backward."""
+    dp: float = 0.0
+    """Seconds of ZeRO-3's exposed gathers and reduce-scatters, forward + backward
+    (``zero3_seconds``; 0 for ZeRO 0-2)."""
 
 
 class DpSeconds(NamedTuple):
@@ -203,9 +208,18 @@ class DpSeconds(NamedTuple):
 
     after: float
     """Seconds of dp collectives after the flush (ZeRO-0 all-reduce, ZeRO-1/2 reduce-scatter
-    and all-gather)."""
-    inside: float
-    """Seconds of ZeRO-3 gathers and scatters inside the schedule, every micro-batch."""
+    and all-gather; 0 for ZeRO-3, whose collectives are inside every micro-batch's forward
+    and backward: ``zero3_seconds``, ``ChunkCost.dp``)."""
+
+
+class Zero3Seconds(NamedTuple):
+    """Seconds ZeRO-3's collectives add to one micro-batch's forward and backward on one
+    pipeline rank (``zero3_seconds``), after what overlaps its compute."""
+
+    forward: float
+    """Seconds added to the forward: its gathers not hidden behind compute."""
+    backward: float
+    """Seconds added to the backward: its gathers again and its reduce-scatters."""
 
 
 class RankComm(NamedTuple):
@@ -218,6 +232,8 @@ class RankComm(NamedTuple):
     """Seconds of all-to-alls."""
     pp: float
     """Seconds of blocking pipeline sends."""
+    dp: float
+    """Seconds of ZeRO-3's exposed collectives."""
 
 
 class Walk(NamedTuple):
@@ -492,16 +508,31 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         out.append(ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
                              tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
         seen[(nb, head, emb)] = out[-1]
+    if lay.zero == 3:  # one chunk (stage) per rank: its units gathered every micro-batch
+        stages = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
+        out = [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision, stages[i]))
+               for i, c in enumerate(out)]
     return out
+
+
+def _with_zero3(c: ChunkCost, z: Zero3Seconds) -> ChunkCost:
+    """``c`` with ZeRO-3's exposed seconds inside its forward and backward (communication
+    inside compute: the walk delays whatever waits on this chunk by them), spent off the
+    core as the sync penalty is (``walk_shared`` does not slow them down by core sharing,
+    as the step's ZeRO-3 seconds were priced before they moved into the chunks)."""
+    return c._replace(forward=c.forward + z.forward, backward=c.backward + z.backward,
+                      tp_forward=c.tp_forward + z.forward, tp_backward=c.tp_backward + z.backward,
+                      wait_forward=c.wait_forward + z.forward,
+                      wait_backward=c.wait_backward + z.backward, dp=z.forward + z.backward)
 
 
 def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                layers: list[int]) -> DpSeconds:
-    """``DpSeconds(after, inside)``: seconds of dp collectives after the flush, seconds of
-    ZeRO-3 gathers inside the schedule, for a rank holding ``layers``."""
+    """``DpSeconds(after)``: seconds of dp collectives after the flush for a rank holding
+    ``layers`` (ZeRO-3's are inside the schedule: ``zero3_seconds``)."""
     n = lay.dp * lay.cp  # every replica of the dense weights
-    if n == 1:
-        return DpSeconds(0.0, 0.0)
+    if n == 1 or lay.zero == 3:
+        return DpSeconds(0.0)
     e = BYTES[precision]
     X = rank_expert_params(spec, layers, lay.tp, lay.ep)
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep) - X
@@ -509,18 +540,9 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     x, pen = P * e, cluster.sync_penalty_s
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
     if lay.zero == 0:
-        return DpSeconds(link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen, 0.0)
-    if lay.zero in (1, 2):
-        return DpSeconds(link.reduce_scatter(n, x) + link.all_gather(n, x)
-                         + link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e)
-                         + 2 * pen, 0.0)
-    if cluster.zero3_overlap and not cluster.cores:
-        return DpSeconds(0.0, lay.micro_batches * zero3_exposed(spec, lay, cluster, precision,
-                                                                layers))
-    units = len(layers)  # ZeRO-3 gathers unit by unit (a layer each), per micro-batch
-    x = (P + X) * e  # every parameter over dp x cp (the engine refuses ZeRO-3 with ep > 1)
-    return DpSeconds(0.0, lay.micro_batches * (2 * link.all_gather(n, x)
-                                               + link.reduce_scatter(n, x) + 3 * units * pen))
+        return DpSeconds(link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen)
+    return DpSeconds(link.reduce_scatter(n, x) + link.all_gather(n, x)
+                     + link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e) + 2 * pen)
 
 
 def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
@@ -537,30 +559,55 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
     return {"embed": emb, "block": blk, "head": c.forward - blk - emb}
 
 
-def zero3_exposed(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-                  layers: list[int]) -> float:
-    """Seconds per micro-batch that ZeRO-3's collectives add to a rank's compute, with the
-    engine's overlap (``parallel.zero.stage3``): each unit (a layer) is all-gathered before
-    it runs, the next unit's gather launched as it starts (prefetch), so in forward only
-    the first gather and what each later gather takes beyond the previous unit's compute
-    is exposed; in backward the unit's gather again (prefetched during the later unit's
-    backward, which also carries that unit's reduce-scatter on the same stream), and the
-    last reduce-scatter after the last backward."""
-    e, n, L = BYTES[precision], lay.dp * lay.cp, spec.n_layer
+def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                  layers: list[int]) -> Zero3Seconds:
+    """``Zero3Seconds(forward, backward)``: seconds ZeRO-3's collectives add to one
+    micro-batch's forward and backward on a rank holding ``layers`` (its one chunk: with a
+    pipeline, its stage), over dp x cp ranks on the link ``lay.world`` ranks span (zero
+    when ``lay.zero`` is not 3 or dp x cp = 1). ``parallel.zero.stage3`` gathers a rank's
+    units for every micro-batch's forward and again for its backward and reduce-scatters
+    every backward, pipeline or not, so this is charged per micro-batch per op
+    (``chunk_costs`` adds it to the chunk's forward and backward: the walk delays the stages
+    waiting on it, the pipeline's fill and drain included).
+
+    With the engine's overlap (``Cluster.zero3_overlap``, ranks with a device each): each
+    unit (a layer; gather g_i, reduce-scatter r_i, forward compute c_i, backward b_i = 2 c_i,
+    3 c_i with recomputation) is all-gathered before it runs, the next unit's gather launched
+    as it starts (prefetch), so the forward exposes g_0 + sum_{i>=1} max(0, g_i - c_{i-1});
+    the backward the last unit's gather again (g_k: freed after forward), then during unit
+    j's backward unit j-1's gather and unit j+1's reduce-scatter (one stream): sum_j max(0,
+    g_{j-1} + r_{j+1} - b_j), and the first unit's scatter r_0, waited for at the end of the
+    backward. The engine prefetches only within an op (the first unit's gather is launched
+    by the op's own first hook), so every op pays its exposed part, in the steady state
+    and in the pipeline's fill and drain alike, and none hides in the bubble.
+
+    Without overlap (``zero3_overlap=False``, or ranks sharing cores): the rank's
+    parameters x all-gathered whole per pass and reduce-scattered per backward, and a sync
+    penalty per unit and collective: forward g(x) + u pen, backward g(x) + r(x) + 2 u pen
+    (u = ``len(layers)``)."""
+    n = lay.dp * lay.cp
+    if lay.zero != 3 or n == 1:
+        return Zero3Seconds(0.0, 0.0)
+    e, L = BYTES[precision], spec.n_layer
     link = cluster.link(lay.world)
+    if not cluster.zero3_overlap or cluster.cores:
+        units, pen = len(layers), cluster.sync_penalty_s
+        x = rank_params(spec, layers, lay.tp, lay.pp) * e  # ZeRO-3 is refused with ep > 1
+        return Zero3Seconds(link.all_gather(n, x) + units * pen,
+                            link.all_gather(n, x) + link.reduce_scatter(n, x) + 2 * units * pen)
     fwd = unit_forward_seconds(spec, lay, cluster, precision)
     kind = ["embed" if i == 0 else "head" if i == L + 1 else "block" for i in layers]
     g = [link.all_gather(n, rank_params(spec, [i], lay.tp, lay.pp) * e) for i in layers]
     r = [link.reduce_scatter(n, rank_params(spec, [i], lay.tp, lay.pp) * e) for i in layers]
     c = [fwd[k] for k in kind]
     b = [(3 if lay.recompute else 2) * x for x in c]
-    exposed = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, len(layers)))
+    forward = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, len(layers)))
     k = len(layers) - 1
-    exposed += g[k]  # the last unit, freed after forward, gathered again for backward
+    backward = g[k]  # the last unit, freed after forward, gathered again for backward
     for j in range(k, -1, -1):  # during unit j's backward: unit j-1's gather, j+1's scatter
         comm = (g[j - 1] if j >= 1 else 0.0) + (r[j + 1] if j + 1 <= k else 0.0)
-        exposed += max(0.0, comm - b[j])
-    return exposed + r[0]  # the first unit's scatter, after the last backward
+        backward += max(0.0, comm - b[j])
+    return Zero3Seconds(forward, backward + r[0])  # the first unit's scatter, at the end
 
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
@@ -865,14 +912,14 @@ def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
 
 
 def _rank_comm(costs: list[ChunkCost], r: int, lay: Layout) -> RankComm:
-    """``RankComm(cp, ep, pp)``: the exposed ring, all-to-all and blocking-send seconds
-    rank ``r`` spends in the walk, m passes of each of its chunks."""
+    """``RankComm(cp, ep, pp, dp)``: the exposed ring, all-to-all, blocking-send and ZeRO-3
+    seconds rank ``r`` spends in the walk, m passes of each of its chunks."""
     mine = [c for i, c in enumerate(costs) if i % lay.pp == r]
-    if not any(c.cp or c.ep or c.pp for c in mine):
-        return RankComm(0.0, 0.0, 0.0)
+    if not any(c.cp or c.ep or c.pp or c.dp for c in mine):
+        return RankComm(0.0, 0.0, 0.0, 0.0)
     m = lay.micro_batches
     return RankComm(m * sum(c.cp for c in mine), m * sum(c.ep for c in mine),
-                    m * sum(c.pp for c in mine))
+                    m * sum(c.pp for c in mine), m * sum(c.dp for c in mine))
 
 
 def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:
@@ -924,12 +971,13 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
         dp = dp_seconds(spec, lay, cluster, precision, per_rank[r])
         opt = optimizer_seconds(spec, lay, cluster, per_rank[r])
         tied = tied_seconds(spec, lay, cluster, precision, r)
-        totals.append(end[r] + dp.inside + dp.after + tied + opt)
+        totals.append(end[r] + dp.after + tied + opt)
         comm = _rank_comm(costs, r, lay)
-        parts.append({"compute": busy[r], "tp": tp_time[r] - comm.cp - comm.ep - comm.pp,
+        parts.append({"compute": busy[r],
+                      "tp": tp_time[r] - comm.cp - comm.ep - comm.pp - comm.dp,
                       "cp": comm.cp, "ep": comm.ep,
                       "pp": max(0.0, end[r] - ideal_end[r]) + comm.pp,
-                      "dp": dp.after + dp.inside + tied, "optimizer": opt})
+                      "dp": dp.after + comm.dp + tied, "optimizer": opt})
     # the split of the bottleneck stage (most compute); its idle time is the bubble
     star = max(range(lay.pp), key=lambda r: busy[r] + tp_time[r])
     step = max(totals)
