@@ -401,9 +401,12 @@ ARCHS = (LLAMA, GPT2, MIXTRAL)
 
 def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
-    the top k renormalised, dropless (capacity factor 0), no shared expert."""
+    the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
+    (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
+    chosen would differ)."""
     return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_norm_topk
-            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert)
+            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert
+            and not getattr(cfg, "moe_bias_update_rate", 0.0))
 
 
 def arch_of(config_json: dict) -> HFArch:

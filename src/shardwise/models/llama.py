@@ -70,7 +70,9 @@ class LlamaConfig:
     token, of width ``moe_ffn_hidden`` (None: ``ffn_hidden``), ``moe_gating`` "softmax" or
     "sigmoid", the k gates renormalised with ``moe_norm_topk``, auxiliary loss weight
     ``moe_aux_loss_coef``, ``moe_capacity_factor`` (0: dropless), and with
-    ``moe_shared_expert`` one more SwiGLU of that width every token goes through. Raises
+    ``moe_shared_expert`` one more SwiGLU of that width every token goes through;
+    ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
+    moved by that much after each step, DeepSeek-V3; 0: off). Raises
     ``ValueError`` (one line, naming the fields) for inconsistent sizes.
     """
 
@@ -96,6 +98,7 @@ class LlamaConfig:
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0
     moe_shared_expert: bool = False
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
@@ -148,6 +151,8 @@ class LlamaConfig:
         if self.moe_ffn_hidden < 1 or self.moe_capacity_factor < 0 or self.moe_aux_loss_coef < 0:
             raise ValueError("model.moe_ffn_hidden >= 1, model.moe_capacity_factor >= 0 and "
                              "model.moe_aux_loss_coef >= 0 expected")
+        if self.moe_bias_update_rate < 0:
+            raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: expected >= 0")
 
     @property
     def head_dim(self) -> int:
@@ -256,7 +261,8 @@ def moe(cfg: LlamaConfig) -> MoE:
     h = cfg.moe_ffn_hidden
     return MoE(cfg.n_embd, cfg.n_experts, h, cfg.top_k, cfg.moe_gating, cfg.moe_norm_topk,
                cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
-               shared_expert=MLP(cfg, h) if cfg.moe_shared_expert else None)
+               shared_expert=MLP(cfg, h) if cfg.moe_shared_expert else None,
+               bias_update_rate=cfg.moe_bias_update_rate)
 
 
 class Block(nn.Module):
@@ -459,4 +465,5 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        moe_gating=m.moe_gating, moe_norm_topk=m.moe_norm_topk,
                        moe_aux_loss_coef=m.moe_aux_loss_coef,
                        moe_capacity_factor=m.moe_capacity_factor,
-                       moe_shared_expert=m.moe_shared_expert)
+                       moe_shared_expert=m.moe_shared_expert,
+                       moe_bias_update_rate=m.moe_bias_update_rate)
