@@ -197,26 +197,30 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
 
 def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_path, capsys,
                                                                      monkeypatch):
-    """A Llama with auxiliary-loss-free balancing (``model.moe_bias_update_rate``), trained
-    3 steps on one process: its checkpoint holds each block's ``expert_bias`` (moved off
-    zero) under ``buffers.``; ``shardwise generate``'s loader puts them back into the
-    engine it samples with; ``shardwise export`` refuses it in one line (Mixtral has no
-    such tensor, and without it the experts chosen would differ)."""
+    """A 4-expert Llama trained 2 steps on one process without the routing bias, then
+    resumed to step 4 with auxiliary-loss-free balancing (``model.moe_bias_update_rate``:
+    the biases, absent from the checkpoint, start at zero): the checkpoint of step 4 holds
+    each block's ``expert_bias`` (moved off zero) under ``buffers.``; ``shardwise
+    generate``'s loader puts them back into the engine it samples with; ``shardwise
+    export`` refuses it in one line (Mixtral has no such tensor, and without it the experts
+    chosen would differ)."""
     from shardwise import checkpoint
     from shardwise.apps.lm.generate import generate_rank
     from shardwise.engine import state as engine_state
 
     run = tmp_path / "run"
-    assert main(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data", str(text),
-                 "--model.kind", "llama", "--model.n_experts", "4",
-                 "--model.moe_bias_update_rate", "0.01", "--parallel.dp", "1",
-                 "--training.steps", "3", "--checkpoint.every", "3",
-                 "--training.out_dir", str(run), "--training.sample_chars", "0",
-                 "--training.progress", "false"]) == 0, capsys.readouterr().err[-3000:]
+    for steps, rate in (("2", "0"), ("4", "0.01")):
+        assert main(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data",
+                     str(text), "--model.kind", "llama", "--model.n_experts", "4",
+                     "--model.moe_bias_update_rate", rate, "--parallel.dp", "1",
+                     "--training.steps", steps, "--checkpoint.every", "2",
+                     "--training.out_dir", str(run), "--training.sample_chars", "0",
+                     "--training.progress", "false"]) == 0, capsys.readouterr().err[-3000:]
     path = checkpoint.latest_checkpoint(run / "checkpoints")
+    assert checkpoint.step_of(path) == 4
     saved = checkpoint.read_tensors(path, "buffers.")
     assert sorted(saved) == ["buffers.blocks.0.mlp.expert_bias", "buffers.blocks.1.mlp.expert_bias"]
-    assert all(t.abs().sum() > 0 for t in saved.values())
+    assert sum(t.abs().sum() for t in saved.values()) > 0
     loaded = {}
     load = engine_state.load_logical_tensors
 

@@ -240,6 +240,8 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
                                                  device=m.device if fused else "cpu"),
                             "exp_avg": mine[1][a:b].to(m.device).view_as(m).clone(),
                             "exp_avg_sq": mine[2][a:b].to(m.device).view_as(m).clone()}
+    saved = loaded.get("buffers", {})
     for n, b in local.named_buffers():  # replicated: every rank holding the layer reads it
-        b.copy_(loaded["buffers"][n])
+        if n in saved:  # absent: a state the saving model had not (left as built: zeros)
+            b.copy_(saved[n])
     sync.after_step()
