@@ -421,3 +421,17 @@ def test_engine_moves_each_layers_bias_by_the_steps_load():
     assert want.abs().sum() > 0
     for (n, b), w in zip(biases, want):
         assert torch.allclose(b, w, rtol=0, atol=1e-7), (n, b, w)
+    # any other buffer is still refused, named: it would have no value on the meta device
+    import dataclasses
+
+    from shardwise.models.llama import Llama
+
+    def build():
+        model = Llama(_llama_cfg())
+        model.blocks[1].self_attn.register_buffer("mask", torch.ones(4))
+        return model
+
+    d = dataclasses.replace(describe(_llama_cfg()), build=build)
+    with pytest.raises(ValueError, match=r"^llama: buffer blocks\.1\.self_attn\.mask has no "
+                                         r"value when built on the meta device"):
+        Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16, seed=3))

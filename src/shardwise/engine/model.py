@@ -295,15 +295,16 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     """
     state = []  # buffers a module names in ``state_buffers``: training state, zero at start
     for c in local.chunks.values():
-        for mname, m in c.named_modules():
-            for n, b in m._buffers.items():
-                if b is None:
-                    continue
-                if n not in getattr(m, "state_buffers", ()):
-                    raise ValueError(f"{local.description.kind}: buffer {mname}.{n!r} has no "
-                                     "value when built on the meta device; compute it in "
-                                     "forward instead")
-                state.append((m, n))
+        for lname, layer in zip(c.names, c.layers):
+            for mname, m in layer.named_modules(prefix=lname):
+                for n, b in m._buffers.items():
+                    if b is None:
+                        continue
+                    if n not in getattr(m, "state_buffers", ()):
+                        raise ValueError(f"{local.description.kind}: buffer {mname}.{n} has "
+                                         "no value when built on the meta device; compute it "
+                                         "in forward instead")
+                    state.append((m, n))
     materialise(local.chunks.values(), device)
     for m, n in state:
         m._buffers[n].zero_()
