@@ -5,7 +5,8 @@ process groups over the same world); ``run_job(job)`` is one job, in the test's 
 for one rank (the single-process reference). A job trains ``training.steps`` steps (saving
 after step ``save_at`` when given), or (``resume``) loads ``path`` first; it reports the
 losses, each step's router statistics (``aux_loss``, ``expert_load``), this rank's stage
-parameters unsharded (gathered over tp and ep: full model names and shapes), the local shapes
+parameters unsharded (gathered over tp and ep: full model names and shapes), its routing
+biases (``biases``: ``expert_bias`` of each mixture, with a bias update rate), the local shapes
 of its expert weights, the bytes it holds, and with ``record`` the all-to-all calls of one
 more step (``comm.accounting``).
 """
@@ -30,6 +31,8 @@ def run_job(job: dict) -> dict:
     rep = report(trainer)
     rep["coords"] = {**rep["coords"], "ep": trainer.topology.ep_rank}
     rep["local_shapes"] = {n: s for n, s in rep["local_shapes"].items() if ".experts." in n}
+    rep["biases"] = {n: b.detach().cpu().clone()  # routing biases of this rank's stage
+                     for n, b in trainer.engine.local.named_buffers()}
     if job.get("record"):
         with accounting.recording() as rec:
             trainer.train_step()

@@ -194,7 +194,8 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
     d = describe(cfg)
     assert d.hf is MIXTRAL
     for other in ({"moe_gating": "sigmoid"}, {"moe_norm_topk": False},
-                  {"moe_capacity_factor": 1.25}, {"moe_shared_expert": True}):
+                  {"moe_capacity_factor": 1.25}, {"moe_shared_expert": True},
+                  {"moe_bias_update_rate": 0.001}):
         assert describe(replace(cfg, **other)).hf is None, other
     torch.manual_seed(3)
     ours = _perturb(Llama(cfg))
@@ -244,6 +245,50 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A 4-expert Llama trained 2 steps on one process without the routing bias, then
+    resumed to step 4 with auxiliary-loss-free balancing (``model.moe_bias_update_rate``:
+    the biases, absent from the checkpoint, start at zero): the checkpoint of step 4 holds
+    each block's ``expert_bias`` (moved off zero) under ``buffers.``; ``shardwise
+    generate``'s loader puts them back into the engine it samples with; ``shardwise
+    export`` refuses it in one line (Mixtral has no such tensor, and without it the experts
+    chosen would differ)."""
+    from shardwise import checkpoint
+    from shardwise.apps.lm.generate import generate_rank
+    from shardwise.engine import state as engine_state
+
+    run = tmp_path / "run"
+    for steps, rate in (("2", "0"), ("4", "0.01")):
+        assert main(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data",
+                     str(text), "--model.kind", "llama", "--model.n_experts", "4",
+                     "--model.moe_bias_update_rate", rate, "--parallel.dp", "1",
+                     "--training.steps", steps, "--checkpoint.every", "2",
+                     "--training.out_dir", str(run), "--training.sample_chars", "0",
+                     "--training.progress", "false"]) == 0, capsys.readouterr().err[-3000:]
+    path = checkpoint.latest_checkpoint(run / "checkpoints")
+    assert checkpoint.step_of(path) == 4
+    saved = checkpoint.read_tensors(path, "buffers.")
+    assert sorted(saved) == ["buffers.blocks.0.mlp.expert_bias", "buffers.blocks.1.mlp.expert_bias"]
+    assert sum(t.abs().sum() for t in saved.values()) > 0
+    loaded = {}
+    load = engine_state.load_logical_tensors
+
+    def spy(engine, tensors):
+        load(engine, tensors)
+        loaded.update({f"buffers.{n}": b.clone() for n, b in engine.local.named_buffers()})
+
+    monkeypatch.setattr(engine_state, "load_logical_tensors", spy)
+    meta = checkpoint.read_meta(path)
+    out = generate_rank(meta["config"], str(path), [1, 2], 4, 1.0, 1, 0)
+    assert len(out) == 6
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    capsys.readouterr()
+    assert_one_line_exit_2(["export", str(run), "--format", "hf", "--out", str(tmp_path / "x")],
+                           capsys, "not a Mixtral's", "model.moe_bias_update_rate = 0")
 
 
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):

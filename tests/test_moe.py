@@ -12,12 +12,14 @@ parallelism (each cp rank holds chunks i and 2cp-1-i of every sequence, the same
 cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 over dp2 (the
 issue's layout: expert gradients over ep_dp x cp), and a spawn of 8: cp2 x ep2 over dp4 with
 ZeRO-1 (ep_dp x cp = 4 ranks hold each expert and its shards), cp2 x ep2 x tp2 and
-cp2 x ep2 x pp2 (1F1B, ZeRO-2). Parity: every loss, every step's auxiliary loss and
+cp2 x ep2 x pp2 (1F1B, ZeRO-2). ``softmax-bias`` (auxiliary-loss-free balancing, the
+routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. Parity: every loss, every step's auxiliary loss and
 every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
 the reference, and every step's expert load (tokens routed to each expert of each layer)
-equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
+and every routing bias equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
-one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4). Then the bytes of the
+one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4; one process with the
+routing bias -> ep2). Then the bytes of the
 all-to-all, the memory each rank holds, the refusals at the door and the issue's command
 (cp2 x ep2 x dp2). About 70 s on 2 shared cores (30 s before the cp layouts and their
 spawn of 8).
@@ -41,7 +43,10 @@ MODELS = {
     "softmax": {**_BASE, "tie_weights": False},
     "sigmoid-shared": {**_BASE, "moe_gating": "sigmoid", "moe_shared_expert": True,
                        "n_kv_heads": 2, "tie_weights": True},
+    # auxiliary-loss-free balancing; 0.01 (the paper's 0.001 x 10) moves the choices in 4 steps
+    "softmax-bias": {**_BASE, "tie_weights": False, "moe_bias_update_rate": 0.01},
 }
+SAVERS = ("softmax", "softmax-bias")  # references that also save at STOP
 # name -> (world size, model, parallel section)
 LAYOUTS = {
     "ep2": (2, "softmax", {"dp": 2, "ep": 2, "all_to_all": "linear"}),
@@ -60,6 +65,9 @@ LAYOUTS = {
     "cp2xep2xtp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2}),
     "cp2xep2xpp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "pp": 2,
                                           "micro_batches": 2, "zero": 2}),
+    # the routing bias: each rank moves its copy by the global load (summed over the world)
+    "ep2-bias": (2, "softmax-bias", {"dp": 2, "ep": 2}),
+    "ep2xpp2-bias": (4, "softmax-bias", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
@@ -67,7 +75,8 @@ RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
            "ep2-dp4-z1->ep2": ("ep2-dp4-z1", "ep2"),          # ZeRO pieces joined over ep_dp
            "ep2xtp2->ep2xpp2": ("ep2xtp2", "ep2xpp2"),        # experts on an (ep, tp) mesh
            "dp1->cp2xep2": ("ref:softmax", "cp2xep2"),
-           "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4")}  # ZeRO pieces over ep_dp x cp
+           "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4"),  # ZeRO pieces over ep_dp x cp
+           "dp1->ep2-bias": ("ref:softmax-bias", "ep2-bias")}  # the biases restored
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None):
@@ -79,7 +88,7 @@ def _cfg(corpus, out, model: str, parallel: dict | None = None):
 def references(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-ref")
     return {m: run_job({"kind": "run", "cfg": _cfg(corpus, root / m, m),
-                        "save_at": STOP if m == "softmax" else None}) for m in MODELS}
+                        "save_at": STOP if m in SAVERS else None}) for m in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -132,19 +141,36 @@ def _check_ranks(name: str, ranks: list[dict], ref: dict, first: int = 0) -> Non
             assert t.shape == ref["params"][n].shape, (name, r["coords"], n)
             err = rel_err(t, ref["params"][n])
             assert err <= RTOL, (name, r["coords"], n, err)
-        by_replica.setdefault(r["coords"]["dp"], set()).update(r["params"])
+        for n, b in r["biases"].items():  # integer loads, the same updates: bit for bit
+            assert torch.equal(b, ref["biases"][n]), (name, r["coords"], n, b, ref["biases"][n])
+        by_replica.setdefault(r["coords"]["dp"], set()).update(r["params"], r["biases"])
     for dp, names in by_replica.items():
-        assert names == set(ref["params"]), (name, dp, set(ref["params"]) ^ names)
+        want = set(ref["params"]) | set(ref["biases"])
+        assert names == want, (name, dp, want ^ names)
 
 
 def test_reference_trains_and_balances(references):
     """The references learn, route every token to two experts, and report an auxiliary loss
-    near its balanced value (coef 0.01 x 1)."""
+    near its balanced value (coef 0.01 x 1). With the routing bias, each layer's bias after
+    the last step is the sum of the steps' ``rate x sign(mean load - load)`` (fp32, in
+    order), and it changed the routing (the load differs from the same model's without)."""
     for m, ref in references.items():
         assert ref["losses"][-1] < ref["losses"][0], (m, ref["losses"])
         for s in ref["stats"]:
             assert [sum(row) for row in s["expert_load"]] == [8 * 16 * 2] * 2
             assert 0.01 <= s["aux_loss"] / 2 < 0.02, (m, s)  # two layers
+        assert bool(ref["biases"]) == (m == "softmax-bias"), (m, list(ref["biases"]))
+    ref = references["softmax-bias"]
+    want = torch.zeros(2, 4)
+    for s in ref["stats"]:
+        load = torch.tensor(s["expert_load"], dtype=torch.float64)
+        want += (0.01 * (load.mean(dim=1, keepdim=True) - load).sign()).float()
+    assert want.abs().sum() > 0
+    for i in range(2):
+        assert torch.equal(ref["biases"][f"blocks.{i}.mlp.expert_bias"], want[i]), i
+    assert ref["stats"][0] == references["softmax"]["stats"][0]  # the bias starts at zero
+    assert [s["expert_load"] for s in ref["stats"]] != \
+        [s["expert_load"] for s in references["softmax"]["stats"]]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -22,7 +22,7 @@ def naive_moe(m: MoE, x: torch.Tensor, keep=None) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * expert_{e[t, j]}(x[t]), one token and one expert at a time."""
     B, T, C = x.shape
     flat = x.reshape(-1, C)
-    _, w, e = route(m.router(flat), m.top_k, m.gating, m.norm_topk)
+    _, w, e = route(m.router(flat), m.top_k, m.gating, m.norm_topk, m.expert_bias)
     ex = m.experts
     out = []
     for t in range(flat.shape[0]):
@@ -70,6 +70,89 @@ def test_routing_scores_and_gates():
     assert torch.allclose(s, z.sigmoid() / z.sigmoid().sum())
     with pytest.raises(ValueError, match="model.moe_gating='relu'"):
         route(z, 2, "relu")
+
+
+def test_a_routing_bias_chooses_the_experts_but_not_their_gates():
+    """DeepSeek-V3 eq. 16: the bias is added to the scores for the top-k choice only; the
+    gates are the chosen experts' unbiased scores (renormalised with norm_topk), and the
+    scores the auxiliary loss averages ignore it. By hand, both gatings; then the block's
+    forward and gradients with a bias against the token-by-token formula."""
+    z = torch.tensor([[2.0, 0.0, 1.0, -1.0]])
+    p = z.softmax(-1)                                    # ~ [.644, .087, .237, .032]
+    s, w, e = route(z, 2, "softmax", True, torch.tensor([-0.5, 0.0, 0.0, 0.3]))
+    assert e.tolist() == [[3, 2]]                        # p + b ~ [.144, .087, .237, .332]
+    assert torch.allclose(w, p[:, [3, 2]] / (p[0, 3] + p[0, 2]))  # unbiased, renormalised
+    assert torch.equal(s, p)
+    g = z.sigmoid()                                      # ~ [.881, .5, .731, .269]
+    s, w, e = route(z, 2, "sigmoid", True, torch.tensor([-0.5, 0.2, 0.0, 0.0]))
+    assert e.tolist() == [[2, 1]]                        # g + b ~ [.381, .7, .731, .269]
+    assert torch.allclose(w, g[:, [2, 1]] / (g[0, 2] + g[0, 1]))
+    assert torch.equal(s, g / g.sum())
+    s, w, e = route(z, 2, "sigmoid", False, torch.tensor([-0.5, 0.2, 0.0, 0.0]))
+    assert torch.equal(w, g[:, [2, 1]])                  # without norm_topk: the raw sigmoids
+    assert torch.equal(route(z, 2, "softmax", True, torch.zeros(4))[1],
+                       route(z, 2, "softmax", True)[1])  # a zero bias changes nothing
+    m = _moe(gating="sigmoid", bias_update_rate=0.1, aux_loss_coef=0.0)
+    m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    y, y_ref = m(x), naive_moe(m, x)
+    assert (y - y_ref).abs().max() <= 1e-5 * y_ref.abs().max()
+    gy = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, [x, *m.parameters()], gy),
+                    torch.autograd.grad(y_ref, [x, *m.parameters()], gy)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+def test_the_bias_update_rule_by_hand():
+    """``update_bias(load)``: ``b += rate * sign(mean load - load)`` (DeepSeek-V3 sec. 2.1.2):
+    down for an expert above the mean, up below it, unchanged at it. Rate 0: no buffer,
+    nothing to update; a negative rate is refused."""
+    m = _moe(bias_update_rate=0.01)
+    assert m.expert_bias.dtype == torch.float32 and torch.equal(m.expert_bias, torch.zeros(4))
+    assert "expert_bias" in m.state_dict()
+    m.update_bias(torch.tensor([10, 2, 4, 4]))           # mean 5
+    want = torch.tensor([-0.01, 0.01, 0.01, 0.01])
+    assert torch.equal(m.expert_bias, want)
+    m.update_bias(torch.tensor([5, 5, 5, 5]))            # balanced: no change
+    assert torch.equal(m.expert_bias, want)
+    m.update_bias(torch.tensor([0, 6, 5, 9]))            # mean 5
+    assert torch.equal(m.expert_bias, want + torch.tensor([0.01, -0.01, 0.0, -0.01]))
+    off = _moe()
+    assert off.expert_bias is None and "expert_bias" not in off.state_dict()
+    off.update_bias(torch.tensor([10, 2, 4, 4]))
+    with pytest.raises(ValueError, match=r"^model.moe_bias_update_rate=-0.1: expected >= 0$"):
+        _moe(bias_update_rate=-0.1)
+
+
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_the_bias_balances_a_skewed_router(gating):
+    """A router skewed to expert 0 (top-1, 256 tokens a step, about 80% of them on expert 0):
+    with rate 0.01 the load's max / mean, about 3.2 at first (E = 4 is all on one), falls
+    below 1.5 on average over steps 60-80; with rate 0 (no bias) it stays above 3. Each
+    step's load is ``pop_router_stats``' (what the engine sums over the ranks before
+    ``update_bias``)."""
+    def ratios(rate: float, steps: int) -> list[float]:
+        m = _moe(seed=1, gating=gating, top_k=1, bias_update_rate=rate)
+        with torch.no_grad():
+            m.router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+            m.router.weight[0] += 1.0
+        g = torch.Generator().manual_seed(2)
+        out = []
+        for _ in range(steps):
+            m(torch.randn(8, 32, 8, generator=g) + 0.5)
+            load = m.pop_router_stats()["load"]
+            m.update_bias(load)
+            out.append(float(load.max() / load.float().mean()))
+        if rate:
+            assert int(m.expert_bias.argmin()) == 0 and m.expert_bias[0] < 0, m.expert_bias
+        return out
+
+    def mean(x):
+        return sum(x) / len(x)
+
+    off, on = ratios(0.0, 20), ratios(0.01, 80)
+    assert mean(off[:5]) > 3 and mean(off[-5:]) > 3, off
+    assert mean(on[:5]) > 2 and mean(on[-20:]) < 1.5, on
 
 
 def test_load_balancing_loss_is_switch_per_sequence():
@@ -266,6 +349,11 @@ def test_config_refusals_are_one_line():
         Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "moe_gating": "relu"}})
     with pytest.raises(ValueError, match="model.top_k=0"):
         _llama_cfg(top_k=0)
+    with pytest.raises(ConfigError, match=r"^model.moe_bias_update_rate: .*greater than or "
+                                          r"equal to 0 \(got -1\)$"):
+        Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "moe_bias_update_rate": -1}})
+    with pytest.raises(ValueError, match=r"^model.moe_bias_update_rate=-1: expected >= 0$"):
+        _llama_cfg(moe_bias_update_rate=-1)
 
 
 def test_engine_reports_drops_as_the_description_declares():
@@ -308,3 +396,42 @@ def test_engine_reports_drops_as_the_description_declares():
         ModelDescription(kind="x", config=None, build=own.build, tp_plan={}, hidden_size=32,
                          vocab_size=32, block_size=16, n_layer=2, attention_width=32,
                          n_experts=4, capacity_factor=-1)
+
+
+def test_engine_moves_each_layers_bias_by_the_steps_load():
+    """The engine builds ``expert_bias`` as zeros (on the meta device first, like every
+    tensor) and after each step calls ``update_bias`` with the step's ``expert_load`` of
+    that layer: after two steps each bias is rate x the sum of the two steps' signs."""
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models.llama import describe
+
+    rate = 0.01
+    engine = Engine(describe(_llama_cfg(moe_bias_update_rate=rate)), Topology.build(1, 1, 1),
+                    EngineSettings(batch_size=4, seq_len=16, seed=3))
+    biases = engine.local.named_buffers()
+    assert [n for n, _ in biases] == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
+    assert all(torch.equal(b, torch.zeros(4)) for _, b in biases)
+    want = torch.zeros(2, 4)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        idx = torch.randint(0, 32, (4, 16), generator=g)
+        load = torch.tensor(engine.train_step(idx, idx.roll(-1, 1))["expert_load"]).float()
+        want += rate * (load.mean(dim=1, keepdim=True) - load).sign()
+    assert want.abs().sum() > 0
+    for (n, b), w in zip(biases, want):
+        assert torch.allclose(b, w, rtol=0, atol=1e-7), (n, b, w)
+    # any other buffer is still refused, named: it would have no value on the meta device
+    import dataclasses
+
+    from shardwise.models.llama import Llama
+
+    def build():
+        model = Llama(_llama_cfg())
+        model.blocks[1].self_attn.register_buffer("mask", torch.ones(4))
+        return model
+
+    d = dataclasses.replace(describe(_llama_cfg()), build=build)
+    with pytest.raises(ValueError, match=r"^llama: buffer blocks\.1\.self_attn\.mask has no "
+                                         r"value when built on the meta device"):
+        Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16, seed=3))

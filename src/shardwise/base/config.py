@@ -84,6 +84,11 @@ class ModelConfig(_Section):
                                        "dropped (GShard); 0: dropless")
     moe_shared_expert: bool = Field(False, description="llama with n_experts: one more "
                                     "SwiGLU expert every token goes through (DeepSeek-V3)")
+    moe_bias_update_rate: float = Field(0.0, ge=0.0, description="llama with n_experts: "
+                                        "auxiliary-loss-free balancing (DeepSeek-V3): a "
+                                        "per-expert bias on the routing scores, for the top-k "
+                                        "choice only, moved by this much after each step "
+                                        "towards the mean load (0.001 in the paper); 0: off")
     rope_scaling: dict[str, float | int | str] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
         "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")

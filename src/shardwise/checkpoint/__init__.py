@@ -54,7 +54,8 @@ from shardwise.comm.check import group_device
 
 __all__ = ["CheckpointError", "IntegrityError", "UnsafeCheckpointError", "MANIFEST", "META",
            "checkpoint_name", "complete_checkpoints", "latest_checkpoint", "find_resumable",
-           "save", "save_async", "PendingSave", "load", "read_meta", "read_tensors", "verify", "step_of"]
+           "save", "save_async", "PendingSave", "load", "read_meta", "read_tensors", "tensor_names",
+           "verify", "step_of"]
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 META = "meta.json"
@@ -242,6 +243,15 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         return json.loads((path / META).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / META}: not a readable checkpoint description ({e})") from None
+
+
+def tensor_names(path: str | Path) -> set[str]:
+    """The flattened keys of every tensor a checkpoint holds (``"model.blocks.0..."``), from
+    its ``.metadata`` alone (read with the restricted unpickler; the files' checksums are
+    left to ``load``)."""
+    path = Path(path)
+    md = SafeReader(path, list(read_manifest(path)["files"])).read_metadata()
+    return set(md.state_dict_metadata)
 
 
 def load(path: str | Path, tensors: dict[str, Any], verified: bool = False,

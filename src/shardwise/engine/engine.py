@@ -24,7 +24,9 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
 passes through the same chunks, stage after stage. Nothing here branches on the layout:
 each part answers the same calls whatever it holds. A model with mixture-of-experts layers
 (``models.description``: modules with ``pop_router_stats``) also reports, per step, their
-auxiliary loss and expert load (``train_step``).
+auxiliary loss and expert load (``train_step``), and after each step hands each such layer
+that has ``update_bias`` the global load of its experts (auxiliary-loss-free balancing: every
+rank holding the layer applies the same update to its copy of the bias).
 """
 
 from __future__ import annotations
@@ -425,7 +427,13 @@ class Engine:
         total = (torch.stack(losses).double().sum() / m if losses
                  else torch.zeros((), dtype=torch.float64, device=self.device))
         self.step += 1
-        info = {"loss": self._share_loss(total), **self.last_step, **self._router_stats(m)}
+        router = self._router_stats(m)
+        if router:  # auxiliary-loss-free balancing: the step's global load moves the biases
+            for i, layer in self.local.moe_local:
+                update = getattr(layer, "update_bias", None)
+                if callable(update):
+                    update(router["expert_load"][i])
+        info = {"loss": self._share_loss(total), **self.last_step, **router}
         buckets = getattr(self.sync, "sync", None)
         if buckets is not None:  # our DDP's buckets: how many started before backward ended
             info["buckets_overlapped"] = [buckets.launched_early, len(buckets.buckets)]

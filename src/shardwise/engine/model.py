@@ -93,6 +93,14 @@ class LocalModel:
                     out.append((name, p))
         return out
 
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """``(full model name, buffer)`` of this rank's buffers, chunk by chunk: the training
+        state its modules name in ``state_buffers`` (a mixture of experts' ``expert_bias``),
+        replicated on every rank that holds the layer (the engine refuses other buffers)."""
+        return [(f"{name}.{bname}", b) for c in sorted(self.chunks)
+                for name, layer in zip(self.chunks[c].names, self.chunks[c].layers)
+                for bname, b in layer.named_buffers()]
+
     @property
     def has_first(self) -> bool:
         return 0 in self.chunks
@@ -285,11 +293,21 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     values come from that Hugging Face checkpoint instead (``_load_hf``, ``full_shapes``
     the unsharded shape of each parameter).
     """
+    state = []  # buffers a module names in ``state_buffers``: training state, zero at start
     for c in local.chunks.values():
-        for n, _ in c.named_buffers():
-            raise ValueError(f"{local.description.kind}: buffer {n!r} has no value when built "
-                             "on the meta device; compute it in forward instead")
+        for lname, layer in zip(c.names, c.layers):
+            for mname, m in layer.named_modules(prefix=lname):
+                for n, b in m._buffers.items():
+                    if b is None:
+                        continue
+                    if n not in getattr(m, "state_buffers", ()):
+                        raise ValueError(f"{local.description.kind}: buffer {mname}.{n} has "
+                                         "no value when built on the meta device; compute it "
+                                         "in forward instead")
+                    state.append((m, n))
     materialise(local.chunks.values(), device)
+    for m, n in state:
+        m._buffers[n].zero_()
     targets: dict[str, list[nn.Parameter]] = {}
     seen = set()
     for c in sorted(local.chunks):

@@ -7,7 +7,11 @@ weights, so ZeRO's pieces are spread over dp x cp and joined over it):
 - ``model.NAME``: the fp32 master of parameter ``NAME`` (the single-process model's names
   and shapes: unsharded over tp, vocabulary padding dropped, ZeRO pieces joined);
 - ``optimizer.NAME.{exp_avg, exp_avg_sq}``: AdamW's moments, the same shapes, fp32;
-  ``optimizer.NAME.step``: its step count (a 0-dim tensor).
+  ``optimizer.NAME.step``: its step count (a 0-dim tensor);
+- ``buffers.NAME``: training state kept in buffers (``LocalModel.named_buffers``: a mixture
+  of experts' ``expert_bias`` (E,) fp32), present only when the model has such; every rank
+  holds the whole of each of its stage's (the router is replicated over tp and ep), and
+  writes or reads it whole.
 
 A tied head is not listed (the model lists the embedding only); at pp > 1 the last stage's
 copy of it is loaded from the embedding's entries. Random streams are not stored: the
@@ -89,7 +93,8 @@ def _key(engine, name: str) -> str:
 @torch.no_grad()
 def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
-    for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
+    (and ``"buffers": {name: tensor}`` when the stage holds training-state buffers,
+    ``LocalModel.named_buffers``) for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
     parameters; see module docstring), fresh copies that later steps do not change.
     Collective over dp x cp under ZeRO. Parameters not stepped yet get zero moments and step 0.
     ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
@@ -125,7 +130,11 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                                         for k in range(3))
         optim[key] = {"exp_avg": moment1, "exp_avg_sq": moment2,
                       "step": torch.tensor(float(steps[j]), dtype=torch.float32)}
-    return {"model": model, "optimizer": optim}
+    out = {"model": model, "optimizer": optim}
+    buffers = {n: b.detach().cpu().clone() for n, b in local.named_buffers()}
+    if buffers:  # training state (a mixture of experts' expert_bias), replicated
+        out["buffers"] = buffers
+    return out
 
 
 def _sharded(engine, p) -> bool:
@@ -231,4 +240,8 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
                                                  device=m.device if fused else "cpu"),
                             "exp_avg": mine[1][a:b].to(m.device).view_as(m).clone(),
                             "exp_avg_sq": mine[2][a:b].to(m.device).view_as(m).clone()}
+    saved = loaded.get("buffers", {})
+    for n, b in local.named_buffers():  # replicated: every rank holding the layer reads it
+        if n in saved:  # absent: a state the saving model had not (left as built: zeros)
+            b.copy_(saved[n])
     sync.after_step()

@@ -49,7 +49,12 @@ characters, dots included) on the full model's module names:
 
 Mixture-of-experts layers (``models.moe.MoE``) are found by what they offer, not their type:
 a module with ``pop_router_stats()`` reports its auxiliary loss and expert load per step, and
-its ``aux_grad_scale`` is the factor the engine multiplies its loss by.
+its ``aux_grad_scale`` is the factor the engine multiplies its loss by; if it also has
+``update_bias(load)``, the engine calls it after every step with the (E,) load of its
+experts over the global batch (the same on every rank). Buffers are refused (they have no
+value on the meta device) except those a module names in ``state_buffers``: training state
+that starts at zero (``models.moe.MoE.expert_bias``), built as zeros, checkpointed
+replicated (``engine.state``).
 
 Models register under a kind (``register_model``): ``"gpt"`` and ``"llama"`` are shardwise's
 own; ``examples/own_decoder.py`` registers one of yours.

@@ -506,10 +506,12 @@ ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3)
 
 def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
-    the top k renormalised, dropless (capacity factor 0), no shared expert, Llama's
-    attention (no Q/K/V biases, no QK-norm)."""
+    the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
+    (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
+    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm)."""
     return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_norm_topk
             and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert
+            and not getattr(cfg, "moe_bias_update_rate", 0.0)
             and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False))
 
 

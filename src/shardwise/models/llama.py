@@ -76,7 +76,9 @@ class LlamaConfig:
     token, of width ``moe_ffn_hidden`` (None: ``ffn_hidden``), ``moe_gating`` "softmax" or
     "sigmoid", the k gates renormalised with ``moe_norm_topk``, auxiliary loss weight
     ``moe_aux_loss_coef``, ``moe_capacity_factor`` (0: dropless), and with
-    ``moe_shared_expert`` one more SwiGLU of that width every token goes through. Raises
+    ``moe_shared_expert`` one more SwiGLU of that width every token goes through;
+    ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
+    moved by that much after each step, DeepSeek-V3; 0: off). Raises
     ``ValueError`` (one line, naming the fields) for inconsistent sizes.
     """
 
@@ -102,6 +104,7 @@ class LlamaConfig:
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0
     moe_shared_expert: bool = False
+    moe_bias_update_rate: float = 0.0
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -163,6 +166,8 @@ class LlamaConfig:
         if self.moe_ffn_hidden < 1 or self.moe_capacity_factor < 0 or self.moe_aux_loss_coef < 0:
             raise ValueError("model.moe_ffn_hidden >= 1, model.moe_capacity_factor >= 0 and "
                              "model.moe_aux_loss_coef >= 0 expected")
+        if self.moe_bias_update_rate < 0:
+            raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: expected >= 0")
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
@@ -277,7 +282,8 @@ def moe(cfg: LlamaConfig) -> MoE:
     h = cfg.moe_ffn_hidden
     return MoE(cfg.n_embd, cfg.n_experts, h, cfg.top_k, cfg.moe_gating, cfg.moe_norm_topk,
                cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
-               shared_expert=MLP(cfg, h) if cfg.moe_shared_expert else None)
+               shared_expert=MLP(cfg, h) if cfg.moe_shared_expert else None,
+               bias_update_rate=cfg.moe_bias_update_rate)
 
 
 class Block(nn.Module):
@@ -492,4 +498,5 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        moe_shared_expert=m.moe_shared_expert,
                        head_dim=getattr(m, "head_dim", 0) or None,
                        qkv_bias=getattr(m, "qkv_bias", False),
-                       qk_norm=getattr(m, "qk_norm", False))
+                       qk_norm=getattr(m, "qk_norm", False),
+                       moe_bias_update_rate=m.moe_bias_update_rate)

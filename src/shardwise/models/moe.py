@@ -13,13 +13,21 @@ shared expert every token goes through). Sources:
 - Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088): SwiGLU experts, the top-k
   gates renormalised to sum to one;
 - DeepSeek-AI 2024, "DeepSeek-V3" (arXiv:2412.19437), eq. 12-20: sigmoid gating, the shared
-  expert, the sequence-wise balance loss;
+  expert, the sequence-wise balance loss; sec. 2.1.2 (eq. 16): auxiliary-loss-free balancing,
+  a per-expert bias on the scores for the top-k choice only;
 - Megatron-Core MoE (``megatron/core/transformer/moe``): dropless routing with grouped GEMMs,
   ``MoEAuxLossAutoScaler`` (how the auxiliary loss enters backward, below).
 
 Routing (``route``): fp32 router logits (N, E); ``softmax`` gating takes the top k of the
 softmax probabilities, ``sigmoid`` gating (DeepSeek-V3) the top k of the sigmoids; with
-``norm_topk`` the k gate weights are divided by their sum.
+``norm_topk`` the k gate weights are divided by their sum. With an expert bias b (E,)
+(auxiliary-loss-free balancing, DeepSeek-V3 sec. 2.1.2) the top k are chosen by
+``score + b`` while the gates are the chosen experts' unbiased scores (then renormalised):
+the bias decides where a token goes, never how much an expert's output weighs. After each
+optimizer step ``MoE.update_bias(load)`` moves it by ``b_i += rate sign(mean load - load_i)``
+(the step's assignments per expert over the global batch: the engine sums them over every
+rank first, so each rank applies the same update to its copy and the result is one
+process's); an overloaded expert's bias falls, an idle one's rises.
 
 The auxiliary loss (``load_balancing_loss``) is GShard's group loss with one group per
 sequence, as DeepSeek-V3's sequence-wise loss: for each sequence of T tokens, ``f_i`` is the
@@ -146,23 +154,29 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def route(logits: torch.Tensor, top_k: int, gating: str = "softmax", norm_topk: bool = True):
+def route(logits: torch.Tensor, top_k: int, gating: str = "softmax", norm_topk: bool = True,
+          bias: torch.Tensor | None = None):
     """Top-k routing of router logits (N, E). Returns ``(scores, weights, experts)``:
     ``scores`` (N, E) fp32 the normalised affinities the auxiliary loss averages (softmax
     probabilities; sigmoid scores divided by their sum), ``weights`` (N, k) fp32 the gates,
-    ``experts`` (N, k) int64 the chosen experts, best first. ValueError for an unknown
-    gating."""
+    ``experts`` (N, k) int64 the chosen experts, best first. ``bias`` (E,) fp32 or None:
+    added to the gating scores (softmax probabilities, sigmoids) for the choice of the k
+    experts only; the gates are the chosen experts' unbiased scores (DeepSeek-V3 eq. 16).
+    ValueError for an unknown gating."""
     z = logits.float()
     if gating == "softmax":
-        probs = z.softmax(dim=-1)
-        weights, experts = probs.topk(top_k, dim=-1)
-        scores = probs
+        g = z.softmax(dim=-1)
+        scores = g
     elif gating == "sigmoid":
-        s = z.sigmoid()
-        weights, experts = s.topk(top_k, dim=-1)
-        scores = s / s.sum(dim=-1, keepdim=True)
+        g = z.sigmoid()
+        scores = g / g.sum(dim=-1, keepdim=True)
     else:
         raise ValueError(f"model.moe_gating={gating!r}: expected one of {', '.join(GATINGS)}")
+    if bias is None:
+        weights, experts = g.topk(top_k, dim=-1)
+    else:
+        experts = (g + bias.float()).topk(top_k, dim=-1).indices
+        weights = g.gather(-1, experts)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return scores, weights, experts
@@ -198,18 +212,33 @@ class MoE(nn.Module):
 
     ``router``: ``nn.Linear(C, E)`` without bias; ``experts``: ``Experts`` of width
     ``hidden``; ``shared_expert``: a module (B, T, C) -> (B, T, C) every token goes through,
-    or None. ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless). Raises ValueError
-    for ``top_k`` outside [1, n_experts] or an unknown gating."""
+    or None. ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless).
+    ``bias_update_rate`` gamma > 0: auxiliary-loss-free balancing (module docstring) with the
+    buffer ``expert_bias`` (E,) fp32, zero at start, training state (``state_buffers``: the
+    engine builds it as zeros and checkpoints it) moved by ``update_bias``; 0: no bias, no
+    buffer. Raises ValueError for ``top_k`` outside [1, n_experts], an unknown gating or a
+    negative rate."""
+
+    state_buffers = ("expert_bias",)  # buffers that are training state, zero at start
 
     def __init__(self, dim: int, n_experts: int, hidden: int, top_k: int = 2,
                  gating: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
-                 capacity_factor: float = 0.0, shared_expert: nn.Module | None = None):
+                 capacity_factor: float = 0.0, shared_expert: nn.Module | None = None,
+                 bias_update_rate: float = 0.0):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"model.top_k={top_k}: expected 1 <= top_k <= model.n_experts="
                              f"{n_experts}")
         if gating not in GATINGS:
             raise ValueError(f"model.moe_gating={gating!r}: expected one of {', '.join(GATINGS)}")
+        if bias_update_rate < 0:
+            raise ValueError(f"model.moe_bias_update_rate={bias_update_rate}: expected >= 0")
+        self.bias_update_rate = bias_update_rate
+        self.expert_bias: torch.Tensor | None
+        if bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
         self.n_experts, self.top_k, self.gating, self.norm_topk = n_experts, top_k, gating, norm_topk
         self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
         self.router = nn.Linear(dim, n_experts, bias=False)
@@ -222,7 +251,7 @@ class MoE(nn.Module):
         B, T, C = x.shape
         flat = x.reshape(-1, C)                                          # (N, C)
         scores, weights, chosen = route(self.router(flat), self.top_k, self.gating,
-                                        self.norm_topk)                 # (N, E), (N, k), (N, k)
+                                        self.norm_topk, self.expert_bias)  # (N, E), (N, k) x2
         n, k = chosen.shape
         keep = None
         if self.capacity_factor > 0:
@@ -259,3 +288,14 @@ class MoE(nn.Module):
         calls = len(self._stats)
         self._stats = []
         return {"aux_loss": aux, "load": load, "dropped": dropped, "calls": calls}
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing's step (DeepSeek-V3 sec. 2.1.2): ``expert_bias +=
+        rate * sign(mean(load) - load)``, ``load`` (E,) the assignments routed to each
+        expert over the step's whole (global) batch, any dtype, on any device. Nothing
+        without a bias (rate 0). In place, no host synchronisation."""
+        if self.expert_bias is None:
+            return
+        load = load.to(self.expert_bias.device, torch.float64)
+        self.expert_bias.add_(self.bias_update_rate * (load.mean() - load).sign().float())

@@ -90,6 +90,10 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     cfg = Config.from_dict(meta["config"])
     tok_state = meta["tokenizer"]
     d = describe_section(cfg.model, _vocab_size(tok_state))
+    if d.hf is None and d.kind == "llama" and d.n_experts:
+        raise ExportError(f"{path}: this Llama's mixture of experts is not a Mixtral's, the "
+                          "only one exported (softmax gating, moe_norm_topk, dropless, no "
+                          "shared expert, no routing bias: model.moe_bias_update_rate = 0)")
     if d.hf is None:
         raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
                           "(ModelDescription.hf)")

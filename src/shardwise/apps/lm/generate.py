@@ -79,11 +79,12 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     tokenizer = tokenizer_from_state(meta["tokenizer"])
     d = describe_section(cfg.model, tokenizer.vocab_size)
     engine = Engine(d, topology, EngineSettings.from_config(cfg), device)
-    with engine.full_parameters():
-        targets = engine_state.logical_tensors(engine, targets=True)["model"]
+    with engine.full_parameters():  # the weights and routing biases, not AdamW's state
+        targets = {k: v for k, v in engine_state.logical_tensors(engine, targets=True).items()
+                   if k != "optimizer"}
     # each rank reads its own slices; the launcher verified the checksums (check_loadable)
-    checkpoint.load(Path(path), {"model": targets}, verified=True)
-    engine_state.load_logical_tensors(engine, {"model": targets})
+    checkpoint.load(Path(path), targets, verified=True)
+    engine_state.load_logical_tensors(engine, targets)
     g = torch.Generator(device=device).manual_seed(seed)
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     with engine.full_parameters():

@@ -98,6 +98,10 @@ class TrainerState:
                 "version; --fresh starts over")
         with self.engine.full_parameters():  # targets: this rank's logical tensors
             tensors = engine_state.logical_tensors(self.engine, targets=True)
+        if "buffers" in tensors:  # a routing bias the saving run had not (rate 0 then):
+            have = checkpoint.tensor_names(path)  # it starts at zero here, as in a new run
+            tensors["buffers"] = {n: t for n, t in tensors["buffers"].items()
+                                  if f"buffers.{n}" in have}
         meta = checkpoint.load(path, tensors)  # in place into the targets just built
         self.load_state_dict(tensors, meta)
         return path
