@@ -510,7 +510,7 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         seen[(nb, head, emb)] = out[-1]
     if lay.zero == 3:  # one chunk (stage) per rank: its units gathered every micro-batch
         stages = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
-        out = [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision, stages[i]))
+        out = [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision, stages[i], memo))
                for i, c in enumerate(out)]
     return out
 
@@ -546,21 +546,28 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
 
 
 def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
-                         precision: str) -> dict:
+                         precision: str, memo: dict | None = None) -> dict:
     """Forward seconds of one micro-batch through one layer of each kind (its compute and
     tensor-parallel collectives, as ``chunk_costs`` prices them): ``embed``, ``block``,
-    ``head``."""
+    ``head``. ``memo``: ``chunk_costs``' dict for one search (one spec, cluster and
+    precision), keyed here by what the answer depends on."""
+    key = ("unit_forward", lay.tp, lay.micro_batch_size, lay.sp, lay.cp, lay.fp8)
+    if memo is not None and key in memo:
+        return memo[key]
     one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp, cp=lay.cp, fp8=lay.fp8)
     c = chunk_costs(replace(spec, n_layer=1), one, cluster, precision)[0]
     blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0].forward - c.forward
     e = BYTES[precision]
     act = lay.micro_batch_size * spec.block_size // lay.cp * spec.n_embd * e
     emb = cluster.link(lay.tp).all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
-    return {"embed": emb, "block": blk, "head": c.forward - blk - emb}
+    out = {"embed": emb, "block": blk, "head": c.forward - blk - emb}
+    if memo is not None:
+        memo[key] = out
+    return out
 
 
 def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
-                  layers: list[int]) -> Zero3Seconds:
+                  layers: list[int], memo: dict | None = None) -> Zero3Seconds:
     """``Zero3Seconds(forward, backward)``: seconds ZeRO-3's collectives add to one
     micro-batch's forward and backward on a rank holding ``layers`` (its one chunk: with a
     pipeline, its stage), over dp x cp ranks on the link ``lay.world`` ranks span (zero
@@ -584,10 +591,25 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     Without overlap (``zero3_overlap=False``, or ranks sharing cores): the rank's
     parameters x all-gathered whole per pass and reduce-scattered per backward, and a sync
     penalty per unit and collective: forward g(x) + u pen, backward g(x) + r(x) + 2 u pen
-    (u = ``len(layers)``)."""
+    (u = ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search
+    prices hundreds of thousands of ZeRO-3 layouts that share these answers)."""
     n = lay.dp * lay.cp
     if lay.zero != 3 or n == 1:
         return Zero3Seconds(0.0, 0.0)
+    L = spec.n_layer  # the answer depends on the layers only through their kinds
+    key = ("zero3", lay.dp, lay.cp, lay.tp, lay.pp, lay.micro_batch_size, lay.sp, lay.fp8,
+           lay.recompute, layers[0] == 0, sum(1 for i in layers if 1 <= i <= L),
+           layers[-1] == L + 1)
+    if memo is not None and key in memo:
+        return memo[key]
+    out = _zero3_seconds(spec, lay, cluster, precision, layers, n, memo)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                   layers: list[int], n: int, memo: dict | None) -> Zero3Seconds:
     e, L = BYTES[precision], spec.n_layer
     link = cluster.link(lay.world)
     if not cluster.zero3_overlap or cluster.cores:
@@ -595,18 +617,30 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
         x = rank_params(spec, layers, lay.tp, lay.pp) * e  # ZeRO-3 is refused with ep > 1
         return Zero3Seconds(link.all_gather(n, x) + units * pen,
                             link.all_gather(n, x) + link.reduce_scatter(n, x) + 2 * units * pen)
-    fwd = unit_forward_seconds(spec, lay, cluster, precision)
+    fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)
     kind = ["embed" if i == 0 else "head" if i == L + 1 else "block" for i in layers]
-    g = [link.all_gather(n, rank_params(spec, [i], lay.tp, lay.pp) * e) for i in layers]
-    r = [link.reduce_scatter(n, rank_params(spec, [i], lay.tp, lay.pp) * e) for i in layers]
-    c = [fwd[k] for k in kind]
-    b = [(3 if lay.recompute else 2) * x for x in c]
-    forward = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, len(layers)))
-    k = len(layers) - 1
+    one = {k: i for k, i in zip(kind, layers)}  # a layer of each kind: every block is alike
+    x = {k: rank_params(spec, [i], lay.tp, lay.pp) * e for k, i in one.items()}
+    gk = {k: link.all_gather(n, v) for k, v in x.items()}
+    rk = {k: link.reduce_scatter(n, v) for k, v in x.items()}
+    mult = 3 if lay.recompute else 2
+    # a block between two blocks adds the same terms: sum the sequence with three blocks
+    # (its ends, and one such middle block) and the other middle blocks in one product
+    middle = max(0, kind.count("block") - 3)
+    if middle:
+        first = kind.index("block")
+        kind = kind[:first + 3] + kind[first + 3 + middle:]
+    g, r, c = [gk[k] for k in kind], [rk[k] for k in kind], [fwd[k] for k in kind]
+    b = [mult * x for x in c]
+    forward = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, len(kind)))
+    k = len(kind) - 1
     backward = g[k]  # the last unit, freed after forward, gathered again for backward
     for j in range(k, -1, -1):  # during unit j's backward: unit j-1's gather, j+1's scatter
         comm = (g[j - 1] if j >= 1 else 0.0) + (r[j + 1] if j + 1 <= k else 0.0)
         backward += max(0.0, comm - b[j])
+    if middle:
+        forward += middle * max(0.0, gk["block"] - fwd["block"])
+        backward += middle * max(0.0, gk["block"] + rk["block"] - mult * fwd["block"])
     return Zero3Seconds(forward, backward + r[0])  # the first unit's scatter, at the end
 
 
