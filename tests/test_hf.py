@@ -30,7 +30,7 @@ from shardwise.cli.main import main
 from shardwise.models.hf import section_of
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+safetensors = pytest.importorskip("safetensors")
 
 VOCAB = 97  # more than the text's characters: the tokenizer may be smaller than the model's
 
@@ -78,9 +78,19 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
         max_position_embeddings=32, tie_word_embeddings=False, rms_norm_eps=1e-6)))
     qwen3.save_pretrained(root / "qwen3")
+    for name, norm in (("qwen3moe", True), ("qwen3moe_raw", False)):
+        qwen3moe = _perturb(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+            max_position_embeddings=32, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=norm, router_aux_loss_coef=0.02, tie_word_embeddings=False)))
+        qwen3moe.save_pretrained(root / name)
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
-    return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3")}
+    saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in saved  # per expert on disk
+    return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
+                                           "qwen3moe", "qwen3moe_raw")}
 
 
 @pytest.fixture(scope="module")
@@ -163,19 +173,21 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
 def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
-    split with their rows, the Qwen3's q_norm / k_norm whole), all five models; the
-    Mixtral (top 2 of 4 experts) also at dp2 x ep2 (each rank loading its two experts)."""
+    split with their rows, the Qwen3's q_norm / k_norm whole), all seven models; the
+    Mixtral (top 2 of 4 experts) and the Qwen3-MoE whose top 2 are not renormalised
+    (``norm_topk_prob`` false) also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mixtral")]
+    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "qwen3moe",
+                                      "qwen3moe_raw", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
-    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-1:]), threads=1)
-    assert len(tp1) == 5 and len(tp2[0]) == 6
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-2:]), threads=1)
+    assert len(tp1) == 7 and len(tp2[0]) == 9
     for ours in (tp1, tp2[0], tp2[1]):
-        for got, ref in zip(ours, want + want[-1:]):
+        for got, ref in zip(ours, want + want[-2:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -209,18 +221,65 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_a_llama_with_experts_and_qk_norm_exports_as_a_qwen3_moe(norm_topk, tmp_path):
+    """A Llama trained here with Qwen3's QK-norm (head_dim other than n_embd / n_head) and
+    a mixture of experts, its top k renormalised or not (``norm_topk_prob``), no source
+    config.json, is written as a ``Qwen3MoeForCausalLM`` (per-expert tensors) whose logits
+    equal ours; sigmoid gating, a capacity factor, a shared expert, a routing bias or Q/K/V
+    biases have no such mapping, and without the QK-norm it is a Mixtral (renormalised)."""
+    from dataclasses import replace
+
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import MIXTRAL, QWEN3_MOE, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2,
+                      qk_norm=True, head_dim=12, moe_norm_topk=norm_topk, rope_theta=1e6)
+    d = describe(cfg)
+    assert d.hf is QWEN3_MOE
+    for other in ({"moe_gating": "sigmoid"}, {"moe_capacity_factor": 1.25},
+                  {"moe_shared_expert": True}, {"moe_bias_update_rate": 0.001},
+                  {"qkv_bias": True}):
+        assert describe(replace(cfg, **other)).hf is None, other
+    assert describe(replace(cfg, qk_norm=False)).hf is (MIXTRAL if norm_topk else None)
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    tensors = to_hf_tensors(d, {k: v.detach() for k, v in ours.state_dict().items()})
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in tensors
+    write_safetensors(tmp_path, tensors)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    assert theirs.config.norm_topk_prob is norm_topk and theirs.config.num_experts == 4
+    # over a source config.json as save_pretrained writes it (num_local_experts, 8 experts,
+    # the other norm_topk_prob): ours written over it, read back as ours
+    source = transformers.Qwen3MoeConfig(num_experts=8, norm_topk_prob=not norm_topk).to_dict()
+    written = QWEN3_MOE.config_json(cfg, source)
+    assert "num_local_experts" not in written
+    back = section_of(written)
+    assert {k: back[k] for k in ("n_experts", "top_k", "moe_norm_topk", "moe_ffn_hidden",
+                                 "qk_norm", "head_dim", "n_kv_heads", "moe_aux_loss_coef")} == {
+        "n_experts": 4, "top_k": 2, "moe_norm_topk": norm_topk, "moe_ffn_hidden": 16,
+        "qk_norm": True, "head_dim": 12, "n_kv_heads": 2, "moe_aux_loss_coef": 0.01}
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
                                           ({"qk_norm": True, "head_dim": 12},
                                            "Qwen3ForCausalLM")])
 def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path):
     """A Llama trained here with Qwen2's Q/K/V biases (tied head) or Qwen3's QK-norm and a
     head_dim other than n_embd / n_head (no source config.json) is written as that Qwen,
-    whose logits equal ours; a plain Llama stays a Llama, and both options at once (or
-    with experts) have no mapping."""
+    whose logits equal ours; a plain Llama stays a Llama, both options at once have no
+    mapping, and with experts the QK-norm makes a Qwen3-MoE, the biases none."""
     from dataclasses import replace
 
     from shardwise.checkpoint.hf import write_safetensors
-    from shardwise.models.hf import LLAMA, MIXTRAL, to_hf_tensors
+    from shardwise.models.hf import LLAMA, MIXTRAL, QWEN3_MOE, to_hf_tensors
     from shardwise.models.llama import Llama, LlamaConfig, describe
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
@@ -231,7 +290,7 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
                                                           head_dim=8)).hf is LLAMA
     assert describe(replace(cfg, qkv_bias=True, qk_norm=True)).hf is None
     moe = replace(cfg, n_experts=4, top_k=2)
-    assert describe(moe).hf is None and describe(
+    assert describe(moe).hf is (QWEN3_MOE if cfg.qk_norm else None) and describe(
         replace(moe, qkv_bias=False, qk_norm=False)).hf is MIXTRAL
     torch.manual_seed(3)
     ours = _perturb(Llama(cfg))
