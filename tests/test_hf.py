@@ -354,8 +354,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
-    its sliding window, or a mixture of experts asked of a Llama; an export of a run with
-    no checkpoint."""
+    its sliding window, or a mixture of experts asked of a Llama; a Qwen3-MoE with a dense
+    layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export of a run with no
+    checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -409,6 +410,11 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
                             "--model.qk_norm", "false"], capsys,
                            "model.qk_norm=False contradicts")
+    for name, changes, what in (("qstep", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                                ("qdense", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]")):
+        assert_one_line_exit_2([*train, "--model.init_from",
+                                f"hf:{variant(name, 'qwen3moe', **changes)}"], capsys, what,
+                               "Qwen3-MoE cannot hold it exactly")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 
