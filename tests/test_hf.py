@@ -1,12 +1,14 @@
 """Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
 
 Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
-``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` with random weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` with random weights
+are built here and saved with ``save_pretrained`` (no hub). The round trip:
 ``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
 the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
-against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral at dp2 x ep2).
+against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral and a Qwen3-MoE at
+dp2 x ep2).
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """A Llama (grouped-query attention, untied head, sharded into several safetensors with
     an index), a GPT-2 (tied head, one safetensors file), a Mixtral (top 2 of 4 experts,
     grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), a Qwen2 (Q/K/V biases,
-    tied head, rope_theta 1e6) and a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
-    heads is 16), saved as transformers does."""
+    tied head, rope_theta 1e6), a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
+    heads is 16) and two Qwen3-MoE (top 2 of 4 experts, head_dim 24; ``norm_topk_prob``
+    true and false; per-expert tensors on disk), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(

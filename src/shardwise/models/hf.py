@@ -29,7 +29,11 @@ arXiv:2407.10671; ``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias
 ``Qwen3ForCausalLM`` (Yang et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388;
 ``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with Llama's
 names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window bounding
-``block_size`` as Mixtral's.
+``block_size`` as Mixtral's. ``Qwen3MoeForCausalLM`` (same report;
+``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every
+layer, softmax top-k renormalised only with ``norm_topk_prob``; per-expert
+``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out)
+in ours.
 """
 
 from __future__ import annotations
