@@ -418,6 +418,10 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
         assert_one_line_exit_2([*train, "--model.init_from",
                                 f"hf:{variant(name, 'qwen3moe', **changes)}"], capsys, what,
                                "Qwen3-MoE cannot hold it exactly")
+    # a Qwen3-MoE's window is on every layer, and only with use_sliding_window
+    for use, block in ((True, 16), (False, 32)):
+        qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)
+        assert section_of(read_config(qmwin))["block_size"] == block
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 
