@@ -1,12 +1,14 @@
 """Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
 
 Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
-``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` with random weights are built here and saved with ``save_pretrained`` (no hub). The round trip:
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` with random weights
+are built here and saved with ``save_pretrained`` (no hub). The round trip:
 ``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
 the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
-against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral at dp2 x ep2).
+against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral and a Qwen3-MoE at
+dp2 x ep2).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from shardwise.cli.main import main
 from shardwise.models.hf import section_of
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+safetensors = pytest.importorskip("safetensors")
 
 VOCAB = 97  # more than the text's characters: the tokenizer may be smaller than the model's
 
@@ -49,8 +51,9 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """A Llama (grouped-query attention, untied head, sharded into several safetensors with
     an index), a GPT-2 (tied head, one safetensors file), a Mixtral (top 2 of 4 experts,
     grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), a Qwen2 (Q/K/V biases,
-    tied head, rope_theta 1e6) and a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
-    heads is 16), saved as transformers does."""
+    tied head, rope_theta 1e6), a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
+    heads is 16) and two Qwen3-MoE (top 2 of 4 experts, head_dim 24; ``norm_topk_prob``
+    true and false; per-expert tensors on disk), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -78,9 +81,19 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
         max_position_embeddings=32, tie_word_embeddings=False, rms_norm_eps=1e-6)))
     qwen3.save_pretrained(root / "qwen3")
+    for name, norm in (("qwen3moe", True), ("qwen3moe_raw", False)):
+        qwen3moe = _perturb(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+            max_position_embeddings=32, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=norm, router_aux_loss_coef=0.02, tie_word_embeddings=False)))
+        qwen3moe.save_pretrained(root / name)
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
-    return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3")}
+    saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in saved  # per expert on disk
+    return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
+                                           "qwen3moe", "qwen3moe_raw")}
 
 
 @pytest.fixture(scope="module")
@@ -163,19 +176,21 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
 def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
-    split with their rows, the Qwen3's q_norm / k_norm whole), all five models; the
-    Mixtral (top 2 of 4 experts) also at dp2 x ep2 (each rank loading its two experts)."""
+    split with their rows, the Qwen3's q_norm / k_norm whole), all seven models; the
+    Mixtral (top 2 of 4 experts) and the Qwen3-MoE whose top 2 are not renormalised
+    (``norm_topk_prob`` false) also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mixtral")]
+    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "qwen3moe",
+                                      "qwen3moe_raw", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
-    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-1:]), threads=1)
-    assert len(tp1) == 5 and len(tp2[0]) == 6
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-2:]), threads=1)
+    assert len(tp1) == 7 and len(tp2[0]) == 9
     for ours in (tp1, tp2[0], tp2[1]):
-        for got, ref in zip(ours, want + want[-1:]):
+        for got, ref in zip(ours, want + want[-2:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -209,18 +224,65 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_a_llama_with_experts_and_qk_norm_exports_as_a_qwen3_moe(norm_topk, tmp_path):
+    """A Llama trained here with Qwen3's QK-norm (head_dim other than n_embd / n_head) and
+    a mixture of experts, its top k renormalised or not (``norm_topk_prob``), no source
+    config.json, is written as a ``Qwen3MoeForCausalLM`` (per-expert tensors) whose logits
+    equal ours; sigmoid gating, a capacity factor, a shared expert, a routing bias or Q/K/V
+    biases have no such mapping, and without the QK-norm it is a Mixtral (renormalised)."""
+    from dataclasses import replace
+
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import MIXTRAL, QWEN3_MOE, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2,
+                      qk_norm=True, head_dim=12, moe_norm_topk=norm_topk, rope_theta=1e6)
+    d = describe(cfg)
+    assert d.hf is QWEN3_MOE
+    for other in ({"moe_gating": "sigmoid"}, {"moe_capacity_factor": 1.25},
+                  {"moe_shared_expert": True}, {"moe_bias_update_rate": 0.001},
+                  {"qkv_bias": True}):
+        assert describe(replace(cfg, **other)).hf is None, other
+    assert describe(replace(cfg, qk_norm=False)).hf is (MIXTRAL if norm_topk else None)
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    tensors = to_hf_tensors(d, {k: v.detach() for k, v in ours.state_dict().items()})
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in tensors
+    write_safetensors(tmp_path, tensors)
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    assert theirs.config.norm_topk_prob is norm_topk and theirs.config.num_experts == 4
+    # over a source config.json as save_pretrained writes it (num_local_experts, 8 experts,
+    # the other norm_topk_prob): ours written over it, read back as ours
+    source = transformers.Qwen3MoeConfig(num_experts=8, norm_topk_prob=not norm_topk).to_dict()
+    written = QWEN3_MOE.config_json(cfg, source)
+    assert "num_local_experts" not in written
+    back = section_of(written)
+    assert {k: back[k] for k in ("n_experts", "top_k", "moe_norm_topk", "moe_ffn_hidden",
+                                 "qk_norm", "head_dim", "n_kv_heads", "moe_aux_loss_coef")} == {
+        "n_experts": 4, "top_k": 2, "moe_norm_topk": norm_topk, "moe_ffn_hidden": 16,
+        "qk_norm": True, "head_dim": 12, "n_kv_heads": 2, "moe_aux_loss_coef": 0.01}
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
                                           ({"qk_norm": True, "head_dim": 12},
                                            "Qwen3ForCausalLM")])
 def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path):
     """A Llama trained here with Qwen2's Q/K/V biases (tied head) or Qwen3's QK-norm and a
     head_dim other than n_embd / n_head (no source config.json) is written as that Qwen,
-    whose logits equal ours; a plain Llama stays a Llama, and both options at once (or
-    with experts) have no mapping."""
+    whose logits equal ours; a plain Llama stays a Llama, both options at once have no
+    mapping, and with experts the QK-norm makes a Qwen3-MoE, the biases none."""
     from dataclasses import replace
 
     from shardwise.checkpoint.hf import write_safetensors
-    from shardwise.models.hf import LLAMA, MIXTRAL, to_hf_tensors
+    from shardwise.models.hf import LLAMA, MIXTRAL, QWEN3_MOE, to_hf_tensors
     from shardwise.models.llama import Llama, LlamaConfig, describe
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
@@ -231,7 +293,7 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
                                                           head_dim=8)).hf is LLAMA
     assert describe(replace(cfg, qkv_bias=True, qk_norm=True)).hf is None
     moe = replace(cfg, n_experts=4, top_k=2)
-    assert describe(moe).hf is None and describe(
+    assert describe(moe).hf is (QWEN3_MOE if cfg.qk_norm else None) and describe(
         replace(moe, qkv_bias=False, qk_norm=False)).hf is MIXTRAL
     torch.manual_seed(3)
     ours = _perturb(Llama(cfg))
@@ -295,8 +357,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
-    its sliding window, or a mixture of experts asked of a Llama; an export of a run with
-    no checkpoint."""
+    its sliding window, or a mixture of experts asked of a Llama; a Qwen3-MoE with a dense
+    layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export of a run with no
+    checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -350,6 +413,15 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
                             "--model.qk_norm", "false"], capsys,
                            "model.qk_norm=False contradicts")
+    for name, changes, what in (("qstep", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                                ("qdense", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]")):
+        assert_one_line_exit_2([*train, "--model.init_from",
+                                f"hf:{variant(name, 'qwen3moe', **changes)}"], capsys, what,
+                               "Qwen3-MoE cannot hold it exactly")
+    # a Qwen3-MoE's window is on every layer, and only with use_sliding_window
+    for use, block in ((True, 16), (False, 32)):
+        qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)
+        assert section_of(read_config(qmwin))["block_size"] == block
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 

@@ -29,7 +29,11 @@ arXiv:2407.10671; ``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias
 ``Qwen3ForCausalLM`` (Yang et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388;
 ``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with Llama's
 names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window bounding
-``block_size`` as Mixtral's.
+``block_size`` as Mixtral's. ``Qwen3MoeForCausalLM`` (same report;
+``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every
+layer, softmax top-k renormalised only with ``norm_topk_prob``; per-expert
+``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out)
+in ours.
 """
 
 from __future__ import annotations
@@ -480,6 +484,122 @@ def _qwen_tensor(name: str) -> HFTensor:
     return HFTensor(llama_hf_name(name))
 
 
+# ---- Qwen3-MoE -------------------------------------------------------------------------------
+# transformers' Qwen3MoeConfig defaults (configuration_qwen3_moe.py), where they differ from the
+# Llama's, for a config.json that leaves a field out; head_dim: hidden / heads, as Llama's
+_QWEN3_MOE_DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                       "num_key_value_heads": 4, "intermediate_size": 6144,
+                       "use_sliding_window": False, "sliding_window": 4096,
+                       "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                       "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
+                       "router_aux_loss_coef": 0.001}
+
+
+def _qwen3_moe_defaults(c: dict) -> dict:
+    c = dict(c)
+    # the Hub's config.json names the expert count num_experts; save_pretrained writes
+    # num_local_experts (Qwen3MoeConfig.attribute_map)
+    if c.get("num_experts") is None and c.get("num_local_experts") is not None:
+        c["num_experts"] = c["num_local_experts"]
+    return {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
+
+
+def _qwen3_moe_window(c: dict) -> int | None:
+    """The sliding window W of a Qwen3-MoE config.json, else None: as ``Qwen3MoeConfig``,
+    ``sliding_window`` when ``use_sliding_window`` (on every layer), else none."""
+    c = _qwen3_moe_defaults(c)
+    if not c["use_sliding_window"] or c.get("sliding_window") is None:
+        return None
+    window = c["sliding_window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
+                            "number >= 1 or null")
+    return window
+
+
+def _qwen3_moe_section(c: dict) -> dict:
+    """A Qwen3-MoE is our Llama with Qwen3's ``qk_norm`` and ``head_dim`` and ``n_experts``
+    in every layer (``models.moe``): routing as ``Qwen3MoeTopKRouter`` (softmax over all
+    experts in fp32, top k, renormalised only with ``norm_topk_prob``: ``moe_norm_topk``),
+    experts of width ``moe_intermediate_size``, dropless, no shared expert. A layer made
+    dense (``decoder_sparse_step`` other than 1, or ``mlp_only_layers``) is refused: our
+    Llama has experts in every layer or in none. A sliding window bounds ``block_size`` as
+    Qwen3's."""
+    c = _qwen3_moe_defaults(c)
+    step = c["decoder_sparse_step"]
+    if step != 1:
+        raise _refuse("Qwen3-MoE", f"decoder_sparse_step={step!r} (shardwise's Llama has "
+                      "experts in every layer or none: 1)")
+    dense = c.get("mlp_only_layers") or []
+    if dense:
+        raise _refuse("Qwen3-MoE", f"mlp_only_layers={list(dense)!r} (shardwise's Llama has "
+                      "experts in every layer or none: [])")
+    if not c["num_experts"]:
+        raise _refuse("Qwen3-MoE", "num_experts=0 (a dense Qwen3-MoE: every layer's MLP "
+                      "dense; shardwise loads it only with experts)")
+    out = _llama_section(c, "Qwen3-MoE")
+    window = _qwen3_moe_window(c)
+    if window is not None:
+        out["block_size"] = min(out["block_size"], window)
+    out.update(qk_norm=True, moe_ffn_hidden=c["moe_intermediate_size"],
+               n_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
+               moe_gating="softmax", moe_norm_topk=bool(c["norm_topk_prob"]),
+               moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
+               moe_shared_expert=False)
+    return out
+
+
+def _qwen3_moe_bound_reason(c: dict) -> dict[str, str]:
+    window = _qwen3_moe_window(c)
+    context = _get(c, "max_position_embeddings", _QWEN3_MOE_DEFAULTS["max_position_embeddings"])
+    if window is None or window >= context:
+        return {}
+    return {"block_size": f"its sliding_window (use_sliding_window true): shardwise's "
+                          f"attention has no window, so it is exact on at most {window} tokens"}
+
+
+def _qwen3_moe_config_json(cfg, source: dict | None) -> dict:
+    out = _llama_config_json(cfg, source)
+    for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
+        out.pop(other, None)
+    # the source's window settings as they were (a run's block_size is at most its window);
+    # trained here: none. intermediate_size (a dense layer's width) is unused: every layer
+    # has experts
+    out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+               attention_bias=False, moe_intermediate_size=cfg.moe_ffn_hidden,
+               num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+               norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
+               decoder_sparse_step=1, mlp_only_layers=[],
+               use_sliding_window=bool(out.get("use_sliding_window", False)),
+               sliding_window=out.get("sliding_window"),
+               output_router_logits=bool(out.get("output_router_logits", False)))
+    return out
+
+
+_QWEN3_MOE_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _qwen3_moe_tensor(name: str) -> HFTensor:
+    """Llama's names (Qwen3's ``self_attn.q_norm`` / ``k_norm`` among them), and a block's
+    mixture of experts as in the checkpoints on the Hub and in what ``save_pretrained``
+    writes (transformers 5 fuses the experts into 3-D ``mlp.experts.gate_up_proj`` /
+    ``down_proj`` in memory only, its ``conversion_mapping`` (``qwen2_moe``'s) converting
+    on load and back on save): the router ``mlp.router.weight`` (E, C) is
+    ``mlp.gate.weight``; our stacked ``mlp.experts.gate_proj`` / ``up_proj`` (E, C, F) and
+    ``down_proj`` (E, F, C) are ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight``
+    (F, C) and ``down_proj.weight`` (C, F), e = 0..E-1."""
+    hf = llama_hf_name(name)
+    layer, sep, rest = hf.partition(".mlp.")
+    if not sep:
+        return HFTensor(hf)
+    if rest == "router.weight":
+        return HFTensor(f"{layer}.mlp.gate.weight")
+    kind = rest.removeprefix("experts.")
+    if kind in _QWEN3_MOE_EXPERTS:
+        return HFTensor(f"{layer}.mlp.experts.{{}}.{kind}.weight", transpose=True, stacked=True)
+    raise KeyError(f"{name}: not a Qwen3-MoE parameter name")
+
+
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
                section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
                ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",))
@@ -501,7 +621,11 @@ QWEN3 = HFArch(kind="llama", model_type="qwen3", architecture="Qwen3ForCausalLM"
                config_json=lambda cfg, source: _qwen_config_json(cfg, source, "Qwen3"),
                tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
                at_most=("block_size",), bound_reason=_qwen_bound_reason)
-ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3)
+QWEN3_MOE = HFArch(kind="llama", model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
+                   section=_qwen3_moe_section, config_json=_qwen3_moe_config_json,
+                   tensor=_qwen3_moe_tensor, ignored=("*.rotary_emb.inv_freq",),
+                   at_most=("block_size",), bound_reason=_qwen3_moe_bound_reason)
+ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)
 
 
 def mixtral_compatible(cfg) -> bool:
@@ -515,13 +639,26 @@ def mixtral_compatible(cfg) -> bool:
             and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False))
 
 
+def qwen3_moe_compatible(cfg) -> bool:
+    """Whether a Llama config with ``n_experts`` is a Qwen3-MoE exactly: softmax gating
+    (the top k renormalised or not: ``norm_topk_prob``), dropless, no shared expert, no
+    routing bias (``moe_bias_update_rate`` 0), Qwen3's attention (QK-norm, no Q/K/V
+    biases)."""
+    return (cfg.n_experts > 0 and cfg.moe_gating == "softmax"
+            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert
+            and not getattr(cfg, "moe_bias_update_rate", 0.0)
+            and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False))
+
+
 def arch_for(cfg) -> HFArch | None:
     """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: with
-    ``n_experts`` MIXTRAL when ``mixtral_compatible``; else QWEN2 with ``qkv_bias``, QWEN3
-    with ``qk_norm`` (not both: neither has the other's), LLAMA with neither."""
+    ``n_experts`` MIXTRAL when ``mixtral_compatible`` (no QK-norm), QWEN3_MOE when
+    ``qwen3_moe_compatible`` (QK-norm); else QWEN2 with ``qkv_bias``, QWEN3 with
+    ``qk_norm`` (not both: neither has the other's), LLAMA with neither."""
     bias, norm = getattr(cfg, "qkv_bias", False), getattr(cfg, "qk_norm", False)
     if cfg.n_experts:
-        return MIXTRAL if mixtral_compatible(cfg) else None
+        return (MIXTRAL if mixtral_compatible(cfg)
+                else QWEN3_MOE if qwen3_moe_compatible(cfg) else None)
     if bias and norm:
         return None
     return QWEN2 if bias else QWEN3 if norm else LLAMA

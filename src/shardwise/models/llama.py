@@ -454,8 +454,10 @@ def describe(cfg: LlamaConfig):
     with ``qkv_bias``, ``Qwen2ForCausalLM`` (``QWEN2``); with ``qk_norm``,
     ``Qwen3ForCausalLM`` (``QWEN3``); with ``n_experts`` and neither, ``MixtralForCausalLM``
     (``models.hf.MIXTRAL``) when the mixture is Mixtral's (``models.hf.mixtral_compatible``:
-    softmax top-k renormalised, dropless, no shared expert); else none (``hf`` is None):
-    ``models.hf.arch_for``."""
+    softmax top-k renormalised, dropless, no shared expert); with ``n_experts`` and
+    ``qk_norm``, ``Qwen3MoeForCausalLM`` (``QWEN3_MOE``) when the mixture is Qwen3-MoE's
+    (``models.hf.qwen3_moe_compatible``: softmax top-k, renormalised or not, dropless, no
+    shared expert); else none (``hf`` is None): ``models.hf.arch_for``."""
     from shardwise.models.description import ModelDescription
     from shardwise.models.hf import arch_for
 
