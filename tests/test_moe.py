@@ -298,7 +298,8 @@ def test_shardwise_memory_with_ep(tmp_path, capsys):
     """``shardwise memory --ep`` predicts E / ep experts per rank: at ZeRO-0 the expert bytes
     fall with ep; at ZeRO-1 the optimizer state per rank is the same at every ep (experts
     are sharded over dp / ep ranks, each holding E / ep of them); with ``--cp 2`` too, the
-    ZeRO-1 optimizer state halves (dense over dp x cp, experts over dp / ep x cp)."""
+    ZeRO-1 optimizer state halves (dense over dp x cp, experts over dp / ep x cp); ZeRO-3
+    with ep is predicted too (its experts' units over dp / ep), below ZeRO-1's total."""
     from shardwise.cli.memory import main
 
     toml = tmp_path / "moe.toml"
@@ -322,3 +323,8 @@ def test_shardwise_memory_with_ep(tmp_path, capsys):
     cp2 = [line.split() for line in out.splitlines() if line.startswith(("   0", "   1"))]
     assert cp2[0][3] == rows[2][0][3]  # ZeRO-0: the same parameters as at cp 1
     assert abs(float(cp2[1][5]) - float(rows[2][1][5]) / 2) < 0.01 * float(cp2[1][5])
+    assert main(["--config", str(toml), "--dp", "4", "--ep", "2", "--stages", "1,3",
+                 "--precision", "fp32"]) == 0
+    z = {r[0]: r for r in (line.split() for line in capsys.readouterr().out.splitlines()
+                           if line.startswith(("   1", "   3")))}
+    assert float(z["3"][6]) < float(z["1"][6]), z
