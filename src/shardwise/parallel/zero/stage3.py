@@ -89,7 +89,12 @@ class ZeroStage3(nn.Module):
     the master is the gathered shard, so 16P/N. ``isolate``: ids of parameters that get a
     unit of their own (gathered with their layer's): a weight tied across pipeline stages,
     so that its shard covers the same elements of both copies and their gradients can be
-    summed piece by piece. Raises ``ValueError`` for a model without trainable parameters.
+    summed piece by piece. ``expert_group`` (expert parallelism): the expert parameters
+    (``experts.is_expert``) of each unit (and of the root) become a unit of their own,
+    broadcast, sharded, gathered and reduce-scattered over this group, the ranks holding the
+    same experts (``ep_dp_cp``); their sums are divided by ``group``'s size as the dense
+    ones' (each expert's gradient already holds every ep rank's tokens routed to it).
+    Raises ``ValueError`` for a model without trainable parameters.
     """
 
     def __init__(self, module: nn.Module, group=None, units: list[tuple[str, nn.Module]] | None = None,
