@@ -7,7 +7,8 @@ of 2 train every layout of ``LAYOUTS`` on the same global batches: ep2 (dp2), ep
 over dp4 with ZeRO-1 (two expert-data-parallel replicas of each expert), ep4 over dp4 with
 two micro-batches, ep2 x tp2 (experts split by expert and by width), ep2 x pp2 (1F1B, ZeRO-2,
 the tied embedding across stages; and GPipe with recomputation, whose forwards run twice
-and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer). With context
+and count once), and without ep, ZeRO-3 over dp2 (the MoE as any layer); ZeRO-3 with ep2 over dp2 and over dp4
+(each layer's experts a unit of their own, sharded over the ep_dp ranks holding them). With context
 parallelism (each cp rank holds chunks i and 2cp-1-i of every sequence, the same experts):
 cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 over dp2 (the
 issue's layout: expert gradients over ep_dp x cp), and a spawn of 8: cp2 x ep2 over dp4 with
@@ -19,7 +20,8 @@ the reference, and every step's expert load (tokens routed to each expert of eac
 and every routing bias equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
 one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4; one process with the
-routing bias -> ep2). Then the bytes of the
+routing bias -> ep2; ep2 over dp4 with ZeRO-3 -> ep2 x tp2; ep2 over dp4 with ZeRO-1 -> ep2
+with ZeRO-3). Then the bytes of the
 all-to-all, the memory each rank holds, the refusals at the door and the issue's command
 (cp2 x ep2 x dp2). About 70 s on 2 shared cores (30 s before the cp layouts and their
 spawn of 8).
@@ -52,6 +54,9 @@ LAYOUTS = {
     "ep2": (2, "softmax", {"dp": 2, "ep": 2, "all_to_all": "linear"}),
     "dp2-z3": (2, "sigmoid-shared", {"dp": 2, "ep": 1, "zero": 3}),  # experts unsplit
     "ep2-dp4-z1": (4, "softmax", {"dp": 4, "ep": 2, "zero": 1, "all_to_all": "pairwise"}),
+    # ZeRO-3: each unit's experts sharded over their replicas, the rest over dp
+    "ep2-z3": (2, "softmax", {"dp": 2, "ep": 2, "zero": 3}),
+    "ep2-dp4-z3": (4, "sigmoid-shared", {"dp": 4, "ep": 2, "zero": 3}),
     "ep4": (4, "softmax", {"dp": 4, "ep": 4, "micro_batches": 2}),
     "ep2xtp2": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "tp": 2}),
     "ep2xpp2": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
@@ -74,6 +79,8 @@ RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
            "ep2-dp4-z1->ep2": ("ep2-dp4-z1", "ep2"),          # ZeRO pieces joined over ep_dp
            "ep2xtp2->ep2xpp2": ("ep2xtp2", "ep2xpp2"),        # experts on an (ep, tp) mesh
+           "ep2-dp4-z3->ep2xtp2": ("ep2-dp4-z3", "ep2xtp2"),  # ZeRO-3 pieces over ep_dp
+           "ep2-dp4-z1->ep2-z3": ("ep2-dp4-z1", "ep2-z3"),    # into ZeRO-3's expert units
            "dp1->cp2xep2": ("ref:softmax", "cp2xep2"),
            "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4"),  # ZeRO pieces over ep_dp x cp
            "dp1->ep2-bias": ("ref:softmax-bias", "ep2-bias")}  # the biases restored
@@ -252,12 +259,13 @@ def test_refusals_at_the_door():
     assert "model.n_experts=6 is not divisible by parallel.ep=4" in refuse(
         {"dp": 4, "ep": 4}, {"n_experts": 6})
     assert "parallel.ep=2 with model.n_experts=0" in refuse({"dp": 2, "ep": 2}, {"n_experts": 0})
-    assert "parallel.zero=3 with parallel.ep=2" in refuse({"dp": 2, "ep": 2, "zero": 3})
     assert "parallel.sequence_parallel with model.n_experts" in refuse(
         {"dp": 2, "tp": 2, "sequence_parallel": True})
     # n_experts with init_from passes the door: config.json decides (a Mixtral has experts,
     # a Llama's section gives n_experts = 0 and a contradicting field is refused, test_hf)
-    # context parallelism with experts passes the door (once refused: docs/moe.md)
+    # context parallelism and ZeRO-3 with experts pass the door (once refused: docs/moe.md)
+    Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "zero": 3},
+                      "training": {"global_batch_size": 8}})
     cfg = Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "cp": 2},
                             "training": {"global_batch_size": 8}})
     assert cfg.world_size == 4
@@ -290,7 +298,8 @@ def test_shardwise_memory_with_ep(tmp_path, capsys):
     """``shardwise memory --ep`` predicts E / ep experts per rank: at ZeRO-0 the expert bytes
     fall with ep; at ZeRO-1 the optimizer state per rank is the same at every ep (experts
     are sharded over dp / ep ranks, each holding E / ep of them); with ``--cp 2`` too, the
-    ZeRO-1 optimizer state halves (dense over dp x cp, experts over dp / ep x cp)."""
+    ZeRO-1 optimizer state halves (dense over dp x cp, experts over dp / ep x cp); ZeRO-3
+    with ep is predicted too (its experts' units over dp / ep), below ZeRO-1's total."""
     from shardwise.cli.memory import main
 
     toml = tmp_path / "moe.toml"
@@ -314,3 +323,8 @@ def test_shardwise_memory_with_ep(tmp_path, capsys):
     cp2 = [line.split() for line in out.splitlines() if line.startswith(("   0", "   1"))]
     assert cp2[0][3] == rows[2][0][3]  # ZeRO-0: the same parameters as at cp 1
     assert abs(float(cp2[1][5]) - float(rows[2][1][5]) / 2) < 0.01 * float(cp2[1][5])
+    assert main(["--config", str(toml), "--dp", "4", "--ep", "2", "--stages", "1,3",
+                 "--precision", "fp32"]) == 0
+    z = {r[0]: r for r in (line.split() for line in capsys.readouterr().out.splitlines()
+                           if line.startswith(("   1", "   3")))}
+    assert float(z["3"][6]) < float(z["1"][6]), z

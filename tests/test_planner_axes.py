@@ -456,7 +456,7 @@ def test_ep_is_searched_only_for_a_mixture_of_experts():
     moe, pruned = plan(MOE, H100, 16, 32, micro_batches=[1], top=400, exhaustive=True)
     assert {c.layout.ep for c in moe} > {1}
     assert all(not c.layout.sp for c in moe)  # the engine refuses SP with experts
-    assert all(not (c.layout.zero == 3 and c.layout.ep > 1) for c in moe)
+    assert all(not (c.layout.zero == 3 and c.layout.ep > 1) for c in moe)  # not modelled
     assert {c.layout.cp for c in moe} > {1}  # context parallelism with experts is searched
 
 

@@ -526,10 +526,6 @@ class Config(_Section):
         if p.sequence_parallel:
             raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
                              "the experts read whole sequences; leave sequence parallelism off")
-        if p.ep > 1 and p.zero == 3:
-            raise ValueError(f"parallel.zero=3 with parallel.ep={p.ep}: ZeRO-3 gathers over "
-                             "the whole dp group and the experts differ across it; use ZeRO-1 "
-                             "or 2 with expert parallelism")
         return self
 
     def _cp_agrees(self):

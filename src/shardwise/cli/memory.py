@@ -65,8 +65,6 @@ def _layout_table(args, stages: list[int]) -> int:
         for z in stages:
             for pr in range(p.pp):
                 for tr in range(p.tp):
-                    if z == 3 and p.ep > 1:
-                        continue
                     preds[(z, pr, tr)] = predict_rank(
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep)
@@ -83,9 +81,6 @@ def _layout_table(args, stages: list[int]) -> int:
           f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
           + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
-        if z == 3 and p.ep > 1:
-            print(f"{z:>4}   ZeRO-3 with ep > 1 is refused (see shardwise train)")
-            continue
         measured = {}
         if args.measure:
             from shardwise.launch import spawn

@@ -307,15 +307,18 @@ class Engine:
         topo = self.topology
         if not experts or not self.distributed:
             return self._sync_of(named, self.grad_group, topo.dp_cp, topo.dp_cp_rank)
-        if self.s.zero == 3:
-            raise ValueError("parallel.zero=3 with expert parallelism: use ZeRO-1 or 2")
+        if self.s.zero == 3:  # one wrapper, each unit's experts gathered over their replicas
+            return self._sync_of(named, self.grad_group, topo.dp_cp, topo.dp_cp_rank,
+                                 expert_group=topo.groups.ep_dp_cp)
         dense = [(n, q) for n, q in named if not is_expert(q)]
         return SplitSync(self._sync_of(dense, self.grad_group, topo.dp_cp, topo.dp_cp_rank),
                          self._sync_of(experts, topo.groups.ep_dp_cp, topo.ep_dp_cp,
                                        topo.ep_dp_cp_rank, divisor=topo.dp_cp))
 
-    def _sync_of(self, named, group, size: int, rank: int, divisor: int | None = None):
-        """One gradient sync of ``parallel.zero`` for ``named`` over ``group``."""
+    def _sync_of(self, named, group, size: int, rank: int, divisor: int | None = None,
+                 expert_group=None):
+        """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
+        ``expert_group``: the expert parameters of each unit sharded over that group)."""
         s = self.s
         whole = len(named) == len(self.local.named_parameters())
         names = {id(q): n for n, q in named}
@@ -332,7 +335,7 @@ class Engine:
         (c, chunk), = self.local.chunks.items()  # one chunk (stage) per rank, its layers the units
         units = list(zip(chunk.names, chunk.layers))
         wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names,
-                             isolate=tied)
+                             isolate=tied, expert_group=expert_group)
         self.chunks[c] = wrapper
         return wrapper
 

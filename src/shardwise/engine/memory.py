@@ -91,28 +91,34 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
             out = {"params": b * sum(padded), "grads": b * (sum(padded) if zero == 1 else S),
                    "optimizer": 4 * S + 8 * R, "padding": S - R}
         else:
-            sizes = _units(local)
-            padded = [-(-n // dp) * dp for n in sizes]
-            S, R = _shard(padded, sizes, dp, dp_rank)
+            S = R = 0
+            for sizes, size, rank in ((_units(local, False), dp, dp_rank),
+                                      (_units(local, True), ep_dp, ep_dp_rank)):
+                owned, real = _shard([-(-n // size) * size for n in sizes], sizes, size, rank)
+                S, R = S + owned, R + real
             out = {"params": 0 if b == 4 else b * S, "grads": b * S,
                    "optimizer": 4 * S + 8 * R, "padding": S - R}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
 
-def _units(local) -> list[int]:
+def _units(local, experts: bool | None = None) -> list[int]:
     """Elements of each ZeRO-3 unit, in ``ZeroStage3``'s order: every layer of the one chunk
     (a weight tied across stages first, as a unit of its own), then the root unit of
-    parameters shared by two layers (a weight tied within the chunk)."""
+    parameters shared by two layers (a weight tied within the chunk). ``experts``: only the
+    units of expert parameters (True: under ep > 1 each layer's experts are a unit of their
+    own, sharded over their replicas) or of the others (False); None: every parameter."""
     (chunk,) = local.chunks.values()
+    keep = (lambda q: True) if experts is None else (lambda q: is_expert(q) == experts)
     tied = {id(q) for n, q in local.named_parameters() if n in local.tied}
     owners: dict[int, int] = {}
     for layer in chunk.layers:
         for q in layer.parameters():
-            owners[id(q)] = owners.get(id(q), 0) + 1
+            if keep(q):
+                owners[id(q)] = owners.get(id(q), 0) + 1
     sizes, root = [], 0
     for layer in chunk.layers:
-        own = [q for q in layer.parameters() if owners[id(q)] == 1]
+        own = [q for q in layer.parameters() if owners.get(id(q)) == 1]
         sizes += [q.numel() for q in own if id(q) in tied]
         n = sum(q.numel() for q in own if id(q) not in tied)
         if n:
@@ -120,7 +126,7 @@ def _units(local) -> list[int]:
     seen = set()
     for layer in chunk.layers:
         for q in layer.parameters():
-            if owners[id(q)] > 1 and id(q) not in seen:
+            if owners.get(id(q), 0) > 1 and id(q) not in seen:
                 seen.add(id(q))
                 root += q.numel()
     return sizes + ([root] if root else [])

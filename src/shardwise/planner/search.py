@@ -206,7 +206,8 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     if lay.sp and spec.moe:
         return "sequence parallelism with experts (the engine refuses it: routing reads whole sequences)"
     if lay.zero == 3 and lay.ep > 1:
-        return f"ZeRO-3 with ep={lay.ep} (the engine refuses it: its gathers span dp)"
+        return (f"ZeRO-3 with ep={lay.ep} (the planner does not model it: its experts' "
+                "gathers span dp / ep ranks)")
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:

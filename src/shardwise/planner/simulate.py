@@ -614,7 +614,7 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     link = cluster.link(lay.world)
     if not cluster.zero3_overlap or cluster.cores:
         units, pen = len(layers), cluster.sync_penalty_s
-        x = rank_params(spec, layers, lay.tp, lay.pp) * e  # ZeRO-3 is refused with ep > 1
+        x = rank_params(spec, layers, lay.tp, lay.pp) * e  # the planner prunes ZeRO-3 with ep > 1
         return Zero3Seconds(link.all_gather(n, x) + units * pen,
                             link.all_gather(n, x) + link.reduce_scatter(n, x) + 2 * units * pen)
     fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)

@@ -40,14 +40,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.parallel.data_parallel.ddp import broadcast_module_state
+from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
+from shardwise.parallel.experts.shard import is_expert
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step
 
 
 class _Unit:
     def __init__(self, name: str, module: nn.Module | None, params: list[nn.Parameter],
-                 world: int, rank: int, param_dtype: torch.dtype):
-        self.name, self.module, self.params = name, module, params
+                 group, param_dtype: torch.dtype):
+        self.name, self.module, self.params, self.group = name, module, params, group
+        self.world, self.rank = world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
@@ -87,17 +89,33 @@ class ZeroStage3(nn.Module):
     the master is the gathered shard, so 16P/N. ``isolate``: ids of parameters that get a
     unit of their own (gathered with their layer's): a weight tied across pipeline stages,
     so that its shard covers the same elements of both copies and their gradients can be
-    summed piece by piece. Raises ``ValueError`` for a model without trainable parameters.
+    summed piece by piece. ``expert_group`` (expert parallelism): the expert parameters
+    (``experts.is_expert``) of each unit (and of the root) become a unit of their own,
+    broadcast, sharded, gathered and reduce-scattered over this group, the ranks holding the
+    same experts (``ep_dp_cp``); their sums are divided by ``group``'s size as the dense
+    ones' (each expert's gradient already holds every ep rank's tokens routed to it).
+    Raises ``ValueError`` for a model without trainable parameters.
     """
 
     def __init__(self, module: nn.Module, group=None, units: list[tuple[str, nn.Module]] | None = None,
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
-                 names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset()):
+                 names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
+                 expert_group=None):
         super().__init__()
         self.module, self.group, self.loss_scaler = module, group, loss_scaler
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        broadcast_module_state(module, group)
+        experts = expert_group is not None
+
+        def group_of(p) -> object:
+            return expert_group if experts and is_expert(p) else group
+
+        if experts:  # each expert parameter from the first rank holding the same experts
+            broadcast_tensors([p for p in module.parameters() if not is_expert(p)]
+                              + list(module.buffers()), group)
+            broadcast_tensors([p for p in module.parameters() if is_expert(p)], expert_group)
+        else:
+            broadcast_module_state(module, group)
         if units is None:
             units = []
             for name, child in module.named_children():
@@ -112,25 +130,31 @@ class ZeroStage3(nn.Module):
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("parallel.zero: the model has no trainable parameters to shard")
+        def split(ps: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], object]]:
+            """``ps`` as (parameters, group) pairs: the dense ones, then the experts'."""
+            out = [([p for p in ps if group_of(p) is g], g)
+                   for g in ((group, expert_group) if experts else (group,))]
+            return [(x, g) for x, g in out if x]
+
         root = [p for p in trainable if len(owner.get(id(p), [])) != 1]  # shared or unowned
         self.units: list[_Unit] = []
-        self.root = _Unit("root", None, root, self.world_size, self.rank, param_dtype) if root else None
+        self.roots = [_Unit("root", None, ps, g, param_dtype) for ps, g in split(root)]
         for i, (name, m) in enumerate(units):
             mine = [p for p in m.parameters() if p.requires_grad and owner[id(p)] == [i]]
             rest = [p for p in mine if id(p) not in isolate]
-            for ps in [[p] for p in mine if id(p) in isolate] + ([rest] if rest else []):
-                u = _Unit(name, m, ps, self.world_size, self.rank, param_dtype)
+            for ps, g in [([p], group_of(p)) for p in mine if id(p) in isolate] + split(rest):
+                u = _Unit(name, m, ps, g, param_dtype)
                 self.units.append(u)
                 m.register_forward_pre_hook(self._pre_forward(u))
                 m.register_forward_hook(self._post_forward(u))
-        self._all = self.units + ([self.root] if self.root else [])
+        self._all = self.units + self.roots
         for u in self._all:
             for j, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(self._grad_ready(u, j))
         self.pieces, self.piece_names, self._decay, self._piece_src = [], [], [], []
         self.piece_params: list[nn.Parameter] = []  # the model parameter each piece is part of
         for u in self._all:
-            lo = self.rank * u.shard_size
+            lo = u.rank * u.shard_size
             for p, off in zip(u.params, u.offsets):
                 a, z = max(off, lo), min(off + p.numel(), lo + u.shard_size)
                 if a < z:
@@ -152,7 +176,7 @@ class ZeroStage3(nn.Module):
             return
         u.full.untyped_storage().resize_(u.nbytes)
         # check=False: shapes were agreed once, by the construction-time broadcast
-        u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=self.group, async_op=True,
+        u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=u.group, async_op=True,
                                                check=False, algorithm="auto")
 
     def _gather(self, u: _Unit) -> None:
@@ -172,8 +196,8 @@ class ZeroStage3(nn.Module):
 
     # -- hooks ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self.root is not None:
-            self._gather(self.root)
+        for r in self.roots:
+            self._gather(r)
         return self.module(*args, **kwargs)
 
     def _pre_forward(self, u: _Unit):
@@ -221,11 +245,11 @@ class ZeroStage3(nn.Module):
                 flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         out = torch.empty(u.shard_size, dtype=flat.dtype, device=flat.device)
-        work = comm.reduce_scatter_tensor(out, flat, op="sum", group=self.group, async_op=True,
+        work = comm.reduce_scatter_tensor(out, flat, op="sum", group=u.group, async_op=True,
                                           check=False, algorithm="auto")
         self._pending.append((u, work, out))
         u.fired = set()
-        if u is not self.root:
+        if u not in self.roots:
             self._free(u)
 
     @torch.no_grad()
@@ -234,11 +258,11 @@ class ZeroStage3(nn.Module):
             if u.fired or not any(x[0] is u for x in self._pending):
                 self._reduce_scatter(u)
         for u, work, out in self._pending:
-            work.wait()
+            work.wait()  # expert units too: by dp x cp, their sums hold every ep rank's tokens
             u.grad_shard.add_(out, alpha=1.0 / self.world_size)
         self._pending, self._queued = [], False
-        if self.root is not None:
-            self._free(self.root)
+        for r in self.roots:
+            self._free(r)
 
     # -- optimizer side ---------------------------------------------------------------------
     def param_groups(self, weight_decay: float) -> list[dict]:
@@ -314,11 +338,12 @@ class ZeroStage3(nn.Module):
         for u in self._all:
             if u.shard_lp is not u.shard:
                 u.shard_lp.copy_(u.shard)
-            if u.gathered and not self._summoned and u is not self.root:
+            if u.gathered and not self._summoned and u not in self.roots:
                 self._free(u)
-        if self.root is not None and self.root.gathered:  # stale: re-gather on next forward
-            self.root.full.untyped_storage().resize_(0)
-            self.root.gathered = False
+        for r in self.roots:
+            if r.gathered:  # stale: re-gather on next forward
+                r.full.untyped_storage().resize_(0)
+                r.gathered = False
 
     @contextmanager
     def full_parameters(self):
@@ -330,8 +355,6 @@ class ZeroStage3(nn.Module):
             yield
         finally:
             self._summoned = False
-            for u in self.units:
+            for u in self._all:
                 self._free(u)
-            if self.root is not None:
-                self._free(self.root)
 
