@@ -343,10 +343,7 @@ def _mixtral_section(c: dict) -> dict:
     out = _llama_section(c, "Mixtral")
     window = c.get("sliding_window")
     if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
-                                "number >= 1 or null")
-        out["block_size"] = min(out["block_size"], window)
+        out["block_size"] = min(out["block_size"], _whole_window(window))
     width = c["intermediate_size"]
     out.update(ffn_hidden=width, moe_ffn_hidden=width, n_experts=c["num_local_experts"],
                top_k=c["num_experts_per_tok"], moe_gating="softmax", moe_norm_topk=True,
@@ -355,13 +352,28 @@ def _mixtral_section(c: dict) -> dict:
     return out
 
 
-def _mixtral_bound_reason(c: dict) -> dict[str, str]:
-    window = c.get("sliding_window")
-    context = _get(c, "max_position_embeddings", _MIXTRAL_DEFAULTS["max_position_embeddings"])
-    if window is None or window >= context:
-        return {}
-    return {"block_size": f"its sliding_window: shardwise's attention has no window, so it "
-                          f"is exact on at most {window} tokens"}
+def _whole_window(window: Any) -> int:
+    """A config.json's ``sliding_window`` (not null): a whole number >= 1, else one-line
+    ``HFConfigError``."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
+                            "number >= 1 or null")
+    return window
+
+
+def _window_bound(window_of: Callable[[dict], int | None], default_context: int,
+                  which: str = "its sliding_window") -> Callable[[dict], dict[str, str]]:
+    """An ``HFArch.bound_reason``: a config.json whose sliding window W (``window_of``) is
+    shorter than its context (``max_position_embeddings``, ``default_context`` when it
+    leaves it out) bounds ``block_size`` by W, and says why."""
+    def reason(c: dict) -> dict[str, str]:
+        window = window_of(c)
+        context = _get(c, "max_position_embeddings", default_context)
+        if window is None or window >= context:
+            return {}
+        return {"block_size": f"{which}: shardwise's attention has no window, so it is "
+                              f"exact on at most {window} tokens"}
+    return reason
 
 
 def _mixtral_config_json(cfg, source: dict | None) -> dict:
@@ -376,25 +388,32 @@ def _mixtral_config_json(cfg, source: dict | None) -> dict:
     return out
 
 
-def _mixtral_tensor(name: str) -> HFTensor:
-    """Llama's names, but a block's mixture of experts is ``block_sparse_moe``, as in the
-    checkpoints on the Hub and in what ``save_pretrained`` writes (transformers 5 fuses the
-    experts into 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` in memory only, its
-    ``conversion_mapping`` converting on load and back on save): the router
-    ``mlp.router.weight`` (E, C) is ``block_sparse_moe.gate.weight``; our stacked
-    ``mlp.experts.gate_proj`` / ``up_proj`` (E, C, F) and ``down_proj`` (E, F, C) are
-    ``block_sparse_moe.experts.{e}.w1`` / ``w3`` (F, C) and ``w2`` (C, F), e = 0..E-1."""
-    hf = llama_hf_name(name)
-    layer, sep, rest = hf.partition(".mlp.")
-    if not sep:
-        return HFTensor(hf)
-    if rest == "router.weight":
-        return HFTensor(f"{layer}.block_sparse_moe.gate.weight")
-    kind = rest.removeprefix("experts.")
-    if kind in _MIXTRAL_EXPERTS:
-        return HFTensor(f"{layer}.block_sparse_moe.experts.{{}}.{_MIXTRAL_EXPERTS[kind]}.weight",
-                        transpose=True, stacked=True)
-    raise KeyError(f"{name}: not a Mixtral parameter name")
+def _moe_tensor(moe: str, experts: dict[str, str], arch: str) -> Callable[[str], HFTensor]:
+    """``HFArch.tensor`` of a Llama whose blocks hold a mixture of experts stored as on the
+    Hub and as ``save_pretrained`` writes it (transformers 5 fuses the experts into 3-D
+    ``mlp.experts.gate_up_proj`` / ``down_proj`` in memory only, its ``conversion_mapping``
+    converting on load and back on save): Llama's names elsewhere; the router
+    ``mlp.router.weight`` (E, C) is ``{moe}.gate.weight``; our stacked
+    ``mlp.experts.gate_proj`` / ``up_proj`` (E, C, F) and ``down_proj`` (E, F, C) are E
+    per-expert linears ``{moe}.experts.{e}.{experts[ours]}.weight`` ((F, C), (F, C) and
+    (C, F)), e = 0..E-1."""
+    def tensor(name: str) -> HFTensor:
+        hf = llama_hf_name(name)
+        layer, sep, rest = hf.partition(".mlp.")
+        if not sep:
+            return HFTensor(hf)
+        if rest == "router.weight":
+            return HFTensor(f"{layer}.{moe}.gate.weight")
+        kind = rest.removeprefix("experts.")
+        if kind in experts:
+            return HFTensor(f"{layer}.{moe}.experts.{{}}.{experts[kind]}.weight",
+                            transpose=True, stacked=True)
+        raise KeyError(f"{name}: not a {arch} parameter name")
+    return tensor
+
+
+# Mixtral's block_sparse_moe: w1 the gate, w2 the down, w3 the up projection
+_mixtral_tensor = _moe_tensor("block_sparse_moe", _MIXTRAL_EXPERTS, "Mixtral")
 
 
 # ---- Qwen2 and Qwen3 ---------------------------------------------------------------------------
@@ -404,6 +423,9 @@ _QWEN_DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                   "num_key_value_heads": 32, "use_sliding_window": False,
                   "sliding_window": 4096, "max_window_layers": 28}
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+_QWEN_WINDOW = "its sliding_window (use_sliding_window true)"
 
 
 def _qwen_window(c: dict) -> int | None:
@@ -420,10 +442,7 @@ def _qwen_window(c: dict) -> int | None:
     if "sliding_attention" not in types:
         return None
     window = c["sliding_window"]
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
-                            "number >= 1 or null")
-    return window
+    return _whole_window(window)
 
 
 def _qwen_section(c: dict, arch: str) -> dict:
@@ -449,15 +468,6 @@ def _qwen_section(c: dict, arch: str) -> dict:
     if window is not None:
         out["block_size"] = min(out["block_size"], window)
     return out
-
-
-def _qwen_bound_reason(c: dict) -> dict[str, str]:
-    window = _qwen_window(c)
-    context = _get(c, "max_position_embeddings", _QWEN_DEFAULTS["max_position_embeddings"])
-    if window is None or window >= context:
-        return {}
-    return {"block_size": f"its sliding_window (use_sliding_window true): shardwise's "
-                          f"attention has no window, so it is exact on at most {window} tokens"}
 
 
 def _qwen_config_json(cfg, source: dict | None, arch: str) -> dict:
@@ -511,10 +521,7 @@ def _qwen3_moe_window(c: dict) -> int | None:
     if not c["use_sliding_window"] or c.get("sliding_window") is None:
         return None
     window = c["sliding_window"]
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise HFConfigError(f"config.json: sliding_window={window!r}: expected a whole "
-                            "number >= 1 or null")
-    return window
+    return _whole_window(window)
 
 
 def _qwen3_moe_section(c: dict) -> dict:
@@ -549,15 +556,6 @@ def _qwen3_moe_section(c: dict) -> dict:
     return out
 
 
-def _qwen3_moe_bound_reason(c: dict) -> dict[str, str]:
-    window = _qwen3_moe_window(c)
-    context = _get(c, "max_position_embeddings", _QWEN3_MOE_DEFAULTS["max_position_embeddings"])
-    if window is None or window >= context:
-        return {}
-    return {"block_size": f"its sliding_window (use_sliding_window true): shardwise's "
-                          f"attention has no window, so it is exact on at most {window} tokens"}
-
-
 def _qwen3_moe_config_json(cfg, source: dict | None) -> dict:
     out = _llama_config_json(cfg, source)
     for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
@@ -579,25 +577,8 @@ def _qwen3_moe_config_json(cfg, source: dict | None) -> dict:
 _QWEN3_MOE_EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _qwen3_moe_tensor(name: str) -> HFTensor:
-    """Llama's names (Qwen3's ``self_attn.q_norm`` / ``k_norm`` among them), and a block's
-    mixture of experts as in the checkpoints on the Hub and in what ``save_pretrained``
-    writes (transformers 5 fuses the experts into 3-D ``mlp.experts.gate_up_proj`` /
-    ``down_proj`` in memory only, its ``conversion_mapping`` (``qwen2_moe``'s) converting
-    on load and back on save): the router ``mlp.router.weight`` (E, C) is
-    ``mlp.gate.weight``; our stacked ``mlp.experts.gate_proj`` / ``up_proj`` (E, C, F) and
-    ``down_proj`` (E, F, C) are ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj.weight``
-    (F, C) and ``down_proj.weight`` (C, F), e = 0..E-1."""
-    hf = llama_hf_name(name)
-    layer, sep, rest = hf.partition(".mlp.")
-    if not sep:
-        return HFTensor(hf)
-    if rest == "router.weight":
-        return HFTensor(f"{layer}.mlp.gate.weight")
-    kind = rest.removeprefix("experts.")
-    if kind in _QWEN3_MOE_EXPERTS:
-        return HFTensor(f"{layer}.mlp.experts.{{}}.{kind}.weight", transpose=True, stacked=True)
-    raise KeyError(f"{name}: not a Qwen3-MoE parameter name")
+# Qwen3-MoE's (Qwen2-MoE's conversion_mapping): mlp.gate and mlp.experts.{e}.gate_proj/...
+_qwen3_moe_tensor = _moe_tensor("mlp", {k: k for k in _QWEN3_MOE_EXPERTS}, "Qwen3-MoE")
 
 
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
@@ -610,21 +591,29 @@ GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
 MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",
                  section=_mixtral_section, config_json=_mixtral_config_json,
                  tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
-                 at_most=("block_size",), bound_reason=_mixtral_bound_reason)
-QWEN2 = HFArch(kind="llama", model_type="qwen2", architecture="Qwen2ForCausalLM",
-               section=lambda c: _qwen_section(c, "Qwen2"),
-               config_json=lambda cfg, source: _qwen_config_json(cfg, source, "Qwen2"),
-               tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-               at_most=("block_size",), bound_reason=_qwen_bound_reason)
-QWEN3 = HFArch(kind="llama", model_type="qwen3", architecture="Qwen3ForCausalLM",
-               section=lambda c: _qwen_section(c, "Qwen3"),
-               config_json=lambda cfg, source: _qwen_config_json(cfg, source, "Qwen3"),
-               tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-               at_most=("block_size",), bound_reason=_qwen_bound_reason)
+                 at_most=("block_size",), bound_reason=_window_bound(
+                     lambda c: c.get("sliding_window"),
+                     _MIXTRAL_DEFAULTS["max_position_embeddings"]))
+
+
+def _qwen_arch(name: str) -> HFArch:
+    """Qwen2's or Qwen3's arch (``name``: "Qwen2" or "Qwen3"): the same tensors and window,
+    their attention options set by ``_qwen_section``."""
+    return HFArch(kind="llama", model_type=name.lower(), architecture=f"{name}ForCausalLM",
+                  section=lambda c: _qwen_section(c, name),
+                  config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
+                  tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
+                  at_most=("block_size",), bound_reason=_window_bound(
+                      _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"], _QWEN_WINDOW))
+
+
+QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
 QWEN3_MOE = HFArch(kind="llama", model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
                    section=_qwen3_moe_section, config_json=_qwen3_moe_config_json,
                    tensor=_qwen3_moe_tensor, ignored=("*.rotary_emb.inv_freq",),
-                   at_most=("block_size",), bound_reason=_qwen3_moe_bound_reason)
+                   at_most=("block_size",), bound_reason=_window_bound(
+                       _qwen3_moe_window, _QWEN3_MOE_DEFAULTS["max_position_embeddings"],
+                       _QWEN_WINDOW))
 ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)
 
 
