@@ -122,6 +122,57 @@ def test_gathered_units_are_the_engines_units():
             assert gathered_bytes(spec, dp, tp, pp, 2, "bf16") == 0
 
 
+def test_gathered_units_under_ep_are_the_engines_units():
+    """With ep > 1 (``ZeroStage3(expert_group=)``) each block is two units, its dense
+    parameters (padded to dp) and this rank's E / ep experts (padded to dp / ep), in that
+    order; walking ``ZeroStage3``'s hooks over the units the engine builds (on meta, a Llama
+    MoE: forward gathers a unit and prefetches the next, backward prefetches the one before,
+    a layer's units freed after it) gives the peak ``gathered_bytes`` predicts, at pp 1-3
+    and tp 1, 2 (a root is held throughout: none here, the Llama is untied)."""
+    import torch
+
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.experts import is_expert
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+    from shardwise.planner.memory import gathered_bytes
+
+    spec = ModelSpec("moe", 4, 64, 4, 67, 32, tie_weights=False, bias=False, n_kv_heads=2,
+                     ffn_hidden=96, family="llama", n_experts=4, top_k=2)
+    for dp, tp, pp, ep in ((2, 1, 1, 2), (4, 1, 2, 2), (4, 2, 1, 2), (4, 1, 3, 4),
+                           (8, 2, 2, 2)):
+        want = 0
+        for pr in range(pp):
+            with torch.device("meta"):
+                local = build_local_model(
+                    spec.model(), pp=pp, pp_rank=pr, chunk_ids=[pr], n_chunks=pp,
+                    tp=RankGroup(size=tp, rank=0), seed=0, dropout_seed=0,
+                    device=torch.device("meta"), ep=RankGroup(size=ep, rank=0, axis="ep"))
+            (chunk,) = local.chunks.values()
+            layers = []  # per layer its units' padded elements: dense, then experts
+            for layer in chunk.layers:
+                ps = list(layer.parameters())
+                d = sum(q.numel() for q in ps if not is_expert(q))
+                x = sum(q.numel() for q in ps if is_expert(q))
+                layers.append([-(-d // dp) * dp] + ([-(-x // (dp // ep)) * (dp // ep)] if x else []))
+            flat = [(li, u) for li, us in enumerate(layers) for u in range(len(us))]
+            size = {(li, u): layers[li][u] for li, u in flat}
+            peak = 0
+            for step, order in ((+1, flat), (-1, flat[::-1])):
+                held: set = set()
+                for li in (range(len(layers)) if step > 0 else range(len(layers) - 1, -1, -1)):
+                    for u in range(len(layers[li])):  # each unit's hook, in the unit order
+                        held.add((li, u))
+                        j = flat.index((li, u)) + step
+                        if 0 <= j < len(flat):
+                            held.add(flat[j])  # the prefetch
+                    peak = max(peak, sum(size[k] for k in held))
+                    held -= {(li, u) for u in range(len(layers[li]))}
+            want = max(want, 2 * peak)
+        assert gathered_bytes(spec, dp, tp, pp, 3, "bf16", ep=ep) == want, (dp, tp, pp, ep)
+        # ep = 1: the experts inside their block's one unit, padded to dp with it
+        assert gathered_bytes(spec, dp, tp, pp, 3, "bf16") != want
+
+
 def test_named_sizes_match_their_papers():
     """Parameter counts of the named sizes as their papers state them."""
     assert round(NAMED["gpt2-124m"].params / 1e6) == 124

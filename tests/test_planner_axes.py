@@ -456,7 +456,7 @@ def test_ep_is_searched_only_for_a_mixture_of_experts():
     moe, pruned = plan(MOE, H100, 16, 32, micro_batches=[1], top=400, exhaustive=True)
     assert {c.layout.ep for c in moe} > {1}
     assert all(not c.layout.sp for c in moe)  # the engine refuses SP with experts
-    assert all(not (c.layout.zero == 3 and c.layout.ep > 1) for c in moe)  # not modelled
+    assert any(c.layout.zero == 3 and c.layout.ep > 1 for c in moe)  # modelled now
     assert {c.layout.cp for c in moe} > {1}  # context parallelism with experts is searched
 
 
@@ -545,3 +545,70 @@ def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_
     want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32")["params"]
     assert 4 * rank_params(spec, layers, tp, 1, ep) == want
     assert rank_expert_params(spec, layers, tp, ep) == spec.n_layer * spec.expert_params // (tp * ep)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_zero3_ep_seconds_are_the_documented_formula(overlap):
+    """``zero3_seconds`` by hand for each stage of a dp 8 x ep 4 x pp 2 ZeRO-3 layout of
+    Mixtral 8x7B: a block's gather is its dense part's over dp (n = 8) then its E / ep
+    experts' over dp / ep (n_x = 2) on the same stream, g_i = g_8(dense_i) + g_2(experts_i),
+    likewise r_i; then the formula of ``test_zero3_pipeline_seconds_are_the_documented_
+    formula`` (without overlap: the stage's dense and expert bytes, two units per block)."""
+    from shardwise.planner.memory import rank_expert_params, rank_params, stage_layers
+    from shardwise.planner.simulate import chunk_costs, unit_forward_seconds
+
+    cl = H100 if overlap else replace(H100, zero3_overlap=False)
+    lay = Layout(8, 1, 2, 1, 8, zero=3, ep=4)
+    L, e, n, nx = MOE.n_layer, 2, 8, 2
+    link = cl.link(lay.world)
+    unit = unit_forward_seconds(MOE, lay, cl, "bf16")
+    z1 = chunk_costs(MOE, replace(lay, zero=1), cl, "bf16")
+    z3 = chunk_costs(MOE, lay, cl, "bf16")
+
+    def parts(ls):
+        x = rank_expert_params(MOE, ls, 1, 4) * e
+        return rank_params(MOE, ls, 1, 2, 4) * e - x, x
+
+    for r, layers in enumerate(stage_layers(MOE, 2)):
+        xs = [parts([i]) for i in layers]
+        assert all(x > 0 for i, (_, x) in zip(layers, xs) if 1 <= i <= L)
+        g = [link.all_gather(n, d) + link.all_gather(nx, x) for d, x in xs]
+        rs = [link.reduce_scatter(n, d) + link.reduce_scatter(nx, x) for d, x in xs]
+        c = [unit["embed" if i == 0 else "head" if i == L + 1 else "block"] for i in layers]
+        b = [2 * t for t in c]
+        k = len(layers) - 1
+        if overlap:
+            fwd = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, k + 1))
+            bwd = g[k] + sum(
+                max(0.0, (g[j - 1] if j else 0.0) + (rs[j + 1] if j < k else 0.0) - b[j])
+                for j in range(k + 1)) + rs[0]
+        else:
+            d, x = parts(layers)
+            u = len(layers) + sum(1 for i in layers if 1 <= i <= L)
+            pen = cl.sync_penalty_s
+            fwd = link.all_gather(n, d) + link.all_gather(nx, x) + u * pen
+            bwd = (link.all_gather(n, d) + link.all_gather(nx, x) + link.reduce_scatter(n, d)
+                   + link.reduce_scatter(nx, x) + 2 * u * pen)
+        got = zero3_seconds(MOE, lay, cl, "bf16", layers)
+        assert got.forward == pytest.approx(fwd, rel=1e-12) and fwd > 0
+        assert got.backward == pytest.approx(bwd, rel=1e-12) and bwd > 0
+        assert z3[r].forward == pytest.approx(z1[r].forward + fwd, rel=1e-12)
+        assert z3[r].backward == pytest.approx(z1[r].backward + bwd, rel=1e-12)
+        # the memo keys ep: the same layout at ep 1 gathers all E experts over dp
+        memo: dict = {}
+        zero3_seconds(MOE, lay, cl, "bf16", layers, memo)
+        one = zero3_seconds(MOE, replace(lay, ep=1), cl, "bf16", layers, memo)
+        assert one == zero3_seconds(MOE, replace(lay, ep=1), cl, "bf16", layers) != got
+
+
+def test_zero3_with_ep_is_planned():
+    """Mixtral 8x7B on 64 H100s: ZeRO-3 x ep layouts are no longer pruned as unmodelled,
+    and priced ones hold less than the same layout under ZeRO-1."""
+    best, pruned = plan(MOE, H100, 64, 256, micro_batches=[1], top=5)
+    assert not any("does not model" in p.reason for p in pruned)
+    lay = Layout(64, 1, 1, 1, 4, zero=3, ep=8)
+    assert prune_reason(MOE, lay, H100, False) is None
+    m3, m1 = memory_of(MOE, lay, "bf16"), memory_of(MOE, replace(lay, zero=1), "bf16")
+    assert m3["total"] < m1["total"] and m3["gathered"] > 0
+    t3, t1 = simulate(MOE, lay, H100, "bf16"), simulate(MOE, replace(lay, zero=1), H100, "bf16")
+    assert t3["step"] > t1["step"]  # every micro-batch gathers the rank's units twice

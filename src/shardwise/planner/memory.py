@@ -293,7 +293,7 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
 
 @lru_cache(maxsize=4096)
 def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precision: str,
-                   partition: str = "layers", cp: int = 1) -> int:
+                   partition: str = "layers", cp: int = 1, ep: int = 1) -> int:
     """Bytes of ZeRO-3's gathered units at the busiest pipeline rank's peak (0 for ZeRO
     0-2, whose parameters are whole in ``static_bytes`` already), in the compute dtype (b
     per element), each unit padded to a multiple of dp x cp as ``ZeroStage3`` pads it.
@@ -310,26 +310,40 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
     engine holds. Not counted: the full-size gradients of the unit in backward before they
     are packed and reduce-scattered (transient, as ZeRO-1/2's gradients before their
     bucket is reduced). ZeRO-3 runs one chunk per rank (``parallel.chunks_per_rank = 1``).
+
+    With expert parallelism (``ep > 1``, ``ZeroStage3(expert_group=)``) a block is two
+    units, in this order: its dense parameters D_i (padded to dp x cp) and this rank's E / ep
+    experts X_i (``rank_expert_params``, padded to the (dp / ep) x cp ranks holding them);
+    each unit prefetches the next one, in forward the one after it (running block i: D_i,
+    X_i and D_{i+1} whole), in backward the one before it (D_{i+1}, X_{i+1} and X_i). So the
+    pair i, i+1 holds X_i + D_{i+1} + max(D_i, X_{i+1}) (embedding and head: X = 0), and one
+    layer alone D + X. With ep = 1 the experts are part of their block's one unit.
     """
     if zero != 3:
         return 0
     n, b, L = dp * cp, BYTES[precision], spec.n_layer
+    nx = dp // ep * cp  # the ranks holding the same experts (ep > 1)
     ends = (0, L + 1)
     # the elements embedding and head share (a tied matrix), by inclusion-exclusion
     tied = (rank_params(spec, [0], tp, pp) + rank_params(spec, [L + 1], tp, pp)
             - rank_params(spec, list(ends), tp, pp))
 
-    def pad(x: int) -> int:
-        return -(-x // n) * n
+    def pad(x: int, k: int = n) -> int:
+        return -(-x // k) * k
 
     worst = 0
     for layers in stage_layers(spec, pp, 1, partition):
         root = tied if all(i in layers for i in ends) else 0
-        per = []
+        dense, expert = [], []
         for i in layers:
             split = tied if i in ends else 0  # the tied matrix: a unit of its own, or root's
-            per.append(pad(rank_params(spec, [i], tp, pp) - split) + (0 if root else pad(split)))
-        pair = max((x + y for x, y in zip(per, per[1:])), default=per[0] if per else 0)
+            x = rank_expert_params(spec, [i], tp, ep) if ep > 1 else 0
+            dense.append(pad(rank_params(spec, [i], tp, pp, ep) - split - x)
+                         + (0 if root else pad(split)))
+            expert.append(pad(x, nx))
+        pair = max((xa + db + max(da, xb) for da, xa, db, xb
+                    in zip(dense, expert, dense[1:], expert[1:])),
+                   default=dense[0] + expert[0] if dense else 0)
         worst = max(worst, b * (pad(root) + pair))
     return worst
 

@@ -7,8 +7,9 @@ sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters 
 context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks),
 pruned for a model with dropout (the engine refuses cp > 1 with dropout); for a mixture of
 experts,
-expert parallelism ep over the divisors of dp that divide the experts (ZeRO-3 and sequence
-parallelism refused with experts, as the engine does); FP8 (``fp8=(False, True)``) and
+expert parallelism ep over the divisors of dp that divide the experts (with ZeRO-3 too:
+``simulate.zero3_seconds``, ``memory.gathered_bytes``; sequence parallelism refused with
+experts, as the engine does); FP8 (``fp8=(False, True)``) and
 selective recomputation (``selective=(False, True)``) only when asked: the engine's FP8
 needs tp = 1 and its selective recomputation is torch's op-level one, not the
 attention-core recomputation of Korthikanti et al. priced here. Tensor parallelism stays inside a node unless ``tp_across_nodes``.
@@ -205,9 +206,6 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
                 f"({spec.n_experts})")
     if lay.sp and spec.moe:
         return "sequence parallelism with experts (the engine refuses it: routing reads whole sequences)"
-    if lay.zero == 3 and lay.ep > 1:
-        return (f"ZeRO-3 with ep={lay.ep} (the planner does not model it: its experts' "
-                "gathers span dp / ep ranks)")
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:
@@ -223,7 +221,7 @@ def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, pr
     rank's by the difference between the ranks' gathered units (a bound, never below)."""
     st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
                       ep=ep)
-    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp)
+    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep)
     return {**st, "gathered": g, "total": st["total"] + g}
 
 
@@ -442,7 +440,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 statics = {(z, e, s): held_bytes(spec, dp, tp, pp, v, z, precision, s,
                                                  cut_by, c, e)
                            for z in zero for e in eps for s in sps
-                           if not (z == 3 and (v > 1 or e > 1) or z and dp * c == 1
+                           if not (z == 3 and v > 1 or z and dp * c == 1
                                    or s and sp_why)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)

@@ -592,13 +592,21 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     parameters x all-gathered whole per pass and reduce-scattered per backward, and a sync
     penalty per unit and collective: forward g(x) + u pen, backward g(x) + r(x) + 2 u pen
     (u = ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search
-    prices hundreds of thousands of ZeRO-3 layouts that share these answers)."""
+    prices hundreds of thousands of ZeRO-3 layouts that share these answers).
+
+    With expert parallelism (``lay.ep > 1``: ``ZeroStage3(expert_group=)``) a block is two
+    units, its dense parameters (gathered and reduce-scattered over n = dp x cp) and this
+    rank's E / ep experts (over n_x = dp / ep x cp, the ranks holding the same experts,
+    nothing to move where n_x = 1), run back to back on the one stream: g_i = g_n(dense_i) +
+    g_{n_x}(experts_i), r_i = r_n(dense_i) + r_{n_x}(experts_i) in the formulas above, and
+    without overlap g_n(dense) + g_{n_x}(experts) (likewise r) with u counting two units per
+    block."""
     n = lay.dp * lay.cp
     if lay.zero != 3 or n == 1:
         return Zero3Seconds(0.0, 0.0)
     L = spec.n_layer  # the answer depends on the layers only through their kinds
-    key = ("zero3", lay.dp, lay.cp, lay.tp, lay.pp, lay.micro_batch_size, lay.sp, lay.fp8,
-           lay.recompute, layers[0] == 0, sum(1 for i in layers if 1 <= i <= L),
+    key = ("zero3", lay.dp, lay.cp, lay.tp, lay.pp, lay.ep, lay.micro_batch_size, lay.sp,
+           lay.fp8, lay.recompute, layers[0] == 0, sum(1 for i in layers if 1 <= i <= L),
            layers[-1] == L + 1)
     if memo is not None and key in memo:
         return memo[key]
@@ -612,17 +620,31 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
                    layers: list[int], n: int, memo: dict | None) -> Zero3Seconds:
     e, L = BYTES[precision], spec.n_layer
     link = cluster.link(lay.world)
+    nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
+
+    def parts(ls: list[int]) -> tuple[float, float]:
+        """Bytes of the dense and the expert units of ``ls`` (experts a unit apart: ep > 1)."""
+        X = rank_expert_params(spec, ls, lay.tp, lay.ep) if lay.ep > 1 else 0
+        return (rank_params(spec, ls, lay.tp, lay.pp, lay.ep) - X) * e, X * e
+
+    def gather(d: float, x: float) -> float:
+        return link.all_gather(n, d) + link.all_gather(nx, x)
+
+    def scatter(d: float, x: float) -> float:
+        return link.reduce_scatter(n, d) + link.reduce_scatter(nx, x)
+
     if not cluster.zero3_overlap or cluster.cores:
-        units, pen = len(layers), cluster.sync_penalty_s
-        x = rank_params(spec, layers, lay.tp, lay.pp) * e  # the planner prunes ZeRO-3 with ep > 1
-        return Zero3Seconds(link.all_gather(n, x) + units * pen,
-                            link.all_gather(n, x) + link.reduce_scatter(n, x) + 2 * units * pen)
+        d, x = parts(layers)
+        units = len(layers) + (sum(1 for i in layers if 1 <= i <= L) if x else 0)
+        pen = cluster.sync_penalty_s
+        return Zero3Seconds(gather(d, x) + units * pen,
+                            gather(d, x) + scatter(d, x) + 2 * units * pen)
     fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)
     kind = ["embed" if i == 0 else "head" if i == L + 1 else "block" for i in layers]
     one = {k: i for k, i in zip(kind, layers)}  # a layer of each kind: every block is alike
-    x = {k: rank_params(spec, [i], lay.tp, lay.pp) * e for k, i in one.items()}
-    gk = {k: link.all_gather(n, v) for k, v in x.items()}
-    rk = {k: link.reduce_scatter(n, v) for k, v in x.items()}
+    x = {k: parts([i]) for k, i in one.items()}
+    gk = {k: gather(*v) for k, v in x.items()}
+    rk = {k: scatter(*v) for k, v in x.items()}
     mult = 3 if lay.recompute else 2
     # a block between two blocks adds the same terms: sum the sequence with three blocks
     # (its ends, and one such middle block) and the other middle blocks in one product
