@@ -133,12 +133,8 @@ def test_zero3_pipeline_seconds_are_the_documented_formula(overlap, recompute):
         rs = [link.reduce_scatter(n, b) for b in x]
         c = [unit["embed" if i == 0 else "head" if i == L + 1 else "block"] for i in layers]
         b = [(3 if recompute else 2) * t for t in c]
-        k = len(layers) - 1
         if overlap:
-            fwd = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, k + 1))
-            bwd = g[k] + sum(
-                max(0.0, (g[j - 1] if j else 0.0) + (rs[j + 1] if j < k else 0.0) - b[j])
-                for j in range(k + 1)) + rs[0]
+            fwd, bwd = _overlapped_by_hand(g, rs, c, b)
         else:
             whole = rank_params(SPEC, layers, 2, 4) * e
             fwd = link.all_gather(n, whole) + len(layers) * cl.sync_penalty_s
@@ -154,6 +150,16 @@ def test_zero3_pipeline_seconds_are_the_documented_formula(overlap, recompute):
     star = max(range(4), key=lambda r: z3[r].forward + z3[r].backward)  # simulate's split
     assert t["dp"] == pytest.approx(16 * z3[star].dp, rel=1e-9)  # m of them, no flush sync
     assert zero3_seconds(SPEC, replace(lay, zero=1), cl, "bf16", [1, 2]) == (0.0, 0.0)
+
+
+def _overlapped_by_hand(g, rs, c, b):
+    """ZeRO-3's exposed (forward, backward) seconds of one stage by the documented formula:
+    gathers g, reduce-scatters rs, forward compute c and backward compute b per unit."""
+    k = len(g) - 1
+    fwd = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, k + 1))
+    bwd = g[k] + sum(max(0.0, (g[j - 1] if j else 0.0) + (rs[j + 1] if j < k else 0.0) - b[j])
+                     for j in range(k + 1)) + rs[0]
+    return fwd, bwd
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -576,12 +582,8 @@ def test_zero3_ep_seconds_are_the_documented_formula(overlap):
         rs = [link.reduce_scatter(n, d) + link.reduce_scatter(nx, x) for d, x in xs]
         c = [unit["embed" if i == 0 else "head" if i == L + 1 else "block"] for i in layers]
         b = [2 * t for t in c]
-        k = len(layers) - 1
         if overlap:
-            fwd = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, k + 1))
-            bwd = g[k] + sum(
-                max(0.0, (g[j - 1] if j else 0.0) + (rs[j + 1] if j < k else 0.0) - b[j])
-                for j in range(k + 1)) + rs[0]
+            fwd, bwd = _overlapped_by_hand(g, rs, c, b)
         else:
             d, x = parts(layers)
             u = len(layers) + sum(1 for i in layers if 1 <= i <= L)
