@@ -47,6 +47,10 @@ MODELS = {
                        "n_kv_heads": 2, "tie_weights": True},
     # auxiliary-loss-free balancing; 0.01 (the paper's 0.001 x 10) moves the choices in 4 steps
     "softmax-bias": {**_BASE, "tie_weights": False, "moe_bias_update_rate": 0.01},
+    # a capacity of 1 x the balanced share: some assignments dropped (one process and tp2 x
+    # SP route the same whole batch, so the same ones)
+    "shared-capacity": {**_BASE, "moe_shared_expert": True, "moe_capacity_factor": 1.0,
+                        "tie_weights": False},
 }
 SAVERS = ("softmax", "softmax-bias")  # references that also save at STOP
 # name -> (world size, model, parallel section)
@@ -73,6 +77,16 @@ LAYOUTS = {
     # the routing bias: each rank moves its copy by the global load (summed over the world)
     "ep2-bias": (2, "softmax-bias", {"dp": 2, "ep": 2}),
     "ep2xpp2-bias": (4, "softmax-bias", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2}),
+    # sequence parallelism: each mixture one region (the sequence all-gathered in, its partial
+    # sums reduce-scattered out), the router reading whole sequences as without SP
+    "tp2-sp-bias": (2, "softmax-bias", {"dp": 1, "ep": 1, "tp": 2, "sequence_parallel": True}),
+    "ep2xtp2-sp": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+    "tp2-sp-capacity": (2, "shared-capacity", {"dp": 1, "ep": 1, "tp": 2,
+                                                "sequence_parallel": True}),
+    "tp2xpp2-sp": (4, "softmax", {"dp": 1, "ep": 1, "tp": 2, "pp": 2, "micro_batches": 2,
+                                  "sequence_parallel": True}),
+    "cp2xep2xtp2-sp": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2,
+                                             "sequence_parallel": True}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
@@ -142,8 +156,8 @@ def _check_ranks(name: str, ranks: list[dict], ref: dict, first: int = 0) -> Non
         assert len(mine) == len(want) == STEPS - first
         assert _close([s["aux_loss"] for s in mine], [s["aux_loss"] for s in want]), (
             name, r["coords"], mine, want)
-        assert [s["expert_load"] for s in mine] == [s["expert_load"] for s in want], (
-            name, r["coords"])
+        assert [(s["expert_load"], s["dropped"]) for s in mine] == \
+            [(s["expert_load"], s["dropped"]) for s in want], (name, r["coords"])
         for n, t in r["params"].items():
             assert t.shape == ref["params"][n].shape, (name, r["coords"], n)
             err = rel_err(t, ref["params"][n])
@@ -167,6 +181,7 @@ def test_reference_trains_and_balances(references):
             assert [sum(row) for row in s["expert_load"]] == [8 * 16 * 2] * 2
             assert 0.01 <= s["aux_loss"] / 2 < 0.02, (m, s)  # two layers
         assert bool(ref["biases"]) == (m == "softmax-bias"), (m, list(ref["biases"]))
+        assert (sum(s["dropped"] for s in ref["stats"]) > 0) == (m == "shared-capacity"), m
     ref = references["softmax-bias"]
     want = torch.zeros(2, 4)
     for s in ref["stats"]:
@@ -259,11 +274,13 @@ def test_refusals_at_the_door():
     assert "model.n_experts=6 is not divisible by parallel.ep=4" in refuse(
         {"dp": 4, "ep": 4}, {"n_experts": 6})
     assert "parallel.ep=2 with model.n_experts=0" in refuse({"dp": 2, "ep": 2}, {"n_experts": 0})
-    assert "parallel.sequence_parallel with model.n_experts" in refuse(
-        {"dp": 2, "tp": 2, "sequence_parallel": True})
     # n_experts with init_from passes the door: config.json decides (a Mixtral has experts,
     # a Llama's section gives n_experts = 0 and a contradicting field is refused, test_hf)
-    # context parallelism and ZeRO-3 with experts pass the door (once refused: docs/moe.md)
+    # context parallelism, ZeRO-3 and sequence parallelism with experts pass the door (once
+    # refused: docs/moe.md)
+    Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "tp": 2,
+                                                   "sequence_parallel": True},
+                      "training": {"global_batch_size": 8}})
     Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "zero": 3},
                       "training": {"global_batch_size": 8}})
     cfg = Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "cp": 2},
