@@ -255,7 +255,8 @@ def test_memory_prediction_equals_measured_bytes(results):
             pred = predict_rank(LlamaConfig(**r["model"]), dp=p["dp"], pp=p.get("pp", 1),
                                 tp=p.get("tp", 1), dp_rank=c["dp"], pp_rank=c["pp"],
                                 tp_rank=c["tp"], zero=p.get("zero", 0), ep=p["ep"],
-                                cp=p.get("cp", 1), cp_rank=c["cp"])
+                                cp=p.get("cp", 1), cp_rank=c["cp"],
+                                sequence_parallel=p.get("sequence_parallel", False))
             for k in ("params", "grads", "optimizer"):
                 assert pred[k] == r["memory"][k], (name, c, k, pred, r["memory"])
 
