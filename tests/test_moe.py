@@ -14,10 +14,13 @@ cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 ove
 issue's layout: expert gradients over ep_dp x cp), and a spawn of 8: cp2 x ep2 over dp4 with
 ZeRO-1 (ep_dp x cp = 4 ranks hold each expert and its shards), cp2 x ep2 x tp2 and
 cp2 x ep2 x pp2 (1F1B, ZeRO-2). ``softmax-bias`` (auxiliary-loss-free balancing, the
-routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. Parity: every loss, every step's auxiliary loss and
+routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. With sequence parallelism
+(each mixture one SP region: the sequence all-gathered in, the partial sums reduce-scattered
+out): tp2 with the routing bias, tp2 with ``shared-capacity`` (a shared expert and a
+capacity factor of 1: assignments dropped), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. Parity: every loss, every step's auxiliary loss and
 every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
 the reference, and every step's expert load (tokens routed to each expert of each layer)
-and every routing bias equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
+and every routing bias (and dropped count) equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
 one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4; one process with the
 routing bias -> ep2; ep2 over dp4 with ZeRO-3 -> ep2 x tp2; ep2 over dp4 with ZeRO-1 -> ep2
