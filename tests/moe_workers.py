@@ -4,7 +4,8 @@
 process groups over the same world); ``run_job(job)`` is one job, in the test's own process
 for one rank (the single-process reference). A job trains ``training.steps`` steps (saving
 after step ``save_at`` when given), or (``resume``) loads ``path`` first; it reports the
-losses, each step's router statistics (``aux_loss``, ``expert_load``), this rank's stage
+losses, each step's router statistics (``aux_loss``, ``expert_load``, ``dropped``: the
+assignments over capacity), this rank's stage
 parameters unsharded (gathered over tp and ep: full model names and shapes), its routing
 biases (``biases``: ``expert_bias`` of each mixture, with a bias update rate), the local shapes
 of its expert weights, the bytes it holds, and with ``record`` the all-to-all calls of one
@@ -27,7 +28,8 @@ def run_job(job: dict) -> dict:
     from shardwise.comm import accounting
 
     trainer, out, infos = train(job)
-    stats = [{"aux_loss": i["aux_loss"], "expert_load": i["expert_load"]} for i in infos]
+    stats = [{"aux_loss": i["aux_loss"], "expert_load": i["expert_load"],
+              "dropped": float(i.get("expert_dropped", 0))} for i in infos]
     rep = report(trainer)
     rep["coords"] = {**rep["coords"], "ep": trainer.topology.ep_rank}
     rep["local_shapes"] = {n: s for n, s in rep["local_shapes"].items() if ".experts." in n}

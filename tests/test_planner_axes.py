@@ -461,7 +461,7 @@ def test_ep_is_searched_only_for_a_mixture_of_experts():
     assert all(c.layout.ep == 1 for c in dense)
     moe, pruned = plan(MOE, H100, 16, 32, micro_batches=[1], top=400, exhaustive=True)
     assert {c.layout.ep for c in moe} > {1}
-    assert all(not c.layout.sp for c in moe)  # the engine refuses SP with experts
+    assert any(c.layout.sp and c.layout.tp > 1 for c in moe)  # SP with experts (once pruned)
     assert any(c.layout.zero == 3 and c.layout.ep > 1 for c in moe)  # modelled now
     assert {c.layout.cp for c in moe} > {1}  # context parallelism with experts is searched
 
@@ -534,10 +534,13 @@ def test_megatron_2021_pipeline_sends_block_the_compute_stream():
     assert sum(t[k] for k in t if k != "step") == pytest.approx(t["step"], rel=1e-9)
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
-def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_path, tp, ep):
+@pytest.mark.parametrize("tp,ep,sp", [(1, 1, False), (1, 2, False), (1, 4, False),
+                                     (2, 2, False), (2, 2, True)])
+def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_path, tp, ep,
+                                                                             sp):
     """A TOML Llama with 4 experts: the rank's elements, experts among them, equal what the
-    engine builds (``predict_rank`` on meta) for every tp x ep."""
+    engine builds (``predict_rank`` on meta) for every tp x ep, with sequence parallelism
+    too (each mixture one SP region: the same parameters)."""
     from shardwise.engine.memory import predict_rank
     from shardwise.planner.memory import rank_expert_params, rank_params
     from shardwise.planner.specs import load_model
@@ -548,7 +551,8 @@ def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_
     spec = load_model(str(path))
     assert spec.moe and spec.n_experts == 4 and spec.top_k == 2
     layers = list(range(spec.n_layer + 2))
-    want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32")["params"]
+    want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32",
+                        sequence_parallel=sp)["params"]
     assert 4 * rank_params(spec, layers, tp, 1, ep) == want
     assert rank_expert_params(spec, layers, tp, ep) == spec.n_layer * spec.expert_params // (tp * ep)
 

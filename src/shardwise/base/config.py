@@ -523,9 +523,6 @@ class Config(_Section):
         if m.n_experts % p.ep:
             raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
                              f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
-        if p.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
-                             "the experts read whole sequences; leave sequence parallelism off")
         return self
 
     def _cp_agrees(self):

@@ -417,8 +417,12 @@ class Engine:
         self._seed_step()
         if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
             idx, targets = self.cp.shard(idx, targets)
-        for _, layer in self.local.moe_local:  # the auxiliary losses' share of the gradient
-            layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / m
+        # the auxiliary losses' share of the gradient; under SP each tp rank's, 1 / tp of it:
+        # every rank computes the whole sequences' loss in its "moe" region and the router's
+        # and the input's gradients are summed over tp (optimizer, reduce-scatter)
+        share = self.tp.size if self.tp.sequence_parallel else 1
+        for _, layer in self.local.moe_local:
+            layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / (m * share)
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
             losses = self.executor.run(inputs, tgts)

@@ -420,9 +420,12 @@ TP_PLAN = {
 }
 # With experts the MLP's entries give way to the MoE's (torchtitan's ``apply_moe_ep_tp``):
 # the router replicated, the stacked experts split by expert over ep and by width over tp
-# (Megatron-Core's expert tensor parallelism), the shared expert as a dense SwiGLU.
+# (Megatron-Core's expert tensor parallelism), the shared expert as a dense SwiGLU; under
+# SP the whole block one region ("moe": its input all-gathered along the sequence, its
+# output reduce-scattered, the router reading whole sequences as without SP).
 MOE_TP_PLAN = {
     **{k: v for k, v in TP_PLAN.items() if not k.startswith("blocks.*.mlp")},
+    "blocks.*.mlp": "moe",
     "blocks.*.mlp.experts": "experts",
     "blocks.*.mlp.shared_expert": "shared_input",
     "blocks.*.mlp.shared_expert.gate_proj": "column",

@@ -49,7 +49,9 @@ those split over t, and A the attention-score term. Two implementations are desc
   output); under sequence parallelism the two all-gathered LayerNorm outputs stay whole.
   A mixture of experts (counted, not measured) keeps per token, for each of its k experts,
   the expert's gate, up, silu and product (4 F e, F split over tp) and the dispatched input
-  and combined output (2 h e, whole), in place of the dense MLP's.
+  and combined output (2 h e, whole), in place of the dense MLP's; under sequence
+  parallelism those 2 k h e are the whole sequence's on every tp rank (the mixture runs on
+  the all-gathered sequence, docs/moe.md), while its input and output outside are / t.
 
 Context parallelism: every per-token term is over the ``s / cp`` tokens a rank holds
 (Korthikanti's 34 s b h falls to 34 s b h / cp); expert parallelism moves no activation
@@ -383,7 +385,8 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
     if spec is not None and spec.moe:
         k, F, h = spec.top_k, spec.expert_ffn, spec.n_embd
         return ActivationModel(f"shardwise-moe-{precision}", e * (4 + 2 * k),
-                               e * (2 * w + 2 * r * w + 4 * k * F / h), 2 * e, 0, 8, e)
+                               e * (2 * w + 2 * r * w + 4 * k * F / h), e * (2 + 2 * k), 0,
+                               8, e)
     if spec is not None and spec.gated:
         return ActivationModel(f"shardwise-llama-{precision}", 4 * e,
                                e * (2 * w + 2 * r * w + 4 * spec.ffn / spec.n_embd),

@@ -204,8 +204,6 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     if lay.ep > 1 and (not spec.moe or lay.dp % lay.ep or spec.n_experts % lay.ep):
         return (f"ep={lay.ep} must divide dp={lay.dp} and the experts "
                 f"({spec.n_experts})")
-    if lay.sp and spec.moe:
-        return "sequence parallelism with experts (the engine refuses it: routing reads whole sequences)"
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:

@@ -420,8 +420,10 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         tp_blk, n_sync = 0.0, 0
     elif lay.sp:
         tp_blk, n_sync = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act)), 4
-    else:
-        tp_blk, n_sync = 2 * tl.all_reduce(lay.tp, act), 2
+    else:  # a mixture's experts all-reduce their k results per token (under SP its region
+        # reduce-scatters the weighted sum once, as a dense MLP: docs/moe.md)
+        mlp = act * (spec.top_k if spec.moe else 1)
+        tp_blk, n_sync = tl.all_reduce(lay.tp, act) + tl.all_reduce(lay.tp, mlp), 2
     bf = block_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     fp8 = lay.fp8 and cluster.fp8_flops is not None
     head_f = 2 * lay.micro_batch_size * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
