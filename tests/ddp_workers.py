@@ -155,4 +155,5 @@ def memory_after_steps(cfg_dict: dict) -> dict:
         trainer.train_step()
     e = trainer.engine
     model = torch.nn.ModuleList(e.local.chunks.values())
-    return report(model, e.sync, e.optimizer.optimizer, trainer.cfg.parallel.zero)
+    (wrapper,) = getattr(e.sync, "parts", (e.sync,))  # ZeRO-3: one ZeroStage3 per chunk (one here)
+    return report(model, wrapper, e.optimizer.optimizer, trainer.cfg.parallel.zero)

@@ -53,9 +53,9 @@ def _saved_for_backward(trainer) -> dict:
     saved tensors are views of a ZeRO-3 unit's flat buffer (the parameters, refilled in place
     before the unit's backward) and how many are shaped like a parameter (or its transpose)
     without being one (a copy, which a freed and refilled buffer would leave stale)."""
-    zero = trainer.engine.sync
-    buffers = {u.full.untyped_storage()._cdata for u in zero._all}
-    shapes = {tuple(p.shape) for u in zero._all for p in u.params}
+    units = [u for part in trainer.engine.sync.parts for u in part._all]  # a ZeroStage3 per chunk
+    buffers = {u.full.untyped_storage()._cdata for u in units}
+    shapes = {tuple(p.shape) for u in units for p in u.params}
     seen = {"views": 0, "copies": 0}
 
     def pack(t):
