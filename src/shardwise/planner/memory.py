@@ -293,10 +293,11 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
 
 @lru_cache(maxsize=4096)
 def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precision: str,
-                   partition: str = "layers", cp: int = 1, ep: int = 1) -> int:
+                   partition: str = "layers", cp: int = 1, ep: int = 1, v: int = 1) -> int:
     """Bytes of ZeRO-3's gathered units at the busiest pipeline rank's peak (0 for ZeRO
     0-2, whose parameters are whole in ``static_bytes`` already), in the compute dtype (b
     per element), each unit padded to a multiple of dp x cp as ``ZeroStage3`` pads it.
+    ``v``: chunks per pipeline rank (the interleaved schedule).
 
     ``parallel.zero.stage3``: a unit is a layer's own parameters (embedding, a block, the
     head); before a layer runs its units are gathered and the next unit's gather is
@@ -309,7 +310,10 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
     next layer as the whole layer, at most a LayerNorm (or a position table) more than the
     engine holds. Not counted: the full-size gradients of the unit in backward before they
     are packed and reduce-scattered (transient, as ZeRO-1/2's gradients before their
-    bucket is reduced). ZeRO-3 runs one chunk per rank (``parallel.chunks_per_rank = 1``).
+    bucket is reduced). Each chunk is a ``ZeroStage3`` of its own, prefetching only within
+    itself, and a rank runs one chunk's forward or backward at a time, its other chunks
+    sharded meanwhile: so with v chunks per rank the peak is the largest chunk's (root +
+    pair), the maximum over the pp v chunks.
 
     With expert parallelism (``ep > 1``, ``ZeroStage3(expert_group=)``) a block is two
     units, in this order: its dense parameters D_i (padded to dp x cp) and this rank's E / ep
@@ -332,7 +336,8 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
         return -(-x // k) * k
 
     worst = 0
-    for layers in stage_layers(spec, pp, 1, partition):
+    part = cut(spec, pp * v, partition)
+    for layers in (list(part.layers(c)) for c in range(pp * v)):
         root = tied if all(i in layers for i in ends) else 0
         dense, expert = [], []
         for i in layers:
