@@ -104,9 +104,18 @@ def test_pp_resume_matches_uninterrupted_run(schedule, corpus, tmp_path):
 
 
 def test_pp_bad_layouts_are_one_line():
-    with pytest.raises(ConfigError, match="parallel.zero=3 with parallel.chunks_per_rank=2"):
-        Config.from_dict({"parallel": {"dp": 1, "pp": 2, "zero": 3, "schedule": "interleaved",
-                                       "chunks_per_rank": 2}})
+    z3 = {"dp": 2, "zero": 3, "schedule": "interleaved", "chunks_per_rank": 2}
+    Config.from_dict({"parallel": {**z3, "pp": 2, "micro_batches": 2}})  # each chunk its own ZeRO-3
+    with pytest.raises(ConfigError, match="parallel.zero=3 with parallel.chunks_per_rank=2, "
+                                          "parallel.pp=1 and model.tie_weights=true"):
+        Config.from_dict({"parallel": {**z3, "pp": 1}})  # one parameter in two chunks of a rank
+    Config.from_dict({"parallel": {**z3, "pp": 1}, "model": {"tie_weights": False}})
+    from shardwise.engine.memory import predict_rank  # the engine's rule, for any model
+    from shardwise.models import GPTConfig
+
+    with pytest.raises(ValueError, match="weight is shared by chunks 0 and 1 of one rank"):
+        predict_rank(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32),
+                     dp=2, chunks_per_rank=2, zero=3)
     with pytest.raises(ConfigError, match="parallel.schedule=pipedream with parallel.zero=1"):
         Config.from_dict({"parallel": {"dp": 1, "pp": 2, "zero": 1, "schedule": "pipedream"},
                           "optimizer": {"grad_clip": 0.0}})
