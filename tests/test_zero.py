@@ -198,3 +198,20 @@ def test_memory_command_formulas_and_bad_input(capsys):
     totals = [float(line.split()[4]) for line in out[2:6]]
     assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
     assert_one_line_exit_2(["memory", "--stages", "0,4"], capsys, "--stages")
+
+
+def test_memory_command_predicts_interleaved_zero3(capsys):
+    """``shardwise memory --chunks-per-rank 2``: every rank of dp 2 x pp 2 with two chunks
+    each, ZeRO-3 (a ``ZeroStage3`` per chunk), as ``predict_rank`` predicts it; the flag
+    needs a model."""
+    from shardwise.cli.main import main
+
+    assert main(["memory", "--config", "configs/tiny.toml", "--dp", "2", "--pp", "2",
+                 "--chunks-per-rank", "2", "--stages", "3", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "dp=2 x pp=2 (v=2) x tp=1" in out[0]
+    rows = [line.split() for line in out[2:]]
+    assert [r[:2] for r in rows] == [["3", "0"], ["3", "1"]]
+    assert float(rows[0][3]) == 0.0 and float(rows[0][4]) > 0  # fp32: the master is the shard
+    assert_one_line_exit_2(["memory", "--params", "1e6", "--chunks-per-rank", "2"], capsys,
+                           "--chunks-per-rank need a model")
