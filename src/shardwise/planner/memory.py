@@ -25,7 +25,8 @@ Static bytes (parameters, gradients, optimizer states) per rank:
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
   ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32), and at the
   peak its gathered units (``gathered_bytes``, not a static byte: ``memory_of`` adds it).
-  With a pipeline the same hold for the rank's stage (ZeRO-3: one chunk per rank).
+  With a pipeline the same hold for the rank's chunks (ZeRO-3: each chunk sharded apart,
+  v per rank with the interleaved schedule).
 - context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
   every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
@@ -58,7 +59,7 @@ Context parallelism: every per-token term is over the ``s / cp`` tokens a rank h
 A pipeline rank holds the activations of ``in_flight`` micro-batches of its chunks (1F1B:
 min(p - r, m); interleaved: Narayanan et al.'s warm-up count, GPipe: m); with recompute it
 holds each chunk's input per micro-batch in flight, and at its peak one chunk recomputed in
-full plus one held input. ZeRO-3 (any pp: a pipeline stage is one ZeRO-3 chunk) also
+full plus one held input. ZeRO-3 (any pp and v: each chunk a ZeRO-3 module of its own) also
 holds, at its peak, the units it has gathered (``gathered_bytes``), counted apart from the
 activations (the executor's meter counts the weights saved for backward of units whose
 storage ZeRO-3 frees after forward, so its reading is not an activation figure;
