@@ -57,6 +57,14 @@ from shardwise.parallel.tensor_parallel.random import ParallelRNG
 from shardwise.parallel.tensor_parallel.state import gather_like, shard_like
 
 
+def zero3_shared_reason(v: int, name: str, a: int, b: int) -> str:
+    """The one-line refusal of ZeRO-3 when chunks ``a`` and ``b`` of one rank share the
+    parameter ``name`` (``LocalModel.shared_across_chunks``): ZeRO-3 shards each chunk apart."""
+    return (f"parallel.zero=3 with parallel.chunks_per_rank={v}: {name} is shared by chunks "
+            f"{a} and {b} of one rank (a tied embedding at pp = 1), and ZeRO-3 shards each "
+            "chunk apart; set model.tie_weights = false or use pp > 1")
+
+
 @dataclass
 class LocalModel:
     """This rank's chunks and what the engine needs to know about them.
@@ -93,6 +101,16 @@ class LocalModel:
                     seen.add(id(p))
                     out.append((name, p))
         return out
+
+    def shared_across_chunks(self) -> tuple[str, int, int] | None:
+        """``(name, chunk, other chunk)`` of the first parameter two of this rank's chunks
+        share (the tied embedding and head at pp = 1 with more than one chunk), else None."""
+        owner: dict[int, int] = {}
+        for c in sorted(self.chunks):
+            for name, p in self.chunks[c].model_parameters():
+                if owner.setdefault(id(p), c) != c:
+                    return name, owner[id(p)], c
+        return None
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """``(full model name, buffer)`` of this rank's buffers, chunk by chunk: the training
