@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -49,6 +50,8 @@ def _result(trainer) -> dict:
         p.untyped_storage().nbytes() // p.element_size()
         for p in params if p.untyped_storage().nbytes() > 0
         and p.data_ptr() == p.untyped_storage().data_ptr())
+    out["memory"], out["coords"] = e.memory_bytes(), trainer.topology.coords  # between steps
+    out["gpt"] = dataclasses.asdict(trainer.model_cfg)
     with e.full_parameters():  # ZeRO-3: gather (collectively) to compare full weights
         out["params"] = engine_state.model_tensors(e)
     out["stage_params"] = out["params"]
@@ -67,6 +70,26 @@ def train(cfg_dict: dict) -> dict:
     for _ in range(trainer.cfg.training.steps):
         trainer.train_step()
     return _result(trainer)
+
+
+def train_each(cfg_dicts: list[dict]) -> list[dict]:
+    """``train`` for each config in turn, in one process group (one spawn, several layouts),
+    the last step under ``comm.accounting``: ``"collectives"`` lists its calls as
+    (collective, bytes of the call's message)."""
+    from shardwise.comm import accounting
+
+    out = []
+    for c in cfg_dicts:
+        trainer = _trainer(c)
+        for i in range(trainer.cfg.training.steps):
+            if i == trainer.cfg.training.steps - 1:
+                with accounting.recording() as rec:
+                    trainer.train_step()
+            else:
+                trainer.train_step()
+        calls = [(r.collective, r.nbytes) for r in rec.records]
+        out.append(_result(trainer) | {"collectives": calls})
+    return out
 
 
 def train_and_checkpoint(cfg_dict: dict, stop_at: int) -> dict:
@@ -132,4 +155,5 @@ def memory_after_steps(cfg_dict: dict) -> dict:
         trainer.train_step()
     e = trainer.engine
     model = torch.nn.ModuleList(e.local.chunks.values())
-    return report(model, e.sync, e.optimizer.optimizer, trainer.cfg.parallel.zero)
+    (wrapper,) = getattr(e.sync, "parts", (e.sync,))  # ZeRO-3: one ZeroStage3 per chunk (one here)
+    return report(model, wrapper, e.optimizer.optimizer, trainer.cfg.parallel.zero)

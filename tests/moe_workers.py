@@ -4,10 +4,11 @@
 process groups over the same world); ``run_job(job)`` is one job, in the test's own process
 for one rank (the single-process reference). A job trains ``training.steps`` steps (saving
 after step ``save_at`` when given), or (``resume``) loads ``path`` first; it reports the
-losses, each step's router statistics (``aux_loss``, ``expert_load``) and gradient norm,
-this rank's stage parameters unsharded (gathered over tp and ep: full model names and
-shapes), its routing biases (``biases``: ``expert_bias`` of each mixture, with a bias
-update rate), the local shapes of its expert weights, the bytes it holds, and with ``record`` the all-to-all calls of one
+losses, each step's router statistics (``aux_loss``, ``expert_load``, ``dropped``: the
+assignments over capacity) and gradient norm, this rank's stage parameters unsharded
+(gathered over tp and ep: full model names and shapes), its routing biases (``biases``:
+``expert_bias`` of each mixture, with a bias update rate), the local shapes of its expert
+weights, the bytes it holds, and with ``record`` the all-to-all calls of one
 more step (``comm.accounting``).
 """
 
@@ -29,6 +30,7 @@ def run_job(job: dict) -> dict:
 
     trainer, out, infos = train(job)
     stats = [{"aux_loss": i["aux_loss"], "expert_load": i["expert_load"],
+              "dropped": float(i.get("expert_dropped", 0)),
               "grad_norm": i["grad_norm"]} for i in infos]
     rep = report(trainer)
     rep["coords"] = {**rep["coords"], "ep": trainer.topology.ep_rank}

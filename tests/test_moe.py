@@ -16,10 +16,15 @@ cp2 alone (ep1: the auxiliary loss's counts summed over the ring), cp2 x ep2 ove
 issue's layout: expert gradients over ep_dp x cp), and a spawn of 8: cp2 x ep2 over dp4 with
 ZeRO-1 (ep_dp x cp = 4 ranks hold each expert and its shards), cp2 x ep2 x tp2 and
 cp2 x ep2 x pp2 (1F1B, ZeRO-2). ``softmax-bias`` (auxiliary-loss-free balancing, the
-routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. Parity: every loss, every step's auxiliary loss and
-every parameter tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of
-the reference, and every step's expert load (tokens routed to each expert of each layer)
-and every routing bias equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
+routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. With sequence parallelism
+(each mixture one SP region: the sequence all-gathered in, the partial sums reduce-scattered
+out): tp2 with the routing bias, tp2 with ``shared-capacity`` (a shared expert and a
+capacity factor of 1: assignments dropped), tp2 with ``qwen2moe`` (the gate's partial
+gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. Parity: every loss,
+every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
+tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,
+and every step's expert load (tokens routed to each expert of each layer) and every
+routing bias (and dropped count) equal. ``RESUMES``: checkpoints saved at step ``STOP`` in one layout continue in another
 (one process -> ep4; ep2 over dp4 with ZeRO-1 -> ep2 over dp2; ep2 x tp2 -> ep2 x pp2;
 one process -> cp2 x ep2; cp2 x ep2 over dp4 with ZeRO-1 -> ep4; one process with the
 routing bias -> ep2; ep2 over dp4 with ZeRO-3 -> ep2 x tp2; ep2 over dp4 with ZeRO-1 -> ep2
@@ -57,6 +62,10 @@ MODELS = {
                  "moe_shared_expert_gate": True, "n_kv_heads": 2},
     # auxiliary-loss-free balancing; 0.01 (the paper's 0.001 x 10) moves the choices in 4 steps
     "softmax-bias": {**_BASE, "tie_weights": False, "moe_bias_update_rate": 0.01},
+    # a capacity of 1 x the balanced share: some assignments dropped (one process and tp2 x
+    # SP route the same whole batch, so the same ones)
+    "shared-capacity": {**_BASE, "moe_shared_expert": True, "moe_capacity_factor": 1.0,
+                        "tie_weights": False},
 }
 SAVERS = ("softmax", "softmax-bias")  # references that also save at STOP
 # name -> (world size, model, parallel section)
@@ -70,6 +79,8 @@ LAYOUTS = {
     "ep4": (4, "softmax", {"dp": 4, "ep": 4, "micro_batches": 2}),
     "ep2xtp2": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "tp": 2}),
     "ep2xtp2-z1-qwen2moe": (4, "qwen2moe", {"dp": 2, "ep": 2, "tp": 2, "zero": 1}),
+    # under SP the gate scales each rank's partial sum: its gradient is partial, summed over tp
+    "tp2-sp-qwen2moe": (2, "qwen2moe", {"dp": 1, "ep": 1, "tp": 2, "sequence_parallel": True}),
     "ep2xpp2": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
                                       "zero": 2}),
     "ep2xpp2-gpipe-recompute": (4, "softmax", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
@@ -84,6 +95,16 @@ LAYOUTS = {
     # the routing bias: each rank moves its copy by the global load (summed over the world)
     "ep2-bias": (2, "softmax-bias", {"dp": 2, "ep": 2}),
     "ep2xpp2-bias": (4, "softmax-bias", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2}),
+    # sequence parallelism: each mixture one region (the sequence all-gathered in, its partial
+    # sums reduce-scattered out), the router reading whole sequences as without SP
+    "tp2-sp-bias": (2, "softmax-bias", {"dp": 1, "ep": 1, "tp": 2, "sequence_parallel": True}),
+    "ep2xtp2-sp": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+    "tp2-sp-capacity": (2, "shared-capacity", {"dp": 1, "ep": 1, "tp": 2,
+                                                "sequence_parallel": True}),
+    "tp2xpp2-sp": (4, "softmax", {"dp": 1, "ep": 1, "tp": 2, "pp": 2, "micro_batches": 2,
+                                  "sequence_parallel": True}),
+    "cp2xep2xtp2-sp": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2,
+                                             "sequence_parallel": True}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
@@ -153,8 +174,8 @@ def _check_ranks(name: str, ranks: list[dict], ref: dict, first: int = 0) -> Non
         assert len(mine) == len(want) == STEPS - first
         assert _close([s["aux_loss"] for s in mine], [s["aux_loss"] for s in want]), (
             name, r["coords"], mine, want)
-        assert [s["expert_load"] for s in mine] == [s["expert_load"] for s in want], (
-            name, r["coords"])
+        assert [(s["expert_load"], s["dropped"]) for s in mine] == \
+            [(s["expert_load"], s["dropped"]) for s in want], (name, r["coords"])
         # Adam's update hardly moves with a gradient's scale (a replicated gradient summed
         # over tp, 2x, left the parameters within 2e-5); the gradient norm does
         assert _close([s["grad_norm"] for s in mine], [s["grad_norm"] for s in want],
@@ -182,6 +203,7 @@ def test_reference_trains_and_balances(references):
             assert [sum(row) for row in s["expert_load"]] == [8 * 16 * 2] * 2
             assert 0.01 <= s["aux_loss"] / 2 < 0.02, (m, s)  # two layers
         assert bool(ref["biases"]) == (m == "softmax-bias"), (m, list(ref["biases"]))
+        assert (sum(s["dropped"] for s in ref["stats"]) > 0) == (m == "shared-capacity"), m
     ref = references["softmax-bias"]
     want = torch.zeros(2, 4)
     for s in ref["stats"]:
@@ -255,7 +277,8 @@ def test_memory_prediction_equals_measured_bytes(results):
             pred = predict_rank(LlamaConfig(**r["model"]), dp=p["dp"], pp=p.get("pp", 1),
                                 tp=p.get("tp", 1), dp_rank=c["dp"], pp_rank=c["pp"],
                                 tp_rank=c["tp"], zero=p.get("zero", 0), ep=p["ep"],
-                                cp=p.get("cp", 1), cp_rank=c["cp"])
+                                cp=p.get("cp", 1), cp_rank=c["cp"],
+                                sequence_parallel=p.get("sequence_parallel", False))
             for k in ("params", "grads", "optimizer"):
                 assert pred[k] == r["memory"][k], (name, c, k, pred, r["memory"])
 
@@ -274,11 +297,13 @@ def test_refusals_at_the_door():
     assert "model.n_experts=6 is not divisible by parallel.ep=4" in refuse(
         {"dp": 4, "ep": 4}, {"n_experts": 6})
     assert "parallel.ep=2 with model.n_experts=0" in refuse({"dp": 2, "ep": 2}, {"n_experts": 0})
-    assert "parallel.sequence_parallel with model.n_experts" in refuse(
-        {"dp": 2, "tp": 2, "sequence_parallel": True})
     # n_experts with init_from passes the door: config.json decides (a Mixtral has experts,
     # a Llama's section gives n_experts = 0 and a contradicting field is refused, test_hf)
-    # context parallelism and ZeRO-3 with experts pass the door (once refused: docs/moe.md)
+    # context parallelism, ZeRO-3 and sequence parallelism with experts pass the door (once
+    # refused: docs/moe.md)
+    Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "tp": 2,
+                                                   "sequence_parallel": True},
+                      "training": {"global_batch_size": 8}})
     Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "zero": 3},
                       "training": {"global_batch_size": 8}})
     cfg = Config.from_dict({"model": _BASE, "parallel": {"dp": 2, "ep": 2, "cp": 2},

@@ -152,6 +152,49 @@ def test_zero3_pipeline_seconds_are_the_documented_formula(overlap, recompute):
     assert zero3_seconds(SPEC, replace(lay, zero=1), cl, "bf16", [1, 2]) == (0.0, 0.0)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_zero3_interleaved_seconds_are_per_chunk(overlap):
+    """Interleaved 1F1B (v = 2) under ZeRO-3, dp 8 x tp 2 x pp 4: each of a rank's two
+    chunks is a ``ZeroStage3`` of its own, so each chunk's forward and backward carry
+    ``zero3_seconds`` of that chunk's layers alone, by the formula of the test above
+    (ZeRO-1's costs plus these), not of the rank's; the step's dp part is m passes of both
+    chunks of the bottleneck rank. Planned, not pruned (the engine runs it)."""
+    from shardwise.planner.memory import cut, rank_params
+    from shardwise.planner.simulate import chunk_costs, unit_forward_seconds
+
+    cl = A100 if overlap else replace(A100, zero3_overlap=False)
+    lay = Layout(8, 2, 4, 1, 16, "interleaved", 2, zero=3)
+    assert prune_reason(SPEC, lay, cl, False) is None
+    L, e, n = SPEC.n_layer, 2, 8
+    link = cl.link(lay.world)
+    unit = unit_forward_seconds(SPEC, lay, cl, "bf16")
+    z1 = chunk_costs(SPEC, replace(lay, zero=1), cl, "bf16")
+    z3 = chunk_costs(SPEC, lay, cl, "bf16")
+    part = cut(SPEC, 8)
+    assert len(z3) == 8
+    for ch in range(8):  # chunk ch on rank ch % 4
+        layers = list(part.layers(ch))
+        x = [rank_params(SPEC, [i], 2, 4) * e for i in layers]
+        g = [link.all_gather(n, b) for b in x]
+        rs = [link.reduce_scatter(n, b) for b in x]
+        c = [unit["embed" if i == 0 else "head" if i == L + 1 else "block"] for i in layers]
+        if overlap:
+            fwd, bwd = _overlapped_by_hand(g, rs, c, [2 * t for t in c])
+        else:
+            whole = rank_params(SPEC, layers, 2, 4) * e
+            fwd = link.all_gather(n, whole) + len(layers) * cl.sync_penalty_s
+            bwd = (link.all_gather(n, whole) + link.reduce_scatter(n, whole)
+                   + 2 * len(layers) * cl.sync_penalty_s)
+        assert z3[ch].forward == pytest.approx(z1[ch].forward + fwd, rel=1e-12) and fwd > 0
+        assert z3[ch].backward == pytest.approx(z1[ch].backward + bwd, rel=1e-12) and bwd > 0
+        assert z3[ch].dp == pytest.approx(fwd + bwd, rel=1e-12)
+    t = simulate(SPEC, lay, cl, "bf16")
+    per_rank = [z3[r].forward + z3[r].backward + z3[r + 4].forward + z3[r + 4].backward
+                for r in range(4)]
+    star = max(range(4), key=per_rank.__getitem__)
+    assert t["dp"] == pytest.approx(16 * (z3[star].dp + z3[star + 4].dp), rel=1e-9)
+
+
 def _overlapped_by_hand(g, rs, c, b):
     """ZeRO-3's exposed (forward, backward) seconds of one stage by the documented formula:
     gathers g, reduce-scatters rs, forward compute c and backward compute b per unit."""
@@ -184,21 +227,19 @@ def test_zero3_pipeline_costs_more_comm_and_holds_less_than_zero1(schedule):
     assert t3["bubble"] > t1["bubble"]
 
 
-def test_search_plans_zero3_with_pipelines_but_not_interleaved():
-    """ZeRO-3 x pp layouts are simulated like any (no reason prunes them); ZeRO-3 with more
-    than one chunk per rank keeps the engine's reason."""
+def test_search_plans_zero3_with_pipelines_and_interleaving():
+    """ZeRO-3 x pp layouts, one chunk per rank or interleaved, are simulated like any (no
+    reason prunes them: each chunk is its own ZeroStage3 in the engine)."""
     spec = NAMED["gpt2-350m"]
     feasible, pruned = plan(spec, A100, 8, 32, micro_batches=[2], zero=[1, 3], sp=[False],
                             recompute=[False], partitions=["layers"], exhaustive=True)
     z3pp = [c for c in feasible if c.layout.zero == 3 and c.layout.pp > 1]
-    assert z3pp and all(c.layout.chunks_per_rank == 1 for c in z3pp)
+    assert {c.layout.chunks_per_rank for c in z3pp} == {1, 2, 4}
     for c in z3pp:
         assert c.memory == memory_of(spec, c.layout, "bf16")
         assert c.time == simulate(spec, c.layout, A100, "bf16")
     reasons = [p.reason for p in pruned if p.layout.zero == 3]
-    assert not any("pipeline" in w for w in reasons)
-    assert any(w.startswith("ZeRO-3 with chunks_per_rank=") and "engine refuses" in w
-               for w in reasons)
+    assert not any("pipeline" in w or "chunks_per_rank" in w for w in reasons)
 
 
 def test_pipeline_depth_and_interleaving_shrink_the_bubble():
@@ -461,7 +502,7 @@ def test_ep_is_searched_only_for_a_mixture_of_experts():
     assert all(c.layout.ep == 1 for c in dense)
     moe, pruned = plan(MOE, H100, 16, 32, micro_batches=[1], top=400, exhaustive=True)
     assert {c.layout.ep for c in moe} > {1}
-    assert all(not c.layout.sp for c in moe)  # the engine refuses SP with experts
+    assert any(c.layout.sp and c.layout.tp > 1 for c in moe)  # SP with experts (once pruned)
     assert any(c.layout.zero == 3 and c.layout.ep > 1 for c in moe)  # modelled now
     assert {c.layout.cp for c in moe} > {1}  # context parallelism with experts is searched
 
@@ -534,10 +575,13 @@ def test_megatron_2021_pipeline_sends_block_the_compute_stream():
     assert sum(t[k] for k in t if k != "step") == pytest.approx(t["step"], rel=1e-9)
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
-def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_path, tp, ep):
+@pytest.mark.parametrize("tp,ep,sp", [(1, 1, False), (1, 2, False), (1, 4, False),
+                                     (2, 2, False), (2, 2, True)])
+def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_path, tp, ep,
+                                                                             sp):
     """A TOML Llama with 4 experts: the rank's elements, experts among them, equal what the
-    engine builds (``predict_rank`` on meta) for every tp x ep."""
+    engine builds (``predict_rank`` on meta) for every tp x ep, with sequence parallelism
+    too (each mixture one SP region: the same parameters)."""
     from shardwise.engine.memory import predict_rank
     from shardwise.planner.memory import rank_expert_params, rank_params
     from shardwise.planner.specs import load_model
@@ -548,7 +592,8 @@ def test_a_configured_mixture_of_experts_is_counted_as_the_engine_shards_it(tmp_
     spec = load_model(str(path))
     assert spec.moe and spec.n_experts == 4 and spec.top_k == 2
     layers = list(range(spec.n_layer + 2))
-    want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32")["params"]
+    want = predict_rank(spec.model(), dp=4, tp=tp, ep=ep, zero=0, precision="fp32",
+                        sequence_parallel=sp)["params"]
     assert 4 * rank_params(spec, layers, tp, 1, ep) == want
     assert rank_expert_params(spec, layers, tp, ep) == spec.n_layer * spec.expert_params // (tp * ep)
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint, train_saving_at
+from ddp_workers import (resume_and_finish, tiny_config, train, train_and_checkpoint, train_each,
+                         train_saving_at)
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
 from test_ddp import assert_parity
@@ -37,21 +38,53 @@ def test_trainer_pp_matches_single_process(dp, pp, parallel, reference, corpus, 
 
 
 def test_zero3_pipeline_matches_single_process(corpus, tmp_path):
-    """ZeRO-3 at dp = 2 over each stage of a 1F1B pipeline of 2 (the GPT, its embedding tied
-    to the head across the stages), 4 micro-batches: every stage's units are gathered again
-    for each micro-batch's forward and backward, and each micro-batch's gradients are
-    reduce-scattered into the shards; the tied weight is a unit of its own on both stages, so
-    the two copies' gradient shards are summed element for element. Equals one process
-    (fp32, 5 steps) within ``assert_parity``'s tolerance."""
-    ref = train(tiny_config(str(corpus), str(tmp_path / "ref")))
-    cfg = tiny_config(str(corpus), str(tmp_path / "z3"), parallel={
-        "dp": 2, "pp": 2, "zero": 3, "schedule": "1f1b", "micro_batches": 4})
-    results = spawn(train, 4, (cfg,))
-    assert all(r["losses"] == results[0]["losses"] for r in results)
-    for replica in (results[:2], results[2:]):  # ranks (dp, pp): pp is the fastest axis
-        assert_parity(_merge(replica), ref)
-    # between steps no unit stays gathered: each rank holds only its shards
-    assert all(r["materialised_elements"] == 0 for r in results)
+    """ZeRO-3 at dp = 2 over a pipeline of 2, one spawn for two layouts:
+
+    - 1F1B, one chunk per rank (the 2-block GPT, its embedding tied to the head across the
+      stages), 4 micro-batches: every stage's units are gathered again for each
+      micro-batch's forward and backward, and each micro-batch's gradients are
+      reduce-scattered into the shards; the tied weight is a unit of its own on both
+      stages, so the two copies' gradient shards are summed element for element;
+    - interleaved 1F1B, 2 chunks per rank (a 4-block tied GPT cut into 4 chunks: the
+      embedding in chunk 0 on rank 0, the head in chunk 3 on rank 1), 4 micro-batches: each
+      chunk is a ``ZeroStage3`` of its own, gathered and reduce-scattered around its own
+      micro-batches while the rank's other chunk stays sharded.
+
+    Each equals one process (fp32, 5 steps) within ``assert_parity``'s tolerance; in a step
+    each rank gathers its units 2 m times and reduce-scatters them m times, no more (a
+    chunk's backward touches none of the other chunk's units); between steps no unit stays
+    gathered, and each rank holds the bytes ``predict_rank`` says."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
+
+    four = {"n_layer": 4}
+    flush = {"dp": 2, "pp": 2, "zero": 3, "schedule": "1f1b", "micro_batches": 4}
+    interleaved = {**flush, "schedule": "interleaved", "chunks_per_rank": 2}
+    refs = [train(tiny_config(str(corpus), str(tmp_path / "ref"))),
+            train(tiny_config(str(corpus), str(tmp_path / "ref4"), model=four))]
+    cfgs = [tiny_config(str(corpus), str(tmp_path / "z3"), parallel=flush),
+            tiny_config(str(corpus), str(tmp_path / "z3v2"), model=four, parallel=interleaved)]
+    runs = spawn(train_each, 4, (cfgs,))
+    for i, (cfg, ref) in enumerate(zip(cfgs, refs)):
+        results = [r[i] for r in runs]
+        assert all(r["losses"] == results[0]["losses"] for r in results)
+        for replica in (results[:2], results[2:]):  # ranks (dp, pp): pp is the fastest axis
+            assert_parity(_merge(replica), ref)
+        # between steps no unit stays gathered: each rank holds only its shards
+        assert all(r["materialised_elements"] == 0 for r in results)
+        for r in results:
+            # every unit of every chunk: gathered for each micro-batch's forward and backward,
+            # reduce-scattered after each backward, and no more (padded bytes: dp x shard)
+            moved = {c: sum(n for k, n in r["collectives"] if k == c)
+                     for c in ("all_gather", "reduce_scatter")}
+            units = 2 * r["memory"]["grads"]  # fp32 shards of all the rank's units, x dp = 2
+            assert moved == {"all_gather": 2 * 4 * units, "reduce_scatter": 4 * units}, moved
+            want = predict_rank(GPTConfig(**r["gpt"]), dp=2, pp=2, dp_rank=r["coords"]["dp"],
+                                pp_rank=r["coords"]["pp"],
+                                chunks_per_rank=cfg["parallel"]["chunks_per_rank"],
+                                zero=3)
+            assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == \
+                {k: want[k] for k in ("params", "grads", "optimizer")}, (i, r["coords"])
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
@@ -71,9 +104,18 @@ def test_pp_resume_matches_uninterrupted_run(schedule, corpus, tmp_path):
 
 
 def test_pp_bad_layouts_are_one_line():
-    with pytest.raises(ConfigError, match="parallel.zero=3 with parallel.chunks_per_rank=2"):
-        Config.from_dict({"parallel": {"dp": 1, "pp": 2, "zero": 3, "schedule": "interleaved",
-                                       "chunks_per_rank": 2}})
+    z3 = {"dp": 2, "zero": 3, "schedule": "interleaved", "chunks_per_rank": 2}
+    Config.from_dict({"parallel": {**z3, "pp": 2, "micro_batches": 2}})  # each chunk its own ZeRO-3
+    with pytest.raises(ConfigError, match="parallel.zero=3 with parallel.chunks_per_rank=2, "
+                                          "parallel.pp=1 and model.tie_weights=true"):
+        Config.from_dict({"parallel": {**z3, "pp": 1}})  # one parameter in two chunks of a rank
+    Config.from_dict({"parallel": {**z3, "pp": 1}, "model": {"tie_weights": False}})
+    from shardwise.engine.memory import predict_rank  # the engine's rule, for any model
+    from shardwise.models import GPTConfig
+
+    with pytest.raises(ValueError, match="weight is shared by chunks 0 and 1 of one rank"):
+        predict_rank(GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=32),
+                     dp=2, chunks_per_rank=2, zero=3)
     with pytest.raises(ConfigError, match="parallel.schedule=pipedream with parallel.zero=1"):
         Config.from_dict({"parallel": {"dp": 1, "pp": 2, "zero": 1, "schedule": "pipedream"},
                           "optimizer": {"grad_clip": 0.0}})

@@ -48,6 +48,8 @@ LAYOUTS = {  # name -> (world size, parallel section, training section)
     "dp2xtp2": (4, {"dp": 2, "tp": 2}, {}),
     "dp2xtp2xpp2-z1": (8, {"dp": 2, "tp": 2, "pp": 2, "zero": 1, **MB2}, {}),
     "dp2xpp2-z3": (4, {"dp": 2, "pp": 2, "zero": 3, **MB2}, {}),
+    "dp2xpp2v2-z3": (4, {"dp": 2, "pp": 2, "zero": 3, "schedule": "interleaved",
+                         "chunks_per_rank": 2, **MB2}, {}),  # a ZeroStage3 per chunk
     "bf16-dp2-z1": (2, {"dp": 2, "zero": 1}, BF16),
     "bf16-tp2": (2, {"tp": 2}, BF16),
     "bf16-pp2": (2, {"pp": 2, **MB2}, BF16),
@@ -59,7 +61,7 @@ PAIRS = [("dp1", "dp2"), ("dp2", "dp1"), ("dp2-z1", "dp4-z1"), ("dp2-z2", "dp2")
          ("dp2-z3", "tp2"), ("tp2", "pp2"), ("pp2", "dp2xtp2"), ("dp2xtp2xpp2-z1", "dp1"),
          ("bf16-dp2-z1", "bf16-tp2"), ("bf16-pp2", "bf16-dp2xtp2-z2"),
          ("dropout-dp2xtp2", "dropout-dp2xtp2-z1"), ("dp2xpp2-z3", "dp2xtp2"),
-         ("pp2", "dp2xpp2-z3")]
+         ("pp2", "dp2xpp2-z3"), ("dp2xpp2v2-z3", "dp2xpp2-z3"), ("dp2xpp2-z3", "dp2xpp2v2-z3")]
 SPAWN_ORDER = (1, 2, 8, 4, 1)  # every save comes before the resumes that read it
 
 

@@ -53,9 +53,9 @@ def _saved_for_backward(trainer) -> dict:
     saved tensors are views of a ZeRO-3 unit's flat buffer (the parameters, refilled in place
     before the unit's backward) and how many are shaped like a parameter (or its transpose)
     without being one (a copy, which a freed and refilled buffer would leave stale)."""
-    zero = trainer.engine.sync
-    buffers = {u.full.untyped_storage()._cdata for u in zero._all}
-    shapes = {tuple(p.shape) for u in zero._all for p in u.params}
+    units = [u for part in trainer.engine.sync.parts for u in part._all]  # a ZeroStage3 per chunk
+    buffers = {u.full.untyped_storage()._cdata for u in units}
+    shapes = {tuple(p.shape) for u in units for p in u.params}
     seen = {"views": 0, "copies": 0}
 
     def pack(t):
@@ -198,3 +198,20 @@ def test_memory_command_formulas_and_bad_input(capsys):
     totals = [float(line.split()[4]) for line in out[2:6]]
     assert [round(t, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
     assert_one_line_exit_2(["memory", "--stages", "0,4"], capsys, "--stages")
+
+
+def test_memory_command_predicts_interleaved_zero3(capsys):
+    """``shardwise memory --chunks-per-rank 2``: every rank of dp 2 x pp 2 with two chunks
+    each, ZeRO-3 (a ``ZeroStage3`` per chunk), as ``predict_rank`` predicts it; the flag
+    needs a model."""
+    from shardwise.cli.main import main
+
+    assert main(["memory", "--config", "configs/tiny.toml", "--dp", "2", "--pp", "2",
+                 "--chunks-per-rank", "2", "--stages", "3", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "dp=2 x pp=2 (v=2) x tp=1" in out[0]
+    rows = [line.split() for line in out[2:]]
+    assert [r[:2] for r in rows] == [["3", "0"], ["3", "1"]]
+    assert float(rows[0][3]) == 0.0 and float(rows[0][4]) > 0  # fp32: the master is the shard
+    assert_one_line_exit_2(["memory", "--params", "1e6", "--chunks-per-rank", "2"], capsys,
+                           "--chunks-per-rank need a model")

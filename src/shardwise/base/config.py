@@ -240,9 +240,6 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
-        if self.zero == 3 and self.chunks_per_rank > 1:
-            raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={self.chunks_per_rank}: "
-                             "ZeRO-3 runs one chunk (stage) per rank; use chunks_per_rank = 1")
         if self.recompute == "selective" and (self.tp > 1 or self.zero == 3 or self.cp > 1):
             raise ValueError(f"parallel.recompute=selective with parallel.tp={self.tp}, "
                              f"zero={self.zero}, cp={self.cp}: recomputing a layer would run its "
@@ -461,6 +458,13 @@ class Config(_Section):
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "
                              "stages; use bf16")
+        if (p.zero == 3 and p.chunks_per_rank > 1 and p.pp == 1 and m.tie_weights
+                and m.kind != "cnn" and p.mode == "grid"):
+            raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={p.chunks_per_rank}, "
+                             "parallel.pp=1 and model.tie_weights=true: the embedding and the "
+                             "head share one parameter across two chunks of one rank, and "
+                             "ZeRO-3 shards each chunk apart; set model.tie_weights = false or "
+                             "use pp > 1")
         if (p.schedule == "pipedream" and p.pp > 1 and m.tie_weights and m.kind != "cnn"
                 and p.mode == "grid"):
             raise ValueError(f"parallel.schedule=pipedream with model.tie_weights=true and "
@@ -532,9 +536,6 @@ class Config(_Section):
         if m.n_experts % p.ep:
             raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
                              f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
-        if p.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel with model.n_experts: the router and "
-                             "the experts read whole sequences; leave sequence parallelism off")
         return self
 
     def _cp_agrees(self):

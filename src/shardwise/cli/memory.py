@@ -6,6 +6,7 @@
     shardwise memory --config my_llama.toml --dp 2 --tp 2 --pp 2  # model.kind = "llama"
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
     shardwise memory --config configs/tiny.toml --dp 2 --cp 2 --stages 1    # ZeRO over dp x cp
+    shardwise memory --config configs/tiny.toml --dp 2 --pp 2 --chunks-per-rank 2 --stages 3
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, as ``shardwise train`` builds it; the header names the
@@ -58,6 +59,10 @@ def _layout_table(args, stages: list[int]) -> int:
         over["parallel.bucket_mb"] = args.bucket_mb
     if args.ep is not None:
         over["parallel.ep"] = args.ep
+    if args.chunks_per_rank is not None:
+        over["parallel.chunks_per_rank"] = args.chunks_per_rank
+        if args.chunks_per_rank > 1:  # static bytes do not read m; interleaving needs m % pp = 0
+            over["parallel.schedule"], over["parallel.micro_batches"] = "interleaved", args.pp
     try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
         base = Config.load(args.config, over)
         p, d = base.parallel, describe_config(base)
@@ -67,14 +72,16 @@ def _layout_table(args, stages: list[int]) -> int:
                 for tr in range(p.tp):
                     preds[(z, pr, tr)] = predict_rank(
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
-                        precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep)
+                        precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
+                        chunks_per_rank=p.chunks_per_rank, partition_by=p.partition)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     unit, div = unit_for(max([x["total"] for x in preds.values()] or [0]))
     print(f"{d.kind} {full_size(d) / 1e6:.2f}M parameters, {d.n_layer} layers x {d.hidden_size}, "
           f"vocab {d.vocab_size}; dp={p.dp}{f' (ep={p.ep})' if p.ep > 1 else ''} x "
-          f"pp={p.pp}" + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
+          f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
+          + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
@@ -87,7 +94,8 @@ def _layout_table(args, stages: list[int]) -> int:
 
             cfg = Config.load(args.config, {**over, "parallel.zero": z,
                                             "training.precision": args.precision,
-                                            "training.global_batch_size": 2 * p.dp})
+                                            "training.global_batch_size":
+                                                max(2, p.micro_batches) * p.dp})
             for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
                 if r["coords"]["dp"] == 0 and r["coords"].get("cp", 0) == 0:
                     measured[(r["coords"]["pp"], r["coords"]["tp"])] = r["total"]
@@ -114,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks N")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs --config)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (needs --config)")
+    ap.add_argument("--chunks-per-rank", type=int, default=None, help="model chunks per "
+                    "pipeline rank, the interleaved schedule's v (needs --config; default: "
+                    "the config's)")
     ap.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, folded over "
                     "--dp (needs --config with model.n_experts; default: the config's)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: replicas of "
@@ -162,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.params is None:  # a model: the exact per-rank prediction of any layout
         return _layout_table(args, stages)
-    if args.tp > 1 or args.pp > 1:
-        print("shardwise memory: error: --tp/--pp need a model (--config), not --params",
+    if args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None:
+        print("shardwise memory: error: --tp/--pp/--chunks-per-rank need a model (--config), "
+              "not --params",
               file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.engine.model import LocalModel, build_local_model
+from shardwise.engine.model import LocalModel, build_local_model, zero3_shared_reason
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription, describe
@@ -125,10 +125,10 @@ class Engine:
     """This rank's share of a model trained in any layout (see module docstring).
 
     Raises ``ValueError`` (one line) for a layout that cannot run: a schedule that cannot be
-    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with more than one chunk
-    per rank, PipeDream with a tied embedding across stages, cp > 1 with a sequence length
-    2 cp does not divide or a model whose description does not read positions through
-    ``models.sequence``.
+    built, more chunks than layers, sizes tp does not divide, ZeRO-3 with a parameter shared
+    by two chunks of one rank (tied at pp = 1 with chunks_per_rank > 1), PipeDream with a
+    tied embedding across stages, cp > 1 with a sequence length 2 cp does not divide or a
+    model whose description does not read positions through ``models.sequence``.
     """
 
     def __init__(self, model, topology, s: EngineSettings,
@@ -138,9 +138,6 @@ class Engine:
         self.distributed = dist.is_available() and dist.is_initialized()
         groups = topology.groups if self.distributed else None
         p, v, kind = topology.pp, s.chunks_per_rank, s.schedule  # pp = 1: one stage
-        if s.zero == 3 and v > 1:
-            raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={v}: ZeRO-3 runs one "
-                             "chunk (stage) per rank; use chunks_per_rank = 1")
         local_batch = s.batch_size // topology.dp
         if local_batch % s.micro_batches:
             raise ValueError(f"{s.micro_batches} micro-batches do not divide the batch of "
@@ -332,12 +329,20 @@ class Engine:
             return ZeroDataParallel(container, group, s.zero, s.bucket_mb, self.dtype,
                                     self.loss_scaler, names=names, isolate=tied, explicit=True,
                                     params=None if whole else params, divisor=divisor)
-        (c, chunk), = self.local.chunks.items()  # one chunk (stage) per rank, its layers the units
-        units = list(zip(chunk.names, chunk.layers))
-        wrapper = ZeroStage3(chunk, self.grad_group, units, self.dtype, self.loss_scaler, names,
-                             isolate=tied, expert_group=expert_group)
-        self.chunks[c] = wrapper
-        return wrapper
+        # ZeRO-3: each chunk its own module (its layers the units, its own flat buffers), so
+        # the interleaved schedule gathers and reduce-scatters a chunk around its own
+        # micro-batches, independently of the rank's other chunks; joined as one sync
+        shared = self.local.shared_across_chunks()
+        if shared is not None:
+            raise ValueError(zero3_shared_reason(s.chunks_per_rank, *shared))
+        wrappers = []
+        for c in sorted(self.local.chunks):
+            chunk = self.local.chunks[c]
+            self.chunks[c] = ZeroStage3(chunk, self.grad_group, list(zip(chunk.names, chunk.layers)),
+                                        self.dtype, self.loss_scaler, names, isolate=tied,
+                                        expert_group=expert_group)
+            wrappers.append(self.chunks[c])
+        return SplitSync(*wrappers)
 
     @property
     def partition(self):
@@ -417,8 +422,12 @@ class Engine:
         self._seed_step()
         if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
             idx, targets = self.cp.shard(idx, targets)
-        for _, layer in self.local.moe_local:  # the auxiliary losses' share of the gradient
-            layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / m
+        # the auxiliary losses' share of the gradient; under SP each tp rank's, 1 / tp of it:
+        # every rank computes the whole sequences' loss in its "moe" region and the router's
+        # and the input's gradients are summed over tp (optimizer, reduce-scatter)
+        share = self.tp.size if self.tp.sequence_parallel else 1
+        for _, layer in self.local.moe_local:
+            layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / (m * share)
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
             losses = self.executor.run(inputs, tgts)

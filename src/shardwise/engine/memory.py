@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.engine.model import build_local_model
+from shardwise.engine.model import build_local_model, zero3_shared_reason
 from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.parallel.experts import is_expert
 from shardwise.parallel.precision import DTYPES
@@ -103,30 +103,39 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
 
 
 def _units(local, experts: bool | None = None) -> list[int]:
-    """Elements of each ZeRO-3 unit, in ``ZeroStage3``'s order: every layer of the one chunk
-    (a weight tied across stages first, as a unit of its own), then the root unit of
-    parameters shared by two layers (a weight tied within the chunk). ``experts``: only the
-    units of expert parameters (True: under ep > 1 each layer's experts are a unit of their
-    own, sharded over their replicas) or of the others (False); None: every parameter."""
-    (chunk,) = local.chunks.values()
+    """Elements of each ZeRO-3 unit, in the engine's order: chunk by chunk (each chunk a
+    ``ZeroStage3`` of its own: with the interleaved schedule, v per rank), every layer of
+    the chunk (a weight tied across stages first, as a unit of its own), then the chunk's
+    root unit of parameters shared by two of its layers (a weight tied within the chunk).
+    ``experts``: only the units of expert parameters (True: under ep > 1 each layer's
+    experts are a unit of their own, sharded over their replicas) or of the others (False);
+    None: every parameter. Raises ``ValueError`` as the engine does for a parameter two
+    chunks share."""
+    shared = local.shared_across_chunks()
+    if shared is not None:
+        raise ValueError(zero3_shared_reason(len(local.chunks), *shared))
     keep = (lambda q: True) if experts is None else (lambda q: is_expert(q) == experts)
     tied = {id(q) for n, q in local.named_parameters() if n in local.tied}
-    owners: dict[int, int] = {}
-    for layer in chunk.layers:
-        for q in layer.parameters():
-            if keep(q):
-                owners[id(q)] = owners.get(id(q), 0) + 1
-    sizes, root = [], 0
-    for layer in chunk.layers:
-        own = [q for q in layer.parameters() if owners.get(id(q)) == 1]
-        sizes += [q.numel() for q in own if id(q) in tied]
-        n = sum(q.numel() for q in own if id(q) not in tied)
-        if n:
-            sizes.append(n)
-    seen = set()
-    for layer in chunk.layers:
-        for q in layer.parameters():
-            if owners.get(id(q), 0) > 1 and id(q) not in seen:
-                seen.add(id(q))
-                root += q.numel()
-    return sizes + ([root] if root else [])
+    sizes = []
+    for c in sorted(local.chunks):
+        chunk = local.chunks[c]
+        owners: dict[int, int] = {}
+        for layer in chunk.layers:
+            for q in layer.parameters():
+                if keep(q):
+                    owners[id(q)] = owners.get(id(q), 0) + 1
+        root = 0
+        for layer in chunk.layers:
+            own = [q for q in layer.parameters() if owners.get(id(q)) == 1]
+            sizes += [q.numel() for q in own if id(q) in tied]
+            n = sum(q.numel() for q in own if id(q) not in tied)
+            if n:
+                sizes.append(n)
+        seen = set()
+        for layer in chunk.layers:
+            for q in layer.parameters():
+                if owners.get(id(q), 0) > 1 and id(q) not in seen:
+                    seen.add(id(q))
+                    root += q.numel()
+        sizes += [root] if root else []
+    return sizes

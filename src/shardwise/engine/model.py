@@ -11,7 +11,8 @@ model's ``models.description.ModelDescription`` (no model is imported here):
    are dropped;
 3. with tp > 1, shard each kept layer by the model's tensor-parallel plan, still on meta
    (``parallel.tensor_parallel.plan.parallelize``: vocab-parallel embedding and head,
-   column / row parallel linears, Shoeybi et al. 2019, section 3); with ep > 1 or tp > 1,
+   column / row parallel linears, Shoeybi et al. 2019, section 3; under SP a mixture of
+   experts is one sequence-parallel region, its "moe" style); with ep > 1 or tp > 1,
    split the plan's ``experts`` modules by expert over ep and by width over tp
    (``parallel.experts.parallelize_experts``);
 4. materialise the kept parameters on ``device`` and give them their values by replaying
@@ -56,6 +57,14 @@ from shardwise.parallel.tensor_parallel.random import ParallelRNG
 from shardwise.parallel.tensor_parallel.state import gather_like, shard_like
 
 
+def zero3_shared_reason(v: int, name: str, a: int, b: int) -> str:
+    """The one-line refusal of ZeRO-3 when chunks ``a`` and ``b`` of one rank share the
+    parameter ``name`` (``LocalModel.shared_across_chunks``): ZeRO-3 shards each chunk apart."""
+    return (f"parallel.zero=3 with parallel.chunks_per_rank={v}: {name} is shared by chunks "
+            f"{a} and {b} of one rank (a tied embedding at pp = 1), and ZeRO-3 shards each "
+            "chunk apart; set model.tie_weights = false or use pp > 1")
+
+
 @dataclass
 class LocalModel:
     """This rank's chunks and what the engine needs to know about them.
@@ -92,6 +101,16 @@ class LocalModel:
                     seen.add(id(p))
                     out.append((name, p))
         return out
+
+    def shared_across_chunks(self) -> tuple[str, int, int] | None:
+        """``(name, chunk, other chunk)`` of the first parameter two of this rank's chunks
+        share (the tied embedding and head at pp = 1 with more than one chunk), else None."""
+        owner: dict[int, int] = {}
+        for c in sorted(self.chunks):
+            for name, p in self.chunks[c].model_parameters():
+                if owner.setdefault(id(p), c) != c:
+                    return name, owner[id(p)], c
+        return None
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """``(full model name, buffer)`` of this rank's buffers, chunk by chunk: the training
@@ -164,17 +183,14 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     ``all_to_all`` its algorithm. ``init_from``: a Hugging Face checkpoint directory whose
     tensors the parameters take instead (``_load_hf``; the description's ``hf`` arch names
     them); ``seed`` is then not used. Raises ``ValueError`` (one line) when tp does not
-    divide a size, ep the experts, the plan does not fit the model, or there are more chunks
-    than layers, and ``CheckpointError`` (a ``ValueError``) for a checkpoint that lacks a
+    divide a size, ep the experts, the plan does not fit the model (under sequence
+    parallelism: a mixture of experts not styled "moe"), or there are more chunks than layers, and ``CheckpointError`` (a ``ValueError``) for a checkpoint that lacks a
     tensor or holds it in another shape.
     """
     d = describe(model)
     ep = ep if ep is not None else RankGroup(axis="ep")
     if tp.size > 1:
         check_divisible(d, tp)
-    if d.n_experts and tp.sequence_parallel:
-        raise ValueError("sequence parallelism with a mixture of experts: the router and the "
-                         "experts read whole sequences; leave sequence parallelism off")
     if ep.size > 1:
         if not d.n_experts:
             raise ValueError(f"ep={ep.size} but {d.kind} has no experts (model.n_experts = 0)")
@@ -187,6 +203,11 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
         raise ValueError(f"{d.kind}: {moe_layers[0]} is a mixture of experts "
                          "(pop_router_stats) but the description's n_experts is 0")
     _check_moe_layers(d, record.model, moe_layers)
+    if tp.sequence_parallel and tp.size > 1:  # the router must read whole sequences
+        for n in moe_layers:
+            if d.style_of(n) != "moe":
+                raise ValueError(f"{d.kind}: sequence parallelism needs the tp plan to give "
+                                 f"the mixture of experts {n} the style 'moe'")
     # the full shapes, before tp sharding replaces the layers' modules (init_from reads them)
     full_shapes = {n: tuple(p.shape) for n, p in record.model.named_parameters()}
     vocab_params = d.vocab_params(record.model)

@@ -17,7 +17,9 @@ compute dtype is bf16/fp16), ``zero.ZeroDataParallel`` (ZeRO-1/2: the same bucke
 reduce-scattered; masters of this rank's shard; all-gather after the step) and
 ``zero.ZeroStage3`` (parameters sharded too, gathered per unit) are the three.
 
-Under expert parallelism (ep > 1) the engine wraps twice and joins the two with
+Under ZeRO-3 each chunk of the rank is a ``ZeroStage3`` of its own (its own units and flat
+buffers: with the interleaved schedule, v per rank), joined with ``SplitSync``. Under expert
+parallelism (ep > 1) with ZeRO 0-2 the engine wraps twice and joins the two with
 ``SplitSync``: the dense parameters over the dp x cp group as above, the expert parameters
 (``parallel.experts.is_expert``) over the ``ep_dp_cp`` group, the ranks holding the same
 experts (DeepSpeed-MoE's expert-data-parallel group, ``ep_dp``, times the cp ranks, which
@@ -107,15 +109,17 @@ class ReplicatedSync:
 
 
 class SplitSync:
-    """Two syncs answering as one (see module docstring): ``dense`` over dp x cp,
-    ``experts`` over ep_dp x cp. Pieces are the dense sync's, then the experts'."""
+    """Several syncs answering as one (see module docstring): under ep, ``dense`` over
+    dp x cp then ``experts`` over ep_dp x cp; under ZeRO-3, one ``ZeroStage3`` per chunk of
+    this rank (each gathered and reduce-scattered around its own micro-batches). Pieces are
+    the parts' in the order given; ``full_parameters`` gathers every part that shards."""
 
-    def __init__(self, dense, experts):
-        self.parts = (dense, experts)
-        self.pieces = dense.pieces + experts.pieces
-        self.piece_params = dense.piece_params + experts.piece_params
-        self.piece_names = dense.piece_names + experts.piece_names
-        self.counted = list(dense.counted) + list(experts.counted)
+    def __init__(self, *parts):
+        self.parts = parts
+        self.pieces = [m for part in parts for m in part.pieces]
+        self.piece_params = [q for part in parts for q in part.piece_params]
+        self.piece_names = [n for part in parts for n in part.piece_names]
+        self.counted = [c for part in parts for c in part.counted]
 
     def final_backward(self):
         stack = ExitStack()
@@ -145,4 +149,9 @@ class SplitSync:
         return [t for part in self.parts for t in part.grad_shards()]
 
     def full_parameters(self):
-        return nullcontext()
+        """Every part's parameters whole inside the block (ZeRO-3 parts gather, in order:
+        collective over their groups), nothing to do for the others."""
+        stack = ExitStack()
+        for part in self.parts:
+            stack.enter_context(getattr(part, "full_parameters", nullcontext)())
+        return stack

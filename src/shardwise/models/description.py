@@ -40,6 +40,14 @@ characters, dots included) on the full model's module names:
                        F over tp; tokens reach their experts by all-to-all over ep
                        (``parallel.experts``). Its parameters are expert parameters: their
                        gradients are reduced over the dp ranks holding the same experts.
+``moe``                a mixture-of-experts module (router, ``experts``, a shared expert):
+                       without SP nothing (its children communicate). Under SP its input
+                       is all-gathered along the sequence once, so the router sees whole
+                       sequences; inside, nothing talks over tp (columns do not enter, rows
+                       and ``experts`` leave partial sums), and its output, the ranks'
+                       partial sums, is reduce-scattered along the sequence (backward: the
+                       conjugates). Its replicated parameters (the router) then hold partial
+                       gradients, summed over tp by the optimizer like a norm's.
 ``partial_grad``       a module on this rank's share of the heads whose parameters are
                        replicated (Qwen3's q_norm / k_norm: D weights every head shares):
                        each rank's gradient is its heads' part, summed over tp by the
@@ -49,7 +57,10 @@ characters, dots included) on the full model's module names:
 
 Mixture-of-experts layers (``models.moe.MoE``) are found by what they offer, not their type:
 a module with ``pop_router_stats()`` reports its auxiliary loss and expert load per step, and
-its ``aux_grad_scale`` is the factor the engine multiplies its loss by; if it also has
+its ``aux_grad_scale`` is the factor the engine multiplies its loss by (divided by tp under
+SP, where every tp rank computes the same auxiliary loss of the whole sequence inside its
+``moe`` region and each gives its share of the gradient, summed with the router's other
+partial gradients); if it also has
 ``update_bias(load)``, the engine calls it after every step with the (E,) load of its
 experts over the global batch (the same on every rank). Buffers are refused (they have no
 value on the meta device) except those a module names in ``state_buffers``: training state
@@ -74,8 +85,8 @@ from typing import Any, Callable, Mapping
 import torch.nn as nn
 
 STYLES = ("column", "row", "vocab_embedding", "vocab_head", "attention", "shared_input",
-          "dropout", "sequence_parallel", "sequence_positions", "experts", "partial_grad",
-          "replicate")
+          "dropout", "sequence_parallel", "sequence_positions", "experts", "moe",
+          "partial_grad", "replicate")
 _MODULE_TYPES = {"column": nn.Linear, "row": nn.Linear, "vocab_head": nn.Linear,
                  "vocab_embedding": nn.Embedding, "dropout": nn.Dropout}
 

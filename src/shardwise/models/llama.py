@@ -434,13 +434,18 @@ TP_PLAN = {
 }
 # With experts the MLP's entries give way to the MoE's (torchtitan's ``apply_moe_ep_tp``):
 # the router replicated, the stacked experts split by expert over ep and by width over tp
-# (Megatron-Core's expert tensor parallelism), the shared expert as a dense SwiGLU. A
-# shared expert's gate (``mlp.shared_expert_gate``, Qwen2-MoE) is replicated as the router
-# is, and for the same reason needs no style: it reads the block's replicated input and
+# (Megatron-Core's expert tensor parallelism), the shared expert as a dense SwiGLU; under
+# SP the whole block one region ("moe": its input all-gathered along the sequence, its
+# output reduce-scattered, the router reading whole sequences as without SP). A shared
+# expert's gate (``mlp.shared_expert_gate``, Qwen2-MoE) is replicated as the router is, and
+# for the same reason needs no style: without SP it reads the block's replicated input and
 # scales the shared expert's output after its row-parallel all-reduce, so every tp rank
-# computes the whole gradient of it (a sum over tp, "partial_grad", would count it tp times).
+# computes its whole gradient (a sum over tp, "partial_grad", would count it tp times);
+# under SP it scales the rank's partial sum, and its partial gradient is summed over tp
+# with the router's (the optimizer sums every replicated gradient under SP).
 MOE_TP_PLAN = {
     **{k: v for k, v in TP_PLAN.items() if not k.startswith("blocks.*.mlp")},
+    "blocks.*.mlp": "moe",
     "blocks.*.mlp.experts": "experts",
     "blocks.*.mlp.shared_expert": "shared_input",
     "blocks.*.mlp.shared_expert.gate_proj": "column",

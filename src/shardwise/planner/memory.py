@@ -25,7 +25,8 @@ Static bytes (parameters, gradients, optimizer states) per rank:
   where the master is the parameter):  ZeRO-0 (2b + K) P;  ZeRO-1 2b P + K P/dp;
   ZeRO-2 b P + (b + K) P/dp;  ZeRO-3 (b + K) P/dp (+ b P/dp unless fp32), and at the
   peak its gathered units (``gathered_bytes``, not a static byte: ``memory_of`` adds it).
-  With a pipeline the same hold for the rank's stage (ZeRO-3: one chunk per rank).
+  With a pipeline the same hold for the rank's chunks (ZeRO-3: each chunk sharded apart,
+  v per rank with the interleaved schedule).
 - context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
   every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
@@ -50,7 +51,9 @@ those split over t, and A the attention-score term. Two implementations are desc
   output); under sequence parallelism the two all-gathered LayerNorm outputs stay whole.
   A mixture of experts (counted, not measured) keeps per token, for each of its k experts,
   the expert's gate, up, silu and product (4 F e, F split over tp) and the dispatched input
-  and combined output (2 h e, whole), in place of the dense MLP's.
+  and combined output (2 h e, whole), in place of the dense MLP's; under sequence
+  parallelism those 2 k h e are the whole sequence's on every tp rank (the mixture runs on
+  the all-gathered sequence, docs/moe.md), while its input and output outside are / t.
 
 Context parallelism: every per-token term is over the ``s / cp`` tokens a rank holds
 (Korthikanti's 34 s b h falls to 34 s b h / cp); expert parallelism moves no activation
@@ -59,7 +62,7 @@ Context parallelism: every per-token term is over the ``s / cp`` tokens a rank h
 A pipeline rank holds the activations of ``in_flight`` micro-batches of its chunks (1F1B:
 min(p - r, m); interleaved: Narayanan et al.'s warm-up count, GPipe: m); with recompute it
 holds each chunk's input per micro-batch in flight, and at its peak one chunk recomputed in
-full plus one held input. ZeRO-3 (any pp: a pipeline stage is one ZeRO-3 chunk) also
+full plus one held input. ZeRO-3 (any pp and v: each chunk a ZeRO-3 module of its own) also
 holds, at its peak, the units it has gathered (``gathered_bytes``), counted apart from the
 activations (the executor's meter counts the weights saved for backward of units whose
 storage ZeRO-3 frees after forward, so its reading is not an activation figure;
@@ -296,10 +299,11 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
 
 @lru_cache(maxsize=4096)
 def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precision: str,
-                   partition: str = "layers", cp: int = 1, ep: int = 1) -> int:
+                   partition: str = "layers", cp: int = 1, ep: int = 1, v: int = 1) -> int:
     """Bytes of ZeRO-3's gathered units at the busiest pipeline rank's peak (0 for ZeRO
     0-2, whose parameters are whole in ``static_bytes`` already), in the compute dtype (b
     per element), each unit padded to a multiple of dp x cp as ``ZeroStage3`` pads it.
+    ``v``: chunks per pipeline rank (the interleaved schedule).
 
     ``parallel.zero.stage3``: a unit is a layer's own parameters (embedding, a block, the
     head); before a layer runs its units are gathered and the next unit's gather is
@@ -312,7 +316,10 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
     next layer as the whole layer, at most a LayerNorm (or a position table) more than the
     engine holds. Not counted: the full-size gradients of the unit in backward before they
     are packed and reduce-scattered (transient, as ZeRO-1/2's gradients before their
-    bucket is reduced). ZeRO-3 runs one chunk per rank (``parallel.chunks_per_rank = 1``).
+    bucket is reduced). Each chunk is a ``ZeroStage3`` of its own, prefetching only within
+    itself, and a rank runs one chunk's forward or backward at a time, its other chunks
+    sharded meanwhile: so with v chunks per rank the peak is the largest chunk's (root +
+    pair), the maximum over the pp v chunks.
 
     With expert parallelism (``ep > 1``, ``ZeroStage3(expert_group=)``) a block is two
     units, in this order: its dense parameters D_i (padded to dp x cp) and this rank's E / ep
@@ -335,7 +342,8 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
         return -(-x // k) * k
 
     worst = 0
-    for layers in stage_layers(spec, pp, 1, partition):
+    part = cut(spec, pp * v, partition)
+    for layers in (list(part.layers(c)) for c in range(pp * v)):
         root = tied if all(i in layers for i in ends) else 0
         dense, expert = [], []
         for i in layers:
@@ -389,7 +397,8 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
         fs = k * F + spec.moe_shared_ffn
         return ActivationModel(f"shardwise-moe-{precision}",
                                e * (4 + 2 * k + (1 if spec.moe_shared_gate else 0)),
-                               e * (2 * w + 2 * r * w + 4 * fs / h), 2 * e, 0, 8, e)
+                               e * (2 * w + 2 * r * w + 4 * fs / h), e * (2 + 2 * k), 0,
+                               8, e)
     if spec is not None and spec.gated:
         return ActivationModel(f"shardwise-llama-{precision}", 4 * e,
                                e * (2 * w + 2 * r * w + 4 * spec.ffn / spec.n_embd),

@@ -2,7 +2,8 @@
 
 The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of the global
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
-ZeRO 0-3 (3 with one chunk per pipeline rank, as the engine requires), recomputation on/off,
+ZeRO 0-3 (3 with interleaving too: each chunk's units gathered around its own micro-batches),
+recomputation on/off,
 sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
 context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks),
 pruned for a model with dropout (the engine refuses cp > 1 with dropout); for a mixture of
@@ -193,9 +194,6 @@ def fp8_reason(cluster: Cluster) -> str:
 
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
-    if lay.zero == 3 and lay.chunks_per_rank > 1:
-        return (f"ZeRO-3 with chunks_per_rank={lay.chunks_per_rank} (the engine refuses it: "
-                "ZeRO-3 runs one chunk (stage) per rank)")
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
         return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
     if lay.sp and (spec.block_size // lay.cp) % lay.tp:
@@ -204,8 +202,6 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     if lay.ep > 1 and (not spec.moe or lay.dp % lay.ep or spec.n_experts % lay.ep):
         return (f"ep={lay.ep} must divide dp={lay.dp} and the experts "
                 f"({spec.n_experts})")
-    if lay.sp and spec.moe:
-        return "sequence parallelism with experts (the engine refuses it: routing reads whole sequences)"
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:
@@ -221,7 +217,7 @@ def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, pr
     rank's by the difference between the ranks' gathered units (a bound, never below)."""
     st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
                       ep=ep)
-    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep)
+    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v)
     return {**st, "gathered": g, "total": st["total"] + g}
 
 
@@ -440,8 +436,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 statics = {(z, e, s): held_bytes(spec, dp, tp, pp, v, z, precision, s,
                                                  cut_by, c, e)
                            for z in zero for e in eps for s in sps
-                           if not (z == 3 and v > 1 or z and dp * c == 1
-                                   or s and sp_why)}
+                           if not (z and dp * c == 1 or s and sp_why)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
                 if statics and least > limit:

@@ -70,6 +70,7 @@ from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import (
     BYTES,
     chunk_blocks,
+    cut,
     padded_vocab,
     rank_expert_params,
     rank_params,
@@ -425,8 +426,10 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         tp_blk, n_sync = 0.0, 0
     elif lay.sp:
         tp_blk, n_sync = 2 * (tl.all_gather(lay.tp, act) + tl.reduce_scatter(lay.tp, act)), 4
-    else:
-        tp_blk, n_sync = 2 * tl.all_reduce(lay.tp, act), 2
+    else:  # a mixture's experts all-reduce their k results per token (under SP its region
+        # reduce-scatters the weighted sum once, as a dense MLP: docs/moe.md)
+        mlp = act * (spec.top_k if spec.moe else 1)
+        tp_blk, n_sync = tl.all_reduce(lay.tp, act) + tl.all_reduce(lay.tp, mlp), 2
     bf = block_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     fp8 = lay.fp8 and cluster.fp8_flops is not None
     head_f = 2 * lay.micro_batch_size * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
@@ -513,9 +516,10 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         out.append(ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
                              tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
         seen[(nb, head, emb)] = out[-1]
-    if lay.zero == 3:  # one chunk (stage) per rank: its units gathered every micro-batch
-        stages = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
-        out = [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision, stages[i], memo))
+    if lay.zero == 3:  # each chunk's units gathered around every micro-batch's ops on it
+        part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+        out = [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision,
+                                            list(part.layers(i)), memo))
                for i, c in enumerate(out)]
     return out
 
@@ -574,8 +578,9 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
 def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                   layers: list[int], memo: dict | None = None) -> Zero3Seconds:
     """``Zero3Seconds(forward, backward)``: seconds ZeRO-3's collectives add to one
-    micro-batch's forward and backward on a rank holding ``layers`` (its one chunk: with a
-    pipeline, its stage), over dp x cp ranks on the link ``lay.world`` ranks span (zero
+    micro-batch's forward and backward of a chunk holding ``layers`` (a pipeline stage, or
+    with the interleaved schedule one of a rank's v chunks, each a ``ZeroStage3`` of its
+    own, gathered and reduce-scattered around its own ops alone), over dp x cp ranks on the link ``lay.world`` ranks span (zero
     when ``lay.zero`` is not 3 or dp x cp = 1). ``parallel.zero.stage3`` gathers a rank's
     units for every micro-batch's forward and again for its backward and reduce-scatters
     every backward, pipeline or not, so this is charged per micro-batch per op

@@ -115,14 +115,22 @@ class RowParallelLinear(nn.Module):
     ``input_is_parallel`` (else (..., in), scattered here) -> (..., out); under sequence
     parallelism the output is (B, T / N, out).
 
-    Raises ValueError (naming the size) when ``in_features`` is not divisible by tp.
+    ``reduces=False``: the output stays this rank's partial sum, (..., out) unreduced (an
+    enclosing module reduces it once for several partial sums: a mixture of experts under
+    sequence parallelism, ``plan``'s "moe" style); then no bias.
+
+    Raises ValueError (naming the size) when ``in_features`` is not divisible by tp, or for
+    a bias with ``reduces=False``.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: RankGroup, bias: bool = True,
                  input_is_parallel: bool = False, master: nn.Linear | None = None,
-                 tag: str = "row"):
+                 tag: str = "row", reduces: bool = True):
         super().__init__()
-        self.tp, self.input_is_parallel, self.tag = tp, input_is_parallel, tag
+        self.tp, self.input_is_parallel, self.tag, self.reduces = tp, input_is_parallel, tag, reduces
+        if not reduces and bias and (master is None or master.bias is not None):
+            raise ValueError(f"{tag}: a row-parallel layer whose partial sums an enclosing "
+                             "module reduces cannot add a bias")
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = tp.shard(in_features, f"{tag}: in_features")
         master = master if master is not None else nn.Linear(in_features, out_features, bias)
@@ -135,6 +143,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.tp, tag=self.tag)      # (..., in / N)
         y = F.linear(x, self.weight)                             # partial sums (..., out)
+        if not self.reduces:
+            return y
         if self.tp.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp, tag=self.tag)  # (B, T / N, out)
         else:

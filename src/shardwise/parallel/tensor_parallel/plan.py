@@ -4,7 +4,7 @@
 ``layer`` (named ``name`` in the full model) that the plan gives a style: ``nn.Linear`` by
 ``ColumnParallelLinear`` / ``RowParallelLinear``, ``nn.Embedding`` by
 ``VocabParallelEmbedding``, ``nn.Dropout`` by ``TPDropout``; ``attention``,
-``shared_input`` and ``sequence_positions`` modules get forward hooks. Each sharded
+``shared_input``, ``sequence_positions`` and (under SP) ``moe`` modules get forward hooks. Each sharded
 module is built from the module it replaces (its ``master``), so, slice for slice, the
 result equals the layer it came from; on the meta device it stays on meta (the engine
 shards before it materialises). Replacing keeps each submodule's name and place, so
@@ -15,6 +15,14 @@ one ``f`` (or a sequence all-gather under SP, Korthikanti et al. 2022) where a r
 entered, one ``g`` (all-reduce, or reduce-scatter under SP) after each row-parallel layer
 and the vocab-parallel embedding. Source for the plan idea: PyTorch's
 ``torch.distributed.tensor.parallel.parallelize_module``.
+
+A ``moe`` module (a mixture of experts) under SP is one region around all its children, as
+a dense MLP is (Korthikanti et al. 2022, figure 5): its input is all-gathered along the
+sequence once (backward: reduce-scatter), so the router sees the whole sequence as without
+SP; inside, nothing communicates over tp (``in_sequence_region``: column layers do not
+enter, row layers do not reduce, the ``experts`` style skips its f and g), every rank's
+output being a partial sum over its width slices; the sum is reduce-scattered along the
+sequence on the way out (backward: all-gather). Without SP the style does nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +42,16 @@ from shardwise.parallel.tensor_parallel.layers import (
     enter_region,
     padded_vocab_size,
 )
+from shardwise.parallel.tensor_parallel.mappings import reduce_scatter_to_sequence
 from shardwise.parallel.tensor_parallel.random import ParallelRNG, TPDropout
 
 _ENTERING = ("attention", "shared_input")
+
+
+def in_sequence_region(plan: Mapping[str, str], name: str, tp: RankGroup) -> bool:
+    """Whether module ``name`` (a full name) lies inside a ``moe`` module of ``plan`` under
+    sequence parallelism: its tp communication is the region's (module docstring)."""
+    return tp.sequence_parallel and any(style_of(plan, a) == "moe" for a in _ancestors(name))
 
 
 def check_divisible(description: ModelDescription, tp: RankGroup,
@@ -65,9 +80,10 @@ def parallelize(layer: nn.Module, plan: Mapping[str, str], tp: RankGroup, rng: P
             styles[sub] = style
     for sub, style in sorted(styles.items(), key=lambda kv: -kv[0].count(".")):
         module = layer.get_submodule(sub) if sub else layer
-        entered = any(styles.get(a) in _ENTERING for a in _ancestors(sub))
         tag = ".".join(x for x in (name, sub) if x)  # names its collectives (per_layer_table)
-        new = _apply(style, module, tp, rng, vocab_size, entered, tag)
+        region = in_sequence_region(plan, tag, tp)
+        entered = region or any(styles.get(a) in _ENTERING for a in _ancestors(sub))
+        new = _apply(style, module, tp, rng, vocab_size, entered, tag, region)
         if new is module:
             continue
         if not sub:
@@ -84,13 +100,14 @@ def _ancestors(sub: str) -> list[str]:
 
 
 def _apply(style: str, m: nn.Module, tp: RankGroup, rng: ParallelRNG,
-           vocab_size: int | None, entered: bool, tag: str) -> nn.Module:
+           vocab_size: int | None, entered: bool, tag: str, region: bool = False) -> nn.Module:
     if style == "column":
         return ColumnParallelLinear(m.in_features, m.out_features, tp, m.bias is not None,
                                     master=m, tag=tag, enters=not entered)
     if style == "row":
         return RowParallelLinear(m.in_features, m.out_features, tp, m.bias is not None,
-                                 input_is_parallel=True, master=m, tag=tag)
+                                 input_is_parallel=True, master=m, tag=tag,
+                                 reduces=not region)
     if style == "vocab_embedding":
         return VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, tp, master=m,
                                       tag=tag)
@@ -98,8 +115,13 @@ def _apply(style: str, m: nn.Module, tp: RankGroup, rng: ParallelRNG,
         return _vocab_head(m, tp, m.out_features if vocab_size is None else vocab_size, tag)
     if style == "dropout":
         return TPDropout(m.p, rng, parallel=tp.sequence_parallel)
+    if style == "moe" and tp.sequence_parallel and not region:
+        m.register_forward_pre_hook(_enter_hook(tp, f"{tag}.input"))  # all-gather
+        m.register_forward_hook(_leave_hook(tp, f"{tag}.output"))      # reduce-scatter
+        return m
     if style in _ENTERING:
-        m.register_forward_pre_hook(_enter_hook(tp, f"{tag}.input"))
+        if not region:  # a region's input has entered already
+            m.register_forward_pre_hook(_enter_hook(tp, f"{tag}.input"))
         if style == "attention":  # this rank's heads: its own dropout masks
             m.register_forward_pre_hook(lambda mod, args: rng.enter() if mod.training else None)
             m.register_forward_hook(lambda mod, args, out: rng.exit() if mod.training else None)
@@ -116,6 +138,14 @@ def _enter_hook(tp: RankGroup, tag: str):
     """Forward pre-hook: the first input enters the region (f, or the SP all-gather)."""
     def hook(module, args):
         return (enter_region(args[0], tp, tag),) + tuple(args[1:])
+    return hook
+
+
+def _leave_hook(tp: RankGroup, tag: str):
+    """Forward hook: a region's partial sums (B, T, C) leave it reduce-scattered along the
+    sequence, (B, T / N, C) (sequence parallelism's g)."""
+    def hook(module, args, out):
+        return reduce_scatter_to_sequence(out, tp, tag=tag)
     return hook
 
 

@@ -17,6 +17,8 @@ flat buffer padded to N; each rank keeps only its 1/N shard (the fp32 master).
   reduce-scattered and summed into the shard; ``no_sync`` is accepted and changes nothing.
   A pipeline stage (``parallel.pp > 1``) is the same: its units are gathered again for each
   micro-batch's forward and for its backward (from the hook on that micro-batch's output).
+  With the interleaved schedule the engine wraps each of a rank's chunks in a ZeroStage3 of
+  its own, so a chunk's backward gathers, reduce-scatters and waits on its units alone.
 
 Autograd keeps references to the parameters it saved in forward; the storage they point
 to is refilled before the unit's backward, and writing through the flat buffer does not
