@@ -5,10 +5,10 @@ process groups over the same world); ``run_job(job)`` is one job, in the test's 
 for one rank (the single-process reference). A job trains ``training.steps`` steps (saving
 after step ``save_at`` when given), or (``resume``) loads ``path`` first; it reports the
 losses, each step's router statistics (``aux_loss``, ``expert_load``, ``dropped``: the
-assignments over capacity), this rank's stage
-parameters unsharded (gathered over tp and ep: full model names and shapes), its routing
-biases (``biases``: ``expert_bias`` of each mixture, with a bias update rate), the local shapes
-of its expert weights, the bytes it holds, and with ``record`` the all-to-all calls of one
+assignments over capacity) and gradient norm, this rank's stage parameters unsharded
+(gathered over tp and ep: full model names and shapes), its routing biases (``biases``:
+``expert_bias`` of each mixture, with a bias update rate), the local shapes of its expert
+weights, the bytes it holds, and with ``record`` the all-to-all calls of one
 more step (``comm.accounting``).
 """
 
@@ -21,7 +21,8 @@ from llama_workers import report, train
 
 def run_job(job: dict) -> dict:
     """``llama_workers.train`` (a ``resume`` job may name ``from_dir`` instead of ``path``)
-    and ``llama_workers.report``, with the router statistics of each step (``stats``),
+    and ``llama_workers.report``, with the router statistics and the gradient norm (before
+    clipping) of each step (``stats``),
     ``coords`` with the rank's ``ep`` coordinate, ``local_shapes`` of the expert weights
     only, and with ``job["record"]`` the all-to-all calls of one more step (``a2a``: after
     the report, which stays that of ``training.steps`` steps)."""
@@ -29,7 +30,8 @@ def run_job(job: dict) -> dict:
 
     trainer, out, infos = train(job)
     stats = [{"aux_loss": i["aux_loss"], "expert_load": i["expert_load"],
-              "dropped": float(i.get("expert_dropped", 0))} for i in infos]
+              "dropped": float(i.get("expert_dropped", 0)),
+              "grad_norm": i["grad_norm"]} for i in infos]
     rep = report(trainer)
     rep["coords"] = {**rep["coords"], "ep": trainer.topology.ep_rank}
     rep["local_shapes"] = {n: s for n, s in rep["local_shapes"].items() if ".experts." in n}

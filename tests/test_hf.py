@@ -1,14 +1,16 @@
 """Hugging Face checkpoints in and out, sampling from a checkpoint, TensorBoard.
 
 Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
-``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` with random weights
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen2MoeForCausalLM`` /
+``Qwen3MoeForCausalLM`` with random weights
 are built here and saved with ``save_pretrained`` (no hub). The round trip:
 ``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
 the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
-against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral and a Qwen3-MoE at
-dp2 x ep2).
+against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral, a Qwen3-MoE and
+the Qwen2-MoE at dp2 x ep2). The Qwen2-MoE's round trip runs in one process: ours ->
+export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     an index), a GPT-2 (tied head, one safetensors file), a Mixtral (top 2 of 4 experts,
     grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), a Qwen2 (Q/K/V biases,
     tied head, rope_theta 1e6), a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
-    heads is 16) and two Qwen3-MoE (top 2 of 4 experts, head_dim 24; ``norm_topk_prob``
-    true and false; per-expert tensors on disk), saved as transformers does."""
+    heads is 16), two Qwen3-MoE (top 2 of 4 experts, head_dim 24; ``norm_topk_prob``
+    true and false; per-expert tensors on disk) and a Qwen2-MoE (Q/K/V biases, top 2 of 4
+    experts of width 40 not renormalised, a shared expert of width 56 and its sigmoid
+    gate), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -88,12 +92,22 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             max_position_embeddings=32, num_experts=4, num_experts_per_tok=2,
             norm_topk_prob=norm, router_aux_loss_coef=0.02, tie_word_embeddings=False)))
         qwen3moe.save_pretrained(root / name)
+    qwen2moe = _perturb(transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+        shared_expert_intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.02,
+        tie_word_embeddings=False)))
+    qwen2moe.save_pretrained(root / "qwen2moe")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in saved  # per expert on disk
+    saved = safetensors.safe_open(root / "qwen2moe" / "model.safetensors", "pt").keys()
+    assert {"model.layers.1.mlp.shared_expert_gate.weight",
+            "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(saved)
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
-                                           "qwen3moe", "qwen3moe_raw")}
+                                           "qwen3moe", "qwen3moe_raw", "qwen2moe")}
 
 
 @pytest.fixture(scope="module")
@@ -176,21 +190,22 @@ def test_round_trip_at_dp2_tp2_pp2_is_bit_exact(arch, hf_dirs, text, tmp_path, c
 def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs):
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
-    split with their rows, the Qwen3's q_norm / k_norm whole), all seven models; the
-    Mixtral (top 2 of 4 experts) and the Qwen3-MoE whose top 2 are not renormalised
-    (``norm_topk_prob`` false) also at dp2 x ep2 (each rank loading its two experts)."""
+    split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
+    expert by its width and its gate whole), all eight models; the Mixtral (top 2 of 4
+    experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
+    the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "qwen3moe",
-                                      "qwen3moe_raw", "mixtral")]
+                                      "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
-    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-2:]), threads=1)
-    assert len(tp1) == 7 and len(tp2[0]) == 9
+    tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
+    assert len(tp1) == 8 and len(tp2[0]) == 11
     for ours in (tp1, tp2[0], tp2[1]):
-        for got, ref in zip(ours, want + want[-2:]):
+        for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -269,6 +284,77 @@ def test_a_llama_with_experts_and_qk_norm_exports_as_a_qwen3_moe(norm_topk, tmp_
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_path):
+    """A Llama trained here with Qwen2's Q/K/V biases and a Qwen2-MoE's mixture (top 2 of 4
+    not renormalised, a shared expert of its own width 24 scaled by its sigmoid gate), no
+    source config.json, is written as a ``Qwen2MoeForCausalLM`` whose logits equal ours;
+    what transformers' ``save_pretrained`` writes of it is what we wrote, bit for bit, and
+    the engine (one process) imports that back as our tensors, bit for bit. Without the
+    gate, with QK-norm, sigmoid gating, a capacity factor or a routing bias there is no such
+    mapping; without the biases it is a Qwen2-MoE still (``qkv_bias`` false); a gate
+    without a shared expert is refused, naming the field."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from shardwise.base.config import ModelConfig
+    from shardwise.base.topology import Topology
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import QWEN2_MOE, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=48, moe_ffn_hidden=16, n_experts=4, top_k=2,
+                      moe_norm_topk=False, qkv_bias=True, moe_shared_expert=True,
+                      moe_shared_ffn_hidden=24, moe_shared_expert_gate=True, rope_theta=1e6)
+    d = describe(cfg)
+    assert d.hf is QWEN2_MOE and describe(replace(cfg, qkv_bias=False)).hf is QWEN2_MOE
+    for other in ({"moe_shared_expert_gate": False}, {"qk_norm": True},
+                  {"moe_gating": "sigmoid"}, {"moe_capacity_factor": 1.25},
+                  {"moe_bias_update_rate": 0.001}):
+        assert describe(replace(cfg, **other)).hf is None, other
+    with pytest.raises(ValueError, match="model.moe_shared_expert_gate=True without"):
+        replace(cfg, moe_shared_expert=False)
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    tensors = to_hf_tensors(d, {k: v.detach() for k, v in ours.state_dict().items()})
+    assert tensors["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 32)
+    assert tensors["model.layers.1.mlp.shared_expert.down_proj.weight"].shape == (32, 24)
+    write_safetensors(tmp_path / "ours", tensors)
+    (tmp_path / "ours" / "config.json").write_text(json.dumps(QWEN2_MOE.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(theirs).__name__ == "Qwen2MoeForCausalLM"
+    c = theirs.config
+    assert (c.shared_expert_intermediate_size, c.moe_intermediate_size, c.norm_topk_prob,
+            c.qkv_bias, c.num_experts) == (24, 16, False, True, 4)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+    theirs.save_pretrained(tmp_path / "theirs")
+    saved = load_file(tmp_path / "theirs" / "model.safetensors")
+    assert saved.keys() == tensors.keys()
+    assert all(torch.equal(saved[k], tensors[k]) for k in tensors)
+    back = describe_section(ModelConfig(**section_of(read_config(tmp_path / "theirs"))), 0)
+    assert back.config == cfg
+    engine = Engine(back, Topology.build(1, 1, 1), EngineSettings(
+        batch_size=1, seq_len=16, init_from=str(tmp_path / "theirs")))
+    imported = model_tensors(engine)
+    want = dict(ours.named_parameters())
+    assert imported.keys() == want.keys()
+    assert all(torch.equal(imported[k], want[k]) for k in want)
+    # over a source config.json (other sizes, a window on no layer): ours written over it
+    source = transformers.Qwen2MoeConfig(num_experts=8, shared_expert_intermediate_size=100,
+                                         norm_topk_prob=True, qkv_bias=False).to_dict()
+    got = section_of(QWEN2_MOE.config_json(cfg, source))
+    assert {k: got[k] for k in ("n_experts", "moe_norm_topk", "moe_shared_ffn_hidden",
+                                "moe_shared_expert_gate", "qkv_bias", "block_size")} == {
+        "n_experts": 4, "moe_norm_topk": False, "moe_shared_ffn_hidden": 24,
+        "moe_shared_expert_gate": True, "qkv_bias": True, "block_size": 32768}
 
 
 @pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
@@ -357,8 +443,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
-    its sliding window, or a mixture of experts asked of a Llama; a Qwen3-MoE with a dense
-    layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export of a run with no
+    its sliding window, or a mixture of experts asked of a Llama; a Qwen3-MoE or a
+    Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export
+    of a run with no
     checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
@@ -413,11 +500,19 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
                             "--model.qk_norm", "false"], capsys,
                            "model.qk_norm=False contradicts")
-    for name, changes, what in (("qstep", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-                                ("qdense", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]")):
-        assert_one_line_exit_2([*train, "--model.init_from",
-                                f"hf:{variant(name, 'qwen3moe', **changes)}"], capsys, what,
-                               "Qwen3-MoE cannot hold it exactly")
+    for source, arch in (("qwen3moe", "Qwen3-MoE"), ("qwen2moe", "Qwen2-MoE")):
+        for name, changes, what in (("step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+                                    ("dense", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]")):
+            assert_one_line_exit_2([*train, "--model.init_from",
+                                    f"hf:{variant(source + name, source, **changes)}"], capsys,
+                                   what, f"{arch} cannot hold it exactly")
+    # a Qwen2-MoE's window: on the even layers below max_window_layers unless layer_types
+    # says otherwise, and only with use_sliding_window
+    for name, changes, block in (("q2win", {}, 16), ("q2low", {"max_window_layers": 0}, 32),
+                                 ("q2off", {"use_sliding_window": False}, 32)):
+        q2win = variant(name, "qwen2moe", **{"use_sliding_window": True, "sliding_window": 16,
+                                            "layer_types": None, **changes})
+        assert section_of(read_config(q2win))["block_size"] == block, name
     # a Qwen3-MoE's window is on every layer, and only with use_sliding_window
     for use, block in ((True, 16), (False, 32)):
         qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)

@@ -136,6 +136,30 @@ def test_spec_from_description_counts_what_the_closed_forms_count(cfg):
                 assert rank_params(spec, layers, tp, pp) == rank_params(closed, layers, tp, pp)
 
 
+def test_a_shared_expert_of_its_own_width_and_its_gate_are_counted():
+    """A Llama with 4 experts and a Qwen2-MoE's shared expert (its own width 40, its sigmoid
+    gate): the closed forms (``moe_shared_ffn``, ``moe_shared_gate``) count what the model
+    built on meta holds and what every (tp, ep) rank keeps (the gate whole, as the router);
+    the FLOPs count the shared expert and its gate for every token; the emitted [model]
+    table describes the same model."""
+    cfg = LlamaConfig(vocab_size=67, block_size=32, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=64, ffn_hidden=96, n_experts=4, top_k=2, moe_ffn_hidden=32,
+                      moe_shared_expert=True, moe_shared_ffn_hidden=40,
+                      moe_shared_expert_gate=True)
+    spec = ModelSpec.from_description(describe(cfg))
+    assert (spec.moe_shared_ffn, spec.moe_shared_gate) == (40, True)
+    closed = ModelSpec("c", 2, 64, 4, 67, 32, False, False, 2, 96, "llama", n_experts=4,
+                       top_k=2, moe_ffn_hidden=32, moe_shared_ffn=40, moe_shared_gate=True)
+    assert spec.params == closed.params == sum(p.numel() for p in cfg_model(cfg).parameters())
+    assert block_flops(spec, 2) == block_flops(closed, 2) == block_flops(
+        replace(closed, moe_shared_ffn=0), 2) + 2 * 2 * 32 * (3 * 64 * 40 + 64)
+    layers = list(range(cfg.n_layer + 2))
+    for tp in (1, 2):
+        for ep in (1, 2):
+            assert rank_params(spec, layers, tp, 1, ep) == rank_params(closed, layers, tp, 1, ep)
+    assert ModelSpec.from_description(closed.model()).params == spec.params
+
+
 def cfg_model(cfg):
     with torch.device("meta"):
         return describe(cfg).build()

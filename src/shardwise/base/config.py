@@ -84,6 +84,14 @@ class ModelConfig(_Section):
                                        "dropped (GShard); 0: dropless")
     moe_shared_expert: bool = Field(False, description="llama with n_experts: one more "
                                     "SwiGLU expert every token goes through (DeepSeek-V3)")
+    moe_shared_ffn_hidden: int = Field(0, ge=0, description="llama with moe_shared_expert: "
+                                       "the shared expert's SwiGLU width (Qwen2-MoE's "
+                                       "shared_expert_intermediate_size); 0: "
+                                       "model.moe_ffn_hidden's")
+    moe_shared_expert_gate: bool = Field(False, description="llama with moe_shared_expert: "
+                                         "scale the shared expert's output per token by "
+                                         "sigmoid(x w), w a replicated (n_embd,) weight "
+                                         "(Qwen2-MoE's shared_expert_gate)")
     moe_bias_update_rate: float = Field(0.0, ge=0.0, description="llama with n_experts: "
                                         "auxiliary-loss-free balancing (DeepSeek-V3): a "
                                         "per-expert bias on the routing scores, for the top-k "
@@ -105,7 +113,8 @@ class ModelConfig(_Section):
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
                            "(LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, "
-                           "Qwen2ForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM: "
+                           "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM or "
+                           "Qwen3MoeForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "

@@ -41,9 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--format", required=True, choices=["hf"],
                     help="hf: transformers' LlamaForCausalLM / GPT2LMHeadModel / "
                     "MixtralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / "
-                    "Qwen3MoeForCausalLM (the arch the model is exactly: a Llama with "
-                    "qkv_bias is a Qwen2, with qk_norm a Qwen3, with experts a Mixtral, and "
-                    "with experts and qk_norm a Qwen3-MoE)")
+                    "Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (the arch the model is "
+                    "exactly: a Llama with qkv_bias is a Qwen2, with qk_norm a Qwen3, with "
+                    "experts a Mixtral, with experts and qk_norm a Qwen3-MoE, and with "
+                    "experts and a gated shared expert a Qwen2-MoE)")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")

@@ -33,7 +33,10 @@ names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window
 ``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every
 layer, softmax top-k renormalised only with ``norm_topk_prob``; per-expert
 ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out)
-in ours.
+in ours. ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; the Qwen2 report;
+``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's attention (Q/K/V biases) and the same
+experts, plus a shared expert of its own width whose output is scaled by
+``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -348,7 +351,7 @@ def _mixtral_section(c: dict) -> dict:
     out.update(ffn_hidden=width, moe_ffn_hidden=width, n_experts=c["num_local_experts"],
                top_k=c["num_experts_per_tok"], moe_gating="softmax", moe_norm_topk=True,
                moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
-               moe_shared_expert=False)
+               moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False)
     return out
 
 
@@ -388,7 +391,8 @@ def _mixtral_config_json(cfg, source: dict | None) -> dict:
     return out
 
 
-def _moe_tensor(moe: str, experts: dict[str, str], arch: str) -> Callable[[str], HFTensor]:
+def _moe_tensor(moe: str, experts: dict[str, str], arch: str,
+                shared: bool = False) -> Callable[[str], HFTensor]:
     """``HFArch.tensor`` of a Llama whose blocks hold a mixture of experts stored as on the
     Hub and as ``save_pretrained`` writes it (transformers 5 fuses the experts into 3-D
     ``mlp.experts.gate_up_proj`` / ``down_proj`` in memory only, its ``conversion_mapping``
@@ -396,7 +400,9 @@ def _moe_tensor(moe: str, experts: dict[str, str], arch: str) -> Callable[[str],
     ``mlp.router.weight`` (E, C) is ``{moe}.gate.weight``; our stacked
     ``mlp.experts.gate_proj`` / ``up_proj`` (E, C, F) and ``down_proj`` (E, F, C) are E
     per-expert linears ``{moe}.experts.{e}.{experts[ours]}.weight`` ((F, C), (F, C) and
-    (C, F)), e = 0..E-1."""
+    (C, F)), e = 0..E-1. ``shared``: the arch has a gated shared expert (Qwen2-MoE), whose
+    ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight``
+    (1, C) keep Llama's names; without it they are not this arch's."""
     def tensor(name: str) -> HFTensor:
         hf = llama_hf_name(name)
         layer, sep, rest = hf.partition(".mlp.")
@@ -408,6 +414,8 @@ def _moe_tensor(moe: str, experts: dict[str, str], arch: str) -> Callable[[str],
         if kind in experts:
             return HFTensor(f"{layer}.{moe}.experts.{{}}.{experts[kind]}.weight",
                             transpose=True, stacked=True)
+        if shared and rest.startswith(("shared_expert.", "shared_expert_gate.")):
+            return HFTensor(hf)
         raise KeyError(f"{name}: not a {arch} parameter name")
     return tensor
 
@@ -494,91 +502,130 @@ def _qwen_tensor(name: str) -> HFTensor:
     return HFTensor(llama_hf_name(name))
 
 
-# ---- Qwen3-MoE -------------------------------------------------------------------------------
-# transformers' Qwen3MoeConfig defaults (configuration_qwen3_moe.py), where they differ from the
-# Llama's, for a config.json that leaves a field out; head_dim: hidden / heads, as Llama's
-_QWEN3_MOE_DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                       "num_key_value_heads": 4, "intermediate_size": 6144,
-                       "use_sliding_window": False, "sliding_window": 4096,
-                       "decoder_sparse_step": 1, "moe_intermediate_size": 768,
-                       "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": False,
-                       "router_aux_loss_coef": 0.001}
+# ---- Qwen2-MoE and Qwen3-MoE ------------------------------------------------------------------
+# transformers' Qwen2MoeConfig / Qwen3MoeConfig defaults (configuration_qwen2_moe.py /
+# _qwen3_moe.py), where they differ from the Llama's, for a config.json that leaves a field
+# out; head_dim: hidden / heads, as Llama's
+_QWEN_MOE_COMMON = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                    "use_sliding_window": False, "sliding_window": 4096,
+                    "decoder_sparse_step": 1, "norm_topk_prob": False,
+                    "router_aux_loss_coef": 0.001}
+_QWEN_MOE_DEFAULTS = {
+    "Qwen2-MoE": {**_QWEN_MOE_COMMON, "num_key_value_heads": 16, "intermediate_size": 5632,
+                  "max_window_layers": 28, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
+                  "num_experts": 60, "qkv_bias": True},
+    "Qwen3-MoE": {**_QWEN_MOE_COMMON, "num_key_value_heads": 4, "intermediate_size": 6144,
+                  "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+                  "num_experts": 128}}
 
 
-def _qwen3_moe_defaults(c: dict) -> dict:
+def _qwen_moe_defaults(c: dict, arch: str) -> dict:
     c = dict(c)
-    # the Hub's config.json names the expert count num_experts; save_pretrained writes
-    # num_local_experts (Qwen3MoeConfig.attribute_map)
+    # the Hub's config.json names the expert count num_experts; Qwen3-MoE's save_pretrained
+    # writes num_local_experts (Qwen3MoeConfig.attribute_map)
     if c.get("num_experts") is None and c.get("num_local_experts") is not None:
         c["num_experts"] = c["num_local_experts"]
-    return {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
+    return {**_QWEN_MOE_DEFAULTS[arch], **{k: v for k, v in c.items() if v is not None}}
 
 
-def _qwen3_moe_window(c: dict) -> int | None:
-    """The sliding window W of a Qwen3-MoE config.json, else None: as ``Qwen3MoeConfig``,
-    ``sliding_window`` when ``use_sliding_window`` (on every layer), else none."""
-    c = _qwen3_moe_defaults(c)
+def _qwen_moe_window(c: dict, arch: str) -> int | None:
+    """The sliding window W of a Qwen-MoE config.json when any layer has one, else None:
+    ``sliding_window`` when ``use_sliding_window``, else none; a Qwen3-MoE's on every
+    layer, a Qwen2-MoE's on the layers ``layer_types`` marks "sliding_attention" (default,
+    as ``Qwen2MoeConfig``: the even layers below ``max_window_layers``)."""
+    c = _qwen_moe_defaults(c, arch)
     if not c["use_sliding_window"] or c.get("sliding_window") is None:
         return None
-    window = c["sliding_window"]
-    return _whole_window(window)
+    if arch == "Qwen2-MoE":
+        types = c.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 and i < c["max_window_layers"]
+            else "full_attention" for i in range(c.get("num_hidden_layers", 0))]
+        if "sliding_attention" not in types:
+            return None
+    return _whole_window(c["sliding_window"])
 
 
-def _qwen3_moe_section(c: dict) -> dict:
-    """A Qwen3-MoE is our Llama with Qwen3's ``qk_norm`` and ``head_dim`` and ``n_experts``
-    in every layer (``models.moe``): routing as ``Qwen3MoeTopKRouter`` (softmax over all
-    experts in fp32, top k, renormalised only with ``norm_topk_prob``: ``moe_norm_topk``),
-    experts of width ``moe_intermediate_size``, dropless, no shared expert. A layer made
+def _qwen_moe_section(c: dict, arch: str) -> dict:
+    """A Qwen-MoE is our Llama with ``n_experts`` in every layer (``models.moe``): routing as
+    ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` (softmax over all experts in fp32, top
+    k, renormalised only with ``norm_topk_prob``: ``moe_norm_topk``), experts of width
+    ``moe_intermediate_size``, dropless. A Qwen3-MoE has Qwen3's ``qk_norm`` and
+    ``head_dim`` and no shared expert; a Qwen2-MoE has Q/K/V biases (``qkv_bias``, default
+    true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
+    scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). A layer made
     dense (``decoder_sparse_step`` other than 1, or ``mlp_only_layers``) is refused: our
     Llama has experts in every layer or in none. A sliding window bounds ``block_size`` as
-    Qwen3's."""
-    c = _qwen3_moe_defaults(c)
+    Qwen2's."""
+    c = _qwen_moe_defaults(c, arch)
     step = c["decoder_sparse_step"]
     if step != 1:
-        raise _refuse("Qwen3-MoE", f"decoder_sparse_step={step!r} (shardwise's Llama has "
+        raise _refuse(arch, f"decoder_sparse_step={step!r} (shardwise's Llama has "
                       "experts in every layer or none: 1)")
     dense = c.get("mlp_only_layers") or []
     if dense:
-        raise _refuse("Qwen3-MoE", f"mlp_only_layers={list(dense)!r} (shardwise's Llama has "
+        raise _refuse(arch, f"mlp_only_layers={list(dense)!r} (shardwise's Llama has "
                       "experts in every layer or none: [])")
     if not c["num_experts"]:
-        raise _refuse("Qwen3-MoE", "num_experts=0 (a dense Qwen3-MoE: every layer's MLP "
-                      "dense; shardwise loads it only with experts)")
-    out = _llama_section(c, "Qwen3-MoE")
-    window = _qwen3_moe_window(c)
+        raise _refuse(arch, f"num_experts=0 (a dense {arch}: every layer's MLP dense; "
+                      "shardwise loads it only with experts)")
+    types = c.get("layer_types") or []
+    bad = [t for t in types if t not in _ATTENTION_TYPES]
+    if bad:
+        raise _refuse(arch, f"layer_types has {bad[0]!r} (expected "
+                      f"{' or '.join(_ATTENTION_TYPES)})")
+    out = _llama_section(c, arch)
+    window = _qwen_moe_window(c, arch)
     if window is not None:
         out["block_size"] = min(out["block_size"], window)
-    out.update(qk_norm=True, moe_ffn_hidden=c["moe_intermediate_size"],
-               n_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
-               moe_gating="softmax", moe_norm_topk=bool(c["norm_topk_prob"]),
+    out.update(moe_ffn_hidden=c["moe_intermediate_size"], n_experts=c["num_experts"],
+               top_k=c["num_experts_per_tok"], moe_gating="softmax",
+               moe_norm_topk=bool(c["norm_topk_prob"]),
                moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
-               moe_shared_expert=False)
+               moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False)
+    if arch == "Qwen3-MoE":
+        out.update(qk_norm=True)
+        return out
+    shared = c["shared_expert_intermediate_size"]
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
+        raise _refuse(arch, f"shared_expert_intermediate_size={shared!r} (shardwise's "
+                      "shared expert has a width >= 1)")
+    out.update(qkv_bias=bool(c["qkv_bias"]), moe_shared_expert=True,
+               moe_shared_ffn_hidden=shared, moe_shared_expert_gate=True)
     return out
 
 
-def _qwen3_moe_config_json(cfg, source: dict | None) -> dict:
+def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
         out.pop(other, None)
     # the source's window settings as they were (a run's block_size is at most its window);
     # trained here: none. intermediate_size (a dense layer's width) is unused: every layer
     # has experts
-    out.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-               attention_bias=False, moe_intermediate_size=cfg.moe_ffn_hidden,
+    base = arch.removesuffix("-MoE")
+    out.update(architectures=[f"{base}MoeForCausalLM"], model_type=f"{base.lower()}_moe",
+               moe_intermediate_size=cfg.moe_ffn_hidden,
                num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
                decoder_sparse_step=1, mlp_only_layers=[],
                use_sliding_window=bool(out.get("use_sliding_window", False)),
                sliding_window=out.get("sliding_window"),
                output_router_logits=bool(out.get("output_router_logits", False)))
+    if arch == "Qwen3-MoE":
+        out["attention_bias"] = False
+        return out
+    out.pop("attention_bias", None)  # Qwen2-MoE's is qkv_bias (Q, K, V; o_proj none)
+    types = out.get("layer_types")
+    out.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden,
+               max_window_layers=out.get("max_window_layers", cfg.n_layer),
+               layer_types=types if types and len(types) == cfg.n_layer
+               else ["full_attention"] * cfg.n_layer)
     return out
 
 
-_QWEN3_MOE_EXPERTS = ("gate_proj", "up_proj", "down_proj")
-
-
-# Qwen3-MoE's (Qwen2-MoE's conversion_mapping): mlp.gate and mlp.experts.{e}.gate_proj/...
-_qwen3_moe_tensor = _moe_tensor("mlp", {k: k for k in _QWEN3_MOE_EXPERTS}, "Qwen3-MoE")
+# Qwen2-MoE's and Qwen3-MoE's (Qwen2-MoE's conversion_mapping): mlp.gate and
+# mlp.experts.{e}.gate_proj/...; Qwen2-MoE's shared expert and its gate under Llama's names
+_QWEN_MOE_EXPERTS = {k: k for k in ("gate_proj", "up_proj", "down_proj")}
 
 
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
@@ -597,24 +644,42 @@ MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCau
 
 
 def _qwen_arch(name: str) -> HFArch:
-    """Qwen2's or Qwen3's arch (``name``: "Qwen2" or "Qwen3"): the same tensors and window,
-    their attention options set by ``_qwen_section``."""
-    return HFArch(kind="llama", model_type=name.lower(), architecture=f"{name}ForCausalLM",
-                  section=lambda c: _qwen_section(c, name),
-                  config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
-                  tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-                  at_most=("block_size",), bound_reason=_window_bound(
-                      _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"], _QWEN_WINDOW))
+    """A Qwen's arch (``name``: "Qwen2", "Qwen3", "Qwen2-MoE" or "Qwen3-MoE"): the dense
+    ones the same tensors and window, their attention options set by ``_qwen_section``;
+    the mixtures of experts ``_qwen_moe_section``'s, their experts as ``_moe_tensor``
+    names them (Qwen2-MoE's shared expert and its gate too)."""
+    if not name.endswith("-MoE"):
+        return HFArch(kind="llama", model_type=name.lower(), architecture=f"{name}ForCausalLM",
+                      section=lambda c: _qwen_section(c, name),
+                      config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
+                      tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
+                      at_most=("block_size",), bound_reason=_window_bound(
+                          _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"],
+                          _QWEN_WINDOW))
+    base = name.removesuffix("-MoE")
+    return HFArch(kind="llama", model_type=f"{base.lower()}_moe",
+                  architecture=f"{base}MoeForCausalLM",
+                  section=lambda c: _qwen_moe_section(c, name),
+                  config_json=lambda cfg, source: _qwen_moe_config_json(cfg, source, name),
+                  tensor=_moe_tensor("mlp", _QWEN_MOE_EXPERTS, name,
+                                     shared=name == "Qwen2-MoE"),
+                  ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
+                  bound_reason=_window_bound(
+                      lambda c: _qwen_moe_window(c, name),
+                      _QWEN_MOE_DEFAULTS[name]["max_position_embeddings"], _QWEN_WINDOW))
 
 
 QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
-QWEN3_MOE = HFArch(kind="llama", model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
-                   section=_qwen3_moe_section, config_json=_qwen3_moe_config_json,
-                   tensor=_qwen3_moe_tensor, ignored=("*.rotary_emb.inv_freq",),
-                   at_most=("block_size",), bound_reason=_window_bound(
-                       _qwen3_moe_window, _QWEN3_MOE_DEFAULTS["max_position_embeddings"],
-                       _QWEN_WINDOW))
-ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)
+QWEN2_MOE, QWEN3_MOE = _qwen_arch("Qwen2-MoE"), _qwen_arch("Qwen3-MoE")
+ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE)
+
+
+def _softmax_dropless(cfg) -> bool:
+    """A Llama config's mixture routes by softmax, dropless (capacity factor 0), without a
+    routing bias (``moe_bias_update_rate`` 0: no Hugging Face arch of ours has a tensor for
+    it, and without it the experts chosen would differ)."""
+    return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_capacity_factor == 0
+            and not getattr(cfg, "moe_bias_update_rate", 0.0))
 
 
 def mixtral_compatible(cfg) -> bool:
@@ -622,9 +687,7 @@ def mixtral_compatible(cfg) -> bool:
     the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
     (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
     chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm)."""
-    return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_norm_topk
-            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert
-            and not getattr(cfg, "moe_bias_update_rate", 0.0)
+    return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False))
 
 
@@ -633,21 +696,33 @@ def qwen3_moe_compatible(cfg) -> bool:
     (the top k renormalised or not: ``norm_topk_prob``), dropless, no shared expert, no
     routing bias (``moe_bias_update_rate`` 0), Qwen3's attention (QK-norm, no Q/K/V
     biases)."""
-    return (cfg.n_experts > 0 and cfg.moe_gating == "softmax"
-            and cfg.moe_capacity_factor == 0 and not cfg.moe_shared_expert
-            and not getattr(cfg, "moe_bias_update_rate", 0.0)
+    return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False))
+
+
+def qwen2_moe_compatible(cfg) -> bool:
+    """Whether a Llama config with ``n_experts`` is a Qwen2-MoE exactly: softmax gating
+    (renormalised or not: ``norm_topk_prob``), dropless, no routing bias, a shared expert
+    (any width: ``shared_expert_intermediate_size``) with its sigmoid gate
+    (``moe_shared_expert_gate``), no QK-norm; Q/K/V biases or not (``qkv_bias``)."""
+    return (_softmax_dropless(cfg) and cfg.moe_shared_expert
+            and getattr(cfg, "moe_shared_expert_gate", False)
+            and not getattr(cfg, "qk_norm", False))
 
 
 def arch_for(cfg) -> HFArch | None:
     """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: with
-    ``n_experts`` MIXTRAL when ``mixtral_compatible`` (no QK-norm), QWEN3_MOE when
-    ``qwen3_moe_compatible`` (QK-norm); else QWEN2 with ``qkv_bias``, QWEN3 with
-    ``qk_norm`` (not both: neither has the other's), LLAMA with neither."""
+    ``n_experts`` MIXTRAL when ``mixtral_compatible`` (no QK-norm, no shared expert),
+    QWEN3_MOE when ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
+    ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm); else QWEN2 with
+    ``qkv_bias``, QWEN3 with ``qk_norm`` (not both: neither has the other's), LLAMA with
+    neither."""
     bias, norm = getattr(cfg, "qkv_bias", False), getattr(cfg, "qk_norm", False)
     if cfg.n_experts:
-        return (MIXTRAL if mixtral_compatible(cfg)
-                else QWEN3_MOE if qwen3_moe_compatible(cfg) else None)
+        return next((arch for arch, fits in ((MIXTRAL, mixtral_compatible),
+                                             (QWEN3_MOE, qwen3_moe_compatible),
+                                             (QWEN2_MOE, qwen2_moe_compatible)) if fits(cfg)),
+                    None)
     if bias and norm:
         return None
     return QWEN2 if bias else QWEN3 if norm else LLAMA

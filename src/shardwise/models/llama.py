@@ -76,7 +76,10 @@ class LlamaConfig:
     token, of width ``moe_ffn_hidden`` (None: ``ffn_hidden``), ``moe_gating`` "softmax" or
     "sigmoid", the k gates renormalised with ``moe_norm_topk``, auxiliary loss weight
     ``moe_aux_loss_coef``, ``moe_capacity_factor`` (0: dropless), and with
-    ``moe_shared_expert`` one more SwiGLU of that width every token goes through;
+    ``moe_shared_expert`` one more SwiGLU every token goes through, of width
+    ``moe_shared_ffn_hidden`` (None: ``moe_ffn_hidden``), its output scaled per token by
+    ``sigmoid(x w)`` with ``moe_shared_expert_gate`` (``w`` a replicated (n_embd,) weight,
+    ``mlp.shared_expert_gate``: Qwen2-MoE);
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). Raises
     ``ValueError`` (one line, naming the fields) for inconsistent sizes.
@@ -104,6 +107,8 @@ class LlamaConfig:
     moe_aux_loss_coef: float = 0.01
     moe_capacity_factor: float = 0.0
     moe_shared_expert: bool = False
+    moe_shared_ffn_hidden: int | None = None
+    moe_shared_expert_gate: bool = False
     moe_bias_update_rate: float = 0.0
     head_dim: int | None = None
     qkv_bias: bool = False
@@ -155,6 +160,8 @@ class LlamaConfig:
             raise ValueError(f"model.n_experts={self.n_experts}: expected 0 (dense) or more")
         if self.moe_ffn_hidden is None:
             object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden)
+        if self.moe_shared_ffn_hidden is None:
+            object.__setattr__(self, "moe_shared_ffn_hidden", self.moe_ffn_hidden)
         if not self.n_experts:
             return
         if not 1 <= self.top_k <= self.n_experts:
@@ -168,6 +175,13 @@ class LlamaConfig:
                              "model.moe_aux_loss_coef >= 0 expected")
         if self.moe_bias_update_rate < 0:
             raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: expected >= 0")
+        if self.moe_shared_ffn_hidden < 1:
+            raise ValueError(f"model.moe_shared_ffn_hidden={self.moe_shared_ffn_hidden}: "
+                             "expected a whole number >= 1 (0 in a run's [model]: "
+                             "model.moe_ffn_hidden's)")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert:
+            raise ValueError("model.moe_shared_expert_gate=True without "
+                             "model.moe_shared_expert: there is no shared expert to gate")
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
@@ -279,10 +293,10 @@ class MLP(nn.Module):
 
 def moe(cfg: LlamaConfig) -> MoE:
     """The mixture of experts that replaces the MLP when ``cfg.n_experts`` > 0."""
-    h = cfg.moe_ffn_hidden
-    return MoE(cfg.n_embd, cfg.n_experts, h, cfg.top_k, cfg.moe_gating, cfg.moe_norm_topk,
-               cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
-               shared_expert=MLP(cfg, h) if cfg.moe_shared_expert else None,
+    shared = MLP(cfg, cfg.moe_shared_ffn_hidden) if cfg.moe_shared_expert else None
+    return MoE(cfg.n_embd, cfg.n_experts, cfg.moe_ffn_hidden, cfg.top_k, cfg.moe_gating,
+               cfg.moe_norm_topk, cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
+               shared_expert=shared, shared_expert_gate=cfg.moe_shared_expert_gate,
                bias_update_rate=cfg.moe_bias_update_rate)
 
 
@@ -422,7 +436,13 @@ TP_PLAN = {
 # the router replicated, the stacked experts split by expert over ep and by width over tp
 # (Megatron-Core's expert tensor parallelism), the shared expert as a dense SwiGLU; under
 # SP the whole block one region ("moe": its input all-gathered along the sequence, its
-# output reduce-scattered, the router reading whole sequences as without SP).
+# output reduce-scattered, the router reading whole sequences as without SP). A shared
+# expert's gate (``mlp.shared_expert_gate``, Qwen2-MoE) is replicated as the router is, and
+# for the same reason needs no style: without SP it reads the block's replicated input and
+# scales the shared expert's output after its row-parallel all-reduce, so every tp rank
+# computes its whole gradient (a sum over tp, "partial_grad", would count it tp times);
+# under SP it scales the rank's partial sum, and its partial gradient is summed over tp
+# with the router's (the optimizer sums every replicated gradient under SP).
 MOE_TP_PLAN = {
     **{k: v for k, v in TP_PLAN.items() if not k.startswith("blocks.*.mlp")},
     "blocks.*.mlp": "moe",
@@ -452,7 +472,8 @@ def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
 def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
-    query heads share) and the SwiGLU width (the experts' with ``n_experts``); ep must
+    query heads share) and the SwiGLU width (the experts' with ``n_experts``, and a shared
+    expert's ``moe_shared_ffn_hidden``); ep must
     divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``;
     with ``qkv_bias``, ``Qwen2ForCausalLM`` (``QWEN2``); with ``qk_norm``,
     ``Qwen3ForCausalLM`` (``QWEN3``); with ``n_experts`` and neither, ``MixtralForCausalLM``
@@ -460,12 +481,18 @@ def describe(cfg: LlamaConfig):
     softmax top-k renormalised, dropless, no shared expert); with ``n_experts`` and
     ``qk_norm``, ``Qwen3MoeForCausalLM`` (``QWEN3_MOE``) when the mixture is Qwen3-MoE's
     (``models.hf.qwen3_moe_compatible``: softmax top-k, renormalised or not, dropless, no
-    shared expert); else none (``hf`` is None): ``models.hf.arch_for``."""
+    shared expert); with ``n_experts``, no ``qk_norm`` and a shared expert with
+    ``moe_shared_expert_gate`` (any ``moe_shared_ffn_hidden``, ``qkv_bias`` or not),
+    ``Qwen2MoeForCausalLM`` (``QWEN2_MOE``) when the mixture is Qwen2-MoE's
+    (``models.hf.qwen2_moe_compatible``: softmax top-k, renormalised or not, dropless);
+    else none (``hf`` is None): ``models.hf.arch_for``."""
     from shardwise.models.description import ModelDescription
     from shardwise.models.hf import arch_for
 
     width = ({"model.moe_ffn_hidden (expert width)": cfg.moe_ffn_hidden} if cfg.n_experts
              else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
+    if cfg.n_experts and cfg.moe_shared_expert:
+        width["model.moe_shared_ffn_hidden (shared expert width)"] = cfg.moe_shared_ffn_hidden
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
@@ -501,6 +528,8 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        moe_aux_loss_coef=m.moe_aux_loss_coef,
                        moe_capacity_factor=m.moe_capacity_factor,
                        moe_shared_expert=m.moe_shared_expert,
+                       moe_shared_ffn_hidden=getattr(m, "moe_shared_ffn_hidden", 0) or None,
+                       moe_shared_expert_gate=getattr(m, "moe_shared_expert_gate", False),
                        head_dim=getattr(m, "head_dim", 0) or None,
                        qkv_bias=getattr(m, "qkv_bias", False),
                        qk_norm=getattr(m, "qk_norm", False),

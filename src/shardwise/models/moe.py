@@ -2,7 +2,8 @@
 
 A ``MoE`` block replaces a decoder block's MLP: each token is sent to the k experts its router
 scores highest and its output is their outputs weighted by the gates (plus an optional
-shared expert every token goes through). Sources:
+shared expert every token goes through, its output optionally scaled by a sigmoid gate of
+the token). Sources:
 
 - Shazeer et al. 2017, "Outrageously Large Neural Networks" (arXiv:1701.06538): the sparsely
   gated layer;
@@ -15,6 +16,9 @@ shared expert every token goes through). Sources:
 - DeepSeek-AI 2024, "DeepSeek-V3" (arXiv:2412.19437), eq. 12-20: sigmoid gating, the shared
   expert, the sequence-wise balance loss; sec. 2.1.2 (eq. 16): auxiliary-loss-free balancing,
   a per-expert bias on the scores for the top-k choice only;
+- Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; Yang et al. 2024, "Qwen2 Technical Report",
+  arXiv:2407.10671, and transformers' ``models/qwen2_moe/modeling_qwen2_moe.py``):
+  the shared expert's output times ``sigmoid(x w)``, w a (C,) weight;
 - Megatron-Core MoE (``megatron/core/transformer/moe``): dropless routing with grouped GEMMs,
   ``MoEAuxLossAutoScaler`` (how the auxiliary loss enters backward, below).
 
@@ -212,7 +216,10 @@ class MoE(nn.Module):
 
     ``router``: ``nn.Linear(C, E)`` without bias; ``experts``: ``Experts`` of width
     ``hidden``; ``shared_expert``: a module (B, T, C) -> (B, T, C) every token goes through,
-    or None. ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless).
+    or None; ``shared_expert_gate``: with it, ``nn.Linear(C, 1)`` without bias named
+    ``shared_expert_gate``, the shared expert's output scaled per token by
+    ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE, ``Qwen2MoeSparseMoeBlock``; replicated
+    over tp as the router). ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless).
     ``bias_update_rate`` gamma > 0: auxiliary-loss-free balancing (module docstring) with the
     buffer ``expert_bias`` (E,) fp32, zero at start, training state (``state_buffers``: the
     engine builds it as zeros and checkpoints it) moved by ``update_bias``; 0: no bias, no
@@ -224,7 +231,7 @@ class MoE(nn.Module):
     def __init__(self, dim: int, n_experts: int, hidden: int, top_k: int = 2,
                  gating: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
                  capacity_factor: float = 0.0, shared_expert: nn.Module | None = None,
-                 bias_update_rate: float = 0.0):
+                 bias_update_rate: float = 0.0, shared_expert_gate: bool = False):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"model.top_k={top_k}: expected 1 <= top_k <= model.n_experts="
@@ -244,6 +251,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = Experts(n_experts, dim, hidden, top_k)
         self.shared_expert = shared_expert
+        self.shared_expert_gate = (nn.Linear(dim, 1, bias=False)
+                                   if shared_expert is not None and shared_expert_gate else None)
         self.aux_grad_scale = 1.0  # the engine's loss factor (module docstring)
         self._stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -267,7 +276,10 @@ class MoE(nn.Module):
         out = (placed.view(n, k, C) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
         out = out.view(B, T, C)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+            shared = self.shared_expert(x)                                # (B, T, C)
+            if self.shared_expert_gate is not None:                       # Qwen2-MoE
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # (B, T, 1) x
+            out = out + shared
         if self.training and torch.is_grad_enabled():
             aux = self.aux_loss_coef * load_balancing_loss(scores, chosen, B)
             load = torch.bincount(flat_e, minlength=self.n_experts)

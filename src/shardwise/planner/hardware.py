@@ -327,7 +327,9 @@ def calibration_spec(spec: ModelSpec, seq: int) -> ModelSpec:
         return None if f is None else max(1, round(f * scale))
 
     return replace(spec, n_embd=width, ffn_hidden=narrowed(spec.ffn_hidden),
-                   moe_ffn_hidden=narrowed(spec.moe_ffn_hidden), attention_width=None)
+                   moe_ffn_hidden=narrowed(spec.moe_ffn_hidden),
+                   moe_shared_ffn=narrowed(spec.moe_shared_ffn) if spec.moe_shared_ffn else 0,
+                   attention_width=None)
 
 
 def calibration_block(width: int, seq: int, heads: int, spec: ModelSpec | None = None):

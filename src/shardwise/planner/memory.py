@@ -30,7 +30,8 @@ Static bytes (parameters, gradients, optimizer states) per rank:
 - context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
   every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
-  every rank) and the experts' 3 h F E / (t ep) on a rank of ep expert-parallel ranks
+  every rank; so is a shared expert's gate, h), a shared expert's 3 h F_s / t, and the
+  experts' 3 h F E / (t ep) on a rank of ep expert-parallel ranks
   (``parallel.experts.shard``: E / ep experts, their width F split over tp); ZeRO shards
   the dense parameters over dp x cp and the expert ones over the (dp / ep) x cp ranks that
   hold the same experts (``ep_dp_cp``, the group their gradients are reduced over).
@@ -224,9 +225,11 @@ def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int,
     col_bias = h + spec.kv_heads * (h // spec.n_head) + (2 if spec.gated else 1) * spec.ffn
     per_block = block_params(h, bias, spec) if tp == 1 else (
         block_matmul_params(spec) // tp + (col_bias // tp + 2 * h + 4 * h if bias else 2 * h))
-    if spec.moe:  # attention / t, the router whole, E / ep experts of width F / t, norms
-        attn = block_matmul_params(spec) - spec.expert_params - spec.n_experts * h
-        per_block = (attn // tp + spec.n_experts * h + spec.expert_params // (tp * ep)
+    if spec.moe:  # attention (and a shared expert) / t, the router and a shared expert's
+        # gate whole, E / ep experts of width F / t, norms
+        whole = spec.n_experts * h + spec.shared_gate_params
+        attn = block_matmul_params(spec) - spec.expert_params - whole
+        per_block = (attn // tp + whole + spec.expert_params // (tp * ep)
                      + (col_bias // tp + 6 * h if bias else 2 * h))
     n, emb, head = 0, 0 in layers, L + 1 in layers
     n += sum(per_block for i in layers if 1 <= i <= L)
@@ -388,10 +391,13 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
     e = BYTES[precision]
     r = spec.kv_heads / spec.n_head if ring and spec is not None else 1.0
     w = spec.attn_width / spec.n_embd if spec is not None else 1.0  # H D / h
-    if spec is not None and spec.moe:
+    if spec is not None and spec.moe:  # a shared expert: 4 F_s / h more, as a SwiGLU's;
+        # its gate: the whole-width output it scales (the (T, 1) sigmoid not counted)
         k, F, h = spec.top_k, spec.expert_ffn, spec.n_embd
-        return ActivationModel(f"shardwise-moe-{precision}", e * (4 + 2 * k),
-                               e * (2 * w + 2 * r * w + 4 * k * F / h), e * (2 + 2 * k), 0,
+        fs = k * F + spec.moe_shared_ffn
+        return ActivationModel(f"shardwise-moe-{precision}",
+                               e * (4 + 2 * k + (1 if spec.moe_shared_gate else 0)),
+                               e * (2 * w + 2 * r * w + 4 * fs / h), e * (2 + 2 * k), 0,
                                8, e)
     if spec is not None and spec.gated:
         return ActivationModel(f"shardwise-llama-{precision}", 4 * e,

@@ -279,13 +279,15 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
       over the rank's heads; its s / cp queries against all s keys); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
-      of 2 (T k ep / E) h F / t each (balanced routing);
+      of 2 (T k ep / E) h F / t each (balanced routing); a shared expert 2 T h F_s / t
+      per matrix, its gate 2 T h (whole);
     - two norms (read and write T h; / t under sequence parallelism);
     - attention, by kernel: ``megatron-2021`` materialises the s x s scores (a fused
       scale-mask-softmax reads and writes them, a dropout reads them and writes them and a
       1-byte mask); ``shardwise`` (flash) keeps them on chip and moves only Q, K, V and the
       output;
-    - the MLP's activation (read and write T f / t; SwiGLU reads two; experts: T k F / t);
+    - the MLP's activation (read and write T f / t; SwiGLU reads two; experts: T k F / t,
+      plus a shared expert's T F_s / t);
     - the two residual adds: ``megatron-2021`` fused bias + dropout + add (reads two,
       writes one, a mask), ``shardwise`` a plain add (reads two, writes one).
     Backward is priced as twice the forward (its GEMMs are two of the same shape, its
@@ -302,7 +304,10 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
         local = max(1, E // ep)
         gemms += [2 * T * h * E] + [2 * (T * top / local) * h * F / tp] * (3 * local)
-        f_moved = top * F
+        if spec.moe_shared_ffn:  # every token through the shared expert (and its gate)
+            gemms += [2 * T * h * spec.moe_shared_ffn / tp] * 3
+            gemms += [2 * T * h] if spec.moe_shared_gate else []
+        f_moved = top * F + spec.moe_shared_ffn
     else:
         gemms += [2 * T * h * f / tp] * (3 if spec.gated else 2)
         f_moved = f

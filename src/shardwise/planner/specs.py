@@ -65,7 +65,10 @@ class ModelSpec:
     sizes: ``model()`` builds it from the sizes); ``tp_divides``: its sizes tp must divide.
     ``n_experts`` > 0: every block's MLP is a mixture of that many SwiGLU experts of width
     ``moe_ffn_hidden`` (None: ``ffn_hidden``), each token routed to ``top_k`` of them
-    (``models.moe``; a router of E x h weights, replicated over tp). ``dropout``: the
+    (``models.moe``; a router of E x h weights, replicated over tp); ``moe_shared_ffn`` > 0:
+    each mixture also has a shared SwiGLU expert of that width every token goes through
+    (3 h F_s weights, split over tp as a dense MLP), with ``moe_shared_gate`` its sigmoid
+    gate (h weights, replicated over tp: Qwen2-MoE). ``dropout``: the
     model's dropout probability (``model.dropout``; 0 for the named sizes): the engine
     refuses context parallelism (cp > 1) when it is > 0, ring attention having no attention
     dropout, so the search prunes every such layout (``search.cp_reason``)."""
@@ -90,6 +93,8 @@ class ModelSpec:
     top_k: int = 2
     moe_ffn_hidden: int | None = None
     dropout: float = 0.0
+    moe_shared_ffn: int = 0
+    moe_shared_gate: bool = False
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -97,7 +102,8 @@ class ModelSpec:
         sizes from the description (layers, width, vocabulary, sequence, tied, experts),
         heads, key/value heads, MLP width, rotary base and the experts' top-k and width from
         its config where it has those fields (``n_head`` 1 otherwise: only the activations'
-        small log-sum-exp term reads it),
+        small log-sum-exp term reads it), a shared expert's width and gate from its
+        ``moe_shared_expert``, ``moe_shared_ffn_hidden`` and ``moe_shared_expert_gate``,
         ``dropout`` from its config's ``dropout`` (0 without one), biases and the parameter
         count from the model built on the meta device, ``family`` its kind. Raises
         ``ValueError`` for a model the planner cannot read."""
@@ -108,6 +114,7 @@ class ModelSpec:
         d = describe(d)
         model = _meta_model(d)
         cfg = d.config
+        shared = d.n_experts > 0 and getattr(cfg, "moe_shared_expert", False)
         bias = any(m.bias is not None for m in model.modules() if isinstance(m, nn.Linear))
         return cls(name or d.kind, d.n_layer, d.hidden_size, getattr(cfg, "n_head", None) or 1,
                    d.vocab_size, d.block_size, tie_weights=d.tied is not None, bias=bias,
@@ -120,7 +127,10 @@ class ModelSpec:
                    n_experts=d.n_experts,
                    top_k=getattr(cfg, "top_k", 2) or 2,
                    moe_ffn_hidden=getattr(cfg, "moe_ffn_hidden", None) or None,
-                   dropout=float(getattr(cfg, "dropout", 0.0) or 0.0))
+                   dropout=float(getattr(cfg, "dropout", 0.0) or 0.0),
+                   moe_shared_ffn=(getattr(cfg, "moe_shared_ffn_hidden", None)
+                                   or getattr(cfg, "moe_ffn_hidden", None) or 0) if shared else 0,
+                   moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)))
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -131,8 +141,9 @@ class ModelSpec:
 
     def model_table(self) -> dict:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
-        the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base;
-        ``head_dim``, ``qkv_bias``, ``qk_norm`` when its description's config sets them);
+        the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
+        experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
+        ``qk_norm`` when its description's config sets them);
         ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
@@ -142,6 +153,9 @@ class ModelSpec:
             return {**t, "bias": self.bias}
         moe = ({"n_experts": self.n_experts, "top_k": self.top_k,
                 "moe_ffn_hidden": self.expert_ffn} if self.moe else {})
+        if self.moe and self.moe_shared_ffn:
+            moe.update(moe_shared_expert=True, moe_shared_ffn_hidden=self.moe_shared_ffn,
+                       moe_shared_expert_gate=self.moe_shared_gate)
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
         qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm") if getattr(cfg, k, False)}
         if self.attn_width != self.n_embd:
@@ -188,6 +202,18 @@ class ModelSpec:
         return self.n_experts * 3 * self.n_embd * self.expert_ffn if self.moe else 0
 
     @property
+    def shared_expert_params(self) -> int:
+        """Weights of one block's shared expert, 3 h F_s, and its gate, h (0 without)."""
+        if not (self.moe and self.moe_shared_ffn):
+            return 0
+        return 3 * self.n_embd * self.moe_shared_ffn + self.shared_gate_params
+
+    @property
+    def shared_gate_params(self) -> int:
+        """Weights of one block's shared-expert gate: h (replicated over tp), or 0."""
+        return self.n_embd if self.moe and self.moe_shared_ffn and self.moe_shared_gate else 0
+
+    @property
     def gated(self) -> bool:
         """SwiGLU (three h x f matrices) rather than GELU (two)."""
         return self.family == "llama"
@@ -225,7 +251,8 @@ class ModelSpec:
 def block_matmul_params(spec: ModelSpec) -> int:
     """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
     each, the MLP 2 h f (GELU) or 3 h f (SwiGLU), or with experts the router E h and every
-    expert's 3 h F. GPT: 12 h^2. A spec with a description: its first block's
+    expert's 3 h F (and a shared expert's 3 h F_s, its gate h). GPT: 12 h^2. A spec with a
+    description: its first block's
     ``nn.Linear`` weights and experts, counted on meta."""
     if spec.description is not None:
         d = described_layers(spec, 1)
@@ -233,14 +260,16 @@ def block_matmul_params(spec: ModelSpec) -> int:
     h = spec.n_embd
     kv = spec.kv_heads * (h // spec.n_head)
     if spec.moe:
-        return 2 * h * h + 2 * h * kv + spec.n_experts * h + spec.expert_params
+        return (2 * h * h + 2 * h * kv + spec.n_experts * h + spec.expert_params
+                + spec.shared_expert_params)
     return 2 * h * h + 2 * h * kv + (3 if spec.gated else 2) * h * spec.ffn
 
 
 def active_matmul_params(spec: ModelSpec) -> int:
     """Weights one token meets in a block, the ones its forward FLOPs count (2 each):
     ``block_matmul_params``, with experts only the ``top_k`` a token is routed to (Mixtral
-    8x7B: 12.9B active of 46.7B; Jiang et al. 2024)."""
+    8x7B: 12.9B active of 46.7B; Jiang et al. 2024), and a shared expert and its gate
+    whole (every token goes through them)."""
     if not spec.moe:
         return block_matmul_params(spec)
     h, F = spec.n_embd, spec.expert_ffn

@@ -91,11 +91,12 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     tok_state = meta["tokenizer"]
     d = describe_section(cfg.model, _vocab_size(tok_state))
     if d.hf is None and d.kind == "llama" and d.n_experts:
-        raise ExportError(f"{path}: this Llama's mixture of experts is not a Mixtral's or a "
-                          "Qwen3-MoE's, the only ones exported (softmax gating, dropless, no "
-                          "shared expert, no routing bias: model.moe_bias_update_rate = 0; "
-                          "no qkv_bias; Mixtral: moe_norm_topk, no qk_norm; Qwen3-MoE: "
-                          "qk_norm)")
+        raise ExportError(f"{path}: this Llama's mixture of experts is not a Mixtral's, a "
+                          "Qwen2-MoE's or a Qwen3-MoE's, the only ones exported (softmax "
+                          "gating, dropless, no routing bias: model.moe_bias_update_rate = 0; "
+                          "Mixtral: moe_norm_topk, no shared expert, no qkv_bias, no "
+                          "qk_norm; Qwen2-MoE: a shared expert with moe_shared_expert_gate, "
+                          "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias)")
     if d.hf is None:
         raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
                           "(ModelDescription.hf)")
