@@ -15,7 +15,11 @@ each rank's slices from a checkpoint without importing a model, and the export p
 tensors back without knowing which model it writes.
 
 ``LlamaForCausalLM``: our names map 1:1 (``models.llama.hf_name``), and both use the
-"rotate_half" rotary layout, so no weight is permuted. ``GPT2LMHeadModel``: its ``Conv1D``
+"rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et
+al. 2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
+Ministral) is the same Llama under ``MistralConfig``'s defaults, its sliding window bounding
+``block_size`` as Mixtral's; a dense Llama config is both, so ``arch_for`` says Llama and
+``export_arch`` Mistral when the run's source was one. ``GPT2LMHeadModel``: its ``Conv1D``
 layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
 and V along the output features (Radford et al. 2019, the released code); our GPT holds
 them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
