@@ -2,7 +2,7 @@
 
 Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
 ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen2MoeForCausalLM`` /
-``Qwen3MoeForCausalLM`` with random weights
+``Qwen3MoeForCausalLM`` / ``MistralForCausalLM`` with random weights
 are built here and saved with ``save_pretrained`` (no hub). The round trip:
 ``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
 the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
@@ -10,7 +10,9 @@ for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrai
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
 against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral, a Qwen3-MoE and
 the Qwen2-MoE at dp2 x ep2). The Qwen2-MoE's round trip runs in one process: ours ->
-export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit.
+export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit;
+so does the Mistral's: the engine's import -> a checkpoint -> ``export_hf`` -> a Mistral
+again.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     grouped-query attention; the Hub's per-expert w1/w2/w3 on disk), a Qwen2 (Q/K/V biases,
     tied head, rope_theta 1e6), a Qwen3 (q_norm / k_norm, head_dim 24 where hidden /
     heads is 16), two Qwen3-MoE (top 2 of 4 experts, head_dim 24; ``norm_topk_prob``
-    true and false; per-expert tensors on disk) and a Qwen2-MoE (Q/K/V biases, top 2 of 4
+    true and false; per-expert tensors on disk), a Qwen2-MoE (Q/K/V biases, top 2 of 4
     experts of width 40 not renormalised, a shared expert of width 56 and its sigmoid
-    gate), saved as transformers does."""
+    gate) and a Mistral (Mistral-Nemo's shape in small: head_dim 12 where hidden / heads is
+    16, no sliding window, rope_theta 1e6), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -99,6 +102,12 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.02,
         tie_word_embeddings=False)))
     qwen2moe.save_pretrained(root / "qwen2moe")
+    mistral = _perturb(transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12,  # not 64 / 4, as Nemo's
+        max_position_embeddings=32, sliding_window=None, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})))
+    mistral.save_pretrained(root / "mistral")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -107,7 +116,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     assert {"model.layers.1.mlp.shared_expert_gate.weight",
             "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(saved)
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
-                                           "qwen3moe", "qwen3moe_raw", "qwen2moe")}
+                                           "qwen3moe", "qwen3moe_raw", "qwen2moe",
+                                           "mistral")}
 
 
 @pytest.fixture(scope="module")
@@ -191,19 +201,20 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
     split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
-    expert by its width and its gate whole), all eight models; the Mixtral (top 2 of 4
+    expert by its width and its gate whole, the Mistral's heads of head_dim 12), all nine
+    models; the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "qwen3moe",
-                                      "qwen3moe_raw", "qwen2moe", "mixtral")]
+    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral",
+                                      "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 8 and len(tp2[0]) == 11
+    assert len(tp1) == 9 and len(tp2[0]) == 12
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -395,6 +406,80 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
+    """A Mistral (head_dim 12 where hidden / heads is 16, rope_theta 1e6, a sliding window
+    of 16 tokens bounding block_size) imported by the engine in one process, saved as a
+    run's checkpoint with its source config.json, is exported (``export_hf``) as a
+    ``MistralForCausalLM`` whose config.json keeps the source's window, context and
+    token ids, whose tensors are the source's bit for bit and whose logits equal the
+    source's and ours. The arch comes from the source only when it holds the model
+    (``export_arch``): without a source the same model is a Llama; a Qwen option, or a
+    window shorter than block_size, makes it ``arch_for``'s. A config.json's silences
+    read as ``MistralConfig`` fills them."""
+    from dataclasses import replace
+
+    from shardwise import checkpoint
+    from shardwise.apps.lm.export import export_hf
+    from shardwise.apps.lm.hf import check_init_from, resolve_init_from
+    from shardwise.base.config import Config
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import LLAMA, MISTRAL, QWEN2, export_arch
+    from shardwise.models.llama import describe
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs["mistral"], src)
+    source = {**read_config(src), "sliding_window": 16, "bos_token_id": 5}
+    (src / "config.json").write_text(json.dumps(source))
+    cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
+    check_init_from(cfg, VOCAB)
+    d = describe_section(cfg.model, VOCAB)
+    assert (d.block_size, d.config.head_dim, d.config.rope_theta) == (16, 12, 1e6)
+    assert d.hf is LLAMA and export_arch(d, None) is LLAMA and export_arch(d, source) is MISTRAL
+    assert export_arch(describe(replace(d.config, qkv_bias=True)), source) is QWEN2
+    assert export_arch(describe(replace(d.config, block_size=32)), source) is LLAMA
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
+        batch_size=1, seq_len=16, init_from=str(src)))
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    engine._train(False)
+    ours = engine._logits(idx)[..., :VOCAB]
+    tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
+    checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
+                    {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,
+                     "hf_config": source})
+    done = export_hf(tmp_path / "run", tmp_path / "out")
+    assert done.architecture == "MistralForCausalLM"
+    written = read_config(tmp_path / "out")
+    assert {k: written[k] for k in ("model_type", "architectures", "sliding_window",
+                                    "max_position_embeddings", "head_dim", "bos_token_id",
+                                    "rope_parameters")} == {
+        "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+        "sliding_window": 16, "max_position_embeddings": 32, "head_dim": 12,
+        "bos_token_id": 5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(exported).__name__ == "MistralForCausalLM"
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        theirs = exported(idx).logits
+        assert torch.equal(theirs, original(idx).logits)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # Mistral-7B-v0.1's config.json leaves these out: MistralConfig's defaults, not Llama's
+    silent = {k: v for k, v in source.items() if k not in (
+        "sliding_window", "max_position_embeddings", "num_key_value_heads", "rope_parameters",
+        "rms_norm_eps")}
+    want = transformers.MistralConfig(**silent)
+    got = section_of(silent)
+    assert (got["block_size"], got["n_kv_heads"], got["rope_theta"], got["norm_eps"]) == (
+        min(want.max_position_embeddings, want.sliding_window), want.num_key_value_heads,
+        want.rope_parameters["rope_theta"], want.rms_norm_eps)
+    assert MISTRAL.bound_reason(silent) and not MISTRAL.bound_reason({**silent,
+                                                                      "sliding_window": None})
+
+
 def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_path, capsys,
                                                                      monkeypatch):
     """A 4-expert Llama trained 2 steps on one process without the routing bias, then
@@ -443,7 +528,8 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
-    its sliding window, or a mixture of experts asked of a Llama; a Qwen3-MoE or a
+    its sliding window (a Mistral too), or a mixture of experts asked of a Llama; a
+    Qwen3-MoE or a
     Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export
     of a run with no
     checkpoint."""
@@ -461,9 +547,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     empty.mkdir()
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{empty}"], capsys,
                            "no config.json")
-    other = variant("mistral", model_type="mistral", architectures=["MistralForCausalLM"])
+    other = variant("gemma", model_type=None, architectures=["GemmaForCausalLM"])
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{other}"], capsys,
-                           "unsupported architecture MistralForCausalLM")
+                           "unsupported architecture GemmaForCausalLM")
     wide = variant("wide", intermediate_size=128)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{wide}"], capsys,
                            "has shape [96, 64] in the checkpoint, config.json implies [128, 64]")
@@ -481,6 +567,11 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                             "32"], capsys, "model.block_size=32 contradicts",
                            "gives 16 or less, its sliding_window")
     assert section_of(read_config(window))["block_size"] == 16  # unset: the window's
+    mwin = variant("mwin", "mistral", sliding_window=16)  # Mistral-7B-v0.1's, in small
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}", "--model.block_size",
+                            "32"], capsys, "model.block_size=32 contradicts",
+                           "gives 16 or less, its sliding_window")
+    assert section_of(read_config(mwin))["block_size"] == 16
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
                             "--model.n_experts", "4"], capsys,
                            "model.n_experts=4 contradicts", "gives 0")

@@ -39,12 +39,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the run's training.out_dir (its checkpoints/), a checkpoint "
                     "directory, or one step_NNNNNN")
     ap.add_argument("--format", required=True, choices=["hf"],
-                    help="hf: transformers' LlamaForCausalLM / GPT2LMHeadModel / "
-                    "MixtralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / "
-                    "Qwen2MoeForCausalLM / Qwen3MoeForCausalLM (the arch the model is "
-                    "exactly: a Llama with qkv_bias is a Qwen2, with qk_norm a Qwen3, with "
-                    "experts a Mixtral, with experts and qk_norm a Qwen3-MoE, and with "
-                    "experts and a gated shared expert a Qwen2-MoE)")
+                    help="hf: transformers' LlamaForCausalLM / MistralForCausalLM / "
+                    "GPT2LMHeadModel / MixtralForCausalLM / Qwen2ForCausalLM / "
+                    "Qwen3ForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM: the "
+                    "arch of the run's source checkpoint (model.init_from) when it holds "
+                    "the model exactly (a Mistral in is a Mistral out), else the arch the "
+                    "model is exactly: a Llama with qkv_bias is a Qwen2, with qk_norm a "
+                    "Qwen3, with experts a Mixtral, with experts and qk_norm a Qwen3-MoE, "
+                    "with experts and a gated shared expert a Qwen2-MoE, with none of these "
+                    "a Llama")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")

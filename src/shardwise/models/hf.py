@@ -15,7 +15,11 @@ each rank's slices from a checkpoint without importing a model, and the export p
 tensors back without knowing which model it writes.
 
 ``LlamaForCausalLM``: our names map 1:1 (``models.llama.hf_name``), and both use the
-"rotate_half" rotary layout, so no weight is permuted. ``GPT2LMHeadModel``: its ``Conv1D``
+"rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et
+al. 2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
+Ministral) is the same Llama under ``MistralConfig``'s defaults, its sliding window bounding
+``block_size`` as Mixtral's; a dense Llama config is both, so ``arch_for`` says Llama and
+``export_arch`` Mistral when the run's source was one. ``GPT2LMHeadModel``: its ``Conv1D``
 layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
 and V along the output features (Radford et al. 2019, the released code); our GPT holds
 them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
@@ -136,7 +140,10 @@ class HFArch:
     fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
     parameter depends on it). ``bound_reason(config_json)``: ``{field: why}`` for an
     ``at_most`` bound that is not simply the checkpoint's value (Mixtral's ``block_size``
-    under a sliding window), told when a run asks for more."""
+    under a sliding window), told when a run asks for more. ``holds(config)``: whether a
+    config of kind ``kind`` is this architecture exactly, sizes aside (its attention and
+    mixture options: a Llama's ``qkv_bias``, ``qk_norm``, experts); ``arch_for`` and
+    ``export_arch`` ask it."""
 
     kind: str
     model_type: str
@@ -148,6 +155,7 @@ class HFArch:
     complete: Callable[[Any], Any] = lambda cfg: cfg
     at_most: tuple[str, ...] = ()
     bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
+    holds: Callable[[Any], bool] = lambda config: True
 
     def is_ignored(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
@@ -424,6 +432,55 @@ def _moe_tensor(moe: str, experts: dict[str, str], arch: str,
 _mixtral_tensor = _moe_tensor("block_sparse_moe", _MIXTRAL_EXPERTS, "Mixtral")
 
 
+# ---- Mistral ---------------------------------------------------------------------------------
+# transformers' MistralConfig defaults (configuration_mistral.py), where they differ from the
+# Llama's, for a config.json that leaves a field out (rope_theta and rms_norm_eps are the
+# Llama's: 10000 and 1e-6)
+_MISTRAL_DEFAULTS = {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8}
+# MistralConfig's sliding_window when config.json leaves it out (Mistral-7B-v0.1's); null
+# (v0.2 on, Mistral-Nemo) is no window
+_MISTRAL_WINDOW = 4096
+
+
+def _mistral_window(c: dict) -> int | None:
+    """The sliding window W of a Mistral config.json (on every layer), else None: its
+    ``sliding_window``, 4096 when the field is absent (``MistralConfig``'s default), none
+    when it is null."""
+    window = c.get("sliding_window", _MISTRAL_WINDOW)
+    return None if window is None else _whole_window(window)
+
+
+def _mistral_section(c: dict) -> dict:
+    """A Mistral (Jiang et al. 2023, "Mistral 7B", arXiv:2310.06825;
+    ``models/mistral/modeling_mistral.py``) is our Llama: the same tensors, names and
+    rotary layout, ``MistralConfig``'s defaults where config.json is silent, its
+    ``head_dim`` when it is not hidden / heads (Mistral-Nemo: 5120 wide, 32 heads of 128).
+    ``attention_bias`` / ``mlp_bias`` are not Mistral's (``MistralAttention`` and
+    ``MistralMLP`` have no biases, whatever config.json says): not read. A sliding window
+    W bounds ``block_size`` as Mixtral's."""
+    window = _mistral_window(c)
+    c = {**_MISTRAL_DEFAULTS, **{k: v for k, v in c.items()
+                                 if v is not None and k not in ("attention_bias", "mlp_bias")}}
+    out = _llama_section(c, "Mistral")
+    if window is not None:
+        out["block_size"] = min(out["block_size"], window)
+    return out
+
+
+def _mistral_config_json(cfg, source: dict | None) -> dict:
+    """Llama's config.json under Mistral's names; the source's window and context as they
+    were (``MistralConfig``'s defaults written out where the source left them out, so
+    they keep their meaning); no source: no window."""
+    if source is not None:
+        source = {**_MISTRAL_DEFAULTS, "sliding_window": _MISTRAL_WINDOW, **source}
+    out = _llama_config_json(cfg, source)
+    for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        out.pop(llama_only, None)
+    out.update(architectures=["MistralForCausalLM"], model_type="mistral",
+               sliding_window=out.get("sliding_window"))
+    return out
+
+
 # ---- Qwen2 and Qwen3 ---------------------------------------------------------------------------
 # transformers' Qwen2Config / Qwen3Config defaults (configuration_qwen2.py / _qwen3.py), where
 # they differ from the Llama's, for a config.json that leaves a field out
@@ -628,58 +685,19 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
 _QWEN_MOE_EXPERTS = {k: k for k in ("gate_proj", "up_proj", "down_proj")}
 
 
-LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
-               section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
-               ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",))
-GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
-              section=_gpt2_section, config_json=_gpt2_config_json, tensor=_gpt2_tensor,
-              ignored=("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias"),
-              complete=_gpt2_complete)
-MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",
-                 section=_mixtral_section, config_json=_mixtral_config_json,
-                 tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
-                 at_most=("block_size",), bound_reason=_window_bound(
-                     lambda c: c.get("sliding_window"),
-                     _MIXTRAL_DEFAULTS["max_position_embeddings"]))
-
-
-def _qwen_arch(name: str) -> HFArch:
-    """A Qwen's arch (``name``: "Qwen2", "Qwen3", "Qwen2-MoE" or "Qwen3-MoE"): the dense
-    ones the same tensors and window, their attention options set by ``_qwen_section``;
-    the mixtures of experts ``_qwen_moe_section``'s, their experts as ``_moe_tensor``
-    names them (Qwen2-MoE's shared expert and its gate too)."""
-    if not name.endswith("-MoE"):
-        return HFArch(kind="llama", model_type=name.lower(), architecture=f"{name}ForCausalLM",
-                      section=lambda c: _qwen_section(c, name),
-                      config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
-                      tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-                      at_most=("block_size",), bound_reason=_window_bound(
-                          _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"],
-                          _QWEN_WINDOW))
-    base = name.removesuffix("-MoE")
-    return HFArch(kind="llama", model_type=f"{base.lower()}_moe",
-                  architecture=f"{base}MoeForCausalLM",
-                  section=lambda c: _qwen_moe_section(c, name),
-                  config_json=lambda cfg, source: _qwen_moe_config_json(cfg, source, name),
-                  tensor=_moe_tensor("mlp", _QWEN_MOE_EXPERTS, name,
-                                     shared=name == "Qwen2-MoE"),
-                  ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-                  bound_reason=_window_bound(
-                      lambda c: _qwen_moe_window(c, name),
-                      _QWEN_MOE_DEFAULTS[name]["max_position_embeddings"], _QWEN_WINDOW))
-
-
-QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
-QWEN2_MOE, QWEN3_MOE = _qwen_arch("Qwen2-MoE"), _qwen_arch("Qwen3-MoE")
-ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE)
-
-
 def _softmax_dropless(cfg) -> bool:
     """A Llama config's mixture routes by softmax, dropless (capacity factor 0), without a
     routing bias (``moe_bias_update_rate`` 0: no Hugging Face arch of ours has a tensor for
     it, and without it the experts chosen would differ)."""
     return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_capacity_factor == 0
             and not getattr(cfg, "moe_bias_update_rate", 0.0))
+
+
+def _dense(bias: bool, norm: bool) -> Callable[[Any], bool]:
+    """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
+    (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``."""
+    return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
+                        and bool(getattr(cfg, "qk_norm", False)) == norm)
 
 
 def mixtral_compatible(cfg) -> bool:
@@ -710,22 +728,76 @@ def qwen2_moe_compatible(cfg) -> bool:
             and not getattr(cfg, "qk_norm", False))
 
 
+LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
+               section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
+               ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
+               holds=_dense(bias=False, norm=False))
+GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
+              section=_gpt2_section, config_json=_gpt2_config_json, tensor=_gpt2_tensor,
+              ignored=("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias"),
+              complete=_gpt2_complete)
+MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",
+                 section=_mixtral_section, config_json=_mixtral_config_json,
+                 tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
+                 at_most=("block_size",), bound_reason=_window_bound(
+                     lambda c: c.get("sliding_window"),
+                     _MIXTRAL_DEFAULTS["max_position_embeddings"]),
+                 holds=mixtral_compatible)
+# a dense Llama is a Mistral too: arch_for says Llama, export_arch Mistral for a Mistral's run
+MISTRAL = HFArch(kind="llama", model_type="mistral", architecture="MistralForCausalLM",
+                 section=_mistral_section, config_json=_mistral_config_json,
+                 tensor=_llama_tensor, ignored=("*.rotary_emb.inv_freq",),
+                 at_most=("block_size",), bound_reason=_window_bound(
+                     _mistral_window, _MISTRAL_DEFAULTS["max_position_embeddings"]),
+                 holds=_dense(bias=False, norm=False))
+
+
+def _qwen_arch(name: str) -> HFArch:
+    """A Qwen's arch (``name``: "Qwen2", "Qwen3", "Qwen2-MoE" or "Qwen3-MoE"): the dense
+    ones the same tensors and window, their attention options set by ``_qwen_section``;
+    the mixtures of experts ``_qwen_moe_section``'s, their experts as ``_moe_tensor``
+    names them (Qwen2-MoE's shared expert and its gate too)."""
+    if not name.endswith("-MoE"):
+        return HFArch(kind="llama", model_type=name.lower(), architecture=f"{name}ForCausalLM",
+                      section=lambda c: _qwen_section(c, name),
+                      config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
+                      tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
+                      at_most=("block_size",), bound_reason=_window_bound(
+                          _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"],
+                          _QWEN_WINDOW), holds=_dense(bias=name == "Qwen2",
+                                                      norm=name == "Qwen3"))
+    base = name.removesuffix("-MoE")
+    holds = qwen2_moe_compatible if name == "Qwen2-MoE" else qwen3_moe_compatible
+    return HFArch(kind="llama", model_type=f"{base.lower()}_moe",
+                  architecture=f"{base}MoeForCausalLM",
+                  section=lambda c: _qwen_moe_section(c, name),
+                  config_json=lambda cfg, source: _qwen_moe_config_json(cfg, source, name),
+                  tensor=_moe_tensor("mlp", _QWEN_MOE_EXPERTS, name,
+                                     shared=name == "Qwen2-MoE"),
+                  ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
+                  bound_reason=_window_bound(
+                      lambda c: _qwen_moe_window(c, name),
+                      _QWEN_MOE_DEFAULTS[name]["max_position_embeddings"], _QWEN_WINDOW),
+                  holds=holds)
+
+
+QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
+QWEN2_MOE, QWEN3_MOE = _qwen_arch("Qwen2-MoE"), _qwen_arch("Qwen3-MoE")
+# arch_for's order: the first that holds a config (Llama before Mistral: both hold a dense
+# Llama without Qwen's options)
+ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL)
+
+
 def arch_for(cfg) -> HFArch | None:
-    """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: with
-    ``n_experts`` MIXTRAL when ``mixtral_compatible`` (no QK-norm, no shared expert),
-    QWEN3_MOE when ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
-    ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm); else QWEN2 with
-    ``qkv_bias``, QWEN3 with ``qk_norm`` (not both: neither has the other's), LLAMA with
-    neither."""
-    bias, norm = getattr(cfg, "qkv_bias", False), getattr(cfg, "qk_norm", False)
-    if cfg.n_experts:
-        return next((arch for arch, fits in ((MIXTRAL, mixtral_compatible),
-                                             (QWEN3_MOE, qwen3_moe_compatible),
-                                             (QWEN2_MOE, qwen2_moe_compatible)) if fits(cfg)),
-                    None)
-    if bias and norm:
-        return None
-    return QWEN2 if bias else QWEN3 if norm else LLAMA
+    """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: the
+    first of ``ARCHS`` of kind "llama" that ``holds`` it. Dense: LLAMA with neither
+    ``qkv_bias`` nor ``qk_norm`` (a Mistral holds it too, but no config says Mistral:
+    ``export_arch`` picks it from a run's source), QWEN2 with ``qkv_bias``, QWEN3 with
+    ``qk_norm`` (not both: neither has the other's); with ``n_experts``, MIXTRAL when
+    ``mixtral_compatible`` (no QK-norm, no shared expert), QWEN3_MOE when
+    ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
+    ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm)."""
+    return next((arch for arch in ARCHS if arch.kind == "llama" and arch.holds(cfg)), None)
 
 
 def arch_of(config_json: dict) -> HFArch:
@@ -741,6 +813,28 @@ def arch_of(config_json: dict) -> HFArch:
     supported = ", ".join(names_[:-1]) + " and " + names_[-1]
     raise HFConfigError(f"config.json: unsupported architecture {what} (shardwise loads "
                         f"{supported})")
+
+
+def export_arch(description, source: dict | None) -> HFArch | None:
+    """The arch ``shardwise export`` writes a model as, one rule: the arch its run's source
+    ``config.json`` names (``source``: ``model.init_from``'s, kept in the run's checkpoints;
+    ``arch_of``) when that arch holds the model exactly (its ``kind`` and ``holds(config)``,
+    and a sliding window of the source's, which its config.json keeps, no shorter than the
+    model's ``block_size``); else the model's own, ``description.hf`` (``arch_for`` of a
+    Llama config). So a Mistral in is a Mistral out, its window and context kept, while a
+    model trained here (no source), or one its source's arch cannot hold, is written as
+    ``arch_for`` says: a Llama config, which a Mistral holds too, as a Llama. None: no arch
+    holds it."""
+    if source is None:
+        return description.hf
+    try:
+        arch = arch_of(source)
+        fits = (arch.kind == description.kind and arch.holds(description.config)
+                and (not arch.bound_reason(source).get("block_size")
+                     or description.block_size <= arch.section(source)["block_size"]))
+    except (HFConfigError, KeyError):  # a source config.json that no longer reads
+        fits = False
+    return arch if fits else description.hf
 
 
 def section_of(config_json: dict) -> dict:

@@ -474,7 +474,9 @@ def describe(cfg: LlamaConfig):
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
     query heads share) and the SwiGLU width (the experts' with ``n_experts``, and a shared
     expert's ``moe_shared_ffn_hidden``); ep must
-    divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``;
+    divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``
+    (``MistralForCausalLM`` in, ``models.hf.MISTRAL``, is this too, and out again when the
+    run came from one: ``models.hf.export_arch``);
     with ``qkv_bias``, ``Qwen2ForCausalLM`` (``QWEN2``); with ``qk_norm``,
     ``Qwen3ForCausalLM`` (``QWEN3``); with ``n_experts`` and neither, ``MixtralForCausalLM``
     (``models.hf.MIXTRAL``) when the mixture is Mixtral's (``models.hf.mixtral_compatible``:

@@ -5,9 +5,11 @@ Reads one checkpoint of a run (the newest, or ``--step N``) with the checkpoint 
 ``weights_only``): its ``model.NAME`` fp32 masters are the single-process model's
 tensors whatever layout wrote them. Writes into DIR:
 
-- ``config.json``: the model's ``transformers`` config (``HFArch.config_json``: over the
-  source checkpoint's config.json when the run started from one, so its other fields,
-  token ids and context survive);
+- ``config.json``: the model's ``transformers`` config, of the arch ``models.hf.export_arch``
+  picks (the source checkpoint's when it holds the model exactly: a Mistral in is a Mistral
+  out; else ``arch_for``'s), written by its ``HFArch.config_json`` over the source
+  checkpoint's config.json when the run started from one, so its other fields, token ids,
+  context and sliding window survive;
 - ``model.safetensors``, or shards above ``max_shard_bytes`` with
   ``model.safetensors.index.json``: the tensors under ``transformers``' names and layouts
   (GPT-2's packed, transposed ``c_attn``; a tied head written once, as HF does), fp32;
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError
 from shardwise.checkpoint.hf import CONFIG, write_safetensors
 from shardwise.models.description import describe, describe_section
-from shardwise.models.hf import to_hf_tensors
+from shardwise.models.hf import export_arch, to_hf_tensors
 
 
 class ExportError(CheckpointError):
@@ -90,6 +92,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     cfg = Config.from_dict(meta["config"])
     tok_state = meta["tokenizer"]
     d = describe_section(cfg.model, _vocab_size(tok_state))
+    source = meta.get("hf_config")  # model.init_from's config.json, if the run had one
+    d = replace(d, hf=export_arch(d, source))
     if d.hf is None and d.kind == "llama" and d.n_experts:
         raise ExportError(f"{path}: this Llama's mixture of experts is not a Mixtral's, a "
                           "Qwen2-MoE's or a Qwen3-MoE's, the only ones exported (softmax "
@@ -105,7 +109,7 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     with torch.device("meta"):
         complete = describe(d.hf.complete(d.config)).build()
     hf_tensors = to_hf_tensors(d, tensors, complete)
-    config_json = d.hf.config_json(d.config, meta.get("hf_config"))
+    config_json = d.hf.config_json(d.config, source)
     out.mkdir(parents=True, exist_ok=True)
     files = write_safetensors(out, hf_tensors, max_shard_bytes)
     _write_json(out / CONFIG, config_json)
