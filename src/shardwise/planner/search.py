@@ -57,6 +57,7 @@ from shardwise.planner.simulate import (
     blocking_p2p,
     chunk_costs,
     dp_seconds,
+    model_seconds,
     optimizer_seconds,
     p2p_bytes,
     simulate,
@@ -308,6 +309,17 @@ class Bounds:
         return x
 
 
+    def cheap(self, lay: Layout) -> float:
+        """A bound below ``lower_bound`` for ``lay``, from memoised pieces alone (no chunk
+        costs): the busiest rank does at least the average rank's work, m x (forward +
+        backward of one micro-batch through the whole model, ``simulate.model_seconds``:
+        the chunks' sum less their sends and ZeRO-3 gathers) / pp, and then at least the
+        least of the ranks' extras. Scaled by 1 - 1e-12 so that rounding (the chunks summed
+        in another order) cannot lift it above ``lower_bound``."""
+        w = model_seconds(self.spec, lay, self.cluster, self.precision, self._blocks)
+        return (lay.micro_batches * w / lay.pp + min(self.extras(lay))) * (1 - 1e-12)
+
+
 def lower_bound(b: Bounds, lay: Layout) -> float:
     """Seconds ``simulate`` cannot go below for ``lay`` (1F1B or interleaved, ranks with a
     GPU each). Rank r runs m x (its chunks' forward + backward) of work; it cannot start
@@ -472,14 +484,26 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
         feasible.sort(key=lambda c: (c.time["step"], c.memory["total"]))
         return feasible, pruned
     b = Bounds(spec, cluster, precision)
-    order = sorted(((lower_bound(b, c.layout), i) for i, c in enumerate(feasible)))
+    # layouts in order of (lower_bound, index), lazily: each enters the heap with its cheap
+    # bound (Bounds.cheap <= lower_bound) and gets its lower_bound only when that comes
+    # first, so the exact entries leave in the order sorting every lower_bound would give
+    # and a layout whose cheap bound is already past the top-th best never needs one
+    heap = [(b.cheap(c.layout), i, False) for i, c in enumerate(feasible)]
+    heapq.heapify(heap)
     done: list[Candidate] = []
     kth: list[float] = []  # the top best steps so far, as a max-heap (negated)
     with tqdm(desc="plan: simulating", unit="layout", **bar) as pbar:
-        for j, (lb, i) in enumerate(order):
+        while heap:
+            lb, i, exact = heapq.heappop(heap)
+            if not exact:
+                heapq.heappush(heap, (lower_bound(b, feasible[i].layout), i, True))
+                continue
             if not exhaustive and len(kth) >= top and lb * (1 - 1e-9) > -kth[0]:
+                # every entry left is (bound, index) after (lb, i): its layout's
+                # lower_bound is at least its entry's bound, at least lb; each record says
+                # its entry's bound (lower_bound, or the cheap one where that sufficed)
                 worst = -kth[0]
-                for lb2, i2 in order[j:]:
+                for lb2, i2, _ in [(lb, i, exact)] + sorted(heap):
                     pruned.append(Pruned(feasible[i2].layout,
                                          f"at least {lb2:.5g} s per step (a lower bound), "
                                          f"slower than the slowest of the {top} best "
