@@ -861,6 +861,14 @@ def _orders(p: int, m: int, v: int):
     return bwd, O_c, has_rem, rem_c % p, rem_k, own_k, send_pos
 
 
+@lru_cache(maxsize=256)
+def _walk_fast_memo(p: int, m: int, v: int, costs: tuple[ChunkCost, ...], p2p: float) -> Walk:
+    """``walk_fast``, memoised by all it reads: a search simulates layouts that walk alike
+    (ZeRO 0, 1 and 2 of one layout have the same chunk costs and transfers, and only their
+    dp time after the walk differs). Its lists are shared: read them, never change them."""
+    return walk_fast(p, m, v, list(costs), p2p)
+
+
 def walk_fast(p: int, m: int, v: int, costs: list[ChunkCost], p2p: float) -> Walk:
     """``walk``'s ``Walk`` (end of each rank's last compute, busy compute seconds, tp
     seconds; no events) for the 1F1B and interleaved schedules, without walking instruction
@@ -1065,7 +1073,8 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
-        run = lambda c: walk_fast(p, m, v, costs, c)
+        key = tuple(costs)
+        run = lambda c: _walk_fast_memo(p, m, v, key, c)
     elif shared:
         sched = schedule(kind, p, m, v)
         run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)
