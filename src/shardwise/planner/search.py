@@ -425,6 +425,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
     bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
     fp8s = tuple(fp8)
+    am = MEGATRON if cluster.kernels == "megatron-2021" else None  # as memory_of's
     groups = list(_space(spec, world, global_batch, micro_batches, schedules, vs, pp_max,
                          cp_choices(spec, world, cp)))
     for c, tp, pp, dp, per, mbs, scheds in tqdm(groups, desc="plan: layouts",
@@ -481,9 +482,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 for mb in mbs:
                     m = per // mb
                     at = Layout(dp, tp, pp, mb, m, kind, v, partition=cut_by, cp=c)
-                    acts = {(rc, sel, s): memory_of(spec, Layout(
-                        dp, tp, pp, mb, m, kind, v, 0, rc, s, cut_by, sel, c), precision,
-                        cluster.kernels, static=False) for rc, sel in modes for s in sps}
+                    # memory_of(static=False) of each, without building the layouts
+                    acts = {(rc, sel, s): activation_bytes(
+                        spec, mb=mb, tp=tp, pp=pp, micro_batches=m, v=v, schedule=kind, sp=s,
+                        recompute=rc, precision=precision, partition=cut_by, am=am,
+                        selective=sel, cp=c) for rc, sel in modes for s in sps}
                     least_act = {s: min(acts[(rc, sel, s)] for rc, sel in modes) for s in sps}
                     if statics and least + min(acts.values()) > limit:
                         need = least + min(acts.values())
