@@ -22,13 +22,18 @@ pruned for one reason is one record with its ``count``):
    tp would cross nodes, more chunks than layers) prune the group without enumerating it;
 2. the other reasons the engine has, then memory (``memory_of``: static bytes memoised per
    (dp, tp, pp, v, ZeRO, cut), activations per micro-batch size) before any timing;
-3. every layout left gets a lower bound on its step time (``lower_bound``: the busiest
+3. every layout left gets a cheap bound (``Bounds.cheap``: m x the whole model's forward +
+   backward / pp + the least of the ranks' extras, from memoised pieces) and, only when that
+   comes first in a heap, its lower bound on the step time (``lower_bound``: the busiest
    rank's own work, the forward chain that reaches it and the backward chain back to rank 0,
-   its data-parallel and optimizer time; per-chunk costs memoised); layouts are simulated
-   in order of that bound (``simulate.simulate``), and once ``top`` have been simulated,
-   every layout whose bound exceeds the ``top``-th best step is pruned, saying so: the
-   ``top`` best are exactly the ones simulating everything would rank first
-   (``exhaustive=True`` does, for the tests).
+   its data-parallel and optimizer time; per-chunk costs memoised, ZeRO-3's per chunk
+   shape); so layouts leave in the order of ``(lower_bound, index)`` that sorting every
+   one would give, and are simulated in it (``simulate.simulate``); once ``top`` have been
+   simulated, every layout whose bound exceeds the ``top``-th best step is pruned, saying
+   so (the first with its ``lower_bound``, the others with whichever bound of theirs was
+   computed, both at least that one): the ``top`` best are exactly the ones simulating
+   everything would rank first (``exhaustive=True`` does, for the tests). The cyclic
+   garbage collector is paused meanwhile (``_collector_paused``).
 
 On a cluster whose ranks share cores (``local``) the simulator is processor-sharing and the
 bound does not hold: there the old pre-rank stays (the chunk costs with the textbook bubble
