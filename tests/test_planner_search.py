@@ -328,3 +328,42 @@ def test_bounded_search_with_blocking_sends_and_context_parallelism():
     b = Bounds(spec, cluster, "bf16")
     for c in every:
         assert lower_bound(b, c.layout) <= c.time["step"] * (1 + 1e-9), c.layout
+
+
+def test_the_cheap_bound_stays_below_the_lower_bound():
+    """``Bounds.cheap`` (the search's first bound, from the whole model's seconds and the
+    ranks' extras) never exceeds ``lower_bound`` on a sample of layouts of every kind
+    (pp with v = 1, 2, 4, ZeRO 0-3, sp, recomputation full and selective, cp, both cuts,
+    blocking sends with Megatron's kernels), and ``simulate.model_seconds`` is the sum of
+    the chunks' forward + backward less their blocking sends (ZeRO-0, to rounding); also
+    that ZeRO-3's chunk costs priced once per chunk shape equal those priced chunk by chunk."""
+    from dataclasses import replace
+
+    from shardwise.planner.hardware import GEMM_SCALE, per_op
+    from shardwise.planner.memory import cut
+    from shardwise.planner.search import prune_reason
+    from shardwise.planner.simulate import _with_zero3, chunk_costs, model_seconds, zero3_seconds
+
+    rng = random.Random(0)
+    spec = NAMED["gpt3-13b"].with_seq(4096)
+    for cluster in (PRESETS["dgx-a100-80gb"],
+                    per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021", GEMM_SCALE)):
+        b = Bounds(spec, cluster, "bf16")
+        every = [lay for lay, why in enumerate_layouts(spec, 64, 128, cp=[1, 2],
+                                                       selective=(False, True))
+                 if why is None and not prune_reason(spec, lay, cluster, False)]
+        sample = rng.sample(every, 300)
+        assert {lay.chunks_per_rank for lay in sample} == {1, 2, 4}
+        assert {lay.zero for lay in sample} == {0, 1, 2, 3}
+        for lay in sample:
+            assert b.cheap(lay) <= lower_bound(b, lay), lay
+            costs = chunk_costs(spec, replace(lay, zero=0), cluster, "bf16")
+            whole = sum(c.forward + c.backward - c.pp for c in costs)
+            assert model_seconds(spec, lay, cluster, "bf16") == pytest.approx(whole, rel=1e-12)
+            if lay.zero == 3 and lay.dp * lay.cp > 1:
+                part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+                by_chunk = [_with_zero3(c, zero3_seconds(spec, lay, cluster, "bf16",
+                                                         list(part.layers(i))))
+                            for i, c in enumerate(chunk_costs(
+                                spec, replace(lay, zero=0), cluster, "bf16"))]
+                assert chunk_costs(spec, lay, cluster, "bf16", memo={}) == by_chunk, lay

@@ -285,9 +285,7 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                     best = r
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
-    for layers in stage_layers(spec, pp, v, partition):
-        P = rank_params(spec, layers, tp, pp, ep)
-        X = rank_expert_params(spec, layers, tp, ep)
+    for P, X in _stage_params(spec, pp, v, partition, tp, ep):
         d = zero_bytes(P - X, dp * cp, zero, precision)
         if X:
             x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them
@@ -295,6 +293,20 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
         if best is None or d["total"] > best["total"]:
             best = d
     return best
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(spec: ModelSpec, pp: int, v: int, partition: str, tp: int,
+                  ep: int) -> tuple[tuple[int, int], ...]:
+    """Of the pipeline ranks' (``rank_params``, ``rank_expert_params``), each distinct pair
+    once, in the order of the first rank holding it: all ``static_bytes`` reads of the
+    cut (a rank with the same pair has the same bytes; its maximum keeps the first),
+    memoised for the dp, ZeRO and cp sizes that share it."""
+    pairs: dict = {}
+    for layers in stage_layers(spec, pp, v, partition):
+        pairs.setdefault((rank_params(spec, layers, tp, pp, ep),
+                          rank_expert_params(spec, layers, tp, ep)), None)
+    return tuple(pairs)
 
 
 @lru_cache(maxsize=4096)
@@ -342,8 +354,15 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
         return -(-x // k) * k
 
     worst = 0
-    part = cut(spec, pp * v, partition)
-    for layers in (list(part.layers(c)) for c in range(pp * v)):
+    if spec.description is None:  # a named size's blocks are alike (rank_params' closed
+        # form): a chunk's units depend on its shape alone, one chunk of each shape counts,
+        # and two blocks stand for any number (the same neighbouring pairs)
+        chunks = [[0] * emb + list(range(1, min(nb, 2) + 1)) + [L + 1] * head
+                  for emb, nb, head in chunk_shapes(spec, pp * v, partition)]
+    else:
+        part = cut(spec, pp * v, partition)
+        chunks = [part.layers(c) for c in range(pp * v)]
+    for layers in chunks:
         root = tied if all(i in layers for i in ends) else 0
         dense, expert = [], []
         for i in layers:
@@ -446,6 +465,14 @@ def chunk_blocks(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[
                  for c in range(n_chunks))
 
 
+@lru_cache(maxsize=256)
+def chunk_shapes(spec: ModelSpec, n_chunks: int, partition: str) -> tuple[tuple[bool, int, bool], ...]:
+    """The distinct (holds the embedding, blocks, holds the head) of ``cut``'s chunks, in
+    the order of the first chunk of each."""
+    return tuple(dict.fromkeys((c == 0, nb, head) for c, (nb, head)
+                               in enumerate(chunk_blocks(spec, n_chunks, partition))))
+
+
 @lru_cache(maxsize=65536)
 def _repeated(x: float, n: int) -> float:
     """``x`` added ``n`` times one by one (``sum`` over a chunk's blocks: the exact float the
@@ -487,32 +514,46 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
-    s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
-    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=spec.block_size)
+    s, h = spec.block_size // cp, spec.n_embd
     e = BYTES[precision]
-    head = head_activation_bytes(spec, mb, tp, precision, cp)
-    sums: dict = {}
-
-    def chunk_full(nb: int, has_head: bool) -> float:
-        """nb blocks' bytes added one by one (as a sum over the chunk's layers), + the head."""
-        x = sums.get((nb, has_head))
-        if x is None:
-            x = sums[(nb, has_head)] = _repeated(blk, nb) + (head if has_head else 0.0)
-        return x
-
+    blk, groups = _rank_chunks(spec, am, mb, tp, pp, micro_batches, v, schedule, sp,
+                               precision, partition, cp)
     keep = mb * s * h * e / (tp if sp else 1)
     worst = 0.0
-    for k, chunks in rank_groups(spec, pp, v, partition, schedule, micro_batches):
-        fulls = [chunk_full(*c) for c in chunks]
+    for k, nbs, largest, total_full in groups:
         if recompute and am.per_layer:  # Megatron: every block's input (2 s b h) kept for
             # each micro-batch in flight, one block recomputed in full at a time
-            nbs = sum(c[0] for c in chunks)
             layer_keep = mb * s * h * am.recompute_keep / (tp if sp else 1)
             total = k * nbs * layer_keep + blk
         elif recompute:  # inputs of the micro-batches in flight; at the peak, one chunk is
             # recomputed in full while (measured) about one other input is still held
-            total = max(max(fulls) + keep, k * v * keep)
+            total = max(largest + keep, k * v * keep)
         else:
-            total = k * sum(fulls)
+            total = k * total_full
         worst = max(worst, total)
     return worst
+
+
+@lru_cache(maxsize=4096)
+def _rank_chunks(spec: ModelSpec, am: ActivationModel, mb: int, tp: int, pp: int,
+                 micro_batches: int, v: int, schedule: str, sp: bool, precision: str,
+                 partition: str, cp: int) -> tuple[float, tuple]:
+    """``activation_bytes``' pieces that recomputation does not change (memoised: the
+    search asks with and without it): a block's bytes, and per ``rank_groups`` group (k
+    micro-batches in flight, its blocks, its largest chunk's bytes, the sum of its
+    chunks' bytes), a chunk's bytes being its blocks' added one by one (as a sum over the
+    chunk's layers) and the head's."""
+    s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
+    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=spec.block_size)
+    head = head_activation_bytes(spec, mb, tp, precision, cp)
+    sums: dict = {}
+    groups = []
+    for k, chunks in rank_groups(spec, pp, v, partition, schedule, micro_batches):
+        fulls = []
+        for nb, has_head in chunks:
+            x = sums.get((nb, has_head))
+            if x is None:
+                x = sums[(nb, has_head)] = _repeated(blk, nb) + (head if has_head else 0.0)
+            fulls.append(x)
+        groups.append((k, sum(c[0] for c in chunks), max(fulls), sum(fulls)))
+    return blk, tuple(groups)

@@ -22,13 +22,18 @@ pruned for one reason is one record with its ``count``):
    tp would cross nodes, more chunks than layers) prune the group without enumerating it;
 2. the other reasons the engine has, then memory (``memory_of``: static bytes memoised per
    (dp, tp, pp, v, ZeRO, cut), activations per micro-batch size) before any timing;
-3. every layout left gets a lower bound on its step time (``lower_bound``: the busiest
+3. every layout left gets a cheap bound (``Bounds.cheap``: m x the whole model's forward +
+   backward / pp + the least of the ranks' extras, from memoised pieces) and, only when that
+   comes first in a heap, its lower bound on the step time (``lower_bound``: the busiest
    rank's own work, the forward chain that reaches it and the backward chain back to rank 0,
-   its data-parallel and optimizer time; per-chunk costs memoised); layouts are simulated
-   in order of that bound (``simulate.simulate``), and once ``top`` have been simulated,
-   every layout whose bound exceeds the ``top``-th best step is pruned, saying so: the
-   ``top`` best are exactly the ones simulating everything would rank first
-   (``exhaustive=True`` does, for the tests).
+   its data-parallel and optimizer time; per-chunk costs memoised, ZeRO-3's per chunk
+   shape); so layouts leave in the order of ``(lower_bound, index)`` that sorting every
+   one would give, and are simulated in it (``simulate.simulate``); once ``top`` have been
+   simulated, every layout whose bound exceeds the ``top``-th best step is pruned, saying
+   so (the first with its ``lower_bound``, the others with whichever bound of theirs was
+   computed, both at least that one): the ``top`` best are exactly the ones simulating
+   everything would rank first (``exhaustive=True`` does, for the tests). The cyclic
+   garbage collector is paused meanwhile (``_collector_paused``).
 
 On a cluster whose ranks share cores (``local``) the simulator is processor-sharing and the
 bound does not hold: there the old pre-rank stays (the chunk costs with the textbook bubble
@@ -37,6 +42,8 @@ keep ``simulate_top`` layouts for the simulator, 40 by default).
 
 from __future__ import annotations
 
+import functools
+import gc
 import heapq
 import sys
 from dataclasses import dataclass, field, replace
@@ -57,6 +64,7 @@ from shardwise.planner.simulate import (
     blocking_p2p,
     chunk_costs,
     dp_seconds,
+    model_seconds,
     optimizer_seconds,
     p2p_bytes,
     simulate,
@@ -308,6 +316,17 @@ class Bounds:
         return x
 
 
+    def cheap(self, lay: Layout) -> float:
+        """A bound below ``lower_bound`` for ``lay``, from memoised pieces alone (no chunk
+        costs): the busiest rank does at least the average rank's work, m x (forward +
+        backward of one micro-batch through the whole model, ``simulate.model_seconds``:
+        the chunks' sum less their sends and ZeRO-3 gathers) / pp, and then at least the
+        least of the ranks' extras. Scaled by 1 - 1e-12 so that rounding (the chunks summed
+        in another order) cannot lift it above ``lower_bound``."""
+        w = model_seconds(self.spec, lay, self.cluster, self.precision, self._blocks)
+        return (lay.micro_batches * w / lay.pp + min(self.extras(lay))) * (1 - 1e-12)
+
+
 def lower_bound(b: Bounds, lay: Layout) -> float:
     """Seconds ``simulate`` cannot go below for ``lay`` (1F1B or interleaved, ranks with a
     GPU each). Rank r runs m x (its chunks' forward + backward) of work; it cannot start
@@ -362,6 +381,26 @@ def _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps=(1,), fp8=(Fals
             * (len(sp) if tp > 1 else 1) * (len(partitions) if pp > 1 else 1))
 
 
+def _collector_paused(fn):
+    """``fn`` with Python's cyclic garbage collector paused while it runs (restored after,
+    as it was). A search keeps about a million small objects (layouts, candidates, their
+    memory dicts, pruned records) and forms no reference cycles: the collector, run every
+    few hundred allocations, traverses the growing heap again and again for nothing (about
+    40% of the CPU time of the 146B search, ``docs/benchmarks.md``)."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          precision: str | None = None, memory_limit: float | None = None,
          tp_across_nodes: bool = False, top: int = 10, exhaustive: bool = False,
@@ -391,6 +430,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
     bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
     fp8s = tuple(fp8)
+    am = MEGATRON if cluster.kernels == "megatron-2021" else None  # as memory_of's
     groups = list(_space(spec, world, global_batch, micro_batches, schedules, vs, pp_max,
                          cp_choices(spec, world, cp)))
     for c, tp, pp, dp, per, mbs, scheds in tqdm(groups, desc="plan: layouts",
@@ -447,9 +487,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 for mb in mbs:
                     m = per // mb
                     at = Layout(dp, tp, pp, mb, m, kind, v, partition=cut_by, cp=c)
-                    acts = {(rc, sel, s): memory_of(spec, Layout(
-                        dp, tp, pp, mb, m, kind, v, 0, rc, s, cut_by, sel, c), precision,
-                        cluster.kernels, static=False) for rc, sel in modes for s in sps}
+                    # memory_of(static=False) of each, without building the layouts
+                    acts = {(rc, sel, s): activation_bytes(
+                        spec, mb=mb, tp=tp, pp=pp, micro_batches=m, v=v, schedule=kind, sp=s,
+                        recompute=rc, precision=precision, partition=cut_by, am=am,
+                        selective=sel, cp=c) for rc, sel in modes for s in sps}
                     least_act = {s: min(acts[(rc, sel, s)] for rc, sel in modes) for s in sps}
                     if statics and least + min(acts.values()) > limit:
                         need = least + min(acts.values())
@@ -472,14 +514,26 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
         feasible.sort(key=lambda c: (c.time["step"], c.memory["total"]))
         return feasible, pruned
     b = Bounds(spec, cluster, precision)
-    order = sorted(((lower_bound(b, c.layout), i) for i, c in enumerate(feasible)))
+    # layouts in order of (lower_bound, index), lazily: each enters the heap with its cheap
+    # bound (Bounds.cheap <= lower_bound) and gets its lower_bound only when that comes
+    # first, so the exact entries leave in the order sorting every lower_bound would give
+    # and a layout whose cheap bound is already past the top-th best never needs one
+    heap = [(b.cheap(c.layout), i, False) for i, c in enumerate(feasible)]
+    heapq.heapify(heap)
     done: list[Candidate] = []
     kth: list[float] = []  # the top best steps so far, as a max-heap (negated)
     with tqdm(desc="plan: simulating", unit="layout", **bar) as pbar:
-        for j, (lb, i) in enumerate(order):
+        while heap:
+            lb, i, exact = heapq.heappop(heap)
+            if not exact:
+                heapq.heappush(heap, (lower_bound(b, feasible[i].layout), i, True))
+                continue
             if not exhaustive and len(kth) >= top and lb * (1 - 1e-9) > -kth[0]:
+                # every entry left is (bound, index) after (lb, i): its layout's
+                # lower_bound is at least its entry's bound, at least lb; each record says
+                # its entry's bound (lower_bound, or the cheap one where that sufficed)
                 worst = -kth[0]
-                for lb2, i2 in order[j:]:
+                for lb2, i2, _ in [(lb, i, exact)] + sorted(heap):
                     pruned.append(Pruned(feasible[i2].layout,
                                          f"at least {lb2:.5g} s per step (a lower bound), "
                                          f"slower than the slowest of the {top} best "

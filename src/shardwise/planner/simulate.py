@@ -474,6 +474,39 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     backward, counted in the tp columns too (communication inside compute; ``simulate``
     splits them out). ``memo``: a dict kept by the caller for one search, holding the
     per-block prices (``block_costs``) of layouts that differ only in their chunks."""
+    blk = _block_prices(spec, lay, cluster, precision, dedicated, memo)
+    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+    out = []
+    seen: dict = {}
+    for c, (nb, head) in enumerate(chunks):
+        shape = (nb, head, c == 0)  # the first chunk holds the embedding
+        cc = seen.get(shape)  # the same arithmetic as the chunk priced before
+        if cc is None:
+            cc = seen[shape] = _chunk_cost(blk, lay, *shape)
+        out.append(cc)
+    if lay.zero == 3:  # each chunk's units gathered around every micro-batch's ops on it
+        part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
+        if memo is None and spec.description is not None:  # a described model's layers
+            # may differ in size: price each chunk on its own layers
+            return [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision,
+                                                 list(part.layers(i))))
+                    for i, c in enumerate(out)]
+        # else ZeRO-3's price of a chunk reads only its shape (blocks, head, embedding:
+        # zero3_seconds' memo key, or a named size's closed-form parameter counts), so it
+        # is priced once per shape, on the first chunk of that shape
+        priced: dict = {}
+        for i, (nb, head) in enumerate(chunks):
+            shape = (nb, head, i == 0)
+            if shape not in priced:
+                priced[shape] = _with_zero3(out[i], zero3_seconds(
+                    spec, lay, cluster, precision, list(part.layers(i)), memo))
+        out = [priced[(nb, head, i == 0)] for i, (nb, head) in enumerate(chunks)]
+    return out
+
+
+def _block_prices(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                  dedicated: bool, memo: dict | None) -> BlockCosts:
+    """``block_costs``, memoised in ``memo`` (when given) by what it reads of ``lay``."""
     key = (lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size, lay.sp,
            lay.cp, lay.ep, lay.fp8, lay.selective, dedicated)
     blk = None if memo is None else memo.get(key)
@@ -481,46 +514,58 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         blk = block_costs(spec, lay, cluster, precision, dedicated)
         if memo is not None:
             memo[key] = blk
+    return blk
+
+
+def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) -> ChunkCost:
+    """``chunk_costs``' price of one chunk of ``nb`` blocks, with the head and the embedding
+    or not (without ZeRO-3: ``_with_zero3``), from the per-block prices ``blk``."""
     tp_blk, n_sync, pen = blk.tp, blk.n_sync, blk.sync_penalty
     emb_tp, loss_tp, blk_s, head_s = blk.embed_tp, blk.loss_tp, blk.block, blk.head
     attn_s, send, a2a = blk.attention, blk.send, blk.all_to_all
     cp_f, cp_b = blk.cp_forward, blk.cp_backward
-    chunks = chunk_blocks(spec, lay.pp * lay.chunks_per_rank, lay.partition)
-    out = []
-    seen: dict = {}
-    for c, (nb, head) in enumerate(chunks):
-        emb = c == 0  # the first chunk holds the embedding
-        if (nb, head, emb) in seen:  # the same arithmetic as the chunk priced before
-            out.append(seen[(nb, head, emb)])
-            continue
-        comp_f = nb * blk_s + (head_s if head else 0.0)
-        cpf, epf = nb * cp_f, nb * a2a
-        tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
-        syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
-        wait_f = syncs * pen
-        cpb, epb = nb * cp_b, nb * a2a
-        tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
-        wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
-        comp_b = 2 * comp_f
-        if lay.recompute:
-            comp_b += comp_f
-            tpb += tpf
-            wait_b += wait_f
-            cpb, epb = cpb + cpf, epb + epf
-        elif lay.selective:  # the attention core's forward again, no collective in it
-            comp_b += nb * attn_s
-        # a blocking send (Megatron-LM 2021): the activation on, unless the head is here;
-        # the gradient back, unless the embedding is
-        ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
-        tpf, tpb = tpf + ppf, tpb + ppb
-        out.append(ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
-                             tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb))
-        seen[(nb, head, emb)] = out[-1]
-    if lay.zero == 3:  # each chunk's units gathered around every micro-batch's ops on it
-        part = cut(spec, lay.pp * lay.chunks_per_rank, lay.partition)
-        out = [_with_zero3(c, zero3_seconds(spec, lay, cluster, precision,
-                                            list(part.layers(i)), memo))
-               for i, c in enumerate(out)]
+    comp_f = nb * blk_s + (head_s if head else 0.0)
+    cpf, epf = nb * cp_f, nb * a2a
+    tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
+    syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
+    wait_f = syncs * pen
+    cpb, epb = nb * cp_b, nb * a2a
+    tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
+    wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
+    comp_b = 2 * comp_f
+    if lay.recompute:
+        comp_b += comp_f
+        tpb += tpf
+        wait_b += wait_f
+        cpb, epb = cpb + cpf, epb + epf
+    elif lay.selective:  # the attention core's forward again, no collective in it
+        comp_b += nb * attn_s
+    # a blocking send (Megatron-LM 2021): the activation on, unless the head is here;
+    # the gradient back, unless the embedding is
+    ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
+    tpf, tpb = tpf + ppf, tpb + ppb
+    return ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
+                     tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb)
+
+
+def model_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
+                  memo: dict | None = None) -> float:
+    """Forward + backward seconds of one micro-batch through every layer of the model, priced
+    as one chunk holding them all (``_chunk_cost``): the sum of ``chunk_costs``' forward +
+    backward over any cut of ``lay`` (every term is linear in the blocks, the embedding and
+    the head are each in one chunk; equal to rounding) less the parts a cut adds, none
+    negative: blocking sends between chunks and ZeRO-3's gathers. A lower bound's brick
+    (``search.Bounds.cheap``). ``memo``: ``chunk_costs``' dict for one search, keyed here by
+    what the answer reads of ``lay``."""
+    key = ("model", lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size,
+           lay.sp, lay.cp, lay.ep, lay.fp8, lay.selective, lay.recompute)
+    out = None if memo is None else memo.get(key)
+    if out is None:
+        blk = _block_prices(spec, lay, cluster, precision, False, memo)
+        c = _chunk_cost(blk, lay, spec.n_layer, True, True)
+        out = c.forward + c.backward
+        if memo is not None:
+            memo[key] = out
     return out
 
 
@@ -614,10 +659,11 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     n = lay.dp * lay.cp
     if lay.zero != 3 or n == 1:
         return Zero3Seconds(0.0, 0.0)
-    L = spec.n_layer  # the answer depends on the layers only through their kinds
+    # the answer depends on the layers only through their kinds: a chunk's layers are
+    # consecutive, the embedding (0) first and the head (L + 1) last where it holds them
+    emb, head = layers[0] == 0, layers[-1] == spec.n_layer + 1
     key = ("zero3", lay.dp, lay.cp, lay.tp, lay.pp, lay.ep, lay.micro_batch_size, lay.sp,
-           lay.fp8, lay.recompute, layers[0] == 0, sum(1 for i in layers if 1 <= i <= L),
-           layers[-1] == L + 1)
+           lay.fp8, lay.recompute, emb, len(layers) - emb - head, head)
     if memo is not None and key in memo:
         return memo[key]
     out = _zero3_seconds(spec, lay, cluster, precision, layers, n, memo)
@@ -650,18 +696,20 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
         return Zero3Seconds(gather(d, x) + units * pen,
                             gather(d, x) + scatter(d, x) + 2 * units * pen)
     fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)
-    kind = ["embed" if i == 0 else "head" if i == L + 1 else "block" for i in layers]
-    one = {k: i for k, i in zip(kind, layers)}  # a layer of each kind: every block is alike
+    # the layers are consecutive: the embedding first, the head last where they are here
+    emb, head = layers[0] == 0, layers[-1] == L + 1
+    nb = len(layers) - emb - head
+    # a layer of each kind (every block is alike; the last block stands for them)
+    one = {**({"embed": 0} if emb else {}), **({"block": layers[-1 - head]} if nb else {}),
+           **({"head": L + 1} if head else {})}
     x = {k: parts([i]) for k, i in one.items()}
     gk = {k: gather(*v) for k, v in x.items()}
     rk = {k: scatter(*v) for k, v in x.items()}
     mult = 3 if lay.recompute else 2
     # a block between two blocks adds the same terms: sum the sequence with three blocks
     # (its ends, and one such middle block) and the other middle blocks in one product
-    middle = max(0, kind.count("block") - 3)
-    if middle:
-        first = kind.index("block")
-        kind = kind[:first + 3] + kind[first + 3 + middle:]
+    middle = max(0, nb - 3)
+    kind = ["embed"] * emb + ["block"] * min(nb, 3) + ["head"] * head
     g, r, c = [gk[k] for k in kind], [rk[k] for k in kind], [fwd[k] for k in kind]
     b = [mult * x for x in c]
     forward = g[0] + sum(max(0.0, g[i] - c[i - 1]) for i in range(1, len(kind)))
@@ -816,6 +864,14 @@ def _orders(p: int, m: int, v: int):
     sends = np.where(bwd, O_c > 0, O_c < n - 1) if p > 1 else np.zeros_like(bwd)
     send_pos = [np.nonzero(sends[r])[0] for r in range(p)]
     return bwd, O_c, has_rem, rem_c % p, rem_k, own_k, send_pos
+
+
+@lru_cache(maxsize=256)
+def _walk_fast_memo(p: int, m: int, v: int, costs: tuple[ChunkCost, ...], p2p: float) -> Walk:
+    """``walk_fast``, memoised by all it reads: a search simulates layouts that walk alike
+    (ZeRO 0, 1 and 2 of one layout have the same chunk costs and transfers, and only their
+    dp time after the walk differs). Its lists are shared: read them, never change them."""
+    return walk_fast(p, m, v, list(costs), p2p)
 
 
 def walk_fast(p: int, m: int, v: int, costs: list[ChunkCost], p2p: float) -> Walk:
@@ -1022,7 +1078,8 @@ def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | No
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
-        run = lambda c: walk_fast(p, m, v, costs, c)
+        key = tuple(costs)
+        run = lambda c: _walk_fast_memo(p, m, v, key, c)
     elif shared:
         sched = schedule(kind, p, m, v)
         run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)
