@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh STEP [OUT]
 #
-# STEP: tests | zero | llama | gpt2 | all-tests. OUT (default: $OUT, else benchmarks/gpu_results):
+# STEP: tests | zero | moe | llama | gpt2 | all-tests. OUT (default: $OUT, else benchmarks/gpu_results):
 # where logs and result files go. The machine has torch with CUDA but not our pure-Python
 # dependencies: wheels in .whl/ (pydantic, pydantic_core, annotated_types,
 # typing_inspection, torchao; gitignored, carry them with the run) are installed into
@@ -15,17 +15,21 @@
 #              recomputation on CUDA among them) and, in the several-ranks-on-one-GPU mode,
 #              the Llama and resharding parity suites (~6-9 min)
 #   zero       in the several-ranks-on-one-GPU mode, ZeRO-3 compiled (dp2) and ZeRO-3 with
-#              a pipeline (dp2 x pp2), both new since the last GPU session (~3 min)
+#              a pipeline (dp2 x pp2, flush and interleaved), new since the last GPU
+#              session (~3 min)
+#   moe        in the same mode, the mixture-of-experts parity suite (ep, cp, ZeRO-3 x ep,
+#              sequence parallelism with experts, the routing bias, Qwen2-MoE's gated shared
+#              expert: F.grouped_mm in bf16 and our all-to-all on CUDA tensors) (~4 min)
 #   llama      the Llama-3.2-1B-shaped rows with 2 micro-batches of 8 sequences (larger
 #              GEMMs than the 4 x 4 of the recorded run): bf16 and fp8 tensorwise (~4 min)
 #   gpt2       GPT-2 small, the compiled row only, batch 64 in 4 micro-batches (~3 min)
 #   all-tests  tests/ whole in the several-ranks-on-one-GPU mode (longer than one call:
 #              only with a machine to spare)
 set -uo pipefail
-step=${1:?usage: gpu_session.sh tests|zero|llama|gpt2|all-tests [OUT]}
+step=${1:?usage: gpu_session.sh tests|zero|moe|llama|gpt2|all-tests [OUT]}
 out=${2:-${OUT:-benchmarks/gpu_results}}
-case $step in tests|zero|llama|gpt2|all-tests) ;;
-    *) echo "gpu_session.sh: STEP: expected tests, zero, llama, gpt2 or all-tests, got '$step'" >&2
+case $step in tests|zero|moe|llama|gpt2|all-tests) ;;
+    *) echo "gpu_session.sh: STEP: expected tests, zero, moe, llama, gpt2 or all-tests, got '$step'" >&2
        exit 2 ;;
 esac
 mkdir -p "$out"
@@ -46,6 +50,9 @@ case $step in
         SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q \
             tests/test_zero.py tests/test_pp_trainer.py -k "compiled or zero3" 2>&1 \
             | tee "$out/zero3_compiled_and_pp_cuda_gloo_one_gpu.log" | tail -5 ;;
+    moe)
+        SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q tests/test_moe.py 2>&1 \
+            | tee "$out/moe_cuda_gloo_one_gpu.log" | tail -5 ;;
     llama)
         python3 benchmarks/gpu_llama.py --rows ours,ours-fp8-tensorwise --micro-batches 2 \
             --steps 5 --warmup 2 --tag cuda_llama1b_m2 --out "$out" ;;
