@@ -8,6 +8,7 @@ from ddp_workers import (
     _result,
     _trainer,
     resume_and_finish,
+    run_all,
     tiny_config,
     train,
     train_and_checkpoint,
@@ -111,16 +112,33 @@ def test_compiled_zero3_trains_like_one_eager_process(corpus, tmp_path):
         assert_parity(r, ref, rtol=1e-4)
 
 
-@pytest.mark.parametrize("zero, precision", [(2, "fp32"), (3, "fp32"), (3, "bf16")])
-def test_zero_resume_matches_uninterrupted_run(zero, precision, corpus, tmp_path):
+RESUME_CASES = [(2, "fp32"), (3, "fp32"), (3, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def resumes(corpus, tmp_path_factory):
+    """Two spawns of 2 for every case: the uninterrupted runs and the runs cut at step 4 (in
+    turn), then the resumes, in fresh processes. (zero, precision) -> (straight, resumed)."""
+    calls, resume_calls = [], []
+    for zero, precision in RESUME_CASES:
+        root = tmp_path_factory.mktemp(f"resume-z{zero}-{precision}")
+        sections = {"parallel": {"dp": 2, "zero": zero, "bucket_mb": 0.004},
+                    "training": {"steps": 8, "precision": precision}}
+        cut = tiny_config(str(corpus), str(root / "cut"), **sections)
+        calls += [(train, (tiny_config(str(corpus), str(root / "full"), **sections),)),
+                  (train_and_checkpoint, (cut, 4))]
+        resume_calls.append((resume_and_finish, (cut,)))
+    first = spawn(run_all, 2, (calls,))
+    resumed = spawn(run_all, 2, (resume_calls,))
+    return {case: ([r[2 * i] for r in first], [r[i] for r in resumed])
+            for i, case in enumerate(RESUME_CASES)}
+
+
+@pytest.mark.parametrize("zero, precision", RESUME_CASES)
+def test_zero_resume_matches_uninterrupted_run(zero, precision, resumes):
     """bf16 too: the fp32 masters travel in the checkpoint, not the rounded weights."""
-    sections = {"parallel": {"dp": 2, "zero": zero, "bucket_mb": 0.004},
-                "training": {"steps": 8, "precision": precision}}
-    full = tiny_config(str(corpus), str(tmp_path / "full"), **sections)
-    cut = tiny_config(str(corpus), str(tmp_path / "cut"), **sections)
-    straight = spawn(train, 2, (full,))
-    spawn(train_and_checkpoint, 2, (cut, 4))
-    resumed = spawn(resume_and_finish, 2, (cut,))
+    straight, resumed = resumes[zero, precision]
+    assert len(straight) == len(resumed) == 2
     for rank in range(2):
         assert resumed[rank]["resumed_at"] == 4
         assert resumed[rank]["losses"] == straight[rank]["losses"]
