@@ -182,17 +182,33 @@ def test_fp16_needs_scaling():
                           "training": {"precision": "fp16", "loss_scaling": False}})
 
 
-@pytest.mark.parametrize("zero, dp, precision", [
-    (1, 2, "bf16"), (2, 2, "bf16"), (3, 2, "bf16"), (2, 4, "bf16"), (3, 4, "fp32")])
-def test_memory_matches_the_formulas_exactly(zero, dp, precision, corpus, tmp_path):
+MEMORY_CASES = [(1, 2, "bf16"), (2, 2, "bf16"), (3, 2, "bf16"), (2, 4, "bf16"), (3, 4, "fp32")]
+
+
+@pytest.fixture(scope="module")
+def memory_reports(corpus, tmp_path_factory):
+    """One spawn per dp (2, 4) measures every case of that size in turn (bytes of the
+    tensors each engine holds: no process-wide measure). (zero, dp, precision) -> reports."""
+    from ddp_workers import memory_after_steps
+
+    out = {}
+    for dp in sorted({c[1] for c in MEMORY_CASES}):
+        cases = [c for c in MEMORY_CASES if c[1] == dp]
+        calls = [(memory_after_steps, (tiny_config(
+            str(corpus), str(tmp_path_factory.mktemp("memory")), parallel={"dp": dp, "zero": z},
+            training={"precision": p, "steps": 2}),)) for z, _, p in cases]
+        ranks = spawn(run_all, dp, (calls,))
+        out |= {case: [r[i] for r in ranks] for i, case in enumerate(cases)}
+    return out
+
+
+@pytest.mark.parametrize("zero, dp, precision", MEMORY_CASES)
+def test_memory_matches_the_formulas_exactly(zero, dp, precision, memory_reports):
     """4P + 12P/N, 2P + 14P/N, 16P/N bytes (bf16), measured from the tensors each rank
     holds after a step; the only difference allowed is stated: no Adam moments (8 bytes
     each) for the padding elements a rank owns."""
-    from ddp_workers import memory_after_steps
-
-    cfg = tiny_config(str(corpus), str(tmp_path), parallel={"dp": dp, "zero": zero},
-                      training={"precision": precision, "steps": 2})
-    reports = spawn(memory_after_steps, dp, (cfg,))
+    reports = memory_reports[zero, dp, precision]
+    assert len(reports) == dp
     for r in reports:
         pred, meas = r["predicted"], r["measured"]
         assert meas["params"] == pred["params"], r
