@@ -121,6 +121,13 @@ def resume_and_finish(cfg_dict: dict) -> dict:
     return _result(trainer) | {"resumed_at": start}
 
 
+def run_all(calls: list[tuple]) -> list:
+    """``[fn(*args) for fn, args in calls]`` on this rank: several runs (each building its
+    own process groups over the same world) in one spawn of ranks, as the layout tests do;
+    each spawn costs seconds of start-up. ``fn``: a module-level function (pickled by name)."""
+    return [fn(*args) for fn, args in calls]
+
+
 def overlap_probe(bucket_mb: float) -> dict:
     """Different init per rank, our DDP, one backward: report broadcast and overlap facts."""
     from shardwise.models import GPT, GPTConfig

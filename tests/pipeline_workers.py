@@ -103,6 +103,12 @@ def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5,
             for i, cfg in enumerate(cfgs)]
 
 
+def run_groups(groups: list[tuple]) -> list[list[dict]]:
+    """``run_many(*group)`` for each group in turn: several (dp, pp) shapes and step counts
+    in one spawn of ranks (each group builds its own process groups)."""
+    return [run_many(*group) for group in groups]
+
+
 def pipedream_reference(pp: int, m: int, steps: int) -> dict:
     """One process running PipeDream's stream (``steps`` steps, then the drain) exactly: one
     AdamW per stage, stepped after each of that stage's backwards; each forward on a copy of

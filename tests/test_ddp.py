@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddp_workers import overlap_probe, tiny_config, train
+from ddp_workers import overlap_probe, run_all, tiny_config, train
 from helpers import rel_err
 from shardwise.launch import spawn
 
@@ -26,18 +26,38 @@ def assert_parity(result: dict, ref: dict, rtol: float = RTOL) -> None:
         assert rel_err(result["params"][name], p) <= rtol, (name, rel_err(result["params"][name], p))
 
 
-@pytest.mark.parametrize("dp, micro_batches, bucket_mb, allreduce", [
+CASES = [
     (2, 1, 25.0, "auto"),    # one bucket holds every gradient
     (4, 1, 25.0, "ring"),
     (2, 2, 0.004, "native"),  # gradient accumulation under no_sync, many small buckets
     (4, 2, 0.004, "halving_doubling"),
-])
-def test_ddp_matches_single_process(dp, micro_batches, bucket_mb, allreduce, reference, corpus,
-                                    tmp_path):
-    cfg = tiny_config(str(corpus), str(tmp_path),
-                      parallel={"dp": dp, "micro_batches": micro_batches, "bucket_mb": bucket_mb,
-                                "allreduce": allreduce})
-    results = spawn(train, dp, (cfg,))
+]
+OVERLAP_BUCKET_MB = 0.02
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """One spawn per world size (2, 4) trains every case of that size in turn (each with its
+    own process groups); the spawn of 2 also runs the overlap probe. case -> rank results."""
+    out = {}
+    for ws in (2, 4):
+        cases = [c for c in CASES if c[0] == ws]
+        calls = [(train, (tiny_config(str(corpus), str(tmp_path_factory.mktemp("ddp")),
+                                      parallel={"dp": dp, "micro_batches": mb, "bucket_mb": bmb,
+                                                "allreduce": ar}),))
+                 for dp, mb, bmb, ar in cases]
+        if ws == 2:
+            cases.append("overlap")
+            calls.append((overlap_probe, (OVERLAP_BUCKET_MB,)))
+        ranks = spawn(run_all, ws, (calls,))
+        out |= {case: [r[i] for r in ranks] for i, case in enumerate(cases)}
+    return out
+
+
+@pytest.mark.parametrize("dp, micro_batches, bucket_mb, allreduce", CASES)
+def test_ddp_matches_single_process(dp, micro_batches, bucket_mb, allreduce, reference, runs):
+    results = runs[dp, micro_batches, bucket_mb, allreduce]
+    assert len(results) == dp
     assert len(reference["losses"]) == 5
     # training really moved the weights, so equality is not a tautology
     assert reference["losses"][-1] < reference["losses"][0]
@@ -49,10 +69,10 @@ def test_ddp_matches_single_process(dp, micro_batches, bucket_mb, allreduce, ref
         assert results[0]["n_buckets"] == 1
 
 
-def test_broadcast_and_overlap():
+def test_broadcast_and_overlap(runs):
     """Ranks start from different weights; after wrapping they agree. With small buckets,
     some all-reduce starts before the last gradient hook fires (overlap with backward)."""
-    r0, r1 = spawn(overlap_probe, 2, (0.02,))
+    r0, r1 = runs["overlap"]
     torch.testing.assert_close(r0["params"], r1["params"], rtol=0, atol=0)
     torch.testing.assert_close(r0["grads"], r1["grads"], rtol=0, atol=0)
     for r in (r0, r1):

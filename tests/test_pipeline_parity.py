@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import rel_err
-from pipeline_workers import make_engine, pipedream_reference, reference, run_many
+from pipeline_workers import make_engine, pipedream_reference, reference, run_groups
 from shardwise.base.topology import Topology
 from shardwise.cli import timeline as timeline_cli
 from shardwise.launch import spawn
@@ -45,10 +45,42 @@ FLUSH = [
     {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 2},
 ]
 WITH_RECOMPUTE = FLUSH + [dict(c, recompute=True) for c in FLUSH[1:]]
+PIPEDREAM_PP2 = [{"schedule": "pipedream", "micro_batches": 4}]
+PP4 = [
+    {"schedule": "gpipe", "micro_batches": 4},
+    {"schedule": "1f1b", "micro_batches": 8, "partition": "params"},
+    {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 2, "recompute": True},
+    {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
+    # memory at m = 8: GPipe holds 8 micro-batches per rank, 1F1B at most p - rank
+    {"schedule": "gpipe", "micro_batches": 8},
+    {"schedule": "1f1b", "micro_batches": 8, "recompute": True},
+    {"schedule": "pipedream", "micro_batches": 2},
+]
+SMALL = {"bucket_mb": 1 / 128, "first_bucket_mb": 1 / 128}
+DP2_PP2 = [{"schedule": "gpipe", "micro_batches": 2, **SMALL},
+           {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
+           {"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2, **SMALL}]
 
 
-def test_pp2_matches_single_process_and_records_timelines(ref, tmp_path):
-    results = spawn(run_many, 2, (1, 2, WITH_RECOMPUTE, 5, str(tmp_path)))
+@pytest.fixture(scope="module")
+def ws2(tmp_path_factory):
+    """One spawn of 2: every flush schedule at pp = 2 (5 steps, timelines saved under
+    ``run_dir``), then PipeDream at m = 4 (12 steps). -> (runs, run_dir)."""
+    run_dir = tmp_path_factory.mktemp("timelines")
+    ranks = spawn(run_groups, 2, ([(1, 2, WITH_RECOMPUTE, 5, str(run_dir)),
+                                   (1, 2, PIPEDREAM_PP2, 12)],))
+    return [[r[g] for r in ranks] for g in range(2)], run_dir
+
+
+@pytest.fixture(scope="module")
+def ws4():
+    """One spawn of 4: pp = 4 (``PP4``), then dp = 2 x pp = 2 (``DP2_PP2``)."""
+    ranks = spawn(run_groups, 4, ([(1, 4, PP4), (2, 2, DP2_PP2)],))
+    return [[r[g] for r in ranks] for g in range(2)]
+
+
+def test_pp2_matches_single_process_and_records_timelines(ref, ws2):
+    (results, _), tmp_path = ws2
     for i, cfg in enumerate(WITH_RECOMPUTE):
         assert_parity([rank[i] for rank in results], ref)
     # every rank recorded the last step: one forward and one backward per (mb, chunk) held
@@ -62,18 +94,9 @@ def test_pp2_matches_single_process_and_records_timelines(ref, tmp_path):
     assert (tmp_path / "1f1b.png").stat().st_size > 10_000
 
 
-def test_pp4_parity_memory_and_pipedream(ref):
-    cfgs = [
-        {"schedule": "gpipe", "micro_batches": 4},
-        {"schedule": "1f1b", "micro_batches": 8, "partition": "params"},
-        {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 2, "recompute": True},
-        {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
-        # memory at m = 8: GPipe holds 8 micro-batches per rank, 1F1B at most p - rank
-        {"schedule": "gpipe", "micro_batches": 8},
-        {"schedule": "1f1b", "micro_batches": 8, "recompute": True},
-        {"schedule": "pipedream", "micro_batches": 2},
-    ]
-    results = spawn(run_many, 4, (1, 4, cfgs))
+def test_pp4_parity_memory_and_pipedream(ref, ws4):
+    results = ws4[0]
+    assert len(results) == 4 and all(len(rank) == len(PP4) for rank in results)
     for i in range(4):
         assert_parity([rank[i] for rank in results], ref)
     # PipeDream, no flush: rank r ends step k with min(p - r - 1, 2 (k + 1)) in flight, and
@@ -86,14 +109,11 @@ def test_pp4_parity_memory_and_pipedream(ref):
     assert max(ofob) < max(gpipe) and max(ofob_rc) < max(ofob)
 
 
-def test_dp2_pp2_matches_single_process(ref):
+def test_dp2_pp2_matches_single_process(ref, ws4):
     """dp gradients go in buckets (8 KiB here: several per stage), each all-reduced as soon as
     its chunk's last backward has run, before the optimizer step."""
-    small = {"bucket_mb": 1 / 128, "first_bucket_mb": 1 / 128}
-    cfgs = [{"schedule": "gpipe", "micro_batches": 2, **small},
-            {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
-            {"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2, **small}]
-    results = spawn(run_many, 4, (2, 2, cfgs))
+    cfgs, results = DP2_PP2, ws4[1]
+    assert len(results) == 4
     for i in range(len(cfgs)):
         assert_parity([rank[i] for rank in results], ref)
         for rank in results:
@@ -101,11 +121,11 @@ def test_dp2_pp2_matches_single_process(ref):
             assert early == n and (n > 2 if "bucket_mb" in cfgs[i] else n <= 2), rank[i]["buckets"]
 
 
-def test_pipedream_stashes_weights_and_learns():
+def test_pipedream_stashes_weights_and_learns(ws2):
     """Each micro-batch's backward differentiates the very weights its forward used, although
     the live weights moved in between (earlier stages step p - rank - 1 times meanwhile); the
     stream never drains between steps and matches one process running it; the loss falls."""
-    results = spawn(run_many, 2, (1, 2, [{"schedule": "pipedream", "micro_batches": 4}], 12))
+    results = ws2[0][1]
     assert_parity([rank[0] for rank in results], pipedream_reference(2, 4, 12))
     assert [rank[0]["in_flight"] for rank in results] == [[1] * 12, [0] * 12]
     moved = 0

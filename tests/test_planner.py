@@ -12,7 +12,7 @@
 import pytest
 
 from ddp_workers import tiny_config
-from helpers import assert_proc_one_line_exit_2, run_shardwise
+from helpers import assert_one_line_exit_2, assert_proc_one_line_exit_2, run_shardwise
 from planner_workers import measure_worker
 from shardwise.launch import spawn
 from shardwise.planner.memory import (
@@ -256,6 +256,15 @@ def test_pruning_reasons():
     assert not feasible and all(p.need is None or p.need > 40 * 2**30 for p in pruned)
 
 
+def _exit_code(argv) -> int:
+    from shardwise.cli.main import main
+
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own errors
+        return e.code
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt2-124m", "--cluster", "dgx-z100"], "--cluster 'dgx-z100': unknown preset"),
     (["--model", "gpt3-175b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "8"],
@@ -265,16 +274,26 @@ def test_pruning_reasons():
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--seq", "abc"], "expected a number"),
     (["--model", "no-such-model"], "neither a named size"),
 ])
-def test_bad_input_is_one_line_exit_2(args, needle):
-    assert_proc_one_line_exit_2(run_shardwise("plan", *args, cwd=None), needle)
+def test_bad_input_is_one_line_exit_2(args, needle, capsys):
+    """In this process (``shardwise.cli.main``; argparse's own exits caught): each fresh
+    interpreter cost seconds. The entry point's exit code: the first case below, and
+    test_cli.py's ``test_entry_point_exit_code_for_bad_input``."""
+    assert_one_line_exit_2(["plan", *args], capsys, needle, main=_exit_code)
 
 
-def test_cnn_is_routed_to_its_chooser_with_its_own_options():
-    r = run_shardwise("plan", "--model", "cnn", "--batch", "64", "--ranks", "4", cwd=None)
-    assert r.returncode == 0, r.stderr
-    assert "batch 64, 4 ranks" in r.stdout and "compare: dp" in r.stdout
-    bad = run_shardwise("plan", "--model=cnn", "--plan", "column,dp,dp,dp,dp", cwd=None)
-    assert_proc_one_line_exit_2(bad, "conv1=column")
+def test_entry_point_exit_code_for_bad_plan_input():
+    assert_proc_one_line_exit_2(run_shardwise("plan", "--model", "gpt2-124m", "--cluster",
+                                              "dgx-z100", cwd=None), "unknown preset")
+
+
+def test_cnn_is_routed_to_its_chooser_with_its_own_options(capsys):
+    from shardwise.cli.main import main
+
+    assert main(["plan", "--model", "cnn", "--batch", "64", "--ranks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 64, 4 ranks" in out and "compare: dp" in out
+    assert_one_line_exit_2(["plan", "--model=cnn", "--plan", "column,dp,dp,dp,dp"], capsys,
+                           "conv1=column", main=_exit_code)
 
 
 def test_plan_ranks_a100_layouts():

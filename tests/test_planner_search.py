@@ -138,7 +138,10 @@ def test_cost_tuples_carry_their_names():
     assert len(w.end) == len(w.busy) == len(w.tp) == 2 and w.events == []
 
 
-CASES = [("gpt3-13b", "dgx-a100-80gb", 64, 128), ("megatron-18b", "dgx-a100-80gb", 128, 256),
+# megatron-18b repeats gpt3-13b's case (a GPT on the same DGX A100 preset), twice the GPUs
+# and batch: slow (~13 s of the exhaustive search); the other two stay in make test
+CASES = [("gpt3-13b", "dgx-a100-80gb", 64, 128),
+         pytest.param("megatron-18b", "dgx-a100-80gb", 128, 256, marks=pytest.mark.slow),
          ("llama2-70b", "dgx-h100", 256, 256)]
 
 

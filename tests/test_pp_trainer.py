@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from ddp_workers import (resume_and_finish, tiny_config, train, train_and_checkpoint, train_each,
-                         train_saving_at)
+from ddp_workers import (
+    resume_and_finish,
+    run_all,
+    tiny_config,
+    train,
+    train_and_checkpoint,
+    train_each,
+    train_saving_at,
+)
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
 from test_ddp import assert_parity
@@ -87,16 +94,34 @@ def test_zero3_pipeline_matches_single_process(corpus, tmp_path):
                 {k: want[k] for k in ("params", "grads", "optimizer")}, (i, r["coords"])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
-def test_pp_resume_matches_uninterrupted_run(schedule, corpus, tmp_path):
+RESUME_SCHEDULES = ["1f1b", "pipedream"]
+
+
+@pytest.fixture(scope="module")
+def resumes(corpus, tmp_path_factory):
+    """Two spawns of 2 for every schedule: the uninterrupted runs and the runs cut at step 4
+    (in turn), then the resumes, in fresh processes. schedule -> (straight, resumed)."""
+    calls, resume_calls = [], []
+    for schedule in RESUME_SCHEDULES:
+        root = tmp_path_factory.mktemp(f"resume-{schedule}")
+        sections = {"model": UNTIED, "training": {"steps": 8},
+                    "parallel": {"dp": 1, "pp": 2, "micro_batches": 2, "schedule": schedule},
+                    "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0}}
+        cut = tiny_config(str(corpus), str(root / "b"), **sections)
+        calls += [(train_saving_at, (tiny_config(str(corpus), str(root / "a"), **sections), 4)),
+                  (train_and_checkpoint, (cut, 4))]
+        resume_calls.append((resume_and_finish, (cut,)))
+    first = spawn(run_all, 2, (calls,))
+    resumed = spawn(run_all, 2, (resume_calls,))
+    return {s: ([r[2 * i] for r in first], [r[i] for r in resumed])
+            for i, s in enumerate(RESUME_SCHEDULES)}
+
+
+@pytest.mark.parametrize("schedule", RESUME_SCHEDULES)
+def test_pp_resume_matches_uninterrupted_run(schedule, resumes):
     """Bitwise. PipeDream drains its stream at a checkpoint, in both runs alike."""
-    sections = {"model": UNTIED, "training": {"steps": 8},
-                "parallel": {"dp": 1, "pp": 2, "micro_batches": 2, "schedule": schedule},
-                "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0}}
-    straight = spawn(train_saving_at, 2, (tiny_config(str(corpus), str(tmp_path / "a"), **sections), 4))
-    cut = tiny_config(str(corpus), str(tmp_path / "b"), **sections)
-    spawn(train_and_checkpoint, 2, (cut, 4))
-    resumed = spawn(resume_and_finish, 2, (cut,))
+    straight, resumed = resumes[schedule]
+    assert len(straight) == len(resumed) == 2
     for a, b in zip(straight, resumed):
         assert b["resumed_at"] == 4 and b["losses"] == a["losses"]
         for name, p in a["stage_params"].items():

@@ -2,7 +2,7 @@
 
 import torch
 
-from ddp_workers import resume_and_finish, tiny_config, train, train_and_checkpoint
+from ddp_workers import resume_and_finish, run_all, tiny_config, train, train_and_checkpoint
 from shardwise import checkpoint
 from shardwise.launch import spawn
 
@@ -12,8 +12,8 @@ def test_resume_matches_uninterrupted_run(corpus, tmp_path):
                        training={"steps": 10})
     cut = tiny_config(str(corpus), str(tmp_path / "cut"), parallel={"dp": 2},
                       training={"steps": 10})
-    straight = spawn(train, 2, (full,))
-    first = spawn(train_and_checkpoint, 2, (cut, 5))
+    # one spawn runs both in turn (each with its own groups); the resume below starts fresh
+    straight, first = zip(*spawn(run_all, 2, ([(train, (full,)), (train_and_checkpoint, (cut, 5))],)))
     assert [c.name for c in checkpoint.complete_checkpoints(tmp_path / "cut" / "checkpoints")] \
         == ["step_000005"]
     second = spawn(resume_and_finish, 2, (cut,))  # fresh processes: nothing survives but files

@@ -8,6 +8,7 @@ from ddp_workers import (
     _result,
     _trainer,
     resume_and_finish,
+    run_all,
     tiny_config,
     train,
     train_and_checkpoint,
@@ -111,16 +112,33 @@ def test_compiled_zero3_trains_like_one_eager_process(corpus, tmp_path):
         assert_parity(r, ref, rtol=1e-4)
 
 
-@pytest.mark.parametrize("zero, precision", [(2, "fp32"), (3, "fp32"), (3, "bf16")])
-def test_zero_resume_matches_uninterrupted_run(zero, precision, corpus, tmp_path):
+RESUME_CASES = [(2, "fp32"), (3, "fp32"), (3, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def resumes(corpus, tmp_path_factory):
+    """Two spawns of 2 for every case: the uninterrupted runs and the runs cut at step 4 (in
+    turn), then the resumes, in fresh processes. (zero, precision) -> (straight, resumed)."""
+    calls, resume_calls = [], []
+    for zero, precision in RESUME_CASES:
+        root = tmp_path_factory.mktemp(f"resume-z{zero}-{precision}")
+        sections = {"parallel": {"dp": 2, "zero": zero, "bucket_mb": 0.004},
+                    "training": {"steps": 8, "precision": precision}}
+        cut = tiny_config(str(corpus), str(root / "cut"), **sections)
+        calls += [(train, (tiny_config(str(corpus), str(root / "full"), **sections),)),
+                  (train_and_checkpoint, (cut, 4))]
+        resume_calls.append((resume_and_finish, (cut,)))
+    first = spawn(run_all, 2, (calls,))
+    resumed = spawn(run_all, 2, (resume_calls,))
+    return {case: ([r[2 * i] for r in first], [r[i] for r in resumed])
+            for i, case in enumerate(RESUME_CASES)}
+
+
+@pytest.mark.parametrize("zero, precision", RESUME_CASES)
+def test_zero_resume_matches_uninterrupted_run(zero, precision, resumes):
     """bf16 too: the fp32 masters travel in the checkpoint, not the rounded weights."""
-    sections = {"parallel": {"dp": 2, "zero": zero, "bucket_mb": 0.004},
-                "training": {"steps": 8, "precision": precision}}
-    full = tiny_config(str(corpus), str(tmp_path / "full"), **sections)
-    cut = tiny_config(str(corpus), str(tmp_path / "cut"), **sections)
-    straight = spawn(train, 2, (full,))
-    spawn(train_and_checkpoint, 2, (cut, 4))
-    resumed = spawn(resume_and_finish, 2, (cut,))
+    straight, resumed = resumes[zero, precision]
+    assert len(straight) == len(resumed) == 2
     for rank in range(2):
         assert resumed[rank]["resumed_at"] == 4
         assert resumed[rank]["losses"] == straight[rank]["losses"]
@@ -164,17 +182,33 @@ def test_fp16_needs_scaling():
                           "training": {"precision": "fp16", "loss_scaling": False}})
 
 
-@pytest.mark.parametrize("zero, dp, precision", [
-    (1, 2, "bf16"), (2, 2, "bf16"), (3, 2, "bf16"), (2, 4, "bf16"), (3, 4, "fp32")])
-def test_memory_matches_the_formulas_exactly(zero, dp, precision, corpus, tmp_path):
+MEMORY_CASES = [(1, 2, "bf16"), (2, 2, "bf16"), (3, 2, "bf16"), (2, 4, "bf16"), (3, 4, "fp32")]
+
+
+@pytest.fixture(scope="module")
+def memory_reports(corpus, tmp_path_factory):
+    """One spawn per dp (2, 4) measures every case of that size in turn (bytes of the
+    tensors each engine holds: no process-wide measure). (zero, dp, precision) -> reports."""
+    from ddp_workers import memory_after_steps
+
+    out = {}
+    for dp in sorted({c[1] for c in MEMORY_CASES}):
+        cases = [c for c in MEMORY_CASES if c[1] == dp]
+        calls = [(memory_after_steps, (tiny_config(
+            str(corpus), str(tmp_path_factory.mktemp("memory")), parallel={"dp": dp, "zero": z},
+            training={"precision": p, "steps": 2}),)) for z, _, p in cases]
+        ranks = spawn(run_all, dp, (calls,))
+        out |= {case: [r[i] for r in ranks] for i, case in enumerate(cases)}
+    return out
+
+
+@pytest.mark.parametrize("zero, dp, precision", MEMORY_CASES)
+def test_memory_matches_the_formulas_exactly(zero, dp, precision, memory_reports):
     """4P + 12P/N, 2P + 14P/N, 16P/N bytes (bf16), measured from the tensors each rank
     holds after a step; the only difference allowed is stated: no Adam moments (8 bytes
     each) for the padding elements a rank owns."""
-    from ddp_workers import memory_after_steps
-
-    cfg = tiny_config(str(corpus), str(tmp_path), parallel={"dp": dp, "zero": zero},
-                      training={"precision": precision, "steps": 2})
-    reports = spawn(memory_after_steps, dp, (cfg,))
+    reports = memory_reports[zero, dp, precision]
+    assert len(reports) == dp
     for r in reports:
         pred, meas = r["predicted"], r["measured"]
         assert meas["params"] == pred["params"], r
