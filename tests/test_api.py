@@ -1,4 +1,5 @@
-"""The front door: ``import shardwise`` exports the public API, lazily."""
+"""The front door: ``import shardwise`` exports the public API, lazily; and ``shardwise plan``
+for a named size imports neither the engine nor ``torch._dynamo`` (about a second each)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,27 @@ def test_import_is_lazy():
                  "print('shardwise.base.topology' in sys.modules, 'shardwise.engine' in sys.modules,"
                  " 'torch.distributed' in sys.modules)")
     assert out == "True False False"
+
+
+def test_plan_of_a_named_size_imports_no_engine_and_no_dynamo():
+    """``shardwise plan --model llama3-8b`` (and mixtral-8x7b, whose experts are the MoE's)
+    runs in process without importing the engine, a model (``models.llama`` -> ``models.moe``)
+    or ``torch._dynamo``: ``planner.memory`` imports ``engine.memory.predict_rank`` only on
+    its exact path, and ``shardwise.models`` loads its models lazily (``@torch.compiler.disable``
+    at module level, in the MoE and in tensor_parallel, imports dynamo)."""
+    heavy = ("torch._dynamo", "shardwise.engine", "shardwise.models.gpt",
+             "shardwise.models.llama", "shardwise.models.moe")
+    out = _fresh(
+        "import contextlib, io, sys\n"
+        "import shardwise.cli.plan\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+        "from shardwise.cli.main import main\n"
+        "for argv in (['--model', 'llama3-8b', '--gpus', '8', '--global-batch', '64'],\n"
+        "             ['--model', 'mixtral-8x7b', '--gpus', '16', '--global-batch', '16']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert main(['plan', '--cluster', 'dgx-a100-80gb', *argv]) == 0\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    assert out == "[]\n[]"
 
 
 def test_docs_api_covers_every_name():

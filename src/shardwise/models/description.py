@@ -239,6 +239,23 @@ class ModelKind:
 
 
 _KINDS: dict[str, ModelKind] = {}
+_OWN_REGISTERED = False
+
+
+def _own_first() -> None:
+    """Register shardwise's own kinds ("gpt", "llama") once, before any other: importing
+    ``shardwise.models`` no longer does it (it imports no model: see its docstring)."""
+    global _OWN_REGISTERED
+    if _OWN_REGISTERED:
+        return
+    _OWN_REGISTERED = True  # first: _register_own calls register_model
+    try:
+        from shardwise.models import _register_own
+
+        _register_own()
+    except BaseException:
+        _OWN_REGISTERED = False
+        raise
 
 
 def register_model(name: str, config_type: type, describe: Callable[[Any], ModelDescription],
@@ -247,15 +264,13 @@ def register_model(name: str, config_type: type, describe: Callable[[Any], Model
     a name again replaces it (shardwise's own are registered first, so yours win). Call it
     at import time of the module that defines the model, so spawned ranks, which import that
     module again (``model.module`` on the command line), know it too."""
-    import shardwise.models  # noqa: F401  ("gpt" and "llama" first, whoever imports first)
-
+    _own_first()  # "gpt" and "llama" first, whoever registers first
     _KINDS[name] = ModelKind(name, config_type, describe, from_section)
 
 
 def model_kinds() -> tuple[str, ...]:
     """The registered kinds, shardwise's own first."""
-    import shardwise.models  # noqa: F401  (registers "gpt" and "llama")
-
+    _own_first()
     return tuple(_KINDS)
 
 

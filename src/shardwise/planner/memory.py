@@ -74,7 +74,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from shardwise.engine.memory import predict_rank
 from shardwise.parallel.pipeline.partition import balanced
 from shardwise.parallel.pipeline.schedules import warmup_forwards
 from shardwise.planner.specs import (
@@ -273,6 +272,9 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
     over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over (dp / ep) x cp."""
     # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
     if spec.params <= EXACT_LIMIT and zero > 0:
+        # the engine (and a model) only here: planning a named size imports neither
+        from shardwise.engine.memory import predict_rank
+
         d = spec.model()  # the spec's description, or its family's model of these sizes
         best = None
         for pr in range(pp):
