@@ -107,6 +107,14 @@ class ModelConfig(_Section):
                            "(Qwen2)")
     qk_norm: bool = Field(False, description="llama: an RMSNorm over each head's D features "
                           "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
+    sliding_window: int = Field(0, ge=0, description="llama: sliding-window attention, each "
+                                "token attending to the previous sliding_window tokens (its "
+                                "own included; Mistral 7B's 4096), on the layers layer_types "
+                                "marks sliding_attention (all when unset); 0: none")
+    layer_types: list[str] | None = Field(None, description="llama with sliding_window: per "
+                                          "layer, sliding_attention or full_attention "
+                                          "(transformers' layer_types); unset: every layer "
+                                          "sliding_attention")
     activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
                             "gelu_tanh (GPT-2's tanh approximation)")
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
