@@ -39,6 +39,7 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 VOCAB = 97  # more than the text's characters: the tokenizer may be smaller than the model's
+WINDOW = 8  # the sliding window of the *_swa checkpoints, a quarter of the 32 tokens fed
 
 
 def _perturb(model):
@@ -60,7 +61,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     true and false; per-expert tensors on disk), a Qwen2-MoE (Q/K/V biases, top 2 of 4
     experts of width 40 not renormalised, a shared expert of width 56 and its sigmoid
     gate) and a Mistral (Mistral-Nemo's shape in small: head_dim 12 where hidden / heads is
-    16, no sliding window, rope_theta 1e6), saved as transformers does."""
+    16, no sliding window, rope_theta 1e6), saved as transformers does; and three with a
+    sliding window of 8 tokens, shorter than the 32 the tests feed (``WINDOW``): a Mistral
+    (every layer), a Qwen2 (``use_sliding_window``, ``max_window_layers`` 1: layer 1 only)
+    and a Qwen2-MoE (its default pattern: the even layers, layer 0 only)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -108,6 +112,21 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         max_position_embeddings=32, sliding_window=None, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})))
     mistral.save_pretrained(root / "mistral")
+    _perturb(transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        sliding_window=WINDOW, tie_word_embeddings=False))).save_pretrained(root / "mistral_swa")
+    _perturb(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1))).save_pretrained(root / "qwen2_swa")
+    _perturb(transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+        shared_expert_intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2, use_sliding_window=True, sliding_window=WINDOW,
+        tie_word_embeddings=False))).save_pretrained(root / "qwen2moe_swa")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -117,7 +136,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(saved)
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
-                                           "mistral")}
+                                           "mistral", "mistral_swa", "qwen2_swa",
+                                           "qwen2moe_swa")}
 
 
 @pytest.fixture(scope="module")
@@ -201,23 +221,69 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
     split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
-    expert by its width and its gate whole, the Mistral's heads of head_dim 12), all nine
-    models; the Mixtral (top 2 of 4
+    expert by its width and its gate whole, the Mistral's heads of head_dim 12), all twelve
+    models, three of them attending in a sliding window of 8 of the 32 tokens (on every
+    layer, on layer 1, on layer 0: each rank's heads in the window); the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral",
+                                      "mistral_swa", "qwen2_swa", "qwen2moe_swa",
                                       "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 9 and len(tp2[0]) == 12
+    assert len(tp1) == 12 and len(tp2[0]) == 15
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mistral_swa", "qwen2_swa"])
+def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
+    """32 tokens through a sliding window of 8 (a Mistral's on every layer; a Qwen2's on
+    layer 1 only, ``max_window_layers`` 1, its head tied): our logits and every
+    parameter's gradient of the cross-entropy equal transformers' within 1e-5 (fp32),
+    with both attention kernels (the band as SDPA's boolean mask, and the scores written
+    out); measured at most 1.2e-6 (logits) and 3.9e-7 (gradients, relative to the
+    largest). The band's edges are transformers' (query i sees keys i - W < j <= i): a
+    window one token longer or shorter is off by more than 1e-2."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from shardwise.base.config import ModelConfig
+    from shardwise.models.description import describe_section
+    from shardwise.models.llama import Llama, from_hf_state_dict, hf_name
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch]).eval()
+    section = section_of(read_config(hf_dirs[arch]))
+    assert section["sliding_window"] == WINDOW and section["block_size"] == 32
+    g = torch.Generator().manual_seed(6)
+    idx, targets = (torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(2))
+    logits = theirs(idx).logits
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    want = {n: p.grad for n, p in theirs.named_parameters()}
+    for impl in ("sdpa", "math"):
+        cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
+        assert cfg.windows == ((WINDOW,) * 2 if arch == "mistral_swa" else (None, WINDOW))
+        ours = Llama(cfg)
+        ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), cfg.tie_weights))
+        got, loss = ours(idx, targets)
+        loss.backward()
+        torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-5)
+        for name, p in ours.named_parameters():
+            ref = want[hf_name(name)]
+            err = float((p.grad - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, (impl, name, err)
+        for off in (-1, 1):  # the band's edges: one token more or less changes the logits
+            other = Llama(replace(cfg, sliding_window=WINDOW + off))
+            other.load_state_dict(ours.state_dict())
+            with torch.no_grad():
+                assert (other(idx)[0] - logits).abs().max() > 1e-2, (impl, off)
 
 
 def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
@@ -408,14 +474,15 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
 
 def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     """A Mistral (head_dim 12 where hidden / heads is 16, rope_theta 1e6, a sliding window
-    of 16 tokens bounding block_size) imported by the engine in one process, saved as a
-    run's checkpoint with its source config.json, is exported (``export_hf``) as a
-    ``MistralForCausalLM`` whose config.json keeps the source's window, context and
-    token ids, whose tensors are the source's bit for bit and whose logits equal the
+    of 16 tokens, fed 32) imported by the engine in one process, saved as a run's
+    checkpoint with its source config.json, is exported (``export_hf``) as a
+    ``MistralForCausalLM`` whose config.json keeps the model's window, the source's context
+    and token ids, whose tensors are the source's bit for bit and whose logits equal the
     source's and ours. The arch comes from the source only when it holds the model
-    (``export_arch``): without a source the same model is a Llama; a Qwen option, or a
-    window shorter than block_size, makes it ``arch_for``'s. A config.json's silences
-    read as ``MistralConfig`` fills them."""
+    (``export_arch``): a Qwen option makes it ``arch_for``'s; without a source a model with
+    a window on every layer is a Mistral, without one a Llama, with windows on some
+    layers only neither. A config.json's silences read as ``MistralConfig`` fills them
+    (Mistral-7B-v0.1's window of 4096)."""
     from dataclasses import replace
 
     from shardwise import checkpoint
@@ -436,13 +503,17 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
     check_init_from(cfg, VOCAB)
     d = describe_section(cfg.model, VOCAB)
-    assert (d.block_size, d.config.head_dim, d.config.rope_theta) == (16, 12, 1e6)
-    assert d.hf is LLAMA and export_arch(d, None) is LLAMA and export_arch(d, source) is MISTRAL
+    assert (d.block_size, d.config.head_dim, d.config.rope_theta, d.config.windows) == (
+        32, 12, 1e6, (16, 16))
+    assert d.hf is MISTRAL and export_arch(d, None) is MISTRAL and export_arch(d, source) is MISTRAL
     assert export_arch(describe(replace(d.config, qkv_bias=True)), source) is QWEN2
-    assert export_arch(describe(replace(d.config, block_size=32)), source) is LLAMA
+    windowless = describe(replace(d.config, sliding_window=None))
+    assert windowless.hf is LLAMA and export_arch(windowless, source) is MISTRAL
+    some = describe(replace(d.config, layer_types=("full_attention", "sliding_attention")))
+    assert some.hf is None and export_arch(some, source) is None
     engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=16, init_from=str(src)))
-    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+        batch_size=1, seq_len=32, init_from=str(src)))
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     engine._train(False)
     ours = engine._logits(idx)[..., :VOCAB]
     tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
@@ -473,11 +544,11 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
         "rms_norm_eps")}
     want = transformers.MistralConfig(**silent)
     got = section_of(silent)
-    assert (got["block_size"], got["n_kv_heads"], got["rope_theta"], got["norm_eps"]) == (
-        min(want.max_position_embeddings, want.sliding_window), want.num_key_value_heads,
+    assert (got["block_size"], got["sliding_window"], got["n_kv_heads"], got["rope_theta"],
+            got["norm_eps"]) == (
+        want.max_position_embeddings, want.sliding_window, want.num_key_value_heads,
         want.rope_parameters["rope_theta"], want.rms_norm_eps)
-    assert MISTRAL.bound_reason(silent) and not MISTRAL.bound_reason({**silent,
-                                                                      "sliding_window": None})
+    assert section_of({**silent, "sliding_window": None})["sliding_window"] == 0
 
 
 def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_path, capsys,
@@ -527,8 +598,8 @@ def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
-    vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
-    its sliding window (a Mistral too), or a mixture of experts asked of a Llama; a
+    vocabulary; a Mixtral whose router jitters its input, or a sliding window other than
+    its config.json's (a Mistral's too), or a mixture of experts asked of a Llama; a
     Qwen3-MoE or a
     Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export
     of a run with no
@@ -563,28 +634,32 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{jitter}"], capsys,
                            "router_jitter_noise=0.1", "Mixtral cannot hold it exactly")
     window = variant("window", "mixtral", sliding_window=16)
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{window}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
-    assert section_of(read_config(window))["block_size"] == 16  # unset: the window's
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{window}",
+                            "--model.sliding_window", "8"], capsys,
+                           "model.sliding_window=8 contradicts", "gives 16)")
+    # the window is the model's: a sequence longer than it is trained exactly
+    assert {k: section_of(read_config(window))[k] for k in ("block_size", "sliding_window")} \
+        == {"block_size": 32, "sliding_window": 16}
     mwin = variant("mwin", "mistral", sliding_window=16)  # Mistral-7B-v0.1's, in small
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
-    assert section_of(read_config(mwin))["block_size"] == 16
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}", "--model.sliding_window",
+                            "0"], capsys, "model.sliding_window=0 contradicts", "gives 16)")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}",
+                            "--model.sliding_window", "0.5"], capsys,
+                           "model.sliding_window: Input should be a valid integer")
+    mbad = variant("mbad", "mistral", sliding_window=0)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mbad}"], capsys,
+                           "sliding_window=0: expected a whole number >= 1 or null")
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
                             "--model.n_experts", "4"], capsys,
                            "model.n_experts=4 contradicts", "gives 0")
     qwin = variant("qwin", "qwen2", use_sliding_window=True, sliding_window=16,
                    layer_types=["full_attention", "sliding_attention"])
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qwin}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
-    assert section_of(read_config(qwin))["block_size"] == 16
+    assert {k: section_of(read_config(qwin))[k] for k in ("sliding_window", "layer_types")} \
+        == {"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}
     off = variant("qoff", "qwen2", use_sliding_window=False, sliding_window=16,
                   layer_types=["full_attention", "sliding_attention"])
     assert transformers.AutoConfig.from_pretrained(off).sliding_window is None
-    assert section_of(read_config(off))["block_size"] == 32  # no window unless it is used
+    assert section_of(read_config(off))["sliding_window"] == 0  # no window unless it is used
     qbias = variant("qbias", "qwen3", attention_bias=True)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qbias}"], capsys,
                            "attention_bias=True", "Qwen3 cannot hold it exactly")
@@ -599,15 +674,21 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                                    what, f"{arch} cannot hold it exactly")
     # a Qwen2-MoE's window: on the even layers below max_window_layers unless layer_types
     # says otherwise, and only with use_sliding_window
-    for name, changes, block in (("q2win", {}, 16), ("q2low", {"max_window_layers": 0}, 32),
-                                 ("q2off", {"use_sliding_window": False}, 32)):
+    even = ["sliding_attention", "full_attention"]
+    for name, changes, want in (("q2win", {}, (16, even)), ("q2low", {"max_window_layers": 0},
+                                                          (0, None)),
+                                ("q2off", {"use_sliding_window": False}, (0, None))):
         q2win = variant(name, "qwen2moe", **{"use_sliding_window": True, "sliding_window": 16,
                                             "layer_types": None, **changes})
-        assert section_of(read_config(q2win))["block_size"] == block, name
+        got = section_of(read_config(q2win))
+        assert (got["sliding_window"], got["layer_types"]) == want, name
+        assert transformers.AutoConfig.from_pretrained(q2win).layer_types == (
+            want[1] or ["full_attention"] * 2), name
     # a Qwen3-MoE's window is on every layer, and only with use_sliding_window
-    for use, block in ((True, 16), (False, 32)):
+    for use, want in ((True, 16), (False, 0)):
         qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)
-        assert section_of(read_config(qmwin))["block_size"] == block
+        got = section_of(read_config(qmwin))
+        assert (got["sliding_window"], got["layer_types"], got["block_size"]) == (want, None, 32)
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 

@@ -17,9 +17,10 @@ tensors back without knowing which model it writes.
 ``LlamaForCausalLM``: our names map 1:1 (``models.llama.hf_name``), and both use the
 "rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et
 al. 2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
-Ministral) is the same Llama under ``MistralConfig``'s defaults, its sliding window bounding
-``block_size`` as Mixtral's; a dense Llama config is both, so ``arch_for`` says Llama and
-``export_arch`` Mistral when the run's source was one. ``GPT2LMHeadModel``: its ``Conv1D``
+Ministral) is the same Llama under ``MistralConfig``'s defaults, its ``sliding_window`` our
+``sliding_window`` on every layer (Mixtral's too); a dense Llama config without a window is
+both, so ``arch_for`` says Llama and ``export_arch`` Mistral when the run's source was one,
+and with a window on every layer it is a Mistral (a ``LlamaForCausalLM`` has no window). ``GPT2LMHeadModel``: its ``Conv1D``
 layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
 and V along the output features (Radford et al. 2019, the released code); our GPT holds
 them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
@@ -32,8 +33,9 @@ linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours stack
 arXiv:2407.10671; ``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias``;
 ``Qwen3ForCausalLM`` (Yang et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388;
 ``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with Llama's
-names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window bounding
-``block_size`` as Mixtral's. ``Qwen3MoeForCausalLM`` (same report;
+names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window
+(``use_sliding_window``) on the layers ``layer_types`` marks "sliding_attention" (default:
+from ``max_window_layers`` on) our ``sliding_window`` and ``layer_types``. ``Qwen3MoeForCausalLM`` (same report;
 ``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every
 layer, softmax top-k renormalised only with ``norm_topk_prob``; per-expert
 ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out)
@@ -138,12 +140,10 @@ class HFArch:
     config whose parameters are every tensor the architecture has (our GPT without biases
     is GPT-2 with zero biases; those are written as zeros on export). ``at_most``: [model]
     fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
-    parameter depends on it). ``bound_reason(config_json)``: ``{field: why}`` for an
-    ``at_most`` bound that is not simply the checkpoint's value (Mixtral's ``block_size``
-    under a sliding window), told when a run asks for more. ``holds(config)``: whether a
+    parameter depends on it). ``holds(config)``: whether a
     config of kind ``kind`` is this architecture exactly, sizes aside (its attention and
-    mixture options: a Llama's ``qkv_bias``, ``qk_norm``, experts); ``arch_for`` and
-    ``export_arch`` ask it."""
+    mixture options: a Llama's ``qkv_bias``, ``qk_norm``, experts, where its sliding
+    windows lie); ``arch_for`` and ``export_arch`` ask it."""
 
     kind: str
     model_type: str
@@ -154,7 +154,6 @@ class HFArch:
     ignored: tuple[str, ...] = ()
     complete: Callable[[Any], Any] = lambda cfg: cfg
     at_most: tuple[str, ...] = ()
-    bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
     holds: Callable[[Any], bool] = lambda config: True
 
     def is_ignored(self, name: str) -> bool:
@@ -205,7 +204,7 @@ def _llama_section(c: dict, arch: str = "Llama") -> dict:
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
-                n_experts=0, qkv_bias=False, qk_norm=False,
+                n_experts=0, qkv_bias=False, qk_norm=False, **_NO_WINDOW,
                 # 0: n_embd / n_head, so a run need not name it
                 head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim)
 
@@ -344,17 +343,15 @@ def _mixtral_section(c: dict) -> dict:
     """A Mixtral is our Llama with ``n_experts`` (``models.moe``): routing as
     ``MixtralTopKRouter`` (softmax over all experts in fp32, top k, the k renormalised to
     sum to 1: ``moe.route`` with softmax gating and ``norm_topk``), dropless, no shared
-    expert. A sliding window W bounds ``block_size`` (a sequence of at most W tokens sees
-    every earlier token under it too); jitter noise on the router's input is refused."""
+    expert. Its ``sliding_window`` (MixtralConfig's default: none) is ours, on every
+    layer; jitter noise on the router's input is refused."""
     c = {**_MIXTRAL_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
     jitter = float(c.get("router_jitter_noise") or 0.0)
     if jitter != 0.0:
         raise _refuse("Mixtral", f"router_jitter_noise={jitter} (shardwise's router takes "
                       "its input unperturbed: 0)")
     out = _llama_section(c, "Mixtral")
-    window = c.get("sliding_window")
-    if window is not None:
-        out["block_size"] = min(out["block_size"], _whole_window(window))
+    out.update(_window(c.get("sliding_window")))
     width = c["intermediate_size"]
     out.update(ffn_hidden=width, moe_ffn_hidden=width, n_experts=c["num_local_experts"],
                top_k=c["num_experts_per_tok"], moe_gating="softmax", moe_norm_topk=True,
@@ -372,19 +369,28 @@ def _whole_window(window: Any) -> int:
     return window
 
 
-def _window_bound(window_of: Callable[[dict], int | None], default_context: int,
-                  which: str = "its sliding_window") -> Callable[[dict], dict[str, str]]:
-    """An ``HFArch.bound_reason``: a config.json whose sliding window W (``window_of``) is
-    shorter than its context (``max_position_embeddings``, ``default_context`` when it
-    leaves it out) bounds ``block_size`` by W, and says why."""
-    def reason(c: dict) -> dict[str, str]:
-        window = window_of(c)
-        context = _get(c, "max_position_embeddings", default_context)
-        if window is None or window >= context:
-            return {}
-        return {"block_size": f"{which}: shardwise's attention has no window, so it is "
-                              f"exact on at most {window} tokens"}
-    return reason
+# the [model] fields of no window
+_NO_WINDOW = {"sliding_window": 0, "layer_types": None}
+
+
+def _window(window: Any, types: list[str] | None = None) -> dict:
+    """The [model] fields of a config.json's window: ``sliding_window`` W (null: none) on
+    the layers ``types`` marks "sliding_attention" (None: every layer); no window when none
+    is marked."""
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return dict(_NO_WINDOW)
+    return {"sliding_window": _whole_window(window),
+            "layer_types": None if types is None else list(types)}
+
+
+def _uniform(cfg) -> bool:
+    """Every block of a Llama config has the same window (or none has one): what an arch
+    with one ``sliding_window`` for all layers (Mistral, Mixtral, Qwen3-MoE) holds."""
+    return len(set(getattr(cfg, "windows", (None,)))) <= 1
+
+
+def _windowless(cfg) -> bool:
+    return getattr(cfg, "sliding_window", None) is None
 
 
 def _mixtral_config_json(cfg, source: dict | None) -> dict:
@@ -394,7 +400,7 @@ def _mixtral_config_json(cfg, source: dict | None) -> dict:
     out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                intermediate_size=cfg.moe_ffn_hidden, num_local_experts=cfg.n_experts,
                num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef,
-               router_jitter_noise=0.0, sliding_window=out.get("sliding_window"),
+               router_jitter_noise=0.0, sliding_window=cfg.sliding_window,
                output_router_logits=bool(out.get("output_router_logits", False)))
     return out
 
@@ -456,28 +462,27 @@ def _mistral_section(c: dict) -> dict:
     rotary layout, ``MistralConfig``'s defaults where config.json is silent, its
     ``head_dim`` when it is not hidden / heads (Mistral-Nemo: 5120 wide, 32 heads of 128).
     ``attention_bias`` / ``mlp_bias`` are not Mistral's (``MistralAttention`` and
-    ``MistralMLP`` have no biases, whatever config.json says): not read. A sliding window
-    W bounds ``block_size`` as Mixtral's."""
+    ``MistralMLP`` have no biases, whatever config.json says): not read. Its sliding window
+    W (``_mistral_window``) is ours, on every layer."""
     window = _mistral_window(c)
     c = {**_MISTRAL_DEFAULTS, **{k: v for k, v in c.items()
                                  if v is not None and k not in ("attention_bias", "mlp_bias")}}
     out = _llama_section(c, "Mistral")
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(_window(window))
     return out
 
 
 def _mistral_config_json(cfg, source: dict | None) -> dict:
-    """Llama's config.json under Mistral's names; the source's window and context as they
-    were (``MistralConfig``'s defaults written out where the source left them out, so
-    they keep their meaning); no source: no window."""
+    """Llama's config.json under Mistral's names, the model's window (``sliding_window``,
+    null for none); the source's context as it was (``MistralConfig``'s defaults written
+    out where the source left them out, so they keep their meaning)."""
     if source is not None:
-        source = {**_MISTRAL_DEFAULTS, "sliding_window": _MISTRAL_WINDOW, **source}
+        source = {**_MISTRAL_DEFAULTS, **source}
     out = _llama_config_json(cfg, source)
     for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
         out.pop(llama_only, None)
     out.update(architectures=["MistralForCausalLM"], model_type="mistral",
-               sliding_window=out.get("sliding_window"))
+               sliding_window=cfg.sliding_window)
     return out
 
 
@@ -490,32 +495,25 @@ _QWEN_DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
-_QWEN_WINDOW = "its sliding_window (use_sliding_window true)"
-
-
-def _qwen_window(c: dict) -> int | None:
-    """The sliding window W of a Qwen config.json when any layer has one, else None: as
-    ``Qwen2Config`` / ``Qwen3Config``, the window is ``sliding_window`` when
-    ``use_sliding_window`` (else none), on the layers ``layer_types`` marks
-    "sliding_attention" (default: those from ``max_window_layers`` on)."""
+def _qwen_window(c: dict) -> dict:
+    """The [model] window fields of a Qwen config.json (``_window``): as ``Qwen2Config`` /
+    ``Qwen3Config``, the window is ``sliding_window`` when ``use_sliding_window`` (else
+    none), on the layers ``layer_types`` marks "sliding_attention" (default: those from
+    ``max_window_layers`` on)."""
     c = {**_QWEN_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
-    if not c["use_sliding_window"] or c.get("sliding_window") is None:
-        return None
+    if not c["use_sliding_window"]:
+        return dict(_NO_WINDOW)
     n = c.get("num_hidden_layers", 0)
     types = c.get("layer_types") or ["sliding_attention" if i >= c["max_window_layers"]
                                      else "full_attention" for i in range(n)]
-    if "sliding_attention" not in types:
-        return None
-    window = c["sliding_window"]
-    return _whole_window(window)
+    return _window(c.get("sliding_window"), types)
 
 
 def _qwen_section(c: dict, arch: str) -> dict:
     """A Qwen2 (``arch`` "Qwen2") is our Llama with ``qkv_bias``, a Qwen3 with ``qk_norm``
     and its ``head_dim`` (default 128, as ``Qwen3Config``); no ``attention_bias`` on a
-    Qwen3 (its o_proj would have one too). A sliding window W on any layer bounds
-    ``block_size`` (a sequence of at most W tokens sees every earlier token under it too),
-    as Mixtral's."""
+    Qwen3 (its o_proj would have one too). Its window (``_qwen_window``): our
+    ``sliding_window`` and ``layer_types``."""
     kv = c["num_attention_heads"] if "num_key_value_heads" in c else None  # null: MHA
     c = {**_QWEN_DEFAULTS, **({"head_dim": 128} if arch == "Qwen3" else {}),
          **({"num_key_value_heads": kv} if kv is not None else {}),
@@ -528,26 +526,30 @@ def _qwen_section(c: dict, arch: str) -> dict:
     if arch == "Qwen2":
         c.pop("attention_bias", None)  # Qwen2's Q, K, V always have biases, o_proj none
     out = _llama_section(c, arch)
-    out.update(qkv_bias=arch == "Qwen2", qk_norm=arch == "Qwen3")
-    window = _qwen_window(c)
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(qkv_bias=arch == "Qwen2", qk_norm=arch == "Qwen3", **_qwen_window(c))
     return out
+
+
+def _qwen_window_json(cfg, out: dict) -> dict:
+    """A Qwen config.json's window fields of a Llama config: ``use_sliding_window`` when
+    any block has a window, ``sliding_window`` its W (else the source's, unused), and
+    ``layer_types`` per block (written out, so ``max_window_layers`` is not read)."""
+    return dict(use_sliding_window=not _windowless(cfg),
+                sliding_window=(out.get("sliding_window") if _windowless(cfg)
+                                else cfg.sliding_window),
+                max_window_layers=out.get("max_window_layers", cfg.n_layer),
+                layer_types=[_LAYER_TYPE[w is not None] for w in cfg.windows])
+
+
+_LAYER_TYPE = {False: "full_attention", True: "sliding_attention"}
 
 
 def _qwen_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
         out.pop(llama_only, None)
-    # the source's window settings as they were (a run's block_size is at most its window);
-    # trained here: none
-    types = out.get("layer_types")
     out.update(architectures=[f"{arch}ForCausalLM"], model_type=arch.lower(),
-               use_sliding_window=bool(out.get("use_sliding_window", False)),
-               sliding_window=out.get("sliding_window"),
-               max_window_layers=out.get("max_window_layers", cfg.n_layer),
-               layer_types=types if types and len(types) == cfg.n_layer
-               else ["full_attention"] * cfg.n_layer)
+               **_qwen_window_json(cfg, out))
     if arch == "Qwen3":
         out["attention_bias"] = False
     return out
@@ -586,21 +588,20 @@ def _qwen_moe_defaults(c: dict, arch: str) -> dict:
     return {**_QWEN_MOE_DEFAULTS[arch], **{k: v for k, v in c.items() if v is not None}}
 
 
-def _qwen_moe_window(c: dict, arch: str) -> int | None:
-    """The sliding window W of a Qwen-MoE config.json when any layer has one, else None:
+def _qwen_moe_window(c: dict, arch: str) -> dict:
+    """The [model] window fields of a Qwen-MoE config.json (``_window``):
     ``sliding_window`` when ``use_sliding_window``, else none; a Qwen3-MoE's on every
     layer, a Qwen2-MoE's on the layers ``layer_types`` marks "sliding_attention" (default,
     as ``Qwen2MoeConfig``: the even layers below ``max_window_layers``)."""
     c = _qwen_moe_defaults(c, arch)
-    if not c["use_sliding_window"] or c.get("sliding_window") is None:
-        return None
-    if arch == "Qwen2-MoE":
-        types = c.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 and i < c["max_window_layers"]
-            else "full_attention" for i in range(c.get("num_hidden_layers", 0))]
-        if "sliding_attention" not in types:
-            return None
-    return _whole_window(c["sliding_window"])
+    if not c["use_sliding_window"]:
+        return dict(_NO_WINDOW)
+    if arch == "Qwen3-MoE":
+        return _window(c.get("sliding_window"))
+    types = c.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 and i < c["max_window_layers"]
+        else "full_attention" for i in range(c.get("num_hidden_layers", 0))]
+    return _window(c.get("sliding_window"), types)
 
 
 def _qwen_moe_section(c: dict, arch: str) -> dict:
@@ -612,8 +613,8 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
     true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
     scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). A layer made
     dense (``decoder_sparse_step`` other than 1, or ``mlp_only_layers``) is refused: our
-    Llama has experts in every layer or in none. A sliding window bounds ``block_size`` as
-    Qwen2's."""
+    Llama has experts in every layer or in none. Its window (``_qwen_moe_window``): our
+    ``sliding_window`` and ``layer_types``."""
     c = _qwen_moe_defaults(c, arch)
     step = c["decoder_sparse_step"]
     if step != 1:
@@ -632,9 +633,7 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
         raise _refuse(arch, f"layer_types has {bad[0]!r} (expected "
                       f"{' or '.join(_ATTENTION_TYPES)})")
     out = _llama_section(c, arch)
-    window = _qwen_moe_window(c, arch)
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(_qwen_moe_window(c, arch))
     out.update(moe_ffn_hidden=c["moe_intermediate_size"], n_experts=c["num_experts"],
                top_k=c["num_experts_per_tok"], moe_gating="softmax",
                moe_norm_topk=bool(c["norm_topk_prob"]),
@@ -656,27 +655,23 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
         out.pop(other, None)
-    # the source's window settings as they were (a run's block_size is at most its window);
-    # trained here: none. intermediate_size (a dense layer's width) is unused: every layer
-    # has experts
+    # intermediate_size (a dense layer's width) is unused: every layer has experts
     base = arch.removesuffix("-MoE")
+    window = _qwen_window_json(cfg, out)
     out.update(architectures=[f"{base}MoeForCausalLM"], model_type=f"{base.lower()}_moe",
                moe_intermediate_size=cfg.moe_ffn_hidden,
                num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
                decoder_sparse_step=1, mlp_only_layers=[],
-               use_sliding_window=bool(out.get("use_sliding_window", False)),
-               sliding_window=out.get("sliding_window"),
+               use_sliding_window=window["use_sliding_window"],
+               sliding_window=window["sliding_window"],
                output_router_logits=bool(out.get("output_router_logits", False)))
-    if arch == "Qwen3-MoE":
+    if arch == "Qwen3-MoE":  # one window on every layer (holds: _uniform)
         out["attention_bias"] = False
         return out
     out.pop("attention_bias", None)  # Qwen2-MoE's is qkv_bias (Q, K, V; o_proj none)
-    types = out.get("layer_types")
     out.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden,
-               max_window_layers=out.get("max_window_layers", cfg.n_layer),
-               layer_types=types if types and len(types) == cfg.n_layer
-               else ["full_attention"] * cfg.n_layer)
+               max_window_layers=window["max_window_layers"], layer_types=window["layer_types"])
     return out
 
 
@@ -693,29 +688,34 @@ def _softmax_dropless(cfg) -> bool:
             and not getattr(cfg, "moe_bias_update_rate", 0.0))
 
 
-def _dense(bias: bool, norm: bool) -> Callable[[Any], bool]:
+def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: True
+           ) -> Callable[[Any], bool]:
     """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
-    (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``."""
+    (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``, its
+    windows as ``windows`` allows (any, by default: a Qwen's ``layer_types``)."""
     return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
-                        and bool(getattr(cfg, "qk_norm", False)) == norm)
+                        and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg))
 
 
 def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
     the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
     (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
-    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm)."""
+    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm), one window on
+    every layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
-            and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False))
+            and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False)
+            and _uniform(cfg))
 
 
 def qwen3_moe_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Qwen3-MoE exactly: softmax gating
     (the top k renormalised or not: ``norm_topk_prob``), dropless, no shared expert, no
     routing bias (``moe_bias_update_rate`` 0), Qwen3's attention (QK-norm, no Q/K/V
-    biases)."""
+    biases), one window on every layer or none."""
     return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
-            and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False))
+            and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False)
+            and _uniform(cfg))
 
 
 def qwen2_moe_compatible(cfg) -> bool:
@@ -731,7 +731,7 @@ def qwen2_moe_compatible(cfg) -> bool:
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
                section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
                ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-               holds=_dense(bias=False, norm=False))
+               holds=_dense(bias=False, norm=False, windows=_windowless))
 GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
               section=_gpt2_section, config_json=_gpt2_config_json, tensor=_gpt2_tensor,
               ignored=("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias"),
@@ -739,17 +739,14 @@ GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
 MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",
                  section=_mixtral_section, config_json=_mixtral_config_json,
                  tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
-                 at_most=("block_size",), bound_reason=_window_bound(
-                     lambda c: c.get("sliding_window"),
-                     _MIXTRAL_DEFAULTS["max_position_embeddings"]),
-                 holds=mixtral_compatible)
-# a dense Llama is a Mistral too: arch_for says Llama, export_arch Mistral for a Mistral's run
+                 at_most=("block_size",), holds=mixtral_compatible)
+# a dense Llama is a Mistral too: arch_for says Llama (Mistral with a window: a Llama has none),
+# export_arch Mistral for a Mistral's run
 MISTRAL = HFArch(kind="llama", model_type="mistral", architecture="MistralForCausalLM",
                  section=_mistral_section, config_json=_mistral_config_json,
                  tensor=_llama_tensor, ignored=("*.rotary_emb.inv_freq",),
-                 at_most=("block_size",), bound_reason=_window_bound(
-                     _mistral_window, _MISTRAL_DEFAULTS["max_position_embeddings"]),
-                 holds=_dense(bias=False, norm=False))
+                 at_most=("block_size",),
+                 holds=_dense(bias=False, norm=False, windows=_uniform))
 
 
 def _qwen_arch(name: str) -> HFArch:
@@ -762,10 +759,8 @@ def _qwen_arch(name: str) -> HFArch:
                       section=lambda c: _qwen_section(c, name),
                       config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
                       tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-                      at_most=("block_size",), bound_reason=_window_bound(
-                          _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"],
-                          _QWEN_WINDOW), holds=_dense(bias=name == "Qwen2",
-                                                      norm=name == "Qwen3"))
+                      at_most=("block_size",), holds=_dense(bias=name == "Qwen2",
+                                                            norm=name == "Qwen3"))
     base = name.removesuffix("-MoE")
     holds = qwen2_moe_compatible if name == "Qwen2-MoE" else qwen3_moe_compatible
     return HFArch(kind="llama", model_type=f"{base.lower()}_moe",
@@ -775,9 +770,6 @@ def _qwen_arch(name: str) -> HFArch:
                   tensor=_moe_tensor("mlp", _QWEN_MOE_EXPERTS, name,
                                      shared=name == "Qwen2-MoE"),
                   ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-                  bound_reason=_window_bound(
-                      lambda c: _qwen_moe_window(c, name),
-                      _QWEN_MOE_DEFAULTS[name]["max_position_embeddings"], _QWEN_WINDOW),
                   holds=holds)
 
 
@@ -791,9 +783,10 @@ ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL)
 def arch_for(cfg) -> HFArch | None:
     """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: the
     first of ``ARCHS`` of kind "llama" that ``holds`` it. Dense: LLAMA with neither
-    ``qkv_bias`` nor ``qk_norm`` (a Mistral holds it too, but no config says Mistral:
-    ``export_arch`` picks it from a run's source), QWEN2 with ``qkv_bias``, QWEN3 with
-    ``qk_norm`` (not both: neither has the other's); with ``n_experts``, MIXTRAL when
+    ``qkv_bias`` nor ``qk_norm`` and no window (a Mistral holds it too, but no config says
+    Mistral: ``export_arch`` picks it from a run's source), MISTRAL with one window on every
+    layer, QWEN2 with ``qkv_bias``, QWEN3 with ``qk_norm`` (not both: neither has the
+    other's; any windows); with ``n_experts``, MIXTRAL when
     ``mixtral_compatible`` (no QK-norm, no shared expert), QWEN3_MOE when
     ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
     ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm)."""
@@ -819,19 +812,16 @@ def export_arch(description, source: dict | None) -> HFArch | None:
     """The arch ``shardwise export`` writes a model as, one rule: the arch its run's source
     ``config.json`` names (``source``: ``model.init_from``'s, kept in the run's checkpoints;
     ``arch_of``) when that arch holds the model exactly (its ``kind`` and ``holds(config)``,
-    and a sliding window of the source's, which its config.json keeps, no shorter than the
-    model's ``block_size``); else the model's own, ``description.hf`` (``arch_for`` of a
-    Llama config). So a Mistral in is a Mistral out, its window and context kept, while a
-    model trained here (no source), or one its source's arch cannot hold, is written as
-    ``arch_for`` says: a Llama config, which a Mistral holds too, as a Llama. None: no arch
-    holds it."""
+    windows included); else the model's own, ``description.hf`` (``arch_for`` of a Llama
+    config). So a Mistral in is a Mistral out, its window and context kept, while a model
+    trained here (no source), or one its source's arch cannot hold, is written as
+    ``arch_for`` says: a Llama config without a window, which a Mistral holds too, as a
+    Llama. None: no arch holds it."""
     if source is None:
         return description.hf
     try:
         arch = arch_of(source)
-        fits = (arch.kind == description.kind and arch.holds(description.config)
-                and (not arch.bound_reason(source).get("block_size")
-                     or description.block_size <= arch.section(source)["block_size"]))
+        fits = arch.kind == description.kind and arch.holds(description.config)
     except (HFConfigError, KeyError):  # a source config.json that no longer reads
         fits = False
     return arch if fits else description.hf
