@@ -9,7 +9,9 @@ the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
 against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral, a Qwen3-MoE and
-the Qwen2-MoE at dp2 x ep2). The Qwen2-MoE's round trip runs in one process: ours ->
+the Qwen2-MoE at dp2 x ep2), three of them with a sliding window shorter than the sequence
+(a Mistral's, a Qwen2's and a Qwen2-MoE's, on all or some layers); with a window, the
+gradients too, in one process. The Qwen2-MoE's round trip runs in one process: ours ->
 export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit;
 so does the Mistral's: the engine's import -> a checkpoint -> ``export_hf`` -> a Mistral
 again.
