@@ -289,9 +289,10 @@ def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
 
 
 def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
-    """A Llama trained here with a Mixtral's mixture (no source config.json) is written as
-    a ``MixtralForCausalLM`` whose logits equal ours; sigmoid gating, unrenormalised
-    gates, a capacity factor or a shared expert have no such mapping."""
+    """A Llama trained here with a Mixtral's mixture and a sliding window of 4 on every
+    layer (no source config.json) is written as a ``MixtralForCausalLM`` whose logits
+    on 16 tokens equal ours; sigmoid gating, unrenormalised gates, a capacity factor, a
+    shared expert or a window on some layers only have no such mapping."""
     from dataclasses import replace
 
     from shardwise.checkpoint.hf import write_safetensors
@@ -299,12 +300,14 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
     from shardwise.models.llama import Llama, LlamaConfig, describe
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
-                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2)
+                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2,
+                      sliding_window=4)
     d = describe(cfg)
     assert d.hf is MIXTRAL
     for other in ({"moe_gating": "sigmoid"}, {"moe_norm_topk": False},
                   {"moe_capacity_factor": 1.25}, {"moe_shared_expert": True},
-                  {"moe_bias_update_rate": 0.001}):
+                  {"moe_bias_update_rate": 0.001},
+                  {"layer_types": ("sliding_attention", "full_attention")}):
         assert describe(replace(cfg, **other)).hf is None, other
     torch.manual_seed(3)
     ours = _perturb(Llama(cfg))
@@ -312,7 +315,7 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
                                                   ours.state_dict().items()}))
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL.config_json(cfg, None)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(theirs).__name__ == "MixtralForCausalLM"
+    assert type(theirs).__name__ == "MixtralForCausalLM" and theirs.config.sliding_window == 4
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
@@ -441,9 +444,10 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
                                            "Qwen3ForCausalLM")])
 def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path):
     """A Llama trained here with Qwen2's Q/K/V biases (tied head) or Qwen3's QK-norm and a
-    head_dim other than n_embd / n_head (no source config.json) is written as that Qwen,
-    whose logits equal ours; a plain Llama stays a Llama, both options at once have no
-    mapping, and with experts the QK-norm makes a Qwen3-MoE, the biases none."""
+    head_dim other than n_embd / n_head, and a sliding window of 4 on layer 1 only (no
+    source config.json), is written as that Qwen (``use_sliding_window``, ``layer_types``),
+    whose logits on 16 tokens equal ours; a plain Llama stays a Llama, both options at once
+    have no mapping, and with experts the QK-norm makes a Qwen3-MoE, the biases none."""
     from dataclasses import replace
 
     from shardwise.checkpoint.hf import write_safetensors
@@ -452,12 +456,14 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
                       n_embd=32, ffn_hidden=24, rope_theta=1e6, tie_weights="qkv_bias" in options,
+                      sliding_window=4, layer_types=("full_attention", "sliding_attention"),
                       **options)
     d = describe(cfg)
-    assert d.hf.architecture == arch and describe(replace(cfg, qkv_bias=False, qk_norm=False,
+    plain = replace(cfg, sliding_window=None, layer_types=None)
+    assert d.hf.architecture == arch and describe(replace(plain, qkv_bias=False, qk_norm=False,
                                                           head_dim=8)).hf is LLAMA
     assert describe(replace(cfg, qkv_bias=True, qk_norm=True)).hf is None
-    moe = replace(cfg, n_experts=4, top_k=2)
+    moe = replace(plain, n_experts=4, top_k=2)
     assert describe(moe).hf is (QWEN3_MOE if cfg.qk_norm else None) and describe(
         replace(moe, qkv_bias=False, qk_norm=False)).hf is MIXTRAL
     torch.manual_seed(3)
@@ -468,6 +474,8 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(d.hf.config_json(cfg, None)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == arch
+    assert (theirs.config.sliding_window, theirs.config.layer_types) == (
+        4, ["full_attention", "sliding_attention"])
     assert set(theirs.state_dict()) >= set(to_hf_tensors(d, tensors))
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
