@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from cp_workers import cp_worker, full_inputs, run_measured
 from ddp_workers import tiny_config
 from helpers import rel_err
-from shardwise.models.gpt import sliding_window_mask
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
+from shardwise.models.gpt import sliding_window_mask
 from shardwise.parallel.context import (
     Ring,
     check_length,

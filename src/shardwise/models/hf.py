@@ -15,34 +15,34 @@ each rank's slices from a checkpoint without importing a model, and the export p
 tensors back without knowing which model it writes.
 
 ``LlamaForCausalLM``: our names map 1:1 (``models.llama.hf_name``), and both use the
-"rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et
-al. 2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
+"rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et al.
+2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
 Ministral) is the same Llama under ``MistralConfig``'s defaults, its ``sliding_window`` our
 ``sliding_window`` on every layer (Mixtral's too); a dense Llama config without a window is
 both, so ``arch_for`` says Llama and ``export_arch`` Mistral when the run's source was one,
-and with a window on every layer it is a Mistral (a ``LlamaForCausalLM`` has no window). ``GPT2LMHeadModel``: its ``Conv1D``
-layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
-and V along the output features (Radford et al. 2019, the released code); our GPT holds
-them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
-tanh GELU (``activation = "gelu_tanh"``) to be GPT-2 exactly. ``MixtralForCausalLM``
-(Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088; transformers'
-``models/mixtral/modeling_mixtral.py``): our Llama with ``n_experts`` (``models.moe``),
-softmax top-k routing renormalised, dropless; the checkpoint holds each expert's three
-linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours stacks them
-(E, in, out). ``Qwen2ForCausalLM`` (Yang et al. 2024, "Qwen2 Technical Report",
+and with a window on every layer it is a Mistral (a ``LlamaForCausalLM`` has no window).
+``GPT2LMHeadModel``: its ``Conv1D`` layers store weights as (in, out), the transpose of
+``nn.Linear``'s; ``c_attn`` packs Q, K and V along the output features (Radford et al. 2019,
+the released code); our GPT holds them apart (tensor parallelism splits each by heads), with
+a key bias (``k_bias``) and the tanh GELU (``activation = "gelu_tanh"``) to be GPT-2
+exactly. ``MixtralForCausalLM`` (Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088;
+transformers' ``models/mixtral/modeling_mixtral.py``): our Llama with ``n_experts``
+(``models.moe``), softmax top-k routing renormalised, dropless; the checkpoint holds each
+expert's three linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours
+stacks them (E, in, out). ``Qwen2ForCausalLM`` (Yang et al. 2024, "Qwen2 Technical Report",
 arXiv:2407.10671; ``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias``;
 ``Qwen3ForCausalLM`` (Yang et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388;
-``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with Llama's
-names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window
+``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with
+Llama's names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window
 (``use_sliding_window``) on the layers ``layer_types`` marks "sliding_attention" (default:
-from ``max_window_layers`` on) our ``sliding_window`` and ``layer_types``. ``Qwen3MoeForCausalLM`` (same report;
-``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every
-layer, softmax top-k renormalised only with ``norm_topk_prob``; per-expert
-``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out)
-in ours. ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; the Qwen2 report;
-``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's attention (Q/K/V biases) and the same
-experts, plus a shared expert of its own width whose output is scaled by
-``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``).
+from ``max_window_layers`` on) our ``sliding_window`` and ``layer_types``.
+``Qwen3MoeForCausalLM`` (same report; ``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's
+attention and experts in every layer, softmax top-k renormalised only with
+``norm_topk_prob``; per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on
+disk, stacked (E, in, out) in ours. ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B,
+Qwen2-57B-A14B; the Qwen2 report; ``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's
+attention (Q/K/V biases) and the same experts, plus a shared expert of its own width whose
+output is scaled by ``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ def _window(window: Any, types: list[str] | None = None) -> dict:
     the layers ``types`` marks "sliding_attention" (None: every layer); no window when none
     is marked."""
     if window is None or (types is not None and "sliding_attention" not in types):
-        return dict(_NO_WINDOW)
+        return {**_NO_WINDOW}
     return {"sliding_window": _whole_window(window),
             "layer_types": None if types is None else list(types)}
 
@@ -502,7 +502,7 @@ def _qwen_window(c: dict) -> dict:
     ``max_window_layers`` on)."""
     c = {**_QWEN_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
     if not c["use_sliding_window"]:
-        return dict(_NO_WINDOW)
+        return {**_NO_WINDOW}
     n = c.get("num_hidden_layers", 0)
     types = c.get("layer_types") or ["sliding_attention" if i >= c["max_window_layers"]
                                      else "full_attention" for i in range(n)]
@@ -595,7 +595,7 @@ def _qwen_moe_window(c: dict, arch: str) -> dict:
     as ``Qwen2MoeConfig``: the even layers below ``max_window_layers``)."""
     c = _qwen_moe_defaults(c, arch)
     if not c["use_sliding_window"]:
-        return dict(_NO_WINDOW)
+        return {**_NO_WINDOW}
     if arch == "Qwen3-MoE":
         return _window(c.get("sliding_window"))
     types = c.get("layer_types") or [
