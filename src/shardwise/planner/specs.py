@@ -430,9 +430,13 @@ def full_size(d) -> int:
 
 
 def load_model(text: str, seq: int | None = None) -> ModelSpec:
-    """A named size (``NAMED``), or a TOML file: a train config, or its ``[model]`` table
-    alone (``describe_config``; ``ModelSpec.from_description``). ``seq``: the sequence
-    length (a named size's ``with_seq``; a file's ``model.block_size``). A file's
+    """A named size (``NAMED``), a TOML file (a train config, or its ``[model]`` table
+    alone), or ``hf:DIR`` (a Hugging Face checkpoint directory: its config.json only, no
+    weights read), described as ``shardwise train`` describes it (``model.init_from``
+    resolved from config.json, ``apps.lm.hf.resolve_init_from``; ``describe_config``;
+    ``ModelSpec.from_description``). ``seq``: the sequence length (a named size's
+    ``with_seq``; a file's or checkpoint's ``model.block_size``, at most a checkpoint's
+    context). A file's
     ``dropout`` is its ``model.dropout`` (what the engine's cp check reads), or the model
     config's own when that is 0. ``SpecError`` for anything else, naming the file and the
     field (the config's own one-line errors)."""
@@ -440,28 +444,41 @@ def load_model(text: str, seq: int | None = None) -> ModelSpec:
 
     if text in NAMED:
         return NAMED[text] if seq is None else NAMED[text].with_seq(seq)
-    path = Path(text)
-    if not path.is_file():
-        raise SpecError(f"--model {text!r}: neither a named size ({', '.join(NAMED)}) nor a "
-                        "TOML file")
+    if text.startswith("hf:"):  # a Hugging Face checkpoint: its config.json alone is read
+        where, name = f"--model {text}", Path(text[3:]).expanduser().resolve().name
+        data = {"model": {"init_from": text}}
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise SpecError(f"--model {text!r}: neither a named size ({', '.join(NAMED)}), a "
+                            "TOML file nor hf:DIR (a Hugging Face checkpoint directory)")
+        where, name = str(path), path.stem
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise SpecError(f"{path}: not valid TOML: {exc}") from None
+        if "model" not in data:  # a bare [model] table
+            data = {"model": data}
+        if not isinstance(data["model"], dict):
+            raise SpecError(f"{path}: expected a [model] table")
     try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: not valid TOML: {exc}") from None
-    if "model" not in data:  # a bare [model] table
-        data = {"model": data}
-    if not isinstance(data["model"], dict):
-        raise SpecError(f"{path}: expected a [model] table")
-    if seq is not None:
-        data["model"]["block_size"] = seq
-    try:
-        cfg = Config.from_dict(data)
-        spec = ModelSpec.from_description(describe_config(cfg), name=path.stem)
+        from shardwise.apps.lm.hf import resolve_init_from
+
+        # model.init_from: the checkpoint's model, as shardwise train resolves it
+        cfg = resolve_init_from(Config.from_dict(data))
+        if seq is not None:
+            if cfg.model.init_from and seq > cfg.model.block_size:
+                raise SpecError(f"--seq {seq}: longer than the checkpoint's "
+                                f"{cfg.model.block_size} tokens ({cfg.model.init_from}: its "
+                                "config.json)")
+            data["model"]["block_size"] = seq
+            cfg = resolve_init_from(Config.from_dict(data))
+        spec = ModelSpec.from_description(describe_config(cfg), name=name)
         return replace(spec, dropout=cfg.model.dropout or spec.dropout)
     except SpecError:
         raise
     except ValueError as exc:  # ConfigError, DataError, a model's own size checks
-        raise SpecError(f"{path}: {exc}") from None
+        raise SpecError(f"{where}: {exc}") from None
 
 
 def positive_number(text: str, flag: str, integer: bool = False) -> float:
