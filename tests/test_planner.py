@@ -390,7 +390,8 @@ def test_a_hugging_face_checkpoint_is_planned_from_its_config_json(tmp_path, cap
     """``--model hf:DIR`` plans the checkpoint's model (config.json read as ``shardwise
     train`` reads it, no weights): Llama-3-8B's and Mixtral-8x7B's config.json give the named
     sizes' parameters and the same ranked plan; a train config with ``model.init_from`` is
-    planned as its checkpoint's model, not its [model] defaults; ``--emit-toml`` writes
+    planned (and ``shardwise memory``'d) as its checkpoint's model, not its [model] defaults;
+    ``--emit-toml`` writes
     ``init_from`` and the planned sequence; a sequence beyond the checkpoint's context and a
     missing directory are one line, exit 2."""
     from shardwise.cli.main import main
@@ -419,6 +420,11 @@ def test_a_hugging_face_checkpoint_is_planned_from_its_config_json(tmp_path, cap
     run_toml = tmp_path / "finetune.toml"
     run_toml.write_text(f'[model]\ninit_from = "hf:{llama}"\n\n[training]\nsteps = 2\n')
     assert load_model(str(run_toml), 4096).params == NAMED["llama3-8b"].params
+    from shardwise.cli.memory import main as memory_main
+
+    capsys.readouterr()
+    assert memory_main(["--config", str(run_toml), "--dp", "8", "--stages", "1"]) == 0
+    assert capsys.readouterr().out.startswith("llama 8030.26M parameters, 32 layers x 4096")
     out = tmp_path / "best.toml"
     assert main(["plan", "--model", f"hf:{llama}", "--seq", "2048", *argv,
                  "--emit-toml", str(out)]) == 0
