@@ -107,6 +107,10 @@ class ModelConfig(_Section):
                            "(Qwen2)")
     qk_norm: bool = Field(False, description="llama: an RMSNorm over each head's D features "
                           "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
+    rotary_dim: int = Field(0, ge=0, description="llama: rotate only the first rotary_dim "
+                            "of each head's D features, the rest passed through (Phi-3's "
+                            "partial_rotary_factor = rotary_dim / D: Phi-4-mini's 0.75); "
+                            "even, at most D; 0: all D")
     activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
                             "gelu_tanh (GPT-2's tanh approximation)")
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
@@ -132,6 +136,9 @@ class ModelConfig(_Section):
                              f"model.n_head={self.n_head} (or set model.head_dim)")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim}: expected an even number "
+                             "(rotary pairs per head), or 0")
+        if self.rotary_dim % 2:
+            raise ValueError(f"model.rotary_dim={self.rotary_dim}: expected an even number "
                              "(rotary pairs per head), or 0")
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} is more than model.n_experts="

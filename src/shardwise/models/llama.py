@@ -20,7 +20,11 @@ biases anywhere. Sources:
 - Yang et al. 2025, "Qwen3 Technical Report" (arXiv:2505.09388) and transformers'
   ``models/qwen3/modeling_qwen3.py``: QK-norm, an RMSNorm over each head's D features of
   Q and of K before the rotary embedding (``qk_norm``), and a head dimension D that need
-  not be h / n_head (``head_dim``).
+  not be h / n_head (``head_dim``);
+- Abdin et al. 2024, "Phi-3 Technical Report" (arXiv:2404.14219) and transformers'
+  ``models/phi3/modeling_phi3.py``: partial rotary embeddings, only the first
+  ``rotary_dim`` of each head's D features rotated (``partial_rotary_factor``: Phi-4-mini's
+  0.75), the rest passed through.
 
 As in ``models.gpt``, the model is ``embed -> blocks[i] -> head`` so a pipeline can cut it
 by layer, and attention keeps separate Q, K, V and output projections (column- then
@@ -80,6 +84,8 @@ class LlamaConfig:
     ``moe_shared_ffn_hidden`` (None: ``moe_ffn_hidden``), its output scaled per token by
     ``sigmoid(x w)`` with ``moe_shared_expert_gate`` (``w`` a replicated (n_embd,) weight,
     ``mlp.shared_expert_gate``: Qwen2-MoE);
+    rotary_dim: the first R of each head's D features are rotated, the other D - R pass
+    through (Phi-3's ``partial_rotary_factor`` = R / D); even, at most D; None: D.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). Raises
     ``ValueError`` (one line, naming the fields) for inconsistent sizes.
@@ -113,6 +119,7 @@ class LlamaConfig:
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
@@ -133,6 +140,11 @@ class LlamaConfig:
         if isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2:
             raise ValueError(f"model.head_dim={d!r}: expected an even whole number >= 2 "
                              "(rotary pairs per head)")
+        r = self.rotary_dim  # None: all D (not filled in, so replace(cfg, head_dim=) keeps it)
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int)
+                              or not 2 <= r <= d or r % 2):
+            raise ValueError(f"model.rotary_dim={r!r}: expected an even whole number from 2 "
+                             f"to head_dim={d} (rotary pairs of each head's first features)")
         if self.ffn_hidden is None:
             hidden = int(8 * self.n_embd / 3)
             object.__setattr__(self, "ffn_hidden",
@@ -185,9 +197,12 @@ class LlamaConfig:
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) fp32, radians per token: ``theta^(-2i/d)``, then
-    Llama 3's scaling when ``cfg.rope_scaling`` is set (as HF ``_compute_llama3_parameters``)."""
-    d = cfg.head_dim
+    """Inverse frequencies (R / 2,) fp32, radians per token: ``theta^(-2i/R)``, R the
+    rotated features ``rotary_dim`` (head_dim unless partial: as HF
+    ``_compute_default_rope_parameters``, whose dim is ``head_dim * partial_rotary_factor``),
+    then Llama 3's scaling when ``cfg.rope_scaling`` is set (as HF
+    ``_compute_llama3_parameters``)."""
+    d = cfg.rotary_dim or cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
                                     .float() / d))
     rs = cfg.rope_scaling
@@ -205,20 +220,27 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
 
 def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
                  positions: torch.Tensor | None = None):
-    """cos and sin of the rotation angles, each (T, head_dim): angle(t, i) = t * inv_freq[i
-    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves).
+    """cos and sin of the rotation angles, each (T, R), R = ``rotary_dim`` (head_dim unless
+    partial): angle(t, i) = t * inv_freq[i mod R/2] (the "rotate_half" layout repeats the
+    frequencies over both halves).
     ``positions``: (T,) the tokens' positions t (default 0..T-1; a context-parallel rank's
     are its chunks', ``models.sequence.positions``)."""
     inv = rope_frequencies(cfg, device)
     t = torch.arange(T, device=device) if positions is None else positions
     angles = torch.outer(t.to(device=device, dtype=torch.float32), inv)  # (T, d/2)
-    emb = torch.cat([angles, angles], dim=-1)  # (T, d)
+    emb = torch.cat([angles, angles], dim=-1)  # (T, R)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, D) queries or keys: ``x cos + rotate_half(x) sin`` with
-    ``rotate_half([x1, x2]) = [-x2, x1]`` (RoFormer, eq. 34, in HF's layout)."""
+    ``rotate_half([x1, x2]) = [-x2, x1]`` (RoFormer, eq. 34, in HF's layout). ``cos`` and
+    ``sin`` (T, R) with R < D rotate the first R features only, the halves being those of
+    the R, and pass the last D - R through (Phi-3's partial rotary, as HF
+    ``models/phi3/modeling_phi3.py``'s ``apply_rotary_pos_emb``)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -535,4 +557,5 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        head_dim=getattr(m, "head_dim", 0) or None,
                        qkv_bias=getattr(m, "qkv_bias", False),
                        qk_norm=getattr(m, "qk_norm", False),
+                       rotary_dim=getattr(m, "rotary_dim", 0) or None,
                        moe_bias_update_rate=m.moe_bias_update_rate)
