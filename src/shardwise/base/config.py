@@ -117,8 +117,8 @@ class ModelConfig(_Section):
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
                            "(LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, "
-                           "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM or "
-                           "Qwen3MoeForCausalLM: "
+                           "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
+                           "Qwen3MoeForCausalLM or Phi3ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
