@@ -18,6 +18,7 @@ so does the Mistral's and the Phi-3's: the engine's import -> a checkpoint ->
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -61,8 +62,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     experts of width 40 not renormalised, a shared expert of width 56 and its sigmoid
     gate), a Mistral (Mistral-Nemo's shape in small: head_dim 12 where hidden / heads is
     16, no sliding window, rope_theta 1e6) and a Phi-3 (Phi-4-mini's shape in small: Q/K/V
-    and gate/up packed, 12 of each head's 16 features rotated, tied head), saved as
-    transformers does."""
+    and gate/up packed, 12 of each head's 16 features rotated, LongRoPE from 32 tokens to
+    128, tied head), saved as transformers does."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -110,10 +111,13 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         max_position_embeddings=32, sliding_window=None, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})))
     mistral.save_pretrained(root / "mistral")
+    factors = (1 + torch.rand(2, 6, generator=torch.Generator().manual_seed(7))).tolist()
     phi3 = _perturb(transformers.Phi3ForCausalLM(transformers.Phi3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        original_max_position_embeddings=32, partial_rotary_factor=0.75,  # Phi-4-mini's
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=32, rope_parameters={  # Phi-4-mini's, in small
+            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": factors[0], "long_factor": [2 * f for f in factors[1]]},
         tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)))
     phi3.save_pretrained(root / "phi3")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
@@ -492,16 +496,21 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
                                                                       "sliding_window": None})
 
 
-def test_a_phi3_in_is_a_phi3_out(hf_dirs, tmp_path):
-    """A Phi-3 whose config.json has the older form real checkpoints carry (Phi-3-mini-4k's
-    and Phi-4-mini's: top-level ``rope_theta`` and ``partial_rotary_factor``, ``rope_scaling``
-    null, a sliding window bounding block_size) is read as transformers reads it: imported
-    by the engine in one process (its own slices of the packed qkv_proj / gate_up_proj),
-    saved as a run's checkpoint, exported (``export_hf``) as a ``Phi3ForCausalLM`` whose
-    tensors are the source's bit for bit, written packed, and whose logits equal the
-    source's and ours; its config.json keeps the source's window, context and token ids.
-    Without a source the same model (12 of 16 features rotated) is still a Phi-3
-    (``arch_for``: no other arch rotates part of a head); rotating all of a head, a Llama."""
+@pytest.mark.parametrize("form", ["longrope", "older"])
+def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
+    """A Phi-3 is read as transformers reads it, in the form ``save_pretrained`` writes
+    (Phi-4-mini's LongRoPE: block_size bounded by its original 32 tokens, the short factors
+    and the attention factor sqrt(1 + ln 4 / ln 32) of a 4x longer context) or the older
+    one of Phi-3-mini-4k's config.json (top-level ``rope_theta`` and
+    ``partial_rotary_factor``, ``rope_scaling`` null, a sliding window bounding
+    block_size): imported by the engine in one process (its own slices of the packed
+    qkv_proj / gate_up_proj), saved as a run's checkpoint, exported (``export_hf``) as a
+    ``Phi3ForCausalLM`` whose tensors are the source's bit for bit, written packed, and
+    whose logits equal the source's and ours (beyond 32 tokens too, where transformers
+    switches to the long factors the export kept); its config.json keeps the source's
+    window, context and token ids. Without a source the same model (12 of 16 features
+    rotated, or LongRoPE) is still a Phi-3 (``arch_for``: no other arch rotates part of a
+    head or has LongRoPE); rotating all of a head with the default rotary, a Llama."""
     from dataclasses import replace
 
     from shardwise import checkpoint
@@ -517,17 +526,30 @@ def test_a_phi3_in_is_a_phi3_out(hf_dirs, tmp_path):
 
     src = tmp_path / "src"
     shutil.copytree(hf_dirs["phi3"], src)
-    source = {k: v for k, v in read_config(src).items() if k != "rope_parameters"}
-    source.update(rope_theta=250000.0, rope_scaling=None, partial_rotary_factor=0.75,
-                  sliding_window=16, bos_token_id=5)
+    source = {**read_config(src), "bos_token_id": 5}
+    rope = source["rope_parameters"]
+    if form == "older":
+        del source["rope_parameters"]
+        source.update(rope_theta=250000.0, rope_scaling=None, partial_rotary_factor=0.75,
+                      sliding_window=16, max_position_embeddings=32)
     (src / "config.json").write_text(json.dumps(source))
     cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
     check_init_from(cfg, VOCAB)
     d = describe_section(cfg.model, VOCAB)
-    assert (d.block_size, d.config.rotary_dim, d.config.rope_theta) == (16, 12, 250000.0)
-    assert d.hf.architecture == "Phi3ForCausalLM" and PHI3.bound_reason(source)
-    assert describe(replace(d.config, rotary_dim=None)).hf is LLAMA
-    assert export_arch(describe(replace(d.config, rotary_dim=None)), source).model_type == "phi3"
+    T = 16 if form == "older" else 32
+    assert (d.block_size, d.config.rotary_dim) == (T, 12) and PHI3.bound_reason(source)
+    assert d.hf.architecture == "Phi3ForCausalLM"
+    if form == "older":
+        assert d.config.rope_theta == 250000.0 and d.config.rope_scaling is None
+        assert describe(replace(d.config, rotary_dim=None)).hf is LLAMA
+        assert export_arch(describe(replace(d.config, rotary_dim=None)), source).model_type == "phi3"
+    else:
+        long = d.config.rope_scaling
+        assert long.short_factor == tuple(rope["short_factor"])
+        assert long.attention_factor == pytest.approx((1 + math.log(4) / math.log(32)) ** 0.5)
+        whole = replace(long, short_factor=(1.0,) * 8, long_factor=(2.0,) * 8)  # D / 2 each
+        assert describe(replace(d.config, rotary_dim=None, rope_scaling=whole)).hf.model_type \
+            == "phi3" and not LLAMA.holds(d.config)  # LongRoPE alone makes it a Phi-3
     assert export_arch(describe(replace(d.config, qkv_bias=True)), source) is None
     # tp rank 1 of 2 reads its half of K's rows, after Q's H D = 64, from qkv_proj alone
     spec = d.hf.tensor("blocks.0.self_attn.k_proj.weight")
@@ -535,10 +557,10 @@ def test_a_phi3_in_is_a_phi3_out(hf_dirs, tmp_path):
     assert spec.reads((32, 64), ((16, 16), (0, 64))) == [
         ("model.layers.0.self_attn.qkv_proj.weight", (slice(80, 96), slice(0, 64)), ())]
     engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=16, init_from=str(src)))
-    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+        batch_size=1, seq_len=T, init_from=str(src)))
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
     engine._train(False)
-    ours = engine._logits(idx)[..., :VOCAB]
+    ours = engine._logits(idx[:, :T])[..., :VOCAB]
     tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
     checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
                     {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,
@@ -546,22 +568,26 @@ def test_a_phi3_in_is_a_phi3_out(hf_dirs, tmp_path):
     done = export_hf(tmp_path / "run", tmp_path / "out")
     assert done.architecture == "Phi3ForCausalLM"
     written = read_config(tmp_path / "out")
+    want_rope = ({"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.75}
+                 if form == "older" else {**rope, "attention_factor": long.attention_factor})
     assert {k: written[k] for k in ("model_type", "sliding_window", "max_position_embeddings",
                                     "original_max_position_embeddings", "bos_token_id",
                                     "rope_parameters", "tie_word_embeddings")} == {
-        "model_type": "phi3", "sliding_window": 16, "max_position_embeddings": 32,
+        "model_type": "phi3", "sliding_window": 16 if form == "older" else None,
+        "max_position_embeddings": 32 if form == "older" else 128,
         "original_max_position_embeddings": 32, "bos_token_id": 5, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 250000.0,
-                            "partial_rotary_factor": 0.75}}
+        "rope_parameters": want_rope}
     original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(exported).__name__ == "Phi3ForCausalLM"
-    assert original.config.rope_parameters["rope_theta"] == 250000.0  # the old form read alike
+    assert original.config.rope_parameters["rope_theta"] == d.config.rope_theta  # read alike
     a, b = original.state_dict(), exported.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with torch.no_grad():
-        theirs = exported(idx).logits
-        assert torch.equal(theirs, original(idx).logits)
+        theirs = exported(idx[:, :T]).logits
+        assert torch.equal(theirs, original(idx[:, :T]).logits)
+        if form == "longrope":  # past the original length: the long factors, kept
+            torch.testing.assert_close(exported(idx).logits, original(idx).logits)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
@@ -649,8 +675,10 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
     its sliding window (a Mistral and a Phi-3 too), or a mixture of experts asked of a
     Llama; a Qwen3-MoE or a Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2,
-    ``mlp_only_layers``); a Phi-3 with LongRoPE or a partial rotary factor rotating an odd
-    number of features, a Llama with one at all; an export of a run with no checkpoint."""
+    ``mlp_only_layers``); a Phi-3 with LongRoPE under its older name or with too few
+    factors, a partial rotary factor rotating an odd number of features, or trained on more
+    tokens than its LongRoPE's original length or its window; a Llama with a partial rotary
+    factor at all; an export of a run with no checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -726,18 +754,22 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     for use, block in ((True, 16), (False, 32)):
         qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)
         assert section_of(read_config(qmwin))["block_size"] == block
-    # Phi-3: LongRoPE (the 128k variants; "su" its older name) and a factor rotating an odd
-    # number of features refused, a window bounding block_size; partial rotary on a Llama
+    # Phi-3: LongRoPE's older name "su", its factors not one per rotary frequency, a factor
+    # rotating an odd number of features refused; LongRoPE's original length (beyond it
+    # transformers takes the long factors) and a window bound block_size; partial rotary on
+    # a Llama refused
     rope = read_config(hf_dirs["phi3"])["rope_parameters"]
     for name, changes, what in (
-            ("longrope", {"rope_parameters": {**rope, "rope_type": "longrope",
-                                              "short_factor": [1.0] * 6,
-                                              "long_factor": [2.0] * 6}}, "'longrope'"),
             ("su", {"rope_parameters": None, "rope_scaling": {"type": "su"}}, "'su'"),
+            ("short", {"rope_parameters": {**rope, "short_factor": [1.0] * 5}},
+             "short_factor has 5 factors, expected 6"),
             ("odd", {"rope_parameters": {**rope, "partial_rotary_factor": 0.7}},
              "partial_rotary_factor=0.7: expected")):
         assert_one_line_exit_2([*train, "--model.init_from",
                                 f"hf:{variant('phi' + name, 'phi3', **changes)}"], capsys, what)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['phi3']}",
+                            "--model.block_size", "64"], capsys, "model.block_size=64 contradicts",
+                           "gives 32 or less, its LongRoPE")
     pwin = variant("pwin", "phi3", sliding_window=16)  # Phi-3-mini-4k's 2047 of 4096, in small
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{pwin}", "--model.block_size",
                             "32"], capsys, "model.block_size=32 contradicts",

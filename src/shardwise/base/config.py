@@ -97,9 +97,12 @@ class ModelConfig(_Section):
                                         "per-expert bias on the routing scores, for the top-k "
                                         "choice only, moved by this much after each step "
                                         "towards the mean load (0.001 in the paper); 0: off")
-    rope_scaling: dict[str, float | int | str] | None = Field(
+    rope_scaling: dict[str, float | int | str | list[float]] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
-        "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")
+        "low_freq_factor, high_freq_factor, original_max_position_embeddings; or with "
+        "rope_type = \"longrope\" Phi-3's LongRoPE, short_factor and long_factor (one per "
+        "rotary frequency), original_max_position_embeddings (block_size at most it: the "
+        "short factors only), attention_factor; unset: none")
     head_dim: int = Field(0, ge=0, description="llama: each attention head's width D (Q is "
                           "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
                           "n_embd / n_head); even; 0: n_embd / n_head")

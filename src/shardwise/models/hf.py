@@ -267,10 +267,16 @@ def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
 
 def rope_parameters(cfg) -> dict:
     """``transformers``' ``rope_parameters`` of a ``LlamaConfig``: the default rotary base,
-    or Llama 3's frequency scaling (``rope_type = "llama3"``)."""
+    Llama 3's frequency scaling (``rope_type = "llama3"``) or LongRoPE (``"longrope"``,
+    its attention factor written out, so that it keeps its value whatever the context)."""
     if cfg.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rs = cfg.rope_scaling
+    if _long_rope(cfg):
+        return {"rope_type": "longrope", "rope_theta": cfg.rope_theta,
+                "short_factor": list(rs.short_factor), "long_factor": list(rs.long_factor),
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+                "attention_factor": rs.attention_factor}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
             "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings}
@@ -540,7 +546,8 @@ def _mistral_config_json(cfg, source: dict | None) -> dict:
 # transformers' Phi3Config defaults (configuration_phi3.py), where they differ from the Llama's,
 # for a config.json that leaves a field out (num_key_value_heads: num_attention_heads, as the
 # Llama's; sliding_window: none, unlike Mistral's)
-_PHI3_DEFAULTS = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+_PHI3_DEFAULTS = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "original_max_position_embeddings": 4096}
 # Phi3ForCausalLM's packed linears: our module -> (theirs, which piece); Q, K, V are rows of
 # qkv_proj in that order, gate and up of gate_up_proj (Phi3MLP: ``gate, up_states =
 # gate_up_proj(x).chunk(2, dim=-1)``)
@@ -557,6 +564,56 @@ def _phi3_window(c: dict) -> int | None:
     return _mistral_window({"sliding_window": None, **c})
 
 
+def _phi3_long_rope(c: dict) -> dict | None:
+    """The ``LongRope`` fields (``models.llama``) of a Phi-3 config.json with LongRoPE
+    (``rope_type`` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini), as
+    ``Phi3Config`` and ``_compute_longrope_parameters`` read them, else None (the default
+    rotary). ``original_max_position_embeddings``: the top-level field (``Phi3Config``
+    puts it over the rope table's; 4096 when absent); ``attention_factor``: the table's,
+    else from ``factor`` (the table's, else ``max_position_embeddings / original``): 1 up
+    to 1, else ``sqrt(1 + ln factor / ln original)``. Refused: another rope type, and the
+    older names "su" / "yarn", which transformers 5 renames but then fails to load."""
+    c = {**_PHI3_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "longrope":
+        raise _refuse("Phi-3", f"rope_type={kind!r} (Phi-3's are 'default' and 'longrope'; "
+                      "for the older 'su' / 'yarn', write 'longrope')")
+    missing = [k for k in ("short_factor", "long_factor") if not rope.get(k)]
+    if missing:
+        raise HFConfigError(f"config.json: rope_type longrope without {missing[0]}")
+    original = c["original_max_position_embeddings"]
+    factor = rope.get("factor")
+    factor = c["max_position_embeddings"] / original if factor is None else factor
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in rope["short_factor"]],
+            "long_factor": [float(x) for x in rope["long_factor"]],
+            "original_max_position_embeddings": original, "attention_factor": float(attention)}
+
+
+def _phi3_bound(c: dict) -> dict[str, str]:
+    """``HFArch.bound_reason`` of Phi-3: its sliding window's, as Mistral's
+    (``_window_bound``), or LongRoPE's original length when that is the tighter bound."""
+    reason = _window_bound(_phi3_window, _PHI3_DEFAULTS["max_position_embeddings"])(c)
+    try:
+        long = _phi3_long_rope(c)
+    except HFConfigError:
+        return reason
+    if long is None:
+        return reason
+    original, window = long["original_max_position_embeddings"], _phi3_window(c)
+    if original < _get(c, "max_position_embeddings", 4096) and (window is None
+                                                                or original < window):
+        return {"block_size": "its LongRoPE: shardwise has the short factors only, which "
+                              f"transformers uses up to {original} tokens "
+                              "(original_max_position_embeddings)"}
+    return reason
+
+
 def _phi3_section(c: dict) -> dict:
     """A Phi-3 or Phi-4 (Abdin et al. 2024, "Phi-3 Technical Report", arXiv:2404.14219;
     ``models/phi3/modeling_phi3.py``) is our Llama: RMSNorm, SwiGLU, grouped-query
@@ -564,24 +621,34 @@ def _phi3_section(c: dict) -> dict:
     (``tensor``); ``Phi3Config``'s defaults where config.json is silent; the rotary base
     from ``rope_parameters`` or the older top-level ``rope_theta``; only the first
     ``head_dim x partial_rotary_factor`` features of a head rotated (``rotary_dim``;
-    Phi-4-mini: 0.75). A sliding window W bounds ``block_size`` as Mistral's. Refused:
-    LongRoPE (``rope_type`` "longrope", older "su" / "yarn": the 128k variants' short and
-    long factors, which switch with the sequence length). Not read: ``resid_pdrop``,
+    Phi-4-mini: 0.75). A sliding window W bounds ``block_size`` as Mistral's. LongRoPE
+    (``_phi3_long_rope``) becomes ``rope_scaling`` (``models.llama.LongRope``) and bounds
+    ``block_size`` by ``original_max_position_embeddings``: beyond it transformers switches
+    to the long factors, which shardwise does not. Not read: ``resid_pdrop``,
     ``embd_pdrop``, ``attention_dropout`` (training regularisers: a run's dropout is its
     ``model.dropout``, on the attention probabilities as ``attention_dropout``);
-    ``attention_bias`` / ``mlp_bias`` (Phi-3's linears have none);
-    ``original_max_position_embeddings`` (LongRoPE's)."""
+    ``attention_bias`` / ``mlp_bias`` (Phi-3's linears have none)."""
     window = _phi3_window(c)
+    long = _phi3_long_rope(c)
     c = {**_PHI3_DEFAULTS, **{k: v for k, v in c.items()
                               if v is not None and k not in ("attention_bias", "mlp_bias")}}
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise _refuse("Phi-3", f"rope_type={kind!r} (LongRoPE, the 128k variants' "
-                      "short_factor / long_factor; shardwise's is 'default')")
+    if long is not None:  # the rest of the rope table as the default rotary's
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        c = {k: v for k, v in c.items() if k != "rope_scaling"}
+        c["rope_parameters"] = {k: rope[k] for k in ("rope_theta", "partial_rotary_factor")
+                                if k in rope}
     out = _llama_section(c, "Phi-3", partial=True)
     if window is not None:
         out["block_size"] = min(out["block_size"], window)
+    if long is not None:
+        half = (out["rotary_dim"] or out["head_dim"] or out["n_embd"] // out["n_head"]) // 2
+        bad = [k for k in ("short_factor", "long_factor") if len(long[k]) != half]
+        if bad:
+            raise HFConfigError(f"config.json: rope_parameters.{bad[0]} has "
+                                f"{len(long[bad[0]])} factors, expected {half} (one per "
+                                "rotary frequency)")
+        out["rope_scaling"] = long
+        out["block_size"] = min(out["block_size"], long["original_max_position_embeddings"])
     return out
 
 
@@ -606,6 +673,9 @@ def _phi3_config_json(cfg, source: dict | None) -> dict:
         out.pop(other, None)
     out["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(
         cfg.rotary_dim or cfg.head_dim, cfg.head_dim)
+    if _long_rope(cfg):  # Phi3Config takes the top-level original over the table's
+        out["original_max_position_embeddings"] = \
+            cfg.rope_scaling.original_max_position_embeddings
     out.setdefault("pad_token_id", None)  # Phi3Config's 32000 is past a small vocabulary
     out.update(architectures=["Phi3ForCausalLM"], model_type="phi3",
                original_max_position_embeddings=out.get("original_max_position_embeddings",
@@ -852,10 +922,15 @@ def _softmax_dropless(cfg) -> bool:
             and not getattr(cfg, "moe_bias_update_rate", 0.0))
 
 
+def _long_rope(cfg) -> bool:
+    """A Llama config's rotary has LongRoPE (``models.llama.LongRope``)."""
+    return getattr(getattr(cfg, "rope_scaling", None), "short_factor", None) is not None
+
+
 def _full_rotary(cfg) -> bool:
-    """A Llama config rotates all of each head (``rotary_dim`` unset or ``head_dim``): every
-    transformers class here but Phi-3's does."""
-    return getattr(cfg, "rotary_dim", None) in (None, 0, cfg.head_dim)
+    """A Llama config rotates all of each head (``rotary_dim`` unset or ``head_dim``)
+    without LongRoPE: every transformers class here but Phi-3's does."""
+    return getattr(cfg, "rotary_dim", None) in (None, 0, cfg.head_dim) and not _long_rope(cfg)
 
 
 def _dense(bias: bool, norm: bool) -> Callable[[Any], bool]:
@@ -926,10 +1001,10 @@ MISTRAL = HFArch(kind="llama", model_type="mistral", architecture="MistralForCau
 PHI3 = HFArch(kind="llama", model_type="phi3", architecture="Phi3ForCausalLM",
               section=_phi3_section, config_json=_phi3_config_json, tensor=_phi3_unsized,
               ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-              bound_reason=_window_bound(_phi3_window, _PHI3_DEFAULTS["max_position_embeddings"]),
+              bound_reason=_phi3_bound,
               holds=lambda cfg: (not cfg.n_experts and not getattr(cfg, "qkv_bias", False)
                                  and not getattr(cfg, "qk_norm", False)
-                                 and cfg.rope_scaling is None),
+                                 and (cfg.rope_scaling is None or _long_rope(cfg))),
               sized=_phi3_tensor)
 
 
