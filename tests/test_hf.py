@@ -542,7 +542,8 @@ def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
     if form == "older":
         assert d.config.rope_theta == 250000.0 and d.config.rope_scaling is None
         assert describe(replace(d.config, rotary_dim=None)).hf is LLAMA
-        assert export_arch(describe(replace(d.config, rotary_dim=None)), source).model_type == "phi3"
+        full = describe(replace(d.config, rotary_dim=None))
+        assert export_arch(full, source).model_type == "phi3"
     else:
         long = d.config.rope_scaling
         assert long.short_factor == tuple(rope["short_factor"])

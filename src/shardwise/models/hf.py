@@ -1076,9 +1076,9 @@ def arch_of(config_json: dict) -> HFArch:
 
 def export_arch(description, source: dict | None) -> HFArch | None:
     """The arch ``shardwise export`` writes a model as, and ``model.init_from`` reads its
-    checkpoint with (``engine.model._load_hf``, ``apps.lm.hf.check_init_from``, ``source``
-    that checkpoint's config.json), one rule: the arch its run's source ``config.json`` names (``source``: ``model.init_from``'s, kept in the run's checkpoints;
-    ``arch_of``) when that arch holds the model exactly (its ``kind`` and ``holds(config)``,
+    checkpoint with (``ModelDescription.with_checkpoint_arch``, ``source`` that
+    checkpoint's config.json), one rule: the arch its run's source ``config.json`` names
+    (``source``: ``model.init_from``'s, kept in the run's checkpoints; ``arch_of``) when that arch holds the model exactly (its ``kind`` and ``holds(config)``,
     and a sliding window of the source's, which its config.json keeps, no shorter than the
     model's ``block_size``); else the model's own, ``description.hf`` (``arch_for`` of a
     Llama config). So a Mistral in is a Mistral out, its window and context kept, while a

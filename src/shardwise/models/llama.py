@@ -93,7 +93,8 @@ class LlamaConfig:
     multiple of ``n_head``. ffn_hidden: SwiGLU width (``intermediate_size``); None means
     Llama's rule ``multiple_of * ceil(int(8h/3) / multiple_of)``. norm_eps: RMSNorm
     epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, ``LongRope``, a dict
-    of either's fields (LongRoPE's with ``rope_type = "longrope"``), or None. tie_weights: head shares the embedding matrix. attention: "sdpa" or "math"
+    of either's fields (LongRoPE's with ``rope_type = "longrope"``), or None. tie_weights:
+    head shares the embedding matrix. attention: "sdpa" or "math"
     (``models.gpt.causal_attention``). n_experts: 0 for the dense SwiGLU MLP, else a
     mixture of that many SwiGLU experts in every block (``models.moe.MoE``): ``top_k`` per
     token, of width ``moe_ffn_hidden`` (None: ``ffn_hidden``), ``moe_gating`` "softmax" or
@@ -186,7 +187,8 @@ class LlamaConfig:
         rs = self.rope_scaling
         if isinstance(rs, LongRope):
             self._check_long_rope(rs)
-        elif rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor):
+        elif rs is not None and not (rs.factor > 0
+                                     and 0 < rs.low_freq_factor < rs.high_freq_factor):
             raise ValueError("model.rope_scaling: expected factor > 0 and "
                              "0 < low_freq_factor < high_freq_factor")
         if self.attention not in ("sdpa", "math"):
