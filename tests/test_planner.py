@@ -187,6 +187,7 @@ def test_named_sizes_match_their_papers():
     assert round(NAMED["gpt3-175b"].params / 1e9) == 175
     assert round(NAMED["megatron-1t"].params / 1e9, 1) == 1008.0  # Narayanan et al. Table 1
     assert round(NAMED["megatron-146b"].params / 1e9, 1) == 145.6
+    assert round(NAMED["phi3-mini"].params / 1e9, 1) == 3.8  # Abdin et al. 2024 (Phi-3)
 
 
 @pytest.fixture(scope="module", params=[4, 8], ids=["ws4", "ws8"])

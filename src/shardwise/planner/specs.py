@@ -25,7 +25,15 @@ Named sizes:
   layers, width 4096, 32 heads, 8 key/value heads, 8 SwiGLU experts of width 14336, top-2,
   vocabulary 32000, context 32768; rotary base 1e6 from the released config.json): 46.7B
   parameters, 12.9B active per token. The planner searches expert parallelism (ep) only
-  for such a model.
+  for such a model;
+- Phi: Phi-3-mini (Abdin et al. 2024, arXiv:2404.14219: 3.8B, 32 layers, width 3072, 32
+  heads, vocabulary 32064; its 4k config.json: 32 key/value heads, SwiGLU width 8192,
+  context 4096) and Phi-4 (Abdin et al. 2024, arXiv:2412.08905: 14B, phi-3-medium's 40
+  layers of width 5120 and 40 heads, vocabulary 100352; its config.json: 10 key/value
+  heads, SwiGLU width 17920, context 16384, rotary base 250000): 3.82B and 14.66B parameters
+  (the report's "14B" rounded down; ``transformers.Phi3ForCausalLM`` of those sizes counts
+  the same). Phi-3-mini-4k's sliding window (2047) is not a size: ``--seq`` plans any
+  length.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -143,7 +151,7 @@ class ModelSpec:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
         experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
-        ``qk_norm`` when its description's config sets them);
+        ``qk_norm``, ``rotary_dim`` when its description's config sets them);
         ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
@@ -157,7 +165,8 @@ class ModelSpec:
             moe.update(moe_shared_expert=True, moe_shared_ffn_hidden=self.moe_shared_ffn,
                        moe_shared_expert_gate=self.moe_shared_gate)
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
-        qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm") if getattr(cfg, k, False)}
+        qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
+                if getattr(cfg, k, False)}
         if self.attn_width != self.n_embd:
             qwen["head_dim"] = self.attn_width // self.n_head
         return {**t, "n_kv_heads": self.kv_heads, "ffn_hidden": self.ffn,
@@ -337,6 +346,9 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 500000.0),
     # Jiang et al. 2024, Table 1 (module docstring): 8 experts, top-2
     _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1e6, experts=8, top_k=2),
+    # Phi-3-mini (4k) and Phi-4 (module docstring): Llamas in shardwise (models.hf.PHI3)
+    _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096),
+    _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
 ]}
 
 @dataclass(frozen=True)
