@@ -7,6 +7,7 @@ checks share one spawn because each spawn costs ~1.5 s of start-up.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 import torch
@@ -270,7 +271,25 @@ def _error_of(fn) -> str:
     return "no error"
 
 
-def bad_input(timeout_s: float) -> dict:
+def _absent(timeout_s: float, flags_dir: str | None, waiters: range) -> None:
+    """The absent rank: never calls the collective; stays away until every rank of
+    ``waiters`` has given up (each writes ``flags_dir/gave_up.<rank>`` after its timeout
+    error), at most ``timeout_s + 2`` s (without ``flags_dir``: exactly that long)."""
+    deadline = time.monotonic() + timeout_s + 2.0
+    flags = [] if flags_dir is None else [os.path.join(flags_dir, f"gave_up.{w}") for w in waiters]
+    while time.monotonic() < deadline:
+        if flags and all(os.path.exists(f) for f in flags):
+            return
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+
+def _gave_up(flags_dir: str | None) -> None:
+    if flags_dir is not None:
+        with open(os.path.join(flags_dir, f"gave_up.{dist.get_rank()}"), "w"):
+            pass
+
+
+def bad_input(timeout_s: float, flags_dir: str | None = None) -> dict:
     """Each misuse must raise, naming the collective and the rank, and never hang."""
     r, n = dist.get_rank(), dist.get_world_size()
     comm.configure(timeout_s=timeout_s)
@@ -293,28 +312,30 @@ def bad_input(timeout_s: float) -> dict:
     z = torch.full((5,), float(r))
     comm.all_reduce(z, algorithm="halving_doubling")
     out["still_works"] = z.tolist()
-    # a rank that never arrives: rank 0 sleeps past the timeout instead of calling
+    # a rank that never arrives: rank 0 stays away past the timeout instead of calling
     t0 = time.monotonic()
     if r == 0:
-        time.sleep(timeout_s + 2.0)
+        _absent(timeout_s, flags_dir, range(1, n))
         out["absent"] = "slept"
     else:
         out["absent"] = _error_of(lambda: comm.all_reduce(torch.ones(3), algorithm="ring"))
+        _gave_up(flags_dir)
     out["absent_s"] = time.monotonic() - t0
     return out
 
 
-def absent_unchecked(timeout_s: float) -> dict:
+def absent_unchecked(timeout_s: float, flags_dir: str | None = None) -> dict:
     """Same with the argument check off: the algorithm's own receive times out."""
     r = dist.get_rank()
     comm.configure(timeout_s=timeout_s, check=False)
     t0 = time.monotonic()
     if r == 0:
-        time.sleep(timeout_s + 2.0)
+        _absent(timeout_s, flags_dir, range(1, dist.get_world_size()))
         msg = "slept"
     else:
         handle = comm.all_reduce(torch.ones(3), algorithm="ring", async_op=True)
         msg = _error_of(handle.wait)
+        _gave_up(flags_dir)
     return {"absent": msg, "seconds": time.monotonic() - t0}
 
 

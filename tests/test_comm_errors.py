@@ -1,4 +1,7 @@
-"""Bad input raises an error naming the collective and the rank, within the timeout."""
+"""Bad input raises an error naming the collective and the rank, within the timeout.
+
+The absent rank (rank 0) never calls the collective; it stays away until the others have
+given up (a flag file each, after their timeout error), at most ``TIMEOUT_S + 2`` s."""
 
 import comm_workers as cw
 from shardwise.launch import spawn
@@ -6,8 +9,8 @@ from shardwise.launch import spawn
 TIMEOUT_S = 2.0
 
 
-def test_mismatches_wrong_group_and_absent_rank():
-    results = spawn(cw.bad_input, 3, (TIMEOUT_S,), join_timeout_s=120)
+def test_mismatches_wrong_group_and_absent_rank(tmp_path):
+    results = spawn(cw.bad_input, 3, (TIMEOUT_S, str(tmp_path)), join_timeout_s=120)
     for rank, out in enumerate(results):
         assert out["shape"].startswith(f"error: all_reduce(ring) on rank {rank}")
         assert "numel: rank 0 has 10, rank 2 has 12" in out["shape"]
@@ -27,8 +30,8 @@ def test_mismatches_wrong_group_and_absent_rank():
         assert TIMEOUT_S <= results[rank]["absent_s"] < TIMEOUT_S + 3
 
 
-def test_absent_rank_times_out_without_the_check_too():
-    out = spawn(cw.absent_unchecked, 2, (TIMEOUT_S,), join_timeout_s=60)[1]
+def test_absent_rank_times_out_without_the_check_too(tmp_path):
+    out = spawn(cw.absent_unchecked, 2, (TIMEOUT_S, str(tmp_path)), join_timeout_s=60)[1]
     assert out["absent"].startswith("timeout: all_reduce(ring) on rank 1"), out
     assert "receive from rank 0" in out["absent"]
     assert TIMEOUT_S <= out["seconds"] < TIMEOUT_S + 3

@@ -2,7 +2,7 @@
 
 Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
 ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen2MoeForCausalLM`` /
-``Qwen3MoeForCausalLM`` / ``MistralForCausalLM`` with random weights
+``Qwen3MoeForCausalLM`` / ``MistralForCausalLM`` / ``Phi3ForCausalLM`` with random weights
 are built here and saved with ``save_pretrained`` (no hub). The round trip:
 ``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
 the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
@@ -13,13 +13,14 @@ the Qwen2-MoE at dp2 x ep2), three of them with a sliding window shorter than th
 (a Mistral's, a Qwen2's and a Qwen2-MoE's, on all or some layers); with a window, the
 gradients too, in one process. The Qwen2-MoE's round trip runs in one process: ours ->
 export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit;
-so does the Mistral's: the engine's import -> a checkpoint -> ``export_hf`` -> a Mistral
-again.
+so does the Mistral's and the Phi-3's: the engine's import -> a checkpoint ->
+``export_hf`` -> a Mistral (a Phi-3, its Q/K/V and gate/up packed) again.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -62,11 +63,14 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     heads is 16), two Qwen3-MoE (top 2 of 4 experts, head_dim 24; ``norm_topk_prob``
     true and false; per-expert tensors on disk), a Qwen2-MoE (Q/K/V biases, top 2 of 4
     experts of width 40 not renormalised, a shared expert of width 56 and its sigmoid
-    gate) and a Mistral (Mistral-Nemo's shape in small: head_dim 12 where hidden / heads is
-    16, no sliding window, rope_theta 1e6), saved as transformers does; and three with a
-    sliding window of 8 tokens, shorter than the 32 the tests feed (``WINDOW``): a Mistral
-    (every layer), a Qwen2 (``use_sliding_window``, ``max_window_layers`` 1: layer 1 only)
-    and a Qwen2-MoE (its default pattern: the even layers, layer 0 only)."""
+    gate), a Mistral (Mistral-Nemo's shape in small: head_dim 12 where hidden / heads is
+    16, no sliding window, rope_theta 1e6) and a Phi-3 (Phi-4-mini's shape in small: Q/K/V
+    and gate/up packed, 12 of each head's 16 features rotated, LongRoPE from 32 tokens to
+    128, tied head), saved as transformers does; and four with a sliding window of 8
+    tokens, shorter than the 32 the tests feed (``WINDOW``): a Mistral (every layer), a
+    Qwen2 (``use_sliding_window``, ``max_window_layers`` 1: layer 1 only), a Qwen2-MoE (its
+    default pattern: the even layers, layer 0 only) and a Phi-3 (Phi-3-mini-4k's window in
+    small, on every layer; the default rotary, on 10 of each head's 16 features)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -114,6 +118,15 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         max_position_embeddings=32, sliding_window=None, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})))
     mistral.save_pretrained(root / "mistral")
+    factors = (1 + torch.rand(2, 6, generator=torch.Generator().manual_seed(7))).tolist()
+    phi3 = _perturb(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        original_max_position_embeddings=32, rope_parameters={  # Phi-4-mini's, in small
+            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": factors[0], "long_factor": [2 * f for f in factors[1]]},
+        tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)))
+    phi3.save_pretrained(root / "phi3")
     _perturb(transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
@@ -129,6 +142,13 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
         num_experts_per_tok=2, use_sliding_window=True, sliding_window=WINDOW,
         tie_word_embeddings=False))).save_pretrained(root / "qwen2moe_swa")
+    _perturb(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        original_max_position_embeddings=32, sliding_window=WINDOW, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.625},
+        tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None))).save_pretrained(root / "phi3_swa")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -136,10 +156,13 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     saved = safetensors.safe_open(root / "qwen2moe" / "model.safetensors", "pt").keys()
     assert {"model.layers.1.mlp.shared_expert_gate.weight",
             "model.layers.1.mlp.experts.3.up_proj.weight"} <= set(saved)
+    saved = safetensors.safe_open(root / "phi3" / "model.safetensors", "pt").keys()
+    assert {"model.layers.1.self_attn.qkv_proj.weight",
+            "model.layers.1.mlp.gate_up_proj.weight"} <= set(saved)  # packed on disk
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
-                                           "mistral", "mistral_swa", "qwen2_swa",
-                                           "qwen2moe_swa")}
+                                           "mistral", "phi3", "mistral_swa", "qwen2_swa",
+                                           "qwen2moe_swa", "phi3_swa")}
 
 
 @pytest.fixture(scope="module")
@@ -223,22 +246,24 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     """The engine's logits on the imported weights equal transformers' within 1e-5 (fp32):
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
     split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
-    expert by its width and its gate whole, the Mistral's heads of head_dim 12), all twelve
-    models, three of them attending in a sliding window of 8 of the 32 tokens (on every
-    layer, on layer 1, on layer 0: each rank's heads in the window); the Mixtral (top 2 of 4
+    expert by its width and its gate whole, the Mistral's heads of head_dim 12, the Phi-3's
+    slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj), all
+    fourteen models, four of them attending in a sliding window of 8 of the 32 tokens (on
+    every layer, on layer 1, on layer 0, on every layer: each rank's heads in the window);
+    the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
-    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral",
-                                      "mistral_swa", "qwen2_swa", "qwen2moe_swa",
+    dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3",
+                                      "mistral_swa", "qwen2_swa", "qwen2moe_swa", "phi3_swa",
                                       "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 12 and len(tp2[0]) == 15
+    assert len(tp1) == 14 and len(tp2[0]) == 17
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -562,6 +587,142 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     assert section_of({**silent, "sliding_window": None})["sliding_window"] == 0
 
 
+@pytest.mark.parametrize("form", ["longrope", "older"])
+def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
+    """A Phi-3 is read as transformers reads it, in the form ``save_pretrained`` writes
+    (Phi-4-mini's LongRoPE: block_size bounded by its original 32 tokens, the short factors
+    and the attention factor sqrt(1 + ln 4 / ln 32) of a 4x longer context) or the older
+    one of Phi-3-mini-4k's config.json (top-level ``rope_theta`` and
+    ``partial_rotary_factor``, ``rope_scaling`` null, a sliding window of 16 of the 32
+    tokens fed: the model's, no bound on block_size): imported by the engine in one process
+    (its own slices of the packed qkv_proj / gate_up_proj), saved as a run's checkpoint,
+    exported (``export_hf``) as a ``Phi3ForCausalLM`` whose tensors are the source's bit
+    for bit, written packed, and whose logits equal the source's and ours (beyond 32
+    tokens too, where transformers switches to the long factors the export kept); its
+    config.json keeps the model's window and the source's context and token ids. Without a
+    source the same model (12 of 16 features rotated, or LongRoPE) is still a Phi-3
+    (``arch_for``: no other arch rotates part of a head or has LongRoPE); rotating all of a
+    head with the default rotary, a Mistral with the window, a Llama without."""
+    from dataclasses import replace
+
+    from shardwise import checkpoint
+    from shardwise.apps.lm.export import export_hf
+    from shardwise.apps.lm.hf import check_init_from, resolve_init_from
+    from shardwise.base.config import Config
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import LLAMA, MISTRAL, PHI3, export_arch
+    from shardwise.models.llama import describe
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs["phi3"], src)
+    source = {**read_config(src), "bos_token_id": 5}
+    rope = source["rope_parameters"]
+    if form == "older":
+        del source["rope_parameters"]
+        source.update(rope_theta=250000.0, rope_scaling=None, partial_rotary_factor=0.75,
+                      sliding_window=16, max_position_embeddings=32)
+    (src / "config.json").write_text(json.dumps(source))
+    cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
+    check_init_from(cfg, VOCAB)
+    d = describe_section(cfg.model, VOCAB)
+    T = 32  # the LongRoPE's original length; the older form's context, twice its window
+    assert (d.block_size, d.config.rotary_dim) == (T, 12)
+    assert bool(PHI3.bound_reason(source)) is (form == "longrope")  # the window bounds none
+    assert d.config.windows == ((16, 16) if form == "older" else (None, None))
+    assert d.hf.architecture == "Phi3ForCausalLM"
+    if form == "older":
+        assert d.config.rope_theta == 250000.0 and d.config.rope_scaling is None
+        full = describe(replace(d.config, rotary_dim=None))
+        assert full.hf is MISTRAL and describe(replace(full.config, sliding_window=None)).hf \
+            is LLAMA
+        assert export_arch(full, source).model_type == "phi3"
+        some = replace(d.config, layer_types=("full_attention", "sliding_attention"))
+        assert describe(some).hf is None and export_arch(describe(some), source) is None
+    else:
+        long = d.config.rope_scaling
+        assert long.short_factor == tuple(rope["short_factor"])
+        assert long.attention_factor == pytest.approx((1 + math.log(4) / math.log(32)) ** 0.5)
+        whole = replace(long, short_factor=(1.0,) * 8, long_factor=(2.0,) * 8)  # D / 2 each
+        assert describe(replace(d.config, rotary_dim=None, rope_scaling=whole)).hf.model_type \
+            == "phi3" and not LLAMA.holds(d.config)  # LongRoPE alone makes it a Phi-3
+    assert export_arch(describe(replace(d.config, qkv_bias=True)), source) is None
+    # tp rank 1 of 2 reads its half of K's rows, after Q's H D = 64, from qkv_proj alone
+    spec = d.hf.tensor("blocks.0.self_attn.k_proj.weight")
+    assert spec.hf_shape((32, 64)) == (128, 64)
+    assert spec.reads((32, 64), ((16, 16), (0, 64))) == [
+        ("model.layers.0.self_attn.qkv_proj.weight", (slice(80, 96), slice(0, 64)), ())]
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
+        batch_size=1, seq_len=T, init_from=str(src)))
+    idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
+    engine._train(False)
+    ours = engine._logits(idx[:, :T])[..., :VOCAB]
+    tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
+    checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
+                    {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,
+                     "hf_config": source})
+    done = export_hf(tmp_path / "run", tmp_path / "out")
+    assert done.architecture == "Phi3ForCausalLM"
+    written = read_config(tmp_path / "out")
+    want_rope = ({"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.75}
+                 if form == "older" else {**rope, "attention_factor": long.attention_factor})
+    assert {k: written[k] for k in ("model_type", "sliding_window", "max_position_embeddings",
+                                    "original_max_position_embeddings", "bos_token_id",
+                                    "rope_parameters", "tie_word_embeddings")} == {
+        "model_type": "phi3", "sliding_window": 16 if form == "older" else None,
+        "max_position_embeddings": 32 if form == "older" else 128,
+        "original_max_position_embeddings": 32, "bos_token_id": 5, "tie_word_embeddings": True,
+        "rope_parameters": want_rope}
+    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(exported).__name__ == "Phi3ForCausalLM"
+    assert original.config.rope_parameters["rope_theta"] == d.config.rope_theta  # read alike
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        theirs = exported(idx[:, :T]).logits
+        assert torch.equal(theirs, original(idx[:, :T]).logits)
+        if form == "longrope":  # past the original length: the long factors, kept
+            torch.testing.assert_close(exported(idx).logits, original(idx).logits)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_llama_rotating_part_of_each_head_exports_as_a_phi3(tmp_path):
+    """A Llama trained here with ``rotary_dim`` 6 of head_dim 10 (no source config.json) is
+    written as a ``Phi3ForCausalLM`` (``partial_rotary_factor`` 0.6, which transformers
+    truncates back to 6 features), Q/K/V and gate/up packed, whose logits equal ours;
+    the other archs rotate all of a head and hold it not."""
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.models.hf import LLAMA, MIXTRAL, QWEN2, QWEN3, _rotary_factor, to_hf_tensors
+    from shardwise.models.llama import Llama, LlamaConfig, describe
+
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
+                      n_embd=40, ffn_hidden=24, rotary_dim=6)
+    d = describe(cfg)
+    assert d.hf.architecture == "Phi3ForCausalLM"
+    assert not any(a.holds(cfg) for a in (LLAMA, QWEN2, QWEN3, MIXTRAL))
+    assert all(int(h * _rotary_factor(r, h)) == r for h in range(2, 257, 2)
+               for r in range(2, h + 1, 2))  # 30 / 44 alone would give 29
+    torch.manual_seed(3)
+    ours = _perturb(Llama(cfg))
+    tensors = {k: v.detach() for k, v in ours.state_dict().items()}
+    hf = to_hf_tensors(d, tensors)
+    assert hf["model.layers.1.self_attn.qkv_proj.weight"].shape == (80, 40)  # (4 + 2 x 2) x 10
+    assert torch.equal(hf["model.layers.1.mlp.gate_up_proj.weight"],
+                       torch.cat([tensors["blocks.1.mlp.gate_proj.weight"],
+                                  tensors["blocks.1.mlp.up_proj.weight"]]))
+    write_safetensors(tmp_path, hf)
+    (tmp_path / "config.json").write_text(json.dumps(d.hf.config_json(cfg, None)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "Phi3ForCausalLM"
+    assert set(theirs.state_dict()) == set(hf)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_path, capsys,
                                                                      monkeypatch):
     """A 4-expert Llama trained 2 steps on one process without the routing bias, then
@@ -610,11 +771,12 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or a sliding window other than
-    its config.json's (a Mistral's too), or a mixture of experts asked of a Llama; a
-    Qwen3-MoE or a
-    Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2, ``mlp_only_layers``); an export
-    of a run with no
-    checkpoint."""
+    its config.json's (a Mistral's and a Phi-3's too), or a mixture of experts asked of a
+    Llama; a Qwen3-MoE or a Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2,
+    ``mlp_only_layers``); a Phi-3 with LongRoPE under its older name or with too few
+    factors, a partial rotary factor rotating an odd number of features, or trained on more
+    tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
+    all; an export of a run with no checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -700,6 +862,31 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
         qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)
         got = section_of(read_config(qmwin))
         assert (got["sliding_window"], got["layer_types"], got["block_size"]) == (want, None, 32)
+    # Phi-3: LongRoPE's older name "su", its factors not one per rotary frequency, a factor
+    # rotating an odd number of features refused; LongRoPE's original length (beyond it
+    # transformers takes the long factors) bounds block_size, its window is the model's;
+    # partial rotary on a Llama refused
+    rope = read_config(hf_dirs["phi3"])["rope_parameters"]
+    for name, changes, what in (
+            ("su", {"rope_parameters": None, "rope_scaling": {"type": "su"}}, "'su'"),
+            ("short", {"rope_parameters": {**rope, "short_factor": [1.0] * 5}},
+             "short_factor has 5 factors, expected 6"),
+            ("odd", {"rope_parameters": {**rope, "partial_rotary_factor": 0.7}},
+             "partial_rotary_factor=0.7: expected")):
+        assert_one_line_exit_2([*train, "--model.init_from",
+                                f"hf:{variant('phi' + name, 'phi3', **changes)}"], capsys, what)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['phi3']}",
+                            "--model.block_size", "64"], capsys, "model.block_size=64 contradicts",
+                           "gives 32 or less, its LongRoPE")
+    pwin = variant("pwin", "phi3", sliding_window=16)  # Phi-3-mini-4k's 2047 of 4096, in small
+    assert {k: section_of(read_config(pwin))[k] for k in ("block_size", "sliding_window")} \
+        == {"block_size": 32, "sliding_window": 16}  # the window is the model's, no bound
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{pwin}",
+                            "--model.sliding_window", "8"], capsys,
+                           "model.sliding_window=8 contradicts", "gives 16)")
+    lpart = variant("lpart", partial_rotary_factor=0.5)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{lpart}"], capsys,
+                           "partial_rotary_factor=0.5", "Llama cannot hold it exactly")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
 

@@ -21,10 +21,12 @@ from shardwise.planner.search import plan, prune_reason
 from shardwise.planner.simulate import Layout, block_flops
 from shardwise.planner.specs import NAMED, ModelSpec, load_model
 
-# published totals: TinyLlama's model card, Llama 2's and Llama 3's released checkpoints
+# published totals: TinyLlama's model card, Llama 2's, Llama 3's, Phi-3-mini-4k's and
+# Phi-4's released checkpoints (3.82B and 14.7B: transformers' Phi3ForCausalLM of these
+# sizes counts 3,821,079,552 and 14,659,507,200; the Phi-4 report says "14B")
 PUBLISHED = {"tinyllama-1.1b": 1.100e9, "llama2-7b": 6.738e9, "llama2-13b": 13.016e9,
              "llama2-70b": 68.977e9, "llama3-8b": 8.030e9, "llama3-70b": 70.554e9,
-             "llama3-405b": 405.853e9}
+             "llama3-405b": 405.853e9, "phi3-mini": 3.821e9, "phi4": 14.660e9}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

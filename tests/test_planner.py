@@ -9,6 +9,8 @@
 - pruning reasons; one-line errors with exit 2; the emitted TOML trains.
 """
 
+import tomllib
+
 import pytest
 
 from ddp_workers import tiny_config
@@ -185,6 +187,7 @@ def test_named_sizes_match_their_papers():
     assert round(NAMED["gpt3-175b"].params / 1e9) == 175
     assert round(NAMED["megatron-1t"].params / 1e9, 1) == 1008.0  # Narayanan et al. Table 1
     assert round(NAMED["megatron-146b"].params / 1e9, 1) == 145.6
+    assert round(NAMED["phi3-mini"].params / 1e9, 1) == 3.8  # Abdin et al. 2024 (Phi-3)
 
 
 @pytest.fixture(scope="module", params=[4, 8], ids=["ws4", "ws8"])
@@ -370,3 +373,67 @@ def test_memory_cli_shares_the_model_and_names_its_unit(capsys):
     totals = [float(line.split()[-1]) for line in out[2:]]
     assert totals == [120.0, 31.41, 16.64, 1.88]
     assert totals == [round(zero_bytes(7.5e9, 64, s, "bf16")["total"] / 1e9, 2) for s in range(4)]
+
+
+def _hf_config(path, cls_name: str, **fields):
+    """Write ``path/config.json`` of a ``transformers`` config class (no weights: the
+    planner reads config.json alone)."""
+    import transformers
+
+    cfg = getattr(transformers, cls_name)(**fields)
+    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    path.mkdir()
+    cfg.to_json_file(str(path / "config.json"))
+    return path
+
+
+def test_a_hugging_face_checkpoint_is_planned_from_its_config_json(tmp_path, capsys):
+    """``--model hf:DIR`` plans the checkpoint's model (config.json read as ``shardwise
+    train`` reads it, no weights): Llama-3-8B's and Mixtral-8x7B's config.json give the named
+    sizes' parameters and the same ranked plan; a train config with ``model.init_from`` is
+    planned (and ``shardwise memory``'d) as its checkpoint's model, not its [model] defaults;
+    ``--emit-toml`` writes
+    ``init_from`` and the planned sequence; a sequence beyond the checkpoint's context and a
+    missing directory are one line, exit 2."""
+    from shardwise.cli.main import main
+    from shardwise.planner.specs import load_model
+
+    llama = _hf_config(tmp_path / "llama", "LlamaConfig", vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0, tie_word_embeddings=False)
+    mixtral = _hf_config(tmp_path / "mixtral", "MixtralConfig", vocab_size=32000,
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=32768, rope_theta=1e6, num_local_experts=8,
+                         num_experts_per_tok=2, tie_word_embeddings=False)
+    for path, name in ((llama, "llama3-8b"), (mixtral, "mixtral-8x7b")):
+        spec, named = load_model(f"hf:{path}", 4096), NAMED[name].with_seq(4096)
+        assert spec.params == named.params, name
+        assert (spec.family, spec.n_experts, spec.block_size) == (named.family, named.n_experts,
+                                                                   4096)
+    argv = ["--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "32", "--top", "3"]
+    tables = []
+    for model in (f"hf:{llama}", "llama3-8b"):
+        assert main(["plan", "--model", model, "--seq", "4096", *argv]) == 0
+        tables.append(capsys.readouterr().out.splitlines()[1:])
+    assert tables[0] == tables[1] and len(tables[0]) == 6
+    run_toml = tmp_path / "finetune.toml"
+    run_toml.write_text(f'[model]\ninit_from = "hf:{llama}"\n\n[training]\nsteps = 2\n')
+    assert load_model(str(run_toml), 4096).params == NAMED["llama3-8b"].params
+    from shardwise.cli.memory import main as memory_main
+
+    capsys.readouterr()
+    assert memory_main(["--config", str(run_toml), "--dp", "8", "--stages", "1"]) == 0
+    assert capsys.readouterr().out.startswith("llama 8030.26M parameters, 32 layers x 4096")
+    out = tmp_path / "best.toml"
+    assert main(["plan", "--model", f"hf:{llama}", "--seq", "2048", *argv,
+                 "--emit-toml", str(out)]) == 0
+    capsys.readouterr()
+    written = tomllib.loads(out.read_text())["model"]
+    assert written == {"init_from": f"hf:{llama}", "block_size": 2048}
+    assert_one_line_exit_2(["plan", "--model", f"hf:{llama}", "--seq", "9000", *argv], capsys,
+                           "--seq 9000: longer than the checkpoint's 8192 tokens",
+                           main=_exit_code)
+    assert_one_line_exit_2(["plan", "--model", f"hf:{tmp_path / 'none'}", *argv], capsys,
+                           "no such directory", main=_exit_code)

@@ -25,18 +25,68 @@ def reference(corpus, tmp_path_factory):
     return train(tiny_config(str(corpus), str(tmp_path_factory.mktemp("ref"))))
 
 
-@pytest.mark.parametrize("zero, dp, micro_batches, bucket_mb", [
+PARITY_CASES = [
     (1, 2, 1, 25.0),    # one bucket: each rank owns one contiguous half of all parameters
     (2, 2, 2, 0.004),   # many buckets, accumulation under no_sync
     (2, 4, 1, 0.004),
     (3, 2, 2, 25.0),    # parameters gathered per unit; accumulation reduce-scatters each time
     (3, 4, 1, 25.0),
-])
-def test_zero_matches_single_process(zero, dp, micro_batches, bucket_mb, reference, corpus,
-                                     tmp_path):
-    cfg = tiny_config(str(corpus), str(tmp_path), parallel={
-        "dp": dp, "zero": zero, "micro_batches": micro_batches, "bucket_mb": bucket_mb})
-    results = spawn(train, dp, (cfg,))
+]
+BF16_ZEROS = [2, 3]
+COMPILED_STEPS = 5
+COMPILED_MODEL = {"kind": "llama", "n_kv_heads": 2, "multiple_of": 16}
+
+
+def _parity_jobs(corpus, mktemp) -> dict:
+    """Every multi-rank run of the parity tests: name -> (world size, fn, config). The
+    compiled run comes first in its spawn: dynamo's counters are per process."""
+    jobs = {"compiled": (2, "train_zero3_compiled", tiny_config(
+        str(corpus), str(mktemp("z3-compiled")), model=COMPILED_MODEL,
+        parallel={"dp": 2, "zero": 3}, training={"steps": COMPILED_STEPS, "compile": True}))}
+    for zero, dp, micro_batches, bucket_mb in PARITY_CASES:
+        jobs[("parity", zero, dp, micro_batches, bucket_mb)] = (dp, "train", tiny_config(
+            str(corpus), str(mktemp("parity")), parallel={
+                "dp": dp, "zero": zero, "micro_batches": micro_batches, "bucket_mb": bucket_mb}))
+    for zero in BF16_ZEROS:
+        jobs[("bf16", zero)] = (2, "train", tiny_config(
+            str(corpus), str(mktemp("bf16")), parallel={"dp": 2, "zero": zero},
+            training={"precision": "bf16"}))
+    jobs["fp16"] = (2, "train_infos", tiny_config(
+        str(corpus), str(mktemp("fp16")), parallel={"dp": 2, "zero": 1},
+        training={"precision": "fp16", "initial_loss_scale": 2.0 ** 24, "steps": 12}))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def parity_runs(corpus, tmp_path_factory):
+    """``parity_runs(name)``: every rank's result of that job. One spawn per world size (2
+    and 4) runs all of that size's jobs in turn (``run_all``), at the first test that needs
+    one of them; each parametrised test then checks its own case."""
+    jobs = _parity_jobs(corpus, tmp_path_factory.mktemp)
+    fns = {"train": train, "train_infos": train_infos, "train_zero3_compiled": train_zero3_compiled}
+    cache: dict = {}
+
+    def get(name):
+        ws = jobs[name][0]
+        if ws not in cache:
+            names = [n for n, (w, _, _) in jobs.items() if w == ws]
+            try:
+                ranks = spawn(run_all, ws, ([(fns[jobs[n][1]], (jobs[n][2],)) for n in names],))
+            except Exception as e:  # every case of this size fails with it; no second spawn
+                cache[ws] = e
+                raise
+            cache[ws] = {n: [r[i] for r in ranks] for i, n in enumerate(names)}
+        if isinstance(cache[ws], Exception):
+            raise cache[ws]
+        return cache[ws][name]
+
+    return get
+
+
+@pytest.mark.parametrize("zero, dp, micro_batches, bucket_mb", PARITY_CASES)
+def test_zero_matches_single_process(zero, dp, micro_batches, bucket_mb, reference, parity_runs):
+    results = parity_runs(("parity", zero, dp, micro_batches, bucket_mb))
+    assert len(results) == dp
     for r in results:
         assert_parity(r, reference)
         # this rank's AdamW holds moments only for its shard: about P/N elements
@@ -89,7 +139,7 @@ def train_zero3_compiled(cfg_dict: dict) -> dict:
     return _result(trainer) | out
 
 
-def test_compiled_zero3_trains_like_one_eager_process(corpus, tmp_path):
+def test_compiled_zero3_trains_like_one_eager_process(corpus, tmp_path, parity_runs):
     """``training.compile`` with ZeRO-3 at dp = 2 (a Llama with grouped-query attention,
     fp32): ZeRO-3's forward hooks are ``torch.compiler.disable``d, so each unit's gather and
     free run eagerly around its compiled block. Five steps, so the weights change between
@@ -99,13 +149,12 @@ def test_compiled_zero3_trains_like_one_eager_process(corpus, tmp_path):
     neither graphs nor frames were added after step 2 (no recompilation per step, though
     the buffers are freed and refilled); the compiled blocks save the parameters
     themselves for backward (views of the refilled buffers), no copies."""
-    model = {"kind": "llama", "n_kv_heads": 2, "multiple_of": 16}
-    steps = 5
-    ref = train(tiny_config(str(corpus), str(tmp_path / "ref"), model=model,
+    steps = COMPILED_STEPS
+    ref = train(tiny_config(str(corpus), str(tmp_path / "ref"), model=COMPILED_MODEL,
                             training={"steps": steps}))
-    cfg = tiny_config(str(corpus), str(tmp_path / "z3"), model=model,
-                      parallel={"dp": 2, "zero": 3}, training={"steps": steps, "compile": True})
-    for r in spawn(train_zero3_compiled, 2, (cfg,)):
+    results = parity_runs("compiled")
+    assert len(results) == 2
+    for r in results:
         assert r[2]["graphs"] > 0  # it compiled: not an eager run under another name
         assert r[steps] == r[2], r  # no recompiles once every layer has run forward/backward
         assert r["saved"]["views"] > 0 and r["saved"]["copies"] == 0, r["saved"]
@@ -152,21 +201,17 @@ def test_bad_stage_is_one_line(stage):
         Config.from_dict({"parallel": {"zero": stage}})
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_bf16_tracks_fp32(zero, reference, corpus, tmp_path):
-    cfg = tiny_config(str(corpus), str(tmp_path), parallel={"dp": 2, "zero": zero},
-                      training={"precision": "bf16"})
-    losses = torch.tensor(spawn(train, 2, (cfg,))[0]["losses"])
+@pytest.mark.parametrize("zero", BF16_ZEROS)
+def test_bf16_tracks_fp32(zero, reference, parity_runs):
+    losses = torch.tensor(parity_runs(("bf16", zero))[0]["losses"])
     ref = torch.tensor(reference["losses"])
     # bf16 keeps 8 bits of mantissa: ~0.4% per operation; the loss tracks within 2%
     assert ((losses - ref).abs() <= 0.02 * ref).all(), (losses, ref)
     assert not torch.equal(losses, ref)  # it really computed in bf16
 
 
-def test_fp16_skips_overflowing_steps_and_recovers(corpus, tmp_path):
-    cfg = tiny_config(str(corpus), str(tmp_path), parallel={"dp": 2, "zero": 1},
-                      training={"precision": "fp16", "initial_loss_scale": 2.0 ** 24, "steps": 12})
-    r0, r1 = spawn(train_infos, 2, (cfg,))
+def test_fp16_skips_overflowing_steps_and_recovers(parity_runs):
+    r0, r1 = parity_runs("fp16")
     skipped = [i["skipped"] for i in r0["infos"]]
     assert skipped == [i["skipped"] for i in r1["infos"]]  # the group agrees on every skip
     assert skipped[0] and not skipped[-1], skipped

@@ -97,9 +97,12 @@ class ModelConfig(_Section):
                                         "per-expert bias on the routing scores, for the top-k "
                                         "choice only, moved by this much after each step "
                                         "towards the mean load (0.001 in the paper); 0: off")
-    rope_scaling: dict[str, float | int | str] | None = Field(
+    rope_scaling: dict[str, float | int | str | list[float]] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
-        "low_freq_factor, high_freq_factor, original_max_position_embeddings; unset: none")
+        "low_freq_factor, high_freq_factor, original_max_position_embeddings; or with "
+        "rope_type = \"longrope\" Phi-3's LongRoPE, short_factor and long_factor (one per "
+        "rotary frequency), original_max_position_embeddings (block_size at most it: the "
+        "short factors only), attention_factor; unset: none")
     head_dim: int = Field(0, ge=0, description="llama: each attention head's width D (Q is "
                           "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
                           "n_embd / n_head); even; 0: n_embd / n_head")
@@ -107,6 +110,10 @@ class ModelConfig(_Section):
                            "(Qwen2)")
     qk_norm: bool = Field(False, description="llama: an RMSNorm over each head's D features "
                           "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
+    rotary_dim: int = Field(0, ge=0, description="llama: rotate only the first rotary_dim "
+                            "of each head's D features, the rest passed through (Phi-3's "
+                            "partial_rotary_factor = rotary_dim / D: Phi-4-mini's 0.75); "
+                            "even, at most D; 0: all D")
     sliding_window: int = Field(0, ge=0, description="llama: sliding-window attention, each "
                                 "token attending to the previous sliding_window tokens (its "
                                 "own included; Mistral 7B's 4096), on the layers layer_types "
@@ -121,8 +128,8 @@ class ModelConfig(_Section):
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
                            "(LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, "
-                           "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM or "
-                           "Qwen3MoeForCausalLM: "
+                           "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
+                           "Qwen3MoeForCausalLM or Phi3ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
@@ -140,6 +147,9 @@ class ModelConfig(_Section):
                              f"model.n_head={self.n_head} (or set model.head_dim)")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim}: expected an even number "
+                             "(rotary pairs per head), or 0")
+        if self.rotary_dim % 2:
+            raise ValueError(f"model.rotary_dim={self.rotary_dim}: expected an even number "
                              "(rotary pairs per head), or 0")
         if self.n_experts and self.top_k > self.n_experts:
             raise ValueError(f"model.top_k={self.top_k} is more than model.n_experts="

@@ -9,8 +9,8 @@
     shardwise memory --config configs/tiny.toml --dp 2 --pp 2 --chunks-per-rank 2 --stages 3
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
-with ``shardwise.register_model``, as ``shardwise train`` builds it; the header names the
-kind), every rank of the layout is predicted exactly (``engine.memory.predict_rank``: the
+with ``shardwise.register_model``, or of its ``model.init_from`` checkpoint's config.json, as
+``shardwise train`` builds it; the header names the kind), every rank of the layout is predicted exactly (``engine.memory.predict_rank``: the
 rank's model built on the meta device, packed as the dp sync packs it); with ``--measure`` each stage is also run for one optimizer step on the
 local ranks and the bytes dp rank 0 of each (pp, tp) then holds are printed beside.
 With ``--params`` only (or ``--model``, a named size of ``shardwise plan``, for its
@@ -63,8 +63,10 @@ def _layout_table(args, stages: list[int]) -> int:
         over["parallel.chunks_per_rank"] = args.chunks_per_rank
         if args.chunks_per_rank > 1:  # static bytes do not read m; interleaving needs m % pp = 0
             over["parallel.schedule"], over["parallel.micro_batches"] = "interleaved", args.pp
+    from shardwise.apps.lm.hf import resolve_init_from
+
     try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
-        base = Config.load(args.config, over)
+        base = resolve_init_from(Config.load(args.config, over))  # model.init_from's model
         p, d = base.parallel, describe_config(base)
         preds = {}
         for z in stages:
@@ -92,10 +94,9 @@ def _layout_table(args, stages: list[int]) -> int:
         if args.measure:
             from shardwise.launch import spawn
 
-            cfg = Config.load(args.config, {**over, "parallel.zero": z,
-                                            "training.precision": args.precision,
-                                            "training.global_batch_size":
-                                                max(2, p.micro_batches) * p.dp})
+            cfg = resolve_init_from(Config.load(args.config, {
+                **over, "parallel.zero": z, "training.precision": args.precision,
+                "training.global_batch_size": max(2, p.micro_batches) * p.dp}))
             for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
                 if r["coords"]["dp"] == 0 and r["coords"].get("cp", 0) == 0:
                     measured[(r["coords"]["pp"], r["coords"]["tp"])] = r["total"]

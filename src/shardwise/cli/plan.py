@@ -6,6 +6,7 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
     shardwise plan --model gpt2-124m --cluster dgx-h100 --gpus 8 --global-batch 64 --pruned 10
     shardwise plan --model configs/tiny.toml --gpus 4 --global-batch 8 --emit-toml best.toml
     shardwise plan --config my_llama.toml --gpus 4 --global-batch 8   # any model.kind
+    shardwise plan --model hf:path/to/checkpoint --seq 4096 --cluster dgx-h100 --gpus 16
     shardwise plan --model tinyllama-1.1b --cluster dgx-h100 --gpus 8 --emit-toml tl.toml
     shardwise plan --model megatron-1t --cluster dgx-a100-80gb --gpus 3072 --global-batch 3072
     shardwise plan --model llama3-8b --cluster dgx-h100 --gpus 16 --global-batch 64 --json
@@ -15,7 +16,9 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
 
 A TOML (``--model PATH`` or ``--config PATH``) is read as ``shardwise train`` reads it: the
 model of its ``model.kind`` (gpt, llama, a kind registered with ``shardwise.register_model``),
-planned from that model's own layers (``planner.specs``). ``--emit-toml`` writes a config
+planned from that model's own layers (``planner.specs``); its ``model.init_from`` is
+resolved from the checkpoint's config.json as train resolves it. ``--model hf:DIR`` plans a
+Hugging Face checkpoint from its config.json alone (no weights read). ``--emit-toml`` writes a config
 train runs: a named Llama as ``model.kind = "llama"`` with its sizes, a TOML's model table
 as it was.
 
@@ -55,8 +58,9 @@ def build_parser():
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
-                         "llama3-405b, mixtral-8x7b), a TOML with a [model] table "
-                         "(a shardwise train config), or cnn")
+                         "llama3-405b, mixtral-8x7b, phi3-mini, phi4), a TOML with a [model] table "
+                         "(a shardwise train config), hf:DIR (a Hugging Face checkpoint "
+                         "directory: its config.json), or cnn")
     ap.add_argument("--config", default=None, metavar="PATH",
                     help="a shardwise train config: plan the model it trains (any "
                          "model.kind); same as --model PATH")
@@ -88,9 +92,11 @@ def build_parser():
                     help="expert-parallel sizes to search, a mixture of experts only "
                          "(default: every divisor of dp that divides the experts)")
     ap.add_argument("--fp8", action="store_true", help="also price FP8 linear layers (a "
-                    "cluster with FP8 tensor cores: dgx-h100); the engine does not run FP8")
+                    "cluster with FP8 tensor cores: dgx-h100); priced, not emitted: "
+                    "shardwise train runs fp8 with tp = 1 only")
     ap.add_argument("--selective", action="store_true", help="also price selective "
-                    "recomputation (the attention core only); the engine does not run it")
+                    "recomputation of the attention core only; priced, not emitted: "
+                    "shardwise train's selective recomputation is torch's op-level one")
     ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
                     "memory in bytes, times in seconds, pruned counts by reason) instead of "
                     "the tables")
@@ -301,7 +307,8 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
 
 def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) -> Path:
     """Write ``lay`` as a train config. A TOML model keeps its sections, its model table as
-    written (any ``model.kind``; ``block_size`` the planned sequence); a named model gets
+    written (any ``model.kind``; ``block_size`` the planned sequence); ``hf:DIR`` gets
+    ``model.init_from`` and the planned ``block_size``; a named model gets
     its sizes written out (``ModelSpec.model_table``: a Llama as ``model.kind = "llama"``
     with its key/value heads, SwiGLU width and rotary base, and its experts). A layout the
     engine does not run as priced (fp8 here, priced with tp; the attention-core selective
@@ -319,6 +326,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
         if "model" not in data:  # a bare [model] table
             data = {"model": data}
         model = {**data["model"], "block_size": spec.block_size}
+    elif model_arg.startswith("hf:"):  # train reads the rest from config.json again
+        model = {"init_from": model_arg, "block_size": spec.block_size}
     else:
         model = spec.model_table()
     parallel = {k: v for k, v in data.get("parallel", {}).items()

@@ -364,9 +364,11 @@ def _load_hf(local: LocalModel, path: str, targets: dict[str, list[nn.Parameter]
     parameter at pp = 1, a copy on the last stage otherwise) reads the embedding's tensor. Values are cast to the parameter's dtype (fp32 here: the masters
     are made from them)."""
     from shardwise.base.errors import CheckpointError
-    from shardwise.checkpoint.hf import SafetensorsDir
+    from shardwise.checkpoint.hf import SafetensorsDir, read_config
 
-    d = local.description
+    # the checkpoint's own arch when it holds the model (Phi-3's packed Q/K/V, which a Llama
+    # config does not name), else the description's
+    d = local.description.with_checkpoint_arch(read_config(path))
     if d.hf is None:
         raise ValueError(f"model.init_from: model.kind={d.kind!r} has no Hugging Face mapping "
                          "(its ModelDescription.hf is None)")

@@ -149,7 +149,8 @@ class ModelDescription:
         engine refuses cp > 1, since positions computed as ``arange(T)`` would be wrong.
     hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
         config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``
-        read it), or None when it has none.
+        read it, each with the checkpoint's own arch when that holds the model:
+        ``with_checkpoint_arch``), or None when it has none.
     """
 
     kind: str
@@ -187,6 +188,17 @@ class ModelDescription:
             if style not in STYLES:
                 raise ValueError(f"tp plan of {self.kind!r}: {pattern!r} has style {style!r}; "
                                  f"expected one of {', '.join(STYLES)}")
+
+    def with_checkpoint_arch(self, config_json: dict) -> ModelDescription:
+        """This description with ``hf`` the arch that reads a Hugging Face checkpoint whose
+        config.json is ``config_json`` into this model: the checkpoint's own arch when it
+        holds the model, else ``hf`` (``models.hf.export_arch``'s rule). A Llama config
+        names no arch, and Phi-3's packed Q/K/V and gate/up are not the Llama's tensors."""
+        from dataclasses import replace
+
+        from shardwise.models.hf import export_arch
+
+        return replace(self, hf=export_arch(self, config_json))
 
     def style_of(self, name: str) -> str:
         """The style of module ``name`` (``style_of`` on ``tp_plan``)."""

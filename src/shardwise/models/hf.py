@@ -43,11 +43,22 @@ disk, stacked (E, in, out) in ours. ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B,
 Qwen2-57B-A14B; the Qwen2 report; ``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's
 attention (Q/K/V biases) and the same experts, plus a shared expert of its own width whose
 output is scaled by ``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``).
+``Phi3ForCausalLM`` (Phi-3 mini / medium, Phi-4, Phi-4-mini; Abdin et al. 2024, "Phi-3
+Technical Report", arXiv:2404.14219; ``models/phi3/modeling_phi3.py``): our Llama, with
+only the first ``rotary_dim`` features of a head rotated when ``partial_rotary_factor``
+< 1, its ``sliding_window`` ours on every layer as Mistral's (Phi-3-mini-4k: 2047), and
+LongRoPE in its short regime (``block_size`` at most ``original_max_position_embeddings``:
+``HFArch.bound_reason``); on disk its Q, K, V are the rows of one ``self_attn.qkv_proj``
+((H + 2 Hkv) D, h) and gate and up the halves of one ``mlp.gate_up_proj`` (2F, h), pieces
+of unequal sizes (``HFTensor.sizes``) whose offsets depend on the head counts, so its
+tensor map is made for a config (``HFArch.of``); a checkpoint is read with its own arch
+(``export_arch``), since a Llama config does not say Phi-3.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -64,8 +75,11 @@ class HFTensor:
 
     name: the Hugging Face tensor's name. transpose: it holds ours transposed (GPT-2's
     ``Conv1D``, (in, out) where ``nn.Linear`` has (out, in)). part: ``(i, n)`` when ours is
-    the i-th of n equal pieces of it along our dim 0, the output features (GPT-2's
-    ``c_attn`` packs Q, K, V: (0, 3), (1, 3), (2, 3)); None: all of it. stacked: ours
+    the i-th of n pieces of it along our dim 0, the output features, packed in order
+    (GPT-2's ``c_attn`` packs Q, K, V: (0, 3), (1, 3), (2, 3)); None: all of it. sizes:
+    the n pieces' sizes relative to each other when they differ (Phi-3's ``qkv_proj``
+    packs Q, K, V of H, Hkv and Hkv heads: ``(H, Hkv, Hkv)``, so K's rows start after
+    H x D and the whole is (H + 2 Hkv) x D); None: equal. stacked: ours
     stacks E Hugging Face tensors along its dim 0, expert e's named ``name.format(e)``
     (``name`` holds one ``{}``): our (E, in, out) expert weights
     (``models.moe.Experts``) are Mixtral's E ``nn.Linear`` weights (out, in) each
@@ -78,6 +92,7 @@ class HFTensor:
     name: str
     transpose: bool = False
     part: tuple[int, int] | None = None
+    sizes: tuple[int, ...] | None = None
     stacked: bool = False
 
     def names(self, shape: tuple[int, ...]) -> list[str]:
@@ -86,6 +101,14 @@ class HFTensor:
 
     def _inner(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape[1:]) if self.stacked else tuple(shape)
+
+    def _span(self, rows: int) -> tuple[int, int]:
+        """(offset, total) along the packed dim: where our piece of ``rows`` output features
+        starts in the Hugging Face tensor, and that tensor's length there."""
+        i, n = self.part
+        sizes = self.sizes or (1,) * n
+        unit = rows // sizes[i]  # D per head (Phi-3's Q, K, V), or a whole piece
+        return unit * sum(sizes[:i]), unit * sum(sizes)
 
     def hf_dim(self, dim: int, ndim: int) -> int:
         """The Hugging Face tensor's dim that holds dim ``dim`` of ours (of each expert's
@@ -96,7 +119,7 @@ class HFTensor:
         """The shape of each Hugging Face tensor in ``names(shape)``."""
         out = list(self._inner(shape))
         if self.part is not None:
-            out[0] *= self.part[1]
+            out[0] = self._span(out[0])[1]
         return tuple(reversed(out)) if self.transpose and len(out) == 2 else tuple(out)
 
     def hf_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -115,7 +138,7 @@ class HFTensor:
         nd = len(inner)
         index = [slice(None)] * nd
         for dim, (start, length) in enumerate(inner_region):
-            offset = self.part[0] * inner[0] if self.part is not None and dim == 0 else 0
+            offset = self._span(inner[0])[0] if self.part is not None and dim == 0 else 0
             d = self.hf_dim(dim, nd)
             index[d] = slice(offset + start, offset + start + length)
         if not self.stacked:
@@ -140,10 +163,17 @@ class HFArch:
     config whose parameters are every tensor the architecture has (our GPT without biases
     is GPT-2 with zero biases; those are written as zeros on export). ``at_most``: [model]
     fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
-    parameter depends on it). ``holds(config)``: whether a
-    config of kind ``kind`` is this architecture exactly, sizes aside (its attention and
-    mixture options: a Llama's ``qkv_bias``, ``qk_norm``, experts, where its sliding
-    windows lie); ``arch_for`` and ``export_arch`` ask it."""
+    parameter depends on it). ``bound_reason(config_json)``: ``{field: why}`` for an
+    ``at_most`` bound that is not simply the checkpoint's value (Phi-3's ``block_size``
+    under LongRoPE: ``original_max_position_embeddings``), told when a run asks for more.
+    ``holds(config)``: whether a config of kind ``kind`` is this architecture exactly,
+    sizes aside (its attention and mixture options: a Llama's ``qkv_bias``, ``qk_norm``,
+    experts, where its sliding windows lie, how much of a head it rotates, LongRoPE);
+    ``arch_for`` and ``export_arch`` ask it. ``sized(config)``: for an arch whose tensor
+    map depends on the model's sizes (Phi-3's ``qkv_proj`` packs H query and 2 Hkv
+    key/value heads), the ``tensor`` of that config; ``of(config)`` is the arch with it
+    (``arch_for`` and ``export_arch`` return archs so made), and ``tensor`` before that
+    raises ``ValueError``."""
 
     kind: str
     model_type: str
@@ -154,10 +184,16 @@ class HFArch:
     ignored: tuple[str, ...] = ()
     complete: Callable[[Any], Any] = lambda cfg: cfg
     at_most: tuple[str, ...] = ()
+    bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
     holds: Callable[[Any], bool] = lambda config: True
+    sized: Callable[[Any], Callable[[str], HFTensor]] | None = None
 
     def is_ignored(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
+
+    def of(self, config: Any) -> HFArch:
+        """This arch for the model of ``config``: itself, or with ``tensor`` sized by it."""
+        return self if self.sized is None else replace(self, tensor=self.sized(config))
 
 
 def _get(c: dict, key: str, default: Any) -> Any:
@@ -187,7 +223,30 @@ def _llama_rope(c: dict, arch: str = "Llama") -> tuple[float, dict | None]:
     return theta, {k: rope[k] for k in keys}
 
 
-def _llama_section(c: dict, arch: str = "Llama") -> dict:
+def _rotary_dim(c: dict, head_dim: int, arch: str, partial: bool) -> int:
+    """The rotated features R of each head: ``head_dim x partial_rotary_factor`` truncated,
+    as transformers (``rope_parameters``' factor, else the top-level one older config.json
+    files carry, else 1). ``partial``: the arch rotates part of a head (Phi-3); else a
+    factor other than 1 is refused."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", _get(c, "partial_rotary_factor", 1.0))
+    if factor == 1:
+        return head_dim
+    if not partial:
+        raise _refuse(arch, f"partial_rotary_factor={factor!r} ({arch} rotates all of each "
+                      "head: 1.0)")
+    ok = isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < 1
+    r = int(head_dim * factor) if ok else 0
+    if r < 2 or r % 2:
+        raise HFConfigError(f"config.json: partial_rotary_factor={factor!r}: expected a "
+                            f"factor in (0, 1] rotating an even number >= 2 of head_dim="
+                            f"{head_dim} features")
+    return r
+
+
+def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
+    """``partial``: the arch may rotate part of each head (``_rotary_dim``: Phi-3's
+    ``partial_rotary_factor``)."""
     h, heads = c["hidden_size"], c["num_attention_heads"]
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if _get(c, key, want) != want:
@@ -197,6 +256,7 @@ def _llama_section(c: dict, arch: str = "Llama") -> dict:
         raise HFConfigError(f"config.json: head_dim={head_dim!r}: expected an even whole "
                             "number >= 2")
     theta, scaling = _llama_rope(c, arch)
+    rotary = _rotary_dim(c, head_dim, arch, partial)
     return dict(kind="llama", vocab_size=c["vocab_size"], n_embd=h,
                 n_layer=c["num_hidden_layers"], n_head=heads,
                 n_kv_heads=_get(c, "num_key_value_heads", heads),
@@ -206,15 +266,22 @@ def _llama_section(c: dict, arch: str = "Llama") -> dict:
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
                 n_experts=0, qkv_bias=False, qk_norm=False, **_NO_WINDOW,
                 # 0: n_embd / n_head, so a run need not name it
-                head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim)
+                head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim,
+                rotary_dim=0 if rotary == head_dim else rotary)  # 0: all of head_dim
 
 
 def rope_parameters(cfg) -> dict:
     """``transformers``' ``rope_parameters`` of a ``LlamaConfig``: the default rotary base,
-    or Llama 3's frequency scaling (``rope_type = "llama3"``)."""
+    Llama 3's frequency scaling (``rope_type = "llama3"``) or LongRoPE (``"longrope"``,
+    its attention factor written out, so that it keeps its value whatever the context)."""
     if cfg.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rs = cfg.rope_scaling
+    if _long_rope(cfg):
+        return {"rope_type": "longrope", "rope_theta": cfg.rope_theta,
+                "short_factor": list(rs.short_factor), "long_factor": list(rs.long_factor),
+                "original_max_position_embeddings": rs.original_max_position_embeddings,
+                "attention_factor": rs.attention_factor}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": rs.factor,
             "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings}
@@ -486,6 +553,175 @@ def _mistral_config_json(cfg, source: dict | None) -> dict:
     return out
 
 
+# ---- Phi-3 and Phi-4 ----------------------------------------------------------------------------
+# transformers' Phi3Config defaults (configuration_phi3.py), where they differ from the Llama's,
+# for a config.json that leaves a field out (num_key_value_heads: num_attention_heads, as the
+# Llama's; sliding_window: none, unlike Mistral's)
+_PHI3_DEFAULTS = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+                  "original_max_position_embeddings": 4096}
+# Phi3ForCausalLM's packed linears: our module -> (theirs, which piece); Q, K, V are rows of
+# qkv_proj in that order, gate and up of gate_up_proj (Phi3MLP: ``gate, up_states =
+# gate_up_proj(x).chunk(2, dim=-1)``)
+_PHI3_PACKED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
+                "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+                "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+                "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+
+def _phi3_window(c: dict) -> int | None:
+    """The sliding window W of a Phi-3 config.json (on every layer), else None: Mistral's
+    (``_mistral_window``) but none when the field is absent (``Phi3Config``'s default;
+    Phi-3-mini-4k: 2047, Phi-4: null)."""
+    return _mistral_window({"sliding_window": None, **c})
+
+
+def _phi3_long_rope(c: dict) -> dict | None:
+    """The ``LongRope`` fields (``models.llama``) of a Phi-3 config.json with LongRoPE
+    (``rope_type`` "longrope": Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini), as
+    ``Phi3Config`` and ``_compute_longrope_parameters`` read them, else None (the default
+    rotary). ``original_max_position_embeddings``: the top-level field (``Phi3Config``
+    puts it over the rope table's; 4096 when absent); ``attention_factor``: the table's,
+    else from ``factor`` (the table's, else ``max_position_embeddings / original``): 1 up
+    to 1, else ``sqrt(1 + ln factor / ln original)``. Refused: another rope type, and the
+    older names "su" / "yarn", which transformers 5 renames but then fails to load."""
+    c = {**_PHI3_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "longrope":
+        raise _refuse("Phi-3", f"rope_type={kind!r} (Phi-3's are 'default' and 'longrope'; "
+                      "for the older 'su' / 'yarn', write 'longrope')")
+    missing = [k for k in ("short_factor", "long_factor") if not rope.get(k)]
+    if missing:
+        raise HFConfigError(f"config.json: rope_type longrope without {missing[0]}")
+    original = c["original_max_position_embeddings"]
+    factor = rope.get("factor")
+    factor = c["max_position_embeddings"] / original if factor is None else factor
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in rope["short_factor"]],
+            "long_factor": [float(x) for x in rope["long_factor"]],
+            "original_max_position_embeddings": original, "attention_factor": float(attention)}
+
+
+def _phi3_bound(c: dict) -> dict[str, str]:
+    """``HFArch.bound_reason`` of Phi-3: LongRoPE's, when its original length
+    (``original_max_position_embeddings``) is shorter than the context: beyond it
+    transformers switches to the long factors, which shardwise does not have."""
+    try:
+        long = _phi3_long_rope(c)
+    except HFConfigError:
+        return {}
+    if long is None:
+        return {}
+    original = long["original_max_position_embeddings"]
+    context = _get(c, "max_position_embeddings", _PHI3_DEFAULTS["max_position_embeddings"])
+    if original >= context:
+        return {}
+    return {"block_size": "its LongRoPE: shardwise has the short factors only, which "
+                          f"transformers uses up to {original} tokens "
+                          "(original_max_position_embeddings)"}
+
+
+def _phi3_section(c: dict) -> dict:
+    """A Phi-3 or Phi-4 (Abdin et al. 2024, "Phi-3 Technical Report", arXiv:2404.14219;
+    ``models/phi3/modeling_phi3.py``) is our Llama: RMSNorm, SwiGLU, grouped-query
+    attention, the "rotate_half" rotary layout, its Q/K/V and gate/up linears packed on disk
+    (``tensor``); ``Phi3Config``'s defaults where config.json is silent; the rotary base
+    from ``rope_parameters`` or the older top-level ``rope_theta``; only the first
+    ``head_dim x partial_rotary_factor`` features of a head rotated (``rotary_dim``;
+    Phi-4-mini: 0.75). Its sliding window W (``_phi3_window``) is ours, on every layer, as
+    Mistral's. LongRoPE (``_phi3_long_rope``) becomes ``rope_scaling``
+    (``models.llama.LongRope``) and bounds ``block_size`` by
+    ``original_max_position_embeddings`` (``_phi3_bound``): beyond it transformers
+    switches to the long factors, which shardwise does not. Not read: ``resid_pdrop``,
+    ``embd_pdrop``, ``attention_dropout`` (training regularisers: a run's dropout is its
+    ``model.dropout``, on the attention probabilities as ``attention_dropout``);
+    ``attention_bias`` / ``mlp_bias`` (Phi-3's linears have none)."""
+    window = _phi3_window(c)
+    long = _phi3_long_rope(c)
+    c = {**_PHI3_DEFAULTS, **{k: v for k, v in c.items()
+                              if v is not None and k not in ("attention_bias", "mlp_bias")}}
+    if long is not None:  # the rest of the rope table as the default rotary's
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        c = {k: v for k, v in c.items() if k != "rope_scaling"}
+        c["rope_parameters"] = {k: rope[k] for k in ("rope_theta", "partial_rotary_factor")
+                                if k in rope}
+    out = _llama_section(c, "Phi-3", partial=True)
+    out.update(_window(window))
+    if long is not None:
+        half = (out["rotary_dim"] or out["head_dim"] or out["n_embd"] // out["n_head"]) // 2
+        bad = [k for k in ("short_factor", "long_factor") if len(long[k]) != half]
+        if bad:
+            raise HFConfigError(f"config.json: rope_parameters.{bad[0]} has "
+                                f"{len(long[bad[0]])} factors, expected {half} (one per "
+                                "rotary frequency)")
+        out["rope_scaling"] = long
+        out["block_size"] = min(out["block_size"], long["original_max_position_embeddings"])
+    return out
+
+
+def _rotary_factor(rotary: int, head_dim: int) -> float:
+    """``partial_rotary_factor`` such that transformers' ``int(head_dim * factor)`` is
+    ``rotary`` (``rotary / head_dim`` itself may land a hair below: 30 / 44 * 44 < 30)."""
+    factor = rotary / head_dim
+    while int(head_dim * factor) < rotary:
+        factor = math.nextafter(factor, 2.0)
+    return factor
+
+
+def _phi3_config_json(cfg, source: dict | None) -> dict:
+    """Llama's config.json under Phi-3's names: ``partial_rotary_factor`` in
+    ``rope_parameters``; the model's window (``sliding_window``, null for none); the
+    source's context, ``original_max_position_embeddings`` and residual / embedding dropout
+    as they were (``Phi3Config``'s defaults written out where the source left them out);
+    no source: no padding token."""
+    if source is not None:
+        source = {**_PHI3_DEFAULTS, **source}
+    out = _llama_config_json(cfg, source)
+    for other in ("attention_bias", "mlp_bias", "pretraining_tp", "partial_rotary_factor"):
+        out.pop(other, None)
+    out["rope_parameters"]["partial_rotary_factor"] = _rotary_factor(
+        cfg.rotary_dim or cfg.head_dim, cfg.head_dim)
+    if _long_rope(cfg):  # Phi3Config takes the top-level original over the table's
+        out["original_max_position_embeddings"] = \
+            cfg.rope_scaling.original_max_position_embeddings
+    out.setdefault("pad_token_id", None)  # Phi3Config's 32000 is past a small vocabulary
+    out.update(architectures=["Phi3ForCausalLM"], model_type="phi3",
+               original_max_position_embeddings=out.get("original_max_position_embeddings",
+                                                         out["max_position_embeddings"]),
+               sliding_window=cfg.sliding_window,
+               resid_pdrop=out.get("resid_pdrop", 0.0), embd_pdrop=out.get("embd_pdrop", 0.0))
+    return out
+
+
+def _phi3_tensor(cfg) -> Callable[[str], HFTensor]:
+    """``HFArch.tensor`` of Phi-3 for the Llama config ``cfg``: Llama's names, but our
+    ``self_attn.q_proj`` / ``k_proj`` / ``v_proj`` (H D, h), (Hkv D, h), (Hkv D, h) are the
+    rows of ``self_attn.qkv_proj.weight`` ((H + 2 Hkv) D, h) in that order, and
+    ``mlp.gate_proj`` / ``up_proj`` (F, h) the two halves of ``mlp.gate_up_proj.weight``
+    (2F, h), gate first (``Phi3Attention`` / ``Phi3MLP``)."""
+    heads = (cfg.n_head, cfg.n_kv_heads, cfg.n_kv_heads)
+
+    def tensor(name: str) -> HFTensor:
+        layer, _, inner = name.removeprefix("blocks.").partition(".")
+        module, _, kind = inner.rpartition(".")
+        if not name.startswith("blocks.") or module not in _PHI3_PACKED:
+            return HFTensor(llama_hf_name(name))
+        packed, i = _PHI3_PACKED[module]
+        qkv = packed == "self_attn.qkv_proj"
+        return HFTensor(f"model.layers.{layer}.{packed}.{kind}", part=(i, 3 if qkv else 2),
+                        sizes=heads if qkv else None)
+    return tensor
+
+
+def _phi3_unsized(name: str) -> HFTensor:
+    raise ValueError(f"{name}: Phi-3's packed qkv_proj depends on the head counts; use "
+                     "models.hf.PHI3.of(config)")
+
+
 # ---- Qwen2 and Qwen3 ---------------------------------------------------------------------------
 # transformers' Qwen2Config / Qwen3Config defaults (configuration_qwen2.py / _qwen3.py), where
 # they differ from the Llama's, for a config.json that leaves a field out
@@ -688,44 +924,59 @@ def _softmax_dropless(cfg) -> bool:
             and not getattr(cfg, "moe_bias_update_rate", 0.0))
 
 
+def _long_rope(cfg) -> bool:
+    """A Llama config's rotary has LongRoPE (``models.llama.LongRope``)."""
+    return getattr(getattr(cfg, "rope_scaling", None), "short_factor", None) is not None
+
+
+def _full_rotary(cfg) -> bool:
+    """A Llama config rotates all of each head (``rotary_dim`` unset or ``head_dim``)
+    without LongRoPE: every transformers class here but Phi-3's does."""
+    return getattr(cfg, "rotary_dim", None) in (None, 0, cfg.head_dim) and not _long_rope(cfg)
+
+
 def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: True
            ) -> Callable[[Any], bool]:
     """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
     (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``, its
-    windows as ``windows`` allows (any, by default: a Qwen's ``layer_types``)."""
+    windows as ``windows`` allows (any, by default: a Qwen's ``layer_types``), every
+    feature of a head rotated (``_full_rotary``)."""
     return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
-                        and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg))
+                        and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg)
+                        and _full_rotary(cfg))
 
 
 def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
     the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
     (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
-    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm), one window on
-    every layer or none."""
+    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm, all of each head
+    rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False)
-            and _uniform(cfg))
+            and _uniform(cfg) and _full_rotary(cfg))
 
 
 def qwen3_moe_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Qwen3-MoE exactly: softmax gating
     (the top k renormalised or not: ``norm_topk_prob``), dropless, no shared expert, no
     routing bias (``moe_bias_update_rate`` 0), Qwen3's attention (QK-norm, no Q/K/V
-    biases), one window on every layer or none."""
+    biases, all of each head rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False)
-            and _uniform(cfg))
+            and _uniform(cfg) and _full_rotary(cfg))
 
 
 def qwen2_moe_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Qwen2-MoE exactly: softmax gating
     (renormalised or not: ``norm_topk_prob``), dropless, no routing bias, a shared expert
     (any width: ``shared_expert_intermediate_size``) with its sigmoid gate
-    (``moe_shared_expert_gate``), no QK-norm; Q/K/V biases or not (``qkv_bias``)."""
+    (``moe_shared_expert_gate``), no QK-norm, all of each head rotated; Q/K/V biases or not
+    (``qkv_bias``)."""
     return (_softmax_dropless(cfg) and cfg.moe_shared_expert
             and getattr(cfg, "moe_shared_expert_gate", False)
-            and not getattr(cfg, "qk_norm", False))
+            and not getattr(cfg, "qk_norm", False)
+            and _full_rotary(cfg))
 
 
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
@@ -747,6 +998,17 @@ MISTRAL = HFArch(kind="llama", model_type="mistral", architecture="MistralForCau
                  tensor=_llama_tensor, ignored=("*.rotary_emb.inv_freq",),
                  at_most=("block_size",),
                  holds=_dense(bias=False, norm=False, windows=_uniform))
+# Phi-3 / Phi-4: a dense Llama with Llama's attention, any rotary_dim, no Llama 3 scaling, one
+# window on every layer or none (Mistral's); arch_for says Llama or Mistral for a Llama that
+# rotates all of each head without LongRoPE, Phi-3 for one that does not
+PHI3 = HFArch(kind="llama", model_type="phi3", architecture="Phi3ForCausalLM",
+              section=_phi3_section, config_json=_phi3_config_json, tensor=_phi3_unsized,
+              ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
+              bound_reason=_phi3_bound,
+              holds=lambda cfg: (not cfg.n_experts and not getattr(cfg, "qkv_bias", False)
+                                 and not getattr(cfg, "qk_norm", False) and _uniform(cfg)
+                                 and (cfg.rope_scaling is None or _long_rope(cfg))),
+              sized=_phi3_tensor)
 
 
 def _qwen_arch(name: str) -> HFArch:
@@ -777,7 +1039,7 @@ QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
 QWEN2_MOE, QWEN3_MOE = _qwen_arch("Qwen2-MoE"), _qwen_arch("Qwen3-MoE")
 # arch_for's order: the first that holds a config (Llama before Mistral: both hold a dense
 # Llama without Qwen's options)
-ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL)
+ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3)
 
 
 def arch_for(cfg) -> HFArch | None:
@@ -789,8 +1051,12 @@ def arch_for(cfg) -> HFArch | None:
     other's; any windows); with ``n_experts``, MIXTRAL when
     ``mixtral_compatible`` (no QK-norm, no shared expert), QWEN3_MOE when
     ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
-    ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm)."""
-    return next((arch for arch in ARCHS if arch.kind == "llama" and arch.holds(cfg)), None)
+    ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm); each of these only when
+    every feature of a head is rotated, PHI3 when only the first ``rotary_dim`` are or with
+    LongRoPE (no Llama 3 scaling; one window on every layer or none). The arch is sized by
+    ``cfg`` (``HFArch.of``)."""
+    arch = next((arch for arch in ARCHS if arch.kind == "llama" and arch.holds(cfg)), None)
+    return None if arch is None else arch.of(cfg)
 
 
 def arch_of(config_json: dict) -> HFArch:
@@ -809,14 +1075,18 @@ def arch_of(config_json: dict) -> HFArch:
 
 
 def export_arch(description, source: dict | None) -> HFArch | None:
-    """The arch ``shardwise export`` writes a model as, one rule: the arch its run's source
-    ``config.json`` names (``source``: ``model.init_from``'s, kept in the run's checkpoints;
-    ``arch_of``) when that arch holds the model exactly (its ``kind`` and ``holds(config)``,
-    windows included); else the model's own, ``description.hf`` (``arch_for`` of a Llama
-    config). So a Mistral in is a Mistral out, its window and context kept, while a model
-    trained here (no source), or one its source's arch cannot hold, is written as
-    ``arch_for`` says: a Llama config without a window, which a Mistral holds too, as a
-    Llama. None: no arch holds it."""
+    """The arch ``shardwise export`` writes a model as, and ``model.init_from`` reads its
+    checkpoint with (``ModelDescription.with_checkpoint_arch``, ``source`` that
+    checkpoint's config.json), one rule: the arch its run's source ``config.json`` names
+    (``source``: ``model.init_from``'s, kept in the run's checkpoints; ``arch_of``) when
+    that arch holds the model exactly (its ``kind`` and ``holds(config)``, windows
+    included); else the model's own, ``description.hf`` (``arch_for`` of a Llama config).
+    So a Mistral in is a Mistral out, its window and context kept, while a model trained
+    here (no source), or one its source's arch cannot hold, is written as ``arch_for``
+    says: a Llama config without a window, which a Mistral holds too, as a Llama. A Phi-3
+    in is a Phi-3 out, its Q/K/V and gate/up read and written packed (a Phi-3 that rotates
+    all of each head is a Llama config too, or a Mistral's with a window). The arch is
+    sized by the model's config (``HFArch.of``). None: no arch holds it."""
     if source is None:
         return description.hf
     try:
@@ -824,7 +1094,7 @@ def export_arch(description, source: dict | None) -> HFArch | None:
         fits = arch.kind == description.kind and arch.holds(description.config)
     except (HFConfigError, KeyError):  # a source config.json that no longer reads
         fits = False
-    return arch if fits else description.hf
+    return arch.of(description.config) if fits else description.hf
 
 
 def section_of(config_json: dict) -> dict:

@@ -24,7 +24,12 @@ biases anywhere. Sources:
 - Yang et al. 2025, "Qwen3 Technical Report" (arXiv:2505.09388) and transformers'
   ``models/qwen3/modeling_qwen3.py``: QK-norm, an RMSNorm over each head's D features of
   Q and of K before the rotary embedding (``qk_norm``), and a head dimension D that need
-  not be h / n_head (``head_dim``).
+  not be h / n_head (``head_dim``);
+- Abdin et al. 2024, "Phi-3 Technical Report" (arXiv:2404.14219) and transformers'
+  ``models/phi3/modeling_phi3.py``: partial rotary embeddings, only the first
+  ``rotary_dim`` of each head's D features rotated (``partial_rotary_factor``: Phi-4-mini's
+  0.75), the rest passed through; Ding et al. 2024, "LongRoPE" (arXiv:2402.13753): the
+  per-frequency rescaling of the 128k Phi models (``LongRope``), its short factors.
 
 As in ``models.gpt``, the model is ``embed -> blocks[i] -> head`` so a pipeline can cut it
 by layer, and attention keeps separate Q, K, V and output projections (column- then
@@ -69,6 +74,24 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE (Ding et al. 2024, "LongRoPE", arXiv:2402.13753; HF ``rope_type
+    = "longrope"``, ``_compute_longrope_parameters``: Phi-3-mini-128k, Phi-3.5-mini,
+    Phi-4-mini) in its short regime: rotary frequency i divided by ``short_factor[i]`` (R / 2
+    of them), cos and sin multiplied by ``attention_factor``. transformers switches every
+    frequency to ``long_factor`` once a sequence is longer than
+    ``original_max_position_embeddings`` tokens; ``LlamaConfig`` keeps ``block_size`` at most
+    that, so a forward here uses the short factors only, exactly; ``long_factor`` is kept
+    for the export.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Sizes of one Llama. Every field has Hugging Face's ``LlamaConfig`` meaning.
 
@@ -77,8 +100,9 @@ class LlamaConfig:
     ``n_head``, i.e. multi-head attention); must divide ``n_head``. n_embd: width h, a
     multiple of ``n_head``. ffn_hidden: SwiGLU width (``intermediate_size``); None means
     Llama's rule ``multiple_of * ceil(int(8h/3) / multiple_of)``. norm_eps: RMSNorm
-    epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, a dict of its fields,
-    or None. tie_weights: head shares the embedding matrix. attention: "sdpa" or "math"
+    epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, ``LongRope``, a dict
+    of either's fields (LongRoPE's with ``rope_type = "longrope"``), or None. tie_weights:
+    head shares the embedding matrix. attention: "sdpa" or "math"
     (``models.gpt.causal_attention``). n_experts: 0 for the dense SwiGLU MLP, else a
     mixture of that many SwiGLU experts in every block (``models.moe.MoE``): ``top_k`` per
     token, of width ``moe_ffn_hidden`` (None: ``ffn_hidden``), ``moe_gating`` "softmax" or
@@ -88,6 +112,8 @@ class LlamaConfig:
     ``moe_shared_ffn_hidden`` (None: ``moe_ffn_hidden``), its output scaled per token by
     ``sigmoid(x w)`` with ``moe_shared_expert_gate`` (``w`` a replicated (n_embd,) weight,
     ``mlp.shared_expert_gate``: Qwen2-MoE);
+    rotary_dim: the first R of each head's D features are rotated, the other D - R pass
+    through (Phi-3's ``partial_rotary_factor`` = R / D); even, at most D; None: D.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
@@ -107,7 +133,7 @@ class LlamaConfig:
     multiple_of: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRope | None = None
     tie_weights: bool = False
     dropout: float = 0.0
     attention: str = "sdpa"
@@ -125,6 +151,7 @@ class LlamaConfig:
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    rotary_dim: int | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
 
@@ -147,6 +174,11 @@ class LlamaConfig:
         if isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2:
             raise ValueError(f"model.head_dim={d!r}: expected an even whole number >= 2 "
                              "(rotary pairs per head)")
+        r = self.rotary_dim  # None: all D (not filled in, so replace(cfg, head_dim=) keeps it)
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int)
+                              or not 2 <= r <= d or r % 2):
+            raise ValueError(f"model.rotary_dim={r!r}: expected an even whole number from 2 "
+                             f"to head_dim={d} (rotary pairs of each head's first features)")
         if self.ffn_hidden is None:
             hidden = int(8 * self.n_embd / 3)
             object.__setattr__(self, "ffn_hidden",
@@ -154,15 +186,23 @@ class LlamaConfig:
         if self.ffn_hidden < 1:
             raise ValueError(f"model.ffn_hidden={self.ffn_hidden}: expected a whole number >= 1")
         if isinstance(self.rope_scaling, dict):
-            known = {f.name for f in fields(RopeScaling)}
+            long = self.rope_scaling.get("rope_type") == "longrope"
+            kind = LongRope if long else RopeScaling
+            known = {f.name for f in fields(kind)}
             extra = set(self.rope_scaling) - known - {"rope_type"}
             if extra:
                 raise ValueError(f"model.rope_scaling.{sorted(extra)[0]}: unknown key; "
                                  f"expected {', '.join(sorted(known))}")
-            object.__setattr__(self, "rope_scaling", RopeScaling(
-                **{k: v for k, v in self.rope_scaling.items() if k in known}))
+            given = {k: v for k, v in self.rope_scaling.items() if k in known}
+            if long:
+                given = {**given, **{k: tuple(given.get(k) or ())
+                                     for k in ("short_factor", "long_factor")}}
+            object.__setattr__(self, "rope_scaling", kind(**given))
         rs = self.rope_scaling
-        if rs is not None and not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor):
+        if isinstance(rs, LongRope):
+            self._check_long_rope(rs)
+        elif rs is not None and not (rs.factor > 0
+                                     and 0 < rs.low_freq_factor < rs.high_freq_factor):
             raise ValueError("model.rope_scaling: expected factor > 0 and "
                              "0 < low_freq_factor < high_freq_factor")
         if self.attention not in ("sdpa", "math"):
@@ -194,6 +234,22 @@ class LlamaConfig:
         types = self.layer_types or ("sliding_attention",) * self.n_layer
         return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
 
+    def _check_long_rope(self, rs: LongRope) -> None:
+        half = (self.rotary_dim or self.head_dim) // 2
+        for name in ("short_factor", "long_factor"):
+            f = getattr(rs, name)
+            if len(f) != half or not all(x > 0 for x in f):
+                raise ValueError(f"model.rope_scaling.{name}: expected {half} factors > 0 "
+                                 f"(one per rotary frequency), got {len(f)}")
+        if not rs.attention_factor > 0:
+            raise ValueError(f"model.rope_scaling.attention_factor={rs.attention_factor}: "
+                             "expected > 0")
+        if self.block_size > rs.original_max_position_embeddings:
+            raise ValueError(f"model.block_size={self.block_size} is more than "
+                             "model.rope_scaling.original_max_position_embeddings="
+                             f"{rs.original_max_position_embeddings}: LongRoPE's long_factor "
+                             "takes over beyond it, and shardwise has the short factors only")
+
     def _check_moe(self) -> None:
         if self.n_experts < 0:
             raise ValueError(f"model.n_experts={self.n_experts}: expected 0 (dense) or more")
@@ -224,12 +280,19 @@ class LlamaConfig:
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) fp32, radians per token: ``theta^(-2i/d)``, then
-    Llama 3's scaling when ``cfg.rope_scaling`` is set (as HF ``_compute_llama3_parameters``)."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
-                                    .float() / d))
+    """Inverse frequencies (R / 2,) fp32, radians per token: ``theta^(-2i/R)``, R the
+    rotated features ``rotary_dim`` (head_dim unless partial: as HF
+    ``_compute_default_rope_parameters``, whose dim is ``head_dim * partial_rotary_factor``),
+    then Llama 3's scaling when ``cfg.rope_scaling`` is ``RopeScaling`` (as HF
+    ``_compute_llama3_parameters``), or each divided by LongRoPE's short factor when it is
+    ``LongRope`` (as HF ``_compute_longrope_parameters`` up to its original length)."""
+    d = cfg.rotary_dim or cfg.head_dim
+    base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
+                              .float() / d)
     rs = cfg.rope_scaling
+    if isinstance(rs, LongRope):  # 1 / (s_i theta^(2i/R)), HF's order of operations
+        return 1.0 / (torch.tensor(rs.short_factor, dtype=torch.float32, device=device) * base)
+    inv = 1.0 / base
     if rs is None:
         return inv
     old = rs.original_max_position_embeddings
@@ -244,20 +307,31 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
 
 def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
                  positions: torch.Tensor | None = None):
-    """cos and sin of the rotation angles, each (T, head_dim): angle(t, i) = t * inv_freq[i
-    mod head_dim/2] (the "rotate_half" layout repeats the frequencies over both halves).
+    """cos and sin of the rotation angles, each (T, R), R = ``rotary_dim`` (head_dim unless
+    partial): angle(t, i) = t * inv_freq[i mod R/2] (the "rotate_half" layout repeats the
+    frequencies over both halves); LongRoPE's ``attention_factor`` multiplies both (in
+    fp32, before the cast, as HF's rotary embedding).
     ``positions``: (T,) the tokens' positions t (default 0..T-1; a context-parallel rank's
     are its chunks', ``models.sequence.positions``)."""
     inv = rope_frequencies(cfg, device)
     t = torch.arange(T, device=device) if positions is None else positions
     angles = torch.outer(t.to(device=device, dtype=torch.float32), inv)  # (T, d/2)
-    emb = torch.cat([angles, angles], dim=-1)  # (T, d)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    emb = torch.cat([angles, angles], dim=-1)  # (T, R)
+    cos, sin = emb.cos(), emb.sin()
+    if isinstance(cfg.rope_scaling, LongRope):
+        cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, D) queries or keys: ``x cos + rotate_half(x) sin`` with
-    ``rotate_half([x1, x2]) = [-x2, x1]`` (RoFormer, eq. 34, in HF's layout)."""
+    ``rotate_half([x1, x2]) = [-x2, x1]`` (RoFormer, eq. 34, in HF's layout). ``cos`` and
+    ``sin`` (T, R) with R < D rotate the first R features only, the halves being those of
+    the R, and pass the last D - R through (Phi-3's partial rotary, as HF
+    ``models/phi3/modeling_phi3.py``'s ``apply_rotary_pos_emb``)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -558,7 +632,8 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
     the 8h/3 rule; ffn_hidden), ``head_dim`` 0 n_embd / n_head, ``sliding_window`` 0 no
     window. ``model.bias`` is ignored
     (the Llama's biases are ``model.qkv_bias``'s);
-    ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields). Raises ``ValueError``
+    ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields) or, with ``rope_type =
+    "longrope"``, Phi-3's (``LongRope``'s). Raises ``ValueError``
     (one line) for a field only the GPT has (``activation`` other than gelu, ``k_bias``)."""
     if getattr(m, "k_bias", False) or getattr(m, "activation", "gelu") != "gelu":
         raise ValueError("model.k_bias / model.activation: the GPT's; the Llama has no "
@@ -580,6 +655,7 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        head_dim=getattr(m, "head_dim", 0) or None,
                        qkv_bias=getattr(m, "qkv_bias", False),
                        qk_norm=getattr(m, "qk_norm", False),
+                       rotary_dim=getattr(m, "rotary_dim", 0) or None,
                        moe_bias_update_rate=m.moe_bias_update_rate,
                        sliding_window=getattr(m, "sliding_window", 0) or None,
                        layer_types=getattr(m, "layer_types", None))

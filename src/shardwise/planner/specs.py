@@ -30,7 +30,15 @@ Named sizes:
   layers, width 4096, 32 heads, 8 key/value heads, 8 SwiGLU experts of width 14336, top-2,
   vocabulary 32000, context 32768; rotary base 1e6 from the released config.json): 46.7B
   parameters, 12.9B active per token. The planner searches expert parallelism (ep) only
-  for such a model.
+  for such a model;
+- Phi: Phi-3-mini (Abdin et al. 2024, arXiv:2404.14219: 3.8B, 32 layers, width 3072, 32
+  heads, vocabulary 32064; its 4k config.json: 32 key/value heads, SwiGLU width 8192,
+  context 4096) and Phi-4 (Abdin et al. 2024, arXiv:2412.08905: 14B, phi-3-medium's 40
+  layers of width 5120 and 40 heads, vocabulary 100352; its config.json: 10 key/value
+  heads, SwiGLU width 17920, context 16384, rotary base 250000): 3.82B and 14.66B parameters
+  (the report's "14B" rounded down; ``transformers.Phi3ForCausalLM`` of those sizes counts
+  the same). Phi-3-mini-4k's sliding window (2047) is not a size: ``--seq`` plans any
+  length.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -153,8 +161,8 @@ class ModelSpec:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
         experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
-        ``qk_norm`` when its description's config sets them; ``sliding_window`` and, when
-        not every block has it, ``layer_types``, from ``attention_windows``);
+        ``qk_norm``, ``rotary_dim`` when its description's config sets them; ``sliding_window``
+        and, when not every block has it, ``layer_types``, from ``attention_windows``);
         ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
@@ -168,7 +176,8 @@ class ModelSpec:
             moe.update(moe_shared_expert=True, moe_shared_ffn_hidden=self.moe_shared_ffn,
                        moe_shared_expert_gate=self.moe_shared_gate)
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
-        qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm") if getattr(cfg, k, False)}
+        qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
+                if getattr(cfg, k, False)}
         windows = {w for w in self.attention_windows if w is not None}
         if windows:  # one W (model.sliding_window) on the layers layer_types marks
             qwen["sliding_window"] = windows.pop()
@@ -369,6 +378,9 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192, window=4096),
     # Jiang et al. 2024, Table 1 (module docstring): 8 experts, top-2
     _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1e6, experts=8, top_k=2),
+    # Phi-3-mini (4k) and Phi-4 (module docstring): Llamas in shardwise (models.hf.PHI3)
+    _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096),
+    _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
 ]}
 
 @dataclass(frozen=True)
@@ -462,9 +474,13 @@ def full_size(d) -> int:
 
 
 def load_model(text: str, seq: int | None = None) -> ModelSpec:
-    """A named size (``NAMED``), or a TOML file: a train config, or its ``[model]`` table
-    alone (``describe_config``; ``ModelSpec.from_description``). ``seq``: the sequence
-    length (a named size's ``with_seq``; a file's ``model.block_size``). A file's
+    """A named size (``NAMED``), a TOML file (a train config, or its ``[model]`` table
+    alone), or ``hf:DIR`` (a Hugging Face checkpoint directory: its config.json only, no
+    weights read), described as ``shardwise train`` describes it (``model.init_from``
+    resolved from config.json, ``apps.lm.hf.resolve_init_from``; ``describe_config``;
+    ``ModelSpec.from_description``). ``seq``: the sequence length (a named size's
+    ``with_seq``; a file's or checkpoint's ``model.block_size``, at most a checkpoint's
+    context). A file's
     ``dropout`` is its ``model.dropout`` (what the engine's cp check reads), or the model
     config's own when that is 0. ``SpecError`` for anything else, naming the file and the
     field (the config's own one-line errors)."""
@@ -472,28 +488,41 @@ def load_model(text: str, seq: int | None = None) -> ModelSpec:
 
     if text in NAMED:
         return NAMED[text] if seq is None else NAMED[text].with_seq(seq)
-    path = Path(text)
-    if not path.is_file():
-        raise SpecError(f"--model {text!r}: neither a named size ({', '.join(NAMED)}) nor a "
-                        "TOML file")
+    if text.startswith("hf:"):  # a Hugging Face checkpoint: its config.json alone is read
+        where, name = f"--model {text}", Path(text[3:]).expanduser().resolve().name
+        data = {"model": {"init_from": text}}
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise SpecError(f"--model {text!r}: neither a named size ({', '.join(NAMED)}), a "
+                            "TOML file nor hf:DIR (a Hugging Face checkpoint directory)")
+        where, name = str(path), path.stem
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise SpecError(f"{path}: not valid TOML: {exc}") from None
+        if "model" not in data:  # a bare [model] table
+            data = {"model": data}
+        if not isinstance(data["model"], dict):
+            raise SpecError(f"{path}: expected a [model] table")
     try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: not valid TOML: {exc}") from None
-    if "model" not in data:  # a bare [model] table
-        data = {"model": data}
-    if not isinstance(data["model"], dict):
-        raise SpecError(f"{path}: expected a [model] table")
-    if seq is not None:
-        data["model"]["block_size"] = seq
-    try:
-        cfg = Config.from_dict(data)
-        spec = ModelSpec.from_description(describe_config(cfg), name=path.stem)
+        from shardwise.apps.lm.hf import resolve_init_from
+
+        # model.init_from: the checkpoint's model, as shardwise train resolves it
+        cfg = resolve_init_from(Config.from_dict(data))
+        if seq is not None:
+            if cfg.model.init_from and seq > cfg.model.block_size:
+                raise SpecError(f"--seq {seq}: longer than the checkpoint's "
+                                f"{cfg.model.block_size} tokens ({cfg.model.init_from}: its "
+                                "config.json)")
+            data["model"]["block_size"] = seq
+            cfg = resolve_init_from(Config.from_dict(data))
+        spec = ModelSpec.from_description(describe_config(cfg), name=name)
         return replace(spec, dropout=cfg.model.dropout or spec.dropout)
     except SpecError:
         raise
     except ValueError as exc:  # ConfigError, DataError, a model's own size checks
-        raise SpecError(f"{path}: {exc}") from None
+        raise SpecError(f"{where}: {exc}") from None
 
 
 def positive_number(text: str, flag: str, integer: bool = False) -> float:

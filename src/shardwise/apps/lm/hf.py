@@ -61,6 +61,8 @@ def resolve_init_from(cfg: Config) -> Config:
             fields[name] = ours  # shorter training windows than the checkpoint's context
             continue
         bound = " or less" if name in arch.at_most else ""
+        reason = arch.bound_reason(hf_cfg).get(name) if bound else None  # Phi-3's LongRoPE
+        bound += f", {reason}" if reason else ""
         raise ConfigError(f"model.{name}={ours!r} contradicts {where} (config.json gives "
                           f"{value!r}{bound}); leave model.{name} unset (the config file "
                           "too: configs/finetune_hf.toml sets no [model] size)")
@@ -79,6 +81,10 @@ def check_init_from(cfg: Config, vocab_size: int | None = None) -> None:
         return
     where = f"model.init_from={cfg.model.init_from}"
     d = describe_section(cfg.model, cfg.model.vocab_size)
+    try:  # the checkpoint's own arch when it holds the model (Phi-3's packed tensors)
+        d = d.with_checkpoint_arch(source_config(cfg))
+    except HFCheckpointError as e:
+        raise ConfigError(f"{where}: {e}") from None
     if d.hf is None:
         raise ConfigError(f"{where}: model.kind={d.kind!r} has no Hugging Face mapping")
     if vocab_size is not None and vocab_size > d.vocab_size:
