@@ -193,8 +193,8 @@ def test_a_sliding_window_counts_the_keys_a_query_sees():
     whole, as PaLM counts the causal triangle whole: continuous at T = W), per layer: the
     description's FLOPs per token (MFU's numerator), the spec's block FLOPs and GEMMs
     (the planner's time), and Mistral 7B's named size (a window of 4096 at 8192 tokens:
-    half the keys of Llama 2 7B's count at that length). The emitted [model] table keeps
-    the window and where it lies."""
+    half the keys of Llama 2 7B's count at that length; Phi-3-mini's, 2047 of 4096). The
+    emitted [model] table keeps the window and where it lies."""
     from shardwise.base.config import ModelConfig
     from shardwise.models.llama import from_section
     from shardwise.planner.simulate import attention_gemm_flops, block_ops
@@ -220,6 +220,9 @@ def test_a_sliding_window_counts_the_keys_a_query_sees():
         llama2.with_seq(8192), 1)
     assert mistral.with_seq(2048).attn_keys == 2048  # shorter than the window: all of them
     assert mistral.model().config.windows == (4096,) * 32
+    phi3 = NAMED["phi3-mini"]  # Phi-3-mini-4k's window of 2047, planned as the checkpoint's
+    assert phi3.attention_windows == (2047,) * 32 and phi3.attn_keys == 2047
+    assert phi3.model_table()["sliding_window"] == 2047 and not NAMED["phi4"].attention_windows
 
 
 def test_exact_small_model_bytes_build_the_llama():

@@ -37,8 +37,9 @@ Named sizes:
   layers of width 5120 and 40 heads, vocabulary 100352; its config.json: 10 key/value
   heads, SwiGLU width 17920, context 16384, rotary base 250000): 3.82B and 14.66B parameters
   (the report's "14B" rounded down; ``transformers.Phi3ForCausalLM`` of those sizes counts
-  the same). Phi-3-mini-4k's sliding window (2047) is not a size: ``--seq`` plans any
-  length.
+  the same). Phi-3-mini-4k's sliding window of 2047 tokens is on every layer
+  (``attention_windows``, as Mistral 7B's: a query counted against min(T, 2047) keys); Phi-4
+  has none.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -378,8 +379,9 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192, window=4096),
     # Jiang et al. 2024, Table 1 (module docstring): 8 experts, top-2
     _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1e6, experts=8, top_k=2),
-    # Phi-3-mini (4k) and Phi-4 (module docstring): Llamas in shardwise (models.hf.PHI3)
-    _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096),
+    # Phi-3-mini (4k) and Phi-4 (module docstring): Llamas in shardwise (models.hf.PHI3);
+    # Phi-3-mini-4k's config.json: a sliding window of 2047 on every layer
+    _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096, window=2047),
     _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
 ]}
 
