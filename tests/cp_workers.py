@@ -6,7 +6,8 @@ process groups over the same world:
 - ``kernel``: ``ring_kernel`` on rings of ``job["cp"]`` ranks (dp = world / cp rings side
   by side): for each case, every rank builds the same full q (B, H, T, D) and k, v (B, Hkv,
   T, D) from a seed, keeps its shard of the sequence, runs ``ring_attention`` forward and
-  backward (with the same upstream gradient, sharded), and reports its shard of the output
+  backward (with the same upstream gradient, sharded; a sliding window of ``case["window"]``
+  tokens when set), and reports its shard of the output
   and of the three gradients, for the test to stitch together and hold against full
   attention, and the bytes its forward sent round the ring;
 - ``run`` / ``resume``: ``llama_workers.run_job`` (train a layout, report losses, whole
@@ -58,7 +59,8 @@ def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
                 for t in (q, k, v)]
         try:
             with accounting.recording() as rec:
-                y = ring_attention(*mine, ring, causal=case["causal"], impl=case["impl"])
+                y = ring_attention(*mine, ring, causal=case["causal"], impl=case["impl"],
+                                   window=case.get("window"))
         except ValueError as e:
             out.append({"error": str(e)})
             continue

@@ -20,6 +20,17 @@ from shardwise.cli.main import main
     (["--resume", "--checkpoint.dir", "/tmp/shardwise-none"], "--resume: no complete checkpoint"),
     (["--bogus"], "unrecognised argument '--bogus'"),
     (["--parallel.schedule", "zigzag"], "error: parallel.schedule='zigzag': expected"),
+    (["--model.kind", "llama", "--model.sliding_window", "-1"],
+     "model.sliding_window: Input should be greater than or equal to 0"),
+    (["--model.sliding_window", "8"], "model.sliding_window=8: the GPT has no such option"),
+    (["--model.kind", "llama", "--model.n_layer", "2", "--model.sliding_window", "8",
+      "--model.layer_types", '["sliding_attention", "full"]'],
+     ("model.layer_types: expected 2 (model.n_layer) of full_attention or "
+      "sliding_attention; got 'full'")),
+    (["--model.kind", "llama", "--model.n_layer", "1", "--model.layer_types",
+      '["sliding_attention"]'],
+     ("model.layer_types has sliding_attention layers but model.sliding_window is not "
+      "set")),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
     assert_one_line_exit_2(["train", *argv], capsys, expected)

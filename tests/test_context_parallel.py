@@ -4,10 +4,15 @@ with the sequence split over cp ranks, against one process.
 Ring attention first: on rings of 2 and 4 ranks, its output and its gradients for q, k and v,
 stitched back from every rank's shard, equal full attention's (``F.scaled_dot_product_attention``)
 for causal and non-causal masks, with both block kernels (the fused CPU one and the scores
-written out); measured at most 8.5e-7 relative to the largest entry. Then training: one
+written out), and for sliding windows of 3 to 40 tokens (``WINDOWS``: shorter than a chunk,
+between one and two, longer than the sequence; every kind of block pair: skipped, whole,
+diagonal, in a band); measured at most 8.5e-7 relative to the largest entry. Then training: one
 process trains each model ``STEPS`` steps (the reference); a spawn of 2, one of 4 and one
 of 8 ranks train every layout of ``LAYOUTS`` on the same global batches (recomputation
-included: the chunks' hooks set the shard again when the backward reruns a forward). Parity (fp32):
+included: the chunks' hooks set the shard again when the backward reruns a forward; a Llama
+with a sliding window of 3 of its 16 tokens on layer 0, at cp2, cp2 x tp2 and tp2 x pp2:
+measured losses 1.2e-7, parameters 8.9e-7).
+Parity (fp32):
 every loss and every parameter of every rank within ``RTOL`` relative of the reference
 (measured at most: losses 1.2e-7, parameters 1.2e-6). ``RESUMES``: checkpoints cross cp
 sizes both ways (one process -> cp 2 x dp 2, and back into one process). Memory: the bytes
@@ -27,6 +32,7 @@ from ddp_workers import tiny_config
 from helpers import rel_err
 from shardwise.base.config import Config, ConfigError
 from shardwise.launch import spawn
+from shardwise.models.gpt import sliding_window_mask
 from shardwise.parallel.context import (
     Ring,
     check_length,
@@ -44,6 +50,10 @@ MODELS = {
     "llama": {**_BASE, "kind": "llama", "n_kv_heads": 2, "multiple_of": 16, "tie_weights": True},
     "llama-long": {**_BASE, "kind": "llama", "block_size": 128, "n_kv_heads": 2,
                    "multiple_of": 16},
+    # a window of 3 on layer 0 (chunks of 4 tokens at cp2: diagonal pairs in a band, the
+    # next chunk's partly inside, farther ones skipped), none on layer 1
+    "llama-swa": {**_BASE, "kind": "llama", "n_kv_heads": 2, "multiple_of": 16,
+                  "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
 }
 # name -> (world size, model, parallel section); MEASURED: the activation meter is on
 LAYOUTS = {
@@ -57,6 +67,9 @@ LAYOUTS = {
     "cp2xtp2xpp2-interleaved-z2-gpt": (8, "gpt", {"cp": 2, "tp": 2, "pp": 2, "micro_batches": 2,
                                                   "zero": 2, "schedule": "interleaved",
                                                   "chunks_per_rank": 2}),
+    "cp2-swa-llama": (2, "llama-swa", {"cp": 2}),
+    "cp2xtp2-sp-swa-llama": (4, "llama-swa", {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    "tp2xpp2-swa-llama": (4, "llama-swa", {"tp": 2, "pp": 2, "micro_batches": 2}),
 }
 MEASURED = {"cp4-llama-long"}
 # layouts trained with every block compiled (training.compile): ring attention and the
@@ -78,6 +91,11 @@ KERNEL_CASES += [{"seed": 10 + n, "shape": (2, 4, 32, 8), "kv_heads": hkv, "caus
                   "impl": impl}
                  for n, (hkv, causal, impl) in enumerate(((2, True, "sdpa"), (1, True, "math"),
                                                           (2, False, "sdpa")))]
+# sliding windows against T = 32 (chunks of 8 tokens at cp2, 4 at cp4): shorter than a chunk,
+# between one and two, longer than both, longer than the sequence
+WINDOWS = (3, 6, 13, 21, 40)
+KERNEL_CASES += [{"seed": 20 + n, "shape": (2, 4, 32, 8), "kv_heads": 2, "causal": True,
+                  "impl": ("sdpa", "math")[n % 2], "window": w} for n, w in enumerate(WINDOWS)]
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None, compile_: bool = False):
@@ -106,6 +124,8 @@ def test_sharding_is_load_balanced_and_refuses_other_lengths():
 
 
 def test_ring_of_one_rank_is_full_attention():
+    """One rank: ring attention is full causal (or not) attention, and with a sliding
+    window the band's; bad windows are one line."""
     q, k, v, dout = full_inputs({"seed": 0, "shape": (2, 3, 8, 4)})
     for causal in (True, False):
         for impl in ("sdpa", "math"):
@@ -118,6 +138,22 @@ def test_ring_of_one_rank_is_full_attention():
             assert rel_err(y.detach(), ref.detach()) < 1e-6, (causal, impl)
             for s, r in zip(a, b):
                 assert rel_err(s.grad, r.grad) < 1e-6, (causal, impl)
+    for window in (1, 3, 5, 8):  # a window of 1: each query sees itself, dQ and dK are 0
+        for impl in ("sdpa", "math"):
+            a = [t.clone().requires_grad_() for t in (q, k, v)]
+            b = [t.clone().requires_grad_() for t in (q, k, v)]
+            y = ring_attention(*a, Ring(), impl=impl, window=window)
+            ref = F.scaled_dot_product_attention(*b, attn_mask=sliding_window_mask(8, window,
+                                                                                     q.device))
+            y.backward(dout)
+            ref.backward(dout)
+            assert (y - ref).abs().max() < 1e-6, (window, impl)
+            for s, r in zip(a, b):
+                assert (s.grad - r.grad).abs().max() < 1e-6, (window, impl)
+    with pytest.raises(ValueError, match="window=0: expected a whole number >= 1"):
+        ring_attention(q, k, v, Ring(), window=0)
+    with pytest.raises(ValueError, match="window=4: expected a whole number >= 1 with causal"):
+        ring_attention(q, k, v, Ring(), causal=False, window=4)
     with pytest.raises(ValueError, match="dropout_p=0.1"):
         ring_attention(q, k, v, Ring(), dropout_p=0.1)
     with pytest.raises(ValueError, match="Hkv dividing H"):  # 3 query heads on 2 kv heads
@@ -247,15 +283,19 @@ def results(corpus, tmp_path_factory, references):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_equals_full_attention(results, cp):
     """Output and the three gradients equal full attention's (grouped-query attention: on K
-    and V repeated, the gradients summed back); the forward sends each other rank's K/V
-    block once, with its Hkv heads (not repeated to H)."""
+    and V repeated, the gradients summed back; a sliding window: SDPA's with the band as
+    its mask); the forward sends each other rank's K/V block once, with its Hkv heads (not
+    repeated to H), window or not (the blocks travel on when a rank skips them)."""
     ranks = results[f"kernel-cp{cp}"]
     for n, case in enumerate(KERNEL_CASES):
         q, k, v, dout = full_inputs(case)
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
         rep = q.shape[1] // k.shape[1]
+        w, T = case.get("window"), q.shape[2]
+        band = {} if w is None else {"attn_mask": sliding_window_mask(T, w, q.device)}
         y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                           v.repeat_interleave(rep, 1), is_causal=case["causal"])
+                                           v.repeat_interleave(rep, 1),
+                                           is_causal=case["causal"] and w is None, **band)
         y.backward(dout)
         for key, ref in (("out", y), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
             got = unshard_sequence([r[n][key] for r in ranks], dim=2)
@@ -288,7 +328,7 @@ def _check(name: str, ranks: list[dict], ref: dict, rtol: float = RTOL) -> None:
 def test_layout_matches_one_process(results, references, name):
     ws, model, parallel = LAYOUTS[name]
     assert len(results[name]) == ws
-    assert {r["coords"]["cp"] for r in results[name]} == set(range(parallel["cp"]))
+    assert {r["coords"]["cp"] for r in results[name]} == set(range(parallel.get("cp", 1)))
     _check(name, results[name], references[model])
 
 

@@ -9,7 +9,9 @@ the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
 for one step with ``--optimizer.lr 0`` -> ``shardwise export`` -> ``from_pretrained``: every
 tensor equal bit for bit (fp32) and the logits equal. Our forward on the imported weights
 against ``transformers``' within 1e-5 at tp = 1 and 2 (and the Mixtral, a Qwen3-MoE and
-the Qwen2-MoE at dp2 x ep2). The Qwen2-MoE's round trip runs in one process: ours ->
+the Qwen2-MoE at dp2 x ep2), three of them with a sliding window shorter than the sequence
+(a Mistral's, a Qwen2's and a Qwen2-MoE's, on all or some layers); with a window, the
+gradients too, in one process. The Qwen2-MoE's round trip runs in one process: ours ->
 export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit;
 so does the Mistral's and the Phi-3's: the engine's import -> a checkpoint ->
 ``export_hf`` -> a Mistral (a Phi-3, its Q/K/V and gate/up packed) again.
@@ -40,6 +42,7 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 VOCAB = 97  # more than the text's characters: the tokenizer may be smaller than the model's
+WINDOW = 8  # the sliding window of the *_swa checkpoints, a quarter of the 32 tokens fed
 
 
 def _perturb(model):
@@ -63,7 +66,11 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     gate), a Mistral (Mistral-Nemo's shape in small: head_dim 12 where hidden / heads is
     16, no sliding window, rope_theta 1e6) and a Phi-3 (Phi-4-mini's shape in small: Q/K/V
     and gate/up packed, 12 of each head's 16 features rotated, LongRoPE from 32 tokens to
-    128, tied head), saved as transformers does."""
+    128, tied head), saved as transformers does; and four with a sliding window of 8
+    tokens, shorter than the 32 the tests feed (``WINDOW``): a Mistral (every layer), a
+    Qwen2 (``use_sliding_window``, ``max_window_layers`` 1: layer 1 only), a Qwen2-MoE (its
+    default pattern: the even layers, layer 0 only) and a Phi-3 (Phi-3-mini-4k's window in
+    small, on every layer; the default rotary, on 10 of each head's 16 features)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -120,6 +127,28 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "short_factor": factors[0], "long_factor": [2 * f for f in factors[1]]},
         tie_word_embeddings=True, pad_token_id=None, bos_token_id=None, eos_token_id=None)))
     phi3.save_pretrained(root / "phi3")
+    _perturb(transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        sliding_window=WINDOW, tie_word_embeddings=False))).save_pretrained(root / "mistral_swa")
+    _perturb(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1))).save_pretrained(root / "qwen2_swa")
+    _perturb(transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+        shared_expert_intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2, use_sliding_window=True, sliding_window=WINDOW,
+        tie_word_embeddings=False))).save_pretrained(root / "qwen2moe_swa")
+    _perturb(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        original_max_position_embeddings=32, sliding_window=WINDOW, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.625},
+        tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None))).save_pretrained(root / "phi3_swa")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -132,7 +161,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "model.layers.1.mlp.gate_up_proj.weight"} <= set(saved)  # packed on disk
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
-                                           "mistral", "phi3")}
+                                           "mistral", "phi3", "mistral_swa", "qwen2_swa",
+                                           "qwen2moe_swa", "phi3_swa")}
 
 
 @pytest.fixture(scope="module")
@@ -217,29 +247,78 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
     split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
     expert by its width and its gate whole, the Mistral's heads of head_dim 12, the Phi-3's
-    slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj),
-    all ten models; the Mixtral (top 2 of 4
+    slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj), all
+    fourteen models, four of them attending in a sliding window of 8 of the 32 tokens (on
+    every layer, on layer 1, on layer 0, on every layer: each rank's heads in the window);
+    the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
     from hf_workers import imported_logits
     from shardwise.launch import spawn
 
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3",
+                                      "mistral_swa", "qwen2_swa", "qwen2moe_swa", "phi3_swa",
                                       "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 10 and len(tp2[0]) == 13
+    assert len(tp1) == 14 and len(tp2[0]) == 17
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["mistral_swa", "qwen2_swa"])
+def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
+    """32 tokens through a sliding window of 8 (a Mistral's on every layer; a Qwen2's on
+    layer 1 only, ``max_window_layers`` 1, its head tied): our logits and every
+    parameter's gradient of the cross-entropy equal transformers' within 1e-5 (fp32),
+    with both attention kernels: the band as SDPA's boolean mask (as transformers' own
+    SDPA path: measured bit for bit, logits and gradients) and the scores written out
+    (measured at most 7.2e-7 on the logits, 8.1e-7 on a gradient relative to its largest
+    entry). The band's edges are transformers' (query i sees keys i - W < j <= i): a
+    window one token longer or shorter is off by more than 1e-2."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from shardwise.base.config import ModelConfig
+    from shardwise.models.description import describe_section
+    from shardwise.models.llama import Llama, from_hf_state_dict, hf_name
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch]).eval()
+    section = section_of(read_config(hf_dirs[arch]))
+    assert section["sliding_window"] == WINDOW and section["block_size"] == 32
+    g = torch.Generator().manual_seed(6)
+    idx, targets = (torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(2))
+    logits = theirs(idx).logits
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    want = {n: p.grad for n, p in theirs.named_parameters()}
+    for impl in ("sdpa", "math"):
+        cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
+        assert cfg.windows == ((WINDOW,) * 2 if arch == "mistral_swa" else (None, WINDOW))
+        ours = Llama(cfg)
+        ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), cfg.tie_weights))
+        got, loss = ours(idx, targets)
+        loss.backward()
+        torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-5)
+        for name, p in ours.named_parameters():
+            ref = want[hf_name(name)]
+            err = float((p.grad - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, (impl, name, err)
+        for off in (-1, 1):  # the band's edges: one token more or less changes the logits
+            other = Llama(replace(cfg, sliding_window=WINDOW + off))
+            other.load_state_dict(ours.state_dict())
+            with torch.no_grad():
+                assert (other(idx)[0] - logits).abs().max() > 1e-2, (impl, off)
+
+
 def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
-    """A Llama trained here with a Mixtral's mixture (no source config.json) is written as
-    a ``MixtralForCausalLM`` whose logits equal ours; sigmoid gating, unrenormalised
-    gates, a capacity factor or a shared expert have no such mapping."""
+    """A Llama trained here with a Mixtral's mixture and a sliding window of 4 on every
+    layer (no source config.json) is written as a ``MixtralForCausalLM`` whose logits
+    on 16 tokens equal ours; sigmoid gating, unrenormalised gates, a capacity factor, a
+    shared expert or a window on some layers only have no such mapping."""
     from dataclasses import replace
 
     from shardwise.checkpoint.hf import write_safetensors
@@ -247,12 +326,14 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
     from shardwise.models.llama import Llama, LlamaConfig, describe
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
-                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2)
+                      n_embd=32, ffn_hidden=24, moe_ffn_hidden=16, n_experts=4, top_k=2,
+                      sliding_window=4)
     d = describe(cfg)
     assert d.hf is MIXTRAL
     for other in ({"moe_gating": "sigmoid"}, {"moe_norm_topk": False},
                   {"moe_capacity_factor": 1.25}, {"moe_shared_expert": True},
-                  {"moe_bias_update_rate": 0.001}):
+                  {"moe_bias_update_rate": 0.001},
+                  {"layer_types": ("sliding_attention", "full_attention")}):
         assert describe(replace(cfg, **other)).hf is None, other
     torch.manual_seed(3)
     ours = _perturb(Llama(cfg))
@@ -260,7 +341,7 @@ def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path)
                                                   ours.state_dict().items()}))
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL.config_json(cfg, None)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert type(theirs).__name__ == "MixtralForCausalLM"
+    assert type(theirs).__name__ == "MixtralForCausalLM" and theirs.config.sliding_window == 4
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
@@ -389,9 +470,10 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
                                            "Qwen3ForCausalLM")])
 def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path):
     """A Llama trained here with Qwen2's Q/K/V biases (tied head) or Qwen3's QK-norm and a
-    head_dim other than n_embd / n_head (no source config.json) is written as that Qwen,
-    whose logits equal ours; a plain Llama stays a Llama, both options at once have no
-    mapping, and with experts the QK-norm makes a Qwen3-MoE, the biases none."""
+    head_dim other than n_embd / n_head, and a sliding window of 4 on layer 1 only (no
+    source config.json), is written as that Qwen (``use_sliding_window``, ``layer_types``),
+    whose logits on 16 tokens equal ours; a plain Llama stays a Llama, both options at once
+    have no mapping, and with experts the QK-norm makes a Qwen3-MoE, the biases none."""
     from dataclasses import replace
 
     from shardwise.checkpoint.hf import write_safetensors
@@ -400,12 +482,14 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
                       n_embd=32, ffn_hidden=24, rope_theta=1e6, tie_weights="qkv_bias" in options,
+                      sliding_window=4, layer_types=("full_attention", "sliding_attention"),
                       **options)
     d = describe(cfg)
-    assert d.hf.architecture == arch and describe(replace(cfg, qkv_bias=False, qk_norm=False,
+    plain = replace(cfg, sliding_window=None, layer_types=None)
+    assert d.hf.architecture == arch and describe(replace(plain, qkv_bias=False, qk_norm=False,
                                                           head_dim=8)).hf is LLAMA
     assert describe(replace(cfg, qkv_bias=True, qk_norm=True)).hf is None
-    moe = replace(cfg, n_experts=4, top_k=2)
+    moe = replace(plain, n_experts=4, top_k=2)
     assert describe(moe).hf is (QWEN3_MOE if cfg.qk_norm else None) and describe(
         replace(moe, qkv_bias=False, qk_norm=False)).hf is MIXTRAL
     torch.manual_seed(3)
@@ -416,6 +500,8 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(d.hf.config_json(cfg, None)))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == arch
+    assert (theirs.config.sliding_window, theirs.config.layer_types) == (
+        4, ["full_attention", "sliding_attention"])
     assert set(theirs.state_dict()) >= set(to_hf_tensors(d, tensors))
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -424,14 +510,15 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
 
 def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     """A Mistral (head_dim 12 where hidden / heads is 16, rope_theta 1e6, a sliding window
-    of 16 tokens bounding block_size) imported by the engine in one process, saved as a
-    run's checkpoint with its source config.json, is exported (``export_hf``) as a
-    ``MistralForCausalLM`` whose config.json keeps the source's window, context and
-    token ids, whose tensors are the source's bit for bit and whose logits equal the
+    of 16 tokens, fed 32) imported by the engine in one process, saved as a run's
+    checkpoint with its source config.json, is exported (``export_hf``) as a
+    ``MistralForCausalLM`` whose config.json keeps the model's window, the source's context
+    and token ids, whose tensors are the source's bit for bit and whose logits equal the
     source's and ours. The arch comes from the source only when it holds the model
-    (``export_arch``): without a source the same model is a Llama; a Qwen option, or a
-    window shorter than block_size, makes it ``arch_for``'s. A config.json's silences
-    read as ``MistralConfig`` fills them."""
+    (``export_arch``): a Qwen option makes it ``arch_for``'s; without a source a model with
+    a window on every layer is a Mistral, without one a Llama, with windows on some
+    layers only neither. A config.json's silences read as ``MistralConfig`` fills them
+    (Mistral-7B-v0.1's window of 4096)."""
     from dataclasses import replace
 
     from shardwise import checkpoint
@@ -452,13 +539,17 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
     check_init_from(cfg, VOCAB)
     d = describe_section(cfg.model, VOCAB)
-    assert (d.block_size, d.config.head_dim, d.config.rope_theta) == (16, 12, 1e6)
-    assert d.hf is LLAMA and export_arch(d, None) is LLAMA and export_arch(d, source) is MISTRAL
+    assert (d.block_size, d.config.head_dim, d.config.rope_theta, d.config.windows) == (
+        32, 12, 1e6, (16, 16))
+    assert d.hf is MISTRAL and export_arch(d, None) is MISTRAL and export_arch(d, source) is MISTRAL
     assert export_arch(describe(replace(d.config, qkv_bias=True)), source) is QWEN2
-    assert export_arch(describe(replace(d.config, block_size=32)), source) is LLAMA
+    windowless = describe(replace(d.config, sliding_window=None))
+    assert windowless.hf is LLAMA and export_arch(windowless, source) is MISTRAL
+    some = describe(replace(d.config, layer_types=("full_attention", "sliding_attention")))
+    assert some.hf is None and export_arch(some, source) is None
     engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=16, init_from=str(src)))
-    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+        batch_size=1, seq_len=32, init_from=str(src)))
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     engine._train(False)
     ours = engine._logits(idx)[..., :VOCAB]
     tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
@@ -489,11 +580,11 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
         "rms_norm_eps")}
     want = transformers.MistralConfig(**silent)
     got = section_of(silent)
-    assert (got["block_size"], got["n_kv_heads"], got["rope_theta"], got["norm_eps"]) == (
-        min(want.max_position_embeddings, want.sliding_window), want.num_key_value_heads,
+    assert (got["block_size"], got["sliding_window"], got["n_kv_heads"], got["rope_theta"],
+            got["norm_eps"]) == (
+        want.max_position_embeddings, want.sliding_window, want.num_key_value_heads,
         want.rope_parameters["rope_theta"], want.rms_norm_eps)
-    assert MISTRAL.bound_reason(silent) and not MISTRAL.bound_reason({**silent,
-                                                                      "sliding_window": None})
+    assert section_of({**silent, "sliding_window": None})["sliding_window"] == 0
 
 
 @pytest.mark.parametrize("form", ["longrope", "older"])
@@ -502,15 +593,16 @@ def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
     (Phi-4-mini's LongRoPE: block_size bounded by its original 32 tokens, the short factors
     and the attention factor sqrt(1 + ln 4 / ln 32) of a 4x longer context) or the older
     one of Phi-3-mini-4k's config.json (top-level ``rope_theta`` and
-    ``partial_rotary_factor``, ``rope_scaling`` null, a sliding window bounding
-    block_size): imported by the engine in one process (its own slices of the packed
-    qkv_proj / gate_up_proj), saved as a run's checkpoint, exported (``export_hf``) as a
-    ``Phi3ForCausalLM`` whose tensors are the source's bit for bit, written packed, and
-    whose logits equal the source's and ours (beyond 32 tokens too, where transformers
-    switches to the long factors the export kept); its config.json keeps the source's
-    window, context and token ids. Without a source the same model (12 of 16 features
-    rotated, or LongRoPE) is still a Phi-3 (``arch_for``: no other arch rotates part of a
-    head or has LongRoPE); rotating all of a head with the default rotary, a Llama."""
+    ``partial_rotary_factor``, ``rope_scaling`` null, a sliding window of 16 of the 32
+    tokens fed: the model's, no bound on block_size): imported by the engine in one process
+    (its own slices of the packed qkv_proj / gate_up_proj), saved as a run's checkpoint,
+    exported (``export_hf``) as a ``Phi3ForCausalLM`` whose tensors are the source's bit
+    for bit, written packed, and whose logits equal the source's and ours (beyond 32
+    tokens too, where transformers switches to the long factors the export kept); its
+    config.json keeps the model's window and the source's context and token ids. Without a
+    source the same model (12 of 16 features rotated, or LongRoPE) is still a Phi-3
+    (``arch_for``: no other arch rotates part of a head or has LongRoPE); rotating all of a
+    head with the default rotary, a Mistral with the window, a Llama without."""
     from dataclasses import replace
 
     from shardwise import checkpoint
@@ -521,7 +613,7 @@ def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
     from shardwise.engine import Engine, EngineSettings
     from shardwise.engine.state import model_tensors
     from shardwise.models.description import describe_section
-    from shardwise.models.hf import LLAMA, PHI3, export_arch
+    from shardwise.models.hf import LLAMA, MISTRAL, PHI3, export_arch
     from shardwise.models.llama import describe
 
     src = tmp_path / "src"
@@ -536,14 +628,19 @@ def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
     cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
     check_init_from(cfg, VOCAB)
     d = describe_section(cfg.model, VOCAB)
-    T = 16 if form == "older" else 32
-    assert (d.block_size, d.config.rotary_dim) == (T, 12) and PHI3.bound_reason(source)
+    T = 32  # the LongRoPE's original length; the older form's context, twice its window
+    assert (d.block_size, d.config.rotary_dim) == (T, 12)
+    assert bool(PHI3.bound_reason(source)) is (form == "longrope")  # the window bounds none
+    assert d.config.windows == ((16, 16) if form == "older" else (None, None))
     assert d.hf.architecture == "Phi3ForCausalLM"
     if form == "older":
         assert d.config.rope_theta == 250000.0 and d.config.rope_scaling is None
-        assert describe(replace(d.config, rotary_dim=None)).hf is LLAMA
         full = describe(replace(d.config, rotary_dim=None))
+        assert full.hf is MISTRAL and describe(replace(full.config, sliding_window=None)).hf \
+            is LLAMA
         assert export_arch(full, source).model_type == "phi3"
+        some = replace(d.config, layer_types=("full_attention", "sliding_attention"))
+        assert describe(some).hf is None and export_arch(describe(some), source) is None
     else:
         long = d.config.rope_scaling
         assert long.short_factor == tuple(rope["short_factor"])
@@ -673,13 +770,13 @@ def test_a_routing_bias_is_checkpointed_sampled_with_and_not_exported(text, tmp_
 def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     """Before any rank starts: no config.json, another architecture, shapes that disagree
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
-    vocabulary; a Mixtral whose router jitters its input, or trained on more tokens than
-    its sliding window (a Mistral and a Phi-3 too), or a mixture of experts asked of a
+    vocabulary; a Mixtral whose router jitters its input, or a sliding window other than
+    its config.json's (a Mistral's and a Phi-3's too), or a mixture of experts asked of a
     Llama; a Qwen3-MoE or a Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2,
     ``mlp_only_layers``); a Phi-3 with LongRoPE under its older name or with too few
     factors, a partial rotary factor rotating an odd number of features, or trained on more
-    tokens than its LongRoPE's original length or its window; a Llama with a partial rotary
-    factor at all; an export of a run with no checkpoint."""
+    tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
+    all; an export of a run with no checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -710,28 +807,32 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{jitter}"], capsys,
                            "router_jitter_noise=0.1", "Mixtral cannot hold it exactly")
     window = variant("window", "mixtral", sliding_window=16)
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{window}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
-    assert section_of(read_config(window))["block_size"] == 16  # unset: the window's
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{window}",
+                            "--model.sliding_window", "8"], capsys,
+                           "model.sliding_window=8 contradicts", "gives 16)")
+    # the window is the model's: a sequence longer than it is trained exactly
+    assert {k: section_of(read_config(window))[k] for k in ("block_size", "sliding_window")} \
+        == {"block_size": 32, "sliding_window": 16}
     mwin = variant("mwin", "mistral", sliding_window=16)  # Mistral-7B-v0.1's, in small
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
-    assert section_of(read_config(mwin))["block_size"] == 16
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}", "--model.sliding_window",
+                            "0"], capsys, "model.sliding_window=0 contradicts", "gives 16)")
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mwin}",
+                            "--model.sliding_window", "0.5"], capsys,
+                           "model.sliding_window: Input should be a valid integer")
+    mbad = variant("mbad", "mistral", sliding_window=0)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{mbad}"], capsys,
+                           "sliding_window=0: expected a whole number >= 1 or null")
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['llama']}",
                             "--model.n_experts", "4"], capsys,
                            "model.n_experts=4 contradicts", "gives 0")
     qwin = variant("qwin", "qwen2", use_sliding_window=True, sliding_window=16,
                    layer_types=["full_attention", "sliding_attention"])
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qwin}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
-    assert section_of(read_config(qwin))["block_size"] == 16
+    assert {k: section_of(read_config(qwin))[k] for k in ("sliding_window", "layer_types")} \
+        == {"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}
     off = variant("qoff", "qwen2", use_sliding_window=False, sliding_window=16,
                   layer_types=["full_attention", "sliding_attention"])
     assert transformers.AutoConfig.from_pretrained(off).sliding_window is None
-    assert section_of(read_config(off))["block_size"] == 32  # no window unless it is used
+    assert section_of(read_config(off))["sliding_window"] == 0  # no window unless it is used
     qbias = variant("qbias", "qwen3", attention_bias=True)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{qbias}"], capsys,
                            "attention_bias=True", "Qwen3 cannot hold it exactly")
@@ -746,19 +847,25 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                                    what, f"{arch} cannot hold it exactly")
     # a Qwen2-MoE's window: on the even layers below max_window_layers unless layer_types
     # says otherwise, and only with use_sliding_window
-    for name, changes, block in (("q2win", {}, 16), ("q2low", {"max_window_layers": 0}, 32),
-                                 ("q2off", {"use_sliding_window": False}, 32)):
+    even = ["sliding_attention", "full_attention"]
+    for name, changes, want in (("q2win", {}, (16, even)), ("q2low", {"max_window_layers": 0},
+                                                          (0, None)),
+                                ("q2off", {"use_sliding_window": False}, (0, None))):
         q2win = variant(name, "qwen2moe", **{"use_sliding_window": True, "sliding_window": 16,
                                             "layer_types": None, **changes})
-        assert section_of(read_config(q2win))["block_size"] == block, name
+        got = section_of(read_config(q2win))
+        assert (got["sliding_window"], got["layer_types"]) == want, name
+        assert transformers.AutoConfig.from_pretrained(q2win).layer_types == (
+            want[1] or ["full_attention"] * 2), name
     # a Qwen3-MoE's window is on every layer, and only with use_sliding_window
-    for use, block in ((True, 16), (False, 32)):
+    for use, want in ((True, 16), (False, 0)):
         qmwin = variant(f"qmwin{use}", "qwen3moe", use_sliding_window=use, sliding_window=16)
-        assert section_of(read_config(qmwin))["block_size"] == block
+        got = section_of(read_config(qmwin))
+        assert (got["sliding_window"], got["layer_types"], got["block_size"]) == (want, None, 32)
     # Phi-3: LongRoPE's older name "su", its factors not one per rotary frequency, a factor
     # rotating an odd number of features refused; LongRoPE's original length (beyond it
-    # transformers takes the long factors) and a window bound block_size; partial rotary on
-    # a Llama refused
+    # transformers takes the long factors) bounds block_size, its window is the model's;
+    # partial rotary on a Llama refused
     rope = read_config(hf_dirs["phi3"])["rope_parameters"]
     for name, changes, what in (
             ("su", {"rope_parameters": None, "rope_scaling": {"type": "su"}}, "'su'"),
@@ -772,9 +879,11 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                             "--model.block_size", "64"], capsys, "model.block_size=64 contradicts",
                            "gives 32 or less, its LongRoPE")
     pwin = variant("pwin", "phi3", sliding_window=16)  # Phi-3-mini-4k's 2047 of 4096, in small
-    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{pwin}", "--model.block_size",
-                            "32"], capsys, "model.block_size=32 contradicts",
-                           "gives 16 or less, its sliding_window")
+    assert {k: section_of(read_config(pwin))[k] for k in ("block_size", "sliding_window")} \
+        == {"block_size": 32, "sliding_window": 16}  # the window is the model's, no bound
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{pwin}",
+                            "--model.sliding_window", "8"], capsys,
+                           "model.sliding_window=8 contradicts", "gives 16)")
     lpart = variant("lpart", partial_rotary_factor=0.5)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{lpart}"], capsys,
                            "partial_rotary_factor=0.5", "Llama cannot hold it exactly")

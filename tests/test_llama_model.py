@@ -143,6 +143,10 @@ def test_generate_and_sequence_limit():
     (dict(attention="flash"), "attention"),
     (dict(rope_scaling={"factor": 8.0, "beta": 1}), "rope_scaling.beta"),
     (dict(rope_scaling=RopeScaling(8.0, 4.0, 1.0, 64)), "rope_scaling"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(sliding_window=True), "sliding_window"),
+    (dict(sliding_window=4, layer_types=("sliding_attention",)), "layer_types"),
+    (dict(layer_types=("sliding_attention", "full_attention")), "layer_types"),
 ])
 def test_config_errors_are_one_line(kw, field):
     with pytest.raises(ValueError) as exc:

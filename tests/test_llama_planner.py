@@ -188,6 +188,43 @@ def test_a_head_dim_of_its_own_sets_the_attention_width():
     assert from_section(ModelConfig(**spec.model_table()), 0) == cfg
 
 
+def test_a_sliding_window_counts_the_keys_a_query_sees():
+    """Attention FLOPs under a sliding window of W count min(T, W) keys a query (the band
+    whole, as PaLM counts the causal triangle whole: continuous at T = W), per layer: the
+    description's FLOPs per token (MFU's numerator), the spec's block FLOPs and GEMMs
+    (the planner's time), and Mistral 7B's named size (a window of 4096 at 8192 tokens:
+    half the keys of Llama 2 7B's count at that length; Phi-3-mini's, 2047 of 4096). The
+    emitted [model] table keeps the window and where it lies."""
+    from shardwise.base.config import ModelConfig
+    from shardwise.models.llama import from_section
+    from shardwise.planner.simulate import attention_gemm_flops, block_ops
+
+    hd, s = 4 * 16, LLAMA_SMALL.block_size
+    flat = describe(LLAMA_SMALL)
+    for window, types, keys in ((8, None, 3 * 8), (8, ("full_attention", "sliding_attention",
+                                                        "full_attention"), 2 * s + 8),
+                                (s, None, 3 * s), (100, None, 3 * s)):
+        cfg = replace(LLAMA_SMALL, sliding_window=window, layer_types=types)
+        d = describe(cfg)
+        assert d.attention_keys() == keys
+        model = cfg_model(cfg)
+        assert d.flops_per_token(model) - flat.flops_per_token(model) == 12 * hd * (
+            keys - 3 * s)
+        spec = ModelSpec.from_description(d)
+        assert attention_gemm_flops(spec, 2) == 4 * 2 * s * (keys / 3) * hd
+        assert sum(block_ops(spec, 2, 1, False, "shardwise", 4).gemms) == block_flops(spec, 2)
+        assert from_section(ModelConfig(**spec.model_table()), 0) == cfg
+    mistral, llama2 = NAMED["mistral-7b"], NAMED["llama2-7b"]
+    assert mistral.attention_windows == (4096,) * 32 and mistral.attn_keys == 4096
+    assert attention_gemm_flops(mistral, 1) * 2 == attention_gemm_flops(
+        llama2.with_seq(8192), 1)
+    assert mistral.with_seq(2048).attn_keys == 2048  # shorter than the window: all of them
+    assert mistral.model().config.windows == (4096,) * 32
+    phi3 = NAMED["phi3-mini"]  # Phi-3-mini-4k's window of 2047, planned as the checkpoint's
+    assert phi3.attention_windows == (2047,) * 32 and phi3.attn_keys == 2047
+    assert phi3.model_table()["sliding_window"] == 2047 and not NAMED["phi4"].attention_windows
+
+
 def test_exact_small_model_bytes_build_the_llama():
     """Below the exact limit the planner packs the Llama's own buckets (predict_rank), as it
     does the GPT's: bucket padding included (the closed form has none)."""

@@ -114,6 +114,14 @@ class ModelConfig(_Section):
                             "of each head's D features, the rest passed through (Phi-3's "
                             "partial_rotary_factor = rotary_dim / D: Phi-4-mini's 0.75); "
                             "even, at most D; 0: all D")
+    sliding_window: int = Field(0, ge=0, description="llama: sliding-window attention, each "
+                                "token attending to the previous sliding_window tokens (its "
+                                "own included; Mistral 7B's 4096), on the layers layer_types "
+                                "marks sliding_attention (all when unset); 0: none")
+    layer_types: list[str] | None = Field(None, description="llama with sliding_window: per "
+                                          "layer, sliding_attention or full_attention "
+                                          "(transformers' layer_types); unset: every layer "
+                                          "sliding_attention")
     activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
                             "gelu_tanh (GPT-2's tanh approximation)")
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "

@@ -129,6 +129,9 @@ class ModelDescription:
     tp_divides: what tp must divide, ``{"model.n_head (attention heads)": 12, ...}``; the
         engine checks them first, so a bad tp is one line naming the size.
     n_layer, attention_width: L and H * D for the attention term of the FLOP count.
+    attention_windows: per block (L of them), the sliding window W its queries attend in
+        (tokens; None: every earlier key), for the FLOP count and the planner; () (the
+        default): no block has one.
     n_experts: experts per mixture-of-experts layer (0: none); ep must divide it.
     capacity_factor: the experts' capacity factor c (``models.moe.MoE``: an expert takes at
         most ceil(c N k / E) of a micro-batch's N tokens' k assignments, the rest dropped);
@@ -167,8 +170,14 @@ class ModelDescription:
     keep_high_precision: tuple[str, ...] = ()
     context_parallel: bool = False
     hf: Any = None
+    attention_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self):
+        w = self.attention_windows
+        if w and (len(w) != self.n_layer
+                  or any(x is not None and (not isinstance(x, int) or x < 1) for x in w)):
+            raise ValueError(f"description of {self.kind!r}: attention_windows={w!r}; "
+                             f"expected () or n_layer={self.n_layer} of None or ints >= 1")
         if self.capacity_factor < 0:
             raise ValueError(f"description of {self.kind!r}: capacity_factor="
                              f"{self.capacity_factor}; expected >= 0 (0: dropless)")
@@ -224,18 +233,29 @@ class ModelDescription:
                                      f"{type(names[n]).__name__}; style {style!r} needs "
                                      f"an nn.{want.__name__}")
 
+    def attention_keys(self, seq_len: int | None = None) -> int:
+        """Keys each query is counted against, summed over the blocks: ``L T`` without a
+        window (PaLM counts the causal triangle's masked half too), ``min(T, W)`` for a block
+        with a sliding window of W (the band counted whole, as the triangle is; so the count
+        is continuous at T = W). ``seq_len``: T, default ``block_size``."""
+        t = self.block_size if seq_len is None else seq_len
+        if not self.attention_windows:
+            return self.n_layer * t
+        return sum(t if w is None else min(t, w) for w in self.attention_windows)
+
     def flops_per_token(self, model: nn.Module, seq_len: int | None = None) -> float:
-        """Training FLOPs per token, ``6 N + 12 L (H D) T`` (PaLM, appendix B; see
+        """Training FLOPs per token, ``6 N + 12 (H D) sum_l K_l`` (PaLM, appendix B; see
         ``perf.flops``): N every parameter but embedding lookups, the head counted even
         when tied, a parameter marked ``active_fraction`` (an expert's: top_k / E) counted
-        for that share. ``model`` may be on the meta device."""
-        t = self.block_size if seq_len is None else seq_len
+        for that share; K_l the keys a query of block l is counted against
+        (``attention_keys``: T, or min(T, W) under a sliding window of W). ``model`` may be
+        on the meta device."""
         lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
         n = sum(p.numel() * getattr(p, "active_fraction", 1.0)
                 for p in model.parameters()) - lookups
         if self.tied is not None:
             n += model.get_parameter(self.tied[1]).numel()
-        return 6.0 * n + 12.0 * self.n_layer * self.attention_width * t
+        return 6.0 * n + 12.0 * self.attention_width * self.attention_keys(seq_len)
 
 
 @dataclass(frozen=True)

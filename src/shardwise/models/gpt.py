@@ -13,6 +13,7 @@ row-parallel), the MLP is ``fc`` then ``proj`` (column then row), and the model 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,11 +67,30 @@ class GPTConfig:
 
 
 
+@functools.lru_cache(maxsize=16)
+def sliding_window_mask(T: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool, True where query ``i`` may attend to key ``j``: ``i - window < j <= i``,
+    the causal band of a sliding window of ``window`` tokens, the query's own included
+    (Beltagy et al. 2020, "Longformer", arXiv:2004.05150, sec. 3.1; Jiang et al. 2023,
+    "Mistral 7B", arXiv:2310.06825, sec. 2: each layer attends to the previous W tokens;
+    transformers' ``sliding_window_causal_mask_function``: ``kv_idx > q_idx - W`` and
+    ``kv_idx <= q_idx``). Built once per (T, window, device) and kept: T^2 bytes."""
+    i = torch.arange(T, device=device)
+    d = i.unsqueeze(1) - i.unsqueeze(0)  # (T, T): query position - key position
+    return (d >= 0) & (d < window)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     impl: str = "sdpa") -> torch.Tensor:
+                     impl: str = "sdpa", window: int | None = None) -> torch.Tensor:
     """Causal softmax(Q K^T / sqrt(D)) V: ``q`` (B, H, T, D), ``k`` and ``v`` (B, Hkv, T, D)
     with Hkv dividing H (grouped-query attention: key/value head j serves query heads
     j rep .. (j + 1) rep - 1, rep = H / Hkv, HF's ``repeat_kv``); returns (B, H, T, D).
+
+    ``window``: a sliding window of W tokens (``sliding_window_mask``: query i sees keys
+    i - W < j <= i), or None (every earlier key). With T <= W the window hides nothing and
+    the plain causal kernel runs; with T > W the band is an explicit boolean mask (T, T),
+    so on CUDA SDPA takes its memory-efficient kernel, not FlashAttention (which takes no
+    mask).
 
     ``impl="sdpa"``: ``F.scaled_dot_product_attention``, which on CUDA dispatches to
     FlashAttention-2 (Dao 2023) or memory-efficient attention (Rabe & Staats 2021) and never
@@ -80,22 +100,27 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
     Under context parallelism (``models.sequence.current()`` set by the engine) the call
     goes to that shard's attention instead: ring attention over every rank's keys, T being
-    this rank's tokens of the sequence (``parallel.context``).
+    this rank's tokens of the sequence, the window applied to their true positions
+    (``parallel.context``).
     """
     shard = sequence.current()
     if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
-        return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl)
+        return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    T = q.shape[-2]
+    band = sliding_window_mask(T, window, q.device) if window is not None and T > window else None
     if impl == "sdpa":
+        if band is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if impl != "math":
         raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
-    T = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, T)
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    att = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    hidden = (~band if band is not None
+              else torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1))
+    att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
     if dropout_p > 0.0:
         att = F.dropout(att, dropout_p)
     return att @ v
@@ -258,8 +283,9 @@ def from_section(m, vocab_size: int) -> GPTConfig:
     """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
     ``attention``, ``activation``, ``k_bias`` and ``norm_eps`` included; ``model.vocab_size``
     when set, else ``vocab_size`` (the tokenizer's). Raises ``ValueError`` (one line) for a
-    field only the Llama has."""
-    for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm", "rotary_dim"):
+    field only the Llama has (a sliding window among them: GPT-2 has none)."""
+    for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm", "rotary_dim",
+                 "sliding_window", "layer_types"):
         if getattr(m, name, 0):
             raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such option "
                              "(model.kind = \"llama\" has)")

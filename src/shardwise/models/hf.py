@@ -15,40 +15,44 @@ each rank's slices from a checkpoint without importing a model, and the export p
 tensors back without knowing which model it writes.
 
 ``LlamaForCausalLM``: our names map 1:1 (``models.llama.hf_name``), and both use the
-"rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et
-al. 2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
-Ministral) is the same Llama under ``MistralConfig``'s defaults, its sliding window bounding
-``block_size`` as Mixtral's; a dense Llama config is both, so ``arch_for`` says Llama and
-``export_arch`` Mistral when the run's source was one. ``GPT2LMHeadModel``: its ``Conv1D``
-layers store weights as (in, out), the transpose of ``nn.Linear``'s; ``c_attn`` packs Q, K
-and V along the output features (Radford et al. 2019, the released code); our GPT holds
-them apart (tensor parallelism splits each by heads), with a key bias (``k_bias``) and the
-tanh GELU (``activation = "gelu_tanh"``) to be GPT-2 exactly. ``MixtralForCausalLM``
-(Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088; transformers'
-``models/mixtral/modeling_mixtral.py``): our Llama with ``n_experts`` (``models.moe``),
-softmax top-k routing renormalised, dropless; the checkpoint holds each expert's three
-linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours stacks them
-(E, in, out). ``Qwen2ForCausalLM`` (Yang et al. 2024, "Qwen2 Technical Report",
+"rotate_half" rotary layout, so no weight is permuted. ``MistralForCausalLM`` (Jiang et al.
+2023, arXiv:2310.06825; ``models/mistral/modeling_mistral.py``: Mistral-7B, Mistral-Nemo,
+Ministral) is the same Llama under ``MistralConfig``'s defaults, its ``sliding_window`` our
+``sliding_window`` on every layer (Mixtral's too); a dense Llama config without a window is
+both, so ``arch_for`` says Llama and ``export_arch`` Mistral when the run's source was one,
+and with a window on every layer it is a Mistral (a ``LlamaForCausalLM`` has no window).
+``GPT2LMHeadModel``: its ``Conv1D`` layers store weights as (in, out), the transpose of
+``nn.Linear``'s; ``c_attn`` packs Q, K and V along the output features (Radford et al. 2019,
+the released code); our GPT holds them apart (tensor parallelism splits each by heads), with
+a key bias (``k_bias``) and the tanh GELU (``activation = "gelu_tanh"``) to be GPT-2
+exactly. ``MixtralForCausalLM`` (Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088;
+transformers' ``models/mixtral/modeling_mixtral.py``): our Llama with ``n_experts``
+(``models.moe``), softmax top-k routing renormalised, dropless; the checkpoint holds each
+expert's three linears apart (``block_sparse_moe.experts.{e}.w1/w2/w3``, (out, in)), ours
+stacks them (E, in, out). ``Qwen2ForCausalLM`` (Yang et al. 2024, "Qwen2 Technical Report",
 arXiv:2407.10671; ``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias``;
 ``Qwen3ForCausalLM`` (Yang et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388;
-``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with Llama's
-names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window bounding
-``block_size`` as Mixtral's. ``Qwen3MoeForCausalLM`` (same report;
-``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every
-layer, softmax top-k renormalised only with ``norm_topk_prob``; per-expert
-``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out)
-in ours. ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; the Qwen2 report;
-``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's attention (Q/K/V biases) and the same
-experts, plus a shared expert of its own width whose output is scaled by
-``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``). ``Phi3ForCausalLM``
-(Phi-3 mini / medium, Phi-4, Phi-4-mini; Abdin et al. 2024, "Phi-3 Technical Report",
-arXiv:2404.14219; ``models/phi3/modeling_phi3.py``): our Llama, with only the first
-``rotary_dim`` features of a head rotated when ``partial_rotary_factor`` < 1; on disk its
-Q, K, V are the rows of one ``self_attn.qkv_proj`` ((H + 2 Hkv) D, h) and gate and up the
-halves of one ``mlp.gate_up_proj`` (2F, h), pieces of unequal sizes (``HFTensor.sizes``)
-whose offsets depend on the head counts, so its tensor map is made for a config
-(``HFArch.of``); a checkpoint is read with its own arch (``export_arch``), since a Llama
-config does not say Phi-3.
+``models/qwen3/modeling_qwen3.py``): with ``qk_norm`` and its ``head_dim``; both with
+Llama's names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window
+(``use_sliding_window``) on the layers ``layer_types`` marks "sliding_attention" (default:
+from ``max_window_layers`` on) our ``sliding_window`` and ``layer_types``.
+``Qwen3MoeForCausalLM`` (same report; ``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's
+attention and experts in every layer, softmax top-k renormalised only with
+``norm_topk_prob``; per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on
+disk, stacked (E, in, out) in ours. ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B,
+Qwen2-57B-A14B; the Qwen2 report; ``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's
+attention (Q/K/V biases) and the same experts, plus a shared expert of its own width whose
+output is scaled by ``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``).
+``Phi3ForCausalLM`` (Phi-3 mini / medium, Phi-4, Phi-4-mini; Abdin et al. 2024, "Phi-3
+Technical Report", arXiv:2404.14219; ``models/phi3/modeling_phi3.py``): our Llama, with
+only the first ``rotary_dim`` features of a head rotated when ``partial_rotary_factor``
+< 1, its ``sliding_window`` ours on every layer as Mistral's (Phi-3-mini-4k: 2047), and
+LongRoPE in its short regime (``block_size`` at most ``original_max_position_embeddings``:
+``HFArch.bound_reason``); on disk its Q, K, V are the rows of one ``self_attn.qkv_proj``
+((H + 2 Hkv) D, h) and gate and up the halves of one ``mlp.gate_up_proj`` (2F, h), pieces
+of unequal sizes (``HFTensor.sizes``) whose offsets depend on the head counts, so its
+tensor map is made for a config (``HFArch.of``); a checkpoint is read with its own arch
+(``export_arch``), since a Llama config does not say Phi-3.
 """
 
 from __future__ import annotations
@@ -160,15 +164,16 @@ class HFArch:
     is GPT-2 with zero biases; those are written as zeros on export). ``at_most``: [model]
     fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
     parameter depends on it). ``bound_reason(config_json)``: ``{field: why}`` for an
-    ``at_most`` bound that is not simply the checkpoint's value (Mixtral's ``block_size``
-    under a sliding window), told when a run asks for more. ``holds(config)``: whether a
-    config of kind ``kind`` is this architecture exactly, sizes aside (its attention and
-    mixture options: a Llama's ``qkv_bias``, ``qk_norm``, experts); ``arch_for`` and
-    ``export_arch`` ask it. ``sized(config)``: for an arch whose tensor map depends on the
-    model's sizes (Phi-3's ``qkv_proj`` packs H query and 2 Hkv key/value heads), the
-    ``tensor`` of that config; ``of(config)`` is the arch with it (``arch_for`` and
-    ``export_arch`` return archs so made), and ``tensor`` before that raises
-    ``ValueError``."""
+    ``at_most`` bound that is not simply the checkpoint's value (Phi-3's ``block_size``
+    under LongRoPE: ``original_max_position_embeddings``), told when a run asks for more.
+    ``holds(config)``: whether a config of kind ``kind`` is this architecture exactly,
+    sizes aside (its attention and mixture options: a Llama's ``qkv_bias``, ``qk_norm``,
+    experts, where its sliding windows lie, how much of a head it rotates, LongRoPE);
+    ``arch_for`` and ``export_arch`` ask it. ``sized(config)``: for an arch whose tensor
+    map depends on the model's sizes (Phi-3's ``qkv_proj`` packs H query and 2 Hkv
+    key/value heads), the ``tensor`` of that config; ``of(config)`` is the arch with it
+    (``arch_for`` and ``export_arch`` return archs so made), and ``tensor`` before that
+    raises ``ValueError``."""
 
     kind: str
     model_type: str
@@ -259,7 +264,7 @@ def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
-                n_experts=0, qkv_bias=False, qk_norm=False,
+                n_experts=0, qkv_bias=False, qk_norm=False, **_NO_WINDOW,
                 # 0: n_embd / n_head, so a run need not name it
                 head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim,
                 rotary_dim=0 if rotary == head_dim else rotary)  # 0: all of head_dim
@@ -405,17 +410,15 @@ def _mixtral_section(c: dict) -> dict:
     """A Mixtral is our Llama with ``n_experts`` (``models.moe``): routing as
     ``MixtralTopKRouter`` (softmax over all experts in fp32, top k, the k renormalised to
     sum to 1: ``moe.route`` with softmax gating and ``norm_topk``), dropless, no shared
-    expert. A sliding window W bounds ``block_size`` (a sequence of at most W tokens sees
-    every earlier token under it too); jitter noise on the router's input is refused."""
+    expert. Its ``sliding_window`` (MixtralConfig's default: none) is ours, on every
+    layer; jitter noise on the router's input is refused."""
     c = {**_MIXTRAL_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
     jitter = float(c.get("router_jitter_noise") or 0.0)
     if jitter != 0.0:
         raise _refuse("Mixtral", f"router_jitter_noise={jitter} (shardwise's router takes "
                       "its input unperturbed: 0)")
     out = _llama_section(c, "Mixtral")
-    window = c.get("sliding_window")
-    if window is not None:
-        out["block_size"] = min(out["block_size"], _whole_window(window))
+    out.update(_window(c.get("sliding_window")))
     width = c["intermediate_size"]
     out.update(ffn_hidden=width, moe_ffn_hidden=width, n_experts=c["num_local_experts"],
                top_k=c["num_experts_per_tok"], moe_gating="softmax", moe_norm_topk=True,
@@ -433,19 +436,28 @@ def _whole_window(window: Any) -> int:
     return window
 
 
-def _window_bound(window_of: Callable[[dict], int | None], default_context: int,
-                  which: str = "its sliding_window") -> Callable[[dict], dict[str, str]]:
-    """An ``HFArch.bound_reason``: a config.json whose sliding window W (``window_of``) is
-    shorter than its context (``max_position_embeddings``, ``default_context`` when it
-    leaves it out) bounds ``block_size`` by W, and says why."""
-    def reason(c: dict) -> dict[str, str]:
-        window = window_of(c)
-        context = _get(c, "max_position_embeddings", default_context)
-        if window is None or window >= context:
-            return {}
-        return {"block_size": f"{which}: shardwise's attention has no window, so it is "
-                              f"exact on at most {window} tokens"}
-    return reason
+# the [model] fields of no window
+_NO_WINDOW = {"sliding_window": 0, "layer_types": None}
+
+
+def _window(window: Any, types: list[str] | None = None) -> dict:
+    """The [model] fields of a config.json's window: ``sliding_window`` W (null: none) on
+    the layers ``types`` marks "sliding_attention" (None: every layer); no window when none
+    is marked."""
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return {**_NO_WINDOW}
+    return {"sliding_window": _whole_window(window),
+            "layer_types": None if types is None else list(types)}
+
+
+def _uniform(cfg) -> bool:
+    """Every block of a Llama config has the same window (or none has one): what an arch
+    with one ``sliding_window`` for all layers (Mistral, Mixtral, Qwen3-MoE) holds."""
+    return len(set(getattr(cfg, "windows", (None,)))) <= 1
+
+
+def _windowless(cfg) -> bool:
+    return getattr(cfg, "sliding_window", None) is None
 
 
 def _mixtral_config_json(cfg, source: dict | None) -> dict:
@@ -455,7 +467,7 @@ def _mixtral_config_json(cfg, source: dict | None) -> dict:
     out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                intermediate_size=cfg.moe_ffn_hidden, num_local_experts=cfg.n_experts,
                num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.moe_aux_loss_coef,
-               router_jitter_noise=0.0, sliding_window=out.get("sliding_window"),
+               router_jitter_noise=0.0, sliding_window=cfg.sliding_window,
                output_router_logits=bool(out.get("output_router_logits", False)))
     return out
 
@@ -517,28 +529,27 @@ def _mistral_section(c: dict) -> dict:
     rotary layout, ``MistralConfig``'s defaults where config.json is silent, its
     ``head_dim`` when it is not hidden / heads (Mistral-Nemo: 5120 wide, 32 heads of 128).
     ``attention_bias`` / ``mlp_bias`` are not Mistral's (``MistralAttention`` and
-    ``MistralMLP`` have no biases, whatever config.json says): not read. A sliding window
-    W bounds ``block_size`` as Mixtral's."""
+    ``MistralMLP`` have no biases, whatever config.json says): not read. Its sliding window
+    W (``_mistral_window``) is ours, on every layer."""
     window = _mistral_window(c)
     c = {**_MISTRAL_DEFAULTS, **{k: v for k, v in c.items()
                                  if v is not None and k not in ("attention_bias", "mlp_bias")}}
     out = _llama_section(c, "Mistral")
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(_window(window))
     return out
 
 
 def _mistral_config_json(cfg, source: dict | None) -> dict:
-    """Llama's config.json under Mistral's names; the source's window and context as they
-    were (``MistralConfig``'s defaults written out where the source left them out, so
-    they keep their meaning); no source: no window."""
+    """Llama's config.json under Mistral's names, the model's window (``sliding_window``,
+    null for none); the source's context as it was (``MistralConfig``'s defaults written
+    out where the source left them out, so they keep their meaning)."""
     if source is not None:
-        source = {**_MISTRAL_DEFAULTS, "sliding_window": _MISTRAL_WINDOW, **source}
+        source = {**_MISTRAL_DEFAULTS, **source}
     out = _llama_config_json(cfg, source)
     for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
         out.pop(llama_only, None)
     out.update(architectures=["MistralForCausalLM"], model_type="mistral",
-               sliding_window=out.get("sliding_window"))
+               sliding_window=cfg.sliding_window)
     return out
 
 
@@ -596,22 +607,22 @@ def _phi3_long_rope(c: dict) -> dict | None:
 
 
 def _phi3_bound(c: dict) -> dict[str, str]:
-    """``HFArch.bound_reason`` of Phi-3: its sliding window's, as Mistral's
-    (``_window_bound``), or LongRoPE's original length when that is the tighter bound."""
-    reason = _window_bound(_phi3_window, _PHI3_DEFAULTS["max_position_embeddings"])(c)
+    """``HFArch.bound_reason`` of Phi-3: LongRoPE's, when its original length
+    (``original_max_position_embeddings``) is shorter than the context: beyond it
+    transformers switches to the long factors, which shardwise does not have."""
     try:
         long = _phi3_long_rope(c)
     except HFConfigError:
-        return reason
+        return {}
     if long is None:
-        return reason
-    original, window = long["original_max_position_embeddings"], _phi3_window(c)
-    if original < _get(c, "max_position_embeddings", 4096) and (window is None
-                                                                or original < window):
-        return {"block_size": "its LongRoPE: shardwise has the short factors only, which "
-                              f"transformers uses up to {original} tokens "
-                              "(original_max_position_embeddings)"}
-    return reason
+        return {}
+    original = long["original_max_position_embeddings"]
+    context = _get(c, "max_position_embeddings", _PHI3_DEFAULTS["max_position_embeddings"])
+    if original >= context:
+        return {}
+    return {"block_size": "its LongRoPE: shardwise has the short factors only, which "
+                          f"transformers uses up to {original} tokens "
+                          "(original_max_position_embeddings)"}
 
 
 def _phi3_section(c: dict) -> dict:
@@ -621,10 +632,11 @@ def _phi3_section(c: dict) -> dict:
     (``tensor``); ``Phi3Config``'s defaults where config.json is silent; the rotary base
     from ``rope_parameters`` or the older top-level ``rope_theta``; only the first
     ``head_dim x partial_rotary_factor`` features of a head rotated (``rotary_dim``;
-    Phi-4-mini: 0.75). A sliding window W bounds ``block_size`` as Mistral's. LongRoPE
-    (``_phi3_long_rope``) becomes ``rope_scaling`` (``models.llama.LongRope``) and bounds
-    ``block_size`` by ``original_max_position_embeddings``: beyond it transformers switches
-    to the long factors, which shardwise does not. Not read: ``resid_pdrop``,
+    Phi-4-mini: 0.75). Its sliding window W (``_phi3_window``) is ours, on every layer, as
+    Mistral's. LongRoPE (``_phi3_long_rope``) becomes ``rope_scaling``
+    (``models.llama.LongRope``) and bounds ``block_size`` by
+    ``original_max_position_embeddings`` (``_phi3_bound``): beyond it transformers
+    switches to the long factors, which shardwise does not. Not read: ``resid_pdrop``,
     ``embd_pdrop``, ``attention_dropout`` (training regularisers: a run's dropout is its
     ``model.dropout``, on the attention probabilities as ``attention_dropout``);
     ``attention_bias`` / ``mlp_bias`` (Phi-3's linears have none)."""
@@ -638,8 +650,7 @@ def _phi3_section(c: dict) -> dict:
         c["rope_parameters"] = {k: rope[k] for k in ("rope_theta", "partial_rotary_factor")
                                 if k in rope}
     out = _llama_section(c, "Phi-3", partial=True)
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(_window(window))
     if long is not None:
         half = (out["rotary_dim"] or out["head_dim"] or out["n_embd"] // out["n_head"]) // 2
         bad = [k for k in ("short_factor", "long_factor") if len(long[k]) != half]
@@ -663,9 +674,10 @@ def _rotary_factor(rotary: int, head_dim: int) -> float:
 
 def _phi3_config_json(cfg, source: dict | None) -> dict:
     """Llama's config.json under Phi-3's names: ``partial_rotary_factor`` in
-    ``rope_parameters``; the source's window, context, ``original_max_position_embeddings``
-    and residual / embedding dropout as they were (``Phi3Config``'s defaults written out
-    where the source left them out); no source: no window, no padding token."""
+    ``rope_parameters``; the model's window (``sliding_window``, null for none); the
+    source's context, ``original_max_position_embeddings`` and residual / embedding dropout
+    as they were (``Phi3Config``'s defaults written out where the source left them out);
+    no source: no padding token."""
     if source is not None:
         source = {**_PHI3_DEFAULTS, **source}
     out = _llama_config_json(cfg, source)
@@ -680,7 +692,7 @@ def _phi3_config_json(cfg, source: dict | None) -> dict:
     out.update(architectures=["Phi3ForCausalLM"], model_type="phi3",
                original_max_position_embeddings=out.get("original_max_position_embeddings",
                                                          out["max_position_embeddings"]),
-               sliding_window=out.get("sliding_window"),
+               sliding_window=cfg.sliding_window,
                resid_pdrop=out.get("resid_pdrop", 0.0), embd_pdrop=out.get("embd_pdrop", 0.0))
     return out
 
@@ -719,32 +731,25 @@ _QWEN_DEFAULTS = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
-_QWEN_WINDOW = "its sliding_window (use_sliding_window true)"
-
-
-def _qwen_window(c: dict) -> int | None:
-    """The sliding window W of a Qwen config.json when any layer has one, else None: as
-    ``Qwen2Config`` / ``Qwen3Config``, the window is ``sliding_window`` when
-    ``use_sliding_window`` (else none), on the layers ``layer_types`` marks
-    "sliding_attention" (default: those from ``max_window_layers`` on)."""
+def _qwen_window(c: dict) -> dict:
+    """The [model] window fields of a Qwen config.json (``_window``): as ``Qwen2Config`` /
+    ``Qwen3Config``, the window is ``sliding_window`` when ``use_sliding_window`` (else
+    none), on the layers ``layer_types`` marks "sliding_attention" (default: those from
+    ``max_window_layers`` on)."""
     c = {**_QWEN_DEFAULTS, **{k: v for k, v in c.items() if v is not None}}
-    if not c["use_sliding_window"] or c.get("sliding_window") is None:
-        return None
+    if not c["use_sliding_window"]:
+        return {**_NO_WINDOW}
     n = c.get("num_hidden_layers", 0)
     types = c.get("layer_types") or ["sliding_attention" if i >= c["max_window_layers"]
                                      else "full_attention" for i in range(n)]
-    if "sliding_attention" not in types:
-        return None
-    window = c["sliding_window"]
-    return _whole_window(window)
+    return _window(c.get("sliding_window"), types)
 
 
 def _qwen_section(c: dict, arch: str) -> dict:
     """A Qwen2 (``arch`` "Qwen2") is our Llama with ``qkv_bias``, a Qwen3 with ``qk_norm``
     and its ``head_dim`` (default 128, as ``Qwen3Config``); no ``attention_bias`` on a
-    Qwen3 (its o_proj would have one too). A sliding window W on any layer bounds
-    ``block_size`` (a sequence of at most W tokens sees every earlier token under it too),
-    as Mixtral's."""
+    Qwen3 (its o_proj would have one too). Its window (``_qwen_window``): our
+    ``sliding_window`` and ``layer_types``."""
     kv = c["num_attention_heads"] if "num_key_value_heads" in c else None  # null: MHA
     c = {**_QWEN_DEFAULTS, **({"head_dim": 128} if arch == "Qwen3" else {}),
          **({"num_key_value_heads": kv} if kv is not None else {}),
@@ -757,26 +762,30 @@ def _qwen_section(c: dict, arch: str) -> dict:
     if arch == "Qwen2":
         c.pop("attention_bias", None)  # Qwen2's Q, K, V always have biases, o_proj none
     out = _llama_section(c, arch)
-    out.update(qkv_bias=arch == "Qwen2", qk_norm=arch == "Qwen3")
-    window = _qwen_window(c)
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(qkv_bias=arch == "Qwen2", qk_norm=arch == "Qwen3", **_qwen_window(c))
     return out
+
+
+def _qwen_window_json(cfg, out: dict) -> dict:
+    """A Qwen config.json's window fields of a Llama config: ``use_sliding_window`` when
+    any block has a window, ``sliding_window`` its W (else the source's, unused), and
+    ``layer_types`` per block (written out, so ``max_window_layers`` is not read)."""
+    return dict(use_sliding_window=not _windowless(cfg),
+                sliding_window=(out.get("sliding_window") if _windowless(cfg)
+                                else cfg.sliding_window),
+                max_window_layers=out.get("max_window_layers", cfg.n_layer),
+                layer_types=[_LAYER_TYPE[w is not None] for w in cfg.windows])
+
+
+_LAYER_TYPE = {False: "full_attention", True: "sliding_attention"}
 
 
 def _qwen_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for llama_only in ("attention_bias", "mlp_bias", "pretraining_tp"):
         out.pop(llama_only, None)
-    # the source's window settings as they were (a run's block_size is at most its window);
-    # trained here: none
-    types = out.get("layer_types")
     out.update(architectures=[f"{arch}ForCausalLM"], model_type=arch.lower(),
-               use_sliding_window=bool(out.get("use_sliding_window", False)),
-               sliding_window=out.get("sliding_window"),
-               max_window_layers=out.get("max_window_layers", cfg.n_layer),
-               layer_types=types if types and len(types) == cfg.n_layer
-               else ["full_attention"] * cfg.n_layer)
+               **_qwen_window_json(cfg, out))
     if arch == "Qwen3":
         out["attention_bias"] = False
     return out
@@ -815,21 +824,20 @@ def _qwen_moe_defaults(c: dict, arch: str) -> dict:
     return {**_QWEN_MOE_DEFAULTS[arch], **{k: v for k, v in c.items() if v is not None}}
 
 
-def _qwen_moe_window(c: dict, arch: str) -> int | None:
-    """The sliding window W of a Qwen-MoE config.json when any layer has one, else None:
+def _qwen_moe_window(c: dict, arch: str) -> dict:
+    """The [model] window fields of a Qwen-MoE config.json (``_window``):
     ``sliding_window`` when ``use_sliding_window``, else none; a Qwen3-MoE's on every
     layer, a Qwen2-MoE's on the layers ``layer_types`` marks "sliding_attention" (default,
     as ``Qwen2MoeConfig``: the even layers below ``max_window_layers``)."""
     c = _qwen_moe_defaults(c, arch)
-    if not c["use_sliding_window"] or c.get("sliding_window") is None:
-        return None
-    if arch == "Qwen2-MoE":
-        types = c.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 and i < c["max_window_layers"]
-            else "full_attention" for i in range(c.get("num_hidden_layers", 0))]
-        if "sliding_attention" not in types:
-            return None
-    return _whole_window(c["sliding_window"])
+    if not c["use_sliding_window"]:
+        return {**_NO_WINDOW}
+    if arch == "Qwen3-MoE":
+        return _window(c.get("sliding_window"))
+    types = c.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 and i < c["max_window_layers"]
+        else "full_attention" for i in range(c.get("num_hidden_layers", 0))]
+    return _window(c.get("sliding_window"), types)
 
 
 def _qwen_moe_section(c: dict, arch: str) -> dict:
@@ -841,8 +849,8 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
     true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
     scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). A layer made
     dense (``decoder_sparse_step`` other than 1, or ``mlp_only_layers``) is refused: our
-    Llama has experts in every layer or in none. A sliding window bounds ``block_size`` as
-    Qwen2's."""
+    Llama has experts in every layer or in none. Its window (``_qwen_moe_window``): our
+    ``sliding_window`` and ``layer_types``."""
     c = _qwen_moe_defaults(c, arch)
     step = c["decoder_sparse_step"]
     if step != 1:
@@ -861,9 +869,7 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
         raise _refuse(arch, f"layer_types has {bad[0]!r} (expected "
                       f"{' or '.join(_ATTENTION_TYPES)})")
     out = _llama_section(c, arch)
-    window = _qwen_moe_window(c, arch)
-    if window is not None:
-        out["block_size"] = min(out["block_size"], window)
+    out.update(_qwen_moe_window(c, arch))
     out.update(moe_ffn_hidden=c["moe_intermediate_size"], n_experts=c["num_experts"],
                top_k=c["num_experts_per_tok"], moe_gating="softmax",
                moe_norm_topk=bool(c["norm_topk_prob"]),
@@ -885,27 +891,23 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
         out.pop(other, None)
-    # the source's window settings as they were (a run's block_size is at most its window);
-    # trained here: none. intermediate_size (a dense layer's width) is unused: every layer
-    # has experts
+    # intermediate_size (a dense layer's width) is unused: every layer has experts
     base = arch.removesuffix("-MoE")
+    window = _qwen_window_json(cfg, out)
     out.update(architectures=[f"{base}MoeForCausalLM"], model_type=f"{base.lower()}_moe",
                moe_intermediate_size=cfg.moe_ffn_hidden,
                num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
                decoder_sparse_step=1, mlp_only_layers=[],
-               use_sliding_window=bool(out.get("use_sliding_window", False)),
-               sliding_window=out.get("sliding_window"),
+               use_sliding_window=window["use_sliding_window"],
+               sliding_window=window["sliding_window"],
                output_router_logits=bool(out.get("output_router_logits", False)))
-    if arch == "Qwen3-MoE":
+    if arch == "Qwen3-MoE":  # one window on every layer (holds: _uniform)
         out["attention_bias"] = False
         return out
     out.pop("attention_bias", None)  # Qwen2-MoE's is qkv_bias (Q, K, V; o_proj none)
-    types = out.get("layer_types")
     out.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden,
-               max_window_layers=out.get("max_window_layers", cfg.n_layer),
-               layer_types=types if types and len(types) == cfg.n_layer
-               else ["full_attention"] * cfg.n_layer)
+               max_window_layers=window["max_window_layers"], layer_types=window["layer_types"])
     return out
 
 
@@ -933,12 +935,15 @@ def _full_rotary(cfg) -> bool:
     return getattr(cfg, "rotary_dim", None) in (None, 0, cfg.head_dim) and not _long_rope(cfg)
 
 
-def _dense(bias: bool, norm: bool) -> Callable[[Any], bool]:
+def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: True
+           ) -> Callable[[Any], bool]:
     """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
-    (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``, every
+    (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``, its
+    windows as ``windows`` allows (any, by default: a Qwen's ``layer_types``), every
     feature of a head rotated (``_full_rotary``)."""
     return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
-                        and bool(getattr(cfg, "qk_norm", False)) == norm and _full_rotary(cfg))
+                        and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg)
+                        and _full_rotary(cfg))
 
 
 def mixtral_compatible(cfg) -> bool:
@@ -946,20 +951,20 @@ def mixtral_compatible(cfg) -> bool:
     the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
     (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
     chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm, all of each head
-    rotated)."""
+    rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False)
-            and _full_rotary(cfg))
+            and _uniform(cfg) and _full_rotary(cfg))
 
 
 def qwen3_moe_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Qwen3-MoE exactly: softmax gating
     (the top k renormalised or not: ``norm_topk_prob``), dropless, no shared expert, no
     routing bias (``moe_bias_update_rate`` 0), Qwen3's attention (QK-norm, no Q/K/V
-    biases, all of each head rotated)."""
+    biases, all of each head rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False)
-            and _full_rotary(cfg))
+            and _uniform(cfg) and _full_rotary(cfg))
 
 
 def qwen2_moe_compatible(cfg) -> bool:
@@ -977,7 +982,7 @@ def qwen2_moe_compatible(cfg) -> bool:
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
                section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
                ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-               holds=_dense(bias=False, norm=False))
+               holds=_dense(bias=False, norm=False, windows=_windowless))
 GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
               section=_gpt2_section, config_json=_gpt2_config_json, tensor=_gpt2_tensor,
               ignored=("transformer.h.*.attn.bias", "transformer.h.*.attn.masked_bias"),
@@ -985,25 +990,23 @@ GPT2 = HFArch(kind="gpt", model_type="gpt2", architecture="GPT2LMHeadModel",
 MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",
                  section=_mixtral_section, config_json=_mixtral_config_json,
                  tensor=_mixtral_tensor, ignored=("*.rotary_emb.inv_freq",),
-                 at_most=("block_size",), bound_reason=_window_bound(
-                     lambda c: c.get("sliding_window"),
-                     _MIXTRAL_DEFAULTS["max_position_embeddings"]),
-                 holds=mixtral_compatible)
-# a dense Llama is a Mistral too: arch_for says Llama, export_arch Mistral for a Mistral's run
+                 at_most=("block_size",), holds=mixtral_compatible)
+# a dense Llama is a Mistral too: arch_for says Llama (Mistral with a window: a Llama has none),
+# export_arch Mistral for a Mistral's run
 MISTRAL = HFArch(kind="llama", model_type="mistral", architecture="MistralForCausalLM",
                  section=_mistral_section, config_json=_mistral_config_json,
                  tensor=_llama_tensor, ignored=("*.rotary_emb.inv_freq",),
-                 at_most=("block_size",), bound_reason=_window_bound(
-                     _mistral_window, _MISTRAL_DEFAULTS["max_position_embeddings"]),
-                 holds=_dense(bias=False, norm=False))
-# Phi-3 / Phi-4: a dense Llama with Llama's attention, any rotary_dim, no Llama 3 scaling;
-# arch_for says Llama for a Llama that rotates all of each head, Phi-3 for one that does not
+                 at_most=("block_size",),
+                 holds=_dense(bias=False, norm=False, windows=_uniform))
+# Phi-3 / Phi-4: a dense Llama with Llama's attention, any rotary_dim, no Llama 3 scaling, one
+# window on every layer or none (Mistral's); arch_for says Llama or Mistral for a Llama that
+# rotates all of each head without LongRoPE, Phi-3 for one that does not
 PHI3 = HFArch(kind="llama", model_type="phi3", architecture="Phi3ForCausalLM",
               section=_phi3_section, config_json=_phi3_config_json, tensor=_phi3_unsized,
               ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
               bound_reason=_phi3_bound,
               holds=lambda cfg: (not cfg.n_experts and not getattr(cfg, "qkv_bias", False)
-                                 and not getattr(cfg, "qk_norm", False)
+                                 and not getattr(cfg, "qk_norm", False) and _uniform(cfg)
                                  and (cfg.rope_scaling is None or _long_rope(cfg))),
               sized=_phi3_tensor)
 
@@ -1018,10 +1021,8 @@ def _qwen_arch(name: str) -> HFArch:
                       section=lambda c: _qwen_section(c, name),
                       config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
                       tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-                      at_most=("block_size",), bound_reason=_window_bound(
-                          _qwen_window, _QWEN_DEFAULTS["max_position_embeddings"],
-                          _QWEN_WINDOW), holds=_dense(bias=name == "Qwen2",
-                                                      norm=name == "Qwen3"))
+                      at_most=("block_size",), holds=_dense(bias=name == "Qwen2",
+                                                            norm=name == "Qwen3"))
     base = name.removesuffix("-MoE")
     holds = qwen2_moe_compatible if name == "Qwen2-MoE" else qwen3_moe_compatible
     return HFArch(kind="llama", model_type=f"{base.lower()}_moe",
@@ -1031,9 +1032,6 @@ def _qwen_arch(name: str) -> HFArch:
                   tensor=_moe_tensor("mlp", _QWEN_MOE_EXPERTS, name,
                                      shared=name == "Qwen2-MoE"),
                   ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-                  bound_reason=_window_bound(
-                      lambda c: _qwen_moe_window(c, name),
-                      _QWEN_MOE_DEFAULTS[name]["max_position_embeddings"], _QWEN_WINDOW),
                   holds=holds)
 
 
@@ -1047,14 +1045,16 @@ ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3
 def arch_for(cfg) -> HFArch | None:
     """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: the
     first of ``ARCHS`` of kind "llama" that ``holds`` it. Dense: LLAMA with neither
-    ``qkv_bias`` nor ``qk_norm`` (a Mistral holds it too, but no config says Mistral:
-    ``export_arch`` picks it from a run's source), QWEN2 with ``qkv_bias``, QWEN3 with
-    ``qk_norm`` (not both: neither has the other's); with ``n_experts``, MIXTRAL when
+    ``qkv_bias`` nor ``qk_norm`` and no window (a Mistral holds it too, but no config says
+    Mistral: ``export_arch`` picks it from a run's source), MISTRAL with one window on every
+    layer, QWEN2 with ``qkv_bias``, QWEN3 with ``qk_norm`` (not both: neither has the
+    other's; any windows); with ``n_experts``, MIXTRAL when
     ``mixtral_compatible`` (no QK-norm, no shared expert), QWEN3_MOE when
     ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
     ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm); each of these only when
-    every feature of a head is rotated, PHI3 when only the first ``rotary_dim`` are (and
-    no Llama 3 scaling). The arch is sized by ``cfg`` (``HFArch.of``)."""
+    every feature of a head is rotated, PHI3 when only the first ``rotary_dim`` are or with
+    LongRoPE (no Llama 3 scaling; one window on every layer or none). The arch is sized by
+    ``cfg`` (``HFArch.of``)."""
     arch = next((arch for arch in ARCHS if arch.kind == "llama" and arch.holds(cfg)), None)
     return None if arch is None else arch.of(cfg)
 
@@ -1078,22 +1078,20 @@ def export_arch(description, source: dict | None) -> HFArch | None:
     """The arch ``shardwise export`` writes a model as, and ``model.init_from`` reads its
     checkpoint with (``ModelDescription.with_checkpoint_arch``, ``source`` that
     checkpoint's config.json), one rule: the arch its run's source ``config.json`` names
-    (``source``: ``model.init_from``'s, kept in the run's checkpoints; ``arch_of``) when that arch holds the model exactly (its ``kind`` and ``holds(config)``,
-    and a sliding window of the source's, which its config.json keeps, no shorter than the
-    model's ``block_size``); else the model's own, ``description.hf`` (``arch_for`` of a
-    Llama config). So a Mistral in is a Mistral out, its window and context kept, while a
-    model trained here (no source), or one its source's arch cannot hold, is written as
-    ``arch_for`` says: a Llama config, which a Mistral holds too, as a Llama. A Phi-3 in is
-    a Phi-3 out, its Q/K/V and gate/up read and written packed (a Phi-3 that rotates all of
-    each head is a Llama config too). The arch is sized by the model's config
-    (``HFArch.of``). None: no arch holds it."""
+    (``source``: ``model.init_from``'s, kept in the run's checkpoints; ``arch_of``) when
+    that arch holds the model exactly (its ``kind`` and ``holds(config)``, windows
+    included); else the model's own, ``description.hf`` (``arch_for`` of a Llama config).
+    So a Mistral in is a Mistral out, its window and context kept, while a model trained
+    here (no source), or one its source's arch cannot hold, is written as ``arch_for``
+    says: a Llama config without a window, which a Mistral holds too, as a Llama. A Phi-3
+    in is a Phi-3 out, its Q/K/V and gate/up read and written packed (a Phi-3 that rotates
+    all of each head is a Llama config too, or a Mistral's with a window). The arch is
+    sized by the model's config (``HFArch.of``). None: no arch holds it."""
     if source is None:
         return description.hf
     try:
         arch = arch_of(source)
-        fits = (arch.kind == description.kind and arch.holds(description.config)
-                and (not arch.bound_reason(source).get("block_size")
-                     or description.block_size <= arch.section(source)["block_size"]))
+        fits = arch.kind == description.kind and arch.holds(description.config)
     except (HFConfigError, KeyError):  # a source config.json that no longer reads
         fits = False
     return arch.of(description.config) if fits else description.hf

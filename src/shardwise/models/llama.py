@@ -17,6 +17,10 @@ biases anywhere. Sources:
   frequency scaling for long context (``RopeScaling``);
 - Yang et al. 2024, "Qwen2 Technical Report" (arXiv:2407.10671) and transformers'
   ``models/qwen2/modeling_qwen2.py``: biases on the Q, K and V projections (``qkv_bias``);
+- Beltagy et al. 2020, "Longformer" (arXiv:2004.05150) and Jiang et al. 2023, "Mistral 7B"
+  (arXiv:2310.06825): sliding-window attention, each query attending to the previous
+  ``sliding_window`` tokens (its own included), on every layer or on those ``layer_types``
+  marks "sliding_attention" (transformers' names: Qwen2's ``max_window_layers`` pattern);
 - Yang et al. 2025, "Qwen3 Technical Report" (arXiv:2505.09388) and transformers'
   ``models/qwen3/modeling_qwen3.py``: QK-norm, an RMSNorm over each head's D features of
   Q and of K before the rotary embedding (``qk_norm``), and a head dimension D that need
@@ -48,6 +52,10 @@ from shardwise.models.gpt import causal_attention
 from shardwise.models.hf import LLAMA_PREFIXES, llama_hf_name
 from shardwise.models.moe import GATINGS, Experts, MoE
 from shardwise.models.sampling import DecoderLM, generate  # noqa: F401 (re-exported)
+
+
+# transformers' names of a layer's attention (``layer_types``): with the window, or without
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,11 @@ class LlamaConfig:
     rotary_dim: the first R of each head's D features are rotated, the other D - R pass
     through (Phi-3's ``partial_rotary_factor`` = R / D); even, at most D; None: D.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
-    moved by that much after each step, DeepSeek-V3; 0: off). Raises
+    moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
+    each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
+    None (full causal attention); layer_types: per block "sliding_attention" (the window)
+    or "full_attention" (none), transformers' ``layer_types``; None: every block
+    "sliding_attention" (Mistral's, Mixtral's), so with no window none has one. Raises
     ``ValueError`` (one line, naming the fields) for inconsistent sizes.
     """
 
@@ -140,6 +152,8 @@ class LlamaConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
@@ -193,7 +207,32 @@ class LlamaConfig:
                              "0 < low_freq_factor < high_freq_factor")
         if self.attention not in ("sdpa", "math"):
             raise ValueError(f"model.attention={self.attention!r}: expected 'sdpa' or 'math'")
+        self._check_window()
         self._check_moe()
+
+    def _check_window(self) -> None:
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"model.sliding_window={w!r}: expected a whole number >= 1 "
+                             "(tokens each query sees, its own included), or none")
+        if self.layer_types is None:
+            return
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad or len(types) != self.n_layer:
+            raise ValueError(f"model.layer_types: expected {self.n_layer} (model.n_layer) of "
+                             f"{' or '.join(LAYER_TYPES)}; got "
+                             + (repr(bad[0]) if bad else f"{len(types)}"))
+        if w is None and "sliding_attention" in types:
+            raise ValueError("model.layer_types has sliding_attention layers but "
+                             "model.sliding_window is not set")
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per block, its attention window in tokens, or None for full causal attention."""
+        types = self.layer_types or ("sliding_attention",) * self.n_layer
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
 
     def _check_long_rope(self, rs: LongRope) -> None:
         half = (self.rotary_dim or self.head_dim) // 2
@@ -319,11 +358,13 @@ class Attention(nn.Module):
     head serves ``n_head / n_kv_heads`` consecutive query heads (HF ``repeat_kv``). With
     ``qkv_bias`` the Q, K, V projections have biases (Qwen2); with ``qk_norm``, ``q_norm``
     and ``k_norm`` (RMSNorms of D weights) normalise each head of Q and K, (B, T, H, D)
-    over D, before the rotary embedding, as ``Qwen3Attention.forward``."""
+    over D, before the rotary embedding, as ``Qwen3Attention.forward``. ``layer``: the
+    block's index, whose window (``cfg.windows[layer]``: W tokens or None) it attends in."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.window = cfg.windows[layer]
         self.n_head, self.n_kv_heads, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
         bias = cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=bias)
@@ -346,7 +387,8 @@ class Attention(nn.Module):
                                 positions=sequence.positions(T, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.cfg.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, p, self.cfg.attention)  # (B, H, T, D); k, v: Hkv heads
+        y = causal_attention(q, k, v, p, self.cfg.attention,  # (B, H, T, D); k, v: Hkv heads
+                             window=self.window)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -377,12 +419,13 @@ def moe(cfg: LlamaConfig) -> MoE:
 class Block(nn.Module):
     """Pre-RMSNorm block: ``x + self_attn(input_layernorm(x))`` then
     ``x + mlp(post_attention_layernorm(x))``, ``mlp`` a SwiGLU ``MLP`` or, with
-    ``n_experts``, a ``models.moe.MoE``. (B, T, C) -> (B, T, C)."""
+    ``n_experts``, a ``models.moe.MoE``; ``layer`` its index (its attention window).
+    (B, T, C) -> (B, T, C)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = moe(cfg) if cfg.n_experts else MLP(cfg)
 
@@ -431,7 +474,7 @@ class Llama(DecoderLM):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.head = LMHead(cfg)
         if cfg.tie_weights:
             self.head.proj.weight = self.embed.tok.weight
@@ -573,6 +616,7 @@ def describe(cfg: LlamaConfig):
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
         n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim, context_parallel=True,
+        attention_windows=cfg.windows if cfg.sliding_window is not None else (),
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},
@@ -585,7 +629,8 @@ def describe(cfg: LlamaConfig):
 def from_section(m, vocab_size: int) -> LlamaConfig:
     """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
     ``n_kv_heads`` / ``ffn_hidden`` / ``moe_ffn_hidden`` 0 mean Llama's defaults (n_head;
-    the 8h/3 rule; ffn_hidden), ``head_dim`` 0 n_embd / n_head. ``model.bias`` is ignored
+    the 8h/3 rule; ffn_hidden), ``head_dim`` 0 n_embd / n_head, ``sliding_window`` 0 no
+    window. ``model.bias`` is ignored
     (the Llama's biases are ``model.qkv_bias``'s);
     ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields) or, with ``rope_type =
     "longrope"``, Phi-3's (``LongRope``'s). Raises ``ValueError``
@@ -611,4 +656,6 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        qkv_bias=getattr(m, "qkv_bias", False),
                        qk_norm=getattr(m, "qk_norm", False),
                        rotary_dim=getattr(m, "rotary_dim", 0) or None,
-                       moe_bias_update_rate=m.moe_bias_update_rate)
+                       moe_bias_update_rate=m.moe_bias_update_rate,
+                       sliding_window=getattr(m, "sliding_window", 0) or None,
+                       layer_types=getattr(m, "layer_types", None))

@@ -255,16 +255,18 @@ class Walk(NamedTuple):
 def block_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
     """Forward FLOPs of one block on one cp rank (``s / cp`` tokens): 2 per weight of its
     matrices a token meets (GPT: 24 s h^2; experts: the top-k a token goes to), and Q K^T
-    and softmax(.) V, 4 s^2 H D (H D = h for the GPT and Llama), of which a cp rank's
-    queries do 1 / cp."""
+    and softmax(.) V, 4 s K H D (H D = h for the GPT and Llama; K the keys a query is
+    counted against, ``ModelSpec.attn_keys``: s, or min(s, W) under a sliding window of
+    W, averaged over the blocks), of which a cp rank's queries do 1 / cp."""
     s = spec.block_size
-    return (2 * mb * s * active_matmul_params(spec) + 4 * mb * s * s * spec.attn_width) / cp
+    return (2 * mb * s * active_matmul_params(spec)
+            + 4 * mb * s * spec.attn_keys * spec.attn_width) / cp
 
 
 def attention_gemm_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
-    """Of ``block_flops``, the attention core's (Q K^T and P V): 4 s^2 H D / cp."""
+    """Of ``block_flops``, the attention core's (Q K^T and P V): 4 s K H D / cp."""
     s = spec.block_size
-    return 4 * mb * s * s * spec.attn_width / cp
+    return 4 * mb * s * spec.attn_keys * spec.attn_width / cp
 
 
 def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
@@ -275,8 +277,9 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     attention width (``attn_width``: h but with a head_dim of its own), d = H D / a, k =
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
-    - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s^2 H D / (t cp) each (batched
-      over the rank's heads; its s / cp queries against all s keys); the output projection
+    - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s K H D / (t cp) each (batched
+      over the rank's heads; its s / cp queries against K keys, ``attn_keys``: all s, or
+      min(s, W) under a sliding window); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
       of 2 (T k ep / E) h F / t each (balanced routing); a shared expert 2 T h F_s / t
@@ -298,7 +301,7 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     d = att // a
     k = spec.kv_heads * d
     f = spec.ffn
-    core = 2 * mb * s * s * att / (tp * cp)
+    core = 2 * mb * s * spec.attn_keys * att / (tp * cp)
     gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k

@@ -21,6 +21,11 @@ Named sizes:
   (Touvron et al. 2023, arXiv:2307.09288, Table 1; sizes of the released config.json),
   Llama 3 8B/70B/405B (Grattafiori et al. 2024, arXiv:2407.21783, Table 3; context 8192, the
   pre-training length: Llama 3.1's 128K is ``--seq 131072``);
+- Mistral 7B (Jiang et al. 2023, arXiv:2310.06825, Table 1: 32 layers, width 4096, 32
+  heads of 128, 8 key/value heads, SwiGLU width 14336, vocabulary 32000, context 8192, a
+  sliding window of 4096 tokens on every layer: ``attention_windows``, its attention FLOPs
+  counted against 4096 keys a query, not the whole sequence; ``--seq 32768`` is
+  v0.1's config.json context);
 - mixture of experts: Mixtral 8x7B (Jiang et al. 2024, arXiv:2401.04088, Table 1: 32
   layers, width 4096, 32 heads, 8 key/value heads, 8 SwiGLU experts of width 14336, top-2,
   vocabulary 32000, context 32768; rotary base 1e6 from the released config.json): 46.7B
@@ -32,8 +37,9 @@ Named sizes:
   layers of width 5120 and 40 heads, vocabulary 100352; its config.json: 10 key/value
   heads, SwiGLU width 17920, context 16384, rotary base 250000): 3.82B and 14.66B parameters
   (the report's "14B" rounded down; ``transformers.Phi3ForCausalLM`` of those sizes counts
-  the same). Phi-3-mini-4k's sliding window (2047) is not a size: ``--seq`` plans any
-  length.
+  the same). Phi-3-mini-4k's sliding window of 2047 tokens is on every layer
+  (``attention_windows``, as Mistral 7B's: a query counted against min(T, 2047) keys); Phi-4
+  has none.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -79,7 +85,10 @@ class ModelSpec:
     gate (h weights, replicated over tp: Qwen2-MoE). ``dropout``: the
     model's dropout probability (``model.dropout``; 0 for the named sizes): the engine
     refuses context parallelism (cp > 1) when it is > 0, ring attention having no attention
-    dropout, so the search prunes every such layout (``search.cp_reason``)."""
+    dropout, so the search prunes every such layout (``search.cp_reason``).
+    ``attention_windows``: per block, its sliding window W in tokens or None (() : none
+    has one; ``ModelDescription.attention_windows``): a query's attention FLOPs count
+    min(s, W) keys (``attn_keys``)."""
 
     name: str
     n_layer: int
@@ -103,6 +112,7 @@ class ModelSpec:
     dropout: float = 0.0
     moe_shared_ffn: int = 0
     moe_shared_gate: bool = False
+    attention_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -138,7 +148,8 @@ class ModelSpec:
                    dropout=float(getattr(cfg, "dropout", 0.0) or 0.0),
                    moe_shared_ffn=(getattr(cfg, "moe_shared_ffn_hidden", None)
                                    or getattr(cfg, "moe_ffn_hidden", None) or 0) if shared else 0,
-                   moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)))
+                   moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)),
+                   attention_windows=tuple(d.attention_windows))
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -151,7 +162,8 @@ class ModelSpec:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
         experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
-        ``qk_norm``, ``rotary_dim`` when its description's config sets them);
+        ``qk_norm``, ``rotary_dim`` when its description's config sets them; ``sliding_window``
+        and, when not every block has it, ``layer_types``, from ``attention_windows``);
         ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
@@ -167,6 +179,12 @@ class ModelSpec:
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
         qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
                 if getattr(cfg, k, False)}
+        windows = {w for w in self.attention_windows if w is not None}
+        if windows:  # one W (model.sliding_window) on the layers layer_types marks
+            qwen["sliding_window"] = windows.pop()
+            if None in self.attention_windows and len(self.attention_windows) == self.n_layer:
+                qwen["layer_types"] = ["full_attention" if w is None else "sliding_attention"
+                                       for w in self.attention_windows]
         if self.attn_width != self.n_embd:
             qwen["head_dim"] = self.attn_width // self.n_head
         return {**t, "n_kv_heads": self.kv_heads, "ffn_hidden": self.ffn,
@@ -185,6 +203,18 @@ class ModelSpec:
     def attn_width(self) -> int:
         """H D, the width of the attention's Q K^T and P V (``attention_width`` or h)."""
         return self.n_embd if self.attention_width is None else self.attention_width
+
+    @property
+    def attn_keys(self) -> float:
+        """Keys a query's Q K^T and P V are counted against, averaged over the blocks: s
+        (the causal triangle counted whole, as PaLM does), or min(s, W) for a block with a
+        sliding window of W (``models.description.ModelDescription.attention_keys`` / L)."""
+        s, windows = self.block_size, self.attention_windows
+        if not windows:
+            return s
+        # over the windows' own count: a one-block spec cut from this one (a calibration
+        # block, ``replace(spec, n_layer=1)``) keeps the average
+        return sum(s if w is None else min(s, w) for w in windows) / len(windows)
 
     @property
     def kv_heads(self) -> int:
@@ -309,10 +339,11 @@ def _m(name, L, h, a, V, s) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s)
 
 
-def _llama(name, L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2) -> ModelSpec:
+def _llama(name, L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2,
+           window=None) -> ModelSpec:
     return ModelSpec(name, L, h, a, V, s, tie_weights=False, bias=False, n_kv_heads=kv,
                      ffn_hidden=f, family="llama", rope_theta=theta, n_experts=experts,
-                     top_k=top_k)
+                     top_k=top_k, attention_windows=(window,) * L if window else ())
 
 
 NAMED: dict[str, ModelSpec] = {m.name: m for m in [
@@ -344,10 +375,13 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0),
     _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 500000.0),
     _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 500000.0),
+    # Jiang et al. 2023, Table 1 (module docstring): a sliding window of 4096 on every layer
+    _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 8192, window=4096),
     # Jiang et al. 2024, Table 1 (module docstring): 8 experts, top-2
     _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1e6, experts=8, top_k=2),
-    # Phi-3-mini (4k) and Phi-4 (module docstring): Llamas in shardwise (models.hf.PHI3)
-    _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096),
+    # Phi-3-mini (4k) and Phi-4 (module docstring): Llamas in shardwise (models.hf.PHI3);
+    # Phi-3-mini-4k's config.json: a sliding window of 2047 on every layer
+    _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096, window=2047),
     _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
 ]}
 

@@ -8,8 +8,9 @@ tensors whatever layout wrote them. Writes into DIR:
 - ``config.json``: the model's ``transformers`` config, of the arch ``models.hf.export_arch``
   picks (the source checkpoint's when it holds the model exactly: a Mistral in is a Mistral
   out; else ``arch_for``'s), written by its ``HFArch.config_json`` over the source
-  checkpoint's config.json when the run started from one, so its other fields, token ids,
-  context and sliding window survive;
+  checkpoint's config.json when the run started from one, so its other fields, token ids
+  and context survive; the sliding window is the model's own (``model.sliding_window``,
+  ``model.layer_types``);
 - ``model.safetensors``, or shards above ``max_shard_bytes`` with
   ``model.safetensors.index.json``: the tensors under ``transformers``' names and layouts
   (GPT-2's packed, transposed ``c_attn``; a tied head written once, as HF does), fp32;

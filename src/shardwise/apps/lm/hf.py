@@ -61,7 +61,7 @@ def resolve_init_from(cfg: Config) -> Config:
             fields[name] = ours  # shorter training windows than the checkpoint's context
             continue
         bound = " or less" if name in arch.at_most else ""
-        reason = arch.bound_reason(hf_cfg).get(name) if bound else None
+        reason = arch.bound_reason(hf_cfg).get(name) if bound else None  # Phi-3's LongRoPE
         bound += f", {reason}" if reason else ""
         raise ConfigError(f"model.{name}={ours!r} contradicts {where} (config.json gives "
                           f"{value!r}{bound}); leave model.{name} unset (the config file "

@@ -61,8 +61,10 @@ class ContextParallel:
         if T not in self._shards:
             ring = self.ring
 
-            def attention(q, k, v, dropout_p: float = 0.0, impl: str = "sdpa"):
-                return ring_attention(q, k, v, ring, causal=True, dropout_p=dropout_p, impl=impl)
+            def attention(q, k, v, dropout_p: float = 0.0, impl: str = "sdpa",
+                          window: int | None = None):
+                return ring_attention(q, k, v, ring, causal=True, dropout_p=dropout_p,
+                                      impl=impl, window=window)
 
             self._shards[T] = sequence.SequenceShard(
                 local_positions(T, self.size, self.rank, self.device), attention, ring.total)

@@ -21,6 +21,16 @@ chunks i and 2cp-1-i, c tokens each; block j came from rank j):
 - j > i: the second local chunk (2cp-1-i) against the whole block (chunks j and 2cp-1-j are
   both earlier); the first local chunk (i) sees neither: skipped.
 
+With a sliding window of W tokens (query at position p sees keys p - W < p' <= p:
+``models.gpt.sliding_window_mask``, Mistral 7B's), each of the four (local chunk, block
+chunk) pairs is classified from the chunks' positions alone (``_pair``): outside the band
+(skipped: nothing computed, though the block still travels on), wholly inside (no mask),
+the causal diagonal, or partly inside, computed on the rows and columns that see anything
+with a boolean band mask of that box (``_band``). Without a window the plans above are
+what this classification gives; with one, the pairs are computed apart unless they form
+one of those plans. The work per rank is then no longer equal, and most of it is skipped
+when W is short against the sequence.
+
 Grouped-query attention: the blocks travel with their Hkv key/value heads, as Megatron-LM's
 do, and a rank repeats the block it holds to the H query heads for its kernel (the dK/dV of
 the repeats summed back per key/value head), so the ring moves Hkv / H of the bytes of
@@ -44,11 +54,14 @@ fp32. No attention dropout (``ValueError``): its masks would have to be drawn pe
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from shardwise.parallel.context.ring_comm import Ring
+from shardwise.parallel.context.sharding import chunks_of
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -61,52 +74,140 @@ def _fused(q: torch.Tensor, impl: str) -> bool:
     return impl == "sdpa" and q.device.type == "cpu" and _FLASH_CPU is not None
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, impl: str):
+@functools.lru_cache(maxsize=64)
+def _band(nq: int, nk: int, offset: int, window: int, device: torch.device,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(nq, nk): where query row r sees key column s, ``0 <= offset + r - s < window``
+    (``offset``: the position of row 0 less that of column 0); bool (True: attends), or,
+    with ``dtype``, additive (0 and -inf in that dtype: what the fused CPU kernel takes).
+    Kept per argument tuple: the same few boxes recur in every layer and step."""
+    d = offset + torch.arange(nq, device=device).unsqueeze(1) - torch.arange(nk, device=device)
+    sees = (d >= 0) & (d < window)
+    if dtype is None:
+        return sees
+    return torch.zeros(nq, nk, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
+
+
+def _block_forward(q, k, v, causal: bool, band: tuple | None, scale: float, impl: str):
     """Attention of queries ``q`` (B, H, Tq, D) on one key/value block (B, H, Tk, D):
-    ``(out (B, H, Tq, D) fp32, lse (B, H, Tq) fp32)``; ``causal`` needs Tq == Tk."""
+    ``(out (B, H, Tq, D) fp32, lse (B, H, Tq) fp32)``; ``causal`` needs Tq == Tk; ``band``:
+    ``(offset, window)`` of a band mask (``_band``) over the (Tq, Tk) scores, or None. Every
+    row must see at least one key."""
+    Tq, Tk = q.shape[2], k.shape[2]
     if _fused(q, impl):
+        mask = None if band is None else _band(Tq, Tk, *band, q.device, q.dtype)
         out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal,
-                              scale=scale)
+                              attn_mask=mask, scale=scale)
         return out.float(), lse.float()
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
     if causal:
-        T = s.shape[-1]
-        s.masked_fill_(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1),
+                       float("-inf"))
+    if band is not None:
+        s.masked_fill_(~_band(Tq, Tk, *band, s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
 
 
-def _block_backward(dout, q, k, v, out, lse, delta, causal: bool, scale: float, impl: str):
+def _block_backward(dout, q, k, v, out, lse, delta, causal: bool, band: tuple | None,
+                    scale: float, impl: str):
     """Gradients ``(dq, dk, dv)`` of one block pair given the final ``out`` and ``lse`` of
-    the rows (and ``delta = rowsum(dout * out)``, fp32, (B, H, Tq))."""
+    the rows (and ``delta = rowsum(dout * out)``, fp32, (B, H, Tq)); masks as
+    ``_block_forward``'s."""
+    Tq, Tk = q.shape[2], k.shape[2]
     if _fused(q, impl):
+        mask = None if band is None else _band(Tq, Tk, *band, q.device, q.dtype)
         dq, dk, dv = _FLASH_CPU_BWD(dout.contiguous(), q.contiguous(), k.contiguous(),
                                     v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
-                                    causal, scale=scale)
+                                    causal, attn_mask=mask, scale=scale)
         return dq.float(), dk.float(), dv.float()
     qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
     s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
     if causal:
-        T = s.shape[-1]
-        s.masked_fill_(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        s.masked_fill_(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1),
+                       float("-inf"))
+    if band is not None:
+        s.masked_fill_(~_band(Tq, Tk, *band, s.device), float("-inf"))
     p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, Tq, Tk): the softmax of the whole row
     dv = torch.matmul(p.transpose(-2, -1), df)
     ds = p * (torch.matmul(df, vf.transpose(-2, -1)) - delta.unsqueeze(-1))
     return torch.matmul(ds, kf) * scale, torch.matmul(ds.transpose(-2, -1), qf) * scale, dv
 
 
-def _plan(ring: Ring, step: int, causal: bool, c: int):
-    """What step ``step`` computes: ``(query rows, key rows, causal)`` as slices of the
-    local sequence and of the block held, or None when the block is masked out whole."""
-    j, i = ring.source(step), ring.rank
+class Task(NamedTuple):
+    """One kernel call of a ring step: local query ``rows`` against the held block's key
+    ``cols`` (slices), with the causal diagonal mask (``causal``) or a band mask
+    (``band``: ``(offset, window)``, ``_band``) or neither."""
+
+    rows: slice
+    cols: slice
+    causal: bool = False
+    band: tuple[int, int] | None = None
+
+
+SKIP, FULL, DIAGONAL, BAND = "skip", "full", "diagonal", "band"
+
+
+def _pair(qa: int, kb: int, c: int, window: int | None) -> str:
+    """How query chunk ``qa`` sees key chunk ``kb`` (indices in the whole sequence, ``c``
+    tokens each) under the causal mask and a window of ``window`` tokens (None: none): from
+    the range of query position less key position, ``(qa - kb) c +- (c - 1)``, which must lie in
+    [0, window). SKIP (none of it), FULL (all of it), DIAGONAL (the causal triangle of a
+    chunk against itself) or BAND (a band mask)."""
+    lo, hi = (qa - kb) * c - (c - 1), (qa - kb) * c + (c - 1)
+    w = math.inf if window is None else window
+    if hi < 0 or lo >= w:
+        return SKIP
+    if lo >= 0 and hi < w:
+        return FULL
+    return DIAGONAL if qa == kb and hi < w else BAND
+
+
+def _chunk(a: int, c: int) -> slice:
+    return slice(a * c, (a + 1) * c)
+
+
+def _span(chunks: set[int], c: int) -> slice:
+    """The rows (or columns) of local chunks ``chunks``, {0}, {1} or both."""
+    return slice(None) if len(chunks) == 2 else _chunk(min(chunks), c)
+
+
+def _band_task(qa: int, kb: int, a: int, b: int, c: int, window: int) -> Task:
+    """The BAND pair (local chunk ``a`` = sequence chunk ``qa``, block chunk ``b`` = ``kb``)
+    on the rows and columns that see anything: row r (of the chunk) sees a key iff
+    ``d + r >= 0`` and ``d + r - (c - 1) < W``, column s is seen iff ``s <= d + c - 1`` and
+    ``s > d - W``, with ``d = (qa - kb) c`` (both ranges contiguous); so every row kept sees
+    at least one kept column."""
+    d = (qa - kb) * c
+    r0, r1 = max(0, -d), min(c, window + c - 1 - d)
+    s0, s1 = max(0, d - window + 1), min(c, d + c)
+    return Task(slice(a * c + r0, a * c + r1), slice(b * c + s0, b * c + s1),
+                band=(d + r0 - s0, window))
+
+
+def _plan(ring: Ring, step: int, causal: bool, c: int, window: int | None = None) -> list[Task]:
+    """What step ``step`` computes (module docstring): the kernel calls, none when the held
+    block is masked out whole. ``c``: the chunk length (local tokens / 2)."""
     everything = slice(None)
-    if step == 0:
-        return everything, everything, causal
     if not causal:
-        return everything, everything, False
-    if j < i:
-        return everything, slice(0, c), False
-    return slice(c, None), everything, False
+        return [Task(everything, everything)]
+    cp = ring.size
+    mine, held = chunks_of(ring.rank, cp), chunks_of(ring.source(step), cp)
+    kinds = {(a, b): _pair(mine[a], held[b], c, window) for a in (0, 1) for b in (0, 1)}
+    live = [ab for ab, kind in kinds.items() if kind != SKIP]
+    if kinds == {(0, 0): DIAGONAL, (0, 1): SKIP, (1, 0): FULL, (1, 1): DIAGONAL}:
+        return [Task(everything, everything, causal=True)]  # the local sequence, causal
+    rows, cols = {a for a, _ in live}, {b for _, b in live}
+    if live and all(kinds[a, b] == FULL for a in rows for b in cols):  # one rectangle
+        return [Task(_span(rows, c), _span(cols, c))]
+    tasks = []
+    for a, b in live:
+        kind = kinds[a, b]
+        if kind == BAND:
+            tasks.append(_band_task(mine[a], held[b], a, b, c, window))
+        else:
+            tasks.append(Task(_chunk(a, c), _chunk(b, c), causal=kind == DIAGONAL))
+    return tasks
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor,
@@ -142,7 +243,8 @@ class _RingAttention(torch.autograd.Function):
     """Forward: ring attention's output; backward: dQ here, dK/dV around the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float):
+    def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float,
+                window: int | None):
         c = q.shape[2] // 2
         # (B, H, T, D) laid out as (B, T, H, D), as the fused kernels return it: the caller's
         # ``transpose(1, 2).reshape(B, T, H * D)`` is then a view, not one more saved copy
@@ -153,22 +255,23 @@ class _RingAttention(torch.autograd.Function):
         kv = (k, v)
         for step in range(ring.size):
             nxt = ring.shift(kv) if step < ring.size - 1 else None  # travels while we compute
-            qr, kr, cz = _plan(ring, step, causal, c)
-            o, l = _block_forward(_rows(q, qr), _heads(_rows(kv[0], kr), rep),
-                                  _heads(_rows(kv[1], kr), rep), cz, scale, impl)
-            _merge(out, lse, qr, o, l)
+            for t in _plan(ring, step, causal, c, window):
+                o, l = _block_forward(_rows(q, t.rows), _heads(_rows(kv[0], t.cols), rep),
+                                      _heads(_rows(kv[1], t.cols), rep), t.causal, t.band,
+                                      scale, impl)
+                _merge(out, lse, t.rows, o, l)
             if nxt is not None:
                 kv, handle = nxt
                 handle.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.causal, ctx.impl, ctx.scale = ring, causal, impl, scale
+        ctx.ring, ctx.causal, ctx.impl, ctx.scale, ctx.window = ring, causal, impl, scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, impl, scale = ctx.ring, ctx.causal, ctx.impl, ctx.scale
+        ring, causal, impl, scale, window = ctx.ring, ctx.causal, ctx.impl, ctx.scale, ctx.window
         c = q.shape[2] // 2
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
@@ -179,21 +282,23 @@ class _RingAttention(torch.autograd.Function):
         pending = None  # the accumulators on their way from the previous rank
         for step in range(ring.size):
             nxt = ring.shift(kv) if step < ring.size - 1 else None
-            qr, kr, cz = _plan(ring, step, causal, c)
-            dq_b, dk_b, dv_b = _block_backward(
-                _rows(dout, qr), _rows(q, qr), _heads(_rows(kv[0], kr), rep),
-                _heads(_rows(kv[1], kr), rep), _rows(out, qr), _rows(lse, qr),
-                _rows(delta, qr), cz, scale, impl)
-            dk_b, dv_b = _head_sum(dk_b, rep), _head_sum(dv_b, rep)
-            dq[:, :, qr] += dq_b
+            grads = []  # (cols, dK, dV) of the block held, per kernel call
+            for t in _plan(ring, step, causal, c, window):
+                dq_b, dk_b, dv_b = _block_backward(
+                    _rows(dout, t.rows), _rows(q, t.rows), _heads(_rows(kv[0], t.cols), rep),
+                    _heads(_rows(kv[1], t.cols), rep), _rows(out, t.rows), _rows(lse, t.rows),
+                    _rows(delta, t.rows), t.causal, t.band, scale, impl)
+                dq[:, :, t.rows] += dq_b
+                grads.append((t.cols, _head_sum(dk_b, rep), _head_sum(dv_b, rep)))
             if pending is None:  # step 0: this rank's own block starts its accumulators
                 dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                        torch.zeros(v.shape, dtype=torch.float32, device=v.device))
             else:
                 dkv, handle = pending
                 handle.wait()
-            dkv[0][:, :, kr] += dk_b
-            dkv[1][:, :, kr] += dv_b
+            for cols, dk_b, dv_b in grads:
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
             # pass the accumulators on with their block; after the last step they go home
             pending = ring.shift(dkv) if ring.size > 1 else (dkv, None)
             if nxt is not None:
@@ -202,13 +307,14 @@ class _RingAttention(torch.autograd.Function):
         dkv, handle = pending
         if handle is not None:
             handle.wait()
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
+                None)
 
 
 @torch.compiler.disable  # its sends and receives run eagerly: a compiled block breaks here
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
                    causal: bool = True, dropout_p: float = 0.0, impl: str = "sdpa",
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(D)) V over the whole sequence, from this rank's shard of it.
 
     ``q``: (B, H, T_local, D) and ``k``, ``v``: (B, Hkv, T_local, D), this rank's tokens in
@@ -216,11 +322,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     without a causal mask). Grouped-query attention (Ainslie et al. 2023): Hkv divides H and
     each key/value head serves H / Hkv consecutive query heads; the ring passes the Hkv heads
     and each rank repeats a block for its kernel, so the ring's bytes are Hkv / H of
-    repeating first. Returns
+    repeating first. ``window``: a sliding window of W tokens (with ``causal``: the query at
+    position p sees keys p - W < p' <= p, positions in the whole sequence), or None. Returns
     (B, H, T_local, D) in ``q``'s dtype: this rank's rows of full attention, equal to them
     up to rounding. Collective over ``ring`` (every rank calls it, in the same order);
     autograd flows to the keys and values of every rank. Raises ``ValueError`` (one line)
-    for ``dropout_p > 0``, an odd T_local with ``causal``, or an unknown ``impl``.
+    for ``dropout_p > 0``, an odd T_local with ``causal``, a window without ``causal`` or
+    under 1, or an unknown ``impl``.
     """
     if dropout_p > 0.0:
         raise ValueError(f"ring attention: dropout_p={dropout_p}: attention dropout is not "
@@ -233,6 +341,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     if causal and q.shape[2] % 2:
         raise ValueError(f"ring attention: {q.shape[2]} local tokens cannot be the two "
                          "chunks of the load-balanced layout (odd length)")
+    if window is not None and (not causal or isinstance(window, bool)
+                               or not isinstance(window, int) or window < 1):
+        raise ValueError(f"ring attention: window={window!r}: expected a whole number >= 1 "
+                         "with causal=True, or None")
     _fused(q, impl)  # checks impl
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, ring, causal, impl, scale)
+    return _RingAttention.apply(q, k, v, ring, causal, impl, scale, window)
