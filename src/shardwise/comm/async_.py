@@ -81,6 +81,9 @@ class _Executor:
             finally:
                 with self._lock:
                     self._pending -= 1
+            # drop the call now: idle, this thread would otherwise keep the last collective's
+            # closure, and the tensors it captured, alive until the next one arrives
+            item = fn = future = None
 
     def submit(self, fn: Callable[[], object]) -> Handle:
         future: Future = Future()
