@@ -67,9 +67,15 @@ def test_the_policy_saves_matmuls_and_attention_and_recomputes_the_rest():
     assert not any(op in recomputed for op in ("mm", "addmm", "bmm")), recomputed
 
 
-def test_selective_with_collectives_in_the_layer_is_one_line():
-    with pytest.raises(ConfigError, match="recompute=selective with parallel.tp=2"):
-        Config.from_dict({"parallel": {"recompute": "selective", "dp": 1, "tp": 2}})
+def test_selective_is_accepted_with_every_layout_and_its_mode_is_checked():
+    """tp, ZeRO-3, cp and experts no longer refuse selective recomputation (their forwards'
+    collectives are replayed: ``comm.replay``); a mode outside the list is one line."""
+    moe = {"kind": "llama", "n_experts": 4}
+    for parallel, model in (({"tp": 2}, {}), ({"dp": 2, "zero": 3}, {}), ({"cp": 2}, {}),
+                            ({"dp": 2, "ep": 2}, moe)):
+        cfg = Config.from_dict({"parallel": {"recompute": "selective", **parallel},
+                                "model": model})
+        assert cfg.parallel.recompute == "selective"
     with pytest.raises(ConfigError, match=r"expected true, false, \"full\""):
         Config.from_dict({"parallel": {"recompute": "some"}})
     assert Config.from_dict({"parallel": {"recompute": "full"}}).parallel.recompute is True
