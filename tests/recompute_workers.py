@@ -1,8 +1,9 @@
 """Rank function for the selective recomputation tests: several layouts trained in one spawn
 of ranks, each without recomputation and with ``parallel.recompute = "selective"``.
 
-For every step a rank reports its loss and what it sent and received (``comm.accounting``:
-one row per call: collective, algorithm, message size, payload bytes sent and received);
+For every step a rank reports what the step returned (loss, gradient norm, a mixture's
+auxiliary loss and expert load) and what it sent and received (``comm.accounting``: one
+row per call: collective, algorithm, message size, payload bytes sent and received);
 at the end its parameters, unsharded, and ``held``: the activations its forwards held
 (``step_held``), the least over the steps after the first.
 
@@ -80,20 +81,22 @@ def run(cfg_dict: dict, measure: bool = True) -> dict:
 
     trainer = build_trainer(Config.from_dict(cfg_dict))
     steps = trainer.cfg.training.steps
-    traffic, held = [], []
+    traffic, held, infos = [], [], []
     for i in range(steps):
         with accounting.recording() as rec:
             if i > 0 and measure:  # the first step creates the optimizer's moments
-                held.append(step_held(trainer.train_step, trainer.topology.pp == 1))
+                held.append(step_held(lambda: infos.append(trainer.train_step()),
+                                      trainer.topology.pp == 1))
             else:
-                trainer.train_step()
+                infos.append(trainer.train_step())
         traffic.append(sorted((r.collective, r.algorithm, r.nbytes, r.bytes_sent, r.bytes_recv)
                               for r in rec.records))
     e = trainer.engine
     with e.full_parameters():
         params = {n: t.detach().float().clone() for n, t in engine_state.model_tensors(e).items()}
     return {"coords": trainer.topology.coords, "losses": list(trainer.history),
-            "params": params, "traffic": traffic, "held": min(held, default=0)}
+            "params": params, "traffic": traffic, "held": min(held, default=0),
+            "infos": [{k: v for k, v in i.items() if k != "lr"} for i in infos]}
 
 
 def recompute_worker(configs: list[dict]) -> list[dict]:

@@ -191,11 +191,14 @@ def layouts(corpus, tmp_path_factory):
 
 
 def test_selective_trains_as_without_it_and_as_one_process(layouts):
-    """Bit for bit the run without recomputation in the same layout, and within 1e-5 of one
-    process (fp32), every parameter of every rank (gathered over tp, ep and ZeRO-3)."""
+    """Bit for bit the run without recomputation in the same layout (losses, gradient norms,
+    the mixture's auxiliary loss and expert load, counted once though its forward runs
+    twice), and within 1e-5 of one process (fp32), every parameter of every rank (gathered
+    over tp, ep and ZeRO-3)."""
     for name, (_, ranks, ref) in layouts.items():
         for plain, sel in ranks:
             assert sel["losses"] == plain["losses"], name
+            assert sel["infos"] == plain["infos"], name  # norms; the experts' load, aux loss
             assert sel["params"].keys() == plain["params"].keys(), name
             for n, p in plain["params"].items():
                 assert torch.equal(sel["params"][n], p), (name, n, rel_err(sel["params"][n], p))
@@ -241,6 +244,22 @@ def test_selective_holds_fewer_activation_bytes(layouts):
     for name, (_, ranks, _) in layouts.items():
         for plain, sel in ranks:
             assert 0 < sel["held"] < plain["held"], (name, sel["held"], plain["held"])
+
+
+def test_a_mixture_counts_its_routing_once_when_recomputed_whole(corpus, tmp_path):
+    """The mixture of experts adds its auxiliary loss and expert load in forward; its
+    recomputation must not add them again. torch's checkpoint stops recomputing after the
+    last tensor backward needs (before the statistics), so the check runs with that early
+    stop off, where the whole forward runs again."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    steps = []
+    for recompute in (False, "selective"):
+        cfg = tiny_config(str(corpus), str(tmp_path / str(recompute)), model=MOE,
+                          parallel={"recompute": recompute}, training={"steps": 2})
+        with set_checkpoint_early_stop(False):
+            steps.append(run(cfg, measure=False)["infos"])
+    assert steps[1] == steps[0]
 
 
 def test_a_replay_that_differs_from_its_forward_names_both():
