@@ -241,6 +241,11 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
+        if self.recompute == "selective" and self.schedule == "pipedream":
+            raise ValueError("parallel.recompute=selective with parallel.schedule=pipedream: a "
+                             "layer recomputed in backward would read the live weights, not "
+                             "the version its forward used (weight stashing); use recompute = "
+                             "true (the executor recomputes with the stashed weights)")
         if self.zero > 0 and self.schedule == "pipedream":
             raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
                              "PipeDream steps after every backward and stashes whole weights; "
