@@ -22,6 +22,7 @@ measured, the same run gives the same bytes within ~1 KB on every rank.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 
 import torch
@@ -86,7 +87,7 @@ def run(cfg_dict: dict, measure: bool = True) -> dict:
         with accounting.recording() as rec:
             if i > 0 and measure:  # the first step creates the optimizer's moments
                 held.append(step_held(lambda: infos.append(trainer.train_step()),
-                                      trainer.topology.pp == 1))
+                                      trainer.topology.pp == 1 and trainer.topology.world_size > 1))
             else:
                 infos.append(trainer.train_step())
         traffic.append(sorted((r.collective, r.algorithm, r.nbytes, r.bytes_sent, r.bytes_recv)
@@ -95,6 +96,7 @@ def run(cfg_dict: dict, measure: bool = True) -> dict:
     with e.full_parameters():
         params = {n: t.detach().float().clone() for n, t in engine_state.model_tensors(e).items()}
     return {"coords": trainer.topology.coords, "losses": list(trainer.history),
+            "model": dataclasses.asdict(trainer.model_cfg),
             "params": params, "traffic": traffic, "held": min(held, default=0),
             "infos": [{k: v for k, v in i.items() if k != "lr"} for i in infos]}
 

@@ -30,6 +30,8 @@ from shardwise.engine import Engine, EngineSettings
 from shardwise.launch import spawn
 from shardwise.models.llama import Block, LlamaConfig
 from shardwise.parallel import activation_checkpoint as ac
+from shardwise.planner.memory import activation_bytes, selective_block_bytes
+from shardwise.planner.specs import ModelSpec
 
 CFG = LlamaConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32,
                   ffn_hidden=64)
@@ -249,6 +251,54 @@ def test_selective_holds_fewer_activation_bytes(layouts):
     for name, (_, ranks, _) in layouts.items():
         for plain, sel in ranks:
             assert 0 < sel["held"] < plain["held"], (name, sel["held"], plain["held"])
+
+
+def test_the_planner_counts_what_selective_recomputation_keeps(layouts):
+    """``planner.memory.activation_bytes(recompute="selective")`` (the matmuls' and
+    attention's outputs, the collectives' outputs the recomputation replays, the inputs)
+    against what the ranks held, within 15%, as ``activation_bytes`` without recomputation
+    is against the same count (malloc's count also holds what is not an activation: the
+    batch, the targets, the loss: 50-100 KB here). Layouts with one stage, no cp (its
+    per-block attention outputs are not counted) and no experts (not modelled)."""
+    checked = 0
+    for name, (cfg, ranks, _) in layouts.items():
+        p, m = cfg["parallel"], ranks[0][0]["model"]  # the model as built (its vocabulary)
+        if p["pp"] > 1 or p["cp"] > 1 or cfg["model"]["n_experts"] or m["dropout"]:
+            continue
+        checked += 1
+        spec = ModelSpec("t", m["n_layer"], m["n_embd"], m["n_head"], m["vocab_size"],
+                         m["block_size"], m["tie_weights"], m["bias"])
+        for recompute, i in ((False, 0), ("selective", 1)):
+            pred = activation_bytes(spec, mb=cfg["training"]["global_batch_size"] // p["dp"],
+                                    tp=p["tp"], pp=1, micro_batches=1, precision="fp32",
+                                    sp=p["sequence_parallel"], recompute=recompute)
+            got = max(r[i]["held"] for r in ranks)
+            assert abs(pred - got) <= 0.15 * got, (name, recompute, pred, got, pred / got)
+    assert checked >= 4
+
+
+def test_a_block_keeps_what_the_planner_counts():
+    """One GPT block under ``checkpoint_selectively`` (tp = 1): the outputs its policy keeps
+    plus its input are ``selective_block_bytes``, to the byte."""
+    from shardwise.models import GPTConfig
+    from shardwise.models.gpt import GPT
+
+    kept = []
+
+    def policy(ctx, op, *args, **kwargs):
+        choice = ac._policy(ctx, op, *args, **kwargs)
+        if not ctx.is_recompute and choice == ac.CheckpointPolicy.MUST_SAVE:
+            outs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
+            kept.extend(o for o in outs if isinstance(o, torch.Tensor))
+        return choice
+
+    block = GPT(GPTConfig(65, 32, 2, 4, 32)).blocks[0]
+    x = torch.randn(16, 32, 32, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False,
+               context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    spec = ModelSpec("t", 2, 32, 4, 65, 32, True, True)
+    assert (sum(t.untyped_storage().nbytes() for t in kept) + x.numel() * 4
+            == selective_block_bytes(spec, 16, 32, 1, False, "fp32"))
 
 
 def test_a_mixture_counts_its_routing_once_when_recomputed_whole(corpus, tmp_path):
