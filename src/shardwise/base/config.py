@@ -211,9 +211,10 @@ class ParallelConfig(_Section):
                                   "\"full\"): each stage keeps only its input and recomputes "
                                   "its forward in backward; \"selective\": every layer is "
                                   "checkpointed with torch's selective policy, matmul and "
-                                  "attention outputs saved, element-wise ops recomputed "
-                                  "(torchtitan's op-level selective AC; tp = 1, zero < 3, no "
-                                  "cp or experts; not yet on CUDA: docs/gpu.md); false: none")
+                                  "attention outputs saved, element-wise ops recomputed, the "
+                                  "outputs of tp/SP/expert collectives kept and replayed, the "
+                                  "cp ring run again (torchtitan's op-level selective AC; "
+                                  "not yet on CUDA: docs/gpu.md); false: none")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
@@ -258,11 +259,11 @@ class ParallelConfig(_Section):
                              "interleaved or pipedream")
         if self.partition not in ("layers", "params", "time"):
             raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
-        if self.recompute == "selective" and (self.tp > 1 or self.zero == 3 or self.cp > 1):
-            raise ValueError(f"parallel.recompute=selective with parallel.tp={self.tp}, "
-                             f"zero={self.zero}, cp={self.cp}: recomputing a layer would run its "
-                             "collectives (tp, ZeRO-3 gathers, the cp ring) again in backward; "
-                             "use recompute = true with those")
+        if self.recompute == "selective" and self.schedule == "pipedream":
+            raise ValueError("parallel.recompute=selective with parallel.schedule=pipedream: a "
+                             "layer recomputed in backward would read the live weights, not "
+                             "the version its forward used (weight stashing); use recompute = "
+                             "true (the executor recomputes with the stashed weights)")
         if self.zero > 0 and self.schedule == "pipedream":
             raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
                              "PipeDream steps after every backward and stashes whole weights; "

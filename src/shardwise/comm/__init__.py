@@ -16,12 +16,14 @@ Contract used by the rest of shardwise (stable signatures):
 Also: ``reduce``, ``gather``, ``scatter``, ``all_gather``, ``all_gather_into_tensor``,
 ``reduce_scatter``, ``reduce_scatter_tensor``, ``all_to_all``, ``all_to_all_single`` (uneven
 splits: ``alltoall.py``), ``send``, ``recv``, ``exchange`` (p2p, each with ``async_op``); ``configure`` (timeout, argument check), ``accounting`` (per-rank byte
-counters), ``cost`` (the model and ``auto``), ``shutdown`` (stop the communication thread).
+counters), ``cost`` (the model and ``auto``), ``shutdown`` (stop the communication thread),
+``replay`` (a recomputed region's collectives: recorded in its forward, replayed without
+moving a byte when it is recomputed; ``run_again`` for those that run again).
 """
 
 from __future__ import annotations
 
-from shardwise.comm import accounting, cost
+from shardwise.comm import accounting, cost, replay
 from shardwise.comm.alltoall import ALL_TO_ALL_ALGORITHMS, all_to_all, all_to_all_single
 from shardwise.comm.api import (
                                 ALL_GATHER_ALGORITHMS,
@@ -59,5 +61,5 @@ __all__ = [
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
     "exchange", "all_to_all", "all_to_all_single", "ALL_TO_ALL_ALGORITHMS",
     "barrier", "configure", "settings", "Settings", "CommError", "CommTimeoutError", "Handle",
-    "drain", "shutdown", "accounting", "cost",
+    "drain", "shutdown", "accounting", "cost", "replay",
 ]

@@ -186,7 +186,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
             call.close()
         out.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "all_to_all", (output,))
 
 
 def _check_enabled(check: bool | None) -> bool:

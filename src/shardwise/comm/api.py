@@ -10,7 +10,7 @@ flat contiguous storage; a non-contiguous tensor is copied in and out). Reduce o
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from shardwise.comm import (
     flat,
     halving_doubling,
     hierarchical,
+    replay,
     ring,
     shm,
     tree,
@@ -80,7 +81,14 @@ def _tensor(t, collective: str, what: str = "tensor") -> torch.Tensor:
     return t
 
 
-def _launch(fn: Callable[[], None], async_op: bool):
+def _launch(fn: Callable[[], None], async_op: bool, collective: str,
+            outputs: Sequence[torch.Tensor] = ()):
+    """Run the collective ``fn`` (blocking, or queued with a handle back for ``async_op``).
+    Every collective passes here, naming itself and the tensors it writes (``outputs``), so
+    a region being recorded or replayed for recomputation (``replay.py``) sees each one."""
+    log = replay.current()
+    if log is not None:
+        return log.launch(collective, outputs, fn, async_op)
     if async_op:
         return executor.submit(fn)
     executor.run(fn)
@@ -178,7 +186,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, algorithm: str
         call.close()
         f.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "all_reduce", (tensor,))
 
 
 # ---------------------------------------------------------------------------- rooted
@@ -214,7 +222,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
         call.close()
         f.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "broadcast", (tensor,))
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, async_op: bool = False,
@@ -249,7 +257,7 @@ def reduce(tensor: torch.Tensor, dst: int, op: str = "sum", group=None, async_op
         if mine:
             f.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "reduce", (tensor,) if info.rank == root else ())
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
@@ -275,7 +283,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
         for o in outs or ():
             o.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "gather", gather_list if info.rank == root else ())
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
@@ -299,7 +307,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         call.close()
         f.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "scatter", (tensor,))
 
 
 def _check_list(lst, n: int, like: torch.Tensor, collective: str, what: str) -> None:

@@ -73,12 +73,23 @@ class _Executor:
             if item is _STOP:
                 return
             fn, future = item
+            item = None
             try:
                 with torch.no_grad():  # collectives move data; autograd is the caller's
-                    future.set_result(fn())
+                    result, error = fn(), None
             except BaseException as exc:  # delivered to wait()
-                future.set_exception(exc)
+                result, error = None, exc
+            # drop the call before its caller resumes: the tensors it captured are then freed
+            # by the caller, when it lets them go (not here, later, or when the next call
+            # arrives), so their lifetimes do not depend on this thread's timing
+            fn = None
+            try:
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
             finally:
+                future = result = error = None
                 with self._lock:
                     self._pending -= 1
 

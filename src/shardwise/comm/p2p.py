@@ -37,7 +37,7 @@ def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, async_op: boo
         call.exchange(1, sends=[(peer, data.view(-1))])
         call.close()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "send")
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, async_op: bool = False):
@@ -60,7 +60,7 @@ def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, async_op: boo
         if buf is not tensor:
             tensor.copy_(buf)
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "recv", (tensor,))
 
 
 def exchange(sends: Sequence[tuple[torch.Tensor, int]] = (),
@@ -92,7 +92,7 @@ def exchange(sends: Sequence[tuple[torch.Tensor, int]] = (),
         call.exchange(1, sends=s, recvs=r)
         call.close()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "sendrecv", [buf for buf, _ in recvs])
 
 
 def barrier(group=None, algorithm: str = "dissemination") -> None:
@@ -131,4 +131,4 @@ def barrier(group=None, algorithm: str = "dissemination") -> None:
             k, step = 2 * k, step + 1
         call.close()
 
-    _launch(run, False)
+    _launch(run, False, "barrier")

@@ -72,7 +72,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
             call.close()
         out.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "all_gather", (output,))
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -142,7 +142,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
         out.flat.copy_(work[r * m:(r + 1) * m])
         out.done()
 
-    return _launch(run, async_op)
+    return _launch(run, async_op, "reduce_scatter", (output,))
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: str = "sum",

@@ -240,19 +240,16 @@ class Engine:
 
     def _checkpoint_selectively(self) -> None:
         """``parallel.recompute = "selective"``: every layer of this rank's chunks keeps its
-        matmul and attention outputs and recomputes the rest in backward
-        (``parallel.activation_checkpoint``). Refused with experts (their all-to-all would
-        run again in backward) and, until checked there, on CUDA; the config refuses tp, ZeRO-3
-        and cp."""
+        matmul and attention outputs and the outputs of the collectives in its forward, and
+        recomputes the rest in backward (``parallel.activation_checkpoint``; the ring
+        attention's shifts run again). Any layout: tp (with or without SP), cp, ep, ZeRO-3
+        (its gathers are hooks outside the recomputed forward). Refused, until checked
+        there, on CUDA."""
         if self.device.type == "cuda":
             raise ValueError(SELECTIVE_ON_CUDA)
-        if self.description.n_experts:
-            raise ValueError(f"parallel.recompute=selective with model.n_experts="
-                             f"{self.description.n_experts}: recomputing a block would run its "
-                             "expert all-to-all again in backward; use recompute = true")
         for chunk in self.local.chunks.values():
-            for layer in chunk.layers:
-                checkpoint_selectively(layer)
+            for name, layer in zip(chunk.names, chunk.layers):
+                checkpoint_selectively(layer, rng=self.local.rng, name=name)
 
     def _float8(self) -> list[str]:
         """``precision = "fp8"``: this rank's eligible ``nn.Linear`` swapped for torchao's

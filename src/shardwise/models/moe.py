@@ -61,7 +61,8 @@ results are put back and weighted. ``capacity_factor`` c > 0 keeps at most
 ``ceil(c N k / E)`` assignments per expert (first choices before second, then by token;
 GShard's priority) and drops the rest (the token keeps its residual); 0 is dropless, so no
 result depends on how tokens are batched. Each forward in training (grad enabled) adds its
-auxiliary loss and expert load to ``pop_router_stats()``.
+auxiliary loss and expert load to ``pop_router_stats()``; a forward run again by selective
+recomputation (``comm.replay.recomputing()``) does not, so nothing is counted twice.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.comm import replay
 from shardwise.models import sequence
 
 GATINGS = ("softmax", "sigmoid")
@@ -285,7 +287,8 @@ class MoE(nn.Module):
             load = torch.bincount(flat_e, minlength=self.n_experts)
             dropped = (n * k - kept.numel()) * torch.ones((), dtype=torch.int64,
                                                           device=x.device)
-            self._stats.append((aux.detach(), load, dropped))
+            if not replay.recomputing():  # selective recomputation: counted in forward
+                self._stats.append((aux.detach(), load, dropped))
             out = AuxLossScaler.apply(out, aux, self.aux_grad_scale)
         return out
 

@@ -499,7 +499,8 @@ def rank_groups(spec: ModelSpec, pp: int, v: int, partition: str, schedule: str,
 
 @lru_cache(maxsize=65536)
 def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batches: int,
-                     v: int = 1, schedule: str = "1f1b", sp: bool = False, recompute: bool = False,
+                     v: int = 1, schedule: str = "1f1b", sp: bool = False,
+                     recompute: bool | str = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers", selective: bool = False,
                      cp: int = 1) -> float:
@@ -512,7 +513,15 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     cp (ring attention keeps this rank's Q, K, V, output and log-sum-exp; measured 0.240 of
     cp = 1 at cp = 4, ``benchmarks/context_parallel.py``), except written-out scores, which
     are this rank's queries against all ``block_size`` keys, and K and V, which the ring
-    keeps with their ``n_kv_heads`` where one process repeats them to all heads."""
+    keeps with their ``n_kv_heads`` where one process repeats them to all heads.
+    ``recompute``: True, full recomputation; ``"selective"``, the engine's
+    ``parallel.recompute = "selective"`` (``selective_activation_bytes``; the planner's
+    ``selective``, Korthikanti's attention core, is another thing)."""
+    if recompute == "selective":
+        return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
+                                          micro_batches=micro_batches, v=v, schedule=schedule,
+                                          sp=sp, precision=precision, partition=partition,
+                                          cp=cp)
     am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
@@ -533,6 +542,73 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
         else:
             total = k * total_full
         worst = max(worst, total)
+    return worst
+
+
+def selective_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
+                          precision: str) -> float:
+    """Bytes one block keeps for backward under the engine's selective recomputation
+    (``parallel.activation_checkpoint``), per micro-batch of ``mb`` sequences of ``s``
+    tokens, width h, e bytes a value; a count of what it keeps (``tests/test_recompute.py``
+    holds it to malloc's count), in units of ``mb s h e``:
+
+    - its input (the checkpoint's), 1 (1 / tp under SP);
+    - the matmuls' and attention's outputs (torch's selective policy): Q, K, V and the
+      attention output, w (2 + 2 r) with w = H D / h and r = kv_heads / n_head (the Llama;
+      the GPT's Q K V is one 3-wide output, the same with r = 1), the MLP's first
+      matrices, 4 (GPT) or 2 f / h (SwiGLU's gate and up), all split over tp; plus the
+      attention's log-sum-exp, fp32 per head and token;
+    - the two row-parallel outputs: at tp = 1 the matmuls' (1 each); at tp > 1 the
+      reduced outputs the recomputation replays (``comm.replay``; the partial sums are not
+      kept: ``tensor_parallel.mappings.linear_reduce``), 1 each, or 1 / tp each
+      reduce-scattered under SP;
+    - under SP, the two all-gathered inputs of the attention and the MLP, 1 each, whole.
+
+    So 11 per block for the GPT at tp = 1 (16 without recomputation), 3 + 8 / tp at tp > 1,
+    2 + 11 / tp with SP. Raises ``ValueError`` for a mixture of experts (not modelled)."""
+    if spec.moe:
+        raise ValueError("selective recomputation's activations: a mixture of experts is not "
+                         "modelled (its grouped matmuls are recomputed, its all-to-alls kept)")
+    e, h = BYTES[precision], spec.n_embd
+    w = spec.attn_width / h
+    if spec.gated:
+        r = spec.kv_heads / spec.n_head
+        sharded = w * (2 + 2 * r) + 2 * spec.ffn / h
+    else:
+        sharded = 4 * w + 4
+    whole = (2 if sp else 0) + (1 + 2) / (tp if sp else 1)
+    lse = 4 * spec.n_head / tp / (h * e)  # fp32 per head and token, in units of h e
+    return mb * s * h * e * (whole + sharded / tp + lse)
+
+
+def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
+                               micro_batches: int, v: int = 1, schedule: str = "1f1b",
+                               sp: bool = False, precision: str = "fp32",
+                               partition: str = "layers", cp: int = 1) -> float:
+    """``activation_bytes`` under the engine's selective recomputation: the busiest pipeline
+    rank's micro-batches in flight times its chunks' bytes, a chunk's being its blocks'
+    (``selective_block_bytes``, over the ``block_size / cp`` tokens a rank holds), the
+    embedding's kept reduction at tp > 1 (its all-reduced output, ``mb s h e``, or
+    reduce-scattered, / tp, under SP; at tp = 1 it keeps nothing of size), and the head's:
+    its input (1, / tp under SP), under SP its all-gathered normalised input (1), the
+    logits and their log-softmax, as without recomputation, and the logits once more (the
+    projection's output, a matmul's, kept by the policy though the loss keeps only its
+    softmax). Under cp the ring attention's
+    per-block outputs are kept, one per ring step, so a block keeps about
+    ``(cp + 1) / 2`` attention outputs instead of one (not counted here)."""
+    e, h, s = BYTES[precision], spec.n_embd, spec.block_size // cp
+    blk = selective_block_bytes(spec, mb, s, tp, sp, precision)
+    emb = mb * s * h * e / (tp if sp else 1) if tp > 1 else 0.0
+    head = (head_activation_bytes(spec, mb, tp, precision, cp)
+            - mb * s * h * e * (2 - (1 / tp + 1 if sp else 1))
+            + mb * s * e * padded_vocab(spec.vocab_size, tp) / tp)  # its logits, a matmul's
+    chunks = chunk_blocks(spec, pp * v, partition)
+    worst = 0.0
+    for r in range(pp):
+        mine = [r + i * pp for i in range(v)]
+        total = sum(chunks[c][0] * blk + (head if chunks[c][1] else 0.0)
+                    + (emb if c == 0 else 0.0) for c in mine)
+        worst = max(worst, in_flight(schedule, pp, micro_batches, v, r) * total)
     return worst
 
 

@@ -32,8 +32,10 @@ blocks go cp - 1 steps round the ring: 2 (cp - 1) / cp of the sequence's K/V byt
 (2 s b k e / t, k the width passed: ``ring_kv_width``) received per rank; backward K and V
 again and their gradient accumulators dK, dV (fp32, as the engine keeps them) cp steps.
 Each ring pass overlaps the attention compute of its blocks (forward: the attention core,
-backward: twice it), so only what exceeds it is exposed. Gradients of replicated weights
-are reduced over dp x cp (``Topology``'s folded ``dp_cp`` group).
+backward: twice it), so only what exceeds it is exposed. With selective recomputation
+(``Layout.selective``) the attention core is computed again in backward and its ring with
+it: the forward's exposed ring seconds are added to the backward's. Gradients of
+replicated weights are reduced over dp x cp (``Topology``'s folded ``dp_cp`` group).
 
 Expert parallelism (``Layout.ep``, folded over dp, mixture-of-experts specs; Lepikhin et
 al. 2020, GShard; the engine's ``parallel.experts``): per MoE block and micro-batch, the
@@ -541,8 +543,11 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
         tpb += tpf
         wait_b += wait_f
         cpb, epb = cpb + cpf, epb + epf
-    elif lay.selective:  # the attention core's forward again, no collective in it
+    elif lay.selective:  # the attention core's forward again: no tp collective in it, but
+        # under cp its ring passes K and V again (the engine's recomputation runs the shifts
+        # again too, rather than keeping cp - 1 blocks: parallel.context.ring_comm)
         comp_b += nb * attn_s
+        cpb, tpb = cpb + cpf, tpb + cpf
     # a blocking send (Megatron-LM 2021): the activation on, unless the head is here;
     # the gradient back, unless the embedding is
     ppf, ppb = (0.0 if head else send), (0.0 if emb else send)

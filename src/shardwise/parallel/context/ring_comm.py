@@ -9,6 +9,14 @@ The exchange is posted asynchronously, on comm's FIFO thread, so the caller comp
 block it holds while the next one travels, and waits only when it needs it. ``total`` is the
 ring's one other call: a per-sequence statistic summed over its ranks (the mixture of
 experts' token counts per expert, ``models.moe.load_balancing_loss``).
+
+Under selective recomputation (``parallel.activation_checkpoint``) a layer's collectives are
+recorded in forward and replayed when it is recomputed (``comm.replay``), but the shifts run
+again (``comm.replay.run_again``): keeping the cp - 1 blocks a rank receives would hold that
+many key/value blocks per layer, while in the recomputation they only feed attention
+kernels whose outputs are kept. Every rank of the ring recomputes the same layer at the
+same point of backward, so the shifts run again in the same order on all of them.
+``total`` is replayed (its (S, E) counts are small).
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ class Ring:
         data once ``handle.wait()`` returned; ``tensors`` must not change before then."""
         sends = [t.contiguous() for t in tensors]
         recvs = [torch.empty_like(t) for t in sends]
-        handle = comm.exchange([(t, self.next) for t in sends], [(r, self.prev) for r in recvs],
-                               group=self.group, async_op=True)
+        with comm.replay.run_again():  # recomputed, the ring travels again (module docstring)
+            handle = comm.exchange([(t, self.next) for t in sends],
+                                   [(r, self.prev) for r in recvs], group=self.group,
+                                   async_op=True)
         return recvs, handle

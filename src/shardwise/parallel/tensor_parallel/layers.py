@@ -36,6 +36,7 @@ from shardwise.parallel.tensor_parallel.mappings import (
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
+    linear_reduce,
     reduce_from_region,
     reduce_scatter_to_sequence,
     scatter_to_region,
@@ -142,6 +143,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.tp, tag=self.tag)      # (..., in / N)
+        if self.reduces and self.tp.size > 1 and comm.replay.active():
+            # selective recomputation: keep the reduced output only, not the partial sums
+            y = linear_reduce(x, self.weight, self.tp, tag=self.tag)
+            return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)                             # partial sums (..., out)
         if not self.reduces:
             return y

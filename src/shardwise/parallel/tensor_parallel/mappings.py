@@ -36,6 +36,7 @@ on; callers clear it (``layer_log.clear()``) around what they measure.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -176,6 +177,47 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(g, ctx.dim, ctx.tp, ctx.tag, "backward"), None, None, None
 
 
+def _replayed_reduction(x: torch.Tensor, weight: torch.Tensor, tp: RankGroup) -> torch.Tensor:
+    """The reduction of ``_LinearReduce`` when recomputed: the same collective on a buffer
+    of its output's shape, which the replay fills; the partial sums are never formed."""
+    shape = list(x.shape[:-1]) + [weight.shape[0]]                          # (..., out)
+    if not tp.sequence_parallel:
+        y = x.new_empty(shape)
+        comm.all_reduce(y, group=tp.group, algorithm=tp.all_reduce, check=tp.check)
+        return y
+    full = x.new_empty(()).expand([tp.size] + shape[:1] + [shape[1] // tp.size] + shape[2:])
+    out = x.new_empty(full.shape[1:])                                       # (B, T / N, out)
+    comm.reduce_scatter_tensor(out, full, group=tp.group, algorithm=tp.gather, check=tp.check)
+    return out
+
+
+class _LinearReduce(torch.autograd.Function):
+    """x W^T summed over tp (g, or SP's reduce-scatter) as one step: see ``linear_reduce``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tp, tag):
+        ctx.tp, ctx.tag = tp, tag
+        ctx.save_for_backward(x, weight)
+        with comm.replay.hidden():  # neither kept nor counted by the selective checkpoint
+            if comm.replay.recomputing():
+                return _replayed_reduction(x, weight, tp)
+            partial = F.linear(x, weight)                                   # (..., out)
+            if tp.sequence_parallel:
+                return _reduce_scatter(partial, 1, tp, tag, "forward")      # (B, T / N, out)
+            return _all_reduce(partial, tp, tag, "forward")
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        if ctx.tp.sequence_parallel:
+            g = _gather(g, 1, ctx.tp, ctx.tag, "backward")                # (B, T, out)
+        # the products autograd takes for F.linear (mm's backward for its transposed weight)
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = g2.mm(weight).view(x.shape)
+        gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+        return gx, gw, None, None
+
+
 # ---------------------------------------------------------------- public operators
 
 @torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
@@ -223,6 +265,23 @@ def reduce_scatter_to_sequence(x: torch.Tensor, tp: RankGroup, dim: int = 1,
     """(B, T, C) partial sums -> (B, T / tp, C) reduced: reduce-scatter forward, all-gather
     backward (sequence parallelism's g)."""
     return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp, dim, tag)
+
+
+@torch.compiler.disable  # a collective: a compiled layer breaks here, it runs eagerly
+def linear_reduce(x: torch.Tensor, weight: torch.Tensor, tp: RankGroup,
+                  tag: str = "") -> torch.Tensor:
+    """A row-parallel layer's ``F.linear(x, weight)`` (partial sums) followed by
+    ``reduce_from_region`` (or, under sequence parallelism, ``reduce_scatter_to_sequence``),
+    as one autograd step, for layers that selective recomputation runs twice
+    (``parallel.activation_checkpoint``). (..., in / N) -> (..., out), or (B, T / N, out).
+
+    The partial sums feed only the reduction, whose output the recomputation replays
+    (``comm.replay``); as two steps, the selective checkpoint would keep them as a matmul's
+    output (b s h elements, the whole sequence, per row-parallel layer: more than the
+    reduced output it replays). Here the product is hidden from the checkpoint's op
+    counters, computed in forward and skipped when recomputed; the backward takes the
+    products autograd takes for the two steps, so gradients are bit for bit theirs."""
+    return _LinearReduce.apply(x, weight, tp, tag)
 
 
 def per_layer_table() -> list[dict]:
