@@ -127,7 +127,8 @@ class ModelConfig(_Section):
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
                          "has one; softmax ignores it)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
-                           "(LlamaForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, "
+                           "(LlamaForCausalLM, MistralForCausalLM, GPT2LMHeadModel, "
+                           "MixtralForCausalLM, "
                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
                            "Qwen3MoeForCausalLM or Phi3ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "

@@ -48,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "Llama with qkv_bias is a Qwen2, with qk_norm a Qwen3, with experts a "
                     "Mixtral, with experts and qk_norm a Qwen3-MoE, with experts and a "
                     "gated shared expert a Qwen2-MoE, with a rotary_dim below head_dim a "
-                    "Phi-3, with none of these a Llama")
+                    "Phi-3, with one sliding window on every layer a Mistral, with none "
+                    "of these a Llama")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")
