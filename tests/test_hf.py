@@ -508,6 +508,29 @@ def test_a_llama_with_qwen_options_exports_as_that_qwen(options, arch, tmp_path)
         torch.testing.assert_close(ours(idx)[0], theirs(idx).logits, rtol=1e-5, atol=1e-5)
 
 
+def _import_and_export(cfg, d, src, source: dict, idx: torch.Tensor, seq_len: int,
+                       tmp_path: Path):
+    """The engine in one process imports ``src`` (``model.init_from``) for description ``d``;
+    its logits of ``idx`` (B, T <= seq_len), then the run saved as a checkpoint with its
+    source config.json and exported (``export_hf``) to ``tmp_path/out``. Returns
+    ``(logits (B, T, VOCAB), export_hf's result)``."""
+    from shardwise import checkpoint
+    from shardwise.apps.lm.export import export_hf
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
+        batch_size=1, seq_len=seq_len, init_from=str(src)))
+    engine._train(False)
+    ours = engine._logits(idx)[..., :VOCAB]
+    tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
+    checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
+                    {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,
+                     "hf_config": source})
+    return ours, export_hf(tmp_path / "run", tmp_path / "out")
+
+
 def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     """A Mistral (head_dim 12 where hidden / heads is 16, rope_theta 1e6, a sliding window
     of 16 tokens, fed 32) imported by the engine in one process, saved as a run's
@@ -521,13 +544,8 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     (Mistral-7B-v0.1's window of 4096)."""
     from dataclasses import replace
 
-    from shardwise import checkpoint
-    from shardwise.apps.lm.export import export_hf
     from shardwise.apps.lm.hf import check_init_from, resolve_init_from
     from shardwise.base.config import Config
-    from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
-    from shardwise.engine.state import model_tensors
     from shardwise.models.description import describe_section
     from shardwise.models.hf import LLAMA, MISTRAL, QWEN2, export_arch
     from shardwise.models.llama import describe
@@ -547,16 +565,8 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
     assert windowless.hf is LLAMA and export_arch(windowless, source) is MISTRAL
     some = describe(replace(d.config, layer_types=("full_attention", "sliding_attention")))
     assert some.hf is None and export_arch(some, source) is None
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=32, init_from=str(src)))
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
-    engine._train(False)
-    ours = engine._logits(idx)[..., :VOCAB]
-    tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
-    checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
-                    {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,
-                     "hf_config": source})
-    done = export_hf(tmp_path / "run", tmp_path / "out")
+    ours, done = _import_and_export(cfg, d, src, source, idx, 32, tmp_path)
     assert done.architecture == "MistralForCausalLM"
     written = read_config(tmp_path / "out")
     assert {k: written[k] for k in ("model_type", "architectures", "sliding_window",
@@ -605,13 +615,8 @@ def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
     head with the default rotary, a Mistral with the window, a Llama without."""
     from dataclasses import replace
 
-    from shardwise import checkpoint
-    from shardwise.apps.lm.export import export_hf
     from shardwise.apps.lm.hf import check_init_from, resolve_init_from
     from shardwise.base.config import Config
-    from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
-    from shardwise.engine.state import model_tensors
     from shardwise.models.description import describe_section
     from shardwise.models.hf import LLAMA, MISTRAL, PHI3, export_arch
     from shardwise.models.llama import describe
@@ -654,16 +659,8 @@ def test_a_phi3_in_is_a_phi3_out(form, hf_dirs, tmp_path):
     assert spec.hf_shape((32, 64)) == (128, 64)
     assert spec.reads((32, 64), ((16, 16), (0, 64))) == [
         ("model.layers.0.self_attn.qkv_proj.weight", (slice(80, 96), slice(0, 64)), ())]
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=T, init_from=str(src)))
     idx = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(5))
-    engine._train(False)
-    ours = engine._logits(idx[:, :T])[..., :VOCAB]
-    tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
-    checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
-                    {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,
-                     "hf_config": source})
-    done = export_hf(tmp_path / "run", tmp_path / "out")
+    ours, done = _import_and_export(cfg, d, src, source, idx[:, :T], T, tmp_path)
     assert done.architecture == "Phi3ForCausalLM"
     written = read_config(tmp_path / "out")
     want_rope = ({"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 0.75}
