@@ -316,8 +316,13 @@ def test_plan_ranks_a100_layouts():
         assert parts == pytest.approx(c.time["step"], rel=1e-9)
 
 
-def test_emitted_toml_trains(corpus, tmp_path):
-    """``shardwise plan --emit-toml`` writes a config that ``shardwise train`` runs as is."""
+@pytest.mark.parametrize("extra", [[], ["--selective", "--memory-gib", "0.001"]],
+                         ids=["plain", "selective"])
+def test_emitted_toml_trains(corpus, tmp_path, extra):
+    """``shardwise plan --emit-toml`` writes a config that ``shardwise train`` runs as is;
+    with ``--selective`` and memory that the plain layout exceeds (1.07 MiB of a rank's
+    1.02), the best layout is selective recomputation's (0.93 MiB), written as
+    ``parallel.recompute = "selective"`` with the CUDA note, and trains."""
     model = tmp_path / "model.toml"
     model.write_text(f'[model]\nn_layer = 2\nn_head = 4\nn_embd = 32\nblock_size = 32\n\n'
                      f'[data]\npath = "{corpus}"\n\n[training]\nsteps = 2\neval_every = 0\n'
@@ -325,9 +330,16 @@ def test_emitted_toml_trains(corpus, tmp_path):
                      '[checkpoint]\nat_end = false\n')
     out = tmp_path / "best.toml"
     r = run_shardwise("plan", "--model", str(model), "--gpus", "2", "--global-batch", "8",
-                      "--emit-toml", str(out), cwd=None)
+                      "--emit-toml", str(out), *extra, cwd=None)
     assert r.returncode == 0, r.stderr
     assert "best layout written" in r.stdout and out.is_file()
+    text = out.read_text()
+    if extra:
+        assert text.startswith("# written by shardwise plan: dp2 tp1 pp1 mb4 m1 z0 rc=sel\n")
+        assert 'recompute = "selective"' in text and "refuses it on CUDA" in text
+        assert "note:" not in r.stderr  # local: no GPU cluster to warn about
+    else:
+        assert "recompute = false" in text
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "done: 2 steps" in t.stdout

@@ -19,6 +19,7 @@ from shardwise.planner.simulate import Layout, simulate, zero3_seconds
 from shardwise.planner.specs import NAMED
 
 A100 = PRESETS["dgx-a100-80gb"]
+H100 = PRESETS["dgx-h100"]
 SPEC = NAMED["gpt3-13b"]
 
 
@@ -37,9 +38,10 @@ def test_full_recomputation_trades_memory_for_time():
 
 
 @pytest.mark.parametrize("ops", [False, True])
-def test_selective_recomputation_sits_between_none_and_full(ops):
+def test_attention_core_recomputation_sits_between_none_and_full(ops):
     """Megatron's kernels keep the s x s attention scores: recomputing only the attention
-    core (Korthikanti et al. 2022) frees them for a fraction of full recomputation's time."""
+    core (Korthikanti et al. 2022; ``Layout.selective``, priced for their published runs,
+    not searched) frees them for a fraction of full recomputation's time."""
     cl = per_op(FIXED_PRESETS["dgx-a100-80gb"], "megatron-2021") if ops else \
         FIXED_PRESETS["dgx-a100-80gb"]
     base = Layout(4, 2, 2, 1, 8)
@@ -54,7 +56,7 @@ def test_selective_recomputation_sits_between_none_and_full(ops):
     assert "selective and full" in prune_reason(SPEC, replace(full, selective=True), A100, False)
 
 
-def test_selective_recomputation_saves_nothing_with_flash_attention():
+def test_attention_core_recomputation_saves_nothing_with_flash_attention():
     lay = Layout(4, 2, 2, 1, 8)
     assert memory_of(SPEC, replace(lay, selective=True), "bf16")["activations"] == \
         memory_of(SPEC, lay, "bf16")["activations"]  # flash keeps no scores to drop
@@ -63,12 +65,103 @@ def test_selective_recomputation_saves_nothing_with_flash_attention():
 
 
 def test_selective_recomputation_is_searched_only_when_asked():
+    """``selective=(False, True)`` adds the engine's selective recomputation
+    (``recompute="selective"``), never the attention-core mode."""
     spec, world, batch = NAMED["megatron-18b"], 32, 64
-    cl = per_op(A100, "megatron-2021")
-    default, _ = plan(spec, cl, world, batch, micro_batches=[1, 2], top=3)
-    asked, _ = plan(spec, cl, world, batch, micro_batches=[1, 2], top=3, selective=(False, True))
-    assert not any(c.layout.selective for c in default)
+    default, _ = plan(spec, A100, world, batch, micro_batches=[1, 2], top=3, exhaustive=True)
+    asked, _ = plan(spec, A100, world, batch, micro_batches=[1, 2], top=3, exhaustive=True,
+                    selective=(False, True))
+    assert not any(c.layout.recompute == "selective" for c in default)
+    assert any(c.layout.recompute == "selective" for c in asked)
+    assert not any(c.layout.selective for c in default + asked)
     assert asked[0].time["step"] <= default[0].time["step"]
+
+
+# --- the engine's selective recomputation (parallel.recompute = "selective") ------------
+
+LLAMA = NAMED["llama3-8b"]
+
+
+def test_engine_selective_keeps_what_activation_bytes_counts_between_none_and_full():
+    """A Llama block: its bytes are ``activation_bytes(recompute="selective")``'s, fewer than
+    without recomputation and more than full recomputation's where several micro-batches
+    are in flight (pp 4, 1F1B; at pp 1 full recomputation keeps the whole stage and
+    selective is the one that saves)."""
+    from shardwise.planner.memory import selective_block_bytes
+
+    for lay in (Layout(1, 2, 4, 1, 16, sp=True), Layout(1, 2, 4, 1, 16), Layout(4, 1, 4, 2, 8),
+                Layout(2, 1, 2, 1, 8, cp=2)):
+        act = {rc: memory_of(LLAMA, replace(lay, recompute=rc), "bf16")["activations"]
+               for rc in (False, "selective", True)}
+        want = activation_bytes(LLAMA, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
+                                micro_batches=lay.micro_batches, sp=lay.sp, cp=lay.cp,
+                                recompute="selective", precision="bf16")
+        assert act["selective"] == want, lay
+        assert act[False] > act["selective"], lay
+        if lay.cp == 1 and lay.pp == 4 and lay.micro_batch_size == 1:
+            assert act[True] < act["selective"], lay
+    one = Layout(4, 1, 1, 1, 4)  # pp 1: full recomputation keeps the stage, selective less
+    assert memory_of(LLAMA, replace(one, recompute="selective"), "bf16")["activations"] < \
+        memory_of(LLAMA, replace(one, recompute=True), "bf16")["activations"]
+    # the Llama block: input + Q, K, V (GQA: 8 of 32 heads) + attention out + gate, up +
+    # two row-parallel outputs (units of s h e; plus the fp32 log-sum-exp)
+    h, f, s = LLAMA.n_embd, LLAMA.ffn, LLAMA.block_size
+    units = 1 + (1 + 2 * 8 / 32 + 1) + 2 * f / h + 2 + 4 * LLAMA.n_head / (h * 2)
+    assert selective_block_bytes(LLAMA, 1, s, 1, False, "bf16") == pytest.approx(
+        s * h * 2 * units, rel=1e-12)
+
+
+@pytest.mark.parametrize("lay", [Layout(4, 2, 1, 1, 4, sp=True), Layout(2, 2, 2, 1, 8),
+                                 Layout(2, 1, 1, 1, 4, cp=2), Layout(2, 2, 1, 1, 4, cp=2)],
+                         ids=lambda lay: lay.label())
+def test_engine_selective_time_is_plain_plus_recomputed_ops_and_one_ring_pass(lay):
+    """Backward gains the block's memory-bound ops but attention's (``recomputed_ops``, by
+    bytes on the per-op model), no GEMM, no tp / SP collective (replayed), and under cp one
+    forward ring pass per block, exposed: per rank m x blocks x each."""
+    from shardwise.planner.simulate import op_seconds, recomputed_ops, ring_seconds
+
+    t0 = simulate(LLAMA, lay, H100, "bf16")
+    t1 = simulate(LLAMA, replace(lay, recompute="selective"), H100, "bf16")
+    blocks = LLAMA.n_layer // lay.pp * lay.micro_batches
+    redo = op_seconds(H100, recomputed_ops(LLAMA, 1, lay.tp, lay.sp, "shardwise", 2, lay.cp))
+    assert redo > 0
+    assert t1["compute"] - t0["compute"] == pytest.approx(blocks * redo, rel=1e-6)
+    assert t1["tp"] == pytest.approx(t0["tp"], rel=1e-12)
+    ring = ring_seconds(LLAMA, lay, H100, 2).forward
+    assert (ring > 0) == (lay.cp > 1)
+    assert t1["cp"] - t0["cp"] == pytest.approx(blocks * ring, rel=1e-6, abs=1e-12)
+    full = simulate(LLAMA, replace(lay, recompute=True), H100, "bf16")
+    assert t0["step"] < t1["step"] < full["step"]
+
+
+def test_engine_selective_wins_where_plain_does_not_fit():
+    """llama3-8b on 16 H100s, batch 64: with selective recomputation asked, the best layout
+    is one whose plain twin does not fit 80 GiB and whose full-recomputation twin does not
+    either or is slower (at pp 1 full recomputation keeps the stage); it beats the best without selective."""
+    default, _ = plan(LLAMA, H100, 16, 64, micro_batches=[1, 2, 4], top=3)
+    asked, _ = plan(LLAMA, H100, 16, 64, micro_batches=[1, 2, 4], top=3,
+                    selective=(False, True))
+    best = asked[0]
+    assert best.layout.recompute == "selective"
+    assert best.time["step"] < default[0].time["step"]
+    assert memory_of(LLAMA, replace(best.layout, recompute=False), "bf16")["total"] > \
+        H100.memory
+    full = replace(best.layout, recompute=True)
+    assert memory_of(LLAMA, full, "bf16")["total"] > H100.memory or \
+        simulate(LLAMA, full, H100, "bf16")["step"] > best.time["step"]
+
+
+def test_engine_selective_is_pruned_for_a_mixture_of_experts():
+    from shardwise.planner.search import SELECTIVE_MOE
+
+    moe = NAMED["mixtral-8x7b"].with_seq(1024)
+    feasible, pruned = plan(moe, H100, 16, 32, micro_batches=[1], top=2, cp=[1],
+                            selective=(False, True))
+    assert not any(c.layout.recompute == "selective" for c in feasible)
+    rec = [p for p in pruned if p.reason == SELECTIVE_MOE]
+    assert len(rec) == 1 and rec[0].count > 0
+    assert prune_reason(moe, Layout(16, 1, 1, 1, 2, recompute="selective"), H100, False) == \
+        SELECTIVE_MOE
 
 
 def test_sequence_parallelism_shrinks_activations_and_replaces_all_reduces():

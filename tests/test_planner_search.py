@@ -298,7 +298,7 @@ def test_json_and_columns_carry_the_new_axes(capsys):
     (["--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "8", "--ep", "3"],
      "--ep 3: must divide the 8 GPUs and the 8 experts"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
-      "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 / --selective"),
+      "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 to emit one"),
 ])
 def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert_one_line_exit_2(["plan", *argv], capsys, needle)
@@ -370,3 +370,32 @@ def test_the_cheap_bound_stays_below_the_lower_bound():
                             for i, c in enumerate(chunk_costs(
                                 spec, replace(lay, zero=0), cluster, "bf16"))]
                 assert chunk_costs(spec, lay, cluster, "bf16", memo={}) == by_chunk, lay
+
+
+def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, capsys):
+    """``plan --selective --emit-toml`` on dgx-h100 (llama3-8b, 16 GPUs, batch 64): the best
+    layout is selective recomputation's (its plain twin does not fit), written as
+    ``parallel.recompute = "selective"`` in a config ``Config.from_dict`` accepts, with the
+    comment and one stderr line saying train refuses it on CUDA today; without --selective
+    no such layout is offered."""
+    import tomllib
+
+    from shardwise.base.config import Config
+    from shardwise.cli.main import main
+
+    out = tmp_path / "sel.toml"
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "16",
+            "--global-batch", "64", "--top", "3"]
+    assert main([*argv, "--selective", "--emit-toml", str(out)]) == 0
+    cap = capsys.readouterr()
+    rows = [line for line in cap.out.splitlines() if line.lstrip().startswith("1  ")]
+    assert "rc=sel" in rows[0]
+    text = out.read_text()
+    assert "rc=sel" in text.splitlines()[0] and "refuses it on CUDA" in text.splitlines()[1]
+    cfg = Config.from_dict(tomllib.loads(text))
+    assert cfg.parallel.recompute == "selective"
+    assert [line for line in cap.err.splitlines() if line.startswith("note:")] == \
+        [line for line in cap.err.splitlines() if "refuses it on CUDA" in line]
+    assert "refuses it on CUDA" in cap.err
+    assert main(argv) == 0
+    assert "rc=sel" not in capsys.readouterr().out

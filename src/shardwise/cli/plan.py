@@ -26,14 +26,17 @@ The search covers context parallelism (cp, where 2 cp divides the sequence) and,
 mixture of experts, expert parallelism (ep); ``--cp`` / ``--ep`` restrict their sizes.
 A model with dropout (``model.dropout`` > 0) gets no cp > 1, as ``shardwise train`` refuses
 it (ring attention has no attention dropout); ``--cp N`` with N > 1 is then an error.
-``--fp8`` (a cluster with FP8 tensor cores: dgx-h100) and ``--selective`` (recompute only
-the attention core) are priced, not emitted: the engine's FP8 (``training.precision =
-"fp8"``) runs with tp = 1 only, and its ``parallel.recompute = "selective"`` is torch's
-op-level selective checkpointing, not Korthikanti et al.'s attention-core recomputation
-priced here.
+``--fp8`` (a cluster with FP8 tensor cores: dgx-h100) is priced, not emitted: the engine's
+FP8 (``training.precision = "fp8"``) runs with tp = 1 only. ``--selective`` adds the
+engine's selective recomputation (``parallel.recompute = "selective"``: matmul and attention
+outputs kept, norms, activations and residual adds recomputed in backward; its collectives
+replayed, the cp ring run again) to the search, priced as the engine runs it and emitted
+(not for a mixture of experts, whose kept bytes are not modelled); ``shardwise train``
+refuses it on CUDA until its GPU check has run, which the emitted TOML and one line on
+stderr say.
 
 The table's columns stay aligned whatever the layouts' names; a layout's name says its cp,
-ep, recomputation (rc, rc=attn) and fp8, and the time split gains cp and ep columns when a
+ep, recomputation (rc: full, rc=sel: selective) and fp8, and the time split gains cp and ep columns when a
 row has them. ``--json`` prints one JSON document instead (the ranked layouts with memory
 in bytes and time in seconds, the pruned ones counted by reason), for scripts. A search
 that takes over a second shows a progress bar on stderr.
@@ -94,9 +97,11 @@ def build_parser():
     ap.add_argument("--fp8", action="store_true", help="also price FP8 linear layers (a "
                     "cluster with FP8 tensor cores: dgx-h100); priced, not emitted: "
                     "shardwise train runs fp8 with tp = 1 only")
-    ap.add_argument("--selective", action="store_true", help="also price selective "
-                    "recomputation of the attention core only; priced, not emitted: "
-                    "shardwise train's selective recomputation is torch's op-level one")
+    ap.add_argument("--selective", action="store_true", help="also search selective "
+                    "recomputation (parallel.recompute = \"selective\": matmul and attention "
+                    "outputs kept, the rest recomputed; layout name rc=sel), emitted by "
+                    "--emit-toml; not for a mixture of experts; shardwise train refuses it on "
+                    "CUDA until checked there")
     ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
                     "memory in bytes, times in seconds, pruned counts by reason) instead of "
                     "the tables")
@@ -216,6 +221,8 @@ def _run(args) -> int:
     if "emitted_toml" in extra:
         path = extra["emitted_toml"]
         print(f"\nbest layout written to {path}: shardwise train --config {path}")
+        if best.layout.recompute == "selective" and not cluster.cores:
+            print(f"note: {path} has {SELECTIVE_CUDA}", file=sys.stderr)
     if "timeline" in extra:
         print(f"predicted timeline: {args.timeline}")
     return 0
@@ -311,14 +318,16 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     ``model.init_from`` and the planned ``block_size``; a named model gets
     its sizes written out (``ModelSpec.model_table``: a Llama as ``model.kind = "llama"``
     with its key/value heads, SwiGLU width and rotary base, and its experts). A layout the
-    engine does not run as priced (fp8 here, priced with tp; the attention-core selective
-    recomputation) is refused in one line. Returns the path."""
+    engine does not run as priced (fp8 here, priced with tp; Korthikanti et al.'s
+    attention-core recomputation, ``Layout.selective``, which the search never offers) is
+    refused in one line; the engine's selective recomputation is written with a comment
+    that train refuses it on CUDA today. Returns the path."""
     if lay.fp8 or lay.selective:
         what = ("FP8 (shardwise train runs it with tp = 1 only)" if lay.fp8 else
-                "attention-core selective recomputation (shardwise train's selective is "
-                "torch's op-level one)")
+                "attention-core recomputation (shardwise train's selective is torch's "
+                "op-level one)")
         raise SpecError(f"--emit-toml: the best layout ({lay.label()}) uses {what}; drop "
-                        "--fp8 / --selective to emit one")
+                        "--fp8 to emit one")
     data: dict = {}
     src = Path(model_arg)
     if src.is_file():
@@ -341,6 +350,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     training.update({"global_batch_size": batch, "precision": precision})
     out = {**data, "model": model, "parallel": parallel, "training": training}
     text = "# written by shardwise plan: " + lay.label() + "\n"
+    if lay.recompute == "selective":
+        text += f"# {SELECTIVE_CUDA}\n"
     for section, table in out.items():
         if not isinstance(table, dict):
             continue
@@ -351,6 +362,12 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     p = Path(path)
     p.write_text(text)
     return p
+
+
+# the engine's CUDA_REFUSAL (parallel.activation_checkpoint) in short, without importing it
+SELECTIVE_CUDA = ("parallel.recompute = \"selective\": shardwise train refuses it on CUDA "
+                  "until its GPU check has run (docs/gpu.md; it runs on the CPU); on GPUs "
+                  "use parallel.recompute = true for now")
 
 
 def _toml(v) -> str:

@@ -11,9 +11,12 @@ experts,
 expert parallelism ep over the divisors of dp that divide the experts (with ZeRO-3 too:
 ``simulate.zero3_seconds``, ``memory.gathered_bytes``; sequence parallelism refused with
 experts, as the engine does); FP8 (``fp8=(False, True)``) and
-selective recomputation (``selective=(False, True)``) only when asked: the engine's FP8
-needs tp = 1 and its selective recomputation is torch's op-level one, not the
-attention-core recomputation of Korthikanti et al. priced here. Tensor parallelism stays inside a node unless ``tp_across_nodes``.
+selective recomputation (``selective=(False, True)``: ``Layout.recompute = "selective"``,
+the engine's op-level one, ``parallel.recompute = "selective"``; pruned for a mixture of
+experts, whose kept bytes are not modelled) only when asked: the engine's FP8 needs tp = 1.
+Korthikanti et al.'s attention-core recomputation (``Layout.selective``) is priced for
+their published runs (``benchmarks/planner_published.py``), never searched. Tensor
+parallelism stays inside a node unless ``tp_across_nodes``.
 
 Order of work (``plan``), each pruned layout keeping its reason (``Pruned``; a whole group
 pruned for one reason is one record with its ``count``):
@@ -120,7 +123,7 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                       cp: list[int] | None = None, ep: list[int] | None = None,
                       fp8: list[bool] = (False,), selective: list[bool] = (False,)):
     """Yield every layout of the space (feasible or not)."""
-    modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
+    modes = _modes(recompute, selective)
     for c in cp_choices(spec, world, cp):
         for tp in divisors(world // c):
             for pp in divisors(world // (tp * c)):
@@ -214,7 +217,21 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.selective and lay.recompute:
         return "selective and full recomputation together (full recomputes everything)"
+    if lay.recompute == "selective" and spec.moe:
+        return SELECTIVE_MOE
     return None
+
+
+SELECTIVE_MOE = ("selective recomputation with a mixture of experts: what it keeps (the "
+                 "experts' grouped matmuls, the all-to-alls' rows) is not modelled")
+
+
+def _modes(recompute, selective) -> list[tuple]:
+    """The (``Layout.recompute``, ``Layout.selective``) pairs searched: each of
+    ``recompute``, and the engine's selective recomputation where ``selective`` holds
+    True."""
+    return [(rc, False) for rc in recompute] + (
+        [("selective", False)] if True in selective else [])
 
 
 def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, precision: str,
@@ -414,9 +431,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
-    stderr when the search takes over a second. ``selective=(False, True)`` adds selective
-    recomputation (the attention core only) and ``fp8=(False, True)`` FP8 linear layers to
-    the space: the model prices them, the engine runs neither, so they are off by default.
+    stderr when the search takes over a second. ``selective=(False, True)`` adds the
+    engine's selective recomputation (``Layout.recompute = "selective"``; pruned for a
+    mixture of experts) and ``fp8=(False, True)`` FP8 linear layers to the space, off by
+    default (the engine's FP8 runs with tp = 1 only; its selective recomputation is refused
+    on CUDA until checked there).
     ``cp`` / ``ep``: the context / expert-parallel sizes to search (None: every one the
     model allows, ``cp_choices`` / ``ep_choices``)."""
     from tqdm import tqdm
@@ -427,7 +446,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
         top = simulate_top
     top = max(1, int(top))
     feasible, pruned = [], []
-    modes = [(rc, False) for rc in recompute] + ([(False, True)] if True in selective else [])
+    modes = _modes(recompute, selective)
+    sel_moe = spec.moe and ("selective", False) in modes  # pruned whole, one record
+    if sel_moe:
+        modes.remove(("selective", False))
+    n_sel = 0
     bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
     fp8s = tuple(fp8)
     am = MEGATRON if cluster.kernels == "megatron-2021" else None  # as memory_of's
@@ -440,6 +463,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                  f"global batch {global_batch} is not divisible by dp={dp}"))
             continue
         eps = ep_choices(spec, dp, ep)
+        if sel_moe:
+            n_sel += _count(mbs, scheds, zero, [None], sp, partitions, tp, pp, eps, fp8s)
         first = Layout(dp, tp, pp, mbs[0], per // mbs[0], cp=c) if mbs else None
         why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c)
         if why:
@@ -504,6 +529,9 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                              partition=cut_by, cp=c, ep=e, fp8=f8)
                                 _expand(spec, rep, modes, sps, statics, acts, least_act,
                                         sp_why, limit, feasible, pruned)
+    if sel_moe and n_sel:
+        pruned.append(Pruned(Layout(world, 1, 1, 0, 0, recompute="selective"), SELECTIVE_MOE,
+                             count=n_sel))
     if cluster.cores:  # ranks share cores: the processor-sharing walk, no bound (docstring)
         keep = max(top, 40 if simulate_top is None else simulate_top)
         if len(feasible) > keep and not exhaustive:

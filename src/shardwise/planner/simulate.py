@@ -34,7 +34,14 @@ again and their gradient accumulators dK, dV (fp32, as the engine keeps them) cp
 Each ring pass overlaps the attention compute of its blocks (forward: the attention core,
 backward: twice it), so only what exceeds it is exposed. With selective recomputation
 (``Layout.selective``) the attention core is computed again in backward and its ring with
-it: the forward's exposed ring seconds are added to the backward's. Gradients of
+it: the forward's exposed ring seconds are added to the backward's (Korthikanti et al.'s
+attention-core recomputation, ``Layout.selective``, kept for their published runs). The
+engine's selective recomputation (``Layout.recompute = "selective"``, ``parallel.recompute
+= "selective"``: matmul and attention outputs kept, the rest of a block recomputed) adds to
+the backward the block's memory-bound operations but the attention kernel (norms,
+activation, residual adds: ``recomputed_ops``), no GEMM and no tp / SP / ep collective (the
+engine replays them), and under cp one more forward ring pass of K and V per block, exposed
+(the attention it overlapped is not run again). Gradients of
 replicated weights are reduced over dp x cp (``Topology``'s folded ``dp_cp`` group).
 
 Expert parallelism (``Layout.ep``, folded over dp, mixture-of-experts specs; Lepikhin et
@@ -93,7 +100,7 @@ class Layout:
     schedule: str = "1f1b"
     chunks_per_rank: int = 1  # model chunks per pipeline rank (interleaved: v)
     zero: int = 0
-    recompute: bool = False
+    recompute: bool | str = False  # True: full; "selective": the engine's op-level one
     sp: bool = False
     partition: str = "layers"  # how the engine cuts layers into chunks: layers or params
     selective: bool = False  # recompute only the attention core (Korthikanti et al. 2022)
@@ -108,7 +115,8 @@ class Layout:
     def label(self) -> str:
         v = self.chunks_per_rank
         sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{v}" if v > 1 else ""))
-        extra = ("" if not self.recompute else " rc") + (" rc=attn" if self.selective else "") + (
+        rc = " rc=sel" if self.recompute == "selective" else " rc" if self.recompute else ""
+        extra = rc + (" rc=attn" if self.selective else "") + (
             "" if not self.sp else " sp") + (
             " cut=params" if self.partition == "params" and self.pp > 1 else "") + (
             " fp8" if self.fp8 else "")
@@ -175,6 +183,12 @@ class BlockCosts(NamedTuple):
     sync_penalty: float
     """Seconds each synchronisation waits on a machine whose ranks share cores
     (``Cluster.sync_penalty_s``)."""
+    recomputed: float = 0.0
+    """Seconds of what the engine's selective recomputation runs again of a block in
+    backward (``recomputed_ops``; ``Layout.recompute = "selective"``)."""
+    ring_again: float = 0.0
+    """Seconds of the ring's forward pass of K and V run again in that recomputation (cp >
+    1), none of it hidden (the attention it overlapped is kept, not recomputed)."""
 
 
 class ChunkCost(NamedTuple):
@@ -338,6 +352,19 @@ def attention_core_ops(spec: ModelSpec, mb: int, tp: int, kernels: str, e: int,
                ops.moves[2:4] if kernels == "megatron-2021" else ops.moves[2:3])
 
 
+def recomputed_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
+                   cp: int = 1) -> Ops:
+    """The part of ``block_ops`` the engine's selective recomputation runs again in backward
+    (``parallel.activation_checkpoint``: torch's policy keeps the matmuls' and fused
+    attention's outputs, recomputes the rest): no GEMM; the memory-bound operations but the
+    attention kernel's (the two norms, the residual adds, the MLP's activation; RoPE is
+    not in ``block_ops`` and not here either). A dense block's (a mixture's selective
+    recomputation is not priced: ``search.layout_reason``)."""
+    ops = block_ops(spec, mb, tp, sp, kernels, e, cp)
+    att = 2 if kernels == "megatron-2021" else 1  # the attention kernel's moves
+    return Ops([], ops.moves[:2] + ops.moves[2 + att:])
+
+
 def op_seconds(cluster: Cluster, ops: Ops, fp8: bool = False) -> float:
     """Seconds of ``ops`` under ``cluster.ops``; ``fp8``: the GEMMs but the attention
     core's (``gemms[1:3]`` of a whole block) at the FP8 peak."""
@@ -458,6 +485,15 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                                                             cluster.kernels, e, lay.cp))
         else:
             attn_s = core_f / rate
+    redo = recomputed_ops(spec, lay.micro_batch_size, lay.tp, lay.sp, cluster.kernels, e,
+                          lay.cp)
+    if cluster.ops is not None:
+        redo_s = op_seconds(cluster, redo)
+    else:  # the fixed / measured model has no memory-bound kernels of its own: their bytes
+        # at the device's (a core's, shared as the matmuls are) bandwidth, and one more pass
+        # of the fixed per-block overhead
+        redo_s = sum(redo.moves) / cluster.mem_bw * (cluster.flops * cluster.efficiency
+                                                      / rate) + over
     send = megatron_send_seconds(spec, lay, cluster, e)
     ring = ring_seconds(spec, lay, cluster, e)
     cp_f = max(0.0, ring.forward - attn_s)  # overlapped
@@ -465,7 +501,8 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     a2a = all_to_all_seconds(spec, lay, cluster, e)
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
-                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen)
+                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen,
+                      recomputed=redo_s, ring_again=ring.forward)
 
 
 def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
@@ -538,7 +575,13 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
     wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
     comp_b = 2 * comp_f
-    if lay.recompute:
+    if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
+        # its collectives replayed (nothing moved), but under cp its ring passes K and V
+        # again (parallel.context.ring_comm runs the shifts again), none of it hidden
+        comp_b += nb * blk.recomputed
+        again = nb * blk.ring_again
+        cpb, tpb = cpb + again, tpb + again
+    elif lay.recompute:
         comp_b += comp_f
         tpb += tpf
         wait_b += wait_f
@@ -713,7 +756,7 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     x = {k: parts([i]) for k, i in one.items()}
     gk = {k: gather(*v) for k, v in x.items()}
     rk = {k: scatter(*v) for k, v in x.items()}
-    mult = 3 if lay.recompute else 2
+    mult = 3 if lay.recompute is True else 2  # selective's recomputed ops: not counted
     # a block between two blocks adds the same terms: sum the sequence with three blocks
     # (its ends, and one such middle block) and the other middle blocks in one product
     middle = max(0, nb - 3)
