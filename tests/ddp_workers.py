@@ -128,6 +128,24 @@ def run_all(calls: list[tuple]) -> list:
     return [fn(*args) for fn, args in calls]
 
 
+def straight_and_resumed(runs: dict, stop_at: int = 4) -> dict:
+    """Resume tests in two spawns of 2 ranks: ``runs`` maps a case to ``(straight, cut)``,
+    ``straight`` the uninterrupted run as a ``(fn, args)`` call and ``cut`` the config cut
+    at step ``stop_at`` (``train_and_checkpoint``), then resumed in fresh processes
+    (``resume_and_finish``). Returns case -> (straight results, resumed results), one per
+    rank."""
+    from shardwise.launch import spawn
+
+    calls, resume_calls = [], []
+    for straight, cut in runs.values():
+        calls += [straight, (train_and_checkpoint, (cut, stop_at))]
+        resume_calls.append((resume_and_finish, (cut,)))
+    first = spawn(run_all, 2, (calls,))
+    resumed = spawn(run_all, 2, (resume_calls,))
+    return {case: ([r[2 * i] for r in first], [r[i] for r in resumed])
+            for i, case in enumerate(runs)}
+
+
 def overlap_probe(bucket_mb: float) -> dict:
     """Different init per rank, our DDP, one backward: report broadcast and overlap facts."""
     from shardwise.models import GPT, GPTConfig

@@ -4,11 +4,9 @@ import pytest
 import torch
 
 from ddp_workers import (
-    resume_and_finish,
-    run_all,
+    straight_and_resumed,
     tiny_config,
     train,
-    train_and_checkpoint,
     train_each,
     train_saving_at,
 )
@@ -101,20 +99,16 @@ RESUME_SCHEDULES = ["1f1b", "pipedream"]
 def resumes(corpus, tmp_path_factory):
     """Two spawns of 2 for every schedule: the uninterrupted runs and the runs cut at step 4
     (in turn), then the resumes, in fresh processes. schedule -> (straight, resumed)."""
-    calls, resume_calls = [], []
+    runs = {}
     for schedule in RESUME_SCHEDULES:
         root = tmp_path_factory.mktemp(f"resume-{schedule}")
         sections = {"model": UNTIED, "training": {"steps": 8},
                     "parallel": {"dp": 1, "pp": 2, "micro_batches": 2, "schedule": schedule},
                     "optimizer": {"lr": 3e-3, "warmup_steps": 2, "grad_clip": 0.0}}
-        cut = tiny_config(str(corpus), str(root / "b"), **sections)
-        calls += [(train_saving_at, (tiny_config(str(corpus), str(root / "a"), **sections), 4)),
-                  (train_and_checkpoint, (cut, 4))]
-        resume_calls.append((resume_and_finish, (cut,)))
-    first = spawn(run_all, 2, (calls,))
-    resumed = spawn(run_all, 2, (resume_calls,))
-    return {s: ([r[2 * i] for r in first], [r[i] for r in resumed])
-            for i, s in enumerate(RESUME_SCHEDULES)}
+        runs[schedule] = ((train_saving_at, (tiny_config(str(corpus), str(root / "a"),
+                                                         **sections), 4)),
+                          tiny_config(str(corpus), str(root / "b"), **sections))
+    return straight_and_resumed(runs)
 
 
 @pytest.mark.parametrize("schedule", RESUME_SCHEDULES)

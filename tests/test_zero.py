@@ -7,11 +7,10 @@ import torch
 from ddp_workers import (
     _result,
     _trainer,
-    resume_and_finish,
     run_all,
+    straight_and_resumed,
     tiny_config,
     train,
-    train_and_checkpoint,
     train_infos,
 )
 from helpers import assert_one_line_exit_2
@@ -168,19 +167,15 @@ RESUME_CASES = [(2, "fp32"), (3, "fp32"), (3, "bf16")]
 def resumes(corpus, tmp_path_factory):
     """Two spawns of 2 for every case: the uninterrupted runs and the runs cut at step 4 (in
     turn), then the resumes, in fresh processes. (zero, precision) -> (straight, resumed)."""
-    calls, resume_calls = [], []
+    runs = {}
     for zero, precision in RESUME_CASES:
         root = tmp_path_factory.mktemp(f"resume-z{zero}-{precision}")
         sections = {"parallel": {"dp": 2, "zero": zero, "bucket_mb": 0.004},
                     "training": {"steps": 8, "precision": precision}}
-        cut = tiny_config(str(corpus), str(root / "cut"), **sections)
-        calls += [(train, (tiny_config(str(corpus), str(root / "full"), **sections),)),
-                  (train_and_checkpoint, (cut, 4))]
-        resume_calls.append((resume_and_finish, (cut,)))
-    first = spawn(run_all, 2, (calls,))
-    resumed = spawn(run_all, 2, (resume_calls,))
-    return {case: ([r[2 * i] for r in first], [r[i] for r in resumed])
-            for i, case in enumerate(RESUME_CASES)}
+        runs[zero, precision] = ((train, (tiny_config(str(corpus), str(root / "full"),
+                                                      **sections),)),
+                                 tiny_config(str(corpus), str(root / "cut"), **sections))
+    return straight_and_resumed(runs)
 
 
 @pytest.mark.parametrize("zero, precision", RESUME_CASES)
