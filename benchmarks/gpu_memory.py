@@ -19,6 +19,10 @@ NCCL: dp x pp x cp x tp must not exceed the GPUs), the path ``shardwise train`` 
   peaks are reset after the model is built and one warm-up step, so construction and
   first-step autotuning are not counted); the gap peak - predicted is what the prediction
   leaves out: activations, logits and the transient fp32 gradient copies of the step;
+- outside the allocator: the device memory in use (``torch.cuda.mem_get_info``: total -
+  free) less what PyTorch's caching allocator has reserved: the CUDA context, cuBLAS
+  workspaces, NCCL's buffers (what ``planner.hardware.GPU_RESERVED``, the 2 GiB a plan
+  leaves free, stands for; exact when the rank has the GPU to itself);
 - speed: milliseconds per step and tokens/s over the timed steps (after the first).
 
 Bytes in MiB (2**20). Results append to ``benchmarks/gpu_results/memory.json`` (a list of
@@ -78,11 +82,14 @@ def measure(cfg_dict: dict, steps: int) -> dict:
     torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - t0) / steps
     held = trainer.engine.memory_bytes()
+    free, total = torch.cuda.mem_get_info(device)
     return {"coords": c, "predicted_mib": {k: v / MiB for k, v in pred.items() if k != "padding"},
             "held_mib": {k: v / MiB for k, v in held.items()},
             "allocated_mib": torch.cuda.memory_allocated(device) / MiB,
             "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / MiB,
             "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / MiB,
+            "device_total_mib": total / MiB,
+            "outside_allocator_mib": (total - free - torch.cuda.memory_reserved(device)) / MiB,
             "ms_per_step": 1e3 * seconds,
             "tokens_per_s": trainer.samples_per_step / seconds, "loss": loss,
             "fp8_layers": len(trainer.engine.fp8_layers)}
@@ -109,19 +116,23 @@ def _markdown(rows: list[dict]) -> str:
            "predicted: `engine.memory.predict_rank` (parameters, gradients, optimizer state "
            "between steps); held: `Engine.memory_bytes()` after the steps; peak: "
            "`torch.cuda.max_memory_allocated` / `max_memory_reserved` over the timed steps; "
-           "gap = peak allocated - predicted (activations, logits, the step's transients).", "",
+           "gap = peak allocated - predicted (activations, logits, the step's transients); "
+           "outside: device memory in use less the allocator's reservation (CUDA context, "
+           "NCCL, cuBLAS; - where the run predates the column).", "",
            "| run | precision | rank (dp,pp,tp) | predicted | held | peak alloc | peak reserved "
-           "| gap | ms/step | tokens/s | device, torch |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "| gap | outside | ms/step | tokens/s | device, torch |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         for k in r["ranks"]:
             c = k["coords"]
+            outside = (f"{k['outside_allocator_mib']:,.1f}" if "outside_allocator_mib" in k
+                       else "-")
             out.append(
                 f"| {r['label']} | {r['precision']}{' compiled' if r['compile'] else ''} | "
                 f"{c['dp']},{c['pp']},{c['tp']} | {k['predicted_mib']['total']:,.1f} | "
                 f"{k['held_mib']['total']:,.1f} | {k['peak_allocated_mib']:,.1f} | "
                 f"{k['peak_reserved_mib']:,.1f} | "
-                f"{k['peak_allocated_mib'] - k['predicted_mib']['total']:,.1f} | "
+                f"{k['peak_allocated_mib'] - k['predicted_mib']['total']:,.1f} | {outside} | "
                 f"{k['ms_per_step']:.1f} | {k['tokens_per_s']:,.0f} | "
                 f"{r['device']}, {r['torch']} |")
     out += ["", "Commands:", ""] + [f"- {r['label']}: `{r['command']}`" for r in rows]

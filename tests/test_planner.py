@@ -271,7 +271,7 @@ def _exit_code(argv) -> int:
 @pytest.mark.parametrize("args,needle", [
     (["--model", "gpt2-124m", "--cluster", "dgx-z100"], "--cluster 'dgx-z100': unknown preset"),
     (["--model", "gpt3-175b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "8"],
-     "fits no layout of 8 GPUs with 40 GiB each: the smallest needs"),
+     "fits no layout of 8 GPUs with 38 GiB each: the smallest needs"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "nan"], "--gpus 'nan'"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--global-batch", "1e400"], "finite"),
     (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--seq", "abc"], "expected a number"),

@@ -135,20 +135,37 @@ def test_engine_selective_time_is_plain_plus_recomputed_ops_and_one_ring_pass(la
 
 
 def test_engine_selective_wins_where_plain_does_not_fit():
-    """llama3-8b on 16 H100s, batch 64: with selective recomputation asked, the best layout
-    is one whose plain twin does not fit 80 GiB and whose full-recomputation twin does not
-    either or is slower (at pp 1 full recomputation keeps the stage); it beats the best without selective."""
-    default, _ = plan(LLAMA, H100, 16, 64, micro_batches=[1, 2, 4], top=3)
-    asked, _ = plan(LLAMA, H100, 16, 64, micro_batches=[1, 2, 4], top=3,
+    """llama2-7b on 16 H100s, batch 64: with selective recomputation asked, the best layout
+    is one whose plain twin does not fit the 78 GiB a plan may fill and whose
+    full-recomputation twin does not either or is slower (at pp 1 full recomputation keeps
+    the stage); it beats the best without selective."""
+    spec, limit = NAMED["llama2-7b"], H100.memory_per_rank(16)
+    default, _ = plan(spec, H100, 16, 64, micro_batches=[1, 2, 4], top=3)
+    asked, _ = plan(spec, H100, 16, 64, micro_batches=[1, 2, 4], top=3,
                     selective=(False, True))
     best = asked[0]
     assert best.layout.recompute == "selective"
     assert best.time["step"] < default[0].time["step"]
-    assert memory_of(LLAMA, replace(best.layout, recompute=False), "bf16")["total"] > \
-        H100.memory
+    assert memory_of(spec, replace(best.layout, recompute=False), "bf16")["total"] > limit
     full = replace(best.layout, recompute=True)
-    assert memory_of(LLAMA, full, "bf16")["total"] > H100.memory or \
-        simulate(LLAMA, full, H100, "bf16")["step"] > best.time["step"]
+    assert memory_of(spec, full, "bf16")["total"] > limit or \
+        simulate(spec, full, H100, "bf16")["step"] > best.time["step"]
+
+
+def test_a_gpu_plan_leaves_the_reserve_free():
+    """The GPU presets' plans fill at most their memory less ``GPU_RESERVED`` (the CUDA
+    context, NCCL's buffers, fragmentation): llama3-8b on 16 H100s, batch 64, with selective
+    recomputation, is best at 78.6 GiB when the whole 80 may be filled, a layout no default
+    plan offers; ``memory_limit`` (``--memory-gib``) sets the limit instead."""
+    from shardwise.planner.hardware import GPU_RESERVED
+
+    assert H100.memory_per_rank(16) == H100.memory - GPU_RESERVED == 78 * 2 ** 30
+    kw = dict(micro_batches=[1, 2], top=2, selective=(False, True), cp=[1, 2])
+    whole, _ = plan(LLAMA, H100, 16, 64, memory_limit=H100.memory, **kw)
+    assert H100.memory_per_rank(16) < whole[0].memory["total"] <= H100.memory
+    default, _ = plan(LLAMA, H100, 16, 64, **kw)
+    assert all(c.memory["total"] <= H100.memory_per_rank(16) for c in default)
+    assert default[0].time["step"] > whole[0].time["step"]
 
 
 def test_engine_selective_is_pruned_for_a_mixture_of_experts():

@@ -373,7 +373,7 @@ def test_the_cheap_bound_stays_below_the_lower_bound():
 
 
 def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, capsys):
-    """``plan --selective --emit-toml`` on dgx-h100 (llama3-8b, 16 GPUs, batch 64): the best
+    """``plan --selective --emit-toml`` on dgx-h100 (llama2-7b, 16 GPUs, batch 64): the best
     layout is selective recomputation's (its plain twin does not fit), written as
     ``parallel.recompute = "selective"`` in a config ``Config.from_dict`` accepts, with the
     comment and one stderr line saying train refuses it on CUDA today; without --selective
@@ -384,7 +384,7 @@ def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, caps
     from shardwise.cli.main import main
 
     out = tmp_path / "sel.toml"
-    argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "16",
+    argv = ["plan", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16",
             "--global-batch", "64", "--top", "3"]
     assert main([*argv, "--selective", "--emit-toml", str(out)]) == 0
     cap = capsys.readouterr()

@@ -75,7 +75,9 @@ def build_parser():
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the cluster's: bf16 on GPUs, fp32 local)")
     ap.add_argument("--memory-gib", default=None,
-                    help="memory per GPU, GiB (default: the preset's)")
+                    help="memory per GPU a layout may fill, GiB (default: the preset's less 2 "
+                         "GiB left free for the CUDA context, NCCL's buffers and "
+                         "fragmentation; local: the RAM shared by the ranks)")
     ap.add_argument("--top", default="10", help="layouts to print")
     ap.add_argument("--pruned", default="0", metavar="N", help="also print N pruned layouts "
                     "with the reason")
@@ -270,6 +272,8 @@ def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simu
                       **({"top_k": spec.top_k} if spec.moe else {})},
             "cluster": {"name": cluster.name, "gpu": cluster.gpu,
                         "memory_limit_bytes": float(limit),
+                        "memory_bytes": float(cluster.memory),
+                        "reserved_bytes": float(cluster.reserved),
                         "compute": cluster.ops.name if cluster.ops else
                         ("measured" if cluster.cores else f"fixed {cluster.efficiency:g}"),
                         "kernels": cluster.kernels},
@@ -278,6 +282,14 @@ def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simu
             "pruned": [{"count": n, "reason": ps[0].reason, "example": _name(ps[0].layout)}
                        for n, ps in groups],
             **extra}
+
+
+def _limit_words(cluster, world, limit) -> str:
+    """How much memory each layout may fill, and why: the preset's less its reserve."""
+    if cluster.reserved and limit == cluster.memory_per_rank(world):
+        return (f"{limit / GiB:.3g} of {cluster.memory / GiB:.3g} GiB each: "
+                f"{cluster.reserved / GiB:.3g} left free")
+    return f"{limit / GiB:.3g} GiB each"
 
 
 def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
@@ -292,8 +304,8 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
     moe = (f", {spec.n_experts} experts (top-{spec.top_k})" if spec.moe else "")
     print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters{moe}, {spec.n_layer} layers x "
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
-          f"{world} x {cluster.gpu} ({cluster.name}, "
-          f"{limit / GiB:.3g} GiB each), global batch {batch}, {precision}")
+          f"{world} x {cluster.gpu} ({cluster.name}, {_limit_words(cluster, world, limit)}), "
+          f"global batch {batch}, {precision}")
     model = (f"per operation ({cluster.ops.name}, {cluster.kernels} kernels)" if cluster.ops
              else "measured on this machine" if cluster.cores
              else f"fixed: matmuls at {cluster.efficiency:g} of peak")

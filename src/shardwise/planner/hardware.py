@@ -14,6 +14,9 @@ dgx-h100       H100 SXM5 989 TFLOP/s [3]    80 GiB   NVLink4 450 GB/s  NDR IB 40
 local          this machine, measured       RAM      comm profile (``profiles/default.json``)
 =============  ==========================  =======  ===============  =====================
 
+A plan on a GPU preset fills at most its memory less ``GPU_RESERVED`` (2 GiB, stated: the
+CUDA context, NCCL's buffers, fragmentation), e.g. 78 of the H100's 80 GiB.
+
 [1] NVIDIA A100 Tensor Core GPU datasheet (2021); [2] NVIDIA DGX A100 datasheet: 8 GPUs,
 8 single-port HDR 200 Gb/s HCAs for compute; [3] NVIDIA H100 Tensor Core GPU datasheet
 (SXM5); [4] NVIDIA DGX H100 datasheet: 8 GPUs, 8 x 400 Gb/s ConnectX-7. NVLink bandwidths
@@ -121,9 +124,10 @@ def fabric(name: str, bytes_per_s: float, latency_s: float) -> Link:
 class Cluster:
     """``flops``: dense peak per GPU at the compute dtype; ``efficiency``: fraction of it
     the matmuls reach; ``overhead_s``: fixed seconds per block pass (kernel launches,
-    Python); ``memory``: bytes per GPU; ``share``: ranks per compute unit (local: ranks
-    per core, compute slows by it); ``fp8_flops``: dense FP8 tensor-core peak per GPU
-    (None: the GPU has no FP8 tensor cores, as the A100)."""
+    Python); ``memory``: bytes per GPU; ``reserved``: bytes of each GPU a plan leaves free
+    (``GPU_RESERVED`` on the GPU presets; 0 on ``local``); ``share``: ranks per compute
+    unit (local: ranks per core, compute slows by it); ``fp8_flops``: dense FP8 tensor-core
+    peak per GPU (None: the GPU has no FP8 tensor cores, as the A100)."""
 
     name: str
     gpu: str
@@ -145,6 +149,7 @@ class Cluster:
     zero3_overlap: bool = True  # ZeRO-3 gathers overlap compute (``simulate.zero3_seconds``)
     blocking_sends: bool = False  # pipeline sends block compute (``simulate.blocking_p2p``)
     fp8_flops: float | None = None
+    reserved: float = 0.0
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -156,8 +161,9 @@ class Cluster:
         return self.flops * self.efficiency / share
 
     def memory_per_rank(self, world_size: int) -> float:
-        """Bytes one rank may use: a GPU's memory, or this machine's RAM shared by its ranks."""
-        return self.memory / world_size if self.cores else self.memory
+        """Bytes one rank's plan may fill: a GPU's memory less ``reserved``, or this
+        machine's RAM shared by its ranks."""
+        return self.memory / world_size if self.cores else self.memory - self.reserved
 
     def rank_overhead(self, world_size: int) -> float:
         share = max(1.0, world_size / self.cores) if self.cores else 1.0
@@ -230,17 +236,30 @@ def _bf16_peak(gpu: str) -> float:
 H100_FP8 = 1978.9e12
 
 
+# Bytes of each GPU a plan leaves free (``Cluster.reserved``): memory the caching allocator
+# never hands to tensors, so ``planner.memory`` does not count it. The CUDA context and the
+# kernels' module images (about 0.5 GiB on an H100 under CUDA 12-13), cuBLAS workspaces,
+# NCCL's buffers (NCCL_BUFFSIZE, 4 MiB by default, per channel, peer and protocol, in each
+# communicator: dp, tp, pp, cp and ep groups each have one) and the allocator's
+# fragmentation. Stated, not measured: 2 GiB is a margin, not a figure from a run
+# (``benchmarks/gpu_memory.py`` records what a rank really holds outside the allocator,
+# ``outside_allocator_mib``, to check it against). ``--memory-gib`` sets the limit instead.
+GPU_RESERVED = 2 * GiB
+
+
 # The presets with one efficiency for every matmul (``EFFICIENCY``), the model before the
 # per-operation one: ``--compute fixed``, and what tests/data/planner_baseline.json recorded.
 FIXED_PRESETS: dict[str, Cluster] = {
     "dgx-a100-40gb": Cluster("dgx-a100-40gb", "A100-SXM4-40GB", _bf16_peak("A100"), 40 * GiB, 8,
-                             NVLINK3, HDR, mem_bw=1.555e12, source="NVIDIA A100 and DGX A100 datasheets"),
+                             NVLINK3, HDR, mem_bw=1.555e12, source="NVIDIA A100 and DGX A100 datasheets",
+                             reserved=GPU_RESERVED),
     "dgx-a100-80gb": Cluster("dgx-a100-80gb", "A100-SXM4-80GB", _bf16_peak("A100"), 80 * GiB, 8,
-                             NVLINK3, HDR, mem_bw=2.039e12, source="NVIDIA A100 and DGX A100 datasheets"),
+                             NVLINK3, HDR, mem_bw=2.039e12, source="NVIDIA A100 and DGX A100 datasheets",
+                             reserved=GPU_RESERVED),
     "dgx-h100": Cluster("dgx-h100", "H100-SXM5-80GB", _bf16_peak("H100 SXM"), 80 * GiB, 8,
                         NVLINK4, NDR,
                         mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets",
-                        fp8_flops=H100_FP8),
+                        fp8_flops=H100_FP8, reserved=GPU_RESERVED),
 }
 
 
