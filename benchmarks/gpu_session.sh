@@ -13,7 +13,8 @@
 #
 #   tests      the suites that have not passed on CUDA yet: the GPU-marked tests (selective
 #              recomputation on CUDA among them) and, in the several-ranks-on-one-GPU mode,
-#              the Llama and resharding parity suites (~6-9 min)
+#              the Llama and resharding parity suites, then benchmarks/gpu_memory.py on
+#              the tiny config (the memory outside the allocator) (~7-10 min)
 #   zero       in the several-ranks-on-one-GPU mode, ZeRO-3 compiled (dp2) and ZeRO-3 with
 #              a pipeline (dp2 x pp2, flush and interleaved), new since the last GPU
 #              session (~3 min)
@@ -45,7 +46,10 @@ case $step in
         python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_marked_tests.log" | tail -5
         SHARDWISE_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -x \
             tests/test_llama.py tests/test_reshard.py 2>&1 \
-            | tee "$out/llama_reshard_cuda_gloo_one_gpu.log" | tail -5 ;;
+            | tee "$out/llama_reshard_cuda_gloo_one_gpu.log" | tail -5
+        # the memory outside PyTorch's allocator (the planner's GPU_RESERVED margin)
+        timeout 120 python3 benchmarks/gpu_memory.py --parallel.dp 1 --label tiny-outside \
+            2>&1 | tail -3 ;;
     zero)
         SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q \
             tests/test_zero.py tests/test_pp_trainer.py -k "compiled or zero3" 2>&1 \
