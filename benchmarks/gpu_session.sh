@@ -49,7 +49,7 @@ case $step in
             | tee "$out/llama_reshard_cuda_gloo_one_gpu.log" | tail -5
         # the memory outside PyTorch's allocator (the planner's GPU_RESERVED margin)
         timeout 120 python3 benchmarks/gpu_memory.py --parallel.dp 1 --label tiny-outside \
-            --dry 2>&1 | tee "$out/gpu_memory_tiny.json" | tail -3 ;;
+            --dry 2>&1 | tee "$out/gpu_memory_tiny.log" | tail -3 ;;
     zero)
         SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q \
             tests/test_zero.py tests/test_pp_trainer.py -k "compiled or zero3" 2>&1 \
