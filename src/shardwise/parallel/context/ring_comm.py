@@ -83,3 +83,25 @@ class Ring:
                                    [(r, self.prev) for r in recvs], group=self.group,
                                    async_op=True)
         return recvs, handle
+
+    def hop(self, tensors: Sequence[torch.Tensor], distance: int, send: bool,
+            receive: bool):
+        """One direct transfer ``distance`` places round the ring, asynchronously: ``tensors``
+        to ring index ``rank + distance`` (when ``send``), and as many, shaped alike, from
+        ``rank - distance`` (when ``receive``; indices mod the size), in one
+        ``comm.exchange``. Returns ``(received or None, handle)``, the handle None when
+        there is nothing to do (no call is made). ``tensors`` must not change before
+        ``handle.wait()`` returned. The caller guarantees that the peers post the matching
+        halves in the same order (``ring_attention._Routes``: one schedule of hops for all
+        ranks)."""
+        if not (send or receive):
+            return None, None
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends] if receive else []
+        dst = self.ranks[(self.rank + distance) % self.size]
+        src = self.ranks[(self.rank - distance) % self.size]
+        with comm.replay.run_again():  # as ``shift``'s, recomputed blocks travel again
+            handle = comm.exchange([(t, dst) for t in sends] if send else [],
+                                   [(r, src) for r in recvs], group=self.group,
+                                   async_op=True)
+        return recvs or None, handle
