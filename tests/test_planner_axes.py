@@ -423,6 +423,34 @@ def test_more_cp_means_less_activation_memory_and_more_ring_traffic():
         ring_bytes(LONG, _cp(c), 2)[0] for c in (2, 4, 8))
 
 
+def test_a_sliding_window_prices_only_the_blocks_its_queries_see():
+    """Mistral 7B at 32k tokens on cp 4 (W = 4096 = the chunk s / (2 cp)), by hand: a K/V
+    block is 2 (K, V) x 8192 tokens x 8 heads x 128 x 2 bytes = 32 MiB; the engine moves
+    only the neighbours' blocks (``ring_attention.kv_transfers``): forward 2 blocks on the
+    middle ranks, where the ring moves 3; backward those 2 and the fp32 dK/dV (64 MiB) of
+    the rank's own block from its 2 neighbours, where the ring moves 3 + 4; one message per
+    hop distance (2, and 2 + 2 backward). Half the layers full (a Qwen2 / Gemma-3 mix): the
+    ring's counts on those, the mean per block."""
+    from shardwise.planner.simulate import ring_bytes, ring_seconds
+
+    mistral, MiB = NAMED["mistral-7b"].with_seq(32768), 2 ** 20
+    lay = Layout(2, 1, 1, 1, 4, cp=4)
+    assert ring_bytes(mistral, lay, 2) == (64 * MiB, 64 * MiB + 2 * 64 * MiB)
+    full = replace(mistral, attention_windows=())
+    assert ring_bytes(full, lay, 2) == (96 * MiB, 96 * MiB + 4 * 64 * MiB)
+    mixed = replace(mistral, attention_windows=(4096, None) * 16)
+    assert ring_bytes(mixed, lay, 2) == (80 * MiB, 80 * MiB + 3 * 64 * MiB)
+    link = _round().link(4)
+    kv, dkv = link.p2p(32 * MiB), link.p2p(64 * MiB)
+    assert ring_seconds(mistral, lay, _round(), 2) == pytest.approx((2 * kv, 2 * kv + 2 * dkv))
+    assert ring_seconds(full, lay, _round(), 2) == pytest.approx((3 * kv, 3 * kv + 4 * dkv))
+    # cp 8 (chunks of 2048): the two nearest ranks each side, 4 blocks; a window past the
+    # sequence: the ring
+    assert ring_bytes(mistral, Layout(2, 1, 1, 1, 4, cp=8), 2).forward == 4 * 16 * MiB
+    assert ring_bytes(mistral.with_seq(4096), lay, 2) == ring_bytes(
+        full.with_seq(4096), lay, 2)
+
+
 def _round(kernels="shardwise"):
     """A cluster of round numbers for the formula tests: 8 GPUs a node, 100 GB/s and 2 us
     inside, 10 GB/s and 20 us across (``hardware.fabric``: a step costs alpha + bytes /

@@ -67,6 +67,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
+from shardwise.parallel.context.ring_attention import kv_transfers
 from shardwise.parallel.pipeline.schedules import (
     Backward,
     Forward,
@@ -379,6 +380,34 @@ def ring_kv_width(spec: ModelSpec) -> int:
     return spec.kv_heads * (spec.attn_width // spec.n_head)
 
 
+@lru_cache(maxsize=256)
+def _ring_counts(windows: tuple, n_layer: int, s: int, cp: int) -> tuple[tuple, ...]:
+    """Per cp rank, ``(K/V blocks received, K/V messages, dK/dV blocks received, dK/dV
+    messages)`` of one block's pass, averaged over the ``n_layer`` blocks of sliding windows
+    ``windows`` (() : none) on ``s`` tokens: round the ring (cp - 1, cp - 1, cp, cp) where
+    every rank needs every block, else only the transfers the engine makes
+    (``ring_attention.kv_transfers``): a block from each rank whose keys the rank's queries
+    see, its dK/dV from each rank that saw its own, one message per hop distance taken
+    part in (sending or receiving: they go together)."""
+    per_layer = list(windows) or [None] * n_layer
+    c = s // (2 * cp)
+    totals = [[0.0] * 4 for _ in range(cp)]
+    for w in per_layer:
+        needs = kv_transfers(cp, c, w) if w is not None and c > 0 else None
+        if needs is None or len(needs) == cp * (cp - 1):
+            for t in totals:
+                t[0], t[1], t[2], t[3] = t[0] + cp - 1, t[1] + cp - 1, t[2] + cp, t[3] + cp
+            continue
+        hops = {(d - src) % cp for src, d in needs}
+        for i, t in enumerate(totals):
+            calls = sum((i, (i + h) % cp) in needs or ((i - h) % cp, i) in needs
+                        for h in hops)
+            t[0] += sum((src, i) in needs for src in range(cp))
+            t[2] += sum((i, d) in needs for d in range(cp))
+            t[1], t[3] = t[1] + calls, t[3] + calls
+    return tuple(tuple(x / len(per_layer) for x in t) for t in totals)
+
+
 def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
     """Bytes of one K/V block a cp rank passes on: K and V of its s / cp tokens,
     2 mb (s / cp) k e / t (k = ``ring_kv_width``)."""
@@ -391,23 +420,33 @@ def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
     backward)``: forward
     the cp - 1 other K/V blocks, 2 (cp - 1) / cp of the sequence's K/V bytes
     (2 mb s k e / t, K and V); backward those again and the fp32 dK/dV accumulators of
-    every block (cp steps; the engine accumulates in fp32)."""
+    every block (cp steps; the engine accumulates in fp32). Under a sliding window
+    (``ModelSpec.attention_windows``) only the blocks the rank's queries see, and backward
+    those and the fp32 dK/dV of its own block from each rank that saw it (``_ring_counts``:
+    with W <= s / (2 cp), 2 blocks on the middle ranks where the ring brings cp - 1);
+    averaged over the blocks, for the rank that receives the most."""
     if lay.cp == 1:
         return RingBytes(0.0, 0.0)
     kv = ring_block_bytes(spec, lay, e)
-    return RingBytes((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * kv * 4 / e)
+    counts = _ring_counts(spec.attention_windows, spec.n_layer, spec.block_size, lay.cp)
+    return RingBytes(max(n * kv for n, _, _, _ in counts),
+                     max(n * kv + m * kv * 4 / e for n, _, m, _ in counts))
 
 
 def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> RingSeconds:
     """Seconds of one block's ring traffic on one rank, ``RingSeconds(forward, backward)``,
     before any overlap (``ring_bytes``): each step one message to the next rank of the ring
-    (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks)."""
+    (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks); under a
+    sliding window one message per hop distance the rank sends or receives over
+    (``_ring_counts``), for the slowest rank."""
     if lay.cp == 1:
         return RingSeconds(0.0, 0.0)
     link = cluster.link(lay.tp * lay.cp)
     blk = ring_block_bytes(spec, lay, e)
     kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
-    return RingSeconds((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * dkv)
+    counts = _ring_counts(spec.attention_windows, spec.n_layer, spec.block_size, lay.cp)
+    return RingSeconds(max(n * kv for _, n, _, _ in counts),
+                       max(n * kv + m * dkv for _, n, _, m in counts))
 
 
 def all_to_all_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
