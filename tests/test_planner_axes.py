@@ -451,6 +451,25 @@ def test_a_sliding_window_prices_only_the_blocks_its_queries_see():
         full.with_seq(4096), lay, 2)
 
 
+def test_a_sliding_window_under_cp_prices_the_slowest_ranks_attention():
+    """The layout balances causal attention, not a band: with W = c = 4096 (mistral-7b,
+    32k tokens, cp 4) rank 0 scores its two diagonal triangles (c^2 / 2 each) and one band
+    box with its neighbour's chunk, (c - 1)^2 (the rows and columns that see anything),
+    ranks 1-3 two boxes: the slowest does 4 (c^2 + 2 (c - 1)^2) / (4 c^2 + 7 (c - 1)^2) of
+    the mean, about 12/11, and its attention is priced at that many times min(s, W) keys
+    a query. Without a window, or one past the sequence, nothing changes."""
+    from shardwise.planner.simulate import attention_gemm_flops, attention_keys
+
+    mistral, c = NAMED["mistral-7b"].with_seq(32768), 4096
+    slowest = 4 * (c * c + 2 * (c - 1) ** 2) / (4 * c * c + 7 * (c - 1) ** 2)
+    assert attention_keys(mistral, 4) == pytest.approx(4096 * slowest, rel=1e-12)
+    assert attention_keys(mistral, 1) == 4096
+    assert attention_gemm_flops(mistral, 1, 4) == pytest.approx(
+        4 * 32768 * 4096 * slowest * 4096 / 4, rel=1e-12)
+    assert attention_keys(mistral.with_seq(4096), 4) == 4096
+    assert attention_keys(LONG, 4) == LONG.attn_keys == 32768
+
+
 def _round(kernels="shardwise"):
     """A cluster of round numbers for the formula tests: 8 GPUs a node, 100 GB/s and 2 us
     inside, 10 GB/s and 20 us across (``hardware.fabric``: a step costs alpha + bytes /

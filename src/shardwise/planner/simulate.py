@@ -67,7 +67,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-from shardwise.parallel.context.ring_attention import kv_transfers
+from shardwise.parallel.context.ring_attention import kv_transfers, scored_pairs
 from shardwise.parallel.pipeline.schedules import (
     Backward,
     Forward,
@@ -269,21 +269,46 @@ class Walk(NamedTuple):
     from ``walk_fast``."""
 
 
+def attention_keys(spec: ModelSpec, cp: int = 1) -> float:
+    """The keys a query is counted against in the attention FLOPs of the slowest of ``cp``
+    ranks: ``ModelSpec.attn_keys`` (s, or min(s, W) under a sliding window of W, averaged
+    over the blocks) at cp = 1 or without a window. Under cp a windowed block's min(s, W)
+    is scaled by the slowest rank's share of the pairs the ring's kernels score
+    (``ring_attention.scored_pairs``: cp max / sum; the layout balances full attention, not
+    a band: mistral-7b at 32k tokens on cp 4, 12/11 about); the slowest rank over the sum
+    of the blocks, per block."""
+    if cp == 1 or not spec.attention_windows or spec.block_size < 2 * cp:
+        return spec.attn_keys
+    return _attention_keys(spec.attention_windows, spec.block_size, cp)
+
+
+@lru_cache(maxsize=256)
+def _attention_keys(windows: tuple, s: int, cp: int) -> float:
+    per_rank = [0.0] * cp
+    for w in windows:
+        if w is None:
+            per_rank = [k + s for k in per_rank]
+            continue
+        pairs = scored_pairs(cp, s // (2 * cp), w)
+        per_rank = [k + min(s, w) * cp * p / sum(pairs) for k, p in zip(per_rank, pairs)]
+    return max(per_rank) / len(windows)
+
+
 def block_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
     """Forward FLOPs of one block on one cp rank (``s / cp`` tokens): 2 per weight of its
     matrices a token meets (GPT: 24 s h^2; experts: the top-k a token goes to), and Q K^T
     and softmax(.) V, 4 s K H D (H D = h for the GPT and Llama; K the keys a query is
-    counted against, ``ModelSpec.attn_keys``: s, or min(s, W) under a sliding window of
+    counted against, ``attention_keys``: s, or min(s, W) under a sliding window of
     W, averaged over the blocks), of which a cp rank's queries do 1 / cp."""
     s = spec.block_size
     return (2 * mb * s * active_matmul_params(spec)
-            + 4 * mb * s * spec.attn_keys * spec.attn_width) / cp
+            + 4 * mb * s * attention_keys(spec, cp) * spec.attn_width) / cp
 
 
 def attention_gemm_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
     """Of ``block_flops``, the attention core's (Q K^T and P V): 4 s K H D / cp."""
     s = spec.block_size
-    return 4 * mb * s * spec.attn_keys * spec.attn_width / cp
+    return 4 * mb * s * attention_keys(spec, cp) * spec.attn_width / cp
 
 
 def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
@@ -295,8 +320,8 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
     - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s K H D / (t cp) each (batched
-      over the rank's heads; its s / cp queries against K keys, ``attn_keys``: all s, or
-      min(s, W) under a sliding window); the output projection
+      over the rank's heads; its s / cp queries against K keys, ``attention_keys``: all s,
+      or min(s, W) under a sliding window); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
       of 2 (T k ep / E) h F / t each (balanced routing); a shared expert 2 T h F_s / t
@@ -318,7 +343,7 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     d = att // a
     k = spec.kv_heads * d
     f = spec.ffn
-    core = 2 * mb * s * spec.attn_keys * att / (tp * cp)
+    core = 2 * mb * s * attention_keys(spec, cp) * att / (tp * cp)
     gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k

@@ -222,6 +222,21 @@ def kv_transfers(cp: int, c: int, window: int | None) -> frozenset[tuple[int, in
                      if src != dst and _plan(dst, src, cp, True, c, window))
 
 
+@functools.lru_cache(maxsize=256)
+def scored_pairs(cp: int, c: int, window: int | None) -> tuple[int, ...]:
+    """Per ring index, the query-key pairs its kernels score in one causal ring attention
+    (chunks of ``c`` tokens, a sliding window of ``window`` or None): the boxes of its
+    ``_plan``s, a causal task half its box (the causal kernel skips the masked half, about),
+    a band box whole (its mask is applied to scores computed whole). Equal on every rank
+    without a window; with one, the middle ranks score more (the planner's slowest rank)."""
+    def area(t: Task) -> int:
+        n = len(range(2 * c)[t.rows]) * len(range(2 * c)[t.cols])
+        return n // 2 if t.causal else n
+
+    return tuple(sum(area(t) for src in range(cp) for t in _plan(i, src, cp, True, c, window))
+                 for i in range(cp))
+
+
 class _Routes(NamedTuple):
     """The direct transfers of a windowed ring (``_routes``): ``hops``, the ring distances
     ``h`` some rank sends its own block over (to ring index ``rank + h``), increasing, the
