@@ -31,8 +31,12 @@ GEMM and kernel runs on s / cp tokens and its attention on its queries against a
 blocks go cp - 1 steps round the ring: 2 (cp - 1) / cp of the sequence's K/V bytes
 (2 s b k e / t, k the width passed: ``ring_kv_width``) received per rank; backward K and V
 again and their gradient accumulators dK, dV (fp32, as the engine keeps them) cp steps.
-Each ring pass overlaps the attention compute of its blocks (forward: the attention core,
-backward: twice it), so only what exceeds it is exposed. With selective recomputation
+A sliding window that leaves some ranks' blocks unseen by others moves only the blocks
+seen, directly (``parallel.context.ring_attention.kv_transfers``: with W <= s / (2 cp), a
+rank's two neighbours' blocks), and backward their dK/dV straight back (``_ring_counts``),
+and its attention is priced for the slowest rank (``attention_keys``). Each ring pass
+overlaps the attention compute of its blocks (forward: the attention core, backward: twice
+it), so only what exceeds it is exposed. With selective recomputation
 (``Layout.selective``) the attention core is computed again in backward and its ring with
 it: the forward's exposed ring seconds are added to the backward's (Korthikanti et al.'s
 attention-core recomputation, ``Layout.selective``, kept for their published runs). The

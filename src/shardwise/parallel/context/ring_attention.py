@@ -24,12 +24,29 @@ chunks i and 2cp-1-i, c tokens each; block j came from rank j):
 With a sliding window of W tokens (query at position p sees keys p - W < p' <= p:
 ``models.gpt.sliding_window_mask``, Mistral 7B's), each of the four (local chunk, block
 chunk) pairs is classified from the chunks' positions alone (``_pair``): outside the band
-(skipped: nothing computed, though the block still travels on), wholly inside (no mask),
-the causal diagonal, or partly inside, computed on the rows and columns that see anything
-with a boolean band mask of that box (``_band``). Without a window the plans above are
-what this classification gives; with one, the pairs are computed apart unless they form
-one of those plans. The work per rank is then no longer equal, and most of it is skipped
-when W is short against the sequence.
+(skipped: nothing computed), wholly inside (no mask), the causal diagonal, or partly
+inside, computed on the rows and columns that see anything with a boolean band mask of that
+box (``_band``). Without a window the plans above are what this classification gives; with
+one, the pairs are computed apart unless they form one of those plans. The work per rank is
+then no longer equal (``scored_pairs``), and most of it is skipped when W is short against
+the sequence.
+
+Only the blocks some rank's queries see travel. The same classification says which
+``(source, destination)`` transfers are needed (``kv_transfers``: rank d needs rank s's
+block iff ``_plan`` computes anything on it; under this layout iff ``(|s - d| - 1) c + 1 <
+W``, the nearest tokens of their chunks inside the window). When every rank needs every
+block (no window, or W > (cp - 2) c + 1) the blocks go round the ring as above, the same
+calls and bytes. Otherwise (``_routes``) each rank sends its own block directly to the
+ranks that need it, one hop distance h at a time (``Ring.hop``: to ring index i + h, from
+i - h, one ``comm.exchange``; the distances no rank needs skipped; a rank that neither sends
+nor receives at a distance makes no call), each transfer posted before the block held is
+computed, as the ring's. With W <= c (Mistral 7B at 32k tokens on cp 4: c = 4096 = W) rank
+i needs only ranks i - 1's and i + 1's blocks: 2 transfers where the ring makes cp - 1, 1 on
+the end ranks. Backward the needed blocks travel again the same way and each rank sends the
+fp32 dK/dV of a block it used straight back to its owner (distance -h), which adds every
+contribution it receives to its own block's, once; it receives only from the ranks that used
+its block. Every rank posts its transfers in one order (K/V of distance h_{n+1}, then the
+dK/dV of h_n, over the distances some rank uses), so no send waits on a receive posted later.
 
 Grouped-query attention: the blocks travel with their Hkv key/value heads, as Megatron-LM's
 do, and a rank repeats the block it holds to the H query heads for its kernel (the dK/dV of
@@ -40,7 +57,8 @@ Every step after the first computes 2c x c scores on every rank: equal work. Wit
 causal mask every block is computed whole. The backward (``_RingAttention.backward``) passes
 the key/value blocks around the ring again, and with them their gradient accumulators dK,
 dV: each rank adds its queries' contribution to the block it holds and passes it on; after
-cp hops each accumulator is back with its owner. The per-block gradients are FlashAttention's
+cp hops each accumulator is back with its owner (with a window that leaves some transfers
+unneeded: the direct transfers above). The per-block gradients are FlashAttention's
 (Dao 2023, algorithm 2) from the global ``out`` and ``lse``: ``P = exp(S - lse)``,
 ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO * out))``, ``dQ = dS K / sqrt(D)``,
 ``dK = dS^T Q / sqrt(D)``.
@@ -344,7 +362,8 @@ def _fold(acc: tuple, pending) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward: ring attention's output; backward: dQ here, dK/dV around the ring."""
+    """Forward: ring attention's output; backward: dQ here, dK/dV around the ring (or,
+    with ``_routes``, straight back to their owners)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float,
@@ -439,7 +458,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     each key/value head serves H / Hkv consecutive query heads; the ring passes the Hkv heads
     and each rank repeats a block for its kernel, so the ring's bytes are Hkv / H of
     repeating first. ``window``: a sliding window of W tokens (with ``causal``: the query at
-    position p sees keys p - W < p' <= p, positions in the whole sequence), or None. Returns
+    position p sees keys p - W < p' <= p, positions in the whole sequence), or None; only
+    the blocks some rank's queries see are then sent (``kv_transfers``). Returns
     (B, H, T_local, D) in ``q``'s dtype: this rank's rows of full attention, equal to them
     up to rounding. Collective over ``ring`` (every rank calls it, in the same order);
     autograd flows to the keys and values of every rank. Raises ``ValueError`` (one line)
