@@ -71,7 +71,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
 
-from shardwise.parallel.context.ring_attention import kv_transfers, scored_pairs
 from shardwise.parallel.pipeline.schedules import (
     Backward,
     Forward,
@@ -288,6 +287,8 @@ def attention_keys(spec: ModelSpec, cp: int = 1) -> float:
 
 @lru_cache(maxsize=256)
 def _attention_keys(windows: tuple, s: int, cp: int) -> float:
+    from shardwise.parallel.context.ring_attention import scored_pairs  # as _ring_counts'
+
     per_rank = [0.0] * cp
     for w in windows:
         if w is None:
@@ -410,15 +411,22 @@ def ring_kv_width(spec: ModelSpec) -> int:
 
 
 @lru_cache(maxsize=256)
-def _ring_counts(windows: tuple, n_layer: int, s: int, cp: int) -> tuple[tuple, ...]:
+def _ring_counts(windows: tuple, s: int, cp: int) -> tuple[tuple, ...]:
     """Per cp rank, ``(K/V blocks received, K/V messages, dK/dV blocks received, dK/dV
-    messages)`` of one block's pass, averaged over the ``n_layer`` blocks of sliding windows
-    ``windows`` (() : none) on ``s`` tokens: round the ring (cp - 1, cp - 1, cp, cp) where
+    messages)`` of one block's pass, averaged over the blocks of sliding windows
+    ``windows`` (one per block, None: none; () : no block has one) on ``s`` tokens: round the ring (cp - 1, cp - 1, cp, cp) where
     every rank needs every block, else only the transfers the engine makes
     (``ring_attention.kv_transfers``): a block from each rank whose keys the rank's queries
     see, its dK/dV from each rank that saw its own, one message per hop distance taken
     part in (sending or receiving: they go together)."""
-    per_layer = list(windows) or [None] * n_layer
+    ring = (float(cp - 1), float(cp - 1), float(cp), float(cp))
+    if not windows:
+        return (ring,) * cp
+    # imported here: the package's import pulls in torch's compiler (1.6 s of the CLI's
+    # start), wanted only for a windowed model under cp
+    from shardwise.parallel.context.ring_attention import kv_transfers
+
+    per_layer = list(windows)
     c = s // (2 * cp)
     totals = [[0.0] * 4 for _ in range(cp)]
     for w in per_layer:
@@ -457,7 +465,7 @@ def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
     if lay.cp == 1:
         return RingBytes(0.0, 0.0)
     kv = ring_block_bytes(spec, lay, e)
-    counts = _ring_counts(spec.attention_windows, spec.n_layer, spec.block_size, lay.cp)
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp)
     return RingBytes(max(n * kv for n, _, _, _ in counts),
                      max(n * kv + m * kv * 4 / e for n, _, m, _ in counts))
 
@@ -473,7 +481,7 @@ def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> Ring
     link = cluster.link(lay.tp * lay.cp)
     blk = ring_block_bytes(spec, lay, e)
     kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
-    counts = _ring_counts(spec.attention_windows, spec.n_layer, spec.block_size, lay.cp)
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp)
     return RingSeconds(max(n * kv for _, n, _, _ in counts),
                        max(n * kv + m * dkv for _, n, _, m in counts))
 
