@@ -9,7 +9,7 @@ process groups over the same world:
   backward (with the same upstream gradient, sharded; a sliding window of ``case["window"]``
   tokens when set), and reports its shard of the output
   and of the three gradients, for the test to stitch together and hold against full
-  attention, and the bytes its forward sent round the ring;
+  attention, and the bytes it sent and received and its calls, forward and backward;
 - ``run`` / ``resume``: ``llama_workers.run_job`` (train a layout, report losses, whole
   parameters, bytes held); with ``measure_memory`` the executor's activation meter is on
   and its peak (bytes autograd saved for backward at once) is reported as ``activations``.
@@ -64,11 +64,18 @@ def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
         except ValueError as e:
             out.append({"error": str(e)})
             continue
-        y.backward(shard_sequence(dout, ws, topo.cp_rank, dim=2))
+        with accounting.recording() as back:
+            y.backward(shard_sequence(dout, ws, topo.cp_rank, dim=2))
         out.append({"out": y.detach(), "dq": mine[0].grad, "dk": mine[1].grad,
-                    "dv": mine[2].grad,
-                    "forward_bytes_sent": sum(r.bytes_sent or 0 for r in rec.records)})
+                    "dv": mine[2].grad, "forward": _traffic(rec.records),
+                    "backward": _traffic(back.records)})
     return out
+
+
+def _traffic(records) -> tuple[int, int, int]:
+    """(bytes sent, bytes received, calls) of one rank's records."""
+    return (sum(r.bytes_sent or 0 for r in records), sum(r.bytes_recv or 0 for r in records),
+            len(records))
 
 
 def run_measured(job: dict) -> dict:

@@ -6,12 +6,15 @@ stitched back from every rank's shard, equal full attention's (``F.scaled_dot_pr
 for causal and non-causal masks, with both block kernels (the fused CPU one and the scores
 written out), and for sliding windows of 3 to 40 tokens (``WINDOWS``: shorter than a chunk,
 between one and two, longer than the sequence; every kind of block pair: skipped, whole,
-diagonal, in a band); measured at most 8.5e-7 relative to the largest entry. Then training: one
+diagonal, in a band); measured at most 8.5e-7 relative to the largest entry. With a window
+the K/V blocks go only where some rank's queries see them: bytes and calls per rank, forward
+and backward, equal the layout's prediction (``_predicted_traffic``). Then training: one
 process trains each model ``STEPS`` steps (the reference); a spawn of 2, one of 4 and one
 of 8 ranks train every layout of ``LAYOUTS`` on the same global batches (recomputation
 included: the chunks' hooks set the shard again when the backward reruns a forward; a Llama
-with a sliding window of 3 of its 16 tokens on layer 0, at cp2, cp2 x tp2 and tp2 x pp2:
-measured losses 1.2e-7, parameters 8.9e-7).
+with a sliding window of 3 of its 16 tokens on layer 0, at cp2, cp2 x tp2 and tp2 x pp2,
+and at cp4 with selective recomputation, where layer 0 moves only neighbours' blocks and
+layer 1 every block: measured losses 1.2e-7, parameters 8.9e-7).
 Parity (fp32):
 every loss and every parameter of every rank within ``RTOL`` relative of the reference
 (measured at most: losses 1.2e-7, parameters 1.2e-6). ``RESUMES``: checkpoints cross cp
@@ -41,6 +44,7 @@ from shardwise.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
+from shardwise.parallel.context.ring_attention import kv_transfers
 
 STEPS, STOP = 4, 2
 RTOL = 1e-5
@@ -70,6 +74,9 @@ LAYOUTS = {
     "cp2-swa-llama": (2, "llama-swa", {"cp": 2}),
     "cp2xtp2-sp-swa-llama": (4, "llama-swa", {"cp": 2, "tp": 2, "sequence_parallel": True}),
     "tp2xpp2-swa-llama": (4, "llama-swa", {"tp": 2, "pp": 2, "micro_batches": 2}),
+    # chunks of 2 tokens: layer 0's window of 3 needs only the neighbours' blocks (direct
+    # transfers), layer 1 every block (the ring); recomputed, the transfers run again
+    "cp4-swa-selective-llama": (4, "llama-swa", {"cp": 4, "recompute": "selective"}),
 }
 MEASURED = {"cp4-llama-long"}
 # layouts trained with every block compiled (training.compile): ring attention and the
@@ -92,8 +99,9 @@ KERNEL_CASES += [{"seed": 10 + n, "shape": (2, 4, 32, 8), "kv_heads": hkv, "caus
                  for n, (hkv, causal, impl) in enumerate(((2, True, "sdpa"), (1, True, "math"),
                                                           (2, False, "sdpa")))]
 # sliding windows against T = 32 (chunks of 8 tokens at cp2, 4 at cp4): shorter than a chunk,
-# between one and two, longer than both, longer than the sequence
-WINDOWS = (3, 6, 13, 21, 40)
+# a chunk (cp4), one more (cp4: a rank needs only its neighbours' blocks: the last W that
+# does), between one and two, longer than both, longer than the sequence
+WINDOWS = (3, 4, 5, 6, 13, 21, 40)
 KERNEL_CASES += [{"seed": 20 + n, "shape": (2, 4, 32, 8), "kv_heads": 2, "causal": True,
                   "impl": ("sdpa", "math")[n % 2], "window": w} for n, w in enumerate(WINDOWS)]
 
@@ -284,8 +292,12 @@ def results(corpus, tmp_path_factory, references):
 def test_ring_attention_equals_full_attention(results, cp):
     """Output and the three gradients equal full attention's (grouped-query attention: on K
     and V repeated, the gradients summed back; a sliding window: SDPA's with the band as
-    its mask); the forward sends each other rank's K/V block once, with its Hkv heads (not
-    repeated to H), window or not (the blocks travel on when a rank skips them)."""
+    its mask). Traffic per rank, forward and backward, bytes sent and received and calls:
+    every other rank's K/V block once, with its Hkv heads (not repeated to H), round the
+    ring, and backward those again and the fp32 dK/dV, when every rank needs every block
+    (no window or a long one); else only the blocks a rank's queries see, and backward
+    their dK/dV back to their owners (``_predicted_traffic``: cp 4 with W <= c, 2 blocks
+    forward on the middle ranks, 1 on the end ones, where the ring moves 3)."""
     ranks = results[f"kernel-cp{cp}"]
     for n, case in enumerate(KERNEL_CASES):
         q, k, v, dout = full_inputs(case)
@@ -303,7 +315,55 @@ def test_ring_attention_equals_full_attention(results, cp):
             err = float((got - ref.detach()).abs().max() / ref.detach().abs().max())
             assert err < 5e-6, (cp, case, key, err)
         block = 2 * k[:, :, : k.shape[2] // cp].numel() * k.element_size()  # K and V, Hkv heads
-        assert [r[n]["forward_bytes_sent"] for r in ranks] == [(cp - 1) * block] * cp, case
+        forward, backward = _predicted_traffic(cp, T // (2 * cp), w, block, block * 4
+                                               // k.element_size())
+        assert [r[n]["forward"] for r in ranks] == forward, (case, forward)
+        assert [r[n]["backward"] for r in ranks] == backward, (case, backward)
+
+
+def _needs(cp: int, c: int, window: int | None) -> set[tuple[int, int]]:
+    """(source, destination) ranks whose K/V block the destination's queries see, from the
+    layout alone: rank i's chunks are i and 2cp-1-i, so the nearest pair of chunks of ranks
+    s and d is |s - d| chunks apart, their nearest tokens (|s - d| - 1) c + 1 positions."""
+    return {(s, d) for s in range(cp) for d in range(cp)
+            if s != d and (window is None or (abs(s - d) - 1) * c + 1 < window)}
+
+
+def _predicted_traffic(cp: int, c: int, window: int | None, block: int, block32: int):
+    """Per rank, ``(bytes sent, bytes received, calls)`` forward and backward: round the
+    ring when every rank needs every block (cp - 1 hops of a K/V ``block``; backward those
+    again and cp hops of the fp32 dK/dV, ``block32``), else only the needed blocks, each
+    hop distance one call, and backward each used block's dK/dV straight back."""
+    needs = _needs(cp, c, window)
+    if len(needs) == cp * (cp - 1):
+        hop, back = (cp - 1) * block, (cp - 1) * block + cp * block32
+        return [(hop, hop, cp - 1)] * cp, [(back, back, 2 * cp - 1)] * cp
+    hops = {(d - s) % cp for s, d in needs}
+    forward, backward = [], []
+    for i in range(cp):
+        sent = sum((i, d) in needs for d in range(cp))
+        got = sum((s, i) in needs for s in range(cp))
+        calls = sum(((i, (i + h) % cp) in needs) or (((i - h) % cp, i) in needs) for h in hops)
+        forward.append((sent * block, got * block, calls))
+        backward.append((sent * block + got * block32, got * block + sent * block32, 2 * calls))
+    return forward, backward
+
+
+def test_a_window_moves_only_the_blocks_its_queries_see():
+    """``kv_transfers`` (from ring attention's own classification of block pairs) is the
+    layout's answer (``_needs``) for every ring, chunk and window; with W <= c a rank needs
+    only its neighbours' blocks (cp 4: 2 of the 3 the ring would bring, the end ranks 1),
+    and with W = 1 none. Forward and backward traffic of those cases are asserted by
+    ``test_ring_attention_equals_full_attention``."""
+    for cp in range(1, 9):
+        for c in range(1, 5):
+            for w in [None, *range(1, 2 * cp * c + 2)]:
+                assert kv_transfers(cp, c, w) == _needs(cp, c, w), (cp, c, w)
+    assert kv_transfers(4, 4096, 4096) == {(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)}
+    assert kv_transfers(4, 8, 1) == set()
+    f, b = _predicted_traffic(4, 4096, 4096, 1, 2)  # mistral-7b at 32k tokens on cp 4
+    assert f == [(1, 1, 2), (2, 2, 2), (2, 2, 2), (1, 1, 2)], f
+    assert b == [(3, 3, 4), (6, 6, 4), (6, 6, 4), (3, 3, 4)], b
 
 
 def _check(name: str, ranks: list[dict], ref: dict, rtol: float = RTOL) -> None:

@@ -423,6 +423,53 @@ def test_more_cp_means_less_activation_memory_and_more_ring_traffic():
         ring_bytes(LONG, _cp(c), 2)[0] for c in (2, 4, 8))
 
 
+def test_a_sliding_window_prices_only_the_blocks_its_queries_see():
+    """Mistral 7B at 32k tokens on cp 4 (W = 4096 = the chunk s / (2 cp)), by hand: a K/V
+    block is 2 (K, V) x 8192 tokens x 8 heads x 128 x 2 bytes = 32 MiB; the engine moves
+    only the neighbours' blocks (``ring_attention.kv_transfers``): forward 2 blocks on the
+    middle ranks, where the ring moves 3; backward those 2 and the fp32 dK/dV (64 MiB) of
+    the rank's own block from its 2 neighbours, where the ring moves 3 + 4; one message per
+    hop distance (2, and 2 + 2 backward). Half the layers full (a Qwen2 / Gemma-3 mix): the
+    ring's counts on those, the mean per block."""
+    from shardwise.planner.simulate import ring_bytes, ring_seconds
+
+    mistral, MiB = NAMED["mistral-7b"].with_seq(32768), 2 ** 20
+    lay = Layout(2, 1, 1, 1, 4, cp=4)
+    assert ring_bytes(mistral, lay, 2) == (64 * MiB, 64 * MiB + 2 * 64 * MiB)
+    full = replace(mistral, attention_windows=())
+    assert ring_bytes(full, lay, 2) == (96 * MiB, 96 * MiB + 4 * 64 * MiB)
+    mixed = replace(mistral, attention_windows=(4096, None) * 16)
+    assert ring_bytes(mixed, lay, 2) == (80 * MiB, 80 * MiB + 3 * 64 * MiB)
+    link = _round().link(4)
+    kv, dkv = link.p2p(32 * MiB), link.p2p(64 * MiB)
+    assert ring_seconds(mistral, lay, _round(), 2) == pytest.approx((2 * kv, 2 * kv + 2 * dkv))
+    assert ring_seconds(full, lay, _round(), 2) == pytest.approx((3 * kv, 3 * kv + 4 * dkv))
+    # cp 8 (chunks of 2048): the two nearest ranks each side, 4 blocks; a window past the
+    # sequence: the ring
+    assert ring_bytes(mistral, Layout(2, 1, 1, 1, 4, cp=8), 2).forward == 4 * 16 * MiB
+    assert ring_bytes(mistral.with_seq(4096), lay, 2) == ring_bytes(
+        full.with_seq(4096), lay, 2)
+
+
+def test_a_sliding_window_under_cp_prices_the_slowest_ranks_attention():
+    """The layout balances causal attention, not a band: with W = c = 4096 (mistral-7b,
+    32k tokens, cp 4) rank 0 scores its two diagonal triangles (c^2 / 2 each) and one band
+    box with its neighbour's chunk, (c - 1)^2 (the rows and columns that see anything),
+    ranks 1-3 two boxes: the slowest does 4 (c^2 + 2 (c - 1)^2) / (4 c^2 + 7 (c - 1)^2) of
+    the mean, about 12/11, and its attention is priced at that many times min(s, W) keys
+    a query. Without a window, or one past the sequence, nothing changes."""
+    from shardwise.planner.simulate import attention_gemm_flops, attention_keys
+
+    mistral, c = NAMED["mistral-7b"].with_seq(32768), 4096
+    slowest = 4 * (c * c + 2 * (c - 1) ** 2) / (4 * c * c + 7 * (c - 1) ** 2)
+    assert attention_keys(mistral, 4) == pytest.approx(4096 * slowest, rel=1e-12)
+    assert attention_keys(mistral, 1) == 4096
+    assert attention_gemm_flops(mistral, 1, 4) == pytest.approx(
+        4 * 32768 * 4096 * slowest * 4096 / 4, rel=1e-12)
+    assert attention_keys(mistral.with_seq(4096), 4) == 4096
+    assert attention_keys(LONG, 4) == LONG.attn_keys == 32768
+
+
 def _round(kernels="shardwise"):
     """A cluster of round numbers for the formula tests: 8 GPUs a node, 100 GB/s and 2 us
     inside, 10 GB/s and 20 us across (``hardware.fabric``: a step costs alpha + bytes /

@@ -31,8 +31,12 @@ GEMM and kernel runs on s / cp tokens and its attention on its queries against a
 blocks go cp - 1 steps round the ring: 2 (cp - 1) / cp of the sequence's K/V bytes
 (2 s b k e / t, k the width passed: ``ring_kv_width``) received per rank; backward K and V
 again and their gradient accumulators dK, dV (fp32, as the engine keeps them) cp steps.
-Each ring pass overlaps the attention compute of its blocks (forward: the attention core,
-backward: twice it), so only what exceeds it is exposed. With selective recomputation
+A sliding window that leaves some ranks' blocks unseen by others moves only the blocks
+seen, directly (``parallel.context.ring_attention.kv_transfers``: with W <= s / (2 cp), a
+rank's two neighbours' blocks), and backward their dK/dV straight back (``_ring_counts``),
+and its attention is priced for the slowest rank (``attention_keys``). Each ring pass
+overlaps the attention compute of its blocks (forward: the attention core, backward: twice
+it), so only what exceeds it is exposed. With selective recomputation
 (``Layout.selective``) the attention core is computed again in backward and its ring with
 it: the forward's exposed ring seconds are added to the backward's (Korthikanti et al.'s
 attention-core recomputation, ``Layout.selective``, kept for their published runs). The
@@ -268,21 +272,48 @@ class Walk(NamedTuple):
     from ``walk_fast``."""
 
 
+def attention_keys(spec: ModelSpec, cp: int = 1) -> float:
+    """The keys a query is counted against in the attention FLOPs of the slowest of ``cp``
+    ranks: ``ModelSpec.attn_keys`` (s, or min(s, W) under a sliding window of W, averaged
+    over the blocks) at cp = 1 or without a window. Under cp a windowed block's min(s, W)
+    is scaled by the slowest rank's share of the pairs the ring's kernels score
+    (``ring_attention.scored_pairs``: cp max / sum; the layout balances full attention, not
+    a band: mistral-7b at 32k tokens on cp 4, 12/11 about); the slowest rank over the sum
+    of the blocks, per block."""
+    if cp == 1 or not spec.attention_windows or spec.block_size < 2 * cp:
+        return spec.attn_keys
+    return _attention_keys(spec.attention_windows, spec.block_size, cp)
+
+
+@lru_cache(maxsize=256)
+def _attention_keys(windows: tuple, s: int, cp: int) -> float:
+    from shardwise.parallel.context.ring_attention import scored_pairs  # as _ring_counts'
+
+    per_rank = [0.0] * cp
+    for w in windows:
+        if w is None:
+            per_rank = [k + s for k in per_rank]
+            continue
+        pairs = scored_pairs(cp, s // (2 * cp), w)
+        per_rank = [k + min(s, w) * cp * p / sum(pairs) for k, p in zip(per_rank, pairs)]
+    return max(per_rank) / len(windows)
+
+
 def block_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
     """Forward FLOPs of one block on one cp rank (``s / cp`` tokens): 2 per weight of its
     matrices a token meets (GPT: 24 s h^2; experts: the top-k a token goes to), and Q K^T
     and softmax(.) V, 4 s K H D (H D = h for the GPT and Llama; K the keys a query is
-    counted against, ``ModelSpec.attn_keys``: s, or min(s, W) under a sliding window of
+    counted against, ``attention_keys``: s, or min(s, W) under a sliding window of
     W, averaged over the blocks), of which a cp rank's queries do 1 / cp."""
     s = spec.block_size
     return (2 * mb * s * active_matmul_params(spec)
-            + 4 * mb * s * spec.attn_keys * spec.attn_width) / cp
+            + 4 * mb * s * attention_keys(spec, cp) * spec.attn_width) / cp
 
 
 def attention_gemm_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
     """Of ``block_flops``, the attention core's (Q K^T and P V): 4 s K H D / cp."""
     s = spec.block_size
-    return 4 * mb * s * spec.attn_keys * spec.attn_width / cp
+    return 4 * mb * s * attention_keys(spec, cp) * spec.attn_width / cp
 
 
 def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
@@ -294,8 +325,8 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
     - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s K H D / (t cp) each (batched
-      over the rank's heads; its s / cp queries against K keys, ``attn_keys``: all s, or
-      min(s, W) under a sliding window); the output projection
+      over the rank's heads; its s / cp queries against K keys, ``attention_keys``: all s,
+      or min(s, W) under a sliding window); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
       of 2 (T k ep / E) h F / t each (balanced routing); a shared expert 2 T h F_s / t
@@ -317,7 +348,7 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     d = att // a
     k = spec.kv_heads * d
     f = spec.ffn
-    core = 2 * mb * s * spec.attn_keys * att / (tp * cp)
+    core = 2 * mb * s * attention_keys(spec, cp) * att / (tp * cp)
     gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
@@ -379,6 +410,41 @@ def ring_kv_width(spec: ModelSpec) -> int:
     return spec.kv_heads * (spec.attn_width // spec.n_head)
 
 
+@lru_cache(maxsize=256)
+def _ring_counts(windows: tuple, s: int, cp: int) -> tuple[tuple, ...]:
+    """Per cp rank, ``(K/V blocks received, K/V messages, dK/dV blocks received, dK/dV
+    messages)`` of one block's pass, averaged over the blocks of sliding windows
+    ``windows`` (one per block, None: none; () : no block has one) on ``s`` tokens: round the ring (cp - 1, cp - 1, cp, cp) where
+    every rank needs every block, else only the transfers the engine makes
+    (``ring_attention.kv_transfers``): a block from each rank whose keys the rank's queries
+    see, its dK/dV from each rank that saw its own, one message per hop distance taken
+    part in (sending or receiving: they go together)."""
+    ring = (float(cp - 1), float(cp - 1), float(cp), float(cp))
+    if not windows:
+        return (ring,) * cp
+    # imported here: the package's import pulls in torch's compiler (1.6 s of the CLI's
+    # start), wanted only for a windowed model under cp
+    from shardwise.parallel.context.ring_attention import kv_transfers
+
+    per_layer = list(windows)
+    c = s // (2 * cp)
+    totals = [[0.0] * 4 for _ in range(cp)]
+    for w in per_layer:
+        needs = kv_transfers(cp, c, w) if w is not None and c > 0 else None
+        if needs is None or len(needs) == cp * (cp - 1):
+            for t in totals:
+                t[0], t[1], t[2], t[3] = t[0] + cp - 1, t[1] + cp - 1, t[2] + cp, t[3] + cp
+            continue
+        hops = {(d - src) % cp for src, d in needs}
+        for i, t in enumerate(totals):
+            calls = sum((i, (i + h) % cp) in needs or ((i - h) % cp, i) in needs
+                        for h in hops)
+            t[0] += sum((src, i) in needs for src in range(cp))
+            t[2] += sum((i, d) in needs for d in range(cp))
+            t[1], t[3] = t[1] + calls, t[3] + calls
+    return tuple(tuple(x / len(per_layer) for x in t) for t in totals)
+
+
 def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
     """Bytes of one K/V block a cp rank passes on: K and V of its s / cp tokens,
     2 mb (s / cp) k e / t (k = ``ring_kv_width``)."""
@@ -391,23 +457,33 @@ def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
     backward)``: forward
     the cp - 1 other K/V blocks, 2 (cp - 1) / cp of the sequence's K/V bytes
     (2 mb s k e / t, K and V); backward those again and the fp32 dK/dV accumulators of
-    every block (cp steps; the engine accumulates in fp32)."""
+    every block (cp steps; the engine accumulates in fp32). Under a sliding window
+    (``ModelSpec.attention_windows``) only the blocks the rank's queries see, and backward
+    those and the fp32 dK/dV of its own block from each rank that saw it (``_ring_counts``:
+    with W <= s / (2 cp), 2 blocks on the middle ranks where the ring brings cp - 1);
+    averaged over the blocks, for the rank that receives the most."""
     if lay.cp == 1:
         return RingBytes(0.0, 0.0)
     kv = ring_block_bytes(spec, lay, e)
-    return RingBytes((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * kv * 4 / e)
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp)
+    return RingBytes(max(n * kv for n, _, _, _ in counts),
+                     max(n * kv + m * kv * 4 / e for n, _, m, _ in counts))
 
 
 def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> RingSeconds:
     """Seconds of one block's ring traffic on one rank, ``RingSeconds(forward, backward)``,
     before any overlap (``ring_bytes``): each step one message to the next rank of the ring
-    (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks)."""
+    (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks); under a
+    sliding window one message per hop distance the rank sends or receives over
+    (``_ring_counts``), for the slowest rank."""
     if lay.cp == 1:
         return RingSeconds(0.0, 0.0)
     link = cluster.link(lay.tp * lay.cp)
     blk = ring_block_bytes(spec, lay, e)
     kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
-    return RingSeconds((lay.cp - 1) * kv, (lay.cp - 1) * kv + lay.cp * dkv)
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp)
+    return RingSeconds(max(n * kv for _, n, _, _ in counts),
+                       max(n * kv + m * dkv for _, n, _, m in counts))
 
 
 def all_to_all_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:

@@ -1,9 +1,11 @@
 """Context parallelism: the sequence of every layer split over cp ranks.
 
 - ``sharding``: the load-balanced causal layout (rank i holds chunks i and 2cp-1-i);
-- ``ring_comm``: the ring of cp ranks and its one shift (``shardwise.comm.exchange``);
+- ``ring_comm``: the ring of cp ranks, its shift and its direct hop (``shardwise.comm.
+  exchange``);
 - ``ring_attention``: exact attention over the whole sequence, K/V blocks passed around the
-  ring, online-softmax merge, dK/dV passed back (Liu et al. 2023);
+  ring, online-softmax merge, dK/dV passed back (Liu et al. 2023); under a sliding window
+  only the blocks a rank's queries see, sent directly;
 - ``apply``: ``ContextParallel``, what the engine holds: shard batches, hook chunks.
 """
 

@@ -24,12 +24,29 @@ chunks i and 2cp-1-i, c tokens each; block j came from rank j):
 With a sliding window of W tokens (query at position p sees keys p - W < p' <= p:
 ``models.gpt.sliding_window_mask``, Mistral 7B's), each of the four (local chunk, block
 chunk) pairs is classified from the chunks' positions alone (``_pair``): outside the band
-(skipped: nothing computed, though the block still travels on), wholly inside (no mask),
-the causal diagonal, or partly inside, computed on the rows and columns that see anything
-with a boolean band mask of that box (``_band``). Without a window the plans above are
-what this classification gives; with one, the pairs are computed apart unless they form
-one of those plans. The work per rank is then no longer equal, and most of it is skipped
-when W is short against the sequence.
+(skipped: nothing computed), wholly inside (no mask), the causal diagonal, or partly
+inside, computed on the rows and columns that see anything with a boolean band mask of that
+box (``_band``). Without a window the plans above are what this classification gives; with
+one, the pairs are computed apart unless they form one of those plans. The work per rank is
+then no longer equal (``scored_pairs``), and most of it is skipped when W is short against
+the sequence.
+
+Only the blocks some rank's queries see travel. The same classification says which
+``(source, destination)`` transfers are needed (``kv_transfers``: rank d needs rank s's
+block iff ``_plan`` computes anything on it; under this layout iff ``(|s - d| - 1) c + 1 <
+W``, the nearest tokens of their chunks inside the window). When every rank needs every
+block (no window, or W > (cp - 2) c + 1) the blocks go round the ring as above, the same
+calls and bytes. Otherwise (``_routes``) each rank sends its own block directly to the
+ranks that need it, one hop distance h at a time (``Ring.hop``: to ring index i + h, from
+i - h, one ``comm.exchange``; the distances no rank needs skipped; a rank that neither sends
+nor receives at a distance makes no call), each transfer posted before the block held is
+computed, as the ring's. With W <= c (Mistral 7B at 32k tokens on cp 4: c = 4096 = W) rank
+i needs only ranks i - 1's and i + 1's blocks: 2 transfers where the ring makes cp - 1, 1 on
+the end ranks. Backward the needed blocks travel again the same way and each rank sends the
+fp32 dK/dV of a block it used straight back to its owner (distance -h), which adds every
+contribution it receives to its own block's, once; it receives only from the ranks that used
+its block. Every rank posts its transfers in one order (K/V of distance h_{n+1}, then the
+dK/dV of h_n, over the distances some rank uses), so no send waits on a receive posted later.
 
 Grouped-query attention: the blocks travel with their Hkv key/value heads, as Megatron-LM's
 do, and a rank repeats the block it holds to the H query heads for its kernel (the dK/dV of
@@ -40,7 +57,8 @@ Every step after the first computes 2c x c scores on every rank: equal work. Wit
 causal mask every block is computed whole. The backward (``_RingAttention.backward``) passes
 the key/value blocks around the ring again, and with them their gradient accumulators dK,
 dV: each rank adds its queries' contribution to the block it holds and passes it on; after
-cp hops each accumulator is back with its owner. The per-block gradients are FlashAttention's
+cp hops each accumulator is back with its owner (with a window that leaves some transfers
+unneeded: the direct transfers above). The per-block gradients are FlashAttention's
 (Dao 2023, algorithm 2) from the global ``out`` and ``lse``: ``P = exp(S - lse)``,
 ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO * out))``, ``dQ = dS K / sqrt(D)``,
 ``dK = dS^T Q / sqrt(D)``.
@@ -185,14 +203,15 @@ def _band_task(qa: int, kb: int, a: int, b: int, c: int, window: int) -> Task:
                 band=(d + r0 - s0, window))
 
 
-def _plan(ring: Ring, step: int, causal: bool, c: int, window: int | None = None) -> list[Task]:
-    """What step ``step`` computes (module docstring): the kernel calls, none when the held
-    block is masked out whole. ``c``: the chunk length (local tokens / 2)."""
+def _plan(rank: int, source: int, cp: int, causal: bool, c: int,
+          window: int | None = None) -> list[Task]:
+    """What ring index ``rank`` computes on the block of ring index ``source`` (module
+    docstring): the kernel calls, none when the block is masked out whole. ``c``: the chunk
+    length (local tokens / 2)."""
     everything = slice(None)
     if not causal:
         return [Task(everything, everything)]
-    cp = ring.size
-    mine, held = chunks_of(ring.rank, cp), chunks_of(ring.source(step), cp)
+    mine, held = chunks_of(rank, cp), chunks_of(source, cp)
     kinds = {(a, b): _pair(mine[a], held[b], c, window) for a in (0, 1) for b in (0, 1)}
     live = [ab for ab, kind in kinds.items() if kind != SKIP]
     if kinds == {(0, 0): DIAGONAL, (0, 1): SKIP, (1, 0): FULL, (1, 1): DIAGONAL}:
@@ -208,6 +227,87 @@ def _plan(ring: Ring, step: int, causal: bool, c: int, window: int | None = None
         else:
             tasks.append(Task(_chunk(a, c), _chunk(b, c), causal=kind == DIAGONAL))
     return tasks
+
+
+def kv_transfers(cp: int, c: int, window: int | None) -> frozenset[tuple[int, int]]:
+    """The K/V block transfers causal ring attention needs on a ring of ``cp`` ranks with
+    chunks of ``c`` tokens and a sliding window of ``window`` tokens (None: none), as
+    ``(source, destination)`` ring indices: rank d needs rank s's block when its queries
+    see any of that block's keys, i.e. when ``_plan`` computes anything on it (the same
+    classification, ``_pair``). Every ordered pair without a window; under the zigzag
+    layout a pair is needed iff ``(|s - d| - 1) c + 1 < W``."""
+    return frozenset((src, dst) for dst in range(cp) for src in range(cp)
+                     if src != dst and _plan(dst, src, cp, True, c, window))
+
+
+@functools.lru_cache(maxsize=256)
+def scored_pairs(cp: int, c: int, window: int | None) -> tuple[int, ...]:
+    """Per ring index, the query-key pairs its kernels score in one causal ring attention
+    (chunks of ``c`` tokens, a sliding window of ``window`` or None): the boxes of its
+    ``_plan``s, a causal task half its box (the causal kernel skips the masked half, about),
+    a band box whole (its mask is applied to scores computed whole). Equal on every rank
+    without a window; with one, the middle ranks score more (the planner's slowest rank)."""
+    def area(t: Task) -> int:
+        n = len(range(2 * c)[t.rows]) * len(range(2 * c)[t.cols])
+        return n // 2 if t.causal else n
+
+    return tuple(sum(area(t) for src in range(cp) for t in _plan(i, src, cp, True, c, window))
+                 for i in range(cp))
+
+
+class _Routes(NamedTuple):
+    """The direct transfers of a windowed ring (``_routes``): ``hops``, the ring distances
+    ``h`` some rank sends its own block over (to ring index ``rank + h``), increasing, the
+    same schedule on every rank; ``needs``, the ``(source, destination)`` pairs of
+    ``kv_transfers``."""
+
+    cp: int
+    hops: tuple[int, ...]
+    needs: frozenset[tuple[int, int]]
+
+    def sends(self, rank: int, hop: int) -> bool:
+        """Whether ``rank`` sends its block ``hop`` places on."""
+        return (rank, (rank + hop) % self.cp) in self.needs
+
+    def receives(self, rank: int, hop: int) -> bool:
+        """Whether ``rank`` receives the block of the rank ``hop`` places back."""
+        return ((rank - hop) % self.cp, rank) in self.needs
+
+
+@functools.lru_cache(maxsize=64)
+def _routes(cp: int, c: int, window: int | None) -> _Routes | None:
+    """None when every rank needs every other rank's block (no window, or a long one): the
+    blocks then go round the ring (``Ring.shift``, cp - 1 relays). Else the direct
+    transfers of ``kv_transfers``, one hop distance at a time."""
+    needs = kv_transfers(cp, c, window)
+    if len(needs) == cp * (cp - 1):
+        return None
+    return _Routes(cp, tuple(sorted({(d - s) % cp for s, d in needs})), needs)
+
+
+def _arrivals(ring: Ring, routes: _Routes | None, kv: tuple):
+    """Yield ``(step, block)`` for each step of this rank: its own ``kv`` at step 0, then
+    the block of ``ring.source(step)`` (``step`` places back round the ring) or None where
+    it receives nothing at that step; the next step's transfer is posted before a block is
+    yielded, so it travels while the caller computes. ``routes`` None: cp - 1 shifts round
+    the ring; else one ``Ring.hop`` per distance of ``routes.hops`` (the caller may post
+    other transfers between yields: every rank posts them in the same order of steps)."""
+    steps = list(range(1, ring.size)) if routes is None else list(routes.hops)
+    held = kv
+    for n, step in enumerate([0] + steps):
+        if n == len(steps):
+            nxt = None
+        elif routes is None:
+            nxt = ring.shift(held)
+        else:
+            nxt = ring.hop(kv, steps[n], routes.sends(ring.rank, steps[n]),
+                           routes.receives(ring.rank, steps[n]))
+        yield step, held
+        held = None
+        if nxt is not None:
+            held, handle = nxt
+            if handle is not None:
+                handle.wait()
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor,
@@ -239,8 +339,31 @@ def _head_sum(t: torch.Tensor, rep: int) -> torch.Tensor:
     return t.view(B, H // rep, rep, T, D).sum(2)
 
 
+def _add(acc: tuple, grads: list) -> tuple:
+    """Add each kernel call's ``(cols, dK, dV)`` into the accumulators ``acc``; returns
+    ``acc``."""
+    for cols, dk_b, dv_b in grads:
+        acc[0][:, :, cols] += dk_b
+        acc[1][:, :, cols] += dv_b
+    return acc
+
+
+def _fold(acc: tuple, pending) -> None:
+    """Wait for a contribution on its way (``Ring.hop``'s ``(received, handle)``, or None)
+    and add what arrived, if anything, into ``acc``."""
+    if pending is None:
+        return
+    got, handle = pending
+    if handle is not None:
+        handle.wait()
+    if got is not None:
+        acc[0].add_(got[0])
+        acc[1].add_(got[1])
+
+
 class _RingAttention(torch.autograd.Function):
-    """Forward: ring attention's output; backward: dQ here, dK/dV around the ring."""
+    """Forward: ring attention's output; backward: dQ here, dK/dV around the ring (or,
+    with ``_routes``, straight back to their owners)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float,
@@ -252,17 +375,15 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         rep = H // k.shape[1]  # query heads per key/value head (grouped-query attention)
-        kv = (k, v)
-        for step in range(ring.size):
-            nxt = ring.shift(kv) if step < ring.size - 1 else None  # travels while we compute
-            for t in _plan(ring, step, causal, c, window):
+        routes = _routes(ring.size, c, window) if causal else None
+        for step, kv in _arrivals(ring, routes, (k, v)):  # the next travels while we compute
+            if kv is None:
+                continue
+            for t in _plan(ring.rank, ring.source(step), ring.size, causal, c, window):
                 o, l = _block_forward(_rows(q, t.rows), _heads(_rows(kv[0], t.cols), rep),
                                       _heads(_rows(kv[1], t.cols), rep), t.causal, t.band,
                                       scale, impl)
                 _merge(out, lse, t.rows, o, l)
-            if nxt is not None:
-                kv, handle = nxt
-                handle.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.impl, ctx.scale, ctx.window = ring, causal, impl, scale, window
@@ -277,36 +398,50 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout.float() * out.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         rep = q.shape[1] // k.shape[1]
-        kv = (k, v)
-        dkv = None  # the accumulators of the block held: (dK, dV) fp32
-        pending = None  # the accumulators on their way from the previous rank
-        for step in range(ring.size):
-            nxt = ring.shift(kv) if step < ring.size - 1 else None
+        routes = _routes(ring.size, c, window) if causal else None
+
+        def zeros():  # fp32 accumulators (dK, dV) of one block
+            return (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                    torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+
+        dkv = None  # round the ring: the accumulators (dK, dV) fp32 of the block held;
+        # direct: this rank's own block's, to which every user's contribution is added
+        pending = None  # accumulators (or a contribution) on their way, and their handle
+        for step, kv in _arrivals(ring, routes, (k, v)):
             grads = []  # (cols, dK, dV) of the block held, per kernel call
-            for t in _plan(ring, step, causal, c, window):
+            tasks = [] if kv is None else _plan(ring.rank, ring.source(step), ring.size,
+                                                causal, c, window)
+            for t in tasks:
                 dq_b, dk_b, dv_b = _block_backward(
                     _rows(dout, t.rows), _rows(q, t.rows), _heads(_rows(kv[0], t.cols), rep),
                     _heads(_rows(kv[1], t.cols), rep), _rows(out, t.rows), _rows(lse, t.rows),
                     _rows(delta, t.rows), t.causal, t.band, scale, impl)
                 dq[:, :, t.rows] += dq_b
                 grads.append((t.cols, _head_sum(dk_b, rep), _head_sum(dv_b, rep)))
-            if pending is None:  # step 0: this rank's own block starts its accumulators
-                dkv = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                       torch.zeros(v.shape, dtype=torch.float32, device=v.device))
-            else:
-                dkv, handle = pending
+            if routes is None:  # the accumulators travel with their block round the ring
+                if pending is None:  # step 0: this rank's own block starts its accumulators
+                    dkv = zeros()
+                else:
+                    dkv, handle = pending
+                    handle.wait()
+                _add(dkv, grads)
+                # pass them on with their block; after the last step they are back home
+                pending = ring.shift(dkv) if ring.size > 1 else (dkv, None)
+                continue
+            if step == 0:  # direct: the own block's accumulators stay here
+                dkv = _add(zeros(), grads)
+                continue
+            _fold(dkv, pending)
+            # this block's contribution back to its owner, the contribution to ours from
+            # the rank we sent it to at this step: only between ranks that used a block
+            mine = _add(zeros(), grads) if kv is not None else dkv
+            pending = ring.hop(mine, -step, kv is not None, routes.sends(ring.rank, step))
+        if routes is None:
+            dkv, handle = pending
+            if handle is not None:
                 handle.wait()
-            for cols, dk_b, dv_b in grads:
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
-            # pass the accumulators on with their block; after the last step they go home
-            pending = ring.shift(dkv) if ring.size > 1 else (dkv, None)
-            if nxt is not None:
-                kv, handle = nxt
-                handle.wait()
-        dkv, handle = pending
-        if handle is not None:
-            handle.wait()
+        else:
+            _fold(dkv, pending)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
                 None)
 
@@ -323,7 +458,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     each key/value head serves H / Hkv consecutive query heads; the ring passes the Hkv heads
     and each rank repeats a block for its kernel, so the ring's bytes are Hkv / H of
     repeating first. ``window``: a sliding window of W tokens (with ``causal``: the query at
-    position p sees keys p - W < p' <= p, positions in the whole sequence), or None. Returns
+    position p sees keys p - W < p' <= p, positions in the whole sequence), or None; only
+    the blocks some rank's queries see are then sent (``kv_transfers``). Returns
     (B, H, T_local, D) in ``q``'s dtype: this rank's rows of full attention, equal to them
     up to rounding. Collective over ``ring`` (every rank calls it, in the same order);
     autograd flows to the keys and values of every rank. Raises ``ValueError`` (one line)

@@ -1,4 +1,5 @@
-"""Where ring attention talks to the network: one shift around the cp ring, through comm.
+"""Where ring attention talks to the network: one shift around the cp ring, or one direct
+hop, through comm.
 
 Every step of ring attention passes blocks one hop around the ring of context-parallel ranks
 (Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv:2310.01889, figure 2):
@@ -6,16 +7,20 @@ each rank sends what it holds to the next rank and receives the previous rank's,
 ``shardwise.comm.exchange`` (every receive and send of the round posted together, so no rank
 waits for its neighbour to finish sending first; counted as "sendrecv" by comm's accounting).
 The exchange is posted asynchronously, on comm's FIFO thread, so the caller computes on the
-block it holds while the next one travels, and waits only when it needs it. ``total`` is the
-ring's one other call: a per-sequence statistic summed over its ranks (the mixture of
-experts' token counts per expert, ``models.moe.load_balancing_loss``).
+block it holds while the next one travels, and waits only when it needs it. ``hop`` is the
+direct form a sliding window takes when some ranks need no block of some others
+(``ring_attention.kv_transfers``): this rank's tensors to the rank ``h`` places on and,
+independently, as many from the rank ``h`` places back, either half left out where not
+needed (no call when both are). ``total`` is the ring's one other call: a per-sequence
+statistic summed over its ranks (the mixture of experts' token counts per expert,
+``models.moe.load_balancing_loss``).
 
 Under selective recomputation (``parallel.activation_checkpoint``) a layer's collectives are
 recorded in forward and replayed when it is recomputed (``comm.replay``), but the shifts run
-again (``comm.replay.run_again``): keeping the cp - 1 blocks a rank receives would hold that
-many key/value blocks per layer, while in the recomputation they only feed attention
-kernels whose outputs are kept. Every rank of the ring recomputes the same layer at the
-same point of backward, so the shifts run again in the same order on all of them.
+again (``comm.replay.run_again``), and so do the hops: keeping the blocks a rank receives
+would hold up to cp - 1 key/value blocks per layer, while in the recomputation they only
+feed attention kernels whose outputs are kept. Every rank of the ring recomputes the same
+layer at the same point of backward, so the transfers run again in the same order on all.
 ``total`` is replayed (its (S, E) counts are small).
 """
 
@@ -83,3 +88,25 @@ class Ring:
                                    [(r, self.prev) for r in recvs], group=self.group,
                                    async_op=True)
         return recvs, handle
+
+    def hop(self, tensors: Sequence[torch.Tensor], distance: int, send: bool,
+            receive: bool):
+        """One direct transfer ``distance`` places round the ring, asynchronously: ``tensors``
+        to ring index ``rank + distance`` (when ``send``), and as many, shaped alike, from
+        ``rank - distance`` (when ``receive``; indices mod the size), in one
+        ``comm.exchange``. Returns ``(received or None, handle)``, the handle None when
+        there is nothing to do (no call is made). ``tensors`` must not change before
+        ``handle.wait()`` returned. The caller guarantees that the peers post the matching
+        halves in the same order (``ring_attention._Routes``: one schedule of hops for all
+        ranks)."""
+        if not (send or receive):
+            return None, None
+        sends = [t.contiguous() for t in tensors]
+        recvs = [torch.empty_like(t) for t in sends] if receive else []
+        dst = self.ranks[(self.rank + distance) % self.size]
+        src = self.ranks[(self.rank - distance) % self.size]
+        with comm.replay.run_again():  # as ``shift``'s, recomputed blocks travel again
+            handle = comm.exchange([(t, dst) for t in sends] if send else [],
+                                   [(r, src) for r in recvs], group=self.group,
+                                   async_op=True)
+        return recvs or None, handle
