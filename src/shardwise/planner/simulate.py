@@ -414,11 +414,11 @@ def ring_kv_width(spec: ModelSpec) -> int:
 def _ring_counts(windows: tuple, s: int, cp: int) -> tuple[tuple, ...]:
     """Per cp rank, ``(K/V blocks received, K/V messages, dK/dV blocks received, dK/dV
     messages)`` of one block's pass, averaged over the blocks of sliding windows
-    ``windows`` (one per block, None: none; () : no block has one) on ``s`` tokens: round the ring (cp - 1, cp - 1, cp, cp) where
-    every rank needs every block, else only the transfers the engine makes
-    (``ring_attention.kv_transfers``): a block from each rank whose keys the rank's queries
-    see, its dK/dV from each rank that saw its own, one message per hop distance taken
-    part in (sending or receiving: they go together)."""
+    ``windows`` (one per block, None: none; () : no block has one) on ``s`` tokens: round
+    the ring (cp - 1, cp - 1, cp, cp) where every rank needs every block, else only the
+    transfers the engine makes (``ring_attention.kv_transfers``): a block from each rank
+    whose keys the rank's queries see, its dK/dV from each rank that saw its own, one
+    message per hop distance taken part in (sending or receiving: they go together)."""
     ring = (float(cp - 1), float(cp - 1), float(cp), float(cp))
     if not windows:
         return (ring,) * cp
