@@ -940,7 +940,7 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
 # ---- Gemma, Gemma 2, Gemma 3 ---------------------------------------------------------------------
 # transformers' GemmaConfig / Gemma2Config / Gemma3TextConfig defaults (configuration_gemma*.py),
 # where they differ from the Llama's, for a config.json that leaves a field out; the soft caps'
-# None is a value (no cap), so absent and null differ there
+# and the window's null is a value (none), so absent and null differ there
 _GEMMA_DEFAULTS = {
     "Gemma": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "head_dim": 256,
               "num_key_value_heads": 16, "tie_word_embeddings": True,
@@ -964,9 +964,9 @@ _GEMMA_ACT = {"Gemma": ("hidden_act", ("gelu_pytorch_tanh", "gelu")),
 
 
 def _gemma_defaults(c: dict, arch: str) -> dict:
-    soft = ("attn_logit_softcapping", "final_logit_softcapping")
+    nullable = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
     return {**_GEMMA_DEFAULTS[arch],
-            **{k: v for k, v in c.items() if v is not None or k in soft}}
+            **{k: v for k, v in c.items() if v is not None or k in nullable}}
 
 
 def _gemma3_rope(c: dict) -> dict:
@@ -1060,7 +1060,8 @@ def _gemma_config_json(cfg, source: dict | None, arch: str) -> dict:
                 act: "gelu_pytorch_tanh", "use_bidirectional_attention": False})
     if arch == "Gemma":
         return out
-    out.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # Gemma2Config's is an int
+    out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                final_logit_softcapping=cfg.final_logit_softcapping,
                attn_logit_softcapping=cfg.attn_logit_softcapping,
                sliding_window=(out.get("sliding_window") or _GEMMA_DEFAULTS[arch]
