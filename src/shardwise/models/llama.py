@@ -587,8 +587,9 @@ class Llama(DecoderLM):
     over targets other than -100 (None without targets). Raises ``ValueError`` if ``T >
     block_size``. Init as HF's Llama: normal(0, 0.02) for linear and embedding weights,
     zeros for the biases (``qkv_bias``), ones for the norms (zeros when
-    ``norm_zero_centered``: a scale of 1 either way), drawn from the global torch generator in module order, so
-    ``torch.manual_seed(s); Llama(cfg)`` is reproducible (experts: normal(0, 0.02) too).
+    ``norm_zero_centered``: a scale of 1 either way), drawn from the global torch generator
+    in module order, so ``torch.manual_seed(s); Llama(cfg)`` is reproducible (experts:
+    normal(0, 0.02) too).
     With ``n_experts`` the blocks' auxiliary losses enter the gradient of any loss
     backpropagated through them (``models.moe.AuxLossScaler``); ``loss`` stays the
     cross-entropy.
