@@ -147,6 +147,18 @@ def test_zero_centred_norms_start_at_zero_and_scale_by_one():
     assert all(p.dim() == 1 for m in norms for p in m.parameters())
 
 
+def test_embedding_scale_is_rounded_to_the_activation_dtype():
+    """``scale_embedding``: the rows times sqrt(n_embd) rounded to their dtype first, as
+    transformers' ``GemmaTextScaledWordEmbedding`` (bf16: sqrt(3072) = 55.43 becomes 55.5),
+    not the exact factor."""
+    from shardwise.models.llama import Embedding
+
+    emb = Embedding(small(n_embd=3072, n_head=24, scale_embedding=True)).to(torch.bfloat16)
+    idx = torch.arange(16).view(2, 8)
+    want = emb.tok(idx) * torch.tensor(3072 ** 0.5, dtype=torch.bfloat16)
+    assert torch.equal(emb(idx), want) and not torch.equal(want, emb.tok(idx) * 3072 ** 0.5)
+
+
 def test_default_ffn_width_is_llamas_rule():
     # Llama-2-7B: h 4096 -> int(8 * 4096 / 3) = 10922, up to a multiple of 256: 11008
     assert LlamaConfig(32000, n_embd=4096, n_head=32).ffn_hidden == 11008
