@@ -414,9 +414,13 @@ def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
     are the source's bit for bit, the logits of the exported model equal the source's
     exactly and ours within 1e-5, its config.json keeps the model's options (Gemma 3's
     rotary keyed by layer type). Without a source the same model is that Gemma too
-    (``arch_for``), and transformers' load of ``config_json(cfg, None)`` reads back the
+    (``arch_for``; with the sandwich norms a Gemma is a Gemma 2, with QK-norm a Gemma 2
+    none, its scores capped; without zero-centred norms, the embedding's scale or GeGLU, or with Q/K/V
+    biases, none: the export refuses it), and ``config_json(cfg, None)`` reads back the
     same [model] fields. The older form of a Gemma 3 config.json (``rope_theta``,
     ``rope_local_base_freq``, ``rope_scaling``) reads as the new one does."""
+    from dataclasses import replace
+
     from shardwise.apps.lm.hf import check_init_from, resolve_init_from
     from shardwise.base.config import Config
     from shardwise.models.description import describe_section
@@ -441,6 +445,14 @@ def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
         theirs = exported(idx).logits
         assert torch.equal(theirs, original(idx).logits)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    others = {"gemma": ({"sandwich_norm": True}, GEMMA2),
+              "gemma2": ({"qk_norm": True}, None),  # Gemma 3's attention has no cap
+              "gemma3": ({"qk_norm": False}, None)}  # Gemma 3's local rotary: no Gemma 2
+    change, arch = others[arch]
+    assert arch_for(replace(d.config, **change)) is arch
+    for other in ({"norm_zero_centered": False}, {"mlp_activation": "silu"},
+                  {"scale_embedding": False}, {"qkv_bias": True}):
+        assert arch_for(replace(d.config, **other)) is None, other  # no arch: export refuses
     fresh = section_of(want.config_json(d.config, None))
     assert {k: fresh[k] for k in section_of(source)} == section_of(source)
     if arch == "gemma3":
