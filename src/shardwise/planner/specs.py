@@ -56,7 +56,10 @@ Named sizes:
   where ``Cluster.kernels`` "shardwise" assumes a fused kernel (the planner has one kernel
   per cluster, not per layer): its time and activation memory under-count those layers'
   s x s scores (``plan`` says nothing of it); Gemma 2 27B is not named for that reason
-  alone (its 46 layers' scores at s = 8192 dominate).
+  alone (its 46 layers' scores at s = 8192 dominate). Nor are the sandwich norms' two more
+  norms a block in the memory-bound time and the activations (``simulate.block_ops`` and
+  ``memory.activation_bytes`` count a Llama block's two), a few percent of a block's
+  activations.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
