@@ -348,8 +348,9 @@ def test_gemma_forward_and_backward_equal_transformers(arch, hf_dirs):
     """A Gemma, a Gemma 2 (soft caps 2 and 3, eager attention as transformers runs it) and
     a Gemma 3 (linear-scaled global rotary, local base 1e4, QK-norm), their windows of 8 on
     layer 0 of 32 tokens: our logits and every parameter's gradient of the cross-entropy
-    equal transformers' within 1e-5 (fp32; measured: logits at most 9.5e-7 apart), both
-    attention kernels (a soft cap writes the scores out either way). Each of Gemma's
+    equal transformers' within 1e-5 (fp32; measured: logits at most 9.5e-7 apart), with
+    SDPA (the Gemma 3 with the scores written out too; a soft cap writes them out either
+    way). Each of Gemma's
     options matters here: the ``PLANTED`` faults (the norm without its 1 +, the embedding
     unscaled, SiLU for GeGLU, the sandwich norms swapped, head_dim's scale, the soft caps
     off, the global rotary on the local layers) each move the logits by more than 1e-3."""
@@ -368,7 +369,8 @@ def test_gemma_forward_and_backward_equal_transformers(arch, hf_dirs):
     logits = theirs(idx).logits
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     want = {n: p.grad for n, p in theirs.named_parameters()}
-    for impl in ("sdpa", "math"):
+    # the Gemma 2's soft cap writes the scores out whatever the kernel: one kernel is enough
+    for impl in ("sdpa", "math") if arch == "gemma3" else ("sdpa",):
         cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
         assert cfg.windows == ((None, None) if arch == "gemma" else (WINDOW, None))
         ours = Llama(cfg)
