@@ -14,7 +14,8 @@ same global batches. Parity (fp32): every loss and every parameter tensor of eve
 (every dp replica, tp rank and stage, gathered whole) within ``RTOL`` relative of the
 reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
 ``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order;
-with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``).
+with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``; the
+Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
 finite. Then the size checks at the door and the issue's command line. Two spawns and one
