@@ -160,10 +160,11 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.625},
         tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
         eos_token_id=None))).save_pretrained(root / "phi3_swa")
-    gemma = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=24,  # not 64 / 4
-                 max_position_embeddings=32, pad_token_id=None, bos_token_id=None,
-                 eos_token_id=None)
+    gemma = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 24,  # not 64 / 4
+             "max_position_embeddings": 32, "pad_token_id": None, "bos_token_id": None,
+             "eos_token_id": None}
     _perturb(transformers.GemmaForCausalLM(transformers.GemmaConfig(**gemma))).save_pretrained(
         root / "gemma")
     _perturb(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(

@@ -989,7 +989,7 @@ def _gemma3_rope(c: dict) -> dict:
         raise _refuse("Gemma3", "rope_parameters.sliding_attention.rope_type="
                       f"{local_scaling['rope_type']!r} (shardwise's sliding layers take the "
                       "default rotary)")
-    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_base_freq=local_theta)
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_base_freq": local_theta}
 
 
 def _gemma_section(c: dict, arch: str) -> dict:
@@ -1083,7 +1083,9 @@ def _gemma_holds(arch: str) -> Callable[[Any], bool]:
     Gemma 3: sandwich norms, QK-norm, no soft cap on the scores. Gemma 2 and 3 need
     n_embd divisible by n_head (their configs refuse it otherwise)."""
     def holds(cfg) -> bool:
-        g = lambda k: getattr(cfg, k, None)  # noqa: E731
+        def g(field: str):
+            return getattr(cfg, field, None)
+
         if not (not cfg.n_experts and not g("qkv_bias") and _full_rotary(cfg)
                 and g("norm_zero_centered") and g("scale_embedding")
                 and g("mlp_activation") == "gelu_tanh"):

@@ -485,7 +485,10 @@ class _Named(dict):
         return v
 
     def get(self, name, default=None):
-        return self[name] if name in self else default
+        try:
+            return self[name]
+        except KeyError:
+            return default
 
     def values(self):
         return [self[k] for k in self]
