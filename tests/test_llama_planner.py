@@ -54,7 +54,8 @@ def test_gemma_presets_count_what_transformers_builds():
     config.json shardwise's export writes for it (on the meta device), and the released
     total; its FLOPs count the attention width H D of its head_dim (256 x 8 = 2048 for
     gemma2-2b, not h = 2304) and each layer's window (every other layer a query sees 4096
-    keys of 8192); the model table emitted for it is the model."""
+    keys of 8192); Gemma 2's soft-capped scores rule out cp > 1, as the engine does; the
+    model table emitted for it is the model."""
     transformers = pytest.importorskip("transformers")
     from shardwise.models.description import describe_section
     from shardwise.models.hf import arch_for
@@ -72,6 +73,10 @@ def test_gemma_presets_count_what_transformers_builds():
     spec = NAMED["gemma2-2b"]
     assert spec.attn_width == 8 * 256 and spec.attn_keys == (4096 + 8192) / 2
     assert attention_gemm_flops(spec, 1) == 4 * 8192 * 6144 * 2048
+    from shardwise.planner.search import cp_reason
+
+    assert "attn_logit_softcapping=50" in cp_reason(spec, 2)  # the engine refuses it
+    assert cp_reason(NAMED["gemma3-27b"], 2) is None
     for name in GEMMA_PUBLISHED:  # plan --emit-toml's [model] table trains this model
         spec = NAMED[name]
         assert describe_section(spec.section(), spec.vocab_size).config == gemma_config(name)
