@@ -14,7 +14,8 @@ of 8 ranks train every layout of ``LAYOUTS`` on the same global batches (recompu
 included: the chunks' hooks set the shard again when the backward reruns a forward; a Llama
 with a sliding window of 3 of its 16 tokens on layer 0, at cp2, cp2 x tp2 and tp2 x pp2,
 and at cp4 with selective recomputation, where layer 0 moves only neighbours' blocks and
-layer 1 every block: measured losses 1.2e-7, parameters 8.9e-7).
+layer 1 every block: measured losses 1.2e-7, parameters 8.9e-7; a Gemma-3-shaped Llama at
+cp2, its local rotary base and score scale in the ring: losses 5.7e-8, parameters 1.7e-6).
 Parity (fp32):
 every loss and every parameter of every rank within ``RTOL`` relative of the reference
 (measured at most: losses 1.2e-7, parameters 1.2e-6). ``RESUMES``: checkpoints cross cp
@@ -58,6 +59,17 @@ MODELS = {
     # next chunk's partly inside, farther ones skipped), none on layer 1
     "llama-swa": {**_BASE, "kind": "llama", "n_kv_heads": 2, "multiple_of": 16,
                   "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
+    # Gemma 3's shape in small: the same window on layer 0 with its local rotary base (the
+    # positions of each rank's chunks), the global layer's scaled linearly, the scores'
+    # own scale in the ring's kernels, zero-centred norms and QK-norm, sandwich norms,
+    # GeGLU, the embedding scaled, heads 12 wide (no soft cap on the scores: refused at cp)
+    "gemma3": {**_BASE, "kind": "llama", "n_kv_heads": 2, "multiple_of": 16, "head_dim": 12,
+               "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"],
+               "qk_norm": True, "norm_zero_centered": True, "scale_embedding": True,
+               "mlp_activation": "gelu_tanh", "sandwich_norm": True,
+               "query_pre_attn_scalar": 10.0, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+               "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+               "final_logit_softcapping": 5.0},
 }
 # name -> (world size, model, parallel section); MEASURED: the activation meter is on
 LAYOUTS = {
@@ -77,6 +89,7 @@ LAYOUTS = {
     # chunks of 2 tokens: layer 0's window of 3 needs only the neighbours' blocks (direct
     # transfers), layer 1 every block (the ring); recomputed, the transfers run again
     "cp4-swa-selective-llama": (4, "llama-swa", {"cp": 4, "recompute": "selective"}),
+    "cp2-gemma3": (2, "gemma3", {"cp": 2}),
 }
 MEASURED = {"cp4-llama-long"}
 # layouts trained with every block compiled (training.compile): ring attention and the

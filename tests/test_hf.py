@@ -2,7 +2,8 @@
 
 Small ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``MixtralForCausalLM`` /
 ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen2MoeForCausalLM`` /
-``Qwen3MoeForCausalLM`` / ``MistralForCausalLM`` / ``Phi3ForCausalLM`` with random weights
+``Qwen3MoeForCausalLM`` / ``MistralForCausalLM`` / ``Phi3ForCausalLM`` /
+``GemmaForCausalLM`` / ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` with random weights
 are built here and saved with ``save_pretrained`` (no hub). The round trip:
 ``shardwise train --model.init_from hf:DIR`` at dp2 x tp2 x pp2 (the Mixtral with ep2 too;
 the Qwen3 with its q_norm / k_norm and a head_dim other than hidden / heads)
@@ -14,7 +15,9 @@ the Qwen2-MoE at dp2 x ep2), three of them with a sliding window shorter than th
 gradients too, in one process. The Qwen2-MoE's round trip runs in one process: ours ->
 export -> transformers' load and ``save_pretrained`` -> the engine's import, bit for bit;
 so does the Mistral's and the Phi-3's: the engine's import -> a checkpoint ->
-``export_hf`` -> a Mistral (a Phi-3, its Q/K/V and gate/up packed) again.
+``export_hf`` -> a Mistral (a Phi-3, its Q/K/V and gate/up packed) again; so do the
+Gemmas', whose forward and gradients are checked in one process against transformers'
+(and against the planted faults of each of Gemma's options).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ safetensors = pytest.importorskip("safetensors")
 
 VOCAB = 97  # more than the text's characters: the tokenizer may be smaller than the model's
 WINDOW = 8  # the sliding window of the *_swa checkpoints, a quarter of the 32 tokens fed
+# Gemma 3 4B-27B's rotary (global layers: base 1e6, linear factor 8; sliding: base 1e4)
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
 
 
 def _perturb(model):
@@ -70,7 +76,12 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     tokens, shorter than the 32 the tests feed (``WINDOW``): a Mistral (every layer), a
     Qwen2 (``use_sliding_window``, ``max_window_layers`` 1: layer 1 only), a Qwen2-MoE (its
     default pattern: the even layers, layer 0 only) and a Phi-3 (Phi-3-mini-4k's window in
-    small, on every layer; the default rotary, on 10 of each head's 16 features)."""
+    small, on every layer; the default rotary, on 10 of each head's 16 features); and three
+    Gemmas, head_dim 24 where hidden / heads is 16, tied heads: a Gemma, a Gemma 2 (window
+    of 8 on layer 0, its default pattern; query_pre_attn_scalar 20; soft caps 2 on the
+    scores, 3 on the logits, small enough to bite; eager attention, transformers' only one
+    with a cap) and a Gemma 3 (window of 8 on layer 0, QK-norm, query_pre_attn_scalar 20,
+    local rotary base 1e4, global 1e6 scaled linearly by 8, as Gemma 3 4B-27B)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -149,6 +160,20 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.625},
         tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
         eos_token_id=None))).save_pretrained(root / "phi3_swa")
+    gemma = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 24,  # not 64 / 4
+             "max_position_embeddings": 32, "pad_token_id": None, "bos_token_id": None,
+             "eos_token_id": None}
+    _perturb(transformers.GemmaForCausalLM(transformers.GemmaConfig(**gemma))).save_pretrained(
+        root / "gemma")
+    _perturb(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **gemma, sliding_window=WINDOW, query_pre_attn_scalar=20, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, attn_implementation="eager"))).save_pretrained(
+        root / "gemma2")
+    _perturb(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **gemma, sliding_window=WINDOW, query_pre_attn_scalar=20, sliding_window_pattern=2,
+        rope_parameters=GEMMA3_ROPE))).save_pretrained(root / "gemma3")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -162,7 +187,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
                                            "mistral", "phi3", "mistral_swa", "qwen2_swa",
-                                           "qwen2moe_swa", "phi3_swa")}
+                                           "qwen2moe_swa", "phi3_swa", "gemma", "gemma2",
+                                           "gemma3")}
 
 
 @pytest.fixture(scope="module")
@@ -247,9 +273,13 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     in one process, and at tp = 2 (each rank loading its slices: the Qwen2's Q/K/V biases
     split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
     expert by its width and its gate whole, the Mistral's heads of head_dim 12, the Phi-3's
-    slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj), all
-    fourteen models, four of them attending in a sliding window of 8 of the 32 tokens (on
-    every layer, on layer 1, on layer 0, on every layer: each rank's heads in the window);
+    slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj, the
+    Gemma 2's soft-capped scores of its heads and logits of its half of the vocabulary, the
+    Gemma 3's zero-centred q_norm / k_norm whole; measured: the Gemmas' equal at tp = 1,
+    at most 8.0e-7 apart at tp = 2), all seventeen models, six of them
+    attending in a sliding window of 8 of the 32 tokens (on every layer, on layer 1, on
+    layer 0, on every layer, the Gemma 2's and 3's on layer 0: each rank's heads in the
+    window);
     the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
@@ -258,12 +288,13 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
 
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3",
                                       "mistral_swa", "qwen2_swa", "qwen2moe_swa", "phi3_swa",
+                                      "gemma", "gemma2", "gemma3",
                                       "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 14 and len(tp2[0]) == 17
+    assert len(tp1) == 17 and len(tp2[0]) == 20
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -312,6 +343,129 @@ def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
             other.load_state_dict(ours.state_dict())
             with torch.no_grad():
                 assert (other(idx)[0] - logits).abs().max() > 1e-2, (impl, off)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_gemma_forward_and_backward_equal_transformers(arch, hf_dirs):
+    """A Gemma, a Gemma 2 (soft caps 2 and 3, eager attention as transformers runs it) and
+    a Gemma 3 (linear-scaled global rotary, local base 1e4, QK-norm), their windows of 8 on
+    layer 0 of 32 tokens: our logits and every parameter's gradient of the cross-entropy
+    equal transformers' within 1e-5 (fp32; measured: logits at most 9.5e-7 apart), with
+    SDPA (the Gemma 3 with the scores written out too; a soft cap writes them out either
+    way). Each of Gemma's
+    options matters here: the ``PLANTED`` faults (the norm without its 1 +, the embedding
+    unscaled, SiLU for GeGLU, the sandwich norms swapped, head_dim's scale, the soft caps
+    off, the global rotary on the local layers) each move the logits by more than 1e-3."""
+    from dataclasses import replace
+
+    import torch.nn.functional as F
+
+    from shardwise.base.config import ModelConfig
+    from shardwise.models.description import describe_section
+    from shardwise.models.llama import Llama, from_hf_state_dict, hf_name
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch]).eval()
+    section = section_of(read_config(hf_dirs[arch]))
+    g = torch.Generator().manual_seed(6)
+    idx, targets = (torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(2))
+    logits = theirs(idx).logits
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    want = {n: p.grad for n, p in theirs.named_parameters()}
+    # the Gemma 2's soft cap writes the scores out whatever the kernel: one kernel is enough
+    for impl in ("sdpa", "math") if arch == "gemma3" else ("sdpa",):
+        cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
+        assert cfg.windows == ((None, None) if arch == "gemma" else (WINDOW, None))
+        ours = Llama(cfg)
+        ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), cfg.tie_weights))
+        got, loss = ours(idx, targets)
+        loss.backward()
+        torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-5)
+        for name, p in ours.named_parameters():
+            ref = want[hf_name(name)]
+            err = float((p.grad - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, (impl, name, err)
+    planted = {"mlp_activation": "silu", "scale_embedding": False,
+               "query_pre_attn_scalar": None if cfg.query_pre_attn_scalar else 100.0}
+    if arch == "gemma2":
+        planted.update(attn_logit_softcapping=None, final_logit_softcapping=None)
+    if arch == "gemma3":
+        planted.update(rope_local_base_freq=None)
+    for field, value in planted.items():
+        other = Llama(replace(cfg, **{field: value}))
+        other.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert (other(idx)[0] - logits).abs().max() > 1e-3, field
+    state = ours.state_dict()
+    with torch.no_grad():  # the norms' weights as a Llama's (no 1 +): other logits
+        other = Llama(replace(cfg, norm_zero_centered=False))
+        other.load_state_dict(state)
+        assert (other(idx)[0] - logits).abs().max() > 1e-3, "norm_zero_centered"
+        if cfg.sandwich_norm:  # the attention output's and the MLP input's norms swapped
+            swapped = dict(state)
+            for i in range(cfg.n_layer):
+                a, b = (f"blocks.{i}.{n}.weight" for n in ("post_attention_layernorm",
+                                                          "pre_feedforward_layernorm"))
+                swapped[a], swapped[b] = state[b], state[a]
+            other = Llama(cfg)
+            other.load_state_dict(swapped)
+            assert (other(idx)[0] - logits).abs().max() > 1e-3, "sandwich_norm"
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
+    """A Gemma, Gemma 2 or Gemma 3 imported by the engine in one process, saved as a run's
+    checkpoint with its source config.json, exported (``export_hf``) as itself: its tensors
+    are the source's bit for bit, the logits of the exported model equal the source's
+    exactly and ours within 1e-5, its config.json keeps the model's options (Gemma 3's
+    rotary keyed by layer type). Without a source the same model is that Gemma too
+    (``arch_for``; with the sandwich norms a Gemma is a Gemma 2, with QK-norm a Gemma 2
+    none, its scores capped; without zero-centred norms, the embedding's scale or GeGLU, or with Q/K/V
+    biases, none: the export refuses it), and ``config_json(cfg, None)`` reads back the
+    same [model] fields. The older form of a Gemma 3 config.json (``rope_theta``,
+    ``rope_local_base_freq``, ``rope_scaling``) reads as the new one does."""
+    from dataclasses import replace
+
+    from shardwise.apps.lm.hf import check_init_from, resolve_init_from
+    from shardwise.base.config import Config
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import GEMMA, GEMMA2, GEMMA3, arch_for, export_arch
+
+    src = hf_dirs[arch]
+    source = read_config(src)
+    cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
+    check_init_from(cfg, VOCAB)
+    d = describe_section(cfg.model, VOCAB)
+    want = {"gemma": GEMMA, "gemma2": GEMMA2, "gemma3": GEMMA3}[arch]
+    assert d.hf is want and export_arch(d, source) is want and arch_for(d.config) is want
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    ours, done = _import_and_export(cfg, d, src, source, idx, 32, tmp_path)
+    assert done.architecture == want.architecture
+    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(exported) is type(original)
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        theirs = exported(idx).logits
+        assert torch.equal(theirs, original(idx).logits)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    others = {"gemma": ({"sandwich_norm": True}, GEMMA2),
+              "gemma2": ({"qk_norm": True}, None),  # Gemma 3's attention has no cap
+              "gemma3": ({"qk_norm": False}, None)}  # Gemma 3's local rotary: no Gemma 2
+    change, arch = others[arch]
+    assert arch_for(replace(d.config, **change)) is arch
+    for other in ({"norm_zero_centered": False}, {"mlp_activation": "silu"},
+                  {"scale_embedding": False}, {"qkv_bias": True}):
+        assert arch_for(replace(d.config, **other)) is None, other  # no arch: export refuses
+    fresh = section_of(want.config_json(d.config, None))
+    assert {k: fresh[k] for k in section_of(source)} == section_of(source)
+    if arch == "gemma3":
+        assert read_config(tmp_path / "out")["rope_parameters"] == GEMMA3_ROPE
+        older = {k: v for k, v in source.items() if k != "rope_parameters"}
+        older.update(rope_theta=1e6, rope_local_base_freq=1e4,
+                     rope_scaling={"rope_type": "linear", "factor": 8.0})
+        assert section_of(older) == section_of(source)
+        assert transformers.Gemma3TextConfig(**older).rope_parameters == GEMMA3_ROPE
 
 
 def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
@@ -773,7 +927,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     ``mlp_only_layers``); a Phi-3 with LongRoPE under its older name or with too few
     factors, a partial rotary factor rotating an odd number of features, or trained on more
     tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
-    all; an export of a run with no checkpoint."""
+    all; an export of a run with no checkpoint; a Gemma with bidirectional attention,
+    another activation, a scaled or unknown rotary, a null window with sliding layers, the
+    multimodal Gemma 3, and a Gemma 2's soft-capped scores under context parallelism."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -788,9 +944,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     empty.mkdir()
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{empty}"], capsys,
                            "no config.json")
-    other = variant("gemma", model_type=None, architectures=["GemmaForCausalLM"])
+    other = variant("falcon", model_type=None, architectures=["FalconForCausalLM"])
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{other}"], capsys,
-                           "unsupported architecture GemmaForCausalLM")
+                           "unsupported architecture FalconForCausalLM")
     wide = variant("wide", intermediate_size=128)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{wide}"], capsys,
                            "has shape [96, 64] in the checkpoint, config.json implies [128, 64]")
@@ -886,6 +1042,31 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                            "partial_rotary_factor=0.5", "Llama cannot hold it exactly")
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
+    # Gemma: bidirectional attention, another activation, a scaled rotary on the sliding
+    # layers, a null window with sliding layers, the multimodal Gemma 3; the scores' soft
+    # cap under context parallelism
+    g3 = read_config(hf_dirs["gemma3"])
+    for name, source, changes, what in (
+            ("gbi", "gemma3", {"use_bidirectional_attention": True},
+             "use_bidirectional_attention=True"),
+            ("gact", "gemma", {"hidden_act": "silu"}, "hidden_act='silu'"),
+            ("g2act", "gemma2", {"hidden_activation": "gelu_new"}, "hidden_activation='gelu_new'"),
+            ("glocal", "gemma3", {"rope_parameters": {
+                **g3["rope_parameters"], "sliding_attention": {"rope_type": "linear",
+                                                               "factor": 2.0}}},
+             "rope_parameters.sliding_attention.rope_type='linear'"),
+            ("gyarn", "gemma3", {"rope_parameters": {
+                **g3["rope_parameters"], "full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+             "rope_parameters.full_attention.rope_type='yarn'"),
+            ("gnull", "gemma2", {"sliding_window": None}, "sliding_window=null"),
+            ("gmm", "gemma3", {"model_type": "gemma3",
+                               "architectures": ["Gemma3ForConditionalGeneration"]},
+             "Gemma3ForConditionalGeneration is multimodal")):
+        assert_one_line_exit_2([*train, "--model.init_from",
+                                f"hf:{variant(name, source, **changes)}"], capsys, what)
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['gemma2']}",
+                            "--parallel.cp", "2", "--parallel.dp", "1"], capsys,
+                           "model.attn_logit_softcapping=2.0 with parallel.cp=2")
 
 def test_wandb_without_the_package_is_one_line(capsys, text):
     import importlib.util

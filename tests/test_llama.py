@@ -4,14 +4,18 @@ against one process.
 Two Llamas: ``gqa-tied`` (4 query heads sharing 2 key/value heads, the head tied to the
 embedding, the SwiGLU width from Llama's rule) and ``mha-untied-qk`` (4 kv heads, untied,
 vocabulary 75 so that tp = 2 pads it, and Qwen's attention options: Q/K/V biases, QK-norm,
-a head_dim of 12 where n_embd / n_head is 8). One process trains each for ``STEPS`` steps (the
-reference, itself checked against a plain ``torch.manual_seed(seed); Llama(cfg)`` with
-AdamW); then one spawn of 8 ranks and one of 4 train every layout of ``LAYOUTS`` on the
+a head_dim of 12 where n_embd / n_head is 8); and ``gemma3``, Gemma 3's shape in small
+(zero-centred norms, scaled embedding, GeGLU, sandwich norms, QK-norm, its own score scale,
+a window on layer 0 with its local rotary base, the global layer's linearly scaled; the
+logits soft-capped), trained at dp2 x tp2 (+SP) x pp2. One process trains each for
+``STEPS`` steps (the reference, itself checked against a plain ``torch.manual_seed(seed);
+Llama(cfg)`` with AdamW); then one spawn of 8 ranks and one of 4 train every layout of ``LAYOUTS`` on the
 same global batches. Parity (fp32): every loss and every parameter tensor of every rank
 (every dp replica, tp rank and stage, gathered whole) within ``RTOL`` relative of the
 reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
 ``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order;
-with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``).
+with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``; the
+Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
 finite. Then the size checks at the door and the issue's command line. Two spawns and one
@@ -40,6 +44,18 @@ MODELS = {
                       # q_norm / k_norm (replicated; each tp rank's gradient is its heads'
                       # part, summed over tp with or without SP), heads 12 wide, not 32 / 4
                       "qkv_bias": True, "qk_norm": True, "head_dim": 12},
+    # Gemma 3's shape in small: zero-centred norms (QK-norm too), the embedding scaled by
+    # sqrt(32), GeGLU, sandwich norms, the scores' own scale, a window of 6 on layer 0 with
+    # its own rotary base, the global layer's base 1e6 scaled linearly by 8; the logits
+    # soft-capped (Gemma 2's, element-wise on each tp rank's slice of the vocabulary)
+    "gemma3": {**_BASE, "n_kv_heads": 2, "head_dim": 12, "qk_norm": True, "ffn_hidden": 64,
+               "vocab_size": 75, "tie_weights": True, "norm_zero_centered": True,
+               "scale_embedding": True, "mlp_activation": "gelu_tanh", "sandwich_norm": True,
+               "query_pre_attn_scalar": 10.0, "sliding_window": 6,
+               "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 1e6,
+               "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear",
+                                                             "factor": 8.0},
+               "final_logit_softcapping": 5.0},
 }
 DP2TP2PP2 = {"dp": 2, "tp": 2, "pp": 2, "micro_batches": 2}
 # name -> (world size, model, parallel section, other sections)
@@ -53,6 +69,8 @@ LAYOUTS = {
                                         "sequence_parallel": True}, {}),
     "dp2xtp2-z3-sp-gqa": (4, "gqa-tied", {"dp": 2, "tp": 2, "zero": 3,
                                           "sequence_parallel": True}, {}),
+    "2x2x2-sp-z1-gemma3": (8, "gemma3", {**DP2TP2PP2, "zero": 1, "sequence_parallel": True},
+                           {}),
 }
 SMOKES = {  # PipeDream: no ZeRO, no clipping (no flush), no embedding tied across stages
     "2x2x2-pipedream": (8, "mha-untied-qk", {**DP2TP2PP2, "schedule": "pipedream"},

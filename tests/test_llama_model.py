@@ -120,6 +120,45 @@ def test_init_is_deterministic_and_hf_like():
     assert abs(w.std().item() - 0.02) < 0.003 and abs(w.mean().item()) < 0.002
 
 
+def test_zero_centred_norms_start_at_zero_and_scale_by_one():
+    """With ``norm_zero_centered`` every norm's weight (QK-norm's too) starts at 0, a scale
+    of 1 + 0, so the first forward is the one of the same model whose norms are a Llama's at
+    1; in bf16 the norm multiplies in fp32 and rounds once (transformers' ``GemmaRMSNorm``);
+    the weights are 1-D, so the optimizer gives them no decay (towards a scale of 1)."""
+    from dataclasses import replace
+
+    from shardwise.models.llama import RMSNorm
+
+    cfg = small(n_kv_heads=2, qk_norm=True, norm_zero_centered=True, sandwich_norm=True)
+    torch.manual_seed(5)
+    gemma = Llama(cfg)
+    norms = [m for m in gemma.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * (4 + 2) + 1 and all(not m.weight.any() for m in norms)
+    torch.manual_seed(5)
+    llama = Llama(replace(cfg, norm_zero_centered=False))
+    idx = torch.randint(0, cfg.vocab_size, (2, 8))
+    torch.testing.assert_close(gemma(idx)[0], llama(idx)[0], rtol=0, atol=0)
+    norm = RMSNorm(64, zero_centered=True)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    xf = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(norm(x), (xf * (1 + norm.weight)).to(torch.bfloat16))
+    assert all(p.dim() == 1 for m in norms for p in m.parameters())
+
+
+def test_embedding_scale_is_rounded_to_the_activation_dtype():
+    """``scale_embedding``: the rows times sqrt(n_embd) rounded to their dtype first, as
+    transformers' ``GemmaTextScaledWordEmbedding`` (bf16: sqrt(3072) = 55.43 becomes 55.5),
+    not the exact factor."""
+    from shardwise.models.llama import Embedding
+
+    emb = Embedding(small(n_embd=3072, n_head=24, scale_embedding=True)).to(torch.bfloat16)
+    idx = torch.arange(16).view(2, 8)
+    want = emb.tok(idx) * torch.tensor(3072 ** 0.5, dtype=torch.bfloat16)
+    assert torch.equal(emb(idx), want) and not torch.equal(want, emb.tok(idx) * 3072 ** 0.5)
+
+
 def test_default_ffn_width_is_llamas_rule():
     # Llama-2-7B: h 4096 -> int(8 * 4096 / 3) = 10922, up to a multiple of 256: 11008
     assert LlamaConfig(32000, n_embd=4096, n_head=32).ffn_hidden == 11008
@@ -147,6 +186,10 @@ def test_generate_and_sequence_limit():
     (dict(sliding_window=True), "sliding_window"),
     (dict(sliding_window=4, layer_types=("sliding_attention",)), "layer_types"),
     (dict(layer_types=("sliding_attention", "full_attention")), "layer_types"),
+    (dict(mlp_activation="relu"), "mlp_activation"),
+    (dict(attn_logit_softcapping=0.0), "attn_logit_softcapping"),
+    (dict(query_pre_attn_scalar=-1.0), "query_pre_attn_scalar"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0.0}), "rope_scaling.factor"),
 ])
 def test_config_errors_are_one_line(kw, field):
     with pytest.raises(ValueError) as exc:

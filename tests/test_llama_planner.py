@@ -41,6 +41,47 @@ def test_preset_params_match_published_and_the_model(name):
     assert rank_params(spec, list(range(spec.n_layer + 2)), 1, 1) == spec.params
 
 
+# Gemma's released totals (arXiv:2408.00118 Table 1 and arXiv:2503.19786 Table 1 list
+# embedding and non-embedding parameters; these are the checkpoints' own totals)
+GEMMA_PUBLISHED = {"gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984,
+                   "gemma3-1b": 999_885_952, "gemma3-12b": 11_766_034_176,
+                   "gemma3-27b": 27_009_346_304}
+
+
+def test_gemma_presets_count_what_transformers_builds():
+    """Each named Gemma (its released config.json's sizes, ``specs._GEMMA_SIZES``) counts
+    the parameters of ``transformers``' Gemma2ForCausalLM / Gemma3ForCausalLM built from the
+    config.json shardwise's export writes for it (on the meta device), and the released
+    total; its FLOPs count the attention width H D of its head_dim (256 x 8 = 2048 for
+    gemma2-2b, not h = 2304) and each layer's window (every other layer a query sees 4096
+    keys of 8192); Gemma 2's soft-capped scores rule out cp > 1, as the engine does; the
+    model table emitted for it is the model."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import arch_for
+    from shardwise.planner.simulate import attention_gemm_flops
+    from shardwise.planner.specs import gemma_config
+
+    for name, total in GEMMA_PUBLISHED.items():
+        spec, cfg = NAMED[name], gemma_config(name)
+        arch = arch_for(cfg)
+        assert arch.model_type == ("gemma2" if name.startswith("gemma2") else "gemma3_text")
+        config = transformers.AutoConfig.for_model(**arch.config_json(cfg, None))
+        with torch.device("meta"):
+            theirs = transformers.AutoModelForCausalLM.from_config(config)
+        assert spec.params == theirs.num_parameters() == total, name
+    spec = NAMED["gemma2-2b"]
+    assert spec.attn_width == 8 * 256 and spec.attn_keys == (4096 + 8192) / 2
+    assert attention_gemm_flops(spec, 1) == 4 * 8192 * 6144 * 2048
+    from shardwise.planner.search import cp_reason
+
+    assert "attn_logit_softcapping=50" in cp_reason(spec, 2)  # the engine refuses it
+    assert cp_reason(NAMED["gemma3-27b"], 2) is None
+    for name in GEMMA_PUBLISHED:  # plan --emit-toml's [model] table trains this model
+        spec = NAMED[name]
+        assert describe_section(spec.section(), spec.vocab_size).config == gemma_config(name)
+
+
 @pytest.mark.parametrize("name", ["llama2-7b", "llama3-70b"])
 def test_tensor_parallel_shards_add_up(name):
     spec, tp = NAMED[name], 8

@@ -99,7 +99,9 @@ class ModelConfig(_Section):
                                         "towards the mean load (0.001 in the paper); 0: off")
     rope_scaling: dict[str, float | int | str | list[float]] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
-        "low_freq_factor, high_freq_factor, original_max_position_embeddings; or with "
+        "low_freq_factor, high_freq_factor, original_max_position_embeddings; with "
+        "rope_type = \"linear\" every frequency divided by factor (Gemma 3's global "
+        "layers); or with "
         "rope_type = \"longrope\" Phi-3's LongRoPE, short_factor and long_factor (one per "
         "rotary frequency), original_max_position_embeddings (block_size at most it: the "
         "short factors only), attention_factor; unset: none")
@@ -122,6 +124,31 @@ class ModelConfig(_Section):
                                           "layer, sliding_attention or full_attention "
                                           "(transformers' layer_types); unset: every layer "
                                           "sliding_attention")
+    norm_zero_centered: bool = Field(False, description="llama: every RMSNorm's weight w "
+                                     "stored zero-centred, scaling by 1 + w in fp32, w "
+                                     "starting at 0 (Gemma's; Megatron-Core's "
+                                     "layernorm_zero_centered_gamma)")
+    scale_embedding: bool = Field(False, description="llama: the embedding's output times "
+                                  "sqrt(n_embd), rounded to its dtype (Gemma's normalizer)")
+    mlp_activation: str = Field("silu", description="llama: the gated MLP's activation, silu "
+                                "(SwiGLU) or gelu_tanh (GeGLU: Gemma's gelu_pytorch_tanh)")
+    sandwich_norm: bool = Field(False, description="llama: norms on the attention's and "
+                                "the MLP's outputs too (Gemma 2/3: post_attention_layernorm "
+                                "on the attention's output, pre_feedforward_layernorm and "
+                                "post_feedforward_layernorm around the MLP)")
+    query_pre_attn_scalar: float = Field(0.0, ge=0.0, description="llama: the attention "
+                                         "scores scaled by query_pre_attn_scalar ** -0.5 "
+                                         "(Gemma 2/3); 0: head_dim's")
+    attn_logit_softcapping: float = Field(0.0, ge=0.0, description="llama: the attention "
+                                          "scores S become c tanh(S / c), written out, not "
+                                          "fused (Gemma 2's 50; not with parallel.cp > 1); "
+                                          "0: none")
+    final_logit_softcapping: float = Field(0.0, ge=0.0, description="llama: the logits z "
+                                           "become c tanh(z / c) (Gemma 2's 30); 0: none")
+    rope_local_base_freq: float = Field(0.0, ge=0.0, description="llama: the rotary base "
+                                        "of the sliding_attention layers, which take no "
+                                        "rope_scaling (Gemma 3's 10000); 0: rope_theta and "
+                                        "rope_scaling on every layer")
     activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
                             "gelu_tanh (GPT-2's tanh approximation)")
     k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
@@ -130,7 +157,8 @@ class ModelConfig(_Section):
                            "(LlamaForCausalLM, MistralForCausalLM, GPT2LMHeadModel, "
                            "MixtralForCausalLM, "
                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
-                           "Qwen3MoeForCausalLM or Phi3ForCausalLM: "
+                           "Qwen3MoeForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
+                           "Gemma2ForCausalLM or Gemma3ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
@@ -160,6 +188,9 @@ class ModelConfig(_Section):
         if self.n_experts and self.kind == "gpt" and not self.init_from:  # init_from: its kind
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected silu or "
+                             "gelu_tanh")
         if self.activation not in ("gelu", "gelu_tanh"):
             raise ValueError(f"model.activation={self.activation!r}: expected gelu or gelu_tanh")
         if self.init_from and not (self.init_from.startswith("hf:") and self.init_from[3:]):
@@ -568,6 +599,10 @@ class Config(_Section):
         if m.dropout > 0:
             raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
                              "attention has no attention dropout; set model.dropout = 0")
+        if m.attn_logit_softcapping:
+            raise ValueError(f"model.attn_logit_softcapping={m.attn_logit_softcapping} with "
+                             f"parallel.cp={p.cp}: ring attention's block kernels have no "
+                             "soft cap; use cp = 1")
         return self
 
     def _cnn_agrees(self):

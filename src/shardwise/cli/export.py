@@ -42,14 +42,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="hf: transformers' LlamaForCausalLM / MistralForCausalLM / "
                     "GPT2LMHeadModel / MixtralForCausalLM / Qwen2ForCausalLM / "
                     "Qwen3ForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / "
-                    "Phi3ForCausalLM: the arch of the run's source checkpoint "
+                    "Phi3ForCausalLM / GemmaForCausalLM / Gemma2ForCausalLM / "
+                    "Gemma3ForCausalLM: the arch of the run's source checkpoint "
                     "(model.init_from) when it holds the model exactly (a Mistral in is a "
                     "Mistral out, a Phi-3 a Phi-3), else the arch the model is exactly: a "
                     "Llama with qkv_bias is a Qwen2, with qk_norm a Qwen3, with experts a "
                     "Mixtral, with experts and qk_norm a Qwen3-MoE, with experts and a "
                     "gated shared expert a Qwen2-MoE, with a rotary_dim below head_dim a "
-                    "Phi-3, with one sliding window on every layer a Mistral, with none "
-                    "of these a Llama")
+                    "Phi-3, with one sliding window on every layer a Mistral, with "
+                    "norm_zero_centered, scale_embedding and mlp_activation = gelu_tanh a "
+                    "Gemma (with sandwich_norm a Gemma 2, and with qk_norm a Gemma 3), with "
+                    "none of these a Llama")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")

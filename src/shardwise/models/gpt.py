@@ -81,10 +81,20 @@ def sliding_window_mask(T: int, window: int, device: torch.device) -> torch.Tens
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     impl: str = "sdpa", window: int | None = None) -> torch.Tensor:
+                     impl: str = "sdpa", window: int | None = None, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Causal softmax(Q K^T / sqrt(D)) V: ``q`` (B, H, T, D), ``k`` and ``v`` (B, Hkv, T, D)
     with Hkv dividing H (grouped-query attention: key/value head j serves query heads
     j rep .. (j + 1) rep - 1, rep = H / Hkv, HF's ``repeat_kv``); returns (B, H, T, D).
+
+    ``scale``: the scores' factor in place of 1 / sqrt(D) (Gemma 2 and 3:
+    ``query_pre_attn_scalar ** -0.5``); None: 1 / sqrt(D). ``softcap``: the scores S
+    (after the scale) become ``softcap * tanh(S / softcap)`` before the mask and the
+    softmax (Gemma 2's ``attn_logit_softcapping``, Gemma Team 2024, arXiv:2408.00118,
+    sec. 2; transformers' ``eager_attention_forward`` of ``modeling_gemma2.py``, softmax in
+    fp32). No fused kernel takes it, so with a cap the scores are written out (B, H, T, T)
+    whatever ``impl`` says; under context parallelism it raises ``ValueError`` (one line:
+    the ring's block kernels have no cap).
 
     ``window``: a sliding window of W tokens (``sliding_window_mask``: query i sees keys
     i - W < j <= i), or None (every earlier key). With T <= W the window hides nothing and
@@ -105,22 +115,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     """
     shard = sequence.current()
     if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
-        return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window)
+        if softcap is not None:
+            raise ValueError("model.attn_logit_softcapping with parallel.cp > 1: ring "
+                             "attention's block kernels have no soft cap; use cp = 1")
+        return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
+                               scale=scale)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     T = q.shape[-2]
     band = sliding_window_mask(T, window, q.device) if window is not None and T > window else None
-    if impl == "sdpa":
-        if band is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    if impl != "math":
+    if impl not in ("sdpa", "math"):
         raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, T)
+    if impl == "sdpa" and softcap is None:
+        if band is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p,
+                                                  scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                              scale=scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     hidden = (~band if band is not None
               else torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1))
-    att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+    att = att.to(q.dtype)
     if dropout_p > 0.0:
         att = F.dropout(att, dropout_p)
     return att @ v

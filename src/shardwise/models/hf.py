@@ -53,6 +53,16 @@ LongRoPE in its short regime (``block_size`` at most ``original_max_position_emb
 of unequal sizes (``HFTensor.sizes``) whose offsets depend on the head counts, so its
 tensor map is made for a config (``HFArch.of``); a checkpoint is read with its own arch
 (``export_arch``), since a Llama config does not say Phi-3.
+``GemmaForCausalLM``, ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (``gemma3_text``; Gemma
+Team 2024, arXiv:2403.08295, arXiv:2408.00118, arXiv:2503.19786; transformers'
+``models/gemma*/modeling_gemma*.py``): our Llama with Gemma's options (``models.llama``:
+zero-centred norms, the embedding's sqrt(h), GeGLU; Gemma 2 and 3 the sandwich norms, their
+``query_pre_attn_scalar`` and ``layer_types`` windows; Gemma 2 its soft caps; Gemma 3
+QK-norm, the logits' soft cap when set and the local rotary base), Llama's tensor names
+(their ``post_attention_layernorm`` is the attention output's norm, ours too with
+``sandwich_norm``), tied heads by default. The multimodal ``Gemma3ForConditionalGeneration``
+(``model_type`` "gemma3") is refused in one line: its text tower loads as a
+``Gemma3ForCausalLM`` checkpoint of its own.
 """
 
 from __future__ import annotations
@@ -210,12 +220,25 @@ def _llama_rope(c: dict, arch: str = "Llama") -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling fields or None) of a config.json: transformers 5's
     ``rope_parameters`` or the older ``rope_theta`` / ``rope_scaling``."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", _get(c, "rope_theta", 10000.0)))
+    return _rope_table(rope, float(_get(c, "rope_theta", 10000.0)), arch)
+
+
+def _rope_table(rope: dict, theta: float, arch: str, where: str = "rope_type"
+                ) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling fields or None) of one rotary table of a config.json
+    (``theta`` where it names none): the default rotary, Llama 3's scaling or the linear
+    one (``models.llama.LinearRope``); another ``rope_type`` refused, naming it as
+    ``where``."""
+    theta = float(rope.get("rope_theta", theta))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return theta, None
+    if kind == "linear":
+        if "factor" not in rope:
+            raise HFConfigError("config.json: rope_type linear without factor")
+        return theta, {"rope_type": "linear", "factor": float(rope["factor"])}
     if kind != "llama3":
-        raise _refuse(arch, f"rope_type={kind!r} (shardwise has default and llama3)")
+        raise _refuse(arch, f"{where}={kind!r} (shardwise has default, linear and llama3)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in rope]
     if missing:
@@ -272,11 +295,14 @@ def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
 
 def rope_parameters(cfg) -> dict:
     """``transformers``' ``rope_parameters`` of a ``LlamaConfig``: the default rotary base,
-    Llama 3's frequency scaling (``rope_type = "llama3"``) or LongRoPE (``"longrope"``,
-    its attention factor written out, so that it keeps its value whatever the context)."""
+    Llama 3's frequency scaling (``rope_type = "llama3"``), the linear one (``"linear"``)
+    or LongRoPE (``"longrope"``, its attention factor written out, so that it keeps its
+    value whatever the context)."""
     if cfg.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rs = cfg.rope_scaling
+    if not hasattr(rs, "low_freq_factor") and not _long_rope(cfg):  # models.llama.LinearRope
+        return {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": rs.factor}
     if _long_rope(cfg):
         return {"rope_type": "longrope", "rope_theta": cfg.rope_theta,
                 "short_factor": list(rs.short_factor), "long_factor": list(rs.long_factor),
@@ -911,6 +937,181 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
     return out
 
 
+# ---- Gemma, Gemma 2, Gemma 3 ---------------------------------------------------------------------
+# transformers' GemmaConfig / Gemma2Config / Gemma3TextConfig defaults (configuration_gemma*.py),
+# where they differ from the Llama's, for a config.json that leaves a field out; the soft caps'
+# and the window's null is a value (none), so absent and null differ there
+_GEMMA_DEFAULTS = {
+    "Gemma": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "head_dim": 256,
+              "num_key_value_heads": 16, "tie_word_embeddings": True,
+              "hidden_act": "gelu_pytorch_tanh"},
+    "Gemma2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "head_dim": 256,
+               "num_key_value_heads": 4, "tie_word_embeddings": True,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "Gemma3": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "head_dim": 256,
+               "num_key_value_heads": 4, "tie_word_embeddings": True,
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "final_logit_softcapping": None,
+               "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+               "rope_local_base_freq": 10_000.0}}
+# the activation field of each (GemmaConfig's hidden_act; Gemma 2/3: hidden_activation) and
+# the names of the tanh GELU it may hold (GemmaConfig turns the released "gelu" into it)
+_GEMMA_ACT = {"Gemma": ("hidden_act", ("gelu_pytorch_tanh", "gelu")),
+              "Gemma2": ("hidden_activation", ("gelu_pytorch_tanh",)),
+              "Gemma3": ("hidden_activation", ("gelu_pytorch_tanh",))}
+
+
+def _gemma_defaults(c: dict, arch: str) -> dict:
+    nullable = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
+    return {**_GEMMA_DEFAULTS[arch],
+            **{k: v for k, v in c.items() if v is not None or k in nullable}}
+
+
+def _gemma3_rope(c: dict) -> dict:
+    """The [model] rotary fields of a Gemma 3 config.json, as ``Gemma3TextConfig`` reads
+    them: transformers 5's ``rope_parameters`` keyed by layer type ("full_attention":
+    ``rope_theta`` and ``rope_scaling``, Gemma 3 4B/12B/27B's linear factor 8;
+    "sliding_attention": ``rope_local_base_freq``), or the older form, ``rope_theta``
+    (default 1e6), ``rope_local_base_freq`` (1e4) and ``rope_scaling`` (the global
+    layers'). A scaled rotary on the sliding layers is refused (ours take the default)."""
+    rp = c.get("rope_parameters") or {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+    else:
+        full, local = c.get("rope_scaling") or rp, {}
+    theta, scaling = _rope_table(full, c["rope_theta"], "Gemma3",
+                                 "rope_parameters.full_attention.rope_type")
+    local_theta, local_scaling = _rope_table(local, c["rope_local_base_freq"], "Gemma3",
+                                             "rope_parameters.sliding_attention.rope_type")
+    if local_scaling is not None:
+        raise _refuse("Gemma3", "rope_parameters.sliding_attention.rope_type="
+                      f"{local_scaling['rope_type']!r} (shardwise's sliding layers take the "
+                      "default rotary)")
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_base_freq": local_theta}
+
+
+def _gemma_section(c: dict, arch: str) -> dict:
+    """A Gemma (``arch`` "Gemma", "Gemma2" or "Gemma3": Gemma Team 2024, arXiv:2403.08295,
+    arXiv:2408.00118, arXiv:2503.19786; transformers' ``models/gemma*/``) is our Llama with
+    zero-centred RMSNorms, the embedding scaled by sqrt(h), GeGLU (the tanh GELU) and its
+    ``head_dim`` (default 256); Gemma 2 and 3 add the sandwich norms, the scores scaled by
+    ``query_pre_attn_scalar ** -0.5`` and windows on the layers ``layer_types`` marks
+    "sliding_attention" (default: every other one from layer 0, Gemma 3's five of every
+    six, ``sliding_window_pattern``); Gemma 2 soft-caps the scores and the logits
+    (defaults 50 and 30; null: none), Gemma 3 the logits only (its attention takes no
+    ``attn_logit_softcapping``, as transformers': not read) and has QK-norm and its local
+    rotary (``_gemma3_rope``). Refused: ``use_bidirectional_attention``, another
+    activation, ``attention_bias``, a null ``sliding_window`` with sliding layers."""
+    c = _gemma_defaults(c, arch)
+    if c.get("use_bidirectional_attention"):
+        raise _refuse(arch, f"use_bidirectional_attention={c['use_bidirectional_attention']!r} "
+                      "(shardwise's attention is causal: false)")
+    key, tanh = _GEMMA_ACT[arch]
+    if c.get(key) not in tanh:
+        raise _refuse(arch, f"{key}={c.get(key)!r} (shardwise's {arch} has "
+                      "gelu_pytorch_tanh)")
+    out = _llama_section({k: v for k, v in c.items() if k not in ("hidden_act", "mlp_bias")},
+                         arch)
+    head_dim = out["head_dim"] or out["n_embd"] // out["n_head"]
+    out.update(norm_zero_centered=True, scale_embedding=True, mlp_activation="gelu_tanh",
+               sandwich_norm=False, query_pre_attn_scalar=0.0, attn_logit_softcapping=0.0,
+               final_logit_softcapping=0.0, rope_local_base_freq=0.0)
+    if arch == "Gemma":
+        return out
+    scalar = c["query_pre_attn_scalar"]
+    types = c.get("layer_types") or [
+        "full_attention" if (i + 1) % (2 if arch == "Gemma2" else c["sliding_window_pattern"])
+        == 0 else "sliding_attention" for i in range(out["n_layer"])]
+    bad = [t for t in types if t not in _ATTENTION_TYPES]
+    if bad:
+        raise _refuse(arch, f"layer_types has {bad[0]!r} (expected "
+                      f"{' or '.join(_ATTENTION_TYPES)})")
+    if c.get("sliding_window") is None and "sliding_attention" in types:
+        raise _refuse(arch, "sliding_window=null with sliding_attention layers")
+    out.update(_window(c["sliding_window"], types))
+    out.update(sandwich_norm=True,
+               query_pre_attn_scalar=0.0 if scalar == head_dim else float(scalar),
+               final_logit_softcapping=float(c["final_logit_softcapping"] or 0.0))
+    if arch == "Gemma2":
+        out["attn_logit_softcapping"] = float(c["attn_logit_softcapping"] or 0.0)
+        return out
+    out.update(qk_norm=True, **_gemma3_rope(c))
+    return out
+
+
+def _gemma_config_json(cfg, source: dict | None, arch: str) -> dict:
+    """Llama's config.json under Gemma's names (``arch`` "Gemma", "Gemma2", "Gemma3"): the
+    tanh GELU, ``query_pre_attn_scalar`` (head_dim's when the model has none), the soft caps
+    (null: none), the window on the layers of ``layer_types`` (all "full_attention"
+    without one, ``sliding_window`` then the source's, unused), Gemma 3's
+    ``rope_parameters`` keyed by layer type (the sliding layers' ``rope_local_base_freq``,
+    or the global rotary when the model has none); no bidirectional attention."""
+    if source is not None:
+        source = {k: v for k, v in source.items()
+                  if k not in ("rope_local_base_freq", "sliding_window_pattern")}
+    out = _llama_config_json(cfg, source)
+    for other in ("mlp_bias", "pretraining_tp", "hidden_act", "hidden_activation"):
+        out.pop(other, None)
+    model_type = {"Gemma": "gemma", "Gemma2": "gemma2", "Gemma3": "gemma3_text"}[arch]
+    act = "hidden_act" if arch == "Gemma" else "hidden_activation"
+    out.update({"architectures": [f"{arch}ForCausalLM"], "model_type": model_type,
+                act: "gelu_pytorch_tanh", "use_bidirectional_attention": False})
+    if arch == "Gemma":
+        return out
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # Gemma2Config's is an int
+    out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+               final_logit_softcapping=cfg.final_logit_softcapping,
+               attn_logit_softcapping=cfg.attn_logit_softcapping,
+               sliding_window=(out.get("sliding_window") or _GEMMA_DEFAULTS[arch]
+                               ["sliding_window"]) if _windowless(cfg) else cfg.sliding_window,
+               layer_types=[_LAYER_TYPE[w is not None] for w in cfg.windows])
+    if arch == "Gemma3":
+        full = out["rope_parameters"]
+        local = (full if cfg.rope_local_base_freq is None
+                 else {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq})
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return out
+
+
+def _gemma_holds(arch: str) -> Callable[[Any], bool]:
+    """``HFArch.holds`` of a Gemma: a dense Llama config, no Q/K/V biases, every feature of
+    a head rotated (no LongRoPE), zero-centred norms, the embedding's scale and GeGLU;
+    Gemma: no sandwich norms, no QK-norm, the scores' scale head_dim's, no soft cap, no
+    window, no local rotary; Gemma 2: sandwich norms, no QK-norm, no local rotary;
+    Gemma 3: sandwich norms, QK-norm, no soft cap on the scores. Gemma 2 and 3 need
+    n_embd divisible by n_head (their configs refuse it otherwise)."""
+    def holds(cfg) -> bool:
+        def g(field: str):
+            return getattr(cfg, field, None)
+
+        if not (not cfg.n_experts and not g("qkv_bias") and _full_rotary(cfg)
+                and g("norm_zero_centered") and g("scale_embedding")
+                and g("mlp_activation") == "gelu_tanh"):
+            return False
+        if arch == "Gemma":
+            return (not g("sandwich_norm") and not g("qk_norm") and _windowless(cfg)
+                    and g("query_pre_attn_scalar") in (None, cfg.head_dim)
+                    and not g("attn_logit_softcapping") and not g("final_logit_softcapping")
+                    and not g("rope_local_base_freq"))
+        if cfg.n_embd % cfg.n_head or not g("sandwich_norm"):
+            return False
+        if arch == "Gemma2":
+            return not g("qk_norm") and not g("rope_local_base_freq")
+        return bool(g("qk_norm")) and not g("attn_logit_softcapping")
+    return holds
+
+
+def _gemma_arch(arch: str) -> HFArch:
+    model_type = {"Gemma": "gemma", "Gemma2": "gemma2", "Gemma3": "gemma3_text"}[arch]
+    return HFArch(kind="llama", model_type=model_type, architecture=f"{arch}ForCausalLM",
+                  section=lambda c: _gemma_section(c, arch),
+                  config_json=lambda cfg, source: _gemma_config_json(cfg, source, arch),
+                  tensor=_llama_tensor, ignored=("*.rotary_emb.*inv_freq",),
+                  at_most=("block_size",), holds=_gemma_holds(arch))
+
+
 # Qwen2-MoE's and Qwen3-MoE's (Qwen2-MoE's conversion_mapping): mlp.gate and
 # mlp.experts.{e}.gate_proj/...; Qwen2-MoE's shared expert and its gate under Llama's names
 _QWEN_MOE_EXPERTS = {k: k for k in ("gate_proj", "up_proj", "down_proj")}
@@ -935,15 +1136,29 @@ def _full_rotary(cfg) -> bool:
     return getattr(cfg, "rotary_dim", None) in (None, 0, cfg.head_dim) and not _long_rope(cfg)
 
 
+# Gemma's options of a Llama config (``models.llama.LlamaConfig``), each off in a Llama
+_GEMMA_OPTIONS = ("norm_zero_centered", "scale_embedding", "sandwich_norm",
+                  "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                  "rope_local_base_freq")
+
+
+def _no_gemma(cfg) -> bool:
+    """A Llama config has none of Gemma's options (zero-centred norms, the embedding's
+    scale, GeGLU, sandwich norms, the scores' own scale, soft caps, a local rotary base):
+    what every Llama-family arch but Gemma's is."""
+    return (not any(getattr(cfg, k, None) for k in _GEMMA_OPTIONS)
+            and getattr(cfg, "mlp_activation", "silu") == "silu")
+
+
 def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: True
            ) -> Callable[[Any], bool]:
     """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
     (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``, its
     windows as ``windows`` allows (any, by default: a Qwen's ``layer_types``), every
-    feature of a head rotated (``_full_rotary``)."""
+    feature of a head rotated (``_full_rotary``), none of Gemma's options."""
     return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
                         and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg)
-                        and _full_rotary(cfg))
+                        and _full_rotary(cfg) and _no_gemma(cfg))
 
 
 def mixtral_compatible(cfg) -> bool:
@@ -954,7 +1169,7 @@ def mixtral_compatible(cfg) -> bool:
     rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False)
-            and _uniform(cfg) and _full_rotary(cfg))
+            and _uniform(cfg) and _full_rotary(cfg) and _no_gemma(cfg))
 
 
 def qwen3_moe_compatible(cfg) -> bool:
@@ -964,7 +1179,7 @@ def qwen3_moe_compatible(cfg) -> bool:
     biases, all of each head rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False)
-            and _uniform(cfg) and _full_rotary(cfg))
+            and _uniform(cfg) and _full_rotary(cfg) and _no_gemma(cfg))
 
 
 def qwen2_moe_compatible(cfg) -> bool:
@@ -976,7 +1191,7 @@ def qwen2_moe_compatible(cfg) -> bool:
     return (_softmax_dropless(cfg) and cfg.moe_shared_expert
             and getattr(cfg, "moe_shared_expert_gate", False)
             and not getattr(cfg, "qk_norm", False)
-            and _full_rotary(cfg))
+            and _full_rotary(cfg) and _no_gemma(cfg))
 
 
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
@@ -1007,7 +1222,8 @@ PHI3 = HFArch(kind="llama", model_type="phi3", architecture="Phi3ForCausalLM",
               bound_reason=_phi3_bound,
               holds=lambda cfg: (not cfg.n_experts and not getattr(cfg, "qkv_bias", False)
                                  and not getattr(cfg, "qk_norm", False) and _uniform(cfg)
-                                 and (cfg.rope_scaling is None or _long_rope(cfg))),
+                                 and (cfg.rope_scaling is None or _long_rope(cfg))
+                                 and _no_gemma(cfg)),
               sized=_phi3_tensor)
 
 
@@ -1037,9 +1253,14 @@ def _qwen_arch(name: str) -> HFArch:
 
 QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
 QWEN2_MOE, QWEN3_MOE = _qwen_arch("Qwen2-MoE"), _qwen_arch("Qwen3-MoE")
+GEMMA, GEMMA2, GEMMA3 = _gemma_arch("Gemma"), _gemma_arch("Gemma2"), _gemma_arch("Gemma3")
 # arch_for's order: the first that holds a config (Llama before Mistral: both hold a dense
-# Llama without Qwen's options)
-ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3)
+# Llama without Qwen's options; Gemma's options are held by Gemma's archs only)
+ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3, GEMMA, GEMMA2,
+         GEMMA3)
+# multimodal checkpoints whose language model shardwise would read only as a text-only one
+_MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM",
+                          "gemma3_text")}
 
 
 def arch_for(cfg) -> HFArch | None:
@@ -1064,6 +1285,11 @@ def arch_of(config_json: dict) -> HFArch:
     ``HFConfigError`` (one line, naming what is supported) for any other."""
     model_type = config_json.get("model_type")
     names = config_json.get("architectures") or []
+    multimodal = _MULTIMODAL.get(model_type) or next(
+        (m for m in _MULTIMODAL.values() if m[0] in names), None)
+    if multimodal is not None:
+        raise HFConfigError(f"config.json: {multimodal[0]} is multimodal; shardwise loads the "
+                            f"text-only {multimodal[1]} (model_type {multimodal[2]!r}) only")
     for arch in ARCHS:
         if model_type == arch.model_type or (model_type is None and arch.architecture in names):
             return arch

@@ -29,7 +29,15 @@ biases anywhere. Sources:
   ``models/phi3/modeling_phi3.py``: partial rotary embeddings, only the first
   ``rotary_dim`` of each head's D features rotated (``partial_rotary_factor``: Phi-4-mini's
   0.75), the rest passed through; Ding et al. 2024, "LongRoPE" (arXiv:2402.13753): the
-  per-frequency rescaling of the 128k Phi models (``LongRope``), its short factors.
+  per-frequency rescaling of the 128k Phi models (``LongRope``), its short factors;
+- Gemma Team 2024, "Gemma" (arXiv:2403.08295), "Gemma 2" (arXiv:2408.00118) and "Gemma 3"
+  (arXiv:2503.19786), with transformers' ``models/gemma{,2,3}/modeling_gemma*.py``: RMSNorm
+  weights stored zero-centred, scaling by 1 + w (``norm_zero_centered``), the embedding
+  scaled by sqrt(h) (``scale_embedding``), GeGLU (``mlp_activation = "gelu_tanh"``), norms
+  around each sublayer's output too (``sandwich_norm``), the scores scaled by
+  ``query_pre_attn_scalar ** -0.5``, tanh soft caps on the scores and the logits
+  (``attn_logit_softcapping``, ``final_logit_softcapping``), the sliding layers' own rotary
+  base (``rope_local_base_freq``) and linear rotary scaling (``LinearRope``) on the others.
 
 As in ``models.gpt``, the model is ``embed -> blocks[i] -> head`` so a pipeline can cut it
 by layer, and attention keeps separate Q, K, V and output projections (column- then
@@ -71,6 +79,15 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LinearRope:
+    """Linear rotary scaling (position interpolation, Chen et al. 2023, arXiv:2306.15595;
+    HF ``rope_type = "linear"``, ``_compute_linear_scaling_rope_parameters``): every rotary
+    frequency divided by ``factor`` (Gemma 3's global layers: 8)."""
+
+    factor: float
 
 
 @dataclass(frozen=True)
@@ -119,8 +136,25 @@ class LlamaConfig:
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
     None (full causal attention); layer_types: per block "sliding_attention" (the window)
     or "full_attention" (none), transformers' ``layer_types``; None: every block
-    "sliding_attention" (Mistral's, Mixtral's), so with no window none has one. Raises
-    ``ValueError`` (one line, naming the fields) for inconsistent sizes.
+    "sliding_attention" (Mistral's, Mixtral's), so with no window none has one.
+
+    Gemma's options (all off: the Llama): norm_zero_centered: every RMSNorm (QK-norm
+    included) stores its weight w zero-centred and scales by 1 + w, in fp32 before the cast
+    (transformers' ``GemmaRMSNorm``; w starts at 0; like every 1-D weight it takes no weight
+    decay, so the scale is not pulled to 0). scale_embedding: the embedding's output times
+    sqrt(n_embd) rounded to its dtype (Gemma's ``normalizer``). mlp_activation: the gated
+    MLP's, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, transformers' ``gelu_pytorch_tanh``).
+    sandwich_norm: each block ``x + post_attention_layernorm(attn(input_layernorm(x)))``
+    then ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`` (Gemma 2/3:
+    ``post_attention_layernorm`` is then the attention output's norm, not the MLP's input's
+    as in a Llama). query_pre_attn_scalar: the scores scaled by its ``** -0.5`` (None:
+    head_dim's). attn_logit_softcapping / final_logit_softcapping: c * tanh(x / c) on the
+    scores before the mask (the scores then written out: ``models.gpt.causal_attention``)
+    and on the logits (None: no cap). rope_local_base_freq: the rotary base of the blocks
+    with a window, which then take no ``rope_scaling`` (Gemma 3's local layers: 10000);
+    None: ``rope_theta`` and ``rope_scaling`` on every block. ``rope_scaling`` may also be
+    ``LinearRope`` (dict: ``rope_type = "linear"``, ``factor``). Raises ``ValueError`` (one
+    line, naming the fields) for inconsistent sizes.
     """
 
     vocab_size: int
@@ -133,7 +167,7 @@ class LlamaConfig:
     multiple_of: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LongRope | None = None
+    rope_scaling: RopeScaling | LongRope | LinearRope | None = None
     tie_weights: bool = False
     dropout: float = 0.0
     attention: str = "sdpa"
@@ -154,6 +188,14 @@ class LlamaConfig:
     rotary_dim: int | None = None
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    norm_zero_centered: bool = False
+    scale_embedding: bool = False
+    mlp_activation: str = "silu"
+    sandwich_norm: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_base_freq: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
@@ -186,8 +228,9 @@ class LlamaConfig:
         if self.ffn_hidden < 1:
             raise ValueError(f"model.ffn_hidden={self.ffn_hidden}: expected a whole number >= 1")
         if isinstance(self.rope_scaling, dict):
-            long = self.rope_scaling.get("rope_type") == "longrope"
-            kind = LongRope if long else RopeScaling
+            rope_type = self.rope_scaling.get("rope_type")
+            long = rope_type == "longrope"
+            kind = {"longrope": LongRope, "linear": LinearRope}.get(rope_type, RopeScaling)
             known = {f.name for f in fields(kind)}
             extra = set(self.rope_scaling) - known - {"rope_type"}
             if extra:
@@ -201,6 +244,9 @@ class LlamaConfig:
         rs = self.rope_scaling
         if isinstance(rs, LongRope):
             self._check_long_rope(rs)
+        elif isinstance(rs, LinearRope):
+            if not rs.factor > 0:
+                raise ValueError(f"model.rope_scaling.factor={rs.factor}: expected > 0")
         elif rs is not None and not (rs.factor > 0
                                      and 0 < rs.low_freq_factor < rs.high_freq_factor):
             raise ValueError("model.rope_scaling: expected factor > 0 and "
@@ -209,6 +255,22 @@ class LlamaConfig:
             raise ValueError(f"model.attention={self.attention!r}: expected 'sdpa' or 'math'")
         self._check_window()
         self._check_moe()
+        self._check_gemma()
+
+    def _check_gemma(self) -> None:
+        if self.mlp_activation not in ACTIVATIONS:
+            raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected "
+                             f"{' or '.join(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "rope_local_base_freq"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not v > 0):
+                raise ValueError(f"model.{name}={v!r}: expected a number > 0, or none")
+
+    def rope_local(self, layer: int) -> bool:
+        """Whether block ``layer`` takes the local rotary (``rope_local_base_freq``, no
+        scaling): it has a window and the model a local base."""
+        return self.rope_local_base_freq is not None and self.windows[layer] is not None
 
     def _check_window(self) -> None:
         w = self.sliding_window
@@ -279,22 +341,26 @@ class LlamaConfig:
                              "model.moe_shared_expert: there is no shared expert to gate")
 
 
-def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
+def rope_frequencies(cfg: LlamaConfig, device=None, local: bool = False) -> torch.Tensor:
     """Inverse frequencies (R / 2,) fp32, radians per token: ``theta^(-2i/R)``, R the
     rotated features ``rotary_dim`` (head_dim unless partial: as HF
     ``_compute_default_rope_parameters``, whose dim is ``head_dim * partial_rotary_factor``),
     then Llama 3's scaling when ``cfg.rope_scaling`` is ``RopeScaling`` (as HF
-    ``_compute_llama3_parameters``), or each divided by LongRoPE's short factor when it is
-    ``LongRope`` (as HF ``_compute_longrope_parameters`` up to its original length)."""
+    ``_compute_llama3_parameters``), each divided by LongRoPE's short factor when it is
+    ``LongRope`` (as HF ``_compute_longrope_parameters`` up to its original length), or by
+    the factor of ``LinearRope`` (HF ``_compute_linear_scaling_rope_parameters``).
+    ``local``: a block with the local rotary (``LlamaConfig.rope_local``): theta is
+    ``rope_local_base_freq`` and there is no scaling (Gemma 3's sliding layers)."""
     d = cfg.rotary_dim or cfg.head_dim
-    base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
-                              .float() / d)
-    rs = cfg.rope_scaling
+    theta, rs = ((cfg.rope_local_base_freq, None) if local else (cfg.rope_theta, cfg.rope_scaling))
+    base = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
     if isinstance(rs, LongRope):  # 1 / (s_i theta^(2i/R)), HF's order of operations
         return 1.0 / (torch.tensor(rs.short_factor, dtype=torch.float32, device=device) * base)
     inv = 1.0 / base
     if rs is None:
         return inv
+    if isinstance(rs, LinearRope):
+        return inv / rs.factor
     old = rs.original_max_position_embeddings
     low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -306,19 +372,19 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
-                 positions: torch.Tensor | None = None):
+                 positions: torch.Tensor | None = None, local: bool = False):
     """cos and sin of the rotation angles, each (T, R), R = ``rotary_dim`` (head_dim unless
     partial): angle(t, i) = t * inv_freq[i mod R/2] (the "rotate_half" layout repeats the
     frequencies over both halves); LongRoPE's ``attention_factor`` multiplies both (in
     fp32, before the cast, as HF's rotary embedding).
     ``positions``: (T,) the tokens' positions t (default 0..T-1; a context-parallel rank's
-    are its chunks', ``models.sequence.positions``)."""
-    inv = rope_frequencies(cfg, device)
+    are its chunks', ``models.sequence.positions``). ``local``: as ``rope_frequencies``."""
+    inv = rope_frequencies(cfg, device, local)
     t = torch.arange(T, device=device) if positions is None else positions
     angles = torch.outer(t.to(device=device, dtype=torch.float32), inv)  # (T, d/2)
     emb = torch.cat([angles, angles], dim=-1)  # (T, R)
     cos, sin = emb.cos(), emb.sin()
-    if isinstance(cfg.rope_scaling, LongRope):
+    if isinstance(cfg.rope_scaling, LongRope) and not local:
         cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
     return cos.to(dtype), sin.to(dtype)
 
@@ -338,17 +404,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RMSNorm(nn.Module):
     """``w * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 (Zhang &
-    Sennrich 2019, arXiv:1910.07467). (..., C) -> (..., C), the input's dtype."""
+    Sennrich 2019, arXiv:1910.07467), cast to the input's dtype, then times w (Llama's
+    order). ``zero_centered``: w is stored zero-centred, ``(1 + w) * x / sqrt(...)`` all in
+    fp32, then cast (transformers' ``GemmaRMSNorm``: Gemma, Gemma 2, Gemma 3; Megatron-Core's
+    ``layernorm_zero_centered_gamma``); w starts at 0 (``reset_parameters``), else at 1.
+    (..., C) -> (..., C), the input's dtype."""
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+def rms_norm(cfg: LlamaConfig, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm of the model's kind over ``dim`` features (default ``n_embd``)."""
+    return RMSNorm(cfg.n_embd if dim is None else dim, cfg.norm_eps, cfg.norm_zero_centered)
 
 
 class Attention(nn.Module):
@@ -359,12 +441,18 @@ class Attention(nn.Module):
     ``qkv_bias`` the Q, K, V projections have biases (Qwen2); with ``qk_norm``, ``q_norm``
     and ``k_norm`` (RMSNorms of D weights) normalise each head of Q and K, (B, T, H, D)
     over D, before the rotary embedding, as ``Qwen3Attention.forward``. ``layer``: the
-    block's index, whose window (``cfg.windows[layer]``: W tokens or None) it attends in."""
+    block's index, whose window (``cfg.windows[layer]``: W tokens or None) it attends in,
+    with its rotary (``cfg.rope_local(layer)``: Gemma 3's local base on sliding layers).
+    The scores are scaled by ``query_pre_attn_scalar ** -0.5`` when set, and soft-capped
+    with ``attn_logit_softcapping`` (``models.gpt.causal_attention``)."""
 
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
         self.window = cfg.windows[layer]
+        self.local_rope = cfg.rope_local(layer)
+        q_scalar = cfg.query_pre_attn_scalar
+        self.scale = None if q_scalar is None else q_scalar ** -0.5
         self.n_head, self.n_kv_heads, self.head_dim = cfg.n_head, cfg.n_kv_heads, cfg.head_dim
         bias = cfg.qkv_bias
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=bias)
@@ -372,8 +460,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = rms_norm(cfg, cfg.head_dim)
+            self.k_norm = rms_norm(cfg, cfg.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -384,16 +472,24 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         cos, sin = rope_cos_sin(self.cfg, T, x.device, x.dtype,  # (T, D) each
-                                positions=sequence.positions(T, x.device))
+                                positions=sequence.positions(T, x.device),
+                                local=self.local_rope)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.cfg.dropout if self.training else 0.0
         y = causal_attention(q, k, v, p, self.cfg.attention,  # (B, H, T, D); k, v: Hkv heads
-                             window=self.window)
+                             window=self.window, scale=self.scale,
+                             softcap=self.cfg.attn_logit_softcapping)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+# the gated MLP's activation (``mlp_activation``): SiLU (SwiGLU, Llama) or the tanh GELU
+# (GeGLU, Gemma: transformers' ``gelu_pytorch_tanh``, F.gelu's "tanh")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, width ``hidden`` (default
+    """Gated MLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``, act SiLU (SwiGLU) or the
+    tanh GELU (GeGLU) as ``cfg.mlp_activation``, width ``hidden`` (default
     ``ffn_hidden``). (B, T, C) -> (B, T, C)."""
 
     def __init__(self, cfg: LlamaConfig, hidden: int | None = None):
@@ -402,9 +498,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+        self.act = ACTIVATIONS[cfg.mlp_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def moe(cfg: LlamaConfig) -> MoE:
@@ -418,43 +515,69 @@ def moe(cfg: LlamaConfig) -> MoE:
 
 class Block(nn.Module):
     """Pre-RMSNorm block: ``x + self_attn(input_layernorm(x))`` then
-    ``x + mlp(post_attention_layernorm(x))``, ``mlp`` a SwiGLU ``MLP`` or, with
+    ``x + mlp(post_attention_layernorm(x))``, ``mlp`` a gated ``MLP`` or, with
     ``n_experts``, a ``models.moe.MoE``; ``layer`` its index (its attention window).
-    (B, T, C) -> (B, T, C)."""
+    With ``sandwich_norm`` (Gemma 2, arXiv:2408.00118 sec. 2; Gemma 3), four norms under
+    transformers' ``Gemma2DecoderLayer`` names: ``x + post_attention_layernorm(self_attn(
+    input_layernorm(x)))`` then ``x + post_feedforward_layernorm(mlp(
+    pre_feedforward_layernorm(x)))``. (B, T, C) -> (B, T, C)."""
 
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.sandwich = cfg.sandwich_norm
+        self.input_layernorm = rms_norm(cfg)
         self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.post_attention_layernorm = rms_norm(cfg)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = rms_norm(cfg)
         self.mlp = moe(cfg) if cfg.n_experts else MLP(cfg)
+        if self.sandwich:
+            self.post_feedforward_layernorm = rms_norm(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Embedding(nn.Module):
-    """Token embedding only (positions enter through the rotary angles). (B, T) -> (B, T, C)."""
+    """Token embedding only (positions enter through the rotary angles). (B, T) -> (B, T, C).
+    With ``scale_embedding`` the rows are multiplied by sqrt(C) rounded to their dtype first
+    (Gemma's ``normalizer``, arXiv:2403.08295; transformers'
+    ``GemmaTextScaledWordEmbedding``: bf16 rounds sqrt(3072) = 55.43 to 55.5)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.scale = math.sqrt(cfg.n_embd) if cfg.scale_embedding else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx)
+        x = self.tok(idx)
+        if self.scale is None:
+            return x
+        return x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
 
 
 class LMHead(nn.Module):
-    """Final RMSNorm and projection to the vocabulary. (B, T, C) -> (B, T, V) logits."""
+    """Final RMSNorm and projection to the vocabulary. (B, T, C) -> (B, T, V) logits. With
+    ``final_logit_softcapping`` c the logits are ``c * tanh(logits / c)`` (Gemma 2,
+    arXiv:2408.00118 sec. 2; transformers' ``Gemma2ForCausalLM.forward``): element-wise, so
+    a tensor-parallel rank caps its slice of the vocabulary, and the loss and sampling read
+    the capped logits."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.norm = rms_norm(cfg)
         self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.softcap = cfg.final_logit_softcapping
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
+        logits = self.proj(self.norm(x))
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
 
 
 class Llama(DecoderLM):
@@ -463,8 +586,10 @@ class Llama(DecoderLM):
     Returns ``(logits (B, T, V), loss)``, ``loss`` the mean cross-entropy in nats per token
     over targets other than -100 (None without targets). Raises ``ValueError`` if ``T >
     block_size``. Init as HF's Llama: normal(0, 0.02) for linear and embedding weights,
-    zeros for the biases (``qkv_bias``), ones for the norms, drawn from the global torch generator in module order, so
-    ``torch.manual_seed(s); Llama(cfg)`` is reproducible (experts: normal(0, 0.02) too).
+    zeros for the biases (``qkv_bias``), ones for the norms (zeros when
+    ``norm_zero_centered``: a scale of 1 either way), drawn from the global torch generator
+    in module order, so ``torch.manual_seed(s); Llama(cfg)`` is reproducible (experts:
+    normal(0, 0.02) too).
     With ``n_experts`` the blocks' auxiliary losses enter the gradient of any loss
     backpropagated through them (``models.moe.AuxLossScaler``); ``loss`` stays the
     cross-entropy.
@@ -487,7 +612,7 @@ class Llama(DecoderLM):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
+            m.reset_parameters()
         elif isinstance(m, Experts):
             m.reset_parameters(std=0.02)
 
@@ -576,10 +701,19 @@ MOE_TP_PLAN = {
 ROUTERS = ("blocks.*.mlp.router",)
 
 
+# sandwich_norm's two more norms (Gemma 2/3), token-wise as the others; the attention output's
+# is post_attention_layernorm, already in the plan
+SANDWICH_TP_PLAN = {"blocks.*.pre_feedforward_layernorm": "sequence_parallel",
+                    "blocks.*.post_feedforward_layernorm": "sequence_parallel"}
+
+
 def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
     """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
-    there is none); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"."""
+    there is none); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"; with
+    ``sandwich_norm``, ``SANDWICH_TP_PLAN`` too."""
     qk = {"blocks.*.self_attn.[qk]_norm": "partial_grad"} if cfg.qk_norm else {}
+    if cfg.sandwich_norm:
+        qk.update(SANDWICH_TP_PLAN)
     if not cfg.n_experts:
         return {**TP_PLAN, **qk}
     return {**{k: v for k, v in MOE_TP_PLAN.items()
@@ -604,6 +738,9 @@ def describe(cfg: LlamaConfig):
     ``moe_shared_expert_gate`` (any ``moe_shared_ffn_hidden``, ``qkv_bias`` or not),
     ``Qwen2MoeForCausalLM`` (``QWEN2_MOE``) when the mixture is Qwen2-MoE's
     (``models.hf.qwen2_moe_compatible``: softmax top-k, renormalised or not, dropless);
+    with Gemma's zero-centred norms, embedding scale and GeGLU, ``GemmaForCausalLM``
+    (``GEMMA``), with the sandwich norms too ``Gemma2ForCausalLM`` (``GEMMA2``), and with
+    QK-norm ``Gemma3ForCausalLM`` (``GEMMA3``: ``models.hf._gemma_holds``);
     else none (``hf`` is None): ``models.hf.arch_for``."""
     from shardwise.models.description import ModelDescription
     from shardwise.models.hf import arch_for
@@ -630,7 +767,8 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
     """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
     ``n_kv_heads`` / ``ffn_hidden`` / ``moe_ffn_hidden`` 0 mean Llama's defaults (n_head;
     the 8h/3 rule; ffn_hidden), ``head_dim`` 0 n_embd / n_head, ``sliding_window`` 0 no
-    window. ``model.bias`` is ignored
+    window, ``query_pre_attn_scalar`` / ``attn_logit_softcapping`` /
+    ``final_logit_softcapping`` / ``rope_local_base_freq`` 0 none. ``model.bias`` is ignored
     (the Llama's biases are ``model.qkv_bias``'s);
     ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields) or, with ``rope_type =
     "longrope"``, Phi-3's (``LongRope``'s). Raises ``ValueError``
@@ -658,4 +796,12 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        rotary_dim=getattr(m, "rotary_dim", 0) or None,
                        moe_bias_update_rate=m.moe_bias_update_rate,
                        sliding_window=getattr(m, "sliding_window", 0) or None,
-                       layer_types=getattr(m, "layer_types", None))
+                       layer_types=getattr(m, "layer_types", None),
+                       norm_zero_centered=getattr(m, "norm_zero_centered", False),
+                       scale_embedding=getattr(m, "scale_embedding", False),
+                       mlp_activation=getattr(m, "mlp_activation", "silu"),
+                       sandwich_norm=getattr(m, "sandwich_norm", False),
+                       query_pre_attn_scalar=getattr(m, "query_pre_attn_scalar", 0) or None,
+                       attn_logit_softcapping=getattr(m, "attn_logit_softcapping", 0) or None,
+                       final_logit_softcapping=getattr(m, "final_logit_softcapping", 0) or None,
+                       rope_local_base_freq=getattr(m, "rope_local_base_freq", 0) or None)

@@ -36,10 +36,11 @@ class SequenceShard:
 
     positions: (T_local,) int64, the position in the whole sequence of each local token, in
         local order (not sorted: chunk ``i`` then chunk ``2cp-1-i``).
-    attention: ``(q, k, v, dropout_p, impl, window) -> out`` over (B, H, T_local, D)
-        tensors, causal over the whole sequence, within a sliding window of ``window``
-        tokens of it when that is not None (ring attention bound to its group), or None for
-        the single-process kernel.
+    attention: ``(q, k, v, dropout_p, impl, window, scale) -> out`` over (B, H, T_local,
+        D) tensors, causal over the whole sequence, within a sliding window of ``window``
+        tokens of it when that is not None, the scores scaled by ``scale`` (None:
+        1 / sqrt(D)) (ring attention bound to its group), or None for the single-process
+        kernel.
     total: ``t -> t`` summing a tensor of per-sequence statistics over the ranks holding
         the other tokens of the same sequences, in place (an all-reduce over the cp
         group; no gradient), or None when this rank holds whole sequences.

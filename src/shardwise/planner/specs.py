@@ -39,7 +39,27 @@ Named sizes:
   (the report's "14B" rounded down; ``transformers.Phi3ForCausalLM`` of those sizes counts
   the same). Phi-3-mini-4k's sliding window of 2047 tokens is on every layer
   (``attention_windows``, as Mistral 7B's: a query counted against min(T, 2047) keys); Phi-4
-  has none.
+  has none;
+- Gemma: Gemma 2 2B and 9B (Gemma Team 2024, arXiv:2408.00118, Table 1) and Gemma 3 1B,
+  12B and 27B's text towers (Gemma Team 2025, arXiv:2503.19786, Table 1), each with the
+  sizes of its released config.json (``google/gemma-2-2b``, ``-9b``, ``google/gemma-3-1b-pt``,
+  ``-12b-pt``, ``-27b-pt``'s ``text_config``; written in ``_GEMMA_SIZES``): heads of 256
+  (27B: 128) whatever h / a is, tied embeddings of 256000 (Gemma 3: 262144 / 262208)
+  tokens, sandwich norms, a window on every other layer (Gemma 2: 4096) or on five of
+  every six (Gemma 3: 512 for 1B, 1024 above). These are described specs
+  (``from_description`` of the ``models.llama.LlamaConfig`` shardwise trains, built on first
+  use: ``NAMED`` builds them lazily), so their parameters are counted on meta (2.61B,
+  9.24B, 1.00B, 11.77B, 27.01B; ``tests/test_llama_planner.py`` checks each against
+  ``transformers``' model of the same config.json on the meta device), their FLOPs with
+  the attention width H D of their own head_dim and each layer's window. Not priced:
+  Gemma 2's soft-capped scores, which the engine writes out (B, H, T, T) on those layers
+  where ``Cluster.kernels`` "shardwise" assumes a fused kernel (the planner has one kernel
+  per cluster, not per layer): its time and activation memory under-count those layers'
+  s x s scores (``plan`` says nothing of it); Gemma 2 27B is not named for that reason
+  alone (its 46 layers' scores at s = 8192 dominate). Nor are the sandwich norms' two more
+  norms a block in the memory-bound time and the activations (``simulate.block_ops`` and
+  ``memory.activation_bytes`` count a Llama block's two), a few percent of a block's
+  activations.
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -162,7 +182,8 @@ class ModelSpec:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
         experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
-        ``qk_norm``, ``rotary_dim`` when its description's config sets them; ``sliding_window``
+        ``qk_norm``, ``rotary_dim``, Gemma's options, ``norm_eps`` and ``rope_scaling`` when
+        its description's config sets them (``_gemma_table``); ``sliding_window``
         and, when not every block has it, ``layer_types``, from ``attention_windows``);
         ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
@@ -179,6 +200,7 @@ class ModelSpec:
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
         qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
                 if getattr(cfg, k, False)}
+        qwen.update(_gemma_table(cfg))
         windows = {w for w in self.attention_windows if w is not None}
         if windows:  # one W (model.sliding_window) on the layers layer_types marks
             qwen["sliding_window"] = windows.pop()
@@ -287,6 +309,32 @@ class ModelSpec:
         return replace(spec, dropout=self.dropout)
 
 
+# Gemma's [model] options (``models.llama.LlamaConfig``): written when set
+_GEMMA_FIELDS = ("norm_zero_centered", "scale_embedding", "sandwich_norm",
+                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                 "rope_local_base_freq")
+
+
+def _gemma_table(cfg) -> dict:
+    """The [model] fields of a Llama config's Gemma options, its norm epsilon and its
+    rotary scaling when they are not the defaults (``ModelSpec.model_table``); {} for
+    none (or no config)."""
+    if cfg is None:
+        return {}
+    out = {k: getattr(cfg, k) for k in _GEMMA_FIELDS if getattr(cfg, k, None)}
+    if getattr(cfg, "mlp_activation", "silu") != "silu":
+        out["mlp_activation"] = cfg.mlp_activation
+    if getattr(cfg, "norm_eps", 1e-5) != 1e-5:
+        out["norm_eps"] = cfg.norm_eps
+    rs = getattr(cfg, "rope_scaling", None)
+    if rs is not None:
+        kind = ("longrope" if hasattr(rs, "short_factor") else
+                "llama3" if hasattr(rs, "low_freq_factor") else "linear")
+        out["rope_scaling"] = {"rope_type": kind, **{
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(rs).items()}}
+    return out
+
+
 def block_matmul_params(spec: ModelSpec) -> int:
     """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
     each, the MLP 2 h f (GELU) or 3 h f (SwiGLU), or with experts the router E h and every
@@ -384,6 +432,80 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096, window=2047),
     _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
 ]}
+
+
+# Gemma's released config.json sizes (module docstring): name -> (layers, hidden, heads, kv
+# heads, head_dim, FFN width, vocab, context, window, window pattern (every n-th layer
+# global), query_pre_attn_scalar, rotary base (global, local), the global layers' linear
+# rotary factor, soft caps (scores, logits), QK-norm)
+_GEMMA_SIZES = {
+    # google/gemma-2-2b, google/gemma-2-9b config.json (rope_theta 10000, one base)
+    "gemma2-2b": (26, 2304, 8, 4, 256, 9216, 256000, 8192, 4096, 2, 256, (1e4, None), None,
+                  (50.0, 30.0), False),
+    "gemma2-9b": (42, 3584, 16, 8, 256, 14336, 256000, 8192, 4096, 2, 256, (1e4, None), None,
+                  (50.0, 30.0), False),
+    # google/gemma-3-1b-pt, -12b-pt, -27b-pt (text_config) config.json; context: 1B's 32768
+    # (the pre-training length; 12B and 27B's 131072 is --seq 131072)
+    "gemma3-1b": (26, 1152, 4, 1, 256, 6912, 262144, 32768, 512, 6, 256, (1e6, 1e4), None,
+                  (None, None), True),
+    "gemma3-12b": (48, 3840, 16, 8, 256, 15360, 262208, 32768, 1024, 6, 256, (1e6, 1e4), 8.0,
+                   (None, None), True),
+    "gemma3-27b": (62, 5376, 32, 16, 128, 21504, 262208, 32768, 1024, 6, 168, (1e6, 1e4), 8.0,
+                   (None, None), True),
+}
+
+
+def gemma_config(name: str):
+    """The ``models.llama.LlamaConfig`` of the Gemma named ``name`` (``_GEMMA_SIZES``)."""
+    from shardwise.models.llama import LlamaConfig
+
+    (L, h, a, kv, d, f, V, s, window, every, scalar, (theta, local), factor, (attn, final),
+     qk) = _GEMMA_SIZES[name]
+    return LlamaConfig(
+        vocab_size=V, block_size=s, n_layer=L, n_head=a, n_kv_heads=kv, n_embd=h, head_dim=d,
+        ffn_hidden=f, norm_eps=1e-6, rope_theta=theta, tie_weights=True,
+        rope_scaling={"rope_type": "linear", "factor": factor} if factor else None,
+        rope_local_base_freq=local, qk_norm=qk, norm_zero_centered=True, scale_embedding=True,
+        mlp_activation="gelu_tanh", sandwich_norm=True, query_pre_attn_scalar=float(scalar),
+        attn_logit_softcapping=attn, final_logit_softcapping=final, sliding_window=window,
+        layer_types=tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                          for i in range(L)))
+
+
+class _Named(dict):
+    """``NAMED``: name -> ``ModelSpec``, a value given as a function built on first use (the
+    described Gemmas: each counts its parameters on the meta device, ~0.3 s, which an
+    ``import`` should not pay)."""
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        v = super().__getitem__(name)
+        if callable(v):
+            v = v()
+            super().__setitem__(name, v)
+        return v
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+
+def _gemma(name: str):
+    def build() -> ModelSpec:
+        from shardwise.models.llama import describe
+
+        return ModelSpec.from_description(describe(gemma_config(name)), name=name)
+    return build
+
+
+NAMED = _Named(NAMED, **{name: _gemma(name) for name in _GEMMA_SIZES})
 
 @dataclass(frozen=True)
 class DescribedLayers:

@@ -102,6 +102,13 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
                           "Mixtral: moe_norm_topk, no shared expert, no qkv_bias, no "
                           "qk_norm; Qwen2-MoE: a shared expert with moe_shared_expert_gate, "
                           "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias)")
+    if d.hf is None and d.kind == "llama" and _has_gemma_options(d.config):
+        raise ExportError(f"{path}: this Llama's Gemma options are not a Gemma's, a Gemma "
+                          "2's or a Gemma 3's, the only ones exported (each: "
+                          "norm_zero_centered, scale_embedding, mlp_activation = gelu_tanh, "
+                          "no experts, no qkv_bias; Gemma: nothing else of Gemma's, no window; "
+                          "Gemma 2: sandwich_norm, no qk_norm, no rope_local_base_freq; "
+                          "Gemma 3: sandwich_norm and qk_norm, no attn_logit_softcapping)")
     if d.hf is None:
         raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
                           "(ModelDescription.hf)")
@@ -117,6 +124,12 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     files = [CONFIG] + files + _write_tokenizer(out, tok_state, d.block_size)
     return Exported(path, int(meta.get("step", 0)), d.hf.architecture, files,
                     sum(t.numel() for t in hf_tensors.values()))
+
+
+def _has_gemma_options(cfg) -> bool:
+    from shardwise.models.hf import _no_gemma
+
+    return not _no_gemma(cfg)
 
 
 def _vocab_size(tok_state: dict) -> int:

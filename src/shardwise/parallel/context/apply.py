@@ -62,9 +62,9 @@ class ContextParallel:
             ring = self.ring
 
             def attention(q, k, v, dropout_p: float = 0.0, impl: str = "sdpa",
-                          window: int | None = None):
+                          window: int | None = None, scale: float | None = None):
                 return ring_attention(q, k, v, ring, causal=True, dropout_p=dropout_p,
-                                      impl=impl, window=window)
+                                      impl=impl, window=window, scale=scale)
 
             self._shards[T] = sequence.SequenceShard(
                 local_positions(T, self.size, self.rank, self.device), attention, ring.total)
