@@ -20,7 +20,10 @@ routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. With sequence p
 (each mixture one SP region: the sequence all-gathered in, the partial sums reduce-scattered
 out): tp2 with the routing bias, tp2 with ``shared-capacity`` (a shared expert and a
 capacity factor of 1: assignments dropped), tp2 with ``qwen2moe`` (the gate's partial
-gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. Parity: every loss,
+gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. ``mixed`` (three
+blocks, the first a dense SwiGLU: ``model.dense_layers``, DeepSeek's first_k_dense_replace;
+sigmoid gating, a shared expert and a routing bias in the two mixtures) at ep2 x tp2 with
+SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). Parity: every loss,
 every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
 tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,
 and every step's expert load (tokens routed to each expert of each layer) and every
@@ -66,8 +69,13 @@ MODELS = {
     # SP route the same whole batch, so the same ones)
     "shared-capacity": {**_BASE, "moe_shared_expert": True, "moe_capacity_factor": 1.0,
                         "tie_weights": False},
+    # mixed blocks (DeepSeek's first_k_dense_replace = 1): block 0 a dense SwiGLU of width
+    # 48, blocks 1 and 2 the mixture with a shared expert and a routing bias (theirs only)
+    "mixed": {**_BASE, "n_layer": 3, "dense_layers": [0], "ffn_hidden": 48,
+              "moe_gating": "sigmoid", "moe_shared_expert": True,
+              "moe_bias_update_rate": 0.01, "tie_weights": False},
 }
-SAVERS = ("softmax", "softmax-bias")  # references that also save at STOP
+SAVERS = ("softmax", "softmax-bias", "mixed")  # references that also save at STOP
 # name -> (world size, model, parallel section)
 LAYOUTS = {
     "ep2": (2, "softmax", {"dp": 2, "ep": 2, "all_to_all": "linear"}),
@@ -105,6 +113,11 @@ LAYOUTS = {
                                   "sequence_parallel": True}),
     "cp2xep2xtp2-sp": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2,
                                              "sequence_parallel": True}),
+    # mixed dense / MoE blocks: the dense MLP split over tp as the Llama's, under SP too;
+    # a pipeline cut between the dense block and the mixtures, ZeRO-1
+    "ep2xtp2-sp-mixed": (4, "mixed", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+    "ep2xpp2-z1-mixed": (4, "mixed", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
+                                      "zero": 1}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
@@ -115,7 +128,8 @@ RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
            "ep2-dp4-z1->ep2-z3": ("ep2-dp4-z1", "ep2-z3"),    # into ZeRO-3's expert units
            "dp1->cp2xep2": ("ref:softmax", "cp2xep2"),
            "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4"),  # ZeRO pieces over ep_dp x cp
-           "dp1->ep2-bias": ("ref:softmax-bias", "ep2-bias")}  # the biases restored
+           "dp1->ep2-bias": ("ref:softmax-bias", "ep2-bias"),  # the biases restored
+           "dp1->ep2xpp2-z1-mixed": ("ref:mixed", "ep2xpp2-z1-mixed")}
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None):
@@ -202,7 +216,7 @@ def test_reference_trains_and_balances(references):
         for s in ref["stats"]:
             assert [sum(row) for row in s["expert_load"]] == [8 * 16 * 2] * 2
             assert 0.01 <= s["aux_loss"] / 2 < 0.02, (m, s)  # two layers
-        assert bool(ref["biases"]) == (m == "softmax-bias"), (m, list(ref["biases"]))
+        assert bool(ref["biases"]) == (m in ("softmax-bias", "mixed")), (m, list(ref["biases"]))
         assert (sum(s["dropped"] for s in ref["stats"]) > 0) == (m == "shared-capacity"), m
     ref = references["softmax-bias"]
     want = torch.zeros(2, 4)

@@ -435,3 +435,54 @@ def test_engine_moves_each_layers_bias_by_the_steps_load():
     with pytest.raises(ValueError, match=r"^llama: buffer blocks\.1\.self_attn\.mask has no "
                                          r"value when built on the meta device"):
         Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16, seed=3))
+
+
+def test_mixed_dense_and_moe_blocks():
+    """``dense_layers``: those blocks hold the dense SwiGLU of width ``ffn_hidden`` (no
+    router, no routing bias), the others the mixture; the engine builds it alike on meta,
+    reports the load of the mixtures only and moves their biases only; the FLOP count takes
+    a token's top_k of E experts in the mixtures only; the tp plan styles the dense MLPs as
+    the Llama's; bad indices are one line naming the field."""
+    from shardwise.base.config import Config, ConfigError
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models.llama import Llama, describe
+
+    cfg = _llama_cfg(n_layer=3, ffn_hidden=40, dense_layers=(0,), moe_bias_update_rate=0.01)
+    torch.manual_seed(3)
+    model = Llama(cfg)
+    names = dict(model.named_parameters())
+    assert names["blocks.0.mlp.gate_proj.weight"].shape == (40, 32)
+    assert not any(n.startswith("blocks.0.mlp.") and ("router" in n or "experts" in n)
+                   for n in names)
+    assert names["blocks.2.mlp.experts.gate_proj"].shape == (4, 32, 24)
+    assert [n for n, _ in model.named_buffers()] == ["blocks.1.mlp.expert_bias",
+                                                     "blocks.2.mlp.expert_bias"]
+    d = describe(cfg)
+    assert [d.style_of(f"blocks.{i}.mlp") for i in range(3)] == ["shared_input", "moe", "moe"]
+    assert d.style_of("blocks.0.mlp.down_proj") == "row"
+    assert d.tp_divides["model.ffn_hidden (dense layers' SwiGLU width)"] == 40
+    expert = sum(p.numel() for n, p in names.items() if ".experts." in n)
+    assert d.flops_per_token(model) == 6 * (sum(p.numel() for p in model.parameters())
+                                            - expert / 2 - 32 * 32) + 12 * 3 * 32 * 16
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16,
+                                                               seed=3))
+    for n, p in engine.local.named_parameters():
+        assert torch.equal(p, names[n]), n
+    idx = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    info = engine.train_step(idx, idx.roll(-1, 1))
+    assert len(info["expert_load"]) == 2 and all(sum(r) == 4 * 16 * 2
+                                                 for r in info["expert_load"])
+    assert all(b.abs().sum() > 0 for _, b in engine.local.named_buffers())
+    assert Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "n_layer": 3,
+                                       "dense_layers": [0, 1]}}).model.dense_layers == [0, 1]
+    for bad, msg in (({"dense_layers": (3,)}, r"^model.dense_layers: 3 is not a block index "
+                                               r"from 0 to model.n_layer - 1 = 2$"),
+                     ({"dense_layers": (0, 1, 2)}, r"^model.dense_layers names every block"),
+                     ({"dense_layers": (0,), "n_experts": 0},
+                      r"^model.dense_layers=\[0\] with model.n_experts=0")):
+        with pytest.raises(ValueError, match=msg):
+            _llama_cfg(n_layer=3, **bad)
+    with pytest.raises(ConfigError, match=r"^model.dense_layers: 5 is not a block index"):
+        Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "n_layer": 3,
+                                    "dense_layers": [5]}, "training": {"global_batch_size": 8}})

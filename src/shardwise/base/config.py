@@ -97,6 +97,11 @@ class ModelConfig(_Section):
                                         "per-expert bias on the routing scores, for the top-k "
                                         "choice only, moved by this much after each step "
                                         "towards the mean load (0.001 in the paper); 0: off")
+    dense_layers: list[int] = Field(default_factory=list, description="llama with n_experts: "
+                                    "the blocks (from 0) whose MLP is the dense SwiGLU of "
+                                    "width ffn_hidden instead of the mixture (DeepSeek's "
+                                    "first_k_dense_replace, Qwen-MoE's mlp_only_layers); "
+                                    "empty: the mixture in every block")
     rope_scaling: dict[str, float | int | str | list[float]] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
         "low_freq_factor, high_freq_factor, original_max_position_embeddings; or with "
@@ -157,6 +162,10 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"model.dense_layers: {bad[0]} is not a block index from 0 to "
+                             f"model.n_layer - 1 = {self.n_layer - 1}")
         if self.n_experts and self.kind == "gpt" and not self.init_from:  # init_from: its kind
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")

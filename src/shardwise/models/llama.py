@@ -114,6 +114,11 @@ class LlamaConfig:
     ``mlp.shared_expert_gate``: Qwen2-MoE);
     rotary_dim: the first R of each head's D features are rotated, the other D - R pass
     through (Phi-3's ``partial_rotary_factor`` = R / D); even, at most D; None: D.
+    dense_layers: with ``n_experts``, the blocks (indices from 0) whose MLP is the dense
+    SwiGLU of width ``ffn_hidden`` instead of the mixture (DeepSeek-V2/V3's first
+    ``first_k_dense_replace`` blocks, Qwen-MoE's ``mlp_only_layers`` and the blocks
+    ``decoder_sparse_step`` skips); () (the default): the mixture in every block. At least
+    one block keeps the mixture.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
@@ -148,6 +153,7 @@ class LlamaConfig:
     moe_shared_ffn_hidden: int | None = None
     moe_shared_expert_gate: bool = False
     moe_bias_update_rate: float = 0.0
+    dense_layers: tuple[int, ...] = ()
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -209,6 +215,7 @@ class LlamaConfig:
             raise ValueError(f"model.attention={self.attention!r}: expected 'sdpa' or 'math'")
         self._check_window()
         self._check_moe()
+        self._check_dense_layers()
 
     def _check_window(self) -> None:
         w = self.sliding_window
@@ -277,6 +284,28 @@ class LlamaConfig:
         if self.moe_shared_expert_gate and not self.moe_shared_expert:
             raise ValueError("model.moe_shared_expert_gate=True without "
                              "model.moe_shared_expert: there is no shared expert to gate")
+
+    def _check_dense_layers(self) -> None:
+        given = tuple(self.dense_layers or ())
+        bad = [i for i in given if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"model.dense_layers: {bad[0]!r} is not a block index from 0 to "
+                             f"model.n_layer - 1 = {self.n_layer - 1}")
+        dense = tuple(sorted(set(given)))
+        object.__setattr__(self, "dense_layers", dense)
+        if not dense:
+            return
+        if not self.n_experts:
+            raise ValueError(f"model.dense_layers={list(dense)} with model.n_experts=0: "
+                             "every block is dense already")
+        if len(dense) == self.n_layer:
+            raise ValueError("model.dense_layers names every block: set model.n_experts = 0 "
+                             "for a dense model")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` holds the mixture of experts (else the dense SwiGLU)."""
+        return self.n_experts > 0 and layer not in self.dense_layers
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
@@ -419,7 +448,8 @@ def moe(cfg: LlamaConfig) -> MoE:
 class Block(nn.Module):
     """Pre-RMSNorm block: ``x + self_attn(input_layernorm(x))`` then
     ``x + mlp(post_attention_layernorm(x))``, ``mlp`` a SwiGLU ``MLP`` or, with
-    ``n_experts``, a ``models.moe.MoE``; ``layer`` its index (its attention window).
+    ``n_experts`` and ``layer`` not in ``dense_layers``, a ``models.moe.MoE``; ``layer`` its
+    index (its attention window, its MLP).
     (B, T, C) -> (B, T, C)."""
 
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
@@ -427,7 +457,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = moe(cfg) if cfg.n_experts else MLP(cfg)
+        self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -578,19 +608,24 @@ ROUTERS = ("blocks.*.mlp.router",)
 
 def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
     """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
-    there is none); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"."""
+    there is none; the blocks of ``dense_layers`` with ``TP_PLAN``'s MLP entries, named
+    block by block); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"."""
     qk = {"blocks.*.self_attn.[qk]_norm": "partial_grad"} if cfg.qk_norm else {}
     if not cfg.n_experts:
         return {**TP_PLAN, **qk}
-    return {**{k: v for k, v in MOE_TP_PLAN.items()
-               if cfg.moe_shared_expert or "shared_expert" not in k}, **qk}
+    plan = {k: v for k, v in MOE_TP_PLAN.items()
+            if cfg.moe_shared_expert or "shared_expert" not in k}
+    if cfg.dense_layers:  # their dense SwiGLU as the Llama's (the last matching entry wins)
+        plan.update({f"blocks.{i}.mlp": "shared_input" for i in cfg.dense_layers})
+        plan.update({k: v for k, v in TP_PLAN.items() if k.startswith("blocks.*.mlp.")})
+    return {**plan, **qk}
 
 
 def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
     query heads share) and the SwiGLU width (the experts' with ``n_experts``, and a shared
-    expert's ``moe_shared_ffn_hidden``); ep must
+    expert's ``moe_shared_ffn_hidden``, and ``ffn_hidden`` with ``dense_layers``); ep must
     divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``
     (``MistralForCausalLM`` in, ``models.hf.MISTRAL``, is this too, and out again when the
     run came from one: ``models.hf.export_arch``);
@@ -612,6 +647,8 @@ def describe(cfg: LlamaConfig):
              else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
     if cfg.n_experts and cfg.moe_shared_expert:
         width["model.moe_shared_ffn_hidden (shared expert width)"] = cfg.moe_shared_ffn_hidden
+    if cfg.dense_layers:
+        width["model.ffn_hidden (dense layers' SwiGLU width)"] = cfg.ffn_hidden
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
@@ -657,5 +694,6 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        qk_norm=getattr(m, "qk_norm", False),
                        rotary_dim=getattr(m, "rotary_dim", 0) or None,
                        moe_bias_update_rate=m.moe_bias_update_rate,
+                       dense_layers=tuple(getattr(m, "dense_layers", None) or ()),
                        sliding_window=getattr(m, "sliding_window", 0) or None,
                        layer_types=getattr(m, "layer_types", None))
