@@ -465,6 +465,67 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
         "moe_shared_expert_gate": True, "qkv_bias": True, "block_size": 32768}
 
 
+def _import_export(path: Path, out: Path):
+    """``path``'s checkpoint through one process's engine (``model.init_from``) and out
+    again as its arch writes it: (our description, our logits of a fixed batch, the path
+    of what we wrote)."""
+    from shardwise.base.config import ModelConfig
+    from shardwise.base.topology import Topology
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import to_hf_tensors
+
+    source = read_config(path)
+    d = describe_section(ModelConfig(**section_of(source)), 0).with_checkpoint_arch(source)
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
+        batch_size=2, seq_len=16, init_from=str(path)))
+    tensors = model_tensors(engine)
+    model = d.build().eval()
+    model.load_state_dict(tensors)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(idx)[0]
+    write_safetensors(out, to_hf_tensors(d, tensors))
+    (out / "config.json").write_text(json.dumps(d.hf.config_json(d.config, source)))
+    return d, logits, idx
+
+
+@pytest.mark.parametrize("kind", ["qwen2moe", "qwen3moe"])
+def test_mixed_dense_and_moe_layers_in_and_out(kind, tmp_path):
+    """A Qwen2-MoE with ``mlp_only_layers`` [0] and a Qwen3-MoE with ``decoder_sparse_step``
+    2 (layers 0 and 2 dense, of ``intermediate_size``), three layers each: imported as
+    ``model.dense_layers`` (the dense blocks' SwiGLU under Llama's names), our logits equal
+    transformers'; exported, ``from_pretrained`` reads every tensor bit for bit (the dense
+    layers written as ``mlp_only_layers``, step 1) and gives the same logits."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                  moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+                  num_experts_per_tok=2, tie_word_embeddings=False)
+    if kind == "qwen2moe":
+        hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, shared_expert_intermediate_size=24, mlp_only_layers=[0]))
+        dense = (0,)
+    else:
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=8, decoder_sparse_step=2))
+        dense = (0, 2)
+    hf = _perturb(hf).eval()
+    assert [type(layer.mlp).__name__.endswith("MLP") for layer in hf.model.layers] == \
+        [i in dense for i in range(3)]
+    hf.save_pretrained(tmp_path / "in")
+    d, logits, idx = _import_export(tmp_path / "in", tmp_path / "out")
+    assert d.config.dense_layers == dense and d.hf.architecture == type(hf).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.mlp_only_layers == list(dense) and back.config.decoder_sparse_step == 1
+    a, b = hf.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
                                           ({"qk_norm": True, "head_dim": 12},
                                            "Qwen3ForCausalLM")])
@@ -769,8 +830,8 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or a sliding window other than
     its config.json's (a Mistral's and a Phi-3's too), or a mixture of experts asked of a
-    Llama; a Qwen3-MoE or a Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2,
-    ``mlp_only_layers``); a Phi-3 with LongRoPE under its older name or with too few
+    Llama; a Qwen3-MoE or a Qwen2-MoE with no layer left to its experts
+    (``decoder_sparse_step`` 3 of 2 layers, ``mlp_only_layers`` naming both); a Phi-3 with LongRoPE under its older name or with too few
     factors, a partial rotary factor rotating an odd number of features, or trained on more
     tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
     all; an export of a run with no checkpoint."""
@@ -837,8 +898,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                             "--model.qk_norm", "false"], capsys,
                            "model.qk_norm=False contradicts")
     for source, arch in (("qwen3moe", "Qwen3-MoE"), ("qwen2moe", "Qwen2-MoE")):
-        for name, changes, what in (("step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-                                    ("dense", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]")):
+        for name, changes, what in (("step", {"decoder_sparse_step": 3}, "decoder_sparse_step=3"),
+                                    ("dense", {"mlp_only_layers": [0, 1]},
+                                     "mlp_only_layers=[0, 1] leave no layer with experts")):
             assert_one_line_exit_2([*train, "--model.init_from",
                                     f"hf:{variant(source + name, source, **changes)}"], capsys,
                                    what, f"{arch} cannot hold it exactly")

@@ -264,7 +264,7 @@ def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
-                n_experts=0, qkv_bias=False, qk_norm=False, **_NO_WINDOW,
+                n_experts=0, qkv_bias=False, qk_norm=False, dense_layers=[], **_NO_WINDOW,
                 # 0: n_embd / n_head, so a run need not name it
                 head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim,
                 rotary_dim=0 if rotary == head_dim else rotary)  # 0: all of head_dim
@@ -497,10 +497,14 @@ def _moe_tensor(moe: str, experts: dict[str, str], arch: str,
                             transpose=True, stacked=True)
         if shared and rest.startswith(("shared_expert.", "shared_expert_gate.")):
             return HFTensor(hf)
+        if rest in _DENSE_MLP:  # a dense block's SwiGLU (``dense_layers``): Llama's names
+            return HFTensor(hf)
         raise KeyError(f"{name}: not a {arch} parameter name")
     return tensor
 
 
+# a dense block's SwiGLU among the mixtures (``dense_layers``), under Llama's names
+_DENSE_MLP = tuple(f"{k}_proj.weight" for k in ("gate", "up", "down"))
 # Mixtral's block_sparse_moe: w1 the gate, w2 the down, w3 the up projection
 _mixtral_tensor = _moe_tensor("block_sparse_moe", _MIXTRAL_EXPERTS, "Mixtral")
 
@@ -847,19 +851,25 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
     ``moe_intermediate_size``, dropless. A Qwen3-MoE has Qwen3's ``qk_norm`` and
     ``head_dim`` and no shared expert; a Qwen2-MoE has Q/K/V biases (``qkv_bias``, default
     true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
-    scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). A layer made
-    dense (``decoder_sparse_step`` other than 1, or ``mlp_only_layers``) is refused: our
-    Llama has experts in every layer or in none. Its window (``_qwen_moe_window``): our
-    ``sliding_window`` and ``layer_types``."""
+    scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). The layers
+    whose MLP is dense, of width ``intermediate_size`` (``Qwen2MoeDecoderLayer``: those in
+    ``mlp_only_layers`` and those i with (i + 1) not a multiple of ``decoder_sparse_step``),
+    are our ``dense_layers``; a model with no mixture left is refused. Its window
+    (``_qwen_moe_window``): our ``sliding_window`` and ``layer_types``."""
     c = _qwen_moe_defaults(c, arch)
-    step = c["decoder_sparse_step"]
-    if step != 1:
-        raise _refuse(arch, f"decoder_sparse_step={step!r} (shardwise's Llama has "
-                      "experts in every layer or none: 1)")
-    dense = c.get("mlp_only_layers") or []
-    if dense:
-        raise _refuse(arch, f"mlp_only_layers={list(dense)!r} (shardwise's Llama has "
-                      "experts in every layer or none: [])")
+    step, n_layer = c["decoder_sparse_step"], c.get("num_hidden_layers", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise HFConfigError(f"config.json: decoder_sparse_step={step!r}: expected a whole "
+                            "number >= 1")
+    only = c.get("mlp_only_layers") or []
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise HFConfigError(f"config.json: mlp_only_layers={list(only)!r}: expected layer "
+                            "indices")
+    dense = sorted({i for i in only if 0 <= i < n_layer}
+                   | {i for i in range(n_layer) if (i + 1) % step})
+    if n_layer and len(dense) == n_layer:
+        raise _refuse(arch, f"decoder_sparse_step={step} / mlp_only_layers={list(only)!r} "
+                      "leave no layer with experts (load it as a dense model)")
     if not c["num_experts"]:
         raise _refuse(arch, f"num_experts=0 (a dense {arch}: every layer's MLP dense; "
                       "shardwise loads it only with experts)")
@@ -874,7 +884,8 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
                top_k=c["num_experts_per_tok"], moe_gating="softmax",
                moe_norm_topk=bool(c["norm_topk_prob"]),
                moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
-               moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False)
+               moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False,
+               dense_layers=dense)
     if arch == "Qwen3-MoE":
         out.update(qk_norm=True)
         return out
@@ -891,14 +902,14 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
         out.pop(other, None)
-    # intermediate_size (a dense layer's width) is unused: every layer has experts
+    # intermediate_size: the dense layers' width (mlp_only_layers)
     base = arch.removesuffix("-MoE")
     window = _qwen_window_json(cfg, out)
     out.update(architectures=[f"{base}MoeForCausalLM"], model_type=f"{base.lower()}_moe",
                moe_intermediate_size=cfg.moe_ffn_hidden,
                num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
-               decoder_sparse_step=1, mlp_only_layers=[],
+               decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
                use_sliding_window=window["use_sliding_window"],
                sliding_window=window["sliding_window"],
                output_router_logits=bool(out.get("output_router_logits", False)))
@@ -950,11 +961,12 @@ def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
     the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
     (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
-    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm, all of each head
-    rotated), one window on every layer or none."""
+    chosen would differ), the mixture in every block (no ``dense_layers``), Llama's
+    attention (no Q/K/V biases, no QK-norm, all of each head rotated), one window on every
+    layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
-            and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False)
-            and _uniform(cfg) and _full_rotary(cfg))
+            and not getattr(cfg, "dense_layers", ()) and not getattr(cfg, "qkv_bias", False)
+            and not getattr(cfg, "qk_norm", False) and _uniform(cfg) and _full_rotary(cfg))
 
 
 def qwen3_moe_compatible(cfg) -> bool:
