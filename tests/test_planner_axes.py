@@ -752,3 +752,47 @@ def test_zero3_with_ep_is_planned():
     assert m3["total"] < m1["total"] and m3["gathered"] > 0
     t3, t1 = simulate(MOE, lay, H100, "bf16"), simulate(MOE, replace(lay, zero=1), H100, "bf16")
     assert t3["step"] > t1["step"]  # every micro-batch gathers the rank's units twice
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2)])
+def test_mixed_dense_and_moe_blocks_are_counted_block_by_block(tmp_path, tp, ep):
+    """A TOML Llama of 3 blocks, block 0 dense (``model.dense_layers``, DeepSeek's
+    first_k_dense_replace) and 4 experts in the others: the planner's parameters per
+    pipeline rank (experts among them) equal what the engine builds (``predict_rank`` on
+    meta) for each stage of a pp2 cut by parameters, both from the description and from
+    the closed forms (the same sizes, no description); the whole count equals the model's;
+    the FLOPs per token (3 x ``block_flops`` x L + the head's) equal the description's
+    (``flops_per_token``, a token's top_k of E experts in the mixtures only; less its
+    6 x the norms' weights, which the planner's GEMMs do not count); the mean
+    block's prices lie between a dense block's and a mixture's."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.planner.memory import rank_expert_params, rank_params, stage_layers
+    from shardwise.planner.simulate import block_costs, block_flops
+    from shardwise.planner.specs import load_model
+
+    path = tmp_path / "mixed.toml"
+    path.write_text('[model]\nkind = "llama"\nn_layer = 3\nn_head = 4\nn_embd = 64\n'
+                    'block_size = 64\nvocab_size = 128\nn_experts = 4\ntop_k = 2\n'
+                    'ffn_hidden = 96\nmoe_ffn_hidden = 32\ndense_layers = [0]\n'
+                    'tie_weights = false\n')
+    spec = load_model(str(path))
+    closed = replace(spec, description=None, n_params=None)
+    assert spec.mixed and spec.dense_layers == (0,) and spec.moe_share == pytest.approx(2 / 3)
+    assert closed.params == spec.params
+    d = spec.model()
+    for stage, layers in enumerate(stage_layers(spec, 2, by="params")):
+        want = predict_rank(d, dp=4, pp=2, pp_rank=stage, tp=tp, ep=ep, zero=0,
+                            precision="fp32", partition_by="params")["params"]
+        assert 4 * rank_params(spec, layers, tp, 2, ep) == want, (stage, layers)
+        assert rank_params(closed, layers, tp, 2, ep) == rank_params(spec, layers, tp, 2, ep)
+        moe = sum(1 for i in layers if i in (2, 3))
+        assert rank_expert_params(spec, layers, tp, ep) == \
+            rank_expert_params(closed, layers, tp, ep) == moe * spec.expert_params // (tp * ep)
+    norms = 64 * (2 * 3 + 1)  # counted by flops_per_token (6 N), not by the planner's GEMMs
+    for s in (spec, closed):
+        per_token = 3 * (3 * block_flops(s, 1) + 2 * 64 * 64 * 128) / 64
+        assert per_token == pytest.approx(d.flops_per_token(d.build()) - 6 * norms, rel=1e-12)
+    lay = Layout(1, 1, 1, 1, 1)
+    mean, one, dense = (block_costs(s, lay, H100, "bf16").block
+                        for s in (spec, spec.part("moe"), spec.part("dense")))
+    assert mean == pytest.approx((2 * one + dense) / 3, rel=1e-12) and dense != one

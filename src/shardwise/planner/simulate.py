@@ -447,7 +447,14 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     """The per-block prices ``chunk_costs`` composes chunks of (``BlockCosts``: tp seconds
     of a block, its synchronisations, the embedding's and the loss's tp seconds, a block's
     and the head's forward compute, the attention core's, a blocking send, the ring's
-    exposed forward and backward, a block's all-to-alls, the sync penalty)."""
+    exposed forward and backward, a block's all-to-alls, the sync penalty). Mixed dense and
+    mixture blocks (``ModelSpec.mixed``): the mean block's, each price the kinds' weighted
+    by their share of the blocks (a chunk's sum is then exact when it holds that share)."""
+    if spec.mixed:
+        m = spec.moe_share
+        a, b = (block_costs(spec.part(k), lay, cluster, precision, dedicated)
+                for k in ("moe", "dense"))
+        return BlockCosts(*(m * x + (1 - m) * y for x, y in zip(a, b)))
     world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
     e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd

@@ -88,7 +88,13 @@ class ModelSpec:
     dropout, so the search prunes every such layout (``search.cp_reason``).
     ``attention_windows``: per block, its sliding window W in tokens or None (() : none
     has one; ``ModelDescription.attention_windows``): a query's attention FLOPs count
-    min(s, W) keys (``attn_keys``)."""
+    min(s, W) keys (``attn_keys``). ``dense_layers``: with ``n_experts``, the blocks (from
+    0) whose MLP is a dense SwiGLU of width ``ffn_hidden`` instead (the Llama's
+    ``dense_layers``: DeepSeek's first_k_dense_replace); parameters are counted block by
+    block, and the per-block prices (FLOPs, seconds) are the mean block's (``block``).
+    ``block``: which block the per-block quantities describe: "" the model's (every block
+    alike, or with ``dense_layers`` the mean over its blocks), "moe" a block with the
+    mixture, "dense" one with the dense MLP (``part``)."""
 
     name: str
     n_layer: int
@@ -113,6 +119,13 @@ class ModelSpec:
     moe_shared_ffn: int = 0
     moe_shared_gate: bool = False
     attention_windows: tuple[int | None, ...] = ()
+    dense_layers: tuple[int, ...] = ()
+    block: str = ""
+    dense_share: float = -1.0  # set from dense_layers; kept by replace(spec, n_layer=1)
+
+    def __post_init__(self):
+        if self.dense_share < 0:
+            object.__setattr__(self, "dense_share", len(self.dense_layers) / self.n_layer)
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -149,7 +162,9 @@ class ModelSpec:
                    moe_shared_ffn=(getattr(cfg, "moe_shared_ffn_hidden", None)
                                    or getattr(cfg, "moe_ffn_hidden", None) or 0) if shared else 0,
                    moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)),
-                   attention_windows=tuple(d.attention_windows))
+                   attention_windows=tuple(d.attention_windows),
+                   dense_layers=tuple(getattr(cfg, "dense_layers", ()) or ())
+                   if d.n_experts else ())
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -176,6 +191,8 @@ class ModelSpec:
         if self.moe and self.moe_shared_ffn:
             moe.update(moe_shared_expert=True, moe_shared_ffn_hidden=self.moe_shared_ffn,
                        moe_shared_expert_gate=self.moe_shared_gate)
+        if self.moe and self.dense_layers:
+            moe["dense_layers"] = list(self.dense_layers)
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
         qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
                 if getattr(cfg, k, False)}
@@ -227,8 +244,30 @@ class ModelSpec:
 
     @property
     def moe(self) -> bool:
-        """A mixture of experts in every block (``n_experts`` > 0)."""
-        return self.n_experts > 0
+        """A mixture of experts (``n_experts`` > 0), in every block but ``dense_layers``
+        (none in the part ``block = "dense"``)."""
+        return self.n_experts > 0 and self.block != "dense"
+
+    @property
+    def mixed(self) -> bool:
+        """Blocks of both kinds whose per-block quantities are their mean (``block`` "")."""
+        return self.moe and bool(self.dense_layers) and not self.block
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` (from 0) holds the mixture."""
+        return self.n_experts > 0 and i not in self.dense_layers
+
+    @property
+    def moe_share(self) -> float:
+        """The fraction of the blocks that hold the mixture (1 or 0 for a part)."""
+        if not self.moe:
+            return 0.0
+        return 1.0 if self.block else 1.0 - self.dense_share
+
+    def part(self, block: str) -> ModelSpec:
+        """These sizes with the per-block quantities of a block of kind ``block`` ("moe"
+        or "dense")."""
+        return replace(self, block=block)
 
     @property
     def expert_ffn(self) -> int:
@@ -268,7 +307,13 @@ class ModelSpec:
         if self.n_params is not None:
             return self.n_params
         L, h, V = self.n_layer, self.n_embd, self.vocab_size
-        return V * h + self.pos_params + L * block_params(h, self.bias, self) + head_params(self)
+        if self.mixed:
+            n = sum(1 for i in self.dense_layers if i < L)
+            blocks = ((L - n) * block_params(h, self.bias, self.part("moe"))
+                      + n * block_params(h, self.bias, self.part("dense")))
+        else:
+            blocks = L * block_params(h, self.bias, self)
+        return V * h + self.pos_params + blocks + head_params(self)
 
     def with_seq(self, seq: int) -> ModelSpec:
         """These sizes at sequence length ``seq`` (a described model is described again
@@ -291,11 +336,22 @@ def block_matmul_params(spec: ModelSpec) -> int:
     """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
     each, the MLP 2 h f (GELU) or 3 h f (SwiGLU), or with experts the router E h and every
     expert's 3 h F (and a shared expert's 3 h F_s, its gate h). GPT: 12 h^2. A spec with a
-    description: its first block's
-    ``nn.Linear`` weights and experts, counted on meta."""
+    description: its first block's (of kind ``spec.block``, when set)
+    ``nn.Linear`` weights and experts, counted on meta. Mixed blocks (``ModelSpec.mixed``):
+    the mean over the blocks (a float)."""
+    if spec.mixed:
+        m = spec.moe_share
+        return (m * block_matmul_params(spec.part("moe"))
+                + (1 - m) * block_matmul_params(spec.part("dense")))
     if spec.description is not None:
         d = described_layers(spec, 1)
-        return d.block_matmul + (d.experts[1] if len(d.experts) > 2 else 0)
+        if not d.block_matmuls:
+            return 0
+        first = 0
+        if spec.block:
+            first = next(i for i in range(len(d.block_matmuls))
+                         if spec.is_moe_block(i) == (spec.block == "moe"))
+        return d.block_matmuls[first]
     h = spec.n_embd
     kv = spec.kv_heads * (h // spec.n_head)
     if spec.moe:
@@ -309,6 +365,10 @@ def active_matmul_params(spec: ModelSpec) -> int:
     ``block_matmul_params``, with experts only the ``top_k`` a token is routed to (Mixtral
     8x7B: 12.9B active of 46.7B; Jiang et al. 2024), and a shared expert and its gate
     whole (every token goes through them)."""
+    if spec.mixed:
+        m = spec.moe_share
+        return (m * active_matmul_params(spec.part("moe"))
+                + (1 - m) * active_matmul_params(spec.part("dense")))
     if not spec.moe:
         return block_matmul_params(spec)
     h, F = spec.n_embd, spec.expert_ffn
@@ -395,12 +455,14 @@ class DescribedLayers:
     untied), counted once when one rank holds both ends; block_matmul: the first block's
     ``nn.Linear`` weights, unsharded (2 per token per weight: its forward FLOPs);
     experts: per layer, the elements of ``counts`` that expert parallelism splits
-    (``parallel.experts.is_expert``; all experts, ep = 1)."""
+    (``parallel.experts.is_expert``; all experts, ep = 1); block_matmuls: per block, its
+    ``nn.Linear`` weights and experts, unsharded."""
 
     counts: tuple[int, ...]
     tied: int
     block_matmul: int
     experts: tuple[int, ...] = ()
+    block_matmuls: tuple[int, ...] = ()
 
 
 @lru_cache(maxsize=64)
@@ -435,11 +497,14 @@ def described_layers(spec: ModelSpec, tp: int) -> DescribedLayers:
     experts = tuple(expert_elements(layer) for layer in layers)
     tied = dict(local.named_parameters())[d.tied[0]].numel() if d.tied is not None else 0
     if tp > 1:
-        block_matmul = described_layers(spec, 1).block_matmul
+        one = described_layers(spec, 1)
+        block_matmul, matmuls = one.block_matmul, one.block_matmuls
     else:
-        block_matmul = sum(m.weight.numel() for m in layers[1].modules()
-                           if isinstance(m, nn.Linear)) if len(layers) > 2 else 0
-    return DescribedLayers(counts, tied, block_matmul, experts)
+        linear = [sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+                  for layer in layers[1:-1]]
+        block_matmul = linear[0] if linear else 0
+        matmuls = tuple(n + e for n, e in zip(linear, experts[1:-1]))
+    return DescribedLayers(counts, tied, block_matmul, experts, matmuls)
 
 
 def _meta_model(d):
