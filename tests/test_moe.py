@@ -22,7 +22,8 @@ out): tp2 with the routing bias, tp2 with ``shared-capacity`` (a shared expert a
 capacity factor of 1: assignments dropped), tp2 with ``qwen2moe`` (the gate's partial
 gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. ``mixed`` (three
 blocks, the first a dense SwiGLU: ``model.dense_layers``, DeepSeek's first_k_dense_replace;
-sigmoid gating, a shared expert and a routing bias in the two mixtures) at ep2 x tp2 with
+in the two mixtures DeepSeek-V3's routing: sigmoid gating over 8 experts, group-limited to
+2 of 4 groups, the gates times 2.5, a shared expert and a routing bias) at ep2 x tp2 with
 SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). Parity: every loss,
 every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
 tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,
@@ -69,10 +70,13 @@ MODELS = {
     # SP route the same whole batch, so the same ones)
     "shared-capacity": {**_BASE, "moe_shared_expert": True, "moe_capacity_factor": 1.0,
                         "tie_weights": False},
-    # mixed blocks (DeepSeek's first_k_dense_replace = 1): block 0 a dense SwiGLU of width
-    # 48, blocks 1 and 2 the mixture with a shared expert and a routing bias (theirs only)
+    # DeepSeek-V3's mixture in small: mixed blocks (first_k_dense_replace = 1: block 0 a
+    # dense SwiGLU of width 48), in blocks 1 and 2 sigmoid gating over 8 experts in 4 groups
+    # (the top 2 chosen in each token's best 2 groups, a group scored by its top 2), the
+    # gates times 2.5, a shared expert and a routing bias (the mixtures' only)
     "mixed": {**_BASE, "n_layer": 3, "dense_layers": [0], "ffn_hidden": 48,
-              "moe_gating": "sigmoid", "moe_shared_expert": True,
+              "moe_gating": "sigmoid", "moe_shared_expert": True, "n_experts": 8,
+              "moe_n_group": 4, "moe_topk_group": 2, "moe_routed_scaling": 2.5,
               "moe_bias_update_rate": 0.01, "tie_weights": False},
 }
 SAVERS = ("softmax", "softmax-bias", "mixed")  # references that also save at STOP
@@ -238,11 +242,12 @@ def test_layout_matches_one_process(results, references, name):
     assert len(ranks) == ws
     _check_ranks(name, ranks, references[model])
     ep, tp = parallel["ep"], parallel.get("tp", 1)
+    e = MODELS[model]["n_experts"]
     for r in ranks:  # each rank holds E / ep experts, each split over tp by width
         assert r["coords"]["ep"] == r["coords"]["dp"] % ep
         for n, shape in r["local_shapes"].items():
             f = 32 // tp
-            want = (4 // ep, 32, f) if n.endswith(("gate_proj", "up_proj")) else (4 // ep, f, 32)
+            want = (e // ep, 32, f) if n.endswith(("gate_proj", "up_proj")) else (e // ep, f, 32)
             assert shape == want, (name, n, shape)
 
 

@@ -97,6 +97,19 @@ class ModelConfig(_Section):
                                         "per-expert bias on the routing scores, for the top-k "
                                         "choice only, moved by this much after each step "
                                         "towards the mean load (0.001 in the paper); 0: off")
+    moe_n_group: int = Field(1, ge=1, description="llama with n_experts: group-limited "
+                             "routing, the experts in this many groups and each token's "
+                             "top_k chosen in its moe_topk_group best groups (DeepSeek's "
+                             "n_group); 1: off")
+    moe_topk_group: int = Field(1, ge=1, description="llama with moe_n_group > 1: groups "
+                                "each token's experts are chosen in (DeepSeek's topk_group)")
+    moe_group_score: str = Field("top2", description="llama with moe_n_group > 1: a group's "
+                                 "score, top2 (the sum of its two best biased scores: "
+                                 "DeepSeek-V3) or top1 (its best: DeepSeek-V2)")
+    moe_routed_scaling: float = Field(1.0, gt=0.0, description="llama with n_experts: the "
+                                      "routed experts' gates multiplied by this after "
+                                      "renormalisation (DeepSeek's routed_scaling_factor; "
+                                      "V3: 2.5)")
     dense_layers: list[int] = Field(default_factory=list, description="llama with n_experts: "
                                     "the blocks (from 0) whose MLP is the dense SwiGLU of "
                                     "width ffn_hidden instead of the mixture (DeepSeek's "
@@ -162,6 +175,9 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
+        if self.moe_group_score not in ("top2", "top1"):
+            raise ValueError(f"model.moe_group_score={self.moe_group_score!r}: expected top2 "
+                             "or top1")
         bad = [i for i in self.dense_layers if not 0 <= i < self.n_layer]
         if bad:
             raise ValueError(f"model.dense_layers: {bad[0]} is not a block index from 0 to "

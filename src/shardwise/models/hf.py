@@ -930,9 +930,12 @@ _QWEN_MOE_EXPERTS = {k: k for k in ("gate_proj", "up_proj", "down_proj")}
 def _softmax_dropless(cfg) -> bool:
     """A Llama config's mixture routes by softmax, dropless (capacity factor 0), without a
     routing bias (``moe_bias_update_rate`` 0: no Hugging Face arch of ours has a tensor for
-    it, and without it the experts chosen would differ)."""
+    it, and without it the experts chosen would differ), no group-limited routing, no
+    routed scaling (DeepSeek's: not these archs')."""
     return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_capacity_factor == 0
-            and not getattr(cfg, "moe_bias_update_rate", 0.0))
+            and not getattr(cfg, "moe_bias_update_rate", 0.0)
+            and getattr(cfg, "moe_n_group", 1) == 1
+            and getattr(cfg, "moe_routed_scaling", 1.0) == 1.0)
 
 
 def _long_rope(cfg) -> bool:

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.models.hf import LLAMA_PREFIXES, llama_hf_name
-from shardwise.models.moe import GATINGS, Experts, MoE
+from shardwise.models.moe import GATINGS, Experts, MoE, check_groups
 from shardwise.models.sampling import DecoderLM, generate  # noqa: F401 (re-exported)
 
 
@@ -118,7 +118,11 @@ class LlamaConfig:
     SwiGLU of width ``ffn_hidden`` instead of the mixture (DeepSeek-V2/V3's first
     ``first_k_dense_replace`` blocks, Qwen-MoE's ``mlp_only_layers`` and the blocks
     ``decoder_sparse_step`` skips); () (the default): the mixture in every block. At least
-    one block keeps the mixture.
+    one block keeps the mixture. moe_n_group > 1: group-limited routing, each token's k
+    experts chosen in its ``moe_topk_group`` best of ``moe_n_group`` groups of experts,
+    a group scored by ``moe_group_score`` ("top2": the sum of its two best biased scores,
+    DeepSeek-V3; "top1": its best, DeepSeek-V2); moe_routed_scaling: the gates' factor
+    after renormalisation (DeepSeek's ``routed_scaling_factor``); ``models.moe.route``.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
@@ -154,6 +158,10 @@ class LlamaConfig:
     moe_shared_expert_gate: bool = False
     moe_bias_update_rate: float = 0.0
     dense_layers: tuple[int, ...] = ()
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_group_score: str = "top2"
+    moe_routed_scaling: float = 1.0
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -277,6 +285,8 @@ class LlamaConfig:
                              "model.moe_aux_loss_coef >= 0 expected")
         if self.moe_bias_update_rate < 0:
             raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: expected >= 0")
+        check_groups(self.n_experts, self.top_k, self.moe_n_group, self.moe_topk_group,
+                     self.moe_group_score, self.moe_routed_scaling)
         if self.moe_shared_ffn_hidden < 1:
             raise ValueError(f"model.moe_shared_ffn_hidden={self.moe_shared_ffn_hidden}: "
                              "expected a whole number >= 1 (0 in a run's [model]: "
@@ -442,7 +452,9 @@ def moe(cfg: LlamaConfig) -> MoE:
     return MoE(cfg.n_embd, cfg.n_experts, cfg.moe_ffn_hidden, cfg.top_k, cfg.moe_gating,
                cfg.moe_norm_topk, cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
                shared_expert=shared, shared_expert_gate=cfg.moe_shared_expert_gate,
-               bias_update_rate=cfg.moe_bias_update_rate)
+               bias_update_rate=cfg.moe_bias_update_rate, n_group=cfg.moe_n_group,
+               topk_group=cfg.moe_topk_group, group_score=cfg.moe_group_score,
+               routed_scaling=cfg.moe_routed_scaling)
 
 
 class Block(nn.Module):
@@ -695,5 +707,9 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        rotary_dim=getattr(m, "rotary_dim", 0) or None,
                        moe_bias_update_rate=m.moe_bias_update_rate,
                        dense_layers=tuple(getattr(m, "dense_layers", None) or ()),
+                       moe_n_group=getattr(m, "moe_n_group", 1),
+                       moe_topk_group=getattr(m, "moe_topk_group", 1),
+                       moe_group_score=getattr(m, "moe_group_score", "top2"),
+                       moe_routed_scaling=getattr(m, "moe_routed_scaling", 1.0),
                        sliding_window=getattr(m, "sliding_window", 0) or None,
                        layer_types=getattr(m, "layer_types", None))

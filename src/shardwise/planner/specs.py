@@ -196,6 +196,11 @@ class ModelSpec:
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
         qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
                 if getattr(cfg, k, False)}
+        if self.moe:  # DeepSeek's routing, when set (it prices nothing: kept for the TOML)
+            qwen.update({k: getattr(cfg, k) for k, default in (
+                ("moe_gating", "softmax"), ("moe_n_group", 1), ("moe_topk_group", 1),
+                ("moe_group_score", "top2"), ("moe_routed_scaling", 1.0))
+                if getattr(cfg, k, default) != default})
         windows = {w for w in self.attention_windows if w is not None}
         if windows:  # one W (model.sliding_window) on the layers layer_types marks
             qwen["sliding_window"] = windows.pop()
