@@ -23,7 +23,8 @@ capacity factor of 1: assignments dropped), tp2 with ``qwen2moe`` (the gate's pa
 gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. ``mixed`` (three
 blocks, the first a dense SwiGLU: ``model.dense_layers``, DeepSeek's first_k_dense_replace;
 in the two mixtures DeepSeek-V3's routing: sigmoid gating over 8 experts, group-limited to
-2 of 4 groups, the gates times 2.5, a shared expert and a routing bias) at ep2 x tp2 with
+2 of 4 groups, the gates times 2.5, a shared expert and a routing bias; multi-head latent
+attention, its down projections and their norms replicated over tp with partial gradients) at ep2 x tp2 with
 SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). Parity: every loss,
 every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
 tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,
@@ -73,8 +74,12 @@ MODELS = {
     # DeepSeek-V3's mixture in small: mixed blocks (first_k_dense_replace = 1: block 0 a
     # dense SwiGLU of width 48), in blocks 1 and 2 sigmoid gating over 8 experts in 4 groups
     # (the top 2 chosen in each token's best 2 groups, a group scored by its top 2), the
-    # gates times 2.5, a shared expert and a routing bias (the mixtures' only)
+    # gates times 2.5, a shared expert and a routing bias (the mixtures' only); multi-head
+    # latent attention (a query latent of 24, a key/value latent of 16, heads of 8 + 4 rotated
+    # interleaved features, values of 12): its down projections replicated over tp
     "mixed": {**_BASE, "n_layer": 3, "dense_layers": [0], "ffn_hidden": 48,
+              "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 4, "v_head_dim": 12, "rope_interleave": True,
               "moe_gating": "sigmoid", "moe_shared_expert": True, "n_experts": 8,
               "moe_n_group": 4, "moe_topk_group": 2, "moe_routed_scaling": 2.5,
               "moe_bias_update_rate": 0.01, "tie_weights": False},
@@ -120,6 +125,9 @@ LAYOUTS = {
     # mixed dense / MoE blocks: the dense MLP split over tp as the Llama's, under SP too;
     # a pipeline cut between the dense block and the mixtures, ZeRO-1
     "ep2xtp2-sp-mixed": (4, "mixed", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+    # without SP: MLA's replicated down projections' partial gradients summed over tp
+    # (under SP every replicated gradient is summed, so only this layout shows it)
+    "tp2-mixed": (2, "mixed", {"dp": 1, "ep": 1, "tp": 2}),
     "ep2xpp2-z1-mixed": (4, "mixed", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
                                       "zero": 1}),
 }

@@ -110,6 +110,19 @@ class ModelConfig(_Section):
                                       "routed experts' gates multiplied by this after "
                                       "renormalisation (DeepSeek's routed_scaling_factor; "
                                       "V3: 2.5)")
+    kv_lora_rank: int = Field(0, ge=0, description="llama: multi-head latent attention "
+                              "(DeepSeek-V2/V3, docs/models.md): keys and values from a "
+                              "latent this wide; 0: grouped-query attention")
+    q_lora_rank: int = Field(0, ge=0, description="llama with kv_lora_rank: the queries' "
+                             "latent width; 0: a plain q_proj")
+    qk_nope_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's "
+                                  "position-free query/key features (even)")
+    qk_rope_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's "
+                                  "rotated query/key features (even; the key's shared)")
+    v_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's value "
+                            "width")
+    rope_interleave: bool = Field(False, description="llama with kv_lora_rank: the rotated "
+                                  "features in interleaved pairs (DeepSeek-V3's weights)")
     dense_layers: list[int] = Field(default_factory=list, description="llama with n_experts: "
                                     "the blocks (from 0) whose MLP is the dense SwiGLU of "
                                     "width ffn_hidden instead of the mixture (DeepSeek's "
@@ -590,6 +603,10 @@ class Config(_Section):
             raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
                              f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
                              "2cp-1-i of every sequence)")
+        if m.kv_lora_rank:
+            raise ValueError(f"model.kv_lora_rank={m.kv_lora_rank} with parallel.cp={p.cp}: "
+                             "ring attention carries keys and values of one head width, MLA's "
+                             "values are v_head_dim wide; use cp = 1")
         if m.dropout > 0:
             raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
                              "attention has no attention dropout; set model.dropout = 0")

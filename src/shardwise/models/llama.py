@@ -123,6 +123,14 @@ class LlamaConfig:
     a group scored by ``moe_group_score`` ("top2": the sum of its two best biased scores,
     DeepSeek-V3; "top1": its best, DeepSeek-V2); moe_routed_scaling: the gates' factor
     after renormalisation (DeepSeek's ``routed_scaling_factor``); ``models.moe.route``.
+    kv_lora_rank > 0: multi-head latent attention (``models.mla``, DeepSeek-V2/V3) instead
+    of grouped-query attention: keys and values from a latent of that width, queries from
+    one of ``q_lora_rank`` (None: a plain ``q_proj``), each head's query and key
+    ``qk_nope_head_dim`` position-free features (even) and ``qk_rope_head_dim`` rotated
+    ones (even, the rotated key shared by the heads), its value ``v_head_dim`` wide,
+    ``rope_interleave`` the rotated features' pair layout; ``head_dim`` is then qk_nope +
+    qk_rope, and GQA's options (``n_kv_heads``, ``qkv_bias``, ``qk_norm``, ``rotary_dim``,
+    windows) and ``rope_scaling`` (DeepSeek's YaRN: not supported) are refused.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
@@ -162,6 +170,12 @@ class LlamaConfig:
     moe_topk_group: int = 1
     moe_group_score: str = "top2"
     moe_routed_scaling: float = 1.0
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -176,6 +190,7 @@ class LlamaConfig:
                 raise ValueError(f"model.{name}={v!r}: expected a whole number >= 1")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_head)
+        self._check_mla()
         if self.n_kv_heads < 1 or self.n_head % self.n_kv_heads:
             raise ValueError(f"model.n_head={self.n_head} is not divisible by "
                              f"model.n_kv_heads={self.n_kv_heads}")
@@ -224,6 +239,47 @@ class LlamaConfig:
         self._check_window()
         self._check_moe()
         self._check_dense_layers()
+
+    def _check_mla(self) -> None:
+        """MLA's sizes (``kv_lora_rank`` > 0), before ``head_dim`` is derived from them."""
+        mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "rope_interleave")
+        if not self.kv_lora_rank:
+            given = [k for k in mla if getattr(self, k)]
+            if given:
+                raise ValueError(f"model.{given[0]} without model.kv_lora_rank: multi-head "
+                                 "latent attention's sizes need its latent")
+            return
+        for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model.{k}={v!r}: expected a whole number >= 1 with "
+                                 "model.kv_lora_rank")
+        q, nope, rot = self.q_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+            raise ValueError(f"model.q_lora_rank={q!r}: expected a whole number >= 1 or none")
+        if nope < 0 or nope % 2 or rot % 2:
+            raise ValueError(f"model.qk_nope_head_dim={nope} / model.qk_rope_head_dim={rot}: "
+                             "expected even numbers (rotary pairs; the head width even)")
+        n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_head
+        other = [k for k, bad in (("n_kv_heads", n_kv != self.n_head),
+                                  ("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
+                                  ("rotary_dim", self.rotary_dim is not None),
+                                  ("sliding_window", self.sliding_window is not None),
+                                  ("rope_scaling", self.rope_scaling is not None),
+                                  ("head_dim", self.head_dim not in (None, nope + rot)))
+                 if bad]
+        if other:
+            raise ValueError(f"model.{other[0]} with model.kv_lora_rank (multi-head latent "
+                             "attention): not MLA's (YaRN, DeepSeek's rope scaling, is not "
+                             "supported)")
+        object.__setattr__(self, "head_dim", nope + rot)
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated features R of a head: ``qk_rope_head_dim`` with MLA, else
+        ``rotary_dim`` or ``head_dim``."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else (self.rotary_dim or self.head_dim)
 
     def _check_window(self) -> None:
         w = self.sliding_window
@@ -325,7 +381,7 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     then Llama 3's scaling when ``cfg.rope_scaling`` is ``RopeScaling`` (as HF
     ``_compute_llama3_parameters``), or each divided by LongRoPE's short factor when it is
     ``LongRope`` (as HF ``_compute_longrope_parameters`` up to its original length)."""
-    d = cfg.rotary_dim or cfg.head_dim
+    d = cfg.rope_dim
     base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
                               .float() / d)
     rs = cfg.rope_scaling
@@ -467,7 +523,12 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        if cfg.kv_lora_rank:  # DeepSeek's multi-head latent attention
+            from shardwise.models.mla import LatentAttention
+
+            self.self_attn = LatentAttention(cfg, RMSNorm, rope_cos_sin, apply_rope)
+        else:
+            self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg)
 
@@ -618,14 +679,37 @@ MOE_TP_PLAN = {
 ROUTERS = ("blocks.*.mlp.router",)
 
 
+def _gqa_only(plan: dict[str, str], cfg: LlamaConfig) -> dict[str, str]:
+    """``plan`` less GQA's Q/K/V entry when the attention is MLA's."""
+    if not cfg.kv_lora_rank:
+        return plan
+    return {k: v for k, v in plan.items() if k != "blocks.*.self_attn.[qkv]_proj"}
+
+
+def _mla_plan(cfg: LlamaConfig) -> dict[str, str]:
+    """MLA's entries (``models.mla``): heads split (the up projections column-parallel,
+    ``o_proj`` row-parallel, from ``TP_PLAN``), the down projections and their norms
+    replicated with partial gradients."""
+    q = ({"blocks.*.self_attn.q_b_proj": "column",
+          "blocks.*.self_attn.q_a_proj": "partial_grad",
+          "blocks.*.self_attn.q_a_layernorm": "partial_grad"} if cfg.q_lora_rank
+         else {"blocks.*.self_attn.q_proj": "column"})
+    return {**q, "blocks.*.self_attn.kv_b_proj": "column",
+            "blocks.*.self_attn.kv_a_proj_with_mqa": "partial_grad",
+            "blocks.*.self_attn.kv_a_layernorm": "partial_grad"}
+
+
 def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
     """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
     there is none; the blocks of ``dense_layers`` with ``TP_PLAN``'s MLP entries, named
-    block by block); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"."""
+    block by block); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"; with
+    ``kv_lora_rank``, MLA's entries instead of Q/K/V's (``_mla_plan``)."""
     qk = {"blocks.*.self_attn.[qk]_norm": "partial_grad"} if cfg.qk_norm else {}
+    if cfg.kv_lora_rank:
+        qk = _mla_plan(cfg)
     if not cfg.n_experts:
-        return {**TP_PLAN, **qk}
-    plan = {k: v for k, v in MOE_TP_PLAN.items()
+        return {**_gqa_only(TP_PLAN, cfg), **qk}
+    plan = {k: v for k, v in _gqa_only(MOE_TP_PLAN, cfg).items()
             if cfg.moe_shared_expert or "shared_expert" not in k}
     if cfg.dense_layers:  # their dense SwiGLU as the Llama's (the last matching entry wins)
         plan.update({f"blocks.{i}.mlp": "shared_input" for i in cfg.dense_layers})
@@ -664,7 +748,10 @@ def describe(cfg: LlamaConfig):
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim, context_parallel=True,
+        n_layer=cfg.n_layer, context_parallel=not cfg.kv_lora_rank,
+        # MLA: Q K^T over Dqk features, P V over v_head_dim: their mean for 12 (H D) per key
+        attention_width=cfg.n_head * ((cfg.head_dim + cfg.v_head_dim) // 2 if cfg.kv_lora_rank
+                                      else cfg.head_dim),
         attention_windows=cfg.windows if cfg.sliding_window is not None else (),
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
@@ -711,5 +798,11 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        moe_topk_group=getattr(m, "moe_topk_group", 1),
                        moe_group_score=getattr(m, "moe_group_score", "top2"),
                        moe_routed_scaling=getattr(m, "moe_routed_scaling", 1.0),
+                       kv_lora_rank=getattr(m, "kv_lora_rank", 0),
+                       q_lora_rank=getattr(m, "q_lora_rank", 0) or None,
+                       qk_nope_head_dim=getattr(m, "qk_nope_head_dim", 0),
+                       qk_rope_head_dim=getattr(m, "qk_rope_head_dim", 0),
+                       v_head_dim=getattr(m, "v_head_dim", 0),
+                       rope_interleave=getattr(m, "rope_interleave", False),
                        sliding_window=getattr(m, "sliding_window", 0) or None,
                        layer_types=getattr(m, "layer_types", None))
