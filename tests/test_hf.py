@@ -70,7 +70,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     tokens, shorter than the 32 the tests feed (``WINDOW``): a Mistral (every layer), a
     Qwen2 (``use_sliding_window``, ``max_window_layers`` 1: layer 1 only), a Qwen2-MoE (its
     default pattern: the even layers, layer 0 only) and a Phi-3 (Phi-3-mini-4k's window in
-    small, on every layer; the default rotary, on 10 of each head's 16 features)."""
+    small, on every layer; the default rotary, on 10 of each head's 16 features); a
+    DeepSeek-V3 and a DeepSeek-V2 (``_deepseek``)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -149,6 +150,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
             "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.625},
         tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
         eos_token_id=None))).save_pretrained(root / "phi3_swa")
+    for name, version in (("deepseek_v3", "V3"), ("deepseek_v2", "V2")):
+        _deepseek(version).save_pretrained(root / name)
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -162,7 +165,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
                                            "mistral", "phi3", "mistral_swa", "qwen2_swa",
-                                           "qwen2moe_swa", "phi3_swa")}
+                                           "qwen2moe_swa", "phi3_swa", "deepseek_v3",
+                                           "deepseek_v2")}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +176,30 @@ def text(tmp_path_factory, corpus) -> Path:
     path.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     assert len(set(path.read_text(encoding="utf-8"))) < VOCAB
     return path
+
+
+def _deepseek(version: str):
+    """A DeepSeek-V3 or V2 in small, perturbed: MLA (V3: a query latent of 24; V2: a plain
+    q_proj), 3 layers, the first dense, 8 experts in 4 groups (the best 2 kept), top 2, two
+    shared experts; V3 with a random routing bias (``e_score_correction_bias``), sigmoid
+    gating and the interleaved rotary; V2 softmax with ``group_limited_greedy``."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                  moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                  qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8, n_group=4,
+                  topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                  n_shared_experts=2, max_position_embeddings=32, tie_word_embeddings=False)
+    if version == "V3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, q_lora_rank=24, routed_scaling_factor=2.5))
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    else:
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            **common, q_lora_rank=None, routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy"))
+    return _perturb(model)
 
 
 def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
@@ -248,8 +276,10 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     split with their rows, the Qwen3's q_norm / k_norm whole, the Qwen2-MoE's shared
     expert by its width and its gate whole, the Mistral's heads of head_dim 12, the Phi-3's
     slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj), all
-    fourteen models, four of them attending in a sliding window of 8 of the 32 tokens (on
-    every layer, on layer 1, on layer 0, on every layer: each rank's heads in the window);
+    sixteen models, four of them attending in a sliding window of 8 of the 32 tokens (on
+    every layer, on layer 1, on layer 0, on every layer: each rank's heads in the window),
+    two DeepSeeks (MLA: each rank's heads, the down projections whole; V3's routing bias
+    read into every rank);
     the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
@@ -258,12 +288,13 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
 
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3",
                                       "mistral_swa", "qwen2_swa", "qwen2moe_swa", "phi3_swa",
-                                      "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
+                                      "deepseek_v2", "deepseek_v3", "qwen3moe",
+                                      "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 14 and len(tp2[0]) == 17
+    assert len(tp1) == 16 and len(tp2[0]) == 19
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -467,8 +498,9 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
 
 def _import_export(path: Path, out: Path):
     """``path``'s checkpoint through one process's engine (``model.init_from``) and out
-    again as its arch writes it: (our description, our logits of a fixed batch, the path
-    of what we wrote)."""
+    again as its arch writes it (the parameters and the training-state buffers the arch
+    has: DeepSeek-V3's routing bias): (our description, our logits of a fixed batch, the
+    batch)."""
     from shardwise.base.config import ModelConfig
     from shardwise.base.topology import Topology
     from shardwise.checkpoint.hf import write_safetensors
@@ -481,15 +513,55 @@ def _import_export(path: Path, out: Path):
     d = describe_section(ModelConfig(**section_of(source)), 0).with_checkpoint_arch(source)
     engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
         batch_size=2, seq_len=16, init_from=str(path)))
-    tensors = model_tensors(engine)
+    tensors = {**model_tensors(engine), **dict(engine.local.named_buffers())}
     model = d.build().eval()
     model.load_state_dict(tensors)
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = model(idx)[0]
-    write_safetensors(out, to_hf_tensors(d, tensors))
+    with torch.device("meta"):
+        complete = d.build()
+    write_safetensors(out, to_hf_tensors(d, tensors, complete))
     (out / "config.json").write_text(json.dumps(d.hf.config_json(d.config, source)))
     return d, logits, idx
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_in_and_out(name, hf_dirs, tmp_path):
+    """A DeepSeek-V3 / V2 (``_deepseek``) imported as our Llama with MLA, mixed blocks and
+    DeepSeek's routing (V3's ``e_score_correction_bias`` our frozen routing bias,
+    ``model.moe_expert_bias``), its logits transformers' within 1e-5; exported, every tensor
+    ``from_pretrained`` reads equals the original bit for bit (the bias too) and so do the
+    logits. A multi-token-prediction layer after the last (V3's ``num_nextn_predict_layers``;
+    transformers ignores its tensors) is ignored too; YaRN and a mismatched key/value head
+    count are refused in one line naming the field."""
+    from safetensors.torch import load_file, save_file
+
+    from shardwise.models.hf import HFConfigError
+
+    src = tmp_path / "in"
+    shutil.copytree(hf_dirs[name], src)
+    file = src / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # an MTP layer's
+    save_file(tensors, file, metadata={"format": "pt"})
+    d, logits, idx = _import_export(src, tmp_path / "out")
+    assert d.config.kv_lora_rank == 16 and d.config.dense_layers == (0,)
+    assert d.config.moe_expert_bias == (name == "deepseek_v3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
+    a, b = hf.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(back(idx).logits, hf(idx).logits)
+    config = read_config(hf_dirs[name])
+    for changes, what in (({"rope_parameters": {"rope_type": "yarn", "factor": 40.0,
+                                                "rope_theta": 1e4}}, "rope_type='yarn'"),
+                          ({"num_key_value_heads": 2}, "num_key_value_heads=2")):
+        with pytest.raises(HFConfigError, match=rf"^config.json: {what} .*cannot hold it"):
+            section_of({**config, **changes})
 
 
 @pytest.mark.parametrize("kind", ["qwen2moe", "qwen3moe"])
@@ -831,10 +903,11 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     vocabulary; a Mixtral whose router jitters its input, or a sliding window other than
     its config.json's (a Mistral's and a Phi-3's too), or a mixture of experts asked of a
     Llama; a Qwen3-MoE or a Qwen2-MoE with no layer left to its experts
-    (``decoder_sparse_step`` 3 of 2 layers, ``mlp_only_layers`` naming both); a Phi-3 with LongRoPE under its older name or with too few
+    (``decoder_sparse_step`` 3 of 2 layers, ``mlp_only_layers`` naming both); a Phi-3 with
+    LongRoPE under its older name or with too few
     factors, a partial rotary factor rotating an odd number of features, or trained on more
     tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
-    all; an export of a run with no checkpoint."""
+    all; a DeepSeek-V3 with YaRN; an export of a run with no checkpoint."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -897,6 +970,10 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
                             "--model.qk_norm", "false"], capsys,
                            "model.qk_norm=False contradicts")
+    yarn = variant("dsyarn", "deepseek_v3", rope_parameters={"rope_type": "yarn", "factor": 40.0,
+                                                             "rope_theta": 1e4})
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{yarn}"], capsys,
+                           "rope_type='yarn'", "DeepSeek-V3 cannot hold it exactly")
     for source, arch in (("qwen3moe", "Qwen3-MoE"), ("qwen2moe", "Qwen2-MoE")):
         for name, changes, what in (("step", {"decoder_sparse_step": 3}, "decoder_sparse_step=3"),
                                     ("dense", {"mlp_only_layers": [0, 1]},

@@ -24,7 +24,8 @@ gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. ``mixed`` (
 blocks, the first a dense SwiGLU: ``model.dense_layers``, DeepSeek's first_k_dense_replace;
 in the two mixtures DeepSeek-V3's routing: sigmoid gating over 8 experts, group-limited to
 2 of 4 groups, the gates times 2.5, a shared expert and a routing bias; multi-head latent
-attention, its down projections and their norms replicated over tp with partial gradients) at ep2 x tp2 with
+attention, its down projections and their norms replicated over tp with partial gradients) at ep2 x
+tp2 with
 SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). Parity: every loss,
 every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
 tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,

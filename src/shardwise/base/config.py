@@ -110,6 +110,10 @@ class ModelConfig(_Section):
                                       "routed experts' gates multiplied by this after "
                                       "renormalisation (DeepSeek's routed_scaling_factor; "
                                       "V3: 2.5)")
+    moe_expert_bias: bool = Field(False, description="llama with n_experts: the routing "
+                                  "bias exists even with moe_bias_update_rate 0, frozen at "
+                                  "its loaded value (a DeepSeek-V3 checkpoint's "
+                                  "e_score_correction_bias)")
     kv_lora_rank: int = Field(0, ge=0, description="llama: multi-head latent attention "
                               "(DeepSeek-V2/V3, docs/models.md): keys and values from a "
                               "latent this wide; 0: grouped-query attention")
@@ -161,7 +165,8 @@ class ModelConfig(_Section):
                            "(LlamaForCausalLM, MistralForCausalLM, GPT2LMHeadModel, "
                            "MixtralForCausalLM, "
                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
-                           "Qwen3MoeForCausalLM or Phi3ForCausalLM: "
+                           "Qwen3MoeForCausalLM, Phi3ForCausalLM, DeepseekV3ForCausalLM or "
+                           "DeepseekV2ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "

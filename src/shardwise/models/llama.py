@@ -123,6 +123,8 @@ class LlamaConfig:
     a group scored by ``moe_group_score`` ("top2": the sum of its two best biased scores,
     DeepSeek-V3; "top1": its best, DeepSeek-V2); moe_routed_scaling: the gates' factor
     after renormalisation (DeepSeek's ``routed_scaling_factor``); ``models.moe.route``.
+    moe_expert_bias: the routing bias exists even with ``moe_bias_update_rate`` 0 (frozen
+    at its loaded value: a DeepSeek-V3 checkpoint's ``e_score_correction_bias``).
     kv_lora_rank > 0: multi-head latent attention (``models.mla``, DeepSeek-V2/V3) instead
     of grouped-query attention: keys and values from a latent of that width, queries from
     one of ``q_lora_rank`` (None: a plain ``q_proj``), each head's query and key
@@ -170,6 +172,7 @@ class LlamaConfig:
     moe_topk_group: int = 1
     moe_group_score: str = "top2"
     moe_routed_scaling: float = 1.0
+    moe_expert_bias: bool = False
     kv_lora_rank: int = 0
     q_lora_rank: int | None = None
     qk_nope_head_dim: int = 0
@@ -510,7 +513,7 @@ def moe(cfg: LlamaConfig) -> MoE:
                shared_expert=shared, shared_expert_gate=cfg.moe_shared_expert_gate,
                bias_update_rate=cfg.moe_bias_update_rate, n_group=cfg.moe_n_group,
                topk_group=cfg.moe_topk_group, group_score=cfg.moe_group_score,
-               routed_scaling=cfg.moe_routed_scaling)
+               routed_scaling=cfg.moe_routed_scaling, expert_bias=cfg.moe_expert_bias)
 
 
 class Block(nn.Module):
@@ -798,6 +801,7 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        moe_topk_group=getattr(m, "moe_topk_group", 1),
                        moe_group_score=getattr(m, "moe_group_score", "top2"),
                        moe_routed_scaling=getattr(m, "moe_routed_scaling", 1.0),
+                       moe_expert_bias=getattr(m, "moe_expert_bias", False),
                        kv_lora_rank=getattr(m, "kv_lora_rank", 0),
                        q_lora_rank=getattr(m, "q_lora_rank", 0) or None,
                        qk_nope_head_dim=getattr(m, "qk_nope_head_dim", 0),

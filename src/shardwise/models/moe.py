@@ -278,6 +278,8 @@ class MoE(nn.Module):
     over tp as the router). ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless).
     ``n_group`` > 1, ``topk_group``, ``group_score``: group-limited routing (``route``,
     ``limit_to_groups``); ``routed_scaling``: the gates' factor (``route``'s ``scaling``).
+    ``expert_bias``: the routing bias buffer below exists even at rate 0 (then it stays as
+    loaded: a checkpoint's, DeepSeek-V3's ``e_score_correction_bias``).
     ``bias_update_rate`` gamma > 0: auxiliary-loss-free balancing (module docstring) with the
     buffer ``expert_bias`` (E,) fp32, zero at start, training state (``state_buffers``: the
     engine builds it as zeros and checkpoints it) moved by ``update_bias``; 0: no bias, no
@@ -293,7 +295,7 @@ class MoE(nn.Module):
                  capacity_factor: float = 0.0, shared_expert: nn.Module | None = None,
                  bias_update_rate: float = 0.0, shared_expert_gate: bool = False,
                  n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
-                 routed_scaling: float = 1.0):
+                 routed_scaling: float = 1.0, expert_bias: bool = False):
         super().__init__()
         check_groups(n_experts, top_k, n_group, topk_group, group_score, routed_scaling)
         self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
@@ -307,7 +309,7 @@ class MoE(nn.Module):
             raise ValueError(f"model.moe_bias_update_rate={bias_update_rate}: expected >= 0")
         self.bias_update_rate = bias_update_rate
         self.expert_bias: torch.Tensor | None
-        if bias_update_rate > 0:
+        if bias_update_rate > 0 or expert_bias:
             self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
@@ -375,7 +377,7 @@ class MoE(nn.Module):
         rate * sign(mean(load) - load)``, ``load`` (E,) the assignments routed to each
         expert over the step's whole (global) batch, any dtype, on any device. Nothing
         without a bias (rate 0). In place, no host synchronisation."""
-        if self.expert_bias is None:
+        if self.expert_bias is None or not self.bias_update_rate:
             return
         load = load.to(self.expert_bias.device, torch.float64)
         self.expert_bias.add_(self.bias_update_rate * (load.mean() - load).sign().float())

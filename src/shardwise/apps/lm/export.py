@@ -101,12 +101,17 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
                           "gating, dropless, no routing bias: model.moe_bias_update_rate = 0; "
                           "Mixtral: moe_norm_topk, no shared expert, no qkv_bias, no "
                           "qk_norm; Qwen2-MoE: a shared expert with moe_shared_expert_gate, "
-                          "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias)")
+                          "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias; "
+                          "or with MLA, model.kv_lora_rank, a DeepSeek-V3's or V2's: "
+                          "docs/models.md)")
     if d.hf is None:
         raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
                           "(ModelDescription.hf)")
     tensors = {k.removeprefix("model."): v
                for k, v in checkpoint.read_tensors(path, "model.").items()}
+    # training-state buffers the arch has a tensor for (DeepSeek-V3's routing bias)
+    tensors.update({k.removeprefix("buffers."): v
+                    for k, v in checkpoint.read_tensors(path, "buffers.").items()})
     with torch.device("meta"):
         complete = describe(d.hf.complete(d.config)).build()
     hf_tensors = to_hf_tensors(d, tensors, complete)
