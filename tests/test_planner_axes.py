@@ -796,3 +796,50 @@ def test_mixed_dense_and_moe_blocks_are_counted_block_by_block(tmp_path, tp, ep)
     mean, one, dense = (block_costs(s, lay, H100, "bf16").block
                         for s in (spec, spec.part("moe"), spec.part("dense")))
     assert mean == pytest.approx((2 * one + dense) / 3, rel=1e-12) and dense != one
+
+
+def test_deepseek_presets_count_transformers_parameters():
+    """``deepseek-v2-lite`` and ``deepseek-v3`` (DeepSeek's released config.json values)
+    have exactly the parameters of ``transformers``' ``DeepseekV2ForCausalLM`` /
+    ``DeepseekV3ForCausalLM`` of those configs built on the meta device (V2-Lite 15.7B;
+    V3 671.0B without its multi-token-prediction layer, 37.6B a token meets: the paper's
+    37B activated), and the FLOPs count MLA's attention (Q K^T over 192 features, P V over
+    128) and a token's 8 of 256 experts in the 58 mixtures."""
+    import torch
+    import transformers
+
+    from shardwise.planner.simulate import block_flops
+
+    common = dict(kv_lora_rank=512, qk_rope_head_dim=64,
+                  v_head_dim=128, qk_nope_head_dim=128, tie_word_embeddings=False)
+    configs = {
+        "deepseek-v2-lite": transformers.DeepseekV2Config(
+            vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+            moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+            num_key_value_heads=16,
+            n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+            first_k_dense_replace=1, q_lora_rank=None, topk_method="greedy", **common),
+        "deepseek-v3": transformers.DeepseekV3Config(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+            moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+            num_key_value_heads=128,
+            n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+            topk_group=4, first_k_dense_replace=3, q_lora_rank=1536,
+            routed_scaling_factor=2.5, **common)}
+    for name, config in configs.items():
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config)
+        spec = NAMED[name]
+        assert spec.params == sum(p.numel() for p in hf.parameters()), name
+    v3 = NAMED["deepseek-v3"]
+    assert v3.params / 1e9 == pytest.approx(671.0, abs=0.05)
+    moe = sum(1 for i in range(v3.n_layer) if v3.is_moe_block(i))
+    active = v3.params - moe * (v3.expert_params - v3.top_k * 3 * v3.n_embd * v3.expert_ffn)
+    assert moe == 58 and active / 1e9 == pytest.approx(37.55, abs=0.01)
+    s, H = v3.block_size, 128
+    per_token = 3 * (v3.n_layer * block_flops(v3, 1) + 2 * s * 7168 * 129280) / s
+    norms = 7168 * (2 * 61 + 1) + 61 * (1536 + 512)
+    moe_experts = moe * v3.expert_params
+    want = 6 * (v3.params - 129280 * 7168 - norms - moe_experts * (1 - 8 / 256)) \
+        + 6 * s * v3.n_layer * H * (192 + 128)
+    assert per_token == pytest.approx(want, rel=1e-9)

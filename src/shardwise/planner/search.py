@@ -173,6 +173,10 @@ def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     """The reasons that hold for every layout of one cp size: 2 cp must divide the
     sequence, and a model with dropout gets no cp > 1 (the engine refuses it:
     ``base.config``'s cp check, ring attention has no attention dropout)."""
+    d = spec.description
+    if cp > 1 and d is not None and not d.context_parallel:
+        return (f"cp={cp}: model {spec.name!r} does not run under context parallelism "
+                "(its description says so: MLA's values are narrower than its keys)")
     if cp > 1 and spec.dropout > 0:
         return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
                 "attention dropout (the engine refuses cp > 1 with dropout)")

@@ -293,7 +293,10 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     attention width (``attn_width``: h but with a head_dim of its own), d = H D / a, k =
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
-    - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s K H D / (t cp) each (batched
+    - GEMMs: Q K V 2 T h (H D + 2k) / t (MLA, ``models.mla``: its down projections 2 T h
+      (r_q + r_kv + R) whole, its up projections 2 T (r_q H Dqk + r_kv H (D_nope + D_v)) / t,
+      the output 2 T H D_v h / t; H D the mean of Dqk and D_v per head); Q K^T and P V
+      2 mb s K H D / (t cp) each (batched
       over the rank's heads; its s / cp queries against K keys, ``attn_keys``: all s, or
       min(s, W) under a sliding window); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
@@ -319,6 +322,13 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     f = spec.ffn
     core = 2 * mb * s * spec.attn_keys * att / (tp * cp)
     gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
+    mla = getattr(getattr(spec.description, "config", None), "kv_lora_rank", 0)
+    if mla:  # DeepSeek's MLA (models.mla): the down projections whole on every tp rank
+        c, H = spec.description.config, spec.n_head
+        rq, rope = c.q_lora_rank or 0, c.qk_rope_head_dim
+        down = h * (rq + mla + rope)
+        up = (rq or h) * H * c.head_dim + mla * H * (c.qk_nope_head_dim + c.v_head_dim)
+        gemms[0], gemms[3] = 2 * T * (down + up / tp), 2 * T * H * c.v_head_dim * h / tp
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
         local = max(1, E // ep)

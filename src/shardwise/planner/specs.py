@@ -40,6 +40,18 @@ Named sizes:
   the same). Phi-3-mini-4k's sliding window of 2047 tokens is on every layer
   (``attention_windows``, as Mistral 7B's: a query counted against min(T, 2047) keys); Phi-4
   has none.
+- DeepSeek: DeepSeek-V2-Lite (DeepSeek-AI 2024, arXiv:2405.04434, appendix B; its
+  config.json: 27 layers, width 2048, 16 heads, MLA with a key/value latent of 512 and no
+  query latent, heads of 128 + 64 rotated features, values of 128, the first block dense of
+  10944, then 64 experts of 1408, top 6, 2 shared, vocabulary 102400): 15.7B parameters;
+  DeepSeek-V3 (arXiv:2412.19437, sec. 4.2; its config.json: 61 layers, width 7168, 128 heads,
+  a query latent of 1536, the first 3 blocks dense of 18432, then 256 experts of 2048 in 8
+  groups (4 kept), top 8, 1 shared, routed scaling 2.5, vocabulary 129280): 671.0B
+  parameters, 37.6B a token meets (the paper's 37B activated), its multi-token-prediction
+  module not counted (transformers' ``DeepseekV3ForCausalLM`` has none; both counts equal
+  it on meta). Both described (``ModelSpec.from_description`` of the Llama with MLA, on
+  first use), at context 4096 (YaRN's original length; YaRN itself changes no size and is
+  not implemented in the model). No context parallelism (MLA: ``search.cp_reason``).
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -411,7 +423,56 @@ def _llama(name, L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2,
                      top_k=top_k, attention_windows=(window,) * L if window else ())
 
 
-NAMED: dict[str, ModelSpec] = {m.name: m for m in [
+def _deepseek(name: str, L: int, h: int, a: int, f: int, V: int, s: int, experts: int,
+              top_k: int, expert_f: int, shared: int, dense: int, groups: int, kept: int,
+              scaling: float, q_rank: int, v3: bool) -> ModelSpec:
+    """A DeepSeek as shardwise's Llama (``models.mla``, ``models.moe``; ``models.hf``'s
+    DeepSeek archs read a config.json so): multi-head latent attention with a key/value
+    latent of 512, heads of 128 + 64 rotated features and values of 128 (both models), a
+    query latent of ``q_rank`` (0: none), the first ``dense`` blocks dense, ``shared``
+    shared experts as one SwiGLU. Described (built on meta: counted as the engine builds
+    it), at the default rotary: the released configs' YaRN changes no size."""
+    from shardwise.models.description import describe
+    from shardwise.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h, ffn_hidden=f,
+                      norm_eps=1e-6, n_experts=experts, top_k=top_k, moe_ffn_hidden=expert_f,
+                      moe_gating="sigmoid" if v3 else "softmax", moe_norm_topk=v3,
+                      moe_n_group=groups, moe_topk_group=kept,
+                      moe_group_score="top2" if v3 else "top1", moe_routed_scaling=scaling,
+                      moe_shared_expert=True, moe_shared_ffn_hidden=shared * expert_f,
+                      moe_expert_bias=v3, dense_layers=tuple(range(dense)), kv_lora_rank=512,
+                      q_lora_rank=q_rank or None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, rope_interleave=True)
+    return ModelSpec.from_description(describe(cfg), name=name)
+
+
+class _Named(dict):
+    """Named sizes by name; a described one (DeepSeek's, built on meta: about a second) is
+    made on first use."""
+
+    def __init__(self, specs: list[ModelSpec], lazy: dict[str, Any]):
+        super().__init__({**{m.name: m for m in specs}, **dict.fromkeys(lazy)})
+        self._lazy = lazy
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        spec = super().__getitem__(name)
+        if spec is None:
+            spec = self._lazy[name]()
+            self[name] = spec
+        return spec
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+
+NAMED: dict[str, ModelSpec] = _Named([
     _m("gpt2-124m", 12, 768, 12, 50257, 1024),
     _m("gpt2-350m", 24, 1024, 16, 50257, 1024),
     _m("gpt2-774m", 36, 1280, 20, 50257, 1024),
@@ -448,7 +509,16 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     # Phi-3-mini-4k's config.json: a sliding window of 2047 on every layer
     _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096, window=2047),
     _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
-]}
+], {
+    # DeepSeek-AI 2024, the released config.json files (module docstring): name, layers,
+    # hidden, heads, dense FFN width, vocab, context (4096: YaRN's original; the released
+    # 163840 is YaRN's), routed experts, top-k, expert width, shared experts, dense blocks,
+    # groups, groups kept, routed scaling, query latent, V3
+    "deepseek-v2-lite": lambda: _deepseek("deepseek-v2-lite", 27, 2048, 16, 10944, 102400,
+                                          4096, 64, 6, 1408, 2, 1, 1, 1, 1.0, 0, False),
+    "deepseek-v3": lambda: _deepseek("deepseek-v3", 61, 7168, 128, 18432, 129280, 4096, 256,
+                                     8, 2048, 1, 3, 8, 4, 2.5, 1536, True),
+})
 
 @dataclass(frozen=True)
 class DescribedLayers:
