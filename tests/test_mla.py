@@ -121,6 +121,9 @@ def test_mla_shapes_plan_and_refusals():
                      ({"v_head_dim": 0}, "model.v_head_dim=0")):
         with pytest.raises(ValueError, match=msg):
             LlamaConfig(vocab_size=V, n_layer=1, n_head=4, n_embd=32, **{**MLA, **bad})
+    with pytest.raises(ValueError, match=r"^model.rope_scaling: YaRN .* multi-head latent"):
+        LlamaConfig(vocab_size=V, n_layer=1, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
     with pytest.raises(ValueError, match=r"^model.v_head_dim without model.kv_lora_rank"):
         LlamaConfig(vocab_size=V, n_layer=1, v_head_dim=8)
     with pytest.raises(ConfigError, match=r"^model.kv_lora_rank=16 with parallel.cp=2: ring"):

@@ -137,7 +137,9 @@ class ModelConfig(_Section):
         "low_freq_factor, high_freq_factor, original_max_position_embeddings; or with "
         "rope_type = \"longrope\" Phi-3's LongRoPE, short_factor and long_factor (one per "
         "rotary frequency), original_max_position_embeddings (block_size at most it: the "
-        "short factors only), attention_factor; unset: none")
+        "short factors only), attention_factor; or with rope_type = \"yarn\" and "
+        "model.kv_lora_rank, DeepSeek's YaRN: factor, original_max_position_embeddings, "
+        "beta_fast, beta_slow, mscale, mscale_all_dim; unset: none")
     head_dim: int = Field(0, ge=0, description="llama: each attention head's width D (Q is "
                           "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
                           "n_embd / n_head); even; 0: n_embd / n_head")

@@ -285,6 +285,11 @@ def rope_parameters(cfg) -> dict:
     if cfg.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rs = cfg.rope_scaling
+    if getattr(rs, "beta_fast", None) is not None:  # YaRN (models.llama.Yarn: DeepSeek's)
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                "mscale", "mscale_all_dim", "attention_factor")
+        return {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
+                **{k: getattr(rs, k) for k in keys if getattr(rs, k) is not None}}
     if _long_rope(cfg):
         return {"rope_type": "longrope", "rope_theta": cfg.rope_theta,
                 "short_factor": list(rs.short_factor), "long_factor": list(rs.long_factor),
@@ -1091,8 +1096,9 @@ def _deepseek_section(c: dict, arch: str) -> dict:
     ``moe_expert_bias``: frozen unless the run sets ``moe_bias_update_rate``, the paper's
     0.001); V2: softmax, never renormalised
     (``DeepseekV2TopkRouter``), ``topk_method`` "greedy" or "group_limited_greedy" (groups
-    scored by their best). Refused, naming the field: a rope type other than default
-    (YaRN: not implemented), ``attention_bias``, an activation other than silu,
+    scored by their best). YaRN (``rope_type = "yarn"``, every released DeepSeek's) is
+    ``models.llama.Yarn``. Refused, naming the field: a rope type other than default and
+    yarn, ``attention_bias``, an activation other than silu,
     ``num_key_value_heads`` other than the heads, no routed experts. Not read:
     ``num_nextn_predict_layers`` (multi-token prediction: transformers builds no such layer
     and ignores their tensors, ``_keys_to_ignore_on_load_unexpected``; so does shardwise:
@@ -1107,9 +1113,14 @@ def _deepseek_section(c: dict, arch: str) -> dict:
                       f"head: num_attention_heads={heads})")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise _refuse(arch, f"rope_type={kind!r} (shardwise's MLA has the default rotary; "
-                      "YaRN is not implemented)")
+    yarn = _deepseek_yarn(c, rope, arch) if kind == "yarn" else None
+    if kind not in ("default", "yarn"):
+        raise _refuse(arch, f"rope_type={kind!r} (shardwise's MLA has the default rotary "
+                      "and YaRN)")
+    if yarn is not None:  # the rest as the default rotary's, YaRN set below
+        theta = float(rope.get("rope_theta", _get(c, "rope_theta", 10000.0)))
+        c = {k: v for k, v in c.items() if k != "rope_scaling"}
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     experts = c.get("n_routed_experts")
     if not experts:
         raise _refuse(arch, f"n_routed_experts={experts!r} (shardwise loads DeepSeek with "
@@ -1145,6 +1156,28 @@ def _deepseek_section(c: dict, arch: str) -> dict:
                qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
                v_head_dim=c["v_head_dim"],
                rope_interleave=bool(c.get("rope_interleave", True)) if v3 else True)
+    if yarn is not None:
+        out["rope_scaling"] = yarn
+    return out
+
+
+def _deepseek_yarn(c: dict, rope: dict, arch: str) -> dict:
+    """The ``models.llama.Yarn`` fields of a DeepSeek config.json's YaRN, as transformers'
+    ``_compute_yarn_parameters`` reads them (``factor`` absent: max_position_embeddings /
+    original_max_position_embeddings); ``truncate`` false refused."""
+    if rope.get("truncate", True) is not True:
+        raise _refuse(arch, f"rope truncate={rope.get('truncate')!r} (shardwise's YaRN "
+                      "truncates the correction range, transformers' default)")
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise HFConfigError("config.json: rope_type yarn without "
+                            "original_max_position_embeddings")
+    factor = rope.get("factor") or _get(c, "max_position_embeddings", 2048) / original
+    out = {"rope_type": "yarn", "factor": float(factor),
+           "original_max_position_embeddings": int(original)}
+    for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        if rope.get(k):  # transformers reads 0 / None as absent (``or`` defaults)
+            out[k] = float(rope[k])
     return out
 
 

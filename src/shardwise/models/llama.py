@@ -92,6 +92,47 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN's rotary scaling (Peng et al. 2023, "YaRN", arXiv:2309.00071; HF ``rope_type =
+    "yarn"``, ``_compute_yarn_parameters``), as DeepSeek-V2/V3 use it with MLA (their
+    config.json: factor 40, original 4096, beta_fast 32, beta_slow 1, mscale and
+    mscale_all_dim 1 (V2-Lite: 0.707)): frequency i is theta^(-2i/R) / ``factor`` below the
+    correction range, unscaled above it, linearly blended in between (the range from
+    ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings``
+    tokens, its ends rounded outwards); cos and sin multiplied by ``attention_factor``
+    (None: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+    mscale(factor), mscale(s, m) = 0.1 m ln s + 1); and MLA's softmax scale multiplied by
+    mscale(factor, mscale_all_dim)^2 when ``mscale_all_dim`` is set
+    (``DeepseekV3Attention``'s ``yarn_apply_mscale``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+
+    def cos_sin_factor(self) -> float:
+        """The factor cos and sin are multiplied by."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                       self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_factor(self) -> float:
+        """The factor MLA's softmax scale is multiplied by."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's ``0.1 m ln(scale) + 1`` (1 for a scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Sizes of one Llama. Every field has Hugging Face's ``LlamaConfig`` meaning.
 
@@ -101,7 +142,8 @@ class LlamaConfig:
     multiple of ``n_head``. ffn_hidden: SwiGLU width (``intermediate_size``); None means
     Llama's rule ``multiple_of * ceil(int(8h/3) / multiple_of)``. norm_eps: RMSNorm
     epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, ``LongRope``, a dict
-    of either's fields (LongRoPE's with ``rope_type = "longrope"``), or None. tie_weights:
+    of either's fields (LongRoPE's with ``rope_type = "longrope"``; with MLA, ``Yarn``'s with
+    ``rope_type = "yarn"``), or None. tie_weights:
     head shares the embedding matrix. attention: "sdpa" or "math"
     (``models.gpt.causal_attention``). n_experts: 0 for the dense SwiGLU MLP, else a
     mixture of that many SwiGLU experts in every block (``models.moe.MoE``): ``top_k`` per
@@ -132,7 +174,8 @@ class LlamaConfig:
     ones (even, the rotated key shared by the heads), its value ``v_head_dim`` wide,
     ``rope_interleave`` the rotated features' pair layout; ``head_dim`` is then qk_nope +
     qk_rope, and GQA's options (``n_kv_heads``, ``qkv_bias``, ``qk_norm``, ``rotary_dim``,
-    windows) and ``rope_scaling`` (DeepSeek's YaRN: not supported) are refused.
+    windows) and a ``rope_scaling`` other than ``Yarn`` (DeepSeek's; with MLA only) are
+    refused.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
@@ -219,7 +262,8 @@ class LlamaConfig:
             raise ValueError(f"model.ffn_hidden={self.ffn_hidden}: expected a whole number >= 1")
         if isinstance(self.rope_scaling, dict):
             long = self.rope_scaling.get("rope_type") == "longrope"
-            kind = LongRope if long else RopeScaling
+            kind = (Yarn if self.rope_scaling.get("rope_type") == "yarn"
+                    else LongRope if long else RopeScaling)
             known = {f.name for f in fields(kind)}
             extra = set(self.rope_scaling) - known - {"rope_type"}
             if extra:
@@ -233,6 +277,14 @@ class LlamaConfig:
         rs = self.rope_scaling
         if isinstance(rs, LongRope):
             self._check_long_rope(rs)
+        elif isinstance(rs, Yarn):
+            if not self.kv_lora_rank:
+                raise ValueError("model.rope_scaling: YaRN (rope_type = \"yarn\") is "
+                                 "shardwise's with multi-head latent attention only "
+                                 "(model.kv_lora_rank, DeepSeek's)")
+            if not (rs.factor > 0 and rs.original_max_position_embeddings >= 1):
+                raise ValueError("model.rope_scaling: YaRN expects factor > 0 and "
+                                 "original_max_position_embeddings >= 1")
         elif rs is not None and not (rs.factor > 0
                                      and 0 < rs.low_freq_factor < rs.high_freq_factor):
             raise ValueError("model.rope_scaling: expected factor > 0 and "
@@ -269,13 +321,13 @@ class LlamaConfig:
                                   ("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
                                   ("rotary_dim", self.rotary_dim is not None),
                                   ("sliding_window", self.sliding_window is not None),
-                                  ("rope_scaling", self.rope_scaling is not None),
+                                  ("rope_scaling", self.rope_scaling is not None
+                                   and not _is_yarn(self.rope_scaling)),
                                   ("head_dim", self.head_dim not in (None, nope + rot)))
                  if bad]
         if other:
             raise ValueError(f"model.{other[0]} with model.kv_lora_rank (multi-head latent "
-                             "attention): not MLA's (YaRN, DeepSeek's rope scaling, is not "
-                             "supported)")
+                             "attention): not MLA's (its rope scaling: YaRN's only)")
         object.__setattr__(self, "head_dim", nope + rot)
 
     @property
@@ -377,6 +429,27 @@ class LlamaConfig:
         return self.n_experts > 0 and layer not in self.dense_layers
 
 
+def _is_yarn(rs) -> bool:
+    return isinstance(rs, Yarn) or (isinstance(rs, dict) and rs.get("rope_type") == "yarn")
+
+
+def _yarn_frequencies(rs: Yarn, d: int, theta: float, device=None) -> torch.Tensor:
+    """YaRN's inverse frequencies (R / 2,), as HF ``_compute_yarn_parameters`` (truncated
+    correction range)."""
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    pos = theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low))
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (unscaled), 0: interpolate (/ factor)
+    return (1.0 / (rs.factor * pos)) * (1 - keep) + (1.0 / pos) * keep
+
+
 def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     """Inverse frequencies (R / 2,) fp32, radians per token: ``theta^(-2i/R)``, R the
     rotated features ``rotary_dim`` (head_dim unless partial: as HF
@@ -385,6 +458,8 @@ def rope_frequencies(cfg: LlamaConfig, device=None) -> torch.Tensor:
     ``_compute_llama3_parameters``), or each divided by LongRoPE's short factor when it is
     ``LongRope`` (as HF ``_compute_longrope_parameters`` up to its original length)."""
     d = cfg.rope_dim
+    if isinstance(cfg.rope_scaling, Yarn):
+        return _yarn_frequencies(cfg.rope_scaling, d, cfg.rope_theta, device)
     base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device)
                               .float() / d)
     rs = cfg.rope_scaling
@@ -418,6 +493,9 @@ def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
     cos, sin = emb.cos(), emb.sin()
     if isinstance(cfg.rope_scaling, LongRope):
         cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
+    elif isinstance(cfg.rope_scaling, Yarn):
+        f = cfg.rope_scaling.cos_sin_factor()
+        cos, sin = cos * f, sin * f
     return cos.to(dtype), sin.to(dtype)
 
 

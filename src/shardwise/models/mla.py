@@ -11,8 +11,9 @@ value (D_v = ``v_head_dim``). Queries likewise, through a latent of ``q_lora_ran
 (``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``) or one ``q_proj`` when there is none;
 each head's query is D_nope position-free features and R rotated ones. The rotary
 embedding is decoupled: only the last R features of a query and the shared k_R rotate.
-A head's score is q . k over D_nope + R features, scaled by (D_nope + R)^-1/2 (no YaRN:
-``LlamaConfig`` refuses it), and its output the softmax-weighted D_v-wide values.
+A head's score is q . k over D_nope + R features, scaled by (D_nope + R)^-1/2, times YaRN's
+mscale(factor, mscale_all_dim)^2 under YaRN (``models.llama.Yarn``: applied to the queries
+before the kernel's own scale), and its output the softmax-weighted D_v-wide values.
 
 ``rope_interleave`` (DeepSeek's released weights: transformers' V3 default, and V2's
 ``apply_rotary_emb``, which rotates adjacent pairs as complex numbers): the R rotated
@@ -78,6 +79,8 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = norm(self.r_kv, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.r_kv, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
+        yarn = getattr(cfg.rope_scaling, "softmax_factor", None)
+        self.softmax_factor = yarn() if yarn is not None else 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -99,6 +102,8 @@ class LatentAttention(nn.Module):
                               positions=sequence.positions(T, x.device))
         q_rot, k_rot = self._apply(q_rot, cos, sin), self._apply(k_rot, cos, sin)
         q = torch.cat([q_pass, q_rot], dim=-1)
+        if self.softmax_factor != 1.0:  # YaRN's mscale on the scores (models.llama.Yarn)
+            q = q * self.softmax_factor
         k = torch.cat([k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)], dim=-1)
         p = self.cfg.dropout if self.training else 0.0
         y = causal_attention(q, k, v, p, self.cfg.attention)          # (B, H, T, Dv)

@@ -50,8 +50,8 @@ Named sizes:
   parameters, 37.6B a token meets (the paper's 37B activated), its multi-token-prediction
   module not counted (transformers' ``DeepseekV3ForCausalLM`` has none; both counts equal
   it on meta). Both described (``ModelSpec.from_description`` of the Llama with MLA, on
-  first use), at context 4096 (YaRN's original length; YaRN itself changes no size and is
-  not implemented in the model). No context parallelism (MLA: ``search.cp_reason``).
+  first use), at context 4096 (YaRN's original length; the released configs' YaRN changes no
+  size and is left out). No context parallelism (MLA: ``search.cp_reason``).
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
