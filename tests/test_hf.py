@@ -81,7 +81,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     of 8 on layer 0, its default pattern; query_pre_attn_scalar 20; soft caps 2 on the
     scores, 3 on the logits, small enough to bite; eager attention, transformers' only one
     with a cap) and a Gemma 3 (window of 8 on layer 0, QK-norm, query_pre_attn_scalar 20,
-    local rotary base 1e4, global 1e6 scaled linearly by 8, as Gemma 3 4B-27B)."""
+    local rotary base 1e4, global 1e6 scaled linearly by 8, as Gemma 3 4B-27B); a
+    DeepSeek-V3 and a DeepSeek-V2 (``_deepseek``)."""
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
     llama = _perturb(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -174,6 +175,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     _perturb(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         **gemma, sliding_window=WINDOW, query_pre_attn_scalar=20, sliding_window_pattern=2,
         rope_parameters=GEMMA3_ROPE))).save_pretrained(root / "gemma3")
+    for name, version in (("deepseek_v3", "V3"), ("deepseek_v2", "V2")):
+        _deepseek(version).save_pretrained(root / name)
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     assert (root / "gpt2" / "model.safetensors").is_file()
     saved = safetensors.safe_open(root / "qwen3moe" / "model.safetensors", "pt").keys()
@@ -188,7 +191,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
                                            "mistral", "phi3", "mistral_swa", "qwen2_swa",
                                            "qwen2moe_swa", "phi3_swa", "gemma", "gemma2",
-                                           "gemma3")}
+                                           "gemma3", "deepseek_v3", "deepseek_v2")}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +201,30 @@ def text(tmp_path_factory, corpus) -> Path:
     path.write_text(corpus.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     assert len(set(path.read_text(encoding="utf-8"))) < VOCAB
     return path
+
+
+def _deepseek(version: str):
+    """A DeepSeek-V3 or V2 in small, perturbed: MLA (V3: a query latent of 24; V2: a plain
+    q_proj), 3 layers, the first dense, 8 experts in 4 groups (the best 2 kept), top 2, two
+    shared experts; V3 with a random routing bias (``e_score_correction_bias``), sigmoid
+    gating and the interleaved rotary; V2 softmax with ``group_limited_greedy``."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                  moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                  qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8, n_group=4,
+                  topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                  n_shared_experts=2, max_position_embeddings=32, tie_word_embeddings=False)
+    if version == "V3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, q_lora_rank=24, routed_scaling_factor=2.5))
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    else:
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            **common, q_lora_rank=None, routed_scaling_factor=1.5,
+            topk_method="group_limited_greedy"))
+    return _perturb(model)
 
 
 def _hf_logits(path: Path, idx: torch.Tensor) -> torch.Tensor:
@@ -276,10 +303,11 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj, the
     Gemma 2's soft-capped scores of its heads and logits of its half of the vocabulary, the
     Gemma 3's zero-centred q_norm / k_norm whole; measured: the Gemmas' equal at tp = 1,
-    at most 8.0e-7 apart at tp = 2), all seventeen models, six of them
+    at most 8.0e-7 apart at tp = 2), all nineteen models, six of them
     attending in a sliding window of 8 of the 32 tokens (on every layer, on layer 1, on
     layer 0, on every layer, the Gemma 2's and 3's on layer 0: each rank's heads in the
-    window);
+    window), two DeepSeeks (MLA: each rank's heads, the down projections whole; V3's
+    routing bias read into every rank);
     the Mixtral (top 2 of 4
     experts), the Qwen3-MoE whose top 2 are not renormalised (``norm_topk_prob`` false) and
     the Qwen2-MoE also at dp2 x ep2 (each rank loading its two experts)."""
@@ -289,12 +317,13 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3",
                                       "mistral_swa", "qwen2_swa", "qwen2moe_swa", "phi3_swa",
                                       "gemma", "gemma2", "gemma3",
-                                      "qwen3moe", "qwen3moe_raw", "qwen2moe", "mixtral")]
+                                      "deepseek_v2", "deepseek_v3", "qwen3moe",
+                                      "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 17 and len(tp2[0]) == 20
+    assert len(tp1) == 19 and len(tp2[0]) == 22
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -619,6 +648,155 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
         "moe_shared_expert_gate": True, "qkv_bias": True, "block_size": 32768}
 
 
+def _import_export(path: Path, out: Path):
+    """``path``'s checkpoint through one process's engine (``model.init_from``) and out
+    again as its arch writes it (the parameters and the training-state buffers the arch
+    has: DeepSeek-V3's routing bias): (our description, our logits of a fixed batch, the
+    batch)."""
+    from shardwise.base.config import ModelConfig
+    from shardwise.base.topology import Topology
+    from shardwise.checkpoint.hf import write_safetensors
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import to_hf_tensors
+
+    source = read_config(path)
+    d = describe_section(ModelConfig(**section_of(source)), 0).with_checkpoint_arch(source)
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
+        batch_size=2, seq_len=16, init_from=str(path)))
+    tensors = {**model_tensors(engine), **dict(engine.local.named_buffers())}
+    model = d.build().eval()
+    model.load_state_dict(tensors)
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(idx)[0]
+    with torch.device("meta"):
+        complete = d.build()
+    write_safetensors(out, to_hf_tensors(d, tensors, complete))
+    (out / "config.json").write_text(json.dumps(d.hf.config_json(d.config, source)))
+    return d, logits, idx
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_in_and_out(name, hf_dirs, tmp_path):
+    """A DeepSeek-V3 / V2 (``_deepseek``) imported as our Llama with MLA, mixed blocks and
+    DeepSeek's routing (V3's ``e_score_correction_bias`` our frozen routing bias,
+    ``model.moe_expert_bias``), its logits transformers' within 1e-5; exported, every tensor
+    ``from_pretrained`` reads equals the original bit for bit (the bias too) and so do the
+    logits. A multi-token-prediction layer after the last (V3's ``num_nextn_predict_layers``;
+    transformers ignores its tensors) is ignored too; linear rope scaling and a mismatched
+    key/value head count are refused in one line naming the field."""
+    from safetensors.torch import load_file, save_file
+
+    from shardwise.models.hf import HFConfigError
+
+    src = tmp_path / "in"
+    shutil.copytree(hf_dirs[name], src)
+    file = src / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # an MTP layer's
+    save_file(tensors, file, metadata={"format": "pt"})
+    d, logits, idx = _import_export(src, tmp_path / "out")
+    assert d.config.kv_lora_rank == 16 and d.config.dense_layers == (0,)
+    assert d.config.moe_expert_bias == (name == "deepseek_v3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(hf)
+    a, b = hf.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(back(idx).logits, hf(idx).logits)
+    config = read_config(hf_dirs[name])
+    for changes, what in (({"rope_parameters": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1e4}}, "rope_type='linear'"),
+                          ({"num_key_value_heads": 2}, "num_key_value_heads=2")):
+        with pytest.raises(HFConfigError, match=rf"^config.json: {what} .*cannot hold it"):
+            section_of({**config, **changes})
+
+
+def test_deepseek_yarn_in_and_out(tmp_path):
+    """A DeepSeek-V3 with YaRN (factor 8 over an original 8 tokens, fed 16; mscale 0.9 and
+    mscale_all_dim 0.7, so cos and sin are scaled and so is the softmax): imported, our
+    logits equal transformers' within 1e-5 (measured 2.4e-7), and differ by more than 1e-3
+    from the same weights without YaRN; exported, ``from_pretrained`` reads the same
+    ``rope_parameters`` and gives the same logits, bit for bit."""
+    from dataclasses import replace
+
+    from shardwise.models.llama import Yarn, describe
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0,
+            "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 0.9, "mscale_all_dim": 0.7}
+    hf = _perturb(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=64,
+        rope_parameters=rope, tie_word_embeddings=False))).eval()
+    hf.save_pretrained(tmp_path / "in")
+    d, logits, idx = _import_export(tmp_path / "in", tmp_path / "out")
+    assert isinstance(d.config.rope_scaling, Yarn) and d.config.rope_scaling.mscale == 0.9
+    with torch.no_grad():
+        want = hf(idx).logits
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        plain = describe(replace(d.config, rope_scaling=None)).build().eval()
+        plain.load_state_dict(_ours(tmp_path / "in", d))
+        assert (plain(idx)[0] - want).abs().max() > 1e-3
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.rope_parameters == {**rope, "rope_theta": 1e4}
+    with torch.no_grad():
+        assert torch.equal(back(idx).logits, want)
+
+
+def _ours(path: Path, d) -> dict:
+    """``path``'s tensors under our names, loaded by one process's engine."""
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine.state import model_tensors
+
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=1, seq_len=16,
+                                                               init_from=str(path)))
+    return {**model_tensors(engine), **dict(engine.local.named_buffers())}
+
+
+@pytest.mark.parametrize("kind", ["qwen2moe", "qwen3moe"])
+def test_mixed_dense_and_moe_layers_in_and_out(kind, tmp_path):
+    """A Qwen2-MoE with ``mlp_only_layers`` [0] and a Qwen3-MoE with ``decoder_sparse_step``
+    2 (layers 0 and 2 dense, of ``intermediate_size``), three layers each: imported as
+    ``model.dense_layers`` (the dense blocks' SwiGLU under Llama's names), our logits equal
+    transformers'; exported, ``from_pretrained`` reads every tensor bit for bit (the dense
+    layers written as ``mlp_only_layers``, step 1) and gives the same logits."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                  moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+                  num_experts_per_tok=2, tie_word_embeddings=False)
+    if kind == "qwen2moe":
+        hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, shared_expert_intermediate_size=24, mlp_only_layers=[0]))
+        dense = (0,)
+    else:
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=8, decoder_sparse_step=2))
+        dense = (0, 2)
+    hf = _perturb(hf).eval()
+    assert [type(layer.mlp).__name__.endswith("MLP") for layer in hf.model.layers] == \
+        [i in dense for i in range(3)]
+    hf.save_pretrained(tmp_path / "in")
+    d, logits, idx = _import_export(tmp_path / "in", tmp_path / "out")
+    assert d.config.dense_layers == dense and d.hf.architecture == type(hf).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(idx).logits, rtol=1e-5, atol=1e-5)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.mlp_only_layers == list(dense) and back.config.decoder_sparse_step == 1
+    a, b = hf.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("options,arch", [({"qkv_bias": True}, "Qwen2ForCausalLM"),
                                           ({"qk_norm": True, "head_dim": 12},
                                            "Qwen3ForCausalLM")])
@@ -923,13 +1101,15 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     with config.json, a contradicting [model] field, a tokenizer larger than the model's
     vocabulary; a Mixtral whose router jitters its input, or a sliding window other than
     its config.json's (a Mistral's and a Phi-3's too), or a mixture of experts asked of a
-    Llama; a Qwen3-MoE or a Qwen2-MoE with a dense layer (``decoder_sparse_step`` 2,
-    ``mlp_only_layers``); a Phi-3 with LongRoPE under its older name or with too few
+    Llama; a Qwen3-MoE or a Qwen2-MoE with no layer left to its experts
+    (``decoder_sparse_step`` 3 of 2 layers, ``mlp_only_layers`` naming both); a Phi-3 with
+    LongRoPE under its older name or with too few
     factors, a partial rotary factor rotating an odd number of features, or trained on more
     tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
-    all; an export of a run with no checkpoint; a Gemma with bidirectional attention,
-    another activation, a scaled or unknown rotary, a null window with sliding layers, the
-    multimodal Gemma 3, and a Gemma 2's soft-capped scores under context parallelism."""
+    all; a DeepSeek-V3 with linear rope scaling; an export of a run with no checkpoint; a
+    Gemma with bidirectional attention, another activation, a scaled or unknown rotary, a
+    null window with sliding layers, the multimodal Gemma 3, and a Gemma 2's soft-capped
+    scores under context parallelism."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -992,9 +1172,14 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['qwen3']}",
                             "--model.qk_norm", "false"], capsys,
                            "model.qk_norm=False contradicts")
+    linear = variant("dslinear", "deepseek_v3", rope_parameters={
+        "rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{linear}"], capsys,
+                           "rope_type='linear'", "DeepSeek-V3 cannot hold it exactly")
     for source, arch in (("qwen3moe", "Qwen3-MoE"), ("qwen2moe", "Qwen2-MoE")):
-        for name, changes, what in (("step", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-                                    ("dense", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]")):
+        for name, changes, what in (("step", {"decoder_sparse_step": 3}, "decoder_sparse_step=3"),
+                                    ("dense", {"mlp_only_layers": [0, 1]},
+                                     "mlp_only_layers=[0, 1] leave no layer with experts")):
             assert_one_line_exit_2([*train, "--model.init_from",
                                     f"hf:{variant(source + name, source, **changes)}"], capsys,
                                    what, f"{arch} cannot hold it exactly")

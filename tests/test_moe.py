@@ -20,7 +20,13 @@ routing bias moved by 0.01 per step) at ep2 (dp2) and ep2 x pp2. With sequence p
 (each mixture one SP region: the sequence all-gathered in, the partial sums reduce-scattered
 out): tp2 with the routing bias, tp2 with ``shared-capacity`` (a shared expert and a
 capacity factor of 1: assignments dropped), tp2 with ``qwen2moe`` (the gate's partial
-gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. Parity: every loss,
+gradients summed over tp), ep2 x tp2, tp2 x pp2 and cp2 x ep2 x tp2. ``mixed`` (three
+blocks, the first a dense SwiGLU: ``model.dense_layers``, DeepSeek's first_k_dense_replace;
+in the two mixtures DeepSeek-V3's routing: sigmoid gating over 8 experts, group-limited to
+2 of 4 groups, the gates times 2.5, a shared expert and a routing bias; multi-head latent
+attention, its down projections and their norms replicated over tp with partial gradients) at ep2 x
+tp2 with
+SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). Parity: every loss,
 every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
 tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,
 and every step's expert load (tokens routed to each expert of each layer) and every
@@ -66,8 +72,20 @@ MODELS = {
     # SP route the same whole batch, so the same ones)
     "shared-capacity": {**_BASE, "moe_shared_expert": True, "moe_capacity_factor": 1.0,
                         "tie_weights": False},
+    # DeepSeek-V3's mixture in small: mixed blocks (first_k_dense_replace = 1: block 0 a
+    # dense SwiGLU of width 48), in blocks 1 and 2 sigmoid gating over 8 experts in 4 groups
+    # (the top 2 chosen in each token's best 2 groups, a group scored by its top 2), the
+    # gates times 2.5, a shared expert and a routing bias (the mixtures' only); multi-head
+    # latent attention (a query latent of 24, a key/value latent of 16, heads of 8 + 4 rotated
+    # interleaved features, values of 12): its down projections replicated over tp
+    "mixed": {**_BASE, "n_layer": 3, "dense_layers": [0], "ffn_hidden": 48,
+              "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 4, "v_head_dim": 12, "rope_interleave": True,
+              "moe_gating": "sigmoid", "moe_shared_expert": True, "n_experts": 8,
+              "moe_n_group": 4, "moe_topk_group": 2, "moe_routed_scaling": 2.5,
+              "moe_bias_update_rate": 0.01, "tie_weights": False},
 }
-SAVERS = ("softmax", "softmax-bias")  # references that also save at STOP
+SAVERS = ("softmax", "softmax-bias", "mixed")  # references that also save at STOP
 # name -> (world size, model, parallel section)
 LAYOUTS = {
     "ep2": (2, "softmax", {"dp": 2, "ep": 2, "all_to_all": "linear"}),
@@ -105,6 +123,14 @@ LAYOUTS = {
                                   "sequence_parallel": True}),
     "cp2xep2xtp2-sp": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2,
                                              "sequence_parallel": True}),
+    # mixed dense / MoE blocks: the dense MLP split over tp as the Llama's, under SP too;
+    # a pipeline cut between the dense block and the mixtures, ZeRO-1
+    "ep2xtp2-sp-mixed": (4, "mixed", {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}),
+    # without SP: MLA's replicated down projections' partial gradients summed over tp
+    # (under SP every replicated gradient is summed, so only this layout shows it)
+    "tp2-mixed": (2, "mixed", {"dp": 1, "ep": 1, "tp": 2}),
+    "ep2xpp2-z1-mixed": (4, "mixed", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
+                                      "zero": 1}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # name -> (the run that saved at STOP: a layout or "ref:<model>", the layout resuming)
@@ -115,7 +141,8 @@ RESUMES = {"dp1->ep4": ("ref:softmax", "ep4"),
            "ep2-dp4-z1->ep2-z3": ("ep2-dp4-z1", "ep2-z3"),    # into ZeRO-3's expert units
            "dp1->cp2xep2": ("ref:softmax", "cp2xep2"),
            "cp2xep2-dp4-z1->ep4": ("cp2xep2-dp4-z1", "ep4"),  # ZeRO pieces over ep_dp x cp
-           "dp1->ep2-bias": ("ref:softmax-bias", "ep2-bias")}  # the biases restored
+           "dp1->ep2-bias": ("ref:softmax-bias", "ep2-bias"),  # the biases restored
+           "dp1->ep2xpp2-z1-mixed": ("ref:mixed", "ep2xpp2-z1-mixed")}
 
 
 def _cfg(corpus, out, model: str, parallel: dict | None = None):
@@ -202,7 +229,7 @@ def test_reference_trains_and_balances(references):
         for s in ref["stats"]:
             assert [sum(row) for row in s["expert_load"]] == [8 * 16 * 2] * 2
             assert 0.01 <= s["aux_loss"] / 2 < 0.02, (m, s)  # two layers
-        assert bool(ref["biases"]) == (m == "softmax-bias"), (m, list(ref["biases"]))
+        assert bool(ref["biases"]) == (m in ("softmax-bias", "mixed")), (m, list(ref["biases"]))
         assert (sum(s["dropped"] for s in ref["stats"]) > 0) == (m == "shared-capacity"), m
     ref = references["softmax-bias"]
     want = torch.zeros(2, 4)
@@ -224,11 +251,12 @@ def test_layout_matches_one_process(results, references, name):
     assert len(ranks) == ws
     _check_ranks(name, ranks, references[model])
     ep, tp = parallel["ep"], parallel.get("tp", 1)
+    e = MODELS[model]["n_experts"]
     for r in ranks:  # each rank holds E / ep experts, each split over tp by width
         assert r["coords"]["ep"] == r["coords"]["dp"] % ep
         for n, shape in r["local_shapes"].items():
             f = 32 // tp
-            want = (4 // ep, 32, f) if n.endswith(("gate_proj", "up_proj")) else (4 // ep, f, 32)
+            want = (e // ep, 32, f) if n.endswith(("gate_proj", "up_proj")) else (e // ep, f, 32)
             assert shape == want, (name, n, shape)
 
 

@@ -435,3 +435,140 @@ def test_engine_moves_each_layers_bias_by_the_steps_load():
     with pytest.raises(ValueError, match=r"^llama: buffer blocks\.1\.self_attn\.mask has no "
                                          r"value when built on the meta device"):
         Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16, seed=3))
+
+
+def test_mixed_dense_and_moe_blocks():
+    """``dense_layers``: those blocks hold the dense SwiGLU of width ``ffn_hidden`` (no
+    router, no routing bias), the others the mixture; the engine builds it alike on meta,
+    reports the load of the mixtures only and moves their biases only; the FLOP count takes
+    a token's top_k of E experts in the mixtures only; the tp plan styles the dense MLPs as
+    the Llama's; bad indices are one line naming the field."""
+    from shardwise.base.config import Config, ConfigError
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineSettings
+    from shardwise.models.llama import Llama, describe
+
+    cfg = _llama_cfg(n_layer=3, ffn_hidden=40, dense_layers=(0,), moe_bias_update_rate=0.01)
+    torch.manual_seed(3)
+    model = Llama(cfg)
+    names = dict(model.named_parameters())
+    assert names["blocks.0.mlp.gate_proj.weight"].shape == (40, 32)
+    assert not any(n.startswith("blocks.0.mlp.") and ("router" in n or "experts" in n)
+                   for n in names)
+    assert names["blocks.2.mlp.experts.gate_proj"].shape == (4, 32, 24)
+    assert [n for n, _ in model.named_buffers()] == ["blocks.1.mlp.expert_bias",
+                                                     "blocks.2.mlp.expert_bias"]
+    d = describe(cfg)
+    assert [d.style_of(f"blocks.{i}.mlp") for i in range(3)] == ["shared_input", "moe", "moe"]
+    assert d.style_of("blocks.0.mlp.down_proj") == "row"
+    assert d.tp_divides["model.ffn_hidden (dense layers' SwiGLU width)"] == 40
+    expert = sum(p.numel() for n, p in names.items() if ".experts." in n)
+    assert d.flops_per_token(model) == 6 * (sum(p.numel() for p in model.parameters())
+                                            - expert / 2 - 32 * 32) + 12 * 3 * 32 * 16
+    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16,
+                                                               seed=3))
+    for n, p in engine.local.named_parameters():
+        assert torch.equal(p, names[n]), n
+    idx = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))
+    info = engine.train_step(idx, idx.roll(-1, 1))
+    assert len(info["expert_load"]) == 2 and all(sum(r) == 4 * 16 * 2
+                                                 for r in info["expert_load"])
+    assert all(b.abs().sum() > 0 for _, b in engine.local.named_buffers())
+    assert Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "n_layer": 3,
+                                       "dense_layers": [0, 1]}}).model.dense_layers == [0, 1]
+    for bad, msg in (({"dense_layers": (3,)}, r"^model.dense_layers: 3 is not a block index "
+                                               r"from 0 to model.n_layer - 1 = 2$"),
+                     ({"dense_layers": (0, 1, 2)}, r"^model.dense_layers names every block"),
+                     ({"dense_layers": (0,), "n_experts": 0},
+                      r"^model.dense_layers=\[0\] with model.n_experts=0")):
+        with pytest.raises(ValueError, match=msg):
+            _llama_cfg(n_layer=3, **bad)
+    with pytest.raises(ConfigError, match=r"^model.dense_layers: 5 is not a block index"):
+        Config.from_dict({"model": {"kind": "llama", "n_experts": 4, "n_layer": 3,
+                                    "dense_layers": [5]}, "training": {"global_batch_size": 8}})
+
+
+def _hf_moe_into_ours(hf, bias_rate: float, **kw) -> MoE:
+    """Our ``MoE`` holding ``hf``'s weights (a transformers ``DeepseekV3MoE`` /
+    ``DeepseekV2Moe``): the router, the experts (their fused (E, 2F, C) gate_up and (E, C, F)
+    down as our stacked (E, C, F) / (E, F, C)), the shared experts' SwiGLU and, with
+    ``bias_rate``, the routing bias (``gate.e_score_correction_bias``)."""
+    from shardwise.models.llama import MLP, LlamaConfig
+
+    e, f2, c = hf.experts.gate_up_proj.shape
+    f = f2 // 2
+    shared_f = hf.shared_experts.gate_proj.weight.shape[0]
+    shared = MLP(LlamaConfig(vocab_size=8, n_embd=c, n_head=1, ffn_hidden=shared_f), shared_f)
+    m = MoE(c, e, f, shared_expert=shared, bias_update_rate=bias_rate, aux_loss_coef=0.0, **kw)
+    with torch.no_grad():
+        m.router.weight.copy_(hf.gate.weight)
+        m.experts.gate_proj.copy_(hf.experts.gate_up_proj[:, :f].transpose(1, 2))
+        m.experts.up_proj.copy_(hf.experts.gate_up_proj[:, f:].transpose(1, 2))
+        m.experts.down_proj.copy_(hf.experts.down_proj.transpose(1, 2))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(shared, name).weight.copy_(getattr(hf.shared_experts, name).weight)
+        if bias_rate:
+            m.expert_bias.copy_(hf.gate.e_score_correction_bias)
+    return m
+
+
+@pytest.mark.parametrize("version", ["v3", "v3-no-bias", "v2"])
+def test_group_limited_routing_equals_transformers_deepseek(version):
+    """DeepSeek's routing against transformers' ``DeepseekV3TopkRouter`` / ``DeepseekV3MoE``
+    (sigmoid gating, 8 experts in 4 groups of 2, each group scored by the sum of its top 2
+    biased scores, the best 2 groups kept, top 3 among them, renormalised, times
+    ``routed_scaling_factor`` 2.5; a random ``e_score_correction_bias`` as our routing
+    bias, and none) and ``DeepseekV2Moe`` (softmax, ``group_limited_greedy``: a group's
+    best score, no renormalisation, scaling 1.5), on random tokens: the same experts per
+    token, the same gates (fp32) and the block's output within 1e-5 (with the shared
+    experts: one SwiGLU of n_shared x moe_intermediate_size). Then the refusals."""
+    import transformers
+
+    torch.manual_seed(0)
+    c = 16
+    if version.startswith("v3"):
+        cfg = transformers.DeepseekV3Config(
+            hidden_size=c, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=3,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+            n_shared_experts=2)
+        hf = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(cfg)
+        kw = dict(gating="sigmoid", norm_topk=True, n_group=4, topk_group=2,
+                  group_score="top2", routed_scaling=2.5, top_k=3)
+        rate = 0.0 if version == "v3-no-bias" else 0.01
+    else:
+        cfg = transformers.DeepseekV2Config(
+            hidden_size=c, moe_intermediate_size=8, n_routed_experts=8, num_experts_per_tok=3,
+            n_group=4, topk_group=2, topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5, n_shared_experts=2, num_attention_heads=4,
+            num_key_value_heads=4)
+        hf = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2Moe(cfg)
+        kw = dict(gating="softmax", norm_topk=False, n_group=4, topk_group=2,
+                  group_score="top1", routed_scaling=1.5, top_k=3)
+        rate = 0.0
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.5)
+        if rate:
+            hf.gate.e_score_correction_bias.normal_(0, 0.3)
+    hf.eval()
+    m = _hf_moe_into_ours(hf, rate, **kw).eval()
+    x = torch.randn(4, 9, c)
+    _, w_hf, e_hf = hf.gate(x)
+    _, w, e = route(m.router(x.reshape(-1, c)), 3, kw["gating"], kw["norm_topk"],
+                    m.expert_bias, 4, 2, kw["group_score"], kw["routed_scaling"])
+    order, order_hf = e.sort(dim=-1), e_hf.sort(dim=-1)
+    assert torch.equal(order.values, order_hf.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_hf.gather(1, order_hf.indices),
+                               rtol=1e-6, atol=1e-7)
+    assert all(len(set(r)) <= 2 for r in (e // 2).tolist())  # within 2 groups of 2
+    free = route(m.router(x.reshape(-1, c)), 3, kw["gating"], kw["norm_topk"], m.expert_bias)
+    assert not torch.equal(free[2].sort(dim=-1).values, order.values)  # the groups decide
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), hf(x), rtol=1e-5, atol=1e-5)
+    for bad, msg in (({"n_group": 3}, r"^model.moe_n_group=3: expected a divisor"),
+                     ({"n_group": 8}, r"^model.moe_n_group=8: .* >= 2 experts per group"),
+                     ({"n_group": 4, "topk_group": 1}, r"^model.moe_topk_group=1: expected"),
+                     ({"routed_scaling": 0.0}, r"^model.moe_routed_scaling=0.0: expected > 0"),
+                     ({"group_score": "mean"}, r"^model.moe_group_score='mean'")):
+        with pytest.raises(ValueError, match=msg):
+            MoE(c, 8, 8, top_k=3, **bad)

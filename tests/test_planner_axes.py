@@ -816,3 +816,94 @@ def test_zero3_with_ep_is_planned():
     assert m3["total"] < m1["total"] and m3["gathered"] > 0
     t3, t1 = simulate(MOE, lay, H100, "bf16"), simulate(MOE, replace(lay, zero=1), H100, "bf16")
     assert t3["step"] > t1["step"]  # every micro-batch gathers the rank's units twice
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2)])
+def test_mixed_dense_and_moe_blocks_are_counted_block_by_block(tmp_path, tp, ep):
+    """A TOML Llama of 3 blocks, block 0 dense (``model.dense_layers``, DeepSeek's
+    first_k_dense_replace) and 4 experts in the others: the planner's parameters per
+    pipeline rank (experts among them) equal what the engine builds (``predict_rank`` on
+    meta) for each stage of a pp2 cut by parameters, both from the description and from
+    the closed forms (the same sizes, no description); the whole count equals the model's;
+    the FLOPs per token (3 x ``block_flops`` x L + the head's) equal the description's
+    (``flops_per_token``, a token's top_k of E experts in the mixtures only; less its
+    6 x the norms' weights, which the planner's GEMMs do not count); the mean
+    block's prices lie between a dense block's and a mixture's."""
+    from shardwise.engine.memory import predict_rank
+    from shardwise.planner.memory import rank_expert_params, rank_params, stage_layers
+    from shardwise.planner.simulate import block_costs, block_flops
+    from shardwise.planner.specs import load_model
+
+    path = tmp_path / "mixed.toml"
+    path.write_text('[model]\nkind = "llama"\nn_layer = 3\nn_head = 4\nn_embd = 64\n'
+                    'block_size = 64\nvocab_size = 128\nn_experts = 4\ntop_k = 2\n'
+                    'ffn_hidden = 96\nmoe_ffn_hidden = 32\ndense_layers = [0]\n'
+                    'tie_weights = false\n')
+    spec = load_model(str(path))
+    closed = replace(spec, description=None, n_params=None)
+    assert spec.mixed and spec.dense_layers == (0,) and spec.moe_share == pytest.approx(2 / 3)
+    assert closed.params == spec.params
+    d = spec.model()
+    for stage, layers in enumerate(stage_layers(spec, 2, by="params")):
+        want = predict_rank(d, dp=4, pp=2, pp_rank=stage, tp=tp, ep=ep, zero=0,
+                            precision="fp32", partition_by="params")["params"]
+        assert 4 * rank_params(spec, layers, tp, 2, ep) == want, (stage, layers)
+        assert rank_params(closed, layers, tp, 2, ep) == rank_params(spec, layers, tp, 2, ep)
+        moe = sum(1 for i in layers if i in (2, 3))
+        assert rank_expert_params(spec, layers, tp, ep) == \
+            rank_expert_params(closed, layers, tp, ep) == moe * spec.expert_params // (tp * ep)
+    norms = 64 * (2 * 3 + 1)  # counted by flops_per_token (6 N), not by the planner's GEMMs
+    for s in (spec, closed):
+        per_token = 3 * (3 * block_flops(s, 1) + 2 * 64 * 64 * 128) / 64
+        assert per_token == pytest.approx(d.flops_per_token(d.build()) - 6 * norms, rel=1e-12)
+    lay = Layout(1, 1, 1, 1, 1)
+    mean, one, dense = (block_costs(s, lay, H100, "bf16").block
+                        for s in (spec, spec.part("moe"), spec.part("dense")))
+    assert mean == pytest.approx((2 * one + dense) / 3, rel=1e-12) and dense != one
+
+
+def test_deepseek_presets_count_transformers_parameters():
+    """``deepseek-v2-lite`` and ``deepseek-v3`` (DeepSeek's released config.json values)
+    have exactly the parameters of ``transformers``' ``DeepseekV2ForCausalLM`` /
+    ``DeepseekV3ForCausalLM`` of those configs built on the meta device (V2-Lite 15.7B;
+    V3 671.0B without its multi-token-prediction layer, 37.6B a token meets: the paper's
+    37B activated), and the FLOPs count MLA's attention (Q K^T over 192 features, P V over
+    128) and a token's 8 of 256 experts in the 58 mixtures."""
+    import torch
+    import transformers
+
+    from shardwise.planner.simulate import block_flops
+
+    common = dict(kv_lora_rank=512, qk_rope_head_dim=64,
+                  v_head_dim=128, qk_nope_head_dim=128, tie_word_embeddings=False)
+    configs = {
+        "deepseek-v2-lite": transformers.DeepseekV2Config(
+            vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+            moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+            num_key_value_heads=16,
+            n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+            first_k_dense_replace=1, q_lora_rank=None, topk_method="greedy", **common),
+        "deepseek-v3": transformers.DeepseekV3Config(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+            moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+            num_key_value_heads=128,
+            n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+            topk_group=4, first_k_dense_replace=3, q_lora_rank=1536,
+            routed_scaling_factor=2.5, **common)}
+    for name, config in configs.items():
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config)
+        spec = NAMED[name]
+        assert spec.params == sum(p.numel() for p in hf.parameters()), name
+    v3 = NAMED["deepseek-v3"]
+    assert v3.params / 1e9 == pytest.approx(671.0, abs=0.05)
+    moe = sum(1 for i in range(v3.n_layer) if v3.is_moe_block(i))
+    active = v3.params - moe * (v3.expert_params - v3.top_k * 3 * v3.n_embd * v3.expert_ffn)
+    assert moe == 58 and active / 1e9 == pytest.approx(37.55, abs=0.01)
+    s, H = v3.block_size, 128
+    per_token = 3 * (v3.n_layer * block_flops(v3, 1) + 2 * s * 7168 * 129280) / s
+    norms = 7168 * (2 * 61 + 1) + 61 * (1536 + 512)
+    moe_experts = moe * v3.expert_params
+    want = 6 * (v3.params - 129280 * 7168 - norms - moe_experts * (1 - 8 / 256)) \
+        + 6 * s * v3.n_layer * H * (192 + 128)
+    assert per_token == pytest.approx(want, rel=1e-9)

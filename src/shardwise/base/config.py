@@ -97,6 +97,41 @@ class ModelConfig(_Section):
                                         "per-expert bias on the routing scores, for the top-k "
                                         "choice only, moved by this much after each step "
                                         "towards the mean load (0.001 in the paper); 0: off")
+    moe_n_group: int = Field(1, ge=1, description="llama with n_experts: group-limited "
+                             "routing, the experts in this many groups and each token's "
+                             "top_k chosen in its moe_topk_group best groups (DeepSeek's "
+                             "n_group); 1: off")
+    moe_topk_group: int = Field(1, ge=1, description="llama with moe_n_group > 1: groups "
+                                "each token's experts are chosen in (DeepSeek's topk_group)")
+    moe_group_score: str = Field("top2", description="llama with moe_n_group > 1: a group's "
+                                 "score, top2 (the sum of its two best biased scores: "
+                                 "DeepSeek-V3) or top1 (its best: DeepSeek-V2)")
+    moe_routed_scaling: float = Field(1.0, gt=0.0, description="llama with n_experts: the "
+                                      "routed experts' gates multiplied by this after "
+                                      "renormalisation (DeepSeek's routed_scaling_factor; "
+                                      "V3: 2.5)")
+    moe_expert_bias: bool = Field(False, description="llama with n_experts: the routing "
+                                  "bias exists even with moe_bias_update_rate 0, frozen at "
+                                  "its loaded value (a DeepSeek-V3 checkpoint's "
+                                  "e_score_correction_bias)")
+    kv_lora_rank: int = Field(0, ge=0, description="llama: multi-head latent attention "
+                              "(DeepSeek-V2/V3, docs/models.md): keys and values from a "
+                              "latent this wide; 0: grouped-query attention")
+    q_lora_rank: int = Field(0, ge=0, description="llama with kv_lora_rank: the queries' "
+                             "latent width; 0: a plain q_proj")
+    qk_nope_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's "
+                                  "position-free query/key features (even)")
+    qk_rope_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's "
+                                  "rotated query/key features (even; the key's shared)")
+    v_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's value "
+                            "width")
+    rope_interleave: bool = Field(False, description="llama with kv_lora_rank: the rotated "
+                                  "features in interleaved pairs (DeepSeek-V3's weights)")
+    dense_layers: list[int] = Field(default_factory=list, description="llama with n_experts: "
+                                    "the blocks (from 0) whose MLP is the dense SwiGLU of "
+                                    "width ffn_hidden instead of the mixture (DeepSeek's "
+                                    "first_k_dense_replace, Qwen-MoE's mlp_only_layers); "
+                                    "empty: the mixture in every block")
     rope_scaling: dict[str, float | int | str | list[float]] | None = Field(
         None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
         "low_freq_factor, high_freq_factor, original_max_position_embeddings; with "
@@ -104,7 +139,9 @@ class ModelConfig(_Section):
         "layers); or with "
         "rope_type = \"longrope\" Phi-3's LongRoPE, short_factor and long_factor (one per "
         "rotary frequency), original_max_position_embeddings (block_size at most it: the "
-        "short factors only), attention_factor; unset: none")
+        "short factors only), attention_factor; or with rope_type = \"yarn\" and "
+        "model.kv_lora_rank, DeepSeek's YaRN: factor, original_max_position_embeddings, "
+        "beta_fast, beta_slow, mscale, mscale_all_dim; unset: none")
     head_dim: int = Field(0, ge=0, description="llama: each attention head's width D (Q is "
                           "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
                           "n_embd / n_head); even; 0: n_embd / n_head")
@@ -158,7 +195,8 @@ class ModelConfig(_Section):
                            "MixtralForCausalLM, "
                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
                            "Qwen3MoeForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
-                           "Gemma2ForCausalLM or Gemma3ForCausalLM: "
+                           "Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM or "
+                           "DeepseekV2ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
@@ -185,6 +223,13 @@ class ModelConfig(_Section):
                              f"{self.n_experts}")
         if self.moe_gating not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
+        if self.moe_group_score not in ("top2", "top1"):
+            raise ValueError(f"model.moe_group_score={self.moe_group_score!r}: expected top2 "
+                             "or top1")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"model.dense_layers: {bad[0]} is not a block index from 0 to "
+                             f"model.n_layer - 1 = {self.n_layer - 1}")
         if self.n_experts and self.kind == "gpt" and not self.init_from:  # init_from: its kind
             raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
                              "mixture of experts is the Llama's; set model.kind = llama")
@@ -596,6 +641,10 @@ class Config(_Section):
             raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
                              f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
                              "2cp-1-i of every sequence)")
+        if m.kv_lora_rank:
+            raise ValueError(f"model.kv_lora_rank={m.kv_lora_rank} with parallel.cp={p.cp}: "
+                             "ring attention carries keys and values of one head width, MLA's "
+                             "values are v_head_dim wide; use cp = 1")
         if m.dropout > 0:
             raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
                              "attention has no attention dropout; set model.dropout = 0")

@@ -61,8 +61,9 @@ def build_parser():
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
-                         "llama3-405b, mistral-7b, mixtral-8x7b, phi3-mini, phi4, gemma2-2b, "
-                         "gemma2-9b, gemma3-1b, gemma3-12b, gemma3-27b), a TOML with "
+                         "llama3-405b, mistral-7b, mixtral-8x7b, deepseek-v2-lite, "
+                         "deepseek-v3, phi3-mini, phi4, gemma2-2b, gemma2-9b, gemma3-1b, "
+                         "gemma3-12b, gemma3-27b), a TOML with "
                          "a [model] table (a shardwise train config), hf:DIR (a Hugging Face "
                          "checkpoint directory: its config.json), or cnn")
     ap.add_argument("--config", default=None, metavar="PATH",

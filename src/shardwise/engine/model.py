@@ -325,9 +325,9 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
                         raise ValueError(f"{local.description.kind}: buffer {mname}.{n} has "
                                          "no value when built on the meta device; compute it "
                                          "in forward instead")
-                    state.append((m, n))
+                    state.append((m, n, f"{mname}.{n}"))
     materialise(local.chunks.values(), device)
-    for m, n in state:
+    for m, n, _ in state:
         m._buffers[n].zero_()
     targets: dict[str, list[nn.Parameter]] = {}
     seen = set()
@@ -337,8 +337,9 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
                 seen.add(id(p))
                 targets.setdefault(name, []).append(p)
 
-    if init_from:
-        _load_hf(local, init_from, targets, full_shapes)
+    if init_from:  # the training-state buffers the arch names are checkpoint tensors too
+        _load_hf(local, init_from, {**targets, **_hf_buffers(local, state)},
+                 {**full_shapes, **{name: tuple(m._buffers[n].shape) for m, n, name in state}})
         return
 
     def sink(name: str, full: torch.Tensor) -> None:
@@ -353,6 +354,22 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
 
 
 @torch.no_grad()
+def _hf_buffers(local: LocalModel, state: list) -> dict[str, list[torch.Tensor]]:
+    """Of the training-state buffers ``state`` ((module, buffer, full name): replicated, whole
+    on every rank), those the description's arch maps to a checkpoint tensor
+    (``models.hf.HFArch``: DeepSeek-V3's routing bias)."""
+    hf = local.description.hf
+    out = {}
+    for m, n, name in state:
+        try:
+            if hf is not None:
+                hf.tensor(name)
+                out[name] = [m._buffers[n]]
+        except KeyError:
+            continue
+    return out
+
+
 def _load_hf(local: LocalModel, path: str, targets: dict[str, list[nn.Parameter]],
              full_shapes: dict[str, tuple[int, ...]]) -> None:
     """Fill ``targets`` (full model name -> this rank's parameters of that name) from the

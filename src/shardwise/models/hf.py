@@ -183,7 +183,11 @@ class HFArch:
     map depends on the model's sizes (Phi-3's ``qkv_proj`` packs H query and 2 Hkv
     key/value heads), the ``tensor`` of that config; ``of(config)`` is the arch with it
     (``arch_for`` and ``export_arch`` return archs so made), and ``tensor`` before that
-    raises ``ValueError``."""
+    raises ``ValueError``. ``ignores(config)``: more ``ignored`` patterns for a config
+    (DeepSeek's multi-token-prediction layers, numbered after the model's). A training-state
+    buffer (``state_buffers``: the routing bias) is a checkpoint tensor where ``tensor``
+    names it (DeepSeek-V3's ``e_score_correction_bias``), read and written as a parameter
+    is; where it raises ``KeyError`` the buffer is not the arch's."""
 
     kind: str
     model_type: str
@@ -197,13 +201,17 @@ class HFArch:
     bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
     holds: Callable[[Any], bool] = lambda config: True
     sized: Callable[[Any], Callable[[str], HFTensor]] | None = None
+    ignores: Callable[[Any], tuple[str, ...]] = lambda config: ()
 
     def is_ignored(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
 
     def of(self, config: Any) -> HFArch:
-        """This arch for the model of ``config``: itself, or with ``tensor`` sized by it."""
-        return self if self.sized is None else replace(self, tensor=self.sized(config))
+        """This arch for the model of ``config``: itself, or with ``tensor`` sized by it and
+        ``ignored`` extended by ``ignores(config)``."""
+        arch = self if self.sized is None else replace(self, tensor=self.sized(config))
+        more = self.ignores(config)
+        return replace(arch, ignored=arch.ignored + tuple(more)) if more else arch
 
 
 def _get(c: dict, key: str, default: Any) -> Any:
@@ -287,7 +295,7 @@ def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
-                n_experts=0, qkv_bias=False, qk_norm=False, **_NO_WINDOW,
+                n_experts=0, qkv_bias=False, qk_norm=False, dense_layers=[], **_NO_WINDOW,
                 # 0: n_embd / n_head, so a run need not name it
                 head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim,
                 rotary_dim=0 if rotary == head_dim else rotary)  # 0: all of head_dim
@@ -301,6 +309,11 @@ def rope_parameters(cfg) -> dict:
     if cfg.rope_scaling is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rs = cfg.rope_scaling
+    if getattr(rs, "beta_fast", None) is not None:  # YaRN (models.llama.Yarn: DeepSeek's)
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                "mscale", "mscale_all_dim", "attention_factor")
+        return {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
+                **{k: getattr(rs, k) for k in keys if getattr(rs, k) is not None}}
     if not hasattr(rs, "low_freq_factor") and not _long_rope(cfg):  # models.llama.LinearRope
         return {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": rs.factor}
     if _long_rope(cfg):
@@ -523,10 +536,14 @@ def _moe_tensor(moe: str, experts: dict[str, str], arch: str,
                             transpose=True, stacked=True)
         if shared and rest.startswith(("shared_expert.", "shared_expert_gate.")):
             return HFTensor(hf)
+        if rest in _DENSE_MLP:  # a dense block's SwiGLU (``dense_layers``): Llama's names
+            return HFTensor(hf)
         raise KeyError(f"{name}: not a {arch} parameter name")
     return tensor
 
 
+# a dense block's SwiGLU among the mixtures (``dense_layers``), under Llama's names
+_DENSE_MLP = tuple(f"{k}_proj.weight" for k in ("gate", "up", "down"))
 # Mixtral's block_sparse_moe: w1 the gate, w2 the down, w3 the up projection
 _mixtral_tensor = _moe_tensor("block_sparse_moe", _MIXTRAL_EXPERTS, "Mixtral")
 
@@ -873,19 +890,25 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
     ``moe_intermediate_size``, dropless. A Qwen3-MoE has Qwen3's ``qk_norm`` and
     ``head_dim`` and no shared expert; a Qwen2-MoE has Q/K/V biases (``qkv_bias``, default
     true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
-    scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). A layer made
-    dense (``decoder_sparse_step`` other than 1, or ``mlp_only_layers``) is refused: our
-    Llama has experts in every layer or in none. Its window (``_qwen_moe_window``): our
-    ``sliding_window`` and ``layer_types``."""
+    scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). The layers
+    whose MLP is dense, of width ``intermediate_size`` (``Qwen2MoeDecoderLayer``: those in
+    ``mlp_only_layers`` and those i with (i + 1) not a multiple of ``decoder_sparse_step``),
+    are our ``dense_layers``; a model with no mixture left is refused. Its window
+    (``_qwen_moe_window``): our ``sliding_window`` and ``layer_types``."""
     c = _qwen_moe_defaults(c, arch)
-    step = c["decoder_sparse_step"]
-    if step != 1:
-        raise _refuse(arch, f"decoder_sparse_step={step!r} (shardwise's Llama has "
-                      "experts in every layer or none: 1)")
-    dense = c.get("mlp_only_layers") or []
-    if dense:
-        raise _refuse(arch, f"mlp_only_layers={list(dense)!r} (shardwise's Llama has "
-                      "experts in every layer or none: [])")
+    step, n_layer = c["decoder_sparse_step"], c.get("num_hidden_layers", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise HFConfigError(f"config.json: decoder_sparse_step={step!r}: expected a whole "
+                            "number >= 1")
+    only = c.get("mlp_only_layers") or []
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise HFConfigError(f"config.json: mlp_only_layers={list(only)!r}: expected layer "
+                            "indices")
+    dense = sorted({i for i in only if 0 <= i < n_layer}
+                   | {i for i in range(n_layer) if (i + 1) % step})
+    if n_layer and len(dense) == n_layer:
+        raise _refuse(arch, f"decoder_sparse_step={step} / mlp_only_layers={list(only)!r} "
+                      "leave no layer with experts (load it as a dense model)")
     if not c["num_experts"]:
         raise _refuse(arch, f"num_experts=0 (a dense {arch}: every layer's MLP dense; "
                       "shardwise loads it only with experts)")
@@ -900,7 +923,8 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
                top_k=c["num_experts_per_tok"], moe_gating="softmax",
                moe_norm_topk=bool(c["norm_topk_prob"]),
                moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
-               moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False)
+               moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False,
+               dense_layers=dense)
     if arch == "Qwen3-MoE":
         out.update(qk_norm=True)
         return out
@@ -917,14 +941,14 @@ def _qwen_moe_config_json(cfg, source: dict | None, arch: str) -> dict:
     out = _llama_config_json(cfg, source)
     for other in ("mlp_bias", "pretraining_tp", "num_local_experts"):
         out.pop(other, None)
-    # intermediate_size (a dense layer's width) is unused: every layer has experts
+    # intermediate_size: the dense layers' width (mlp_only_layers)
     base = arch.removesuffix("-MoE")
     window = _qwen_window_json(cfg, out)
     out.update(architectures=[f"{base}MoeForCausalLM"], model_type=f"{base.lower()}_moe",
                moe_intermediate_size=cfg.moe_ffn_hidden,
                num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                norm_topk_prob=cfg.moe_norm_topk, router_aux_loss_coef=cfg.moe_aux_loss_coef,
-               decoder_sparse_step=1, mlp_only_layers=[],
+               decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers),
                use_sliding_window=window["use_sliding_window"],
                sliding_window=window["sliding_window"],
                output_router_logits=bool(out.get("output_router_logits", False)))
@@ -1120,9 +1144,13 @@ _QWEN_MOE_EXPERTS = {k: k for k in ("gate_proj", "up_proj", "down_proj")}
 def _softmax_dropless(cfg) -> bool:
     """A Llama config's mixture routes by softmax, dropless (capacity factor 0), without a
     routing bias (``moe_bias_update_rate`` 0: no Hugging Face arch of ours has a tensor for
-    it, and without it the experts chosen would differ)."""
+    it, and without it the experts chosen would differ), no group-limited routing, no
+    routed scaling (DeepSeek's: not these archs')."""
     return (cfg.n_experts > 0 and cfg.moe_gating == "softmax" and cfg.moe_capacity_factor == 0
-            and not getattr(cfg, "moe_bias_update_rate", 0.0))
+            and not getattr(cfg, "moe_bias_update_rate", 0.0)
+            and not getattr(cfg, "moe_expert_bias", False)
+            and getattr(cfg, "moe_n_group", 1) == 1
+            and getattr(cfg, "moe_routed_scaling", 1.0) == 1.0)
 
 
 def _long_rope(cfg) -> bool:
@@ -1150,6 +1178,12 @@ def _no_gemma(cfg) -> bool:
             and getattr(cfg, "mlp_activation", "silu") == "silu")
 
 
+def _plain(cfg) -> bool:
+    """Neither Gemma's options (``_no_gemma``) nor DeepSeek's multi-head latent attention
+    (``kv_lora_rank``): what every Llama-family arch but Gemma's and DeepSeek's holds."""
+    return _no_gemma(cfg) and not getattr(cfg, "kv_lora_rank", 0)
+
+
 def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: True
            ) -> Callable[[Any], bool]:
     """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
@@ -1158,18 +1192,20 @@ def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: 
     feature of a head rotated (``_full_rotary``), none of Gemma's options."""
     return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
                         and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg)
-                        and _full_rotary(cfg) and _no_gemma(cfg))
+                        and _full_rotary(cfg) and _plain(cfg))
 
 
 def mixtral_compatible(cfg) -> bool:
     """Whether a Llama config with ``n_experts`` is a Mixtral exactly: softmax gating with
     the top k renormalised, dropless (capacity factor 0), no shared expert, no routing bias
     (``moe_bias_update_rate`` 0: Mixtral has no tensor for it, and without it the experts
-    chosen would differ), Llama's attention (no Q/K/V biases, no QK-norm, all of each head
-    rotated), one window on every layer or none."""
+    chosen would differ), the mixture in every block (no ``dense_layers``), Llama's
+    attention (no Q/K/V biases, no QK-norm, all of each head rotated), one window on every
+    layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
-            and not getattr(cfg, "qkv_bias", False) and not getattr(cfg, "qk_norm", False)
-            and _uniform(cfg) and _full_rotary(cfg) and _no_gemma(cfg))
+            and not getattr(cfg, "dense_layers", ()) and not getattr(cfg, "qkv_bias", False)
+            and not getattr(cfg, "qk_norm", False) and _uniform(cfg) and _full_rotary(cfg)
+            and _plain(cfg))
 
 
 def qwen3_moe_compatible(cfg) -> bool:
@@ -1179,7 +1215,7 @@ def qwen3_moe_compatible(cfg) -> bool:
     biases, all of each head rotated), one window on every layer or none."""
     return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
             and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False)
-            and _uniform(cfg) and _full_rotary(cfg) and _no_gemma(cfg))
+            and _uniform(cfg) and _full_rotary(cfg) and _plain(cfg))
 
 
 def qwen2_moe_compatible(cfg) -> bool:
@@ -1191,7 +1227,7 @@ def qwen2_moe_compatible(cfg) -> bool:
     return (_softmax_dropless(cfg) and cfg.moe_shared_expert
             and getattr(cfg, "moe_shared_expert_gate", False)
             and not getattr(cfg, "qk_norm", False)
-            and _full_rotary(cfg) and _no_gemma(cfg))
+            and _full_rotary(cfg) and _plain(cfg))
 
 
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
@@ -1223,7 +1259,7 @@ PHI3 = HFArch(kind="llama", model_type="phi3", architecture="Phi3ForCausalLM",
               holds=lambda cfg: (not cfg.n_experts and not getattr(cfg, "qkv_bias", False)
                                  and not getattr(cfg, "qk_norm", False) and _uniform(cfg)
                                  and (cfg.rope_scaling is None or _long_rope(cfg))
-                                 and _no_gemma(cfg)),
+                                 and _plain(cfg)),
               sized=_phi3_tensor)
 
 
@@ -1253,11 +1289,208 @@ def _qwen_arch(name: str) -> HFArch:
 
 QWEN2, QWEN3 = _qwen_arch("Qwen2"), _qwen_arch("Qwen3")
 QWEN2_MOE, QWEN3_MOE = _qwen_arch("Qwen2-MoE"), _qwen_arch("Qwen3-MoE")
+
+# ---- DeepSeek-V2 / V3 -------------------------------------------------------------------------
+# transformers' DeepseekV3Config / DeepseekV2Config defaults (configuration_deepseek_v3.py /
+# _v2.py) where a config.json may leave a field out
+_DEEPSEEK_DEFAULTS = {
+    "DeepSeek-V3": {"rms_norm_eps": 1e-6, "rope_interleave": True, "n_group": 8, "topk_group": 4,
+                    "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                    "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
+    "DeepSeek-V2": {"rms_norm_eps": 1e-6, "n_group": None, "topk_group": None,
+                    "topk_method": "greedy", "routed_scaling_factor": 1.0,
+                    "first_k_dense_replace": 0, "n_shared_experts": None, "q_lora_rank": 1536}}
+# the auxiliary loss weight when config.json names none (DeepSeek-V2's aux_loss_alpha)
+_DEEPSEEK_AUX = 0.001
+
+
+def _deepseek_section(c: dict, arch: str) -> dict:
+    """A DeepSeek-V3 (arXiv:2412.19437; ``models/deepseek_v3/modeling_deepseek_v3.py``) or
+    DeepSeek-V2 (arXiv:2405.04434; ``deepseek_v2``) is our Llama with multi-head latent
+    attention (``kv_lora_rank``, ``q_lora_rank`` (null: a plain ``q_proj``),
+    ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``; V3's ``rope_interleave``,
+    V2's complex rotation, the same interleaved pairs), its first ``first_k_dense_replace``
+    blocks dense (``dense_layers``, of ``intermediate_size``) and in the others
+    ``n_routed_experts`` experts of ``moe_intermediate_size``, top ``num_experts_per_tok``,
+    the gates times ``routed_scaling_factor``, and ``n_shared_experts`` shared experts as
+    one SwiGLU of their summed width. V3: sigmoid gating, renormalised with
+    ``norm_topk_prob``, groups (``n_group``, ``topk_group``) scored by their top 2 biased
+    scores, the routing bias ``e_score_correction_bias`` (our ``expert_bias``,
+    ``moe_expert_bias``: frozen unless the run sets ``moe_bias_update_rate``, the paper's
+    0.001); V2: softmax, never renormalised
+    (``DeepseekV2TopkRouter``), ``topk_method`` "greedy" or "group_limited_greedy" (groups
+    scored by their best). YaRN (``rope_type = "yarn"``, every released DeepSeek's) is
+    ``models.llama.Yarn``. Refused, naming the field: a rope type other than default and
+    yarn, ``attention_bias``, an activation other than silu,
+    ``num_key_value_heads`` other than the heads, no routed experts. Not read:
+    ``num_nextn_predict_layers`` (multi-token prediction: transformers builds no such layer
+    and ignores their tensors, ``_keys_to_ignore_on_load_unexpected``; so does shardwise:
+    ``HFArch.ignored``)."""
+    c = {**_DEEPSEEK_DEFAULTS[arch], **{k: v for k, v in c.items() if v is not None
+                                        or k in ("q_lora_rank", "n_group", "topk_group",
+                                                 "n_shared_experts")}}
+    heads = c["num_attention_heads"]
+    kv = _get(c, "num_key_value_heads", heads)
+    if kv != heads:
+        raise _refuse(arch, f"num_key_value_heads={kv!r} (MLA has one key and value per "
+                      f"head: num_attention_heads={heads})")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    yarn = _deepseek_yarn(c, rope, arch) if kind == "yarn" else None
+    if kind not in ("default", "yarn"):
+        raise _refuse(arch, f"rope_type={kind!r} (shardwise's MLA has the default rotary "
+                      "and YaRN)")
+    if yarn is not None:  # the rest as the default rotary's, YaRN set below
+        theta = float(rope.get("rope_theta", _get(c, "rope_theta", 10000.0)))
+        c = {k: v for k, v in c.items() if k != "rope_scaling"}
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    experts = c.get("n_routed_experts")
+    if not experts:
+        raise _refuse(arch, f"n_routed_experts={experts!r} (shardwise loads DeepSeek with "
+                      "routed experts)")
+    out = _llama_section({**c, "num_key_value_heads": heads,
+                          "head_dim": c["qk_nope_head_dim"] + c["qk_rope_head_dim"]}, arch)
+    k = c["first_k_dense_replace"] or 0
+    n_layer = c["num_hidden_layers"]
+    if not 0 <= k < n_layer:
+        raise _refuse(arch, f"first_k_dense_replace={k!r} (from 0 to num_hidden_layers - 1 "
+                      f"= {n_layer - 1}: at least one layer with experts)")
+    shared = c.get("n_shared_experts") or 0
+    width = c["moe_intermediate_size"]
+    v3 = arch == "DeepSeek-V3"
+    groups = c.get("n_group") or 1
+    if not v3 and c.get("topk_method", "greedy") == "greedy":
+        groups = 1
+    elif not v3 and c.get("topk_method") != "group_limited_greedy":
+        raise _refuse(arch, f"topk_method={c.get('topk_method')!r} (DeepSeek-V2's are greedy "
+                      "and group_limited_greedy)")
+    out.update(head_dim=0, n_kv_heads=0, n_experts=experts, top_k=c["num_experts_per_tok"],
+               moe_ffn_hidden=width, moe_gating="sigmoid" if v3 else "softmax",
+               moe_norm_topk=bool(c.get("norm_topk_prob")) if v3 else False,
+               moe_aux_loss_coef=float(_get(c, "aux_loss_alpha", _DEEPSEEK_AUX)),
+               moe_capacity_factor=0.0, moe_shared_expert=shared > 0,
+               moe_shared_ffn_hidden=shared * width, moe_shared_expert_gate=False,
+               moe_expert_bias=v3,
+               moe_n_group=groups, moe_topk_group=(c.get("topk_group") or 1) if groups > 1 else 1,
+               moe_group_score="top2" if v3 else "top1",
+               moe_routed_scaling=float(c["routed_scaling_factor"]),
+               dense_layers=list(range(k)), kv_lora_rank=c["kv_lora_rank"],
+               q_lora_rank=c.get("q_lora_rank") or 0,
+               qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
+               v_head_dim=c["v_head_dim"],
+               rope_interleave=bool(c.get("rope_interleave", True)) if v3 else True)
+    if yarn is not None:
+        out["rope_scaling"] = yarn
+    return out
+
+
+def _deepseek_yarn(c: dict, rope: dict, arch: str) -> dict:
+    """The ``models.llama.Yarn`` fields of a DeepSeek config.json's YaRN, as transformers'
+    ``_compute_yarn_parameters`` reads them (``factor`` absent: max_position_embeddings /
+    original_max_position_embeddings); ``truncate`` false refused."""
+    if rope.get("truncate", True) is not True:
+        raise _refuse(arch, f"rope truncate={rope.get('truncate')!r} (shardwise's YaRN "
+                      "truncates the correction range, transformers' default)")
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise HFConfigError("config.json: rope_type yarn without "
+                            "original_max_position_embeddings")
+    factor = rope.get("factor") or _get(c, "max_position_embeddings", 2048) / original
+    out = {"rope_type": "yarn", "factor": float(factor),
+           "original_max_position_embeddings": int(original)}
+    for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        if rope.get(k):  # transformers reads 0 / None as absent (``or`` defaults)
+            out[k] = float(rope[k])
+    return out
+
+
+def _deepseek_config_json(cfg, source: dict | None, arch: str) -> dict:
+    out = _llama_config_json(cfg, source)
+    for other in ("mlp_bias", "head_dim", "pretraining_tp", "qk_head_dim"):
+        out.pop(other, None)
+    v3 = arch == "DeepSeek-V3"
+    name = "DeepseekV3" if v3 else "DeepseekV2"
+    width = cfg.moe_ffn_hidden
+    out.update(architectures=[f"{name}ForCausalLM"], model_type=f"deepseek_{name[-2:].lower()}",
+               num_key_value_heads=cfg.n_head,
+               moe_intermediate_size=width, n_routed_experts=cfg.n_experts,
+               num_experts_per_tok=cfg.top_k,
+               n_shared_experts=cfg.moe_shared_ffn_hidden // width if cfg.moe_shared_expert
+               else 0,
+               routed_scaling_factor=cfg.moe_routed_scaling,
+               n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+               first_k_dense_replace=len(cfg.dense_layers), kv_lora_rank=cfg.kv_lora_rank,
+               q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+               qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+               aux_loss_alpha=cfg.moe_aux_loss_coef)
+    if v3:
+        out.update(norm_topk_prob=cfg.moe_norm_topk, rope_interleave=cfg.rope_interleave)
+    else:
+        out.update(topk_method="group_limited_greedy" if cfg.moe_n_group > 1 else "greedy",
+                   norm_topk_prob=False)
+    return out
+
+
+def _deepseek_tensor(arch: str) -> Callable[[str], HFTensor]:
+    """Llama's names (MLA's ``self_attn.*`` are transformers' own); the router, the experts
+    and the dense blocks' MLP as Qwen-MoE's (``_moe_tensor``); our ``mlp.shared_expert.*``
+    is ``mlp.shared_experts.*``; our routing bias ``mlp.expert_bias`` (E,) is V3's
+    ``mlp.gate.e_score_correction_bias``."""
+    moe = _moe_tensor("mlp", _QWEN_MOE_EXPERTS, arch)
+
+    def tensor(name: str) -> HFTensor:
+        layer, sep, rest = llama_hf_name(name).partition(".mlp.")
+        if sep and rest.startswith("shared_expert."):
+            return HFTensor(f"{layer}.mlp.shared_experts.{rest.removeprefix('shared_expert.')}")
+        if sep and rest == "expert_bias" and arch == "DeepSeek-V3":
+            return HFTensor(f"{layer}.mlp.gate.e_score_correction_bias")
+        return moe(name)
+    return tensor
+
+
+def deepseek_compatible(cfg, arch: str = "DeepSeek-V3") -> bool:
+    """Whether a Llama config is a DeepSeek-V3 (or V2) exactly: MLA (``kv_lora_rank``),
+    experts, its dense blocks the first ones, dropless, no shared-expert gate, every block
+    windowless; V3: sigmoid gating, groups scored by their top 2 (or none); V2: softmax
+    without renormalisation, no routing bias, groups scored by their best (or none)."""
+    if not (getattr(cfg, "kv_lora_rank", 0) and cfg.n_experts and cfg.moe_capacity_factor == 0
+            and not cfg.moe_shared_expert_gate and _no_gemma(cfg)
+            and tuple(cfg.dense_layers) == tuple(range(len(cfg.dense_layers)))):
+        return False
+    if cfg.moe_shared_expert and cfg.moe_shared_ffn_hidden % cfg.moe_ffn_hidden:
+        return False
+    grouped = cfg.moe_n_group > 1
+    if arch == "DeepSeek-V3":
+        return cfg.moe_gating == "sigmoid" and (not grouped or cfg.moe_group_score == "top2")
+    return (cfg.moe_gating == "softmax" and not cfg.moe_norm_topk
+            and not cfg.moe_bias_update_rate and not cfg.moe_expert_bias and cfg.rope_interleave
+            and (not grouped or cfg.moe_group_score == "top1"))
+
+
+def _deepseek_arch(arch: str) -> HFArch:
+    v = arch[-2:]
+    return HFArch(kind="llama", model_type=f"deepseek_{v.lower()}",
+                  architecture=f"Deepseek{v}ForCausalLM",
+                  section=lambda c: _deepseek_section(c, arch),
+                  config_json=lambda cfg, source: _deepseek_config_json(cfg, source, arch),
+                  tensor=_deepseek_tensor(arch),
+                  ignored=("*.rotary_emb.inv_freq",), ignores=_mtp_layers,
+                  at_most=("block_size",), holds=lambda cfg: deepseek_compatible(cfg, arch))
+
+
+def _mtp_layers(cfg) -> tuple[str, ...]:
+    """The multi-token-prediction layers a DeepSeek checkpoint may hold after its
+    ``num_hidden_layers`` (V3: one; transformers ignores them): the next 8 layer numbers."""
+    return tuple(f"model.layers.{cfg.n_layer + i}.*" for i in range(8))
+
+
+DEEPSEEK_V3, DEEPSEEK_V2 = _deepseek_arch("DeepSeek-V3"), _deepseek_arch("DeepSeek-V2")
+
 GEMMA, GEMMA2, GEMMA3 = _gemma_arch("Gemma"), _gemma_arch("Gemma2"), _gemma_arch("Gemma3")
 # arch_for's order: the first that holds a config (Llama before Mistral: both hold a dense
 # Llama without Qwen's options; Gemma's options are held by Gemma's archs only)
 ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3, GEMMA, GEMMA2,
-         GEMMA3)
+         GEMMA3, DEEPSEEK_V3, DEEPSEEK_V2)
 # multimodal checkpoints whose language model shardwise would read only as a text-only one
 _MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM",
                           "gemma3_text")}
@@ -1344,6 +1577,26 @@ def hf_shapes(description, model: torch.nn.Module) -> dict[str, tuple[int, ...]]
         if tied is not None and name == tied[1]:
             continue
         out.update(hf.tensor(name).hf_shapes(tuple(p.shape)))
+    for name, b in state_buffers(description, model).items():
+        out.update(hf.tensor(name).hf_shapes(tuple(b.shape)))
+    return out
+
+
+def state_buffers(description, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s training-state buffers (those its modules name in ``state_buffers``)
+    that ``description.hf`` has a checkpoint tensor for (``HFArch``), by name."""
+    out = {}
+    for mname, m in model.named_modules():
+        for n in getattr(m, "state_buffers", ()):
+            b = m._buffers.get(n)
+            if b is None:
+                continue
+            name = f"{mname}.{n}" if mname else n
+            try:
+                description.hf.tensor(name)
+            except KeyError:
+                continue
+            out[name] = b
     return out
 
 
@@ -1360,6 +1613,9 @@ def to_hf_tensors(description, tensors: dict[str, torch.Tensor],
     dtype = next(iter(tensors.values())).dtype
     wanted = ({n: tuple(p.shape) for n, p in complete_model.named_parameters()}
               if complete_model is not None else {n: tuple(t.shape) for n, t in tensors.items()})
+    if complete_model is not None:  # the training-state buffers the arch has, when saved
+        wanted.update({n: tuple(b.shape) for n, b in
+                       state_buffers(description, complete_model).items() if n in tensors})
     out: dict[str, torch.Tensor] = {}
     packed: dict[str, tuple[HFTensor, dict[int, torch.Tensor]]] = {}
     for name, shape in wanted.items():

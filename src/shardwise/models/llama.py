@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.models.hf import LLAMA_PREFIXES, llama_hf_name
-from shardwise.models.moe import GATINGS, Experts, MoE
+from shardwise.models.moe import GATINGS, Experts, MoE, check_groups
 from shardwise.models.sampling import DecoderLM, generate  # noqa: F401 (re-exported)
 
 
@@ -109,6 +109,47 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN's rotary scaling (Peng et al. 2023, "YaRN", arXiv:2309.00071; HF ``rope_type =
+    "yarn"``, ``_compute_yarn_parameters``), as DeepSeek-V2/V3 use it with MLA (their
+    config.json: factor 40, original 4096, beta_fast 32, beta_slow 1, mscale and
+    mscale_all_dim 1 (V2-Lite: 0.707)): frequency i is theta^(-2i/R) / ``factor`` below the
+    correction range, unscaled above it, linearly blended in between (the range from
+    ``beta_fast`` and ``beta_slow`` rotations over ``original_max_position_embeddings``
+    tokens, its ends rounded outwards); cos and sin multiplied by ``attention_factor``
+    (None: mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+    mscale(factor), mscale(s, m) = 0.1 m ln s + 1); and MLA's softmax scale multiplied by
+    mscale(factor, mscale_all_dim)^2 when ``mscale_all_dim`` is set
+    (``DeepseekV3Attention``'s ``yarn_apply_mscale``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+
+    def cos_sin_factor(self) -> float:
+        """The factor cos and sin are multiplied by."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor,
+                                                                       self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_factor(self) -> float:
+        """The factor MLA's softmax scale is multiplied by."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's ``0.1 m ln(scale) + 1`` (1 for a scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Sizes of one Llama. Every field has Hugging Face's ``LlamaConfig`` meaning.
 
@@ -118,7 +159,8 @@ class LlamaConfig:
     multiple of ``n_head``. ffn_hidden: SwiGLU width (``intermediate_size``); None means
     Llama's rule ``multiple_of * ceil(int(8h/3) / multiple_of)``. norm_eps: RMSNorm
     epsilon. rope_theta: rotary base. rope_scaling: ``RopeScaling``, ``LongRope``, a dict
-    of either's fields (LongRoPE's with ``rope_type = "longrope"``), or None. tie_weights:
+    of either's fields (LongRoPE's with ``rope_type = "longrope"``; with MLA, ``Yarn``'s with
+    ``rope_type = "yarn"``), or None. tie_weights:
     head shares the embedding matrix. attention: "sdpa" or "math"
     (``models.gpt.causal_attention``). n_experts: 0 for the dense SwiGLU MLP, else a
     mixture of that many SwiGLU experts in every block (``models.moe.MoE``): ``top_k`` per
@@ -131,6 +173,26 @@ class LlamaConfig:
     ``mlp.shared_expert_gate``: Qwen2-MoE);
     rotary_dim: the first R of each head's D features are rotated, the other D - R pass
     through (Phi-3's ``partial_rotary_factor`` = R / D); even, at most D; None: D.
+    dense_layers: with ``n_experts``, the blocks (indices from 0) whose MLP is the dense
+    SwiGLU of width ``ffn_hidden`` instead of the mixture (DeepSeek-V2/V3's first
+    ``first_k_dense_replace`` blocks, Qwen-MoE's ``mlp_only_layers`` and the blocks
+    ``decoder_sparse_step`` skips); () (the default): the mixture in every block. At least
+    one block keeps the mixture. moe_n_group > 1: group-limited routing, each token's k
+    experts chosen in its ``moe_topk_group`` best of ``moe_n_group`` groups of experts,
+    a group scored by ``moe_group_score`` ("top2": the sum of its two best biased scores,
+    DeepSeek-V3; "top1": its best, DeepSeek-V2); moe_routed_scaling: the gates' factor
+    after renormalisation (DeepSeek's ``routed_scaling_factor``); ``models.moe.route``.
+    moe_expert_bias: the routing bias exists even with ``moe_bias_update_rate`` 0 (frozen
+    at its loaded value: a DeepSeek-V3 checkpoint's ``e_score_correction_bias``).
+    kv_lora_rank > 0: multi-head latent attention (``models.mla``, DeepSeek-V2/V3) instead
+    of grouped-query attention: keys and values from a latent of that width, queries from
+    one of ``q_lora_rank`` (None: a plain ``q_proj``), each head's query and key
+    ``qk_nope_head_dim`` position-free features (even) and ``qk_rope_head_dim`` rotated
+    ones (even, the rotated key shared by the heads), its value ``v_head_dim`` wide,
+    ``rope_interleave`` the rotated features' pair layout; ``head_dim`` is then qk_nope +
+    qk_rope, and GQA's options (``n_kv_heads``, ``qkv_bias``, ``qk_norm``, ``rotary_dim``,
+    windows) and a ``rope_scaling`` other than ``Yarn`` (DeepSeek's; with MLA only) are
+    refused.
     ``moe_bias_update_rate`` > 0: auxiliary-loss-free balancing (a per-expert routing bias
     moved by that much after each step, DeepSeek-V3; 0: off). sliding_window: W tokens,
     each query i attending to keys i - W < j <= i (``models.gpt.sliding_window_mask``), or
@@ -182,6 +244,18 @@ class LlamaConfig:
     moe_shared_ffn_hidden: int | None = None
     moe_shared_expert_gate: bool = False
     moe_bias_update_rate: float = 0.0
+    dense_layers: tuple[int, ...] = ()
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_group_score: str = "top2"
+    moe_routed_scaling: float = 1.0
+    moe_expert_bias: bool = False
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -204,6 +278,7 @@ class LlamaConfig:
                 raise ValueError(f"model.{name}={v!r}: expected a whole number >= 1")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_head)
+        self._check_mla()
         if self.n_kv_heads < 1 or self.n_head % self.n_kv_heads:
             raise ValueError(f"model.n_head={self.n_head} is not divisible by "
                              f"model.n_kv_heads={self.n_kv_heads}")
@@ -230,7 +305,8 @@ class LlamaConfig:
         if isinstance(self.rope_scaling, dict):
             rope_type = self.rope_scaling.get("rope_type")
             long = rope_type == "longrope"
-            kind = {"longrope": LongRope, "linear": LinearRope}.get(rope_type, RopeScaling)
+            kind = {"longrope": LongRope, "linear": LinearRope,
+                    "yarn": Yarn}.get(rope_type, RopeScaling)
             known = {f.name for f in fields(kind)}
             extra = set(self.rope_scaling) - known - {"rope_type"}
             if extra:
@@ -247,6 +323,14 @@ class LlamaConfig:
         elif isinstance(rs, LinearRope):
             if not rs.factor > 0:
                 raise ValueError(f"model.rope_scaling.factor={rs.factor}: expected > 0")
+        elif isinstance(rs, Yarn):
+            if not self.kv_lora_rank:
+                raise ValueError("model.rope_scaling: YaRN (rope_type = \"yarn\") is "
+                                 "shardwise's with multi-head latent attention only "
+                                 "(model.kv_lora_rank, DeepSeek's)")
+            if not (rs.factor > 0 and rs.original_max_position_embeddings >= 1):
+                raise ValueError("model.rope_scaling: YaRN expects factor > 0 and "
+                                 "original_max_position_embeddings >= 1")
         elif rs is not None and not (rs.factor > 0
                                      and 0 < rs.low_freq_factor < rs.high_freq_factor):
             raise ValueError("model.rope_scaling: expected factor > 0 and "
@@ -256,6 +340,7 @@ class LlamaConfig:
         self._check_window()
         self._check_moe()
         self._check_gemma()
+        self._check_dense_layers()
 
     def _check_gemma(self) -> None:
         if self.mlp_activation not in ACTIVATIONS:
@@ -271,6 +356,53 @@ class LlamaConfig:
         """Whether block ``layer`` takes the local rotary (``rope_local_base_freq``, no
         scaling): it has a window and the model a local base."""
         return self.rope_local_base_freq is not None and self.windows[layer] is not None
+
+    def _check_mla(self) -> None:
+        """MLA's sizes (``kv_lora_rank`` > 0), before ``head_dim`` is derived from them."""
+        mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "rope_interleave")
+        if not self.kv_lora_rank:
+            given = [k for k in mla if getattr(self, k)]
+            if given:
+                raise ValueError(f"model.{given[0]} without model.kv_lora_rank: multi-head "
+                                 "latent attention's sizes need its latent")
+            return
+        for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model.{k}={v!r}: expected a whole number >= 1 with "
+                                 "model.kv_lora_rank")
+        q, nope, rot = self.q_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+            raise ValueError(f"model.q_lora_rank={q!r}: expected a whole number >= 1 or none")
+        if nope < 0 or nope % 2 or rot % 2:
+            raise ValueError(f"model.qk_nope_head_dim={nope} / model.qk_rope_head_dim={rot}: "
+                             "expected even numbers (rotary pairs; the head width even)")
+        n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_head
+        other = [k for k, bad in (("n_kv_heads", n_kv != self.n_head),
+                                  ("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
+                                  ("rotary_dim", self.rotary_dim is not None),
+                                  ("sliding_window", self.sliding_window is not None),
+                                  ("rope_scaling", self.rope_scaling is not None
+                                   and not _is_yarn(self.rope_scaling)),
+                                  ("head_dim", self.head_dim not in (None, nope + rot)),
+                                  # Gemma's attention options: not in MLA's kernels
+                                  ("query_pre_attn_scalar",
+                                   self.query_pre_attn_scalar is not None),
+                                  ("attn_logit_softcapping",
+                                   self.attn_logit_softcapping is not None),
+                                  ("norm_zero_centered", self.norm_zero_centered))
+                 if bad]
+        if other:
+            raise ValueError(f"model.{other[0]} with model.kv_lora_rank (multi-head latent "
+                             "attention): not MLA's (its rope scaling: YaRN's only)")
+        object.__setattr__(self, "head_dim", nope + rot)
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated features R of a head: ``qk_rope_head_dim`` with MLA, else
+        ``rotary_dim`` or ``head_dim``."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else (self.rotary_dim or self.head_dim)
 
     def _check_window(self) -> None:
         w = self.sliding_window
@@ -332,6 +464,8 @@ class LlamaConfig:
                              "model.moe_aux_loss_coef >= 0 expected")
         if self.moe_bias_update_rate < 0:
             raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: expected >= 0")
+        check_groups(self.n_experts, self.top_k, self.moe_n_group, self.moe_topk_group,
+                     self.moe_group_score, self.moe_routed_scaling)
         if self.moe_shared_ffn_hidden < 1:
             raise ValueError(f"model.moe_shared_ffn_hidden={self.moe_shared_ffn_hidden}: "
                              "expected a whole number >= 1 (0 in a run's [model]: "
@@ -339,6 +473,49 @@ class LlamaConfig:
         if self.moe_shared_expert_gate and not self.moe_shared_expert:
             raise ValueError("model.moe_shared_expert_gate=True without "
                              "model.moe_shared_expert: there is no shared expert to gate")
+
+    def _check_dense_layers(self) -> None:
+        given = tuple(self.dense_layers or ())
+        bad = [i for i in given if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.n_layer]
+        if bad:
+            raise ValueError(f"model.dense_layers: {bad[0]!r} is not a block index from 0 to "
+                             f"model.n_layer - 1 = {self.n_layer - 1}")
+        dense = tuple(sorted(set(given)))
+        object.__setattr__(self, "dense_layers", dense)
+        if not dense:
+            return
+        if not self.n_experts:
+            raise ValueError(f"model.dense_layers={list(dense)} with model.n_experts=0: "
+                             "every block is dense already")
+        if len(dense) == self.n_layer:
+            raise ValueError("model.dense_layers names every block: set model.n_experts = 0 "
+                             "for a dense model")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` holds the mixture of experts (else the dense SwiGLU)."""
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+
+def _is_yarn(rs) -> bool:
+    return isinstance(rs, Yarn) or (isinstance(rs, dict) and rs.get("rope_type") == "yarn")
+
+
+def _yarn_frequencies(rs: Yarn, d: int, theta: float, device=None) -> torch.Tensor:
+    """YaRN's inverse frequencies (R / 2,), as HF ``_compute_yarn_parameters`` (truncated
+    correction range)."""
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rs.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    pos = theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low))
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (unscaled), 0: interpolate (/ factor)
+    return (1.0 / (rs.factor * pos)) * (1 - keep) + (1.0 / pos) * keep
 
 
 def rope_frequencies(cfg: LlamaConfig, device=None, local: bool = False) -> torch.Tensor:
@@ -348,11 +525,14 @@ def rope_frequencies(cfg: LlamaConfig, device=None, local: bool = False) -> torc
     then Llama 3's scaling when ``cfg.rope_scaling`` is ``RopeScaling`` (as HF
     ``_compute_llama3_parameters``), each divided by LongRoPE's short factor when it is
     ``LongRope`` (as HF ``_compute_longrope_parameters`` up to its original length), or by
-    the factor of ``LinearRope`` (HF ``_compute_linear_scaling_rope_parameters``).
+    the factor of ``LinearRope`` (HF ``_compute_linear_scaling_rope_parameters``), or
+    YaRN's (``Yarn``, HF ``_compute_yarn_parameters``: DeepSeek-V2/V3's, with MLA).
     ``local``: a block with the local rotary (``LlamaConfig.rope_local``): theta is
     ``rope_local_base_freq`` and there is no scaling (Gemma 3's sliding layers)."""
-    d = cfg.rotary_dim or cfg.head_dim
+    d = cfg.rope_dim
     theta, rs = ((cfg.rope_local_base_freq, None) if local else (cfg.rope_theta, cfg.rope_scaling))
+    if isinstance(rs, Yarn):
+        return _yarn_frequencies(rs, d, theta, device)
     base = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
     if isinstance(rs, LongRope):  # 1 / (s_i theta^(2i/R)), HF's order of operations
         return 1.0 / (torch.tensor(rs.short_factor, dtype=torch.float32, device=device) * base)
@@ -386,6 +566,9 @@ def rope_cos_sin(cfg: LlamaConfig, T: int, device=None, dtype=torch.float32,
     cos, sin = emb.cos(), emb.sin()
     if isinstance(cfg.rope_scaling, LongRope) and not local:
         cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
+    elif isinstance(cfg.rope_scaling, Yarn):
+        f = cfg.rope_scaling.cos_sin_factor()
+        cos, sin = cos * f, sin * f
     return cos.to(dtype), sin.to(dtype)
 
 
@@ -510,13 +693,17 @@ def moe(cfg: LlamaConfig) -> MoE:
     return MoE(cfg.n_embd, cfg.n_experts, cfg.moe_ffn_hidden, cfg.top_k, cfg.moe_gating,
                cfg.moe_norm_topk, cfg.moe_aux_loss_coef, cfg.moe_capacity_factor,
                shared_expert=shared, shared_expert_gate=cfg.moe_shared_expert_gate,
-               bias_update_rate=cfg.moe_bias_update_rate)
+               bias_update_rate=cfg.moe_bias_update_rate, n_group=cfg.moe_n_group,
+               topk_group=cfg.moe_topk_group, group_score=cfg.moe_group_score,
+               routed_scaling=cfg.moe_routed_scaling, expert_bias=cfg.moe_expert_bias)
 
 
 class Block(nn.Module):
     """Pre-RMSNorm block: ``x + self_attn(input_layernorm(x))`` then
     ``x + mlp(post_attention_layernorm(x))``, ``mlp`` a gated ``MLP`` or, with
-    ``n_experts``, a ``models.moe.MoE``; ``layer`` its index (its attention window).
+    ``n_experts`` and ``layer`` not in ``dense_layers``, a ``models.moe.MoE``; ``layer`` its
+    index (its attention window, its MLP); the attention DeepSeek's multi-head latent one
+    (``models.mla``) with ``kv_lora_rank``.
     With ``sandwich_norm`` (Gemma 2, arXiv:2408.00118 sec. 2; Gemma 3), four norms under
     transformers' ``Gemma2DecoderLayer`` names: ``x + post_attention_layernorm(self_attn(
     input_layernorm(x)))`` then ``x + post_feedforward_layernorm(mlp(
@@ -526,11 +713,16 @@ class Block(nn.Module):
         super().__init__()
         self.sandwich = cfg.sandwich_norm
         self.input_layernorm = rms_norm(cfg)
-        self.self_attn = Attention(cfg, layer)
+        if cfg.kv_lora_rank:  # DeepSeek's multi-head latent attention
+            from shardwise.models.mla import LatentAttention
+
+            self.self_attn = LatentAttention(cfg, RMSNorm, rope_cos_sin, apply_rope)
+        else:
+            self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = rms_norm(cfg)
         if self.sandwich:
             self.pre_feedforward_layernorm = rms_norm(cfg)
-        self.mlp = moe(cfg) if cfg.n_experts else MLP(cfg)
+        self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg)
         if self.sandwich:
             self.post_feedforward_layernorm = rms_norm(cfg)
 
@@ -707,24 +899,52 @@ SANDWICH_TP_PLAN = {"blocks.*.pre_feedforward_layernorm": "sequence_parallel",
                     "blocks.*.post_feedforward_layernorm": "sequence_parallel"}
 
 
+def _gqa_only(plan: dict[str, str], cfg: LlamaConfig) -> dict[str, str]:
+    """``plan`` less GQA's Q/K/V entry when the attention is MLA's."""
+    if not cfg.kv_lora_rank:
+        return plan
+    return {k: v for k, v in plan.items() if k != "blocks.*.self_attn.[qkv]_proj"}
+
+
+def _mla_plan(cfg: LlamaConfig) -> dict[str, str]:
+    """MLA's entries (``models.mla``): heads split (the up projections column-parallel,
+    ``o_proj`` row-parallel, from ``TP_PLAN``), the down projections and their norms
+    replicated with partial gradients."""
+    q = ({"blocks.*.self_attn.q_b_proj": "column",
+          "blocks.*.self_attn.q_a_proj": "partial_grad",
+          "blocks.*.self_attn.q_a_layernorm": "partial_grad"} if cfg.q_lora_rank
+         else {"blocks.*.self_attn.q_proj": "column"})
+    return {**q, "blocks.*.self_attn.kv_b_proj": "column",
+            "blocks.*.self_attn.kv_a_proj_with_mqa": "partial_grad",
+            "blocks.*.self_attn.kv_a_layernorm": "partial_grad"}
+
+
 def tp_plan(cfg: LlamaConfig) -> dict[str, str]:
     """``TP_PLAN``, or with experts ``MOE_TP_PLAN`` (less the shared expert's rows when
-    there is none); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"; with
+    there is none; the blocks of ``dense_layers`` with ``TP_PLAN``'s MLP entries, named
+    block by block); with ``qk_norm``, ``q_norm`` / ``k_norm`` as "partial_grad"; with
+    ``kv_lora_rank``, MLA's entries instead of Q/K/V's (``_mla_plan``); with
     ``sandwich_norm``, ``SANDWICH_TP_PLAN`` too."""
     qk = {"blocks.*.self_attn.[qk]_norm": "partial_grad"} if cfg.qk_norm else {}
+    if cfg.kv_lora_rank:
+        qk = _mla_plan(cfg)
     if cfg.sandwich_norm:
         qk.update(SANDWICH_TP_PLAN)
     if not cfg.n_experts:
-        return {**TP_PLAN, **qk}
-    return {**{k: v for k, v in MOE_TP_PLAN.items()
-               if cfg.moe_shared_expert or "shared_expert" not in k}, **qk}
+        return {**_gqa_only(TP_PLAN, cfg), **qk}
+    plan = {k: v for k, v in _gqa_only(MOE_TP_PLAN, cfg).items()
+            if cfg.moe_shared_expert or "shared_expert" not in k}
+    if cfg.dense_layers:  # their dense SwiGLU as the Llama's (the last matching entry wins)
+        plan.update({f"blocks.{i}.mlp": "shared_input" for i in cfg.dense_layers})
+        plan.update({k: v for k, v in TP_PLAN.items() if k.startswith("blocks.*.mlp.")})
+    return {**plan, **qk}
 
 
 def describe(cfg: LlamaConfig):
     """The Llama as a ``models.description.ModelDescription`` (kind "llama"). tp must divide
     the query heads, the key/value heads (each rank holds whole kv heads: the ones its
     query heads share) and the SwiGLU width (the experts' with ``n_experts``, and a shared
-    expert's ``moe_shared_ffn_hidden``); ep must
+    expert's ``moe_shared_ffn_hidden``, and ``ffn_hidden`` with ``dense_layers``); ep must
     divide ``n_experts``. Hugging Face's ``LlamaForCausalLM`` in and out: ``models.hf.LLAMA``
     (``MistralForCausalLM`` in, ``models.hf.MISTRAL``, is this too, and out again when the
     run came from one: ``models.hf.export_arch``);
@@ -749,10 +969,15 @@ def describe(cfg: LlamaConfig):
              else {"model.ffn_hidden (SwiGLU width)": cfg.ffn_hidden})
     if cfg.n_experts and cfg.moe_shared_expert:
         width["model.moe_shared_ffn_hidden (shared expert width)"] = cfg.moe_shared_ffn_hidden
+    if cfg.dense_layers:
+        width["model.ffn_hidden (dense layers' SwiGLU width)"] = cfg.ffn_hidden
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-        n_layer=cfg.n_layer, attention_width=cfg.n_head * cfg.head_dim, context_parallel=True,
+        n_layer=cfg.n_layer, context_parallel=not cfg.kv_lora_rank,
+        # MLA: Q K^T over Dqk features, P V over v_head_dim: their mean for 12 (H D) per key
+        attention_width=cfg.n_head * ((cfg.head_dim + cfg.v_head_dim) // 2 if cfg.kv_lora_rank
+                                      else cfg.head_dim),
         attention_windows=cfg.windows if cfg.sliding_window is not None else (),
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
@@ -795,6 +1020,18 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        qk_norm=getattr(m, "qk_norm", False),
                        rotary_dim=getattr(m, "rotary_dim", 0) or None,
                        moe_bias_update_rate=m.moe_bias_update_rate,
+                       dense_layers=tuple(getattr(m, "dense_layers", None) or ()),
+                       moe_n_group=getattr(m, "moe_n_group", 1),
+                       moe_topk_group=getattr(m, "moe_topk_group", 1),
+                       moe_group_score=getattr(m, "moe_group_score", "top2"),
+                       moe_routed_scaling=getattr(m, "moe_routed_scaling", 1.0),
+                       moe_expert_bias=getattr(m, "moe_expert_bias", False),
+                       kv_lora_rank=getattr(m, "kv_lora_rank", 0),
+                       q_lora_rank=getattr(m, "q_lora_rank", 0) or None,
+                       qk_nope_head_dim=getattr(m, "qk_nope_head_dim", 0),
+                       qk_rope_head_dim=getattr(m, "qk_rope_head_dim", 0),
+                       v_head_dim=getattr(m, "v_head_dim", 0),
+                       rope_interleave=getattr(m, "rope_interleave", False),
                        sliding_window=getattr(m, "sliding_window", 0) or None,
                        layer_types=getattr(m, "layer_types", None),
                        norm_zero_centered=getattr(m, "norm_zero_centered", False),

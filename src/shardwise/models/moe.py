@@ -27,7 +27,9 @@ softmax probabilities, ``sigmoid`` gating (DeepSeek-V3) the top k of the sigmoid
 ``norm_topk`` the k gate weights are divided by their sum. With an expert bias b (E,)
 (auxiliary-loss-free balancing, DeepSeek-V3 sec. 2.1.2) the top k are chosen by
 ``score + b`` while the gates are the chosen experts' unbiased scores (then renormalised):
-the bias decides where a token goes, never how much an expert's output weighs. After each
+the bias decides where a token goes, never how much an expert's output weighs. With groups
+(DeepSeek-V2/V3's group-limited routing, ``limit_to_groups``) the k are chosen only among the
+experts of each token's best groups, and ``routed_scaling`` multiplies the gates. After each
 optimizer step ``MoE.update_bias(load)`` moves it by ``b_i += rate sign(mean load - load_i)``
 (the step's assignments per expert over the global batch: the engine sums them over every
 rank first, so each rank applies the same update to its copy and the result is one
@@ -77,6 +79,9 @@ from shardwise.comm import replay
 from shardwise.models import sequence
 
 GATINGS = ("softmax", "sigmoid")
+# how group-limited routing scores a group of experts: the sum of its top 2 (biased) gating
+# scores (DeepSeek-V3) or its top 1, the max (DeepSeek-V2's "group_limited_greedy")
+GROUP_SCORES = ("top2", "top1")
 _GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9 (CPU: 2.10); else padded bmm
 
 
@@ -160,15 +165,37 @@ class AuxLossScaler(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
+def limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int,
+                    group_score: str = "top2") -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V2 sec. 2.1.2's device-limited routing, V3 sec.
+    2.1.2's node-limited routing, as transformers' ``DeepseekV3TopkRouter`` /
+    ``DeepseekV2TopkRouter``): the E experts in ``n_group`` groups of E / G consecutive
+    ones, each group scored per token by the sum of its top 2 choice scores (``"top2"``,
+    V3) or its best one (``"top1"``, V2), and every expert outside the token's
+    ``topk_group`` best groups masked to -inf. ``choice`` (N, E) fp32, the scores the top k
+    is taken of (biased, when there is a bias); returns (N, E)."""
+    n, e = choice.shape
+    grouped = choice.view(n, n_group, e // n_group)                      # (N, G, E / G)
+    top = 2 if group_score == "top2" else 1
+    scores = grouped.topk(top, dim=-1).values.sum(dim=-1)                # (N, G)
+    kept = scores.topk(topk_group, dim=-1).indices                       # (N, topk_group)
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, kept, True)
+    return choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+
+
 def route(logits: torch.Tensor, top_k: int, gating: str = "softmax", norm_topk: bool = True,
-          bias: torch.Tensor | None = None):
+          bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          group_score: str = "top2", scaling: float = 1.0):
     """Top-k routing of router logits (N, E). Returns ``(scores, weights, experts)``:
     ``scores`` (N, E) fp32 the normalised affinities the auxiliary loss averages (softmax
     probabilities; sigmoid scores divided by their sum), ``weights`` (N, k) fp32 the gates,
     ``experts`` (N, k) int64 the chosen experts, best first. ``bias`` (E,) fp32 or None:
     added to the gating scores (softmax probabilities, sigmoids) for the choice of the k
     experts only; the gates are the chosen experts' unbiased scores (DeepSeek-V3 eq. 16).
-    ValueError for an unknown gating."""
+    ``n_group`` > 1: the k chosen among the experts of each token's ``topk_group`` best
+    groups only (``limit_to_groups``, scored by ``group_score``). ``scaling``: the gates
+    multiplied by it after any renormalisation (DeepSeek's ``routed_scaling_factor``; V3:
+    2.5). ValueError for an unknown gating."""
     z = logits.float()
     if gating == "softmax":
         g = z.softmax(dim=-1)
@@ -178,14 +205,41 @@ def route(logits: torch.Tensor, top_k: int, gating: str = "softmax", norm_topk: 
         scores = g / g.sum(dim=-1, keepdim=True)
     else:
         raise ValueError(f"model.moe_gating={gating!r}: expected one of {', '.join(GATINGS)}")
-    if bias is None:
+    if bias is None and n_group == 1:
         weights, experts = g.topk(top_k, dim=-1)
     else:
-        experts = (g + bias.float()).topk(top_k, dim=-1).indices
+        choice = g if bias is None else g + bias.float()
+        if n_group > 1:
+            choice = limit_to_groups(choice, n_group, topk_group, group_score)
+        experts = choice.topk(top_k, dim=-1).indices
         weights = g.gather(-1, experts)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     return scores, weights, experts
+
+
+def check_groups(n_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 group_score: str = "top2", scaling: float = 1.0) -> None:
+    """One-line ``ValueError`` naming the [model] field for group-limited routing that
+    cannot run (``MoE``'s docstring)."""
+    if not scaling > 0:
+        raise ValueError(f"model.moe_routed_scaling={scaling}: expected > 0")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"model.moe_group_score={group_score!r}: expected "
+                         f"{' or '.join(GROUP_SCORES)}")
+    if n_group == 1:
+        return
+    per = n_experts // n_group if n_group >= 1 else 0
+    least = 2 if group_score == "top2" else 1
+    if n_group < 1 or n_experts % n_group or per < least:
+        raise ValueError(f"model.moe_n_group={n_group}: expected a divisor of "
+                         f"model.n_experts={n_experts} leaving >= {least} experts per group")
+    if not 1 <= topk_group <= n_group or top_k > topk_group * per:
+        raise ValueError(f"model.moe_topk_group={topk_group}: expected 1 to "
+                         f"model.moe_n_group={n_group} groups holding >= model.top_k={top_k} "
+                         "experts")
 
 
 def load_balancing_loss(scores: torch.Tensor, experts: torch.Tensor, n_seq: int) -> torch.Tensor:
@@ -222,19 +276,30 @@ class MoE(nn.Module):
     ``shared_expert_gate``, the shared expert's output scaled per token by
     ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE, ``Qwen2MoeSparseMoeBlock``; replicated
     over tp as the router). ``aux_loss_coef`` alpha, ``capacity_factor`` (0: dropless).
+    ``n_group`` > 1, ``topk_group``, ``group_score``: group-limited routing (``route``,
+    ``limit_to_groups``); ``routed_scaling``: the gates' factor (``route``'s ``scaling``).
+    ``expert_bias``: the routing bias buffer below exists even at rate 0 (then it stays as
+    loaded: a checkpoint's, DeepSeek-V3's ``e_score_correction_bias``).
     ``bias_update_rate`` gamma > 0: auxiliary-loss-free balancing (module docstring) with the
     buffer ``expert_bias`` (E,) fp32, zero at start, training state (``state_buffers``: the
     engine builds it as zeros and checkpoints it) moved by ``update_bias``; 0: no bias, no
     buffer. Raises ValueError for ``top_k`` outside [1, n_experts], an unknown gating or a
-    negative rate."""
+    negative rate, groups that do not split the experts evenly (at least 2 each for
+    "top2"), ``topk_group`` outside [1, n_group], fewer experts in the kept groups than
+    ``top_k``, or a scaling <= 0."""
 
     state_buffers = ("expert_bias",)  # buffers that are training state, zero at start
 
     def __init__(self, dim: int, n_experts: int, hidden: int, top_k: int = 2,
                  gating: str = "softmax", norm_topk: bool = True, aux_loss_coef: float = 0.01,
                  capacity_factor: float = 0.0, shared_expert: nn.Module | None = None,
-                 bias_update_rate: float = 0.0, shared_expert_gate: bool = False):
+                 bias_update_rate: float = 0.0, shared_expert_gate: bool = False,
+                 n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
+                 routed_scaling: float = 1.0, expert_bias: bool = False):
         super().__init__()
+        check_groups(n_experts, top_k, n_group, topk_group, group_score, routed_scaling)
+        self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
+        self.routed_scaling = routed_scaling
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"model.top_k={top_k}: expected 1 <= top_k <= model.n_experts="
                              f"{n_experts}")
@@ -244,7 +309,7 @@ class MoE(nn.Module):
             raise ValueError(f"model.moe_bias_update_rate={bias_update_rate}: expected >= 0")
         self.bias_update_rate = bias_update_rate
         self.expert_bias: torch.Tensor | None
-        if bias_update_rate > 0:
+        if bias_update_rate > 0 or expert_bias:
             self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
@@ -261,8 +326,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(-1, C)                                          # (N, C)
-        scores, weights, chosen = route(self.router(flat), self.top_k, self.gating,
-                                        self.norm_topk, self.expert_bias)  # (N, E), (N, k) x2
+        scores, weights, chosen = route(self.router(flat), self.top_k, self.gating,  # (N, E),
+                                        self.norm_topk, self.expert_bias,  # (N, k) x2
+                                        self.n_group, self.topk_group, self.group_score,
+                                        self.routed_scaling)
         n, k = chosen.shape
         keep = None
         if self.capacity_factor > 0:
@@ -310,7 +377,7 @@ class MoE(nn.Module):
         rate * sign(mean(load) - load)``, ``load`` (E,) the assignments routed to each
         expert over the step's whole (global) batch, any dtype, on any device. Nothing
         without a bias (rate 0). In place, no host synchronisation."""
-        if self.expert_bias is None:
+        if self.expert_bias is None or not self.bias_update_rate:
             return
         load = load.to(self.expert_bias.device, torch.float64)
         self.expert_bias.add_(self.bias_update_rate * (load.mean() - load).sign().float())

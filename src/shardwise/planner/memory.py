@@ -115,8 +115,10 @@ def layer_weights(spec: ModelSpec, by: str = "layers") -> list[float]:
     if spec.description is not None:
         return [float(n) for n in described_layers(spec, 1).counts]
     ln = 2 * h if spec.bias else h
-    return ([float(V * h + spec.pos_params)] + [float(block_params(h, spec.bias, spec))] * L
-            + [float(ln + V * h)])
+    blocks = [float(block_params(h, spec.bias, spec.part("moe" if spec.is_moe_block(i)
+                                                          else "dense") if spec.mixed else spec))
+              for i in range(L)]
+    return [float(V * h + spec.pos_params)] + blocks + [float(ln + V * h)]
 
 
 @lru_cache(maxsize=1024)
@@ -181,6 +183,12 @@ def rank_params(spec: ModelSpec, layers: list[int], tp: int, pp: int, ep: int = 
     """Elements of the parameters a (pipeline, tensor, expert) rank holding ``layers`` keeps
     (memoised per layer set; for the closed forms per count of blocks and whether the
     embedding and the head are among them, all they read)."""
+    if spec.description is None and spec.mixed:  # the dense blocks as a dense model's
+        L = spec.n_layer
+        dense = tuple(i for i in layers if 1 <= i <= L and not spec.is_moe_block(i - 1))
+        rest = tuple(i for i in layers if i not in dense)
+        return (_rank_params(spec.part("moe"), rest, tp, pp, ep)
+                + _rank_params(spec.part("dense"), dense, tp, pp, ep))
     if spec.description is None:
         L = spec.n_layer
         emb, head = 0 in layers, L + 1 in layers
@@ -196,11 +204,11 @@ def _closed_params(spec: ModelSpec, nb: int, emb: bool, head: bool, tp: int, pp:
 
 
 def rank_expert_params(spec: ModelSpec, layers: list[int], tp: int, ep: int = 1) -> int:
-    """Of ``rank_params``, the expert elements (E / ep experts of each block, their width
-    split over tp); 0 for a dense model."""
+    """Of ``rank_params``, the expert elements (E / ep experts of each block with the
+    mixture, their width split over tp); 0 for a dense model."""
     if not spec.moe:
         return 0
-    blocks = len(layers) - (0 in layers) - (spec.n_layer + 1 in layers)
+    blocks = sum(1 for i in layers if 1 <= i <= spec.n_layer and spec.is_moe_block(i - 1))
     if spec.description is not None:
         t = described_layers(spec, tp)
         return sum(t.experts[i] for i in layers) // ep
@@ -408,8 +416,15 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
     output, K and V, H D = w h wide (w = 1 but with a head_dim of its own; QK-norm's saved
     inputs not counted) (r = 1: the one-process path repeats them to all heads before the
     kernel; under ``ring`` attention, cp > 1, they are kept with their ``n_kv_heads``, r =
-    kv_heads / n_head); gate, up, silu(gate) and their product, f wide each."""
+    kv_heads / n_head); gate, up, silu(gate) and their product, f wide each. Mixed dense
+    and mixture blocks (``ModelSpec.mixed``): each coefficient the larger of the two
+    kinds' (an upper bound on every block)."""
     e = BYTES[precision]
+    if spec is not None and spec.mixed:  # every block counted at the larger of its kinds'
+        a, b = (shardwise_model(precision, spec.part(k), ring) for k in ("moe", "dense"))
+        keys = ("replicated", "sharded", "gathered_sp", "scores", "lse", "recompute_keep")
+        return ActivationModel(f"shardwise-mixed-{precision}",
+                               **{k: max(getattr(a, k), getattr(b, k)) for k in keys})
     r = spec.kv_heads / spec.n_head if ring and spec is not None else 1.0
     w = spec.attn_width / spec.n_embd if spec is not None else 1.0  # H D / h
     if spec is not None and spec.moe:  # a shared expert: 4 F_s / h more, as a SwiGLU's;

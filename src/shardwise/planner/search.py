@@ -171,9 +171,14 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
 
 def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     """The reasons that hold for every layout of one cp size: 2 cp must divide the
-    sequence, and a model with dropout or soft-capped attention scores (Gemma 2's
-    ``attn_logit_softcapping``, read from a described spec's config) gets no cp > 1 (the
-    engine refuses both: ``base.config``'s cp check; ring attention has neither)."""
+    sequence, and a model whose description runs no context parallelism (DeepSeek's MLA),
+    with dropout or with soft-capped attention scores (Gemma 2's ``attn_logit_softcapping``,
+    read from a described spec's config) gets no cp > 1 (the engine refuses each:
+    ``base.config``'s cp check; ring attention has neither dropout nor a soft cap)."""
+    d = spec.description
+    if cp > 1 and d is not None and not d.context_parallel:
+        return (f"cp={cp}: model {spec.name!r} does not run under context parallelism "
+                "(its description says so: MLA's values are narrower than its keys)")
     if cp > 1 and spec.dropout > 0:
         return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
                 "attention dropout (the engine refuses cp > 1 with dropout)")

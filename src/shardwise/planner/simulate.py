@@ -324,9 +324,12 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     attention width (``attn_width``: h but with a head_dim of its own), d = H D / a, k =
     key/value heads x d, f the MLP width); ``gemms[1:3]`` are the attention core's:
 
-    - GEMMs: Q K V 2 T h (H D + 2k) / t; Q K^T and P V 2 mb s K H D / (t cp) each (batched
-      over the rank's heads; its s / cp queries against K keys, ``attention_keys``: all s,
-      or min(s, W) under a sliding window); the output projection
+    - GEMMs: Q K V 2 T h (H D + 2k) / t (MLA, ``models.mla``: its down projections 2 T h
+      (r_q + r_kv + R) whole, its up projections 2 T (r_q H Dqk + r_kv H (D_nope + D_v)) / t,
+      the output 2 T H D_v h / t; H D the mean of Dqk and D_v per head); Q K^T and P V
+      2 mb s K H D / (t cp) each (batched
+      over the rank's heads; its s / cp queries against K keys, ``attention_keys``: all
+      s, or min(s, W) under a sliding window); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
       of 2 (T k ep / E) h F / t each (balanced routing); a shared expert 2 T h F_s / t
@@ -350,6 +353,13 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     f = spec.ffn
     core = 2 * mb * s * attention_keys(spec, cp) * att / (tp * cp)
     gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
+    mla = getattr(getattr(spec.description, "config", None), "kv_lora_rank", 0)
+    if mla:  # DeepSeek's MLA (models.mla): the down projections whole on every tp rank
+        c, H = spec.description.config, spec.n_head
+        rq, rope = c.q_lora_rank or 0, c.qk_rope_head_dim
+        down = h * (rq + mla + rope)
+        up = (rq or h) * H * c.head_dim + mla * H * (c.qk_nope_head_dim + c.v_head_dim)
+        gemms[0], gemms[3] = 2 * T * (down + up / tp), 2 * T * H * c.v_head_dim * h / tp
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
         local = max(1, E // ep)
@@ -523,7 +533,14 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     """The per-block prices ``chunk_costs`` composes chunks of (``BlockCosts``: tp seconds
     of a block, its synchronisations, the embedding's and the loss's tp seconds, a block's
     and the head's forward compute, the attention core's, a blocking send, the ring's
-    exposed forward and backward, a block's all-to-alls, the sync penalty)."""
+    exposed forward and backward, a block's all-to-alls, the sync penalty). Mixed dense and
+    mixture blocks (``ModelSpec.mixed``): the mean block's, each price the kinds' weighted
+    by their share of the blocks (a chunk's sum is then exact when it holds that share)."""
+    if spec.mixed:
+        m = spec.moe_share
+        a, b = (block_costs(spec.part(k), lay, cluster, precision, dedicated)
+                for k in ("moe", "dense"))
+        return BlockCosts(*(m * x + (1 - m) * y for x, y in zip(a, b)))
     world = 1 if dedicated else lay.world
     rate, over = cluster.rate(world), cluster.rank_overhead(world)
     e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd

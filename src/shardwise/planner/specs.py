@@ -60,6 +60,18 @@ Named sizes:
   norms a block in the memory-bound time and the activations (``simulate.block_ops`` and
   ``memory.activation_bytes`` count a Llama block's two), a few percent of a block's
   activations.
+- DeepSeek: DeepSeek-V2-Lite (DeepSeek-AI 2024, arXiv:2405.04434, appendix B; its
+  config.json: 27 layers, width 2048, 16 heads, MLA with a key/value latent of 512 and no
+  query latent, heads of 128 + 64 rotated features, values of 128, the first block dense of
+  10944, then 64 experts of 1408, top 6, 2 shared, vocabulary 102400): 15.7B parameters;
+  DeepSeek-V3 (arXiv:2412.19437, sec. 4.2; its config.json: 61 layers, width 7168, 128 heads,
+  a query latent of 1536, the first 3 blocks dense of 18432, then 256 experts of 2048 in 8
+  groups (4 kept), top 8, 1 shared, routed scaling 2.5, vocabulary 129280): 671.0B
+  parameters, 37.6B a token meets (the paper's 37B activated), its multi-token-prediction
+  module not counted (transformers' ``DeepseekV3ForCausalLM`` has none; both counts equal
+  it on meta). Both described (``ModelSpec.from_description`` of the Llama with MLA, on
+  first use), at context 4096 (YaRN's original length; the released configs' YaRN changes no
+  size and is left out). No context parallelism (MLA: ``search.cp_reason``).
 
 A TOML model file is a ``shardwise train`` config (or its ``[model]`` table alone): the
 model it trains is read as train reads it (``describe_config``: ``model.kind``'s
@@ -108,7 +120,13 @@ class ModelSpec:
     dropout, so the search prunes every such layout (``search.cp_reason``).
     ``attention_windows``: per block, its sliding window W in tokens or None (() : none
     has one; ``ModelDescription.attention_windows``): a query's attention FLOPs count
-    min(s, W) keys (``attn_keys``)."""
+    min(s, W) keys (``attn_keys``). ``dense_layers``: with ``n_experts``, the blocks (from
+    0) whose MLP is a dense SwiGLU of width ``ffn_hidden`` instead (the Llama's
+    ``dense_layers``: DeepSeek's first_k_dense_replace); parameters are counted block by
+    block, and the per-block prices (FLOPs, seconds) are the mean block's (``block``).
+    ``block``: which block the per-block quantities describe: "" the model's (every block
+    alike, or with ``dense_layers`` the mean over its blocks), "moe" a block with the
+    mixture, "dense" one with the dense MLP (``part``)."""
 
     name: str
     n_layer: int
@@ -133,6 +151,13 @@ class ModelSpec:
     moe_shared_ffn: int = 0
     moe_shared_gate: bool = False
     attention_windows: tuple[int | None, ...] = ()
+    dense_layers: tuple[int, ...] = ()
+    block: str = ""
+    dense_share: float = -1.0  # set from dense_layers; kept by replace(spec, n_layer=1)
+
+    def __post_init__(self):
+        if self.dense_share < 0:
+            object.__setattr__(self, "dense_share", len(self.dense_layers) / self.n_layer)
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -169,7 +194,9 @@ class ModelSpec:
                    moe_shared_ffn=(getattr(cfg, "moe_shared_ffn_hidden", None)
                                    or getattr(cfg, "moe_ffn_hidden", None) or 0) if shared else 0,
                    moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)),
-                   attention_windows=tuple(d.attention_windows))
+                   attention_windows=tuple(d.attention_windows),
+                   dense_layers=tuple(getattr(cfg, "dense_layers", ()) or ())
+                   if d.n_experts else ())
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -197,10 +224,17 @@ class ModelSpec:
         if self.moe and self.moe_shared_ffn:
             moe.update(moe_shared_expert=True, moe_shared_ffn_hidden=self.moe_shared_ffn,
                        moe_shared_expert_gate=self.moe_shared_gate)
+        if self.moe and self.dense_layers:
+            moe["dense_layers"] = list(self.dense_layers)
         cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
         qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
                 if getattr(cfg, k, False)}
         qwen.update(_gemma_table(cfg))
+        if self.moe:  # DeepSeek's routing, when set (it prices nothing: kept for the TOML)
+            qwen.update({k: getattr(cfg, k) for k, default in (
+                ("moe_gating", "softmax"), ("moe_n_group", 1), ("moe_topk_group", 1),
+                ("moe_group_score", "top2"), ("moe_routed_scaling", 1.0))
+                if getattr(cfg, k, default) != default})
         windows = {w for w in self.attention_windows if w is not None}
         if windows:  # one W (model.sliding_window) on the layers layer_types marks
             qwen["sliding_window"] = windows.pop()
@@ -249,8 +283,30 @@ class ModelSpec:
 
     @property
     def moe(self) -> bool:
-        """A mixture of experts in every block (``n_experts`` > 0)."""
-        return self.n_experts > 0
+        """A mixture of experts (``n_experts`` > 0), in every block but ``dense_layers``
+        (none in the part ``block = "dense"``)."""
+        return self.n_experts > 0 and self.block != "dense"
+
+    @property
+    def mixed(self) -> bool:
+        """Blocks of both kinds whose per-block quantities are their mean (``block`` "")."""
+        return self.moe and bool(self.dense_layers) and not self.block
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block ``i`` (from 0) holds the mixture."""
+        return self.n_experts > 0 and i not in self.dense_layers
+
+    @property
+    def moe_share(self) -> float:
+        """The fraction of the blocks that hold the mixture (1 or 0 for a part)."""
+        if not self.moe:
+            return 0.0
+        return 1.0 if self.block else 1.0 - self.dense_share
+
+    def part(self, block: str) -> ModelSpec:
+        """These sizes with the per-block quantities of a block of kind ``block`` ("moe"
+        or "dense")."""
+        return replace(self, block=block)
 
     @property
     def expert_ffn(self) -> int:
@@ -290,7 +346,13 @@ class ModelSpec:
         if self.n_params is not None:
             return self.n_params
         L, h, V = self.n_layer, self.n_embd, self.vocab_size
-        return V * h + self.pos_params + L * block_params(h, self.bias, self) + head_params(self)
+        if self.mixed:
+            n = sum(1 for i in self.dense_layers if i < L)
+            blocks = ((L - n) * block_params(h, self.bias, self.part("moe"))
+                      + n * block_params(h, self.bias, self.part("dense")))
+        else:
+            blocks = L * block_params(h, self.bias, self)
+        return V * h + self.pos_params + blocks + head_params(self)
 
     def with_seq(self, seq: int) -> ModelSpec:
         """These sizes at sequence length ``seq`` (a described model is described again
@@ -339,11 +401,22 @@ def block_matmul_params(spec: ModelSpec) -> int:
     """Weights of one block's matrices: Q and output h^2 each, K and V h * kv_heads * h/a
     each, the MLP 2 h f (GELU) or 3 h f (SwiGLU), or with experts the router E h and every
     expert's 3 h F (and a shared expert's 3 h F_s, its gate h). GPT: 12 h^2. A spec with a
-    description: its first block's
-    ``nn.Linear`` weights and experts, counted on meta."""
+    description: its first block's (of kind ``spec.block``, when set)
+    ``nn.Linear`` weights and experts, counted on meta. Mixed blocks (``ModelSpec.mixed``):
+    the mean over the blocks (a float)."""
+    if spec.mixed:
+        m = spec.moe_share
+        return (m * block_matmul_params(spec.part("moe"))
+                + (1 - m) * block_matmul_params(spec.part("dense")))
     if spec.description is not None:
         d = described_layers(spec, 1)
-        return d.block_matmul + (d.experts[1] if len(d.experts) > 2 else 0)
+        if not d.block_matmuls:
+            return 0
+        first = 0
+        if spec.block:
+            first = next(i for i in range(len(d.block_matmuls))
+                         if spec.is_moe_block(i) == (spec.block == "moe"))
+        return d.block_matmuls[first]
     h = spec.n_embd
     kv = spec.kv_heads * (h // spec.n_head)
     if spec.moe:
@@ -357,6 +430,10 @@ def active_matmul_params(spec: ModelSpec) -> int:
     ``block_matmul_params``, with experts only the ``top_k`` a token is routed to (Mixtral
     8x7B: 12.9B active of 46.7B; Jiang et al. 2024), and a shared expert and its gate
     whole (every token goes through them)."""
+    if spec.mixed:
+        m = spec.moe_share
+        return (m * active_matmul_params(spec.part("moe"))
+                + (1 - m) * active_matmul_params(spec.part("dense")))
     if not spec.moe:
         return block_matmul_params(spec)
     h, F = spec.n_embd, spec.expert_ffn
@@ -394,7 +471,56 @@ def _llama(name, L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2,
                      top_k=top_k, attention_windows=(window,) * L if window else ())
 
 
-NAMED: dict[str, ModelSpec] = {m.name: m for m in [
+def _deepseek(name: str, L: int, h: int, a: int, f: int, V: int, s: int, experts: int,
+              top_k: int, expert_f: int, shared: int, dense: int, groups: int, kept: int,
+              scaling: float, q_rank: int, v3: bool) -> ModelSpec:
+    """A DeepSeek as shardwise's Llama (``models.mla``, ``models.moe``; ``models.hf``'s
+    DeepSeek archs read a config.json so): multi-head latent attention with a key/value
+    latent of 512, heads of 128 + 64 rotated features and values of 128 (both models), a
+    query latent of ``q_rank`` (0: none), the first ``dense`` blocks dense, ``shared``
+    shared experts as one SwiGLU. Described (built on meta: counted as the engine builds
+    it), at the default rotary: the released configs' YaRN changes no size."""
+    from shardwise.models.description import describe
+    from shardwise.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h, ffn_hidden=f,
+                      norm_eps=1e-6, n_experts=experts, top_k=top_k, moe_ffn_hidden=expert_f,
+                      moe_gating="sigmoid" if v3 else "softmax", moe_norm_topk=v3,
+                      moe_n_group=groups, moe_topk_group=kept,
+                      moe_group_score="top2" if v3 else "top1", moe_routed_scaling=scaling,
+                      moe_shared_expert=True, moe_shared_ffn_hidden=shared * expert_f,
+                      moe_expert_bias=v3, dense_layers=tuple(range(dense)), kv_lora_rank=512,
+                      q_lora_rank=q_rank or None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, rope_interleave=True)
+    return ModelSpec.from_description(describe(cfg), name=name)
+
+
+class _Named(dict):
+    """Named sizes by name; a described one (DeepSeek's, built on meta: about a second) is
+    made on first use."""
+
+    def __init__(self, specs: list[ModelSpec], lazy: dict[str, Any]):
+        super().__init__({**{m.name: m for m in specs}, **dict.fromkeys(lazy)})
+        self._lazy = lazy
+
+    def __getitem__(self, name: str) -> ModelSpec:
+        spec = super().__getitem__(name)
+        if spec is None:
+            spec = self._lazy[name]()
+            self[name] = spec
+        return spec
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+
+NAMED: dict[str, ModelSpec] = _Named([
     _m("gpt2-124m", 12, 768, 12, 50257, 1024),
     _m("gpt2-350m", 24, 1024, 16, 50257, 1024),
     _m("gpt2-774m", 36, 1280, 20, 50257, 1024),
@@ -431,7 +557,16 @@ NAMED: dict[str, ModelSpec] = {m.name: m for m in [
     # Phi-3-mini-4k's config.json: a sliding window of 2047 on every layer
     _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096, window=2047),
     _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
-]}
+], {
+    # DeepSeek-AI 2024, the released config.json files (module docstring): name, layers,
+    # hidden, heads, dense FFN width, vocab, context (4096: YaRN's original; the released
+    # 163840 is YaRN's), routed experts, top-k, expert width, shared experts, dense blocks,
+    # groups, groups kept, routed scaling, query latent, V3
+    "deepseek-v2-lite": lambda: _deepseek("deepseek-v2-lite", 27, 2048, 16, 10944, 102400,
+                                          4096, 64, 6, 1408, 2, 1, 1, 1, 1.0, 0, False),
+    "deepseek-v3": lambda: _deepseek("deepseek-v3", 61, 7168, 128, 18432, 129280, 4096, 256,
+                                     8, 2048, 1, 3, 8, 4, 2.5, 1536, True),
+})
 
 
 # Gemma's released config.json sizes (module docstring): name -> (layers, hidden, heads, kv
@@ -517,12 +652,14 @@ class DescribedLayers:
     untied), counted once when one rank holds both ends; block_matmul: the first block's
     ``nn.Linear`` weights, unsharded (2 per token per weight: its forward FLOPs);
     experts: per layer, the elements of ``counts`` that expert parallelism splits
-    (``parallel.experts.is_expert``; all experts, ep = 1)."""
+    (``parallel.experts.is_expert``; all experts, ep = 1); block_matmuls: per block, its
+    ``nn.Linear`` weights and experts, unsharded."""
 
     counts: tuple[int, ...]
     tied: int
     block_matmul: int
     experts: tuple[int, ...] = ()
+    block_matmuls: tuple[int, ...] = ()
 
 
 @lru_cache(maxsize=64)
@@ -557,11 +694,14 @@ def described_layers(spec: ModelSpec, tp: int) -> DescribedLayers:
     experts = tuple(expert_elements(layer) for layer in layers)
     tied = dict(local.named_parameters())[d.tied[0]].numel() if d.tied is not None else 0
     if tp > 1:
-        block_matmul = described_layers(spec, 1).block_matmul
+        one = described_layers(spec, 1)
+        block_matmul, matmuls = one.block_matmul, one.block_matmuls
     else:
-        block_matmul = sum(m.weight.numel() for m in layers[1].modules()
-                           if isinstance(m, nn.Linear)) if len(layers) > 2 else 0
-    return DescribedLayers(counts, tied, block_matmul, experts)
+        linear = [sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+                  for layer in layers[1:-1]]
+        block_matmul = linear[0] if linear else 0
+        matmuls = tuple(n + e for n, e in zip(linear, experts[1:-1]))
+    return DescribedLayers(counts, tied, block_matmul, experts, matmuls)
 
 
 def _meta_model(d):

@@ -101,7 +101,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
                           "gating, dropless, no routing bias: model.moe_bias_update_rate = 0; "
                           "Mixtral: moe_norm_topk, no shared expert, no qkv_bias, no "
                           "qk_norm; Qwen2-MoE: a shared expert with moe_shared_expert_gate, "
-                          "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias)")
+                          "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias; "
+                          "or with MLA, model.kv_lora_rank, a DeepSeek-V3's or V2's: "
+                          "docs/models.md)")
     if d.hf is None and d.kind == "llama" and _has_gemma_options(d.config):
         raise ExportError(f"{path}: this Llama's Gemma options are not a Gemma's, a Gemma "
                           "2's or a Gemma 3's, the only ones exported (each: "
@@ -114,6 +116,9 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
                           "(ModelDescription.hf)")
     tensors = {k.removeprefix("model."): v
                for k, v in checkpoint.read_tensors(path, "model.").items()}
+    # training-state buffers the arch has a tensor for (DeepSeek-V3's routing bias)
+    tensors.update({k.removeprefix("buffers."): v
+                    for k, v in checkpoint.read_tensors(path, "buffers.").items()})
     with torch.device("meta"):
         complete = describe(d.hf.complete(d.config)).build()
     hf_tensors = to_hf_tensors(d, tensors, complete)
