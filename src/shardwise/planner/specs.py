@@ -496,22 +496,22 @@ def _deepseek(name: str, L: int, h: int, a: int, f: int, V: int, s: int, experts
 
 
 class _Named(dict):
-    """Named sizes by name; a described one (DeepSeek's, built on meta: about a second) is
-    made on first use."""
-
-    def __init__(self, specs: list[ModelSpec], lazy: dict[str, Any]):
-        super().__init__({**{m.name: m for m in specs}, **dict.fromkeys(lazy)})
-        self._lazy = lazy
+    """``NAMED``: name -> ``ModelSpec``, a value given as a function built on first use (the
+    described DeepSeeks and Gemmas: each counts its parameters on the meta device, 0.3 to
+    1 s, which an ``import`` should not pay)."""
 
     def __getitem__(self, name: str) -> ModelSpec:
-        spec = super().__getitem__(name)
-        if spec is None:
-            spec = self._lazy[name]()
-            self[name] = spec
-        return spec
+        v = super().__getitem__(name)
+        if callable(v):
+            v = v()
+            super().__setitem__(name, v)
+        return v
 
     def get(self, name, default=None):
-        return self[name] if name in self else default
+        try:
+            return self[name]
+        except KeyError:
+            return default
 
     def values(self):
         return [self[k] for k in self]
@@ -520,7 +520,7 @@ class _Named(dict):
         return [(k, self[k]) for k in self]
 
 
-NAMED: dict[str, ModelSpec] = _Named([
+NAMED: dict[str, ModelSpec] = _Named({m.name: m for m in [
     _m("gpt2-124m", 12, 768, 12, 50257, 1024),
     _m("gpt2-350m", 24, 1024, 16, 50257, 1024),
     _m("gpt2-774m", 36, 1280, 20, 50257, 1024),
@@ -557,7 +557,7 @@ NAMED: dict[str, ModelSpec] = _Named([
     # Phi-3-mini-4k's config.json: a sliding window of 2047 on every layer
     _llama("phi3-mini", 32, 3072, 32, 32, 8192, 32064, 4096, window=2047),
     _llama("phi4", 40, 5120, 40, 10, 17920, 100352, 16384, 250000.0),
-], {
+]}, **{
     # DeepSeek-AI 2024, the released config.json files (module docstring): name, layers,
     # hidden, heads, dense FFN width, vocab, context (4096: YaRN's original; the released
     # 163840 is YaRN's), routed experts, top-k, expert width, shared experts, dense blocks,
@@ -605,31 +605,6 @@ def gemma_config(name: str):
         attn_logit_softcapping=attn, final_logit_softcapping=final, sliding_window=window,
         layer_types=tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
                           for i in range(L)))
-
-
-class _Named(dict):
-    """``NAMED``: name -> ``ModelSpec``, a value given as a function built on first use (the
-    described Gemmas: each counts its parameters on the meta device, ~0.3 s, which an
-    ``import`` should not pay)."""
-
-    def __getitem__(self, name: str) -> ModelSpec:
-        v = super().__getitem__(name)
-        if callable(v):
-            v = v()
-            super().__setitem__(name, v)
-        return v
-
-    def get(self, name, default=None):
-        try:
-            return self[name]
-        except KeyError:
-            return default
-
-    def values(self):
-        return [self[k] for k in self]
-
-    def items(self):
-        return [(k, self[k]) for k in self]
 
 
 def _gemma(name: str):
