@@ -329,6 +329,37 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _forward_and_backward_equal_transformers(path, impl: str):
+    """transformers' model of the checkpoint at ``path`` and ours of it (attention kernel
+    ``impl``) on the same 2 x 32 tokens: our logits equal theirs within 1e-5 and every
+    parameter's gradient of the cross-entropy within 1e-5 of its largest entry (fp32).
+    Returns ``(our LlamaConfig, our model, the tokens, their logits)``."""
+    import torch.nn.functional as F
+
+    from shardwise.base.config import ModelConfig
+    from shardwise.models.description import describe_section
+    from shardwise.models.llama import Llama, from_hf_state_dict, hf_name
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    section = section_of(read_config(path))
+    g = torch.Generator().manual_seed(6)
+    idx, targets = (torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(2))
+    logits = theirs(idx).logits
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    want = {n: p.grad for n, p in theirs.named_parameters()}
+    cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
+    ours = Llama(cfg)
+    ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), cfg.tie_weights))
+    got, loss = ours(idx, targets)
+    loss.backward()
+    torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-5)
+    for name, p in ours.named_parameters():
+        ref = want[hf_name(name)]
+        err = float((p.grad - ref).abs().max() / ref.abs().max())
+        assert err < 1e-5, (impl, name, err)
+    return cfg, ours, idx, logits.detach()
+
+
 @pytest.mark.parametrize("arch", ["mistral_swa", "qwen2_swa"])
 def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
     """32 tokens through a sliding window of 8 (a Mistral's on every layer; a Qwen2's on
@@ -341,32 +372,13 @@ def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
     window one token longer or shorter is off by more than 1e-2."""
     from dataclasses import replace
 
-    import torch.nn.functional as F
+    from shardwise.models.llama import Llama
 
-    from shardwise.base.config import ModelConfig
-    from shardwise.models.description import describe_section
-    from shardwise.models.llama import Llama, from_hf_state_dict, hf_name
-
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch]).eval()
     section = section_of(read_config(hf_dirs[arch]))
     assert section["sliding_window"] == WINDOW and section["block_size"] == 32
-    g = torch.Generator().manual_seed(6)
-    idx, targets = (torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(2))
-    logits = theirs(idx).logits
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    want = {n: p.grad for n, p in theirs.named_parameters()}
     for impl in ("sdpa", "math"):
-        cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
+        cfg, ours, idx, logits = _forward_and_backward_equal_transformers(hf_dirs[arch], impl)
         assert cfg.windows == ((WINDOW,) * 2 if arch == "mistral_swa" else (None, WINDOW))
-        ours = Llama(cfg)
-        ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), cfg.tie_weights))
-        got, loss = ours(idx, targets)
-        loss.backward()
-        torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-5)
-        for name, p in ours.named_parameters():
-            ref = want[hf_name(name)]
-            err = float((p.grad - ref).abs().max() / ref.abs().max())
-            assert err < 1e-5, (impl, name, err)
         for off in (-1, 1):  # the band's edges: one token more or less changes the logits
             other = Llama(replace(cfg, sliding_window=WINDOW + off))
             other.load_state_dict(ours.state_dict())
@@ -387,32 +399,12 @@ def test_gemma_forward_and_backward_equal_transformers(arch, hf_dirs):
     off, the global rotary on the local layers) each move the logits by more than 1e-3."""
     from dataclasses import replace
 
-    import torch.nn.functional as F
+    from shardwise.models.llama import Llama
 
-    from shardwise.base.config import ModelConfig
-    from shardwise.models.description import describe_section
-    from shardwise.models.llama import Llama, from_hf_state_dict, hf_name
-
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[arch]).eval()
-    section = section_of(read_config(hf_dirs[arch]))
-    g = torch.Generator().manual_seed(6)
-    idx, targets = (torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(2))
-    logits = theirs(idx).logits
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    want = {n: p.grad for n, p in theirs.named_parameters()}
     # the Gemma 2's soft cap writes the scores out whatever the kernel: one kernel is enough
     for impl in ("sdpa", "math") if arch == "gemma3" else ("sdpa",):
-        cfg = describe_section(ModelConfig(**section, attention=impl), 0).config
+        cfg, ours, idx, logits = _forward_and_backward_equal_transformers(hf_dirs[arch], impl)
         assert cfg.windows == ((None, None) if arch == "gemma" else (WINDOW, None))
-        ours = Llama(cfg)
-        ours.load_state_dict(from_hf_state_dict(theirs.state_dict(), cfg.tie_weights))
-        got, loss = ours(idx, targets)
-        loss.backward()
-        torch.testing.assert_close(got, logits.detach(), rtol=1e-5, atol=1e-5)
-        for name, p in ours.named_parameters():
-            ref = want[hf_name(name)]
-            err = float((p.grad - ref).abs().max() / ref.abs().max())
-            assert err < 1e-5, (impl, name, err)
     planted = {"mlp_activation": "silu", "scale_embedding": False,
                "query_pre_attn_scalar": None if cfg.query_pre_attn_scalar else 100.0}
     if arch == "gemma2":
