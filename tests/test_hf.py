@@ -432,6 +432,21 @@ def test_gemma_forward_and_backward_equal_transformers(arch, hf_dirs):
             assert (other(idx)[0] - logits).abs().max() > 1e-3, "sandwich_norm"
 
 
+def _exported_is_the_source(src, out, architecture: str, idx, ours) -> None:
+    """The checkpoint exported to ``out`` loads in transformers as ``architecture``, holds
+    the source ``src``'s tensors bit for bit and gives its logits on ``idx`` exactly; our
+    logits ``ours`` (of the same tokens) are theirs within 1e-5."""
+    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == architecture
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        theirs = exported(idx).logits
+        assert torch.equal(theirs, original(idx).logits)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
     """A Gemma, Gemma 2 or Gemma 3 imported by the engine in one process, saved as a run's
@@ -461,15 +476,7 @@ def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
     ours, done = _import_and_export(cfg, d, src, source, idx, 32, tmp_path)
     assert done.architecture == want.architecture
-    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(exported) is type(original)
-    a, b = original.state_dict(), exported.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with torch.no_grad():
-        theirs = exported(idx).logits
-        assert torch.equal(theirs, original(idx).logits)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    _exported_is_the_source(src, tmp_path / "out", want.architecture, idx, ours)
     others = {"gemma": ({"sandwich_norm": True}, GEMMA2),
               "gemma2": ({"qk_norm": True}, None),  # Gemma 3's attention has no cap
               "gemma3": ({"qk_norm": False}, None)}  # Gemma 3's local rotary: no Gemma 2
@@ -899,15 +906,7 @@ def test_a_mistral_in_is_a_mistral_out(hf_dirs, tmp_path):
         "model_type": "mistral", "architectures": ["MistralForCausalLM"],
         "sliding_window": 16, "max_position_embeddings": 32, "head_dim": 12,
         "bos_token_id": 5, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
-    original = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(exported).__name__ == "MistralForCausalLM"
-    a, b = original.state_dict(), exported.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with torch.no_grad():
-        theirs = exported(idx).logits
-        assert torch.equal(theirs, original(idx).logits)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    _exported_is_the_source(src, tmp_path / "out", "MistralForCausalLM", idx, ours)
     # Mistral-7B-v0.1's config.json leaves these out: MistralConfig's defaults, not Llama's
     silent = {k: v for k, v in source.items() if k not in (
         "sliding_window", "max_position_embeddings", "num_key_value_heads", "rope_parameters",
