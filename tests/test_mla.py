@@ -92,8 +92,9 @@ def test_logits_equal_transformers_deepseek(version):
 def test_mla_shapes_plan_and_refusals():
     """The parameters of MLA (transformers' names and shapes), its tp plan (up projections
     column, o_proj row, down projections and their norms partial_grad), the FLOPs' width
-    (the mean of the Q K^T and P V widths) and the refusals: GQA's options, rope scaling,
-    sizes without the latent, odd widths; cp > 1 at the door."""
+    (the mean of the Q K^T and P V widths), no Hugging Face arch for a dense Llama with MLA,
+    and the refusals: GQA's options, rope scaling, Gemma's attention options, sizes without
+    the latent, odd widths; cp > 1 at the door."""
     from shardwise.base.config import Config, ConfigError
     from shardwise.models.llama import describe
 
@@ -118,12 +119,19 @@ def test_mla_shapes_plan_and_refusals():
                      ({"qk_norm": True}, "model.qk_norm with model.kv_lora_rank"),
                      ({"rope_scaling": {"factor": 8.0}}, "model.rope_scaling with"),
                      ({"qk_nope_head_dim": 7}, "model.qk_nope_head_dim=7"),
-                     ({"v_head_dim": 0}, "model.v_head_dim=0")):
+                     ({"v_head_dim": 0}, "model.v_head_dim=0"),
+                     ({"query_pre_attn_scalar": 20.0}, "model.query_pre_attn_scalar with"),
+                     ({"norm_zero_centered": True}, "model.norm_zero_centered with")):
         with pytest.raises(ValueError, match=msg):
             LlamaConfig(vocab_size=V, n_layer=1, n_head=4, n_embd=32, **{**MLA, **bad})
     with pytest.raises(ValueError, match=r"^model.rope_scaling: YaRN .* multi-head latent"):
         LlamaConfig(vocab_size=V, n_layer=1, rope_scaling={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+    # a dense Llama with MLA is no arch's: no Llama, Mistral, Qwen or Phi-3 has MLA, and
+    # DeepSeek's have experts (export refuses it in one line, having no arch)
+    from shardwise.models.hf import arch_for
+
+    assert arch_for(cfg) is None
     with pytest.raises(ValueError, match=r"^model.v_head_dim without model.kv_lora_rank"):
         LlamaConfig(vocab_size=V, n_layer=1, v_head_dim=8)
     with pytest.raises(ConfigError, match=r"^model.kv_lora_rank=16 with parallel.cp=2: ring"):
