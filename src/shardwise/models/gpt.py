@@ -139,7 +139,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         scores = torch.tanh(scores / softcap) * softcap
     hidden = (~band if band is not None
               else torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1))
-    att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32)
+    # softmax in at least fp32 (bf16 / fp16 scores promoted, as transformers' eager path;
+    # fp64 kept), then back to the inputs' dtype
+    att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1,
+                    dtype=torch.promote_types(scores.dtype, torch.float32))
     att = att.to(q.dtype)
     if dropout_p > 0.0:
         att = F.dropout(att, dropout_p)
