@@ -17,7 +17,10 @@ export -> transformers' load and ``save_pretrained`` -> the engine's import, bit
 so does the Mistral's and the Phi-3's: the engine's import -> a checkpoint ->
 ``export_hf`` -> a Mistral (a Phi-3, its Q/K/V and gate/up packed) again; so do the
 Gemmas', whose forward and gradients are checked in one process against transformers'
-(and against the planted faults of each of Gemma's options).
+(and against the planted faults of each of Gemma's options). A small multimodal
+``Gemma3ForConditionalGeneration`` (SigLIP tower of one layer) is read for its language
+model only, under the Hub's tensor names and its ``state_dict``'s, and exported as a
+text-only ``Gemma3ForCausalLM``.
 """
 
 from __future__ import annotations
