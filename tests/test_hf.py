@@ -17,7 +17,10 @@ export -> transformers' load and ``save_pretrained`` -> the engine's import, bit
 so does the Mistral's and the Phi-3's: the engine's import -> a checkpoint ->
 ``export_hf`` -> a Mistral (a Phi-3, its Q/K/V and gate/up packed) again; so do the
 Gemmas', whose forward and gradients are checked in one process against transformers'
-(and against the planted faults of each of Gemma's options).
+(and against the planted faults of each of Gemma's options). A small multimodal
+``Gemma3ForConditionalGeneration`` (SigLIP tower of one layer) is read for its language
+model only, under the Hub's tensor names and its ``state_dict``'s, and exported as a
+text-only ``Gemma3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -175,6 +178,8 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     _perturb(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         **gemma, sliding_window=WINDOW, query_pre_attn_scalar=20, sliding_window_pattern=2,
         rope_parameters=GEMMA3_ROPE))).save_pretrained(root / "gemma3")
+    _gemma3_vlm(gemma).save_pretrained(root / "gemma3_vlm")
+    _as_released(root / "gemma3_vlm")
     for name, version in (("deepseek_v3", "V3"), ("deepseek_v2", "V2")):
         _deepseek(version).save_pretrained(root / name)
     assert (root / "llama" / "model.safetensors.index.json").is_file()
@@ -187,11 +192,44 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     saved = safetensors.safe_open(root / "phi3" / "model.safetensors", "pt").keys()
     assert {"model.layers.1.self_attn.qkv_proj.weight",
             "model.layers.1.mlp.gate_up_proj.weight"} <= set(saved)  # packed on disk
+    saved = safetensors.safe_open(root / "gemma3_vlm" / "model.safetensors", "pt").keys()
+    assert {"language_model.model.embed_tokens.weight",  # the Hub's names, not state_dict's
+            "multi_modal_projector.mm_input_projection_weight"} <= set(saved)
     return {name: root / name for name in ("llama", "gpt2", "mixtral", "qwen2", "qwen3",
                                            "qwen3moe", "qwen3moe_raw", "qwen2moe",
                                            "mistral", "phi3", "mistral_swa", "qwen2_swa",
                                            "qwen2moe_swa", "phi3_swa", "gemma", "gemma2",
-                                           "gemma3", "deepseek_v3", "deepseek_v2")}
+                                           "gemma3", "gemma3_vlm", "deepseek_v3",
+                                           "deepseek_v2")}
+
+
+def _gemma3_vlm(gemma: dict):
+    """A Gemma 3 4B-27B in small, perturbed: a ``Gemma3ForConditionalGeneration`` whose
+    language model is the ``gemma`` sizes with a window of 8 on layer 0, QK-norm, the
+    rotary of Gemma 3 4B-27B (``GEMMA3_ROPE``) and ``Gemma3TextConfig``'s own
+    ``query_pre_attn_scalar`` (256, not head_dim's 24: a default that matters), beside a
+    SigLIP vision tower of one layer (hidden 32, 28 x 28 images of 14 x 14 patches) and its
+    projector (4 tokens per image)."""
+    return _perturb(transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            **gemma, sliding_window=WINDOW, sliding_window_pattern=2,
+            rope_parameters=GEMMA3_ROPE),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14),
+        mm_tokens_per_image=4)))
+
+
+def _as_released(path: Path) -> None:
+    """``path/config.json``'s ``text_config`` cut to the fields that differ from
+    ``Gemma3TextConfig``'s defaults, as the Hub's Gemma 3 files list it (the reader must
+    fill the rest as transformers does)."""
+    config = read_config(path)
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    config["text_config"] = {k: v for k, v in config["text_config"].items()
+                             if k == "model_type" or k not in defaults or v != defaults[k]}
+    assert "query_pre_attn_scalar" not in config["text_config"]
+    (path / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +340,9 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
     expert by its width and its gate whole, the Mistral's heads of head_dim 12, the Phi-3's
     slice of each of Q, K, V in its packed qkv_proj and of gate and up in gate_up_proj, the
     Gemma 2's soft-capped scores of its heads and logits of its half of the vocabulary, the
-    Gemma 3's zero-centred q_norm / k_norm whole; measured: the Gemmas' equal at tp = 1,
-    at most 8.0e-7 apart at tp = 2), all nineteen models, six of them
+    Gemma 3's zero-centred q_norm / k_norm whole, the multimodal Gemma 3's language model
+    against transformers' Gemma3ForConditionalGeneration on text; measured: the Gemmas'
+    equal at tp = 1, at most 8.0e-7 apart at tp = 2), all twenty models, six of them
     attending in a sliding window of 8 of the 32 tokens (on every layer, on layer 1, on
     layer 0, on every layer, the Gemma 2's and 3's on layer 0: each rank's heads in the
     window), two DeepSeeks (MLA: each rank's heads, the down projections whole; V3's
@@ -316,14 +355,14 @@ def test_forward_on_imported_weights_equals_transformers_at_tp1_and_tp2(hf_dirs)
 
     dirs = [str(hf_dirs[a]) for a in ("llama", "gpt2", "qwen2", "qwen3", "mistral", "phi3",
                                       "mistral_swa", "qwen2_swa", "qwen2moe_swa", "phi3_swa",
-                                      "gemma", "gemma2", "gemma3",
+                                      "gemma", "gemma2", "gemma3", "gemma3_vlm",
                                       "deepseek_v2", "deepseek_v3", "qwen3moe",
                                       "qwen3moe_raw", "qwen2moe", "mixtral")]
     idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
     want = [_hf_logits(Path(d), idx) for d in dirs]
     tp1 = imported_logits(dirs, idx)
     tp2 = spawn(imported_logits, 2, (dirs, idx, 2, dirs[-3:]), threads=1)
-    assert len(tp1) == 19 and len(tp2[0]) == 22
+    assert len(tp1) == 20 and len(tp2[0]) == 23
     for ours in (tp1, tp2[0], tp2[1]):
         for got, ref in zip(ours, want + want[-3:]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -494,6 +533,110 @@ def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
                      rope_scaling={"rope_type": "linear", "factor": 8.0})
         assert section_of(older) == section_of(source)
         assert transformers.Gemma3TextConfig(**older).rope_parameters == GEMMA3_ROPE
+
+
+def _state_dict_layout(src: Path, dst: Path, text: str = "model.language_model.") -> None:
+    """``src`` copied to ``dst`` with its safetensors keys renamed from the Hub's
+    ``Gemma3ForConditionalGeneration`` names (``language_model.model.layers.N...``, what
+    ``save_pretrained`` writes) to the model's own ``state_dict`` names
+    (``model.language_model.layers.N...``, ``model.vision_tower.*``; ``text``: another
+    prefix for the language model's, to plant a wrong one)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    renamed = {(text + k[len("language_model.model."):] if k.startswith("language_model.model.")
+                else "lm_head.weight" if k == "language_model.lm_head.weight"
+                else "model." + k): v for k, v in tensors.items()}
+    save_file(renamed, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_gemma3_vlm_trains_its_language_model_and_exports_it_text_only(hf_dirs, tmp_path,
+                                                                         monkeypatch):
+    """A ``Gemma3ForConditionalGeneration`` (``_gemma3_vlm``; its config.json's
+    ``text_config`` as the Hub's files list it, ``_as_released``) is read for its language
+    model: the [model] fields transformers' ``Gemma3Config`` gives its text config (the
+    Hub's gemma-3-4b-it config.json too, whose text_config lists six fields); the engine
+    reads the language model's slices only, never a vision or projector tensor, under the
+    Hub's names (``language_model.model.*``, what ``save_pretrained`` writes) or the
+    model's ``state_dict``'s (``model.language_model.*``: the same logits, bit for bit; a
+    checkpoint under neither is refused naming its file), and its logits on text
+    equal transformers' multimodal model's within 1e-5. Exported, the run is a text-only
+    ``Gemma3ForCausalLM`` holding that language model's tensors bit for bit, whose logits
+    are the multimodal model's; ``shardwise plan`` prices the checkpoint as that model."""
+    from hf_workers import imported_logits
+    from shardwise.apps.lm.hf import check_init_from, resolve_init_from
+    from shardwise.base.config import Config, ConfigError
+    from shardwise.checkpoint.hf import SafetensorsDir
+    from shardwise.models.description import describe_section
+    from shardwise.models.hf import GEMMA3, GEMMA3_VLM, HFConfigError, export_arch
+    from shardwise.planner.specs import load_model
+
+    src = hf_dirs["gemma3_vlm"]
+    source = read_config(src)
+    text = transformers.Gemma3Config(**source).text_config.to_dict()  # defaults filled
+    assert section_of(source) == section_of(text)
+    hub_4b = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "eos_token_id": [1, 106], "mm_tokens_per_image": 256, "text_config": {
+                  "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                  "num_hidden_layers": 34, "sliding_window": 1024,
+                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}
+    assert section_of(hub_4b) == section_of(
+        transformers.Gemma3Config(**hub_4b).text_config.to_dict())
+    for bad, what in (({"text_config": {"model_type": "llama"}}, "text_config.model_type"),
+                      ({"tie_word_embeddings": False}, "text_config.tie_word_embeddings=True"),
+                      ({"text_config": {**source["text_config"], "use_bidirectional_attention":
+                                        True}}, "text_config.use_bidirectional_attention")):
+        with pytest.raises(HFConfigError, match=re.escape(what)):
+            section_of({**source, "text_config": {**source["text_config"],
+                                                  "tie_word_embeddings": True}, **bad})
+
+    cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
+    check_init_from(cfg, VOCAB)
+    d = describe_section(cfg.model, VOCAB)
+    assert d.hf is GEMMA3 and export_arch(d, source) is GEMMA3_VLM
+    read, plain = [], SafetensorsDir.read
+    monkeypatch.setattr(SafetensorsDir, "read",
+                        lambda self, name, *a: read.append(name) or plain(self, name, *a))
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    ours, done = _import_and_export(cfg, d, src, source, idx, 32, tmp_path)
+    assert read and all(n.startswith("language_model.model.") for n in read), read
+    theirs = transformers.Gemma3ForConditionalGeneration.from_pretrained(src).eval()
+    with torch.no_grad():
+        want = theirs(input_ids=idx).logits
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+    own = tmp_path / "own"
+    _state_dict_layout(src, own)
+    cfg_own = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{own}"}}))
+    check_init_from(cfg_own, VOCAB)
+    assert torch.equal(imported_logits([str(own)], idx)[0][..., :VOCAB], ours)
+    _state_dict_layout(src, tmp_path / "wrong", text="model.language_model.model.")
+    cfg_wrong = resolve_init_from(Config.from_dict({"model": {"init_from":
+                                                              f"hf:{tmp_path / 'wrong'}"}}))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{tmp_path / 'wrong' / 'model.safetensors'}: no Gemma3ForConditionalGeneration "
+            "language model in it")):
+        check_init_from(cfg_wrong, VOCAB)
+
+    out = tmp_path / "out"
+    assert done.architecture == "Gemma3ForCausalLM"
+    written = read_config(out)
+    assert (written["model_type"], written["architectures"], written["query_pre_attn_scalar"],
+            written["rope_parameters"]) == ("gemma3_text", ["Gemma3ForCausalLM"], 256,
+                                            GEMMA3_ROPE)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported) is transformers.Gemma3ForCausalLM
+    a = theirs.model.language_model.state_dict()
+    b = {k.removeprefix("model."): v for k, v in exported.state_dict().items()
+         if k != "lm_head.weight"}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(idx).logits, want, rtol=1e-5, atol=1e-5)
+    plan, plan_out = load_model(f"hf:{src}"), load_model(f"hf:{out}")
+    assert (plan.params, plan.n_layer, plan.attention_windows) == (
+        plan_out.params, plan_out.n_layer, plan_out.attention_windows)
 
 
 def test_a_llama_with_experts_exports_as_a_mixtral_only_when_it_is_one(tmp_path):
@@ -1099,8 +1242,9 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     tokens than its LongRoPE's original length; a Llama with a partial rotary factor at
     all; a DeepSeek-V3 with linear rope scaling; an export of a run with no checkpoint; a
     Gemma with bidirectional attention, another activation, a scaled or unknown rotary, a
-    null window with sliding layers, the multimodal Gemma 3, and a Gemma 2's soft-capped
-    scores under context parallelism."""
+    null window with sliding layers, a multimodal Gemma 3 whose safetensors hold its
+    language model under neither of its names (a text-only one's) or whose logits are
+    soft-capped, and a Gemma 2's soft-capped scores under context parallelism."""
     train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
              str(text), "--training.out_dir", str(tmp_path / "run")]
 
@@ -1219,8 +1363,8 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
     assert_one_line_exit_2(["export", str(empty), "--format", "hf", "--out",
                             str(tmp_path / "x")], capsys, "no complete checkpoint")
     # Gemma: bidirectional attention, another activation, a scaled rotary on the sliding
-    # layers, a null window with sliding layers, the multimodal Gemma 3; the scores' soft
-    # cap under context parallelism
+    # layers, a null window with sliding layers, a multimodal Gemma 3 of text-only tensors
+    # or with a logit cap; the scores' soft cap under context parallelism
     g3 = read_config(hf_dirs["gemma3"])
     for name, source, changes, what in (
             ("gbi", "gemma3", {"use_bidirectional_attention": True},
@@ -1236,8 +1380,16 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
              "rope_parameters.full_attention.rope_type='yarn'"),
             ("gnull", "gemma2", {"sliding_window": None}, "sliding_window=null"),
             ("gmm", "gemma3", {"model_type": "gemma3",
-                               "architectures": ["Gemma3ForConditionalGeneration"]},
-             "Gemma3ForConditionalGeneration is multimodal")):
+                               "architectures": ["Gemma3ForConditionalGeneration"],
+                               "text_config": {k: v for k, v in g3.items()
+                                               if k not in ("architectures", "model_type")}},
+             ("model.safetensors: no Gemma3ForConditionalGeneration language model in it "
+              "(no language_model.model.embed_tokens.weight or "
+              "model.language_model.embed_tokens.weight)")),
+            ("gmmcap", "gemma3_vlm", {"text_config": {
+                **read_config(hf_dirs["gemma3_vlm"])["text_config"],
+                "final_logit_softcapping": 30.0}},
+             "text_config.final_logit_softcapping=30.0")):
         assert_one_line_exit_2([*train, "--model.init_from",
                                 f"hf:{variant(name, source, **changes)}"], capsys, what)
     assert_one_line_exit_2([*train, "--model.init_from", f"hf:{hf_dirs['gemma2']}",

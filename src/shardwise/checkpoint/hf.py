@@ -62,7 +62,8 @@ class SafetensorsDir:
     """The tensors of a Hugging Face checkpoint directory, read slice by slice.
 
     ``names()``, ``shape(name)`` (from the files' headers, nothing else read), ``read(name,
-    index)`` (the slice ``index``, a tuple of slices, as a CPU tensor of the file's dtype).
+    index)`` (the slice ``index``, a tuple of slices, as a CPU tensor of the file's dtype);
+    ``listing``: the file that lists the tensors (the index, or the one safetensors file).
     Files are opened on first use and kept open (memory-mapped) until ``close()``. Raises
     ``HFCheckpointError`` (one line) when no safetensors file is there, the index names a
     missing file, or a tensor is not in the checkpoint.
@@ -79,12 +80,14 @@ class SafetensorsDir:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
                 raise HFCheckpointError(f"{index}: not a safetensors index ({e})") from None
             self._file_of = {str(k): str(v) for k, v in weight_map.items()}
+            self.listing = index
             for f in sorted(set(self._file_of.values())):
                 if "/" in f or "\\" in f or not (self.path / f).is_file():
                     raise HFCheckpointError(f"{index}: lists {f!r}, which is not a file of "
                                             f"{self.path}")
         elif (self.path / SINGLE).is_file():
             self._file_of = {n: SINGLE for n in self._open(SINGLE).keys()}
+            self.listing = self.path / SINGLE
         else:
             raise HFCheckpointError(f"{self.path}: no {SINGLE} or {INDEX} there (a pickled "
                                     "pytorch_model.bin is not read: convert it to safetensors)")

@@ -384,13 +384,13 @@ def _load_hf(local: LocalModel, path: str, targets: dict[str, list[nn.Parameter]
     from shardwise.checkpoint.hf import SafetensorsDir, read_config
 
     # the checkpoint's own arch when it holds the model (Phi-3's packed Q/K/V, which a Llama
-    # config does not name), else the description's
-    d = local.description.with_checkpoint_arch(read_config(path))
-    if d.hf is None:
-        raise ValueError(f"model.init_from: model.kind={d.kind!r} has no Hugging Face mapping "
-                         "(its ModelDescription.hf is None)")
+    # config does not name), else the description's; under the names the files hold
     files = SafetensorsDir(path)
     try:
+        d = local.description.with_checkpoint_arch(read_config(path), files)
+        if d.hf is None:
+            raise ValueError(f"model.init_from: model.kind={d.kind!r} has no Hugging Face "
+                             "mapping (its ModelDescription.hf is None)")
         for name, params in targets.items():
             src = d.tied[0] if d.tied is not None and name == d.tied[1] else name
             spec = d.hf.tensor(src)

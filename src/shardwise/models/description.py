@@ -189,16 +189,23 @@ class ModelDescription:
                 raise ValueError(f"tp plan of {self.kind!r}: {pattern!r} has style {style!r}; "
                                  f"expected one of {', '.join(STYLES)}")
 
-    def with_checkpoint_arch(self, config_json: dict) -> ModelDescription:
+    def with_checkpoint_arch(self, config_json: dict, files=None) -> ModelDescription:
         """This description with ``hf`` the arch that reads a Hugging Face checkpoint whose
         config.json is ``config_json`` into this model: the checkpoint's own arch when it
         holds the model, else ``hf`` (``models.hf.export_arch``'s rule). A Llama config
-        names no arch, and Phi-3's packed Q/K/V and gate/up are not the Llama's tensors."""
+        names no arch, and Phi-3's packed Q/K/V and gate/up are not the Llama's tensors.
+        ``files``: the checkpoint's tensors (``checkpoint.hf.SafetensorsDir``: its
+        ``names()`` and ``listing``), for an arch saved under several names
+        (``HFArch.reading``: a ``Gemma3ForConditionalGeneration``'s language model; its
+        one-line ``HFConfigError`` when none is there); None: the arch's first."""
         from dataclasses import replace
 
         from shardwise.models.hf import export_arch
 
-        return replace(self, hf=export_arch(self, config_json))
+        hf = export_arch(self, config_json)
+        if hf is not None and files is not None:
+            hf = hf.reading(set(files.names()), str(files.listing))
+        return replace(self, hf=hf)
 
     def style_of(self, name: str) -> str:
         """The style of module ``name`` (``style_of`` on ``tp_plan``)."""

@@ -61,8 +61,12 @@ zero-centred norms, the embedding's sqrt(h), GeGLU; Gemma 2 and 3 the sandwich n
 QK-norm, the logits' soft cap when set and the local rotary base), Llama's tensor names
 (their ``post_attention_layernorm`` is the attention output's norm, ours too with
 ``sandwich_norm``), tied heads by default. The multimodal ``Gemma3ForConditionalGeneration``
-(``model_type`` "gemma3") is refused in one line: its text tower loads as a
-``Gemma3ForCausalLM`` checkpoint of its own.
+(``model_type`` "gemma3": Gemma 3 4B, 12B and 27B) is read for its language model only
+(``GEMMA3_VLM``, ``HFArch.language_model``): its ``text_config`` under
+``Gemma3TextConfig``'s defaults, its text tensors under either of the names they are saved
+with (``HFArch.layouts``, ``HFArch.reading``), the vision tower and the projector ignored
+(never read); an export of such a run writes that language model as a text-only
+``Gemma3ForCausalLM`` (``text_source``).
 """
 
 from __future__ import annotations
@@ -70,13 +74,14 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
 
 class HFConfigError(ValueError):
-    """A ``config.json`` our models cannot hold exactly; ``str(err)`` is one line."""
+    """A ``config.json`` our models cannot hold exactly, or a checkpoint whose tensors are
+    under none of its arch's names (``HFArch.reading``); ``str(err)`` is one line."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,13 @@ class HFArch:
     (DeepSeek's multi-token-prediction layers, numbered after the model's). A training-state
     buffer (``state_buffers``: the routing bias) is a checkpoint tensor where ``tensor``
     names it (DeepSeek-V3's ``e_score_correction_bias``), read and written as a parameter
-    is; where it raises ``KeyError`` the buffer is not the arch's."""
+    is; where it raises ``KeyError`` the buffer is not the arch's. ``layouts``: for an arch
+    whose tensors are saved under several names (a ``Gemma3ForConditionalGeneration``'s
+    language model: the Hub's files and its own ``state_dict`` since transformers 4.52
+    differ), the
+    ``tensor`` of each, ``reading`` picking the one a checkpoint holds; empty: ``tensor``
+    only. ``language_model(config_json)``: for a multimodal arch, the config.json of its
+    language model as a text-only checkpoint's (``text_source``); None: not multimodal."""
 
     kind: str
     model_type: str
@@ -202,6 +213,8 @@ class HFArch:
     holds: Callable[[Any], bool] = lambda config: True
     sized: Callable[[Any], Callable[[str], HFTensor]] | None = None
     ignores: Callable[[Any], tuple[str, ...]] = lambda config: ()
+    layouts: tuple[Callable[[str], HFTensor], ...] = ()
+    language_model: Callable[[dict], dict] | None = None
 
     def is_ignored(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
@@ -212,6 +225,19 @@ class HFArch:
         arch = self if self.sized is None else replace(self, tensor=self.sized(config))
         more = self.ignores(config)
         return replace(arch, ignored=arch.ignored + tuple(more)) if more else arch
+
+    def reading(self, names: Collection[str], where: str) -> HFArch:
+        """This arch for reading a checkpoint whose tensors are ``names`` (``where``: the
+        file that lists them): itself, or for an arch with ``layouts`` (of kind "llama"),
+        with ``tensor`` the first layout whose embedding (``embed.tok.weight``) is among
+        ``names``. ``HFConfigError`` (one line, naming ``where``) when none is."""
+        if not self.layouts:
+            return self
+        for tensor in self.layouts:
+            if tensor("embed.tok.weight").name in names:
+                return replace(self, tensor=tensor)
+        tried = " or ".join(t("embed.tok.weight").name for t in self.layouts)
+        raise HFConfigError(f"{where}: no {self.architecture} language model in it (no {tried})")
 
 
 def _get(c: dict, key: str, default: Any) -> Any:
@@ -974,7 +1000,9 @@ _GEMMA_DEFAULTS = {
                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
                "sliding_window": 4096, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0},
-    "Gemma3": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "head_dim": 256,
+    "Gemma3": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+               "num_hidden_layers": 26, "num_attention_heads": 8,
+               "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "head_dim": 256,
                "num_key_value_heads": 4, "tie_word_embeddings": True,
                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
                "sliding_window": 4096, "final_logit_softcapping": None,
@@ -1134,6 +1162,97 @@ def _gemma_arch(arch: str) -> HFArch:
                   config_json=lambda cfg, source: _gemma_config_json(cfg, source, arch),
                   tensor=_llama_tensor, ignored=("*.rotary_emb.*inv_freq",),
                   at_most=("block_size",), holds=_gemma_holds(arch))
+
+
+# a Gemma3ForConditionalGeneration's language model on disk, in ``HFArch.reading``'s order:
+# the Hub's released files, which transformers' save_pretrained still writes (5.23: its
+# conversion mapping renamed back; transformers 4.50's names, whose language_model was a
+# whole Gemma3ForCausalLM), then the model's own state_dict names since transformers 4.52
+# (Gemma3Model's language_model, a Gemma3TextModel beside the vision tower; the head
+# outside it), which a checkpoint written from state_dict() holds; Llama's names in a block
+_GEMMA3_VLM_LAYOUTS = (
+    (("embed.tok.", "language_model.model.embed_tokens."),
+     ("blocks.", "language_model.model.layers."), ("head.norm.", "language_model.model.norm."),
+     ("head.proj.", "language_model.lm_head.")),
+    (("embed.tok.", "model.language_model.embed_tokens."),
+     ("blocks.", "model.language_model.layers."), ("head.norm.", "model.language_model.norm."),
+     ("head.proj.", "lm_head.")))
+# its SigLIP vision tower and multi-modal projector under either layout: never read
+_GEMMA3_VLM_VISION = ("vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*",
+                      "model.multi_modal_projector.*")
+
+
+def _prefixed(prefixes: tuple[tuple[str, str], ...]) -> Callable[[str], HFTensor]:
+    """``HFArch.tensor`` of a Llama stored under ``prefixes`` ((ours, theirs) pairs, as
+    ``LLAMA_PREFIXES``), Llama's names inside a block."""
+    def tensor(name: str) -> HFTensor:
+        for ours, theirs in prefixes:
+            if name.startswith(ours):
+                return HFTensor(theirs + name[len(ours):])
+        raise KeyError(f"{name}: not a Llama parameter name")
+    return tensor
+
+
+def _gemma3_language_model(c: dict) -> dict:
+    """The config.json of a ``Gemma3ForConditionalGeneration``'s language model as a
+    ``Gemma3ForCausalLM``'s: its ``text_config`` (what it leaves out, ``Gemma3TextConfig``'s
+    defaults: ``_gemma_section``; none at all, every default, as ``Gemma3Config``), with
+    ``model_type`` "gemma3_text", the top level's ``tie_word_embeddings`` (default true:
+    what ties the multimodal model's head in transformers 5) and its token ids where
+    ``text_config`` names none. Refused in one line: a ``text_config`` that is not an
+    object or not "gemma3_text", one whose ``tie_word_embeddings`` contradicts the top
+    level's, a ``final_logit_softcapping`` (transformers 5's multimodal forward caps no
+    logits, its ``Gemma3ForCausalLM`` and older versions do: not one model)."""
+    text = c.get("text_config")
+    text = {} if text is None else text
+    if not isinstance(text, dict):
+        raise HFConfigError(f"config.json: text_config={text!r}: expected an object")
+    kind = text.get("model_type", "gemma3_text")
+    if kind != "gemma3_text":
+        raise _refuse("Gemma3", f"text_config.model_type={kind!r} (a Gemma 3's language model "
+                      "is 'gemma3_text')")
+    tie = bool(_get(c, "tie_word_embeddings", True))
+    if text.get("tie_word_embeddings") is not None and bool(text["tie_word_embeddings"]) != tie:
+        raise _refuse("Gemma3", f"text_config.tie_word_embeddings="
+                      f"{text['tie_word_embeddings']!r} with tie_word_embeddings={tie!r} at "
+                      "the top level (transformers 5 ties by the top level's)")
+    if text.get("final_logit_softcapping") is not None:
+        raise _refuse("Gemma3", "text_config.final_logit_softcapping="
+                      f"{text['final_logit_softcapping']!r} in a "
+                      "Gemma3ForConditionalGeneration (transformers 5 does not cap its logits, "
+                      "its Gemma3ForCausalLM does: null)")
+    out = {k: c[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if k in c and k not in text}
+    out.update(text, model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+               tie_word_embeddings=tie)
+    return out
+
+
+def _gemma3_vlm() -> HFArch:
+    """``Gemma3ForConditionalGeneration`` (model_type "gemma3"; Gemma 3 4B, 12B, 27B): its
+    language model is GEMMA3's (``_gemma3_language_model``: the same section, holds and
+    bounds), read under either layout (``_GEMMA3_VLM_LAYOUTS``), the vision tower and the
+    projector ignored; its ``config_json`` is GEMMA3's of the language model, what an
+    export writes (as GEMMA3: ``text_source``)."""
+    text = GEMMA3
+    lm = _gemma3_language_model
+    layouts = tuple(_prefixed(p) for p in _GEMMA3_VLM_LAYOUTS)
+
+    def section(c: dict) -> dict:
+        c = lm(c)
+        try:
+            return text.section(c)
+        except HFConfigError as e:  # a field of text_config: say so
+            raise HFConfigError(str(e).replace("config.json: ", "config.json: text_config.",
+                                               1)) from None
+
+    return replace(text, model_type="gemma3", architecture="Gemma3ForConditionalGeneration",
+                   section=section,
+                   config_json=lambda cfg, source: text.config_json(
+                       cfg, None if source is None else lm(source)),
+                   bound_reason=lambda c: text.bound_reason(lm(c)),
+                   tensor=layouts[0], layouts=layouts, language_model=lm,
+                   ignored=text.ignored + _GEMMA3_VLM_VISION)
 
 
 # Qwen2-MoE's and Qwen3-MoE's (Qwen2-MoE's conversion_mapping): mlp.gate and
@@ -1487,13 +1606,12 @@ def _mtp_layers(cfg) -> tuple[str, ...]:
 DEEPSEEK_V3, DEEPSEEK_V2 = _deepseek_arch("DeepSeek-V3"), _deepseek_arch("DeepSeek-V2")
 
 GEMMA, GEMMA2, GEMMA3 = _gemma_arch("Gemma"), _gemma_arch("Gemma2"), _gemma_arch("Gemma3")
+GEMMA3_VLM = _gemma3_vlm()
 # arch_for's order: the first that holds a config (Llama before Mistral: both hold a dense
-# Llama without Qwen's options; Gemma's options are held by Gemma's archs only)
+# Llama without Qwen's options; Gemma's options are held by Gemma's archs only; GEMMA3
+# before GEMMA3_VLM, which holds what it holds but is read only: text_source)
 ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3, GEMMA, GEMMA2,
-         GEMMA3, DEEPSEEK_V3, DEEPSEEK_V2)
-# multimodal checkpoints whose language model shardwise would read only as a text-only one
-_MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM",
-                          "gemma3_text")}
+         GEMMA3, DEEPSEEK_V3, DEEPSEEK_V2, GEMMA3_VLM)
 
 
 def arch_for(cfg) -> HFArch | None:
@@ -1518,11 +1636,6 @@ def arch_of(config_json: dict) -> HFArch:
     ``HFConfigError`` (one line, naming what is supported) for any other."""
     model_type = config_json.get("model_type")
     names = config_json.get("architectures") or []
-    multimodal = _MULTIMODAL.get(model_type) or next(
-        (m for m in _MULTIMODAL.values() if m[0] in names), None)
-    if multimodal is not None:
-        raise HFConfigError(f"config.json: {multimodal[0]} is multimodal; shardwise loads the "
-                            f"text-only {multimodal[1]} (model_type {multimodal[2]!r}) only")
     for arch in ARCHS:
         if model_type == arch.model_type or (model_type is None and arch.architecture in names):
             return arch
@@ -1554,6 +1667,20 @@ def export_arch(description, source: dict | None) -> HFArch | None:
     except (HFConfigError, KeyError):  # a source config.json that no longer reads
         fits = False
     return arch.of(description.config) if fits else description.hf
+
+
+def text_source(source: dict | None) -> dict | None:
+    """The config.json ``shardwise export`` writes over, for a run whose
+    ``model.init_from`` config.json was ``source``: a multimodal checkpoint's language model
+    as a text-only checkpoint's (``HFArch.language_model``: a
+    ``Gemma3ForConditionalGeneration``'s ``text_config`` as a ``Gemma3ForCausalLM``'s, so
+    the run is written as that: the vision tower is not carried); else ``source`` (None, or
+    one that no longer reads, too)."""
+    try:
+        lm = arch_of(source).language_model if source is not None else None
+        return source if lm is None else lm(source)
+    except (HFConfigError, KeyError):  # export_arch then writes the model's own arch
+        return source
 
 
 def section_of(config_json: dict) -> dict:

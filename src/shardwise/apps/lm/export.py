@@ -10,7 +10,10 @@ tensors whatever layout wrote them. Writes into DIR:
   out; else ``arch_for``'s), written by its ``HFArch.config_json`` over the source
   checkpoint's config.json when the run started from one, so its other fields, token ids
   and context survive; the sliding window is the model's own (``model.sliding_window``,
-  ``model.layer_types``);
+  ``model.layer_types``). A run that started from a multimodal checkpoint (a
+  ``Gemma3ForConditionalGeneration``) trained its language model only, and is written as
+  that, text only (``models.hf.text_source``: a ``Gemma3ForCausalLM`` of its
+  ``text_config``); its vision tower and projector are not carried;
 - ``model.safetensors``, or shards above ``max_shard_bytes`` with
   ``model.safetensors.index.json``: the tensors under ``transformers``' names and layouts
   (GPT-2's packed, transposed ``c_attn``; a tied head written once, as HF does), fp32;
@@ -36,7 +39,7 @@ from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError
 from shardwise.checkpoint.hf import CONFIG, write_safetensors
 from shardwise.models.description import describe, describe_section
-from shardwise.models.hf import export_arch, to_hf_tensors
+from shardwise.models.hf import export_arch, text_source, to_hf_tensors
 
 
 class ExportError(CheckpointError):
@@ -93,7 +96,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     cfg = Config.from_dict(meta["config"])
     tok_state = meta["tokenizer"]
     d = describe_section(cfg.model, _vocab_size(tok_state))
-    source = meta.get("hf_config")  # model.init_from's config.json, if the run had one
+    # model.init_from's config.json, if the run had one (a multimodal one's language model)
+    source = text_source(meta.get("hf_config"))
     d = replace(d, hf=export_arch(d, source))
     if d.hf is None and d.kind == "llama" and d.n_experts:
         raise ExportError(f"{path}: this Llama's mixture of experts is not a Mixtral's, a "

@@ -81,9 +81,12 @@ def check_init_from(cfg: Config, vocab_size: int | None = None) -> None:
         return
     where = f"model.init_from={cfg.model.init_from}"
     d = describe_section(cfg.model, cfg.model.vocab_size)
-    try:  # the checkpoint's own arch when it holds the model (Phi-3's packed tensors)
-        d = d.with_checkpoint_arch(source_config(cfg))
-    except HFCheckpointError as e:
+    try:  # the checkpoint's own arch when it holds the model (Phi-3's packed tensors), under
+        # the names its files hold (a Gemma3ForConditionalGeneration's language model)
+        files = SafetensorsDir(path)
+        d = d.with_checkpoint_arch(source_config(cfg), files)
+        have = {n: files.shape(n) for n in files.names()}
+    except (HFCheckpointError, HFConfigError) as e:
         raise ConfigError(f"{where}: {e}") from None
     if d.hf is None:
         raise ConfigError(f"{where}: model.kind={d.kind!r} has no Hugging Face mapping")
@@ -93,11 +96,6 @@ def check_init_from(cfg: Config, vocab_size: int | None = None) -> None:
     with torch.device("meta"):
         model = d.build()
     want = hf_shapes(d, model)
-    try:
-        files = SafetensorsDir(path)
-        have = {n: files.shape(n) for n in files.names()}
-    except HFCheckpointError as e:
-        raise ConfigError(f"{where}: {e}") from None
     for name, shape in want.items():
         if name not in have:
             raise ConfigError(f"{where}: the checkpoint has no tensor {name} (config.json "
