@@ -494,8 +494,8 @@ def test_a_gemma_in_is_a_gemma_out(arch, hf_dirs, tmp_path):
     exactly and ours within 1e-5, its config.json keeps the model's options (Gemma 3's
     rotary keyed by layer type). Without a source the same model is that Gemma too
     (``arch_for``; with the sandwich norms a Gemma is a Gemma 2, with QK-norm a Gemma 2
-    none, its scores capped; without zero-centred norms, the embedding's scale or GeGLU, or with Q/K/V
-    biases, none: the export refuses it), and ``config_json(cfg, None)`` reads back the
+    none, its scores capped; without zero-centred norms, the embedding's scale or GeGLU, or
+    with Q/K/V biases, none: the export refuses it), and ``config_json(cfg, None)`` reads back the
     same [model] fields. The older form of a Gemma 3 config.json (``rope_theta``,
     ``rope_local_base_freq``, ``rope_scaling``) reads as the new one does."""
     from dataclasses import replace

@@ -2,8 +2,9 @@
 our Llama with MLA, DeepSeek's routing and mixed dense / mixture blocks equal transformers'
 ``DeepseekV3ForCausalLM`` (interleaved rotary, a query latent) on the same weights, mapped in
 memory (``DeepseekV2ForCausalLM``, a plain ``q_proj`` and softmax group-limited greedy
-routing, through its checkpoint: tests/test_hf.py); the interleaved layout matters; refusals are one line naming the field. Training
-parity under tp (+SP), ep and pp: tests/test_moe.py's ``mixed`` model. A few seconds."""
+routing, through its checkpoint: tests/test_hf.py); the interleaved layout matters; refusals
+are one line naming the field. Training parity under tp (+SP), ep and pp:
+tests/test_moe.py's ``mixed`` model. A few seconds."""
 
 import pytest
 import torch

@@ -251,11 +251,11 @@ GPU_RESERVED = 2 * GiB
 # per-operation one: ``--compute fixed``, and what tests/data/planner_baseline.json recorded.
 FIXED_PRESETS: dict[str, Cluster] = {
     "dgx-a100-40gb": Cluster("dgx-a100-40gb", "A100-SXM4-40GB", _bf16_peak("A100"), 40 * GiB, 8,
-                             NVLINK3, HDR, mem_bw=1.555e12, source="NVIDIA A100 and DGX A100 datasheets",
-                             reserved=GPU_RESERVED),
+                             NVLINK3, HDR, mem_bw=1.555e12,
+                             source="NVIDIA A100 and DGX A100 datasheets", reserved=GPU_RESERVED),
     "dgx-a100-80gb": Cluster("dgx-a100-80gb", "A100-SXM4-80GB", _bf16_peak("A100"), 80 * GiB, 8,
-                             NVLINK3, HDR, mem_bw=2.039e12, source="NVIDIA A100 and DGX A100 datasheets",
-                             reserved=GPU_RESERVED),
+                             NVLINK3, HDR, mem_bw=2.039e12,
+                             source="NVIDIA A100 and DGX A100 datasheets", reserved=GPU_RESERVED),
     "dgx-h100": Cluster("dgx-h100", "H100-SXM5-80GB", _bf16_peak("H100 SXM"), 80 * GiB, 8,
                         NVLINK4, NDR,
                         mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets",
