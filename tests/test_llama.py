@@ -10,9 +10,9 @@ a window on layer 0 with its local rotary base, the global layer's linearly scal
 logits soft-capped), trained at dp2 x tp2 (+SP) x pp2. One process trains each for
 ``STEPS`` steps (the reference, itself checked against a plain ``torch.manual_seed(seed);
 Llama(cfg)`` with AdamW); then one spawn of 8 ranks and one of 4 train every layout of
-``LAYOUTS`` on the same global batches. Parity (fp32): every loss and every parameter tensor of every rank
-(every dp replica, tp rank and stage, gathered whole) within ``RTOL`` relative of the
-reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
+``LAYOUTS`` on the same global batches. Parity (fp32): every loss and every parameter
+tensor of every rank (every dp replica, tp rank and stage, gathered whole) within ``RTOL``
+relative of the reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
 ``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order;
 with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``; the
 Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6).
