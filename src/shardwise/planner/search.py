@@ -171,21 +171,17 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
 
 def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     """The reasons that hold for every layout of one cp size: 2 cp must divide the
-    sequence, and a model whose description runs no context parallelism (DeepSeek's MLA),
-    with dropout or with soft-capped attention scores (Gemma 2's ``attn_logit_softcapping``,
-    read from a described spec's config) gets no cp > 1 (the engine refuses each:
-    ``base.config``'s cp check; ring attention has neither dropout nor a soft cap)."""
+    sequence, and a model whose description runs no context parallelism
+    (``ModelDescription.context_parallel`` false: the Llama's with DeepSeek's MLA or Gemma
+    2's soft-capped scores) or with dropout gets no cp > 1 (the engine refuses both:
+    ``Engine``'s and ``base.config``'s cp checks; ring attention has no dropout)."""
     d = spec.description
     if cp > 1 and d is not None and not d.context_parallel:
         return (f"cp={cp}: model {spec.name!r} does not run under context parallelism "
-                "(its description says so: MLA's values are narrower than its keys)")
+                "(its ModelDescription.context_parallel is false; the engine refuses cp > 1)")
     if cp > 1 and spec.dropout > 0:
         return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
                 "attention dropout (the engine refuses cp > 1 with dropout)")
-    cap = getattr(getattr(spec.description, "config", None), "attn_logit_softcapping", None)
-    if cp > 1 and cap:
-        return (f"cp={cp} with model.attn_logit_softcapping={cap:g}: ring attention has no "
-                "soft cap on the scores (the engine refuses cp > 1 with it)")
     if cp > 1 and spec.block_size % (2 * cp):
         return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
                 "(each cp rank holds chunks i and 2cp-1-i)")
