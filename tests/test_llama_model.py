@@ -187,6 +187,7 @@ def test_generate_and_sequence_limit():
     (dict(sliding_window=4, layer_types=("sliding_attention",)), "layer_types"),
     (dict(layer_types=("sliding_attention", "full_attention")), "layer_types"),
     (dict(mlp_activation="relu"), "mlp_activation"),
+    (dict(mlp_activation="gelu_tanh", n_experts=4), "mlp_activation"),
     (dict(attn_logit_softcapping=0.0), "attn_logit_softcapping"),
     (dict(query_pre_attn_scalar=-1.0), "query_pre_attn_scalar"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 0.0}), "rope_scaling.factor"),

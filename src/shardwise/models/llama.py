@@ -346,6 +346,10 @@ class LlamaConfig:
         if self.mlp_activation not in ACTIVATIONS:
             raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected "
                              f"{' or '.join(ACTIVATIONS)}")
+        if self.mlp_activation != "silu" and self.n_experts:
+            raise ValueError(f"model.mlp_activation={self.mlp_activation!r} with "
+                             f"model.n_experts={self.n_experts}: the experts are SwiGLU "
+                             "(models.moe); use silu")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
                      "final_logit_softcapping", "rope_local_base_freq"):
             v = getattr(self, name)
