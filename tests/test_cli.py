@@ -173,6 +173,52 @@ def test_train_help_lists_every_config_field(capsys, monkeypatch):
     assert n > 60 and text.count("(default: ") >= n
 
 
+
+def test_the_configuration_reference_page_is_current():
+    """docs/config.md is the generated reference of every field (so it cannot fall behind
+    config.py); regenerate it with ``python -m shardwise.cli.config_args > docs/config.md``."""
+    from helpers import REPO
+    from shardwise.base.config import config_fields
+    from shardwise.cli.config_args import reference
+
+    page = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
+    assert page == reference(), ("docs/config.md is stale: run python -m "
+                                 "shardwise.cli.config_args > docs/config.md")
+    for f in config_fields():
+        assert f"| `{f.name}` |" in page
+
+
+def test_relative_links_in_the_readme_and_docs_reach_a_file_and_heading():
+    """Every relative Markdown link of README.md and docs/*.md names a file that exists and,
+    with ``#anchor``, a heading of that file (GitHub's anchors: lower case, punctuation but
+    hyphens and underscores dropped, spaces to hyphens)."""
+    import re
+
+    from helpers import REPO
+
+    def anchors(path):
+        out = set()
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("#"):
+                title = line.lstrip("#").strip().lower()
+                out.add(re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", title)))
+        return out
+
+    bad = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                bad.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                bad.append(f"{page.name}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--optimizer.lrr", "1e-3"], "shardwise: error: optimizer.lrr: unknown key; did you mean optimizer.lr?"),
     (["--optimiser.lr", "1e-3"], "shardwise: error: optimiser: unknown section; did you mean optimizer?"),

@@ -60,3 +60,35 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def overrides(args: argparse.Namespace) -> list[str]:
     """The config options given, back as ``["--section.field", "VALUE", ...]`` in order."""
     return [tok for key, value in getattr(args, DEST, None) or [] for tok in (f"--{key}", value)]
+
+
+def reference() -> str:
+    """Every config field as Markdown: one table per section (field, TOML type, default,
+    bounds, meaning), from the same ``config_fields`` as ``--help``. ``docs/config.md`` is
+    this text (``python -m shardwise.cli.config_args > docs/config.md``; a test compares)."""
+    from shardwise.base.config import config_fields, config_sections
+
+    def cell(text: str) -> str:
+        return " ".join(str(text).split()).replace("|", "\\|")
+
+    fields = config_fields()
+    lines = ["# Configuration reference", "",
+             "Every field of a run's TOML file, by section, as `shardwise train --help` lists "
+             "them. Set a field in the file (`[parallel]` then `tp = 2`) or on the command "
+             "line (`--parallel.tp 2`, the value a TOML literal). Generated from "
+             "`src/shardwise/base/config.py` by `python -m shardwise.cli.config_args > "
+             "docs/config.md`; `tests/test_cli.py` fails when this page falls behind.", ""]
+    for section, summary in config_sections():
+        lines += [f"## [{section}]", "", cell(summary.replace("``", "`")), "",
+                  "| field | type | default | meaning |", "|---|---|---|---|"]
+        for f in (f for f in fields if f.section == section):
+            bounds = f"; {f.bounds}" if f.bounds else ""
+            default = '""' if f.default == "" else cell(format_default(f.default))
+            lines.append(f"| `{f.name}` | {cell(f.type)} | `{default}`{cell(bounds)} | "
+                         f"{cell(f.description.replace('``', '`'))} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
