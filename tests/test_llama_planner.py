@@ -44,6 +44,7 @@ def test_preset_params_match_published_and_the_model(name):
 # Gemma's released totals (arXiv:2408.00118 Table 1 and arXiv:2503.19786 Table 1 list
 # embedding and non-embedding parameters; these are the checkpoints' own totals)
 GEMMA_PUBLISHED = {"gemma2-2b": 2_614_341_888, "gemma2-9b": 9_241_705_984,
+                   "gemma2-27b": 27_227_128_320,
                    "gemma3-1b": 999_885_952, "gemma3-12b": 11_766_034_176,
                    "gemma3-27b": 27_009_346_304}
 
@@ -80,6 +81,60 @@ def test_gemma_presets_count_what_transformers_builds():
     for name in GEMMA_PUBLISHED:  # plan --emit-toml's [model] table trains this model
         spec = NAMED[name]
         assert describe_section(spec.section(), spec.vocab_size).config == gemma_config(name)
+
+
+
+def _saved_bytes(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps from ``block(x)`` for backward."""
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    return sum(kept.values())
+
+
+def test_written_out_scores_are_priced_as_autograd_keeps_them():
+    """A model whose attention writes its scores out says so in its description (Gemma 2's
+    soft cap: 2, the math path: 1, SDPA: 0; the GPT's math path: 1), and the planner counts
+    what autograd keeps of them per head, query and key (``written_score_bytes``: 4 / 6 on
+    the math path in fp32 / bf16, 8 / 8 soft-capped), measured on a Llama block; a Gemma 2's
+    activations and memory-bound time grow by exactly those scores, at cp = 1 only."""
+    from shardwise.models.gpt import describe as describe_gpt
+    from shardwise.planner.memory import activation_bytes, written_score_bytes
+    from shardwise.planner.simulate import block_ops
+
+    base = LlamaConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, n_kv_heads=2,
+                       n_embd=64, head_dim=32, ffn_hidden=128)
+    cases = {0: base, 1: replace(base, attention="math"),
+             2: replace(base, attn_logit_softcapping=50.0)}
+    assert describe_gpt(GPTConfig(vocab_size=64, attention="math")).written_scores == 1
+    assert describe_gpt(GPTConfig(vocab_size=64)).written_scores == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        e, kept = torch.finfo(dtype).bits // 8, {}
+        for n, cfg in cases.items():
+            assert describe(cfg).written_scores == n
+            torch.manual_seed(0)
+            block = Llama(cfg).to(dtype).blocks[0]
+            kept[n] = _saved_bytes(block, torch.randn(2, 64, 64, dtype=dtype))
+        for n in (1, 2):  # per score element of (B, H, T, T), beside a shared (T, T) mask
+            per_score = (kept[n] - kept[0]) / (2 * 4 * 64 * 64)
+            assert per_score == pytest.approx(written_score_bytes(n, e), abs=0.1), (dtype, n)
+    spec = NAMED["gemma2-9b"]
+    fused = replace(spec, written_scores=0)
+    assert spec.written_scores == 2 and NAMED["gemma3-12b"].written_scores == 0
+    s, heads = spec.block_size, spec.n_head // 8  # tp = 8
+    kw = dict(mb=1, tp=8, pp=1, micro_batches=1, precision="bf16")
+    grown = activation_bytes(spec, **kw) - activation_bytes(fused, **kw)
+    assert grown == spec.n_layer * heads * s * s * 8  # every layer's scores, 8 bytes each
+    assert activation_bytes(replace(spec, block_size=s), cp=2, **kw) == \
+        activation_bytes(replace(fused, block_size=s), cp=2, **kw)  # the ring: none written
+    moved = (sum(block_ops(spec, 1, 8, True, "shardwise", 2).moves)
+             - sum(block_ops(fused, 1, 8, True, "shardwise", 2).moves))
+    assert moved == 2 * heads * s * s * (2 + 2 + 4 + 2)  # Q K^T, tanh, softmax, cast: r + w
 
 
 @pytest.mark.parametrize("name", ["llama2-7b", "llama3-70b"])

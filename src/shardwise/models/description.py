@@ -147,6 +147,13 @@ class ModelDescription:
         (an MoE's token counts per expert) with ``models.sequence.sequence_total``, so a
         rank may hold only some chunks of each sequence (``parallel.cp > 1``); False (the default for your own model): the
         engine refuses cp > 1, since positions computed as ``arange(T)`` would be wrong.
+    written_scores: 0 (the default): attention through a fused kernel, nothing T x T kept;
+        n > 0: the attention writes its (B, H, T, T) scores out (``models.gpt.causal_attention``
+        on its math path) and its backward keeps the fp32 softmax, the probabilities cast
+        back to the compute dtype (a tensor of their own below fp32) and n - 1 more T x T
+        tensors of the compute dtype (Gemma 2's soft cap: the tanh's output, n = 2). The
+        planner counts them in activation memory and memory-bound time (``planner.memory``,
+        ``planner.simulate.block_ops``).
     hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
         config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``
         read it, each with the checkpoint's own arch when that holds the model:
@@ -171,6 +178,7 @@ class ModelDescription:
     context_parallel: bool = False
     hf: Any = None
     attention_windows: tuple[int | None, ...] = ()
+    written_scores: int = 0
 
     def __post_init__(self):
         w = self.attention_windows

@@ -295,7 +295,7 @@ def describe(cfg: GPTConfig):
     return ModelDescription(
         kind="gpt", config=cfg, build=lambda: GPT(cfg), tp_plan=TP_PLAN, hidden_size=c,
         vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-        attention_width=c, context_parallel=True,
+        attention_width=c, context_parallel=True, written_scores=int(cfg.attention == "math"),
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c},

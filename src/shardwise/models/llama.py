@@ -985,6 +985,9 @@ def describe(cfg: LlamaConfig):
         attention_width=cfg.n_head * ((cfg.head_dim + cfg.v_head_dim) // 2 if cfg.kv_lora_rank
                                       else cfg.head_dim),
         attention_windows=cfg.windows if cfg.sliding_window is not None else (),
+        # the math path, or soft-capped scores (a tanh's output more): written out T x T
+        written_scores=(int(cfg.attention == "math" or cfg.attn_logit_softcapping is not None)
+                        + (cfg.attn_logit_softcapping is not None)),
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},

@@ -418,8 +418,14 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
     kernel; under ``ring`` attention, cp > 1, they are kept with their ``n_kv_heads``, r =
     kv_heads / n_head); gate, up, silu(gate) and their product, f wide each. Mixed dense
     and mixture blocks (``ModelSpec.mixed``): each coefficient the larger of the two
-    kinds' (an upper bound on every block)."""
+    kinds' (an upper bound on every block). A model whose attention writes its scores out
+    (``ModelSpec.written_scores`` n > 0) at cp = 1 keeps, per head, token and key,
+    ``written_score_bytes``."""
     e = BYTES[precision]
+    if spec is not None and spec.written_scores and not ring:
+        fused = shardwise_model(precision, replace(spec, written_scores=0), ring)
+        return replace(fused, name=f"{fused.name}-scores",
+                       scores=written_score_bytes(spec.written_scores, e))
     if spec is not None and spec.mixed:  # every block counted at the larger of its kinds'
         a, b = (shardwise_model(precision, spec.part(k), ring) for k in ("moe", "dense"))
         keys = ("replicated", "sharded", "gathered_sp", "scores", "lse", "recompute_keep")
@@ -440,6 +446,16 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
                                e * (2 * w + 2 * r * w + 4 * spec.ffn / spec.n_embd),
                                2 * e, 0, 8, e)
     return ActivationModel(f"shardwise-{precision}", 4 * e, 12 * e, 2 * e, 0, 8, e)
+
+
+def written_score_bytes(n: int, e: int) -> float:
+    """Bytes per score element (one head, query and key) an attention that writes its
+    scores out keeps for backward (``models.description.ModelDescription.written_scores``
+    n > 0; e bytes a value): the fp32 softmax (4), the probabilities cast back (e, a tensor
+    of their own only below fp32) and n - 1 more of the compute dtype. Counted with autograd's
+    saved tensors on the Llama's block: 4 / 6 (fp32 / bf16) on the math path, 8 / 8 with
+    Gemma 2's soft cap (``tests/test_llama_planner.py``)."""
+    return 4 + (e if e < 4 else 0) + e * (n - 1)
 
 
 def block_activation_bytes(am: ActivationModel, mb: int, s: int, h: int, a: int, tp: int,

@@ -88,6 +88,7 @@ from shardwise.planner.memory import (
     rank_expert_params,
     rank_params,
     stage_layers,
+    written_score_bytes,
 )
 from shardwise.planner.specs import ModelSpec, active_matmul_params
 
@@ -338,7 +339,10 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     - attention, by kernel: ``megatron-2021`` materialises the s x s scores (a fused
       scale-mask-softmax reads and writes them, a dropout reads them and writes them and a
       1-byte mask); ``shardwise`` (flash) keeps them on chip and moves only Q, K, V and the
-      output;
+      output, unless the model writes its scores out (``ModelSpec.written_scores`` n > 0,
+      at cp = 1: Gemma 2's soft cap, the math path), whose every T x T tensor (the Q K^T
+      output, n - 1 more, the fp32 softmax, the probabilities cast back) is written and read
+      once;
     - the MLP's activation (read and write T f / t; SwiGLU reads two; experts: T k F / t,
       plus a shared expert's T F_s / t);
     - the two residual adds: ``megatron-2021`` fused bias + dropout + add (reads two,
@@ -379,6 +383,11 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         moves += [T * h / (tp if sp else 1) * (3 * e + 1)] * 2
     else:
         moves += [T * (att + 2 * k + att) * e / tp]
+        if spec.written_scores and cp == 1:  # the scores written out (ModelSpec): the
+            # Q K^T output, the tanh's (n - 1 of them), the fp32 softmax and the cast
+            # probabilities written, and read again once each
+            scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s
+            moves[-1] += 2 * scores * written_score_bytes(spec.written_scores + 1, e)
         moves += [3 * th] * 2
     moves += [(3 if spec.gated else 2) * T * f_moved * e / tp]
     return Ops(gemms, moves)

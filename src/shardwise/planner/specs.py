@@ -40,24 +40,23 @@ Named sizes:
   the same). Phi-3-mini-4k's sliding window of 2047 tokens is on every layer
   (``attention_windows``, as Mistral 7B's: a query counted against min(T, 2047) keys); Phi-4
   has none;
-- Gemma: Gemma 2 2B and 9B (Gemma Team 2024, arXiv:2408.00118, Table 1) and Gemma 3 1B,
+- Gemma: Gemma 2 2B, 9B and 27B (Gemma Team 2024, arXiv:2408.00118, Table 1) and Gemma 3 1B,
   12B and 27B's text towers (Gemma Team 2025, arXiv:2503.19786, Table 1), each with the
-  sizes of its released config.json (``google/gemma-2-2b``, ``-9b``, ``google/gemma-3-1b-pt``,
+  sizes of its released config.json (``google/gemma-2-2b``, ``-9b``, ``-27b``, ``google/gemma-3-1b-pt``,
   ``-12b-pt``, ``-27b-pt``'s ``text_config``; written in ``_GEMMA_SIZES``): heads of 256
   (27B: 128) whatever h / a is, tied embeddings of 256000 (Gemma 3: 262144 / 262208)
   tokens, sandwich norms, a window on every other layer (Gemma 2: 4096) or on five of
   every six (Gemma 3: 512 for 1B, 1024 above). These are described specs
   (``from_description`` of the ``models.llama.LlamaConfig`` shardwise trains, built on first
   use: ``NAMED`` builds them lazily), so their parameters are counted on meta (2.61B,
-  9.24B, 1.00B, 11.77B, 27.01B; ``tests/test_llama_planner.py`` checks each against
+  9.24B, 27.23B, 1.00B, 11.77B, 27.01B; ``tests/test_llama_planner.py`` checks each against
   ``transformers``' model of the same config.json on the meta device), their FLOPs with
-  the attention width H D of their own head_dim and each layer's window. Not priced:
-  Gemma 2's soft-capped scores, which the engine writes out (B, H, T, T) on those layers
-  where ``Cluster.kernels`` "shardwise" assumes a fused kernel (the planner has one kernel
-  per cluster, not per layer): its time and activation memory under-count those layers'
-  s x s scores (``plan`` says nothing of it); Gemma 2 27B is not named for that reason
-  alone (its 46 layers' scores at s = 8192 dominate). Nor are the sandwich norms' two more
-  norms a block in the memory-bound time and the activations (``simulate.block_ops`` and
+  the attention width H D of their own head_dim and each layer's window. Gemma 2's
+  soft-capped scores, which the engine writes out (B, H, T, T) on every layer, are priced
+  as such (``written_scores``: 8 bytes per head, query and key kept in bf16, and their
+  reads and writes): at s = 8192 they dominate a Gemma 2's activations (gemma2-9b at
+  tp = 8: 42 of 59 GiB per micro-batch of one sequence). Not priced: the sandwich norms' two
+  more norms a block in the memory-bound time and the activations (``simulate.block_ops`` and
   ``memory.activation_bytes`` count a Llama block's two), a few percent of a block's
   activations.
 - DeepSeek: DeepSeek-V2-Lite (DeepSeek-AI 2024, arXiv:2405.04434, appendix B; its
@@ -126,7 +125,10 @@ class ModelSpec:
     block, and the per-block prices (FLOPs, seconds) are the mean block's (``block``).
     ``block``: which block the per-block quantities describe: "" the model's (every block
     alike, or with ``dense_layers`` the mean over its blocks), "moe" a block with the
-    mixture, "dense" one with the dense MLP (``part``)."""
+    mixture, "dense" one with the dense MLP (``part``). ``written_scores``: the description's
+    (``ModelDescription.written_scores``; 0: a fused attention kernel): at cp = 1 the
+    attention's s x s scores are counted in activation memory (``memory.shardwise_model``)
+    and in its memory-bound time (``simulate.block_ops``)."""
 
     name: str
     n_layer: int
@@ -153,6 +155,7 @@ class ModelSpec:
     attention_windows: tuple[int | None, ...] = ()
     dense_layers: tuple[int, ...] = ()
     block: str = ""
+    written_scores: int = 0
     dense_share: float = -1.0  # set from dense_layers; kept by replace(spec, n_layer=1)
 
     def __post_init__(self):
@@ -196,7 +199,7 @@ class ModelSpec:
                    moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)),
                    attention_windows=tuple(d.attention_windows),
                    dense_layers=tuple(getattr(cfg, "dense_layers", ()) or ())
-                   if d.n_experts else ())
+                   if d.n_experts else (), written_scores=d.written_scores)
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -579,6 +582,9 @@ _GEMMA_SIZES = {
                   (50.0, 30.0), False),
     "gemma2-9b": (42, 3584, 16, 8, 256, 14336, 256000, 8192, 4096, 2, 256, (1e4, None), None,
                   (50.0, 30.0), False),
+    # google/gemma-2-27b: heads of 128, queries scaled by (h / a)^-1/2 = 144^-1/2
+    "gemma2-27b": (46, 4608, 32, 16, 128, 36864, 256000, 8192, 4096, 2, 144, (1e4, None),
+                   None, (50.0, 30.0), False),
     # google/gemma-3-1b-pt, -12b-pt, -27b-pt (text_config) config.json; context: 1B's 32768
     # (the pre-training length; 12B and 27B's 131072 is --seq 131072)
     "gemma3-1b": (26, 1152, 4, 1, 256, 6912, 262144, 32768, 512, 6, 256, (1e6, 1e4), None,
