@@ -78,9 +78,13 @@ def test_gemma_presets_count_what_transformers_builds():
 
     assert "does not run under context parallelism" in cp_reason(spec, 2)  # soft-capped
     assert cp_reason(NAMED["gemma3-27b"], 2) is None
-    for name in GEMMA_PUBLISHED:  # plan --emit-toml's [model] table trains this model
+    for name in NAMED:  # plan --emit-toml's [model] table trains this model (every named
+        # size with a config of its own: the Gemmas and the DeepSeeks' latent attention)
         spec = NAMED[name]
-        assert describe_section(spec.section(), spec.vocab_size).config == gemma_config(name)
+        if spec.description is not None:
+            assert (describe_section(spec.section(), spec.vocab_size).config
+                    == spec.description.config), name
+    assert NAMED["gemma2-2b"].description.config == gemma_config("gemma2-2b")
 
 
 

@@ -357,13 +357,13 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
     f = spec.ffn
     core = 2 * mb * s * attention_keys(spec, cp) * att / (tp * cp)
     gemms = [2 * T * h * (att + 2 * k) / tp, core, core, 2 * T * att * h / tp]
-    mla = getattr(getattr(spec.description, "config", None), "kv_lora_rank", 0)
-    if mla:  # DeepSeek's MLA (models.mla): the down projections whole on every tp rank
-        c, H = spec.description.config, spec.n_head
-        rq, rope = c.q_lora_rank or 0, c.qk_rope_head_dim
-        down = h * (rq + mla + rope)
-        up = (rq or h) * H * c.head_dim + mla * H * (c.qk_nope_head_dim + c.v_head_dim)
-        gemms[0], gemms[3] = 2 * T * (down + up / tp), 2 * T * H * c.v_head_dim * h / tp
+    if spec.latent_attention:  # DeepSeek's MLA (models.mla): the down projections whole
+        # on every tp rank, the up projections and the output split
+        rq, r, nope, rope, dv = spec.latent_attention
+        H = spec.n_head
+        down = h * (rq + r + rope)
+        up = (rq or h) * H * (nope + rope) + r * H * (nope + dv)
+        gemms[0], gemms[3] = 2 * T * (down + up / tp), 2 * T * H * dv * h / tp
     if spec.moe:
         E, F, top = spec.n_experts, spec.expert_ffn, spec.top_k
         local = max(1, E // ep)

@@ -128,7 +128,9 @@ class ModelSpec:
     mixture, "dense" one with the dense MLP (``part``). ``written_scores``: the description's
     (``ModelDescription.written_scores``; 0: a fused attention kernel): at cp = 1 the
     attention's s x s scores are counted in activation memory (``memory.shardwise_model``)
-    and in its memory-bound time (``simulate.block_ops``)."""
+    and in its memory-bound time (``simulate.block_ops``). ``latent_attention``: DeepSeek's
+    multi-head latent attention (``models.mla``), its config's ``(q_lora_rank or 0,
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)``; () without."""
 
     name: str
     n_layer: int
@@ -156,6 +158,7 @@ class ModelSpec:
     dense_layers: tuple[int, ...] = ()
     block: str = ""
     written_scores: int = 0
+    latent_attention: tuple[int, ...] = ()
     dense_share: float = -1.0  # set from dense_layers; kept by replace(spec, n_layer=1)
 
     def __post_init__(self):
@@ -199,7 +202,10 @@ class ModelSpec:
                    moe_shared_gate=bool(shared and getattr(cfg, "moe_shared_expert_gate", False)),
                    attention_windows=tuple(d.attention_windows),
                    dense_layers=tuple(getattr(cfg, "dense_layers", ()) or ())
-                   if d.n_experts else (), written_scores=d.written_scores)
+                   if d.n_experts else (), written_scores=d.written_scores,
+                   latent_attention=tuple(getattr(cfg, k) or 0 for k in (
+                       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                       "v_head_dim")) if getattr(cfg, "kv_lora_rank", 0) else ())
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -213,7 +219,8 @@ class ModelSpec:
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
         experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
         ``qk_norm``, ``rotary_dim``, Gemma's options, ``norm_eps`` and ``rope_scaling`` when
-        its description's config sets them (``_gemma_table``); ``sliding_window``
+        its description's config sets them (``_gemma_table``), DeepSeek's routing and latent
+        attention (``_MLA_FIELDS``); ``sliding_window``
         and, when not every block has it, ``layer_types``, from ``attention_windows``);
         ``dropout`` when it is not 0."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
@@ -235,17 +242,23 @@ class ModelSpec:
         qwen.update(_gemma_table(cfg))
         if self.moe:  # DeepSeek's routing, when set (it prices nothing: kept for the TOML)
             qwen.update({k: getattr(cfg, k) for k, default in (
-                ("moe_gating", "softmax"), ("moe_n_group", 1), ("moe_topk_group", 1),
-                ("moe_group_score", "top2"), ("moe_routed_scaling", 1.0))
+                ("moe_gating", "softmax"), ("moe_norm_topk", True), ("moe_n_group", 1),
+                ("moe_topk_group", 1), ("moe_group_score", "top2"),
+                ("moe_routed_scaling", 1.0), ("moe_expert_bias", False))
                 if getattr(cfg, k, default) != default})
+        if getattr(cfg, "kv_lora_rank", 0):  # DeepSeek's latent attention (head_dim below)
+            qwen.update({k: getattr(cfg, k) for k in _MLA_FIELDS if getattr(cfg, k)})
         windows = {w for w in self.attention_windows if w is not None}
         if windows:  # one W (model.sliding_window) on the layers layer_types marks
             qwen["sliding_window"] = windows.pop()
             if None in self.attention_windows and len(self.attention_windows) == self.n_layer:
                 qwen["layer_types"] = ["full_attention" if w is None else "sliding_attention"
                                        for w in self.attention_windows]
-        if self.attn_width != self.n_embd:
-            qwen["head_dim"] = self.attn_width // self.n_head
+        # a head's width: its config's (MLA: the keys', nope + rope; attn_width is the mean
+        # of the keys' and the values'), or H D / H
+        head = getattr(cfg, "head_dim", None) or self.attn_width // self.n_head
+        if head * self.n_head != self.n_embd:
+            qwen["head_dim"] = head
         return {**t, "n_kv_heads": self.kv_heads, "ffn_hidden": self.ffn,
                 "rope_theta": float(self.rope_theta), **moe, **qwen}
 
@@ -374,6 +387,10 @@ class ModelSpec:
         return replace(spec, dropout=self.dropout)
 
 
+# DeepSeek's multi-head latent attention (``models.mla``): written when kv_lora_rank is set
+_MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "rope_interleave")
+
 # Gemma's [model] options (``models.llama.LlamaConfig``): written when set
 _GEMMA_FIELDS = ("norm_zero_centered", "scale_embedding", "sandwich_norm",
                  "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -394,7 +411,8 @@ def _gemma_table(cfg) -> dict:
     rs = getattr(cfg, "rope_scaling", None)
     if rs is not None:
         kind = ("longrope" if hasattr(rs, "short_factor") else
-                "llama3" if hasattr(rs, "low_freq_factor") else "linear")
+                "llama3" if hasattr(rs, "low_freq_factor") else
+                "yarn" if hasattr(rs, "beta_fast") else "linear")
         out["rope_scaling"] = {"rope_type": kind, **{
             k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(rs).items()}}
     return out
