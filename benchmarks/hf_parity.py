@@ -34,7 +34,7 @@ The tests bound all of these at 1e-5 (``tests/test_hf.py``); this prints what th
 fp32, seeded tokens and weights, so a rerun on the same machine, threads and versions
 prints the same table. Writes ``OUT/hf_parity.md`` and ``OUT/hf_parity.json``.
 
-    OMP_NUM_THREADS=2 python benchmarks/hf_parity.py            # ~1 min on 2 cores
+    OMP_NUM_THREADS=2 python benchmarks/hf_parity.py      # 1-1.5 min on 2 shared cores
     python benchmarks/hf_parity.py --only gemma gemma3 --no-spawn
 """
 

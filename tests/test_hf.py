@@ -47,7 +47,7 @@ from shardwise.models.hf import section_of
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from hf_models import BUILDERS, GEMMA3_ROPE, VOCAB, WINDOW, perturb, save
+from hf_models import BUILDERS, GEMMA3_ROPE, VOCAB, WINDOW, perturb, save  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +248,9 @@ def test_sliding_window_forward_and_backward_equal_transformers(arch, hf_dirs):
     parameter's gradient of the cross-entropy equal transformers' within 1e-5 (fp32),
     with both attention kernels: the band as SDPA's boolean mask (as transformers' own
     SDPA path) and the scores written out (the figures: ``benchmarks/hf_parity.py``,
-    rows ``mistral_swa`` and ``qwen2_swa``). The band's edges are transformers' (query i sees keys i - W < j <= i): a
-    window one token longer or shorter is off by more than 1e-2."""
+    rows ``mistral_swa`` and ``qwen2_swa``). The band's edges are transformers' (query i
+    sees keys i - W < j <= i): a window one token longer or shorter is off by more than
+    1e-2."""
     from dataclasses import replace
 
     from shardwise.models.llama import Llama
