@@ -2,12 +2,12 @@
 sequence (Llama 3, arXiv:2407.21783, sec. 3.2; torchtitan's ``attn_mask_type``), one process.
 
 The strongest check is the Llama's: its attention depends on positions only through the
-rotary angles, i.e. on relative positions, so under the document mask the logits of a
-packed sequence ``[doc A, EOS, doc B, EOS, doc C]`` equal, token for token, those of each
-document run alone (``[A, EOS]``, ``[B, EOS]``, ``[C]``; the separator closes its
-document): fused and written-out attention, grouped-query heads, a sliding window shorter
-than the documents (so a mask not ANDed with the band differs), Gemma 2's soft-capped
-scores, DeepSeek's latent attention (measured at most 1.2e-7, fp32). The GPT's learned
+rotary angles, i.e. on relative positions, so under the document mask the logits of a packed
+sequence ``[doc A, EOS, doc B, EOS, doc C]`` equal, token for token, those of each document
+run alone (``[A, EOS]``, ``[B, EOS]``, ``[C]``; the separator closes its document): fused
+and written-out attention, grouped-query heads, a sliding window shorter than the documents
+(so a mask not ANDed with the band differs), Gemma 2's soft-capped scores, DeepSeek's latent
+attention (measured at most 2.4e-7 of the largest logit, fp32). The GPT's learned
 positions are absolute, so there the check is that no token's output moves when another
 document's tokens change (bit for bit), and that one document is plain causal attention.
 Ring attention of one rank with document ids is full attention under the same mask. Then

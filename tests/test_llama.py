@@ -15,7 +15,11 @@ tensor of every rank (every dp replica, tp rank and stage, gathered whole) withi
 relative of the reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
 ``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order;
 with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``; the
-Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6).
+Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6; ``doc-mask``, a
+Llama with ``attention_mask = "block_causal"`` on the packed documents of conftest's ``packed``
+(a window on layer 0 ANDed with the document mask), at dp2 x tp2 (+SP) x pp2 1F1B ZeRO-1:
+losses 8.4e-8, parameters 4.4e-7; interleaved with full recomputation, 4 micro-batches:
+6.3e-8, 3.9e-7).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
 finite. Then the size checks at the door and the issue's command line. Two spawns and one

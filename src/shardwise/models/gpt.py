@@ -326,9 +326,10 @@ def describe(cfg: GPTConfig):
 
 def from_section(m, vocab_size: int) -> GPTConfig:
     """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
-    ``attention``, ``attention_mask``, ``activation``, ``k_bias`` and ``norm_eps`` included; ``model.vocab_size``
-    when set, else ``vocab_size`` (the tokenizer's). Raises ``ValueError`` (one line) for a
-    field only the Llama has (a sliding window among them: GPT-2 has none)."""
+    ``attention``, ``attention_mask``, ``activation``, ``k_bias`` and ``norm_eps`` included;
+    ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
+    ``ValueError`` (one line) for a field only the Llama has (a sliding window among them:
+    GPT-2 has none)."""
     for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm", "rotary_dim",
                  "sliding_window", "layer_types"):
         if getattr(m, name, 0):
