@@ -39,6 +39,32 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def packed(corpus, tmp_path_factory) -> Path:
+    """A ``shardwise prepare`` directory of packed documents: the corpus's first 100,000
+    characters cut into documents of 2 to 30 characters (seeded), a byte-level BPE of 300
+    ids, so a window of 16 tokens holds end-of-text separators (id 0) at varied places,
+    none to several. For ``model.attention_mask = "block_causal"``."""
+    import json
+    import random
+
+    from shardwise.data import prepare as prep
+
+    text = corpus.read_text(encoding="utf-8")[:100_000]
+    rng, docs, i = random.Random(0), [], 0
+    while i < len(text):
+        n = rng.randint(2, 30)
+        docs.append(text[i:i + n])
+        i += n
+    root = tmp_path_factory.mktemp("packed")
+    (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs) + "\n",
+                                     encoding="utf-8")
+    prep.prepare(prep.PrepareOptions(inputs=(str(root / "docs.jsonl"),), out=str(root / "data"),
+                                     tokenizer="bpe", vocab_size=300, progress=False),
+                 log=lambda s: None)
+    return root / "data"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped, with the reason, where CUDA is not available."""
     if torch.cuda.is_available():

@@ -7,7 +7,8 @@ process groups over the same world:
   by side): for each case, every rank builds the same full q (B, H, T, D) and k, v (B, Hkv,
   T, D) from a seed, keeps its shard of the sequence, runs ``ring_attention`` forward and
   backward (with the same upstream gradient, sharded; a sliding window of ``case["window"]``
-  tokens when set), and reports its shard of the output
+  tokens when set; the document ids of ``case_documents`` when ``case["docs"]`` is set),
+  and reports its shard of the output
   and of the three gradients, for the test to stitch together and hold against full
   attention, and the bytes it sent and received and its calls, forward and backward;
 - ``run`` / ``resume``: ``llama_workers.run_job`` (train a layout, report losses, whole
@@ -40,6 +41,17 @@ def full_inputs(case: dict):
     return q, k, v, dout
 
 
+def case_documents(case: dict) -> torch.Tensor | None:
+    """(B, T) int64 document ids of a kernel case with ``case["docs"]`` (the share of
+    tokens that are separators, each closing its document; seeded), else None."""
+    if "docs" not in case:
+        return None
+    g = torch.Generator().manual_seed(1000 + case["seed"])
+    B, _, T, _ = case["shape"]
+    sep = (torch.rand(B, T, generator=g) < case["docs"]).long()
+    return torch.cumsum(sep, dim=1) - sep
+
+
 def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
     from shardwise.comm import accounting
     from shardwise.parallel.context import ring_attention, shard_sequence
@@ -60,7 +72,7 @@ def ring_kernel(cases: list[dict], cp: int | None = None) -> list[dict]:
         try:
             with accounting.recording() as rec:
                 y = ring_attention(*mine, ring, causal=case["causal"], impl=case["impl"],
-                                   window=case.get("window"))
+                                   window=case.get("window"), documents=case_documents(case))
         except ValueError as e:
             out.append({"error": str(e)})
             continue

@@ -167,8 +167,8 @@ def _run_engine(cfg: Config, topo, device: torch.device, batches: list, evaluate
     from shardwise.engine import Engine, EngineSettings
     from shardwise.models import describe_section
 
-    engine = Engine(describe_section(cfg.model, VOCAB), topo, EngineSettings.from_config(cfg),
-                    device)
+    engine = Engine(describe_section(cfg.model, VOCAB), topo,  # eos 0: block_causal's
+                    EngineSettings.from_config(cfg, eos_id=0), device)
     losses = []
     for b in batches:
         b = b.to(device)

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_workers import cp_worker, full_inputs, run_measured
+from cp_workers import case_documents, cp_worker, full_inputs, run_measured
 from ddp_workers import tiny_config
 from helpers import rel_err
 from shardwise.base.config import Config, ConfigError
@@ -70,7 +70,17 @@ MODELS = {
                "query_pre_attn_scalar": 10.0, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
                "rope_scaling": {"rope_type": "linear", "factor": 8.0},
                "final_logit_softcapping": 5.0},
+    # packed documents (block_causal) on the ``packed`` data, a window of 5 on layer 0 ANDed
+    # with the document mask in every block pair of the ring (the next chunk's pair in a
+    # band). Not 3: with documents too, many queries then see their own key alone, whose
+    # query gradient is 0 up to rounding, and Adam makes that rounding (another in the ring
+    # than in one process) a 3e-5 difference of the parameters after 4 steps; the kernel's
+    # own gradients agree to 5e-7 there (KERNEL_CASES)
+    "llama-doc": {**_BASE, "kind": "llama", "n_kv_heads": 2, "multiple_of": 16,
+                  "attention_mask": "block_causal", "sliding_window": 5,
+                  "layer_types": ["sliding_attention", "full_attention"]},
 }
+DATA = {"llama-doc": "packed"}  # model -> its data (default: the corpus)
 # name -> (world size, model, parallel section); MEASURED: the activation meter is on
 LAYOUTS = {
     "cp2-recompute-gpt": (2, "gpt", {"cp": 2, "recompute": True}),  # the hooks run again
@@ -90,6 +100,7 @@ LAYOUTS = {
     # transfers), layer 1 every block (the ring); recomputed, the transfers run again
     "cp4-swa-selective-llama": (4, "llama-swa", {"cp": 4, "recompute": "selective"}),
     "cp2-gemma3": (2, "gemma3", {"cp": 2}),
+    "cp2-doc-llama": (2, "llama-doc", {"cp": 2}),
 }
 MEASURED = {"cp4-llama-long"}
 # layouts trained with every block compiled (training.compile): ring attention and the
@@ -117,10 +128,17 @@ KERNEL_CASES += [{"seed": 10 + n, "shape": (2, 4, 32, 8), "kv_heads": hkv, "caus
 WINDOWS = (3, 4, 5, 6, 13, 21, 40)
 KERNEL_CASES += [{"seed": 20 + n, "shape": (2, 4, 32, 8), "kv_heads": 2, "causal": True,
                   "impl": ("sdpa", "math")[n % 2], "window": w} for n, w in enumerate(WINDOWS)]
+# packed documents (``cp_workers.case_documents``: a separator at a fifth of the places):
+# the document mask ANDed into every block pair, whole rows of a pair then hidden
+KERNEL_CASES += [{"seed": 40 + n, "shape": (2, 4, 32, 8), "kv_heads": 2, "causal": True,
+                  "impl": impl, "window": w, "docs": 0.2}
+                 for n, (impl, w) in enumerate((("sdpa", None), ("math", None), ("sdpa", 5),
+                                                ("math", 13)))]
 
 
-def _cfg(corpus, out, model: str, parallel: dict | None = None, compile_: bool = False):
-    return tiny_config(str(corpus), str(out), model=MODELS[model], parallel=parallel or {},
+def _cfg(sources, out, model: str, parallel: dict | None = None, compile_: bool = False):
+    return tiny_config(str(sources[DATA.get(model, "corpus")]), str(out), model=MODELS[model],
+                       parallel=parallel or {},
                        training={"steps": STEPS, "global_batch_size": 8, "compile": compile_})
 
 
@@ -253,18 +271,24 @@ def test_engine_refuses_what_it_cannot_shard():
 
 # -- ranks -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def references(corpus, tmp_path_factory):
+def sources(corpus, packed):
+    """The data of each model (``DATA``): the Shakespeare text or the packed documents."""
+    return {"corpus": corpus, "packed": packed}
+
+
+@pytest.fixture(scope="module")
+def references(sources, tmp_path_factory):
     """One process (no torch.distributed), each model; ``llama`` saves at ``STOP``,
     ``llama-long`` meters its activations."""
     root = tmp_path_factory.mktemp("cp-ref")
-    return {m: run_measured({"kind": "run", "cfg": _cfg(corpus, root / m, m),
+    return {m: run_measured({"kind": "run", "cfg": _cfg(sources, root / m, m),
                              "save_at": STOP if f"ref:{m}" in {a for a, _ in RESUMES.values()}
                              else None, "measure_memory": m == "llama-long"})
             for m in MODELS}
 
 
 @pytest.fixture(scope="module")
-def results(corpus, tmp_path_factory, references):
+def results(sources, tmp_path_factory, references):
     """name -> every rank's report: the kernel on rings of 2 (spawn of 2) and 4 (spawn of 4),
     ``LAYOUTS`` and ``RESUMES`` in spawns of 2, 4 and 8 (4 first: it saves), then the
     resume into one process."""
@@ -279,16 +303,16 @@ def results(corpus, tmp_path_factory, references):
             if w == ws:
                 jobs.append((name, {"kind": "run", "save_at": STOP if name in savers else None,
                                     "measure_memory": name in MEASURED,
-                                    "cfg": _cfg(corpus, root / name, model, parallel)}))
+                                    "cfg": _cfg(sources, root / name, model, parallel)}))
         for name, (a, b) in RESUMES.items():
             if b in LAYOUTS and LAYOUTS[b][0] == ws:
                 w, model, parallel = LAYOUTS[b]
                 jobs.append((name, {"kind": "resume", "path": saved[a],
-                                    "cfg": _cfg(corpus, root / name, model, parallel)}))
+                                    "cfg": _cfg(sources, root / name, model, parallel)}))
         for name, (w, model, parallel) in COMPILED.items():  # last: dynamo's caches stay
             if w == ws:
                 jobs.append((name, {"kind": "run", "save_at": None, "measure_memory": False,
-                                    "cfg": _cfg(corpus, root / name, model, parallel, True)}))
+                                    "cfg": _cfg(sources, root / name, model, parallel, True)}))
         ranks = spawn(cp_worker, ws, ([j for _, j in jobs],))
         for i, (name, _) in enumerate(jobs):
             out[name] = [r[i] for r in ranks]
@@ -297,7 +321,7 @@ def results(corpus, tmp_path_factory, references):
     for name, (a, b) in RESUMES.items():
         if b == "one process":
             out[name] = [run_measured({"kind": "resume", "path": saved[a], "cfg": _cfg(
-                corpus, root / name, LAYOUTS[a][1])})]
+                sources, root / name, LAYOUTS[a][1])})]
     return out
 
 
@@ -318,9 +342,14 @@ def test_ring_attention_equals_full_attention(results, cp):
         rep = q.shape[1] // k.shape[1]
         w, T = case.get("window"), q.shape[2]
         band = {} if w is None else {"attn_mask": sliding_window_mask(T, w, q.device)}
+        if "docs" in case:  # same document AND causal (AND the band)
+            docs = case_documents(case)
+            allowed = band.get("attn_mask", torch.ones(T, T, dtype=torch.bool).tril())
+            band = {"attn_mask": (docs.unsqueeze(-1) == docs.unsqueeze(-2)).unsqueeze(1)
+                    & allowed}
         y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
                                            v.repeat_interleave(rep, 1),
-                                           is_causal=case["causal"] and w is None, **band)
+                                           is_causal=case["causal"] and not band, **band)
         y.backward(dout)
         for key, ref in (("out", y), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
             got = unshard_sequence([r[n][key] for r in ranks], dim=2)

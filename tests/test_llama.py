@@ -15,7 +15,11 @@ tensor of every rank (every dp replica, tp rank and stage, gathered whole) withi
 relative of the reference (measured at most: losses 1.2e-7; parameters 4.8e-6, the plain MHA's
 ``blocks.1.mlp`` under tp = 2, Adam magnifying fp32 sums taken in another order;
 with Qwen's options: parameters 2.6e-6, its ``blocks.1.self_attn.k_proj.bias``; the
-Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6).
+Gemma 3 shape at dp2 x tp2 (+SP) x pp2: losses 1.1e-7, parameters 3.2e-6; ``doc-mask``, a
+Llama with ``attention_mask = "block_causal"`` on the packed documents of conftest's ``packed``
+(a window on layer 0 ANDed with the document mask), at dp2 x tp2 (+SP) x pp2 1F1B ZeRO-1:
+losses 8.4e-8, parameters 4.4e-7; interleaved with full recomputation, 4 micro-batches:
+6.3e-8, 3.9e-7).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
 finite. Then the size checks at the door and the issue's command line. Two spawns and one
@@ -56,7 +60,14 @@ MODELS = {
                "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear",
                                                              "factor": 8.0},
                "final_logit_softcapping": 5.0},
+    # packed documents (``model.attention_mask = "block_causal"``) on the ``packed`` data:
+    # windows of 16 tokens with end-of-text separators at varied places; a window of 6 on
+    # layer 0 ANDed with the document mask
+    "doc-mask": {**_BASE, "n_kv_heads": 2, "multiple_of": 16, "tie_weights": False,
+                 "attention_mask": "block_causal", "sliding_window": 6,
+                 "layer_types": ["sliding_attention", "full_attention"]},
 }
+DATA = {"doc-mask": "packed"}  # model -> its data (default: the corpus)
 DP2TP2PP2 = {"dp": 2, "tp": 2, "pp": 2, "micro_batches": 2}
 # name -> (world size, model, parallel section, other sections)
 LAYOUTS = {
@@ -71,6 +82,14 @@ LAYOUTS = {
                                           "sequence_parallel": True}, {}),
     "2x2x2-sp-z1-gemma3": (8, "gemma3", {**DP2TP2PP2, "zero": 1, "sequence_parallel": True},
                            {}),
+    # document masks on every stage, each micro-batch its own: 1F1B with SP, and interleaved
+    # with full recomputation (the backward reruns each chunk in its micro-batch's documents)
+    "2x2x2-sp-1f1b-z1-doc": (8, "doc-mask", {**DP2TP2PP2, "zero": 1, "sequence_parallel": True},
+                             {}),
+    "2x2x2-interleaved-recompute-doc": (8, "doc-mask", {**DP2TP2PP2, "micro_batches": 4,
+                                                        "schedule": "interleaved",
+                                                        "chunks_per_rank": 2, "recompute": True},
+                                        {}),
 }
 SMOKES = {  # PipeDream: no ZeRO, no clipping (no flush), no embedding tied across stages
     "2x2x2-pipedream": (8, "mha-untied-qk", {**DP2TP2PP2, "schedule": "pipedream"},
@@ -88,25 +107,31 @@ RESUMES = {
 }
 
 
-def _cfg(corpus, out, model: str, parallel: dict | None = None, sections: dict | None = None):
+def _cfg(sources, out, model: str, parallel: dict | None = None, sections: dict | None = None):
     sections = dict(sections or {})
     training = {"steps": STEPS, "global_batch_size": 8, **sections.pop("training", {})}
-    return tiny_config(str(corpus), str(out), model=MODELS[model], parallel=parallel or {},
-                       training=training, **sections)
+    return tiny_config(str(sources[DATA.get(model, "corpus")]), str(out), model=MODELS[model],
+                       parallel=parallel or {}, training=training, **sections)
 
 
 @pytest.fixture(scope="module")
-def references(corpus, tmp_path_factory):
+def sources(corpus, packed):
+    """The data of each model (``DATA``): the Shakespeare text or the packed documents."""
+    return {"corpus": corpus, "packed": packed}
+
+
+@pytest.fixture(scope="module")
+def references(sources, tmp_path_factory):
     """One process (no torch.distributed), each model; ``gqa-tied`` saves at ``STOP``."""
     root = tmp_path_factory.mktemp("llama-ref")
-    return {m: run_job({"kind": "run", "cfg": _cfg(corpus, root / m, m),
+    return {m: run_job({"kind": "run", "cfg": _cfg(sources, root / m, m),
                         "save_at": STOP if f"ref:{m}" in {a for a, _ in RESUMES.values()}
                         else None})
             for m in MODELS}
 
 
 @pytest.fixture(scope="module")
-def results(corpus, tmp_path_factory, references):
+def results(sources, tmp_path_factory, references):
     """name -> every rank's report, for ``LAYOUTS``, ``SMOKES`` and ``RESUMES``: the spawn of
     8 first (it resumes the reference's checkpoint and saves one), then the spawn of 4."""
     root = tmp_path_factory.mktemp("llama-layouts")
@@ -118,13 +143,13 @@ def results(corpus, tmp_path_factory, references):
         for name, (w, model, parallel, sections) in {**LAYOUTS, **SMOKES}.items():
             if w == ws:
                 jobs.append((name, {"kind": "run", "save_at": STOP if name in savers else None,
-                                    "cfg": _cfg(corpus, root / name, model, parallel, sections)}))
+                                    "cfg": _cfg(sources, root / name, model, parallel, sections)}))
         for name, (a, b) in RESUMES.items():
             w, model, parallel, sections = LAYOUTS[b]
             if w == ws:
                 assert saved[a], f"{a} must save before {name} resumes"
                 jobs.append((name, {"kind": "resume", "path": saved[a],
-                                    "cfg": _cfg(corpus, root / name, model, parallel, sections)}))
+                                    "cfg": _cfg(sources, root / name, model, parallel, sections)}))
         ranks = spawn(llama_worker, ws, ([j for _, j in jobs],))
         for i, (name, _) in enumerate(jobs):
             out[name] = [r[i] for r in ranks]
@@ -133,17 +158,21 @@ def results(corpus, tmp_path_factory, references):
     return out
 
 
-def test_reference_is_the_plain_llama(references, corpus):
+def test_reference_is_the_plain_llama(references, sources):
     """The one-process reference is ``torch.manual_seed(seed); Llama(cfg)`` trained by
-    torch's AdamW (decay on matrices, warm-up/cosine, clip 1.0) on the sampler's batches."""
+    torch's AdamW (decay on matrices, warm-up/cosine, clip 1.0) on the sampler's batches
+    (under ``block_causal`` with each batch's document ids set, as the engine sets them)."""
+    import contextlib
+
     from shardwise.apps.lm.text import split_corpus
     from shardwise.base.config import Config
     from shardwise.data import DistributedBatchSampler
+    from shardwise.models import sequence
     from shardwise.models.llama import Llama, from_section
     from shardwise.training.schedule import warmup_cosine
 
     for m, ref in references.items():
-        cfg = Config.from_dict(_cfg(corpus, "unused", m))
+        cfg = Config.from_dict(_cfg(sources, "unused", m))
         tok, train_tokens, _ = split_corpus(cfg)
         t, o = cfg.training, cfg.optimizer
         torch.manual_seed(t.seed)
@@ -157,9 +186,16 @@ def test_reference_is_the_plain_llama(references, corpus):
         sampler = DistributedBatchSampler(train_tokens, cfg.model.block_size,
                                           t.global_batch_size, 0, 1, seed=t.seed)
         losses = []
+        separators = 0
         for _ in range(t.steps):
             x, y = sampler.next_batch()
-            _, loss = model(x, y)
+            within = contextlib.nullcontext()
+            if cfg.model.attention_mask == "block_causal":
+                separators += int((x == tok.eos_id).sum())
+                within = sequence.use(sequence.SequenceShard(
+                    documents=sequence.document_ids(x, tok.eos_id)))
+            with within:
+                _, loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
             opt.step()
@@ -167,6 +203,8 @@ def test_reference_is_the_plain_llama(references, corpus):
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
         assert losses[-1] < losses[0], (m, losses)
+        if cfg.model.attention_mask == "block_causal":  # documents really are packed
+            assert separators >= t.steps * t.global_batch_size // 2, (m, separators)
         assert ref["kind"] == "llama" and len(ref["losses"]) == STEPS
         assert ((torch.tensor(ref["losses"]) - torch.tensor(losses)).abs()
                 <= RTOL * torch.tensor(losses)).all(), (m, ref["losses"], losses)

@@ -56,6 +56,13 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2xcp4-z1": (8, {"parallel": {"dp": 2, "cp": 4, "zero": 1}}),
     "dp2xpp2xcp2xtp2-sp-bf16": (16, {"parallel": {"dp": 2, "pp": 2, "cp": 2, "tp": 2,
                                                   "micro_batches": 2, **SP}, "training": BF16}),
+    # packed documents: each micro-batch's (B, 1, T, T) document mask, built on every stage
+    # from its tokens (the end-of-text id 0 of these random batches), and in the ring's pairs
+    "dp2xtp2xpp2-sp-1f1b-doc": (8, {"parallel": {"dp": 2, "tp": 2, "pp": 2,
+                                                 "micro_batches": 2, **SP},
+                                    "model": {"attention_mask": "block_causal"}}),
+    "dp2xcp2-doc": (4, {"parallel": {"dp": 2, "cp": 2},
+                        "model": {"attention_mask": "block_causal"}}),
     "moe-dp8-ep4-z1": (8, {"parallel": {"dp": 8, "ep": 4, "zero": 1}, "model": MOE}),
     "moe-dp8xtp2-ep8-bf16": (16, {"parallel": {"dp": 8, "tp": 2, "ep": 8, "zero": 2},
                                   "model": {**MOE, "n_embd": 64}, "training": BF16}),

@@ -23,6 +23,8 @@ ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halvin
                         "rabenseifner", "tree", "parallel", "shm", "hierarchical")
 # and of its all-to-all (comm.alltoall takes them from here)
 ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
+# model.attention_mask (torchtitan's attn_mask_type names; the models take them from here)
+ATTENTION_MASKS = ("causal", "block_causal")
 
 
 class ConfigError(ValueError):
@@ -57,6 +59,11 @@ class ModelConfig(_Section):
     tie_weights: bool = Field(True, description="share the token embedding with the LM head")
     attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
                            "(FlashAttention on CUDA); math: the scores written out")
+    attention_mask: str = Field("causal", description="causal: each token attends to every "
+                                "earlier token of its sequence; block_causal: only to "
+                                "earlier tokens of its own document, documents ending at the "
+                                "tokenizer's end-of-text token (Llama 3's packed sequences; "
+                                "a prepared tokenizer's eos_id, docs/models.md)")
     n_kv_heads: int = Field(0, ge=0, description="llama: key/value heads (grouped-query "
                             "attention); 0: n_head")
     ffn_hidden: int = Field(0, ge=0, description="llama: SwiGLU width; 0: Llama's rule, "
@@ -206,6 +213,9 @@ class ModelConfig(_Section):
     def _heads_divide(self):
         if self.attention not in ("sdpa", "math"):
             raise ValueError(f"model.attention={self.attention!r}: expected sdpa or math")
+        if self.attention_mask not in ATTENTION_MASKS:
+            raise ValueError(f"model.attention_mask={self.attention_mask!r}: expected "
+                             f"{' or '.join(ATTENTION_MASKS)}")
         if not self.kind.replace("-", "_").isidentifier():
             raise ValueError(f"model.kind={self.kind!r}: expected gpt, llama, cnn or a "
                              "registered model's name")
@@ -677,6 +687,10 @@ class Config(_Section):
         if self.model.init_from:
             raise ValueError("model.init_from with parallel.mode=ps: the parameter server "
                              "starts from the seed only; use parallel.mode = grid")
+        if self.model.attention_mask != "causal":
+            raise ValueError(f"model.attention_mask={self.model.attention_mask!r} with "
+                             "parallel.mode=ps: the parameter server's workers attend "
+                             "causally over the character corpus; use parallel.mode = grid")
         for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp),
                             ("parallel.ep", p.ep),
                             ("parallel.micro_batches", p.micro_batches)):

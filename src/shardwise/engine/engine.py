@@ -10,8 +10,10 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
    equal to its slice of the model built from the seed (no rank holds the whole model);
    with ep > 1 each rank keeps its experts (``parallel.experts``);
 2. with cp > 1, ``parallel.context.ContextParallel``: every batch cut to this rank's chunks
-   of each sequence (i and 2cp-1-i), and the chunks hooked so the model reads the true
-   positions of its tokens and attends by ring attention (``models.sequence``);
+   of each sequence (i and 2cp-1-i); each micro-batch's ``models.sequence`` shard (its
+   tokens' true positions and ring attention; under ``attention_mask = "block_causal"``
+   its document ids too, from its tokens on every stage) is set around every forward of
+   the chunks on it (``Executor``; ``_logits`` for evaluation);
 3. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
    ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``);
    under ep the expert parameters apart, over their replicas ``ep_dp`` x cp (``ep_dp_cp``);
@@ -32,7 +34,7 @@ rank holding the layer applies the same update to its copy of the bias).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,9 @@ from shardwise import comm
 from shardwise.engine.model import LocalModel, build_local_model, zero3_shared_reason
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
+from shardwise.models import sequence
 from shardwise.models.description import ModelDescription, describe
+from shardwise.models.sequence import SequenceShard, document_ids
 from shardwise.models.sampling import generate
 from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL as SELECTIVE_ON_CUDA
 from shardwise.parallel.activation_checkpoint import checkpoint_selectively
@@ -58,6 +62,12 @@ from shardwise.parallel.tensor_parallel.layers import gather_tensor
 from shardwise.parallel.zero.memory import storage_bytes_once
 from shardwise.parallel.zero.optimizer import ZeroDataParallel
 from shardwise.parallel.zero.stage3 import ZeroStage3
+
+# one line: block_causal's documents end at the tokenizer's end-of-text id
+BLOCK_CAUSAL_NEEDS_EOS = ("model.attention_mask='block_causal': the tokenizer has no "
+                          "end-of-text id to end documents at (the character tokenizer has "
+                          "none); train on data from `shardwise prepare` with a tokenizer "
+                          "that has one, or set model.attention_mask = \"causal\"")
 
 _STEP_STRIDE = 1_000_003  # prime, above any dropout_seed spread: no two (rank, step) seeds meet
 
@@ -92,9 +102,14 @@ class EngineSettings:
     all_to_all: str = "native"  # expert parallelism's all-to-all (comm.ALL_TO_ALL_ALGORITHMS)
     init_from: str = ""  # a Hugging Face checkpoint directory the weights come from; "": seed
     fp8_recipe: str = "tensorwise"  # precision = "fp8": torchao's scaling (parallel.float8)
+    # the tokenizer's end-of-text id: under attention_mask = "block_causal" it ends a document
+    eos_id: int | None = None
 
     @classmethod
-    def from_config(cls, cfg) -> "EngineSettings":
+    def from_config(cls, cfg, eos_id: int | None = None) -> "EngineSettings":
+        """The settings of ``cfg``; ``eos_id``: the run's tokenizer's end-of-text id (None:
+        it has none), which separates documents under ``model.attention_mask =
+        "block_causal"``."""
         p, o, t = cfg.parallel, cfg.optimizer, cfg.training
         return cls(schedule=p.schedule, micro_batches=p.micro_batches,
                    chunks_per_rank=p.chunks_per_rank, partition=p.partition,
@@ -106,7 +121,7 @@ class EngineSettings:
                    batch_size=t.global_batch_size, seq_len=cfg.model.block_size,
                    fused=o.fused, compile=t.compile, all_to_all=p.all_to_all,
                    init_from=cfg.model.init_from.removeprefix("hf:"),
-                   fp8_recipe=t.fp8_recipe)
+                   fp8_recipe=t.fp8_recipe, eos_id=eos_id)
 
 
 def settle(info: dict) -> dict:
@@ -177,10 +192,10 @@ class Engine:
             average=self._average, ep=self.ep, all_to_all=s.all_to_all,
             init_from=s.init_from or None)
         self.description: ModelDescription = self.local.description
+        self.block_causal = self.description.attention_mask == "block_causal"
+        if self.block_causal and s.eos_id is None:
+            raise ValueError(BLOCK_CAUSAL_NEEDS_EOS)
         torch.manual_seed(self.dropout_seed)
-        if self.cp is not None:
-            for chunk in self.local.chunks.values():
-                self.cp.attach(chunk)
         self.fp8_layers: list[str] = self._float8() if s.precision == "fp8" else []
         if s.recompute == "selective":
             self._checkpoint_selectively()
@@ -216,6 +231,20 @@ class Engine:
         self.sync.zero_grad()
 
     # -- composition ----------------------------------------------------------------------
+    def _sequence_shards(self, idx: torch.Tensor, m: int) -> list[SequenceShard | None] | None:
+        """The ``models.sequence`` shard of each of the ``m`` micro-batches of ``idx`` (B, T),
+        this replica's whole sequences, for every stage (``Executor.run(shards=)``): context
+        parallelism's positions and ring (``ContextParallel.current``, after ``shard``) and,
+        under ``attention_mask = "block_causal"``, the micro-batch's document ids from its
+        tokens (``models.sequence.document_ids``, the end-of-text token closing its
+        document). None when neither applies: the chunks run as a single process does."""
+        ring = self.cp.current if self.cp is not None else None
+        if not self.block_causal:
+            return None if ring is None else [ring] * m
+        base = ring if ring is not None else SequenceShard()
+        return [replace(base, documents=d)
+                for d in document_ids(idx, self.s.eos_id).chunk(m)]
+
     def _context_parallel(self, model) -> ContextParallel | None:
         """With cp > 1, this rank's ``ContextParallel`` (its ring of cp ranks); None else.
         Checks the sequence length and that the model reads positions through
@@ -408,7 +437,9 @@ class Engine:
 
     def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True) -> dict:
         """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64
-        (whole sequences: with cp > 1 each rank keeps its chunks of them).
+        (whole sequences: with cp > 1 each rank keeps its chunks of them; under
+        ``block_causal`` every stage reads ``idx`` for its document ids, so every rank of
+        the replica must be given the same tokens).
         Returns ``{"loss", "grad_norm", "skipped"}`` (and, with ZeRO-0 buckets,
         ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
         mean over micro-batches, cp shards and dp replicas, the same on every rank. ``sync=True``: loss
@@ -417,8 +448,10 @@ class Engine:
         (``settle`` converts such a dict)."""
         m = self.schedule.m
         self._seed_step()
+        whole = idx
         if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
             idx, targets = self.cp.shard(idx, targets)
+        shards = self._sequence_shards(whole, m)
         # the auxiliary losses' share of the gradient; under SP each tp rank's, 1 / tp of it:
         # every rank computes the whole sequences' loss in its "moe" region and the router's
         # and the input's gradients are summed over tp (optimizer, reduce-scatter)
@@ -427,11 +460,11 @@ class Engine:
             layer.aux_grad_scale = (self.loss_scaler.scale if self.loss_scaler else 1.0) / (m * share)
         inputs, tgts = list(idx.chunk(m)), list(targets.chunk(m))
         if self.stream is None:
-            losses = self.executor.run(inputs, tgts)
+            losses = self.executor.run(inputs, tgts, shards=shards)
         else:  # PipeDream: this step's segment of one endless stream
             k = self.stream_step
             losses = self.executor.run(inputs, tgts, self.stream.segment(k)[self.pp_rank],
-                                       first_mb=k * m)
+                                       first_mb=k * m, shards=shards)
             self.stream_step += 1
         total = (torch.stack(losses).double().sum() / m if losses
                  else torch.zeros((), dtype=torch.float64, device=self.device))
@@ -511,10 +544,17 @@ class Engine:
 
     # -- forward only: evaluation and generation ------------------------------------------
     @torch.no_grad()
-    def _logits(self, idx: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, idx: torch.Tensor, shard: SequenceShard | None = None
+                ) -> torch.Tensor | None:
         """Forward of ``idx`` (B, T) through the stages in order (one micro-batch in flight,
-        blocking p2p between stages). Returns this tp rank's logits (B, T, V_pad / tp) on
-        the last stage, None elsewhere. Every rank of the replica must call it."""
+        blocking p2p between stages), inside ``models.sequence.use(shard)`` when a shard is
+        given (None: whole sequences, plain causal). Returns this tp rank's logits (B, T,
+        V_pad / tp) on the last stage, None elsewhere. Every rank of the replica must call
+        it."""
+        with sequence.use(shard) if shard is not None else contextlib.nullcontext():
+            return self._stages(idx)
+
+    def _stages(self, idx: torch.Tensor) -> torch.Tensor | None:
         p, me, n = self.topology.pp, self.pp_rank, self.local.n_chunks
         B, T = idx.shape
         seq = T // self.tp.size if self.tp.sequence_parallel else T
@@ -538,9 +578,11 @@ class Engine:
         rank of the replica (with cp > 1 each rank evaluates its chunks, then the cp ranks
         average)."""
         self._train(False)
+        whole = idx
         if self.cp is not None:
             idx, targets = self.cp.shard(idx, targets)
-        logits = self._logits(idx)
+        shards = self._sequence_shards(whole, 1)
+        logits = self._logits(idx, shards[0] if shards else None)
         value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
         self._train(True)
         if self.distributed and self.topology.pp > 1:
@@ -562,6 +604,8 @@ class Engine:
         ``generator``; the token is broadcast over pp). Under sequence parallelism the
         context is right-padded to a multiple of tp (causal attention ignores the pads). With
         cp > 1 every cp rank runs the whole context itself (no ring: contexts of any length).
+        A context is one document: no document mask, even under ``block_causal`` (plain
+        causal attention; an end-of-text token inside a prompt is attended across).
         ``vocab_size``: sample among the first ``vocab_size`` ids only (a tokenizer smaller
         than the model's vocabulary; None: all of it). ``sampling``: ``temperature``,
         ``top_k`` as ``models.sampling.generate``."""
@@ -579,10 +623,9 @@ class Engine:
             share = lambda nxt: comm.broadcast(nxt, src=last, group=self.pp_group,
                                                algorithm="auto")
         self._train(False)
-        with self.cp.whole() if self.cp is not None else contextlib.nullcontext():
-            idx = generate(logits_of, idx, new_tokens, self.description.block_size,
-                           pad_to=self.tp.size if self.tp.sequence_parallel else 1,
-                           share=share, generator=generator, **sampling)
+        idx = generate(logits_of, idx, new_tokens, self.description.block_size,
+                       pad_to=self.tp.size if self.tp.sequence_parallel else 1,
+                       share=share, generator=generator, **sampling)
         self._train(True)
         return idx
 

@@ -84,6 +84,8 @@ from typing import Any, Callable, Mapping
 
 import torch.nn as nn
 
+from shardwise.base.config import ATTENTION_MASKS
+
 STYLES = ("column", "row", "vocab_embedding", "vocab_head", "attention", "shared_input",
           "dropout", "sequence_parallel", "sequence_positions", "experts", "moe",
           "partial_grad", "replicate")
@@ -154,6 +156,11 @@ class ModelDescription:
         tensors of the compute dtype (Gemma 2's soft cap: the tanh's output, n = 2). The
         planner counts them in activation memory and memory-bound time (``planner.memory``,
         ``planner.simulate.block_ops``).
+    attention_mask: "causal" (the default) or "block_causal": the model attends through
+        ``models.gpt.causal_attention``, which keeps a token within its document when the
+        current ``models.sequence`` shard carries document ids; with "block_causal" the
+        engine computes them from each micro-batch's tokens and the tokenizer's end-of-text
+        id (``EngineSettings.eos_id``) and sets them around every forward of its chunks.
     hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
         config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``
         read it, each with the checkpoint's own arch when that holds the model:
@@ -179,8 +186,12 @@ class ModelDescription:
     hf: Any = None
     attention_windows: tuple[int | None, ...] = ()
     written_scores: int = 0
+    attention_mask: str = "causal"
 
     def __post_init__(self):
+        if self.attention_mask not in ATTENTION_MASKS:
+            raise ValueError(f"description of {self.kind!r}: attention_mask="
+                             f"{self.attention_mask!r}; expected {' or '.join(ATTENTION_MASKS)}")
         w = self.attention_windows
         if w and (len(w) != self.n_layer
                   or any(x is not None and (not isinstance(x, int) or x < 1) for x in w)):

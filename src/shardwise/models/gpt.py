@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.base.config import ATTENTION_MASKS
 from shardwise.models import sequence
 from shardwise.models.sampling import DecoderLM, generate, sample_next  # noqa: F401 (re-exported)
 
@@ -40,8 +41,10 @@ class GPTConfig:
     (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained with, Hendrycks &
     Gimpel 2016, eq. 2; HF's ``gelu_new``). k_bias: a bias on the key projection too
     (GPT-2's packed ``c_attn`` has one; only with ``bias``). norm_eps: the LayerNorms'
-    epsilon. Raises ``ValueError`` (one line naming the field) for an unknown activation or
-    a key bias without biases.
+    epsilon. attention_mask: "causal", or "block_causal": a token attends only to earlier
+    tokens of its own document, when the engine (or a caller's ``models.sequence.use``) sets
+    the micro-batch's document ids (``causal_attention``). Raises ``ValueError`` (one line
+    naming the field) for an unknown activation or mask, or a key bias without biases.
     """
 
     vocab_size: int
@@ -56,8 +59,12 @@ class GPTConfig:
     activation: str = "gelu"
     k_bias: bool = False
     norm_eps: float = 1e-5
+    attention_mask: str = "causal"
 
     def __post_init__(self):
+        if self.attention_mask not in ATTENTION_MASKS:
+            raise ValueError(f"model.attention_mask={self.attention_mask!r}: expected "
+                             f"{' or '.join(ATTENTION_MASKS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r}: expected "
                              f"{' or '.join(ACTIVATIONS)}")
@@ -108,18 +115,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     ``impl="math"``: the scores written out (B, H, T, T), as in Vaswani et al. 2017; the
     baseline ``benchmarks/gpu_mfu.py`` measures fused attention against.
 
+    Packed sequences (``model.attention_mask = "block_causal"``): when the current shard
+    carries document ids (``models.sequence.documents()``, (B, T), set by the engine per
+    micro-batch), a query sees only keys of its own document: the (B, 1, T, T) boolean mask
+    ``same document AND causal`` (AND the window's band) goes to SDPA or the written-out
+    scores (B T^2 bytes; on CUDA a mask rules out FlashAttention, SDPA takes its
+    memory-efficient kernel). Without document ids nothing changes (``is_causal``, no mask).
+
     Under context parallelism (``models.sequence.current()`` set by the engine) the call
     goes to that shard's attention instead: ring attention over every rank's keys, T being
     this rank's tokens of the sequence, the window applied to their true positions
-    (``parallel.context``).
+    (``parallel.context``), the document ids to every block pair.
     """
     shard = sequence.current()
+    docs = None if shard is None else shard.documents  # (B, T) or None
     if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
         if softcap is not None:
             raise ValueError("model.attn_logit_softcapping with parallel.cp > 1: ring "
                              "attention's block kernels have no soft cap; use cp = 1")
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
-                               scale=scale)
+                               scale=scale, documents=docs)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -127,6 +142,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     band = sliding_window_mask(T, window, q.device) if window is not None and T > window else None
     if impl not in ("sdpa", "math"):
         raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
+    if docs is not None:  # (B, 1, T, T): same document, causal (or the window's band)
+        if docs.shape[-1] != T:
+            raise ValueError(f"models.sequence.documents: {docs.shape[-1]} tokens per "
+                             f"sequence, attention holds {T}")
+        allowed = band if band is not None else torch.ones(
+            T, T, dtype=torch.bool, device=q.device).tril()
+        band = sequence.document_mask(docs, docs) & allowed
     if impl == "sdpa" and softcap is None:
         if band is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p,
@@ -295,7 +317,8 @@ def describe(cfg: GPTConfig):
     return ModelDescription(
         kind="gpt", config=cfg, build=lambda: GPT(cfg), tp_plan=TP_PLAN, hidden_size=c,
         vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-        attention_width=c, context_parallel=True, written_scores=int(cfg.attention == "math"),
+        attention_width=c, context_parallel=True, attention_mask=cfg.attention_mask,
+        written_scores=int(cfg.attention == "math"),
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_embd (hidden size)": c, "MLP size 4 * model.n_embd": 4 * c},
@@ -304,9 +327,10 @@ def describe(cfg: GPTConfig):
 
 def from_section(m, vocab_size: int) -> GPTConfig:
     """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
-    ``attention``, ``activation``, ``k_bias`` and ``norm_eps`` included; ``model.vocab_size``
-    when set, else ``vocab_size`` (the tokenizer's). Raises ``ValueError`` (one line) for a
-    field only the Llama has (a sliding window among them: GPT-2 has none)."""
+    ``attention``, ``attention_mask``, ``activation``, ``k_bias`` and ``norm_eps`` included;
+    ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
+    ``ValueError`` (one line) for a field only the Llama has (a sliding window among them:
+    GPT-2 has none)."""
     for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm", "rotary_dim",
                  "sliding_window", "layer_types"):
         if getattr(m, name, 0):
@@ -319,4 +343,5 @@ def from_section(m, vocab_size: int) -> GPTConfig:
                      n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
                      bias=m.bias, tie_weights=m.tie_weights, attention=m.attention,
                      activation=getattr(m, "activation", "gelu"),
-                     k_bias=getattr(m, "k_bias", False), norm_eps=getattr(m, "norm_eps", 1e-5))
+                     k_bias=getattr(m, "k_bias", False), norm_eps=getattr(m, "norm_eps", 1e-5),
+                     attention_mask=getattr(m, "attention_mask", "causal"))

@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.base.config import ATTENTION_MASKS
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.models.hf import LLAMA_PREFIXES, llama_hf_name
@@ -215,8 +216,11 @@ class LlamaConfig:
     and on the logits (None: no cap). rope_local_base_freq: the rotary base of the blocks
     with a window, which then take no ``rope_scaling`` (Gemma 3's local layers: 10000);
     None: ``rope_theta`` and ``rope_scaling`` on every block. ``rope_scaling`` may also be
-    ``LinearRope`` (dict: ``rope_type = "linear"``, ``factor``). Raises ``ValueError`` (one
-    line, naming the fields) for inconsistent sizes.
+    ``LinearRope`` (dict: ``rope_type = "linear"``, ``factor``). attention_mask: "causal",
+    or "block_causal": a token attends only to earlier tokens of its own document, when the
+    engine (or a caller's ``models.sequence.use``) sets the micro-batch's document ids
+    (``models.gpt.causal_attention``: GQA, MLA, windows and soft caps alike). Raises
+    ``ValueError`` (one line, naming the fields) for inconsistent sizes or an unknown mask.
     """
 
     vocab_size: int
@@ -270,8 +274,12 @@ class LlamaConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_base_freq: float | None = None
+    attention_mask: str = "causal"
 
     def __post_init__(self):
+        if self.attention_mask not in ATTENTION_MASKS:
+            raise ValueError(f"model.attention_mask={self.attention_mask!r}: expected "
+                             f"{' or '.join(ATTENTION_MASKS)}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "multiple_of"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -988,6 +996,7 @@ def describe(cfg: LlamaConfig):
         # the math path, or soft-capped scores (a tanh's output more): written out T x T
         written_scores=(int(cfg.attention == "math" or cfg.attn_logit_softcapping is not None)
                         + (cfg.attn_logit_softcapping is not None)),
+        attention_mask=cfg.attention_mask,
         tied=("embed.tok.weight", "head.proj.weight") if cfg.tie_weights else None,
         tp_divides={"model.n_head (attention heads)": cfg.n_head,
                     "model.n_kv_heads (key/value heads)": cfg.n_kv_heads, **width},
@@ -1050,4 +1059,5 @@ def from_section(m, vocab_size: int) -> LlamaConfig:
                        query_pre_attn_scalar=getattr(m, "query_pre_attn_scalar", 0) or None,
                        attn_logit_softcapping=getattr(m, "attn_logit_softcapping", 0) or None,
                        final_logit_softcapping=getattr(m, "final_logit_softcapping", 0) or None,
-                       rope_local_base_freq=getattr(m, "rope_local_base_freq", 0) or None)
+                       rope_local_base_freq=getattr(m, "rope_local_base_freq", 0) or None,
+                       attention_mask=getattr(m, "attention_mask", "causal"))

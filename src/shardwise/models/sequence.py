@@ -18,6 +18,14 @@ description (``ModelDescription.context_parallel``); the engine refuses ``cp > 1
 other (its positions would be silently wrong). Sources: torchtitan's ``context_parallel``
 (which shards the rotary buffer and swaps ``scaled_dot_product_attention`` for the run of
 a context manager) and Megatron-LM's ``get_pos_emb_on_this_cp_rank``.
+
+Packed sequences (``model.attention_mask = "block_causal"``): a shard may also carry the
+document id of every token of each micro-batch's sequences (``documents``, from
+``document_ids``: the end-of-text token closes its document), and ``causal_attention`` then
+lets a token attend only to earlier tokens of its own document (Llama 3, Grattafiori et al.
+2024, arXiv:2407.21783, sec. 3.2; torchtitan's ``attn_mask_type = "block_causal"``). The
+engine sets one shard per micro-batch around every forward of its chunks on every pipeline
+stage (``engine.Engine``), so no layer takes a new argument.
 """
 
 from __future__ import annotations
@@ -35,20 +43,25 @@ class SequenceShard:
     """The tokens of each sequence this rank holds, and its attention over all of them.
 
     positions: (T_local,) int64, the position in the whole sequence of each local token, in
-        local order (not sorted: chunk ``i`` then chunk ``2cp-1-i``).
-    attention: ``(q, k, v, dropout_p, impl, window, scale) -> out`` over (B, H, T_local,
-        D) tensors, causal over the whole sequence, within a sliding window of ``window``
-        tokens of it when that is not None, the scores scaled by ``scale`` (None:
-        1 / sqrt(D)) (ring attention bound to its group), or None for the single-process
-        kernel.
+        local order (not sorted: chunk ``i`` then chunk ``2cp-1-i``); None: whole
+        sequences (``arange(T)``).
+    attention: ``(q, k, v, dropout_p, impl, window, scale, documents) -> out`` over (B, H,
+        T_local, D) tensors, causal over the whole sequence, within a sliding window of
+        ``window`` tokens of it when that is not None, the scores scaled by ``scale``
+        (None: 1 / sqrt(D)), within documents when ``documents`` is not None (ring
+        attention bound to its group), or None for the single-process kernel.
     total: ``t -> t`` summing a tensor of per-sequence statistics over the ranks holding
         the other tokens of the same sequences, in place (an all-reduce over the cp
         group; no gradient), or None when this rank holds whole sequences.
+    documents: (B, T) int64, the document id of every token of the whole sequences of this
+        forward's micro-batch (``document_ids``; not sharded over cp: a rank reads its own
+        tokens' at ``positions``), or None: one document per sequence (plain causal).
     """
 
-    positions: torch.Tensor
+    positions: torch.Tensor | None = None
     attention: Callable[..., torch.Tensor] | None = None
     total: Callable[[torch.Tensor], torch.Tensor] | None = None
+    documents: torch.Tensor | None = None
 
 
 _CURRENT: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar(
@@ -86,7 +99,7 @@ def positions(T: int, device: torch.device | str | None = None) -> torch.Tensor:
     when a shard is set and holds another number of tokens (a layer that split the sequence
     itself, e.g. one running after a sequence-parallel scatter, must slice them further)."""
     shard = _CURRENT.get()
-    if shard is None:
+    if shard is None or shard.positions is None:
         return torch.arange(T, device=device)
     if shard.positions.numel() != T:
         raise ValueError(f"models.sequence.positions: a layer asked for {T} positions, but "
@@ -105,3 +118,27 @@ def sequence_total(t: torch.Tensor) -> torch.Tensor:
     if shard is None or shard.total is None:
         return t
     return shard.total(t)
+
+
+def document_ids(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, T) int64 token ids of packed sequences -> (B, T) int64 document ids: 0 for the
+    tokens up to and including the first ``eos_id``, 1 up to and including the second, ...
+    The end-of-text token closes its document (it is the last token the document's tokens
+    predict from, as Llama 3 and torchtitan's ``block_causal`` mask count it): the id of
+    token t is the number of separators strictly before it."""
+    sep = (idx == eos_id).to(torch.int64)
+    return torch.cumsum(sep, dim=1) - sep
+
+
+def documents() -> torch.Tensor | None:
+    """The current shard's (B, T) document ids of whole sequences, or None (one document
+    per sequence: plain causal attention)."""
+    shard = _CURRENT.get()
+    return None if shard is None else shard.documents
+
+
+def document_mask(docs_q: torch.Tensor, docs_k: torch.Tensor) -> torch.Tensor:
+    """(B, 1, Tq, Tk) bool, True where query i and key j are in the same document, from
+    their document ids ``docs_q`` (B, Tq) and ``docs_k`` (B, Tk); the heads' axis broadcasts.
+    Causality and windows are ANDed by the caller. B Tq Tk bytes."""
+    return (docs_q.unsqueeze(-1) == docs_k.unsqueeze(-2)).unsqueeze(1)

@@ -16,6 +16,7 @@ from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data.tokenizer import tokenizer_from_state
+from shardwise.engine.engine import BLOCK_CAUSAL_NEEDS_EOS
 from shardwise.launch import rank_device
 from shardwise.models import describe_section
 from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -80,12 +81,15 @@ def check_config(cfg: Config) -> None:
     section_kind(cfg.model)
 
 
-def check_model(cfg: Config, vocab_size: int) -> None:
+def check_model(cfg: Config, vocab_size: int, eos_id: int | None = None) -> None:
     """The model ``cfg`` implies: the ``[model]`` section through the kind's
-    ``from_section`` with ``vocab_size``, and tp dividing what its plan splits
-    (``ModelDescription.tp_divides``: n_kv_heads for the Llama; the sequence under SP).
-    ``ValueError``, one line naming the field."""
+    ``from_section`` with ``vocab_size``, tp dividing what its plan splits
+    (``ModelDescription.tp_divides``: n_kv_heads for the Llama; the sequence under SP), and
+    under ``attention_mask = "block_causal"`` a tokenizer end-of-text id (``eos_id``) to
+    end documents at. ``ValueError``, one line naming the field."""
     d = describe_section(cfg.model, vocab_size)
+    if d.attention_mask == "block_causal" and eos_id is None:
+        raise ValueError(BLOCK_CAUSAL_NEEDS_EOS)
     p = cfg.parallel
     check_divisible(d, RankGroup(size=p.tp, sequence_parallel=p.sequence_parallel,
                                  axis="parallel.tp"), seq_len=cfg.model.block_size)
@@ -102,9 +106,11 @@ def check_data(cfg: Config) -> None:
     from shardwise.data import load_text
     from shardwise.data.shards import is_prepared_dir, read_manifest
 
+    eos = None  # the character tokenizer of a text has no end-of-text token
     if is_prepared_dir(cfg.data.path):
         check_corpus(cfg)
-        vocab = read_manifest(cfg.data.path)["vocab_size"]
+        manifest = read_manifest(cfg.data.path)
+        vocab, eos = manifest["vocab_size"], manifest["tokenizer"].get("eos_id")
     else:
         text = load_text(cfg.data.path)
         check_corpus(cfg, text)
@@ -113,7 +119,7 @@ def check_data(cfg: Config) -> None:
     if cfg.model.vocab_size and vocab > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer has {vocab} "
                          "ids; it must not be larger")
-    check_model(cfg, vocab)
+    check_model(cfg, vocab, eos)
 
 
 def check_resumable(path: str | Path, cfg: Config) -> None:

@@ -78,7 +78,10 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     meta = checkpoint.read_meta(path)
     tokenizer = tokenizer_from_state(meta["tokenizer"])
     d = describe_section(cfg.model, tokenizer.vocab_size)
-    engine = Engine(d, topology, EngineSettings.from_config(cfg), device)
+    # generation masks no documents (a prompt is one); the id only lets a block_causal
+    # model's engine be built
+    engine = Engine(d, topology, EngineSettings.from_config(
+        cfg, eos_id=getattr(tokenizer, "eos_id", None)), device)
     with engine.full_parameters():  # the weights and routing biases, not AdamW's state
         targets = {k: v for k, v in engine_state.logical_tensors(engine, targets=True).items()
                    if k != "optimizer"}

@@ -52,8 +52,10 @@ class Trainer(TrainerState, TrainTask):
         self.description = describe_section(cfg.model, self.tokenizer.vocab_size)
         self.model_cfg = self.description.config
         # split, then parallelize: pipeline chunks, tp shards, dp sync, one optimizer
-        self.engine = Engine(self.description, topology, EngineSettings.from_config(cfg),
-                             self.device)
+        # the tokenizer's end-of-text id ends documents under model.attention_mask =
+        # "block_causal" (the character tokenizer has none: the engine refuses it then)
+        settings = EngineSettings.from_config(cfg, eos_id=getattr(self.tokenizer, "eos_id", None))
+        self.engine = Engine(self.description, topology, settings, self.device)
         self.optimizer = self.engine.optimizer
         self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
         self.sampler = DistributedBatchSampler(self.train_tokens, cfg.model.block_size,

@@ -4,28 +4,26 @@
 
 1. cuts every batch it trains or evaluates on (``shard``): token ids and targets (B, T) ->
    (B, T / cp), chunks ``i`` and ``2cp-1-i`` of each sequence (``sharding``);
-2. hooks each of its chunks (``attach``): around every forward (recomputation included) the
-   chunk runs inside ``models.sequence.use(shard)``, so the model reads the true positions of
-   its tokens, attends through ``ring_attention`` on this ring and sums per-sequence
-   statistics over it (``sequence.sequence_total``: the MoE's token counts per expert).
-   Nothing of the model is replaced: a model that reads positions and attends through
-   ``models.sequence`` and ``models.gpt.causal_attention``
+2. holds that shard (``current``, a ``models.sequence.SequenceShard``), which the engine
+   sets around every forward of its chunks (recomputation included; the executor does it
+   per micro-batch, adding the document ids of packed sequences), so the model reads the
+   true positions of its tokens, attends through ``ring_attention`` on this ring and sums
+   per-sequence statistics over it (``sequence.sequence_total``: the MoE's token counts
+   per expert). Nothing of the model is replaced: a model that reads positions and attends
+   through ``models.sequence`` and ``models.gpt.causal_attention``
    (``ModelDescription.context_parallel``) is ready;
 3. folds cp into the gradient sync's group (``topology.dp_cp``): the cp ranks hold the same
    parameters and each computed the gradient of its own tokens' loss (the mean over its
    T / cp tokens of each sequence), so averaging over dp x cp gives the gradient of the mean
    over all tokens (every rank holds the same number of tokens).
 
-``whole()`` switches the hooks off for a block (generation: each cp rank then runs whole
-sequences of any length, its weights being whole).
+Generation sets no shard: each cp rank then runs whole sequences of any length, its weights
+being whole.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch import nn
 
 from shardwise.models import sequence
 from shardwise.parallel.context.ring_attention import ring_attention
@@ -44,7 +42,6 @@ class ContextParallel:
         self.size, self.rank = ring.size, ring.rank
         self.current: sequence.SequenceShard | None = None
         self._shards: dict[int, sequence.SequenceShard] = {}
-        self._tokens: list = []
 
     def check(self, T: int) -> None:
         """``ValueError`` (one line) unless ``T`` is divisible by ``2 cp``."""
@@ -62,31 +59,12 @@ class ContextParallel:
             ring = self.ring
 
             def attention(q, k, v, dropout_p: float = 0.0, impl: str = "sdpa",
-                          window: int | None = None, scale: float | None = None):
+                          window: int | None = None, scale: float | None = None,
+                          documents: torch.Tensor | None = None):
                 return ring_attention(q, k, v, ring, causal=True, dropout_p=dropout_p,
-                                      impl=impl, window=window, scale=scale)
+                                      impl=impl, window=window, scale=scale,
+                                      documents=documents)
 
             self._shards[T] = sequence.SequenceShard(
                 local_positions(T, self.size, self.rank, self.device), attention, ring.total)
         return self._shards[T]
-
-    @contextlib.contextmanager
-    def whole(self):
-        """Within the block the chunks see whole sequences (positions 0..T-1, local
-        attention), whatever ``shard`` made current."""
-        saved, self.current = self.current, None
-        try:
-            yield
-        finally:
-            self.current = saved
-
-    def attach(self, module: nn.Module) -> None:
-        """Run ``module``'s forwards inside ``models.sequence.use(self.current)``."""
-        def enter(mod, args):
-            self._tokens.append(sequence.enter(self.current))
-
-        def leave(mod, args, out):
-            sequence.leave(self._tokens.pop())
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)

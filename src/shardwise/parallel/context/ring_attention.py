@@ -79,7 +79,7 @@ from typing import NamedTuple
 import torch
 
 from shardwise.parallel.context.ring_comm import Ring
-from shardwise.parallel.context.sharding import chunks_of
+from shardwise.parallel.context.sharding import chunks_of, local_positions
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -106,12 +106,45 @@ def _band(nq: int, nk: int, offset: int, window: int, device: torch.device,
     return torch.zeros(nq, nk, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
 
 
-def _block_forward(q, k, v, causal: bool, band: tuple | None, scale: float, impl: str):
+def _sees(Tq: int, Tk: int, causal: bool, band: tuple | None, docs: tuple,
+          device: torch.device) -> torch.Tensor:
+    """(B, 1, Tq, Tk) bool: where a query row sees a key column, same document (``docs``:
+    the rows' and the columns' document ids, (B, Tq) and (B, Tk)) AND the causal diagonal
+    (``causal``) AND the band (``band``)."""
+    sees = (docs[0].unsqueeze(-1) == docs[1].unsqueeze(-2)).unsqueeze(1)
+    if causal:
+        sees = sees & torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril()
+    if band is not None:
+        sees = sees & _band(Tq, Tk, *band, device)
+    return sees
+
+
+def _block_forward(q, k, v, causal: bool, band: tuple | None, scale: float, impl: str,
+                   docs: tuple | None = None):
     """Attention of queries ``q`` (B, H, Tq, D) on one key/value block (B, H, Tk, D):
     ``(out (B, H, Tq, D) fp32, lse (B, H, Tq) fp32)``; ``causal`` needs Tq == Tk; ``band``:
-    ``(offset, window)`` of a band mask (``_band``) over the (Tq, Tk) scores, or None. Every
-    row must see at least one key."""
+    ``(offset, window)`` of a band mask (``_band``) over the (Tq, Tk) scores, or None.
+    Without ``docs`` every row must see at least one key. ``docs``: the rows' and columns'
+    document ids ((B, Tq), (B, Tk)), ANDed with the masks above (``_sees``); a row that
+    sees no key of the block then gets ``out`` 0 and ``lse`` -inf (nothing to merge)."""
     Tq, Tk = q.shape[2], k.shape[2]
+    if docs is not None:
+        sees = _sees(Tq, Tk, causal, band, docs, q.device)  # (B, 1, Tq, Tk)
+        seen = sees.any(-1)  # (B, 1, Tq): rows that see a key of this block
+        if _fused(q, impl):
+            mask = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~sees, float("-inf"))
+            out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, False,
+                                  attn_mask=mask, scale=scale)
+            out, lse = out.float(), lse.float()
+        else:
+            s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+            s = s.masked_fill(~sees, float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - lse.masked_fill(~seen, 0.0).unsqueeze(-1))
+            out = torch.matmul(p, v.float())
+        return (out.masked_fill(~seen.unsqueeze(-1), 0.0),
+                lse.masked_fill(~seen, float("-inf")))
     if _fused(q, impl):
         mask = None if band is None else _band(Tq, Tk, *band, q.device, q.dtype)
         out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal,
@@ -128,23 +161,31 @@ def _block_forward(q, k, v, causal: bool, band: tuple | None, scale: float, impl
 
 
 def _block_backward(dout, q, k, v, out, lse, delta, causal: bool, band: tuple | None,
-                    scale: float, impl: str):
+                    scale: float, impl: str, docs: tuple | None = None):
     """Gradients ``(dq, dk, dv)`` of one block pair given the final ``out`` and ``lse`` of
     the rows (and ``delta = rowsum(dout * out)``, fp32, (B, H, Tq)); masks as
-    ``_block_forward``'s."""
+    ``_block_forward``'s (the final ``lse`` is finite: every query sees itself)."""
     Tq, Tk = q.shape[2], k.shape[2]
+    sees = None if docs is None else _sees(Tq, Tk, causal, band, docs, q.device)
     if _fused(q, impl):
-        mask = None if band is None else _band(Tq, Tk, *band, q.device, q.dtype)
+        if sees is not None:
+            mask = torch.zeros(sees.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~sees, float("-inf"))
+            causal = False
+        else:
+            mask = None if band is None else _band(Tq, Tk, *band, q.device, q.dtype)
         dq, dk, dv = _FLASH_CPU_BWD(dout.contiguous(), q.contiguous(), k.contiguous(),
                                     v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
                                     causal, attn_mask=mask, scale=scale)
         return dq.float(), dk.float(), dv.float()
     qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
     s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
-    if causal:
+    if sees is not None:
+        s.masked_fill_(~sees, float("-inf"))
+    elif causal:
         s.masked_fill_(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1),
                        float("-inf"))
-    if band is not None:
+    if sees is None and band is not None:
         s.masked_fill_(~_band(Tq, Tk, *band, s.device), float("-inf"))
     p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, Tq, Tk): the softmax of the whole row
     dv = torch.matmul(p.transpose(-2, -1), df)
@@ -312,11 +353,13 @@ def _arrivals(ring: Ring, routes: _Routes | None, kv: tuple):
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, o: torch.Tensor,
            l: torch.Tensor) -> None:
-    """Fold one block's ``(o, l)`` into the running ``(out, lse)`` of ``rows``, in place."""
+    """Fold one block's ``(o, l)`` into the running ``(out, lse)`` of ``rows``, in place.
+    A row that has seen no key yet and sees none here (document masks) keeps -inf and 0."""
     old = lse[:, :, rows]
     new = torch.logaddexp(old, l)
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - new).unsqueeze(-1)
-                       + o * torch.exp(l - new).unsqueeze(-1))
+    ref = new.masked_fill(new == float("-inf"), 0.0)  # exp(-inf - 0) = 0, not exp(nan)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - ref).unsqueeze(-1)
+                       + o * torch.exp(l - ref).unsqueeze(-1))
     lse[:, :, rows] = new
 
 
@@ -361,14 +404,36 @@ def _fold(acc: tuple, pending) -> None:
         acc[1].add_(got[1])
 
 
+class _DocumentsOf:
+    """The document ids of each kernel call's rows and columns (``pair``), from those of the
+    whole sequences (``documents`` (B, T), the same on every rank of the ring: no bytes
+    travel for them); ``pair`` is None when there are none (plain causal)."""
+
+    def __init__(self, documents: torch.Tensor | None, cp: int, c: int):
+        self.of = None
+        if documents is not None:  # ring index -> (B, 2c): its chunks' ids, local order
+            T = 2 * cp * c
+            if documents.shape[-1] != T:
+                raise ValueError(f"ring attention: document ids of {documents.shape[-1]} "
+                                 f"tokens per sequence; the ring holds {T}")
+            self.of = [documents[:, local_positions(T, cp, r, documents.device)]
+                       for r in range(cp)]
+
+    def pair(self, rank: int, source: int, t: "Task") -> tuple | None:
+        if self.of is None:
+            return None
+        return self.of[rank][:, t.rows], self.of[source][:, t.cols]
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: ring attention's output; backward: dQ here, dK/dV around the ring (or,
     with ``_routes``, straight back to their owners)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, causal: bool, impl: str, scale: float,
-                window: int | None):
+                window: int | None, documents: torch.Tensor | None = None):
         c = q.shape[2] // 2
+        docs = _DocumentsOf(documents, ring.size, c)
         # (B, H, T, D) laid out as (B, T, H, D), as the fused kernels return it: the caller's
         # ``transpose(1, 2).reshape(B, T, H * D)`` is then a view, not one more saved copy
         B, H, T, D = q.shape
@@ -382,17 +447,19 @@ class _RingAttention(torch.autograd.Function):
             for t in _plan(ring.rank, ring.source(step), ring.size, causal, c, window):
                 o, l = _block_forward(_rows(q, t.rows), _heads(_rows(kv[0], t.cols), rep),
                                       _heads(_rows(kv[1], t.cols), rep), t.causal, t.band,
-                                      scale, impl)
+                                      scale, impl, docs.pair(ring.rank, ring.source(step), t))
                 _merge(out, lse, t.rows, o, l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.impl, ctx.scale, ctx.window = ring, causal, impl, scale, window
+        ctx.docs = docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, impl, scale, window = ctx.ring, ctx.causal, ctx.impl, ctx.scale, ctx.window
+        docs = ctx.docs
         c = q.shape[2] // 2
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # (B, H, T): rowsum(dO * O)
@@ -415,7 +482,8 @@ class _RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = _block_backward(
                     _rows(dout, t.rows), _rows(q, t.rows), _heads(_rows(kv[0], t.cols), rep),
                     _heads(_rows(kv[1], t.cols), rep), _rows(out, t.rows), _rows(lse, t.rows),
-                    _rows(delta, t.rows), t.causal, t.band, scale, impl)
+                    _rows(delta, t.rows), t.causal, t.band, scale, impl,
+                    docs.pair(ring.rank, ring.source(step), t))
                 dq[:, :, t.rows] += dq_b
                 grads.append((t.cols, _head_sum(dk_b, rep), _head_sum(dv_b, rep)))
             if routes is None:  # the accumulators travel with their block round the ring
@@ -443,13 +511,14 @@ class _RingAttention(torch.autograd.Function):
         else:
             _fold(dkv, pending)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
-                None)
+                None, None)
 
 
 @torch.compiler.disable  # its sends and receives run eagerly: a compiled block breaks here
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
                    causal: bool = True, dropout_p: float = 0.0, impl: str = "sdpa",
-                   scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                   scale: float | None = None, window: int | None = None,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(D)) V over the whole sequence, from this rank's shard of it.
 
     ``q``: (B, H, T_local, D) and ``k``, ``v``: (B, Hkv, T_local, D), this rank's tokens in
@@ -459,7 +528,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     and each rank repeats a block for its kernel, so the ring's bytes are Hkv / H of
     repeating first. ``window``: a sliding window of W tokens (with ``causal``: the query at
     position p sees keys p - W < p' <= p, positions in the whole sequence), or None; only
-    the blocks some rank's queries see are then sent (``kv_transfers``). Returns
+    the blocks some rank's queries see are then sent (``kv_transfers``). ``documents``:
+    (B, T) int64 document ids of the whole sequences (``models.sequence.document_ids``; the
+    same on every rank, so none of it travels), or None; with them a query sees only keys
+    of its own document, the mask ANDed into every block pair's (a block pair may then hide
+    a whole row: its ``lse`` is -inf and nothing is merged). Returns
     (B, H, T_local, D) in ``q``'s dtype: this rank's rows of full attention, equal to them
     up to rounding. Collective over ``ring`` (every rank calls it, in the same order);
     autograd flows to the keys and values of every rank. Raises ``ValueError`` (one line)
@@ -483,4 +556,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
                          "with causal=True, or None")
     _fused(q, impl)  # checks impl
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, ring, causal, impl, scale, window)
+    if documents is not None and not causal:
+        raise ValueError("ring attention: document ids need causal=True (the "
+                         "load-balanced layout)")
+    return _RingAttention.apply(q, k, v, ring, causal, impl, scale, window, documents)

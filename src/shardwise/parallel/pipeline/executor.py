@@ -20,6 +20,12 @@ Options:
   backward differentiates that same copy, then adds the gradient to the live weights'
   ``.grad`` (Narayanan et al. 2019, section 3.3).
 
+Per micro-batch ``models.sequence`` shards (``run(..., shards=)``: context parallelism's
+positions and ring, packed sequences' document ids) are kept on every rank from the
+micro-batch's first forward to its last backward here, and each call of a chunk on that
+micro-batch (the forward, and the backward's recomputation) runs inside its own
+(``sequence.use``): a stage that never saw the tokens attends within the right documents.
+
 Each instruction's start and end (``time.perf_counter`` seconds, one clock for all local
 processes) go to ``events``; with ``measure_memory`` the bytes autograd saves for backward
 are metered (``meter.peak``).
@@ -36,6 +42,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from shardwise import comm
+from shardwise.models import sequence
 from shardwise.parallel.pipeline.schedules import (
     COMM,
     Backward,
@@ -148,6 +155,7 @@ class Executor:
         self.held: dict = {}      # (mb, chunk) -> (input, output or loss, stash)
         self.ready: dict = {}     # ("act"|"grad", mb, chunk) -> (tensor, handle or None)
         self.grad_out: dict = {}  # (mb, chunk) -> gradient w.r.t. the chunk's input
+        self.shards: dict = {}    # mb -> its models.sequence shard, on every rank
 
     @property
     def in_flight(self) -> int:
@@ -156,12 +164,14 @@ class Executor:
 
     def run(self, inputs: Sequence[torch.Tensor] | None,
             targets: Sequence[torch.Tensor] | None, ops: Sequence | None = None,
-            first_mb: int = 0) -> list[float]:
+            first_mb: int = 0, shards: Sequence | None = None) -> list[float]:
         """Run this rank's list once from an empty pipeline, or, with ``ops``, one segment of
         a stream (``pipeline.stream``) that continues from where the previous call stopped.
 
         ``inputs[i]`` / ``targets[i]`` are micro-batch ``first_mb + i``'s tokens and targets,
         needed where chunk 0 / the last chunk lives (``None`` elsewhere, or for a drain).
+        ``shards[i]``: micro-batch ``first_mb + i``'s ``models.sequence.SequenceShard``, on
+        every rank (None: the chunks run with no shard set, whole sequences).
         Returns the micro-batch losses (unscaled, detached 0-d tensors on the device: nothing
         here waits for the device to read them) computed here, in order."""
         if ops is None:
@@ -172,6 +182,8 @@ class Executor:
             self.inputs.update({first_mb + i: x for i, x in enumerate(inputs or ())})
         if self.last_chunk in self.chunks:
             self.targets.update({first_mb + i: y for i, y in enumerate(targets or ())})
+        if shards is not None:
+            self.shards.update({first_mb + i: sh for i, sh in enumerate(shards)})
         self.losses: list[torch.Tensor] = []
         self.sends: list = []
         self.events = []  # this run's only
@@ -206,9 +218,10 @@ class Executor:
     def _hooks(self):
         return self.meter.hooks() if self.measure_memory else contextlib.nullcontext()
 
-    def _call(self, chunk: int, x: torch.Tensor, stash):
+    def _call(self, chunk: int, mb: int, x: torch.Tensor, stash):
         module = self.chunks[chunk]
-        return module(x) if stash is None else functional_call(module, stash, (x,))
+        with sequence.use(self.shards[mb]) if self.shards else contextlib.nullcontext():
+            return module(x) if stash is None else functional_call(module, stash, (x,))
 
     def _forward(self, op: Forward) -> None:
         if op.chunk == 0:
@@ -223,7 +236,7 @@ class Executor:
             self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "forward",
                                   "version": self.version, "checksum": _checksum(stash.values())})
         with self._hooks(), torch.set_grad_enabled(not self.recompute):
-            out = self._call(op.chunk, x, stash)
+            out = self._call(op.chunk, op.mb, x, stash)
             if op.chunk == self.last_chunk:
                 loss = self.loss_fn(out, self.targets[op.mb] if self.recompute
                                     else self.targets.pop(op.mb))
@@ -242,7 +255,7 @@ class Executor:
             if self.recompute:
                 if op.chunk > 0:
                     self.meter.hold(-x.numel() * x.element_size())
-                out = self._call(op.chunk, x, stash)
+                out = self._call(op.chunk, op.mb, x, stash)
                 if op.chunk == self.last_chunk:
                     out = self.loss_fn(out, self.targets.pop(op.mb)) * (
                         self.loss_scale() / self.schedule.m)
@@ -258,6 +271,8 @@ class Executor:
             self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "backward",
                                   "version": self.version, "checksum": _checksum(stash.values()),
                                   "live_checksum": _checksum(self.chunks[op.chunk].parameters())})
+        if op.chunk == min(self.chunks):  # the micro-batch's last call on this rank
+            self.shards.pop(op.mb, None)
         if op.chunk > 0:
             if (op.chunk - 1) % self.schedule.p == self.pp_rank:
                 self.ready[("grad", op.mb, op.chunk - 1)] = (x.grad, None)
