@@ -66,10 +66,19 @@ class SequenceShard:
 
 _CURRENT: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar(
     "shardwise_sequence_shard", default=None)
+# whether any ``use`` has set a shard in this process. Until one has, ``current`` answers
+# None without reading the ContextVar: torch.compile cannot trace ``ContextVar.get`` (a
+# graph break in every attention and rotary layer) but reads a module's bool under a guard,
+# so a compiled block of a single-process, plain causal run is one graph. Never reset: a
+# context copied for a later recomputation (``parallel.activation_checkpoint``) or another
+# thread may still hold a shard
+_SHARDED = False
 
 
 def current() -> SequenceShard | None:
     """The shard set by the innermost ``use``, or None (whole sequences)."""
+    if not _SHARDED:
+        return None
     return _CURRENT.get()
 
 
@@ -77,6 +86,8 @@ def current() -> SequenceShard | None:
 def use(shard: SequenceShard | None) -> Iterator[None]:
     """Within the block, ``positions`` and ``causal_attention`` follow ``shard`` (None:
     whole sequences, even inside an outer ``use``)."""
+    global _SHARDED
+    _SHARDED = _SHARDED or shard is not None
     token = _CURRENT.set(shard)
     try:
         yield
@@ -84,21 +95,12 @@ def use(shard: SequenceShard | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def enter(shard: SequenceShard | None) -> contextvars.Token:
-    """``use`` in two halves, for module hooks: ``token = enter(s)`` ... ``leave(token)``."""
-    return _CURRENT.set(shard)
-
-
-def leave(token: contextvars.Token) -> None:
-    _CURRENT.reset(token)
-
-
 def positions(T: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(T,) int64 positions of the ``T`` tokens a layer holds: ``arange(T)`` for whole
     sequences, the shard's ``positions`` under context parallelism. Raises ``ValueError``
     when a shard is set and holds another number of tokens (a layer that split the sequence
     itself, e.g. one running after a sequence-parallel scatter, must slice them further)."""
-    shard = _CURRENT.get()
+    shard = current()
     if shard is None or shard.positions is None:
         return torch.arange(T, device=device)
     if shard.positions.numel() != T:
@@ -114,7 +116,7 @@ def sequence_total(t: torch.Tensor) -> torch.Tensor:
     sequences, the shard's ``total`` (the same tensor, reduced over the cp ranks) under
     context parallelism. No gradient flows through the sum; every rank holding the
     sequences must call it at the same point of its forward (a collective)."""
-    shard = _CURRENT.get()
+    shard = current()
     if shard is None or shard.total is None:
         return t
     return shard.total(t)
@@ -133,7 +135,7 @@ def document_ids(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
 def documents() -> torch.Tensor | None:
     """The current shard's (B, T) document ids of whole sequences, or None (one document
     per sequence: plain causal attention)."""
-    shard = _CURRENT.get()
+    shard = current()
     return None if shard is None else shard.documents
 
 
