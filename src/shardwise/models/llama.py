@@ -972,7 +972,7 @@ def describe(cfg: LlamaConfig):
     (``models.hf.qwen2_moe_compatible``: softmax top-k, renormalised or not, dropless);
     with Gemma's zero-centred norms, embedding scale and GeGLU, ``GemmaForCausalLM``
     (``GEMMA``), with the sandwich norms too ``Gemma2ForCausalLM`` (``GEMMA2``), and with
-    QK-norm ``Gemma3ForCausalLM`` (``GEMMA3``: ``models.hf._gemma_holds``);
+    QK-norm ``Gemma3ForCausalLM`` (``GEMMA3``: ``models.hf.gemma._gemma_holds``);
     else none (``hf`` is None): ``models.hf.arch_for``."""
     from shardwise.models.description import ModelDescription
     from shardwise.models.hf import arch_for
