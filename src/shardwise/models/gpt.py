@@ -82,32 +82,65 @@ def sliding_window_mask(T: int, window: int, device: torch.device) -> torch.Tens
     "Mistral 7B", arXiv:2310.06825, sec. 2: each layer attends to the previous W tokens;
     transformers' ``sliding_window_causal_mask_function``: ``kv_idx > q_idx - W`` and
     ``kv_idx <= q_idx``). Built once per (T, window, device) and kept: T^2 bytes."""
-    i = torch.arange(T, device=device)
-    d = i.unsqueeze(1) - i.unsqueeze(0)  # (T, T): query position - key position
+    return window_band(T, T, 0, window, device)
+
+
+@functools.lru_cache(maxsize=64)
+def window_band(n_q: int, n_k: int, offset: int, window: int,
+                device: torch.device) -> torch.Tensor:
+    """(n_q, n_k) bool: the sliding window's band (``sliding_window_mask``) between ``n_q``
+    queries at positions ``offset + r`` and ``n_k`` keys at positions ``s``: True where
+    ``0 <= offset + r - s < window``. ``sliding_window_mask(T, W)`` is
+    ``window_band(T, T, 0, W)``; a query chunk's is (c, c + W - 1). Kept per arguments."""
+    d = (offset + torch.arange(n_q, device=device)).unsqueeze(1) - torch.arange(
+        n_k, device=device)  # (n_q, n_k): query position - key position
     return (d >= 0) & (d < window)
+
+
+# Sliding windows at cp = 1 attend in query chunks of WINDOW_CHUNK tokens (at least W) once
+# the sequence is WINDOW_CHUNKED_FROM windows long; below that, one call with the (T, T)
+# band. Chosen from benchmarks/windowed_attention.py (docs/models.md, "Sliding windows").
+WINDOW_CHUNK = 256
+WINDOW_CHUNKED_FROM = 2
+
+
+def window_chunk(T: int, window: int) -> int:
+    """Queries per call of a sliding window of ``window`` tokens over T > window tokens:
+    T (one call, the whole (T, T) band) below ``WINDOW_CHUNKED_FROM`` windows, else
+    max(``window``, ``WINDOW_CHUNK``)."""
+    return T if T < WINDOW_CHUNKED_FROM * window else max(window, WINDOW_CHUNK)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                      impl: str = "sdpa", window: int | None = None, scale: float | None = None,
                      softcap: float | None = None) -> torch.Tensor:
-    """Causal softmax(Q K^T / sqrt(D)) V: ``q`` (B, H, T, D), ``k`` and ``v`` (B, Hkv, T, D)
-    with Hkv dividing H (grouped-query attention: key/value head j serves query heads
-    j rep .. (j + 1) rep - 1, rep = H / Hkv, HF's ``repeat_kv``); returns (B, H, T, D).
+    """Causal softmax(Q K^T / sqrt(D)) V: ``q`` (B, H, T, D), ``k`` (B, Hkv, T, D) and ``v``
+    (B, Hkv, T, Dv) with Hkv dividing H (grouped-query attention: key/value head j serves
+    query heads j rep .. (j + 1) rep - 1, rep = H / Hkv, HF's ``repeat_kv``); Dv may differ
+    from D (DeepSeek's latent attention); returns (B, H, T, Dv).
 
     ``scale``: the scores' factor in place of 1 / sqrt(D) (Gemma 2 and 3:
     ``query_pre_attn_scalar ** -0.5``); None: 1 / sqrt(D). ``softcap``: the scores S
     (after the scale) become ``softcap * tanh(S / softcap)`` before the mask and the
     softmax (Gemma 2's ``attn_logit_softcapping``, Gemma Team 2024, arXiv:2408.00118,
     sec. 2; transformers' ``eager_attention_forward`` of ``modeling_gemma2.py``, softmax in
-    fp32). No fused kernel takes it, so with a cap the scores are written out (B, H, T, T)
-    whatever ``impl`` says; under context parallelism it raises ``ValueError`` (one line:
-    the ring's block kernels have no cap).
+    fp32). No fused kernel takes it, so with a cap the scores are written out (B, H, T, T),
+    or per query chunk under a window, whatever ``impl`` says; under context parallelism it
+    raises ``ValueError`` (one line: the ring's block kernels have no cap).
 
     ``window``: a sliding window of W tokens (``sliding_window_mask``: query i sees keys
     i - W < j <= i), or None (every earlier key). With T <= W the window hides nothing and
-    the plain causal kernel runs; with T > W the band is an explicit boolean mask (T, T),
-    so on CUDA SDPA takes its memory-efficient kernel, not FlashAttention (which takes no
-    mask).
+    the plain causal kernel runs. With T > W the queries go in chunks of c tokens
+    (``window_chunk``: c = T, one call, below 2W; else c = max(W, 256)): chunk [s, s + c)
+    needs only keys [s - W + 1, s + c), so each chunk is one call against those keys with
+    the (c, c + W - 1) band (``window_band``), and the outputs are concatenated; no
+    log-sum-exp merge, every query's keys are inside its one call (Mistral 7B,
+    arXiv:2310.06825, sec. 2; Longformer's banded attention, Beltagy et al. 2020, sec. 3.1,
+    which computes the band in overlapping blocks the same way). Cost T (c + W - 1) scores
+    instead of T^2, a (c, c + W - 1) mask and, written out, (B, H, c, c + W - 1) scores at
+    a time instead of (B, H, T, T). The band is a mask, so on CUDA SDPA takes its
+    memory-efficient kernel, not FlashAttention (which takes no mask). Dropout draws per
+    chunk: the same distribution as one call's, other random numbers.
 
     ``impl="sdpa"``: ``F.scaled_dot_product_attention``, which on CUDA dispatches to
     FlashAttention-2 (Dao 2023) or memory-efficient attention (Rabe & Staats 2021) and never
@@ -118,9 +151,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     Packed sequences (``model.attention_mask = "block_causal"``): when the current shard
     carries document ids (``models.sequence.documents()``, (B, T), set by the engine per
     micro-batch), a query sees only keys of its own document: the (B, 1, T, T) boolean mask
-    ``same document AND causal`` (AND the window's band) goes to SDPA or the written-out
-    scores (B T^2 bytes; on CUDA a mask rules out FlashAttention, SDPA takes its
-    memory-efficient kernel). Without document ids nothing changes (``is_causal``, no mask).
+    ``same document AND causal`` (AND the window's band, per chunk from the chunk's query
+    and key ids) goes to SDPA or the written-out scores (B T^2 bytes, B c (c + W - 1) a
+    chunk; on CUDA a mask rules out FlashAttention, SDPA takes its memory-efficient
+    kernel). Without document ids nothing changes (``is_causal``, no mask).
 
     Under context parallelism (``models.sequence.current()`` set by the engine) the call
     goes to that shard's attention instead: ring attention over every rank's keys, T being
@@ -135,32 +169,87 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
                              "attention's block kernels have no soft cap; use cp = 1")
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
                                scale=scale, documents=docs)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # (B, Hkv, T, D) -> (B, H, T, D)
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    T = q.shape[-2]
-    band = sliding_window_mask(T, window, q.device) if window is not None and T > window else None
     if impl not in ("sdpa", "math"):
         raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
-    if docs is not None:  # (B, 1, T, T): same document, causal (or the window's band)
-        if docs.shape[-1] != T:
-            raise ValueError(f"models.sequence.documents: {docs.shape[-1]} tokens per "
-                             f"sequence, attention holds {T}")
-        allowed = band if band is not None else torch.ones(
+    # (B, Hkv, T, D) -> (B, H, T, D), once: a chunk's keys are then views of it (repeating
+    # each chunk's slice instead would keep ~(c + W) / c times the heads for backward)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    T = q.shape[-2]
+    if docs is not None and docs.shape[-1] != T:
+        raise ValueError(f"models.sequence.documents: {docs.shape[-1]} tokens per "
+                         f"sequence, attention holds {T}")
+    if window is not None and T > window:
+        return _windowed(q, k, v, window, window_chunk(T, window), docs, dropout_p, impl,
+                         scale, softcap)
+    mask = None  # causal: is_causal, or the triangle ANDed with the documents
+    if docs is not None:  # (B, 1, T, T): same document, causal
+        mask = sequence.document_mask(docs, docs) & torch.ones(
             T, T, dtype=torch.bool, device=q.device).tril()
-        band = sequence.document_mask(docs, docs) & allowed
+    return _attend(q, k, v, mask, dropout_p, impl, scale, softcap)
+
+
+def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, chunk: int,
+              docs: torch.Tensor | None, dropout_p: float, impl: str, scale: float | None,
+              softcap: float | None) -> torch.Tensor:
+    """A sliding window of ``window`` tokens over (B, H, T, D) q, k, v (heads repeated) in
+    query chunks of ``chunk`` tokens (``causal_attention``): chunk [s, e) against keys
+    [max(0, s - W + 1), e), masked by their band (``window_band``) and, with document ids
+    ``docs`` (B, T), by the chunk's query and key ids. (B, H, T, Dv)."""
+    T, W = q.shape[-2], window
+    n = -(-T // chunk)
+    if n == 1:
+        return _attend(q, k, v, _window_mask(docs, 0, T, 0, W, q.device), dropout_p, impl,
+                       scale, softcap)
+
+    def keys(x):  # n x (B, H, c + W - 1, D): chunk i's keys [i c - W + 1, (i + 1) c)
+        # one overlapping view of x padded with W - 1 rows in front and to n c behind: the
+        # chunks' gradients then meet in one unfold backward (slicing x per chunk would
+        # write a whole (B, H, T, D) gradient per chunk)
+        x = F.pad(x, (0, 0, W - 1, n * chunk - T))
+        return x.unfold(-2, chunk + W - 1, chunk).transpose(-1, -2).unbind(2)
+
+    out = []
+    for i, (qc, kc, vc) in enumerate(zip(q.split(chunk, dim=-2), keys(k), keys(v))):
+        s = i * chunk
+        e, a = s + qc.shape[-2], max(0, s - W + 1)  # queries [s, e), keys [a, e)
+        cut = slice(a - (s - W + 1), e - (s - W + 1))  # the padding off
+        out.append(_attend(qc, kc[..., cut, :], vc[..., cut, :],
+                           _window_mask(docs, s, e, a, W, q.device), dropout_p, impl, scale,
+                           softcap))
+    return torch.cat(out, dim=-2)
+
+
+def _window_mask(docs: torch.Tensor | None, s: int, e: int, a: int, window: int,
+                 device: torch.device) -> torch.Tensor:
+    """(e - s, e - a) bool, queries [s, e) against keys [a, e): the window's band, ANDed
+    with same-document (then (B, 1, e - s, e - a)) when ``docs`` (B, T) is set."""
+    band = window_band(e - s, e - a, s - a, window, device)
+    if docs is None:
+        return band
+    return sequence.document_mask(docs[:, s:e], docs[:, a:e]) & band
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            dropout_p: float, impl: str, scale: float | None,
+            softcap: float | None) -> torch.Tensor:
+    """One attention call: (B, H, Tq, D) queries against (B, H, Tk, D) keys and values,
+    ``mask`` (..., Tq, Tk) bool (True: attends), or None: causal, Tq = Tk (``is_causal``).
+    SDPA, or the scores written out (``impl="math"`` or a ``softcap``). (B, H, Tq, Dv)."""
     if impl == "sdpa" and softcap is None:
-        if band is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p,
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                   scale=scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
                                               scale=scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    hidden = (~band if band is not None
-              else torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1))
+    Tq, Tk = scores.shape[-2:]
+    hidden = (~mask if mask is not None
+              else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1))
     # softmax in at least fp32 (bf16 / fp16 scores promoted, as transformers' eager path;
     # fp64 kept), then back to the inputs' dtype
     att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1,
