@@ -79,9 +79,12 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def measure(T: int, W: int, impl: str, c: int, B: int, H: int, D: int, repeats: int,
-            device: str) -> dict:
-    """One point, in this process: peak memory of the first run, median time of the rest."""
+def measure(T: int, W: int, impl: str, cs: list[int], B: int, H: int, D: int, repeats: int,
+            device: str) -> list[dict]:
+    """The points (T, W, impl, c) for every c of ``cs``, in this process: the peak memory
+    of one run each (``repeats`` = 0), or, after that run as a warm-up, ``repeats`` rounds
+    timing every c in turn (interleaved, so that a burst of other work on the machine is
+    spread over all of them)."""
     from shardwise.models.gpt import _windowed
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -89,62 +92,64 @@ def measure(T: int, W: int, impl: str, c: int, B: int, H: int, D: int, repeats: 
                for _ in range(3))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def step():
+    def step(c):
         out = _windowed(q, k, v, W, c, None, 0.0, impl, None, None)
         out.backward(torch.ones_like(out))
         q.grad = k.grad = v.grad = None
         sync()
 
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-    else:
-        try:  # "5": reset the peak resident size (Linux >= 4.0)
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
-        before = _rss_kib("VmRSS:")
-        step()
-        peak = (_rss_kib("VmHWM:") - before) / 1024
-    times = []
+    peaks = []
+    for c in cs:  # also the warm-up
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step(c)
+            peaks.append((torch.cuda.max_memory_allocated() - before) / 2 ** 20)
+        else:
+            try:  # "5": reset the peak resident size (Linux >= 4.0)
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+            before = _rss_kib("VmRSS:")
+            step(c)
+            peaks.append((_rss_kib("VmHWM:") - before) / 1024)
+    times = {c: [] for c in cs}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"time_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times],
-            "peak_mib": peak}
+        for c in cs:
+            t0 = time.perf_counter()
+            step(c)
+            times[c].append(time.perf_counter() - t0)
+    if not repeats:
+        return [{"c": c, "peak_mib": peak} for c, peak in zip(cs, peaks)]
+    return [{"c": c, "time_ms": 1e3 * statistics.median(times[c]),
+             "min_ms": 1e3 * min(times[c]), "times_ms": [1e3 * t for t in times[c]]}
+            for c in cs]
 
 
-def points(args) -> list[tuple[int, int, str, int]]:
-    """(T, W, impl, c) to measure: c = T (dense) and every ``--chunks`` c with W <= ... < T."""
-    out = []
-    for T in args.lengths:
-        for W in args.windows:
-            if W >= T:
-                continue
-            for impl in args.impls:
-                cs = [T] + [c for c in args.chunks if c < T]
-                out += [(T, W, impl, c) for c in cs]
-    return out
+def groups(args) -> list[tuple[int, int, str, list[int]]]:
+    """(T, W, impl, [c]) to measure: c = T (dense) and every ``--chunks`` c < T."""
+    return [(T, W, impl, [T] + [c for c in args.chunks if c < T])
+            for T in args.lengths for W in args.windows if W < T for impl in args.impls]
 
 
 def table(rows: list[dict], info: dict, command: str) -> str:
     lines = [f"# Sliding-window attention: one call against query chunks ({info['device']})", "",
              f"`{command}`", "",
-             f"{info.get('gpu', info['cpu'])}, {info['cores']} cores, {info['torch_threads']} "
+             (f"{info.get('gpu', info['cpu'])}, {info['cores']} cores, {info['torch_threads']} "
              f"torch threads, torch {info['torch']}, python {info['python']}; load average "
              f"{info['load_average']} before, {info['load_average_after']} after. "
              f"B = {rows[0]['B']}, H = {rows[0]['H']}, D = {rows[0]['D']}, fp32, forward + "
-             "backward of one attention call; time the median of the repeats.", "",
-             "| T | W | attention | c | time ms | x dense | peak MiB | scores / T^2 | "
-             "mask MiB | written MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "backward of one attention call; time: the median of the repeats (their "
+             "fastest beside it); x dense: of the medians."), "",
+             ("| T | W | attention | c | time ms | fastest ms | x dense | peak MiB | "
+              "scores / T^2 | mask MiB | written MiB |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {(r["T"], r["W"], r["impl"]): r for r in rows if r["c"] == r["T"]}
     for r in rows:
         d = dense[(r["T"], r["W"], r["impl"])]
         c = "dense" if r["c"] == r["T"] else r["c"]
         lines.append(f"| {r['T']} | {r['W']} | {r['impl']} | {c} | {r['time_ms']:.1f} | "
+                     f"{r['min_ms']:.1f} | "
                      f"{r['time_ms'] / d['time_ms']:.2f} | {r['peak_mib']:.0f} | "
                      f"{r['scores'] / r['T'] ** 2:.3f} | {r['mask_mib']:.2f} | "
                      f"{r['written_mib'] if r['impl'] == 'math' else 0:.0f} |")
@@ -153,44 +158,61 @@ def table(rows: list[dict], info: dict, command: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",")]
     p.add_argument("--lengths", type=ints, default=[2048, 4096, 8192])
     p.add_argument("--windows", type=ints, default=[256, 512])
-    p.add_argument("--chunks", type=ints, default=[256, 512, 1024, 2048],
+    p.add_argument("--chunks", type=ints, default=[256, 512, 1024],
                    help="query chunk sizes c besides the dense call (c = T)")
     p.add_argument("--impls", type=lambda s: s.split(","), default=["sdpa", "math"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--one", help=argparse.SUPPRESS)  # "T,W,impl,c": measure in this process
+    p.add_argument("--render", action="store_true",
+                   help="only write OUT/windowed_attention.md again from its .json")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # "T,W,impl,c,...": in this process
     args = p.parse_args()
     shape = (args.batch, args.heads, args.head_dim)
     if args.one:
-        T, W, impl, c = args.one.split(",")
-        print(json.dumps(measure(int(T), int(W), impl, int(c), *shape, args.repeats,
-                                 args.device)))
+        T, W, impl, *cs = args.one.split(",")
+        print(json.dumps(measure(int(T), int(W), impl, [int(c) for c in cs], *shape,
+                                 args.repeats, args.device)))
+        return
+    if args.render:
+        got = json.loads((args.out / "windowed_attention.json").read_text())
+        (args.out / "windowed_attention.md").write_text(
+            table(got["rows"], got["machine"], got["command"]))
         return
     info = machine(args.device)
     command = "python " + " ".join(["benchmarks/windowed_attention.py"] + sys.argv[1:])
+    # memory in a process of its own where, on the CPU, every allocation of 64 KiB or more
+    # is its own mapping, given back when freed: the resident size then follows the tensors
+    # alive, and its peak is theirs (the page faults of so many mappings would slow the
+    # many small calls of the chunks, so the times come from a process with glibc's default)
+    memory_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
-    for T, W, impl, c in points(args):
-        cmd = [sys.executable, __file__, "--one", f"{T},{W},{impl},{c}", "--device",
-               args.device, "--repeats", str(args.repeats), "--batch", str(args.batch),
-               "--heads", str(args.heads), "--head-dim", str(args.head_dim)]
-        got = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                        text=True).stdout.splitlines()[-1])
-        row = {"T": T, "W": W, "impl": impl, "c": c, "B": args.batch, "H": args.heads,
-               "D": args.head_dim, **got, **counts(T, W, c, args.batch, args.heads)}
-        print(f"T={T} W={W} {impl} c={'dense' if c == T else c}: {row['time_ms']:.1f} ms, "
-              f"peak {row['peak_mib']:.0f} MiB", flush=True)
-        rows.append(row)
+    for T, W, impl, cs in groups(args):
+        cmd = [sys.executable, __file__, "--one", ",".join(map(str, [T, W, impl, *cs])),
+               "--device", args.device, "--batch", str(args.batch), "--heads",
+               str(args.heads), "--head-dim", str(args.head_dim), "--repeats"]
+        got = [json.loads(subprocess.run(cmd + [str(r)], check=True, capture_output=True,
+                                         text=True, env=env).stdout.splitlines()[-1])
+               for r, env in ((0, memory_env), (args.repeats, None))]
+        for r in (m | t for m, t in zip(*got)):
+            row = {"T": T, "W": W, "impl": impl, "B": args.batch, "H": args.heads,
+                   "D": args.head_dim, **r, **counts(T, W, r["c"], args.batch, args.heads)}
+            print(f"T={T} W={W} {impl} c={'dense' if r['c'] == T else r['c']}: "
+                  f"{row['time_ms']:.1f} ms, peak {row['peak_mib']:.0f} MiB", flush=True)
+            rows.append(row)
     info["load_average_after"] = round(os.getloadavg()[0], 2)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "windowed_attention.json").write_text(json.dumps(
-        {"machine": info, "command": command, "rows": rows}, indent=1) + "\n")
+        {"machine": info, "command": command, "rows": rows,
+         "args": {k: v for k, v in vars(args).items() if k in (
+             "lengths", "windows", "chunks", "impls", "batch", "heads", "head_dim",
+             "repeats", "device")}}, indent=1) + "\n")
     (args.out / "windowed_attention.md").write_text(table(rows, info, command))
     print(table(rows, info, command))
 

@@ -100,7 +100,7 @@ def test_chunks_equal_one_call_and_the_written_band(name, impl, chunked, monkeyp
     assert gpt.window_chunk(T, W) < T  # several chunks
     qkv, dout = _inputs(T, H, Hkv, D, Dv)
     docs = _docs(2, T) if with_docs else None
-    kw = dict(impl=impl, window=W, scale=scale, softcap=softcap)
+    kw = {"impl": impl, "window": W, "scale": scale, "softcap": softcap}
     calls = []
     attend = gpt._attend
     monkeypatch.setattr(gpt, "_attend", lambda q, k, *a: calls.append(k.shape[-2]) or attend(
@@ -127,7 +127,7 @@ def test_chunks_in_bf16(impl, chunked):
 def test_no_chunks_without_a_window_or_below_two_windows(chunked):
     """W >= T, or no window: ``is_causal``, bit for bit; W < T < 2W: one call with the
     (T, T) band, bit for bit."""
-    qkv, dout = _inputs(16, 4, 4, 8, 8)
+    qkv, _ = _inputs(16, 4, 4, 8, 8)
     plain = F.scaled_dot_product_attention(*qkv, is_causal=True)
     for window in (None, 16, 40):
         assert torch.equal(causal_attention(*qkv, window=window), plain), window
