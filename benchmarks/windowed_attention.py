@@ -17,8 +17,11 @@ q, k, v (B = 1, H = 8, D = 64 by default), in a fresh process per point:
   c (c + W - 1) bytes), ``written_mib``: the largest fp32 score tensor of one call written
   out (``math``: B H c (c + W - 1) x 4 bytes).
 
-    OMP_NUM_THREADS=2 python benchmarks/windowed_attention.py            # ~4 minutes, 2 cores
-    python benchmarks/windowed_attention.py --device cuda --lengths 8192,32768 --windows 4096
+    OMP_NUM_THREADS=2 python benchmarks/windowed_attention.py  # 25 min on 2 shared cores
+    python benchmarks/windowed_attention.py --lengths 512,1024 --windows 256,512 \
+        --chunks 256,512 --repeats 7 --out benchmarks/windowed_attention_results/threshold
+    python benchmarks/windowed_attention.py --device cuda --lengths 8192,16384 --windows 4096 \
+        --chunks 4096,8192
     python benchmarks/windowed_attention.py --lengths 2048 --windows 256 --chunks 256 --repeats 2
 
 Writes ``OUT/windowed_attention.json`` and ``OUT/windowed_attention.md`` (OUT:
