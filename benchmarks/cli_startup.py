@@ -60,14 +60,9 @@ def run(args: list[str], env: dict) -> dict:
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from shardwise.perf.peak import cpu_name
+
+    cpu = cpu_name()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"{cpu}, {usable} usable cores ({os.cpu_count()} online); torch {torch.__version__}; "
             f"Python {platform.python_version()}; {platform.system()} {platform.release()}")

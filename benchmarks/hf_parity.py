@@ -74,14 +74,9 @@ def tokens() -> tuple[torch.Tensor, torch.Tensor]:
 
 def machine() -> dict:
     """The CPU, its cores, the threads, the versions and the load: the table's context."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from shardwise.perf.peak import cpu_name
+
+    cpu = cpu_name()
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "rank_threads": 1, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),

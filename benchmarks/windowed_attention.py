@@ -47,14 +47,9 @@ OUT = Path(__file__).resolve().parent / "windowed_attention_results"
 
 def machine(device: str) -> dict:
     """The CPU (or GPU), its cores, the threads, the versions and the load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from shardwise.perf.peak import cpu_name
+
+    cpu = cpu_name()
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "device": device, "load_average": round(os.getloadavg()[0], 2)}

@@ -95,7 +95,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = True,
     return Peak(None, f"no peak known for device {device.type!r}")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``'s "model name"), else what ``platform``
+    says: for benchmark tables and the peak cache's key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -113,7 +115,7 @@ def _cache_path() -> Path:
 
 
 def _cache_key(dtype: torch.dtype) -> str:
-    return (f"{_cpu_name()}|threads={torch.get_num_threads()}|"
+    return (f"{cpu_name()}|threads={torch.get_num_threads()}|"
             f"{str(dtype).removeprefix('torch.')}|torch={torch.__version__}")
 
 
