@@ -210,3 +210,24 @@ def test_bad_masks_are_refused_in_one_line(corpus, packed, tmp_path, capsys):
     from shardwise.apps.lm.app import check_data
 
     check_data(Config.from_dict(cfg))
+
+
+@pytest.mark.slow  # Inductor compiles on the CPU for ~15 s: `pytest -m slow`
+def test_compiled_block_causal_trains_like_eager(packed, tmp_path):
+    """``training.compile`` with ``block_causal``: the document ids change every micro-batch,
+    so the compiled blocks must read them as inputs (no recompile per micro-batch) and train
+    as eager does (within 1e-5: Inductor's fused kernels round differently)."""
+    from torch._dynamo.utils import counters
+
+    from ddp_workers import train
+
+    model = {"kind": "llama", "n_kv_heads": 2, "multiple_of": 16,
+             "attention_mask": "block_causal"}
+    eager = train(tiny_config(str(packed), str(tmp_path / "eager"), model=model,
+                              parallel={"dp": 1}, training={"steps": 4}))
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # not per micro-batch's ids
+        compiled = train(tiny_config(str(packed), str(tmp_path / "compiled"), model=model,
+                                     parallel={"dp": 1}, training={"steps": 4, "compile": True}))
+    assert counters["stats"]["unique_graphs"] > 0  # it compiled
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
