@@ -23,7 +23,9 @@
 #              expert: F.grouped_mm in bf16 and our all-to-all on CUDA tensors) (~4 min)
 #   llama      the Llama-3.2-1B-shaped rows with 2 micro-batches of 8 sequences (larger
 #              GEMMs than the 4 x 4 of the recorded run): bf16 and fp8 tensorwise (~4 min)
-#   gpt2       GPT-2 small, the compiled row only, batch 64 in 4 micro-batches (~3 min)
+#   gpt2       GPT-2 small, the compiled row only, batch 64 in 4 micro-batches, then
+#              sliding-window attention in query chunks against one masked call
+#              (benchmarks/windowed_attention.py on CUDA, new since the last session) (~5 min)
 #   all-tests  tests/ whole in the several-ranks-on-one-GPU mode (longer than one call:
 #              only with a machine to spare)
 set -uo pipefail
@@ -62,7 +64,10 @@ case $step in
             --steps 5 --warmup 2 --tag cuda_llama1b_m2 --out "$out" ;;
     gpt2)
         python3 benchmarks/gpu_mfu.py --last-only --batch 64 --micro-batches 4 \
-            --tag cuda_b64_m4_rerun --out "$out" ;;
+            --tag cuda_b64_m4_rerun --out "$out"
+        timeout 240 python3 benchmarks/windowed_attention.py --device cuda \
+            --lengths 4096,16384 --windows 1024,4096 --chunks 1024,4096 \
+            --out "$out/windowed_attention" 2>&1 | tail -20 ;;
     all-tests)
         SHARDWISE_TEST_DEVICE=cuda python3 -m pytest -q tests/ 2>&1 \
             | tee "$out/all_cuda_gloo_one_gpu.log" | tail -5 ;;
