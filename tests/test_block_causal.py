@@ -60,7 +60,7 @@ def test_the_separator_closes_its_document():
     idx = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8], [EOS, 4, 4, 4, 4, 4, EOS]])
     assert sequence.document_ids(idx, EOS).tolist() == [[0, 0, 0, 1, 1, 2, 3],
                                                          [0, 1, 1, 1, 1, 1, 1]]
-    assert sequence.documents() is None  # nothing set outside a forward
+    assert sequence.current() is None  # nothing set outside a forward
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])

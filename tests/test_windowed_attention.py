@@ -135,7 +135,7 @@ def test_no_chunks_without_a_window_or_below_two_windows(chunked):
     band = F.scaled_dot_product_attention(*qkv, attn_mask=gpt.sliding_window_mask(16, 9,
                                                                                    "cpu"))
     assert torch.equal(causal_attention(*qkv, window=9), band)
-    assert torch.equal(gpt.window_band(16, 16, 0, 9, "cpu"), gpt.sliding_window_mask(16, 9,
+    assert torch.equal(sequence.window_band(16, 16, 0, 9, "cpu"), gpt.sliding_window_mask(16, 9,
                                                                                      "cpu"))
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from shardwise.base.config import ATTENTION_MASKS
 from shardwise.models import sequence
+from shardwise.models.sequence import window_band
 from shardwise.models.sampling import DecoderLM, generate, sample_next  # noqa: F401 (re-exported)
 
 # the MLP's GELU: exact (erf), or the tanh approximation of GPT-2 (F.gelu's "tanh")
@@ -85,18 +86,6 @@ def sliding_window_mask(T: int, window: int, device: torch.device) -> torch.Tens
     return window_band(T, T, 0, window, device)
 
 
-@functools.lru_cache(maxsize=64)
-def window_band(n_q: int, n_k: int, offset: int, window: int,
-                device: torch.device) -> torch.Tensor:
-    """(n_q, n_k) bool: the sliding window's band (``sliding_window_mask``) between ``n_q``
-    queries at positions ``offset + r`` and ``n_k`` keys at positions ``s``: True where
-    ``0 <= offset + r - s < window``. ``sliding_window_mask(T, W)`` is
-    ``window_band(T, T, 0, W)``; a query chunk's is (c, c + W - 1). Kept per arguments."""
-    d = (offset + torch.arange(n_q, device=device)).unsqueeze(1) - torch.arange(
-        n_k, device=device)  # (n_q, n_k): query position - key position
-    return (d >= 0) & (d < window)
-
-
 # Sliding windows at cp = 1 attend in query chunks of WINDOW_CHUNK tokens (at least W) once
 # the sequence is WINDOW_CHUNKED_FROM windows long; below that, one call with the (T, T)
 # band. Chosen from benchmarks/windowed_attention.py (docs/models.md, "Sliding windows").
@@ -149,7 +138,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     baseline ``benchmarks/gpu_mfu.py`` measures fused attention against.
 
     Packed sequences (``model.attention_mask = "block_causal"``): when the current shard
-    carries document ids (``models.sequence.documents()``, (B, T), set by the engine per
+    carries document ids (``SequenceShard.documents``, (B, T), set by the engine per
     micro-batch), a query sees only keys of its own document: the (B, 1, T, T) boolean mask
     ``same document AND causal`` (AND the window's band, per chunk from the chunk's query
     and key ids) goes to SDPA or the written-out scores (B T^2 bytes, B c (c + W - 1) a

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -132,11 +133,18 @@ def document_ids(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(sep, dim=1) - sep
 
 
-def documents() -> torch.Tensor | None:
-    """The current shard's (B, T) document ids of whole sequences, or None (one document
-    per sequence: plain causal attention)."""
-    shard = current()
-    return None if shard is None else shard.documents
+@functools.lru_cache(maxsize=64)
+def window_band(n_q: int, n_k: int, offset: int, window: int,
+                device: torch.device) -> torch.Tensor:
+    """(n_q, n_k) bool: the sliding window's band between ``n_q`` queries at positions
+    ``offset + r`` and ``n_k`` keys at positions ``s``: True where ``0 <= offset + r - s <
+    window`` (Mistral 7B, arXiv:2310.06825, sec. 2). ``models.gpt.sliding_window_mask(T, W)``
+    is ``window_band(T, T, 0, W)``, a query chunk's (``models.gpt``) is (c, c + W - 1), and
+    ring attention's block pairs take theirs here too. Kept per arguments (do not modify).
+    """
+    d = (offset + torch.arange(n_q, device=device)).unsqueeze(1) - torch.arange(
+        n_k, device=device)  # (n_q, n_k): query position - key position
+    return (d >= 0) & (d < window)
 
 
 def document_mask(docs_q: torch.Tensor, docs_k: torch.Tensor) -> torch.Tensor:

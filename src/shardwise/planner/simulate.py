@@ -377,8 +377,8 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         f_moved = f
     th = T * h * e / (tp if sp else 1)  # a whole-width activation on this rank
     moves = [2 * th, 2 * th]
+    scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s / cp  # this rank's, if written
     if kernels == "megatron-2021":
-        scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s / cp
         moves += [2 * scores * e, scores * (2 * e + 1)]
         moves += [T * h / (tp if sp else 1) * (3 * e + 1)] * 2
     else:
@@ -386,7 +386,6 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         if spec.written_scores and cp == 1:  # the scores written out (ModelSpec): the
             # Q K^T output, the tanh's (n - 1 of them), the fp32 softmax and the cast
             # probabilities written, and read again once each
-            scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s
             moves[-1] += 2 * scores * written_score_bytes(spec.written_scores + 1, e)
         moves += [3 * th] * 2
     moves += [(3 if spec.gated else 2) * T * f_moved * e / tp]

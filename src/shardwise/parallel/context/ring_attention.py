@@ -78,6 +78,7 @@ from typing import NamedTuple
 
 import torch
 
+from shardwise.models.sequence import document_mask, window_band
 from shardwise.parallel.context.ring_comm import Ring
 from shardwise.parallel.context.sharding import chunks_of, local_positions
 
@@ -99,8 +100,7 @@ def _band(nq: int, nk: int, offset: int, window: int, device: torch.device,
     (``offset``: the position of row 0 less that of column 0); bool (True: attends), or,
     with ``dtype``, additive (0 and -inf in that dtype: what the fused CPU kernel takes).
     Kept per argument tuple: the same few boxes recur in every layer and step."""
-    d = offset + torch.arange(nq, device=device).unsqueeze(1) - torch.arange(nk, device=device)
-    sees = (d >= 0) & (d < window)
+    sees = window_band(nq, nk, offset, window, device)  # the engine's band, one definition
     if dtype is None:
         return sees
     return torch.zeros(nq, nk, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
@@ -111,7 +111,7 @@ def _sees(Tq: int, Tk: int, causal: bool, band: tuple | None, docs: tuple,
     """(B, 1, Tq, Tk) bool: where a query row sees a key column, same document (``docs``:
     the rows' and the columns' document ids, (B, Tq) and (B, Tk)) AND the causal diagonal
     (``causal``) AND the band (``band``)."""
-    sees = (docs[0].unsqueeze(-1) == docs[1].unsqueeze(-2)).unsqueeze(1)
+    sees = document_mask(*docs)
     if causal:
         sees = sees & torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril()
     if band is not None:
