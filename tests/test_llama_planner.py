@@ -55,8 +55,9 @@ def test_gemma_presets_count_what_transformers_builds():
     config.json shardwise's export writes for it (on the meta device), and the released
     total; its FLOPs count the attention width H D of its head_dim (256 x 8 = 2048 for
     gemma2-2b, not h = 2304) and each layer's window (every other layer a query sees 4096
-    keys of 8192); Gemma 2's soft-capped scores rule out cp > 1, as the engine does; the
-    model table emitted for it is the model."""
+    keys of 8192, where the engine's two chunks of 4096 queries score 4096 and 8191 keys,
+    written out: ``planner.attention``); Gemma 2's soft-capped scores rule out cp > 1, as
+    the engine does; the model table emitted for it is the model."""
     transformers = pytest.importorskip("transformers")
     from shardwise.models.description import describe_section
     from shardwise.models.hf import arch_for
@@ -73,7 +74,8 @@ def test_gemma_presets_count_what_transformers_builds():
         assert spec.params == theirs.num_parameters() == total, name
     spec = NAMED["gemma2-2b"]
     assert spec.attn_width == 8 * 256 and spec.attn_keys == (4096 + 8192) / 2
-    assert attention_gemm_flops(spec, 1) == 4 * 8192 * 6144 * 2048
+    chunked = (4096 * 4096 + 4096 * 8191) / 8192  # a windowed layer's keys a query
+    assert attention_gemm_flops(spec, 1) == 4 * 8192 * (chunked + 8192) / 2 * 2048
     from shardwise.planner.search import cp_reason
 
     assert "does not run under context parallelism" in cp_reason(spec, 2)  # soft-capped
@@ -133,12 +135,48 @@ def test_written_out_scores_are_priced_as_autograd_keeps_them():
     s, heads = spec.block_size, spec.n_head // 8  # tp = 8
     kw = dict(mb=1, tp=8, pp=1, micro_batches=1, precision="bf16")
     grown = activation_bytes(spec, **kw) - activation_bytes(fused, **kw)
-    assert grown == spec.n_layer * heads * s * s * 8  # every layer's scores, 8 bytes each
+    # every layer's scores, 8 bytes each: s x s, or on every other layer (a window of
+    # 4096) the engine's two chunks of 4096 queries against 4096 and 8191 keys
+    keys = (s + (4096 + 8191) / 2) / 2
+    assert grown == spec.n_layer * heads * s * keys * 8
     assert activation_bytes(replace(spec, block_size=s), cp=2, **kw) == \
         activation_bytes(replace(fused, block_size=s), cp=2, **kw)  # the ring: none written
     moved = (sum(block_ops(spec, 1, 8, True, "shardwise", 2).moves)
              - sum(block_ops(fused, 1, 8, True, "shardwise", 2).moves))
-    assert moved == 2 * heads * s * s * (2 + 2 + 4 + 2)  # Q K^T, tanh, softmax, cast: r + w
+    assert moved == 2 * heads * s * keys * (2 + 2 + 4 + 2)  # Q K^T, tanh, softmax, cast
+
+
+def test_sandwich_norms_are_priced_as_autograd_keeps_them():
+    """Gemma's two more RMSNorms a block (``sandwich_norm``) keep their input and an fp32
+    copy each, as measured on a Llama block (fp32 and bf16); the planner adds exactly that
+    to a block's activations (whole under tp, split under SP) and two norms' reads and
+    writes to its memory-bound time."""
+    from shardwise.planner.memory import shardwise_model
+    from shardwise.planner.simulate import block_ops
+
+    base = LlamaConfig(vocab_size=64, block_size=64, n_layer=1, n_head=4, n_kv_heads=2,
+                       n_embd=64, head_dim=32, ffn_hidden=128)
+    B, T, h = 2, 64, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        e, kept, models = torch.finfo(dtype).bits // 8, {}, {}
+        for sandwich in (False, True):
+            cfg = replace(base, sandwich_norm=sandwich)
+            torch.manual_seed(0)
+            kept[sandwich] = _saved_bytes(Llama(cfg).to(dtype).blocks[0],
+                                          torch.randn(B, T, h, dtype=dtype))
+            spec = ModelSpec.from_description(describe(cfg))
+            assert spec.sandwich_norm == sandwich
+            models[sandwich] = shardwise_model("fp32" if e == 4 else "bf16", spec)
+        grown = models[True].replicated - models[False].replicated  # bytes a token and h
+        assert grown == 2 * (e + 4)
+        # the measured growth, beside the norms' (B, T, 1) fp32 statistics
+        assert (kept[True] - kept[False]) / (B * T * h) == pytest.approx(grown, abs=0.2)
+    gemma = NAMED["gemma2-9b"]
+    plain = replace(gemma, sandwich_norm=False)
+    assert gemma.sandwich_norm
+    ops, fewer = (block_ops(x, 1, 8, True, "shardwise", 2) for x in (gemma, plain))
+    norm = 2 * gemma.block_size * gemma.n_embd * 2 / 8  # read and write T h / t, bf16
+    assert ops.moves == fewer.moves + [norm, norm] and ops.gemms == fewer.gemms
 
 
 @pytest.mark.parametrize("name", ["llama2-7b", "llama3-70b"])
@@ -291,15 +329,16 @@ def test_a_head_dim_of_its_own_sets_the_attention_width():
 def test_a_sliding_window_counts_the_keys_a_query_sees():
     """Attention FLOPs under a sliding window of W count min(T, W) keys a query (the band
     whole, as PaLM counts the causal triangle whole: continuous at T = W), per layer: the
-    description's FLOPs per token (MFU's numerator), the spec's block FLOPs and GEMMs
-    (the planner's time), and Mistral 7B's named size (a window of 4096 at 8192 tokens:
-    half the keys of Llama 2 7B's count at that length; Phi-3-mini's, 2047 of 4096). The
+    description's FLOPs per token (MFU's numerator) and the spec's count (``attn_keys``),
+    Mistral 7B's named size (a window of 4096 at 8192 tokens: half the keys of Llama 2 7B's
+    count at that length; Phi-3-mini's, 2047 of 4096); the planner's time prices the
+    engine's calls instead (``test_attention_is_priced_as_the_engine_calls_it``). The
     emitted [model] table keeps the window and where it lies."""
     from shardwise.base.config import ModelConfig
     from shardwise.models.llama import from_section
     from shardwise.planner.simulate import attention_gemm_flops, block_ops
 
-    hd, s = 4 * 16, LLAMA_SMALL.block_size
+    s = LLAMA_SMALL.block_size
     flat = describe(LLAMA_SMALL)
     for window, types, keys in ((8, None, 3 * 8), (8, ("full_attention", "sliding_attention",
                                                         "full_attention"), 2 * s + 8),
@@ -308,21 +347,72 @@ def test_a_sliding_window_counts_the_keys_a_query_sees():
         d = describe(cfg)
         assert d.attention_keys() == keys
         model = cfg_model(cfg)
-        assert d.flops_per_token(model) - flat.flops_per_token(model) == 12 * hd * (
+        assert d.flops_per_token(model) - flat.flops_per_token(model) == 12 * 64 * (
             keys - 3 * s)
         spec = ModelSpec.from_description(d)
-        assert attention_gemm_flops(spec, 2) == 4 * 2 * s * (keys / 3) * hd
-        assert sum(block_ops(spec, 2, 1, False, "shardwise", 4).gemms) == block_flops(spec, 2)
+        assert spec.attn_keys == keys / 3
+        assert sum(block_ops(spec, 2, 1, False, "shardwise", 4).gemms) == pytest.approx(
+            block_flops(spec, 2), rel=1e-12)
         assert from_section(ModelConfig(**spec.model_table()), 0) == cfg
     mistral, llama2 = NAMED["mistral-7b"], NAMED["llama2-7b"]
     assert mistral.attention_windows == (4096,) * 32 and mistral.attn_keys == 4096
-    assert attention_gemm_flops(mistral, 1) * 2 == attention_gemm_flops(
-        llama2.with_seq(8192), 1)
+    assert mistral.attn_keys * 2 == llama2.with_seq(8192).attn_keys
+    # the engine's two chunks of 4096 queries score 4096 and 8191 keys
+    assert attention_gemm_flops(mistral, 1) == 4 * 8192 * (4096 + 8191) / 2 * 4096
     assert mistral.with_seq(2048).attn_keys == 2048  # shorter than the window: all of them
     assert mistral.model().config.windows == (4096,) * 32
     phi3 = NAMED["phi3-mini"]  # Phi-3-mini-4k's window of 2047, planned as the checkpoint's
     assert phi3.attention_windows == (2047,) * 32 and phi3.attn_keys == 2047
     assert phi3.model_table()["sliding_window"] == 2047 and not NAMED["phi4"].attention_windows
+
+
+@pytest.mark.parametrize("window,types,documents,attention,softcap", [
+    (None, None, False, "sdpa", None),    # is_causal: the triangle counted whole
+    (None, None, True, "sdpa", None),     # one (s, s) call with document masks
+    (100, None, False, "sdpa", None),     # chunks of 256 from 2W: 3 calls, the last partial
+    (100, None, True, "sdpa", None),      # the same ANDed with the documents
+    (400, None, False, "sdpa", None),     # W < s < 2W: one call with the (s, s) band
+    (100, ("full_attention", "sliding_attention"), True, "sdpa", None),  # mixed layers
+    (100, None, False, "math", None),     # written out: every pair at GEMM price
+    (None, None, True, "sdpa", 30.0),     # a soft cap writes the scores out too
+])
+def test_attention_is_priced_as_the_engine_calls_it(monkeypatch, window, types, documents,
+                                                    attention, softcap):
+    """The planner's attention (``planner.attention``) is the engine's: every call
+    ``causal_attention`` makes on a real forward, recorded, gives the keys a query is
+    priced against (a fused call's pairs at ``MASKED_PAIR`` when it is given a mask, at 1
+    as ``is_causal``, counted whole; written-out scores at 1 a pair) and the scores a query
+    writes, averaged over the blocks."""
+    from shardwise.models import gpt, sequence
+    from shardwise.planner.attention import MASKED_PAIR
+
+    s, eos = 600, 3
+    cfg = replace(LLAMA_SMALL, block_size=s, n_layer=2, sliding_window=window,
+                  layer_types=types, attention=attention, attn_logit_softcapping=softcap,
+                  attention_mask="block_causal" if documents else "causal")
+    calls, attend = [], gpt._attend
+
+    def record(q, k, v, mask, dropout_p, impl, scale, cap):
+        written = impl != "sdpa" or cap is not None
+        calls.append((q.shape[-2] * k.shape[-2], mask is not None and not written))
+        return attend(q, k, v, mask, dropout_p, impl, scale, cap)
+
+    monkeypatch.setattr(gpt, "_attend", record)
+    torch.manual_seed(0)
+    idx = torch.randint(0, 67, (2, s))
+    idx[:, ::97] = eos
+    shard = sequence.SequenceShard(documents=sequence.document_ids(idx, eos) if documents
+                                   else None)
+    with torch.no_grad(), sequence.use(shard):
+        Llama(cfg)(idx)
+    priced = sum(pairs * (MASKED_PAIR if masked else 1) for pairs, masked in calls) / s / 2
+    written = sum(pairs for pairs, _ in calls) / s / 2
+    spec = ModelSpec.from_description(describe(cfg))
+    assert spec.model_table().get("attention_mask", "causal") == cfg.attention_mask
+    got = spec.attention_calls
+    assert got.priced_keys == pytest.approx(priced, rel=1e-12)
+    assert got.written_keys == pytest.approx(written, rel=1e-12)
+    assert len(calls) > 2 or window is None or window >= s // 2  # chunks were run
 
 
 def test_exact_small_model_bytes_build_the_llama():

@@ -457,13 +457,14 @@ def test_a_sliding_window_under_cp_prices_the_slowest_ranks_attention():
     box with its neighbour's chunk, (c - 1)^2 (the rows and columns that see anything),
     ranks 1-3 two boxes: the slowest does 4 (c^2 + 2 (c - 1)^2) / (4 c^2 + 7 (c - 1)^2) of
     the mean, about 12/11, and its attention is priced at that many times min(s, W) keys
-    a query. Without a window, or one past the sequence, nothing changes."""
+    a query. Without a window, or one past the sequence, nothing changes. (At cp = 1 the
+    engine's chunks of 4096 queries: the first scores 4096 keys, the seven others 8191.)"""
     from shardwise.planner.simulate import attention_gemm_flops, attention_keys
 
     mistral, c = NAMED["mistral-7b"].with_seq(32768), 4096
     slowest = 4 * (c * c + 2 * (c - 1) ** 2) / (4 * c * c + 7 * (c - 1) ** 2)
     assert attention_keys(mistral, 4) == pytest.approx(4096 * slowest, rel=1e-12)
-    assert attention_keys(mistral, 1) == 4096
+    assert attention_keys(mistral, 1) == (4096 + 7 * 8191) / 8
     assert attention_gemm_flops(mistral, 1, 4) == pytest.approx(
         4 * 32768 * 4096 * slowest * 4096 / 4, rel=1e-12)
     assert attention_keys(mistral.with_seq(4096), 4) == 4096

@@ -420,8 +420,15 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
     and mixture blocks (``ModelSpec.mixed``): each coefficient the larger of the two
     kinds' (an upper bound on every block). A model whose attention writes its scores out
     (``ModelSpec.written_scores`` n > 0) at cp = 1 keeps, per head, token and key,
-    ``written_score_bytes``."""
+    ``written_score_bytes``. Gemma's sandwich norms (``ModelSpec.sandwich_norm``): each
+    of the two more RMSNorms keeps its input and an fp32 copy, (e + 4) bytes a token and
+    unit of width, whole under tp, split under SP (measured on a Llama block:
+    ``tests/test_llama_planner.py``)."""
     e = BYTES[precision]
+    if spec is not None and spec.sandwich_norm:
+        plain = shardwise_model(precision, replace(spec, sandwich_norm=False), ring)
+        return replace(plain, name=f"{plain.name}-sandwich",
+                       replicated=plain.replicated + 2 * (e + 4))
     if spec is not None and spec.written_scores and not ring:
         fused = shardwise_model(precision, replace(spec, written_scores=0), ring)
         return replace(fused, name=f"{fused.name}-scores",
@@ -547,12 +554,15 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     keeps with their ``n_kv_heads`` where one process repeats them to all heads.
     ``recompute``: True, full recomputation; ``"selective"``, the engine's
     ``parallel.recompute = "selective"`` (``selective_activation_bytes``; the planner's
-    ``selective``, Korthikanti's attention core, is another thing)."""
+    ``selective``, Korthikanti's attention core, is another thing). With the engine's
+    model (``am`` None) the attention masks are added (``mask_bytes``), recomputed or not:
+    each micro-batch's are built once and kept until its backward."""
     if recompute == "selective":
         return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
                                           micro_batches=micro_batches, v=v, schedule=schedule,
                                           sp=sp, precision=precision, partition=partition,
                                           cp=cp)
+    per_mb, once = mask_bytes(spec, mb, cp) if am is None else (0.0, 0.0)
     am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
@@ -572,8 +582,19 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
             total = max(largest + keep, k * v * keep)
         else:
             total = k * total_full
-        worst = max(worst, total)
+        worst = max(worst, total + k * per_mb + once)
     return worst
+
+
+def mask_bytes(spec: ModelSpec, mb: int, cp: int = 1) -> tuple[float, float]:
+    """Bytes of the attention masks a rank keeps at cp = 1 (``planner.attention``): (per
+    micro-batch in flight: its ``mb`` sequences' document masks, ``block_causal``; once
+    for all of them: the window bands without documents). (0, 0) under cp (the ring's
+    per-block masks are not priced)."""
+    if cp > 1:
+        return 0.0, 0.0
+    calls = spec.attention_calls
+    return mb * calls.document_mask_bytes, calls.band_bytes
 
 
 def selective_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
@@ -624,7 +645,8 @@ def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     its input (1, / tp under SP), under SP its all-gathered normalised input (1), the
     logits and their log-softmax, as without recomputation, and the logits once more (the
     projection's output, a matmul's, kept by the policy though the loss keeps only its
-    softmax). Under cp the ring attention's
+    softmax). The attention masks as ``activation_bytes`` adds them. Under cp the ring
+    attention's
     per-block outputs are kept, one per ring step, so a block keeps about
     ``(cp + 1) / 2`` attention outputs instead of one (not counted here)."""
     e, h, s = BYTES[precision], spec.n_embd, spec.block_size // cp
@@ -633,13 +655,15 @@ def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     head = (head_activation_bytes(spec, mb, tp, precision, cp)
             - mb * s * h * e * (2 - (1 / tp + 1 if sp else 1))
             + mb * s * e * padded_vocab(spec.vocab_size, tp) / tp)  # its logits, a matmul's
+    per_mb, once = mask_bytes(spec, mb, cp)
     chunks = chunk_blocks(spec, pp * v, partition)
     worst = 0.0
     for r in range(pp):
         mine = [r + i * pp for i in range(v)]
         total = sum(chunks[c][0] * blk + (head if chunks[c][1] else 0.0)
                     + (emb if c == 0 else 0.0) for c in mine)
-        worst = max(worst, in_flight(schedule, pp, micro_batches, v, r) * total)
+        worst = max(worst, in_flight(schedule, pp, micro_batches, v, r) * (total + per_mb)
+                    + once)
     return worst
 
 
@@ -653,7 +677,9 @@ def _rank_chunks(spec: ModelSpec, am: ActivationModel, mb: int, tp: int, pp: int
     chunks' bytes), a chunk's bytes being its blocks' added one by one (as a sum over the
     chunk's layers) and the head's."""
     s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
-    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=spec.block_size)
+    # a rank's queries read all the sequence's keys; written scores: the engine's calls'
+    keys = spec.attention_calls.written_keys if cp == 1 else spec.block_size
+    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=keys)
     head = head_activation_bytes(spec, mb, tp, precision, cp)
     sums: dict = {}
     groups = []

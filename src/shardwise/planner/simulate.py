@@ -274,14 +274,19 @@ class Walk(NamedTuple):
 
 
 def attention_keys(spec: ModelSpec, cp: int = 1) -> float:
-    """The keys a query is counted against in the attention FLOPs of the slowest of ``cp``
-    ranks: ``ModelSpec.attn_keys`` (s, or min(s, W) under a sliding window of W, averaged
-    over the blocks) at cp = 1 or without a window. Under cp a windowed block's min(s, W)
-    is scaled by the slowest rank's share of the pairs the ring's kernels score
+    """The keys a query is priced against in the attention FLOPs of the slowest of ``cp``
+    ranks, averaged over the blocks. At cp = 1 the engine's calls
+    (``ModelSpec.attention_calls``, ``planner.attention``): s for a plain causal block (the
+    triangle counted whole, as PaLM counts it); every other call by the pairs it scores
+    (written-out scores at 1 a pair, a fused kernel given a mask at
+    ``attention.MASKED_PAIR``): about c + W - 1 for a sliding window in chunks of c. Under cp, without a window: s; with one, min(s, W)
+    scaled by the slowest rank's share of the pairs the ring's kernels score
     (``ring_attention.scored_pairs``: cp max / sum; the layout balances full attention, not
     a band: mistral-7b at 32k tokens on cp 4, 12/11 about); the slowest rank over the sum
-    of the blocks, per block."""
-    if cp == 1 or not spec.attention_windows or spec.block_size < 2 * cp:
+    of the blocks, per block. (The ring's document masks are not priced.)"""
+    if cp == 1:
+        return spec.attention_calls.priced_keys
+    if not spec.attention_windows or spec.block_size < 2 * cp:
         return spec.attn_keys
     return _attention_keys(spec.attention_windows, spec.block_size, cp)
 
@@ -301,11 +306,12 @@ def _attention_keys(windows: tuple, s: int, cp: int) -> float:
 
 
 def block_flops(spec: ModelSpec, mb: int, cp: int = 1) -> float:
-    """Forward FLOPs of one block on one cp rank (``s / cp`` tokens): 2 per weight of its
-    matrices a token meets (GPT: 24 s h^2; experts: the top-k a token goes to), and Q K^T
-    and softmax(.) V, 4 s K H D (H D = h for the GPT and Llama; K the keys a query is
-    counted against, ``attention_keys``: s, or min(s, W) under a sliding window of
-    W, averaged over the blocks), of which a cp rank's queries do 1 / cp."""
+    """Forward FLOPs of one block on one cp rank (``s / cp`` tokens) as the planner prices
+    them: 2 per weight of its matrices a token meets (GPT: 24 s h^2; experts: the top-k a
+    token goes to), and Q K^T and softmax(.) V, 4 s K H D (H D = h for the GPT and Llama;
+    K the keys a query is priced against, ``attention_keys``: s for a plain causal block,
+    the engine's masked calls at their price otherwise, averaged over the blocks), of which
+    a cp rank's queries do 1 / cp."""
     s = spec.block_size
     return (2 * mb * s * active_matmul_params(spec)
             + 4 * mb * s * attention_keys(spec, cp) * spec.attn_width) / cp
@@ -329,20 +335,22 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
       (r_q + r_kv + R) whole, its up projections 2 T (r_q H Dqk + r_kv H (D_nope + D_v)) / t,
       the output 2 T H D_v h / t; H D the mean of Dqk and D_v per head); Q K^T and P V
       2 mb s K H D / (t cp) each (batched
-      over the rank's heads; its s / cp queries against K keys, ``attention_keys``: all
-      s, or min(s, W) under a sliding window); the output projection
+      over the rank's heads; its s / cp queries against K keys, ``attention_keys``: s,
+      or the engine's masked calls' price); the output projection
       2 T H D h / t; the MLP 2 T h f / t per matrix (2 matrices, 3 gated); with experts, the
       router 2 T h E (whole on every tp rank) and, per matrix, E / ``ep`` grouped GEMMs
       of 2 (T k ep / E) h F / t each (balanced routing); a shared expert 2 T h F_s / t
       per matrix, its gate 2 T h (whole);
-    - two norms (read and write T h; / t under sequence parallelism);
+    - two norms (read and write T h; / t under sequence parallelism), four with Gemma's
+      sandwich norms (``ModelSpec.sandwich_norm``; the two more last in ``moves``);
     - attention, by kernel: ``megatron-2021`` materialises the s x s scores (a fused
       scale-mask-softmax reads and writes them, a dropout reads them and writes them and a
       1-byte mask); ``shardwise`` (flash) keeps them on chip and moves only Q, K, V and the
       output, unless the model writes its scores out (``ModelSpec.written_scores`` n > 0,
-      at cp = 1: Gemma 2's soft cap, the math path), whose every T x T tensor (the Q K^T
-      output, n - 1 more, the fp32 softmax, the probabilities cast back) is written and read
-      once;
+      at cp = 1: Gemma 2's soft cap, the math path), whose every score tensor (the Q K^T
+      output, n - 1 more, the fp32 softmax, the probabilities cast back; T x T, or the
+      pairs of a window's chunks: ``AttentionCalls.written_keys`` a query) is written and
+      read once;
     - the MLP's activation (read and write T f / t; SwiGLU reads two; experts: T k F / t,
       plus a shared expert's T F_s / t);
     - the two residual adds: ``megatron-2021`` fused bias + dropout + add (reads two,
@@ -377,7 +385,9 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
         f_moved = f
     th = T * h * e / (tp if sp else 1)  # a whole-width activation on this rank
     moves = [2 * th, 2 * th]
-    scores = mb * (a // tp if a % tp == 0 else a / tp) * s * s / cp  # this rank's, if written
+    # this rank's scores, if written (only at cp = 1: the ring writes none)
+    keys = spec.attention_calls.written_keys if cp == 1 else s
+    scores = mb * (a // tp if a % tp == 0 else a / tp) * s * keys / cp
     if kernels == "megatron-2021":
         moves += [2 * scores * e, scores * (2 * e + 1)]
         moves += [T * h / (tp if sp else 1) * (3 * e + 1)] * 2
@@ -389,6 +399,8 @@ def block_ops(spec: ModelSpec, mb: int, tp: int, sp: bool, kernels: str, e: int,
             moves[-1] += 2 * scores * written_score_bytes(spec.written_scores + 1, e)
         moves += [3 * th] * 2
     moves += [(3 if spec.gated else 2) * T * f_moved * e / tp]
+    if spec.sandwich_norm:  # Gemma's norms of the attention's and the MLP's outputs
+        moves += [2 * th, 2 * th]
     return Ops(gemms, moves)
 
 

@@ -130,7 +130,11 @@ class ModelSpec:
     attention's s x s scores are counted in activation memory (``memory.shardwise_model``)
     and in its memory-bound time (``simulate.block_ops``). ``latent_attention``: DeepSeek's
     multi-head latent attention (``models.mla``), its config's ``(q_lora_rank or 0,
-    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)``; () without."""
+    kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)``; () without.
+    ``attention_mask``: the description's (``model.attention_mask``): "block_causal" keeps
+    a token within its document, by a mask (priced: ``planner.attention``).
+    ``sandwich_norm``: Gemma 2 and 3's two more RMSNorms a block (on the attention's and
+    the MLP's outputs; the config's ``sandwich_norm``), priced in memory and time."""
 
     name: str
     n_layer: int
@@ -159,6 +163,8 @@ class ModelSpec:
     block: str = ""
     written_scores: int = 0
     latent_attention: tuple[int, ...] = ()
+    attention_mask: str = "causal"
+    sandwich_norm: bool = False
     dense_share: float = -1.0  # set from dense_layers; kept by replace(spec, n_layer=1)
 
     def __post_init__(self):
@@ -205,7 +211,9 @@ class ModelSpec:
                    if d.n_experts else (), written_scores=d.written_scores,
                    latent_attention=tuple(getattr(cfg, k) or 0 for k in (
                        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                       "v_head_dim")) if getattr(cfg, "kv_lora_rank", 0) else ())
+                       "v_head_dim")) if getattr(cfg, "kv_lora_rank", 0) else (),
+                   attention_mask=d.attention_mask,
+                   sandwich_norm=bool(getattr(cfg, "sandwich_norm", False)))
 
     def section(self):
         """These sizes as a run's ``[model]`` section (``base.config.ModelConfig``, kind
@@ -222,11 +230,13 @@ class ModelSpec:
         its description's config sets them (``_gemma_table``), DeepSeek's routing and latent
         attention (``_MLA_FIELDS``); ``sliding_window``
         and, when not every block has it, ``layer_types``, from ``attention_windows``);
-        ``dropout`` when it is not 0."""
+        ``dropout`` when it is not 0, ``attention_mask`` when it is not "causal"."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
              "n_embd": self.n_embd, "block_size": self.block_size,
              "vocab_size": self.vocab_size, "tie_weights": self.tie_weights,
-             **({"dropout": self.dropout} if self.dropout else {})}
+             **({"dropout": self.dropout} if self.dropout else {}),
+             **({"attention_mask": self.attention_mask}
+                if self.attention_mask != "causal" else {})}
         if self.family == "gpt":
             return {**t, "bias": self.bias}
         moe = ({"n_experts": self.n_experts, "top_k": self.top_k,
@@ -287,6 +297,15 @@ class ModelSpec:
         # over the windows' own count: a one-block spec cut from this one (a calibration
         # block, ``replace(spec, n_layer=1)``) keeps the average
         return sum(s if w is None else min(s, w) for w in windows) / len(windows)
+
+    @property
+    def attention_calls(self):
+        """The engine's attention calls at cp = 1 (``planner.attention.attention_calls``:
+        the keys a query is priced against, the scores written, the masks kept)."""
+        from shardwise.planner.attention import attention_calls
+
+        return attention_calls(self.block_size, self.attention_windows,
+                               self.attention_mask == "block_causal", self.written_scores > 0)
 
     @property
     def kv_heads(self) -> int:

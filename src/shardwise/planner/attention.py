@@ -1,0 +1,102 @@
+"""The attention calls the engine makes at cp = 1, as the planner prices them.
+
+``models.gpt.causal_attention`` runs a block's attention on s tokens as one of:
+
+- no sliding window, or one of W >= s: one call over the whole (s, s) causal triangle,
+  ``is_causal`` (a fused kernel free to skip the blocks above the diagonal, as
+  FlashAttention-2's causal mode does), or, with document ids
+  (``model.attention_mask = "block_causal"``), given the (B, 1, s, s) mask "same document
+  and causal";
+- a window of W < s: below 2W one call with the (s, s) band as its mask; from 2W on, the
+  queries in chunks of c = ``models.gpt.window_chunk`` tokens, each one call against its
+  keys [i c - W + 1, (i + 1) c), masked by its band (ANDed with the documents).
+
+The planner prices the attention core as GEMMs at the rate of its count of FLOPs, and
+counts PaLM's way (appendix B): the causal triangle whole, s keys a query
+(``ModelSpec.attn_keys``, the FLOPs MFU counts), though a fused kernel given ``is_causal``
+scores about half of it. Every other call is priced by the pairs it scores: an attention
+that writes its scores out (``ModelSpec.written_scores``: the math path, Gemma 2's soft
+cap) runs two GEMMs over every pair of its calls, and a fused kernel given a mask scores
+every pair of its call too, at ``MASKED_PAIR`` the counted pair's price. So a query is
+priced against s keys in a plain causal block and in a whole call with document masks,
+and P / s for P pairs scored in chunks (about c + W - 1 a query, where MFU counts the band,
+min(s, W)).
+
+``MASKED_PAIR`` = 1 is what the 2-core CPU measured (``benchmarks/attention_pair_price.py``:
+the same triangle as a mask took 1.1-1.3 times the ``is_causal`` call, forward and
+backward). On CUDA it is not measured yet: there a mask also rules FlashAttention out
+(SDPA takes its memory-efficient kernel), so it is likely more (the script takes
+``--device cuda``).
+
+A written-out attention (``ModelSpec.written_scores``) keeps its calls' scores: P per head
+a block, s^2 for a whole call. The masks: SDPA keeps each call's mask for backward, and the
+engine builds each distinct mask once (``models.sequence``'s caches: the document masks per
+micro-batch, the bands per shape), so a rank keeps per micro-batch in flight one document
+mask per distinct (window, chunk) of its blocks (P bytes a sequence, B s^2 for a whole
+call), and, without documents, one band per distinct chunk shape for all micro-batches.
+Not priced: under context parallelism, the ring's per-block masks (``parallel.context``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+MASKED_PAIR = 1.0
+"""Price of a (query, key) pair a fused attention call given a mask scores, in units of a
+pair of the counted causal triangle (module docstring: measured on the CPU)."""
+
+
+@dataclass(frozen=True)
+class AttentionCalls:
+    """The engine's attention at cp = 1 on s tokens (module docstring), per block averaged
+    over the model's blocks unless said otherwise."""
+
+    priced_keys: float
+    """Keys a query is priced against (s for a plain causal block)."""
+    written_keys: float
+    """Scores a query writes per head when the attention writes its scores out."""
+    document_mask_bytes: float
+    """Bytes of the document masks one sequence of a micro-batch keeps, over all blocks
+    (each distinct mask once); 0 without documents."""
+    band_bytes: float
+    """Bytes of the window bands kept once for every micro-batch (no documents: with them
+    the band is ANDed into the document masks)."""
+
+
+def _chunks(s: int, w: int) -> list[tuple[int, int, int]]:
+    """The engine's calls of a window of ``w`` < ``s`` tokens: (queries, keys, first key's
+    offset behind the first query) per call (``models.gpt._windowed``)."""
+    from shardwise.models.gpt import window_chunk  # the engine's own rule
+
+    c = window_chunk(s, w)
+    calls = []
+    for start in range(0, s, c):
+        end, first = min(start + c, s), max(0, start - w + 1)
+        calls.append((end - start, end - first, start - first))
+    return calls
+
+
+@lru_cache(maxsize=1024)
+def attention_calls(s: int, windows: tuple, documents: bool, written: bool) -> AttentionCalls:
+    """``AttentionCalls`` of blocks with sliding windows ``windows`` (one per block, None:
+    none; (): no block has one) on ``s`` tokens, with document masks or not, the scores
+    written out or a fused kernel."""
+    priced = scores = 0.0
+    docs, bands = {}, {}
+    for w in windows or (None,):
+        if w is None or w >= s:  # one call over the whole triangle
+            pairs, masked = s * s, documents
+            docs[None] = s * s
+        else:
+            calls = _chunks(s, w)
+            pairs, masked = sum(q * k for q, k, _ in calls), True
+            docs[w] = pairs
+            for q, k, off in calls:
+                bands[(q, k, off, w)] = q * k
+        priced += pairs / s * (MASKED_PAIR if masked and not written else 1.0)
+        scores += pairs / s
+    n = len(windows) or 1
+    return AttentionCalls(priced / n, scores / n,
+                          float(sum(docs.values())) if documents else 0.0,
+                          0.0 if documents else float(sum(bands.values())))
