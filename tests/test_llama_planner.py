@@ -357,8 +357,8 @@ def test_a_sliding_window_counts_the_keys_a_query_sees():
     mistral, llama2 = NAMED["mistral-7b"], NAMED["llama2-7b"]
     assert mistral.attention_windows == (4096,) * 32 and mistral.attn_keys == 4096
     assert mistral.attn_keys * 2 == llama2.with_seq(8192).attn_keys
-    # the engine's two chunks of 4096 queries score 4096 and 8191 keys
-    assert attention_gemm_flops(mistral, 1) == 4 * 8192 * (4096 + 8191) / 2 * 4096
+    # the engine's two chunks of 4096 queries score 4096 and 8191 keys, masked: 2 a pair
+    assert attention_gemm_flops(mistral, 1) == 4 * 8192 * (4096 + 8191) * 4096
     assert mistral.with_seq(2048).attn_keys == 2048  # shorter than the window: all of them
     assert mistral.model().config.windows == (4096,) * 32
     phi3 = NAMED["phi3-mini"]  # Phi-3-mini-4k's window of 2047, planned as the checkpoint's
@@ -380,11 +380,10 @@ def test_attention_is_priced_as_the_engine_calls_it(monkeypatch, window, types, 
                                                     attention, softcap):
     """The planner's attention (``planner.attention``) is the engine's: every call
     ``causal_attention`` makes on a real forward, recorded, gives the keys a query is
-    priced against (a fused call's pairs at ``MASKED_PAIR`` when it is given a mask, at 1
-    as ``is_causal``, counted whole; written-out scores at 1 a pair) and the scores a query
-    writes, averaged over the blocks."""
+    priced against (a fused call's pairs at ``FUSED_PAIR`` = 2 when it is given a mask, at
+    1 as ``is_causal``, counted whole; written-out scores at 1 a pair) and the scores a
+    query writes, averaged over the blocks."""
     from shardwise.models import gpt, sequence
-    from shardwise.planner.attention import MASKED_PAIR
 
     s, eos = 600, 3
     cfg = replace(LLAMA_SMALL, block_size=s, n_layer=2, sliding_window=window,
@@ -405,7 +404,7 @@ def test_attention_is_priced_as_the_engine_calls_it(monkeypatch, window, types, 
                                    else None)
     with torch.no_grad(), sequence.use(shard):
         Llama(cfg)(idx)
-    priced = sum(pairs * (MASKED_PAIR if masked else 1) for pairs, masked in calls) / s / 2
+    priced = sum(pairs * (2 if masked else 1) for pairs, masked in calls) / s / 2
     written = sum(pairs for pairs, _ in calls) / s / 2
     spec = ModelSpec.from_description(describe(cfg))
     assert spec.model_table().get("attention_mask", "causal") == cfg.attention_mask

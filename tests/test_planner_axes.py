@@ -453,20 +453,22 @@ def test_a_sliding_window_prices_only_the_blocks_its_queries_see():
 
 def test_a_sliding_window_under_cp_prices_the_slowest_ranks_attention():
     """The layout balances causal attention, not a band: with W = c = 4096 (mistral-7b,
-    32k tokens, cp 4) rank 0 scores its two diagonal triangles (c^2 / 2 each) and one band
-    box with its neighbour's chunk, (c - 1)^2 (the rows and columns that see anything),
-    ranks 1-3 two boxes: the slowest does 4 (c^2 + 2 (c - 1)^2) / (4 c^2 + 7 (c - 1)^2) of
-    the mean, about 12/11, and its attention is priced at that many times min(s, W) keys
-    a query. Without a window, or one past the sequence, nothing changes. (At cp = 1 the
-    engine's chunks of 4096 queries: the first scores 4096 keys, the seven others 8191.)"""
+    32k tokens, cp 4) rank 0 scores its two diagonal triangles (c^2 / 2 each, about) and
+    one band box with its neighbour's chunk, (c - 1)^2 (the rows and columns that see
+    anything), ranks 1-3 two triangles and two boxes: the slowest's attention is priced at
+    its pairs over its 2 c queries, 2 a pair (``planner.attention.FUSED_PAIR``: the price
+    the causal triangle counted whole implies), about 3 c keys a query. Without a window,
+    or one past the sequence, s (the same price: triangles and full boxes). (At cp = 1 the
+    engine's chunks of 4096 queries: the first scores 4096 keys, the seven others 8191,
+    masked: 2 a pair.)"""
     from shardwise.planner.simulate import attention_gemm_flops, attention_keys
 
     mistral, c = NAMED["mistral-7b"].with_seq(32768), 4096
-    slowest = 4 * (c * c + 2 * (c - 1) ** 2) / (4 * c * c + 7 * (c - 1) ** 2)
-    assert attention_keys(mistral, 4) == pytest.approx(4096 * slowest, rel=1e-12)
-    assert attention_keys(mistral, 1) == (4096 + 7 * 8191) / 8
+    slowest = 2 * (c * c // 2 * 2 + 2 * (c - 1) ** 2) / (2 * c)
+    assert attention_keys(mistral, 4) == pytest.approx(slowest, rel=1e-12)
+    assert attention_keys(mistral, 1) == 2 * (4096 + 7 * 8191) / 8
     assert attention_gemm_flops(mistral, 1, 4) == pytest.approx(
-        4 * 32768 * 4096 * slowest * 4096 / 4, rel=1e-12)
+        4 * 32768 * slowest * 4096 / 4, rel=1e-12)
     assert attention_keys(mistral.with_seq(4096), 4) == 4096
     assert attention_keys(LONG, 4) == LONG.attn_keys == 32768
 

@@ -3,7 +3,7 @@
 ``models.gpt.causal_attention`` runs a block's attention on s tokens as one of:
 
 - no sliding window, or one of W >= s: one call over the whole (s, s) causal triangle,
-  ``is_causal`` (a fused kernel free to skip the blocks above the diagonal, as
+  ``is_causal`` (a fused kernel that may skip the blocks above the diagonal, as
   FlashAttention-2's causal mode does), or, with document ids
   (``model.attention_mask = "block_causal"``), given the (B, 1, s, s) mask "same document
   and causal";
@@ -13,20 +13,22 @@
 
 The planner prices the attention core as GEMMs at the rate of its count of FLOPs, and
 counts PaLM's way (appendix B): the causal triangle whole, s keys a query
-(``ModelSpec.attn_keys``, the FLOPs MFU counts), though a fused kernel given ``is_causal``
-scores about half of it. Every other call is priced by the pairs it scores: an attention
-that writes its scores out (``ModelSpec.written_scores``: the math path, Gemma 2's soft
-cap) runs two GEMMs over every pair of its calls, and a fused kernel given a mask scores
-every pair of its call too, at ``MASKED_PAIR`` the counted pair's price. So a query is
-priced against s keys in a plain causal block and in a whole call with document masks,
-and P / s for P pairs scored in chunks (about c + W - 1 a query, where MFU counts the band,
-min(s, W)).
+(``ModelSpec.attn_keys``, the FLOPs MFU counts), for a fused kernel given ``is_causal``
+that scores about half of it. So a pair a fused kernel scores is priced ``FUSED_PAIR`` = 2
+(of the counted pairs) wherever it runs: in a call given a mask, which scores every pair of
+its call, and in the ring's boxes under cp (``simulate.attention_keys``); an attention that
+writes its scores out (``ModelSpec.written_scores``: the math path, Gemma 2's soft cap) is
+two GEMMs over every pair of its calls, masked or not, at 1 a pair. A query is then priced
+against s keys in a plain causal block, 2 s in a whole call with document masks, and
+2 P / s for P pairs scored by chunks (about 2 (c + W - 1), where MFU counts the band,
+min(s, W)); written out, s and P / s.
 
-``MASKED_PAIR`` = 1 is what the 2-core CPU measured (``benchmarks/attention_pair_price.py``:
-the same triangle as a mask took 1.1-1.3 times the ``is_causal`` call, forward and
-backward). On CUDA it is not measured yet: there a mask also rules FlashAttention out
-(SDPA takes its memory-efficient kernel), so it is likely more (the script takes
-``--device cuda``).
+Measured (``benchmarks/attention_pair_price.py``): on the 2-core CPU the same causal
+triangle given as a mask took only 1.1-1.3 times the ``is_causal`` call, forward and
+backward (torch's CPU kernel gains little from ``is_causal``), so there masked calls are
+priced high; on CUDA, where FlashAttention-2 skips the blocks above the diagonal and a mask
+rules it out for the memory-efficient kernel, the ratio is to be measured (the script
+takes ``--device cuda``).
 
 A written-out attention (``ModelSpec.written_scores``) keeps its calls' scores: P per head
 a block, s^2 for a whole call. The masks: SDPA keeps each call's mask for backward, and the
@@ -42,9 +44,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-MASKED_PAIR = 1.0
-"""Price of a (query, key) pair a fused attention call given a mask scores, in units of a
-pair of the counted causal triangle (module docstring: measured on the CPU)."""
+FUSED_PAIR = 2.0
+"""Price of a (query, key) pair a fused attention kernel scores, in PaLM's counted pairs:
+an ``is_causal`` call scores about half of the s^2 it is counted for (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def attention_calls(s: int, windows: tuple, documents: bool, written: bool) -> A
             docs[w] = pairs
             for q, k, off in calls:
                 bands[(q, k, off, w)] = q * k
-        priced += pairs / s * (MASKED_PAIR if masked and not written else 1.0)
+        priced += pairs / s * (FUSED_PAIR if masked and not written else 1.0)
         scores += pairs / s
     n = len(windows) or 1
     return AttentionCalls(priced / n, scores / n,

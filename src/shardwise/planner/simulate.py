@@ -79,6 +79,7 @@ from shardwise.parallel.pipeline.schedules import (
     schedule,
     warmup_forwards,
 )
+from shardwise.planner.attention import FUSED_PAIR
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.memory import (
     BYTES,
@@ -278,12 +279,15 @@ def attention_keys(spec: ModelSpec, cp: int = 1) -> float:
     ranks, averaged over the blocks. At cp = 1 the engine's calls
     (``ModelSpec.attention_calls``, ``planner.attention``): s for a plain causal block (the
     triangle counted whole, as PaLM counts it); every other call by the pairs it scores
-    (written-out scores at 1 a pair, a fused kernel given a mask at
-    ``attention.MASKED_PAIR``): about c + W - 1 for a sliding window in chunks of c. Under cp, without a window: s; with one, min(s, W)
-    scaled by the slowest rank's share of the pairs the ring's kernels score
-    (``ring_attention.scored_pairs``: cp max / sum; the layout balances full attention, not
-    a band: mistral-7b at 32k tokens on cp 4, 12/11 about); the slowest rank over the sum
-    of the blocks, per block. (The ring's document masks are not priced.)"""
+    (a fused kernel's at ``attention.FUSED_PAIR``, written-out scores' at 1): 2 s with
+    document masks, about 2 (c + W - 1) for a sliding window in chunks of c. Under cp,
+    without a window: s (the same price: each rank's diagonal triangles and full boxes);
+    with one, the pairs the slowest rank's ring kernels score over its s / cp queries, at
+    ``FUSED_PAIR`` (``ring_attention.scored_pairs``: a diagonal task half its box; the
+    layout balances full attention, not a band: mistral-7b at 32k tokens on cp 4, its
+    middle ranks score two triangles and two band boxes of c = s / 2 cp, about 3 c keys a
+    query); the slowest rank over the sum of the blocks, per block. (The ring's document
+    masks are not priced.)"""
     if cp == 1:
         return spec.attention_calls.priced_keys
     if not spec.attention_windows or spec.block_size < 2 * cp:
@@ -301,7 +305,7 @@ def _attention_keys(windows: tuple, s: int, cp: int) -> float:
             per_rank = [k + s for k in per_rank]
             continue
         pairs = scored_pairs(cp, s // (2 * cp), w)
-        per_rank = [k + min(s, w) * cp * p / sum(pairs) for k, p in zip(per_rank, pairs)]
+        per_rank = [k + FUSED_PAIR * p * cp / s for k, p in zip(per_rank, pairs)]
     return max(per_rank) / len(windows)
 
 
