@@ -170,26 +170,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         raise ValueError(f"models.sequence.documents: {docs.shape[-1]} tokens per "
                          f"sequence, attention holds {T}")
     if window is not None and T > window:
-        return _windowed(q, k, v, window, window_chunk(T, window), docs, dropout_p, impl,
+        return _windowed(q, k, v, window, window_chunk(T, window), shard, dropout_p, impl,
                          scale, softcap)
-    mask = None  # causal: is_causal, or the triangle ANDed with the documents
-    if docs is not None:  # (B, 1, T, T): same document, causal
-        mask = sequence.document_mask(docs, docs) & torch.ones(
-            T, T, dtype=torch.bool, device=q.device).tril()
+    mask = None  # causal: is_causal, or the triangle (ANDed with the documents)
+    if docs is not None or not _fused(impl, softcap):
+        mask = _mask(shard, 0, T, 0, None, _form(q, impl, softcap), q.device)
     return _attend(q, k, v, mask, dropout_p, impl, scale, softcap)
 
 
 def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, chunk: int,
-              docs: torch.Tensor | None, dropout_p: float, impl: str, scale: float | None,
-              softcap: float | None) -> torch.Tensor:
+              shard: sequence.SequenceShard | None, dropout_p: float, impl: str,
+              scale: float | None, softcap: float | None) -> torch.Tensor:
     """A sliding window of ``window`` tokens over (B, H, T, D) q, k, v (heads repeated) in
     query chunks of ``chunk`` tokens (``causal_attention``): chunk [s, e) against keys
-    [max(0, s - W + 1), e), masked by their band (``window_band``) and, with document ids
-    ``docs`` (B, T), by the chunk's query and key ids. (B, H, T, Dv)."""
+    [max(0, s - W + 1), e), masked by their band (``window_band``) and, with the document
+    ids of ``shard`` (B, T), by the chunk's query and key ids (``_mask``). (B, H, T, Dv)."""
     T, W = q.shape[-2], window
+    form = _form(q, impl, softcap)
     n = -(-T // chunk)
     if n == 1:
-        return _attend(q, k, v, _window_mask(docs, 0, T, 0, W, q.device), dropout_p, impl,
+        return _attend(q, k, v, _mask(shard, 0, T, 0, W, form, q.device), dropout_p, impl,
                        scale, softcap)
 
     def keys(x):  # n x (B, H, c + W - 1, D): chunk i's keys [i c - W + 1, (i + 1) c)
@@ -205,28 +205,60 @@ def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, ch
         e, a = s + qc.shape[-2], max(0, s - W + 1)  # queries [s, e), keys [a, e)
         cut = slice(a - (s - W + 1), e - (s - W + 1))  # the padding off
         out.append(_attend(qc, kc[..., cut, :], vc[..., cut, :],
-                           _window_mask(docs, s, e, a, W, q.device), dropout_p, impl, scale,
+                           _mask(shard, s, e, a, W, form, q.device), dropout_p, impl, scale,
                            softcap))
     return torch.cat(out, dim=-2)
 
 
-def _window_mask(docs: torch.Tensor | None, s: int, e: int, a: int, window: int,
-                 device: torch.device) -> torch.Tensor:
-    """(e - s, e - a) bool, queries [s, e) against keys [a, e): the window's band, ANDed
-    with same-document (then (B, 1, e - s, e - a)) when ``docs`` (B, T) is set."""
-    band = window_band(e - s, e - a, s - a, window, device)
-    if docs is None:
-        return band
-    return sequence.document_mask(docs[:, s:e], docs[:, a:e]) & band
+def _fused(impl: str, softcap: float | None) -> bool:
+    """Whether ``_attend`` calls SDPA (else it writes the scores out)."""
+    return impl == "sdpa" and softcap is None
+
+
+def _form(q: torch.Tensor, impl: str, softcap: float | None) -> torch.dtype | None:
+    """The mask ``_attend`` takes (``_mask``): additive in the queries' dtype for SDPA, None
+    (bool, True where hidden) for written-out scores."""
+    return q.dtype if _fused(impl, softcap) else None
+
+
+def _mask(shard: sequence.SequenceShard | None, s: int, e: int, a: int,
+          window: int | None, form: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """Queries [s, e) against keys [a, e) (positions in the sequence): (e - s, e - a), or
+    (B, 1, e - s, e - a) with the document ids (B, T) of ``shard``; a query sees keys
+    within ``window`` tokens of it (``window_band``; None: every earlier key) and, with
+    document ids, of its own document. In the form ``_attend`` takes (``form``): a float
+    of that dtype, 0 where the query attends and -inf elsewhere (what SDPA turns a bool
+    mask into, afresh on every call), or, None, bool, True where hidden (what
+    ``masked_fill`` saves). One tensor for every layer and chunk that asks for the same
+    (``sequence.shared_mask``): SDPA and ``masked_fill`` save their mask for backward,
+    so separate tensors would be kept once per layer and chunk."""
+    docs = None if shard is None else shard.documents
+    n_q, n_k, offset = e - s, e - a, s - a
+
+    def build() -> torch.Tensor:
+        # no window: causal, a band as wide as the keys
+        sees = window_band.__wrapped__(  # built, not kept by window_band's own cache
+            n_q, n_k, offset, n_k if window is None else window, device)
+        if docs is not None:
+            sees = sequence.document_mask(docs[:, s:e], docs[:, a:e]) & sees
+        if form is None:
+            return ~sees
+        return torch.zeros(sees.shape, dtype=form, device=device).masked_fill_(
+            ~sees, float("-inf"))
+
+    key = ((s, e, a) if docs is not None else (n_q, n_k, offset)) + (window, form, device)
+    return sequence.shared_mask(shard, key, build)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             dropout_p: float, impl: str, scale: float | None,
             softcap: float | None) -> torch.Tensor:
-    """One attention call: (B, H, Tq, D) queries against (B, H, Tk, D) keys and values,
-    ``mask`` (..., Tq, Tk) bool (True: attends), or None: causal, Tq = Tk (``is_causal``).
-    SDPA, or the scores written out (``impl="math"`` or a ``softcap``). (B, H, Tq, Dv)."""
-    if impl == "sdpa" and softcap is None:
+    """One attention call: (B, H, Tq, D) queries against (B, H, Tk, D) keys and values.
+    ``mask`` (..., Tq, Tk) in ``_mask``'s form: additive, in q's dtype, for SDPA
+    (``impl="sdpa"`` without a ``softcap``); bool, True where hidden, for the scores
+    written out (``impl="math"`` or a ``softcap``); or None: causal, Tq = Tk
+    (``is_causal``, or the triangle). (B, H, Tq, Dv)."""
+    if _fused(impl, softcap):
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                   scale=scale)
@@ -237,8 +269,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     Tq, Tk = scores.shape[-2:]
-    hidden = (~mask if mask is not None
-              else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1))
+    hidden = mask if mask is not None else _mask(None, 0, Tq, 0, None, None, q.device)
     # softmax in at least fp32 (bf16 / fp16 scores promoted, as transformers' eager path;
     # fp64 kept), then back to the inputs' dtype
     att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1,
