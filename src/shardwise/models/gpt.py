@@ -126,10 +126,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     log-sum-exp merge, every query's keys are inside its one call (Mistral 7B,
     arXiv:2310.06825, sec. 2; Longformer's banded attention, Beltagy et al. 2020, sec. 3.1,
     which computes the band in overlapping blocks the same way). Cost T (c + W - 1) scores
-    instead of T^2, a (c, c + W - 1) mask and, written out, (B, H, c, c + W - 1) scores at
-    a time instead of (B, H, T, T). The band is a mask, so on CUDA SDPA takes its
-    memory-efficient kernel, not FlashAttention (which takes no mask). Dropout draws per
-    chunk: the same distribution as one call's, other random numbers.
+    instead of T^2, (c, c + W - 1) masks (see "Masks" below) and, written out,
+    (B, H, c, c + W - 1) scores at a time instead of (B, H, T, T). The band is a mask, so
+    on CUDA SDPA takes its memory-efficient kernel, not FlashAttention (which takes no
+    mask). Dropout draws per chunk: the same distribution as one call's, other random
+    numbers.
 
     ``impl="sdpa"``: ``F.scaled_dot_product_attention``, which on CUDA dispatches to
     FlashAttention-2 (Dao 2023) or memory-efficient attention (Rabe & Staats 2021) and never
@@ -139,16 +140,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
     Packed sequences (``model.attention_mask = "block_causal"``): when the current shard
     carries document ids (``SequenceShard.documents``, (B, T), set by the engine per
-    micro-batch), a query sees only keys of its own document: the (B, 1, T, T) boolean mask
+    micro-batch), a query sees only keys of its own document: the (B, 1, T, T) mask
     ``same document AND causal`` (AND the window's band, per chunk from the chunk's query
-    and key ids) goes to SDPA or the written-out scores (B T^2 bytes, B c (c + W - 1) a
-    chunk; on CUDA a mask rules out FlashAttention, SDPA takes its memory-efficient
-    kernel). Without document ids nothing changes (``is_causal``, no mask).
+    and key ids) goes to SDPA or the written-out scores (on CUDA a mask rules out
+    FlashAttention, SDPA takes its memory-efficient kernel). Without document ids nothing
+    changes (``is_causal``, no mask).
+
+    Masks, built once and shared (``_mask``, ``models.sequence.shared_mask``): SDPA takes
+    an additive mask in q's dtype (0 where a query attends, -inf elsewhere: what it would
+    make of a bool mask, afresh on every call), the written-out scores a bool one (True
+    where hidden); both save it for backward. Every layer and query chunk that asks for the
+    same mask (query and key ranges, window, dtype) gets the same tensor while an autograd
+    graph holds it, so a micro-batch keeps each distinct mask once, not once per layer and
+    chunk: under ``block_causal`` one (B, 1, T, T) mask, B T^2 x itemsize bytes (4 in fp32,
+    2 in bf16, 1 written out), on the micro-batch's shard, or under a window one
+    (B, 1, c, c + W - 1) per chunk; without document ids one band per chunk shape (the
+    first chunk's, the later ones', a shorter last one's), (c, c + W - 1) x itemsize
+    bytes, and the (T, T) triangle of the written-out scores. Held weakly: nothing is kept
+    after the graph that saved it is freed (a forward under ``no_grad`` builds per call).
+    While ``torch.compile`` traces, masks are built in the graph, not shared.
 
     Under context parallelism (``models.sequence.current()`` set by the engine) the call
     goes to that shard's attention instead: ring attention over every rank's keys, T being
     this rank's tokens of the sequence, the window applied to their true positions
     (``parallel.context``), the document ids to every block pair.
+
+    Raises ``ValueError`` (one line) for an ``impl`` other than "sdpa" or "math", document
+    ids of another length than T, or a ``softcap`` under context parallelism.
     """
     shard = sequence.current()
     docs = None if shard is None else shard.documents  # (B, T) or None

@@ -179,9 +179,9 @@ def shared_mask(shard: SequenceShard | None, key: Hashable,
     offset, window, device, dtype). Held weakly: nothing outlives its last user, so a
     forward under ``no_grad`` (inference, a recomputed chunk's first pass) builds its
     masks per layer as before, and nothing is kept between steps. While
-    ``torch.compile`` traces, always ``build()``: the mask is then part of the graph (the
-    partitioner decides what its backward keeps; a dictionary of tensors would be guarded
-    on, recompiling per micro-batch)."""
+    ``torch.compile`` traces, always ``build()``: the mask is then part of the graph (what
+    its backward keeps is the compiler's choice); dynamo cannot trace a weak reference
+    (a graph break per mask)."""
     if torch.compiler.is_compiling():
         return build()
     kept = _MASKS if shard is None or shard.documents is None else shard.masks
