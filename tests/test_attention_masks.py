@@ -109,3 +109,33 @@ def test_a_new_micro_batch_builds_its_own():
         gpt.causal_attention(q, q, q)
     gc.collect()
     assert len(c.masks) == 0
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_rows_padded_for_cuda_give_the_same_attention(with_docs, monkeypatch):
+    """On CUDA an additive mask's rows are allocated in multiples of 16 elements and sliced
+    back (``gpt.MASK_ROW_ALIGN``: the memory-efficient kernel then takes the shared mask
+    as it is, not a padded copy per call). Forced on the CPU: the same outputs and
+    gradients, bit for bit, from a mask whose rows are 16 apart."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 45, 8, generator=g) for _ in range(3))
+    dout = torch.randn(2, 4, 45, 8, generator=g)
+    docs = torch.cumsum((torch.rand(2, 45, generator=g) < 0.1).long(), 1) if with_docs else None
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with sequence.use(sequence.SequenceShard(documents=docs) if with_docs else None):
+            out = gpt.causal_attention(*leaves, window=7)  # chunks of 8: 8 x 15 bands
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    plain = run()
+    monkeypatch.setattr(gpt, "MASK_ROW_ALIGN", {"cpu": 16})
+    strides = []
+    attend = gpt._attend
+    monkeypatch.setattr(gpt, "_attend", lambda q, k, v, mask, *a: strides.append(
+        mask.stride(-2)) or attend(q, k, v, mask, *a))
+    padded = run()
+    assert set(strides) == {16}  # (8, 8) and (8, 15) masks, rows 16 apart
+    for a, b in zip(plain, padded):
+        assert torch.equal(a, b)

@@ -156,7 +156,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     2 in bf16, 1 written out), on the micro-batch's shard, or under a window one
     (B, 1, c, c + W - 1) per chunk; without document ids one band per chunk shape (the
     first chunk's, the later ones', a shorter last one's), (c, c + W - 1) x itemsize
-    bytes, and the (T, T) triangle of the written-out scores. Held weakly: nothing is kept
+    bytes, and the (T, T) triangle of the written-out scores (on CUDA an additive mask's
+    rows are allocated in multiples of 16 elements, ``MASK_ROW_ALIGN``, so that the
+    memory-efficient kernel does not pad a copy of it per call). Held weakly: nothing is kept
     after the graph that saved it is freed (a forward under ``no_grad`` builds per call).
     While ``torch.compile`` traces, masks are built in the graph, not shared.
 
@@ -228,6 +230,10 @@ def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, ch
     return torch.cat(out, dim=-2)
 
 
+# elements per row an additive mask is allocated in multiples of, per device type (_mask)
+MASK_ROW_ALIGN = {"cuda": 16}
+
+
 def _fused(impl: str, softcap: float | None) -> bool:
     """Whether ``_attend`` calls SDPA (else it writes the scores out)."""
     return impl == "sdpa" and softcap is None
@@ -261,7 +267,13 @@ def _mask(shard: sequence.SequenceShard | None, s: int, e: int, a: int,
             sees = sequence.document_mask(docs[:, s:e], docs[:, a:e]) & sees
         if form is None:
             return ~sees
-        return torch.zeros(sees.shape, dtype=form, device=device).masked_fill_(
+        # rows padded to MASK_ROW_ALIGN elements, sliced back: CUDA's memory-efficient SDPA
+        # kernel wants its bias rows aligned and pads a copy of an unaligned one on every
+        # call (PyTorch's ``pad_bias``), which it would then save per layer and chunk (the
+        # bands' c + W - 1 columns are odd); a view of a padded row is aligned already
+        align = MASK_ROW_ALIGN.get(device.type, 1)
+        full = sees.shape[:-1] + (-(-n_k // align) * align,)
+        return torch.zeros(full, dtype=form, device=device)[..., :n_k].masked_fill_(
             ~sees, float("-inf"))
 
     key = ((s, e, a) if docs is not None else (n_q, n_k, offset)) + (window, form, device)
