@@ -268,9 +268,10 @@ def _mask(shard: sequence.SequenceShard | None, s: int, e: int, a: int,
         if form is None:
             return ~sees
         # rows padded to MASK_ROW_ALIGN elements, sliced back: CUDA's memory-efficient SDPA
-        # kernel wants its bias rows aligned and pads a copy of an unaligned one on every
-        # call (PyTorch's ``pad_bias``), which it would then save per layer and chunk (the
-        # bands' c + W - 1 columns are odd); a view of a padded row is aligned already
+        # kernel wants every stride but the last a multiple of 8 elements and pads a copy of
+        # any other mask on every call (PyTorch's ``preprocess_mask`` / ``pad_bias``), which
+        # it would then save per layer and chunk (the bands' c + W - 1 columns are odd); a
+        # view of padded rows passes as it is
         align = MASK_ROW_ALIGN.get(device.type, 1)
         full = sees.shape[:-1] + (-(-n_k // align) * align,)
         return torch.zeros(full, dtype=form, device=device)[..., :n_k].masked_fill_(
