@@ -310,24 +310,29 @@ def test_resumed_fused_adamw_state_steps_like_the_loop(tmp_path):
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "llama-window"])
 def test_a_block_traces_into_one_graph_without_a_sequence_shard(kind, monkeypatch):
     """torch.compile cannot trace ``ContextVar.get``; with no ``models.sequence`` shard open
     (one process, plain causal: the single-GPU speed path) a block's attention and rotary
     read none, so dynamo captures the whole block, forward, as one graph (each graph break
     costs a GPU kernels' fusion across it and a return to Python). Inside ``use(shard)``
-    the shard is read (a break is allowed there) and the block still computes the same."""
-    from shardwise.models import sequence
+    the shard is read (a break is allowed there) and the block still computes the same.
+    A sliding window in query chunks takes a mask per chunk, built in the graph while
+    dynamo traces (``models.sequence.shared_mask``: its weak dictionary would break the
+    graph at every mask)."""
+    from shardwise.models import gpt, sequence
     from shardwise.models.llama import Llama, LlamaConfig
     from shardwise.models.sequence import SequenceShard, use
 
     monkeypatch.setattr(sequence, "_SHARDED", False)  # a process that has set no shard yet
+    monkeypatch.setattr(gpt, "WINDOW_CHUNK", 4)  # the window's 16 queries in 4 chunks
     torch.manual_seed(0)
+    window = {"sliding_window": 4} if kind == "llama-window" else {}
     model = (GPT(GPTConfig(**SMALL)) if kind == "gpt" else
              Llama(LlamaConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_kv_heads=2,
-                               n_embd=64, ffn_hidden=96)))
+                               n_embd=64, ffn_hidden=96, **window)))
     block = model.blocks[0]
-    x = torch.randn(2, 16, 64 if kind == "llama" else SMALL["n_embd"])
+    x = torch.randn(2, 16, SMALL["n_embd"] if kind == "gpt" else 64)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(block)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, \

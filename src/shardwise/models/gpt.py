@@ -126,10 +126,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     log-sum-exp merge, every query's keys are inside its one call (Mistral 7B,
     arXiv:2310.06825, sec. 2; Longformer's banded attention, Beltagy et al. 2020, sec. 3.1,
     which computes the band in overlapping blocks the same way). Cost T (c + W - 1) scores
-    instead of T^2, a (c, c + W - 1) mask and, written out, (B, H, c, c + W - 1) scores at
-    a time instead of (B, H, T, T). The band is a mask, so on CUDA SDPA takes its
-    memory-efficient kernel, not FlashAttention (which takes no mask). Dropout draws per
-    chunk: the same distribution as one call's, other random numbers.
+    instead of T^2, (c, c + W - 1) masks (see "Masks" below) and, written out,
+    (B, H, c, c + W - 1) scores at a time instead of (B, H, T, T). The band is a mask, so
+    on CUDA SDPA takes its memory-efficient kernel, not FlashAttention (which takes no
+    mask). Dropout draws per chunk: the same distribution as one call's, other random
+    numbers.
 
     ``impl="sdpa"``: ``F.scaled_dot_product_attention``, which on CUDA dispatches to
     FlashAttention-2 (Dao 2023) or memory-efficient attention (Rabe & Staats 2021) and never
@@ -139,16 +140,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
 
     Packed sequences (``model.attention_mask = "block_causal"``): when the current shard
     carries document ids (``SequenceShard.documents``, (B, T), set by the engine per
-    micro-batch), a query sees only keys of its own document: the (B, 1, T, T) boolean mask
+    micro-batch), a query sees only keys of its own document: the (B, 1, T, T) mask
     ``same document AND causal`` (AND the window's band, per chunk from the chunk's query
-    and key ids) goes to SDPA or the written-out scores (B T^2 bytes, B c (c + W - 1) a
-    chunk; on CUDA a mask rules out FlashAttention, SDPA takes its memory-efficient
-    kernel). Without document ids nothing changes (``is_causal``, no mask).
+    and key ids) goes to SDPA or the written-out scores (on CUDA a mask rules out
+    FlashAttention, SDPA takes its memory-efficient kernel). Without document ids nothing
+    changes (``is_causal``, no mask).
+
+    Masks, built once and shared (``_mask``, ``models.sequence.shared_mask``): SDPA takes
+    an additive mask in q's dtype (0 where a query attends, -inf elsewhere: what it would
+    make of a bool mask, afresh on every call), the written-out scores a bool one (True
+    where hidden); both save it for backward. Every layer and query chunk that asks for the
+    same mask (query and key ranges, window, dtype) gets the same tensor while an autograd
+    graph holds it, so a micro-batch keeps each distinct mask once, not once per layer and
+    chunk: under ``block_causal`` one (B, 1, T, T) mask, B T^2 x itemsize bytes (4 in fp32,
+    2 in bf16, 1 written out), on the micro-batch's shard, or under a window one
+    (B, 1, c, c + W - 1) per chunk; without document ids one band per chunk shape (the
+    first chunk's, the later ones', a shorter last one's), (c, c + W - 1) x itemsize
+    bytes, and the (T, T) triangle of the written-out scores (on CUDA an additive mask's
+    rows are allocated in multiples of 16 elements, ``MASK_ROW_ALIGN``, so that the
+    memory-efficient kernel does not pad a copy of it per call). Held weakly: nothing is kept
+    after the graph that saved it is freed (a forward under ``no_grad`` builds per call).
+    While ``torch.compile`` traces, masks are built in the graph, not shared.
 
     Under context parallelism (``models.sequence.current()`` set by the engine) the call
     goes to that shard's attention instead: ring attention over every rank's keys, T being
     this rank's tokens of the sequence, the window applied to their true positions
     (``parallel.context``), the document ids to every block pair.
+
+    Raises ``ValueError`` (one line) for an ``impl`` other than "sdpa" or "math", document
+    ids of another length than T, or a ``softcap`` under context parallelism.
     """
     shard = sequence.current()
     docs = None if shard is None else shard.documents  # (B, T) or None
@@ -170,26 +190,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
         raise ValueError(f"models.sequence.documents: {docs.shape[-1]} tokens per "
                          f"sequence, attention holds {T}")
     if window is not None and T > window:
-        return _windowed(q, k, v, window, window_chunk(T, window), docs, dropout_p, impl,
+        return _windowed(q, k, v, window, window_chunk(T, window), shard, dropout_p, impl,
                          scale, softcap)
-    mask = None  # causal: is_causal, or the triangle ANDed with the documents
-    if docs is not None:  # (B, 1, T, T): same document, causal
-        mask = sequence.document_mask(docs, docs) & torch.ones(
-            T, T, dtype=torch.bool, device=q.device).tril()
+    mask = None  # causal: is_causal, or the triangle (ANDed with the documents)
+    if docs is not None or not _fused(impl, softcap):
+        mask = _mask(shard, 0, T, 0, None, _form(q, impl, softcap), q.device)
     return _attend(q, k, v, mask, dropout_p, impl, scale, softcap)
 
 
 def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, chunk: int,
-              docs: torch.Tensor | None, dropout_p: float, impl: str, scale: float | None,
-              softcap: float | None) -> torch.Tensor:
+              shard: sequence.SequenceShard | None, dropout_p: float, impl: str,
+              scale: float | None, softcap: float | None) -> torch.Tensor:
     """A sliding window of ``window`` tokens over (B, H, T, D) q, k, v (heads repeated) in
     query chunks of ``chunk`` tokens (``causal_attention``): chunk [s, e) against keys
-    [max(0, s - W + 1), e), masked by their band (``window_band``) and, with document ids
-    ``docs`` (B, T), by the chunk's query and key ids. (B, H, T, Dv)."""
+    [max(0, s - W + 1), e), masked by their band (``window_band``) and, with the document
+    ids of ``shard`` (B, T), by the chunk's query and key ids (``_mask``). (B, H, T, Dv)."""
     T, W = q.shape[-2], window
+    form = _form(q, impl, softcap)
     n = -(-T // chunk)
     if n == 1:
-        return _attend(q, k, v, _window_mask(docs, 0, T, 0, W, q.device), dropout_p, impl,
+        return _attend(q, k, v, _mask(shard, 0, T, 0, W, form, q.device), dropout_p, impl,
                        scale, softcap)
 
     def keys(x):  # n x (B, H, c + W - 1, D): chunk i's keys [i c - W + 1, (i + 1) c)
@@ -205,28 +225,71 @@ def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, ch
         e, a = s + qc.shape[-2], max(0, s - W + 1)  # queries [s, e), keys [a, e)
         cut = slice(a - (s - W + 1), e - (s - W + 1))  # the padding off
         out.append(_attend(qc, kc[..., cut, :], vc[..., cut, :],
-                           _window_mask(docs, s, e, a, W, q.device), dropout_p, impl, scale,
+                           _mask(shard, s, e, a, W, form, q.device), dropout_p, impl, scale,
                            softcap))
     return torch.cat(out, dim=-2)
 
 
-def _window_mask(docs: torch.Tensor | None, s: int, e: int, a: int, window: int,
-                 device: torch.device) -> torch.Tensor:
-    """(e - s, e - a) bool, queries [s, e) against keys [a, e): the window's band, ANDed
-    with same-document (then (B, 1, e - s, e - a)) when ``docs`` (B, T) is set."""
-    band = window_band(e - s, e - a, s - a, window, device)
-    if docs is None:
-        return band
-    return sequence.document_mask(docs[:, s:e], docs[:, a:e]) & band
+# elements per row an additive mask is allocated in multiples of, per device type (_mask)
+MASK_ROW_ALIGN = {"cuda": 16}
+
+
+def _fused(impl: str, softcap: float | None) -> bool:
+    """Whether ``_attend`` calls SDPA (else it writes the scores out)."""
+    return impl == "sdpa" and softcap is None
+
+
+def _form(q: torch.Tensor, impl: str, softcap: float | None) -> torch.dtype | None:
+    """The mask ``_attend`` takes (``_mask``): additive in the queries' dtype for SDPA, None
+    (bool, True where hidden) for written-out scores."""
+    return q.dtype if _fused(impl, softcap) else None
+
+
+def _mask(shard: sequence.SequenceShard | None, s: int, e: int, a: int,
+          window: int | None, form: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """Queries [s, e) against keys [a, e) (positions in the sequence): (e - s, e - a), or
+    (B, 1, e - s, e - a) with the document ids (B, T) of ``shard``; a query sees keys
+    within ``window`` tokens of it (``window_band``; None: every earlier key) and, with
+    document ids, of its own document. In the form ``_attend`` takes (``form``): a float
+    of that dtype, 0 where the query attends and -inf elsewhere (what SDPA turns a bool
+    mask into, afresh on every call), or, None, bool, True where hidden (what
+    ``masked_fill`` saves). One tensor for every layer and chunk that asks for the same
+    (``sequence.shared_mask``): SDPA and ``masked_fill`` save their mask for backward,
+    so separate tensors would be kept once per layer and chunk."""
+    docs = None if shard is None else shard.documents
+    n_q, n_k, offset = e - s, e - a, s - a
+
+    def build() -> torch.Tensor:
+        # no window: causal, a band as wide as the keys
+        sees = window_band.__wrapped__(  # built, not kept by window_band's own cache
+            n_q, n_k, offset, n_k if window is None else window, device)
+        if docs is not None:
+            sees = sequence.document_mask(docs[:, s:e], docs[:, a:e]) & sees
+        if form is None:
+            return ~sees
+        # rows padded to MASK_ROW_ALIGN elements, sliced back: CUDA's memory-efficient SDPA
+        # kernel wants every stride but the last a multiple of 8 elements and pads a copy of
+        # any other mask on every call (PyTorch's ``preprocess_mask`` / ``pad_bias``), which
+        # it would then save per layer and chunk (the bands' c + W - 1 columns are odd); a
+        # view of padded rows passes as it is
+        align = MASK_ROW_ALIGN.get(device.type, 1)
+        full = sees.shape[:-1] + (-(-n_k // align) * align,)
+        return torch.zeros(full, dtype=form, device=device)[..., :n_k].masked_fill_(
+            ~sees, float("-inf"))
+
+    key = ((s, e, a) if docs is not None else (n_q, n_k, offset)) + (window, form, device)
+    return sequence.shared_mask(shard, key, build)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             dropout_p: float, impl: str, scale: float | None,
             softcap: float | None) -> torch.Tensor:
-    """One attention call: (B, H, Tq, D) queries against (B, H, Tk, D) keys and values,
-    ``mask`` (..., Tq, Tk) bool (True: attends), or None: causal, Tq = Tk (``is_causal``).
-    SDPA, or the scores written out (``impl="math"`` or a ``softcap``). (B, H, Tq, Dv)."""
-    if impl == "sdpa" and softcap is None:
+    """One attention call: (B, H, Tq, D) queries against (B, H, Tk, D) keys and values.
+    ``mask`` (..., Tq, Tk) in ``_mask``'s form: additive, in q's dtype, for SDPA
+    (``impl="sdpa"`` without a ``softcap``); bool, True where hidden, for the scores
+    written out (``impl="math"`` or a ``softcap``); or None: causal, Tq = Tk
+    (``is_causal``, or the triangle). (B, H, Tq, Dv)."""
+    if _fused(impl, softcap):
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                   scale=scale)
@@ -237,8 +300,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     Tq, Tk = scores.shape[-2:]
-    hidden = (~mask if mask is not None
-              else torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(1))
+    hidden = mask if mask is not None else _mask(None, 0, Tq, 0, None, None, q.device)
     # softmax in at least fp32 (bf16 / fp16 scores promoted, as transformers' eager path;
     # fp64 kept), then back to the inputs' dtype
     att = F.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1,

@@ -33,8 +33,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,12 +58,19 @@ class SequenceShard:
     documents: (B, T) int64, the document id of every token of the whole sequences of this
         forward's micro-batch (``document_ids``; not sharded over cp: a rank reads its own
         tokens' at ``positions``), or None: one document per sequence (plain causal).
+        Read, never written in place: the masks built from it are kept (``masks``).
+    masks: not a constructor argument; the attention masks built from ``documents``
+        (``shared_mask``), weakly: the layers, query chunks and recomputation of this
+        micro-batch take the same tensor while any of them (an autograd graph that saved
+        it) still holds it. A new shard (``dataclasses.replace``) starts empty.
     """
 
     positions: torch.Tensor | None = None
     attention: Callable[..., torch.Tensor] | None = None
     total: Callable[[torch.Tensor], torch.Tensor] | None = None
     documents: torch.Tensor | None = None
+    masks: weakref.WeakValueDictionary = field(
+        default_factory=weakref.WeakValueDictionary, init=False, repr=False, compare=False)
 
 
 _CURRENT: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar(
@@ -152,3 +160,32 @@ def document_mask(docs_q: torch.Tensor, docs_k: torch.Tensor) -> torch.Tensor:
     their document ids ``docs_q`` (B, Tq) and ``docs_k`` (B, Tk); the heads' axis broadcasts.
     Causality and windows are ANDed by the caller. B Tq Tk bytes."""
     return (docs_q.unsqueeze(-1) == docs_k.unsqueeze(-2)).unsqueeze(1)
+
+
+# the masks that depend on no document ids (a window's band, the causal triangle), per
+# (shape, offset, window, device, form), weakly, as ``SequenceShard.masks``: shared by every
+# layer and query chunk whose autograd graph still holds one, gone with the last of them
+_MASKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_mask(shard: SequenceShard | None, key: Hashable,
+                build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``build()``, an attention mask that ``key`` determines, or the tensor an earlier call
+    with the same ``key`` built, while something still holds it: an autograd graph saves a
+    mask for backward, so the L layers of a forward (and the chunks of a sliding window)
+    keep one mask, not L. With the document ids of ``shard`` (``SequenceShard.documents``
+    not None) the mask is the shard's (``SequenceShard.masks``: ``key`` need not name the
+    documents); else the process's (``key`` must name all the mask depends on: shape,
+    offset, window, device, dtype). Held weakly: nothing outlives its last user, so a
+    forward under ``no_grad`` (inference, a recomputed chunk's first pass) builds its
+    masks per layer as before, and nothing is kept between steps. While
+    ``torch.compile`` traces, always ``build()``: the mask is then part of the graph (what
+    its backward keeps is the compiler's choice); dynamo cannot trace a weak reference
+    (a graph break per mask)."""
+    if torch.compiler.is_compiling():
+        return build()
+    kept = _MASKS if shard is None or shard.documents is None else shard.masks
+    mask = kept.get(key)
+    if mask is None:
+        mask = kept[key] = build()
+    return mask
