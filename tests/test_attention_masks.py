@@ -139,3 +139,32 @@ def test_rows_padded_for_cuda_give_the_same_attention(with_docs, monkeypatch):
     assert set(strides) == {16}  # (8, 8) and (8, 15) masks, rows 16 apart
     for a, b in zip(plain, padded):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+@pytest.mark.parametrize("name", ["causal", *CASES])
+def test_the_planner_counts_the_masks_a_forward_keeps(name, impl):
+    """``planner.memory.mask_bytes`` (per micro-batch and shared, ``planner.attention``)
+    adds up to the bytes of the distinct masks the forward saved: SDPA's additive masks in
+    fp32, the written-out scores' bool ones (and their causal triangle when no window or
+    document masks it)."""
+    from dataclasses import replace
+
+    from shardwise.models.description import describe
+    from shardwise.planner.attention import attention_calls
+    from shardwise.planner.memory import mask_bytes
+    from shardwise.planner.specs import ModelSpec
+
+    options, with_docs = CASES[name][:2] if name in CASES else ({}, False)
+    attention_calls.cache_clear()  # the chunk of 8 (``chunked``) is the engine's rule here
+    try:
+        cfg = LlamaConfig(vocab_size=VOCAB, block_size=T, n_layer=L, n_head=4, n_embd=32,
+                          n_kv_heads=2, attention=impl, **options)
+        spec = ModelSpec.from_description(describe(cfg))
+        per_mb, once = mask_bytes(spec, B, "fp32")
+        assert per_mb + once == sum(_forward(impl, options, with_docs)[2].values())
+        assert (per_mb > 0) == with_docs and (once > 0) == (not with_docs and (
+            impl == "math" or "sliding_window" in options))
+        assert mask_bytes(replace(spec, block_size=T), B, "fp32", cp=2) == (0.0, 0.0)
+    finally:
+        attention_calls.cache_clear()

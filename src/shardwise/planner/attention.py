@@ -31,12 +31,16 @@ rules it out for the memory-efficient kernel, the ratio is to be measured (the s
 takes ``--device cuda``).
 
 A written-out attention (``ModelSpec.written_scores``) keeps its calls' scores: P per head
-a block, s^2 for a whole call. The masks: SDPA keeps each call's mask for backward, and the
-engine builds each distinct mask once (``models.sequence``'s caches: the document masks per
-micro-batch, the bands per shape), so a rank keeps per micro-batch in flight one document
-mask per distinct (window, chunk) of its blocks (P bytes a sequence, B s^2 for a whole
-call), and, without documents, one band per distinct chunk shape for all micro-batches.
-Not priced: under context parallelism, the ring's per-block masks (``parallel.context``).
+a block, s^2 for a whole call. The masks (``models.gpt._mask``): SDPA keeps an additive mask
+in the activations' dtype (e bytes an element), the written-out scores a bool one (1); the
+engine builds each distinct mask once and shares it while a graph holds it, so a
+micro-batch keeps one document mask per distinct (window, chunk) of its blocks
+(``block_causal``: P elements a sequence, s^2 for a whole call), and, without documents,
+the process one band per chunk shape (and, written out, the causal triangle) for all its
+micro-batches. Built under ``no_grad`` by a recomputed forward, a mask is kept only while
+its chunk's backward runs: one micro-batch's. Not priced: under context parallelism, the
+ring's per-block masks (rebuilt per block pair, none kept), and the rows CUDA pads to 16
+elements (``models.gpt.MASK_ROW_ALIGN``).
 """
 
 from __future__ import annotations
@@ -58,12 +62,15 @@ class AttentionCalls:
     """Keys a query is priced against (s for a plain causal block)."""
     written_keys: float
     """Scores a query writes per head when the attention writes its scores out."""
-    document_mask_bytes: float
-    """Bytes of the document masks one sequence of a micro-batch keeps, over all blocks
+    document_mask: float
+    """Elements of the document masks one sequence of a micro-batch keeps, over all blocks
     (each distinct mask once); 0 without documents."""
-    band_bytes: float
-    """Bytes of the window bands kept once for every micro-batch (no documents: with them
-    the band is ANDed into the document masks)."""
+    shared_mask: float
+    """Elements of the masks kept once for every micro-batch: without documents, the window
+    bands (one per chunk shape) and, written out, the causal triangle."""
+    mask_bytes: int | None
+    """Bytes a mask element takes: 1 (bool) written out; None: the activations' (SDPA's
+    additive mask)."""
 
 
 def _chunks(s: int, w: int) -> list[tuple[int, int, int]]:
@@ -85,20 +92,24 @@ def attention_calls(s: int, windows: tuple, documents: bool, written: bool) -> A
     none; (): no block has one) on ``s`` tokens, with document masks or not, the scores
     written out or a fused kernel."""
     priced = scores = 0.0
-    docs, bands = {}, {}
+    docs, shared = {}, {}
     for w in windows or (None,):
         if w is None or w >= s:  # one call over the whole triangle
             pairs, masked = s * s, documents
-            docs[None] = s * s
+            if documents:
+                docs[None] = s * s
+            elif written:  # the written-out scores' causal triangle
+                shared[(s, s, 0, None)] = s * s
         else:
             calls = _chunks(s, w)
             pairs, masked = sum(q * k for q, k, _ in calls), True
             docs[w] = pairs
             for q, k, off in calls:
-                bands[(q, k, off, w)] = q * k
+                shared[(q, k, off, w)] = q * k
         priced += pairs / s * (FUSED_PAIR if masked and not written else 1.0)
         scores += pairs / s
     n = len(windows) or 1
     return AttentionCalls(priced / n, scores / n,
                           float(sum(docs.values())) if documents else 0.0,
-                          0.0 if documents else float(sum(bands.values())))
+                          0.0 if documents else float(sum(shared.values())),
+                          1 if written else None)

@@ -555,14 +555,14 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     ``recompute``: True, full recomputation; ``"selective"``, the engine's
     ``parallel.recompute = "selective"`` (``selective_activation_bytes``; the planner's
     ``selective``, Korthikanti's attention core, is another thing). With the engine's
-    model (``am`` None) the attention masks are added (``mask_bytes``), recomputed or not:
-    each micro-batch's are built once and kept until its backward."""
+    model (``am`` None) the attention masks are added (``mask_bytes``): each micro-batch's
+    in flight, or under recomputation one micro-batch's (built again for its backward)."""
     if recompute == "selective":
         return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
                                           micro_batches=micro_batches, v=v, schedule=schedule,
                                           sp=sp, precision=precision, partition=partition,
                                           cp=cp)
-    per_mb, once = mask_bytes(spec, mb, cp) if am is None else (0.0, 0.0)
+    per_mb, once = mask_bytes(spec, mb, precision, cp) if am is None else (0.0, 0.0)
     am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
@@ -582,19 +582,21 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
             total = max(largest + keep, k * v * keep)
         else:
             total = k * total_full
-        worst = max(worst, total + k * per_mb + once)
+        worst = max(worst, total + (1 if recompute else k) * per_mb + once)
     return worst
 
 
-def mask_bytes(spec: ModelSpec, mb: int, cp: int = 1) -> tuple[float, float]:
+def mask_bytes(spec: ModelSpec, mb: int, precision: str, cp: int = 1) -> tuple[float, float]:
     """Bytes of the attention masks a rank keeps at cp = 1 (``planner.attention``): (per
-    micro-batch in flight: its ``mb`` sequences' document masks, ``block_causal``; once
-    for all of them: the window bands without documents). (0, 0) under cp (the ring's
-    per-block masks are not priced)."""
+    micro-batch: its ``mb`` sequences' document masks, ``block_causal``; once for all of
+    them: the window bands without documents, the written-out causal triangle), SDPA's
+    additive masks in ``precision``'s bytes, the written-out scores' bool. (0, 0) under
+    cp (the ring keeps no mask)."""
     if cp > 1:
         return 0.0, 0.0
     calls = spec.attention_calls
-    return mb * calls.document_mask_bytes, calls.band_bytes
+    e = calls.mask_bytes or BYTES[precision]
+    return mb * calls.document_mask * e, calls.shared_mask * e
 
 
 def selective_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
@@ -655,15 +657,15 @@ def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     head = (head_activation_bytes(spec, mb, tp, precision, cp)
             - mb * s * h * e * (2 - (1 / tp + 1 if sp else 1))
             + mb * s * e * padded_vocab(spec.vocab_size, tp) / tp)  # its logits, a matmul's
-    per_mb, once = mask_bytes(spec, mb, cp)
+    per_mb, once = mask_bytes(spec, mb, precision, cp)
     chunks = chunk_blocks(spec, pp * v, partition)
     worst = 0.0
     for r in range(pp):
         mine = [r + i * pp for i in range(v)]
         total = sum(chunks[c][0] * blk + (head if chunks[c][1] else 0.0)
                     + (emb if c == 0 else 0.0) for c in mine)
-        worst = max(worst, in_flight(schedule, pp, micro_batches, v, r) * (total + per_mb)
-                    + once)
+        worst = max(worst, in_flight(schedule, pp, micro_batches, v, r) * total
+                    + per_mb + once)  # masks: recomputed, one micro-batch's
     return worst
 
 
