@@ -460,7 +460,7 @@ def test_a_sliding_window_under_cp_prices_the_slowest_ranks_attention():
     the causal triangle counted whole implies), about 3 c keys a query. Without a window,
     or one past the sequence, s (the same price: triangles and full boxes). (At cp = 1 the
     engine's chunks of 4096 queries: the first scores 4096 keys, the seven others 8191,
-    masked: 2 a pair.)"""
+    masked: 2 a pair.) Packed documents mask the ring's diagonal boxes too."""
     from shardwise.planner.simulate import attention_gemm_flops, attention_keys
 
     mistral, c = NAMED["mistral-7b"].with_seq(32768), 4096
@@ -471,6 +471,11 @@ def test_a_sliding_window_under_cp_prices_the_slowest_ranks_attention():
         4 * 32768 * slowest * 4096 / 4, rel=1e-12)
     assert attention_keys(mistral.with_seq(4096), 4) == 4096
     assert attention_keys(LONG, 4) == LONG.attn_keys == 32768
+    # packed documents: the ring's two diagonal boxes a rank masked, scored whole (c^2 each
+    # where the causal kernel scores c^2 / 2): c = s / 2 cp more keys a query
+    packed = replace(LONG, attention_mask="block_causal")
+    assert attention_keys(packed, 4) == 32768 + 4096
+    assert attention_keys(packed, 1) == 2 * 32768  # one call, the (s, s) mask
 
 
 def _round(kernels="shardwise"):

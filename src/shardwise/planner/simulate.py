@@ -286,13 +286,16 @@ def attention_keys(spec: ModelSpec, cp: int = 1) -> float:
     ``FUSED_PAIR`` (``ring_attention.scored_pairs``: a diagonal task half its box; the
     layout balances full attention, not a band: mistral-7b at 32k tokens on cp 4, its
     middle ranks score two triangles and two band boxes of c = s / 2 cp, about 3 c keys a
-    query); the slowest rank over the sum of the blocks, per block. (The ring's document
-    masks are not priced.)"""
+    query); the slowest rank over the sum of the blocks, per block. With document masks
+    (``block_causal``) the ring's diagonal boxes are masked calls too, scored whole: c more
+    keys a query."""
     if cp == 1:
         return spec.attention_calls.priced_keys
-    if not spec.attention_windows or spec.block_size < 2 * cp:
-        return spec.attn_keys
-    return _attention_keys(spec.attention_windows, spec.block_size, cp)
+    s = spec.block_size
+    whole = s / (2 * cp) if spec.attention_mask == "block_causal" else 0.0
+    if not spec.attention_windows or s < 2 * cp:
+        return spec.attn_keys + whole
+    return _attention_keys(spec.attention_windows, s, cp) + whole
 
 
 @lru_cache(maxsize=256)
