@@ -186,6 +186,7 @@ def test_the_configuration_reference_page_is_current():
                                  "shardwise.cli.config_args > docs/config.md")
     for f in config_fields():
         assert f"| `{f.name}` |" in page
+    assert "Undefined" not in page, "a default_factory's default shown as pydantic's marker"
 
 
 def test_relative_links_in_the_readme_and_docs_reach_a_file_and_heading():

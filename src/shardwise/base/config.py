@@ -847,7 +847,9 @@ def config_fields() -> list[FieldDoc]:
             bounds = ", ".join(f"{op} {getattr(m, attr)}" for m in info.metadata
                                for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
                                if getattr(m, attr, None) is not None)
-            out.append(FieldDoc(section, name, _type_name(info.annotation), info.default,
+            # a default_factory's value (dense_layers' []), not pydantic's Undefined marker
+            default = info.get_default(call_default_factory=True)
+            out.append(FieldDoc(section, name, _type_name(info.annotation), default,
                                 info.description or "", bounds))
     return out
 
