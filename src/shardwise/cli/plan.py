@@ -71,8 +71,9 @@ def build_parser():
                          "model.kind); same as --model PATH")
     ap.add_argument("--cluster", default="local",
                     help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100 or local (default)")
-    ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks)")
-    ap.add_argument("--global-batch", default="16", help="sequences per optimizer step")
+    ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks; default 4)")
+    ap.add_argument("--global-batch", default="16", help="sequences per optimizer step "
+                    "(default 16)")
     ap.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the cluster's: bf16 on GPUs, fp32 local)")
@@ -80,7 +81,7 @@ def build_parser():
                     help="memory per GPU a layout may fill, GiB (default: the preset's less 2 "
                          "GiB left free for the CUDA context, NCCL's buffers and "
                          "fragmentation; local: the RAM shared by the ranks)")
-    ap.add_argument("--top", default="10", help="layouts to print")
+    ap.add_argument("--top", default="10", help="layouts to print (default 10)")
     ap.add_argument("--pruned", default="0", metavar="N", help="also print N pruned layouts "
                     "with the reason")
     ap.add_argument("--tp-across-nodes", action="store_true", help="let tp span nodes")
