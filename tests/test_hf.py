@@ -1292,3 +1292,9 @@ def test_export_of_a_checkpoint_directory_honours_step(tmp_path):
     assert find_checkpoint(ckpt) == ckpt and find_checkpoint(ckpt, 100) == ckpt
     with pytest.raises(ExportError, match="checkpoint of step 100, not --step 50"):
         find_checkpoint(ckpt, 50)
+    # a run directory: a --step it lacks is named with the steps it has
+    with pytest.raises(ExportError, match=r"no checkpoint of --step 50 .*; its steps: 100$"):
+        find_checkpoint(tmp_path, 50)
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        find_checkpoint(tmp_path / "empty_run")
