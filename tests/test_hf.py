@@ -1298,3 +1298,17 @@ def test_export_of_a_checkpoint_directory_honours_step(tmp_path):
     (tmp_path / "empty_run").mkdir()
     with pytest.raises(ExportError, match="no complete checkpoint"):
         find_checkpoint(tmp_path / "empty_run")
+
+
+def test_export_help_names_every_arch_it_writes(capsys):
+    """``shardwise export --help`` lists every architecture export can write (all of
+    ``ARCHS`` but the read-only multimodal Gemma 3)."""
+    from shardwise.cli.export import main
+    from shardwise.models.hf import ARCHS, GEMMA3_VLM
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    missing = [a.architecture for a in ARCHS if a is not GEMMA3_VLM
+               and a.architecture not in text.replace("/ ", "/").replace(" /", "/")]
+    assert not missing, missing
