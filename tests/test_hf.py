@@ -1312,3 +1312,13 @@ def test_export_help_names_every_arch_it_writes(capsys):
     missing = [a.architecture for a in ARCHS if a is not GEMMA3_VLM
                and a.architecture not in text.replace("/ ", "/").replace(" /", "/")]
     assert not missing, missing
+
+
+def test_init_from_help_names_every_arch_it_reads():
+    """model.init_from's description (docs/config.md, train --help) names every
+    architecture of ``models.hf.ARCHS``, which is what it reads."""
+    from shardwise.base.config import config_fields
+    from shardwise.models.hf import ARCHS
+
+    text = next(f.description for f in config_fields() if f.key == "model.init_from")
+    assert not [a.architecture for a in ARCHS if a.architecture not in text]
