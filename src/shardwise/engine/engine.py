@@ -146,8 +146,9 @@ class Engine:
     model whose description does not read positions through ``models.sequence``.
     """
 
-    def __init__(self, model, topology, s: EngineSettings,
+    def __init__(self, model, topology, settings: EngineSettings,
                  device: torch.device | None = None):
+        s = settings
         self.topology, self.s = topology, s
         self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
