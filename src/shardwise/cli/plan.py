@@ -287,6 +287,14 @@ def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simu
             **extra}
 
 
+def parameter_count(n: float) -> str:
+    """A parameter count as a reader says it: ``8.03B``, ``124.4M``, ``29.1K``."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.4g}{unit}"
+    return f"{n:.0f}"
+
+
 def _limit_words(cluster, world, limit) -> str:
     """How much memory each layout may fill, and why: the preset's less its reserve."""
     if cluster.reserved and limit == cluster.memory_per_rank(world):
@@ -305,7 +313,7 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
             or any(getattr(c.layout, k) > 1 for c in rows)]
     short = {"compute": "comp", "bubble": "bub", "optimizer": "opt"}
     moe = (f", {spec.n_experts} experts (top-{spec.top_k})" if spec.moe else "")
-    print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters{moe}, {spec.n_layer} layers x "
+    print(f"{spec.name}: {parameter_count(spec.params)} parameters{moe}, {spec.n_layer} layers x "
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
           f"{world} x {cluster.gpu} ({cluster.name}, {_limit_words(cluster, world, limit)}), "
           f"global batch {batch}, {precision}")
