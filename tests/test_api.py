@@ -91,3 +91,39 @@ def test_docs_api_covers_every_name():
     text = (SRC.parent / "docs" / "api.md").read_text()
     missing = [n for n in shardwise.__all__ if f"`{n}" not in text and f".{n}`" not in text]
     assert not missing, f"names exported but not in docs/api.md: {missing}"
+
+
+def test_docs_api_names_resolve_and_signatures_match():
+    """The converse: every name a table of ``docs/api.md`` gives as ``shardwise.NAME`` is
+    exported, and where a row shows ``NAME(arg, ...)`` each argument is a parameter of that
+    name (a keyword a reader copies works) and each parameter is shown or named in the row
+    (``(also `names`: for the engine)``, ``moe_*``)."""
+    import inspect
+    import re
+
+    text = (SRC.parent / "docs" / "api.md").read_text()
+    rows = re.findall(r"^\| `([A-Za-z_]\w*)`(?:, `([A-Za-z_]\w*)`)* \| (.*)$", text, re.M)
+    names = {n for line in re.findall(r"^\| (`[A-Za-z_][^|]*)\|", text, re.M)
+             for n in re.findall(r"`([A-Za-z_]\w*)`", line)}
+    assert not sorted(names - set(shardwise.__all__)), "docs/api.md names not exported"
+    bad = []
+    for name, _, rest in rows:
+        call = re.match(rf"`{name}\((.*?)\)(?: ->[^`]*)?`", rest)
+        obj = getattr(shardwise, name)
+        if not call or not callable(obj):
+            continue
+        args = call.group(1)
+        inner = re.fullmatch(r"(\w+)\((.*)\)", args)
+        if inner:  # GPT(GPTConfig(...)): the config's fields
+            name, args = inner.groups()
+            obj = getattr(shardwise, name)
+        shown = [a.split("=")[0].split(":")[0].strip() for a in
+                 re.split(r",(?![^()\[\]{}]*[)\]}])", args)
+                 if a.strip() not in ("", "*", "...")]
+        params = [p for p in inspect.signature(obj).parameters]
+        unshown = [p for p in params if p not in shown and not re.search(
+            rf"`{p}[`=]", rest) and not any(p.startswith(w[:-1]) for w in
+                                             re.findall(r"`(\w+\*)`", rest))]
+        bad += [f"{name}: {a} not a parameter" for a in shown if a not in params]
+        bad += [f"{name}: {p} not shown" for p in unshown]
+    assert not bad, bad

@@ -1292,3 +1292,33 @@ def test_export_of_a_checkpoint_directory_honours_step(tmp_path):
     assert find_checkpoint(ckpt) == ckpt and find_checkpoint(ckpt, 100) == ckpt
     with pytest.raises(ExportError, match="checkpoint of step 100, not --step 50"):
         find_checkpoint(ckpt, 50)
+    # a run directory: a --step it lacks is named with the steps it has
+    with pytest.raises(ExportError, match=r"no checkpoint of --step 50 .*; its steps: 100$"):
+        find_checkpoint(tmp_path, 50)
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        find_checkpoint(tmp_path / "empty_run")
+
+
+def test_export_help_names_every_arch_it_writes(capsys):
+    """``shardwise export --help`` lists every architecture export can write (all of
+    ``ARCHS`` but the read-only multimodal Gemma 3)."""
+    from shardwise.cli.export import main
+    from shardwise.models.hf import ARCHS, GEMMA3_VLM
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    missing = [a.architecture for a in ARCHS if a is not GEMMA3_VLM
+               and a.architecture not in text.replace("/ ", "/").replace(" /", "/")]
+    assert not missing, missing
+
+
+def test_init_from_help_names_every_arch_it_reads():
+    """model.init_from's description (docs/config.md, train --help) names every
+    architecture of ``models.hf.ARCHS``, which is what it reads."""
+    from shardwise.base.config import config_fields
+    from shardwise.models.hf import ARCHS
+
+    text = next(f.description for f in config_fields() if f.key == "model.init_from")
+    assert not [a.architecture for a in ARCHS if a.architecture not in text]

@@ -659,3 +659,12 @@ def test_emitted_llama_toml_trains(corpus, tmp_path):
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "shardwise: llama " in t.stdout and "done: 2 steps" in t.stdout
+
+
+def test_plan_says_a_small_model_in_millions_or_thousands():
+    """The header's parameter count: 8.03B, 124.4M, 29.12K (configs/tiny.toml's was
+    2.912e-05B)."""
+    from shardwise.cli.plan import parameter_count
+
+    assert [parameter_count(n) for n in (8_030_261_248, 124_439_808, 29_120, 512)] == [
+        "8.03B", "124.4M", "29.12K", "512"]

@@ -253,6 +253,27 @@ def test_trainer_reads_losses_at_its_interval_and_names_the_non_finite_step(tmp_
         trainer.settle()
 
 
+def test_one_rank_reports_the_gradients_it_will_keep_before_its_first_step(tmp_path):
+    """At dp = 1 (no buckets) the gradients appear at the first backward and are kept: the
+    memory line printed before it counts them (it said 0.00 MiB), as predict_rank does."""
+    from shardwise.apps.lm.trainer import Trainer
+    from shardwise.engine.memory import predict_rank
+
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefghij " * 300)
+    cfg = Config.load(overrides={"data.path": str(text), "model.n_layer": 1, "model.n_embd": 16,
+                                 "model.n_head": 2, "model.block_size": 16, "parallel.dp": 1,
+                                 "training.global_batch_size": 4, "training.progress": False,
+                                 "training.out_dir": str(tmp_path / "run")})
+    trainer = Trainer(cfg, Topology.build(1, 1, 1))
+    before = trainer.engine.memory_bytes()
+    trainer.train_step(sync=False)
+    after = trainer.engine.memory_bytes()
+    assert before == after and before["grads"] == before["params"] > 0
+    assert before["grads"] == predict_rank(trainer.description, dp=1, pp=1, tp=1, pp_rank=0,
+                                           tp_rank=0, zero=0, precision="fp32")["grads"]
+
+
 def test_gpu_ranks_keep_few_host_threads(monkeypatch):
     from shardwise import launch
 

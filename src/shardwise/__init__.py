@@ -88,6 +88,7 @@ _EXPORTS: dict[str, str] = {
     "plan": "shardwise.planner.search:plan",
     "simulate": "shardwise.planner.simulate:simulate",
     "get_cluster": "shardwise.planner.hardware:get_cluster",
+    "per_op": "shardwise.planner.hardware:per_op",
     "load_model": "shardwise.planner.specs:load_model",
     "ModelSpec": "shardwise.planner.specs:ModelSpec",
     "Cluster": "shardwise.planner.hardware:Cluster",

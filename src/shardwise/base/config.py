@@ -202,8 +202,9 @@ class ModelConfig(_Section):
                            "MixtralForCausalLM, "
                            "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
                            "Qwen3MoeForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
-                           "Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM or "
-                           "DeepseekV2ForCausalLM: "
+                           "Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                           "Gemma3ForConditionalGeneration (its language model), "
+                           "DeepseekV3ForCausalLM or DeepseekV2ForCausalLM: "
                            "config.json and safetensors files); the model's kind and sizes "
                            "come from its config.json, and "
                            "a [model] field set to another value is refused; empty: from "
@@ -847,7 +848,9 @@ def config_fields() -> list[FieldDoc]:
             bounds = ", ".join(f"{op} {getattr(m, attr)}" for m in info.metadata
                                for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
                                if getattr(m, attr, None) is not None)
-            out.append(FieldDoc(section, name, _type_name(info.annotation), info.default,
+            # a default_factory's value (dense_layers' []), not pydantic's Undefined marker
+            default = info.get_default(call_default_factory=True)
+            out.append(FieldDoc(section, name, _type_name(info.annotation), default,
                                 info.description or "", bounds))
     return out
 

@@ -20,6 +20,8 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, late_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
                  **kwargs):
+        if kwargs.get("description"):  # a module docstring's reST literals, plain in --help
+            kwargs["description"] = kwargs["description"].replace("``", "")
         super().__init__(*args, **kwargs)
         self._late_arguments = late_arguments
 

@@ -43,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "GPT2LMHeadModel / MixtralForCausalLM / Qwen2ForCausalLM / "
                     "Qwen3ForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / "
                     "Phi3ForCausalLM / GemmaForCausalLM / Gemma2ForCausalLM / "
-                    "Gemma3ForCausalLM: the arch of the run's source checkpoint "
+                    "Gemma3ForCausalLM / DeepseekV3ForCausalLM / DeepseekV2ForCausalLM: "
+                    "the arch of the run's source checkpoint "
                     "(model.init_from) when it holds the model exactly (a Mistral in is a "
                     "Mistral out, a Phi-3 a Phi-3; a Gemma3ForConditionalGeneration's "
                     "language model a text-only Gemma3ForCausalLM, without the vision "
@@ -54,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "Phi-3, with one sliding window on every layer a Mistral, with "
                     "norm_zero_centered, scale_embedding and mlp_activation = gelu_tanh a "
                     "Gemma (with sandwich_norm a Gemma 2, and with qk_norm a Gemma 3), with "
-                    "none of these a Llama")
+                    "latent attention (kv_lora_rank) and experts a DeepSeek-V3 (sigmoid "
+                    "gating) or V2 (softmax), with none of these a Llama")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")

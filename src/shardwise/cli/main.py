@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="shardwise", description="Distributed training on PyTorch.")
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    t = sub.add_parser("train", help="train a GPT on text across local ranks (or under torchrun)",
+    t = sub.add_parser("train", help="train a decoder (GPT, Llama, your own) on text, or the "
+                       "CNN, across local ranks (or under torchrun)",
                        description="Train across local ranks (or as one rank under torchrun). "
                        "Any config field can be overridden: --section.field VALUE (a TOML "
                        "literal: 4, 1e-3, true, \"[32, 64]\"); every field is listed below.",

@@ -71,8 +71,9 @@ def build_parser():
                          "model.kind); same as --model PATH")
     ap.add_argument("--cluster", default="local",
                     help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100 or local (default)")
-    ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks)")
-    ap.add_argument("--global-batch", default="16", help="sequences per optimizer step")
+    ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks; default 4)")
+    ap.add_argument("--global-batch", default="16", help="sequences per optimizer step "
+                    "(default 16)")
     ap.add_argument("--seq", default=None, help="sequence length (default: the model's)")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the cluster's: bf16 on GPUs, fp32 local)")
@@ -80,7 +81,7 @@ def build_parser():
                     help="memory per GPU a layout may fill, GiB (default: the preset's less 2 "
                          "GiB left free for the CUDA context, NCCL's buffers and "
                          "fragmentation; local: the RAM shared by the ranks)")
-    ap.add_argument("--top", default="10", help="layouts to print")
+    ap.add_argument("--top", default="10", help="layouts to print (default 10)")
     ap.add_argument("--pruned", default="0", metavar="N", help="also print N pruned layouts "
                     "with the reason")
     ap.add_argument("--tp-across-nodes", action="store_true", help="let tp span nodes")
@@ -286,6 +287,14 @@ def _as_json(spec, cluster, world, batch, precision, rows, limit, groups, n_simu
             **extra}
 
 
+def parameter_count(n: float) -> str:
+    """A parameter count as a reader says it: ``8.03B``, ``124.4M``, ``29.1K``."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.4g}{unit}"
+    return f"{n:.0f}"
+
+
 def _limit_words(cluster, world, limit) -> str:
     """How much memory each layout may fill, and why: the preset's less its reserve."""
     if cluster.reserved and limit == cluster.memory_per_rank(world):
@@ -304,7 +313,7 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
             or any(getattr(c.layout, k) > 1 for c in rows)]
     short = {"compute": "comp", "bubble": "bub", "optimizer": "opt"}
     moe = (f", {spec.n_experts} experts (top-{spec.top_k})" if spec.moe else "")
-    print(f"{spec.name}: {spec.params / 1e9:.4g}B parameters{moe}, {spec.n_layer} layers x "
+    print(f"{spec.name}: {parameter_count(spec.params)} parameters{moe}, {spec.n_layer} layers x "
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
           f"{world} x {cluster.gpu} ({cluster.name}, {_limit_words(cluster, world, limit)}), "
           f"global batch {batch}, {precision}")

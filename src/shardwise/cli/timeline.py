@@ -15,7 +15,8 @@ from shardwise.parallel.pipeline.timeline import load, predicted, render
 def main(argv: Sequence[str] | None = None) -> int:
     """``shardwise timeline``: draw RUN_DIR's recorded timeline, or a schedule's prediction.
     Returns 0, or 2 with a one-line error on stderr."""
-    ap = Parser(prog="shardwise timeline", description=main.__doc__)
+    ap = Parser(prog="shardwise timeline", description="Draw RUN_DIR's recorded pipeline "
+                "timeline (a run with parallel.pp > 1), or a schedule's prediction (--predict).")
     ap.add_argument("run_dir", nargs="?", help="run directory holding timeline/rank*.json")
     ap.add_argument("--out", help="PNG path (default RUN_DIR/timeline.png)")
     ap.add_argument("--predict", metavar="KIND", help="draw schedule KIND's ideal timeline instead")

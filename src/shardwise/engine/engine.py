@@ -146,8 +146,9 @@ class Engine:
     model whose description does not read positions through ``models.sequence``.
     """
 
-    def __init__(self, model, topology, s: EngineSettings,
+    def __init__(self, model, topology, settings: EngineSettings,
                  device: torch.device | None = None):
+        s = settings
         self.topology, self.s = topology, s
         self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -407,9 +408,11 @@ class Engine:
 
     def memory_bytes(self) -> dict:
         """Bytes this rank holds for ``params`` (compute-dtype parameters and shards),
-        ``grads`` (buckets, gradient shards) and ``optimizer`` (fp32 masters that are not the
-        parameters themselves, AdamW's two fp32 moments: measured once they exist, 8 bytes
-        per master element before the first step), each storage counted once."""
+        ``grads`` (buckets, gradient shards; without buckets, at dp = 1, the gradients kept
+        between steps: measured once they exist, their parameters' bytes before the first
+        backward) and ``optimizer`` (fp32 masters that are not the parameters themselves,
+        AdamW's two fp32 moments: measured once they exist, 8 bytes per master element
+        before the first step), each storage counted once."""
         seen: set = set()
         params = [q for _, q in self.named_parameters()]
         out = {"params": sum(storage_bytes_once(seen, q) for q in params)}
@@ -417,6 +420,10 @@ class Engine:
         # ZeRO-1's shards are views into its buckets: a storage is counted once, whole
         grads = [q.grad for q in params] + list(self.sync.grad_shards())
         out["grads"] = sum(storage_bytes_once(seen, g) for g in grads)
+        for part in getattr(self.sync, "parts", (self.sync,)):  # no buckets: none yet
+            if isinstance(part, ReplicatedSync) and part.sync is None:
+                out["grads"] += sum(q.numel() * q.element_size() for q in part.params
+                                    if q.grad is None and q.requires_grad)
         opt = sum(storage_bytes_once(seen, m) for m in self.sync.pieces)
         state = self.optimizer.optimizer.state
         for m in self.sync.pieces:

@@ -1235,9 +1235,10 @@ def megatron_send_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int
             + cluster.link(lay.tp).all_gather(lay.tp, msg))
 
 
-def simulate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str | None = None,
+def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str | None = None,
              with_events: bool = False) -> dict:
     """Predicted seconds of one optimizer step and its split (see the module docstring)."""
+    lay = layout
     precision = precision or cluster.precision
     kind = lay.schedule if lay.pp > 1 else "1f1b"
     shared = bool(cluster.cores)

@@ -69,14 +69,19 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         if step is not None and named is not None and named != step:
             raise ExportError(f"{run} is the checkpoint of step {named}, not --step {step}")
         return run
+    steps = []  # every complete checkpoint's step, to name them when --step matches none
     for root in (run / "checkpoints", run):
         done = checkpoint.complete_checkpoints(root)
+        steps += [checkpoint.step_of(d) for d in done]
         if step is not None:
             done = [d for d in done if checkpoint.step_of(d) == step]
         if done:
             return done[-1]
-    which = f"at step {step}" if step is not None else "complete"
-    raise ExportError(f"{run}: no {which} checkpoint in it or in {run / 'checkpoints'} (a run "
+    if step is not None and steps:
+        raise ExportError(f"{run}: no checkpoint of --step {step} in it or in "
+                          f"{run / 'checkpoints'}; its steps: "
+                          f"{', '.join(str(s) for s in sorted(set(steps)))}")
+    raise ExportError(f"{run}: no complete checkpoint in it or in {run / 'checkpoints'} (a run "
                       "writes one at its end, or every checkpoint.every steps)")
 
 
