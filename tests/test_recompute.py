@@ -153,6 +153,10 @@ def test_selective_on_cuda_is_refused_at_the_door_before_any_rank(monkeypatch, c
 
 # --------------------------------------------------------------- layouts with collectives
 STEPS, RTOL = 3, 1e-5
+# parameters against one process: Adam's first steps divide a gradient by its own size, so a
+# small bias's reduction-order rounding comes through whole (tp2-sp's q_proj.bias: 1.27e-5 on
+# an AMD EPYC, within 1e-5 on the machine this was written on); a wrong gradient is far out
+PARAM_RTOL = 3e-5
 MOE = {"kind": "llama", "n_experts": 4, "top_k": 2, "moe_ffn_hidden": 32, "multiple_of": 16,
        "tie_weights": False}
 # name -> (world size, model (None: tiny_config's GPT), parallel, compared with one process)
@@ -200,8 +204,8 @@ def layouts(corpus, tmp_path_factory):
 def test_selective_trains_as_without_it_and_as_one_process(layouts):
     """Bit for bit the run without recomputation in the same layout (losses, gradient norms,
     the mixture's auxiliary loss and expert load, counted once though its forward runs
-    twice), and within 1e-5 of one process (fp32), every parameter of every rank (gathered
-    over tp, ep and ZeRO-3)."""
+    twice), and within 1e-5 of one process (fp32) in loss, 3e-5 in every parameter of every
+    rank (gathered over tp, ep and ZeRO-3; ``PARAM_RTOL``)."""
     for name, (_, ranks, ref) in layouts.items():
         for plain, sel in ranks:
             assert sel["losses"] == plain["losses"], name
@@ -214,7 +218,8 @@ def test_selective_trains_as_without_it_and_as_one_process(layouts):
             for got, want in zip(sel["losses"], ref["losses"]):
                 assert abs(got - want) <= RTOL * abs(want), (name, sel["losses"], ref["losses"])
             for n, p in sel["params"].items():  # a pipeline stage holds its layers
-                assert rel_err(p, ref["params"][n]) <= RTOL, (name, n, rel_err(p, ref["params"][n]))
+                assert rel_err(p, ref["params"][n]) <= PARAM_RTOL, (name, n,
+                                                                    rel_err(p, ref["params"][n]))
 
 
 def _ring_shift_bytes(cfg: dict) -> int:
