@@ -11,6 +11,10 @@ from shardwise.cli.main import main
     (["--parallel.dpp", "2"], "parallel.dpp: unknown key"),
     (["--parallel.dp", "two"], "parallel.dp: Input should be a valid integer"),
     (["--parallel.dp", "0"], "parallel.dp: Input should be greater than or equal to 1"),
+    # inf / nan are TOML literals too: an infinite rate or timeout failed inside the ranks
+    (["--optimizer.lr", "inf"], "optimizer.lr: Input should be a finite number (got inf)"),
+    (["--parallel.timeout_s", "inf"], "parallel.timeout_s: Input should be a finite number"),
+    (["--optimizer.grad_clip", "nan"], "optimizer.grad_clip: Input should be a finite number"),
     (["--training.global_batch_size", "30", "--parallel.dp", "4"],
      "training.global_batch_size=30 must be divisible by parallel.dp x parallel.micro_batches"),
     (["--model.n_head", "3"], "model.n_embd=128 must be divisible by model.n_head=3"),
