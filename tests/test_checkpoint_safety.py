@@ -144,6 +144,10 @@ def test_another_models_shapes_and_a_foreign_meta_are_one_line(saved, tmp_path, 
                            capsys, "model.n_layer=5: the checkpoint's model has model.n_layer=2")
     assert_one_line_exit_2(["generate", str(latest), "--prompt", "T", "--model.block_size",
                             "999"], capsys, "model.block_size=999: the checkpoint's model has")
+    a_file = tmp_path / "a_file"  # an --out that cannot be created: a traceback before
+    a_file.write_text("x")
+    assert_one_line_exit_2(["export", str(latest), "--format", "hf", "--out",
+                            str(a_file / "hf")], capsys, "a_file/hf: cannot create it")
     meta = json.loads((latest / "meta.json").read_text())
     (latest / "meta.json").write_text(json.dumps({**meta, "tokenizer": {"kind": "weird"}}))
     write_manifest(latest)  # each rank rebuilt the tokenizer from it: a traceback per rank
