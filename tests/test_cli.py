@@ -105,6 +105,19 @@ def test_bad_input_that_used_to_escape_the_early_checks(corpus, tmp_path, capsys
     assert not (tmp_path / "r1" / "metrics.jsonl").exists()
 
 
+def test_a_refused_resume_leaves_no_directory_or_lock_behind(corpus, tmp_path, capsys):
+    """--resume with nothing to resume used to leave training.out_dir, checkpoint.dir and
+    the lock file created; a new directory is gone again, an existing one as it was."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (tmp_path / "new" / "run", empty):
+        assert_one_line_exit_2(["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+                                "--training.out_dir", str(out), "--resume"], capsys,
+                               "--resume: no complete checkpoint")
+    assert not (tmp_path / "new").exists()
+    assert list(empty.iterdir()) == []
+
+
 def test_bad_numbers_in_generate_and_prepare_are_one_line(tmp_path, capsys):
     """The shared argparse types (``cli.common.whole_number``, ``positive_number``): one
     line naming the argument, exit 2, before anything is read."""
