@@ -13,7 +13,7 @@ import torch
 from conftest import REPO
 from ddp_workers import tiny_config
 from fault_workers import train_saving, trainer_for
-from helpers import assert_proc_one_line_exit_2, run_shardwise
+from helpers import assert_one_line_exit_2, assert_proc_one_line_exit_2, run_shardwise
 from shardwise import checkpoint
 from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError, NonFiniteLossError
@@ -95,6 +95,72 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(saved):
     write_manifest(latest)
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="not a data file"):
         trainer_for(cfg).resume(latest)
+
+
+def _plant_in_data_files(path, marker, sizes: dict | None = None) -> None:
+    """Replace every data file of ``path`` by a pickle that would run ``touch marker`` (cut
+    or repeated to ``sizes[name]`` bytes when given) and re-sign the manifest: only the
+    loader stands between the file and os.system."""
+    payload = pickle.dumps(_Evil(marker))
+    for f in path.glob("*.distcp"):
+        n = sizes[f.name] if sizes else len(payload)
+        f.write_bytes((payload * (n // len(payload) + 1))[:n])
+    write_manifest(path)
+
+
+def test_pickle_in_a_data_file_is_refused_in_one_line_and_runs_nothing(saved, tmp_path,
+                                                                         capsys):
+    """A data file (``*.distcp``) replaced by a pickle, checksums re-signed: DCP's read was
+    a traceback in generate, export and every rank. Now: a file shorter than the tensors
+    .metadata places in it is refused at the door (and stepped over on resume); one of the
+    same size is refused by the weights-only load, in one line; nothing runs."""
+    cfg, root, _ = saved
+    marker = tmp_path / "pwned"
+    latest, previous = root / "step_000004", root / "step_000002"
+    sizes = {f.name: f.stat().st_size for f in latest.glob("*.distcp")}
+    _plant_in_data_files(latest, marker)
+    for argv in (["generate", str(latest), "--prompt", "T", "--tokens", "2"],
+                 ["export", str(latest), "--format", "hf", "--out", str(tmp_path / "hf")]):
+        assert_one_line_exit_2(argv, capsys, "__0_0.distcp: holds", "places a tensor at bytes")
+    assert checkpoint.find_resumable(root)[0] == previous  # damaged: the previous one
+    _plant_in_data_files(latest, marker, sizes)
+    for argv in (["generate", str(latest), "--prompt", "T", "--tokens", "2"],
+                 ["export", str(latest), "--format", "hf", "--out", str(tmp_path / "hf")]):
+        err = assert_one_line_exit_2(argv, capsys, "step_000004: ")
+        # the weights-only unpickler refuses it (UnpicklingError), or stops on its bytes
+        assert ("a data file holds something other than tensors (refused by "
+                "torch.load(weights_only=True)" in err or "do not load into this model" in err)
+    with pytest.raises(CheckpointError, match="step_000004: "):
+        trainer_for(cfg).resume(latest)  # what a rank raises: one line (a RunError)
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_another_models_shapes_and_a_foreign_meta_are_one_line(saved, tmp_path, capsys):
+    """Generating with a [model] size other than the checkpoint's (DCP's size mismatch was a
+    traceback), and a meta.json that is JSON but no object (an AttributeError on resume)."""
+    cfg, root, _ = saved
+    latest = root / "step_000004"
+    assert_one_line_exit_2(["generate", str(latest), "--prompt", "T", "--model.n_layer", "5"],
+                           capsys, "model.n_layer=5: the checkpoint's model has model.n_layer=2")
+    assert_one_line_exit_2(["generate", str(latest), "--prompt", "T", "--model.block_size",
+                            "999"], capsys, "model.block_size=999: the checkpoint's model has")
+    a_file = tmp_path / "a_file"  # an --out that cannot be created: a traceback before
+    a_file.write_text("x")
+    assert_one_line_exit_2(["export", str(latest), "--format", "hf", "--out",
+                            str(a_file / "hf")], capsys, "a_file/hf: cannot create it")
+    meta = json.loads((latest / "meta.json").read_text())
+    (latest / "meta.json").write_text(json.dumps({**meta, "tokenizer": {"kind": "weird"}}))
+    write_manifest(latest)  # each rank rebuilt the tokenizer from it: a traceback per rank
+    assert_one_line_exit_2(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data",
+                            cfg["data"]["path"], "--training.out_dir", cfg["training"]["out_dir"],
+                            "--parallel.dp", "1", "--training.steps", "5", "--resume"], capsys,
+                           "step_000004/meta.json: its tokenizer does not read")
+    (latest / "meta.json").write_text("[1, 2]")
+    write_manifest(latest)
+    assert_one_line_exit_2(["export", str(latest), "--format", "hf", "--out",
+                            str(tmp_path / "hf")], capsys,
+                           "meta.json: not a readable checkpoint description (a JSON list")
+    assert checkpoint.find_resumable(root)[0] == root / "step_000002"
 
 
 @pytest.mark.parametrize("damage", ["overwrite", "truncate"])

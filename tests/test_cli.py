@@ -11,6 +11,10 @@ from shardwise.cli.main import main
     (["--parallel.dpp", "2"], "parallel.dpp: unknown key"),
     (["--parallel.dp", "two"], "parallel.dp: Input should be a valid integer"),
     (["--parallel.dp", "0"], "parallel.dp: Input should be greater than or equal to 1"),
+    # inf / nan are TOML literals too: an infinite rate or timeout failed inside the ranks
+    (["--optimizer.lr", "inf"], "optimizer.lr: Input should be a finite number (got inf)"),
+    (["--parallel.timeout_s", "inf"], "parallel.timeout_s: Input should be a finite number"),
+    (["--optimizer.grad_clip", "nan"], "optimizer.grad_clip: Input should be a finite number"),
     (["--training.global_batch_size", "30", "--parallel.dp", "4"],
      "training.global_batch_size=30 must be divisible by parallel.dp x parallel.micro_batches"),
     (["--model.n_head", "3"], "model.n_embd=128 must be divisible by model.n_head=3"),
@@ -99,6 +103,19 @@ def test_bad_input_that_used_to_escape_the_early_checks(corpus, tmp_path, capsys
     for argv, expected in cases:
         assert_one_line_exit_2(argv, capsys, expected, main=_exit_code)
     assert not (tmp_path / "r1" / "metrics.jsonl").exists()
+
+
+def test_a_refused_resume_leaves_no_directory_or_lock_behind(corpus, tmp_path, capsys):
+    """--resume with nothing to resume used to leave training.out_dir, checkpoint.dir and
+    the lock file created; a new directory is gone again, an existing one as it was."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for out in (tmp_path / "new" / "run", empty):
+        assert_one_line_exit_2(["train", "--config", "configs/tiny.toml", "--data", str(corpus),
+                                "--training.out_dir", str(out), "--resume"], capsys,
+                               "--resume: no complete checkpoint")
+    assert not (tmp_path / "new").exists()
+    assert list(empty.iterdir()) == []
 
 
 def test_bad_numbers_in_generate_and_prepare_are_one_line(tmp_path, capsys):

@@ -1238,6 +1238,44 @@ def test_bad_inputs_are_one_line_exit_2(hf_dirs, text, tmp_path, capsys):
                             "--parallel.cp", "2", "--parallel.dp", "1"], capsys,
                            "model.attn_logit_softcapping=2.0 with parallel.cp=2")
 
+def test_a_checkpoint_its_index_or_config_json_contradicts_is_one_line(text, tmp_path,
+                                                                        capsys):
+    """An index naming a file that lacks the tensor, and config.json sizes that are zero,
+    text or fractional (a SafetensorError or a ZeroDivisionError traceback before): one
+    line naming the file and what was expected, exit 2, no rank started."""
+    from safetensors.torch import load_file, save_file
+
+    src = save("llama", tmp_path / "src")
+    capsys.readouterr()  # save_pretrained's progress bar
+    train = ["train", "--config", str(REPO / "configs" / "finetune_hf.toml"), "--data",
+             str(text), "--training.out_dir", str(tmp_path / "run"), "--parallel.dp", "1"]
+
+    def variant(name: str, **changes) -> Path:
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+        return d
+
+    lost = variant("lost")
+    file = json.loads((lost / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.norm.weight"]
+    tensors = load_file(lost / file)
+    del tensors["model.norm.weight"]
+    save_file(tensors, lost / file, metadata={"format": "pt"})
+    assert_one_line_exit_2([*train, "--model.init_from", f"hf:{lost}"], capsys,
+                           f"{file}: holds no tensor 'model.norm.weight', which "
+                           "model.safetensors.index.json places there")
+    for name, value in (("zero", 0), ("text", "4"), ("half", 2.5)):
+        bad = variant(name, num_attention_heads=value)
+        for argv in ([*train, "--model.init_from", f"hf:{bad}"],
+                     ["plan", "--model", f"hf:{bad}", "--cluster", "dgx-h100", "--gpus", "8",
+                      "--global-batch", "8"]):
+            assert_one_line_exit_2(argv, capsys, f"config.json: num_attention_heads={value!r}: "
+                                   "expected a whole number >= 1")
+    assert not (tmp_path / "run").exists()
+
+
 def test_wandb_without_the_package_is_one_line(capsys, text):
     import importlib.util
 

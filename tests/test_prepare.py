@@ -277,6 +277,21 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
                    "--out", out], "bad.json: not a tokenizer.json"))
     cases.append((["prepare", str(tmp_path / "y.csv"), "--tokenizer", "char", "--out", out],
                   "y.csv: unknown format .csv"))
+    # a line that is not JSON (datasets' parse error was a traceback), one that is no
+    # object; an --out that cannot be created (a file on its way)
+    bad_line = tmp_path / "bad_line.jsonl"
+    bad_line.write_text('{"text": "a"}\nnot json\n', encoding="utf-8")
+    a_list = tmp_path / "a_list.jsonl"
+    a_list.write_text('{"text": "a"}\n[1, 2]\n', encoding="utf-8")
+    cases.append((["prepare", str(bad_line), "--tokenizer", "char", "--out", out],
+                  "bad_line.jsonl: line 2 is not JSON (Expecting value); expected one JSON "
+                  "object per line"))
+    cases.append((["prepare", str(bad_line), "--tokenizer", "bpe", "--out", out],
+                  "bad_line.jsonl: line 2 is not JSON"))
+    cases.append((["prepare", str(a_list), "--tokenizer", "char", "--out", out],
+                  "a_list.jsonl: line 2 is a JSON list; expected one JSON object per line"))
+    cases.append((["prepare", str(txt), "--tokenizer", "char", "--out",
+                   str(tmp_path / "y.csv" / "out")], "y.csv/out: cannot create it"))
     for argv, expected in cases:
         err = assert_one_line_exit_2(argv, capsys)
         assert err.startswith("shardwise prepare: error: ") and expected in err, (argv, err)
@@ -309,14 +324,25 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, capsys):
     # a damaged manifest: a missing field, a shard file name that leaves the directory
     manifest = good / "manifest.json"
     saved = json.loads(manifest.read_text())
+    raw[10] ^= 1
+    shard.write_bytes(bytes(raw))  # the shard whole again: only the manifest is damaged below
+    # metadata the tokenizer contradicts (a traceback or a model of the wrong size before):
+    # no token counts, an end-of-text id beyond the vocabulary, another vocabulary size
     for damage, expected in ((lambda m: m.pop("dtype"), "dtype None"),
                              (lambda m: m["shards"]["val"][0].update(file="../a.txt"),
-                              "a val shard entry")):
+                              "a val shard entry"),
+                             (lambda m: m.pop("tokens"), "tokens must give the train and val"),
+                             (lambda m: m["tokenizer"].update(eos_id=m["vocab_size"]),
+                              "tokenizer.eos_id"),
+                             (lambda m: m.update(vocab_size=m["vocab_size"] + 5),
+                              "but its tokenizer (tokenizer.chars) has")):
         m = json.loads(json.dumps(saved))
         damage(m)
         manifest.write_text(json.dumps(m))
         err = assert_one_line_exit_2(base + ["--data", str(good)], capsys)
-        assert "manifest.json is damaged" in err and expected in err, err
+        assert expected in err, err
+        assert "manifest.json is damaged" in err or "manifest.json says vocab_size" in err, err
+    assert not (tmp_path / "run").exists()  # no rank started
 
 
 def _readme_commands() -> list[str]:

@@ -32,7 +32,10 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # allow_inf_nan=False: a TOML literal inf or nan (``--optimizer.lr inf``) is no size,
+    # rate or timeout; refused at the door instead of failing inside the ranks
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(_Section):

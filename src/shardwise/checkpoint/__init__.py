@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from shardwise import comm
 from shardwise.base.errors import CheckpointError
@@ -240,9 +241,44 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     """A checkpoint's ``meta.json``; raises ``CheckpointError`` naming the file if unreadable."""
     path = Path(path)
     try:
-        return json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads((path / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / META}: not a readable checkpoint description ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path / META}: not a readable checkpoint description (a JSON "
+                              f"{type(meta).__name__}, expected an object)")
+    return meta
+
+
+def _load_error(path: Path, e: Exception) -> CheckpointError:
+    """One line for what ``dcp.load`` raised on tensors whose files pass their checksums:
+    another model's checkpoint (a missing key, another size) or a data file that is no
+    tensor archive. DCP's ``CheckpointException`` carries each rank's exception; the first
+    is named."""
+    import pickle
+
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (exception, traceback) or a wrapper
+        first = first[0] if isinstance(first, tuple) and first else first
+        e = getattr(first, "exc", first)
+    if isinstance(e, pickle.UnpicklingError):  # torch.load(weights_only=True) refused it
+        return CheckpointError(f"{path}: a data file holds something other than tensors "
+                               "(refused by torch.load(weights_only=True); nothing in it ran)")
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    detail = lines[0][:300] if lines else "no detail"
+    return CheckpointError(f"{path}: its tensors do not load into this model "
+                           f"({type(e).__name__}: {detail})")
+
+
+@contextlib.contextmanager
+def _quiet_weights_only():
+    """torch's weights-only unpickler warns about a foreign pickle protocol before refusing
+    it; the refusal is reported in one line instead."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol",
+                                category=UserWarning)
+        yield
 
 
 def tensor_names(path: str | Path) -> set[str]:
@@ -270,7 +306,13 @@ def load(path: str | Path, tensors: dict[str, Any], verified: bool = False,
     # refuse here, in one line, what SafeReader would refuse inside DCP's collective wrapper
     SafeReader(path, files).read_metadata()
     with _single_process_ok():
-        dcp.load(tensors, storage_reader=SafeReader(path, files), process_group=group)
+        try:
+            with _quiet_weights_only():
+                dcp.load(tensors, storage_reader=SafeReader(path, files), process_group=group)
+        except CheckpointError:
+            raise
+        except (Exception, DCPException) as e:  # another model's checkpoint, a data file
+            raise _load_error(path, e) from None  # no tensor archive (DCP's: a BaseException)
     return meta
 
 
@@ -309,7 +351,13 @@ def read_tensors(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
     out = {k: torch.empty(v.size, dtype=v.properties.dtype)
            for k, v in md.state_dict_metadata.items() if k.startswith(prefix)}
     with _single_process_ok():
-        dcp.load(out, storage_reader=SafeReader(path, files), no_dist=True)
+        try:
+            with _quiet_weights_only():
+                dcp.load(out, storage_reader=SafeReader(path, files), no_dist=True)
+        except CheckpointError:
+            raise
+        except (Exception, DCPException) as e:  # a data file that is no tensor archive
+            raise _load_error(path, e) from None
     return out
 
 

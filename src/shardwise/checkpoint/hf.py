@@ -111,7 +111,14 @@ class SafetensorsDir:
     def _slice(self, name: str):
         if name not in self._file_of:
             raise HFCheckpointError(f"{self.path}: no tensor {name!r} in the checkpoint")
-        return self._open(self._file_of[name]).get_slice(name)
+        file = self._file_of[name]
+        try:
+            return self._open(file).get_slice(name)
+        except HFCheckpointError:
+            raise
+        except Exception:  # safetensors' SafetensorError: the index and the file disagree
+            raise HFCheckpointError(f"{self.path / file}: holds no tensor {name!r}, which "
+                                    f"{self.listing.name} places there") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())

@@ -85,6 +85,13 @@ def safe_read_metadata(data: bytes, source: str) -> Metadata:
     return md
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # a missing file: every tensor placed in it lies beyond its end
+
+
 class SafeReader(FileSystemReader):
     """``FileSystemReader`` that never unpickles anything but DCP's metadata classes.
 
@@ -101,12 +108,19 @@ class SafeReader(FileSystemReader):
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         md = safe_read_metadata((self._dir / name).read_bytes(), str(self._dir / name))
+        sizes: dict[str, int] = {}
         for info in (md.storage_data or {}).values():
             rel = str(getattr(info, "relative_path", ""))
             ok = rel and "/" not in rel and "\\" not in rel and rel not in (".", "..")
             if not ok or (self._files is not None and rel not in self._files):
                 raise UnsafeCheckpointError(f"{self._dir / name}: refers to {rel!r}, which is not "
                                             "a data file of this checkpoint")
+            sizes[rel] = sizes.get(rel) or _size(self._dir / rel)
+            end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+            if end > sizes[rel]:  # checked at the door: a foreign or damaged data file
+                raise CheckpointError(f"{self._dir / rel}: holds {sizes[rel]:,} bytes, but "
+                                      f"{name} places a tensor at bytes up to {end:,} (a data "
+                                      "file replaced or cut)")
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id

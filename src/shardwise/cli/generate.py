@@ -82,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_rank_and_exit(body, "shardwise generate")
     if cfg.world_size == 1:
-        ids = generate_rank(*work)
+        try:
+            ids = generate_rank(*work)
+        except ValueError as e:  # CheckpointError: tensors that do not load into this model
+            print(f"shardwise generate: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     else:
         try:
             ids = launch.spawn(generate_rank, cfg.world_size, work,

@@ -299,7 +299,10 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     state = _open_out(root, identity)
     created = state is None and not root.exists()
     fresh = state is None
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, a file on the way, no permission
+        raise DataError(f"--out {root}: cannot create it ({e.strerror or e})") from None
     try:
         if fresh:
             spec, tokenizer = _tokenizer_spec(opts, sources, root)

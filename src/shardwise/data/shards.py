@@ -224,23 +224,50 @@ def _check_shape(manifest: dict, path: Path) -> None:
             if not (isinstance(r, dict) and plain(r.get("file"))
                     and isinstance(r.get("tokens"), int) and isinstance(r.get("sha256"), str)):
                 raise bad(f"a {split} shard entry {r!r} (file: a plain name, tokens, sha256)")
+    def whole(v, least: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+    vocab = manifest.get("vocab_size")
+    if not whole(vocab, 1):
+        raise bad(f"vocab_size {vocab!r}, expected a whole number >= 1")
+    if vocab > 2**(8 * np.dtype(manifest["dtype"]).itemsize):
+        raise bad(f"vocab_size {vocab:,} does not fit dtype {manifest['dtype']}")
+    counts = manifest.get("tokens")
+    if not (isinstance(counts, dict) and all(whole(counts.get(s), 0) for s in SPLITS)):
+        raise bad(f"tokens must give the {' and '.join(SPLITS)} token counts")
+    for split in SPLITS:
+        listed = sum(r["tokens"] for r in shards[split])
+        if counts[split] != listed:
+            raise bad(f"tokens.{split} is {counts[split]:,} but its shards hold {listed:,}")
     tok = manifest.get("tokenizer")
     if not (isinstance(tok, dict) and tok.get("kind") in ("char", "hf")):
         raise bad("tokenizer must be {kind: char | hf, ...}")
     if tok["kind"] == "hf" and not (plain(tok.get("file")) and isinstance(tok.get("sha256"), str)):
         raise bad("the hf tokenizer needs a plain file name and its sha256")
+    if tok["kind"] == "char" and not (isinstance(tok.get("chars"), str) and tok["chars"]):
+        raise bad("the char tokenizer needs its chars")
+    eos = tok.get("eos_id")
+    if eos is not None and not (whole(eos, 0) and eos < vocab):
+        raise bad(f"tokenizer.eos_id {eos!r}, expected null or an id below vocab_size {vocab:,}")
 
 
 def load_tokenizer(root: str | Path, manifest: dict) -> CharTokenizer | HFTokenizer:
     """The tokenizer a manifest names (``DataError`` if its file is missing or unreadable)."""
     spec = manifest["tokenizer"]
-    if spec["kind"] == "char":
-        return CharTokenizer(spec["chars"])
-    path = Path(root) / spec["file"]
+    path = Path(root) / (spec["file"] if spec["kind"] == "hf" else MANIFEST)
     try:
-        return HFTokenizer.from_str(path.read_text(encoding="utf-8"), spec.get("eos_id"))
+        if spec["kind"] == "char":
+            tok = CharTokenizer(spec["chars"])
+        else:
+            tok = HFTokenizer.from_str(path.read_text(encoding="utf-8"), spec.get("eos_id"))
     except (OSError, ValueError) as e:
         raise DataError(f"data.path: {path}: {e}") from None
+    if tok.vocab_size != manifest["vocab_size"]:  # the model is sized by the manifest's
+        raise DataError(f"data.path: {Path(root) / MANIFEST} says vocab_size "
+                        f"{manifest['vocab_size']:,}, but its tokenizer "
+                        f"({path.name if spec['kind'] == 'hf' else 'tokenizer.chars'}) has "
+                        f"{tok.vocab_size:,} ids; prepare it again")
+    return tok
 
 
 def verify(root: str | Path, manifest: dict | None = None, checksums: bool = True) -> dict:
@@ -267,6 +294,8 @@ def verify(root: str | Path, manifest: dict | None = None, checksums: bool = Tru
             raise DataError(f"data.path: {path}: checksum mismatch ({MANIFEST} says sha256 "
                             f"{digest[:12]}..., the file hashes to {got[:12]}...); prepare "
                             "it again")
+    if checksums:  # at the door: the tokenizer reads, and its vocabulary is the manifest's
+        load_tokenizer(root, manifest)
     return manifest
 
 

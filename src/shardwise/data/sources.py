@@ -103,7 +103,8 @@ def records(source: Source, field: str) -> Iterator[str]:
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # CRITICAL: datasets logs a JSON parse error before raising it; we say it in one line
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     kwargs = {"text": {"keep_linebreaks": True, "chunksize": READ_CHUNK},
               "json": {"chunksize": READ_CHUNK}, "parquet": {"columns": [field]}}[source.format]
     column = "text" if source.format == "text" else field
@@ -132,6 +133,33 @@ def _values(ds, source: Source, field: str, column: str) -> Iterator[str]:
                 yield v
     except UnicodeDecodeError as e:
         raise DataError(f"{source.path}: not UTF-8 ({e.reason})") from None
+    except DataError:
+        raise
+    except Exception as e:  # datasets' / pyarrow's parse errors: a line that is not JSON
+        if source.format != "json":
+            raise
+        raise DataError(f"{source.path}: {_bad_json(source, e)}") from None
+
+
+def _bad_json(source: Source, err: Exception) -> str:
+    """What is wrong with a JSON-lines file ``datasets`` could not parse: its first line
+    that is not a JSON object, else the parser's own first line. Read only on the error
+    path."""
+    import json
+
+    with open(source.path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                return f"line {line_no} is not JSON ({e.msg}); expected one JSON object per line"
+            if not isinstance(obj, dict):
+                return (f"line {line_no} is a JSON {type(obj).__name__}; expected one JSON "
+                        "object per line")
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return f"not readable as JSON lines ({reason})"
 
 
 def _where(source: Source, n: int) -> str:

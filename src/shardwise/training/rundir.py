@@ -18,6 +18,8 @@ checkpoint to resume from:
 
 from __future__ import annotations
 
+import contextlib
+
 import fcntl
 import os
 import tempfile
@@ -150,6 +152,32 @@ def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = Fals
     its ranks already holds it). Raises ``RunDirError`` or ``CheckpointError`` (one line).
     """
     out_dir, ck = Path(cfg.training.out_dir), cfg.checkpoint_dir
+    created = _missing_dirs(out_dir) + _missing_dirs(ck)  # removed again if refused
+    new_lock = not (out_dir / LOCK).exists()
+    try:
+        return _prepare(cfg, out_dir, ck, mode, is_rank0, restart, lock)
+    except BaseException:  # bad input leaves no directory or lock file of ours behind
+        if new_lock and is_rank0 and lock:
+            with contextlib.suppress(OSError):
+                (out_dir / LOCK).unlink(missing_ok=True)
+        for d in sorted(set(created), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                (d / LOCK).unlink(missing_ok=True)
+                d.rmdir()  # only when empty: nothing but what this call made
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    out, p = [], Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def _prepare(cfg, out_dir: Path, ck: Path, mode: str, is_rank0: bool, restart: bool,
+             lock: bool) -> RunPlan:
     plan = RunPlan()
     check_writable(out_dir, "training.out_dir")
     check_writable(ck, "checkpoint.dir" if cfg.checkpoint.dir else "training.out_dir")

@@ -125,7 +125,17 @@ def check_data(cfg: Config) -> None:
 def check_resumable(path: str | Path, cfg: Config) -> None:
     """At the door, before resuming ``path``: on a prepared directory, the checkpoint's
     tokenizer must be the directory's (``DataError``)."""
-    check_tokenizer(cfg, checkpoint.read_meta(path).get("tokenizer"))
+    saved = checkpoint.read_meta(path).get("tokenizer")
+    if saved is not None:  # each rank rebuilds it from there: refused here, in one line
+        from shardwise.data import DataError
+
+        try:
+            tokenizer_from_state(saved)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise DataError(f"{Path(path) / 'meta.json'}: its tokenizer does not read "
+                            f"({type(e).__name__}: {e}); --fresh starts over (the old "
+                            "checkpoints are kept)") from None
+    check_tokenizer(cfg, saved)
 
 
 def resolve(cfg: Config) -> Config:

@@ -132,10 +132,25 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
         complete = describe(d.hf.complete(d.config)).build()
     hf_tensors = to_hf_tensors(d, tensors, complete)
     config_json = d.hf.config_json(d.config, source)
-    out.mkdir(parents=True, exist_ok=True)
-    files = write_safetensors(out, hf_tensors, max_shard_bytes)
-    _write_json(out / CONFIG, config_json)
-    files = [CONFIG] + files + _write_tokenizer(out, tok_state, d.block_size)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only, a file on the way, no permission
+        raise ExportError(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    try:
+        files = write_safetensors(out, hf_tensors, max_shard_bytes)
+        _write_json(out / CONFIG, config_json)
+        files = [CONFIG] + files + _write_tokenizer(out, tok_state, d.block_size)
+    except BaseException as e:  # no half-written model: --out was empty, so is it again
+        for f in out.iterdir():
+            if f.is_file():
+                f.unlink()
+        if created:
+            out.rmdir()
+        if isinstance(e, OSError):
+            raise ExportError(f"--out {out}: cannot write the model ({e.strerror or e}); "
+                              "nothing of it is left there") from None
+        raise
     return Exported(path, int(meta.get("step", 0)), d.hf.architecture, files,
                     sum(t.numel() for t in hf_tensors.values()))
 

@@ -51,6 +51,15 @@ def generation_config(meta: dict, overrides: dict) -> Config:
             if not isinstance(node, dict):
                 raise ConfigError(f"--{dotted}: {h!r} is not a section")
         node[last] = value
+    from shardwise.training.rundir import _MODEL_FIELDS
+
+    saved = meta["config"].get("model", {}) if isinstance(meta["config"], dict) else {}
+    for name in _MODEL_FIELDS:  # the checkpoint's tensors have the checkpoint's shapes
+        given = overrides.get(f"model.{name}")
+        if f"model.{name}" in overrides and name in saved and given != saved[name]:
+            raise ConfigError(f"model.{name}={given!r}: the checkpoint's model has "
+                              f"model.{name}={saved[name]!r}; generation runs the "
+                              "checkpoint's model")
     p = data["parallel"]
     data["training"]["global_batch_size"] = int(p.get("dp", 1)) * int(p.get("micro_batches", 1))
     return Config.from_dict(data)

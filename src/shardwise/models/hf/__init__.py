@@ -154,10 +154,26 @@ def section_of(config_json: dict) -> dict:
     ``HFConfigError`` for an architecture or option our models do not have, or a size
     missing."""
     arch = arch_of(config_json)
+    for sizes in (config_json, config_json.get("text_config")):
+        for key in _SIZES:
+            v = sizes.get(key) if isinstance(sizes, dict) else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise HFConfigError(f"config.json: {key}={v!r}: expected a whole number >= 1")
     try:
         return arch.section(config_json)
     except KeyError as e:
         raise HFConfigError(f"config.json: no {e.args[0]} ({arch.architecture} needs it)") from None
+    except HFConfigError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # a size of another kind
+        raise HFConfigError(f"config.json: {arch.architecture}'s sizes do not read "
+                            f"({type(e).__name__}: {e})") from None
+
+
+# the sizes of every architecture's config.json (a text_config's too): positive when given
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "n_embd", "n_layer",
+          "n_head", "n_positions")
 
 
 def hf_shapes(description, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
