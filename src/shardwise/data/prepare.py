@@ -42,9 +42,19 @@ from pathlib import Path
 import numpy as np
 
 from shardwise.data.corpus import DataError
-from shardwise.data.shards import (FORMAT, MANIFEST, SPLITS, TOKENIZER_FILE, UINT32_VOCAB,
-                                   VERSION, ShardWriter, fsync_dir, sha256_file, token_dtype,
-                                   write_json_atomic)
+from shardwise.data.shards import (
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_FILE,
+    UINT32_VOCAB,
+    VERSION,
+    ShardWriter,
+    fsync_dir,
+    sha256_file,
+    token_dtype,
+    write_json_atomic,
+)
 from shardwise.data.sources import Piece, Source, blocks, check_source, find_sources
 from shardwise.data.tokenizer import CharTokenizer, HFTokenizer
 

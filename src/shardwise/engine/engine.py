@@ -46,8 +46,8 @@ from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models import sequence
 from shardwise.models.description import ModelDescription, describe
-from shardwise.models.sequence import SequenceShard, document_ids
 from shardwise.models.sampling import generate
+from shardwise.models.sequence import SequenceShard, document_ids
 from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL as SELECTIVE_ON_CUDA
 from shardwise.parallel.activation_checkpoint import checkpoint_selectively
 from shardwise.parallel.context import ContextParallel, Ring

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from shardwise.base.config import ATTENTION_MASKS
 from shardwise.models import sequence
-from shardwise.models.sequence import window_band
 from shardwise.models.sampling import DecoderLM, generate, sample_next  # noqa: F401 (re-exported)
+from shardwise.models.sequence import window_band
 
 # the MLP's GELU: exact (erf), or the tanh approximation of GPT-2 (F.gelu's "tanh")
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}

@@ -19,7 +19,6 @@ checkpoint to resume from:
 from __future__ import annotations
 
 import contextlib
-
 import fcntl
 import os
 import tempfile
