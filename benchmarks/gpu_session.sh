@@ -25,7 +25,9 @@
 #              GEMMs than the 4 x 4 of the recorded run): bf16 and fp8 tensorwise (~4 min)
 #   gpt2       GPT-2 small, the compiled row only, batch 64 in 4 micro-batches, then
 #              sliding-window attention in query chunks against one masked call
-#              (benchmarks/windowed_attention.py on CUDA, new since the last session) (~5 min)
+#              (benchmarks/windowed_attention.py on CUDA, new since the last session), and
+#              what a masked call's pair costs against is_causal (attention_pair_price.py:
+#              the planner's FUSED_PAIR = 2) (~6 min)
 #   all-tests  tests/ whole in the several-ranks-on-one-GPU mode (longer than one call:
 #              only with a machine to spare)
 set -uo pipefail
@@ -67,7 +69,9 @@ case $step in
             --tag cuda_b64_m4_rerun --out "$out"
         timeout 240 python3 benchmarks/windowed_attention.py --device cuda \
             --lengths 4096,16384 --windows 1024,4096 --chunks 1024,4096 \
-            --out "$out/windowed_attention" 2>&1 | tail -20 ;;
+            --out "$out/windowed_attention" 2>&1 | tail -20
+        timeout 120 python3 benchmarks/attention_pair_price.py --device cuda --dtype bf16 \
+            --lengths 2048,4096,8192 --heads 16 --out "$out/attention_pair_price" | tail -8 ;;
     all-tests)
         SHARDWISE_TEST_DEVICE=cuda python3 -m pytest -q tests/ 2>&1 \
             | tee "$out/all_cuda_gloo_one_gpu.log" | tail -5 ;;

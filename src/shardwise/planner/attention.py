@@ -23,12 +23,13 @@ against s keys in a plain causal block, 2 s in a whole call with document masks,
 2 P / s for P pairs scored by chunks (about 2 (c + W - 1), where MFU counts the band,
 min(s, W)); written out, s and P / s.
 
-Measured (``benchmarks/attention_pair_price.py``): on the 2-core CPU the same causal
-triangle given as a mask took only 1.1-1.3 times the ``is_causal`` call, forward and
-backward (torch's CPU kernel gains little from ``is_causal``), so there masked calls are
-priced high; on CUDA, where FlashAttention-2 skips the blocks above the diagonal and a mask
-rules it out for the memory-efficient kernel, the ratio is to be measured (the script
-takes ``--device cuda``).
+Measured (``benchmarks/attention_pair_price.py``, ``attention_pair_price_results/``): on
+the 2-core CPU, fp32, the same causal triangle given as a mask took 1.42, 1.55 and 2.21
+times the ``is_causal`` call at T = 1024, 2048 and 4096, forward and backward: the fused
+kernel's skipping pays more as T grows, toward the 2 priced (shorter sequences are priced
+high). On CUDA, where FlashAttention-2 skips the blocks above the diagonal and a mask rules
+it out for the memory-efficient kernel, the ratio is to be measured (the script takes
+``--device cuda``).
 
 A written-out attention (``ModelSpec.written_scores``) keeps its calls' scores: P per head
 a block, s^2 for a whole call. The masks (``models.gpt._mask``): SDPA keeps an additive mask
