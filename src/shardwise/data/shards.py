@@ -224,6 +224,7 @@ def _check_shape(manifest: dict, path: Path) -> None:
             if not (isinstance(r, dict) and plain(r.get("file"))
                     and isinstance(r.get("tokens"), int) and isinstance(r.get("sha256"), str)):
                 raise bad(f"a {split} shard entry {r!r} (file: a plain name, tokens, sha256)")
+
     def whole(v, least: int) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= least
 

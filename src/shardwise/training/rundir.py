@@ -32,8 +32,10 @@ from shardwise.training.metrics import truncate_metrics
 
 LOCK = ".shardwise.lock"
 CHECKPOINT_FORMAT = 2  # engine.state.FORMAT (not imported: the launcher builds no engine)
-_MODEL_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights",
-                 "n_kv_heads", "ffn_hidden", "multiple_of", "k_bias", "activation")
+# the [model] fields that fix a checkpoint's tensors: resume and generate refuse another value
+MODEL_SHAPE_FIELDS = ("kind", "n_layer", "n_head", "n_embd", "block_size", "bias",
+                      "tie_weights", "n_kv_heads", "ffn_hidden", "multiple_of", "k_bias",
+                      "activation")
 _CNN_FIELDS = ("channels", "hidden", "kernel")  # model.kind = "cnn" (issue 16)
 
 
@@ -108,7 +110,7 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
                           f"format {meta.get('format', 1)}, this one reads "
                           f"{CHECKPOINT_FORMAT}); --fresh starts over (the old checkpoints "
                           "are kept)")
-    for name in _MODEL_FIELDS:
+    for name in MODEL_SHAPE_FIELDS:
         ours = getattr(cfg.model, name)
         if name in saved and saved[name] != ours:
             raise RunDirError(f"cannot resume {path}: model.{name}={saved[name]!r} there, "

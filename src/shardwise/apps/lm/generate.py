@@ -51,10 +51,10 @@ def generation_config(meta: dict, overrides: dict) -> Config:
             if not isinstance(node, dict):
                 raise ConfigError(f"--{dotted}: {h!r} is not a section")
         node[last] = value
-    from shardwise.training.rundir import _MODEL_FIELDS
+    from shardwise.training.rundir import MODEL_SHAPE_FIELDS
 
     saved = meta["config"].get("model", {}) if isinstance(meta["config"], dict) else {}
-    for name in _MODEL_FIELDS:  # the checkpoint's tensors have the checkpoint's shapes
+    for name in MODEL_SHAPE_FIELDS:  # the checkpoint's tensors have the checkpoint's shapes
         given = overrides.get(f"model.{name}")
         if f"model.{name}" in overrides and name in saved and given != saved[name]:
             raise ConfigError(f"model.{name}={given!r}: the checkpoint's model has "
