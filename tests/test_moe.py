@@ -53,6 +53,13 @@ from shardwise.launch import spawn
 STEPS, STOP = 4, 2
 RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-6  # each step's gradient norm (measured: at most 9.5e-8 off)
+# A parameter tensor's own bound where RTOL is too tight. tp2-sp-capacity: one entry of
+# head.proj.weight, [30, 14], ends 1.13e-5 off (the rest of the tensor within 1e-7; every
+# other tensor of every layout within 1.9e-6): its gradient is rounding noise at some step,
+# and Adam's update, lr x m / sqrt(v), turns noise of either sign into a step of about lr.
+# Measured with torch 2.13.0 on this machine and on CI's: 1.15e-5 of the tensor. The
+# gradient norms (GRAD_NORM_RTOL) still catch a gradient summed or scaled wrong.
+PARAM_RTOL = {("tp2-sp-capacity", "head.proj.weight"): 3e-5}
 _BASE = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16,
          "n_experts": 4, "top_k": 2, "moe_ffn_hidden": 32, "multiple_of": 16}
 MODELS = {
@@ -210,7 +217,7 @@ def _check_ranks(name: str, ranks: list[dict], ref: dict, first: int = 0) -> Non
         for n, t in r["params"].items():
             assert t.shape == ref["params"][n].shape, (name, r["coords"], n)
             err = rel_err(t, ref["params"][n])
-            assert err <= RTOL, (name, r["coords"], n, err)
+            assert err <= PARAM_RTOL.get((name, n), RTOL), (name, r["coords"], n, err)
         for n, b in r["biases"].items():  # integer loads, the same updates: bit for bit
             assert torch.equal(b, ref["biases"][n]), (name, r["coords"], n, b, ref["biases"][n])
         by_replica.setdefault(r["coords"]["dp"], set()).update(r["params"], r["biases"])
