@@ -28,6 +28,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import shardwise
 from meta_values import MetaValues
 
 # Copies are how a tensor deliberately changes device (``.cpu()`` for a host read,
@@ -74,7 +75,13 @@ HOST_REGIONS = {
     ("shardwise/parallel/pipeline/partition.py", "profile_layers"): "the same profiling",
 }
 
-_SRC = os.sep + "shardwise" + os.sep
+# the library's own files: under its package directory (not any path that merely names a
+# "shardwise" folder: a clone called shardwise holds .venv/.../torch too)
+_SRC = os.path.dirname(os.path.abspath(shardwise.__file__)) + os.sep
+
+
+def _ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_SRC)
 
 
 class PlacementError(AssertionError):
@@ -94,8 +101,8 @@ class Violation:
 
 def _where(frames) -> str:
     for f in reversed(frames):
-        if _SRC in f.filename and "/tests/" not in f.filename:
-            return f"{f.filename.split(_SRC, 1)[1]}:{f.lineno} in {f.name}"
+        if _ours(f.filename):
+            return f"{os.path.abspath(f.filename)[len(_SRC):]}:{f.lineno} in {f.name}"
     own = [f for f in frames if os.sep + "torch" + os.sep not in f.filename
            and not f.filename.endswith("placement.py")]
     f = own[-1] if own else frames[-1]
@@ -129,7 +136,7 @@ class PlacementCheck(TorchDispatchMode):
         if any(f.filename.endswith(suffix) and f.name == name for f in frames
                for suffix, name in HOST_REGIONS):
             return
-        ours = [f for f in frames if _SRC in f.filename and "/tests/" not in f.filename]
+        ours = [f for f in frames if _ours(f.filename)]
         for f in frames[-1:] + ours[-1:]:  # where torch made it, where our code asked
             for (suffix, name) in HOST_BY_DESIGN:
                 if (f.filename.endswith(suffix) and f.name == name) or (
