@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -72,6 +73,16 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Pids below ``pid``: its children, theirs, and so on."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -105,3 +116,12 @@ def raise_run_error() -> None:
     from shardwise.base.errors import NonFiniteLossError
 
     raise NonFiniteLossError(f"training loss is nan at step 3 (rank {dist.get_rank()})")
+
+
+def where_am_i(tag: str) -> dict:
+    """Rank function: this rank's parent and its view of ``$SHARDWISE_TEST_MARK``, after one
+    line printed to standard output and one to standard error (with a ``tag``)."""
+    if tag:
+        print(f"rank {dist.get_rank()} stdout {tag}", flush=True)
+        print(f"rank {dist.get_rank()} stderr {tag}", file=sys.stderr, flush=True)
+    return {"ppid": os.getppid(), "mark": os.environ.get("SHARDWISE_TEST_MARK", "")}

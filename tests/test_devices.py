@@ -56,3 +56,32 @@ def test_sharing_a_gpu_needs_gloo_and_a_gpu():
         pick_device("cuda", 4, 1)  # NCCL: one line, naming the way out
     with pytest.raises(DeviceError, match="training.device=cuda: no GPU"):
         pick_device("cuda", 4, 0, backend="gloo")
+
+
+_PROBE = """
+import sys, torch, torch.cuda
+calls = []
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device",
+             "set_device", "get_device_properties", "get_device_capability", "mem_get_info"):
+    def wrap(*a, _name=name, _orig=getattr(torch.cuda, name), **k):
+        calls.append(_name)
+        return _orig(*a, **k)
+    setattr(torch.cuda, name, wrap)
+for module in sys.argv[1:]:
+    __import__(module)
+print(",".join(calls))
+"""
+
+
+def test_the_fork_servers_imports_ask_cuda_nothing():
+    """The ranks fork from a server that imported ``launch.PRELOAD``; a server that had
+    initialised CUDA (even by counting devices, which starts the driver) would hand every
+    rank a CUDA it cannot use. torch's own import is not watched (the probe needs it)."""
+    import subprocess
+    import sys
+
+    from shardwise.launch import PRELOAD
+
+    out = subprocess.run([sys.executable, "-c", _PROBE, *PRELOAD], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.strip() == "", f"importing {PRELOAD} called torch.cuda: {out.strip()}"

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from conftest import REPO
-from fault_workers import alive, children_of, listening_sockets, raise_run_error, rank_sockets
+from fault_workers import (
+    alive,
+    children_of,
+    descendants_of,
+    listening_sockets,
+    raise_run_error,
+    rank_sockets,
+    where_am_i,
+)
 from shardwise import checkpoint, launch
 from shardwise.training.metrics import read_metrics
 
@@ -44,14 +52,18 @@ def _wait_for_step(proc, metrics: Path, step: int, timeout: float = 120.0) -> No
 
 
 def _ranks(launcher_pid: int) -> list[int]:
-    """The launcher's children that are ranks (multiprocessing spawn children)."""
+    """The launcher's ranks: its children started by multiprocessing's ``spawn``, or the
+    children of its fork server (``launch.START_METHOD``)."""
     out = []
     for pid in children_of(launcher_pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
-            pass
+            continue
+        if b"spawn_main" in cmdline:
+            out.append(pid)
+        elif b"multiprocessing.forkserver" in cmdline:
+            out += children_of(pid)
     return out
 
 
@@ -78,7 +90,8 @@ def test_killing_the_launcher_leaves_no_rank(corpus, tmp_path):
 def _stop_three(procs: dict, hows: tuple, tmp_path) -> None:
     for how in hows:
         _wait_for_step(procs[how], tmp_path / how / "metrics.jsonl", 2)
-    children = {how: children_of(p.pid) for how, p in procs.items()}
+    # every process a launcher started: its ranks, their fork server, the resource tracker
+    children = {how: descendants_of(p.pid) for how, p in procs.items()}
     for how in hows:
         assert len(_ranks(procs[how].pid)) == 2, how
     os.kill(procs["SIGTERM"].pid, signal.SIGTERM)
@@ -111,6 +124,29 @@ def test_run_errors_come_back_as_one_line_and_are_not_retried():
         launch.spawn(raise_run_error, 2, threads=1)
     assert err.value.fatal
     assert "\n" not in str(err.value) and "training loss is nan at step 3" in str(err.value)
+
+
+@pytest.mark.skipif(launch.START_METHOD != "forkserver", reason="no fork server here")
+def test_ranks_fork_from_one_server_with_the_launchers_environment_and_output(capfd,
+                                                                             monkeypatch):
+    """Ranks fork from a fork server (torch imported once), which two ``spawn`` calls share;
+    each rank sees the launcher's environment (a changed one starts a new server, so a rank
+    sees what a spawned process would) and writes to the launcher's standard output and
+    error of the moment, not the server's."""
+    monkeypatch.setenv("SHARDWISE_TEST_MARK", "one")
+    with capfd.disabled():  # a new server (the environment changed), on pytest's own stdout
+        first = launch.spawn(where_am_i, 2, ("",), threads=1)  # (prints nothing)
+    second = launch.spawn(where_am_i, 2, ("two",), threads=1)
+    server = {r["ppid"] for r in first + second}
+    assert len(server) == 1 and os.getpid() not in server
+    assert [r["mark"] for r in first + second] == ["one"] * 4
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"rank {rank} stdout two" in out and f"rank {rank} stderr two" in err
+    monkeypatch.setenv("SHARDWISE_TEST_MARK", "three")
+    third = launch.spawn(where_am_i, 2, ("three",), threads=1)
+    assert [r["mark"] for r in third] == ["three"] * 2
+    assert {r["ppid"] for r in third}.isdisjoint(server)
 
 
 def test_local_runs_listen_on_loopback_only():

@@ -2,8 +2,15 @@
 
 Two ways in, one code path after ``init_distributed``:
 
-- Embedded (no launcher): ``spawn(fn, world_size, args)`` starts ``world_size`` processes
-  with the ``spawn`` start method, each running ``fn(*args)`` after the process group is up.
+- Embedded (no launcher): ``spawn(fn, world_size, args)`` starts ``world_size`` processes,
+  each running ``fn(*args)`` after the process group is up. They fork from a fork server
+  (multiprocessing's ``forkserver`` start method) that imported torch once (``PRELOAD``):
+  a fresh interpreter per rank imports torch per rank (8 ranks up and joined on 2 cores:
+  16.3 s; forked: 3.8 s the first time, the server starting, 1.4 s after;
+  ``benchmarks/rank_start.py``), while the fork server is itself a fresh interpreter, so
+  no rank inherits the launcher's threads, CUDA context or state. The server runs with the
+  launcher's environment (a ``spawn`` after the environment changed starts a new one), and
+  each rank writes to the launcher's standard output and error as they are at the call.
 - torchrun: RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT
   are read from the environment (``rank_env_from_environ``) and nothing is spawned::
 
@@ -17,13 +24,15 @@ Local runs are safe by default:
   bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``,
   unless set): nothing listens on another interface. Each ``spawn`` gets a fresh store
   and port, so a restarted gang never meets a stale peer. Under torchrun, its store is used.
-- every rank asks the kernel to SIGKILL it when the launcher dies (``prctl(PR_SET_PDEATHSIG)``),
-  and ignores SIGINT (Ctrl-C reaches the whole terminal's process group): the launcher alone
-  decides, terminates the ranks, and prints one line. ``kill -9`` of the launcher leaves no
-  rank behind.
+- every rank asks the kernel to SIGKILL it when its parent dies (``prctl(PR_SET_PDEATHSIG)``;
+  the parent is the fork server, which exits when the launcher does), and ignores SIGINT
+  (Ctrl-C reaches the whole terminal's process group): the launcher alone decides,
+  terminates the ranks, and prints one line. ``kill -9`` of the launcher leaves no rank
+  (and no fork server) behind.
 
 Each rank gets ``max(1, cores // local_world_size)`` torch threads so ranks do not fight
-over cores (on CUDA at most ``GPU_HOST_THREADS``: the GPU computes, the threads serve host work). gloo can abort at interpreter exit after all work is done ("terminate called
+over cores (on CUDA at most ``GPU_HOST_THREADS``: the GPU computes, the threads serve host
+work). gloo can abort at interpreter exit after all work is done ("terminate called
 without an active exception"), so a worker ends with ``destroy_process_group()`` and then
 ``os._exit(code)``: a good run never turns red at exit.
 """
@@ -36,11 +45,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing import connection
+from multiprocessing import connection, reduction
 from typing import Any, Callable, Sequence
 
 import torch
@@ -51,6 +61,11 @@ from shardwise import comm
 from shardwise.base.errors import RunError
 
 DEFAULT_TIMEOUT_S = 300.0
+# what the fork server imports once for every rank it forks: torch, its process groups and
+# dynamo (the tensor-parallel layers import it): 2.9 s of the 3.1 s a training rank spends
+# importing here (shardwise itself: 0.2 s, imported by each rank).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 @dataclass(frozen=True)
@@ -150,15 +165,57 @@ def elastic_store(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S):
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies; exit now if it
-    already has (the launcher was killed while this process was starting). The kernel
-    watches the thread that started the process, so ``spawn`` belongs on a thread that
-    lives as long as the ranks (the main thread, in the CLI)."""
+    """Linux: have the kernel SIGKILL this process when its parent dies; exit now if the
+    launcher (``parent_pid``) is already gone (killed while this process was starting).
+
+    The parent is the launcher under the ``spawn`` start method (the kernel watches the
+    thread that started the process, so ``spawn`` belongs on a thread that lives as long as
+    the ranks: the main thread, in the CLI) and the fork server under ``forkserver``. The
+    fork server runs while any holder of its "alive" pipe lives; a forked rank inherits one
+    end and drops it here, so the server exits with the launcher, and the rank with it."""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
+    _leave_fork_server()
+    if os.getppid() == parent_pid:
+        return
+    launcher = mp.parent_process()  # its sentinel: a pipe the launcher holds open until it ends
+    if launcher is None or not launcher.is_alive():
         os._exit(1)
+
+
+def _leave_fork_server() -> None:
+    """Close the fork server's "alive" pipe that a forked process inherits (nothing when this
+    process was not forked by one). A rank never starts processes through that server."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+class _LauncherFd:
+    """One of the launcher's file descriptors, duplicated into a rank as it starts
+    (``multiprocessing.reduction.DupFd``: passed with the process under ``spawn``, over the
+    fork server's socket under ``forkserver``); ``None`` for a closed descriptor."""
+
+    def __init__(self, fd: int):
+        try:
+            os.fstat(fd)
+            self.fd: int | None = fd
+        except OSError:
+            self.fd = None
+
+    def __reduce__(self):
+        return _LauncherFd._rebuild, (None if self.fd is None else reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _rebuild(dup) -> int | None:
+        return None if dup is None else dup.detach()
 
 
 class DeviceError(ValueError):
@@ -257,10 +314,62 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def _take_launchers_stdio(stdout: int | None, stderr: int | None) -> None:
+    """Write to the launcher's standard output and error as they were when it called
+    ``spawn`` (a forked rank starts with the fork server's, from when the server started)."""
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+_server_environ: dict | None = None
+_server_lock = threading.Lock()
+_running = 0  # spawn calls whose ranks are running (a new server would kill them)
+# variables that describe the launcher, not its ranks: pytest rewrites this one at every
+# phase of every test, and a new server per test would cost each test the imports again
+LAUNCHER_ONLY_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _start_context():
+    """The multiprocessing context ``spawn`` starts ranks with: the fork server (``PRELOAD``
+    imported), restarted when this process's environment changed since it started, so a
+    rank always sees the launcher's current environment, as a spawned process does (also
+    what the C library reads once at exec: ``GLIBC_TUNABLES``, ``LD_PRELOAD``), but for
+    ``LAUNCHER_ONLY_ENV`` and while another thread's ``spawn`` has ranks running (they
+    would die with the server); counts the caller in ``_running`` until it calls
+    ``_done``. ``spawn`` where there is no fork server (Windows)."""
+    global _server_environ, _running
+    if START_METHOD != "forkserver":
+        return mp.get_context(START_METHOD)
+    from multiprocessing import forkserver
+    environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ONLY_ENV}
+    with _server_lock:
+        if _server_environ is not None and environ != _server_environ and not _running:
+            forkserver._forkserver._stop()  # no rank of it is running: it exits now
+            _server_environ = None
+        if _server_environ is None:
+            _server_environ = environ
+        _running += 1
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _done(ctx) -> None:
+    """The ranks of a ``spawn`` started with ``ctx`` have ended (see ``_start_context``)."""
+    global _running
+    if ctx.get_start_method() == "forkserver":
+        with _server_lock:
+            _running -= 1
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             conn, threads: int | None, timeout_s: float, parent_pid: int,
-            device: str = "cpu", backend: str = "auto") -> None:
+            device: str = "cpu", backend: str = "auto",
+            stdio: tuple = (None, None)) -> None:
     die_with_parent(parent_pid)
+    _take_launchers_stdio(*stdio)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     code = 0
     try:
@@ -302,7 +411,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
 def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None,
           device: str = "auto", backend: str = "auto") -> list:
-    """Run ``fn(*args)`` on ``world_size`` fresh local ranks; return each rank's result.
+    """Run ``fn(*args)`` on ``world_size`` new local ranks (forked from the fork server: see
+    the module's docstring); return each rank's result.
 
     ``fn`` must be importable (module-level). Results travel back through ``torch.save``
     and are loaded with ``weights_only=True``: return tensors, numbers, strings, lists and
@@ -314,7 +424,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     the GPUs). Raises ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
     """
     device, _ = pick_device(device, world_size, backend=backend)
-    ctx = mp.get_context("spawn")
+    stdio = (_LauncherFd(1), _LauncherFd(2))
     store = loopback_store(timeout_s)  # fresh port per call: a restart meets no stale peer
     port = store.port
     pipes, procs = [], []
@@ -323,12 +433,13 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     error: str | None = None
     fatal = False
     clean = False
+    ctx = _start_context()  # counts this call in _running until the finally below
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child,
                                                   threads, timeout_s, os.getpid(), device,
-                                                  backend),
+                                                  backend, stdio),
                             daemon=False)
             procs.append(p)
             p.start()
@@ -369,6 +480,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
                 p.kill()
                 p.join()
         del store
+        _done(ctx)
     if error is not None:
         raise WorkerError(error, fatal=fatal)
     return results
