@@ -345,8 +345,9 @@ def _start_context():
     from multiprocessing import forkserver
     environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ONLY_ENV}
     with _server_lock:
-        if _server_environ is not None and environ != _server_environ and not _running:
-            forkserver._forkserver._stop()  # no rank of it is running: it exits now
+        stop = getattr(forkserver._forkserver, "_stop", None)  # (CPython 3.4 to 3.14)
+        if _server_environ is not None and environ != _server_environ and not _running and stop:
+            stop()  # no rank of it is running: it exits now
             _server_environ = None
         if _server_environ is None:
             _server_environ = environ
