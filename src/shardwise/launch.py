@@ -199,9 +199,9 @@ def _leave_fork_server() -> None:
 
 
 class _LauncherFd:
-    """One of the launcher's file descriptors, duplicated into a rank as it starts
-    (``multiprocessing.reduction.DupFd``: passed with the process under ``spawn``, over the
-    fork server's socket under ``forkserver``); ``None`` for a closed descriptor."""
+    """One of the launcher's file descriptors, duplicated into a forked rank as it starts
+    (``multiprocessing.reduction.DupFd``: over the fork server's socket); ``None`` for a
+    closed descriptor."""
 
     def __init__(self, fd: int):
         try:
@@ -425,7 +425,9 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     the GPUs). Raises ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
     """
     device, _ = pick_device(device, world_size, backend=backend)
-    stdio = (_LauncherFd(1), _LauncherFd(2))
+    # a spawned rank inherits them; a forked one gets them passed (the server's are older)
+    stdio = ((_LauncherFd(1), _LauncherFd(2)) if START_METHOD == "forkserver"
+             else (None, None))
     store = loopback_store(timeout_s)  # fresh port per call: a restart meets no stale peer
     port = store.port
     pipes, procs = [], []
