@@ -77,10 +77,10 @@ def memory_worker(sizes: dict, dp: int, pp: int, tp: int, seed: int, kind: str =
     torch.set_num_threads(1)
     made = _topology(dp, pp, tp)  # process groups are not the model's memory
     # the first build imports torch's meta kernels and decompositions and the build's own
-    # modules, whatever the model's size: 10 MiB here, 31 MiB in a fresh clone (compiled from
-    # source: no bytecode is written under PYTHONDONTWRITEBYTECODE), where a build of the
-    # GPT alone left the Llama's share inside the rise (76.6 MiB of a 74.0 MiB bound); warm
-    # them with a tiny model of the same kind, built the same way, so the rise is the model's
+    # modules, whatever the model's size: 10 MiB in the development checkout, 31 MiB in a
+    # fresh clone, where a warm-up with the GPT alone left the Llama's share inside the rise
+    # (76.6 MiB of a 74.0 MiB bound); warm them with a tiny model of the same kind, built
+    # the same way, so the rise is the model's own
     warm = current_rss()
     tiny = {"vocab_size": 64, "n_layer": pp, "n_head": 2 * tp, "n_embd": 8 * tp, "block_size": 8}
     if kind == "llama":
