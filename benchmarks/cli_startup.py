@@ -33,7 +33,7 @@ OUT = REPO / "benchmarks" / "cli_results" / "cli_startup.txt"
 BUDGET_S = 15.0
 TRAIN = ["train", "--config", "configs/tiny.toml", "--training.precision", "bf16",
          "--parallel.dp", "1", "--training.steps", "3"]
-MARKS = {"first line": "shardwise: GPT", "loss curve": "loss curve:", "sample": "sample:"}
+MARKS = {"first line": "shardwise: gpt ", "loss curve": "loss curve:", "sample": "sample:"}
 
 
 def run(args: list[str], env: dict) -> dict:

@@ -211,3 +211,10 @@ def test_restarts_resume_to_the_uninterrupted_result(corpus, tmp_path):
         steps = [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")
                  if r["kind"] == "train"]
         assert steps == list(range(1, 301)), run  # no duplicate rows after the restart
+
+
+def test_the_fork_servers_quick_exit_is_only_the_servers():
+    """``shardwise.base.fork_server`` (preloaded by the fork server, which then skips torch's
+    teardown) changes nothing in any other process that imports it: the exit code stays."""
+    code = "import shardwise.base.fork_server; raise SystemExit(3)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 3

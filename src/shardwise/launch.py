@@ -6,7 +6,7 @@ Two ways in, one code path after ``init_distributed``:
   each running ``fn(*args)`` after the process group is up. They fork from a fork server
   (multiprocessing's ``forkserver`` start method) that imported torch once (``PRELOAD``):
   a fresh interpreter per rank imports torch per rank (8 ranks up and joined on 2 cores:
-  16.3 s; forked: 3.8 s the first time, the server starting, 1.4 s after;
+  13-16 s; forked: 3.8-4.3 s the first time, the server starting, 1.4-1.5 s after;
   ``benchmarks/rank_start.py``), while the fork server is itself a fresh interpreter, so
   no rank inherits the launcher's threads, CUDA context or state. The server runs with the
   launcher's environment (a ``spawn`` after the environment changed starts a new one), and
@@ -63,8 +63,9 @@ from shardwise.base.errors import RunError
 DEFAULT_TIMEOUT_S = 300.0
 # what the fork server imports once for every rank it forks: torch, its process groups and
 # dynamo (the tensor-parallel layers import it): 2.9 s of the 3.1 s a training rank spends
-# importing here (shardwise itself: 0.2 s, imported by each rank).
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+# importing here (shardwise itself: 0.2 s, imported by each rank); and base.fork_server,
+# which has the server skip torch's teardown when the launcher is gone
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "shardwise.base.fork_server")
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
@@ -186,8 +187,11 @@ def die_with_parent(parent_pid: int) -> None:
 
 def _leave_fork_server() -> None:
     """Close the fork server's "alive" pipe that a forked process inherits (nothing when this
-    process was not forked by one). A rank never starts processes through that server."""
+    process was not forked by one): a rank never starts processes through that server. Drop
+    the server's exit at interpreter shutdown too (``base.fork_server``), inherited with it."""
+    import atexit
     from multiprocessing import forkserver
+    atexit.unregister(os._exit)
     server = getattr(forkserver, "_forkserver", None)
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:

@@ -1,1 +1,2 @@
-"""Layer 0: errors, the run configuration and the rank topology; imports nothing of ours."""
+"""Layer 0: errors, the run configuration, the rank topology and the fork server's quick exit;
+imports nothing of ours."""
