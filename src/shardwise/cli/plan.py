@@ -58,6 +58,7 @@ from shardwise.planner.specs import SpecError, load_model, positive_number
 
 
 def build_parser():
+    """The parser of ``shardwise plan`` (the CNN's chooser, ``--model cnn``, has its own)."""
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
@@ -114,6 +115,9 @@ def build_parser():
 
 
 def plan_main(argv: list[str] | None = None) -> int:
+    """``shardwise plan``: rank the feasible layouts of a model on a cluster by predicted step time
+    and print them (or ``--json``, ``--emit-toml``). Returns the exit code (2, in one line, on a bad
+    model or option)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = _cnn_argv(argv)
     if rest is not None:  # the CNN's per-layer chooser takes every other option itself

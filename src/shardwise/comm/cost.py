@@ -97,6 +97,8 @@ class LinkParams:
 
     @property
     def a_swap(self) -> float:
+        """Seconds of latency of a pairwise-swap step: ``alpha_swap``, or ``alpha`` when
+        uncalibrated (-1)."""
         return self.alpha if self.alpha_swap < 0 else self.alpha_swap
 
     def a(self, k: int) -> float:
@@ -127,11 +129,13 @@ class Profile:
         return self.world_sizes[min(self.world_sizes, key=lambda k: (abs(k - n), -k))]
 
     def to_json(self) -> dict:
+        """The profile as JSON data: name, meta and the link parameters per world size."""
         return {"name": self.name, "meta": self.meta,
                 "world_sizes": {str(k): asdict(v) for k, v in sorted(self.world_sizes.items())}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
+        """The profile ``to_json`` wrote. Raises ValueError when it holds no world size."""
         ws = {int(k): LinkParams(**v) for k, v in data["world_sizes"].items()}
         if not ws:
             raise ValueError("profile has no world_sizes")
@@ -149,6 +153,7 @@ class Profile:
         return self.meta.get("device", "cpu")
 
     def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile as JSON to ``path`` (its folder created) and return the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")

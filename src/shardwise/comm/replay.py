@@ -85,6 +85,7 @@ class CollectiveLog:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the outputs' copies held now (released one by one as they are replayed)."""
         return sum(t.numel() * t.element_size() for e in self.entries for t in e.saved or ())
 
     @contextlib.contextmanager
@@ -103,6 +104,9 @@ class CollectiveLog:
     # -- the hook of api._launch --------------------------------------------------------
     def launch(self, collective: str, outputs: Sequence[torch.Tensor], run: Callable[[], None],
                async_op: bool):
+        """The hook of ``api._launch``: recording, run the collective (``run``) and keep a copy of
+        ``outputs``; replaying, write the next recorded copy into ``outputs`` instead. Returns a
+        handle when ``async_op``."""
         if self.mode == "replay":
             return self._replay(collective, outputs, async_op)
         entry = _Entry(collective, [tuple(t.shape) for t in outputs],

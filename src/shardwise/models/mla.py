@@ -83,6 +83,8 @@ class LatentAttention(nn.Module):
         self.softmax_factor = yarn() if yarn is not None else 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: DeepSeek's multi-head latent attention (queries and
+        keys/values through low-rank projections, a shared rotary key; arXiv:2405.04434)."""
         B, T, _ = x.shape
         if self.cfg.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

@@ -140,10 +140,13 @@ class Experts(nn.Module):
             p.active_fraction = top_k / n_experts
 
     def reset_parameters(self, std: float = 0.02) -> None:
+        """Draw every expert's weights from N(0, ``std``)."""
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each expert on its rows: ``x`` ``(M, C)`` sorted by expert, ``counts`` ``(E,)``
+        rows per expert -> ``(M, C)``."""
         h = F.silu(grouped_mm(x, self.gate_proj, counts)) * grouped_mm(x, self.up_proj, counts)
         return grouped_mm(h, self.down_proj, counts)                            # (M, C)
 
@@ -155,12 +158,15 @@ class AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        """Return ``x`` unchanged (a view), noting ``aux``'s shape for the backward."""
         ctx.scale = scale
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """``grad`` to ``x``; the constant ``scale`` to ``aux`` (as if ``scale * aux`` were in the
+        loss)."""
         shape, dtype, device = ctx.aux_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
@@ -324,6 +330,9 @@ class MoE(nn.Module):
         self._stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: route each token to its top-k experts (dropping those
+        over capacity), weight and sum their outputs, add the shared expert; in training, attach the
+        load-balancing loss and count each expert's load."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)                                          # (N, C)
         scores, weights, chosen = route(self.router(flat), self.top_k, self.gating,  # (N, E),

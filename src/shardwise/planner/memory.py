@@ -100,6 +100,7 @@ def unit_for(nbytes: float, decimal: bool = False) -> tuple[str, float]:
 
 
 def padded_vocab(V: int, tp: int) -> int:
+    """Vocabulary ``V`` rounded up to a multiple of ``tp`` (each rank holds an equal slice)."""
     return -(-V // tp) * tp
 
 

@@ -156,6 +156,8 @@ class HFArch:
     language_model: Callable[[dict], dict] | None = None
 
     def is_ignored(self, name: str) -> bool:
+        """True when tensor ``name`` of a checkpoint matches one of ``ignored``'s patterns
+        (fnmatch), so it is not read."""
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
 
     def of(self, config: Any) -> HFArch:
