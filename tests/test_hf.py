@@ -1285,12 +1285,13 @@ def test_wandb_without_the_package_is_one_line(capsys, text):
                            capsys, "the wandb package is not installed")
 
 
-def test_readme_start_from_a_hugging_face_checkpoint(text, tmp_path):
-    """The README's commands, as a user runs them (in a fresh directory holding the
-    configs and examples, with my.txt): fine-tune a Llama from a checkpoint, generate at
-    tp = 2, export, load with transformers."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Start from a Hugging Face checkpoint", 1)[1].split("\n## ", 1)[0]
+def test_docs_start_from_a_hugging_face_checkpoint(text, tmp_path):
+    """docs/models.md's "Start from a Hugging Face checkpoint" commands (the README's before
+    it became a front door), as a user runs them (in a fresh directory holding the configs
+    and examples, with my.txt): fine-tune a Llama from a checkpoint, generate at tp = 2,
+    export, load with transformers."""
+    page = (REPO / "docs" / "models.md").read_text()
+    section = page.split("## Start from a Hugging Face checkpoint", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
     assert [c.split()[0] for c in commands] == ["python", "shardwise", "shardwise", "shardwise",

@@ -115,6 +115,7 @@ def rank_env_from_environ(environ=os.environ) -> RankEnv | None:
 
 
 def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` off Linux)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -133,6 +134,8 @@ def threads_per_rank(local_world_size: int, device_type: str = "cpu") -> int:
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; another process may take it before use).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -180,9 +180,12 @@ class PendingSave:
             self._error = e
 
     def done(self) -> bool:
+        """True once the background write has ended (successfully or not); never blocks."""
         return not self._thread.is_alive()
 
     def wait(self) -> Path:
+        """Block until the background write ends; returns the checkpoint's path. Raises
+        CheckpointError when the write failed."""
         self._thread.join()
         if self._error is not None:
             raise CheckpointError(f"writing {self.path} in the background failed: "

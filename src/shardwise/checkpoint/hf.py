@@ -103,6 +103,7 @@ class SafetensorsDir:
         return handles[file]
 
     def names(self) -> list[str]:
+        """The names of every tensor in the checkpoint (over all its files)."""
         return list(self._file_of)
 
     def __contains__(self, name: str) -> bool:
@@ -121,6 +122,7 @@ class SafetensorsDir:
                                     f"{self.listing.name} places there") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` as stored, read from the header only."""
         return tuple(self._slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
@@ -131,6 +133,7 @@ class SafetensorsDir:
         return s[index]
 
     def close(self) -> None:
+        """Drop the open safetensors handles (their files unmap when collected)."""
         self._handles.clear()  # safe_open handles unmap when collected
 
 

@@ -39,6 +39,8 @@ def write_manifest(directory: Path) -> dict[str, Any]:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
+    """The checkpoint's manifest (``files``: name -> size and checksum). Raises IntegrityError when
+    it is missing or unreadable."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files = manifest["files"]

@@ -54,6 +54,9 @@ class MetadataUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        """Resolve only torch.distributed.checkpoint's metadata classes and torch's dtypes, layouts
+        and memory formats. Raises UnsafeCheckpointError for any other global (a crafted or foreign
+        file)."""
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
@@ -105,6 +108,8 @@ class SafeReader(FileSystemReader):
         self._files = None if files is None else frozenset(files)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, unpickled with the allow-list. Raises UnsafeCheckpointError when it names
+        a file outside this checkpoint or not in its manifest."""
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         md = safe_read_metadata((self._dir / name).read_bytes(), str(self._dir / name))
@@ -127,6 +132,8 @@ class SafeReader(FileSystemReader):
         return md
 
     def read_data(self, plan, planner):
+        """DCP's read, refusing non-tensor items (DCP would torch.load them with
+        weights_only=False): UnsafeCheckpointError."""
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:  # DCP loads these with weights_only=False
                 raise UnsafeCheckpointError(f"{self._dir}: {item.dest_index.fqn!r} is not a tensor; "

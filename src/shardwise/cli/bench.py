@@ -47,6 +47,8 @@ class BenchError(ValueError):
 
 
 def parse_size(text: str) -> int:
+    """Bytes of a ``--sizes`` entry (``4K``, ``1M``, ``64MiB``: binary units). Raises BenchError
+    unless it reads as a positive multiple of 4 bytes (whole float32 elements)."""
     units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
              "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
     t = text.strip().upper()
@@ -171,6 +173,8 @@ def format_sweep(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Draw measured bus bandwidth (and the cost model's prediction) against message size, one panel
+    per world size, to the image ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -203,6 +207,7 @@ def _human(m: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``shardwise bench comm``: the sweep, ``--table`` and ``--calibrate``."""
     p = Parser(prog="shardwise bench comm", description=__doc__.split("\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--table", action="store_true", help="print the seeds' comparison table "

@@ -1,41 +1,13 @@
 """Measure the cost model's constants on this machine (``shardwise bench comm --calibrate``).
 
-For each world size N, N ranks are spawned and time five transfer patterns, a local
-reduction and the backend's all-reduce, alternating them within each repeat and taking the
-slowest rank's median over the repeats that no other process disturbed (``quiet.py``),
-pooled over 3 spawns (where the scheduler places the ranks is decided per spawn):
-
-- relay: a reduction goes round the ring, 0 -> 1 -> ... -> N-1 -> 0, one hop at a time:
-  each rank receives m bytes, adds them into its vector and sends that on (the reduce step
-  of tree, naive and sequential: a lone message, the receiver waiting in a receive, the
-  sender's data just computed). Per hop, minus the add (``add alone`` below), it costs
-  a(1) + m b(1) -> alpha_1 and beta_link. (A bare ping-pong without the add measures up
-  to 30% slower per byte here than the same messages inside those algorithms.)
-- exchange: every rank sends m to its right neighbour while receiving m from its left (one
-  step of ring: N messages at once; steps back to back, each send posted once the previous
-  receive is in, as ring.all_reduce does): a(N) + m b(N) -> alpha and beta_host = slope / N
-  (the slope is max(beta_link, N beta_host): here the host term binds).
-- swap: ranks swap m bytes in pairs, r <-> r xor 2^j (j cycling as in halving-doubling),
-  steps back to back -> alpha_swap (latency sizes only).
-- add alone: rank 0 sends m bytes to rank 1, which adds them into its vector
-  (``acc.add_(received)``, the reduction of every algorithm here); only the add is timed,
-  the others wait -> gamma. (An add of a just-received buffer runs up to 2-3x faster here
-  than one of two cold 64 MiB buffers: part of it is still in the cache.)
-- add all: every rank receives m bytes from its left and adds them, all at once ->
-  gamma_host = slope / N.
-- the backend's own all-reduce -> native_alpha, native_beta.
-- the shared-memory all-reduce (``shm.py``; all ranks of one host) -> shm_alpha (the latency
-  sizes' median per round: 2 rounds each), shm_beta (least squares through the origin of
-  t - R(m) shm_alpha against m, R = ``shm.rounds``). Skipped where ``shm.available()`` is
-  False (the profile then keeps -1: the cost model's defaults).
-
-Latencies are the median time of a step of 16, 64 and 256 KiB (the transfer is a few
-percent of it; these small steps scatter by +-50% between runs here). Slopes are least
-squares through the origin of (t - latency) against m over m = 1 .. 64 MiB, in absolute
-seconds, so the large messages (the bandwidth regime the model is for) carry the fit: on
-the 2-vCPU development VM a 1-4 MiB step shows erratic 0.1-2 ms stalls (waking an idle vCPU,
-TCP window updates) that a per-byte constant should not absorb. The backend's all-reduce is
-fitted with an intercept, weighted by 1/t (relative error).
+For each world size N, N ranks are spawned and time five transfer patterns (relay ->
+alpha_1, beta_link; exchange -> alpha, beta_host; swap -> alpha_swap), a local reduction
+(add alone -> gamma; add all -> gamma_host), the backend's all-reduce (native_alpha,
+native_beta) and, where ``shm.available()``, the shared-memory all-reduce (shm_alpha,
+shm_beta), alternating them within each repeat and taking the slowest rank's median over
+the repeats no other process disturbed (``quiet.py``), pooled over 3 spawns. Latencies
+are medians of 16-256 KiB steps, slopes least squares through the origin over 1-64 MiB.
+Each pattern and fit, and why: docs/comm.md, "How calibration measures".
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ def formulas(algorithm: str, n: int) -> tuple[str, float, str, float, str, float
 
 
 def table_worker() -> list[dict]:
+    """On one rank: run each of ROWS's all-reduce algorithms once on X_NUMEL float32 and return the
+    accounting table of the calls it recorded."""
     from shardwise import comm
     from shardwise.comm import accounting
     comm.configure(check=False)
@@ -65,6 +67,9 @@ def table_worker() -> list[dict]:
 
 
 def measure(world_sizes: list[int]) -> list[dict]:
+    """Spawn each world size in ``world_sizes`` and return one row per (N, algorithm): the measured
+    steps, peak and total bytes (in X, the vector's bytes) beside their formulas and the seed
+    paper's row."""
     from shardwise.launch import spawn
     rows = []
     for n in world_sizes:
@@ -86,6 +91,8 @@ def measure(world_sizes: list[int]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
+    """The rows of ``measure`` as a plain-text table; a row whose counts differ from its formulas is
+    marked ``(!)``."""
     head = ("N", "algorithm", "steps", "= formula", "peak/X", "= formula", "total/X",
             "= formula", "seed: time", "peak", "total")
     body = []

@@ -31,14 +31,18 @@ class Parser(argparse.ArgumentParser):
             add(self)
 
     def parse_known_args(self, args=None, namespace=None):
+        """argparse's, after adding the late arguments (once)."""
         self._add_late_arguments()
         return super().parse_known_args(args, namespace)
 
     def format_help(self) -> str:
+        """argparse's, after adding the late arguments (once), so that ``--help`` lists them."""
         self._add_late_arguments()
         return super().format_help()
 
     def error(self, message: str):
+        """Print ``PROG: error: MESSAGE`` in one line (no usage block) and exit with EXIT_USAGE (2).
+        """
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 

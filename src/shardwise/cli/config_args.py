@@ -87,7 +87,37 @@ def reference() -> str:
             lines.append(f"| `{f.name}` | {cell(f.type)} | `{default}`{cell(bounds)} | "
                          f"{cell(f.description.replace('``', '`'))} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + REFUSED)
+
+
+# docs/config.md's last section (it was the README's): what stops a run at the door. The rules
+# themselves are checked in base/config.py and the applications' check_config; keep in step.
+REFUSED = [
+    "## Refused at the door", "",
+    "Unknown keys, wrong types and impossible combinations stop the run before any rank "
+    "starts, with one line naming the field and exit code 2; a misspelt key gets a suggestion "
+    "(`--optimizer.lrr 1e-3`: `optimizer.lrr: unknown key; did you mean optimizer.lr?`). "
+    "Among the combinations refused in one line:", "",
+    "- ZeRO-3 with more than one chunk per rank at pp = 1 with tied embeddings (one parameter "
+    "in two chunks). ZeRO-3 composes with every flush schedule otherwise, interleaved included "
+    "(each chunk a ZeRO-3 module of its own: `--parallel.pp 2 --parallel.schedule interleaved "
+    "--parallel.chunks_per_rank 2 --parallel.zero 3`);",
+    "- PipeDream with ZeRO, fp16, or clipping on (it needs `--optimizer.grad_clip 0`), and "
+    "PipeDream with the embedding tied to the head across stages;",
+    "- `training.compile` with tp > 1 and dropout;",
+    "- `training.global_batch_size` not divisible by dp × `parallel.micro_batches`;",
+    "- the interleaved schedule with m (`parallel.micro_batches`) not a multiple of pp;",
+    "- `training.precision = \"fp8\"` off CUDA of compute capability 8.9 or more, or with "
+    "tp > 1 ([fp8.md](fp8.md));",
+    "- `parallel.recompute = \"selective\"` with PipeDream, or on CUDA (until its GPU test "
+    "has run, [gpu.md](gpu.md#one-gpu-speed));",
+    "- `parallel.sequence_parallel` with `model.block_size / cp` not divisible by tp; "
+    "`parallel.cp` with `model.block_size` not divisible by 2 cp; `parallel.ep` that does not "
+    "divide dp, or with no experts.", "",
+    "A Hugging Face checkpoint's refusals (a `[model]` field other than its `config.json`'s, "
+    "another architecture, ...) are in "
+    "[models.md](models.md#start-from-a-hugging-face-checkpoint); examples of the one-line "
+    "errors in [reliability.md](reliability.md#bad-input-stops-before-any-rank-starts).", ""]
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ DEFAULT_CONFIG = "configs/shakespeare.toml"
 
 
 def cmd_train(args, extra: list[str]) -> int:
+    """``shardwise train``: load the config and its overrides, check it and the data before any rank
+    starts (one line, exit 2, on bad input), then train here (under torchrun) or spawn the local
+    ranks, restarting up to ``--max-restarts`` times. Returns the exit code."""
     import time
 
     from shardwise import launch
@@ -185,6 +188,7 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
 
 
 def cmd_bench(args, extra: list[str]) -> int:
+    """``shardwise bench WHAT``: only ``comm`` (``cli.bench``). Returns the exit code."""
     if args.what == "comm":
         from shardwise.cli.bench import main as comm_main
 
@@ -194,36 +198,42 @@ def cmd_bench(args, extra: list[str]) -> int:
 
 
 def cmd_memory(args, extra: list[str]) -> int:
+    """``shardwise memory``: ``cli.memory.main`` on the remaining arguments."""
     from shardwise.cli.memory import main as memory_main
 
     return memory_main(extra)
 
 
 def cmd_plan(args, extra: list[str]) -> int:
+    """``shardwise plan``: ``cli.plan.plan_main`` on the remaining arguments."""
     from shardwise.cli.plan import plan_main
 
     return plan_main(extra)
 
 
 def cmd_prepare(args, extra: list[str]) -> int:
+    """``shardwise prepare``: ``cli.prepare.main`` on the remaining arguments."""
     from shardwise.cli.prepare import main as prepare_main
 
     return prepare_main(extra)
 
 
 def cmd_export(args, extra: list[str]) -> int:
+    """``shardwise export``: ``cli.export.main`` on the remaining arguments."""
     from shardwise.cli.export import main as export_main
 
     return export_main(extra)
 
 
 def cmd_generate(args, extra: list[str]) -> int:
+    """``shardwise generate``: ``cli.generate.main`` on the remaining arguments."""
     from shardwise.cli.generate import main as generate_main
 
     return generate_main(extra)
 
 
 def cmd_timeline(args, extra: list[str]) -> int:
+    """``shardwise timeline``: ``cli.timeline.main`` on the remaining arguments."""
     from shardwise.cli.timeline import main as timeline_main
 
     return timeline_main(extra)

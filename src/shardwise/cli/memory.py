@@ -115,6 +115,9 @@ def _layout_table(args, stages: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``shardwise memory``: bytes per rank of parameters, gradients and optimizer states for each
+    ZeRO stage, from a config (counted, or measured with ``--measure``) or from the ZeRO paper's
+    formulas (``--params``, ``--model``). Returns the exit code (2 on bad input)."""
     ap = Parser(prog="shardwise memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="TOML config whose model is measured")
     ap.add_argument("--params", type=float, default=None, help="parameter count P (formulas only)")

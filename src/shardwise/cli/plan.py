@@ -2,48 +2,13 @@
 step time, with memory per GPU and the time split; the best one as a runnable TOML.
 
     shardwise plan --model configs/tiny.toml --cluster local --gpus 4 --global-batch 16
-    shardwise plan --model gpt3-175b --cluster dgx-a100-80gb --gpus 1024 --global-batch 1536
     shardwise plan --model gpt2-124m --cluster dgx-h100 --gpus 8 --global-batch 64 --pruned 10
-    shardwise plan --model configs/tiny.toml --gpus 4 --global-batch 8 --emit-toml best.toml
-    shardwise plan --config my_llama.toml --gpus 4 --global-batch 8   # any model.kind
     shardwise plan --model hf:path/to/checkpoint --seq 4096 --cluster dgx-h100 --gpus 16
-    shardwise plan --model tinyllama-1.1b --cluster dgx-h100 --gpus 8 --emit-toml tl.toml
-    shardwise plan --model megatron-1t --cluster dgx-a100-80gb --gpus 3072 --global-batch 3072
-    shardwise plan --model llama3-8b --cluster dgx-h100 --gpus 16 --global-batch 64 --json
-    shardwise plan --model llama3-8b --seq 131072 --cluster dgx-h100 --gpus 64 --global-batch 64
-    shardwise plan --model mixtral-8x7b --seq 4096 --cluster dgx-h100 --gpus 64 --global-batch 256
-    shardwise plan --model llama3-70b --cluster dgx-h100 --gpus 64 --global-batch 256 --fp8
 
-A TOML (``--model PATH`` or ``--config PATH``) is read as ``shardwise train`` reads it: the
-model of its ``model.kind`` (gpt, llama, a kind registered with ``shardwise.register_model``),
-planned from that model's own layers (``planner.specs``); its ``model.init_from`` is
-resolved from the checkpoint's config.json as train resolves it. ``--model hf:DIR`` plans a
-Hugging Face checkpoint from its config.json alone (no weights read). ``--emit-toml`` writes a config
-train runs: a named Llama as ``model.kind = "llama"`` with its sizes, a TOML's model table
-as it was.
-
-The search covers context parallelism (cp, where 2 cp divides the sequence) and, for a
-mixture of experts, expert parallelism (ep); ``--cp`` / ``--ep`` restrict their sizes.
-A model with dropout (``model.dropout`` > 0) gets no cp > 1, as ``shardwise train`` refuses
-it (ring attention has no attention dropout); ``--cp N`` with N > 1 is then an error.
-``--fp8`` (a cluster with FP8 tensor cores: dgx-h100) is priced, not emitted: the engine's
-FP8 (``training.precision = "fp8"``) runs with tp = 1 only. ``--selective`` adds the
-engine's selective recomputation (``parallel.recompute = "selective"``: matmul and attention
-outputs kept, norms, activations and residual adds recomputed in backward; its collectives
-replayed, the cp ring run again) to the search, priced as the engine runs it and emitted
-(not for a mixture of experts, whose kept bytes are not modelled); ``shardwise train``
-refuses it on CUDA until its GPU check has run, which the emitted TOML and one line on
-stderr say.
-
-The table's columns stay aligned whatever the layouts' names; a layout's name says its cp,
-ep, recomputation (rc: full, rc=sel: selective) and fp8, and the time split gains cp and ep columns when a
-row has them. ``--json`` prints one JSON document instead (the ranked layouts with memory
-in bytes and time in seconds, the pruned ones counted by reason), for scripts. A search
-that takes over a second shows a progress bar on stderr.
-
-Bad input (unknown preset or model, sizes that are not finite numbers > 0, a model that fits
-no layout, ``--cp`` / ``--ep`` sizes the model or the GPUs refuse) prints one line and exits
-2. ``--model cnn`` is routed to the CNN's per-layer chooser (``shardwise.cli.plan_cnn``).
+The model (a TOML read as ``shardwise train`` reads it, ``hf:DIR`` or a named size), the
+search's axes, ``--fp8`` / ``--selective``, the table and ``--json``: docs/planner.md. Bad
+input prints one line and exits 2. ``--model cnn`` is routed to the CNN's per-layer chooser
+(``shardwise.cli.plan_cnn``).
 """
 
 from __future__ import annotations
@@ -58,6 +23,7 @@ from shardwise.planner.specs import SpecError, load_model, positive_number
 
 
 def build_parser():
+    """The parser of ``shardwise plan`` (the CNN's chooser, ``--model cnn``, has its own)."""
     ap = Parser(prog="shardwise plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="named size (gpt2-124m ... megatron-1t, tinyllama-1.1b, llama2-7b ... "
@@ -114,6 +80,9 @@ def build_parser():
 
 
 def plan_main(argv: list[str] | None = None) -> int:
+    """``shardwise plan``: rank the feasible layouts of a model on a cluster by predicted step time
+    and print them (or ``--json``, ``--emit-toml``). Returns the exit code (2, in one line, on a bad
+    model or option)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = _cnn_argv(argv)
     if rest is not None:  # the CNN's per-layer chooser takes every other option itself

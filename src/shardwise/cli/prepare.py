@@ -26,6 +26,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser() -> Parser:
+    """The parser of ``shardwise prepare DATA... --tokenizer ... --out DIR``."""
     ap = Parser(prog="shardwise prepare",
                 description="Tokenize text files, JSONL or Parquet (read with datasets, "
                 "streaming) into token shards plus manifest.json in DIR, for shardwise train "

@@ -55,6 +55,7 @@ class CallRecord:
             self.last_step = max(self.last_step, step)
 
     def as_dict(self) -> dict:
+        """This record as a plain dict (the fields by name), for JSON."""
         return asdict(self)
 
 
@@ -66,6 +67,7 @@ class CallLog:
         self.records: list[CallRecord] = []
 
     def append(self, record: CallRecord) -> None:
+        """Add ``record`` to the log (safe from the comm thread: list.append is atomic)."""
         self.records.append(record)  # list.append is atomic: safe from the comm thread
 
 
@@ -74,6 +76,8 @@ log = CallLog()
 
 def open_record(collective: str, algorithm: str, group_size: int, group_rank: int, rank: int,
                 nbytes: int, dtype: torch.dtype | None) -> CallRecord:
+    """A new record of one collective call: its algorithm, the group's size and this rank's place in
+    it, ``nbytes`` of payload and the dtype's short name (``-`` for none)."""
     return CallRecord(collective, algorithm, group_size, group_rank, rank, nbytes,
                       str(dtype).replace("torch.", "") if dtype is not None else "-")
 
@@ -95,10 +99,12 @@ def enable(reset: bool = True) -> None:
 
 
 def disable() -> None:
+    """Stop recording calls (the records kept so far stay)."""
     log.enabled = False
 
 
 def reset() -> None:
+    """Drop every record kept so far (recording stays as it is)."""
     log.records.clear()
 
 

@@ -14,29 +14,15 @@ arXiv:2006.16668, section 3; DeepSpeed-MoE, Rajbhandari et al. 2022; Megatron-Co
 ``MoEAlltoAllTokenDispatcher``): with dropless routing the splits are the token counts per
 expert, known only at run time, hence uneven.
 
-Algorithms (``ALL_TO_ALL_ALGORITHMS``; rank r of N, b_j the bytes r sends to j):
-
-==========  ======  =========================================================================
-pairwise    N-1     step s = 1..N-1: send the block for (r + s) mod N while receiving the one
-            steps   from (r - s) mod N (Thakur, Rabenseifner & Gropp 2005, section 3.5: the
-                    long-message all-to-all; every step pairs each rank with one sender and
-                    one receiver, so no link carries two messages at once)
-linear      1 step  every send and receive posted at once (MPICH's medium-message
-                    all-to-all: all N-1 messages in flight together)
-native      -       the backend's own (``torch.distributed.all_to_all_single``; gloo and NCCL
-                    take uneven splits)
-==========  ======  =========================================================================
-
-Both of ours send exactly ``sum_{j != r} b_j`` bytes per rank and receive what the peers
-address to r; the own block is copied locally and counted nowhere. ``X`` (the record's
-``nbytes``) is the input's size in bytes.
-
-Argument check (``settings.check``, or ``check=True``): ranks first agree on the
-collective, algorithm, dtype and row width (``check.agree``), then swap their split sizes
-(N int64 per rank, accounted as "check") and every rank verifies that what each peer will
-send it is what it expects to receive. A mismatch raises the same ``CommError`` on every
-rank naming a pair; without the check, gloo would abort the process ("Received data size
-doesn't match expected size").
+Algorithms (``ALL_TO_ALL_ALGORITHMS``): ``pairwise`` (N-1 steps, step s sending to
+(r + s) mod N while receiving from (r - s) mod N: Thakur, Rabenseifner & Gropp 2005, section
+3.5), ``linear`` (every message posted at once, MPICH's medium-message all-to-all) and
+``native`` (the backend's). Ours send exactly ``sum_{j != r} b_j`` bytes per rank (b_j: the
+bytes r sends to j; the own block is copied locally and counted nowhere); ``X`` (the
+record's ``nbytes``) is the input's size in bytes. With the argument check
+(``settings.check``) the ranks swap their split sizes first: a mismatch raises the same
+``CommError`` on every rank naming a pair (gloo would abort the process). Table and
+measurements: docs/comm.md, "Algorithms and their costs".
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class Handle:
         return True
 
     def is_completed(self) -> bool:
+        """True when the collective has finished (successfully or not); never blocks."""
         return self._future.done()
 
 

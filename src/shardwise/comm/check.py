@@ -62,6 +62,9 @@ def _show(name: str, value: int) -> str:
 
 def fingerprint(info: GroupInfo, collective: str, algorithm: str, op: str,
                 dtype: torch.dtype | None, numel: int, root: int) -> list[int]:
+    """The integers every rank of the group compares before a checked collective: this group's call
+    count, the collective, algorithm, op and dtype codes, ``numel``, ``root``, the group's size and
+    a hash of its global ranks. Ranks that disagree are calling different collectives."""
     key = info.ranks
     call = _calls.get(key, 0)
     _calls[key] = call + 1

@@ -3,60 +3,16 @@
 Hockney's latency-bandwidth model as used by Thakur, Rabenseifner & Gropp 2005 (Sec. 2),
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 19(1)): sending a
 message of m bytes costs alpha + m beta, reducing m bytes locally costs m gamma; an
-algorithm is a sequence of steps and its time is the sum of its steps' times.
-
-Contention term (ours). On one machine the "network" is loopback TCP, driven for every
-rank by the same few CPUs: messages that move at the same time share them, whoever sends
-and receives them. So a step in which k messages of m bytes each move at once, on k
-different sender -> receiver links, costs
-
-    a(k) + max(m beta_link, k m beta_host)  =  a(k) + m b(k),   b(k) = max(beta_link, k beta_host)
-
-the busiest link's bytes at one link's rate, or all the bytes the step moves at the rate the
-host moves bytes in all, whichever is slower. Likewise k ranks reducing m bytes each cost
-m g(k), g(k) = max(gamma, k gamma_host). The latency a(k) is alpha_1 for a lone message
-(k = 1, the receiver already waiting) and alpha when several move at once; a step in which
-ranks swap data in pairs (r <-> r xor 2^j, halving-doubling) has its own, alpha_swap: on
-2 cores with N = 4 it measures 2-3x a ring step's (both ranks of a pair must run at once,
-where a ring step needs each rank only after its left neighbour). Constants, per world
-size (ranks share the cores, so each N has its own; ``shardwise bench comm --calibrate``
-measures them, see ``calibrate.py``):
-
-    alpha       seconds per step in which several messages move (latency)
-    alpha_1     seconds per step with one message alone
-    alpha_swap  seconds per step in which ranks swap data in pairs
-    beta_link   seconds per byte of one message, alone on its link
-    beta_host   seconds per byte of all the bytes moving at once, over all ranks
-    gamma       seconds per byte reduced (acc += other) by one rank alone
-    gamma_host  seconds per byte reduced, over all ranks reducing at once
-
-Predicted seconds for X bytes on N ranks, p = 2^floor(log2 N), L = ceil(log2 N); the
-steps and bytes are Thakur et al.'s (Sec. 4), only beta and gamma became b(k) and g(k):
-
-    ring              2(N-1) a(N) + 2(N-1)/N X b(N) + (N-1)/N X g(N)
-                      (every step: N ranks send X/N, N ranks reduce X/N)
-    halving_doubling  2 log2(p) alpha_swap + 2(p-1)/p X b(p) + (p-1)/p X g(p)
-                      + [N != p] (2 a(N-p) + 2 X b(N-p) + X g(N-p))   (the fold-in / -out)
-    tree              sum over k = 1..L of  2 a(c_k) + 2 X b(c_k) + X g(c_k),
-                      c_k = #{v < N : v mod 2^k = 2^(k-1)} messages in step k of the
-                      binomial reduce (and in the mirrored step of the broadcast)
-    naive             2 a(N-1) + 2 X b(N-1) + (N-1) X gamma     (N-1 messages to and from
-                                                                the root; it reduces alone)
-    sequential        2(N-1) (a(1) + X b(1)) + (N-1) X g(1)    (one message at a time)
-    parallel          a(N(N-1)) + X b(N(N-1)) + (N-1) X g(N)  (all N(N-1) messages at
-                                                                once; all reduce (N-1) X)
-    native            native_alpha + X native_beta   (the backend's own all-reduce, measured)
-    shm               R shm_alpha + X shm_beta       (shared memory, ranks of one host: R
-                      rounds, ``shm.rounds``; measured at each N like native, since the
-                      ranks' copies share the host's memory bandwidth and cores)
-    hierarchical      shm(L, X) + ring(H, X/L)        (H hosts of L ranks: the shared-memory
-                      reduce-scatter + all-gather, and a ring across hosts on 1/L of X)
-
-With beta_host = gamma_host = 0 and alpha_1 = alpha_swap = alpha these are the formulas of
-Thakur et al. (a = alpha, b = beta, g = gamma) for ring, halving-doubling, tree and
-sequential; for naive and parallel, whose messages share a rank, they are the multi-port
-limit (a rank receives from all at once; Thakur et al.'s single port would serialise them).
-``choose_all_reduce`` (the ``auto`` algorithm) returns the cheapest for N, X.
+algorithm is a sequence of steps and its time is the sum of its steps' times (Thakur et
+al.'s steps and bytes, Sec. 4). Ours: a contention term for ranks sharing one host's CPUs,
+a step in which k messages of m bytes move at once costs a(k) + m b(k), with
+b(k) = max(beta_link, k beta_host), and k ranks reducing m bytes each m g(k), with
+g(k) = max(gamma, k gamma_host); a(k) is alpha_1, alpha or alpha_swap by the step's kind.
+The constants (``LinkParams``, seconds and seconds per byte) are per world size, measured
+by ``shardwise bench comm --calibrate`` (``calibrate.py``). Every algorithm's formula in
+seconds for X bytes on N ranks, and how the constants are measured: docs/comm.md,
+"Algorithms and their costs" and "Cost model and profile". ``choose_all_reduce`` (the
+``auto`` algorithm) returns the cheapest for N, X.
 """
 
 from __future__ import annotations
@@ -97,6 +53,8 @@ class LinkParams:
 
     @property
     def a_swap(self) -> float:
+        """Seconds of latency of a pairwise-swap step: ``alpha_swap``, or ``alpha`` when
+        uncalibrated (-1)."""
         return self.alpha if self.alpha_swap < 0 else self.alpha_swap
 
     def a(self, k: int) -> float:
@@ -127,11 +85,13 @@ class Profile:
         return self.world_sizes[min(self.world_sizes, key=lambda k: (abs(k - n), -k))]
 
     def to_json(self) -> dict:
+        """The profile as JSON data: name, meta and the link parameters per world size."""
         return {"name": self.name, "meta": self.meta,
                 "world_sizes": {str(k): asdict(v) for k, v in sorted(self.world_sizes.items())}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Profile":
+        """The profile ``to_json`` wrote. Raises ValueError when it holds no world size."""
         ws = {int(k): LinkParams(**v) for k, v in data["world_sizes"].items()}
         if not ws:
             raise ValueError("profile has no world_sizes")
@@ -149,6 +109,7 @@ class Profile:
         return self.meta.get("device", "cpu")
 
     def save(self, path: str | os.PathLike) -> Path:
+        """Write the profile as JSON to ``path`` (its folder created) and return the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")

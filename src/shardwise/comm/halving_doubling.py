@@ -45,6 +45,8 @@ class Fold:
         self.log_p = p.bit_length() - 1
 
     def real(self, v: int) -> int:
+        """The real rank of virtual rank ``v`` (of the ``p`` ranks that take part after the fold).
+        """
         return 2 * v + 1 if v < self.rem else v + self.rem
 
     @property

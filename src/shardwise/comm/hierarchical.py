@@ -59,10 +59,12 @@ class Layout:
 
     @property
     def one_host(self) -> bool:
+        """True when every rank of the group is on one host."""
         return len(self.hosts) == 1
 
     @property
     def uniform(self) -> bool:
+        """True when every host holds the same number of the group's ranks."""
         return len({len(h) for h in self.hosts}) == 1
 
 

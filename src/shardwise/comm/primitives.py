@@ -91,10 +91,12 @@ class GroupInfo:
 
     @property
     def size(self) -> int:
+        """Ranks in the group."""
         return len(self.ranks)
 
     @property
     def global_rank(self) -> int:
+        """This rank's global rank (its rank in the default group)."""
         return self.ranks[self.rank]
 
 
@@ -154,6 +156,7 @@ class HostCopy:
             self.host.copy_(t)
 
     def back(self) -> None:
+        """Copy the host buffer back into the CUDA tensor (synchronous on the current stream)."""
         self.t.copy_(self.host)
 
 
@@ -178,6 +181,8 @@ def native_buffer(group, t: torch.Tensor, fill: bool = True):
 # ---------------------------------------------------------------------------- reduce ops
 
 def check_op(op: str, dtype: torch.dtype, collective: str) -> None:
+    """Check a reduction ``op`` for ``dtype``: one of REDUCE_OPS, ``mean`` only on floating or
+    complex dtypes, ``max``/``min`` not on complex. Raises ValueError naming ``collective``."""
     if op not in REDUCE_OPS:
         raise ValueError(f"{collective}: op must be one of {REDUCE_OPS}, got {op!r}")
     if op == "mean" and not (dtype.is_floating_point or dtype.is_complex):
@@ -296,10 +301,12 @@ class Call:
 
     @property
     def rank(self) -> int:
+        """This rank's rank within the call's group."""
         return self.info.rank
 
     @property
     def size(self) -> int:
+        """Ranks in the call's group."""
         return self.info.size
 
     def exchange(self, step: int, sends: Sequence[tuple[int, torch.Tensor]] = (),

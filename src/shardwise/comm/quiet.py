@@ -61,6 +61,7 @@ class Foreign:
         return sum(_proc_cpu(p) for p in self.pids)
 
     def start(self) -> None:
+        """Open the window: note the time, the host's busy jiffies and those of ``pids``."""
         if self.available:
             self._start = (time.perf_counter(), _busy_total() or 0, self._ours())
 

@@ -1,39 +1,17 @@
 """Record and replay the collectives of a region that autograd recomputes.
 
 Selective activation recomputation (``parallel.activation_checkpoint``) runs a layer's
-forward twice: once in forward, once in backward to rebuild what it did not keep. A layer
-of tensor, sequence, context or expert parallelism communicates in its forward (Megatron's
-g all-reduce, sequence parallelism's all-gather and reduce-scatter, the experts' token
-counts and all-to-all, the mixture's per-sequence counts over cp), and running those again
-in backward would move their bytes twice. Megatron-LM (Korthikanti et al. 2022,
-arXiv:2205.05198, section 5) and torchtitan's op-level selective checkpointing (which saves
-``_c10d_functional.reduce_scatter_tensor``'s output) instead keep what the collectives
-returned. So does this module, at the one place every collective of ``shardwise.comm``
-passes (``api._launch``):
-
-- ``with log.recording():`` (the region's forward) every collective runs as usual and, once
-  it is done (at the call for a blocking one, in ``wait()`` for an asynchronous one, so a
-  buffer the caller reuses after waiting is copied before), a copy of its outputs (the
-  tensors it writes: ``all_reduce``'s tensor, ``all_gather``'s output, ``recv``'s buffer...)
-  is appended to ``log``;
-- ``with log.replaying():`` (the recomputation) the same calls, in the same order, write the
-  copies back into their outputs and move nothing: no bytes, no argument check, no entry in
-  ``comm.accounting``. Each copy is dropped as it is replayed. A call that is not the one
-  recorded at its place (another collective, other output shapes or dtypes, more calls
-  than recorded) raises ``ReplayError`` naming both.
-
-Inside ``run_again()`` collectives are neither recorded nor replayed: they run again in the
-recomputation. The ring attention's key/value shifts use it (``parallel.context.ring_comm``):
-keeping every block received would hold cp - 1 blocks per layer, and in the recomputation
-those blocks only feed the attention kernels whose outputs are kept anyway. A collective run
-again must be met in the same order by every rank of its group: it is, because every rank
-recomputes the same layers at the same point of the same backward.
-
-The log's own copies, and the work of a collective recorded or replayed, run with
-PyTorch's dispatch modes switched off (``torch.utils._python_dispatch.
-_disable_current_modes``), so the selective-checkpoint modes that count the region's
-operations see the same operations in forward and in the recomputation. State is per
-thread: the recomputation runs on the thread autograd runs the layer's backward on.
+forward again in backward; running its collectives again (tp's g all-reduce, sequence
+parallelism's all-gather and reduce-scatter, the experts' all-to-all...) would move their
+bytes twice. As Megatron-LM (Korthikanti et al. 2022, arXiv:2205.05198, section 5) and
+torchtitan's op-level selective checkpointing, this module keeps what they returned, at the
+one place every collective of ``shardwise.comm`` passes (``api._launch``): ``with
+log.recording():`` runs each collective and copies its outputs into ``log``; ``with
+log.replaying():`` writes the copies back in the same order and moves nothing, raising
+``ReplayError`` when a call is not the one recorded at its place; inside ``run_again()``
+collectives run again (the cp ring's key/value shifts, ``parallel.context.ring_comm``:
+keeping them would hold cp - 1 blocks per layer). State is per thread. Details:
+docs/comm.md, "Recomputed regions: record and replay".
 """
 
 from __future__ import annotations
@@ -85,6 +63,7 @@ class CollectiveLog:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the outputs' copies held now (released one by one as they are replayed)."""
         return sum(t.numel() * t.element_size() for e in self.entries for t in e.saved or ())
 
     @contextlib.contextmanager
@@ -103,6 +82,9 @@ class CollectiveLog:
     # -- the hook of api._launch --------------------------------------------------------
     def launch(self, collective: str, outputs: Sequence[torch.Tensor], run: Callable[[], None],
                async_op: bool):
+        """The hook of ``api._launch``: recording, run the collective (``run``) and keep a copy of
+        ``outputs``; replaying, write the next recorded copy into ``outputs`` instead. Returns a
+        handle when ``async_op``."""
         if self.mode == "replay":
             return self._replay(collective, outputs, async_op)
         entry = _Entry(collective, [tuple(t.shape) for t in outputs],

@@ -194,6 +194,7 @@ def broadcast(seg: Segment, call: Call, buf: torch.Tensor, root: int) -> int:
 
 
 def barrier(seg: Segment, call: Call) -> int:
+    """Barrier over the segment's ranks: one round with no payload. Returns the rounds used (1)."""
     seg.round(call, 1)
     return 1
 

@@ -161,6 +161,7 @@ class Segment:
         return views
 
     def tmp(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's private scratch buffer of ``dtype`` (TMP_BYTES, allocated on first use)."""
         t = self._tmp.get(dtype)
         if t is None:
             t = self._tmp[dtype] = torch.empty(TMP_BYTES // torch.empty(0, dtype=dtype)
@@ -218,6 +219,8 @@ class Segment:
             raise call._timeout("hear from", f"rank {self.ranks[pending[0] // LINE]}", step)
 
     def close(self) -> None:
+        """Release the views, the scratch buffers and the mapping (left to the process's exit when a
+        view is still exported)."""
         self._views.clear()
         self._tmp.clear()
         self.data = None

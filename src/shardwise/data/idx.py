@@ -53,7 +53,7 @@ def _find(root: Path, name: str) -> Path:
         if candidate.is_file():
             return candidate
     raise DataError(f"data.path: {str(root)!r} lacks {name}[.gz]; expected the Fashion-MNIST "
-                    f"IDX files {EXPECTED} there (see README: apt-get download "
+                    f"IDX files {EXPECTED} there (see docs/data.md: apt-get download "
                     "dataset-fashion-mnist)")
 
 

@@ -1,34 +1,14 @@
 """``shardwise prepare``: text files, JSONL or Parquet -> token shards and a manifest
 (``data.shards`` describes the directory).
 
-The corpus is read through ``datasets`` (Hugging Face) from local files, streaming: one
-block of about ``block_chars`` characters is in memory at a time, so a corpus larger than
-memory works. Documents are the records of a JSONL / Parquet file (the ``field`` column)
-and each text file as a whole (read line by line, in pieces of about ``piece_chars``
-characters cut at line ends). Consecutive documents are joined by the tokenizer's
-end-of-text token (``<|endoftext|>`` for the BPE trained here), or by ``"\\n\\n"`` for the
-character tokenizer (as the Shakespeare texts are joined).
-
-Tokenizers: ``char`` (``CharTokenizer`` over every character of the corpus: one reading
-pass first), ``bpe`` (a byte-level BPE trained with ``tokenizers``' ``BpeTrainer`` on the
-corpus, GPT-2's pre-tokenization plus a split after every newline, so encoding a text in
-pieces cut at line ends gives exactly the ids of encoding it whole), or the path of a
-``tokenizer.json`` (a text file longer than ``piece_chars`` is then encoded piece by piece:
-a token that would span a piece's last line break is split there; JSONL and Parquet
-documents are always encoded whole). Encoding uses ``tokenizers``' batch encoder (Rust,
-all cores) or, for ``char``, a numpy lookup of code points; no Python loop per character.
-
-Split: of each block's tokens, the tail goes to ``val`` so that the validation tokens so
-far are ``floor(val_fraction * tokens so far)``: held-out text spread over the whole
-corpus, and for a corpus of one block simply its last ``val_fraction`` (as the text path
-holds out the tail of a text).
-
-Restartable: shards are written under a temporary name and renamed when complete; after
-each train shard of about ``shard_tokens`` tokens, ``prepare.json`` records the progress
-(atomically). Run again with the same inputs and options, an unfinished prepare resumes
-after its last complete shard; a finished one (``manifest.json`` present) is refused, as is
-a directory holding anything else. The manifest is written last: temporary name, fsync,
-rename.
+The corpus is streamed through ``datasets`` (one block of about ``block_chars`` characters
+in memory at a time); documents (JSONL / Parquet records, or a whole text file) are joined
+by the tokenizer's end-of-text token (``"\n\n"`` for ``char``); the tokenizer is ``char``,
+a byte-level ``bpe`` trained here with ``tokenizers``' ``BpeTrainer``, or a
+``tokenizer.json``; each block's tail goes to ``val`` so that the validation tokens so far
+are ``floor(val_fraction * tokens so far)``. Restartable: complete shards are renamed into
+place and ``prepare.json`` records the progress; a finished directory is refused. Details
+(pieces, pre-tokenization, the split, the restart): docs/data.md, "How prepare works".
 """
 
 from __future__ import annotations

@@ -86,6 +86,8 @@ class DistributedBatchSampler:
                 "global_batch_size": self.global_batch_size, "block_size": self.block_size}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s position. Raises ValueError when the seed, global batch
+        size or block size differ from this run's (the token stream would not be the same)."""
         for key in ("seed", "global_batch_size", "block_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"sampler state has {key}={state[key]}, this run has "

@@ -104,12 +104,15 @@ class ShardWriter:
         self._f = open(self.path.with_name(name + ".tmp"), "wb")
 
     def write(self, ids: np.ndarray) -> None:
+        """Append ``ids`` (1-D) to the shard in the shard's dtype, hashing the bytes written."""
         data = np.ascontiguousarray(ids, dtype=self.dtype).tobytes()
         self._f.write(data)
         self._hash.update(data)
         self.tokens += len(ids)
 
     def close(self) -> dict:
+        """Flush, fsync and move the shard to its final name; returns its manifest entry (``file``,
+        ``tokens``, ``sha256``)."""
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -117,6 +120,7 @@ class ShardWriter:
         return {"file": self.path.name, "tokens": self.tokens, "sha256": self._hash.hexdigest()}
 
     def discard(self) -> None:
+        """Close the unfinished shard and remove its temporary file."""
         self._f.close()
         Path(self._f.name).unlink(missing_ok=True)
 

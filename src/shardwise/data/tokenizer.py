@@ -35,10 +35,12 @@ class CharTokenizer:
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
+        """The tokenizer of the characters of ``text``, sorted (ids in code-point order)."""
         return cls("".join(sorted(set(text))))
 
     @property
     def vocab_size(self) -> int:
+        """Number of ids (distinct characters)."""
         return len(self.chars)
 
     def encode(self, text: str) -> torch.Tensor:
@@ -48,6 +50,7 @@ class CharTokenizer:
         return torch.tensor([self._stoi[c] for c in text], dtype=torch.long)
 
     def decode(self, ids) -> str:
+        """Ids (any iterable of ints or a tensor) -> their characters joined."""
         return "".join(self.chars[int(i)] for i in ids)
 
     def start_ids(self) -> list[int]:
@@ -55,13 +58,16 @@ class CharTokenizer:
         return self.encode("\n").tolist()
 
     def state_dict(self) -> dict:
+        """What a checkpoint stores: ``{kind: char, chars}``."""
         return {"kind": "char", "chars": self.chars}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "CharTokenizer":
+        """The tokenizer ``state_dict()`` described."""
         return cls(state["chars"])
 
     def to_json(self) -> str:
+        """``state_dict()`` as JSON text (UTF-8 kept)."""
         return json.dumps(self.state_dict(), ensure_ascii=False)
 
 
@@ -93,6 +99,7 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Number of ids: the largest id of the vocabulary (added tokens included) plus one."""
         return self._vocab_size
 
     def encode(self, text: str) -> torch.Tensor:
@@ -103,6 +110,7 @@ class HFTokenizer:
                             dtype=torch.long)
 
     def decode(self, ids) -> str:
+        """Ids (any iterable of ints or a tensor) -> text, special tokens kept."""
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def start_ids(self) -> list[int]:
@@ -118,6 +126,7 @@ class HFTokenizer:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "HFTokenizer":
+        """The tokenizer ``state_dict()`` described (its tokenizer.json text and ``eos_id``)."""
         return cls.from_str(state["json"], state.get("eos_id"))
 
 

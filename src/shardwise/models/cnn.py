@@ -76,6 +76,8 @@ class Block(nn.Module):
         return F.max_pool2d(y, 2) if self.pool else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer then its tail (activation, pooling); a linear layer flattens a feature map
+        ``(B, C, H, W)`` to ``(B, C H W)`` first."""
         if isinstance(self.layer, nn.Linear) and x.dim() > 2:
             x = x.flatten(1)                                   # (B, C H W)
         return self.tail(self.layer(x))
@@ -100,6 +102,7 @@ class CNN(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images ``(B, in_channels, S, S)`` -> logits ``(B, classes)``, block by block."""
         for b in self.blocks:
             x = b(x)
         return x

@@ -329,6 +329,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: causal multi-head attention (a tensor-parallel rank
+        computes its share of the heads)."""
         B, T, _ = x.shape
         # (B, T, C) -> (B, H, T, D); the head axis is what tensor parallelism splits
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -349,6 +351,7 @@ class MLP(nn.Module):
         self.approximate = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: fc, GELU, proj, dropout."""
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
@@ -363,6 +366,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: pre-LayerNorm attention then MLP, each added to the
+        residual."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -379,6 +384,8 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> ``(B, T, C)``: token plus learned position embeddings, dropout.
+        """
         pos = sequence.positions(idx.shape[1], idx.device)  # (T,)
         return self.dropout(self.tok(idx) + self.pos(pos))
 
@@ -392,6 +399,7 @@ class LMHead(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> logits ``(B, T, vocab)``: final LayerNorm then the head."""
         return self.proj(self.ln_f(x))
 
 

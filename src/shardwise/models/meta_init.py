@@ -5,36 +5,12 @@ parallelizing (``model.to_empty(device=...)`` then ``init_weights()``); Megatron
 initialises each partition directly. Both give values that depend on the layout. Here the
 values must not: a rank's slices must equal, bit for bit, those of the single-process model
 built after ``torch.manual_seed(seed)`` on the CPU. So we replay that construction's random
-stream instead of inventing a new one:
-
-- ``record_init(build)`` runs ``build()`` on the meta device under a ``TorchDispatchMode``
-  that logs, in order, every initialising write to a tensor (``normal_``, ``uniform_``:
-  they draw from the CPU generator; ``zero_``, ``fill_``: they do not). Meta tensors hold
-  no memory, so this costs nothing that grows with the model (the first meta construction
-  in a process imports torch's meta kernels and decompositions once: about 75 MiB of
-  resident code, measured in ``benchmarks/meta_init.py``). A write is matched to its
-  parameter by storage, so ``p.data.normal_()`` and ``p.detach().uniform_()`` count; it
-  must cover the whole tensor in order (a slice, a transpose: ``NotImplementedError``).
-  ``nn.init.trunc_normal_``, ``dirac_`` and ``eye_`` are logged when called (a profile
-  hook: torch skips their work on meta tensors, so no write would reach the dispatch mode
-  and the parameter would silently keep its earlier value) and replayed by calling them
-  again. In-place arithmetic on one tensor after a draw (``w.mul_(2).clamp_(-1, 1)``) is
-  replayed on the same tensor. Any other write (one reading another tensor, ``out=``), a
-  random tensor made out of place (``torch.randn``), ``nn.init.orthogonal_`` and
-  ``sparse_`` raise ``NotImplementedError`` (they could not be replayed bit for bit).
-- ``replay_init(record, seed, names, sink)`` walks that log with a CPU generator seeded with
-  ``seed`` (the stream ``torch.manual_seed(seed)`` gives the default generator). Every draw
-  is made again, at the recorded shape and dtype, into a fresh scratch tensor, so the
-  generator advances exactly as it did in the single-process constructor. The CPU
-  generator (Mersenne Twister) has no way to skip ahead, so a draw nobody needs is made and
-  dropped: memory stays at one full tensor. The last write to a parameter fixes its value
-  (each logged op overwrites the whole tensor), so at that write, for each wanted name,
-  ``sink(name, full)`` receives the full tensor (CPU) to cut its slice from; earlier writes
-  to it (an ``nn.Linear``'s own Kaiming init before the GPT's normal init, a tied head's
-  first embedding draw) only advance the generator. Each scratch tensor from 1 MiB lives in
-  its own anonymous memory map, unmapped the moment it is dropped (``_scratch``): through
-  malloc, freed scratch below glibc's dynamic mmap threshold stayed in the heap and rank
-  peaks varied by up to 60 MiB from run to run (``benchmarks/meta_init.py``).
+stream: ``record_init(build)`` runs ``build()`` on the meta device and logs, in order, every
+initialising write to a tensor; ``replay_init(record, seed, names, sink)`` makes every draw
+again with a CPU generator seeded with ``seed`` and hands ``sink(name, full)`` each wanted
+tensor at its last write. Writes that cannot be replayed bit for bit raise
+``NotImplementedError``. How the log and the replay work, and what a model may do while
+building: docs/models.md, "Building on the meta device".
 """
 
 from __future__ import annotations

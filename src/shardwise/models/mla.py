@@ -15,21 +15,10 @@ A head's score is q . k over D_nope + R features, scaled by (D_nope + R)^-1/2, t
 mscale(factor, mscale_all_dim)^2 under YaRN (``models.llama.Yarn``: applied to the queries
 before the kernel's own scale), and its output the softmax-weighted D_v-wide values.
 
-``rope_interleave`` (DeepSeek's released weights: transformers' V3 default, and V2's
-``apply_rotary_emb``, which rotates adjacent pairs as complex numbers): the R rotated
-features pair up as (x0, x1), (x2, x3), ...; they are de-interleaved (evens, then odds)
-before the "rotate_half" rotation, as transformers' ``apply_rotary_pos_emb_interleave``,
-whose output is that layout (queries and keys alike, so no score depends on the layout).
-Without it (a V3 config with ``rope_interleave`` false): "rotate_half" on the R features
-as they are (pairs (x_i, x_{i + R/2})).
-
-Tensor parallelism (``models.llama.tp_plan``): heads split, ``q_proj`` / ``q_b_proj`` and
-``kv_b_proj`` column-parallel (whole heads per rank: their rows are head-major), ``o_proj``
-row-parallel; the down projections ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms are
-replicated, each rank's gradient the part its heads send back, summed over tp
-("partial_grad"). Not under context parallelism: the ring carries K and V of one head
-width, and MLA's values are D_v wide against keys of D_nope + R (``base.config`` refuses
-cp > 1 with MLA in one line).
+``rope_interleave``: the rotated features pair up adjacently (see ``forward``). Tensor
+parallelism (``models.llama.tp_plan``) splits the heads and replicates the down projections
+and their norms ("partial_grad"); cp > 1 is refused (``base.config``). Both, with the
+parity shown: docs/models.md, "shardwise's own" (the Llama's MLA paragraph).
 """
 
 from __future__ import annotations
@@ -83,6 +72,8 @@ class LatentAttention(nn.Module):
         self.softmax_factor = yarn() if yarn is not None else 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: DeepSeek's multi-head latent attention (queries and
+        keys/values through low-rank projections, a shared rotary key; arXiv:2405.04434)."""
         B, T, _ = x.shape
         if self.cfg.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -96,6 +87,12 @@ class LatentAttention(nn.Module):
         kv = kv.view(B, T, -1, self.nope + self.v_dim).transpose(1, 2)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)         # (B, H, T, Dn / Dv)
         k_rot = k_rot.view(B, 1, T, self.rot)                          # one key, every head
+        # rope_interleave (DeepSeek's released weights: transformers' V3 default, and V2's
+        # apply_rotary_emb rotating adjacent pairs as complex numbers): the R rotated features
+        # pair up as (x0, x1), (x2, x3), ...; de-interleaved (evens, then odds) before the
+        # "rotate_half" rotation, as transformers' apply_rotary_pos_emb_interleave, whose
+        # output is that layout (queries and keys alike, so no score depends on it). Without
+        # it: "rotate_half" on the R features as they are (pairs (x_i, x_{i + R/2})).
         if self.cfg.rope_interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         cos, sin = self._rope(self.cfg, T, x.device, x.dtype,         # (T, R) each

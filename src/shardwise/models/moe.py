@@ -3,68 +3,26 @@
 A ``MoE`` block replaces a decoder block's MLP: each token is sent to the k experts its router
 scores highest and its output is their outputs weighted by the gates (plus an optional
 shared expert every token goes through, its output optionally scaled by a sigmoid gate of
-the token). Sources:
+the token). Routing (``route``: softmax or sigmoid gating, the expert bias, groups), the
+per-sequence load-balancing loss (``load_balancing_loss``) and how it enters backward
+(``AuxLossScaler``), grouped dispatch (``grouped_mm``) and the capacity factor are described
+in docs/moe.md, "The block". Sources:
 
 - Shazeer et al. 2017, "Outrageously Large Neural Networks" (arXiv:1701.06538): the sparsely
   gated layer;
 - Lepikhin et al. 2020, "GShard" (arXiv:2006.16668), section 2.2: top-2 gating, expert
-  capacity, the auxiliary load-balancing loss over a group of tokens;
+  capacity (first choices before second, then by token), the group load-balancing loss;
 - Fedus et al. 2021, "Switch Transformers" (arXiv:2101.03961), eq. 4-6: the load-balancing
   loss ``alpha E sum_i f_i P_i``, the capacity factor;
 - Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088): SwiGLU experts, the top-k
   gates renormalised to sum to one;
 - DeepSeek-AI 2024, "DeepSeek-V3" (arXiv:2412.19437), eq. 12-20: sigmoid gating, the shared
-  expert, the sequence-wise balance loss; sec. 2.1.2 (eq. 16): auxiliary-loss-free balancing,
-  a per-expert bias on the scores for the top-k choice only;
-- Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; Yang et al. 2024, "Qwen2 Technical Report",
-  arXiv:2407.10671, and transformers' ``models/qwen2_moe/modeling_qwen2_moe.py``):
-  the shared expert's output times ``sigmoid(x w)``, w a (C,) weight;
+  expert, the sequence-wise balance loss; sec. 2.1.2 (eq. 16): auxiliary-loss-free balancing;
+  DeepSeek-V2/V3's group-limited routing;
+- Qwen2-MoE (Yang et al. 2024, arXiv:2407.10671; transformers' ``qwen2_moe``): the shared
+  expert's output times ``sigmoid(x w)``, w a (C,) weight;
 - Megatron-Core MoE (``megatron/core/transformer/moe``): dropless routing with grouped GEMMs,
-  ``MoEAuxLossAutoScaler`` (how the auxiliary loss enters backward, below).
-
-Routing (``route``): fp32 router logits (N, E); ``softmax`` gating takes the top k of the
-softmax probabilities, ``sigmoid`` gating (DeepSeek-V3) the top k of the sigmoids; with
-``norm_topk`` the k gate weights are divided by their sum. With an expert bias b (E,)
-(auxiliary-loss-free balancing, DeepSeek-V3 sec. 2.1.2) the top k are chosen by
-``score + b`` while the gates are the chosen experts' unbiased scores (then renormalised):
-the bias decides where a token goes, never how much an expert's output weighs. With groups
-(DeepSeek-V2/V3's group-limited routing, ``limit_to_groups``) the k are chosen only among the
-experts of each token's best groups, and ``routed_scaling`` multiplies the gates. After each
-optimizer step ``MoE.update_bias(load)`` moves it by ``b_i += rate sign(mean load - load_i)``
-(the step's assignments per expert over the global batch: the engine sums them over every
-rank first, so each rank applies the same update to its copy and the result is one
-process's); an overloaded expert's bias falls, an idle one's rises.
-
-The auxiliary loss (``load_balancing_loss``) is GShard's group loss with one group per
-sequence, as DeepSeek-V3's sequence-wise loss: for each sequence of T tokens, ``f_i`` is the
-fraction of its T k assignments that chose expert i and ``P_i`` its mean normalised affinity
-(softmax probability, or sigmoid score over the token's sum of scores), and the loss is
-``coef E sum_i f_i P_i`` averaged over the sequences (1 x coef when perfectly balanced).
-The loss of a batch is the mean of its sequences' whatever the layout cuts the batch into
-(micro-batches, dp replicas): so one process and every layout compute the same loss, as
-they do for the cross-entropy. Under context parallelism a rank holds only some tokens of
-each sequence (``models.sequence``): the counts behind ``f_i`` are summed over the
-sequence's ranks (``sequence.sequence_total``: one all-reduce of (S, E) over cp) before
-the product, and ``P_i`` is the mean over the rank's own tokens. Since ``P_i`` enters
-linearly and every cp rank holds as many tokens, the mean over the cp ranks of their local
-losses is the loss of the whole sequences, exactly as each rank's cross-entropy is the mean
-over its own tokens; the engine averages both over cp (its gradient sync, its statistics).
-
-It reaches the gradient without travelling to the loss: the block's output passes through
-``AuxLossScaler`` (identity forward; in backward the auxiliary loss receives the gradient
-``aux_grad_scale``), so it works in any pipeline stage. ``aux_grad_scale`` is 1 by default
-(``loss.backward()`` of a plain model differentiates cross-entropy plus every block's
-auxiliary loss); the engine sets it to the factor its loss is multiplied by (1 / micro-batches,
-times the fp16 loss scale).
-
-Dispatch: the N k assignments are sorted by expert (stable, so by token within an expert),
-the experts run on them in one grouped matrix product per weight (``grouped_mm``), and the
-results are put back and weighted. ``capacity_factor`` c > 0 keeps at most
-``ceil(c N k / E)`` assignments per expert (first choices before second, then by token;
-GShard's priority) and drops the rest (the token keeps its residual); 0 is dropless, so no
-result depends on how tokens are batched. Each forward in training (grad enabled) adds its
-auxiliary loss and expert load to ``pop_router_stats()``; a forward run again by selective
-recomputation (``comm.replay.recomputing()``) does not, so nothing is counted twice.
+  ``MoEAuxLossAutoScaler``.
 """
 
 from __future__ import annotations
@@ -140,10 +98,13 @@ class Experts(nn.Module):
             p.active_fraction = top_k / n_experts
 
     def reset_parameters(self, std: float = 0.02) -> None:
+        """Draw every expert's weights from N(0, ``std``)."""
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of each expert on its rows: ``x`` ``(M, C)`` sorted by expert, ``counts`` ``(E,)``
+        rows per expert -> ``(M, C)``."""
         h = F.silu(grouped_mm(x, self.gate_proj, counts)) * grouped_mm(x, self.up_proj, counts)
         return grouped_mm(h, self.down_proj, counts)                            # (M, C)
 
@@ -155,12 +116,15 @@ class AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        """Return ``x`` unchanged (a view), noting ``aux``'s shape for the backward."""
         ctx.scale = scale
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """``grad`` to ``x``; the constant ``scale`` to ``aux`` (as if ``scale * aux`` were in the
+        loss)."""
         shape, dtype, device = ctx.aux_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
@@ -324,6 +288,9 @@ class MoE(nn.Module):
         self._stats: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``: route each token to its top-k experts (dropping those
+        over capacity), weight and sum their outputs, add the shared expert; in training, attach the
+        load-balancing loss and count each expert's load."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)                                          # (N, C)
         scores, weights, chosen = route(self.router(flat), self.top_k, self.gating,  # (N, E),

@@ -69,6 +69,9 @@ class DecoderLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Token ids ``(B, T)`` -> ``(logits (B, T, vocab), loss)``; the loss (cross-entropy in fp32
+        against ``targets`` ``(B, T)``) is None without targets. Raises ValueError when T exceeds
+        ``block_size``."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size "
                              f"{self.cfg.block_size}")

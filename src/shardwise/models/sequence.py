@@ -42,33 +42,32 @@ import torch
 
 @dataclass(frozen=True)
 class SequenceShard:
-    """The tokens of each sequence this rank holds, and its attention over all of them.
+    """The tokens of each sequence this rank holds, and its attention over all of them
+    (context parallelism sets one per micro-batch with ``use``). Each field is described
+    where it is declared; the default shard is whole sequences on one rank."""
 
-    positions: (T_local,) int64, the position in the whole sequence of each local token, in
-        local order (not sorted: chunk ``i`` then chunk ``2cp-1-i``); None: whole
-        sequences (``arange(T)``).
-    attention: ``(q, k, v, dropout_p, impl, window, scale, documents) -> out`` over (B, H,
-        T_local, D) tensors, causal over the whole sequence, within a sliding window of
-        ``window`` tokens of it when that is not None, the scores scaled by ``scale``
-        (None: 1 / sqrt(D)), within documents when ``documents`` is not None (ring
-        attention bound to its group), or None for the single-process kernel.
-    total: ``t -> t`` summing a tensor of per-sequence statistics over the ranks holding
-        the other tokens of the same sequences, in place (an all-reduce over the cp
-        group; no gradient), or None when this rank holds whole sequences.
-    documents: (B, T) int64, the document id of every token of the whole sequences of this
-        forward's micro-batch (``document_ids``; not sharded over cp: a rank reads its own
-        tokens' at ``positions``), or None: one document per sequence (plain causal).
-        Read, never written in place: the masks built from it are kept (``masks``).
-    masks: not a constructor argument; the attention masks built from ``documents``
-        (``shared_mask``), weakly: the layers, query chunks and recomputation of this
-        micro-batch take the same tensor while any of them (an autograd graph that saved
-        it) still holds it. A new shard (``dataclasses.replace``) starts empty.
-    """
-
+    # (T_local,) int64: the position in the whole sequence of each local token, in local
+    # order (not sorted: chunk i then chunk 2cp-1-i); None: whole sequences (arange(T))
     positions: torch.Tensor | None = None
+    # (q, k, v, dropout_p, impl, window, scale, documents) -> out over (B, H, T_local, D)
+    # tensors, causal over the whole sequence, within a sliding window of ``window`` tokens
+    # of it when that is not None, the scores scaled by ``scale`` (None: 1 / sqrt(D)),
+    # within documents when ``documents`` is not None (ring attention bound to its group);
+    # None: the single-process kernel
     attention: Callable[..., torch.Tensor] | None = None
+    # t -> t, summing a tensor of per-sequence statistics over the ranks holding the other
+    # tokens of the same sequences, in place (an all-reduce over the cp group; no
+    # gradient); None when this rank holds whole sequences
     total: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # (B, T) int64: the document id of every token of the whole sequences of this forward's
+    # micro-batch (document_ids; not sharded over cp: a rank reads its own tokens' at
+    # ``positions``); None: one document per sequence (plain causal). Read, never written
+    # in place: the masks built from it are kept (``masks``)
     documents: torch.Tensor | None = None
+    # not a constructor argument: the attention masks built from ``documents``
+    # (shared_mask), weakly: the layers, query chunks and recomputation of this micro-batch
+    # take the same tensor while any of them (an autograd graph that saved it) still holds
+    # it. A new shard (dataclasses.replace) starts empty
     masks: weakref.WeakValueDictionary = field(
         default_factory=weakref.WeakValueDictionary, init=False, repr=False, compare=False)
 

@@ -2,39 +2,18 @@
 
 Each layer's forward runs under ``torch.utils.checkpoint`` (non-reentrant) with torch's
 selective-checkpoint contexts (``create_selective_checkpoint_contexts``): the outputs of the
-matrix products and of fused attention are saved for backward, as without recomputation;
-everything else the layer computes (norms, RoPE, activation functions, residual adds, their
-casts) is recomputed in backward from the layer's input. That is torchtitan's op-level
-selective activation checkpointing (its ``activation_checkpoint.mode = "selective"``,
-``selective_ac_option = "op"``, which also saves every matmul but some), and close to
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-arXiv:2205.05198), whose selective recomputation keeps the matmuls' outputs and recomputes
-the memory-hungry, FLOP-cheap parts. Numerics are unchanged: recomputed ops are
-deterministic functions of saved values (dropout's random state is replayed by checkpoint).
-
-Full recomputation (``recompute = true``) is the pipeline executor's: a stage keeps only its
-input. Selective recomputation runs a layer's Python forward again in backward, so what that
-forward does besides computing is made to happen once:
-
-- collectives (tensor parallelism's g all-reduce, sequence parallelism's all-gather and
-  reduce-scatter, the experts' token counts and all-to-alls, the mixture's per-sequence
-  counts over cp): recorded in forward and replayed in the recomputation without
-  communicating (``comm.replay``; Korthikanti et al. sec. 5 and torchtitan keep such outputs
-  too). What this keeps per layer and micro-batch, for b sequences of s tokens of width h
-  and element size e: under tp without SP the attention's and the MLP's all-reduced outputs,
-  2 b s h e; under SP the two reduce-scattered outputs, 2 b (s / tp) h e, and the two
-  all-gathered inputs, 2 b s h e; with experts the dispatched and combined rows (k b s h e
-  each at ep > 1) and the counts. The ring attention's key/value shifts (cp > 1) run again
-  instead (``parallel.context.ring_comm``: every rank recomputes in one order);
-- ZeRO-3's gathers are module hooks around ``forward``, outside the recomputed region: a
-  unit is gathered again for its backward (as without recomputation), and its
-  recomputation reads those gathered parameters;
-- ``contextvars`` (the context-parallel shard of ``models.sequence``, set around the
-  chunk's forward, not around backward) and the tensor-parallel dropout stream
-  (``tensor_parallel.random.ParallelRNG``) are those the forward saw; the default
-  generator is restored by ``torch.utils.checkpoint`` itself;
-- the mixture of experts' routing statistics are counted in forward only
-  (``comm.replay.recomputing``).
+matrix products and of fused attention are saved for backward; everything else the layer
+computes (norms, RoPE, activation functions, residual adds, their casts) is recomputed in
+backward from the layer's input. Sources: torchtitan's op-level selective activation
+checkpointing (``activation_checkpoint.mode = "selective"``, ``selective_ac_option = "op"``)
+and Korthikanti et al. 2022 (arXiv:2205.05198), whose selective recomputation keeps the
+matmuls' outputs and recomputes the memory-hungry, FLOP-cheap parts. Numerics are unchanged:
+recomputed ops are deterministic functions of saved values (dropout's random state is
+replayed by checkpoint). Full recomputation (``recompute = true``) is the pipeline
+executor's: a stage keeps only its input. What the recomputed forward does besides computing
+happens once (collectives replayed by ``comm.replay``, ZeRO-3's gathers outside the region,
+the forward's ``contextvars`` and dropout stream, routing statistics counted once): see
+docs/architecture.md, "Selective recomputation in one paragraph".
 """
 
 from __future__ import annotations

@@ -3,38 +3,15 @@ through torchao's float8 training (``torchao.float8.convert_to_float8_training``
 else as ``precision = "bf16"`` (bf16 parameters and activations, fp32 masters and moments).
 
 Each converted ``nn.Linear`` becomes a ``torchao.float8.Float8Linear`` holding the *same*
-``weight`` / ``bias`` Parameters (``Float8Linear.from_float`` reassigns them), so the
-gradient syncs, masters, checkpoints and parameter names are those of bf16. In forward and
-backward it casts its bf16 input, weight and output gradient to float8 (e4m3 forward, e5m2
-for gradients in ``tensorwise``) with dynamic scales, multiplies with ``torch._scaled_mm``
-and returns bf16; it saves the bf16 input and weight for backward (activations as bf16).
-Recipes (``training.fp8_recipe``, ``Float8LinearConfig.from_recipe_name``; Micikevicius et
-al., "FP8 Formats for Deep Learning", arXiv:2209.05433):
-
-- ``tensorwise``: one scale per tensor (amax of the whole tensor), the fastest;
-- ``rowwise``: one scale per row of each operand, all e4m3 (more accurate, a little slower).
-
-Which layers (torchtitan's choice, ``components/quantization/float8.py``): every
-``nn.Linear`` whose in and out features are multiples of 16 (``torch._scaled_mm``'s
-requirement), except the output head (tp style ``vocab_head``: the logits stay bf16) and the
-modules the model's description keeps in high precision (``ModelDescription.keep_high_precision``:
-the Llama's mixture-of-experts routers, so routing decisions stay bf16).
-
-What composes (torchao 0.18):
-
-- ZeRO-1/2 and pipelines: yes (the weights are bf16 Parameters as usual).
-- ZeRO-3: yes, but the gathers stay bf16. torchao's float8 all-gather
-  (``Float8LinearConfig.enable_fsdp_float8_all_gather``) wraps the weight in
-  ``WeightWithDynamicFloat8CastTensor``, whose ``fsdp_pre_all_gather`` /
-  ``fsdp_post_all_gather`` hooks only FSDP2's ``fully_shard`` calls (with DTensor shards);
-  our ZeRO-3 gathers flat bf16 buffers through ``shardwise.comm``, so the option is left off.
-- Tensor parallelism: no. torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel``
-  are DTensor ``ParallelStyle`` s; our tp layers are our own modules (not ``nn.Linear``), so
-  the config refuses fp8 with ``parallel.tp > 1``.
-
-Devices: float8 matmuls need CUDA compute capability >= 8.9 (Ada, Hopper and later);
-elsewhere (the CPU, A100) fp8 is refused in one line before any rank starts
-(``check_fp8``). torchao is an optional dependency: ``pip install 'shardwise[fp8]'``.
+``weight`` / ``bias`` Parameters, so gradient syncs, masters, checkpoints and names are
+bf16's; it casts its input, weight and output gradient to float8 with dynamic scales and
+multiplies with ``torch._scaled_mm``. Recipes (``training.fp8_recipe``): ``tensorwise`` and
+``rowwise`` (Micikevicius et al., "FP8 Formats for Deep Learning", arXiv:2209.05433). Which
+layers (torchtitan's choice, ``components/quantization/float8.py``): in and out features
+multiples of 16, not the output head, not ``ModelDescription.keep_high_precision``. ZeRO-3's
+gathers stay bf16; tp > 1 is refused; the device needs CUDA compute capability >= 8.9
+(``check_fp8``, one line before any rank starts). Why, and what composes: docs/fp8.md.
+torchao is an optional dependency: ``pip install 'shardwise[fp8]'``.
 """
 
 from __future__ import annotations

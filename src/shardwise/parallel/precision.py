@@ -34,6 +34,8 @@ class DynamicLossScaler:
         self.skipped = 0
 
     def update(self, overflow: bool) -> None:
+        """After a step: on overflow, multiply the scale by ``backoff_factor`` (the step was
+        skipped); after ``growth_interval`` clean steps in a row, by ``growth_factor``."""
         if overflow:
             self.scale *= self.backoff_factor
             self._clean = 0
@@ -44,9 +46,11 @@ class DynamicLossScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
+        """The scale, the clean steps since the last change and the skipped steps."""
         return {"scale": self.scale, "clean": self._clean, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s values."""
         self.scale, self._clean, self.skipped = state["scale"], state["clean"], state["skipped"]
 
 

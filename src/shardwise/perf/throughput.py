@@ -52,5 +52,6 @@ class Throughput:
             self._t0 = None
 
     def resume(self) -> None:
+        """Start the clock again after ``pause`` (nothing when it runs)."""
         if self._t0 is None:
             self._t0 = time.perf_counter()

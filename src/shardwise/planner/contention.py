@@ -34,6 +34,9 @@ def _work(a: torch.Tensor, b: torch.Tensor, reps: int) -> None:
 
 
 def sync_worker(reps: int) -> dict:
+    """Rank function of ``calibrate_sync_penalty``: ``reps`` matmuls per round, with and without a
+    small all-reduce in pairs, 5 times each; returns the seconds per round of each (``alone``,
+    ``sync``: lists of 5)."""
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(n // 2)]

@@ -76,9 +76,13 @@ class Link:
     algorithm: str = "ring"  # "auto": the cheapest of comm.cost.AUTO_CANDIDATES
 
     def params(self, n: int) -> LinkParams:
+        """Link parameters (alpha, beta, gamma: seconds and seconds per byte) for a group of ``n``
+        ranks."""
         return self.fixed if self.fixed is not None else self.profile.params(n)
 
     def all_reduce(self, n: int, nbytes: float) -> float:
+        """Predicted seconds of an all-reduce of ``nbytes`` over ``n`` ranks on this link (the
+        cheapest candidate under ``auto``); 0 for one rank or no bytes."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         prm = self.params(n)
@@ -166,6 +170,8 @@ class Cluster:
         return self.memory / world_size if self.cores else self.memory - self.reserved
 
     def rank_overhead(self, world_size: int) -> float:
+        """Fixed seconds per block pass (``overhead_s``), stretched when ``world_size`` ranks share
+        fewer cores."""
         share = max(1.0, world_size / self.cores) if self.cores else 1.0
         return self.overhead_s * share
 
@@ -199,6 +205,8 @@ class OpModel:
         return flops / (peak * next(e for t, e in self.gemm_eff if g >= t))
 
     def memory(self, nbytes: float) -> float:
+        """Seconds of a memory-bound operation moving ``nbytes`` (``mem_bw`` times the efficiency of
+        the first ``mem_eff`` row it reaches); 0 for no bytes."""
         if nbytes <= 0:
             return 0.0
         mb = nbytes / 1e6
@@ -442,6 +450,7 @@ def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
 
 
 def check_finite(value: float, what: str) -> float:
+    """``value`` when it is a finite number above 0; raises SpecError naming ``what`` otherwise."""
     if not math.isfinite(value) or value <= 0:
         raise SpecError(f"{what}: expected a finite number > 0, got {value!r}")
     return value

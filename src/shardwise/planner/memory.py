@@ -100,6 +100,7 @@ def unit_for(nbytes: float, decimal: bool = False) -> tuple[str, float]:
 
 
 def padded_vocab(V: int, tp: int) -> int:
+    """Vocabulary ``V`` rounded up to a multiple of ``tp`` (each rank holds an equal slice)."""
     return -(-V // tp) * tp
 
 
@@ -325,32 +326,9 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
     """Bytes of ZeRO-3's gathered units at the busiest pipeline rank's peak (0 for ZeRO
     0-2, whose parameters are whole in ``static_bytes`` already), in the compute dtype (b
     per element), each unit padded to a multiple of dp x cp as ``ZeroStage3`` pads it.
-    ``v``: chunks per pipeline rank (the interleaved schedule).
-
-    ``parallel.zero.stage3``: a unit is a layer's own parameters (embedding, a block, the
-    head); before a layer runs its units are gathered and the next unit's gather is
-    launched (forward; in backward the unit before it), so two neighbouring layers are
-    whole at once; a weight tied across pipeline stages is a unit of its own, gathered with
-    its layer, and one tied within the rank (embedding and head on one rank) is the root
-    unit, whole for the step. So: b (root + max over neighbouring layers i, i+1 of the
-    rank of their units' padded elements), with one layer a rank holding just one. Where a
-    layer is two units (its tied weight and the rest) this counts the first unit of the
-    next layer as the whole layer, at most a LayerNorm (or a position table) more than the
-    engine holds. Not counted: the full-size gradients of the unit in backward before they
-    are packed and reduce-scattered (transient, as ZeRO-1/2's gradients before their
-    bucket is reduced). Each chunk is a ``ZeroStage3`` of its own, prefetching only within
-    itself, and a rank runs one chunk's forward or backward at a time, its other chunks
-    sharded meanwhile: so with v chunks per rank the peak is the largest chunk's (root +
-    pair), the maximum over the pp v chunks.
-
-    With expert parallelism (``ep > 1``, ``ZeroStage3(expert_group=)``) a block is two
-    units, in this order: its dense parameters D_i (padded to dp x cp) and this rank's E / ep
-    experts X_i (``rank_expert_params``, padded to the (dp / ep) x cp ranks holding them);
-    each unit prefetches the next one, in forward the one after it (running block i: D_i,
-    X_i and D_{i+1} whole), in backward the one before it (D_{i+1}, X_{i+1} and X_i). So the
-    pair i, i+1 holds X_i + D_{i+1} + max(D_i, X_{i+1}) (embedding and head: X = 0), and one
-    layer alone D + X. With ep = 1 the experts are part of their block's one unit.
-    """
+    ``v``: chunks per pipeline rank (the interleaved schedule). Follows
+    ``parallel.zero.stage3``'s units and prefetch (the comments below say how); not counted:
+    a unit's full-size gradients in backward before they are reduce-scattered (transient)."""
     if zero != 3:
         return 0
     n, b, L = dp * cp, BYTES[precision], spec.n_layer
@@ -363,6 +341,18 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
     def pad(x: int, k: int = n) -> int:
         return -(-x // k) * k
 
+    # A unit is a layer's own parameters (embedding, a block, the head). Before a layer runs
+    # its units are gathered and the next unit's gather is launched (forward; in backward the
+    # unit before it), so two neighbouring layers are whole at once. A weight tied across
+    # pipeline stages is a unit of its own, gathered with its layer; one tied within the rank
+    # (embedding and head on one rank) is the root unit, whole for the step. So: b (root +
+    # max over neighbouring layers i, i+1 of the rank of their units' padded elements), one
+    # layer alone where a rank holds just one. Where a layer is two units (its tied weight
+    # and the rest) this counts the first unit of the next layer as the whole layer: at most
+    # a LayerNorm (or a position table) more than the engine holds. Each chunk is a
+    # ZeroStage3 of its own, prefetching only within itself, and a rank runs one chunk's
+    # forward or backward at a time, its other chunks sharded meanwhile: with v chunks per
+    # rank the peak is the largest chunk's (root + pair), the maximum over the pp v chunks.
     worst = 0
     if spec.description is None:  # a named size's blocks are alike (rank_params' closed
         # form): a chunk's units depend on its shape alone, one chunk of each shape counts,
@@ -381,6 +371,13 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
             dense.append(pad(rank_params(spec, [i], tp, pp, ep) - split - x)
                          + (0 if root else pad(split)))
             expert.append(pad(x, nx))
+        # With expert parallelism (ep > 1, ZeroStage3(expert_group=)) a block is two units,
+        # in this order: its dense parameters D_i (padded to dp x cp) and this rank's E / ep
+        # experts X_i (padded to the (dp / ep) x cp ranks holding them); each unit prefetches
+        # the next one, in forward the one after it (running block i: D_i, X_i and D_{i+1}
+        # whole), in backward the one before it (D_{i+1}, X_{i+1} and X_i). So the pair i,
+        # i+1 holds X_i + D_{i+1} + max(D_i, X_{i+1}) (embedding and head: X = 0), and one
+        # layer alone D + X. With ep = 1 the experts are part of their block's one unit.
         pair = max((xa + db + max(da, xb) for da, xa, db, xb
                     in zip(dense, expert, dense[1:], expert[1:])),
                    default=dense[0] + expert[0] if dense else 0)

@@ -78,6 +78,8 @@ from shardwise.planner.specs import ModelSpec
 
 @dataclass
 class Candidate:
+    """A feasible layout with its predicted ``memory`` (bytes per GPU: params, grads, optimizer,
+    activations, total) and ``time`` (``simulate``'s split in seconds; ``step`` the whole step)."""
     layout: Layout
     memory: dict          # params, grads, optimizer, activations, total (bytes per GPU)
     time: dict = field(default_factory=dict)  # simulate()'s split; "step" seconds
@@ -96,6 +98,7 @@ class Pruned:
 
 
 def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -189,6 +192,8 @@ def cp_reason(spec: ModelSpec, cp: int) -> str | None:
 
 
 def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
+    """Why ``pp`` x ``v`` chunks cannot hold the model (more chunks than its layers plus the
+    embedding and the head), or None when they can."""
     if pp * v > spec.n_layer + 2:
         return f"{pp * v} pipeline chunks for {spec.n_layer + 2} layers"
     return None
@@ -206,6 +211,7 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster, tp_across_nodes
 
 
 def fp8_reason(cluster: Cluster) -> str:
+    """Why fp8 is refused on ``cluster`` (its GPU has no FP8 tensor cores), in one line."""
     return f"fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores"
 
 
@@ -305,6 +311,7 @@ class Bounds:
                 lay.dp if lay.zero == 3 else 0)
 
     def costs(self, lay: Layout):
+        """``chunk_costs`` of ``lay``, memoized by what it reads of the layout (``costs_key``)."""
         key = self.costs_key(lay)
         c = self._costs.get(key)
         if c is None:

@@ -79,6 +79,8 @@ class RunLog:
                                     config=cfg.model_dump(), name=Path(t.out_dir).name)
 
     def write(self, row: dict[str, Any]) -> None:
+        """Append ``row`` to metrics.jsonl, and its numbers (plus memory marks on train rows) to
+        TensorBoard and W&B when they are on, at the row's step."""
         self.jsonl.write(row)
         if self.tensorboard is None and self.wandb is None:
             return
@@ -93,6 +95,8 @@ class RunLog:
             self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
+        """Flush and close TensorBoard's writer and finish the W&B run (metrics.jsonl needs no
+        closing)."""
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None

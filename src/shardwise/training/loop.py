@@ -3,7 +3,7 @@ driving a ``TrainSpec``): the loop owns the cadence, the progress bar, the metri
 throughput and the non-finite-loss stop; the application owns its step, evaluation and
 checkpoint, behind the small protocol of ``TrainTask``.
 
-``run_loop(task, cfg)`` trains until ``training.steps``::
+``run_loop(task, progress=None)`` trains until ``task.cfg.training.steps``::
 
     every step          task.train_step(sync=False)   losses may stay device tensors
     log / eval / save   task.settle(info)             the loop's only host synchronisations

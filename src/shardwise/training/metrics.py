@@ -18,6 +18,7 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to the file as one JSON line (nothing when not enabled)."""
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -53,6 +53,7 @@ class Plan:
 
     @property
     def strategies(self) -> list[str]:
+        """Each layer's strategy (``dp``, ``tp-fc``, ...), in order."""
         return [lp.strategy for lp in self.layers]
 
     def collectives(self) -> list[list[Collective]]:
@@ -75,10 +76,12 @@ class Plan:
 
     @property
     def bytes_per_step(self) -> float:
+        """Bytes each rank sends per step, all layers and layout changes summed."""
         return sum(self.bytes_per_layer())
 
     @property
     def output_layout(self) -> str:
+        """The layout the logits leave in (``feature`` is changed to full at the end)."""
         return FULL if self.layers[-1].layout_out == FEATURE else self.layers[-1].layout_out
 
 

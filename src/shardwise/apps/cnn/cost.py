@@ -64,6 +64,9 @@ class Collective:
         return (2 if self.name == "all_reduce" else 1) * (n - 1) / n * self.nbytes
 
     def seconds(self, n: int, prm: comm_cost.LinkParams) -> float:
+        """Predicted seconds of this collective over ``n`` ranks with link parameters ``prm``: the
+        ring all-reduce's cost model, or (n-1) latency steps and (n-1)/n of the bytes (plus the
+        reduction for a reduce-scatter); 0 for one rank."""
         if n == 1:
             return 0.0
         if self.name == "all_reduce":

@@ -55,6 +55,8 @@ class BatchSampler:
         self.per_epoch = n // batch
 
     def next(self) -> torch.Tensor:
+        """The next global batch's indices, shape ``(batch,)`` int64; a new permutation starts each
+        epoch."""
         if self.index == self.per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -63,9 +65,11 @@ class BatchSampler:
         return perm[(self.index - 1) * self.batch:self.index * self.batch]
 
     def state_dict(self) -> dict:
+        """The sampler's position: epoch and batch index within it."""
         return {"epoch": self.epoch, "index": self.index}
 
     def load_state_dict(self, s: dict) -> None:
+        """Continue from ``state_dict()``'s position."""
         self.epoch, self.index = int(s["epoch"]), int(s["index"])
 
 
@@ -79,6 +83,8 @@ def build(cfg: Config, group: RankGroup, device: torch.device):
 
 
 def make_optimizer(cfg: Config, model: HybridCNN) -> torch.optim.Optimizer:
+    """The optimizer ``cnn.optimizer`` names over ``model``'s parameters: SGD with ``cnn.momentum``,
+    or AdamW with the ``[optimizer]`` betas; lr and weight decay from ``[optimizer]``."""
     o = cfg.optimizer
     if cfg.cnn.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=cfg.cnn.momentum,
@@ -139,6 +145,8 @@ def _opt_state(model: HybridCNN, opt) -> dict:
 
 
 def save(cfg: Config, model, opt, sched, sampler, step: int, history: list) -> Path:
+    """Save a checkpoint of step ``step``: the full model, the optimizer, scheduler and sampler
+    states, the history and the plan. Returns its directory."""
     tensors = {"model": model.full_state(), "optimizer": _opt_state(model, opt)}
     meta = {"kind": "cnn", "step": step, "sampler": sampler.state_dict(),
             "scheduler": sched.state_dict(), "history": history, "config": cfg.model_dump(),
@@ -222,6 +230,8 @@ class CNNTask(TrainTask):
         self.world_size = cfg.cnn.ranks
 
     def train_step(self, sync: bool = True) -> dict:
+        """One optimizer step on the next global batch; returns ``loss`` and ``acc`` over every rank
+        (``sync`` is ignored: the metrics are already global)."""
         t = self.cfg.training
         idx = self.sampler.next()
         loss, correct = train_step(self.model, self.opt, self.x_tr[idx].to(self.device),
@@ -235,19 +245,24 @@ class CNNTask(TrainTask):
         return self.settle(info) if sync else info
 
     def evaluate(self) -> dict:
+        """``val_loss``, ``val_acc`` (0..1) and ``val_images`` over the validation set."""
         loss, acc, n = evaluate(self.model, self.x_val, self.y_val,
                                 self.cfg.training.global_batch_size, self.device)
         return {"val_loss": loss, "val_acc": acc, "val_images": n}
 
     def eval_line(self, row: dict) -> str:
+        """The progress line of a validation row (loss and accuracy in %)."""
         return (f"step {row['step']}: validation loss {row['val_loss']:.4f}, accuracy "
                 f"{100 * row['val_acc']:.2f}% ({row['val_images']:,} images)")
 
     def save_checkpoint(self) -> Path:
+        """Save this step's checkpoint (see ``save``); returns its directory."""
         return save(self.cfg, self.model, self.opt, self.sched, self.sampler, self.step,
                     self.history)
 
     def resume(self, path: Path) -> None:
+        """Load the checkpoint at ``path`` into the model, optimizer, scheduler and sampler;
+        continue from its step."""
         meta = resume(path, self.model, self.opt, self.sched, self.sampler)
         self.step, self.history = int(meta["step"]), list(meta["history"])
 

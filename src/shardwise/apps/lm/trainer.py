@@ -121,6 +121,7 @@ class Trainer(TrainerState, TrainTask):
         return {"val_loss": self._mean_over_dp(sum(losses) / len(losses))}
 
     def eval_line(self, row: dict) -> str:
+        """The progress line of a validation row, in nats per token (or per character)."""
         return (f"step {row['step']}: validation loss {row['val_loss']:.4f} "
                 f"nats/{token_unit(self.tokenizer)}")
 
@@ -131,6 +132,8 @@ class Trainer(TrainerState, TrainTask):
         return run_loop(self, progress)
 
     def end_of_training(self) -> None:
+        """After the last step: save the pipeline's timeline (pp > 1, for ``shardwise timeline``)
+        and drain PipeDream's last backwards."""
         if self.topology.pp > 1 and self.topology.dp_rank == 0:  # for `shardwise timeline`
             self._save_timeline()
         self.engine.drain()  # PipeDream: the last micro-batches' backwards

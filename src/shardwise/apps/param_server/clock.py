@@ -83,6 +83,8 @@ class ClockTable:
         return self.applied if low is not None and low > self.applied else None
 
     def mark_applied(self, clock: int) -> None:
+        """Record that ``clock`` has been applied. Raises ValueError unless it is the next clock in
+        order."""
         if clock != self.applied:
             raise ValueError(f"applying clock {clock}, expected {self.applied}")
         self.applied += 1

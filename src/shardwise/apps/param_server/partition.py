@@ -33,6 +33,7 @@ class Key:
 
     @property
     def numel(self) -> int:
+        """Elements in the key (``hi - lo``)."""
         return self.hi - self.lo
 
 
@@ -45,13 +46,16 @@ class KeyRanges:
 
     @property
     def servers(self) -> int:
+        """Number of servers the keys are split over."""
         return len(self.cuts) - 1
 
     @property
     def numel(self) -> int:
+        """Elements of the flat vector (the last key's end; 0 without keys)."""
         return self.keys[-1].hi if self.keys else 0
 
     def server_keys(self, i: int) -> tuple[Key, ...]:
+        """The keys server ``i`` holds, in order."""
         return self.keys[self.cuts[i]:self.cuts[i + 1]]
 
     def bounds(self, i: int) -> tuple[int, int]:
@@ -60,6 +64,7 @@ class KeyRanges:
         return ks[0].lo, ks[-1].hi
 
     def server_bytes(self) -> list[int]:
+        """Bytes each server holds, one entry per server."""
         return [sum(k.nbytes for k in self.server_keys(i)) for i in range(self.servers)]
 
 

@@ -36,6 +36,8 @@ def header(kind: int, worker: int, clock: int, version: int,
 
 def send_header(dst: int, tag: int, kind: int, worker: int, clock: int, version: int,
                 device: torch.device | None = None) -> None:
+    """Send the header (``kind``, ``worker``, ``clock``, ``version``) to rank ``dst`` with ``tag``.
+    """
     comm.send(header(kind, worker, clock, version, device), dst, tag=tag)
 
 

@@ -118,6 +118,10 @@ class Server:
 
     # -- the main loop ----------------------------------------------------------------------
     def serve(self) -> dict:
+        """Serve the workers until each has finished or been dropped as dead: apply pushes, answer
+        pulls under the consistency bound, checkpoint, send worker 0 the final weights. Returns this
+        server's summary (its slice of the weights, updates, pull log, dead and rejoined workers).
+        """
         threads = [threading.Thread(target=self._receive, args=(w,), daemon=True,
                                     name=f"ps-recv-{w}") for w in range(len(self.worker_ranks))]
         senders = [threading.Thread(target=self._reply, args=(w,), daemon=True,

@@ -110,6 +110,9 @@ class PSWorkerTask(TrainTask):
         self.flops_per_sample = flops_per_token(self.model.cfg)
 
     def train_step(self, sync: bool = True) -> dict:
+        """One clock of this worker: pull the weights, compute a gradient on its batch (clipped on
+        its own), push it. Returns ``loss``, ``time_s`` and ``pull_wait_s`` (seconds waiting for the
+        pull)."""
         t, clock, w = self.cfg.training, self.step, self.worker
         if clock == self.stop_after:
             raise _Stopped
@@ -146,6 +149,7 @@ class PSWorkerTask(TrainTask):
         self.worker.finish(self.cfg.training.steps, final=self.index == 0)
 
     def evaluate(self) -> dict | None:
+        """Worker 0 only: ``val_loss`` of the weights it holds now (None on other workers)."""
         if self.index != 0:
             return None
         v = evaluate(self.model, self.val_tokens, self.cfg, self.device)
@@ -153,6 +157,7 @@ class PSWorkerTask(TrainTask):
         return {"val_loss": v}
 
     def eval_line(self, row: dict) -> str:
+        """The progress line of a validation row, in nats per character."""
         return f"step {row['step']}: validation loss {row['val_loss']:.4f} nats/char"
 
 

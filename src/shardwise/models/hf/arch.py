@@ -111,51 +111,55 @@ class HFTensor:
 @dataclass(frozen=True)
 class HFArch:
     """How our model kind ``kind`` maps onto the ``transformers`` class ``architecture``
-    (``config.json``'s ``model_type``). See the module docstring for ``section``,
-    ``config_json`` and ``tensor``. ``ignored``: ``fnmatch`` patterns of checkpoint tensors
-    that are not parameters (buffers older versions saved). ``complete(config)``: the model
-    config whose parameters are every tensor the architecture has (our GPT without biases
-    is GPT-2 with zero biases; those are written as zeros on export). ``at_most``: [model]
-    fields a run may set below the checkpoint's value (the Llama's ``block_size``: no
-    parameter depends on it). ``bound_reason(config_json)``: ``{field: why}`` for an
-    ``at_most`` bound that is not simply the checkpoint's value (Phi-3's ``block_size``
-    under LongRoPE: ``original_max_position_embeddings``), told when a run asks for more.
-    ``holds(config)``: whether a config of kind ``kind`` is this architecture exactly,
-    sizes aside (its attention and mixture options: a Llama's ``qkv_bias``, ``qk_norm``,
-    experts, where its sliding windows lie, how much of a head it rotates, LongRoPE);
-    ``arch_for`` and ``export_arch`` ask it. ``sized(config)``: for an arch whose tensor
-    map depends on the model's sizes (Phi-3's ``qkv_proj`` packs H query and 2 Hkv
-    key/value heads), the ``tensor`` of that config; ``of(config)`` is the arch with it
-    (``arch_for`` and ``export_arch`` return archs so made), and ``tensor`` before that
-    raises ``ValueError``. ``ignores(config)``: more ``ignored`` patterns for a config
-    (DeepSeek's multi-token-prediction layers, numbered after the model's). A training-state
-    buffer (``state_buffers``: the routing bias) is a checkpoint tensor where ``tensor``
-    names it (DeepSeek-V3's ``e_score_correction_bias``), read and written as a parameter
-    is; where it raises ``KeyError`` the buffer is not the arch's. ``layouts``: for an arch
-    whose tensors are saved under several names (a ``Gemma3ForConditionalGeneration``'s
-    language model: the Hub's files and its own ``state_dict`` since transformers 4.52
-    differ), the
-    ``tensor`` of each, ``reading`` picking the one a checkpoint holds; empty: ``tensor``
-    only. ``language_model(config_json)``: for a multimodal arch, the config.json of its
-    language model as a text-only checkpoint's (``text_source``); None: not multimodal."""
+    (``config.json``'s ``model_type``). ``section``, ``config_json`` and ``tensor`` are the
+    module docstring's; each other field is described where it is declared."""
 
     kind: str
     model_type: str
     architecture: str
     section: Callable[[dict], dict]
     config_json: Callable[[Any, dict | None], dict]
+    # our parameter (or training-state buffer, ``state_buffers``: the routing bias) -> where
+    # it lives in the checkpoint; a buffer whose name raises KeyError is not the arch's
+    # (DeepSeek-V3's ``e_score_correction_bias`` is, read and written as a parameter is)
     tensor: Callable[[str], HFTensor]
+    # fnmatch patterns of checkpoint tensors that are not parameters (buffers older
+    # versions saved)
     ignored: tuple[str, ...] = ()
+    # the model config whose parameters are every tensor the architecture has (our GPT
+    # without biases is GPT-2 with zero biases; those are written as zeros on export)
     complete: Callable[[Any], Any] = lambda cfg: cfg
+    # [model] fields a run may set below the checkpoint's value (the Llama's block_size:
+    # no parameter depends on it)
     at_most: tuple[str, ...] = ()
+    # config.json -> {field: why} for an ``at_most`` bound that is not simply the
+    # checkpoint's value (Phi-3's block_size under LongRoPE:
+    # original_max_position_embeddings), told when a run asks for more
     bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
+    # whether a config of kind ``kind`` is this architecture exactly, sizes aside (its
+    # attention and mixture options: a Llama's qkv_bias, qk_norm, experts, where its sliding
+    # windows lie, how much of a head it rotates, LongRoPE); arch_for and export_arch ask it
     holds: Callable[[Any], bool] = lambda config: True
+    # for an arch whose tensor map depends on the model's sizes (Phi-3's qkv_proj packs H
+    # query and 2 Hkv key/value heads): the ``tensor`` of that config; ``of(config)`` is the
+    # arch with it (arch_for and export_arch return archs so made), and ``tensor`` before
+    # that raises ValueError
     sized: Callable[[Any], Callable[[str], HFTensor]] | None = None
+    # more ``ignored`` patterns for a config (DeepSeek's multi-token-prediction layers,
+    # numbered after the model's)
     ignores: Callable[[Any], tuple[str, ...]] = lambda config: ()
+    # for an arch whose tensors are saved under several names (a
+    # Gemma3ForConditionalGeneration's language model: the Hub's files and its own
+    # state_dict since transformers 4.52 differ), the ``tensor`` of each, ``reading``
+    # picking the one a checkpoint holds; empty: ``tensor`` only
     layouts: tuple[Callable[[str], HFTensor], ...] = ()
+    # for a multimodal arch, config.json -> the config.json of its language model as a
+    # text-only checkpoint's (``text_source``); None: not multimodal
     language_model: Callable[[dict], dict] | None = None
 
     def is_ignored(self, name: str) -> bool:
+        """True when tensor ``name`` of a checkpoint matches one of ``ignored``'s patterns
+        (fnmatch), so it is not read."""
         return any(fnmatch.fnmatchcase(name, p) for p in self.ignored)
 
     def of(self, config: Any) -> HFArch:

@@ -2,72 +2,22 @@
 
 Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 Context" (arXiv:2310.01889), as torchtitan's context parallel and Megatron-LM's
-``AttnFuncWithCPAndKVP2P`` run it: each rank keeps its queries; the key/value blocks travel
-once around the ring of cp ranks (``ring_comm.Ring.shift``, posted before the block it holds
-is computed, so the transfer overlaps that compute); each block's partial result is merged
-into the running one by its log-sum-exp (the online softmax of Milakov & Gimelshein 2018
-and FlashAttention, Dao et al. 2022):
+``AttnFuncWithCPAndKVP2P`` run it: each rank keeps its queries; the key/value blocks (with
+their Hkv heads) travel around the ring of cp ranks (``ring_comm.Ring``), each transfer
+posted before the block held is computed; each block's partial result is merged into the
+running one by its log-sum-exp (the online softmax of Milakov & Gimelshein 2018 and
+FlashAttention, Dao et al. 2022):
 
     lse = log(exp(lse_a) + exp(lse_b)),   out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)
 
-Causal masking per block pair under the load-balanced layout (``sharding``: rank i holds
-chunks i and 2cp-1-i, c tokens each; block j came from rank j):
-
-- j = i (the first step): the local queries against the local keys, causal (the local
-  concatenation is in increasing position order, so the causal mask of the whole sequence
-  restricted to it is the plain triangular one);
-- j < i: every local query against the first chunk of block j (chunk j, earlier than both
-  local chunks); its second chunk (2cp-1-j) is later than both: skipped;
-- j > i: the second local chunk (2cp-1-i) against the whole block (chunks j and 2cp-1-j are
-  both earlier); the first local chunk (i) sees neither: skipped.
-
-With a sliding window of W tokens (query at position p sees keys p - W < p' <= p:
-``models.gpt.sliding_window_mask``, Mistral 7B's), each of the four (local chunk, block
-chunk) pairs is classified from the chunks' positions alone (``_pair``): outside the band
-(skipped: nothing computed), wholly inside (no mask), the causal diagonal, or partly
-inside, computed on the rows and columns that see anything with a boolean band mask of that
-box (``_band``). Without a window the plans above are what this classification gives; with
-one, the pairs are computed apart unless they form one of those plans. The work per rank is
-then no longer equal (``scored_pairs``), and most of it is skipped when W is short against
-the sequence.
-
-Only the blocks some rank's queries see travel. The same classification says which
-``(source, destination)`` transfers are needed (``kv_transfers``: rank d needs rank s's
-block iff ``_plan`` computes anything on it; under this layout iff ``(|s - d| - 1) c + 1 <
-W``, the nearest tokens of their chunks inside the window). When every rank needs every
-block (no window, or W > (cp - 2) c + 1) the blocks go round the ring as above, the same
-calls and bytes. Otherwise (``_routes``) each rank sends its own block directly to the
-ranks that need it, one hop distance h at a time (``Ring.hop``: to ring index i + h, from
-i - h, one ``comm.exchange``; the distances no rank needs skipped; a rank that neither sends
-nor receives at a distance makes no call), each transfer posted before the block held is
-computed, as the ring's. With W <= c (Mistral 7B at 32k tokens on cp 4: c = 4096 = W) rank
-i needs only ranks i - 1's and i + 1's blocks: 2 transfers where the ring makes cp - 1, 1 on
-the end ranks. Backward the needed blocks travel again the same way and each rank sends the
-fp32 dK/dV of a block it used straight back to its owner (distance -h), which adds every
-contribution it receives to its own block's, once; it receives only from the ranks that used
-its block. Every rank posts its transfers in one order (K/V of distance h_{n+1}, then the
-dK/dV of h_n, over the distances some rank uses), so no send waits on a receive posted later.
-
-Grouped-query attention: the blocks travel with their Hkv key/value heads, as Megatron-LM's
-do, and a rank repeats the block it holds to the H query heads for its kernel (the dK/dV of
-the repeats summed back per key/value head), so the ring moves Hkv / H of the bytes of
-repeated heads.
-
-Every step after the first computes 2c x c scores on every rank: equal work. Without a
-causal mask every block is computed whole. The backward (``_RingAttention.backward``) passes
-the key/value blocks around the ring again, and with them their gradient accumulators dK,
-dV: each rank adds its queries' contribution to the block it holds and passes it on; after
-cp hops each accumulator is back with its owner (with a window that leaves some transfers
-unneeded: the direct transfers above). The per-block gradients are FlashAttention's
-(Dao 2023, algorithm 2) from the global ``out`` and ``lse``: ``P = exp(S - lse)``,
-``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO * out))``, ``dQ = dS K / sqrt(D)``,
-``dK = dS^T Q / sqrt(D)``.
-
-Block kernels (``impl``): "sdpa" uses PyTorch's fused CPU flash-attention kernel
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and
-take the log-sum-exp) on CPU tensors and the scores written out elsewhere; "math" writes
-the scores out (B, H, Tq, Tk) in fp32 on any device. Merges and gradient accumulators are
-fp32. No attention dropout (``ValueError``): its masks would have to be drawn per block.
+The backward passes the blocks again with their fp32 dK, dV accumulators; the per-block
+gradients are FlashAttention's (Dao 2023, algorithm 2) from the global ``out`` and ``lse``:
+``P = exp(S - lse)``, ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO * out))``,
+``dQ = dS K / sqrt(D)``, ``dK = dS^T Q / sqrt(D)``. Which block pairs are computed under the
+load-balanced layout (``sharding``: rank i holds chunks i and 2cp-1-i), sliding windows
+(``_pair``, ``_band``), the direct transfers a window allows (``kv_transfers``, ``_routes``,
+``Ring.hop``), documents, the block kernels (``impl``) and the bytes moved:
+docs/context_parallel.md, "Ring attention". No attention dropout (``ValueError``).
 """
 
 from __future__ import annotations

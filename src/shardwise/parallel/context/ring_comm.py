@@ -53,6 +53,7 @@ class Ring:
 
     @property
     def size(self) -> int:
+        """Ranks in the ring."""
         return len(self.ranks)
 
     @property

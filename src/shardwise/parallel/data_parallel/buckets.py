@@ -41,6 +41,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the bucket's flat gradient buffer."""
         return self.buffer.numel() * self.buffer.element_size()
 
     def view_of(self, i: int) -> torch.Tensor:
@@ -74,6 +75,7 @@ class Bucket:
         self.ready = True
 
     def reset(self) -> None:
+        """Before a backward: every parameter pending again, no reduction in flight."""
         self.pending, self.ready, self.work, self.launched_at = len(self.params), False, None, None
         self.fired = set()
 

@@ -67,6 +67,7 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward / accumulation ---------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward (gradients are all-reduced by hooks during backward)."""
         return self.module(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = False) -> None:

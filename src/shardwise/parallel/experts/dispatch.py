@@ -34,6 +34,8 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_rows: list[int], in_rows: list[int],
                 ep: RankGroup, algorithm: str) -> torch.Tensor:
+        """All-to-all of rows: send ``in_rows[j]`` rows of ``x`` to rank j of ``ep``, receive
+        ``out_rows[j]`` from it; returns ``(sum(out_rows), ...)``."""
         ctx.plan = (out_rows, in_rows, ep, algorithm)
         out = x.new_empty((sum(out_rows),) + tuple(x.shape[1:]))
         comm.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=ep.group,
@@ -42,6 +44,7 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """The inverse all-to-all on the gradient (the row counts swapped)."""
         out_rows, in_rows, ep, algorithm = ctx.plan
         gx = grad.new_empty((sum(in_rows),) + tuple(grad.shape[1:]))
         comm.all_to_all_single(gx, grad.contiguous(), in_rows, out_rows, group=ep.group,

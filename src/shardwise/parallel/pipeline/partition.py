@@ -36,17 +36,21 @@ class Partition:
 
     @property
     def parts(self) -> int:
+        """Number of parts (pipeline stages or chunks)."""
         return len(self.costs)
 
     def layers(self, part: int) -> range:
+        """The layer indices of part ``part``."""
         return range(self.bounds[part], self.bounds[part + 1])
 
     @property
     def imbalance(self) -> float:
+        """Largest part's cost over the mean (1.0: balanced)."""
         mean = sum(self.costs) / len(self.costs)
         return max(self.costs) / mean if mean > 0 else 1.0
 
     def describe(self) -> str:
+        """Each part's layers and cost, and the imbalance, one line each."""
         rows = [f"part {i}: layers {self.bounds[i]}..{self.bounds[i + 1] - 1} cost {c:.4g}"
                 for i, c in enumerate(self.costs)]
         return "\n".join(rows + [f"imbalance (max/mean): {self.imbalance:.3f}"])

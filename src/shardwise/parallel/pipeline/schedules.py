@@ -119,6 +119,7 @@ class Schedule:
 
     @property
     def n_chunks(self) -> int:
+        """Model chunks in the pipeline: ``p * v``."""
         return self.p * self.v
 
     def chunks_of(self, rank: int) -> list[int]:

@@ -33,6 +33,7 @@ class StageChunk(nn.Module):
         self.layers = nn.ModuleList(m for _, m in named_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the chunk's layers in order (its input activations to its output)."""
         for layer in self.layers:
             x = layer(x)
         return x

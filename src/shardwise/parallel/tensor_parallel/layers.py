@@ -107,6 +107,8 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in)`` -> ``(..., out / N)`` (``gather_output``: ``(..., out)``); the input enters
+        the region first unless another layer already did (``enters``)."""
         y = self.local(self.enter(x) if self.enters else x)      # (..., out / N)
         return gather_from_region(y, self.tp, tag=self.tag) if self.gather_output else y
 
@@ -141,6 +143,9 @@ class RowParallelLinear(nn.Module):
                      if bias and master.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in / N)`` (or ``(..., in)``, scattered first) -> ``(..., out)``: partial sums
+        all-reduced, or reduce-scattered over the sequence ``(B, T / N, out)`` with sequence
+        parallelism; bias added after."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.tp, tag=self.tag)      # (..., in / N)
         if self.reduces and self.tp.size > 1 and comm.replay.active():
@@ -186,6 +191,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _sharded(shard_tensor(full, 0, tp), 0)     # (V_pad / N, dim)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> ``(B, T, dim)``: ids outside this rank's vocabulary slice give
+        zeros, then all-reduced (reduce-scattered to ``(B, T / N, dim)`` with sequence parallelism).
+        """
         if self.tp.size == 1:
             return F.embedding(idx, self.weight)
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)

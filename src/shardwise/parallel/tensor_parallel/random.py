@@ -70,6 +70,8 @@ class ParallelRNG:
 
     @torch.compiler.disable
     def exit(self) -> None:
+        """End a parallel region: save the parallel stream's state and restore the outer one
+        (nothing for a nested region)."""
         saved = self._outer.pop()
         if saved is not None:
             self.state = self._get()
@@ -101,6 +103,8 @@ class TPDropout(nn.Module):
         self.p, self.rng, self.parallel = p, rng, parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout of ``x`` with probability ``p``, its mask from ``rng``'s parallel stream
+        (``parallel``) or the default generator; identity in eval or at ``p = 0``."""
         if not self.training or self.p == 0.0:
             return x
         with self.rng.fork() if self.parallel else self.rng.replicated():

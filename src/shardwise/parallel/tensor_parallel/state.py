@@ -24,6 +24,7 @@ VOCAB_PARAMS = ("embed.tok.weight", "head.proj.weight")
 
 
 def is_sharded(p: torch.Tensor) -> bool:
+    """True for a parameter split over the tensor-parallel ranks (it carries ``tp_dim``)."""
     return getattr(p, "tp_dim", None) is not None
 
 
