@@ -52,7 +52,7 @@ def test_choice_fields_are_their_registries_names():
     from typing import get_args
 
     from shardwise.apps.param_server.clock import CONSISTENCIES
-    from shardwise.base.config import Config
+    from shardwise.base.config import Config, config_fields
     from shardwise.comm import ALL_TO_ALL_ALGORITHMS, ALLREDUCE_ALGORITHMS
     from shardwise.parallel.float8 import RECIPES
     from shardwise.parallel.pipeline.schedules import KINDS
@@ -66,6 +66,8 @@ def test_choice_fields_are_their_registries_names():
         section, field = key.split(".")
         annotation = Config.model_fields[section].annotation.model_fields[field].annotation
         assert get_args(annotation) == tuple(want), key
+    bounds = {f.key: f.bounds for f in config_fields()}  # what --help and docs/config.md show
+    assert bounds["parallel.schedule"] == "one of " + ", ".join(KINDS)
 
 
 def test_applications_check_their_own_sections():

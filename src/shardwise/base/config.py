@@ -304,35 +304,39 @@ class ParallelConfig(_Section):
                                    "the last layers' gradients start reducing early")
     allreduce: Literal[ALLREDUCE_ALGORITHMS] = Field("auto", description="all-reduce "
                                                      "algorithm of shardwise.comm")
-    all_to_all: Literal[ALL_TO_ALL_ALGORITHMS] = Field("native", description="expert parallelism's token dispatch: "
-                            "native (the backend's all-to-all), pairwise or linear (ours on "
-                            "send/recv, bytes counted)")
+    all_to_all: Literal[ALL_TO_ALL_ALGORITHMS] = Field(
+        "native", description="expert parallelism's token dispatch: native (the backend's "
+        "all-to-all), pairwise or linear (ours on send/recv, bytes counted)")
     schedule: Literal[SCHEDULE_KINDS] = Field("1f1b", description="pipeline schedule with pp "
-                                              "> 1: naive, gpipe, 1f1b, interleaved or "
-                                              "pipedream; parallel.micro_batches is its m")
+                                              "> 1; parallel.micro_batches is its m")
     chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
     partition: Literal[PARTITIONS] = Field("layers", description="pipeline stage balance: "
-                                           "layers, params or time")
-    recompute: bool | Literal["selective"] = Field(False, description="activation recomputation: true (or "
-                                  "\"full\"): each stage keeps only its input and recomputes "
-                                  "its forward in backward; \"selective\": every layer is "
-                                  "checkpointed with torch's selective policy, matmul and "
-                                  "attention outputs saved, element-wise ops recomputed, the "
-                                  "outputs of tp/SP/expert collectives kept and replayed, the "
-                                  "cp ring run again (torchtitan's op-level selective AC; "
-                                  "not yet on CUDA: docs/gpu.md); false: none")
+                                           "by layer count, parameter count or measured "
+                                           "forward + backward time")
+    recompute: bool | Literal["selective"] = Field(False, description="activation "
+                                  "recomputation: true (or \"full\"): each stage keeps "
+                                  "only its input and recomputes its forward in backward; "
+                                  "\"selective\": every layer is checkpointed with torch's "
+                                  "selective policy, matmul and attention outputs saved, "
+                                  "element-wise ops recomputed, the outputs of tp/SP/expert "
+                                  "collectives kept and replayed, the cp ring run again "
+                                  "(torchtitan's op-level selective AC; not yet on CUDA: "
+                                  "docs/gpu.md); false: none")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
-    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
-                      "sharded), 2 (gradients too) or 3 (parameters too)")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer "
+                                      "states sharded), 2 (gradients too) or 3 (parameters "
+                                      "too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: auto (NCCL on CUDA, "
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto (NCCL on CUDA, "
                          "gloo on the CPU), nccl, or gloo; gloo with training.device = cuda "
                          "lets several local ranks share one GPU (CUDA tensors cross ranks "
                          "through page-locked host buffers: for testing every layout on one "
                          "GPU, not for speed)")
-    mode: Literal["grid", "ps"] = Field("grid", description="grid: the dp x pp x cp x tp rank grid; ps: a parameter "
-                      "server (the [ps] section; parallel.dp/pp/cp/tp are not used)")
+    mode: Literal["grid", "ps"] = Field("grid", description="grid: the dp x pp x cp x tp rank "
+                                        "grid; ps: a parameter server (the [ps] section; "
+                                        "parallel.dp/pp/cp/tp are not used)")
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -368,7 +372,10 @@ class PSConfig(_Section):
 
     servers: int = Field(1, ge=1, description="server ranks S (ranks 0..S-1)")
     workers: int = Field(2, ge=1, description="worker ranks W (ranks S..S+W-1)")
-    consistency: Literal[PS_CONSISTENCIES] = Field("bsp", description="bsp, asp or ssp")
+    consistency: Literal[PS_CONSISTENCIES] = Field("bsp", description="bsp: every worker "
+                                                   "waits for all at each clock; asp: none "
+                                                   "waits; ssp: within ps.staleness clocks "
+                                                   "of the slowest")
     staleness: int | None = Field(None, ge=0, description="ssp only: a worker at clock c "
                                   "waits until the slowest live worker has reached c - s")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="update the servers "
@@ -480,16 +487,18 @@ class TrainingConfig(_Section):
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
     progress: bool = Field(True, description="rank 0 draws a progress bar (loss, MFU, "
                            "tokens/s)")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto (CUDA + NCCL when every local rank gets a "
-                        "GPU, else the CPU + gloo), cpu or cuda")
-    precision: Literal[PRECISIONS] = Field("fp32", description="compute dtype: fp32, bf16, fp16 or fp8 "
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA + NCCL "
+                                                   "when every local rank gets a GPU, else "
+                                                   "the CPU + gloo")
+    precision: Literal[PRECISIONS] = Field("fp32", description="compute dtype "
                            "(bf16/fp16/fp8 keep fp32 master weights, sharded with ZeRO, whole "
                            "without; fp8: bf16 plus the Linear layers' matmuls in float8 "
                            "through torchao, CUDA capability >= 8.9, not with parallel.tp > "
                            "1; ZeRO-3 gathers its weights in bf16: docs/fp8.md)")
-    fp8_recipe: Literal[FP8_RECIPES] = Field("tensorwise", description="fp8 scaling (torchao's recipes): "
-                            "tensorwise (one scale per tensor) or rowwise (one per row, "
-                            "more accurate, a little slower); only with precision = fp8")
+    fp8_recipe: Literal[FP8_RECIPES] = Field("tensorwise", description="fp8 scaling "
+                            "(torchao's recipes): tensorwise (one scale per tensor) or "
+                            "rowwise (one per row, more accurate, a little slower); only "
+                            "with precision = fp8")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
     initial_loss_scale: float = Field(65536.0, gt=0.0, description="first loss scale of "
                                       "dynamic loss scaling (fp16)")
@@ -504,9 +513,9 @@ class TrainingConfig(_Section):
     tensorboard: bool = Field(False, description="also write the metrics (loss, lr, grad norm, "
                               "tokens/s, MFU, memory) as TensorBoard event files under "
                               "out_dir/tensorboard (needs the tensorboard package)")
-    wandb: Literal["offline", "online", ""] = Field("", description="offline or online: also log the metrics to Weights & "
-                       "Biases, its run under out_dir/wandb (needs the wandb package); "
-                       "empty: no")
+    wandb: Literal["offline", "online", ""] = Field("", description="offline or online: also "
+                       "log the metrics to Weights & Biases, its run under out_dir/wandb "
+                       "(needs the wandb package); empty: no")
 
 
 class CheckpointConfig(_Section):
@@ -768,7 +777,8 @@ class FieldDoc:
     """One config field: ``section.name``, the type of its TOML value (``int``, ``float``,
     ``bool``, ``str``, ``list[int]``, ``str | list[str]``; "unset" is not a TOML value, so
     an optional field shows its other type), its default (None: unset), its description
-    and its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, or "")."""
+    and its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, a choice field's ``"one of a, b, c"``,
+    or "")."""
 
     section: str
     name: str
@@ -798,14 +808,23 @@ def config_fields() -> list[FieldDoc]:
     for section, sinfo in Config.model_fields.items():
         model = sinfo.annotation
         for name, info in model.model_fields.items():
-            bounds = ", ".join(f"{op} {getattr(m, attr)}" for m in info.metadata
-                               for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                               if getattr(m, attr, None) is not None)
+            bounds = _choices(info.annotation) or ", ".join(
+                f"{op} {getattr(m, attr)}" for m in info.metadata
+                for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                if getattr(m, attr, None) is not None)
             # a default_factory's value (dense_layers' []), not pydantic's Undefined marker
             default = info.get_default(call_default_factory=True)
             out.append(FieldDoc(section, name, _type_name(info.annotation), default,
                                 info.description or "", bounds))
     return out
+
+
+def _choices(t: Any) -> str:
+    """``"one of a, b, c"`` for a choice field (a ``Literal``; the empty string as ``""``),
+    else ""."""
+    if get_origin(t) is not Literal:
+        return ""
+    return "one of " + ", ".join('""' if a == "" else str(a) for a in get_args(t))
 
 
 def _type_name(t: Any) -> str:
