@@ -27,6 +27,7 @@ from shardwise.cli.main import main
     (["--parallel.schedule", "foo"],  # a choice field: its registry's names, in one line
      "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved or pipedream"),
     (["--parallel.zero", "4"], "parallel.zero=4: expected 0, 1, 2 or 3"),
+    (["--parallel.zero", "true"], "parallel.zero=True: expected 0, 1, 2 or 3"),
     (["--training.wandb", "yes"], "training.wandb='yes': expected offline, online or empty"),
     (["--model.kind", "cnn", "--parallel.zero", "1"],  # the CNN's AppSpec, at the door
      "model.kind=cnn trains in fp32 on its own group (cnn.ranks)"),

@@ -3,8 +3,10 @@
 A run is described by a TOML file (``configs/*.toml``) whose tables are the sections below,
 plus command-line overrides ``--section.field VALUE`` (values parsed as TOML literals, so
 ``--parallel.dp 4``, ``--optimizer.lr 1e-3``, ``--model.tie_weights false``). Everything is
-validated before any rank starts: unknown keys, wrong types and impossible combinations
-raise ``ConfigError`` whose message is one line naming the field.
+validated before any rank starts: unknown keys, wrong types, a choice outside its
+``Literal`` and impossible combinations raise ``ConfigError`` whose message is one line
+naming the field. An application's own rules (the CNN's, the parameter server's) are its
+``AppSpec.check_config``'s, which the CLI runs at the door after loading.
 """
 
 from __future__ import annotations
@@ -337,6 +339,16 @@ class ParallelConfig(_Section):
     mode: Literal["grid", "ps"] = Field("grid", description="grid: the dp x pp x cp x tp rank "
                                         "grid; ps: a parameter server (the [ps] section; "
                                         "parallel.dp/pp/cp/tp are not used)")
+
+    @field_validator("zero", mode="before")
+    @classmethod
+    def _zero_is_whole(cls, value):
+        """A ZeRO stage is a TOML integer: pydantic's Literal takes true or 1.0 for 1."""
+        if type(value) is not int:
+            *most, last = get_args(cls.model_fields["zero"].annotation)
+            raise ValueError(f"parallel.zero={value!r}: expected "
+                             f"{', '.join(map(str, most))} or {last}")
+        return value
 
     @field_validator("recompute", mode="before")
     @classmethod
