@@ -185,10 +185,11 @@ def test_bad_masks_are_refused_in_one_line(corpus, packed, tmp_path, capsys):
                             "block_causal")
     with pytest.raises(ValueError, match=r"^model.attention_mask='bidirectional': expected"):
         LlamaConfig(vocab_size=VOCAB, attention_mask="bidirectional")
+    from shardwise.apps.param_server.app import check_config  # the application's rule
     with pytest.raises(ConfigError, match=r"^model.attention_mask='block_causal' with "
                                           "parallel.mode=ps"):
-        Config.from_dict({"model": {"attention_mask": "block_causal"},
-                          "parallel": {"mode": "ps"}})
+        check_config(Config.from_dict({"model": {"attention_mask": "block_causal"},
+                                       "parallel": {"mode": "ps"}}))
     # the character tokenizer of a text has no end-of-text id: refused at the door
     assert_one_line_exit_2(
         ["train", "--data", str(corpus), "--model.attention_mask", "block_causal",

@@ -24,6 +24,14 @@ from shardwise.cli.main import main
     (["--resume", "--checkpoint.dir", "/tmp/shardwise-none"], "--resume: no complete checkpoint"),
     (["--bogus"], "unrecognised argument '--bogus'"),
     (["--parallel.schedule", "zigzag"], "error: parallel.schedule='zigzag': expected"),
+    (["--parallel.schedule", "foo"],  # a choice field: its registry's names, in one line
+     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved or pipedream"),
+    (["--parallel.zero", "4"], "parallel.zero=4: expected 0, 1, 2 or 3"),
+    (["--parallel.zero", "true"], "parallel.zero=True: expected 0, 1, 2 or 3"),
+    (["--training.wandb", "yes"], "training.wandb='yes': expected offline, online or empty"),
+    (["--model.kind", "cnn", "--parallel.zero", "1"],  # the CNN's AppSpec, at the door
+     "model.kind=cnn trains in fp32 on its own group (cnn.ranks)"),
+    (["--model.kind", "cnn", "--model.init_from", "hf:x"], "model.init_from with model.kind=cnn"),
     (["--model.kind", "llama", "--model.sliding_window", "-1"],
      "model.sliding_window: Input should be greater than or equal to 0"),
     (["--model.sliding_window", "8"], "model.sliding_window=8: the GPT has no such option"),
@@ -38,6 +46,49 @@ from shardwise.cli.main import main
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, expected, capsys):
     assert_one_line_exit_2(["train", *argv], capsys, expected)
+
+
+def test_choice_fields_are_their_registries_names():
+    """A choice field is a Literal of the names the module that implements it runs."""
+    from typing import get_args
+
+    from shardwise.apps.param_server.clock import CONSISTENCIES
+    from shardwise.base.config import Config, config_fields
+    from shardwise.comm import ALL_TO_ALL_ALGORITHMS, ALLREDUCE_ALGORITHMS
+    from shardwise.parallel.float8 import RECIPES
+    from shardwise.parallel.pipeline.schedules import KINDS
+    from shardwise.parallel.precision import DTYPES
+
+    names = {"parallel.schedule": KINDS, "parallel.allreduce": ALLREDUCE_ALGORITHMS,
+             "parallel.all_to_all": ALL_TO_ALL_ALGORITHMS, "training.precision": tuple(DTYPES),
+             "training.fp8_recipe": RECIPES, "ps.consistency": CONSISTENCIES,
+             "parallel.zero": (0, 1, 2, 3), "training.device": ("auto", "cpu", "cuda")}
+    for key, want in names.items():
+        section, field = key.split(".")
+        annotation = Config.model_fields[section].annotation.model_fields[field].annotation
+        assert get_args(annotation) == tuple(want), key
+    bounds = {f.key: f.bounds for f in config_fields()}  # what --help and docs/config.md show
+    assert bounds["parallel.schedule"] == "one of " + ", ".join(KINDS)
+
+
+def test_applications_check_their_own_sections():
+    """``Config`` holds only the rules every application shares: the CNN's and the parameter
+    server's are their ``AppSpec.check_config``'s, run at the door, and the rank grid's rules
+    do not reach a run the grid does not place."""
+    from shardwise.apps.registry import app_for
+    from shardwise.base.config import Config, ConfigError
+
+    cases = {"parallel.cp=2 with model.kind=cnn": {"model": {"kind": "cnn"}, "parallel": {"cp": 2}},
+             "model.kind=cnn trains in fp32": {"model": {"kind": "cnn"}, "parallel": {"zero": 1}},
+             "parallel.tp=2 with parallel.mode=ps": {"parallel": {"mode": "ps", "tp": 2}},
+             "parallel.mode=ps trains in fp32 without ZeRO": {"parallel": {"mode": "ps",
+                                                                          "zero": 2}}}
+    for message, data in cases.items():
+        cfg = Config.from_dict(data)
+        with pytest.raises(ConfigError, match=message):
+            app_for(cfg).check_config(cfg)
+    # the parameter server has no pipeline: its [parallel].schedule is not read
+    Config.from_dict({"parallel": {"mode": "ps", "schedule": "pipedream"}})
 
 
 def test_bad_config_file_values(tmp_path, capsys):

@@ -248,10 +248,16 @@ def test_config_rules_for_cp():
         with pytest.raises(ConfigError) as e:
             load(**parallel)
         assert str(e.value) == message
+    from shardwise.apps.registry import app_for
+
+    def at_the_door(data):  # the parameter server's and the CNN's rules are their AppSpec's
+        cfg = Config.from_dict(data)
+        app_for(cfg).check_config(cfg)
+
     with pytest.raises(ConfigError, match="parallel.cp=2 with parallel.mode=ps"):
-        Config.from_dict({"parallel": {"mode": "ps", "cp": 2}})
+        at_the_door({"parallel": {"mode": "ps", "cp": 2}})
     with pytest.raises(ConfigError, match="parallel.cp=2 with model.kind=cnn"):
-        Config.from_dict({"model": {"kind": "cnn"}, "parallel": {"cp": 2}})
+        at_the_door({"model": {"kind": "cnn"}, "parallel": {"cp": 2}})
 
 
 def test_engine_refuses_what_it_cannot_shard():

@@ -26,10 +26,11 @@ def _nothing(cfg: Config) -> None:
 class AppSpec:
     """One application.
 
-    ``handles(cfg)``: whether ``cfg`` selects it. ``check_config(cfg)``: its rules that need
-    its model (``ValueError``, one line), and ``check_data(cfg)``: its data is there and
-    large enough (``DataError`` / ``ValueError``, one line); both run at the door, before any
-    rank starts. ``train_rank(cfg_dict, device, resume)``: every rank's entry point
+    ``handles(cfg)``: whether ``cfg`` selects it. ``check_config(cfg)``: its own rules, its
+    sections against the others' and against its model (``Config`` checks only what holds
+    for every application; ``ValueError``, one line), and ``check_data(cfg)``: its data is
+    there and large enough (``DataError`` / ``ValueError``, one line); both run at the door,
+    before any rank starts. ``train_rank(cfg_dict, device, resume)``: every rank's entry point
     (``torch.distributed`` is up with ``cfg.world_size`` ranks; ``device`` None: the
     application's default; ``resume``: a checkpoint path, True for the newest, or False),
     returning that rank's summary. ``result_rank(cfg)``: the rank whose summary the closing

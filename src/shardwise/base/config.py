@@ -3,8 +3,10 @@
 A run is described by a TOML file (``configs/*.toml``) whose tables are the sections below,
 plus command-line overrides ``--section.field VALUE`` (values parsed as TOML literals, so
 ``--parallel.dp 4``, ``--optimizer.lr 1e-3``, ``--model.tie_weights false``). Everything is
-validated before any rank starts: unknown keys, wrong types and impossible combinations
-raise ``ConfigError`` whose message is one line naming the field.
+validated before any rank starts: unknown keys, wrong types, a choice outside its
+``Literal`` and impossible combinations raise ``ConfigError`` whose message is one line
+naming the field. An application's own rules (the CNN's, the parameter server's) are its
+``AppSpec.check_config``'s, which the CLI runs at the door after loading.
 """
 
 from __future__ import annotations
@@ -14,15 +16,27 @@ import tomllib
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# the names of shardwise.comm's all-reduce algorithms (comm.api takes them from here)
+# The choices of the choice fields, each the names of the registry that implements them; that
+# module takes (or asserts) its names from here, since base imports nothing of ours.
+# shardwise.comm's all-reduce algorithms (comm.api takes them from here)
 ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halving_doubling",
                         "rabenseifner", "tree", "parallel", "shm", "hierarchical")
-# and of its all-to-all (comm.alltoall takes them from here)
+# and its all-to-all (comm.alltoall takes them from here)
 ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
+# parallel.pipeline.schedules.KINDS
+SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream")
+# parallel.pipeline.partition.partition's ``by``
+PARTITIONS = ("layers", "params", "time")
+# parallel.precision.DTYPES' keys
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# parallel.float8.RECIPES (torchao's scalings)
+FP8_RECIPES = ("tensorwise", "rowwise")
+# apps.param_server.clock.CONSISTENCIES
+PS_CONSISTENCIES = ("bsp", "asp", "ssp")
 # model.attention_mask (torchtitan's attn_mask_type names; the models take them from here)
 ATTENTION_MASKS = ("causal", "block_causal")
 
@@ -290,34 +304,51 @@ class ParallelConfig(_Section):
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
     first_bucket_mb: float = Field(1.0, gt=0.0, description="capacity of the first bucket, MiB: "
                                    "the last layers' gradients start reducing early")
-    allreduce: str = Field("auto", description="all-reduce algorithm of shardwise.comm")
-    all_to_all: str = Field("native", description="expert parallelism's token dispatch: "
-                            "native (the backend's all-to-all), pairwise or linear (ours on "
-                            "send/recv, bytes counted)")
-    schedule: str = Field("1f1b", description="pipeline schedule with pp > 1: naive, gpipe, "
-                          "1f1b, interleaved or pipedream; parallel.micro_batches is its m")
+    allreduce: Literal[ALLREDUCE_ALGORITHMS] = Field("auto", description="all-reduce "
+                                                     "algorithm of shardwise.comm")
+    all_to_all: Literal[ALL_TO_ALL_ALGORITHMS] = Field(
+        "native", description="expert parallelism's token dispatch: native (the backend's "
+        "all-to-all), pairwise or linear (ours on send/recv, bytes counted)")
+    schedule: Literal[SCHEDULE_KINDS] = Field("1f1b", description="pipeline schedule with pp "
+                                              "> 1; parallel.micro_batches is its m")
     chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
-    partition: str = Field("layers", description="pipeline stage balance: layers, params or time")
-    recompute: bool | str = Field(False, description="activation recomputation: true (or "
-                                  "\"full\"): each stage keeps only its input and recomputes "
-                                  "its forward in backward; \"selective\": every layer is "
-                                  "checkpointed with torch's selective policy, matmul and "
-                                  "attention outputs saved, element-wise ops recomputed, the "
-                                  "outputs of tp/SP/expert collectives kept and replayed, the "
-                                  "cp ring run again (torchtitan's op-level selective AC; "
-                                  "not yet on CUDA: docs/gpu.md); false: none")
+    partition: Literal[PARTITIONS] = Field("layers", description="pipeline stage balance: "
+                                           "by layer count, parameter count or measured "
+                                           "forward + backward time")
+    recompute: bool | Literal["selective"] = Field(False, description="activation "
+                                  "recomputation: true (or \"full\"): each stage keeps "
+                                  "only its input and recomputes its forward in backward; "
+                                  "\"selective\": every layer is checkpointed with torch's "
+                                  "selective policy, matmul and attention outputs saved, "
+                                  "element-wise ops recomputed, the outputs of tp/SP/expert "
+                                  "collectives kept and replayed, the cp ring run again "
+                                  "(torchtitan's op-level selective AC; not yet on CUDA: "
+                                  "docs/gpu.md); false: none")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
-    zero: int = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer states "
-                      "sharded), 2 (gradients too) or 3 (parameters too)")
+    zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer "
+                                      "states sharded), 2 (gradients too) or 3 (parameters "
+                                      "too)")
     timeout_s: float = Field(300.0, gt=0.0, description="collective timeout, seconds")
-    backend: str = Field("auto", description="torch.distributed backend: auto (NCCL on CUDA, "
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto (NCCL on CUDA, "
                          "gloo on the CPU), nccl, or gloo; gloo with training.device = cuda "
                          "lets several local ranks share one GPU (CUDA tensors cross ranks "
                          "through page-locked host buffers: for testing every layout on one "
                          "GPU, not for speed)")
-    mode: str = Field("grid", description="grid: the dp x pp x cp x tp rank grid; ps: a parameter "
-                      "server (the [ps] section; parallel.dp/pp/cp/tp are not used)")
+    mode: Literal["grid", "ps"] = Field("grid", description="grid: the dp x pp x cp x tp rank "
+                                        "grid; ps: a parameter server (the [ps] section; "
+                                        "parallel.dp/pp/cp/tp are not used)")
+
+    @field_validator("zero", mode="before")
+    @classmethod
+    def _zero_is_whole(cls, value):
+        """A ZeRO stage is a TOML integer: pydantic's Literal takes true or 1.0 for 1."""
+        if type(value) is not int:
+            *most, last = get_args(cls.model_fields["zero"].annotation)
+            raise ValueError(f"parallel.zero={value!r}: expected "
+                             f"{', '.join(map(str, most))} or {last}")
+        return value
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -332,24 +363,7 @@ class ParallelConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _known_algorithm(self):
-        if self.mode not in ("grid", "ps"):
-            raise ValueError(f"parallel.mode={self.mode!r}: expected grid or ps")
-        if self.allreduce not in ALLREDUCE_ALGORITHMS:
-            raise ValueError(f"parallel.allreduce={self.allreduce!r}: expected one of "
-                             f"{', '.join(ALLREDUCE_ALGORITHMS)}")
-        if self.all_to_all not in ALL_TO_ALL_ALGORITHMS:
-            raise ValueError(f"parallel.all_to_all={self.all_to_all!r}: expected one of "
-                             f"{', '.join(ALL_TO_ALL_ALGORITHMS)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"parallel.zero={self.zero}: expected a ZeRO stage 0, 1, 2 or 3")
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ValueError(f"parallel.backend={self.backend!r}: expected auto, nccl or gloo")
-        if self.schedule not in ("naive", "gpipe", "1f1b", "interleaved", "pipedream"):
-            raise ValueError(f"parallel.schedule={self.schedule!r}: expected naive, gpipe, 1f1b, "
-                             "interleaved or pipedream")
-        if self.partition not in ("layers", "params", "time"):
-            raise ValueError(f"parallel.partition={self.partition!r}: expected layers, params or time")
+    def _schedule_agrees(self):
         if self.recompute == "selective" and self.schedule == "pipedream":
             raise ValueError("parallel.recompute=selective with parallel.schedule=pipedream: a "
                              "layer recomputed in backward would read the live weights, not "
@@ -370,10 +384,14 @@ class PSConfig(_Section):
 
     servers: int = Field(1, ge=1, description="server ranks S (ranks 0..S-1)")
     workers: int = Field(2, ge=1, description="worker ranks W (ranks S..S+W-1)")
-    consistency: str = Field("bsp", description="bsp, asp or ssp")
+    consistency: Literal[PS_CONSISTENCIES] = Field("bsp", description="bsp: every worker "
+                                                   "waits for all at each clock; asp: none "
+                                                   "waits; ssp: within ps.staleness clocks "
+                                                   "of the slowest")
     staleness: int | None = Field(None, ge=0, description="ssp only: a worker at clock c "
                                   "waits until the slowest live worker has reached c - s")
-    optimizer: str = Field("adamw", description="update the servers apply: adamw (the "
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="update the servers "
+                                               "apply: adamw (the "
                            "[optimizer] section) or sgd (momentum ps.momentum)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum")
     slow_worker: str | None = Field(None, description="INDEX:FACTOR: worker INDEX (0..W-1) "
@@ -385,15 +403,11 @@ class PSConfig(_Section):
 
     @model_validator(mode="after")
     def _rules(self):
-        if self.consistency not in ("bsp", "asp", "ssp"):
-            raise ValueError(f"ps.consistency={self.consistency!r}: expected bsp, asp or ssp")
         if self.staleness is not None and self.consistency != "ssp":
             raise ValueError(f"ps.staleness={self.staleness} with ps.consistency="
                              f"{self.consistency}: staleness is a bound of ssp only")
         if self.staleness is None and self.consistency == "ssp":
             raise ValueError("ps.consistency=ssp needs ps.staleness (an integer >= 0)")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"ps.optimizer={self.optimizer!r}: expected adamw or sgd")
         if self.slow_worker is not None:
             self.slow()  # raises on a malformed value
         return self
@@ -429,8 +443,8 @@ class CNNSection(_Section):
     kernel: int = Field(3, ge=1, description="convolution kernel size (odd)")
     plan: str | list[str] = Field("auto", description="auto (chosen by the cost model), dp, "
                                   "tp-fc, or one of dp/replicated/column/row per layer")
-    optimizer: str = Field("adamw", description="adamw (the [optimizer] section) or sgd "
-                           "(momentum cnn.momentum)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw (the [optimizer] "
+                                               "section) or sgd (momentum cnn.momentum)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum "
                             "(cnn.optimizer = sgd)")
     flops_per_s: float = Field(2e10, gt=0.0, description="compute rate per rank the chooser "
@@ -438,8 +452,6 @@ class CNNSection(_Section):
 
     @model_validator(mode="after")
     def _rules(self):
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"cnn.optimizer={self.optimizer!r}: expected adamw or sgd")
         if not self.channels or min(self.channels) < 1 or min(self.hidden, default=1) < 1:
             raise ValueError("cnn.channels and cnn.hidden must be whole numbers >= 1 "
                              "(channels: at least one)")
@@ -487,16 +499,18 @@ class TrainingConfig(_Section):
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
     progress: bool = Field(True, description="rank 0 draws a progress bar (loss, MFU, "
                            "tokens/s)")
-    device: str = Field("auto", description="auto (CUDA + NCCL when every local rank gets a "
-                        "GPU, else the CPU + gloo), cpu or cuda")
-    precision: str = Field("fp32", description="compute dtype: fp32, bf16, fp16 or fp8 "
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA + NCCL "
+                                                   "when every local rank gets a GPU, else "
+                                                   "the CPU + gloo")
+    precision: Literal[PRECISIONS] = Field("fp32", description="compute dtype "
                            "(bf16/fp16/fp8 keep fp32 master weights, sharded with ZeRO, whole "
                            "without; fp8: bf16 plus the Linear layers' matmuls in float8 "
                            "through torchao, CUDA capability >= 8.9, not with parallel.tp > "
                            "1; ZeRO-3 gathers its weights in bf16: docs/fp8.md)")
-    fp8_recipe: str = Field("tensorwise", description="fp8 scaling (torchao's recipes): "
-                            "tensorwise (one scale per tensor) or rowwise (one per row, "
-                            "more accurate, a little slower); only with precision = fp8")
+    fp8_recipe: Literal[FP8_RECIPES] = Field("tensorwise", description="fp8 scaling "
+                            "(torchao's recipes): tensorwise (one scale per tensor) or "
+                            "rowwise (one per row, more accurate, a little slower); only "
+                            "with precision = fp8")
     loss_scaling: bool = Field(True, description="dynamic loss scaling (used with fp16)")
     initial_loss_scale: float = Field(65536.0, gt=0.0, description="first loss scale of "
                                       "dynamic loss scaling (fp16)")
@@ -511,15 +525,9 @@ class TrainingConfig(_Section):
     tensorboard: bool = Field(False, description="also write the metrics (loss, lr, grad norm, "
                               "tokens/s, MFU, memory) as TensorBoard event files under "
                               "out_dir/tensorboard (needs the tensorboard package)")
-    wandb: str = Field("", description="offline or online: also log the metrics to Weights & "
-                       "Biases, its run under out_dir/wandb (needs the wandb package); "
-                       "empty: no")
-
-    @model_validator(mode="after")
-    def _loggers(self):
-        if self.wandb not in ("", "offline", "online"):
-            raise ValueError(f"training.wandb={self.wandb!r}: expected offline, online or empty")
-        return self
+    wandb: Literal["offline", "online", ""] = Field("", description="offline or online: also "
+                       "log the metrics to Weights & Biases, its run under out_dir/wandb "
+                       "(needs the wandb package); empty: no")
 
 
 class CheckpointConfig(_Section):
@@ -548,8 +556,20 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _sections_agree(self):
-        """Rules that span sections: sizes that must divide, layouts that cannot combine."""
+        """Rules that span sections: sizes that must divide, layouts that cannot combine.
+        Those of the rank grid only when it places the ranks (``uses_grid``); the CNN's and
+        the parameter server's own rules are their application's (``AppSpec.check_config``,
+        at the door)."""
         p, t, m = self.parallel, self.training, self.model
+        if p.backend == "nccl" and t.device == "cpu":
+            raise ValueError("parallel.backend=nccl with training.device=cpu: NCCL moves CUDA "
+                             "tensors only; use training.device = cuda, or parallel.backend = "
+                             "gloo")
+        if t.precision == "fp16" and not t.loss_scaling:
+            raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
+                             "gradients underflow without loss scaling")
+        if not self.uses_grid:
+            return self
         # the GPT's sizes (the default kind); other kinds are checked against their model
         # description when the run starts (apps.lm.app.check_config)
         for name, size in ((("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
@@ -568,15 +588,13 @@ class Config(_Section):
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "
                              "stages; use bf16")
-        if (p.zero == 3 and p.chunks_per_rank > 1 and p.pp == 1 and m.tie_weights
-                and m.kind != "cnn" and p.mode == "grid"):
+        if p.zero == 3 and p.chunks_per_rank > 1 and p.pp == 1 and m.tie_weights:
             raise ValueError(f"parallel.zero=3 with parallel.chunks_per_rank={p.chunks_per_rank}, "
                              "parallel.pp=1 and model.tie_weights=true: the embedding and the "
                              "head share one parameter across two chunks of one rank, and "
                              "ZeRO-3 shards each chunk apart; set model.tie_weights = false or "
                              "use pp > 1")
-        if (p.schedule == "pipedream" and p.pp > 1 and m.tie_weights and m.kind != "cnn"
-                and p.mode == "grid"):
+        if p.schedule == "pipedream" and p.pp > 1 and m.tie_weights:
             raise ValueError(f"parallel.schedule=pipedream with model.tie_weights=true and "
                              f"parallel.pp={p.pp}: the embedding and the head are on different "
                              "stages, each stepping on its own clock, so their copies of the "
@@ -585,24 +603,12 @@ class Config(_Section):
         if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")
-        if p.cp > 1 and m.kind != "cnn" and p.mode == "grid":
+        if p.cp > 1:
             self._cp_agrees()
         if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
             cp = f" / parallel.cp={p.cp}" if p.cp > 1 else ""
             raise ValueError(f"model.block_size={m.block_size}{cp} is not divisible by "
                              f"parallel.tp={p.tp} (sequence parallelism splits it)")
-        if t.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"training.device={t.device!r}: expected auto, cpu or cuda")
-        if p.backend == "nccl" and t.device == "cpu":
-            raise ValueError("parallel.backend=nccl with training.device=cpu: NCCL moves CUDA "
-                             "tensors only; use training.device = cuda, or parallel.backend = "
-                             "gloo")
-        if t.precision not in ("fp32", "bf16", "fp16", "fp8"):
-            raise ValueError(f"training.precision={t.precision!r}: expected fp32, bf16, fp16 "
-                             "or fp8")
-        if t.fp8_recipe not in ("tensorwise", "rowwise"):
-            raise ValueError(f"training.fp8_recipe={t.fp8_recipe!r}: expected tensorwise or "
-                             "rowwise")
         if t.precision == "fp8" and p.tp > 1:
             raise ValueError(f"training.precision=fp8 with parallel.tp={p.tp}: torchao's float8 "
                              "tensor parallelism is built on DTensor, ours on our own layers; "
@@ -611,13 +617,6 @@ class Config(_Section):
             raise ValueError(f"training.compile with parallel.tp={p.tp} and model.dropout="
                              f"{m.dropout}: tensor parallelism's own dropout streams "
                              "are not traced; compile needs model.dropout = 0 with tp > 1")
-        if t.precision == "fp16" and not t.loss_scaling:
-            raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
-                             "gradients underflow without loss scaling")
-        if m.kind == "cnn":
-            return self._cnn_agrees()
-        if p.mode == "ps":
-            return self._ps_agrees()
         if p.ep > 1 or m.n_experts:
             self._experts_agree()
         if t.global_batch_size % (p.dp * p.micro_batches):
@@ -668,49 +667,17 @@ class Config(_Section):
                              "soft cap; use cp = 1")
         return self
 
-    def _cnn_agrees(self):
-        """The CNN's own section rules; its plan is checked against the model by the CNN
-        application (``shardwise.apps.cnn.check_config``) before any rank starts."""
-        if self.parallel.cp > 1:
-            raise ValueError(f"parallel.cp={self.parallel.cp} with model.kind=cnn: context "
-                             "parallelism splits a sequence; the CNN has none")
-        if self.model.init_from:
-            raise ValueError("model.init_from with model.kind=cnn: Hugging Face checkpoints "
-                             "are decoders (llama, gpt)")
-        if self.parallel.mode != "grid" or self.parallel.zero or self.training.precision != "fp32":
-            raise ValueError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): "
-                             "leave parallel.mode, parallel.zero and training.precision at "
-                             "their defaults")
-        return self
-
-    def _ps_agrees(self):
-        p, ps, t = self.parallel, self.ps, self.training
-        if self.model.kind != "gpt":
-            raise ValueError(f"model.kind={self.model.kind!r} with parallel.mode=ps: the "
-                             "parameter server trains the GPT only; use parallel.mode = grid")
-        if self.model.init_from:
-            raise ValueError("model.init_from with parallel.mode=ps: the parameter server "
-                             "starts from the seed only; use parallel.mode = grid")
-        if self.model.attention_mask != "causal":
-            raise ValueError(f"model.attention_mask={self.model.attention_mask!r} with "
-                             "parallel.mode=ps: the parameter server's workers attend "
-                             "causally over the character corpus; use parallel.mode = grid")
-        for name, value in (("parallel.pp", p.pp), ("parallel.tp", p.tp), ("parallel.cp", p.cp),
-                            ("parallel.ep", p.ep),
-                            ("parallel.micro_batches", p.micro_batches)):
-            if value != 1:
-                raise ValueError(f"{name}={value} with parallel.mode=ps: the parameter server "
-                                 "is pure data parallelism; set it to 1")
-        if p.zero or t.precision != "fp32":
-            raise ValueError("parallel.mode=ps trains in fp32 without ZeRO: set parallel.zero "
-                             "= 0 and training.precision = fp32")
-        if t.global_batch_size % ps.workers:
-            raise ValueError(f"training.global_batch_size={t.global_batch_size} must be "
-                             f"divisible by ps.workers={ps.workers}")
-        return self  # servers vs key ranges: shardwise.apps.param_server.check_config
+    @property
+    def uses_grid(self) -> bool:
+        """Whether the dp x pp x cp x tp grid of ``[parallel]`` places the ranks: not under
+        ``parallel.mode = "ps"`` (``[ps]``'s servers and workers) nor for the CNN
+        (``[cnn]``'s ranks), whose applications check their own sections."""
+        return self.parallel.mode == "grid" and self.model.kind != "cnn"
 
     @property
     def world_size(self) -> int:
+        """Ranks the run needs: ``cnn.ranks``, ``ps.servers + ps.workers``, or the grid's
+        dp x pp x cp x tp."""
         if self.model.kind == "cnn":
             return self.cnn.ranks
         if self.parallel.mode == "ps":
@@ -774,6 +741,10 @@ def _one_line(err: ValidationError) -> str:
     elif first["type"] == "value_error":  # our validators' messages name their fields
         return msg.removeprefix("Value error, ")
     got = first.get("input")
+    if first["type"] == "literal_error":  # a choice field: name=value: expected a, b or c
+        # pydantic's list of the Literal's values ('a', 'b' or 'c'), as plain words
+        expected = first["ctx"]["expected"].replace("''", "empty").replace("'", "")
+        return f"{loc}={got!r}: expected {expected}"
     got_s = "" if isinstance(got, dict) else f" (got {got!r})"
     where = loc or "config"
     return f"{where}: {msg}{got_s}"
@@ -818,7 +789,8 @@ class FieldDoc:
     """One config field: ``section.name``, the type of its TOML value (``int``, ``float``,
     ``bool``, ``str``, ``list[int]``, ``str | list[str]``; "unset" is not a TOML value, so
     an optional field shows its other type), its default (None: unset), its description
-    and its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, or "")."""
+    and its bounds (``">= 1"``, ``">= 0.0, < 1.0"``, a choice field's ``"one of a, b, c"``,
+    or "")."""
 
     section: str
     name: str
@@ -848,9 +820,10 @@ def config_fields() -> list[FieldDoc]:
     for section, sinfo in Config.model_fields.items():
         model = sinfo.annotation
         for name, info in model.model_fields.items():
-            bounds = ", ".join(f"{op} {getattr(m, attr)}" for m in info.metadata
-                               for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                               if getattr(m, attr, None) is not None)
+            bounds = _choices(info.annotation) or ", ".join(
+                f"{op} {getattr(m, attr)}" for m in info.metadata
+                for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                if getattr(m, attr, None) is not None)
             # a default_factory's value (dense_layers' []), not pydantic's Undefined marker
             default = info.get_default(call_default_factory=True)
             out.append(FieldDoc(section, name, _type_name(info.annotation), default,
@@ -858,10 +831,22 @@ def config_fields() -> list[FieldDoc]:
     return out
 
 
+def _choices(t: Any) -> str:
+    """``"one of a, b, c"`` for a choice field (a ``Literal``; the empty string as ``""``),
+    else ""."""
+    if get_origin(t) is not Literal:
+        return ""
+    return "one of " + ", ".join('""' if a == "" else str(a) for a in get_args(t))
+
+
 def _type_name(t: Any) -> str:
-    """``int``, ``list[int]``, ``str | list[str]``; None dropped from unions (see FieldDoc)."""
+    """``int``, ``list[int]``, ``str | list[str]``; None dropped from unions, a choice
+    (``Literal``) named by its values' type (see FieldDoc)."""
+    if get_origin(t) is Literal:
+        return " | ".join(dict.fromkeys(type(a).__name__ for a in get_args(t)))
     if get_origin(t) in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(t) if a is not type(None))
+        return " | ".join(dict.fromkeys(_type_name(a) for a in get_args(t)
+                                        if a is not type(None)))
     if get_origin(t) is not None:
         return f"{get_origin(t).__name__}[{', '.join(_type_name(a) for a in get_args(t))}]"
     return getattr(t, "__name__", str(t))

@@ -21,7 +21,9 @@ from typing import Callable, Sequence
 
 import torch.nn as nn
 
-RECIPES = ("tensorwise", "rowwise")
+from shardwise.base.config import FP8_RECIPES
+
+RECIPES = FP8_RECIPES  # training.fp8_recipe's choices
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x)
 _INSTALL = "pip install 'shardwise[fp8]' (or pip install torchao)"
 

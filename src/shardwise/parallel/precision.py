@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
+from shardwise.base.config import PRECISIONS
 
 # the compute dtype of each training.precision: fp8 computes in bf16 around its float8
 # matmuls (``parallel.float8``), so parameters, gradients and activations are bf16's
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}
+assert tuple(DTYPES) == PRECISIONS  # training.precision's choices
 
 
 class DynamicLossScaler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.apps.cnn.chooser import resolve
-from shardwise.base.config import CNNSection, Config
+from shardwise.base.config import CNNSection, Config, ConfigError
 from shardwise.models.cnn import CNN, CNNConfig
 
 
@@ -16,8 +16,21 @@ def cnn_config(section: CNNSection) -> CNNConfig:
 
 
 def check_config(cfg: Config) -> None:
-    """The plan must fit the model and the batch: ``ValueError`` (one line naming the layer)
-    otherwise. Run before any rank starts; builds the model on the meta device only."""
+    """The CNN's rules, before any rank starts: it trains in fp32 on its own group of
+    ``cnn.ranks`` (``ConfigError``, one line naming the field), and the plan must fit the
+    model and the batch (``ValueError``, one line naming the layer; the model is built on the
+    meta device only)."""
+    p = cfg.parallel
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with model.kind=cnn: context parallelism "
+                          "splits a sequence; the CNN has none")
+    if cfg.model.init_from:
+        raise ConfigError("model.init_from with model.kind=cnn: Hugging Face checkpoints are "
+                          "decoders (llama, gpt)")
+    if p.mode != "grid" or p.zero or cfg.training.precision != "fp32":
+        raise ConfigError("model.kind=cnn trains in fp32 on its own group (cnn.ranks): leave "
+                          "parallel.mode, parallel.zero and training.precision at their "
+                          "defaults")
     with torch.device("meta"):
         specs = CNN(cnn_config(cfg.cnn)).specs()
     resolve(cfg.cnn.plan, specs, cfg.training.global_batch_size, cfg.cnn.ranks)

@@ -84,15 +84,14 @@ def check_config(cfg: Config) -> None:
 def check_model(cfg: Config, vocab_size: int, eos_id: int | None = None) -> None:
     """The model ``cfg`` implies: the ``[model]`` section through the kind's
     ``from_section`` with ``vocab_size``, tp dividing what its plan splits
-    (``ModelDescription.tp_divides``: n_kv_heads for the Llama; the sequence under SP), and
+    (``ModelDescription.tp_divides``: n_kv_heads for the Llama), and
     under ``attention_mask = "block_causal"`` a tokenizer end-of-text id (``eos_id``) to
     end documents at. ``ValueError``, one line naming the field."""
     d = describe_section(cfg.model, vocab_size)
     if d.attention_mask == "block_causal" and eos_id is None:
         raise ValueError(BLOCK_CAUSAL_NEEDS_EOS)
     p = cfg.parallel
-    check_divisible(d, RankGroup(size=p.tp, sequence_parallel=p.sequence_parallel,
-                                 axis="parallel.tp"), seq_len=cfg.model.block_size)
+    check_divisible(d, RankGroup(size=p.tp, axis="parallel.tp"))
 
 
 def check_data(cfg: Config) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CONSISTENCIES = ("bsp", "asp", "ssp")
+from shardwise.base.config import PS_CONSISTENCIES as CONSISTENCIES  # ps.consistency's
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from shardwise.base.config import PARTITIONS
 from shardwise.models.description import decoder_layers
 
 
@@ -144,5 +145,6 @@ def partition_layers(layers: Sequence[nn.Module], parts: int, by: str = "layers"
             raise PartitionError("partitioning by time needs a sample input to profile")
         weights = list(profile_layers(layers, sample).seconds)
     else:
-        raise PartitionError(f"unknown partition weight {by!r}; expected layers, params or time")
+        raise PartitionError(f"unknown partition weight {by!r}; expected "
+                             f"{', '.join(PARTITIONS)}")  # parallel.partition's choices
     return balanced(weights, parts)

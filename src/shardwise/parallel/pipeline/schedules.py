@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream")
+from shardwise.base.config import SCHEDULE_KINDS as KINDS  # one list, the config's too
 
 
 class ScheduleError(ValueError):

@@ -54,15 +54,12 @@ def in_sequence_region(plan: Mapping[str, str], name: str, tp: RankGroup) -> boo
     return tp.sequence_parallel and any(style_of(plan, a) == "moe" for a in _ancestors(name))
 
 
-def check_divisible(description: ModelDescription, tp: RankGroup,
-                    seq_len: int | None = None) -> None:
-    """Raise ValueError (one line) naming the first size that tp does not divide: the
-    model's ``tp_divides``, then, under sequence parallelism, the sequence length."""
+def check_divisible(description: ModelDescription, tp: RankGroup) -> None:
+    """Raise ValueError (one line) naming the first of the model's ``tp_divides`` that tp
+    does not divide. (The sequence under sequence parallelism is the config's rule,
+    ``Config``; each forward's position hook splits it with ``tp.shard``.)"""
     for what, n in description.tp_divides.items():
         tp.shard(n, what)
-    if tp.sequence_parallel:
-        tp.shard(description.block_size if seq_len is None else seq_len,
-                 "sequence length (sequence parallelism splits it)")
 
 
 def parallelize(layer: nn.Module, plan: Mapping[str, str], tp: RankGroup, rng: ParallelRNG,

@@ -72,7 +72,9 @@ class ZeroDataParallel(nn.Module):
         # ``finish``; otherwise every backward is final and ends in an autograd callback
         self.explicit = explicit
         if stage not in (1, 2):
-            raise ValueError(f"parallel.zero={stage}: ZeroDataParallel implements stages 1 and 2")
+            # the API's own argument (parallel.zero's choices are the config's)
+            raise ValueError(f"stage={stage}: ZeroDataParallel implements stages 1 and 2 "
+                             "(ZeroStage3: stage 3)")
         whole = params is None
         params = [p for p in (module.parameters() if whole else params) if p.requires_grad]
         if not params:
