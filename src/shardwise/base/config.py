@@ -277,6 +277,13 @@ class ParallelConfig(_Section):
     """Rank grid and data-parallel knobs."""
 
     dp: int = Field(2, ge=1, description="data-parallel ranks")
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model among the dp "
+                              "ranks (R); ZeRO shards within a replica, over dp_shard x cp, "
+                              "and gradients are averaged across the R replicas (torchtitan's "
+                              "data_parallel_replicate_degree)")
+    dp_shard: int = Field(0, ge=0, description="HSDP: data-parallel ranks in one replica (S); "
+                          "0: parallel.dp / parallel.dp_replicate; dp_replicate x dp_shard "
+                          "must equal parallel.dp")
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
     ep: int = Field(1, ge=1, description="expert-parallel ranks (model.n_experts > 0): the "
@@ -355,6 +362,14 @@ class ParallelConfig(_Section):
                              "layer recomputed in backward would read the live weights, not "
                              "the version its forward used (weight stashing); use recompute = "
                              "true (the executor recomputes with the stashed weights)")
+        shard = self.dp_shard or self.dp // self.dp_replicate
+        if not self.dp_shard and self.dp % self.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} does not divide "
+                             f"parallel.dp={self.dp} (HSDP: dp_replicate x dp_shard = dp)")
+        if self.dp_replicate * shard != self.dp:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard="
+                             f"{self.dp_shard or shard} = {self.dp_replicate * shard}, but "
+                             f"parallel.dp={self.dp} (HSDP: dp_replicate x dp_shard = dp)")
         if self.zero > 0 and self.schedule == "pipedream":
             raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
                              "PipeDream steps after every backward and stashes whole weights; "

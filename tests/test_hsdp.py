@@ -1,0 +1,102 @@
+"""HSDP (dp = dp_replicate x dp_shard) against one process.
+
+ZeRO 1-3 shard over one replica's dp_shard ranks and the gradient shards are then averaged
+across the dp_replicate replicas (``comm.replicas``): the losses and every parameter equal
+one process training the same global batches (fp32, 1e-5 relative), at R x S = 2 x 2
+alone (4 ranks) and with tp2 or pp2 (8 ranks). A checkpoint saved at 2 x 2 with ZeRO-3
+resumes at 1 x 4 and 4 x 1 with the losses of the uninterrupted run. Each rank's bytes
+equal ``engine.memory.predict_rank(dp_replicate=)``, and ZeRO's state shrinks by S, not dp.
+"""
+
+import pytest
+import torch
+
+from ddp_workers import tiny_config, train
+from hsdp_workers import hsdp_worker
+from shardwise import checkpoint
+from shardwise.launch import spawn
+from test_layouts import RTOL, SEED, SMALL_BUCKETS, UNTIED, _check_parity
+
+STOP = 3
+
+
+def _layouts(ws: int) -> dict[str, dict]:
+    if ws == 4:
+        return {f"2x2-z{z}": {"parallel": {"dp": 4, "dp_replicate": 2, "zero": z,
+                                           **SMALL_BUCKETS}} for z in (1, 2, 3)}
+    return {"2x2xtp2-z3": {"parallel": {"dp": 4, "dp_replicate": 2, "tp": 2, "zero": 3}},
+            "2x2xpp2-interleaved-z1": {"parallel": {
+                "dp": 4, "dp_replicate": 2, "pp": 2, "zero": 1, "micro_batches": 2,
+                "schedule": "interleaved", "chunks_per_rank": 2, **SMALL_BUCKETS},
+                "model": UNTIED}}
+
+
+@pytest.fixture(scope="module")
+def references(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    return {"tied": train(tiny_config(str(corpus), str(out), training=SEED)),
+            "untied": train(tiny_config(str(corpus), str(out), model=UNTIED, training=SEED))}
+
+
+@pytest.fixture(scope="module", params=[4, 8], ids=["ws4", "ws8"])
+def suite(request, corpus, tmp_path_factory):
+    ws = request.param
+    layouts = _layouts(ws)
+    root = tmp_path_factory.mktemp(f"hsdp{ws}")
+    configs = [tiny_config(str(corpus), str(root), **{**s, "training": SEED})
+               for s in layouts.values()]
+    jobs = []
+    if ws == 4:  # saved at 2 x 2 ZeRO-3, resumed at 1 x 4 and 4 x 1
+        def cfg(r, name):
+            return tiny_config(str(corpus), str(root / name), training=SEED,
+                               parallel={"dp": 4, "dp_replicate": r, "zero": 3})
+        path = root / "save" / "checkpoints" / checkpoint.checkpoint_name(STOP)
+        jobs = [{"kind": "save", "stop": STOP, "cfg": cfg(2, "save")}]
+        jobs += [{"kind": "resume", "path": str(path), "cfg": cfg(r, f"resume{r}")}
+                 for r in (1, 4)]
+    results = spawn(hsdp_worker, ws, (configs, jobs))
+    out = {name: [dict(r[0][i], config=configs[i]) for r in results]
+           for i, name in enumerate(layouts)}
+    for i, job in enumerate(jobs):
+        out[f"_{job['kind']}{job['cfg']['parallel']['dp_replicate']}"] = [r[1][i] for r in results]
+    return out
+
+
+def test_hsdp_layouts_match_one_process(suite, references):
+    for name, ranks in suite.items():
+        if not name.startswith("_"):
+            _check_parity(name, ranks, references["untied" if "interleaved" in name
+                                                  else "tied"])
+
+
+def test_checkpoint_from_2x2_resumes_at_1x4_and_4x1(suite, references):
+    """Checkpoints are layout-independent: ZeRO-3 shards of 2 x 2 load into one replica of
+    4 shards, and into 4 replicas of 1; the continued losses equal the run that never
+    stopped (one process, the same global batches)."""
+    if "_save2" not in suite:
+        pytest.skip("world size 4 only")
+    ref = torch.tensor(references["tied"]["losses"], dtype=torch.float64)
+    saved = suite["_save2"][0]["losses"]
+    assert torch.allclose(torch.tensor(saved, dtype=torch.float64), ref[:STOP], rtol=RTOL)
+    for r in (1, 4):
+        for rank in suite[f"_resume{r}"]:
+            assert rank["resumed_at"] == STOP and rank["losses"][:STOP] == saved
+            got = torch.tensor(rank["losses"][STOP:], dtype=torch.float64)
+            assert len(got) == len(ref) - STOP
+            assert ((got - ref[STOP:]).abs() <= RTOL * ref[STOP:].abs()).all(), (r, got, ref)
+
+
+def test_memory_prediction_equals_measured_bytes(suite):
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
+
+    for name, ranks in suite.items():
+        for r in ranks if not name.startswith("_") else ():
+            p, t = r["config"]["parallel"], r["config"]["training"]
+            pred = predict_rank(GPTConfig(**r["gpt"]), dp=p["dp"], pp=p["pp"], tp=p["tp"],
+                                dp_rank=r["coords"]["dp"], pp_rank=r["coords"]["pp"],
+                                tp_rank=r["coords"]["tp"], chunks_per_rank=p["chunks_per_rank"],
+                                zero=p["zero"], precision=t["precision"],
+                                bucket_mb=p["bucket_mb"], dp_replicate=p["dp_replicate"])
+            for k in ("params", "grads", "optimizer"):
+                assert pred[k] == r["memory"][k], (name, r["coords"], k, pred, r["memory"])
