@@ -100,3 +100,60 @@ def test_memory_prediction_equals_measured_bytes(suite):
                                 bucket_mb=p["bucket_mb"], dp_replicate=p["dp_replicate"])
             for k in ("params", "grads", "optimizer"):
                 assert pred[k] == r["memory"][k], (name, r["coords"], k, pred, r["memory"])
+
+
+def test_zero_state_shrinks_by_dp_shard_not_dp(capsys):
+    """ZeRO 1-3 under HSDP shard over one replica: a rank of dp 4 = 2 replicas x 2 holds
+    what a rank of dp 2 holds (engine.memory on meta, planner.memory's closed form and exact
+    path, ``shardwise memory``), more than a rank of dp 4 without replicas; ZeRO-0 is the
+    same at every split."""
+    from shardwise.cli.memory import main
+    from shardwise.engine.memory import predict_rank
+    from shardwise.models import GPTConfig
+    from shardwise.planner.memory import gathered_bytes, static_bytes, zero_bytes
+    from shardwise.planner.specs import NAMED, ModelSpec
+
+    cfg = GPTConfig(65, 32, 2, 4, 32)
+    for z in (0, 1, 2, 3):
+        hsdp, two, four = (predict_rank(cfg, dp=dp, dp_rank=dp - 1, zero=z, bucket_mb=0.004,
+                                        dp_replicate=r, precision="bf16")
+                           for dp, r in ((4, 2), (2, 1), (4, 1)))
+        assert hsdp == two, (z, hsdp, two)
+        assert (hsdp["optimizer"] > four["optimizer"]) == (z > 0), (z, hsdp, four)
+    tiny = ModelSpec("x", 2, 32, 4, 65, 32)
+    big = NAMED["gpt2-1.5b"]
+    for spec in (tiny, big):  # exact (meta device) and closed-form paths
+        for z in (1, 2, 3):
+            assert static_bytes(spec, 8, 1, 1, 1, z, "bf16", dp_replicate=4) == \
+                static_bytes(spec, 2, 1, 1, 1, z, "bf16")
+            assert static_bytes(spec, 8, 1, 1, 1, z, "bf16", dp_replicate=4) != \
+                static_bytes(spec, 8, 1, 1, 1, z, "bf16")
+        assert gathered_bytes(spec, 8, 1, 1, 3, "bf16", dp_replicate=4) == \
+            gathered_bytes(spec, 2, 1, 1, 3, "bf16")
+    capsys.readouterr()
+    assert main(["--params", "7.5e9", "--dp", "64", "--dp-replicate", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "N = 8 (dp 64 = 8 HSDP replicas x 8) ranks" in out[0]
+    want = [round(zero_bytes(7.5e9, 8, s, "bf16")["total"] / 1e9, 2) for s in range(4)]
+    assert [float(line.split()[-1]) for line in out[2:]] == want
+
+
+def test_memory_cli_names_a_replicate_that_does_not_divide(capsys):
+    from shardwise.cli.memory import main
+
+    assert main(["--params", "1e9", "--dp", "6", "--dp-replicate", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "shardwise memory: error: --dp-replicate 4 does not divide --dp 6"
+
+
+def test_config_refuses_replicate_times_shard_other_than_dp():
+    from shardwise.base.config import Config
+
+    base = {"model": {"n_layer": 1}}
+    with pytest.raises(ValueError, match=r"parallel.dp_replicate=2 x parallel.dp_shard=3 = 6, "
+                                         r"but parallel.dp=4"):
+        Config.from_dict({**base, "parallel": {"dp": 4, "dp_replicate": 2, "dp_shard": 3}})
+    with pytest.raises(ValueError, match=r"parallel.dp_replicate=3 does not divide parallel.dp=4"):
+        Config.from_dict({**base, "parallel": {"dp": 4, "dp_replicate": 3}})
+    ok = Config.from_dict({**base, "parallel": {"dp": 4, "dp_replicate": 2, "dp_shard": 2}})
+    assert (ok.parallel.dp_replicate, ok.parallel.dp_shard) == (2, 2)

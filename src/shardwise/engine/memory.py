@@ -23,8 +23,8 @@ of them (``topology.dp_cp``): read dp x cp for dp above, and (dp / ep) x cp for 
 experts' dp / ep (``topology.ep_dp_cp``); cp changes no other static byte (it splits
 activations: ``planner.memory``). Under HSDP (``dp_replicate`` = R > 1) ZeRO 1-3 shard the
 dense parameters over one replica's dp / R ranks (x cp), so read dp / R for dp above; the
-experts' group spans the replicas as before. ``Engine.memory_bytes`` measures the same categories from
-the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
+experts' group spans the replicas as before. ``Engine.memory_bytes`` measures the same
+categories from the tensors a rank holds; ``tests/test_layouts.py`` requires them equal.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
             groups = [([q for q in params if not is_expert(q)], dp, dp_rank),
                       ([q for q in params if is_expert(q)], ep_dp, ep_dp_rank)]
             padded, S, R = [], 0, 0
-            for mine, size, rank in groups if ep > 1 and dp > 1 else [(params, dp, dp_rank)]:
+            for mine, size, rank in groups if ep > 1 else [(params, dp, dp_rank)]:
                 buckets = build_buckets(mine, max(1, int(bucket_mb * MiB)), pad_to=size,
                                         isolate=tied)
                 pad = [bk.buffer.numel() for bk in buckets]

@@ -241,14 +241,15 @@ def _modes(recompute, selective) -> list[tuple]:
 
 
 def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, precision: str,
-               sp: bool = False, partition: str = "layers", cp: int = 1, ep: int = 1) -> dict:
+               sp: bool = False, partition: str = "layers", cp: int = 1, ep: int = 1,
+               dp_replicate: int = 1) -> dict:
     """``static_bytes`` (params, grads, optimizer) and ``"gathered"``, ZeRO-3's units in
     flight at the peak (``gathered_bytes``; 0 for ZeRO 0-2), bytes per GPU; ``"total"``
-    their sum. Each is its largest pipeline rank's, so the total may exceed every one
+    their sum; ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate). Each is its largest pipeline rank's, so the total may exceed every one
     rank's by the difference between the ranks' gathered units (a bound, never below)."""
     st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
-                      ep=ep)
-    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v)
+                      ep=ep, dp_replicate=dp_replicate)
+    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v, dp_replicate)
     return {**st, "gathered": g, "total": st["total"] + g}
 
 
