@@ -157,3 +157,41 @@ def test_config_refuses_replicate_times_shard_other_than_dp():
         Config.from_dict({**base, "parallel": {"dp": 4, "dp_replicate": 3}})
     ok = Config.from_dict({**base, "parallel": {"dp": 4, "dp_replicate": 2, "dp_shard": 2}})
     assert (ok.parallel.dp_replicate, ok.parallel.dp_shard) == (2, 2)
+
+
+def test_planner_prices_the_replica_mean_on_inter_node_links(tmp_path):
+    """32 H100s in 4 nodes of 8, ZeRO-1 over dp 32: HSDP with one replica per node runs the
+    reduce-scatter and all-gather over the node's 8 GPUs (NVLink) and averages only a
+    shard, 1/8 of the gradients, across the 4 nodes (InfiniBand): ``dp_seconds`` is that
+    sum, below ZeRO-1 over all 32; the search offers it when asked and ``--emit-toml``
+    writes dp_replicate and dp_shard in a config train accepts."""
+    import tomllib
+
+    from shardwise.base.config import Config
+    from shardwise.cli.plan import emit_toml
+    from shardwise.planner.hardware import get_cluster
+    from shardwise.planner.memory import BYTES, rank_params
+    from shardwise.planner.search import layout_reason, plan
+    from shardwise.planner.simulate import Layout, dp_seconds
+    from shardwise.planner.specs import NAMED
+
+    spec = NAMED["gpt2-1.5b"]
+    cl = get_cluster("dgx-h100", spec, 32)
+    layers = list(range(spec.n_layer + 2))
+    x = rank_params(spec, layers, 1, 1) * BYTES["bf16"]
+    flat, hsdp = (Layout(32, 1, 1, 2, 1, zero=1, dp_replicate=r) for r in (1, 4))
+    pen = cl.sync_penalty_s
+    want = (cl.inter.all_reduce(4, x / 8) + pen + cl.intra.reduce_scatter(8, x)
+            + cl.intra.all_gather(8, x))
+    assert dp_seconds(spec, hsdp, cl, "bf16", layers).after == pytest.approx(want)
+    assert dp_seconds(spec, hsdp, cl, "bf16", layers).after < \
+        dp_seconds(spec, flat, cl, "bf16", layers).after
+    assert "hsdp4" in hsdp.label() and layout_reason(spec, hsdp) is None
+    assert "must divide dp=32, with ZeRO 1-3" in layout_reason(
+        spec, Layout(32, 1, 1, 2, 1, zero=0, dp_replicate=4))
+    feasible, _ = plan(spec, cl, 32, 64, zero=(1,), top=3, pp_max=1, cp=[1], sp=[False],
+                       recompute=[False], dp_replicate=(1, 4))
+    assert feasible[0].layout.dp_replicate == 4
+    path = emit_toml(str(tmp_path / "hsdp.toml"), "gpt2-1.5b", spec, hsdp, 64, "bf16")
+    cfg = Config.from_dict(tomllib.loads(path.read_text()))
+    assert (cfg.parallel.dp, cfg.parallel.dp_replicate, cfg.parallel.dp_shard) == (32, 4, 8)

@@ -221,6 +221,9 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
                 f"({spec.n_experts})")
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
+    if lay.dp_replicate > 1 and (lay.dp % lay.dp_replicate or not lay.zero):
+        return (f"HSDP: dp_replicate={lay.dp_replicate} must divide dp={lay.dp}, with ZeRO "
+                "1-3 (ZeRO-0's all-reduce over dp is the same at every split)")
     if lay.selective and lay.recompute:
         return "selective and full recomputation together (full recomputes everything)"
     if lay.recompute == "selective" and spec.moe:
@@ -267,7 +270,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
                                 am=MEGATRON if kernels == "megatron-2021" else None,
                                 selective=lay.selective, cp=lay.cp)
     st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
-                    lay.sp, lay.partition, lay.cp, lay.ep)
+                    lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
@@ -303,7 +306,7 @@ class Bounds:
         only for ZeRO-3, whose gathers are inside the chunks)."""
         return (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
                 lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8,
-                lay.dp if lay.zero == 3 else 0)
+                (lay.dp, lay.dp_replicate) if lay.zero == 3 else 0)
 
     def costs(self, lay: Layout):
         key = self.costs_key(lay)
@@ -318,7 +321,7 @@ class Bounds:
         collectives after the flush, the tied embedding's all-reduce, the optimizer (the
         same functions)."""
         key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero,
-               lay.cp, lay.ep)
+               lay.cp, lay.ep, lay.dp_replicate)
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
@@ -434,7 +437,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
          pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
          selective: list[bool] = (False,), cp: list[int] | None = None,
-         ep: list[int] | None = None, fp8: list[bool] = (False,)) -> tuple[list, list]:
+         ep: list[int] | None = None, fp8: list[bool] = (False,),
+         dp_replicate: list[int] = (1,)) -> tuple[list, list]:
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
@@ -444,7 +448,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     default (the engine's FP8 runs with tp = 1 only; its selective recomputation is refused
     on CUDA until checked there).
     ``cp`` / ``ep``: the context / expert-parallel sizes to search (None: every one the
-    model allows, ``cp_choices`` / ``ep_choices``)."""
+    model allows, ``cp_choices`` / ``ep_choices``). ``dp_replicate``: HSDP's replica counts
+    to search with ZeRO 1-3 (each one that divides dp; ZeRO-0 is the same at every split)."""
     from tqdm import tqdm
 
     precision = precision or cluster.precision
@@ -505,9 +510,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 sp_why = layout_reason(spec, replace(base, sp=True)) if True in sps else None
                 # (not for a ZeRO stage or sp the engine refuses here whatever the rest:
                 # _expand prunes those by their reason)
-                statics = {(z, e, s): held_bytes(spec, dp, tp, pp, v, z, precision, s,
-                                                 cut_by, c, e)
-                           for z in zero for e in eps for s in sps
+                reps = {z: [r for r in dp_replicate if dp % r == 0] if z else [1]
+                        for z in zero}  # HSDP's replica counts
+                statics = {(z, e, s, r): held_bytes(spec, dp, tp, pp, v, z, precision, s,
+                                                    cut_by, c, e, r)
+                           for z in zero for e in eps for s in sps for r in reps[z]
                            if not (z and dp * c == 1 or s and sp_why)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
@@ -530,10 +537,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                         pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
                         continue
                     for e in eps:
-                        for z in zero:
+                        for z, r in ((z, r) for z in zero for r in reps[z]):
                             for f8 in f8s:
                                 rep = Layout(dp, tp, pp, mb, m, kind, v, z,
-                                             partition=cut_by, cp=c, ep=e, fp8=f8)
+                                             partition=cut_by, cp=c, ep=e, fp8=f8,
+                                             dp_replicate=r)
                                 _expand(spec, rep, modes, sps, statics, acts, least_act,
                                         sp_why, limit, feasible, pruned)
     if sel_moe and n_sel:
@@ -603,7 +611,7 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, lim
         if s and sp_why:  # sequence parallelism's own reason (the sequence, experts)
             pruned.append(Pruned(replace(rep, sp=True), sp_why, count=len(modes)))
             continue
-        st = statics[(rep.zero, rep.ep, s)]
+        st = statics[(rep.zero, rep.ep, s, rep.dp_replicate)]
         least = st["total"] + least_act[s]
         if least > limit:
             pruned.append(Pruned(replace(rep, sp=s), _needs(least, limit, True), least,
@@ -612,7 +620,7 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, lim
         for rc, sel in modes:
             lay = Layout(rep.dp, rep.tp, rep.pp, rep.micro_batch_size, rep.micro_batches,
                          rep.schedule, rep.chunks_per_rank, rep.zero, rc, s, rep.partition,
-                         sel, rep.cp, rep.ep, rep.fp8)
+                         sel, rep.cp, rep.ep, rep.fp8, rep.dp_replicate)
             why = layout_reason(spec, lay)
             if why:
                 pruned.append(Pruned(lay, why))
