@@ -18,13 +18,20 @@ from shardwise.launch import spawn
 from test_layouts import RTOL, SEED, SMALL_BUCKETS, UNTIED, _check_parity
 
 STOP = 3
+MOE = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16,
+       "n_experts": 4, "top_k": 2, "moe_ffn_hidden": 32, "multiple_of": 16,
+       "tie_weights": False}  # as tests/test_moe.py's "softmax"
 
 
 def _layouts(ws: int) -> dict[str, dict]:
-    if ws == 4:
-        return {f"2x2-z{z}": {"parallel": {"dp": 4, "dp_replicate": 2, "zero": z,
-                                           **SMALL_BUCKETS}} for z in (1, 2, 3)}
+    if ws == 4:  # with ep2 the experts' shards span the replicas (their own group)
+        out = {f"2x2-z{z}": {"parallel": {"dp": 4, "dp_replicate": 2, "zero": z,
+                                          **SMALL_BUCKETS}} for z in (1, 2, 3)}
+        return out | {f"2x2xep2-z{z}-moe": {"parallel": {"dp": 4, "dp_replicate": 2, "ep": 2,
+                                                         "zero": z}, "model": MOE}
+                      for z in (1, 3)}
     return {"2x2xtp2-z3": {"parallel": {"dp": 4, "dp_replicate": 2, "tp": 2, "zero": 3}},
+            "2x2xcp2-z2": {"parallel": {"dp": 4, "dp_replicate": 2, "cp": 2, "zero": 2}},
             "2x2xpp2-interleaved-z1": {"parallel": {
                 "dp": 4, "dp_replicate": 2, "pp": 2, "zero": 1, "micro_batches": 2,
                 "schedule": "interleaved", "chunks_per_rank": 2, **SMALL_BUCKETS},
@@ -35,7 +42,8 @@ def _layouts(ws: int) -> dict[str, dict]:
 def references(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     return {"tied": train(tiny_config(str(corpus), str(out), training=SEED)),
-            "untied": train(tiny_config(str(corpus), str(out), model=UNTIED, training=SEED))}
+            "untied": train(tiny_config(str(corpus), str(out), model=UNTIED, training=SEED)),
+            "moe": train(tiny_config(str(corpus), str(out), model=MOE, training=SEED))}
 
 
 @pytest.fixture(scope="module", params=[4, 8], ids=["ws4", "ws8"])
@@ -65,8 +73,9 @@ def suite(request, corpus, tmp_path_factory):
 def test_hsdp_layouts_match_one_process(suite, references):
     for name, ranks in suite.items():
         if not name.startswith("_"):
-            _check_parity(name, ranks, references["untied" if "interleaved" in name
-                                                  else "tied"])
+            ref = ("moe" if name.endswith("moe") else "untied" if "interleaved" in name
+                   else "tied")
+            _check_parity(name, ranks, references[ref])
 
 
 def test_checkpoint_from_2x2_resumes_at_1x4_and_4x1(suite, references):
@@ -87,15 +96,17 @@ def test_checkpoint_from_2x2_resumes_at_1x4_and_4x1(suite, references):
 
 
 def test_memory_prediction_equals_measured_bytes(suite):
+    from shardwise.base.config import Config
     from shardwise.engine.memory import predict_rank
-    from shardwise.models import GPTConfig
+    from shardwise.planner.specs import describe_config
 
     for name, ranks in suite.items():
         for r in ranks if not name.startswith("_") else ():
-            p, t = r["config"]["parallel"], r["config"]["training"]
-            pred = predict_rank(GPTConfig(**r["gpt"]), dp=p["dp"], pp=p["pp"], tp=p["tp"],
-                                dp_rank=r["coords"]["dp"], pp_rank=r["coords"]["pp"],
-                                tp_rank=r["coords"]["tp"], chunks_per_rank=p["chunks_per_rank"],
+            p, t, c = r["config"]["parallel"], r["config"]["training"], r["coords"]
+            model = describe_config(Config.from_dict(r["config"]))
+            pred = predict_rank(model, dp=p["dp"], pp=p["pp"], tp=p["tp"], cp=p["cp"],
+                                ep=p["ep"], dp_rank=c["dp"], pp_rank=c["pp"], tp_rank=c["tp"],
+                                cp_rank=c["cp"], chunks_per_rank=p["chunks_per_rank"],
                                 zero=p["zero"], precision=t["precision"],
                                 bucket_mb=p["bucket_mb"], dp_replicate=p["dp_replicate"])
             for k in ("params", "grads", "optimizer"):
