@@ -277,13 +277,6 @@ class ParallelConfig(_Section):
     """Rank grid and data-parallel knobs."""
 
     dp: int = Field(2, ge=1, description="data-parallel ranks")
-    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model among the dp "
-                              "ranks (R); ZeRO shards within a replica, over dp_shard x cp, "
-                              "and gradients are averaged across the R replicas (torchtitan's "
-                              "data_parallel_replicate_degree)")
-    dp_shard: int = Field(0, ge=0, description="HSDP: data-parallel ranks in one replica (S); "
-                          "0: parallel.dp / parallel.dp_replicate; dp_replicate x dp_shard "
-                          "must equal parallel.dp")
     pp: int = Field(1, ge=1, description="pipeline stages")
     tp: int = Field(1, ge=1, description="tensor-parallel ranks")
     ep: int = Field(1, ge=1, description="expert-parallel ranks (model.n_experts > 0): the "
@@ -292,6 +285,13 @@ class ParallelConfig(_Section):
     cp: int = Field(1, ge=1, description="context-parallel ranks: each holds two chunks of "
                     "every sequence (i and 2cp-1-i) and attention runs as ring attention; "
                     "model.block_size must be divisible by 2 cp")
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model among the dp "
+                              "ranks (R); ZeRO shards within a replica, over dp_shard x cp, "
+                              "and gradients are averaged across the R replicas (torchtitan's "
+                              "data_parallel_replicate_degree)")
+    dp_shard: int = Field(0, ge=0, description="HSDP: data-parallel ranks in one replica (S); "
+                          "0: parallel.dp / parallel.dp_replicate; dp_replicate x dp_shard "
+                          "must equal parallel.dp")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
                                "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
