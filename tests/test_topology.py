@@ -63,8 +63,8 @@ def test_ep_folds_over_dp():
     """ep x dp/ep = dp: ep groups are blocks of consecutive dp ranks, ep_dp groups stride
     them (DeepSpeed-MoE, Megatron-Core); with tp the groups keep the tp coordinate."""
     topo = Topology.build(dp=4, ep=2, world_size=4)
-    assert topo.all_ep_groups("ep") == [[0, 1], [2, 3]]
-    assert topo.all_ep_groups("ep_dp") == [[0, 2], [1, 3]]
+    assert topo.all_groups("ep") == [[0, 1], [2, 3]]
+    assert topo.all_groups("ep_dp") == [[0, 2], [1, 3]]
     t = Topology.build(dp=4, tp=2, ep=2, rank=5, world_size=8)   # dp 2, tp 1
     assert (t.dp_rank, t.ep_rank, t.ep_dp_rank) == (2, 0, 1)
     assert t.ep_ranks() == [5, 7] and t.ep_dp_ranks() == [1, 5]
@@ -72,7 +72,7 @@ def test_ep_folds_over_dp():
         c = Topology.build(dp=4, tp=2, ep=2, rank=r)
         assert c.dp_rank == c.ep_dp_rank * 2 + c.ep_rank
         assert set(c.ep_ranks()) | set(c.ep_dp_ranks()) <= set(c.axis_ranks("dp"))
-    assert Topology.build(dp=4, ep=4).all_ep_groups("ep_dp") == [[0], [1], [2], [3]]
+    assert Topology.build(dp=4, ep=4).all_groups("ep_dp") == [[0], [1], [2], [3]]
     with pytest.raises(TopologyError, match=r"parallel.ep=3 does not divide parallel.dp=4"):
         Topology.build(dp=4, ep=3)
 
@@ -112,8 +112,8 @@ def test_ep_groups_stay_within_one_cp_rank():
     rank; ep_dp_cp (the experts' gradient group) adds every cp rank: all the ranks holding
     the same experts, ordered by ep_dp_rank * cp + cp_rank."""
     topo = Topology.build(dp=4, cp=2, ep=2, world_size=8)
-    assert topo.all_ep_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert topo.all_ep_groups("ep_dp_cp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert topo.all_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.all_groups("ep_dp_cp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
     for r in range(8):
         t = Topology.build(dp=4, cp=2, ep=2, rank=r)
         cps = {t.coords_of(x)["cp"] for x in t.ep_ranks() + t.ep_dp_ranks()}
@@ -126,5 +126,39 @@ def test_ep_groups_stay_within_one_cp_rank():
     t = Topology.build(dp=2, pp=2, cp=2, tp=2, ep=2, rank=13)
     assert [t.coords_of(x) for x in t.ep_dp_cp_ranks()] == [
         {"dp": 1, "pp": 1, "cp": c, "tp": 1} for c in (0, 1)]
-    assert Topology.build(dp=4, ep=2).all_ep_groups("ep_dp_cp") == \
-        Topology.build(dp=4, ep=2).all_ep_groups("ep_dp")
+    assert Topology.build(dp=4, ep=2).all_groups("ep_dp_cp") == \
+        Topology.build(dp=4, ep=2).all_groups("ep_dp")
+
+
+def test_hsdp_replicas_are_contiguous_blocks_of_dp():
+    """dp = dp_replicate x dp_shard, the shard coordinate fastest (torchtitan's mesh order):
+    a replica's dp_shard x cp group is one block of consecutive ranks (one host), the
+    dp_replicate group the ranks at the same place of every replica."""
+    topo = Topology.build(dp=4, dp_replicate=2, world_size=4)
+    assert (topo.dp_shard, topo.dp_shard_cp) == (2, 2)
+    assert topo.all_groups("dp_shard_cp") == [[0, 1], [2, 3]]
+    assert topo.all_groups("dp_replicate") == [[0, 2], [1, 3]]
+    # with cp and tp: a replica of dp2 x cp2 x tp2 is the block 0..7 of 16 ranks
+    topo = Topology.build(dp=4, cp=2, tp=2, dp_replicate=2, world_size=16)
+    assert topo.all_groups("dp_shard_cp")[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert topo.all_groups("dp_replicate")[:2] == [[0, 8], [1, 9]]
+    for r in range(16):
+        t = Topology.build(dp=4, cp=2, tp=2, dp_replicate=2, rank=r)
+        assert t.dp_rank == t.dp_replicate_rank * t.dp_shard + t.dp_shard_rank
+        assert t.dp_shard_cp_ranks()[t.dp_shard_cp_rank] == r
+        assert t.dp_replicate_ranks()[t.dp_replicate_rank] == r
+        assert {x // 8 for x in t.dp_shard_cp_ranks()} == {r // 8}  # one replica's block
+    for kind in ("dp_shard_cp", "dp_replicate"):
+        assert sorted(x for g in topo.all_groups(kind) for x in g) == list(range(16))
+    # R = 1: the shard group is the dp x cp group, one replica of itself
+    one = Topology.build(dp=2, cp=2)
+    assert one.all_groups("dp_shard_cp") == one.all_axis_groups("dp_cp")
+    assert one.all_groups("dp_replicate") == [[r] for r in range(4)]
+
+
+def test_hsdp_sizes_that_do_not_divide_are_named():
+    with pytest.raises(TopologyError, match=r"parallel.dp_replicate=3 does not divide "
+                                            r"parallel.dp=4"):
+        Topology.build(dp=4, dp_replicate=3)
+    with pytest.raises(TopologyError, match="parallel.dp_replicate"):
+        Topology.build(dp=4, dp_replicate=0)

@@ -299,6 +299,13 @@ class ParallelConfig(_Section):
     cp: int = Field(1, ge=1, description="context-parallel ranks: each holds two chunks of "
                     "every sequence (i and 2cp-1-i) and attention runs as ring attention; "
                     "model.block_size must be divisible by 2 cp")
+    dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model among the dp "
+                              "ranks (R); ZeRO shards within a replica, over dp_shard x cp, "
+                              "and gradients are averaged across the R replicas (torchtitan's "
+                              "data_parallel_replicate_degree)")
+    dp_shard: int = Field(0, ge=0, description="HSDP: data-parallel ranks in one replica (S); "
+                          "0: parallel.dp / parallel.dp_replicate; dp_replicate x dp_shard "
+                          "must equal parallel.dp")
     micro_batches: int = Field(1, ge=1, description="micro-batches per step: gradient "
                                "accumulation, and the pipeline's m")
     bucket_mb: float = Field(25.0, gt=0.0, description="DDP gradient bucket capacity, MiB")
@@ -369,6 +376,14 @@ class ParallelConfig(_Section):
                              "layer recomputed in backward would read the live weights, not "
                              "the version its forward used (weight stashing); use recompute = "
                              "true (the executor recomputes with the stashed weights)")
+        shard = self.dp_shard or self.dp // self.dp_replicate
+        if not self.dp_shard and self.dp % self.dp_replicate:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} does not divide "
+                             f"parallel.dp={self.dp} (HSDP: dp_replicate x dp_shard = dp)")
+        if self.dp_replicate * shard != self.dp:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} x parallel.dp_shard="
+                             f"{self.dp_shard or shard} = {self.dp_replicate * shard}, but "
+                             f"parallel.dp={self.dp} (HSDP: dp_replicate x dp_shard = dp)")
         if self.zero > 0 and self.schedule == "pipedream":
             raise ValueError(f"parallel.schedule=pipedream with parallel.zero={self.zero}: "
                              "PipeDream steps after every backward and stashes whole weights; "

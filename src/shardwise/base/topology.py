@@ -35,6 +35,19 @@ ep_dp ranks of every cp coordinate ((dp / ep) x cp ranks, ordered by
 (Megatron-Core's expert data-parallel group, which takes cp in the same way). With dp=4,
 cp=2, ep=2 (ranks ``dp_rank * 2 + cp_rank``): ep groups {0, 2}, {1, 3}, {4, 6}, {5, 7};
 ep_dp_cp groups {0, 1, 4, 5} and {2, 3, 6, 7}.
+
+HSDP (hybrid sharded data parallelism) splits dp into ``dp_replicate`` replicas (R) of
+``dp_shard = dp / R`` ranks (S), the shard coordinate fastest, as torchtitan's
+``dp_replicate`` x ``dp_shard`` mesh dimensions::
+
+    dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank
+
+so a replica is a contiguous block of ranks (one host, or a group of hosts). ZeRO shards over
+the ``dp_shard_cp`` group (the dp_shard x cp ranks of one replica, ordered by
+``dp_shard_rank * cp + cp_rank``; with R = 1 the ``dp_cp`` group) and the gradients are then
+averaged over the ``dp_replicate`` group (the R ranks at the same place of every replica).
+With dp=4, R=2 (pp = cp = tp = 1): dp_shard_cp groups {0, 1} and {2, 3}, dp_replicate
+groups {0, 2} and {1, 3}.
 """
 
 from __future__ import annotations
@@ -63,6 +76,8 @@ class AxisGroups:
     ep: Any = None     # with ep > 1: this rank's expert-parallel group (a block of dp)
     ep_dp: Any = None  # with ep > 1: the dp ranks holding this rank's experts
     ep_dp_cp: Any = None  # ep_dp x cp: every rank holding this rank's experts (their grads)
+    dp_shard_cp: Any = None  # HSDP: this replica's dp_shard x cp ranks (ZeRO's shards)
+    dp_replicate: Any = None  # HSDP, R > 1: the ranks at this place of every replica
 
 
 @dataclass(frozen=True)
@@ -72,11 +87,12 @@ class Topology:
     Build with ``Topology.build(dp, pp, tp, cp=c, rank=r)``; attach process groups with
     ``init_process_groups(topology)`` once ``torch.distributed`` is initialised.
 
-    ``ep`` (expert parallelism, folded over dp: see the module docstring) must divide dp.
+    ``ep`` (expert parallelism, folded over dp: see the module docstring) must divide dp, and
+    so must ``dp_replicate`` (HSDP's replicas, R; ``dp_shard = dp / R``).
 
     Raises ``TopologyError`` (naming the sizes) when a size is < 1, when
-    ``dp * pp * cp * tp != world_size``, when ep does not divide dp, or when ``rank`` is
-    outside ``[0, world_size)``.
+    ``dp * pp * cp * tp != world_size``, when ep or dp_replicate does not divide dp, or when
+    ``rank`` is outside ``[0, world_size)``.
     """
 
     dp: int = 1
@@ -86,23 +102,30 @@ class Topology:
     groups: AxisGroups | None = field(default=None, compare=False, repr=False)
     cp: int = 1
     ep: int = 1
+    dp_replicate: int = 1
 
     @classmethod
     def build(cls, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1, rank: int = 0,
-              world_size: int | None = None, ep: int = 1) -> "Topology":
-        for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep)):
+              world_size: int | None = None, ep: int = 1,
+              dp_replicate: int = 1) -> "Topology":
+        for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep),
+                           ("dp_replicate", dp_replicate)):
             if not isinstance(size, int) or size < 1:
                 raise TopologyError(f"parallel.{name}={size!r}: every axis size must be an integer >= 1")
         if dp % ep:
             raise TopologyError(f"parallel.ep={ep} does not divide parallel.dp={dp}: expert "
                                 "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
+        if dp % dp_replicate:
+            raise TopologyError(f"parallel.dp_replicate={dp_replicate} does not divide "
+                                f"parallel.dp={dp}: HSDP splits the data-parallel ranks into "
+                                "dp_replicate x dp_shard = dp")
         product = dp * pp * cp * tp
         if world_size is not None and product != world_size:
             sizes = f"dp={dp} x pp={pp}" + (f" x cp={cp}" if cp > 1 else "") + f" x tp={tp}"
             raise TopologyError(f"{sizes} = {product} ranks, but the world size is {world_size}")
         if not 0 <= rank < product:
             raise TopologyError(f"rank {rank} is outside the grid of {product} ranks")
-        return cls(dp=dp, pp=pp, tp=tp, rank=rank, cp=cp, ep=ep)
+        return cls(dp=dp, pp=pp, tp=tp, rank=rank, cp=cp, ep=ep, dp_replicate=dp_replicate)
 
     @property
     def world_size(self) -> int:
@@ -149,6 +172,44 @@ class Topology:
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
+    def dp_shard(self) -> int:
+        """HSDP: data-parallel ranks in one replica, ``dp / dp_replicate`` (S)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        """HSDP: which replica this rank belongs to, ``dp_rank // dp_shard``."""
+        return self.dp_rank // self.dp_shard
+
+    @property
+    def dp_shard_rank(self) -> int:
+        """HSDP: place in the replica, ``dp_rank % dp_shard``."""
+        return self.dp_rank % self.dp_shard
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """Size of the folded dp_shard x cp group: the ranks ZeRO shards over (one replica)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_shard_cp_rank(self) -> int:
+        """This rank's index in its ``dp_shard_cp`` group, ``dp_shard_rank * cp + cp_rank``."""
+        return self.dp_shard_rank * self.cp + self.cp_rank
+
+    def dp_shard_cp_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s dp_shard_cp group, by ``dp_shard_rank * cp + cp_rank``."""
+        c = self.coords_of(self.rank if rank is None else rank)
+        first = c["dp"] // self.dp_shard * self.dp_shard
+        return [self.rank_of(first + d, c["pp"], c["tp"], cp=k)
+                for d in range(self.dp_shard) for k in range(self.cp)]
+
+    def dp_replicate_ranks(self, rank: int | None = None) -> list[int]:
+        """Global ranks of ``rank``'s dp_replicate group, by replica: its place in each."""
+        c = self.coords_of(self.rank if rank is None else rank)
+        return [self.rank_of(r * self.dp_shard + c["dp"] % self.dp_shard, c["pp"], c["tp"],
+                             cp=c["cp"]) for r in range(self.dp_replicate)]
+
+    @property
     def ep_rank(self) -> int:
         """Place in the ep group: which slice of the experts this rank holds."""
         return self.dp_rank % self.ep
@@ -186,11 +247,12 @@ class Topology:
         return [self.rank_of(d, c["pp"], c["tp"], cp=k)
                 for d in range(c["dp"] % self.ep, self.dp, self.ep) for k in range(self.cp)]
 
-    def all_ep_groups(self, kind: str = "ep") -> list[list[int]]:
-        """Every ``kind`` ("ep", "ep_dp" or "ep_dp_cp") group, each a list of global ranks,
-        fixed order."""
+    def all_groups(self, kind: str = "ep") -> list[list[int]]:
+        """Every ``kind`` ("ep", "ep_dp", "ep_dp_cp", or HSDP's "dp_shard_cp" and
+        "dp_replicate") group, each a list of global ranks, fixed order."""
         of = {"ep": self.ep_ranks, "ep_dp": self.ep_dp_ranks,
-              "ep_dp_cp": self.ep_dp_cp_ranks}[kind]
+              "ep_dp_cp": self.ep_dp_cp_ranks, "dp_shard_cp": self.dp_shard_cp_ranks,
+              "dp_replicate": self.dp_replicate_ranks}[kind]
         seen: dict[tuple[int, ...], None] = {}
         for r in range(self.world_size):
             seen.setdefault(tuple(of(r)), None)
@@ -235,7 +297,8 @@ def init_process_groups(topology: Topology) -> Topology:
     ``cp = 1`` the dp group itself: no group is made twice), and with ep > 1 its ep and
     ep_dp groups (with ep = 1 the ep_dp group is the dp group) and its ``ep_dp_cp`` group
     (made only with ep > 1 and cp > 1: else the ep_dp group with cp = 1, the dp_cp group
-    with ep = 1).
+    with ep = 1), and with dp_replicate > 1 its ``dp_shard_cp`` and ``dp_replicate`` groups
+    (with R = 1: the dp_cp group, and no replicate group).
     """
     import torch.distributed as dist
 
@@ -255,9 +318,16 @@ def init_process_groups(topology: Topology) -> Topology:
     kinds = ("ep", "ep_dp") + (("ep_dp_cp",) if topology.cp > 1 else ())
     if topology.ep > 1:
         for kind in kinds:
-            for ranks in topology.all_ep_groups(kind):
+            for ranks in topology.all_groups(kind):
                 group = dist.new_group(ranks)
                 if topology.rank in ranks:
                     mine[kind] = group
     mine.setdefault("ep_dp_cp", mine["ep_dp"] if topology.cp == 1 else mine["dp_cp"])
+    if topology.dp_replicate > 1:
+        for kind in ("dp_shard_cp", "dp_replicate"):
+            for ranks in topology.all_groups(kind):
+                group = dist.new_group(ranks)
+                if topology.rank in ranks:
+                    mine[kind] = group
+    mine.setdefault("dp_shard_cp", mine["dp_cp"])
     return replace(topology, groups=AxisGroups(**mine))

@@ -7,6 +7,7 @@
     shardwise memory --config configs/shakespeare.toml --dp 4 --measure --budget-mb 8
     shardwise memory --config configs/tiny.toml --dp 2 --cp 2 --stages 1    # ZeRO over dp x cp
     shardwise memory --config configs/tiny.toml --dp 2 --pp 2 --chunks-per-rank 2 --stages 3
+    shardwise memory --params 7e9 --dp 64 --dp-replicate 8         # HSDP: ZeRO over 8 ranks
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, or of its ``model.init_from`` checkpoint's config.json, as
@@ -22,7 +23,8 @@ in shardwise; except the ``--params`` table, which reproduces the ZeRO paper's (
 et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
 ``--budget-mb`` is MiB in both. Context parallelism (``--cp``) replicates the weights on its
 ranks, so ZeRO's shards span dp x cp of them (with ``--params``: N = dp x cp); it splits
-activations, which this report of static bytes does not count.
+activations, which this report of static bytes does not count. HSDP (``--dp-replicate R``):
+ZeRO 1-3 shard within one replica of dp / R ranks, so the state shrinks by dp / R, not dp.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _layout_table(args, stages: list[int]) -> int:
     from shardwise.planner.specs import describe_config, full_size
 
     over = {"parallel.dp": args.dp, "parallel.tp": args.tp, "parallel.pp": args.pp,
-            "parallel.cp": args.cp,
+            "parallel.cp": args.cp, "parallel.dp_replicate": args.dp_replicate,
             "training.progress": False, "checkpoint.at_end": False, "training.sample_chars": 0}
     if args.bucket_mb is not None:
         over["parallel.bucket_mb"] = args.bucket_mb
@@ -75,13 +77,16 @@ def _layout_table(args, stages: list[int]) -> int:
                     preds[(z, pr, tr)] = predict_rank(
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
-                        chunks_per_rank=p.chunks_per_rank, partition_by=p.partition)
+                        chunks_per_rank=p.chunks_per_rank, partition_by=p.partition,
+                        dp_replicate=p.dp_replicate)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     unit, div = unit_for(max([x["total"] for x in preds.values()] or [0]))
     print(f"{d.kind} {full_size(d) / 1e6:.2f}M parameters, {d.n_layer} layers x {d.hidden_size}, "
-          f"vocab {d.vocab_size}; dp={p.dp}{f' (ep={p.ep})' if p.ep > 1 else ''} x "
+          f"vocab {d.vocab_size}; dp={p.dp}{f' (ep={p.ep})' if p.ep > 1 else ''}"
+          + (f" (HSDP {p.dp_replicate}x{p.dp // p.dp_replicate})" if p.dp_replicate > 1
+             else "") + " x "
           f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
           + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
@@ -133,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                     "--dp (needs --config with model.n_experts; default: the config's)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: replicas of "
                     "the weights, ZeRO shards over dp x cp")
+    ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas R among the "
+                    "--dp ranks: ZeRO shards over dp / R (x cp) and averages across replicas")
     ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
@@ -147,11 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise memory: error: --stages {args.stages!r}: expected stages 0-3, "
               "comma-separated", file=sys.stderr)
         return EXIT_USAGE
-    for flag, value in (("--dp", args.dp), ("--cp", args.cp)):
+    for flag, value in (("--dp", args.dp), ("--cp", args.cp),
+                        ("--dp-replicate", args.dp_replicate)):
         if value < 1:
             print(f"shardwise memory: error: {flag} {value}: expected a whole number >= 1",
                   file=sys.stderr)
             return EXIT_USAGE
+    if args.dp % args.dp_replicate:
+        print(f"shardwise memory: error: --dp-replicate {args.dp_replicate} does not divide "
+              f"--dp {args.dp}", file=sys.stderr)
+        return EXIT_USAGE
     for flag, value, least in (("--params", args.params, 1.0), ("--budget-mb", args.budget_mb, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= least and value > 0):
             print(f"shardwise memory: error: {flag} {value:g}: expected a finite number "
@@ -183,9 +195,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
-    preds = {s: zero_bytes(P, args.dp * args.cp, s, args.precision) for s in stages}
+    shard = args.dp // args.dp_replicate  # HSDP: ZeRO within one replica
+    preds = {s: zero_bytes(P, shard * args.cp, s, args.precision) for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)
-    ranks = f"dp {args.dp} x cp {args.cp} = {args.dp * args.cp}" if args.cp > 1 else args.dp
+    ranks = f"dp {shard} x cp {args.cp} = {shard * args.cp}" if args.cp > 1 else shard
+    if args.dp_replicate > 1:
+        ranks = f"{ranks} (dp {args.dp} = {args.dp_replicate} HSDP replicas x {shard})"
     print(f"{name + ': ' if name else ''}P = {P:,} parameters, N = {ranks} ranks, "
           f"{args.precision} compute with fp32 "
           f"masters; bytes per rank in {unit} (1 {unit} = {div:.0e} bytes: decimal, as the "

@@ -4,6 +4,7 @@ step time, with memory per GPU and the time split; the best one as a runnable TO
     shardwise plan --model configs/tiny.toml --cluster local --gpus 4 --global-batch 16
     shardwise plan --model gpt2-124m --cluster dgx-h100 --gpus 8 --global-batch 64 --pruned 10
     shardwise plan --model hf:path/to/checkpoint --seq 4096 --cluster dgx-h100 --gpus 16
+    shardwise plan --model llama3-8b --cluster dgx-h100 --gpus 32 --dp-replicate 1,2,4 # HSDP
 
 The model (a TOML read as ``shardwise train`` reads it, ``hf:DIR`` or a named size), the
 search's axes, ``--fp8`` / ``--selective``, the table and ``--json``: docs/planner.md. Bad
@@ -65,6 +66,10 @@ def build_parser():
     ap.add_argument("--ep", default=None, metavar="N[,N]",
                     help="expert-parallel sizes to search, a mixture of experts only "
                          "(default: every divisor of dp that divides the experts)")
+    ap.add_argument("--dp-replicate", default="1", metavar="R[,R]",
+                    help="HSDP replica counts to search with ZeRO 1-3 (each that divides "
+                         "dp; ZeRO shards within a replica, gradients averaged across "
+                         "replicas on the inter-node links); default 1: none")
     ap.add_argument("--fp8", action="store_true", help="also price FP8 linear layers (a "
                     "cluster with FP8 tensor cores: dgx-h100); priced, not emitted: "
                     "shardwise train runs fp8 with tp = 1 only")
@@ -155,6 +160,7 @@ def _run(args) -> int:
                             memory_limit=limit, tp_across_nodes=args.tp_across_nodes,
                             top=top, progress=True, cp=cps, ep=eps,
                             fp8=(False, True) if args.fp8 else (False,),
+                            dp_replicate=_sizes(args.dp_replicate, "--dp-replicate"),
                             selective=(False, True) if args.selective else (False,))
     if not feasible:
         need = smallest_need(pruned)
@@ -338,6 +344,9 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
                      "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero, "recompute": lay.recompute,
                      "sequence_parallel": lay.sp, "partition": lay.partition,
                      "cp": lay.cp, "ep": lay.ep})
+    if lay.dp_replicate > 1:  # HSDP
+        parallel.update({"dp_replicate": lay.dp_replicate,
+                         "dp_shard": lay.dp // lay.dp_replicate})
     training = dict(data.get("training", {}))
     training.update({"global_batch_size": batch, "precision": precision})
     out = {**data, "model": model, "parallel": parallel, "training": training}

@@ -15,7 +15,8 @@ config such as ``GPTConfig`` or ``LlamaConfig``; nothing here imports a model):
    its document ids too, from its tokens on every stage) is set around every forward of
    the chunks on it (``Executor``; ``_logits`` for evaluation);
 3. ``engine.sync``: the chunks wrapped for dp (ZeRO-0 buckets, ZeRO-1/2 reduce-scatter,
-   ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``);
+   ZeRO-3 gather/free units), over the dp x cp replicas of every parameter (``dp_cp``;
+   under HSDP ZeRO 1-3 over one replica's ``dp_shard_cp``, then averaged across replicas);
    under ep the expert parameters apart, over their replicas ``ep_dp`` x cp (``ep_dp_cp``);
 4. ``engine.optimizer.DistributedOptimizer``: fp32 masters, one global norm and overflow
    flag, AdamW;
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
+from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.model import LocalModel, build_local_model, zero3_shared_reason
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync, SplitSync
@@ -177,6 +179,9 @@ class Engine:
         self.pp_group = groups.pp if groups is not None else None
         # the replicas of every parameter: dp x cp (cp splits tokens, not weights)
         self.grad_group = groups.dp_cp if groups is not None else None
+        # HSDP: ZeRO shards over one replica's dp_shard x cp ranks, then averages across the
+        # replicas (``comm.replicas``); with dp_replicate = 1 this is the dp_cp group
+        self.shard_group = groups.dp_shard_cp if groups is not None else None
         self.cp = self._context_parallel(model)
         self.tp = (RankGroup.from_topology(topology, sequence_parallel=s.sequence_parallel)
                    if groups is not None and topology.tp > 1 else RankGroup())
@@ -329,18 +334,29 @@ class Engine:
         named = self.local.named_parameters()
         experts = [(n, q) for n, q in named if is_expert(q)]
         topo = self.topology
+        over = self._dense_sync_group()
         if not experts or not self.distributed:
-            return self._sync_of(named, self.grad_group, topo.dp_cp, topo.dp_cp_rank)
+            return self._sync_of(named, *over)
         if self.s.zero == 3:  # one wrapper, each unit's experts gathered over their replicas
-            return self._sync_of(named, self.grad_group, topo.dp_cp, topo.dp_cp_rank,
-                                 expert_group=topo.groups.ep_dp_cp)
+            return self._sync_of(named, *over, expert_group=topo.groups.ep_dp_cp)
         dense = [(n, q) for n, q in named if not is_expert(q)]
-        return SplitSync(self._sync_of(dense, self.grad_group, topo.dp_cp, topo.dp_cp_rank),
+        return SplitSync(self._sync_of(dense, *over),
                          self._sync_of(experts, topo.groups.ep_dp_cp, topo.ep_dp_cp,
                                        topo.ep_dp_cp_rank, divisor=topo.dp_cp))
 
-    def _sync_of(self, named, group, size: int, rank: int, divisor: int | None = None,
-                 expert_group=None):
+    def _dense_sync_group(self) -> tuple:
+        """``(group, size, rank, replicas)`` of the dense parameters' sync: ZeRO 1-3 under
+        HSDP (dp_replicate > 1) shard over one replica (``dp_shard_cp``) and average across
+        the replicas; otherwise the whole dp x cp group, no replicas (ZeRO-0 too: one
+        all-reduce over every replica is already HSDP's mean, in one collective)."""
+        topo = self.topology
+        if self.s.zero == 0 or topo.dp_replicate == 1 or not self.distributed:
+            return self.grad_group, topo.dp_cp, topo.dp_cp_rank, NO_REPLICAS
+        replicas = Replicas(topo.groups.dp_replicate, topo.dp_replicate, topo.dp_replicate_rank)
+        return self.shard_group, topo.dp_shard_cp, topo.dp_shard_cp_rank, replicas
+
+    def _sync_of(self, named, group, size: int, rank: int, replicas: Replicas = NO_REPLICAS,
+                 divisor: int | None = None, expert_group=None):
         """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
         ``expert_group``: the expert parameters of each unit sharded over that group)."""
         s = self.s
@@ -350,12 +366,14 @@ class Engine:
         tied = frozenset(id(q) for n, q in named if n in self.local.tied)  # across stages
         if s.zero == 0 or not self.distributed:
             return ReplicatedSync(params, names, group, size, rank, self.dtype, s.bucket_mb,
-                                  s.first_bucket_mb, s.allreduce, divisor=divisor)
+                                  s.first_bucket_mb, s.allreduce, divisor=divisor,
+                                  replicas=replicas)
         if s.zero in (1, 2):
             container = nn.ModuleList(self.local.chunks[c] for c in sorted(self.local.chunks))
             return ZeroDataParallel(container, group, s.zero, s.bucket_mb, self.dtype,
                                     self.loss_scaler, names=names, isolate=tied, explicit=True,
-                                    params=None if whole else params, divisor=divisor)
+                                    params=None if whole else params, divisor=divisor,
+                                    replicas=replicas)
         # ZeRO-3: each chunk its own module (its layers the units, its own flat buffers), so
         # the interleaved schedule gathers and reduce-scatters a chunk around its own
         # micro-batches, independently of the rank's other chunks; joined as one sync
@@ -365,9 +383,9 @@ class Engine:
         wrappers = []
         for c in sorted(self.local.chunks):
             chunk = self.local.chunks[c]
-            self.chunks[c] = ZeroStage3(chunk, self.grad_group, list(zip(chunk.names, chunk.layers)),
+            self.chunks[c] = ZeroStage3(chunk, group, list(zip(chunk.names, chunk.layers)),
                                         self.dtype, self.loss_scaler, names, isolate=tied,
-                                        expert_group=expert_group)
+                                        expert_group=expert_group, replicas=replicas)
             wrappers.append(self.chunks[c])
         return SplitSync(*wrappers)
 

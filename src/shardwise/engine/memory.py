@@ -21,8 +21,10 @@ dp / ep ranks that hold the same experts (``engine.sync``); the dense ones over 
 context parallelism the cp ranks are replicas of the weights and ZeRO shards over dp x cp
 of them (``topology.dp_cp``): read dp x cp for dp above, and (dp / ep) x cp for the
 experts' dp / ep (``topology.ep_dp_cp``); cp changes no other static byte (it splits
-activations: ``planner.memory``). ``Engine.memory_bytes`` measures the same categories from
-the tensors a rank holds; ``tests/test_layouts.py`` requires them to be equal.
+activations: ``planner.memory``). Under HSDP (``dp_replicate`` = R > 1) ZeRO 1-3 shard the
+dense parameters over one replica's dp / R ranks (x cp), so read dp / R for dp above; the
+experts' group spans the replicas as before. ``Engine.memory_bytes`` measures the same
+categories from the tensors a rank holds; ``tests/test_layouts.py`` requires them equal.
 """
 
 from __future__ import annotations
@@ -50,17 +52,19 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers",
-                 ep: int = 1, cp: int = 1, cp_rank: int = 0) -> dict:
+                 ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1) -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     ``ep``: expert-parallel ranks (folded over dp: the rank's ep rank is dp_rank mod ep).
+    ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate of the dp ranks).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
     ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
     # ZeRO's groups are the replicas: of the dense weights dp x cp (this rank at
     # dp_rank * cp + cp_rank), of its experts (dp / ep) x cp (at ep_dp_rank * cp + cp_rank)
     ep_dp, ep_dp_rank = dp // ep * cp, dp_rank // ep * cp + cp_rank
-    dp, dp_rank = dp * cp, dp_rank * cp + cp_rank
+    shard = dp // dp_replicate if zero else dp  # HSDP: ZeRO 1-3 within one replica
+    dp, dp_rank = shard * cp, dp_rank % shard * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
     with torch.device("meta"):
@@ -82,7 +86,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
             groups = [([q for q in params if not is_expert(q)], dp, dp_rank),
                       ([q for q in params if is_expert(q)], ep_dp, ep_dp_rank)]
             padded, S, R = [], 0, 0
-            for mine, size, rank in groups if ep > 1 and dp > 1 else [(params, dp, dp_rank)]:
+            for mine, size, rank in groups if ep > 1 else [(params, dp, dp_rank)]:
                 buckets = build_buckets(mine, max(1, int(bucket_mb * MiB)), pad_to=size,
                                         isolate=tied)
                 pad = [bk.buffer.numel() for bk in buckets]

@@ -117,10 +117,10 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
     if _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
         split = _ep_split(engine)
         expert = [split and is_expert(p) for _, p in named]
-        _join([b for b, e in zip(bufs, expert) if not e], engine.grad_group)
+        _join([b for b, e in zip(bufs, expert) if not e], engine.shard_group)
         if split:  # ZeRO shards expert parameters over the ranks holding them, ep_dp x cp
             _join([b for b, e in zip(bufs, expert) if e], engine.topology.groups.ep_dp_cp)
-        comm.all_reduce(steps, op="max", group=engine.grad_group, check=False)
+        comm.all_reduce(steps, op="max", group=engine.shard_group, check=False)
     model, optim = {}, {}
     for j, (n, p) in enumerate(named):
         key = _key(engine, n)

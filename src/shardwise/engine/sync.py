@@ -34,6 +34,7 @@ from contextlib import ExitStack, nullcontext
 import torch
 import torch.nn as nn
 
+from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.grad_sync import GradientSync
 
 
@@ -47,13 +48,16 @@ class ReplicatedSync:
     master. ``bucket_mb`` / ``first_bucket_mb``: bucket capacities in MiB; they and the
     all-reduce algorithm are our DDP's (``GradientSync``). ``divisor``: the sums are divided
     by it (default ``dp_size``; expert parameters: the whole dp x cp size, also when their
-    group is one rank).
+    group is one rank). ``replicas`` (HSDP, a ``comm.replicas.Replicas``): the averaged
+    gradients are then averaged across them (the engine passes none: in one job the all-reduce
+    over the whole dp x cp group already is that mean, in one collective).
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,
                  dp_rank: int, param_dtype: torch.dtype, bucket_mb: float,
-                 first_bucket_mb: float, allreduce: str, divisor: int | None = None):
-        self.params = params
+                 first_bucket_mb: float, allreduce: str, divisor: int | None = None,
+                 replicas: Replicas = NO_REPLICAS):
+        self.params, self.replicas = params, replicas
         self.piece_params = list(params)
         self.piece_names = [names[id(p)] for p in params]
         if param_dtype == torch.float32:
@@ -62,7 +66,8 @@ class ReplicatedSync:
             self.pieces = [nn.Parameter(p.detach().float().clone()) for p in params]
             for p in params:
                 p.data = p.data.to(param_dtype)
-        self.counted = [dp_rank == 0] * len(params)  # replicas: counted once over dp
+        # replicas: counted once over dp (and over HSDP's replicas)
+        self.counted = [dp_rank == 0 and replicas.rank == 0] * len(params)
         self.divisor = dp_size if divisor is None else divisor
         self.sync = (GradientSync(params, group, bucket_mb, first_bucket_mb, allreduce,
                                   divisor=self.divisor)
@@ -78,6 +83,7 @@ class ReplicatedSync:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(self.divisor)
+        self.replicas.average_(self.grad_shards())
 
     def zero_grad(self) -> None:
         if self.sync is not None:

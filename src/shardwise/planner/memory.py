@@ -29,6 +29,9 @@ Static bytes (parameters, gradients, optimizer states) per rank:
   v per rank with the interleaved schedule).
 - context parallelism (cp ranks per sequence) changes no parameter count; ZeRO shards over
   every replica of the weights, dp x cp (``engine.memory.predict_rank(cp=)``).
+- HSDP (``dp_replicate`` = R replicas of dp / R ranks): ZeRO 1-3 shard the dense parameters
+  over one replica, so read dp / R for dp in the formulas above (the state shrinks by
+  dp_shard, not by dp); the experts' shards span the replicas as before.
 - a mixture of experts (``specs.ModelSpec.n_experts``): per block the router E h (whole on
   every rank; so is a shared expert's gate, h), a shared expert's 3 h F_s / t, and the
   experts' 3 h F E / (t ep) on a rank of ep expert-parallel ranks
@@ -275,10 +278,11 @@ EXACT_LIMIT = 50_000_000
 def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  precision: str, sequence_parallel: bool = False,
                  bucket_mb: float = 25.0, partition: str = "layers", cp: int = 1,
-                 ep: int = 1) -> dict:
+                 ep: int = 1, dp_replicate: int = 1) -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0). ``cp``: ZeRO shards
-    over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over (dp / ep) x cp."""
+    over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over (dp / ep) x cp;
+    ``dp_replicate``: HSDP's replicas, the dense shards over (dp / dp_replicate) x cp."""
     # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
     if spec.params <= EXACT_LIMIT and zero > 0:
         # the engine (and a model) only here: planning a named size imports neither
@@ -291,13 +295,14 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                 r = predict_rank(d, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
                                  chunks_per_rank=v, zero=zero, precision=precision,
                                  bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
-                                 partition_by=partition, cp=cp, ep=ep)
+                                 partition_by=partition, cp=cp, ep=ep,
+                                 dp_replicate=dp_replicate)
                 if best is None or r["total"] > best["total"]:
                     best = r
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
     for P, X in _stage_params(spec, pp, v, partition, tp, ep):
-        d = zero_bytes(P - X, dp * cp, zero, precision)
+        d = zero_bytes(P - X, dp // dp_replicate * cp, zero, precision)
         if X:
             x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them
             d = {k: d[k] + x[k] for k in d}
@@ -322,16 +327,19 @@ def _stage_params(spec: ModelSpec, pp: int, v: int, partition: str, tp: int,
 
 @lru_cache(maxsize=4096)
 def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precision: str,
-                   partition: str = "layers", cp: int = 1, ep: int = 1, v: int = 1) -> int:
+                   partition: str = "layers", cp: int = 1, ep: int = 1, v: int = 1,
+                   dp_replicate: int = 1) -> int:
     """Bytes of ZeRO-3's gathered units at the busiest pipeline rank's peak (0 for ZeRO
     0-2, whose parameters are whole in ``static_bytes`` already), in the compute dtype (b
     per element), each unit padded to a multiple of dp x cp as ``ZeroStage3`` pads it.
-    ``v``: chunks per pipeline rank (the interleaved schedule). Follows
-    ``parallel.zero.stage3``'s units and prefetch (the comments below say how); not counted:
-    a unit's full-size gradients in backward before they are reduce-scattered (transient)."""
+    ``v``: chunks per pipeline rank (the interleaved schedule); ``dp_replicate``: HSDP's
+    replicas (dense units padded to (dp / dp_replicate) x cp, one replica's shard group).
+    Follows ``parallel.zero.stage3``'s units and prefetch (the comments below say how); not
+    counted: a unit's full-size gradients in backward before they are reduce-scattered
+    (transient)."""
     if zero != 3:
         return 0
-    n, b, L = dp * cp, BYTES[precision], spec.n_layer
+    n, b, L = dp // dp_replicate * cp, BYTES[precision], spec.n_layer
     nx = dp // ep * cp  # the ranks holding the same experts (ep > 1)
     ends = (0, L + 1)
     # the elements embedding and head share (a tied matrix), by inclusion-exclusion

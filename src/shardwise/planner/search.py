@@ -227,6 +227,9 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
                 f"({spec.n_experts})")
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
+    if lay.dp_replicate > 1 and (lay.dp % lay.dp_replicate or not lay.zero):
+        return (f"HSDP: dp_replicate={lay.dp_replicate} must divide dp={lay.dp}, with ZeRO "
+                "1-3 (ZeRO-0's all-reduce over dp is the same at every split)")
     if lay.selective and lay.recompute:
         return "selective and full recomputation together (full recomputes everything)"
     if lay.recompute == "selective" and spec.moe:
@@ -247,14 +250,15 @@ def _modes(recompute, selective) -> list[tuple]:
 
 
 def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, precision: str,
-               sp: bool = False, partition: str = "layers", cp: int = 1, ep: int = 1) -> dict:
+               sp: bool = False, partition: str = "layers", cp: int = 1, ep: int = 1,
+               dp_replicate: int = 1) -> dict:
     """``static_bytes`` (params, grads, optimizer) and ``"gathered"``, ZeRO-3's units in
     flight at the peak (``gathered_bytes``; 0 for ZeRO 0-2), bytes per GPU; ``"total"``
-    their sum. Each is its largest pipeline rank's, so the total may exceed every one
+    their sum; ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate). Each is its largest pipeline rank's, so the total may exceed every one
     rank's by the difference between the ranks' gathered units (a bound, never below)."""
     st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
-                      ep=ep)
-    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v)
+                      ep=ep, dp_replicate=dp_replicate)
+    g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v, dp_replicate)
     return {**st, "gathered": g, "total": st["total"] + g}
 
 
@@ -272,7 +276,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
                                 am=MEGATRON if kernels == "megatron-2021" else None,
                                 selective=lay.selective, cp=lay.cp)
     st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
-                    lay.sp, lay.partition, lay.cp, lay.ep)
+                    lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
@@ -308,7 +312,7 @@ class Bounds:
         only for ZeRO-3, whose gathers are inside the chunks)."""
         return (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
                 lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8,
-                lay.dp if lay.zero == 3 else 0)
+                (lay.dp, lay.dp_replicate) if lay.zero == 3 else 0)
 
     def costs(self, lay: Layout):
         """``chunk_costs`` of ``lay``, memoized by what it reads of the layout (``costs_key``)."""
@@ -324,7 +328,7 @@ class Bounds:
         collectives after the flush, the tied embedding's all-reduce, the optimizer (the
         same functions)."""
         key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero,
-               lay.cp, lay.ep)
+               lay.cp, lay.ep, lay.dp_replicate)
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
@@ -440,7 +444,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
          pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
          selective: list[bool] = (False,), cp: list[int] | None = None,
-         ep: list[int] | None = None, fp8: list[bool] = (False,)) -> tuple[list, list]:
+         ep: list[int] | None = None, fp8: list[bool] = (False,),
+         dp_replicate: list[int] = (1,)) -> tuple[list, list]:
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
@@ -450,7 +455,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     default (the engine's FP8 runs with tp = 1 only; its selective recomputation is refused
     on CUDA until checked there).
     ``cp`` / ``ep``: the context / expert-parallel sizes to search (None: every one the
-    model allows, ``cp_choices`` / ``ep_choices``)."""
+    model allows, ``cp_choices`` / ``ep_choices``). ``dp_replicate``: HSDP's replica counts
+    to search with ZeRO 1-3 (each one that divides dp; ZeRO-0 is the same at every split)."""
     from tqdm import tqdm
 
     precision = precision or cluster.precision
@@ -511,9 +517,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 sp_why = layout_reason(spec, replace(base, sp=True)) if True in sps else None
                 # (not for a ZeRO stage or sp the engine refuses here whatever the rest:
                 # _expand prunes those by their reason)
-                statics = {(z, e, s): held_bytes(spec, dp, tp, pp, v, z, precision, s,
-                                                 cut_by, c, e)
-                           for z in zero for e in eps for s in sps
+                reps = {z: [r for r in dp_replicate if dp % r == 0] if z else [1]
+                        for z in zero}  # HSDP's replica counts
+                statics = {(z, e, s, r): held_bytes(spec, dp, tp, pp, v, z, precision, s,
+                                                    cut_by, c, e, r)
+                           for z in zero for e in eps for s in sps for r in reps[z]
                            if not (z and dp * c == 1 or s and sp_why)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
@@ -536,10 +544,11 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                         pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
                         continue
                     for e in eps:
-                        for z in zero:
+                        for z, r in ((z, r) for z in zero for r in reps[z]):
                             for f8 in f8s:
                                 rep = Layout(dp, tp, pp, mb, m, kind, v, z,
-                                             partition=cut_by, cp=c, ep=e, fp8=f8)
+                                             partition=cut_by, cp=c, ep=e, fp8=f8,
+                                             dp_replicate=r)
                                 _expand(spec, rep, modes, sps, statics, acts, least_act,
                                         sp_why, limit, feasible, pruned)
     if sel_moe and n_sel:
@@ -609,7 +618,7 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, lim
         if s and sp_why:  # sequence parallelism's own reason (the sequence, experts)
             pruned.append(Pruned(replace(rep, sp=True), sp_why, count=len(modes)))
             continue
-        st = statics[(rep.zero, rep.ep, s)]
+        st = statics[(rep.zero, rep.ep, s, rep.dp_replicate)]
         least = st["total"] + least_act[s]
         if least > limit:
             pruned.append(Pruned(replace(rep, sp=s), _needs(least, limit, True), least,
@@ -618,7 +627,7 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, lim
         for rc, sel in modes:
             lay = Layout(rep.dp, rep.tp, rep.pp, rep.micro_batch_size, rep.micro_batches,
                          rep.schedule, rep.chunks_per_rank, rep.zero, rc, s, rep.partition,
-                         sel, rep.cp, rep.ep, rep.fp8)
+                         sel, rep.cp, rep.ep, rep.fp8, rep.dp_replicate)
             why = layout_reason(spec, lay)
             if why:
                 pruned.append(Pruned(lay, why))

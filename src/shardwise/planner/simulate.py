@@ -113,6 +113,7 @@ class Layout:
     cp: int = 1  # context-parallel ranks per sequence (s / cp tokens each)
     ep: int = 1  # expert-parallel ranks, folded over dp (ep divides dp)
     fp8: bool = False  # linear-layer GEMMs in FP8 (Cluster.fp8_flops)
+    dp_replicate: int = 1  # HSDP replicas: ZeRO over dp / dp_replicate, a mean across them
 
     @property
     def world(self) -> int:
@@ -126,7 +127,8 @@ class Layout:
             "" if not self.sp else " sp") + (
             " cut=params" if self.partition == "params" and self.pp > 1 else "") + (
             " fp8" if self.fp8 else "")
-        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        ep = (f" hsdp{self.dp_replicate}" if self.dp_replicate > 1 else "") + (
+            f" ep{self.ep}" if self.ep > 1 else "")
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (f"dp{self.dp}{ep} tp{self.tp} pp{self.pp}{cp} mb{self.micro_batch_size} "
                 f"m{self.micro_batches}{sched} z{self.zero}{extra}")
@@ -756,7 +758,8 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     """``DpSeconds(after)``: seconds of dp collectives after the flush for a rank holding
     ``layers`` (ZeRO-3's are inside the schedule: ``zero3_seconds``)."""
     n = lay.dp * lay.cp  # every replica of the dense weights
-    if n == 1 or lay.zero == 3:
+    R = lay.dp_replicate if lay.zero else 1  # HSDP: ZeRO over n / R, a mean across R
+    if n == 1 or lay.zero == 3 and R == 1:
         return DpSeconds(0.0)
     e = BYTES[precision]
     X = rank_expert_params(spec, layers, lay.tp, lay.ep)
@@ -766,7 +769,13 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
     if lay.zero == 0:
         return DpSeconds(link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen)
-    return DpSeconds(link.reduce_scatter(n, x) + link.all_gather(n, x)
+    # HSDP: the shard's mean across replicas on the links the whole grid spans (inter-node
+    # once it spans nodes); the shard group's own collectives on a replica's links
+    mean = link.all_reduce(R, x * R / n) + pen if R > 1 else 0.0
+    if lay.zero == 3:  # its gathers and reduce-scatters are inside the schedule
+        return DpSeconds(mean)
+    n, inner = n // R, cluster.link(lay.world // R)
+    return DpSeconds(mean + inner.reduce_scatter(n, x) + inner.all_gather(n, x)
                      + link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e) + 2 * pen)
 
 
@@ -827,14 +836,14 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     g_{n_x}(experts_i), r_i = r_n(dense_i) + r_{n_x}(experts_i) in the formulas above, and
     without overlap g_n(dense) + g_{n_x}(experts) (likewise r) with u counting two units per
     block."""
-    n = lay.dp * lay.cp
+    n = lay.dp // lay.dp_replicate * lay.cp  # HSDP: one replica's shard group
     if lay.zero != 3 or n == 1:
         return Zero3Seconds(0.0, 0.0)
     # the answer depends on the layers only through their kinds: a chunk's layers are
     # consecutive, the embedding (0) first and the head (L + 1) last where it holds them
     emb, head = layers[0] == 0, layers[-1] == spec.n_layer + 1
     key = ("zero3", lay.dp, lay.cp, lay.tp, lay.pp, lay.ep, lay.micro_batch_size, lay.sp,
-           lay.fp8, lay.recompute, emb, len(layers) - emb - head, head)
+           lay.fp8, lay.recompute, emb, len(layers) - emb - head, head, lay.dp_replicate)
     if memo is not None and key in memo:
         return memo[key]
     out = _zero3_seconds(spec, lay, cluster, precision, layers, n, memo)
@@ -846,7 +855,7 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
 def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                    layers: list[int], n: int, memo: dict | None) -> Zero3Seconds:
     e, L = BYTES[precision], spec.n_layer
-    link = cluster.link(lay.world)
+    link = cluster.link(lay.world // lay.dp_replicate)  # HSDP: a replica's links
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
 
     def parts(ls: list[int]) -> tuple[float, float]:
@@ -909,7 +918,8 @@ def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: li
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep)
     if lay.zero:
         X = rank_expert_params(spec, layers, lay.tp, lay.ep)
-        P = (P - X) / (lay.dp * lay.cp) + X / (lay.dp // lay.ep * lay.cp)  # as memory_of
+        P = ((P - X) / (lay.dp // lay.dp_replicate * lay.cp)
+             + X / (lay.dp // lay.ep * lay.cp))  # as memory_of
     share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
     return 40 * P / cluster.mem_bw * share
 

@@ -38,7 +38,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     comm.configure(timeout_s=p.timeout_s)  # a missing peer raises, naming the collective
     topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
                                                   rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size(), ep=p.ep))
+                                                  world_size=dist.get_world_size(), ep=p.ep,
+                                                  dp_replicate=p.dp_replicate))
     device = device or rank_device(cfg.training.device)
     tokenizer = None
     if isinstance(resume, str):

@@ -77,10 +77,12 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     if distributed:
         comm.configure(timeout_s=p.timeout_s)
         topology = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep,
+                                                      dp_replicate=p.dp_replicate,
                                                       rank=dist.get_rank(),
                                                       world_size=dist.get_world_size()))
     else:
-        topology = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep)
+        topology = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep,
+                                  dp_replicate=p.dp_replicate)
     device = torch.device("cpu")
     if distributed and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())

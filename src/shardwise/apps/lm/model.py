@@ -18,6 +18,8 @@ def describe_layout(cfg: Config) -> str:
         parts.append(f"cp={p.cp} (ring)")
     if p.tp > 1:
         parts.append(f"tp={p.tp}" + (" (SP)" if p.sequence_parallel else ""))
+    if p.dp_replicate > 1:
+        parts[0] += f" (HSDP {p.dp_replicate}x{p.dp // p.dp_replicate})"
     if p.ep > 1:
         parts[0] += f" (ep={p.ep})"
     extra = (f", ZeRO-{p.zero}" if p.zero else "") + (

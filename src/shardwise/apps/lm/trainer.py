@@ -182,8 +182,10 @@ def build_trainer(cfg: Config) -> Trainer:
     if dist.is_initialized():
         topo = init_process_groups(Topology.build(p.dp, p.pp, p.tp, cp=p.cp,
                                                   rank=dist.get_rank(),
-                                                  world_size=dist.get_world_size(), ep=p.ep))
+                                                  world_size=dist.get_world_size(), ep=p.ep,
+                                                  dp_replicate=p.dp_replicate))
     else:
-        topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep)
+        topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep,
+                              dp_replicate=p.dp_replicate)
     return Trainer(cfg, topo, rank_device(cfg.training.device))
 

@@ -14,6 +14,9 @@ Parameter Models" (SC 2020), with the shard layout of ``zero.sharding``:
   divides by N;
 - stage 1 keeps the full gradient buffers between steps (``param.grad`` stays a view, as in
   our DDP); stage 2 frees them after backward, so only the gradient shard (P/N) remains;
+- HSDP (``replicas``, a ``comm.replicas.Replicas``): ``group`` is one replica's shard
+  group; once reduce-scattered and divided, the gradient shards are averaged across the
+  replicas (each holds the same shard layout), one call per step (FSDP2's hybrid sharding);
 - ``step``: the gradient shard is upcast to fp32 (transiently), unscaled and checked for
   overflow (fp16), clipped by the global norm (squared shard norms summed over the group,
   so it is the norm one process would compute), the caller's optimizer updates the fp32
@@ -29,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
+from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.buckets import MiB
 from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step
@@ -51,6 +55,8 @@ class ZeroDataParallel(nn.Module):
             expert parameters in a second instance over the ``ep_dp`` group).
         divisor: the gradient shards are the sums divided by this (default: the group
             size; expert parameters: the whole dp size).
+        replicas: HSDP's other replicas (``group`` is then one replica's shard group): the
+            divided gradient shards are averaged across them (default: none).
 
     Build the optimizer over ``param_groups(weight_decay)``: those are fp32 pieces of this
     rank's shard, one per parameter that intersects it. Per step: ``zero_grad()``,
@@ -66,8 +72,9 @@ class ZeroDataParallel(nn.Module):
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
                  explicit: bool = False, params: list[nn.Parameter] | None = None,
-                 divisor: int | None = None):
+                 divisor: int | None = None, replicas: Replicas = NO_REPLICAS):
         super().__init__()
+        self.replicas = replicas
         # explicit: the engine says which backward is final (``final_backward``) and calls
         # ``finish``; otherwise every backward is final and ends in an autograd callback
         self.explicit = explicit
@@ -256,8 +263,9 @@ class ZeroDataParallel(nn.Module):
 
     @property
     def counted(self) -> list[bool]:
-        """Every piece enters the global norm here: dp ranks own disjoint shards."""
-        return [True] * len(self.pieces)
+        """The shard's pieces enter the global norm here (a shard group's ranks own disjoint
+        shards), on replica 0 only (HSDP: the replicas hold the same shards)."""
+        return [self.replicas.rank == 0] * len(self.pieces)
 
     def piece_grads(self) -> list[torch.Tensor]:
         """fp32 gradient of each of ``pieces`` (transient copies)."""
@@ -283,6 +291,7 @@ class ZeroDataParallel(nn.Module):
             b.work.wait()
         for g in self._grad_shard:
             g.div_(self.divisor)
+        self.replicas.average_(self._grad_shard)  # HSDP: the mean over every replica
         for b in self.layout.buckets:
             if self.stage == 2:
                 for p in b.params:

@@ -20,6 +20,11 @@ flat buffer padded to N; each rank keeps only its 1/N shard (the fp32 master).
   With the interleaved schedule the engine wraps each of a rank's chunks in a ZeroStage3 of
   its own, so a chunk's backward gathers, reduce-scatters and waits on its units alone.
 
+HSDP (``replicas``, a ``comm.replicas.Replicas``): ``group`` is one replica's shard group;
+at ``finish`` (once per step, after every micro-batch's reduce-scatter) the dense gradient
+shards are averaged across the replicas (the mean is linear, so once per step equals once
+per micro-batch). Expert units keep their own group, which spans the replicas.
+
 Autograd keeps references to the parameters it saved in forward; the storage they point
 to is refilled before the unit's backward, and writing through the flat buffer does not
 touch the parameters' own version counters, so this is safe.
@@ -42,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
+from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
 from shardwise.parallel.experts.shard import is_expert
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step
@@ -96,6 +102,7 @@ class ZeroStage3(nn.Module):
     broadcast, sharded, gathered and reduce-scattered over this group, the ranks holding the
     same experts (``ep_dp_cp``); their sums are divided by ``group``'s size as the dense
     ones' (each expert's gradient already holds every ep rank's tokens routed to it).
+    ``replicas``: HSDP's other replicas (see module docstring).
     Raises ``ValueError`` for a model without trainable parameters.
     """
 
@@ -103,9 +110,10 @@ class ZeroStage3(nn.Module):
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
-                 expert_group=None):
+                 expert_group=None, replicas: Replicas = NO_REPLICAS):
         super().__init__()
         self.module, self.group, self.loss_scaler = module, group, loss_scaler
+        self.replicas = replicas
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         experts = expert_group is not None
 
@@ -261,7 +269,10 @@ class ZeroStage3(nn.Module):
                 self._reduce_scatter(u)
         for u, work, out in self._pending:
             work.wait()  # expert units too: by dp x cp, their sums hold every ep rank's tokens
-            u.grad_shard.add_(out, alpha=1.0 / self.world_size)
+            # dense units by the shard group (finish averages over the replicas); expert units,
+            # whose group spans the replicas, by the whole dp x cp at once
+            div = self.world_size * (1 if u.group is self.group else self.replicas.size)
+            u.grad_shard.add_(out, alpha=1.0 / div)
         self._pending, self._queued = [], False
         for r in self.roots:
             self._free(r)
@@ -286,12 +297,16 @@ class ZeroStage3(nn.Module):
         return nullcontext()
 
     def finish(self) -> None:
-        """For the engine: the end-of-backward callback has already waited and averaged."""
+        """For the engine, once per step: the end-of-backward callback has already waited
+        and averaged over the shard group; HSDP averages the dense shards over the replicas."""
+        self.replicas.average_([u.grad_shard for u in self._all if u.group is self.group])
 
     @property
     def counted(self) -> list[bool]:
-        """Every piece enters the global norm here: dp ranks own disjoint shards."""
-        return [True] * len(self.pieces)
+        """Every piece enters the global norm here (a group's ranks own disjoint shards);
+        under HSDP a dense piece on replica 0 only (the replicas hold the same shards)."""
+        return [u.group is not self.group or self.replicas.rank == 0
+                for u, _, _ in self._piece_src]
 
     def piece_grads(self) -> list[torch.Tensor]:
         """fp32 gradient of each of ``pieces`` (transient copies)."""
