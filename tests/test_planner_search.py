@@ -117,6 +117,41 @@ def test_the_walk_and_the_schedules_share_one_timer(kind, p, m, v):
         assert (e["start"], e["end"]) == ideal[op], op
 
 
+def test_simulate_refuses_what_prune_reason_refuses():
+    """``simulate`` on a layout ``prune_reason`` rejects raises ``ValueError`` with the
+    reason (before: the interleaved layout below raised ``IndexError`` in ``_orders``, and
+    the others returned a step time for a layout the engine cannot run)."""
+    from dataclasses import replace
+
+    from shardwise.planner.search import prune_reason
+
+    spec, h100 = NAMED["llama3-8b"], PRESETS["dgx-h100"]
+    lay = Layout(dp=1, tp=1, pp=8, micro_batch_size=1, micro_batches=4,
+                 schedule="interleaved", chunks_per_rank=2)
+    with pytest.raises(ValueError, match="interleaved needs micro-batches m=4 divisible by "
+                                         "pp=8"):
+        simulate(spec, lay, h100)
+    seen = set()
+    for lay, why in enumerate_layouts(spec, 16, 24, micro_batches=[1], cp=[1, 2],
+                                      selective=(False, True)):
+        why = why or prune_reason(spec, lay, h100, True)
+        kind = why.split(" ")[0] if why else None
+        if kind == "ZeRO":  # same as ZeRO-0, priced so (below)
+            continue
+        if why is None or kind in seen or lay.micro_batch_size == 0:
+            continue
+        seen.add(kind)
+        with pytest.raises(ValueError) as err:
+            simulate(spec, lay, h100)
+        assert why in str(err.value), lay
+    assert len(seen) >= 3, seen
+    a100 = PRESETS["dgx-a100-80gb"]  # pruned as the same as another layout: priced as it
+    lay = Layout(8, 1, 1, 1, 4)
+    assert simulate(spec, replace(lay, fp8=True), a100) == simulate(spec, lay, a100)
+    lay = Layout(1, 8, 2, 1, 32)
+    assert simulate(spec, replace(lay, zero=1), h100) == simulate(spec, lay, h100)
+
+
 def test_cost_tuples_carry_their_names():
     """The prices that cross functions are named tuples (their units in the field docs):
     a field reads what its position held, and the composed numbers agree with them."""
