@@ -19,7 +19,7 @@ import pytest
 
 from helpers import assert_one_line_exit_2
 from shardwise.parallel.pipeline.partition import balanced
-from shardwise.parallel.pipeline.schedules import Forward, compute_order, schedule
+from shardwise.parallel.pipeline.schedules import Backward, Forward, compute_order, schedule
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS
 from shardwise.planner.memory import fast_balanced, layer_weights
 from shardwise.planner.search import Bounds, enumerate_layouts, lower_bound, memory_of, plan
@@ -94,6 +94,62 @@ def test_walk_fast_is_the_walk(p, m, v):
         assert fast.busy == slow.busy and fast.tp == slow.tp  # summed in the walk's order
         assert fast.end == pytest.approx(slow.end, rel=1e-12)
         assert fast.events == [] and len(slow.events) == 2 * m * p * v
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1),
+                                        ("interleaved", 4, 8, 2), ("pipedream", 3, 5, 1),
+                                        ("naive", 2, 3, 1)])
+def test_the_walk_and_the_schedules_share_one_timer(kind, p, m, v):
+    """With free transfers, the planner's walk of a schedule's instruction lists times every
+    compute where ``schedules.time_orders`` times its compute orders with the same costs
+    (both run ``schedules.time_lists``)."""
+    from shardwise.parallel.pipeline.schedules import time_orders
+
+    rng = random.Random(p * 100 + m * 10 + v)
+    fwd = [rng.uniform(0.5, 3.0) for _ in range(p * v)]
+    bwd = [2 * f + rng.uniform(0, 1) for f in fwd]
+    costs = [ChunkCost(f, b, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0) for f, b in zip(fwd, bwd)]
+    ideal = time_orders(compute_order(kind, p, m, v), p, v, fwd, bwd)
+    events = walk(schedule(kind, p, m, v), costs, 0.0).events
+    assert len(events) == len(ideal) == 2 * m * p * v
+    for e in events:
+        op = (Forward if e["kind"] == "Forward" else Backward)(e["mb"], e["chunk"])
+        assert (e["start"], e["end"]) == ideal[op], op
+
+
+def test_simulate_refuses_what_prune_reason_refuses():
+    """``simulate`` on a layout ``prune_reason`` rejects raises ``ValueError`` with the
+    reason (before: the interleaved layout below raised ``IndexError`` in ``_orders``, and
+    the others returned a step time for a layout the engine cannot run)."""
+    from dataclasses import replace
+
+    from shardwise.planner.search import prune_reason
+
+    spec, h100 = NAMED["llama3-8b"], PRESETS["dgx-h100"]
+    lay = Layout(dp=1, tp=1, pp=8, micro_batch_size=1, micro_batches=4,
+                 schedule="interleaved", chunks_per_rank=2)
+    with pytest.raises(ValueError, match="interleaved needs micro-batches m=4 divisible by "
+                                         "pp=8"):
+        simulate(spec, lay, h100)
+    seen = set()
+    for lay, why in enumerate_layouts(spec, 16, 24, micro_batches=[1], cp=[1, 2],
+                                      selective=(False, True)):
+        why = why or prune_reason(spec, lay, h100, True)
+        kind = why.split(" ")[0] if why else None
+        if kind == "ZeRO":  # same as ZeRO-0, priced so (below)
+            continue
+        if why is None or kind in seen or lay.micro_batch_size == 0:
+            continue
+        seen.add(kind)
+        with pytest.raises(ValueError) as err:
+            simulate(spec, lay, h100)
+        assert why in str(err.value), lay
+    assert len(seen) >= 3, seen
+    a100 = PRESETS["dgx-a100-80gb"]  # pruned as the same as another layout: priced as it
+    lay = Layout(8, 1, 1, 1, 4)
+    assert simulate(spec, replace(lay, fp8=True), a100) == simulate(spec, lay, a100)
+    lay = Layout(1, 8, 2, 1, 32)
+    assert simulate(spec, replace(lay, zero=1), h100) == simulate(spec, lay, h100)
 
 
 def test_cost_tuples_carry_their_names():

@@ -7,8 +7,14 @@ per GPU and its step time (``shardwise plan``).
   per-operation compute model (``per_op``) and the fixed-efficiency one (``FIXED_PRESETS``);
 - ``memory``: the one memory model (static bytes exact or closed form, activations after
   Korthikanti et al. 2022), shared with ``shardwise memory``;
-- ``simulate``: step time by walking the pipeline schedule's instruction lists (dp, tp, pp,
-  cp, ep, ZeRO, recomputation, FP8);
+- ``layout``: ``Layout``, one point of the search;
+- ``compute``: FLOPs and seconds of a block, the attention core, the head, the optimizer;
+- ``comm_price``: bytes and seconds of the collectives and transfers (tp, cp ring, ep
+  all-to-all, dp, tied embedding, pipeline sends, Megatron's blocking ones);
+- ``costs``: a chunk's forward and backward seconds (recomputation, ZeRO-3 inside);
+- ``schedule_walk``: the step's timeline from the schedule's instruction lists, on the
+  pipeline's timer (``parallel.pipeline.schedules.time_lists``);
+- ``simulate``: step time and its split (dp, tp, pp, cp, ep, ZeRO, recomputation, FP8);
 - ``search``: enumerate, prune with reasons, rank; ``cli``: the command line and the TOML.
 """
 

@@ -22,7 +22,8 @@ Kinds (``KINDS``):
   backward sees the same version (Narayanan et al. 2019, PipeDream, weight stashing).
 
 Communication is derived, not hand-written: the compute order of every rank is timed on an
-ideal machine with unit costs (``time_orders``), each cross-rank dependency becomes a send on
+ideal machine with unit costs (``time_orders``, on ``time_lists``: the one schedule timer,
+which the planner's step-time walk runs too), each cross-rank dependency becomes a send on
 the producer and a receive on the consumer at the producer's finish time, and every rank's
 list is sorted by that time. Since every rank then meets its transfers in one global order, the lists cannot
 deadlock even when a send blocks until the matching receive is posted (``check`` verifies it).
@@ -31,7 +32,7 @@ deadlock even when a send blocks until the matching receive is posted (``check``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from shardwise.base.config import SCHEDULE_KINDS as KINDS  # one list, the config's too
 
@@ -190,11 +191,84 @@ def _deps(op: Forward | Backward, n_chunks: int) -> list[Forward | Backward]:
     return deps
 
 
+COMPUTE_STREAM, COMM_STREAM = 0, 1
+"""The two streams of a rank: its compute (forwards, backwards) and its communication
+thread (sends, one message at a time)."""
+
+class Timing(NamedTuple):
+    """What ``time_lists`` gives."""
+
+    times: dict
+    """``{instruction: (start, end)}`` of every timed instruction (and of ``done``'s)."""
+    events: list
+    """``(rank, instruction, start, end)`` of each timed instruction, in the order timed."""
+    free: list
+    """Per stream (``COMPUTE_STREAM``, ``COMM_STREAM``), per rank: the end of its last
+    instruction (the ``start`` given where it ran none)."""
+
+
+def time_lists(lists: Sequence[Sequence], price: Callable, done: dict | None = None,
+               start: float = 0.0) -> Timing:
+    """Time ``lists[r]``, rank ``r``'s instructions, run in order. ``price(r, ins)`` gives
+    ``(stream, deps, seconds)``: ``ins`` starts at the latest of its stream's last end and
+    its ``deps``' ends (instructions of any rank, or of ``done``) and lasts ``seconds`` (any
+    time unit); ``None``: it takes no time and waits on nothing (a posted receive, an
+    optimizer step). ``done``: ``{instruction: (start, end)}`` already run; nothing starts
+    before ``start``. Ranks are visited in turn, each as far as its dependencies allow.
+    Raises ``ScheduleError`` if the lists wait on each other forever."""
+    p = len(lists)
+    times: dict = dict(done or {})
+    free = [[float(start)] * p, [float(start)] * p]
+    events: list = []
+    pc = [0] * p
+    remaining = sum(len(x) for x in lists)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pc[r] < len(lists[r]):
+                ins = lists[r][pc[r]]
+                priced = price(r, ins)
+                if priced is not None:
+                    stream, deps, seconds = priced
+                    if any(d not in times for d in deps):
+                        break
+                    t0 = max([free[stream][r]] + [times[d][1] for d in deps])
+                    t1 = t0 + seconds
+                    times[ins] = (t0, t1)
+                    free[stream][r] = t1
+                    events.append((r, ins, t0, t1))
+                pc[r], remaining, progressed = pc[r] + 1, remaining - 1, True
+        if not progressed:
+            stuck = {r: lists[r][pc[r]] for r in range(p) if pc[r] < len(lists[r])}
+            raise ScheduleError(f"the lists wait on each other forever at {stuck}")
+    return Timing(times, events, free)
+
+
+def list_deps(r: int, ins, p: int, n_chunks: int) -> list:
+    """What instruction ``ins`` of rank ``r`` in a schedule's lists (``Schedule.ranks``)
+    waits on: a compute its input computed on this rank, or else the send that brings it
+    (``SendActivation``/``SendGrad`` to ``r``); a send, the compute whose result it sends.
+    Chunk ``c`` lives on rank ``c % p``."""
+    if isinstance(ins, (SendActivation, SendGrad)):
+        return [(Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)]
+    deps = _deps(ins, n_chunks)
+    out = [deps[0]] if isinstance(ins, Backward) else []
+    for d in deps[len(out):]:
+        if d.chunk % p == r:
+            out.append(d)
+        elif isinstance(d, Forward):
+            out.append(SendActivation(d.mb, d.chunk, r))
+        else:
+            out.append(SendGrad(d.mb, d.chunk, r))
+    return out
+
+
 def time_orders(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
              forward_cost: Sequence[float] | float = 1.0,
              backward_cost: Sequence[float] | float | None = None,
              done: dict | None = None, not_before: float = 0.0) -> dict:
-    """Run the per-rank compute orders on an ideal machine (no communication time).
+    """Run the per-rank compute orders on an ideal machine (no communication time), on the
+    one schedule timer (``time_lists``).
 
     Costs are per chunk (a sequence of length ``p*v``) or one number for all, in any time
     unit; ``backward_cost`` defaults to twice the forward. ``done``: ``{op: (start, end)}``
@@ -210,24 +284,10 @@ def time_orders(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int =
         bc = [float(backward_cost)] * n
     else:
         bc = list(backward_cost)
-    times: dict = dict(done or {})
-    pc, free = [0] * p, [float(not_before)] * p
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(p):
-            while pc[r] < len(orders[r]):
-                op = orders[r][pc[r]]
-                deps = _deps(op, n)
-                if any(d not in times for d in deps):
-                    break
-                start = max([free[r]] + [times[d][1] for d in deps])
-                end = start + (fc if isinstance(op, Forward) else bc)[op.chunk]
-                times[op] = (start, end)
-                free[r], pc[r], remaining, progressed = end, pc[r] + 1, remaining - 1, True
-        if not progressed:
-            stuck = {r: orders[r][pc[r]] for r in range(p) if pc[r] < len(orders[r])}
-            raise ScheduleError(f"compute orders wait on each other forever at {stuck}")
+    cost = {Forward: fc, Backward: bc}
+    times = time_lists(
+        orders, lambda r, op: (COMPUTE_STREAM, _deps(op, n), cost[type(op)][op.chunk]),
+        done, not_before).times
     return {op: t for op, t in times.items() if done is None or op not in done}
 
 
