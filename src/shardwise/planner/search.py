@@ -172,7 +172,8 @@ def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, pr
     """``static_bytes`` (params, grads, optimizer) and ``"gathered"``, ZeRO-3's units in
     flight at the peak (``gathered_bytes``; 0 for ZeRO 0-2), bytes per GPU; ``"total"``
     their sum; ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate).
-    Each is its largest pipeline rank's, so the total may exceed every one rank's by the difference between the ranks' gathered units (a bound, never below)."""
+    Each is its largest pipeline rank's, so the total may exceed every one rank's by the
+    difference between the ranks' gathered units (a bound, never below)."""
     st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
                       ep=ep, dp_replicate=dp_replicate)
     g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v, dp_replicate)
