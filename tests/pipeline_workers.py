@@ -76,6 +76,8 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
     (GPT names), peak activation bytes and, for PipeDream, the weight versions seen."""
     topo = _topology(dp, pp)
     engine = make_engine(topo, dict(cfg, measure_memory=True))
+    versions: list[dict] = []  # PipeDream: the weights each forward / backward saw
+    engine.executor.watch = _record_versions(versions)
     losses, in_flight = [], []
     share = BATCH // dp
     for idx, tgt in batches(steps):
@@ -91,8 +93,27 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
             "in_flight": in_flight,
             "buckets": None if sync is None else (len(sync.buckets), sync.launched_early),
             "params": {n: p.detach().clone() for n, p in engine.named_parameters()},
-            "peak_activation_bytes": ex.meter.peak, "versions": ex.versions,
+            "peak_activation_bytes": ex.meter.peak, "versions": versions,
             "bounds": list(engine.partition.bounds)}
+
+
+def _checksum(params) -> float:
+    """A fingerprint of a set of weights (float64 sum of squares and sum)."""
+    return float(sum((p.detach().double() ** 2).sum() + p.detach().double().sum()
+                     for p in params))
+
+
+def _record_versions(out: list[dict]):
+    """An ``Executor.watch`` hook: each stashing forward's and each backward's weight version
+    and the checksum of the stashed weights (and, in backward, of the live ones) into
+    ``out``."""
+    def watch(kind: str, op, version: int, stash: dict, chunk) -> None:
+        row = {"mb": op.mb, "chunk": op.chunk, "pass": kind, "version": version,
+               "checksum": _checksum(stash.values())}
+        if kind == "backward":
+            row["live_checksum"] = _checksum(chunk.parameters())
+        out.append(row)
+    return watch
 
 
 def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5,
