@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.partition import gpt_layers, partition_layers
 from shardwise.parallel.pipeline.schedules import Backward, Forward
@@ -45,11 +45,12 @@ def make_engine(topo, cfg: dict, batch: int = BATCH) -> Engine:
     """The engine for a pipeline test layout: ``cfg`` holds schedule, micro_batches,
     chunks_per_rank, partition, recompute, bucket sizes (``batch``: the global batch)."""
     cfg = dict(cfg)
-    settings = EngineSettings(
-        schedule=cfg.pop("schedule"), micro_batches=cfg.pop("micro_batches"),
-        lr=LR, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=cfg.pop("clip", 0.0),
-        seed=SEED, batch_size=batch, seq_len=MODEL["block_size"], allreduce="auto", **cfg)
-    return Engine(GPTConfig(**MODEL), topo, settings)
+    measure, clip = cfg.pop("measure_memory", False), cfg.pop("clip", 0.0)
+    settings = EngineConfig( seq_len=MODEL["block_size"], parallel={"allreduce": "auto", **cfg},
+                            optimizer={"lr": LR, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                                       "grad_clip": clip}, training={"seed": SEED,
+                                                                     "global_batch_size": batch})
+    return Engine(GPTConfig(**MODEL), topo, settings, measure_memory=measure)
 
 
 def reference(steps: int = 5) -> dict:
