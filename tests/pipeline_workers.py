@@ -182,3 +182,28 @@ def pipedream_reference(pp: int, m: int, steps: int) -> dict:
     return {"losses": [sum(ls) / m for ls in losses],
             "params": {n: p.detach().clone() for c in chunks.values()
                        for n, p in c.model_parameters()}}
+
+
+def run_evaluations(cfgs: list[dict], steps: int = 3) -> list[dict]:
+    """pp = the world size, for each layout of ``cfgs``: the loss of batch 0 before training
+    (``Engine.loss``: the forward-only pass through the stages), then ``steps`` steps twice
+    from the same start, the second time with an evaluation after every step (PipeDream:
+    mid-stream, micro-batches in flight). -> per layout {"loss0", "plain", "evaluated"}, the
+    last two [(loss, micro-batches in flight after the step)]."""
+    topo = _topology(1, dist.get_world_size())
+    out = []
+    for cfg in cfgs:
+        data = batches(steps)
+        row = {}
+        for key in ("plain", "evaluated"):
+            engine = make_engine(topo, cfg)
+            row.setdefault("loss0", engine.loss(*data[0]))
+            row[key] = []
+            for idx, tgt in data:
+                loss = engine.train_step(idx, tgt)["loss"]
+                if key == "evaluated":
+                    engine.loss(*data[0])
+                row[key].append((loss, engine.executor.in_flight))
+            engine.drain()
+        out.append(row)
+    return out

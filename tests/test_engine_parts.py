@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline_workers import _model, batches, run_evaluations
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology
 from shardwise.engine import Engine, EngineConfig
+from shardwise.launch import spawn
 from shardwise.models import GPTConfig
 from shardwise.parallel.pipeline.schedules import Forward, RecvActivation, SendActivation
 from shardwise.parallel.pipeline.schedules import forward_only
@@ -86,3 +88,22 @@ def test_the_steps_are_public_and_usable_on_a_users_layers():
     x = torch.randn(2, 4, requires_grad=True)
     layers[1][1](layers[0][1](x)).sum().backward()
     assert x.grad is not None
+
+
+def test_evaluation_runs_through_the_pipeline_and_leaves_the_step_alone():
+    """At pp = 2 (interleaved, v = 2: four chunks over two ranks; PipeDream), ``loss`` is one
+    process's loss of the same weights, and evaluating between steps (PipeDream: with
+    micro-batches in flight) changes no training loss and leaves the stream's micro-batches
+    in flight as they were."""
+    cfgs = [{"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2},
+            {"schedule": "pipedream", "micro_batches": 2}]
+    ranks = spawn(run_evaluations, 2, (cfgs,))
+    idx, tgt = batches(1)[0]
+    _, want = _model()(idx, tgt)
+    for i in range(len(cfgs)):
+        rows = [r[i] for r in ranks]
+        for row in rows:
+            assert row["loss0"] == pytest.approx(want.item(), rel=1e-6)
+            assert row["evaluated"] == row["plain"]
+        assert [loss for loss, _ in rows[0]["plain"]] == [loss for loss, _ in rows[1]["plain"]]
+    assert [n for n in (r[1]["plain"][-1][1] for r in ranks)] == [1, 0]  # PipeDream, p = 2
