@@ -64,7 +64,7 @@ def worker(lengths: list[int], steps: int) -> list[dict]:
 
     from shardwise.base.topology import Topology, init_process_groups
     from shardwise.comm import accounting
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models.llama import LlamaConfig
     from shardwise.parallel.pipeline.executor import ActivationMeter
 
@@ -73,8 +73,9 @@ def worker(lengths: list[int], steps: int) -> list[dict]:
     out = []
     for T in lengths:
         cfg = LlamaConfig(block_size=T, **MODEL)
-        engine = Engine(cfg, topo, EngineSettings(batch_size=1, seq_len=T, lr=1e-3,
-                                                  grad_clip=1.0, allreduce="native"))
+        engine = Engine(cfg, topo, EngineConfig(
+            seq_len=T, parallel={"allreduce": "native"}, optimizer={"lr": 1e-3, "grad_clip": 1.0},
+            training={"global_batch_size": 1}))
         g = torch.Generator().manual_seed(T)
         tokens = torch.randint(0, MODEL["vocab_size"], (1, T + 1), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]

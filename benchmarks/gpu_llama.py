@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardwise.base.topology import Topology  # noqa: E402
-from shardwise.engine import Engine, EngineSettings  # noqa: E402
+from shardwise.engine import Engine, EngineConfig  # noqa: E402
 from shardwise.models import describe  # noqa: E402
 from shardwise.models.llama import Llama, LlamaConfig  # noqa: E402
 from shardwise.perf import peak_flops  # noqa: E402
@@ -71,10 +71,12 @@ def _time(step, batches, warmup: int, steps: int) -> tuple[float, float]:
 
 def ours(cfg: LlamaConfig, batch: int, micro: int, precision: str,
          recompute: bool | str = False, **extra):
-    s = EngineSettings(micro_batches=micro, precision=precision, lr=3e-4, betas=(0.9, 0.95),
-                       weight_decay=0.1, grad_clip=1.0, seed=0, batch_size=batch,
-                       seq_len=cfg.block_size, fused=True, compile=True, recompute=recompute,
-                       **extra)
+    s = EngineConfig(seq_len=cfg.block_size,
+                     parallel={"micro_batches": micro, "recompute": recompute},
+                     optimizer={"lr": 3e-4, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1,
+                                "grad_clip": 1.0, "fused": True},
+                     training={"precision": precision, "seed": 0, "global_batch_size": batch,
+                               "compile": True, **extra})
     engine = Engine(cfg, Topology.build(1, 1, 1), s, DEVICE)
     return lambda x, y: engine.train_step(x, y, sync=False)["loss"]
 

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from shardwise.base.topology import Topology  # noqa: E402
-from shardwise.engine import Engine, EngineSettings  # noqa: E402
+from shardwise.engine import Engine, EngineConfig  # noqa: E402
 from shardwise.models import GPTConfig  # noqa: E402
 from shardwise.perf import cpu_peak, flops_per_token, peak_flops  # noqa: E402
 
@@ -95,9 +95,11 @@ def ours(model: dict, attention: str, fused: bool, tf32: bool, compile_: bool, p
          batch: int, micro: int, device: torch.device, **extra):
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     cfg = GPTConfig(**model, attention=attention)
-    s = EngineSettings(micro_batches=micro, precision=precision, lr=6e-4, betas=(0.9, 0.95),
-                       weight_decay=0.1, grad_clip=1.0, seed=0, batch_size=batch,
-                       seq_len=model["block_size"], fused=fused, compile=compile_, **extra)
+    s = EngineConfig(seq_len=model["block_size"], parallel={"micro_batches": micro},
+                     optimizer={"lr": 6e-4, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1,
+                                "grad_clip": 1.0, "fused": fused},
+                     training={"precision": precision, "seed": 0, "global_batch_size": batch,
+                               "compile": compile_, **extra})
     engine = Engine(cfg, Topology.build(1, 1, 1), s, device)
     return lambda x, y: engine.train_step(x, y, sync=False)["loss"]
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from shardwise.base.topology import Topology  # noqa: E402
-from shardwise.engine import Engine, EngineSettings  # noqa: E402
+from shardwise.engine import Engine, EngineConfig  # noqa: E402
 from shardwise.models import GPTConfig  # noqa: E402
 from shardwise.models.llama import LlamaConfig  # noqa: E402
 
@@ -47,10 +47,12 @@ def main(argv=None) -> int:
         from gpu_mfu import GPT2_SMALL
         cfg = GPTConfig(**GPT2_SMALL, attention="sdpa")
     torch.set_float32_matmul_precision("high")
-    s = EngineSettings(micro_batches=a.micro_batches, precision=a.precision, lr=3e-4,
-                       betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0, seed=0,
-                       batch_size=a.batch, seq_len=cfg.block_size, fused=True,
-                       compile=not a.no_compile)
+    s = EngineConfig(
+        seq_len=cfg.block_size, parallel={"micro_batches": a.micro_batches},
+        optimizer={"lr": 3e-4, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0,
+                   "fused": True},
+        training={"precision": a.precision, "seed": 0, "global_batch_size": a.batch,
+                  "compile": not a.no_compile})
     dev = torch.device("cuda", 0)
     engine = Engine(cfg, Topology.build(1, 1, 1), s, dev)
     x = torch.randint(0, cfg.vocab_size, (a.batch, cfg.block_size + 1), device=dev)

@@ -124,7 +124,7 @@ def measure(name: str, src: Path, work: Path) -> dict:
     from shardwise.base.config import Config
     from shardwise.base.topology import Topology
     from shardwise.checkpoint.hf import read_config
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.engine.state import logical_tensors, model_tensors
     from shardwise.models.description import describe_section
     from shardwise.models.hf import section_of, to_hf_tensors
@@ -139,10 +139,10 @@ def measure(name: str, src: Path, work: Path) -> dict:
     cfg = resolve_init_from(Config.from_dict({"model": {"init_from": f"hf:{src}"}}))
     check_init_from(cfg, VOCAB)
     d = describe_section(cfg.model, VOCAB)
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=1, seq_len=SEQ,
-                                                               init_from=str(src)))
-    engine._train(False)
-    with torch.no_grad():
+    engine = Engine(d, Topology.build(1, 1, 1), EngineConfig(
+        seq_len=SEQ, init_from=str(src), optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 1}))
+    with engine.evaluating(), torch.no_grad():
         ours = engine._logits(idx)[..., :VOCAB]
     row["tp1_max"], row["tp1_rel"] = _diff(ours, want)
     tensors = {**model_tensors(engine), **dict(engine.local.named_buffers())}

@@ -158,12 +158,14 @@ TORCH_TP = {
 
 
 def _ours_3d(topo, model: str = "gpt"):
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
 
     T = MODELS[model]["block_size"]
-    engine = Engine(_untied(model), topo, EngineSettings(
-        schedule="1f1b", micro_batches=M, zero=2, lr=1e-3, betas=(0.9, 0.999),
-        weight_decay=0.01, grad_clip=0.0, seed=0, batch_size=BATCH, seq_len=T))
+    engine = Engine(_untied(model), topo, EngineConfig(
+        seq_len=T, parallel={"schedule": "1f1b", "micro_batches": M, "zero": 2},
+        optimizer={"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                   "grad_clip": 0.0},
+        training={"seed": 0, "global_batch_size": BATCH}))
     share = BATCH // topo.dp
 
     def step(idx):

@@ -81,7 +81,7 @@ def rank_worker(mode: str, kind: str, sizes: dict, pp: int, tp: int, seed: int) 
     import torch.distributed as dist
 
     from shardwise.base.topology import Topology, init_process_groups
-    from shardwise.engine.engine import Engine, EngineSettings
+    from shardwise.engine.engine import Engine, EngineConfig
     from shardwise.engine.model import build_local_model
     from shardwise.models import describe
     from shardwise.models.meta_init import record_init
@@ -108,7 +108,9 @@ def rank_worker(mode: str, kind: str, sizes: dict, pp: int, tp: int, seed: int) 
                                   device=torch.device("cpu"))
         params = [p for _, p in local.named_parameters()]
     else:
-        s = EngineSettings(micro_batches=2, seed=seed, batch_size=8, seq_len=cfg.block_size)
+        s = EngineConfig(
+            seq_len=cfg.block_size, parallel={"micro_batches": 2}, optimizer={"grad_clip": 0.0},
+            training={"seed": seed, "global_batch_size": 8})
         engine = Engine(cfg, topo, s, torch.device("cpu"))
         params = [p for _, p in engine.local.named_parameters()]
     secs = time.perf_counter() - t0

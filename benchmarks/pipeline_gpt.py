@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.launch import spawn
 from shardwise.models import GPTConfig
 from shardwise.parallel.pipeline import timeline
@@ -33,10 +33,13 @@ MEMORY = (("gpipe", 1, False), ("1f1b", 1, False), ("1f1b", 1, True))
 def _train(a: dict, kind: str, v: int, recompute: bool, topo, run_dir: str | None) -> dict:
     cfg = GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
                     n_embd=a["embd"], tie_weights=False)
-    engine = Engine(cfg, topo, EngineSettings(
-        schedule=kind, micro_batches=a["m"], chunks_per_rank=v, partition=a["partition"],
-        recompute=recompute, measure_memory=True, lr=1e-3, betas=(0.9, 0.999),
-        weight_decay=0.01, grad_clip=0.0, seed=0, batch_size=a["batch"], seq_len=a["seq"]))
+    engine = Engine(cfg, topo, EngineConfig(
+        seq_len=a["seq"],
+        parallel={"schedule": kind, "micro_batches": a["m"], "chunks_per_rank": v,
+                  "partition": a["partition"], "recompute": recompute},
+        optimizer={"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                   "grad_clip": 0.0},
+        training={"seed": 0, "global_batch_size": a["batch"]}), measure_memory=True)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(a["steps"]):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.launch import spawn
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.partition import balanced, gpt_layers
@@ -46,9 +46,12 @@ def _data(a, steps: int):
 def _ours(a, kind: str, v: int, topo):
     engine = Engine(GPTConfig(vocab_size=65, block_size=a["seq"], n_layer=a["layers"], n_head=4,
                               n_embd=a["embd"], tie_weights=False), topo,
-                    EngineSettings(schedule=kind, micro_batches=a["m"], chunks_per_rank=v,
-                                   lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=0.0,
-                                   seed=0, batch_size=a["batch"], seq_len=a["seq"]))
+                    EngineConfig(
+                        seq_len=a["seq"],
+                        parallel={"schedule": kind, "micro_batches": a["m"], "chunks_per_rank": v},
+                        optimizer={"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                                   "grad_clip": 0.0},
+                        training={"seed": 0, "global_batch_size": a["batch"]}))
     return lambda idx, tgt: engine.train_step(idx, tgt)["loss"]
 
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from shardwise.base.topology import Topology  # noqa: E402
-from shardwise.engine import Engine, EngineSettings  # noqa: E402
+from shardwise.engine import Engine, EngineConfig  # noqa: E402
 from shardwise.models.llama import LlamaConfig  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_heads=2, n_embd=64,
@@ -30,9 +30,10 @@ CFG = LlamaConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_heads=
 
 def train(recompute, compile_: bool, precision: str):
     torch.manual_seed(0)
-    s = EngineSettings(micro_batches=2, lr=1e-2, grad_clip=1.0, seed=3, batch_size=4,
-                       seq_len=32, recompute=recompute, compile=compile_, precision=precision,
-                       fused=True)
+    s = EngineConfig(
+        seq_len=32, parallel={"micro_batches": 2, "recompute": recompute},
+        optimizer={"lr": 1e-2, "grad_clip": 1.0, "fused": True},
+        training={"seed": 3, "global_batch_size": 4, "compile": compile_, "precision": precision})
     e = Engine(CFG, Topology.build(1, 1, 1), s)
     g = torch.Generator().manual_seed(1)
     losses = []

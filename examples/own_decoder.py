@@ -263,10 +263,13 @@ def shakespeare_batches(cfg_block: int) -> tuple[int, list[tuple[torch.Tensor, t
     return tokenizer.vocab_size, out
 
 
-def settings(cfg: OwnDecoderConfig) -> shardwise.EngineSettings:
-    return shardwise.EngineSettings(
-        schedule="1f1b", micro_batches=MICRO_BATCHES, sequence_parallel=True, zero=1,
-        lr=LR, weight_decay=WEIGHT_DECAY, seed=SEED, batch_size=BATCH, seq_len=cfg.block_size)
+def settings(cfg: OwnDecoderConfig) -> shardwise.EngineConfig:
+    return shardwise.EngineConfig(
+        seq_len=cfg.block_size,
+        parallel={"schedule": "1f1b", "micro_batches": MICRO_BATCHES, "sequence_parallel": True,
+                  "zero": 1},
+        optimizer={"lr": LR, "weight_decay": WEIGHT_DECAY, "grad_clip": 0.0},
+        training={"seed": SEED, "global_batch_size": BATCH})
 
 
 def train_rank(cfg: OwnDecoderConfig, batches: list) -> dict:
@@ -290,7 +293,8 @@ def one_process(cfg: OwnDecoderConfig, batches: list) -> dict:
     opt = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=LR, betas=settings(cfg).betas, foreach=False)
+        lr=LR, betas=(settings(cfg).optimizer.beta1, settings(cfg).optimizer.beta2),
+        foreach=False)
     losses = []
     for x, y in batches:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())

@@ -13,15 +13,16 @@ def train(zero: int, precision: str, steps: int = 4) -> dict:
     losses and how many layers were converted to float8."""
     import shardwise.parallel.float8 as float8
     from shardwise.base.topology import Topology, init_process_groups
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models import LlamaConfig
 
     float8.check_fp8 = lambda *a, **k: None  # the CPU: emulated float8 matmuls
     topo = init_process_groups(Topology.build(2, 1, 1, rank=dist.get_rank(), world_size=2))
     cfg = LlamaConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_heads=2,
                       n_embd=64)
-    engine = Engine(cfg, topo, EngineSettings(precision=precision, zero=zero, batch_size=8,
-                                              seq_len=32, lr=1e-2))
+    engine = Engine(cfg, topo, EngineConfig(
+        seq_len=32, parallel={"zero": zero}, optimizer={"lr": 1e-2, "grad_clip": 0.0},
+        training={"precision": precision, "global_batch_size": 8}))
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):

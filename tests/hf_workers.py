@@ -9,7 +9,7 @@ import torch.distributed as dist
 from shardwise.base.config import ModelConfig
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.checkpoint.hf import read_config
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.models.description import describe_section
 from shardwise.models.hf import section_of
 from shardwise.parallel.tensor_parallel import gather_tensor
@@ -37,8 +37,9 @@ def imported_logits(dirs: list[str], idx: torch.Tensor, tp: int = 1,
 
 def _logits(d: str, topo: Topology, idx: torch.Tensor) -> torch.Tensor:
     model = describe_section(ModelConfig(**section_of(read_config(d))), 0)
-    engine = Engine(model, topo, EngineSettings(batch_size=1, seq_len=idx.shape[1],
-                                                init_from=d))
-    engine._train(False)
-    logits = engine._logits(idx)
+    engine = Engine(model, topo, EngineConfig(
+        seq_len=idx.shape[1], init_from=d, optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 1}))
+    with engine.evaluating():
+        logits = engine._logits(idx)
     return gather_tensor(logits, -1, engine.tp)[..., :model.vocab_size].clone()

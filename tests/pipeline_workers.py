@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.func import functional_call
 
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.pipeline.partition import gpt_layers, partition_layers
 from shardwise.parallel.pipeline.schedules import Backward, Forward
@@ -45,11 +45,12 @@ def make_engine(topo, cfg: dict, batch: int = BATCH) -> Engine:
     """The engine for a pipeline test layout: ``cfg`` holds schedule, micro_batches,
     chunks_per_rank, partition, recompute, bucket sizes (``batch``: the global batch)."""
     cfg = dict(cfg)
-    settings = EngineSettings(
-        schedule=cfg.pop("schedule"), micro_batches=cfg.pop("micro_batches"),
-        lr=LR, betas=(0.9, 0.999), weight_decay=0.01, grad_clip=cfg.pop("clip", 0.0),
-        seed=SEED, batch_size=batch, seq_len=MODEL["block_size"], allreduce="auto", **cfg)
-    return Engine(GPTConfig(**MODEL), topo, settings)
+    measure, clip = cfg.pop("measure_memory", False), cfg.pop("clip", 0.0)
+    settings = EngineConfig( seq_len=MODEL["block_size"], parallel={"allreduce": "auto", **cfg},
+                            optimizer={"lr": LR, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01,
+                                       "grad_clip": clip}, training={"seed": SEED,
+                                                                     "global_batch_size": batch})
+    return Engine(GPTConfig(**MODEL), topo, settings, measure_memory=measure)
 
 
 def reference(steps: int = 5) -> dict:
@@ -76,6 +77,8 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
     (GPT names), peak activation bytes and, for PipeDream, the weight versions seen."""
     topo = _topology(dp, pp)
     engine = make_engine(topo, dict(cfg, measure_memory=True))
+    versions: list[dict] = []  # PipeDream: the weights each forward / backward saw
+    engine.executor.watch = _record_versions(versions)
     losses, in_flight = [], []
     share = BATCH // dp
     for idx, tgt in batches(steps):
@@ -91,8 +94,27 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
             "in_flight": in_flight,
             "buckets": None if sync is None else (len(sync.buckets), sync.launched_early),
             "params": {n: p.detach().clone() for n, p in engine.named_parameters()},
-            "peak_activation_bytes": ex.meter.peak, "versions": ex.versions,
+            "peak_activation_bytes": ex.meter.peak, "versions": versions,
             "bounds": list(engine.partition.bounds)}
+
+
+def _checksum(params) -> float:
+    """A fingerprint of a set of weights (float64 sum of squares and sum)."""
+    return float(sum((p.detach().double() ** 2).sum() + p.detach().double().sum()
+                     for p in params))
+
+
+def _record_versions(out: list[dict]):
+    """An ``Executor.watch`` hook: each stashing forward's and each backward's weight version
+    and the checksum of the stashed weights (and, in backward, of the live ones) into
+    ``out``."""
+    def watch(kind: str, op, version: int, stash: dict, chunk) -> None:
+        row = {"mb": op.mb, "chunk": op.chunk, "pass": kind, "version": version,
+               "checksum": _checksum(stash.values())}
+        if kind == "backward":
+            row["live_checksum"] = _checksum(chunk.parameters())
+        out.append(row)
+    return watch
 
 
 def run_many(dp: int, pp: int, cfgs: list[dict], steps: int = 5,
@@ -160,3 +182,28 @@ def pipedream_reference(pp: int, m: int, steps: int) -> dict:
     return {"losses": [sum(ls) / m for ls in losses],
             "params": {n: p.detach().clone() for c in chunks.values()
                        for n, p in c.model_parameters()}}
+
+
+def run_evaluations(cfgs: list[dict], steps: int = 3) -> list[dict]:
+    """pp = the world size, for each layout of ``cfgs``: the loss of batch 0 before training
+    (``Engine.loss``: the forward-only pass through the stages), then ``steps`` steps twice
+    from the same start, the second time with an evaluation after every step (PipeDream:
+    mid-stream, micro-batches in flight). -> per layout {"loss0", "plain", "evaluated"}, the
+    last two [(loss, micro-batches in flight after the step)]."""
+    topo = _topology(1, dist.get_world_size())
+    out = []
+    for cfg in cfgs:
+        data = batches(steps)
+        row = {}
+        for key in ("plain", "evaluated"):
+            engine = make_engine(topo, cfg)
+            row.setdefault("loss0", engine.loss(*data[0]))
+            row[key] = []
+            for idx, tgt in data:
+                loss = engine.train_step(idx, tgt)["loss"]
+                if key == "evaluated":
+                    engine.loss(*data[0])
+                row[key].append((loss, engine.executor.in_flight))
+            engine.drain()
+        out.append(row)
+    return out

@@ -164,11 +164,11 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
 
 
 def _run_engine(cfg: Config, topo, device: torch.device, batches: list, evaluate: bool):
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models import describe_section
 
     engine = Engine(describe_section(cfg.model, VOCAB), topo,  # eos 0: block_causal's
-                    EngineSettings.from_config(cfg, eos_id=0), device)
+                    EngineConfig.of(cfg, eos_id=0), device)
     losses = []
     for b in batches:
         b = b.to(device)

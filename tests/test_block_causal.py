@@ -164,16 +164,19 @@ def test_causal_runs_no_mask():
     """``causal`` (the default): the engine builds no shard and no document ids, the
     attention takes ``is_causal``: nothing changes for runs that do not ask."""
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
 
     cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16)
-    engine = Engine(cfg, Topology.build(), EngineSettings(batch_size=2, seq_len=16,
-                                                          micro_batches=2, eos_id=EOS))
+    engine = Engine(cfg, Topology.build(), EngineConfig(
+        seq_len=16, eos_id=EOS, parallel={"micro_batches": 2}, optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 2}))
     assert not engine.block_causal
     assert engine._sequence_shards(torch.zeros(2, 16, dtype=torch.long), 2) is None
     masked = Engine(LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2,
                                 n_embd=16, attention_mask="block_causal"), Topology.build(),
-                    EngineSettings(batch_size=2, seq_len=16, micro_batches=2, eos_id=EOS))
+                    EngineConfig(
+                        seq_len=16, eos_id=EOS, parallel={"micro_batches": 2},
+                        optimizer={"grad_clip": 0.0}, training={"global_batch_size": 2}))
     shards = masked._sequence_shards(torch.tensor([[1] * 15 + [EOS], [EOS] + [1] * 15]), 2)
     assert [s.documents.tolist() for s in shards] == [[[0] * 16], [[0] + [1] * 15]]
 
@@ -199,11 +202,12 @@ def test_bad_masks_are_refused_in_one_line(corpus, packed, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"^model.attention_mask='block_causal': the "
                                          "tokenizer has no end-of-text id"):
         from shardwise.base.topology import Topology
-        from shardwise.engine import Engine, EngineSettings
+        from shardwise.engine import Engine, EngineConfig
 
         Engine(LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16,
                            attention_mask="block_causal"), Topology.build(),
-               EngineSettings(batch_size=2, seq_len=16))
+               EngineConfig(
+                   seq_len=16, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 2}))
     # a prepared tokenizer with <|endoftext|> passes the door (a run of one step)
     cfg = tiny_config(str(packed), str(tmp_path / "ok"), model={
         "kind": "llama", "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16,

@@ -262,7 +262,7 @@ def test_config_rules_for_cp():
 
 def test_engine_refuses_what_it_cannot_shard():
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models.description import describe
     from shardwise.models.gpt import GPTConfig
 
@@ -270,9 +270,11 @@ def test_engine_refuses_what_it_cannot_shard():
     own = dataclasses.replace(gpt, kind="own", context_parallel=False)
     with pytest.raises(ValueError, match=r"^parallel.cp=2: model 'own' does not say it reads "
                                          "token positions from models.sequence.positions"):
-        Engine(own, Topology.build(cp=2), EngineSettings(batch_size=2, seq_len=16))
+        Engine(own, Topology.build(cp=2), EngineConfig(
+            seq_len=16, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 2}))
     with pytest.raises(ValueError, match="sequence length 12 is not divisible by 2 x cp = 8"):
-        Engine(gpt, Topology.build(cp=4), EngineSettings(batch_size=2, seq_len=12))
+        Engine(gpt, Topology.build(cp=4), EngineConfig(
+            seq_len=12, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 2}))
 
 
 # -- ranks -----------------------------------------------------------------------------------

@@ -77,13 +77,14 @@ def test_cli_refuses_fp8_below_capability_8_9(tmp_path, capsys, monkeypatch):
 
 def test_engine_refuses_fp8_on_the_cpu():
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models import GPTConfig
 
     gpt = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
     with pytest.raises(ValueError, match=r"^training.precision=fp8 needs a CUDA GPU") as e:
-        Engine(gpt, Topology.build(1, 1, 1), EngineSettings(precision="fp8", batch_size=2,
-                                                           seq_len=16))
+        Engine(gpt, Topology.build(1, 1, 1), EngineConfig(
+            seq_len=16, optimizer={"grad_clip": 0.0},
+            training={"precision": "fp8", "global_batch_size": 2}))
     assert "\n" not in str(e.value)
 
 

@@ -577,7 +577,7 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
     from shardwise.base.config import ModelConfig
     from shardwise.base.topology import Topology
     from shardwise.checkpoint.hf import write_safetensors
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.engine.state import model_tensors
     from shardwise.models.description import describe_section
     from shardwise.models.hf import QWEN2_MOE, to_hf_tensors
@@ -616,8 +616,9 @@ def test_a_llama_with_a_gated_shared_expert_is_a_qwen2_moe_out_and_back_in(tmp_p
     assert all(torch.equal(saved[k], tensors[k]) for k in tensors)
     back = describe_section(ModelConfig(**section_of(read_config(tmp_path / "theirs"))), 0)
     assert back.config == cfg
-    engine = Engine(back, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=16, init_from=str(tmp_path / "theirs")))
+    engine = Engine(back, Topology.build(1, 1, 1), EngineConfig(
+        seq_len=16, init_from=str(tmp_path / "theirs"), optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 1}))
     imported = model_tensors(engine)
     want = dict(ours.named_parameters())
     assert imported.keys() == want.keys()
@@ -640,15 +641,16 @@ def _import_export(path: Path, out: Path):
     from shardwise.base.config import ModelConfig
     from shardwise.base.topology import Topology
     from shardwise.checkpoint.hf import write_safetensors
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.engine.state import model_tensors
     from shardwise.models.description import describe_section
     from shardwise.models.hf import to_hf_tensors
 
     source = read_config(path)
     d = describe_section(ModelConfig(**section_of(source)), 0).with_checkpoint_arch(source)
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=2, seq_len=16, init_from=str(path)))
+    engine = Engine(d, Topology.build(1, 1, 1), EngineConfig(
+        seq_len=16, init_from=str(path), optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 2}))
     tensors = {**model_tensors(engine), **dict(engine.local.named_buffers())}
     model = d.build().eval()
     model.load_state_dict(tensors)
@@ -739,11 +741,12 @@ def test_deepseek_yarn_in_and_out(tmp_path):
 def _ours(path: Path, d) -> dict:
     """``path``'s tensors under our names, loaded by one process's engine."""
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.engine.state import model_tensors
 
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=1, seq_len=16,
-                                                               init_from=str(path)))
+    engine = Engine(d, Topology.build(1, 1, 1), EngineConfig(
+        seq_len=16, init_from=str(path), optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 1}))
     return {**model_tensors(engine), **dict(engine.local.named_buffers())}
 
 
@@ -833,13 +836,14 @@ def _import_and_export(cfg, d, src, source: dict, idx: torch.Tensor, seq_len: in
     from shardwise import checkpoint
     from shardwise.apps.lm.export import export_hf
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.engine.state import model_tensors
 
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(
-        batch_size=1, seq_len=seq_len, init_from=str(src)))
-    engine._train(False)
-    ours = engine._logits(idx)[..., :VOCAB]
+    engine = Engine(d, Topology.build(1, 1, 1), EngineConfig(
+        seq_len=seq_len, init_from=str(src), optimizer={"grad_clip": 0.0},
+        training={"global_batch_size": 1}))
+    with engine.evaluating():
+        ours = engine._logits(idx)[..., :VOCAB]
     tokenizer = {"kind": "char", "chars": [chr(33 + i) for i in range(VOCAB)]}
     checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
                     {"step": 1, "config": cfg.model_dump(), "tokenizer": tokenizer,

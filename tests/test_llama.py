@@ -355,11 +355,12 @@ def test_pipedream_with_a_tied_llama_across_stages_is_refused():
     the first and last stage cannot be summed per step (it deadlocked); the engine says so
     before building anything (the config refuses it too, see test_pp_trainer.py)."""
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models.llama import LlamaConfig
 
-    settings = EngineSettings(schedule="pipedream", micro_batches=2, grad_clip=0.0, batch_size=8,
-                              seq_len=16)
+    settings = EngineConfig(
+        seq_len=16, parallel={"schedule": "pipedream", "micro_batches": 2},
+        optimizer={"grad_clip": 0.0}, training={"global_batch_size": 8})
     cfg = LlamaConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_kv_heads=2,
                       n_embd=32, tie_weights=True)
     with pytest.raises(ValueError, match="PipeDream with tied embeddings across pipeline stages"):

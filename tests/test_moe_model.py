@@ -365,7 +365,7 @@ def test_engine_reports_drops_as_the_description_declares():
     import dataclasses
 
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models.description import ModelDescription
     from shardwise.models.llama import describe
 
@@ -373,7 +373,8 @@ def test_engine_reports_drops_as_the_description_declares():
     assert d.capacity_factor == 0.5 and describe(_llama_cfg()).capacity_factor == 0.0
     own = dataclasses.replace(d, kind="own-moe", config=None)
     idx = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))
-    settings = EngineSettings(batch_size=4, seq_len=16, seed=3)
+    settings = EngineConfig(
+        seq_len=16, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 4, "seed": 3})
     info = Engine(own, Topology.build(1, 1, 1), settings).train_step(idx, idx.roll(-1, 1))
     torch.manual_seed(3)
     model = own.build()
@@ -403,12 +404,14 @@ def test_engine_moves_each_layers_bias_by_the_steps_load():
     tensor) and after each step calls ``update_bias`` with the step's ``expert_load`` of
     that layer: after two steps each bias is rate x the sum of the two steps' signs."""
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models.llama import describe
 
     rate = 0.01
     engine = Engine(describe(_llama_cfg(moe_bias_update_rate=rate)), Topology.build(1, 1, 1),
-                    EngineSettings(batch_size=4, seq_len=16, seed=3))
+                    EngineConfig(
+                        seq_len=16, optimizer={"grad_clip": 0.0},
+                        training={"global_batch_size": 4, "seed": 3}))
     biases = engine.local.named_buffers()
     assert [n for n, _ in biases] == ["blocks.0.mlp.expert_bias", "blocks.1.mlp.expert_bias"]
     assert all(torch.equal(b, torch.zeros(4)) for _, b in biases)
@@ -434,7 +437,8 @@ def test_engine_moves_each_layers_bias_by_the_steps_load():
     d = dataclasses.replace(describe(_llama_cfg()), build=build)
     with pytest.raises(ValueError, match=r"^llama: buffer blocks\.1\.self_attn\.mask has no "
                                          r"value when built on the meta device"):
-        Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16, seed=3))
+        Engine(d, Topology.build(1, 1, 1), EngineConfig(
+            seq_len=16, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 4, "seed": 3}))
 
 
 def test_mixed_dense_and_moe_blocks():
@@ -445,7 +449,7 @@ def test_mixed_dense_and_moe_blocks():
     the Llama's; bad indices are one line naming the field."""
     from shardwise.base.config import Config, ConfigError
     from shardwise.base.topology import Topology
-    from shardwise.engine import Engine, EngineSettings
+    from shardwise.engine import Engine, EngineConfig
     from shardwise.models.llama import Llama, describe
 
     cfg = _llama_cfg(n_layer=3, ffn_hidden=40, dense_layers=(0,), moe_bias_update_rate=0.01)
@@ -465,8 +469,8 @@ def test_mixed_dense_and_moe_blocks():
     expert = sum(p.numel() for n, p in names.items() if ".experts." in n)
     assert d.flops_per_token(model) == 6 * (sum(p.numel() for p in model.parameters())
                                             - expert / 2 - 32 * 32) + 12 * 3 * 32 * 16
-    engine = Engine(d, Topology.build(1, 1, 1), EngineSettings(batch_size=4, seq_len=16,
-                                                               seed=3))
+    engine = Engine(d, Topology.build(1, 1, 1), EngineConfig(
+        seq_len=16, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 4, "seed": 3}))
     for n, p in engine.local.named_parameters():
         assert torch.equal(p, names[n]), n
     idx = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(0))

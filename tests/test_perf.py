@@ -10,7 +10,7 @@ import torch
 
 from shardwise.base.config import Config, ConfigError
 from shardwise.base.topology import Topology
-from shardwise.engine import Engine, EngineSettings, settle
+from shardwise.engine import Engine, EngineConfig, settle
 from shardwise.launch import GPU_HOST_THREADS, threads_per_rank
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.gpt import causal_attention
@@ -179,8 +179,10 @@ def _engine(**kw):
     cfg = GPTConfig(**SMALL, attention=attention)
     # lr 1e-3: Adam's steps are ~lr whatever the gradient, so kernels that differ in the
     # last bits of a gradient differ by at most ~1e-3 of a step in the weights
-    s = EngineSettings(micro_batches=2, lr=1e-3, grad_clip=1.0, seed=3, batch_size=4,
-                       seq_len=SMALL["block_size"], **kw)
+    fused = {"fused": kw.pop("fused")} if "fused" in kw else {}
+    s = EngineConfig(seq_len=SMALL["block_size"], parallel={"micro_batches": 2},
+                     optimizer={"lr": 1e-3, "grad_clip": 1.0, **fused},
+                     training={"seed": 3, "global_batch_size": 4, **kw})
     return Engine(cfg, Topology.build(1, 1, 1), s)
 
 
@@ -301,8 +303,9 @@ def test_cuda_step_never_waits_for_the_device():
     debug mode raises on any)."""
     dev = torch.device("cuda")
     cfg = GPTConfig(**SMALL)
-    s = EngineSettings(micro_batches=2, precision="bf16", lr=1e-2, grad_clip=1.0, seed=3,
-                       batch_size=4, seq_len=SMALL["block_size"])
+    s = EngineConfig(seq_len=SMALL["block_size"], parallel={"micro_batches": 2},
+                     optimizer={"lr": 1e-2, "grad_clip": 1.0},
+                     training={"precision": "bf16", "seed": 3, "global_batch_size": 4})
     engine = Engine(cfg, Topology.build(1, 1, 1), s, dev)
     x = torch.randint(0, SMALL["vocab_size"], (4, SMALL["block_size"] + 1), device=dev)
     engine.train_step(x[:, :-1], x[:, 1:], sync=False)  # first step: state allocation

@@ -26,7 +26,7 @@ from recompute_workers import recompute_worker, run
 from shardwise.base.config import Config, ConfigError
 from shardwise.base.topology import Topology
 from shardwise.comm import replay
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.launch import spawn
 from shardwise.models.llama import Block, LlamaConfig
 from shardwise.parallel import activation_checkpoint as ac
@@ -39,8 +39,9 @@ CFG = LlamaConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_kv_heads=
 
 def _train(recompute, steps=3):
     torch.manual_seed(0)
-    s = EngineSettings(micro_batches=2, lr=1e-2, grad_clip=1.0, seed=3, batch_size=4,
-                       seq_len=16, recompute=recompute)
+    s = EngineConfig(
+        seq_len=16, parallel={"micro_batches": 2, "recompute": recompute},
+        optimizer={"lr": 1e-2, "grad_clip": 1.0}, training={"seed": 3, "global_batch_size": 4})
     e = Engine(CFG, Topology.build(1, 1, 1), s)
     wrapped = [hasattr(layer.forward, "__wrapped__") for c in e.local.chunks.values()
                for layer in c.layers]

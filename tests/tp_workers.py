@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from helpers import rel_err
 from shardwise import comm
 from shardwise.base.topology import Topology, init_process_groups
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.engine.model import build_local_model
 from shardwise.models import gpt, llama
 from shardwise.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig
@@ -457,8 +457,9 @@ def generate_worker(cfg: GPTConfig, seed: int) -> dict:
     ref = GPT(cfg).generate(prompt, 6, generator=torch.Generator().manual_seed(0))
     out = {}
     for sp in (False, True):
-        engine = Engine(cfg, topo, EngineSettings(sequence_parallel=sp, seed=seed,
-                                                  seq_len=cfg.block_size))
+        engine = Engine(cfg, topo, EngineConfig(
+            seq_len=cfg.block_size, parallel={"sequence_parallel": sp},
+            optimizer={"grad_clip": 0.0}, training={"seed": seed}))
         got = engine.generate(prompt, 6, generator=torch.Generator().manual_seed(0))
         out[f"sp={sp}"] = bool(torch.equal(got, ref))
     return out

@@ -77,7 +77,7 @@ _EXPORTS: dict[str, str] = {
     "check_schedule": "shardwise.parallel.pipeline.check:check",
     # engine & training
     "Engine": "shardwise.engine.engine:Engine",
-    "EngineSettings": "shardwise.engine.engine:EngineSettings",
+    "EngineConfig": "shardwise.engine.engine:EngineConfig",
     # the LM trainer is moving to shardwise.apps.lm; the merge repoints this line
     "build_trainer": "shardwise.apps.lm.trainer:build_trainer",
     # checkpoints

@@ -10,10 +10,10 @@ one engine (see ``docs/architecture.md``, "How a layout is composed").
 - ``state``: the engine's tensors in a checkpoint.
 """
 
-from shardwise.engine.engine import Engine, EngineSettings, settle
+from shardwise.engine.engine import Engine, EngineConfig, settle
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.sync import ReplicatedSync
 
-__all__ = ["Engine", "EngineSettings", "LocalModel", "build_local_model",
+__all__ = ["Engine", "EngineConfig", "LocalModel", "build_local_model",
            "DistributedOptimizer", "ReplicatedSync", "settle"]

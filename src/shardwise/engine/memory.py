@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.engine.model import build_local_model, zero3_shared_reason
+from shardwise.engine.model import build_local_model
+from shardwise.engine.parallelize import zero3_shared_reason
 from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.parallel.experts import is_expert
 from shardwise.parallel.precision import DTYPES

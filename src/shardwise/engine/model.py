@@ -39,9 +39,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.engine.parallelize import apply_ep, apply_tp
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
-from shardwise.parallel.experts import parallelize_experts
 from shardwise.parallel.pipeline.partition import (
     Partition,
     balanced,
@@ -52,17 +52,9 @@ from shardwise.parallel.pipeline.stage import StageChunk
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import gather_tensor, shard_tensor
 from shardwise.parallel.tensor_parallel.loss import vocab_parallel_cross_entropy
-from shardwise.parallel.tensor_parallel.plan import check_divisible, parallelize
+from shardwise.parallel.tensor_parallel.plan import check_divisible
 from shardwise.parallel.tensor_parallel.random import ParallelRNG
 from shardwise.parallel.tensor_parallel.state import gather_like, shard_like
-
-
-def zero3_shared_reason(v: int, name: str, a: int, b: int) -> str:
-    """The one-line refusal of ZeRO-3 when chunks ``a`` and ``b`` of one rank share the
-    parameter ``name`` (``LocalModel.shared_across_chunks``): ZeRO-3 shards each chunk apart."""
-    return (f"parallel.zero=3 with parallel.chunks_per_rank={v}: {name} is shared by chunks "
-            f"{a} and {b} of one rank (a tied embedding at pp = 1), and ZeRO-3 shards each "
-            "chunk apart; set model.tie_weights = false or use pp > 1")
 
 
 @dataclass
@@ -75,6 +67,9 @@ class LocalModel:
     the first stage, the head's on the last), empty when the head shares the embedding's
     parameter or nothing is tied. ``rng``: the tensor-parallel dropout stream (None with
     tp = 1). ``vocab_params``: names of the parameters split by vocabulary rows.
+    ``moe_layers``: every mixture-of-experts layer's full name; ``moe_local``: (index in
+    ``moe_layers``, module) of this rank's. ``loss_fn(logits, targets)``: the mean
+    cross-entropy (vocabulary-parallel with tp > 1).
     """
 
     description: ModelDescription
@@ -82,14 +77,33 @@ class LocalModel:
     partition: Partition
     tp: RankGroup
     rng: ParallelRNG | None
-    tied: tuple[str, ...] = ()
-    n_chunks: int = 1
-    loss_fn: Callable = field(default=None, repr=False)
     vocab_params: tuple[str, ...] = ()
     flops_per_token: float = 0.0
     ep: RankGroup = field(default_factory=lambda: RankGroup(axis="ep"))
     moe_layers: tuple[str, ...] = ()
-    moe_local: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tp, d = self.tp, self.description
+        self.loss_fn: Callable = (_vocab_parallel_loss(tp, d.vocab_size) if tp.size > 1
+                                  else lm_loss_fp32)
+        self.moe_local = [
+            (self.moe_layers.index(f"{lname}.{sub}" if sub else lname), m)
+            for c in sorted(self.chunks)
+            for lname, layer in zip(self.chunks[c].names, self.chunks[c].layers)
+            for sub, m in layer.named_modules() if callable(getattr(m, "pop_router_stats", None))]
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks of the whole model (``pp * v``)."""
+        return self.partition.parts
+
+    @property
+    def tied(self) -> tuple[str, ...]:
+        """Names of this rank's copies of the tied weight across stages (see above)."""
+        d = self.description
+        if d.tied is None or (self.has_first and self.has_last):  # one parameter, shared
+            return ()
+        return (d.tied[:1] if self.has_first else ()) + (d.tied[1:] if self.has_last else ())
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(full model name, parameter)`` of this rank's parameters, chunk by chunk, each
@@ -230,30 +244,15 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     share = d.tied is not None and head_here and emb_here  # one stage holds both: one parameter
     chunks: dict[int, StageChunk] = {}
     for c in chunk_ids:
-        named = []
-        for i in partition.layers(c):
-            name, m = layers[i]
-            if tp.size > 1:
-                m = parallelize(m, d.tp_plan, tp, rng, name=name, vocab_size=d.vocab_size)  # meta
-            if tp.size > 1 or ep.size > 1:
-                m = parallelize_experts(m, d.tp_plan, ep, tp, name=name, algorithm=all_to_all)
-            named.append((name, m))
-        chunks[c] = StageChunk(named)
+        named = [layers[i] for i in partition.layers(c)]  # on meta: shard, then materialise
+        chunks[c] = StageChunk(apply_ep(apply_tp(named, d, tp, rng), d, ep, tp, all_to_all))
     del layers
-    tied: tuple[str, ...] = ()
     if d.tied is not None:
         _tie(chunks, d.tied, share)
-        if not share:
-            tied = (d.tied[:1] if emb_here else ()) + (d.tied[1:] if head_here else ())
-    loss_fn = _vocab_parallel_loss(tp, d.vocab_size) if tp.size > 1 else lm_loss_fp32
-    moe_local = [(moe_layers.index(f"{lname}.{sub}" if sub else lname), m)
-                 for c in sorted(chunks) for lname, layer in zip(chunks[c].names, chunks[c].layers)
-                 for sub, m in layer.named_modules()
-                 if callable(getattr(m, "pop_router_stats", None))]
     local = LocalModel(description=d, chunks=chunks, partition=partition, tp=tp, rng=rng,
-                       tied=tied, n_chunks=n_chunks, loss_fn=loss_fn,
                        vocab_params=vocab_params, flops_per_token=flops, ep=ep,
-                       moe_layers=moe_layers, moe_local=moe_local)
+                       moe_layers=moe_layers)
+    assert local.n_chunks == n_chunks
     if torch.device(device).type != "meta":  # meta: shapes only (engine.memory's prediction)
         _initialise(local, record, seed, torch.device(device), init_from, full_shapes)
     return local

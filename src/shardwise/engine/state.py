@@ -81,7 +81,7 @@ def _pieces_by_param(engine) -> dict[str, list[tuple[int, int, int]]]:
 
 
 def _zero_sharded(engine) -> bool:
-    return engine.s.zero > 0 and engine.distributed and engine.topology.dp_cp > 1
+    return engine.cfg.parallel.zero > 0 and engine.distributed and engine.topology.dp_cp > 1
 
 
 def _key(engine, name: str) -> str:

@@ -10,7 +10,14 @@ which one it holds:
 - ``pieces`` (fp32 master tensors the optimizer steps), ``piece_grads()`` (their fp32
   gradients), ``piece_params`` / ``piece_names`` (which parameter each is part of, and its
   checkpoint key), ``counted`` (see ``zero.precision.fp32_step``), ``after_step()``
-  (masters back into the compute-dtype parameters).
+  (masters back into the compute-dtype parameters);
+- ``full_parameters()``: a context in which every parameter is whole (ZeRO-3 gathers;
+  the others hold them whole already);
+- ``buckets_overlapped()``: our DDP's ``[buckets launched before the schedule's end,
+  buckets]`` of the last step, None for the others;
+- ``param_shards()`` / ``grad_shards()`` and ``future_grad_bytes()``: memory held beyond
+  the model's parameters, and gradient bytes that will be kept once the first backward
+  has made them (for the memory report).
 
 ``ReplicatedSync`` (ZeRO-0: our DDP's buckets, all-reduced; fp32 masters only when the
 compute dtype is bf16/fp16), ``zero.ZeroDataParallel`` (ZeRO-1/2: the same buckets,
@@ -103,6 +110,22 @@ class ReplicatedSync:
         if pairs:  # masters cast into the compute-dtype parameters, one launch on CUDA
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
+    def full_parameters(self):
+        """Every parameter is whole already: nothing to gather."""
+        return nullcontext()
+
+    def buckets_overlapped(self) -> list[int] | None:
+        """``[buckets launched before finish(), buckets]`` of the last step (None: dp = 1)."""
+        return None if self.sync is None else [self.sync.launched_early, len(self.sync.buckets)]
+
+    def future_grad_bytes(self) -> int:
+        """Without buckets: the bytes of the gradients kept between steps (zeroed in place)
+        that no backward has made yet."""
+        if self.sync is not None:
+            return 0
+        return sum(q.numel() * q.element_size() for q in self.params
+                   if q.grad is None and q.requires_grad)
+
     def param_shards(self) -> list[torch.Tensor]:
         """Parameter memory beyond the model's parameters: none without ZeRO-3."""
         return []
@@ -159,5 +182,13 @@ class SplitSync:
         collective over their groups), nothing to do for the others."""
         stack = ExitStack()
         for part in self.parts:
-            stack.enter_context(getattr(part, "full_parameters", nullcontext)())
+            stack.enter_context(part.full_parameters())
         return stack
+
+    def buckets_overlapped(self) -> None:
+        """Not reported for several parts."""
+        return None
+
+    def future_grad_bytes(self) -> int:
+        """The parts' gradient bytes still to be made (see ``ReplicatedSync``)."""
+        return sum(part.future_grad_bytes() for part in self.parts)

@@ -160,7 +160,7 @@ class ModelDescription:
         ``models.gpt.causal_attention``, which keeps a token within its document when the
         current ``models.sequence`` shard carries document ids; with "block_causal" the
         engine computes them from each micro-batch's tokens and the tokenizer's end-of-text
-        id (``EngineSettings.eos_id``) and sets them around every forward of its chunks.
+        id (``EngineConfig.eos_id``) and sets them around every forward of its chunks.
     hf: a ``models.hf.HFArch`` (how the model maps onto a Hugging Face architecture: its
         config.json, tensor names and layouts; ``model.init_from`` and ``shardwise export``
         read it, each with the checkpoint's own arch when that holds the model:

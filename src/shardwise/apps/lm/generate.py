@@ -22,7 +22,7 @@ from shardwise import checkpoint, comm
 from shardwise.base.config import Config, ConfigError
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data.tokenizer import tokenizer_from_state
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.engine import state as engine_state
 from shardwise.models import describe_section
 
@@ -91,7 +91,7 @@ def generate_rank(cfg_dict: dict, path: str, prompt: list[int], new_tokens: int,
     d = describe_section(cfg.model, tokenizer.vocab_size)
     # generation masks no documents (a prompt is one); the id only lets a block_causal
     # model's engine be built
-    engine = Engine(d, topology, EngineSettings.from_config(
+    engine = Engine(d, topology, EngineConfig.of(
         cfg, eos_id=getattr(tokenizer, "eos_id", None)), device)
     with engine.full_parameters():  # the weights and routing biases, not AdamW's state
         targets = {k: v for k, v in engine_state.logical_tensors(engine, targets=True).items()

@@ -25,7 +25,7 @@ from shardwise.apps.lm.text import split_corpus, token_unit
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
-from shardwise.engine import Engine, EngineSettings
+from shardwise.engine import Engine, EngineConfig
 from shardwise.launch import rank_device
 from shardwise.models import describe_section
 from shardwise.training.loop import Cadence, TrainTask, run_loop
@@ -54,8 +54,8 @@ class Trainer(TrainerState, TrainTask):
         # split, then parallelize: pipeline chunks, tp shards, dp sync, one optimizer
         # the tokenizer's end-of-text id ends documents under model.attention_mask =
         # "block_causal" (the character tokenizer has none: the engine refuses it then)
-        settings = EngineSettings.from_config(cfg, eos_id=getattr(self.tokenizer, "eos_id", None))
-        self.engine = Engine(self.description, topology, settings, self.device)
+        view = EngineConfig.of(cfg, eos_id=getattr(self.tokenizer, "eos_id", None))
+        self.engine = Engine(self.description, topology, view, self.device)
         self.optimizer = self.engine.optimizer
         self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
         self.sampler = DistributedBatchSampler(self.train_tokens, cfg.model.block_size,

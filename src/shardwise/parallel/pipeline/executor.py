@@ -26,6 +26,13 @@ micro-batch's first forward to its last backward here, and each call of a chunk 
 micro-batch (the forward, and the backward's recomputation) runs inside its own
 (``sequence.use``): a stage that never saw the tokens attends within the right documents.
 
+``forward`` runs one micro-batch forward only through the same chunks (evaluation and
+generation: ``schedules.forward_only``'s lists, outside the training step's state).
+
+Under weight stashing, ``watch(pass, op, version, stash, chunk)`` (when set; None by
+default) is called after each forward stashed and each backward used a version: how a test
+checks that both passes saw the same weights, off the training path otherwise.
+
 Each instruction's start and end (``time.perf_counter`` seconds, one clock for all local
 processes) go to ``events``; with ``measure_memory`` the bytes autograd saves for backward
 are metered (``meter.peak``).
@@ -53,6 +60,7 @@ from shardwise.parallel.pipeline.schedules import (
     Schedule,
     SendActivation,
     SendGrad,
+    forward_only,
 )
 
 
@@ -138,7 +146,10 @@ class Executor:
         self.last_chunk = schedule.n_chunks - 1
         self.version = 0  # optimizer steps taken: the weight version
         self.events: list[tuple[str, int, int, float, float]] = []
-        self.versions: list[dict] = []  # PipeDream: versions seen by each forward / backward
+        self.losses: list[torch.Tensor] = []
+        self.sends: list = []  # this run's send handles
+        self.watch: Callable | None = None  # weight stashing: see the module docstring
+        self._eval = False  # inside ``forward``: the last chunk returns its output
         self.meter = ActivationMeter()
         self.measure_memory = measure_memory  # the meter's Python hooks cost time: opt-in
         self.reset()
@@ -187,6 +198,36 @@ class Executor:
         self.losses: list[torch.Tensor] = []
         self.sends: list = []
         self.events = []  # this run's only
+        self._execute(ops)
+        return self.losses
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, act_shape: Sequence[int], shard=None
+                ) -> torch.Tensor | None:
+        """One micro-batch ``x`` (where chunk 0 lives: token ids, (B, T); None elsewhere)
+        forward only through every chunk in order (``schedules.forward_only``), no autograd,
+        inside ``models.sequence.use(shard)`` when a shard is given. ``act_shape``: the
+        activation between chunks ((B, T, C): receive buffers). Returns the last chunk's
+        output on its rank, None elsewhere. The training step's micro-batches in flight
+        (PipeDream) and its events are kept apart. Every pipeline rank must call it."""
+        kept = (self.inputs, self.targets, self.held, self.ready, self.grad_out, self.shards,
+                self.losses, self.sends, self.events, self.act_shape)
+        self.reset()
+        self.inputs, self.act_shape = {0: x}, tuple(act_shape)
+        if shard is not None:
+            self.shards[0] = shard
+        self.losses, self.sends, self.events, self.output, self._eval = [], [], [], None, True
+        try:
+            self._execute(forward_only(self.schedule.p, self.schedule.v).ranks[self.pp_rank])
+            return self.output
+        finally:
+            (self.inputs, self.targets, self.held, self.ready, self.grad_out, self.shards,
+             self.losses, self.sends, self.events, self.act_shape) = kept
+            self._eval, self.output = False, None
+
+    def _execute(self, ops) -> None:
+        """Each instruction of ``ops`` in turn (a run of transfers posted as one batch), then
+        wait for this rank's sends."""
         self.meter.exclude = _storages(p for c in self.chunks.values() for p in c.parameters())
         i = 0
         while i < len(ops):
@@ -205,7 +246,6 @@ class Executor:
             i = j
         for h in self.sends:
             h.wait()
-        return self.losses
 
     # -- compute ------------------------------------------------------------------------
     def _take(self, key: tuple) -> torch.Tensor:
@@ -227,14 +267,21 @@ class Executor:
         if op.chunk == 0:
             x = self.inputs.pop(op.mb)
         else:
-            x = self._take(("act", op.mb, op.chunk)).detach().requires_grad_()
+            x = self._take(("act", op.mb, op.chunk))
+            x = x if self._eval else x.detach().requires_grad_()
         stash = None
+        if self._eval:  # forward only: no autograd, the last chunk's output is the result
+            out = self._call(op.chunk, op.mb, x, None)
+            if op.chunk == self.last_chunk:
+                self.output = out
+            self._hand_on(op, x, out, None)
+            return
         if self.schedule.weight_stashing:
             stash = {n: p.detach().clone().requires_grad_()
                      for n, p in self.chunks[op.chunk].named_parameters()}
             self.meter.exclude |= _storages(stash.values())  # weights, not activations
-            self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "forward",
-                                  "version": self.version, "checksum": _checksum(stash.values())})
+            if self.watch is not None:
+                self.watch("forward", op, self.version, stash, self.chunks[op.chunk])
         with self._hooks(), torch.set_grad_enabled(not self.recompute):
             out = self._call(op.chunk, op.mb, x, stash)
             if op.chunk == self.last_chunk:
@@ -244,6 +291,11 @@ class Executor:
                 out = loss * (self.loss_scale() / self.schedule.m)
         if self.recompute and op.chunk > 0:
             self.meter.hold(x.numel() * x.element_size())
+        self._hand_on(op, x, out, stash)
+
+    def _hand_on(self, op: Forward, x, out, stash) -> None:
+        """Keep the forward's input and output for its backward and its send; the next chunk,
+        when it lives here, takes the output directly."""
         self.held[(op.mb, op.chunk)] = (x, out, stash)
         if op.chunk < self.last_chunk and (op.chunk + 1) % self.schedule.p == self.pp_rank:
             self.ready[("act", op.mb, op.chunk + 1)] = (out.detach(), None)  # next chunk is here
@@ -268,9 +320,8 @@ class Executor:
             self.meter.exclude -= _storages(stash.values())
             for (name, p), s in zip(self.chunks[op.chunk].named_parameters(), stash.values()):
                 p.grad = s.grad if p.grad is None else p.grad.add_(s.grad)
-            self.versions.append({"mb": op.mb, "chunk": op.chunk, "pass": "backward",
-                                  "version": self.version, "checksum": _checksum(stash.values()),
-                                  "live_checksum": _checksum(self.chunks[op.chunk].parameters())})
+            if self.watch is not None:
+                self.watch("backward", op, self.version, stash, self.chunks[op.chunk])
         if op.chunk == min(self.chunks):  # the micro-batch's last call on this rank
             self.shards.pop(op.mb, None)
         if op.chunk > 0:
@@ -323,11 +374,6 @@ class Executor:
     def _recv_grad(self, op: RecvGrad):
         return "recv", torch.empty(self.act_shape, dtype=self.dtype, device=self.device), \
             ("grad", op.mb, op.chunk)
-
-
-def _checksum(params) -> float:
-    """A fingerprint of a set of weights (float64 sum of squares and sum)."""
-    return float(sum((p.detach().double() ** 2).sum() + p.detach().double().sum() for p in params))
 
 
 def _storages(tensors) -> set[int]:

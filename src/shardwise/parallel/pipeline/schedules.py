@@ -339,3 +339,13 @@ def schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     if not pipedream:
         ranks = [r + (OptimizerStep(),) for r in ranks]
     return Schedule(kind, p, m, v, tuple(tuple(r) for r in ranks), weight_stashing=pipedream)
+
+
+def forward_only(p: int, v: int = 1) -> Schedule:
+    """One micro-batch forward through the ``p * v`` chunks in order, with no backward and no
+    optimizer step (evaluation and generation: ``Executor.forward``); its transfers are
+    derived as ``schedule``'s."""
+    n = p * v
+    orders = [[Forward(0, c) for c in range(r, n, p)] for r in range(p)]
+    ranks = _with_comm(orders, time_orders(orders, p, v), p, n, step_every_backward=False)
+    return Schedule("forward", p, 1, v, tuple(tuple(r) for r in ranks))

@@ -202,6 +202,14 @@ class ZeroDataParallel(nn.Module):
         """Stages 1 and 2 always hold the full parameters: nothing to gather."""
         return nullcontext()
 
+    def buckets_overlapped(self) -> None:
+        """Our DDP's bucket overlap is not reported for ZeRO (``engine.sync``'s interface)."""
+        return None
+
+    def future_grad_bytes(self) -> int:
+        """Gradient storage exists from the start (``engine.sync``'s interface)."""
+        return 0
+
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -335,6 +335,14 @@ class ZeroStage3(nn.Module):
     def param_shards(self) -> list[torch.Tensor]:
         return [u.shard_lp for u in self._all if u.shard_lp is not u.shard]
 
+    def buckets_overlapped(self) -> None:
+        """Our DDP's bucket overlap is not reported for ZeRO (``engine.sync``'s interface)."""
+        return None
+
+    def future_grad_bytes(self) -> int:
+        """Gradient storage exists from the start (``engine.sync``'s interface)."""
+        return 0
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (fp16), or ``loss`` itself."""
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
