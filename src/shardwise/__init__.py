@@ -72,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     # pipeline: schedules as data, checked without processes
     "pipeline": "shardwise.parallel.pipeline",
     "schedule": "shardwise.parallel.pipeline.schedules:schedule",
+    "forward_only": "shardwise.parallel.pipeline.schedules:forward_only",
     "Schedule": "shardwise.parallel.pipeline.schedules:Schedule",
     "ScheduleError": "shardwise.parallel.pipeline.schedules:ScheduleError",
     "check_schedule": "shardwise.parallel.pipeline.check:check",
