@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,30 @@ def reference(commits: list[tuple[int, list[int]]]) -> list[float]:
         opt.step()
         opt.zero_grad()
     return flat(model)
+
+
+def records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def start_on(net, host, replica: int, lighthouse: str, out: Path, *extra: str):
+    """A replica group on a namespace host, reached by the others at that host's address."""
+    return net.popen(host, [sys.executable, __file__, "--replica-id", str(replica),
+                            "--lighthouse", lighthouse, "--out", str(out), "--host", host.addr,
+                            *extra], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def lighthouse_on(net, host, heartbeat_timeout_ms: int = 1000):
+    """torchft's own lighthouse binary on ``host``, bound to its address only."""
+    binary = str(Path(sys.executable).with_name("torchft_lighthouse"))
+    net.popen(host, [binary, "--min_replicas", "1", "--bind", f"{host.addr}:29510",
+                     "--join_timeout_ms", "200", "--heartbeat_timeout_ms",
+                     str(heartbeat_timeout_ms)], env=dict(os.environ, RUST_LOG="warn"),
+              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return f"http://{host.addr}:29510"
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Hosts for real on one machine: network namespaces with their own addresses and names.
 
-``with hosts(2) as net:`` makes hosts ``host0``, ``host1`` (... up to 3), each a network
+``with hosts(2) as net:`` makes hosts ``host0``, ``host1`` (... up to 4), each a network
 namespace with an interface on one bridge (the bridge sits in a namespace of its own, so the
 machine's own namespace gains no interface, address or route), an address in a private /24
 that exists only inside these namespaces, ``/etc/netns/NAME/hosts`` naming every host, and a
@@ -127,9 +127,9 @@ class Hosts:
 
 @contextlib.contextmanager
 def hosts(n: int = 2) -> Iterator[Hosts]:
-    """``n`` (2-3) hosts on one bridge; skips the test where namespaces cannot be made."""
-    if not 2 <= n <= 3:
-        raise ValueError(f"hosts(n): 2 or 3 hosts, got {n}")
+    """``n`` (2-4) hosts on one bridge; skips the test where namespaces cannot be made."""
+    if not 2 <= n <= 4:
+        raise ValueError(f"hosts(n): 2 to 4 hosts, got {n}")
     if (why := unavailable()) is not None:
         pytest.skip(why)
     tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"  # unique per run, fits IFNAMSIZ

@@ -2,7 +2,6 @@
 replica groups as separate processes on loopback (tests/ft_workers.py), a lighthouse in the
 test process; then across namespace hosts (tests/hosts.py)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import ft_workers
+from ft_workers import lighthouse_on, records, start_on
 from conftest import REPO
 from shardwise.training.fault_tolerance import Lighthouse
 
@@ -31,12 +31,6 @@ def listening(port: int) -> list[str]:
             if state == "0A" and int(p, 16) == port:
                 out.append(addr)
     return out
-
-
-def records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
 def start(replica: int, lighthouse: str, out: Path, *extra: str) -> subprocess.Popen:
@@ -129,3 +123,45 @@ def test_a_lost_replica_leaves_the_survivor_training_and_heals_on_return(tmp_pat
     assert "replica 1: healed from a live peer at step" in logs[1]
     torch.testing.assert_close(torch.tensor(r0[-1]["params"]), torch.tensor(replay(r0)),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["host_killed", "partition"])
+def test_a_lost_host_heals_across_namespace_hosts(fault, tmp_path):
+    """Three hosts: the lighthouse on host2, a replica group on host0 and on host1. host1 is
+    lost mid-run, either killed whole (SIGKILL to every process of its namespace, then its
+    replica started again) or cut off (its link down 3 s, the same process going on): host0
+    keeps committing alone, host1's replica heals from it and both end with bitwise-equal
+    parameters; no process is left on any host."""
+    from hosts import hosts
+
+    out0, out1 = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl"
+    common = ["--steps", "4", "--step-sleep", "0.1", "--timeout-ms", "2000"]
+    with hosts(3) as net:
+        lighthouse = lighthouse_on(net, net[2])
+        survivor = start_on(net, net[0], 0, lighthouse, out0, *common)
+        wait_for(lambda: records(out0), survivor)
+        second = start_on(net, net[1], 1, lighthouse, out1, *common, "--steps", "1000")
+        wait_for(lambda: sum(r["live"] == 2 for r in records(out0)) >= 2, survivor)
+        cut = time.time()
+        if fault == "host_killed":
+            net.kill_host(net[1])
+        else:
+            net.set_link(net[1], up=False)
+        wait_for(lambda: any(r["live"] == 1 and r["t"] > cut for r in records(out0)), survivor)
+        if fault == "host_killed":
+            second = start_on(net, net[1], 1, lighthouse, out1, *common)
+        else:
+            net.set_link(net[1], up=True)
+        logs = finish([survivor] if fault == "partition" else [survivor, second])
+        if fault == "partition":  # host1's replica ran with --steps 1000: stop it now
+            net.kill_host(net[1])
+        assert [net.pids(h) for h in net.hosts[:2]] == [[], []]
+    assert survivor.returncode == 0, logs[0][-3000:]
+    r0, r1 = records(out0), records(out1)
+    assert [r["step"] for r in r0] == list(range(len(r0)))
+    assert any(r["live"] == 1 and r["t"] > cut for r in r0)
+    assert r0[-1]["live"] == 2
+    healed = [r for r in r1 if r["t"] > cut]
+    by_step = {r["step"]: r["digest"] for r in r0}
+    assert healed and all(r["digest"] == by_step[r["step"]] for r in healed if r["step"] in by_step)
+    assert healed[0]["step"] in by_step
