@@ -1,4 +1,4 @@
-"""Per-step fault tolerance (torchft) across network-namespace hosts: host loss, soak, lighthouse loss.
+"""Per-step fault tolerance (torchft) across namespace hosts: host loss, soak, lighthouse loss.
 
 Hosts are network namespaces (``tests/hosts.py``; root and iproute2). torchft's lighthouse
 runs on its own host; each replica group is ``tests/ft_workers.py`` (a toy model, one
@@ -88,8 +88,9 @@ def host_loss(args) -> None:
             rows.append({"kill_to_commit_s": alone - kill,
                          "longest_pause_s": max(b - a for a, b in zip(ts, ts[1:])),
                          "restart_to_heal_s": healed - restart,
+                         # committed steps redone or skipped: each step once, in order
                          "steps_lost": len(before) - len(set(steps) & before)
-                         + (steps != list(range(len(steps)))),
+                         + (steps != list(range(steps[0], steps[0] + len(steps)))),
                          "bitwise": equal_where_common(outs, restart)})
             print(f"trial {trial}: " + ", ".join(
                 f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
@@ -143,7 +144,9 @@ def lighthouse_loss(args) -> None:
         lighthouse = lighthouse_on(net, net[2], args.heartbeat_timeout_ms)
         outs = [Path(tmp) / f"r{i}.jsonl" for i in range(2)]
         common = ["--steps", "100000", "--step-sleep", str(args.step_sleep),
-                  "--timeout-ms", str(args.timeout_ms)]
+                  "--timeout-ms", str(args.timeout_ms),
+                  "--quorum-timeout-ms", str(args.quorum_timeout_ms),
+                  "--quorum-retries", str(args.quorum_retries)]
         procs = [start_on(net, net[i], i, lighthouse, outs[i], *common) for i in range(2)]
         wait_for(lambda: sum(r["live"] == 2 for r in records(outs[0])) >= 3, "commits")
         kill = time.time()
@@ -153,13 +156,20 @@ def lighthouse_loss(args) -> None:
             time.sleep(args.restart_after)
             lighthouse_on(net, net[2], args.heartbeat_timeout_ms)
             print(f"lighthouse started again {args.restart_after:.1f} s later")
-        deadline = time.monotonic() + args.watch
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        deadline, ended = time.monotonic() + args.watch, {}
+        while time.monotonic() < deadline and len(ended) < len(procs):
+            for i, p in enumerate(procs):
+                if i not in ended and p.poll() is not None:
+                    ended[i] = time.time() - kill
             time.sleep(0.1)
         for i, (p, out) in enumerate(zip(procs, outs)):
             last = [r for r in records(out) if r["t"] > kill]
             rc = p.poll()
-            print(f"replica {i}: {'running' if rc is None else f'exit {rc}'}; "
+            state = ("running" if rc is None
+                     else f"exit {rc} {ended.get(i, args.watch):.1f} s after the kill")
+            ts = [kill] + [r["t"] for r in last]
+            pause = max((b - a for a, b in zip(ts, ts[1:])), default=float("nan"))
+            print(f"replica {i}: {state}; longest pause from the kill {pause:.1f} s; "
                   f"{len(last)} steps committed after the kill")
             if rc is None:
                 p.kill()
@@ -179,6 +189,10 @@ def main() -> None:
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     ap.add_argument("--timeout-ms", type=int, default=2000,
                     help="fault_tolerance.process_group_timeout_ms of each replica")
+    ap.add_argument("--quorum-timeout-ms", type=int, default=60000,
+                    help="lighthouse-loss: fault_tolerance.quorum_timeout_ms of each replica")
+    ap.add_argument("--quorum-retries", type=int, default=3,
+                    help="lighthouse-loss: fault_tolerance.quorum_retries of each replica")
     ap.add_argument("--watch", type=float, default=60.0,
                     help="lighthouse-loss: seconds to watch the replicas after the kill")
     args = ap.parse_args()

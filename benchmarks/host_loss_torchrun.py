@@ -38,6 +38,13 @@ def last_step(out: Path) -> int:
         return 0
 
 
+def metric_lines(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True)
@@ -84,7 +91,7 @@ def main() -> None:
         t0 = time.monotonic()
         while last_step(out) < args.kill_at and time.monotonic() - t0 < 300:
             time.sleep(0.2)
-        killed_at_step = last_step(out)
+        killed_at_step, lines = last_step(out), metric_lines(out)
         net.kill_host(net[args.kill])
         t_kill = time.monotonic()
         print(f"killed host{args.kill} at step {killed_at_step}")
@@ -92,11 +99,16 @@ def main() -> None:
         agents.append(start(args.kill, logs[2]))
         live = [agents[1 - args.kill], agents[2]]
         ends: dict[int, float] = {}
+        first_step_after = None
         while len(ends) < 2 and time.monotonic() - t_kill < args.wait:
             for j, a in enumerate(live):
                 if j not in ends and a.poll() is not None:
                     ends[j] = time.monotonic() - t_kill
-            time.sleep(0.2)
+            if first_step_after is None and metric_lines(out) > lines:
+                first_step_after = time.monotonic() - t_kill
+            time.sleep(0.1)
+        if first_step_after is not None:
+            print(f"kill to the first step logged after it: {first_step_after:.1f} s")
         names = [f"host{1 - args.kill} (survivor)", f"host{args.kill} (restarted)"]
         for j, a in enumerate(live):
             rc = a.poll()

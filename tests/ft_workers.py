@@ -8,9 +8,10 @@ Step s of replica r trains on slot r of global batch s (``batch``); each committ
 appends one JSON line to ``--out`` (step, live replica groups, time, the parameters' bytes
 as a hex digest and their values). A replica stops once it has committed ``--steps`` steps
 in a row with every replica group live (replicas that commit together stop together; a
-survivor waits for the lost one to rejoin; ``--max-steps`` bounds it). ``--die-after N``: SIGKILL itself in the Nth step it runs, after its backward,
-before the cross-replica average (a replica lost mid-step). ``reference`` replays the
-committed steps in one process."""
+survivor waits for the lost one to rejoin; ``--max-steps`` bounds it). ``--die-after N``:
+SIGKILL itself in the Nth step it runs, after its backward, before the cross-replica average
+(a replica lost mid-step). ``reference`` replays the committed steps in one process;
+``start_on`` and ``lighthouse_on`` run a replica and the lighthouse on namespace hosts."""
 
 from __future__ import annotations
 
@@ -117,16 +118,20 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=1000, help="bound: stop here anyway")
     ap.add_argument("--host", default="127.0.0.1", help="address the other replicas reach")
     ap.add_argument("--timeout-ms", type=int, default=10000)
+    ap.add_argument("--quorum-timeout-ms", type=int, default=60000)
+    ap.add_argument("--quorum-retries", type=int, default=3)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from shardwise.base.config import FaultToleranceConfig
-    from shardwise.training.fault_tolerance import FaultTolerantReplica
+    from shardwise.training.fault_tolerance import FaultTolerantReplica, QuorumError
 
     torch.set_num_threads(1)
     cfg = FaultToleranceConfig(enable=True, replica_id=args.replica_id,
                                group_size=args.group_size, min_replica_size=args.min_replicas,
                                lighthouse=args.lighthouse,
-                               process_group_timeout_ms=args.timeout_ms)
+                               process_group_timeout_ms=args.timeout_ms,
+                               quorum_timeout_ms=args.quorum_timeout_ms,
+                               quorum_retries=args.quorum_retries)
     model, opt = make_model()
     store = torch.distributed.TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     ft = FaultTolerantReplica(
@@ -139,7 +144,11 @@ def main() -> None:
     full, ran = 0, 0  # steps committed in a row with every replica group live
     with open(args.out, "a", encoding="utf-8") as out:
         while ft.step < args.max_steps and full < args.steps:
-            step = ft.start_step()
+            try:
+                step = ft.start_step()
+            except QuorumError as exc:  # the lighthouse lost: one line, exit 3
+                print(exc, flush=True)
+                os._exit(3)
             ran += 1
             loss = grads_of(model, step, args.replica_id)
             time.sleep(args.step_sleep)

@@ -551,6 +551,9 @@ class FaultToleranceConfig(_Section):
                                           "collective, commit vote or heal longer than this "
                                           "fails the step")
     quorum_timeout_ms: int = Field(60000, ge=1, description="the longest wait for a quorum")
+    quorum_retries: int = Field(3, ge=0, description="quorum requests retried before the "
+                                "run stops: a lighthouse started again on the same address "
+                                "meanwhile is rejoined")
     heartbeat_timeout_ms: int = Field(5000, ge=1, description="the lighthouse a local run "
                                       "starts: a replica silent this long is dead")
     join_timeout_ms: int = Field(1000, ge=0, description="the lighthouse a local run "

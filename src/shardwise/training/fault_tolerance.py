@@ -46,6 +46,11 @@ def _ms(ms: int) -> timedelta:
     return timedelta(milliseconds=ms)
 
 
+class QuorumError(RuntimeError):
+    """No quorum within ``fault_tolerance.quorum_timeout_ms`` (the lighthouse lost or
+    unreachable); ``str(err)`` is one line. The job's checkpoints cover this case."""
+
+
 class Lighthouse:
     """torchft's lighthouse (the quorum's coordinator) in this process, bound to ``host``
     (loopback by default: a local run listens on no other interface). ``address``:
@@ -127,7 +132,7 @@ class FaultTolerantReplica:
                 pg=pg, load_state_dict=self._heal, state_dict=state_dict,
                 min_replica_size=cfg.min_replica_size, use_async_quorum=False,
                 timeout=timeout, quorum_timeout=_ms(cfg.quorum_timeout_ms),
-                connect_timeout=timeout, rank=group_rank, world_size=group_world_size,
+                connect_timeout=timeout, quorum_retries=cfg.quorum_retries, rank=group_rank, world_size=group_world_size,
                 store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
                 replica_id=f"replica_{cfg.replica_id}", hostname=hostname,
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
@@ -147,7 +152,14 @@ class FaultTolerantReplica:
     def start_step(self) -> int:
         """Join this step's quorum (healing first where this replica is behind); returns
         the step number."""
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # torchft raises the RPC's TimeoutError / RuntimeError
+            raise QuorumError(
+                f"replica {self.cfg.replica_id}: step {self.step}: no quorum from the "
+                f"lighthouse {self.cfg.lighthouse} within "
+                f"{self.cfg.quorum_timeout_ms} ms, {self.cfg.quorum_retries} retries: "
+                f"{str(exc).splitlines()[0][:200]}") from None
         live = self.manager.num_participants()
         if live != self._live:
             verb = "lost" if live < self._live else "joined"
