@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -67,8 +68,9 @@ def host_loss(args) -> None:
         outs = [Path(tmp) / f"r{i}.jsonl" for i in range(2)]
         common = ["--steps", "100000", "--step-sleep", str(args.step_sleep),
                   "--timeout-ms", str(args.timeout_ms)]
-        survivor = start_on(net, net[0], 0, lighthouse, outs[0], *common)
-        start_on(net, net[1], 1, lighthouse, outs[1], *common)
+        logs = [open(Path(tmp) / f"r{i}.log", "a") for i in range(2)]
+        survivor = start_on(net, net[0], 0, lighthouse, outs[0], *common, log=logs[0])
+        start_on(net, net[1], 1, lighthouse, outs[1], *common, log=logs[1])
         for trial in range(args.trials):
             wait_for(lambda: sum(r["live"] == 2 for r in records(outs[0])[-3:]) == 3,
                      "both replicas committing together")
@@ -80,7 +82,7 @@ def host_loss(args) -> None:
             alone = next(r["t"] for r in records(outs[0]) if r["live"] == 1 and r["t"] > kill)
             time.sleep(args.restart_after)
             restart = time.time()
-            start_on(net, net[1], 1, lighthouse, outs[1], *common)
+            start_on(net, net[1], 1, lighthouse, outs[1], *common, log=logs[1])
             wait_for(lambda: any(r["t"] > restart for r in records(outs[1])), "the heal")
             healed = next(r["t"] for r in records(outs[1]) if r["t"] > restart)
             ts = [r["t"] for r in records(outs[0]) if r["t"] > kill - 1]
@@ -110,11 +112,20 @@ def soak(args) -> None:
         outs = [Path(tmp) / f"r{i}.jsonl" for i in range(3)]
         common = ["--group-size", "3", "--steps", "100000", "--step-sleep",
                   str(args.step_sleep), "--timeout-ms", str(args.timeout_ms)]
-        procs = [start_on(net, net[i], i, lighthouse, outs[i], *common) for i in range(3)]
+        logs = [open(Path(tmp) / f"r{i}.log", "a") for i in range(3)]
+        procs = [start_on(net, net[i], i, lighthouse, outs[i], *common, log=logs[i])
+                 for i in range(3)]
         t0, equal = time.time(), 0
         for k in range(args.kills):
-            wait_for(lambda: all(records(o) and records(o)[-1]["live"] == 3 for o in outs),
-                     "all three replicas committing together")
+            try:
+                wait_for(lambda: all(records(o) and records(o)[-1]["live"] == 3 for o in outs)
+                         and all(p.poll() is None for p in procs),
+                         "all three replicas committing together")
+            except TimeoutError:
+                for i, p in enumerate(procs):
+                    tail = (Path(tmp) / f"r{i}.log").read_text().splitlines()[-5:]
+                    print(f"replica {i}: rc {p.poll()}\n  " + "\n  ".join(tail))
+                raise
             time.sleep(rng.uniform(0.0, 2.0))
             victim, whole = rng.randrange(3), rng.random() < 0.5
             if whole:
@@ -124,7 +135,7 @@ def soak(args) -> None:
                 procs[victim].wait()
             restart = time.time()
             procs[victim] = start_on(net, net[victim], victim, lighthouse, outs[victim],
-                                     *common)
+                                     *common, log=logs[victim])
             wait_for(lambda: any(r["t"] > restart for r in records(outs[victim])), "the heal")
             time.sleep(0.5)
             ok = equal_where_common(outs, restart)
@@ -196,6 +207,8 @@ def main() -> None:
     ap.add_argument("--watch", type=float, default=60.0,
                     help="lighthouse-loss: seconds to watch the replicas after the kill")
     args = ap.parse_args()
+    # SIGTERM as an exception, so that hosts() removes its namespaces and processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     {"host-loss": host_loss, "soak": soak, "lighthouse-loss": lighthouse_loss}[
         args.scenario](args)
 

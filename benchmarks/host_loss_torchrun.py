@@ -15,6 +15,7 @@ the last step logged, and the tail of each agent's log.
 from __future__ import annotations
 
 import argparse
+import signal
 import os
 import subprocess
 import sys
@@ -61,6 +62,8 @@ def main() -> None:
                     help="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 of each round serves "
                          "the ranks' store, the agents' rendezvous store is not shared")
     args = ap.parse_args()
+    # SIGTERM as an exception, so that hosts() removes its namespaces and processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
     if args.no_shared_store:

@@ -86,12 +86,13 @@ def records(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def start_on(net, host, replica: int, lighthouse: str, out: Path, *extra: str):
-    """A replica group on a namespace host, reached by the others at that host's address."""
+def start_on(net, host, replica: int, lighthouse: str, out: Path, *extra: str, log=None):
+    """A replica group on a namespace host, reached by the others at that host's address;
+    its output to the file object ``log``, else a pipe (read it: a full pipe blocks it)."""
     return net.popen(host, [sys.executable, __file__, "--replica-id", str(replica),
                             "--lighthouse", lighthouse, "--out", str(out), "--host", host.addr,
                             *extra], env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def lighthouse_on(net, host, heartbeat_timeout_ms: int = 1000):
@@ -126,7 +127,7 @@ def main() -> None:
     from shardwise.training.fault_tolerance import FaultTolerantReplica, QuorumError
 
     torch.set_num_threads(1)
-    cfg = FaultToleranceConfig(enable=True, replica_id=args.replica_id,
+    cfg = FaultToleranceConfig(replica_id=args.replica_id,
                                group_size=args.group_size, min_replica_size=args.min_replicas,
                                lighthouse=args.lighthouse,
                                process_group_timeout_ms=args.timeout_ms,
@@ -139,7 +140,7 @@ def main() -> None:
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
                                     opt.load_state_dict(sd["optim"])),
         device=torch.device("cpu"), store_addr=args.host, store_port=store.port,
-        hostname=args.host, lighthouse=cfg.lighthouse, bind=args.host,
+        hostname=args.host, bind=args.host,
         log=lambda s: print(s, flush=True))
     full, ran = 0, 0  # steps committed in a row with every replica group live
     with open(args.out, "a", encoding="utf-8") as out:

@@ -65,12 +65,28 @@ def replay(recs: list[dict]) -> list[float]:
     return ft_workers.reference([(r["step"], [0, 1][:r["live"]]) for r in recs])
 
 
-def test_the_lighthouse_listens_on_loopback_only():
-    """torchft's own default binds every interface ([::]:29510); ours binds 127.0.0.1."""
+def test_the_lighthouse_and_the_manager_listen_on_loopback_only():
+    """torchft's own defaults bind every interface (the lighthouse [::]:29510, the Manager's
+    server [::]); a local run's bind 127.0.0.1."""
+    from shardwise.base.config import FaultToleranceConfig
+    from shardwise.training.fault_tolerance import FaultTolerantReplica
+
     with Lighthouse(min_replicas=1) as lh:
         port = int(lh.address.rsplit(":", 1)[1])
         assert lh.address.startswith("http://127.0.0.1:")
         assert listening(port) == ["0100007F"]  # 127.0.0.1, little-endian hex
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                           wait_for_workers=False)
+        ft = FaultTolerantReplica(FaultToleranceConfig(lighthouse=lh.address),
+                                  state_dict=dict, load_state_dict=lambda sd: None,
+                                  device=torch.device("cpu"), store_addr="127.0.0.1",
+                                  store_port=store.port, hostname="127.0.0.1",
+                                  bind="127.0.0.1", log=lambda s: None)
+        try:
+            manager_port = int(ft.manager._manager.address().rsplit(":", 1)[1])
+            assert listening(manager_port) == ["0100007F"]
+        finally:
+            ft.shutdown()
 
 
 def test_two_replica_groups_average_like_one_process(tmp_path):
@@ -165,3 +181,18 @@ def test_a_lost_host_heals_across_namespace_hosts(fault, tmp_path):
     by_step = {r["step"]: r["digest"] for r in r0}
     assert healed and all(r["digest"] == by_step[r["step"]] for r in healed if r["step"] in by_step)
     assert healed[0]["step"] in by_step
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"fault_tolerance.replica_id": 2, "fault_tolerance.group_size": 2},
+     "fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"),
+    ({"fault_tolerance.min_replica_size": 3, "fault_tolerance.group_size": 2},
+     "fault_tolerance.min_replica_size=3 is more than fault_tolerance.group_size=2"),
+    ({"fault_tolerance.enable": True}, "fault_tolerance.enable=true: shardwise train does not"),
+])
+def test_bad_fault_tolerance_fields_are_one_line(overrides, message):
+    from shardwise.base.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Config.load(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -539,7 +539,8 @@ class FaultToleranceConfig(_Section):
     fault domain; a step commits only where every live replica finished it; a replica that
     comes back heals from a live peer. Field names as torchtitan's ``[fault_tolerance]``."""
 
-    enable: bool = Field(False, description="train as one replica group of a torchft job")
+    enable: bool = Field(False, description="train as one replica group of a torchft job "
+                         "(refused by shardwise train until its engine calls the seam)")
     replica_id: int = Field(0, ge=0, description="this replica group's index, 0 to "
                             "group_size - 1 (it names the group's slot of each global batch)")
     group_size: int = Field(1, ge=1, description="replica groups of the job when all are live")
@@ -561,6 +562,10 @@ class FaultToleranceConfig(_Section):
 
     @model_validator(mode="after")
     def _replica_in_range(self):
+        if self.enable:  # until the engine hands its gradients to comm.torchft_replicas
+            raise ValueError("fault_tolerance.enable=true: shardwise train does not run "
+                             "replica groups through torchft yet; the library does "
+                             "(shardwise.training.fault_tolerance, docs/reliability.md)")
         if self.replica_id >= self.group_size:
             raise ValueError(f"fault_tolerance.replica_id={self.replica_id} must be below "
                              f"fault_tolerance.group_size={self.group_size}")

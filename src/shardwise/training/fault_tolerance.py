@@ -111,13 +111,17 @@ class FaultTolerantReplica:
     ``store_addr``/``store_port``: a ``TCPStore`` served by the replica group's rank 0 (the
     group's own rendezvous store). ``hostname``: how the other replica groups reach this
     one. ``bind``: the host the Manager's server binds (None: torchft's every interface).
-    ``log``: one line per change of the quorum and per heal (which replica, which step)."""
+    ``log``: one line per change of the quorum and per heal (which replica, which step).
+    The lighthouse is ``cfg.lighthouse``."""
 
     def __init__(self, cfg: FaultToleranceConfig, *, state_dict: Callable[[], Any],
                  load_state_dict: Callable[[Any], None], device: torch.device,
-                 store_addr: str, store_port: int, hostname: str, lighthouse: str,
+                 store_addr: str, store_port: int, hostname: str,
                  group_rank: int = 0, group_world_size: int = 1, bind: str | None = None,
                  log: Callable[[str], None] = print):
+        if not cfg.lighthouse:
+            raise ValueError("fault_tolerance.lighthouse: the lighthouse's address is needed "
+                             "(a local run: Lighthouse(...).address)")
         _quiet_torchft()
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
@@ -132,8 +136,9 @@ class FaultTolerantReplica:
                 pg=pg, load_state_dict=self._heal, state_dict=state_dict,
                 min_replica_size=cfg.min_replica_size, use_async_quorum=False,
                 timeout=timeout, quorum_timeout=_ms(cfg.quorum_timeout_ms),
-                connect_timeout=timeout, quorum_retries=cfg.quorum_retries, rank=group_rank, world_size=group_world_size,
-                store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
+                connect_timeout=timeout, quorum_retries=cfg.quorum_retries,
+                rank=group_rank, world_size=group_world_size,
+                store_addr=store_addr, store_port=store_port, lighthouse_addr=cfg.lighthouse,
                 replica_id=f"replica_{cfg.replica_id}", hostname=hostname,
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
         self.replicas = TorchftReplicas(self.manager)
