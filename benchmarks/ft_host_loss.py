@@ -66,7 +66,8 @@ def host_loss(args) -> None:
     with tempfile.TemporaryDirectory() as tmp, hosts(3) as net:
         lighthouse = lighthouse_on(net, net[2], args.heartbeat_timeout_ms)
         outs = [Path(tmp) / f"r{i}.jsonl" for i in range(2)]
-        common = ["--steps", "100000", "--step-sleep", str(args.step_sleep),
+        common = ["--steps", "100000", "--max-steps", "100000000",
+                  "--step-sleep", str(args.step_sleep),
                   "--timeout-ms", str(args.timeout_ms)]
         logs = [open(Path(tmp) / f"r{i}.log", "a") for i in range(2)]
         survivor = start_on(net, net[0], 0, lighthouse, outs[0], *common, log=logs[0])
@@ -110,8 +111,8 @@ def soak(args) -> None:
     with tempfile.TemporaryDirectory() as tmp, hosts(4) as net:
         lighthouse = lighthouse_on(net, net[3], args.heartbeat_timeout_ms)
         outs = [Path(tmp) / f"r{i}.jsonl" for i in range(3)]
-        common = ["--group-size", "3", "--steps", "100000", "--step-sleep",
-                  str(args.step_sleep), "--timeout-ms", str(args.timeout_ms)]
+        common = ["--group-size", "3", "--steps", "100000", "--max-steps", "100000000",
+                  "--step-sleep", str(args.step_sleep), "--timeout-ms", str(args.timeout_ms)]
         logs = [open(Path(tmp) / f"r{i}.log", "a") for i in range(3)]
         procs = [start_on(net, net[i], i, lighthouse, outs[i], *common, log=logs[i])
                  for i in range(3)]
@@ -154,7 +155,8 @@ def lighthouse_loss(args) -> None:
     with tempfile.TemporaryDirectory() as tmp, hosts(3) as net:
         lighthouse = lighthouse_on(net, net[2], args.heartbeat_timeout_ms)
         outs = [Path(tmp) / f"r{i}.jsonl" for i in range(2)]
-        common = ["--steps", "100000", "--step-sleep", str(args.step_sleep),
+        common = ["--steps", "100000", "--max-steps", "100000000",
+                  "--step-sleep", str(args.step_sleep),
                   "--timeout-ms", str(args.timeout_ms),
                   "--quorum-timeout-ms", str(args.quorum_timeout_ms),
                   "--quorum-retries", str(args.quorum_retries)]

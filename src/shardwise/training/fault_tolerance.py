@@ -174,10 +174,6 @@ class FaultTolerantReplica:
             self._live = live
         return self.step
 
-    @property
-    def participating(self) -> bool:
-        return self.manager.is_participating()
-
     def commit(self) -> bool:
         """The step's vote: True (step the optimizer) only if every live replica finished
         it without error; False everywhere otherwise (the step is redone)."""
