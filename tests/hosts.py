@@ -39,9 +39,14 @@ def unavailable() -> str | None:
     probe = f"swprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
                           timeout=IP_TIMEOUT_S)
+    entered = made.returncode == 0 and subprocess.run(
+        ["ip", "netns", "exec", probe, "unshare", "--uts", "true"], capture_output=True,
+        text=True, timeout=IP_TIMEOUT_S)
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=IP_TIMEOUT_S)
     if made.returncode != 0:
         return f"ip netns add failed here: {made.stderr.strip()}"
+    if entered.returncode != 0:
+        return f"ip netns exec ... unshare --uts failed here: {entered.stderr.strip()}"
     return None
 
 
