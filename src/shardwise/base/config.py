@@ -557,6 +557,47 @@ class CheckpointConfig(_Section):
                              "while they are written; a checkpoint is published only complete")
 
 
+class FaultToleranceConfig(_Section):
+    """Per-step fault tolerance across replica groups (torchft): each replica group is a
+    fault domain; a step commits only where every live replica finished it; a replica that
+    comes back heals from a live peer. Field names as torchtitan's ``[fault_tolerance]``."""
+
+    enable: bool = Field(False, description="train as one replica group of a torchft job "
+                         "(refused by shardwise train until its engine calls the seam)")
+    replica_id: int = Field(0, ge=0, description="this replica group's index, 0 to "
+                            "group_size - 1 (it names the group's slot of each global batch)")
+    group_size: int = Field(1, ge=1, description="replica groups of the job when all are live")
+    min_replica_size: int = Field(1, ge=1, description="live replica groups a step needs to "
+                                  "commit")
+    lighthouse: str = Field("", description="the torchft lighthouse's address "
+                            "(http://HOST:PORT); empty: a local run starts one on loopback")
+    process_group_timeout_ms: int = Field(10000, ge=1, description="a cross-replica "
+                                          "collective, commit vote or heal longer than this "
+                                          "fails the step")
+    quorum_timeout_ms: int = Field(60000, ge=1, description="the longest wait for a quorum")
+    quorum_retries: int = Field(3, ge=0, description="quorum requests retried before the "
+                                "run stops: a lighthouse started again on the same address "
+                                "meanwhile is rejoined")
+    heartbeat_timeout_ms: int = Field(5000, ge=1, description="the lighthouse a local run "
+                                      "starts: a replica silent this long is dead")
+    join_timeout_ms: int = Field(1000, ge=0, description="the lighthouse a local run "
+                                 "starts: how long a quorum waits for heartbeating stragglers")
+
+    @model_validator(mode="after")
+    def _replica_in_range(self):
+        if self.enable:  # until the engine hands its gradients to comm.torchft_replicas
+            raise ValueError("fault_tolerance.enable=true: shardwise train does not run "
+                             "replica groups through torchft yet; the library does "
+                             "(shardwise.training.fault_tolerance, docs/reliability.md)")
+        if self.replica_id >= self.group_size:
+            raise ValueError(f"fault_tolerance.replica_id={self.replica_id} must be below "
+                             f"fault_tolerance.group_size={self.group_size}")
+        if self.min_replica_size > self.group_size:
+            raise ValueError(f"fault_tolerance.min_replica_size={self.min_replica_size} is "
+                             f"more than fault_tolerance.group_size={self.group_size}")
+        return self
+
+
 class Config(_Section):
     """A whole run. ``Config.load(path, overrides)`` is the only way the CLI builds one."""
 
@@ -568,6 +609,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     ps: PSConfig = PSConfig()
     cnn: CNNSection = CNNSection()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
 
     @model_validator(mode="after")
     def _sections_agree(self):

@@ -1,0 +1,190 @@
+"""Per-step fault tolerance across replica groups, with torchft underneath.
+
+Each replica group (any layout inside it) is a fault domain and one torchft ``Manager``
+(https://github.com/pytorch/torchft). A step is::
+
+    step = ft.start_step()          # the quorum of live replica groups; a replica that is
+                                    # behind heals here (parameters, optimizer state, step)
+    ... forward, backward, in-replica reduction ...
+    ft.replicas.average_(grads)     # the mean over the live replica groups
+    if ft.commit():                 # True only if every live replica finished the step
+        optimizer.step()
+
+A step that does not commit is redone at the same step number, so its samples are not lost
+(the sampler position is the committed step). The heal copies what ``state_dict`` returns
+from a live peer through torchft's checkpoint transport over the replica process group
+(``PGTransport``), reading no file. ``Lighthouse`` starts the coordinator of a local run on
+loopback (torchft's ``torchft_lighthouse`` binds every interface, ``[::]:29510``); across
+machines it is started once and given by ``fault_tolerance.lighthouse``. docs/reliability.md
+says how a job behaves when a replica or the lighthouse is lost."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from shardwise.base.config import FaultToleranceConfig
+from shardwise.comm.torchft_replicas import TorchftReplicas
+
+
+def _quiet_torchft() -> None:
+    """torchft logs every quorum and vote (its Rust side at info, ``RUST_LOG``: warnings
+    kept unless set), warns about NCCL's flight recorder on the CPU and logs a failed
+    collective with its traceback: ``commit`` says it in one line instead."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", module="torchft.checkpointing.pg_transport")
+
+
+def _ms(ms: int) -> timedelta:
+    return timedelta(milliseconds=ms)
+
+
+class QuorumError(RuntimeError):
+    """No quorum within ``fault_tolerance.quorum_timeout_ms`` (the lighthouse lost or
+    unreachable); ``str(err)`` is one line. The job's checkpoints cover this case."""
+
+
+class Lighthouse:
+    """torchft's lighthouse (the quorum's coordinator) in this process, bound to ``host``
+    (loopback by default: a local run listens on no other interface). ``address``:
+    ``http://HOST:PORT``, what ``fault_tolerance.lighthouse`` takes. A context manager."""
+
+    def __init__(self, min_replicas: int, join_timeout_ms: int = 1000,
+                 heartbeat_timeout_ms: int = 5000, host: str = "127.0.0.1", port: int = 0):
+        _quiet_torchft()
+        from torchft._torchft import LighthouseServer
+
+        self._server = LighthouseServer(bind=f"{host}:{port}", min_replicas=min_replicas,
+                                        join_timeout_ms=join_timeout_ms,
+                                        heartbeat_timeout_ms=heartbeat_timeout_ms)
+        # its own address() names the machine's hostname, which may not resolve to `host`
+        self.address = f"http://{host}:{self._server.address().rsplit(':', 1)[1]}"
+
+    @classmethod
+    def for_config(cls, cfg: FaultToleranceConfig) -> "Lighthouse":
+        return cls(cfg.min_replica_size, cfg.join_timeout_ms, cfg.heartbeat_timeout_ms)
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+
+    def __enter__(self) -> "Lighthouse":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str | None):
+    """torchft's Manager binds its server to ``[::]`` (every interface), with no option:
+    have it bind to ``host`` instead while one Manager is built (a local run: loopback)."""
+    import torchft.manager as tm
+
+    if host is None:
+        yield
+        return
+    original = tm.ManagerServer
+
+    def bound(**kw):
+        kw["bind"] = f"{host}:{kw['bind'].rsplit(':', 1)[1]}"
+        return original(**kw)
+
+    tm.ManagerServer = bound
+    try:
+        yield
+    finally:
+        tm.ManagerServer = original
+
+
+class FaultTolerantReplica:
+    """This rank's part of one replica group of a torchft job.
+
+    ``state_dict()`` / ``load_state_dict(sd)``: what a healing replica copies from a live
+    peer (parameters, optimizer state; the step travels in torchft's own state).
+    ``store_addr``/``store_port``: a ``TCPStore`` served by the replica group's rank 0 (the
+    group's own rendezvous store). ``hostname``: how the other replica groups reach this
+    one. ``bind``: the host the Manager's server binds (None: torchft's every interface).
+    ``log``: one line per change of the quorum and per heal (which replica, which step).
+    The lighthouse is ``cfg.lighthouse``."""
+
+    def __init__(self, cfg: FaultToleranceConfig, *, state_dict: Callable[[], Any],
+                 load_state_dict: Callable[[Any], None], device: torch.device,
+                 store_addr: str, store_port: int, hostname: str,
+                 group_rank: int = 0, group_world_size: int = 1, bind: str | None = None,
+                 log: Callable[[str], None] = print):
+        if not cfg.lighthouse:
+            raise ValueError("fault_tolerance.lighthouse: the lighthouse's address is needed "
+                             "(a local run: Lighthouse(...).address)")
+        _quiet_torchft()
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.cfg, self.log = cfg, log
+        timeout = _ms(cfg.process_group_timeout_ms)
+        pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+        self._load = load_state_dict
+        with _manager_server_bound_to(bind):
+            self.manager = Manager(
+                pg=pg, load_state_dict=self._heal, state_dict=state_dict,
+                min_replica_size=cfg.min_replica_size, use_async_quorum=False,
+                timeout=timeout, quorum_timeout=_ms(cfg.quorum_timeout_ms),
+                connect_timeout=timeout, quorum_retries=cfg.quorum_retries,
+                rank=group_rank, world_size=group_world_size,
+                store_addr=store_addr, store_port=store_port, lighthouse_addr=cfg.lighthouse,
+                replica_id=f"replica_{cfg.replica_id}", hostname=hostname,
+                checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
+        self.replicas = TorchftReplicas(self.manager)
+        self._live = 0
+
+    def _heal(self, state: Any) -> None:
+        self._load(state)
+        self.log(f"replica {self.cfg.replica_id}: healed from a live peer at step "
+                 f"{self.step} (parameters, optimizer state, step; no checkpoint read)")
+
+    @property
+    def step(self) -> int:
+        """Steps committed so far (the sampler position: step s reads global batch s)."""
+        return self.manager.current_step()
+
+    def start_step(self) -> int:
+        """Join this step's quorum (healing first where this replica is behind); returns
+        the step number."""
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:  # torchft raises the RPC's TimeoutError / RuntimeError
+            raise QuorumError(
+                f"replica {self.cfg.replica_id}: step {self.step}: no quorum from the "
+                f"lighthouse {self.cfg.lighthouse} within "
+                f"{self.cfg.quorum_timeout_ms} ms, {self.cfg.quorum_retries} retries: "
+                f"{str(exc).splitlines()[0][:200]}") from None
+        live = self.manager.num_participants()
+        if live != self._live:
+            verb = "lost" if live < self._live else "joined"
+            what = f"a replica group {verb}: " if self._live else ""
+            self.log(f"replica {self.cfg.replica_id}: step {self.step}: {what}{live} of "
+                     f"{self.cfg.group_size} replica groups live")
+            self._live = live
+        return self.step
+
+    def commit(self) -> bool:
+        """The step's vote: True (step the optimizer) only if every live replica finished
+        it without error; False everywhere otherwise (the step is redone)."""
+        step = self.step
+        ok = self.manager.should_commit()
+        if not ok:
+            err = self.manager.errored()
+            why = str(err.original_exception).splitlines()[0] if err else "a peer failed it"
+            self.log(f"replica {self.cfg.replica_id}: step {step} not committed, redone: "
+                     f"{why[:200]}")
+        return ok
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,198 @@
+"""Per-step fault tolerance with torchft (training.fault_tolerance, comm.torchft_replicas):
+replica groups as separate processes on loopback (tests/ft_workers.py), a lighthouse in the
+test process; then across namespace hosts (tests/hosts.py)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ft_workers
+from ft_workers import lighthouse_on, records, start_on
+from conftest import REPO
+from shardwise.training.fault_tolerance import Lighthouse
+
+WORKER = str(REPO / "tests" / "ft_workers.py")
+WAIT_S = 120  # bound of every wait on a replica process
+ENV = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+
+
+def listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp*) of the sockets listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                out.append(addr)
+    return out
+
+
+def start(replica: int, lighthouse: str, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, "--replica-id", str(replica),
+                             "--lighthouse", lighthouse, "--out", str(out), *extra],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(procs: list[subprocess.Popen]) -> list[str]:
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=WAIT_S)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return logs
+
+
+def wait_for(condition, proc: subprocess.Popen) -> None:
+    """Until ``condition()`` holds, ``proc`` ends or WAIT_S pass."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def replay(recs: list[dict]) -> list[float]:
+    """One process training the committed steps: the slots of the live replicas (the
+    survivor is replica 0; with two live, both slots)."""
+    return ft_workers.reference([(r["step"], [0, 1][:r["live"]]) for r in recs])
+
+
+def test_the_lighthouse_and_the_manager_listen_on_loopback_only():
+    """torchft's own defaults bind every interface (the lighthouse [::]:29510, the Manager's
+    server [::]); a local run's bind 127.0.0.1."""
+    from shardwise.base.config import FaultToleranceConfig
+    from shardwise.training.fault_tolerance import FaultTolerantReplica
+
+    with Lighthouse(min_replicas=1) as lh:
+        port = int(lh.address.rsplit(":", 1)[1])
+        assert lh.address.startswith("http://127.0.0.1:")
+        assert listening(port) == ["0100007F"]  # 127.0.0.1, little-endian hex
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                           wait_for_workers=False)
+        ft = FaultTolerantReplica(FaultToleranceConfig(lighthouse=lh.address),
+                                  state_dict=dict, load_state_dict=lambda sd: None,
+                                  device=torch.device("cpu"), store_addr="127.0.0.1",
+                                  store_port=store.port, hostname="127.0.0.1",
+                                  bind="127.0.0.1", log=lambda s: None)
+        try:
+            manager_port = int(ft.manager._manager.address().rsplit(":", 1)[1])
+            assert listening(manager_port) == ["0100007F"]
+        finally:
+            ft.shutdown()
+
+
+def test_two_replica_groups_average_like_one_process(tmp_path):
+    """Two replica groups, every step committed by both with the gradient averaged across
+    them: both hold bitwise-equal parameters at every step, equal to one process averaging
+    the two slots' gradients."""
+    with Lighthouse(min_replicas=2) as lh:
+        outs = [tmp_path / f"r{i}.jsonl" for i in range(2)]
+        procs = [start(i, lh.address, outs[i], "--steps", "6", "--min-replicas", "2")
+                 for i in range(2)]
+        logs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    r0, r1 = records(outs[0]), records(outs[1])
+    assert [r["step"] for r in r0] == [r["step"] for r in r1] == list(range(6))
+    assert all(r["live"] == 2 for r in r0 + r1)
+    assert [r["digest"] for r in r0] == [r["digest"] for r in r1]
+    torch.testing.assert_close(torch.tensor(r0[-1]["params"]), torch.tensor(replay(r0)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_lost_replica_leaves_the_survivor_training_and_heals_on_return(tmp_path):
+    """Replica 1 is SIGKILLed in its 3rd step (after its backward, before the average): the
+    step in flight does not commit, replica 0 redoes it alone and keeps committing, each
+    step once, with its own gradient; replica 1 started again joins at a step boundary,
+    heals from replica 0 (parameters, optimizer state, step: no file read) and from then
+    on both hold bitwise-equal parameters; every process ends."""
+    out0, out1 = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl"
+    with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=1000) as lh:
+        common = ["--steps", "4", "--step-sleep", "0.1", "--timeout-ms", "5000"]
+        survivor = start(0, lh.address, out0, *common)
+        wait_for(lambda: records(out0), survivor)  # replica 0 first: it is the survivor
+        doomed = start(1, lh.address, out1, *common, "--die-after", "3")
+        doomed_log = finish([doomed])[0]
+        died = time.time()
+        assert doomed.returncode == -9, doomed_log[-2000:]
+        wait_for(lambda: any(r["live"] == 1 and r["t"] > died for r in records(out0)),
+                 survivor)
+        alone = len(records(out0))
+        back = start(1, lh.address, out1, *common)
+        logs = finish([survivor, back])
+    assert [survivor.returncode, back.returncode] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    r0, r1 = records(out0), records(out1)
+    steps = [r["step"] for r in r0]
+    assert steps == list(range(len(steps))), "a step committed twice or skipped"
+    assert any(r["live"] == 1 and r["t"] > died for r in r0[:alone]), "the survivor stopped"
+    assert r0[-1]["live"] == 2 and r1[-1]["step"] == r0[-1]["step"]
+    rejoined = [r for r in r1 if r["pid"] == back.pid]  # after the heal
+    by_step = {r["step"]: r["digest"] for r in r0}
+    assert rejoined and all(r["digest"] == by_step[r["step"]] for r in rejoined)
+    assert "replica 1: healed from a live peer at step" in logs[1]
+    torch.testing.assert_close(torch.tensor(r0[-1]["params"]), torch.tensor(replay(r0)),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["host_killed", "partition"])
+def test_a_lost_host_heals_across_namespace_hosts(fault, tmp_path):
+    """Three hosts: the lighthouse on host2, a replica group on host0 and on host1. host1 is
+    lost mid-run, either killed whole (SIGKILL to every process of its namespace, then its
+    replica started again) or cut off (its link down 3 s, the same process going on): host0
+    keeps committing alone, host1's replica heals from it and both end with bitwise-equal
+    parameters; no process is left on any host."""
+    from hosts import hosts
+
+    out0, out1 = tmp_path / "r0.jsonl", tmp_path / "r1.jsonl"
+    common = ["--steps", "4", "--step-sleep", "0.1", "--timeout-ms", "2000"]
+    with hosts(3) as net:
+        lighthouse = lighthouse_on(net, net[2])
+        survivor = start_on(net, net[0], 0, lighthouse, out0, *common)
+        wait_for(lambda: records(out0), survivor)
+        second = start_on(net, net[1], 1, lighthouse, out1, *common, "--steps", "1000")
+        wait_for(lambda: sum(r["live"] == 2 for r in records(out0)) >= 2, survivor)
+        cut = time.time()
+        if fault == "host_killed":
+            net.kill_host(net[1])
+        else:
+            net.set_link(net[1], up=False)
+        wait_for(lambda: any(r["live"] == 1 and r["t"] > cut for r in records(out0)), survivor)
+        if fault == "host_killed":
+            second = start_on(net, net[1], 1, lighthouse, out1, *common)
+        else:
+            net.set_link(net[1], up=True)
+        logs = finish([survivor] if fault == "partition" else [survivor, second])
+        if fault == "partition":  # host1's replica ran with --steps 1000: stop it now
+            net.kill_host(net[1])
+        assert [net.pids(h) for h in net.hosts[:2]] == [[], []]
+    assert survivor.returncode == 0, logs[0][-3000:]
+    r0, r1 = records(out0), records(out1)
+    assert [r["step"] for r in r0] == list(range(len(r0)))
+    assert any(r["live"] == 1 and r["t"] > cut for r in r0)
+    assert r0[-1]["live"] == 2
+    healed = [r for r in r1 if r["t"] > cut]
+    by_step = {r["step"]: r["digest"] for r in r0}
+    assert healed and all(r["digest"] == by_step[r["step"]] for r in healed if r["step"] in by_step)
+    assert healed[0]["step"] in by_step
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"fault_tolerance.replica_id": 2, "fault_tolerance.group_size": 2},
+     "fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"),
+    ({"fault_tolerance.min_replica_size": 3, "fault_tolerance.group_size": 2},
+     "fault_tolerance.min_replica_size=3 is more than fault_tolerance.group_size=2"),
+    ({"fault_tolerance.enable": True}, "fault_tolerance.enable=true: shardwise train does not"),
+])
+def test_bad_fault_tolerance_fields_are_one_line(overrides, message):
+    from shardwise.base.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        Config.load(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
