@@ -108,6 +108,8 @@ class Topology:
     def build(cls, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1, rank: int = 0,
               world_size: int | None = None, ep: int = 1,
               dp_replicate: int = 1) -> "Topology":
+        """The grid with every size checked (``world_size``, when given, must be dp x pp x cp x tp),
+        no process groups yet. Raises ``TopologyError`` naming the offending size."""
         for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("ep", ep),
                            ("dp_replicate", dp_replicate)):
             if not isinstance(size, int) or size < 1:
@@ -129,6 +131,7 @@ class Topology:
 
     @property
     def world_size(self) -> int:
+        """Ranks in the grid: ``dp * pp * cp * tp``."""
         return self.dp * self.pp * self.cp * self.tp
 
     def coords_of(self, rank: int) -> dict[str, int]:
@@ -143,22 +146,27 @@ class Topology:
 
     @property
     def coords(self) -> dict[str, int]:
+        """This rank's ``{"dp", "pp", "cp", "tp"}`` coordinates (``coords_of(rank)``)."""
         return self.coords_of(self.rank)
 
     @property
     def dp_rank(self) -> int:
+        """This rank's dp coordinate: its index in its dp group."""
         return self.coords["dp"]
 
     @property
     def pp_rank(self) -> int:
+        """This rank's pipeline stage index: 0 the first, ``pp - 1`` the last."""
         return self.coords["pp"]
 
     @property
     def tp_rank(self) -> int:
+        """This rank's tp coordinate: which slice of each tensor-parallel weight it holds."""
         return self.coords["tp"]
 
     @property
     def cp_rank(self) -> int:
+        """This rank's cp coordinate: which share of each sequence's tokens it processes."""
         return self.coords["cp"]
 
     @property
@@ -260,10 +268,12 @@ class Topology:
 
     @property
     def is_first_stage(self) -> bool:
+        """Whether this rank holds the first stage (``pp_rank == 0``; True if pp=1)."""
         return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (``pp_rank == pp - 1``; True if pp=1)."""
         return self.pp_rank == self.pp - 1
 
     def axis_ranks(self, axis: str, rank: int | None = None) -> list[int]:

@@ -136,10 +136,12 @@ class LocalModel:
 
     @property
     def has_first(self) -> bool:
+        """Whether this rank holds chunk 0: the embedding (the first stage)."""
         return 0 in self.chunks
 
     @property
     def has_last(self) -> bool:
+        """Whether this rank holds chunk ``n_chunks - 1``: the head (the last stage)."""
         return self.n_chunks - 1 in self.chunks
 
     def full_tensor(self, name: str, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

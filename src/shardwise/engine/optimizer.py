@@ -68,6 +68,8 @@ class DistributedOptimizer:
 
     @property
     def param_groups(self):
+        """The AdamW's two groups over ``pieces`` (decay on matrices, 0 on vectors): the ``lr`` a
+        scheduler sets and a checkpoint keeps."""
         return self.optimizer.param_groups
 
     @torch.no_grad()
@@ -97,7 +99,9 @@ class DistributedOptimizer:
         coalesced_([g for g, w in zip(grads, which) if w], reduce)
 
     def state_dict(self) -> dict:
+        """The AdamW's ``state_dict``: moments of this rank's pieces and the groups' settings."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Load a ``state_dict`` of the same pieces (raises as ``torch.optim.Optimizer`` does)."""
         self.optimizer.load_state_dict(state)

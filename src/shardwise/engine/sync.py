@@ -81,9 +81,13 @@ class ReplicatedSync:
                      if dp_size > 1 else None)
 
     def final_backward(self):
+        """A context: backwards inside it make gradients final, so each full bucket's all-reduce
+        starts at once (a null context when dp = 1)."""
         return self.sync.final_backward() if self.sync is not None else nullcontext()
 
     def finish(self) -> None:
+        """Launch the remaining buckets, wait, divide the sums by ``divisor`` (dp = 1: divide only
+        when ``divisor`` > 1), then average over HSDP's ``replicas``."""
         if self.sync is not None:
             self.sync.finish()
         elif self.divisor > 1:  # one rank holds these experts: only the mean over dp
@@ -93,6 +97,7 @@ class ReplicatedSync:
         self.replicas.average_(self.grad_shards())
 
     def zero_grad(self) -> None:
+        """Zero the gradients in place (the buckets, or each kept ``param.grad``)."""
         if self.sync is not None:
             self.sync.zero_grad()  # in place: gradients stay views into the buckets
         else:  # kept and zeroed in place, as the buckets are: memory held between steps
@@ -101,11 +106,13 @@ class ReplicatedSync:
                 torch._foreach_zero_(grads)  # one launch on CUDA; a loop on the CPU
 
     def piece_grads(self) -> list[torch.Tensor]:
+        """Each piece's fp32 gradient, in ``pieces`` order; zeros where no backward has made one."""
         return [p.grad.float() if p.grad is not None else torch.zeros_like(m)
                 for p, m in zip(self.params, self.pieces)]
 
     @torch.no_grad()
     def after_step(self) -> None:
+        """Copy the fp32 masters into the compute-dtype parameters (fp32: nothing to copy)."""
         pairs = [(p, m) for p, m in zip(self.params, self.pieces) if p is not m]
         if pairs:  # masters cast into the compute-dtype parameters, one launch on CUDA
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
@@ -151,30 +158,37 @@ class SplitSync:
         self.counted = [c for part in parts for c in part.counted]
 
     def final_backward(self):
+        """Every part's ``final_backward`` entered in order, as one context (an ``ExitStack``)."""
         stack = ExitStack()
         for part in self.parts:
             stack.enter_context(part.final_backward())
         return stack
 
     def finish(self) -> None:
+        """Each part's ``finish`` in order, each over its own group."""
         for part in self.parts:
             part.finish()
 
     def zero_grad(self) -> None:
+        """Each part's ``zero_grad`` (in place)."""
         for part in self.parts:
             part.zero_grad()
 
     def piece_grads(self) -> list[torch.Tensor]:
+        """The parts' fp32 piece gradients, concatenated in ``pieces`` order."""
         return [g for part in self.parts for g in part.piece_grads()]
 
     def after_step(self) -> None:
+        """Each part's ``after_step``: masters back into the compute-dtype parameters."""
         for part in self.parts:
             part.after_step()
 
     def param_shards(self) -> list[torch.Tensor]:
+        """The parts' parameter memory beyond the model's (ZeRO-3's compute-dtype shards)."""
         return [t for part in self.parts for t in part.param_shards()]
 
     def grad_shards(self) -> list[torch.Tensor]:
+        """The parts' gradient memory kept between steps, for the memory report."""
         return [t for part in self.parts for t in part.grad_shards()]
 
     def full_parameters(self):

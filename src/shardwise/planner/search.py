@@ -81,6 +81,9 @@ from shardwise.planner.specs import ModelSpec
 
 @dataclass
 class Candidate:
+    """A layout that fits in memory, with its ``memory`` by kind (bytes per GPU) and, once
+    simulated, its ``time`` (``simulate``'s split, seconds)."""
+
     layout: Layout
     memory: dict          # params, grads, optimizer, activations, total (bytes per GPU)
     time: dict = field(default_factory=dict)  # simulate()'s split; "step" seconds
@@ -99,6 +102,7 @@ class Pruned:
 
 
 def divisors(n: int) -> list[int]:
+    """Every divisor of ``n`` (a positive integer), ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -233,6 +237,8 @@ class Bounds:
                 (lay.dp, lay.dp_replicate) if lay.zero == 3 else 0)
 
     def costs(self, lay: Layout):
+        """``chunk_costs`` of ``lay`` (one ``ChunkCost`` per global chunk, seconds of one
+        micro-batch), memoised by ``costs_key``."""
         key = self.costs_key(lay)
         c = self._costs.get(key)
         if c is None:

@@ -84,6 +84,8 @@ class ActivationMeter:
         self.exclude: set[int] = set()
 
     def pack(self, t: torch.Tensor):
+        """Saved-tensor pack hook: count ``t``'s storage once (bytes added, ``peak`` updated, on its
+        first reference); storages in ``exclude`` (weights) and empty ones are returned as is."""
         st = t.untyped_storage()
         key = st.data_ptr()
         if key in self.exclude or st.nbytes() == 0:
@@ -97,9 +99,12 @@ class ActivationMeter:
 
     @staticmethod
     def unpack(obj):
+        """Saved-tensor unpack hook: the tensor ``pack`` wrapped, or ``obj`` itself."""
         return obj.t if isinstance(obj, _Saved) else obj
 
     def release(self, key: int) -> None:
+        """Drop one reference to the storage at ``key`` (a packed tensor freed); with the last, its
+        bytes leave ``current``. Unknown keys are ignored."""
         entry = self.live.get(key)
         if entry is None:
             return
@@ -109,10 +114,13 @@ class ActivationMeter:
             del self.live[key]
 
     def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` more held outside autograd (negative: released), e.g. a recomputed
+        chunk's kept input; updates ``peak``."""
         self.held += nbytes
         self.peak = max(self.peak, self.current + self.held)
 
     def hooks(self):
+        """A ``saved_tensors_hooks`` context: what autograd saves inside it is metered."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 

@@ -153,20 +153,26 @@ class ZeroDataParallel(nn.Module):
     # -- what this rank holds (for zero.memory) -------------------------------------------
     @property
     def numel(self) -> int:
+        """P: elements of the sharded parameters, unpadded (for ``zero.memory``)."""
         return self.layout.numel
 
     @property
     def padded_numel(self) -> int:
+        """Elements of the buckets, each padded to a multiple of the group size N (by < N)."""
         return sum(self.layout.padded)
 
     @property
     def shard_numel(self) -> int:
+        """Elements this rank owns, padding included: ``padded_numel / N``."""
         return self.layout.shard_numel
 
     def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's gradient shard of each bucket (compute dtype; stage 1: slices of the full
+        buffers)."""
         return list(self._grad_shard)
 
     def param_shards(self) -> list[torch.Tensor]:
+        """Empty: stages 1 and 2 hold the full parameters (counted as the model's)."""
         return []  # stages 1 and 2 hold the full parameters (counted as model parameters)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -212,6 +218,8 @@ class ZeroDataParallel(nn.Module):
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward; in backward, hooks reduce-scatter each bucket once full
+        (not under ``no_sync``)."""
         return self.module(*args, **kwargs)
 
     @contextmanager

@@ -35,6 +35,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
+        """Length in elements, the same in the flat parameter and in the shard."""
         return self.param_end - self.param_start
 
 

@@ -206,6 +206,8 @@ class ZeroStage3(nn.Module):
 
     # -- hooks ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        """Gather the root units (shared parameters, kept whole for the step), then run the module;
+        each other unit is gathered and freed around its own forward by hooks."""
         for r in self.roots:
             self._gather(r)
         return self.module(*args, **kwargs)
@@ -319,20 +321,26 @@ class ZeroStage3(nn.Module):
     # -- what this rank holds (for zero.memory) -------------------------------------------
     @property
     def numel(self) -> int:
+        """P: elements of the trainable parameters (every unit), unpadded (for ``zero.memory``)."""
         return sum(u.numel for u in self._all)
 
     @property
     def padded_numel(self) -> int:
+        """Elements of the units' flat buffers, each padded to a multiple of its group's size."""
         return sum(u.padded for u in self._all)
 
     @property
     def shard_numel(self) -> int:
+        """Elements this rank owns over every unit, padding included (a unit's padded size over
+        its group's size, summed)."""
         return sum(u.shard_size for u in self._all)
 
     def grad_shards(self) -> list[torch.Tensor]:
+        """Each unit's gradient shard (compute dtype, ``shard_numel`` elements in all)."""
         return [u.grad_shard for u in self._all]
 
     def param_shards(self) -> list[torch.Tensor]:
+        """Each unit's compute-dtype copy of its shard (none in fp32: the master is gathered)."""
         return [u.shard_lp for u in self._all if u.shard_lp is not u.shard]
 
     def buckets_overlapped(self) -> None:
