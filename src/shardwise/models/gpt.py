@@ -479,9 +479,7 @@ def from_section(m, vocab_size: int) -> GPTConfig:
     if getattr(m, "rope_scaling", None):
         raise ValueError("model.rope_scaling: the GPT has learned positions, no rotary "
                          "embedding (model.kind = \"llama\" has)")
-    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
-                     n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention,
-                     activation=getattr(m, "activation", "gelu"),
-                     k_bias=getattr(m, "k_bias", False), norm_eps=getattr(m, "norm_eps", 1e-5),
-                     attention_mask=getattr(m, "attention_mask", "causal"))
+    from shardwise.models.description import section_values
+
+    return GPTConfig(vocab_size=m.vocab_size or vocab_size,
+                     **section_values(m, GPTConfig, skip=("vocab_size",)))

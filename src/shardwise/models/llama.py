@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from shardwise.base.config import ATTENTION_MASKS
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
+from shardwise.models.description import section_values
 from shardwise.models.hf import LLAMA_PREFIXES, llama_hf_name
 from shardwise.models.moe import GATINGS, Experts, MoE, check_groups
 from shardwise.models.sampling import DecoderLM, generate  # noqa: F401 (re-exported)
@@ -1007,57 +1008,16 @@ def describe(cfg: LlamaConfig):
 
 
 def from_section(m, vocab_size: int) -> LlamaConfig:
-    """The Llama of a run's ``[model]`` section (``base.config.ModelConfig``):
-    ``n_kv_heads`` / ``ffn_hidden`` / ``moe_ffn_hidden`` 0 mean Llama's defaults (n_head;
-    the 8h/3 rule; ffn_hidden), ``head_dim`` 0 n_embd / n_head, ``sliding_window`` 0 no
-    window, ``query_pre_attn_scalar`` / ``attn_logit_softcapping`` /
-    ``final_logit_softcapping`` / ``rope_local_base_freq`` 0 none. ``model.bias`` is ignored
-    (the Llama's biases are ``model.qkv_bias``'s);
-    ``model.rope_scaling`` is Llama 3's (``RopeScaling``'s fields) or, with ``rope_type =
-    "longrope"``, Phi-3's (``LongRope``'s). Raises ``ValueError``
-    (one line) for a field only the GPT has (``activation`` other than gelu, ``k_bias``)."""
+    """The Llama of a run's ``[model]`` section (``base.model_config.LlamaModelConfig``, or
+    ``ModelConfig``): each ``LlamaConfig`` field from the section's field of that name, a
+    section's 0 meaning None where ``LlamaConfig``'s default is None (Llama's defaults:
+    n_head key/value heads, the 8h/3 rule, ffn_hidden, n_embd / n_head; no window, scalar
+    or cap); ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
+    ``ValueError`` (one line) for a field only the GPT has (``activation`` other than gelu,
+    ``k_bias``) in a section of every decoder field."""
     if getattr(m, "k_bias", False) or getattr(m, "activation", "gelu") != "gelu":
         raise ValueError("model.k_bias / model.activation: the GPT's; the Llama has no "
                          "biases and a SwiGLU MLP")
-    return LlamaConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
-                       n_layer=m.n_layer, n_head=m.n_head, n_kv_heads=m.n_kv_heads or None,
-                       n_embd=m.n_embd, ffn_hidden=m.ffn_hidden or None,
-                       multiple_of=m.multiple_of, norm_eps=m.norm_eps,
-                       rope_theta=m.rope_theta, rope_scaling=getattr(m, "rope_scaling", None),
-                       tie_weights=m.tie_weights, dropout=m.dropout, attention=m.attention,
-                       n_experts=m.n_experts, top_k=m.top_k,
-                       moe_ffn_hidden=m.moe_ffn_hidden or None,
-                       moe_gating=m.moe_gating, moe_norm_topk=m.moe_norm_topk,
-                       moe_aux_loss_coef=m.moe_aux_loss_coef,
-                       moe_capacity_factor=m.moe_capacity_factor,
-                       moe_shared_expert=m.moe_shared_expert,
-                       moe_shared_ffn_hidden=getattr(m, "moe_shared_ffn_hidden", 0) or None,
-                       moe_shared_expert_gate=getattr(m, "moe_shared_expert_gate", False),
-                       head_dim=getattr(m, "head_dim", 0) or None,
-                       qkv_bias=getattr(m, "qkv_bias", False),
-                       qk_norm=getattr(m, "qk_norm", False),
-                       rotary_dim=getattr(m, "rotary_dim", 0) or None,
-                       moe_bias_update_rate=m.moe_bias_update_rate,
-                       dense_layers=tuple(getattr(m, "dense_layers", None) or ()),
-                       moe_n_group=getattr(m, "moe_n_group", 1),
-                       moe_topk_group=getattr(m, "moe_topk_group", 1),
-                       moe_group_score=getattr(m, "moe_group_score", "top2"),
-                       moe_routed_scaling=getattr(m, "moe_routed_scaling", 1.0),
-                       moe_expert_bias=getattr(m, "moe_expert_bias", False),
-                       kv_lora_rank=getattr(m, "kv_lora_rank", 0),
-                       q_lora_rank=getattr(m, "q_lora_rank", 0) or None,
-                       qk_nope_head_dim=getattr(m, "qk_nope_head_dim", 0),
-                       qk_rope_head_dim=getattr(m, "qk_rope_head_dim", 0),
-                       v_head_dim=getattr(m, "v_head_dim", 0),
-                       rope_interleave=getattr(m, "rope_interleave", False),
-                       sliding_window=getattr(m, "sliding_window", 0) or None,
-                       layer_types=getattr(m, "layer_types", None),
-                       norm_zero_centered=getattr(m, "norm_zero_centered", False),
-                       scale_embedding=getattr(m, "scale_embedding", False),
-                       mlp_activation=getattr(m, "mlp_activation", "silu"),
-                       sandwich_norm=getattr(m, "sandwich_norm", False),
-                       query_pre_attn_scalar=getattr(m, "query_pre_attn_scalar", 0) or None,
-                       attn_logit_softcapping=getattr(m, "attn_logit_softcapping", 0) or None,
-                       final_logit_softcapping=getattr(m, "final_logit_softcapping", 0) or None,
-                       rope_local_base_freq=getattr(m, "rope_local_base_freq", 0) or None,
-                       attention_mask=getattr(m, "attention_mask", "causal"))
+    return LlamaConfig(vocab_size=m.vocab_size or vocab_size,
+                       **section_values(m, LlamaConfig, skip=("vocab_size",)))
+
