@@ -25,6 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # model.attention_mask (torchtitan's attn_mask_type names; the models take them from here)
 ATTENTION_MASKS = ("causal", "block_causal")
+# model.mlp_activation, the Llama's gated MLP (models.llama maps each to its function)
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# a field whose 0 means "unset" (TOML has no None): the model's config holds None there
+ZERO_MEANS_UNSET = {"zero_means_unset": True}
+
+
+def zero_means_unset(info: Any) -> bool:
+    """Whether a section field (pydantic ``FieldInfo``) writes "unset" as 0."""
+    return bool((info.json_schema_extra or {}).get("zero_means_unset"))
 
 
 class _Section(BaseModel):
@@ -142,9 +151,11 @@ class LlamaModelConfig(ModelSection):
         "activation": "model.k_bias / model.activation: the GPT's; the Llama has no biases "
                       "and a SwiGLU MLP"}
 
-    n_kv_heads: int = Field(0, ge=0, description="key/value heads (grouped-query "
+    n_kv_heads: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                description="key/value heads (grouped-query "
                             "attention); 0: n_head")
-    ffn_hidden: int = Field(0, ge=0, description="SwiGLU width; 0: Llama's rule, "
+    ffn_hidden: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                description="SwiGLU width; 0: Llama's rule, "
                             "8 n_embd / 3 rounded up to multiple_of")
     multiple_of: int = Field(256, ge=1, description="the SwiGLU width's rounding")
     rope_theta: float = Field(10000.0, gt=0.0, description="rotary base theta")
@@ -152,7 +163,8 @@ class LlamaModelConfig(ModelSection):
                            "experts (docs/moe.md); 0: the dense SwiGLU MLP")
     top_k: int = Field(2, ge=1, description="with n_experts: experts each token is "
                        "routed to")
-    moe_ffn_hidden: int = Field(0, ge=0, description="with n_experts: each expert's "
+    moe_ffn_hidden: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                    description="with n_experts: each expert's "
                                 "SwiGLU width; 0: model.ffn_hidden's")
     moe_gating: str = Field("softmax", description="with n_experts: softmax (top-k of "
                             "the softmax, Switch/GShard/Mixtral) or sigmoid (top-k of the "
@@ -168,7 +180,8 @@ class LlamaModelConfig(ModelSection):
                                        "dropped (GShard); 0: dropless")
     moe_shared_expert: bool = Field(False, description="with n_experts: one more "
                                     "SwiGLU expert every token goes through (DeepSeek-V3)")
-    moe_shared_ffn_hidden: int = Field(0, ge=0, description="with moe_shared_expert: "
+    moe_shared_ffn_hidden: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                           description="with moe_shared_expert: "
                                        "the shared expert's SwiGLU width (Qwen2-MoE's "
                                        "shared_expert_intermediate_size); 0: "
                                        "model.moe_ffn_hidden's")
@@ -201,7 +214,8 @@ class LlamaModelConfig(ModelSection):
     kv_lora_rank: int = Field(0, ge=0, description="multi-head latent attention "
                               "(DeepSeek-V2/V3, docs/models.md): keys and values from a "
                               "latent this wide; 0: grouped-query attention")
-    q_lora_rank: int = Field(0, ge=0, description="with kv_lora_rank: the queries' "
+    q_lora_rank: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                 description="with kv_lora_rank: the queries' "
                              "latent width; 0: a plain q_proj")
     qk_nope_head_dim: int = Field(0, ge=0, description="with kv_lora_rank: each head's "
                                   "position-free query/key features (even)")
@@ -226,18 +240,21 @@ class LlamaModelConfig(ModelSection):
         "short factors only), attention_factor; or with rope_type = \"yarn\" and "
         "model.kv_lora_rank, DeepSeek's YaRN: factor, original_max_position_embeddings, "
         "beta_fast, beta_slow, mscale, mscale_all_dim; unset: none")
-    head_dim: int = Field(0, ge=0, description="each attention head's width D (Q is "
+    head_dim: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+              description="each attention head's width D (Q is "
                           "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
                           "n_embd / n_head); even; 0: n_embd / n_head")
     qkv_bias: bool = Field(False, description="biases on the Q, K and V projections "
                            "(Qwen2)")
     qk_norm: bool = Field(False, description="an RMSNorm over each head's D features "
                           "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
-    rotary_dim: int = Field(0, ge=0, description="rotate only the first rotary_dim "
+    rotary_dim: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                description="rotate only the first rotary_dim "
                             "of each head's D features, the rest passed through (Phi-3's "
                             "partial_rotary_factor = rotary_dim / D: Phi-4-mini's 0.75); "
                             "even, at most D; 0: all D")
-    sliding_window: int = Field(0, ge=0, description="sliding-window attention, each "
+    sliding_window: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                    description="sliding-window attention, each "
                                 "token attending to the previous sliding_window tokens (its "
                                 "own included; Mistral 7B's 4096), on the layers layer_types "
                                 "marks sliding_attention (all when unset); 0: none")
@@ -257,16 +274,20 @@ class LlamaModelConfig(ModelSection):
                                 "the MLP's outputs too (Gemma 2/3: post_attention_layernorm "
                                 "on the attention's output, pre_feedforward_layernorm and "
                                 "post_feedforward_layernorm around the MLP)")
-    query_pre_attn_scalar: float = Field(0.0, ge=0.0, description="the attention "
+    query_pre_attn_scalar: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
+                           description="the attention "
                                          "scores scaled by query_pre_attn_scalar ** -0.5 "
                                          "(Gemma 2/3); 0: head_dim's")
-    attn_logit_softcapping: float = Field(0.0, ge=0.0, description="the attention "
+    attn_logit_softcapping: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
+                            description="the attention "
                                           "scores S become c tanh(S / c), written out, not "
                                           "fused (Gemma 2's 50; not with parallel.cp > 1); "
                                           "0: none")
-    final_logit_softcapping: float = Field(0.0, ge=0.0, description="the logits z "
+    final_logit_softcapping: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
+                             description="the logits z "
                                            "become c tanh(z / c) (Gemma 2's 30); 0: none")
-    rope_local_base_freq: float = Field(0.0, ge=0.0, description="the rotary base "
+    rope_local_base_freq: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
+                          description="the rotary base "
                                         "of the sliding_attention layers, which take no "
                                         "rope_scaling (Gemma 3's 10000); 0: rope_theta and "
                                         "rope_scaling on every layer")
@@ -291,9 +312,9 @@ class LlamaModelConfig(ModelSection):
         if bad:
             raise ValueError(f"model.dense_layers: {bad[0]} is not a block index from 0 to "
                              f"model.n_layer - 1 = {self.n_layer - 1}")
-        if self.mlp_activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected silu or "
-                             "gelu_tanh")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected "
+                             f"{' or '.join(MLP_ACTIVATIONS)}")
         return self
 
     def context_parallel_refusal(self, cp: int) -> str | None:
@@ -344,17 +365,24 @@ def model_section(data: dict[str, Any]) -> ModelSection:
     explicit = "kind" in data
     kind = data.get("kind", "gpt")
     cls = ModelConfig if data.get("init_from") and not explicit else section_class(kind)
+    return cls.model_validate(own_fields(data, cls))
+
+
+def own_fields(data: dict[str, Any], cls: type[ModelSection]) -> dict[str, Any]:
+    """``data`` less the fields of shardwise's other kinds that hold their defaults (names
+    no kind has are kept, for pydantic to name); ``ValueError`` (one line) for such a field
+    set to another value: ``cls.refusals``' message, else "the GPT has no such option"."""
     known, every = cls.model_fields, ModelConfig.model_fields
     table = {}
     for name, value in data.items():
         if name in known or name not in every:
-            table[name] = value  # an unknown name: pydantic's extra_forbidden names it
+            table[name] = value
         elif value != every[name].get_default(call_default_factory=True):
             other = "llama" if name in LlamaModelConfig.model_fields else "gpt"
             text = cls.refusals.get(name) or (f"model.{name}={{value}}: {cls.label} has no "
                                               f"such option (model.kind = \"{other}\" has)")
             raise ValueError(text.format(value=value))
-    return cls.model_validate(table)
+    return table
 
 
 def import_model_module(spec: str) -> ModuleType | None:

@@ -111,11 +111,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     ``scale``: the scores' factor in place of 1 / sqrt(D) (Gemma 2 and 3:
     ``query_pre_attn_scalar ** -0.5``); None: 1 / sqrt(D). ``softcap``: the scores S
     (after the scale) become ``softcap * tanh(S / softcap)`` before the mask and the
-    softmax (Gemma 2's ``attn_logit_softcapping``, Gemma Team 2024, arXiv:2408.00118,
+    softmax (Gemma 2's attention-logit soft cap, Gemma Team 2024, arXiv:2408.00118,
     sec. 2; transformers' ``eager_attention_forward`` of ``modeling_gemma2.py``, softmax in
     fp32). No fused kernel takes it, so with a cap the scores are written out (B, H, T, T),
-    or per query chunk under a window, whatever ``impl`` says; under context parallelism it
-    raises ``ValueError`` (one line: the ring's block kernels have no cap).
+    or per query chunk under a window, whatever ``impl`` says; not under context parallelism
+    (the ring's block kernels have no cap: refused by the config).
 
     ``window``: a sliding window of W tokens (``sliding_window_mask``: query i sees keys
     i - W < j <= i), or None (every earlier key). With T <= W the window hides nothing and
@@ -173,9 +173,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     shard = sequence.current()
     docs = None if shard is None else shard.documents  # (B, T) or None
     if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
-        if softcap is not None:
-            raise ValueError("model.attn_logit_softcapping with parallel.cp > 1: ring "
-                             "attention's block kernels have no soft cap; use cp = 1")
+        # refused at the door (the [model] section's context_parallel_refusal)
+        assert softcap is None, "ring attention's block kernels have no soft cap"
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
                                scale=scale, documents=docs)
     if impl not in ("sdpa", "math"):
@@ -466,20 +465,14 @@ def describe(cfg: GPTConfig):
 
 
 def from_section(m, vocab_size: int) -> GPTConfig:
-    """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
-    ``attention``, ``attention_mask``, ``activation``, ``k_bias`` and ``norm_eps`` included;
-    ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
-    ``ValueError`` (one line) for a field only the Llama has (a sliding window among them:
-    GPT-2 has none)."""
-    for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm", "rotary_dim",
-                 "sliding_window", "layer_types"):
-        if getattr(m, name, 0):
-            raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such option "
-                             "(model.kind = \"llama\" has)")
-    if getattr(m, "rope_scaling", None):
-        raise ValueError("model.rope_scaling: the GPT has learned positions, no rotary "
-                         "embedding (model.kind = \"llama\" has)")
+    """The GPT of a run's ``[model]`` section (``base.model_config.GPTModelConfig``, or
+    ``ModelConfig``'s every decoder field): each ``GPTConfig`` field from the section's of
+    that name; ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
+    ``ValueError`` (one line) for another kind's field set in a ``ModelConfig`` (a sliding
+    window among them: GPT-2 has none; ``base.model_config.own_fields``)."""
+    from shardwise.base.model_config import GPTModelConfig, own_fields
     from shardwise.models.description import section_values
 
+    own_fields(m.model_dump(), GPTModelConfig)
     return GPTConfig(vocab_size=m.vocab_size or vocab_size,
                      **section_values(m, GPTConfig, skip=("vocab_size",)))
