@@ -14,6 +14,7 @@ the kind. Imports nothing of shardwise's (base is the bottom layer).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -383,6 +384,35 @@ def own_fields(data: dict[str, Any], cls: type[ModelSection]) -> dict[str, Any]:
                                               f"such option (model.kind = \"{other}\" has)")
             raise ValueError(text.format(value=value))
     return table
+
+
+def section_dataclass(name: str, section: type[ModelSection], positional: tuple[str, ...],
+                      defaults: dict[str, Any] | None = None) -> type:
+    """A frozen dataclass of ``section``'s model fields (not ``kind``, ``module``,
+    ``init_from``), for a model's Python config: ``vocab_size`` first and required, then
+    ``positional`` in that order (callers may pass those by position), then the rest in
+    the section's order; each default the section's (``defaults`` for the few the Python
+    API sets otherwise), None where the section writes 0 for "unset"
+    (``ZERO_MEANS_UNSET``), a tuple for a list. Its ``__post_init__`` does nothing, so a
+    subclass's is called."""
+    fields = {n: i for n, i in section.model_fields.items()
+              if n not in ("kind", "module", "init_from", "vocab_size")}
+    defaults = defaults or {}
+
+    def one(n: str) -> tuple:
+        info = fields[n]
+        default = defaults.get(n, info.get_default(call_default_factory=True))
+        kind = getattr(info.annotation, "__name__", str(info.annotation))
+        if zero_means_unset(info) or default is None:
+            return n, f"{kind} | None", dataclasses.field(default=None)
+        if isinstance(default, list):
+            return n, "tuple", dataclasses.field(default=tuple(default))
+        return n, kind, dataclasses.field(default=default)
+
+    order = [*positional, *(n for n in fields if n not in positional)]
+    return dataclasses.make_dataclass(name, [("vocab_size", "int"), *map(one, order)],
+                                      frozen=True,
+                                      namespace={"__post_init__": lambda self: None})
 
 
 def import_model_module(spec: str) -> ModuleType | None:

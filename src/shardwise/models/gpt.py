@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.base.config import ATTENTION_MASKS
+from shardwise.base.model_config import ATTENTION_MASKS, GPTModelConfig, section_dataclass
 from shardwise.models import sequence
 from shardwise.models.sampling import DecoderLM, generate, sample_next  # noqa: F401 (re-exported)
 from shardwise.models.sequence import window_band
@@ -30,37 +30,15 @@ from shardwise.models.sequence import window_band
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    """Sizes of one GPT.
-
-    vocab_size: tokens V. block_size: longest sequence T (the rows of the position
-    embedding). n_layer, n_head, n_embd: blocks, heads, width C. dropout: on the embeddings,
-    attention weights and residual branches. bias: biases in the linear layers and
-    LayerNorms. tie_weights: the head shares the token embedding. attention: "sdpa" (fused
-    kernels) or "math" (softmax(QK^T)V written out). activation: the MLP's GELU, "gelu"
-    (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained with, Hendrycks &
-    Gimpel 2016, eq. 2; HF's ``gelu_new``). k_bias: a bias on the key projection too
-    (GPT-2's packed ``c_attn`` has one; only with ``bias``). norm_eps: the LayerNorms'
-    epsilon. attention_mask: "causal", or "block_causal": a token attends only to earlier
-    tokens of its own document, when the engine (or a caller's ``models.sequence.use``) sets
-    the micro-batch's document ids (``causal_attention``). Raises ``ValueError`` (one line
-    naming the field) for an unknown activation or mask, or a key bias without biases.
+class GPTConfig(section_dataclass("_GPTFields", GPTModelConfig, (
+        "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
+        "attention", "activation", "k_bias", "norm_eps", "attention_mask"))):
+    """Sizes of one GPT: the fields of ``base.model_config.GPTModelConfig`` (the ``[model]``
+    section of ``model.kind = "gpt"``, each described there), ``vocab_size`` first and
+    required, the first ones in the order callers may pass them by position
+    (``GPTConfig(V, T, L, H, C)``). Raises ``ValueError`` (one line naming the field) for an
+    unknown activation or mask, or a key bias without biases.
     """
-
-    vocab_size: int
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
-    attention: str = "sdpa"  # "sdpa": fused kernels; "math": explicit softmax(QK^T)V
-    activation: str = "gelu"
-    k_bias: bool = False
-    norm_eps: float = 1e-5
-    attention_mask: str = "causal"
 
     def __post_init__(self):
         if self.attention_mask not in ATTENTION_MASKS:

@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, fields
 
 from shardwise.base.model_config import (
     ATTENTION_MASKS,
     MLP_ACTIVATIONS,
     LlamaModelConfig,
-    zero_means_unset,
+    section_dataclass,
 )
 
 
@@ -101,36 +101,14 @@ def yarn_mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-# the Llama's fields: the [model] section's (LlamaModelConfig, each described there), in the
-# Python API's conventions: None where the section's 0 means unset (TOML has no None), a
-# tuple for a list, vocab_size required, the head untied by default (Hugging Face's)
-_NOT_THE_MODELS = ("kind", "module", "init_from", "vocab_size")
-_PYTHON_DEFAULTS = {"tie_weights": False}
-
-
-def _field(name: str, info) -> tuple:
-    default = _PYTHON_DEFAULTS.get(name, info.get_default(call_default_factory=True))
-    if zero_means_unset(info) or default is None:
-        return name, f"{_type_text(info.annotation)} | None", field(default=None)
-    if isinstance(default, list):
-        return name, "tuple", field(default=tuple(default))
-    return name, _type_text(info.annotation), field(default=default)
-
-
-def _type_text(t) -> str:
-    return getattr(t, "__name__", str(t))
-
-
-# the order of the first fields, which callers may pass by position (LlamaConfig(V, T, L, ...))
-_POSITIONAL = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_heads", "n_embd",
-               "ffn_hidden", "multiple_of", "norm_eps", "rope_theta", "rope_scaling",
-               "tie_weights", "dropout", "attention")
-_SECTION = {n: i for n, i in LlamaModelConfig.model_fields.items() if n not in _NOT_THE_MODELS}
-_LlamaFields = make_dataclass(
-    "_LlamaFields", [("vocab_size", "int"),
-                     *(_field(n, _SECTION[n]) for n in _POSITIONAL[1:]),
-                     *(_field(n, i) for n, i in _SECTION.items() if n not in _POSITIONAL)],
-    frozen=True, namespace={"__post_init__": lambda self: None})  # LlamaConfig's, called
+# the Llama's fields: the [model] section's (LlamaModelConfig, each described there), the
+# head untied by default (Hugging Face's); the first ones in the order callers may pass them
+# by position (LlamaConfig(V, T, L, ...))
+_LlamaFields = section_dataclass(
+    "_LlamaFields", LlamaModelConfig,
+    ("block_size", "n_layer", "n_head", "n_kv_heads", "n_embd", "ffn_hidden", "multiple_of",
+     "norm_eps", "rope_theta", "rope_scaling", "tie_weights", "dropout", "attention"),
+    defaults={"tie_weights": False})
 
 
 class LlamaConfig(_LlamaFields):
