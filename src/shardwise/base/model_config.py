@@ -32,9 +32,20 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 ZERO_MEANS_UNSET = {"zero_means_unset": True}
 
 
+# a Llama option of grouped-query attention that multi-head latent attention (kv_lora_rank)
+# has not: set with MLA, it is refused (models.llama_config)
+GQA_ONLY = {"gqa_only": True}
+UNSET_GQA_ONLY = {**ZERO_MEANS_UNSET, **GQA_ONLY}
+
+
 def zero_means_unset(info: Any) -> bool:
     """Whether a section field (pydantic ``FieldInfo``) writes "unset" as 0."""
     return bool((info.json_schema_extra or {}).get("zero_means_unset"))
+
+
+def gqa_only(info: Any) -> bool:
+    """Whether a section field is an option of grouped-query attention only (``GQA_ONLY``)."""
+    return bool((info.json_schema_extra or {}).get("gqa_only"))
 
 
 class _Section(BaseModel):
@@ -76,7 +87,8 @@ class ModelSection(_Section):
                                 "earlier tokens of its own document, documents ending at the "
                                 "tokenizer's end-of-text token (Llama 3's packed sequences; "
                                 "a prepared tokenizer's eos_id, docs/models.md)")
-    norm_eps: float = Field(1e-5, gt=0.0, description="the norms' epsilon (the GPT's LayerNorms, the Llama's RMSNorms)")
+    norm_eps: float = Field(1e-5, gt=0.0, description="the norms' epsilon (the GPT's "
+                            "LayerNorms, the Llama's RMSNorms)")
     init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
                            "(LlamaForCausalLM, MistralForCausalLM, GPT2LMHeadModel, "
                            "MixtralForCausalLM, "
@@ -153,11 +165,10 @@ class LlamaModelConfig(ModelSection):
                       "and a SwiGLU MLP"}
 
     n_kv_heads: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                description="key/value heads (grouped-query "
-                            "attention); 0: n_head")
+                            description="key/value heads (grouped-query attention); 0: n_head")
     ffn_hidden: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                description="SwiGLU width; 0: Llama's rule, "
-                            "8 n_embd / 3 rounded up to multiple_of")
+                            description="SwiGLU width; 0: Llama's rule, 8 n_embd / 3 rounded up "
+                                        "to multiple_of")
     multiple_of: int = Field(256, ge=1, description="the SwiGLU width's rounding")
     rope_theta: float = Field(10000.0, gt=0.0, description="rotary base theta")
     n_experts: int = Field(0, ge=0, description="experts in each block's mixture of "
@@ -165,8 +176,8 @@ class LlamaModelConfig(ModelSection):
     top_k: int = Field(2, ge=1, description="with n_experts: experts each token is "
                        "routed to")
     moe_ffn_hidden: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                    description="with n_experts: each expert's "
-                                "SwiGLU width; 0: model.ffn_hidden's")
+                                description="with n_experts: each expert's SwiGLU width; 0: "
+                                            "model.ffn_hidden's")
     moe_gating: str = Field("softmax", description="with n_experts: softmax (top-k of "
                             "the softmax, Switch/GShard/Mixtral) or sigmoid (top-k of the "
                             "sigmoids, DeepSeek-V3)")
@@ -182,10 +193,10 @@ class LlamaModelConfig(ModelSection):
     moe_shared_expert: bool = Field(False, description="with n_experts: one more "
                                     "SwiGLU expert every token goes through (DeepSeek-V3)")
     moe_shared_ffn_hidden: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                           description="with moe_shared_expert: "
-                                       "the shared expert's SwiGLU width (Qwen2-MoE's "
-                                       "shared_expert_intermediate_size); 0: "
-                                       "model.moe_ffn_hidden's")
+                                       description="with moe_shared_expert: the shared expert's "
+                                                   "SwiGLU width (Qwen2-MoE's "
+                                                   "shared_expert_intermediate_size); 0: "
+                                                   "model.moe_ffn_hidden's")
     moe_shared_expert_gate: bool = Field(False, description="with moe_shared_expert: "
                                          "scale the shared expert's output per token by "
                                          "sigmoid(x w), w a replicated (n_embd,) weight "
@@ -216,8 +227,8 @@ class LlamaModelConfig(ModelSection):
                               "(DeepSeek-V2/V3, docs/models.md): keys and values from a "
                               "latent this wide; 0: grouped-query attention")
     q_lora_rank: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                 description="with kv_lora_rank: the queries' "
-                             "latent width; 0: a plain q_proj")
+                             description="with kv_lora_rank: the queries' latent width; 0: a "
+                                         "plain q_proj")
     qk_nope_head_dim: int = Field(0, ge=0, description="with kv_lora_rank: each head's "
                                   "position-free query/key features (even)")
     qk_rope_head_dim: int = Field(0, ge=0, description="with kv_lora_rank: each head's "
@@ -242,31 +253,34 @@ class LlamaModelConfig(ModelSection):
         "model.kv_lora_rank, DeepSeek's YaRN: factor, original_max_position_embeddings, "
         "beta_fast, beta_slow, mscale, mscale_all_dim; unset: none")
     head_dim: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-              description="each attention head's width D (Q is "
-                          "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
-                          "n_embd / n_head); even; 0: n_embd / n_head")
-    qkv_bias: bool = Field(False, description="biases on the Q, K and V projections "
-                           "(Qwen2)")
-    qk_norm: bool = Field(False, description="an RMSNorm over each head's D features "
-                          "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
-    rotary_dim: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                description="rotate only the first rotary_dim "
-                            "of each head's D features, the rest passed through (Phi-3's "
-                            "partial_rotary_factor = rotary_dim / D: Phi-4-mini's 0.75); "
-                            "even, at most D; 0: all D")
-    sliding_window: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
-                    description="sliding-window attention, each "
-                                "token attending to the previous sliding_window tokens (its "
-                                "own included; Mistral 7B's 4096), on the layers layer_types "
-                                "marks sliding_attention (all when unset); 0: none")
+                          description="each attention head's width D (Q is n_head x D wide, K "
+                                      "and V n_kv_heads x D; Qwen3's may differ from n_embd / "
+                                      "n_head); even; 0: n_embd / n_head")
+    qkv_bias: bool = Field(False, json_schema_extra=GQA_ONLY,
+                           description="biases on the Q, K and V projections (Qwen2)")
+    qk_norm: bool = Field(False, json_schema_extra=GQA_ONLY,
+                          description="an RMSNorm over each head's D features of Q and of K "
+                                      "before the rotary embedding (Qwen3's q_norm, k_norm)")
+    rotary_dim: int = Field(0, ge=0, json_schema_extra=UNSET_GQA_ONLY,
+                            description="rotate only the first rotary_dim of each head's D "
+                                        "features, the rest passed through (Phi-3's "
+                                        "partial_rotary_factor = rotary_dim / D: Phi-4-mini's "
+                                        "0.75); even, at most D; 0: all D")
+    sliding_window: int = Field(0, ge=0, json_schema_extra=UNSET_GQA_ONLY,
+                                description="sliding-window attention, each token attending to "
+                                            "the previous sliding_window tokens (its own "
+                                            "included; Mistral 7B's 4096), on the layers "
+                                            "layer_types marks sliding_attention (all when "
+                                            "unset); 0: none")
     layer_types: list[str] | None = Field(None, description="with sliding_window: per "
                                           "layer, sliding_attention or full_attention "
                                           "(transformers' layer_types); unset: every layer "
                                           "sliding_attention")
-    norm_zero_centered: bool = Field(False, description="every RMSNorm's weight w "
-                                     "stored zero-centred, scaling by 1 + w in fp32, w "
-                                     "starting at 0 (Gemma's; Megatron-Core's "
-                                     "layernorm_zero_centered_gamma)")
+    norm_zero_centered: bool = Field(False, json_schema_extra=GQA_ONLY,
+                                     description="every RMSNorm's weight w stored zero-centred, "
+                                                 "scaling by 1 + w in fp32, w starting at 0 "
+                                                 "(Gemma's; Megatron-Core's "
+                                                 "layernorm_zero_centered_gamma)")
     scale_embedding: bool = Field(False, description="the embedding's output times "
                                   "sqrt(n_embd), rounded to its dtype (Gemma's normalizer)")
     mlp_activation: str = Field("silu", description="the gated MLP's activation, silu "
@@ -275,23 +289,22 @@ class LlamaModelConfig(ModelSection):
                                 "the MLP's outputs too (Gemma 2/3: post_attention_layernorm "
                                 "on the attention's output, pre_feedforward_layernorm and "
                                 "post_feedforward_layernorm around the MLP)")
-    query_pre_attn_scalar: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
-                           description="the attention "
-                                         "scores scaled by query_pre_attn_scalar ** -0.5 "
-                                         "(Gemma 2/3); 0: head_dim's")
-    attn_logit_softcapping: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
-                            description="the attention "
-                                          "scores S become c tanh(S / c), written out, not "
-                                          "fused (Gemma 2's 50; not with parallel.cp > 1); "
-                                          "0: none")
+    query_pre_attn_scalar: float = Field(0.0, ge=0.0, json_schema_extra=UNSET_GQA_ONLY,
+                                         description="the attention scores scaled by "
+                                                     "query_pre_attn_scalar ** -0.5 (Gemma 2/3); "
+                                                     "0: head_dim's")
+    attn_logit_softcapping: float = Field(0.0, ge=0.0, json_schema_extra=UNSET_GQA_ONLY,
+                                          description="the attention scores S become c tanh(S / "
+                                                      "c), written out, not fused (Gemma 2's 50; "
+                                                      "not with parallel.cp > 1); 0: none")
     final_logit_softcapping: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
-                             description="the logits z "
-                                           "become c tanh(z / c) (Gemma 2's 30); 0: none")
+                                           description="the logits z become c tanh(z / c) (Gemma "
+                                                       "2's 30); 0: none")
     rope_local_base_freq: float = Field(0.0, ge=0.0, json_schema_extra=ZERO_MEANS_UNSET,
-                          description="the rotary base "
-                                        "of the sliding_attention layers, which take no "
-                                        "rope_scaling (Gemma 3's 10000); 0: rope_theta and "
-                                        "rope_scaling on every layer")
+                                        description="the rotary base of the sliding_attention "
+                                                    "layers, which take no rope_scaling (Gemma "
+                                                    "3's 10000); 0: rope_theta and rope_scaling "
+                                                    "on every layer")
 
     @model_validator(mode="after")
     def _llama_rules(self):

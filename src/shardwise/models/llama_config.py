@@ -10,7 +10,9 @@ from shardwise.base.model_config import (
     ATTENTION_MASKS,
     MLP_ACTIVATIONS,
     LlamaModelConfig,
+    gqa_only,
     section_dataclass,
+    zero_means_unset,
 )
 
 
@@ -111,6 +113,16 @@ _LlamaFields = section_dataclass(
     defaults={"tie_weights": False})
 
 
+# the section's real-valued fields whose 0 means unset (Gemma's scalar and soft caps, its
+# local rotary base): None here, else > 0
+_UNSET_SCALARS = tuple(n for n, i in LlamaModelConfig.model_fields.items()
+                       if zero_means_unset(i) and i.annotation is float)
+
+
+# the section's options MLA's kernels have not (``GQA_ONLY``): set, they are refused with it
+_GQA_ONLY = tuple(n for n, i in LlamaModelConfig.model_fields.items() if gqa_only(i))
+
+
 class LlamaConfig(_LlamaFields):
     """Sizes of one Llama: the fields of ``base.model_config.LlamaModelConfig`` (the
     ``[model]`` section of ``model.kind = "llama"``, each field described there, with
@@ -207,8 +219,7 @@ class LlamaConfig(_LlamaFields):
             raise ValueError(f"model.mlp_activation={self.mlp_activation!r} with "
                              f"model.n_experts={self.n_experts}: the experts are SwiGLU "
                              "(models.moe); use silu")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
-                     "final_logit_softcapping", "rope_local_base_freq"):
+        for name in _UNSET_SCALARS:  # the section's 0-means-unset numbers: > 0 when set
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not v > 0):
                 raise ValueError(f"model.{name}={v!r}: expected a number > 0, or none")
@@ -241,18 +252,10 @@ class LlamaConfig(_LlamaFields):
                              "expected even numbers (rotary pairs; the head width even)")
         n_kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_head
         other = [k for k, bad in (("n_kv_heads", n_kv != self.n_head),
-                                  ("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
-                                  ("rotary_dim", self.rotary_dim is not None),
-                                  ("sliding_window", self.sliding_window is not None),
+                                  *((n, getattr(self, n) not in (None, False)) for n in _GQA_ONLY),
                                   ("rope_scaling", self.rope_scaling is not None
                                    and not _is_yarn(self.rope_scaling)),
-                                  ("head_dim", self.head_dim not in (None, nope + rot)),
-                                  # Gemma's attention options: not in MLA's kernels
-                                  ("query_pre_attn_scalar",
-                                   self.query_pre_attn_scalar is not None),
-                                  ("attn_logit_softcapping",
-                                   self.attn_logit_softcapping is not None),
-                                  ("norm_zero_centered", self.norm_zero_centered))
+                                  ("head_dim", self.head_dim not in (None, nope + rot)))
                  if bad]
         if other:
             raise ValueError(f"model.{other[0]} with model.kv_lora_rank (multi-head latent "
@@ -326,7 +329,8 @@ class LlamaConfig(_LlamaFields):
             raise ValueError("model.moe_ffn_hidden >= 1, model.moe_capacity_factor >= 0 and "
                              "model.moe_aux_loss_coef >= 0 expected")
         if self.moe_bias_update_rate < 0:
-            raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: expected >= 0")
+            raise ValueError(f"model.moe_bias_update_rate={self.moe_bias_update_rate}: "
+                             "expected >= 0")
         check_groups(self.n_experts, self.top_k, self.moe_n_group, self.moe_topk_group,
                      self.moe_group_score, self.moe_routed_scaling)
         if self.moe_shared_ffn_hidden < 1:
