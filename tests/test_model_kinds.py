@@ -129,3 +129,12 @@ def test_help_and_the_reference_list_each_kinds_fields():
     llama = {f.name for f in model_kind_fields("llama")}
     assert {"qk_norm", "attn_logit_softcapping", "n_experts"} <= llama and not llama & shared
     assert {f.name for f in model_kind_fields("gpt")} == {"bias", "activation", "k_bias"}
+
+
+def test_help_takes_the_kind_and_its_module_from_the_command_line():
+    from shardwise.cli.config_args import model_option
+
+    argv = ["--model.kind", "gpt", "--model.module=examples/own_decoder.py", "--model.kind=llama"]
+    assert model_option(argv, "kind") == "llama"
+    assert model_option(argv, "module") == "examples/own_decoder.py"
+    assert model_option(["--parallel.dp", "2"], "kind") is None

@@ -40,12 +40,21 @@ def format_default(value) -> str:
     return str(value)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, kind: str | None = None) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, kind: str | None = None,
+                         module: str | None = None) -> None:
     """One argument group per config section, one ``--section.field TYPE`` option per field
     help: description (default: X; bounds). The ``[model]`` group lists the fields every
     kind shares and those of ``kind`` (``--model.kind`` on the command line; None: the GPT,
-    the default kind); the other kinds' fields are options too, without help."""
+    the default kind), after importing ``module`` (``--model.module``: it may register the
+    kind; an error there is left for the run to report); the other kinds' fields are
+    options too, without help."""
     from shardwise.base.config import config_fields, config_sections, model_kind_fields
+    from shardwise.base.model_config import import_model_module
+
+    try:
+        import_model_module(module or "")
+    except ValueError:
+        pass  # the run names it, in one line (Config.load)
 
     parser.set_defaults(**{DEST: []})
     fields = config_fields()
@@ -70,16 +79,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, kind: str | None = Non
             action.metavar_key = f.key
 
 
-def kind_in(argv: list[str]) -> str | None:
-    """The value of ``--model.kind`` (or ``--model.kind=X``) in ``argv``, the last one given;
-    None without one."""
-    kind = None
+def model_option(argv: list[str], name: str) -> str | None:
+    """The value of ``--model.NAME`` (or ``--model.NAME=X``) in ``argv``, the last one
+    given; None without one (``--model.kind``: the kind whose fields ``--help`` lists)."""
+    flag, value = f"--model.{name}", None
     for i, tok in enumerate(argv):
-        if tok == "--model.kind" and i + 1 < len(argv):
-            kind = argv[i + 1]
-        elif tok.startswith("--model.kind="):
-            kind = tok.partition("=")[2]
-    return kind.strip('"') if kind else None
+        if tok == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif tok.startswith(flag + "="):
+            value = tok.partition("=")[2]
+    return value.strip('"') if value else None
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
