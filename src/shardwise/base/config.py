@@ -18,7 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+
+from shardwise.base.model_config import (  # noqa: F401 (ATTENTION_MASKS, ModelConfig: re-exported)
+    ATTENTION_MASKS,
+    GPTModelConfig,
+    LlamaModelConfig,
+    ModelConfig,
+    ModelSection,
+    _Section,
+    model_section,
+    section_class,
+)
 
 # The choices of the choice fields, each the names of the registry that implements them; that
 # module takes (or asserts) its names from here, since base imports nothing of ours.
@@ -37,239 +48,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")
 # apps.param_server.clock.CONSISTENCIES
 PS_CONSISTENCIES = ("bsp", "asp", "ssp")
-# model.attention_mask (torchtitan's attn_mask_type names; the models take them from here)
-ATTENTION_MASKS = ("causal", "block_causal")
 
 
 class ConfigError(ValueError):
     """Invalid configuration; ``str(err)`` is one line that names the field."""
-
-
-class _Section(BaseModel):
-    # allow_inf_nan=False: a TOML literal inf or nan (``--optimizer.lr inf``) is no size,
-    # rate or timeout; refused at the door instead of failing inside the ranks
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
-                              allow_inf_nan=False)
-
-
-class ModelConfig(_Section):
-    """Decoder sizes (the GPT's, the Llama's, or a registered model's). ``vocab_size``
-    comes from the tokenizer when left at 0. ``kind = "cnn"`` trains the convolutional
-    classifier instead (the [cnn] section)."""
-
-    kind: str = Field("gpt", description="gpt, llama, a kind registered with "
-                      "shardwise.register_model, or cnn (Fashion-MNIST; sizes in [cnn])")
-    module: str = Field("", description="a Python module name or a path to a .py file, "
-                        "imported (its code run) before model.kind is looked up, on the "
-                        "launcher and on every rank: the module that registers your model "
-                        "(docs/models.md); empty: none")
-
-    n_layer: int = Field(4, ge=1, description="transformer blocks")
-    n_head: int = Field(4, ge=1, description="attention heads per block")
-    n_embd: int = Field(128, ge=1, description="residual stream width (d_model)")
-    block_size: int = Field(128, ge=1, description="context length in tokens")
-    vocab_size: int = Field(0, ge=0, description="0: take it from the tokenizer")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability on the "
-                           "embeddings, attention weights and residual branches; 0: none")
-    bias: bool = Field(True, description="biases in the linear layers and LayerNorms (a key "
-                       "bias only with model.k_bias)")
-    tie_weights: bool = Field(True, description="share the token embedding with the LM head")
-    attention: str = Field("sdpa", description="sdpa: fused scaled_dot_product_attention "
-                           "(FlashAttention on CUDA); math: the scores written out")
-    attention_mask: str = Field("causal", description="causal: each token attends to every "
-                                "earlier token of its sequence; block_causal: only to "
-                                "earlier tokens of its own document, documents ending at the "
-                                "tokenizer's end-of-text token (Llama 3's packed sequences; "
-                                "a prepared tokenizer's eos_id, docs/models.md)")
-    n_kv_heads: int = Field(0, ge=0, description="llama: key/value heads (grouped-query "
-                            "attention); 0: n_head")
-    ffn_hidden: int = Field(0, ge=0, description="llama: SwiGLU width; 0: Llama's rule, "
-                            "8 n_embd / 3 rounded up to multiple_of")
-    multiple_of: int = Field(256, ge=1, description="llama: the SwiGLU width's rounding")
-    norm_eps: float = Field(1e-5, gt=0.0, description="llama: RMSNorm epsilon")
-    rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary base theta")
-    n_experts: int = Field(0, ge=0, description="llama: experts in each block's mixture of "
-                           "experts (docs/moe.md); 0: the dense SwiGLU MLP")
-    top_k: int = Field(2, ge=1, description="llama with n_experts: experts each token is "
-                       "routed to")
-    moe_ffn_hidden: int = Field(0, ge=0, description="llama with n_experts: each expert's "
-                                "SwiGLU width; 0: model.ffn_hidden's")
-    moe_gating: str = Field("softmax", description="llama with n_experts: softmax (top-k of "
-                            "the softmax, Switch/GShard/Mixtral) or sigmoid (top-k of the "
-                            "sigmoids, DeepSeek-V3)")
-    moe_norm_topk: bool = Field(True, description="llama with n_experts: renormalise the k "
-                                "gate weights to sum to 1 (Mixtral, DeepSeek-V3)")
-    moe_aux_loss_coef: float = Field(0.01, ge=0.0, description="llama with n_experts: weight "
-                                     "of the load-balancing loss (Switch's alpha), per "
-                                     "sequence (DeepSeek-V3's sequence-wise form)")
-    moe_capacity_factor: float = Field(0.0, ge=0.0, description="llama with n_experts: at "
-                                       "most ceil(factor x tokens x top_k / n_experts) "
-                                       "tokens per expert per micro-batch and rank, the rest "
-                                       "dropped (GShard); 0: dropless")
-    moe_shared_expert: bool = Field(False, description="llama with n_experts: one more "
-                                    "SwiGLU expert every token goes through (DeepSeek-V3)")
-    moe_shared_ffn_hidden: int = Field(0, ge=0, description="llama with moe_shared_expert: "
-                                       "the shared expert's SwiGLU width (Qwen2-MoE's "
-                                       "shared_expert_intermediate_size); 0: "
-                                       "model.moe_ffn_hidden's")
-    moe_shared_expert_gate: bool = Field(False, description="llama with moe_shared_expert: "
-                                         "scale the shared expert's output per token by "
-                                         "sigmoid(x w), w a replicated (n_embd,) weight "
-                                         "(Qwen2-MoE's shared_expert_gate)")
-    moe_bias_update_rate: float = Field(0.0, ge=0.0, description="llama with n_experts: "
-                                        "auxiliary-loss-free balancing (DeepSeek-V3): a "
-                                        "per-expert bias on the routing scores, for the top-k "
-                                        "choice only, moved by this much after each step "
-                                        "towards the mean load (0.001 in the paper); 0: off")
-    moe_n_group: int = Field(1, ge=1, description="llama with n_experts: group-limited "
-                             "routing, the experts in this many groups and each token's "
-                             "top_k chosen in its moe_topk_group best groups (DeepSeek's "
-                             "n_group); 1: off")
-    moe_topk_group: int = Field(1, ge=1, description="llama with moe_n_group > 1: groups "
-                                "each token's experts are chosen in (DeepSeek's topk_group)")
-    moe_group_score: str = Field("top2", description="llama with moe_n_group > 1: a group's "
-                                 "score, top2 (the sum of its two best biased scores: "
-                                 "DeepSeek-V3) or top1 (its best: DeepSeek-V2)")
-    moe_routed_scaling: float = Field(1.0, gt=0.0, description="llama with n_experts: the "
-                                      "routed experts' gates multiplied by this after "
-                                      "renormalisation (DeepSeek's routed_scaling_factor; "
-                                      "V3: 2.5)")
-    moe_expert_bias: bool = Field(False, description="llama with n_experts: the routing "
-                                  "bias exists even with moe_bias_update_rate 0, frozen at "
-                                  "its loaded value (a DeepSeek-V3 checkpoint's "
-                                  "e_score_correction_bias)")
-    kv_lora_rank: int = Field(0, ge=0, description="llama: multi-head latent attention "
-                              "(DeepSeek-V2/V3, docs/models.md): keys and values from a "
-                              "latent this wide; 0: grouped-query attention")
-    q_lora_rank: int = Field(0, ge=0, description="llama with kv_lora_rank: the queries' "
-                             "latent width; 0: a plain q_proj")
-    qk_nope_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's "
-                                  "position-free query/key features (even)")
-    qk_rope_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's "
-                                  "rotated query/key features (even; the key's shared)")
-    v_head_dim: int = Field(0, ge=0, description="llama with kv_lora_rank: each head's value "
-                            "width")
-    rope_interleave: bool = Field(False, description="llama with kv_lora_rank: the rotated "
-                                  "features in interleaved pairs (DeepSeek-V3's weights)")
-    dense_layers: list[int] = Field(default_factory=list, description="llama with n_experts: "
-                                    "the blocks (from 0) whose MLP is the dense SwiGLU of "
-                                    "width ffn_hidden instead of the mixture (DeepSeek's "
-                                    "first_k_dense_replace, Qwen-MoE's mlp_only_layers); "
-                                    "empty: the mixture in every block")
-    rope_scaling: dict[str, float | int | str | list[float]] | None = Field(
-        None, description="llama: Llama 3's rotary frequency scaling, a table of factor, "
-        "low_freq_factor, high_freq_factor, original_max_position_embeddings; with "
-        "rope_type = \"linear\" every frequency divided by factor (Gemma 3's global "
-        "layers); or with "
-        "rope_type = \"longrope\" Phi-3's LongRoPE, short_factor and long_factor (one per "
-        "rotary frequency), original_max_position_embeddings (block_size at most it: the "
-        "short factors only), attention_factor; or with rope_type = \"yarn\" and "
-        "model.kv_lora_rank, DeepSeek's YaRN: factor, original_max_position_embeddings, "
-        "beta_fast, beta_slow, mscale, mscale_all_dim; unset: none")
-    head_dim: int = Field(0, ge=0, description="llama: each attention head's width D (Q is "
-                          "n_head x D wide, K and V n_kv_heads x D; Qwen3's may differ from "
-                          "n_embd / n_head); even; 0: n_embd / n_head")
-    qkv_bias: bool = Field(False, description="llama: biases on the Q, K and V projections "
-                           "(Qwen2)")
-    qk_norm: bool = Field(False, description="llama: an RMSNorm over each head's D features "
-                          "of Q and of K before the rotary embedding (Qwen3's q_norm, k_norm)")
-    rotary_dim: int = Field(0, ge=0, description="llama: rotate only the first rotary_dim "
-                            "of each head's D features, the rest passed through (Phi-3's "
-                            "partial_rotary_factor = rotary_dim / D: Phi-4-mini's 0.75); "
-                            "even, at most D; 0: all D")
-    sliding_window: int = Field(0, ge=0, description="llama: sliding-window attention, each "
-                                "token attending to the previous sliding_window tokens (its "
-                                "own included; Mistral 7B's 4096), on the layers layer_types "
-                                "marks sliding_attention (all when unset); 0: none")
-    layer_types: list[str] | None = Field(None, description="llama with sliding_window: per "
-                                          "layer, sliding_attention or full_attention "
-                                          "(transformers' layer_types); unset: every layer "
-                                          "sliding_attention")
-    norm_zero_centered: bool = Field(False, description="llama: every RMSNorm's weight w "
-                                     "stored zero-centred, scaling by 1 + w in fp32, w "
-                                     "starting at 0 (Gemma's; Megatron-Core's "
-                                     "layernorm_zero_centered_gamma)")
-    scale_embedding: bool = Field(False, description="llama: the embedding's output times "
-                                  "sqrt(n_embd), rounded to its dtype (Gemma's normalizer)")
-    mlp_activation: str = Field("silu", description="llama: the gated MLP's activation, silu "
-                                "(SwiGLU) or gelu_tanh (GeGLU: Gemma's gelu_pytorch_tanh)")
-    sandwich_norm: bool = Field(False, description="llama: norms on the attention's and "
-                                "the MLP's outputs too (Gemma 2/3: post_attention_layernorm "
-                                "on the attention's output, pre_feedforward_layernorm and "
-                                "post_feedforward_layernorm around the MLP)")
-    query_pre_attn_scalar: float = Field(0.0, ge=0.0, description="llama: the attention "
-                                         "scores scaled by query_pre_attn_scalar ** -0.5 "
-                                         "(Gemma 2/3); 0: head_dim's")
-    attn_logit_softcapping: float = Field(0.0, ge=0.0, description="llama: the attention "
-                                          "scores S become c tanh(S / c), written out, not "
-                                          "fused (Gemma 2's 50; not with parallel.cp > 1); "
-                                          "0: none")
-    final_logit_softcapping: float = Field(0.0, ge=0.0, description="llama: the logits z "
-                                           "become c tanh(z / c) (Gemma 2's 30); 0: none")
-    rope_local_base_freq: float = Field(0.0, ge=0.0, description="llama: the rotary base "
-                                        "of the sliding_attention layers, which take no "
-                                        "rope_scaling (Gemma 3's 10000); 0: rope_theta and "
-                                        "rope_scaling on every layer")
-    activation: str = Field("gelu", description="gpt: the MLP's GELU, gelu (exact) or "
-                            "gelu_tanh (GPT-2's tanh approximation)")
-    k_bias: bool = Field(False, description="gpt: a bias on the key projection too (GPT-2 "
-                         "has one; softmax ignores it)")
-    init_from: str = Field("", description="hf:DIR: start from a Hugging Face checkpoint "
-                           "(LlamaForCausalLM, MistralForCausalLM, GPT2LMHeadModel, "
-                           "MixtralForCausalLM, "
-                           "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM, "
-                           "Qwen3MoeForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
-                           "Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                           "Gemma3ForConditionalGeneration (its language model), "
-                           "DeepseekV3ForCausalLM or DeepseekV2ForCausalLM: "
-                           "config.json and safetensors files); the model's kind and sizes "
-                           "come from its config.json, and "
-                           "a [model] field set to another value is refused; empty: from "
-                           "training.seed")
-
-    @model_validator(mode="after")
-    def _heads_divide(self):
-        if self.attention not in ("sdpa", "math"):
-            raise ValueError(f"model.attention={self.attention!r}: expected sdpa or math")
-        if self.attention_mask not in ATTENTION_MASKS:
-            raise ValueError(f"model.attention_mask={self.attention_mask!r}: expected "
-                             f"{' or '.join(ATTENTION_MASKS)}")
-        if not self.kind.replace("-", "_").isidentifier():
-            raise ValueError(f"model.kind={self.kind!r}: expected gpt, llama, cnn or a "
-                             "registered model's name")
-        if self.n_embd % self.n_head and not self.head_dim:
-            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by "
-                             f"model.n_head={self.n_head} (or set model.head_dim)")
-        if self.head_dim % 2:
-            raise ValueError(f"model.head_dim={self.head_dim}: expected an even number "
-                             "(rotary pairs per head), or 0")
-        if self.rotary_dim % 2:
-            raise ValueError(f"model.rotary_dim={self.rotary_dim}: expected an even number "
-                             "(rotary pairs per head), or 0")
-        if self.n_experts and self.top_k > self.n_experts:
-            raise ValueError(f"model.top_k={self.top_k} is more than model.n_experts="
-                             f"{self.n_experts}")
-        if self.moe_gating not in ("softmax", "sigmoid"):
-            raise ValueError(f"model.moe_gating={self.moe_gating!r}: expected softmax or sigmoid")
-        if self.moe_group_score not in ("top2", "top1"):
-            raise ValueError(f"model.moe_group_score={self.moe_group_score!r}: expected top2 "
-                             "or top1")
-        bad = [i for i in self.dense_layers if not 0 <= i < self.n_layer]
-        if bad:
-            raise ValueError(f"model.dense_layers: {bad[0]} is not a block index from 0 to "
-                             f"model.n_layer - 1 = {self.n_layer - 1}")
-        if self.n_experts and self.kind == "gpt" and not self.init_from:  # init_from: its kind
-            raise ValueError(f"model.n_experts={self.n_experts} with model.kind=gpt: the "
-                             "mixture of experts is the Llama's; set model.kind = llama")
-        if self.mlp_activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected silu or "
-                             "gelu_tanh")
-        if self.activation not in ("gelu", "gelu_tanh"):
-            raise ValueError(f"model.activation={self.activation!r}: expected gelu or gelu_tanh")
-        if self.init_from and not (self.init_from.startswith("hf:") and self.init_from[3:]):
-            raise ValueError(f"model.init_from={self.init_from!r}: expected hf:DIR (a Hugging "
-                             "Face checkpoint directory) or empty")
-        return self
 
 
 class DataConfig(_Section):
@@ -601,7 +383,8 @@ class FaultToleranceConfig(_Section):
 class Config(_Section):
     """A whole run. ``Config.load(path, overrides)`` is the only way the CLI builds one."""
 
-    model: ModelConfig = ModelConfig()
+    # the kind's class (base.model_config): SerializeAsAny dumps its own fields too
+    model: SerializeAsAny[ModelSection] = GPTModelConfig()
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -610,6 +393,19 @@ class Config(_Section):
     ps: PSConfig = PSConfig()
     cnn: CNNSection = CNNSection()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _kind_section(cls, value):
+        """A ``[model]`` table validated by ``model.kind``'s class (``model_section``)."""
+        if not isinstance(value, dict):
+            return value
+        try:
+            return model_section(value)
+        except ValidationError as e:
+            raise ValueError(_one_line(e, ("model",), section_class(value.get("kind", "gpt"))
+                                       if "kind" in value or not value.get("init_from")
+                                       else ModelConfig)) from None
 
     @model_validator(mode="after")
     def _sections_agree(self):
@@ -674,7 +470,7 @@ class Config(_Section):
             raise ValueError(f"training.compile with parallel.tp={p.tp} and model.dropout="
                              f"{m.dropout}: tensor parallelism's own dropout streams "
                              "are not traced; compile needs model.dropout = 0 with tp > 1")
-        if p.ep > 1 or m.n_experts:
+        if p.ep > 1 or getattr(m, "n_experts", 0):
             self._experts_agree()
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
@@ -691,7 +487,8 @@ class Config(_Section):
     def _experts_agree(self):
         """Mixture of experts and expert parallelism (docs/moe.md)."""
         p, m = self.parallel, self.model
-        if p.ep > 1 and not m.n_experts:
+        n_experts = getattr(m, "n_experts", 0)  # the Llama's field
+        if p.ep > 1 and not n_experts:
             if m.init_from:  # config.json gives n_experts; checked again once it has
                 return self
             raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
@@ -699,29 +496,22 @@ class Config(_Section):
         if p.dp % p.ep:
             raise ValueError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}: expert "
                              "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
-        if m.n_experts % p.ep:
-            raise ValueError(f"model.n_experts={m.n_experts} is not divisible by "
+        if n_experts % p.ep:
+            raise ValueError(f"model.n_experts={n_experts} is not divisible by "
                              f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
         return self
 
     def _cp_agrees(self):
-        """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks)."""
+        """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks); the
+        model's own in its section (``context_parallel_refusal``)."""
         p, m = self.parallel, self.model
         if m.block_size % (2 * p.cp):
             raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
                              f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
                              "2cp-1-i of every sequence)")
-        if m.kv_lora_rank:
-            raise ValueError(f"model.kv_lora_rank={m.kv_lora_rank} with parallel.cp={p.cp}: "
-                             "ring attention carries keys and values of one head width, MLA's "
-                             "values are v_head_dim wide; use cp = 1")
-        if m.dropout > 0:
-            raise ValueError(f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring "
-                             "attention has no attention dropout; set model.dropout = 0")
-        if m.attn_logit_softcapping:
-            raise ValueError(f"model.attn_logit_softcapping={m.attn_logit_softcapping} with "
-                             f"parallel.cp={p.cp}: ring attention's block kernels have no "
-                             "soft cap; use cp = 1")
+        refusal = m.context_parallel_refusal(p.cp)
+        if refusal:
+            raise ValueError(refusal)
         return self
 
     @property
@@ -789,12 +579,15 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
-def _one_line(err: ValidationError) -> str:
+def _one_line(err: ValidationError, prefix: tuple[str, ...] = (),
+              section: type[BaseModel] | None = None) -> str:
+    """The first error of ``err`` as one line naming its field; ``prefix`` and ``section``:
+    the section ``err`` came from (the ``[model]`` table, validated by its kind's class)."""
     first = err.errors()[0]
-    loc = ".".join(str(x) for x in first["loc"])
+    loc = ".".join(str(x) for x in (*prefix, *first["loc"]))
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        return _unknown(tuple(str(x) for x in first["loc"]))
+        return _unknown(tuple(str(x) for x in (*prefix, *first["loc"])), section)
     elif first["type"] == "value_error":  # our validators' messages name their fields
         return msg.removeprefix("Value error, ")
     got = first.get("input")
@@ -807,16 +600,19 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {msg}{got_s}"
 
 
-def _unknown(loc: tuple[str, ...]) -> str:
+def _unknown(loc: tuple[str, ...], section: type[BaseModel] | None = None) -> str:
     """One line for an unknown key or section at ``loc``, with the nearest known name
     (``difflib``): a typo in the same section first, else the same key in another section
-    (``training.lr`` -> ``optimizer.lr``), else the list of known names."""
+    (``training.lr`` -> ``optimizer.lr``), else the list of known names. ``section``: the
+    class of the section at ``loc[:-1]`` (a model kind's), else found by walking ``Config``."""
     node: type[BaseModel] = Config
     for part in loc[:-1]:  # the section the unknown name sits in
         sub = node.model_fields[part].annotation if part in node.model_fields else None
         if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
             break
         node = sub
+    if section is not None and len(loc) == 2:
+        node = section
     where, name = ".".join(loc), loc[-1]
     prefix = ".".join(loc[:-1])
     what = "section" if node is Config else "key"
@@ -871,20 +667,37 @@ def config_sections() -> list[tuple[str, str]]:
     return out
 
 
-def config_fields() -> list[FieldDoc]:
-    """Every field of every section of ``Config``, in declaration order (see ``FieldDoc``)."""
+def config_fields(kind: str | None = None) -> list[FieldDoc]:
+    """Every field of every section of ``Config``, in declaration order (see ``FieldDoc``).
+    The ``[model]`` section's: those every kind shares (``ModelSection``), then with
+    ``kind`` that kind's own (``model_kind_fields``)."""
     out = []
     for section, sinfo in Config.model_fields.items():
-        model = sinfo.annotation
-        for name, info in model.model_fields.items():
-            bounds = _choices(info.annotation) or ", ".join(
-                f"{op} {getattr(m, attr)}" for m in info.metadata
-                for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                if getattr(m, attr, None) is not None)
-            # a default_factory's value (dense_layers' []), not pydantic's Undefined marker
-            default = info.get_default(call_default_factory=True)
-            out.append(FieldDoc(section, name, _type_name(info.annotation), default,
-                                info.description or "", bounds))
+        out += _fields_of(section, sinfo.annotation)
+        if section == "model" and kind is not None:
+            out += model_kind_fields(kind)
+    return out
+
+
+def model_kind_fields(kind: str) -> list[FieldDoc]:
+    """The ``[model]`` fields that ``model.kind = kind`` adds to the shared ones (its class:
+    ``base.model_config.section_class``; a kind registered with a config type of its own
+    takes every decoder field, ``ModelConfig``'s)."""
+    shared = ModelSection.model_fields
+    return [f for f in _fields_of("model", section_class(kind)) if f.name not in shared]
+
+
+def _fields_of(section: str, model: type[BaseModel]) -> list[FieldDoc]:
+    out = []
+    for name, info in model.model_fields.items():
+        bounds = _choices(info.annotation) or ", ".join(
+            f"{op} {getattr(m, attr)}" for m in info.metadata
+            for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            if getattr(m, attr, None) is not None)
+        # a default_factory's value (dense_layers' []), not pydantic's Undefined marker
+        default = info.get_default(call_default_factory=True)
+        out.append(FieldDoc(section, name, _type_name(info.annotation), default,
+                            info.description or "", bounds))
     return out
 
 

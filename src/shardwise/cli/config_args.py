@@ -40,21 +40,55 @@ def format_default(value) -> str:
     return str(value)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, kind: str | None = None,
+                         module: str | None = None) -> None:
     """One argument group per config section, one ``--section.field TYPE`` option per field
-    help: description (default: X; bounds)."""
-    from shardwise.base.config import config_fields, config_sections
+    help: description (default: X; bounds). The ``[model]`` group lists the fields every
+    kind shares and those of ``kind`` (``--model.kind`` on the command line; None: the GPT,
+    the default kind), after importing ``module`` (``--model.module``: it may register the
+    kind; an error there is left for the run to report); the other kinds' fields are
+    options too, without help."""
+    from shardwise.base.config import config_fields, config_sections, model_kind_fields
+    from shardwise.base.model_config import import_model_module
+
+    try:
+        import_model_module(module or "")
+    except ValueError:
+        pass  # the run names it, in one line (Config.load)
 
     parser.set_defaults(**{DEST: []})
     fields = config_fields()
+    shown = model_kind_fields(kind or "gpt")
+    names = {f.name for f in fields if f.section == "model"} | {f.name for f in shown}
+    # an unregistered kind's fields: ModelConfig's, every decoder field of shardwise's kinds
+    hidden = [f for f in model_kind_fields("") if f.name not in names]
     for section, summary in config_sections():
         group = parser.add_argument_group(f"[{section}]", summary.replace("``", "").replace("%", "%%"))
-        for f in (f for f in fields if f.section == section):
+        own = [f for f in fields if f.section == section]
+        if section == "model":
+            own += shown
+            for f in hidden:
+                action = group.add_argument(f"--{f.key}", action=_Override, metavar=f.type,
+                                            dest=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                action.metavar_key = f.key
+        for f in own:
             extra = f"; {f.bounds}" if f.bounds else ""
             text = f"{f.description or f.name} (default: {format_default(f.default)}{extra})"
             action = group.add_argument(f"--{f.key}", action=_Override, metavar=f.type,
                                         dest=argparse.SUPPRESS, help=text.replace("%", "%%"))
             action.metavar_key = f.key
+
+
+def model_option(argv: list[str], name: str) -> str | None:
+    """The value of ``--model.NAME`` (or ``--model.NAME=X``) in ``argv``, the last one
+    given; None without one (``--model.kind``: the kind whose fields ``--help`` lists)."""
+    flag, value = f"--model.{name}", None
+    for i, tok in enumerate(argv):
+        if tok == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif tok.startswith(flag + "="):
+            value = tok.partition("=")[2]
+    return value.strip('"') if value else None
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
@@ -66,7 +100,8 @@ def reference() -> str:
     """Every config field as Markdown: one table per section (field, TOML type, default,
     bounds, meaning), from the same ``config_fields`` as ``--help``. ``docs/config.md`` is
     this text (``python -m shardwise.cli.config_args > docs/config.md``; a test compares)."""
-    from shardwise.base.config import config_fields, config_sections
+    from shardwise.base.config import config_fields, config_sections, model_kind_fields
+    from shardwise.base.model_config import section_class
 
     def cell(text: str) -> str:
         return " ".join(str(text).split()).replace("|", "\\|")
@@ -78,15 +113,25 @@ def reference() -> str:
              "line (`--parallel.tp 2`, the value a TOML literal). Generated from "
              "`src/shardwise/base/config.py` by `python -m shardwise.cli.config_args > "
              "docs/config.md`; `tests/test_cli.py` fails when this page falls behind.", ""]
-    for section, summary in config_sections():
-        lines += [f"## [{section}]", "", cell(summary.replace("``", "`")), "",
-                  "| field | type | default | meaning |", "|---|---|---|---|"]
-        for f in (f for f in fields if f.section == section):
+
+    def table(rows) -> list[str]:
+        out = ["| field | type | default | meaning |", "|---|---|---|---|"]
+        for f in rows:
             bounds = f"; {f.bounds}" if f.bounds else ""
             default = '""' if f.default == "" else cell(format_default(f.default))
-            lines.append(f"| `{f.name}` | {cell(f.type)} | `{default}`{cell(bounds)} | "
-                         f"{cell(f.description.replace('``', '`'))} |")
-        lines.append("")
+            out.append(f"| `{f.name}` | {cell(f.type)} | `{default}`{cell(bounds)} | "
+                       f"{cell(f.description.replace('``', '`'))} |")
+        return [*out, ""]
+
+    for section, summary in config_sections():
+        lines += [f"## [{section}]", "", cell(summary.replace("``", "`")), "",
+                  *table(f for f in fields if f.section == section)]
+        if section == "model":
+            for kind in ("gpt", "llama"):
+                doc = section_class(kind).__doc__ or ""
+                lines += [f"### [model] with kind = \"{kind}\"", "",
+                          cell(" ".join(doc.split()).replace("``", "`")), "",
+                          *table(model_kind_fields(kind))]
     return "\n".join(lines + REFUSED)
 
 

@@ -257,10 +257,14 @@ def _wide(prog: str) -> argparse.HelpFormatter:
     return argparse.HelpFormatter(prog, max_help_position=44)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(model_kind: str | None = None,
+                 model_module: str | None = None) -> argparse.ArgumentParser:
     """The ``shardwise`` parser. ``train`` takes every config field as ``--section.field
-    VALUE`` (``cli.config_args``, added when ``train`` parses or prints its help); the other
+    VALUE`` (``cli.config_args``, added when ``train`` parses or prints its help; its help
+    lists ``model_kind``'s [model] fields, ``model_module`` imported first); the other
     commands pass their arguments, ``--help`` included, to their own parsers."""
+    import functools
+
     from shardwise.cli.config_args import add_config_arguments
 
     parser = Parser(prog="shardwise", description="Distributed training on PyTorch.")
@@ -273,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "literal: 4, 1e-3, true, \"[32, 64]\"); every field is listed below.",
                        usage="shardwise train [--config TOML] [--data FILE|DIR] [--resume | --fresh] "
                        "[--max-restarts N] [--section.field VALUE ...]",
-                       allow_abbrev=False, late_arguments=add_config_arguments,
+                       allow_abbrev=False,
+                       late_arguments=functools.partial(add_config_arguments, kind=model_kind,
+                                                        module=model_module),
                        formatter_class=_wide)
     t.add_argument("--config", metavar="TOML", help=f"TOML config (default {DEFAULT_CONFIG})")
     t.add_argument("--data", metavar="FILE|DIR",
@@ -317,9 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``shardwise ...``; returns the exit code (2: bad input, one line on stderr)."""
-    from shardwise.cli.config_args import overrides
+    from shardwise.cli.config_args import model_option, overrides
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(model_option(argv, "kind"), model_option(argv, "module"))
     args, extra = parser.parse_known_args(argv)
     extra = overrides(args) + extra  # train's --section.field options, back as text
     try:

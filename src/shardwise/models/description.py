@@ -74,15 +74,12 @@ own; ``examples/own_decoder.py`` registers one of yours.
 from __future__ import annotations
 
 import fnmatch
-import importlib
-import importlib.util
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import torch.nn as nn
+
+from shardwise.base.model_config import ModelSection, import_model_module, register_section
 
 from shardwise.base.config import ATTENTION_MASKS
 
@@ -317,13 +314,31 @@ def _own_first() -> None:
 
 
 def register_model(name: str, config_type: type, describe: Callable[[Any], ModelDescription],
-                   from_section: Callable[[Any, int], Any]) -> None:
+                   from_section: Callable[[Any, int], Any] | None = None) -> None:
     """Make ``model.kind = name`` trainable in every layout (see ``ModelKind``). Registering
     a name again replaces it (shardwise's own are registered first, so yours win). Call it
     at import time of the module that defines the model, so spawned ranks, which import that
-    module again (``model.module`` on the command line), know it too."""
+    module again (``model.module`` on the command line), know it too.
+
+    A ``config_type`` that subclasses ``base.model_config.ModelSection`` is the kind's
+    ``[model]`` section itself: its fields are the section's (``--help --model.kind name``
+    lists them), and ``from_section`` may be left out (the section with ``vocab_size`` the
+    tokenizer's when 0). Another config type takes the section of every decoder field
+    (``ModelConfig``) through its ``from_section``."""
     _own_first()  # "gpt" and "llama" first, whoever registers first
+    if isinstance(config_type, type) and issubclass(config_type, ModelSection):
+        register_section(name, config_type)
+        from_section = from_section or _section_itself
+    if from_section is None:
+        raise TypeError(f"register_model({name!r}): from_section is needed for a config type "
+                        "that is not a ModelSection")
     _KINDS[name] = ModelKind(name, config_type, describe, from_section)
+
+
+def _section_itself(section: ModelSection, vocab_size: int) -> ModelSection:
+    """A section-typed kind's config: the section, ``vocab_size`` the tokenizer's when 0."""
+    return section if section.vocab_size else section.model_copy(update={"vocab_size":
+                                                                          vocab_size})
 
 
 def model_kinds() -> tuple[str, ...]:
@@ -340,55 +355,6 @@ def model_kind(name: str) -> ModelKind:
                          "set model.module to the module that registers it with "
                          "shardwise.register_model")
     return _KINDS[name]
-
-
-def import_model_module(spec: str) -> ModuleType | None:
-    """Import ``spec`` (``model.module``): a module name (``mypkg.models``, found on
-    ``sys.path``) or a path to a ``.py`` file (relative to the working directory), and
-    return it; "" imports nothing (None). Importing runs the module's code: that is how it
-    registers its models (``register_model`` at import time). A file is imported once per
-    process, as a module named after its stem (``examples/own_decoder.py`` ->
-    ``own_decoder``), so every rank's import gives the same names. Raises ``ValueError``
-    (one line naming ``model.module``) for a missing file or module, a name taken by another
-    file, or any exception the module raises while it is imported."""
-    if not spec:
-        return None
-    try:
-        if spec.endswith(".py") or "/" in spec or "\\" in spec:
-            return _import_file(spec)
-        return importlib.import_module(spec)
-    except ValueError:
-        raise
-    except Exception as e:  # the user's code: any error, as one line
-        text = str(e).strip().splitlines()
-        detail = f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-        raise ValueError(f"model.module={spec!r}: cannot import it ({detail})") from None
-
-
-def _import_file(spec: str) -> ModuleType:
-    path = Path(spec).expanduser()
-    if not path.is_file():
-        raise ValueError(f"model.module={spec!r}: no such file")
-    path = path.resolve()
-    name = path.stem
-    loaded = sys.modules.get(name)
-    if loaded is not None:
-        where = getattr(loaded, "__file__", None)
-        if where is not None and Path(where).resolve() == path:
-            return loaded  # imported already (by this function or by its name)
-        raise ValueError(f"model.module={spec!r}: a module named {name!r} is already "
-                         f"imported from {where or 'elsewhere'}; rename the file")
-    if not name.isidentifier():
-        raise ValueError(f"model.module={spec!r}: {path.name} is not a module name")
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # before running it: dataclasses look their module up
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 def section_kind(section: Any) -> ModelKind:
@@ -418,3 +384,20 @@ def describe_section(section: Any, vocab_size: int) -> ModelDescription:
     ``section.vocab_size`` is 0."""
     kind = section_kind(section)
     return kind.describe(kind.from_section(section, vocab_size))
+
+
+def section_values(m: Any, config_type: type, skip: tuple[str, ...] = ()) -> dict:
+    """``config_type``'s dataclass fields from section ``m``'s fields of the same names:
+    0 is None where the field's default is None (TOML has no None), a list a tuple where
+    the default is a tuple."""
+    out = {}
+    for f in fields(config_type):
+        if f.name in skip:
+            continue
+        value = getattr(m, f.name)
+        if f.default is None and not isinstance(value, bool) and value == 0:
+            value = None
+        elif isinstance(f.default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        out[f.name] = value
+    return out

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardwise.base.config import ATTENTION_MASKS
+from shardwise.base.model_config import ATTENTION_MASKS, GPTModelConfig, section_dataclass
 from shardwise.models import sequence
 from shardwise.models.sampling import DecoderLM, generate, sample_next  # noqa: F401 (re-exported)
 from shardwise.models.sequence import window_band
@@ -30,37 +30,15 @@ from shardwise.models.sequence import window_band
 ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    """Sizes of one GPT.
-
-    vocab_size: tokens V. block_size: longest sequence T (the rows of the position
-    embedding). n_layer, n_head, n_embd: blocks, heads, width C. dropout: on the embeddings,
-    attention weights and residual branches. bias: biases in the linear layers and
-    LayerNorms. tie_weights: the head shares the token embedding. attention: "sdpa" (fused
-    kernels) or "math" (softmax(QK^T)V written out). activation: the MLP's GELU, "gelu"
-    (exact, erf) or "gelu_tanh" (the tanh approximation GPT-2 was trained with, Hendrycks &
-    Gimpel 2016, eq. 2; HF's ``gelu_new``). k_bias: a bias on the key projection too
-    (GPT-2's packed ``c_attn`` has one; only with ``bias``). norm_eps: the LayerNorms'
-    epsilon. attention_mask: "causal", or "block_causal": a token attends only to earlier
-    tokens of its own document, when the engine (or a caller's ``models.sequence.use``) sets
-    the micro-batch's document ids (``causal_attention``). Raises ``ValueError`` (one line
-    naming the field) for an unknown activation or mask, or a key bias without biases.
+class GPTConfig(section_dataclass("_GPTFields", GPTModelConfig, (
+        "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
+        "attention", "activation", "k_bias", "norm_eps", "attention_mask"))):
+    """Sizes of one GPT: the fields of ``base.model_config.GPTModelConfig`` (the ``[model]``
+    section of ``model.kind = "gpt"``, each described there), ``vocab_size`` first and
+    required, the first ones in the order callers may pass them by position
+    (``GPTConfig(V, T, L, H, C)``). Raises ``ValueError`` (one line naming the field) for an
+    unknown activation or mask, or a key bias without biases.
     """
-
-    vocab_size: int
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = True
-    attention: str = "sdpa"  # "sdpa": fused kernels; "math": explicit softmax(QK^T)V
-    activation: str = "gelu"
-    k_bias: bool = False
-    norm_eps: float = 1e-5
-    attention_mask: str = "causal"
 
     def __post_init__(self):
         if self.attention_mask not in ATTENTION_MASKS:
@@ -111,11 +89,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     ``scale``: the scores' factor in place of 1 / sqrt(D) (Gemma 2 and 3:
     ``query_pre_attn_scalar ** -0.5``); None: 1 / sqrt(D). ``softcap``: the scores S
     (after the scale) become ``softcap * tanh(S / softcap)`` before the mask and the
-    softmax (Gemma 2's ``attn_logit_softcapping``, Gemma Team 2024, arXiv:2408.00118,
+    softmax (Gemma 2's attention-logit soft cap, Gemma Team 2024, arXiv:2408.00118,
     sec. 2; transformers' ``eager_attention_forward`` of ``modeling_gemma2.py``, softmax in
     fp32). No fused kernel takes it, so with a cap the scores are written out (B, H, T, T),
-    or per query chunk under a window, whatever ``impl`` says; under context parallelism it
-    raises ``ValueError`` (one line: the ring's block kernels have no cap).
+    or per query chunk under a window, whatever ``impl`` says; not under context parallelism
+    (the ring's block kernels have no cap: refused by the config).
 
     ``window``: a sliding window of W tokens (``sliding_window_mask``: query i sees keys
     i - W < j <= i), or None (every earlier key). With T <= W the window hides nothing and
@@ -173,9 +151,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     shard = sequence.current()
     docs = None if shard is None else shard.documents  # (B, T) or None
     if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
-        if softcap is not None:
-            raise ValueError("model.attn_logit_softcapping with parallel.cp > 1: ring "
-                             "attention's block kernels have no soft cap; use cp = 1")
+        # refused at the door (the [model] section's context_parallel_refusal)
+        assert softcap is None, "ring attention's block kernels have no soft cap"
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
                                scale=scale, documents=docs)
     if impl not in ("sdpa", "math"):
@@ -474,22 +451,14 @@ def describe(cfg: GPTConfig):
 
 
 def from_section(m, vocab_size: int) -> GPTConfig:
-    """The GPT of a run's ``[model]`` section (``base.config.ModelConfig``): every field,
-    ``attention``, ``attention_mask``, ``activation``, ``k_bias`` and ``norm_eps`` included;
-    ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
-    ``ValueError`` (one line) for a field only the Llama has (a sliding window among them:
-    GPT-2 has none)."""
-    for name in ("n_kv_heads", "ffn_hidden", "head_dim", "qkv_bias", "qk_norm", "rotary_dim",
-                 "sliding_window", "layer_types"):
-        if getattr(m, name, 0):
-            raise ValueError(f"model.{name}={getattr(m, name)}: the GPT has no such option "
-                             "(model.kind = \"llama\" has)")
-    if getattr(m, "rope_scaling", None):
-        raise ValueError("model.rope_scaling: the GPT has learned positions, no rotary "
-                         "embedding (model.kind = \"llama\" has)")
-    return GPTConfig(vocab_size=m.vocab_size or vocab_size, block_size=m.block_size,
-                     n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout,
-                     bias=m.bias, tie_weights=m.tie_weights, attention=m.attention,
-                     activation=getattr(m, "activation", "gelu"),
-                     k_bias=getattr(m, "k_bias", False), norm_eps=getattr(m, "norm_eps", 1e-5),
-                     attention_mask=getattr(m, "attention_mask", "causal"))
+    """The GPT of a run's ``[model]`` section (``base.model_config.GPTModelConfig``, or
+    ``ModelConfig``'s every decoder field): each ``GPTConfig`` field from the section's of
+    that name; ``model.vocab_size`` when set, else ``vocab_size`` (the tokenizer's). Raises
+    ``ValueError`` (one line) for another kind's field set in a ``ModelConfig`` (a sliding
+    window among them: GPT-2 has none; ``base.model_config.own_fields``)."""
+    from shardwise.base.model_config import GPTModelConfig, own_fields
+    from shardwise.models.description import section_values
+
+    own_fields(m.model_dump(), GPTModelConfig)
+    return GPTConfig(vocab_size=m.vocab_size or vocab_size,
+                     **section_values(m, GPTConfig, skip=("vocab_size",)))

@@ -225,10 +225,9 @@ class ModelSpec:
     def model_table(self) -> dict:
         """The ``[model]`` table of a train config for these sizes (``plan --emit-toml``):
         the GPT's fields, or the Llama's (kind, key/value heads, SwiGLU width, rotary base,
-        experts and a shared expert's width and gate; ``head_dim``, ``qkv_bias``,
-        ``qk_norm``, ``rotary_dim``, Gemma's options, ``norm_eps`` and ``rope_scaling`` when
-        its description's config sets them (``_gemma_table``), DeepSeek's routing and latent
-        attention (``_MLA_FIELDS``); ``sliding_window``
+        experts and a shared expert's width and gate; ``head_dim``; every other field of
+        the Llama's section its description's config sets to another value than the
+        section's default (``_config_options``); ``sliding_window``
         and, when not every block has it, ``layer_types``, from ``attention_windows``);
         ``dropout`` when it is not 0, ``attention_mask`` when it is not "causal"."""
         t = {"kind": self.family, "n_layer": self.n_layer, "n_head": self.n_head,
@@ -246,18 +245,8 @@ class ModelSpec:
                        moe_shared_expert_gate=self.moe_shared_gate)
         if self.moe and self.dense_layers:
             moe["dense_layers"] = list(self.dense_layers)
-        cfg = getattr(self.description, "config", None)  # Qwen's attention options, when set
-        qwen = {k: getattr(cfg, k) for k in ("qkv_bias", "qk_norm", "rotary_dim")
-                if getattr(cfg, k, False)}
-        qwen.update(_gemma_table(cfg))
-        if self.moe:  # DeepSeek's routing, when set (it prices nothing: kept for the TOML)
-            qwen.update({k: getattr(cfg, k) for k, default in (
-                ("moe_gating", "softmax"), ("moe_norm_topk", True), ("moe_n_group", 1),
-                ("moe_topk_group", 1), ("moe_group_score", "top2"),
-                ("moe_routed_scaling", 1.0), ("moe_expert_bias", False))
-                if getattr(cfg, k, default) != default})
-        if getattr(cfg, "kv_lora_rank", 0):  # DeepSeek's latent attention (head_dim below)
-            qwen.update({k: getattr(cfg, k) for k in _MLA_FIELDS if getattr(cfg, k)})
+        cfg = getattr(self.description, "config", None)
+        qwen = _config_options(cfg)
         windows = {w for w in self.attention_windows if w is not None}
         if windows:  # one W (model.sliding_window) on the layers layer_types marks
             qwen["sliding_window"] = windows.pop()
@@ -406,34 +395,39 @@ class ModelSpec:
         return replace(spec, dropout=self.dropout)
 
 
-# DeepSeek's multi-head latent attention (``models.mla``): written when kv_lora_rank is set
-_MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-               "v_head_dim", "rope_interleave")
+# the Llama section's fields model_table writes from the spec's own sizes (or not at all:
+# the attention kernel), not from its description's config
+_FROM_THE_SPEC = ("kind", "module", "init_from", "n_layer", "n_head", "n_embd", "block_size",
+                  "vocab_size", "tie_weights", "dropout", "attention", "attention_mask",
+                  "n_kv_heads", "ffn_hidden", "rope_theta", "n_experts", "top_k",
+                  "moe_ffn_hidden", "moe_shared_expert", "moe_shared_ffn_hidden",
+                  "moe_shared_expert_gate", "dense_layers", "sliding_window", "layer_types",
+                  "head_dim")
 
-# Gemma's [model] options (``models.llama.LlamaConfig``): written when set
-_GEMMA_FIELDS = ("norm_zero_centered", "scale_embedding", "sandwich_norm",
-                 "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                 "rope_local_base_freq")
 
+def _config_options(cfg) -> dict:
+    """The ``[model]`` fields of the Llama's section (``base.model_config.LlamaModelConfig``)
+    that config ``cfg`` sets to another value than the section's default, besides those
+    the spec writes itself (``ModelSpec.model_table``): a rotary scaling as its table, a
+    tuple as a list, None (unset) left out; {} for no config."""
+    from shardwise.base.model_config import LlamaModelConfig
 
-def _gemma_table(cfg) -> dict:
-    """The [model] fields of a Llama config's Gemma options, its norm epsilon and its
-    rotary scaling when they are not the defaults (``ModelSpec.model_table``); {} for
-    none (or no config)."""
     if cfg is None:
         return {}
-    out = {k: getattr(cfg, k) for k in _GEMMA_FIELDS if getattr(cfg, k, None)}
-    if getattr(cfg, "mlp_activation", "silu") != "silu":
-        out["mlp_activation"] = cfg.mlp_activation
-    if getattr(cfg, "norm_eps", 1e-5) != 1e-5:
-        out["norm_eps"] = cfg.norm_eps
-    rs = getattr(cfg, "rope_scaling", None)
-    if rs is not None:
-        kind = ("longrope" if hasattr(rs, "short_factor") else
-                "llama3" if hasattr(rs, "low_freq_factor") else
-                "yarn" if hasattr(rs, "beta_fast") else "linear")
-        out["rope_scaling"] = {"rope_type": kind, **{
-            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(rs).items()}}
+    out = {}
+    for name, info in LlamaModelConfig.model_fields.items():
+        if name in _FROM_THE_SPEC or getattr(cfg, name, None) is None:
+            continue
+        value = getattr(cfg, name)
+        if name == "rope_scaling" and not isinstance(value, dict):
+            kind = ("longrope" if hasattr(value, "short_factor") else
+                    "llama3" if hasattr(value, "low_freq_factor") else
+                    "yarn" if hasattr(value, "beta_fast") else "linear")
+            value = {"rope_type": kind, **{k: list(v) if isinstance(v, tuple) else v
+                                           for k, v in dataclasses.asdict(value).items()}}
+        value = list(value) if isinstance(value, tuple) else value
+        if value != info.get_default(call_default_factory=True):
+            out[name] = value
     return out
 
 

@@ -111,8 +111,8 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
                           f"{CHECKPOINT_FORMAT}); --fresh starts over (the old checkpoints "
                           "are kept)")
     for name in MODEL_SHAPE_FIELDS:
-        ours = getattr(cfg.model, name)
-        if name in saved and saved[name] != ours:
+        ours = getattr(cfg.model, name, None)  # None: not a field of this model kind
+        if name in saved and ours is not None and saved[name] != ours:
             raise RunDirError(f"cannot resume {path}: model.{name}={saved[name]!r} there, "
                               f"{ours!r} here; --fresh starts over (the old checkpoints are kept)")
     saved_cnn = meta.get("config", {}).get("cnn", {}) if saved.get("kind") == "cnn" else {}
