@@ -269,7 +269,7 @@ def test_the_planner_counts_what_selective_recomputation_keeps(layouts):
     checked = 0
     for name, (cfg, ranks, _) in layouts.items():
         p, m = cfg["parallel"], ranks[0][0]["model"]  # the model as built (its vocabulary)
-        if p["pp"] > 1 or p["cp"] > 1 or cfg["model"]["n_experts"] or m["dropout"]:
+        if p["pp"] > 1 or p["cp"] > 1 or cfg["model"].get("n_experts") or m["dropout"]:
             continue
         checked += 1
         spec = ModelSpec("t", m["n_layer"], m["n_embd"], m["n_head"], m["vocab_size"],
