@@ -606,42 +606,51 @@ NAMED: dict[str, ModelSpec] = _Named({m.name: m for m in [
 # Gemma's released config.json sizes (module docstring): name -> (layers, hidden, heads, kv
 # heads, head_dim, FFN width, vocab, context, window, window pattern (every n-th layer
 # global), query_pre_attn_scalar, rotary base (global, local), the global layers' linear
-# rotary factor, soft caps (scores, logits), QK-norm)
+# rotary factor); its options and soft caps are its arch's (``gemma_section``)
 _GEMMA_SIZES = {
     # google/gemma-2-2b, google/gemma-2-9b config.json (rope_theta 10000, one base)
-    "gemma2-2b": (26, 2304, 8, 4, 256, 9216, 256000, 8192, 4096, 2, 256, (1e4, None), None,
-                  (50.0, 30.0), False),
-    "gemma2-9b": (42, 3584, 16, 8, 256, 14336, 256000, 8192, 4096, 2, 256, (1e4, None), None,
-                  (50.0, 30.0), False),
+    "gemma2-2b": (26, 2304, 8, 4, 256, 9216, 256000, 8192, 4096, 2, 256, (1e4, None), None),
+    "gemma2-9b": (42, 3584, 16, 8, 256, 14336, 256000, 8192, 4096, 2, 256, (1e4, None), None),
     # google/gemma-2-27b: heads of 128, queries scaled by (h / a)^-1/2 = 144^-1/2
     "gemma2-27b": (46, 4608, 32, 16, 128, 36864, 256000, 8192, 4096, 2, 144, (1e4, None),
-                   None, (50.0, 30.0), False),
+                   None),
     # google/gemma-3-1b-pt, -12b-pt, -27b-pt (text_config) config.json; context: 1B's 32768
     # (the pre-training length; 12B and 27B's 131072 is --seq 131072)
-    "gemma3-1b": (26, 1152, 4, 1, 256, 6912, 262144, 32768, 512, 6, 256, (1e6, 1e4), None,
-                  (None, None), True),
-    "gemma3-12b": (48, 3840, 16, 8, 256, 15360, 262208, 32768, 1024, 6, 256, (1e6, 1e4), 8.0,
-                   (None, None), True),
-    "gemma3-27b": (62, 5376, 32, 16, 128, 21504, 262208, 32768, 1024, 6, 168, (1e6, 1e4), 8.0,
-                   (None, None), True),
+    "gemma3-1b": (26, 1152, 4, 1, 256, 6912, 262144, 32768, 512, 6, 256, (1e6, 1e4), None),
+    "gemma3-12b": (48, 3840, 16, 8, 256, 15360, 262208, 32768, 1024, 6, 256, (1e6, 1e4),
+                   8.0),
+    "gemma3-27b": (62, 5376, 32, 16, 128, 21504, 262208, 32768, 1024, 6, 168, (1e6, 1e4),
+                   8.0),
 }
 
 
-def gemma_config(name: str):
-    """The ``models.llama.LlamaConfig`` of the Gemma named ``name`` (``_GEMMA_SIZES``)."""
-    from shardwise.models.llama import LlamaConfig
+def gemma_section(name: str):
+    """The ``[model]`` section (``base.model_config.LlamaModelConfig``) of the Gemma named
+    ``name``: its sizes (``_GEMMA_SIZES``), the options its arch fixes and the soft caps of
+    its released config.json, transformers' defaults (``models.hf.arch.OPTIONS``,
+    ``SOFT_CAPS``: Gemma 2's scores capped at 50 and logits at 30, Gemma 3's neither)."""
+    from shardwise.base.model_config import LlamaModelConfig
+    from shardwise.models.hf.arch import SOFT_CAPS, options
 
-    (L, h, a, kv, d, f, V, s, window, every, scalar, (theta, local), factor, (attn, final),
-     qk) = _GEMMA_SIZES[name]
-    return LlamaConfig(
-        vocab_size=V, block_size=s, n_layer=L, n_head=a, n_kv_heads=kv, n_embd=h, head_dim=d,
-        ffn_hidden=f, norm_eps=1e-6, rope_theta=theta, tie_weights=True,
-        rope_scaling={"rope_type": "linear", "factor": factor} if factor else None,
-        rope_local_base_freq=local, qk_norm=qk, norm_zero_centered=True, scale_embedding=True,
-        mlp_activation="gelu_tanh", sandwich_norm=True, query_pre_attn_scalar=float(scalar),
-        attn_logit_softcapping=attn, final_logit_softcapping=final, sliding_window=window,
-        layer_types=tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                          for i in range(L)))
+    L, h, a, kv, d, f, V, s, window, every, scalar, (theta, local), factor = _GEMMA_SIZES[name]
+    arch = "Gemma2" if name.startswith("gemma2") else "Gemma3"
+    return LlamaModelConfig(**{
+        **options(arch), **{cap: value or 0.0 for cap, value in SOFT_CAPS[arch].items()},
+        "kind": "llama", "vocab_size": V, "block_size": s, "n_layer": L, "n_head": a,
+        "n_kv_heads": kv, "n_embd": h, "head_dim": d, "ffn_hidden": f, "norm_eps": 1e-6,
+        "rope_theta": theta, "tie_weights": True,
+        "rope_scaling": {"rope_type": "linear", "factor": factor} if factor else None,
+        "rope_local_base_freq": local or 0.0, "mlp_activation": "gelu_tanh",
+        "query_pre_attn_scalar": float(scalar), "sliding_window": window,
+        "layer_types": ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                        for i in range(L)]})
+
+
+def gemma_config(name: str):
+    """The ``models.llama.LlamaConfig`` of the Gemma named ``name`` (``gemma_section``)."""
+    from shardwise.models.description import describe_section
+
+    return describe_section(gemma_section(name), _GEMMA_SIZES[name][6]).config
 
 
 def _gemma(name: str):
