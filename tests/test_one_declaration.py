@@ -34,3 +34,20 @@ def test_the_hf_option_table_names_fields_of_the_llama_section():
     assert requirements("Qwen3") == "no qkv_bias, qk_norm"
     assert requirements("Gemma3").endswith("sandwich_norm, qk_norm, no attn_logit_softcapping")
     assert all(f"{arch}" in all_requirements() for arch in OPTIONS)
+
+
+def test_named_sizes_are_sections_of_their_kind():
+    """A named GPT or Llama (``planner.specs.NAMED``) is the spec of its kind's ``[model]``
+    section (``gpt_section`` / ``llama_section``, ``ModelSpec.from_section``), and the
+    section ``plan --emit-toml`` writes for it reads back as the same spec."""
+    from shardwise.base.model_config import GPTModelConfig, LlamaModelConfig
+    from shardwise.planner.specs import NAMED, ModelSpec, gpt_section, llama_section
+
+    assert type(gpt_section(12, 768, 12, 50257, 1024)) is GPTModelConfig
+    assert type(llama_section(32, 4096, 32, 8, 14336, 128256, 8192, 5e5)) is LlamaModelConfig
+    assert ModelSpec.from_section(llama_section(32, 4096, 32, 8, 14336, 128256, 8192, 5e5),
+                                  "llama3-8b") == NAMED["llama3-8b"]
+    plain = [spec for spec in NAMED.values() if spec.description is None]
+    assert len(plain) == 29  # all but the described DeepSeeks and Gemmas
+    for spec in plain:
+        assert ModelSpec.from_section(spec.section(), spec.name) == spec, spec.name
