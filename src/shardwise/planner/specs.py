@@ -666,7 +666,6 @@ def gemma_section(name: str):
     ``name``: its sizes (``_GEMMA_SIZES``), the options its arch fixes and the soft caps of
     its released config.json, transformers' defaults (``models.hf.arch.OPTIONS``,
     ``SOFT_CAPS``: Gemma 2's scores capped at 50 and logits at 30, Gemma 3's neither)."""
-    from shardwise.base.model_config import LlamaModelConfig
     from shardwise.models.hf.arch import SOFT_CAPS, options
 
     L, h, a, kv, d, f, V, s, window, every, scalar, (theta, local), factor = _GEMMA_SIZES[name]
