@@ -32,6 +32,8 @@ def parse_size(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``shardwise export``: returns 0, or 2 with one line on stderr (no checkpoint, a
     non-empty --out, a model with no Hugging Face architecture)."""
+    from shardwise.models.hf.arch import all_requirements  # the options each arch fixes
+
     ap = Parser(prog="shardwise export",
                 description="Write a run's checkpoint as a Hugging Face model: config.json, "
                 "safetensors (sharded above --max-shard-size, with an index) and the tokenizer.")
@@ -48,15 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "(model.init_from) when it holds the model exactly (a Mistral in is a "
                     "Mistral out, a Phi-3 a Phi-3; a Gemma3ForConditionalGeneration's "
                     "language model a text-only Gemma3ForCausalLM, without the vision "
-                    "tower), else the arch the model is exactly: a "
-                    "Llama with qkv_bias is a Qwen2, with qk_norm a Qwen3, with experts a "
-                    "Mixtral, with experts and qk_norm a Qwen3-MoE, with experts and a "
-                    "gated shared expert a Qwen2-MoE, with a rotary_dim below head_dim a "
-                    "Phi-3, with one sliding window on every layer a Mistral, with "
-                    "norm_zero_centered, scale_embedding and mlp_activation = gelu_tanh a "
-                    "Gemma (with sandwich_norm a Gemma 2, and with qk_norm a Gemma 3), with "
-                    "latent attention (kv_lora_rank) and experts a DeepSeek-V3 (sigmoid "
-                    "gating) or V2 (softmax), with none of these a Llama")
+                    "tower), else the arch the model is exactly: with experts a Mixtral, a "
+                    "Qwen3-MoE or, with a gated shared expert, a Qwen2-MoE, with a "
+                    "rotary_dim below head_dim a Phi-3, with one sliding window on every "
+                    "layer a Mistral, with mlp_activation = gelu_tanh a Gemma, with latent "
+                    "attention (kv_lora_rank) and experts a DeepSeek-V3 (sigmoid gating) or "
+                    "V2 (softmax), with none of these a Llama, each with the options it "
+                    f"fixes ({all_requirements()})")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")

@@ -10,7 +10,10 @@ Two families:
   K and V heads of width h / a), a SwiGLU MLP of width f (gate, up, down: 3 h f), rotary
   positions (no parameters), no biases, head untied unless said.
 
-Named sizes:
+Named sizes (``NAMED``), each a ``[model]`` section of its kind (``gpt_section``,
+``llama_section``, ``gemma_section``; ``base.model_config``) whose spec is
+``ModelSpec.from_section`` (counted by formula) or, for a Gemma or a DeepSeek,
+``from_description`` (built on meta):
 
 - GPT-2 (Radford et al. 2019, Table 2; vocab 50257, context 1024);
 - GPT-3 (Brown et al. 2020, Table 2.1; context 2048; 13B's width 5140 rounded to 5120 so
@@ -42,8 +45,9 @@ Named sizes:
   has none;
 - Gemma: Gemma 2 2B, 9B and 27B (Gemma Team 2024, arXiv:2408.00118, Table 1) and Gemma 3 1B,
   12B and 27B's text towers (Gemma Team 2025, arXiv:2503.19786, Table 1), each with the
-  sizes of its released config.json (``google/gemma-2-2b``, ``-9b``, ``-27b``, ``google/gemma-3-1b-pt``,
-  ``-12b-pt``, ``-27b-pt``'s ``text_config``; written in ``_GEMMA_SIZES``): heads of 256
+  sizes of its released config.json (``google/gemma-2-2b``, ``-9b``, ``-27b``,
+  ``google/gemma-3-1b-pt``, ``-12b-pt``, ``-27b-pt``'s ``text_config``; written in
+  ``_GEMMA_SIZES``, its options and soft caps its arch's, ``models.hf.arch.OPTIONS``): heads of 256
   (27B: 128) whatever h / a is, tied embeddings of 256000 (Gemma 3: 262144 / 262208)
   tokens, sandwich norms, a window on every other layer (Gemma 2: 4096) or on five of
   every six (Gemma 3: 512 for 1B, 1024 above). These are described specs
@@ -91,6 +95,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from shardwise.base.model_config import GPTModelConfig, LlamaModelConfig
 
 
 class SpecError(ValueError):
@@ -170,6 +176,24 @@ class ModelSpec:
     def __post_init__(self):
         if self.dense_share < 0:
             object.__setattr__(self, "dense_share", len(self.dense_layers) / self.n_layer)
+
+    @classmethod
+    def from_section(cls, m, name: str) -> ModelSpec:
+        """The spec of a GPT's or a plain Llama's ``[model]`` section
+        (``base.model_config.GPTModelConfig`` / ``LlamaModelConfig``: a named size), counted
+        by formula, nothing built: sizes, tied head, biases (the GPT's ``bias``; the Llama
+        has none), key/value heads and SwiGLU width (0: unset), rotary base, experts and
+        their top-k, and ``sliding_window`` on every layer. A section with more options (a
+        Gemma's, latent attention) is ``from_description``'s."""
+        sizes = (name, m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.block_size)
+        if m.kind == "gpt":
+            return cls(*sizes, tie_weights=m.tie_weights, bias=m.bias)
+        return cls(*sizes, tie_weights=m.tie_weights, bias=False,
+                   n_kv_heads=m.n_kv_heads or None, ffn_hidden=m.ffn_hidden or None,
+                   family=m.kind, rope_theta=m.rope_theta, n_experts=m.n_experts,
+                   top_k=m.top_k,
+                   attention_windows=(m.sliding_window,) * m.n_layer if m.sliding_window
+                   else ())
 
     @classmethod
     def from_description(cls, d, name: str | None = None) -> ModelSpec:
@@ -494,15 +518,28 @@ def head_params(spec: ModelSpec) -> int:
     return ln + (0 if spec.tie_weights else spec.vocab_size * spec.n_embd)
 
 
-def _m(name, L, h, a, V, s) -> ModelSpec:
-    return ModelSpec(name, L, h, a, V, s)
+def gpt_section(L, h, a, V, s) -> GPTModelConfig:
+    """A named GPT's ``[model]`` section: layers, hidden, heads, vocabulary, context."""
+    return GPTModelConfig(n_layer=L, n_embd=h, n_head=a, vocab_size=V, block_size=s)
 
 
-def _llama(name, L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2,
-           window=None) -> ModelSpec:
-    return ModelSpec(name, L, h, a, V, s, tie_weights=False, bias=False, n_kv_heads=kv,
-                     ffn_hidden=f, family="llama", rope_theta=theta, n_experts=experts,
-                     top_k=top_k, attention_windows=(window,) * L if window else ())
+def llama_section(L, h, a, kv, f, V, s, theta=10000.0, experts=0, top_k=2,
+                  window=0) -> LlamaModelConfig:
+    """A named Llama's ``[model]`` section: layers, hidden, heads, key/value heads, SwiGLU
+    width, vocabulary, context, rotary base, experts and their top-k, a window on every
+    layer (0: none); untied."""
+    return LlamaModelConfig(kind="llama", n_layer=L, n_embd=h, n_head=a, n_kv_heads=kv,
+                            ffn_hidden=f, vocab_size=V, block_size=s, rope_theta=theta,
+                            n_experts=experts, top_k=top_k, sliding_window=window,
+                            tie_weights=False)
+
+
+def _m(name, *sizes) -> ModelSpec:
+    return ModelSpec.from_section(gpt_section(*sizes), name)
+
+
+def _llama(name, *sizes, **options) -> ModelSpec:
+    return ModelSpec.from_section(llama_section(*sizes, **options), name)
 
 
 def _deepseek(name: str, L: int, h: int, a: int, f: int, V: int, s: int, experts: int,
@@ -513,20 +550,20 @@ def _deepseek(name: str, L: int, h: int, a: int, f: int, V: int, s: int, experts
     latent of 512, heads of 128 + 64 rotated features and values of 128 (both models), a
     query latent of ``q_rank`` (0: none), the first ``dense`` blocks dense, ``shared``
     shared experts as one SwiGLU. Described (built on meta: counted as the engine builds
-    it), at the default rotary: the released configs' YaRN changes no size."""
-    from shardwise.models.description import describe
-    from shardwise.models.llama import LlamaConfig
+    it), at the default rotary: the released configs' YaRN changes no size; its
+    ``[model]`` section a ``LlamaModelConfig``."""
+    from shardwise.models.description import describe_section
 
-    cfg = LlamaConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h, ffn_hidden=f,
-                      norm_eps=1e-6, n_experts=experts, top_k=top_k, moe_ffn_hidden=expert_f,
-                      moe_gating="sigmoid" if v3 else "softmax", moe_norm_topk=v3,
-                      moe_n_group=groups, moe_topk_group=kept,
-                      moe_group_score="top2" if v3 else "top1", moe_routed_scaling=scaling,
-                      moe_shared_expert=True, moe_shared_ffn_hidden=shared * expert_f,
-                      moe_expert_bias=v3, dense_layers=tuple(range(dense)), kv_lora_rank=512,
-                      q_lora_rank=q_rank or None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, rope_interleave=True)
-    return ModelSpec.from_description(describe(cfg), name=name)
+    section = LlamaModelConfig(
+        kind="llama", vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h, ffn_hidden=f,
+        norm_eps=1e-6, tie_weights=False, n_experts=experts, top_k=top_k,
+        moe_ffn_hidden=expert_f, moe_gating="sigmoid" if v3 else "softmax", moe_norm_topk=v3,
+        moe_n_group=groups, moe_topk_group=kept, moe_group_score="top2" if v3 else "top1",
+        moe_routed_scaling=scaling, moe_shared_expert=True,
+        moe_shared_ffn_hidden=shared * expert_f, moe_expert_bias=v3,
+        dense_layers=list(range(dense)), kv_lora_rank=512, q_lora_rank=q_rank,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True)
+    return ModelSpec.from_description(describe_section(section, V), name=name)
 
 
 class _Named(dict):
@@ -606,42 +643,50 @@ NAMED: dict[str, ModelSpec] = _Named({m.name: m for m in [
 # Gemma's released config.json sizes (module docstring): name -> (layers, hidden, heads, kv
 # heads, head_dim, FFN width, vocab, context, window, window pattern (every n-th layer
 # global), query_pre_attn_scalar, rotary base (global, local), the global layers' linear
-# rotary factor, soft caps (scores, logits), QK-norm)
+# rotary factor); its options and soft caps are its arch's (``gemma_section``)
 _GEMMA_SIZES = {
     # google/gemma-2-2b, google/gemma-2-9b config.json (rope_theta 10000, one base)
-    "gemma2-2b": (26, 2304, 8, 4, 256, 9216, 256000, 8192, 4096, 2, 256, (1e4, None), None,
-                  (50.0, 30.0), False),
-    "gemma2-9b": (42, 3584, 16, 8, 256, 14336, 256000, 8192, 4096, 2, 256, (1e4, None), None,
-                  (50.0, 30.0), False),
+    "gemma2-2b": (26, 2304, 8, 4, 256, 9216, 256000, 8192, 4096, 2, 256, (1e4, None), None),
+    "gemma2-9b": (42, 3584, 16, 8, 256, 14336, 256000, 8192, 4096, 2, 256, (1e4, None), None),
     # google/gemma-2-27b: heads of 128, queries scaled by (h / a)^-1/2 = 144^-1/2
     "gemma2-27b": (46, 4608, 32, 16, 128, 36864, 256000, 8192, 4096, 2, 144, (1e4, None),
-                   None, (50.0, 30.0), False),
+                   None),
     # google/gemma-3-1b-pt, -12b-pt, -27b-pt (text_config) config.json; context: 1B's 32768
     # (the pre-training length; 12B and 27B's 131072 is --seq 131072)
-    "gemma3-1b": (26, 1152, 4, 1, 256, 6912, 262144, 32768, 512, 6, 256, (1e6, 1e4), None,
-                  (None, None), True),
-    "gemma3-12b": (48, 3840, 16, 8, 256, 15360, 262208, 32768, 1024, 6, 256, (1e6, 1e4), 8.0,
-                   (None, None), True),
-    "gemma3-27b": (62, 5376, 32, 16, 128, 21504, 262208, 32768, 1024, 6, 168, (1e6, 1e4), 8.0,
-                   (None, None), True),
+    "gemma3-1b": (26, 1152, 4, 1, 256, 6912, 262144, 32768, 512, 6, 256, (1e6, 1e4), None),
+    "gemma3-12b": (48, 3840, 16, 8, 256, 15360, 262208, 32768, 1024, 6, 256, (1e6, 1e4),
+                   8.0),
+    "gemma3-27b": (62, 5376, 32, 16, 128, 21504, 262208, 32768, 1024, 6, 168, (1e6, 1e4),
+                   8.0),
 }
 
 
-def gemma_config(name: str):
-    """The ``models.llama.LlamaConfig`` of the Gemma named ``name`` (``_GEMMA_SIZES``)."""
-    from shardwise.models.llama import LlamaConfig
+def gemma_section(name: str):
+    """The ``[model]`` section (``base.model_config.LlamaModelConfig``) of the Gemma named
+    ``name``: its sizes (``_GEMMA_SIZES``), the options its arch fixes and the soft caps of
+    its released config.json, transformers' defaults (``models.hf.arch.OPTIONS``,
+    ``SOFT_CAPS``: Gemma 2's scores capped at 50 and logits at 30, Gemma 3's neither)."""
+    from shardwise.models.hf.arch import SOFT_CAPS, options
 
-    (L, h, a, kv, d, f, V, s, window, every, scalar, (theta, local), factor, (attn, final),
-     qk) = _GEMMA_SIZES[name]
-    return LlamaConfig(
-        vocab_size=V, block_size=s, n_layer=L, n_head=a, n_kv_heads=kv, n_embd=h, head_dim=d,
-        ffn_hidden=f, norm_eps=1e-6, rope_theta=theta, tie_weights=True,
-        rope_scaling={"rope_type": "linear", "factor": factor} if factor else None,
-        rope_local_base_freq=local, qk_norm=qk, norm_zero_centered=True, scale_embedding=True,
-        mlp_activation="gelu_tanh", sandwich_norm=True, query_pre_attn_scalar=float(scalar),
-        attn_logit_softcapping=attn, final_logit_softcapping=final, sliding_window=window,
-        layer_types=tuple("full_attention" if (i + 1) % every == 0 else "sliding_attention"
-                          for i in range(L)))
+    L, h, a, kv, d, f, V, s, window, every, scalar, (theta, local), factor = _GEMMA_SIZES[name]
+    arch = "Gemma2" if name.startswith("gemma2") else "Gemma3"
+    return LlamaModelConfig(**{
+        **options(arch), **{cap: value or 0.0 for cap, value in SOFT_CAPS[arch].items()},
+        "kind": "llama", "vocab_size": V, "block_size": s, "n_layer": L, "n_head": a,
+        "n_kv_heads": kv, "n_embd": h, "head_dim": d, "ffn_hidden": f, "norm_eps": 1e-6,
+        "rope_theta": theta, "tie_weights": True,
+        "rope_scaling": {"rope_type": "linear", "factor": factor} if factor else None,
+        "rope_local_base_freq": local or 0.0, "mlp_activation": "gelu_tanh",
+        "query_pre_attn_scalar": float(scalar), "sliding_window": window,
+        "layer_types": ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                        for i in range(L)]})
+
+
+def gemma_config(name: str):
+    """The ``models.llama.LlamaConfig`` of the Gemma named ``name`` (``gemma_section``)."""
+    from shardwise.models.description import describe_section
+
+    return describe_section(gemma_section(name), _GEMMA_SIZES[name][6]).config
 
 
 def _gemma(name: str):

@@ -39,7 +39,7 @@ from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError
 from shardwise.checkpoint.hf import CONFIG, write_safetensors
 from shardwise.models.description import describe, describe_section
-from shardwise.models.hf import export_arch, text_source, to_hf_tensors
+from shardwise.models.hf import export_arch, requirements, text_source, to_hf_tensors
 
 
 class ExportError(CheckpointError):
@@ -108,18 +108,19 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
         raise ExportError(f"{path}: this Llama's mixture of experts is not a Mixtral's, a "
                           "Qwen2-MoE's or a Qwen3-MoE's, the only ones exported (softmax "
                           "gating, dropless, no routing bias: model.moe_bias_update_rate = 0; "
-                          "Mixtral: moe_norm_topk, no shared expert, no qkv_bias, no "
-                          "qk_norm; Qwen2-MoE: a shared expert with moe_shared_expert_gate, "
-                          "no qk_norm; Qwen3-MoE: qk_norm, no shared expert, no qkv_bias; "
-                          "or with MLA, model.kv_lora_rank, a DeepSeek-V3's or V2's: "
-                          "docs/models.md)")
+                          "Mixtral: moe_norm_topk, no shared expert, "
+                          f"{requirements('Mixtral')}; Qwen2-MoE: a shared expert with "
+                          f"moe_shared_expert_gate, {requirements('Qwen2-MoE')}; Qwen3-MoE: "
+                          f"no shared expert, {requirements('Qwen3-MoE')}; or with MLA, "
+                          "model.kv_lora_rank, a DeepSeek-V3's or V2's: docs/models.md)")
     if d.hf is None and d.kind == "llama" and _has_gemma_options(d.config):
         raise ExportError(f"{path}: this Llama's Gemma options are not a Gemma's, a Gemma "
                           "2's or a Gemma 3's, the only ones exported (each: "
-                          "norm_zero_centered, scale_embedding, mlp_activation = gelu_tanh, "
-                          "no experts, no qkv_bias; Gemma: nothing else of Gemma's, no window; "
-                          "Gemma 2: sandwich_norm, no qk_norm, no rope_local_base_freq; "
-                          "Gemma 3: sandwich_norm and qk_norm, no attn_logit_softcapping)")
+                          "mlp_activation = gelu_tanh, no experts; Gemma: "
+                          f"{requirements('Gemma')}, query_pre_attn_scalar unset or head_dim, "
+                          "no window; "
+                          f"Gemma 2: {requirements('Gemma2')}; Gemma 3: "
+                          f"{requirements('Gemma3')})")
     if d.hf is None:
         raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
                           "(ModelDescription.hf)")

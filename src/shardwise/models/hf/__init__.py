@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.models.hf.arch import HFArch, HFConfigError, HFTensor
+from shardwise.models.hf.arch import HFArch, HFConfigError, HFTensor, requirements
 from shardwise.models.hf.arch import _no_gemma as _no_gemma  # apps.lm.export's
 from shardwise.models.hf.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, deepseek_compatible
 from shardwise.models.hf.gemma import GEMMA, GEMMA2, GEMMA3, GEMMA3_VLM
@@ -69,8 +69,8 @@ __all__ = ["ARCHS", "DEEPSEEK_V2", "DEEPSEEK_V3", "GEMMA", "GEMMA2", "GEMMA3", "
            "GPT2", "LLAMA", "LLAMA_PREFIXES", "MISTRAL", "MIXTRAL", "PHI3", "QWEN2", "QWEN2_MOE",
            "QWEN3", "QWEN3_MOE", "HFArch", "HFConfigError", "HFTensor", "arch_for", "arch_of",
            "deepseek_compatible", "export_arch", "hf_shapes", "llama_hf_name",
-           "mixtral_compatible", "qwen2_moe_compatible", "qwen3_moe_compatible", "rope_parameters",
-           "section_of", "state_buffers", "text_source", "to_hf_tensors"]
+           "mixtral_compatible", "qwen2_moe_compatible", "qwen3_moe_compatible", "requirements",
+           "rope_parameters", "section_of", "state_buffers", "text_source", "to_hf_tensors"]
 
 
 # arch_for's order: the first that holds a config (Llama before Mistral: both hold a dense
@@ -82,11 +82,11 @@ ARCHS = (LLAMA, GPT2, MIXTRAL, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MISTRAL, PHI3
 
 def arch_for(cfg) -> HFArch | None:
     """The arch a Llama config (``models.llama.LlamaConfig``) is exactly, else None: the
-    first of ``ARCHS`` of kind "llama" that ``holds`` it. Dense: LLAMA with neither
-    ``qkv_bias`` nor ``qk_norm`` and no window (a Mistral holds it too, but no config says
-    Mistral: ``export_arch`` picks it from a run's source), MISTRAL with one window on every
-    layer, QWEN2 with ``qkv_bias``, QWEN3 with ``qk_norm`` (not both: neither has the
-    other's; any windows); with ``n_experts``, MIXTRAL when
+    first of ``ARCHS`` of kind "llama" that ``holds`` it. Dense: LLAMA with neither Q/K/V
+    biases nor QK-norm (the options each arch fixes: ``arch.OPTIONS``) and no window (a
+    Mistral holds it too, but no config says Mistral: ``export_arch`` picks it from a run's
+    source), MISTRAL with one window on every layer, QWEN2 with Q/K/V biases, QWEN3 with
+    QK-norm (not both: neither has the other's; any windows); with ``n_experts``, MIXTRAL when
     ``mixtral_compatible`` (no QK-norm, no shared expert), QWEN3_MOE when
     ``qwen3_moe_compatible`` (QK-norm, no shared expert), QWEN2_MOE when
     ``qwen2_moe_compatible`` (a gated shared expert, no QK-norm); each of these only when

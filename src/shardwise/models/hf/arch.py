@@ -5,7 +5,8 @@ an arch is): ``HFTensor`` (where one of our parameters lives in a Hugging Face s
 (``_get``, ``_refuse``) and its sliding windows (``_window``, ``_NO_WINDOW``,
 ``_ATTENTION_TYPES``, ``_LAYER_TYPE``), and the predicates on a Llama config that the archs'
 ``holds`` combine (``_uniform``, ``_windowless``, ``_long_rope``, ``_full_rotary``,
-``_no_gemma``, ``_plain``, ``_dense``).
+``_no_gemma``, ``_plain``, ``_dense``); and the table of the options each Llama-family arch
+fixes (``OPTIONS``, ``SOFT_CAPS``), read by the imports, the ``holds`` and the exports.
 """
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ class HFArch:
     # original_max_position_embeddings), told when a run asks for more
     bound_reason: Callable[[dict], dict[str, str]] = lambda config_json: {}
     # whether a config of kind ``kind`` is this architecture exactly, sizes aside (its
-    # attention and mixture options: a Llama's qkv_bias, qk_norm, experts, where its sliding
-    # windows lie, how much of a head it rotates, LongRoPE); arch_for and export_arch ask it
+    # attention and mixture options, ``OPTIONS``, experts, where its sliding windows lie, how
+    # much of a head it rotates, LongRoPE); arch_for and export_arch ask it
     holds: Callable[[Any], bool] = lambda config: True
     # for an arch whose tensor map depends on the model's sizes (Phi-3's qkv_proj packs H
     # query and 2 Hkv key/value heads): the ``tensor`` of that config; ``of(config)`` is the
@@ -242,10 +243,64 @@ def _full_rotary(cfg) -> bool:
     return getattr(cfg, "rotary_dim", None) in (None, 0, cfg.head_dim) and not _long_rope(cfg)
 
 
+# The options of a Llama config (``[model]`` fields of ``base.model_config``) that each
+# Llama-family arch fixes, as its section gives them: an import sets them (``options``),
+# ``holds`` requires each on or off as here (``fixes``) and the exports' refusals list them
+# (``requirements``); the one place the HF layer names them. An option an arch does not fix
+# is read from its config.json (Qwen2-MoE's Q/K/V biases, ``SOFT_CAPS``) or is no concern
+# of its own (DeepSeek's).
+_LLAMA_OPTIONS = {"qkv_bias": False, "qk_norm": False}
+_GEMMA_BASE = {"qkv_bias": False, "norm_zero_centered": True, "scale_embedding": True}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "Llama": _LLAMA_OPTIONS, "Mistral": _LLAMA_OPTIONS, "Mixtral": _LLAMA_OPTIONS,
+    "Phi3": _LLAMA_OPTIONS,
+    "Qwen2": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3": {"qkv_bias": False, "qk_norm": True},
+    "Qwen2-MoE": {"qk_norm": False},
+    "Qwen3-MoE": {"qkv_bias": False, "qk_norm": True},
+    "Gemma": {**_GEMMA_BASE, "sandwich_norm": False, "qk_norm": False,
+              "attn_logit_softcapping": 0.0, "final_logit_softcapping": 0.0,
+              "rope_local_base_freq": 0.0},
+    "Gemma2": {**_GEMMA_BASE, "sandwich_norm": True, "qk_norm": False,
+               "rope_local_base_freq": 0.0},
+    "Gemma3": {**_GEMMA_BASE, "sandwich_norm": True, "qk_norm": True,
+               "attn_logit_softcapping": 0.0},
+}
+# the soft caps a Gemma's config.json holds under our fields' names (Gemma 2 and 3 write
+# both), with transformers' default (None: no cap) for the ones its section reads
+SOFT_CAPS: dict[str, dict[str, float | None]] = {
+    "Gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "Gemma3": {"final_logit_softcapping": None}}
+
+
+def options(arch: str) -> dict[str, Any]:
+    """The ``[model]`` fields that arch ``arch`` (an ``OPTIONS`` key) fixes, as its
+    section gives them."""
+    return dict(OPTIONS[arch])
+
+
+def fixes(arch: str, cfg) -> bool:
+    """A Llama config has each option ``OPTIONS[arch]`` fixes on (or off) as it says."""
+    return all(bool(getattr(cfg, k, None)) == bool(v) for k, v in OPTIONS[arch].items())
+
+
+def requirements(arch: str) -> str:
+    """``OPTIONS[arch]`` as the exports' refusals list it ("no qkv_bias, qk_norm")."""
+    return ", ".join(k if v else f"no {k}" for k, v in OPTIONS[arch].items())
+
+
+def all_requirements() -> str:
+    """Every arch's ``requirements``, the archs that agree listed together:
+    "Llama, Mistral, ...: no qkv_bias, no qk_norm; Qwen2: ..."."""
+    by: dict[str, list[str]] = {}
+    for arch in OPTIONS:
+        by.setdefault(requirements(arch), []).append(arch)
+    return "; ".join(f"{', '.join(archs)}: {text}" for text, archs in by.items())
+
+
 # Gemma's options of a Llama config (``models.llama.LlamaConfig``), each off in a Llama
-_GEMMA_OPTIONS = ("norm_zero_centered", "scale_embedding", "sandwich_norm",
-                  "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-                  "rope_local_base_freq")
+_GEMMA_OPTIONS = (*(k for k in OPTIONS["Gemma"] if k not in OPTIONS["Llama"]),
+                  "query_pre_attn_scalar")
 
 
 def _no_gemma(cfg) -> bool:
@@ -262,12 +317,11 @@ def _plain(cfg) -> bool:
     return _no_gemma(cfg) and not getattr(cfg, "kv_lora_rank", 0)
 
 
-def _dense(bias: bool, norm: bool, windows: Callable[[Any], bool] = lambda cfg: True
+def _dense(arch: str, windows: Callable[[Any], bool] = lambda cfg: True
            ) -> Callable[[Any], bool]:
-    """``HFArch.holds`` of a dense Llama-family arch: no experts, Q/K/V biases
-    (``qkv_bias``) exactly when ``bias``, QK-norm (``qk_norm``) exactly when ``norm``, its
-    windows as ``windows`` allows (any, by default: a Qwen's ``layer_types``), every
-    feature of a head rotated (``_full_rotary``), none of Gemma's options."""
-    return lambda cfg: (not cfg.n_experts and bool(getattr(cfg, "qkv_bias", False)) == bias
-                        and bool(getattr(cfg, "qk_norm", False)) == norm and windows(cfg)
+    """``HFArch.holds`` of a dense Llama-family arch ``arch`` (an ``OPTIONS`` key): no
+    experts, the options ``OPTIONS[arch]`` fixes (``fixes``), its windows as ``windows``
+    allows (any, by default: a Qwen's ``layer_types``), every feature of a head rotated
+    (``_full_rotary``), none of Gemma's options."""
+    return lambda cfg: (not cfg.n_experts and fixes(arch, cfg) and windows(cfg)
                         and _full_rotary(cfg) and _plain(cfg))

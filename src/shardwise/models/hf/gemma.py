@@ -26,6 +26,7 @@ from typing import Any
 from shardwise.models.hf.arch import (
     _ATTENTION_TYPES,
     _LAYER_TYPE,
+    SOFT_CAPS,
     HFArch,
     HFConfigError,
     HFTensor,
@@ -34,6 +35,8 @@ from shardwise.models.hf.arch import (
     _refuse,
     _window,
     _windowless,
+    fixes,
+    options,
 )
 from shardwise.models.hf.llama import _llama_config_json, _llama_section, _llama_tensor, _rope_table
 
@@ -47,16 +50,17 @@ _GEMMA_DEFAULTS = {
     "Gemma2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "head_dim": 256,
                "num_key_value_heads": 4, "tie_word_embeddings": True,
                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-               "sliding_window": 4096, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0},
+               "sliding_window": 4096, **SOFT_CAPS["Gemma2"]},
     "Gemma3": {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
                "num_hidden_layers": 26, "num_attention_heads": 8,
                "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "head_dim": 256,
                "num_key_value_heads": 4, "tie_word_embeddings": True,
                "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
-               "sliding_window": 4096, "final_logit_softcapping": None,
+               "sliding_window": 4096, **SOFT_CAPS["Gemma3"],
                "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
                "rope_local_base_freq": 10_000.0}}
+# the soft caps a Gemma 2 or 3 config.json holds (null: none)
+_CAPS = tuple(SOFT_CAPS["Gemma2"])
 # the activation field of each (GemmaConfig's hidden_act; Gemma 2/3: hidden_activation) and
 # the names of the tanh GELU it may hold (GemmaConfig turns the released "gelu" into it)
 _GEMMA_ACT = {"Gemma": ("hidden_act", ("gelu_pytorch_tanh", "gelu")),
@@ -65,7 +69,7 @@ _GEMMA_ACT = {"Gemma": ("hidden_act", ("gelu_pytorch_tanh", "gelu")),
 
 
 def _gemma_defaults(c: dict, arch: str) -> dict:
-    nullable = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
+    nullable = (*_CAPS, "sliding_window")
     return {**_GEMMA_DEFAULTS[arch],
             **{k: v for k, v in c.items() if v is not None or k in nullable}}
 
@@ -101,10 +105,11 @@ def _gemma_section(c: dict, arch: str) -> dict:
     ``query_pre_attn_scalar ** -0.5`` and windows on the layers ``layer_types`` marks
     "sliding_attention" (default: every other one from layer 0, Gemma 3's five of every
     six, ``sliding_window_pattern``); Gemma 2 soft-caps the scores and the logits
-    (defaults 50 and 30; null: none), Gemma 3 the logits only (its attention takes no
-    ``attn_logit_softcapping``, as transformers': not read) and has QK-norm and its local
-    rotary (``_gemma3_rope``). Refused: ``use_bidirectional_attention``, another
-    activation, ``attention_bias``, a null ``sliding_window`` with sliding layers."""
+    (defaults 50 and 30; null: none), Gemma 3 the logits only (its attention takes no cap,
+    as transformers': not read) and has QK-norm and its local rotary (``_gemma3_rope``):
+    the options each fixes are its ``OPTIONS``, the caps it reads its ``SOFT_CAPS``.
+    Refused: ``use_bidirectional_attention``, another activation, ``attention_bias``, a
+    null ``sliding_window`` with sliding layers."""
     c = _gemma_defaults(c, arch)
     if c.get("use_bidirectional_attention"):
         raise _refuse(arch, f"use_bidirectional_attention={c['use_bidirectional_attention']!r} "
@@ -116,9 +121,7 @@ def _gemma_section(c: dict, arch: str) -> dict:
     out = _llama_section({k: v for k, v in c.items() if k not in ("hidden_act", "mlp_bias")},
                          arch)
     head_dim = out["head_dim"] or out["n_embd"] // out["n_head"]
-    out.update(norm_zero_centered=True, scale_embedding=True, mlp_activation="gelu_tanh",
-               sandwich_norm=False, query_pre_attn_scalar=0.0, attn_logit_softcapping=0.0,
-               final_logit_softcapping=0.0, rope_local_base_freq=0.0)
+    out.update(mlp_activation="gelu_tanh", query_pre_attn_scalar=0.0, **options("Gemma"))
     if arch == "Gemma":
         return out
     scalar = c["query_pre_attn_scalar"]
@@ -132,13 +135,12 @@ def _gemma_section(c: dict, arch: str) -> dict:
     if c.get("sliding_window") is None and "sliding_attention" in types:
         raise _refuse(arch, "sliding_window=null with sliding_attention layers")
     out.update(_window(c["sliding_window"], types))
-    out.update(sandwich_norm=True,
+    out.update(options(arch),
                query_pre_attn_scalar=0.0 if scalar == head_dim else float(scalar),
-               final_logit_softcapping=float(c["final_logit_softcapping"] or 0.0))
+               **{cap: float(c[cap] or 0.0) for cap in SOFT_CAPS[arch]})
     if arch == "Gemma2":
-        out["attn_logit_softcapping"] = float(c["attn_logit_softcapping"] or 0.0)
         return out
-    out.update(qk_norm=True, **_gemma3_rope(c))
+    out.update(_gemma3_rope(c))
     return out
 
 
@@ -163,8 +165,7 @@ def _gemma_config_json(cfg, source: dict | None, arch: str) -> dict:
         return out
     scalar = cfg.query_pre_attn_scalar or cfg.head_dim  # Gemma2Config's is an int
     out.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-               final_logit_softcapping=cfg.final_logit_softcapping,
-               attn_logit_softcapping=cfg.attn_logit_softcapping,
+               **{cap: getattr(cfg, cap) for cap in _CAPS},
                sliding_window=(out.get("sliding_window") or _GEMMA_DEFAULTS[arch]
                                ["sliding_window"]) if _windowless(cfg) else cfg.sliding_window,
                layer_types=[_LAYER_TYPE[w is not None] for w in cfg.windows])
@@ -184,23 +185,13 @@ def _gemma_holds(arch: str) -> Callable[[Any], bool]:
     Gemma 3: sandwich norms, QK-norm, no soft cap on the scores. Gemma 2 and 3 need
     n_embd divisible by n_head (their configs refuse it otherwise)."""
     def holds(cfg) -> bool:
-        def g(field: str):
-            return getattr(cfg, field, None)
-
-        if not (not cfg.n_experts and not g("qkv_bias") and _full_rotary(cfg)
-                and g("norm_zero_centered") and g("scale_embedding")
-                and g("mlp_activation") == "gelu_tanh"):
+        if not (not cfg.n_experts and _full_rotary(cfg) and fixes(arch, cfg)
+                and getattr(cfg, "mlp_activation", None) == "gelu_tanh"):
             return False
         if arch == "Gemma":
-            return (not g("sandwich_norm") and not g("qk_norm") and _windowless(cfg)
-                    and g("query_pre_attn_scalar") in (None, cfg.head_dim)
-                    and not g("attn_logit_softcapping") and not g("final_logit_softcapping")
-                    and not g("rope_local_base_freq"))
-        if cfg.n_embd % cfg.n_head or not g("sandwich_norm"):
-            return False
-        if arch == "Gemma2":
-            return not g("qk_norm") and not g("rope_local_base_freq")
-        return bool(g("qk_norm")) and not g("attn_logit_softcapping")
+            return (_windowless(cfg)
+                    and getattr(cfg, "query_pre_attn_scalar", None) in (None, cfg.head_dim))
+        return not cfg.n_embd % cfg.n_head
     return holds
 
 

@@ -27,6 +27,7 @@ from shardwise.models.hf.arch import (
     _whole_window,
     _window,
     _windowless,
+    options,
 )
 
 
@@ -101,7 +102,7 @@ def _llama_section(c: dict, arch: str = "Llama", partial: bool = False) -> dict:
                 block_size=_get(c, "max_position_embeddings", 2048),
                 norm_eps=float(_get(c, "rms_norm_eps", 1e-6)), rope_theta=theta,
                 rope_scaling=scaling, tie_weights=bool(_get(c, "tie_word_embeddings", False)),
-                n_experts=0, qkv_bias=False, qk_norm=False, dense_layers=[], **_NO_WINDOW,
+                n_experts=0, **options("Llama"), dense_layers=[], **_NO_WINDOW,
                 # 0: n_embd / n_head, so a run need not name it
                 head_dim=0 if h % heads == 0 and head_dim == h // heads else head_dim,
                 rotary_dim=0 if rotary == head_dim else rotary)  # 0: all of head_dim
@@ -172,7 +173,7 @@ def _llama_tensor(name: str) -> HFTensor:
 LLAMA = HFArch(kind="llama", model_type="llama", architecture="LlamaForCausalLM",
                section=_llama_section, config_json=_llama_config_json, tensor=_llama_tensor,
                ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
-               holds=_dense(bias=False, norm=False, windows=_windowless))
+               holds=_dense("Llama", windows=_windowless))
 
 
 # transformers' MistralConfig defaults (configuration_mistral.py), where they differ from the
@@ -228,4 +229,4 @@ MISTRAL = HFArch(kind="llama", model_type="mistral", architecture="MistralForCau
                  section=_mistral_section, config_json=_mistral_config_json,
                  tensor=_llama_tensor, ignored=("*.rotary_emb.inv_freq",),
                  at_most=("block_size",),
-                 holds=_dense(bias=False, norm=False, windows=_uniform))
+                 holds=_dense("Mistral", windows=_uniform))

@@ -23,6 +23,7 @@ from shardwise.models.hf.arch import (
     _refuse,
     _uniform,
     _window,
+    fixes,
 )
 from shardwise.models.hf.llama import _llama_config_json, _llama_section, llama_hf_name
 
@@ -134,9 +135,8 @@ def mixtral_compatible(cfg) -> bool:
     attention (no Q/K/V biases, no QK-norm, all of each head rotated), one window on every
     layer or none."""
     return (_softmax_dropless(cfg) and cfg.moe_norm_topk and not cfg.moe_shared_expert
-            and not getattr(cfg, "dense_layers", ()) and not getattr(cfg, "qkv_bias", False)
-            and not getattr(cfg, "qk_norm", False) and _uniform(cfg) and _full_rotary(cfg)
-            and _plain(cfg))
+            and not getattr(cfg, "dense_layers", ()) and fixes("Mixtral", cfg)
+            and _uniform(cfg) and _full_rotary(cfg) and _plain(cfg))
 
 
 MIXTRAL = HFArch(kind="llama", model_type="mixtral", architecture="MixtralForCausalLM",

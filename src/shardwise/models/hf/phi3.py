@@ -27,6 +27,7 @@ from shardwise.models.hf.arch import (
     _refuse,
     _uniform,
     _window,
+    fixes,
 )
 from shardwise.models.hf.llama import (
     _llama_config_json,
@@ -210,8 +211,7 @@ PHI3 = HFArch(kind="llama", model_type="phi3", architecture="Phi3ForCausalLM",
               section=_phi3_section, config_json=_phi3_config_json, tensor=_phi3_unsized,
               ignored=("*.rotary_emb.inv_freq",), at_most=("block_size",),
               bound_reason=_phi3_bound,
-              holds=lambda cfg: (not cfg.n_experts and not getattr(cfg, "qkv_bias", False)
-                                 and not getattr(cfg, "qk_norm", False) and _uniform(cfg)
+              holds=lambda cfg: (not cfg.n_experts and fixes("Phi3", cfg) and _uniform(cfg)
                                  and (cfg.rope_scaling is None or _long_rope(cfg))
                                  and _plain(cfg)),
               sized=_phi3_tensor)

@@ -2,16 +2,17 @@
 ``Qwen3MoeForCausalLM`` (``QWEN2``, ``QWEN3``, ``QWEN2_MOE``, ``QWEN3_MOE``).
 
 ``Qwen2ForCausalLM`` (Yang et al. 2024, "Qwen2 Technical Report", arXiv:2407.10671;
-``models/qwen2/modeling_qwen2.py``): our Llama with ``qkv_bias``; ``Qwen3ForCausalLM`` (Yang
+``models/qwen2/modeling_qwen2.py``): our Llama with Q/K/V biases; ``Qwen3ForCausalLM`` (Yang
 et al. 2025, "Qwen3 Technical Report", arXiv:2505.09388; ``models/qwen3/modeling_qwen3.py``):
-with ``qk_norm`` and its ``head_dim``; both with Llama's names (``self_attn.q_proj.bias``,
-``self_attn.q_norm.weight``), a sliding window (``use_sliding_window``) on the layers
-``layer_types`` marks "sliding_attention" (default: from ``max_window_layers`` on) our
-``sliding_window`` and ``layer_types``. ``Qwen3MoeForCausalLM`` (same report;
-``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's attention and experts in every layer,
-softmax top-k renormalised only with ``norm_topk_prob``; per-expert
-``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in) on disk, stacked (E, in, out) in
-ours (``models.hf.moe._moe_tensor``). ``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B,
+with QK-norm and its ``head_dim`` (the options of each: ``arch.OPTIONS``); both with Llama's
+names (``self_attn.q_proj.bias``, ``self_attn.q_norm.weight``), a sliding window
+(``use_sliding_window``) on the layers ``layer_types`` marks "sliding_attention" (default:
+from ``max_window_layers`` on) our ``sliding_window`` and ``layer_types``.
+``Qwen3MoeForCausalLM`` (same report; ``models/qwen3_moe/modeling_qwen3_moe.py``): Qwen3's
+attention and experts in every layer, softmax top-k renormalised only with
+``norm_topk_prob``; per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` (out, in)
+on disk, stacked (E, in, out) in ours (``models.hf.moe._moe_tensor``).
+``Qwen2MoeForCausalLM`` (Qwen1.5-MoE-A2.7B,
 Qwen2-57B-A14B; the Qwen2 report; ``models/qwen2_moe/modeling_qwen2_moe.py``): Qwen2's
 attention (Q/K/V biases) and the same experts, plus a shared expert of its own width whose
 output is scaled by ``sigmoid(mlp.shared_expert_gate(x))`` (``moe_shared_expert_gate``).
@@ -33,6 +34,8 @@ from shardwise.models.hf.arch import (
     _uniform,
     _window,
     _windowless,
+    fixes,
+    options,
 )
 from shardwise.models.hf.llama import _llama_config_json, _llama_section, llama_hf_name
 from shardwise.models.hf.moe import _QWEN_MOE_EXPERTS, _moe_tensor, _softmax_dropless
@@ -59,10 +62,10 @@ def _qwen_window(c: dict) -> dict:
 
 
 def _qwen_section(c: dict, arch: str) -> dict:
-    """A Qwen2 (``arch`` "Qwen2") is our Llama with ``qkv_bias``, a Qwen3 with ``qk_norm``
-    and its ``head_dim`` (default 128, as ``Qwen3Config``); no ``attention_bias`` on a
-    Qwen3 (its o_proj would have one too). Its window (``_qwen_window``): our
-    ``sliding_window`` and ``layer_types``."""
+    """A Qwen2 (``arch`` "Qwen2") is our Llama with Q/K/V biases, a Qwen3 with QK-norm
+    (their ``OPTIONS``) and Qwen3's ``head_dim`` (default 128, as ``Qwen3Config``); no
+    ``attention_bias`` on a Qwen3 (its o_proj would have one too). Its window
+    (``_qwen_window``): our ``sliding_window`` and ``layer_types``."""
     kv = c["num_attention_heads"] if "num_key_value_heads" in c else None  # null: MHA
     c = {**_QWEN_DEFAULTS, **({"head_dim": 128} if arch == "Qwen3" else {}),
          **({"num_key_value_heads": kv} if kv is not None else {}),
@@ -75,7 +78,7 @@ def _qwen_section(c: dict, arch: str) -> dict:
     if arch == "Qwen2":
         c.pop("attention_bias", None)  # Qwen2's Q, K, V always have biases, o_proj none
     out = _llama_section(c, arch)
-    out.update(qkv_bias=arch == "Qwen2", qk_norm=arch == "Qwen3", **_qwen_window(c))
+    out.update(options(arch), **_qwen_window(c))
     return out
 
 
@@ -153,9 +156,9 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
     """A Qwen-MoE is our Llama with ``n_experts`` in every layer (``models.moe``): routing as
     ``Qwen2MoeTopKRouter`` / ``Qwen3MoeTopKRouter`` (softmax over all experts in fp32, top
     k, renormalised only with ``norm_topk_prob``: ``moe_norm_topk``), experts of width
-    ``moe_intermediate_size``, dropless. A Qwen3-MoE has Qwen3's ``qk_norm`` and
-    ``head_dim`` and no shared expert; a Qwen2-MoE has Q/K/V biases (``qkv_bias``, default
-    true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
+    ``moe_intermediate_size``, dropless. A Qwen3-MoE has Qwen3's QK-norm and ``head_dim``
+    and no shared expert (its ``OPTIONS``); a Qwen2-MoE has Q/K/V biases (``qkv_bias``,
+    default true) and a shared expert of width ``shared_expert_intermediate_size`` whose output is
     scaled by ``sigmoid(shared_expert_gate(x))`` (``moe_shared_expert_gate``). The layers
     whose MLP is dense, of width ``intermediate_size`` (``Qwen2MoeDecoderLayer``: those in
     ``mlp_only_layers`` and those i with (i + 1) not a multiple of ``decoder_sparse_step``),
@@ -191,8 +194,8 @@ def _qwen_moe_section(c: dict, arch: str) -> dict:
                moe_aux_loss_coef=float(c["router_aux_loss_coef"]), moe_capacity_factor=0.0,
                moe_shared_expert=False, moe_shared_ffn_hidden=0, moe_shared_expert_gate=False,
                dense_layers=dense)
+    out.update(options(arch))
     if arch == "Qwen3-MoE":
-        out.update(qk_norm=True)
         return out
     shared = c["shared_expert_intermediate_size"]
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
@@ -232,8 +235,7 @@ def qwen3_moe_compatible(cfg) -> bool:
     (the top k renormalised or not: ``norm_topk_prob``), dropless, no shared expert, no
     routing bias (``moe_bias_update_rate`` 0), Qwen3's attention (QK-norm, no Q/K/V
     biases, all of each head rotated), one window on every layer or none."""
-    return (_softmax_dropless(cfg) and not cfg.moe_shared_expert
-            and not getattr(cfg, "qkv_bias", False) and getattr(cfg, "qk_norm", False)
+    return (_softmax_dropless(cfg) and not cfg.moe_shared_expert and fixes("Qwen3-MoE", cfg)
             and _uniform(cfg) and _full_rotary(cfg) and _plain(cfg))
 
 
@@ -245,8 +247,7 @@ def qwen2_moe_compatible(cfg) -> bool:
     (``qkv_bias``)."""
     return (_softmax_dropless(cfg) and cfg.moe_shared_expert
             and getattr(cfg, "moe_shared_expert_gate", False)
-            and not getattr(cfg, "qk_norm", False)
-            and _full_rotary(cfg) and _plain(cfg))
+            and fixes("Qwen2-MoE", cfg) and _full_rotary(cfg) and _plain(cfg))
 
 
 def _qwen_arch(name: str) -> HFArch:
@@ -259,8 +260,7 @@ def _qwen_arch(name: str) -> HFArch:
                       section=lambda c: _qwen_section(c, name),
                       config_json=lambda cfg, source: _qwen_config_json(cfg, source, name),
                       tensor=_qwen_tensor, ignored=("*.rotary_emb.inv_freq",),
-                      at_most=("block_size",), holds=_dense(bias=name == "Qwen2",
-                                                            norm=name == "Qwen3"))
+                      at_most=("block_size",), holds=_dense(name))
     base = name.removesuffix("-MoE")
     holds = qwen2_moe_compatible if name == "Qwen2-MoE" else qwen3_moe_compatible
     return HFArch(kind="llama", model_type=f"{base.lower()}_moe",
