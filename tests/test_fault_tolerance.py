@@ -285,9 +285,12 @@ def final_params(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
     return torch.load(tmp / f"{out.name}.pt", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("layout", [["--parallel.dp", "1"],
-                                    ["--parallel.dp", "2", "--parallel.zero", "1"]],
-                         ids=["dp1", "dp2-zero1"])
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--parallel.dp", "1"], id="dp1"),
+    pytest.param(["--parallel.dp", "2", "--parallel.zero", "1"], id="dp2-zero1"),
+    pytest.param(["--parallel.dp", "2"], id="dp2-zero0", marks=pytest.mark.slow),
+    pytest.param(["--parallel.dp", "2", "--parallel.zero", "3"], id="dp2-zero3",
+                 marks=pytest.mark.slow)])
 def test_two_shardwise_train_jobs_as_replica_groups_equal_one_process(layout, corpus,
                                                                       tmp_path):
     """Two ``shardwise train`` jobs as the two replica groups of a torchft job, each training
