@@ -358,3 +358,25 @@ def test_a_killed_shardwise_train_job_leaves_the_other_training_and_heals_on_res
     assert sorted(losses(r1b)) == list(range(at + 1, n + 1))
     p0, p1 = (final_params(x, tmp_path) for x in (r0, r1b))
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--parallel.dp", "2", "--parallel.dp_replicate", "2"],
+     "fault_tolerance.enable with parallel.dp_replicate=2: each replica group is its own job"),
+    (["--parallel.pp", "2", "--parallel.schedule", "pipedream", "--parallel.dp", "1",
+      "--model.tie_weights", "false", "--optimizer.grad_clip", "0"],
+     "fault_tolerance.enable with parallel.schedule=pipedream"),
+    (["--parallel.dp", "2", "--training.global_batch_size", "6"],
+     "training.global_batch_size=6 must be divisible by fault_tolerance.group_size x "
+     "parallel.dp x parallel.micro_batches = 2 x 2 x 1"),
+])
+def test_what_replica_groups_cannot_do_is_refused_at_the_door(extra, message, corpus, capsys,
+                                                              tmp_path):
+    """One line, exit 2, before any rank starts (no lighthouse needed to say it)."""
+    from shardwise.cli.main import main
+
+    code = main(["train", *TINY, "--data", str(corpus), "--training.out_dir", str(tmp_path),
+                 "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+                 "--fault_tolerance.lighthouse", "http://127.0.0.1:9", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "\n" not in err, err
