@@ -380,3 +380,34 @@ def test_what_replica_groups_cannot_do_is_refused_at_the_door(extra, message, co
                  "--fault_tolerance.lighthouse", "http://127.0.0.1:9", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_heal_to(
+        corpus, tmp_path):
+    """Checkpoints cover the loss of the whole job: replica group 0 trains 4 steps alone and
+    saves; then it resumes from that checkpoint while group 1 starts fresh. torchft counts
+    the checkpoint's step for group 0 (``restore_step``), so group 1, behind, heals from it
+    at step 4, and both end with bitwise-equal parameters (without the restored step both
+    would count 0: no heal, two different models)."""
+    r0, r1 = tmp_path / "r0", tmp_path / "r1"
+    common = ["--parallel.dp", "1", "--training.log_every", "1"]
+    with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=2000) as lh:
+        first = train(r0, corpus, *common, "--training.steps", "4", replica=0,
+                      lighthouse=lh.address)
+        ended([first])
+        assert first.returncode == 0, printed(r0)[-3000:]
+        fresh = train(r1, corpus, *common, "--training.steps", "6",
+                      "--fault_tolerance.min_replica_size", "2", replica=1,
+                      lighthouse=lh.address)
+        wait_for(lambda: "rank 0 holds" in printed(r1), fresh)  # its Manager is up
+        resumed = train(r0, corpus, *common, "--training.steps", "6", replica=0,
+                        lighthouse=lh.address)
+        ended([fresh, resumed])
+    logs = [printed(r0), printed(r1)]
+    assert [resumed.returncode, fresh.returncode] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert "resumed from" in logs[0] and "at step 4" in logs[0]
+    assert "shardwise: replica 1: healed from a live peer at step 4" in logs[1], logs[1]
+    assert sorted(losses(r1)) == [5, 6]
+    p0, p1 = (final_params(x, tmp_path) for x in (r0, r1))
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)

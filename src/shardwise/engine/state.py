@@ -119,7 +119,7 @@ def logical_tensors(engine, targets: bool = False, joined: bool = True) -> dict[
                 bufs[j][1, a:b] = st["exp_avg"].reshape(-1)
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
-    if joined and _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
+    if joined and _zero_sharded(engine) and bufs:  # disjoint ranges over dp x cp: a sum joins
         split = _ep_split(engine)
         expert = [split and is_expert(p) for _, p in named]
         _join([b for b, e in zip(bufs, expert) if not e], engine.shard_group)
