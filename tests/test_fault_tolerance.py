@@ -366,6 +366,7 @@ def test_a_killed_shardwise_train_job_leaves_the_other_training_and_heals_on_res
     (["--parallel.pp", "2", "--parallel.schedule", "pipedream", "--parallel.dp", "1",
       "--model.tie_weights", "false", "--optimizer.grad_clip", "0"],
      "fault_tolerance.enable with parallel.schedule=pipedream"),
+    (["--parallel.mode", "ps"], "fault_tolerance.enable with the ps application"),
     (["--parallel.dp", "2", "--training.global_batch_size", "6"],
      "training.global_batch_size=6 must be divisible by fault_tolerance.group_size x "
      "parallel.dp x parallel.micro_batches = 2 x 2 x 1"),
