@@ -16,7 +16,9 @@ from a live peer through torchft's checkpoint transport over the replica process
 (``PGTransport``), reading no file. ``Lighthouse`` starts the coordinator of a local run on
 loopback (torchft's ``torchft_lighthouse`` binds every interface, ``[::]:29510``); across
 machines it is started once and given by ``fault_tolerance.lighthouse``. docs/reliability.md
-says how a job behaves when a replica or the lighthouse is lost."""
+says how a job behaves when a replica or the lighthouse is lost. ``shardwise train`` drives
+it from ``apps.lm.trainer`` (the engine calls ``replicas.commit()`` before its optimizer
+step); ``tests/ft_workers.py`` is the same protocol around a toy model."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def _ms(ms: int) -> timedelta:
 
 class QuorumError(RunError):
     """No quorum within ``fault_tolerance.quorum_timeout_ms`` (the lighthouse lost or
-    unreachable); ``str(err)`` is one line. The job's checkpoints cover this case."""
+    unreachable), or a commit vote of this replica group that did not complete; ``str(err)``
+    is one line. The job's checkpoints cover this case."""
 
 
 class Lighthouse:
@@ -200,7 +203,13 @@ class FaultTolerantReplica:
         """The step's vote: True (step the optimizer) only if every live replica finished
         it without error; False everywhere otherwise (the step is redone)."""
         step, live = self.step, self.manager.num_participants()
-        ok = self.manager.should_commit()
+        try:
+            ok = self.manager.should_commit()
+        except (RuntimeError, TimeoutError) as exc:  # a rank of this group did not vote
+            raise QuorumError(f"replica {self.cfg.replica_id}: step {step}: the commit vote "
+                              f"of this replica group did not complete within "
+                              f"{self.cfg.process_group_timeout_ms} ms: "
+                              f"{str(exc).splitlines()[0][:200]}") from None
         if not ok and step != self._redone:  # one line per step, however often it is redone
             err = self.manager.errored()
             why = (str(err.original_exception).splitlines()[0] if err

@@ -11,8 +11,9 @@ DCP, meta (JSON) beside them — and ``load_state_dict`` restores both (``apps.l
 
 With ``fault_tolerance.enable`` this job is one replica group of a torchft job
 (``training.fault_tolerance``, docs/reliability.md): each step starts with the quorum (a
-replica group that is behind heals there from a live peer: the same ``state_dict``, sent
-over the replica process group), the engine averages the gradients across the live replica
+replica group that is behind heals there, each rank from a rank of the same coordinates in
+a live group: its ``state_dict(joined=False)``, sent over the replica process group), the
+engine averages the gradients across the live replica
 groups and steps only where they all voted to commit; a step that does not commit is redone
 on the same samples. Replica group ``r`` of ``n`` reads slot ``r`` of each global batch
 (``training.global_batch_size`` is the whole job's).
@@ -41,9 +42,9 @@ from shardwise.engine import Engine, EngineConfig
 from shardwise.engine import state as engine_state
 from shardwise.launch import rank_device
 from shardwise.models import describe_section
+from shardwise.training.fault_tolerance import FaultTolerantReplica
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import plot_loss
-from shardwise.training.fault_tolerance import FaultTolerantReplica
 from shardwise.training.schedule import warmup_cosine
 
 
