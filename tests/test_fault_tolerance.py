@@ -384,15 +384,18 @@ def test_what_replica_groups_cannot_do_is_refused_at_the_door(extra, message, co
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--parallel.dp", "1"],
+                                    ["--parallel.dp", "1", "--parallel.tp", "2"]],
+                         ids=["dp1", "tp2"])  # tp2: the heal carries DTensor slices
 def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_heal_to(
-        corpus, tmp_path):
+        layout, corpus, tmp_path):
     """Checkpoints cover the loss of the whole job: replica group 0 trains 4 steps alone and
     saves; then it resumes from that checkpoint while group 1 starts fresh. torchft counts
     the checkpoint's step for group 0 (``restore_step``), so group 1, behind, heals from it
     at step 4, and both end with bitwise-equal parameters (without the restored step both
     would count 0: no heal, two different models)."""
     r0, r1 = tmp_path / "r0", tmp_path / "r1"
-    common = ["--parallel.dp", "1", "--training.log_every", "1"]
+    common = [*layout, "--training.log_every", "1"]
     with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=2000) as lh:
         first = train(r0, corpus, *common, "--training.steps", "4", replica=0,
                       lighthouse=lh.address)
