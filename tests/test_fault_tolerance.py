@@ -2,7 +2,10 @@
 replica groups as separate processes on loopback (tests/ft_workers.py), a lighthouse in the
 test process; then across namespace hosts (tests/hosts.py)."""
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -188,7 +191,8 @@ def test_a_lost_host_heals_across_namespace_hosts(fault, tmp_path):
      "fault_tolerance.replica_id=2 must be below fault_tolerance.group_size=2"),
     ({"fault_tolerance.min_replica_size": 3, "fault_tolerance.group_size": 2},
      "fault_tolerance.min_replica_size=3 is more than fault_tolerance.group_size=2"),
-    ({"fault_tolerance.enable": True}, "fault_tolerance.enable=true: shardwise train does not"),
+    ({"fault_tolerance.enable": True}, "fault_tolerance.enable=true needs "
+                                       "fault_tolerance.lighthouse (http://HOST:PORT)"),
 ])
 def test_bad_fault_tolerance_fields_are_one_line(overrides, message):
     from shardwise.base.config import Config, ConfigError
@@ -196,3 +200,218 @@ def test_bad_fault_tolerance_fields_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         Config.load(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# -- replica groups as `shardwise train` jobs (apps.lm.trainer, engine, training.loop) ------
+TINY = ["--config", "configs/tiny.toml", "--training.sample_chars", "0",
+        "--training.progress", "false", "--checkpoint.every", "0", "--checkpoint.at_end", "true"]
+
+
+def train(out: Path, corpus: Path, *extra: str, replica: int | None = None,
+          lighthouse: str = "") -> subprocess.Popen:
+    """``shardwise train`` on tiny.toml in a session of its own (killed whole with killpg);
+    ``replica``: one of two replica groups of a torchft job."""
+    ft = [] if replica is None else [
+        "--fault_tolerance.enable", "true", "--fault_tolerance.replica_id", str(replica),
+        "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse", lighthouse,
+        "--fault_tolerance.process_group_timeout_ms", "5000"]
+    with open(out.with_suffix(".log"), "w") as log:  # what it prints: read while it runs
+        return subprocess.Popen([sys.executable, "-m", "shardwise", "train", *TINY, "--data",
+                                 str(corpus), "--training.out_dir", str(out), *ft, *extra],
+                                cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+
+def printed(out: Path) -> str:
+    """What the job of ``out`` printed so far."""
+    return out.with_suffix(".log").read_text()
+
+
+def in_session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (a job started with ``start_new_session``)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def ended(procs: list[subprocess.Popen]) -> list[str]:
+    """Each job's output once it ends (WAIT_S at most); every process of its session gone."""
+    try:
+        return finish(procs)
+    finally:
+        for p in procs:
+            for _ in range(100):
+                if not in_session(p.pid):
+                    break
+                os.killpg(p.pid, signal.SIGKILL)
+                time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def frozen(job: subprocess.Popen):
+    """Every process of ``job`` stopped (SIGSTOP) inside the block, going on after it."""
+    os.killpg(job.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(job.pid, signal.SIGCONT)
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Step -> loss of the run's train rows so far (a line being written is left out)."""
+    path, rows = out / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+def final_params(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of the run's last checkpoint (DCP, read into one file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from shardwise import checkpoint
+
+    path = checkpoint.latest_checkpoint(out / "checkpoints")
+    dcp_to_torch_save(path, tmp / f"{out.name}.pt")
+    return torch.load(tmp / f"{out.name}.pt", weights_only=False)["model"]
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--parallel.dp", "1"], id="dp1"),
+    pytest.param(["--parallel.dp", "2", "--parallel.zero", "1"], id="dp2-zero1"),
+    pytest.param(["--parallel.dp", "2"], id="dp2-zero0", marks=pytest.mark.slow),
+    pytest.param(["--parallel.dp", "2", "--parallel.zero", "3"], id="dp2-zero3",
+                 marks=pytest.mark.slow)])
+def test_two_shardwise_train_jobs_as_replica_groups_equal_one_process(layout, corpus,
+                                                                      tmp_path):
+    """Two ``shardwise train`` jobs as the two replica groups of a torchft job, each training
+    its half of the global batch: their parameters bitwise equal, and the mean of their
+    losses and their parameters those of one process training the whole global batch."""
+    steps = ["--training.steps", "4"]
+    with Lighthouse(min_replicas=2) as lh:
+        jobs = [train(tmp_path / f"r{i}", corpus, *layout, *steps,
+                      "--fault_tolerance.min_replica_size", "2", replica=i,
+                      lighthouse=lh.address) for i in range(2)]
+        ref = train(tmp_path / "one", corpus, "--parallel.dp", "1", *steps)
+        ended(jobs + [ref])
+    logs = [printed(tmp_path / n) for n in ("r0", "r1", "one")]
+    assert [p.returncode for p in jobs + [ref]] == [0, 0, 0], "\n".join(x[-3000:] for x in logs)
+    r0, r1, one = (losses(tmp_path / n) for n in ("r0", "r1", "one"))
+    assert sorted(r0) == sorted(r1) == sorted(one) == [1, 2, 3, 4]
+    assert r0 != r1  # two halves of the batch
+    torch.testing.assert_close(torch.tensor([(r0[s] + r1[s]) / 2 for s in one]),
+                               torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
+    p0, p1, p = (final_params(tmp_path / n, tmp_path) for n in ("r0", "r1", "one"))
+    assert sorted(p0) == sorted(p) and all(torch.equal(p0[k], p1[k]) for k in p0)
+    for k in p:
+        torch.testing.assert_close(p0[k], p[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_killed_shardwise_train_job_leaves_the_other_training_and_heals_on_restart(
+        corpus, tmp_path):
+    """Replica group 1 (a ``shardwise train`` job, dp2 ZeRO-1) SIGKILLed whole mid-run:
+    replica group 0 goes on alone, each step committed once; group 1 started again joins at a
+    step boundary, heals from group 0 (parameters, optimizer state, step, sampler position;
+    no checkpoint read), and both finish the run with bitwise-equal parameters; no process
+    is left. Alone, group 0 would end its run before a new job is up (~40 steps/s here): the
+    jobs of group 1 run with min_replica_size 2 (alone, they redo their step until group 0
+    joins), and group 0 is frozen (SIGSTOP) while group 1's second job starts."""
+    n = 40
+    steps = ["--training.steps", str(n), "--training.log_every", "1",
+             "--parallel.dp", "2", "--parallel.zero", "1"]
+    r0, r1, r1b = (tmp_path / x for x in ("r0", "r1", "r1b"))
+    alone, waits = ["--fault_tolerance.min_replica_size", "1"], [
+        "--fault_tolerance.min_replica_size", "2"]
+    with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=2000) as lh:
+        doomed = train(r1, corpus, *steps, *waits, replica=1, lighthouse=lh.address)
+        wait_for(lambda: "rank 0 holds" in printed(r1), doomed)  # its Manager is up
+        survivor = train(r0, corpus, *steps, *alone, replica=0, lighthouse=lh.address)
+        wait_for(lambda: len(losses(r1)) >= 3, doomed)
+        os.killpg(doomed.pid, signal.SIGKILL)  # every process of the job
+        ended([doomed])
+        died = max(losses(r1))
+        wait_for(lambda: max(losses(r0), default=0) >= died + 5, survivor)  # alone
+        with frozen(survivor):
+            back = train(r1b, corpus, *steps, *waits, replica=1, lighthouse=lh.address)
+            wait_for(lambda: "rank 0 holds" in printed(r1b), back)
+        ended([survivor, back])
+    logs = [printed(r0), printed(r1b)]
+    assert [survivor.returncode, back.returncode] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert not in_session(survivor.pid) and not in_session(back.pid)
+    assert "replica group lost: 1 of 2 replica groups live" in logs[0], logs[0][-3000:]
+    healed = [ln for ln in logs[1].splitlines() if "healed from a live peer" in ln]
+    assert len(healed) == 1, logs[1]
+    assert "shardwise: replica 1: healed from a live peer at step" in healed[0]
+    at = int(healed[0].split("at step ")[1].split()[0])
+    assert at >= died + 5, "the survivor trained no step alone"
+    assert sorted(losses(r0)) == list(range(1, n + 1))  # each step once
+    assert sorted(losses(r1b)) == list(range(at + 1, n + 1))
+    p0, p1 = (final_params(x, tmp_path) for x in (r0, r1b))
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--parallel.dp", "2", "--parallel.dp_replicate", "2"],
+     "fault_tolerance.enable with parallel.dp_replicate=2: each replica group is its own job"),
+    (["--parallel.pp", "2", "--parallel.schedule", "pipedream", "--parallel.dp", "1",
+      "--model.tie_weights", "false", "--optimizer.grad_clip", "0"],
+     "fault_tolerance.enable with parallel.schedule=pipedream"),
+    (["--parallel.mode", "ps"], "fault_tolerance.enable with the ps application"),
+    (["--parallel.dp", "2", "--training.global_batch_size", "6"],
+     "training.global_batch_size=6 must be divisible by fault_tolerance.group_size x "
+     "parallel.dp x parallel.micro_batches = 2 x 2 x 1"),
+])
+def test_what_replica_groups_cannot_do_is_refused_at_the_door(extra, message, corpus, capsys,
+                                                              tmp_path):
+    """One line, exit 2, before any rank starts (no lighthouse needed to say it)."""
+    from shardwise.cli.main import main
+
+    code = main(["train", *TINY, "--data", str(corpus), "--training.out_dir", str(tmp_path),
+                 "--fault_tolerance.enable", "true", "--fault_tolerance.group_size", "2",
+                 "--fault_tolerance.lighthouse", "http://127.0.0.1:9", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--parallel.dp", "1"],
+                                    ["--parallel.dp", "1", "--parallel.tp", "2"]],
+                         ids=["dp1", "tp2"])  # tp2: the heal carries DTensor slices
+def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_heal_to(
+        layout, corpus, tmp_path):
+    """Checkpoints cover the loss of the whole job: replica group 0 trains 4 steps alone and
+    saves; then it resumes from that checkpoint while group 1 starts fresh. torchft counts
+    the checkpoint's step for group 0 (``restore_step``), so group 1, behind, heals from it
+    at step 4, and both end with bitwise-equal parameters (without the restored step both
+    would count 0: no heal, two different models)."""
+    r0, r1 = tmp_path / "r0", tmp_path / "r1"
+    common = [*layout, "--training.log_every", "1"]
+    with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=2000) as lh:
+        first = train(r0, corpus, *common, "--training.steps", "4", replica=0,
+                      lighthouse=lh.address)
+        ended([first])
+        assert first.returncode == 0, printed(r0)[-3000:]
+        fresh = train(r1, corpus, *common, "--training.steps", "6",
+                      "--fault_tolerance.min_replica_size", "2", replica=1,
+                      lighthouse=lh.address)
+        wait_for(lambda: "rank 0 holds" in printed(r1), fresh)  # its Manager is up
+        resumed = train(r0, corpus, *common, "--training.steps", "6", replica=0,
+                        lighthouse=lh.address)
+        ended([fresh, resumed])
+    logs = [printed(r0), printed(r1)]
+    assert [resumed.returncode, fresh.returncode] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert "resumed from" in logs[0] and "at step 4" in logs[0]
+    assert "shardwise: replica 1: healed from a live peer at step 4" in logs[1], logs[1]
+    assert sorted(losses(r1)) == [5, 6]
+    p0, p1 = (final_params(x, tmp_path) for x in (r0, r1))
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)

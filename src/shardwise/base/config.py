@@ -345,14 +345,16 @@ class FaultToleranceConfig(_Section):
     comes back heals from a live peer. Field names as torchtitan's ``[fault_tolerance]``."""
 
     enable: bool = Field(False, description="train as one replica group of a torchft job "
-                         "(refused by shardwise train until its engine calls the seam)")
+                         "(per-step fault tolerance; docs/reliability.md)")
     replica_id: int = Field(0, ge=0, description="this replica group's index, 0 to "
                             "group_size - 1 (it names the group's slot of each global batch)")
     group_size: int = Field(1, ge=1, description="replica groups of the job when all are live")
     min_replica_size: int = Field(1, ge=1, description="live replica groups a step needs to "
                                   "commit")
     lighthouse: str = Field("", description="the torchft lighthouse's address "
-                            "(http://HOST:PORT); empty: a local run starts one on loopback")
+                            "(http://HOST:PORT), needed with enable; started once for the "
+                            "whole job (torchft_lighthouse, or training.fault_tolerance."
+                            "Lighthouse in a process of its own)")
     process_group_timeout_ms: int = Field(10000, ge=1, description="a cross-replica "
                                           "collective, commit vote or heal longer than this "
                                           "fails the step")
@@ -367,10 +369,10 @@ class FaultToleranceConfig(_Section):
 
     @model_validator(mode="after")
     def _replica_in_range(self):
-        if self.enable:  # until the engine hands its gradients to comm.torchft_replicas
-            raise ValueError("fault_tolerance.enable=true: shardwise train does not run "
-                             "replica groups through torchft yet; the library does "
-                             "(shardwise.training.fault_tolerance, docs/reliability.md)")
+        if self.enable and not self.lighthouse:
+            raise ValueError("fault_tolerance.enable=true needs fault_tolerance.lighthouse "
+                             "(http://HOST:PORT), one lighthouse for every replica group: "
+                             "torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510")
         if self.replica_id >= self.group_size:
             raise ValueError(f"fault_tolerance.replica_id={self.replica_id} must be below "
                              f"fault_tolerance.group_size={self.group_size}")

@@ -72,6 +72,9 @@ def cmd_train(args, extra: list[str]) -> int:
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
         app = app_for(cfg)
+        if cfg.fault_tolerance.enable and app.name != "lm":
+            raise ConfigError(f"fault_tolerance.enable with the {app.name} application: only "
+                              "the language model trains as replica groups of a torchft job")
         cfg = app.resolve(cfg)  # model.init_from: the model of its config.json
         check_loggers(cfg)  # training.tensorboard / wandb: their packages are there
         app.check_config(cfg)  # the application's own rules (the CNN's plan, the servers' keys)

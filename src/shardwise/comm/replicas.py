@@ -5,8 +5,9 @@ Data parallelism in two levels (HSDP: PyTorch FSDP2's hybrid sharding, torchtita
 reduce-scatters) inside a replica first, then hands what it holds to ``Replicas.average_``,
 the mean across the R replicas. ``Replicas`` does it over an in-job ``torch.distributed``
 group (the topology's ``dp_replicate`` group) through ``shardwise.comm``, bytes counted like
-every collective; a fault-tolerant variant (torchft's managed process group) answers the
-same two names. ``NO_REPLICAS`` (R = 1) does nothing.
+every collective; ``comm.torchft_replicas.TorchftReplicas`` (each replica group its own job,
+torchft's managed process group between them) is the same seam. ``commit()`` is the step's
+vote before the optimizer steps. ``NO_REPLICAS`` (R = 1) does nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class Replicas:
                               check=False) for t in tensors if t.numel()]
         for h in handles:
             h.wait()
+
+    def commit(self) -> bool:
+        """Whether the optimizer steps on this step's gradients: always, in one job (a step
+        either completes on every rank or the job fails); torchft's vote across jobs."""
+        return True
 
 
 NO_REPLICAS = Replicas()  # R = 1: every call does nothing

@@ -1,4 +1,5 @@
-"""The cross-replica seam (``comm.replicas.Replicas``: ``size``, ``average_``) over torchft.
+"""The cross-replica seam (``comm.replicas.Replicas``: ``size``, ``rank``, ``average_``,
+``commit``) over torchft.
 
 The data-parallel wrappers reduce gradients inside a replica group first, then hand the
 result to a replicas object that averages it across the replica groups. Here that mean goes
@@ -11,26 +12,30 @@ Source: torchft's ``Manager.allreduce`` (https://github.com/pytorch/torchft)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardwise.comm import accounting
+from shardwise.comm.replicas import Replicas
 
 if TYPE_CHECKING:
     from torchft import Manager
 
 
-class TorchftReplicas:
+class TorchftReplicas(Replicas):
     """Mean of tensors across the live replica groups of a torchft quorum.
 
     ``size``: replica groups taking part in the current step (blocks until the step's
-    quorum is known). ``average_(tensors)``: each tensor replaced by its mean over them, in
-    place, one all-reduce per dtype and device (the tensors flattened into one buffer)."""
+    quorum is known). ``rank``: 0 (each replica group is its own job: its global norm counts
+    every tensor it holds). ``average_(tensors)``: each tensor replaced by its mean over
+    them, in place, one all-reduce per dtype and device (the tensors flattened into one
+    buffer). ``commit()``: ``vote()`` (default: torchft's ``should_commit``)."""
 
-    def __init__(self, manager: "Manager"):
-        self.manager = manager
+    def __init__(self, manager: "Manager", vote: Callable[[], bool] | None = None):
+        self.manager, self.group, self.rank = manager, None, 0
+        self._vote = vote or manager.should_commit
 
     @property
     def size(self) -> int:
@@ -49,3 +54,6 @@ class TorchftReplicas:
             self.manager.allreduce(flat).wait()  # mean: SUM, then / participants
             for t, mean in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(mean)
+
+    def commit(self) -> bool:
+        return self._vote()

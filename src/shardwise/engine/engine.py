@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from shardwise import comm
 from shardwise.base.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.parallelize import (
@@ -133,6 +134,10 @@ class Engine:
     ``model``: a ``ModelDescription`` or a registered config (``GPTConfig``, ``LlamaConfig``,
     a user's). ``cfg``: a ``Config`` (``Config.from_dict({...})``) or an ``EngineConfig``.
     ``measure_memory``: meter the bytes saved for backward (``executor.meter.peak``).
+    ``replicas``: the replica groups outside this job (per-step fault tolerance: a
+    ``comm.torchft_replicas.TorchftReplicas``; default none): the synced gradients are
+    averaged across them, and the optimizer steps only where their ``commit()`` vote says so
+    (otherwise ``committed`` is False and the step is not counted: the caller redoes it).
 
     Raises ``ValueError`` (one line) for what the config cannot see: a schedule that cannot
     be built, more chunks than layers, sizes tp does not divide in the model, micro-batches
@@ -143,9 +148,10 @@ class Engine:
     """
 
     def __init__(self, model, topology, cfg: Config | EngineConfig,
-                 device: torch.device | None = None, *, measure_memory: bool = False):
+                 device: torch.device | None = None, *, measure_memory: bool = False,
+                 replicas: Replicas = NO_REPLICAS):
         cfg = EngineConfig.of(cfg) if isinstance(cfg, Config) else cfg
-        self.cfg, self.topology = cfg, topology
+        self.cfg, self.topology, self.replicas = cfg, topology, replicas
         par, opt, tr = cfg.parallel, cfg.optimizer, cfg.training
         self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -213,6 +219,7 @@ class Engine:
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
         self.step = 0  # optimizer steps taken (restored on resume): seeds dropout per step
+        self.committed = True  # whether the last step's vote let the optimizer step
         self.last_step: dict = {"grad_norm": 0.0, "skipped": False}
         self.sync.zero_grad()
 
@@ -250,7 +257,8 @@ class Engine:
             self.local.loss_fn = torch.compile(self.local.loss_fn)
         self.chunks: dict[int, nn.Module] = dict(self.local.chunks)
         self.sync = apply_dp(self.local, self.chunks, topo, par, dtype=self.dtype,
-                             loss_scaler=self.loss_scaler, distributed=self.distributed)
+                             loss_scaler=self.loss_scaler, distributed=self.distributed,
+                             replicas=self.replicas)
 
     def _sequence_shards(self, idx: torch.Tensor, m: int) -> list[SequenceShard | None] | None:
         """The ``models.sequence`` shard of each of the ``m`` micro-batches of ``idx`` (B, T),
@@ -335,8 +343,10 @@ class Engine:
 
     # -- training -------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
-        self.sync.finish()
-        self.last_step = self.optimizer.step(self.cfg.optimizer.grad_clip)
+        self.sync.finish()  # in-job reduction, then the mean across the replicas
+        self.committed = self.replicas.commit()  # fault tolerance: every live replica voted
+        if self.committed:
+            self.last_step = self.optimizer.step(self.cfg.optimizer.grad_clip)
         self.sync.zero_grad()
 
     def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True) -> dict:
@@ -346,7 +356,9 @@ class Engine:
         the replica must be given the same tokens).
         Returns ``{"loss", "grad_norm", "skipped"}`` (and, with ZeRO-0 buckets,
         ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
-        mean over micro-batches, cp shards and dp replicas, the same on every rank. ``sync=True``: loss
+        mean over micro-batches, cp shards and dp replicas, the same on every rank; only
+        ``{"committed": False}`` when the replicas' vote did not let the optimizer step (fault
+        tolerance: ``self.step`` unchanged, the step is redone). ``sync=True``: loss
         and norm as Python floats (the host waits for the device); ``sync=False``: as 0-d
         tensors on the device, so a loop can run ahead and read them at its logging interval
         (``settle`` converts such a dict)."""
@@ -372,6 +384,8 @@ class Engine:
             self.stream_step += 1
         total = (torch.stack(losses).double().sum() / m if losses
                  else torch.zeros((), dtype=torch.float64, device=self.device))
+        if not self.committed:  # not counted: the caller redoes this step
+            return {"committed": False}
         self.step += 1
         router = self._router_stats(m)
         if router:  # auxiliary-loss-free balancing: the step's global load moves the biases

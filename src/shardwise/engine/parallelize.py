@@ -132,21 +132,28 @@ def apply_compile(layers: Layers) -> None:
 
 
 def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
-             dtype: torch.dtype, loss_scaler=None, distributed: bool = True):
+             dtype: torch.dtype, loss_scaler=None, distributed: bool = True,
+             replicas: Replicas | None = None):
     """The gradient sync of ``parallel.zero`` (a ``ParallelConfig``) for this rank's chunks
     (``local``: an ``engine.model.LocalModel``; ``engine.sync``) over the dp x cp replicas of
     every parameter; under ep > 1 the expert parameters over their own replicas, the
     ep_dp x cp group, their sums divided by dp x cp as the dense ones (each expert's
     gradient already holds what its ep group routed to it).
     Under ZeRO-3 each entry of ``chunks`` is replaced by its ``ZeroStage3`` wrapper.
-    ``ValueError`` (one line) for ZeRO-3 with a parameter shared by two chunks of this rank
-    (a property of a hand-built model the config cannot see)."""
+    ``replicas``: the replicas outside this job (``comm.torchft_replicas``, fault tolerance;
+    ``dense_sync_group``). ``ValueError`` (one line) for ZeRO-3 with a parameter shared by
+    two chunks of this rank (a property of a hand-built model the config cannot see), and
+    for replicas outside the job with HSDP inside it or with expert parameters."""
     named = local.named_parameters()
     groups = topology.groups if distributed else None
     experts = [(n, q) for n, q in named if is_expert(q)]
     kw = dict(local=local, chunks=chunks, parallel=parallel, dtype=dtype,
               loss_scaler=loss_scaler, distributed=distributed)
-    *dense_args, replicas = dense_sync_group(topology, parallel, distributed)
+    if experts and replicas is not None and replicas is not NO_REPLICAS:
+        raise ValueError("fault_tolerance.enable with expert parameters: their sync spans "
+                         "the ep_dp x cp ranks of one job, not the replica groups; train "
+                         "without experts (model.n_experts = 0) or without fault tolerance")
+    *dense_args, replicas = dense_sync_group(topology, parallel, distributed, replicas)
     if not experts or not distributed:
         return _sync_of(named, *dense_args, replicas=replicas, **kw)
     if parallel.zero == 3:  # one wrapper, each unit's experts gathered over their replicas
@@ -158,13 +165,23 @@ def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
                               topology.ep_dp_cp_rank, divisor=topology.dp_cp, **kw))
 
 
-def dense_sync_group(topology, parallel, distributed: bool = True) -> tuple:
+def dense_sync_group(topology, parallel, distributed: bool = True,
+                     replicas: Replicas | None = None) -> tuple:
     """``(group, size, rank, replicas)`` of the dense parameters' sync: ZeRO 1-3 under HSDP
     (``parallel.dp_replicate`` > 1) shard over one replica (``dp_shard_cp``) and average
     across the replicas (``comm.replicas.Replicas``); otherwise the whole dp x cp group and no
     replicas (ZeRO-0 too: one all-reduce over every replica is already HSDP's mean, in one
-    collective)."""
+    collective). ``replicas`` given (the replica groups of a fault-tolerant job, each its own
+    job: ``comm.torchft_replicas``): the whole dp x cp group of this job, then the mean over
+    those, for every ZeRO stage; ``ValueError`` (one line) with HSDP inside the job too."""
     t = topology
+    if replicas is not None and replicas is not NO_REPLICAS:
+        if t.dp_replicate > 1:
+            raise ValueError(f"fault_tolerance.enable with parallel.dp_replicate="
+                             f"{t.dp_replicate}: each replica group is its own job; shard "
+                             "over its whole dp (parallel.dp_replicate = 1)")
+        group = t.groups.dp_cp if distributed else None
+        return group, t.dp_cp, t.dp_cp_rank, replicas
     if parallel.zero == 0 or t.dp_replicate == 1 or not distributed:
         group = t.groups.dp_cp if distributed else None
         return group, t.dp_cp, t.dp_cp_rank, NO_REPLICAS

@@ -91,13 +91,18 @@ def _key(engine, name: str) -> str:
 
 
 @torch.no_grad()
-def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
+def logical_tensors(engine, targets: bool = False, joined: bool = True) -> dict[str, dict]:
     """``{"model": {name: fp32}, "optimizer": {name: {"exp_avg", "exp_avg_sq", "step"}}}``
     (and ``"buffers": {name: tensor}`` when the stage holds training-state buffers,
     ``LocalModel.named_buffers``) for this rank's stage, on the CPU, logical shapes (``DTensor`` slices for tp-sharded
     parameters; see module docstring), fresh copies that later steps do not change.
     Collective over dp x cp under ZeRO. Parameters not stepped yet get zero moments and step 0.
-    ``targets``: for a load, list the tied head copy too (under the embedding's name)."""
+    ``targets``: for a load, list the tied head copy too (under the embedding's name).
+    ``joined=False``: no communication, and no ``full_parameters()`` needed: the ZeRO pieces
+    other ranks hold are left zero, and so are the moments' steps of what this rank holds
+    none of; the rank of the same coordinates in a job of the same layout reads back exactly
+    this rank's (a fault-tolerant heal, whose ranks of one job may copy from different
+    peers)."""
     local, sync = engine.local, engine.sync
     state = engine.optimizer.optimizer.state
     by_param = _pieces_by_param(engine)
@@ -114,7 +119,7 @@ def logical_tensors(engine, targets: bool = False) -> dict[str, dict]:
                 bufs[j][1, a:b] = st["exp_avg"].reshape(-1)
                 bufs[j][2, a:b] = st["exp_avg_sq"].reshape(-1)
                 steps[j] = float(st["step"])
-    if _zero_sharded(engine) and bufs:  # dp x cp ranks hold disjoint ranges: a sum joins them
+    if joined and _zero_sharded(engine) and bufs:  # disjoint ranges over dp x cp: a sum joins
         split = _ep_split(engine)
         expert = [split and is_expert(p) for _, p in named]
         _join([b for b, e in zip(bufs, expert) if not e], engine.shard_group)
@@ -245,3 +250,25 @@ def load_logical_tensors(engine, loaded: dict[str, dict]) -> None:
         if n in saved:  # absent: a state the saving model had not (left as built: zeros)
             b.copy_(saved[n])
     sync.after_step()
+
+
+def local_slices(tree):
+    """``tree`` (nested dicts of tensors, as ``logical_tensors`` returns) with each
+    ``DTensor`` replaced by its local slice: what travels between two ranks of the same
+    coordinates in two jobs of the same layout (a fault-tolerant heal), no mesh pickled."""
+    if isinstance(tree, dict):
+        return {k: local_slices(v) for k, v in tree.items()}
+    return tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def as_logical(tree, like):
+    """Inverse of ``local_slices`` on the receiving rank: each entry whose counterpart in
+    ``like`` (this rank's ``logical_tensors(engine, targets=True)``) is a ``DTensor`` wrapped
+    as one, on that mesh and placement."""
+    if isinstance(tree, dict):
+        return {k: as_logical(v, like.get(k) if isinstance(like, dict) else None)
+                for k, v in tree.items()}
+    if isinstance(like, DTensor):
+        return DTensor.from_local(tree, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    return tree

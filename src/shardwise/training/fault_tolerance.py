@@ -16,7 +16,9 @@ from a live peer through torchft's checkpoint transport over the replica process
 (``PGTransport``), reading no file. ``Lighthouse`` starts the coordinator of a local run on
 loopback (torchft's ``torchft_lighthouse`` binds every interface, ``[::]:29510``); across
 machines it is started once and given by ``fault_tolerance.lighthouse``. docs/reliability.md
-says how a job behaves when a replica or the lighthouse is lost."""
+says how a job behaves when a replica or the lighthouse is lost. ``shardwise train`` drives
+it from ``apps.lm.trainer`` (the engine calls ``replicas.commit()`` before its optimizer
+step); ``tests/ft_workers.py`` is the same protocol around a toy model."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.base.config import FaultToleranceConfig
+from shardwise.base.errors import RunError
 from shardwise.comm.torchft_replicas import TorchftReplicas
 
 
@@ -46,9 +49,10 @@ def _ms(ms: int) -> timedelta:
     return timedelta(milliseconds=ms)
 
 
-class QuorumError(RuntimeError):
+class QuorumError(RunError):
     """No quorum within ``fault_tolerance.quorum_timeout_ms`` (the lighthouse lost or
-    unreachable); ``str(err)`` is one line. The job's checkpoints cover this case."""
+    unreachable), or a commit vote of this replica group that did not complete; ``str(err)``
+    is one line. The job's checkpoints cover this case."""
 
 
 class Lighthouse:
@@ -103,6 +107,17 @@ def _manager_server_bound_to(host: str | None):
         tm.ManagerServer = original
 
 
+@contextlib.contextmanager
+def _one_line(cfg: FaultToleranceConfig, what: str):
+    """torchft's errors (a lighthouse that does not answer: a Rust error with its chain of
+    causes) as one ``QuorumError`` line naming the replica and the lighthouse."""
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as exc:
+        raise QuorumError(f"replica {cfg.replica_id}: {what}: the lighthouse "
+                          f"{cfg.lighthouse}: {str(exc).splitlines()[0][:200]}") from None
+
+
 class FaultTolerantReplica:
     """This rank's part of one replica group of a torchft job.
 
@@ -131,18 +146,22 @@ class FaultTolerantReplica:
         timeout = _ms(cfg.process_group_timeout_ms)
         pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
         self._load = load_state_dict
-        with _manager_server_bound_to(bind):
+        with _manager_server_bound_to(bind), _one_line(cfg, "cannot join the job"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self._heal, state_dict=state_dict,
                 min_replica_size=cfg.min_replica_size, use_async_quorum=False,
+                # no heal at step 0: every replica group starts from the same seed; torchft's
+                # step-0 sync picks a source per rank, healing some ranks of a group and not
+                # others, which a load's in-group collectives (ZeRO's all-gather) cannot follow
+                init_sync=False,
                 timeout=timeout, quorum_timeout=_ms(cfg.quorum_timeout_ms),
                 connect_timeout=timeout, quorum_retries=cfg.quorum_retries,
                 rank=group_rank, world_size=group_world_size,
                 store_addr=store_addr, store_port=store_port, lighthouse_addr=cfg.lighthouse,
                 replica_id=f"replica_{cfg.replica_id}", hostname=hostname,
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
-        self.replicas = TorchftReplicas(self.manager)
-        self._live = 0
+        self.replicas = TorchftReplicas(self.manager, vote=self.commit)
+        self._live, self._redone = 0, -1
 
     def _heal(self, state: Any) -> None:
         self._load(state)
@@ -153,6 +172,12 @@ class FaultTolerantReplica:
     def step(self) -> int:
         """Steps committed so far (the sampler position: step s reads global batch s)."""
         return self.manager.current_step()
+
+    def restore_step(self, step: int) -> None:
+        """Set the step torchft counts to ``step`` (a job resumed from its checkpoint: every
+        replica group restored to the same step agrees on it)."""
+        self.manager.load_state_dict({"step": step,
+                                      "batches_committed": self.manager.batches_committed()})
 
     def start_step(self) -> int:
         """Join this step's quorum (healing first where this replica is behind); returns
@@ -177,13 +202,23 @@ class FaultTolerantReplica:
     def commit(self) -> bool:
         """The step's vote: True (step the optimizer) only if every live replica finished
         it without error; False everywhere otherwise (the step is redone)."""
-        step = self.step
-        ok = self.manager.should_commit()
-        if not ok:
+        step, live = self.step, self.manager.num_participants()
+        try:
+            ok = self.manager.should_commit()
+        except (RuntimeError, TimeoutError) as exc:  # a rank of this group did not vote
+            raise QuorumError(f"replica {self.cfg.replica_id}: step {step}: the commit vote "
+                              f"of this replica group did not complete within "
+                              f"{self.cfg.process_group_timeout_ms} ms: "
+                              f"{str(exc).splitlines()[0][:200]}") from None
+        if not ok and step != self._redone:  # one line per step, however often it is redone
             err = self.manager.errored()
-            why = str(err.original_exception).splitlines()[0] if err else "a peer failed it"
+            why = (str(err.original_exception).splitlines()[0] if err
+                   else f"{live} live, fewer than fault_tolerance."
+                   f"min_replica_size={self.cfg.min_replica_size}"
+                   if live < self.cfg.min_replica_size else "a peer failed it")
             self.log(f"replica {self.cfg.replica_id}: step {step} not committed, redone: "
                      f"{why[:200]}")
+            self._redone = step
         return ok
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ checkpoint, behind the small protocol of ``TrainTask``.
 ``run_loop(task, progress=None)`` trains until ``task.cfg.training.steps``::
 
     every step          task.train_step(sync=False)   losses may stay device tensors
+                        (None: the step did not commit, fault tolerance: redone, not logged)
     log / eval / save   task.settle(info)             the loop's only host synchronisations
     log (log_every)     {"kind": "train", "step", **info, <unit>_per_s, step_s, flops_per_s, mfu}
                         (+ on CUDA peak_allocated_mib, peak_reserved_mib: one value per rank,
@@ -80,9 +81,10 @@ class TrainTask:
     cadence: Cadence
 
     # -- the protocol ---------------------------------------------------------------------
-    def train_step(self, sync: bool = True) -> dict:
+    def train_step(self, sync: bool = True) -> dict | None:
         """One optimizer step (``self.step`` += 1); ``{"loss": ..., ...}``: with ``sync=False``
-        values may be 0-d device tensors, read later by ``settle``."""
+        values may be 0-d device tensors, read later by ``settle``. None: the step did not
+        commit (per-step fault tolerance) and ``self.step`` is unchanged: the loop redoes it."""
         raise NotImplementedError
 
     def evaluate(self) -> dict | None:
@@ -174,6 +176,8 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     try:
         while task.step < t.steps:
             info = task.train_step(sync=False)
+            if info is None:  # not committed across the replica groups: redone
+                continue
             rate.add(task.samples_per_step)
             s = task.step
             log = s % c.log_every == 0 or s == t.steps

@@ -67,9 +67,13 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         if topology.rank == 0:
             print(f"shardwise: resumed from {latest} at step {trainer.step} "
                   "(--fresh starts over, keeping the old checkpoints)", flush=True)
-    summary = trainer.fit()
-    trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
-    trainer.finish()
+    try:
+        summary = trainer.fit()
+        trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete
+        trainer.finish()
+    finally:
+        if trainer.ft is not None:  # leave the quorum
+            trainer.ft.shutdown()
     return {**summary, "unit": token_unit(trainer.tokenizer)}
 
 
@@ -80,6 +84,28 @@ def check_config(cfg: Config) -> None:
     from shardwise.models import section_kind
 
     section_kind(cfg.model)
+    if cfg.fault_tolerance.enable:
+        check_fault_tolerance(cfg)
+
+
+def check_fault_tolerance(cfg: Config) -> None:
+    """With ``fault_tolerance.enable``, what the replica groups of a torchft job need of the
+    other sections (each group its own job; docs/reliability.md): ``ValueError``, one line."""
+    p, t, n = cfg.parallel, cfg.training, cfg.fault_tolerance.group_size
+    if p.dp_replicate > 1:
+        raise ValueError(f"fault_tolerance.enable with parallel.dp_replicate={p.dp_replicate}: "
+                         "each replica group is its own job; set parallel.dp_replicate = 1")
+    if p.ep > 1 or cfg.model.n_experts:
+        raise ValueError("fault_tolerance.enable with experts (parallel.ep, model.n_experts): "
+                         "their sync spans one job's ranks, not the replica groups")
+    if p.schedule == "pipedream":
+        raise ValueError("fault_tolerance.enable with parallel.schedule=pipedream: a step is "
+                         "committed or redone as a whole; PipeDream has no step boundary")
+    if t.global_batch_size % (n * p.dp * p.micro_batches):
+        raise ValueError(f"training.global_batch_size={t.global_batch_size} must be divisible "
+                         f"by fault_tolerance.group_size x parallel.dp x parallel.micro_batches"
+                         f" = {n} x {p.dp} x {p.micro_batches} (each replica group trains its "
+                         "slot of the global batch)")
 
 
 def check_model(cfg: Config, vocab_size: int, eos_id: int | None = None) -> None:

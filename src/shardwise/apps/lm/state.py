@@ -20,11 +20,12 @@ from shardwise.engine import state as engine_state
 class TrainerState:
     """Mixin of ``Trainer``: everything about saving and restoring its state."""
 
-    def state_dict(self) -> tuple[dict, dict]:
+    def state_dict(self, joined: bool = True) -> tuple[dict, dict]:
         """``(tensors, meta)``: logical tensors for DCP (``engine.state.logical_tensors``),
-        meta JSON-able. Collective over tp and dp: call inside ``engine.full_parameters()``."""
+        meta JSON-able. Collective over tp and dp: call inside ``engine.full_parameters()``;
+        ``joined=False``: this rank's own pieces, no communication (a fault-tolerant heal)."""
         e = self.engine
-        tensors = engine_state.logical_tensors(e)
+        tensors = engine_state.logical_tensors(e, joined=joined)
         p = self.cfg.parallel
         meta = {
             "format": engine_state.FORMAT,
@@ -59,6 +60,8 @@ class TrainerState:
         if e.loss_scaler is not None and meta.get("loss_scaler"):
             e.loss_scaler.load_state_dict(meta["loss_scaler"])
         engine_state.load_logical_tensors(e, tensors)
+        if getattr(self, "ft", None) is not None:  # torchft counts the same step
+            self.ft.restore_step(self.step)
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of this step (collective). PipeDream drains its stream first:

@@ -8,10 +8,22 @@ single-process reference.
 
 Resume state is explicit: ``state_dict()`` returns ``(tensors, meta)`` — tensors go to
 DCP, meta (JSON) beside them — and ``load_state_dict`` restores both (``apps.lm.state``).
+
+With ``fault_tolerance.enable`` this job is one replica group of a torchft job
+(``training.fault_tolerance``, docs/reliability.md): each step starts with the quorum (a
+replica group that is behind heals there, each rank from a rank of the same coordinates in
+a live group: its ``state_dict(joined=False)``, sent over the replica process group), the
+engine averages the gradients across the live replica
+groups and steps only where they all voted to commit; a step that does not commit is redone
+on the same samples. Replica group ``r`` of ``n`` reads slot ``r`` of each global batch
+(``training.global_batch_size`` is the whole job's).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,10 +36,13 @@ from shardwise.apps.lm.state import TrainerState
 from shardwise.apps.lm.text import split_corpus, token_unit
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
+from shardwise.comm.replicas import NO_REPLICAS
 from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
 from shardwise.engine import Engine, EngineConfig
+from shardwise.engine import state as engine_state
 from shardwise.launch import rank_device
 from shardwise.models import describe_section
+from shardwise.training.fault_tolerance import FaultTolerantReplica
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import plot_loss
 from shardwise.training.schedule import warmup_cosine
@@ -55,12 +70,21 @@ class Trainer(TrainerState, TrainTask):
         # the tokenizer's end-of-text id ends documents under model.attention_mask =
         # "block_causal" (the character tokenizer has none: the engine refuses it then)
         view = EngineConfig.of(cfg, eos_id=getattr(self.tokenizer, "eos_id", None))
-        self.engine = Engine(self.description, topology, view, self.device)
+        ft = cfg.fault_tolerance
+        self.ft = self._join_replica_groups() if ft.enable else None
+        groups, slot = (ft.group_size, ft.replica_id) if self.ft is not None else (1, 0)
+        if groups > 1:  # the engine trains this replica group's slot of the global batch
+            view = replace(view, training=t.model_copy(
+                update={"global_batch_size": t.global_batch_size // groups}))
+        self.engine = Engine(self.description, topology, view, self.device,
+                             replicas=self.ft.replicas if self.ft is not None else NO_REPLICAS)
         self.optimizer = self.engine.optimizer
         self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
+        # replica group r's dp rank d reads part r x dp + d of the global batch's n x dp
         self.sampler = DistributedBatchSampler(self.train_tokens, cfg.model.block_size,
-                                               t.global_batch_size, topology.dp_rank,
-                                               topology.dp, seed=t.seed)
+                                               t.global_batch_size,
+                                               slot * topology.dp + topology.dp_rank,
+                                               groups * topology.dp, seed=t.seed)
         self.step = 0
         self.out_dir = Path(t.out_dir)
         self.history: list[float] = []
@@ -69,22 +93,69 @@ class Trainer(TrainerState, TrainTask):
         # what the loop needs: cadence, work per step (tokens), FLOPs per token, peak dtype
         self.cadence = Cadence.from_config(cfg)
         self.sample_unit = "tokens"
-        self.samples_per_step = t.global_batch_size * cfg.model.block_size
+        self.samples_per_step = t.global_batch_size // groups * cfg.model.block_size
         self.flops_per_sample = self.engine.local.flops_per_token
         self.world_size = topology.world_size
         self.memory_group = None if self.distributed else "local"  # every rank runs the loop
         self.dtype = self.engine.dtype
 
+    # -- fault tolerance ------------------------------------------------------------------
+    def _join_replica_groups(self) -> FaultTolerantReplica:
+        """This rank's torchft Manager: its store served by the group's rank 0 on the
+        rendezvous host (``MASTER_ADDR``: 127.0.0.1 for a local run), which is also the
+        address the other replica groups reach and the one the Manager's server binds."""
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.topology.rank == 0:  # kept alive with the trainer
+            self._ft_store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            port[0] = self._ft_store.port
+        if self.distributed and self.topology.world_size > 1:
+            comm.broadcast(port, src=0, check=False)
+        main = self.topology.rank == 0  # one line per replica group, not per rank
+        return FaultTolerantReplica(
+            self.cfg.fault_tolerance, state_dict=self._heal_state,
+            load_state_dict=self._heal_from, device=self.device, store_addr=host,
+            store_port=int(port.item()), hostname=host, group_rank=self.topology.rank,
+            group_world_size=self.topology.world_size, bind=host,
+            log=(lambda line: print(f"shardwise: {line}", file=sys.stderr, flush=True))
+            if main else (lambda line: None))
+
+    def _heal_state(self) -> dict:
+        """What the rank of the same coordinates in a healing replica group copies (torchft
+        calls it at the quorum, on the ranks it picked as sources: not every rank of a
+        group, so no communication here): this rank's ``state_dict(joined=False)``, each
+        ``DTensor`` as its local slice."""
+        self.settle()
+        tensors, meta = self.state_dict(joined=False)
+        return {"tensors": engine_state.local_slices(tensors), "meta": meta}
+
+    def _heal_from(self, state: dict) -> None:
+        """Load a live peer's ``_heal_state`` (no communication)."""
+        tensors = state["tensors"]
+        if self.engine.tp.size > 1 or self.engine.ep.size > 1:  # back into DTensors
+            like = engine_state.logical_tensors(self.engine, targets=True, joined=False)
+            tensors = engine_state.as_logical(tensors, like)
+        self._pending = []  # losses of steps the peer's history replaces
+        self.load_state_dict(tensors, state["meta"])
+
     # -- one step -------------------------------------------------------------------------
-    def train_step(self, sync: bool = True) -> dict:
+    def train_step(self, sync: bool = True) -> dict | None:
         """One optimizer step on this rank's share of the next global batch. ``sync=False``:
         the loss and norm stay 0-d tensors on the device (``settle`` reads them), so the host
-        runs ahead of the GPU; ``self.history`` gets them at the next ``settle``."""
+        runs ahead of the GPU; ``self.history`` gets them at the next ``settle``. With fault
+        tolerance: None when the step did not commit (the sampler is back where it was: the
+        step is redone on the same samples)."""
+        if self.ft is not None:
+            self.ft.start_step()  # the quorum; behind: healed here (step, sampler, weights)
+            position = self.sampler.state_dict()
         x, y = self.sampler.next_batch()
         if self._pin:
             x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         info = self.engine.train_step(x, y, sync=False)
+        if not self.engine.committed:
+            self.sampler.load_state_dict(position)
+            return None
         self.scheduler.step()
         self.step += 1
         self._pending.append(info["loss"])
