@@ -472,7 +472,7 @@ class Config(_Section):
             raise ValueError(f"training.compile with parallel.tp={p.tp} and model.dropout="
                              f"{m.dropout}: tensor parallelism's own dropout streams "
                              "are not traced; compile needs model.dropout = 0 with tp > 1")
-        if p.ep > 1 or getattr(m, "n_experts", 0):
+        if p.ep > 1 or m.experts:
             self._experts_agree()
         if t.global_batch_size % (p.dp * p.micro_batches):
             raise ValueError(
@@ -489,7 +489,7 @@ class Config(_Section):
     def _experts_agree(self):
         """Mixture of experts and expert parallelism (docs/moe.md)."""
         p, m = self.parallel, self.model
-        n_experts = getattr(m, "n_experts", 0)  # the Llama's field
+        n_experts = m.experts
         if p.ep > 1 and not n_experts:
             if m.init_from:  # config.json gives n_experts; checked again once it has
                 return self

@@ -121,6 +121,11 @@ class ModelSection(_Section):
                              "Face checkpoint directory) or empty")
         return self
 
+    @property
+    def experts(self) -> int:
+        """Experts in each block's mixture; 0 for a dense model (every kind without one)."""
+        return 0
+
     def context_parallel_refusal(self, cp: int) -> str | None:
         """Why ring attention (``parallel.cp`` > 1) cannot run this model, or None."""
         if self.dropout > 0:
@@ -330,6 +335,10 @@ class LlamaModelConfig(ModelSection):
             raise ValueError(f"model.mlp_activation={self.mlp_activation!r}: expected "
                              f"{' or '.join(MLP_ACTIVATIONS)}")
         return self
+
+    @property
+    def experts(self) -> int:
+        return self.n_experts
 
     def context_parallel_refusal(self, cp: int) -> str | None:
         if self.kv_lora_rank:

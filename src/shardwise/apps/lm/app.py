@@ -95,7 +95,7 @@ def check_fault_tolerance(cfg: Config) -> None:
     if p.dp_replicate > 1:
         raise ValueError(f"fault_tolerance.enable with parallel.dp_replicate={p.dp_replicate}: "
                          "each replica group is its own job; set parallel.dp_replicate = 1")
-    if p.ep > 1 or getattr(cfg.model, "n_experts", 0):  # a GPT section has none
+    if p.ep > 1 or cfg.model.experts:
         raise ValueError("fault_tolerance.enable with experts (parallel.ep, model.n_experts): "
                          "their sync spans one job's ranks, not the replica groups")
     if p.schedule == "pipedream":
