@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -81,8 +82,7 @@ def _full_disk_on_replace(monkeypatch) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(src, dst)
 
-    monkeypatch.setattr(metrics, "os", type("os", (), {"replace": staticmethod(replace),
-                                                       "truncate": os.truncate}))
+    monkeypatch.setattr(metrics, "os", SimpleNamespace(replace=replace, truncate=os.truncate))
 
 
 def _no_cuda(monkeypatch) -> None:

@@ -42,7 +42,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from shardwise import comm
-from shardwise.base.errors import CheckpointError, StorageError, os_error_in, storage_error
+from shardwise.base.errors import (
+    USER_ERRNOS,
+    CheckpointError,
+    StorageError,
+    os_error_in,
+    storage_error,
+)
 from shardwise.checkpoint.integrity import (
     MANIFEST,
     IntegrityError,
@@ -227,6 +233,8 @@ def _removed_on_failure(tmp: Path, nbytes: int = 0):
         if isinstance(e, StorageError):
             raise
         os_err = os_error_in(e)
+        if os_err is not None and os_err is not e and os_err.errno not in USER_ERRNOS:
+            os_err = None  # an OSError met on the way (inside DCP): not the user's to fix
         if os_err is None and full and not isinstance(e, (KeyboardInterrupt, SystemExit)):
             os_err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if os_err is not None:
