@@ -153,7 +153,8 @@ def test_another_models_shapes_and_a_foreign_meta_are_one_line(saved, tmp_path, 
     write_manifest(latest)  # each rank rebuilt the tokenizer from it: a traceback per rank
     assert_one_line_exit_2(["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data",
                             cfg["data"]["path"], "--training.out_dir", cfg["training"]["out_dir"],
-                            "--parallel.dp", "1", "--training.steps", "5", "--resume"], capsys,
+                            "--parallel.dp", "1", "--training.steps", "5", "--resume",
+                            "--training.global_batch_size", "16"], capsys,  # the saved run's
                            "step_000004/meta.json: its tokenizer does not read")
     (latest / "meta.json").write_text("[1, 2]")
     write_manifest(latest)
@@ -178,7 +179,8 @@ def test_damaged_latest_falls_back_to_previous(saved, damage):
     path, skipped = checkpoint.find_resumable(root)
     assert path.name == "step_000002"
     assert len(skipped) == 1 and "\n" not in skipped[0] and data.name in skipped[0]
-    assert ("damaged" if damage == "overwrite" else "truncated") in skipped[0]
+    assert skipped[0].startswith("damaged checkpoint ")
+    assert ("SHA-256 differs" if damage == "overwrite" else "truncated") in skipped[0]
     trainer = trainer_for(cfg)
     trainer.resume(path)
     while trainer.step < 4:

@@ -190,7 +190,8 @@ def test_resume_below_the_checkpoint_step_is_refused(corpus, tmp_path, capsys):
     from fault_workers import train_saving
 
     out = tmp_path / "run"
-    train_saving(tiny_config(str(corpus), str(out), training={"steps": 4}), at=(4,))
+    train_saving(tiny_config(str(corpus), str(out), training={"steps": 4,
+                                                               "global_batch_size": 8}), at=(4,))
     argv = ["train", "--config", "configs/tiny.toml", "--data", str(corpus),
             "--training.out_dir", str(out), "--training.steps", "3"]
     for extra in ([], ["--resume"]):

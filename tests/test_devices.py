@@ -37,7 +37,8 @@ def test_cli_refuses_cuda_without_gpus_before_spawning(capsys, monkeypatch):
     assert main(["train", "--config", str(REPO / "configs/tiny.toml"),
                  "--training.device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "training.device=cuda: 2 local ranks but 0 GPUs" in err and "\n" not in err
+    assert "training.device=cuda: CUDA is not available on this machine" in err
+    assert "\n" not in err and "ranks per host" not in err
     assert main(["train", "--training.device", "tpu"]) == 2
     assert "training.device='tpu': expected auto, cpu or cuda" in capsys.readouterr().err
 
@@ -54,8 +55,9 @@ def test_pick_device_with_a_backend(requested, backend, ranks, gpus, expected):
 def test_sharing_a_gpu_needs_gloo_and_a_gpu():
     with pytest.raises(DeviceError, match=r"--parallel.backend gloo \(ranks share a GPU"):
         pick_device("cuda", 4, 1)  # NCCL: one line, naming the way out
-    with pytest.raises(DeviceError, match="training.device=cuda: no GPU"):
-        pick_device("cuda", 4, 0, backend="gloo")
+    for backend in ("gloo", "nccl", "auto"):  # no GPU at all: said so, whatever the backend
+        with pytest.raises(DeviceError, match="training.device=cuda: CUDA is not available"):
+            pick_device("cuda", 4, 0, backend=backend)
 
 
 _PROBE = """

@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardwise import comm
-from shardwise.base.errors import RunError
+from shardwise.base.errors import RunError, user_error_line
 
 DEFAULT_TIMEOUT_S = 300.0
 # what the fork server imports once for every rank it forks: torch, its process groups and
@@ -83,11 +83,14 @@ class RankEnv:
 
 class WorkerError(RuntimeError):
     """A spawned rank failed; the message carries that rank's traceback, or one line when
-    the rank raised a ``RunError`` (then ``fatal`` is true: a restart would fail the same way)."""
+    the rank raised a ``RunError`` (then ``fatal`` is true: a restart would fail the same way).
+    ``usage``: the error is the user's to fix (``base.errors.user_error_line``: a setting
+    the checkpoint contradicts, a full disk); ``traceback``: the rank's, as text (or None)."""
 
-    def __init__(self, message: str, fatal: bool = False):
+    def __init__(self, message: str, fatal: bool = False, usage: bool = False,
+                 traceback: str | None = None):
         super().__init__(message)
-        self.fatal = fatal
+        self.fatal, self.usage, self.traceback = fatal or usage, usage, traceback
 
 
 class Interrupted(BaseException):
@@ -245,11 +248,11 @@ def pick_device(requested: str, local_ranks: int, gpus: int | None = None,
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "cpu" or (requested == "auto" and backend == "gloo"):
         return "cpu", None
+    if requested == "cuda" and not gpus:
+        raise DeviceError("training.device=cuda: CUDA is not available on this machine "
+                          "(torch.cuda.is_available() is false); use --training.device cpu")
     if requested == "cuda" and backend == "gloo":
-        if gpus:
-            return "cuda", None
-        raise DeviceError("training.device=cuda: no GPU (torch.cuda.is_available() is false); "
-                          "use --training.device cpu")
+        return "cuda", None
     if gpus >= local_ranks:
         return ("cuda", None) if gpus else ("cpu", None)
     why = (f"{local_ranks} local ranks but {gpus} GPU{'s' if gpus != 1 else ''} "
@@ -393,16 +396,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
                          backend=backend)
         result = fn(*args)
         conn.send(("ok", _to_bytes(result)))
-    except RunError as e:  # one line for the user; no restart would help
+    except BaseException as e:  # report everything, including SystemExit from a worker
         code = 1
+        tb = traceback.format_exc()
+        line = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else user_error_line(e)
+        if line is not None:  # the user's to fix (exit 2 in the CLI): one line
+            report = ("usage", line, tb)
+        elif isinstance(e, RunError):  # one line for the user; no restart would help
+            report = ("fatal", str(e), tb)
+        else:
+            report = ("error", tb)
         try:
-            conn.send(("fatal", str(e)))
-        except Exception:
-            pass
-    except BaseException:  # report everything, including SystemExit from a worker
-        code = 1
-        try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(report)
         except Exception:
             pass
     finally:
@@ -441,7 +446,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     results: list = [None] * world_size
     deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
     error: str | None = None
-    fatal = False
+    fatal = usage = False
+    rank_tb: str | None = None
     clean = False
     ctx = _start_context()  # counts this call in _running until the finally below
     try:
@@ -465,18 +471,19 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload, *tb = conn.recv()
                 except EOFError:
                     procs[rank].join(5)
                     error = f"rank {rank} died with exit code {procs[rank].exitcode}"
                     break
                 if status == "ok":
                     results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
-                elif status == "fatal":
-                    error, fatal = f"rank {rank}: {payload}", True
+                elif status in ("fatal", "usage"):
+                    error, fatal, usage = f"rank {rank}: {payload}", True, status == "usage"
+                    rank_tb = tb[0] if tb else None
                     break
                 else:
-                    error = f"rank {rank} failed:\n{payload}"
+                    error, rank_tb = f"rank {rank} failed:\n{payload}", payload
                     break
         clean = error is None
     finally:  # also on Interrupted / KeyboardInterrupt in this process: no rank outlives us
@@ -492,5 +499,5 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
         del store
         _done(ctx)
     if error is not None:
-        raise WorkerError(error, fatal=fatal)
+        raise WorkerError(error, fatal=fatal, usage=usage, traceback=rank_tb)
     return results

@@ -26,6 +26,7 @@ rename in a background thread, in that order, so the same holds while training g
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -41,7 +42,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from shardwise import comm
-from shardwise.base.errors import CheckpointError
+from shardwise.base.errors import (
+    USER_ERRNOS,
+    CheckpointError,
+    StorageError,
+    os_error_in,
+    storage_error,
+)
 from shardwise.checkpoint.integrity import (
     MANIFEST,
     IntegrityError,
@@ -123,10 +130,11 @@ def save(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[str, A
     NaN or Inf.
     """
     final, tmp = _begin(Path(root), step, tensors, group)
-    _write(tensors, tmp, group)
-    _barrier(group)
-    if _rank() == 0:
-        _commit(Path(root), final, tmp, step, meta, keep)
+    with _removed_on_failure(tmp, _nbytes(tensors)):
+        _write(tensors, tmp, group)
+        _barrier(group)
+        if _rank() == 0:
+            _commit(Path(root), final, tmp, step, meta, keep)
     _barrier(group)
     return final
 
@@ -152,9 +160,10 @@ def save_async(root: str | Path, step: int, tensors: dict[str, Any], meta: dict[
     group = _writer_group()
 
     def work() -> None:
-        _write(tensors, tmp, group)
-        if _rank() == 0:
-            _commit(root, final, tmp, step, meta, keep)
+        with _removed_on_failure(tmp, _nbytes(tensors)):
+            _write(tensors, tmp, group)
+            if _rank() == 0:
+                _commit(root, final, tmp, step, meta, keep)
 
     return PendingSave(final, work)
 
@@ -187,6 +196,8 @@ class PendingSave:
         """Block until the background write ends; returns the checkpoint's path. Raises
         CheckpointError when the write failed."""
         self._thread.join()
+        if isinstance(self._error, StorageError):  # a full disk: one line naming it, exit 2
+            raise self._error
         if self._error is not None:
             raise CheckpointError(f"writing {self.path} in the background failed: "
                                   f"{type(self._error).__name__}: {self._error}") from None
@@ -206,6 +217,51 @@ def _writer_group():
     return _WRITER[1]
 
 
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path, nbytes: int = 0):
+    """Rank 0 removes ``tmp`` when the block raises (a failed save leaves no ``.tmp``); an
+    ``OSError`` such as ENOSPC or EACCES, raised here or inside DCP, comes out as a
+    ``StorageError`` naming ``tmp`` and the errno. torch's archive writer reports a full
+    disk as a ``RuntimeError`` ("unexpected pos"): a failure while the file system has
+    fewer than ``nbytes`` (this rank's tensors) free is taken for ENOSPC."""
+    try:
+        yield
+    except BaseException as e:
+        full = _free_bytes(tmp.parent) < nbytes  # measured before the .tmp gives space back
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, StorageError):
+            raise
+        os_err = os_error_in(e)
+        if os_err is not None and os_err is not e and os_err.errno not in USER_ERRNOS:
+            os_err = None  # an OSError met on the way (inside DCP): not the user's to fix
+        if os_err is None and full and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            os_err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if os_err is not None:
+            raise storage_error(os_err, f"checkpoint {tmp}", "the step's .tmp was removed; "
+                                "the earlier checkpoints are kept") from e
+        raise
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes free to this user on ``path``'s file system (a huge number if unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of the tensors of a nested dict (a DTensor: its local shard)."""
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    return 0
+
+
 def _begin(root: Path, step: int, tensors: dict[str, Any], group) -> tuple[Path, Path]:
     """Refuse non-finite tensors (every rank), then rank 0 makes an empty ``step_N.tmp``."""
     _refuse_non_finite(tensors, step, group)
@@ -213,7 +269,8 @@ def _begin(root: Path, step: int, tensors: dict[str, Any], group) -> tuple[Path,
     tmp = root / (final.name + ".tmp")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=True)
+        with _removed_on_failure(tmp):
+            tmp.mkdir(parents=True, exist_ok=True)
     _barrier(group)
     return final, tmp
 
@@ -329,20 +386,35 @@ def check_loadable(path: str | Path) -> dict[str, Any]:
 def find_resumable(root: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under ``root`` whose files match their checksums.
 
-    Returns ``(path or None, reasons)``: one line for each newer checkpoint skipped as
-    damaged. A checkpoint whose metadata is unsafe raises ``UnsafeCheckpointError``: that
-    is not an accident to step around.
+    Returns ``(path or None, reasons)``: one line for each newer checkpoint skipped,
+    ``damaged checkpoint ...`` or ``incomplete checkpoint PATH (no .metadata)``. A
+    checkpoint whose metadata is unsafe raises ``UnsafeCheckpointError``: that is not an
+    accident to step around.
     """
     skipped = []
-    for path in reversed(complete_checkpoints(root)):
+    for path in reversed(_named_checkpoints(root)):
+        lost = [f for f in (".metadata", META) if not (path / f).is_file()]
+        if lost:  # renamed into place complete, so a file was deleted since: say so
+            skipped.append(f"incomplete checkpoint {path} (no {' and no '.join(lost)})")
+            continue
         try:
             check_loadable(path)
             return path, skipped
         except UnsafeCheckpointError:
             raise
         except (CheckpointError, OSError, ValueError) as e:  # damaged, unreadable
-            skipped.append(str(e))
+            skipped.append(f"damaged checkpoint {e}")
     return None, skipped
+
+
+def _named_checkpoints(root: str | Path) -> list[Path]:
+    """Every ``step_N`` directory under ``root`` (complete or not; no ``.tmp``), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := _NAME.match(d.name)) and d.is_dir()]
+    return [d for _, d in sorted(found)]
 
 
 def read_tensors(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:

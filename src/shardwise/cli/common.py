@@ -96,24 +96,27 @@ def split_overrides(extra: list[str]) -> dict:
 def run_rank_and_exit(body: Callable[[], None], command: str = "shardwise") -> None:
     """Run ``body`` as one rank of torchrun's gang, then leave with ``os._exit``: 0 when it
     returned, 1 when it raised (a ``RunError`` as one line, anything else with its
-    traceback). ``launch.shutdown`` runs either way; ``os._exit`` skips gloo's abort at
-    interpreter exit."""
+    traceback), 2 for the user's error (``base.errors.user_error_line``: one line).
+    ``launch.shutdown`` runs either way; ``os._exit`` skips gloo's abort at interpreter
+    exit."""
     import os
 
     from shardwise import launch
-    from shardwise.base.errors import RunError
+    from shardwise.base.errors import RunError, user_error_line
 
     code = 0
     try:
         body()
-    except RunError as e:
-        print(f"{command}: error: {e}", file=sys.stderr)
-        code = 1
-    except BaseException:
-        import traceback
+    except BaseException as e:
+        line = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else user_error_line(e)
+        if line is not None or isinstance(e, RunError):
+            print(f"{command}: error: {line or e}", file=sys.stderr)
+            code = EXIT_USAGE if line is not None else 1
+        else:
+            import traceback
 
-        traceback.print_exc()
-        code = 1
+            traceback.print_exc()
+            code = 1
     finally:
         launch.shutdown(clean=code == 0)
     sys.stdout.flush()

@@ -94,6 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                timeout_s=cfg.parallel.timeout_s, device=device)[0]
         except launch.WorkerError as e:
             print(f"shardwise generate: error: {e}", file=sys.stderr)
-            return 1
+            return EXIT_USAGE if e.usage else 1
     print(tokenizer.decode(ids))
     return 0

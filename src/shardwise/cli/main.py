@@ -161,11 +161,17 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
                                    backend=cfg.parallel.backend)
             break
         except launch.WorkerError as e:
-            if e.fatal:
-                print(f"shardwise: error: {e}", file=sys.stderr)
-                return 1
+            # every rank has ended and the lock is ours: what a rank stopped mid-write goes
+            # (a full disk gets its space back before the traceback is written)
+            rundir.clean_stale(Path(cfg.training.out_dir), cfg.checkpoint_dir)
+            kept = _keep_traceback(cfg, e)
+            if e.fatal:  # one line; exit 2 when the user can fix it (a full disk, a setting)
+                print(f"shardwise: error: {e}{f' ({kept})' if kept else ''}", file=sys.stderr)
+                return EXIT_USAGE if e.usage else 1
             if restarts >= max_restarts:
                 print(f"shardwise: training failed: {e}", file=sys.stderr)
+                if kept:
+                    print(f"shardwise: {kept}", file=sys.stderr)
                 return 1
             restarts += 1
             print(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
@@ -188,6 +194,27 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
     print(f"shardwise: done: {s['step']} steps in {time.perf_counter() - started:.0f} s, "
           f"{app.summary(s)}; outputs in {cfg.training.out_dir}")
     return 0
+
+
+ERROR_LOG = "errors.log"  # under training.out_dir: the tracebacks of failed ranks
+
+
+def _keep_traceback(cfg, e) -> str:
+    """Append the failed rank's traceback (``WorkerError.traceback``) to
+    ``training.out_dir/errors.log``; return the words that point to it, or say why not
+    ("" when the rank left no traceback)."""
+    import time
+
+    path = Path(cfg.training.out_dir) / ERROR_LOG
+    if not e.traceback:
+        return ""
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}: {str(e).splitlines()[0]}\n"
+                    f"{e.traceback.rstrip()}\n")
+    except OSError as err:
+        return f"the traceback could not be written to {path} ({err.strerror})"
+    return f"traceback in {path}"
 
 
 def cmd_bench(args, extra: list[str]) -> int:

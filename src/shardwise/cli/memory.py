@@ -70,6 +70,9 @@ def _layout_table(args, stages: list[int]) -> int:
     try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
         base = resolve_init_from(Config.load(args.config, over))  # model.init_from's model
         p, d = base.parallel, describe_config(base)
+        if args.precision is None:  # what the run holds: fp8 matmuls keep bf16 weights
+            args.precision = {"fp8": "bf16"}.get(base.training.precision,
+                                                 base.training.precision)
         preds = {}
         for z in stages:
             for pr in range(p.pp):
@@ -141,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas R among the "
                     "--dp ranks: ZeRO shards over dp / R (x cp) and averages across replicas")
     ap.add_argument("--bucket-mb", type=float, default=None, help="ZeRO bucket capacity, MiB")
-    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                    help="compute dtype (default: the config's training.precision, fp8 "
+                    "keeping bf16 weights; bf16 without --config)")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
     ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MiB")
@@ -195,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
+    args.precision = args.precision or "bf16"  # the ZeRO paper's mixed precision
     shard = args.dp // args.dp_replicate  # HSDP: ZeRO within one replica
     preds = {s: zero_bytes(P, shard * args.cp, s, args.precision) for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from shardwise.base.errors import storage_error
 
 
 class MetricsLog:
@@ -18,10 +21,19 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append ``record`` to the file as one JSON line (nothing when not enabled)."""
-        if self.enabled:
+        """Append ``record`` to the file as one JSON line (nothing when not enabled). A
+        failed write (a full disk) cuts the file back to its last whole line and raises
+        ``StorageError`` naming the file and the errno."""
+        if not self.enabled:
+            return
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            with contextlib.suppress(OSError):  # no half row for the next append to glue to
+                os.truncate(self.path, size)
+            raise storage_error(e, self.path) from e
 
 
 def truncate_metrics(path: str | Path, step: int) -> int:
@@ -40,8 +52,13 @@ def truncate_metrics(path: str | Path, step: int) -> int:
             pass
     if len(keep) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk: the file as it was, no .tmp left
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise storage_error(e, tmp, f"{path} is unchanged") from e
     return len(lines) - len(keep)
 
 

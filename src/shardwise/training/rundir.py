@@ -1,4 +1,4 @@
-"""A run directory: one live run at a time, resume by default, nothing deleted.
+"""A run directory: one live run at a time, resume by default, no checkpoint deleted.
 
 ``prepare(cfg, mode)`` runs in the launcher before any rank starts (under torchrun, in
 every rank, with only rank 0 taking the lock and touching files) and returns the
@@ -13,7 +13,9 @@ checkpoint to resume from:
   one; ``"fresh"`` (``--fresh``) renames the checkpoint directory and ``metrics.jsonl``
   aside (``*.before-YYYYmmdd-HHMMSS``) and starts at step 0;
 - ``metrics.jsonl`` keeps only the rows up to the resumed step, so the resumed run
-  appends without duplicates.
+  appends without duplicates;
+- once the checks pass, what a run that died while writing left (``step_N.tmp``,
+  ``metrics.jsonl.tmp``) is removed: the lock proves its writer dead (``clean_stale``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -129,6 +133,13 @@ def check_compatible(cfg, path: Path, meta: dict) -> None:
         raise RunDirError(f"cannot resume {path}: data.path={saved_data!r} there, "
                           f"{cfg.data.path!r} here; --fresh starts over (the old checkpoints "
                           "are kept)")
+    sampler = meta.get("sampler") if lm else None  # the data order: the sampler refuses
+    for name, key in (("global_batch_size", "global_batch_size"), ("seed", "seed")):
+        ours = getattr(cfg.training, name)
+        if isinstance(sampler, dict) and key in sampler and sampler[key] != ours:
+            raise RunDirError(f"cannot resume {path}: training.{name}={sampler[key]!r} there, "
+                              f"{ours!r} here (the data order follows it); --fresh starts "
+                              "over (the old checkpoints are kept)")
     step = saved_step(meta)
     if cfg.training.steps < step:
         raise RunDirError(f"training.steps={cfg.training.steps} is below step {step} of the "
@@ -168,6 +179,31 @@ def prepare(cfg, mode: str = "auto", is_rank0: bool = True, restart: bool = Fals
         raise
 
 
+def clean_stale(out_dir: Path, ck: Path) -> list[str]:
+    """Remove what a run that died while writing left: ``step_N.tmp`` checkpoint directories
+    and ``metrics.jsonl.tmp``; one line per removed path. Called only by the holder of
+    ``out_dir``'s lock (or the launcher restarting its own ranks, all ended), which proves no
+    live writer; a ``checkpoint.dir`` outside ``out_dir`` is left alone (another run's lock
+    may cover it)."""
+    stale = [out_dir / "metrics.jsonl.tmp"]
+    if ck.resolve().is_relative_to(out_dir.resolve()):
+        with contextlib.suppress(OSError):  # no checkpoint directory (yet), or unreadable
+            stale += sorted(d for d in ck.iterdir() if _STALE.match(d.name) and d.is_dir())
+    notes = []
+    for path in stale:
+        if not (path.exists() or path.is_symlink()):
+            continue
+        try:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            notes.append(f"removed {path}, left by a run that died while writing it")
+        except OSError as e:
+            notes.append(f"could not remove the stale {path} ({e.strerror})")
+    return notes
+
+
+_STALE = re.compile(r"^step_\d{6,}\.tmp$")
+
+
 def _missing_dirs(path: Path) -> list[Path]:
     """``path`` and its ancestors that do not exist yet, deepest first."""
     out, p = [], Path(path).absolute()
@@ -184,12 +220,14 @@ def _prepare(cfg, out_dir: Path, ck: Path, mode: str, is_rank0: bool, restart: b
     check_writable(ck, "checkpoint.dir" if cfg.checkpoint.dir else "training.out_dir")
     if is_rank0 and lock:
         plan.lock = acquire_lock(out_dir)
+    owner = is_rank0 and (lock or restart)  # no live writer but us (see clean_stale)
     if mode == "fresh" and not restart:
         if is_rank0:
+            plan.notes += clean_stale(out_dir, ck) if owner else []
             plan.notes += [f"--fresh: moved {m}" for m in move_aside(cfg)]
         return plan
     path, skipped = checkpoint.find_resumable(ck)
-    plan.notes += [f"skipping damaged checkpoint {reason}" for reason in skipped]
+    plan.notes += [f"skipping {reason}" for reason in skipped]
     if path is None:
         if skipped:
             raise CheckpointError(f"no usable checkpoint in {str(ck)!r} (newest: {skipped[0]}); "
@@ -197,6 +235,7 @@ def _prepare(cfg, out_dir: Path, ck: Path, mode: str, is_rank0: bool, restart: b
         if mode == "resume":
             raise RunDirError(f"--resume: no complete checkpoint in {str(ck)!r}")
         metrics = out_dir / "metrics.jsonl"
+        plan.notes += clean_stale(out_dir, ck) if owner else []
         if is_rank0 and metrics.is_file() and not restart:  # a run that died before saving
             plan.notes += [f"starting at step 0; moved {m}" for m in move_aside(cfg)]
         elif is_rank0 and metrics.is_file():
@@ -205,6 +244,7 @@ def _prepare(cfg, out_dir: Path, ck: Path, mode: str, is_rank0: bool, restart: b
     meta = checkpoint.read_meta(path)
     check_compatible(cfg, path, meta)
     plan.resume_from = path  # rank 0 says so in one line once the trainer has loaded it
+    plan.notes += clean_stale(out_dir, ck) if owner else []
     if is_rank0:
         truncate_metrics(out_dir / "metrics.jsonl", saved_step(meta))
     return plan
