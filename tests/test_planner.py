@@ -327,10 +327,11 @@ def test_plan_ranks_a100_layouts():
      "--pruned", "5"]],
     ids=["plain", "selective"])
 def test_emitted_toml_trains(corpus, tmp_path, extra):
-    """``shardwise plan --emit-toml`` writes a config that ``shardwise train`` runs as is;
-    with ``--selective`` and memory that only selective recomputation's layout fits (see
-    above), that layout is written as ``parallel.recompute = "selective"`` with the CUDA
-    note, and trains."""
+    """``shardwise plan --emit-toml`` writes a config that ``shardwise train`` runs as is,
+    in a run directory of its own (``best`` beside the model's ``out_dir``, issue 41); with
+    ``--selective`` and memory that only selective recomputation's layout fits (see above),
+    that layout is written as ``parallel.recompute = "selective"`` with the CUDA note, and
+    trains."""
     model = tmp_path / "model.toml"
     model.write_text(f'[model]\nn_layer = 2\nn_head = 4\nn_embd = 32\nblock_size = 32\n\n'
                      f'[data]\npath = "{corpus}"\n\n[training]\nsteps = 2\neval_every = 0\n'
@@ -348,9 +349,29 @@ def test_emitted_toml_trains(corpus, tmp_path, extra):
         assert "note:" not in r.stderr  # local: no GPU cluster to warn about
     else:
         assert "recompute = false" in text
+    assert f'out_dir = "{tmp_path / "best"}"' in text  # its own run, beside the model's
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
-    assert "done: 2 steps" in t.stdout
+    assert "done: 2 steps" in t.stdout and f"outputs in {tmp_path / 'best'}" in t.stdout
+
+
+def test_emitted_toml_has_a_run_directory_of_its_own(tmp_path):
+    """``--emit-toml PATH`` writes ``training.out_dir = runs/<PATH's stem>``, beside the model
+    TOML's own ``out_dir`` and never it, and no ``checkpoint.dir`` (the checkpoints follow
+    out_dir): the emitted layout never resumes the model's run (issue 41, defect 2)."""
+    from shardwise.base.config import Config
+    from shardwise.cli.plan import emit_toml
+
+    src = tmp_path / "tiny.toml"
+    src.write_text('[model]\nn_layer = 2\nn_head = 4\nn_embd = 32\nblock_size = 32\n'
+                   '[training]\nout_dir = "runs/tiny"\n'
+                   '[checkpoint]\ndir = "/shared/ck"\nevery = 3\n')
+    lay, spec = Layout(2, 1, 1, 1, 1, "1f1b"), NAMED["gpt2-124m"]
+    cfg = Config.load(emit_toml(str(tmp_path / "best.toml"), str(src), spec, lay, 8, "fp32"))
+    ck = cfg.checkpoint
+    assert (cfg.training.out_dir, ck.dir, ck.every) == ("runs/best", None, 3)
+    named = emit_toml(str(tmp_path / "b7.toml"), "gpt2-124m", spec, lay, 8, "fp32")
+    assert Config.load(named).training.out_dir == "runs/b7"  # not the default runs/shakespeare
 
 
 def test_emitted_zero3_pipeline_is_a_config_the_engine_accepts(tmp_path, capsys):

@@ -319,7 +319,9 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     engine does not run as priced (fp8 here, priced with tp; Korthikanti et al.'s
     attention-core recomputation, ``Layout.selective``, which the search never offers) is
     refused in one line; the engine's selective recomputation is written with a comment
-    that train refuses it on CUDA today. Returns the path."""
+    that train refuses it on CUDA today. The config gets a run of its own: ``training.out_dir``
+    ``runs/<PATH's stem>`` (beside the model TOML's own ``out_dir``, if it sets one), and the
+    checkpoints under it (a ``checkpoint.dir`` is not copied). Returns the path."""
     if lay.fp8 or lay.selective:
         what = ("FP8 (shardwise train runs it with tp = 1 only)" if lay.fp8 else
                 "attention-core recomputation (shardwise train's selective is torch's "
@@ -348,8 +350,12 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
         parallel.update({"dp_replicate": lay.dp_replicate,
                          "dp_shard": lay.dp // lay.dp_replicate})
     training = dict(data.get("training", {}))
-    training.update({"global_batch_size": batch, "precision": precision})
+    runs = Path(training["out_dir"]).parent if "out_dir" in training else Path("runs")
+    training.update({"global_batch_size": batch, "precision": precision,
+                     "out_dir": str(runs / Path(path).stem)})  # not the model's run
     out = {**data, "model": model, "parallel": parallel, "training": training}
+    if "checkpoint" in data:  # its checkpoints under out_dir, not the model's run's
+        out["checkpoint"] = {k: v for k, v in data["checkpoint"].items() if k != "dir"}
     text = "# written by shardwise plan: " + lay.label() + "\n"
     if lay.recompute == "selective":
         text += f"# {SELECTIVE_CUDA}\n"
