@@ -25,7 +25,7 @@ from shardwise.cli.main import main
     (["--bogus"], "unrecognised argument '--bogus'"),
     (["--parallel.schedule", "zigzag"], "error: parallel.schedule='zigzag': expected"),
     (["--parallel.schedule", "foo"],  # a choice field: its registry's names, in one line
-     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved or pipedream"),
+     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved, pipedream, zb1p or zbv"),
     (["--parallel.zero", "4"], "parallel.zero=4: expected 0, 1, 2 or 3"),
     (["--parallel.zero", "true"], "parallel.zero=True: expected 0, 1, 2 or 3"),
     (["--training.wandb", "yes"], "training.wandb='yes': expected offline, online or empty"),

@@ -453,7 +453,7 @@ class Engine:
             return value
         t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
-            last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+            last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
             comm.broadcast(t, src=last, group=self.pp_group, check=False,  # fixed shape
                            algorithm="auto")
         if self.topology.dp_cp > 1:
@@ -485,7 +485,7 @@ class Engine:
             value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
         if self.distributed and self.topology.pp > 1:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
-            last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+            last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
             comm.broadcast(t, src=last, group=self.pp_group, algorithm="auto")
             value = float(t)
         if self.cp is not None and self.distributed:
@@ -508,7 +508,7 @@ class Engine:
         than the model's vocabulary; None: all of it). ``sampling``: ``temperature``,
         ``top_k`` as ``models.sampling.generate``."""
         vocab = min(vocab_size or self.description.vocab_size, self.description.vocab_size)
-        last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+        last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
 
         def logits_of(ctx):  # (B, T, V) on the last stage, gathered over tp; None elsewhere
             logits = self._logits(ctx)
