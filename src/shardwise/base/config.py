@@ -41,6 +41,16 @@ ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 # parallel.pipeline.schedules.KINDS
 SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream", "zb1p", "zbv")
 SPLIT_BACKWARD_KINDS = ("zb1p", "zbv")  # backward split into input (B) and weight (W) parts
+
+
+def split_backward_refusal(schedule: str, zero: int) -> str | None:
+    """Why ``schedule`` cannot run under ZeRO stage ``zero`` (one line), or None."""
+    if schedule in SPLIT_BACKWARD_KINDS and zero == 3:
+        return (f"parallel.schedule={schedule} with parallel.zero=3: ZeRO-3 frees a unit's "
+                "gathered weights after its backward's input gradient, before the weight "
+                "gradient needs them; use parallel.zero <= 2 or a fused schedule (1f1b, "
+                "interleaved)")
+    return None
 # parallel.pipeline.partition.partition's ``by``
 PARTITIONS = ("layers", "params", "time")
 # parallel.precision.DTYPES' keys
@@ -446,11 +456,8 @@ class Config(_Section):
         if p.schedule == "zbv" and p.chunks_per_rank != 2:
             raise ValueError(f"parallel.schedule=zbv places two chunks per rank in a V: set "
                              f"parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
-        if p.schedule in SPLIT_BACKWARD_KINDS and p.zero == 3:
-            raise ValueError(f"parallel.schedule={p.schedule} with parallel.zero=3: ZeRO-3 frees "
-                             "a unit's gathered weights after its backward's input gradient, "
-                             "before the weight gradient needs them; use parallel.zero <= 2 "
-                             "or a fused schedule (1f1b, interleaved)")
+        if split_backward_refusal(p.schedule, p.zero):
+            raise ValueError(split_backward_refusal(p.schedule, p.zero))
         if p.schedule == "pipedream" and t.precision == "fp16":
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "

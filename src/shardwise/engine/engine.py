@@ -44,7 +44,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.base.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from shardwise.base.config import (
+    Config,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+    split_backward_refusal,
+)
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
@@ -162,6 +168,8 @@ class Engine:
         if local_batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {local_batch} "
                              "sequences per data-parallel replica")
+        if split_backward_refusal(kind, par.zero):
+            raise ValueError(split_backward_refusal(kind, par.zero))
         if kind == "pipedream" and opt.grad_clip > 0:
             raise ValueError("gradient clipping needs a flush; PipeDream has none")
         if kind == "pipedream" and pp > 1 and describe(model).tied is not None:

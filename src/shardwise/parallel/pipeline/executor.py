@@ -211,6 +211,7 @@ class Executor:
             self.reset()
             ops = self.schedule.ranks[self.pp_rank]
             self.backwards_left = {c: self.schedule.m for c in self.chunks}
+            self.launching = self._launching(ops)
         if 0 in self.chunks:  # other ranks ignore what they were given
             self.inputs.update({first_mb + i: x for i, x in enumerate(inputs or ())})
         if self.last_chunk in self.chunks:
@@ -392,7 +393,20 @@ class Executor:
             return contextlib.nullcontext()
         self.backwards_left[chunk] -= 1
         return self.grad_sync.final_backward() if self.backwards_left[chunk] == 0 \
+            and chunk in self.launching \
             else contextlib.nullcontext()
+
+    def _launching(self, ops) -> set[int]:
+        """Chunks whose last backward (or W) of the step may launch their buckets: all but
+        one sharing a parameter with a chunk of this rank whose last one comes later (a
+        tied embedding and head on one rank, zbv's V); that parameter's first gradient
+        would otherwise count as final. ``grad_sync.finish`` takes what they leave."""
+        last = {op.chunk: i for i, op in enumerate(ops) if isinstance(op, (Backward,
+                                                                            BackwardWeight))}
+        ids = {c: {id(p) for p in m.parameters()} for c, m in self.chunks.items()}
+        return {c for c in self.chunks if not any(
+            d != c and ids[c] & ids[d] and last.get(d, -1) > last.get(c, -1)
+            for d in self.chunks)}
 
     def _step(self, op: OptimizerStep) -> None:
         self.on_step()
