@@ -43,6 +43,7 @@ deadlock even when a send blocks until the matching receive is posted (``check``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, NamedTuple, Sequence
 
 from shardwise.base.config import SCHEDULE_KINDS as KINDS  # one list, the config's too
@@ -444,6 +445,7 @@ def _with_comm(orders, times, p: int, n_chunks: int, step_every_backward: bool,
     return out
 
 
+@lru_cache(maxsize=128)  # immutable, and the zero-bubble orders take a while at large p
 def schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """The instruction lists of ``kind`` for ``p`` pipeline ranks, ``m`` micro-batches and
     ``v`` chunks per rank. Raises ``ScheduleError`` with a one-line reason on bad input."""
