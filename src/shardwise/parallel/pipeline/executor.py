@@ -398,9 +398,9 @@ class Executor:
 
     def _launching(self, ops) -> set[int]:
         """Chunks whose last backward (or W) of the step may launch their buckets: all but
-        one sharing a parameter with a chunk of this rank whose last one comes later (a
-        tied embedding and head on one rank, zbv's V); that parameter's first gradient
-        would otherwise count as final. ``grad_sync.finish`` takes what they leave."""
+        those sharing a parameter with a chunk of this rank whose last one comes later (a
+        tied embedding and head on one rank, zbv's V), whose first gradient of that
+        parameter would count as final. ``grad_sync.finish`` takes what they leave."""
         last = {op.chunk: i for i, op in enumerate(ops) if isinstance(op, (Backward,
                                                                             BackwardWeight))}
         ids = {c: {id(p) for p in m.parameters()} for c, m in self.chunks.items()}
