@@ -71,10 +71,10 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     dp, dp_rank = shard * cp, dp_rank % shard * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
+    mine = [c for c, r in enumerate(placement_of(schedule, pp, chunks_per_rank)) if r == pp_rank]
     with torch.device("meta"):
         local = build_local_model(
-            model, pp=pp, pp_rank=pp_rank, chunk_ids=[
-                c for c, r in enumerate(placement_of(schedule, pp, chunks_per_rank)) if r == pp_rank],
+            model, pp=pp, pp_rank=pp_rank, chunk_ids=mine,
             n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
             seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
             ep=RankGroup(size=ep, rank=ep_rank, axis="ep"))
