@@ -89,7 +89,7 @@ def run_pipeline(dp: int, pp: int, cfg: dict, steps: int = 5, run_dir: str | Non
     if run_dir is not None:
         engine.save_timeline(run_dir)
     engine.drain()  # PipeDream: the backwards still in flight (flush schedules: nothing)
-    sync = engine.sync.sync
+    sync = getattr(engine.sync, "sync", None)  # ZeRO-1/2: its own buckets
     return {"losses": losses, "dp_rank": topo.dp_rank, "pp_rank": topo.pp_rank,
             "in_flight": in_flight,
             "buckets": None if sync is None else (len(sync.buckets), sync.launched_early),

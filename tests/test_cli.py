@@ -25,7 +25,13 @@ from shardwise.cli.main import main
     (["--bogus"], "unrecognised argument '--bogus'"),
     (["--parallel.schedule", "zigzag"], "error: parallel.schedule='zigzag': expected"),
     (["--parallel.schedule", "foo"],  # a choice field: its registry's names, in one line
-     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved or pipedream"),
+     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved, pipedream, zb1p or zbv"),
+    (["--parallel.schedule", "dualpipev"],  # not built: not accepted
+     "parallel.schedule='dualpipev': expected naive, gpipe, 1f1b"),
+    (["--parallel.pp", "2", "--parallel.micro_batches", "2", "--parallel.schedule", "zb1p",
+      "--parallel.zero", "3"], "parallel.schedule=zb1p with parallel.zero=3: ZeRO-3 frees"),
+    (["--parallel.pp", "2", "--parallel.micro_batches", "2", "--parallel.schedule", "zbv"],
+     "parallel.schedule=zbv places two chunks per rank in a V: set parallel.chunks_per_rank"),
     (["--parallel.zero", "4"], "parallel.zero=4: expected 0, 1, 2 or 3"),
     (["--parallel.zero", "true"], "parallel.zero=True: expected 0, 1, 2 or 3"),
     (["--training.wandb", "yes"], "training.wandb='yes': expected offline, online or empty"),

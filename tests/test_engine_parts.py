@@ -91,12 +91,14 @@ def test_the_steps_are_public_and_usable_on_a_users_layers():
 
 
 def test_evaluation_runs_through_the_pipeline_and_leaves_the_step_alone():
-    """At pp = 2 (interleaved, v = 2: four chunks over two ranks; PipeDream), ``loss`` is one
+    """At pp = 2 (interleaved, v = 2: four chunks over two ranks; PipeDream; zbv, whose last
+    chunk is on rank 0), ``loss`` is one
     process's loss of the same weights, and evaluating between steps (PipeDream: with
     micro-batches in flight) changes no training loss and leaves the stream's micro-batches
     in flight as they were."""
     cfgs = [{"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2},
-            {"schedule": "pipedream", "micro_batches": 2}]
+            {"schedule": "pipedream", "micro_batches": 2},
+            {"schedule": "zbv", "micro_batches": 2, "chunks_per_rank": 2}]  # V: ends on rank 0
     ranks = spawn(run_evaluations, 2, (cfgs,))
     idx, tgt = batches(1)[0]
     _, want = _model()(idx, tgt)

@@ -57,6 +57,14 @@ def _layouts(ws: int) -> dict[str, dict]:
                                                "initial_loss_scale": 2.0 ** 24}}
     out["2x2x2-bf16-z1"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "micro_batches": 2},
                             "training": {"precision": "bf16"}}  # the resume check's reference
+    # zero-bubble schedules (split backward): ZB-V's V puts the tied embedding and head on
+    # rank 0 (one parameter), with SP and ZeRO-1; ZB-H1 with ZeRO-2's reduce-scatter buckets
+    out["2x2x2-zbv-sp-z1"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
+                                           "micro_batches": 2, "schedule": "zbv",
+                                           "chunks_per_rank": 2, "sequence_parallel": True}}
+    out["2x2x2-zb1p-untied-z2"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 2,
+                                                "micro_batches": 4, "schedule": "zb1p",
+                                                **SMALL_BUCKETS}, "model": UNTIED}
     out["2x2x2-sp-recompute"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
                                               "micro_batches": 2, "sequence_parallel": True,
                                               "recompute": True}}
@@ -170,7 +178,8 @@ def test_memory_prediction_equals_measured_bytes(suite):
                                 dp_rank=r["coords"]["dp"], pp_rank=r["coords"]["pp"],
                                 tp_rank=r["coords"]["tp"], chunks_per_rank=p["chunks_per_rank"],
                                 zero=p["zero"], precision=t["precision"],
-                                bucket_mb=p["bucket_mb"], sequence_parallel=p["sequence_parallel"])
+                                bucket_mb=p["bucket_mb"], sequence_parallel=p["sequence_parallel"],
+                                schedule=p["schedule"])
             for k in ("params", "grads", "optimizer"):
                 assert pred[k] == r["memory"][k], (name, r["coords"], k, pred, r["memory"])
             checked += 1

@@ -57,6 +57,17 @@ PP4 = [
     {"schedule": "pipedream", "micro_batches": 2},
 ]
 SMALL = {"bucket_mb": 1 / 128, "first_bucket_mb": 1 / 128}
+# zero-bubble schedules (split backward): pp = 2 with and without recomputation (timelines
+# saved), pp = 4, and dp = 2 x pp = 2 with ZeRO-1 and ZeRO-2 in small buckets
+ZB_PP2 = [{"schedule": "zb1p", "micro_batches": 4},
+          {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2},
+          {"schedule": "zb1p", "micro_batches": 4, "recompute": True},
+          {"schedule": "zbv", "micro_batches": 2, "chunks_per_rank": 2, "recompute": True}]
+ZB_PP4 = [{"schedule": "zb1p", "micro_batches": 8},
+          {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2}]
+ZB_DP2_PP2 = [{"schedule": "zb1p", "micro_batches": 4, "zero": 1, **SMALL},
+              {"schedule": "zbv", "micro_batches": 2, "chunks_per_rank": 2, "zero": 2, **SMALL},
+              {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2, **SMALL}]
 DP2_PP2 = [{"schedule": "gpipe", "micro_batches": 2, **SMALL},
            {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
            {"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2, **SMALL}]
@@ -68,19 +79,22 @@ def ws2(tmp_path_factory):
     ``run_dir``), then PipeDream at m = 4 (12 steps). -> (runs, run_dir)."""
     run_dir = tmp_path_factory.mktemp("timelines")
     ranks = spawn(run_groups, 2, ([(1, 2, WITH_RECOMPUTE, 5, str(run_dir)),
-                                   (1, 2, PIPEDREAM_PP2, 12)],))
-    return [[r[g] for r in ranks] for g in range(2)], run_dir
+                                   (1, 2, PIPEDREAM_PP2, 12),
+                                   (1, 2, ZB_PP2, 5, str(run_dir / "zb"))],))
+    return [[r[g] for r in ranks] for g in range(3)], run_dir
 
 
 @pytest.fixture(scope="module")
 def ws4():
-    """One spawn of 4: pp = 4 (``PP4``), then dp = 2 x pp = 2 (``DP2_PP2``)."""
-    ranks = spawn(run_groups, 4, ([(1, 4, PP4), (2, 2, DP2_PP2)],))
-    return [[r[g] for r in ranks] for g in range(2)]
+    """One spawn of 4: pp = 4 (``PP4``), then dp = 2 x pp = 2 (``DP2_PP2``), then the
+    zero-bubble schedules (``ZB_PP4``, ``ZB_DP2_PP2``)."""
+    ranks = spawn(run_groups, 4, ([(1, 4, PP4), (2, 2, DP2_PP2), (1, 4, ZB_PP4),
+                                   (2, 2, ZB_DP2_PP2)],))
+    return [[r[g] for r in ranks] for g in range(4)]
 
 
 def test_pp2_matches_single_process_and_records_timelines(ref, ws2):
-    (results, _), tmp_path = ws2
+    (results, _, _), tmp_path = ws2
     for i, cfg in enumerate(WITH_RECOMPUTE):
         assert_parity([rank[i] for rank in results], ref)
     # every rank recorded the last step: one forward and one backward per (mb, chunk) held
@@ -121,6 +135,36 @@ def test_dp2_pp2_matches_single_process(ref, ws4):
             assert early == n and (n > 2 if "bucket_mb" in cfgs[i] else n <= 2), rank[i]["buckets"]
 
 
+def test_zero_bubble_schedules_match_single_process(ref, ws2, ws4):
+    """zb1p and zbv (backward split into B and W) at pp = 2 (with recomputation too), pp = 4
+    and dp = 2 x pp = 2 under ZeRO-1/2 and dp buckets: losses and parameters as one process;
+    every bucket launched before the schedule's end (from the chunk's last W)."""
+    (_, _, pp2), run_dir = ws2
+    for i in range(len(ZB_PP2)):
+        assert_parity([rank[i] for rank in pp2], ref)
+    for i in range(len(ZB_PP4)):
+        assert_parity([rank[i] for rank in ws4[2]], ref)
+    for i, cfg in enumerate(ZB_DP2_PP2):
+        assert_parity([rank[i] for rank in ws4[3]], ref)
+        if not cfg.get("zero"):
+            for rank in ws4[3]:
+                n, early = rank[i]["buckets"]
+                assert early == n and n > 2, rank[i]["buckets"]
+    # the recorded timeline: one F, one B and one W per (micro-batch, chunk) held, each W
+    # after its B; nothing in flight after a step
+    for i, cfg in enumerate(ZB_PP2):
+        events, _ = timeline.load(run_dir / "zb" / str(i))
+        n = cfg["micro_batches"] * 2 * cfg.get("chunks_per_rank", 1)
+        for kind in ("Forward", "BackwardInput", "BackwardWeight"):
+            assert sum(e["kind"] == kind for e in events) == n, (cfg, kind)
+        assert not any(e["kind"] == "Backward" for e in events)
+        b = {(e["rank"], e["mb"], e["chunk"]): e["end"] for e in events
+             if e["kind"] == "BackwardInput"}
+        assert all(e["start"] >= b[(e["rank"], e["mb"], e["chunk"])] for e in events
+                   if e["kind"] == "BackwardWeight")
+        assert all(r["in_flight"] == [0] * 5 for r in [rank[i] for rank in pp2])
+
+
 def test_pipedream_stashes_weights_and_learns(ws2):
     """Each micro-batch's backward differentiates the very weights its forward used, although
     the live weights moved in between (earlier stages step p - rank - 1 times meanwhile); the
@@ -152,6 +196,9 @@ def test_pipedream_stashes_weights_and_learns(ws2):
     (2, {"schedule": "interleaved", "micro_batches": 3, "chunks_per_rank": 2}, 6,
      "m=3 is not a multiple of p=2"),
     (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "needs a flush"),
+    (2, {"schedule": "zb1p", "micro_batches": 2, "zero": 3}, 8,
+     "parallel.schedule=zb1p with parallel.zero=3"),
+    (2, {"schedule": "zbv", "micro_batches": 2}, 8, "two chunks per rank in a V, not v=1"),
 ])
 def test_bad_layouts_are_one_line_errors(pp, cfg, batch, match):
     with pytest.raises(ValueError, match=match) as exc:

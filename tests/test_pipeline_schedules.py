@@ -7,6 +7,8 @@ from shardwise.parallel.pipeline.check import check, check_stream
 from shardwise.parallel.pipeline.schedules import (
     KINDS,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     RecvActivation,
@@ -25,7 +27,7 @@ from shardwise.parallel.pipeline.stream import Stream, cut, stream
 
 def _cases():
     for kind in KINDS:
-        for v in (range(1, 5) if kind == "interleaved" else [1]):
+        for v in (range(1, 5) if kind == "interleaved" else [2] if kind == "zbv" else [1]):
             yield kind, v
 
 
@@ -45,6 +47,8 @@ def test_every_schedule_is_valid(kind, v):
                 assert rep.peak_in_flight == tuple(min(p - r, m) for r in range(p))
             elif kind == "naive":
                 assert rep.peak_in_flight == (1,) * p
+            elif kind in ("zb1p", "zbv"):  # 1F1B's peak (p stages' worth) on every rank
+                assert max(rep.peak_in_flight) <= min(p, m) * v
             else:  # interleaved, Narayanan et al. SC 2021: warm-up 2(p-r-1) + (v-1)p
                 for r in range(p):
                     warm = min(2 * (p - r - 1) + (v - 1) * p, m * v)
@@ -106,6 +110,8 @@ def test_checker_catches_bad_schedules():
     (("gpipe", 0, 4), "positive integer"),
     (("1f1b", 2, 4, 2), "needs the interleaved"),
     (("interleaved", 4, 6, 2), "m=6 is not a multiple of p=4"),
+    (("zbv", 4, 8, 1), "two chunks per rank in a V, not v=1"),
+    (("zb1p", 4, 8, 2), "needs the interleaved"),
 ])
 def test_bad_arguments_are_one_line_errors(args, match):
     with pytest.raises(ScheduleError, match=match) as exc:
@@ -160,3 +166,74 @@ def test_pipedream_steady_step_bubble():
         for m in range(1, 17):
             assert ideal_bubble("pipedream", p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
             assert ideal_bubble("pipedream", p, m) < ideal_bubble("1f1b", p, m) or p == 1
+
+
+# -- zero-bubble schedules (Qi et al. 2023, arXiv:2401.10241): the backward split in B and W
+
+@pytest.mark.parametrize("kind", ["zb1p", "zbv"])
+def test_zero_bubble_schedules_are_valid(kind):
+    """Every B after its F, every W after its B, counts balance, no deadlock, 1F1B's peak."""
+    v = 2 if kind == "zbv" else 1
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            s = schedule(kind, p, m, v)
+            rep = check(s)  # blocking rendezvous: raises on a deadlock
+            assert s.split and rep.steps == (1,) * p
+            assert max(rep.peak_in_flight) <= p * v  # 1F1B holds p stages on rank 0
+            for r, ops in enumerate(s.ranks):
+                pos = {op: i for i, op in enumerate(ops)}
+                for c in s.chunks_of(r):
+                    for mb in range(m):
+                        f, b, w = Forward(mb, c), BackwardInput(mb, c), BackwardWeight(mb, c)
+                        assert pos[f] < pos[b] < pos[w]
+                assert not any(isinstance(op, Backward) for op in ops)
+                counts = [sum(isinstance(op, t) for op in ops)
+                          for t in (Forward, BackwardInput, BackwardWeight)]
+                assert counts == [m * v] * 3
+
+
+def test_zbv_places_chunks_in_a_v():
+    s = schedule("zbv", 4, 8, 2)
+    assert [s.chunks_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    # chunks 3 and 4 meet on rank 3: no transfer between them
+    assert not any(isinstance(op, (SendActivation, SendGrad)) and op.peer == 3
+                   for op in s.ranks[3])
+
+
+@pytest.mark.parametrize("kind, v", [("zb1p", 1), ("zbv", 2)])
+def test_zero_bubble_beats_1f1b_on_the_ideal_machine(kind, v):
+    """Unit costs (F = B = W): the split schedules' idle fraction is below 1F1B's and, for
+    ZB-V, below the interleaved schedule's at v = 2."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            times = time_orders(compute_order(kind, p, m, v), p, v, forward_cost=1.0 / v)
+            span = max(e for _, e in times.values())
+            bubble = 1 - sum(e - s for s, e in times.values()) / (p * span)
+            assert bubble < ideal_bubble("1f1b", p, m)
+            if kind == "zbv":
+                assert bubble < ideal_bubble("interleaved", p, m, 2)
+            assert 0 <= bubble < ideal_bubble("1f1b", p, m)
+
+
+def test_checker_catches_bad_split_backwards():
+    s = schedule("zb1p", 2, 2)
+    r0, r1 = s.ranks
+
+    def swap(ops, a, b):
+        ops = list(ops)
+        i, j = ops.index(a), ops.index(b)
+        ops[i], ops[j] = ops[j], ops[i]
+        return tuple(ops)
+    with pytest.raises(ScheduleError, match="weight gradient before its input gradient"):
+        check(Schedule("x", 2, 2, 1, (r0, swap(r1, BackwardInput(0, 1), BackwardWeight(0, 1))),
+                       split=True))
+    fused = tuple(Backward(op.mb, op.chunk) if isinstance(op, BackwardInput) else op
+                  for op in r1 if not isinstance(op, BackwardWeight))
+    with pytest.raises(ScheduleError, match="split schedule cannot run Backward"):
+        check(Schedule("x", 2, 2, 1, (r0, fused), split=True))
+    with pytest.raises(ScheduleError, match="never runs BackwardWeight"):
+        check(Schedule("x", 2, 2, 1, (r0, tuple(op for op in r1 if op != BackwardWeight(1, 1))),
+                       split=True))
+    with pytest.raises(ScheduleError, match="does not hold the consumer"):
+        wrong = tuple(SendActivation(0, 0, 0) if op == SendActivation(0, 0, 1) else op for op in r0)
+        check(Schedule("x", 2, 2, 1, (wrong, r1), split=True))

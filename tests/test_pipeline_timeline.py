@@ -24,3 +24,27 @@ def test_render_prediction_and_errors(tmp_path, capsys):
                               "--chunks-per-rank", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no timeline" in err[0] and "multiple of p=4" in err[1]
+
+
+def _has_colour(png, colour) -> bool:
+    """Whether PNG ``png`` has a pixel of exactly ``colour`` (a matplotlib colour)."""
+    import numpy as np
+    from matplotlib import colors, image
+
+    px = (image.imread(png)[..., :3] * 255).round().astype(np.uint8).reshape(-1, 3)
+    rgb = np.array([round(c * 255) for c in colors.to_rgb(colour)], dtype=np.uint8)
+    return bool((px == rgb).all(axis=1).any())
+
+
+@pytest.mark.parametrize("kind, v", [("zb1p", 1), ("zbv", 2)])
+def test_split_backward_timeline_draws_f_b_w_in_three_colours(kind, v, tmp_path):
+    """A zero-bubble prediction: each rank's rows hold F, B and W boxes, drawn in the three
+    colours of ``timeline.SPLIT_COLOURS`` (fused timelines keep colours by micro-batch)."""
+    events = timeline.predicted(kind, 4, 8, v)
+    assert {e["kind"] for e in events} == {"Forward", "BackwardInput", "BackwardWeight"}
+    assert {e["rank"] for e in events} == set(range(4))
+    out = timeline.render(events, tmp_path / "zb.png", kind)
+    for name, colour in timeline.SPLIT_COLOURS.items():
+        assert _has_colour(out, colour), name
+    fused = timeline.render(timeline.predicted("1f1b", 4, 8), tmp_path / "f.png", "1f1b")
+    assert not any(_has_colour(fused, c) for c in timeline.SPLIT_COLOURS.values())

@@ -39,7 +39,18 @@ ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halvin
 # and its all-to-all (comm.alltoall takes them from here)
 ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 # parallel.pipeline.schedules.KINDS
-SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream")
+SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream", "zb1p", "zbv")
+SPLIT_BACKWARD_KINDS = ("zb1p", "zbv")  # backward split into input (B) and weight (W) parts
+
+
+def split_backward_refusal(schedule: str, zero: int) -> str | None:
+    """Why ``schedule`` cannot run under ZeRO stage ``zero`` (one line), or None."""
+    if schedule in SPLIT_BACKWARD_KINDS and zero == 3:
+        return (f"parallel.schedule={schedule} with parallel.zero=3: ZeRO-3 frees a unit's "
+                "gathered weights after its backward's input gradient, before the weight "
+                "gradient needs them; use parallel.zero <= 2 or a fused schedule (1f1b, "
+                "interleaved)")
+    return None
 # parallel.pipeline.partition.partition's ``by``
 PARTITIONS = ("layers", "params", "time")
 # parallel.precision.DTYPES' keys
@@ -99,8 +110,11 @@ class ParallelConfig(_Section):
         "native", description="expert parallelism's token dispatch: native (the backend's "
         "all-to-all), pairwise or linear (ours on send/recv, bytes counted)")
     schedule: Literal[SCHEDULE_KINDS] = Field("1f1b", description="pipeline schedule with pp "
-                                              "> 1; parallel.micro_batches is its m")
-    chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v, interleaved)")
+                                              "> 1; parallel.micro_batches is its m; zb1p "
+                                              "and zbv split each backward into input and "
+                                              "weight gradients (zero bubble)")
+    chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v: "
+                                 "interleaved; 2 for zbv)")
     partition: Literal[PARTITIONS] = Field("layers", description="pipeline stage balance: "
                                            "by layer count, parameter count or measured "
                                            "forward + backward time")
@@ -439,6 +453,11 @@ class Config(_Section):
         if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
             raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
                              f"parallel.pp={p.pp} for the interleaved schedule")
+        if p.schedule == "zbv" and p.chunks_per_rank != 2:
+            raise ValueError(f"parallel.schedule=zbv places two chunks per rank in a V: set "
+                             f"parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
+        if split_backward_refusal(p.schedule, p.zero):
+            raise ValueError(split_backward_refusal(p.schedule, p.zero))
         if p.schedule == "pipedream" and t.precision == "fp16":
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "

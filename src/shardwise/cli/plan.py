@@ -18,6 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from shardwise.base.config import SPLIT_BACKWARD_KINDS
 from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.planner.memory import GiB, unit_for
 from shardwise.planner.specs import SpecError, load_model, positive_number
@@ -73,6 +74,9 @@ def build_parser():
     ap.add_argument("--fp8", action="store_true", help="also price FP8 linear layers (a "
                     "cluster with FP8 tensor cores: dgx-h100); priced, not emitted: "
                     "shardwise train runs fp8 with tp = 1 only")
+    ap.add_argument("--zero-bubble", action="store_true", help="also search the zero-bubble "
+                    "pipeline schedules zb1p and zbv (backward split into input and weight "
+                    "gradients), emitted by --emit-toml")
     ap.add_argument("--selective", action="store_true", help="also search selective "
                     "recomputation (parallel.recompute = \"selective\": matmul and attention "
                     "outputs kept, the rest recomputed; layout name rc=sel), emitted by "
@@ -161,7 +165,9 @@ def _run(args) -> int:
                             top=top, progress=True, cp=cps, ep=eps,
                             fp8=(False, True) if args.fp8 else (False,),
                             dp_replicate=_sizes(args.dp_replicate, "--dp-replicate"),
-                            selective=(False, True) if args.selective else (False,))
+                            selective=(False, True) if args.selective else (False,),
+                            schedules=("1f1b", "interleaved") + (
+                                SPLIT_BACKWARD_KINDS if args.zero_bubble else ()))
     if not feasible:
         need = smallest_need(pruned)
         if need is not None:

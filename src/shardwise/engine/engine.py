@@ -44,7 +44,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardwise import comm
-from shardwise.base.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from shardwise.base.config import (
+    Config,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+    split_backward_refusal,
+)
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
@@ -162,6 +168,8 @@ class Engine:
         if local_batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {local_batch} "
                              "sequences per data-parallel replica")
+        if split_backward_refusal(kind, par.zero):
+            raise ValueError(split_backward_refusal(kind, par.zero))
         if kind == "pipedream" and opt.grad_clip > 0:
             raise ValueError("gradient clipping needs a flush; PipeDream has none")
         if kind == "pipedream" and pp > 1 and describe(model).tied is not None:
@@ -453,7 +461,7 @@ class Engine:
             return value
         t = value.reshape(1).to(self.device)
         if self.topology.pp > 1:
-            last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+            last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
             comm.broadcast(t, src=last, group=self.pp_group, check=False,  # fixed shape
                            algorithm="auto")
         if self.topology.dp_cp > 1:
@@ -485,7 +493,7 @@ class Engine:
             value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
         if self.distributed and self.topology.pp > 1:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
-            last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+            last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
             comm.broadcast(t, src=last, group=self.pp_group, algorithm="auto")
             value = float(t)
         if self.cp is not None and self.distributed:
@@ -508,7 +516,7 @@ class Engine:
         than the model's vocabulary; None: all of it). ``sampling``: ``temperature``,
         ``top_k`` as ``models.sampling.generate``."""
         vocab = min(vocab_size or self.description.vocab_size, self.description.vocab_size)
-        last = self.pp_ranks[(self.local.n_chunks - 1) % self.topology.pp]
+        last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
 
         def logits_of(ctx):  # (B, T, V) on the last stage, gathered over tp; None elsewhere
             logits = self._logits(ctx)

@@ -36,6 +36,7 @@ from shardwise.engine.parallelize import zero3_shared_reason
 from shardwise.parallel.data_parallel.buckets import MiB, build_buckets
 from shardwise.parallel.experts import is_expert
 from shardwise.parallel.precision import DTYPES
+from shardwise.parallel.pipeline.schedules import placement_of
 from shardwise.parallel.tensor_parallel.group import RankGroup
 
 
@@ -53,12 +54,14 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers",
-                 ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1) -> dict:
+                 ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1,
+                 schedule: str = "1f1b") -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     ``ep``: expert-parallel ranks (folded over dp: the rank's ep rank is dp_rank mod ep).
     ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate of the dp ranks).
+    ``schedule``: the pipeline schedule, for its chunk placement (zbv's V).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
     ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
     # ZeRO's groups are the replicas: of the dense weights dp x cp (this rank at
@@ -68,9 +71,10 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     dp, dp_rank = shard * cp, dp_rank % shard * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
     n_chunks = pp * chunks_per_rank
+    mine = [c for c, r in enumerate(placement_of(schedule, pp, chunks_per_rank)) if r == pp_rank]
     with torch.device("meta"):
         local = build_local_model(
-            model, pp=pp, pp_rank=pp_rank, chunk_ids=[pp_rank + i * pp for i in range(chunks_per_rank)],
+            model, pp=pp, pp_rank=pp_rank, chunk_ids=mine,
             n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
             seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
             ep=RankGroup(size=ep, rank=ep_rank, axis="ep"))

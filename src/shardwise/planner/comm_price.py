@@ -193,8 +193,8 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
     """The all-reduce of a tied embedding's gradient between the first and last pipeline
-    ranks (``r`` one of them, pp > 1), else 0."""
-    if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)):
+    ranks (``r`` one of them, pp > 1; zbv holds both on rank 0: none), else 0."""
+    if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)) and lay.schedule != "zbv":
         return cluster.link(lay.tp * lay.cp * lay.pp).all_reduce(
             2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * BYTES[precision])
     return 0.0

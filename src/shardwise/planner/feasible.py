@@ -4,6 +4,7 @@ prunes with (``prune_reason``), each one line naming the size at fault, and that
 
 from __future__ import annotations
 
+from shardwise.base.config import SPLIT_BACKWARD_KINDS
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.specs import ModelSpec
@@ -73,6 +74,8 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
         return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
+    if lay.schedule in SPLIT_BACKWARD_KINDS and lay.zero == 3:
+        return f"{lay.schedule} with ZeRO-3: the gathered weights are freed before the W"
     if lay.sp and (spec.block_size // lay.cp) % lay.tp:
         return (f"sequence parallelism: tp={lay.tp} does not divide the sequence "
                 f"{spec.block_size // lay.cp}" + (" (per cp rank)" if lay.cp > 1 else ""))

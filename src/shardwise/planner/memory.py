@@ -78,6 +78,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardwise.parallel.pipeline.partition import balanced
+from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.parallel.pipeline.check import check
+from shardwise.parallel.pipeline.schedules import placement_of, schedule as build_schedule
 from shardwise.parallel.pipeline.schedules import warmup_forwards
 from shardwise.planner.specs import (
     ModelSpec,
@@ -173,13 +176,15 @@ def fast_balanced(weights: list[float], parts: int):
     return Partition(tuple(bounds), costs)
 
 
-def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers") -> list[list[int]]:
+def stage_layers(spec: ModelSpec, pp: int, v: int = 1, by: str = "layers",
+                 schedule: str = "1f1b") -> list[list[int]]:
     """Per pipeline rank, the layer indices it holds (0: embedding, 1..L: blocks, L+1:
-    head), chunk c on rank c % pp, cut as the engine cuts (``cut``)."""
+    head), chunk c on rank c % pp (zbv: its V, ``schedules.placement_of``), cut as the
+    engine cuts (``cut``)."""
     part = cut(spec, pp * v, by)
     out: list[list[int]] = [[] for _ in range(pp)]
-    for c in range(pp * v):
-        out[c % pp] += list(part.layers(c))
+    for c, r in enumerate(placement_of(schedule, pp, v)):
+        out[r] += list(part.layers(c))
     return out
 
 
@@ -278,11 +283,12 @@ EXACT_LIMIT = 50_000_000
 def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                  precision: str, sequence_parallel: bool = False,
                  bucket_mb: float = 25.0, partition: str = "layers", cp: int = 1,
-                 ep: int = 1, dp_replicate: int = 1) -> dict:
+                 ep: int = 1, dp_replicate: int = 1, schedule: str = "1f1b") -> dict:
     """The largest rank's static bytes ``{"params", "grads", "optimizer", "total"}``
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0). ``cp``: ZeRO shards
     over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over (dp / ep) x cp;
-    ``dp_replicate``: HSDP's replicas, the dense shards over (dp / dp_replicate) x cp."""
+    ``dp_replicate``: HSDP's replicas, the dense shards over (dp / dp_replicate) x cp;
+    ``schedule``: for its chunk placement (zbv's V)."""
     # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
     if spec.params <= EXACT_LIMIT and zero > 0:
         # the engine (and a model) only here: planning a named size imports neither
@@ -296,12 +302,12 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                                  chunks_per_rank=v, zero=zero, precision=precision,
                                  bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
                                  partition_by=partition, cp=cp, ep=ep,
-                                 dp_replicate=dp_replicate)
+                                 dp_replicate=dp_replicate, schedule=schedule)
                 if best is None or r["total"] > best["total"]:
                     best = r
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
-    for P, X in _stage_params(spec, pp, v, partition, tp, ep):
+    for P, X in _stage_params(spec, pp, v, partition, tp, ep, schedule == "zbv"):
         d = zero_bytes(P - X, dp // dp_replicate * cp, zero, precision)
         if X:
             x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them
@@ -313,13 +319,13 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
 
 @lru_cache(maxsize=4096)
 def _stage_params(spec: ModelSpec, pp: int, v: int, partition: str, tp: int,
-                  ep: int) -> tuple[tuple[int, int], ...]:
+                  ep: int, v_shaped: bool = False) -> tuple[tuple[int, int], ...]:
     """Of the pipeline ranks' (``rank_params``, ``rank_expert_params``), each distinct pair
     once, in the order of the first rank holding it: all ``static_bytes`` reads of the
     cut (a rank with the same pair has the same bytes; its maximum keeps the first),
     memoised for the dp, ZeRO and cp sizes that share it."""
     pairs: dict = {}
-    for layers in stage_layers(spec, pp, v, partition):
+    for layers in stage_layers(spec, pp, v, partition, "zbv" if v_shaped else "1f1b"):
         pairs.setdefault((rank_params(spec, layers, tp, pp, ep),
                           rank_expert_params(spec, layers, tp, ep)), None)
     return tuple(pairs)
@@ -492,14 +498,22 @@ def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str,
 
 
 def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
-    """Micro-batches whose activations rank ``rank`` holds at once (per chunk it runs)."""
+    """Micro-batches whose activations rank ``rank`` holds at once (per chunk it runs); for
+    the zero-bubble schedules the checker's peak over their lists (F to W), per chunk."""
     if p == 1:
         return 1
     if schedule == "gpipe":
         return m
+    if schedule in SPLIT_BACKWARD_KINDS:
+        return -(-_split_peaks(schedule, p, m, v)[rank] // v)
     if v == 1:
         return min(p - rank, m)
     return -(-(warmup_forwards(p, m, v, rank) + 1) // v)
+
+
+@lru_cache(maxsize=256)
+def _split_peaks(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    return check(build_schedule(schedule, p, m, v)).peak_in_flight
 
 
 @lru_cache(maxsize=256)
@@ -533,9 +547,10 @@ def rank_groups(spec: ModelSpec, pp: int, v: int, partition: str, schedule: str,
     set holds in flight: every peak grows with that count, so the others cannot be the
     largest (the search asks for thousands of layouts of one cut)."""
     chunks_of = chunk_blocks(spec, pp * v, partition)
+    place = placement_of(schedule, pp, v)
     most: dict = {}
     for r in range(pp):
-        key = tuple(chunks_of[r + i * pp] for i in range(v))
+        key = tuple(chunks_of[c] for c in range(pp * v) if place[c] == r)
         most[key] = max(most.get(key, 0), in_flight(schedule, pp, micro_batches, v, r))
     return tuple((k, key) for key, k in most.items())
 

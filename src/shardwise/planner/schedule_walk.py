@@ -24,6 +24,8 @@ from shardwise.parallel.pipeline.schedules import (
     COMM_STREAM,
     COMPUTE_STREAM,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     ScheduleError,
     SendActivation,
@@ -33,6 +35,21 @@ from shardwise.parallel.pipeline.schedules import (
     warmup_forwards,
 )
 from shardwise.planner.costs import ChunkCost
+
+
+def op_cost(f: ChunkCost, ins) -> tuple[float, float, float]:
+    """(seconds, of which tp communication, of which waiting) of compute ``ins`` on a chunk
+    costing ``f``. A split backward: B carries the backward's communication (the input
+    gradient's all-reduces) and half its compute, W the other half (the weight gradient's
+    matmuls equal the input gradient's)."""
+    if isinstance(ins, Forward):
+        return f.forward, f.tp_forward, f.wait_forward
+    if isinstance(ins, Backward):
+        return f.backward, f.tp_backward, f.wait_backward
+    half = (f.backward - f.tp_backward) / 2
+    if isinstance(ins, BackwardInput):
+        return half + f.tp_backward, f.tp_backward, min(f.wait_backward, half + f.tp_backward)
+    return half, 0.0, 0.0
 
 
 class Walk(NamedTuple):
@@ -56,15 +73,15 @@ def walk(sched, costs: list[ChunkCost], p2p: float) -> Walk:
     pipeline's timer (``pipeline.schedules.time_lists``); returns per rank the end of its last
     compute, its busy compute seconds and its tp seconds, and the timeline events, as a
     ``Walk``. Raises ``ScheduleError`` if the lists deadlock."""
-    p, n = sched.p, sched.n_chunks
+    p, n, place, split = sched.p, sched.n_chunks, sched.placement, sched.split
+    computes = (Forward, Backward, BackwardInput, BackwardWeight)
 
     def price(r, ins):
-        if isinstance(ins, Forward):
-            return COMPUTE_STREAM, list_deps(r, ins, p, n), costs[ins.chunk].forward
-        if isinstance(ins, Backward):
-            return COMPUTE_STREAM, list_deps(r, ins, p, n), costs[ins.chunk].backward
+        if isinstance(ins, computes):
+            return (COMPUTE_STREAM, list_deps(r, ins, p, n, place, split),
+                    op_cost(costs[ins.chunk], ins)[0])
         if isinstance(ins, (SendActivation, SendGrad)):
-            return COMM_STREAM, list_deps(r, ins, p, n), p2p
+            return COMM_STREAM, list_deps(r, ins, p, n, place, split), p2p
         return None  # receives and the optimizer step: no time on either stream
 
     timing = time_lists(sched.ranks, price)
@@ -73,13 +90,9 @@ def walk(sched, costs: list[ChunkCost], p2p: float) -> Walk:
     for r, ins, start, end in timing.events:
         if isinstance(ins, (SendActivation, SendGrad)):
             continue
-        f = costs[ins.chunk]
-        if isinstance(ins, Forward):
-            busy[r] += f.forward - f.tp_forward
-            tp_time[r] += f.tp_forward
-        else:
-            busy[r] += f.backward - f.tp_backward
-            tp_time[r] += f.tp_backward
+        seconds, tp, _ = op_cost(costs[ins.chunk], ins)
+        busy[r] += seconds - tp
+        tp_time[r] += tp
         events.append({"rank": r, "kind": type(ins).__name__, "mb": ins.mb,
                        "chunk": ins.chunk, "start": start, "end": end})
     return Walk(timing.free[COMPUTE_STREAM], busy, tp_time, events)
@@ -194,7 +207,8 @@ def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas:
 
     def ready_time(r, ins):
         """When ``ins``'s inputs are there (None: not yet known)."""
-        deps = [finished.get(d) for d in list_deps(r, ins, p, n_chunks)]
+        deps = [finished.get(d) for d in list_deps(r, ins, p, n_chunks, sched.placement,
+                                                   sched.split)]
         return None if None in deps else max(deps, default=0.0)
 
     def _advance(r, wake):
@@ -204,7 +218,7 @@ def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas:
                 comm_free[r] = finished[ins] = max(comm_free[r], ready_time(r, ins)) + p2p
                 pc[r] += 1
                 continue
-            if not isinstance(ins, (Forward, Backward)):
+            if not isinstance(ins, (Forward, Backward, BackwardInput, BackwardWeight)):
                 pc[r] += 1
                 continue
             rt = ready_time(r, ins)
@@ -213,10 +227,7 @@ def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas:
             if rt > t + 1e-15:
                 wake.append(rt)
                 break
-            f = costs[ins.chunk]
-            fwd = isinstance(ins, Forward)
-            work, tpw, wait = ((f.forward, f.tp_forward, f.wait_forward) if fwd
-                               else (f.backward, f.tp_backward, f.wait_backward))
+            work, tpw, wait = op_cost(costs[ins.chunk], ins)
             running[r] = [ins, work - wait, t, tpw / work if work else 0.0, wait]
             pc[r] += 1
 

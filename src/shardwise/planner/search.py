@@ -52,6 +52,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from operator import add
 
+from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.parallel.pipeline.schedules import placement_of
 from shardwise.planner.comm_price import blocking_p2p, dp_seconds, p2p_bytes, tied_seconds
 from shardwise.planner.compute import optimizer_seconds
 from shardwise.planner.costs import chunk_costs, model_seconds
@@ -146,8 +148,7 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                     if per % mb:
                         continue
                     m = per // mb
-                    scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
-                        [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
+                    scheds = _schedules(pp, schedules, vs)
                     for kind, v in scheds:
                         for e in ep_choices(spec, dp, ep):
                             for z in zero:
@@ -172,14 +173,14 @@ def _modes(recompute, selective) -> list[tuple]:
 
 def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, precision: str,
                sp: bool = False, partition: str = "layers", cp: int = 1, ep: int = 1,
-               dp_replicate: int = 1) -> dict:
+               dp_replicate: int = 1, schedule: str = "1f1b") -> dict:
     """``static_bytes`` (params, grads, optimizer) and ``"gathered"``, ZeRO-3's units in
     flight at the peak (``gathered_bytes``; 0 for ZeRO 0-2), bytes per GPU; ``"total"``
     their sum; ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate).
     Each is its largest pipeline rank's, so the total may exceed every one rank's by the
     difference between the ranks' gathered units (a bound, never below)."""
     st = static_bytes(spec, dp, tp, pp, v, zero, precision, sp, partition=partition, cp=cp,
-                      ep=ep, dp_replicate=dp_replicate)
+                      ep=ep, dp_replicate=dp_replicate, schedule=schedule)
     g = gathered_bytes(spec, dp, tp, pp, zero, precision, partition, cp, ep, v, dp_replicate)
     return {**st, "gathered": g, "total": st["total"] + g}
 
@@ -198,7 +199,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
                                 am=MEGATRON if kernels == "megatron-2021" else None,
                                 selective=lay.selective, cp=lay.cp)
     st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
-                    lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate)
+                    lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate, lay.schedule)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
@@ -251,14 +252,14 @@ class Bounds:
         collectives after the flush, the tied embedding's all-reduce, the optimizer (the
         same functions)."""
         key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero,
-               lay.cp, lay.ep, lay.dp_replicate)
+               lay.cp, lay.ep, lay.dp_replicate, lay.schedule == "zbv")  # zbv: its V
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
             x = []
             L = spec.n_layer
             for r, layers in enumerate(stage_layers(spec, lay.pp, lay.chunks_per_rank,
-                                                    lay.partition)):
+                                                    lay.partition, lay.schedule)):
                 # a named size's dp and optimizer seconds read only how many blocks a rank
                 # holds and whether the embedding and head are among them (rank_params)
                 sig = ((len(layers), 0 in layers, L + 1 in layers)
@@ -296,7 +297,7 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     ex = b.extras(lay)
     if p == 1:
         return m * sum(c.forward + c.backward for c in costs) + ex[0]
-    key = (b.costs_key(lay), m)
+    key = (b.costs_key(lay), m, lay.schedule)
     ends = b._ends.get(key)
     if ends is None:  # per rank: the end of its own work, and of the backward chain after
         spec, e = b.spec, BYTES[b.precision]
@@ -304,8 +305,9 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
         hop = 0.0 if blocking_p2p(b.cluster, lay) else (
             b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
         work = [0.0] * p
+        place = placement_of(lay.schedule, p, lay.chunks_per_rank)
         for c, cc in enumerate(costs):
-            work[c % p] += cc.forward + cc.backward
+            work[place[c]] += cc.forward + cc.backward
         own, chain, head, tail = [], [], 0.0, 0.0
         for r in range(p):
             end = head + m * work[r]
@@ -315,7 +317,19 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
             tail += costs[r].backward + hop
         ends = b._ends[key] = (own, max(chain))
     own, chain = ends
+    if lay.schedule in SPLIT_BACKWARD_KINDS:  # W's need not trail the backward chain
+        return max(map(add, own, ex))
     return max(max(map(add, own, ex)), chain + ex[0])
+
+
+def _schedules(pp: int, schedules, vs) -> list[tuple[str, int]]:
+    """The (kind, v) schedules of the space at ``pp``: 1F1B, interleaved at each of ``vs``,
+    and the zero-bubble ``zb1p`` (v 1) and ``zbv`` (v 2) when ``schedules`` names them."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [("1f1b", 1)] + ([("interleaved", v) for v in vs] if "interleaved" in schedules
+                            else []) + [(k, 2 if k == "zbv" else 1) for k in SPLIT_BACKWARD_KINDS
+                                        if k in schedules]
 
 
 def _space(spec, world, global_batch, micro_batches, schedules, vs, pp_max, cps):
@@ -326,8 +340,7 @@ def _space(spec, world, global_batch, micro_batches, schedules, vs, pp_max, cps)
                 if pp_max and pp > pp_max:
                     continue
                 dp = world // (tp * pp * cp)
-                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
-                    [("interleaved", v) for v in vs] if "interleaved" in schedules else [])
+                scheds = _schedules(pp, schedules, vs)
                 per = global_batch // dp if global_batch % dp == 0 else 0
                 mbs = [mb for mb in (micro_batches or divisors(per)) if per and per % mb == 0]
                 yield cp, tp, pp, dp, per, mbs, scheds
@@ -443,9 +456,10 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 reps = {z: [r for r in dp_replicate if dp % r == 0] if z else [1]
                         for z in zero}  # HSDP's replica counts
                 statics = {(z, e, s, r): held_bytes(spec, dp, tp, pp, v, z, precision, s,
-                                                    cut_by, c, e, r)
+                                                    cut_by, c, e, r, kind)
                            for z in zero for e in eps for s in sps for r in reps[z]
-                           if not (z and dp * c == 1 or s and sp_why)}
+                           if not (z and dp * c == 1 or s and sp_why
+                                   or z == 3 and kind in SPLIT_BACKWARD_KINDS)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
                 if statics and least > limit:

@@ -138,7 +138,7 @@ def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str |
         run = lambda c: walk(sched, costs, c)
     end, busy, tp_time, events = run(p2p)
     ideal_end = run(0.0).end if lay.pp > 1 else end
-    per_rank = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition)
+    per_rank = stage_layers(spec, lay.pp, lay.chunks_per_rank, lay.partition, kind)
     totals, parts = [], []
     for r in range(lay.pp):
         dp = dp_seconds(spec, lay, cluster, precision, per_rank[r])

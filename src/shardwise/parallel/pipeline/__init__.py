@@ -1,7 +1,9 @@
 """Pipeline parallelism: schedules as data, a checker, partitioning, one executor, timelines.
 
 - ``schedules``: ``schedule(kind, p, m, v)`` -> ``Schedule`` (instruction lists per rank)
-  for naive, GPipe, 1F1B, interleaved 1F1B and PipeDream; ``time_orders`` for ideal timings.
+  for naive, GPipe, 1F1B, interleaved 1F1B, PipeDream and the zero-bubble ZB-H1 (``zb1p``)
+  and ZB-V (``zbv``); ``time_orders`` for ideal timings.
+- ``split_backward``: a chunk's backward in two, B (input gradient) and W (weights).
 - ``check``: ``check(schedule)`` validates any schedule without processes.
 - ``partition``: balanced contiguous cuts by layer count, parameters or profiled time.
 - ``stage``: GPT chunks keeping the GPT's parameter names.
@@ -27,6 +29,8 @@ from shardwise.parallel.pipeline.partition import (
 from shardwise.parallel.pipeline.schedules import (
                                           KINDS,
                                           Backward,
+                                          BackwardInput,
+                                          BackwardWeight,
                                           Forward,
                                           OptimizerStep,
                                           RecvActivation,
@@ -44,7 +48,8 @@ from shardwise.parallel.pipeline.stage import StageChunk, gpt_chunks, lm_loss
 __all__ = [
     "KINDS", "Schedule", "ScheduleError", "schedule", "compute_order", "time_orders",
     "ideal_bubble",
-    "Forward", "Backward", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad",
+    "Forward", "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation",
+    "SendGrad", "RecvGrad",
     "OptimizerStep", "check", "CheckReport", "Partition", "PartitionError", "balanced",
     "gpt_layers", "partition_layers", "profile_layers", "StageChunk", "gpt_chunks", "lm_loss",
     "Executor",

@@ -3,7 +3,9 @@
 ``check(schedule)`` verifies, for any ``Schedule`` (built here or by hand):
 
 1. every chunk's forward and backward runs exactly once per micro-batch, on the rank that
-   holds the chunk, the backward after the forward;
+   holds the chunk (``Schedule.rank_of``), the backward after the forward; a split backward
+   (``Schedule.split``) runs its ``BackwardInput`` after the forward and its
+   ``BackwardWeight`` after that, and no fused ``Backward``;
 2. every input is there when used: a chunk's forward follows the receive of its input (or
    the local forward of the previous chunk), a backward follows the receive of its output
    gradient (or the local backward of the next chunk), a send follows what it sends;
@@ -14,7 +16,8 @@
 4. flush schedules end with exactly one optimizer step per rank.
 
 It returns the peak number of (micro-batch, chunk) activations held per rank: forwards done
-whose backward has not run. Raises ``ScheduleError`` with a one-line reason otherwise.
+whose backward (split: whose ``BackwardWeight``) has not run. Raises ``ScheduleError`` with
+a one-line reason otherwise.
 
 ``check_stream(stream, steps)`` does the same for PipeDream's flush-free stream
 (``pipeline.stream``) over ``steps`` training steps and the final drain: the concatenation is
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 
 from shardwise.parallel.pipeline.schedules import (
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     RecvActivation,
@@ -67,9 +72,14 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
     received: set = set()
     live = peak = warmup = steps = 0
     seen_backward = False
+    bwd = BackwardInput if s.split else Backward  # what makes a chunk's input gradient
     for i, op in enumerate(s.ranks[r]):
         where = f"rank {r} instruction {i} ({op})"
-        if isinstance(op, (Forward, Backward)):
+        if isinstance(op, (Backward, BackwardInput, BackwardWeight)) and \
+                isinstance(op, Backward) == s.split:
+            raise ScheduleError(f"{where}: a {'split' if s.split else 'fused'} schedule "
+                                f"cannot run {type(op).__name__}")
+        if isinstance(op, (Forward, Backward, BackwardInput, BackwardWeight)):
             if op.chunk not in mine or not 0 <= op.mb < s.m:
                 raise ScheduleError(f"{where}: chunk/micro-batch not held by this rank")
             if op in done:
@@ -80,18 +90,25 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
                 raise ScheduleError(f"{where}: input not received yet")
             live, warmup = live + 1, warmup if seen_backward else warmup + 1
             peak = max(peak, live)
-        elif isinstance(op, Backward):
+        elif isinstance(op, (Backward, BackwardInput)):
             if Forward(op.mb, op.chunk) not in done:
                 raise ScheduleError(f"{where}: backward before its forward")
-            if op.chunk < n - 1 and Backward(op.mb, op.chunk + 1) not in done \
+            if op.chunk < n - 1 and bwd(op.mb, op.chunk + 1) not in done \
                     and ("grad", op.mb, op.chunk) not in received:
                 raise ScheduleError(f"{where}: output gradient not received yet")
-            live, seen_backward = live - 1, True
+            live, seen_backward = live - (not s.split), True
+        elif isinstance(op, BackwardWeight):
+            if BackwardInput(op.mb, op.chunk) not in done:
+                raise ScheduleError(f"{where}: weight gradient before its input gradient")
+            live -= 1
+        elif isinstance(op, (SendActivation, SendGrad)) and op.peer != s.rank_of(
+                op.chunk + (1 if isinstance(op, SendActivation) else -1)):
+            raise ScheduleError(f"{where}: sent to a rank that does not hold the consumer")
         elif isinstance(op, SendActivation):
             if Forward(op.mb, op.chunk) not in done:
                 raise ScheduleError(f"{where}: sends an activation not computed yet")
         elif isinstance(op, SendGrad):
-            if Backward(op.mb, op.chunk) not in done:
+            if bwd(op.mb, op.chunk) not in done:
                 raise ScheduleError(f"{where}: sends a gradient not computed yet")
         elif isinstance(op, RecvActivation):
             received.add(("act", op.mb, op.chunk))
@@ -104,7 +121,8 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
         done.add(op)
     for c in mine:
         for mb in range(s.m):
-            for op in (Forward(mb, c), Backward(mb, c)):
+            for op in ((Forward(mb, c), BackwardInput(mb, c), BackwardWeight(mb, c))
+                       if s.split else (Forward(mb, c), Backward(mb, c))):
                 if op not in done:
                     raise ScheduleError(f"rank {r} never runs {op}")
     if not s.weight_stashing and (steps != 1 or not isinstance(s.ranks[r][-1], OptimizerStep)):

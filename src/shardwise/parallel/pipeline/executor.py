@@ -20,6 +20,15 @@ Options:
   backward differentiates that same copy, then adds the gradient to the live weights'
   ``.grad`` (Narayanan et al. 2019, section 3.3).
 
+Split backward (``schedule.split``, the zero-bubble schedules): ``BackwardInput`` runs autograd
+to the chunk's input only and hands the input gradient on at once (``split_backward``);
+``BackwardWeight`` later accumulates the parameters' gradients in ``.grad`` through autograd,
+so gradient hooks (dp buckets, ZeRO-2) see what the fused ``Backward`` gives them; under
+``grad_sync`` it is the chunk's last W that runs under ``final_backward()``. Between the two
+the graph's saved tensors stay metered and the gradients kept at the graph's frontier are
+held in the meter. With ``recompute`` the B reruns the forward and the graph it builds is kept
+until the W: the stage's activations are held from B to W as without recomputation.
+
 Per micro-batch ``models.sequence`` shards (``run(..., shards=)``: context parallelism's
 positions and ring, packed sequences' document ids) are kept on every rank from the
 micro-batch's first forward to its last backward here, and each call of a chunk on that
@@ -53,6 +62,8 @@ from shardwise.models import sequence
 from shardwise.parallel.pipeline.schedules import (
     COMM,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     OptimizerStep,
     RecvActivation,
@@ -62,6 +73,7 @@ from shardwise.parallel.pipeline.schedules import (
     SendGrad,
     forward_only,
 )
+from shardwise.parallel.pipeline.split_backward import backward_input, backward_weight
 
 
 class _Saved:
@@ -162,6 +174,7 @@ class Executor:
         self.measure_memory = measure_memory  # the meter's Python hooks cost time: opt-in
         self.reset()
         self._run = {Forward: self._forward, Backward: self._backward,
+                     BackwardInput: self._backward_input, BackwardWeight: self._backward_weight,
                      SendActivation: self._send_act, RecvActivation: self._recv_act,
                      SendGrad: self._send_grad, RecvGrad: self._recv_grad,
                      OptimizerStep: self._step}
@@ -174,12 +187,13 @@ class Executor:
         self.held: dict = {}      # (mb, chunk) -> (input, output or loss, stash)
         self.ready: dict = {}     # ("act"|"grad", mb, chunk) -> (tensor, handle or None)
         self.grad_out: dict = {}  # (mb, chunk) -> gradient w.r.t. the chunk's input
+        self.weights: dict = {}   # (mb, chunk) -> what its B kept for its W (split)
         self.shards: dict = {}    # mb -> its models.sequence shard, on every rank
 
     @property
     def in_flight(self) -> int:
-        """(micro-batch, chunk) pairs whose forward ran and whose backward has not."""
-        return len(self.held)
+        """(micro-batch, chunk) pairs whose forward ran and whose backward (split: W) has not."""
+        return len(self.held) + len(self.weights)
 
     def run(self, inputs: Sequence[torch.Tensor] | None,
             targets: Sequence[torch.Tensor] | None, ops: Sequence | None = None,
@@ -197,6 +211,7 @@ class Executor:
             self.reset()
             ops = self.schedule.ranks[self.pp_rank]
             self.backwards_left = {c: self.schedule.m for c in self.chunks}
+            self.launching = self._launching(ops)
         if 0 in self.chunks:  # other ranks ignore what they were given
             self.inputs.update({first_mb + i: x for i, x in enumerate(inputs or ())})
         if self.last_chunk in self.chunks:
@@ -219,18 +234,19 @@ class Executor:
         output on its rank, None elsewhere. The training step's micro-batches in flight
         (PipeDream) and its events are kept apart. Every pipeline rank must call it."""
         kept = (self.inputs, self.targets, self.held, self.ready, self.grad_out, self.shards,
-                self.losses, self.sends, self.events, self.act_shape)
+                self.losses, self.sends, self.events, self.act_shape, self.weights)
         self.reset()
         self.inputs, self.act_shape = {0: x}, tuple(act_shape)
         if shard is not None:
             self.shards[0] = shard
         self.losses, self.sends, self.events, self.output, self._eval = [], [], [], None, True
         try:
-            self._execute(forward_only(self.schedule.p, self.schedule.v).ranks[self.pp_rank])
+            s = self.schedule
+            self._execute(forward_only(s.p, s.v, s.placement).ranks[self.pp_rank])
             return self.output
         finally:
             (self.inputs, self.targets, self.held, self.ready, self.grad_out, self.shards,
-             self.losses, self.sends, self.events, self.act_shape) = kept
+             self.losses, self.sends, self.events, self.act_shape, self.weights) = kept
             self._eval, self.output = False, None
 
     def _execute(self, ops) -> None:
@@ -305,20 +321,14 @@ class Executor:
         """Keep the forward's input and output for its backward and its send; the next chunk,
         when it lives here, takes the output directly."""
         self.held[(op.mb, op.chunk)] = (x, out, stash)
-        if op.chunk < self.last_chunk and (op.chunk + 1) % self.schedule.p == self.pp_rank:
+        if op.chunk < self.last_chunk and self.schedule.rank_of(op.chunk + 1) == self.pp_rank:
             self.ready[("act", op.mb, op.chunk + 1)] = (out.detach(), None)  # next chunk is here
 
     def _backward(self, op: Backward) -> None:
         x, out, stash = self.held.pop((op.mb, op.chunk))
         grad = None if op.chunk == self.last_chunk else self._take(("grad", op.mb, op.chunk))
         with self._hooks(), self._final(op.chunk):
-            if self.recompute:
-                if op.chunk > 0:
-                    self.meter.hold(-x.numel() * x.element_size())
-                out = self._call(op.chunk, op.mb, x, stash)
-                if op.chunk == self.last_chunk:
-                    out = self.loss_fn(out, self.targets.pop(op.mb)) * (
-                        self.loss_scale() / self.schedule.m)
+            out = self._rerun(op, x, out, stash)
             if op.chunk == self.last_chunk:
                 out.backward()
             else:
@@ -330,13 +340,52 @@ class Executor:
                 p.grad = s.grad if p.grad is None else p.grad.add_(s.grad)
             if self.watch is not None:
                 self.watch("backward", op, self.version, stash, self.chunks[op.chunk])
+        self._hand_back(op, x.grad if op.chunk > 0 else None)
+
+    def _rerun(self, op, x, out, stash):
+        """Under ``recompute``, the chunk's forward again with autograd on (its scaled loss
+        on the last chunk), releasing the kept input from the meter; else ``out``."""
+        if not self.recompute:
+            return out
+        if op.chunk > 0:
+            self.meter.hold(-x.numel() * x.element_size())
+        out = self._call(op.chunk, op.mb, x, stash)
+        if op.chunk == self.last_chunk:
+            out = self.loss_fn(out, self.targets.pop(op.mb)) * (
+                self.loss_scale() / self.schedule.m)
+        return out
+
+    def _hand_back(self, op, grad) -> None:
+        """The input gradient ``grad`` of ``op``'s chunk to the previous chunk: directly when
+        it lives here, else for its send; the micro-batch's shard goes after its last call."""
         if op.chunk == min(self.chunks):  # the micro-batch's last call on this rank
             self.shards.pop(op.mb, None)
         if op.chunk > 0:
-            if (op.chunk - 1) % self.schedule.p == self.pp_rank:
-                self.ready[("grad", op.mb, op.chunk - 1)] = (x.grad, None)
+            if self.schedule.rank_of(op.chunk - 1) == self.pp_rank:
+                self.ready[("grad", op.mb, op.chunk - 1)] = (grad, None)
             else:
-                self.grad_out[(op.mb, op.chunk)] = x.grad
+                self.grad_out[(op.mb, op.chunk)] = grad
+
+    def _backward_input(self, op: BackwardInput) -> None:
+        """B: the input gradient only, handed on at once; the graph is kept for the W."""
+        x, out, stash = self.held.pop((op.mb, op.chunk))
+        grad = None if op.chunk == self.last_chunk else self._take(("grad", op.mb, op.chunk))
+        params = [p for p in self.chunks[op.chunk].parameters() if p.requires_grad]
+        with self._hooks():
+            out = self._rerun(op, x, out, stash)
+            dx, kept = backward_input(out, grad, x if op.chunk > 0 else None, params)
+        del out
+        self.meter.hold(kept.nbytes)
+        self.weights[(op.mb, op.chunk)] = kept
+        self._hand_back(op, dx)
+
+    def _backward_weight(self, op: BackwardWeight) -> None:
+        """W: the parameters' gradients into ``.grad`` (the chunk's last W launches its dp
+        buckets under ``grad_sync``), freeing what the B kept."""
+        kept = self.weights.pop((op.mb, op.chunk))
+        with self._hooks(), self._final(op.chunk):
+            backward_weight(kept)
+        self.meter.hold(-kept.nbytes)
 
     def _final(self, chunk: int):
         """Under ``grad_sync``, the chunk's last backward of the step launches its buckets."""
@@ -344,7 +393,20 @@ class Executor:
             return contextlib.nullcontext()
         self.backwards_left[chunk] -= 1
         return self.grad_sync.final_backward() if self.backwards_left[chunk] == 0 \
+            and chunk in self.launching \
             else contextlib.nullcontext()
+
+    def _launching(self, ops) -> set[int]:
+        """Chunks whose last backward (or W) of the step may launch their buckets: all but
+        those sharing a parameter with a chunk of this rank whose last one comes later (a
+        tied embedding and head on one rank, zbv's V), whose first gradient of that
+        parameter would count as final. ``grad_sync.finish`` takes what they leave."""
+        last = {op.chunk: i for i, op in enumerate(ops) if isinstance(op, (Backward,
+                                                                            BackwardWeight))}
+        ids = {c: {id(p) for p in m.parameters()} for c, m in self.chunks.items()}
+        return {c for c in self.chunks if not any(
+            d != c and ids[c] & ids[d] and last.get(d, -1) > last.get(c, -1)
+            for d in self.chunks)}
 
     def _step(self, op: OptimizerStep) -> None:
         self.on_step()

@@ -2,9 +2,10 @@
 
 A model is cut into ``p * v`` chunks; chunk ``c`` lives on pipeline rank ``c % p`` (so with
 ``v = 1`` chunk ``c`` is stage ``c``, and with ``v > 1`` each rank holds ``v`` chunks that
-are ``p`` apart, as in the interleaved schedule). A schedule is one list of frozen
-instructions per rank; one executor runs it, the checker validates it without processes and
-the timeline draws it.
+are ``p`` apart, as in the interleaved schedule), unless the schedule carries its own
+``placement`` (ZB-V's V: chunk ``c`` on rank ``c`` for ``c < p``, on ``2p - 1 - c`` after).
+A schedule is one list of frozen instructions per rank; one executor runs it, the checker
+validates it without processes and the timeline draws it.
 
 Kinds (``KINDS``):
 
@@ -20,6 +21,16 @@ Kinds (``KINDS``):
 - ``pipedream``: the 1F1B order without a flush: each rank steps its optimizer after every
   backward, and the executor stashes the weights each forward used so that micro-batch's
   backward sees the same version (Narayanan et al. 2019, PipeDream, weight stashing).
+- ``zb1p``: ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241):
+  each backward split into ``BackwardInput`` (B, the input gradient the previous stage waits
+  for) and ``BackwardWeight`` (W, the weight gradient, which can wait); 1F1B's peak memory
+  (at most ``p`` micro-batches held on any rank, from F to W), the W's filling the bubbles.
+- ``zbv``: ZB-V (same paper): two chunks per rank in a V (``placement``), B/W split, at most
+  ``2p`` chunk activations held per rank (1F1B's peak on rank 0); bubble near zero.
+
+The two zero-bubble orders are built greedily on unit costs (F = B = W = 1): each rank, when
+free, runs a ready B (oldest micro-batch first), else a ready F if it holds fewer
+activations than its limit, else its oldest pending W (``_zero_bubble_orders``).
 
 Communication is derived, not hand-written: the compute order of every rank is timed on an
 ideal machine with unit costs (``time_orders``, on ``time_lists``: the one schedule timer,
@@ -32,9 +43,11 @@ deadlock even when a send blocks until the matching receive is posted (``check``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, NamedTuple, Sequence
 
 from shardwise.base.config import SCHEDULE_KINDS as KINDS  # one list, the config's too
+from shardwise.base.config import SPLIT_BACKWARD_KINDS
 
 
 class ScheduleError(ValueError):
@@ -56,6 +69,27 @@ class Backward:
 
     mb: int
     chunk: int
+
+
+@dataclass(frozen=True)
+class BackwardInput:
+    """B of a split backward: the gradient w.r.t. chunk ``chunk``'s input only on ``mb``
+    (sent on at once); the graph is kept for its ``BackwardWeight``."""
+
+    mb: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class BackwardWeight:
+    """W of a split backward: the gradients w.r.t. chunk ``chunk``'s parameters on ``mb``,
+    accumulated in ``.grad`` as ``Backward`` does; frees what the B kept."""
+
+    mb: int
+    chunk: int
+
+
+BACKWARDS = (Backward, BackwardInput)  # what produces a chunk's input gradient
 
 
 @dataclass(frozen=True)
@@ -101,15 +135,19 @@ class OptimizerStep:
     mb: int = -1
 
 
-COMPUTE = (Forward, Backward)
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 COMM = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-Instruction = Forward | Backward | SendActivation | RecvActivation | SendGrad | RecvGrad | OptimizerStep
+Instruction = (Forward | Backward | BackwardInput | BackwardWeight | SendActivation
+               | RecvActivation | SendGrad | RecvGrad | OptimizerStep)
+Compute = Forward | Backward | BackwardInput | BackwardWeight
 
 
 @dataclass(frozen=True)
 class Schedule:
     """``ranks[r]`` is pipeline rank ``r``'s instruction list. ``weight_stashing``: the executor
-    must keep, per micro-batch, the weights its forward used (PipeDream)."""
+    must keep, per micro-batch, the weights its forward used (PipeDream). ``placement[c]``:
+    the rank of chunk ``c`` (empty: ``c % p``). ``split``: the backward is split into
+    ``BackwardInput`` and ``BackwardWeight`` (zero-bubble schedules)."""
 
     kind: str
     p: int
@@ -117,6 +155,8 @@ class Schedule:
     v: int
     ranks: tuple[tuple[Instruction, ...], ...]
     weight_stashing: bool = False
+    placement: tuple[int, ...] = ()
+    split: bool = False
 
     @property
     def n_chunks(self) -> int:
@@ -125,7 +165,19 @@ class Schedule:
 
     def chunks_of(self, rank: int) -> list[int]:
         """Global chunk ids held by pipeline rank ``rank``, in model order."""
-        return [rank + i * self.p for i in range(self.v)]
+        return [c for c in range(self.n_chunks) if self.rank_of(c) == rank]
+
+    def rank_of(self, chunk: int) -> int:
+        """The pipeline rank that holds chunk ``chunk``."""
+        return self.placement[chunk] if self.placement else chunk % self.p
+
+
+def placement_of(kind: str, p: int, v: int) -> tuple[int, ...]:
+    """The rank of each chunk: ZB-V's V (chunk ``c`` on rank ``c`` for ``c < p``, on
+    ``2p - 1 - c`` after); ``c % p`` otherwise."""
+    if kind == "zbv":
+        return tuple(c if c < p else 2 * p - 1 - c for c in range(2 * p))
+    return tuple(c % p for c in range(p * v))
 
 
 def validate_args(kind: str, p: int, m: int, v: int = 1) -> None:
@@ -135,7 +187,9 @@ def validate_args(kind: str, p: int, m: int, v: int = 1) -> None:
     for name, val in (("p (pipeline stages)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v)):
         if not isinstance(val, int) or val < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {val!r}")
-    if v > 1 and kind != "interleaved":
+    if kind == "zbv" and v != 2:
+        raise ScheduleError(f"the zbv schedule places two chunks per rank in a V, not v={v}")
+    if v > 1 and kind not in ("interleaved", "zbv"):
         raise ScheduleError(f"v={v} chunks per rank needs the interleaved schedule, not {kind!r}")
     if kind == "interleaved" and v > 1 and m % p:
         raise ScheduleError(f"interleaved schedule needs micro-batches divisible by the stages: "
@@ -150,9 +204,12 @@ def warmup_forwards(p: int, m: int, v: int, rank: int) -> int:
     return min(2 * (p - rank - 1) + (v - 1) * p, m * v)
 
 
-def compute_order(kind: str, p: int, m: int, v: int = 1) -> list[list[Forward | Backward]]:
+def compute_order(kind: str, p: int, m: int, v: int = 1) -> list[list[Compute]]:
     """Per rank, the order of its forwards and backwards (no communication yet)."""
     validate_args(kind, p, m, v)
+    if kind in SPLIT_BACKWARD_KINDS:
+        place = placement_of(kind, p, v)
+        return _zero_bubble_orders(p, m, place, [p * v] * p)  # 1F1B's peak, in chunks
     orders: list[list[Forward | Backward]] = []
     for r in range(p):
         if kind == "naive":
@@ -180,14 +237,61 @@ def _interleaved_unit(k: int, p: int, v: int, rank: int, backward: bool) -> Forw
     return Forward(mb, local * p + rank)
 
 
-def _deps(op: Forward | Backward, n_chunks: int) -> list[Forward | Backward]:
+def _zero_bubble_orders(p: int, m: int, place: Sequence[int], limit: Sequence[int]
+                        ) -> list[list[Compute]]:
+    """Greedy list scheduling on unit costs (see the module docstring): at each time step
+    each free rank runs a ready B (oldest micro-batch, later chunk first), else a ready F
+    (same order) while it holds fewer than ``limit[r]`` activations (F run, W not yet),
+    else its oldest pending W. Raises ``ScheduleError`` if no rank can ever move."""
+    n = len(place)
+    mine = [[c for c in range(n) if place[c] == r] for r in range(p)]
+    end: dict = {}
+    orders: list[list[Compute]] = [[] for _ in range(p)]
+    pending_w: list[list[BackwardWeight]] = [[] for _ in range(p)]
+    live, free, left = [0] * p, [0] * p, 3 * m * n
+    key = lambda op: (op.mb, -op.chunk)  # noqa: E731 - oldest micro-batch, later chunk
+    todo_f = [sorted((Forward(i, c) for c in mine[r] for i in range(m)), key=key)
+              for r in range(p)]
+    todo_b = [sorted((BackwardInput(i, c) for c in mine[r] for i in range(m)), key=key)
+              for r in range(p)]
+    t = 0
+    while left:
+        moved = False
+        for r in range(p):
+            if free[r] > t:
+                continue
+            ready = lambda op: all(end.get(d, t + 1) <= t for d in _deps(op, n, True))  # noqa
+            op = next((b for b in todo_b[r] if ready(b)), None)
+            if op is not None:
+                todo_b[r].remove(op)
+                pending_w[r].append(BackwardWeight(op.mb, op.chunk))
+            elif live[r] < limit[r] and (op := next((f for f in todo_f[r] if ready(f)), None)):
+                todo_f[r].remove(op)
+                live[r] += 1
+            elif pending_w[r]:
+                op = pending_w[r].pop(0)
+                live[r] -= 1
+            else:
+                continue
+            orders[r].append(op)
+            end[op], free[r], left, moved = t + 1, t + 1, left - 1, True
+        if not moved:  # unit costs: all that ran has ended, so nothing ever will
+            raise ScheduleError(f"zero-bubble orders stuck at p={p}, m={m}, time {t}")
+        t += 1
+    return orders
+
+
+def _deps(op: Compute, n_chunks: int, split: bool = False) -> list[Compute]:
     """Compute results ``op`` needs: the previous chunk's forward, the next chunk's backward
-    and, for a backward, its own forward."""
+    (its ``BackwardInput`` when ``split``) and, for a backward, its own forward; a
+    ``BackwardWeight`` its own ``BackwardInput``."""
     if isinstance(op, Forward):
         return [Forward(op.mb, op.chunk - 1)] if op.chunk > 0 else []
-    deps: list[Forward | Backward] = [Forward(op.mb, op.chunk)]
+    if isinstance(op, BackwardWeight):
+        return [BackwardInput(op.mb, op.chunk)]
+    deps: list[Compute] = [Forward(op.mb, op.chunk)]
     if op.chunk < n_chunks - 1:
-        deps.append(Backward(op.mb, op.chunk + 1))
+        deps.append((BackwardInput if split else Backward)(op.mb, op.chunk + 1))
     return deps
 
 
@@ -244,17 +348,20 @@ def time_lists(lists: Sequence[Sequence], price: Callable, done: dict | None = N
     return Timing(times, events, free)
 
 
-def list_deps(r: int, ins, p: int, n_chunks: int) -> list:
+def list_deps(r: int, ins, p: int, n_chunks: int, placement: Sequence[int] = (),
+              split: bool = False) -> list:
     """What instruction ``ins`` of rank ``r`` in a schedule's lists (``Schedule.ranks``)
     waits on: a compute its input computed on this rank, or else the send that brings it
     (``SendActivation``/``SendGrad`` to ``r``); a send, the compute whose result it sends.
-    Chunk ``c`` lives on rank ``c % p``."""
+    Chunk ``c`` lives on rank ``placement[c]`` (empty: ``c % p``); ``split``: the schedule's
+    backward is split (``Schedule.split``)."""
     if isinstance(ins, (SendActivation, SendGrad)):
-        return [(Forward if isinstance(ins, SendActivation) else Backward)(ins.mb, ins.chunk)]
-    deps = _deps(ins, n_chunks)
-    out = [deps[0]] if isinstance(ins, Backward) else []
+        bwd = BackwardInput if split else Backward
+        return [(Forward if isinstance(ins, SendActivation) else bwd)(ins.mb, ins.chunk)]
+    deps = _deps(ins, n_chunks, split)
+    out = [deps[0]] if not isinstance(ins, Forward) else []
     for d in deps[len(out):]:
-        if d.chunk % p == r:
+        if (placement[d.chunk] if placement else d.chunk % p) == r:
             out.append(d)
         elif isinstance(d, Forward):
             out.append(SendActivation(d.mb, d.chunk, r))
@@ -263,7 +370,7 @@ def list_deps(r: int, ins, p: int, n_chunks: int) -> list:
     return out
 
 
-def time_orders(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int = 1,
+def time_orders(orders: Sequence[Sequence[Compute]], p: int, v: int = 1,
              forward_cost: Sequence[float] | float = 1.0,
              backward_cost: Sequence[float] | float | None = None,
              done: dict | None = None, not_before: float = 0.0) -> dict:
@@ -271,7 +378,8 @@ def time_orders(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int =
     one schedule timer (``time_lists``).
 
     Costs are per chunk (a sequence of length ``p*v``) or one number for all, in any time
-    unit; ``backward_cost`` defaults to twice the forward. ``done``: ``{op: (start, end)}``
+    unit; ``backward_cost`` defaults to twice the forward; a split backward's
+    ``BackwardInput`` and ``BackwardWeight`` take half of it each. ``done``: ``{op: (start, end)}``
     of operations already run (an earlier part of a stream); nothing starts before
     ``not_before``. Returns ``{op: (start, end)}`` of ``orders``' operations.
     Raises ``ScheduleError`` if the orders wait on each other forever.
@@ -284,17 +392,22 @@ def time_orders(orders: Sequence[Sequence[Forward | Backward]], p: int, v: int =
         bc = [float(backward_cost)] * n
     else:
         bc = list(backward_cost)
-    cost = {Forward: fc, Backward: bc}
+    half = [c / 2 for c in bc]
+    cost = {Forward: fc, Backward: bc, BackwardInput: half, BackwardWeight: half}
+    split = any(isinstance(op, BackwardInput) for order in orders for op in order)
     times = time_lists(
-        orders, lambda r, op: (COMPUTE_STREAM, _deps(op, n), cost[type(op)][op.chunk]),
+        orders, lambda r, op: (COMPUTE_STREAM, _deps(op, n, split), cost[type(op)][op.chunk]),
         done, not_before).times
     return {op: t for op, t in times.items() if done is None or op not in done}
 
 
-def timed_events(orders, times, p: int, n_chunks: int, step_every_backward: bool):
+def timed_events(orders, times, p: int, n_chunks: int, step_every_backward: bool,
+                 placement: Sequence[int] = ()):
     """Per rank, unsorted ``(time, priority, transfer id, instruction)``: each compute at its
     start, a send and its receive at the producer's finish time (both ends share the id),
-    an optimizer step at the end of a backward (``step_every_backward``)."""
+    an optimizer step at the end of a backward (``step_every_backward``). Chunk ``c`` on
+    rank ``placement[c]`` (empty: ``c % p``)."""
+    place = placement or tuple(c % p for c in range(n_chunks))
     events: list[list[tuple]] = [[] for _ in range(p)]
     for r, order in enumerate(orders):
         for op in order:
@@ -302,50 +415,59 @@ def timed_events(orders, times, p: int, n_chunks: int, step_every_backward: bool
             if step_every_backward and isinstance(op, Backward):
                 events[r].append((times[op][1], 1, (), OptimizerStep(op.mb)))
     for op, (_, end) in times.items():
-        src = op.chunk % p
+        if isinstance(op, BackwardWeight):
+            continue
+        src = place[op.chunk]
         if isinstance(op, Forward) and op.chunk < n_chunks - 1:
-            dst, key = (op.chunk + 1) % p, (0, op.mb, op.chunk)
+            dst, key = place[op.chunk + 1], (0, op.mb, op.chunk)
             if dst != src:
                 events[src].append((end, 0, key, SendActivation(op.mb, op.chunk, dst)))
                 events[dst].append((end, 0, key, RecvActivation(op.mb, op.chunk + 1, src)))
-        elif isinstance(op, Backward) and op.chunk > 0:
-            dst, key = (op.chunk - 1) % p, (1, op.mb, op.chunk)
+        elif isinstance(op, BACKWARDS) and op.chunk > 0:
+            dst, key = place[op.chunk - 1], (1, op.mb, op.chunk)
             if dst != src:
                 events[src].append((end, 0, key, SendGrad(op.mb, op.chunk, dst)))
                 events[dst].append((end, 0, key, RecvGrad(op.mb, op.chunk - 1, src)))
     return events
 
 
-def _with_comm(orders, times, p: int, n_chunks: int, step_every_backward: bool):
+def _with_comm(orders, times, p: int, n_chunks: int, step_every_backward: bool,
+               placement: Sequence[int] = ()):
     """Insert sends/receives at the producer's finish time; sort each rank by time.
 
     At equal times transfers come first, then an optimizer step, then the compute that
     starts then; transfers at equal times are ordered by a global id, the same on both ends.
     """
     out = []
-    for ev in timed_events(orders, times, p, n_chunks, step_every_backward):
+    for ev in timed_events(orders, times, p, n_chunks, step_every_backward, placement):
         ev.sort(key=lambda e: e[:3])  # time, then transfers, steps, computes; transfer id
         out.append(tuple(e[3] for e in ev))
     return out
 
 
+@lru_cache(maxsize=128)  # immutable, and the zero-bubble orders take a while at large p
 def schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """The instruction lists of ``kind`` for ``p`` pipeline ranks, ``m`` micro-batches and
     ``v`` chunks per rank. Raises ``ScheduleError`` with a one-line reason on bad input."""
     orders = compute_order(kind, p, m, v)
     times = time_orders(orders, p, v)
     pipedream = kind == "pipedream"
-    ranks = _with_comm(orders, times, p, p * v, step_every_backward=pipedream)
+    place = placement_of(kind, p, v) if kind == "zbv" else ()
+    ranks = _with_comm(orders, times, p, p * v, step_every_backward=pipedream, placement=place)
     if not pipedream:
         ranks = [r + (OptimizerStep(),) for r in ranks]
-    return Schedule(kind, p, m, v, tuple(tuple(r) for r in ranks), weight_stashing=pipedream)
+    return Schedule(kind, p, m, v, tuple(tuple(r) for r in ranks), weight_stashing=pipedream,
+                    placement=place, split=kind in SPLIT_BACKWARD_KINDS)
 
 
-def forward_only(p: int, v: int = 1) -> Schedule:
+def forward_only(p: int, v: int = 1, placement: Sequence[int] = ()) -> Schedule:
     """One micro-batch forward through the ``p * v`` chunks in order, with no backward and no
     optimizer step (evaluation and generation: ``Executor.forward``); its transfers are
-    derived as ``schedule``'s."""
+    derived as ``schedule``'s. ``placement``: as ``Schedule.placement``."""
     n = p * v
-    orders = [[Forward(0, c) for c in range(r, n, p)] for r in range(p)]
-    ranks = _with_comm(orders, time_orders(orders, p, v), p, n, step_every_backward=False)
-    return Schedule("forward", p, 1, v, tuple(tuple(r) for r in ranks))
+    place = tuple(placement) or tuple(c % p for c in range(n))
+    orders = [[Forward(0, c) for c in range(n) if place[c] == r] for r in range(p)]
+    ranks = _with_comm(orders, time_orders(orders, p, v), p, n, step_every_backward=False,
+                       placement=tuple(placement))
+    return Schedule("forward", p, 1, v, tuple(tuple(r) for r in ranks),
+                    placement=tuple(placement))

@@ -6,7 +6,8 @@ An event is a dict ``{"rank", "kind" ("Forward" | "Backward" | ...), "mb", "chun
 alone (``predicted``, the ideal-machine simulation with backward = 2 x forward). Both draw
 the same picture (``render``): ranks as rows, rank 0 on top, one box per forward / backward,
 coloured by micro-batch (backwards darker) and labelled with it, like the figures of GPipe
-and PipeDream.
+and PipeDream; a split backward's timeline (zero-bubble schedules) colours F, B and W in
+three colours instead, as the zero-bubble paper's figures do.
 
 Command line (``shardwise.cli.timeline``)::
 
@@ -20,10 +21,12 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from shardwise.parallel.pipeline.schedules import compute_order, time_orders
+from shardwise.parallel.pipeline.schedules import compute_order, placement_of, time_orders
 from shardwise.parallel.pipeline.stream import stream, time_stream
 
-COMPUTE_KINDS = ("Forward", "Backward")
+COMPUTE_KINDS = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
+SPLIT_COLOURS = {"Forward": "#4c72b0", "BackwardInput": "#dd8452", "BackwardWeight": "#55a868"}
+LETTER = {"Forward": "F", "Backward": "B", "BackwardInput": "B", "BackwardWeight": "W"}
 
 
 def from_executor(executor, rank: int, offset: float = 0.0) -> list[dict]:
@@ -64,7 +67,8 @@ def predicted(kind: str, p: int, m: int, v: int = 1, forward_cost: float = 1.0) 
         times = {op: (b - t0, e - t0) for op, (b, e) in times.items()}
     else:
         times = time_orders(compute_order(kind, p, m, v), p, v, forward_cost=forward_cost / v)
-    return [{"rank": op.chunk % p, "kind": type(op).__name__, "mb": op.mb, "chunk": op.chunk,
+    place = placement_of(kind, p, v)
+    return [{"rank": place[op.chunk], "kind": type(op).__name__, "mb": op.mb, "chunk": op.chunk,
              "start": s, "end": e} for op, (s, e) in times.items()]
 
 
@@ -94,17 +98,19 @@ def render(events: Sequence[dict], path: str | Path, title: str = "", unit: str 
     ranks = sorted({e["rank"] for e in comp})
     n_mb = max(e["mb"] for e in comp) + 1
     cmap = plt.get_cmap("tab10" if n_mb <= 10 else "tab20")
+    split = any(e["kind"] == "BackwardWeight" for e in comp)
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.4), dpi=110)
     span = (max(e["end"] for e in comp) - t0) * scale
     for e in comp:
         row = len(ranks) - 1 - ranks.index(e["rank"])
         start, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
-        color = cmap(e["mb"] % cmap.N)
         fwd = e["kind"] == "Forward"
-        ax.barh(row, width, left=start, height=0.8, color=color, alpha=0.55 if fwd else 1.0,
+        color = SPLIT_COLOURS[e["kind"]] if split else cmap(e["mb"] % cmap.N)
+        alpha = 1.0 if split or not fwd else 0.55
+        ax.barh(row, width, left=start, height=0.8, color=color, alpha=alpha,
                 edgecolor="black", linewidth=0.5, hatch=None if e["chunk"] < len(ranks) else "//")
         if width > span / 90:
-            label = f"{'F' if fwd else 'B'}{e['mb']}"
+            label = f"{LETTER[e['kind']]}{e['mb']}"
             ax.text(start + width / 2, row, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r}" for r in reversed(ranks)])
@@ -112,8 +118,10 @@ def render(events: Sequence[dict], path: str | Path, title: str = "", unit: str 
     ax.set_xlim(0, span)
     bubble = idle_fraction(comp)
     hatched = ", hatched: second and later chunks" if any(e["chunk"] >= len(ranks) for e in comp) else ""
-    ax.set_title(f"{title}  (idle fraction {bubble:.3f}; pale: forward, dark: backward"
-                 f"{hatched})".strip(), fontsize=9)
+    colours = ("blue: F, orange: B (input gradient), green: W (weight gradient)" if split
+               else "pale: forward, dark: backward")
+    ax.set_title(f"{title}  (idle fraction {bubble:.3f}; {colours}{hatched})".strip(),
+                 fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
