@@ -45,13 +45,8 @@ def cmd_train(args, extra: list[str]) -> int:
     ranks, restarting up to ``--max-restarts`` times. Returns the exit code."""
     import time
 
-    from shardwise import launch
-    from shardwise.apps.registry import app_for
     from shardwise.base.config import Config, ConfigError
     from shardwise.base.errors import RunError
-    from shardwise.data import DataError
-    from shardwise.training import rundir
-    from shardwise.training.loggers import check_loggers
 
     started = time.perf_counter()  # the closing line reports the command's wall time
 
@@ -59,11 +54,7 @@ def cmd_train(args, extra: list[str]) -> int:
         print("shardwise: error: --resume and --fresh exclude each other", file=sys.stderr)
         return EXIT_USAGE
     mode = "fresh" if args.fresh else "resume" if args.resume else "auto"
-    env = launch.rank_env_from_environ()
-    is_rank0 = env is None or env.rank == 0
-    # under torchrun --max-restarts, a restarted gang resumes even if launched with --fresh
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    try:
+    try:  # the config alone first: a typo is told before torch is imported (0.3 s, not 4 s)
         overrides = split_overrides(extra)
         if args.data is not None:
             overrides["data.path"] = args.data
@@ -71,6 +62,21 @@ def cmd_train(args, extra: list[str]) -> int:
         if config_path is None and Path(DEFAULT_CONFIG).is_file():
             config_path = DEFAULT_CONFIG
         cfg = Config.load(config_path, overrides)
+    except (ConfigError, RunError, ValueError) as e:
+        print(f"shardwise: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+    from shardwise import launch
+    from shardwise.apps.registry import app_for
+    from shardwise.data import DataError
+    from shardwise.training import rundir
+    from shardwise.training.loggers import check_loggers
+
+    env = launch.rank_env_from_environ()
+    is_rank0 = env is None or env.rank == 0
+    # under torchrun --max-restarts, a restarted gang resumes even if launched with --fresh
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    try:
         app = app_for(cfg)
         if cfg.fault_tolerance.enable and app.name != "lm":
             raise ConfigError(f"fault_tolerance.enable with the {app.name} application: only "
