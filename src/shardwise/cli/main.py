@@ -116,14 +116,28 @@ def cmd_train(args, extra: list[str]) -> int:
 
     # plan.lock (the out_dir flock) stays held while this frame lives, i.e. for the whole run
     if env is not None:  # under torchrun: this process is one rank; torchrun restarts the gang
-        _run_as_torchrun_rank(cfg, env, resume_from, device)
+        _run_as_torchrun_rank(cfg, env, resume_from, device, started)
     return _run_local(cfg, resume_from, args.max_restarts, device, started)
 
 
-def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> None:
-    """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``."""
+def _closing_line(cfg, result: dict, started: float) -> str:
+    """``shardwise: done: N steps in T s, <the application's summary>; outputs in DIR``, from
+    the result of the application's ``result_rank``; ``started``: ``time.perf_counter()``."""
+    import time
+
+    from shardwise.apps.registry import app_for
+
+    return (f"shardwise: done: {result['step']} steps in {time.perf_counter() - started:.0f} s, "
+            f"{app_for(cfg).summary(result)}; outputs in {cfg.training.out_dir}")
+
+
+def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str,
+                          started: float) -> None:
+    """Join torchrun's gang (a fresh store prefix per restart), train, ``os._exit``; the
+    application's ``result_rank`` prints the closing line."""
     from shardwise import launch
     from shardwise.apps.jobs import train_worker
+    from shardwise.apps.registry import app_for
     from shardwise.cli.common import run_rank_and_exit
 
     def body() -> None:
@@ -131,7 +145,9 @@ def _run_as_torchrun_rank(cfg, env, resume_from: str | bool, device: str) -> Non
                                       threads=cfg.training.threads or None,
                                       store=launch.elastic_store(env, cfg.parallel.timeout_s),
                                       device=device, backend=cfg.parallel.backend)
-        train_worker(cfg.model_dump(), resume_from, str(dev))
+        result = train_worker(cfg.model_dump(), resume_from, str(dev))
+        if env.rank == app_for(cfg).result_rank(cfg):
+            print(_closing_line(cfg, result, started), flush=True)
 
     run_rank_and_exit(body)
 
@@ -189,10 +205,7 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
             print(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
                   f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
             return 128 + signum
-    app = app_for(cfg)
-    s = results[app.result_rank(cfg)]
-    print(f"shardwise: done: {s['step']} steps in {time.perf_counter() - started:.0f} s, "
-          f"{app.summary(s)}; outputs in {cfg.training.out_dir}")
+    print(_closing_line(cfg, results[app_for(cfg).result_rank(cfg)], started))
     return 0
 
 

@@ -56,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``shardwise prepare``; returns 0, or 2 with one line on stderr for bad input or an
     ``--out`` it refuses."""
     args = build_parser().parse_args(argv)
+    from shardwise.base.words import count
     from shardwise.data.corpus import DataError
     from shardwise.data.prepare import PrepareOptions, prepare
 
@@ -72,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind = "char" if t["kind"] == "char" else ("bpe" if t["source"].startswith("bpe") else
                                               "tokenizer.json")
     n_shards = len(m["shards"]["train"]) + len(m["shards"]["val"])
-    print(f"shardwise prepare: {m['documents']:,} documents, {m['characters']:,} characters "
+    print(f"shardwise prepare: {count(m['documents'], 'document')}, "
+          f"{count(m['characters'], 'character')} "
           f"-> {m['tokens']['train']:,} train + {m['tokens']['val']:,} val tokens ({kind}, "
           f"vocab {m['vocab_size']:,}, {m['dtype']}) in {n_shards} shards; "
           f"shardwise train --data {args.out}")

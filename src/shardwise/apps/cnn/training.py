@@ -29,6 +29,7 @@ from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.apps.cnn.layout import BATCH, my_rows
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
+from shardwise.base.words import count
 from shardwise.data.idx import load_split
 from shardwise.models.cnn import CNN
 from shardwise.parallel.tensor_parallel import (
@@ -287,7 +288,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         n = sum(s.params for s in task.model.plan.specs)
         print(f"shardwise: CNN {n / 1e6:.2f}M parameters, {len(task.x_tr):,} train / "
               f"{len(task.x_val):,} validation images, batch {t.global_batch_size}, "
-              f"{cfg.cnn.ranks} ranks, {torch.get_num_threads()} threads per rank; plan:\n"
+              f"{count(cfg.cnn.ranks, 'rank')}, {count(torch.get_num_threads(), 'thread')} per "
+              f"rank; plan:\n"
               f"{format_plan(task.model.plan)}", flush=True)
         if resume_from:
             print(f"shardwise: resumed from {path} at step {task.step}", flush=True)
