@@ -10,6 +10,7 @@ Examples::
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -77,5 +78,5 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{count(m['characters'], 'character')} "
           f"-> {m['tokens']['train']:,} train + {m['tokens']['val']:,} val tokens ({kind}, "
           f"vocab {m['vocab_size']:,}, {m['dtype']}) in {n_shards} shards; "
-          f"shardwise train --data {args.out}")
+          f"shardwise train --data {shlex.quote(str(args.out))}")
     return 0
