@@ -16,8 +16,8 @@ checkpoint, behind the small protocol of ``TrainTask``.
     save (every)        task.save_checkpoint(), then task.draw() on rank 0 (the loss curve)
     end                 task.end_of_training(); a last evaluation; checkpoint.at_end
 
-A loop that stops early for any reason (an error, SIGTERM from the launcher stopping the run:
-rank 0 turns it into ``Stopped``, exit 143) draws the curve so far on rank 0 on its way out.
+A loop that stops early for any reason (an error; SIGTERM from the launcher stopping the run,
+after which rank 0 dies of it as before) draws the curve so far on rank 0 on its way out.
 Without a terminal the progress is one line per logged step (``ProgressLines``).
 
 A loss that is not finite stops the run with ``NonFiniteLossError`` naming the step, before
@@ -27,6 +27,7 @@ anything of that step is saved (``settle`` runs before every save).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -228,8 +229,8 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     rate = task.throughput()
     reset_peaks(task.device)  # the rows' memory peaks count training steps, per window
     started = time.perf_counter()
-    stop_on_term = task.is_main and threading.current_thread() is threading.main_thread()
-    term = signal.signal(signal.SIGTERM, _raise_stopped) if stop_on_term else None
+    draw_on_term = task.is_main and threading.current_thread() is threading.main_thread()
+    term = signal.signal(signal.SIGTERM, _draw_then_die(task)) if draw_on_term else None
     try:
         while task.step < t.steps:
             info = task.train_step(sync=False)
@@ -258,7 +259,7 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
                 if task.is_main:
                     task.draw()
             rate.resume()
-    except BaseException:  # an error, the launcher's SIGTERM (Ctrl-C): the curve so far
+    except BaseException:  # an error, Ctrl-C in one process: the curve so far
         if task.is_main:
             _draw_quietly(task)
         raise
@@ -280,12 +281,18 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
             "elapsed_s": time.perf_counter() - started}
 
 
-class Stopped(SystemExit):
-    """Rank 0 received SIGTERM in the loop (the launcher stopping the run): exit 143."""
+def _draw_then_die(task: TrainTask):
+    """Rank 0's SIGTERM handler in the loop (the launcher stopping the run, Ctrl-C): draw
+    the curve so far, then die of the signal as before (``_die``)."""
+    def handler(signum, frame):
+        _draw_quietly(task)
+        _die(signum)
+    return handler
 
 
-def _raise_stopped(signum, frame):
-    raise Stopped(128 + signum)
+def _die(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _draw_quietly(task: TrainTask) -> None:
