@@ -164,8 +164,8 @@ def share_cores(env: RankEnv, device_type: str = "cpu", threads: int | None = No
     cores = available_cores()
     if local > cores and dist.get_rank() == mine[0]:
         print(f"shardwise: warning: {local} ranks on {cores} core{'s' if cores != 1 else ''} "
-              "of this machine: they take turns, so every step and timing is slower than "
-              "with fewer ranks", file=sys.stderr, flush=True)
+              "of this machine: they take turns on the cores, so step times do not measure "
+              "the layout", file=sys.stderr, flush=True)
     return local
 
 
