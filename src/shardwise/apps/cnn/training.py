@@ -261,6 +261,16 @@ class CNNTask(TrainTask):
         return save(self.cfg, self.model, self.opt, self.sched, self.sampler, self.step,
                     self.history)
 
+    def draw(self) -> Path | None:
+        """Rank 0 of a run with ``training.progress`` (a CLI run): (re)draw ``loss.png`` (loss
+        and accuracy) from ``metrics.jsonl``; None otherwise."""
+        out_dir = Path(self.cfg.training.out_dir)
+        if not (self.cfg.training.progress and (out_dir / "metrics.jsonl").is_file()):
+            return None
+        return plot(out_dir / "metrics.jsonl", out_dir / "loss.png",
+                    f"CNN on Fashion-MNIST, {self.cfg.cnn.ranks} ranks, "
+                    f"{','.join(self.model.plan.strategies)}")
+
     def resume(self, path: Path) -> None:
         """Load the checkpoint at ``path`` into the model, optimizer, scheduler and sampler;
         continue from its step."""
@@ -299,11 +309,7 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=task.is_main).write(
         {"kind": "test", "step": task.step, "test_loss": test_loss, "test_acc": test_acc})
     if task.is_main and t.progress:
-        out_dir = Path(t.out_dir)
-        png = plot(out_dir / "metrics.jsonl", out_dir / "loss.png",
-                   f"CNN on Fashion-MNIST, {cfg.cnn.ranks} ranks, "
-                   f"{','.join(task.model.plan.strategies)}")
-        print(f"loss and accuracy curves: {png}", flush=True)
+        print(f"loss and accuracy curves: {task.draw()}", flush=True)
     return {**out, "test_acc": test_acc, "test_images": n_test}
 
 
