@@ -86,6 +86,30 @@ def test_plan_of_a_named_size_imports_no_engine_and_no_dynamo():
     assert out == "[]\n[]"
 
 
+def test_config_errors_and_help_are_answered_without_importing_torch(tmp_path):
+    """The door of ``shardwise``: a misspelt key in a TOML, a wrong type, an unknown option,
+    ``--help``, ``--version`` and ``train --help`` are answered (exit 2, or 0 for the helps)
+    before torch is imported: torch takes seconds to import, a typo should take none."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nstepz = 3\n")
+    cases = [["--help"], ["--version"], ["train", "--help"], ["train", "--config", str(bad)],
+             ["train", "--training.steps", "abc"], ["train", "--parallel.dpp", "2"],
+             ["train", "--bogus", "1"]]
+    out = _fresh(
+        "import contextlib, io, sys\n"
+        "from shardwise.cli.main import main\n"
+        f"for argv in {cases!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), "
+        "contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            code = main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            code = e.code\n"
+        "    print(' '.join(argv[:2]), code, 'torch' in sys.modules)")
+    got = [line.rsplit(" ", 2)[1:] for line in out.splitlines()]
+    assert got == [["0", "False"]] * 3 + [["2", "False"]] * 4, out
+
+
 def test_docs_api_covers_every_name():
     """``docs/api.md`` documents each exported name (so the page cannot fall behind)."""
     text = (SRC.parent / "docs" / "api.md").read_text()

@@ -1365,3 +1365,32 @@ def test_init_from_help_names_every_arch_it_reads():
 
     text = next(f.description for f in config_fields() if f.key == "model.init_from")
     assert not [a.architecture for a in ARCHS if a.architecture not in text]
+
+
+def test_the_export_of_a_bpe_run_names_its_eos_token_in_config_json(tmp_path):
+    """A run on ``shardwise prepare``'s BPE (documents joined by <|endoftext|>) exports a
+    config.json whose ``eos_token_id`` is the id tokenizer_config.json's ``eos_token`` has
+    (it was null)."""
+    from tokenizers import Tokenizer, models
+
+    from shardwise import checkpoint
+    from shardwise.apps.lm.export import export_hf
+    from shardwise.base.config import Config
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineConfig
+    from shardwise.engine.state import model_tensors
+    from shardwise.models.description import describe_section
+
+    vocab = {"<|endoftext|>": 0, **{chr(97 + i): i + 1 for i in range(VOCAB - 1)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    state = {"kind": "hf", "json": tok.to_str(), "eos_id": 0}
+    cfg = Config.load(overrides={"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 16,
+                                 "model.block_size": 8})
+    engine = Engine(describe_section(cfg.model, VOCAB), Topology.build(1, 1, 1), EngineConfig(
+        seq_len=8, optimizer={"grad_clip": 0.0}, training={"global_batch_size": 1}))
+    checkpoint.save(tmp_path / "run" / "checkpoints", 1, {"model": model_tensors(engine)},
+                    {"step": 1, "config": cfg.model_dump(), "tokenizer": state})
+    export_hf(tmp_path / "run", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    tokenizer_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|endoftext|>" and config["eos_token_id"] == 0

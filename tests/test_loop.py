@@ -2,6 +2,8 @@
 checkpoints; the non-finite stop saves nothing of its step; the registry picks the app."""
 
 import json
+import os
+import signal
 
 import pytest
 
@@ -147,3 +149,77 @@ def test_every_ranks_memory_reaches_the_row():
     values = [[1.5, 10.0], [2.5, 20.0]]
     r0, r1 = spawn(gather, 2, (values,))
     assert r0 == r1 == [[1.5, 2.5], [10.0, 20.0]]
+
+
+class Drawing(Counting):
+    """``Counting`` that records each ``draw`` (the loss curve) and can signal itself."""
+
+    def __init__(self, cfg, nan_at=None, term_at=None):
+        super().__init__(cfg, nan_at)
+        self.drawn, self.term_at = [], term_at
+
+    def train_step(self, sync=True):
+        if self.step + 1 == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # the launcher stopping the run
+        return super().train_step(sync)
+
+    def draw(self):
+        self.drawn.append(self.step)
+
+
+def test_the_loss_curve_is_drawn_at_each_checkpoint_and_when_the_loop_stops(tmp_path,
+                                                                            monkeypatch):
+    from shardwise.training import loop
+
+    task = Drawing(_cfg(tmp_path))
+    run_loop(task)
+    assert task.drawn == [3, 6, 9]  # the end's curve is the application's (finish)
+    task = Drawing(_cfg(tmp_path / "nan"), nan_at=5)
+    with pytest.raises(NonFiniteLossError):
+        run_loop(task)
+    assert task.drawn == [3, 5]
+
+    class Died(BaseException):
+        pass
+
+    def unhandled(signum, frame):
+        raise RuntimeError("SIGTERM reached the handler from before the loop")
+
+    def die(signum):  # (the real one kills this process with the signal)
+        raise Died(signum)
+
+    monkeypatch.setattr(loop, "_die", die)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        task = Drawing(_cfg(tmp_path / "term"), term_at=5)
+        with pytest.raises(Died):
+            run_loop(task)
+        assert task.drawn[:2] == [3, 4]  # drawn by the handler, before dying
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_without_a_terminal_progress_is_one_whole_line_per_logged_step(tmp_path, capsys):
+    run_loop(Counting(_cfg(tmp_path)), progress=True)  # pytest's stderr is no terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "train: step 4/10 (40%)", "train: step 8/10 (80%)", "train: step 10/10 (100%)"], err
+    assert "loss=0.250" in lines[0] and " left, " in lines[0]
+
+
+def test_the_loss_curve_names_its_unit(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from shardwise.training.metrics import plot_loss
+
+    labels = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_ylabel",
+                        lambda self, text, *a, **k: labels.append(text))
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
+    for unit in ("token", "char"):
+        plot_loss(tmp_path / "metrics.jsonl", tmp_path / "loss.png", unit=unit)
+    assert labels == ["cross-entropy (nats / token)", "cross-entropy (nats / char)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl"]

@@ -82,6 +82,8 @@ def test_gqa_tp_must_divide_kv_heads_one_line():
     with pytest.raises(ValueError, match=r"model.kind='nope': not a registered model \(gpt, "
                                          r"llama"):
         check_config(Config.from_dict({"model": {"kind": "nope"}}))
+    with pytest.raises(ValueError, match=r"model.kind='gtp': .*; did you mean 'gpt', or set "):
+        check_config(Config.from_dict({"model": {"kind": "gtp"}}))
 
 
 class _Tiny(nn.Module):

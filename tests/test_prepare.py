@@ -440,3 +440,21 @@ def test_readme_commands_train_at_dp2_and_resume_in_another_layout(corpus, tmp_p
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.endswith("tokenizer is not the one the checkpoint trained with "
                                       "(prepared again?); --fresh starts over"), err
+
+
+def test_shard_tokens_is_honoured_and_the_next_command_is_shell_quoted(tmp_path, capsys):
+    """``--shard-tokens 40000`` on 200K characters gives shards of about 40K tokens (blocks
+    sized for it: before, one shard of every token, a block being 2M characters), and the
+    suggested ``shardwise train --data DIR`` survives a space in DIR; one document is "1
+    document"."""
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps\n" for i in range(5000)))
+    out = tmp_path / "my shards"
+    assert main(["prepare", str(text), "--tokenizer", "char", "--out", str(out),
+                 "--shard-tokens", "40000", "--no-progress"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert shlex.split(last.rpartition("; ")[2]) == ["shardwise", "train", "--data", str(out)]
+    assert last.startswith("shardwise prepare: 1 document, 183,890 characters -> "), last
+    m = json.loads((out / "manifest.json").read_text())
+    sizes = [s["tokens"] for s in m["shards"]["train"]]
+    assert len(sizes) >= 4 and all(40000 <= n <= 50000 for n in sizes[:-1]), sizes

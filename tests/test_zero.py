@@ -284,8 +284,9 @@ def test_memory_command_predicts_interleaved_zero3(capsys):
                  "--chunks-per-rank", "2", "--stages", "3", "--precision", "fp32"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "dp=2 x pp=2 (v=2) x tp=1" in out[0]
+    assert out[1].split()[:3] == ["zero", "pp", "params"]  # no tp column: tp = 1
     rows = [line.split() for line in out[2:]]
     assert [r[:2] for r in rows] == [["3", "0"], ["3", "1"]]
-    assert float(rows[0][3]) == 0.0 and float(rows[0][4]) > 0  # fp32: the master is the shard
+    assert float(rows[0][2]) == 0.0 and float(rows[0][3]) > 0  # fp32: the master is the shard
     assert_one_line_exit_2(["memory", "--params", "1e6", "--chunks-per-rank", "2"], capsys,
                            "--chunks-per-rank need a model")

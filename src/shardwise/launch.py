@@ -30,10 +30,14 @@ Local runs are safe by default:
   terminates the ranks, and prints one line. ``kill -9`` of the launcher leaves no rank
   (and no fork server) behind.
 
-Each rank gets ``max(1, cores // local_world_size)`` torch threads so ranks do not fight
-over cores (on CUDA at most ``GPU_HOST_THREADS``: the GPU computes, the threads serve host
-work). gloo can abort at interpreter exit after all work is done ("terminate called
-without an active exception"), so a worker ends with ``destroy_process_group()`` and then
+Each rank gets ``max(1, cores // local ranks)`` torch threads so ranks do not fight over
+cores (on CUDA at most ``GPU_HOST_THREADS``: the GPU computes, the threads serve host
+work), the local ranks being all those on this machine's cores (``share_cores``: under
+torchrun, its agents on one machine together); one line warns when they outnumber the
+cores. Each rank is named in ``ps``: ``shardwise rank R (dp d, tp t, pp p)``.
+
+gloo can abort at interpreter exit after all work is done ("terminate called without an
+active exception"), so a worker ends with ``destroy_process_group()`` and then
 ``os._exit(code)``: a good run never turns red at exit.
 """
 
@@ -134,6 +138,56 @@ def threads_per_rank(local_world_size: int, device_type: str = "cpu") -> int:
     serve host work (batches, logging), so at most ``GPU_HOST_THREADS``."""
     share = max(1, available_cores() // max(1, local_world_size))
     return min(share, GPU_HOST_THREADS) if device_type == "cuda" else share
+
+
+def machine_key() -> str:
+    """What names the cores this process runs on: the kernel's boot id (every process of one
+    machine shares it, in network and UTS namespaces too: two torchrun "nodes" on one host
+    are one machine) and this process's CPU affinity (ranks pinned apart share nothing)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux
+        boot = socket.gethostname()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return f"{boot} {cpus}"
+
+
+def share_cores(env: RankEnv, device_type: str = "cpu", threads: int | None = None) -> int:
+    """Collective, once the process group is up: count the ranks on this machine's cores
+    (``machine_key``; at least ``env.local_world_size``), give this rank ``threads`` torch
+    threads (None: ``threads_per_rank`` of that count, under torchrun too, whose
+    LOCAL_WORLD_SIZE counts one agent's ranks only), and have the machine's first rank print
+    one warning line when its ranks outnumber its cores. Returns the count."""
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, machine_key())
+    mine = [r for r, k in enumerate(keys) if k == keys[dist.get_rank()]]
+    local = max(len(mine), env.local_world_size)
+    torch.set_num_threads(threads or threads_per_rank(local, device_type))
+    cores = available_cores()
+    if local > cores and dist.get_rank() == mine[0]:
+        print(f"shardwise: warning: {local} ranks on {cores} core{'s' if cores != 1 else ''} "
+              "of this machine: they take turns on the cores, so step times do not measure "
+              "the layout", file=sys.stderr, flush=True)
+    return local
+
+
+def rank_title(rank: int, coords: dict[str, int] | None = None) -> str:
+    """A rank's process name: ``shardwise rank 3 (dp 1, tp 1, pp 0)``; ``coords``: its grid
+    coordinates (``Topology.coords_of``), None: the rank alone."""
+    if coords is None:
+        return f"shardwise rank {rank}"
+    return f"shardwise rank {rank} (dp {coords['dp']}, tp {coords['tp']}, pp {coords['pp']})"
+
+
+def name_rank(title: str) -> None:
+    """Show ``title`` as this process's name in ``ps`` and ``top`` (``setproctitle``); nothing
+    when that package is not installed."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
 
 
 def free_port() -> int:
@@ -290,6 +344,7 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
     """
     kind = pick_device(device, env.local_world_size, backend=backend)[0]
     torch.set_num_threads(threads or threads_per_rank(env.local_world_size, kind))
+    name_rank(rank_title(env.rank))
     if kind == "cuda":
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -304,6 +359,7 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
             where["device_id"] = device
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s), **where)
+        share_cores(env, kind, threads)  # torchrun's "nodes" on one machine share its cores
     return device
 
 

@@ -18,9 +18,17 @@ def train_worker(cfg_dict: dict, resume: bool | str = False, device_str: str | N
     be initialised with ``cfg.world_size`` ranks; ``device_str``: this rank's device ("cuda":
     the current CUDA device, which ``init_distributed`` set; None: the application's default).
     """
-    from shardwise.launch import rank_device
+    import torch.distributed as dist
 
-    app = app_for(Config.from_dict(cfg_dict))
+    from shardwise.base.topology import Topology
+    from shardwise.launch import name_rank, rank_device, rank_title
+
+    cfg = Config.from_dict(cfg_dict)
+    if cfg.uses_grid and dist.is_initialized():  # ps: shardwise rank 3 (dp 1, tp 1, pp 0)
+        p = cfg.parallel
+        grid = Topology(dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp)
+        name_rank(rank_title(dist.get_rank(), grid.coords_of(dist.get_rank())))
+    app = app_for(cfg)
     device = None
     if device_str:
         device = rank_device("cuda") if device_str == "cuda" else torch.device(device_str)

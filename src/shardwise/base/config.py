@@ -307,9 +307,10 @@ class TrainingConfig(_Section):
     out_dir: str = Field("runs/shakespeare", description="directory of metrics.jsonl, "
                          "loss.png, sample.txt and (by default) checkpoints")
     sample_chars: int = Field(300, ge=0, description="characters generated at the end")
-    threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
-    progress: bool = Field(True, description="rank 0 draws a progress bar (loss, MFU, "
-                           "tokens/s)")
+    threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // the ranks "
+                         "on this machine (torchrun's agents on one host counted together)")
+    progress: bool = Field(True, description="rank 0 shows the progress (loss, MFU, tokens/s): "
+                           "a bar on a terminal, else one line per training.log_every steps")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA + NCCL "
                                                    "when every local rank gets a GPU, else "
                                                    "the CPU + gloo")

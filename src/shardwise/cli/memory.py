@@ -94,7 +94,11 @@ def _layout_table(args, stages: list[int]) -> int:
           + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
-    print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
+    # a rank's pp / tp coordinates, in columns only where the layout has that axis
+    def where(pr, tr) -> str:
+        return (f" {pr:>3}" if p.pp > 1 else "") + (f" {tr:>3}" if p.tp > 1 else "")
+
+    print(f"{'zero':>4}{where('pp', 'tp')} {'params':>9} {'grads':>9} {'optimizer':>9} "
           f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
           + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
@@ -111,7 +115,7 @@ def _layout_table(args, stages: list[int]) -> int:
         for pr in range(p.pp):
             for tr in range(p.tp):
                 pred = preds[(z, pr, tr)]
-                line = (f"{z:>4} {pr:>3} {tr:>3} {pred['params'] / div:>9.3f} "
+                line = (f"{z:>4}{where(pr, tr)} {pred['params'] / div:>9.3f} "
                         f"{pred['grads'] / div:>9.3f} {pred['optimizer'] / div:>9.3f} "
                         f"{pred['total'] / div:>9.3f}")
                 if measured:

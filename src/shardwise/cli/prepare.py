@@ -10,6 +10,7 @@ Examples::
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``shardwise prepare``; returns 0, or 2 with one line on stderr for bad input or an
     ``--out`` it refuses."""
     args = build_parser().parse_args(argv)
+    from shardwise.base.words import count
     from shardwise.data.corpus import DataError
     from shardwise.data.prepare import PrepareOptions, prepare
 
@@ -72,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind = "char" if t["kind"] == "char" else ("bpe" if t["source"].startswith("bpe") else
                                               "tokenizer.json")
     n_shards = len(m["shards"]["train"]) + len(m["shards"]["val"])
-    print(f"shardwise prepare: {m['documents']:,} documents, {m['characters']:,} characters "
+    print(f"shardwise prepare: {count(m['documents'], 'document')}, "
+          f"{count(m['characters'], 'character')} "
           f"-> {m['tokens']['train']:,} train + {m['tokens']['val']:,} val tokens ({kind}, "
           f"vocab {m['vocab_size']:,}, {m['dtype']}) in {n_shards} shards; "
-          f"shardwise train --data {args.out}")
+          f"shardwise train --data {shlex.quote(str(args.out))}")
     return 0

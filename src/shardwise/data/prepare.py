@@ -13,6 +13,7 @@ place and ``prepare.json`` records the progress; a finished directory is refused
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -275,12 +276,27 @@ class _Progress:
     source_documents: list = field(default_factory=list)
 
 
+MIN_BLOCK_CHARS = 1024
+
+
+def _blocks_for_shards(opts: PrepareOptions) -> PrepareOptions:
+    """``opts`` with blocks (and pieces) small enough for ``shard_tokens``: a shard ends at a
+    block's end, so a block of at most ``shard_tokens / 4`` characters (one token a
+    character at most) keeps a shard within 1.25 x ``shard_tokens`` (BPE: ~1.06 x); blocks
+    of at least ``MIN_BLOCK_CHARS``, and ``opts`` unchanged when its blocks are small enough."""
+    block = max(MIN_BLOCK_CHARS, opts.shard_tokens // 4)
+    if block >= opts.block_chars:
+        return opts
+    return dataclasses.replace(opts, block_chars=block, piece_chars=min(opts.piece_chars, block))
+
+
 def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     """Run ``shardwise prepare`` (module docstring); returns the manifest written to
     ``opts.out/manifest.json``. ``DataError`` (one line) for bad inputs or an ``--out`` it
     refuses; nothing half-written stays visible (a fresh run that fails removes what it
     wrote)."""
     check_options(opts)
+    opts = _blocks_for_shards(opts)
     sources = find_sources(opts.inputs)
     for s in sources:
         check_source(s, opts.field)

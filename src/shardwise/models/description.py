@@ -73,6 +73,7 @@ own; ``examples/own_decoder.py`` registers one of yours.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
@@ -351,8 +352,10 @@ def model_kind(name: str) -> ModelKind:
     """The registered kind ``name``; ``ValueError`` (one line, listing the kinds) if none."""
     kinds = model_kinds()
     if name not in _KINDS:
+        close = difflib.get_close_matches(name, kinds, n=1)
+        guess = f"did you mean {close[0]!r}, or " if close else ""
         raise ValueError(f"model.kind={name!r}: not a registered model ({', '.join(kinds)}); "
-                         "set model.module to the module that registers it with "
+                         f"{guess}set model.module to the module that registers it with "
                          "shardwise.register_model")
     return _KINDS[name]
 

@@ -13,8 +13,12 @@ checkpoint, behind the small protocol of ``TrainTask``.
                         the window's peaks, ``training.memory``) to metrics.jsonl, and
                         TensorBoard / W&B when asked (``training.loggers``)
     eval (eval_every)   {"kind": "val", "step", **task.evaluate()}
-    save (every)        task.save_checkpoint()
+    save (every)        task.save_checkpoint(), then task.draw() on rank 0 (the loss curve)
     end                 task.end_of_training(); a last evaluation; checkpoint.at_end
+
+A loop that stops early for any reason (an error; SIGTERM from the launcher stopping the run,
+after which rank 0 dies of it as before) draws the curve so far on rank 0 on its way out.
+Without a terminal the progress is one line per logged step (``ProgressLines``).
 
 A loss that is not finite stops the run with ``NonFiniteLossError`` naming the step, before
 anything of that step is saved (``settle`` runs before every save).
@@ -23,6 +27,9 @@ anything of that step is saved (``settle`` runs before every save).
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -103,6 +110,10 @@ class TrainTask:
     def end_of_training(self) -> None:
         """After the last step, before the last evaluation (drain a pipeline, say done)."""
 
+    def draw(self) -> None:
+        """Redraw the run's loss curve from ``metrics.jsonl`` (rank 0: after each checkpoint,
+        and when the loop stops early for any reason); nothing by default."""
+
     # -- losses ---------------------------------------------------------------------------
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """Keep one step's loss (a 0-d tensor stays on its device until ``settle``)."""
@@ -141,16 +152,61 @@ class TrainTask:
         return Throughput(self.flops_per_sample or 0.0, self.world_size, peak)
 
 
-def progress_bar(total: int, initial: int):
-    """A tqdm bar on stderr: live on a terminal, a line every 30 s into a log file."""
-    import sys
-    import threading
+class ProgressLines:
+    """The progress of a run without a terminal (a log file, a pipe): one whole line on
+    stderr per logged step (``set_postfix`` then ``update``), ``train: step 20/100 (20%),
+    0:00:12 elapsed, 0:00:48 left, loss=2.345 tok_s=5120``; no carriage returns, so the
+    other lines of the log never land inside a bar. tqdm's ``update`` / ``set_postfix`` /
+    ``close`` / ``write``, as ``run_loop`` uses them."""
 
+    def __init__(self, total: int, initial: int, stream=None):
+        import sys
+
+        self.total, self.n, self.first = total, initial, initial
+        self.stream = stream if stream is not None else sys.stderr
+        self.started = time.perf_counter()
+        self._postfix: dict | None = None
+
+    def set_postfix(self, postfix: dict, refresh: bool = False) -> None:
+        """The fields of the next line (printed by the next ``update``)."""
+        self._postfix = dict(postfix)
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more steps done; prints a line if ``set_postfix`` came since the last."""
+        self.n += n
+        if self._postfix is None:
+            return
+        fields, self._postfix = " ".join(f"{k}={v}" for k, v in self._postfix.items()), None
+        elapsed = time.perf_counter() - self.started
+        done = self.n - self.first
+        left = elapsed / done * (self.total - self.n) if done else 0.0
+        self.write(f"train: step {self.n}/{self.total} ({100 * self.n // max(1, self.total)}%), "
+                   f"{_clock(elapsed)} elapsed, {_clock(left)} left, {fields}")
+
+    def write(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Nothing to clear: every line is whole."""
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{s:02d}"
+
+
+def progress_bar(total: int, initial: int):
+    """On a terminal, a live tqdm bar on stderr; otherwise ``ProgressLines`` (one line per
+    logged step)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return ProgressLines(total, initial)
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at os._exit
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                mininterval=0.5 if sys.stderr.isatty() else 30.0)
+                mininterval=0.5)
 
 
 def _rates(task: TrainTask, rate: Throughput) -> dict:
@@ -173,6 +229,8 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     rate = task.throughput()
     reset_peaks(task.device)  # the rows' memory peaks count training steps, per window
     started = time.perf_counter()
+    draw_on_term = task.is_main and threading.current_thread() is threading.main_thread()
+    term = signal.signal(signal.SIGTERM, _draw_then_die(task)) if draw_on_term else None
     try:
         while task.step < t.steps:
             info = task.train_step(sync=False)
@@ -198,8 +256,16 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
                 _evaluate(task, metrics, show)
             if save:
                 task.save_checkpoint()
+                if task.is_main:
+                    task.draw()
             rate.resume()
+    except BaseException:  # an error, Ctrl-C in one process: the curve so far
+        if task.is_main:
+            _draw_quietly(task)
+        raise
     finally:
+        if term is not None:
+            signal.signal(signal.SIGTERM, term)
         if bar is not None:
             bar.close()
     try:
@@ -213,6 +279,29 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
     history = getattr(task, "history", [])
     return {"step": task.step, "loss": history[-1] if history else None, **last,
             "elapsed_s": time.perf_counter() - started}
+
+
+def _draw_then_die(task: TrainTask):
+    """Rank 0's SIGTERM handler in the loop (the launcher stopping the run, Ctrl-C): draw
+    the curve so far, then die of the signal as before (``_die``)."""
+    def handler(signum, frame):
+        _draw_quietly(task)
+        _die(signum)
+    return handler
+
+
+def _die(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _draw_quietly(task: TrainTask) -> None:
+    """``task.draw()`` on the way out of a failed loop: its own failure must not hide why
+    the loop stopped."""
+    try:
+        task.draw()
+    except Exception:
+        pass
 
 
 def _postfix(task: TrainTask, row: dict) -> dict:
@@ -233,7 +322,12 @@ def _evaluate(task: TrainTask, metrics: RunLog, show: bool) -> dict:
     row = {"kind": "val", "step": task.step, **fields}
     metrics.write(row)
     if show:
-        from tqdm import tqdm
+        import sys
 
-        tqdm.write(task.eval_line(row))
+        if sys.stderr.isatty():  # above the live bar
+            from tqdm import tqdm
+
+            tqdm.write(task.eval_line(row))
+        else:  # (tqdm.write would create tqdm's multiprocessing lock: a leaked semaphore)
+            print(task.eval_line(row), flush=True)
     return fields

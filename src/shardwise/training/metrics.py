@@ -67,8 +67,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
-    """Draw train loss (per logged step) and validation loss against step into ``png_path``."""
+def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "", *,
+              unit: str) -> Path:
+    """Draw train loss (per logged step) and validation loss against step into ``png_path``
+    (replaced whole: a reader never sees half a file); ``unit``: what the loss is per,
+    ``"token"`` or ``"char"`` (``apps.lm.text.token_unit``, as the CLI's lines say)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,12 +86,14 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats / char)")
+    ax.set_ylabel(f"cross-entropy (nats / {unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     png_path = Path(png_path)
-    fig.savefig(png_path)
+    tmp = png_path.with_name(png_path.name + ".tmp")
+    fig.savefig(tmp, format="png")
     plt.close(fig)
+    os.replace(tmp, png_path)
     return png_path

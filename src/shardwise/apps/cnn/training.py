@@ -29,6 +29,7 @@ from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.apps.cnn.layout import BATCH, my_rows
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
+from shardwise.base.words import count
 from shardwise.data.idx import load_split
 from shardwise.models.cnn import CNN
 from shardwise.parallel.tensor_parallel import (
@@ -260,6 +261,16 @@ class CNNTask(TrainTask):
         return save(self.cfg, self.model, self.opt, self.sched, self.sampler, self.step,
                     self.history)
 
+    def draw(self) -> Path | None:
+        """Rank 0 of a run with ``training.progress`` (a CLI run): (re)draw ``loss.png`` (loss
+        and accuracy) from ``metrics.jsonl``; None otherwise."""
+        out_dir = Path(self.cfg.training.out_dir)
+        if not (self.cfg.training.progress and (out_dir / "metrics.jsonl").is_file()):
+            return None
+        return plot(out_dir / "metrics.jsonl", out_dir / "loss.png",
+                    f"CNN on Fashion-MNIST, {self.cfg.cnn.ranks} ranks, "
+                    f"{','.join(self.model.plan.strategies)}")
+
     def resume(self, path: Path) -> None:
         """Load the checkpoint at ``path`` into the model, optimizer, scheduler and sampler;
         continue from its step."""
@@ -287,7 +298,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         n = sum(s.params for s in task.model.plan.specs)
         print(f"shardwise: CNN {n / 1e6:.2f}M parameters, {len(task.x_tr):,} train / "
               f"{len(task.x_val):,} validation images, batch {t.global_batch_size}, "
-              f"{cfg.cnn.ranks} ranks, {torch.get_num_threads()} threads per rank; plan:\n"
+              f"{count(cfg.cnn.ranks, 'rank')}, {count(torch.get_num_threads(), 'thread')} per "
+              f"rank; plan:\n"
               f"{format_plan(task.model.plan)}", flush=True)
         if resume_from:
             print(f"shardwise: resumed from {path} at step {task.step}", flush=True)
@@ -297,11 +309,7 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
     MetricsLog(Path(t.out_dir) / "metrics.jsonl", enabled=task.is_main).write(
         {"kind": "test", "step": task.step, "test_loss": test_loss, "test_acc": test_acc})
     if task.is_main and t.progress:
-        out_dir = Path(t.out_dir)
-        png = plot(out_dir / "metrics.jsonl", out_dir / "loss.png",
-                   f"CNN on Fashion-MNIST, {cfg.cnn.ranks} ranks, "
-                   f"{','.join(task.model.plan.strategies)}")
-        print(f"loss and accuracy curves: {png}", flush=True)
+        print(f"loss and accuracy curves: {task.draw()}", flush=True)
     return {**out, "test_acc": test_acc, "test_images": n_test}
 
 

@@ -15,6 +15,7 @@ from shardwise.apps.lm.text import check_corpus, check_tokenizer, token_unit
 from shardwise.apps.lm.trainer import Trainer
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
+from shardwise.base.words import count
 from shardwise.data.tokenizer import tokenizer_from_state
 from shardwise.engine.engine import BLOCK_CAUSAL_NEEDS_EOS
 from shardwise.launch import rank_device
@@ -56,8 +57,8 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters{source}, "
               f"vocab {trainer.tokenizer.vocab_size}{_model_vocab(trainer)}, "
               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val {unit}; "
-              f"{describe_layout(cfg)}, {_where(device)}, {torch.get_num_threads()} threads "
-              "per rank", flush=True)
+              f"{describe_layout(cfg)}, {_where(device)}, "
+              f"{count(torch.get_num_threads(), 'thread')} per rank", flush=True)
         mem = trainer.engine.memory_bytes()
         print(f"shardwise: rank 0 holds {_mib(mem['params'])} parameters, {_mib(mem['grads'])} "
               f"gradients, {_mib(mem['optimizer'])} optimizer state "

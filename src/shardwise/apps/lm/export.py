@@ -19,8 +19,9 @@ tensors whatever layout wrote them. Writes into DIR:
   (GPT-2's packed, transposed ``c_attn``; a tied head written once, as HF does), fp32;
 - ``tokenizer.json`` and ``tokenizer_config.json``: the run's tokenizer for
   ``AutoTokenizer``: a ``shardwise prepare`` tokenizer as it is (its end-of-text token as
-  ``eos_token``), the character tokenizer as a ``tokenizers`` BPE with no merges, so every
-  character is one token with the run's id.
+  ``eos_token``, and its id as config.json's ``eos_token_id`` unless the source's set one),
+  the character tokenizer as a ``tokenizers`` BPE with no merges, so every character is one
+  token with the run's id.
 
 ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it with no custom code.
 """
@@ -133,6 +134,8 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
         complete = describe(d.hf.complete(d.config)).build()
     hf_tensors = to_hf_tensors(d, tensors, complete)
     config_json = d.hf.config_json(d.config, source)
+    if config_json.get("eos_token_id") is None and tok_state.get("eos_id") is not None:
+        config_json["eos_token_id"] = int(tok_state["eos_id"])  # tokenizer_config's eos_token
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)

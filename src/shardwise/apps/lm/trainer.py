@@ -226,10 +226,18 @@ class Trainer(TrainerState, TrainTask):
         self.engine.save_timeline(self.out_dir, f"{p.schedule}, pp={self.topology.pp}, "
                                   f"m={p.micro_batches}, last training step")
 
+    def draw(self) -> Path | None:
+        """Rank 0: (re)draw ``loss.png`` from ``metrics.jsonl``, in nats per token (per
+        character with the character tokenizer); None before the first row."""
+        if not (self.out_dir / "metrics.jsonl").is_file():
+            return None
+        data = self.cfg.data.path or "Shakespeare"
+        return plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
+                         title=f"{self.description.kind} on {data}, {describe_layout(self.cfg)}",
+                         unit=token_unit(self.tokenizer))
+
     def _write_outputs(self) -> None:
-        png = plot_loss(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png",
-                        title=f"{self.description.kind} on {self.cfg.data.path or 'Shakespeare'}, "
-                              f"{describe_layout(self.cfg)}")
+        png = self.draw()
         print(f"loss curve: {png}")
         if self.cfg.training.sample_chars:
             text = self._sample()

@@ -204,7 +204,7 @@ def run_worker(cfg: Config, index: int, device: torch.device, stop_after: int | 
         if t.progress:  # a CLI run: the loss curve, as the language model draws it
             png = plot_loss(Path(t.out_dir) / "metrics.jsonl", Path(t.out_dir) / "loss.png",
                             title=f"GPT on Shakespeare, parameter server {ps.consistency}, "
-                                  f"S={ps.servers}, W={ps.workers}")
+                                  f"S={ps.servers}, W={ps.workers}", unit="char")
             print(f"loss curve: {png}", flush=True)
         out["params"] = {n: p.detach().clone() for n, p in task.model.named_parameters()}
     return out
