@@ -149,6 +149,14 @@ def test_bad_chat_options_are_one_line(tmp_path, capsys, chat_dir):
     assert_one_line_exit_2(base + ["--chat", "--tokenizer", str(tok), "--chat-template",
                                    str(tpl)], capsys, "c.jsonl:1", "messages")
     assert not (tmp_path / "o").exists()
+    # the command line's own path, the template from a file: exit 0, a loss mask listed
+    from shardwise.cli.main import main
+
+    data.write_text('{"prompt": "alpha beta", "response": "gamma"}\n' * 40, encoding="utf-8")
+    assert main(base + ["--chat", "--tokenizer", str(tok), "--chat-template", str(tpl),
+                        "--no-progress"]) == 0
+    m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert m["documents"] == 40 and m["loss_mask"]["train"][0]["tokens"] == m["tokens"]["train"]
 
 
 def test_masked_loss_dp2_tp2_pp2_cp2_match_one_process(chat_dir, tmp_path):

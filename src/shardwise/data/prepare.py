@@ -9,6 +9,7 @@ a byte-level ``bpe`` trained here with ``tokenizers``' ``BpeTrainer``, or a
 are ``floor(val_fraction * tokens so far)``. Restartable: complete shards are renamed into
 place and ``prepare.json`` records the progress; a finished directory is refused. Details
 (pieces, pre-tokenization, the split, the restart): docs/data.md, "How prepare works".
+``--chat``: conversations and a loss mask (``prepare_chat``, ``data.chat``).
 """
 
 from __future__ import annotations
