@@ -48,6 +48,12 @@ def build_parser() -> Parser:
     ap.add_argument("--shard-tokens", type=whole_number(1), default=1 << 24, metavar="N",
                     help="tokens per train shard, about (default 16,777,216); a restart "
                          "resumes after the last complete shard")
+    ap.add_argument("--chat", action="store_true",
+                    help="JSONL conversations (messages, or prompt/response): rendered with "
+                         "the tokenizer's chat template, only the assistant's tokens targets")
+    ap.add_argument("--chat-template", metavar="FILE", default=None,
+                    help="a Jinja chat template (default: the chat_template of the "
+                         "tokenizer_config.json beside --tokenizer)")
     ap.add_argument("--no-progress", action="store_true",
                     help="no progress bar (shown when stderr is a terminal)")
     return ap
@@ -64,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = PrepareOptions(inputs=tuple(args.data), out=args.out, tokenizer=args.tokenizer,
                           vocab_size=args.vocab_size, field=args.field,
                           val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                          progress=False if args.no_progress else None)
+                          progress=False if args.no_progress else None, chat=args.chat,
+                          chat_template=args.chat_template)
     try:
         m = prepare(opts, log=lambda line: print(line, file=sys.stderr, flush=True))
     except DataError as e:

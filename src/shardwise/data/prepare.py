@@ -9,6 +9,7 @@ a byte-level ``bpe`` trained here with ``tokenizers``' ``BpeTrainer``, or a
 are ``floor(val_fraction * tokens so far)``. Restartable: complete shards are renamed into
 place and ``prepare.json`` records the progress; a finished directory is refused. Details
 (pieces, pre-tokenization, the split, the restart): docs/data.md, "How prepare works".
+``--chat``: conversations and a loss mask (``prepare_chat``, ``data.chat``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ class PrepareOptions:
     held out. ``shard_tokens``: tokens per train shard (about; a shard ends at a block's
     end). ``block_chars`` / ``piece_chars``: characters encoded at once / per text-file
     piece (the split and the shards depend on them; the manifest records them).
-    ``progress``: show a progress bar per pass on stderr (None: when stderr is a terminal)."""
+    ``progress``: show a progress bar per pass on stderr (None: when stderr is a terminal).
+    ``chat``: the JSONL records are conversations, rendered with ``chat_template`` (a file;
+    None: the tokenizer's ``tokenizer_config.json``) and written with a loss mask
+    (``data.chat``)."""
 
     inputs: tuple[str, ...]
     out: str
@@ -68,6 +72,8 @@ class PrepareOptions:
     block_chars: int = 1 << 21
     piece_chars: int = 1 << 19
     progress: bool | None = None
+    chat: bool = False
+    chat_template: str | None = None
 
 
 def _blocks(sources: list[Source], opts: PrepareOptions, advance) -> Iterator[list[Piece]]:
@@ -258,6 +264,11 @@ def check_options(opts: PrepareOptions) -> None:
         if opts.vocab_size < MIN_BPE_VOCAB:
             raise DataError(f"--vocab-size {opts.vocab_size}: a byte-level BPE needs at least "
                             f"{MIN_BPE_VOCAB} (256 bytes + {BPE_EOS})")
+    if opts.chat and opts.tokenizer in ("char", "bpe"):
+        raise DataError("--chat: needs --tokenizer PATH/tokenizer.json (its chat template's "
+                        "special tokens)")
+    if opts.chat_template is not None and not opts.chat:
+        raise DataError("--chat-template: only with --chat")
     if not 0.0 <= opts.val_fraction < 1.0:
         raise DataError(f"--val-fraction {opts.val_fraction}: expected 0 <= f < 1")
     for name in ("shard_tokens", "block_chars", "piece_chars"):
@@ -296,6 +307,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> dict:
     refuses; nothing half-written stays visible (a fresh run that fails removes what it
     wrote)."""
     check_options(opts)
+    if opts.chat:
+        return prepare_chat(opts)
     opts = _blocks_for_shards(opts)
     sources = find_sources(opts.inputs)
     for s in sources:
@@ -423,3 +436,94 @@ def _created_by() -> str:
     from shardwise.base.version import version
 
     return f"shardwise {version()} prepare"
+
+
+# -- chat data ---------------------------------------------------------------------------
+def prepare_chat(opts: PrepareOptions) -> dict:
+    """``shardwise prepare --chat``: every JSONL record a conversation (``data.chat``),
+    rendered, encoded and joined by the end-of-text id (not a target); the shards of
+    tokens and beside them ``{split}_mask_NNNNN.bin`` (uint8, 1: a target). The split rule
+    is the text path's, over the whole corpus at once (in memory; not restartable).
+    Returns the manifest."""
+    import json
+
+    from shardwise.data import chat
+
+    sources = find_sources(opts.inputs)
+    for s in sources:
+        if s.format != "json":
+            raise DataError(f"--chat: {s.path} is not JSONL")
+    root = Path(opts.out).expanduser()
+    _open_out(root, _identity(opts, sources))
+    if (root / STATE).exists():
+        raise DataError(f"--out {root}: holds an unfinished prepare; remove {root}")
+    template = chat.load_template(opts.tokenizer, opts.chat_template)
+    tok = HFTokenizer.from_str(Path(opts.tokenizer).read_text(encoding="utf-8"))
+    eos_token, eos_id = find_eos(tok.tokenizer)
+    if eos_id is None:
+        raise DataError(f"--tokenizer {opts.tokenizer}: no end-of-text token (one of "
+                        f"{', '.join(EOS_CANDIDATES)}) to end each conversation")
+    ids, mask, counts, chars = [], [], [], 0
+    for s in sources:
+        n = 0
+        with open(s.path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{s.path}:{line_no}"
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"{where}: not JSON ({e})") from None
+                text, spans = chat.render(chat.conversation(record, where), template, where)
+                enc = tok.tokenizer.encode(text, add_special_tokens=False)
+                if ids:
+                    ids.append(np.array([eos_id], dtype=np.int64))
+                    mask.append(np.zeros(1, dtype=np.uint8))
+                ids.append(np.array(enc.ids, dtype=np.int64))
+                mask.append(chat.target_mask(enc.offsets, spans))
+                chars, n = chars + len(text), n + 1
+        counts.append(n)
+    if not ids:
+        raise DataError("the inputs hold no conversations")
+    ids, mask = np.concatenate(ids), np.concatenate(mask)
+    if not mask.any():
+        raise DataError("--chat: no assistant turn in the inputs: nothing to train on")
+    cut = len(ids) - int(len(ids) * opts.val_fraction)
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tok.vocab_size)
+    try:
+        shutil.copyfile(opts.tokenizer, root / TOKENIZER_FILE)
+        shards, masks = {}, {}
+        for split, part in (("train", slice(0, cut)), ("val", slice(cut, None))):
+            shards[split], masks[split] = [], []
+            for name, arr, dt, out in ((split, ids, dtype, shards), (f"{split}_mask", mask,
+                                        np.dtype(np.uint8), masks)):
+                if len(arr[part]):
+                    w = ShardWriter(root, f"{name}_00000.bin", dt)
+                    w.write(arr[part])
+                    out[split].append(w.close())
+        spec = {"kind": "hf", "file": TOKENIZER_FILE,
+                "sha256": sha256_file(root / TOKENIZER_FILE), "eos_token": eos_token,
+                "eos_id": eos_id, "source": str(Path(opts.tokenizer).resolve())}
+        manifest = {
+            "format": FORMAT, "version": VERSION, "dtype": dtype.name,
+            "vocab_size": tok.vocab_size, "tokenizer": spec, "field": "messages",
+            "sources": [{"path": s.path, "format": s.format, "bytes": s.bytes, "documents": d}
+                        for s, d in zip(sources, counts)],
+            "documents": sum(counts), "characters": chars,
+            "tokens": {"train": cut, "val": len(ids) - cut},
+            "split": {"val_fraction": opts.val_fraction,
+                      "rule": "val: the corpus's tail, floor(val_fraction * tokens)"},
+            "shards": shards,
+            "loss_mask": masks,
+            "chat_template": {"source": opts.chat_template or "tokenizer_config.json",
+                              "targets": int(mask.sum())},
+            "created_by": _created_by(),
+        }
+    except BaseException:
+        _remove_outputs(root, created)
+        raise
+    write_json_atomic(root / MANIFEST, manifest)
+    return manifest

@@ -11,11 +11,17 @@ ranks' shards never overlap. Ragged windows at an epoch's end are dropped.
 The position (epoch, batch in epoch) counts global batches, not a rank's: saved in a
 checkpoint, it resumes the same stream of global batches under any dp (and any tp or pp,
 which read what their dp rank reads).
+
+A loss mask (``mask``: 1 where a token is a target, e.g. an assistant's reply in chat data)
+turns the other targets into ``IGNORE_INDEX``; ``global_targets`` counts the targets of the
+global batch just drawn, the denominator of its mean loss in every layout.
 """
 
 from __future__ import annotations
 
 import torch
+
+IGNORE_INDEX = -100  # a target the loss skips (torch.nn.functional.cross_entropy's default)
 
 
 class DistributedBatchSampler:
@@ -28,15 +34,18 @@ class DistributedBatchSampler:
         global_batch_size: G, sequences per step over all dp ranks.
         dp_rank, dp_size: this rank's place on the data-parallel axis.
         seed: base seed; epoch ``e`` uses ``seed + e``.
+        mask: None (every token a target) or the split's loss mask, 1-D like ``tokens``
+            (nonzero: a target); masked targets come out as ``IGNORE_INDEX``.
 
     Raises ``ValueError`` when the split holds fewer than G windows.
     """
 
     def __init__(self, tokens: torch.Tensor, block_size: int, global_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0):
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, mask=None):
         if global_batch_size % dp_size:
             raise ValueError(f"global batch {global_batch_size} not divisible by dp={dp_size}")
-        self.tokens = tokens
+        self.tokens, self.mask = tokens, mask
+        self.global_targets: int | None = None  # targets of the last global batch (a mask)
         self.block_size = block_size
         self.global_batch_size = global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -65,20 +74,30 @@ class DistributedBatchSampler:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next ``(x, y)``; advances the position by one global batch."""
         local = self.global_batch_size // self.dp_size
-        idx = self.global_indices()[self.dp_rank * local:(self.dp_rank + 1) * local]
+        every = self.global_indices()
+        idx = every[self.dp_rank * local:(self.dp_rank + 1) * local]
         x, y = self.windows(idx)
+        if self.mask is not None:  # every rank reads the global batch's mask: one count
+            T = self.block_size
+            keep = self.mask[every[:, None] * T + torch.arange(1, T + 1)]  # (G, T)
+            self.global_targets = int((keep != 0).sum())
         self.batch_in_epoch += 1
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch, self._perm = self.epoch + 1, 0, None
         return x, y
 
     def windows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Windows ``idx`` (K,) as inputs and next-token targets, each (K, T) int64."""
+        """Windows ``idx`` (K,) as inputs and next-token targets, each (K, T) int64 (masked
+        targets ``IGNORE_INDEX``)."""
         T = self.block_size
         starts = idx * T
         offsets = torch.arange(T + 1)
-        w = self.tokens[starts[:, None] + offsets[None, :]]  # (B, T+1)
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        pos = starts[:, None] + offsets[None, :]
+        w = self.tokens[pos]  # (B, T+1)
+        y = w[:, 1:].contiguous()
+        if self.mask is not None:
+            y[self.mask[pos[:, 1:]] == 0] = IGNORE_INDEX
+        return w[:, :-1].contiguous(), y
 
     def state_dict(self) -> dict:
         """JSON-safe position (epoch, batch in epoch) plus what must match on resume."""

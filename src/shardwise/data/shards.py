@@ -13,7 +13,9 @@ A prepared directory holds::
 ``vocab_size``, ``tokenizer`` ({"kind": "char", "chars": ...} or {"kind": "hf", "file":
 "tokenizer.json", "sha256": ..., "eos_id": ...}), the ``sources`` read, the counts
 (``documents``, ``characters``, ``tokens`` per split), the ``split`` rule, and ``shards``:
-per split, the files in order with their token count and sha256. A split is the
+per split, the files in order with their token count and sha256; chat data
+(``shardwise prepare --chat``) add ``loss_mask``, the same per split for uint8 files aligned
+with the tokens (1: a target, an assistant's token; 0: not). A split is the
 concatenation of its shards: one stream of tokens, which the sampler cuts into windows as it
 cuts a text's tokens.
 
@@ -173,6 +175,8 @@ class PreparedData:
     tokenizer: CharTokenizer | HFTokenizer
     train: TokenStream
     val: TokenStream
+    train_mask: TokenStream | None = None  # chat data: 1 where a token is a target
+    val_mask: TokenStream | None = None
 
 
 def is_prepared_dir(path: str | Path | None) -> bool:
@@ -223,11 +227,18 @@ def _check_shape(manifest: dict, path: Path) -> None:
     shards = manifest.get("shards")
     if not isinstance(shards, dict) or any(not isinstance(shards.get(s), list) for s in SPLITS):
         raise bad(f"shards must list the {' and '.join(SPLITS)} shards")
+    masks = manifest.get("loss_mask")
+    if masks is not None and (not isinstance(masks, dict)
+                              or any(not isinstance(masks.get(s), list) for s in SPLITS)):
+        raise bad(f"loss_mask must list the {' and '.join(SPLITS)} mask files")
     for split in SPLITS:
-        for r in shards[split]:
+        for r in shards[split] + (masks[split] if masks is not None else []):
             if not (isinstance(r, dict) and plain(r.get("file"))
                     and isinstance(r.get("tokens"), int) and isinstance(r.get("sha256"), str)):
                 raise bad(f"a {split} shard entry {r!r} (file: a plain name, tokens, sha256)")
+        if masks is not None and sum(r["tokens"] for r in masks[split]) != sum(
+                r["tokens"] for r in shards[split]):
+            raise bad(f"loss_mask.{split} does not cover the {split} tokens one to one")
 
     def whole(v, least: int) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= least
@@ -285,6 +296,8 @@ def verify(root: str | Path, manifest: dict | None = None, checksums: bool = Tru
     itemsize = np.dtype(manifest["dtype"]).itemsize
     files = [(r["file"], r["tokens"] * itemsize, r["sha256"])
              for split in SPLITS for r in manifest["shards"][split]]
+    files += [(r["file"], r["tokens"], r["sha256"])  # uint8 masks
+              for split in SPLITS for r in manifest.get("loss_mask", {}).get(split, [])]
     if manifest["tokenizer"]["kind"] == "hf":
         t = manifest["tokenizer"]
         files.append((t["file"], None, t["sha256"]))
@@ -311,6 +324,11 @@ def load_prepared(root: str | Path, checksums: bool = False) -> PreparedData:
     root = Path(root)
     manifest = verify(root, checksums=checksums)
     dtype = np.dtype(manifest["dtype"])
-    streams = [TokenStream([root / r["file"] for r in manifest["shards"][s]],
-                           [r["tokens"] for r in manifest["shards"][s]], dtype) for s in SPLITS]
+    def stream(records: list[dict], dt) -> TokenStream:
+        return TokenStream([root / r["file"] for r in records], [r["tokens"] for r in records], dt)
+
+    streams = [stream(manifest["shards"][s], dtype) for s in SPLITS]
+    masks = manifest.get("loss_mask")
+    if masks is not None:
+        streams += [stream(masks[s], np.uint8) for s in SPLITS]
     return PreparedData(root, manifest, load_tokenizer(root, manifest), *streams)

@@ -219,13 +219,15 @@ class Engine:
         seq = cfg.seq_len // topology.cp  # this rank's tokens of each sequence
         seq = seq // self.tp.size if self.tp.sequence_parallel else seq
         self.act_shape = (local_batch // m, seq, self.description.hidden_size)
+        self._train_loss = self.local.loss_fn  # as built (compiled under training.compile)
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
-            loss_fn=self.local.loss_fn, on_step=self._optimizer_step, dtype=self.dtype,
+            loss_fn=self._target_loss, on_step=self._optimizer_step, dtype=self.dtype,
             group=self.pp_group, recompute=par.recompute is True, grad_sync=self.sync,
             device=self.device, measure_memory=measure_memory,
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
+        self._per_micro_batch: float | None = None  # the loss's denominator (train_step)
         self.step = 0  # optimizer steps taken (restored on resume): seeds dropout per step
         self.committed = True  # whether the last step's vote let the optimizer step
         self.last_step: dict = {"grad_norm": 0.0, "skipped": False}
@@ -357,7 +359,14 @@ class Engine:
             self.last_step = self.optimizer.step(self.cfg.optimizer.grad_clip)
         self.sync.zero_grad()
 
-    def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True) -> dict:
+    def _target_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss: its targets' summed loss over the global batch's target count
+        per micro-batch and rank, so that the executor's 1/m and the dp x cp mean of gradients
+        and losses make the mean over the global batch's targets in every layout."""
+        return self._train_loss(logits, targets, self._per_micro_batch)
+
+    def train_step(self, idx: torch.Tensor, targets: torch.Tensor, sync: bool = True,
+                   n_targets: int | None = None) -> dict:
         """One optimizer step on this dp replica's batch ``idx``, ``targets`` (B, T) int64
         (whole sequences: with cp > 1 each rank keeps its chunks of them; under
         ``block_causal`` every stage reads ``idx`` for its document ids, so every rank of
@@ -366,12 +375,17 @@ class Engine:
         ``buckets_overlapped``: [launched before the schedule's end, buckets]); the loss is the
         mean over micro-batches, cp shards and dp replicas, the same on every rank; only
         ``{"committed": False}`` when the replicas' vote did not let the optimizer step (fault
-        tolerance: ``self.step`` unchanged, the step is redone). ``sync=True``: loss
+        tolerance: ``self.step`` unchanged, the step is redone). ``n_targets``: the count of
+        targets (not ``IGNORE_INDEX``) in the global batch, the loss's denominator, when the
+        data carry a loss mask (None: every token, ``B x T x dp``). ``sync=True``: loss
         and norm as Python floats (the host waits for the device); ``sync=False``: as 0-d
         tensors on the device, so a loop can run ahead and read them at its logging interval
         (``settle`` converts such a dict)."""
         m = self.schedule.m
         self._seed_step()
+        if n_targets is None:  # every token a target: the plain mean, bit for bit
+            n_targets = targets.numel() * self.topology.dp
+        self._per_micro_batch = n_targets / (m * self.topology.dp_cp)
         whole = idx
         if self.cp is not None:  # chunks i and 2cp-1-i of every sequence
             idx, targets = self.cp.shard(idx, targets)

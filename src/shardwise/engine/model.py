@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardwise.data.sampler import IGNORE_INDEX
 from shardwise.engine.parallelize import apply_ep, apply_tp
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
@@ -68,8 +69,9 @@ class LocalModel:
     parameter or nothing is tied. ``rng``: the tensor-parallel dropout stream (None with
     tp = 1). ``vocab_params``: names of the parameters split by vocabulary rows.
     ``moe_layers``: every mixture-of-experts layer's full name; ``moe_local``: (index in
-    ``moe_layers``, module) of this rank's. ``loss_fn(logits, targets)``: the mean
-    cross-entropy (vocabulary-parallel with tp > 1).
+    ``moe_layers``, module) of this rank's. ``loss_fn(logits, targets, denominator=None)``:
+    the cross-entropy summed over target tokens over ``denominator`` (default: the mean;
+    vocabulary-parallel with tp > 1).
     """
 
     description: ModelDescription
@@ -454,13 +456,19 @@ def _one_at_a_time(layers: list[tuple[str, nn.Module]], device: torch.device | N
         del m
 
 
-def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in nats per token, computed in fp32 (as ``GPT.forward`` and
-    ``Llama.forward``)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def lm_loss_fp32(logits: torch.Tensor, targets: torch.Tensor,
+                 denominator: float | None = None) -> torch.Tensor:
+    """Cross-entropy in nats, computed in fp32 (as ``GPT.forward`` and ``Llama.forward``):
+    the sum over target tokens (``IGNORE_INDEX`` targets, a loss mask, are not) divided by
+    ``denominator`` (default ``targets.numel()``: with no mask the plain mean, bit for bit)."""
+    n = float(targets.numel() if denominator is None else denominator)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum") / n
 
 
 def _vocab_parallel_loss(tp: RankGroup, vocab_size: int) -> Callable:
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size, tag="head.loss")
+    def loss(logits: torch.Tensor, targets: torch.Tensor,
+             denominator: float | None = None) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, tp, vocab_size, tag="head.loss",
+                                            denominator=denominator)
     return loss

@@ -39,6 +39,14 @@ def split_corpus(cfg: Config, tokenizer: CharTokenizer | HFTokenizer | None = No
     return tokenizer, tokens[:-n_val], tokens[-n_val:]
 
 
+def train_mask(cfg: Config):
+    """The train split's loss mask (a uint8 ``TokenStream``, 1: a target) of a prepared
+    chat directory; None for every other corpus (every token a target)."""
+    if not is_prepared_dir(cfg.data.path):
+        return None
+    return load_prepared(cfg.data.path).train_mask
+
+
 def check_corpus(cfg: Config, text: str | None = None) -> None:
     """At the door: ``data.path`` must be readable (``DataError``) and leave one global batch
     of training windows after the validation split (``ValueError``, one line). A prepared

@@ -33,11 +33,12 @@ from shardwise import comm
 from shardwise.apps.lm.hf import resolve_init_from, source_config
 from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
-from shardwise.apps.lm.text import split_corpus, token_unit
+from shardwise.apps.lm.text import split_corpus, token_unit, train_mask
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm.replicas import NO_REPLICAS
 from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
+from shardwise.data.corpus import DataError
 from shardwise.engine import Engine, EngineConfig
 from shardwise.engine import state as engine_state
 from shardwise.launch import rank_device
@@ -81,10 +82,14 @@ class Trainer(TrainerState, TrainTask):
         self.optimizer = self.engine.optimizer
         self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
         # replica group r's dp rank d reads part r x dp + d of the global batch's n x dp
+        mask = train_mask(cfg)  # chat data: only the assistant's tokens are targets
+        if mask is not None and groups > 1:
+            raise DataError("data.path: a loss mask (chat data) with fault_tolerance is not "
+                            "supported yet")
         self.sampler = DistributedBatchSampler(self.train_tokens, cfg.model.block_size,
                                                t.global_batch_size,
                                                slot * topology.dp + topology.dp_rank,
-                                               groups * topology.dp, seed=t.seed)
+                                               groups * topology.dp, seed=t.seed, mask=mask)
         self.step = 0
         self.out_dir = Path(t.out_dir)
         self.history: list[float] = []
@@ -152,7 +157,7 @@ class Trainer(TrainerState, TrainTask):
         if self._pin:
             x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        info = self.engine.train_step(x, y, sync=False)
+        info = self.engine.train_step(x, y, sync=False, n_targets=self.sampler.global_targets)
         if not self.engine.committed:
             self.sampler.load_state_dict(position)
             return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from shardwise import comm
+from shardwise.data.sampler import IGNORE_INDEX
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.mappings import _mark, _note
 
@@ -66,7 +67,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 @torch.compiler.disable  # its all-reduces run eagerly inside a compiled loss
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: RankGroup,
                                  vocab_size: int | None = None, reduction: str = "mean",
-                                 tag: str = "cross_entropy") -> torch.Tensor:
+                                 tag: str = "cross_entropy",
+                                 denominator: float | None = None) -> torch.Tensor:
     """Cross-entropy in nats of ``logits`` (..., V_pad / tp), this rank's vocabulary
     columns ``[rank * V_pad / tp, (rank + 1) * V_pad / tp)``, against ``targets`` (...)
     holding global ids < ``vocab_size``.
@@ -74,13 +76,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     ``vocab_size`` (default: all columns are real) marks columns at or above it as padding:
     they are excluded from the softmax, so padding never changes the loss or the gradients
     of real columns. ``reduction``: "mean" (over tokens), "sum" or "none" (shape of
-    ``targets``). Equals ``F.cross_entropy`` on the gathered, unpadded logits.
+    ``targets``). Targets ``IGNORE_INDEX`` (-100, a loss mask) count 0. "mean" divides the
+    sum by ``denominator`` (default ``targets.numel()``; the engine gives the global batch's
+    target count per micro-batch and rank). Equals ``F.cross_entropy(reduction="sum") /
+    denominator`` on the gathered, unpadded logits (with no mask, the plain mean).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     v = logits.shape[-1] * tp.size if vocab_size is None else vocab_size
     loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]),
                                             targets.reshape(-1), tp, v, tag)
-    if reduction == "mean":
-        return loss.mean()
+    loss = torch.where(targets.reshape(-1) != IGNORE_INDEX, loss, 0.0)
+    if reduction == "mean":  # sum / numel: bit for bit loss.mean() (measured, CPU fp32)
+        return loss.sum() / float(targets.numel() if denominator is None else denominator)
     return loss.sum() if reduction == "sum" else loss.view(targets.shape)
