@@ -347,7 +347,7 @@ def test_emitted_toml_trains(corpus, tmp_path, extra):
         assert 'recompute = "selective"' in text and "refuses it on CUDA" in text
         assert "note:" not in r.stderr  # local: no GPU cluster to warn about
     else:
-        assert "recompute = false" in text
+        assert 'recompute = "none"' in text
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "done: 2 steps" in t.stdout

@@ -40,6 +40,8 @@ ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halvin
 ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 # parallel.pipeline.schedules.KINDS
 SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream")
+# parallel.recompute's modes (engine.parallelize.apply_ac, the pipeline executor's "stage")
+RECOMPUTE_MODES = ("none", "stage", "selective", "full")
 # parallel.pipeline.partition.partition's ``by``
 PARTITIONS = ("layers", "params", "time")
 # parallel.precision.DTYPES' keys
@@ -104,15 +106,19 @@ class ParallelConfig(_Section):
     partition: Literal[PARTITIONS] = Field("layers", description="pipeline stage balance: "
                                            "by layer count, parameter count or measured "
                                            "forward + backward time")
-    recompute: bool | Literal["selective"] = Field(False, description="activation "
-                                  "recomputation: true (or \"full\"): each stage keeps "
-                                  "only its input and recomputes its forward in backward; "
-                                  "\"selective\": every layer is checkpointed with torch's "
-                                  "selective policy, matmul and attention outputs saved, "
-                                  "element-wise ops recomputed, the outputs of tp/SP/expert "
-                                  "collectives kept and replayed, the cp ring run again "
-                                  "(torchtitan's op-level selective AC; not yet on CUDA: "
-                                  "docs/gpu.md); false: none")
+    recompute: Literal[RECOMPUTE_MODES] = Field(
+        "none", description="activation recomputation: \"full\": every transformer block "
+        "(every layer of the model's pipeline description between the embedding and the "
+        "head) keeps only its input and recomputes its forward in backward (torchtitan's "
+        "activation_checkpoint.mode = \"full\"); \"selective\": every layer is "
+        "checkpointed with torch's selective policy, matmul and attention outputs saved, "
+        "element-wise ops recomputed (torchtitan's op-level selective AC; not yet on CUDA: "
+        "docs/gpu.md); under both, the outputs of tp/SP/expert collectives and ZeRO-3's "
+        "gathers are kept and replayed, the cp ring run again; \"stage\": each pipeline "
+        "stage keeps only its input and recomputes its forward in backward; \"none\"")
+    recompute_every: int = Field(1, ge=1, description="with recompute = \"full\": "
+                                 "checkpoint every N-th transformer block only (blocks N, 2N, "
+                                 "... counting from 1; torchtitan's selective_ac_option = N)")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer "
@@ -142,22 +148,24 @@ class ParallelConfig(_Section):
     @field_validator("recompute", mode="before")
     @classmethod
     def _recompute_mode(cls, value):
-        """true / "full", false / "none", or "selective" (kept as the string)."""
-        if isinstance(value, str):
-            named = {"full": True, "none": False, "selective": "selective"}
-            if value not in named:
-                raise ValueError(f"parallel.recompute={value!r}: expected true, false, "
-                                 "\"full\", \"none\" or \"selective\"")
-            return named[value]
+        """The boolean of older configs: true was the stage-level recomputation ("stage"),
+        false none."""
+        if isinstance(value, bool):
+            return "stage" if value else "none"
         return value
 
     @model_validator(mode="after")
     def _schedule_agrees(self):
-        if self.recompute == "selective" and self.schedule == "pipedream":
-            raise ValueError("parallel.recompute=selective with parallel.schedule=pipedream: a "
-                             "layer recomputed in backward would read the live weights, not "
-                             "the version its forward used (weight stashing); use recompute = "
-                             "true (the executor recomputes with the stashed weights)")
+        if self.recompute in ("selective", "full") and self.schedule == "pipedream":
+            raise ValueError(f"parallel.recompute={self.recompute} with parallel.schedule="
+                             "pipedream: a layer recomputed in backward would read the live "
+                             "weights, not the version its forward used (weight stashing); use "
+                             "recompute = \"stage\" (the executor recomputes with the stashed "
+                             "weights)")
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise ValueError(f"parallel.recompute_every={self.recompute_every} with "
+                             f"parallel.recompute={self.recompute}: it picks the blocks of "
+                             "recompute = \"full\"; set that or recompute_every = 1")
         shard = self.dp_shard or self.dp // self.dp_replicate
         if not self.dp_shard and self.dp % self.dp_replicate:
             raise ValueError(f"parallel.dp_replicate={self.dp_replicate} does not divide "

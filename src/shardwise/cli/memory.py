@@ -8,6 +8,7 @@
     shardwise memory --config configs/tiny.toml --dp 2 --cp 2 --stages 1    # ZeRO over dp x cp
     shardwise memory --config configs/tiny.toml --dp 2 --pp 2 --chunks-per-rank 2 --stages 3
     shardwise memory --params 7e9 --dp 64 --dp-replicate 8         # HSDP: ZeRO over 8 ranks
+    shardwise memory --config configs/tiny.toml --dp 1 --recompute full  # + activations
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, or of its ``model.init_from`` checkpoint's config.json, as
@@ -25,6 +26,11 @@ et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
 ranks, so ZeRO's shards span dp x cp of them (with ``--params``: N = dp x cp); it splits
 activations, which this report of static bytes does not count. HSDP (``--dp-replicate R``):
 ZeRO 1-3 shard within one replica of dp / R ranks, so the state shrinks by dp / R, not dp.
+``--recompute MODE`` (with ``--config``; ``parallel.recompute``'s modes) adds the peak
+activation bytes of the busiest pipeline rank (``planner.memory.activation_bytes``, the
+config's micro-batches and sequence length) without recomputation and with ``MODE``
+(``--recompute-every N``: "full" on every N-th block), a prediction: the engine counts no
+activation bytes of its own (``Engine.memory_bytes`` is the static ones).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import math
 import sys
 
+from shardwise.base.config import RECOMPUTE_MODES
 from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.planner.memory import MiB, unit_for, zero_bytes
 from shardwise.planner.specs import NAMED
@@ -61,6 +68,9 @@ def _layout_table(args, stages: list[int]) -> int:
         over["parallel.bucket_mb"] = args.bucket_mb
     if args.ep is not None:
         over["parallel.ep"] = args.ep
+    if args.recompute is not None:
+        over["parallel.recompute"] = args.recompute
+        over["parallel.recompute_every"] = args.recompute_every
     if args.chunks_per_rank is not None:
         over["parallel.chunks_per_rank"] = args.chunks_per_rank
         if args.chunks_per_rank > 1:  # static bytes do not read m; interleaving needs m % pp = 0
@@ -116,7 +126,32 @@ def _layout_table(args, stages: list[int]) -> int:
                 if args.budget_mb:
                     line += f"  {'yes' if pred['total'] <= args.budget_mb * MiB else 'NO'}"
                 print(line)
+    if args.recompute is not None:
+        _activation_lines(base, d, args)
     return 0
+
+
+def _activation_lines(cfg, d, args) -> None:
+    """The peak activation bytes per rank (busiest pipeline rank) without recomputation and
+    with ``args.recompute``, from the planner's memory model."""
+    from shardwise.planner.memory import activation_bytes
+    from shardwise.planner.specs import ModelSpec
+
+    p = cfg.parallel
+    spec = ModelSpec.from_description(d)
+    mb = cfg.training.global_batch_size // p.dp // p.micro_batches
+    kw = dict(mb=mb, tp=p.tp, pp=p.pp, micro_batches=p.micro_batches, v=p.chunks_per_rank,
+              schedule=p.schedule, sp=p.sequence_parallel, precision=args.precision,
+              partition=p.partition, cp=p.cp)
+    none = activation_bytes(spec, **kw)
+    got = activation_bytes(spec, **kw, recompute=args.recompute,
+                           recompute_every=args.recompute_every)
+    unit, div = unit_for(none)
+    every = f" every {args.recompute_every}" if args.recompute_every > 1 else ""
+    print(f"activations per rank (peak, busiest pipeline rank; {mb} sequences x "
+          f"{spec.block_size // p.cp} tokens a micro-batch, {p.micro_batches} micro-batches; "
+          f"predicted) in {unit}: recompute none {none / div:.3f}, "
+          f"{args.recompute}{every} {got / div:.3f} ({got / none:.2f} of none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
+    ap.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
+                    help="also print the activation bytes per rank without recomputation "
+                    "and with this parallel.recompute mode (needs --config)")
+    ap.add_argument("--recompute-every", type=int, default=1, help="with --recompute full: "
+                    "every N-th block checkpointed (parallel.recompute_every)")
     ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MiB")
     args = ap.parse_args(argv)
     try:
@@ -189,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.params is None:  # a model: the exact per-rank prediction of any layout
         return _layout_table(args, stages)
-    if args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None:
-        print("shardwise memory: error: --tp/--pp/--chunks-per-rank need a model (--config), "
+    if args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None or args.recompute:
+        print("shardwise memory: error: --tp/--pp/--chunks-per-rank/--recompute need a model "
+              "(--config), "
               "not --params",
               file=sys.stderr)
         return EXIT_USAGE

@@ -341,7 +341,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
                 if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
     parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
                      "micro_batches": lay.micro_batches, "schedule": lay.schedule,
-                     "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero, "recompute": lay.recompute,
+                     "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero,
+                     "recompute": {False: "none", True: "stage"}.get(lay.recompute, lay.recompute),
                      "sequence_parallel": lay.sp, "partition": lay.partition,
                      "cp": lay.cp, "ep": lay.ep})
     if lay.dp_replicate > 1:  # HSDP
@@ -368,7 +369,7 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
 # the engine's CUDA_REFUSAL (parallel.activation_checkpoint) in short, without importing it
 SELECTIVE_CUDA = ("parallel.recompute = \"selective\": shardwise train refuses it on CUDA "
                   "until its GPU check has run (docs/gpu.md; it runs on the CPU); on GPUs "
-                  "use parallel.recompute = true for now")
+                  "use parallel.recompute = \"stage\" or \"full\" for now")
 
 
 def _toml(v) -> str:

@@ -54,6 +54,7 @@ from shardwise.engine.parallelize import (
     apply_cp,
     apply_dp,
     apply_float8,
+    block_numbers,
     layers_of,
 )
 from shardwise.models.description import ModelDescription, describe
@@ -214,7 +215,7 @@ class Engine:
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
             loss_fn=self.local.loss_fn, on_step=self._optimizer_step, dtype=self.dtype,
-            group=self.pp_group, recompute=par.recompute is True, grad_sync=self.sync,
+            group=self.pp_group, recompute=par.recompute == "stage", grad_sync=self.sync,
             device=self.device, measure_memory=measure_memory,
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
@@ -248,8 +249,11 @@ class Engine:
         self.fp8_layers: list[str] = (
             apply_float8(layers, self.description, tr.fp8_recipe, self.device, self.tp)
             if tr.precision == "fp8" else [])
-        if par.recompute == "selective":
-            apply_ac(layers, self.device, self.local.rng)
+        self.checkpointed: list[str] = []  # the layers apply_ac checkpointed
+        if par.recompute in ("selective", "full"):
+            self.checkpointed = apply_ac(
+                layers, self.device, self.local.rng, par.recompute,
+                block_numbers(self.local), par.recompute_every)
         if tr.compile:
             apply_compile(layers)
             # Inductor fuses the logits' cast into the cross-entropy instead of writing fp32

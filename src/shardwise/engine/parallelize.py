@@ -10,7 +10,8 @@ section it needs, and changes the modules in place or returns the new ones.
    (``engine.model.build_local_model`` runs them on each kept layer);
 2. ``apply_cp``: this rank's ``ContextParallel`` (its ring of cp ranks);
 3. ``apply_float8``: torchao's float8 Linear layers (``training.precision = "fp8"``);
-4. ``apply_ac``: selective activation checkpointing (``parallel.recompute = "selective"``);
+4. ``apply_ac``: activation checkpointing per layer (``parallel.recompute = "selective"``,
+   or ``"full"`` every ``recompute_every``-th block);
 5. ``apply_compile``: ``torch.compile`` each layer (``training.compile``);
 6. ``apply_dp``: the gradient sync of ``parallel.zero`` (``engine.sync``).
 
@@ -26,7 +27,7 @@ from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription
 from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL as SELECTIVE_ON_CUDA
-from shardwise.parallel.activation_checkpoint import checkpoint_selectively
+from shardwise.parallel.activation_checkpoint import checkpoint_selectively, checkpoint_whole
 from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.experts import is_expert, parallelize_experts
 from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -111,15 +112,39 @@ def apply_float8(layers: Layers, description: ModelDescription, recipe: str,
                           high_precision=description.is_high_precision)
 
 
-def apply_ac(layers: Layers, device: torch.device, rng: ParallelRNG | None = None) -> None:
-    """Selective activation checkpointing of every layer: matmul and attention outputs and
-    the outputs of the collectives in its forward kept, the rest recomputed in backward
-    (``parallel.activation_checkpoint``; torchtitan's op-level selective AC). ``rng``: the
-    tp dropout stream, replayed alike. ``ValueError`` on CUDA (not verified there yet)."""
-    if device.type == "cuda":
-        raise ValueError(SELECTIVE_ON_CUDA)
-    for name, layer in layers:
-        checkpoint_selectively(layer, rng=rng, name=name)
+def apply_ac(layers: Layers, device: torch.device, rng: ParallelRNG | None = None,
+             mode: str = "selective", blocks: dict[str, int] | None = None,
+             every: int = 1) -> list[str]:
+    """Activation checkpointing of this rank's layers, in place; returns the names of those
+    checkpointed. ``mode`` "selective": every layer, matmul and attention outputs and the
+    outputs of the collectives in its forward kept, the rest recomputed in backward
+    (torchtitan's op-level selective AC; ``ValueError`` on CUDA, not verified there yet).
+    "full": the transformer blocks (``blocks``: layer name -> its number among the model's
+    blocks, from 1) whose number ``every`` divides, each keeping only its input and its
+    collectives' outputs (torchtitan's full AC, ``selective_ac_option = every``). ``rng``:
+    the tp dropout stream, replayed alike (``parallel.activation_checkpoint``)."""
+    if mode == "selective":
+        if device.type == "cuda":
+            raise ValueError(SELECTIVE_ON_CUDA)
+        for name, layer in layers:
+            checkpoint_selectively(layer, rng=rng, name=name)
+        return [name for name, _ in layers]
+    assert mode == "full" and blocks is not None, mode
+    chosen = [(n, m) for n, m in layers if n in blocks and blocks[n] % every == 0]
+    for name, layer in chosen:
+        checkpoint_whole(layer, rng=rng, name=name)
+    return [name for name, _ in chosen]
+
+
+def block_numbers(local) -> dict[str, int]:
+    """Layer name -> its number among the model's transformer blocks (1 ... L) for this
+    rank's layers (``local``: an ``engine.model.LocalModel``): the layers of the pipeline
+    description but its first (the embedding) and its last (the head), numbered by their
+    place in the whole model, so the same blocks are chosen in every layout."""
+    part = local.partition
+    last = part.bounds[-1] - 1
+    return {name: i for c in sorted(local.chunks)
+            for name, i in zip(local.chunks[c].names, part.layers(c)) if 0 < i < last}
 
 
 def apply_compile(layers: Layers) -> None:
