@@ -99,7 +99,8 @@ def test_selective_is_accepted_with_every_layout_and_its_mode_is_checked():
     with pytest.raises(ConfigError, match="recompute=selective with parallel.schedule=pipedream"):
         Config.from_dict({"parallel": {"recompute": "selective", "pp": 2,
                                        "schedule": "pipedream"}})
-    with pytest.raises(ConfigError, match="parallel.recompute='some': expected none, stage, selective or full"):
+    with pytest.raises(ConfigError, match="parallel.recompute='some': expected none, stage, "
+                       "selective or full"):
         Config.from_dict({"parallel": {"recompute": "some"}})
     # the boolean of older configs: true was the stage-level recomputation
     assert Config.from_dict({"parallel": {"recompute": True}}).parallel.recompute == "stage"

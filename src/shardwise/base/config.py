@@ -285,6 +285,20 @@ class OptimizerConfig(_Section):
     fused: bool | None = Field(None, description="AdamW kernel: true: torch's fused AdamW, "
                                "one kernel for all tensors; false: a loop over tensors; "
                                "unset: fused on CUDA, the loop on the CPU (the parity reference)")
+    state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of AdamW's two "
+                                                 "moments (fp32 masters kept): bf16 halves "
+                                                 "their bytes, each stored moment rounded to "
+                                                 "nearest (relative error <= 2**-9 a step; "
+                                                 "engine.optimizer.LowPrecisionAdamW); fused "
+                                                 "kernels only with fp32")
+
+    @model_validator(mode="after")
+    def _fused_states(self):
+        if self.state_dtype != "fp32" and self.fused:
+            raise ValueError(f"optimizer.fused=true with optimizer.state_dtype="
+                             f"{self.state_dtype}: torch's fused AdamW keeps fp32 moments; "
+                             "unset optimizer.fused")
+        return self
 
 
 class TrainingConfig(_Section):

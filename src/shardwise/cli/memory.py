@@ -80,6 +80,8 @@ def _layout_table(args, stages: list[int]) -> int:
     try:  # the model train builds: model.kind's description (gpt, llama, a registered one)
         base = resolve_init_from(Config.load(args.config, over))  # model.init_from's model
         p, d = base.parallel, describe_config(base)
+        state = args.state_dtype or base.optimizer.state_dtype
+        state_bytes = 8 if state == "fp32" else 4
         preds = {}
         for z in stages:
             for pr in range(p.pp):
@@ -88,7 +90,7 @@ def _layout_table(args, stages: list[int]) -> int:
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
                         chunks_per_rank=p.chunks_per_rank, partition_by=p.partition,
-                        dp_replicate=p.dp_replicate)
+                        dp_replicate=p.dp_replicate, state_bytes=state_bytes)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -99,7 +101,8 @@ def _layout_table(args, stages: list[int]) -> int:
              else "") + " x "
           f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
           + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
-          f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
+          f"{args.precision} compute (fp32 masters, {state} moments); "
+          f"bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
           f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
@@ -111,6 +114,7 @@ def _layout_table(args, stages: list[int]) -> int:
 
             cfg = resolve_init_from(Config.load(args.config, {
                 **over, "parallel.zero": z, "training.precision": args.precision,
+                "optimizer.state_dtype": state,
                 "training.global_batch_size": max(2, p.micro_batches) * p.dp}))
             for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
                 if r["coords"]["dp"] == 0 and r["coords"].get("cp", 0) == 0:
@@ -179,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
+    ap.add_argument("--state-dtype", default=None, choices=("fp32", "bf16"),
+                    help="AdamW moments' dtype (optimizer.state_dtype; default: the config's, "
+                    "fp32 with --params)")
     ap.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
                     help="also print the activation bytes per rank without recomputation "
                     "and with this parallel.recompute mode (needs --config)")
@@ -237,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     measured, P = {}, int(args.params)
     shard = args.dp // args.dp_replicate  # HSDP: ZeRO within one replica
-    preds = {s: zero_bytes(P, shard * args.cp, s, args.precision) for s in stages}
+    state_bytes = 4 if args.state_dtype == "bf16" else 8
+    preds = {s: zero_bytes(P, shard * args.cp, s, args.precision, state_bytes)
+             for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)
     ranks = f"dp {shard} x cp {args.cp} = {shard * args.cp}" if args.cp > 1 else shard
     if args.dp_replicate > 1:

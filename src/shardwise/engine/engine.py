@@ -208,7 +208,8 @@ class Engine:
             betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay,
             loss_scaler=self.loss_scaler, tied_peer=tied_peer, tied_names=self.local.tied,
             tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing,
-            fused=self.device.type == "cuda" if opt.fused is None else opt.fused)
+            fused=(self.device.type == "cuda" if opt.fused is None else opt.fused)
+            and opt.state_dtype == "fp32", state_dtype=DTYPES[opt.state_dtype])
         seq = cfg.seq_len // topology.cp  # this rank's tokens of each sequence
         seq = seq // self.tp.size if self.tp.sequence_parallel else seq
         self.act_shape = (local_batch // m, seq, self.description.hidden_size)
@@ -339,8 +340,8 @@ class Engine:
             if m in state:
                 opt += sum(storage_bytes_once(seen, state[m].get(k))
                            for k in ("exp_avg", "exp_avg_sq"))
-            else:
-                opt += 8 * m.numel()
+            else:  # two moments of optimizer.state_dtype's bytes an element
+                opt += 2 * DTYPES[self.cfg.optimizer.state_dtype].itemsize * m.numel()
         out["optimizer"] = opt
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
         return out

@@ -251,20 +251,22 @@ def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int,
     return n
 
 
-def zero_bytes(P: float, dp: int, zero: int, precision: str) -> dict:
+def zero_bytes(P: float, dp: int, zero: int, precision: str, state_bytes: int = 8) -> dict:
     """Bytes of params, grads and optimizer for P parameter elements on one rank (no
-    padding: shards are ceil(P / dp))."""
+    padding: shards are ceil(P / dp)); ``state_bytes``: AdamW's two moments per element (8
+    in fp32, 4 with ``optimizer.state_dtype = "bf16"``)."""
     b = BYTES[precision]
     S = -(-int(P) // dp)
     master = 0 if b == 4 else 4
     if zero == 0:
-        out = {"params": b * P, "grads": b * P, "optimizer": (8 + master) * P}
+        out = {"params": b * P, "grads": b * P, "optimizer": (state_bytes + master) * P}
     elif zero == 1:
-        out = {"params": b * P, "grads": b * P, "optimizer": (8 + master) * S}
+        out = {"params": b * P, "grads": b * P, "optimizer": (state_bytes + master) * S}
     elif zero == 2:
-        out = {"params": b * P, "grads": b * S, "optimizer": (8 + master) * S}
+        out = {"params": b * P, "grads": b * S, "optimizer": (state_bytes + master) * S}
     else:
-        out = {"params": 0 if b == 4 else b * S, "grads": b * S, "optimizer": (8 + master) * S}
+        out = {"params": 0 if b == 4 else b * S, "grads": b * S,
+               "optimizer": (state_bytes + master) * S}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
