@@ -318,6 +318,20 @@ class TrainingConfig(_Section):
     threads: int = Field(0, ge=0, description="torch threads per rank; 0: cores // local ranks")
     progress: bool = Field(True, description="rank 0 draws a progress bar (loss, MFU, "
                            "tokens/s)")
+    offload: Literal["none", "optimizer", "optimizer+params"] = Field(
+        "none", description="\"optimizer\": this rank's fp32 master weights and AdamW "
+        "moments in host memory (pinned on CUDA), the optimizer step on the CPU, gradients "
+        "copied device to host and the updated parameters back in the compute dtype "
+        "(ZeRO-Offload, Ren et al. 2021); \"optimizer+params\" (ZeRO-3's parameter shards "
+        "on the host too): not implemented yet; \"none\"")
+
+    @field_validator("offload")
+    @classmethod
+    def _offload_built(cls, value):
+        if value == "optimizer+params":
+            raise ValueError("training.offload=optimizer+params: ZeRO-3's parameter shards "
+                             "in host memory are not implemented yet; use \"optimizer\"")
+        return value
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA + NCCL "
                                                    "when every local rank gets a GPU, else "
                                                    "the CPU + gloo")

@@ -90,7 +90,8 @@ def _layout_table(args, stages: list[int]) -> int:
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
                         chunks_per_rank=p.chunks_per_rank, partition_by=p.partition,
-                        dp_replicate=p.dp_replicate, state_bytes=state_bytes)
+                        dp_replicate=p.dp_replicate, state_bytes=state_bytes,
+                        offload=args.offload == "optimizer")
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -101,11 +102,14 @@ def _layout_table(args, stages: list[int]) -> int:
              else "") + " x "
           f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
           + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
-          f"{args.precision} compute (fp32 masters, {state} moments); "
+          f"{args.precision} compute (fp32 masters, {state} moments"
+          + ("; the optimizer in host memory: device = total - optimizer"
+             if args.offload == "optimizer" else "") + "); "
           f"bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "
-          f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
+          f"{'total':>9}" + (f" {'device':>9}" if args.offload == "optimizer" else "")
+          + (f" {'measured':>9}" if args.measure else "")
           + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
         measured = {}
@@ -114,7 +118,7 @@ def _layout_table(args, stages: list[int]) -> int:
 
             cfg = resolve_init_from(Config.load(args.config, {
                 **over, "parallel.zero": z, "training.precision": args.precision,
-                "optimizer.state_dtype": state,
+                "optimizer.state_dtype": state, "training.offload": args.offload,
                 "training.global_batch_size": max(2, p.micro_batches) * p.dp}))
             for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
                 if r["coords"]["dp"] == 0 and r["coords"].get("cp", 0) == 0:
@@ -125,6 +129,8 @@ def _layout_table(args, stages: list[int]) -> int:
                 line = (f"{z:>4} {pr:>3} {tr:>3} {pred['params'] / div:>9.3f} "
                         f"{pred['grads'] / div:>9.3f} {pred['optimizer'] / div:>9.3f} "
                         f"{pred['total'] / div:>9.3f}")
+                if args.offload == "optimizer":
+                    line += f" {(pred['total'] - pred['host']) / div:>9.3f}"
                 if measured:
                     line += f" {measured[(pr, tr)] / div:>9.3f}"
                 if args.budget_mb:
@@ -186,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dtype", default=None, choices=("fp32", "bf16"),
                     help="AdamW moments' dtype (optimizer.state_dtype; default: the config's, "
                     "fp32 with --params)")
+    ap.add_argument("--offload", default="none", choices=("none", "optimizer"),
+                    help="training.offload: \"optimizer\" keeps the masters and moments in "
+                    "host memory (needs --config)")
     ap.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
                     help="also print the activation bytes per rank without recomputation "
                     "and with this parallel.recompute mode (needs --config)")
@@ -236,11 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.params is None:  # a model: the exact per-rank prediction of any layout
         return _layout_table(args, stages)
-    if args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None or args.recompute:
-        print("shardwise memory: error: --tp/--pp/--chunks-per-rank/--recompute need a model "
-              "(--config), "
-              "not --params",
-              file=sys.stderr)
+    if (args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None or args.recompute
+            or args.offload != "none"):
+        print("shardwise memory: error: --tp/--pp/--chunks-per-rank need a model (--config), "
+              "not --params (so do --recompute and --offload)", file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
     shard = args.dp // args.dp_replicate  # HSDP: ZeRO within one replica

@@ -263,7 +263,7 @@ class Engine:
         self.chunks: dict[int, nn.Module] = dict(self.local.chunks)
         self.sync = apply_dp(self.local, self.chunks, topo, par, dtype=self.dtype,
                              loss_scaler=self.loss_scaler, distributed=self.distributed,
-                             replicas=self.replicas)
+                             replicas=self.replicas, offload=tr.offload == "optimizer")
 
     def _sequence_shards(self, idx: torch.Tensor, m: int) -> list[SequenceShard | None] | None:
         """The ``models.sequence`` shard of each of the ``m`` micro-batches of ``idx`` (B, T),
@@ -324,8 +324,9 @@ class Engine:
         ``grads`` (buckets, gradient shards; without buckets, at dp = 1, the gradients kept
         between steps: measured once they exist, their parameters' bytes before the first
         backward) and ``optimizer`` (fp32 masters that are not the parameters themselves,
-        AdamW's two fp32 moments: measured once they exist, 8 bytes per master element
-        before the first step), each storage counted once."""
+        AdamW's two moments: measured once they exist, 8 bytes per master element (4 in
+        bf16, ``optimizer.state_dtype``) before the first step), each storage counted once;
+        ``total`` their sum, ``host`` the part of it in host memory (``training.offload``)."""
         seen: set = set()
         params = [q for _, q in self.named_parameters()]
         out = {"params": sum(storage_bytes_once(seen, q) for q in params)}
@@ -344,6 +345,8 @@ class Engine:
                 opt += 2 * DTYPES[self.cfg.optimizer.state_dtype].itemsize * m.numel()
         out["optimizer"] = opt
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        # training.offload = "optimizer": the optimizer's bytes live in host memory
+        out["host"] = opt if self.cfg.training.offload == "optimizer" else 0
         return out
 
     # -- training -------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def apply_compile(layers: Layers) -> None:
 
 def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
              dtype: torch.dtype, loss_scaler=None, distributed: bool = True,
-             replicas: Replicas | None = None):
+             replicas: Replicas | None = None, offload: bool = False):
     """The gradient sync of ``parallel.zero`` (a ``ParallelConfig``) for this rank's chunks
     (``local``: an ``engine.model.LocalModel``; ``engine.sync``) over the dp x cp replicas of
     every parameter; under ep > 1 the expert parameters over their own replicas, the
@@ -168,12 +168,14 @@ def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
     ``replicas``: the replicas outside this job (``comm.torchft_replicas``, fault tolerance;
     ``dense_sync_group``). ``ValueError`` (one line) for ZeRO-3 with a parameter shared by
     two chunks of this rank (a property of a hand-built model the config cannot see), and
-    for replicas outside the job with HSDP inside it or with expert parameters."""
+    for replicas outside the job with HSDP inside it or with expert parameters.
+    ``offload``: every sync keeps its fp32 masters in host memory (``training.offload =
+    "optimizer"``; ZeRO-Offload, Ren et al. 2021)."""
     named = local.named_parameters()
     groups = topology.groups if distributed else None
     experts = [(n, q) for n, q in named if is_expert(q)]
     kw = dict(local=local, chunks=chunks, parallel=parallel, dtype=dtype,
-              loss_scaler=loss_scaler, distributed=distributed)
+              loss_scaler=loss_scaler, distributed=distributed, offload=offload)
     if experts and replicas is not None and replicas is not NO_REPLICAS:
         raise ValueError("fault_tolerance.enable with expert parameters: their sync spans "
                          "the ep_dp x cp ranks of one job, not the replica groups; train "
@@ -216,7 +218,7 @@ def dense_sync_group(topology, parallel, distributed: bool = True,
 
 def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
              dtype, loss_scaler, distributed: bool, replicas: Replicas = NO_REPLICAS,
-             divisor: int | None = None, expert_group=None):
+             divisor: int | None = None, expert_group=None, offload: bool = False):
     """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
     ``expert_group``: the expert parameters of each unit sharded over that group)."""
     p = parallel
@@ -227,13 +229,13 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
     if p.zero == 0 or not distributed:
         return ReplicatedSync(params, names, group, size, rank, dtype, p.bucket_mb,
                               p.first_bucket_mb, p.allreduce, divisor=divisor,
-                              replicas=replicas)
+                              replicas=replicas, offload=offload)
     if p.zero in (1, 2):
         container = nn.ModuleList(local.chunks[c] for c in sorted(local.chunks))
         return ZeroDataParallel(container, group, p.zero, p.bucket_mb, dtype, loss_scaler,
                                 names=names, isolate=tied, explicit=True,
                                 params=None if whole else params, divisor=divisor,
-                                replicas=replicas)
+                                replicas=replicas, offload=offload)
     # ZeRO-3: each chunk its own module (its layers the units, its own flat buffers), so
     # the interleaved schedule gathers and reduce-scatters a chunk around its own
     # micro-batches, independently of the rank's other chunks; joined as one sync
@@ -245,7 +247,7 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
         chunk = local.chunks[c]
         chunks[c] = ZeroStage3(chunk, group, list(zip(chunk.names, chunk.layers)), dtype,
                                loss_scaler, names, isolate=tied, expert_group=expert_group,
-                               replicas=replicas)
+                               replicas=replicas, offload=offload)
         wrappers.append(chunks[c])
     return SplitSync(*wrappers)
 
