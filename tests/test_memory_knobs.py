@@ -166,3 +166,41 @@ def test_the_memory_model_prices_offload(runs):
                                 precision=cfg.training.precision, offload=True)
             got = rank["memory"]
             assert {k: pred[k] for k in got} == got, (name, pred, got)
+
+
+def test_activation_offload_wraps_every_block_and_changes_nothing(monkeypatch):
+    """``parallel.activation_offload``: every block's forward runs under ``save_on_cpu``
+    (counted: its saved tensors go through the hook), and
+    the losses and parameters are bit for bit those without it (on the CPU no copy is made)."""
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineConfig
+    from shardwise.models.llama import LlamaConfig
+
+    packed = []
+    real = torch.autograd.graph.save_on_cpu
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+            self.pack_hook = lambda t: (packed.append(t.shape), pack(t))[1]
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    cfg = LlamaConfig(vocab_size=96, block_size=16, n_layer=3, n_head=4, n_kv_heads=2,
+                      n_embd=32, ffn_hidden=64)
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        e = Engine(cfg, Topology.build(1, 1, 1), EngineConfig(
+            seq_len=16, parallel={"micro_batches": 2, "activation_offload": offload},
+            training={"seed": 3, "global_batch_size": 4}))
+        assert e.offloaded == (["blocks.0", "blocks.1", "blocks.2"] if offload else [])
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            x = torch.randint(0, 96, (4, 17), generator=g)
+            losses.append(e.train_step(x[:, :-1], x[:, 1:])["loss"])
+        runs.append((losses, {n: p.detach().clone() for n, p in e.named_parameters()}))
+        assert bool(packed) == offload
+    assert runs[1][0] == runs[0][0]
+    assert all(torch.equal(runs[1][1][n], p) for n, p in runs[0][1].items())

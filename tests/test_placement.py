@@ -75,8 +75,10 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
        for z in (0, 1, 2)},
     "dp8-z3-bf16-offload": (8, {"parallel": {"dp": 8, "zero": 3},
                                 "training": {**BF16, **OFFLOAD}}),
+    # and the blocks' saved activations on the host (parallel.activation_offload: copies)
     "dp2xtp2xpp2-sp-bf16-z1-offload": (8, {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
-                                                        "micro_batches": 2, **SP},
+                                                        "micro_batches": 2, **SP,
+                                                        "activation_offload": True},
                                            "model": UNTIED, "training": {**BF16, **OFFLOAD}}),
 }
 KINDS = ("gpt", "llama")

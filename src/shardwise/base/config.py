@@ -119,6 +119,10 @@ class ParallelConfig(_Section):
     recompute_every: int = Field(1, ge=1, description="with recompute = \"full\": "
                                  "checkpoint every N-th transformer block only (blocks N, 2N, "
                                  "... counting from 1; torchtitan's selective_ac_option = N)")
+    activation_offload: bool = Field(False, description="each transformer block's tensors "
+                                     "saved for backward wait in host memory (pinned on "
+                                     "CUDA) until its backward (torch.autograd.graph."
+                                     "save_on_cpu; on the CPU nothing is copied)")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer "

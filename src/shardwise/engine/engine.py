@@ -50,6 +50,7 @@ from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.parallelize import (
     apply_ac,
+    apply_activation_offload,
     apply_compile,
     apply_cp,
     apply_dp,
@@ -255,6 +256,9 @@ class Engine:
             self.checkpointed = apply_ac(
                 layers, self.device, self.local.rng, par.recompute,
                 block_numbers(self.local), par.recompute_every)
+        self.offloaded: list[str] = (  # the blocks whose saved tensors wait on the host
+            apply_activation_offload(layers, self.device, block_numbers(self.local))
+            if par.activation_offload else [])
         if tr.compile:
             apply_compile(layers)
             # Inductor fuses the logits' cast into the cross-entropy instead of writing fp32

@@ -11,7 +11,8 @@ section it needs, and changes the modules in place or returns the new ones.
 2. ``apply_cp``: this rank's ``ContextParallel`` (its ring of cp ranks);
 3. ``apply_float8``: torchao's float8 Linear layers (``training.precision = "fp8"``);
 4. ``apply_ac``: activation checkpointing per layer (``parallel.recompute = "selective"``,
-   or ``"full"`` every ``recompute_every``-th block);
+   or ``"full"`` every ``recompute_every``-th block), then ``apply_activation_offload``
+   (``parallel.activation_offload``);
 5. ``apply_compile``: ``torch.compile`` each layer (``training.compile``);
 6. ``apply_dp``: the gradient sync of ``parallel.zero`` (``engine.sync``).
 
@@ -27,7 +28,11 @@ from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription
 from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL as SELECTIVE_ON_CUDA
-from shardwise.parallel.activation_checkpoint import checkpoint_selectively, checkpoint_whole
+from shardwise.parallel.activation_checkpoint import (
+    checkpoint_selectively,
+    checkpoint_whole,
+    offload_saved,
+)
 from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.experts import is_expert, parallelize_experts
 from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -133,6 +138,17 @@ def apply_ac(layers: Layers, device: torch.device, rng: ParallelRNG | None = Non
     chosen = [(n, m) for n, m in layers if n in blocks and blocks[n] % every == 0]
     for name, layer in chosen:
         checkpoint_whole(layer, rng=rng, name=name)
+    return [name for name, _ in chosen]
+
+
+def apply_activation_offload(layers: Layers, device: torch.device,
+                             blocks: dict[str, int]) -> list[str]:
+    """Each transformer block's saved tensors in host memory between its forward and its
+    backward (``parallel.activation_offload``; ``offload_saved``), in place; ``blocks`` as
+    ``apply_ac``'s. Returns the names of the blocks wrapped."""
+    chosen = [(n, m) for n, m in layers if n in blocks]
+    for _, layer in chosen:
+        offload_saved(layer, device)
     return [name for name, _ in chosen]
 
 

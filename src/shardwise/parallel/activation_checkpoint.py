@@ -122,3 +122,23 @@ def _rewound(rng, state):
         yield
     finally:
         rng.state = live
+
+
+def offload_saved(layer: nn.Module, device: torch.device) -> nn.Module:
+    """Make the tensors ``layer``'s forward saves for backward wait in host memory (pinned
+    on CUDA) until its backward brings them back (``torch.autograd.graph.save_on_cpu``;
+    Megatron's activation offloading), in place; returns it. On the CPU the two coincide
+    and nothing is copied. A block also checkpointed keeps its saved tensors in the
+    checkpoint's hooks (the innermost), so offload changes nothing there."""
+    inner = layer.forward
+    pin = device.type == "cuda"
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device.type):
+            return inner(*args, **kwargs)
+
+    layer.forward = forward
+    return layer
