@@ -78,6 +78,9 @@ def build_parser():
                     "outputs kept, the rest recomputed; layout name rc=sel), emitted by "
                     "--emit-toml; not for a mixture of experts; shardwise train refuses it on "
                     "CUDA until checked there")
+    ap.add_argument("--recompute-full", action="store_true", help="also search full "
+                    "recomputation per block (parallel.recompute = \"full\": each block keeps "
+                    "its input; layout name rc=blk), emitted by --emit-toml")
     ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
                     "memory in bytes, times in seconds, pruned counts by reason) instead of "
                     "the tables")
@@ -161,7 +164,9 @@ def _run(args) -> int:
                             top=top, progress=True, cp=cps, ep=eps,
                             fp8=(False, True) if args.fp8 else (False,),
                             dp_replicate=_sizes(args.dp_replicate, "--dp-replicate"),
-                            selective=(False, True) if args.selective else (False,))
+                            selective=(False, True) if args.selective else (False,),
+                            recompute=(False, True, "full") if args.recompute_full
+                            else (False, True))
     if not feasible:
         need = smallest_need(pruned)
         if need is not None:
