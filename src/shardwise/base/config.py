@@ -113,8 +113,9 @@ class ParallelConfig(_Section):
         "activation_checkpoint.mode = \"full\"); \"selective\": every layer is "
         "checkpointed with torch's selective policy, matmul and attention outputs saved, "
         "element-wise ops recomputed (torchtitan's op-level selective AC; not yet on CUDA: "
-        "docs/gpu.md); under both, the outputs of tp/SP/expert collectives and ZeRO-3's "
-        "gathers are kept and replayed, the cp ring run again; \"stage\": each pipeline "
+        "docs/gpu.md); under both, the outputs of tp/SP/expert collectives are kept and "
+        "replayed, ZeRO-3 gathers outside the recomputed region, the cp ring runs again; "
+        "\"stage\": each pipeline "
         "stage keeps only its input and recomputes its forward in backward; \"none\"")
     recompute_every: int = Field(1, ge=1, description="with recompute = \"full\": "
                                  "checkpoint every N-th transformer block only (blocks N, 2N, "
