@@ -9,6 +9,7 @@
     shardwise memory --config configs/tiny.toml --dp 2 --pp 2 --chunks-per-rank 2 --stages 3
     shardwise memory --params 7e9 --dp 64 --dp-replicate 8         # HSDP: ZeRO over 8 ranks
     shardwise memory --config configs/tiny.toml --dp 1 --recompute full  # + activations
+    shardwise memory --config configs/tiny.toml --offload optimizer --state-dtype bf16
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, or of its ``model.init_from`` checkpoint's config.json, as
