@@ -61,6 +61,9 @@ HOST_BY_DESIGN = {
         "moves each batch to the device",
     ("shardwise/apps/lm/trainer.py", "evaluate"):
         "the validation windows are cut from the host tokens, then moved to the device",
+    ("shardwise/parallel/precision.py", "host_master"):
+        "training.offload = \"optimizer\" keeps the fp32 masters (and so AdamW's moments) "
+        "in host memory",
     ("torch/optim/adamw.py", "_init_group"):
         "torch's AdamW keeps its step count on the CPU unless fused or capturable",
     ("torch/optim/adam.py", "_init_group"):

@@ -131,7 +131,8 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
     ``corpus`` (a text file) the language-model app's ``Trainer`` runs instead of the bare
     engine: its batches, its step, ``evaluate`` (the loss averaged over dp) and ``finish``'s
     sampling. Also checks, after the steps, where the state lives: every parameter and
-    gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32."""
+    gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32,
+    on ``device``, or on the host under ``training.offload = "optimizer"``."""
     from shardwise.base.topology import Topology, init_process_groups
     from shardwise.parallel.precision import DTYPES
 
@@ -158,7 +159,8 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
                 raise PlacementError(f"{type(exc).__name__} after a tensor left the device: "
                                      f"{mode.violations[0]}") from exc
             raise
-        structure = _state_placement(engine, device, dtype)
+        host = torch.device("cpu") if t.offload == "optimizer" else device
+        structure = _state_placement(engine, device, dtype, host)
         return RankResult(topo.coords, mode.violations, structure, mode.ops,
                           mode.backward_ops, mode.seen, losses)
 
@@ -197,14 +199,17 @@ def _run_trainer(cfg: Config, topo, device: torch.device, steps: int, evaluate: 
     return trainer.engine, losses
 
 
-def _state_placement(engine, device: torch.device, dtype: torch.dtype) -> list[str]:
+def _state_placement(engine, device: torch.device, dtype: torch.dtype,
+                     host: torch.device) -> list[str]:
+    """Where the state lives: parameters and gradients on ``device``, masters and moments on
+    ``host`` (``device`` itself unless offloaded)."""
     out = []
 
-    def check(name, t, want):
+    def check(name, t, want, where=device):
         if t is None:
             return
-        if t.device.type != device.type:
-            out.append(f"{name}: on {t.device}, expected {device}")
+        if t.device.type != where.type:
+            out.append(f"{name}: on {t.device}, expected {where}")
         if want is not None and t.dtype != want:
             out.append(f"{name}: {t.dtype}, expected {want}")
 
@@ -213,7 +218,7 @@ def _state_placement(engine, device: torch.device, dtype: torch.dtype) -> list[s
         check(f"{n}.grad", q.grad, dtype)
     state = engine.optimizer.optimizer.state
     for i, m in enumerate(engine.sync.pieces):
-        check(f"master piece {i}", m, torch.float32)
+        check(f"master piece {i}", m, torch.float32, host)
         for k in ("exp_avg", "exp_avg_sq"):
-            check(f"master piece {i}.{k}", state.get(m, {}).get(k), torch.float32)
+            check(f"master piece {i}.{k}", state.get(m, {}).get(k), torch.float32, host)
     return out

@@ -1,5 +1,6 @@
-"""Rank function for the selective recomputation tests: several layouts trained in one spawn
-of ranks, each without recomputation and with ``parallel.recompute = "selective"``.
+"""Rank function for the recomputation tests: several layouts trained in one spawn of ranks,
+each without recomputation and with ``parallel.recompute = "selective"`` (or another
+variant of its ``parallel`` section: ``"full"`` per block).
 
 For every step a rank reports what the step returned (loss, gradient norm, a mixture's
 auxiliary loss and expert load) and what it sent and received (``comm.accounting``: one
@@ -98,15 +99,17 @@ def run(cfg_dict: dict, measure: bool = True) -> dict:
     return {"coords": trainer.topology.coords, "losses": list(trainer.history),
             "model": dataclasses.asdict(trainer.model_cfg),
             "params": params, "traffic": traffic, "held": min(held, default=0),
+            "checkpointed": list(e.checkpointed),
             "infos": [{k: v for k, v in i.items() if k != "lr"} for i in infos]}
 
 
-def recompute_worker(configs: list[dict]) -> list[dict]:
-    """Each config trained in turn on this rank, as it is and with selective recomputation:
-    ``[(plain, selective), ...]``."""
+def recompute_worker(configs: list[dict], variants: list[dict] | None = None) -> list[dict]:
+    """Each config trained in turn on this rank, as it is and with its variant's ``parallel``
+    fields (default: selective recomputation): ``[(plain, variant), ...]``."""
     torch.set_num_threads(1)
     out = []
-    for c in configs:
-        sel = {**c, "parallel": {**c["parallel"], "recompute": "selective"}}
-        out.append((run(c), run(sel)))
+    for i, c in enumerate(configs):
+        variant = variants[i] if variants else {"recompute": "selective"}
+        other = {**c, "parallel": {**c["parallel"], **variant}}
+        out.append((run(c), run(other)))
     return out

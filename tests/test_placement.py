@@ -16,7 +16,9 @@ values (host reads, routing; collectives still deliver nothing) and the library'
 branches (fused AdamW, the foreach norm). The app's ``Trainer`` (its batches, step, evaluation, sampling) runs in four
 of the layouts. The ``test_a_*_is_caught`` tests plant a stray tensor (a CPU gradient-norm
 accumulator, a CPU pipeline receive buffer, an fp16 loss in an fp32 run) and require the
-check to name it, on both devices.
+check to name it, on both devices. Under ``training.offload = "optimizer"`` (ZeRO 0-3 and a
+3D layout) the fp32 masters and AdamW's moments are on the host and nothing else leaves the
+device (``placement_run._state_placement``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ UNTIED = {"tie_weights": False}
 SP = {"sequence_parallel": True}
 BF16 = {"precision": "bf16"}
 MOE = {"kind": "llama", "n_experts": 8, "top_k": 2}
+OFFLOAD = {"offload": "optimizer"}
 
 # name -> (world size, config sections); model.kind is added per test
 LAYOUTS: dict[str, tuple[int, dict]] = {
@@ -66,6 +69,17 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "moe-dp8-ep4-z1": (8, {"parallel": {"dp": 8, "ep": 4, "zero": 1}, "model": MOE}),
     "moe-dp8xtp2-ep8-bf16": (16, {"parallel": {"dp": 8, "tp": 2, "ep": 8, "zero": 2},
                                   "model": {**MOE, "n_embd": 64}, "training": BF16}),
+    # training.offload = "optimizer": masters and moments on the host (_state_placement),
+    # the parameters, gradients and everything else on the device
+    **{f"dp8-z{z}-offload": (8, {"parallel": {"dp": 8, "zero": z}, "training": OFFLOAD})
+       for z in (0, 1, 2)},
+    "dp8-z3-bf16-offload": (8, {"parallel": {"dp": 8, "zero": 3},
+                                "training": {**BF16, **OFFLOAD}}),
+    # and the blocks' saved activations on the host (parallel.activation_offload: copies)
+    "dp2xtp2xpp2-sp-bf16-z1-offload": (8, {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
+                                                        "micro_batches": 2, **SP,
+                                                        "activation_offload": True},
+                                           "model": UNTIED, "training": {**BF16, **OFFLOAD}}),
 }
 KINDS = ("gpt", "llama")
 CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name in LAYOUTS for kind in KINDS

@@ -324,14 +324,16 @@ def test_plan_ranks_a100_layouts():
 @pytest.mark.parametrize("extra", [
     ["--gpus", "2", "--global-batch", "8"],
     ["--gpus", "1", "--global-batch", "1", "--selective", "--memory-gib", "0.00056",
-     "--pruned", "5"]],
-    ids=["plain", "selective"])
+     "--pruned", "5"],
+    # full recomputation per block: 0.095 MiB of activations, 0.54 MiB in all
+    ["--gpus", "1", "--global-batch", "1", "--recompute-full", "--memory-gib", "0.00054"]],
+    ids=["plain", "selective", "full"])
 def test_emitted_toml_trains(corpus, tmp_path, extra):
     """``shardwise plan --emit-toml`` writes a config that ``shardwise train`` runs as is,
     in a run directory of its own (``best`` beside the model's ``out_dir``, issue 41); with
     ``--selective`` and memory that only selective recomputation's layout fits (see above),
     that layout is written as ``parallel.recompute = "selective"`` with the CUDA note, and
-    trains."""
+    trains; so with ``--recompute-full``, ``parallel.recompute = "full"``."""
     model = tmp_path / "model.toml"
     model.write_text(f'[model]\nn_layer = 2\nn_head = 4\nn_embd = 32\nblock_size = 32\n\n'
                      f'[data]\npath = "{corpus}"\n\n[training]\nsteps = 2\neval_every = 0\n'
@@ -347,8 +349,11 @@ def test_emitted_toml_trains(corpus, tmp_path, extra):
         assert "z0  needs 0.000579 GiB per GPU" in r.stdout  # plain pruned for memory
         assert 'recompute = "selective"' in text and "refuses it on CUDA" in text
         assert "note:" not in r.stderr  # local: no GPU cluster to warn about
+    elif "--recompute-full" in extra:  # only per-block recomputation fits
+        assert text.startswith("# written by shardwise plan: dp1 tp1 pp1 mb1 m1 z0 rc=blk\n")
+        assert 'recompute = "full"' in text
     else:
-        assert "recompute = false" in text
+        assert 'recompute = "none"' in text
     assert f'out_dir = "{tmp_path / "best"}"' in text  # its own run, beside the model's
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr

@@ -99,9 +99,12 @@ def test_selective_is_accepted_with_every_layout_and_its_mode_is_checked():
     with pytest.raises(ConfigError, match="recompute=selective with parallel.schedule=pipedream"):
         Config.from_dict({"parallel": {"recompute": "selective", "pp": 2,
                                        "schedule": "pipedream"}})
-    with pytest.raises(ConfigError, match=r"expected true, false, \"full\""):
+    with pytest.raises(ConfigError, match="parallel.recompute='some': expected none, stage, "
+                       "selective or full"):
         Config.from_dict({"parallel": {"recompute": "some"}})
-    assert Config.from_dict({"parallel": {"recompute": "full"}}).parallel.recompute is True
+    # the boolean of older configs: true was the stage-level recomputation
+    assert Config.from_dict({"parallel": {"recompute": True}}).parallel.recompute == "stage"
+    assert Config.from_dict({"parallel": {"recompute": False}}).parallel.recompute == "none"
 
 
 @pytest.mark.gpu
@@ -350,3 +353,118 @@ def test_a_replay_that_differs_from_its_forward_names_both():
         log.cursor = 1
         log.launch("all_gather", (t,), lambda: None, False)
     assert not replay.recomputing() and replay.current() is None
+
+
+# ------------------------------------------------ full recomputation per block, in one spawn
+LLAMA = {"kind": "llama", "n_layer": 4, "n_kv_heads": 2, "ffn_hidden": 64, "tie_weights": False}
+# name -> (model, parallel, recompute_every, the blocks checkpointed on the rank's stage(s))
+FULL_LAYOUTS = {
+    "gpt-tp2xpp2-sp": ({"n_layer": 4}, {"tp": 2, "pp": 2, "sequence_parallel": True,
+                                        "micro_batches": 2}, 1,
+                       ({"blocks.0", "blocks.1"}, {"blocks.2", "blocks.3"})),
+    "gpt-dp2xcp2-z3": (None, {"dp": 2, "cp": 2, "zero": 3}, 1, ({"blocks.0", "blocks.1"},)),
+    "llama-dp2xpp2-z3-every2": (LLAMA, {"dp": 2, "pp": 2, "zero": 3, "micro_batches": 2}, 2,
+                                ({"blocks.1"}, {"blocks.3"})),
+    "llama-cp2xtp2-sp": (LLAMA, {"cp": 2, "tp": 2, "sequence_parallel": True}, 1,
+                         ({"blocks.0", "blocks.1", "blocks.2", "blocks.3"},)),
+    "moe-dp2xep2xtp2-sp": (MOE, {"dp": 2, "ep": 2, "tp": 2, "sequence_parallel": True,
+                                 "all_to_all": "pairwise"}, 1, ({"blocks.0", "blocks.1"},)),
+}
+
+
+@pytest.fixture(scope="module")
+def full_layouts(corpus, tmp_path_factory):
+    """name -> (config, [(plain, full) per rank]): one spawn of 4 ranks."""
+    names = list(FULL_LAYOUTS)
+    cfgs = [_config(corpus, tmp_path_factory.mktemp(n), FULL_LAYOUTS[n][0], FULL_LAYOUTS[n][1])
+            for n in names]
+    variants = [{"recompute": "full", "recompute_every": FULL_LAYOUTS[n][2]} for n in names]
+    with pytest.MonkeyPatch.context() as mp:  # the ranks' malloc without thread caches
+        mp.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")  # (recompute_workers)
+        ranks = spawn(recompute_worker, 4, (cfgs, variants))
+    return {n: (c, [r[i] for r in ranks]) for i, (n, c) in enumerate(zip(names, cfgs))}
+
+
+def test_full_recomputation_per_block_trains_as_without_it(full_layouts):
+    """``parallel.recompute = "full"`` (every ``recompute_every``-th block keeping only its
+    input) in GPT and Llama layouts with pp 1 and 2, tp + SP, ZeRO-3, cp and experts: the
+    blocks it names are checkpointed on each stage (numbered in the whole model), and the
+    losses, step infos (norms, the experts' load and auxiliary loss) and parameters are bit
+    for bit those without it; the collectives move the same calls and bytes (replayed, not
+    sent again), but for the cp ring's shifts, which run again; the forwards hold fewer
+    bytes when backward begins."""
+    for name, (cfg, ranks) in full_layouts.items():
+        stages = FULL_LAYOUTS[name][3]
+        for plain, full in ranks:
+            assert plain["checkpointed"] == []
+            assert set(full["checkpointed"]) == stages[full["coords"]["pp"]], name
+            assert full["losses"] == plain["losses"], name
+            assert full["infos"] == plain["infos"], name
+            assert full["params"].keys() == plain["params"].keys(), name
+            for n, p in plain["params"].items():
+                assert torch.equal(full["params"][n], p), (name, n, rel_err(full["params"][n], p))
+            for step, (a, b) in enumerate(zip(plain["traffic"], full["traffic"])):
+                extra = Counter(b) - Counter(a)
+                assert not Counter(a) - Counter(b), (name, step, Counter(a) - Counter(b))
+                if cfg["parallel"]["cp"] > 1:
+                    assert extra and all(r[0] == "sendrecv" for r in extra), (name, extra)
+                else:
+                    assert not extra, (name, step, extra)
+            assert 0 < full["held"] < plain["held"], (name, full["held"], plain["held"])
+
+
+def test_recompute_every_needs_full_and_full_refuses_pipedream():
+    """One line each: ``recompute_every`` picks the blocks of "full" only; a block recomputed
+    under PipeDream would read the live weights, not the stashed ones."""
+    with pytest.raises(ConfigError, match="recompute_every=2 with parallel.recompute=selective"):
+        Config.from_dict({"parallel": {"recompute": "selective", "recompute_every": 2}})
+    with pytest.raises(ConfigError, match="recompute=full with parallel.schedule=pipedream"):
+        Config.from_dict({"parallel": {"recompute": "full", "pp": 2, "schedule": "pipedream"}})
+
+
+def test_the_planner_and_shardwise_memory_price_full_recomputation(capsys):
+    """At pp = 1 the stage-level recomputation saves nothing at the peak (llama3-8b, one
+    sequence: 52 GiB either way), full recomputation per block keeps a block's input and
+    holds a fraction (the head's logits remain), every second block between the two; and
+    ``shardwise memory --recompute full`` prints that fraction for configs/tiny.toml."""
+    from shardwise.cli.main import main
+    from shardwise.planner.specs import NAMED
+
+    kw = dict(mb=1, tp=1, pp=1, micro_batches=1, precision="bf16")
+    spec = NAMED["llama3-8b"]
+    none, stage = (activation_bytes(spec, **kw, recompute=r) for r in ("none", "stage"))
+    full = activation_bytes(spec, **kw, recompute="full")
+    half = activation_bytes(spec, **kw, recompute="full", recompute_every=2)
+    assert stage >= none and full < 0.25 * none and full < half < none, (none, full, half)
+    assert main(["memory", "--config", str(REPO / "configs/tiny.toml"), "--dp", "1",
+                 "--stages", "0", "--recompute", "full"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("activations per rank") and "full" in line, line
+    ratio = float(line.rsplit("(", 1)[1].split()[0])
+    assert 0 < ratio < 0.8, line
+
+
+def test_the_planner_counts_what_full_recomputation_keeps(corpus, tmp_path):
+    """``activation_bytes(recompute="full")`` (each block's input, the head as without
+    recomputation, and at the peak one block recomputed) less that one block, against what
+    one rank holds when backward begins (malloc's count, ``recompute_workers.step_held``;
+    nothing is recomputed yet), within 15%, as the plain count is against the plain run; the
+    tiny GPT with 4 blocks at pp = 1, one micro-batch of 16 sequences."""
+    from shardwise.planner.memory import block_activation_bytes, shardwise_model
+
+    cfg = _config(corpus, tmp_path, {"n_layer": 4}, {})
+    with pytest.MonkeyPatch.context() as mp:  # the rank's malloc without thread caches
+        mp.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+        (plain, full), = spawn(recompute_worker, 1, ([cfg], [{"recompute": "full"}]))[0]
+    m = full["model"]
+    spec = ModelSpec("t", m["n_layer"], m["n_embd"], m["n_head"], m["vocab_size"],
+                     m["block_size"], m["tie_weights"], m["bias"])
+    assert full["checkpointed"] == [f"blocks.{i}" for i in range(4)]
+    mb = cfg["training"]["global_batch_size"]
+    redo = block_activation_bytes(shardwise_model("fp32", spec), mb, spec.block_size,
+                                  spec.n_embd, spec.n_head, 1, False)
+    for got, recompute, peak_only in ((plain, "none", 0.0), (full, "full", redo)):
+        pred = activation_bytes(spec, mb=mb, tp=1, pp=1, micro_batches=1, precision="fp32",
+                                recompute=recompute) - peak_only
+        assert abs(pred - got["held"]) <= 0.15 * got["held"], (recompute, pred, got["held"])
+    assert full["held"] < 0.6 * plain["held"], (full["held"], plain["held"])

@@ -41,16 +41,27 @@ ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 # parallel.pipeline.schedules.KINDS
 SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream", "zb1p", "zbv")
 SPLIT_BACKWARD_KINDS = ("zb1p", "zbv")  # backward split into input (B) and weight (W) parts
+# parallel.recompute's modes (engine.parallelize.apply_ac, the pipeline executor's "stage")
+RECOMPUTE_MODES = ("none", "stage", "selective", "full")
 
 
-def split_backward_refusal(schedule: str, zero: int) -> str | None:
-    """Why ``schedule`` cannot run under ZeRO stage ``zero`` (one line), or None."""
+def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") -> str | None:
+    """Why ``schedule`` cannot run under ZeRO stage ``zero`` and ``parallel.recompute`` mode
+    ``recompute`` (one line), or None."""
+    if schedule in SPLIT_BACKWARD_KINDS and recompute in ("selective", "full"):
+        # B and W walk one checkpointed region's graph twice; its recomputation (and the
+        # replay of its collectives) runs once
+        return (f"parallel.schedule={schedule} with parallel.recompute={recompute}: a split "
+                "backward (B, then W) walks a checkpointed block twice; use recompute = "
+                "\"stage\" or \"none\", or a fused schedule (1f1b, interleaved)")
     if schedule in SPLIT_BACKWARD_KINDS and zero == 3:
         return (f"parallel.schedule={schedule} with parallel.zero=3: ZeRO-3 frees a unit's "
                 "gathered weights after its backward's input gradient, before the weight "
                 "gradient needs them; use parallel.zero <= 2 or a fused schedule (1f1b, "
                 "interleaved)")
     return None
+
+
 # parallel.pipeline.partition.partition's ``by``
 PARTITIONS = ("layers", "params", "time")
 # parallel.precision.DTYPES' keys
@@ -118,15 +129,24 @@ class ParallelConfig(_Section):
     partition: Literal[PARTITIONS] = Field("layers", description="pipeline stage balance: "
                                            "by layer count, parameter count or measured "
                                            "forward + backward time")
-    recompute: bool | Literal["selective"] = Field(False, description="activation "
-                                  "recomputation: true (or \"full\"): each stage keeps "
-                                  "only its input and recomputes its forward in backward; "
-                                  "\"selective\": every layer is checkpointed with torch's "
-                                  "selective policy, matmul and attention outputs saved, "
-                                  "element-wise ops recomputed, the outputs of tp/SP/expert "
-                                  "collectives kept and replayed, the cp ring run again "
-                                  "(torchtitan's op-level selective AC; not yet on CUDA: "
-                                  "docs/gpu.md); false: none")
+    recompute: Literal[RECOMPUTE_MODES] = Field(
+        "none", description="activation recomputation: \"full\": every transformer block "
+        "(every layer of the model's pipeline description between the embedding and the "
+        "head) keeps only its input and recomputes its forward in backward (torchtitan's "
+        "activation_checkpoint.mode = \"full\"); \"selective\": every layer is "
+        "checkpointed with torch's selective policy, matmul and attention outputs saved, "
+        "element-wise ops recomputed (torchtitan's op-level selective AC; not yet on CUDA: "
+        "docs/gpu.md); under both, the outputs of tp/SP/expert collectives are kept and "
+        "replayed, ZeRO-3 gathers outside the recomputed region, the cp ring runs again; "
+        "\"stage\": each pipeline "
+        "stage keeps only its input and recomputes its forward in backward; \"none\"")
+    recompute_every: int = Field(1, ge=1, description="with recompute = \"full\": "
+                                 "checkpoint every N-th transformer block only (blocks N, 2N, "
+                                 "... counting from 1; torchtitan's selective_ac_option = N)")
+    activation_offload: bool = Field(False, description="each transformer block's tensors "
+                                     "saved for backward wait in host memory (pinned on "
+                                     "CUDA) until its backward (torch.autograd.graph."
+                                     "save_on_cpu; on the CPU nothing is copied)")
     sequence_parallel: bool = Field(False, description="with tp > 1: shard LayerNorm/dropout "
                                     "regions along the sequence (Korthikanti et al. 2022)")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage: 0 (plain DDP), 1 (optimizer "
@@ -156,22 +176,24 @@ class ParallelConfig(_Section):
     @field_validator("recompute", mode="before")
     @classmethod
     def _recompute_mode(cls, value):
-        """true / "full", false / "none", or "selective" (kept as the string)."""
-        if isinstance(value, str):
-            named = {"full": True, "none": False, "selective": "selective"}
-            if value not in named:
-                raise ValueError(f"parallel.recompute={value!r}: expected true, false, "
-                                 "\"full\", \"none\" or \"selective\"")
-            return named[value]
+        """The boolean of older configs: true was the stage-level recomputation ("stage"),
+        false none."""
+        if isinstance(value, bool):
+            return "stage" if value else "none"
         return value
 
     @model_validator(mode="after")
     def _schedule_agrees(self):
-        if self.recompute == "selective" and self.schedule == "pipedream":
-            raise ValueError("parallel.recompute=selective with parallel.schedule=pipedream: a "
-                             "layer recomputed in backward would read the live weights, not "
-                             "the version its forward used (weight stashing); use recompute = "
-                             "true (the executor recomputes with the stashed weights)")
+        if self.recompute in ("selective", "full") and self.schedule == "pipedream":
+            raise ValueError(f"parallel.recompute={self.recompute} with parallel.schedule="
+                             "pipedream: a layer recomputed in backward would read the live "
+                             "weights, not the version its forward used (weight stashing); use "
+                             "recompute = \"stage\" (the executor recomputes with the stashed "
+                             "weights)")
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise ValueError(f"parallel.recompute_every={self.recompute_every} with "
+                             f"parallel.recompute={self.recompute}: it picks the blocks of "
+                             "recompute = \"full\"; set that or recompute_every = 1")
         shard = self.dp_shard or self.dp // self.dp_replicate
         if not self.dp_shard and self.dp % self.dp_replicate:
             raise ValueError(f"parallel.dp_replicate={self.dp_replicate} does not divide "
@@ -291,6 +313,20 @@ class OptimizerConfig(_Section):
     fused: bool | None = Field(None, description="AdamW kernel: true: torch's fused AdamW, "
                                "one kernel for all tensors; false: a loop over tensors; "
                                "unset: fused on CUDA, the loop on the CPU (the parity reference)")
+    state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of AdamW's two "
+                                                 "moments (fp32 masters kept): bf16 halves "
+                                                 "their bytes, each stored moment rounded to "
+                                                 "nearest (relative error <= 2**-9 a step; "
+                                                 "engine.optimizer.LowPrecisionAdamW); fused "
+                                                 "kernels only with fp32")
+
+    @model_validator(mode="after")
+    def _fused_states(self):
+        if self.state_dtype != "fp32" and self.fused:
+            raise ValueError(f"optimizer.fused=true with optimizer.state_dtype="
+                             f"{self.state_dtype}: torch's fused AdamW keeps fp32 moments; "
+                             "unset optimizer.fused")
+        return self
 
 
 class TrainingConfig(_Section):
@@ -311,6 +347,20 @@ class TrainingConfig(_Section):
                          "on this machine (torchrun's agents on one host counted together)")
     progress: bool = Field(True, description="rank 0 shows the progress (loss, MFU, tokens/s): "
                            "a bar on a terminal, else one line per training.log_every steps")
+    offload: Literal["none", "optimizer", "optimizer+params"] = Field(
+        "none", description="\"optimizer\": this rank's fp32 master weights and AdamW "
+        "moments in host memory (pinned on CUDA), the optimizer step on the CPU, gradients "
+        "copied device to host and the updated parameters back in the compute dtype "
+        "(ZeRO-Offload, Ren et al. 2021); \"optimizer+params\" (ZeRO-3's parameter shards "
+        "on the host too): not implemented yet; \"none\"")
+
+    @field_validator("offload")
+    @classmethod
+    def _offload_built(cls, value):
+        if value == "optimizer+params":
+            raise ValueError("training.offload=optimizer+params: ZeRO-3's parameter shards "
+                             "in host memory are not implemented yet; use \"optimizer\"")
+        return value
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA + NCCL "
                                                    "when every local rank gets a GPU, else "
                                                    "the CPU + gloo")
@@ -457,8 +507,8 @@ class Config(_Section):
         if p.schedule == "zbv" and p.chunks_per_rank != 2:
             raise ValueError(f"parallel.schedule=zbv places two chunks per rank in a V: set "
                              f"parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
-        if split_backward_refusal(p.schedule, p.zero):
-            raise ValueError(split_backward_refusal(p.schedule, p.zero))
+        if split_backward_refusal(p.schedule, p.zero, p.recompute):
+            raise ValueError(split_backward_refusal(p.schedule, p.zero, p.recompute))
         if p.schedule == "pipedream" and t.precision == "fp16":
             raise ValueError("parallel.schedule=pipedream with training.precision=fp16: each "
                              "stage steps on its own clock, so no overflow decision can span "

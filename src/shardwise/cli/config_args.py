@@ -154,7 +154,8 @@ REFUSED = [
     "- the interleaved schedule with m (`parallel.micro_batches`) not a multiple of pp;",
     "- `training.precision = \"fp8\"` off CUDA of compute capability 8.9 or more, or with "
     "tp > 1 ([fp8.md](fp8.md));",
-    "- `parallel.recompute = \"selective\"` with PipeDream, or on CUDA (until its GPU test "
+    "- `parallel.recompute = \"selective\"` or `\"full\"` with PipeDream, `\"selective\"` "
+    "on CUDA (until its GPU test "
     "has run, [gpu.md](gpu.md#one-gpu-speed));",
     "- `parallel.sequence_parallel` with `model.block_size / cp` not divisible by tp; "
     "`parallel.cp` with `model.block_size` not divisible by 2 cp; `parallel.ep` that does not "

@@ -8,6 +8,8 @@
     shardwise memory --config configs/tiny.toml --dp 2 --cp 2 --stages 1    # ZeRO over dp x cp
     shardwise memory --config configs/tiny.toml --dp 2 --pp 2 --chunks-per-rank 2 --stages 3
     shardwise memory --params 7e9 --dp 64 --dp-replicate 8         # HSDP: ZeRO over 8 ranks
+    shardwise memory --config configs/tiny.toml --dp 1 --recompute full  # + activations
+    shardwise memory --config configs/tiny.toml --offload optimizer --state-dtype bf16
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, or of its ``model.init_from`` checkpoint's config.json, as
@@ -25,6 +27,11 @@ et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
 ranks, so ZeRO's shards span dp x cp of them (with ``--params``: N = dp x cp); it splits
 activations, which this report of static bytes does not count. HSDP (``--dp-replicate R``):
 ZeRO 1-3 shard within one replica of dp / R ranks, so the state shrinks by dp / R, not dp.
+``--recompute MODE`` (with ``--config``; ``parallel.recompute``'s modes) adds the peak
+activation bytes of the busiest pipeline rank (``planner.memory.activation_bytes``, the
+config's micro-batches and sequence length) without recomputation and with ``MODE``
+(``--recompute-every N``: "full" on every N-th block), a prediction: the engine counts no
+activation bytes of its own (``Engine.memory_bytes`` is the static ones).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import math
 import sys
 
+from shardwise.base.config import RECOMPUTE_MODES
 from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.planner.memory import MiB, unit_for, zero_bytes
 from shardwise.planner.specs import NAMED
@@ -61,6 +69,9 @@ def _layout_table(args, stages: list[int]) -> int:
         over["parallel.bucket_mb"] = args.bucket_mb
     if args.ep is not None:
         over["parallel.ep"] = args.ep
+    if args.recompute is not None:
+        over["parallel.recompute"] = args.recompute
+        over["parallel.recompute_every"] = args.recompute_every
     if args.chunks_per_rank is not None:
         over["parallel.chunks_per_rank"] = args.chunks_per_rank
         if args.chunks_per_rank > 1:  # static bytes do not read m; interleaving needs m % pp = 0
@@ -73,6 +84,8 @@ def _layout_table(args, stages: list[int]) -> int:
         if args.precision is None:  # what the run holds: fp8 matmuls keep bf16 weights
             args.precision = {"fp8": "bf16"}.get(base.training.precision,
                                                  base.training.precision)
+        state = args.state_dtype or base.optimizer.state_dtype
+        state_bytes = 8 if state == "fp32" else 4
         preds = {}
         for z in stages:
             for pr in range(p.pp):
@@ -81,7 +94,8 @@ def _layout_table(args, stages: list[int]) -> int:
                         d, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp, pp_rank=pr, tp_rank=tr, zero=z,
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
                         chunks_per_rank=p.chunks_per_rank, partition_by=p.partition,
-                        dp_replicate=p.dp_replicate)
+                        dp_replicate=p.dp_replicate, state_bytes=state_bytes,
+                        offload=args.offload == "optimizer")
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -92,14 +106,18 @@ def _layout_table(args, stages: list[int]) -> int:
              else "") + " x "
           f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
           + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
-          f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
+          f"{args.precision} compute (fp32 masters, {state} moments"
+          + ("; the optimizer in host memory: device = total - optimizer"
+             if args.offload == "optimizer" else "") + "); "
+          f"bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     # a rank's pp / tp coordinates, in columns only where the layout has that axis
     def where(pr, tr) -> str:
         return (f" {pr:>3}" if p.pp > 1 else "") + (f" {tr:>3}" if p.tp > 1 else "")
 
     print(f"{'zero':>4}{where('pp', 'tp')} {'params':>9} {'grads':>9} {'optimizer':>9} "
-          f"{'total':>9}" + (f" {'measured':>9}" if args.measure else "")
+          f"{'total':>9}" + (f" {'device':>9}" if args.offload == "optimizer" else "")
+          + (f" {'measured':>9}" if args.measure else "")
           + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
         measured = {}
@@ -108,6 +126,7 @@ def _layout_table(args, stages: list[int]) -> int:
 
             cfg = resolve_init_from(Config.load(args.config, {
                 **over, "parallel.zero": z, "training.precision": args.precision,
+                "optimizer.state_dtype": state, "training.offload": args.offload,
                 "training.global_batch_size": max(2, p.micro_batches) * p.dp}))
             for r in spawn(measure_worker, cfg.world_size, (cfg.model_dump(),)):
                 if r["coords"]["dp"] == 0 and r["coords"].get("cp", 0) == 0:
@@ -118,12 +137,39 @@ def _layout_table(args, stages: list[int]) -> int:
                 line = (f"{z:>4}{where(pr, tr)} {pred['params'] / div:>9.3f} "
                         f"{pred['grads'] / div:>9.3f} {pred['optimizer'] / div:>9.3f} "
                         f"{pred['total'] / div:>9.3f}")
+                if args.offload == "optimizer":
+                    line += f" {(pred['total'] - pred['host']) / div:>9.3f}"
                 if measured:
                     line += f" {measured[(pr, tr)] / div:>9.3f}"
                 if args.budget_mb:
                     line += f"  {'yes' if pred['total'] <= args.budget_mb * MiB else 'NO'}"
                 print(line)
+    if args.recompute is not None:
+        _activation_lines(base, d, args)
     return 0
+
+
+def _activation_lines(cfg, d, args) -> None:
+    """The peak activation bytes per rank (busiest pipeline rank) without recomputation and
+    with ``args.recompute``, from the planner's memory model."""
+    from shardwise.planner.memory import activation_bytes
+    from shardwise.planner.specs import ModelSpec
+
+    p = cfg.parallel
+    spec = ModelSpec.from_description(d)
+    mb = cfg.training.global_batch_size // p.dp // p.micro_batches
+    kw = dict(mb=mb, tp=p.tp, pp=p.pp, micro_batches=p.micro_batches, v=p.chunks_per_rank,
+              schedule=p.schedule, sp=p.sequence_parallel, precision=args.precision,
+              partition=p.partition, cp=p.cp)
+    none = activation_bytes(spec, **kw)
+    got = activation_bytes(spec, **kw, recompute=args.recompute,
+                           recompute_every=args.recompute_every)
+    unit, div = unit_for(none)
+    every = f" every {args.recompute_every}" if args.recompute_every > 1 else ""
+    print(f"activations per rank (peak, busiest pipeline rank; {mb} sequences x "
+          f"{spec.block_size // p.cp} tokens a micro-batch, {p.micro_batches} micro-batches; "
+          f"predicted) in {unit}: recompute none {none / div:.3f}, "
+          f"{args.recompute}{every} {got / div:.3f} ({got / none:.2f} of none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +199,17 @@ def main(argv: list[str] | None = None) -> int:
                     "keeping bf16 weights; bf16 without --config)")
     ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
+    ap.add_argument("--state-dtype", default=None, choices=("fp32", "bf16"),
+                    help="AdamW moments' dtype (optimizer.state_dtype; default: the config's, "
+                    "fp32 with --params)")
+    ap.add_argument("--offload", default="none", choices=("none", "optimizer"),
+                    help="training.offload: \"optimizer\" keeps the masters and moments in "
+                    "host memory (needs --config)")
+    ap.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
+                    help="also print the activation bytes per rank without recomputation "
+                    "and with this parallel.recompute mode (needs --config)")
+    ap.add_argument("--recompute-every", type=int, default=1, help="with --recompute full: "
+                    "every N-th block checkpointed (parallel.recompute_every)")
     ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MiB")
     args = ap.parse_args(argv)
     try:
@@ -198,15 +255,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.params is None:  # a model: the exact per-rank prediction of any layout
         return _layout_table(args, stages)
-    if args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None:
+    if (args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None or args.recompute
+            or args.offload != "none"):
         print("shardwise memory: error: --tp/--pp/--chunks-per-rank need a model (--config), "
-              "not --params",
-              file=sys.stderr)
+              "not --params (so do --recompute and --offload)", file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
     args.precision = args.precision or "bf16"  # the ZeRO paper's mixed precision
     shard = args.dp // args.dp_replicate  # HSDP: ZeRO within one replica
-    preds = {s: zero_bytes(P, shard * args.cp, s, args.precision) for s in stages}
+    state_bytes = 4 if args.state_dtype == "bf16" else 8
+    preds = {s: zero_bytes(P, shard * args.cp, s, args.precision, state_bytes)
+             for s in stages}
     unit, div = unit_for(max(d["total"] for d in preds.values()), decimal=True)
     ranks = f"dp {shard} x cp {args.cp} = {shard * args.cp}" if args.cp > 1 else shard
     if args.dp_replicate > 1:

@@ -82,6 +82,9 @@ def build_parser():
                     "outputs kept, the rest recomputed; layout name rc=sel), emitted by "
                     "--emit-toml; not for a mixture of experts; shardwise train refuses it on "
                     "CUDA until checked there")
+    ap.add_argument("--recompute-full", action="store_true", help="also search full "
+                    "recomputation per block (parallel.recompute = \"full\": each block keeps "
+                    "its input; layout name rc=blk), emitted by --emit-toml")
     ap.add_argument("--json", action="store_true", help="print one JSON document (layouts, "
                     "memory in bytes, times in seconds, pruned counts by reason) instead of "
                     "the tables")
@@ -167,7 +170,9 @@ def _run(args) -> int:
                             dp_replicate=_sizes(args.dp_replicate, "--dp-replicate"),
                             selective=(False, True) if args.selective else (False,),
                             schedules=("1f1b", "interleaved") + (
-                                SPLIT_BACKWARD_KINDS if args.zero_bubble else ()))
+                                SPLIT_BACKWARD_KINDS if args.zero_bubble else ()),
+                            recompute=(False, True, "full") if args.recompute_full
+                            else (False, True))
     if not feasible:
         need = smallest_need(pruned)
         if need is not None:
@@ -349,7 +354,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
                 if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
     parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
                      "micro_batches": lay.micro_batches, "schedule": lay.schedule,
-                     "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero, "recompute": lay.recompute,
+                     "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero,
+                     "recompute": {False: "none", True: "stage"}.get(lay.recompute, lay.recompute),
                      "sequence_parallel": lay.sp, "partition": lay.partition,
                      "cp": lay.cp, "ep": lay.ep})
     if lay.dp_replicate > 1:  # HSDP
@@ -380,7 +386,7 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
 # the engine's CUDA_REFUSAL (parallel.activation_checkpoint) in short, without importing it
 SELECTIVE_CUDA = ("parallel.recompute = \"selective\": shardwise train refuses it on CUDA "
                   "until its GPU check has run (docs/gpu.md; it runs on the CPU); on GPUs "
-                  "use parallel.recompute = true for now")
+                  "use parallel.recompute = \"stage\" or \"full\" for now")
 
 
 def _toml(v) -> str:

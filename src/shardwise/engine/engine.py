@@ -56,10 +56,12 @@ from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.parallelize import (
     apply_ac,
+    apply_activation_offload,
     apply_compile,
     apply_cp,
     apply_dp,
     apply_float8,
+    block_numbers,
     layers_of,
 )
 from shardwise.models.description import ModelDescription, describe
@@ -168,8 +170,8 @@ class Engine:
         if local_batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {local_batch} "
                              "sequences per data-parallel replica")
-        if split_backward_refusal(kind, par.zero):
-            raise ValueError(split_backward_refusal(kind, par.zero))
+        if split_backward_refusal(kind, par.zero, par.recompute):
+            raise ValueError(split_backward_refusal(kind, par.zero, par.recompute))
         if kind == "pipedream" and opt.grad_clip > 0:
             raise ValueError("gradient clipping needs a flush; PipeDream has none")
         if kind == "pipedream" and pp > 1 and describe(model).tied is not None:
@@ -215,7 +217,8 @@ class Engine:
             betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay,
             loss_scaler=self.loss_scaler, tied_peer=tied_peer, tied_names=self.local.tied,
             tied_counted=self.local.has_first, global_norm=not self.schedule.weight_stashing,
-            fused=self.device.type == "cuda" if opt.fused is None else opt.fused)
+            fused=(self.device.type == "cuda" if opt.fused is None else opt.fused)
+            and opt.state_dtype == "fp32", state_dtype=DTYPES[opt.state_dtype])
         seq = cfg.seq_len // topology.cp  # this rank's tokens of each sequence
         seq = seq // self.tp.size if self.tp.sequence_parallel else seq
         self.act_shape = (local_batch // m, seq, self.description.hidden_size)
@@ -223,7 +226,7 @@ class Engine:
         self.executor = Executor(
             self.schedule, self.pp_rank, self.chunks, self.pp_ranks, self.act_shape,
             loss_fn=self._target_loss, on_step=self._optimizer_step, dtype=self.dtype,
-            group=self.pp_group, recompute=par.recompute is True, grad_sync=self.sync,
+            group=self.pp_group, recompute=par.recompute == "stage", grad_sync=self.sync,
             device=self.device, measure_memory=measure_memory,
             loss_scale=(lambda: self.loss_scaler.scale) if self.loss_scaler else (lambda: 1.0))
         self.stream_step = 0
@@ -258,8 +261,14 @@ class Engine:
         self.fp8_layers: list[str] = (
             apply_float8(layers, self.description, tr.fp8_recipe, self.device, self.tp)
             if tr.precision == "fp8" else [])
-        if par.recompute == "selective":
-            apply_ac(layers, self.device, self.local.rng)
+        self.checkpointed: list[str] = []  # the layers apply_ac checkpointed
+        if par.recompute in ("selective", "full"):
+            self.checkpointed = apply_ac(
+                layers, self.device, self.local.rng, par.recompute,
+                block_numbers(self.local), par.recompute_every)
+        self.offloaded: list[str] = (  # the blocks whose saved tensors wait on the host
+            apply_activation_offload(layers, self.device, block_numbers(self.local))
+            if par.activation_offload else [])
         if tr.compile:
             apply_compile(layers)
             # Inductor fuses the logits' cast into the cross-entropy instead of writing fp32
@@ -268,7 +277,7 @@ class Engine:
         self.chunks: dict[int, nn.Module] = dict(self.local.chunks)
         self.sync = apply_dp(self.local, self.chunks, topo, par, dtype=self.dtype,
                              loss_scaler=self.loss_scaler, distributed=self.distributed,
-                             replicas=self.replicas)
+                             replicas=self.replicas, offload=tr.offload == "optimizer")
 
     def _sequence_shards(self, idx: torch.Tensor, m: int) -> list[SequenceShard | None] | None:
         """The ``models.sequence`` shard of each of the ``m`` micro-batches of ``idx`` (B, T),
@@ -329,8 +338,9 @@ class Engine:
         ``grads`` (buckets, gradient shards; without buckets, at dp = 1, the gradients kept
         between steps: measured once they exist, their parameters' bytes before the first
         backward) and ``optimizer`` (fp32 masters that are not the parameters themselves,
-        AdamW's two fp32 moments: measured once they exist, 8 bytes per master element
-        before the first step), each storage counted once."""
+        AdamW's two moments: measured once they exist, 8 bytes per master element (4 in
+        bf16, ``optimizer.state_dtype``) before the first step), each storage counted once;
+        ``total`` their sum, ``host`` the part of it in host memory (``training.offload``)."""
         seen: set = set()
         params = [q for _, q in self.named_parameters()]
         out = {"params": sum(storage_bytes_once(seen, q) for q in params)}
@@ -345,10 +355,12 @@ class Engine:
             if m in state:
                 opt += sum(storage_bytes_once(seen, state[m].get(k))
                            for k in ("exp_avg", "exp_avg_sq"))
-            else:
-                opt += 8 * m.numel()
+            else:  # two moments of optimizer.state_dtype's bytes an element
+                opt += 2 * DTYPES[self.cfg.optimizer.state_dtype].itemsize * m.numel()
         out["optimizer"] = opt
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        # training.offload = "optimizer": the optimizer's bytes live in host memory
+        out["host"] = opt if self.cfg.training.offload == "optimizer" else 0
         return out
 
     # -- training -------------------------------------------------------------------------

@@ -55,13 +55,18 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers",
                  ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1,
-                 schedule: str = "1f1b") -> dict:
+                 schedule: str = "1f1b", state_bytes: int = 8,
+                 offload: bool = False) -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
     ``ep``: expert-parallel ranks (folded over dp: the rank's ep rank is dp_rank mod ep).
     ``dp_replicate``: HSDP's replicas (ZeRO shards over dp / dp_replicate of the dp ranks).
     ``schedule``: the pipeline schedule, for its chunk placement (zbv's V).
+    ``state_bytes``: AdamW's two moments' bytes per element (8 in fp32, 4 with
+    ``optimizer.state_dtype = "bf16"``). ``offload`` (``training.offload = "optimizer"``):
+    the masters are copies of their own in host memory even in fp32 (``host``: the
+    optimizer's bytes, all on the host; 0 without offload).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
     ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
     # ZeRO's groups are the replicas: of the dense weights dp x cp (this rank at
@@ -85,7 +90,8 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
         P = sum(q.numel() for q in params)
         if zero == 0:
             out = {"params": b * P, "grads": b * P,
-                   "optimizer": 8 * P + (0 if b == 4 else 4 * P), "padding": 0}
+                   "optimizer": state_bytes * P + (0 if b == 4 and not offload else 4 * P),
+                   "padding": 0}
         elif zero in (1, 2):
             tied = frozenset(id(q) for n, q in named if n in local.tied)
             groups = [([q for q in params if not is_expert(q)], dp, dp_rank),
@@ -98,16 +104,17 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                 owned, real = _shard(pad, [bk.numel for bk in buckets], size, rank)
                 padded, S, R = padded + pad, S + owned, R + real
             out = {"params": b * sum(padded), "grads": b * (sum(padded) if zero == 1 else S),
-                   "optimizer": 4 * S + 8 * R, "padding": S - R}
+                   "optimizer": 4 * S + state_bytes * R, "padding": S - R}
         else:
             S = R = 0
             for sizes, size, rank in ((_units(local, False), dp, dp_rank),
                                       (_units(local, True), ep_dp, ep_dp_rank)):
                 owned, real = _shard([-(-n // size) * size for n in sizes], sizes, size, rank)
                 S, R = S + owned, R + real
-            out = {"params": 0 if b == 4 else b * S, "grads": b * S,
-                   "optimizer": 4 * S + 8 * R, "padding": S - R}
+            out = {"params": 0 if b == 4 and not offload else b * S, "grads": b * S,
+                   "optimizer": 4 * S + state_bytes * R, "padding": S - R}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["host"] = out["optimizer"] if offload else 0
     return out
 
 

@@ -15,9 +15,14 @@ shard with ZeRO), and per step:
    squared norm and the overflow flag, every replicated piece counted once, so every rank
    clips by the same coefficient and skips the same steps; then AdamW on the masters;
 5. ``sync.after_step()`` brings the masters back into the compute-dtype parameters.
+
+``optimizer.state_dtype = "bf16"`` keeps AdamW's two moments in bf16 (``LowPrecisionAdamW``;
+torchtitan's and Megatron-Core's precision-aware optimizer), the masters in fp32.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -38,13 +43,15 @@ class DistributedOptimizer:
     whether this rank's copy enters the norm (the first stage's does). ``global_norm=False``
     (PipeDream: each stage steps on its own clock, so no reduction can span stages) keeps the
     norm local: no clipping and no fp16 then (the config refuses both). ``fused``: torch's
-    fused AdamW kernel (``optimizer.fused``), else the loop over tensors.
+    fused AdamW kernel (``optimizer.fused``), else the loop over tensors. ``state_dtype``:
+    the moments' dtype (``optimizer.state_dtype``; bf16: ``LowPrecisionAdamW``).
     """
 
     def __init__(self, sync, *, tp, sequence_parallel: bool, lr: float, betas: tuple,
                  weight_decay: float, loss_scaler: DynamicLossScaler | None = None,
                  tied_peer: int | None = None, tied_names: tuple[str, ...] = (),
-                 tied_counted: bool = True, global_norm: bool = True, fused: bool = False):
+                 tied_counted: bool = True, global_norm: bool = True, fused: bool = False,
+                 state_dtype: torch.dtype = torch.float32):
         self.sync, self.tp, self.loss_scaler = sync, tp, loss_scaler
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.tied_peer = tied_peer
@@ -63,8 +70,12 @@ class DistributedOptimizer:
                    "weight_decay": 0.0}]
         # fused: one kernel over every tensor (CUDA's default); the loop over tensors is the
         # CPU's reference: each element's arithmetic is the same whatever the pieces are
-        kernel = {"fused": True} if fused else {"foreach": False}
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
+        if state_dtype != torch.float32:
+            self.optimizer = LowPrecisionAdamW(groups, lr=lr, betas=betas,
+                                               state_dtype=state_dtype)
+        else:
+            kernel = {"fused": True} if fused else {"foreach": False}
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
 
     @property
     def param_groups(self):
@@ -105,3 +116,51 @@ class DistributedOptimizer:
     def load_state_dict(self, state: dict) -> None:
         """Load a ``state_dict`` of the same pieces (raises as ``torch.optim.Optimizer`` does)."""
         self.optimizer.load_state_dict(state)
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW (Loshchilov & Hutter 2019; torch's ``AdamW`` formulas, eps 1e-8) over fp32
+    masters whose two moments are kept in ``state_dtype`` (bf16) between steps.
+
+    Numerics: each step loads the moments to fp32, updates them and steps the master with
+    these fp32 values, then stores them rounded to nearest: per step each stored moment
+    carries a relative error of at most 2**-9 (bf16's 8-bit significand), so the next
+    update m / (sqrt(v) + eps) moves by about 1.5 x 2**-9 relative, the master itself kept
+    exactly in fp32. Half the moments' bytes (4 instead of 8 per element). The state keeps
+    torch's names (``step``, ``exp_avg``, ``exp_avg_sq``); moments loaded in another dtype
+    (a checkpoint's load casts them to the parameter's) are kept in ``state_dtype`` again."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 state_dtype: torch.dtype = torch.bfloat16):
+        self.state_dtype = state_dtype
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step of every parameter with a gradient (``closure`` unsupported)."""
+        assert closure is None, "LowPrecisionAdamW.step takes no closure"
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = (group["lr"], group["betas"], group["eps"],
+                                     group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        st[k] = torch.zeros_like(p, dtype=self.state_dtype)
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if st[k].dtype != self.state_dtype:
+                        st[k] = st[k].to(self.state_dtype)
+                st["step"] += 1
+                t = float(st["step"])
+                g = p.grad.float()
+                m = st["exp_avg"].float().lerp_(g, 1 - b1)
+                v = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.mul_(1 - lr * wd)
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+                st["exp_avg"].copy_(m)
+                st["exp_avg_sq"].copy_(v)

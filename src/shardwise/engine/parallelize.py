@@ -10,7 +10,9 @@ section it needs, and changes the modules in place or returns the new ones.
    (``engine.model.build_local_model`` runs them on each kept layer);
 2. ``apply_cp``: this rank's ``ContextParallel`` (its ring of cp ranks);
 3. ``apply_float8``: torchao's float8 Linear layers (``training.precision = "fp8"``);
-4. ``apply_ac``: selective activation checkpointing (``parallel.recompute = "selective"``);
+4. ``apply_ac``: activation checkpointing per layer (``parallel.recompute = "selective"``,
+   or ``"full"`` every ``recompute_every``-th block), then ``apply_activation_offload``
+   (``parallel.activation_offload``);
 5. ``apply_compile``: ``torch.compile`` each layer (``training.compile``);
 6. ``apply_dp``: the gradient sync of ``parallel.zero`` (``engine.sync``).
 
@@ -26,7 +28,11 @@ from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.sync import ReplicatedSync, SplitSync
 from shardwise.models.description import ModelDescription
 from shardwise.parallel.activation_checkpoint import CUDA_REFUSAL as SELECTIVE_ON_CUDA
-from shardwise.parallel.activation_checkpoint import checkpoint_selectively
+from shardwise.parallel.activation_checkpoint import (
+    checkpoint_selectively,
+    checkpoint_whole,
+    offload_saved,
+)
 from shardwise.parallel.context import ContextParallel, Ring
 from shardwise.parallel.experts import is_expert, parallelize_experts
 from shardwise.parallel.tensor_parallel.group import RankGroup
@@ -111,15 +117,50 @@ def apply_float8(layers: Layers, description: ModelDescription, recipe: str,
                           high_precision=description.is_high_precision)
 
 
-def apply_ac(layers: Layers, device: torch.device, rng: ParallelRNG | None = None) -> None:
-    """Selective activation checkpointing of every layer: matmul and attention outputs and
-    the outputs of the collectives in its forward kept, the rest recomputed in backward
-    (``parallel.activation_checkpoint``; torchtitan's op-level selective AC). ``rng``: the
-    tp dropout stream, replayed alike. ``ValueError`` on CUDA (not verified there yet)."""
-    if device.type == "cuda":
-        raise ValueError(SELECTIVE_ON_CUDA)
-    for name, layer in layers:
-        checkpoint_selectively(layer, rng=rng, name=name)
+def apply_ac(layers: Layers, device: torch.device, rng: ParallelRNG | None = None,
+             mode: str = "selective", blocks: dict[str, int] | None = None,
+             every: int = 1) -> list[str]:
+    """Activation checkpointing of this rank's layers, in place; returns the names of those
+    checkpointed. ``mode`` "selective": every layer, matmul and attention outputs and the
+    outputs of the collectives in its forward kept, the rest recomputed in backward
+    (torchtitan's op-level selective AC; ``ValueError`` on CUDA, not verified there yet).
+    "full": the transformer blocks (``blocks``: layer name -> its number among the model's
+    blocks, from 1) whose number ``every`` divides, each keeping only its input and its
+    collectives' outputs (torchtitan's full AC, ``selective_ac_option = every``). ``rng``:
+    the tp dropout stream, replayed alike (``parallel.activation_checkpoint``)."""
+    if mode == "selective":
+        if device.type == "cuda":
+            raise ValueError(SELECTIVE_ON_CUDA)
+        for name, layer in layers:
+            checkpoint_selectively(layer, rng=rng, name=name)
+        return [name for name, _ in layers]
+    assert mode == "full" and blocks is not None, mode
+    chosen = [(n, m) for n, m in layers if n in blocks and blocks[n] % every == 0]
+    for name, layer in chosen:
+        checkpoint_whole(layer, rng=rng, name=name)
+    return [name for name, _ in chosen]
+
+
+def apply_activation_offload(layers: Layers, device: torch.device,
+                             blocks: dict[str, int]) -> list[str]:
+    """Each transformer block's saved tensors in host memory between its forward and its
+    backward (``parallel.activation_offload``; ``offload_saved``), in place; ``blocks`` as
+    ``apply_ac``'s. Returns the names of the blocks wrapped."""
+    chosen = [(n, m) for n, m in layers if n in blocks]
+    for _, layer in chosen:
+        offload_saved(layer, device)
+    return [name for name, _ in chosen]
+
+
+def block_numbers(local) -> dict[str, int]:
+    """Layer name -> its number among the model's transformer blocks (1 ... L) for this
+    rank's layers (``local``: an ``engine.model.LocalModel``): the layers of the pipeline
+    description but its first (the embedding) and its last (the head), numbered by their
+    place in the whole model, so the same blocks are chosen in every layout."""
+    part = local.partition
+    last = part.bounds[-1] - 1
+    return {name: i for c in sorted(local.chunks)
+            for name, i in zip(local.chunks[c].names, part.layers(c)) if 0 < i < last}
 
 
 def apply_compile(layers: Layers) -> None:
@@ -133,7 +174,7 @@ def apply_compile(layers: Layers) -> None:
 
 def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
              dtype: torch.dtype, loss_scaler=None, distributed: bool = True,
-             replicas: Replicas | None = None):
+             replicas: Replicas | None = None, offload: bool = False):
     """The gradient sync of ``parallel.zero`` (a ``ParallelConfig``) for this rank's chunks
     (``local``: an ``engine.model.LocalModel``; ``engine.sync``) over the dp x cp replicas of
     every parameter; under ep > 1 the expert parameters over their own replicas, the
@@ -143,12 +184,14 @@ def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
     ``replicas``: the replicas outside this job (``comm.torchft_replicas``, fault tolerance;
     ``dense_sync_group``). ``ValueError`` (one line) for ZeRO-3 with a parameter shared by
     two chunks of this rank (a property of a hand-built model the config cannot see), and
-    for replicas outside the job with HSDP inside it or with expert parameters."""
+    for replicas outside the job with HSDP inside it or with expert parameters.
+    ``offload``: every sync keeps its fp32 masters in host memory (``training.offload =
+    "optimizer"``; ZeRO-Offload, Ren et al. 2021)."""
     named = local.named_parameters()
     groups = topology.groups if distributed else None
     experts = [(n, q) for n, q in named if is_expert(q)]
     kw = dict(local=local, chunks=chunks, parallel=parallel, dtype=dtype,
-              loss_scaler=loss_scaler, distributed=distributed)
+              loss_scaler=loss_scaler, distributed=distributed, offload=offload)
     if experts and replicas is not None and replicas is not NO_REPLICAS:
         raise ValueError("fault_tolerance.enable with expert parameters: their sync spans "
                          "the ep_dp x cp ranks of one job, not the replica groups; train "
@@ -191,7 +234,7 @@ def dense_sync_group(topology, parallel, distributed: bool = True,
 
 def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
              dtype, loss_scaler, distributed: bool, replicas: Replicas = NO_REPLICAS,
-             divisor: int | None = None, expert_group=None):
+             divisor: int | None = None, expert_group=None, offload: bool = False):
     """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
     ``expert_group``: the expert parameters of each unit sharded over that group)."""
     p = parallel
@@ -202,13 +245,13 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
     if p.zero == 0 or not distributed:
         return ReplicatedSync(params, names, group, size, rank, dtype, p.bucket_mb,
                               p.first_bucket_mb, p.allreduce, divisor=divisor,
-                              replicas=replicas)
+                              replicas=replicas, offload=offload)
     if p.zero in (1, 2):
         container = nn.ModuleList(local.chunks[c] for c in sorted(local.chunks))
         return ZeroDataParallel(container, group, p.zero, p.bucket_mb, dtype, loss_scaler,
                                 names=names, isolate=tied, explicit=True,
                                 params=None if whole else params, divisor=divisor,
-                                replicas=replicas)
+                                replicas=replicas, offload=offload)
     # ZeRO-3: each chunk its own module (its layers the units, its own flat buffers), so
     # the interleaved schedule gathers and reduce-scatters a chunk around its own
     # micro-batches, independently of the rank's other chunks; joined as one sync
@@ -220,7 +263,7 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
         chunk = local.chunks[c]
         chunks[c] = ZeroStage3(chunk, group, list(zip(chunk.names, chunk.layers)), dtype,
                                loss_scaler, names, isolate=tied, expert_group=expert_group,
-                               replicas=replicas)
+                               replicas=replicas, offload=offload)
         wrappers.append(chunks[c])
     return SplitSync(*wrappers)
 

@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.grad_sync import GradientSync
+from shardwise.parallel.precision import host_master
 
 
 class ReplicatedSync:
@@ -57,17 +58,22 @@ class ReplicatedSync:
     by it (default ``dp_size``; expert parameters: the whole dp x cp size, also when their
     group is one rank). ``replicas`` (HSDP, a ``comm.replicas.Replicas``): the averaged
     gradients are then averaged across them (the engine passes none: in one job the all-reduce
-    over the whole dp x cp group already is that mean, in one collective).
+    over the whole dp x cp group already is that mean, in one collective). ``offload``:
+    the fp32 masters in host memory (``training.offload = "optimizer"``), fp32 runs too.
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[int, str], group, dp_size: int,
                  dp_rank: int, param_dtype: torch.dtype, bucket_mb: float,
                  first_bucket_mb: float, allreduce: str, divisor: int | None = None,
-                 replicas: Replicas = NO_REPLICAS):
+                 replicas: Replicas = NO_REPLICAS, offload: bool = False):
         self.params, self.replicas = params, replicas
         self.piece_params = list(params)
         self.piece_names = [names[id(p)] for p in params]
-        if param_dtype == torch.float32:
+        if offload:  # masters of their own in host memory, whatever the compute dtype
+            self.pieces = [nn.Parameter(host_master(p)) for p in params]
+            for p in params:
+                p.data = p.data.to(param_dtype)
+        elif param_dtype == torch.float32:
             self.pieces = list(params)
         else:
             self.pieces = [nn.Parameter(p.detach().float().clone()) for p in params]
@@ -107,14 +113,17 @@ class ReplicatedSync:
 
     def piece_grads(self) -> list[torch.Tensor]:
         """Each piece's fp32 gradient, in ``pieces`` order; zeros where no backward has made one."""
-        return [p.grad.float() if p.grad is not None else torch.zeros_like(m)
-                for p, m in zip(self.params, self.pieces)]
+        return [p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+                for p in self.params]
 
     @torch.no_grad()
     def after_step(self) -> None:
         """Copy the fp32 masters into the compute-dtype parameters (fp32: nothing to copy)."""
         pairs = [(p, m) for p, m in zip(self.params, self.pieces) if p is not m]
-        if pairs:  # masters cast into the compute-dtype parameters, one launch on CUDA
+        if pairs and pairs[0][0].device != pairs[0][1].device:  # offloaded: host to device
+            for p, m in pairs:
+                p.copy_(m, non_blocking=m.is_pinned())
+        elif pairs:  # masters cast into the compute-dtype parameters, one launch on CUDA
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def full_parameters(self):

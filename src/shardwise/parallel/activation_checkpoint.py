@@ -1,4 +1,5 @@
-"""Selective activation recomputation (``parallel.recompute = "selective"``).
+"""Activation recomputation per layer: selective (``parallel.recompute = "selective"``) and
+full (``parallel.recompute = "full"``).
 
 Each layer's forward runs under ``torch.utils.checkpoint`` (non-reentrant) with torch's
 selective-checkpoint contexts (``create_selective_checkpoint_contexts``): the outputs of the
@@ -9,8 +10,11 @@ checkpointing (``activation_checkpoint.mode = "selective"``, ``selective_ac_opti
 and Korthikanti et al. 2022 (arXiv:2205.05198), whose selective recomputation keeps the
 matmuls' outputs and recomputes the memory-hungry, FLOP-cheap parts. Numerics are unchanged:
 recomputed ops are deterministic functions of saved values (dropout's random state is
-replayed by checkpoint). Full recomputation (``recompute = true``) is the pipeline
-executor's: a stage keeps only its input. What the recomputed forward does besides computing
+replayed by checkpoint). Full recomputation (``checkpoint_whole``) is the same wrapper
+without the policy: a block keeps only its input and recomputes everything in backward
+(torchtitan's ``activation_checkpoint.mode = "full"``; Chen et al. 2016, arXiv:1604.06174).
+Stage-level recomputation (``recompute = "stage"``) is the pipeline executor's: a stage
+keeps only its input. What the recomputed forward does besides computing
 happens once (collectives replayed by ``comm.replay``, ZeRO-3's gathers outside the region,
 the forward's ``contextvars`` and dropout stream, routing statistics counted once): see
 docs/architecture.md, "Selective recomputation in one paragraph".
@@ -37,7 +41,7 @@ from shardwise.comm import replay
 # tests/test_recompute.py check has run there.
 CUDA_REFUSAL = ("parallel.recompute=selective on CUDA: not verified there yet (on an H100 its "
                 "loss after 7 steps left the plain run's, 8.03 against 9.19: docs/gpu.md); "
-                "use parallel.recompute = true")
+                "use parallel.recompute = \"stage\"")
 
 _aten = torch.ops.aten
 # the ops whose outputs are saved: what costs FLOPs to recompute
@@ -65,8 +69,21 @@ def checkpoint_selectively(layer: nn.Module, rng=None, name: str = "") -> nn.Mod
     stream (a ``ParallelRNG``; None without tp), rewound for the recomputation. ``name``
     names the layer in a ``comm.replay.ReplayError`` (raised in backward when the
     recomputation calls other collectives than its forward did)."""
-    inner = layer.forward
     context_fn = functools.partial(create_selective_checkpoint_contexts, _policy)
+    return _checkpointed(layer, rng, name, {"context_fn": context_fn})
+
+
+def checkpoint_whole(layer: nn.Module, rng=None, name: str = "") -> nn.Module:
+    """Make ``layer``'s forward recomputed whole in backward: only its input (and the outputs
+    of its collectives, replayed) kept (in place; returns it). Arguments and hooks as
+    ``checkpoint_selectively``'s."""
+    return _checkpointed(layer, rng, name, {})
+
+
+def _checkpointed(layer: nn.Module, rng, name: str, options: dict) -> nn.Module:
+    """``layer.forward`` replaced by a non-reentrant checkpoint of it (``options``: the
+    checkpoint's ``context_fn``, if any) recording its collectives and replaying them."""
+    inner = layer.forward
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -87,7 +104,7 @@ def checkpoint_selectively(layer: nn.Module, rng=None, name: str = "") -> nn.Mod
             with log.replaying(), _rewound(rng, seen["rng"]):
                 return inner(*a, **k)
 
-        return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **options, **kwargs)
 
     layer.forward = forward
     return layer
@@ -105,3 +122,23 @@ def _rewound(rng, state):
         yield
     finally:
         rng.state = live
+
+
+def offload_saved(layer: nn.Module, device: torch.device) -> nn.Module:
+    """Make the tensors ``layer``'s forward saves for backward wait in host memory (pinned
+    on CUDA) until its backward brings them back (``torch.autograd.graph.save_on_cpu``;
+    Megatron's activation offloading), in place; returns it. On the CPU the two coincide
+    and nothing is copied. A block also checkpointed keeps its saved tensors in the
+    checkpoint's hooks (the innermost), so offload changes nothing there."""
+    inner = layer.forward
+    pin = device.type == "cuda"
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device.type):
+            return inner(*args, **kwargs)
+
+    layer.forward = forward
+    return layer

@@ -23,6 +23,19 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}
 assert tuple(DTYPES) == PRECISIONS  # training.precision's choices
 
+# Host memory, where ``training.offload = "optimizer"`` keeps the fp32 masters and AdamW's
+# moments (ZeRO-Offload, Ren et al. 2021): the CPU by definition, whatever the run's device.
+HOST = torch.device("cpu")
+
+
+def host_master(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of ``t`` in host memory, pinned when ``t`` is on CUDA (so its transfers
+    can be asynchronous); same shape."""
+    out = torch.empty(t.shape, dtype=torch.float32, device=HOST,
+                      pin_memory=t.device.type == "cuda")
+    out.copy_(t.detach())
+    return out
+
 
 class DynamicLossScaler:
     """Loss scale that halves on overflow and doubles after ``growth_interval`` clean steps."""
@@ -90,9 +103,11 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
     """The optimizer step of every layout, on this rank's fp32 master pieces.
 
     ``piece_grads[i]`` is the fp32 gradient of master piece ``i`` (transient: freed after
-    the step). Unscales (fp16), then one all-reduce over ``group`` (the world for the
-    engine; None: the world; "local" or no torch.distributed: no reduction) carries both the squared
-    gradient norm and the overflow flag, so every rank takes the same decision: skip the
+    the step), on the run's device; a piece in host memory (``training.offload``) receives a
+    copy after the norm and the clipping, and steps there. Unscales (fp16), then one
+    all-reduce over ``group`` (the world for the engine; None: the world; "local" or no
+    torch.distributed: no reduction) carries both the squared gradient norm and the
+    overflow flag, so every rank takes the same decision: skip the
     step on overflow anywhere, else clip to the global norm ``max_norm`` (``<= 0``: no
     clipping; the formula of ``torch.nn.utils.clip_grad_norm_``) and step. ``counted[i]``
     says whether piece ``i``'s squares enter the norm on this rank: a piece replicated on
@@ -105,7 +120,9 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
     if scaler is not None:
         for g in piece_grads:
             g.mul_(1.0 / scaler.scale)
-    dev = pieces[0].device if pieces else torch.device("cpu")
+    # the gradients' device: the reduction runs there (offloaded masters live on the host)
+    dev = (piece_grads[0].device if piece_grads else
+           pieces[0].device if pieces else torch.device("cpu"))
     total, overflow = global_norm(piece_grads, counted, group, check_finite=scaler is not None,
                                   device=dev)
     if scaler is not None:
@@ -117,8 +134,8 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
         for g in piece_grads:
             g.mul_(coef.to(g.dtype))
     kept = [p.grad for p in pieces]  # a parameter that is its own master keeps its gradient
-    for p, g in zip(pieces, piece_grads):
-        p.grad = g
+    for p, g in zip(pieces, piece_grads):  # offloaded: device to host
+        p.grad = g if g.device == p.device else g.to(p.device)
     optimizer.step()
     for p, g in zip(pieces, kept):
         p.grad = g  # transient fp32 copies are dropped

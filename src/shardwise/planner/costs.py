@@ -269,6 +269,10 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
         comp_b += nb * blk.recomputed
         again = nb * blk.ring_again
         cpb, tpb = cpb + again, tpb + again
+    elif lay.recompute == "full":  # the engine's per block: every block's forward again, its
+        # collectives replayed, the cp ring's shifts again
+        comp_b += comp_f
+        cpb += nb * blk.ring_again
     elif lay.recompute:
         comp_b += comp_f
         tpb += tpf
@@ -426,7 +430,7 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     x = {k: parts([i]) for k, i in one.items()}
     gk = {k: gather(*v) for k, v in x.items()}
     rk = {k: scatter(*v) for k, v in x.items()}
-    mult = 3 if lay.recompute is True else 2  # selective's recomputed ops: not counted
+    mult = 3 if lay.recompute in (True, "full") else 2  # selective's recomputed ops: not counted
     # a block between two blocks adds the same terms: sum the sequence with three blocks
     # (its ends, and one such middle block) and the other middle blocks in one product
     middle = max(0, nb - 3)

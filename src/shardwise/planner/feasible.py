@@ -4,7 +4,7 @@ prunes with (``prune_reason``), each one line naming the size at fault, and that
 
 from __future__ import annotations
 
-from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.base.config import split_backward_refusal
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.specs import ModelSpec
@@ -74,8 +74,11 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
     if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
         return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
-    if lay.schedule in SPLIT_BACKWARD_KINDS and lay.zero == 3:
-        return f"{lay.schedule} with ZeRO-3: the gathered weights are freed before the W"
+    mode = ("selective" if lay.selective or lay.recompute == "selective" else
+            "full" if lay.recompute == "full" else "stage" if lay.recompute else "none")
+    refusal = split_backward_refusal(lay.schedule, lay.zero, mode)
+    if refusal:  # the config's own line
+        return refusal
     if lay.sp and (spec.block_size // lay.cp) % lay.tp:
         return (f"sequence parallelism: tp={lay.tp} does not divide the sequence "
                 f"{spec.block_size // lay.cp}" + (" (per cp rank)" if lay.cp > 1 else ""))

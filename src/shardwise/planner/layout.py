@@ -18,7 +18,8 @@ class Layout:
     schedule: str = "1f1b"
     chunks_per_rank: int = 1  # model chunks per pipeline rank (interleaved: v)
     zero: int = 0
-    recompute: bool | str = False  # True: full; "selective": the engine's op-level one
+    # True: the executor's per stage; "full": the engine's per block; "selective": op-level
+    recompute: bool | str = False
     sp: bool = False
     partition: str = "layers"  # how the engine cuts layers into chunks: layers or params
     selective: bool = False  # recompute only the attention core (Korthikanti et al. 2022)
@@ -36,7 +37,8 @@ class Layout:
         """The short name ``shardwise plan`` prints (``dp2 tp4 pp2 mb1 m8 1f1b z1 sp``)."""
         v = self.chunks_per_rank
         sched = "" if self.pp == 1 else (f" {self.schedule}" + (f" v{v}" if v > 1 else ""))
-        rc = " rc=sel" if self.recompute == "selective" else " rc" if self.recompute else ""
+        rc = {"selective": " rc=sel", "full": " rc=blk"}.get(self.recompute,
+                                                         " rc" if self.recompute else "")
         extra = rc + (" rc=attn" if self.selective else "") + (
             "" if not self.sp else " sp") + (
             " cut=params" if self.partition == "params" and self.pp > 1 else "") + (

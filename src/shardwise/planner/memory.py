@@ -256,20 +256,22 @@ def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int,
     return n
 
 
-def zero_bytes(P: float, dp: int, zero: int, precision: str) -> dict:
+def zero_bytes(P: float, dp: int, zero: int, precision: str, state_bytes: int = 8) -> dict:
     """Bytes of params, grads and optimizer for P parameter elements on one rank (no
-    padding: shards are ceil(P / dp))."""
+    padding: shards are ceil(P / dp)); ``state_bytes``: AdamW's two moments per element (8
+    in fp32, 4 with ``optimizer.state_dtype = "bf16"``)."""
     b = BYTES[precision]
     S = -(-int(P) // dp)
     master = 0 if b == 4 else 4
     if zero == 0:
-        out = {"params": b * P, "grads": b * P, "optimizer": (8 + master) * P}
+        out = {"params": b * P, "grads": b * P, "optimizer": (state_bytes + master) * P}
     elif zero == 1:
-        out = {"params": b * P, "grads": b * P, "optimizer": (8 + master) * S}
+        out = {"params": b * P, "grads": b * P, "optimizer": (state_bytes + master) * S}
     elif zero == 2:
-        out = {"params": b * P, "grads": b * S, "optimizer": (8 + master) * S}
+        out = {"params": b * P, "grads": b * S, "optimizer": (state_bytes + master) * S}
     else:
-        out = {"params": 0 if b == 4 else b * S, "grads": b * S, "optimizer": (8 + master) * S}
+        out = {"params": 0 if b == 4 else b * S, "grads": b * S,
+               "optimizer": (state_bytes + master) * S}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
@@ -561,7 +563,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
                      recompute: bool | str = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers", selective: bool = False,
-                     cp: int = 1) -> float:
+                     cp: int = 1, recompute_every: int = 1) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
     search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
@@ -572,11 +574,19 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     cp = 1 at cp = 4, ``benchmarks/context_parallel.py``), except written-out scores, which
     are this rank's queries against all ``block_size`` keys, and K and V, which the ring
     keeps with their ``n_kv_heads`` where one process repeats them to all heads.
-    ``recompute``: True, full recomputation; ``"selective"``, the engine's
+    ``recompute``: True (or ``"stage"``), the pipeline executor's stage-level recomputation;
+    ``"full"``, the engine's per-block checkpointing of every ``recompute_every``-th block
+    (``full_activation_bytes``); ``"selective"``, the engine's
     ``parallel.recompute = "selective"`` (``selective_activation_bytes``; the planner's
-    ``selective``, Korthikanti's attention core, is another thing). With the engine's
+    ``selective``, Korthikanti's attention core, is another thing); False or ``"none"``:
+    none. With the engine's
     model (``am`` None) the attention masks are added (``mask_bytes``): each micro-batch's
     in flight, or under recomputation one micro-batch's (built again for its backward)."""
+    recompute = {"none": False, "stage": True}.get(recompute, recompute)
+    if recompute == "full":
+        return full_activation_bytes(spec, mb=mb, tp=tp, pp=pp, micro_batches=micro_batches,
+                                     v=v, schedule=schedule, sp=sp, precision=precision,
+                                     partition=partition, cp=cp, every=recompute_every)
     if recompute == "selective":
         return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
                                           micro_batches=micro_batches, v=v, schedule=schedule,
@@ -686,6 +696,57 @@ def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
                     + (emb if c == 0 else 0.0) for c in mine)
         worst = max(worst, in_flight(schedule, pp, micro_batches, v, r) * total
                     + per_mb + once)  # masks: recomputed, one micro-batch's
+    return worst
+
+
+def full_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
+                     precision: str) -> float:
+    """Bytes one block keeps for backward under the engine's full recomputation per block
+    (``parallel.recompute = "full"``), per micro-batch of ``mb`` sequences of ``s`` tokens,
+    width h, e bytes a value, in units of ``mb s h e``: its input, 1 (1 / tp under SP); at
+    tp > 1 the outputs of its collectives, kept for the recomputation to replay
+    (``comm.replay``): the two reduced row-parallel outputs, 1 each, or under SP 1 / tp each
+    reduce-scattered plus the two all-gathered inputs of attention and MLP, 1 each. The cp
+    ring's shifts run again (nothing kept); a mixture's all-to-all outputs are not
+    counted."""
+    e, h = BYTES[precision], spec.n_embd
+    if tp == 1:
+        units = 1.0
+    else:
+        units = 2 + 3 / tp if sp else 3.0
+    return mb * s * h * e * units
+
+
+def full_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
+                          micro_batches: int, v: int = 1, schedule: str = "1f1b",
+                          sp: bool = False, precision: str = "fp32",
+                          partition: str = "layers", cp: int = 1, every: int = 1) -> float:
+    """``activation_bytes`` under the engine's full recomputation per block: on the busiest
+    pipeline rank, per micro-batch in flight, each checkpointed block (its number among the
+    model's blocks, from 1, divisible by ``every``) keeps ``full_block_bytes``, every other
+    block what it keeps without recomputation (``block_activation_bytes``), the head as
+    without recomputation; at the peak one checkpointed block recomputed whole (one
+    micro-batch's ``block_activation_bytes``). Masks as ``activation_bytes`` adds them
+    without recomputation (each micro-batch's in flight)."""
+    am = shardwise_model(precision, spec, ring=cp > 1)
+    s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
+    keys = spec.attention_calls.written_keys if cp == 1 else spec.block_size
+    blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=keys)
+    keep = full_block_bytes(spec, mb, s, tp, sp, precision)
+    head = head_activation_bytes(spec, mb, tp, precision, cp)
+    per_mb, once = mask_bytes(spec, mb, precision, cp)
+    part, L = cut(spec, pp * v, partition), spec.n_layer
+    worst = 0.0
+    for r in range(pp):
+        total, redo = 0.0, 0.0
+        for c in (r + i * pp for i in range(v)):
+            blocks = [i for i in part.layers(c) if 1 <= i <= L]
+            ckpt = sum(1 for i in blocks if i % every == 0)
+            total += ckpt * keep + (len(blocks) - ckpt) * blk
+            total += head if L + 1 in part.layers(c) else 0.0
+            redo = max(redo, blk if ckpt else 0.0)
+        k = in_flight(schedule, pp, micro_batches, v, r)
+        worst = max(worst, k * (total + per_mb) + redo + once)
     return worst
 
 

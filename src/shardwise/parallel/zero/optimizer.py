@@ -35,7 +35,7 @@ from shardwise import comm
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.buckets import MiB
 from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
-from shardwise.parallel.precision import DynamicLossScaler, fp32_step
+from shardwise.parallel.precision import DynamicLossScaler, fp32_step, host_master
 from shardwise.parallel.zero.sharding import ShardLayout
 
 
@@ -57,6 +57,7 @@ class ZeroDataParallel(nn.Module):
             size; expert parameters: the whole dp size).
         replicas: HSDP's other replicas (``group`` is then one replica's shard group): the
             divided gradient shards are averaged across them (default: none).
+        offload: the fp32 master shard in host memory (``training.offload``; pinned on CUDA).
 
     Build the optimizer over ``param_groups(weight_decay)``: those are fp32 pieces of this
     rank's shard, one per parameter that intersects it. Per step: ``zero_grad()``,
@@ -72,7 +73,8 @@ class ZeroDataParallel(nn.Module):
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
                  explicit: bool = False, params: list[nn.Parameter] | None = None,
-                 divisor: int | None = None, replicas: Replicas = NO_REPLICAS):
+                 divisor: int | None = None, replicas: Replicas = NO_REPLICAS,
+                 offload: bool = False):
         super().__init__()
         self.replicas = replicas
         # explicit: the engine says which backward is final (``final_backward``) and calls
@@ -109,7 +111,9 @@ class ZeroDataParallel(nn.Module):
                 p.data = view
             self._flat_params.append(flat)
         dev = params[0].device
-        self._master = [torch.zeros(n, dtype=torch.float32, device=dev) for n in self.layout.shard_sizes]
+        self._master = [host_master(torch.zeros(n, device=dev)) if offload
+                        else torch.zeros(n, dtype=torch.float32, device=dev)
+                        for n in self.layout.shard_sizes]
         if stage == 1:  # reduce-scattered in place: the shard is this rank's slice of the bucket
             r = self.layout.rank
             self._grad_shard = [b.buffer[r * n:(r + 1) * n]
@@ -198,7 +202,8 @@ class ZeroDataParallel(nn.Module):
     @torch.no_grad()
     def all_gather_params(self) -> None:
         """After the optimizer step: every rank's updated shard into the full parameters."""
-        handles = [comm.all_gather_into_tensor(flat, master.to(flat.dtype), group=self.group,
+        handles = [comm.all_gather_into_tensor(flat, master.to(flat.device, flat.dtype),
+                                               group=self.group,
                                                async_op=True, check=False, algorithm="auto")
                    for flat, master in zip(self._flat_params, self._master)]
         for h in handles:

@@ -50,12 +50,12 @@ from shardwise import comm
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
 from shardwise.parallel.experts.shard import is_expert
-from shardwise.parallel.precision import DynamicLossScaler, fp32_step
+from shardwise.parallel.precision import DynamicLossScaler, fp32_step, host_master
 
 
 class _Unit:
     def __init__(self, name: str, module: nn.Module | None, params: list[nn.Parameter],
-                 group, param_dtype: torch.dtype):
+                 group, param_dtype: torch.dtype, offload: bool = False):
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.offsets, n = [], 0
@@ -70,9 +70,12 @@ class _Unit:
         for p, off in zip(params, self.offsets):
             fp32[off:off + p.numel()].copy_(p.detach().reshape(-1))
         lo = rank * self.shard_size
-        self.shard = fp32[lo:lo + self.shard_size].clone()  # the fp32 master
-        # what is gathered: the compute-dtype copy of the shard (the master itself in fp32)
-        self.shard_lp = self.shard if param_dtype == torch.float32 else self.shard.to(param_dtype)
+        mine = fp32[lo:lo + self.shard_size]
+        # the fp32 master (offload: in host memory); what is gathered: the compute-dtype copy
+        # of the shard on the device (the master itself in fp32 without offload)
+        self.shard = host_master(mine) if offload else mine.clone()
+        self.shard_lp = (self.shard if param_dtype == torch.float32 and not offload
+                         else mine.to(param_dtype, copy=True))
         self.full = fp32.to(param_dtype)
         for p, off in zip(params, self.offsets):
             p.data = self.full[off:off + p.numel()].view_as(p)
@@ -102,7 +105,8 @@ class ZeroStage3(nn.Module):
     broadcast, sharded, gathered and reduce-scattered over this group, the ranks holding the
     same experts (``ep_dp_cp``); their sums are divided by ``group``'s size as the dense
     ones' (each expert's gradient already holds every ep rank's tokens routed to it).
-    ``replicas``: HSDP's other replicas (see module docstring).
+    ``replicas``: HSDP's other replicas (see module docstring). ``offload``: the fp32
+    master shards in host memory (``training.offload``), a compute-dtype shard on the device.
     Raises ``ValueError`` for a model without trainable parameters.
     """
 
@@ -110,7 +114,7 @@ class ZeroStage3(nn.Module):
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
-                 expert_group=None, replicas: Replicas = NO_REPLICAS):
+                 expert_group=None, replicas: Replicas = NO_REPLICAS, offload: bool = False):
         super().__init__()
         self.module, self.group, self.loss_scaler = module, group, loss_scaler
         self.replicas = replicas
@@ -148,12 +152,12 @@ class ZeroStage3(nn.Module):
 
         root = [p for p in trainable if len(owner.get(id(p), [])) != 1]  # shared or unowned
         self.units: list[_Unit] = []
-        self.roots = [_Unit("root", None, ps, g, param_dtype) for ps, g in split(root)]
+        self.roots = [_Unit("root", None, ps, g, param_dtype, offload) for ps, g in split(root)]
         for i, (name, m) in enumerate(units):
             mine = [p for p in m.parameters() if p.requires_grad and owner[id(p)] == [i]]
             rest = [p for p in mine if id(p) not in isolate]
             for ps, g in [([p], group_of(p)) for p in mine if id(p) in isolate] + split(rest):
-                u = _Unit(name, m, ps, g, param_dtype)
+                u = _Unit(name, m, ps, g, param_dtype, offload)
                 self.units.append(u)
                 m.register_forward_pre_hook(self._pre_forward(u))
                 m.register_forward_hook(self._post_forward(u))
