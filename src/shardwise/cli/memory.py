@@ -23,7 +23,9 @@ in shardwise; except the ``--params`` table, which reproduces the ZeRO paper's (
 et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
 ``--budget-mb`` is MiB in both. Context parallelism (``--cp``) replicates the weights on its
 ranks, so ZeRO's shards span dp x cp of them (with ``--params``: N = dp x cp); it splits
-activations, which this report of static bytes does not count. HSDP (``--dp-replicate R``):
+activations, which this report of static bytes does not count; how its attention talks
+(``parallel.cp_comm``: ring, all-to-all or hybrid) changes none of these bytes, and the
+header names it. HSDP (``--dp-replicate R``):
 ZeRO 1-3 shard within one replica of dp / R ranks, so the state shrinks by dp / R, not dp.
 """
 
@@ -88,7 +90,9 @@ def _layout_table(args, stages: list[int]) -> int:
           + (f" (HSDP {p.dp_replicate}x{p.dp // p.dp_replicate})" if p.dp_replicate > 1
              else "") + " x "
           f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
-          + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
+          + (f" x cp={p.cp}" if p.cp > 1 else "")
+          + (f" ({p.cp_comm}, all-to-all over {p.cp_heads})" if p.cp > 1 and p.cp_heads > 1
+             else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters); bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     print(f"{'zero':>4} {'pp':>3} {'tp':>3} {'params':>9} {'grads':>9} {'optimizer':>9} "

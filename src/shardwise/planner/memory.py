@@ -546,7 +546,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
                      recompute: bool | str = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers", selective: bool = False,
-                     cp: int = 1) -> float:
+                     cp: int = 1, a2a: int = 1) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
     search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
@@ -560,14 +560,15 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     ``recompute``: True, full recomputation; ``"selective"``, the engine's
     ``parallel.recompute = "selective"`` (``selective_activation_bytes``; the planner's
     ``selective``, Korthikanti's attention core, is another thing). With the engine's
-    model (``am`` None) the attention masks are added (``mask_bytes``): each micro-batch's
-    in flight, or under recomputation one micro-batch's (built again for its backward)."""
+    model (``am`` None) the attention masks are added (``mask_bytes``; ``a2a``: the
+    all-to-all degree, ``Layout.cp_a2a``): each micro-batch's in flight, or under
+    recomputation one micro-batch's (built again for its backward)."""
     if recompute == "selective":
         return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
                                           micro_batches=micro_batches, v=v, schedule=schedule,
                                           sp=sp, precision=precision, partition=partition,
-                                          cp=cp)
-    per_mb, once = mask_bytes(spec, mb, precision, cp) if am is None else (0.0, 0.0)
+                                          cp=cp, a2a=a2a)
+    per_mb, once = mask_bytes(spec, mb, precision, cp, a2a) if am is None else (0.0, 0.0)
     am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
@@ -591,13 +592,15 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     return worst
 
 
-def mask_bytes(spec: ModelSpec, mb: int, precision: str, cp: int = 1) -> tuple[float, float]:
+def mask_bytes(spec: ModelSpec, mb: int, precision: str, cp: int = 1,
+               a2a: int = 1) -> tuple[float, float]:
     """Bytes of the attention masks a rank keeps at cp = 1 (``planner.attention``): (per
     micro-batch: its ``mb`` sequences' document masks, ``block_causal``; once for all of
     them: the window bands without documents, the written-out causal triangle), SDPA's
     additive masks in ``precision``'s bytes, the written-out scores' bool. (0, 0) under
-    cp (the ring keeps no mask)."""
-    if cp > 1:
+    a ring (it keeps no mask); under the all-to-all alone (``a2a`` = cp) the same as at
+    cp = 1: each rank attends over whole sequences, its masks whole."""
+    if cp > 1 and a2a < cp:
         return 0.0, 0.0
     calls = spec.attention_calls
     e = calls.mask_bytes or BYTES[precision]
@@ -643,7 +646,8 @@ def selective_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
 def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
                                micro_batches: int, v: int = 1, schedule: str = "1f1b",
                                sp: bool = False, precision: str = "fp32",
-                               partition: str = "layers", cp: int = 1) -> float:
+                               partition: str = "layers", cp: int = 1,
+                               a2a: int = 1) -> float:
     """``activation_bytes`` under the engine's selective recomputation: the busiest pipeline
     rank's micro-batches in flight times its chunks' bytes, a chunk's being its blocks'
     (``selective_block_bytes``, over the ``block_size / cp`` tokens a rank holds), the
@@ -662,7 +666,7 @@ def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     head = (head_activation_bytes(spec, mb, tp, precision, cp)
             - mb * s * h * e * (2 - (1 / tp + 1 if sp else 1))
             + mb * s * e * padded_vocab(spec.vocab_size, tp) / tp)  # its logits, a matmul's
-    per_mb, once = mask_bytes(spec, mb, precision, cp)
+    per_mb, once = mask_bytes(spec, mb, precision, cp, a2a)
     chunks = chunk_blocks(spec, pp * v, partition)
     worst = 0.0
     for r in range(pp):
