@@ -13,7 +13,8 @@ backward each, (A - 1) / A of the rank's q, k (repeated), v and output bytes
 of 4 ranks trains every layout of ``LAYOUTS`` on the same global batches: every loss and
 parameter of every rank within ``RTOL`` relative (the GPT, the Llama with GQA, block_causal
 documents with a sliding window, tp + SP, selective recomputation replaying the
-all-to-alls, the hybrid); a checkpoint saved under ring attention resumes under the
+all-to-alls, the hybrid, and what ring attention cannot run: DeepSeek's latent attention and
+Gemma 2's soft cap); a checkpoint saved under ring attention resumes under the
 all-to-all (``RESUME``); selective recomputation replays the all-to-alls, full runs them
 again (``RECOMPUTED``). ``SLOW``: cp2(a2a) x tp2(SP) x pp2 on 8 ranks.
 """
@@ -28,8 +29,20 @@ from shardwise.launch import spawn
 from shardwise.models import sequence
 from shardwise.models.gpt import causal_attention
 from shardwise.parallel.context import unshard_sequence
-from test_context_parallel import MODELS, STEPS, STOP, _cfg, _check
+from ddp_workers import tiny_config
+from test_context_parallel import DATA, MODELS, STEPS, STOP, _check
 from ulysses_workers import ulysses_worker
+
+_SMALL = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16, "kind": "llama",
+          "multiple_of": 16}
+MODELS = {**MODELS,
+          # DeepSeek's latent attention: values 12 wide, queries and keys 12 (8 + 4 rotary)
+          "mla": {**_SMALL, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                  "v_head_dim": 12},
+          # Gemma 2's soft cap on the scores, a window of 5 on layer 0
+          "softcap": {**_SMALL, "n_kv_heads": 2, "attn_logit_softcapping": 2.0,
+                      "sliding_window": 5,
+                      "layer_types": ["sliding_attention", "full_attention"]}}
 
 CASES = [
     {"seed": 0, "shape": (2, 4, 32, 8), "kv_heads": 2, "impl": "sdpa"},
@@ -53,6 +66,9 @@ LAYOUTS = {
     "a2a-cp4-selective-swa-llama": (4, "llama-swa", {"cp": 4, "recompute": "selective",
                                                      **A2A}),
     "hybrid-cp4-swa-llama": (4, "llama-swa", {"cp": 4, **HYBRID}),
+    # what ring attention cannot run: the all-to-all runs the model's own attention
+    "a2a-cp2xdp2-mla": (4, "mla", {"cp": 2, "dp": 2, **A2A}),
+    "a2a-cp4-softcap": (4, "softcap", {"cp": 4, **A2A}),
     "ring-cp2xdp2-llama": (4, "llama", {"cp": 2, "dp": 2}),  # saves for RESUME
 }
 # recomputation -> the all-to-alls of one step at cp2 x dp2, 2 layers: 4 forward and 4
@@ -64,6 +80,12 @@ SLOW = {"a2a-cp2xtp2xpp2-sp-llama": (8, "llama", {"cp": 2, "tp": 2, "pp": 2,
                                                   "sequence_parallel": True, "zero": 1,
                                                   **A2A})}
 RTOL = 1e-5
+
+
+def _cfg(sources, out, model: str, parallel: dict | None = None):
+    return tiny_config(str(sources[DATA.get(model, "corpus")]), str(out), model=MODELS[model],
+                       parallel=parallel or {},
+                       training={"steps": STEPS, "global_batch_size": 8})
 
 
 def test_config_rules_for_cp_comm():
@@ -91,6 +113,14 @@ def test_config_rules_for_cp_comm():
         load({"kind": "llama", "n_head": 6, "n_embd": 48, "n_kv_heads": 3}, cp=2,
              cp_comm="all_to_all")
     load({"kind": "llama", "n_kv_heads": 1}, cp=4, cp_comm="all_to_all")  # repeated: fine
+    # latent attention and a soft cap: the all-to-all only
+    for model in ({"kind": "llama", "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+                   "qk_rope_head_dim": 4, "v_head_dim": 8},
+                  {"kind": "llama", "attn_logit_softcapping": 2.0}):
+        load(model, cp=4, cp_comm="all_to_all")
+        for parallel in ({"cp": 4}, {"cp": 4, "cp_comm": "hybrid", "cp_a2a": 2}):
+            with pytest.raises(ConfigError, match="parallel.cp_comm = \"all_to_all\""):
+                load(model, **parallel)
 
 
 def _reference(case: dict) -> dict:
@@ -239,6 +269,24 @@ def test_planner_prices_the_all_to_all_as_the_engine_moves_it():
     assert cp_a2a_choices(dataclasses.replace(spec, n_head=24), 8, 2) == [1, 2, 4]
     assert cp_a2a_choices(dataclasses.replace(spec, n_head=24, n_kv_heads=6), 8, 2) == [1]
     assert cp_a2a_choices(spec, 8, 1, ("all_to_all",)) == [8]
+
+
+def test_the_search_counts_every_mode():
+    """With every ``cp_comm`` the search still simulates or prunes each layout of the space
+    once (``enumerate_layouts``: one per all-to-all degree); with the ring alone a soft-capped
+    model's cp layouts are pruned with the reason."""
+    from shardwise.planner.hardware import PRESETS
+    from shardwise.planner.search import enumerate_layouts, plan
+    from shardwise.planner.specs import NAMED
+
+    modes = ("ring", "all_to_all", "hybrid")
+    for name, comm in (("llama3-8b", modes), ("gemma2-2b", ("ring",))):
+        spec = NAMED[name].with_seq(4096)
+        feasible, pruned = plan(spec, PRESETS["dgx-h100"], 8, 8, top=3, cp_comm=comm,
+                                micro_batches=[1])
+        space = sum(1 for _ in enumerate_layouts(spec, 8, 8, cp_comm=comm, micro_batches=[1]))
+        assert len(feasible) + sum(p.count for p in pruned) == space, name
+    assert any("ring attention cannot run gemma2-2b" in p.reason for p in pruned)
 
 
 def test_plan_chooses_the_mode_and_emits_it(tmp_path, capsys):

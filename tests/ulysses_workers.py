@@ -41,7 +41,8 @@ def ulysses_kernel(cases: list[dict], cp: int, a2a: int) -> list[dict]:
     topo = init_process_groups(Topology.build(dp=ws // cp, cp=cp, rank=dist.get_rank(),
                                               world_size=ws))
     T = cases[0]["shape"][2]
-    desc = types.SimpleNamespace(kind="test", context_parallel=True)  # what apply_cp reads
+    desc = types.SimpleNamespace(kind="test", context_parallel=True,  # what apply_cp reads
+                                 ring_attention=True)
     ctx = apply_cp(desc, topo, T, torch.device("cpu"), True, a2a, "pairwise")
     out = []
     for case in cases:

@@ -333,19 +333,18 @@ class LlamaModelConfig(ModelSection):
         return self
 
     def context_parallel_refusal(self, cp: int, a2a: int = 1) -> str | None:
-        # not yet under the all-to-all either: the engine's description of such a Llama says
-        # no context parallelism (ModelDescription.context_parallel, which the planner reads)
-        if self.kv_lora_rank:
+        ring = a2a < cp  # some keys reached by ring attention (the engine's description
+        # of such a Llama says so: ModelDescription.ring_attention, which the planner reads)
+        if self.kv_lora_rank and ring:
             return (f"model.kv_lora_rank={self.kv_lora_rank} with parallel.cp={cp}: ring "
                     "attention carries keys and values of one head width, MLA's values are "
-                    "v_head_dim wide (and cp_comm = all_to_all does not take MLA yet); use "
-                    "cp = 1")
+                    "v_head_dim wide; use cp = 1 or parallel.cp_comm = \"all_to_all\"")
         shared = super().context_parallel_refusal(cp, a2a)
-        if shared or not self.attn_logit_softcapping:
+        if shared or not self.attn_logit_softcapping or not ring:
             return shared
         return (f"model.attn_logit_softcapping={self.attn_logit_softcapping} with "
-                f"parallel.cp={cp}: ring attention's block kernels have no soft cap (and "
-                "cp_comm = all_to_all does not take it yet); use cp = 1")
+                f"parallel.cp={cp}: ring attention's block kernels have no soft cap; use "
+                "cp = 1 or parallel.cp_comm = \"all_to_all\"")
 
 
 class ModelConfig(LlamaModelConfig, GPTModelConfig):

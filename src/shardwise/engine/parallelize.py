@@ -93,6 +93,10 @@ def apply_cp(description: ModelDescription, topology, seq_len: int, device: torc
                          "say it reads token positions from models.sequence.positions and "
                          "attends through models.gpt.causal_attention "
                          "(ModelDescription.context_parallel); use cp = 1")
+    if a2a < topology.cp and not description.ring_attention:
+        raise ValueError(f"parallel.cp={topology.cp}: model {description.kind!r} cannot run "
+                         "under ring attention (ModelDescription.ring_attention); use "
+                         "parallel.cp_comm = \"all_to_all\"")
     whole = Ring(topology.groups.cp if distributed else None,
                  tuple(topology.axis_ranks("cp")), topology.cp_rank)
     if a2a == 1:

@@ -153,7 +153,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     docs = None if shard is None else shard.documents  # (B, T) or None
     if shard is not None and shard.attention is not None:  # ring or all-to-all attention
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
-                               scale=scale, documents=docs, softcap=softcap)
+                               scale=scale, documents=docs, softcap=softcap,
+                               local=causal_attention)  # the all-to-all runs it whole
     if impl not in ("sdpa", "math"):
         raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
     # (B, Hkv, T, D) -> (B, H, T, D), once: a chunk's keys are then views of it (repeating

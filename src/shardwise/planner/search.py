@@ -120,14 +120,17 @@ def cp_a2a_choices(spec: ModelSpec, cp: int, tp: int,
     """All-to-all degrees of cp ranks over tp ones (``Layout.cp_a2a``) among the modes
     ``cp_comm``: 1 (ring), cp (all-to-all) and the hybrid's divisors between 2 and cp / 2,
     each where the query heads per tp rank divide by it and the key/value heads divide it
-    or by it (``parallel.context.ulysses``; the config's rule)."""
+    or by it (``parallel.context.ulysses``; the config's rule); only cp for a model ring
+    attention cannot run (``ModelDescription.ring_attention`` false: MLA, a soft cap)."""
     if cp == 1:
         return [1]
+    ring = spec.description is None or spec.description.ring_attention
     h, kv = spec.n_head // tp, max(1, spec.kv_heads // tp)
-    out = [1] if "ring" in cp_comm else []
+    out = [1] if "ring" in cp_comm and ring else []
     for a in divisors(cp)[1:]:
         mode = "all_to_all" if a == cp else "hybrid"
-        if mode in cp_comm and h % a == 0 and (kv % a == 0 or a % kv == 0):
+        if (mode in cp_comm and (ring or a == cp) and h % a == 0
+                and (kv % a == 0 or a % kv == 0)):
             out.append(a)
     return out
 
@@ -147,12 +150,12 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                       pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
                       cp: list[int] | None = None, ep: list[int] | None = None,
                       fp8: list[bool] = (False,), selective: list[bool] = (False,),
-                      cp_comm=("ring", "all_to_all", "hybrid")):
+                      cp_comm=("ring",)):
     """Yield every layout of the space (feasible or not)."""
     modes = _modes(recompute, selective)
     for c in cp_choices(spec, world, cp):
         for tp in divisors(world // c):
-            degrees = cp_a2a_choices(spec, c, tp, cp_comm)
+            degrees = cp_a2a_choices(spec, c, tp, cp_comm) or [1]  # none: pruned as one
             for pp in divisors(world // (tp * c)):
                 if pp_max and pp > pp_max:
                     continue
@@ -392,7 +395,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          selective: list[bool] = (False,), cp: list[int] | None = None,
          ep: list[int] | None = None, fp8: list[bool] = (False,),
          dp_replicate: list[int] = (1,),
-         cp_comm: list[str] = ("ring", "all_to_all", "hybrid")) -> tuple[list, list]:
+         cp_comm: list[str] = ("ring",)) -> tuple[list, list]:
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
@@ -406,7 +409,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     to search with ZeRO 1-3 (each one that divides dp; ZeRO-0 is the same at every split).
     ``cp_comm``: how cp > 1 attention may reach the other ranks (``parallel.cp_comm``; each
     layout with cp > 1 tried with every all-to-all degree of those the heads allow,
-    ``cp_a2a_choices``)."""
+    ``cp_a2a_choices``): the ring alone by default, all three from ``shardwise plan``."""
     from tqdm import tqdm
 
     precision = precision or cluster.precision
@@ -433,11 +436,19 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
             continue
         eps = ep_choices(spec, dp, ep)
         degrees = cp_a2a_choices(spec, c, tp, cp_comm)  # each layout below once per degree
+        why = None if degrees else (
+            f"cp={c}: ring attention cannot run {spec.name}'s attention (latent attention or "
+            "a soft cap) and no all-to-all of parallel.cp_comm "
+            f"({', '.join(cp_comm)}) splits its heads" if spec.description is not None
+            and not spec.description.ring_attention else
+            f"cp={c}: no way of parallel.cp_comm ({', '.join(cp_comm)}) splits the "
+            f"{spec.n_head} heads over tp={tp}")
+        degrees = degrees or [1]
         k = len(degrees)
         if sel_moe:
             n_sel += k * _count(mbs, scheds, zero, [None], sp, partitions, tp, pp, eps, fp8s)
         first = Layout(dp, tp, pp, mbs[0], per // mbs[0], cp=c) if mbs else None
-        why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c)
+        why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c) or why
         if why:
             n = k * _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, fp8s)
             if n:

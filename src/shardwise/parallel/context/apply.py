@@ -70,9 +70,10 @@ class ContextParallel:
             def attention(q, k, v, dropout_p: float = 0.0, impl: str = "sdpa",
                           window: int | None = None, scale: float | None = None,
                           documents: torch.Tensor | None = None,
-                          softcap: float | None = None):
+                          softcap: float | None = None, local=None):
                 if heads is not None and heads.size > 1:
-                    return ulysses_attention(q, k, v, heads, ring, dropout_p=dropout_p,
+                    return ulysses_attention(q, k, v, heads, ring, local=local,
+                                             dropout_p=dropout_p,
                                              impl=impl, window=window, scale=scale,
                                              documents=documents, softcap=softcap)
                 # refused at the door (the [model] section's context_parallel_refusal)

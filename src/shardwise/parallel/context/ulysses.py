@@ -3,8 +3,9 @@
 Jacobs et al. 2023, "DeepSpeed Ulysses" (arXiv:2309.14509), section 3: before attention an
 all-to-all over the A ranks of a head group turns each rank's "all heads, 1/A of the
 sequence" into "1/A of the heads, the whole sequence"; attention then runs locally, with the
-model's own kernel (``models.gpt.causal_attention``: causal, document masks, sliding windows,
-soft-capping, unchanged); a second all-to-all turns the output back. Backward is the inverse
+model's own kernel (``local``, the model's single-process attention: ``models.gpt.
+causal_attention`` passes itself, with causal, document masks, sliding windows and
+soft-capping unchanged); a second all-to-all turns the output back. Backward is the inverse
 all-to-all of each (``HeadsToSequence``, ``SequenceToHeads``). Per rank each all-to-all sends
 (A - 1) / A of the tensor it is given (q, k, v, the output; their gradients backward).
 
@@ -25,6 +26,7 @@ of the copies summed by autograd.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +34,6 @@ import torch
 
 from shardwise import comm
 from shardwise.models import sequence
-from shardwise.models.gpt import causal_attention
 from shardwise.parallel.context.ring_attention import ring_attention
 from shardwise.parallel.context.ring_comm import Ring
 
@@ -50,6 +51,7 @@ class Heads:
 
     @property
     def size(self) -> int:
+        """Ranks in the head group (the all-to-all degree A)."""
         return len(self.ranks)
 
 
@@ -83,11 +85,13 @@ class HeadsToSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, heads: Heads) -> torch.Tensor:
+        """(B, H, T, D) -> (B, H / A, A T, D)."""
         ctx.heads = heads
         return _to_sequence(x, heads)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """The inverse all-to-all on the gradient."""
         return _to_heads(grad, ctx.heads), None
 
 
@@ -97,11 +101,13 @@ class SequenceToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, heads: Heads) -> torch.Tensor:
+        """(B, H / A, A T, D) -> (B, H, T, D)."""
         ctx.heads = heads
         return _to_heads(y, heads)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """The inverse all-to-all on the gradient."""
         return _to_sequence(grad, ctx.heads), None
 
 
@@ -151,7 +157,8 @@ def check_heads(H: int, Hkv: int, a2a: int) -> str | None:
 
 @torch.compiler.disable  # collectives run eagerly: a compiled block breaks here
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: Heads,
-                      ring: Ring, *, dropout_p: float = 0.0, impl: str = "sdpa",
+                      ring: Ring, *, local: Callable[..., torch.Tensor] | None = None,
+                      dropout_p: float = 0.0, impl: str = "sdpa",
                       window: int | None = None, scale: float | None = None,
                       documents: torch.Tensor | None = None,
                       softcap: float | None = None) -> torch.Tensor:
@@ -159,9 +166,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
     over ``heads`` (A ranks) then, with a ``ring`` of R > 1 ranks, ring attention across.
 
     ``q`` (B, H, T_local, D), ``k`` and ``v`` (B, Hkv, T_local, D(v)): this rank's tokens in
-    the load-balanced layout over all A R cp ranks. ``window``, ``scale``, ``documents``
-    ((B, T) ids of the whole sequences) and ``softcap`` as ``causal_attention``'s (a soft cap
-    only with R = 1). Returns (B, H, T_local, Dv). Collective over ``heads`` and ``ring``.
+    the load-balanced layout over all A R cp ranks. ``local``: the single-process attention
+    run on the whole sequence when R = 1, ``(q, k, v, dropout_p, impl, window=, scale=,
+    softcap=)`` under the shard of ``documents`` (``models.gpt.causal_attention``'s
+    signature). ``window``, ``scale``, ``documents`` ((B, T) ids of the whole sequences)
+    and ``softcap`` as its (a soft cap only with R = 1). Returns (B, H, T_local, Dv). Collective over ``heads`` and ``ring``.
     ``ValueError`` (one line) for attention dropout, heads A does not split, or a soft cap
     with a ring."""
     if dropout_p > 0.0:
@@ -171,6 +180,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
     why = check_heads(q.shape[1], k.shape[1], n)
     if why:
         raise ValueError(f"parallel.cp_a2a={n}: {why}")
+    if local is None and ring.size == 1:
+        raise ValueError("all-to-all attention: no local attention to run on the whole "
+                         "sequence (models.gpt.causal_attention passes itself as local)")
     if softcap is not None and ring.size > 1:
         raise ValueError(f"model.attn_logit_softcapping={softcap} with a ring of {ring.size}: "
                          "ring attention's block kernels have no soft cap; use "
@@ -185,6 +197,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
                            scale=scale, documents=documents)
     else:
         with sequence.use(_local_shard(documents)):
-            y = causal_attention(qs, ks, vs, 0.0, impl, window=window, scale=scale,
-                                 softcap=softcap)
+            y = local(qs, ks, vs, 0.0, impl, window=window, scale=scale, softcap=softcap)
     return SequenceToHeads.apply(y.index_select(2, back), heads)  # (B, H, T_local, Dv)
