@@ -16,7 +16,8 @@ documents with a sliding window, tp + SP, selective recomputation replaying the
 all-to-alls, the hybrid, and what ring attention cannot run: DeepSeek's latent attention and
 Gemma 2's soft cap); a checkpoint saved under ring attention resumes under the
 all-to-all (``RESUME``); selective recomputation replays the all-to-alls, full runs them
-again (``RECOMPUTED``). ``SLOW``: cp2(a2a) x tp2(SP) x pp2 on 8 ranks.
+again (``RECOMPUTED``). cp2 (a2a) x tp2 (SP) x pp2 with ZeRO-1 runs in
+``test_context_parallel.py``'s spawn of 8 ranks.
 """
 
 import dataclasses
@@ -75,10 +76,6 @@ LAYOUTS = {
 # backward each; selective replays the forward's, full runs them again
 RECOMPUTED = {False: 16, "selective": 16, True: 24}
 RESUME = ("ring-cp2xdp2-llama", "a2a-cp4-llama")  # saved under the ring, resumed all-to-all
-SLOW = {"a2a-cp2xtp2xpp2-sp-llama": (8, "llama", {"cp": 2, "tp": 2, "pp": 2,
-                                                  "micro_batches": 2,
-                                                  "sequence_parallel": True, "zero": 1,
-                                                  **A2A})}
 RTOL = 1e-5
 
 
@@ -225,16 +222,6 @@ def test_selective_recomputation_replays_the_all_to_alls(results):
 def test_ring_checkpoint_resumes_under_the_all_to_all(results, references):
     assert all(r["resumed_at"] == STOP for r in results["resume"])
     _check("resume", results["resume"], references[LAYOUTS[RESUME[1]][1]], RTOL)
-
-
-@pytest.mark.slow
-def test_composed_layouts_match_one_process(sources, tmp_path_factory, references):
-    """cp2(a2a) x tp2(SP) x pp2 with ZeRO-1 on 8 ranks."""
-    root = tmp_path_factory.mktemp("a2a-slow")
-    jobs = _jobs(sources, root, SLOW)
-    ranks = spawn(ulysses_worker, 8, ([j for _, j in jobs],))
-    for i, (name, _) in enumerate(jobs):
-        _check(name, [r[i] for r in ranks], references[SLOW[name][1]], RTOL)
 
 
 # -- the planner -------------------------------------------------------------------------------
