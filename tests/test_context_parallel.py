@@ -93,6 +93,11 @@ LAYOUTS = {
     "cp2xtp2xpp2-interleaved-z2-gpt": (8, "gpt", {"cp": 2, "tp": 2, "pp": 2, "micro_batches": 2,
                                                   "zero": 2, "schedule": "interleaved",
                                                   "chunks_per_rank": 2}),
+    # the all-to-all (tests/test_ulysses.py) composed, in this spawn of 8: its heads after
+    # tp, 2 query and 1 key/value (repeated to 2)
+    "a2a-cp2xtp2xpp2-sp-z1-llama": (8, "llama", {"cp": 2, "tp": 2, "pp": 2, "micro_batches": 2,
+                                                 "sequence_parallel": True, "zero": 1,
+                                                 "cp_comm": "all_to_all"}),
     "cp2-swa-llama": (2, "llama-swa", {"cp": 2}),
     "cp2xtp2-sp-swa-llama": (4, "llama-swa", {"cp": 2, "tp": 2, "sequence_parallel": True}),
     "tp2xpp2-swa-llama": (4, "llama-swa", {"tp": 2, "pp": 2, "micro_batches": 2}),

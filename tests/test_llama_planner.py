@@ -76,9 +76,10 @@ def test_gemma_presets_count_what_transformers_builds():
     assert spec.attn_width == 8 * 256 and spec.attn_keys == (4096 + 8192) / 2
     chunked = (4096 * 4096 + 4096 * 8191) / 8192  # a windowed layer's keys a query
     assert attention_gemm_flops(spec, 1) == 4 * 8192 * (chunked + 8192) / 2 * 2048
-    from shardwise.planner.search import cp_reason
+    from shardwise.planner.search import cp_a2a_choices, cp_reason
 
-    assert "does not run under context parallelism" in cp_reason(spec, 2)  # soft-capped
+    # soft-capped: context parallelism by the all-to-all alone (the ring's kernels have no cap)
+    assert cp_reason(spec, 2) is None and cp_a2a_choices(spec, 2, 1) == [2]
     assert cp_reason(NAMED["gemma3-27b"], 2) is None
     for name in NAMED:  # plan --emit-toml's [model] table trains this model (every named
         # size with a config of its own: the Gemmas and the DeepSeeks' latent attention)

@@ -115,7 +115,7 @@ def test_mla_shapes_plan_and_refusals():
         "kv_b_proj", "o_proj")] == ["partial_grad"] * 2 + ["column"] + ["partial_grad"] * 2 \
         + ["column", "row"]
     d.check_plan(Llama(cfg))
-    assert d.attention_width == 4 * (12 + 12) // 2 and not d.context_parallel
+    assert d.attention_width == 4 * (12 + 12) // 2 and not d.ring_attention  # a2a only
     for bad, msg in (({"n_kv_heads": 2}, "model.n_kv_heads with model.kv_lora_rank"),
                      ({"qk_norm": True}, "model.qk_norm with model.kv_lora_rank"),
                      ({"rope_scaling": {"factor": 8.0}}, "model.rope_scaling with"),

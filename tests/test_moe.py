@@ -112,6 +112,9 @@ LAYOUTS = {
                                                "schedule": "gpipe", "recompute": True}),
     "cp2": (2, "softmax", {"dp": 1, "cp": 2, "ep": 1}),
     "cp2xep2": (4, "softmax", {"dp": 2, "cp": 2, "ep": 2}),
+    # context parallelism by the all-to-all over heads (tests/test_ulysses.py) beside the
+    # experts' all-to-all over ep
+    "a2a-cp2xep2": (4, "softmax", {"dp": 2, "cp": 2, "ep": 2, "cp_comm": "all_to_all"}),
     "cp2xep2-dp4-z1": (8, "softmax", {"dp": 4, "cp": 2, "ep": 2, "zero": 1,
                                       "all_to_all": "pairwise"}),
     "cp2xep2xtp2": (8, "sigmoid-shared", {"dp": 2, "cp": 2, "ep": 2, "tp": 2}),

@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_va
 
 from shardwise.base.model_config import (  # noqa: F401 (ATTENTION_MASKS, ModelConfig: re-exported)
     ATTENTION_MASKS,
+    ZERO_MEANS_UNSET,
     GPTModelConfig,
     LlamaModelConfig,
     ModelConfig,
@@ -38,6 +39,8 @@ ALLREDUCE_ALGORITHMS = ("native", "auto", "naive", "sequential", "ring", "halvin
                         "rabenseifner", "tree", "parallel", "shm", "hierarchical")
 # and its all-to-all (comm.alltoall takes them from here)
 ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
+# parallel.context's ways to reach the other ranks' tokens (parallel.cp_comm)
+CP_COMMS = ("ring", "all_to_all", "hybrid")
 # parallel.pipeline.schedules.KINDS
 SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream", "zb1p", "zbv")
 SPLIT_BACKWARD_KINDS = ("zb1p", "zbv")  # backward split into input (B) and weight (W) parts
@@ -72,6 +75,14 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 PS_CONSISTENCIES = ("bsp", "asp", "ssp")
 
 
+def cp_heads(cp_comm: str, cp: int, cp_a2a: int) -> int:
+    """The all-to-all degree A of context parallelism over ``cp`` ranks (cp = A x ring): 1
+    under ring, cp under all_to_all, ``cp_a2a`` under hybrid."""
+    if cp_comm == "ring":
+        return 1
+    return cp if cp_comm == "all_to_all" else cp_a2a
+
+
 class ConfigError(ValueError):
     """Invalid configuration; ``str(err)`` is one line that names the field."""
 
@@ -103,6 +114,16 @@ class ParallelConfig(_Section):
     cp: int = Field(1, ge=1, description="context-parallel ranks: each holds two chunks of "
                     "every sequence (i and 2cp-1-i) and attention runs as ring attention; "
                     "model.block_size must be divisible by 2 cp")
+    cp_comm: Literal[CP_COMMS] = Field(
+        "ring", description="how context-parallel attention reaches the other ranks' tokens: "
+        "ring (ring attention, K/V passed round the cp ranks), all_to_all (DeepSpeed-Ulysses: "
+        "an all-to-all to 1/cp of the heads over the whole sequence, local attention, one "
+        "back; heads must divide by cp after tp) or hybrid (all-to-all over parallel.cp_a2a "
+        "consecutive cp ranks, ring attention across cp / cp_a2a of them)")
+    cp_a2a: int = Field(0, ge=0, json_schema_extra=ZERO_MEANS_UNSET,
+                        description="the all-to-all degree of parallel.cp_comm = hybrid: "
+                        "divides parallel.cp, between 2 and cp / 2; 0: cp under all_to_all, "
+                        "1 under ring")
     dp_replicate: int = Field(1, ge=1, description="HSDP: replicas of the model among the dp "
                               "ranks (R); ZeRO shards within a replica, over dp_shard x cp, "
                               "and gradients are averaged across the R replicas (torchtitan's "
@@ -118,8 +139,9 @@ class ParallelConfig(_Section):
     allreduce: Literal[ALLREDUCE_ALGORITHMS] = Field("auto", description="all-reduce "
                                                      "algorithm of shardwise.comm")
     all_to_all: Literal[ALL_TO_ALL_ALGORITHMS] = Field(
-        "native", description="expert parallelism's token dispatch: native (the backend's "
-        "all-to-all), pairwise or linear (ours on send/recv, bytes counted)")
+        "native", description="expert parallelism's token dispatch and cp_comm's head "
+        "all-to-alls: native (the backend's all-to-all), pairwise or linear (ours on "
+        "send/recv, bytes counted)")
     schedule: Literal[SCHEDULE_KINDS] = Field("1f1b", description="pipeline schedule with pp "
                                               "> 1; parallel.micro_batches is its m; zb1p "
                                               "and zbv split each backward into input and "
@@ -162,6 +184,11 @@ class ParallelConfig(_Section):
     mode: Literal["grid", "ps"] = Field("grid", description="grid: the dp x pp x cp x tp rank "
                                         "grid; ps: a parameter server (the [ps] section; "
                                         "parallel.dp/pp/cp/tp are not used)")
+
+    @property
+    def cp_heads(self) -> int:
+        """The all-to-all degree of context parallelism (``cp_heads``)."""
+        return cp_heads(self.cp_comm, self.cp, self.cp_a2a)
 
     @field_validator("zero", mode="before")
     @classmethod
@@ -581,7 +608,24 @@ class Config(_Section):
             raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
                              f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
                              "2cp-1-i of every sequence)")
-        refusal = m.context_parallel_refusal(p.cp)
+        a2a = p.cp_heads
+        if p.cp_comm == "hybrid" and not (1 < a2a < p.cp and p.cp % a2a == 0):
+            raise ValueError(f"parallel.cp_a2a={p.cp_a2a} with parallel.cp_comm=hybrid and "
+                             f"parallel.cp={p.cp}: expected a divisor of cp between 2 and "
+                             "cp / 2 (the all-to-all degree; the ring takes cp / cp_a2a)")
+        if p.cp_comm != "hybrid" and p.cp_a2a not in (0, a2a):
+            raise ValueError(f"parallel.cp_a2a={p.cp_a2a} with parallel.cp_comm={p.cp_comm}: "
+                             f"set it only with cp_comm = hybrid (here it is {a2a})")
+        if a2a > 1:
+            kv = getattr(m, "n_kv_heads", 0) or m.n_head
+            heads, kv_heads = m.n_head // p.tp, max(1, kv // p.tp)
+            if heads % a2a or (kv_heads % a2a and a2a % kv_heads):
+                raise ValueError(
+                    f"parallel.cp_a2a={a2a} (cp_comm={p.cp_comm}): the all-to-all splits the "
+                    f"heads, {heads} query and {kv_heads} key/value per tensor-parallel rank; "
+                    "the query heads must divide by it, the key/value heads divide it or by "
+                    "it (model.n_head, model.n_kv_heads)")
+        refusal = m.context_parallel_refusal(p.cp, a2a)
         if refusal:
             raise ValueError(refusal)
         return self

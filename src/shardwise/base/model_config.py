@@ -126,8 +126,9 @@ class ModelSection(_Section):
         """Experts in each block's mixture; 0 for a dense model (every kind without one)."""
         return 0
 
-    def context_parallel_refusal(self, cp: int) -> str | None:
-        """Why ring attention (``parallel.cp`` > 1) cannot run this model, or None."""
+    def context_parallel_refusal(self, cp: int, a2a: int = 1) -> str | None:
+        """Why context parallelism (``parallel.cp`` > 1, an all-to-all over ``a2a`` of its
+        ranks and ring attention across the rest) cannot run this model, or None."""
         if self.dropout > 0:
             return (f"model.dropout={self.dropout} with parallel.cp={cp}: ring attention has "
                     "no attention dropout; set model.dropout = 0")
@@ -340,16 +341,19 @@ class LlamaModelConfig(ModelSection):
     def experts(self) -> int:
         return self.n_experts
 
-    def context_parallel_refusal(self, cp: int) -> str | None:
-        if self.kv_lora_rank:
+    def context_parallel_refusal(self, cp: int, a2a: int = 1) -> str | None:
+        ring = a2a < cp  # some keys reached by ring attention (the engine's description
+        # of such a Llama says so: ModelDescription.ring_attention, which the planner reads)
+        if self.kv_lora_rank and ring:
             return (f"model.kv_lora_rank={self.kv_lora_rank} with parallel.cp={cp}: ring "
                     "attention carries keys and values of one head width, MLA's values are "
-                    "v_head_dim wide; use cp = 1")
-        shared = super().context_parallel_refusal(cp)
-        if shared or not self.attn_logit_softcapping:
+                    "v_head_dim wide; use cp = 1 or parallel.cp_comm = \"all_to_all\"")
+        shared = super().context_parallel_refusal(cp, a2a)
+        if shared or not self.attn_logit_softcapping or not ring:
             return shared
         return (f"model.attn_logit_softcapping={self.attn_logit_softcapping} with "
-                f"parallel.cp={cp}: ring attention's block kernels have no soft cap; use cp = 1")
+                f"parallel.cp={cp}: ring attention's block kernels have no soft cap; use "
+                "cp = 1 or parallel.cp_comm = \"all_to_all\"")
 
 
 class ModelConfig(LlamaModelConfig, GPTModelConfig):

@@ -25,7 +25,9 @@ in shardwise; except the ``--params`` table, which reproduces the ZeRO paper's (
 et al. 2020, figure 1) in its decimal units, MB (1e6) or GB (1e9), and says so.
 ``--budget-mb`` is MiB in both. Context parallelism (``--cp``) replicates the weights on its
 ranks, so ZeRO's shards span dp x cp of them (with ``--params``: N = dp x cp); it splits
-activations, which this report of static bytes does not count. HSDP (``--dp-replicate R``):
+activations, which this report of static bytes does not count; how its attention talks
+(``parallel.cp_comm``: ring, all-to-all or hybrid) changes none of these bytes, and the
+header names it. HSDP (``--dp-replicate R``):
 ZeRO 1-3 shard within one replica of dp / R ranks, so the state shrinks by dp / R, not dp.
 ``--recompute MODE`` (with ``--config``; ``parallel.recompute``'s modes) adds the peak
 activation bytes of the busiest pipeline rank (``planner.memory.activation_bytes``, the
@@ -105,7 +107,9 @@ def _layout_table(args, stages: list[int]) -> int:
           + (f" (HSDP {p.dp_replicate}x{p.dp // p.dp_replicate})" if p.dp_replicate > 1
              else "") + " x "
           f"pp={p.pp}" + (f" (v={p.chunks_per_rank})" if p.chunks_per_rank > 1 else "")
-          + (f" x cp={p.cp}" if p.cp > 1 else "") + f" x tp={p.tp}, "
+          + (f" x cp={p.cp}" if p.cp > 1 else "")
+          + (f" ({p.cp_comm}, all-to-all over {p.cp_heads})" if p.cp > 1 and p.cp_heads > 1
+             else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters, {state} moments"
           + ("; the optimizer in host memory: device = total - optimizer"
              if args.offload == "optimizer" else "") + "); "
@@ -152,6 +156,7 @@ def _layout_table(args, stages: list[int]) -> int:
 def _activation_lines(cfg, d, args) -> None:
     """The peak activation bytes per rank (busiest pipeline rank) without recomputation and
     with ``args.recompute``, from the planner's memory model."""
+    from shardwise.base.words import count
     from shardwise.planner.memory import activation_bytes
     from shardwise.planner.specs import ModelSpec
 
@@ -160,14 +165,15 @@ def _activation_lines(cfg, d, args) -> None:
     mb = cfg.training.global_batch_size // p.dp // p.micro_batches
     kw = dict(mb=mb, tp=p.tp, pp=p.pp, micro_batches=p.micro_batches, v=p.chunks_per_rank,
               schedule=p.schedule, sp=p.sequence_parallel, precision=args.precision,
-              partition=p.partition, cp=p.cp)
+              partition=p.partition, cp=p.cp, a2a=max(p.cp_heads, 1))
     none = activation_bytes(spec, **kw)
     got = activation_bytes(spec, **kw, recompute=args.recompute,
                            recompute_every=args.recompute_every)
     unit, div = unit_for(none)
     every = f" every {args.recompute_every}" if args.recompute_every > 1 else ""
-    print(f"activations per rank (peak, busiest pipeline rank; {mb} sequences x "
-          f"{spec.block_size // p.cp} tokens a micro-batch, {p.micro_batches} micro-batches; "
+    m = count(p.micro_batches, "micro-batch", "micro-batches")
+    print(f"activations per rank (peak, busiest pipeline rank; {count(mb, 'sequence')} x "
+          f"{spec.block_size // p.cp} tokens a micro-batch, {m}; "
           f"predicted) in {unit}: recompute none {none / div:.3f}, "
           f"{args.recompute}{every} {got / div:.3f} ({got / none:.2f} of none)")
 

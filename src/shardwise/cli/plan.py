@@ -64,6 +64,10 @@ def build_parser():
     ap.add_argument("--cp", default=None, metavar="N[,N]",
                     help="context-parallel sizes to search (default: every one where 2 cp "
                          "divides the sequence)")
+    ap.add_argument("--cp-comm", default="ring,all_to_all,hybrid", metavar="MODE[,MODE]",
+                    help="how cp > 1 attention may reach the other ranks' tokens "
+                         "(parallel.cp_comm): ring, all_to_all, hybrid; default: all three, "
+                         "the fastest predicted chosen")
     ap.add_argument("--ep", default=None, metavar="N[,N]",
                     help="expert-parallel sizes to search, a mixture of experts only "
                          "(default: every divisor of dp that divides the experts)")
@@ -146,6 +150,12 @@ def _run(args) -> int:
              else cluster.memory_per_rank(world))
     cps = _sizes(args.cp, "--cp") if args.cp is not None else None
     eps = _sizes(args.ep, "--ep") if args.ep is not None else None
+    from shardwise.base.config import CP_COMMS  # here: pydantic is slow to import
+
+    comms = [x.strip() for x in args.cp_comm.split(",") if x.strip()]
+    bad = [x for x in comms if x not in CP_COMMS]
+    if bad or not comms:
+        raise SpecError(f"--cp-comm {args.cp_comm}: expected some of {', '.join(CP_COMMS)}")
     if eps is not None and not spec.moe and eps != [1]:
         raise SpecError(f"--ep {args.ep}: {spec.name} has no experts (expert parallelism "
                         "needs a mixture of experts, e.g. mixtral-8x7b)")
@@ -165,7 +175,7 @@ def _run(args) -> int:
                         "(dgx-h100 has)")
     feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
                             memory_limit=limit, tp_across_nodes=args.tp_across_nodes,
-                            top=top, progress=True, cp=cps, ep=eps,
+                            top=top, progress=True, cp=cps, ep=eps, cp_comm=tuple(comms),
                             fp8=(False, True) if args.fp8 else (False,),
                             dp_replicate=_sizes(args.dp_replicate, "--dp-replicate"),
                             selective=(False, True) if args.selective else (False,),
@@ -358,6 +368,10 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
                      "recompute": {False: "none", True: "stage"}.get(lay.recompute, lay.recompute),
                      "sequence_parallel": lay.sp, "partition": lay.partition,
                      "cp": lay.cp, "ep": lay.ep})
+    if lay.cp_a2a > 1:  # the all-to-all (DeepSpeed-Ulysses) or the hybrid
+        parallel["cp_comm"] = lay.cp_comm
+        if lay.cp_comm == "hybrid":
+            parallel["cp_a2a"] = lay.cp_a2a
     if lay.dp_replicate > 1:  # HSDP
         parallel.update({"dp_replicate": lay.dp_replicate,
                          "dp_shard": lay.dp // lay.dp_replicate})

@@ -50,6 +50,7 @@ from shardwise.base.config import (
     ParallelConfig,
     TrainingConfig,
     split_backward_refusal,
+    cp_heads,
 )
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.engine.model import LocalModel, build_local_model
@@ -255,7 +256,9 @@ class Engine:
         assert not (par.sequence_parallel and (cfg.seq_len // topo.cp) % topo.tp), \
             "config: sequence parallelism needs tp to divide model.block_size / cp"
         self.cp: ContextParallel | None = apply_cp(self.description, topo, cfg.seq_len,
-                                                   self.device, self.distributed)
+                                                   self.device, self.distributed,
+                                                   cp_heads(par.cp_comm, topo.cp, par.cp_a2a),
+                                                   par.all_to_all)
         torch.manual_seed(self.dropout_seed)
         layers = layers_of(self.local.chunks)
         self.fp8_layers: list[str] = (

@@ -34,6 +34,7 @@ from shardwise.parallel.activation_checkpoint import (
     offload_saved,
 )
 from shardwise.parallel.context import ContextParallel, Ring
+from shardwise.parallel.context.ulysses import Heads
 from shardwise.parallel.experts import is_expert, parallelize_experts
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.plan import parallelize
@@ -82,12 +83,15 @@ def apply_ep(layers: Layers, description: ModelDescription, ep: RankGroup, tp: R
 
 
 def apply_cp(description: ModelDescription, topology, seq_len: int, device: torch.device,
-             distributed: bool = True) -> ContextParallel | None:
+             distributed: bool = True, a2a: int = 1,
+             algorithm: str = "native") -> ContextParallel | None:
     """With cp > 1, this rank's ``ContextParallel``: each sequence cut into 2 cp chunks, this
-    rank keeping i and 2cp-1-i, attention as ring attention (Liu et al. 2023). None with
-    cp = 1. ``ValueError`` (one line) for a model that does not read positions through
-    ``models.sequence`` (``ModelDescription.context_parallel``) or a ``seq_len`` 2 cp does
-    not divide."""
+    rank keeping i and 2cp-1-i, attention as ring attention (Liu et al. 2023) or, with
+    ``a2a`` > 1 (``ParallelConfig.cp_heads``), an all-to-all over head groups of ``a2a``
+    consecutive cp ranks (``algorithm``: ``parallel.all_to_all``) and ring attention across
+    them (``parallel.context.ulysses``). None with cp = 1. ``ValueError`` (one line) for a
+    model that does not read positions through ``models.sequence``
+    (``ModelDescription.context_parallel``) or a ``seq_len`` 2 cp does not divide."""
     if topology.cp == 1:
         return None
     if not description.context_parallel:  # a hand-built model: the config cannot know
@@ -95,11 +99,46 @@ def apply_cp(description: ModelDescription, topology, seq_len: int, device: torc
                          "say it reads token positions from models.sequence.positions and "
                          "attends through models.gpt.causal_attention "
                          "(ModelDescription.context_parallel); use cp = 1")
-    ring = Ring(topology.groups.cp if distributed else None,
-                tuple(topology.axis_ranks("cp")), topology.cp_rank)
-    cp = ContextParallel(ring, device)
+    if a2a < topology.cp and not description.ring_attention:
+        raise ValueError(f"parallel.cp={topology.cp}: model {description.kind!r} cannot run "
+                         "under ring attention (ModelDescription.ring_attention); use "
+                         "parallel.cp_comm = \"all_to_all\"")
+    whole = Ring(topology.groups.cp if distributed else None,
+                 tuple(topology.axis_ranks("cp")), topology.cp_rank)
+    if a2a == 1:
+        cp = ContextParallel(whole, device)
+    else:
+        heads, ring = _cp_subgroups(topology, a2a, whole, distributed, algorithm)
+        cp = ContextParallel(ring, device, heads=heads, whole=whole)
     cp.check(seq_len)
     return cp
+
+
+def _cp_subgroups(topology, a2a: int, whole: Ring, distributed: bool,
+                  algorithm: str) -> tuple[Heads, Ring]:
+    """This rank's head group (``a2a`` consecutive cp ranks) and ring (the cp ranks of its
+    index in every head group) for cp = a2a x ring; the whole cp group is the head group
+    when the ring has one rank. Makes the sub-groups of every cp group of the world, in one
+    order on every rank (``torch.distributed.new_group`` is collective)."""
+    import torch.distributed as dist
+
+    cp, me = whole.size, whole.rank
+    g, a = divmod(me, a2a)
+    heads_ranks, ring_ranks = whole.ranks[g * a2a:(g + 1) * a2a], whole.ranks[a::a2a]
+    if a2a == cp:
+        return Heads(whole.group, heads_ranks, a, algorithm), Ring()
+    heads_group = ring_group = None
+    if distributed:
+        for ranks in topology.all_axis_groups("cp"):
+            for sub in [ranks[i:i + a2a] for i in range(0, cp, a2a)] + [
+                    ranks[i::a2a] for i in range(a2a)]:
+                group = dist.new_group(sub)
+                if tuple(sub) == heads_ranks:
+                    heads_group = group
+                if tuple(sub) == ring_ranks:
+                    ring_group = group
+    return (Heads(heads_group, heads_ranks, a, algorithm),
+            Ring(ring_group, ring_ranks, g))
 
 
 def apply_float8(layers: Layers, description: ModelDescription, recipe: str,

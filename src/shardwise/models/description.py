@@ -147,6 +147,9 @@ class ModelDescription:
         (an MoE's token counts per expert) with ``models.sequence.sequence_total``, so a
         rank may hold only some chunks of each sequence (``parallel.cp > 1``); False (the default for your own model): the
         engine refuses cp > 1, since positions computed as ``arange(T)`` would be wrong.
+    ring_attention: with ``context_parallel``, whether ring attention can stand in for the
+        model's attention (True, the default); False (DeepSeek's MLA, Gemma 2's soft cap):
+        only the all-to-all (``parallel.cp_comm = "all_to_all"``), which runs the model's own.
     written_scores: 0 (the default): attention through a fused kernel, nothing T x T kept;
         n > 0: the attention writes its (B, H, T, T) scores out (``models.gpt.causal_attention``
         on its math path) and its backward keeps the fp32 softmax, the probabilities cast
@@ -181,6 +184,7 @@ class ModelDescription:
     capacity_factor: float = 0.0
     keep_high_precision: tuple[str, ...] = ()
     context_parallel: bool = False
+    ring_attention: bool = True
     hf: Any = None
     attention_windows: tuple[int | None, ...] = ()
     written_scores: int = 0

@@ -141,20 +141,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     While ``torch.compile`` traces, masks are built in the graph, not shared.
 
     Under context parallelism (``models.sequence.current()`` set by the engine) the call
-    goes to that shard's attention instead: ring attention over every rank's keys, T being
-    this rank's tokens of the sequence, the window applied to their true positions
-    (``parallel.context``), the document ids to every block pair.
+    goes to that shard's attention instead: ring attention over every rank's keys, or the
+    all-to-all's (``parallel.cp_comm``), T being this rank's tokens of the sequence, the
+    window applied to their true positions (``parallel.context``), the document ids to
+    every block pair.
 
     Raises ``ValueError`` (one line) for an ``impl`` other than "sdpa" or "math", document
-    ids of another length than T, or a ``softcap`` under context parallelism.
+    ids of another length than T, or a ``softcap`` under ring attention.
     """
     shard = sequence.current()
     docs = None if shard is None else shard.documents  # (B, T) or None
-    if shard is not None and shard.attention is not None:  # ring attention: it moves Hkv heads
-        # refused at the door (the [model] section's context_parallel_refusal)
-        assert softcap is None, "ring attention's block kernels have no soft cap"
+    if shard is not None and shard.attention is not None:  # ring or all-to-all attention
         return shard.attention(q, k, v, dropout_p=dropout_p, impl=impl, window=window,
-                               scale=scale, documents=docs)
+                               scale=scale, documents=docs, softcap=softcap,
+                               local=causal_attention)  # the all-to-all runs it whole
     if impl not in ("sdpa", "math"):
         raise ValueError(f"model.attention={impl!r}: expected 'sdpa' or 'math'")
     # (B, Hkv, T, D) -> (B, H, T, D), once: a chunk's keys are then views of it (repeating

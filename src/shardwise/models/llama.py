@@ -545,9 +545,10 @@ def describe(cfg: LlamaConfig):
     return ModelDescription(
         kind="llama", config=cfg, build=lambda: Llama(cfg), tp_plan=tp_plan(cfg),
         hidden_size=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
-        # ring attention carries neither MLA's narrower values nor a soft cap on the scores
-        n_layer=cfg.n_layer,
-        context_parallel=not cfg.kv_lora_rank and cfg.attn_logit_softcapping is None,
+        # ring attention carries neither MLA's narrower values nor a soft cap on the scores;
+        # the all-to-all runs the Llama's own attention (parallel.context.ulysses)
+        n_layer=cfg.n_layer, context_parallel=True,
+        ring_attention=not cfg.kv_lora_rank and cfg.attn_logit_softcapping is None,
         # MLA: Q K^T over Dqk features, P V over v_head_dim: their mean for 12 (H D) per key
         attention_width=cfg.n_head * ((cfg.head_dim + cfg.v_head_dim) // 2 if cfg.kv_lora_rank
                                       else cfg.head_dim),

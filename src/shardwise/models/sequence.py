@@ -49,10 +49,13 @@ class SequenceShard:
     # (T_local,) int64: the position in the whole sequence of each local token, in local
     # order (not sorted: chunk i then chunk 2cp-1-i); None: whole sequences (arange(T))
     positions: torch.Tensor | None = None
-    # (q, k, v, dropout_p, impl, window, scale, documents) -> out over (B, H, T_local, D)
+    # (q, k, v, dropout_p, impl, window, scale, documents, softcap, local) -> out over
+    # (B, H, T_local, D)
     # tensors, causal over the whole sequence, within a sliding window of ``window`` tokens
     # of it when that is not None, the scores scaled by ``scale`` (None: 1 / sqrt(D)),
-    # within documents when ``documents`` is not None (ring attention bound to its group);
+    # within documents when ``documents`` is not None, soft-capped by ``softcap`` when not
+    # None (ring or all-to-all attention bound to its groups; ``local``: the caller's
+    # single-process attention, which the all-to-all runs on whole sequences);
     # None: the single-process kernel
     attention: Callable[..., torch.Tensor] | None = None
     # t -> t, summing a tensor of per-sequence statistics over the ranks holding the other

@@ -10,6 +10,11 @@ one rank makes, each on the link its group crosses (``Cluster.link``).
   gradient accumulators dK, dV cp steps (``ring_bytes``, ``ring_seconds``). A sliding
   window that leaves some ranks' blocks unseen by others moves only the blocks seen
   (``parallel.context.ring_attention.kv_transfers``, ``_ring_counts``).
+- All-to-all context parallelism (Jacobs et al. 2023, DeepSpeed-Ulysses; the engine's
+  ``parallel.context.ulysses``), per block and pass: four all-to-alls over the A ranks of a
+  head group (q, k, v, the output; backward their gradients), each sending (A - 1) / A of
+  the rank's tensor, on the critical path (``ulysses_bytes``, ``ulysses_seconds``); the
+  hybrid's ring then passes K/V across the cp / A head groups as above.
 - Expert parallelism (Lepikhin et al. 2020, GShard; the engine's ``parallel.experts``): per
   MoE block and micro-batch, dispatch and combine all-to-alls of the rank's T k token
   copies, (ep - 1) / ep of them leaving the rank (``all_to_all_bytes``).
@@ -105,9 +110,47 @@ def _ring_counts(windows: tuple, s: int, cp: int) -> tuple[tuple, ...]:
 
 def ring_block_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
     """Bytes of one K/V block a cp rank passes on: K and V of its s / cp tokens,
-    2 mb (s / cp) k e / t (k = ``ring_kv_width``)."""
+    2 mb (s / cp) k e / t (k = ``ring_kv_width``); in the hybrid those of its head group's
+    share of the heads over the tokens it gathered, the same bytes with the key/value
+    heads repeated up to the all-to-all degree (``_heads``)."""
+    if lay.cp_a2a > 1:
+        _, kv = _heads(spec, lay)
+        d = spec.attn_width // spec.n_head
+        return 2 * lay.micro_batch_size * (spec.block_size // lay.cp) * kv * d * e
     kw = ring_kv_width(spec)
     return 2 * lay.micro_batch_size * (spec.block_size // lay.cp) * kw * e / lay.tp
+
+
+def _heads(spec: ModelSpec, lay: Layout) -> tuple[int, int]:
+    """Query and key/value heads of a tensor-parallel rank going into the all-to-all, the
+    key/value ones repeated up to its degree where fewer (``parallel.context.ulysses``)."""
+    return spec.n_head // lay.tp, max(spec.kv_heads // lay.tp, lay.cp_a2a, 1)
+
+
+def ulysses_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
+    """Bytes one rank's all-to-alls send per block and pass (forward; backward the same):
+    (A - 1) / A of its q, k, v and output, mb (s / cp) d (2 H + 2 Hkv) e / t-rank heads
+    (``_heads``), A = ``Layout.cp_a2a``; 0 under the ring alone."""
+    A = lay.cp_a2a
+    if A == 1:
+        return 0.0
+    h, kv = _heads(spec, lay)
+    d = spec.attn_width // spec.n_head
+    tok = lay.micro_batch_size * (spec.block_size // lay.cp)
+    return (A - 1) / A * tok * d * (2 * h + 2 * kv) * e
+
+
+def ulysses_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
+    """Seconds of one block's four all-to-alls in one pass on one rank (``ulysses_bytes``;
+    ``Link.all_to_all`` each), on the link its head group crosses (A x tp consecutive
+    ranks), not overlapped: attention waits for them."""
+    A = lay.cp_a2a
+    if A == 1:
+        return 0.0
+    h, kv = _heads(spec, lay)
+    one = lay.micro_batch_size * (spec.block_size // lay.cp) * (spec.attn_width // spec.n_head) * e
+    link = cluster.link(lay.tp * A)
+    return 2 * link.all_to_all(A, one * h) + 2 * link.all_to_all(A, one * kv)
 
 
 def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
@@ -120,10 +163,10 @@ def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
     those and the fp32 dK/dV of its own block from each rank that saw it (``_ring_counts``:
     with W <= s / (2 cp), 2 blocks on the middle ranks where the ring brings cp - 1);
     averaged over the blocks, for the rank that receives the most."""
-    if lay.cp == 1:
+    if lay.cp_ring == 1:
         return RingBytes(0.0, 0.0)
     kv = ring_block_bytes(spec, lay, e)
-    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp)
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp_ring)
     return RingBytes(max(n * kv for n, _, _, _ in counts),
                      max(n * kv + m * kv * 4 / e for n, _, m, _ in counts))
 
@@ -134,12 +177,12 @@ def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> Ring
     (``Link.p2p``), on the link the cp group crosses (cp x tp consecutive ranks); under a
     sliding window one message per hop distance the rank sends or receives over
     (``_ring_counts``), for the slowest rank."""
-    if lay.cp == 1:
+    if lay.cp_ring == 1:
         return RingSeconds(0.0, 0.0)
     link = cluster.link(lay.tp * lay.cp)
     blk = ring_block_bytes(spec, lay, e)
     kv, dkv = link.p2p(blk), link.p2p(blk * 4 / e)
-    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp)
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp_ring)
     return RingSeconds(max(n * kv for _, n, _, _ in counts),
                        max(n * kv + m * dkv for _, n, _, m in counts))
 

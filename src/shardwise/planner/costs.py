@@ -12,6 +12,8 @@ memory-bound operations but the attention kernel (``compute.recomputed_ops``), n
 no tp / SP / ep collective (the engine replays them), and under cp one more forward ring
 pass of K and V per block, exposed. Each ring pass overlaps the attention compute of its
 blocks (forward: the attention core, backward: twice it); only what exceeds it is exposed.
+The all-to-alls of ``parallel.cp_comm = "all_to_all"`` / ``"hybrid"`` are exposed whole
+(attention waits for them), replayed by the selective recomputation, run again by the full.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from shardwise.planner.comm_price import (
     all_to_all_seconds,
     megatron_send_seconds,
     ring_seconds,
+    ulysses_seconds,
 )
 from shardwise.planner.compute import (
     attention_core_ops,
@@ -68,9 +71,11 @@ class BlockCosts(NamedTuple):
     send: float
     """Seconds of a blocking pipeline send (``megatron_send_seconds``; else 0)."""
     cp_forward: float
-    """Seconds of the ring's traffic not hidden behind attention, forward."""
+    """Seconds of the ring's traffic not hidden behind attention, and of the all-to-alls,
+    forward."""
     cp_backward: float
-    """Seconds of the ring's traffic not hidden behind attention, backward."""
+    """Seconds of the ring's traffic not hidden behind attention, and of the all-to-alls,
+    backward."""
     all_to_all: float
     """Seconds of a block's all-to-alls in one pass (``all_to_all_seconds``)."""
     sync_penalty: float
@@ -184,8 +189,9 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                                                       / rate) + over
     send = megatron_send_seconds(spec, lay, cluster, e)
     ring = ring_seconds(spec, lay, cluster, e)
-    cp_f = max(0.0, ring.forward - attn_s)  # overlapped
-    cp_b = max(0.0, ring.backward - 2 * attn_s)
+    heads = ulysses_seconds(spec, lay, cluster, e)  # all-to-alls: exposed, each pass
+    cp_f = max(0.0, ring.forward - attn_s) + heads  # the ring overlapped
+    cp_b = max(0.0, ring.backward - 2 * attn_s) + heads
     a2a = all_to_all_seconds(spec, lay, cluster, e)
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
@@ -238,7 +244,7 @@ def _block_prices(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
                   dedicated: bool, memo: dict | None) -> BlockCosts:
     """``block_costs``, memoised in ``memo`` (when given) by what it reads of ``lay``."""
     key = (lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size, lay.sp,
-           lay.cp, lay.ep, lay.fp8, lay.selective, dedicated)
+           lay.cp, lay.cp_a2a, lay.ep, lay.fp8, lay.selective, dedicated)
     blk = None if memo is None else memo.get(key)
     if blk is None:
         blk = block_costs(spec, lay, cluster, precision, dedicated)
@@ -301,7 +307,7 @@ def model_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     (``search.Bounds.cheap``). ``memo``: ``chunk_costs``' dict for one search, keyed here by
     what the answer reads of ``lay``."""
     key = ("model", lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size,
-           lay.sp, lay.cp, lay.ep, lay.fp8, lay.selective, lay.recompute)
+           lay.sp, lay.cp, lay.cp_a2a, lay.ep, lay.fp8, lay.selective, lay.recompute)
     out = None if memo is None else memo.get(key)
     if out is None:
         blk = _block_prices(spec, lay, cluster, precision, False, memo)
@@ -329,10 +335,11 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
     tensor-parallel collectives, as ``chunk_costs`` prices them): ``embed``, ``block``,
     ``head``. ``memo``: ``chunk_costs``' dict for one search (one spec, cluster and
     precision), keyed here by what the answer depends on."""
-    key = ("unit_forward", lay.tp, lay.micro_batch_size, lay.sp, lay.cp, lay.fp8)
+    key = ("unit_forward", lay.tp, lay.micro_batch_size, lay.sp, lay.cp, lay.cp_a2a, lay.fp8)
     if memo is not None and key in memo:
         return memo[key]
-    one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp, cp=lay.cp, fp8=lay.fp8)
+    one = Layout(1, lay.tp, 1, lay.micro_batch_size, 1, sp=lay.sp, cp=lay.cp, fp8=lay.fp8,
+                 cp_a2a=lay.cp_a2a)
     c = chunk_costs(replace(spec, n_layer=1), one, cluster, precision)[0]
     blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0].forward - c.forward
     e = BYTES[precision]
@@ -387,8 +394,8 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     # the answer depends on the layers only through their kinds: a chunk's layers are
     # consecutive, the embedding (0) first and the head (L + 1) last where it holds them
     emb, head = layers[0] == 0, layers[-1] == spec.n_layer + 1
-    key = ("zero3", lay.dp, lay.cp, lay.tp, lay.pp, lay.ep, lay.micro_batch_size, lay.sp,
-           lay.fp8, lay.recompute, emb, len(layers) - emb - head, head, lay.dp_replicate)
+    key = ("zero3", lay.dp, lay.cp, lay.cp_a2a, lay.tp, lay.pp, lay.ep, lay.micro_batch_size,
+           lay.sp, lay.fp8, lay.recompute, emb, len(layers) - emb - head, head, lay.dp_replicate)
     if memo is not None and key in memo:
         return memo[key]
     out = _zero3_seconds(spec, lay, cluster, precision, layers, n, memo)

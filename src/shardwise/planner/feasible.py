@@ -29,8 +29,9 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
 def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     """The reasons that hold for every layout of one cp size: 2 cp must divide the
     sequence, and a model whose description runs no context parallelism
-    (``ModelDescription.context_parallel`` false: the Llama's with DeepSeek's MLA or Gemma
-    2's soft-capped scores) or with dropout gets no cp > 1 (the engine refuses both:
+    (``ModelDescription.context_parallel`` false; the Llama's with DeepSeek's MLA or Gemma
+    2's soft-capped scores run it by the all-to-all only: ``search.cp_a2a_choices``) or
+    with dropout gets no cp > 1 (the engine refuses both:
     ``Engine``'s and ``base.config``'s cp checks; ring attention has no dropout)."""
     d = spec.description
     if cp > 1 and d is not None and not d.context_parallel:

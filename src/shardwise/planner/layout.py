@@ -27,6 +27,18 @@ class Layout:
     ep: int = 1  # expert-parallel ranks, folded over dp (ep divides dp)
     fp8: bool = False  # linear-layer GEMMs in FP8 (Cluster.fp8_flops; bf16 where None)
     dp_replicate: int = 1  # HSDP replicas: ZeRO over dp / dp_replicate, a mean across them
+    cp_a2a: int = 1  # cp's all-to-all degree A (parallel.cp_heads): 1 ring, cp all-to-all
+
+    @property
+    def cp_comm(self) -> str:
+        """``parallel.cp_comm`` of the layout: ring, all_to_all or hybrid."""
+        return ("ring" if self.cp_a2a == 1 else "all_to_all" if self.cp_a2a == self.cp
+                else "hybrid")
+
+    @property
+    def cp_ring(self) -> int:
+        """Ranks of the ring across the all-to-all's head groups (cp / cp_a2a)."""
+        return self.cp // self.cp_a2a
 
     @property
     def world(self) -> int:
@@ -46,5 +58,7 @@ class Layout:
         ep = (f" hsdp{self.dp_replicate}" if self.dp_replicate > 1 else "") + (
             f" ep{self.ep}" if self.ep > 1 else "")
         cp = f" cp{self.cp}" if self.cp > 1 else ""
+        if self.cp_a2a > 1:
+            cp += " a2a" if self.cp_a2a == self.cp else f"=a2a{self.cp_a2a}xring{self.cp_ring}"
         return (f"dp{self.dp}{ep} tp{self.tp} pp{self.pp}{cp} mb{self.micro_batch_size} "
                 f"m{self.micro_batches}{sched} z{self.zero}{extra}")

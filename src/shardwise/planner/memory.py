@@ -563,7 +563,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
                      recompute: bool | str = False,
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers", selective: bool = False,
-                     cp: int = 1, recompute_every: int = 1) -> float:
+                     cp: int = 1, recompute_every: int = 1, a2a: int = 1) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
     search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
@@ -579,20 +579,21 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     (``full_activation_bytes``); ``"selective"``, the engine's
     ``parallel.recompute = "selective"`` (``selective_activation_bytes``; the planner's
     ``selective``, Korthikanti's attention core, is another thing); False or ``"none"``:
-    none. With the engine's
-    model (``am`` None) the attention masks are added (``mask_bytes``): each micro-batch's
-    in flight, or under recomputation one micro-batch's (built again for its backward)."""
+    none. With the engine's model (``am`` None) the attention masks are added (``mask_bytes``; ``a2a``: the
+    all-to-all degree, ``Layout.cp_a2a``): each micro-batch's in flight, or under
+    recomputation one micro-batch's (built again for its backward)."""
     recompute = {"none": False, "stage": True}.get(recompute, recompute)
     if recompute == "full":
         return full_activation_bytes(spec, mb=mb, tp=tp, pp=pp, micro_batches=micro_batches,
                                      v=v, schedule=schedule, sp=sp, precision=precision,
-                                     partition=partition, cp=cp, every=recompute_every)
+                                     partition=partition, cp=cp, every=recompute_every,
+                                     a2a=a2a)
     if recompute == "selective":
         return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
                                           micro_batches=micro_batches, v=v, schedule=schedule,
                                           sp=sp, precision=precision, partition=partition,
-                                          cp=cp)
-    per_mb, once = mask_bytes(spec, mb, precision, cp) if am is None else (0.0, 0.0)
+                                          cp=cp, a2a=a2a)
+    per_mb, once = mask_bytes(spec, mb, precision, cp, a2a) if am is None else (0.0, 0.0)
     am = am or shardwise_model(precision, spec, ring=cp > 1)
     if selective and not recompute:
         am = replace(am, scores=0.0)
@@ -616,13 +617,15 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     return worst
 
 
-def mask_bytes(spec: ModelSpec, mb: int, precision: str, cp: int = 1) -> tuple[float, float]:
+def mask_bytes(spec: ModelSpec, mb: int, precision: str, cp: int = 1,
+               a2a: int = 1) -> tuple[float, float]:
     """Bytes of the attention masks a rank keeps at cp = 1 (``planner.attention``): (per
     micro-batch: its ``mb`` sequences' document masks, ``block_causal``; once for all of
     them: the window bands without documents, the written-out causal triangle), SDPA's
     additive masks in ``precision``'s bytes, the written-out scores' bool. (0, 0) under
-    cp (the ring keeps no mask)."""
-    if cp > 1:
+    a ring (it keeps no mask); under the all-to-all alone (``a2a`` = cp) the same as at
+    cp = 1: each rank attends over whole sequences, its masks whole."""
+    if cp > 1 and a2a < cp:
         return 0.0, 0.0
     calls = spec.attention_calls
     e = calls.mask_bytes or BYTES[precision]
@@ -668,7 +671,8 @@ def selective_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
 def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
                                micro_batches: int, v: int = 1, schedule: str = "1f1b",
                                sp: bool = False, precision: str = "fp32",
-                               partition: str = "layers", cp: int = 1) -> float:
+                               partition: str = "layers", cp: int = 1,
+                               a2a: int = 1) -> float:
     """``activation_bytes`` under the engine's selective recomputation: the busiest pipeline
     rank's micro-batches in flight times its chunks' bytes, a chunk's being its blocks'
     (``selective_block_bytes``, over the ``block_size / cp`` tokens a rank holds), the
@@ -687,7 +691,7 @@ def selective_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     head = (head_activation_bytes(spec, mb, tp, precision, cp)
             - mb * s * h * e * (2 - (1 / tp + 1 if sp else 1))
             + mb * s * e * padded_vocab(spec.vocab_size, tp) / tp)  # its logits, a matmul's
-    per_mb, once = mask_bytes(spec, mb, precision, cp)
+    per_mb, once = mask_bytes(spec, mb, precision, cp, a2a)
     chunks = chunk_blocks(spec, pp * v, partition)
     worst = 0.0
     for r in range(pp):
@@ -720,7 +724,8 @@ def full_block_bytes(spec: ModelSpec, mb: int, s: int, tp: int, sp: bool,
 def full_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
                           micro_batches: int, v: int = 1, schedule: str = "1f1b",
                           sp: bool = False, precision: str = "fp32",
-                          partition: str = "layers", cp: int = 1, every: int = 1) -> float:
+                          partition: str = "layers", cp: int = 1, every: int = 1,
+                          a2a: int = 1) -> float:
     """``activation_bytes`` under the engine's full recomputation per block: on the busiest
     pipeline rank, per micro-batch in flight, each checkpointed block (its number among the
     model's blocks, from 1, divisible by ``every``) keeps ``full_block_bytes``, every other
@@ -734,7 +739,7 @@ def full_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=keys)
     keep = full_block_bytes(spec, mb, s, tp, sp, precision)
     head = head_activation_bytes(spec, mb, tp, precision, cp)
-    per_mb, once = mask_bytes(spec, mb, precision, cp)
+    per_mb, once = mask_bytes(spec, mb, precision, cp, a2a)
     part, L = cut(spec, pp * v, partition), spec.n_layer
     worst = 0.0
     for r in range(pp):

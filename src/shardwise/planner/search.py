@@ -74,6 +74,7 @@ from shardwise.planner.memory import (
     GiB,
     activation_bytes,
     gathered_bytes,
+    mask_bytes,
     stage_layers,
     static_bytes,
 )
@@ -116,6 +117,26 @@ def cp_choices(spec: ModelSpec, world: int, cp: list[int] | None = None) -> list
     return [c for c in divisors(world) if spec.block_size % (2 * c) == 0 or c == 1]
 
 
+def cp_a2a_choices(spec: ModelSpec, cp: int, tp: int,
+                   cp_comm=("ring", "all_to_all", "hybrid")) -> list[int]:
+    """All-to-all degrees of cp ranks over tp ones (``Layout.cp_a2a``) among the modes
+    ``cp_comm``: 1 (ring), cp (all-to-all) and the hybrid's divisors between 2 and cp / 2,
+    each where the query heads per tp rank divide by it and the key/value heads divide it
+    or by it (``parallel.context.ulysses``; the config's rule); only cp for a model ring
+    attention cannot run (``ModelDescription.ring_attention`` false: MLA, a soft cap)."""
+    if cp == 1:
+        return [1]
+    ring = spec.description is None or spec.description.ring_attention
+    h, kv = spec.n_head // tp, max(1, spec.kv_heads // tp)
+    out = [1] if "ring" in cp_comm and ring else []
+    for a in divisors(cp)[1:]:
+        mode = "all_to_all" if a == cp else "hybrid"
+        if (mode in cp_comm and (ring or a == cp) and h % a == 0
+                and (kv % a == 0 or a % kv == 0)):
+            out.append(a)
+    return out
+
+
 def ep_choices(spec: ModelSpec, dp: int, ep: list[int] | None = None) -> list[int]:
     """Expert-parallel sizes for ``dp`` replicas: 1 for a dense model, else the divisors of
     dp that divide the experts (or those of ``ep``)."""
@@ -130,11 +151,13 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                       schedules: list[str] = ("1f1b", "interleaved"), vs: list[int] = (2, 4),
                       pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
                       cp: list[int] | None = None, ep: list[int] | None = None,
-                      fp8: list[bool] = (False,), selective: list[bool] = (False,)):
+                      fp8: list[bool] = (False,), selective: list[bool] = (False,),
+                      cp_comm=("ring",)):
     """Yield every layout of the space (feasible or not)."""
     modes = _modes(recompute, selective)
     for c in cp_choices(spec, world, cp):
         for tp in divisors(world // c):
+            degrees = cp_a2a_choices(spec, c, tp, cp_comm) or [1]  # none: pruned as one
             for pp in divisors(world // (tp * c)):
                 if pp_max and pp > pp_max:
                     continue
@@ -155,10 +178,12 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                                 for f8 in fp8:
                                     for rc, sel in modes:
                                         for s in (sp if tp > 1 else (False,)):
-                                            for cut_by in (partitions if pp > 1
-                                                           else ("layers",)):
+                                            for cut_by, a in ((x, a) for x in (
+                                                    partitions if pp > 1 else ("layers",))
+                                                    for a in degrees):
                                                 yield Layout(dp, tp, pp, mb, m, kind, v, z, rc,
-                                                             s, cut_by, sel, c, e, f8), None
+                                                             s, cut_by, sel, c, e, f8,
+                                                             cp_a2a=a), None
 
 
 
@@ -197,7 +222,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
                                 schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                                 precision=precision, partition=lay.partition,
                                 am=MEGATRON if kernels == "megatron-2021" else None,
-                                selective=lay.selective, cp=lay.cp)
+                                selective=lay.selective, cp=lay.cp, a2a=lay.cp_a2a)
     st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
                     lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate, lay.schedule)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
@@ -205,7 +230,7 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition,
                            am=MEGATRON if kernels == "megatron-2021" else None,
-                           selective=lay.selective, cp=lay.cp)
+                           selective=lay.selective, cp=lay.cp, a2a=lay.cp_a2a)
     return {**st, "activations": act, "total": st["total"] + act}
 
 
@@ -234,7 +259,8 @@ class Bounds:
         """What ``chunk_costs`` reads of a layout (not the micro-batch count; ZeRO and dp
         only for ZeRO-3, whose gathers are inside the chunks)."""
         return (lay.tp, lay.pp, lay.chunks_per_rank, lay.micro_batch_size, lay.sp,
-                lay.recompute, lay.partition, lay.selective, lay.cp, lay.ep, lay.fp8,
+                lay.recompute, lay.partition, lay.selective, lay.cp, lay.cp_a2a, lay.ep,
+                lay.fp8,
                 (lay.dp, lay.dp_replicate) if lay.zero == 3 else 0)
 
     def costs(self, lay: Layout):
@@ -381,7 +407,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
          pp_max: int | None = None, partitions: list[str] = ("layers", "params"),
          selective: list[bool] = (False,), cp: list[int] | None = None,
          ep: list[int] | None = None, fp8: list[bool] = (False,),
-         dp_replicate: list[int] = (1,)) -> tuple[list, list]:
+         dp_replicate: list[int] = (1,),
+         cp_comm: list[str] = ("ring",)) -> tuple[list, list]:
     """``(feasible ranked by predicted step time, pruned with reasons)`` (module docstring).
     ``feasible`` holds the simulated layouts: at least the ``top`` best (``simulate_top``
     is the older name of ``top``), every one with ``exhaustive``. ``progress``: a bar on
@@ -392,7 +419,10 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     on CUDA until checked there).
     ``cp`` / ``ep``: the context / expert-parallel sizes to search (None: every one the
     model allows, ``cp_choices`` / ``ep_choices``). ``dp_replicate``: HSDP's replica counts
-    to search with ZeRO 1-3 (each one that divides dp; ZeRO-0 is the same at every split)."""
+    to search with ZeRO 1-3 (each one that divides dp; ZeRO-0 is the same at every split).
+    ``cp_comm``: how cp > 1 attention may reach the other ranks (``parallel.cp_comm``; each
+    layout with cp > 1 tried with every all-to-all degree of those the heads allow,
+    ``cp_a2a_choices``): the ring alone by default, all three from ``shardwise plan``."""
     from tqdm import tqdm
 
     precision = precision or cluster.precision
@@ -418,25 +448,35 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                  f"global batch {global_batch} is not divisible by dp={dp}"))
             continue
         eps = ep_choices(spec, dp, ep)
+        degrees = cp_a2a_choices(spec, c, tp, cp_comm)  # each layout below once per degree
+        why = None if degrees else (
+            f"cp={c}: ring attention cannot run {spec.name}'s attention (latent attention or "
+            "a soft cap) and no all-to-all of parallel.cp_comm "
+            f"({', '.join(cp_comm)}) splits its heads" if spec.description is not None
+            and not spec.description.ring_attention else
+            f"cp={c}: no way of parallel.cp_comm ({', '.join(cp_comm)}) splits the "
+            f"{spec.n_head} heads over tp={tp}")
+        degrees = degrees or [1]
+        k = len(degrees)
         if sel_moe:
-            n_sel += _count(mbs, scheds, zero, [None], sp, partitions, tp, pp, eps, fp8s)
+            n_sel += k * _count(mbs, scheds, zero, [None], sp, partitions, tp, pp, eps, fp8s)
         first = Layout(dp, tp, pp, mbs[0], per // mbs[0], cp=c) if mbs else None
-        why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c)
+        why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c) or why
         if why:
-            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, fp8s)
+            n = k * _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, fp8s)
             if n:
                 pruned.append(Pruned(first, why, count=n))
             continue
         f8s = fp8s
         if True in fp8s and cluster.fp8_flops is None:  # the whole fp8 half, one record
-            n = _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, (True,))
+            n = k * _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, (True,))
             if n:
                 pruned.append(Pruned(replace(first, fp8=True), fp8_reason(cluster), count=n))
             f8s = tuple(f for f in fp8s if not f)
         for kind, v in scheds:
             why = chunks_reason(spec, pp, v)
             if why:
-                n = _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp, eps, f8s)
+                n = k * _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp, eps, f8s)
                 if n:
                     pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0], kind, v,
                                                 cp=c), why, count=n))
@@ -461,9 +501,9 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                            if not (z and dp * c == 1 or s and sp_why
                                    or z == 3 and kind in SPLIT_BACKWARD_KINDS)}
                 least = min((x["total"] for x in statics.values()), default=0.0)
-                n_mb = _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
+                n_mb = k * _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
                 if statics and least > limit:
-                    if mbs:
+                    if mbs and n_mb:
                         pruned.append(Pruned(base, _needs(least, limit, True), least,
                                              count=n_mb * len(mbs)))
                     continue
@@ -476,6 +516,12 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                         recompute=rc, precision=precision, partition=cut_by, am=am,
                         selective=sel, cp=c) for rc, sel in modes for s in sps}
                     least_act = {s: min(acts[(rc, sel, s)] for rc, sel in modes) for s in sps}
+                    if c in degrees and mask_bytes(spec, mb, precision) != (0.0, 0.0):
+                        # the all-to-all alone keeps whole sequences' masks (mask_bytes)
+                        acts.update({(rc, sel, s, c): activation_bytes(
+                            spec, mb=mb, tp=tp, pp=pp, micro_batches=m, v=v, schedule=kind,
+                            sp=s, recompute=rc, precision=precision, partition=cut_by, am=am,
+                            selective=sel, cp=c, a2a=c) for rc, sel in modes for s in sps})
                     if statics and least + min(acts.values()) > limit:
                         need = least + min(acts.values())
                         pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
@@ -487,7 +533,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                              partition=cut_by, cp=c, ep=e, fp8=f8,
                                              dp_replicate=r)
                                 _expand(spec, rep, modes, sps, statics, acts, least_act,
-                                        sp_why, limit, feasible, pruned)
+                                        sp_why, limit, feasible, pruned, degrees)
     if sel_moe and n_sel:
         pruned.append(Pruned(Layout(world, 1, 1, 0, 0, recompute="selective"), SELECTIVE_MOE,
                              count=n_sel))
@@ -540,26 +586,30 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
 
 
 def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, limit,
-            feasible, pruned) -> None:
+            feasible, pruned, degrees=(1,)) -> None:
     """The layouts of ``rep`` (a micro-batch size, ZeRO stage, ep, fp8) over recomputation
     modes and sequence parallelism into ``feasible``, or ``pruned`` with a reason (``sp_why``:
     the group's reason against sequence parallelism, or None): one
     record for a reason every one of them has (the engine's rules that read neither
     recomputation nor sp: ``rep`` has neither; memory over the least activations), else
-    one each."""
+    one each. Each layout once per all-to-all degree of ``degrees`` (``Layout.cp_a2a``;
+    ``acts`` keyed with the degree where its masks differ from the ring's)."""
+    k = len(degrees)
+    if not k:
+        return
     why = layout_reason(spec, rep)
     if why:
-        pruned.append(Pruned(rep, why, count=len(modes) * len(sps)))
+        pruned.append(Pruned(rep, why, count=k * len(modes) * len(sps)))
         return
     for s in sps:
         if s and sp_why:  # sequence parallelism's own reason (the sequence, experts)
-            pruned.append(Pruned(replace(rep, sp=True), sp_why, count=len(modes)))
+            pruned.append(Pruned(replace(rep, sp=True), sp_why, count=k * len(modes)))
             continue
         st = statics[(rep.zero, rep.ep, s, rep.dp_replicate)]
         least = st["total"] + least_act[s]
         if least > limit:
             pruned.append(Pruned(replace(rep, sp=s), _needs(least, limit, True), least,
-                                 count=len(modes)))
+                                 count=k * len(modes)))
             continue
         for rc, sel in modes:
             lay = Layout(rep.dp, rep.tp, rep.pp, rep.micro_batch_size, rep.micro_batches,
@@ -567,14 +617,16 @@ def _expand(spec, rep: Layout, modes, sps, statics, acts, least_act, sp_why, lim
                          sel, rep.cp, rep.ep, rep.fp8, rep.dp_replicate)
             why = layout_reason(spec, lay)
             if why:
-                pruned.append(Pruned(lay, why))
+                pruned.append(Pruned(lay, why, count=k))
                 continue
-            act = acts[(rc, sel, s)]
-            total = st["total"] + act
-            if total > limit:
-                pruned.append(Pruned(lay, _needs(total, limit), total))
-                continue
-            feasible.append(Candidate(lay, {**st, "activations": act, "total": total}))
+            for a2a in degrees:
+                one = lay if a2a == 1 else replace(lay, cp_a2a=a2a)
+                act = acts.get((rc, sel, s, a2a), acts[(rc, sel, s)])
+                total = st["total"] + act
+                if total > limit:
+                    pruned.append(Pruned(one, _needs(total, limit), total))
+                    continue
+                feasible.append(Candidate(one, {**st, "activations": act, "total": total}))
 
 
 def _needs(need: float, limit: float, bound: bool = False) -> str:

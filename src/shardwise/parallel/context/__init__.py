@@ -6,6 +6,8 @@
 - ``ring_attention``: exact attention over the whole sequence, K/V blocks passed around the
   ring, online-softmax merge, dK/dV passed back (Liu et al. 2023); under a sliding window
   only the blocks a rank's queries see, sent directly;
+- ``ulysses``: all-to-all attention over heads (DeepSpeed-Ulysses, Jacobs et al. 2023), and
+  its hybrid with the ring (``parallel.cp_comm``);
 - ``apply``: ``ContextParallel``, what the engine holds: shard batches, hook chunks.
 """
 

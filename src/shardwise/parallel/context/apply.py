@@ -1,6 +1,9 @@
 """Context parallelism applied to a model's pipeline chunks: the engine's one object for cp.
 
-``ContextParallel(ring)`` is this rank's place on the ring of cp ranks. The engine
+``ContextParallel(ring)`` is this rank's place on the ring of cp ranks; with ``heads`` (an
+all-to-all group, ``ulysses``) attention is DeepSpeed-Ulysses' all-to-all over it, then ring
+attention on ``ring`` when the ring has more than one rank (the hybrid), and ``whole`` is
+all the cp ranks (the ring's when not given). The engine
 
 1. cuts every batch it trains or evaluates on (``shard``): token ids and targets (B, T) ->
    (B, T / cp), chunks ``i`` and ``2cp-1-i`` of each sequence (``sharding``);
@@ -29,17 +32,23 @@ from shardwise.models import sequence
 from shardwise.parallel.context.ring_attention import ring_attention
 from shardwise.parallel.context.ring_comm import Ring
 from shardwise.parallel.context.sharding import check_length, local_positions, shard_sequence
+from shardwise.parallel.context.ulysses import Heads, ulysses_attention
 
 
 class ContextParallel:
     """This rank's shard of every sequence and its ring (see module docstring).
 
-    ``ring``: the cp ranks (``ring_comm.Ring``). ``device``: where positions live.
+    ``ring``: the ranks ring attention passes K/V around (``ring_comm.Ring``); ``heads``:
+    the all-to-all's head group (``ulysses.Heads``) or None (ring attention only);
+    ``whole``: every cp rank, as a ``Ring`` (for ``total`` and the layout; default
+    ``ring``). ``device``: where positions live.
     """
 
-    def __init__(self, ring: Ring, device: torch.device | str = "cpu"):
-        self.ring, self.device = ring, torch.device(device)
-        self.size, self.rank = ring.size, ring.rank
+    def __init__(self, ring: Ring, device: torch.device | str = "cpu",
+                 heads: Heads | None = None, whole: Ring | None = None):
+        self.ring, self.device, self.heads = ring, torch.device(device), heads
+        self.whole = ring if whole is None else whole
+        self.size, self.rank = self.whole.size, self.whole.rank
         self.current: sequence.SequenceShard | None = None
         self._shards: dict[int, sequence.SequenceShard] = {}
 
@@ -56,15 +65,24 @@ class ContextParallel:
 
     def _shard_of(self, T: int) -> sequence.SequenceShard:
         if T not in self._shards:
-            ring = self.ring
+            ring, heads = self.ring, self.heads
 
             def attention(q, k, v, dropout_p: float = 0.0, impl: str = "sdpa",
                           window: int | None = None, scale: float | None = None,
-                          documents: torch.Tensor | None = None):
+                          documents: torch.Tensor | None = None,
+                          softcap: float | None = None, local=None):
+                if heads is not None and heads.size > 1:
+                    return ulysses_attention(q, k, v, heads, ring, local=local,
+                                             dropout_p=dropout_p,
+                                             impl=impl, window=window, scale=scale,
+                                             documents=documents, softcap=softcap)
+                # refused at the door (the [model] section's context_parallel_refusal)
+                assert softcap is None, "ring attention's block kernels have no soft cap"
                 return ring_attention(q, k, v, ring, causal=True, dropout_p=dropout_p,
                                       impl=impl, window=window, scale=scale,
                                       documents=documents)
 
             self._shards[T] = sequence.SequenceShard(
-                local_positions(T, self.size, self.rank, self.device), attention, ring.total)
+                local_positions(T, self.size, self.rank, self.device), attention,
+                self.whole.total)
         return self._shards[T]
