@@ -577,7 +577,7 @@ def test_memory_config_predicts_the_configured_kind(capsys, tmp_path, text, cfg)
     assert len(rows) == 8
     for z, pr, tr, *vals in rows:
         want = predict_rank(cfg, dp=2, pp=2, tp=2, pp_rank=int(pr), tp_rank=int(tr),
-                            zero=int(z), precision="bf16")
+                            zero=int(z), precision="fp32")  # the config's (its default)
         assert float(vals[-1]) == pytest.approx(want["total"] / 2**20, abs=6e-4), (z, pr, tr)
 
 

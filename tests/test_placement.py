@@ -189,7 +189,7 @@ def test_a_wrong_dtype_is_caught(monkeypatch, device):
 
     real = engine_model.lm_loss_fp32
     monkeypatch.setattr(engine_model, "lm_loss_fp32",
-                        lambda logits, targets: real(logits.half(), targets))
+                        lambda logits, targets, *rest: real(logits.half(), targets, *rest))
     _, sections = _sections("dp8-z0", "gpt")
     res = run_rank(sections, 0, 8, torch.device(device), steps=1)
     assert any("dtype torch.float16" in str(v) for v in res.violations), \
