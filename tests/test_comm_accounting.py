@@ -12,7 +12,8 @@ import pytest
 import comm_workers as cw
 
 # 5 ranks (17 s of a spawn on 2 cores) in the slow set: 3 is the odd world size of make test
-WORLD_SIZES = [2, 3, 4, pytest.param(5, marks=pytest.mark.slow), 8]
+WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.slow), 4,
+               pytest.param(5, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
 ELEM = 4  # float32
 
 

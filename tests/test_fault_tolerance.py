@@ -144,7 +144,8 @@ def test_a_lost_replica_leaves_the_survivor_training_and_heals_on_return(tmp_pat
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fault", ["host_killed", "partition"])
+@pytest.mark.parametrize("fault", ["host_killed",
+                                   pytest.param("partition", marks=pytest.mark.slow)])
 def test_a_lost_host_heals_across_namespace_hosts(fault, tmp_path):
     """Three hosts: the lighthouse on host2, a replica group on host0 and on host1. host1 is
     lost mid-run, either killed whole (SIGKILL to every process of its namespace, then its
@@ -286,7 +287,7 @@ def final_params(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", [
-    pytest.param(["--parallel.dp", "1"], id="dp1"),
+    pytest.param(["--parallel.dp", "1"], id="dp1", marks=pytest.mark.slow),
     pytest.param(["--parallel.dp", "2", "--parallel.zero", "1"], id="dp2-zero1"),
     pytest.param(["--parallel.dp", "2"], id="dp2-zero0", marks=pytest.mark.slow),
     pytest.param(["--parallel.dp", "2", "--parallel.zero", "3"], id="dp2-zero3",

@@ -377,6 +377,7 @@ def test_pipedream_with_a_tied_llama_across_stages_is_refused():
         Engine(cfg, Topology.build(1, 2, 1, rank=0, world_size=2), settings)
 
 
+@pytest.mark.slow  # the README runs this command (tests/test_readme.py)
 def test_cli_llama_dp2_tp2_pp2_zero1(tmp_path):
     """The issue's command: a Llama in dp2 x tp2 x pp2 with ZeRO-1 for 20 steps, exit 0."""
     from shardwise.training.metrics import read_metrics

@@ -349,6 +349,7 @@ def test_refusals_at_the_door():
     assert cfg.world_size == 4
 
 
+@pytest.mark.slow  # ep x cp over dp: test_layout_matches_one_process, in one spawn
 def test_cli_issue_command_cp2_ep2_dp2(tmp_path):
     """The issue's command: a 4-expert top-2 Llama at ep2 x cp2 over dp2 for 20 steps exits
     0, logs the auxiliary loss and the expert load of the global batch per step, and

@@ -322,9 +322,10 @@ def test_plan_ranks_a100_layouts():
 # With room for several layouts the best is chosen by the times measured on the machine at
 # hand, and CI's machine once chose another (ZeRO-2 over selective at dp = 2).
 @pytest.mark.parametrize("extra", [
-    ["--gpus", "2", "--global-batch", "8"],
-    ["--gpus", "1", "--global-batch", "1", "--selective", "--memory-gib", "0.00056",
-     "--pruned", "5"],
+    # plain: also the README's plan -> train (tests/test_readme.py)
+    pytest.param(["--gpus", "2", "--global-batch", "8"], marks=pytest.mark.slow),
+    pytest.param(["--gpus", "1", "--global-batch", "1", "--selective", "--memory-gib",
+                  "0.00056", "--pruned", "5"], marks=pytest.mark.slow),
     # full recomputation per block: 0.095 MiB of activations, 0.54 MiB in all
     ["--gpus", "1", "--global-batch", "1", "--recompute-full", "--memory-gib", "0.00054"]],
     ids=["plain", "selective", "full"])
