@@ -1289,6 +1289,7 @@ def test_wandb_without_the_package_is_one_line(capsys, text):
                            capsys, "the wandb package is not installed")
 
 
+@pytest.mark.slow  # the same path in-process: test_round_trip_at_dp2_tp2_pp2_is_bit_exact
 def test_docs_start_from_a_hugging_face_checkpoint(text, tmp_path):
     """docs/models.md's "Start from a Hugging Face checkpoint" commands (the README's before
     it became a front door), as a user runs them (in a fresh directory holding the configs

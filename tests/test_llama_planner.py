@@ -644,6 +644,7 @@ def load_model_text(text: str) -> ModelSpec:
         return load_model(str(path))
 
 
+@pytest.mark.slow  # emit -> train: test_planner.py::test_emitted_toml_trains, the README
 def test_emitted_llama_toml_trains(corpus, tmp_path):
     """``plan --config`` of a Llama config writes a layout ``shardwise train`` runs as is."""
     src = tmp_path / "llama.toml"

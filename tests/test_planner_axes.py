@@ -64,6 +64,7 @@ def test_attention_core_recomputation_saves_nothing_with_flash_attention():
         simulate(SPEC, lay, A100)["step"]
 
 
+@pytest.mark.slow  # two exhaustive searches of megatron-18b (11 s): make test's time
 def test_selective_recomputation_is_searched_only_when_asked():
     """``selective=(False, True)`` adds the engine's selective recomputation
     (``recompute="selective"``), never the attention-core mode."""

@@ -238,7 +238,5 @@ def test_the_readme_runs_in_order(tmp_path, monkeypatch, capfd, full):
             problems.append(f"{line}\nresumed a run\n{out[-2000:]}")
         elif where is not None:
             written[where] = line
-    with capfd.disabled():
-        print("\n".join(["", *timings, "skipped:", *skipped]))
-    assert not problems, "\n\n".join(problems)
+    assert not problems, "\n\n".join(problems + ["", *timings, "skipped:", *skipped])
     assert ran >= 8 and len(written) >= 8, written
