@@ -195,6 +195,8 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
     assert main(["plan", "--model", "cnn", "--batch", "64", "--ranks", "2"]) == 0
     out = capsys.readouterr().out
     assert "fc1" in out and "column" in out and "bytes sent per rank per step" in out
+    assert main(["plan", "--model", "cnn", "--kernel", "5"]) == 0
+    assert "conv1  832 " in capsys.readouterr().out  # 32 filters of 5 x 5, and their bias
     assert main(["plan", "--model", "cnn", "--config", "configs/fashion_cnn.toml", "--ranks", "4"]) == 0
     assert "batch 64, 4 ranks" in capsys.readouterr().out
 
