@@ -65,7 +65,7 @@ def conv_plans(specs, specs5, batch: int, n: int) -> dict[str, tuple[Plan, CNNCo
     dp3 = (lp("dp", B, B),) * 3
     plans = {
         "filters": ((lp("filters", R, F_), lp("filters", R, F_)) + dp3, SMALL),
-        "channels": ((lp("filters", R, F_), lp("channels", F_, R)) + dp3, SMALL),
+        "channels": ((lp("dp", B, B), lp("channels", F_, R)) + dp3, SMALL),  # conv1: 1 channel
         "spatial": ((lp("spatial", Rw, Rw),) * 2 + dp3, SMALL),
         "spatial5": ((lp("spatial", Rw, Rw),) * 2 + dp3, SMALL5),
         "mixed3": ((lp("spatial", Rw, Rw), lp("filters", R, F_), lp("row", F_, B),
