@@ -1,12 +1,16 @@
-"""Pure data parallel, pure tensor parallel on the FC layers, and the chosen hybrid, side by
-side: bytes each rank sends per step (measured by ``shardwise.comm``'s accounting, beside
-the chooser's prediction) and step time, for the default CNN at 2 and 4 ranks.
+"""Pure data parallel, pure tensor parallel on the FC layers, the chosen hybrid, and each
+convolution strategy (filters, channels, spatial; the fully connected layers as in tp-fc)
+side by side: bytes each rank sends per step (measured by ``shardwise.comm``'s accounting,
+beside the chooser's prediction) and step time, for the default CNN at 2 and 4 ranks.
+A convolution that cannot take the strategy keeps dp (channels: filters, its pair) and the
+row says so: conv1 has one input channel; a spatial band must pool 2x2 on its own, so
+28 x 28 splits into 2 bands only and 14 x 14 into none.
 
     python benchmarks/cnn_strategies.py                 # writes benchmarks/cnn_results/
     python benchmarks/cnn_strategies.py --steps 5 --ranks 2   # quicker
 
 Each rank runs 1 torch thread; the plans take turns step by step (round robin), so load on
-the machine hits all three alike. Random images of the Fashion-MNIST shape; ring
+the machine hits them all alike. Random images of the Fashion-MNIST shape; ring
 algorithms for every collective (so every byte is counted); argument-agreement rounds off.
 Step time is the median over the timed steps of the slowest rank.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -24,14 +29,26 @@ import torch
 import torch.distributed as dist
 
 from shardwise import comm
-from shardwise.apps.cnn import named_plans
+from shardwise.apps.cnn import choose, named_plans
+from shardwise.apps.cnn.cost import allowed
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.launch import spawn
 from shardwise.models.cnn import CNN, CNNConfig
 from shardwise.parallel.tensor_parallel import RankGroup
 
 OUT = Path(__file__).resolve().parent / "cnn_results"
-NAMES = ("dp", "tp-fc", "hybrid")
+NAMES = ("dp", "tp-fc", "hybrid", "filters", "channels", "spatial")
+
+
+def all_plans(specs, batch: int, n: int) -> dict:
+    """The named plans, then one per convolution strategy (see the module docstring)."""
+    plans = named_plans(specs, batch, n)
+    fc = plans["tp-fc"].strategies[len([s for s in specs if s.kind == "conv"]):]
+    for s in ("filters", "channels", "spatial"):
+        conv = [s if s in allowed(sp, n) else {"channels": "filters"}.get(s, "dp")
+                for sp in specs if sp.kind == "conv"]
+        plans[s] = choose(specs, batch, n, fixed=conv + fc)
+    return plans
 
 
 def worker(batch: int, steps: int, warmup: int) -> dict:
@@ -39,7 +56,7 @@ def worker(batch: int, steps: int, warmup: int) -> dict:
     comm.configure(check=False)
     group = RankGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
     cfg = CNNConfig()
-    plans = named_plans(CNN(cfg).specs(), batch, n)
+    plans = all_plans(CNN(cfg).specs(), batch, n)
     models, opts = {}, {}
     for name in NAMES:
         torch.manual_seed(0)
@@ -76,7 +93,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default="strategies", help="file name (no suffix) under "
+                    "benchmarks/cnn_results/")
     a = ap.parse_args()
+    load_before = os.getloadavg()
     rows = []
     for n in a.ranks:
         res = spawn(worker, n, (a.batch, a.steps, a.warmup), threads=1)
@@ -88,9 +108,11 @@ def main() -> None:
                          "step_ms": 1e3 * r0["step_s"], "predicted_ms": 1e3 * r0["predicted_s"]})
     meta = {"machine": platform.node(), "cores": len(__import__("os").sched_getaffinity(0)),
             "threads_per_rank": 1, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "load_average_after": os.getloadavg(),
+            "load_average_before": load_before}
     OUT.mkdir(exist_ok=True)
-    (OUT / "strategies.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    OUT.joinpath(a.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1)
+                                             + "\n")
     lines = ["| ranks | plan | strategies (conv1, conv2, fc1, fc2, fc3) | bytes sent / rank / step "
              "| predicted bytes | step time (ms) |", "|---|---|---|---:|---:|---:|"]
     for r in rows:
@@ -98,7 +120,7 @@ def main() -> None:
                      f"{r['bytes_sent_per_rank']:,.0f} | {r['bytes_predicted']:,.0f} | "
                      f"{r['step_ms']:.1f} |")
     table = "\n".join(lines)
-    (OUT / "strategies.md").write_text(table + "\n")
+    OUT.joinpath(a.out + ".md").write_text(f"{json.dumps(meta)}\n\n{table}\n")
     print(json.dumps(meta))
     print(table)
 

@@ -302,7 +302,9 @@ class CNNSection(_Section):
                               "classifier")
     kernel: int = Field(3, ge=1, description="convolution kernel size (odd)")
     plan: str | list[str] = Field("auto", description="auto (chosen by the cost model), dp, "
-                                  "tp-fc, or one of dp/replicated/column/row per layer")
+                                  "tp-fc, or one of dp/replicated/column/row (fully "
+                                  "connected) / filters/channels/spatial (convolutions) per "
+                                  "layer")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw (the [optimizer] "
                                                "section) or sgd (momentum cnn.momentum)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum "

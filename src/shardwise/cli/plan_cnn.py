@@ -26,14 +26,14 @@ def _ints(text: str) -> tuple[int, ...]:
 def _defaults(a: argparse.Namespace) -> None:
     """Fill the options left out from ``--config`` (else the built-in defaults)."""
     d = {"batch": 64, "ranks": 2, "channels": CNNConfig.channels, "hidden": CNNConfig.hidden,
-         "flops_per_s": FLOPS_PER_S, "plan": None}
+         "kernel": CNNConfig.kernel, "flops_per_s": FLOPS_PER_S, "plan": None}
     if a.config:
         from shardwise.base.config import Config
 
         cfg = Config.load(a.config)  # ConfigError is a ValueError: one line
         c = cfg.cnn
         d.update(batch=cfg.training.global_batch_size, ranks=c.ranks, channels=tuple(c.channels),
-                 hidden=tuple(c.hidden), flops_per_s=c.flops_per_s,
+                 hidden=tuple(c.hidden), kernel=c.kernel, flops_per_s=c.flops_per_s,
                  plan=c.plan if isinstance(c.plan, str) else ",".join(c.plan))
     for k, v in d.items():
         if getattr(a, k) is None:
@@ -49,6 +49,7 @@ def plan_main(args: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, help="global batch size (default 64)")
     p.add_argument("--ranks", type=int, help="ranks in the group N (default 2)")
     p.add_argument("--channels", type=_ints, help="conv output channels, e.g. 32,64")
+    p.add_argument("--kernel", type=int, help="convolution kernel size, odd (default 3)")
     p.add_argument("--hidden", type=_ints,
                    help="fully connected widths before the classifier, e.g. 512,256")
     p.add_argument("--plan", help="fix the strategies: dp, tp-fc, or e.g. dp,dp,column,row,"
@@ -61,7 +62,7 @@ def plan_main(args: list[str] | None = None) -> int:
         _defaults(a)
         if a.batch < 1 or a.ranks < 1:
             raise ValueError(f"--batch={a.batch} and --ranks={a.ranks} must be >= 1")
-        specs = CNN(CNNConfig(channels=a.channels, hidden=a.hidden)).specs()
+        specs = CNN(CNNConfig(channels=a.channels, hidden=a.hidden, kernel=a.kernel)).specs()
         prof = comm_cost.load_profile(a.profile) if a.profile else None
         kw = {"profile": prof, "flops_per_s": a.flops_per_s}
         chosen = None

@@ -50,7 +50,8 @@ class BlockSpec:
     kind: "conv" or "fc"; c_in, c_out: channels / features; in_elems, out_elems: elements
     of the block's input and output activation per sample (the output after pooling, as it
     leaves the block); params: parameter count; flops: forward FLOPs per sample
-    (2 per multiply-add)."""
+    (2 per multiply-add); kernel: a convolution's kernel size (square; 1 for a linear
+    layer)."""
 
     name: str
     kind: str
@@ -60,6 +61,7 @@ class BlockSpec:
     out_elems: int
     params: int
     flops: int
+    kernel: int = 1
 
 
 class Block(nn.Module):
@@ -119,7 +121,7 @@ class CNN(nn.Module):
                 side //= 2
                 out.append(BlockSpec(f"conv{i + 1}", "conv", layer.in_channels,
                                      layer.out_channels, in_e, layer.out_channels * side * side,
-                                     params, flops))
+                                     params, flops, layer.kernel_size[0]))
             else:
                 j = i - len(self.cfg.channels) + 1
                 out.append(BlockSpec(f"fc{j}", "fc", layer.in_features, layer.out_features,

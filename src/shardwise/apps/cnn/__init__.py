@@ -1,9 +1,12 @@
 """Convolutional networks with a per-layer choice of data or tensor parallelism (issue 16).
 
-- ``layout``: the three activation layouts (batch / full / feature) and the explicit
+- ``layout``: the four activation layouts (batch / full / feature / rows) and the explicit
   layout changes between them (all-gather forward, its conjugate backward).
-- ``cost``: the strategies (dp, replicated, column, row), their collectives, bytes and
-  predicted seconds (alpha-beta model of ``shardwise.comm.cost``).
+- ``cost``: the strategies (dp, replicated, column, row; filters, channels, spatial for
+  convolutions), their collectives, bytes and predicted seconds (alpha-beta model of
+  ``shardwise.comm.cost``).
+- ``conv``, ``conv_mappings``: the convolutions split by filters, input channels or rows,
+  and their communication as conjugate autograd pairs (issue 47).
 - ``chooser``: dynamic programming over the layer chain; ``plan_main`` is
   ``shardwise plan --model cnn``.
 - ``hybrid``: ``HybridCNN``, the model split by a plan (reusing

@@ -5,12 +5,13 @@ layer's collectives (``shardwise.apps.cnn.cost``) plus its compute seconds, plus
 every layout change between consecutive layers. A layer's cost depends only on its own
 strategy and its input and output layouts, and a change's cost only on the two layouts it
 joins, so the minimum over the chain is found by dynamic programming over the state
-"layout of the activation leaving layer i" (3 layouts): for each layer, each strategy and
+"layout of the activation leaving layer i" (4 layouts): for each layer, each strategy and
 each of its input/output layouts, the best cost so far is the cheapest predecessor state
 plus the change into this layer's input layout plus this layer's cost (the Viterbi
-recursion; O(layers x strategies x layouts^2), exact, no enumeration of the 4^L plans).
+recursion; O(layers x strategies x layouts^2), exact, no enumeration of the 7^L plans).
 The input images cost nothing in any layout (every rank reads its batch itself); logits
-must end in the batch or full layout (feature -> full is charged if needed).
+must end in the batch or full layout (feature -> full is charged if needed). Convolutions
+choose among dp, replicated, filters, channels and spatial (``shardwise.apps.cnn.cost``).
 
 FlexFlow (Jia et al., MLSys 2019) and Alpa (Zheng et al., OSDI 2022) search the same
 per-operator space with richer models; Krizhevsky 2014 (arXiv:1404.5997) hand-picks the
@@ -63,7 +64,7 @@ class Plan:
         for i, (spec, lp) in enumerate(zip(self.specs, self.layers)):
             c = [] if prev is None else change_collectives(self.specs[i - 1].out_elems, prev,
                                                           lp.layout_in, self.batch)
-            c += layer_collectives(spec, lp, self.batch)
+            c += layer_collectives(spec, lp, self.batch, input_grad=i > 0)
             if i == len(self.layers) - 1 and lp.layout_out == FEATURE:
                 c += change_collectives(spec.out_elems, FEATURE, FULL, self.batch)
             out.append(c)
@@ -116,7 +117,7 @@ def choose(specs: list[BlockSpec], batch: int, ranks: int, fixed: list[str] | No
             for lin in INPUTS[s]:
                 for lout in OUTPUTS[s]:
                     lp = LayerPlan(s, lin, lout)
-                    own = secs(layer_collectives(spec, lp, batch)) + compute_seconds(
+                    own = secs(layer_collectives(spec, lp, batch, i > 0)) + compute_seconds(
                         spec, s, batch, ranks, flops_per_s)
                     if i == 0:
                         cands = [(0.0, [])]
@@ -163,14 +164,17 @@ def format_plan(plan: Plan) -> str:
     the bytes each rank sends per step; then the totals."""
     n = plan.ranks
     rows = [("layer", "params", "strategy", "layout in -> out", "collectives (X bytes)",
-             "sent/rank")]
+             "X by formula", "sent/rank")]
     for spec, lp, cs in zip(plan.specs, plan.layers, plan.collectives()):
         what = ", ".join(f"{c.name}({c.nbytes:,}) {c.phase}" for c in cs) or "-"
+        formula = ", ".join(f"{c.formula}" for c in cs) or "-"
         rows.append((spec.name, f"{spec.params:,}", lp.strategy,
-                     f"{lp.layout_in} -> {lp.layout_out}", what,
+                     f"{lp.layout_in} -> {lp.layout_out}", what, formula,
                      f"{sum(c.bytes_sent(n) for c in cs):,.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+    lines.append("sent/rank: 2(N-1)/N X per all-reduce, (N-1)/N X per all-gather, "
+                 "reduce-scatter or halo exchange (its mean over the ranks)")
     lines.append(f"total: {plan.bytes_per_step:,.0f} bytes sent per rank per step; "
                  f"predicted {plan.seconds * 1e3:.2f} ms per step (comm + compute)")
     return "\n".join(lines)

@@ -18,12 +18,23 @@ row            split by input features  feature -> full  all-reduce of the outpu
                                                          X = 4 B c_out (forward); to batch:
                                         feature -> batch reduce-scatter + all-gather instead,
                                                          and the bias gradient all-reduced
+filters        conv split by output     full -> feature  as column, X = 4 B c_in H W (the
+               channels (filters)       batch -> feature input map)
+channels       conv split by input      feature -> full  as row, X = 4 B c_out H W (the
+               channels                 feature -> batch map before pooling)
+spatial        conv replicated, its     rows -> rows     halo exchange X = 4 B c_in W (k-1)
+               gradients summed                          (forward and backward; a rank sends
+                                                         (N-1)/N X on average: the edge
+                                                         bands one side), and dp's
+                                                         all-reduce X = 4 params (step)
 =============  =======================  ===============  ===============================
 
 This is seed 000's rule made exact: data parallelism moves the weights (C_in C_out per
-layer), tensor parallelism moves activations (B C_in or B C_out). Convolutions take dp or
-replicated (channel-parallel convolutions are not implemented). Layout changes between
-layers add an all-gather of the activation (4 B x elements per sample).
+layer), tensor parallelism moves activations (B C_in or B C_out). Convolutions take dp,
+replicated, filters, channels or spatial (``shardwise.apps.cnn.conv``); fully connected
+layers dp, replicated, column or row. Layout changes between layers add an all-gather of
+the activation (4 B x elements per sample). The bytes of each row are what
+``shardwise.comm``'s accounting measures (a test); ``formula`` names them.
 
 Times use the alpha-beta model of ``shardwise.comm.cost`` for the ring algorithms the
 hybrid runs (Thakur, Rabenseifner & Gropp 2005, section 4; ``b(k)``/``g(k)`` carry the
@@ -37,15 +48,19 @@ replicated layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL
+from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, ROWS
 from shardwise.comm import cost as comm_cost
 from shardwise.models.cnn import BlockSpec
 
-STRATEGIES = ("dp", "replicated", "column", "row")
-INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,)}
-OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH)}
+STRATEGIES = ("dp", "replicated", "column", "row", "filters", "channels", "spatial")
+CONV_ONLY, FC_ONLY = ("filters", "channels", "spatial"), ("column", "row")
+INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,),
+          "filters": (BATCH, FULL), "channels": (FEATURE,), "spatial": (ROWS,)}
+OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH),
+           "filters": (FEATURE,), "channels": (FULL, BATCH), "spatial": (ROWS,)}
 ITEMSIZE = 4  # fp32
 FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak per core
 
@@ -54,13 +69,14 @@ FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak p
 class Collective:
     """One collective of one step: ``nbytes`` is X (the whole vector, as comm records it)."""
 
-    name: str    # all_reduce | all_gather | reduce_scatter
+    name: str    # all_reduce | all_gather | reduce_scatter | halo
     nbytes: int
     phase: str   # forward | backward | step
     where: str   # layer, or "a -> b" for a layout change
+    formula: str = ""  # X in symbols, e.g. "4 B c_in"
 
     def bytes_sent(self, n: int) -> float:
-        """Bytes each rank sends (ring)."""
+        """Bytes each rank sends (ring; for a halo exchange, the mean over the ranks)."""
         return (2 if self.name == "all_reduce" else 1) * (n - 1) / n * self.nbytes
 
     def seconds(self, n: int, prm: comm_cost.LinkParams) -> float:
@@ -69,6 +85,8 @@ class Collective:
         reduction for a reduce-scatter); 0 for one rank."""
         if n == 1:
             return 0.0
+        if self.name == "halo":  # both neighbours at once: one round of the interior band's X
+            return prm.a(n) + self.nbytes * prm.b(n)
         if self.name == "all_reduce":
             return comm_cost.predict("ring", n, self.nbytes, prm)
         t = (n - 1) * prm.a(n) + (n - 1) / n * self.nbytes * prm.b(n)
@@ -84,48 +102,91 @@ class LayerPlan:
     layout_out: str
 
 
+def _side(spec: BlockSpec) -> int:
+    """A convolution's input height (= width) in pixels."""
+    return math.isqrt(spec.in_elems // spec.c_in)
+
+
+def _refusal(spec: BlockSpec, strategy: str, n: int) -> str | None:
+    """Why ``strategy`` cannot run ``spec`` on ``n`` ranks (None if it can)."""
+    if strategy not in STRATEGIES:
+        return f"expected one of {', '.join(STRATEGIES)}"
+    if strategy in FC_ONLY and spec.kind != "fc":
+        return ("tensor parallelism splits fully connected layers only; convolutions take "
+                f"dp, replicated, {', '.join(CONV_ONLY)}")
+    if strategy in CONV_ONLY and spec.kind != "conv":
+        return (f"{strategy} splits convolutions only; fully connected layers take dp, "
+                "replicated, column or row")
+    width, what = {"column": (spec.c_out, "output width"), "row": (spec.c_in, "input width"),
+                   "filters": (spec.c_out, "output channels"),
+                   "channels": (spec.c_in, "input channels")}.get(strategy, (0, ""))
+    if what and width % n:
+        return f"{what} {width} is not divisible by cnn.ranks={n}"
+    if strategy == "spatial":
+        side, halo = _side(spec), spec.kernel // 2
+        if side % (2 * n):  # each band pools 2x2 on its own
+            return (f"{side} rows do not split into {n} bands of an even height "
+                    f"(cnn.ranks={n}, 2x2 pooling after)")
+        if halo > side // n:
+            return f"a halo of {halo} rows is taller than a band of {side // n} rows"
+    return None
+
+
 def allowed(spec: BlockSpec, n: int) -> list[str]:
     """The strategies ``spec`` can take on ``n`` ranks (widths must divide)."""
-    out = ["dp", "replicated"]
-    if spec.kind == "fc" and n > 1:
-        if spec.c_out % n == 0:
-            out.append("column")
-        if spec.c_in % n == 0:
-            out.append("row")
-    return out
+    if n == 1:
+        return ["dp", "replicated"]
+    return [s for s in STRATEGIES if _refusal(spec, s, n) is None]
 
 
 def check_strategy(spec: BlockSpec, strategy: str, n: int) -> None:
     """ValueError (one line naming the layer) if ``strategy`` cannot run ``spec`` on n ranks."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"cnn.plan: {spec.name}={strategy!r}: expected one of "
-                         f"{', '.join(STRATEGIES)}")
-    if strategy in ("column", "row") and spec.kind != "fc":
-        raise ValueError(f"cnn.plan: {spec.name}={strategy}: tensor parallelism splits fully "
-                         "connected layers only; convolutions take dp or replicated")
-    width, what = (spec.c_out, "output") if strategy == "column" else (spec.c_in, "input")
-    if strategy in ("column", "row") and width % n:
-        raise ValueError(f"cnn.plan: {spec.name}={strategy}: {what} width {width} is not "
-                         f"divisible by cnn.ranks={n}")
+    why = _refusal(spec, strategy, n)
+    if why is not None:
+        shown = strategy if strategy in STRATEGIES else repr(strategy)
+        raise ValueError(f"cnn.plan: {spec.name}={shown}: {why}")
 
 
-def layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Collective]:
-    """The collectives of layer ``spec`` under ``lp`` in one step of ``batch`` samples."""
+def layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int,
+                      input_grad: bool = True) -> list[Collective]:
+    """The collectives of layer ``spec`` under ``lp`` in one step of ``batch`` samples.
+    ``input_grad=False`` (the first layer: the images need no gradient): without those
+    that carry only the input's gradient (autograd never runs them)."""
+    out = _layer_collectives(spec, lp, batch)
+    if input_grad:
+        return out
+    # their backward collectives are all the input's gradient (row's and channels' are the
+    # output's, which the weights' gradients need)
+    if lp.strategy in ("column", "filters", "spatial"):
+        return [c for c in out if c.phase != "backward"]
+    return out
+
+
+def _layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Collective]:
     x_in, x_out = ITEMSIZE * batch * spec.in_elems, ITEMSIZE * batch * spec.out_elems
     s, w = lp.strategy, spec.name
+    conv = spec.kind == "conv"
+    if conv:  # the map before pooling: c_out channels of the input's H x W (padding k // 2)
+        x_out = ITEMSIZE * batch * spec.c_out * (spec.in_elems // spec.c_in)
+    f_in, f_out = ("4 B c_in H W", "4 B c_out H W") if conv else ("4 B c_in", "4 B c_out")
     if s == "dp":
-        return [Collective("all_reduce", ITEMSIZE * spec.params, "step", w)]
-    if s == "column" and lp.layout_in == BATCH:
-        return [Collective("all_gather", x_in, "forward", w),
-                Collective("reduce_scatter", x_in, "backward", w)]
-    if s == "column":
-        return [Collective("all_reduce", x_in, "backward", w)]
-    if s == "row" and lp.layout_out == BATCH:  # the bias then sees only my rows: summed
-        return [Collective("reduce_scatter", x_out, "forward", w),
-                Collective("all_gather", x_out, "backward", w),
-                Collective("all_reduce", ITEMSIZE * spec.c_out, "step", w)]
-    if s == "row":
-        return [Collective("all_reduce", x_out, "forward", w)]
+        return [Collective("all_reduce", ITEMSIZE * spec.params, "step", w, "4 params")]
+    if s == "spatial":
+        halo = ITEMSIZE * batch * spec.c_in * _side(spec) * (spec.kernel - 1)
+        return [Collective("halo", halo, "forward", w, "4 B c_in W (k-1)"),
+                Collective("halo", halo, "backward", w, "4 B c_in W (k-1)"),
+                Collective("all_reduce", ITEMSIZE * spec.params, "step", w, "4 params")]
+    if s in ("column", "filters") and lp.layout_in == BATCH:
+        return [Collective("all_gather", x_in, "forward", w, f_in),
+                Collective("reduce_scatter", x_in, "backward", w, f_in)]
+    if s in ("column", "filters"):
+        return [Collective("all_reduce", x_in, "backward", w, f_in)]
+    if s in ("row", "channels") and lp.layout_out == BATCH:  # the bias sees only my rows
+        return [Collective("reduce_scatter", x_out, "forward", w, f_out),
+                Collective("all_gather", x_out, "backward", w, f_out),
+                Collective("all_reduce", ITEMSIZE * spec.c_out, "step", w, "4 c_out")]
+    if s in ("row", "channels"):
+        return [Collective("all_reduce", x_out, "forward", w, f_out)]
     return []
 
 
@@ -134,10 +195,11 @@ def change_collectives(elems: int, src: str, dst: str, batch: int) -> list[Colle
     if src == dst:
         return []
     x, where = ITEMSIZE * batch * elems, f"{src} -> {dst}"
-    if FEATURE in (src, dst) and BATCH in (src, dst):
-        return change_collectives(elems, src, FULL, batch) + change_collectives(elems, FULL, dst, batch)
+    if FULL not in (src, dst):  # through full
+        return (change_collectives(elems, src, FULL, batch)
+                + change_collectives(elems, FULL, dst, batch))
     phase = "forward" if dst == FULL else "backward"  # gathers to full; keeps a part forward
-    return [Collective("all_gather", x, phase, where)]
+    return [Collective("all_gather", x, phase, where, "4 B elems")]
 
 
 def compute_seconds(spec: BlockSpec, strategy: str, batch: int, n: int,

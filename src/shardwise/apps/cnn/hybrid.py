@@ -3,7 +3,8 @@
 Built from the full single-process ``CNN`` (same seed on every rank, so parity holds by
 construction): data-parallel and replicated layers keep their module; column / row layers
 become ``shardwise.parallel.tensor_parallel``'s ``ColumnParallelLinear`` / ``RowParallelLinear``,
-initialised from the full layer's slice. Between layers, ``layout.convert`` makes the
+initialised from the full layer's slice; filters / channels / spatial convolutions
+become ``shardwise.apps.cnn.conv``'s layers. Between layers, ``layout.convert`` makes the
 layout changes the plan asks for; two are fused into the layer beside them (see
 ``shardwise.apps.cnn.layout``). Parameter names are the single-process CNN's
 (``blocks.{i}.layer.weight``); sharded ones carry ``tp_dim``.
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.apps.cnn.chooser import Plan
-from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, convert, my_rows
+from shardwise.apps.cnn.conv import ChannelConv2d, FilterConv2d, SpatialConv2d
+from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, ROWS, convert, my_part, my_rows
 from shardwise.models.cnn import CNN, Block
 from shardwise.parallel.data_parallel import GradientSync
 from shardwise.parallel.tensor_parallel import (
@@ -63,15 +65,22 @@ class HybridCNN(nn.Module):
             elif lp.strategy == "row":
                 layer = RowParallelLinear(layer.in_features, layer.out_features, group,
                                           input_is_parallel=True, master=layer, tag=spec.name)
+            elif lp.strategy == "filters":
+                layer = FilterConv2d(layer, group, lp.layout_in, tag=spec.name)
+            elif lp.strategy == "channels":
+                layer = ChannelConv2d(layer, group, lp.layout_out, tag=spec.name)
+            elif lp.strategy == "spatial":
+                layer = SpatialConv2d(layer, group, tag=spec.name)
             blocks.append(Block(layer, b.pool, b.last))
         self.blocks = nn.ModuleList(blocks)
         # gradients that are partial sums over ranks: data-parallel layers', and the bias of
         # a row layer whose output leaves in the batch layout (it sees only this rank's rows,
         # as sequence parallelism's replicated parameters do)
-        self.dp_params = [p for b, lp in zip(self.blocks, plan.layers) if lp.strategy == "dp"
-                          for p in b.parameters()]
+        # (and a spatial convolution's, which sees only this rank's rows)
+        self.dp_params = [p for b, lp in zip(self.blocks, plan.layers)
+                          if lp.strategy in ("dp", "spatial") for p in b.parameters()]
         self.dp_params += [b.layer.bias for b, lp in zip(self.blocks, plan.layers)
-                           if lp.strategy == "row" and lp.layout_out == BATCH
+                           if lp.strategy in ("row", "channels") and lp.layout_out == BATCH
                            and b.layer.bias is not None]
         # our DDP's buckets and hooks: a bucket's all-reduce starts as soon as backward has
         # filled it (armed: every backward is final), summed, not averaged
@@ -91,10 +100,12 @@ class HybridCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:
         """Logits and their layout (batch: this rank's B/N rows; full: all B)."""
         tp, layouts = self.group, self.plan.layers
-        h = my_rows(x, tp) if layouts[0].layout_in == BATCH else x
+        h = my_part(x, layouts[0].layout_in, tp)
         prev = layouts[0].layout_in
         for block, lp, spec in zip(self.blocks, layouts, self.plan.specs):
             if spec.kind == "fc" and h.dim() > 2:
+                if prev == ROWS:  # a band of rows is no slice of the flat features: whole first
+                    h, prev = convert(h, ROWS, FULL, tp, spec.name), FULL
                 h = h.flatten(1)                                  # (b, C H W)
             layer = block.layer
             if isinstance(layer, ColumnParallelLinear) and lp.layout_in == BATCH:
