@@ -8,12 +8,19 @@ import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.apps.cnn import LayerPlan, Plan, named_plans
+from shardwise.apps.cnn.cost import layer_plan
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.models.cnn import CNN, CNNConfig
-from shardwise.parallel.tensor_parallel import RankGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import RankGroup
 
 # small enough to be quick, every width divisible by 4 (classes too, for column on fc3)
 SMALL = CNNConfig(image_size=16, channels=(4, 8), hidden=(32, 16), classes=8)
+# an Inception block after one convolution: four branches of uneven FLOPs (5x5 > 3x3 >>
+# 1x1 = pool), and two branches (fewer than 4 ranks: two ranks hold none)
+INCEPTION4 = CNNConfig(image_size=16, channels=(4,), hidden=(16,), classes=8,
+                       inception=(("1x1", 4), ("3x3", 8), ("5x5", 4), ("pool", 4)))
+INCEPTION2 = CNNConfig(image_size=16, channels=(4,), hidden=(16,), classes=8,
+                       inception=(("3x3", 4), ("pool", 4)))
 LR, CLIP = 3e-3, 1.0
 B, F_, R = "batch", "feature", "full"
 
@@ -30,10 +37,10 @@ def make_opt(params, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
-def reference(seed: int, batches: list, kind: str = "adamw") -> dict:
+def reference(seed: int, batches: list, kind: str = "adamw", cfg: CNNConfig = SMALL) -> dict:
     """One process: the full CNN, mean cross-entropy, the same optimizer and clipping."""
     torch.manual_seed(seed)
-    model = CNN(SMALL)
+    model = CNN(cfg)
     opt = make_opt(model.parameters(), kind)
     losses = []
     for x, y in batches:
@@ -68,10 +75,39 @@ def suite_worker(seed: int, batches: list) -> dict:
     specs = CNN(SMALL).specs()
     plans = {**named_plans(specs, batch, n), **hand_plans(specs, batch, n)}
     plans["tp-fc-sgd"] = plans["tp-fc"]  # SGD with momentum instead of AdamW
+    out = train_plans(seed, batches, group, {name: (SMALL, p) for name, p in plans.items()})
+    out["branches"] = train_plans(seed, batches, group, branch_plans(batch, n))
+    return out
+
+
+def branch_plans(batch: int, n: int) -> dict[str, tuple[CNNConfig, Plan]]:
+    """The Inception models' branch placements: with data-parallel layers around the block
+    (batch in, fused), alone among replicated layers (full in; its bytes are the step's),
+    before tensor-parallel layers, and two branches on n ranks."""
     out = {}
-    for name, plan in plans.items():
+    for name, cfg, strategies, layouts in (
+            ("dp-branch-dp", INCEPTION4, ("dp", "branch", "dp", "dp"),
+             ((B, B), (B, R), (B, B), (B, B))),
+            ("only-branch", INCEPTION4, ("replicated", "branch", "replicated", "replicated"),
+             ((R, R), (R, R), (R, R), (R, R))),
+            ("branch-tp", INCEPTION4, ("dp", "branch", "column", "row"),
+             ((B, B), (B, R), (R, F_), (F_, R))),
+            ("two-branches", INCEPTION2, ("dp", "branch", "dp", "dp"),
+             ((B, B), (B, R), (B, B), (B, B)))):
+        specs = CNN(cfg).specs()
+        layers = tuple(layer_plan(sp, s, i, o, n) for sp, s, (i, o) in
+                       zip(specs, strategies, layouts))
+        out[name] = (cfg, Plan(layers, tuple(specs), batch, n, 0.0))
+    return out
+
+
+def train_plans(seed: int, batches: list, group: RankGroup,
+                plans: dict[str, tuple[CNNConfig, Plan]]) -> dict:
+    """Each (model, plan) trained on ``batches``: losses, full parameters, first-step bytes."""
+    out = {}
+    for name, (cfg, plan) in plans.items():
         torch.manual_seed(seed)
-        model = HybridCNN(CNN(SMALL), plan, group)
+        model = HybridCNN(CNN(cfg), plan, group)
         opt = make_opt(model.parameters(), "sgd" if name.endswith("sgd") else "adamw")
         losses, measured = [], None
         for step, (x, y) in enumerate(batches):
@@ -81,10 +117,11 @@ def suite_worker(seed: int, batches: list) -> dict:
                 model.sync_gradients()
             if step == 0:
                 measured = sum(r.bytes_sent for r in rec.records)
-            clip_grad_norm_(list(model.parameters()), CLIP, group)
+            model.clip_grad_norm_(CLIP)
             opt.step()
             losses.append(model.global_metrics(loss, correct, torch.device("cpu"))[0])
         out[name] = {"strategies": plan.strategies, "losses": losses,
                      "params": model.full_state(), "bytes_measured": measured,
-                     "bytes_predicted": plan.bytes_per_step}
+                     "bytes_predicted": plan.bytes_per_step,
+                     "placement": [lp.placement for lp in plan.layers]}
     return out

@@ -18,11 +18,16 @@ row            split by input features  feature -> full  all-reduce of the outpu
                                                          X = 4 B c_out (forward); to batch:
                                         feature -> batch reduce-scatter + all-gather instead,
                                                          and the bias gradient all-reduced
+branch         each branch on one rank  batch -> full    input gradient all-reduced
+               (an Inception block)     full -> full     (batch: all-gather + reduce-
+                                                         scatter), outputs all-gathered
+                                                         along the channels (``branches``)
 =============  =======================  ===============  ===============================
 
 This is seed 000's rule made exact: data parallelism moves the weights (C_in C_out per
 layer), tensor parallelism moves activations (B C_in or B C_out). Convolutions take dp or
-replicated (channel-parallel convolutions are not implemented). Layout changes between
+replicated (channel-parallel convolutions are not implemented); an Inception block also
+takes branch. Layout changes between
 layers add an all-gather of the activation (4 B x elements per sample).
 
 Times use the alpha-beta model of ``shardwise.comm.cost`` for the ring algorithms the
@@ -43,9 +48,12 @@ from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL
 from shardwise.comm import cost as comm_cost
 from shardwise.models.cnn import BlockSpec
 
-STRATEGIES = ("dp", "replicated", "column", "row")
-INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,)}
-OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH)}
+BRANCH = "branch"  # an Inception block's branches on different ranks (apps.cnn.branches)
+STRATEGIES = ("dp", "replicated", "column", "row", BRANCH)
+INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,),
+          BRANCH: (BATCH, FULL)}
+OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH),
+           BRANCH: (FULL,)}
 ITEMSIZE = 4  # fp32
 FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak per core
 
@@ -77,16 +85,40 @@ class Collective:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """A layer's strategy and the layouts of its input and output."""
+    """A layer's strategy and the layouts of its input and output; ``placement`` (branch
+    only): per rank, the indices of the branches it computes (``place_branches``)."""
 
     strategy: str
     layout_in: str
     layout_out: str
+    placement: tuple[tuple[int, ...], ...] = ()
+
+
+def place_branches(spec: BlockSpec, n: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the branches of ``spec`` it computes: longest processing time first (Graham
+    1969), i.e. branches by forward FLOPs, largest first (ties: lower index), each to the
+    rank with the fewest FLOPs so far (ties: lower rank). More branches than ranks: several
+    share a rank; fewer: the last ranks get none (they hold none of the block's weights and
+    wait for the gather). The step's compute is the busiest rank's (within 4/3 of the best
+    assignment's)."""
+    load, out = [0] * n, [[] for _ in range(n)]
+    for j in sorted(range(len(spec.branches)), key=lambda j: (-spec.branches[j].flops, j)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        load[r] += spec.branches[j].flops
+        out[r].append(j)
+    return tuple(tuple(sorted(m)) for m in out)
+
+
+def layer_plan(spec: BlockSpec, strategy: str, layout_in: str, layout_out: str,
+               n: int) -> LayerPlan:
+    """``LayerPlan`` of ``spec`` on ``n`` ranks (with its branch placement for ``branch``)."""
+    return LayerPlan(strategy, layout_in, layout_out,
+                     place_branches(spec, n) if strategy == BRANCH else ())
 
 
 def allowed(spec: BlockSpec, n: int) -> list[str]:
     """The strategies ``spec`` can take on ``n`` ranks (widths must divide)."""
-    out = ["dp", "replicated"]
+    out = ["dp", "replicated"] + ([BRANCH] if spec.branches and n > 1 else [])
     if spec.kind == "fc" and n > 1:
         if spec.c_out % n == 0:
             out.append("column")
@@ -103,6 +135,11 @@ def check_strategy(spec: BlockSpec, strategy: str, n: int) -> None:
     if strategy in ("column", "row") and spec.kind != "fc":
         raise ValueError(f"cnn.plan: {spec.name}={strategy}: tensor parallelism splits fully "
                          "connected layers only; convolutions take dp or replicated")
+    if strategy == BRANCH and not spec.branches:
+        raise ValueError(f"cnn.plan: {spec.name}=branch: only a block with branches (an "
+                         "Inception block, cnn.inception) places branches on ranks")
+    if strategy == BRANCH and n < 2:
+        raise ValueError(f"cnn.plan: {spec.name}=branch: needs cnn.ranks >= 2")
     width, what = (spec.c_out, "output") if strategy == "column" else (spec.c_in, "input")
     if strategy in ("column", "row") and width % n:
         raise ValueError(f"cnn.plan: {spec.name}={strategy}: {what} width {width} is not "
@@ -126,6 +163,14 @@ def layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Collec
                 Collective("all_reduce", ITEMSIZE * spec.c_out, "step", w)]
     if s == "row":
         return [Collective("all_reduce", x_out, "forward", w)]
+    if s == BRANCH:  # formula: apps.cnn.branches; the gather's parts padded to c_max
+        side2 = spec.out_elems // spec.c_out
+        c_max = max(sum(spec.branches[j].c_out for j in m) for m in lp.placement)
+        x_gather = ITEMSIZE * batch * len(lp.placement) * c_max * side2
+        entry = ([Collective("all_gather", x_in, "forward", w),
+                  Collective("reduce_scatter", x_in, "backward", w)] if lp.layout_in == BATCH
+                 else [Collective("all_reduce", x_in, "backward", w)])
+        return entry + [Collective("all_gather", x_gather, "forward", w)]
     return []
 
 
@@ -142,6 +187,10 @@ def change_collectives(elems: int, src: str, dst: str, batch: int) -> list[Colle
 
 def compute_seconds(spec: BlockSpec, strategy: str, batch: int, n: int,
                     flops_per_s: float = FLOPS_PER_S) -> float:
-    """Forward + backward time of the layer on one rank."""
+    """Forward + backward time of the layer on one rank (branch: the busiest rank's
+    branches on the whole batch)."""
+    if strategy == BRANCH:
+        return 3 * batch * max(sum(spec.branches[j].flops for j in m)
+                               for m in place_branches(spec, n)) / flops_per_s
     share = 1 if strategy == "replicated" else n
     return 3 * spec.flops * batch / share / flops_per_s
