@@ -80,6 +80,15 @@ def suite_worker(seed: int, batches: list) -> dict:
     return out
 
 
+def branch_worker(seed: int, batches: list) -> dict:
+    """``branch_plans`` alone (no tensor-parallel layers: any rank count)."""
+    comm.configure(check=False)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    group = RankGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
+    plans = branch_plans(len(batches[0][1]), n)
+    return train_plans(seed, batches, group, {k: v for k, v in plans.items() if k != "branch-tp"})
+
+
 def branch_plans(batch: int, n: int) -> dict[str, tuple[CNNConfig, Plan]]:
     """The Inception models' branch placements: with data-parallel layers around the block
     (batch in, fused), alone among replicated layers (full in; its bytes are the step's),

@@ -18,7 +18,15 @@ import json
 import pytest
 import torch
 
-from cnn_workers import INCEPTION2, INCEPTION4, SMALL, make_batches, reference, suite_worker
+from cnn_workers import (
+    INCEPTION2,
+    INCEPTION4,
+    SMALL,
+    branch_worker,
+    make_batches,
+    reference,
+    suite_worker,
+)
 from helpers import assert_one_line_exit_2, rel_err
 from shardwise.apps.cnn import choose, named_plans
 from shardwise.apps.cnn.cost import STRATEGIES, allowed, compute_seconds, place_branches
@@ -119,6 +127,31 @@ def test_branch_bytes_per_rank_equal_the_formula(suite):
         measured = sum(r["branches"][name]["bytes_measured"] for r in results)
         predicted = n * results[0]["branches"][name]["bytes_predicted"]
         assert abs(measured - predicted) <= 1e-9 * predicted, (name, measured, predicted)
+
+
+@pytest.mark.slow  # a third spawn; 2 and 4 ranks are in make test
+def test_branch_placement_at_3_ranks_shares_a_rank():
+    """3 ranks, batch 12: the 1x1 and pool branches share a rank (5x5 | 3x3 | 1x1,pool), and
+    the two-branch block leaves one rank without any; parity as at 2 and 4 ranks, bytes
+    equal the prediction (summed over ranks; per rank for the block alone)."""
+    batches = make_batches(STEPS, 12)
+    refs = {"inception4": reference(SEED, batches, cfg=INCEPTION4),
+            "inception2": reference(SEED, batches, cfg=INCEPTION2)}
+    results = spawn(branch_worker, 3, (SEED, batches))
+    for rank, r in enumerate(results):
+        assert set(r) == {"dp-branch-dp", "only-branch", "two-branches"}
+        for name, got in r.items():
+            expect = refs["inception2" if name == "two-branches" else "inception4"]
+            for a, b in zip(got["losses"], expect["losses"]):
+                assert abs(a - b) <= RTOL * abs(b), (rank, name, got["losses"], expect["losses"])
+            errs = {k: rel_err(got["params"][k], v) for k, v in expect["params"].items()}
+            assert max(errs.values()) <= RTOL, (rank, name, errs)
+        assert r["only-branch"]["bytes_measured"] == r["only-branch"]["bytes_predicted"]
+    for name in results[0]:  # ring chunks of a dp all-reduce may be uneven across 3 ranks
+        measured = sum(r[name]["bytes_measured"] for r in results)
+        assert abs(measured - 3 * results[0][name]["bytes_predicted"]) <= 1e-6 * measured
+    assert results[0]["only-branch"]["placement"][1] == ((2,), (1,), (0, 3))
+    assert results[0]["two-branches"]["placement"][1] == ((0,), (1,), ())
 
 
 def test_place_branches_longest_first():
