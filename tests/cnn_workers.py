@@ -90,19 +90,22 @@ def branch_worker(seed: int, batches: list) -> dict:
 
 
 def branch_plans(batch: int, n: int) -> dict[str, tuple[CNNConfig, Plan]]:
-    """The Inception models' branch placements: with data-parallel layers around the block
-    (batch in, fused), alone among replicated layers (full in; its bytes are the step's),
-    before tensor-parallel layers, and two branches on n ranks."""
+    """The Inception models' branch placements: between data-parallel layers (batch in and
+    out: all-gather in, all-to-all out; or out through the full layout), alone among
+    replicated layers (full in and out; its bytes are the step's), before tensor-parallel
+    layers, and two branches on n ranks."""
     out = {}
     for name, cfg, strategies, layouts in (
             ("dp-branch-dp", INCEPTION4, ("dp", "branch", "dp", "dp"),
+             ((B, B), (B, B), (B, B), (B, B))),
+            ("dp-branch-full-dp", INCEPTION4, ("dp", "branch", "dp", "dp"),
              ((B, B), (B, R), (B, B), (B, B))),
             ("only-branch", INCEPTION4, ("replicated", "branch", "replicated", "replicated"),
              ((R, R), (R, R), (R, R), (R, R))),
             ("branch-tp", INCEPTION4, ("dp", "branch", "column", "row"),
              ((B, B), (B, R), (R, F_), (F_, R))),
             ("two-branches", INCEPTION2, ("dp", "branch", "dp", "dp"),
-             ((B, B), (B, R), (B, B), (B, B)))):
+             ((B, B), (B, B), (B, B), (B, B)))):
         specs = CNN(cfg).specs()
         layers = tuple(layer_plan(sp, s, i, o, n) for sp, s, (i, o) in
                        zip(specs, strategies, layouts))

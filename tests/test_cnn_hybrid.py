@@ -94,7 +94,8 @@ def test_branch_placement_matches_one_process(suite, ref):
     _, refs = ref
     for rank, r in enumerate(results):
         got_all = r["branches"]
-        assert set(got_all) == {"dp-branch-dp", "only-branch", "branch-tp", "two-branches"}
+        assert set(got_all) == {"dp-branch-dp", "dp-branch-full-dp", "only-branch", "branch-tp",
+                                "two-branches"}
         for name, got in got_all.items():
             expect = refs["inception2" if name == "two-branches" else "inception4"]
             assert got["strategies"][1] == "branch"
@@ -112,17 +113,23 @@ def test_branch_placement_matches_one_process(suite, ref):
 
 
 def test_branch_bytes_per_rank_equal_the_formula(suite):
-    """Among replicated layers the block's bytes are the step's: every rank sends
-    2 (N-1)/N 4 B c_in H W (input gradient) + (N-1) 4 B c_max H W (the padded gather), the
-    formula of ``apps.cnn.branches`` written out here; every branch plan's bytes summed over
-    ranks equal N x the chooser's per-rank prediction."""
+    """The formulas of ``apps.cnn.branches``, written out here. Among replicated layers the
+    block's bytes are the step's: every rank sends 2 (N-1)/N 4 B c_in H W (input gradient)
+    + (N-1) 4 B c_max H W (the padded gather). Between data-parallel layers: the input's
+    all-gather + reduce-scatter, 2 (N-1)/N 4 B c_max H W of all-to-all, and the dp layers'
+    all-reduce of 4 P bytes. Every branch plan's bytes summed over ranks equal N x the
+    chooser's per-rank prediction."""
     n, results = suite
     b, c_in, hw = BATCH, 4, 8 * 8
     c_max = 4 + 8 + 4 if n == 2 else 8      # 1x1 + 3x3 + pool on one rank; the 3x3 alone
-    formula = 2 * (n - 1) / n * 4 * b * c_in * hw + (n - 1) * 4 * b * c_max * hw
+    dp_params = (4 * 9 + 4) + (20 * hw * 16 + 16) + (16 * 8 + 8)  # conv1, fc1, fc2
+    ring = 2 * (n - 1) / n
+    formulas = {"only-branch": ring * 4 * b * c_in * hw + (n - 1) * 4 * b * c_max * hw,
+                "dp-branch-dp": ring * 4 * (b * c_in * hw + b * c_max * hw + dp_params)}
     for r in results:
-        got = r["branches"]["only-branch"]
-        assert got["bytes_measured"] == formula == got["bytes_predicted"], (n, got, formula)
+        for name, formula in formulas.items():
+            got = r["branches"][name]
+            assert got["bytes_measured"] == formula == got["bytes_predicted"], (n, name, formula)
     for name in results[0]["branches"]:
         measured = sum(r["branches"][name]["bytes_measured"] for r in results)
         predicted = n * results[0]["branches"][name]["bytes_predicted"]
@@ -139,7 +146,7 @@ def test_branch_placement_at_3_ranks_shares_a_rank():
             "inception2": reference(SEED, batches, cfg=INCEPTION2)}
     results = spawn(branch_worker, 3, (SEED, batches))
     for rank, r in enumerate(results):
-        assert set(r) == {"dp-branch-dp", "only-branch", "two-branches"}
+        assert set(r) == {"dp-branch-dp", "dp-branch-full-dp", "only-branch", "two-branches"}
         for name, got in r.items():
             expect = refs["inception2" if name == "two-branches" else "inception4"]
             for a, b in zip(got["losses"], expect["losses"]):

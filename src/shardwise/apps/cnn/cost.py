@@ -20,8 +20,10 @@ row            split by input features  feature -> full  all-reduce of the outpu
                                                          and the bias gradient all-reduced
 branch         each branch on one rank  batch -> full    input gradient all-reduced
                (an Inception block)     full -> full     (batch: all-gather + reduce-
-                                                         scatter), outputs all-gathered
-                                                         along the channels (``branches``)
+                                        ... -> batch     scatter), outputs all-gathered
+                                                         along the channels (to batch:
+                                                         all-to-all both ways instead;
+                                                         ``branches``)
 =============  =======================  ===============  ===============================
 
 This is seed 000's rule made exact: data parallelism moves the weights (C_in C_out per
@@ -35,7 +37,7 @@ hybrid runs (Thakur, Rabenseifner & Gropp 2005, section 4; ``b(k)``/``g(k)`` car
 contention term of that module): ring all-reduce as ``comm.cost.predict("ring")``,
 ring all-gather ``(N-1) a(N) + (N-1)/N X b(N)``, ring reduce-scatter that plus
 ``(N-1)/N X g(N)``. Bytes are those each rank sends: 2(N-1)/N X for an all-reduce,
-(N-1)/N X for an all-gather or a reduce-scatter. Compute is ``3 x forward FLOPs``
+(N-1)/N X for an all-gather, a reduce-scatter or an all-to-all. Compute is ``3 x forward FLOPs``
 (forward + two backward matmuls) at ``flops_per_s`` per rank, divided by N except for
 replicated layers.
 """
@@ -53,7 +55,7 @@ STRATEGIES = ("dp", "replicated", "column", "row", BRANCH)
 INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,),
           BRANCH: (BATCH, FULL)}
 OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH),
-           BRANCH: (FULL,)}
+           BRANCH: (FULL, BATCH)}
 ITEMSIZE = 4  # fp32
 FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak per core
 
@@ -62,7 +64,7 @@ FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak p
 class Collective:
     """One collective of one step: ``nbytes`` is X (the whole vector, as comm records it)."""
 
-    name: str    # all_reduce | all_gather | reduce_scatter
+    name: str    # all_reduce | all_gather | reduce_scatter | all_to_all
     nbytes: int
     phase: str   # forward | backward | step
     where: str   # layer, or "a -> b" for a layout change
@@ -166,11 +168,14 @@ def layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Collec
     if s == BRANCH:  # formula: apps.cnn.branches; the gather's parts padded to c_max
         side2 = spec.out_elems // spec.c_out
         c_max = max(sum(spec.branches[j].c_out for j in m) for m in lp.placement)
-        x_gather = ITEMSIZE * batch * len(lp.placement) * c_max * side2
+        part = ITEMSIZE * batch * c_max * side2              # one rank's padded maps
         entry = ([Collective("all_gather", x_in, "forward", w),
                   Collective("reduce_scatter", x_in, "backward", w)] if lp.layout_in == BATCH
                  else [Collective("all_reduce", x_in, "backward", w)])
-        return entry + [Collective("all_gather", x_gather, "forward", w)]
+        if lp.layout_out == BATCH:
+            return entry + [Collective("all_to_all", part, "forward", w),
+                            Collective("all_to_all", part, "backward", w)]
+        return entry + [Collective("all_gather", len(lp.placement) * part, "forward", w)]
     return []
 
 

@@ -69,7 +69,7 @@ class HybridCNN(nn.Module):
                 layer = RowParallelLinear(layer.in_features, layer.out_features, group,
                                           input_is_parallel=True, master=layer, tag=spec.name)
             elif lp.strategy == BRANCH:
-                layer = BranchParallel(layer, lp.placement, group, lp.layout_in)
+                layer = BranchParallel(layer, lp.placement, group, lp.layout_in, lp.layout_out)
             blocks.append(Block(layer, b.pool, b.last))
         self.blocks = nn.ModuleList(blocks)
         # gradients that are partial sums over ranks: data-parallel layers', and the bias of
