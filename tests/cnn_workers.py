@@ -81,19 +81,21 @@ def suite_worker(seed: int, batches: list) -> dict:
 
 
 def branch_worker(seed: int, batches: list) -> dict:
-    """``branch_plans`` alone (no tensor-parallel layers: any rank count)."""
+    """``branch_plans`` alone, with the gather-then-layout-change plan and without the
+    tensor-parallel one (any rank count)."""
     comm.configure(check=False)
     n, rank = dist.get_world_size(), dist.get_rank()
     group = RankGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
-    plans = branch_plans(len(batches[0][1]), n)
+    plans = branch_plans(len(batches[0][1]), n, extra=True)
     return train_plans(seed, batches, group, {k: v for k, v in plans.items() if k != "branch-tp"})
 
 
-def branch_plans(batch: int, n: int) -> dict[str, tuple[CNNConfig, Plan]]:
+def branch_plans(batch: int, n: int, extra: bool = False) -> dict[str, tuple[CNNConfig, Plan]]:
     """The Inception models' branch placements: between data-parallel layers (batch in and
     out: all-gather in, all-to-all out; or out through the full layout), alone among
     replicated layers (full in and out; its bytes are the step's), before tensor-parallel
-    layers, and two branches on n ranks."""
+    layers, and two branches on n ranks. ``extra``: also out through the full layout then
+    into the dp layer (the slow set's; its parts are in the others)."""
     out = {}
     for name, cfg, strategies, layouts in (
             ("dp-branch-dp", INCEPTION4, ("dp", "branch", "dp", "dp"),
@@ -110,7 +112,7 @@ def branch_plans(batch: int, n: int) -> dict[str, tuple[CNNConfig, Plan]]:
         layers = tuple(layer_plan(sp, s, i, o, n) for sp, s, (i, o) in
                        zip(specs, strategies, layouts))
         out[name] = (cfg, Plan(layers, tuple(specs), batch, n, 0.0))
-    return out
+    return out if extra else {k: v for k, v in out.items() if k != "dp-branch-full-dp"}
 
 
 def train_plans(seed: int, batches: list, group: RankGroup,

@@ -94,8 +94,7 @@ def test_branch_placement_matches_one_process(suite, ref):
     _, refs = ref
     for rank, r in enumerate(results):
         got_all = r["branches"]
-        assert set(got_all) == {"dp-branch-dp", "dp-branch-full-dp", "only-branch", "branch-tp",
-                                "two-branches"}
+        assert set(got_all) == {"dp-branch-dp", "only-branch", "branch-tp", "two-branches"}
         for name, got in got_all.items():
             expect = refs["inception2" if name == "two-branches" else "inception4"]
             assert got["strategies"][1] == "branch"
