@@ -80,11 +80,11 @@ class HybridCNN(nn.Module):
         self.dp_params += [b.layer.bias for b, lp in zip(self.blocks, plan.layers)
                            if lp.strategy == "row" and lp.layout_out == BATCH
                            and b.layer.bias is not None]
-        # our DDP's buckets and hooks: a bucket's all-reduce starts as soon as backward has
-        # filled it (armed: every backward is final), summed, not averaged
         # parameters only this rank holds (its placed branches): counted once in the norm
         self.placed = {id(p) for b in self.blocks if isinstance(b.layer, BranchParallel)
                        for p in b.parameters()}
+        # our DDP's buckets and hooks: a bucket's all-reduce starts as soon as backward has
+        # filled it (armed: every backward is final), summed, not averaged
         self.sync = (GradientSync(self.dp_params, group.group, BUCKET_MB,
                                   allreduce=group.all_reduce, armed=True, average=False)
                      if group.size > 1 and self.dp_params else None)
