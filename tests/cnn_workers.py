@@ -8,13 +8,20 @@ import torch.nn.functional as F
 
 from shardwise import comm
 from shardwise.apps.cnn import LayerPlan, Plan, named_plans
+from shardwise.apps.cnn.cost import layer_plan
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.models.cnn import CNN, CNNConfig
-from shardwise.parallel.tensor_parallel import RankGroup, clip_grad_norm_
+from shardwise.parallel.tensor_parallel import RankGroup
 
 # small enough to be quick, every width divisible by 4 (classes too, for column on fc3)
 SMALL = CNNConfig(image_size=16, channels=(4, 8), hidden=(32, 16), classes=8)
 SMALL5 = CNNConfig(image_size=16, channels=(4, 8), kernel=5, hidden=(32, 16), classes=8)
+# an Inception block after one convolution: four branches of uneven FLOPs (5x5 > 3x3 >>
+# 1x1 = pool), and two branches (fewer than 4 ranks: two ranks hold none)
+INCEPTION4 = CNNConfig(image_size=16, channels=(4,), hidden=(16,), classes=8,
+                       inception=(("1x1", 4), ("3x3", 8), ("5x5", 4), ("pool", 4)))
+INCEPTION2 = CNNConfig(image_size=16, channels=(4,), hidden=(16,), classes=8,
+                       inception=(("3x3", 4), ("pool", 4)))
 LR, CLIP = 3e-3, 1.0
 B, F_, R = "batch", "feature", "full"
 
@@ -147,8 +154,52 @@ def suite_worker(seed: int, batches: list) -> dict:
              {**named_plans(specs, batch, n), **hand_plans(specs, batch, n)}.items()}
     plans["tp-fc-sgd"] = plans["tp-fc"]  # SGD with momentum instead of AdamW
     plans.update(conv_plans(specs, CNN(SMALL5).specs(), batch, n))
+    out = train_plans(seed, batches, group, {name: (cfg, p) for name, (p, cfg) in plans.items()})
+    out["spatial_cases"] = spatial_cases()
+    out["branches"] = train_plans(seed, batches, group, branch_plans(batch, n))
+    return out
+
+
+def branch_worker(seed: int, batches: list) -> dict:
+    """``branch_plans`` alone, with the gather-then-layout-change plan and without the
+    tensor-parallel one (any rank count)."""
+    comm.configure(check=False)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    group = RankGroup(group=dist.group.WORLD, size=n, rank=rank, all_reduce="ring", gather="ring")
+    plans = branch_plans(len(batches[0][1]), n, extra=True)
+    return train_plans(seed, batches, group, {k: v for k, v in plans.items() if k != "branch-tp"})
+
+
+def branch_plans(batch: int, n: int, extra: bool = False) -> dict[str, tuple[CNNConfig, Plan]]:
+    """The Inception models' branch placements: between data-parallel layers (batch in and
+    out: all-gather in, all-to-all out; or out through the full layout), alone among
+    replicated layers (full in and out; its bytes are the step's), before tensor-parallel
+    layers, and two branches on n ranks. ``extra``: also out through the full layout then
+    into the dp layer (the slow set's; its parts are in the others)."""
     out = {}
-    for name, (plan, cfg) in plans.items():
+    for name, cfg, strategies, layouts in (
+            ("dp-branch-dp", INCEPTION4, ("dp", "branch", "dp", "dp"),
+             ((B, B), (B, B), (B, B), (B, B))),
+            ("dp-branch-full-dp", INCEPTION4, ("dp", "branch", "dp", "dp"),
+             ((B, B), (B, R), (B, B), (B, B))),
+            ("only-branch", INCEPTION4, ("replicated", "branch", "replicated", "replicated"),
+             ((R, R), (R, R), (R, R), (R, R))),
+            ("branch-tp", INCEPTION4, ("dp", "branch", "column", "row"),
+             ((B, B), (B, R), (R, F_), (F_, R))),
+            ("two-branches", INCEPTION2, ("dp", "branch", "dp", "dp"),
+             ((B, B), (B, B), (B, B), (B, B)))):
+        specs = CNN(cfg).specs()
+        layers = tuple(layer_plan(sp, s, i, o, n) for sp, s, (i, o) in
+                       zip(specs, strategies, layouts))
+        out[name] = (cfg, Plan(layers, tuple(specs), batch, n, 0.0))
+    return out if extra else {k: v for k, v in out.items() if k != "dp-branch-full-dp"}
+
+
+def train_plans(seed: int, batches: list, group: RankGroup,
+                plans: dict[str, tuple[CNNConfig, Plan]]) -> dict:
+    """Each (model, plan) trained on ``batches``: losses, full parameters, first-step bytes."""
+    out = {}
+    for name, (cfg, plan) in plans.items():
         torch.manual_seed(seed)
         model = HybridCNN(CNN(cfg), plan, group)
         opt = make_opt(model.parameters(), "sgd" if name.endswith("sgd") else "adamw")
@@ -160,11 +211,11 @@ def suite_worker(seed: int, batches: list) -> dict:
                 model.sync_gradients()
             if step == 0:
                 measured = sum(r.bytes_sent for r in rec.records)
-            clip_grad_norm_(list(model.parameters()), CLIP, group)
+            model.clip_grad_norm_(CLIP)
             opt.step()
             losses.append(model.global_metrics(loss, correct, torch.device("cpu"))[0])
         out[name] = {"strategies": plan.strategies, "losses": losses,
                      "params": model.full_state(), "bytes_measured": measured,
-                     "bytes_predicted": plan.bytes_per_step}
-    out["spatial_cases"] = spatial_cases()
+                     "bytes_predicted": plan.bytes_per_step,
+                     "placement": [lp.placement for lp in plan.layers]}
     return out

@@ -301,10 +301,15 @@ class CNNSection(_Section):
     hidden: list[int] = Field([512, 256], description="fully connected widths before the "
                               "classifier")
     kernel: int = Field(3, ge=1, description="convolution kernel size (odd)")
+    inception: list[str] = Field([], description="branches of an Inception block after the "
+                                 "last convolution, each KIND:CHANNELS with KIND 1x1, 3x3, 5x5 "
+                                 "or pool (3x3 max-pool then 1x1), e.g. [\"1x1:16\", "
+                                 "\"3x3:32\", \"5x5:8\", \"pool:8\"]; empty: none")
     plan: str | list[str] = Field("auto", description="auto (chosen by the cost model), dp, "
                                   "tp-fc, or one of dp/replicated/column/row (fully "
                                   "connected) / filters/channels/spatial (convolutions) per "
-                                  "layer")
+                                  "layer (branch: the Inception block's branches on "
+                                  "different ranks)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw (the [optimizer] "
                                                "section) or sgd (momentum cnn.momentum)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum "

@@ -10,7 +10,7 @@ from shardwise.apps.cnn.chooser import format_plan, named_plans, resolve
 from shardwise.apps.cnn.cost import FLOPS_PER_S
 from shardwise.cli.common import EXIT_USAGE, Parser
 from shardwise.comm import cost as comm_cost
-from shardwise.models.cnn import CNN, CNNConfig
+from shardwise.models.cnn import CNN, CNNConfig, parse_branches
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -26,7 +26,7 @@ def _ints(text: str) -> tuple[int, ...]:
 def _defaults(a: argparse.Namespace) -> None:
     """Fill the options left out from ``--config`` (else the built-in defaults)."""
     d = {"batch": 64, "ranks": 2, "channels": CNNConfig.channels, "hidden": CNNConfig.hidden,
-         "kernel": CNNConfig.kernel, "flops_per_s": FLOPS_PER_S, "plan": None}
+         "kernel": CNNConfig.kernel, "flops_per_s": FLOPS_PER_S, "plan": None, "inception": ""}
     if a.config:
         from shardwise.base.config import Config
 
@@ -34,6 +34,7 @@ def _defaults(a: argparse.Namespace) -> None:
         c = cfg.cnn
         d.update(batch=cfg.training.global_batch_size, ranks=c.ranks, channels=tuple(c.channels),
                  hidden=tuple(c.hidden), kernel=c.kernel, flops_per_s=c.flops_per_s,
+                 inception=",".join(c.inception),
                  plan=c.plan if isinstance(c.plan, str) else ",".join(c.plan))
     for k, v in d.items():
         if getattr(a, k) is None:
@@ -52,6 +53,8 @@ def plan_main(args: list[str] | None = None) -> int:
     p.add_argument("--kernel", type=int, help="convolution kernel size, odd (default 3)")
     p.add_argument("--hidden", type=_ints,
                    help="fully connected widths before the classifier, e.g. 512,256")
+    p.add_argument("--inception", help="an Inception block's branches after the last "
+                   "convolution, e.g. 1x1:16,3x3:32,5x5:8,pool:8 (default none)")
     p.add_argument("--plan", help="fix the strategies: dp, tp-fc, or e.g. dp,dp,column,row,"
                    "replicated (default: choose)")
     p.add_argument("--flops-per-s", type=float,
@@ -62,7 +65,9 @@ def plan_main(args: list[str] | None = None) -> int:
         _defaults(a)
         if a.batch < 1 or a.ranks < 1:
             raise ValueError(f"--batch={a.batch} and --ranks={a.ranks} must be >= 1")
-        specs = CNN(CNNConfig(channels=a.channels, hidden=a.hidden, kernel=a.kernel)).specs()
+        branches = parse_branches([e for e in a.inception.split(",") if e.strip()])
+        specs = CNN(CNNConfig(channels=a.channels, hidden=a.hidden, kernel=a.kernel,
+                              inception=branches)).specs()
         prof = comm_cost.load_profile(a.profile) if a.profile else None
         kw = {"profile": prof, "flops_per_s": a.flops_per_s}
         chosen = None

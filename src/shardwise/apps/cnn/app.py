@@ -6,13 +6,14 @@ import torch
 
 from shardwise.apps.cnn.chooser import resolve
 from shardwise.base.config import CNNSection, Config, ConfigError
-from shardwise.models.cnn import CNN, CNNConfig
+from shardwise.models.cnn import CNN, CNNConfig, parse_branches
 
 
 def cnn_config(section: CNNSection) -> CNNConfig:
-    """The model sizes of the ``[cnn]`` section."""
+    """The model sizes of the ``[cnn]`` section (ValueError, one line, on a bad
+    ``cnn.inception`` entry)."""
     return CNNConfig(channels=tuple(section.channels), kernel=section.kernel,
-                     hidden=tuple(section.hidden))
+                     hidden=tuple(section.hidden), inception=parse_branches(section.inception))
 
 
 def check_config(cfg: Config) -> None:

@@ -8,7 +8,7 @@ joins, so the minimum over the chain is found by dynamic programming over the st
 "layout of the activation leaving layer i" (4 layouts): for each layer, each strategy and
 each of its input/output layouts, the best cost so far is the cheapest predecessor state
 plus the change into this layer's input layout plus this layer's cost (the Viterbi
-recursion; O(layers x strategies x layouts^2), exact, no enumeration of the 7^L plans).
+recursion; O(layers x strategies x layouts^2), exact, no enumeration of the 8^L plans).
 The input images cost nothing in any layout (every rank reads its batch itself); logits
 must end in the batch or full layout (feature -> full is charged if needed). Convolutions
 choose among dp, replicated, filters, channels and spatial (``shardwise.apps.cnn.cost``).
@@ -36,6 +36,7 @@ from shardwise.apps.cnn.cost import (
     check_strategy,
     compute_seconds,
     layer_collectives,
+    layer_plan,
 )
 from shardwise.apps.cnn.layout import FEATURE, FULL
 from shardwise.comm import cost as comm_cost
@@ -116,7 +117,7 @@ def choose(specs: list[BlockSpec], batch: int, ranks: int, fixed: list[str] | No
         for s in options:
             for lin in INPUTS[s]:
                 for lout in OUTPUTS[s]:
-                    lp = LayerPlan(s, lin, lout)
+                    lp = layer_plan(spec, s, lin, lout, ranks)
                     own = secs(layer_collectives(spec, lp, batch, i > 0)) + compute_seconds(
                         spec, s, batch, ranks, flops_per_s)
                     if i == 0:
@@ -141,7 +142,7 @@ def named_plans(specs: list[BlockSpec], batch: int, ranks: int, **kw) -> dict[st
     """The three plans the benchmark compares: pure DP, pure TP on the fully connected
     layers (convolutions DP), and the chosen hybrid."""
     return {"dp": choose(specs, batch, ranks, fixed=["dp"] * len(specs), **kw),
-            "tp-fc": choose(specs, batch, ranks, restrict={"conv": ("dp",),
+            "tp-fc": choose(specs, batch, ranks, restrict={"conv": ("dp",), "inception": ("dp",),
                                                            "fc": ("column", "row")}, **kw),
             "hybrid": choose(specs, batch, ranks, **kw)}
 
@@ -168,7 +169,9 @@ def format_plan(plan: Plan) -> str:
     for spec, lp, cs in zip(plan.specs, plan.layers, plan.collectives()):
         what = ", ".join(f"{c.name}({c.nbytes:,}) {c.phase}" for c in cs) or "-"
         formula = ", ".join(f"{c.formula}" for c in cs) or "-"
-        rows.append((spec.name, f"{spec.params:,}", lp.strategy,
+        strategy = lp.strategy + ("" if not lp.placement else "[" + " | ".join(
+            ",".join(spec.branches[j].kind for j in m) or "-" for m in lp.placement) + "]")
+        rows.append((spec.name, f"{spec.params:,}", strategy,
                      f"{lp.layout_in} -> {lp.layout_out}", what, formula,
                      f"{sum(c.bytes_sent(n) for c in cs):,.0f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

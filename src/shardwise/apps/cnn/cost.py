@@ -27,21 +27,28 @@ spatial        conv replicated, its     rows -> rows     halo exchange X = 4 B c
                                                          (N-1)/N X on average: the edge
                                                          bands one side), and dp's
                                                          all-reduce X = 4 params (step)
+branch         each branch on one rank  batch -> full    input gradient all-reduced
+               (an Inception block)     full -> full     (batch: all-gather + reduce-
+                                        ... -> batch     scatter), outputs all-gathered
+                                                         along the channels (to batch:
+                                                         all-to-all both ways instead;
+                                                         ``branches``)
 =============  =======================  ===============  ===============================
 
 This is seed 000's rule made exact: data parallelism moves the weights (C_in C_out per
 layer), tensor parallelism moves activations (B C_in or B C_out). Convolutions take dp,
 replicated, filters, channels or spatial (``shardwise.apps.cnn.conv``); fully connected
-layers dp, replicated, column or row. Layout changes between layers add an all-gather of
-the activation (4 B x elements per sample). The bytes of each row are what
-``shardwise.comm``'s accounting measures (a test); ``formula`` names them.
+layers dp, replicated, column or row; an Inception block also takes branch. Layout changes
+between layers add an all-gather of the activation (4 B x elements per sample). The bytes
+of each row are what ``shardwise.comm``'s accounting measures (a test); ``formula`` names
+them.
 
 Times use the alpha-beta model of ``shardwise.comm.cost`` for the ring algorithms the
 hybrid runs (Thakur, Rabenseifner & Gropp 2005, section 4; ``b(k)``/``g(k)`` carry the
 contention term of that module): ring all-reduce as ``comm.cost.predict("ring")``,
 ring all-gather ``(N-1) a(N) + (N-1)/N X b(N)``, ring reduce-scatter that plus
 ``(N-1)/N X g(N)``. Bytes are those each rank sends: 2(N-1)/N X for an all-reduce,
-(N-1)/N X for an all-gather or a reduce-scatter. Compute is ``3 x forward FLOPs``
+(N-1)/N X for an all-gather, a reduce-scatter or an all-to-all. Compute is ``3 x forward FLOPs``
 (forward + two backward matmuls) at ``flops_per_s`` per rank, divided by N except for
 replicated layers.
 """
@@ -55,12 +62,15 @@ from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, ROWS
 from shardwise.comm import cost as comm_cost
 from shardwise.models.cnn import BlockSpec
 
-STRATEGIES = ("dp", "replicated", "column", "row", "filters", "channels", "spatial")
+BRANCH = "branch"  # an Inception block's branches on different ranks (apps.cnn.branches)
+STRATEGIES = ("dp", "replicated", "column", "row", "filters", "channels", "spatial", BRANCH)
 CONV_ONLY, FC_ONLY = ("filters", "channels", "spatial"), ("column", "row")
 INPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (BATCH, FULL), "row": (FEATURE,),
-          "filters": (BATCH, FULL), "channels": (FEATURE,), "spatial": (ROWS,)}
+          "filters": (BATCH, FULL), "channels": (FEATURE,), "spatial": (ROWS,),
+          BRANCH: (BATCH, FULL)}
 OUTPUTS = {"dp": (BATCH,), "replicated": (FULL,), "column": (FEATURE,), "row": (FULL, BATCH),
-           "filters": (FEATURE,), "channels": (FULL, BATCH), "spatial": (ROWS,)}
+           "filters": (FEATURE,), "channels": (FULL, BATCH), "spatial": (ROWS,),
+           BRANCH: (FULL, BATCH)}
 ITEMSIZE = 4  # fp32
 FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak per core
 
@@ -69,7 +79,7 @@ FLOPS_PER_S = 2e10  # per rank; ~45 GFLOP/s is this machine's fp32 matmul peak p
 class Collective:
     """One collective of one step: ``nbytes`` is X (the whole vector, as comm records it)."""
 
-    name: str    # all_reduce | all_gather | reduce_scatter | halo
+    name: str    # all_reduce | all_gather | reduce_scatter | all_to_all | halo
     nbytes: int
     phase: str   # forward | backward | step
     where: str   # layer, or "a -> b" for a layout change
@@ -95,11 +105,35 @@ class Collective:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """A layer's strategy and the layouts of its input and output."""
+    """A layer's strategy and the layouts of its input and output; ``placement`` (branch
+    only): per rank, the indices of the branches it computes (``place_branches``)."""
 
     strategy: str
     layout_in: str
     layout_out: str
+    placement: tuple[tuple[int, ...], ...] = ()
+
+
+def place_branches(spec: BlockSpec, n: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the branches of ``spec`` it computes: longest processing time first (Graham
+    1969), i.e. branches by forward FLOPs, largest first (ties: lower index), each to the
+    rank with the fewest FLOPs so far (ties: lower rank). More branches than ranks: several
+    share a rank; fewer: the last ranks get none (they hold none of the block's weights and
+    wait for the gather). The step's compute is the busiest rank's (within 4/3 of the best
+    assignment's)."""
+    load, out = [0] * n, [[] for _ in range(n)]
+    for j in sorted(range(len(spec.branches)), key=lambda j: (-spec.branches[j].flops, j)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        load[r] += spec.branches[j].flops
+        out[r].append(j)
+    return tuple(tuple(sorted(m)) for m in out)
+
+
+def layer_plan(spec: BlockSpec, strategy: str, layout_in: str, layout_out: str,
+               n: int) -> LayerPlan:
+    """``LayerPlan`` of ``spec`` on ``n`` ranks (with its branch placement for ``branch``)."""
+    return LayerPlan(strategy, layout_in, layout_out,
+                     place_branches(spec, n) if strategy == BRANCH else ())
 
 
 def _side(spec: BlockSpec) -> int:
@@ -117,6 +151,11 @@ def _refusal(spec: BlockSpec, strategy: str, n: int) -> str | None:
     if strategy in CONV_ONLY and spec.kind != "conv":
         return (f"{strategy} splits convolutions only; fully connected layers take dp, "
                 "replicated, column or row")
+    if strategy == BRANCH and not spec.branches:
+        return ("only a block with branches (an Inception block, cnn.inception) places "
+                "branches on ranks")
+    if strategy == BRANCH and n < 2:
+        return "needs cnn.ranks >= 2"
     width, what = {"column": (spec.c_out, "output width"), "row": (spec.c_in, "input width"),
                    "filters": (spec.c_out, "output channels"),
                    "channels": (spec.c_in, "input channels")}.get(strategy, (0, ""))
@@ -187,6 +226,20 @@ def _layer_collectives(spec: BlockSpec, lp: LayerPlan, batch: int) -> list[Colle
                 Collective("all_reduce", ITEMSIZE * spec.c_out, "step", w, "4 c_out")]
     if s in ("row", "channels"):
         return [Collective("all_reduce", x_out, "forward", w, f_out)]
+    if s == BRANCH:  # formula: apps.cnn.branches; the gather's parts padded to c_max
+        side2 = spec.out_elems // spec.c_out
+        c_max = max(sum(spec.branches[j].c_out for j in m) for m in lp.placement)
+        part = ITEMSIZE * batch * c_max * side2              # one rank's padded maps
+        f_part = "4 B c_max H W"
+        entry = ([Collective("all_gather", x_in, "forward", w, "4 B c_in H W"),
+                  Collective("reduce_scatter", x_in, "backward", w, "4 B c_in H W")]
+                 if lp.layout_in == BATCH
+                 else [Collective("all_reduce", x_in, "backward", w, "4 B c_in H W")])
+        if lp.layout_out == BATCH:
+            return entry + [Collective("all_to_all", part, "forward", w, f_part),
+                            Collective("all_to_all", part, "backward", w, f_part)]
+        return entry + [Collective("all_gather", len(lp.placement) * part, "forward", w,
+                                   "N " + f_part)]
     return []
 
 
@@ -204,6 +257,10 @@ def change_collectives(elems: int, src: str, dst: str, batch: int) -> list[Colle
 
 def compute_seconds(spec: BlockSpec, strategy: str, batch: int, n: int,
                     flops_per_s: float = FLOPS_PER_S) -> float:
-    """Forward + backward time of the layer on one rank."""
+    """Forward + backward time of the layer on one rank (branch: the busiest rank's
+    branches on the whole batch)."""
+    if strategy == BRANCH:
+        return 3 * batch * max(sum(spec.branches[j].flops for j in m)
+                               for m in place_branches(spec, n)) / flops_per_s
     share = 1 if strategy == "replicated" else n
     return 3 * spec.flops * batch / share / flops_per_s

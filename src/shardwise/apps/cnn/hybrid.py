@@ -4,10 +4,13 @@ Built from the full single-process ``CNN`` (same seed on every rank, so parity h
 construction): data-parallel and replicated layers keep their module; column / row layers
 become ``shardwise.parallel.tensor_parallel``'s ``ColumnParallelLinear`` / ``RowParallelLinear``,
 initialised from the full layer's slice; filters / channels / spatial convolutions
-become ``shardwise.apps.cnn.conv``'s layers. Between layers, ``layout.convert`` makes the
+become ``shardwise.apps.cnn.conv``'s layers; a ``branch`` block keeps only this rank's
+branches (``shardwise.apps.cnn.branches.BranchParallel``). Between layers,
+``layout.convert`` makes the
 layout changes the plan asks for; two are fused into the layer beside them (see
 ``shardwise.apps.cnn.layout``). Parameter names are the single-process CNN's
-(``blocks.{i}.layer.weight``); sharded ones carry ``tp_dim``.
+(``blocks.{i}.layer.weight``); sharded ones carry ``tp_dim``; a placed branch's parameters
+live on one rank only (``full_state`` collects them).
 
 One step (``loss_and_backward`` then ``sync_gradients``): every rank holds the global batch
 (it reads it itself), keeps its rows if the first layer takes the batch layout, runs the
@@ -25,11 +28,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise import comm
+from shardwise.apps.cnn.branches import BranchParallel
 from shardwise.apps.cnn.chooser import Plan
 from shardwise.apps.cnn.conv import ChannelConv2d, FilterConv2d, SpatialConv2d
+from shardwise.apps.cnn.cost import BRANCH
 from shardwise.apps.cnn.layout import BATCH, FEATURE, FULL, ROWS, convert, my_part, my_rows
 from shardwise.models.cnn import CNN, Block
 from shardwise.parallel.data_parallel import GradientSync
+from shardwise.parallel.precision import global_norm
 from shardwise.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RankGroup,
@@ -71,6 +77,8 @@ class HybridCNN(nn.Module):
                 layer = ChannelConv2d(layer, group, lp.layout_out, tag=spec.name)
             elif lp.strategy == "spatial":
                 layer = SpatialConv2d(layer, group, tag=spec.name)
+            elif lp.strategy == BRANCH:
+                layer = BranchParallel(layer, lp.placement, group, lp.layout_in, lp.layout_out)
             blocks.append(Block(layer, b.pool, b.last))
         self.blocks = nn.ModuleList(blocks)
         # gradients that are partial sums over ranks: data-parallel layers', and the bias of
@@ -82,6 +90,9 @@ class HybridCNN(nn.Module):
         self.dp_params += [b.layer.bias for b, lp in zip(self.blocks, plan.layers)
                            if lp.strategy in ("row", "channels") and lp.layout_out == BATCH
                            and b.layer.bias is not None]
+        # parameters only this rank holds (its placed branches): counted once in the norm
+        self.placed = {id(p) for b in self.blocks if isinstance(b.layer, BranchParallel)
+                       for p in b.parameters()}
         # our DDP's buckets and hooks: a bucket's all-reduce starts as soon as backward has
         # filled it (armed: every backward is final), summed, not averaged
         self.sync = (GradientSync(self.dp_params, group.group, BUCKET_MB,
@@ -146,6 +157,21 @@ class HybridCNN(nn.Module):
             self.sync.finish()
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``, the norm of the whole
+        model's gradient (sharded and placed parameters summed over ranks, replicated ones
+        once); returns the norm (the same on every rank)."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        counted = [hasattr(p, "tp_dim") or id(p) in self.placed or self.group.rank == 0
+                   for p in params]
+        total = global_norm([p.grad for p in params], counted,
+                            self.group.group if self.group.size > 1 else "local")[0]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return total
+
+    @torch.no_grad()
     def global_metrics(self, loss: float, correct: int, device) -> tuple[float, int]:
         """Sum each rank's ``(loss, correct)`` share over the group (one small all-reduce)."""
         if self.group.size == 1:
@@ -157,8 +183,26 @@ class HybridCNN(nn.Module):
     @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter, unsharded, in the single-process CNN's names (collective)."""
-        return {n: gather_tensor(p, p.tp_dim, self.group) if hasattr(p, "tp_dim")
-                else p.detach().clone() for n, p in self.named_parameters()}
+        out = {n: gather_tensor(p, p.tp_dim, self.group) if hasattr(p, "tp_dim")
+               else p.detach().clone() for n, p in self.named_parameters()}
+        for name, shape, _ in self.placed_params():
+            out[name] = self.collect_placed(out.get(name), shape)
+        return out
+
+    def placed_params(self) -> list[tuple[str, torch.Size, int]]:
+        """(name, shape, owning rank) of every placed branch's parameters, held or not (the
+        same list, in the same order, on every rank)."""
+        return [(f"blocks.{i}.layer.{name}", shape, owner) for i, b in enumerate(self.blocks)
+                if isinstance(b.layer, BranchParallel) for name, shape, owner in b.layer.all_params]
+
+    @torch.no_grad()
+    def collect_placed(self, local: torch.Tensor | None, shape) -> torch.Tensor:
+        """The owner's ``local`` tensor on every rank (``None`` elsewhere; collective): summed
+        with zeros from the other ranks, exact."""
+        t = local.detach().clone() if local is not None else next(
+            self.parameters()).new_zeros(shape)
+        comm.all_reduce(t, group=self.group.group, algorithm="native", check=False)
+        return t
 
     @torch.no_grad()
     def load_full_state(self, full: dict[str, torch.Tensor]) -> None:

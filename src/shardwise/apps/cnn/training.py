@@ -34,7 +34,6 @@ from shardwise.data.idx import load_split
 from shardwise.models.cnn import CNN
 from shardwise.parallel.tensor_parallel import (
     RankGroup,
-    clip_grad_norm_,
     gather_tensor,
     shard_tensor,
 )
@@ -100,7 +99,7 @@ def train_step(model: HybridCNN, opt, x, y, grad_clip: float = 0.0) -> tuple[flo
     loss, correct = model.loss_and_backward(x, y)
     model.sync_gradients()
     if grad_clip > 0:
-        clip_grad_norm_(list(model.parameters()), grad_clip, model.group)
+        model.clip_grad_norm_(grad_clip)
     opt.step()
     return loss, correct
 
@@ -142,7 +141,17 @@ def _opt_state(model: HybridCNN, opt) -> dict:
                 v = gather_tensor(v, p.tp_dim, model.group)
             st[k] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(float(v))
         out[name] = st
+    for name, shape, _ in model.placed_params():  # a placed branch's: from its owner
+        mine = out.get(name, {})
+        out[name] = {k: model.collect_placed(mine.get(k), () if k == "step" else shape)
+                     for k in _state_keys(opt)}
     return out
+
+
+def _state_keys(opt) -> tuple[str, ...]:
+    """The per-parameter state ``opt`` keeps (SGD with momentum, or AdamW)."""
+    return ("momentum_buffer",) if isinstance(opt, torch.optim.SGD) else ("step", "exp_avg",
+                                                                           "exp_avg_sq")
 
 
 def save(cfg: Config, model, opt, sched, sampler, step: int, history: list) -> Path:
@@ -160,7 +169,7 @@ def resume(path: Path, model: HybridCNN, opt, sched, sampler) -> dict:
     meta = checkpoint.read_meta(path)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in CNN(model.cfg).named_parameters()}
-    keys = ("momentum_buffer",) if isinstance(opt, torch.optim.SGD) else ("step", "exp_avg", "exp_avg_sq")
+    keys = _state_keys(opt)
     dev = next(model.parameters()).device
     tensors = {"model": {n: torch.empty(s, device=dev) for n, s in shapes.items()},
                "optimizer": {n: {k: torch.empty(() if k == "step" else s, device=dev)
