@@ -1,9 +1,11 @@
-"""examples/slurm/train.sbatch on a real Slurm of one node: train, scancel, resubmit, resume.
+"""examples/slurm/train.sbatch on a real Slurm of one node: requeue, scancel, resubmit, resume.
 
 Starts munged, slurmctld and slurmd on this machine (``tests/slurm_cluster.py``: a network
 namespace with only addresses of its own, a temporary slurm.conf, stopped and removed at the
 end), submits the example with two tasks on the node (two torchrun agents, one rank each:
-dp=2), cancels it with ``scancel`` once a checkpoint exists, submits it again and waits.
+dp=2); once a checkpoint exists, has Slurm requeue it (``scontrol requeue``: the job runs
+again under its id); after the next checkpoint cancels it with ``scancel``, submits it again
+and waits.
 Prints each job's sbatch command, state and last lines of output. Needs root and Debian's
 ``slurm-wlm`` and ``munge`` packages.
 
@@ -24,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from slurm_cluster import cancel_and_resubmit, slurm_cluster, unavailable  # noqa: E402
+from slurm_cluster import requeue_cancel_resubmit, slurm_cluster, unavailable  # noqa: E402
 
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 
@@ -32,7 +34,7 @@ SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True)
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--every", type=int, default=10, help="checkpoint.every")
     ap.add_argument("--head", type=int, default=8, help="first lines of each job's output")
     ap.add_argument("--tail", type=int, default=8, help="last lines of each job's output")
@@ -59,8 +61,8 @@ def main() -> None:
             shlex.join(args).replace(str(Path(a.data).resolve()), "CORPUS"))
         started = time.perf_counter()
         with slurm_cluster(cpus=2) as cluster:
-            run = cancel_and_resubmit(cluster, SBATCH, options, args, env, out, logs,
-                                      cwd=REPO, timeout=a.timeout)
+            run = requeue_cancel_resubmit(cluster, SBATCH, options, args, env, out, logs,
+                                          cwd=REPO, timeout=a.timeout)
         took = time.perf_counter() - started
         for job, state, log in ((run.first, run.first_state, run.first_log),
                                 (run.second, run.second_state, run.second_log)):
@@ -71,8 +73,9 @@ def main() -> None:
                 lines = lines[:a.head] + ["..."] + lines[-a.tail:]
             print("\n".join(lines))
             if job == run.first:
-                print(f"## scancel {job} (newest checkpoint: step {run.saved}); the same "
-                      "sbatch again")
+                print(f"## scontrol requeue {job} at checkpoint {run.requeued_at}, its "
+                      f"second attempt cancelled (scancel) at checkpoint {run.saved}; the "
+                      "same sbatch again")
         print(f"\n# both jobs, daemons started and stopped: {took:.0f} s")
 
 

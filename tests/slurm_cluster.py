@@ -57,23 +57,34 @@ def unavailable() -> str | None:
     return None
 
 
-def slurm_conf(root: Path, node: str, cpus: int) -> str:
-    """One node ``node`` at 127.0.0.1 with ``cpus`` CPUs, one partition, no cgroups."""
+@dataclass(frozen=True)
+class Node:
+    name: str  # Slurm's NodeName (slurmd -N); resolves nowhere: NodeAddr is the address
+    netns: str  # its network namespace, unique per run
+    addr: str  # NodeAddr: 127.0.0.1 for one node, else its address on the pair of veths
+
+
+def slurm_conf(root: Path, nodes: Sequence[Node], cpus: int) -> str:
+    """``nodes`` of ``cpus`` CPUs each, the controller on the first one's address (named as
+    this machine: slurmctld checks its host name), one partition, no cgroups; each slurmd's spool, pid and log files named by its node (``%n``)."""
+    head, names = nodes[0], ",".join(n.name for n in nodes)
+    node_lines = "".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs={cpus} State=UNKNOWN\n"
+                         for n in nodes)
     return f"""\
 ClusterName=shardwise-test
 MailProg=/bin/true
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={socket.gethostname().split(".")[0]}({head.addr})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={root}/munge/socket
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -85,25 +96,24 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=10
 MinJobAge=600
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
 @dataclass
 class Cluster:
-    """A running one-node cluster: client commands, submissions, waits."""
+    """A running cluster: client commands (run on the first node), submissions, waits."""
 
     root: Path
-    netns: str
-    node: str
+    nodes: list[Node]
     env: dict[str, str]
+    spare: str = ""  # one node: the address of its namespace's veth (Slurm never uses it)
     _daemons: list[subprocess.Popen] = field(default_factory=list)
 
-    def command(self, argv: Sequence[str]) -> list[str]:
+    def command(self, argv: Sequence[str], node: Node | None = None) -> list[str]:
         # nsenter, not `ip netns exec`: that one also mounts a fresh /sys, without the
         # cgroup filesystem slurmd looks for at start even with no cgroup plugin configured
-        return ["nsenter", f"--net=/run/netns/{self.netns}", "--", *argv]
+        return ["nsenter", f"--net=/run/netns/{(node or self.nodes[0]).netns}", "--", *argv]
 
     def run(self, argv: Sequence[str], timeout: float = CALL_TIMEOUT_S,
             check: bool = True, env: dict[str, str] | None = None
@@ -164,10 +174,10 @@ class Cluster:
                 parts.append(f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-20:]))
         return "\n".join(parts)
 
-    def _start(self, argv: Sequence[str], ready, what: str) -> None:
+    def _start(self, argv: Sequence[str], ready, what: str, node: Node | None = None) -> None:
         err = self.root / "log" / f"{what}.stderr"
         with open(err, "w") as f:  # a file, not a pipe: nobody reads a pipe while it runs
-            proc = subprocess.Popen(self.command(argv), env=self.env, stdout=f, stderr=f)
+            proc = subprocess.Popen(self.command(argv, node), env=self.env, stdout=f, stderr=f)
         self._daemons.append(proc)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready():
@@ -179,36 +189,51 @@ class Cluster:
                                    f"{self.logs()}")
             time.sleep(0.2)
 
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=CALL_TIMEOUT_S)
+
+    def _network(self) -> None:
+        """Each node's namespace, loopback up. One node: a veth pair with both ends inside
+        its namespace (Slurm resolves 127.0.0.1 with AI_ADDRCONFIG, which finds nothing
+        where loopback is the only interface). Two: one veth pair between them, an address
+        in a private /24 on each end; nothing leaves these namespaces."""
+        for n in self.nodes:
+            self._ip("netns", "add", n.netns)
+            self._ip("-n", n.netns, "link", "set", "lo", "up")
+        first, last = self.nodes[0], self.nodes[-1]
+        self._ip("link", "add", "sl0", "netns", first.netns, "type", "veth", "peer", "name",
+                 "sl1", "netns", last.netns)
+        ends = [(first, "sl0"), (last, "sl1")]
+        for i, (n, link) in enumerate(ends):
+            if len(self.nodes) > 1:
+                self._ip("-n", n.netns, "addr", "add", f"{n.addr}/24", "dev", link)
+            elif i == 0:
+                self._ip("-n", n.netns, "addr", "add", f"{self.spare}/30", "dev", link)
+            self._ip("-n", n.netns, "link", "set", link, "up")
+
     def start(self, cpus: int) -> None:
         root = self.root
         for d in ("munge", "state", "spool", "log"):
             (root / d).mkdir()
+        for n in self.nodes:
+            (root / "spool" / n.name).mkdir()
         os.chmod(root, 0o755)  # munged: every directory above its socket searchable
         os.chmod(root / "munge", 0o755)
         key = root / "munge" / "key"
         key.write_bytes(secrets.token_bytes(1024))
         os.chmod(key, 0o400)
-        (root / "slurm.conf").write_text(slurm_conf(root, self.node, cpus))
-        subprocess.run(["ip", "netns", "add", self.netns], check=True, capture_output=True,
-                       timeout=CALL_TIMEOUT_S)
-        # Slurm resolves 127.0.0.1 with AI_ADDRCONFIG, which finds nothing where loopback is
-        # the only interface: give the namespace a veth pair of its own (both ends inside,
-        # so nothing leaves it) with a private address that exists only there
-        tail = f"{secrets.randbelow(250) + 1}.{secrets.randbelow(63) * 4 + 1}"
-        for args in (["link", "set", "lo", "up"],
-                     ["link", "add", "sl0", "type", "veth", "peer", "name", "sl1"],
-                     ["addr", "add", f"10.254.{tail}/30", "dev", "sl0"],
-                     ["link", "set", "sl0", "up"], ["link", "set", "sl1", "up"]):
-            subprocess.run(["ip", "-n", self.netns, *args], check=True, capture_output=True,
-                           timeout=CALL_TIMEOUT_S)
-        m = root / "munge"
+        (root / "slurm.conf").write_text(slurm_conf(root, self.nodes, cpus))
+        self._network()
+        m = root / "munge"  # one munged: its socket is a file, reached from every namespace
         self._start(["munged", "-F", f"--socket={m}/socket", f"--key-file={m}/key",
                      f"--pid-file={m}/pid", f"--log-file={m}/log", f"--seed-file={m}/seed"],
                     lambda: (m / "socket").exists(), "munged")
         self._start(["slurmctld", "-D"], lambda: self.run(
             ["scontrol", "ping"], check=False).stdout.count("UP") > 0, "slurmctld")
-        self._start(["slurmd", "-D"], lambda: "idle" in self.run(
-            ["sinfo", "-h", "-o", "%T"], check=False).stdout, "slurmd")
+        for i, n in enumerate(self.nodes):
+            self._start(["slurmd", "-D", "-N", n.name], lambda: self.run(
+                ["sinfo", "-h", "-N", "-o", "%T"], check=False).stdout.split().count("idle")
+                > i, f"slurmd-{n.name}", node=n)
 
     def close(self) -> None:
         """Cancel every job, stop the daemons, kill what is left in the namespace, remove
@@ -225,29 +250,32 @@ class Cluster:
                     proc.kill()
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=STOP_TIMEOUT_S)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline:  # job steps and ranks slurmd left behind
-            pids = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True,
-                                  text=True, timeout=CALL_TIMEOUT_S).stdout.split()
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            time.sleep(0.1)
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True,
-                       timeout=CALL_TIMEOUT_S)
+        for n in self.nodes:
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while time.monotonic() < deadline:  # job steps and ranks slurmd left behind
+                pids = subprocess.run(["ip", "netns", "pids", n.netns], capture_output=True,
+                                      text=True, timeout=CALL_TIMEOUT_S).stdout.split()
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.1)
+            subprocess.run(["ip", "netns", "del", n.netns], capture_output=True,
+                           timeout=CALL_TIMEOUT_S)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass(frozen=True)
-class CancelResume:
-    """What ``cancel_and_resubmit`` saw: each job's id, final state and output."""
+class Interrupted:
+    """What ``requeue_cancel_resubmit`` saw: each job's id, final state and output, and the
+    newest complete checkpoint at each interruption."""
 
     first: int
     first_state: str
-    first_log: str
-    saved: int  # the newest complete checkpoint's step when the first job was gone
+    first_log: str  # both attempts of the first job (sbatch --open-mode=append)
+    requeued_at: int  # the newest checkpoint's step once the requeued attempt had stopped
+    saved: int  # the newest checkpoint's step once the cancelled job was gone
     second: int
     second_state: str
     second_log: str
@@ -257,31 +285,49 @@ def _checkpoint_steps(out: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*[0-9]"))
 
 
-def cancel_and_resubmit(cluster: Cluster, script: Path, options: Sequence[str],
-                        args: Sequence[str], env: dict[str, str], out: Path, logs: Path,
-                        cwd: Path, timeout: float) -> CancelResume:
-    """Submit ``script``; once its run ``out`` holds a complete checkpoint, ``scancel`` it
-    and wait until it is gone; submit it again, the same way, and wait until it ends.
-    ``options`` must send the output to ``logs/slurm-%j.out``. Each wait ``timeout`` s."""
-    first = cluster.sbatch(script, options, args, env, cwd=cwd)
+def _until(what: str, done, job: int, cluster: Cluster, log: Path, timeout: float) -> None:
+    """Poll ``done()`` while ``job`` is pending or running, at most ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while not _checkpoint_steps(out):
-        state = cluster.state(first)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
-            raise RuntimeError(f"job {first} {state} before its first checkpoint:\n"
-                               f"{_read(logs / f'slurm-{first}.out')}\n{cluster.logs()}")
+    while not done():
+        state = cluster.state(job)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED"):
+            raise RuntimeError(f"job {job} {state} before {what}:\n{_read(log)}\n"
+                               f"{cluster.logs()}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"job {first}: no checkpoint after {timeout:.0f} s\n"
-                               f"{_read(logs / f'slurm-{first}.out')}")
+            raise TimeoutError(f"job {job}: no {what} after {timeout:.0f} s\n{_read(log)}")
         time.sleep(0.2)
+
+
+def requeue_cancel_resubmit(cluster: Cluster, script: Path, options: Sequence[str],
+                            args: Sequence[str], env: dict[str, str], out: Path, logs: Path,
+                            cwd: Path, timeout: float) -> Interrupted:
+    """Submit ``script``. Once its run ``out`` holds a checkpoint, ``scontrol requeue`` it
+    (Slurm stops it and runs it again under the same job id; its 120 s hold lifted with
+    ``scontrol update StartTime=now``); once the requeued attempt has written a newer
+    checkpoint, ``scancel`` it and wait until it is gone; submit it again, the same way, and
+    wait until it ends. The output must go to ``logs/slurm-%j.out``, appended (the script's
+    ``--open-mode=append``). Each wait at most ``timeout`` s."""
+    first = cluster.sbatch(script, options, args, env, cwd=cwd)
+    log = logs / f"slurm-{first}.out"
+    _until("its first checkpoint", lambda: _checkpoint_steps(out), first, cluster, log, timeout)
+    cluster.run(["scontrol", "requeue", str(first)])
+    deadline = time.monotonic() + timeout
+    while cluster.state(first) != "PENDING":  # the first attempt has stopped
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {first} not pending after its requeue\n{_read(log)}")
+        time.sleep(0.2)
+    requeued_at = _checkpoint_steps(out)[-1]
+    cluster.run(["scontrol", "update", f"JobId={first}", "StartTime=now"])
+    _until("a checkpoint after its requeue", lambda: _checkpoint_steps(out)[-1] > requeued_at,
+           first, cluster, log, timeout)
     cluster.cancel(first)
     cluster.wait_gone(first, timeout=60)
     first_state, saved = cluster.state(first), _checkpoint_steps(out)[-1]
     second = cluster.sbatch(script, options, args, env, cwd=cwd)
     cluster.wait(second, ("COMPLETED",), timeout=timeout)
     cluster.wait_gone(second, timeout=60)
-    return CancelResume(first, first_state, _read(logs / f"slurm-{first}.out"), saved,
-                        second, cluster.state(second), _read(logs / f"slurm-{second}.out"))
+    return Interrupted(first, first_state, _read(log), requeued_at, saved, second,
+                       cluster.state(second), _read(logs / f"slurm-{second}.out"))
 
 
 def _read(path: Path) -> str:
@@ -292,14 +338,24 @@ def _read(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def slurm_cluster(cpus: int = 2) -> Iterator[Cluster]:
-    """A one-node cluster with ``cpus`` CPUs (declared, whatever the machine has); raises
-    RuntimeError where it cannot start (call ``unavailable()`` first to skip instead)."""
+def slurm_cluster(cpus: int = 2, nodes: int = 1) -> Iterator[Cluster]:
+    """A cluster of ``nodes`` (1 or 2) of ``cpus`` CPUs each (declared, whatever the machine
+    has). One node is named as this machine and is at 127.0.0.1; two are ``slurm-node0``
+    and ``slurm-node1`` at addresses of a private /24 that exist only in their namespaces.
+    Raises RuntimeError where it cannot start (call ``unavailable()`` first to skip)."""
+    if nodes not in (1, 2):
+        raise ValueError(f"slurm_cluster(nodes={nodes}): 1 or 2 nodes")
     root = Path(tempfile.mkdtemp(prefix="shardwise-slurm-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
     env["SLURM_CONF"] = str(root / "slurm.conf")
-    cluster = Cluster(root, f"swsl{os.getpid() % 100000}{secrets.token_hex(2)}",
-                      socket.gethostname().split(".")[0], env)
+    tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
+    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}"
+    if nodes == 1:
+        members = [Node(socket.gethostname().split(".")[0], f"swsl{tag}", "127.0.0.1")]
+    else:
+        members = [Node(f"slurm-node{i}", f"swsl{tag}n{i}", f"{subnet}.{i + 1}")
+                   for i in range(nodes)]
+    cluster = Cluster(root, members, env, spare=f"{subnet}.1")
     try:
         cluster.start(cpus)
         yield cluster

@@ -12,23 +12,24 @@ import pytest
 
 from conftest import REPO
 from shardwise.training.metrics import read_metrics
-from slurm_cluster import cancel_and_resubmit, slurm_cluster, unavailable
+from slurm_cluster import requeue_cancel_resubmit, slurm_cluster, unavailable
 
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
-STEPS, EVERY = 80, 10  # enough steps left after the first checkpoint to cancel mid-run
+STEPS, EVERY = 150, 10  # steps enough, after two checkpoints, to be cancelled mid-run
 RUN_TIMEOUT_S = 300.0
 
 
-def job_args(corpus, out, log_dir):
+def job_args(corpus, out, log_dir, nodes=1, steps=STEPS):
     """sbatch options, script arguments and environment of the test's job: two tasks (two
-    torchrun agents, one rank each) on the one node, tiny config."""
+    torchrun agents, one rank each) on ``nodes`` nodes, tiny config."""
     env = {"PYTHON": sys.executable, "OUT_DIR": str(out), "NPROC_PER_NODE": "1",
            "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    options = ["--job-name=shardwise-test", "--nodes=1", "--ntasks-per-node=2",
-               "--cpus-per-task=1", f"--output={log_dir}/slurm-%j.out"]
+    options = [f"--job-name=shardwise-test-{nodes}", f"--nodes={nodes}",
+               f"--ntasks-per-node={2 // nodes}", "--cpus-per-task=1",
+               f"--output={log_dir}/slurm-%j.out"]
     args = ["--config", "configs/tiny.toml", "--data", str(corpus),
-            "--training.steps", str(STEPS), "--checkpoint.every", str(EVERY),
+            "--training.steps", str(steps), "--checkpoint.every", str(EVERY),
             "--training.sample_chars", "0"]
     return options, args, env
 
@@ -77,15 +78,18 @@ def _stubbed(tmp_path, nodes="n1 n2", node_addr="10.1.2.3", shared=0, **env):
 
 
 def test_sbatch_launches_one_agent_per_task_at_the_head_nodes_address(tmp_path):
-    """Slurm's NodeAddr of the first node is the rendezvous endpoint; the id and port come
-    from the job id; each agent says its own address and has gloo use its interface; srun
+    """Slurm's NodeAddr of the first node is the rendezvous endpoint, served by the first
+    task there; the id and port come from the job id; each agent says its own address and
+    has gloo use its interface; srun
     gets the CPUs per task (22.05+ no longer passes them on) and OpenMP their share."""
-    done = _stubbed(tmp_path, SLURM_CPUS_PER_TASK="8", NPROC_PER_NODE="4")
+    done = _stubbed(tmp_path, SLURM_CPUS_PER_TASK="8", NPROC_PER_NODE="4",
+                    SLURMD_NODENAME="n1", SLURM_LOCALID="0")
     assert done.returncode == 0, done.stderr
     assert f"head n1 at 10.1.2.3:29742, out_dir {tmp_path}/runs/fit" in done.stdout
     assert done.stdout.count("python -m torch.distributed.run --nnodes 2 --nproc-per-node 4 "
                              "--rdzv-backend c10d --rdzv-endpoint 10.1.2.3:29742 --rdzv-id "
-                             "shardwise-4242-0 --max-restarts 0 --local-addr 10.1.2.77 -m "
+                             "shardwise-4242-0 --rdzv-conf is_host=1 --max-restarts 0 "
+                             "--local-addr 10.1.2.77 -m "
                              f"shardwise train --training.out_dir {tmp_path}/runs/fit "
                              "--config x.toml") == 1, done.stdout
     assert "OMP_NUM_THREADS=2 GLOO_SOCKET_IFNAME=eth7" in done.stdout, done.stdout
@@ -97,6 +101,10 @@ def test_sbatch_launches_one_agent_per_task_at_the_head_nodes_address(tmp_path):
     # a requeued job (same id) meets under a new rendezvous id; HEAD_ADDR overrides
     again = _stubbed(tmp_path, SLURM_RESTART_COUNT="1", HEAD_ADDR="10.9.9.9", RDZV_PORT="4000")
     assert "--rdzv-endpoint 10.9.9.9:4000 --rdzv-id shardwise-4242-1 " in again.stdout
+    # the agent of another node (or a second one on the head node) is a client of the store
+    assert "--rdzv-conf is_host=0 " in again.stdout
+    second = _stubbed(tmp_path, SLURMD_NODENAME="n1", SLURM_LOCALID="1")
+    assert "--rdzv-conf is_host=0 " in second.stdout
 
 
 def test_sbatch_refuses_a_loopback_head_and_unshared_storage_in_one_line(tmp_path):
@@ -129,31 +137,68 @@ def _train_steps(out):
     return [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
 
 
-@pytest.mark.slow  # ~80 s on 2 loaded cores: two jobs, each starting torch twice
-def test_sbatch_trains_on_two_tasks_and_resumes_after_scancel(corpus, tmp_path):
+@pytest.mark.slow  # ~2 min on 2 loaded cores: three attempts, each starting torch twice
+def test_sbatch_trains_on_two_tasks_and_resumes_after_requeue_and_scancel(corpus, tmp_path):
     """The example submitted with two tasks trains one dp=2 job (the two agents meet by c10d
-    rendezvous at the head node's address); ``scancel`` once a checkpoint exists, then the
-    same ``sbatch`` again: the new job resumes from that checkpoint and finishes the run."""
+    rendezvous at the head node's address). Requeued by Slurm once a checkpoint exists, the
+    job runs again under its id and resumes from it; cancelled with ``scancel`` after the
+    next checkpoint and submitted again, the new job resumes from that one and finishes."""
     if (why := unavailable()) is not None:
         pytest.skip(why)
     out, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     options, args, env = job_args(corpus, out, logs)
     with slurm_cluster(cpus=2) as cluster:
-        run = cancel_and_resubmit(cluster, SBATCH, options, args, env, out, logs, cwd=REPO,
-                                  timeout=RUN_TIMEOUT_S)
+        run = requeue_cancel_resubmit(cluster, SBATCH, options, args, env, out, logs,
+                                      cwd=REPO, timeout=RUN_TIMEOUT_S)
         daemons = cluster.logs()
     log1, log2 = run.first_log, run.second_log
     assert run.first_state == "CANCELLED", log1
-    assert EVERY <= run.saved < STEPS, (run.saved, log1)
-    assert "2 agent(s) x 1 rank(s) on 1 node(s), head " in log1, log1
+    assert EVERY <= run.requeued_at < run.saved < STEPS, (run.requeued_at, run.saved, log1)
+    for restart in (0, 1):  # the requeued attempt appended to the same output
+        assert f"job {run.first} (restart {restart}): 2 agent(s) x 1 rank(s) on 1 node(s), " \
+               "head " in log1, log1
     assert "dp=2" in log1 and "shardwise: done" not in log1, log1  # one job, cut short
+    assert _resumed(log1) == [_resumed_line(out, run.requeued_at)], log1
     assert run.second_state == "COMPLETED", f"{log2}\n{daemons}"
-    resumed = re.findall(r"shardwise: resumed from (\S+) at step (\d+)", log2)
-    assert resumed == [(str(out / "checkpoints" / f"step_{run.saved:06d}"), str(run.saved))], \
-        (resumed, run.saved, log2)
+    assert _resumed(log2) == [_resumed_line(out, run.saved)], log2
     done = [ln for ln in log2.splitlines() if ln.startswith("shardwise: done")]
     assert len(done) == 1 and done[0].startswith(f"shardwise: done: {STEPS} steps"), log2
-    # one row per step: the first job's up to the checkpoint, then the second job's
+    # one row per step: each attempt's up to the checkpoint the next one resumed from
     assert _train_steps(out) == list(range(1, STEPS + 1))
     assert (out / "checkpoints" / f"step_{STEPS:06d}").is_dir()
+
+
+def _resumed(log):
+    return re.findall(r"shardwise: resumed from \S+ at step \d+", log)
+
+
+def _resumed_line(out, step):
+    return f"shardwise: resumed from {out / 'checkpoints' / f'step_{step:06d}'} at step {step}"
+
+
+@pytest.mark.slow  # ~1 min on 2 loaded cores
+def test_sbatch_trains_across_two_nodes_whose_names_resolve_to_loopback(corpus, tmp_path):
+    """Two Slurm nodes (network namespaces joined by a veth pair, each slurmd at its own
+    address), one task each: the agents meet at the head node's NodeAddr and train dp=2
+    across them. This machine's host name resolves to 127.0.0.1 on both (its /etc/hosts),
+    the trap: without each agent's ``--local-addr`` and ``GLOO_SOCKET_IFNAME``, torchrun
+    would publish, and gloo listen on, loopback."""
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    options, args, env = job_args(corpus, out, logs, nodes=2, steps=2 * EVERY)
+    with slurm_cluster(cpus=1, nodes=2) as cluster:
+        job = cluster.sbatch(SBATCH, options, args, env, cwd=REPO)
+        state = cluster.wait(job, ("COMPLETED",), timeout=RUN_TIMEOUT_S)
+        cluster.wait_gone(job, timeout=60)
+        head = cluster.nodes[0]
+        log, daemons = (logs / f"slurm-{job}.out").read_text(), cluster.logs()
+    assert state == "COMPLETED", f"{log}\n{daemons}"
+    assert f"2 agent(s) x 1 rank(s) on 2 node(s), head {head.name} at {head.addr}:" in log, log
+    assert "dp=2" in log, log
+    done = [ln for ln in log.splitlines() if ln.startswith("shardwise: done")]
+    assert len(done) == 1 and done[0].startswith(f"shardwise: done: {2 * EVERY} steps"), log
+    assert _train_steps(out) == list(range(1, 2 * EVERY + 1))
+    assert not list(out.glob(".slurm-shared-*"))  # the shared-storage probe cleaned up
