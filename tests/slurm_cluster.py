@@ -1,15 +1,17 @@
-"""A real Slurm cluster of one node on this machine, for tests and benchmarks.
+"""A real Slurm cluster of one or two nodes on this machine, for tests and benchmarks.
 
 ``with slurm_cluster() as cluster:`` starts munged, slurmctld and slurmd (Debian's
-``slurm-wlm`` and ``munge`` packages) in a network namespace of their own that has only a
-loopback interface, so nothing they open is reachable from outside the machine and their
-ports cannot clash with anyone's. Everything they need lives in one temporary directory:
-a fresh munge key, ``slurm.conf`` (``SLURM_CONF`` points every client command at it, so the
-machine's own Slurm set-up, if any, is neither read nor touched), state, spool and logs. No
-cgroups: ``proctrack/linuxproc``, ``task/none``, no accounting. On exit, also when the test
-failed: every job cancelled, the daemons stopped, every process left in the namespace
-(job steps, ranks) killed, the namespace and the directory removed. Every wait is bounded.
-``unavailable()`` says why it cannot run here (packages absent, not root, no ``ip netns``).
+``slurm-wlm`` and ``munge`` packages) in network namespaces of their own, with addresses
+that exist only there, so nothing they open is reachable from outside the machine and their
+ports cannot clash with anyone's; ``slurm_cluster(nodes=2)`` makes two nodes, a namespace
+each joined by a veth pair, one slurmd in each. Everything they need lives in one temporary
+directory: a fresh munge key, ``slurm.conf`` (``SLURM_CONF`` points every client command at
+it, so the machine's own Slurm set-up, if any, is neither read nor touched), state, spool
+and logs. No cgroups: ``proctrack/linuxproc``, ``task/none``, no accounting. On exit, also
+when the test failed: every job cancelled, the daemons stopped, every process left in the
+namespaces (job steps, ranks) killed, the namespaces and the directory removed. Every wait
+is bounded. ``unavailable()`` says why it cannot run here (packages absent, not root, no
+``ip netns``).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class Node:
 
 def slurm_conf(root: Path, nodes: Sequence[Node], cpus: int) -> str:
     """``nodes`` of ``cpus`` CPUs each, the controller on the first one's address (named as
-    this machine: slurmctld checks its host name), one partition, no cgroups; each slurmd's spool, pid and log files named by its node (``%n``)."""
+    this machine: slurmctld checks its host name), one partition, no cgroups; each slurmd's
+    spool, pid and log files named by its node (``%n``)."""
     head, names = nodes[0], ",".join(n.name for n in nodes)
     node_lines = "".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs={cpus} State=UNKNOWN\n"
                          for n in nodes)
