@@ -137,7 +137,7 @@ def _train_steps(out):
     return [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
 
 
-@pytest.mark.slow  # ~2 min on 2 loaded cores: three attempts, each starting torch twice
+@pytest.mark.slow  # 80-135 s on 2 shared cores: three attempts, each starting torch twice
 def test_sbatch_trains_on_two_tasks_and_resumes_after_requeue_and_scancel(corpus, tmp_path):
     """The example submitted with two tasks trains one dp=2 job (the two agents meet by c10d
     rendezvous at the head node's address). Requeued by Slurm once a checkpoint exists, the
@@ -177,7 +177,7 @@ def _resumed_line(out, step):
     return f"shardwise: resumed from {out / 'checkpoints' / f'step_{step:06d}'} at step {step}"
 
 
-@pytest.mark.slow  # ~1 min on 2 loaded cores
+@pytest.mark.slow  # 17-35 s on 2 shared cores
 def test_sbatch_trains_across_two_nodes_whose_names_resolve_to_loopback(corpus, tmp_path):
     """Two Slurm nodes (network namespaces joined by a veth pair, each slurmd at its own
     address), one task each: the agents meet at the head node's NodeAddr and train dp=2
