@@ -74,3 +74,75 @@ def test_lora_targets_that_match_nothing_or_the_head_are_refused(corpus, tmp_pat
         run_lora(_cfg(corpus, str(tmp_path / "a"), {"dp": 1}, targets=["nothing_*"]))
     with pytest.raises(ValueError, match="head.proj is a vocab_head layer"):
         run_lora(_cfg(corpus, str(tmp_path / "b"), {"dp": 1}, targets=["proj"]))
+
+
+ALL_LLAMA = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]'
+
+
+def _our_logits(run, idx: torch.Tensor) -> torch.Tensor:
+    """The single-process model of the run's newest checkpoint (its base from model.init_from,
+    its adapters from the checkpoint): logits of ``idx``."""
+    from shardwise import checkpoint
+    from shardwise.apps.lm.export import _vocab_size, find_checkpoint
+    from shardwise.engine.model import build_local_model
+    from shardwise.models.description import describe_section
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    path = find_checkpoint(run)
+    meta = checkpoint.read_meta(path)
+    cfg = Config.from_dict(meta["config"])
+    d = describe_section(cfg.model, _vocab_size(meta["tokenizer"]))
+    local = build_local_model(d, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=RankGroup(),
+                              seed=cfg.training.seed, dropout_seed=0, device=torch.device("cpu"),
+                              init_from=cfg.model.init_from.removeprefix("hf:"), lora=cfg.lora)
+    saved = checkpoint.read_tensors(path, "model.")
+    with torch.no_grad():
+        for n, p in local.named_parameters():
+            p.copy_(saved[f"model.{n}"])
+        return local.chunks[0].eval()(idx)
+
+
+def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(
+        corpus, tmp_path, capfd):
+    """A random Llama saved by transformers, 3 LoRA steps from it on every linear of its
+    blocks, then ``export --format peft``: ``PeftModel.from_pretrained`` on the base gives our
+    model's logits; ``export --format hf --merge-lora``: the merged model gives them too."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from conftest import REPO
+    from hf_models import VOCAB, save
+    from shardwise.cli.main import main
+
+    base = save("llama", tmp_path / "hf")
+    run, adapter, merged = tmp_path / "run", tmp_path / "adapter", tmp_path / "merged"
+    code = main(["train", "--config", str(REPO / "configs" / "finetune_hf.toml"),
+                 "--data", corpus, "--model.init_from", f"hf:{base}", "--parallel.dp", "1",
+                 "--training.steps", "3", "--optimizer.lr", "1e-2",
+                 "--optimizer.warmup_steps", "1", "--lora.rank", "4", "--lora.alpha", "8",
+                 "--lora.targets", ALL_LLAMA, "--training.out_dir", str(run),
+                 "--training.eval_batches", "1", "--training.sample_chars", "0",
+                 "--training.progress", "false"])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    assert main(["export", str(run), "--format", "peft", "--out", str(adapter)]) == 0
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
+                                                         "adapter_model.safetensors"]
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours = _our_logits(run, idx)
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    with torch.no_grad():
+        plain = hf_base(idx).logits
+        model = peft.PeftModel.from_pretrained(hf_base, str(adapter)).eval()
+        theirs = model(idx).logits
+    assert rel_err(plain, ours) > 1e-3  # the adapters trained: they change the logits
+    assert rel_err(theirs, ours) <= 1e-5
+    adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
+    assert len(adapted) == 2 * 7  # every linear of both blocks, nothing else
+
+    assert main(["export", str(run), "--format", "hf", "--merge-lora", "--out", str(merged)]) == 0
+    with torch.no_grad():
+        merged_logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(idx).logits
+    assert rel_err(merged_logits, ours) <= 1e-5
+    capfd.readouterr()
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "x")]) == 2
+    err = capfd.readouterr().err.strip()
+    assert "holds its adapters only" in err and len(err.splitlines()) == 1
