@@ -1,8 +1,8 @@
 """LoRA (issue 46): adapters on the targeted linears, the base frozen, in every layout.
 
 The parity test spawns 8 ranks once and trains dp 2 x tp 2 x pp 2 under ZeRO-1 and then
-ZeRO-3 (adapters on every column- and row-parallel linear of a tiny GPT), each against one
-process: losses and every adapter within 1e-5 relative, the base never touched."""
+ZeRO-3, then dp 2 x cp 2 x tp 2 with sequence parallelism under ZeRO-2 (adapters on every
+column- and row-parallel linear of a tiny GPT), each against one process: losses and every adapter within 1e-5 relative, the base never touched."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def _cfg(corpus: str, out: str, parallel: dict | None = None, **lora) -> dict:
                        lora={"rank": 4, "alpha": 8.0, "targets": TARGETS, **lora})
 
 
-def test_lora_dp2_tp2_pp2_zero1_and_zero3_match_one_process(corpus, tmp_path):
+def test_lora_dp2_tp2_pp2_zero1_zero3_and_cp2_sp_match_one_process(corpus, tmp_path):
     ref = run_lora(_cfg(corpus, str(tmp_path / "ref"), {"dp": 1}))
     losses = torch.tensor(ref["losses"])
     assert losses[-1] < losses[0] and ref["base_unchanged"] and ref["base_grads"] == 0
@@ -44,7 +44,12 @@ def test_lora_dp2_tp2_pp2_zero1_and_zero3_match_one_process(corpus, tmp_path):
     assert len(ref["params"]) == 2 * 2 * len(TARGETS)  # 2 blocks, A and B each
     grid = {"dp": 2, "tp": 2, "pp": 2}
     layouts = {"zero1": _cfg(corpus, str(tmp_path / "z1"), {**grid, "zero": 1}),
-               "zero3": _cfg(corpus, str(tmp_path / "z3"), {**grid, "zero": 3})}
+               "zero3": _cfg(corpus, str(tmp_path / "z3"), {**grid, "zero": 3}),
+               # context parallelism, and sequence parallelism: replicated adapters' gradients
+               # summed over tp since each rank saw a slice of the sequence
+               "cp2_sp_zero2": _cfg(corpus, str(tmp_path / "cp"),
+                                    {"dp": 2, "cp": 2, "tp": 2, "zero": 2,
+                                     "sequence_parallel": True})}
     results = spawn(lora_worker, 8, (list(layouts.values()),))
     for i, name in enumerate(layouts):
         seen = set()
