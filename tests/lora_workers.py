@@ -20,14 +20,22 @@ def run_lora(cfg_dict: dict) -> dict:
     before = [q.detach().clone() for _, q in frozen]
     for _ in range(cfg.training.steps):
         trainer.train_step()
+    from shardwise.engine.memory import predict_rank
+
+    p, c = cfg.parallel, trainer.topology.coords
+    predicted = predict_rank(e.description, dp=p.dp, pp=p.pp, tp=p.tp, cp=p.cp,
+                             dp_rank=c["dp"], pp_rank=c["pp"], tp_rank=c["tp"],
+                             cp_rank=c["cp"], zero=p.zero, precision=cfg.training.precision,
+                             bucket_mb=p.bucket_mb, sequence_parallel=p.sequence_parallel,
+                             lora=cfg.lora)
     with e.full_parameters():
         params = {n: t.float() for n, t in engine_state.model_tensors(e).items()}
-    return {"losses": list(trainer.history), "params": params,
+    return {"coords": trainer.topology.coords, "losses": list(trainer.history), "params": params,
             "frozen": len(frozen),
             "base_unchanged": all(torch.equal(b, q) for b, (_, q) in zip(before, frozen)),
             "base_grads": sum(q.grad is not None for _, q in frozen),
             "piece_names": sorted({n.split("[")[0] for n in e.sync.piece_names}),
-            "memory": e.memory_bytes()}
+            "memory": e.memory_bytes(), "predicted": predicted}
 
 
 def lora_worker(configs: list[dict]) -> list[dict]:

@@ -42,6 +42,10 @@ def test_lora_dp2_tp2_pp2_zero1_zero3_and_cp2_sp_match_one_process(corpus, tmp_p
     assert set(ref["params"]) == set(ref["piece_names"])  # the optimizer: adapters only
     assert all(n.endswith(("lora_A", "lora_B")) for n in ref["params"])
     assert len(ref["params"]) == 2 * 2 * len(TARGETS)  # 2 blocks, A and B each
+    adapters = sum(t.numel() for t in ref["params"].values())
+    # AdamW's fp32 moments (and no master: fp32) of the adapters only; all of it predicted
+    assert ref["memory"]["optimizer"] == 8 * adapters == ref["predicted"]["optimizer"]
+    assert ref["memory"]["grads"] == 4 * adapters and ref["memory"]["params"] > 5 * 4 * adapters
     grid = {"dp": 2, "tp": 2, "pp": 2}
     layouts = {"zero1": _cfg(corpus, str(tmp_path / "z1"), {**grid, "zero": 1}),
                "zero3": _cfg(corpus, str(tmp_path / "z3"), {**grid, "zero": 3}),
@@ -62,6 +66,8 @@ def test_lora_dp2_tp2_pp2_zero1_zero3_and_cp2_sp_match_one_process(corpus, tmp_p
             for n, t in got["params"].items():
                 assert rel_err(t, ref["params"][n]) <= RTOL, (name, rank, n)
             seen |= set(got["params"])
+            for k in ("params", "grads", "optimizer"):  # shardwise memory's prediction
+                assert got["predicted"][k] == got["memory"][k], (name, rank, k)
         assert seen == set(ref["params"]), name  # the stages hold every adapter between them
 
 
