@@ -2,7 +2,9 @@
 
 The parity test spawns 8 ranks once and trains dp 2 x tp 2 x pp 2 under ZeRO-1 and then
 ZeRO-3, then dp 2 x cp 2 x tp 2 with sequence parallelism under ZeRO-2 (adapters on every
-column- and row-parallel linear of a tiny GPT), each against one process: losses and every adapter within 1e-5 relative, the base never touched."""
+column- and row-parallel linear of a tiny GPT), each against one process: losses and every
+adapter within 1e-5 relative, the base never touched, the memory prediction exact. Then the
+PEFT round trip and the merged export, refusals at the door, and the planner's bytes."""
 
 import pytest
 import torch
@@ -157,3 +159,34 @@ def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(
     assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "x")]) == 2
     err = capfd.readouterr().err.strip()
     assert "holds its adapters only" in err and len(err.splitlines()) == 1
+
+
+def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only(tmp_path):
+    """``shardwise plan``'s memory model with [lora]: a run's TOML (exact: the meta-device
+    prediction the parity test holds equal to real ranks) and a named size (the per-layer
+    counts plus the adapters of one block): the base costs its compute-dtype bytes only."""
+    from dataclasses import replace
+
+    from shardwise.planner.memory import adapter_params, static_bytes
+    from shardwise.planner.specs import NAMED, load_model
+
+    run = tmp_path / "run.toml"
+    run.write_text('[model]\nkind = "llama"\nn_layer = 2\nn_head = 4\nn_embd = 64\n'
+                   'vocab_size = 97\nblock_size = 32\n'
+                   '[lora]\nrank = 4\ntargets = ["q_proj", "down_proj"]\n')
+    spec = load_model(str(run))
+    assert spec.lora == (4, ("q_proj", "down_proj"))
+    full = static_bytes(replace(spec, lora=()), 2, 2, 2, 1, 1, "bf16")
+    mine = static_bytes(spec, 2, 2, 2, 1, 1, "bf16")
+    assert mine["grads"] < full["grads"] / 20 and mine["optimizer"] < full["optimizer"] / 20
+    assert mine["params"] > full["params"]  # the base, and the adapters on top
+
+    base = NAMED["gpt2-124m"]  # above the exact path's limit: the per-layer counts
+    lora = replace(base, lora=(8, ("q_proj", "v_proj")))
+    a = adapter_params(lora, 1)
+    assert a == 2 * 8 * (768 + 768)  # q and v: A (8, 768) and B (768, 8) each, per block
+    got = static_bytes(lora, 1, 1, 1, 1, 0, "bf16")
+    plain = static_bytes(base, 1, 1, 1, 1, 0, "bf16")
+    adapters = a * base.n_layer
+    assert got["grads"] == 2 * adapters and got["optimizer"] == 12 * adapters
+    assert got["params"] == plain["params"] + 2 * adapters

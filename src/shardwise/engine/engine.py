@@ -93,7 +93,8 @@ class EngineConfig:
     """The config sections the engine reads, held by reference (no field is copied):
     ``parallel`` (schedule, micro-batches, ZeRO, buckets, recompute), ``optimizer``
     (AdamW's lr, betas, weight decay, clip), ``training`` (precision, seed, global batch in
-    sequences, compile), ``lora`` (low-rank adapters, the base frozen), and what a run adds: ``seq_len`` (tokens per sequence: the
+    sequences, compile), ``lora`` (low-rank adapters, the base frozen), and what a run
+    adds: ``seq_len`` (tokens per sequence: the
     ``model.block_size`` of the run), ``init_from`` (a Hugging Face checkpoint directory
     the weights come from; "": drawn from ``training.seed``) and ``eos_id`` (the tokenizer's
     end-of-text id: under ``attention_mask = "block_causal"`` it ends documents).
