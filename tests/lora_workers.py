@@ -34,6 +34,7 @@ def run_lora(cfg_dict: dict) -> dict:
             "frozen": len(frozen),
             "base_unchanged": all(torch.equal(b, q) for b, (_, q) in zip(before, frozen)),
             "base_grads": sum(q.grad is not None for _, q in frozen),
+            "base_dtypes": sorted({str(q.dtype) for _, q in frozen}),
             "piece_names": sorted({n.split("[")[0] for n in e.sync.piece_names}),
             "memory": e.memory_bytes(), "predicted": predicted}
 

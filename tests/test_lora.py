@@ -73,6 +73,33 @@ def test_lora_dp2_tp2_pp2_zero1_zero3_and_cp2_sp_match_one_process(corpus, tmp_p
         assert seen == set(ref["params"]), name  # the stages hold every adapter between them
 
 
+def test_lora_in_bf16_keeps_the_frozen_base_in_bf16(corpus, tmp_path):
+    got = run_lora(_cfg(corpus, str(tmp_path), {"dp": 1}, targets=["q_proj", "v_proj"])
+                   | {"training": {**_cfg(corpus, str(tmp_path))["training"],
+                                   "precision": "bf16"}})
+    assert got["base_dtypes"] == ["torch.bfloat16"] and got["base_unchanged"]
+    assert got["losses"][-1] < got["losses"][0]
+    for k in ("params", "grads", "optimizer"):  # bf16 adapters with fp32 masters, predicted
+        assert got["predicted"][k] == got["memory"][k], k
+
+
+def test_a_lora_run_resumes_from_its_adapters_alone(corpus, tmp_path):
+    """The checkpoint holds the adapters and their moments only (the base is rebuilt from
+    the seed); stopped after 2 of 4 steps and resumed, the run equals the uninterrupted one."""
+    from shardwise import checkpoint
+    from layout_workers import resume_layout
+
+    ref = run_lora(_cfg(corpus, str(tmp_path / "a"), {"dp": 1}))
+    cfg = _cfg(corpus, str(tmp_path / "b"), {"dp": 1})
+    got = resume_layout(cfg, 2)
+    assert len(got["losses"]) >= 2 and got["losses"] == ref["losses"][-len(got["losses"]):]
+    for n, t in got["params"].items():
+        assert torch.equal(t, ref["params"][n]), n
+    saved = checkpoint.read_tensors(checkpoint.complete_checkpoints(
+        tmp_path / "b" / "checkpoints")[-1], "model.")
+    assert saved and all(n.endswith(("lora_A", "lora_B")) for n in saved)
+
+
 def test_lora_config_is_checked_at_the_door():
     with pytest.raises(ConfigError, match="lora.targets is empty"):
         Config.from_dict({"lora": {"rank": 2, "targets": []}})
@@ -80,6 +107,25 @@ def test_lora_config_is_checked_at_the_door():
         Config.from_dict({"lora": {"rank": 2}, "training": {"precision": "fp8"}})
     with pytest.raises(ConfigError, match="lora.rank"):
         Config.from_dict({"lora": {"rank": -1}})
+    with pytest.raises(ConfigError, match="lora.rank with model.n_experts=4"):
+        Config.from_dict({"lora": {"rank": 2}, "model": {"kind": "llama", "n_experts": 4}})
+    with pytest.raises(ConfigError, match="lora.rank with parallel.schedule=pipedream"):
+        Config.from_dict({"lora": {"rank": 2}, "optimizer": {"grad_clip": 0},
+                          "model": {"tie_weights": False},
+                          "parallel": {"schedule": "pipedream", "pp": 2}})
+
+
+def test_lora_targets_are_checked_at_the_door_in_one_line(corpus, tmp_path, capsys):
+    from conftest import REPO
+    from helpers import assert_one_line_exit_2
+
+    argv = ["train", "--config", str(REPO / "configs" / "tiny.toml"), "--data", corpus, "--lora.rank", "2",
+            "--training.out_dir", str(tmp_path / "run")]
+    assert_one_line_exit_2(argv + ["--lora.targets", '["nothing_*"]'], capsys,
+                           "lora.targets", "matches no linear layer")
+    assert_one_line_exit_2(argv + ["--lora.targets", '["proj"]'], capsys,
+                           "lora.targets", "head.proj is a vocab_head layer")
+    assert not (tmp_path / "run").exists()  # refused before any rank started
 
 
 def test_lora_targets_that_match_nothing_or_the_head_are_refused(corpus, tmp_path):

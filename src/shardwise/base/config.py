@@ -92,6 +92,9 @@ def lora_refusal(cfg) -> str | None:
     if m.experts:
         return (f"lora.rank with model.n_experts={m.experts}: adapters on a mixture of "
                 "experts are not supported; set lora.rank = 0 or model.n_experts = 0")
+    if cfg.parallel.schedule == "pipedream":
+        return ("lora.rank with parallel.schedule=pipedream: its weight stashing copies "
+                "every parameter, frozen ones too; use a flush schedule (1f1b, interleaved)")
     return None
 
 
