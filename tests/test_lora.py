@@ -163,8 +163,8 @@ def _our_logits(run, idx: torch.Tensor) -> torch.Tensor:
 
 def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(
         corpus, tmp_path, capfd):
-    """A random Llama saved by transformers, 3 LoRA steps from it on every linear of its
-    blocks, then ``export --format peft``: ``PeftModel.from_pretrained`` on the base gives our
+    """A random Llama saved by transformers, 3 LoRA steps from it at tp 2 on every linear of
+    its blocks, then ``export --format peft``: ``PeftModel.from_pretrained`` on the base gives our
     model's logits; ``export --format hf --merge-lora``: the merged model gives them too."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
@@ -176,6 +176,7 @@ def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(
     run, adapter, merged = tmp_path / "run", tmp_path / "adapter", tmp_path / "merged"
     code = main(["train", "--config", str(REPO / "configs" / "finetune_hf.toml"),
                  "--data", corpus, "--model.init_from", f"hf:{base}", "--parallel.dp", "1",
+                 "--parallel.tp", "2",  # the checkpoint holds the logical (whole) adapters
                  "--training.steps", "3", "--optimizer.lr", "1e-2",
                  "--optimizer.warmup_steps", "1", "--lora.rank", "4", "--lora.alpha", "8",
                  "--lora.targets", ALL_LLAMA, "--training.out_dir", str(run),
