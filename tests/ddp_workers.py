@@ -28,7 +28,7 @@ def tiny_config(corpus: str, out_dir: str, **sections) -> dict:
         cfg["training"].update(device="cuda", tf32=False)
         cfg["parallel"]["backend"] = "gloo"
     for name, values in sections.items():
-        cfg[name].update(values)
+        cfg.setdefault(name, {}).update(values)
     return Config.from_dict(cfg).model_dump()
 
 

@@ -83,6 +83,21 @@ def cp_heads(cp_comm: str, cp: int, cp_a2a: int) -> int:
     return cp if cp_comm == "all_to_all" else cp_a2a
 
 
+def lora_refusal(cfg) -> str | None:
+    """Why ``lora.rank`` > 0 cannot run with the rest of ``cfg`` (a ``Config``), or None."""
+    t, m = cfg.training, cfg.model
+    if t.precision == "fp8":
+        return ("lora.rank with training.precision=fp8: torchao's float8 layers replace the "
+                "adapted linears; use bf16")
+    if m.experts:
+        return (f"lora.rank with model.n_experts={m.experts}: adapters on a mixture of "
+                "experts are not supported; set lora.rank = 0 or model.n_experts = 0")
+    if cfg.parallel.schedule == "pipedream":
+        return ("lora.rank with parallel.schedule=pipedream: its weight stashing copies "
+                "every parameter, frozen ones too; use a flush schedule (1f1b, interleaved)")
+    return None
+
+
 class ConfigError(ValueError):
     """Invalid configuration; ``str(err)`` is one line that names the field."""
 
@@ -438,6 +453,30 @@ class CheckpointConfig(_Section):
                              "while they are written; a checkpoint is published only complete")
 
 
+class LoRAConfig(_Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021, arXiv:2106.09685): each targeted linear layer
+    ``y = x W^T`` becomes ``y = x W^T + (alpha / rank) dropout(x) A^T B^T``, A (rank, in) drawn
+    as PEFT's (Kaiming-uniform), B (out, rank) zero; only A and B train, the base is frozen
+    (no gradients, no optimizer state, no ZeRO shards; kept in the compute dtype)."""
+
+    rank: int = Field(0, ge=0, description="adapter rank r; 0: no adapters, every "
+                      "parameter trains")
+    alpha: float = Field(16.0, gt=0.0, description="the adapters' output is scaled by "
+                         "alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    targets: list[str] = Field(["q_proj", "v_proj"], description="fnmatch patterns of the "
+                               "linear layers that get adapters, matched against a layer's "
+                               "full name (blocks.0.self_attn.q_proj) or its last part "
+                               "(q_proj); not the embedding or the head")
+
+    @model_validator(mode="after")
+    def _some_targets(self):
+        if self.rank and not self.targets:
+            raise ValueError(f"lora.targets is empty with lora.rank={self.rank}: name the "
+                             "linear layers to adapt (q_proj, v_proj, ...)")
+        return self
+
+
 class FaultToleranceConfig(_Section):
     """Per-step fault tolerance across replica groups (torchft): each replica group is a
     fault domain; a step commits only where every live replica finished it; a replica that
@@ -491,6 +530,7 @@ class Config(_Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoRAConfig = LoRAConfig()
     ps: PSConfig = PSConfig()
     cnn: CNNSection = CNNSection()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
@@ -522,6 +562,8 @@ class Config(_Section):
         if t.precision == "fp16" and not t.loss_scaling:
             raise ValueError("training.loss_scaling=false with training.precision=fp16: fp16 "
                              "gradients underflow without loss scaling")
+        if self.lora.rank and lora_refusal(self):
+            raise ValueError(lora_refusal(self))
         if not self.uses_grid:
             return self
         # the GPT's sizes (the default kind); other kinds are checked against their model

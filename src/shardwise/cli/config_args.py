@@ -159,7 +159,10 @@ REFUSED = [
     "has run, [gpu.md](gpu.md#one-gpu-speed));",
     "- `parallel.sequence_parallel` with `model.block_size / cp` not divisible by tp; "
     "`parallel.cp` with `model.block_size` not divisible by 2 cp; `parallel.ep` that does not "
-    "divide dp, or with no experts.", "",
+    "divide dp, or with no experts;",
+    "- `lora.rank` > 0 with `lora.targets` matching no linear layer of the blocks (or the "
+    "embedding or head), with a mixture of experts, fp8, or PipeDream ([lora.md](lora.md)).",
+    "",
     "A Hugging Face checkpoint's refusals (a `[model]` field other than its `config.json`'s, "
     "another architecture, ...) are in "
     "[models.md](models.md#start-from-a-hugging-face-checkpoint); examples of the one-line "

@@ -1,11 +1,14 @@
-"""``shardwise export RUN_DIR --format hf --out DIR [--step N]``: a run's checkpoint as a
-Hugging Face model that ``transformers``' ``from_pretrained`` loads with no custom code
+"""``shardwise export RUN_DIR --format hf|peft --out DIR [--step N] [--merge-lora]``: a run's
+checkpoint as a Hugging Face model that ``transformers``' ``from_pretrained`` loads with no
+custom code, or a LoRA run's adapters as ``peft.PeftModel.from_pretrained`` loads them
 (``apps.lm.export``).
 
 Examples::
 
     shardwise export runs/finetune --format hf --out exported            # the newest checkpoint
     shardwise export runs/finetune --format hf --out exported --step 50  # that step's
+    shardwise export runs/lora --format peft --out adapter               # LoRA adapters
+    shardwise export runs/lora --format hf --merge-lora --out merged     # W + alpha / r B A
     python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('exported')"
 """
 
@@ -40,8 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run_dir", metavar="RUN_DIR",
                     help="the run's training.out_dir (its checkpoints/), a checkpoint "
                     "directory, or one step_NNNNNN")
-    ap.add_argument("--format", required=True, choices=["hf"],
-                    help="hf: transformers' LlamaForCausalLM / MistralForCausalLM / "
+    ap.add_argument("--format", required=True, choices=["hf", "peft"],
+                    help="peft: a LoRA run's adapters (adapter_config.json, "
+                    "adapter_model.safetensors) for peft.PeftModel.from_pretrained on the "
+                    "Hugging Face base; hf: transformers' LlamaForCausalLM / MistralForCausalLM / "
                     "GPT2LMHeadModel / MixtralForCausalLM / Qwen2ForCausalLM / "
                     "Qwen3ForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM / "
                     "Phi3ForCausalLM / GemmaForCausalLM / Gemma2ForCausalLM / "
@@ -57,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "attention (kv_lora_rank) and experts a DeepSeek-V3 (sigmoid gating) or "
                     "V2 (softmax), with none of these a Llama, each with the options it "
                     f"fixes ({all_requirements()})")
+    ap.add_argument("--merge-lora", action="store_true",
+                    help="with --format hf, a LoRA run: each adapted weight merged, "
+                    "W + alpha / r B A, over the run's base")
     ap.add_argument("--out", required=True, metavar="DIR", help="an empty or new directory")
     ap.add_argument("--step", type=int, metavar="N", help="the checkpoint of step N "
                     "(default: the newest)")
@@ -64,10 +72,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="largest safetensors file before sharding (default 5GB, as "
                     "transformers)")
     args = ap.parse_args(argv)
-    from shardwise.apps.lm.export import export_hf
+    from shardwise.apps.lm.export import export_hf, export_peft
 
+    if args.merge_lora and args.format != "hf":
+        print("shardwise export: error: --merge-lora writes a Hugging Face model: use it with "
+              "--format hf", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        done = export_hf(args.run_dir, args.out, args.step, parse_size(args.max_shard_size))
+        if args.format == "peft":
+            done = export_peft(args.run_dir, args.out, args.step)
+        else:
+            done = export_hf(args.run_dir, args.out, args.step,
+                             parse_size(args.max_shard_size), merge_lora=args.merge_lora)
     except ValueError as e:  # ExportError, CheckpointError, ConfigError: one line each
         print(f"shardwise export: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -97,7 +97,7 @@ def _layout_table(args, stages: list[int]) -> int:
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
                         chunks_per_rank=p.chunks_per_rank, partition_by=p.partition,
                         dp_replicate=p.dp_replicate, state_bytes=state_bytes,
-                        offload=args.offload == "optimizer")
+                        offload=args.offload == "optimizer", lora=base.lora)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -46,6 +46,7 @@ import torch.nn as nn
 from shardwise import comm
 from shardwise.base.config import (
     Config,
+    LoRAConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
@@ -92,7 +93,8 @@ class EngineConfig:
     """The config sections the engine reads, held by reference (no field is copied):
     ``parallel`` (schedule, micro-batches, ZeRO, buckets, recompute), ``optimizer``
     (AdamW's lr, betas, weight decay, clip), ``training`` (precision, seed, global batch in
-    sequences, compile), and what a run adds: ``seq_len`` (tokens per sequence: the
+    sequences, compile), ``lora`` (low-rank adapters, the base frozen), and what a run
+    adds: ``seq_len`` (tokens per sequence: the
     ``model.block_size`` of the run), ``init_from`` (a Hugging Face checkpoint directory
     the weights come from; "": drawn from ``training.seed``) and ``eos_id`` (the tokenizer's
     end-of-text id: under ``attention_mask = "block_causal"`` it ends documents).
@@ -105,13 +107,14 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     seq_len: int
     init_from: str = ""
     eos_id: int | None = None
 
     def __post_init__(self):
         for name, section in (("parallel", ParallelConfig), ("optimizer", OptimizerConfig),
-                              ("training", TrainingConfig)):
+                              ("training", TrainingConfig), ("lora", LoRAConfig)):
             value = getattr(self, name)
             if not isinstance(value, section):  # a dict of the section's fields
                 object.__setattr__(self, name, section.model_validate(value))
@@ -121,7 +124,7 @@ class EngineConfig:
         """The view of ``cfg``; ``eos_id``: the run's tokenizer's end-of-text id (None: it
         has none)."""
         return cls(parallel=cfg.parallel, optimizer=cfg.optimizer, training=cfg.training,
-                   seq_len=cfg.model.block_size,
+                   lora=cfg.lora, seq_len=cfg.model.block_size,
                    init_from=cfg.model.init_from.removeprefix("hf:"), eos_id=eos_id)
 
 
@@ -251,8 +254,10 @@ class Engine:
             partition_by=par.partition,
             time_sample=(local_batch // par.micro_batches, cfg.seq_len),
             average=self._average, ep=self.ep, all_to_all=par.all_to_all,
-            init_from=cfg.init_from or None)
+            init_from=cfg.init_from or None, lora=cfg.lora)
         self.description: ModelDescription = self.local.description
+        for _, q in self.local.frozen_parameters():  # LoRA's base: kept in the compute dtype
+            q.data = q.data.to(self.dtype)
         assert not (par.sequence_parallel and (cfg.seq_len // topo.cp) % topo.tp), \
             "config: sequence parallelism needs tp to divide model.block_size / cp"
         self.cp: ContextParallel | None = apply_cp(self.description, topo, cfg.seq_len,
@@ -346,7 +351,8 @@ class Engine:
         ``total`` their sum, ``host`` the part of it in host memory (``training.offload``)."""
         seen: set = set()
         params = [q for _, q in self.named_parameters()]
-        out = {"params": sum(storage_bytes_once(seen, q) for q in params)}
+        frozen = [q for _, q in self.local.frozen_parameters()]  # LoRA's base
+        out = {"params": sum(storage_bytes_once(seen, q) for q in params + frozen)}
         out["params"] += sum(storage_bytes_once(seen, t) for t in self.sync.param_shards())
         # ZeRO-1's shards are views into its buckets: a storage is counted once, whole
         grads = [q.grad for q in params] + list(self.sync.grad_shards())

@@ -56,7 +56,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  sequence_parallel: bool = False, partition_by: str = "layers",
                  ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1,
                  schedule: str = "1f1b", state_bytes: int = 8,
-                 offload: bool = False) -> dict:
+                 offload: bool = False, lora=None) -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
@@ -66,7 +66,9 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     ``state_bytes``: AdamW's two moments' bytes per element (8 in fp32, 4 with
     ``optimizer.state_dtype = "bf16"``). ``offload`` (``training.offload = "optimizer"``):
     the masters are copies of their own in host memory even in fp32 (``host``: the
-    optimizer's bytes, all on the host; 0 without offload).
+    optimizer's bytes, all on the host; 0 without offload). ``lora`` (a ``LoRAConfig``
+    with rank > 0): P above is the adapters' elements only, and the frozen base adds its
+    b bytes per element to ``params`` (no gradient, no optimizer state, no ZeRO shard).
     Raises ``ValueError`` as the engine would for a layout it cannot build."""
     ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
     # ZeRO's groups are the replicas: of the dense weights dp x cp (this rank at
@@ -82,8 +84,9 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
             model, pp=pp, pp_rank=pp_rank, chunk_ids=mine,
             n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
             seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
-            ep=RankGroup(size=ep, rank=ep_rank, axis="ep"))
-        named = local.named_parameters()
+            ep=RankGroup(size=ep, rank=ep_rank, axis="ep"), lora=lora)
+        named = local.named_parameters()  # the trainable ones (LoRA: the adapters)
+        frozen = b * sum(q.numel() for _, q in local.frozen_parameters())
         for _, q in named:
             q.data = q.data.to(DTYPES[precision])
         params = [q for _, q in named]
@@ -113,6 +116,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                 S, R = S + owned, R + real
             out = {"params": 0 if b == 4 and not offload else b * S, "grads": b * S,
                    "optimizer": 4 * S + state_bytes * R, "padding": S - R}
+    out["params"] += frozen
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     out["host"] = out["optimizer"] if offload else 0
     return out
@@ -130,7 +134,8 @@ def _units(local, experts: bool | None = None) -> list[int]:
     shared = local.shared_across_chunks()
     if shared is not None:
         raise ValueError(zero3_shared_reason(len(local.chunks), *shared))
-    keep = (lambda q: True) if experts is None else (lambda q: is_expert(q) == experts)
+    keep = ((lambda q: q.requires_grad) if experts is None  # LoRA's frozen base: no unit
+            else (lambda q: q.requires_grad and is_expert(q) == experts))
     tied = {id(q) for n, q in local.named_parameters() if n in local.tied}
     sizes = []
     for c in sorted(local.chunks):

@@ -43,6 +43,7 @@ from shardwise.data.sampler import IGNORE_INDEX
 from shardwise.engine.parallelize import apply_ep, apply_tp
 from shardwise.models.description import ModelDescription, describe
 from shardwise.models.meta_init import InitRecord, materialise, record_init, replay_init
+from shardwise.parallel.lora import apply_lora, full_shape, init_values, is_lora
 from shardwise.parallel.pipeline.partition import (
     Partition,
     balanced,
@@ -108,12 +109,24 @@ class LocalModel:
         return (d.tied[:1] if self.has_first else ()) + (d.tied[1:] if self.has_last else ())
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """``(full model name, parameter)`` of this rank's parameters, chunk by chunk, each
-        parameter once (a tied head listed under the embedding's name, as the model does)."""
+        """``(full model name, parameter)`` of this rank's trainable parameters, chunk by
+        chunk, each parameter once (a tied head listed under the embedding's name, as the
+        model does); with LoRA the adapters only (``frozen_parameters``: the rest)."""
         seen, out = set(), []
         for c in sorted(self.chunks):
             for name, p in self.chunks[c].model_parameters():
-                if id(p) not in seen:
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def frozen_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(full model name, parameter)`` of this rank's frozen parameters (LoRA's base),
+        each once."""
+        seen, out = set(), []
+        for c in sorted(self.chunks):
+            for name, p in self.chunks[c].model_parameters():
+                if id(p) not in seen and not p.requires_grad:
                     seen.add(id(p))
                     out.append((name, p))
         return out
@@ -185,7 +198,8 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
                       device: torch.device, partition_by: str = "layers",
                       partition: Partition | None = None, time_sample: tuple = (1, 1),
                       average: Callable = lambda t: t, ep: RankGroup | None = None,
-                      all_to_all: str = "native", init_from: str | None = None) -> LocalModel:
+                      all_to_all: str = "native", init_from: str | None = None,
+                      lora=None) -> LocalModel:
     """This rank's chunks of ``model`` (a ``ModelDescription`` or a registered config:
     ``GPTConfig``, ``LlamaConfig``) built after ``torch.manual_seed(seed)``, each parameter
     equal (``torch.equal``) to its slice of that model, built without ever materialising
@@ -203,7 +217,9 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     them); ``seed`` is then not used. Raises ``ValueError`` (one line) when tp does not
     divide a size, ep the experts, the plan does not fit the model (under sequence
     parallelism: a mixture of experts not styled "moe"), or there are more chunks than layers, and ``CheckpointError`` (a ``ValueError``) for a checkpoint that lacks a
-    tensor or holds it in another shape.
+    tensor or holds it in another shape. ``lora`` (a ``LoRAConfig`` with rank > 0): low-rank
+    adapters on its targeted linears (``parallel.lora.apply_lora``, before tp sharding), the
+    base frozen; the adapters' values come from ``seed`` in every case (``init_values``).
     """
     d = describe(model)
     ep = ep if ep is not None else RankGroup(axis="ep")
@@ -226,6 +242,9 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
             if d.style_of(n) != "moe":
                 raise ValueError(f"{d.kind}: sequence parallelism needs the tp plan to give "
                                  f"the mixture of experts {n} the style 'moe'")
+    if lora is not None and lora.rank:
+        apply_lora(record.model, lora.targets, lora.rank, lora.alpha, lora.dropout,
+                   styles=d.style_of)
     # the full shapes, before tp sharding replaces the layers' modules (init_from reads them)
     full_shapes = {n: tuple(p.shape) for n, p in record.model.named_parameters()}
     vocab_params = d.vocab_params(record.model)
@@ -253,6 +272,10 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     del layers
     if d.tied is not None:
         _tie(chunks, d.tied, share)
+    if lora is not None and lora.rank:  # the base frozen (the tied head copy too)
+        for c in chunks.values():
+            for name, p in c.model_parameters():
+                p.requires_grad_(is_lora(name))
     local = LocalModel(description=d, chunks=chunks, partition=partition, tp=tp, rng=rng,
                        vocab_params=vocab_params, flops_per_token=flops, ep=ep,
                        moe_layers=moe_layers)
@@ -260,6 +283,17 @@ def build_local_model(model: Any, *, pp: int, pp_rank: int, chunk_ids: list[int]
     if torch.device(device).type != "meta":  # meta: shapes only (engine.memory's prediction)
         _initialise(local, record, seed, torch.device(device), init_from, full_shapes)
     return local
+
+
+@torch.no_grad()
+def _init_adapters(local: LocalModel, seed: int) -> None:
+    """Each adapter parameter := its slice of ``parallel.lora.init_values`` (the layout's
+    slice of a value that depends on the seed and the name only)."""
+    for name, p in local.named_parameters():
+        if is_lora(name):
+            full = init_values(name, full_shape(name, p, local.tp.size), seed)
+            _copy_slice(p.detach(), full.to(p.device, p.dtype), getattr(p, "tp_dim", None),
+                        local.tp.rank)
 
 
 def _tie(chunks: dict[int, StageChunk], tied: tuple[str, str], share: bool) -> None:
@@ -336,9 +370,10 @@ def _initialise(local: LocalModel, record: InitRecord, seed: int, device: torch.
     seen = set()
     for c in sorted(local.chunks):
         for name, p in local.chunks[c].model_parameters():
-            if id(p) not in seen:
+            if id(p) not in seen and not is_lora(name):  # adapters: _init_adapters
                 seen.add(id(p))
                 targets.setdefault(name, []).append(p)
+    _init_adapters(local, seed)
 
     if init_from:  # the training-state buffers the arch names are checkpoint tensors too
         _load_hf(local, init_from, {**targets, **_hf_buffers(local, state)},

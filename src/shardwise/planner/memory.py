@@ -290,7 +290,11 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
     (over pipeline ranks, and tp ranks in the exact path; dp rank 0). ``cp``: ZeRO shards
     over dp x cp; ``ep``: the experts split over ep, sharded by ZeRO over (dp / ep) x cp;
     ``dp_replicate``: HSDP's replicas, the dense shards over (dp / dp_replicate) x cp;
-    ``schedule``: for its chunk placement (zbv's V)."""
+    ``schedule``: for its chunk placement (zbv's V). With ``spec.lora`` (LoRA): gradients,
+    shards and optimizer state of the adapters only (``lora_static_bytes``)."""
+    if spec.lora:
+        return lora_static_bytes(spec, dp, tp, pp, v, zero, precision, sequence_parallel,
+                                 bucket_mb, partition, cp, ep, dp_replicate, schedule)
     # ZeRO-0 has no padding: the per-layer counts; ZeRO 1-3 pad buckets: build the rank
     if spec.params <= EXACT_LIMIT and zero > 0:
         # the engine (and a model) only here: planning a named size imports neither
@@ -314,6 +318,65 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
         if X:
             x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them
             d = {k: d[k] + x[k] for k in d}
+        if best is None or d["total"] > best["total"]:
+            best = d
+    return best
+
+
+def _lora_section(spec: ModelSpec):
+    from shardwise.base.config import LoRAConfig
+
+    return LoRAConfig(rank=spec.lora[0], targets=list(spec.lora[1]))
+
+
+@lru_cache(maxsize=64)
+def adapter_params(spec: ModelSpec, tp: int) -> int:
+    """Adapter elements of one block on tp rank 0 (``spec.lora``; the model built on meta
+    with its adapters, ``parallel.lora``, blocks taken alike: a named size's as one block,
+    a described model's whole, the total over ``n_layer``)."""
+    import torch
+
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    one = spec if spec.description is not None else replace(spec, n_layer=1)
+    with torch.device("meta"):
+        local = build_local_model(one.model(), pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1,
+                                  tp=RankGroup(size=tp, rank=0), seed=0, dropout_seed=0,
+                                  device=torch.device("meta"), lora=_lora_section(spec))
+    return sum(q.numel() for _, q in local.named_parameters()) // one.n_layer
+
+
+@lru_cache(maxsize=4096)
+def lora_static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
+                      precision: str, sequence_parallel: bool = False,
+                      bucket_mb: float = 25.0, partition: str = "layers", cp: int = 1,
+                      ep: int = 1, dp_replicate: int = 1, schedule: str = "1f1b") -> dict:
+    """``static_bytes`` of a LoRA run (``spec.lora``): the frozen base is b bytes an element
+    in ``params`` (no gradient, master, moments or shard), the adapters count as any
+    trainable parameter under ``zero``. Small models exactly (``predict_rank(lora=)``),
+    larger ones from the per-layer counts plus ``adapter_params`` per block."""
+    if spec.params <= EXACT_LIMIT:
+        from shardwise.engine.memory import predict_rank
+
+        best = None
+        for pr in range(pp):
+            for tr in sorted({0, tp - 1}):
+                r = predict_rank(spec.model(), dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
+                                 chunks_per_rank=v, zero=zero, precision=precision,
+                                 bucket_mb=bucket_mb, sequence_parallel=sequence_parallel,
+                                 partition_by=partition, cp=cp, ep=ep,
+                                 dp_replicate=dp_replicate, schedule=schedule,
+                                 lora=_lora_section(spec))
+                if best is None or r["total"] > best["total"]:
+                    best = r
+        return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
+    best, L = None, spec.n_layer
+    for layers in stage_layers(spec, pp, v, partition, schedule):
+        a = adapter_params(spec, tp) * sum(1 for i in layers if 0 < i <= L)
+        d = zero_bytes(a, dp // dp_replicate * cp, zero, precision)
+        d["params"] += BYTES[precision] * rank_params(spec, layers, tp, pp, ep)  # the base
+        d["total"] = d["params"] + d["grads"] + d["optimizer"]
         if best is None or d["total"] > best["total"]:
             best = d
     return best
@@ -345,7 +408,7 @@ def gathered_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, zero: int, precis
     Follows ``parallel.zero.stage3``'s units and prefetch (the comments below say how); not
     counted: a unit's full-size gradients in backward before they are reduce-scattered
     (transient)."""
-    if zero != 3:
+    if zero != 3 or spec.lora:  # LoRA: the frozen base is whole, the adapters' units small
         return 0
     n, b, L = dp // dp_replicate * cp, BYTES[precision], spec.n_layer
     nx = dp // ep * cp  # the ranks holding the same experts (ep > 1)

@@ -171,6 +171,7 @@ class ModelSpec:
     latent_attention: tuple[int, ...] = ()
     attention_mask: str = "causal"
     sandwich_norm: bool = False
+    lora: tuple = ()  # (rank, targets) of a run's [lora] with rank > 0: only adapters train
     dense_share: float = -1.0  # set from dense_layers; kept by replace(spec, n_layer=1)
 
     def __post_init__(self):
@@ -839,7 +840,8 @@ def load_model(text: str, seq: int | None = None) -> ModelSpec:
             data["model"]["block_size"] = seq
             cfg = resolve_init_from(Config.from_dict(data))
         spec = ModelSpec.from_description(describe_config(cfg), name=name)
-        return replace(spec, dropout=cfg.model.dropout or spec.dropout)
+        lora = (cfg.lora.rank, tuple(cfg.lora.targets)) if cfg.lora.rank else ()
+        return replace(spec, dropout=cfg.model.dropout or spec.dropout, lora=lora)
     except SpecError:
         raise
     except ValueError as exc:  # ConfigError, DataError, a model's own size checks

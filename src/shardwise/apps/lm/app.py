@@ -114,12 +114,21 @@ def check_model(cfg: Config, vocab_size: int, eos_id: int | None = None) -> None
     ``from_section`` with ``vocab_size``, tp dividing what its plan splits
     (``ModelDescription.tp_divides``: n_kv_heads for the Llama), and
     under ``attention_mask = "block_causal"`` a tokenizer end-of-text id (``eos_id``) to
-    end documents at. ``ValueError``, one line naming the field."""
+    end documents at, ``lora.targets`` matching linear layers of the blocks.
+    ``ValueError``, one line naming the field."""
     d = describe_section(cfg.model, vocab_size)
     if d.attention_mask == "block_causal" and eos_id is None:
         raise ValueError(BLOCK_CAUSAL_NEEDS_EOS)
     p = cfg.parallel
     check_divisible(d, RankGroup(size=p.tp, axis="parallel.tp"))
+    if cfg.lora.rank:  # lora.targets against the model's linear layers, on meta
+        import torch
+
+        from shardwise.parallel.lora import apply_lora
+
+        with torch.device("meta"):
+            apply_lora(d.build(), cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, 0.0,
+                       styles=d.style_of)
 
 
 def check_data(cfg: Config) -> None:

@@ -87,11 +87,122 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
 
 
 def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> Exported:
+              max_shard_bytes: int = 5 * 2**30, merge_lora: bool = False) -> Exported:
     """Write the checkpoint of ``run_dir`` (``find_checkpoint``) into ``out`` as a Hugging
-    Face model (see the module docstring). ``out`` must be empty or absent. Raises
-    ``ExportError`` / ``CheckpointError`` (one line) for no checkpoint, a damaged or unsafe
-    one, a non-empty ``out``, or a model kind with no Hugging Face architecture."""
+    Face model (see the module docstring). ``out`` must be empty or absent. ``merge_lora``:
+    the run trained LoRA adapters (``lora.rank`` > 0; its checkpoint holds those only), and
+    each adapted weight is written as ``W + alpha / r B A`` over the run's base (its
+    ``model.init_from``, or the model drawn from its seed). Raises ``ExportError`` /
+    ``CheckpointError`` (one line) for no checkpoint, a damaged or unsafe one, a non-empty
+    ``out``, a model kind with no Hugging Face architecture, or ``merge_lora`` that does not
+    match the run."""
+    path, meta, cfg, tok_state, d, source = _open(run_dir, out, step)
+    if cfg.lora.rank and not merge_lora:
+        raise ExportError(f"{path}: a LoRA run's checkpoint holds its adapters only "
+                          f"(lora.rank = {cfg.lora.rank}): export them with --format peft, or "
+                          "the merged model with --format hf --merge-lora")
+    if merge_lora and not cfg.lora.rank:
+        raise ExportError(f"--merge-lora: {path} is not a LoRA run's (lora.rank = 0); export "
+                          "it with --format hf alone")
+    tensors = {k.removeprefix("model."): v
+               for k, v in checkpoint.read_tensors(path, "model.").items()}
+    # training-state buffers the arch has a tensor for (DeepSeek-V3's routing bias)
+    tensors.update({k.removeprefix("buffers."): v
+                    for k, v in checkpoint.read_tensors(path, "buffers.").items()})
+    if merge_lora:
+        tensors = _merged(cfg, d, tensors)
+    with torch.device("meta"):
+        complete = describe(d.hf.complete(d.config)).build()
+    hf_tensors = to_hf_tensors(d, tensors, complete)
+    config_json = d.hf.config_json(d.config, source)
+    if config_json.get("eos_token_id") is None and tok_state.get("eos_id") is not None:
+        config_json["eos_token_id"] = int(tok_state["eos_id"])  # tokenizer_config's eos_token
+
+    def write(out: Path) -> list[str]:
+        files = write_safetensors(out, hf_tensors, max_shard_bytes)
+        _write_json(out / CONFIG, config_json)
+        return [CONFIG] + files + _write_tokenizer(out, tok_state, d.block_size)
+
+    files = _write_all(Path(out), write)
+    return Exported(path, int(meta.get("step", 0)), d.hf.architecture, files,
+                    sum(t.numel() for t in hf_tensors.values()))
+
+
+def export_peft(run_dir: str | Path, out: str | Path, step: int | None = None) -> Exported:
+    """Write the LoRA adapters of the checkpoint of ``run_dir`` into ``out`` as PEFT's
+    ``PeftModel.from_pretrained`` reads them onto the Hugging Face base (the run's
+    ``model.init_from``, or the model ``--format hf`` writes): ``adapter_config.json``
+    (``peft_type`` LORA, ``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules`` a regular
+    expression naming exactly the adapted modules) and ``adapter_model.safetensors``
+    (``base_model.model.<HF module>.lora_A.weight`` (r, in) and ``.lora_B.weight`` (out, r),
+    fp32; PEFT's ``save_pretrained`` names). ``ExportError`` (one line) for a run without
+    LoRA, or an adapted layer that the architecture packs or transposes (GPT-2's Conv1D,
+    Phi-3's qkv_proj), which PEFT cannot adapt as one ``nn.Linear``."""
+    import re
+
+    from safetensors.torch import save_file
+
+    path, meta, cfg, tok_state, d, source = _open(run_dir, out, step)
+    lora = cfg.lora
+    if not lora.rank:
+        raise ExportError(f"--format peft: {path} is not a LoRA run's (lora.rank = 0); "
+                          "export it with --format hf")
+    tensors, modules = {}, []
+    for name, t in sorted(checkpoint.read_tensors(path, "model.").items()):
+        module, _, which = name.removeprefix("model.").rpartition(".")  # ..., lora_A
+        spec = d.hf.tensor(f"{module}.weight")
+        if spec.transpose or spec.part is not None or spec.stacked:
+            raise ExportError(f"--format peft: {module} is {spec.name}, packed or transposed "
+                              f"in {d.hf.architecture}, which PEFT cannot adapt as one "
+                              "nn.Linear; train adapters on other layers (lora.targets), or "
+                              "export with --format hf --merge-lora")
+        hf_module = spec.name.removesuffix(".weight")
+        tensors[f"base_model.model.{hf_module}.{which}.weight"] = t.float().contiguous()
+        modules.append(hf_module)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none",
+              "target_modules": "|".join(re.escape(m) for m in sorted(set(modules))),
+              "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None, "use_rslora": False, "use_dora": False,
+              "base_model_name_or_path": cfg.model.init_from.removeprefix("hf:") or None}
+
+    def write(out: Path) -> list[str]:
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        _write_json(out / "adapter_config.json", config)
+        return ["adapter_config.json", "adapter_model.safetensors"]
+
+    files = _write_all(Path(out), write)
+    return Exported(path, int(meta.get("step", 0)), f"PEFT LoRA for {d.hf.architecture}",
+                    files, sum(t.numel() for t in tensors.values()))
+
+
+@torch.no_grad()
+def _merged(cfg: Config, d, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's tensors (single-process names; the run's ``model.init_from``, or drawn
+    from its ``training.seed`` as the engine does) with each adapted weight merged:
+    ``W + (alpha / r) B A``."""
+    from shardwise.engine.model import build_local_model
+    from shardwise.parallel.tensor_parallel.group import RankGroup
+
+    local = build_local_model(d, pp=1, pp_rank=0, chunk_ids=[0], n_chunks=1, tp=RankGroup(),
+                              seed=cfg.training.seed, dropout_seed=0,
+                              device=torch.device("cpu"),
+                              init_from=cfg.model.init_from.removeprefix("hf:") or None)
+    tensors = {n: p.detach() for n, p in local.named_parameters()}
+    scaling = cfg.lora.alpha / cfg.lora.rank
+    for name, a in adapters.items():
+        if name.endswith(".lora_A"):
+            module = name.removesuffix(".lora_A")
+            w = tensors[f"{module}.weight"]
+            w += scaling * (adapters[f"{module}.lora_B"].to(w.dtype) @ a.to(w.dtype))
+        elif not name.endswith(".lora_B"):
+            tensors[name] = adapters[name]  # a training-state buffer
+    return tensors
+
+
+def _open(run_dir, out, step):
+    """``(checkpoint, meta, config, tokenizer state, description with its export arch, the
+    source config.json)`` of the run's checkpoint; ``out`` checked empty."""
     path = find_checkpoint(run_dir, step)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -125,26 +236,19 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
     if d.hf is None:
         raise ExportError(f"{path}: model.kind={d.kind!r} has no Hugging Face architecture "
                           "(ModelDescription.hf)")
-    tensors = {k.removeprefix("model."): v
-               for k, v in checkpoint.read_tensors(path, "model.").items()}
-    # training-state buffers the arch has a tensor for (DeepSeek-V3's routing bias)
-    tensors.update({k.removeprefix("buffers."): v
-                    for k, v in checkpoint.read_tensors(path, "buffers.").items()})
-    with torch.device("meta"):
-        complete = describe(d.hf.complete(d.config)).build()
-    hf_tensors = to_hf_tensors(d, tensors, complete)
-    config_json = d.hf.config_json(d.config, source)
-    if config_json.get("eos_token_id") is None and tok_state.get("eos_id") is not None:
-        config_json["eos_token_id"] = int(tok_state["eos_id"])  # tokenizer_config's eos_token
+    return path, meta, cfg, tok_state, d, source
+
+
+def _write_all(out: Path, write) -> list[str]:
+    """``write(out)`` (the file names it wrote) into ``out``, made if absent; on any error
+    nothing of it is left there."""
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # read-only, a file on the way, no permission
         raise ExportError(f"--out {out}: cannot create it ({e.strerror or e})") from None
     try:
-        files = write_safetensors(out, hf_tensors, max_shard_bytes)
-        _write_json(out / CONFIG, config_json)
-        files = [CONFIG] + files + _write_tokenizer(out, tok_state, d.block_size)
+        return write(out)
     except BaseException as e:  # no half-written model: --out was empty, so is it again
         for f in out.iterdir():
             if f.is_file():
@@ -155,8 +259,6 @@ def export_hf(run_dir: str | Path, out: str | Path, step: int | None = None,
             raise ExportError(f"--out {out}: cannot write the model ({e.strerror or e}); "
                               "nothing of it is left there") from None
         raise
-    return Exported(path, int(meta.get("step", 0)), d.hf.architecture, files,
-                    sum(t.numel() for t in hf_tensors.values()))
 
 
 def _has_gemma_options(cfg) -> bool:

@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardwise import comm
+from shardwise.parallel.lora import delta as lora_delta
+from shardwise.parallel.lora import has_lora
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.mappings import (
     copy_to_region,
@@ -103,8 +105,10 @@ class ColumnParallelLinear(nn.Module):
         return enter_region(x, self.tp, self.tag)
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's output columns, no communication. (..., in) -> (..., out / N)."""
-        return F.linear(x, self.weight, self.bias)
+        """This rank's output columns, no communication. (..., in) -> (..., out / N); plus a
+        LoRA adapter's, B split as W (``parallel.lora``)."""
+        y = F.linear(x, self.weight, self.bias)
+        return y + lora_delta(self, x) if has_lora(self) else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in)`` -> ``(..., out / N)`` (``gather_output``: ``(..., out)``); the input enters
@@ -148,11 +152,14 @@ class RowParallelLinear(nn.Module):
         parallelism; bias added after."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.tp, tag=self.tag)      # (..., in / N)
-        if self.reduces and self.tp.size > 1 and comm.replay.active():
+        adapter = has_lora(self)
+        if self.reduces and self.tp.size > 1 and comm.replay.active() and not adapter:
             # selective recomputation: keep the reduced output only, not the partial sums
             y = linear_reduce(x, self.weight, self.tp, tag=self.tag)
             return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)                             # partial sums (..., out)
+        if adapter:  # a LoRA adapter's partial sum too, A split as W (parallel.lora)
+            y = y + lora_delta(self, x)
         if not self.reduces:
             return y
         if self.tp.sequence_parallel:

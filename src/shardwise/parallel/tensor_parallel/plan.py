@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from shardwise.models.description import ModelDescription, style_of
+from shardwise.parallel.lora import split_for_tp
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -99,12 +100,16 @@ def _ancestors(sub: str) -> list[str]:
 def _apply(style: str, m: nn.Module, tp: RankGroup, rng: ParallelRNG,
            vocab_size: int | None, entered: bool, tag: str, region: bool = False) -> nn.Module:
     if style == "column":
-        return ColumnParallelLinear(m.in_features, m.out_features, tp, m.bias is not None,
-                                    master=m, tag=tag, enters=not entered)
+        new = ColumnParallelLinear(m.in_features, m.out_features, tp, m.bias is not None,
+                                   master=m, tag=tag, enters=not entered)
+        split_for_tp(new, m, style, tp)  # a LoRA adapter, split as the base
+        return new
     if style == "row":
-        return RowParallelLinear(m.in_features, m.out_features, tp, m.bias is not None,
-                                 input_is_parallel=True, master=m, tag=tag,
-                                 reduces=not region)
+        new = RowParallelLinear(m.in_features, m.out_features, tp, m.bias is not None,
+                                input_is_parallel=True, master=m, tag=tag,
+                                reduces=not region)
+        split_for_tp(new, m, style, tp)
+        return new
     if style == "vocab_embedding":
         return VocabParallelEmbedding(m.num_embeddings, m.embedding_dim, tp, master=m,
                                       tag=tag)
