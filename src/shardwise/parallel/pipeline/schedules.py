@@ -24,7 +24,8 @@ Kinds (``KINDS``):
 - ``zb1p``: ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241):
   each backward split into ``BackwardInput`` (B, the input gradient the previous stage waits
   for) and ``BackwardWeight`` (W, the weight gradient, which can wait); 1F1B's peak memory
-  (at most ``p`` micro-batches held on any rank, from F to W), the W's filling the bubbles.
+  (at most ``p`` micro-batches held on any rank, from F to W), the W's filling the bubbles:
+  the paper's handcrafted order (``_zb_h1_orders``), bubble ``(p-1)/(3m+p-1)`` for m >= p.
 - ``zbv``: ZB-V (same paper): two chunks per rank in a V (``placement``), B/W split, at most
   ``2p`` chunk activations held per rank (1F1B's peak on rank 0); bubble near zero.
 - ``dualpipev``: DualPipeV, the V-shaped ("cut-in-half") DualPipe of DeepSeek-V3
@@ -36,9 +37,9 @@ Kinds (``KINDS``):
   compute with the other's communication (and, for MoE, the all-to-alls); here the pair runs
   in turn, its transfers already overlapped by the executor's communication thread.
 
-The two zero-bubble orders are built greedily on unit costs (F = B = W = 1): each rank, when
-free, runs a ready B (oldest micro-batch first), else a ready F if it holds fewer
-activations than its limit, else its oldest pending W (``_zero_bubble_orders``).
+ZB-V's order is built greedily on unit costs (F = B = W = 1): each rank, when free, runs a
+ready B (oldest micro-batch first), else a ready F if it holds fewer activations than its
+limit, else its oldest pending W (``_zero_bubble_orders``).
 
 Communication is derived, not hand-written: the compute order of every rank is timed on an
 ideal machine with unit costs (``time_orders``, on ``time_lists``: the one schedule timer,
@@ -228,7 +229,9 @@ def compute_order(kind: str, p: int, m: int, v: int = 1) -> list[list[Compute]]:
     validate_args(kind, p, m, v)
     if kind == "dualpipev":
         return _dualpipev_orders(p, m)
-    if kind in SPLIT_BACKWARD_KINDS:
+    if kind == "zb1p":
+        return _zb_h1_orders(p, m)
+    if kind == "zbv":
         place = placement_of(kind, p, v)
         return _zero_bubble_orders(p, m, place, [p * v] * p)  # 1F1B's peak, in chunks
     orders: list[list[Forward | Backward]] = []
@@ -256,6 +259,31 @@ def _interleaved_unit(k: int, p: int, v: int, rank: int, backward: bool) -> Forw
     if backward:
         return Backward(mb, (v - 1 - local) * p + rank)
     return Forward(mb, local * p + rank)
+
+
+def _zb_h1_orders(p: int, m: int) -> list[list[Compute]]:
+    """ZB-H1's order (Qi et al. 2023, section 2.1): 1F1B's, each backward split, and each W
+    deferred until the rank holds ``p`` micro-batches (F run, W not yet), 1F1B's peak on
+    rank 0: rank ``r`` runs its ``p - r - 1`` warm-up forwards, then F and B in turn (a W
+    after the B once ``p`` are held), then B and W in turn, then the deferred W's: the W's
+    fill the cool-down, so the B's reach rank 0 a third sooner than 1F1B's backwards."""
+    orders: list[list[Compute]] = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order: list[Compute] = [Forward(i, r) for i in range(warm)]
+        f = held = warm
+        b = w = 0
+        while f < m:  # steady state
+            order += [Forward(f, r), BackwardInput(b, r)]
+            f, b, held = f + 1, b + 1, held + 1
+            if held >= p:
+                order.append(BackwardWeight(w, r))
+                w, held = w + 1, held - 1
+        while b < m:  # cool-down
+            order += [BackwardInput(b, r), BackwardWeight(w, r)]
+            b, w = b + 1, w + 1
+        orders.append(order + [BackwardWeight(i, r) for i in range(w, m)])
+    return orders
 
 
 def _zero_bubble_orders(p: int, m: int, place: Sequence[int], limit: Sequence[int]
