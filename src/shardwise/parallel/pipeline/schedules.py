@@ -265,8 +265,9 @@ def _zb_h1_orders(p: int, m: int) -> list[list[Compute]]:
     """ZB-H1's order (Qi et al. 2023, section 2.1): 1F1B's, each backward split, and each W
     deferred until the rank holds ``p`` micro-batches (F run, W not yet), 1F1B's peak on
     rank 0: rank ``r`` runs its ``p - r - 1`` warm-up forwards, then F and B in turn (a W
-    after the B once ``p`` are held), then B and W in turn, then the deferred W's: the W's
-    fill the cool-down, so the B's reach rank 0 a third sooner than 1F1B's backwards."""
+    after the B once ``p`` are held), then B and W in turn, then the deferred W's: the B's
+    chain back at one unit a stage and the W's fill the cool-down, a third of 1F1B's bubble
+    on equal costs."""
     orders: list[list[Compute]] = []
     for r in range(p):
         warm = min(p - r - 1, m)
