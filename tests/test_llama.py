@@ -116,6 +116,7 @@ RESUMES = {
     "2x2x2-interleaved-z2->dp2xtp2-z3-sp": ("2x2x2-interleaved-z2", "dp2xtp2-z3-sp"),
     "2x2x2-1f1b-z1->dp2xpp2-zb1p-z1": ("2x2x2-1f1b-z1", "dp2xpp2-zb1p-z1"),
     "2x2x2-zbv-sp-z1->dp2xtp2-z3-sp-gqa": ("2x2x2-zbv-sp-z1", "dp2xtp2-z3-sp-gqa"),
+    "2x2x2-1f1b-z1->dp2xpp2-dualpipev-z1": ("2x2x2-1f1b-z1", "dp2xpp2-dualpipev-z1"),
 }
 
 
