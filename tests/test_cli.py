@@ -25,9 +25,11 @@ from shardwise.cli.main import main
     (["--bogus"], "unrecognised argument '--bogus'"),
     (["--parallel.schedule", "zigzag"], "error: parallel.schedule='zigzag': expected"),
     (["--parallel.schedule", "foo"],  # a choice field: its registry's names, in one line
-     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved, pipedream, zb1p or zbv"),
-    (["--parallel.schedule", "dualpipev"],  # not built: not accepted
-     "parallel.schedule='dualpipev': expected naive, gpipe, 1f1b"),
+     "parallel.schedule='foo': expected naive, gpipe, 1f1b, interleaved, pipedream, zb1p, zbv "
+     "or dualpipev"),
+    (["--parallel.pp", "2", "--parallel.micro_batches", "2", "--parallel.schedule", "dualpipev",
+      "--parallel.chunks_per_rank", "2"],
+     "parallel.micro_batches=2 must be at least 2 x parallel.pp = 4 for the dualpipev schedule"),
     (["--parallel.pp", "2", "--parallel.micro_batches", "2", "--parallel.schedule", "zb1p",
       "--parallel.zero", "3"], "parallel.schedule=zb1p with parallel.zero=3: ZeRO-3 frees"),
     (["--parallel.pp", "2", "--parallel.micro_batches", "2", "--parallel.schedule", "zbv"],

@@ -65,6 +65,11 @@ def _layouts(ws: int) -> dict[str, dict]:
     out["2x2x2-zb1p-untied-z2"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 2,
                                                 "micro_batches": 4, "schedule": "zb1p",
                                                 **SMALL_BUCKETS}, "model": UNTIED}
+    # DualPipeV (fused and split backwards, the V) with tp + SP and ZeRO-1
+    out["2x2x2-dualpipev-sp-z1"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
+                                                 "micro_batches": 4, "schedule": "dualpipev",
+                                                 "chunks_per_rank": 2,
+                                                 "sequence_parallel": True}}
     out["2x2x2-sp-recompute"] = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1,
                                               "micro_batches": 2, "sequence_parallel": True,
                                               "recompute": True}}

@@ -96,6 +96,10 @@ LAYOUTS = {
                                         "chunks_per_rank": 2, "sequence_parallel": True}, {}),
     "dp2xpp2-zb1p-z1": (4, "gqa-tied", {"dp": 2, "tp": 1, "pp": 2, "zero": 1,
                                         "micro_batches": 2, "schedule": "zb1p"}, {}),
+    # DualPipeV: ZB-V's V with fused and split backwards, dp and ZeRO-1
+    "dp2xpp2-dualpipev-z1": (4, "gqa-tied", {"dp": 2, "tp": 1, "pp": 2, "zero": 1,
+                                             "micro_batches": 4, "schedule": "dualpipev",
+                                             "chunks_per_rank": 2}, {}),
 }
 SMOKES = {  # PipeDream: no ZeRO, no clipping (no flush), no embedding tied across stages
     "2x2x2-pipedream": (8, "mha-untied-qk", {**DP2TP2PP2, "schedule": "pipedream"},
@@ -112,6 +116,7 @@ RESUMES = {
     "2x2x2-interleaved-z2->dp2xtp2-z3-sp": ("2x2x2-interleaved-z2", "dp2xtp2-z3-sp"),
     "2x2x2-1f1b-z1->dp2xpp2-zb1p-z1": ("2x2x2-1f1b-z1", "dp2xpp2-zb1p-z1"),
     "2x2x2-zbv-sp-z1->dp2xtp2-z3-sp-gqa": ("2x2x2-zbv-sp-z1", "dp2xtp2-z3-sp-gqa"),
+    "2x2x2-1f1b-z1->dp2xpp2-dualpipev-z1": ("2x2x2-1f1b-z1", "dp2xpp2-dualpipev-z1"),
 }
 
 
@@ -257,8 +262,10 @@ def test_layout_matches_one_process(results, references, name):
     _check_ranks(name, ranks, ref, parallel.get("pp", 1))
     tied = [r for r in ranks if "tied_head" in r]
     if MODELS[model]["tie_weights"] and parallel.get("pp", 1) > 1:  # the copy exists, checked
-        # zbv's V puts the embedding and the head on pipeline rank 0: one parameter, no copy
-        assert len(tied) == (0 if parallel.get("schedule") == "zbv" else ws // 2), name
+        # a V (zbv, dualpipev) puts the embedding and the head on pipeline rank 0: one
+        # parameter, no copy
+        v_shaped = parallel.get("schedule") in ("zbv", "dualpipev")
+        assert len(tied) == (0 if v_shaped else ws // 2), name
 
 
 def test_gqa_key_value_heads_split_over_tp(results):

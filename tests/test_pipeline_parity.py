@@ -58,16 +58,21 @@ PP4 = [
 ]
 SMALL = {"bucket_mb": 1 / 128, "first_bucket_mb": 1 / 128}
 # zero-bubble schedules (split backward): pp = 2 with and without recomputation (timelines
-# saved), pp = 4, and dp = 2 x pp = 2 with ZeRO-1 and ZeRO-2 in small buckets
+# saved), pp = 4, and dp = 2 x pp = 2 with ZeRO-1 and ZeRO-2 in small buckets; DualPipeV
+# (fused and split backwards in one schedule) in each
 ZB_PP2 = [{"schedule": "zb1p", "micro_batches": 4},
           {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2},
           {"schedule": "zb1p", "micro_batches": 4, "recompute": True},
-          {"schedule": "zbv", "micro_batches": 2, "chunks_per_rank": 2, "recompute": True}]
+          {"schedule": "zbv", "micro_batches": 2, "chunks_per_rank": 2, "recompute": True},
+          {"schedule": "dualpipev", "micro_batches": 4, "chunks_per_rank": 2}]
 ZB_PP4 = [{"schedule": "zb1p", "micro_batches": 8},
-          {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2}]
+          {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2},
+          {"schedule": "dualpipev", "micro_batches": 8, "chunks_per_rank": 2}]
 ZB_DP2_PP2 = [{"schedule": "zb1p", "micro_batches": 4, "zero": 1, **SMALL},
               {"schedule": "zbv", "micro_batches": 2, "chunks_per_rank": 2, "zero": 2, **SMALL},
-              {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2, **SMALL}]
+              {"schedule": "zbv", "micro_batches": 4, "chunks_per_rank": 2, **SMALL},
+              {"schedule": "dualpipev", "micro_batches": 4, "chunks_per_rank": 2, "zero": 1,
+               **SMALL}]
 DP2_PP2 = [{"schedule": "gpipe", "micro_batches": 2, **SMALL},
            {"schedule": "1f1b", "micro_batches": 4, "recompute": True},
            {"schedule": "interleaved", "micro_batches": 2, "chunks_per_rank": 2, **SMALL}]
@@ -136,9 +141,10 @@ def test_dp2_pp2_matches_single_process(ref, ws4):
 
 
 def test_zero_bubble_schedules_match_single_process(ref, ws2, ws4):
-    """zb1p and zbv (backward split into B and W) at pp = 2 (with recomputation too), pp = 4
-    and dp = 2 x pp = 2 under ZeRO-1/2 and dp buckets: losses and parameters as one process;
-    every bucket launched before the schedule's end (from the chunk's last W)."""
+    """zb1p, zbv and dualpipev (backward split into B and W; dualpipev fuses some) at pp = 2
+    (with recomputation too), pp = 4 and dp = 2 x pp = 2 under ZeRO-1/2 and dp buckets:
+    losses and parameters as one process; every bucket launched before the schedule's end
+    (from the chunk's last W or fused backward)."""
     (_, _, pp2), run_dir = ws2
     for i in range(len(ZB_PP2)):
         assert_parity([rank[i] for rank in pp2], ref)
@@ -150,14 +156,16 @@ def test_zero_bubble_schedules_match_single_process(ref, ws2, ws4):
             for rank in ws4[3]:
                 n, early = rank[i]["buckets"]
                 assert early == n and n > 2, rank[i]["buckets"]
-    # the recorded timeline: one F, one B and one W per (micro-batch, chunk) held, each W
-    # after its B; nothing in flight after a step
+    # the recorded timeline: one F and one B (split: B then W) per (micro-batch, chunk)
+    # held, each W after its B, no fused one but in dualpipev; nothing in flight after a step
     for i, cfg in enumerate(ZB_PP2):
         events, _ = timeline.load(run_dir / "zb" / str(i))
         n = cfg["micro_batches"] * 2 * cfg.get("chunks_per_rank", 1)
-        for kind in ("Forward", "BackwardInput", "BackwardWeight"):
-            assert sum(e["kind"] == kind for e in events) == n, (cfg, kind)
-        assert not any(e["kind"] == "Backward" for e in events)
+        count = {k: sum(e["kind"] == k for e in events)
+                 for k in ("Forward", "Backward", "BackwardInput", "BackwardWeight")}
+        assert count["Forward"] == count["Backward"] + count["BackwardInput"] == n, cfg
+        assert count["BackwardWeight"] == count["BackwardInput"], cfg
+        assert (count["Backward"] > 0) == (cfg["schedule"] == "dualpipev"), count
         b = {(e["rank"], e["mb"], e["chunk"]): e["end"] for e in events
              if e["kind"] == "BackwardInput"}
         assert all(e["start"] >= b[(e["rank"], e["mb"], e["chunk"])] for e in events

@@ -27,7 +27,8 @@ from shardwise.parallel.pipeline.stream import Stream, cut, stream
 
 def _cases():
     for kind in KINDS:
-        for v in (range(1, 5) if kind == "interleaved" else [2] if kind == "zbv" else [1]):
+        for v in (range(1, 5) if kind == "interleaved" else [2] if kind in ("zbv", "dualpipev")
+                  else [1]):
             yield kind, v
 
 
@@ -37,6 +38,10 @@ def test_every_schedule_is_valid(kind, v):
         for m in range(1, 17):
             if kind == "interleaved" and v > 1 and m % p:
                 with pytest.raises(ScheduleError, match="multiple of p"):
+                    schedule(kind, p, m, v)
+                continue
+            if kind == "dualpipev" and m < 2 * p:
+                with pytest.raises(ScheduleError, match="at least 2p"):
                     schedule(kind, p, m, v)
                 continue
             s = schedule(kind, p, m, v)
@@ -49,6 +54,8 @@ def test_every_schedule_is_valid(kind, v):
                 assert rep.peak_in_flight == (1,) * p
             elif kind in ("zb1p", "zbv"):  # 1F1B's peak (p stages' worth) on every rank
                 assert max(rep.peak_in_flight) <= min(p, m) * v
+            elif kind == "dualpipev":  # DualPipe's p + 1 micro-batches, in half-stages
+                assert max(rep.peak_in_flight) <= 2 * p + 1
             else:  # interleaved, Narayanan et al. SC 2021: warm-up 2(p-r-1) + (v-1)p
                 for r in range(p):
                     warm = min(2 * (p - r - 1) + (v - 1) * p, m * v)
@@ -112,6 +119,8 @@ def test_checker_catches_bad_schedules():
     (("interleaved", 4, 6, 2), "m=6 is not a multiple of p=4"),
     (("zbv", 4, 8, 1), "two chunks per rank in a V, not v=1"),
     (("zb1p", 4, 8, 2), "needs the interleaved"),
+    (("dualpipev", 4, 8, 1), "dualpipev schedule places two chunks per rank in a V, not v=1"),
+    (("dualpipev", 4, 7, 2), "at least 2p = 8 micro-batches, not m=7"),
 ])
 def test_bad_arguments_are_one_line_errors(args, match):
     with pytest.raises(ScheduleError, match=match) as exc:
@@ -229,11 +238,85 @@ def test_checker_catches_bad_split_backwards():
                        split=True))
     fused = tuple(Backward(op.mb, op.chunk) if isinstance(op, BackwardInput) else op
                   for op in r1 if not isinstance(op, BackwardWeight))
-    with pytest.raises(ScheduleError, match="split schedule cannot run Backward"):
-        check(Schedule("x", 2, 2, 1, (r0, fused), split=True))
+    check(Schedule("x", 2, 2, 1, (r0, fused), split=True))  # a split schedule may fuse some
+    with pytest.raises(ScheduleError, match="fused schedule cannot run BackwardInput"):
+        check(Schedule("x", 2, 2, 1, (r0, r1)))
+    both = tuple(x for op in r1 for x in ((op, Backward(op.mb, op.chunk))
+                                          if isinstance(op, BackwardWeight) else (op,)))
+    with pytest.raises(ScheduleError, match="already ran fused or split"):
+        check(Schedule("x", 2, 2, 1, (r0, both), split=True))
     with pytest.raises(ScheduleError, match="never runs BackwardWeight"):
         check(Schedule("x", 2, 2, 1, (r0, tuple(op for op in r1 if op != BackwardWeight(1, 1))),
                        split=True))
     with pytest.raises(ScheduleError, match="does not hold the consumer"):
         wrong = tuple(SendActivation(0, 0, 0) if op == SendActivation(0, 0, 1) else op for op in r0)
         check(Schedule("x", 2, 2, 1, (wrong, r1), split=True))
+
+
+# -- DualPipeV (DeepSeek-V3, arXiv:2412.19437): ZB-V's V, fused and split backwards mixed
+
+def _torch_dualpipev(p: int, m: int) -> list[list]:
+    """torch's ScheduleDualPipeV per-rank order, from its order function alone (no process
+    group): each overlapped pair flattened forward first, as our executor runs it."""
+    from torch.distributed.pipelining import schedules as ts
+
+    sched = ts.ScheduleDualPipeV.__new__(ts.ScheduleDualPipeV)
+    sched.pp_group_size, sched._n_microbatches = p, m
+    kinds = {ts.FORWARD: Forward, ts.FULL_BACKWARD: Backward,
+             ts.BACKWARD_INPUT: BackwardInput, ts.BACKWARD_WEIGHT: BackwardWeight}
+    out = []
+    for r in range(p):
+        ops = []
+        for a in sched._calculate_single_rank_operations(r):
+            for x in (a.sub_actions or (a,)):
+                ops.append(kinds[x.computation_type](x.microbatch_index, x.stage_index))
+        out.append(ops)
+    return out
+
+
+def test_dualpipev_is_torchs_order_and_valid():
+    """The order is torch's ScheduleDualPipeV's; the lists pass the checker (every B after
+    its F, every W after its B, each pair's backward fused or split, no deadlock) for
+    p in {2, 4, 8}, m in {2p, 3p, 4p} (m = p is refused: DualPipe needs m >= 2p)."""
+    for p in (2, 4, 8):
+        for m in (2 * p, 3 * p, 4 * p):
+            assert compute_order("dualpipev", p, m, 2) == _torch_dualpipev(p, m), (p, m)
+            s = schedule("dualpipev", p, m, 2)
+            rep = check(s)
+            assert s.split and s.placement == tuple(c if c < p else 2 * p - 1 - c
+                                                    for c in range(2 * p))
+            assert rep.steps == (1,) * p and max(rep.peak_in_flight) <= 2 * p + 1
+            for r, ops in enumerate(s.ranks):
+                pos = {op: i for i, op in enumerate(ops)}
+                for c in s.chunks_of(r):
+                    for mb in range(m):
+                        if (mb, c) in s.split_pairs:
+                            b, w = BackwardInput(mb, c), BackwardWeight(mb, c)
+                            assert pos[Forward(mb, c)] < pos[b] < pos[w]
+                        else:
+                            assert pos[Forward(mb, c)] < pos[Backward(mb, c)]
+            fused = sum(isinstance(op, Backward) for ops in s.ranks for op in ops)
+            assert 0 < fused < 2 * p * m  # both kinds of backward
+            assert len(s.split_pairs) == 2 * p * m - fused
+    with pytest.raises(ScheduleError, match="at least 2p"):
+        schedule("dualpipev", 4, 4, 2)
+
+
+def test_dualpipev_bubble_on_the_ideal_machine():
+    """Unit costs (F = B = W, a fused backward B + W): DualPipeV's idle fraction is ZB-V's
+    at p = 4, m = 8 (0.059) and below 1F1B's and the interleaved schedule's everywhere."""
+    assert ideal_bubble("dualpipev", 4, 8, 2) == pytest.approx(ideal_bubble("zbv", 4, 8, 2))
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            assert ideal_bubble("dualpipev", p, m, 2) < ideal_bubble("interleaved", p, m, 2)
+
+
+def test_zb1p_reaches_the_papers_zb_h1_bubble():
+    """ZB-H1's handcrafted order (W's deferred into the cool-down): on unit costs its idle
+    fraction is the paper's (p-1)/(3m+p-1) for m >= p (0.111 at p 4, m 8: the greedy order
+    gave 0.172), 1F1B's peak p on every rank; below m = p, 1F1B's order split."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            assert ideal_bubble("zb1p", p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
+            assert check(schedule("zb1p", p, m)).peak_in_flight == (p,) * p
+    assert ideal_bubble("zb1p", 4, 2) < ideal_bubble("1f1b", 4, 2)

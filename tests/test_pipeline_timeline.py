@@ -46,5 +46,17 @@ def test_split_backward_timeline_draws_f_b_w_in_three_colours(kind, v, tmp_path)
     out = timeline.render(events, tmp_path / "zb.png", kind)
     for name, colour in timeline.SPLIT_COLOURS.items():
         assert _has_colour(out, colour), name
+    assert not _has_colour(out, timeline.FUSED_COLOUR)
     fused = timeline.render(timeline.predicted("1f1b", 4, 8), tmp_path / "f.png", "1f1b")
     assert not any(_has_colour(fused, c) for c in timeline.SPLIT_COLOURS.values())
+
+
+def test_dualpipev_timeline_draws_its_fused_backwards_in_a_fourth_colour(tmp_path):
+    """DualPipeV fuses the steady state's backwards and splits the rest: F, B, W and the
+    fused ones (``timeline.FUSED_COLOUR``) on every rank's rows."""
+    events = timeline.predicted("dualpipev", 4, 8, 2)
+    assert {e["kind"] for e in events} == {"Forward", "Backward", "BackwardInput",
+                                           "BackwardWeight"}
+    out = timeline.render(events, tmp_path / "dpv.png", "dualpipev")
+    for colour in (*timeline.SPLIT_COLOURS.values(), timeline.FUSED_COLOUR):
+        assert _has_colour(out, colour), colour

@@ -105,7 +105,8 @@ def test_walk_fast_is_the_walk(p, m, v):
 
 @pytest.mark.parametrize("kind,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1),
                                         ("interleaved", 4, 8, 2), ("pipedream", 3, 5, 1),
-                                        ("naive", 2, 3, 1), ("zb1p", 4, 8, 1), ("zbv", 4, 8, 2)])
+                                        ("naive", 2, 3, 1), ("zb1p", 4, 8, 1), ("zbv", 4, 8, 2),
+                                        ("dualpipev", 4, 8, 2)])
 def test_the_walk_and_the_schedules_share_one_timer(kind, p, m, v):
     """With free transfers, the planner's walk of a schedule's instruction lists times every
     compute where ``schedules.time_orders`` times its compute orders with the same costs
@@ -118,8 +119,10 @@ def test_the_walk_and_the_schedules_share_one_timer(kind, p, m, v):
     costs = [ChunkCost(f, b, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0) for f, b in zip(fwd, bwd)]
     ideal = time_orders(compute_order(kind, p, m, v), p, v, fwd, bwd)
     events = walk(schedule(kind, p, m, v), costs, 0.0).events
-    passes = 3 if kind in ("zb1p", "zbv") else 2  # F, B, W: the backward split
-    assert len(events) == len(ideal) == passes * m * p * v
+    split = sum(isinstance(op, BackwardInput) for order in compute_order(kind, p, m, v)
+                for op in order)  # F, B, W where the backward is split
+    assert len(events) == len(ideal) == 2 * m * p * v + split
+    assert split == (m * p * v if kind in ("zb1p", "zbv") else 0) or kind == "dualpipev"
     ops = {c.__name__: c for c in (Forward, Backward, BackwardInput, BackwardWeight)}
     for e in events:
         op = ops[e["kind"]](e["mb"], e["chunk"])

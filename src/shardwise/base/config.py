@@ -42,8 +42,11 @@ ALL_TO_ALL_ALGORITHMS = ("native", "pairwise", "linear")
 # parallel.context's ways to reach the other ranks' tokens (parallel.cp_comm)
 CP_COMMS = ("ring", "all_to_all", "hybrid")
 # parallel.pipeline.schedules.KINDS
-SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream", "zb1p", "zbv")
-SPLIT_BACKWARD_KINDS = ("zb1p", "zbv")  # backward split into input (B) and weight (W) parts
+SCHEDULE_KINDS = ("naive", "gpipe", "1f1b", "interleaved", "pipedream", "zb1p", "zbv",
+                  "dualpipev")
+# backward split into input (B) and weight (W) parts (dualpipev: some of them)
+SPLIT_BACKWARD_KINDS = ("zb1p", "zbv", "dualpipev")
+V_SHAPED_KINDS = ("zbv", "dualpipev")  # two chunks per rank in a V (schedules.placement_of)
 # parallel.recompute's modes (engine.parallelize.apply_ac, the pipeline executor's "stage")
 RECOMPUTE_MODES = ("none", "stage", "selective", "full")
 
@@ -158,11 +161,11 @@ class ParallelConfig(_Section):
         "all-to-alls: native (the backend's all-to-all), pairwise or linear (ours on "
         "send/recv, bytes counted)")
     schedule: Literal[SCHEDULE_KINDS] = Field("1f1b", description="pipeline schedule with pp "
-                                              "> 1; parallel.micro_batches is its m; zb1p "
-                                              "and zbv split each backward into input and "
-                                              "weight gradients (zero bubble)")
+                                              "> 1; parallel.micro_batches is its m; zb1p, "
+                                              "zbv and dualpipev split each backward into "
+                                              "input and weight gradients (zero bubble)")
     chunks_per_rank: int = Field(1, ge=1, description="model chunks per pipeline rank (v: "
-                                 "interleaved; 2 for zbv)")
+                                 "interleaved; 2 for zbv and dualpipev)")
     partition: Literal[PARTITIONS] = Field("layers", description="pipeline stage balance: "
                                            "by layer count, parameter count or measured "
                                            "forward + backward time")
@@ -580,9 +583,12 @@ class Config(_Section):
         if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
             raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
                              f"parallel.pp={p.pp} for the interleaved schedule")
-        if p.schedule == "zbv" and p.chunks_per_rank != 2:
-            raise ValueError(f"parallel.schedule=zbv places two chunks per rank in a V: set "
-                             f"parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
+        if p.schedule in V_SHAPED_KINDS and p.chunks_per_rank != 2:
+            raise ValueError(f"parallel.schedule={p.schedule} places two chunks per rank in a "
+                             f"V: set parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
+        if p.pp > 1 and p.schedule == "dualpipev" and p.micro_batches < 2 * p.pp:
+            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be at least 2 x "
+                             f"parallel.pp = {2 * p.pp} for the dualpipev schedule")
         if split_backward_refusal(p.schedule, p.zero, p.recompute):
             raise ValueError(split_backward_refusal(p.schedule, p.zero, p.recompute))
         if p.schedule == "pipedream" and t.precision == "fp16":

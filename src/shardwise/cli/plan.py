@@ -79,8 +79,8 @@ def build_parser():
                     "cluster with FP8 tensor cores: dgx-h100); priced, not emitted: "
                     "shardwise train runs fp8 with tp = 1 only")
     ap.add_argument("--zero-bubble", action="store_true", help="also search the zero-bubble "
-                    "pipeline schedules zb1p and zbv (backward split into input and weight "
-                    "gradients), emitted by --emit-toml")
+                    "pipeline schedules zb1p, zbv and dualpipev (backward split into input and "
+                    "weight gradients), emitted by --emit-toml")
     ap.add_argument("--selective", action="store_true", help="also search selective "
                     "recomputation (parallel.recompute = \"selective\": matmul and attention "
                     "outputs kept, the rest recomputed; layout name rc=sel), emitted by "

@@ -23,7 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=4, help="pipeline stages p (default 4)")
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches m (default 8)")
     ap.add_argument("--chunks-per-rank", type=int, default=1,
-                    help="model chunks per rank v: interleaved, 2 for zbv (default 1)")
+                    help="model chunks per rank v: interleaved, 2 for zbv and dualpipev "
+                         "(default 1)")
     args = ap.parse_args(argv)
     try:
         if args.predict:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from shardwise.base.config import V_SHAPED_KINDS
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import BYTES, padded_vocab, rank_expert_params, rank_params
@@ -236,8 +237,9 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
     """The all-reduce of a tied embedding's gradient between the first and last pipeline
-    ranks (``r`` one of them, pp > 1; zbv holds both on rank 0: none), else 0."""
-    if lay.pp > 1 and spec.tie_weights and (r in (0, lay.pp - 1)) and lay.schedule != "zbv":
+    ranks (``r`` one of them, pp > 1; a V holds both on rank 0: none), else 0."""
+    if lay.pp > 1 and spec.tie_weights and r in (0, lay.pp - 1) \
+            and lay.schedule not in V_SHAPED_KINDS:
         return cluster.link(lay.tp * lay.cp * lay.pp).all_reduce(
             2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * BYTES[precision])
     return 0.0

@@ -71,10 +71,20 @@ def fp8_reason(cluster: Cluster) -> str:
     return f"fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores"
 
 
+def micro_batches_reason(kind: str, pp: int, m: int) -> str | None:
+    """Why schedule ``kind`` cannot run ``m`` micro-batches over ``pp`` stages, or None."""
+    if kind == "interleaved" and m % pp:
+        return f"interleaved needs micro-batches m={m} divisible by pp={pp}"
+    if kind == "dualpipev" and m < 2 * pp:
+        return f"dualpipev needs micro-batches m={m} >= 2 pp = {2 * pp}"
+    return None
+
+
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
-    if lay.schedule == "interleaved" and lay.micro_batches % lay.pp:
-        return f"interleaved needs micro-batches m={lay.micro_batches} divisible by pp={lay.pp}"
+    why = micro_batches_reason(lay.schedule, lay.pp, lay.micro_batches)
+    if why:
+        return why
     mode = ("selective" if lay.selective or lay.recompute == "selective" else
             "full" if lay.recompute == "full" else "stage" if lay.recompute else "none")
     refusal = split_backward_refusal(lay.schedule, lay.zero, mode)

@@ -78,7 +78,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from shardwise.parallel.pipeline.partition import balanced
-from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.base.config import SPLIT_BACKWARD_KINDS, V_SHAPED_KINDS
 from shardwise.parallel.pipeline.check import check
 from shardwise.parallel.pipeline.schedules import placement_of, schedule as build_schedule
 from shardwise.parallel.pipeline.schedules import warmup_forwards
@@ -313,7 +313,7 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
                     best = r
         return {k: best[k] for k in ("params", "grads", "optimizer", "total")}
     best = None
-    for P, X in _stage_params(spec, pp, v, partition, tp, ep, schedule == "zbv"):
+    for P, X in _stage_params(spec, pp, v, partition, tp, ep, schedule in V_SHAPED_KINDS):
         d = zero_bytes(P - X, dp // dp_replicate * cp, zero, precision)
         if X:
             x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them

@@ -73,7 +73,7 @@ def walk(sched, costs: list[ChunkCost], p2p: float) -> Walk:
     pipeline's timer (``pipeline.schedules.time_lists``); returns per rank the end of its last
     compute, its busy compute seconds and its tp seconds, and the timeline events, as a
     ``Walk``. Raises ``ScheduleError`` if the lists deadlock."""
-    p, n, place, split = sched.p, sched.n_chunks, sched.placement, sched.split
+    p, n, place, split = sched.p, sched.n_chunks, sched.placement, sched.split_pairs
     computes = (Forward, Backward, BackwardInput, BackwardWeight)
 
     def price(r, ins):
@@ -208,7 +208,7 @@ def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas:
     def ready_time(r, ins):
         """When ``ins``'s inputs are there (None: not yet known)."""
         deps = [finished.get(d) for d in list_deps(r, ins, p, n_chunks, sched.placement,
-                                                   sched.split)]
+                                                   sched.split_pairs)]
         return None if None in deps else max(deps, default=0.0)
 
     def _advance(r, wake):

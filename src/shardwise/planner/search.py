@@ -52,7 +52,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from operator import add
 
-from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.base.config import SPLIT_BACKWARD_KINDS, V_SHAPED_KINDS
 from shardwise.parallel.pipeline.schedules import placement_of
 from shardwise.planner.comm_price import blocking_p2p, dp_seconds, p2p_bytes, tied_seconds
 from shardwise.planner.compute import optimizer_seconds
@@ -63,6 +63,7 @@ from shardwise.planner.feasible import (  # noqa: F401 (prune_reason: importable
     cp_reason,
     fp8_reason,
     layout_reason,
+    micro_batches_reason,
     prune_reason,
     tp_reason,
 )
@@ -278,7 +279,7 @@ class Bounds:
         collectives after the flush, the tied embedding's all-reduce, the optimizer (the
         same functions)."""
         key = (lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.partition, lay.zero,
-               lay.cp, lay.ep, lay.dp_replicate, lay.schedule == "zbv")  # zbv: its V
+               lay.cp, lay.ep, lay.dp_replicate, lay.schedule in V_SHAPED_KINDS)  # its V
         x = self._extras.get(key)
         if x is None:
             spec, cl, prec = self.spec, self.cluster, self.precision
@@ -350,12 +351,13 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
 
 def _schedules(pp: int, schedules, vs) -> list[tuple[str, int]]:
     """The (kind, v) schedules of the space at ``pp``: 1F1B, interleaved at each of ``vs``,
-    and the zero-bubble ``zb1p`` (v 1) and ``zbv`` (v 2) when ``schedules`` names them."""
+    and the zero-bubble ``zb1p`` (v 1), ``zbv`` and ``dualpipev`` (v 2) when ``schedules``
+    names them."""
     if pp == 1:
         return [("1f1b", 1)]
     return [("1f1b", 1)] + ([("interleaved", v) for v in vs] if "interleaved" in schedules
-                            else []) + [(k, 2 if k == "zbv" else 1) for k in SPLIT_BACKWARD_KINDS
-                                        if k in schedules]
+                            else []) + [(k, 2 if k in V_SHAPED_KINDS else 1)
+                                        for k in SPLIT_BACKWARD_KINDS if k in schedules]
 
 
 def _space(spec, world, global_batch, micro_batches, schedules, vs, pp_max, cps):
@@ -510,6 +512,10 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 for mb in mbs:
                     m = per // mb
                     at = Layout(dp, tp, pp, mb, m, kind, v, partition=cut_by, cp=c)
+                    why = micro_batches_reason(kind, pp, m) if pp > 1 else None
+                    if why and kind == "dualpipev":  # its memory walks its lists: none here
+                        pruned.append(Pruned(at, why, count=n_mb))
+                        continue
                     # memory_of(static=False) of each, without building the layouts
                     acts = {(rc, sel, s): activation_bytes(
                         spec, mb=mb, tp=tp, pp=pp, micro_batches=m, v=v, schedule=kind, sp=s,

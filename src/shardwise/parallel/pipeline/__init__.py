@@ -1,8 +1,8 @@
 """Pipeline parallelism: schedules as data, a checker, partitioning, one executor, timelines.
 
 - ``schedules``: ``schedule(kind, p, m, v)`` -> ``Schedule`` (instruction lists per rank)
-  for naive, GPipe, 1F1B, interleaved 1F1B, PipeDream and the zero-bubble ZB-H1 (``zb1p``)
-  and ZB-V (``zbv``); ``time_orders`` for ideal timings.
+  for naive, GPipe, 1F1B, interleaved 1F1B, PipeDream and the zero-bubble ZB-H1 (``zb1p``),
+  ZB-V (``zbv``) and DualPipeV (``dualpipev``); ``time_orders`` for ideal timings.
 - ``split_backward``: a chunk's backward in two, B (input gradient) and W (weights).
 - ``check``: ``check(schedule)`` validates any schedule without processes.
 - ``partition``: balanced contiguous cuts by layer count, parameters or profiled time.

@@ -4,8 +4,9 @@
 
 1. every chunk's forward and backward runs exactly once per micro-batch, on the rank that
    holds the chunk (``Schedule.rank_of``), the backward after the forward; a split backward
-   (``Schedule.split``) runs its ``BackwardInput`` after the forward and its
-   ``BackwardWeight`` after that, and no fused ``Backward``;
+   runs its ``BackwardInput`` after the forward and its ``BackwardWeight`` after that; a
+   fused schedule (``not Schedule.split``) runs no split one, a split schedule runs each
+   pair's backward split or fused (DualPipeV has both), never both;
 2. every input is there when used: a chunk's forward follows the receive of its input (or
    the local forward of the previous chunk), a backward follows the receive of its output
    gradient (or the local backward of the next chunk), a send follows what it sends;
@@ -72,18 +73,21 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
     received: set = set()
     live = peak = warmup = steps = 0
     seen_backward = False
-    bwd = BackwardInput if s.split else Backward  # what makes a chunk's input gradient
+
+    def grad_made(mb: int, chunk: int) -> bool:  # the input gradient of chunk on mb
+        return Backward(mb, chunk) in done or BackwardInput(mb, chunk) in done
+
     for i, op in enumerate(s.ranks[r]):
         where = f"rank {r} instruction {i} ({op})"
-        if isinstance(op, (Backward, BackwardInput, BackwardWeight)) and \
-                isinstance(op, Backward) == s.split:
-            raise ScheduleError(f"{where}: a {'split' if s.split else 'fused'} schedule "
-                                f"cannot run {type(op).__name__}")
+        if isinstance(op, (BackwardInput, BackwardWeight)) and not s.split:
+            raise ScheduleError(f"{where}: a fused schedule cannot run {type(op).__name__}")
         if isinstance(op, (Forward, Backward, BackwardInput, BackwardWeight)):
             if op.chunk not in mine or not 0 <= op.mb < s.m:
                 raise ScheduleError(f"{where}: chunk/micro-batch not held by this rank")
             if op in done:
                 raise ScheduleError(f"{where}: runs twice")
+        if isinstance(op, (Backward, BackwardInput)) and grad_made(op.mb, op.chunk):
+            raise ScheduleError(f"{where}: the backward already ran fused or split")
         if isinstance(op, Forward):
             if op.chunk > 0 and Forward(op.mb, op.chunk - 1) not in done \
                     and ("act", op.mb, op.chunk) not in received:
@@ -93,10 +97,10 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
         elif isinstance(op, (Backward, BackwardInput)):
             if Forward(op.mb, op.chunk) not in done:
                 raise ScheduleError(f"{where}: backward before its forward")
-            if op.chunk < n - 1 and bwd(op.mb, op.chunk + 1) not in done \
+            if op.chunk < n - 1 and not grad_made(op.mb, op.chunk + 1) \
                     and ("grad", op.mb, op.chunk) not in received:
                 raise ScheduleError(f"{where}: output gradient not received yet")
-            live, seen_backward = live - (not s.split), True
+            live, seen_backward = live - isinstance(op, Backward), True
         elif isinstance(op, BackwardWeight):
             if BackwardInput(op.mb, op.chunk) not in done:
                 raise ScheduleError(f"{where}: weight gradient before its input gradient")
@@ -108,7 +112,7 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
             if Forward(op.mb, op.chunk) not in done:
                 raise ScheduleError(f"{where}: sends an activation not computed yet")
         elif isinstance(op, SendGrad):
-            if bwd(op.mb, op.chunk) not in done:
+            if not grad_made(op.mb, op.chunk):
                 raise ScheduleError(f"{where}: sends a gradient not computed yet")
         elif isinstance(op, RecvActivation):
             received.add(("act", op.mb, op.chunk))
@@ -121,8 +125,9 @@ def _check_rank(s: Schedule, r: int) -> tuple[int, int, int]:
         done.add(op)
     for c in mine:
         for mb in range(s.m):
-            for op in ((Forward(mb, c), BackwardInput(mb, c), BackwardWeight(mb, c))
-                       if s.split else (Forward(mb, c), Backward(mb, c))):
+            fused = not s.split or Backward(mb, c) in done
+            for op in ((Forward(mb, c), Backward(mb, c)) if fused
+                       else (Forward(mb, c), BackwardInput(mb, c), BackwardWeight(mb, c))):
                 if op not in done:
                     raise ScheduleError(f"rank {r} never runs {op}")
     if not s.weight_stashing and (steps != 1 or not isinstance(s.ranks[r][-1], OptimizerStep)):

@@ -20,7 +20,8 @@ Options:
   backward differentiates that same copy, then adds the gradient to the live weights'
   ``.grad`` (Narayanan et al. 2019, section 3.3).
 
-Split backward (``schedule.split``, the zero-bubble schedules): ``BackwardInput`` runs autograd
+Split backward (``schedule.split``, the zero-bubble schedules; DualPipeV fuses some of its
+backwards and splits the others, each instruction runs as itself): ``BackwardInput`` runs autograd
 to the chunk's input only and hands the input gradient on at once (``split_backward``);
 ``BackwardWeight`` later accumulates the parameters' gradients in ``.grad`` through autograd,
 so gradient hooks (dp buckets, ZeRO-2) see what the fused ``Backward`` gives them; under

@@ -24,13 +24,22 @@ Kinds (``KINDS``):
 - ``zb1p``: ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241):
   each backward split into ``BackwardInput`` (B, the input gradient the previous stage waits
   for) and ``BackwardWeight`` (W, the weight gradient, which can wait); 1F1B's peak memory
-  (at most ``p`` micro-batches held on any rank, from F to W), the W's filling the bubbles.
+  (at most ``p`` micro-batches held on any rank, from F to W), the W's filling the bubbles:
+  the paper's handcrafted order (``_zb_h1_orders``), bubble ``(p-1)/(3m+p-1)`` for m >= p.
 - ``zbv``: ZB-V (same paper): two chunks per rank in a V (``placement``), B/W split, at most
   ``2p`` chunk activations held per rank (1F1B's peak on rank 0); bubble near zero.
+- ``dualpipev``: DualPipeV, the V-shaped ("cut-in-half") DualPipe of DeepSeek-V3
+  (arXiv:2412.19437, section 3.2; github.com/deepseek-ai/DualPipe), in the order torch's
+  ``ScheduleDualPipeV`` gives: ZB-V's V, a steady state that pairs one micro-batch's forward
+  of one chunk with another's backward of the other chunk, fused backwards (``Backward``)
+  where nothing waits for a W and split ones (B, then W) where the W's fill the warm-up and
+  the drain; needs ``m >= 2p`` (``_dualpipev_orders``). On a GPU each pair overlaps its
+  compute with the other's communication (and, for MoE, the all-to-alls); here the pair runs
+  in turn, its transfers already overlapped by the executor's communication thread.
 
-The two zero-bubble orders are built greedily on unit costs (F = B = W = 1): each rank, when
-free, runs a ready B (oldest micro-batch first), else a ready F if it holds fewer
-activations than its limit, else its oldest pending W (``_zero_bubble_orders``).
+ZB-V's order is built greedily on unit costs (F = B = W = 1): each rank, when free, runs a
+ready B (oldest micro-batch first), else a ready F if it holds fewer activations than its
+limit, else its oldest pending W (``_zero_bubble_orders``).
 
 Communication is derived, not hand-written: the compute order of every rank is timed on an
 ideal machine with unit costs (``time_orders``, on ``time_lists``: the one schedule timer,
@@ -43,11 +52,11 @@ deadlock even when a send blocks until the matching receive is posted (``check``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Callable, NamedTuple, Sequence
 
 from shardwise.base.config import SCHEDULE_KINDS as KINDS  # one list, the config's too
-from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.base.config import SPLIT_BACKWARD_KINDS, V_SHAPED_KINDS
 
 
 class ScheduleError(ValueError):
@@ -146,8 +155,9 @@ Compute = Forward | Backward | BackwardInput | BackwardWeight
 class Schedule:
     """``ranks[r]`` is pipeline rank ``r``'s instruction list. ``weight_stashing``: the executor
     must keep, per micro-batch, the weights its forward used (PipeDream). ``placement[c]``:
-    the rank of chunk ``c`` (empty: ``c % p``). ``split``: the backward is split into
-    ``BackwardInput`` and ``BackwardWeight`` (zero-bubble schedules)."""
+    the rank of chunk ``c`` (empty: ``c % p``). ``split``: backwards may be split into
+    ``BackwardInput`` and ``BackwardWeight`` (zero-bubble schedules; a pair's backward is
+    then split or fused, ``split_pairs``); else every backward is a fused ``Backward``."""
 
     kind: str
     p: int
@@ -171,11 +181,18 @@ class Schedule:
         """The pipeline rank that holds chunk ``chunk``."""
         return self.placement[chunk] if self.placement else chunk % self.p
 
+    @cached_property
+    def split_pairs(self) -> frozenset[tuple[int, int]]:
+        """The ``(mb, chunk)`` pairs whose backward is split (a ``BackwardInput`` in the
+        lists): what ``list_deps`` takes as ``split``."""
+        return frozenset((op.mb, op.chunk) for ops in self.ranks for op in ops
+                         if isinstance(op, BackwardInput))
+
 
 def placement_of(kind: str, p: int, v: int) -> tuple[int, ...]:
     """The rank of each chunk: ZB-V's V (chunk ``c`` on rank ``c`` for ``c < p``, on
     ``2p - 1 - c`` after); ``c % p`` otherwise."""
-    if kind == "zbv":
+    if kind in V_SHAPED_KINDS:
         return tuple(c if c < p else 2 * p - 1 - c for c in range(2 * p))
     return tuple(c % p for c in range(p * v))
 
@@ -187,9 +204,12 @@ def validate_args(kind: str, p: int, m: int, v: int = 1) -> None:
     for name, val in (("p (pipeline stages)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v)):
         if not isinstance(val, int) or val < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {val!r}")
-    if kind == "zbv" and v != 2:
-        raise ScheduleError(f"the zbv schedule places two chunks per rank in a V, not v={v}")
-    if v > 1 and kind not in ("interleaved", "zbv"):
+    if kind in V_SHAPED_KINDS and v != 2:
+        raise ScheduleError(f"the {kind} schedule places two chunks per rank in a V, not v={v}")
+    if kind == "dualpipev" and m < 2 * p:
+        raise ScheduleError(f"the dualpipev schedule needs at least 2p = {2 * p} micro-batches, "
+                            f"not m={m}")
+    if v > 1 and kind not in ("interleaved",) + V_SHAPED_KINDS:
         raise ScheduleError(f"v={v} chunks per rank needs the interleaved schedule, not {kind!r}")
     if kind == "interleaved" and v > 1 and m % p:
         raise ScheduleError(f"interleaved schedule needs micro-batches divisible by the stages: "
@@ -207,7 +227,11 @@ def warmup_forwards(p: int, m: int, v: int, rank: int) -> int:
 def compute_order(kind: str, p: int, m: int, v: int = 1) -> list[list[Compute]]:
     """Per rank, the order of its forwards and backwards (no communication yet)."""
     validate_args(kind, p, m, v)
-    if kind in SPLIT_BACKWARD_KINDS:
+    if kind == "dualpipev":
+        return _dualpipev_orders(p, m)
+    if kind == "zb1p":
+        return _zb_h1_orders(p, m)
+    if kind == "zbv":
         place = placement_of(kind, p, v)
         return _zero_bubble_orders(p, m, place, [p * v] * p)  # 1F1B's peak, in chunks
     orders: list[list[Forward | Backward]] = []
@@ -235,6 +259,32 @@ def _interleaved_unit(k: int, p: int, v: int, rank: int, backward: bool) -> Forw
     if backward:
         return Backward(mb, (v - 1 - local) * p + rank)
     return Forward(mb, local * p + rank)
+
+
+def _zb_h1_orders(p: int, m: int) -> list[list[Compute]]:
+    """ZB-H1's order (Qi et al. 2023, section 2.1): 1F1B's, each backward split, and each W
+    deferred until the rank holds ``p`` micro-batches (F run, W not yet), 1F1B's peak on
+    rank 0: rank ``r`` runs its ``p - r - 1`` warm-up forwards, then F and B in turn (a W
+    after the B once ``p`` are held), then B and W in turn, then the deferred W's: the B's
+    chain back at one unit a stage and the W's fill the cool-down, a third of 1F1B's bubble
+    on equal costs."""
+    orders: list[list[Compute]] = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order: list[Compute] = [Forward(i, r) for i in range(warm)]
+        f = held = warm
+        b = w = 0
+        while f < m:  # steady state
+            order += [Forward(f, r), BackwardInput(b, r)]
+            f, b, held = f + 1, b + 1, held + 1
+            if held >= p:
+                order.append(BackwardWeight(w, r))
+                w, held = w + 1, held - 1
+        while b < m:  # cool-down
+            order += [BackwardInput(b, r), BackwardWeight(w, r)]
+            b, w = b + 1, w + 1
+        orders.append(order + [BackwardWeight(i, r) for i in range(w, m)])
+    return orders
 
 
 def _zero_bubble_orders(p: int, m: int, place: Sequence[int], limit: Sequence[int]
@@ -281,17 +331,74 @@ def _zero_bubble_orders(p: int, m: int, place: Sequence[int], limit: Sequence[in
     return orders
 
 
-def _deps(op: Compute, n_chunks: int, split: bool = False) -> list[Compute]:
+def _dualpipev_orders(p: int, m: int) -> list[list[Compute]]:
+    """DualPipeV's compute order per rank (see the module docstring): rank ``r`` holds chunk
+    ``r`` (phase 0, going down the V) and ``2p - 1 - r`` (phase 1, coming back). Its eight
+    steps, as DualPipe's ``dualpipev.py`` and torch's ``ScheduleDualPipeV`` run them: F0 x
+    2(p-r-1); (F0 F1) x (r+1); (B1 W F1) x (p-r-1); (F0 Bfused1 F1 Bfused0) x (m-2p+r+1);
+    (Bfused1 F1 Bfused0) x (p-r-1); (B1 B0) x (r+1), fused until the middle one and split
+    after; (W B0) x (p-r-1); W x (r+1). Each W is the oldest one owed."""
+    orders: list[list[Compute]] = []
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        order: list[Compute] = []
+        count: dict = {}  # (forward or backward, chunk) -> its next micro-batch
+        owed: list[BackwardWeight] = []
+
+        def run(kind, chunk: int) -> None:
+            key = (kind is Forward, chunk)
+            mb = count[key] = count.get(key, -1) + 1
+            order.append(kind(mb, chunk))
+            if kind is BackwardInput:
+                owed.append(BackwardWeight(mb, chunk))
+
+        def weight() -> None:
+            if owed:
+                order.append(owed.pop(0))
+
+        for _ in range(2 * (p - r - 1)):
+            run(Forward, c0)
+        for _ in range(r + 1):
+            run(Forward, c0), run(Forward, c1)
+        for _ in range(p - r - 1):
+            run(BackwardInput, c1), weight(), run(Forward, c1)
+        for _ in range(m - 2 * p + r + 1):  # the steady state: F of one, B of the other
+            run(Forward, c0), run(Backward, c1), run(Forward, c1), run(Backward, c0)
+        for _ in range(p - r - 1):
+            run(Backward, c1), run(Forward, c1), run(Backward, c0)
+        split = False  # the drain's second half splits its backwards
+        for i in range(r + 1):
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            run(BackwardInput if split else Backward, c1)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            run(BackwardInput if split else Backward, c0)
+        for _ in range(p - r - 1):
+            weight(), run(BackwardInput, c0)
+        for _ in range(r + 1):
+            weight()
+        orders.append(order)
+    return orders
+
+
+def _grad_op(mb: int, chunk: int, split) -> Backward | BackwardInput:
+    """What computes the gradient of chunk ``chunk``'s input on ``mb``: its ``BackwardInput``
+    if ``split`` (a bool for every pair, or the set of split ``(mb, chunk)`` pairs) says so,
+    else its ``Backward``."""
+    is_split = split if isinstance(split, bool) else (mb, chunk) in split
+    return (BackwardInput if is_split else Backward)(mb, chunk)
+
+
+def _deps(op: Compute, n_chunks: int, split=False) -> list[Compute]:
     """Compute results ``op`` needs: the previous chunk's forward, the next chunk's backward
-    (its ``BackwardInput`` when ``split``) and, for a backward, its own forward; a
-    ``BackwardWeight`` its own ``BackwardInput``."""
+    (``_grad_op``: its ``BackwardInput`` where ``split``) and, for a backward, its own
+    forward; a ``BackwardWeight`` its own ``BackwardInput``."""
     if isinstance(op, Forward):
         return [Forward(op.mb, op.chunk - 1)] if op.chunk > 0 else []
     if isinstance(op, BackwardWeight):
         return [BackwardInput(op.mb, op.chunk)]
     deps: list[Compute] = [Forward(op.mb, op.chunk)]
     if op.chunk < n_chunks - 1:
-        deps.append((BackwardInput if split else Backward)(op.mb, op.chunk + 1))
+        deps.append(_grad_op(op.mb, op.chunk + 1, split))
     return deps
 
 
@@ -349,15 +456,16 @@ def time_lists(lists: Sequence[Sequence], price: Callable, done: dict | None = N
 
 
 def list_deps(r: int, ins, p: int, n_chunks: int, placement: Sequence[int] = (),
-              split: bool = False) -> list:
+              split=False) -> list:
     """What instruction ``ins`` of rank ``r`` in a schedule's lists (``Schedule.ranks``)
     waits on: a compute its input computed on this rank, or else the send that brings it
     (``SendActivation``/``SendGrad`` to ``r``); a send, the compute whose result it sends.
-    Chunk ``c`` lives on rank ``placement[c]`` (empty: ``c % p``); ``split``: the schedule's
-    backward is split (``Schedule.split``)."""
-    if isinstance(ins, (SendActivation, SendGrad)):
-        bwd = BackwardInput if split else Backward
-        return [(Forward if isinstance(ins, SendActivation) else bwd)(ins.mb, ins.chunk)]
+    Chunk ``c`` lives on rank ``placement[c]`` (empty: ``c % p``); ``split``: the split
+    backwards (``Schedule.split_pairs``, or a bool for all or none)."""
+    if isinstance(ins, SendActivation):
+        return [Forward(ins.mb, ins.chunk)]
+    if isinstance(ins, SendGrad):
+        return [_grad_op(ins.mb, ins.chunk, split)]
     deps = _deps(ins, n_chunks, split)
     out = [deps[0]] if not isinstance(ins, Forward) else []
     for d in deps[len(out):]:
@@ -394,7 +502,8 @@ def time_orders(orders: Sequence[Sequence[Compute]], p: int, v: int = 1,
         bc = list(backward_cost)
     half = [c / 2 for c in bc]
     cost = {Forward: fc, Backward: bc, BackwardInput: half, BackwardWeight: half}
-    split = any(isinstance(op, BackwardInput) for order in orders for op in order)
+    split = {(op.mb, op.chunk) for order in orders for op in order
+             if isinstance(op, BackwardInput)}
     times = time_lists(
         orders, lambda r, op: (COMPUTE_STREAM, _deps(op, n, split), cost[type(op)][op.chunk]),
         done, not_before).times
@@ -452,7 +561,7 @@ def schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     orders = compute_order(kind, p, m, v)
     times = time_orders(orders, p, v)
     pipedream = kind == "pipedream"
-    place = placement_of(kind, p, v) if kind == "zbv" else ()
+    place = placement_of(kind, p, v) if kind in V_SHAPED_KINDS else ()
     ranks = _with_comm(orders, times, p, p * v, step_every_backward=pipedream, placement=place)
     if not pipedream:
         ranks = [r + (OptimizerStep(),) for r in ranks]

@@ -7,7 +7,8 @@ alone (``predicted``, the ideal-machine simulation with backward = 2 x forward).
 the same picture (``render``): ranks as rows, rank 0 on top, one box per forward / backward,
 coloured by micro-batch (backwards darker) and labelled with it, like the figures of GPipe
 and PipeDream; a split backward's timeline (zero-bubble schedules) colours F, B and W in
-three colours instead, as the zero-bubble paper's figures do.
+three colours instead, as the zero-bubble paper's figures do (a fused backward among them,
+DualPipeV's, in a fourth: ``FUSED_COLOUR``).
 
 Command line (``shardwise.cli.timeline``)::
 
@@ -26,6 +27,7 @@ from shardwise.parallel.pipeline.stream import stream, time_stream
 
 COMPUTE_KINDS = ("Forward", "Backward", "BackwardInput", "BackwardWeight")
 SPLIT_COLOURS = {"Forward": "#4c72b0", "BackwardInput": "#dd8452", "BackwardWeight": "#55a868"}
+FUSED_COLOUR = "#8172b3"  # a fused backward (B and W at once) in a split timeline
 LETTER = {"Forward": "F", "Backward": "B", "BackwardInput": "B", "BackwardWeight": "W"}
 
 
@@ -105,7 +107,7 @@ def render(events: Sequence[dict], path: str | Path, title: str = "", unit: str 
         row = len(ranks) - 1 - ranks.index(e["rank"])
         start, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
         fwd = e["kind"] == "Forward"
-        color = SPLIT_COLOURS[e["kind"]] if split else cmap(e["mb"] % cmap.N)
+        color = SPLIT_COLOURS.get(e["kind"], FUSED_COLOUR) if split else cmap(e["mb"] % cmap.N)
         alpha = 1.0 if split or not fwd else 0.55
         ax.barh(row, width, left=start, height=0.8, color=color, alpha=alpha,
                 edgecolor="black", linewidth=0.5, hatch=None if e["chunk"] < len(ranks) else "//")
@@ -120,6 +122,8 @@ def render(events: Sequence[dict], path: str | Path, title: str = "", unit: str 
     hatched = ", hatched: second and later chunks" if any(e["chunk"] >= len(ranks) for e in comp) else ""
     colours = ("blue: F, orange: B (input gradient), green: W (weight gradient)" if split
                else "pale: forward, dark: backward")
+    if split and any(e["kind"] == "Backward" for e in comp):
+        colours += ", purple: fused B + W"
     ax.set_title(f"{title}  (idle fraction {bubble:.3f}; {colours}{hatched})".strip(),
                  fontsize=9)
     fig.tight_layout()
