@@ -1,13 +1,15 @@
 """Wall time of the command line as a user meets it: the door (``shardwise --help``,
-``--version``, ``train --help``, and a misspelt key in a TOML, told in one line with exit 2;
-target: each under 1 s on 2 cores, torch not imported), and a 3-step bf16 training run of
-the tiny GPT on one CPU rank (budget: 15 s on 2 cores), each run a few times in a fresh
-process.
+``--version``, the helps of ``train``, ``memory`` and ``plan``, a misspelt key in a TOML and
+a misspelt ``model.kind``, the last two told in one line with exit 2; target: each under
+1 s on 2 cores, torch not imported), and a 3-step bf16 training run of the tiny GPT on one
+CPU rank (budget: 15 s on 2 cores), each run a few times in a fresh process.
 
     python benchmarks/cli_startup.py            # 3 repeats; writes cli_results/cli_startup.txt
     python benchmarks/cli_startup.py --repeats 5
     python benchmarks/cli_startup.py --door-only --baseline /work/main/src \
         --out benchmarks/cli_results/cli_door.txt   # the door rows, another tree's code too
+    python benchmarks/cli_startup.py --door-only --only "memory --help" "plan --help" gtp \
+        --baseline OLD/src --append --out benchmarks/cli_results/cli_door.txt   # some rows
 
 ``--baseline SRC`` times each door command with the code under SRC as well, run by run in
 turn with this checkout's (so both meet the same load), labelled ``before`` and ``after``.
@@ -90,6 +92,10 @@ def main() -> int:
     ap.add_argument("--door-only", action="store_true", help="only the door rows (no training run)")
     ap.add_argument("--baseline", type=Path, metavar="SRC",
                     help="time the door rows with the shardwise tree under SRC too (before)")
+    ap.add_argument("--only", nargs="+", metavar="WORDS", help="only the door rows whose "
+                    "command contains one of WORDS (e.g. 'memory --help')")
+    ap.add_argument("--append", action="store_true", help="append to --out (a section of "
+                    "its own) instead of replacing it")
     args = ap.parse_args()
     command = " ".join(["python benchmarks/cli_startup.py", *sys.argv[1:]])
     lines = [f"# shardwise CLI wall times, {time.strftime('%Y-%m-%d %H:%M')}",
@@ -111,8 +117,14 @@ def main() -> int:
         commands = [("shardwise --help", ["--help"], 0, trees),
                     ("shardwise --version", ["--version"], 0, trees),
                     ("shardwise train --help", ["train", "--help"], 0, trees),
+                    ("shardwise memory --help", ["memory", "--help"], 0, trees),
+                    ("shardwise plan --help", ["plan", "--help"], 0, trees),
                     ("shardwise train --config typo.toml  ([training] stepz = 3)",
-                     ["train", "--config", str(typo)], 2, trees)]
+                     ["train", "--config", str(typo)], 2, trees),
+                    ("shardwise train --model.kind gtp", ["train", "--model.kind", "gtp"], 2,
+                     trees)]
+        if args.only:
+            commands = [c for c in commands if any(w in c[0] for w in args.only)]
         if not args.door_only:
             commands.append(("shardwise " + " ".join(TRAIN), TRAIN, 0, trees[-1:]))
         for label, argv, expected, runs_in in commands:
@@ -151,7 +163,10 @@ def main() -> int:
     print("\n".join(verdicts))
     lines += verdicts
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    if args.append and args.out.exists():
+        text = args.out.read_text() + "\n" + text
+    args.out.write_text(text)
     print(f"written: {args.out}")
     return 0 if worst < BUDGET_S and door < DOOR_S else 1
 

@@ -88,13 +88,15 @@ def test_plan_of_a_named_size_imports_no_engine_and_no_dynamo():
 
 def test_config_errors_and_help_are_answered_without_importing_torch(tmp_path):
     """The door of ``shardwise``: a misspelt key in a TOML, a wrong type, an unknown option,
-    ``--help``, ``--version`` and ``train --help`` are answered (exit 2, or 0 for the helps)
-    before torch is imported: torch takes seconds to import, a typo should take none."""
+    a misspelt model kind (its "did you mean"), ``--help``, ``--version`` and the helps of
+    ``train``, ``memory`` and ``plan`` are answered (exit 2, or 0 for the helps) before torch
+    is imported: torch takes seconds to import, a typo should take none."""
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nstepz = 3\n")
-    cases = [["--help"], ["--version"], ["train", "--help"], ["train", "--config", str(bad)],
+    cases = [["--help"], ["--version"], ["train", "--help"], ["memory", "--help"],
+             ["plan", "--help"], ["train", "--config", str(bad)],
              ["train", "--training.steps", "abc"], ["train", "--parallel.dpp", "2"],
-             ["train", "--bogus", "1"]]
+             ["train", "--bogus", "1"], ["train", "--model.kind", "gtp"]]
     out = _fresh(
         "import contextlib, io, sys\n"
         "from shardwise.cli.main import main\n"
@@ -107,7 +109,16 @@ def test_config_errors_and_help_are_answered_without_importing_torch(tmp_path):
         "            code = e.code\n"
         "    print(' '.join(argv[:2]), code, 'torch' in sys.modules)")
     got = [line.rsplit(" ", 2)[1:] for line in out.splitlines()]
-    assert got == [["0", "False"]] * 3 + [["2", "False"]] * 4, out
+    assert got == [["0", "False"]] * 5 + [["2", "False"]] * 5, out
+    # the kind's line is the registry's own, with its guess, before any model is imported
+    kind = _fresh("import contextlib, io\n"
+                  "from shardwise.cli.main import main\n"
+                  "err = io.StringIO()\n"
+                  "with contextlib.redirect_stderr(err):\n"
+                  "    main(['train', '--model.kind', 'gtp'])\n"
+                  "print(err.getvalue().strip())")
+    assert kind.startswith("shardwise: error: model.kind='gtp': not a registered model (gpt, "
+                           "llama, cnn); did you mean 'gpt', or set model.module"), kind
 
 
 def test_docs_api_covers_every_name():

@@ -172,45 +172,52 @@ def _torchrun(corpus, out, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_restarts_resume_to_the_uninterrupted_result(corpus, tmp_path):
-    """A rank SIGKILLed mid-run, under ``shardwise train --max-restarts 1`` and under
-    ``torchrun --max-restarts 1``: both finish with the uninterrupted run's parameters."""
-    args = ("--training.steps", "300", "--checkpoint.every", "40", "--checkpoint.keep", "2")
+# the local launcher's restart in make test; torchrun's own (--max-restarts) in the slow set
+# (torchrun starts a gang as tests/test_torchrun.py does; the resume path is the same)
+@pytest.mark.parametrize("launcher", ["local", pytest.param("torchrun",
+                                                            marks=pytest.mark.slow)])
+def test_restarts_resume_to_the_uninterrupted_result(corpus, tmp_path, launcher):
+    """A rank SIGKILLed mid-run, under ``shardwise train --max-restarts 1`` or under
+    ``torchrun --max-restarts 1``: the run finishes with the uninterrupted run's parameters,
+    and one metrics row per step (none duplicated by the restart)."""
+    steps = 200
+    args = ("--training.steps", str(steps), "--checkpoint.every", "30", "--checkpoint.keep",
+            "2")
     straight = _train(corpus, tmp_path / "straight", *args)
-    local = _train(corpus, tmp_path / "local", *args, "--max-restarts", "1")
-    elastic = _torchrun(corpus, tmp_path / "torchrun", *args)
-    pending = {"local": local, "torchrun": elastic}
-    deadline = time.monotonic() + 180
-    while pending and time.monotonic() < deadline:  # both run at once: kill each at step >= 90
-        for run, proc in list(pending.items()):
-            if proc.poll() is not None:
-                out = proc.communicate()
-                raise AssertionError(f"{run} ended before a rank was killed: "
-                                     f"{''.join(x or '' for x in out)[-3000:]}")
-            if _last_step(tmp_path / run / "metrics.jsonl") >= 90:
-                ranks = _ranks(proc.pid) if run == "local" else children_of(proc.pid)
-                assert len(ranks) == 2
-                os.kill(max(ranks), signal.SIGKILL)
-                del pending[run]
+    run = tmp_path / launcher
+    proc = (_train(corpus, run, *args, "--max-restarts", "1") if launcher == "local"
+            else _torchrun(corpus, run, *args))
+    deadline, killed = time.monotonic() + 180, False
+    while not killed and time.monotonic() < deadline:  # kill a rank at step >= 70
+        if proc.poll() is not None:
+            out = proc.communicate()
+            raise AssertionError(f"{launcher} ended before a rank was killed: "
+                                 f"{''.join(x or '' for x in out)[-3000:]}")
+        if _last_step(run / "metrics.jsonl") >= 70:
+            ranks = _ranks(proc.pid) if launcher == "local" else children_of(proc.pid)
+            assert len(ranks) == 2
+            os.kill(max(ranks), signal.SIGKILL)
+            killed = True
         time.sleep(0.05)
-    assert not pending, f"{list(pending)} never reached step 90"
-    out, err = local.communicate(timeout=300)
-    assert local.returncode == 0, err[-3000:]
-    assert "restart 1 of 1" in err and "resumed from" in out, err[-3000:]
-    log = elastic.communicate(timeout=300)[0]
-    assert elastic.returncode == 0, log[-3000:]
-    assert "resumed from" in log, log[-3000:]  # only a restarted gang finds a checkpoint
+    assert killed, f"{launcher} never reached step 70"
+    if launcher == "local":
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert "restart 1 of 1" in err and "resumed from" in out, err[-3000:]
+    else:
+        log = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, log[-3000:]
+        assert "resumed from" in log, log[-3000:]  # only a restarted gang finds a checkpoint
     assert straight.wait(timeout=300) == 0
-    final = {run: checkpoint.read_tensors(tmp_path / run / "checkpoints" / "step_000300", "model.")
-             for run in ("straight", "local", "torchrun")}
+    last = checkpoint.checkpoint_name(steps)
+    final = {r: checkpoint.read_tensors(tmp_path / r / "checkpoints" / last, "model.")
+             for r in ("straight", launcher)}
     assert final["straight"]
-    for run in ("local", "torchrun"):
-        assert final[run].keys() == final["straight"].keys()
-        for name, t in final["straight"].items():
-            assert torch.equal(final[run][name], t), (run, name)
-        steps = [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")
-                 if r["kind"] == "train"]
-        assert steps == list(range(1, 301)), run  # no duplicate rows after the restart
+    assert final[launcher].keys() == final["straight"].keys()
+    for name, t in final["straight"].items():
+        assert torch.equal(final[launcher][name], t), (launcher, name)
+    rows = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "train"]
+    assert rows == list(range(1, steps + 1)), launcher  # no duplicate rows after the restart
 
 
 def test_the_fork_servers_quick_exit_is_only_the_servers():

@@ -42,6 +42,10 @@ def test_namespace_hosts_are_isolated():
         assert net.pids(net[0]) == net.pids(net[1]) == []
 
 
+# slow set: 16 ranks on 2 cores (30 s quiet, 77 s under load); make test keeps torchrun's
+# two nodes (tests/test_torchrun.py, loopback) and namespace hosts (this file's isolation
+# test; tests/test_fault_tolerance.py's lost host heals across them)
+@pytest.mark.slow
 def test_two_hosts_torchrun_equals_one_host(corpus, tmp_path):
     """torchrun --nnodes 2 across two namespace hosts, 4 ranks each: the losses of one host
     (the embedded launcher, 8 local ranks); no process left on either host."""

@@ -3,13 +3,14 @@ losses and parameters as without it, bit for bit, and the ops it keeps for backw
 matmuls and attention only.
 
 With collectives in the layers (tp with and without SP, cp, ZeRO-3, experts, and combined
-layouts), two spawns (2 and 4 ranks) train every layout of ``LAYOUTS`` without and with
-selective recomputation, each 3 steps on the same global batches: the losses and
-parameters are bit for bit those without it and within 1e-5 of one process; every step
-moves the same collectives with the same bytes (the recorded ones are replayed, not sent
-again), except under cp, whose ring shifts of K and V run again, one per layer and
-micro-batch and ring hop; and the forwards hold fewer bytes (malloc's count when backward
-begins). About 30 s here.
+layouts), two spawns (2 and 4 ranks; the one of 4 also trains full recomputation's
+``FULL_LAYOUTS``) train every layout of ``LAYOUTS`` without and with selective
+recomputation, each 3 steps on the same global batches: the losses and parameters are bit
+for bit those without it and within 1e-5 of one process; every step moves the same
+collectives with the same bytes (the recorded ones are replayed, not sent again), except
+under cp, whose ring shifts of K and V run again, one per layer and micro-batch and ring
+hop; and the forwards hold fewer bytes (malloc's count when backward begins). About 55 s
+here, both recomputations.
 """
 
 import functools
@@ -186,15 +187,37 @@ def _config(corpus, out, model, parallel) -> dict:
 
 
 @pytest.fixture(scope="module")
-def layouts(corpus, tmp_path_factory):
+def four_ranks(corpus, tmp_path_factory):
+    """One spawn of 4 ranks for both recomputations: ``LAYOUTS``' 4-rank layouts (plain and
+    selective), then ``FULL_LAYOUTS`` (plain and full); name -> (config, per-rank pairs)."""
+    sel = [n for n, (w, *_) in LAYOUTS.items() if w == 4]
+    cfgs = [_config(corpus, tmp_path_factory.mktemp(n), *LAYOUTS[n][1:3]) for n in sel]
+    cfgs += [_config(corpus, tmp_path_factory.mktemp(n), *FULL_LAYOUTS[n][:2])
+             for n in FULL_LAYOUTS]
+    variants = [{"recompute": "selective"}] * len(sel) + [
+        {"recompute": "full", "recompute_every": FULL_LAYOUTS[n][2]} for n in FULL_LAYOUTS]
+    with pytest.MonkeyPatch.context() as mp:  # the ranks' malloc without thread caches
+        mp.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")  # (recompute_workers)
+        ranks = spawn(recompute_worker, 4, (cfgs, variants))
+    return {n: (c, [r[i] for r in ranks])
+            for i, (n, c) in enumerate(zip([*sel, *FULL_LAYOUTS], cfgs))}
+
+
+@pytest.fixture(scope="module")
+def layouts(corpus, tmp_path_factory, four_ranks):
     """name -> (config, [(plain, selective) per rank], one process's run or None)."""
     out, refs = {}, {}
     for ws in (2, 4):
         names = [n for n, (w, *_) in LAYOUTS.items() if w == ws]
-        cfgs = [_config(corpus, tmp_path_factory.mktemp(n), *LAYOUTS[n][1:3]) for n in names]
-        with pytest.MonkeyPatch.context() as mp:  # the ranks' malloc without thread caches
-            mp.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")  # (recompute_workers)
-            ranks = spawn(recompute_worker, ws, (cfgs,))
+        if ws == 2:
+            cfgs = [_config(corpus, tmp_path_factory.mktemp(n), *LAYOUTS[n][1:3])
+                    for n in names]
+            with pytest.MonkeyPatch.context() as mp:  # the ranks' malloc without thread caches
+                mp.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")  # (recompute_workers)
+                ranks = spawn(recompute_worker, ws, (cfgs,))
+        else:  # in the spawn the full recomputation's layouts share
+            cfgs = [four_ranks[n][0] for n in names]
+            ranks = [[four_ranks[n][1][r] for n in names] for r in range(4)]
         for i, (name, cfg) in enumerate(zip(names, cfgs)):
             model = LAYOUTS[name][1]
             if LAYOUTS[name][3] and str(model) not in refs:
@@ -373,16 +396,9 @@ FULL_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def full_layouts(corpus, tmp_path_factory):
-    """name -> (config, [(plain, full) per rank]): one spawn of 4 ranks."""
-    names = list(FULL_LAYOUTS)
-    cfgs = [_config(corpus, tmp_path_factory.mktemp(n), FULL_LAYOUTS[n][0], FULL_LAYOUTS[n][1])
-            for n in names]
-    variants = [{"recompute": "full", "recompute_every": FULL_LAYOUTS[n][2]} for n in names]
-    with pytest.MonkeyPatch.context() as mp:  # the ranks' malloc without thread caches
-        mp.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")  # (recompute_workers)
-        ranks = spawn(recompute_worker, 4, (cfgs, variants))
-    return {n: (c, [r[i] for r in ranks]) for i, (n, c) in enumerate(zip(names, cfgs))}
+def full_layouts(four_ranks):
+    """name -> (config, [(plain, full) per rank]): in the 4-rank spawn selective's share."""
+    return {n: four_ranks[n] for n in FULL_LAYOUTS}
 
 
 def test_full_recomputation_per_block_trains_as_without_it(full_layouts):

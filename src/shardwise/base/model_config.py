@@ -15,6 +15,7 @@ the kind. Imports nothing of shardwise's (base is the bottom layer).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import sys
@@ -365,15 +366,29 @@ class ModelConfig(LlamaModelConfig, GPTModelConfig):
     refusals: ClassVar[dict[str, str]] = {}
 
 
-# model.kind -> its section class: shardwise's own; register_section adds a user's
+# model.kind -> its section class: the kinds a config may name (read at the door, before
+# torch: models' registry adds each kind it registers, ModelConfig for a config type of its own)
 _SECTIONS: dict[str, type[ModelSection]] = {"gpt": GPTModelConfig, "llama": LlamaModelConfig,
                                             "cnn": ModelSection}
 
 
-def register_section(kind: str, cls: type[ModelSection]) -> None:
+def register_section(kind: str, cls: type[ModelSection] | None = None) -> None:
     """Make ``cls`` the ``[model]`` section of ``model.kind = kind`` (``register_model`` calls
-    it for a config type that subclasses ``ModelSection``)."""
-    _SECTIONS[kind] = cls
+    it for every kind: None, a config type of the kind's own, keeps the section a name
+    already has, else ``ModelConfig``)."""
+    if cls is not None:
+        _SECTIONS[kind] = cls
+    else:
+        _SECTIONS.setdefault(kind, ModelConfig)
+
+
+def unknown_kind(name: str, kinds: tuple[str, ...]) -> str:
+    """The one line for ``model.kind = name`` when no kind of ``kinds`` is it, with the
+    nearest as a guess."""
+    close = difflib.get_close_matches(name, kinds, n=1)
+    guess = f"did you mean {close[0]!r}, or " if close else ""
+    return (f"model.kind={name!r}: not a registered model ({', '.join(kinds)}); {guess}set "
+            "model.module to the module that registers it with shardwise.register_model")
 
 
 def section_class(kind: str) -> type[ModelSection]:
@@ -391,6 +406,8 @@ def model_section(data: dict[str, Any]) -> ModelSection:
     import_model_module(data.get("module", ""))
     explicit = "kind" in data
     kind = data.get("kind", "gpt")
+    if isinstance(kind, str) and kind not in _SECTIONS:  # before torch: the door's answer
+        raise ValueError(unknown_kind(kind, tuple(_SECTIONS)))
     cls = ModelConfig if data.get("init_from") and not explicit else section_class(kind)
     return cls.model_validate(own_fields(data, cls))
 

@@ -107,11 +107,13 @@ def cmd_train(args, extra: list[str]) -> int:
     except (ConfigError, DataError, RunError, ValueError) as e:
         print(f"shardwise: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if is_rank0:
+    if is_rank0:  # on their own lines (a restarted rank's follow its dead gang's bar)
+        from shardwise.training.console import status
+
         for note in [device_note] if device_note else []:
-            print(note, file=sys.stderr, flush=True)
+            status(note, file=sys.stderr)
         for note in plan.notes:
-            print(f"shardwise: {note}", file=sys.stderr, flush=True)
+            status(f"shardwise: {note}", file=sys.stderr)
     resume_from = str(plan.resume_from) if plan.resume_from else False
 
     # plan.lock (the out_dir flock) stays held while this frame lives, i.e. for the whole run
@@ -164,6 +166,7 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
     from shardwise.apps.registry import app_for
     from shardwise.base.errors import RunError
     from shardwise.training import rundir
+    from shardwise.training.console import status  # not inside a dead rank's bar
 
     def _terminate(signum, frame):
         raise launch.Interrupted(signum)
@@ -188,28 +191,28 @@ def _run_local(cfg, resume_from: str | bool, max_restarts: int, device: str = "a
             rundir.clean_stale(Path(cfg.training.out_dir), cfg.checkpoint_dir)
             kept = _keep_traceback(cfg, e)
             if e.fatal:  # one line; exit 2 when the user can fix it (a full disk, a setting)
-                print(f"shardwise: error: {e}{f' ({kept})' if kept else ''}", file=sys.stderr)
+                status(f"shardwise: error: {e}{f' ({kept})' if kept else ''}", file=sys.stderr)
                 return EXIT_USAGE if e.usage else 1
             if restarts >= max_restarts:
-                print(f"shardwise: training failed: {e}", file=sys.stderr)
+                status(f"shardwise: training failed: {e}", file=sys.stderr)
                 if kept:
-                    print(f"shardwise: {kept}", file=sys.stderr)
+                    status(f"shardwise: {kept}", file=sys.stderr)
                 return 1
             restarts += 1
-            print(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
-                  f"{max_restarts}", file=sys.stderr, flush=True)
+            status(f"shardwise: {str(e).splitlines()[0].rstrip(':')}; restart {restarts} of "
+                   f"{max_restarts}", file=sys.stderr)
             try:
                 again = rundir.prepare(cfg, "auto", restart=True, lock=False)  # ours already
             except (RunError, ValueError) as e2:
-                print(f"shardwise: error: {e2}", file=sys.stderr)
+                status(f"shardwise: error: {e2}", file=sys.stderr)
                 return 1
             for note in again.notes:
-                print(f"shardwise: {note}", file=sys.stderr, flush=True)
+                status(f"shardwise: {note}", file=sys.stderr)
             resume_from = str(again.resume_from) if again.resume_from else False
         except (launch.Interrupted, KeyboardInterrupt) as e:
             signum = getattr(e, "signum", signal.SIGINT)
-            print(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
-                  f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
+            status(f"shardwise: stopped by {signal.Signals(signum).name}: every rank ended; "
+                   f"checkpoints so far are in {cfg.checkpoint_dir}", file=sys.stderr)
             return 128 + signum
     print(_closing_line(cfg, results[app_for(cfg).result_rank(cfg)], started))
     return 0

@@ -43,8 +43,6 @@ import sys
 
 from shardwise.base.config import RECOMPUTE_MODES
 from shardwise.cli.common import EXIT_USAGE, Parser
-from shardwise.planner.memory import MiB, unit_for, zero_bytes
-from shardwise.planner.specs import NAMED
 
 
 def measure_worker(cfg_dict: dict) -> dict:
@@ -62,6 +60,7 @@ def _layout_table(args, stages: list[int]) -> int:
     ``--measure`` the bytes each rank holds after one step beside it."""
     from shardwise.base.config import Config
     from shardwise.engine.memory import predict_rank
+    from shardwise.planner.memory import MiB, unit_for
     from shardwise.planner.specs import describe_config, full_size
 
     over = {"parallel.dp": args.dp, "parallel.tp": args.tp, "parallel.pp": args.pp,
@@ -157,7 +156,7 @@ def _activation_lines(cfg, d, args) -> None:
     """The peak activation bytes per rank (busiest pipeline rank) without recomputation and
     with ``args.recompute``, from the planner's memory model."""
     from shardwise.base.words import count
-    from shardwise.planner.memory import activation_bytes
+    from shardwise.planner.memory import activation_bytes, unit_for
     from shardwise.planner.specs import ModelSpec
 
     p = cfg.parallel
@@ -217,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute-every", type=int, default=1, help="with --recompute full: "
                     "every N-th block checkpointed (parallel.recompute_every)")
     ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MiB")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv)  # --help answered here, before the planner imports torch
+    from shardwise.planner.memory import MiB, unit_for, zero_bytes
+    from shardwise.planner.specs import NAMED
+
     try:
         stages = [int(s) for s in args.stages.split(",")]
         if any(s not in (0, 1, 2, 3) for s in stages):

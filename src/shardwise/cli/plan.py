@@ -20,8 +20,6 @@ from pathlib import Path
 
 from shardwise.base.config import SPLIT_BACKWARD_KINDS
 from shardwise.cli.common import EXIT_USAGE, Parser
-from shardwise.planner.memory import GiB, unit_for
-from shardwise.planner.specs import SpecError, load_model, positive_number
 
 
 def build_parser():
@@ -107,7 +105,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return _run(args)
-    except (SpecError, ValueError) as exc:
+    except ValueError as exc:  # planner.specs.SpecError among them
         print(f"shardwise plan: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -131,7 +129,9 @@ def _cnn(argv: list[str]) -> int:
 
 def _run(args) -> int:
     from shardwise.planner.hardware import get_cluster
+    from shardwise.planner.memory import GiB
     from shardwise.planner.search import plan, smallest_need
+    from shardwise.planner.specs import SpecError, load_model, positive_number
 
     world = positive_number(args.gpus, "--gpus", integer=True)
     batch = positive_number(args.global_batch, "--global-batch", integer=True)
@@ -231,6 +231,8 @@ def _run(args) -> int:
 
 def _sizes(text: str, flag: str) -> list[int]:
     """``"1,2,4"`` as whole numbers > 0, each once, ascending (one-line error otherwise)."""
+    from shardwise.planner.specs import positive_number
+
     return sorted({int(positive_number(x.strip(), flag, integer=True)) for x in text.split(",")})
 
 
@@ -293,6 +295,8 @@ def parameter_count(n: float) -> str:
 
 def _limit_words(cluster, world, limit) -> str:
     """How much memory each layout may fill, and why: the preset's less its reserve."""
+    from shardwise.planner.memory import GiB
+
     if cluster.reserved and limit == cluster.memory_per_rank(world):
         return (f"{limit / GiB:.3g} of {cluster.memory / GiB:.3g} GiB each: "
                 f"{cluster.reserved / GiB:.3g} left free")
@@ -300,6 +304,8 @@ def _limit_words(cluster, world, limit) -> str:
 
 
 def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
+    from shardwise.planner.memory import unit_for
+
     unit, div = unit_for(max(r.memory["total"] for r in rows))
     tokens = batch * spec.block_size
     labels = [c.layout.label() for c in rows]
@@ -343,6 +349,8 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     that train refuses it on CUDA today. The config gets a run of its own: ``training.out_dir``
     ``runs/<PATH's stem>`` (beside the model TOML's own ``out_dir``, if it sets one), and the
     checkpoints under it (a ``checkpoint.dir`` is not copied). Returns the path."""
+    from shardwise.planner.specs import SpecError
+
     if lay.fp8 or lay.selective:
         what = ("FP8 (shardwise train runs it with tp = 1 only)" if lay.fp8 else
                 "attention-core recomputation (shardwise train's selective is torch's "

@@ -73,14 +73,18 @@ own; ``examples/own_decoder.py`` registers one of yours.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import torch.nn as nn
 
-from shardwise.base.model_config import ModelSection, import_model_module, register_section
+from shardwise.base.model_config import (
+    ModelSection,
+    import_model_module,
+    register_section,
+    unknown_kind,
+)
 
 from shardwise.base.config import ATTENTION_MASKS
 
@@ -334,6 +338,8 @@ def register_model(name: str, config_type: type, describe: Callable[[Any], Model
     if isinstance(config_type, type) and issubclass(config_type, ModelSection):
         register_section(name, config_type)
         from_section = from_section or _section_itself
+    else:
+        register_section(name)  # a name the config's door knows
     if from_section is None:
         raise TypeError(f"register_model({name!r}): from_section is needed for a config type "
                         "that is not a ModelSection")
@@ -356,11 +362,7 @@ def model_kind(name: str) -> ModelKind:
     """The registered kind ``name``; ``ValueError`` (one line, listing the kinds) if none."""
     kinds = model_kinds()
     if name not in _KINDS:
-        close = difflib.get_close_matches(name, kinds, n=1)
-        guess = f"did you mean {close[0]!r}, or " if close else ""
-        raise ValueError(f"model.kind={name!r}: not a registered model ({', '.join(kinds)}); "
-                         f"{guess}set model.module to the module that registers it with "
-                         "shardwise.register_model")
+        raise ValueError(unknown_kind(name, kinds))
     return _KINDS[name]
 
 

@@ -39,6 +39,7 @@ from shardwise.base.config import Config
 from shardwise.base.errors import NonFiniteLossError
 from shardwise.engine import settle
 from shardwise.perf import Peak, Throughput, peak_flops
+from shardwise.training import console
 from shardwise.training.loggers import RunLog
 from shardwise.training.memory import memory_postfix, peak_memory, reset_peaks
 
@@ -205,8 +206,8 @@ def progress_bar(total: int, initial: int):
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at os._exit
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                mininterval=0.5)
+    return console.live(tqdm(total=total, initial=initial, desc="train", unit="step",
+                             dynamic_ncols=True, mininterval=0.5))  # status lines above it
 
 
 def _rates(task: TrainTask, rate: Throughput) -> dict:
@@ -322,12 +323,5 @@ def _evaluate(task: TrainTask, metrics: RunLog, show: bool) -> dict:
     row = {"kind": "val", "step": task.step, **fields}
     metrics.write(row)
     if show:
-        import sys
-
-        if sys.stderr.isatty():  # above the live bar
-            from tqdm import tqdm
-
-            tqdm.write(task.eval_line(row))
-        else:  # (tqdm.write would create tqdm's multiprocessing lock: a leaked semaphore)
-            print(task.eval_line(row), flush=True)
+        console.status(task.eval_line(row))  # above a live bar
     return fields

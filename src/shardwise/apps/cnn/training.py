@@ -37,6 +37,7 @@ from shardwise.parallel.tensor_parallel import (
     gather_tensor,
     shard_tensor,
 )
+from shardwise.training.console import status
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import MetricsLog, read_metrics
 from shardwise.training.schedule import warmup_cosine
@@ -305,13 +306,13 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         task.resume(path)
     if task.is_main:
         n = sum(s.params for s in task.model.plan.specs)
-        print(f"shardwise: CNN {n / 1e6:.2f}M parameters, {len(task.x_tr):,} train / "
-              f"{len(task.x_val):,} validation images, batch {t.global_batch_size}, "
-              f"{count(cfg.cnn.ranks, 'rank')}, {count(torch.get_num_threads(), 'thread')} per "
-              f"rank; plan:\n"
-              f"{format_plan(task.model.plan)}", flush=True)
+        status(f"shardwise: CNN {n / 1e6:.2f}M parameters, {len(task.x_tr):,} train / "
+               f"{len(task.x_val):,} validation images, batch {t.global_batch_size}, "
+               f"{count(cfg.cnn.ranks, 'rank')}, {count(torch.get_num_threads(), 'thread')} per "
+               f"rank; plan:\n"
+               f"{format_plan(task.model.plan)}")
         if resume_from:
-            print(f"shardwise: resumed from {path} at step {task.step}", flush=True)
+            status(f"shardwise: resumed from {path} at step {task.step}")
     out = run_loop(task)
     x_te, y_te = load_split(cfg.data.path, "test")
     test_loss, test_acc, n_test = evaluate(task.model, x_te, y_te, t.global_batch_size, device)

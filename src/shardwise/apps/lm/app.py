@@ -22,6 +22,7 @@ from shardwise.launch import rank_device
 from shardwise.models import describe_section
 from shardwise.parallel.tensor_parallel.group import RankGroup
 from shardwise.parallel.tensor_parallel.plan import check_divisible
+from shardwise.training.console import status
 
 
 def train_rank(cfg_dict: dict, device: torch.device | None = None,
@@ -54,20 +55,20 @@ def train_rank(cfg_dict: dict, device: torch.device | None = None,
         n = _full_size(trainer.description)
         source = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
         unit = token_unit(trainer.tokenizer) + "s"
-        print(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters{source}, "
-              f"vocab {trainer.tokenizer.vocab_size}{_model_vocab(trainer)}, "
-              f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val {unit}; "
-              f"{describe_layout(cfg)}, {_where(device)}, "
-              f"{count(torch.get_num_threads(), 'thread')} per rank", flush=True)
+        status(f"shardwise: {trainer.description.kind} {n / 1e6:.2f}M parameters{source}, "
+               f"vocab {trainer.tokenizer.vocab_size}{_model_vocab(trainer)}, "
+               f"{len(trainer.train_tokens):,} train / {len(trainer.val_tokens):,} val {unit}; "
+               f"{describe_layout(cfg)}, {_where(device)}, "
+               f"{count(torch.get_num_threads(), 'thread')} per rank")
         mem = trainer.engine.memory_bytes()
-        print(f"shardwise: rank 0 holds {_mib(mem['params'])} parameters, {_mib(mem['grads'])} "
-              f"gradients, {_mib(mem['optimizer'])} optimizer state "
-              f"({_mib(mem['total'])}; `shardwise memory` predicts every layout)", flush=True)
+        status(f"shardwise: rank 0 holds {_mib(mem['params'])} parameters, "
+               f"{_mib(mem['grads'])} gradients, {_mib(mem['optimizer'])} optimizer state "
+               f"({_mib(mem['total'])}; `shardwise memory` predicts every layout)")
     if latest is not None:
         trainer.resume(latest)
         if topology.rank == 0:
-            print(f"shardwise: resumed from {latest} at step {trainer.step} "
-                  "(--fresh starts over, keeping the old checkpoints)", flush=True)
+            status(f"shardwise: resumed from {latest} at step {trainer.step} "
+                   "(--fresh starts over, keeping the old checkpoints)")
     try:
         summary = trainer.fit()
         trainer.wait_for_checkpoint()  # checkpoint.async_save: the last one is complete

@@ -43,6 +43,7 @@ from shardwise.engine import Engine, EngineConfig
 from shardwise.engine import state as engine_state
 from shardwise.launch import rank_device
 from shardwise.models import describe_section
+from shardwise.training.console import status
 from shardwise.training.fault_tolerance import FaultTolerantReplica
 from shardwise.training.loop import Cadence, TrainTask, run_loop
 from shardwise.training.metrics import plot_loss
@@ -122,7 +123,7 @@ class Trainer(TrainerState, TrainTask):
             load_state_dict=self._heal_from, device=self.device, store_addr=host,
             store_port=int(port.item()), hostname=host, group_rank=self.topology.rank,
             group_world_size=self.topology.world_size, bind=host,
-            log=(lambda line: print(f"shardwise: {line}", file=sys.stderr, flush=True))
+            log=(lambda line: status(f"shardwise: {line}", file=sys.stderr))  # above the bar
             if main else (lambda line: None))
 
     def _heal_state(self) -> dict:
