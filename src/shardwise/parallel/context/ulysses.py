@@ -5,9 +5,10 @@ all-to-all over the A ranks of a head group turns each rank's "all heads, 1/A of
 sequence" into "1/A of the heads, the whole sequence"; attention then runs locally, with the
 model's own kernel (``local``, the model's single-process attention: ``models.gpt.
 causal_attention`` passes itself, with causal, document masks, sliding windows and
-soft-capping unchanged); a second all-to-all turns the output back. Backward is the inverse
-all-to-all of each (``HeadsToSequence``, ``SequenceToHeads``). Per rank each all-to-all sends
-(A - 1) / A of the tensor it is given (q, k, v, the output; their gradients backward).
+soft-capping unchanged); a second all-to-all turns the output back. q, k and v travel in one
+all-to-all (their blocks for each rank side by side). Backward is the inverse all-to-all of
+each (``HeadsToSequence``, ``SequenceToHeads``). Per rank each all-to-all sends (A - 1) / A
+of the tensors it is given (q, k and v, the output; their gradients backward).
 
 The hybrid (Megatron-Core's ``cp_comm_type = "a2a+p2p"``): cp = A x R, the head groups of A
 consecutive cp ranks (``parallel.cp_a2a``; inside a node), the rings of R ranks across them
@@ -63,36 +64,52 @@ def _swap(send: torch.Tensor, heads: Heads) -> torch.Tensor:
     return recv
 
 
-def _to_sequence(x: torch.Tensor, heads: Heads) -> torch.Tensor:
-    """(B, H, T, D) -> (B, H / A, A T, D): my heads of every rank's tokens, rank-major."""
-    B, H, T, D = x.shape
+def _to_sequence(xs: tuple[torch.Tensor, ...], heads: Heads) -> tuple[torch.Tensor, ...]:
+    """Each (B, H, T, D) -> (B, H / A, A T, D), in one all-to-all: my heads of every rank's
+    tokens, rank-major (block j of every tensor side by side, to rank j)."""
     n = heads.size
-    send = x.reshape(B, n, H // n, T, D).transpose(0, 1).contiguous()  # (A, B, H/A, T, D)
-    return _swap(send, heads).permute(1, 2, 0, 3, 4).reshape(B, H // n, n * T, D)
+    sends = [x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]).transpose(0, 1)
+             .reshape(n, -1) for x in xs]  # (A, B H/A T D) each
+    recv = _swap(torch.cat(sends, dim=1), heads)
+    out, at = [], 0
+    for x, s in zip(xs, sends):
+        B, H, T, D = x.shape
+        part = recv[:, at:at + s.shape[1]].reshape(n, B, H // n, T, D)
+        out.append(part.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * T, D))
+        at += s.shape[1]
+    return tuple(out)
 
 
-def _to_heads(y: torch.Tensor, heads: Heads) -> torch.Tensor:
-    """(B, H / A, A T, D) -> (B, H, T, D): the inverse of ``_to_sequence``."""
-    B, h, nT, D = y.shape
+def _to_heads(ys: tuple[torch.Tensor, ...], heads: Heads) -> tuple[torch.Tensor, ...]:
+    """Each (B, H / A, A T, D) -> (B, H, T, D), in one all-to-all: the inverse of
+    ``_to_sequence``."""
     n = heads.size
-    send = y.reshape(B, h, n, nT // n, D).permute(2, 0, 1, 3, 4).contiguous()  # (A, B, h, T, D)
-    return _swap(send, heads).transpose(0, 1).reshape(B, n * h, nT // n, D)
+    sends = [y.reshape(y.shape[0], y.shape[1], n, y.shape[2] // n, y.shape[3])
+             .permute(2, 0, 1, 3, 4).reshape(n, -1) for y in ys]  # (A, B h T D) each
+    recv = _swap(torch.cat(sends, dim=1), heads)
+    out, at = [], 0
+    for y, s in zip(ys, sends):
+        B, h, nT, D = y.shape
+        part = recv[:, at:at + s.shape[1]].reshape(n, B, h, nT // n, D)
+        out.append(part.transpose(0, 1).reshape(B, n * h, nT // n, D))
+        at += s.shape[1]
+    return tuple(out)
 
 
 class HeadsToSequence(torch.autograd.Function):
-    """All-to-all forward ((B, H, T, D) -> (B, H / A, A T, D), ``_to_sequence``), its
-    inverse backward (Jacobs et al. 2023, section 3.1)."""
+    """One all-to-all forward (each (B, H, T, D) -> (B, H / A, A T, D), ``_to_sequence``:
+    q, k and v together), its inverse backward (Jacobs et al. 2023, section 3.1)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, heads: Heads) -> torch.Tensor:
-        """(B, H, T, D) -> (B, H / A, A T, D)."""
+    def forward(ctx, heads: Heads, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each (B, H, T, D) -> (B, H / A, A T, D)."""
         ctx.heads = heads
-        return _to_sequence(x, heads)
+        return _to_sequence(xs, heads)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        """The inverse all-to-all on the gradient."""
-        return _to_heads(grad, ctx.heads), None
+    def backward(ctx, *grads: torch.Tensor):
+        """The inverse all-to-all on the gradients (an unused output's: zeros), one call."""
+        return (None, *_to_heads(grads, ctx.heads))
 
 
 class SequenceToHeads(torch.autograd.Function):
@@ -103,12 +120,12 @@ class SequenceToHeads(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, heads: Heads) -> torch.Tensor:
         """(B, H / A, A T, D) -> (B, H, T, D)."""
         ctx.heads = heads
-        return _to_heads(y, heads)
+        return _to_heads((y,), heads)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """The inverse all-to-all on the gradient."""
-        return _to_sequence(grad, ctx.heads), None
+        return _to_sequence((grad,), ctx.heads)[0], None
 
 
 @functools.lru_cache(maxsize=64)
@@ -191,7 +208,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: 
     if k.shape[1] < n:  # fewer key/value heads than ranks: repeat each (DeepSpeed)
         k, v = (t.repeat_interleave(n // k.shape[1], dim=1) for t in (k, v))
     order, back = _order(n, T // 2, q.device)
-    qs, ks, vs = (HeadsToSequence.apply(t, heads).index_select(2, order) for t in (q, k, v))
+    qs, ks, vs = (t.index_select(2, order) for t in HeadsToSequence.apply(heads, q, k, v))
     if ring.size > 1:
         y = ring_attention(qs, ks, vs, ring, causal=True, impl=impl, window=window,
                            scale=scale, documents=documents)
