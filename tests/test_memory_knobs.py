@@ -2,7 +2,8 @@
 and the optimizer in host memory (``training.offload = "optimizer"``).
 
 One process trains the tiny GPT 4 steps with fp32 and with bf16 moments; one spawn of 2 ranks
-trains ZeRO-1 (dp2) the same ways, and ZeRO 0-3 (dp2) without and with offload; one spawn of
+trains ZeRO-1 (dp2) the same ways, ZeRO 0-3 (dp2) without and with offload, and two offload runs
+cut after step 2 and resumed by a fresh trainer (in the same spawn); one spawn of
 8 ranks a 3D layout (dp2 x tp2 x pp2, SP, ZeRO-1, bf16) without and with offload. bf16
 moments are live (the losses differ from fp32's after the first step) and stay within the
 documented bound of them; ZeRO-1 with bf16 moments is one process with bf16 moments within
@@ -13,7 +14,14 @@ fp32 rounding, and holds 4 bytes less per optimizer element. Offload trains as w
 import pytest
 import torch
 
-from ddp_workers import tiny_config, train, train_each
+from ddp_workers import (
+    resume_and_finish,
+    run_all,
+    tiny_config,
+    train,
+    train_and_checkpoint,
+    train_each,
+)
 from helpers import rel_err
 from shardwise.base.config import Config, ConfigError
 from shardwise.engine.optimizer import LowPrecisionAdamW
@@ -24,6 +32,10 @@ BF16 = {"precision": "bf16"}
 # ZeRO 0-3 over two ranks, fp32 and bf16 compute: name -> (parallel, training)
 OFFLOAD_2 = {"z0": ({"dp": 2}, {}), "z1-bf16": ({"dp": 2, "zero": 1}, BF16),
              "z2": ({"dp": 2, "zero": 2}, {}), "z3-bf16": ({"dp": 2, "zero": 3}, BF16)}
+# resumed after step CUT of STEPS, in the same spawn: name -> the uninterrupted run's name
+# (ZeRO-2 fp32 with offload; ZeRO-1 bf16 with offload and activation offload)
+CUT = 2
+RESUMES = {"resume-z2": "z2-optimizer", "resume-z1-act": "z1-bf16-act"}
 THREE_D = {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "micro_batches": 2}
 
 
@@ -44,8 +56,18 @@ def runs(corpus, tmp_path_factory):
             names.append(f"{name}-{off}")
             cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]), parallel=parallel,
                                     training={"steps": STEPS, **training, "offload": off}))
-    ranks = spawn(train_each, 2, (cfgs,))
-    out.update({n: [r[i] for r in ranks] for i, n in enumerate(names)})
+    names.append("z1-bf16-act")
+    cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]),
+                            parallel={**OFFLOAD_2["z1-bf16"][0], "activation_offload": True},
+                            training={"steps": STEPS, **BF16, "offload": "optimizer"}))
+    calls = [(train_each, (cfgs,))]
+    for name, straight in RESUMES.items():  # cut at step CUT, then a fresh trainer resumes
+        cut = {**cfgs[names.index(straight)]}
+        cut["training"] = {**cut["training"], "out_dir": str(tmp / name)}
+        calls += [(train_and_checkpoint, (cut, CUT)), (resume_and_finish, (cut,))]
+    ranks = spawn(run_all, 2, (calls,))
+    out.update({n: [r[0][i] for r in ranks] for i, n in enumerate(names)})
+    out.update({n: [r[2 + 2 * i] for r in ranks] for i, n in enumerate(RESUMES)})
     out["configs"] = dict(zip(names, cfgs))
     cfgs = [tiny_config(str(corpus), str(tmp / f"3d-{off}"), parallel=THREE_D,
                         model={"tie_weights": False},
@@ -142,6 +164,21 @@ def test_offload_trains_as_without_it_and_holds_the_optimizer_on_the_host(runs):
             assert off["memory"]["host"] == off["memory"]["optimizer"] > 0, name
             for k in ("params", "grads"):
                 assert off["memory"][k] == plain["memory"][k], (name, k)
+
+
+def test_resume_under_offload_equals_the_uninterrupted_run(runs):
+    """A run with ``training.offload = "optimizer"`` (ZeRO-2, fp32), and one with it and
+    ``parallel.activation_offload`` (ZeRO-1, bf16), saved after step 2 of 4 and resumed by a
+    fresh trainer: the losses and every parameter equal the uninterrupted run's, bit for bit
+    (the host-resident masters and moments travel in the checkpoint and come back there)."""
+    for name, straight in RESUMES.items():
+        assert len(runs[name]) == len(runs[straight]) == 2
+        for resumed, plain in zip(runs[name], runs[straight]):
+            assert resumed["resumed_at"] == CUT, name
+            assert resumed["losses"] == plain["losses"], (name, resumed["losses"])
+            for n, p in plain["params"].items():
+                assert torch.equal(resumed["params"][n], p), (name, n)
+            assert resumed["memory"] == plain["memory"], name
 
 
 def test_offload_of_parameters_is_refused_in_one_line():
