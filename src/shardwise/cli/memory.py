@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None or args.recompute
             or args.offload != "none" or args.activation_offload):
         print("shardwise memory: error: --tp/--pp/--chunks-per-rank need a model (--config), "
-              "not --params (so do --recompute and --offload)", file=sys.stderr)
+              "not --params (so do --recompute, --offload and --activation-offload)",
+              file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
     args.precision = args.precision or "bf16"  # the ZeRO paper's mixed precision
