@@ -2,7 +2,8 @@
 and the optimizer in host memory (``training.offload = "optimizer"``).
 
 One process trains the tiny GPT 4 steps with fp32 and with bf16 moments; one spawn of 2 ranks
-trains ZeRO-1 (dp2) the same ways, and ZeRO 0-3 (dp2) without and with offload; one spawn of
+trains ZeRO-1 (dp2) the same ways, ZeRO 0-3 (dp2) without and with offload, and two offload runs
+cut after step 2 and resumed by a fresh trainer (in the same spawn); one spawn of
 8 ranks a 3D layout (dp2 x tp2 x pp2, SP, ZeRO-1, bf16) without and with offload. bf16
 moments are live (the losses differ from fp32's after the first step) and stay within the
 documented bound of them; ZeRO-1 with bf16 moments is one process with bf16 moments within
@@ -13,8 +14,15 @@ fp32 rounding, and holds 4 bytes less per optimizer element. Offload trains as w
 import pytest
 import torch
 
-from ddp_workers import tiny_config, train, train_each
-from helpers import rel_err
+from ddp_workers import (
+    resume_and_finish,
+    run_all,
+    tiny_config,
+    train,
+    train_and_checkpoint,
+    train_each,
+)
+from helpers import REPO, rel_err
 from shardwise.base.config import Config, ConfigError
 from shardwise.engine.optimizer import LowPrecisionAdamW
 from shardwise.launch import spawn
@@ -24,6 +32,10 @@ BF16 = {"precision": "bf16"}
 # ZeRO 0-3 over two ranks, fp32 and bf16 compute: name -> (parallel, training)
 OFFLOAD_2 = {"z0": ({"dp": 2}, {}), "z1-bf16": ({"dp": 2, "zero": 1}, BF16),
              "z2": ({"dp": 2, "zero": 2}, {}), "z3-bf16": ({"dp": 2, "zero": 3}, BF16)}
+# resumed after step CUT of STEPS, in the same spawn: name -> the uninterrupted run's name
+# (ZeRO-2 fp32 with offload; ZeRO-1 bf16 with offload and activation offload)
+CUT = 2
+RESUMES = {"resume-z2": "z2-optimizer", "resume-z1-act": "z1-bf16-act"}
 THREE_D = {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "micro_batches": 2}
 
 
@@ -44,8 +56,18 @@ def runs(corpus, tmp_path_factory):
             names.append(f"{name}-{off}")
             cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]), parallel=parallel,
                                     training={"steps": STEPS, **training, "offload": off}))
-    ranks = spawn(train_each, 2, (cfgs,))
-    out.update({n: [r[i] for r in ranks] for i, n in enumerate(names)})
+    names.append("z1-bf16-act")
+    cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]),
+                            parallel={**OFFLOAD_2["z1-bf16"][0], "activation_offload": True},
+                            training={"steps": STEPS, **BF16, "offload": "optimizer"}))
+    calls = [(train_each, (cfgs,))]
+    for name, straight in RESUMES.items():  # cut at step CUT, then a fresh trainer resumes
+        cut = {**cfgs[names.index(straight)]}
+        cut["training"] = {**cut["training"], "out_dir": str(tmp / name)}
+        calls += [(train_and_checkpoint, (cut, CUT)), (resume_and_finish, (cut,))]
+    ranks = spawn(run_all, 2, (calls,))
+    out.update({n: [r[0][i] for r in ranks] for i, n in enumerate(names)})
+    out.update({n: [r[2 + 2 * i] for r in ranks] for i, n in enumerate(RESUMES)})
     out["configs"] = dict(zip(names, cfgs))
     cfgs = [tiny_config(str(corpus), str(tmp / f"3d-{off}"), parallel=THREE_D,
                         model={"tie_weights": False},
@@ -144,6 +166,21 @@ def test_offload_trains_as_without_it_and_holds_the_optimizer_on_the_host(runs):
                 assert off["memory"][k] == plain["memory"][k], (name, k)
 
 
+def test_resume_under_offload_equals_the_uninterrupted_run(runs):
+    """A run with ``training.offload = "optimizer"`` (ZeRO-2, fp32), and one with it and
+    ``parallel.activation_offload`` (ZeRO-1, bf16), saved after step 2 of 4 and resumed by a
+    fresh trainer: the losses and every parameter equal the uninterrupted run's, bit for bit
+    (the host-resident masters and moments travel in the checkpoint and come back there)."""
+    for name, straight in RESUMES.items():
+        assert len(runs[name]) == len(runs[straight]) == 2
+        for resumed, plain in zip(runs[name], runs[straight]):
+            assert resumed["resumed_at"] == CUT, name
+            assert resumed["losses"] == plain["losses"], (name, resumed["losses"])
+            for n, p in plain["params"].items():
+                assert torch.equal(resumed["params"][n], p), (name, n)
+            assert resumed["memory"] == plain["memory"], name
+
+
 def test_offload_of_parameters_is_refused_in_one_line():
     """ZeRO-3's parameter shards in host memory are not built: one line naming the field."""
     with pytest.raises(ConfigError, match="training.offload=optimizer\\+params: ZeRO-3"):
@@ -204,3 +241,59 @@ def test_activation_offload_wraps_every_block_and_changes_nothing(monkeypatch):
         assert bool(packed) == offload
     assert runs[1][0] == runs[0][0]
     assert all(torch.equal(runs[1][1][n], p) for n, p in runs[0][1].items())
+
+
+def test_the_memory_model_prices_activation_offload(monkeypatch, capsys):
+    """``planner.memory.offloaded_activation_bytes`` (the host's part of
+    ``parallel.activation_offload``: each block not checkpointed, its
+    ``block_activation_bytes``) against the bytes of the distinct tensors ``save_on_cpu``
+    received in one step (tiny GPT, 4 blocks, one micro-batch of 16 sequences), within 15%,
+    with recompute none and "full" every 2nd block (measured 4.5% and 9.8% under); the
+    device's part (``activation_bytes(offload=True)``) below the plain figure;
+    ``shardwise memory --activation-offload`` prints both, and refuses selective (exit 2)."""
+    from shardwise.base.topology import Topology
+    from shardwise.cli.main import main
+    from shardwise.engine import Engine, EngineConfig
+    from shardwise.models.gpt import GPTConfig
+    from shardwise.planner.memory import activation_bytes, offloaded_activation_bytes
+    from shardwise.planner.specs import ModelSpec
+
+    packed = {}
+    real = torch.autograd.graph.save_on_cpu
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+            self.pack_hook = lambda t: (packed.__setitem__(
+                t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()), pack(t))[1]
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    mb, s = 16, 32
+    cfg = GPTConfig(vocab_size=65, block_size=s, n_layer=4, n_head=4, n_embd=32)
+    spec = ModelSpec("t", 4, 32, 4, 65, s, cfg.tie_weights, cfg.bias)
+    kw = dict(mb=mb, tp=1, pp=1, micro_batches=1)
+    for recompute, every in (("none", 1), ("full", 2)):
+        packed.clear()
+        torch.manual_seed(0)
+        e = Engine(cfg, Topology.build(1, 1, 1), EngineConfig(
+            seq_len=s, parallel={"micro_batches": 1, "activation_offload": True,
+                                 "recompute": recompute, "recompute_every": every},
+            training={"seed": 3, "global_batch_size": mb}))
+        x = torch.randint(0, 65, (mb, s + 1), generator=torch.Generator().manual_seed(1))
+        e.train_step(x[:, :-1], x[:, 1:])
+        host = offloaded_activation_bytes(spec, **kw, recompute=recompute,
+                                          recompute_every=every)
+        got = sum(packed.values())
+        assert abs(host - got) <= 0.15 * got, (recompute, host, got)
+        device = activation_bytes(spec, **kw, recompute=recompute, recompute_every=every,
+                                  offload=True)
+        assert 0 < device < activation_bytes(spec, **kw, recompute=recompute,
+                                             recompute_every=every), recompute
+    assert main(["memory", "--config", str(REPO / "configs/tiny.toml"), "--dp", "1",
+                 "--stages", "0", "--activation-offload"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "none + activation offload (device; host " in line, line
+    assert main(["memory", "--config", str(REPO / "configs/tiny.toml"), "--dp", "1",
+                 "--activation-offload", "--recompute", "selective"]) == 2
+    assert "--activation-offload with --recompute selective" in capsys.readouterr().err

@@ -10,6 +10,7 @@
     shardwise memory --params 7e9 --dp 64 --dp-replicate 8         # HSDP: ZeRO over 8 ranks
     shardwise memory --config configs/tiny.toml --dp 1 --recompute full  # + activations
     shardwise memory --config configs/tiny.toml --offload optimizer --state-dtype bf16
+    shardwise memory --config configs/tiny.toml --dp 1 --activation-offload  # device/host
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
 with ``shardwise.register_model``, or of its ``model.init_from`` checkpoint's config.json, as
@@ -34,6 +35,8 @@ activation bytes of the busiest pipeline rank (``planner.memory.activation_bytes
 config's micro-batches and sequence length) without recomputation and with ``MODE``
 (``--recompute-every N``: "full" on every N-th block), a prediction: the engine counts no
 activation bytes of its own (``Engine.memory_bytes`` is the static ones).
+``--activation-offload`` (``parallel.activation_offload``, with ``--recompute`` none or full)
+prints that figure's device part and the host's (``planner.memory.offloaded_activation_bytes``).
 """
 
 from __future__ import annotations
@@ -147,16 +150,17 @@ def _layout_table(args, stages: list[int]) -> int:
                 if args.budget_mb:
                     line += f"  {'yes' if pred['total'] <= args.budget_mb * MiB else 'NO'}"
                 print(line)
-    if args.recompute is not None:
+    if args.recompute is not None or args.activation_offload:
         _activation_lines(base, d, args)
     return 0
 
 
 def _activation_lines(cfg, d, args) -> None:
     """The peak activation bytes per rank (busiest pipeline rank) without recomputation and
-    with ``args.recompute``, from the planner's memory model."""
+    with ``args.recompute``, from the planner's memory model; with ``--activation-offload``
+    the device's and the host's part of the latter."""
     from shardwise.base.words import count
-    from shardwise.planner.memory import activation_bytes, unit_for
+    from shardwise.planner.memory import activation_bytes, offloaded_activation_bytes, unit_for
     from shardwise.planner.specs import ModelSpec
 
     p = cfg.parallel
@@ -166,15 +170,21 @@ def _activation_lines(cfg, d, args) -> None:
               schedule=p.schedule, sp=p.sequence_parallel, precision=args.precision,
               partition=p.partition, cp=p.cp, a2a=max(p.cp_heads, 1))
     none = activation_bytes(spec, **kw)
-    got = activation_bytes(spec, **kw, recompute=args.recompute,
-                           recompute_every=args.recompute_every)
+    mode = args.recompute or "none"
+    got = activation_bytes(spec, **kw, recompute=mode, recompute_every=args.recompute_every,
+                           offload=args.activation_offload)
     unit, div = unit_for(none)
     every = f" every {args.recompute_every}" if args.recompute_every > 1 else ""
     m = count(p.micro_batches, "micro-batch", "micro-batches")
+    if args.activation_offload:
+        kw.pop("a2a")
+        off = offloaded_activation_bytes(spec, **kw, recompute=mode,
+                                         recompute_every=args.recompute_every)
+        every += f" + activation offload (device; host {off / div:.3f})"
     print(f"activations per rank (peak, busiest pipeline rank; {count(mb, 'sequence')} x "
           f"{spec.block_size // p.cp} tokens a micro-batch, {m}; "
           f"predicted) in {unit}: recompute none {none / div:.3f}, "
-          f"{args.recompute}{every} {got / div:.3f} ({got / none:.2f} of none)")
+          f"{mode}{every} {got / div:.3f} ({got / none:.2f} of none)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
                     help="also print the activation bytes per rank without recomputation "
                     "and with this parallel.recompute mode (needs --config)")
+    ap.add_argument("--activation-offload", action="store_true", help="also print the "
+                    "activation bytes per rank with parallel.activation_offload, on the device "
+                    "and on the host (with --recompute none or full; needs --config)")
     ap.add_argument("--recompute-every", type=int, default=1, help="with --recompute full: "
                     "every N-th block checkpointed (parallel.recompute_every)")
     ap.add_argument("--budget-mb", type=float, default=None, help="per-rank budget to check, MiB")
@@ -261,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or args.pp < 1:
         print("shardwise memory: error: --tp and --pp must be positive", file=sys.stderr)
         return EXIT_USAGE
+    if args.activation_offload and args.recompute not in (None, "none", "full"):
+        print(f"shardwise memory: error: --activation-offload with --recompute "
+              f"{args.recompute}: priced with none or full only", file=sys.stderr)
+        return EXIT_USAGE
     if args.params is None:  # a model: the exact per-rank prediction of any layout
         return _layout_table(args, stages)
     if (args.tp > 1 or args.pp > 1 or args.chunks_per_rank is not None or args.recompute
-            or args.offload != "none"):
+            or args.offload != "none" or args.activation_offload):
         print("shardwise memory: error: --tp/--pp/--chunks-per-rank need a model (--config), "
-              "not --params (so do --recompute and --offload)", file=sys.stderr)
+              "not --params (so do --recompute, --offload and --activation-offload)",
+              file=sys.stderr)
         return EXIT_USAGE
     measured, P = {}, int(args.params)
     args.precision = args.precision or "bf16"  # the ZeRO paper's mixed precision
