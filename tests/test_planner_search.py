@@ -392,7 +392,7 @@ def test_json_and_columns_carry_the_new_axes(capsys):
      "--cp 3: does not divide the 8 GPUs"),
     (["--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "8", "--ep", "3"],
      "--ep 3: must divide the 8 GPUs and the 8 experts"),
-    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
       "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 to emit one"),
 ])
 def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):
@@ -468,8 +468,9 @@ def test_the_cheap_bound_stays_below_the_lower_bound():
 
 
 def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, capsys):
-    """``plan --selective --emit-toml`` on dgx-h100 (llama2-7b, 16 GPUs, batch 64): the best
-    layout is selective recomputation's (its plain twin does not fit), written as
+    """``plan --selective --emit-toml`` on dgx-h100 (llama2-7b, 16 GPUs, batch 64, 30 GiB a
+    GPU): the best layout is selective recomputation's (its plain twin, 32.4 GiB, does not
+    fit), written as
     ``parallel.recompute = "selective"`` in a config ``Config.from_dict`` accepts, with the
     comment and one stderr line saying train refuses it on CUDA today; without --selective
     no such layout is offered."""
@@ -480,7 +481,7 @@ def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, caps
 
     out = tmp_path / "sel.toml"
     argv = ["plan", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16",
-            "--global-batch", "64", "--top", "3"]
+            "--global-batch", "64", "--top", "3", "--memory-gib", "30"]
     assert main([*argv, "--selective", "--emit-toml", str(out)]) == 0
     cap = capsys.readouterr()
     rows = [line for line in cap.out.splitlines() if line.lstrip().startswith("1  ")]
