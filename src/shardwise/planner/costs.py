@@ -167,19 +167,19 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     core_f = attention_gemm_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     attn_b = 0.0
     if cluster.ops is not None:  # per operation (hardware.OpModel)
-        blk_s = op_seconds(cluster, block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp,
-                                              cluster.kernels, e, lay.cp, lay.ep), fp8)
+        ops = block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp, cluster.kernels, e,
+                        lay.cp, lay.ep)
+        blk_s = op_seconds(cluster, ops, fp8)
         head_s = head_seconds(spec, lay.micro_batch_size, lay.tp, cluster, e, lay.cp)
         if fp8 and cluster.ops.fp8_cast_bytes:  # torchao's casts and amax reductions:
             # bytes per value of every linear layer's input and output (hardware.FP8_CAST)
             T = lay.micro_batch_size * s
             blk_s += cluster.ops.memory(cluster.ops.fp8_cast_bytes * T
                                         * linear_widths(spec) / lay.tp)
-        if cluster.ops.attn_backward != 2.0:  # the fused kernel's backward, measured
-            core = attention_core_ops(spec, lay.micro_batch_size, lay.tp, cluster.kernels,
-                                      e, lay.cp)
+        if cluster.ops.attn_backward != 2.0:  # the fused kernel's backward, measured; the
+            # attention core's GEMMs are gemms[1:3] (attention_core_ops')
             attn_b = (cluster.ops.attn_backward - 2.0) * sum(
-                cluster.ops.gemm(x) for x in core.gemms)
+                cluster.ops.gemm(x) for x in ops.gemms[1:3])
     elif fp8:  # the linear layers at twice the rate
         blk_s = (bf - core_f) / (rate * cluster.fp8_flops / cluster.flops) + core_f / rate + over
         head_s = head_f / rate
