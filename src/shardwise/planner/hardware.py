@@ -292,7 +292,9 @@ GEMM_SCALE = 0.803
 
 # What the GPU measurements of this repository show (benchmarks/gpu_results/, one H100 SXM,
 # torch 2.11, blocks and loss compiled; ``benchmarks/planner_measured.py`` solves the fitted
-# ones again and checks these values). Measured, not fitted:
+# ones again and checks these values). Every GPU preset carries them (the A100's measured
+# only through llm-foundry's A100 rows, within 8%), but H100_GEMM_SCALE, the H100's alone.
+# Measured, not fitted:
 # - FLASH_BACKWARD: the attention kernel's backward over its forward, 42.48 / 13.34 ms per
 #   step (cuDNN's fused SDPA, logs/profile_llama1b.log), where the GEMM count says 2.
 FLASH_BACKWARD = 3.18
