@@ -88,8 +88,6 @@ KNOWN_MISSES = {
     3: "a small model on the H100: the same model on the A100 is +8%; llm-foundry's H100 "
        "table ran kernels older than the H100 (its own warning: torch 1.12-2.0 era), not "
        "modelled",
-    4: "ZeRO-3 across two nodes: ZERO3_EXPOSED was solved inside one node (NVLink); across "
-       "InfiniBand the run hides more of its gathers than 0.83",
 }
 FOUNDRY_SOURCE = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md "
                   "(github.com/mosaicml/llm-foundry)")

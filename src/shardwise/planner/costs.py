@@ -480,8 +480,11 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
         forward += middle * max(0.0, gk["block"] - fwd["block"])
         backward += middle * max(0.0, gk["block"] + rk["block"] - mult * fwd["block"])
     backward += r[0]  # the first unit's scatter, at the end
-    share = cluster.zero3_exposed
-    if share:  # what prefetch cannot hide on a GPU (hardware.ZERO3_EXPOSED: llm-foundry's)
+    # what prefetch cannot hide on a GPU, over NVLink (hardware.ZERO3_EXPOSED: llm-foundry's
+    # run); across nodes the NIC moves the bytes and prefetch hides them
+    share = cluster.zero3_exposed if lay.world // lay.dp_replicate <= cluster.gpus_per_node \
+        else 0.0
+    if share:
         gs = sum(g) + (middle * gk["block"] if middle else 0.0)
         rs = sum(r) + (middle * rk["block"] if middle else 0.0)
         forward, backward = max(forward, share * gs), max(backward, share * (gs + rs))

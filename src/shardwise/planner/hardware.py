@@ -317,9 +317,10 @@ COMPILED_MEM = 0.3668
 STEP_S = 0.00631
 FP8_CAST = 13.93
 # - ZERO3_EXPOSED: the share of ZeRO-3's all-gathers and reduce-scatters prefetch does not
-#   hide on a GPU (NCCL's kernels take SMs and memory bandwidth from the compute they
-#   overlap): a chunk's forward waits at least this share of its gathers, its backward of
-#   its gathers and reduce-scatters; solved on MosaicML llm-foundry's MPT-13B FSDP
+#   hide on a GPU when the group stays inside a node (NCCL's NVLink kernels take SMs and
+#   memory bandwidth from the compute they overlap; across nodes the NIC moves the bytes and
+#   llm-foundry's MPT-3B on 16 H100s shows them hidden): a chunk's forward waits at least
+#   this share of its gathers, its backward of its gathers and reduce-scatters; solved on MosaicML llm-foundry's MPT-13B FSDP
 #   FULL_SHARD row on 8 H100s (scripts/train/benchmarking/README.md: 4,792 tokens/s a
 #   GPU, benchmarks/planner_measured.py); its other FULL_SHARD rows are predictions.
 ZERO3_EXPOSED = 0.8261
