@@ -395,7 +395,7 @@ def test_json_and_columns_carry_the_new_axes(capsys):
      "--cp 3: does not divide the 8 GPUs"),
     (["--model", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "8", "--ep", "3"],
      "--ep 3: must divide the 8 GPUs and the 8 experts"),
-    (["--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
+    (["--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "8",
       "--fp8", "--emit-toml", "/nonexistent/never.toml"], "drop --fp8 to emit one"),
 ])
 def test_new_axes_bad_input_is_one_line_exit_2(capsys, argv, needle):

@@ -225,11 +225,12 @@ def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int,
 
 
 def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
-    """AdamW over this rank's masters: ~40 bytes of memory traffic per element."""
+    """AdamW over this rank's masters: ~40 bytes of memory traffic per element; and the
+    host's seconds per step on a GPU (``Cluster.step_s``: ``hardware.STEP_S``, measured)."""
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep)
     if lay.zero:
         X = rank_expert_params(spec, layers, lay.tp, lay.ep)
         P = ((P - X) / (lay.dp // lay.dp_replicate * lay.cp)
              + X / (lay.dp // lay.ep * lay.cp))  # as memory_of
     share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
-    return 40 * P / cluster.mem_bw * share
+    return 40 * P / cluster.mem_bw * share + cluster.step_s

@@ -87,6 +87,9 @@ class BlockCosts(NamedTuple):
     ring_again: float = 0.0
     """Seconds of the ring's forward pass of K and V run again in that recomputation (cp >
     1), none of it hidden (the attention it overlapped is kept, not recomputed)."""
+    attention_backward: float = 0.0
+    """Seconds a block's backward spends in the attention kernel beyond twice its forward
+    (``OpModel.attn_backward``: measured 3.18 x on the H100, not 2)."""
 
 
 class ChunkCost(NamedTuple):
@@ -162,10 +165,21 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
     loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
     core_f = attention_gemm_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
+    attn_b = 0.0
     if cluster.ops is not None:  # per operation (hardware.OpModel)
-        blk_s = op_seconds(cluster, block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp,
-                                              cluster.kernels, e, lay.cp, lay.ep), fp8)
+        ops = block_ops(spec, lay.micro_batch_size, lay.tp, lay.sp, cluster.kernels, e,
+                        lay.cp, lay.ep)
+        blk_s = op_seconds(cluster, ops, fp8)
         head_s = head_seconds(spec, lay.micro_batch_size, lay.tp, cluster, e, lay.cp)
+        if fp8 and cluster.ops.fp8_cast_bytes:  # torchao's casts and amax reductions:
+            # bytes per value of every linear layer's input and output (hardware.FP8_CAST)
+            T = lay.micro_batch_size * s
+            blk_s += cluster.ops.memory(cluster.ops.fp8_cast_bytes * T
+                                        * linear_widths(spec) / lay.tp)
+        if cluster.ops.attn_backward != 2.0:  # the fused kernel's backward, measured; the
+            # attention core's GEMMs are gemms[1:3] (attention_core_ops')
+            attn_b = (cluster.ops.attn_backward - 2.0) * sum(
+                cluster.ops.gemm(x) for x in ops.gemms[1:3])
     elif fp8:  # the linear layers at twice the rate
         blk_s = (bf - core_f) / (rate * cluster.fp8_flops / cluster.flops) + core_f / rate + over
         head_s = head_f / rate
@@ -196,7 +210,19 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
                       cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen,
-                      recomputed=redo_s, ring_again=ring.forward)
+                      recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b)
+
+
+def linear_widths(spec: ModelSpec) -> float:
+    """Per token, the input and output widths of a block's linear layers summed (Q K V, the
+    output projection, the MLP's matrices; a mixture's experts at top-k): the values an FP8
+    recipe casts (``hardware.FP8_CAST``)."""
+    h, att, f = spec.n_embd, spec.attn_width, spec.ffn
+    kv = 2 * spec.kv_heads * (att // spec.n_head)
+    if spec.moe:
+        f = spec.top_k * spec.expert_ffn + spec.moe_shared_ffn
+    mlp = (3 if spec.gated else 2) * (h + f)
+    return (h + att + kv) + (att + h) + mlp
 
 
 def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
@@ -268,7 +294,7 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     cpb, epb = nb * cp_b, nb * a2a
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
     wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
-    comp_b = 2 * comp_f
+    comp_b = 2 * comp_f + nb * blk.attention_backward
     if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
         # its collectives replayed (nothing moved), but under cp its ring passes K and V
         # again (parallel.context.ring_comm runs the shifts again), none of it hidden
@@ -453,4 +479,13 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     if middle:
         forward += middle * max(0.0, gk["block"] - fwd["block"])
         backward += middle * max(0.0, gk["block"] + rk["block"] - mult * fwd["block"])
-    return Zero3Seconds(forward, backward + r[0])  # the first unit's scatter, at the end
+    backward += r[0]  # the first unit's scatter, at the end
+    # what prefetch cannot hide on a GPU, over NVLink (hardware.ZERO3_EXPOSED: llm-foundry's
+    # run); across nodes the NIC moves the bytes and prefetch hides them
+    share = cluster.zero3_exposed if lay.world // lay.dp_replicate <= cluster.gpus_per_node \
+        else 0.0
+    if share:
+        gs = sum(g) + (middle * gk["block"] if middle else 0.0)
+        rs = sum(r) + (middle * rk["block"] if middle else 0.0)
+        forward, backward = max(forward, share * gs), max(backward, share * (gs + rs))
+    return Zero3Seconds(forward, backward)

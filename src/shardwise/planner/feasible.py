@@ -4,14 +4,18 @@ prunes with (``prune_reason``), each one line naming the size at fault, and that
 
 from __future__ import annotations
 
-from shardwise.base.config import split_backward_refusal
+from dataclasses import replace
+
+from shardwise.base.config import SCHEDULE_KINDS, V_SHAPED_KINDS, split_backward_refusal
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.specs import ModelSpec
 
 
-def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool) -> str | None:
-    """The reasons of ``prune_reason`` that depend on tp alone."""
+def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster | None,
+              tp_across_nodes: bool) -> str | None:
+    """The reasons of ``prune_reason`` that depend on tp alone (``cluster`` None: not the
+    node's size)."""
     for what, n in spec.tp_divides:
         if n % tp:
             return f"tp={tp} does not divide {what} = {n}"
@@ -21,7 +25,7 @@ def tp_reason(spec: ModelSpec, tp: int, cluster: Cluster, tp_across_nodes: bool)
         return f"tp={tp} does not divide the {spec.kv_heads} key/value heads"
     if not spec.tp_divides and spec.ffn % tp:
         return f"tp={tp} does not divide the MLP width {spec.ffn}"
-    if tp > cluster.gpus_per_node and not tp_across_nodes:
+    if cluster is not None and tp > cluster.gpus_per_node and not tp_across_nodes:
         return f"tp={tp} would cross nodes of {cluster.gpus_per_node} GPUs"
     return None
 
@@ -54,14 +58,14 @@ def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
     return None
 
 
-def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster,
+def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster | None,
                  tp_across_nodes: bool) -> str | None:
     """Why the engine cannot run ``lay`` (or the cluster cannot hold it), or None. The sizes
     tp must divide: a described model's own (``ModelSpec.tp_divides``, what the engine
     checks), else the heads, key/value heads and MLP width."""
     why = tp_reason(spec, lay.tp, cluster, tp_across_nodes) or chunks_reason(
         spec, lay.pp, lay.chunks_per_rank) or cp_reason(spec, lay.cp)
-    if not why and lay.fp8 and cluster.fp8_flops is None:
+    if not why and lay.fp8 and cluster is not None and cluster.fp8_flops is None:
         why = fp8_reason(cluster)
     return why or layout_reason(spec, lay)
 
@@ -78,6 +82,52 @@ def micro_batches_reason(kind: str, pp: int, m: int) -> str | None:
     if kind == "dualpipev" and m < 2 * pp:
         return f"dualpipev needs micro-batches m={m} >= 2 pp = {2 * pp}"
     return None
+
+
+SIZES = ("dp", "tp", "pp", "micro_batch_size", "micro_batches", "chunks_per_rank", "cp",
+         "ep", "dp_replicate", "cp_a2a")
+
+
+def shape_reason(lay: Layout) -> str | None:
+    """Why ``lay`` names no layout at all (a size below 1, an unknown ZeRO stage, schedule
+    or cut, chunks the schedule does not run, an all-to-all degree that does not divide
+    cp), or None: what every public planner function refuses (``check``)."""
+    for f in SIZES:
+        n = getattr(lay, f)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return f"{f}={n!r}: expected an integer >= 1"
+    if lay.zero not in (0, 1, 2, 3):
+        return f"zero={lay.zero!r}: expected a ZeRO stage 0-3"
+    if lay.schedule not in SCHEDULE_KINDS:
+        return f"schedule {lay.schedule!r}: expected one of {', '.join(SCHEDULE_KINDS)}"
+    if lay.partition not in ("layers", "params"):
+        return f"partition {lay.partition!r}: expected layers or params"
+    if lay.pp > 1 and lay.schedule == "interleaved" and lay.chunks_per_rank < 2:
+        return f"interleaved with chunks_per_rank={lay.chunks_per_rank}: needs 2 or more"
+    if (lay.pp > 1 and lay.schedule not in ("interleaved", *V_SHAPED_KINDS)
+            and lay.chunks_per_rank > 1):
+        return (f"chunks_per_rank={lay.chunks_per_rank} with {lay.schedule}: one chunk per "
+                "rank (interleaved runs more, zbv and dualpipev two)")
+    if lay.cp % lay.cp_a2a:
+        return f"cp_a2a={lay.cp_a2a} does not divide cp={lay.cp}"
+    if lay.recompute not in (False, True, "full", "selective"):
+        return f"recompute={lay.recompute!r}: expected False, True, 'full' or 'selective'"
+    return None
+
+
+def check(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None) -> None:
+    """Raise ``ValueError`` naming the reason where the engine cannot run ``lay``
+    (``shape_reason``, then ``prune_reason`` with tp allowed across nodes; without a
+    cluster, the reasons that need none), as every public planner function that prices a
+    layout does before pricing it. What the search prunes as the same as another layout
+    is priced as that one: ZeRO with dp x cp = 1 as ZeRO-0, FP8 on a GPU without it as bf16
+    (``Layout.fp8``)."""
+    why = shape_reason(lay)
+    if not why:
+        same = replace(lay, fp8=False, zero=lay.zero if lay.dp * lay.cp > 1 else 0)
+        why = prune_reason(spec, same, cluster, tp_across_nodes=True)
+    if why:
+        raise ValueError(f"{lay.label()}: {why}")
 
 
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:

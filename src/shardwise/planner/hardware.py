@@ -31,7 +31,10 @@ Compute, two models:
   below), each memory-bound kernel (norms, softmax, dropout, activations, residual adds) by
   the bytes it moves at Calculon's memory efficiency, attention by its kernel (flash for
   shardwise, unfused for Megatron-LM 2021: ``KERNELS``); links at Calculon's efficiency
-  (NVLink 0.6, InfiniBand 0.9 of the datasheet bandwidth);
+  (NVLink 0.6, InfiniBand 0.9 of the datasheet bandwidth); on the presets, the overheads
+  this repository's H100 measurements show (``per_op(measured=True)``: ``FLASH_BACKWARD``,
+  ``H100_GEMM_SCALE``, ``COMPILED_MEM``, ``STEP_S``, ``FP8_CAST``, ``ZERO3_EXPOSED``;
+  ``benchmarks/planner_measured.py``);
 - fixed (``FIXED_PRESETS``, ``--compute fixed``): every matmul at ``EFFICIENCY`` = 50% of
   the dense bf16 peak (Narayanan et al. 2021 report 44-52% of peak end to end), links at
   the datasheet bandwidth. The model before the per-operation one.
@@ -154,6 +157,8 @@ class Cluster:
     blocking_sends: bool = False  # pipeline sends block compute (``simulate.blocking_p2p``)
     fp8_flops: float | None = None
     reserved: float = 0.0
+    step_s: float = 0.0  # host seconds per optimizer step (``STEP_S``; 0: not modelled)
+    zero3_exposed: float = 0.0  # ZeRO-3 collectives' share prefetch cannot hide (GPUs)
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -194,6 +199,9 @@ class OpModel:
     mem_eff: tuple[tuple[float, float], ...]   # (MB threshold, efficiency), descending
     source: str = ""
     fp8_flops: float | None = None  # FP8 tensor-core peak (None: none on this GPU)
+    mem_scale: float = 1.0  # memory-bound seconds x this (``COMPILED_MEM``: fused kernels)
+    attn_backward: float = 2.0  # attention kernel's backward / forward (``FLASH_BACKWARD``)
+    fp8_cast_bytes: float = 0.0  # FP8 casts' bytes per linear in/out value (``FP8_CAST``)
 
     def gemm(self, flops: float, fp8: bool = False) -> float:
         """Seconds of a GEMM of ``flops``; ``fp8``: at the FP8 peak where the GPU has one,
@@ -210,7 +218,8 @@ class OpModel:
         if nbytes <= 0:
             return 0.0
         mb = nbytes / 1e6
-        return nbytes / (self.mem_bw * next(e for t, e in self.mem_eff if mb >= t))
+        return self.mem_scale * nbytes / (self.mem_bw * next(e for t, e in self.mem_eff
+                                                             if mb >= t))
 
 
 # Calculon (Isaev et al., SC 2023, "Calculon: a methodology and tool for high-level
@@ -281,14 +290,55 @@ FIXED_PRESETS: dict[str, Cluster] = {
 GEMM_SCALE = 0.803
 
 
-def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0) -> Cluster:
+# What the GPU measurements of this repository show (benchmarks/gpu_results/, one H100 SXM,
+# torch 2.11, blocks and loss compiled; ``benchmarks/planner_measured.py`` solves the fitted
+# ones again and checks these values). Every GPU preset carries them (the A100's measured
+# only through llm-foundry's A100 rows, within 8%), but H100_GEMM_SCALE, the H100's alone.
+# Measured, not fitted:
+# - FLASH_BACKWARD: the attention kernel's backward over its forward, 42.48 / 13.34 ms per
+#   step (cuDNN's fused SDPA, logs/profile_llama1b.log), where the GEMM count says 2.
+FLASH_BACKWARD = 3.18
+# Fitted (five constants with ZERO3_EXPOSED below, each on one row; the other rows are
+# predictions):
+# - H100_GEMM_SCALE: Calculon's H100 GEMM efficiencies times this, solved on the Llama-1B
+#   bf16 step (cuda_llama1b.md: 530.8 ms, 16 x 2048 tokens in 4 micro-batches); the A100
+#   presets keep GEMM_SCALE (Megatron-LM's run).
+# - COMPILED_MEM: the memory-bound kernels' seconds (norms, activations, residual adds, the
+#   loss) times this: torch.compile fuses what the planner prices kernel by kernel; solved
+#   on GPT-2 small's compiled step (cuda.md "+ compile": 71.3 ms, 32 x 1024 in 2).
+# - STEP_S: host seconds per optimizer step beyond the AdamW bytes (Python of the step,
+#   the clip's norm, zero_grad, launches), solved on the Llama-1B step with one
+#   micro-batch of 4 (memory.json: 148.5 ms), against the 4-micro-batch step above.
+# - FP8_CAST: bytes moved per value of each linear layer's input and output by torchao's
+#   tensorwise FP8 (the casts, the amax reductions, the transposed copies backward), solved
+#   on the Llama-1B fp8 tensorwise step (cuda_llama1b.md: 476.9 ms).
+H100_GEMM_SCALE = 0.6407
+COMPILED_MEM = 0.3668
+STEP_S = 0.00631
+FP8_CAST = 13.93
+# - ZERO3_EXPOSED: the share of ZeRO-3's all-gathers and reduce-scatters prefetch does not
+#   hide on a GPU when the group stays inside a node (NCCL's NVLink kernels take SMs and
+#   memory bandwidth from the compute they overlap; across nodes the NIC moves the bytes and
+#   llm-foundry's MPT-3B on 16 H100s shows them hidden): a chunk's forward waits at least
+#   this share of its gathers, its backward of its gathers and reduce-scatters; solved on MosaicML llm-foundry's MPT-13B FSDP
+#   FULL_SHARD row on 8 H100s (scripts/train/benchmarking/README.md: 4,792 tokens/s a
+#   GPU, benchmarks/planner_measured.py); its other FULL_SHARD rows are predictions.
+ZERO3_EXPOSED = 0.8261
+
+
+def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0,
+           measured: bool = False, compiled: bool = True) -> Cluster:
     """``cluster`` with the per-operation compute model (``OpModel``, Calculon's documented
     A100/H100 tables over the preset's datasheet peak and memory bandwidth) and links at
     Calculon's efficiencies (NVLink 0.6, InfiniBand 0.9 of the datasheet bandwidth, the
     same latencies), running ``kernels`` (Megatron-LM 2021's with its blocking pipeline
     sends: ``Cluster.blocking_sends``). ``gemm_scale`` multiplies every GEMM efficiency
     of the table (1: Calculon's as documented; ``benchmarks/planner_published.py``
-    calibrates it on one published run and says so)."""
+    calibrates it on one published run and says so). ``measured``: with the overheads the
+    GPU measurements show (``FLASH_BACKWARD``, ``COMPILED_MEM``, ``STEP_S``, ``FP8_CAST``:
+    shardwise's compiled blocks; the presets ``plan`` uses; ``compiled=False``: eager
+    blocks, the memory-bound kernels unfused), and ZeRO-3's exposed share
+    (``ZERO3_EXPOSED``)."""
     if cluster.cores:
         raise SpecError("the per-operation model is for GPU presets; local is measured")
     if kernels not in KERNELS:
@@ -297,7 +347,10 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
     ops = OpModel(f"{cluster.gpu} per-op" + (f", GEMMs x {gemm_scale:.3g}"
                                               if gemm_scale != 1.0 else ""),
                   cluster.flops, gemm, cluster.mem_bw, CALCULON_MEM, CALCULON,
-                  fp8_flops=cluster.fp8_flops)
+                  fp8_flops=cluster.fp8_flops,
+                  mem_scale=COMPILED_MEM if measured and compiled else 1.0,
+                  attn_backward=FLASH_BACKWARD if measured else 2.0,
+                  fp8_cast_bytes=FP8_CAST if measured else 0.0)
 
     def derate(link: Link, eff: float) -> Link:
         p = link.fixed
@@ -307,12 +360,17 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
                    blocking_sends=kernels == "megatron-2021",
                    intra=derate(cluster.intra, CALCULON_NVLINK_EFF),
                    inter=derate(cluster.inter, CALCULON_IB_EFF),
+                   step_s=STEP_S if measured else 0.0,
+                   zero3_exposed=ZERO3_EXPOSED if measured else 0.0,
                    source=f"{cluster.source}; per-op: {CALCULON}")
 
 
-# The presets ``plan`` uses: the per-operation model, shardwise's own kernels.
-PRESETS: dict[str, Cluster] = {k: per_op(c, "shardwise", GEMM_SCALE)
-                               for k, c in FIXED_PRESETS.items()}
+# The presets ``plan`` uses: the per-operation model, shardwise's own (compiled) kernels,
+# with the overheads the GPU measurements show.
+PRESETS: dict[str, Cluster] = {
+    k: per_op(c, "shardwise", H100_GEMM_SCALE if c.gpu.startswith("H100") else GEMM_SCALE,
+              measured=True)
+    for k, c in FIXED_PRESETS.items()}
 COMPUTE_MODELS = ("per-op", "fixed")
 
 

@@ -59,6 +59,7 @@ from shardwise.planner.compute import optimizer_seconds
 from shardwise.planner.costs import chunk_costs, model_seconds
 from shardwise.planner.feasible import (  # noqa: F401 (prune_reason: importable from here)
     SELECTIVE_MOE,
+    check,
     chunks_reason,
     cp_reason,
     fp8_reason,
@@ -216,27 +217,26 @@ def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shar
     """Bytes per GPU of ``lay``: what it holds between steps and ZeRO-3's gathered units
     (``held_bytes``) and the activations of the kernels a block runs (``hardware.KERNELS``:
     shardwise's measured model, or Megatron-LM's of Korthikanti et al. 2022 for
-    ``megatron-2021``). ``static=False``: the activations' bytes alone (a number)."""
-    if not static:
-        return activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
-                                micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
-                                schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
-                                precision=precision, partition=lay.partition,
-                                am=MEGATRON if kernels == "megatron-2021" else None,
-                                selective=lay.selective, cp=lay.cp, a2a=lay.cp_a2a)
-    st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
-                    lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate, lay.schedule)
+    ``megatron-2021``). ``static=False``: the activations' bytes alone (a number).
+    ``ValueError`` naming the reason for a layout the engine cannot run (``check``)."""
+    check(spec, lay)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition,
                            am=MEGATRON if kernels == "megatron-2021" else None,
                            selective=lay.selective, cp=lay.cp, a2a=lay.cp_a2a)
+    if not static:
+        return act
+    st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
+                    lay.sp, lay.partition, lay.cp, lay.ep, lay.dp_replicate, lay.schedule)
     return {**st, "activations": act, "total": st["total"] + act}
 
 
 def quick_estimate(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str) -> float:
-    """Analytic step time: chunk costs x (v m + p - 1) per rank (the textbook bubble)."""
+    """Analytic step time: chunk costs x (v m + p - 1) per rank (the textbook bubble).
+    ``ValueError`` naming the reason for a layout the engine cannot run (``check``)."""
+    check(spec, lay, cluster)
     costs = chunk_costs(spec, lay, cluster, precision)
     per_chunk = max(c.forward + c.backward for c in costs)
     return per_chunk * (lay.chunks_per_rank * lay.micro_batches + lay.pp - 1)
@@ -427,6 +427,9 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     ``cp_a2a_choices``): the ring alone by default, all three from ``shardwise plan``."""
     from tqdm import tqdm
 
+    for what, n in (("world", world), ("global_batch", global_batch)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{what}={n!r}: expected an integer >= 1")
     precision = precision or cluster.precision
     limit = memory_limit or cluster.memory_per_rank(world)
     if simulate_top is not None:

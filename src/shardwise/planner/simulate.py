@@ -20,7 +20,6 @@ too (``__all__``: ``from shardwise.planner.simulate import block_ops``), as befo
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 from shardwise.parallel.pipeline.schedules import schedule
@@ -59,7 +58,7 @@ from shardwise.planner.costs import (
     unit_forward_seconds,
     zero3_seconds,
 )
-from shardwise.planner.feasible import prune_reason
+from shardwise.planner.feasible import check, prune_reason  # noqa: F401 (as before)
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import BYTES, stage_layers
@@ -112,10 +111,7 @@ def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str |
     rejects ``layout``, but for what it prunes as the same as another layout, priced as that
     one: ZeRO with dp x cp = 1 as ZeRO-0, FP8 on a GPU without it as bf16
     (``Layout.fp8``); tp may cross nodes here."""
-    same = replace(layout, fp8=False, zero=layout.zero if layout.dp * layout.cp > 1 else 0)
-    why = prune_reason(spec, same, cluster, tp_across_nodes=True)
-    if why:
-        raise ValueError(f"{layout.label()}: {why}")
+    check(spec, layout, cluster)
     lay = layout
     precision = precision or cluster.precision
     kind = lay.schedule if lay.pp > 1 else "1f1b"
