@@ -295,7 +295,7 @@ def test_plan_chooses_the_mode_and_emits_it(tmp_path, capsys):
     from shardwise.cli.plan import plan_main as main
 
     args = ["--model", "llama3-8b", "--seq", "4096", "--cluster", "dgx-h100", "--gpus", "8",
-            "--global-batch", "8", "--cp", "8", "--top", "3"]
+            "--global-batch", "8", "--cp", "8", "--top", "8"]
     out = tmp_path / "best.toml"
     assert main(args + ["--emit-toml", str(out)]) == 0
     table = capsys.readouterr().out

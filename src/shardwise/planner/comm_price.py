@@ -11,8 +11,9 @@ one rank makes, each on the link its group crosses (``Cluster.link``).
   window that leaves some ranks' blocks unseen by others moves only the blocks seen
   (``parallel.context.ring_attention.kv_transfers``, ``_ring_counts``).
 - All-to-all context parallelism (Jacobs et al. 2023, DeepSpeed-Ulysses; the engine's
-  ``parallel.context.ulysses``), per block and pass: four all-to-alls over the A ranks of a
-  head group (q, k, v, the output; backward their gradients), each sending (A - 1) / A of
+  ``parallel.context.ulysses``), per block and pass: two all-to-alls over the A ranks of a
+  head group (q, k, v in one, the output in the other; backward their gradients), each
+  sending (A - 1) / A of
   the rank's tensor, on the critical path (``ulysses_bytes``, ``ulysses_seconds``); the
   hybrid's ring then passes K/V across the cp / A head groups as above.
 - Expert parallelism (Lepikhin et al. 2020, GShard; the engine's ``parallel.experts``): per
@@ -142,16 +143,17 @@ def ulysses_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
 
 
 def ulysses_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
-    """Seconds of one block's four all-to-alls in one pass on one rank (``ulysses_bytes``;
-    ``Link.all_to_all`` each), on the link its head group crosses (A x tp consecutive
-    ranks), not overlapped: attention waits for them."""
+    """Seconds of one block's two all-to-alls in one pass on one rank (``ulysses_bytes``:
+    q, k and v to heads in one call, the output back to the sequence in another, as
+    ``parallel.context.ulysses`` sends them; ``Link.all_to_all`` each), on the link its head
+    group crosses (A x tp consecutive ranks), not overlapped: attention waits for them."""
     A = lay.cp_a2a
     if A == 1:
         return 0.0
     h, kv = _heads(spec, lay)
     one = lay.micro_batch_size * (spec.block_size // lay.cp) * (spec.attn_width // spec.n_head) * e
     link = cluster.link(lay.tp * A)
-    return 2 * link.all_to_all(A, one * h) + 2 * link.all_to_all(A, one * kv)
+    return link.all_to_all(A, one * (h + 2 * kv)) + link.all_to_all(A, one * h)
 
 
 def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
