@@ -346,16 +346,24 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
     assert "branch[3x3 | 1x1,5x5,pool]" in capsys.readouterr().out
 
 
+def _fashion_files(root, n_train: int, n_test: int, images_suffix: str = "") -> None:
+    """Tiny synthetic Fashion-MNIST-shaped IDX files under ``root`` (28 x 28, 10 classes, a
+    label-dependent brightness so a few steps learn something); ``images_suffix=".gz"``
+    writes the images gzipped, as the real download is."""
+    n = n_train + n_test
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    images = (labels.view(-1, 1, 1) * 25 + torch.randint(0, 20, (n, 28, 28), generator=g))
+    for split, sl in (("train", slice(0, n_train)), ("t10k", slice(n_train, n))):
+        write_idx(root / f"{split}-images-idx3-ubyte{images_suffix}", images[sl])
+        write_idx(root / f"{split}-labels-idx1-ubyte", labels[sl])
+
+
 def test_train_cli_end_to_end(tmp_path, capfd):
     """Tiny synthetic Fashion-MNIST-shaped IDX files: train the hybrid on 2 ranks with a
     checkpoint (tensor parallel fully connected layers), then resume it into pure data
     parallelism; metrics, plot, accuracy. (The ranks print to the real stdout: ``capfd``.)"""
-    g = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 10, (320,), generator=g)
-    images = (labels.view(-1, 1, 1) * 25 + torch.randint(0, 20, (320, 28, 28), generator=g))
-    for split, sl in (("train", slice(0, 256)), ("t10k", slice(256, 320))):
-        write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", images[sl])
-        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels[sl])
+    _fashion_files(tmp_path, 256, 64, images_suffix=".gz")
     out = tmp_path / "run"
     argv = ["train", "--config", "configs/fashion_cnn.toml", "--data", str(tmp_path),
             "--cnn.channels", "[4, 8]", "--cnn.hidden", "[32, 16]", "--training.steps", "4",
@@ -383,12 +391,7 @@ def test_train_cli_inception_branch_plan_resumes_into_dp(tmp_path, capfd):
     """``cnn.inception`` and a branch plan through ``shardwise train`` on 2 ranks, with a
     checkpoint (the placed branches' weights and AdamW moments collected from their owner),
     resumed into pure data parallelism."""
-    g = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 10, (192,), generator=g)
-    images = (labels.view(-1, 1, 1) * 25 + torch.randint(0, 20, (192, 28, 28), generator=g))
-    for split, sl in (("train", slice(0, 160)), ("t10k", slice(160, 192))):
-        write_idx(tmp_path / f"{split}-images-idx3-ubyte", images[sl])
-        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels[sl])
+    _fashion_files(tmp_path, 160, 32)
     out = tmp_path / "run"
     argv = ["train", "--config", "configs/fashion_cnn.toml", "--data", str(tmp_path),
             "--cnn.channels", "[4, 8]", "--cnn.hidden", "[32, 16]",
