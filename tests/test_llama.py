@@ -22,7 +22,8 @@ losses 8.4e-8, parameters 4.4e-7; interleaved with full recomputation, 4 micro-b
 6.3e-8, 3.9e-7).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
-finite; bf16 (fp32 masters) under ZB-H1 equals 1F1B's of the same layout (``BF16_PAIRS``). Then the size checks at the door and the issue's command line. Two spawns and one
+finite; bf16 (fp32 masters) under ZB-H1 equals 1F1B's of the same layout (``BF16_PAIRS``).
+Then the size checks at the door and the issue's command line. Two spawns and one
 command of 8 ranks: about a minute on 2 cores.
 """
 
