@@ -22,7 +22,8 @@ losses 8.4e-8, parameters 4.4e-7; interleaved with full recomputation, 4 micro-b
 6.3e-8, 3.9e-7).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
-finite. Then the size checks at the door and the issue's command line. Two spawns and one
+finite; bf16 (fp32 masters) under ZB-H1 equals 1F1B's of the same layout (``BF16_PAIRS``).
+Then the size checks at the door and the issue's command line. Two spawns and one
 command of 8 ranks: about a minute on 2 cores.
 """
 
@@ -39,6 +40,9 @@ from shardwise.launch import spawn
 
 STEPS, STOP = 5, 3
 RTOL = 1e-5
+# test_bf16_split_backward_equals_the_fused (measured: equal bit for bit; dropping one
+# micro-batch's W moves the losses 8.8e-3, within SMOKE_RTOL, the parameters 0.2)
+BF16_PAIR_RTOL = 1e-6
 _BASE = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16}
 MODELS = {
     "gqa-tied": {**_BASE, "n_kv_heads": 2, "multiple_of": 16, "tie_weights": True},  # ffn 96
@@ -100,16 +104,27 @@ LAYOUTS = {
     "dp2xpp2-dualpipev-z1": (4, "gqa-tied", {"dp": 2, "tp": 1, "pp": 2, "zero": 1,
                                              "micro_batches": 4, "schedule": "dualpipev",
                                              "chunks_per_rank": 2}, {}),
+    # 1F1B at dp2 x pp2 with ZeRO-2: DualPipeV's checkpoint resumed here (RESUMES)
+    "dp2xpp2-1f1b-z2": (4, "gqa-tied", {"dp": 2, "tp": 1, "pp": 2, "zero": 2,
+                                        "micro_batches": 2}, {}),
 }
+DP2PP2 = {"dp": 2, "tp": 1, "pp": 2, "zero": 1, "micro_batches": 2}
+BF16 = {"training": {"precision": "bf16"}}
 SMOKES = {  # PipeDream: no ZeRO, no clipping (no flush), no embedding tied across stages
     "2x2x2-pipedream": (8, "mha-untied-qk", {**DP2TP2PP2, "schedule": "pipedream"},
                         {"optimizer": {"grad_clip": 0.0}}),
     "2x2x2-bf16-z1": (8, "gqa-tied", {**DP2TP2PP2, "zero": 1},
                       {"training": {"precision": "bf16"}}),
+    # bf16 compute, fp32 masters: ZB-H1 against 1F1B of the same layout (BF16_PAIRS)
+    "dp2xpp2-1f1b-bf16-z1": (4, "gqa-tied", DP2PP2, BF16),
+    "dp2xpp2-zb1p-bf16-z1": (4, "gqa-tied", {**DP2PP2, "schedule": "zb1p"}, BF16),
 }
+# (split backward, fused backward): the same bf16 ops, the weight gradients later
+BF16_PAIRS = [("dp2xpp2-zb1p-bf16-z1", "dp2xpp2-1f1b-bf16-z1")]
 # how far each smoke's losses may stray from the fp32 reference's (relative); measured:
 # PipeDream 4.1e-2 (stale weights: each micro-batch's forward sees other versions), bf16 6e-5
-SMOKE_RTOL = {"2x2x2-pipedream": 0.1, "2x2x2-bf16-z1": 0.01}
+SMOKE_RTOL = {"2x2x2-pipedream": 0.1, "2x2x2-bf16-z1": 0.01, "dp2xpp2-1f1b-bf16-z1": 0.01,
+              "dp2xpp2-zb1p-bf16-z1": 0.01}
 # name -> (the run that saved at step STOP: a layout or "ref:<model>", the layout resuming)
 RESUMES = {
     "dp1->2x2x2-1f1b-z1": ("ref:gqa-tied", "2x2x2-1f1b-z1"),
@@ -117,6 +132,8 @@ RESUMES = {
     "2x2x2-1f1b-z1->dp2xpp2-zb1p-z1": ("2x2x2-1f1b-z1", "dp2xpp2-zb1p-z1"),
     "2x2x2-zbv-sp-z1->dp2xtp2-z3-sp-gqa": ("2x2x2-zbv-sp-z1", "dp2xtp2-z3-sp-gqa"),
     "2x2x2-1f1b-z1->dp2xpp2-dualpipev-z1": ("2x2x2-1f1b-z1", "dp2xpp2-dualpipev-z1"),
+    # out of DualPipeV's V (embedding and head on pipeline rank 0) into 1F1B's line
+    "dp2xpp2-dualpipev-z1->dp2xpp2-1f1b-z2": ("dp2xpp2-dualpipev-z1", "dp2xpp2-1f1b-z2"),
 }
 
 
@@ -159,9 +176,11 @@ def results(sources, tmp_path_factory, references):
                                     "cfg": _cfg(sources, root / name, model, parallel, sections)}))
         for name, (a, b) in RESUMES.items():
             w, model, parallel, sections = LAYOUTS[b]
-            if w == ws:
-                assert saved[a], f"{a} must save before {name} resumes"
-                jobs.append((name, {"kind": "resume", "path": saved[a],
+            if w == ws:  # a saver of this spawn runs first: its checkpoint directory
+                assert saved.get(a) or a in dict(jobs), f"{a} must save before {name} resumes"
+                where = ({"path": saved[a]} if saved.get(a) else
+                         {"from_dir": str(root / a / "checkpoints")})
+                jobs.append((name, {"kind": "resume", **where,
                                     "cfg": _cfg(sources, root / name, model, parallel, sections)}))
         ranks = spawn(llama_worker, ws, ([j for _, j in jobs],))
         for i, (name, _) in enumerate(jobs):
@@ -319,6 +338,21 @@ def test_other_settings_run_and_stay_finite(results, references, name):
             name, r["coords"], losses, ref)
         assert not torch.equal(losses, ref)  # really another computation
         assert all(math.isfinite(float(t.abs().max())) for t in r["params"].values())
+
+
+@pytest.mark.parametrize("split,fused", BF16_PAIRS)
+def test_bf16_split_backward_equals_the_fused(results, split, fused):
+    """bf16 compute with fp32 masters: the split backward (B, then W later) computes the
+    fused one's bf16 gradients, so every loss and parameter of every rank agrees within
+    ``BF16_PAIR_RTOL`` (bf16 itself moves them ~1e-3, SMOKE_RTOL's check)."""
+    for a, b in zip(results[split], results[fused]):
+        assert a["coords"] == b["coords"]
+        la, lb = torch.tensor(a["losses"]), torch.tensor(b["losses"])
+        assert ((la - lb).abs() <= BF16_PAIR_RTOL * lb.abs()).all(), (a["coords"], la, lb)
+        assert set(a["params"]) == set(b["params"])
+        for n, t in a["params"].items():
+            err = rel_err(t, b["params"][n])
+            assert err <= BF16_PAIR_RTOL, (a["coords"], n, err)
 
 
 def test_memory_prediction_equals_measured_bytes(results):

@@ -27,7 +27,9 @@ in the two mixtures DeepSeek-V3's routing: sigmoid gating over 8 experts, group-
 2 of 4 groups, the gates times 2.5, a shared expert and a routing bias; multi-head latent
 attention, its down projections and their norms replicated over tp with partial gradients) at ep2 x
 tp2 with
-SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). Parity: every loss,
+SP and at ep2 x pp2 with ZeRO-1 (also resumed there from one process's step 2). The
+zero-bubble schedules (backward split into B and W) at ep2 x pp2: ZB-H1 with ZeRO-1 and
+DualPipeV (4 micro-batches, the V). Parity: every loss,
 every step's auxiliary loss and gradient norm (``GRAD_NORM_RTOL``) and every parameter
 tensor of every rank (gathered over tp and ep) within ``RTOL`` relative of the reference,
 and every step's expert load (tokens routed to each expert of each layer) and every
@@ -142,6 +144,14 @@ LAYOUTS = {
     "tp2-mixed": (2, "mixed", {"dp": 1, "ep": 1, "tp": 2}),
     "ep2xpp2-z1-mixed": (4, "mixed", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
                                       "zero": 1}),
+    # zero-bubble schedules (the backward split into B and W): each expert's weight gradient
+    # in its W, the all-to-all's backward in B; ZB-H1 with ZeRO-1, DualPipeV's V (fused and
+    # split backwards, the tied embedding and head on pipeline rank 0)
+    "ep2xpp2-zb1p-z1": (4, "softmax", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2,
+                                       "schedule": "zb1p", "zero": 1}),
+    "ep2xpp2-dualpipev": (4, "sigmoid-shared", {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 4,
+                                                "schedule": "dualpipev",
+                                                "chunks_per_rank": 2}),
 }
 RECORD = "ep2-dp4-z1"  # one more step recorded: the all-to-all's bytes
 # in the slow set (a spawn of 8 of their own): cp x ep x tp stays in make test with SP
@@ -331,7 +341,9 @@ def test_memory_prediction_equals_measured_bytes(results):
                                 tp=p.get("tp", 1), dp_rank=c["dp"], pp_rank=c["pp"],
                                 tp_rank=c["tp"], zero=p.get("zero", 0), ep=p["ep"],
                                 cp=p.get("cp", 1), cp_rank=c["cp"],
-                                sequence_parallel=p.get("sequence_parallel", False))
+                                sequence_parallel=p.get("sequence_parallel", False),
+                                chunks_per_rank=p.get("chunks_per_rank", 1),
+                                schedule=p.get("schedule", "1f1b"))
             for k in ("params", "grads", "optimizer"):
                 assert pred[k] == r["memory"][k], (name, c, k, pred, r["memory"])
 
