@@ -20,7 +20,14 @@ recorded events (``timeline.idle_fraction``); ``from step`` is 1 - (the rank's c
 overhead. ``ratio``: torch's median step over ours (> 1: ours is faster). Losses (the mean
 over micro-batches of the first step) must agree.
 
+``--recompute both``: ours only, 1f1b, zb1p, zbv and dualpipev each without and with per-chunk
+recomputation (``Executor(recompute=True)``, ``parallel.recompute = "stage"``): the forward runs
+under ``no_grad`` and the backward (fused, or B) reruns it, so B costs F + B and the rank's
+compute is ``m * 4 * ms``; ``ideal`` is then the schedule's lists timed with B = 2 F (fused
+backward 3 F), W = F. ``ratio``: the step with recomputation over the step without.
+
     .venv/bin/python benchmarks/zero_bubble.py --pp 4 --micro-batches 8 --repeats 5
+    .venv/bin/python benchmarks/zero_bubble.py --recompute both --repeats 3
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ from shardwise.launch import spawn
 from shardwise.parallel.pipeline import timeline
 from shardwise.parallel.pipeline.bubble import ideal_bubble
 from shardwise.parallel.pipeline.executor import Executor
-from shardwise.parallel.pipeline.schedules import placement_of, schedule
+from shardwise.parallel.pipeline.schedules import (
+    COMPUTE_STREAM, Backward, BackwardInput, BackwardWeight, Forward, _deps, compute_order,
+    placement_of, schedule, time_lists)
 
 OURS = (("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2))
 TORCH = (("zb1p", "ScheduleInterleavedZeroBubble", 1), ("zbv", "ScheduleZBVZeroBubble", 2),
          ("dualpipev", "ScheduleDualPipeV", 2))
+RECOMPUTE = (("1f1b", 1), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2))
 
 
 class _SleepX(torch.autograd.Function):
@@ -96,10 +106,11 @@ def _chunks(ids, a, v):
     return {c: SplitSleepStage(a["ms"] / 1e3 / v, a["hidden"], c) for c in ids}
 
 
-def _ours(a, kind: str, v: int, rank: int, p: int):
+def _ours(a, kind: str, v: int, rank: int, p: int, recompute: bool = False):
     s = schedule(kind, p, a["m"], v)
     ex = Executor(s, rank, _chunks(s.chunks_of(rank), a, v), list(range(p)),
-                  (a["batch"] // a["m"], a["hidden"]), loss_fn=_loss, on_step=lambda: None)
+                  (a["batch"] // a["m"], a["hidden"]), loss_fn=_loss, on_step=lambda: None,
+                  recompute=recompute)
 
     def step(x, t):
         losses = ex.run(list(x.chunk(a["m"])), list(t.chunk(a["m"])))
@@ -127,13 +138,37 @@ def _torch(a, name: str, v: int, rank: int, p: int):
     return step, None
 
 
+def _ideal(kind: str, p: int, m: int, v: int, recompute: bool) -> float:
+    """Ideal-machine idle fraction of ``kind``'s compute orders with F = W = 1 / v per chunk
+    and B = (2 if ``recompute`` else 1) / v (a fused backward B + W)."""
+    if not recompute:
+        return ideal_bubble(kind, p, m, v)
+    orders = compute_order(kind, p, m, v)
+    split = {(op.mb, op.chunk) for o in orders for op in o if isinstance(op, BackwardInput)}
+    cost = {Forward: 1.0, BackwardInput: 2.0, BackwardWeight: 1.0, Backward: 3.0}
+    times = time_lists(orders, lambda r, op: (COMPUTE_STREAM, _deps(op, p * v, split),
+                                              cost[type(op)] / v)).times
+    span = max(e for _, e in times.values())
+    return 1.0 - sum(e - s for s, e in times.values()) / (p * span)
+
+
+def _sides(a: dict) -> dict:
+    """``{row name: (kind, v, recompute, torch schedule name or None)}``, in run order."""
+    if a["recompute"] == "both":
+        return {f"ours {k}{' +recompute' if r else ''}": (k, v, r, None)
+                for k, v in RECOMPUTE for r in (False, True)}
+    rows = {f"ours {k}": (k, v, False, None) for k, v in OURS}
+    rows.update({f"torch {n}": (k, v, False, n) for k, n, v in TORCH})
+    return rows
+
+
 def _run(a: dict) -> dict:
     rank, p = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(a["batch"], a["hidden"], generator=g),
              torch.randn(a["batch"], a["hidden"], generator=g)) for _ in range(a["steps"] + 1)]
-    sides = {f"ours {k}": _ours(a, k, v, rank, p) for k, v in OURS}
-    sides.update({f"torch {n}": _torch(a, n, v, rank, p) for _, n, v in TORCH})
+    sides = {name: _ours(a, k, v, rank, p, r) if n is None else _torch(a, n, v, rank, p)
+             for name, (k, v, r, n) in _sides(a).items()}
     times: dict = {k: [] for k in sides}
     idle: dict = {k: [] for k in sides}
     first: dict = {}
@@ -165,13 +200,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--recompute", choices=("off", "both"), default="off",
+                    help="both: ours only, each schedule without and with recomputation")
     a = vars(ap.parse_args())
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     res = spawn(_run, a["p"], (a,), threads=1)
     wall = time.perf_counter() - t0
     p, m, ms = a["p"], a["m"], a["ms"]
-    work = m * 3 * ms / 1e3  # a rank's compute per step, seconds
     print(f"{platform.node()}: {os.cpu_count()} cores, torch {torch.__version__}, gloo, "
           f"p={p} ranks x 1 thread; load average {load0[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after ({wall:.0f} s)")
@@ -179,19 +215,23 @@ def main() -> None:
           f"m={m}; median of {a['repeats']} x {a['steps']} alternated steps")
     print(f"{'schedule':36} {'v':>2} {'step ms':>8} {'idle: timeline':>14} {'from step':>9} "
           f"{'ideal':>6} {'loss':>9}")
-    row = {}
+    row, meta = {}, _sides(a)
     for name in res[0]:
         steps = [max(r[name][0][i] for r in res) for i in range(len(res[0][name][0]))]
         step = statistics.median(steps)
         idle = statistics.median(res[0][name][1]) if res[0][name][1] else None
         loss = next(r[name][2] for r in res if r[name][2] is not None)
-        kind = name.split()[1]
-        kind, v = next(((k, v) for k, n, v in TORCH if n == kind), None) or \
-            next((k, v) for k, v in OURS if k == kind)
+        kind, v, rec, _ = meta[name]
+        work = m * (4 if rec else 3) * ms / 1e3  # a rank's compute per step, seconds
         row[name] = step
         shown = f"{idle:14.3f}" if idle is not None else f"{'-':>14}"
         print(f"{name:36} {v:>2} {step * 1e3:8.1f} {shown} {1 - work / step:9.3f} "
-              f"{ideal_bubble(kind, p, m, v):6.3f} {loss:9.6f}")
+              f"{_ideal(kind, p, m, v, rec):6.3f} {loss:9.6f}")
+    if a["recompute"] == "both":
+        for kind, _ in RECOMPUTE:
+            print(f"ratio {kind} with recomputation / without: "
+                  f"{row[f'ours {kind} +recompute'] / row[f'ours {kind}']:.3f}")
+        return
     for kind, tname, _ in TORCH:
         print(f"ratio torch {tname} / ours {kind}: "
               f"{row[f'torch {tname}'] / row[f'ours {kind}']:.3f}")

@@ -22,7 +22,8 @@ losses 8.4e-8, parameters 4.4e-7; interleaved with full recomputation, 4 micro-b
 6.3e-8, 3.9e-7).
 ``RESUMES``: a checkpoint saved at step ``STOP`` in one layout continues in another.
 ``SMOKES``: settings with no exact reference (PipeDream's stale weights, bf16) run and stay
-finite; bf16 (fp32 masters) under ZB-H1 equals 1F1B's of the same layout (``BF16_PAIRS``).
+finite; bf16 (fp32 masters) and fp16 (loss scaling) under ZB-H1 equal 1F1B's of the same
+layout (``SPLIT_PAIRS``).
 Then the size checks at the door and the issue's command line. Two spawns and one
 command of 8 ranks: about a minute on 2 cores.
 """
@@ -40,8 +41,9 @@ from shardwise.launch import spawn
 
 STEPS, STOP = 5, 3
 RTOL = 1e-5
-# test_bf16_split_backward_equals_the_fused (measured: equal bit for bit; dropping one
-# micro-batch's W moves the losses 8.8e-3, within SMOKE_RTOL, the parameters 0.2)
+# test_bf16_split_backward_equals_the_fused (measured: bf16 and fp16 equal bit for bit;
+# dropping one micro-batch's W moves bf16's losses 8.8e-3, within SMOKE_RTOL, the parameters
+# 0.2; a B that drops fp16's loss scale on the last chunk, fp16's losses 5.2e-3, also within)
 BF16_PAIR_RTOL = 1e-6
 _BASE = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16}
 MODELS = {
@@ -110,21 +112,27 @@ LAYOUTS = {
 }
 DP2PP2 = {"dp": 2, "tp": 1, "pp": 2, "zero": 1, "micro_batches": 2}
 BF16 = {"training": {"precision": "bf16"}}
+FP16 = {"training": {"precision": "fp16"}}  # dynamic loss scaling, from 65536
 SMOKES = {  # PipeDream: no ZeRO, no clipping (no flush), no embedding tied across stages
     "2x2x2-pipedream": (8, "mha-untied-qk", {**DP2TP2PP2, "schedule": "pipedream"},
                         {"optimizer": {"grad_clip": 0.0}}),
     "2x2x2-bf16-z1": (8, "gqa-tied", {**DP2TP2PP2, "zero": 1},
                       {"training": {"precision": "bf16"}}),
-    # bf16 compute, fp32 masters: ZB-H1 against 1F1B of the same layout (BF16_PAIRS)
+    # bf16 compute, fp32 masters: ZB-H1 against 1F1B of the same layout (SPLIT_PAIRS)
     "dp2xpp2-1f1b-bf16-z1": (4, "gqa-tied", DP2PP2, BF16),
     "dp2xpp2-zb1p-bf16-z1": (4, "gqa-tied", {**DP2PP2, "schedule": "zb1p"}, BF16),
+    # fp16 compute under loss scaling, fp32 masters: the same pair (SPLIT_PAIRS)
+    "dp2xpp2-1f1b-fp16-z1": (4, "gqa-tied", DP2PP2, FP16),
+    "dp2xpp2-zb1p-fp16-z1": (4, "gqa-tied", {**DP2PP2, "schedule": "zb1p"}, FP16),
 }
-# (split backward, fused backward): the same bf16 ops, the weight gradients later
-BF16_PAIRS = [("dp2xpp2-zb1p-bf16-z1", "dp2xpp2-1f1b-bf16-z1")]
+# (split backward, fused backward): the same low-precision ops, the weight gradients later
+SPLIT_PAIRS = [("dp2xpp2-zb1p-bf16-z1", "dp2xpp2-1f1b-bf16-z1"),
+               ("dp2xpp2-zb1p-fp16-z1", "dp2xpp2-1f1b-fp16-z1")]
 # how far each smoke's losses may stray from the fp32 reference's (relative); measured:
 # PipeDream 4.1e-2 (stale weights: each micro-batch's forward sees other versions), bf16 6e-5
 SMOKE_RTOL = {"2x2x2-pipedream": 0.1, "2x2x2-bf16-z1": 0.01, "dp2xpp2-1f1b-bf16-z1": 0.01,
-              "dp2xpp2-zb1p-bf16-z1": 0.01}
+              "dp2xpp2-zb1p-bf16-z1": 0.01, "dp2xpp2-1f1b-fp16-z1": 0.01,
+              "dp2xpp2-zb1p-fp16-z1": 0.01}
 # name -> (the run that saved at step STOP: a layout or "ref:<model>", the layout resuming)
 RESUMES = {
     "dp1->2x2x2-1f1b-z1": ("ref:gqa-tied", "2x2x2-1f1b-z1"),
@@ -340,11 +348,12 @@ def test_other_settings_run_and_stay_finite(results, references, name):
         assert all(math.isfinite(float(t.abs().max())) for t in r["params"].values())
 
 
-@pytest.mark.parametrize("split,fused", BF16_PAIRS)
+@pytest.mark.parametrize("split,fused", SPLIT_PAIRS)
 def test_bf16_split_backward_equals_the_fused(results, split, fused):
-    """bf16 compute with fp32 masters: the split backward (B, then W later) computes the
-    fused one's bf16 gradients, so every loss and parameter of every rank agrees within
-    ``BF16_PAIR_RTOL`` (bf16 itself moves them ~1e-3, SMOKE_RTOL's check)."""
+    """bf16 compute with fp32 masters, and fp16 under loss scaling: the split backward (B,
+    then W later, both on the scaled loss) computes the fused one's gradients, so every loss
+    and parameter of every rank agrees within ``BF16_PAIR_RTOL`` (the low precision itself
+    moves them ~1e-3, SMOKE_RTOL's check)."""
     for a, b in zip(results[split], results[fused]):
         assert a["coords"] == b["coords"]
         la, lb = torch.tensor(a["losses"]), torch.tensor(b["losses"])
