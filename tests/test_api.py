@@ -86,6 +86,24 @@ def test_plan_of_a_named_size_imports_no_engine_and_no_dynamo():
     assert out == "[]\n[]"
 
 
+def test_plan_of_a_named_model_on_a_preset_imports_no_torch():
+    """``import shardwise.planner`` and ``shardwise plan --model megatron-1t --cluster
+    dgx-a100-80gb`` (here llama3-8b, the same path in a fraction of the time) import no torch:
+    ``comm``, ``perf`` and ``parallel.pipeline`` load their submodules lazily, the GPU table
+    is ``perf.gpus``, and ``planner.contention`` imports torch only when it calibrates (torch
+    is two of the plan's ~8 s of CPU on two cores)."""
+    out = _fresh(
+        "import contextlib, io, sys\n"
+        "import shardwise.planner, shardwise.planner.search\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+        "from shardwise.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['plan', '--model', 'llama3-8b', '--cluster', 'dgx-a100-80gb',\n"
+        "                 '--gpus', '8', '--global-batch', '64']) == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    assert out == "[]\n[]"
+
+
 def test_config_errors_and_help_are_answered_without_importing_torch(tmp_path):
     """The door of ``shardwise``: a misspelt key in a TOML, a wrong type, an unknown option,
     a misspelt model kind (its "did you mean"), ``--help``, ``--version`` and the helps of

@@ -271,6 +271,23 @@ def test_every_layout_is_simulated_or_pruned_with_a_reason():
         assert needle in reasons
 
 
+def test_the_search_variant_is_dataclasses_replace():
+    """``search._variant`` (the layouts ``_expand`` builds positionally, faster than
+    ``replace``) sets what it is given and keeps every other field: a field added to
+    ``Layout`` and not passed there would make this fail."""
+    from dataclasses import fields
+
+    from shardwise.planner.search import _variant
+
+    rep = Layout(dp=8, tp=4, pp=3, micro_batch_size=2, micro_batches=6, schedule="interleaved",
+                 chunks_per_rank=2, zero=1, recompute="full", sp=True, partition="params",
+                 selective=True, cp=2, ep=2, fp8=True, dp_replicate=2, cp_a2a=2)
+    assert all(getattr(rep, f.name) != f.default for f in fields(Layout))  # none at default
+    assert _variant(rep, True, False, False, 4) == replace(rep, recompute=True, sp=False,
+                                                           selective=False, cp_a2a=4)
+    assert _variant(rep, "full", True, True) == replace(rep, cp_a2a=1)
+
+
 def test_the_1t_plan_answers_fast():
     """The issue's case: 1T parameters on 3,072 A100s, the whole space (the CLI's timing is
     in docs/benchmarks.md); here only that it finds a layout and simulates few."""

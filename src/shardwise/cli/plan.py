@@ -246,8 +246,12 @@ def _pruned_groups(pruned) -> list[tuple[int, list]]:
 
     number = re.compile(r"[0-9][0-9.]*(e[+-]?[0-9]+)?")
     groups: dict[str, list] = {}
+    kinds: dict[str, str] = {}  # reason -> its kind: a search repeats few reasons many times
     for p in pruned:
-        groups.setdefault(number.sub("#", p.reason), []).append(p)
+        kind = kinds.get(p.reason)
+        if kind is None:
+            kind = kinds[p.reason] = number.sub("#", p.reason)
+        groups.setdefault(kind, []).append(p)
     out = [(sum(p.count for p in ps), ps) for ps in groups.values()]
     return sorted(out, key=lambda g: g[0], reverse=True)
 

@@ -23,36 +23,23 @@ moving a byte when it is recomputed; ``run_again`` for those that run again).
 
 from __future__ import annotations
 
-from shardwise.comm import accounting, cost, replay
-from shardwise.comm.alltoall import ALL_TO_ALL_ALGORITHMS, all_to_all, all_to_all_single
-from shardwise.comm.api import (
-                                ALL_GATHER_ALGORITHMS,
-                                ALLREDUCE_ALGORITHMS,
-                                BROADCAST_ALGORITHMS,
-                                REDUCE_ALGORITHMS,
-                                REDUCE_SCATTER_ALGORITHMS,
-                                all_reduce,
-                                broadcast,
-                                gather,
-                                reduce,
-                                scatter,
-)
-from shardwise.comm.async_ import Handle, drain, shutdown
-from shardwise.comm.p2p import barrier, exchange, recv, send
-from shardwise.comm.primitives import (
-                                REDUCE_OPS,
-                                CommError,
-                                CommTimeoutError,
-                                Settings,
-                                configure,
-                                settings,
-)
-from shardwise.comm.sharded import (
-                                all_gather,
-                                all_gather_into_tensor,
-                                reduce_scatter,
-                                reduce_scatter_tensor,
-)
+from shardwise.base.lazy import lazy_exports
+
+# public name -> the submodule that defines it; the submodules themselves (``comm.cost``)
+# load on first use too, so the planner's ``comm.cost`` imports no torch
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(["ALL_TO_ALL_ALGORITHMS", "all_to_all", "all_to_all_single"], "alltoall"),
+    **dict.fromkeys(["ALL_GATHER_ALGORITHMS", "ALLREDUCE_ALGORITHMS", "BROADCAST_ALGORITHMS",
+                     "REDUCE_ALGORITHMS", "REDUCE_SCATTER_ALGORITHMS", "all_reduce",
+                     "broadcast", "gather", "reduce", "scatter"], "api"),
+    **dict.fromkeys(["Handle", "drain", "shutdown"], "async_"),
+    **dict.fromkeys(["barrier", "exchange", "recv", "send"], "p2p"),
+    **dict.fromkeys(["REDUCE_OPS", "CommError", "CommTimeoutError", "Settings", "configure",
+                     "settings"], "primitives"),
+    **dict.fromkeys(["all_gather", "all_gather_into_tensor", "reduce_scatter",
+                     "reduce_scatter_tensor"], "sharded"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS", "ALL_GATHER_ALGORITHMS", "REDUCE_SCATTER_ALGORITHMS",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shardwise.perf.peak import Peak
+from shardwise.perf.gpus import Peak
 
 
 @dataclass

@@ -17,13 +17,12 @@ import os
 import statistics
 import time
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-
-from shardwise import comm
 from shardwise.comm import cost
-from shardwise.launch import spawn
+
+if TYPE_CHECKING:
+    import torch
 
 ROUNDS, MSG_FLOATS = 40, 16384
 
@@ -37,6 +36,11 @@ def sync_worker(reps: int) -> dict:
     """Rank function of ``calibrate_sync_penalty``: ``reps`` matmuls per round, with and without a
     small all-reduce in pairs, 5 times each; returns the seconds per round of each (``alone``,
     ``sync``: lists of 5)."""
+    import torch  # here, not at the top: a named model's plan imports no torch
+    import torch.distributed as dist
+
+    from shardwise import comm
+
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(n // 2)]
@@ -62,6 +66,8 @@ def calibrate_sync_penalty(world_size: int) -> float:
     cores = os.cpu_count() or 1
     if world_size <= cores or world_size % 2:
         return 0.0
+    from shardwise.launch import spawn
+
     res = spawn(sync_worker, world_size, (8,), threads=1)
     # the least extra of 5 back-to-back pairs per rank (other processes only add time, as
     # the fastest-step measurement of benchmarks/planner_local.py assumes), median over ranks

@@ -59,7 +59,7 @@ from functools import lru_cache
 
 from shardwise.comm import cost
 from shardwise.comm.cost import LinkParams
-from shardwise.perf.peak import gpu_peak
+from shardwise.perf.gpus import gpu_peak
 from shardwise.planner.contention import calibrate_sync_penalty
 from shardwise.planner.specs import ModelSpec, SpecError
 
@@ -243,7 +243,7 @@ KERNELS = ("shardwise", "megatron-2021")
 
 
 def _bf16_peak(gpu: str) -> float:
-    """The dense bf16 peak of ``perf.peak``'s table: one table of GPUs for MFU and the planner."""
+    """The dense bf16 peak of ``perf.gpus``' table: one table of GPUs for MFU and the planner."""
     return gpu_peak(gpu, "bf16").flops
 
 

@@ -15,17 +15,9 @@ The training step that runs a schedule with dp, tp and ZeRO is ``shardwise.engin
 See ``docs/pipeline.md``.
 """
 
+from shardwise.base.lazy import lazy_exports
 from shardwise.parallel.pipeline.bubble import ideal_bubble
 from shardwise.parallel.pipeline.check import CheckReport, check
-from shardwise.parallel.pipeline.executor import Executor
-from shardwise.parallel.pipeline.partition import (
-                                          Partition,
-                                          PartitionError,
-                                          balanced,
-                                          gpt_layers,
-                                          partition_layers,
-                                          profile_layers,
-)
 from shardwise.parallel.pipeline.schedules import (
                                           KINDS,
                                           Backward,
@@ -43,7 +35,16 @@ from shardwise.parallel.pipeline.schedules import (
                                           schedule,
                                           time_orders,
 )
-from shardwise.parallel.pipeline.stage import StageChunk, gpt_chunks, lm_loss
+
+# the schedules, their checker and the bubble (above) import no torch; the rest loads on first
+# use (public name -> its submodule), so the planner's ``partition.balanced`` imports none
+_EXPORTS: dict[str, str] = {
+    "Executor": "executor",
+    **dict.fromkeys(["Partition", "PartitionError", "balanced", "gpt_layers",
+                     "partition_layers", "profile_layers"], "partition"),
+    **dict.fromkeys(["StageChunk", "gpt_chunks", "lm_loss"], "stage"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "KINDS", "Schedule", "ScheduleError", "schedule", "compute_order", "time_orders",

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING, Sequence
 
 from shardwise.base.config import PARTITIONS
-from shardwise.models.description import decoder_layers
+
+if TYPE_CHECKING:  # torch only where a layer is profiled: the planner's cuts import none
+    import torch
+    import torch.nn as nn
 
 
 class PartitionError(ValueError):
@@ -90,8 +90,15 @@ def balanced(weights: Sequence[float], parts: int) -> Partition:
     return Partition(tuple(bounds), costs)
 
 
-# ``[("embed", ...), ("blocks.0", ...), ..., ("head", ...)]`` of a shardwise GPT or Llama
-gpt_layers = decoder_layers
+def __getattr__(name: str):
+    """``gpt_layers``: ``models.description.decoder_layers`` (``[("embed", ...), ("blocks.0",
+    ...), ..., ("head", ...)]`` of a shardwise GPT or Llama), loaded on first use (torch.nn)."""
+    if name == "gpt_layers":
+        from shardwise.models.description import decoder_layers
+
+        globals()[name] = decoder_layers
+        return decoder_layers
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ def profile_layers(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: i
     layers are on. Times are the median over ``repeats`` runs after one warm-up, in seconds
     (on CUDA, synchronised before and after each run).
     """
+    import torch
+
     seconds, act, params = [], [], []
     x = sample
     sync = torch.cuda.synchronize if sample.device.type == "cuda" else (lambda: None)
