@@ -267,3 +267,50 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only(t
     adapters = a * base.n_layer
     assert got["grads"] == 2 * adapters and got["optimizer"] == 12 * adapters
     assert got["params"] == plain["params"] + 2 * adapters
+
+
+def test_the_planner_prices_a_lora_step_without_the_base_weight_gradients_and_sync():
+    """The planner's step time for [lora]: each block's backward and the head's skip the
+    frozen base's weight-gradient GEMMs (one forward of their linear GEMMs, the attention
+    core's not among them), under the per-operation model and the fixed one; the dp sync
+    moves the adapters' gradients only, and AdamW steps their masters only."""
+    from dataclasses import replace
+
+    from shardwise.planner.comm_price import dp_seconds
+    from shardwise.planner.compute import block_ops, head_seconds, optimizer_seconds
+    from shardwise.planner.costs import block_costs, model_seconds
+    from shardwise.planner.hardware import FIXED_PRESETS, PRESETS
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.memory import adapter_params, padded_vocab
+    from shardwise.planner.specs import NAMED
+
+    base = NAMED["gpt2-124m"]
+    lora = replace(base, lora=(8, ("q_proj", "v_proj")))
+    lay = Layout(4, 2, 1, 2, 4)
+    for cluster in (PRESETS["dgx-h100"], next(iter(FIXED_PRESETS.values()))):
+        blk, plain = block_costs(lora, lay, cluster, "bf16"), block_costs(base, lay, cluster,
+                                                                          "bf16")
+        assert plain.frozen_weight_grad == plain.frozen_head_grad == 0.0
+        if cluster.ops is not None:  # the block's GEMMs but Q K^T and P V; the head's GEMM
+            ops = block_ops(base, 2, 2, False, cluster.kernels, 2)
+            gemm = cluster.ops.gemm
+            assert blk.frozen_weight_grad == pytest.approx(
+                sum(gemm(x) for i, x in enumerate(ops.gemms) if i not in (1, 2)))
+            assert blk.frozen_head_grad == pytest.approx(gemm(
+                2 * 2 * base.block_size * base.n_embd * padded_vocab(base.vocab_size, 2) / 2))
+            assert blk.frozen_head_grad < head_seconds(base, 2, 2, cluster, 2)
+        else:  # FLOPs at the rate: the block's less the attention core's
+            assert 0 < blk.frozen_weight_grad < blk.block and 0 < blk.frozen_head_grad
+        skipped = base.n_layer * blk.frozen_weight_grad + blk.frozen_head_grad
+        assert model_seconds(base, lay, cluster, "bf16") - model_seconds(
+            lora, lay, cluster, "bf16") == pytest.approx(skipped)
+        layers = list(range(base.n_layer + 2))
+        x = adapter_params(lora, 2) * base.n_layer * 2  # bf16 bytes of the adapters' grads
+        link = cluster.link(lay.world)
+        want = link.all_reduce(4, x) + link.all_reduce(4, 0) + cluster.sync_penalty_s
+        assert dp_seconds(lora, lay, cluster, "bf16", layers).after == pytest.approx(want)
+        assert dp_seconds(base, lay, cluster, "bf16", layers).after > 20 * want
+        # AdamW's memory traffic over the adapters' masters only
+        share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
+        assert optimizer_seconds(lora, lay, cluster, layers) == pytest.approx(
+            40 * x / 2 / cluster.mem_bw * share + cluster.step_s)
