@@ -69,3 +69,12 @@ def layouts_worker(configs: list[dict], resume: tuple[dict, int] | None = None) 
     if resume is not None:
         out.append(resume_layout(*resume))
     return out
+
+
+def val_loss_worker(configs: list[dict]) -> list[float]:
+    """The validation loss (``Trainer.evaluate``) of each config's freshly built model on this
+    rank, in turn."""
+    from shardwise.apps.lm.trainer import build_trainer
+
+    torch.set_num_threads(1)
+    return [build_trainer(Config.from_dict(c)).evaluate()["val_loss"] for c in configs]

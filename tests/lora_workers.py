@@ -27,7 +27,7 @@ def run_lora(cfg_dict: dict) -> dict:
                              dp_rank=c["dp"], pp_rank=c["pp"], tp_rank=c["tp"],
                              cp_rank=c["cp"], zero=p.zero, precision=cfg.training.precision,
                              bucket_mb=p.bucket_mb, sequence_parallel=p.sequence_parallel,
-                             lora=cfg.lora)
+                             ep=p.ep, lora=cfg.lora)
     with e.full_parameters():
         params = {n: t.float() for n, t in engine_state.model_tensors(e).items()}
     return {"coords": trainer.topology.coords, "losses": list(trainer.history), "params": params,

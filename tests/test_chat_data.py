@@ -14,7 +14,7 @@ import torch
 
 from ddp_workers import tiny_config, train
 from helpers import assert_one_line_exit_2, rel_err
-from layout_workers import layouts_worker
+from layout_workers import layouts_worker, val_loss_worker
 from shardwise.data import prepare as prep
 from shardwise.data.sampler import IGNORE_INDEX, DistributedBatchSampler
 from shardwise.data.shards import load_prepared
@@ -181,3 +181,41 @@ def test_masked_loss_dp2_tp2_pp2_cp2_match_one_process(chat_dir, tmp_path):
             assert ((got - ref_losses).abs() <= RTOL * ref_losses.abs()).all(), (name, got)
             for n, t in r[i]["params"].items():
                 assert rel_err(t, ref["params"][n]) <= RTOL, (name, n)
+
+
+def test_validation_loss_is_the_mean_over_target_tokens_in_every_layout(chat_dir, tmp_path):
+    """``Trainer.evaluate`` on chat data: the summed nats over the val windows' target tokens
+    over their count (as training's loss), computed here from one process's logits; the
+    same at dp 2, tp 2, pp 2 and cp 2 (one spawn of 2 ranks)."""
+    import torch.nn.functional as F
+
+    from shardwise.apps.lm.trainer import build_trainer
+    from shardwise.base.config import Config
+
+    root, _ = chat_dir
+    T = 32
+
+    def cfg(parallel: dict) -> dict:
+        return tiny_config(str(root), str(tmp_path), model={"block_size": T},
+                           training={"global_batch_size": 4, "eval_batches": 2, "seed": 1},
+                           parallel=parallel)
+
+    trainer = build_trainer(Config.from_dict(cfg({"dp": 1})))
+    got = trainer.evaluate()["val_loss"]
+    d = load_prepared(root)
+    n = min((len(d.val) - 1) // T, 2 * 4)  # eval_batches x the global batch's windows
+    pos = torch.arange(n)[:, None] * T + torch.arange(T + 1)
+    w = d.val[pos]
+    with torch.no_grad():
+        logits = trainer.engine.local.chunks[0].eval()(w[:, :-1]).float()
+    nats = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="none")
+    keep = d.val_mask[pos[:, 1:]].flatten() != 0
+    assert 0 < keep.sum() < keep.numel()
+    want = float(nats[keep].sum() / keep.sum())
+    assert abs(got - want) <= RTOL * want, (got, want, float(nats.mean()))
+    assert abs(float(nats.mean()) - want) > 100 * RTOL * want  # the mask matters here
+    layouts = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
+    results = spawn(val_loss_worker, 2, ([cfg(p) for p in layouts.values()],))
+    for i, name in enumerate(layouts):
+        for r in results:
+            assert abs(r[i] - want) <= RTOL * want, (name, r[i], want)

@@ -2,7 +2,9 @@
 
 The parity test spawns 8 ranks once and trains dp 2 x tp 2 x pp 2 under ZeRO-1 and then
 ZeRO-3, then dp 2 x cp 2 x tp 2 with sequence parallelism under ZeRO-2 (adapters on every
-column- and row-parallel linear of a tiny GPT), each against one process: losses and every
+column- and row-parallel linear of a tiny GPT), then a mixture-of-experts Llama at dp 2 x ep 2
+x tp 2 x pp 2 under ZeRO-1 (adapters on the attention and the shared expert, the experts
+frozen), each against one process: losses and every
 adapter within 1e-5 relative, the base never touched, the memory prediction exact. Then the
 PEFT round trip and the merged export, refusals at the door, and the planner's bytes."""
 
@@ -18,6 +20,12 @@ from shardwise.launch import spawn
 RTOL = 1e-5
 # every linear of the GPT's blocks: q, k, v, fc column-parallel, out_proj, mlp.proj row
 TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc", "blocks.*.mlp.proj"]
+# a Llama whose MLPs are mixtures of 4 experts (top 2) and a shared expert; adapters on the
+# attention and on the shared expert (a dense SwiGLU), the stacked experts frozen
+MOE = {"kind": "llama", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16,
+       "n_experts": 4, "top_k": 2, "moe_ffn_hidden": 32, "multiple_of": 16,
+       "moe_shared_expert": True, "tie_weights": False}
+MOE_TARGETS = ["[qkv]_proj", "o_proj", "*.shared_expert.*"]
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +38,26 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
-def _cfg(corpus: str, out: str, parallel: dict | None = None, **lora) -> dict:
+def _cfg(corpus: str, out: str, parallel: dict | None = None, model: dict | None = None,
+         **lora) -> dict:
     return tiny_config(corpus, out, training={"steps": 4, "global_batch_size": 8, "seed": 3},
-                       optimizer={"lr": 1e-2, "warmup_steps": 1},
+                       optimizer={"lr": 1e-2, "warmup_steps": 1}, model=model or {},
                        parallel={"micro_batches": 2, **(parallel or {})},
                        lora={"rank": 4, "alpha": 8.0, "targets": TARGETS, **lora})
 
 
-def test_lora_dp2_tp2_pp2_zero1_zero3_and_cp2_sp_match_one_process(corpus, tmp_path):
+def _moe_cfg(corpus: str, out: str, parallel: dict | None = None) -> dict:
+    return _cfg(corpus, out, parallel, MOE, targets=MOE_TARGETS)
+
+
+def test_lora_dp2_tp2_pp2_zero1_zero3_cp2_sp_and_moe_ep2_match_one_process(corpus, tmp_path):
     ref = run_lora(_cfg(corpus, str(tmp_path / "ref"), {"dp": 1}))
+    moe_ref = run_lora(_moe_cfg(corpus, str(tmp_path / "moe_ref"), {"dp": 1}))
+    assert moe_ref["base_unchanged"] and moe_ref["base_grads"] == 0
+    assert torch.tensor(moe_ref["losses"])[-1] < moe_ref["losses"][0]
+    # q, k, v, o and the shared expert's gate, up, down in both blocks; no expert adapted
+    assert len(moe_ref["params"]) == 2 * 2 * 7 and not any(
+        ".experts." in n for n in moe_ref["params"])
     losses = torch.tensor(ref["losses"])
     assert losses[-1] < losses[0] and ref["base_unchanged"] and ref["base_grads"] == 0
     assert set(ref["params"]) == set(ref["piece_names"])  # the optimizer: adapters only
@@ -55,22 +74,28 @@ def test_lora_dp2_tp2_pp2_zero1_zero3_and_cp2_sp_match_one_process(corpus, tmp_p
                # summed over tp since each rank saw a slice of the sequence
                "cp2_sp_zero2": _cfg(corpus, str(tmp_path / "cp"),
                                     {"dp": 2, "cp": 2, "tp": 2, "zero": 2,
-                                     "sequence_parallel": True})}
+                                     "sequence_parallel": True}),
+               # a mixture of experts, the experts split over ep 2 (and by width over tp)
+               # and frozen: ZeRO-1 must not broadcast one ep rank's experts to the other
+               "moe_ep2_zero1": _moe_cfg(corpus, str(tmp_path / "moe"),
+                                         {**grid, "ep": 2, "zero": 1})}
     results = spawn(lora_worker, 8, (list(layouts.values()),))
     for i, name in enumerate(layouts):
+        ref_i = moe_ref if name.startswith("moe") else ref
+        losses = torch.tensor(ref_i["losses"])
         seen = set()
         for rank, r in enumerate(results):
             got = r[i]
             assert got["base_unchanged"] and got["base_grads"] == 0 and got["frozen"], (name, rank)
             assert all(n.endswith(("lora_A", "lora_B")) for n in got["piece_names"])
             err = (torch.tensor(got["losses"]) - losses).abs() / losses.abs()
-            assert (err <= RTOL).all(), (name, rank, got["losses"], ref["losses"])
+            assert (err <= RTOL).all(), (name, rank, got["losses"], ref_i["losses"])
             for n, t in got["params"].items():
-                assert rel_err(t, ref["params"][n]) <= RTOL, (name, rank, n)
+                assert rel_err(t, ref_i["params"][n]) <= RTOL, (name, rank, n)
             seen |= set(got["params"])
             for k in ("params", "grads", "optimizer"):  # shardwise memory's prediction
                 assert got["predicted"][k] == got["memory"][k], (name, rank, k)
-        assert seen == set(ref["params"]), name  # the stages hold every adapter between them
+        assert seen == set(ref_i["params"]), name  # the stages hold every adapter between them
 
 
 def test_lora_in_bf16_keeps_the_frozen_base_in_bf16(corpus, tmp_path):
@@ -107,8 +132,6 @@ def test_lora_config_is_checked_at_the_door():
         Config.from_dict({"lora": {"rank": 2}, "training": {"precision": "fp8"}})
     with pytest.raises(ConfigError, match="lora.rank"):
         Config.from_dict({"lora": {"rank": -1}})
-    with pytest.raises(ConfigError, match="lora.rank with model.n_experts=4"):
-        Config.from_dict({"lora": {"rank": 2}, "model": {"kind": "llama", "n_experts": 4}})
     with pytest.raises(ConfigError, match="lora.rank with parallel.schedule=pipedream"):
         Config.from_dict({"lora": {"rank": 2}, "optimizer": {"grad_clip": 0},
                           "model": {"tie_weights": False},
@@ -125,6 +148,9 @@ def test_lora_targets_are_checked_at_the_door_in_one_line(corpus, tmp_path, caps
                            "lora.targets", "matches no linear layer")
     assert_one_line_exit_2(argv + ["--lora.targets", '["proj"]'], capsys,
                            "lora.targets", "head.proj is a vocab_head layer")
+    moe = ["--model.kind", "llama", "--model.n_experts", "4", "--model.top_k", "2"]
+    assert_one_line_exit_2(argv + moe + ["--lora.targets", '["up_proj"]'], capsys,
+                           "lora.targets", "experts.up_proj is an expert weight")
     assert not (tmp_path / "run").exists()  # refused before any rank started
 
 
@@ -133,6 +159,10 @@ def test_lora_targets_that_match_nothing_or_the_head_are_refused(corpus, tmp_pat
         run_lora(_cfg(corpus, str(tmp_path / "a"), {"dp": 1}, targets=["nothing_*"]))
     with pytest.raises(ValueError, match="head.proj is a vocab_head layer"):
         run_lora(_cfg(corpus, str(tmp_path / "b"), {"dp": 1}, targets=["proj"]))
+    # the stacked experts stay frozen: a pattern that names them (here by their last part,
+    # as the dense MLPs' gate_proj) is refused, before any step
+    with pytest.raises(ValueError, match="blocks.0.mlp.experts.gate_proj is an expert weight"):
+        run_lora(_cfg(corpus, str(tmp_path / "c"), {"dp": 1}, MOE, targets=["gate_proj"]))
 
 
 ALL_LLAMA = '["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]'
@@ -237,3 +267,50 @@ def test_the_planner_counts_gradients_and_optimizer_state_of_the_adapters_only(t
     adapters = a * base.n_layer
     assert got["grads"] == 2 * adapters and got["optimizer"] == 12 * adapters
     assert got["params"] == plain["params"] + 2 * adapters
+
+
+def test_the_planner_prices_a_lora_step_without_the_base_weight_gradients_and_sync():
+    """The planner's step time for [lora]: each block's backward and the head's skip the
+    frozen base's weight-gradient GEMMs (one forward of their linear GEMMs, the attention
+    core's not among them), under the per-operation model and the fixed one; the dp sync
+    moves the adapters' gradients only, and AdamW steps their masters only."""
+    from dataclasses import replace
+
+    from shardwise.planner.comm_price import dp_seconds
+    from shardwise.planner.compute import block_ops, head_seconds, optimizer_seconds
+    from shardwise.planner.costs import block_costs, model_seconds
+    from shardwise.planner.hardware import FIXED_PRESETS, PRESETS
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.memory import adapter_params, padded_vocab
+    from shardwise.planner.specs import NAMED
+
+    base = NAMED["gpt2-124m"]
+    lora = replace(base, lora=(8, ("q_proj", "v_proj")))
+    lay = Layout(4, 2, 1, 2, 4)
+    for cluster in (PRESETS["dgx-h100"], next(iter(FIXED_PRESETS.values()))):
+        blk, plain = block_costs(lora, lay, cluster, "bf16"), block_costs(base, lay, cluster,
+                                                                          "bf16")
+        assert plain.frozen_weight_grad == plain.frozen_head_grad == 0.0
+        if cluster.ops is not None:  # the block's GEMMs but Q K^T and P V; the head's GEMM
+            ops = block_ops(base, 2, 2, False, cluster.kernels, 2)
+            gemm = cluster.ops.gemm
+            assert blk.frozen_weight_grad == pytest.approx(
+                sum(gemm(x) for i, x in enumerate(ops.gemms) if i not in (1, 2)))
+            assert blk.frozen_head_grad == pytest.approx(gemm(
+                2 * 2 * base.block_size * base.n_embd * padded_vocab(base.vocab_size, 2) / 2))
+            assert blk.frozen_head_grad < head_seconds(base, 2, 2, cluster, 2)
+        else:  # FLOPs at the rate: the block's less the attention core's
+            assert 0 < blk.frozen_weight_grad < blk.block and 0 < blk.frozen_head_grad
+        skipped = base.n_layer * blk.frozen_weight_grad + blk.frozen_head_grad
+        assert model_seconds(base, lay, cluster, "bf16") - model_seconds(
+            lora, lay, cluster, "bf16") == pytest.approx(skipped)
+        layers = list(range(base.n_layer + 2))
+        x = adapter_params(lora, 2) * base.n_layer * 2  # bf16 bytes of the adapters' grads
+        link = cluster.link(lay.world)
+        want = link.all_reduce(4, x) + link.all_reduce(4, 0) + cluster.sync_penalty_s
+        assert dp_seconds(lora, lay, cluster, "bf16", layers).after == pytest.approx(want)
+        assert dp_seconds(base, lay, cluster, "bf16", layers).after > 20 * want
+        # AdamW's memory traffic over the adapters' masters only
+        share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
+        assert optimizer_seconds(lora, lay, cluster, layers) == pytest.approx(
+            40 * x / 2 / cluster.mem_bw * share + cluster.step_s)

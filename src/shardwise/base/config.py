@@ -88,13 +88,10 @@ def cp_heads(cp_comm: str, cp: int, cp_a2a: int) -> int:
 
 def lora_refusal(cfg) -> str | None:
     """Why ``lora.rank`` > 0 cannot run with the rest of ``cfg`` (a ``Config``), or None."""
-    t, m = cfg.training, cfg.model
+    t = cfg.training
     if t.precision == "fp8":
         return ("lora.rank with training.precision=fp8: torchao's float8 layers replace the "
                 "adapted linears; use bf16")
-    if m.experts:
-        return (f"lora.rank with model.n_experts={m.experts}: adapters on a mixture of "
-                "experts are not supported; set lora.rank = 0 or model.n_experts = 0")
     if cfg.parallel.schedule == "pipedream":
         return ("lora.rank with parallel.schedule=pipedream: its weight stashing copies "
                 "every parameter, frozen ones too; use a flush schedule (1f1b, interleaved)")

@@ -161,7 +161,8 @@ REFUSED = [
     "`parallel.cp` with `model.block_size` not divisible by 2 cp; `parallel.ep` that does not "
     "divide dp, or with no experts;",
     "- `lora.rank` > 0 with `lora.targets` matching no linear layer of the blocks (or the "
-    "embedding or head), with a mixture of experts, fp8, or PipeDream ([lora.md](lora.md)).",
+    "embedding or head) or matching a mixture's expert weights, with fp8, or PipeDream "
+    "([lora.md](lora.md)).",
     "",
     "A Hugging Face checkpoint's refusals (a `[model]` field other than its `config.json`'s, "
     "another architecture, ...) are in "

@@ -54,6 +54,7 @@ from shardwise.base.config import (
     cp_heads,
 )
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
+from shardwise.data.sampler import IGNORE_INDEX
 from shardwise.engine.model import LocalModel, build_local_model
 from shardwise.engine.optimizer import DistributedOptimizer
 from shardwise.engine.parallelize import (
@@ -519,13 +520,25 @@ class Engine:
         """Mean cross-entropy (nats per token) of one batch (B, T) of whole sequences, on every
         rank of the replica (with cp > 1 each rank evaluates its chunks, then the cp ranks
         average)."""
+        return self._replica_loss(idx, targets, None, "mean")
+
+    def loss_sum(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+        """Cross-entropy summed over the target tokens (nats; ``IGNORE_INDEX`` targets, a
+        loss mask's, skipped) of one batch (B, T) of whole sequences, and their count, on
+        every rank of the replica (with cp > 1 the cp ranks' sums added)."""
+        n = int((targets != IGNORE_INDEX).sum())
+        return (self._replica_loss(idx, targets, 1.0, "sum") if n else 0.0), n
+
+    def _replica_loss(self, idx: torch.Tensor, targets: torch.Tensor,
+                      denominator: float | None, cp_op: str) -> float:
         whole = idx
         if self.cp is not None:
             idx, targets = self.cp.shard(idx, targets)
         shards = self._sequence_shards(whole, 1)
         with self.evaluating():
             logits = self._logits(idx, shards[0] if shards else None)
-            value = float(self.local.loss_fn(logits, targets)) if logits is not None else 0.0
+            value = (float(self.local.loss_fn(logits, targets, denominator))
+                     if logits is not None else 0.0)
         if self.distributed and self.topology.pp > 1:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
             last = self.pp_ranks[self.schedule.rank_of(self.local.n_chunks - 1)]
@@ -533,7 +546,7 @@ class Engine:
             value = float(t)
         if self.cp is not None and self.distributed:
             t = torch.tensor([value], dtype=torch.float64, device=self.device)
-            comm.all_reduce(t, op="mean", group=self.topology.groups.cp, check=False)
+            comm.all_reduce(t, op=cp_op, group=self.topology.groups.cp, check=False)
             value = float(t)
         return value
 

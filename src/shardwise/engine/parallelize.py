@@ -277,7 +277,10 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
     """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
     ``expert_group``: the expert parameters of each unit sharded over that group)."""
     p = parallel
-    whole = len(named) == len(local.named_parameters())
+    # frozen experts (LoRA on a mixture of experts) differ across the ep ranks: a broadcast
+    # of the whole module over dp would overwrite them with the first ep rank's
+    whole = (len(named) == len(local.named_parameters())
+             and not any(is_expert(q) for _, q in local.frozen_parameters()))
     names = {id(q): n for n, q in named}
     params = [q for _, q in named]
     tied = frozenset(id(q) for n, q in named if n in local.tied)  # across stages

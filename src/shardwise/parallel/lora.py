@@ -87,9 +87,17 @@ def apply_lora(model: nn.Module, patterns, rank: int, alpha: float, dropout: flo
     meta before the engine shards); every other parameter frozen. ``styles(name)``: the
     tensor-parallel style of a module (only ``ADAPTABLE_STYLES`` take adapters). Returns the
     adapted modules' names. ``ValueError`` (one line, naming lora.targets) when no linear
-    matches, or a match is the embedding or the head."""
+    matches, a match is the embedding or the head, or a pattern names a weight of an
+    "experts" module (a mixture's stacked experts stay frozen)."""
     names = []
     for name, m in list(model.named_modules()):
+        if styles is not None and styles(name) == "experts":  # stacked weights: stay frozen
+            for p_name, _ in m.named_parameters():
+                full = f"{name}.{p_name}"
+                if targeted(name, patterns) or targeted(full, patterns):
+                    raise ValueError(f"lora.targets: {full} is an expert weight; the experts "
+                                     "stay frozen (name the dense layers in full, e.g. "
+                                     "blocks.*.self_attn.*)")
         if not (isinstance(m, nn.Linear) and targeted(name, patterns)):
             continue
         style = styles(name) if styles is not None else "replicate"

@@ -37,7 +37,13 @@ from typing import NamedTuple
 from shardwise.base.config import V_SHAPED_KINDS
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
-from shardwise.planner.memory import BYTES, padded_vocab, rank_expert_params, rank_params
+from shardwise.planner.memory import (
+    BYTES,
+    lora_rank_params,
+    padded_vocab,
+    rank_expert_params,
+    rank_params,
+)
 from shardwise.planner.specs import ModelSpec
 
 
@@ -222,6 +228,8 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     e = BYTES[precision]
     X = rank_expert_params(spec, layers, lay.tp, lay.ep)
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep) - X
+    if spec.lora:  # the base frozen: only the adapters' gradients are synced
+        X, P = 0, lora_rank_params(spec, layers, lay.tp)
     link = cluster.link(lay.world)
     x, pen = P * e, cluster.sync_penalty_s
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)

@@ -30,6 +30,7 @@ from shardwise.planner.attention import FUSED_PAIR
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import (
+    lora_rank_params,
     padded_vocab,
     rank_expert_params,
     rank_params,
@@ -228,7 +229,10 @@ def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: li
     """AdamW over this rank's masters: ~40 bytes of memory traffic per element; and the
     host's seconds per step on a GPU (``Cluster.step_s``: ``hardware.STEP_S``, measured)."""
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep)
-    if lay.zero:
+    if spec.lora:  # LoRA: the adapters' masters only, sharded over dp x cp under ZeRO
+        P = lora_rank_params(spec, layers, lay.tp) / (
+            lay.dp // lay.dp_replicate * lay.cp if lay.zero else 1)
+    elif lay.zero:
         X = rank_expert_params(spec, layers, lay.tp, lay.ep)
         P = ((P - X) / (lay.dp // lay.dp_replicate * lay.cp)
              + X / (lay.dp // lay.ep * lay.cp))  # as memory_of

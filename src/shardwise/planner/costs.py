@@ -90,6 +90,12 @@ class BlockCosts(NamedTuple):
     attention_backward: float = 0.0
     """Seconds a block's backward spends in the attention kernel beyond twice its forward
     (``OpModel.attn_backward``: measured 3.18 x on the H100, not 2)."""
+    frozen_weight_grad: float = 0.0
+    """Seconds of a block's weight-gradient GEMMs a LoRA run skips in backward (``spec.lora``:
+    the base frozen, so of backward's two GEMMs a linear layer's input gradient only: one
+    forward of its linear GEMMs, the attention core's not among them; else 0)."""
+    frozen_head_grad: float = 0.0
+    """The same for the head's GEMM (its weight frozen under LoRA; else 0)."""
 
 
 class ChunkCost(NamedTuple):
@@ -185,6 +191,15 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         head_s = head_f / rate
     else:
         blk_s, head_s = bf / rate + over, head_f / rate
+    frozen_b = frozen_h = 0.0
+    if spec.lora:  # the base's weight gradients are not computed (adapters: negligible)
+        if cluster.ops is not None:
+            frozen_b = sum(cluster.ops.gemm(x, fp8) for i, x in enumerate(ops.gemms)
+                           if i not in (1, 2))
+            frozen_h = cluster.ops.gemm(head_f)
+        else:
+            frozen_b = (bf - core_f) / (rate * (cluster.fp8_flops / cluster.flops if fp8 else 1))
+            frozen_h = head_f / rate
     attn_s = 0.0
     if lay.selective or lay.cp > 1:
         if cluster.ops is not None:
@@ -210,7 +225,8 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
                       cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen,
-                      recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b)
+                      recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
+                      frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h)
 
 
 def linear_widths(spec: ModelSpec) -> float:
@@ -294,7 +310,8 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     cpb, epb = nb * cp_b, nb * a2a
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
     wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
-    comp_b = 2 * comp_f + nb * blk.attention_backward
+    comp_b = (2 * comp_f + nb * blk.attention_backward
+              - nb * blk.frozen_weight_grad - (blk.frozen_head_grad if head else 0.0))
     if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
         # its collectives replayed (nothing moved), but under cp its ring passes K and V
         # again (parallel.context.ring_comm runs the shifts again), none of it hidden

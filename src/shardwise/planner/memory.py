@@ -329,6 +329,12 @@ def _lora_section(spec: ModelSpec):
     return LoRAConfig(rank=spec.lora[0], targets=list(spec.lora[1]))
 
 
+def lora_rank_params(spec: ModelSpec, layers: list[int], tp: int) -> int:
+    """Adapter elements of a rank holding ``layers`` (``adapter_params`` per block among
+    them): what a LoRA run (``spec.lora``) syncs and steps."""
+    return adapter_params(spec, tp) * sum(1 <= i <= spec.n_layer for i in layers)
+
+
 @lru_cache(maxsize=64)
 def adapter_params(spec: ModelSpec, tp: int) -> int:
     """Adapter elements of one block on tp rank 0 (``spec.lora``; the model built on meta

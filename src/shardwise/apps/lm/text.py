@@ -39,12 +39,13 @@ def split_corpus(cfg: Config, tokenizer: CharTokenizer | HFTokenizer | None = No
     return tokenizer, tokens[:-n_val], tokens[-n_val:]
 
 
-def train_mask(cfg: Config):
-    """The train split's loss mask (a uint8 ``TokenStream``, 1: a target) of a prepared
-    chat directory; None for every other corpus (every token a target)."""
+def loss_masks(cfg: Config) -> tuple:
+    """The train and val splits' loss masks (uint8 ``TokenStream``s, 1: a target) of a
+    prepared chat directory; (None, None) for every other corpus (every token a target)."""
     if not is_prepared_dir(cfg.data.path):
-        return None
-    return load_prepared(cfg.data.path).train_mask
+        return None, None
+    data = load_prepared(cfg.data.path)
+    return data.train_mask, data.val_mask
 
 
 def check_corpus(cfg: Config, text: str | None = None) -> None:

@@ -33,12 +33,13 @@ from shardwise import comm
 from shardwise.apps.lm.hf import resolve_init_from, source_config
 from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
-from shardwise.apps.lm.text import split_corpus, token_unit, train_mask
+from shardwise.apps.lm.text import loss_masks, split_corpus, token_unit
 from shardwise.base.config import Config
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm.replicas import NO_REPLICAS
 from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
 from shardwise.data.corpus import DataError
+from shardwise.data.sampler import IGNORE_INDEX
 from shardwise.engine import Engine, EngineConfig
 from shardwise.engine import state as engine_state
 from shardwise.launch import rank_device
@@ -83,7 +84,8 @@ class Trainer(TrainerState, TrainTask):
         self.optimizer = self.engine.optimizer
         self.scheduler = warmup_cosine(self.optimizer.optimizer, o, t.steps)
         # replica group r's dp rank d reads part r x dp + d of the global batch's n x dp
-        mask = train_mask(cfg)  # chat data: only the assistant's tokens are targets
+        # chat data: only the assistant's tokens are targets, in training and validation
+        mask, self.val_mask = loss_masks(cfg)
         if mask is not None and groups > 1:
             raise DataError("data.path: a loss mask (chat data) with fault_tolerance is not "
                             "supported yet")
@@ -182,7 +184,8 @@ class Trainer(TrainerState, TrainTask):
     @torch.no_grad()
     def evaluate(self) -> dict:
         """``{"val_loss": mean validation loss (nats per token: per char with the character
-        tokenizer)}`` over a fixed set of held-out windows (collective over dp)."""
+        tokenizer)}`` over a fixed set of held-out windows (collective over dp); with a loss
+        mask (chat data) the mean over those windows' target tokens, as training's."""
         t, m = self.cfg.training, self.cfg.model
         local = max(1, t.global_batch_size // self.topology.dp)
         n_windows = (len(self.val_tokens) - 1) // m.block_size
@@ -192,10 +195,26 @@ class Trainer(TrainerState, TrainTask):
         idx = torch.arange(start, min(start + per_rank, n_windows))
         starts = idx * m.block_size
         offs = torch.arange(m.block_size + 1)
-        w = self.val_tokens[starts[:, None] + offs[None, :]].to(self.device)
+        pos = starts[:, None] + offs[None, :]
+        w = self.val_tokens[pos].to(self.device)
+        if self.val_mask is not None:
+            return {"val_loss": self._masked_val_loss(w, pos, local)}
         losses = [self.engine.loss(xb, yb)
                   for xb, yb in zip(w[:, :-1].split(local), w[:, 1:].split(local))]
         return {"val_loss": self._mean_over_dp(sum(losses) / len(losses))}
+
+    def _masked_val_loss(self, w: torch.Tensor, pos: torch.Tensor, local: int) -> float:
+        """The summed nats over the target tokens of windows ``w`` (K, T + 1) at positions
+        ``pos`` of the val split, over every dp rank's windows, divided by their count."""
+        y = w[:, 1:].clone()
+        y[self.val_mask[pos[:, 1:]].to(self.device) == 0] = IGNORE_INDEX
+        sums = [self.engine.loss_sum(xb, yb) for xb, yb in zip(w[:, :-1].split(local),
+                                                                 y.split(local))]
+        t = torch.tensor([sum(s for s, _ in sums), sum(n for _, n in sums)],
+                         dtype=torch.float64, device=self.device)
+        if self.distributed and self.topology.dp > 1:
+            comm.all_reduce(t, op="sum", group=self.topology.groups.dp, check=False)
+        return float(t[0] / t[1]) if t[1] else float("nan")
 
     def eval_line(self, row: dict) -> str:
         """The progress line of a validation row, in nats per token (or per character)."""
