@@ -1,27 +1,30 @@
-"""Soak of per-step fault tolerance with real ``shardwise train`` replica groups on namespace hosts.
+"""A soak of per-step fault tolerance: real ``shardwise train`` replica groups, namespace hosts.
 
 Four network-namespace hosts (``tests/hosts.py``; root and iproute2): torchft's lighthouse on
 host3, and on host0, host1, host2 one replica group each of a three-group job: ``torchrun
 --nnodes 1 --nproc-per-node --host-dp -m shardwise train --config configs/tiny.toml
---fault_tolerance.enable true --fault_tolerance.group_size 3`` (``--steps`` steps, a
-checkpoint every ``--every``, all kept). ``--kills`` times (seeded, ``--seed``): once every
-group has committed a step since the last restart and its last quorum counts all three, after a random 0-``--max-gap`` s, a random
-group is killed, either its host whole (SIGKILL to every process of the namespace) or one
-rank of it (SIGKILL to a training process; its torchrun agent then exits), and that group is
-started again ``--restart-after`` s later in a fresh out_dir: it heals from a live group.
-No kill once a group passed ``--stop-at`` of the steps (a heal must fit before the end).
+--fault_tolerance.enable true --fault_tolerance.group_size 3`` (``--steps`` steps, a checkpoint
+every ``--every``, all kept). ``--kills`` times (seeded, ``--seed``): once every group has
+committed a step since the last restart and its last quorum counts all three, after a random
+0-``--max-gap`` s, a random group is killed, either its host whole (SIGKILL to every process of
+the namespace) or one rank of it (SIGKILL to a training process; its torchrun agent then
+exits), and that group is started again ``--restart-after`` s later in a fresh out_dir: it
+heals from a live group. No kill once a group passed ``--stop-at`` of the steps (a heal must
+fit before the end).
 
-Per kill: its kind, victim and step, kill to the survivors' "a replica group lost" line,
-the survivors' longest pause between two committed steps from the kill to the heal, restart
-to the new group's first committed step (its heal) and that step. At the end: whether the
-three last groups finished (exit 0, the last step), the steps each group (incarnation) logged
-twice (0 by design: a step not committed is redone, not logged), whether every step was
-committed by some group, and the bitwise check: every complete checkpoint of every
-incarnation against every other of the same step (after each heal: the healed group's first
-checkpoint against the others'; at the end: the final checkpoints). Every wait is bounded;
-namespaces, processes and files are removed also on failure or SIGTERM.
+Per kill: its kind, victim and step, kill to the survivors' "a replica group lost" line, the
+survivors' longest pause between two committed steps from the kill to the heal, restart to the
+new group's first committed step (its heal) and that step, and, after the heal, the healed
+group's first checkpoint that every survivor also wrote against theirs, bit for bit. At the
+end: whether the three last groups finished (exit 0, the last step), the steps each group
+(incarnation) logged twice (0 by design: a step not committed is redone, not logged), whether
+every step was committed by some group, the heals of a group already live (it was behind
+another: a step some groups committed and it did not) and the steps missing between a group's
+first and last logged step, and the bitwise check: every complete checkpoint of
+every incarnation against every other of the same step, the final ones included. Every wait is
+bounded; namespaces, processes and files are removed also on failure or SIGTERM.
 
-    .venv/bin/python benchmarks/ft_soak.py --kills 5 --steps 3000 --seed 0
+    .venv/bin/python benchmarks/ft_soak.py --kills 20 --steps 15000 --stop-at 0.9 --seed 0
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,6 +93,12 @@ def _all_live(inc: Incarnation) -> bool:
     return bool(lines) and lines[-1].endswith(f"{GROUPS} of {GROUPS} replica groups live")
 
 
+def _keep_logs(tmp: Path, to: Path) -> None:
+    to.mkdir(parents=True, exist_ok=True)
+    for log in tmp.glob("*.log"):
+        shutil.copy(log, to / log.name)
+
+
 def _tails(incs: list[Incarnation], when) -> None:
     """The last lines of every incarnation's log, where ``when()`` (a failure)."""
     if not when():
@@ -123,6 +133,9 @@ def soak(args) -> None:
                                     time.time()))
             return incs[-1]
 
+        cache: dict = {}  # checkpoint path -> its parameters
+        if args.logs:
+            stack.callback(_keep_logs, tmp, Path(args.logs))
         live = [start(i) for i in range(GROUPS)]
         stack.callback(_tails, incs, lambda: sys.exc_info()[0] is not None)
         t0 = time.time()
@@ -163,6 +176,19 @@ def soak(args) -> None:
                                                        default=float("nan")), 2),
                           "restart_to_heal_s": round(healed_t - restart, 2),
                           "healed_at": healed_row["step"] - 1})
+            # after the heal: the healed group's first checkpoint that every survivor also wrote
+            def common() -> int | None:
+                have = [_checkpoints(i) for i in survivors]
+                return next((s for s in sorted(_checkpoints(new)) if all(s in h for h in have)),
+                            None)
+
+            _wait(lambda: common() is not None, f"replica group {victim}'s first checkpoint "
+                  "after its heal", [i.proc for i in survivors] + [new.proc])
+            step = common()
+            kills[-1]["checked_at"] = step
+            kills[-1]["bitwise_after_heal"] = all(
+                _equal(_params(_checkpoints(new)[step], cache),
+                       _params(_checkpoints(i)[step], cache)) for i in survivors)
             print(json.dumps(kills[-1]), flush=True)
         for i in live:
             i.proc.wait(timeout=HOST_WAIT_S)
@@ -171,8 +197,13 @@ def soak(args) -> None:
                     for i in live]
         twice = {i.out.name: len(s) - len(set(s)) for i in incs if (s := i.rows.steps())}
         union = set().union(*(i.rows.steps() for i in incs))
+        # a group already live that heals again was behind another: steps it never committed
+        again = {i.out.name: h[1:] for i in incs
+                 if len(h := [int(ln.split(" at step ")[1].split()[0]) for _, ln in i.log.poll()
+                              if "healed from a live peer" in ln]) > 1}
+        gaps = {i.out.name: len(set(range(min(s), max(s) + 1)) - set(s))
+                for i in incs if (s := i.rows.steps())}
         # bitwise: every complete checkpoint against every other of the same step
-        cache: dict = {}
         by_step: dict[int, list[Path]] = {}
         for i in incs:
             for step, path in _checkpoints(i).items():
@@ -180,17 +211,12 @@ def soak(args) -> None:
         pairs = [(s, a, b) for s, ps in by_step.items() for a, b in zip(ps, ps[1:])]
         differ = [(s, a.parent.parent.name, b.parent.parent.name) for s, a, b in pairs
                   if not _equal(_params(a, cache), _params(b, cache))]
-        for rec, inc in zip(kills, [i for i in incs if i.started > t0]):
-            mine = sorted(_checkpoints(inc).items())
-            first = next(((s, p) for s, p in mine if len(by_step[s]) > 1), None)
-            rec["checked_at"] = first[0] if first else None
-            rec["bitwise_after_heal"] = None if first is None else all(
-                _equal(_params(first[1], cache), _params(o, cache))
-                for o in by_step[first[0]] if o != first[1])
         final = by_step.get(args.steps, [])
         print(json.dumps({"wall_s": round(wall, 1), "kills": len(kills),
                           "finished": finished, "logged_twice": twice,
                           "every_step_committed": union == set(range(1, args.steps + 1)),
+                          "healed_at_again": again,
+                          "steps_not_logged_between_first_and_last": gaps,
                           "checkpoints_compared": len(pairs), "differ": differ,
                           "final_checkpoints": len(final),
                           "final_bitwise_equal": len(final) == GROUPS and not any(
@@ -221,6 +247,7 @@ def main() -> None:
                     help="seconds from a kill to its group's restart")
     ap.add_argument("--stop-at", type=float, default=0.8,
                     help="no kill once a group passed this fraction of the steps")
+    ap.add_argument("--logs", default="", help="a folder to copy every group's log into")
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
     ap.add_argument("--pg-timeout-ms", type=int, default=5000,
                     help="fault_tolerance.process_group_timeout_ms")
