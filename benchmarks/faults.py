@@ -280,15 +280,17 @@ def _train_args(out: Path, data: str, steps: int, every: int) -> list[str]:
     return args + (["--data", data] if data else [])
 
 
-def _group(net, host, replica: int, lighthouse: str, out: Path, args, log):
-    """One replica group of a two-group torchft job on ``host`` (torchrun, one node)."""
+def _group(net, host, replica: int, lighthouse: str, out: Path, args, log,
+           group_size: int = 2, extra: tuple[str, ...] = ()):
+    """One replica group of a ``group_size``-group torchft job on ``host`` (torchrun, one
+    node); ``extra``: more ``shardwise train`` arguments."""
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", str(args.host_dp), "--rdzv-backend",
            "c10d", "--rdzv-endpoint", f"{host.addr}:29400", "--rdzv-id", f"group{replica}",
            *_train_args(out, args.data, args.steps, args.every),
            "--parallel.dp", str(args.host_dp), "--fault_tolerance.enable", "true",
-           "--fault_tolerance.replica_id", str(replica), "--fault_tolerance.group_size", "2",
-           "--fault_tolerance.lighthouse", lighthouse,
-           "--fault_tolerance.process_group_timeout_ms", str(args.pg_timeout_ms)]
+           "--fault_tolerance.replica_id", str(replica), "--fault_tolerance.group_size",
+           str(group_size), "--fault_tolerance.lighthouse", lighthouse,
+           "--fault_tolerance.process_group_timeout_ms", str(args.pg_timeout_ms), *extra]
     return net.popen(host, cmd, cwd=REPO, env=_host_env(), stdout=log,
                      stderr=subprocess.STDOUT)
 
