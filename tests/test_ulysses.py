@@ -67,6 +67,11 @@ LAYOUTS = {
     "a2a-cp2xpp2-interleaved-z2-llama": (4, "llama", {"cp": 2, "pp": 2, "micro_batches": 2,
                                                       "schedule": "interleaved",
                                                       "chunks_per_rank": 2, "zero": 2, **A2A}),
+    # a split backward (B sends the all-to-alls' gradients, W none) and GPipe's order
+    "a2a-cp2xpp2-zb1p-llama": (4, "llama", {"cp": 2, "pp": 2, "micro_batches": 2,
+                                            "schedule": "zb1p", **A2A}),
+    "a2a-cp2xpp2-gpipe-gpt": (4, "gpt", {"cp": 2, "pp": 2, "micro_batches": 2,
+                                         "schedule": "gpipe", **A2A}),
     "a2a-cp4-llama": (4, "llama", {"cp": 4, **A2A}),  # 2 key/value heads repeated to 4
     "a2a-cp4-doc-llama": (4, "llama-doc", {"cp": 4, **A2A}),  # documents and a window
     "a2a-cp2xtp2-sp-swa-llama": (4, "llama-swa", {"cp": 2, "tp": 2, "sequence_parallel": True,
