@@ -122,7 +122,8 @@ def soak(args) -> None:
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         net = stack.enter_context(hosts(GROUPS + 1))
-        lighthouse = lighthouse_on(net, net[GROUPS], args.heartbeat_timeout_ms)
+        lighthouse = lighthouse_on(net, net[GROUPS], args.heartbeat_timeout_ms,
+                                   args.join_timeout_ms)
 
         def start(replica: int) -> Incarnation:
             out = tmp / f"r{replica}.{sum(i.replica == replica for i in incs)}"
@@ -249,6 +250,8 @@ def main() -> None:
                     help="no kill once a group passed this fraction of the steps")
     ap.add_argument("--logs", default="", help="a folder to copy every group's log into")
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000)
+    ap.add_argument("--join-timeout-ms", type=int, default=200,
+                    help="the lighthouse's wait for a heartbeating group not yet asking")
     ap.add_argument("--pg-timeout-ms", type=int, default=5000,
                     help="fault_tolerance.process_group_timeout_ms")
     args = ap.parse_args()

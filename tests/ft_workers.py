@@ -95,11 +95,12 @@ def start_on(net, host, replica: int, lighthouse: str, out: Path, *extra: str, l
                      stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def lighthouse_on(net, host, heartbeat_timeout_ms: int = 1000):
-    """torchft's own lighthouse binary on ``host``, bound to its address only."""
+def lighthouse_on(net, host, heartbeat_timeout_ms: int = 1000, join_timeout_ms: int = 200):
+    """torchft's own lighthouse binary on ``host``, bound to its address only; a quorum waits
+    ``join_timeout_ms`` for a group that heartbeats but has not asked yet."""
     binary = str(Path(sys.executable).with_name("torchft_lighthouse"))
     net.popen(host, [binary, "--min_replicas", "1", "--bind", f"{host.addr}:29510",
-                     "--join_timeout_ms", "200", "--heartbeat_timeout_ms",
+                     "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms",
                      str(heartbeat_timeout_ms)], env=dict(os.environ, RUST_LOG="warn"),
               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return f"http://{host.addr}:29510"
