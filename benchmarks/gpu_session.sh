@@ -17,7 +17,9 @@
 #              the tiny config (the memory outside the allocator) (~7-10 min)
 #   zero       in the several-ranks-on-one-GPU mode, ZeRO-3 compiled (dp2) and ZeRO-3 with
 #              a pipeline (dp2 x pp2, flush and interleaved), new since the last GPU
-#              session (~3 min)
+#              session, then tests/test_ulysses.py: the all-to-all's layouts and fp8 under
+#              cp2 (a2a and ring) with real float8 matmuls, its bounds measured on the CPU
+#              (~5 min)
 #   moe        in the same mode, the mixture-of-experts parity suite (ep, cp, ZeRO-3 x ep,
 #              sequence parallelism with experts, the routing bias, Qwen2-MoE's gated shared
 #              expert: F.grouped_mm in bf16 and our all-to-all on CUDA tensors) (~4 min)
@@ -57,7 +59,9 @@ case $step in
     zero)
         SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q \
             tests/test_zero.py tests/test_pp_trainer.py -k "compiled or zero3" 2>&1 \
-            | tee "$out/zero3_compiled_and_pp_cuda_gloo_one_gpu.log" | tail -5 ;;
+            | tee "$out/zero3_compiled_and_pp_cuda_gloo_one_gpu.log" | tail -5
+        SHARDWISE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -rs tests/test_ulysses.py \
+            2>&1 | tee "$out/ulysses_fp8_cuda_gloo_one_gpu.log" | tail -5 ;;
     moe)
         SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q tests/test_moe.py 2>&1 \
             | tee "$out/moe_cuda_gloo_one_gpu.log" | tail -5 ;;

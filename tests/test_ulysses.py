@@ -5,23 +5,26 @@ against one process.
 The kernel first: on head groups of 2 and 4 ranks (cp 2 beside cp 2, and cp 4) and on the
 hybrid cp 4 = 2 x 2, the output and the q, k, v gradients of the engine's context-parallel
 attention, stitched back from every rank's shard, equal ``causal_attention`` on the whole
-sequence in one process (grouped-query attention with fewer key/value heads than the
-degree: repeated; sliding windows; packed documents; Gemma 2's soft cap under the pure
-all-to-all, refused in one line with a ring). Per rank the all-to-alls send, forward and
-backward each, (A - 1) / A of the rank's q, k (repeated), v and output bytes
-(``_a2a_bytes``), in two calls (q, k and v together, then the output). Then training: one process trains each model (the reference) and a spawn
-of 4 ranks trains every layout of ``LAYOUTS`` on the same global batches: every loss and
-parameter of every rank within ``RTOL`` relative (the GPT, the Llama with GQA, block_causal
-documents with a sliding window, tp + SP, ZeRO-3, ZeRO-2 under the interleaved pipeline
-schedule, selective recomputation replaying the
-all-to-alls, the hybrid, and what ring attention cannot run: DeepSeek's latent attention and
-Gemma 2's soft cap); a checkpoint saved under ring attention resumes under the
-all-to-all (``RESUME``); selective recomputation replays the all-to-alls, full runs them
-again (``RECOMPUTED``). cp2 (a2a) x tp2 (SP) x pp2 with ZeRO-1 runs in
-``test_context_parallel.py``'s spawn of 8 ranks.
+sequence in one process (grouped-query attention with fewer key/value heads than the degree:
+repeated; sliding windows; packed documents; Gemma 2's soft cap under the pure all-to-all,
+refused in one line with a ring). Per rank the all-to-alls send, forward and backward each,
+(A - 1) / A of the rank's q, k (repeated), v and output bytes (``_a2a_bytes``), in two calls
+(q, k and v together, then the output). Then training: one process trains each model (the
+reference) and a spawn of 4 ranks trains every layout of ``LAYOUTS`` on the same global
+batches: every loss and parameter of every rank within ``RTOL`` relative (the GPT, the Llama
+with GQA, block_causal documents with a sliding window, tp + SP, ZeRO-3, ZeRO-2 under the
+interleaved pipeline schedule, every other schedule at cp2 x pp2 (naive, GPipe, zb1p, ZBV,
+DualPipeV), selective recomputation replaying the all-to-alls, the hybrid, and what ring
+attention cannot run: DeepSeek's latent attention and Gemma 2's soft cap); PipeDream at cp2
+x pp2 trains like its stream without cp (``PIPEDREAM``); fp8 under cp2 x dp2 follows fp8 in
+one process within float8's rounding (``FP8``, where torchao is installed); a checkpoint
+saved under ring attention resumes under the all-to-all (``RESUME``); selective
+recomputation replays the all-to-alls, full runs them again (``RECOMPUTED``). cp2 (a2a) x
+tp2 (SP) x pp2 with ZeRO-1 (1F1B) runs in ``test_context_parallel.py``'s spawn of 8 ranks.
 """
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -33,7 +36,7 @@ from shardwise.models.gpt import causal_attention
 from shardwise.parallel.context import unshard_sequence
 from ddp_workers import tiny_config
 from test_context_parallel import DATA, MODELS, STEPS, STOP, _check
-from ulysses_workers import ulysses_worker
+from ulysses_workers import run_fp8, ulysses_worker
 
 _SMALL = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16, "kind": "llama",
           "multiple_of": 16}
@@ -44,7 +47,9 @@ MODELS = {**MODELS,
           # Gemma 2's soft cap on the scores, a window of 5 on layer 0
           "softcap": {**_SMALL, "n_kv_heads": 2, "attn_logit_softcapping": 2.0,
                       "sliding_window": 5,
-                      "layer_types": ["sliding_attention", "full_attention"]}}
+                      "layer_types": ["sliding_attention", "full_attention"]},
+          # PipeDream's stages step on their own clocks: no embedding tied across them
+          "gpt-untied": {**MODELS["gpt"], "tie_weights": False}}
 
 CASES = [
     {"seed": 0, "shape": (2, 4, 32, 8), "kv_heads": 2, "impl": "sdpa"},
@@ -72,6 +77,16 @@ LAYOUTS = {
                                             "schedule": "zb1p", **A2A}),
     "a2a-cp2xpp2-gpipe-gpt": (4, "gpt", {"cp": 2, "pp": 2, "micro_batches": 2,
                                          "schedule": "gpipe", **A2A}),
+    # the rest of the schedules: naive (one micro-batch at a time), and the V-shaped ones
+    # (two chunks a rank, the embedding and the head on pipeline rank 0): ZBV's split
+    # backward, DualPipeV's fused and split backwards in one list
+    "a2a-cp2xpp2-naive-gpt": (4, "gpt", {"cp": 2, "pp": 2, "micro_batches": 2,
+                                         "schedule": "naive", **A2A}),
+    "a2a-cp2xpp2-zbv-llama": (4, "llama", {"cp": 2, "pp": 2, "micro_batches": 2,
+                                           "schedule": "zbv", "chunks_per_rank": 2, **A2A}),
+    "a2a-cp2xpp2-dualpipev-gpt": (4, "gpt", {"cp": 2, "pp": 2, "micro_batches": 4,
+                                             "schedule": "dualpipev", "chunks_per_rank": 2,
+                                             **A2A}),
     "a2a-cp4-llama": (4, "llama", {"cp": 4, **A2A}),  # 2 key/value heads repeated to 4
     "a2a-cp4-doc-llama": (4, "llama-doc", {"cp": 4, **A2A}),  # documents and a window
     "a2a-cp2xtp2-sp-swa-llama": (4, "llama-swa", {"cp": 2, "tp": 2, "sequence_parallel": True,
@@ -89,13 +104,41 @@ LAYOUTS = {
 # again
 RECOMPUTED = {False: 8, "selective": 8, True: 12}
 RESUME = ("ring-cp2xdp2-llama", "a2a-cp4-llama")  # saved under the ring, resumed all-to-all
+# PipeDream (no flush: each stage steps after each backward, on weights stashed per
+# micro-batch) trains like no one process; its reference is the same stream without cp, the
+# global batch split over dp2 x pp2 instead (test_pipeline_parity checks PipeDream's stream
+# against an exact one-process emulation). One micro-batch a step, so that dp's micro-batch
+# is cp's (the global batch; with more, dp's would take other sequences); the stream still
+# runs stage 0's next forward before its backward, on the stashed weights.
+# name -> (its parallel section, the reference's)
+_PIPEDREAM = {"pp": 2, "micro_batches": 1, "schedule": "pipedream"}
+PIPEDREAM = {"a2a-cp2xpp2-pipedream-gpt": ({"cp": 2, **_PIPEDREAM, **A2A},
+                                           {"dp": 2, **_PIPEDREAM})}
+NO_CLIP = {"optimizer": {"grad_clip": 0.0}}  # PipeDream has no flush to clip at
+# training.precision = "fp8" (torchao's float8 Linear layers; their matmuls run on the CPU,
+# the engine's device check lifted: ``fp8_workers.fp8_on_the_cpu``) under cp2 x dp2, the
+# all-to-all and, for reference, the ring, against fp8 in one process, the Llama.
+# name -> (parallel section, training.fp8_recipe)
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+FP8 = {f"fp8-{mode}-cp2xdp2-{recipe}-llama": ({"cp": 2, "dp": 2, **comm}, recipe)
+       for mode, comm in (("a2a", A2A), ("ring", {})) for recipe in ("tensorwise", "rowwise")}
+# recipe -> relative bounds on (losses, parameters). Each rank scales its own tokens: under
+# tensorwise the activations' and their gradients' scales span the rank's tokens, so float8
+# rounds on another grid than one process's; under rowwise only the weight gradient's do.
+# Measured over 4 steps (all-to-all / ring): tensorwise losses 2.9e-4 / 2.8e-4, parameters
+# 4.4e-2 / 4.5e-2 (Adam amplifies); rowwise 3.9e-5 / 1.0e-4, 6.4e-3 / 1.6e-2; bf16 alone
+# 1.9e-5 / 4.4e-5, 4.2e-3 / 8.8e-3. Without the all-to-all's backward: parameters 0.25,
+# losses 5.8e-4 (tensorwise) and 1.1e-3 (rowwise).
+FP8_RTOL = {"tensorwise": (1e-3, 0.1), "rowwise": (2e-4, 4e-2)}
 RTOL = 1e-5
 
 
-def _cfg(sources, out, model: str, parallel: dict | None = None):
+def _cfg(sources, out, model: str, parallel: dict | None = None, training: dict | None = None,
+         **sections):
     return tiny_config(str(sources[DATA.get(model, "corpus")]), str(out), model=MODELS[model],
                        parallel=parallel or {},
-                       training={"steps": STEPS, "global_batch_size": 8})
+                       training={"steps": STEPS, "global_batch_size": 8, **(training or {})},
+                       **sections)
 
 
 def test_config_rules_for_cp_comm():
@@ -154,6 +197,10 @@ def _a2a_bytes(case: dict, cp: int, a2a: int) -> int:
     return (a2a - 1) * (2 * H + 2 * hkv) * local // a2a
 
 
+def _fp8(recipe: str) -> dict:
+    return {"precision": "fp8", "fp8_recipe": recipe}
+
+
 def _jobs(sources, root, layouts) -> list[tuple[str, dict]]:
     jobs = []
     for name, (_, model, parallel) in layouts.items():
@@ -176,7 +223,11 @@ def sources(corpus, packed):
 def references(sources, tmp_path_factory):
     root = tmp_path_factory.mktemp("a2a-ref")
     models = {m for _, m, _ in LAYOUTS.values()}
-    return {m: run_measured({"kind": "run", "cfg": _cfg(sources, root / m, m)}) for m in models}
+    out = {m: run_measured({"kind": "run", "cfg": _cfg(sources, root / m, m)}) for m in models}
+    for recipe in {r for _, r in FP8.values()} if HAS_TORCHAO else ():
+        out[f"llama:fp8-{recipe}"] = run_fp8({"kind": "run", "cfg": _cfg(
+            sources, root / f"llama-fp8-{recipe}", "llama", training=_fp8(recipe))})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +239,12 @@ def results(sources, tmp_path_factory):
     jobs += [(f"count-{rc}", {"kind": "count", "cfg": _cfg(
         sources, root / f"count-{rc}", "llama", {"cp": 2, "dp": 2, "recompute": rc, **A2A})})
         for rc in RECOMPUTED]
+    jobs += [(f"{name}{tag}", {"kind": "run", "cfg": _cfg(sources, root / f"{name}{tag}",
+                                                          "gpt-untied", par, **NO_CLIP)})
+             for name, pars in PIPEDREAM.items() for tag, par in zip(("", ":ref"), pars)]
+    jobs += [(name, {"kind": "fp8", "cfg": _cfg(sources, root / name, "llama", par,
+                                                training=_fp8(recipe))})
+             for name, (par, recipe) in FP8.items() if HAS_TORCHAO]
     ranks = spawn(ulysses_worker, 4, ([j for _, j in jobs],))
     return {name: [r[i] for r in ranks] for i, (name, _) in enumerate(jobs)}
 
@@ -223,6 +280,36 @@ def test_layout_matches_one_process(results, references, name):
     assert len(results[name]) == ws
     assert {r["coords"]["cp"] for r in results[name]} == set(range(parallel["cp"]))
     _check(name, results[name], references[model], RTOL)
+
+
+@pytest.mark.parametrize("name", list(PIPEDREAM))
+def test_pipedream_matches_its_stream_without_cp(results, name):
+    """cp2 (all-to-all) x pp2 under PipeDream's weight stashing: every rank's losses and
+    parameters those of the same stream over dp2 x pp2 (the losses of every rank, the
+    parameters of its dp rank 0's two stages), within ``RTOL``."""
+    ref_ranks = results[f"{name}:ref"]
+    ref = {"losses": ref_ranks[0]["losses"],
+           "params": {n: t for r in ref_ranks if r["coords"]["dp"] == 0
+                      for n, t in r["params"].items()}}
+    _check(f"{name}:ref", ref_ranks, ref, RTOL)  # its dp replicas agree
+    assert {r["coords"]["cp"] for r in results[name]} == {0, 1}
+    _check(name, results[name], ref, RTOL)
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao is not installed (pip install "
+                    "'shardwise[fp8]')")
+@pytest.mark.parametrize("name", list(FP8))
+def test_fp8_under_cp_matches_fp8_in_one_process(results, references, name):
+    """fp8 (float8 matmuls, bf16 around them, fp32 masters) under cp2 x dp2 follows fp8 in
+    one process within ``FP8_RTOL`` (losses, then every parameter), the same Linear layers
+    converted; the ring's runs under the same bounds, for reference."""
+    recipe = FP8[name][1]
+    ref, (loss_rtol, param_rtol) = references[f"llama:fp8-{recipe}"], FP8_RTOL[recipe]
+    assert ref["fp8_layers"] > 0
+    for r in results[name]:
+        assert r["fp8_layers"] == ref["fp8_layers"], (name, r["coords"])
+        assert r["losses"] == pytest.approx(ref["losses"], rel=loss_rtol), (name, r["coords"])
+    _check(name, results[name], ref, param_rtol)
 
 
 def test_selective_recomputation_replays_the_all_to_alls(results):

@@ -14,7 +14,8 @@ groups over the same world:
 - ``count``: train one step of ``job["cfg"]``, then count the all-to-all calls of a second
   (``comm.accounting``; a replayed one makes no record);
 - ``run`` / ``resume``: ``cp_workers.run_measured`` (train a layout, report losses and
-  whole parameters).
+  whole parameters);
+- ``fp8``: ``run_fp8`` (the same, ``training.precision = "fp8"`` on the CPU).
 """
 
 from __future__ import annotations
@@ -85,10 +86,21 @@ def count_calls(cfg: dict) -> int:
     return sum(r.collective == "all_to_all" for r in rec.records)
 
 
+def run_fp8(job: dict) -> dict:
+    """``llama_workers.run_job`` under ``fp8_workers.fp8_on_the_cpu``, plus how many Linear
+    layers were converted (``fp8_layers``)."""
+    from fp8_workers import fp8_on_the_cpu
+    from llama_workers import report, train
+
+    with fp8_on_the_cpu():
+        trainer, out, _ = train(job)
+    return {**report(trainer), **out, "fp8_layers": len(trainer.engine.fp8_layers)}
+
+
 def ulysses_worker(jobs: list[dict]) -> list:
     from cp_workers import run_measured
 
     torch.set_num_threads(1)
     kinds = {"kernel": lambda j: ulysses_kernel(j["cases"], j["cp"], j["a2a"]),
-             "count": lambda j: count_calls(j["cfg"])}
+             "count": lambda j: count_calls(j["cfg"]), "fp8": run_fp8}
     return [kinds.get(j["kind"], run_measured)(j) for j in jobs]
