@@ -377,3 +377,27 @@ def test_the_memory_model_prices_activation_offload(monkeypatch, capsys):
     assert main(["memory", "--config", str(REPO / "configs/tiny.toml"), "--dp", "1",
                  "--activation-offload", "--recompute", "selective"]) == 2
     assert "--activation-offload with --recompute selective" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_transfers_order_their_copies_against_the_compute_stream():
+    """CUDA: ``parallel.offload.Transfers`` copies on its side stream, ordered by events
+    against the compute stream: a pinned host tensor brought to the device behind queued
+    matmuls is read whole by the next kernel; a result copied back whose device tensor is
+    freed (and its memory refilled) at once is intact after ``wait()`` (``record_stream``)."""
+    from shardwise.parallel.offload import Transfers
+
+    dev = torch.device("cuda")
+    copies = Transfers(dev)
+    host = torch.arange(1 << 22, dtype=torch.float32).pin_memory()
+    a = torch.randn(2048, 2048, device=dev)
+    for _ in range(8):  # queued work the side stream's copy overlaps
+        a = a @ a / 2048
+    x = copies.to_device(host)
+    y = x * 2  # the compute stream, after the copy
+    back = copies.to_host(y)
+    del y
+    torch.full((1 << 22,), -1.0, device=dev)  # would take y's memory without record_stream
+    copies.wait()
+    assert copies.stream != torch.cuda.current_stream(dev)
+    assert back.is_pinned() and torch.equal(back, host * 2)
