@@ -71,7 +71,9 @@ def measure(cfg_dict: dict, steps: int) -> dict:
                         cp_rank=c.get("cp", 0), chunks_per_rank=p.chunks_per_rank, zero=p.zero,
                         precision=cfg.training.precision, bucket_mb=p.bucket_mb,
                         sequence_parallel=p.sequence_parallel, partition_by=p.partition,
-                        ep=p.ep)
+                        ep=p.ep, state_bytes=8 if cfg.optimizer.state_dtype == "fp32" else 4,
+                        offload=cfg.training.offload != "none",
+                        offload_params=cfg.training.offload == "optimizer+params")
     trainer.train_step()  # warm-up: lazy buffers, optimizer state, autotuning
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

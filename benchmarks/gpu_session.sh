@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh STEP [OUT]
 #
-# STEP: tests | zero | moe | llama | gpt2 | all-tests. OUT (default: $OUT, else benchmarks/gpu_results):
-# where logs and result files go. The machine has torch with CUDA but not our pure-Python
+# STEP: tests | zero | moe | offload | llama | gpt2 | all-tests. OUT (default: $OUT, else
+# benchmarks/gpu_results): where logs and result files go. The machine has torch with CUDA but not our pure-Python
 # dependencies: wheels in .whl/ (pydantic, pydantic_core, annotated_types,
 # typing_inspection, torchao; gitignored, carry them with the run) are installed into
 # /tmp/site first. Results name the torch version and the device; copy them into
@@ -23,6 +23,12 @@
 #   moe        in the same mode, the mixture-of-experts parity suite (ep, cp, ZeRO-3 x ep,
 #              sequence parallelism with experts, the routing bias, Qwen2-MoE's gated shared
 #              expert: F.grouped_mm in bf16 and our all-to-all on CUDA tensors) (~4 min)
+#   offload    training.offload on CUDA (new: the side stream's copies): the parity suite
+#              (tests/test_memory_knobs.py: ZeRO 0-3 and 3D with "optimizer", ZeRO-3 and
+#              dp2 x tp2 x pp2 with "optimizer+params", resumes) in the several-ranks-on-one-
+#              GPU mode, the placement check on CUDA (-m gpu, offload layouts), then the
+#              peak allocated of a ~1B Llama at ZeRO-3 (one rank) without offload, with
+#              "optimizer" and with "optimizer+params" (benchmarks/gpu_memory.py) (~6-8 min)
 #   llama      the Llama-3.2-1B-shaped rows with 2 micro-batches of 8 sequences (larger
 #              GEMMs than the 4 x 4 of the recorded run): bf16 and fp8 tensorwise (~4 min)
 #   gpt2       GPT-2 small, the compiled row only, batch 64 in 4 micro-batches, then
@@ -33,10 +39,11 @@
 #   all-tests  tests/ whole in the several-ranks-on-one-GPU mode (longer than one call:
 #              only with a machine to spare)
 set -uo pipefail
-step=${1:?usage: gpu_session.sh tests|zero|moe|llama|gpt2|all-tests [OUT]}
+step=${1:?usage: gpu_session.sh tests|zero|moe|offload|llama|gpt2|all-tests [OUT]}
 out=${2:-${OUT:-benchmarks/gpu_results}}
-case $step in tests|zero|moe|llama|gpt2|all-tests) ;;
-    *) echo "gpu_session.sh: STEP: expected tests, zero, moe, llama, gpt2 or all-tests, got '$step'" >&2
+case $step in tests|zero|moe|offload|llama|gpt2|all-tests) ;;
+    *) echo "gpu_session.sh: STEP: expected tests, zero, moe, offload, llama, gpt2 or" \
+            "all-tests, got '$step'" >&2
        exit 2 ;;
 esac
 mkdir -p "$out"
@@ -65,6 +72,19 @@ case $step in
     moe)
         SHARDWISE_TEST_DEVICE=cuda timeout 540 python3 -m pytest -q tests/test_moe.py 2>&1 \
             | tee "$out/moe_cuda_gloo_one_gpu.log" | tail -5 ;;
+    offload)
+        SHARDWISE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x \
+            tests/test_memory_knobs.py 2>&1 | tee "$out/offload_cuda_gloo_one_gpu.log" | tail -5
+        timeout 120 python3 -m pytest -q -m gpu tests/test_placement.py -k offload 2>&1 \
+            | tee "$out/offload_placement_cuda.log" | tail -3
+        for off in none optimizer optimizer+params; do
+            timeout 100 python3 benchmarks/gpu_memory.py --parallel.dp 1 --parallel.zero 3 \
+                --model.kind llama --model.n_layer 16 --model.n_embd 2048 --model.n_head 32 \
+                --model.n_kv_heads 8 --model.vocab_size 32768 --model.block_size 2048 \
+                --training.global_batch_size 4 --training.precision bf16 \
+                --training.offload "$off" --steps 3 --label "llama-1b-z3-offload-$off" \
+                2>&1 | tail -3
+        done ;;
     llama)
         python3 benchmarks/gpu_llama.py --rows ours,ours-fp8-tensorwise --micro-batches 2 \
             --steps 5 --warmup 2 --tag cuda_llama1b_m2 --out "$out" ;;

@@ -62,8 +62,10 @@ HOST_BY_DESIGN = {
     ("shardwise/apps/lm/trainer.py", "evaluate"):
         "the validation windows are cut from the host tokens, then moved to the device",
     ("shardwise/parallel/precision.py", "host_master"):
-        "training.offload = \"optimizer\" keeps the fp32 masters (and so AdamW's moments) "
-        "in host memory",
+        "training.offload keeps the fp32 masters (and so AdamW's moments) in host memory, "
+        "with \"optimizer+params\" ZeRO-3's compute-dtype parameter shards too",
+    ("shardwise/parallel/offload.py", "to_host"):
+        "training.offload's device-to-host gradient copies land in pinned host memory",
     ("torch/optim/adamw.py", "_init_group"):
         "torch's AdamW keeps its step count on the CPU unless fused or capturable",
     ("torch/optim/adam.py", "_init_group"):

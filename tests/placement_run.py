@@ -132,7 +132,9 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
     engine: its batches, its step, ``evaluate`` (the loss averaged over dp) and ``finish``'s
     sampling. Also checks, after the steps, where the state lives: every parameter and
     gradient on ``device`` in the compute dtype, every master piece and AdamW moment fp32,
-    on ``device``, or on the host under ``training.offload = "optimizer"``."""
+    on ``device``, or on the host under ``training.offload``; ZeRO-3's compute-dtype
+    parameter shards on ``device``, or on the host under ``"optimizer+params"``, its
+    gradient shards on ``device``."""
     from shardwise.base.topology import Topology, init_process_groups
     from shardwise.parallel.precision import DTYPES
 
@@ -159,8 +161,9 @@ def run_rank(sections: dict, rank: int, world_size: int, device: torch.device,
                 raise PlacementError(f"{type(exc).__name__} after a tensor left the device: "
                                      f"{mode.violations[0]}") from exc
             raise
-        host = torch.device("cpu") if t.offload == "optimizer" else device
-        structure = _state_placement(engine, device, dtype, host)
+        host = torch.device("cpu") if t.offload != "none" else device
+        shards = torch.device("cpu") if t.offload == "optimizer+params" else device
+        structure = _state_placement(engine, device, dtype, host, shards)
         return RankResult(topo.coords, mode.violations, structure, mode.ops,
                           mode.backward_ops, mode.seen, losses)
 
@@ -200,9 +203,10 @@ def _run_trainer(cfg: Config, topo, device: torch.device, steps: int, evaluate: 
 
 
 def _state_placement(engine, device: torch.device, dtype: torch.dtype,
-                     host: torch.device) -> list[str]:
-    """Where the state lives: parameters and gradients on ``device``, masters and moments on
-    ``host`` (``device`` itself unless offloaded)."""
+                     host: torch.device, shards: torch.device) -> list[str]:
+    """Where the state lives: parameters, gradients and gradient shards on ``device``,
+    masters and moments on ``host`` and ZeRO-3's parameter shards on ``shards`` (each
+    ``device`` itself unless offloaded)."""
     out = []
 
     def check(name, t, want, where=device):
@@ -216,6 +220,10 @@ def _state_placement(engine, device: torch.device, dtype: torch.dtype,
     for n, q in engine.named_parameters():
         check(n, q, dtype)
         check(f"{n}.grad", q.grad, dtype)
+    for i, t in enumerate(engine.sync.grad_shards()):
+        check(f"gradient shard {i}", t, dtype)
+    for i, t in enumerate(engine.sync.param_shards()):
+        check(f"parameter shard {i}", t, dtype, shards)
     state = engine.optimizer.optimizer.state
     for i, m in enumerate(engine.sync.pieces):
         check(f"master piece {i}", m, torch.float32, host)

@@ -1,10 +1,13 @@
 """Memory knobs beside recomputation: AdamW's moments in bf16 (``optimizer.state_dtype``)
-and the optimizer in host memory (``training.offload = "optimizer"``).
+and the optimizer in host memory (``training.offload = "optimizer"``; with
+``"optimizer+params"`` ZeRO-3's parameter shards too).
 
 One process trains the tiny GPT 4 steps with fp32 and with bf16 moments; one spawn of 2 ranks
 trains ZeRO-1 (dp2) the same ways, ZeRO 0-3 (dp2) without and with offload, and two offload runs
-cut after step 2 and resumed by a fresh trainer (in the same spawn); one spawn of
-8 ranks a 3D layout (dp2 x tp2 x pp2, SP, ZeRO-1, bf16) without and with offload. bf16
+cut after step 2 and resumed by a fresh trainer (in the same spawn), and ZeRO-3 (fp32, bf16)
+with its parameter shards offloaded, one of them resumed the same way; one spawn of
+8 ranks a 3D layout (dp2 x tp2 x pp2, SP, ZeRO-1, bf16) without and with offload, and the same
+with ZeRO-3 without and with its parameter shards offloaded. bf16
 moments are live (the losses differ from fp32's after the first step) and stay within the
 documented bound of them; ZeRO-1 with bf16 moments is one process with bf16 moments within
 fp32 rounding, and holds 4 bytes less per optimizer element. Offload trains as without it
@@ -32,11 +35,20 @@ BF16 = {"precision": "bf16"}
 # ZeRO 0-3 over two ranks, fp32 and bf16 compute: name -> (parallel, training)
 OFFLOAD_2 = {"z0": ({"dp": 2}, {}), "z1-bf16": ({"dp": 2, "zero": 1}, BF16),
              "z2": ({"dp": 2, "zero": 2}, {}), "z3-bf16": ({"dp": 2, "zero": 3}, BF16)}
+# training.offload = "optimizer+params" (ZeRO-3 only), fp32 and bf16 compute, against "none"
+PARAMS = "optimizer+params"
+PARAMS_2 = {"z3-fp32": ({"dp": 2, "zero": 3}, {}), "z3-bf16": OFFLOAD_2["z3-bf16"]}
 # resumed after step CUT of STEPS, in the same spawn: name -> the uninterrupted run's name
-# (ZeRO-2 fp32 with offload; ZeRO-1 bf16 with offload and activation offload)
+# (ZeRO-2 fp32 with offload; ZeRO-1 bf16 with offload and activation offload; ZeRO-3 fp32
+# with its parameter shards offloaded)
 CUT = 2
-RESUMES = {"resume-z2": "z2-optimizer", "resume-z1-act": "z1-bf16-act"}
+RESUMES = {"resume-z2": "z2-optimizer", "resume-z1-act": "z1-bf16-act",
+           "resume-z3-params": f"z3-fp32-{PARAMS}"}
 THREE_D = {"dp": 2, "tp": 2, "pp": 2, "zero": 1, "sequence_parallel": True, "micro_batches": 2}
+# the 8-rank spawn's runs: name -> (parallel, training.offload)
+THREE_D_RUNS = {"3d-none": (THREE_D, "none"), "3d-optimizer": (THREE_D, "optimizer"),
+                "3dz3-none": ({**THREE_D, "zero": 3}, "none"),
+                f"3dz3-{PARAMS}": ({**THREE_D, "zero": 3}, PARAMS)}
 
 
 def _cfg(corpus, out, state_dtype="fp32", **parallel) -> dict:
@@ -56,6 +68,12 @@ def runs(corpus, tmp_path_factory):
             names.append(f"{name}-{off}")
             cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]), parallel=parallel,
                                     training={"steps": STEPS, **training, "offload": off}))
+    for name, (parallel, training) in PARAMS_2.items():
+        for off in ("none", PARAMS):
+            if f"{name}-{off}" not in names:
+                names.append(f"{name}-{off}")
+                cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]), parallel=parallel,
+                                        training={"steps": STEPS, **training, "offload": off}))
     names.append("z1-bf16-act")
     cfgs.append(tiny_config(str(corpus), str(tmp / names[-1]),
                             parallel={**OFFLOAD_2["z1-bf16"][0], "activation_offload": True},
@@ -69,12 +87,13 @@ def runs(corpus, tmp_path_factory):
     out.update({n: [r[0][i] for r in ranks] for i, n in enumerate(names)})
     out.update({n: [r[2 + 2 * i] for r in ranks] for i, n in enumerate(RESUMES)})
     out["configs"] = dict(zip(names, cfgs))
-    cfgs = [tiny_config(str(corpus), str(tmp / f"3d-{off}"), parallel=THREE_D,
+    cfgs = [tiny_config(str(corpus), str(tmp / name), parallel=parallel,
                         model={"tie_weights": False},
                         training={"steps": STEPS, "precision": "bf16", "offload": off})
-            for off in ("none", "optimizer")]
+            for name, (parallel, off) in THREE_D_RUNS.items()]
     ranks = spawn(train_each, 8, (cfgs,))
-    out.update({f"3d-{off}": [r[i] for r in ranks] for i, off in enumerate(("none", "optimizer"))})
+    out.update({name: [r[i] for r in ranks] for i, name in enumerate(THREE_D_RUNS)})
+    out["configs"].update(zip(THREE_D_RUNS, cfgs))
     return out
 
 
@@ -167,8 +186,9 @@ def test_offload_trains_as_without_it_and_holds_the_optimizer_on_the_host(runs):
 
 
 def test_resume_under_offload_equals_the_uninterrupted_run(runs):
-    """A run with ``training.offload = "optimizer"`` (ZeRO-2, fp32), and one with it and
-    ``parallel.activation_offload`` (ZeRO-1, bf16), saved after step 2 of 4 and resumed by a
+    """A run with ``training.offload = "optimizer"`` (ZeRO-2, fp32), one with it and
+    ``parallel.activation_offload`` (ZeRO-1, bf16), and one with ``"optimizer+params"``
+    (ZeRO-3, fp32), saved after step 2 of 4 and resumed by a
     fresh trainer: the losses and every parameter equal the uninterrupted run's, bit for bit
     (the host-resident masters and moments travel in the checkpoint and come back there)."""
     for name, straight in RESUMES.items():
@@ -181,10 +201,33 @@ def test_resume_under_offload_equals_the_uninterrupted_run(runs):
             assert resumed["memory"] == plain["memory"], name
 
 
-def test_offload_of_parameters_is_refused_in_one_line():
-    """ZeRO-3's parameter shards in host memory are not built: one line naming the field."""
-    with pytest.raises(ConfigError, match="training.offload=optimizer\\+params: ZeRO-3"):
-        Config.from_dict({"training": {"offload": "optimizer+params"}})
+def test_offload_of_parameters_trains_as_without_it_and_holds_shards_on_the_host(runs):
+    """``training.offload = "optimizer+params"`` with ZeRO-3 (dp2, fp32 and bf16 compute) and
+    in a 3D layout (dp2 x tp2 x pp2, SP, ZeRO-3, bf16): losses and every parameter, on every
+    rank, within fp32 rounding of the run without offload (1e-6 relative; here equal); the
+    host holds the optimizer's bytes and the parameter shards (none of their own in fp32:
+    the master is what is gathered), the device the gradient shards only."""
+    for name in [*PARAMS_2, "3dz3"]:
+        assert len(runs[f"{name}-{PARAMS}"]) == len(runs[f"{name}-none"]) > 1, name
+        for plain, off in zip(runs[f"{name}-none"], runs[f"{name}-{PARAMS}"]):
+            for a, b in zip(off["losses"], plain["losses"]):
+                assert abs(a - b) <= 1e-6 * abs(b), (name, off["losses"], plain["losses"])
+            for n, p in plain["params"].items():
+                assert rel_err(off["params"][n].float(), p.float()) <= 1e-6, (name, n)
+            mem = off["memory"]
+            assert mem["host"] == mem["optimizer"] + mem["params"] > 0, (name, mem)
+            assert mem["total"] - mem["host"] == mem["grads"] == plain["memory"]["grads"], name
+            assert (mem["params"] > 0) == (name != "z3-fp32"), (name, mem)
+
+
+def test_offload_of_parameters_without_zero3_is_refused_in_one_line():
+    """Only ZeRO-3 keeps parameter shards between uses: ``"optimizer+params"`` with ZeRO 0-2
+    is refused in one line naming both fields."""
+    for zero in (0, 1, 2):
+        with pytest.raises(ConfigError, match=f"training.offload=optimizer\\+params with "
+                           f"parallel.zero={zero}: only ZeRO-3"):
+            Config.from_dict({"training": {"offload": PARAMS}, "parallel": {"zero": zero}})
+    Config.from_dict({"training": {"offload": PARAMS}, "parallel": {"zero": 3}})
 
 
 def test_the_memory_model_prices_offload(runs):
@@ -203,6 +246,43 @@ def test_the_memory_model_prices_offload(runs):
                                 precision=cfg.training.precision, offload=True)
             got = rank["memory"]
             assert {k: pred[k] for k in got} == got, (name, pred, got)
+
+
+def test_the_memory_model_prices_offload_of_parameters(runs, capsys):
+    """``predict_rank(offload_params=True)`` (``shardwise memory --offload optimizer+params``)
+    is what each rank holds under ``"optimizer+params"`` (ZeRO-3 dp2 fp32 and bf16; the 3D
+    layout's every rank), device and host, to the byte; ``planner.memory.zero_bytes`` prices
+    the same split, and refuses it without ZeRO-3; ``shardwise memory`` prints the device
+    column of ZeRO-3 alone, and refuses another stage (exit 2)."""
+    from shardwise.cli.main import main
+    from shardwise.engine.memory import predict_rank
+    from shardwise.planner.memory import zero_bytes
+    from shardwise.planner.specs import describe_config
+
+    for name in [*PARAMS_2, "3dz3"]:
+        cfg = Config.from_dict(runs["configs"][f"{name}-{PARAMS}"])
+        p, d = cfg.parallel, describe_config(cfg)
+        for rank in runs[f"{name}-{PARAMS}"]:
+            c = rank["coords"]
+            pred = predict_rank(d, dp=p.dp, pp=p.pp, tp=p.tp, dp_rank=c["dp"],
+                                pp_rank=c["pp"], tp_rank=c["tp"], zero=3,
+                                precision=cfg.training.precision,
+                                sequence_parallel=p.sequence_parallel,
+                                offload=True, offload_params=True)
+            got = rank["memory"]
+            assert {k: pred[k] for k in got} == got, (name, c, pred, got)
+    for precision, params in (("fp32", 0), ("bf16", 2 * 500)):
+        z = zero_bytes(1000, 2, 3, precision, offload=PARAMS)
+        assert z["params"] == params and z["host"] == z["optimizer"] + params
+        assert z["total"] - z["host"] == z["grads"]
+    with pytest.raises(ValueError, match="ZeRO-3 only"):
+        zero_bytes(1000, 2, 2, "bf16", offload=PARAMS)
+    tiny = str(REPO / "configs/tiny.toml")
+    assert main(["memory", "--config", tiny, "--dp", "2", "--offload", PARAMS]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-2].split()[-1] == "device" and out[-1].split()[0] == "3", out
+    assert main(["memory", "--config", tiny, "--offload", PARAMS, "--stages", "2,3"]) == 2
+    assert "--offload optimizer+params with --stages 2,3: ZeRO-3 only" in capsys.readouterr().err
 
 
 def test_activation_offload_wraps_every_block_and_changes_nothing(monkeypatch):
@@ -297,3 +377,27 @@ def test_the_memory_model_prices_activation_offload(monkeypatch, capsys):
     assert main(["memory", "--config", str(REPO / "configs/tiny.toml"), "--dp", "1",
                  "--activation-offload", "--recompute", "selective"]) == 2
     assert "--activation-offload with --recompute selective" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_transfers_order_their_copies_against_the_compute_stream():
+    """CUDA: ``parallel.offload.Transfers`` copies on its side stream, ordered by events
+    against the compute stream: a pinned host tensor brought to the device behind queued
+    matmuls is read whole by the next kernel; a result copied back whose device tensor is
+    freed (and its memory refilled) at once is intact after ``wait()`` (``record_stream``)."""
+    from shardwise.parallel.offload import Transfers
+
+    dev = torch.device("cuda")
+    copies = Transfers(dev)
+    host = torch.arange(1 << 22, dtype=torch.float32).pin_memory()
+    a = torch.randn(2048, 2048, device=dev)
+    for _ in range(8):  # queued work the side stream's copy overlaps
+        a = a @ a / 2048
+    x = copies.to_device(host)
+    y = x * 2  # the compute stream, after the copy
+    back = copies.to_host(y)
+    del y
+    torch.full((1 << 22,), -1.0, device=dev)  # would take y's memory without record_stream
+    copies.wait()
+    assert copies.stream != torch.cuda.current_stream(dev)
+    assert back.is_pinned() and torch.equal(back, host * 2)

@@ -18,7 +18,9 @@ of the layouts. The ``test_a_*_is_caught`` tests plant a stray tensor (a CPU gra
 accumulator, a CPU pipeline receive buffer, an fp16 loss in an fp32 run) and require the
 check to name it, on both devices. Under ``training.offload = "optimizer"`` (ZeRO 0-3 and a
 3D layout) the fp32 masters and AdamW's moments are on the host and nothing else leaves the
-device (``placement_run._state_placement``).
+device (``placement_run._state_placement``); under ``"optimizer+params"`` (ZeRO-3 fp32 and
+bf16, and a 3D layout) ZeRO-3's parameter shards too, its gradient shards staying on the
+device.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SP = {"sequence_parallel": True}
 BF16 = {"precision": "bf16"}
 MOE = {"kind": "llama", "n_experts": 8, "top_k": 2}
 OFFLOAD = {"offload": "optimizer"}
+PARAMS = {"offload": "optimizer+params"}
 
 # name -> (world size, config sections); model.kind is added per test
 LAYOUTS: dict[str, tuple[int, dict]] = {
@@ -80,6 +83,16 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
                                                         "micro_batches": 2, **SP,
                                                         "activation_offload": True},
                                            "model": UNTIED, "training": {**BF16, **OFFLOAD}}),
+    # training.offload = "optimizer+params": ZeRO-3's parameter shards on the host too (in
+    # fp32 the masters are them), its gradient shards and the gathered units on the device
+    "dp8-z3-offload-params": (8, {"parallel": {"dp": 8, "zero": 3}, "training": PARAMS}),
+    "dp8-z3-bf16-offload-params": (8, {"parallel": {"dp": 8, "zero": 3},
+                                       "training": {**BF16, **PARAMS}}),
+    "dp2xtp2xpp2-sp-bf16-z3-offload-params": (8, {"parallel": {"dp": 2, "tp": 2, "pp": 2,
+                                                               "zero": 3, "micro_batches": 2,
+                                                               **SP},
+                                                  "model": UNTIED,
+                                                  "training": {**BF16, **PARAMS}}),
 }
 KINDS = ("gpt", "llama")
 CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name in LAYOUTS for kind in KINDS

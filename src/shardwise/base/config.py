@@ -400,16 +400,9 @@ class TrainingConfig(_Section):
         "none", description="\"optimizer\": this rank's fp32 master weights and AdamW "
         "moments in host memory (pinned on CUDA), the optimizer step on the CPU, gradients "
         "copied device to host and the updated parameters back in the compute dtype "
-        "(ZeRO-Offload, Ren et al. 2021); \"optimizer+params\" (ZeRO-3's parameter shards "
-        "on the host too): not implemented yet; \"none\"")
-
-    @field_validator("offload")
-    @classmethod
-    def _offload_built(cls, value):
-        if value == "optimizer+params":
-            raise ValueError("training.offload=optimizer+params: ZeRO-3's parameter shards "
-                             "in host memory are not implemented yet; use \"optimizer\"")
-        return value
+        "(ZeRO-Offload, Ren et al. 2021); \"optimizer+params\": with parallel.zero = 3 "
+        "only, ZeRO-3's parameter shards in host memory too, each copied to the device "
+        "(compute dtype) for its all-gather; \"none\"")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA + NCCL "
                                                    "when every local rank gets a GPU, else "
                                                    "the CPU + gloo")
@@ -555,6 +548,11 @@ class Config(_Section):
         the parameter server's own rules are their application's (``AppSpec.check_config``,
         at the door)."""
         p, t, m = self.parallel, self.training, self.model
+        if t.offload == "optimizer+params" and p.zero != 3:
+            raise ValueError(f"training.offload=optimizer+params with parallel.zero={p.zero}: "
+                             "only ZeRO-3 keeps parameter shards between uses (ZeRO 0-2 "
+                             "hold whole parameters); use parallel.zero = 3 or "
+                             "training.offload = optimizer")
         if p.backend == "nccl" and t.device == "cpu":
             raise ValueError("parallel.backend=nccl with training.device=cpu: NCCL moves CUDA "
                              "tensors only; use training.device = cuda, or parallel.backend = "

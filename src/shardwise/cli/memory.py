@@ -10,6 +10,7 @@
     shardwise memory --params 7e9 --dp 64 --dp-replicate 8         # HSDP: ZeRO over 8 ranks
     shardwise memory --config configs/tiny.toml --dp 1 --recompute full  # + activations
     shardwise memory --config configs/tiny.toml --offload optimizer --state-dtype bf16
+    shardwise memory --config configs/tiny.toml --dp 2 --offload optimizer+params  # ZeRO-3
     shardwise memory --config configs/tiny.toml --dp 1 --activation-offload  # device/host
 
 With a model (``--config``: the model of its ``model.kind``, gpt, llama or a kind registered
@@ -99,7 +100,8 @@ def _layout_table(args, stages: list[int]) -> int:
                         precision=args.precision, bucket_mb=p.bucket_mb, ep=p.ep,
                         chunks_per_rank=p.chunks_per_rank, partition_by=p.partition,
                         dp_replicate=p.dp_replicate, state_bytes=state_bytes,
-                        offload=args.offload == "optimizer", lora=base.lora)
+                        offload=args.offload != "none",
+                        offload_params=args.offload == "optimizer+params", lora=base.lora)
     except (ValueError, NotImplementedError) as e:  # ConfigError, DataError: one line
         print(f"shardwise memory: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -114,7 +116,9 @@ def _layout_table(args, stages: list[int]) -> int:
              else "") + f" x tp={p.tp}, "
           f"{args.precision} compute (fp32 masters, {state} moments"
           + ("; the optimizer in host memory: device = total - optimizer"
-             if args.offload == "optimizer" else "") + "); "
+             if args.offload == "optimizer" else "")
+          + ("; the optimizer and ZeRO-3's parameter shards in host memory: device = total "
+             "- optimizer - params" if args.offload == "optimizer+params" else "") + "); "
           f"bytes per rank in {unit} (1 {unit} = "
           f"2**{int(div).bit_length() - 1} bytes; dp rank 0: padding lands on the last dp rank)")
     # a rank's pp / tp coordinates, in columns only where the layout has that axis
@@ -122,7 +126,7 @@ def _layout_table(args, stages: list[int]) -> int:
         return (f" {pr:>3}" if p.pp > 1 else "") + (f" {tr:>3}" if p.tp > 1 else "")
 
     print(f"{'zero':>4}{where('pp', 'tp')} {'params':>9} {'grads':>9} {'optimizer':>9} "
-          f"{'total':>9}" + (f" {'device':>9}" if args.offload == "optimizer" else "")
+          f"{'total':>9}" + (f" {'device':>9}" if args.offload != "none" else "")
           + (f" {'measured':>9}" if args.measure else "")
           + (f"  fits {args.budget_mb:g} MiB?" if args.budget_mb else ""))
     for z in stages:
@@ -143,7 +147,7 @@ def _layout_table(args, stages: list[int]) -> int:
                 line = (f"{z:>4}{where(pr, tr)} {pred['params'] / div:>9.3f} "
                         f"{pred['grads'] / div:>9.3f} {pred['optimizer'] / div:>9.3f} "
                         f"{pred['total'] / div:>9.3f}")
-                if args.offload == "optimizer":
+                if args.offload != "none":
                     line += f" {(pred['total'] - pred['host']) / div:>9.3f}"
                 if measured:
                     line += f" {measured[(pr, tr)] / div:>9.3f}"
@@ -212,14 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                     help="compute dtype (default: the config's training.precision, fp8 "
                     "keeping bf16 weights; bf16 without --config)")
-    ap.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
+    ap.add_argument("--stages", default=None, help="comma-separated ZeRO stages (default "
+                    "0,1,2,3; 3 with --offload optimizer+params)")
     ap.add_argument("--measure", action="store_true", help="run one step per stage and measure")
     ap.add_argument("--state-dtype", default=None, choices=("fp32", "bf16"),
                     help="AdamW moments' dtype (optimizer.state_dtype; default: the config's, "
                     "fp32 with --params)")
-    ap.add_argument("--offload", default="none", choices=("none", "optimizer"),
+    ap.add_argument("--offload", default="none",
+                    choices=("none", "optimizer", "optimizer+params"),
                     help="training.offload: \"optimizer\" keeps the masters and moments in "
-                    "host memory (needs --config)")
+                    "host memory, \"optimizer+params\" ZeRO-3's parameter shards too "
+                    "(needs --config)")
     ap.add_argument("--recompute", default=None, choices=RECOMPUTE_MODES,
                     help="also print the activation bytes per rank without recomputation "
                     "and with this parallel.recompute mode (needs --config)")
@@ -233,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.planner.memory import MiB, unit_for, zero_bytes
     from shardwise.planner.specs import NAMED
 
+    if args.stages is None:
+        args.stages = "3" if args.offload == "optimizer+params" else "0,1,2,3"
     try:
         stages = [int(s) for s in args.stages.split(",")]
         if any(s not in (0, 1, 2, 3) for s in stages):
@@ -240,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"shardwise memory: error: --stages {args.stages!r}: expected stages 0-3, "
               "comma-separated", file=sys.stderr)
+        return EXIT_USAGE
+    if args.offload == "optimizer+params" and stages != [3]:
+        print(f"shardwise memory: error: --offload optimizer+params with --stages "
+              f"{args.stages}: ZeRO-3 only (--stages 3)", file=sys.stderr)
         return EXIT_USAGE
     for flag, value in (("--dp", args.dp), ("--cp", args.cp),
                         ("--dp-replicate", args.dp_replicate)):

@@ -286,7 +286,8 @@ class Engine:
         self.chunks: dict[int, nn.Module] = dict(self.local.chunks)
         self.sync = apply_dp(self.local, self.chunks, topo, par, dtype=self.dtype,
                              loss_scaler=self.loss_scaler, distributed=self.distributed,
-                             replicas=self.replicas, offload=tr.offload == "optimizer")
+                             replicas=self.replicas, offload=tr.offload != "none",
+                             offload_params=tr.offload == "optimizer+params")
 
     def _sequence_shards(self, idx: torch.Tensor, m: int) -> list[SequenceShard | None] | None:
         """The ``models.sequence`` shard of each of the ``m`` micro-batches of ``idx`` (B, T),
@@ -369,8 +370,12 @@ class Engine:
                 opt += 2 * DTYPES[self.cfg.optimizer.state_dtype].itemsize * m.numel()
         out["optimizer"] = opt
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
-        # training.offload = "optimizer": the optimizer's bytes live in host memory
-        out["host"] = opt if self.cfg.training.offload == "optimizer" else 0
+        # training.offload: the optimizer's bytes live in host memory, with
+        # "optimizer+params" ZeRO-3's compute-dtype shards too (in fp32 the masters are them)
+        off = self.cfg.training.offload
+        out["host"] = (0 if off == "none" else opt) + (
+            sum(t.untyped_storage().nbytes() for t in self.sync.param_shards())
+            if off == "optimizer+params" else 0)
         return out
 
     # -- training -------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                  sequence_parallel: bool = False, partition_by: str = "layers",
                  ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1,
                  schedule: str = "1f1b", state_bytes: int = 8,
-                 offload: bool = False, lora=None) -> dict:
+                 offload: bool = False, offload_params: bool = False, lora=None) -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
@@ -66,10 +66,17 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     ``state_bytes``: AdamW's two moments' bytes per element (8 in fp32, 4 with
     ``optimizer.state_dtype = "bf16"``). ``offload`` (``training.offload = "optimizer"``):
     the masters are copies of their own in host memory even in fp32 (``host``: the
-    optimizer's bytes, all on the host; 0 without offload). ``lora`` (a ``LoRAConfig``
+    optimizer's bytes, all on the host; 0 without offload). ``offload_params``
+    (``"optimizer+params"``, ZeRO-3 only): its compute-dtype shards in host memory too
+    (``host`` adds ``params``; in fp32 the master is the shard, so ``params`` is 0 again);
+    the device keeps ``total - host``: the gradient shards. ``lora`` (a ``LoRAConfig``
     with rank > 0): P above is the adapters' elements only, and the frozen base adds its
     b bytes per element to ``params`` (no gradient, no optimizer state, no ZeRO shard).
-    Raises ``ValueError`` as the engine would for a layout it cannot build."""
+    Raises ``ValueError`` as the engine would for a layout it cannot build, and for
+    ``offload_params`` without ZeRO-3."""
+    if offload_params and zero != 3:
+        raise ValueError(f"offload_params with zero={zero}: only ZeRO-3 keeps parameter "
+                         "shards between uses")
     ep_rank = dp_rank % ep  # ep folds over dp (before dp x cp is read as ZeRO's group)
     # ZeRO's groups are the replicas: of the dense weights dp x cp (this rank at
     # dp_rank * cp + cp_rank), of its experts (dp / ep) x cp (at ep_dp_rank * cp + cp_rank)
@@ -114,11 +121,13 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
                                       (_units(local, True), ep_dp, ep_dp_rank)):
                 owned, real = _shard([-(-n // size) * size for n in sizes], sizes, size, rank)
                 S, R = S + owned, R + real
-            out = {"params": 0 if b == 4 and not offload else b * S, "grads": b * S,
+            lp = b == 4 and (offload_params or not offload)  # the master is what is gathered
+            out = {"params": 0 if lp else b * S, "grads": b * S,
                    "optimizer": 4 * S + state_bytes * R, "padding": S - R}
     out["params"] += frozen
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    out["host"] = out["optimizer"] if offload else 0
+    out["host"] = ((out["optimizer"] if offload or offload_params else 0)
+                   + (out["params"] if offload_params else 0))
     return out
 
 

@@ -213,7 +213,8 @@ def apply_compile(layers: Layers) -> None:
 
 def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
              dtype: torch.dtype, loss_scaler=None, distributed: bool = True,
-             replicas: Replicas | None = None, offload: bool = False):
+             replicas: Replicas | None = None, offload: bool = False,
+             offload_params: bool = False):
     """The gradient sync of ``parallel.zero`` (a ``ParallelConfig``) for this rank's chunks
     (``local``: an ``engine.model.LocalModel``; ``engine.sync``) over the dp x cp replicas of
     every parameter; under ep > 1 the expert parameters over their own replicas, the
@@ -225,12 +226,14 @@ def apply_dp(local, chunks: dict[int, nn.Module], topology, parallel, *,
     two chunks of this rank (a property of a hand-built model the config cannot see), and
     for replicas outside the job with HSDP inside it or with expert parameters.
     ``offload``: every sync keeps its fp32 masters in host memory (``training.offload =
-    "optimizer"``; ZeRO-Offload, Ren et al. 2021)."""
+    "optimizer"``; ZeRO-Offload, Ren et al. 2021); ``offload_params`` (``"optimizer+params"``,
+    ZeRO-3 only, as the config requires): ZeRO-3's parameter shards too."""
     named = local.named_parameters()
     groups = topology.groups if distributed else None
     experts = [(n, q) for n, q in named if is_expert(q)]
     kw = dict(local=local, chunks=chunks, parallel=parallel, dtype=dtype,
-              loss_scaler=loss_scaler, distributed=distributed, offload=offload)
+              loss_scaler=loss_scaler, distributed=distributed, offload=offload,
+              offload_params=offload_params)
     if experts and replicas is not None and replicas is not NO_REPLICAS:
         raise ValueError("fault_tolerance.enable with expert parameters: their sync spans "
                          "the ep_dp x cp ranks of one job, not the replica groups; train "
@@ -273,7 +276,8 @@ def dense_sync_group(topology, parallel, distributed: bool = True,
 
 def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
              dtype, loss_scaler, distributed: bool, replicas: Replicas = NO_REPLICAS,
-             divisor: int | None = None, expert_group=None, offload: bool = False):
+             divisor: int | None = None, expert_group=None, offload: bool = False,
+             offload_params: bool = False):
     """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
     ``expert_group``: the expert parameters of each unit sharded over that group)."""
     p = parallel
@@ -305,7 +309,8 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
         chunk = local.chunks[c]
         chunks[c] = ZeroStage3(chunk, group, list(zip(chunk.names, chunk.layers)), dtype,
                                loss_scaler, names, isolate=tied, expert_group=expert_group,
-                               replicas=replicas, offload=offload)
+                               replicas=replicas, offload=offload,
+                               offload_params=offload_params)
         wrappers.append(chunks[c])
     return SplitSync(*wrappers)
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardwise import comm
 from shardwise.base.config import PRECISIONS
+from shardwise.parallel.offload import HOST, Transfers
 
 # the compute dtype of each training.precision: fp8 computes in bf16 around its float8
 # matmuls (``parallel.float8``), so parameters, gradients and activations are bf16's
@@ -23,16 +24,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.bfloat16}
 assert tuple(DTYPES) == PRECISIONS  # training.precision's choices
 
-# Host memory, where ``training.offload = "optimizer"`` keeps the fp32 masters and AdamW's
-# moments (ZeRO-Offload, Ren et al. 2021): the CPU by definition, whatever the run's device.
-HOST = torch.device("cpu")
+# HOST: host memory, where ``training.offload`` keeps the fp32 masters and AdamW's moments
+# (ZeRO-Offload, Ren et al. 2021), and with "optimizer+params" ZeRO-3's parameter shards
 
 
-def host_master(t: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of ``t`` in host memory, pinned when ``t`` is on CUDA (so its transfers
-    can be asynchronous); same shape."""
-    out = torch.empty(t.shape, dtype=torch.float32, device=HOST,
-                      pin_memory=t.device.type == "cuda")
+def host_master(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A copy of ``t`` in host memory in ``dtype`` (an fp32 master by default; ZeRO-3's
+    compute-dtype shard under ``training.offload = "optimizer+params"``), pinned when ``t``
+    is on CUDA (so its transfers can be asynchronous); same shape."""
+    out = torch.empty(t.shape, dtype=dtype, device=HOST, pin_memory=t.device.type == "cuda")
     out.copy_(t.detach())
     return out
 
@@ -104,7 +104,8 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
 
     ``piece_grads[i]`` is the fp32 gradient of master piece ``i`` (transient: freed after
     the step), on the run's device; a piece in host memory (``training.offload``) receives a
-    copy after the norm and the clipping, and steps there. Unscales (fp16), then one
+    copy (``offload.Transfers``, launched before the norm), clipped and stepped there.
+    Unscales (fp16), then one
     all-reduce over ``group`` (the world for the engine; None: the world; "local" or no
     torch.distributed: no reduction) carries both the squared gradient norm and the
     overflow flag, so every rank takes the same decision: skip the
@@ -123,19 +124,30 @@ def fp32_step(optimizer, pieces: list[torch.nn.Parameter], piece_grads: list[tor
     # the gradients' device: the reduction runs there (offloaded masters live on the host)
     dev = (piece_grads[0].device if piece_grads else
            pieces[0].device if pieces else torch.device("cpu"))
+    # offloaded masters (host memory): each gradient's device-to-host copy starts now, on
+    # the side stream (CUDA), overlapping the norm's reduction; None where the master is on
+    # the gradient's device
+    off = [g.device != p.device for p, g in zip(pieces, piece_grads)]
+    copies = Transfers(dev) if any(off) else None
+    moving = [copies.to_host(g) if o else None for g, o in zip(piece_grads, off)] if copies \
+        else []
     total, overflow = global_norm(piece_grads, counted, group, check_finite=scaler is not None,
                                   device=dev)
     if scaler is not None:
         scaler.update(overflow)
+    if moving:  # offloaded: the host waits for the copies, then clips and steps there
+        copies.wait()
     if overflow:
         return {"grad_norm": float("inf"), "skipped": True}
+    if moving:
+        piece_grads = [h if h is not None else g for g, h in zip(piece_grads, moving)]
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in piece_grads:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(g.device, g.dtype))
     kept = [p.grad for p in pieces]  # a parameter that is its own master keeps its gradient
-    for p, g in zip(pieces, piece_grads):  # offloaded: device to host
-        p.grad = g if g.device == p.device else g.to(p.device)
+    for p, g in zip(pieces, piece_grads):
+        p.grad = g
     optimizer.step()
     for p, g in zip(pieces, kept):
         p.grad = g  # transient fp32 copies are dropped

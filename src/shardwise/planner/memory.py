@@ -256,23 +256,32 @@ def _rank_params(spec: ModelSpec, layers: tuple[int, ...], tp: int, pp: int,
     return n
 
 
-def zero_bytes(P: float, dp: int, zero: int, precision: str, state_bytes: int = 8) -> dict:
+def zero_bytes(P: float, dp: int, zero: int, precision: str, state_bytes: int = 8,
+               offload: str = "none") -> dict:
     """Bytes of params, grads and optimizer for P parameter elements on one rank (no
     padding: shards are ceil(P / dp)); ``state_bytes``: AdamW's two moments per element (8
-    in fp32, 4 with ``optimizer.state_dtype = "bf16"``)."""
+    in fp32, 4 with ``optimizer.state_dtype = "bf16"``). ``offload`` (``training.offload``):
+    ``host`` the bytes in host memory (the optimizer's, masters of their own even in fp32;
+    with "optimizer+params", ZeRO-3 only, its parameter shards too), the device holding
+    ``total - host``. Raises ValueError for "optimizer+params" without ZeRO-3."""
+    if offload == "optimizer+params" and zero != 3:
+        raise ValueError(f"training.offload=optimizer+params with parallel.zero={zero}: "
+                         "ZeRO-3 only")
     b = BYTES[precision]
     S = -(-int(P) // dp)
-    master = 0 if b == 4 else 4
+    master = 0 if b == 4 and offload == "none" else 4
     if zero == 0:
         out = {"params": b * P, "grads": b * P, "optimizer": (state_bytes + master) * P}
     elif zero == 1:
         out = {"params": b * P, "grads": b * P, "optimizer": (state_bytes + master) * S}
     elif zero == 2:
         out = {"params": b * P, "grads": b * S, "optimizer": (state_bytes + master) * S}
-    else:
-        out = {"params": 0 if b == 4 else b * S, "grads": b * S,
+    else:  # fp32: the master is what is gathered (on the host with "optimizer+params")
+        out = {"params": 0 if b == 4 and offload != "optimizer" else b * S, "grads": b * S,
                "optimizer": (state_bytes + master) * S}
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    out["host"] = (0 if offload == "none" else out["optimizer"]) + (
+        out["params"] if offload == "optimizer+params" else 0)
     return out
 
 
@@ -315,6 +324,7 @@ def static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int,
     best = None
     for P, X in _stage_params(spec, pp, v, partition, tp, ep, schedule in V_SHAPED_KINDS):
         d = zero_bytes(P - X, dp // dp_replicate * cp, zero, precision)
+        d.pop("host")  # no offload here
         if X:
             x = zero_bytes(X, dp // ep * cp, zero, precision)  # ep_dp x cp hold them
             d = {k: d[k] + x[k] for k in d}
@@ -381,6 +391,7 @@ def lora_static_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: 
     for layers in stage_layers(spec, pp, v, partition, schedule):
         a = adapter_params(spec, tp) * sum(1 for i in layers if 0 < i <= L)
         d = zero_bytes(a, dp // dp_replicate * cp, zero, precision)
+        d.pop("host")  # no offload here
         d["params"] += BYTES[precision] * rank_params(spec, layers, tp, pp, ep)  # the base
         d["total"] = d["params"] + d["grads"] + d["optimizer"]
         if best is None or d["total"] > best["total"]:

@@ -25,6 +25,13 @@ at ``finish`` (once per step, after every micro-batch's reduce-scatter) the dens
 shards are averaged across the replicas (the mean is linear, so once per step equals once
 per micro-batch). Expert units keep their own group, which spans the replicas.
 
+Offload (``training.offload``): ``offload`` keeps the fp32 master shards (and so AdamW's
+moments and step) in host memory; ``offload_params`` (``"optimizer+params"``) the
+compute-dtype shard that is gathered too, so between uses the device holds only the gradient
+shards: each gather first copies the shard to the device (``offload.Transfers``; on CUDA a
+side stream, the compute stream waiting on it), the step's gradients go to the host
+(``fp32_step``), and ``refresh_params`` casts the stepped masters into the host shards.
+
 Autograd keeps references to the parameters it saved in forward; the storage they point
 to is refilled before the unit's backward, and writing through the flat buffer does not
 touch the parameters' own version counters, so this is safe.
@@ -50,12 +57,14 @@ from shardwise import comm
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.parallel.data_parallel.ddp import broadcast_module_state, broadcast_tensors
 from shardwise.parallel.experts.shard import is_expert
+from shardwise.parallel.offload import Transfers
 from shardwise.parallel.precision import DynamicLossScaler, fp32_step, host_master
 
 
 class _Unit:
     def __init__(self, name: str, module: nn.Module | None, params: list[nn.Parameter],
-                 group, param_dtype: torch.dtype, offload: bool = False):
+                 group, param_dtype: torch.dtype, offload: bool = False,
+                 offload_params: bool = False):
         self.name, self.module, self.params, self.group = name, module, params, group
         self.world, self.rank = world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.offsets, n = [], 0
@@ -72,10 +81,17 @@ class _Unit:
         lo = rank * self.shard_size
         mine = fp32[lo:lo + self.shard_size]
         # the fp32 master (offload: in host memory); what is gathered: the compute-dtype copy
-        # of the shard on the device (the master itself in fp32 without offload)
-        self.shard = host_master(mine) if offload else mine.clone()
-        self.shard_lp = (self.shard if param_dtype == torch.float32 and not offload
-                         else mine.to(param_dtype, copy=True))
+        # of the shard on the device (the master itself in fp32 without offload), or with
+        # offload_params in host memory (the master itself in fp32), copied to the device
+        # for each gather
+        self.shard = host_master(mine) if offload or offload_params else mine.clone()
+        if offload_params:
+            self.shard_lp = (self.shard if param_dtype == torch.float32
+                             else host_master(mine, param_dtype))
+        else:
+            self.shard_lp = (self.shard if param_dtype == torch.float32 and not offload
+                             else mine.to(param_dtype, copy=True))
+        self.staged: torch.Tensor | None = None  # the device copy a gather in flight reads
         self.full = fp32.to(param_dtype)
         for p, off in zip(params, self.offsets):
             p.data = self.full[off:off + p.numel()].view_as(p)
@@ -106,7 +122,10 @@ class ZeroStage3(nn.Module):
     same experts (``ep_dp_cp``); their sums are divided by ``group``'s size as the dense
     ones' (each expert's gradient already holds every ep rank's tokens routed to it).
     ``replicas``: HSDP's other replicas (see module docstring). ``offload``: the fp32
-    master shards in host memory (``training.offload``), a compute-dtype shard on the device.
+    master shards in host memory (``training.offload``), a compute-dtype shard on the device;
+    ``offload_params`` (``"optimizer+params"``): that shard in host memory too (the master
+    itself in fp32), copied to the device for each gather (``offload.Transfers``: on CUDA
+    on a side stream, overlapping the compute queued before the gather).
     Raises ``ValueError`` for a model without trainable parameters.
     """
 
@@ -114,7 +133,8 @@ class ZeroStage3(nn.Module):
                  param_dtype: torch.dtype = torch.float32,
                  loss_scaler: DynamicLossScaler | None = None,
                  names: dict[int, str] | None = None, isolate: frozenset[int] = frozenset(),
-                 expert_group=None, replicas: Replicas = NO_REPLICAS, offload: bool = False):
+                 expert_group=None, replicas: Replicas = NO_REPLICAS, offload: bool = False,
+                 offload_params: bool = False):
         super().__init__()
         self.module, self.group, self.loss_scaler = module, group, loss_scaler
         self.replicas = replicas
@@ -152,16 +172,19 @@ class ZeroStage3(nn.Module):
 
         root = [p for p in trainable if len(owner.get(id(p), [])) != 1]  # shared or unowned
         self.units: list[_Unit] = []
-        self.roots = [_Unit("root", None, ps, g, param_dtype, offload) for ps, g in split(root)]
+        self.roots = [_Unit("root", None, ps, g, param_dtype, offload, offload_params)
+                      for ps, g in split(root)]
         for i, (name, m) in enumerate(units):
             mine = [p for p in m.parameters() if p.requires_grad and owner[id(p)] == [i]]
             rest = [p for p in mine if id(p) not in isolate]
             for ps, g in [([p], group_of(p)) for p in mine if id(p) in isolate] + split(rest):
-                u = _Unit(name, m, ps, g, param_dtype, offload)
+                u = _Unit(name, m, ps, g, param_dtype, offload, offload_params)
                 self.units.append(u)
                 m.register_forward_pre_hook(self._pre_forward(u))
                 m.register_forward_hook(self._post_forward(u))
         self._all = self.units + self.roots
+        self._copies = Transfers(trainable[0].device)  # offload_params: host to device
+        self.offload_params = offload_params
         for u in self._all:
             for j, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(self._grad_ready(u, j))
@@ -189,15 +212,18 @@ class ZeroStage3(nn.Module):
         if u.gathered or u.handle is not None:
             return
         u.full.untyped_storage().resize_(u.nbytes)
+        # offload_params: the host shard's device copy, kept until the gather is waited (the
+        # shard itself when it is on the device: without offload, or on a CPU run)
+        u.staged = self._copies.to_device(u.shard_lp)
         # check=False: shapes were agreed once, by the construction-time broadcast
-        u.handle = comm.all_gather_into_tensor(u.full, u.shard_lp, group=u.group, async_op=True,
+        u.handle = comm.all_gather_into_tensor(u.full, u.staged, group=u.group, async_op=True,
                                                check=False, algorithm="auto")
 
     def _gather(self, u: _Unit) -> None:
         self._launch_gather(u)
         if u.handle is not None:
             u.handle.wait()
-            u.handle, u.gathered = None, True
+            u.handle, u.gathered, u.staged = None, True, None
 
     def _free(self, u: _Unit) -> None:
         if u.gathered and not self._summoned:
@@ -344,7 +370,8 @@ class ZeroStage3(nn.Module):
         return [u.grad_shard for u in self._all]
 
     def param_shards(self) -> list[torch.Tensor]:
-        """Each unit's compute-dtype copy of its shard (none in fp32: the master is gathered)."""
+        """Each unit's compute-dtype copy of its shard (none in fp32 without offload, or with
+        offload_params: the master is what is gathered)."""
         return [u.shard_lp for u in self._all if u.shard_lp is not u.shard]
 
     def buckets_overlapped(self) -> None:
@@ -371,7 +398,10 @@ class ZeroStage3(nn.Module):
 
     @torch.no_grad()
     def refresh_params(self) -> None:
-        """Copy the fp32 masters into the compute-dtype shards that forward gathers."""
+        """Copy the fp32 masters into the compute-dtype shards that forward gathers (host
+        memory under offload_params: after the copies that read them)."""
+        if self.offload_params:
+            self._copies.wait()
         for u in self._all:
             if u.shard_lp is not u.shard:
                 u.shard_lp.copy_(u.shard)
