@@ -202,7 +202,7 @@ def test_pipedream_stashes_weights_and_learns(ws2):
      "cannot cut 8 layers .* into 12 pipeline chunks"),
     (2, {"schedule": "gpipe", "micro_batches": 3}, 8, "do not divide the batch of 8"),
     (2, {"schedule": "interleaved", "micro_batches": 3, "chunks_per_rank": 2}, 6,
-     "m=3 is not a multiple of p=2"),
+     "micro_batches=3 must be a multiple of parallel.pp=2"),
     (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "needs a flush"),
     (2, {"schedule": "zb1p", "micro_batches": 2, "zero": 3}, 8,
      "parallel.schedule=zb1p with parallel.zero=3"),

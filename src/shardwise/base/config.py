@@ -68,6 +68,23 @@ def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") ->
     return None
 
 
+def micro_batches_refusal(schedule: str, pp: int, micro_batches: int,
+                          chunks_per_rank: int = 1) -> str | None:
+    """Why ``schedule`` cannot run ``micro_batches`` micro-batches over ``pp`` pipeline
+    stages of ``chunks_per_rank`` chunks each (one line), or None: what the config, the
+    planner and ``schedules.validate_args`` refuse."""
+    if schedule == "interleaved" and chunks_per_rank > 1 and micro_batches % pp:
+        # micro-batches enter the chunks in groups of pp (Narayanan et al., SC 2021)
+        return (f"parallel.micro_batches={micro_batches} must be a multiple of "
+                f"parallel.pp={pp} for the interleaved schedule with "
+                f"parallel.chunks_per_rank={chunks_per_rank}")
+    if schedule == "dualpipev" and micro_batches < 2 * pp:
+        # its warm-up fills both arms of the V (DualPipe's dualpipev.py asks the same)
+        return (f"parallel.micro_batches={micro_batches} must be at least 2 x "
+                f"parallel.pp = {2 * pp} for the dualpipev schedule")
+    return None
+
+
 # parallel.pipeline.partition.partition's ``by``
 PARTITIONS = ("layers", "params", "time")
 # parallel.precision.DTYPES' keys
@@ -577,15 +594,12 @@ class Config(_Section):
             raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
                              f"chunks, more than the {m.n_layer + 2} layers (embedding, "
                              f"{m.n_layer} blocks, head)")
-        if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
-            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
-                             f"parallel.pp={p.pp} for the interleaved schedule")
         if p.schedule in V_SHAPED_KINDS and p.chunks_per_rank != 2:
             raise ValueError(f"parallel.schedule={p.schedule} places two chunks per rank in a "
                              f"V: set parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
-        if p.pp > 1 and p.schedule == "dualpipev" and p.micro_batches < 2 * p.pp:
-            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be at least 2 x "
-                             f"parallel.pp = {2 * p.pp} for the dualpipev schedule")
+        why = micro_batches_refusal(p.schedule, p.pp, p.micro_batches, p.chunks_per_rank)
+        if why:
+            raise ValueError(why)
         if split_backward_refusal(p.schedule, p.zero, p.recompute):
             raise ValueError(split_backward_refusal(p.schedule, p.zero, p.recompute))
         if p.schedule == "pipedream" and t.precision == "fp16":

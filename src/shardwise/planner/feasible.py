@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.base.config import SCHEDULE_KINDS, V_SHAPED_KINDS, split_backward_refusal
+from shardwise.base.config import (
+    SCHEDULE_KINDS,
+    V_SHAPED_KINDS,
+    micro_batches_refusal,
+    split_backward_refusal,
+)
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.specs import ModelSpec
@@ -75,15 +80,6 @@ def fp8_reason(cluster: Cluster) -> str:
     return f"fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores"
 
 
-def micro_batches_reason(kind: str, pp: int, m: int) -> str | None:
-    """Why schedule ``kind`` cannot run ``m`` micro-batches over ``pp`` stages, or None."""
-    if kind == "interleaved" and m % pp:
-        return f"interleaved needs micro-batches m={m} divisible by pp={pp}"
-    if kind == "dualpipev" and m < 2 * pp:
-        return f"dualpipev needs micro-batches m={m} >= 2 pp = {2 * pp}"
-    return None
-
-
 SIZES = ("dp", "tp", "pp", "micro_batch_size", "micro_batches", "chunks_per_rank", "cp",
          "ep", "dp_replicate", "cp_a2a")
 
@@ -132,8 +128,8 @@ def check(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None) -> None:
 
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
-    why = micro_batches_reason(lay.schedule, lay.pp, lay.micro_batches)
-    if why:
+    why = micro_batches_refusal(lay.schedule, lay.pp, lay.micro_batches, lay.chunks_per_rank)
+    if why:  # the config's own line, as below
         return why
     mode = ("selective" if lay.selective or lay.recompute == "selective" else
             "full" if lay.recompute == "full" else "stage" if lay.recompute else "none")
