@@ -206,7 +206,7 @@ def test_pipedream_stashes_weights_and_learns(ws2):
     (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "needs a flush"),
     (2, {"schedule": "zb1p", "micro_batches": 2, "zero": 3}, 8,
      "parallel.schedule=zb1p with parallel.zero=3"),
-    (2, {"schedule": "zbv", "micro_batches": 2}, 8, "two chunks per rank in a V, not v=1"),
+    (2, {"schedule": "zbv", "micro_batches": 2}, 8, "chunks_per_rank = 2, not 1"),
 ])
 def test_bad_layouts_are_one_line_errors(pp, cfg, batch, match):
     with pytest.raises(ValueError, match=match) as exc:

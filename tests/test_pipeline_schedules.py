@@ -115,11 +115,12 @@ def test_checker_catches_bad_schedules():
 @pytest.mark.parametrize("args, match", [
     (("zigzag", 2, 4), "unknown schedule"),
     (("gpipe", 0, 4), "positive integer"),
-    (("1f1b", 2, 4, 2), "needs the interleaved"),
+    (("1f1b", 2, 4, 2), "chunks_per_rank=2 with parallel.schedule=1f1b"),
     (("interleaved", 4, 6, 2), "micro_batches=6 must be a multiple of parallel.pp=4"),
-    (("zbv", 4, 8, 1), "two chunks per rank in a V, not v=1"),
-    (("zb1p", 4, 8, 2), "needs the interleaved"),
-    (("dualpipev", 4, 8, 1), "dualpipev schedule places two chunks per rank in a V, not v=1"),
+    (("zbv", 4, 8, 1), "in a V: set parallel.chunks_per_rank = 2, not 1"),
+    (("zb1p", 4, 8, 2), "one chunk per rank"),
+    (("dualpipev", 4, 8, 1), "schedule=dualpipev places two chunks per rank in a V: set "
+                             "parallel.chunks_per_rank = 2, not 1"),
     (("dualpipev", 4, 7, 2), "micro_batches=7 must be at least 2 x parallel.pp = 8"),
 ])
 def test_bad_arguments_are_one_line_errors(args, match):

@@ -22,7 +22,7 @@ BAD = [  # (layout, words the reason names)
     (Layout(1, 1, 2, 1, 2, schedule="zigzag"), "schedule 'zigzag'"),
     (Layout(1, 1, 2, 1, 2, partition="bytes"), "partition 'bytes'"),
     (Layout(1, 1, 2, 1, 4, "interleaved", 1), "interleaved with chunks_per_rank=1"),
-    (Layout(1, 1, 2, 1, 4, "1f1b", 2), "chunks_per_rank=2 with 1f1b"),
+    (Layout(1, 1, 2, 1, 4, "1f1b", 2), "chunks_per_rank=2 with parallel.schedule=1f1b"),
     (Layout(1, 1, 1, 1, 1, cp=4, cp_a2a=3), "cp_a2a=3 does not divide cp=4"),
     (Layout(1, 1, 1, 1, 1, recompute="sometimes"), "recompute='sometimes'"),
     (Layout(1, 5, 1, 1, 1), "tp=5 does not divide the 12 heads"),

@@ -152,3 +152,6 @@ def test_pp_bad_layouts_are_one_line():
         Config.from_dict(odd_m)
     odd_m["parallel"]["chunks_per_rank"] = 1  # 1F1B's order: any m (schedules.validate_args)
     Config.from_dict(odd_m)
+    odd_m["parallel"].update(schedule="1f1b", chunks_per_rank=2)  # at the door, not the engine
+    with pytest.raises(ConfigError, match="chunks_per_rank=2 with parallel.schedule=1f1b"):
+        Config.from_dict(odd_m)

@@ -68,6 +68,18 @@ def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") ->
     return None
 
 
+def chunks_refusal(schedule: str, chunks_per_rank: int) -> str | None:
+    """Why ``schedule`` cannot run ``chunks_per_rank`` model chunks per pipeline rank (one
+    line), or None: what the config, the planner and ``schedules.validate_args`` refuse."""
+    if schedule in V_SHAPED_KINDS and chunks_per_rank != 2:
+        return (f"parallel.schedule={schedule} places two chunks per rank in a V: set "
+                f"parallel.chunks_per_rank = 2, not {chunks_per_rank}")
+    if schedule not in ("interleaved", *V_SHAPED_KINDS) and chunks_per_rank > 1:
+        return (f"parallel.chunks_per_rank={chunks_per_rank} with parallel.schedule={schedule}: "
+                "one chunk per rank (interleaved runs more, zbv and dualpipev two)")
+    return None
+
+
 def micro_batches_refusal(schedule: str, pp: int, micro_batches: int,
                           chunks_per_rank: int = 1) -> str | None:
     """Why ``schedule`` cannot run ``micro_batches`` micro-batches over ``pp`` pipeline
@@ -594,10 +606,8 @@ class Config(_Section):
             raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
                              f"chunks, more than the {m.n_layer + 2} layers (embedding, "
                              f"{m.n_layer} blocks, head)")
-        if p.schedule in V_SHAPED_KINDS and p.chunks_per_rank != 2:
-            raise ValueError(f"parallel.schedule={p.schedule} places two chunks per rank in a "
-                             f"V: set parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
-        why = micro_batches_refusal(p.schedule, p.pp, p.micro_batches, p.chunks_per_rank)
+        why = (chunks_refusal(p.schedule, p.chunks_per_rank)
+               or micro_batches_refusal(p.schedule, p.pp, p.micro_batches, p.chunks_per_rank))
         if why:
             raise ValueError(why)
         if split_backward_refusal(p.schedule, p.zero, p.recompute):

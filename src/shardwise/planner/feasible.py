@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from shardwise.base.config import (
     SCHEDULE_KINDS,
-    V_SHAPED_KINDS,
+    chunks_refusal,
     micro_batches_refusal,
     split_backward_refusal,
 )
@@ -100,10 +100,8 @@ def shape_reason(lay: Layout) -> str | None:
         return f"partition {lay.partition!r}: expected layers or params"
     if lay.pp > 1 and lay.schedule == "interleaved" and lay.chunks_per_rank < 2:
         return f"interleaved with chunks_per_rank={lay.chunks_per_rank}: needs 2 or more"
-    if (lay.pp > 1 and lay.schedule not in ("interleaved", *V_SHAPED_KINDS)
-            and lay.chunks_per_rank > 1):
-        return (f"chunks_per_rank={lay.chunks_per_rank} with {lay.schedule}: one chunk per "
-                "rank (interleaved runs more, zbv and dualpipev two)")
+    if chunks_refusal(lay.schedule, lay.chunks_per_rank):  # the config's own line
+        return chunks_refusal(lay.schedule, lay.chunks_per_rank)
     if lay.cp % lay.cp_a2a:
         return f"cp_a2a={lay.cp_a2a} does not divide cp={lay.cp}"
     if lay.recompute not in (False, True, "full", "selective"):
