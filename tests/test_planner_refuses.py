@@ -26,7 +26,7 @@ BAD = [  # (layout, words the reason names)
     (Layout(1, 1, 1, 1, 1, cp=4, cp_a2a=3), "cp_a2a=3 does not divide cp=4"),
     (Layout(1, 1, 1, 1, 1, recompute="sometimes"), "recompute='sometimes'"),
     (Layout(1, 5, 1, 1, 1), "tp=5 does not divide the 12 heads"),
-    (Layout(1, 1, 20, 1, 20), "20 pipeline chunks for 14 layers"),
+    (Layout(1, 1, 20, 1, 20), "= 20 chunks, more than the 14 layers"),
     (Layout(1, 1, 3, 1, 4, "interleaved", 2), "multiple of parallel.pp=3"),
     (Layout(1, 1, 1, 1, 1, cp=3), "2 x cp = 6 does not divide the sequence 1024"),
     (Layout(2, 1, 1, 1, 1, ep=2), "ep=2 must divide"),

@@ -68,6 +68,16 @@ def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") ->
     return None
 
 
+def pipeline_chunks_refusal(pp: int, chunks_per_rank: int, n_layer: int) -> str | None:
+    """Why ``pp`` x ``chunks_per_rank`` pipeline chunks cannot be cut from a model of
+    ``n_layer`` blocks, its embedding and its head (one line), or None: what the config and
+    the planner refuse."""
+    if pp * chunks_per_rank > n_layer + 2:
+        return (f"parallel.pp x parallel.chunks_per_rank = {pp * chunks_per_rank} chunks, more "
+                f"than the {n_layer + 2} layers (embedding, {n_layer} blocks, head)")
+    return None
+
+
 def chunks_refusal(schedule: str, chunks_per_rank: int) -> str | None:
     """Why ``schedule`` cannot run ``chunks_per_rank`` model chunks per pipeline rank (one
     line), or None: what the config, the planner and ``schedules.validate_args`` refuse."""
@@ -602,11 +612,8 @@ class Config(_Section):
                            if m.kind == "gpt" else ()):
             if size % p.tp:
                 raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
-        if p.pp * p.chunks_per_rank > m.n_layer + 2:
-            raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
-                             f"chunks, more than the {m.n_layer + 2} layers (embedding, "
-                             f"{m.n_layer} blocks, head)")
-        why = (chunks_refusal(p.schedule, p.chunks_per_rank)
+        why = (pipeline_chunks_refusal(p.pp, p.chunks_per_rank, m.n_layer)
+               or chunks_refusal(p.schedule, p.chunks_per_rank)
                or micro_batches_refusal(p.schedule, p.pp, p.micro_batches, p.chunks_per_rank))
         if why:
             raise ValueError(why)

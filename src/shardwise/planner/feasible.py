@@ -10,6 +10,7 @@ from shardwise.base.config import (
     SCHEDULE_KINDS,
     chunks_refusal,
     micro_batches_refusal,
+    pipeline_chunks_refusal,
     split_backward_refusal,
 )
 from shardwise.planner.hardware import Cluster
@@ -57,10 +58,8 @@ def cp_reason(spec: ModelSpec, cp: int) -> str | None:
 
 def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
     """Why ``pp`` x ``v`` pipeline chunks cannot be cut from the model's layers (the
-    blocks, the embedding and the head), or None."""
-    if pp * v > spec.n_layer + 2:
-        return f"{pp * v} pipeline chunks for {spec.n_layer + 2} layers"
-    return None
+    blocks, the embedding and the head), or None: the config's rule and line."""
+    return pipeline_chunks_refusal(pp, v, spec.n_layer)
 
 
 def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster | None,
