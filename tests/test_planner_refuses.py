@@ -28,8 +28,8 @@ BAD = [  # (layout, words the reason names)
     (Layout(1, 5, 1, 1, 1), "tp=5 does not divide the 12 heads"),
     (Layout(1, 1, 20, 1, 20), "= 20 chunks, more than the 14 layers"),
     (Layout(1, 1, 3, 1, 4, "interleaved", 2), "multiple of parallel.pp=3"),
-    (Layout(1, 1, 1, 1, 1, cp=3), "2 x cp = 6 does not divide the sequence 1024"),
-    (Layout(2, 1, 1, 1, 1, ep=2), "ep=2 must divide"),
+    (Layout(1, 1, 1, 1, 1, cp=3), "not divisible by 2 x parallel.cp = 6"),
+    (Layout(2, 1, 1, 1, 1, ep=2), "parallel.ep=2 with model.n_experts=0"),
     (Layout(2, 1, 1, 1, 1, zero=1, dp_replicate=3), "dp_replicate=3 must divide dp=2"),
 ]
 

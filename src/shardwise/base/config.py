@@ -125,6 +125,36 @@ def cp_heads(cp_comm: str, cp: int, cp_a2a: int) -> int:
     return cp if cp_comm == "all_to_all" else cp_a2a
 
 
+def sequence_refusal(block_size: int, cp: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why a sequence of ``block_size`` tokens cannot be split over ``cp`` context-parallel
+    ranks (2 cp load-balanced chunks: chunks i and 2cp-1-i on cp rank i) and, under
+    ``sequence_parallel``, each cp rank's part over ``tp`` ranks (one line), or None: what
+    the config and the planner refuse."""
+    if cp > 1 and block_size % (2 * cp):
+        return (f"model.block_size={block_size} is not divisible by 2 x parallel.cp = {2 * cp} "
+                "(each cp rank holds chunks i and 2cp-1-i of every sequence)")
+    if sequence_parallel and (block_size // cp) % tp:
+        per_cp = f" / parallel.cp={cp}" if cp > 1 else ""
+        return (f"model.block_size={block_size}{per_cp} is not divisible by parallel.tp={tp} "
+                "(sequence parallelism splits it)")
+    return None
+
+
+def expert_refusal(ep: int, dp: int, n_experts: int) -> str | None:
+    """Why ``ep`` expert-parallel ranks cannot hold ``n_experts`` experts folded over ``dp``
+    data-parallel ranks (one line), or None: what the config and the planner refuse."""
+    if ep > 1 and not n_experts:
+        return (f"parallel.ep={ep} with model.n_experts=0: expert parallelism needs experts; "
+                "set model.n_experts (and model.kind = llama)")
+    if dp % ep:
+        return (f"parallel.ep={ep} does not divide parallel.dp={dp}: expert parallelism folds "
+                "over the data-parallel ranks (ep x dp/ep = dp)")
+    if n_experts % ep:
+        return (f"model.n_experts={n_experts} is not divisible by parallel.ep={ep} (each ep "
+                "rank holds n_experts / ep experts)")
+    return None
+
+
 def lora_refusal(cfg) -> str | None:
     """Why ``lora.rank`` > 0 cannot run with the rest of ``cfg`` (a ``Config``), or None."""
     t = cfg.training
@@ -638,12 +668,11 @@ class Config(_Section):
         if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
             raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
                              "optimizer.grad_clip = 0")
+        why = sequence_refusal(m.block_size, p.cp, p.tp, p.sequence_parallel)
+        if why:
+            raise ValueError(why)
         if p.cp > 1:
             self._cp_agrees()
-        if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
-            cp = f" / parallel.cp={p.cp}" if p.cp > 1 else ""
-            raise ValueError(f"model.block_size={m.block_size}{cp} is not divisible by "
-                             f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.precision == "fp8" and p.tp > 1:
             raise ValueError(f"training.precision=fp8 with parallel.tp={p.tp}: torchao's float8 "
                              "tensor parallelism is built on DTensor, ours on our own layers; "
@@ -670,27 +699,17 @@ class Config(_Section):
         """Mixture of experts and expert parallelism (docs/moe.md)."""
         p, m = self.parallel, self.model
         n_experts = m.experts
-        if p.ep > 1 and not n_experts:
-            if m.init_from:  # config.json gives n_experts; checked again once it has
-                return self
-            raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
-                             "needs experts; set model.n_experts (and model.kind = llama)")
-        if p.dp % p.ep:
-            raise ValueError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}: expert "
-                             "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
-        if n_experts % p.ep:
-            raise ValueError(f"model.n_experts={n_experts} is not divisible by "
-                             f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
+        if p.ep > 1 and not n_experts and m.init_from:
+            return self  # config.json gives n_experts; checked again once it has
+        why = expert_refusal(p.ep, p.dp, n_experts)
+        if why:
+            raise ValueError(why)
         return self
 
     def _cp_agrees(self):
         """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks); the
         model's own in its section (``context_parallel_refusal``)."""
         p, m = self.parallel, self.model
-        if m.block_size % (2 * p.cp):
-            raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
-                             f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
-                             "2cp-1-i of every sequence)")
         a2a = p.cp_heads
         if p.cp_comm == "hybrid" and not (1 < a2a < p.cp and p.cp % a2a == 0):
             raise ValueError(f"parallel.cp_a2a={p.cp_a2a} with parallel.cp_comm=hybrid and "

@@ -9,8 +9,10 @@ from dataclasses import replace
 from shardwise.base.config import (
     SCHEDULE_KINDS,
     chunks_refusal,
+    expert_refusal,
     micro_batches_refusal,
     pipeline_chunks_refusal,
+    sequence_refusal,
     split_backward_refusal,
 )
 from shardwise.planner.hardware import Cluster
@@ -50,10 +52,7 @@ def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     if cp > 1 and spec.dropout > 0:
         return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
                 "attention dropout (the engine refuses cp > 1 with dropout)")
-    if cp > 1 and spec.block_size % (2 * cp):
-        return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
-                "(each cp rank holds chunks i and 2cp-1-i)")
-    return None
+    return sequence_refusal(spec.block_size, cp, 1, False)
 
 
 def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
@@ -133,12 +132,10 @@ def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     refusal = split_backward_refusal(lay.schedule, lay.zero, mode)
     if refusal:  # the config's own line
         return refusal
-    if lay.sp and (spec.block_size // lay.cp) % lay.tp:
-        return (f"sequence parallelism: tp={lay.tp} does not divide the sequence "
-                f"{spec.block_size // lay.cp}" + (" (per cp rank)" if lay.cp > 1 else ""))
-    if lay.ep > 1 and (not spec.moe or lay.dp % lay.ep or spec.n_experts % lay.ep):
-        return (f"ep={lay.ep} must divide dp={lay.dp} and the experts "
-                f"({spec.n_experts})")
+    why = (sequence_refusal(spec.block_size, lay.cp, lay.tp, lay.sp)
+           or expert_refusal(lay.ep, lay.dp, spec.n_experts if spec.moe else 0))
+    if why:  # the config's own lines
+        return why
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.dp_replicate > 1 and (lay.dp % lay.dp_replicate or not lay.zero):
