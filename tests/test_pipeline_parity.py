@@ -203,7 +203,7 @@ def test_pipedream_stashes_weights_and_learns(ws2):
     (2, {"schedule": "gpipe", "micro_batches": 3}, 8, "do not divide the batch of 8"),
     (2, {"schedule": "interleaved", "micro_batches": 3, "chunks_per_rank": 2}, 6,
      "micro_batches=3 must be a multiple of parallel.pp=2"),
-    (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "needs a flush"),
+    (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "no flush to clip at"),
     (2, {"schedule": "zb1p", "micro_batches": 2, "zero": 3}, 8,
      "parallel.schedule=zb1p with parallel.zero=3"),
     (2, {"schedule": "zbv", "micro_batches": 2}, 8, "chunks_per_rank = 2, not 1"),

@@ -68,6 +68,24 @@ def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") ->
     return None
 
 
+def pipedream_refusal(schedule: str, pp: int, tied: bool, grad_clip: float) -> str | None:
+    """Why PipeDream (``schedule``) cannot run over ``pp`` stages with the embedding tied to
+    the head (``tied``) or gradient clipping at ``grad_clip`` (one line), or None: what the
+    config and the engine (on a hand-built model) refuse."""
+    if schedule == "pipedream" and pp > 1 and tied:
+        # the last stage steps (and would sum its copy's gradient) before the first stage
+        # has run that micro-batch's backward: the stream deadlocks
+        return (f"parallel.schedule=pipedream with model.tie_weights=true and parallel.pp="
+                f"{pp}: the embedding and the head are on different stages, each stepping on "
+                "its own clock, so their copies of the tied matrix cannot be summed per step; "
+                "set model.tie_weights = false or use a flush schedule (1f1b, interleaved, "
+                "gpipe)")
+    if schedule == "pipedream" and grad_clip > 0:
+        return ("parallel.schedule=pipedream has no flush to clip at: set "
+                "optimizer.grad_clip = 0")
+    return None
+
+
 def pipeline_chunks_refusal(pp: int, chunks_per_rank: int, n_layer: int) -> str | None:
     """Why ``pp`` x ``chunks_per_rank`` pipeline chunks cannot be cut from a model of
     ``n_layer`` blocks, its embedding and its head (one line), or None: what the config and
@@ -659,15 +677,9 @@ class Config(_Section):
                              "head share one parameter across two chunks of one rank, and "
                              "ZeRO-3 shards each chunk apart; set model.tie_weights = false or "
                              "use pp > 1")
-        if p.schedule == "pipedream" and p.pp > 1 and m.tie_weights:
-            raise ValueError(f"parallel.schedule=pipedream with model.tie_weights=true and "
-                             f"parallel.pp={p.pp}: the embedding and the head are on different "
-                             "stages, each stepping on its own clock, so their copies of the "
-                             "tied matrix cannot be summed per step; set model.tie_weights = "
-                             "false or use a flush schedule (1f1b, interleaved, gpipe)")
-        if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
-            raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
-                             "optimizer.grad_clip = 0")
+        why = pipedream_refusal(p.schedule, p.pp, m.tie_weights, self.optimizer.grad_clip)
+        if why:
+            raise ValueError(why)
         why = sequence_refusal(m.block_size, p.cp, p.tp, p.sequence_parallel)
         if why:
             raise ValueError(why)

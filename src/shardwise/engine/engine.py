@@ -50,8 +50,9 @@ from shardwise.base.config import (
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
-    split_backward_refusal,
     cp_heads,
+    pipedream_refusal,
+    split_backward_refusal,
 )
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.data.sampler import IGNORE_INDEX
@@ -177,14 +178,9 @@ class Engine:
                              "sequences per data-parallel replica")
         if split_backward_refusal(kind, par.zero, par.recompute):
             raise ValueError(split_backward_refusal(kind, par.zero, par.recompute))
-        if kind == "pipedream" and opt.grad_clip > 0:
-            raise ValueError("gradient clipping needs a flush; PipeDream has none")
-        if kind == "pipedream" and pp > 1 and describe(model).tied is not None:
-            # the last stage steps (and would sum its copy's gradient) before the first
-            # stage has run that micro-batch's backward: the stream deadlocks
-            raise ValueError("PipeDream with tied embeddings across pipeline stages: each "
-                             "stage steps on its own clock, so the two copies cannot be "
-                             "summed per step; untie them or use a flush schedule")
+        why = pipedream_refusal(kind, pp, describe(model).tied is not None, opt.grad_clip)
+        if why:
+            raise ValueError(why)
         try:
             self.schedule = schedule(kind, pp, m, v)
             self.stream = stream(pp, m) if kind == "pipedream" else None
