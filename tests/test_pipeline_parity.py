@@ -200,7 +200,8 @@ def test_pipedream_stashes_weights_and_learns(ws2):
 @pytest.mark.parametrize("pp, cfg, batch, match", [
     (4, {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 3}, 8,
      "cannot cut 8 layers .* into 12 pipeline chunks"),
-    (2, {"schedule": "gpipe", "micro_batches": 3}, 8, "do not divide the batch of 8"),
+    (2, {"schedule": "gpipe", "micro_batches": 3}, 8,
+     "global_batch_size=8 must be divisible by parallel.dp x parallel.micro_batches = 1 x 3"),
     (2, {"schedule": "interleaved", "micro_batches": 3, "chunks_per_rank": 2}, 6,
      "micro_batches=3 must be a multiple of parallel.pp=2"),
     (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "no flush to clip at"),

@@ -68,6 +68,16 @@ def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") ->
     return None
 
 
+def batch_refusal(global_batch_size: int, dp: int, micro_batches: int) -> str | None:
+    """Why ``global_batch_size`` sequences cannot be cut into ``micro_batches`` equal
+    micro-batches on each of ``dp`` data-parallel replicas (one line), or None: what the
+    config and the engine (on hand-built sections) refuse."""
+    if global_batch_size % (dp * micro_batches):
+        return (f"training.global_batch_size={global_batch_size} must be divisible by "
+                f"parallel.dp x parallel.micro_batches = {dp} x {micro_batches}")
+    return None
+
+
 def pipedream_refusal(schedule: str, pp: int, tied: bool, grad_clip: float) -> str | None:
     """Why PipeDream (``schedule``) cannot run over ``pp`` stages with the embedding tied to
     the head (``tied``) or gradient clipping at ``grad_clip`` (one line), or None: what the
@@ -695,10 +705,8 @@ class Config(_Section):
                              "are not traced; compile needs model.dropout = 0 with tp > 1")
         if p.ep > 1 or m.experts:
             self._experts_agree()
-        if t.global_batch_size % (p.dp * p.micro_batches):
-            raise ValueError(
-                f"training.global_batch_size={t.global_batch_size} must be divisible by "
-                f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        if batch_refusal(t.global_batch_size, p.dp, p.micro_batches):
+            raise ValueError(batch_refusal(t.global_batch_size, p.dp, p.micro_batches))
         tokens = t.global_batch_size // (p.dp * p.micro_batches) * (m.block_size // p.cp)
         if t.precision == "fp8" and tokens % 16:
             # the weight gradient's float8 matmul (torch._scaled_mm) runs over the tokens

@@ -50,6 +50,7 @@ from shardwise.base.config import (
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
+    batch_refusal,
     cp_heads,
     pipedream_refusal,
     split_backward_refusal,
@@ -173,9 +174,8 @@ class Engine:
         pp, v, kind, m = topology.pp, par.chunks_per_rank, par.schedule, par.micro_batches
         local_batch = tr.global_batch_size // topology.dp
         # the topology and the sections may be built by hand, apart from a Config's checks
-        if local_batch % m:
-            raise ValueError(f"{m} micro-batches do not divide the batch of {local_batch} "
-                             "sequences per data-parallel replica")
+        if batch_refusal(tr.global_batch_size, topology.dp, m):
+            raise ValueError(batch_refusal(tr.global_batch_size, topology.dp, m))
         if split_backward_refusal(kind, par.zero, par.recompute):
             raise ValueError(split_backward_refusal(kind, par.zero, par.recompute))
         why = pipedream_refusal(kind, pp, describe(model).tied is not None, opt.grad_clip)
