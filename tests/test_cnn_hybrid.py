@@ -359,27 +359,41 @@ def _fashion_files(root, n_train: int, n_test: int, images_suffix: str = "") -> 
         write_idx(root / f"{split}-labels-idx1-ubyte", labels[sl])
 
 
-def test_train_cli_end_to_end(tmp_path, capfd):
-    """Tiny synthetic Fashion-MNIST-shaped IDX files: train the hybrid on 2 ranks with a
-    checkpoint (tensor parallel fully connected layers), then resume it into pure data
-    parallelism; metrics, plot, accuracy. (The ranks print to the real stdout: ``capfd``.)"""
-    _fashion_files(tmp_path, 256, 64, images_suffix=".gz")
-    out = tmp_path / "run"
-    argv = ["train", "--config", "configs/fashion_cnn.toml", "--data", str(tmp_path),
-            "--cnn.channels", "[4, 8]", "--cnn.hidden", "[32, 16]", "--training.steps", "4",
-            "--training.global_batch_size", "16", "--training.eval_every", "2",
-            "--training.log_every", "1", "--optimizer.warmup_steps", "1",
-            "--training.out_dir", str(out), "--checkpoint.every", "2"]
-    assert main(argv + ["--cnn.plan", "tp-fc"]) == 0
-    first = capfd.readouterr().out
-    assert "plan:" in first and "column" in first and "test accuracy" in first
-    assert (out / "loss.png").is_file() and (out / "checkpoints" / "step_000004").is_dir()
+def _train_argv(data, out, *extra: str) -> list[str]:
+    """``shardwise train`` of a small CNN on the IDX files in ``data`` into ``out``: 4
+    steps, a checkpoint every 2 (``extra``: more flags; the plan is the caller's)."""
+    return ["train", "--config", "configs/fashion_cnn.toml", "--data", str(data),
+            "--cnn.channels", "[4, 8]", "--cnn.hidden", "[32, 16]", *extra,
+            "--training.steps", "4", "--training.global_batch_size", "16",
+            "--training.eval_every", "2", "--training.log_every", "1",
+            "--optimizer.warmup_steps", "1", "--training.out_dir", str(out),
+            "--checkpoint.every", "2"]
+
+
+def _resume_into_dp(argv: list[str], out, capfd) -> list[dict]:
+    """Run ``argv`` on to step 6 in pure data parallelism from its step-4 checkpoint; the
+    rows of ``out``'s metrics, every train step once."""
     argv[argv.index("--training.steps") + 1] = "6"
     assert main(argv + ["--cnn.plan", "dp"]) == 0
     second = capfd.readouterr().out
     assert "resumed from" in second and "step_000004" in second
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    return rows
+
+
+def test_train_cli_end_to_end(tmp_path, capfd):
+    """Tiny synthetic Fashion-MNIST-shaped IDX files: train the hybrid on 2 ranks with a
+    checkpoint (tensor parallel fully connected layers), then resume it into pure data
+    parallelism; metrics, plot, accuracy. (The ranks print to the real stdout: ``capfd``.)"""
+    _fashion_files(tmp_path, 256, 64, images_suffix=".gz")
+    out = tmp_path / "run"
+    argv = _train_argv(tmp_path, out)
+    assert main(argv + ["--cnn.plan", "tp-fc"]) == 0
+    first = capfd.readouterr().out
+    assert "plan:" in first and "column" in first and "test accuracy" in first
+    assert (out / "loss.png").is_file() and (out / "checkpoints" / "step_000004").is_dir()
+    rows = _resume_into_dp(argv, out, capfd)
     assert any(r["kind"] == "test" and 0.0 <= r["test_acc"] <= 1.0 for r in rows)
     wider = argv[:argv.index("[4, 8]")] + ["[4, 12]"] + argv[argv.index("[4, 8]") + 1:]
     # another model into the same run directory: refused, one line
@@ -393,18 +407,8 @@ def test_train_cli_inception_branch_plan_resumes_into_dp(tmp_path, capfd):
     resumed into pure data parallelism."""
     _fashion_files(tmp_path, 160, 32)
     out = tmp_path / "run"
-    argv = ["train", "--config", "configs/fashion_cnn.toml", "--data", str(tmp_path),
-            "--cnn.channels", "[4, 8]", "--cnn.hidden", "[32, 16]",
-            "--cnn.inception", '["1x1:4", "3x3:8", "pool:4"]', "--training.steps", "4",
-            "--training.global_batch_size", "16", "--training.eval_every", "2",
-            "--training.log_every", "1", "--optimizer.warmup_steps", "1",
-            "--training.out_dir", str(out), "--checkpoint.every", "2"]
+    argv = _train_argv(tmp_path, out, "--cnn.inception", '["1x1:4", "3x3:8", "pool:4"]')
     assert main(argv + ["--cnn.plan", '["dp", "dp", "branch", "dp", "dp", "dp"]']) == 0
     first = capfd.readouterr().out
     assert "branch[3x3 | 1x1,pool]" in first and "test accuracy" in first
-    argv[argv.index("--training.steps") + 1] = "6"
-    assert main(argv + ["--cnn.plan", "dp"]) == 0
-    second = capfd.readouterr().out
-    assert "resumed from" in second and "step_000004" in second
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    _resume_into_dp(argv, out, capfd)

@@ -140,7 +140,8 @@ CASES = [
     ("compile with tp and dropout", None, ["--training.compile", "true", "--parallel.tp", "2",
                                            "--model.dropout", "0.1"],
      ["training.compile with parallel.tp=2 and model.dropout=0.1"]),
-    ("zero-3 with tied chunks", None, ["--parallel.zero", "3", "--parallel.chunks_per_rank", "2"],
+    ("zero-3 with tied chunks", None, ["--parallel.zero", "3", "--parallel.chunks_per_rank", "2",
+                                       "--parallel.schedule", "interleaved"],
      ["parallel.zero=3 with parallel.chunks_per_rank=2"]),
     ("resume with nothing", None, ["--resume"], ["--resume: no complete checkpoint"]),
     # a resume into what the checkpoint contradicts

@@ -200,13 +200,14 @@ def test_pipedream_stashes_weights_and_learns(ws2):
 @pytest.mark.parametrize("pp, cfg, batch, match", [
     (4, {"schedule": "interleaved", "micro_batches": 4, "chunks_per_rank": 3}, 8,
      "cannot cut 8 layers .* into 12 pipeline chunks"),
-    (2, {"schedule": "gpipe", "micro_batches": 3}, 8, "do not divide the batch of 8"),
+    (2, {"schedule": "gpipe", "micro_batches": 3}, 8,
+     "global_batch_size=8 must be divisible by parallel.dp x parallel.micro_batches = 1 x 3"),
     (2, {"schedule": "interleaved", "micro_batches": 3, "chunks_per_rank": 2}, 6,
-     "m=3 is not a multiple of p=2"),
-    (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "needs a flush"),
+     "micro_batches=3 must be a multiple of parallel.pp=2"),
+    (2, {"schedule": "pipedream", "micro_batches": 2, "clip": 1.0}, 8, "no flush to clip at"),
     (2, {"schedule": "zb1p", "micro_batches": 2, "zero": 3}, 8,
      "parallel.schedule=zb1p with parallel.zero=3"),
-    (2, {"schedule": "zbv", "micro_batches": 2}, 8, "two chunks per rank in a V, not v=1"),
+    (2, {"schedule": "zbv", "micro_batches": 2}, 8, "chunks_per_rank = 2, not 1"),
 ])
 def test_bad_layouts_are_one_line_errors(pp, cfg, batch, match):
     with pytest.raises(ValueError, match=match) as exc:

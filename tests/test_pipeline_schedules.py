@@ -37,11 +37,11 @@ def test_every_schedule_is_valid(kind, v):
     for p in range(1, 9):
         for m in range(1, 17):
             if kind == "interleaved" and v > 1 and m % p:
-                with pytest.raises(ScheduleError, match="multiple of p"):
+                with pytest.raises(ScheduleError, match="multiple of parallel.pp"):
                     schedule(kind, p, m, v)
                 continue
             if kind == "dualpipev" and m < 2 * p:
-                with pytest.raises(ScheduleError, match="at least 2p"):
+                with pytest.raises(ScheduleError, match="at least 2 x parallel.pp"):
                     schedule(kind, p, m, v)
                 continue
             s = schedule(kind, p, m, v)
@@ -115,12 +115,13 @@ def test_checker_catches_bad_schedules():
 @pytest.mark.parametrize("args, match", [
     (("zigzag", 2, 4), "unknown schedule"),
     (("gpipe", 0, 4), "positive integer"),
-    (("1f1b", 2, 4, 2), "needs the interleaved"),
-    (("interleaved", 4, 6, 2), "m=6 is not a multiple of p=4"),
-    (("zbv", 4, 8, 1), "two chunks per rank in a V, not v=1"),
-    (("zb1p", 4, 8, 2), "needs the interleaved"),
-    (("dualpipev", 4, 8, 1), "dualpipev schedule places two chunks per rank in a V, not v=1"),
-    (("dualpipev", 4, 7, 2), "at least 2p = 8 micro-batches, not m=7"),
+    (("1f1b", 2, 4, 2), "chunks_per_rank=2 with parallel.schedule=1f1b"),
+    (("interleaved", 4, 6, 2), "micro_batches=6 must be a multiple of parallel.pp=4"),
+    (("zbv", 4, 8, 1), "in a V: set parallel.chunks_per_rank = 2, not 1"),
+    (("zb1p", 4, 8, 2), "one chunk per rank"),
+    (("dualpipev", 4, 8, 1), "schedule=dualpipev places two chunks per rank in a V: set "
+                             "parallel.chunks_per_rank = 2, not 1"),
+    (("dualpipev", 4, 7, 2), "micro_batches=7 must be at least 2 x parallel.pp = 8"),
 ])
 def test_bad_arguments_are_one_line_errors(args, match):
     with pytest.raises(ScheduleError, match=match) as exc:
@@ -298,7 +299,7 @@ def test_dualpipev_is_torchs_order_and_valid():
             fused = sum(isinstance(op, Backward) for ops in s.ranks for op in ops)
             assert 0 < fused < 2 * p * m  # both kinds of backward
             assert len(s.split_pairs) == 2 * p * m - fused
-    with pytest.raises(ScheduleError, match="at least 2p"):
+    with pytest.raises(ScheduleError, match="at least 2 x parallel.pp"):
         schedule("dualpipev", 4, 4, 2)
 
 

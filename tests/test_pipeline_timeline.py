@@ -23,7 +23,7 @@ def test_render_prediction_and_errors(tmp_path, capsys):
     assert timeline_cli.main(["--predict", "interleaved", "--pp", "4", "--micro-batches", "6",
                               "--chunks-per-rank", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "no timeline" in err[0] and "multiple of p=4" in err[1]
+    assert len(err) == 2 and "no timeline" in err[0] and "multiple of parallel.pp=4" in err[1]
 
 
 def _has_colour(png, colour) -> bool:

@@ -251,8 +251,10 @@ def test_pruning_reasons():
     assert prune_reason(wide, Layout(1, 16, 1, 1, 1), a100, True) is None
     assert prune_reason(spec, Layout(2, 1, 2, 1, 2, zero=3), a100, False) is None
     assert prune_reason(spec, Layout(2, 1, 2, 1, 2, "interleaved", 2, zero=3), a100, False) is None
-    assert "chunks for 6 layers" in prune_reason(spec, Layout(1, 1, 4, 1, 4, "interleaved", 2), a100, False)
-    assert "divisible by pp" in prune_reason(spec, Layout(1, 1, 2, 1, 3, "interleaved", 2), a100, False)
+    assert "more than the 6 layers" in prune_reason(spec, Layout(1, 1, 4, 1, 4, "interleaved", 2),
+                                                    a100, False)
+    assert "multiple of parallel.pp" in prune_reason(spec, Layout(1, 1, 2, 1, 3, "interleaved", 2),
+                                                     a100, False)
     assert prune_reason(spec, Layout(2, 2, 2, 1, 4), a100, False) is None
     # memory: GPT-3 175B on 8 A100s fits nowhere; every layout pruned says how much it needs
     feasible, pruned = plan(NAMED["gpt3-175b"], a100, 8, 8, simulate_top=5)

@@ -572,7 +572,7 @@ def test_cp_is_searched_only_where_twice_it_divides_the_sequence():
     assert cp_choices(spec, 16) == [1, 2, 4]  # 2 x 8 does not divide 24
     feasible, _ = plan(spec, H100, 16, 32, micro_batches=[1], top=200, exhaustive=True)
     assert {c.layout.cp for c in feasible} == {1, 2, 4}
-    assert "does not divide the sequence" in prune_reason(
+    assert "is not divisible by 2 x parallel.cp = 16" in prune_reason(
         spec, Layout(2, 1, 1, 1, 16, cp=8), H100, False)
 
 

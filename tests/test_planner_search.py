@@ -140,8 +140,8 @@ def test_simulate_refuses_what_prune_reason_refuses():
     spec, h100 = NAMED["llama3-8b"], PRESETS["dgx-h100"]
     lay = Layout(dp=1, tp=1, pp=8, micro_batch_size=1, micro_batches=4,
                  schedule="interleaved", chunks_per_rank=2)
-    with pytest.raises(ValueError, match="interleaved needs micro-batches m=4 divisible by "
-                                         "pp=8"):
+    with pytest.raises(ValueError, match="parallel.micro_batches=4 must be a multiple of "
+                                         "parallel.pp=8"):
         simulate(spec, lay, h100)
     seen = set()
     for lay, why in enumerate_layouts(spec, 16, 24, micro_batches=[1], cp=[1, 2],

@@ -145,6 +145,13 @@ def test_pp_bad_layouts_are_one_line():
     Config.from_dict({**pipedream, "model": {"tie_weights": False}})
     with pytest.raises(ConfigError, match="more than the 4 layers"):
         Config.from_dict({"parallel": {"dp": 1, "pp": 5}, "model": {"n_layer": 2, "tie_weights": False}})
+    odd_m = {"parallel": {"dp": 1, "pp": 2, "schedule": "interleaved", "micro_batches": 3,
+                          "chunks_per_rank": 2},
+             "model": {"tie_weights": False}, "training": {"global_batch_size": 30}}
     with pytest.raises(ConfigError, match="multiple of parallel.pp=2 for the interleaved"):
-        Config.from_dict({"parallel": {"dp": 1, "pp": 2, "schedule": "interleaved", "micro_batches": 3},
-                          "model": {"tie_weights": False}, "training": {"global_batch_size": 30}})
+        Config.from_dict(odd_m)
+    odd_m["parallel"]["chunks_per_rank"] = 1  # 1F1B's order: any m (schedules.validate_args)
+    Config.from_dict(odd_m)
+    odd_m["parallel"].update(schedule="1f1b", chunks_per_rank=2)  # at the door, not the engine
+    with pytest.raises(ConfigError, match="chunks_per_rank=2 with parallel.schedule=1f1b"):
+        Config.from_dict(odd_m)

@@ -68,6 +68,73 @@ def split_backward_refusal(schedule: str, zero: int, recompute: str = "none") ->
     return None
 
 
+def batch_refusal(global_batch_size: int, dp: int, micro_batches: int) -> str | None:
+    """Why ``global_batch_size`` sequences cannot be cut into ``micro_batches`` equal
+    micro-batches on each of ``dp`` data-parallel replicas (one line), or None: what the
+    config and the engine (on hand-built sections) refuse."""
+    if global_batch_size % (dp * micro_batches):
+        return (f"training.global_batch_size={global_batch_size} must be divisible by "
+                f"parallel.dp x parallel.micro_batches = {dp} x {micro_batches}")
+    return None
+
+
+def pipedream_refusal(schedule: str, pp: int, tied: bool, grad_clip: float) -> str | None:
+    """Why PipeDream (``schedule``) cannot run over ``pp`` stages with the embedding tied to
+    the head (``tied``) or gradient clipping at ``grad_clip`` (one line), or None: what the
+    config and the engine (on a hand-built model) refuse."""
+    if schedule == "pipedream" and pp > 1 and tied:
+        # the last stage steps (and would sum its copy's gradient) before the first stage
+        # has run that micro-batch's backward: the stream deadlocks
+        return (f"parallel.schedule=pipedream with model.tie_weights=true and parallel.pp="
+                f"{pp}: the embedding and the head are on different stages, each stepping on "
+                "its own clock, so their copies of the tied matrix cannot be summed per step; "
+                "set model.tie_weights = false or use a flush schedule (1f1b, interleaved, "
+                "gpipe)")
+    if schedule == "pipedream" and grad_clip > 0:
+        return ("parallel.schedule=pipedream has no flush to clip at: set "
+                "optimizer.grad_clip = 0")
+    return None
+
+
+def pipeline_chunks_refusal(pp: int, chunks_per_rank: int, n_layer: int) -> str | None:
+    """Why ``pp`` x ``chunks_per_rank`` pipeline chunks cannot be cut from a model of
+    ``n_layer`` blocks, its embedding and its head (one line), or None: what the config and
+    the planner refuse."""
+    if pp * chunks_per_rank > n_layer + 2:
+        return (f"parallel.pp x parallel.chunks_per_rank = {pp * chunks_per_rank} chunks, more "
+                f"than the {n_layer + 2} layers (embedding, {n_layer} blocks, head)")
+    return None
+
+
+def chunks_refusal(schedule: str, chunks_per_rank: int) -> str | None:
+    """Why ``schedule`` cannot run ``chunks_per_rank`` model chunks per pipeline rank (one
+    line), or None: what the config, the planner and ``schedules.validate_args`` refuse."""
+    if schedule in V_SHAPED_KINDS and chunks_per_rank != 2:
+        return (f"parallel.schedule={schedule} places two chunks per rank in a V: set "
+                f"parallel.chunks_per_rank = 2, not {chunks_per_rank}")
+    if schedule not in ("interleaved", *V_SHAPED_KINDS) and chunks_per_rank > 1:
+        return (f"parallel.chunks_per_rank={chunks_per_rank} with parallel.schedule={schedule}: "
+                "one chunk per rank (interleaved runs more, zbv and dualpipev two)")
+    return None
+
+
+def micro_batches_refusal(schedule: str, pp: int, micro_batches: int,
+                          chunks_per_rank: int = 1) -> str | None:
+    """Why ``schedule`` cannot run ``micro_batches`` micro-batches over ``pp`` pipeline
+    stages of ``chunks_per_rank`` chunks each (one line), or None: what the config, the
+    planner and ``schedules.validate_args`` refuse."""
+    if schedule == "interleaved" and chunks_per_rank > 1 and micro_batches % pp:
+        # micro-batches enter the chunks in groups of pp (Narayanan et al., SC 2021)
+        return (f"parallel.micro_batches={micro_batches} must be a multiple of "
+                f"parallel.pp={pp} for the interleaved schedule with "
+                f"parallel.chunks_per_rank={chunks_per_rank}")
+    if schedule == "dualpipev" and micro_batches < 2 * pp:
+        # its warm-up fills both arms of the V (DualPipe's dualpipev.py asks the same)
+        return (f"parallel.micro_batches={micro_batches} must be at least 2 x "
+                f"parallel.pp = {2 * pp} for the dualpipev schedule")
+    return None
+
+
 # parallel.pipeline.partition.partition's ``by``
 PARTITIONS = ("layers", "params", "time")
 # parallel.precision.DTYPES' keys
@@ -84,6 +151,36 @@ def cp_heads(cp_comm: str, cp: int, cp_a2a: int) -> int:
     if cp_comm == "ring":
         return 1
     return cp if cp_comm == "all_to_all" else cp_a2a
+
+
+def sequence_refusal(block_size: int, cp: int, tp: int, sequence_parallel: bool) -> str | None:
+    """Why a sequence of ``block_size`` tokens cannot be split over ``cp`` context-parallel
+    ranks (2 cp load-balanced chunks: chunks i and 2cp-1-i on cp rank i) and, under
+    ``sequence_parallel``, each cp rank's part over ``tp`` ranks (one line), or None: what
+    the config and the planner refuse."""
+    if cp > 1 and block_size % (2 * cp):
+        return (f"model.block_size={block_size} is not divisible by 2 x parallel.cp = {2 * cp} "
+                "(each cp rank holds chunks i and 2cp-1-i of every sequence)")
+    if sequence_parallel and (block_size // cp) % tp:
+        per_cp = f" / parallel.cp={cp}" if cp > 1 else ""
+        return (f"model.block_size={block_size}{per_cp} is not divisible by parallel.tp={tp} "
+                "(sequence parallelism splits it)")
+    return None
+
+
+def expert_refusal(ep: int, dp: int, n_experts: int) -> str | None:
+    """Why ``ep`` expert-parallel ranks cannot hold ``n_experts`` experts folded over ``dp``
+    data-parallel ranks (one line), or None: what the config and the planner refuse."""
+    if ep > 1 and not n_experts:
+        return (f"parallel.ep={ep} with model.n_experts=0: expert parallelism needs experts; "
+                "set model.n_experts (and model.kind = llama)")
+    if dp % ep:
+        return (f"parallel.ep={ep} does not divide parallel.dp={dp}: expert parallelism folds "
+                "over the data-parallel ranks (ep x dp/ep = dp)")
+    if n_experts % ep:
+        return (f"model.n_experts={n_experts} is not divisible by parallel.ep={ep} (each ep "
+                "rank holds n_experts / ep experts)")
+    return None
 
 
 def lora_refusal(cfg) -> str | None:
@@ -571,19 +668,11 @@ class Config(_Section):
                            if m.kind == "gpt" else ()):
             if size % p.tp:
                 raise ValueError(f"{name}={size} is not divisible by parallel.tp={p.tp}")
-        if p.pp * p.chunks_per_rank > m.n_layer + 2:
-            raise ValueError(f"parallel.pp x parallel.chunks_per_rank = {p.pp * p.chunks_per_rank} "
-                             f"chunks, more than the {m.n_layer + 2} layers (embedding, "
-                             f"{m.n_layer} blocks, head)")
-        if p.pp > 1 and p.schedule == "interleaved" and p.micro_batches % p.pp:
-            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be a multiple of "
-                             f"parallel.pp={p.pp} for the interleaved schedule")
-        if p.schedule in V_SHAPED_KINDS and p.chunks_per_rank != 2:
-            raise ValueError(f"parallel.schedule={p.schedule} places two chunks per rank in a "
-                             f"V: set parallel.chunks_per_rank = 2, not {p.chunks_per_rank}")
-        if p.pp > 1 and p.schedule == "dualpipev" and p.micro_batches < 2 * p.pp:
-            raise ValueError(f"parallel.micro_batches={p.micro_batches} must be at least 2 x "
-                             f"parallel.pp = {2 * p.pp} for the dualpipev schedule")
+        why = (pipeline_chunks_refusal(p.pp, p.chunks_per_rank, m.n_layer)
+               or chunks_refusal(p.schedule, p.chunks_per_rank)
+               or micro_batches_refusal(p.schedule, p.pp, p.micro_batches, p.chunks_per_rank))
+        if why:
+            raise ValueError(why)
         if split_backward_refusal(p.schedule, p.zero, p.recompute):
             raise ValueError(split_backward_refusal(p.schedule, p.zero, p.recompute))
         if p.schedule == "pipedream" and t.precision == "fp16":
@@ -596,21 +685,14 @@ class Config(_Section):
                              "head share one parameter across two chunks of one rank, and "
                              "ZeRO-3 shards each chunk apart; set model.tie_weights = false or "
                              "use pp > 1")
-        if p.schedule == "pipedream" and p.pp > 1 and m.tie_weights:
-            raise ValueError(f"parallel.schedule=pipedream with model.tie_weights=true and "
-                             f"parallel.pp={p.pp}: the embedding and the head are on different "
-                             "stages, each stepping on its own clock, so their copies of the "
-                             "tied matrix cannot be summed per step; set model.tie_weights = "
-                             "false or use a flush schedule (1f1b, interleaved, gpipe)")
-        if p.schedule == "pipedream" and self.optimizer.grad_clip > 0:
-            raise ValueError("parallel.schedule=pipedream has no flush to clip at: set "
-                             "optimizer.grad_clip = 0")
+        why = pipedream_refusal(p.schedule, p.pp, m.tie_weights, self.optimizer.grad_clip)
+        if why:
+            raise ValueError(why)
+        why = sequence_refusal(m.block_size, p.cp, p.tp, p.sequence_parallel)
+        if why:
+            raise ValueError(why)
         if p.cp > 1:
             self._cp_agrees()
-        if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
-            cp = f" / parallel.cp={p.cp}" if p.cp > 1 else ""
-            raise ValueError(f"model.block_size={m.block_size}{cp} is not divisible by "
-                             f"parallel.tp={p.tp} (sequence parallelism splits it)")
         if t.precision == "fp8" and p.tp > 1:
             raise ValueError(f"training.precision=fp8 with parallel.tp={p.tp}: torchao's float8 "
                              "tensor parallelism is built on DTensor, ours on our own layers; "
@@ -621,10 +703,8 @@ class Config(_Section):
                              "are not traced; compile needs model.dropout = 0 with tp > 1")
         if p.ep > 1 or m.experts:
             self._experts_agree()
-        if t.global_batch_size % (p.dp * p.micro_batches):
-            raise ValueError(
-                f"training.global_batch_size={t.global_batch_size} must be divisible by "
-                f"parallel.dp x parallel.micro_batches = {p.dp} x {p.micro_batches}")
+        if batch_refusal(t.global_batch_size, p.dp, p.micro_batches):
+            raise ValueError(batch_refusal(t.global_batch_size, p.dp, p.micro_batches))
         tokens = t.global_batch_size // (p.dp * p.micro_batches) * (m.block_size // p.cp)
         if t.precision == "fp8" and tokens % 16:
             # the weight gradient's float8 matmul (torch._scaled_mm) runs over the tokens
@@ -637,27 +717,17 @@ class Config(_Section):
         """Mixture of experts and expert parallelism (docs/moe.md)."""
         p, m = self.parallel, self.model
         n_experts = m.experts
-        if p.ep > 1 and not n_experts:
-            if m.init_from:  # config.json gives n_experts; checked again once it has
-                return self
-            raise ValueError(f"parallel.ep={p.ep} with model.n_experts=0: expert parallelism "
-                             "needs experts; set model.n_experts (and model.kind = llama)")
-        if p.dp % p.ep:
-            raise ValueError(f"parallel.ep={p.ep} does not divide parallel.dp={p.dp}: expert "
-                             "parallelism folds over the data-parallel ranks (ep x dp/ep = dp)")
-        if n_experts % p.ep:
-            raise ValueError(f"model.n_experts={n_experts} is not divisible by "
-                             f"parallel.ep={p.ep} (each ep rank holds n_experts / ep experts)")
+        if p.ep > 1 and not n_experts and m.init_from:
+            return self  # config.json gives n_experts; checked again once it has
+        why = expert_refusal(p.ep, p.dp, n_experts)
+        if why:
+            raise ValueError(why)
         return self
 
     def _cp_agrees(self):
         """Context parallelism's rules (Liu et al. 2023; load-balanced causal chunks); the
         model's own in its section (``context_parallel_refusal``)."""
         p, m = self.parallel, self.model
-        if m.block_size % (2 * p.cp):
-            raise ValueError(f"model.block_size={m.block_size} is not divisible by 2 x "
-                             f"parallel.cp = {2 * p.cp} (each cp rank holds chunks i and "
-                             "2cp-1-i of every sequence)")
         a2a = p.cp_heads
         if p.cp_comm == "hybrid" and not (1 < a2a < p.cp and p.cp % a2a == 0):
             raise ValueError(f"parallel.cp_a2a={p.cp_a2a} with parallel.cp_comm=hybrid and "

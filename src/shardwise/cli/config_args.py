@@ -151,7 +151,9 @@ REFUSED = [
     "PipeDream with the embedding tied to the head across stages;",
     "- `training.compile` with tp > 1 and dropout;",
     "- `training.global_batch_size` not divisible by dp × `parallel.micro_batches`;",
-    "- the interleaved schedule with m (`parallel.micro_batches`) not a multiple of pp;",
+    "- the interleaved schedule with more than one chunk per rank and m "
+    "(`parallel.micro_batches`) not a multiple of pp; dualpipev with m < 2 pp; more than "
+    "one chunk per rank under another schedule (zbv and dualpipev: exactly two);",
     "- `training.precision = \"fp8\"` off CUDA of compute capability 8.9 or more, or with "
     "tp > 1 ([fp8.md](fp8.md));",
     "- `parallel.recompute = \"selective\"` or `\"full\"` with PipeDream, `\"selective\"` "

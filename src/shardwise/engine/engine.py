@@ -50,8 +50,10 @@ from shardwise.base.config import (
     OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
-    split_backward_refusal,
+    batch_refusal,
     cp_heads,
+    pipedream_refusal,
+    split_backward_refusal,
 )
 from shardwise.comm.replicas import NO_REPLICAS, Replicas
 from shardwise.data.sampler import IGNORE_INDEX
@@ -172,19 +174,13 @@ class Engine:
         pp, v, kind, m = topology.pp, par.chunks_per_rank, par.schedule, par.micro_batches
         local_batch = tr.global_batch_size // topology.dp
         # the topology and the sections may be built by hand, apart from a Config's checks
-        if local_batch % m:
-            raise ValueError(f"{m} micro-batches do not divide the batch of {local_batch} "
-                             "sequences per data-parallel replica")
+        if batch_refusal(tr.global_batch_size, topology.dp, m):
+            raise ValueError(batch_refusal(tr.global_batch_size, topology.dp, m))
         if split_backward_refusal(kind, par.zero, par.recompute):
             raise ValueError(split_backward_refusal(kind, par.zero, par.recompute))
-        if kind == "pipedream" and opt.grad_clip > 0:
-            raise ValueError("gradient clipping needs a flush; PipeDream has none")
-        if kind == "pipedream" and pp > 1 and describe(model).tied is not None:
-            # the last stage steps (and would sum its copy's gradient) before the first
-            # stage has run that micro-batch's backward: the stream deadlocks
-            raise ValueError("PipeDream with tied embeddings across pipeline stages: each "
-                             "stage steps on its own clock, so the two copies cannot be "
-                             "summed per step; untie them or use a flush schedule")
+        why = pipedream_refusal(kind, pp, describe(model).tied is not None, opt.grad_clip)
+        if why:
+            raise ValueError(why)
         try:
             self.schedule = schedule(kind, pp, m, v)
             self.stream = stream(pp, m) if kind == "pipedream" else None

@@ -281,10 +281,6 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
     """One gradient sync of ``parallel.zero`` for ``named`` over ``group`` (ZeRO-3 with
     ``expert_group``: the expert parameters of each unit sharded over that group)."""
     p = parallel
-    # frozen experts (LoRA on a mixture of experts) differ across the ep ranks: a broadcast
-    # of the whole module over dp would overwrite them with the first ep rank's
-    whole = (len(named) == len(local.named_parameters())
-             and not any(is_expert(q) for _, q in local.frozen_parameters()))
     names = {id(q): n for n, q in named}
     params = [q for _, q in named]
     tied = frozenset(id(q) for n, q in named if n in local.tied)  # across stages
@@ -294,10 +290,14 @@ def _sync_of(named, group, size: int, rank: int, *, local, chunks, parallel,
                               replicas=replicas, offload=offload)
     if p.zero in (1, 2):
         container = nn.ModuleList(local.chunks[c] for c in sorted(local.chunks))
+        # broadcast from the group's first rank: ``named`` alone, the trainable parameters
+        # this sync holds, over the group they are replicated on (dense: dp x cp; experts:
+        # ep_dp x cp). Frozen parameters (LoRA's base) and buffers are built alike on every
+        # rank that holds them, as ZeRO-0 (no broadcast) relies on; a whole-module broadcast
+        # over dp x cp would overwrite each ep rank's frozen experts with the first one's.
         return ZeroDataParallel(container, group, p.zero, p.bucket_mb, dtype, loss_scaler,
-                                names=names, isolate=tied, explicit=True,
-                                params=None if whole else params, divisor=divisor,
-                                replicas=replicas, offload=offload)
+                                names=names, isolate=tied, explicit=True, params=params,
+                                divisor=divisor, replicas=replicas, offload=offload)
     # ZeRO-3: each chunk its own module (its layers the units, its own flat buffers), so
     # the interleaved schedule gathers and reduce-scatters a chunk around its own
     # micro-batches, independently of the rank's other chunks; joined as one sync

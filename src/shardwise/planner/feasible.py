@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardwise.base.config import SCHEDULE_KINDS, V_SHAPED_KINDS, split_backward_refusal
+from shardwise.base.config import (
+    SCHEDULE_KINDS,
+    chunks_refusal,
+    expert_refusal,
+    micro_batches_refusal,
+    pipeline_chunks_refusal,
+    sequence_refusal,
+    split_backward_refusal,
+)
 from shardwise.planner.hardware import Cluster
 from shardwise.planner.layout import Layout
 from shardwise.planner.specs import ModelSpec
@@ -44,18 +52,13 @@ def cp_reason(spec: ModelSpec, cp: int) -> str | None:
     if cp > 1 and spec.dropout > 0:
         return (f"cp={cp} with model.dropout={spec.dropout:g}: ring attention has no "
                 "attention dropout (the engine refuses cp > 1 with dropout)")
-    if cp > 1 and spec.block_size % (2 * cp):
-        return (f"cp={cp}: 2 x cp = {2 * cp} does not divide the sequence {spec.block_size} "
-                "(each cp rank holds chunks i and 2cp-1-i)")
-    return None
+    return sequence_refusal(spec.block_size, cp, 1, False)
 
 
 def chunks_reason(spec: ModelSpec, pp: int, v: int) -> str | None:
     """Why ``pp`` x ``v`` pipeline chunks cannot be cut from the model's layers (the
-    blocks, the embedding and the head), or None."""
-    if pp * v > spec.n_layer + 2:
-        return f"{pp * v} pipeline chunks for {spec.n_layer + 2} layers"
-    return None
+    blocks, the embedding and the head), or None: the config's rule and line."""
+    return pipeline_chunks_refusal(pp, v, spec.n_layer)
 
 
 def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster | None,
@@ -73,15 +76,6 @@ def prune_reason(spec: ModelSpec, lay: Layout, cluster: Cluster | None,
 def fp8_reason(cluster: Cluster) -> str:
     """The reason FP8 layouts are pruned on a cluster without FP8 tensor cores."""
     return f"fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores"
-
-
-def micro_batches_reason(kind: str, pp: int, m: int) -> str | None:
-    """Why schedule ``kind`` cannot run ``m`` micro-batches over ``pp`` stages, or None."""
-    if kind == "interleaved" and m % pp:
-        return f"interleaved needs micro-batches m={m} divisible by pp={pp}"
-    if kind == "dualpipev" and m < 2 * pp:
-        return f"dualpipev needs micro-batches m={m} >= 2 pp = {2 * pp}"
-    return None
 
 
 SIZES = ("dp", "tp", "pp", "micro_batch_size", "micro_batches", "chunks_per_rank", "cp",
@@ -104,10 +98,8 @@ def shape_reason(lay: Layout) -> str | None:
         return f"partition {lay.partition!r}: expected layers or params"
     if lay.pp > 1 and lay.schedule == "interleaved" and lay.chunks_per_rank < 2:
         return f"interleaved with chunks_per_rank={lay.chunks_per_rank}: needs 2 or more"
-    if (lay.pp > 1 and lay.schedule not in ("interleaved", *V_SHAPED_KINDS)
-            and lay.chunks_per_rank > 1):
-        return (f"chunks_per_rank={lay.chunks_per_rank} with {lay.schedule}: one chunk per "
-                "rank (interleaved runs more, zbv and dualpipev two)")
+    if chunks_refusal(lay.schedule, lay.chunks_per_rank):  # the config's own line
+        return chunks_refusal(lay.schedule, lay.chunks_per_rank)
     if lay.cp % lay.cp_a2a:
         return f"cp_a2a={lay.cp_a2a} does not divide cp={lay.cp}"
     if lay.recompute not in (False, True, "full", "selective"):
@@ -132,20 +124,18 @@ def check(spec: ModelSpec, lay: Layout, cluster: Cluster | None = None) -> None:
 
 def layout_reason(spec: ModelSpec, lay: Layout) -> str | None:
     """The reasons of ``prune_reason`` beyond tp's and the chunk count."""
-    why = micro_batches_reason(lay.schedule, lay.pp, lay.micro_batches)
-    if why:
+    why = micro_batches_refusal(lay.schedule, lay.pp, lay.micro_batches, lay.chunks_per_rank)
+    if why:  # the config's own line, as below
         return why
     mode = ("selective" if lay.selective or lay.recompute == "selective" else
             "full" if lay.recompute == "full" else "stage" if lay.recompute else "none")
     refusal = split_backward_refusal(lay.schedule, lay.zero, mode)
     if refusal:  # the config's own line
         return refusal
-    if lay.sp and (spec.block_size // lay.cp) % lay.tp:
-        return (f"sequence parallelism: tp={lay.tp} does not divide the sequence "
-                f"{spec.block_size // lay.cp}" + (" (per cp rank)" if lay.cp > 1 else ""))
-    if lay.ep > 1 and (not spec.moe or lay.dp % lay.ep or spec.n_experts % lay.ep):
-        return (f"ep={lay.ep} must divide dp={lay.dp} and the experts "
-                f"({spec.n_experts})")
+    why = (sequence_refusal(spec.block_size, lay.cp, lay.tp, lay.sp)
+           or expert_refusal(lay.ep, lay.dp, spec.n_experts if spec.moe else 0))
+    if why:  # the config's own lines
+        return why
     if lay.zero and lay.dp * lay.cp == 1:
         return "ZeRO with dp=1 shards nothing (same as ZeRO-0)"
     if lay.dp_replicate > 1 and (lay.dp % lay.dp_replicate or not lay.zero):

@@ -52,7 +52,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from operator import add
 
-from shardwise.base.config import SPLIT_BACKWARD_KINDS, V_SHAPED_KINDS
+from shardwise.base.config import (
+    SPLIT_BACKWARD_KINDS,
+    V_SHAPED_KINDS,
+    micro_batches_refusal,
+    split_backward_refusal,
+)
 from shardwise.parallel.pipeline.schedules import placement_of
 from shardwise.planner.comm_price import blocking_p2p, dp_seconds, p2p_bytes, tied_seconds
 from shardwise.planner.compute import optimizer_seconds
@@ -64,7 +69,6 @@ from shardwise.planner.feasible import (  # noqa: F401 (prune_reason: importable
     cp_reason,
     fp8_reason,
     layout_reason,
-    micro_batches_reason,
     prune_reason,
     tp_reason,
 )
@@ -504,7 +508,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                                                     cut_by, c, e, r, kind)
                            for z in zero for e in eps for s in sps for r in reps[z]
                            if not (z and dp * c == 1 or s and sp_why
-                                   or z == 3 and kind in SPLIT_BACKWARD_KINDS)}
+                                   or split_backward_refusal(kind, z))}
                 least = min((x["total"] for x in statics.values()), default=0.0)
                 n_mb = k * _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
                 if statics and least > limit:
@@ -515,7 +519,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                 for mb in mbs:
                     m = per // mb
                     at = Layout(dp, tp, pp, mb, m, kind, v, partition=cut_by, cp=c)
-                    why = micro_batches_reason(kind, pp, m) if pp > 1 else None
+                    why = micro_batches_refusal(kind, pp, m, v) if pp > 1 else None
                     if why and kind == "dualpipev":  # its memory walks its lists: none here
                         pruned.append(Pruned(at, why, count=n_mb))
                         continue

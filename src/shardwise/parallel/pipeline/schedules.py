@@ -56,7 +56,12 @@ from functools import cached_property, lru_cache
 from typing import Callable, NamedTuple, Sequence
 
 from shardwise.base.config import SCHEDULE_KINDS as KINDS  # one list, the config's too
-from shardwise.base.config import SPLIT_BACKWARD_KINDS, V_SHAPED_KINDS
+from shardwise.base.config import (
+    SPLIT_BACKWARD_KINDS,
+    V_SHAPED_KINDS,
+    chunks_refusal,
+    micro_batches_refusal,
+)
 
 
 class ScheduleError(ValueError):
@@ -204,16 +209,9 @@ def validate_args(kind: str, p: int, m: int, v: int = 1) -> None:
     for name, val in (("p (pipeline stages)", p), ("m (micro-batches)", m), ("v (chunks per rank)", v)):
         if not isinstance(val, int) or val < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {val!r}")
-    if kind in V_SHAPED_KINDS and v != 2:
-        raise ScheduleError(f"the {kind} schedule places two chunks per rank in a V, not v={v}")
-    if kind == "dualpipev" and m < 2 * p:
-        raise ScheduleError(f"the dualpipev schedule needs at least 2p = {2 * p} micro-batches, "
-                            f"not m={m}")
-    if v > 1 and kind not in ("interleaved",) + V_SHAPED_KINDS:
-        raise ScheduleError(f"v={v} chunks per rank needs the interleaved schedule, not {kind!r}")
-    if kind == "interleaved" and v > 1 and m % p:
-        raise ScheduleError(f"interleaved schedule needs micro-batches divisible by the stages: "
-                            f"m={m} is not a multiple of p={p}")
+    why = chunks_refusal(kind, v) or micro_batches_refusal(kind, p, m, v)
+    if why:
+        raise ScheduleError(why)
 
 
 def warmup_forwards(p: int, m: int, v: int, rank: int) -> int:
