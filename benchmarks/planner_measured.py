@@ -7,7 +7,8 @@ published runs other than Megatron-LM 2021's (issue 44).
    (``cuda_llama1b.md``), bf16 at 4 x 2048 in one (``memory.json``); GPT-2 small (vocabulary
    50,304) compiled at 32 x 1024 in 2 micro-batches (``cuda.md``) and 64 x 1024 in 4
    (``cuda_b64_m4.md``). Predicted: ``simulate`` of that layout on ``dgx-h100`` (dp 1,
-   ZeRO-0), the step in ms; memory: ``memory_of`` against ``torch.cuda.max_memory_allocated``.
+   ZeRO-0), the step in ms; memory: ``memory_of`` of compiled blocks and loss (the preset's
+   ``Cluster.compiled``) against ``torch.cuda.max_memory_allocated``.
 2. Published runs, each with its source: MosaicML llm-foundry's MPT throughput tables
    (``scripts/train/benchmarking/README.md``, "H100 80GB BF16" and "A100 80GB ... RoCE":
    FSDP FULL_SHARD, i.e. ZeRO-3 with no model parallelism, bf16, no activation
