@@ -60,8 +60,8 @@ those split over t, and A the attention-score term. Two implementations are desc
 - compiled (``compiled_model``: blocks and loss under ``torch.compile``, what the GPU presets
   price, ``hardware.Cluster.compiled``): what AOTAutograd's partitioner saves, counted with
   ``saved_tensors_hooks`` on a GPT and a Llama (``tests/test_planner_compiled_memory.py``):
-  the GPT's as eager, the Llama's R = 4e with its SwiGLU's gate, up and product (3 f e, the
-  SiLU recomputed) and one copy of the RMSNorms' input (eager keeps an fp32 copy and the
+  the GPT's R and S as eager, the Llama's R = 4e with SwiGLU's gate, up and product (3 f e,
+  the SiLU recomputed) and one copy of the RMSNorms' input (eager keeps an fp32 copy and the
   normalised output beside it); the norms' fp32 statistics, the log-sum-exp 4 bytes per
   head and token; the head keeps the bf16 logits (the compiled loss recomputes the fp32
   softmax from them), and at the peak their gradient beside them (``logits_grad_bytes``).
