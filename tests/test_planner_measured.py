@@ -24,10 +24,11 @@ def test_gpu_measurements_within_ten_percent(pm):
     assert len(rows) == len(pm.MEASURED) >= 5
     for r in rows:  # step time
         assert abs(r["error"]) <= pm.BOUND, r
-    # peak allocated memory is over-predicted, not within 10% yet (eager's saved tensors
-    # counted for compiled blocks: docs/planner.md); held to the side that fits
+    # peak allocated memory: compiled blocks' saved tensors and the logits' gradient
+    # (planner.memory.compiled_model, logits_grad_bytes); fp8's saving is not counted, so
+    # its row is over-predicted (the side that fits)
     mem = [r["memory_error"] for r in rows if r["memory_error"] is not None]
-    assert mem and all(0.0 < e <= pm.MEMORY_OVER for e in mem)
+    assert len(mem) == 3 and all(abs(e) <= pm.BOUND for e in mem), mem
 
 
 def test_published_runs_within_fifteen_percent(pm):

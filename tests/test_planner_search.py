@@ -488,8 +488,9 @@ def test_the_cheap_bound_stays_below_the_lower_bound():
 
 
 def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, capsys):
-    """``plan --selective --emit-toml`` on dgx-h100 (llama2-7b, 16 GPUs, batch 64): the best
-    layout is selective recomputation's (its plain twin does not fit), written as
+    """``plan --selective --emit-toml`` on dgx-h100 (llama2-7b, 16 GPUs, batch 64, 70 GiB a
+    GPU): the best layout is selective recomputation's (its plain twin, 73.5 GiB with
+    compiled blocks, does not fit), written as
     ``parallel.recompute = "selective"`` in a config ``Config.from_dict`` accepts, with the
     comment and one stderr line saying train refuses it on CUDA today; without --selective
     no such layout is offered."""
@@ -500,7 +501,7 @@ def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, caps
 
     out = tmp_path / "sel.toml"
     argv = ["plan", "--model", "llama2-7b", "--cluster", "dgx-h100", "--gpus", "16",
-            "--global-batch", "64", "--top", "3"]
+            "--global-batch", "64", "--top", "3", "--memory-gib", "70"]
     assert main([*argv, "--selective", "--emit-toml", str(out)]) == 0
     cap = capsys.readouterr()
     rows = [line for line in cap.out.splitlines() if line.lstrip().startswith("1  ")]

@@ -173,10 +173,11 @@ def _activation_lines(cfg, d, args) -> None:
     kw = dict(mb=mb, tp=p.tp, pp=p.pp, micro_batches=p.micro_batches, v=p.chunks_per_rank,
               schedule=p.schedule, sp=p.sequence_parallel, precision=args.precision,
               partition=p.partition, cp=p.cp, a2a=max(p.cp_heads, 1))
-    none = activation_bytes(spec, **kw)
+    compiled = cfg.training.compile  # compiled blocks keep less (planner.memory)
+    none = activation_bytes(spec, **kw, compiled=compiled)
     mode = args.recompute or "none"
     got = activation_bytes(spec, **kw, recompute=mode, recompute_every=args.recompute_every,
-                           offload=args.activation_offload)
+                           offload=args.activation_offload, compiled=compiled)
     unit, div = unit_for(none)
     every = f" every {args.recompute_every}" if args.recompute_every > 1 else ""
     m = count(p.micro_batches, "micro-batch", "micro-batches")

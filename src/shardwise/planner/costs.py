@@ -284,15 +284,28 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
 
 def _block_prices(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                   dedicated: bool, memo: dict | None) -> BlockCosts:
-    """``block_costs``, memoised in ``memo`` (when given) by what it reads of ``lay``."""
-    key = (lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size, lay.sp,
-           lay.cp, lay.cp_a2a, lay.ep, lay.fp8, lay.selective, dedicated)
+    """``block_costs``, memoised in ``memo`` (when given) by what it reads of ``lay``: on a
+    GPU preset pp only through the links a blocking send and the experts' all-to-all cross
+    (``cluster.link`` of their spans), so layouts of other pp share one price."""
+    key = (lay.world if cluster.cores else 0, lay.tp, _pp_key(lay, cluster),
+           lay.micro_batch_size, lay.sp, lay.cp, lay.cp_a2a, lay.ep, lay.fp8, lay.selective,
+           dedicated)
     blk = None if memo is None else memo.get(key)
     if blk is None:
         blk = block_costs(spec, lay, cluster, precision, dedicated)
         if memo is not None:
             memo[key] = blk
     return blk
+
+
+def _pp_key(lay: Layout, cluster: Cluster):
+    """What ``block_costs`` reads of ``lay.pp``: all of it with cores (``local``), else the
+    links of ``megatron_send_seconds``' span (tp cp pp) and ``all_to_all_seconds``' (ep pp
+    cp tp): whether each stays in a node, as ``Cluster.link`` picks intra or inter."""
+    if cluster.cores:
+        return lay.pp
+    span, g = lay.tp * lay.cp * lay.pp, cluster.gpus_per_node
+    return span <= g, lay.ep * span <= g
 
 
 def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) -> ChunkCost:
@@ -349,8 +362,9 @@ def model_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     negative: blocking sends between chunks and ZeRO-3's gathers. A lower bound's brick
     (``search.Bounds.cheap``). ``memo``: ``chunk_costs``' dict for one search, keyed here by
     what the answer reads of ``lay``."""
-    key = ("model", lay.world if cluster.cores else 0, lay.tp, lay.pp, lay.micro_batch_size,
-           lay.sp, lay.cp, lay.cp_a2a, lay.ep, lay.fp8, lay.selective, lay.recompute)
+    key = ("model", lay.world if cluster.cores else 0, lay.tp, _pp_key(lay, cluster),
+           lay.micro_batch_size, lay.sp, lay.cp, lay.cp_a2a, lay.ep, lay.fp8, lay.selective,
+           lay.recompute)
     out = None if memo is None else memo.get(key)
     if out is None:
         blk = _block_prices(spec, lay, cluster, precision, False, memo)

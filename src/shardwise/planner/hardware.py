@@ -159,6 +159,7 @@ class Cluster:
     reserved: float = 0.0
     step_s: float = 0.0  # host seconds per optimizer step (``STEP_S``; 0: not modelled)
     zero3_exposed: float = 0.0  # ZeRO-3 collectives' share prefetch cannot hide (GPUs)
+    compiled: bool = False  # blocks and loss under torch.compile (per_op): their activations
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -362,6 +363,7 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
                    inter=derate(cluster.inter, CALCULON_IB_EFF),
                    step_s=STEP_S if measured else 0.0,
                    zero3_exposed=ZERO3_EXPOSED if measured else 0.0,
+                   compiled=measured and compiled,
                    source=f"{cluster.source}; per-op: {CALCULON}")
 
 

@@ -57,6 +57,14 @@ those split over t, and A the attention-score term. Two implementations are desc
   and combined output (2 h e, whole), in place of the dense MLP's; under sequence
   parallelism those 2 k h e are the whole sequence's on every tp rank (the mixture runs on
   the all-gathered sequence, docs/moe.md), while its input and output outside are / t.
+- compiled (``compiled_model``: blocks and loss under ``torch.compile``, what the GPU presets
+  price, ``hardware.Cluster.compiled``): what AOTAutograd's partitioner saves, counted with
+  ``saved_tensors_hooks`` on a GPT and a Llama (``tests/test_planner_compiled_memory.py``):
+  the GPT's R and S as eager, the Llama's R = 4e with SwiGLU's gate, up and product (3 f e,
+  the SiLU recomputed) and one copy of the RMSNorms' input (eager keeps an fp32 copy and the
+  normalised output beside it); the norms' fp32 statistics, the log-sum-exp 4 bytes per
+  head and token; the head keeps the bf16 logits (the compiled loss recomputes the fp32
+  softmax from them), and at the peak their gradient beside them (``logits_grad_bytes``).
 
 Context parallelism: every per-token term is over the ``s / cp`` tokens a rank holds
 (Korthikanti's 34 s b h falls to 34 s b h / cp); expert parallelism moves no activation
@@ -496,6 +504,7 @@ class ActivationModel:
     lse: float
     recompute_keep: float  # bytes per token per width kept per block under full recompute
     per_layer: bool = False  # recompute layer by layer (Megatron) rather than chunk by chunk
+    stats: float = 0.0  # bytes per token of the norms' statistics (whole under tp, SP splits)
 
 
 MEGATRON = ActivationModel("korthikanti2022-fp16-dropout", 10, 24, 0, 5, 0, 2, per_layer=True)
@@ -548,6 +557,41 @@ def shardwise_model(precision: str, spec: ModelSpec | None = None,
     return ActivationModel(f"shardwise-{precision}", 4 * e, 12 * e, 2 * e, 0, 8, e)
 
 
+@lru_cache(maxsize=256)
+def compiled_model(precision: str, spec: ModelSpec | None = None,
+                   ring: bool = False) -> ActivationModel:
+    """What a block saves for backward under ``torch.compile`` (the engine's
+    ``training.compile``: each layer compiled, SDPA's flash kernel), counted with autograd's
+    saved-tensor hooks (``tests/test_planner_compiled_memory.py``). The GPT: as eager (R =
+    4e: block input, LayerNorm output, mid residual, second LayerNorm output; S = 12e: Q, K,
+    V, attention output, fc and GELU outputs). The Llama: R = 4e (one copy of each RMSNorm's
+    input and output, where eager keeps an fp32 copy as well), S = e (2 w + 2 r w + 3 f / h):
+    Q, K, V (repeated to every head, r = 1; ring: kept with their ``n_kv_heads``), the
+    attention output, SwiGLU's gate, up and their product (the SiLU recomputed). Both: the
+    log-sum-exp, fp32 per head and token (4 bytes), and the norms' fp32 statistics (mean and
+    rstd per LayerNorm, rstd per RMSNorm), per token. A model of another shape (experts,
+    sandwich norms, written-out scores) is not counted compiled: its eager model."""
+    e = BYTES[precision]
+    if spec is not None and (spec.moe or spec.mixed or spec.sandwich_norm
+                             or spec.written_scores):
+        return shardwise_model(precision, spec, ring)
+    if spec is not None and spec.gated:
+        r = spec.kv_heads / spec.n_head if ring else 1.0
+        w, f = spec.attn_width / spec.n_embd, spec.ffn / spec.n_embd
+        return ActivationModel(f"shardwise-llama-compiled-{precision}", 4 * e,
+                               e * (2 * w + 2 * r * w + 3 * f), 2 * e, 0, 4, e, stats=8)
+    w, f = (spec.attn_width / spec.n_embd, spec.ffn / spec.n_embd) if spec else (1.0, 4.0)
+    return ActivationModel(f"shardwise-compiled-{precision}", 4 * e, e * (4 * w + 2 * f),
+                           2 * e, 0, 4, e, stats=16)
+
+
+def block_model(precision: str, spec: ModelSpec, ring: bool = False,
+                compiled: bool = False) -> ActivationModel:
+    """The activation model of ``spec``'s blocks: ``compiled_model`` or the eager
+    ``shardwise_model``."""
+    return (compiled_model if compiled else shardwise_model)(precision, spec, ring)
+
+
 def written_score_bytes(n: int, e: int) -> float:
     """Bytes per score element (one head, query and key) an attention that writes its
     scores out keeps for backward (``models.description.ModelDescription.written_scores``
@@ -568,15 +612,38 @@ def block_activation_bytes(am: ActivationModel, mb: int, s: int, h: int, a: int,
     rep = am.replicated
     if sp:
         rep = am.gathered_sp + (am.replicated - am.gathered_sp) / tp
-    return sbh * (rep + am.sharded / tp) + (am.scores * a * s * keys * mb + am.lse * a * s * mb) / tp
+    stats = am.stats * s * mb / (tp if sp else 1)
+    return (sbh * (rep + am.sharded / tp) + stats
+            + (am.scores * a * s * keys * mb + am.lse * a * s * mb) / tp)
 
 
 def head_activation_bytes(spec: ModelSpec, mb: int, tp: int, precision: str,
-                          cp: int = 1) -> float:
+                          cp: int = 1, compiled: bool = False) -> float:
     """Final LayerNorm input and output, logits and their log-softmax (vocab-split over tp),
-    targets, for the ``block_size / cp`` tokens of each sequence a rank holds."""
+    targets, for the ``block_size / cp`` tokens of each sequence a rank holds. ``compiled``
+    (at tp = 1: the compiled loss, ``lm_loss_fp32``): the norm's input, output and fp32
+    statistics, the logits in the compute dtype, two fp32 values per token (the loss's max
+    and log-sum-exp) and the targets, counted with saved-tensor hooks; under tp the
+    vocabulary-parallel loss's own function, counted as eager."""
     e, s, h = BYTES[precision], spec.block_size // cp, spec.n_embd
-    return mb * s * (2 * e * h + 2 * 4 * padded_vocab(spec.vocab_size, tp) / tp + 8)
+    V = padded_vocab(spec.vocab_size, tp) / tp
+    if compiled and tp == 1:
+        norm = 4 if spec.gated else 8  # RMSNorm: rstd; LayerNorm: mean and rstd (fp32)
+        return mb * s * (2 * e * h + norm + e * V + 8 + 8)
+    return mb * s * (2 * e * h + 2 * 4 * V + 8)
+
+
+def logits_grad_bytes(spec: ModelSpec, mb: int, tp: int, precision: str, cp: int = 1,
+                      compiled: bool = False) -> float:
+    """Bytes the rank holding the head adds at its peak beyond what is saved: under
+    ``compiled`` (tp = 1) the logits' gradient, in the compute dtype, which the compiled
+    loss's backward writes while the logits it read are still held (the step's peak on the
+    measured Llama-1B: benchmarks/planner_measured.py); 0 otherwise (the eager head's count
+    already holds a vocabulary-wide fp32 gradient, ``head_activation_bytes``)."""
+    if not compiled or tp > 1:
+        return 0.0
+    s = spec.block_size // cp
+    return mb * s * BYTES[precision] * padded_vocab(spec.vocab_size, tp)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> int:
@@ -644,7 +711,7 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
                      precision: str = "fp32", am: ActivationModel | None = None,
                      partition: str = "layers", selective: bool = False,
                      cp: int = 1, recompute_every: int = 1, a2a: int = 1,
-                     offload: bool = False) -> float:
+                     offload: bool = False, compiled: bool = False) -> float:
     """Peak activation bytes of the busiest pipeline rank (``mb`` sequences per micro-batch,
     ``micro_batches`` micro-batches per step, ``v`` chunks per pipeline rank). Memoised (a
     search asks again for every ZeRO stage). ``selective``: the attention core is recomputed
@@ -665,7 +732,10 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
     recomputation one micro-batch's (built again for its backward). ``offload``
     (``parallel.activation_offload``, with recompute none or "full"): the device's part,
     ``full_activation_bytes(offload=True)``; the host's: ``offloaded_activation_bytes``.
-    Raises ValueError for offload with another recompute mode."""
+    ``compiled``: the engine's ``training.compile`` (blocks and loss compiled:
+    ``compiled_model``, ``head_activation_bytes(compiled=)`` and, on the rank with the head,
+    ``logits_grad_bytes``), for no recomputation, "full" and the stage's; with ``am`` given
+    it is that model's. Raises ValueError for offload with another recompute mode."""
     recompute = {"none": False, "stage": True}.get(recompute, recompute)
     if offload:
         if recompute not in (False, "full"):
@@ -674,27 +744,29 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
                                      v=v, schedule=schedule, sp=sp, precision=precision,
                                      partition=partition, cp=cp, a2a=a2a, offload=True,
                                      every=recompute_every if recompute else spec.n_layer + 1)
+    compiled = compiled and am is None
     if recompute == "full":
         return full_activation_bytes(spec, mb=mb, tp=tp, pp=pp, micro_batches=micro_batches,
                                      v=v, schedule=schedule, sp=sp, precision=precision,
                                      partition=partition, cp=cp, every=recompute_every,
-                                     a2a=a2a)
+                                     a2a=a2a, compiled=compiled)
     if recompute == "selective":
         return selective_activation_bytes(spec, mb=mb, tp=tp, pp=pp,
                                           micro_batches=micro_batches, v=v, schedule=schedule,
                                           sp=sp, precision=precision, partition=partition,
                                           cp=cp, a2a=a2a)
     per_mb, once = mask_bytes(spec, mb, precision, cp, a2a) if am is None else (0.0, 0.0)
-    am = am or shardwise_model(precision, spec, ring=cp > 1)
+    am = am or block_model(precision, spec, cp > 1, compiled)
     if selective and not recompute:
         am = replace(am, scores=0.0)
     s, h = spec.block_size // cp, spec.n_embd
     e = BYTES[precision]
     blk, groups = _rank_chunks(spec, am, mb, tp, pp, micro_batches, v, schedule, sp,
-                               precision, partition, cp)
+                               precision, partition, cp, compiled)
     keep = mb * s * h * e / (tp if sp else 1)
+    grad = logits_grad_bytes(spec, mb, tp, precision, cp, compiled)
     worst = 0.0
-    for k, nbs, largest, total_full in groups:
+    for k, nbs, largest, total_full, has_head in groups:
         if recompute and am.per_layer:  # Megatron: every block's input (2 s b h) kept for
             # each micro-batch in flight, one block recomputed in full at a time
             layer_keep = mb * s * h * am.recompute_keep / (tp if sp else 1)
@@ -704,7 +776,8 @@ def activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int, micro_batche
             total = max(largest + keep, k * v * keep)
         else:
             total = k * total_full
-        worst = max(worst, total + (1 if recompute else k) * per_mb + once)
+        worst = max(worst, total + (1 if recompute else k) * per_mb + once
+                    + (grad if has_head else 0.0))
     return worst
 
 
@@ -816,7 +889,8 @@ def full_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
                           micro_batches: int, v: int = 1, schedule: str = "1f1b",
                           sp: bool = False, precision: str = "fp32",
                           partition: str = "layers", cp: int = 1, every: int = 1,
-                          a2a: int = 1, offload: bool = False) -> float:
+                          a2a: int = 1, offload: bool = False,
+                          compiled: bool = False) -> float:
     """``activation_bytes`` under the engine's full recomputation per block: on the busiest
     pipeline rank, per micro-batch in flight, each checkpointed block (its number among the
     model's blocks, from 1, divisible by ``every``) keeps ``full_block_bytes``, every other
@@ -827,26 +901,28 @@ def full_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
     (``parallel.activation_offload``): a block not checkpointed keeps nothing on the device
     (its saved tensors wait on the host, ``offloaded_activation_bytes``), and at the peak one
     such block's are back (one micro-batch's ``block_activation_bytes``); ``every`` above
-    ``n_layer``: no block checkpointed."""
-    am = shardwise_model(precision, spec, ring=cp > 1)
+    ``n_layer``: no block checkpointed. ``compiled``: as ``activation_bytes``'."""
+    am = block_model(precision, spec, cp > 1, compiled)
     s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
     keys = spec.attention_calls.written_keys if cp == 1 else spec.block_size
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=keys)
     keep = full_block_bytes(spec, mb, s, tp, sp, precision)
-    head = head_activation_bytes(spec, mb, tp, precision, cp)
+    head = head_activation_bytes(spec, mb, tp, precision, cp, compiled)
+    grad = logits_grad_bytes(spec, mb, tp, precision, cp, compiled)
     per_mb, once = mask_bytes(spec, mb, precision, cp, a2a)
     part, L = cut(spec, pp * v, partition), spec.n_layer
     worst = 0.0
     for r in range(pp):
-        total, redo = 0.0, 0.0
+        total, redo, peak = 0.0, 0.0, 0.0
         for c in (r + i * pp for i in range(v)):
             blocks = [i for i in part.layers(c) if 1 <= i <= L]
             ckpt = sum(1 for i in blocks if i % every == 0)
             total += ckpt * keep + (0.0 if offload else (len(blocks) - ckpt) * blk)
             total += head if L + 1 in part.layers(c) else 0.0
+            peak = grad if L + 1 in part.layers(c) else peak
             redo = max(redo, blk if ckpt or (offload and blocks) else 0.0)
         k = in_flight(schedule, pp, micro_batches, v, r)
-        worst = max(worst, k * (total + per_mb) + redo + once)
+        worst = max(worst, k * (total + per_mb) + max(redo, peak) + once)
     return worst
 
 
@@ -877,17 +953,17 @@ def offloaded_activation_bytes(spec: ModelSpec, *, mb: int, tp: int, pp: int,
 @lru_cache(maxsize=4096)
 def _rank_chunks(spec: ModelSpec, am: ActivationModel, mb: int, tp: int, pp: int,
                  micro_batches: int, v: int, schedule: str, sp: bool, precision: str,
-                 partition: str, cp: int) -> tuple[float, tuple]:
+                 partition: str, cp: int, compiled: bool = False) -> tuple[float, tuple]:
     """``activation_bytes``' pieces that recomputation does not change (memoised: the
     search asks with and without it): a block's bytes, and per ``rank_groups`` group (k
     micro-batches in flight, its blocks, its largest chunk's bytes, the sum of its
-    chunks' bytes), a chunk's bytes being its blocks' added one by one (as a sum over the
-    chunk's layers) and the head's."""
+    chunks' bytes, whether it holds the head), a chunk's bytes being its blocks' added one
+    by one (as a sum over the chunk's layers) and the head's."""
     s, h, a = spec.block_size // cp, spec.n_embd, spec.n_head
     # a rank's queries read all the sequence's keys; written scores: the engine's calls'
     keys = spec.attention_calls.written_keys if cp == 1 else spec.block_size
     blk = block_activation_bytes(am, mb, s, h, a, tp, sp, keys=keys)
-    head = head_activation_bytes(spec, mb, tp, precision, cp)
+    head = head_activation_bytes(spec, mb, tp, precision, cp, compiled)
     sums: dict = {}
     groups = []
     for k, chunks in rank_groups(spec, pp, v, partition, schedule, micro_batches):
@@ -897,5 +973,6 @@ def _rank_chunks(spec: ModelSpec, am: ActivationModel, mb: int, tp: int, pp: int
             if x is None:
                 x = sums[(nb, has_head)] = _repeated(blk, nb) + (head if has_head else 0.0)
             fulls.append(x)
-        groups.append((k, sum(c[0] for c in chunks), max(fulls), sum(fulls)))
+        groups.append((k, sum(c[0] for c in chunks), max(fulls), sum(fulls),
+                       any(c[1] for c in chunks)))
     return blk, tuple(groups)

@@ -217,19 +217,22 @@ def held_bytes(spec: ModelSpec, dp: int, tp: int, pp: int, v: int, zero: int, pr
 
 
 def memory_of(spec: ModelSpec, lay: Layout, precision: str, kernels: str = "shardwise",
-              static: bool = True) -> dict:
+              static: bool = True, compiled: bool = False) -> dict:
     """Bytes per GPU of ``lay``: what it holds between steps and ZeRO-3's gathered units
     (``held_bytes``) and the activations of the kernels a block runs (``hardware.KERNELS``:
     shardwise's measured model, or Megatron-LM's of Korthikanti et al. 2022 for
-    ``megatron-2021``). ``static=False``: the activations' bytes alone (a number).
-    ``ValueError`` naming the reason for a layout the engine cannot run (``check``)."""
+    ``megatron-2021``). ``compiled``: shardwise's blocks and loss under torch.compile
+    (``Cluster.compiled``, the GPU presets). ``static=False``: the activations' bytes alone
+    (a number). ``ValueError`` naming the reason for a layout the engine cannot run
+    (``check``)."""
     check(spec, lay)
     act = activation_bytes(spec, mb=lay.micro_batch_size, tp=lay.tp, pp=lay.pp,
                            micro_batches=lay.micro_batches, v=lay.chunks_per_rank,
                            schedule=lay.schedule, sp=lay.sp, recompute=lay.recompute,
                            precision=precision, partition=lay.partition,
                            am=MEGATRON if kernels == "megatron-2021" else None,
-                           selective=lay.selective, cp=lay.cp, a2a=lay.cp_a2a)
+                           selective=lay.selective, cp=lay.cp, a2a=lay.cp_a2a,
+                           compiled=compiled)
     if not static:
         return act
     st = held_bytes(spec, lay.dp, lay.tp, lay.pp, lay.chunks_per_rank, lay.zero, precision,
@@ -448,6 +451,7 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
     bar = {"file": sys.stderr, "delay": 1.0, "disable": not progress, "leave": False}
     fp8s = tuple(fp8)
     am = MEGATRON if cluster.kernels == "megatron-2021" else None  # as memory_of's
+    compiled = cluster.compiled
     groups = list(_space(spec, world, global_batch, micro_batches, schedules, vs, pp_max,
                          cp_choices(spec, world, cp)))
     for c, tp, pp, dp, per, mbs, scheds in tqdm(groups, desc="plan: layouts",
@@ -527,14 +531,16 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                     acts = {(rc, sel, s): activation_bytes(
                         spec, mb=mb, tp=tp, pp=pp, micro_batches=m, v=v, schedule=kind, sp=s,
                         recompute=rc, precision=precision, partition=cut_by, am=am,
-                        selective=sel, cp=c) for rc, sel in modes for s in sps}
+                        selective=sel, cp=c, compiled=compiled)
+                        for rc, sel in modes for s in sps}
                     least_act = {s: min(acts[(rc, sel, s)] for rc, sel in modes) for s in sps}
                     if c in degrees and mask_bytes(spec, mb, precision) != (0.0, 0.0):
                         # the all-to-all alone keeps whole sequences' masks (mask_bytes)
                         acts.update({(rc, sel, s, c): activation_bytes(
                             spec, mb=mb, tp=tp, pp=pp, micro_batches=m, v=v, schedule=kind,
                             sp=s, recompute=rc, precision=precision, partition=cut_by, am=am,
-                            selective=sel, cp=c, a2a=c) for rc, sel in modes for s in sps})
+                            selective=sel, cp=c, a2a=c, compiled=compiled)
+                        for rc, sel in modes for s in sps})
                     if statics and least + min(acts.values()) > limit:
                         need = least + min(acts.values())
                         pruned.append(Pruned(at, _needs(need, limit, True), need, count=n_mb))
