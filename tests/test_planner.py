@@ -358,6 +358,7 @@ def test_emitted_toml_trains(corpus, tmp_path, extra):
     else:
         assert 'recompute = "none"' in text
     assert f'out_dir = "{tmp_path / "best"}"' in text  # its own run, beside the model's
+    assert "compile" not in text  # local prices eager blocks
     t = run_shardwise("train", "--config", str(out), cwd=None)
     assert t.returncode == 0, t.stderr
     assert "done: 2 steps" in t.stdout and f"outputs in {tmp_path / 'best'}" in t.stdout
@@ -479,8 +480,9 @@ def test_a_hugging_face_checkpoint_is_planned_from_its_config_json(tmp_path, cap
     assert main(["plan", "--model", f"hf:{llama}", "--seq", "2048", *argv,
                  "--emit-toml", str(out)]) == 0
     capsys.readouterr()
-    written = tomllib.loads(out.read_text())["model"]
-    assert written == {"init_from": f"hf:{llama}", "block_size": 2048}
+    written = tomllib.loads(out.read_text())
+    assert written["model"] == {"init_from": f"hf:{llama}", "block_size": 2048}
+    assert written["training"]["compile"] is True  # dgx-h100 priced compiled blocks
     assert_one_line_exit_2(["plan", "--model", f"hf:{llama}", "--seq", "9000", *argv], capsys,
                            "--seq 9000: longer than the checkpoint's 8192 tokens",
                            main=_exit_code)

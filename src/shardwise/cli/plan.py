@@ -196,7 +196,7 @@ def _run(args) -> int:
     extra: dict = {}
     if args.emit_toml:
         extra["emitted_toml"] = str(emit_toml(args.emit_toml, source, spec, best.layout, batch,
-                                              precision))
+                                              precision, compiled=cluster.compiled))
     if args.timeline:
         from shardwise.parallel.pipeline.timeline import render
         from shardwise.planner.simulate import simulate
@@ -341,7 +341,8 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
               + f"{pct[0]:>4.0f} " + " ".join(f"{p:>3.0f}" for p in pct[1:]))
 
 
-def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) -> Path:
+def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str,
+              compiled: bool = False) -> Path:
     """Write ``lay`` as a train config. A TOML model keeps its sections, its model table as
     written (any ``model.kind``; ``block_size`` the planned sequence); ``hf:DIR`` gets
     ``model.init_from`` and the planned ``block_size``; a named model gets
@@ -352,7 +353,9 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     refused in one line; the engine's selective recomputation is written with a comment
     that train refuses it on CUDA today. The config gets a run of its own: ``training.out_dir``
     ``runs/<PATH's stem>`` (beside the model TOML's own ``out_dir``, if it sets one), and the
-    checkpoints under it (a ``checkpoint.dir`` is not copied). Returns the path."""
+    checkpoints under it (a ``checkpoint.dir`` is not copied). ``compiled``: the cluster priced
+    compiled blocks (``Cluster.compiled``, the GPU presets), so ``training.compile = true`` is
+    written, as priced (time and memory). Returns the path."""
     from shardwise.planner.specs import SpecError
 
     if lay.fp8 or lay.selective:
@@ -391,6 +394,10 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str) 
     runs = Path(training["out_dir"]).parent if "out_dir" in training else Path("runs")
     training.update({"global_batch_size": batch, "precision": precision,
                      "out_dir": str(runs / Path(path).stem)})  # not the model's run
+    # priced as compiled blocks keep and spend (run eager, it keeps more); train refuses
+    # compile with tp's dropout (base.config), so that one case is written eager
+    if compiled and not (lay.tp > 1 and spec.dropout > 0):
+        training["compile"] = True
     out = {**data, "model": model, "parallel": parallel, "training": training}
     if "checkpoint" in data:  # its checkpoints under out_dir, not the model's run's
         out["checkpoint"] = {k: v for k, v in data["checkpoint"].items() if k != "dir"}
