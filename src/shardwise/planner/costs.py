@@ -79,8 +79,14 @@ class BlockCosts(NamedTuple):
     all_to_all: float
     """Seconds of a block's all-to-alls in one pass (``all_to_all_seconds``)."""
     sync_penalty: float
-    """Seconds each synchronisation waits on a machine whose ranks share cores
-    (``Cluster.sync_penalty_s``)."""
+    """Seconds each of a block's forward synchronisations waits on a machine whose ranks
+    share cores (``Cluster.sync``: the tp group's size, after the forward's work between
+    two of them)."""
+    sync_penalty_backward: float
+    """The same for a backward synchronisation (twice the work between two)."""
+    sync_penalty_small: float
+    """The same for the back-to-back ones: the embedding's and the loss's (no work
+    between)."""
     recomputed: float = 0.0
     """Seconds of what the engine's selective recomputation runs again of a block in
     backward (``recomputed_ops``; ``Layout.recompute = "selective"``)."""
@@ -96,6 +102,10 @@ class BlockCosts(NamedTuple):
     forward of its linear GEMMs, the attention core's not among them; else 0)."""
     frozen_head_grad: float = 0.0
     """The same for the head's GEMM (its weight frozen under LoRA; else 0)."""
+    host: float = 0.0
+    """Host seconds of one micro-batch on a rank beyond its layers' priced work
+    (``Cluster.micro_batch_s``, measured on local; 0 elsewhere), charged to the forward of
+    each of a rank's chunks in equal parts."""
 
 
 class ChunkCost(NamedTuple):
@@ -155,7 +165,6 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd
     tl = cluster.link(lay.tp)
     act = lay.micro_batch_size * s * h * e
-    pen = cluster.sync_penalty_s
     if lay.tp == 1:
         tp_blk, n_sync = 0.0, 0
     elif lay.sp:
@@ -163,13 +172,20 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     else:  # a mixture's experts all-reduce their k results per token (under SP its region
         # reduce-scatters the weighted sum once, as a dense MLP: docs/moe.md)
         mlp = act * (spec.top_k if spec.moe else 1)
-        tp_blk, n_sync = tl.all_reduce(lay.tp, act) + tl.all_reduce(lay.tp, mlp), 2
+        tp_blk = tl.all_reduce(lay.tp, act, tp=True) + tl.all_reduce(lay.tp, mlp, tp=True)
+        n_sync = 2
+    # ranks sharing cores: the tp collectives are CPU work (Cluster.comm_stretch), priced
+    # as on a core of their own where the shared walk stretches them as it does compute
+    cs = (cluster.core_share(lay.tp) if dedicated
+          else cluster.comm_stretch(lay.tp, lay.world))
+    tp_blk *= cs
     bf = block_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     fp8 = lay.fp8 and cluster.fp8_flops is not None
     head_f = 2 * lay.micro_batch_size * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
-    emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
-    loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
+    emb_tp = cs * tl.all_reduce(lay.tp, act, tp=True) if lay.tp > 1 else 0.0
+    loss_tp = (cs * 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4, tp=True)
+               if lay.tp > 1 else 0.0)
     core_f = attention_gemm_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     attn_b = 0.0
     if cluster.ops is not None:  # per operation (hardware.OpModel)
@@ -191,6 +207,12 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         head_s = head_f / rate
     else:
         blk_s, head_s = bf / rate + over, head_f / rate
+    # ranks sharing cores (local): the wait of a tp synchronisation after the compute a rank
+    # does before it on a core of its own (contention.SyncPenalty, measured per group size
+    # and work: one block pass split by its synchronisations); 0 elsewhere
+    own = (bf / cluster.rate(1) + cluster.rank_overhead(1)) / max(1, n_sync)
+    pen, pen_b, pen_0 = (cluster.sync(lay.tp, own), cluster.sync(lay.tp, 2 * own),
+                         cluster.sync(lay.tp, 0.0))
     frozen_b = frozen_h = 0.0
     if spec.lora:  # the base's weight gradients are not computed (adapters: negligible)
         if cluster.ops is not None:
@@ -225,8 +247,12 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
                       cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen,
+                      sync_penalty_backward=pen_b, sync_penalty_small=pen_0,
                       recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
-                      frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h)
+                      frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h,
+                      host=cluster.micro_batch_s * (
+                          1.0 if dedicated or not cluster.cores
+                          else max(1.0, lay.world / cluster.cores)))
 
 
 def linear_widths(spec: ModelSpec) -> float:
@@ -298,18 +324,20 @@ def _block_prices(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
 def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) -> ChunkCost:
     """``chunk_costs``' price of one chunk of ``nb`` blocks, with the head and the embedding
     or not (without ZeRO-3: ``_with_zero3``), from the per-block prices ``blk``."""
-    tp_blk, n_sync, pen = blk.tp, blk.n_sync, blk.sync_penalty
+    tp_blk, n_sync = blk.tp, blk.n_sync
     emb_tp, loss_tp, blk_s, head_s = blk.embed_tp, blk.loss_tp, blk.block, blk.head
     attn_s, send, a2a = blk.attention, blk.send, blk.all_to_all
     cp_f, cp_b = blk.cp_forward, blk.cp_backward
     comp_f = nb * blk_s + (head_s if head else 0.0)
     cpf, epf = nb * cp_f, nb * a2a
     tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
-    syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
-    wait_f = syncs * pen
+    # the blocks' synchronisations, and the embedding's one and the loss's three
+    wait_f = (nb * n_sync * blk.sync_penalty + ((1 if emb else 0) + (3 if head else 0))
+              * blk.sync_penalty_small) if lay.tp > 1 else 0.0
     cpb, epb = nb * cp_b, nb * a2a
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
-    wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
+    wait_b = (nb * n_sync * blk.sync_penalty_backward
+              + (1 if head else 0) * blk.sync_penalty_small) if lay.tp > 1 else 0.0
     comp_b = (2 * comp_f + nb * blk.attention_backward
               - nb * blk.frozen_weight_grad - (blk.frozen_head_grad if head else 0.0))
     if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
@@ -336,6 +364,8 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     # the gradient back, unless the embedding is
     ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
     tpf, tpb = tpf + ppf, tpb + ppb
+    if blk.host:  # the executor's own seconds (local), with the forward
+        comp_f += blk.host / lay.chunks_per_rank
     return ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
                      tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb)
 
@@ -387,7 +417,7 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
     blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0].forward - c.forward
     e = BYTES[precision]
     act = lay.micro_batch_size * spec.block_size // lay.cp * spec.n_embd * e
-    emb = cluster.link(lay.tp).all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
+    emb = cluster.link(lay.tp).all_reduce(lay.tp, act, tp=True) if lay.tp > 1 else 0.0
     out = {"embed": emb, "block": blk, "head": c.forward - blk - emb}
     if memo is not None:
         memo[key] = out
@@ -418,11 +448,13 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     by the op's own first hook), so every op pays its exposed part, in the steady state
     and in the pipeline's fill and drain alike, and none hides in the bubble.
 
-    Without overlap (``zero3_overlap=False``, or ranks sharing cores): the rank's
-    parameters x all-gathered whole per pass and reduce-scattered per backward, and a sync
-    penalty per unit and collective: forward g(x) + u pen, backward g(x) + r(x) + 2 u pen
-    (u = ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search
-    prices hundreds of thousands of ZeRO-3 layouts that share these answers).
+    Without overlap (``zero3_overlap=False``): the rank's parameters x all-gathered whole
+    per pass and reduce-scattered per backward: forward g(x), backward g(x) + r(x). Ranks
+    sharing cores (local): each unit's own calls, stretched as CPU work (``comm_stretch``
+    k), and a synchronisation's wait per unit and collective (``Cluster.sync``): forward
+    k sum_i g(x_i) + u pen, backward k sum_i (g(x_i) + r(x_i)) + 2 u pen (u =
+    ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search prices
+    hundreds of thousands of ZeRO-3 layouts that share these answers).
 
     With expert parallelism (``lay.ep > 1``: ``ZeroStage3(expert_group=)``) a block is two
     units, its dense parameters (gathered and reduce-scattered over n = dp x cp) and this
@@ -467,9 +499,22 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
     if not cluster.zero3_overlap or cluster.cores:
         d, x = parts(layers)
         units = len(layers) + (sum(1 for i in layers if 1 <= i <= L) if x else 0)
-        pen = cluster.sync_penalty_s
-        return Zero3Seconds(gather(d, x) + units * pen,
-                            gather(d, x) + scatter(d, x) + 2 * units * pen)
+        # ranks sharing cores: each unit's collective waits (Cluster.sync, the dp group,
+        # after a block's forward on a core of its own); 0 elsewhere
+        if not cluster.cores:
+            return Zero3Seconds(gather(d, x), gather(d, x) + scatter(d, x))
+        # ranks sharing cores (local): each unit is gathered and reduce-scattered by calls
+        # of its own, latencies and all (the engine's ZeroStage3 hooks), stretched as CPU
+        # work shared with the other ranks (Cluster.comm_stretch), and each call waits
+        # for a core (Cluster.sync for the dp group, after a block's forward on a core of
+        # its own: the work between two of them)
+        share = max(1.0, lay.world / cluster.cores)
+        block = unit_forward_seconds(spec, lay, cluster, precision, memo)["block"]
+        pen = cluster.sync(n, block / share)
+        each = [parts([i]) for i in layers]
+        st = cluster.comm_stretch(n, lay.world)  # CPU work shared with the other ranks
+        g = st * sum(gather(*u) for u in each) + units * pen
+        return Zero3Seconds(g, g + st * sum(scatter(*u) for u in each) + units * pen)
     fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)
     # the layers are consecutive: the embedding first, the head last where they are here
     emb, head = layers[0] == 0, layers[-1] == L + 1

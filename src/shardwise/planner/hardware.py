@@ -60,7 +60,7 @@ from functools import lru_cache
 from shardwise.comm import cost
 from shardwise.comm.cost import LinkParams
 from shardwise.perf.gpus import gpu_peak
-from shardwise.planner.contention import calibrate_sync_penalty
+from shardwise.planner.contention import SyncPenalty, calibrate_sync_penalty
 from shardwise.planner.specs import ModelSpec, SpecError
 
 EFFICIENCY = 0.5
@@ -76,20 +76,24 @@ class Link:
     name: str
     fixed: LinkParams | None = None
     profile: cost.Profile | None = None
-    algorithm: str = "ring"  # "auto": the cheapest of comm.cost.AUTO_CANDIDATES
+    algorithm: str = "ring"  # "auto": the cheapest of comm.cost.AUTO_CANDIDATES and ``extra``
+    extra: tuple[str, ...] = ()  # more "auto" candidates ("shm": every rank on one host)
+    tp_algorithm: str | None = None  # what tensor-parallel layers call (None: ``algorithm``)
 
     def params(self, n: int) -> LinkParams:
         """Link parameters (alpha, beta, gamma: seconds and seconds per byte) for a group of ``n``
         ranks."""
         return self.fixed if self.fixed is not None else self.profile.params(n)
 
-    def all_reduce(self, n: int, nbytes: float) -> float:
+    def all_reduce(self, n: int, nbytes: float, tp: bool = False) -> float:
         """Predicted seconds of an all-reduce of ``nbytes`` over ``n`` ranks on this link (the
-        cheapest candidate under ``auto``); 0 for one rank or no bytes."""
+        cheapest candidate under ``auto``, as ``comm.api.choose`` picks; ``tp``: a tensor-
+        parallel layer's, ``tp_algorithm``); 0 for one rank or no bytes."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         prm = self.params(n)
-        algs = cost.AUTO_CANDIDATES if self.algorithm == "auto" else (self.algorithm,)
+        alg = self.tp_algorithm if tp and self.tp_algorithm else self.algorithm
+        algs = cost.AUTO_CANDIDATES + self.extra if alg == "auto" else (alg,)
         return min(cost.predict(a, n, nbytes, prm) for a in algs)
 
     def reduce_scatter(self, n: int, nbytes: float) -> float:
@@ -134,7 +138,9 @@ class Cluster:
     Python); ``memory``: bytes per GPU; ``reserved``: bytes of each GPU a plan leaves free
     (``GPU_RESERVED`` on the GPU presets; 0 on ``local``); ``share``: ranks per compute
     unit (local: ranks per core, compute slows by it); ``fp8_flops``: dense FP8 tensor-core
-    peak per GPU (None: the GPU has no FP8 tensor cores, as the A100)."""
+    peak per GPU (None: the GPU has no FP8 tensor cores, as the A100); ``sync``: the wait
+    of a synchronisation by group size and work before it (``contention.SyncPenalty``,
+    measured where ranks share cores; empty elsewhere)."""
 
     name: str
     gpu: str
@@ -146,7 +152,7 @@ class Cluster:
     efficiency: float = EFFICIENCY
     mem_bw: float = 1.5e12  # bytes/s of device memory (the optimizer step is bound by it)
     overhead_s: float = 0.0
-    sync_penalty_s: float = 0.0  # seconds a synchronisation waits for a core (ranks > cores)
+    sync: SyncPenalty = SyncPenalty()  # a synchronisation's wait for a core (ranks > cores)
     precision: str = "bf16"
     source: str = ""
     cores: int = 0
@@ -159,6 +165,10 @@ class Cluster:
     reserved: float = 0.0
     step_s: float = 0.0  # host seconds per optimizer step (``STEP_S``; 0: not modelled)
     zero3_exposed: float = 0.0  # ZeRO-3 collectives' share prefetch cannot hide (GPUs)
+    optimizer_param_s: float = 0.0  # host optimizer seconds per parameter on one core
+    # (local: measured, ``calibrate_local``; 0: 40 bytes of memory traffic at ``mem_bw``)
+    micro_batch_s: float = 0.0  # host seconds per micro-batch on a rank beyond its layers'
+    # priced work (local: measured, ``host_seconds``; 0: not modelled)
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -168,6 +178,21 @@ class Cluster:
         """FLOP/s one rank's matmuls reach when ``world_size`` ranks run at once."""
         share = max(1.0, world_size / self.cores) if self.cores else 1.0
         return self.flops * self.efficiency / share
+
+    def comm_stretch(self, n: int, world_size: int) -> float:
+        """How much longer than its comm-profile price a collective of ``n`` ranks takes
+        while ``world_size`` ranks share the cores (local): the profile timed it with the n
+        ranks alone, each on ``core_share(n)`` of a core, and gloo's collectives here are
+        CPU work (copies, reductions, loopback's kernel work) that gets a core's
+        cores / world_size like compute: core_share(n) x max(1, world_size / cores); 1
+        where every rank has a device."""
+        share = max(1.0, world_size / self.cores) if self.cores else 1.0
+        return self.core_share(n) * share
+
+    def core_share(self, n: int) -> float:
+        """The share of a core each of ``n`` ranks had when the comm profile timed their
+        collective (local: min(1, cores / n); 1 on a GPU cluster)."""
+        return min(1.0, self.cores / n) if self.cores and n > 0 else 1.0
 
     def memory_per_rank(self, world_size: int) -> float:
         """Bytes one rank's plan may fill: a GPU's memory less ``reserved``, or this
@@ -442,14 +467,24 @@ def calibration_block(width: int, seq: int, heads: int, spec: ModelSpec | None =
     return blk, d.hidden_size, d.attention_width
 
 
+# The calibration's clock: this thread's CPU seconds (CLOCK_THREAD_CPUTIME_ID), so that the
+# time other processes of a shared machine take from the core is not counted; one torch
+# thread runs its CPU kernels, forward and backward, on the calling thread.
+cpu_clock = time.thread_time
+
+
 @lru_cache(maxsize=8)
 def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
                     spec: ModelSpec | None = None) -> dict:
-    """Measure, with one torch thread, one block of the planned model (``calibration_block``:
-    ``spec``'s, else shardwise's GPT of width ``width``; ``seq`` tokens per sequence),
+    """Measure, with one torch thread (its CPU seconds, ``cpu_clock``), one block of the
+    planned model (``calibration_block``: ``spec``'s, else shardwise's GPT of width
+    ``width``; ``seq`` tokens per sequence),
     forward + backward at 1 and 8 sequences: the effective FLOP/s (the slope: matmuls and
     the memory-bound operations around them) and the fixed seconds per block pass (the
-    intercept: dispatch, Python). Also the raw matmul FLOP/s."""
+    intercept: dispatch, Python), the host optimizer step's seconds per parameter
+    (``optimizer_seconds``: the engine's ``parallel.precision.fp32_step`` over the block's
+    parameters, AdamW as the engine builds it on the CPU, its float64 norm and clipping
+    included) and the raw matmul FLOP/s."""
     import torch
     from torch import nn
 
@@ -462,10 +497,10 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
         def timed(b: int) -> float:
             x = torch.randn(b, seq, width, requires_grad=True)
             times = []
-            for _ in range(9):
-                t0 = time.perf_counter()
+            for _ in range(15):
+                t0 = cpu_clock()
                 blk(x).sum().backward()
-                times.append(time.perf_counter() - t0)
+                times.append(cpu_clock() - t0)
             return min(times)  # the undisturbed time: other processes only add to it
 
         timed(1)
@@ -475,36 +510,133 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
         rate = 7 * fl / max(big - small, 1e-9)
         overhead = max(0.0, small - fl / rate) / 3  # per pass (forward = 1, backward = 2)
         a, b = torch.randn(512, width), torch.randn(width, 4 * width)
-        t0 = time.perf_counter()
+        t0 = cpu_clock()
         for _ in range(10):
             a @ b
-        matmul = 10 * 2 * 512 * width * 4 * width / (time.perf_counter() - t0)
+        matmul = 10 * 2 * 512 * width * 4 * width / (cpu_clock() - t0)
+        opt = optimizer_step_seconds(list(blk.parameters()))
     finally:
         torch.set_num_threads(threads)
     return {"block_flops": rate, "overhead_s": overhead, "matmul_flops": matmul,
+            "optimizer_param_s": opt / sum(p.numel() for p in blk.parameters()),
             "width": width, "seq": seq}
+
+
+def optimizer_step_seconds(params: list) -> float:
+    """The fastest of 7 host optimizer steps over copies of ``params`` (seconds, one
+    thread): the engine's step on a rank's masters (``parallel.precision.fp32_step``: the
+    float64 squared norm, clipping to 1.0, AdamW with ``foreach=False`` as the engine
+    builds it on the CPU, two groups: decay on matrices)."""
+    import torch
+
+    from shardwise.parallel.precision import fp32_step
+
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    grads = [torch.randn_like(p) * 1e-3 for p in masters]
+    opt = torch.optim.AdamW([{"params": [p for p in masters if p.dim() >= 2]},
+                             {"params": [p for p in masters if p.dim() < 2],
+                              "weight_decay": 0.0}], lr=1e-4, foreach=False)
+    times = []
+    for _ in range(8):
+        t0 = cpu_clock()
+        fp32_step(opt, masters, grads, "local", 1.0, None)
+        times.append(cpu_clock() - t0)
+    return min(times[1:])  # the first creates the moments
+
+
+HOST_STEPS = ((1, 1), (2, 2))  # (sequences, micro-batches) of the host-time steps
+
+
+@lru_cache(maxsize=8)
+def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
+    """The fastest of 6 training steps (this thread's CPU seconds, one torch thread) of a
+    one-layer model of ``spec``'s family (``calibration_spec``: narrowed like the block
+    timed) in one process, at each ``HOST_STEPS`` (sequences, micro-batches), on the CPU:
+    ``{(b, m): seconds}``. The engine's whole step: the executor, embedding, head and loss,
+    the block, the optimizer."""
+    import torch
+
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineConfig
+
+    small = calibration_spec(spec, seq)
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank runs (and no other thread's spinning counted)
+    try:
+        for b, m in HOST_STEPS:
+            engine = Engine(small.model(), Topology.build(1, 1, 1, rank=0, world_size=1),
+                            EngineConfig(seq_len=small.block_size,
+                                         parallel={"micro_batches": m},
+                                         training={"seed": 0, "global_batch_size": b}))
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(0, small.vocab_size, (b, small.block_size), generator=g)
+            times = []
+            for _ in range(7):
+                t0 = cpu_clock()
+                engine.train_step(x, x)
+                times.append(cpu_clock() - t0)
+            out[(b, m)] = min(times[1:])  # the first creates the optimizer's moments
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def host_seconds(spec: ModelSpec, seq: int, cluster: Cluster) -> tuple[float, float]:
+    """``(step_s, micro_batch_s)``: host seconds per step and per micro-batch that
+    ``cluster``'s other terms do not price, measured on this machine: one process's steps
+    of a one-layer model of ``spec``'s family (``host_step_seconds``) less what the planner
+    predicts for the same steps (``simulate.simulate`` on ``cluster``, without these two):
+    the difference between the two steps' is per micro-batch (the executor, the
+    embedding's, the head's and the loss's dispatch), the rest per step (the step's
+    Python, zeroing the gradients); neither below 0."""
+    from shardwise.planner.layout import Layout
+    from shardwise.planner.simulate import simulate
+
+    small = calibration_spec(spec, seq)
+    got = host_step_seconds(spec, seq)
+    bare = replace(cluster, step_s=0.0, micro_batch_s=0.0)
+    miss = {(b, m): got[(b, m)] - simulate(small, Layout(1, 1, 1, b // m, m), bare)["step"]
+            for b, m in HOST_STEPS}
+    (b1, m1), (b2, m2) = HOST_STEPS
+    per_mb = max(0.0, (miss[(b2, m2)] - miss[(b1, m1)]) / (m2 - m1))
+    return max(0.0, miss[(b1, m1)] - m1 * per_mb), per_mb
 
 
 def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
                   world_size: int = 1, spec: ModelSpec | None = None) -> Cluster:
-    """This machine: compute measured on a block of the planned model (``spec``'s, else a
-    GPT's of the planned width; ranks sharing the cores equally), the comm profile's links
-    (gloo over loopback; one "node"), and the measured wait of a synchronisation when
-    ``world_size`` ranks share the cores."""
+    """This machine: compute and the optimizer step measured on a block of the planned
+    model (``spec``'s, else a GPT's of the planned width; ranks sharing the cores equally),
+    the comm profile's links (gloo over loopback; one "node"), and the measured wait of a
+    synchronisation when ``world_size`` ranks share the cores (``contention``)."""
     cal = dict(calibrate_local(width, seq, heads, spec))
-    cal["sync_penalty_s"] = calibrate_sync_penalty(world_size)
+    sync = calibrate_sync_penalty(world_size)
+    cal["sync_s"] = [list(r) for r in sync.rows]  # (group size, work s, wait s)
     prof = cost.active_profile()
-    link = Link("loopback (comm profile)", profile=prof, algorithm="auto")
+    from shardwise.comm import shm
+
+    # what the engine calls here: tensor-parallel layers gloo's own all-reduce
+    # (tensor_parallel.RankGroup's "native"); the gradient sync parallel.allreduce = "auto",
+    # which comm.api.choose makes the cheapest by the profile, shared memory among them when
+    # the ranks share a host (shm.available)
+    link = Link("loopback (comm profile)", profile=prof, algorithm="auto",
+                extra=("shm",) if shm.available() else (), tp_algorithm="native")
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 8 * GiB
     cores = os.cpu_count() or 1
-    return Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
-                   link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
-                   sync_penalty_s=cal["sync_penalty_s"], precision="fp32",
-                   source=f"measured now; comm profile {prof.name}", cores=cores, zero3_overlap=False,
-                   meta=cal)
+    out = Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
+                  link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
+                  sync=sync, precision="fp32",
+                  source=f"measured now; comm profile {prof.name}", cores=cores,
+                  zero3_overlap=False, optimizer_param_s=cal["optimizer_param_s"], meta=cal)
+    if spec is None:
+        spec = ModelSpec("calibration", 1, width, heads, 65, seq)
+    if spec.description is None:  # a family's sizes: its one-layer model is built here
+        cal["step_s"], cal["micro_batch_s"] = host_seconds(spec, seq, out)
+        out = replace(out, step_s=cal["step_s"], micro_batch_s=cal["micro_batch_s"])
+    return out
 
 
 def check_finite(value: float, what: str) -> float:

@@ -54,7 +54,7 @@ from operator import add
 
 from shardwise.base.config import SPLIT_BACKWARD_KINDS, V_SHAPED_KINDS
 from shardwise.parallel.pipeline.schedules import placement_of
-from shardwise.planner.comm_price import blocking_p2p, dp_seconds, p2p_bytes, tied_seconds
+from shardwise.planner.comm_price import dp_seconds, p2p_seconds, tied_seconds
 from shardwise.planner.compute import optimizer_seconds
 from shardwise.planner.costs import chunk_costs, model_seconds
 from shardwise.planner.feasible import (  # noqa: F401 (prune_reason: importable from here)
@@ -328,9 +328,7 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     ends = b._ends.get(key)
     if ends is None:  # per rank: the end of its own work, and of the backward chain after
         spec, e = b.spec, BYTES[b.precision]
-        msg = p2p_bytes(spec, lay, e)
-        hop = 0.0 if blocking_p2p(b.cluster, lay) else (
-            b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
+        hop = p2p_seconds(spec, lay, b.cluster, e, costs[0].forward - costs[0].tp_forward)
         work = [0.0] * p
         place = placement_of(lay.schedule, p, lay.chunks_per_rank)
         for c, cc in enumerate(costs):
