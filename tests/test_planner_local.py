@@ -95,20 +95,22 @@ def test_measured_optimizer_is_per_parameter_and_shares_the_cores():
 
 def test_zero3_on_shared_cores_pays_each_units_calls():
     """ZeRO-3 where ranks share cores: every unit (embedding, blocks, head) gathered and
-    reduce-scattered by calls of its own (a latency each), a wait per unit and collective."""
+    reduce-scattered by calls of its own (a latency each), each call's n - 1 ring steps a
+    pairwise synchronisation's wait (``ring_wait``)."""
     lay = Layout(4, 1, 1, 4, 1, zero=3)
-    cl = shared(SyncPenalty(((4, 1e-4, 1e-3),)))
+    cl = shared(SyncPenalty(((2, 1e-4, 1e-3),)))  # each of a ring's 3 steps: 1 ms
     layers = list(range(SPEC.n_layer + 2))
     link = cl.link(lay.world)
     x = [rank_params(SPEC, [i], 1, 1) * 4 for i in layers]
     u = len(layers)
     z = zero3_seconds(SPEC, lay, cl, "fp32", layers)
     g = sum(link.all_gather(4, b) for b in x)
-    assert z.forward == pytest.approx(g + u * 1e-3)
+    assert cl.ring_wait(4) == pytest.approx(3e-3) and cl.ring_wait(1) == 0.0
+    assert z.forward == pytest.approx(g + u * 3e-3)
     assert z.backward == pytest.approx(g + sum(link.reduce_scatter(4, b) for b in x)
-                                       + 2 * u * 1e-3)
+                                       + 2 * u * 3e-3)
     whole = sum(x)
-    assert z.forward > link.all_gather(4, whole) + u * 1e-3  # (n - 1) latencies per unit
+    assert z.forward > link.all_gather(4, whole) + u * 3e-3  # (n - 1) latencies per unit
 
 
 def test_context_parallel_ranks_share_the_cores_too():
@@ -148,3 +150,17 @@ def test_host_seconds_per_micro_batch_go_with_each_forward():
                       dedicated=True)
     base = chunk_costs(SPEC, lay, shared(SyncPenalty()), "fp32", dedicated=True)
     assert [m.forward - b.forward for m, b in zip(ded, base)] == pytest.approx([1e-3] * 2)
+
+
+def test_context_parallel_ring_steps_wait_off_the_core():
+    """Where ranks share cores each transfer of a block's cp ring waits as a pairwise
+    synchronisation (``sync(2, 0)``): cp - 1 forward, 2 cp - 1 backward, per block, none
+    hidden behind attention; nothing on a GPU cluster."""
+    lay = Layout(1, 1, 1, 8, 1, cp=4)
+    (c,) = chunk_costs(SPEC, lay, shared(), "fp32")
+    (b,) = chunk_costs(SPEC, lay, shared(SyncPenalty()), "fp32")
+    L, w = SPEC.n_layer, shared().sync(2, 0.0)
+    assert c.wait_forward - b.wait_forward == pytest.approx(L * 3 * w)
+    assert c.wait_backward - b.wait_backward == pytest.approx(L * 7 * w)
+    gpu = block_costs(SPEC, lay, PRESETS["dgx-h100"], "bf16")
+    assert gpu.cp_wait_forward == gpu.cp_wait_backward == 0.0

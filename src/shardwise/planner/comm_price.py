@@ -247,11 +247,10 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     if lay.zero == 3:  # its gathers and reduce-scatters are inside the schedule
         return DpSeconds(mean)
     n, inner = n // R, cluster.link(lay.world // R)
-    pen = cluster.sync(n, math.inf)
     st, sx = cluster.comm_stretch(n, lay.world), cluster.comm_stretch(nx, lay.world)
     return DpSeconds(mean + st * (inner.reduce_scatter(n, x) + inner.all_gather(n, x))
                      + sx * (link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e))
-                     + 2 * pen)
+                     + 2 * cluster.ring_wait(n))  # ranks sharing cores: each step waits
 
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:

@@ -102,6 +102,11 @@ class BlockCosts(NamedTuple):
     forward of its linear GEMMs, the attention core's not among them; else 0)."""
     frozen_head_grad: float = 0.0
     """The same for the head's GEMM (its weight frozen under LoRA; else 0)."""
+    cp_wait_forward: float = 0.0
+    """Where ranks share cores, the waits of a block's forward ring steps: each of its cp -
+    1 transfers a pairwise synchronisation (``Cluster.sync(2, 0)``), off the core; else 0."""
+    cp_wait_backward: float = 0.0
+    """The same for its backward's 2 cp - 1 transfers (K and V, then dK and dV)."""
     host: float = 0.0
     """Host seconds of one micro-batch on a rank beyond its layers' priced work
     (``Cluster.micro_batch_s``, measured on local; 0 elsewhere), charged to the forward of
@@ -250,6 +255,9 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                       sync_penalty_backward=pen_b, sync_penalty_small=pen_0,
                       recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
                       frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h,
+                      cp_wait_forward=(lay.cp_ring - 1) * cluster.sync(2, 0.0),
+                      cp_wait_backward=(2 * lay.cp_ring - 1) * cluster.sync(2, 0.0)
+                      if lay.cp_ring > 1 else 0.0,
                       host=cluster.micro_batch_s * (
                           1.0 if dedicated or not cluster.cores
                           else max(1.0, lay.world / cluster.cores)))
@@ -331,13 +339,17 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     comp_f = nb * blk_s + (head_s if head else 0.0)
     cpf, epf = nb * cp_f, nb * a2a
     tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
-    # the blocks' synchronisations, and the embedding's one and the loss's three
+    # the blocks' synchronisations, and the embedding's one and the loss's three; the cp
+    # ring's steps (ranks sharing cores)
     wait_f = (nb * n_sync * blk.sync_penalty + ((1 if emb else 0) + (3 if head else 0))
               * blk.sync_penalty_small) if lay.tp > 1 else 0.0
     cpb, epb = nb * cp_b, nb * a2a
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
     wait_b = (nb * n_sync * blk.sync_penalty_backward
               + (1 if head else 0) * blk.sync_penalty_small) if lay.tp > 1 else 0.0
+    if blk.cp_wait_forward:
+        wait_f += nb * blk.cp_wait_forward
+        wait_b += nb * blk.cp_wait_backward
     comp_b = (2 * comp_f + nb * blk.attention_backward
               - nb * blk.frozen_weight_grad - (blk.frozen_head_grad if head else 0.0))
     if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
@@ -451,7 +463,7 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     Without overlap (``zero3_overlap=False``): the rank's parameters x all-gathered whole
     per pass and reduce-scattered per backward: forward g(x), backward g(x) + r(x). Ranks
     sharing cores (local): each unit's own calls, stretched as CPU work (``comm_stretch``
-    k), and a synchronisation's wait per unit and collective (``Cluster.sync``): forward
+    k), and their ring steps' waits per unit and collective (``Cluster.ring_wait``): forward
     k sum_i g(x_i) + u pen, backward k sum_i (g(x_i) + r(x_i)) + 2 u pen (u =
     ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search prices
     hundreds of thousands of ZeRO-3 layouts that share these answers).
@@ -505,12 +517,9 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
             return Zero3Seconds(gather(d, x), gather(d, x) + scatter(d, x))
         # ranks sharing cores (local): each unit is gathered and reduce-scattered by calls
         # of its own, latencies and all (the engine's ZeroStage3 hooks), stretched as CPU
-        # work shared with the other ranks (Cluster.comm_stretch), and each call waits
-        # for a core (Cluster.sync for the dp group, after a block's forward on a core of
-        # its own: the work between two of them)
-        share = max(1.0, lay.world / cluster.cores)
-        block = unit_forward_seconds(spec, lay, cluster, precision, memo)["block"]
-        pen = cluster.sync(n, block / share)
+        # work shared with the other ranks (Cluster.comm_stretch), and each call's ring
+        # steps wait for a core (Cluster.ring_wait)
+        pen = cluster.ring_wait(n)
         each = [parts([i]) for i in layers]
         st = cluster.comm_stretch(n, lay.world)  # CPU work shared with the other ranks
         g = st * sum(gather(*u) for u in each) + units * pen

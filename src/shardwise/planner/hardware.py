@@ -189,6 +189,13 @@ class Cluster:
         share = max(1.0, world_size / self.cores) if self.cores else 1.0
         return self.core_share(n) * share
 
+    def ring_wait(self, n: int) -> float:
+        """Where ranks share cores, the waits of one ring collective of ``n`` ranks (ZeRO's
+        reduce-scatters and all-gathers: ``comm``'s own ring on gloo, ``resolve_auto``):
+        its n - 1 steps are each a pairwise synchronisation, back to back
+        (``sync(2, 0)``); 0 where every rank has a device."""
+        return (n - 1) * self.sync(2, 0.0) if n > 1 else 0.0
+
     def core_share(self, n: int) -> float:
         """The share of a core each of ``n`` ranks had when the comm profile timed their
         collective (local: min(1, cores / n); 1 on a GPU cluster)."""
