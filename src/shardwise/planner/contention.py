@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 MSG_FLOATS = 16384  # 64 KB: a tensor-parallel activation of these benchmarks' micro-batches
 WORK_S = (3e-4, 3e-3)  # seconds of work between synchronisations (one core), measured at
-ROUNDS, REPEATS = 20, 3
+ROUNDS, REPEATS = 10, 3
 MATMUL = (128, 128, 512)  # one unit of work: (m, k, n) fp32, ~0.2 ms on one core here
 
 
@@ -128,9 +128,9 @@ def sync_worker(sizes: list[int], works: list[float]) -> dict:
                             comm.all_reduce(x, group=group)
                     runs[kind].append((time.perf_counter() - t0) / ROUNDS)
 
-            # pairs until REPEATS saw no other process's load (at most 3 x REPEATS); the
-            # quiet ones kept, or every one when too few were quiet
-            loads = quiet.repeat_until_quiet(pair, REPEATS, 3 * REPEATS, foreign)
+            # pairs until REPEATS saw no other process's load (at most 2 x REPEATS); the
+            # quiet ones kept, or every one when none was quiet
+            loads = quiet.repeat_until_quiet(pair, REPEATS, 2 * REPEATS, foreign)
             out[(g, w)] = {k: quiet.quiet_values(v, loads, least=1) for k, v in runs.items()}
     return out
 
