@@ -31,7 +31,6 @@ one rank makes, each on the link its group crosses (``Cluster.link``).
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -233,24 +232,19 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         X, P = 0, lora_rank_params(spec, layers, lay.tp)
     link = cluster.link(lay.world)
     x = P * e
-    # ranks sharing cores: one wait per synchronisation of the group, after a whole step's
-    # work (contention.SyncPenalty at its longest measured work; 0 elsewhere)
-    pen = cluster.sync(n, math.inf)
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
     if lay.zero == 0:  # ranks sharing cores: CPU work shared with them (comm_stretch)
         return DpSeconds(cluster.comm_stretch(n, lay.world) * link.all_reduce(n, x)
-                         + cluster.comm_stretch(nx, lay.world) * link.all_reduce(nx, X * e)
-                         + pen)
+                         + cluster.comm_stretch(nx, lay.world) * link.all_reduce(nx, X * e))
     # HSDP: the shard's mean across replicas on the links the whole grid spans (inter-node
     # once it spans nodes); the shard group's own collectives on a replica's links
-    mean = link.all_reduce(R, x * R / n) + cluster.sync(R, math.inf) if R > 1 else 0.0
+    mean = link.all_reduce(R, x * R / n) if R > 1 else 0.0
     if lay.zero == 3:  # its gathers and reduce-scatters are inside the schedule
         return DpSeconds(mean)
     n, inner = n // R, cluster.link(lay.world // R)
     st, sx = cluster.comm_stretch(n, lay.world), cluster.comm_stretch(nx, lay.world)
     return DpSeconds(mean + st * (inner.reduce_scatter(n, x) + inner.all_gather(n, x))
-                     + sx * (link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e))
-                     + 2 * cluster.ring_wait(n))  # ranks sharing cores: each step waits
+                     + sx * (link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e)))
 
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
@@ -270,18 +264,15 @@ def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
             / (lay.tp if lay.sp else 1))
 
 
-def p2p_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int,
-                work_s: float) -> float:
+def p2p_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
     """Seconds of one pipeline transfer that does not block compute (``p2p_bytes`` on the
-    link the stages cross, ``Link.p2p``), and where ranks share cores stretched as CPU work
-    (``Cluster.comm_stretch``) with the receiver's wait for one after ``work_s`` seconds of
-    work (``Cluster.sync`` for a pair); 0 at pp = 1 or with blocking sends
+    link the stages cross, ``Link.p2p``), where ranks share cores stretched as CPU work
+    shared with the others (``Cluster.comm_stretch``); 0 at pp = 1 or with blocking sends
     (``megatron_send_seconds`` prices those)."""
     if lay.pp == 1 or blocking_p2p(cluster, lay):
         return 0.0
     return (cluster.comm_stretch(2, lay.world)  # CPU work shared with the other ranks
-            * cluster.link(lay.tp * lay.cp * lay.pp).p2p(p2p_bytes(spec, lay, e))
-            + cluster.sync(2, work_s))
+            * cluster.link(lay.tp * lay.cp * lay.pp).p2p(p2p_bytes(spec, lay, e)))
 
 
 def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:

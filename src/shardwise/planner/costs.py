@@ -78,15 +78,6 @@ class BlockCosts(NamedTuple):
     backward."""
     all_to_all: float
     """Seconds of a block's all-to-alls in one pass (``all_to_all_seconds``)."""
-    sync_penalty: float
-    """Seconds each of a block's forward synchronisations waits on a machine whose ranks
-    share cores (``Cluster.sync``: the tp group's size, after the forward's work between
-    two of them)."""
-    sync_penalty_backward: float
-    """The same for a backward synchronisation (twice the work between two)."""
-    sync_penalty_small: float
-    """The same for the back-to-back ones: the embedding's and the loss's (no work
-    between)."""
     recomputed: float = 0.0
     """Seconds of what the engine's selective recomputation runs again of a block in
     backward (``recomputed_ops``; ``Layout.recompute = "selective"``)."""
@@ -102,11 +93,6 @@ class BlockCosts(NamedTuple):
     forward of its linear GEMMs, the attention core's not among them; else 0)."""
     frozen_head_grad: float = 0.0
     """The same for the head's GEMM (its weight frozen under LoRA; else 0)."""
-    cp_wait_forward: float = 0.0
-    """Where ranks share cores, the waits of a block's forward ring steps: each of its cp -
-    1 transfers a pairwise synchronisation (``Cluster.sync(2, 0)``), off the core; else 0."""
-    cp_wait_backward: float = 0.0
-    """The same for its backward's 2 cp - 1 transfers (K and V, then dK and dV)."""
     host: float = 0.0
     """Host seconds of one micro-batch on a rank beyond its layers' priced work
     (``Cluster.micro_batch_s``, measured on local; 0 elsewhere), charged to the forward of
@@ -127,8 +113,8 @@ class ChunkCost(NamedTuple):
     tp_backward: float
     """Seconds of communication inside the backward, and its waiting."""
     wait_forward: float
-    """Seconds of the forward spent off the core: its sync penalty (ranks sharing cores)
-    and ZeRO-3's exposed collectives (``_with_zero3``)."""
+    """Seconds of the forward spent off the core: ZeRO-3's exposed collectives
+    (``_with_zero3``)."""
     wait_backward: float
     """Seconds of the backward spent off the core (as ``wait_forward``)."""
     cp: float
@@ -157,7 +143,7 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     """The per-block prices ``chunk_costs`` composes chunks of (``BlockCosts``: tp seconds
     of a block, its synchronisations, the embedding's and the loss's tp seconds, a block's
     and the head's forward compute, the attention core's, a blocking send, the ring's
-    exposed forward and backward, a block's all-to-alls, the sync penalty). Mixed dense and
+    exposed forward and backward, a block's all-to-alls). Mixed dense and
     mixture blocks (``ModelSpec.mixed``): the mean block's, each price the kinds' weighted
     by their share of the blocks (a chunk's sum is then exact when it holds that share)."""
     if spec.mixed:
@@ -212,12 +198,6 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
         head_s = head_f / rate
     else:
         blk_s, head_s = bf / rate + over, head_f / rate
-    # ranks sharing cores (local): the wait of a tp synchronisation after the compute a rank
-    # does before it on a core of its own (contention.SyncPenalty, measured per group size
-    # and work: one block pass split by its synchronisations); 0 elsewhere
-    own = (bf / cluster.rate(1) + cluster.rank_overhead(1)) / max(1, n_sync)
-    pen, pen_b, pen_0 = (cluster.sync(lay.tp, own), cluster.sync(lay.tp, 2 * own),
-                         cluster.sync(lay.tp, 0.0))
     frozen_b = frozen_h = 0.0
     if spec.lora:  # the base's weight gradients are not computed (adapters: negligible)
         if cluster.ops is not None:
@@ -251,13 +231,9 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     a2a = all_to_all_seconds(spec, lay, cluster, e)
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
-                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen,
-                      sync_penalty_backward=pen_b, sync_penalty_small=pen_0,
+                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a,
                       recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
                       frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h,
-                      cp_wait_forward=(lay.cp_ring - 1) * cluster.sync(2, 0.0),
-                      cp_wait_backward=(2 * lay.cp_ring - 1) * cluster.sync(2, 0.0)
-                      if lay.cp_ring > 1 else 0.0,
                       host=cluster.micro_batch_s * (
                           1.0 if dedicated or not cluster.cores
                           else max(1.0, lay.world / cluster.cores)))
@@ -279,8 +255,8 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                 dedicated: bool = False, memo: dict | None = None) -> list[ChunkCost]:
     """Per global chunk, a ``ChunkCost``: (forward s, backward s, tp s in forward, tp s in
     backward, waiting s in forward, waiting s in backward, cp s, ep s, blocking pp s),
-    seconds of one micro-batch. Waiting: the sync
-    penalty of ranks sharing cores (``contention``), spent off the core. ``dedicated``:
+    seconds of one micro-batch. Waiting: ZeRO-3's exposed collectives, spent off the core.
+    ``dedicated``:
     compute as if the rank had a core to itself (the shared walk slows it down). cp, ep and
     pp: the exposed ring, all-to-all and blocking-send seconds of the chunk, forward +
     backward, counted in the tp columns too (communication inside compute; ``simulate``
@@ -339,17 +315,9 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     comp_f = nb * blk_s + (head_s if head else 0.0)
     cpf, epf = nb * cp_f, nb * a2a
     tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
-    # the blocks' synchronisations, and the embedding's one and the loss's three; the cp
-    # ring's steps (ranks sharing cores)
-    wait_f = (nb * n_sync * blk.sync_penalty + ((1 if emb else 0) + (3 if head else 0))
-              * blk.sync_penalty_small) if lay.tp > 1 else 0.0
+    wait_f = wait_b = 0.0  # off the core: ZeRO-3's, added by _with_zero3
     cpb, epb = nb * cp_b, nb * a2a
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
-    wait_b = (nb * n_sync * blk.sync_penalty_backward
-              + (1 if head else 0) * blk.sync_penalty_small) if lay.tp > 1 else 0.0
-    if blk.cp_wait_forward:
-        wait_f += nb * blk.cp_wait_forward
-        wait_b += nb * blk.cp_wait_backward
     comp_b = (2 * comp_f + nb * blk.attention_backward
               - nb * blk.frozen_weight_grad - (blk.frozen_head_grad if head else 0.0))
     if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
@@ -406,7 +374,7 @@ def model_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
 def _with_zero3(c: ChunkCost, z: Zero3Seconds) -> ChunkCost:
     """``c`` with ZeRO-3's exposed seconds inside its forward and backward (communication
     inside compute: the walk delays whatever waits on this chunk by them), spent off the
-    core as the sync penalty is (``walk_shared`` does not slow them down by core sharing,
+    core (``walk_shared`` does not slow them down by core sharing,
     as the step's ZeRO-3 seconds were priced before they moved into the chunks)."""
     return c._replace(forward=c.forward + z.forward, backward=c.backward + z.backward,
                       tp_forward=c.tp_forward + z.forward, tp_backward=c.tp_backward + z.backward,
@@ -462,10 +430,9 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
 
     Without overlap (``zero3_overlap=False``): the rank's parameters x all-gathered whole
     per pass and reduce-scattered per backward: forward g(x), backward g(x) + r(x). Ranks
-    sharing cores (local): each unit's own calls, stretched as CPU work (``comm_stretch``
-    k), and their ring steps' waits per unit and collective (``Cluster.ring_wait``): forward
-    k sum_i g(x_i) + u pen, backward k sum_i (g(x_i) + r(x_i)) + 2 u pen (u =
-    ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search prices
+    sharing cores (local): each unit's own calls, stretched as CPU work shared with the
+    other ranks (``Cluster.comm_stretch`` k): forward k sum_i g(x_i), backward k sum_i
+    (g(x_i) + r(x_i)). ``memo``: ``chunk_costs``' dict for one search (a search prices
     hundreds of thousands of ZeRO-3 layouts that share these answers).
 
     With expert parallelism (``lay.ep > 1``: ``ZeroStage3(expert_group=)``) a block is two
@@ -509,21 +476,16 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
         return link.reduce_scatter(n, d) + link.reduce_scatter(nx, x)
 
     if not cluster.zero3_overlap or cluster.cores:
-        d, x = parts(layers)
-        units = len(layers) + (sum(1 for i in layers if 1 <= i <= L) if x else 0)
-        # ranks sharing cores: each unit's collective waits (Cluster.sync, the dp group,
-        # after a block's forward on a core of its own); 0 elsewhere
         if not cluster.cores:
+            d, x = parts(layers)
             return Zero3Seconds(gather(d, x), gather(d, x) + scatter(d, x))
         # ranks sharing cores (local): each unit is gathered and reduce-scattered by calls
         # of its own, latencies and all (the engine's ZeroStage3 hooks), stretched as CPU
-        # work shared with the other ranks (Cluster.comm_stretch), and each call's ring
-        # steps wait for a core (Cluster.ring_wait)
-        pen = cluster.ring_wait(n)
+        # work shared with the other ranks (Cluster.comm_stretch)
         each = [parts([i]) for i in layers]
-        st = cluster.comm_stretch(n, lay.world)  # CPU work shared with the other ranks
-        g = st * sum(gather(*u) for u in each) + units * pen
-        return Zero3Seconds(g, g + st * sum(scatter(*u) for u in each) + units * pen)
+        st = cluster.comm_stretch(n, lay.world)
+        g = st * sum(gather(*u) for u in each)
+        return Zero3Seconds(g, g + st * sum(scatter(*u) for u in each))
     fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)
     # the layers are consecutive: the embedding first, the head last where they are here
     emb, head = layers[0] == 0, layers[-1] == L + 1

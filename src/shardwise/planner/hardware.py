@@ -60,7 +60,6 @@ from functools import lru_cache
 from shardwise.comm import cost
 from shardwise.comm.cost import LinkParams
 from shardwise.perf.gpus import gpu_peak
-from shardwise.planner.contention import SyncPenalty, calibrate_sync_penalty
 from shardwise.planner.specs import ModelSpec, SpecError
 
 EFFICIENCY = 0.5
@@ -138,9 +137,7 @@ class Cluster:
     Python); ``memory``: bytes per GPU; ``reserved``: bytes of each GPU a plan leaves free
     (``GPU_RESERVED`` on the GPU presets; 0 on ``local``); ``share``: ranks per compute
     unit (local: ranks per core, compute slows by it); ``fp8_flops``: dense FP8 tensor-core
-    peak per GPU (None: the GPU has no FP8 tensor cores, as the A100); ``sync``: the wait
-    of a synchronisation by group size and work before it (``contention.SyncPenalty``,
-    measured where ranks share cores; empty elsewhere)."""
+    peak per GPU (None: the GPU has no FP8 tensor cores, as the A100)."""
 
     name: str
     gpu: str
@@ -152,7 +149,6 @@ class Cluster:
     efficiency: float = EFFICIENCY
     mem_bw: float = 1.5e12  # bytes/s of device memory (the optimizer step is bound by it)
     overhead_s: float = 0.0
-    sync: SyncPenalty = SyncPenalty()  # a synchronisation's wait for a core (ranks > cores)
     precision: str = "bf16"
     source: str = ""
     cores: int = 0
@@ -181,25 +177,28 @@ class Cluster:
 
     def comm_stretch(self, n: int, world_size: int) -> float:
         """How much longer than its comm-profile price a collective of ``n`` ranks takes
-        while ``world_size`` ranks share the cores (local): the profile timed it with the n
+        while ``world_size`` ranks share the cores (local): the profile timed it with its
         ranks alone, each on ``core_share(n)`` of a core, and gloo's collectives here are
-        CPU work (copies, reductions, loopback's kernel work) that gets a core's
-        cores / world_size like compute: core_share(n) x max(1, world_size / cores); 1
-        where every rank has a device."""
+        CPU work (copies, reductions, loopback's kernel work, each step's peer to be
+        scheduled) that gets cores / world_size of a core like compute:
+        core_share(n) x max(1, world_size / cores). Measured: replayed on the last quiet
+        ``benchmarks/planner_local.py`` run (load 0.47), dp1 tp4 at world size 4 ran at its
+        profile price (stretch 1: 137-148 ms measured, 147-155 predicted), dp2 tp4 at 8 at
+        about twice it (213-220, 256-271), dp2 tp2 at 4 twice (77-97, 84-86). 1 where every
+        rank has a device."""
         share = max(1.0, world_size / self.cores) if self.cores else 1.0
         return self.core_share(n) * share
 
-    def ring_wait(self, n: int) -> float:
-        """Where ranks share cores, the waits of one ring collective of ``n`` ranks (ZeRO's
-        reduce-scatters and all-gathers: ``comm``'s own ring on gloo, ``resolve_auto``):
-        its n - 1 steps are each a pairwise synchronisation, back to back
-        (``sync(2, 0)``); 0 where every rank has a device."""
-        return (n - 1) * self.sync(2, 0.0) if n > 1 else 0.0
-
     def core_share(self, n: int) -> float:
-        """The share of a core each of ``n`` ranks had when the comm profile timed their
-        collective (local: min(1, cores / n); 1 on a GPU cluster)."""
-        return min(1.0, self.cores / n) if self.cores and n > 0 else 1.0
+        """The share of a core each rank had when the comm profile timed a collective of
+        ``n`` ranks: min(1, cores / m), m the world size it measured for n (the profile of
+        this machine has 2 and 4: 8 ranks are priced at 4's constants, timed on half a core
+        each); 1 on a GPU cluster."""
+        if not self.cores or n <= 0:
+            return 1.0
+        prof = self.intra.profile
+        m = prof.measured_size(n) if prof is not None else n
+        return min(1.0, self.cores / m)
 
     def memory_per_rank(self, world_size: int) -> float:
         """Bytes one rank's plan may fill: a GPU's memory less ``reserved``, or this
@@ -526,7 +525,7 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
         torch.set_num_threads(threads)
     return {"block_flops": rate, "overhead_s": overhead, "matmul_flops": matmul,
             "optimizer_param_s": opt / sum(p.numel() for p in blk.parameters()),
-            "width": width, "seq": seq}
+            "seq_flops": fl, "width": width, "seq": seq}
 
 
 def optimizer_step_seconds(params: list) -> float:
@@ -551,7 +550,7 @@ def optimizer_step_seconds(params: list) -> float:
     return min(times[1:])  # the first creates the moments
 
 
-HOST_STEPS = ((1, 1), (2, 2))  # (sequences, micro-batches) of the host-time steps
+HOST_STEPS = ((2, 1), (2, 2))  # (sequences, micro-batches): the same tokens, one more pass
 
 
 @lru_cache(maxsize=8)
@@ -559,15 +558,15 @@ def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
     """The fastest of 6 training steps (this thread's CPU seconds, one torch thread) of a
     one-layer model of ``spec``'s family (``calibration_spec``: narrowed like the block
     timed) in one process, at each ``HOST_STEPS`` (sequences, micro-batches), on the CPU:
-    ``{(b, m): seconds}``. The engine's whole step: the executor, embedding, head and loss,
-    the block, the optimizer."""
+    ``({(b, m): seconds}, parameters of the model)``. The engine's whole step: the
+    executor, embedding, head and loss, the block, the optimizer."""
     import torch
 
     from shardwise.base.topology import Topology
     from shardwise.engine import Engine, EngineConfig
 
     small = calibration_spec(spec, seq)
-    out = {}
+    out, n_params = {}, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank runs (and no other thread's spinning counted)
     try:
@@ -584,41 +583,40 @@ def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
                 engine.train_step(x, x)
                 times.append(cpu_clock() - t0)
             out[(b, m)] = min(times[1:])  # the first creates the optimizer's moments
+            n_params = sum(p.numel() for _, p in engine.named_parameters())
     finally:
         torch.set_num_threads(threads)
-    return out
+    return out, n_params
 
 
-def host_seconds(spec: ModelSpec, seq: int, cluster: Cluster) -> tuple[float, float]:
-    """``(step_s, micro_batch_s)``: host seconds per step and per micro-batch that
-    ``cluster``'s other terms do not price, measured on this machine: one process's steps
-    of a one-layer model of ``spec``'s family (``host_step_seconds``) less what the planner
-    predicts for the same steps (``simulate.simulate`` on ``cluster``, without these two):
-    the difference between the two steps' is per micro-batch (the executor, the
-    embedding's, the head's and the loss's dispatch), the rest per step (the step's
-    Python, zeroing the gradients); neither below 0."""
-    from shardwise.planner.layout import Layout
-    from shardwise.planner.simulate import simulate
-
-    small = calibration_spec(spec, seq)
-    got = host_step_seconds(spec, seq)
-    bare = replace(cluster, step_s=0.0, micro_batch_s=0.0)
-    miss = {(b, m): got[(b, m)] - simulate(small, Layout(1, 1, 1, b // m, m), bare)["step"]
-            for b, m in HOST_STEPS}
-    (b1, m1), (b2, m2) = HOST_STEPS
-    per_mb = max(0.0, (miss[(b2, m2)] - miss[(b1, m1)]) / (m2 - m1))
-    return max(0.0, miss[(b1, m1)] - m1 * per_mb), per_mb
+def host_seconds(spec: ModelSpec, seq: int, cal: dict) -> tuple[float, float]:
+    """``(step_s, micro_batch_s)``: host seconds per step and per micro-batch that the
+    block's and the optimizer's calibration (``cal``: ``calibrate_local``'s) do not hold,
+    measured on this machine: one process's steps of a one-layer model of ``spec``'s family
+    (``host_step_seconds``) on the same tokens in 1 and 2 micro-batches. Per micro-batch:
+    the second less the first, less the one more pass of the block's fixed seconds the
+    planner prices (forward and backward: 3 ``overhead_s``): the executor, the embedding's,
+    the head's and the loss's dispatch. Per step: the first less the block's priced
+    seconds (``seq_flops`` per sequence at ``block_flops``, and its fixed seconds), the
+    optimizer's (``optimizer_param_s`` per parameter) and one micro-batch's: the step's
+    Python, zeroing the gradients. Neither below 0."""
+    got, n_params = host_step_seconds(spec, seq)
+    (b, m1), (_, m2) = HOST_STEPS
+    per_mb = max(0.0, (got[(b, m2)] - got[(b, m1)]) / (m2 - m1) - 3 * cal["overhead_s"])
+    priced = (b * cal["seq_flops"] / cal["block_flops"] + m1 * 3 * cal["overhead_s"]
+              + n_params * cal["optimizer_param_s"])
+    return max(0.0, got[(b, m1)] - priced - m1 * per_mb), per_mb
 
 
 def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
                   world_size: int = 1, spec: ModelSpec | None = None) -> Cluster:
     """This machine: compute and the optimizer step measured on a block of the planned
     model (``spec``'s, else a GPT's of the planned width; ranks sharing the cores equally),
-    the comm profile's links (gloo over loopback; one "node"), and the measured wait of a
-    synchronisation when ``world_size`` ranks share the cores (``contention``)."""
+    the host's seconds per step and micro-batch measured on a one-layer model of its family
+    (``host_seconds``), the comm profile's links (gloo over loopback; one "node"; their
+    prices stretched where ranks share the cores: ``Cluster.comm_stretch``).
+    ``world_size`` is not read (kept for the callers: nothing here depends on it)."""
     cal = dict(calibrate_local(width, seq, heads, spec))
-    sync = calibrate_sync_penalty(world_size)
-    cal["sync_s"] = [list(r) for r in sync.rows]  # (group size, work s, wait s)
     prof = cost.active_profile()
     from shardwise.comm import shm
 
@@ -635,13 +633,13 @@ def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
     cores = os.cpu_count() or 1
     out = Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
                   link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
-                  sync=sync, precision="fp32",
+                  precision="fp32",
                   source=f"measured now; comm profile {prof.name}", cores=cores,
                   zero3_overlap=False, optimizer_param_s=cal["optimizer_param_s"], meta=cal)
     if spec is None:
         spec = ModelSpec("calibration", 1, width, heads, 65, seq)
     if spec.description is None:  # a family's sizes: its one-layer model is built here
-        cal["step_s"], cal["micro_batch_s"] = host_seconds(spec, seq, out)
+        cal["step_s"], cal["micro_batch_s"] = host_seconds(spec, seq, cal)
         out = replace(out, step_s=cal["step_s"], micro_batch_s=cal["micro_batch_s"])
     return out
 

@@ -328,7 +328,7 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     ends = b._ends.get(key)
     if ends is None:  # per rank: the end of its own work, and of the backward chain after
         spec, e = b.spec, BYTES[b.precision]
-        hop = p2p_seconds(spec, lay, b.cluster, e, costs[0].forward - costs[0].tp_forward)
+        hop = p2p_seconds(spec, lay, b.cluster, e)
         work = [0.0] * p
         place = placement_of(lay.schedule, p, lay.chunks_per_rank)
         for c, cc in enumerate(costs):

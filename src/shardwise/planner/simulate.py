@@ -120,8 +120,7 @@ def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str |
     shared = bool(cluster.cores)
     costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
     e = BYTES[precision]
-    # a transfer's wait, where ranks share cores, after the first chunk's forward compute
-    p2p = p2p_seconds(spec, lay, cluster, e, costs[0].forward - costs[0].tp_forward)
+    p2p = p2p_seconds(spec, lay, cluster, e)
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
