@@ -191,8 +191,7 @@ def test_planner_prices_the_replica_mean_on_inter_node_links(tmp_path):
     layers = list(range(spec.n_layer + 2))
     x = rank_params(spec, layers, 1, 1) * BYTES["bf16"]
     flat, hsdp = (Layout(32, 1, 1, 2, 1, zero=1, dp_replicate=r) for r in (1, 4))
-    pen = cl.sync_penalty_s
-    want = (cl.inter.all_reduce(4, x / 8) + pen + cl.intra.reduce_scatter(8, x)
+    want = (cl.inter.all_reduce(4, x / 8) + cl.intra.reduce_scatter(8, x)
             + cl.intra.all_gather(8, x))
     assert dp_seconds(spec, hsdp, cl, "bf16", layers).after == pytest.approx(want)
     assert dp_seconds(spec, hsdp, cl, "bf16", layers).after < \

@@ -270,9 +270,8 @@ def test_zero3_pipeline_seconds_are_the_documented_formula(overlap, recompute):
             fwd, bwd = _overlapped_by_hand(g, rs, c, b)
         else:
             whole = rank_params(SPEC, layers, 2, 4) * e
-            fwd = link.all_gather(n, whole) + len(layers) * cl.sync_penalty_s
-            bwd = (link.all_gather(n, whole) + link.reduce_scatter(n, whole)
-                   + 2 * len(layers) * cl.sync_penalty_s)
+            fwd = link.all_gather(n, whole)
+            bwd = link.all_gather(n, whole) + link.reduce_scatter(n, whole)
         got = zero3_seconds(SPEC, lay, cl, "bf16", layers)
         assert got.forward == pytest.approx(fwd, rel=1e-12) and fwd > 0
         assert got.backward == pytest.approx(bwd, rel=1e-12) and bwd > 0
@@ -315,9 +314,8 @@ def test_zero3_interleaved_seconds_are_per_chunk(overlap):
             fwd, bwd = _overlapped_by_hand(g, rs, c, [2 * t for t in c])
         else:
             whole = rank_params(SPEC, layers, 2, 4) * e
-            fwd = link.all_gather(n, whole) + len(layers) * cl.sync_penalty_s
-            bwd = (link.all_gather(n, whole) + link.reduce_scatter(n, whole)
-                   + 2 * len(layers) * cl.sync_penalty_s)
+            fwd = link.all_gather(n, whole)
+            bwd = link.all_gather(n, whole) + link.reduce_scatter(n, whole)
         assert z3[ch].forward == pytest.approx(z1[ch].forward + fwd, rel=1e-12) and fwd > 0
         assert z3[ch].backward == pytest.approx(z1[ch].backward + bwd, rel=1e-12) and bwd > 0
         assert z3[ch].dp == pytest.approx(fwd + bwd, rel=1e-12)
@@ -824,11 +822,9 @@ def test_zero3_ep_seconds_are_the_documented_formula(overlap):
             fwd, bwd = _overlapped_by_hand(g, rs, c, b)
         else:
             d, x = parts(layers)
-            u = len(layers) + sum(1 for i in layers if 1 <= i <= L)
-            pen = cl.sync_penalty_s
-            fwd = link.all_gather(n, d) + link.all_gather(nx, x) + u * pen
+            fwd = link.all_gather(n, d) + link.all_gather(nx, x)
             bwd = (link.all_gather(n, d) + link.all_gather(nx, x) + link.reduce_scatter(n, d)
-                   + link.reduce_scatter(nx, x) + 2 * u * pen)
+                   + link.reduce_scatter(nx, x))
         got = zero3_seconds(MOE, lay, cl, "bf16", layers)
         assert got.forward == pytest.approx(fwd, rel=1e-12) and fwd > 0
         assert got.backward == pytest.approx(bwd, rel=1e-12) and bwd > 0

@@ -341,6 +341,25 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
               + f"{pct[0]:>4.0f} " + " ".join(f"{p:>3.0f}" for p in pct[1:]))
 
 
+def parallel_table(lay) -> dict:
+    """The ``[parallel]`` fields of a config that trains layout ``lay`` (a
+    ``planner.layout.Layout``) as the planner priced it."""
+    parallel = {"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+                "micro_batches": lay.micro_batches, "schedule": lay.schedule,
+                "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero,
+                "recompute": {False: "none", True: "stage"}.get(lay.recompute, lay.recompute),
+                "sequence_parallel": lay.sp, "partition": lay.partition,
+                "cp": lay.cp, "ep": lay.ep}
+    if lay.cp_a2a > 1:  # the all-to-all (DeepSpeed-Ulysses) or the hybrid
+        parallel["cp_comm"] = lay.cp_comm
+        if lay.cp_comm == "hybrid":
+            parallel["cp_a2a"] = lay.cp_a2a
+    if lay.dp_replicate > 1:  # HSDP
+        parallel.update({"dp_replicate": lay.dp_replicate,
+                         "dp_shard": lay.dp // lay.dp_replicate})
+    return parallel
+
+
 def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str,
               compiled: bool = False) -> Path:
     """Write ``lay`` as a train config. A TOML model keeps its sections, its model table as
@@ -377,19 +396,7 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str,
         model = spec.model_table()
     parallel = {k: v for k, v in data.get("parallel", {}).items()
                 if k in ("bucket_mb", "first_bucket_mb", "allreduce", "timeout_s")}
-    parallel.update({"mode": "grid", "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-                     "micro_batches": lay.micro_batches, "schedule": lay.schedule,
-                     "chunks_per_rank": lay.chunks_per_rank, "zero": lay.zero,
-                     "recompute": {False: "none", True: "stage"}.get(lay.recompute, lay.recompute),
-                     "sequence_parallel": lay.sp, "partition": lay.partition,
-                     "cp": lay.cp, "ep": lay.ep})
-    if lay.cp_a2a > 1:  # the all-to-all (DeepSpeed-Ulysses) or the hybrid
-        parallel["cp_comm"] = lay.cp_comm
-        if lay.cp_comm == "hybrid":
-            parallel["cp_a2a"] = lay.cp_a2a
-    if lay.dp_replicate > 1:  # HSDP
-        parallel.update({"dp_replicate": lay.dp_replicate,
-                         "dp_shard": lay.dp // lay.dp_replicate})
+    parallel.update(parallel_table(lay))
     training = dict(data.get("training", {}))
     runs = Path(training["out_dir"]).parent if "out_dir" in training else Path("runs")
     training.update({"global_batch_size": batch, "precision": precision,

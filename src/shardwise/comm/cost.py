@@ -80,9 +80,14 @@ class Profile:
 
     def params(self, n: int) -> LinkParams:
         """Parameters measured at world size ``n``, else at the nearest one measured."""
+        return self.world_sizes[self.measured_size(n)]
+
+    def measured_size(self, n: int) -> int:
+        """The world size whose parameters ``params(n)`` returns: ``n`` where it was
+        measured, else the nearest one measured (ties: the larger)."""
         if n in self.world_sizes:
-            return self.world_sizes[n]
-        return self.world_sizes[min(self.world_sizes, key=lambda k: (abs(k - n), -k))]
+            return n
+        return min(self.world_sizes, key=lambda k: (abs(k - n), -k))
 
     def to_json(self) -> dict:
         """The profile as JSON data: name, meta and the link parameters per world size."""

@@ -231,18 +231,20 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     if spec.lora:  # the base frozen: only the adapters' gradients are synced
         X, P = 0, lora_rank_params(spec, layers, lay.tp)
     link = cluster.link(lay.world)
-    x, pen = P * e, cluster.sync_penalty_s
+    x = P * e
     nx = lay.dp // lay.ep * lay.cp  # the ranks holding the same experts (ep_dp x cp)
-    if lay.zero == 0:
-        return DpSeconds(link.all_reduce(n, x) + link.all_reduce(nx, X * e) + pen)
+    if lay.zero == 0:  # ranks sharing cores: CPU work shared with them (comm_stretch)
+        return DpSeconds(cluster.comm_stretch(n, lay.world) * link.all_reduce(n, x)
+                         + cluster.comm_stretch(nx, lay.world) * link.all_reduce(nx, X * e))
     # HSDP: the shard's mean across replicas on the links the whole grid spans (inter-node
     # once it spans nodes); the shard group's own collectives on a replica's links
-    mean = link.all_reduce(R, x * R / n) + pen if R > 1 else 0.0
+    mean = link.all_reduce(R, x * R / n) if R > 1 else 0.0
     if lay.zero == 3:  # its gathers and reduce-scatters are inside the schedule
         return DpSeconds(mean)
     n, inner = n // R, cluster.link(lay.world // R)
-    return DpSeconds(mean + inner.reduce_scatter(n, x) + inner.all_gather(n, x)
-                     + link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e) + 2 * pen)
+    st, sx = cluster.comm_stretch(n, lay.world), cluster.comm_stretch(nx, lay.world)
+    return DpSeconds(mean + st * (inner.reduce_scatter(n, x) + inner.all_gather(n, x))
+                     + sx * (link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e)))
 
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
@@ -260,6 +262,17 @@ def p2p_bytes(spec: ModelSpec, lay: Layout, e: int) -> float:
     under sequence parallelism)."""
     return (lay.micro_batch_size * (spec.block_size // lay.cp) * spec.n_embd * e
             / (lay.tp if lay.sp else 1))
+
+
+def p2p_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> float:
+    """Seconds of one pipeline transfer that does not block compute (``p2p_bytes`` on the
+    link the stages cross, ``Link.p2p``), where ranks share cores stretched as CPU work
+    shared with the others (``Cluster.comm_stretch``); 0 at pp = 1 or with blocking sends
+    (``megatron_send_seconds`` prices those)."""
+    if lay.pp == 1 or blocking_p2p(cluster, lay):
+        return 0.0
+    return (cluster.comm_stretch(2, lay.world)  # CPU work shared with the other ranks
+            * cluster.link(lay.tp * lay.cp * lay.pp).p2p(p2p_bytes(spec, lay, e)))
 
 
 def blocking_p2p(cluster: Cluster, lay: Layout) -> bool:

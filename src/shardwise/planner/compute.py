@@ -226,8 +226,12 @@ def head_seconds(spec: ModelSpec, mb: int, tp: int, cluster: Cluster, e: int,
 
 
 def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: list[int]) -> float:
-    """AdamW over this rank's masters: ~40 bytes of memory traffic per element; and the
-    host's seconds per step on a GPU (``Cluster.step_s``: ``hardware.STEP_S``, measured)."""
+    """AdamW over this rank's masters: ~40 bytes of memory traffic per element, or where it
+    was measured (``Cluster.optimizer_param_s``, local: the engine's host step on the
+    planned model's block, ``hardware.optimizer_step_seconds``) its seconds per element on
+    one core, slowed as compute is where ranks share the cores; and the host's seconds per
+    step (``Cluster.step_s``: on a GPU ``hardware.STEP_S``, on local
+    ``hardware.host_seconds``'s, shared like the rest), measured.""" 
     P = rank_params(spec, layers, lay.tp, lay.pp, lay.ep)
     if spec.lora:  # LoRA: the adapters' masters only, sharded over dp x cp under ZeRO
         P = lora_rank_params(spec, layers, lay.tp) / (
@@ -237,4 +241,7 @@ def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: li
         P = ((P - X) / (lay.dp // lay.dp_replicate * lay.cp)
              + X / (lay.dp // lay.ep * lay.cp))  # as memory_of
     share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
+    if cluster.optimizer_param_s:  # local: measured, and its host seconds a step
+        # (hardware.host_seconds) on the shared cores too
+        return (cluster.optimizer_param_s * P + cluster.step_s) * share
     return 40 * P / cluster.mem_bw * share + cluster.step_s

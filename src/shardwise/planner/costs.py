@@ -78,9 +78,6 @@ class BlockCosts(NamedTuple):
     backward."""
     all_to_all: float
     """Seconds of a block's all-to-alls in one pass (``all_to_all_seconds``)."""
-    sync_penalty: float
-    """Seconds each synchronisation waits on a machine whose ranks share cores
-    (``Cluster.sync_penalty_s``)."""
     recomputed: float = 0.0
     """Seconds of what the engine's selective recomputation runs again of a block in
     backward (``recomputed_ops``; ``Layout.recompute = "selective"``)."""
@@ -96,6 +93,10 @@ class BlockCosts(NamedTuple):
     forward of its linear GEMMs, the attention core's not among them; else 0)."""
     frozen_head_grad: float = 0.0
     """The same for the head's GEMM (its weight frozen under LoRA; else 0)."""
+    host: float = 0.0
+    """Host seconds of one micro-batch on a rank beyond its layers' priced work
+    (``Cluster.micro_batch_s``, measured on local; 0 elsewhere), charged to the forward of
+    each of a rank's chunks in equal parts."""
 
 
 class ChunkCost(NamedTuple):
@@ -112,8 +113,8 @@ class ChunkCost(NamedTuple):
     tp_backward: float
     """Seconds of communication inside the backward, and its waiting."""
     wait_forward: float
-    """Seconds of the forward spent off the core: its sync penalty (ranks sharing cores)
-    and ZeRO-3's exposed collectives (``_with_zero3``)."""
+    """Seconds of the forward spent off the core: ZeRO-3's exposed collectives
+    (``_with_zero3``)."""
     wait_backward: float
     """Seconds of the backward spent off the core (as ``wait_forward``)."""
     cp: float
@@ -142,7 +143,7 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     """The per-block prices ``chunk_costs`` composes chunks of (``BlockCosts``: tp seconds
     of a block, its synchronisations, the embedding's and the loss's tp seconds, a block's
     and the head's forward compute, the attention core's, a blocking send, the ring's
-    exposed forward and backward, a block's all-to-alls, the sync penalty). Mixed dense and
+    exposed forward and backward, a block's all-to-alls). Mixed dense and
     mixture blocks (``ModelSpec.mixed``): the mean block's, each price the kinds' weighted
     by their share of the blocks (a chunk's sum is then exact when it holds that share)."""
     if spec.mixed:
@@ -155,7 +156,6 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     e, s, h = BYTES[precision], spec.block_size // lay.cp, spec.n_embd
     tl = cluster.link(lay.tp)
     act = lay.micro_batch_size * s * h * e
-    pen = cluster.sync_penalty_s
     if lay.tp == 1:
         tp_blk, n_sync = 0.0, 0
     elif lay.sp:
@@ -163,13 +163,20 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     else:  # a mixture's experts all-reduce their k results per token (under SP its region
         # reduce-scatters the weighted sum once, as a dense MLP: docs/moe.md)
         mlp = act * (spec.top_k if spec.moe else 1)
-        tp_blk, n_sync = tl.all_reduce(lay.tp, act) + tl.all_reduce(lay.tp, mlp), 2
+        tp_blk = tl.all_reduce(lay.tp, act, tp=True) + tl.all_reduce(lay.tp, mlp, tp=True)
+        n_sync = 2
+    # ranks sharing cores: the tp collectives are CPU work (Cluster.comm_stretch), priced
+    # as on a core of their own where the shared walk stretches them as it does compute
+    cs = (cluster.core_share(lay.tp) if dedicated
+          else cluster.comm_stretch(lay.tp, lay.world))
+    tp_blk *= cs
     bf = block_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     fp8 = lay.fp8 and cluster.fp8_flops is not None
     head_f = 2 * lay.micro_batch_size * s * h * padded_vocab(spec.vocab_size, lay.tp) / lay.tp
     # vocab-parallel embedding: one all-reduce forward; vocab-parallel loss: three small ones
-    emb_tp = tl.all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
-    loss_tp = 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4) if lay.tp > 1 else 0.0
+    emb_tp = cs * tl.all_reduce(lay.tp, act, tp=True) if lay.tp > 1 else 0.0
+    loss_tp = (cs * 3 * tl.all_reduce(lay.tp, lay.micro_batch_size * s * 4, tp=True)
+               if lay.tp > 1 else 0.0)
     core_f = attention_gemm_flops(spec, lay.micro_batch_size, lay.cp) / lay.tp
     attn_b = 0.0
     if cluster.ops is not None:  # per operation (hardware.OpModel)
@@ -224,9 +231,12 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     a2a = all_to_all_seconds(spec, lay, cluster, e)
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
-                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a, sync_penalty=pen,
+                      cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a,
                       recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
-                      frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h)
+                      frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h,
+                      host=cluster.micro_batch_s * (
+                          1.0 if dedicated or not cluster.cores
+                          else max(1.0, lay.world / cluster.cores)))
 
 
 def linear_widths(spec: ModelSpec) -> float:
@@ -245,8 +255,8 @@ def chunk_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                 dedicated: bool = False, memo: dict | None = None) -> list[ChunkCost]:
     """Per global chunk, a ``ChunkCost``: (forward s, backward s, tp s in forward, tp s in
     backward, waiting s in forward, waiting s in backward, cp s, ep s, blocking pp s),
-    seconds of one micro-batch. Waiting: the sync
-    penalty of ranks sharing cores (``contention``), spent off the core. ``dedicated``:
+    seconds of one micro-batch. Waiting: ZeRO-3's exposed collectives, spent off the core.
+    ``dedicated``:
     compute as if the rank had a core to itself (the shared walk slows it down). cp, ep and
     pp: the exposed ring, all-to-all and blocking-send seconds of the chunk, forward +
     backward, counted in the tp columns too (communication inside compute; ``simulate``
@@ -311,18 +321,16 @@ def _pp_key(lay: Layout, cluster: Cluster):
 def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) -> ChunkCost:
     """``chunk_costs``' price of one chunk of ``nb`` blocks, with the head and the embedding
     or not (without ZeRO-3: ``_with_zero3``), from the per-block prices ``blk``."""
-    tp_blk, n_sync, pen = blk.tp, blk.n_sync, blk.sync_penalty
+    tp_blk, n_sync = blk.tp, blk.n_sync
     emb_tp, loss_tp, blk_s, head_s = blk.embed_tp, blk.loss_tp, blk.block, blk.head
     attn_s, send, a2a = blk.attention, blk.send, blk.all_to_all
     cp_f, cp_b = blk.cp_forward, blk.cp_backward
     comp_f = nb * blk_s + (head_s if head else 0.0)
     cpf, epf = nb * cp_f, nb * a2a
     tpf = nb * tp_blk + (emb_tp if emb else 0.0) + (loss_tp if head else 0.0) + cpf + epf
-    syncs = (nb * n_sync + (1 if emb else 0) + (3 if head else 0)) if lay.tp > 1 else 0
-    wait_f = syncs * pen
+    wait_f = wait_b = 0.0  # off the core: ZeRO-3's, added by _with_zero3
     cpb, epb = nb * cp_b, nb * a2a
     tpb = nb * tp_blk + (loss_tp if head else 0.0) + cpb + epb  # backward: the block's
-    wait_b = (nb * n_sync + (1 if head else 0)) * pen if lay.tp > 1 else 0.0
     comp_b = (2 * comp_f + nb * blk.attention_backward
               - nb * blk.frozen_weight_grad - (blk.frozen_head_grad if head else 0.0))
     if lay.recompute == "selective":  # the engine's: the block's memory-bound ops again,
@@ -349,6 +357,8 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     # the gradient back, unless the embedding is
     ppf, ppb = (0.0 if head else send), (0.0 if emb else send)
     tpf, tpb = tpf + ppf, tpb + ppb
+    if blk.host:  # the executor's own seconds (local), with the forward
+        comp_f += blk.host / lay.chunks_per_rank
     return ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
                      tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb)
 
@@ -378,7 +388,7 @@ def model_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
 def _with_zero3(c: ChunkCost, z: Zero3Seconds) -> ChunkCost:
     """``c`` with ZeRO-3's exposed seconds inside its forward and backward (communication
     inside compute: the walk delays whatever waits on this chunk by them), spent off the
-    core as the sync penalty is (``walk_shared`` does not slow them down by core sharing,
+    core (``walk_shared`` does not slow them down by core sharing,
     as the step's ZeRO-3 seconds were priced before they moved into the chunks)."""
     return c._replace(forward=c.forward + z.forward, backward=c.backward + z.backward,
                       tp_forward=c.tp_forward + z.forward, tp_backward=c.tp_backward + z.backward,
@@ -401,7 +411,7 @@ def unit_forward_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster,
     blk = chunk_costs(replace(spec, n_layer=2), one, cluster, precision)[0].forward - c.forward
     e = BYTES[precision]
     act = lay.micro_batch_size * spec.block_size // lay.cp * spec.n_embd * e
-    emb = cluster.link(lay.tp).all_reduce(lay.tp, act) if lay.tp > 1 else 0.0
+    emb = cluster.link(lay.tp).all_reduce(lay.tp, act, tp=True) if lay.tp > 1 else 0.0
     out = {"embed": emb, "block": blk, "head": c.forward - blk - emb}
     if memo is not None:
         memo[key] = out
@@ -432,11 +442,12 @@ def zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str
     by the op's own first hook), so every op pays its exposed part, in the steady state
     and in the pipeline's fill and drain alike, and none hides in the bubble.
 
-    Without overlap (``zero3_overlap=False``, or ranks sharing cores): the rank's
-    parameters x all-gathered whole per pass and reduce-scattered per backward, and a sync
-    penalty per unit and collective: forward g(x) + u pen, backward g(x) + r(x) + 2 u pen
-    (u = ``len(layers)``). ``memo``: ``chunk_costs``' dict for one search (a search
-    prices hundreds of thousands of ZeRO-3 layouts that share these answers).
+    Without overlap (``zero3_overlap=False``): the rank's parameters x all-gathered whole
+    per pass and reduce-scattered per backward: forward g(x), backward g(x) + r(x). Ranks
+    sharing cores (local): each unit's own calls, stretched as CPU work shared with the
+    other ranks (``Cluster.comm_stretch`` k): forward k sum_i g(x_i), backward k sum_i
+    (g(x_i) + r(x_i)). ``memo``: ``chunk_costs``' dict for one search (a search prices
+    hundreds of thousands of ZeRO-3 layouts that share these answers).
 
     With expert parallelism (``lay.ep > 1``: ``ZeroStage3(expert_group=)``) a block is two
     units, its dense parameters (gathered and reduce-scattered over n = dp x cp) and this
@@ -479,11 +490,16 @@ def _zero3_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: st
         return link.reduce_scatter(n, d) + link.reduce_scatter(nx, x)
 
     if not cluster.zero3_overlap or cluster.cores:
-        d, x = parts(layers)
-        units = len(layers) + (sum(1 for i in layers if 1 <= i <= L) if x else 0)
-        pen = cluster.sync_penalty_s
-        return Zero3Seconds(gather(d, x) + units * pen,
-                            gather(d, x) + scatter(d, x) + 2 * units * pen)
+        if not cluster.cores:
+            d, x = parts(layers)
+            return Zero3Seconds(gather(d, x), gather(d, x) + scatter(d, x))
+        # ranks sharing cores (local): each unit is gathered and reduce-scattered by calls
+        # of its own, latencies and all (the engine's ZeroStage3 hooks), stretched as CPU
+        # work shared with the other ranks (Cluster.comm_stretch)
+        each = [parts([i]) for i in layers]
+        st = cluster.comm_stretch(n, lay.world)
+        g = st * sum(gather(*u) for u in each)
+        return Zero3Seconds(g, g + st * sum(scatter(*u) for u in each))
     fwd = unit_forward_seconds(spec, lay, cluster, precision, memo)
     # the layers are consecutive: the embedding first, the head last where they are here
     emb, head = layers[0] == 0, layers[-1] == L + 1

@@ -60,7 +60,6 @@ from functools import lru_cache
 from shardwise.comm import cost
 from shardwise.comm.cost import LinkParams
 from shardwise.perf.gpus import gpu_peak
-from shardwise.planner.contention import calibrate_sync_penalty
 from shardwise.planner.specs import ModelSpec, SpecError
 
 EFFICIENCY = 0.5
@@ -76,20 +75,24 @@ class Link:
     name: str
     fixed: LinkParams | None = None
     profile: cost.Profile | None = None
-    algorithm: str = "ring"  # "auto": the cheapest of comm.cost.AUTO_CANDIDATES
+    algorithm: str = "ring"  # "auto": the cheapest of comm.cost.AUTO_CANDIDATES and ``extra``
+    extra: tuple[str, ...] = ()  # more "auto" candidates ("shm": every rank on one host)
+    tp_algorithm: str | None = None  # what tensor-parallel layers call (None: ``algorithm``)
 
     def params(self, n: int) -> LinkParams:
         """Link parameters (alpha, beta, gamma: seconds and seconds per byte) for a group of ``n``
         ranks."""
         return self.fixed if self.fixed is not None else self.profile.params(n)
 
-    def all_reduce(self, n: int, nbytes: float) -> float:
+    def all_reduce(self, n: int, nbytes: float, tp: bool = False) -> float:
         """Predicted seconds of an all-reduce of ``nbytes`` over ``n`` ranks on this link (the
-        cheapest candidate under ``auto``); 0 for one rank or no bytes."""
+        cheapest candidate under ``auto``, as ``comm.api.choose`` picks; ``tp``: a tensor-
+        parallel layer's, ``tp_algorithm``); 0 for one rank or no bytes."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         prm = self.params(n)
-        algs = cost.AUTO_CANDIDATES if self.algorithm == "auto" else (self.algorithm,)
+        alg = self.tp_algorithm if tp and self.tp_algorithm else self.algorithm
+        algs = cost.AUTO_CANDIDATES + self.extra if alg == "auto" else (alg,)
         return min(cost.predict(a, n, nbytes, prm) for a in algs)
 
     def reduce_scatter(self, n: int, nbytes: float) -> float:
@@ -146,7 +149,6 @@ class Cluster:
     efficiency: float = EFFICIENCY
     mem_bw: float = 1.5e12  # bytes/s of device memory (the optimizer step is bound by it)
     overhead_s: float = 0.0
-    sync_penalty_s: float = 0.0  # seconds a synchronisation waits for a core (ranks > cores)
     precision: str = "bf16"
     source: str = ""
     cores: int = 0
@@ -159,7 +161,12 @@ class Cluster:
     reserved: float = 0.0
     step_s: float = 0.0  # host seconds per optimizer step (``STEP_S``; 0: not modelled)
     zero3_exposed: float = 0.0  # ZeRO-3 collectives' share prefetch cannot hide (GPUs)
-    compiled: bool = False  # blocks and loss under torch.compile (per_op): their activations
+    compiled: bool = False  # blocks and loss under torch.compile (per_op): activations as
+    # compiled blocks keep them (``memory.compiled_model``); ``plan --emit-toml`` sets compile
+    optimizer_param_s: float = 0.0  # host optimizer seconds per parameter on one core
+    # (local: measured, ``calibrate_local``; 0: 40 bytes of memory traffic at ``mem_bw``)
+    micro_batch_s: float = 0.0  # host seconds per micro-batch on a rank beyond its layers'
+    # priced work (local: measured, ``host_seconds``; 0: not modelled)
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
@@ -169,6 +176,31 @@ class Cluster:
         """FLOP/s one rank's matmuls reach when ``world_size`` ranks run at once."""
         share = max(1.0, world_size / self.cores) if self.cores else 1.0
         return self.flops * self.efficiency / share
+
+    def comm_stretch(self, n: int, world_size: int) -> float:
+        """How much longer than its comm-profile price a collective of ``n`` ranks takes
+        while ``world_size`` ranks share the cores (local): the profile timed it with its
+        ranks alone, each on ``core_share(n)`` of a core, and gloo's collectives here are
+        CPU work (copies, reductions, loopback's kernel work, each step's peer to be
+        scheduled) that gets cores / world_size of a core like compute:
+        core_share(n) x max(1, world_size / cores). Measured: replayed on the last quiet
+        ``benchmarks/planner_local.py`` run (load 0.47), dp1 tp4 at world size 4 ran at its
+        profile price (stretch 1: 137-148 ms measured, 147-155 predicted), dp2 tp4 at 8 at
+        about twice it (213-220, 256-271), dp2 tp2 at 4 twice (77-97, 84-86). 1 where every
+        rank has a device."""
+        share = max(1.0, world_size / self.cores) if self.cores else 1.0
+        return self.core_share(n) * share
+
+    def core_share(self, n: int) -> float:
+        """The share of a core each rank had when the comm profile timed a collective of
+        ``n`` ranks: min(1, cores / m), m the world size it measured for n (the profile of
+        this machine has 2 and 4: 8 ranks are priced at 4's constants, timed on half a core
+        each); 1 on a GPU cluster."""
+        if not self.cores or n <= 0:
+            return 1.0
+        prof = self.intra.profile
+        m = prof.measured_size(n) if prof is not None else n
+        return min(1.0, self.cores / m)
 
     def memory_per_rank(self, world_size: int) -> float:
         """Bytes one rank's plan may fill: a GPU's memory less ``reserved``, or this
@@ -444,14 +476,24 @@ def calibration_block(width: int, seq: int, heads: int, spec: ModelSpec | None =
     return blk, d.hidden_size, d.attention_width
 
 
+# The calibration's clock: this thread's CPU seconds (CLOCK_THREAD_CPUTIME_ID), so that the
+# time other processes of a shared machine take from the core is not counted; one torch
+# thread runs its CPU kernels, forward and backward, on the calling thread.
+cpu_clock = time.thread_time
+
+
 @lru_cache(maxsize=8)
 def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
                     spec: ModelSpec | None = None) -> dict:
-    """Measure, with one torch thread, one block of the planned model (``calibration_block``:
-    ``spec``'s, else shardwise's GPT of width ``width``; ``seq`` tokens per sequence),
+    """Measure, with one torch thread (its CPU seconds, ``cpu_clock``), one block of the
+    planned model (``calibration_block``: ``spec``'s, else shardwise's GPT of width
+    ``width``; ``seq`` tokens per sequence),
     forward + backward at 1 and 8 sequences: the effective FLOP/s (the slope: matmuls and
     the memory-bound operations around them) and the fixed seconds per block pass (the
-    intercept: dispatch, Python). Also the raw matmul FLOP/s."""
+    intercept: dispatch, Python), the host optimizer step's seconds per parameter
+    (``optimizer_seconds``: the engine's ``parallel.precision.fp32_step`` over the block's
+    parameters, AdamW as the engine builds it on the CPU, its float64 norm and clipping
+    included) and the raw matmul FLOP/s."""
     import torch
     from torch import nn
 
@@ -464,10 +506,10 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
         def timed(b: int) -> float:
             x = torch.randn(b, seq, width, requires_grad=True)
             times = []
-            for _ in range(9):
-                t0 = time.perf_counter()
+            for _ in range(15):
+                t0 = cpu_clock()
                 blk(x).sum().backward()
-                times.append(time.perf_counter() - t0)
+                times.append(cpu_clock() - t0)
             return min(times)  # the undisturbed time: other processes only add to it
 
         timed(1)
@@ -477,36 +519,132 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
         rate = 7 * fl / max(big - small, 1e-9)
         overhead = max(0.0, small - fl / rate) / 3  # per pass (forward = 1, backward = 2)
         a, b = torch.randn(512, width), torch.randn(width, 4 * width)
-        t0 = time.perf_counter()
+        t0 = cpu_clock()
         for _ in range(10):
             a @ b
-        matmul = 10 * 2 * 512 * width * 4 * width / (time.perf_counter() - t0)
+        matmul = 10 * 2 * 512 * width * 4 * width / (cpu_clock() - t0)
+        opt = optimizer_step_seconds(list(blk.parameters()))
     finally:
         torch.set_num_threads(threads)
     return {"block_flops": rate, "overhead_s": overhead, "matmul_flops": matmul,
-            "width": width, "seq": seq}
+            "optimizer_param_s": opt / sum(p.numel() for p in blk.parameters()),
+            "seq_flops": fl, "width": width, "seq": seq}
+
+
+def optimizer_step_seconds(params: list) -> float:
+    """The fastest of 7 host optimizer steps over copies of ``params`` (seconds, one
+    thread): the engine's step on a rank's masters (``parallel.precision.fp32_step``: the
+    float64 squared norm, clipping to 1.0, AdamW with ``foreach=False`` as the engine
+    builds it on the CPU, two groups: decay on matrices)."""
+    import torch
+
+    from shardwise.parallel.precision import fp32_step
+
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    grads = [torch.randn_like(p) * 1e-3 for p in masters]
+    opt = torch.optim.AdamW([{"params": [p for p in masters if p.dim() >= 2]},
+                             {"params": [p for p in masters if p.dim() < 2],
+                              "weight_decay": 0.0}], lr=1e-4, foreach=False)
+    times = []
+    for _ in range(8):
+        t0 = cpu_clock()
+        fp32_step(opt, masters, grads, "local", 1.0, None)
+        times.append(cpu_clock() - t0)
+    return min(times[1:])  # the first creates the moments
+
+
+HOST_STEPS = ((2, 1), (2, 2))  # (sequences, micro-batches): the same tokens, one more pass
+
+
+@lru_cache(maxsize=8)
+def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
+    """The fastest of 6 training steps (this thread's CPU seconds, one torch thread) of a
+    one-layer model of ``spec``'s family (``calibration_spec``: narrowed like the block
+    timed) in one process, at each ``HOST_STEPS`` (sequences, micro-batches), on the CPU:
+    ``({(b, m): seconds}, parameters of the model)``. The engine's whole step: the
+    executor, embedding, head and loss, the block, the optimizer."""
+    import torch
+
+    from shardwise.base.topology import Topology
+    from shardwise.engine import Engine, EngineConfig
+
+    small = calibration_spec(spec, seq)
+    out, n_params = {}, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank runs (and no other thread's spinning counted)
+    try:
+        for b, m in HOST_STEPS:
+            engine = Engine(small.model(), Topology.build(1, 1, 1, rank=0, world_size=1),
+                            EngineConfig(seq_len=small.block_size,
+                                         parallel={"micro_batches": m},
+                                         training={"seed": 0, "global_batch_size": b}))
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(0, small.vocab_size, (b, small.block_size), generator=g)
+            times = []
+            for _ in range(7):
+                t0 = cpu_clock()
+                engine.train_step(x, x)
+                times.append(cpu_clock() - t0)
+            out[(b, m)] = min(times[1:])  # the first creates the optimizer's moments
+            n_params = sum(p.numel() for _, p in engine.named_parameters())
+    finally:
+        torch.set_num_threads(threads)
+    return out, n_params
+
+
+def host_seconds(spec: ModelSpec, seq: int, cal: dict) -> tuple[float, float]:
+    """``(step_s, micro_batch_s)``: host seconds per step and per micro-batch that the
+    block's and the optimizer's calibration (``cal``: ``calibrate_local``'s) do not hold,
+    measured on this machine: one process's steps of a one-layer model of ``spec``'s family
+    (``host_step_seconds``) on the same tokens in 1 and 2 micro-batches. Per micro-batch:
+    the second less the first, less the one more pass of the block's fixed seconds the
+    planner prices (forward and backward: 3 ``overhead_s``): the executor, the embedding's,
+    the head's and the loss's dispatch. Per step: the first less the block's priced
+    seconds (``seq_flops`` per sequence at ``block_flops``, and its fixed seconds), the
+    optimizer's (``optimizer_param_s`` per parameter) and one micro-batch's: the step's
+    Python, zeroing the gradients. Neither below 0."""
+    got, n_params = host_step_seconds(spec, seq)
+    (b, m1), (_, m2) = HOST_STEPS
+    per_mb = max(0.0, (got[(b, m2)] - got[(b, m1)]) / (m2 - m1) - 3 * cal["overhead_s"])
+    priced = (b * cal["seq_flops"] / cal["block_flops"] + m1 * 3 * cal["overhead_s"]
+              + n_params * cal["optimizer_param_s"])
+    return max(0.0, got[(b, m1)] - priced - m1 * per_mb), per_mb
 
 
 def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
                   world_size: int = 1, spec: ModelSpec | None = None) -> Cluster:
-    """This machine: compute measured on a block of the planned model (``spec``'s, else a
-    GPT's of the planned width; ranks sharing the cores equally), the comm profile's links
-    (gloo over loopback; one "node"), and the measured wait of a synchronisation when
-    ``world_size`` ranks share the cores."""
+    """This machine: compute and the optimizer step measured on a block of the planned
+    model (``spec``'s, else a GPT's of the planned width; ranks sharing the cores equally),
+    the host's seconds per step and micro-batch measured on a one-layer model of its family
+    (``host_seconds``), the comm profile's links (gloo over loopback; one "node"; their
+    prices stretched where ranks share the cores: ``Cluster.comm_stretch``).
+    ``world_size`` is not read (kept for the callers: nothing here depends on it)."""
     cal = dict(calibrate_local(width, seq, heads, spec))
-    cal["sync_penalty_s"] = calibrate_sync_penalty(world_size)
     prof = cost.active_profile()
-    link = Link("loopback (comm profile)", profile=prof, algorithm="auto")
+    from shardwise.comm import shm
+
+    # what the engine calls here: tensor-parallel layers gloo's own all-reduce
+    # (tensor_parallel.RankGroup's "native"); the gradient sync parallel.allreduce = "auto",
+    # which comm.api.choose makes the cheapest by the profile, shared memory among them when
+    # the ranks share a host (shm.available)
+    link = Link("loopback (comm profile)", profile=prof, algorithm="auto",
+                extra=("shm",) if shm.available() else (), tp_algorithm="native")
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 8 * GiB
     cores = os.cpu_count() or 1
-    return Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
-                   link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
-                   sync_penalty_s=cal["sync_penalty_s"], precision="fp32",
-                   source=f"measured now; comm profile {prof.name}", cores=cores, zero3_overlap=False,
-                   meta=cal)
+    out = Cluster("local", f"CPU ({cores} cores)", cal["block_flops"], float(mem), 1 << 20,
+                  link, link, efficiency=1.0, mem_bw=MEMCPY_LOCAL, overhead_s=cal["overhead_s"],
+                  precision="fp32",
+                  source=f"measured now; comm profile {prof.name}", cores=cores,
+                  zero3_overlap=False, optimizer_param_s=cal["optimizer_param_s"], meta=cal)
+    if spec is None:
+        spec = ModelSpec("calibration", 1, width, heads, 65, seq)
+    if spec.description is None:  # a family's sizes: its one-layer model is built here
+        cal["step_s"], cal["micro_batch_s"] = host_seconds(spec, seq, cal)
+        out = replace(out, step_s=cal["step_s"], micro_batch_s=cal["micro_batch_s"])
+    return out
 
 
 def check_finite(value: float, what: str) -> float:

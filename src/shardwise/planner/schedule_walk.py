@@ -193,7 +193,7 @@ def walk_fast(p: int, m: int, v: int, costs: list[ChunkCost], p2p: float) -> Wal
 
 def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas: int) -> Walk:
     """``walk`` for ranks that share ``cores`` cores (this machine): processor sharing. At
-    every moment the ranks computing (times ``replicas``: the dp x tp copies of each
+    every moment the ranks computing (times ``replicas``: the dp x cp x tp copies of each
     pipeline rank, running the same schedule at once) share the cores equally, so a rank
     idle in the bubble lends its core to the others. Costs are a dedicated core's."""
     p = sched.p

@@ -59,7 +59,7 @@ from shardwise.base.config import (
     split_backward_refusal,
 )
 from shardwise.parallel.pipeline.schedules import placement_of
-from shardwise.planner.comm_price import blocking_p2p, dp_seconds, p2p_bytes, tied_seconds
+from shardwise.planner.comm_price import dp_seconds, p2p_seconds, tied_seconds
 from shardwise.planner.compute import optimizer_seconds
 from shardwise.planner.costs import chunk_costs, model_seconds
 from shardwise.planner.feasible import (  # noqa: F401 (prune_reason: importable from here)
@@ -335,9 +335,7 @@ def lower_bound(b: Bounds, lay: Layout) -> float:
     ends = b._ends.get(key)
     if ends is None:  # per rank: the end of its own work, and of the backward chain after
         spec, e = b.spec, BYTES[b.precision]
-        msg = p2p_bytes(spec, lay, e)
-        hop = 0.0 if blocking_p2p(b.cluster, lay) else (
-            b.cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + b.cluster.sync_penalty_s)
+        hop = p2p_seconds(spec, lay, b.cluster, e)
         work = [0.0] * p
         place = placement_of(lay.schedule, p, lay.chunks_per_rank)
         for c, cc in enumerate(costs):

@@ -33,6 +33,7 @@ from shardwise.planner.comm_price import (
     dp_seconds,
     megatron_send_seconds,
     p2p_bytes,
+    p2p_seconds,
     ring_bytes,
     ring_kv_width,
     ring_seconds,
@@ -68,7 +69,8 @@ from shardwise.planner.specs import ModelSpec
 __all__ = [  # this module's own, and the pricing names importable from here as before
     "Layout", "simulate", "RankComm",
     "DpSeconds", "RingBytes", "RingSeconds", "all_to_all_bytes", "all_to_all_seconds",
-    "blocking_p2p", "dp_seconds", "megatron_send_seconds", "p2p_bytes", "ring_bytes",
+    "blocking_p2p", "dp_seconds", "megatron_send_seconds", "p2p_bytes", "p2p_seconds",
+    "ring_bytes",
     "ring_kv_width", "ring_seconds", "tied_seconds",
     "Ops", "attention_gemm_flops", "attention_keys", "block_flops", "block_ops", "op_seconds",
     "optimizer_seconds", "recomputed_ops",
@@ -118,9 +120,7 @@ def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str |
     shared = bool(cluster.cores)
     costs = chunk_costs(spec, lay, cluster, precision, dedicated=shared)
     e = BYTES[precision]
-    msg = p2p_bytes(spec, lay, e)
-    p2p = (cluster.link(lay.tp * lay.cp * lay.pp).p2p(msg) + cluster.sync_penalty_s
-           ) if lay.pp > 1 and not blocking_p2p(cluster, lay) else 0.0
+    p2p = p2p_seconds(spec, lay, cluster, e)
     fast = not shared and not with_events and kind in ("1f1b", "interleaved")
     p, m, v = lay.pp, lay.micro_batches, lay.chunks_per_rank
     if fast:  # the same numbers as walk(), without the instruction lists
@@ -128,7 +128,8 @@ def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str |
         run = lambda c: _walk_fast_memo(p, m, v, key, c)
     elif shared:
         sched = schedule(kind, p, m, v)
-        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.dp * lay.tp)
+        # every pipeline rank's copies run its schedule at once: dp x cp x tp of them
+        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.world // lay.pp)
     else:
         sched = schedule(kind, p, m, v)
         run = lambda c: walk(sched, costs, c)

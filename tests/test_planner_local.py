@@ -1,0 +1,111 @@
+"""The ``local`` cluster's cost terms (ranks sharing cores), by their shape: no timing here
+(numbers belong to ``benchmarks/planner_local.py``); every cluster is built by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.comm import cost
+from shardwise.planner.hardware import PRESETS, Cluster, Link, fabric
+from shardwise.planner.layout import Layout
+from shardwise.planner.memory import rank_params
+from shardwise.planner.simulate import (
+    block_costs,
+    chunk_costs,
+    optimizer_seconds,
+    simulate,
+    zero3_seconds,
+)
+from shardwise.planner.specs import ModelSpec
+
+SPEC = ModelSpec("bench", 4, 128, 4, 65, 64, True)
+
+
+def shared(cores: int = 2, link: Link = fabric("loopback", 1e9, 1e-5), **kw) -> Cluster:
+    """A cluster like ``local``: ranks sharing ``cores`` cores, set by hand."""
+    return Cluster("local", "CPU", 50e9, 8 * 2**30, 1 << 20, link, link, efficiency=1.0,
+                   mem_bw=15e9, overhead_s=1e-4, precision="fp32", cores=cores,
+                   zero3_overlap=False, **kw)
+
+
+def test_measured_optimizer_is_per_parameter_and_shares_the_cores():
+    """``optimizer_param_s`` (measured on local) prices the step per parameter of the rank,
+    slowed by ranks per core; without it, 40 bytes a parameter at the memory bandwidth."""
+    layers = list(range(SPEC.n_layer + 2))
+    P = rank_params(SPEC, layers, 1, 1)
+    lay = Layout(8, 1, 1, 2, 1)
+    got = optimizer_seconds(SPEC, lay, shared(optimizer_param_s=5e-9), layers)
+    assert got == pytest.approx(5e-9 * P * 8 / 2)
+    assert optimizer_seconds(SPEC, lay, shared(), layers) == pytest.approx(40 * P / 15e9 * 4)
+
+
+def test_zero3_on_shared_cores_pays_each_units_calls():
+    """ZeRO-3 where ranks share cores: every unit (embedding, blocks, head) gathered and
+    reduce-scattered by calls of its own (n - 1 latencies each), stretched as CPU work
+    (``comm_stretch``: 1 for 4 ranks on 2 cores, as the profile timed them)."""
+    lay = Layout(4, 1, 1, 4, 1, zero=3)
+    cl = shared()
+    layers = list(range(SPEC.n_layer + 2))
+    link = cl.link(lay.world)
+    x = [rank_params(SPEC, [i], 1, 1) * 4 for i in layers]
+    whole = sum(x)
+    z = zero3_seconds(SPEC, lay, cl, "fp32", layers)
+    g = sum(link.all_gather(4, b) for b in x)
+    assert cl.comm_stretch(4, 4) == 1.0
+    assert z.forward == pytest.approx(g)
+    assert z.backward == pytest.approx(g + sum(link.reduce_scatter(4, b) for b in x))
+    assert z.forward > link.all_gather(4, whole)  # n - 1 latencies per unit, not per chunk
+
+
+def test_context_parallel_ranks_share_the_cores_too():
+    """The shared walk counts every copy of a pipeline rank that runs at once, cp's too:
+    dp2 x cp2 computes as long as dp4 on the same tokens a rank (2 cores, 4 ranks)."""
+    cl = shared()
+    dp = simulate(SPEC, Layout(4, 1, 1, 4, 1), cl)
+    cp = simulate(SPEC, Layout(2, 1, 1, 8, 1, cp=2), cl)
+    assert cp["compute"] == pytest.approx(dp["compute"], rel=0.1)
+
+
+def test_collectives_stretch_as_cpu_work_shared_by_the_ranks():
+    """A collective of g ranks, priced by the profile that timed the g alone on min(g, cores)
+    cores, takes min(1, cores / g) x world / cores times that while the world's ranks share
+    the cores; a tp block's, priced for the shared walk (which stretches by world / cores),
+    its core_share of it. 1 on a GPU cluster."""
+    cl = shared()
+    assert [cl.comm_stretch(g, w) for g, w in ((2, 4), (4, 4), (2, 8), (4, 8), (8, 8))] == \
+        [2.0, 1.0, 4.0, 2.0, 1.0]
+    assert cl.comm_stretch(2, 2) == 1.0 and PRESETS["dgx-h100"].comm_stretch(8, 64) == 1.0
+    lay = Layout(1, 4, 1, 16, 1)
+    act = 16 * 64 * 128 * 4
+    whole = 2 * cl.link(4).all_reduce(4, act, tp=True)
+    assert block_costs(SPEC, lay, cl, "fp32").tp == pytest.approx(whole)  # stretch 1 at 4
+    assert block_costs(SPEC, lay, cl, "fp32", dedicated=True).tp == pytest.approx(whole / 2)
+
+
+def test_host_seconds_per_micro_batch_go_with_each_forward():
+    """``micro_batch_s`` (measured on local) adds to every micro-batch's forward on a rank,
+    split over its chunks, stretched by ranks per core unless priced for the shared walk."""
+    lay = Layout(2, 1, 2, 2, 4)
+    base = chunk_costs(SPEC, lay, shared(), "fp32")
+    more = chunk_costs(SPEC, lay, shared(micro_batch_s=1e-3), "fp32")
+    assert [m.forward - b.forward for m, b in zip(more, base)] == pytest.approx([2e-3] * 2)
+    assert [m.backward - b.backward for m, b in zip(more, base)] == [0.0, 0.0]
+    ded = chunk_costs(SPEC, lay, shared(micro_batch_s=1e-3), "fp32",
+                      dedicated=True)
+    base = chunk_costs(SPEC, lay, shared(), "fp32", dedicated=True)
+    assert [m.forward - b.forward for m, b in zip(ded, base)] == pytest.approx([1e-3] * 2)
+
+
+
+
+def test_eight_ranks_are_stretched_from_the_profiles_four():
+    """A profile measured at 2 and 4 ranks prices 8 with 4's constants, timed on half a core
+    each: 8 ranks sharing 2 cores stretch it 2x, where a profile with 8 would not."""
+    prm = fabric("x", 1e9, 1e-5).fixed
+    two_four = Link("lo", profile=cost.Profile("t", {2: prm, 4: prm}), algorithm="auto")
+    with_eight = Link("lo", profile=cost.Profile("t", {2: prm, 4: prm, 8: prm}),
+                      algorithm="auto")
+    assert shared(link=two_four).comm_stretch(8, 8) == 2.0
+    assert shared(link=with_eight).comm_stretch(8, 8) == 1.0
+    assert shared(link=two_four).comm_stretch(4, 8) == 2.0
+    assert cost.Profile("t", {2: prm, 4: prm}).measured_size(8) == 4
