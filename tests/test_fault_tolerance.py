@@ -416,3 +416,46 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
     assert sorted(losses(r1)) == [5, 6]
     p0, p1 = (final_params(x, tmp_path) for x in (r0, r1))
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_replica_groups_writing_checkpoints_train_every_step_together(corpus, tmp_path):
+    """No kill, three replica groups (``shardwise train`` jobs, dp1), 20 steps, a checkpoint
+    at step 10 that group 2 writes 3.5 s slower (a slow disk, ``tests/ft_train.py``) than
+    the lighthouse's ``join_timeout_ms`` (2000): each group joins the next step's quorum
+    before it writes, so no quorum goes on without a writing group: every group trains
+    every step, once, in one quorum of three (no "lost" or "healed" line), and all end
+    bitwise equal. Before (a checkpoint written between two steps), the two fast groups
+    formed step 11's quorum without group 2, which then healed from them: its slot of the
+    steps in between untrained (the soak's finding, docs/reliability.md)."""
+    n, go = 20, tmp_path / "go"
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    with Lighthouse(min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=5000) as lh:
+        jobs = []
+        for i, out in enumerate(outs):
+            hooks = ["--go", str(go), "--slow-save", "3.5" if i == 2 else "0",
+                     "--slow-below", str(n)]
+            with open(out.with_suffix(".log"), "w") as log:
+                jobs.append(subprocess.Popen(
+                    [sys.executable, str(REPO / "tests" / "ft_train.py"), *hooks, "--",
+                     "train", *TINY, "--data", str(corpus), "--training.out_dir", str(out),
+                     "--parallel.dp", "1", "--training.steps", str(n),
+                     "--training.log_every", "1", "--checkpoint.every", "10",
+                     "--training.global_batch_size", "6", "--fault_tolerance.enable", "true",
+                     "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
+                     "3", "--fault_tolerance.lighthouse", lh.address,
+                     "--fault_tolerance.process_group_timeout_ms", "10000"],
+                    cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True))
+        for job, out in zip(jobs, outs):  # every Manager heartbeating: one first quorum
+            wait_for(lambda: "rank 0 holds" in printed(out), job)
+        go.touch()
+        ended(jobs)
+    logs = [printed(out) for out in outs]
+    assert [j.returncode for j in jobs] == [0, 0, 0], "\n".join(x[-3000:] for x in logs)
+    for i, log in enumerate(logs):
+        quorum = [ln for ln in log.splitlines() if "replica groups live" in ln]
+        assert quorum == [f"shardwise: replica {i}: step 0: 3 of 3 replica groups live"], log
+        assert "healed" not in log and "not committed" not in log, log
+        assert sorted(losses(outs[i])) == list(range(1, n + 1))
+    p = [final_params(out, tmp_path) for out in outs]
+    assert all(torch.equal(p[0][k], q[k]) for q in p[1:] for k in p[0])

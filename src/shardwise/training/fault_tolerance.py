@@ -162,6 +162,7 @@ class FaultTolerantReplica:
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
         self.replicas = TorchftReplicas(self.manager, vote=self.commit)
         self._live, self._redone = 0, -1
+        self._joined = False  # in a quorum whose step has not been voted on yet
 
     def _heal(self, state: Any) -> None:
         self._load(state)
@@ -181,7 +182,10 @@ class FaultTolerantReplica:
 
     def start_step(self) -> int:
         """Join this step's quorum (healing first where this replica is behind); returns
-        the step number."""
+        the step number. Again before ``commit``: nothing more, the quorum is kept (the
+        loop joins the next step before a checkpoint or a validation, ``TrainTask.join_next_step``)."""
+        if self._joined:
+            return self.step
         try:
             self.manager.start_quorum()
         except Exception as exc:  # torchft raises the RPC's TimeoutError / RuntimeError
@@ -197,12 +201,14 @@ class FaultTolerantReplica:
             self.log(f"replica {self.cfg.replica_id}: step {self.step}: {what}{live} of "
                      f"{self.cfg.group_size} replica groups live")
             self._live = live
+        self._joined = True
         return self.step
 
     def commit(self) -> bool:
         """The step's vote: True (step the optimizer) only if every live replica finished
         it without error; False everywhere otherwise (the step is redone)."""
         step, live = self.step, self.manager.num_participants()
+        self._joined = False  # the next step asks for a new quorum
         try:
             ok = self.manager.should_commit()
         except (RuntimeError, TimeoutError) as exc:  # a rank of this group did not vote
