@@ -394,7 +394,10 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
     saves; then it resumes from that checkpoint while group 1 starts fresh. torchft counts
     the checkpoint's step for group 0 (``restore_step``), so group 1, behind, heals from it
     at step 4, and both end with bitwise-equal parameters (without the restored step both
-    would count 0: no heal, two different models)."""
+    would count 0: no heal, two different models). torchft's count of the slots trained
+    comes back from the checkpoint too: 4 (group 0 alone), then 6 and 8 with group 1, in
+    both groups' rows (not saved: 10 and 12, the checkpoint's 4 steps counted as 2 slots
+    each; before: 2 and 4)."""
     r0, r1 = tmp_path / "r0", tmp_path / "r1"
     common = [*layout, "--training.log_every", "1"]
     with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=2000) as lh:
@@ -414,6 +417,8 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
     assert "resumed from" in logs[0] and "at step 4" in logs[0]
     assert "shardwise: replica 1: healed from a live peer at step 4" in logs[1], logs[1]
     assert sorted(losses(r1)) == [5, 6]
+    assert [c for _, c in rows(r0).values()] == [1, 2, 3, 4, 6, 8]
+    assert [c for _, c in rows(r1).values()] == [6, 8]
     p0, p1 = (final_params(x, tmp_path) for x in (r0, r1))
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
 
@@ -459,3 +464,42 @@ def test_replica_groups_writing_checkpoints_train_every_step_together(corpus, tm
         assert sorted(losses(outs[i])) == list(range(1, n + 1))
     p = [final_params(out, tmp_path) for out in outs]
     assert all(torch.equal(p[0][k], q[k]) for q in p[1:] for k in p[0])
+
+
+def rows(out: Path) -> dict[int, tuple[float, int]]:
+    """Step -> (loss, batches_committed) of a replica group's train rows."""
+    path = out / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: (r["loss"], r["batches_committed"]) for r in recs if r["kind"] == "train"}
+
+
+@pytest.mark.slow
+def test_a_whole_job_resumed_from_its_checkpoints_counts_on_as_an_uninterrupted_one(
+        corpus, tmp_path):
+    """Two replica groups train 6 steps (a checkpoint at step 3); the same job whose last
+    checkpoint is step 3's (``checkpoint.at_end`` false) started again from it: each group's
+    losses, torchft's count of the slots trained (``batches_committed``, a train row's field,
+    saved in the checkpoint with torchft's step) and final parameters equal the uninterrupted
+    run's, bit for bit (before, a resumed Manager counted from 0; a count that only the saved
+    counters get right: the test below)."""
+    common = ["--parallel.dp", "1", "--training.log_every", "1", "--training.steps", "6",
+              "--checkpoint.every", "3", "--fault_tolerance.min_replica_size", "2"]
+
+    def job(lh, name: str, at_end: str) -> list[subprocess.Popen]:
+        return [train(tmp_path / f"{name}{i}", corpus, *common, "--checkpoint.at_end", at_end,
+                      replica=i, lighthouse=lh.address) for i in range(2)]
+
+    with Lighthouse(min_replicas=2) as whole, Lighthouse(min_replicas=2) as parts:
+        jobs = job(whole, "u", "true") + job(parts, "i", "false")  # i: step 3's checkpoint
+        ended(jobs)
+        jobs += job(parts, "i", "true")  # resumed from step 3
+        ended(jobs[4:])
+    logs = [printed(tmp_path / n) for n in ("u0", "u1", "i0", "i1")]
+    assert [j.returncode for j in jobs] == [0] * 6, "\n".join(x[-3000:] for x in logs)
+    assert all("resumed from" in log and "at step 3" in log for log in logs[2:]), logs[2:]
+    for r in range(2):
+        whole_rows, resumed = rows(tmp_path / f"u{r}"), rows(tmp_path / f"i{r}")
+        assert [c for _, c in whole_rows.values()] == [2, 4, 6, 8, 10, 12]
+        assert resumed == whole_rows
+        p, q = (final_params(tmp_path / f"{x}{r}", tmp_path) for x in "ui")
+        assert all(torch.equal(p[k], q[k]) for k in p)

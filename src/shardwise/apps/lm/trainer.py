@@ -183,6 +183,8 @@ class Trainer(TrainerState, TrainTask):
         self.step += 1
         self._pending.append(info["loss"])
         info = {**info, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.ft is not None:  # slots of the global batch trained so far, every group's
+            info["batches_committed"] = self.ft.batches_committed
         if self.engine.loss_scaler is None:
             info.pop("skipped")
         else:
