@@ -6,8 +6,9 @@ beside them. The tensors are the engine's in logical form (``engine.state``: fp3
 and AdamW moments as the single-process model's tensors, whatever the layout); meta holds
 the step, scheduler, the sampler's global position, optimizer hyper-parameters, loss
 scale, tokenizer, config, the layout that wrote it and, under fault tolerance, torchft's
-counters (``FaultTolerantReplica.state_dict``: its step and the slots trained). Nothing in either depends on the
-layout, so a checkpoint resumes into any dp x cp x tp x pp, ZeRO stage and precision.
+counters (``FaultTolerantReplica.state_dict``: its step and the slots trained). Nothing in
+either depends on the layout, so a checkpoint resumes into any dp x cp x tp x pp, ZeRO
+stage and precision.
 """
 
 from __future__ import annotations
