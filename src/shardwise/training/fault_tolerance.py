@@ -199,7 +199,8 @@ class FaultTolerantReplica:
     def start_step(self) -> int:
         """Join this step's quorum (healing first where this replica is behind); returns
         the step number. Again before ``commit``: nothing more, the quorum is kept (the
-        loop joins the next step before a checkpoint or a validation, ``TrainTask.join_next_step``)."""
+        loop joins the next step before a checkpoint or a validation:
+        ``TrainTask.join_next_step``)."""
         if self._joined:
             return self.step
         try:
