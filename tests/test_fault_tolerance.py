@@ -503,3 +503,54 @@ def test_a_whole_job_resumed_from_its_checkpoints_counts_on_as_an_uninterrupted_
         assert resumed == whole_rows
         p, q = (final_params(tmp_path / f"{x}{r}", tmp_path) for x in "ui")
         assert all(torch.equal(p[k], q[k]) for k in p)
+
+
+@pytest.mark.slow
+def test_replica_groups_under_torchrun_across_namespace_hosts_equal_one_process(
+        corpus, tmp_path):
+    """Three namespace hosts: torchft's lighthouse on host2, and on host0 and host1 one
+    replica group each, ``torchrun --nnodes 1 --nproc-per-node 2 -m shardwise train``
+    (dp2 ZeRO-1 inside the group, the Manager's store on the group's rank 0, reached by the
+    other group at its host's address): both groups' parameters bitwise equal, the mean of
+    their losses and their parameters those of one process training the global batch; no
+    process left on any host."""
+    from hosts import hosts
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+    for var in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):  # each host its own
+        env.pop(var, None)
+    steps = ["--training.steps", "4", "--training.threads", "1"]
+    with hosts(3) as net:  # first: it skips where namespaces cannot be made
+        lighthouse = lighthouse_on(net, net[2])
+        groups = []
+        for i in range(2):
+            with open(tmp_path / f"r{i}.log", "w") as log:
+                groups.append(net.popen(net[i], [
+                    torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
+                    "c10d", "--rdzv-endpoint", f"{net[i].addr}:29400", "--rdzv-id",
+                    f"group{i}", "-m", "shardwise", "train", *TINY, "--data", str(corpus),
+                    "--training.out_dir", str(tmp_path / f"r{i}"), "--parallel.dp", "2",
+                    "--parallel.zero", "1", *steps, "--fault_tolerance.enable", "true",
+                    "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
+                    "2", "--fault_tolerance.min_replica_size", "2",
+                    "--fault_tolerance.lighthouse", lighthouse], cwd=REPO, env=env,
+                    stdout=log, stderr=subprocess.STDOUT))
+        ref = train(tmp_path / "one", corpus, "--parallel.dp", "1", *steps)
+        ended([ref])
+        for g in groups:  # one left running is killed with its host on the way out
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                g.wait(timeout=3 * WAIT_S)
+        logs = [printed(tmp_path / n) for n in ("r0", "r1", "one")]
+        assert [net.pids(h) for h in net.hosts[:2]] == [[], []]  # no rank or agent left
+    assert [g.returncode for g in groups] + [ref.returncode] == [0, 0, 0], \
+        "\n".join(x[-3000:] for x in logs)
+    r0, r1, one = (losses(tmp_path / n) for n in ("r0", "r1", "one"))
+    assert sorted(r0) == sorted(r1) == sorted(one) == [1, 2, 3, 4]
+    assert r0 != r1  # two halves of the batch
+    torch.testing.assert_close(torch.tensor([(r0[s] + r1[s]) / 2 for s in one]),
+                               torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
+    p0, p1, p = (final_params(tmp_path / n, tmp_path) for n in ("r0", "r1", "one"))
+    assert sorted(p0) == sorted(p) and all(torch.equal(p0[k], p1[k]) for k in p0)
+    for k in p:
+        torch.testing.assert_close(p0[k], p[k], rtol=1e-5, atol=1e-6)
