@@ -394,7 +394,10 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
     saves; then it resumes from that checkpoint while group 1 starts fresh. torchft counts
     the checkpoint's step for group 0 (``restore_step``), so group 1, behind, heals from it
     at step 4, and both end with bitwise-equal parameters (without the restored step both
-    would count 0: no heal, two different models)."""
+    would count 0: no heal, two different models). torchft's count of the slots trained
+    comes back from the checkpoint too: 4 (group 0 alone), then 6 and 8 with group 1, in
+    both groups' rows (not saved: 10 and 12, the checkpoint's 4 steps counted as 2 slots
+    each; before: 2 and 4)."""
     r0, r1 = tmp_path / "r0", tmp_path / "r1"
     common = [*layout, "--training.log_every", "1"]
     with Lighthouse(min_replicas=1, join_timeout_ms=200, heartbeat_timeout_ms=2000) as lh:
@@ -414,5 +417,141 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
     assert "resumed from" in logs[0] and "at step 4" in logs[0]
     assert "shardwise: replica 1: healed from a live peer at step 4" in logs[1], logs[1]
     assert sorted(losses(r1)) == [5, 6]
+    assert [c for _, c in rows(r0).values()] == [1, 2, 3, 4, 6, 8]
+    assert [c for _, c in rows(r1).values()] == [6, 8]
     p0, p1 = (final_params(x, tmp_path) for x in (r0, r1))
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_replica_groups_writing_checkpoints_train_every_step_together(corpus, tmp_path):
+    """No kill, three replica groups (``shardwise train`` jobs, dp1), 20 steps, a checkpoint
+    at step 10 that group 2 writes 6 s slower (a slow disk, ``tests/ft_train.py``), more than
+    the lighthouse's ``join_timeout_ms`` (4000: a margin for a loaded machine's stalls
+    between two steps): each group joins the next step's quorum
+    before it writes, so no quorum goes on without a writing group: every group trains
+    every step, once, in one quorum of three (no "lost" or "healed" line), and all end
+    bitwise equal. Before (a checkpoint written between two steps), the two fast groups
+    formed step 11's quorum without group 2, which then healed from them: its slot of the
+    steps in between untrained (the soak's finding, docs/reliability.md)."""
+    n, go = 20, tmp_path / "go"
+    outs = [tmp_path / f"r{i}" for i in range(3)]
+    with Lighthouse(min_replicas=1, join_timeout_ms=4000, heartbeat_timeout_ms=5000) as lh:
+        jobs = []
+        for i, out in enumerate(outs):
+            hooks = ["--go", str(go), "--slow-save", "6" if i == 2 else "0",
+                     "--slow-below", str(n)]
+            with open(out.with_suffix(".log"), "w") as log:
+                jobs.append(subprocess.Popen(
+                    [sys.executable, str(REPO / "tests" / "ft_train.py"), *hooks, "--",
+                     "train", *TINY, "--data", str(corpus), "--training.out_dir", str(out),
+                     "--parallel.dp", "1", "--training.steps", str(n),
+                     "--training.log_every", "1", "--checkpoint.every", "10",
+                     "--training.global_batch_size", "6", "--fault_tolerance.enable", "true",
+                     "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
+                     "3", "--fault_tolerance.lighthouse", lh.address,
+                     "--fault_tolerance.process_group_timeout_ms", "10000"],
+                    cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True))
+        for job, out in zip(jobs, outs):  # every Manager heartbeating: one first quorum
+            wait_for(lambda: "rank 0 holds" in printed(out), job)
+        go.touch()
+        ended(jobs)
+    logs = [printed(out) for out in outs]
+    assert [j.returncode for j in jobs] == [0, 0, 0], "\n".join(x[-3000:] for x in logs)
+    for i, log in enumerate(logs):
+        quorum = [ln for ln in log.splitlines() if "replica groups live" in ln]
+        assert quorum == [f"shardwise: replica {i}: step 0: 3 of 3 replica groups live"], log
+        assert "healed" not in log and "not committed" not in log, log
+        assert sorted(losses(outs[i])) == list(range(1, n + 1))
+    p = [final_params(out, tmp_path) for out in outs]
+    assert all(torch.equal(p[0][k], q[k]) for q in p[1:] for k in p[0])
+
+
+def rows(out: Path) -> dict[int, tuple[float, int]]:
+    """Step -> (loss, batches_committed) of a replica group's train rows."""
+    path = out / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: (r["loss"], r["batches_committed"]) for r in recs if r["kind"] == "train"}
+
+
+@pytest.mark.slow
+def test_a_whole_job_resumed_from_its_checkpoints_counts_on_as_an_uninterrupted_one(
+        corpus, tmp_path):
+    """Two replica groups train 6 steps (a checkpoint at step 3); the same job whose last
+    checkpoint is step 3's (``checkpoint.at_end`` false) started again from it: each group's
+    losses, torchft's count of the slots trained (``batches_committed``, a train row's field,
+    saved in the checkpoint with torchft's step) and final parameters equal the uninterrupted
+    run's, bit for bit (before, a resumed Manager counted from 0; a count that only the saved
+    counters get right: the test below)."""
+    common = ["--parallel.dp", "1", "--training.log_every", "1", "--training.steps", "6",
+              "--checkpoint.every", "3", "--fault_tolerance.min_replica_size", "2"]
+
+    def job(lh, name: str, at_end: str) -> list[subprocess.Popen]:
+        return [train(tmp_path / f"{name}{i}", corpus, *common, "--checkpoint.at_end", at_end,
+                      replica=i, lighthouse=lh.address) for i in range(2)]
+
+    with Lighthouse(min_replicas=2) as whole, Lighthouse(min_replicas=2) as parts:
+        jobs = job(whole, "u", "true") + job(parts, "i", "false")  # i: step 3's checkpoint
+        ended(jobs)
+        jobs += job(parts, "i", "true")  # resumed from step 3
+        ended(jobs[4:])
+    logs = [printed(tmp_path / n) for n in ("u0", "u1", "i0", "i1")]
+    assert [j.returncode for j in jobs] == [0] * 6, "\n".join(x[-3000:] for x in logs)
+    assert all("resumed from" in log and "at step 3" in log for log in logs[2:]), logs[2:]
+    for r in range(2):
+        whole_rows, resumed = rows(tmp_path / f"u{r}"), rows(tmp_path / f"i{r}")
+        assert [c for _, c in whole_rows.values()] == [2, 4, 6, 8, 10, 12]
+        assert resumed == whole_rows
+        p, q = (final_params(tmp_path / f"{x}{r}", tmp_path) for x in "ui")
+        assert all(torch.equal(p[k], q[k]) for k in p)
+
+
+@pytest.mark.slow
+def test_replica_groups_under_torchrun_across_namespace_hosts_equal_one_process(
+        corpus, tmp_path):
+    """Three namespace hosts: torchft's lighthouse on host2, and on host0 and host1 one
+    replica group each, ``torchrun --nnodes 1 --nproc-per-node 2 -m shardwise train``
+    (dp2 ZeRO-1 inside the group, the Manager's store on the group's rank 0, reached by the
+    other group at its host's address): both groups' parameters bitwise equal, the mean of
+    their losses and their parameters those of one process training the global batch; no
+    process left on any host."""
+    from hosts import hosts
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "src"))
+    for var in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):  # each host its own
+        env.pop(var, None)
+    steps = ["--training.steps", "4", "--training.threads", "1"]
+    with hosts(3) as net:  # first: it skips where namespaces cannot be made
+        lighthouse = lighthouse_on(net, net[2])
+        groups = []
+        for i in range(2):
+            with open(tmp_path / f"r{i}.log", "w") as log:
+                groups.append(net.popen(net[i], [
+                    torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
+                    "c10d", "--rdzv-endpoint", f"{net[i].addr}:29400", "--rdzv-id",
+                    f"group{i}", "-m", "shardwise", "train", *TINY, "--data", str(corpus),
+                    "--training.out_dir", str(tmp_path / f"r{i}"), "--parallel.dp", "2",
+                    "--parallel.zero", "1", *steps, "--fault_tolerance.enable", "true",
+                    "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
+                    "2", "--fault_tolerance.min_replica_size", "2",
+                    "--fault_tolerance.lighthouse", lighthouse], cwd=REPO, env=env,
+                    stdout=log, stderr=subprocess.STDOUT))
+        ref = train(tmp_path / "one", corpus, "--parallel.dp", "1", *steps)
+        ended([ref])
+        for g in groups:  # one left running is killed with its host on the way out
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                g.wait(timeout=3 * WAIT_S)
+        logs = [printed(tmp_path / n) for n in ("r0", "r1", "one")]
+        assert [net.pids(h) for h in net.hosts[:2]] == [[], []]  # no rank or agent left
+    assert [g.returncode for g in groups] + [ref.returncode] == [0, 0, 0], \
+        "\n".join(x[-3000:] for x in logs)
+    r0, r1, one = (losses(tmp_path / n) for n in ("r0", "r1", "one"))
+    assert sorted(r0) == sorted(r1) == sorted(one) == [1, 2, 3, 4]
+    assert r0 != r1  # two halves of the batch
+    torch.testing.assert_close(torch.tensor([(r0[s] + r1[s]) / 2 for s in one]),
+                               torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
+    p0, p1, p = (final_params(tmp_path / n, tmp_path) for n in ("r0", "r1", "one"))
+    assert sorted(p0) == sorted(p) and all(torch.equal(p0[k], p1[k]) for k in p0)
+    for k in p:
+        torch.testing.assert_close(p0[k], p[k], rtol=1e-5, atol=1e-6)

@@ -593,7 +593,9 @@ class FaultToleranceConfig(_Section):
     heartbeat_timeout_ms: int = Field(5000, ge=1, description="the lighthouse a local run "
                                       "starts: a replica silent this long is dead")
     join_timeout_ms: int = Field(1000, ge=0, description="the lighthouse a local run "
-                                 "starts: how long a quorum waits for heartbeating stragglers")
+                                 "starts: how long a quorum waits for heartbeating stragglers, "
+                                 "counted from the first group's request: keep it above a "
+                                 "step's time (docs/reliability.md)")
 
     @model_validator(mode="after")
     def _replica_in_range(self):

@@ -11,7 +11,12 @@ Each replica group (any layout inside it) is a fault domain and one torchft ``Ma
         optimizer.step()
 
 A step that does not commit is redone at the same step number, so its samples are not lost
-(the sampler position is the committed step). The heal copies what ``state_dict`` returns
+(the sampler position is the committed step). A pause between two steps (a checkpoint, a
+validation) comes after the next step's ``start_step``: the lighthouse forms a quorum
+without a heartbeating replica that has not asked within its ``join_timeout_ms``, and such
+a replica would heal and skip its slot of the steps it missed; inside the step its peers
+wait for it (``process_group_timeout_ms``). ``state_dict()``: torchft's step and slot
+counters, which checkpoints hold. The heal copies what ``state_dict`` returns
 from a live peer through torchft's checkpoint transport over the replica process group
 (``PGTransport``), reading no file. ``Lighthouse`` starts the coordinator of a local run on
 loopback (torchft's ``torchft_lighthouse`` binds every interface, ``[::]:29510``); across
@@ -162,6 +167,7 @@ class FaultTolerantReplica:
                 checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
         self.replicas = TorchftReplicas(self.manager, vote=self.commit)
         self._live, self._redone = 0, -1
+        self._joined = False  # in a quorum whose step has not been voted on yet
 
     def _heal(self, state: Any) -> None:
         self._load(state)
@@ -173,15 +179,30 @@ class FaultTolerantReplica:
         """Steps committed so far (the sampler position: step s reads global batch s)."""
         return self.manager.current_step()
 
-    def restore_step(self, step: int) -> None:
-        """Set the step torchft counts to ``step`` (a job resumed from its checkpoint: every
-        replica group restored to the same step agrees on it)."""
-        self.manager.load_state_dict({"step": step,
-                                      "batches_committed": self.manager.batches_committed()})
+    @property
+    def batches_committed(self) -> int:
+        """Replica-group slots of the global batch trained so far: each committed step adds
+        the replica groups live at it (torchft's count; all of them while none is missing)."""
+        return self.manager.batches_committed()
+
+    def state_dict(self) -> dict[str, int]:
+        """torchft's counters (``Manager.state_dict``): ``step`` and ``batches_committed``;
+        a checkpoint holds them, so a job resumed from it counts on as an uninterrupted
+        one."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, counters: dict[str, int]) -> None:
+        """Restore ``state_dict()``'s counters (a job resumed from its checkpoint: every
+        replica group resumed at the same step agrees on it; one behind heals)."""
+        self.manager.load_state_dict(counters)
 
     def start_step(self) -> int:
         """Join this step's quorum (healing first where this replica is behind); returns
-        the step number."""
+        the step number. Again before ``commit``: nothing more, the quorum is kept (the
+        loop joins the next step before a checkpoint or a validation:
+        ``TrainTask.join_next_step``)."""
+        if self._joined:
+            return self.step
         try:
             self.manager.start_quorum()
         except Exception as exc:  # torchft raises the RPC's TimeoutError / RuntimeError
@@ -197,12 +218,14 @@ class FaultTolerantReplica:
             self.log(f"replica {self.cfg.replica_id}: step {self.step}: {what}{live} of "
                      f"{self.cfg.group_size} replica groups live")
             self._live = live
+        self._joined = True
         return self.step
 
     def commit(self) -> bool:
         """The step's vote: True (step the optimizer) only if every live replica finished
         it without error; False everywhere otherwise (the step is redone)."""
         step, live = self.step, self.manager.num_participants()
+        self._joined = False  # the next step asks for a new quorum
         try:
             ok = self.manager.should_commit()
         except (RuntimeError, TimeoutError) as exc:  # a rank of this group did not vote

@@ -12,6 +12,7 @@ checkpoint, behind the small protocol of ``TrainTask``.
                         (+ on CUDA peak_allocated_mib, peak_reserved_mib: one value per rank,
                         the window's peaks, ``training.memory``) to metrics.jsonl, and
                         TensorBoard / W&B when asked (``training.loggers``)
+    eval / save         task.join_next_step() first (torchft: the next step's quorum)
     eval (eval_every)   {"kind": "val", "step", **task.evaluate()}
     save (every)        task.save_checkpoint(), then task.draw() on rank 0 (the loss curve)
     end                 task.end_of_training(); a last evaluation; checkpoint.at_end
@@ -107,6 +108,12 @@ class TrainTask:
     def save_checkpoint(self):
         """Write a checkpoint of ``self.step`` (collective where the application's is)."""
         raise NotImplementedError
+
+    def join_next_step(self) -> None:
+        """Before a validation or a checkpoint between two steps: a task whose steps need
+        its peers (a replica group of a torchft job) joins the next step here, so that the
+        peers wait for it inside that step instead of going on without it; nothing by
+        default."""
 
     def end_of_training(self) -> None:
         """After the last step, before the last evaluation (drain a pipeline, say done)."""
@@ -253,6 +260,8 @@ def run_loop(task: TrainTask, progress: bool | None = None) -> dict:
                     bar.set_postfix(_postfix(task, row), refresh=False)  # redrawn at mininterval
             if bar is not None:
                 bar.update(1)
+            if evaluate or save:  # steps are left: join the next one before the pause
+                task.join_next_step()
             if evaluate:
                 _evaluate(task, metrics, show)
             if save:

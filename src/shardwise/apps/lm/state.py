@@ -5,8 +5,10 @@ The state is two parts: tensors, which go through DCP, and meta (JSON), which is
 beside them. The tensors are the engine's in logical form (``engine.state``: fp32 masters
 and AdamW moments as the single-process model's tensors, whatever the layout); meta holds
 the step, scheduler, the sampler's global position, optimizer hyper-parameters, loss
-scale, tokenizer, config and the layout that wrote it. Nothing in either depends on the
-layout, so a checkpoint resumes into any dp x cp x tp x pp, ZeRO stage and precision.
+scale, tokenizer, config, the layout that wrote it and, under fault tolerance, torchft's
+counters (``FaultTolerantReplica.state_dict``: its step and the slots trained). Nothing in
+either depends on the layout, so a checkpoint resumes into any dp x cp x tp x pp, ZeRO
+stage and precision.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class TrainerState:
             # model.init_from's config.json: `shardwise export` writes ours over it
             "hf_config": getattr(self, "hf_config", None),
             "config": self.cfg.model_dump(),
+            # torchft's step and committed slots (fault_tolerance), None without
+            "torchft": self.ft.state_dict() if getattr(self, "ft", None) is not None else None,
             "layout": {"dp": self.topology.dp, "pp": self.topology.pp, "tp": self.topology.tp,
                        "cp": self.topology.cp,
                        "zero": p.zero, "precision": self.cfg.training.precision},
@@ -60,8 +64,12 @@ class TrainerState:
         if e.loss_scaler is not None and meta.get("loss_scaler"):
             e.loss_scaler.load_state_dict(meta["loss_scaler"])
         engine_state.load_logical_tensors(e, tensors)
-        if getattr(self, "ft", None) is not None:  # torchft counts the same step
-            self.ft.restore_step(self.step)
+        if getattr(self, "ft", None) is not None:  # torchft counts on from the same step
+            # a checkpoint without its counters (written without fault tolerance): every
+            # step trained the whole global batch, group_size slots
+            counters = meta.get("torchft") or {
+                "batches_committed": self.step * self.cfg.fault_tolerance.group_size}
+            self.ft.load_state_dict({**counters, "step": self.step})
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of this step (collective). PipeDream drains its stream first:

@@ -146,6 +146,19 @@ class Trainer(TrainerState, TrainTask):
         self._pending = []  # losses of steps the peer's history replaces
         self.load_state_dict(tensors, state["meta"])
 
+    def join_next_step(self) -> None:
+        """Join the next step's quorum now, before this step's checkpoint or validation (the
+        loop calls it when steps are left). Why: a replica group writing a checkpoint between
+        two steps keeps heartbeating, and torchft's lighthouse waits for a heartbeating group
+        that has not asked only ``join_timeout_ms`` before forming the quorum without it;
+        that group then heals from a peer when it asks, and its slot of the steps in between
+        is never trained (docs/reliability.md, the soak). Joined first, it is in the quorum,
+        and the peers wait for it inside the step, at the gradient average, up to
+        ``process_group_timeout_ms``. Every group pauses at the same steps
+        (``checkpoint.every``, ``training.eval_every``), so each waits only for the slowest."""
+        if self.ft is not None:
+            self.ft.start_step()
+
     # -- one step -------------------------------------------------------------------------
     def train_step(self, sync: bool = True) -> dict | None:
         """One optimizer step on this rank's share of the next global batch. ``sync=False``:
@@ -154,7 +167,9 @@ class Trainer(TrainerState, TrainTask):
         tolerance: None when the step did not commit (the sampler is back where it was: the
         step is redone on the same samples)."""
         if self.ft is not None:
-            self.ft.start_step()  # the quorum; behind: healed here (step, sampler, weights)
+            # the quorum (joined already where the loop paused after the last step); behind:
+            # healed here (step, sampler, weights)
+            self.ft.start_step()
             position = self.sampler.state_dict()
         x, y = self.sampler.next_batch()
         if self._pin:
@@ -168,6 +183,8 @@ class Trainer(TrainerState, TrainTask):
         self.step += 1
         self._pending.append(info["loss"])
         info = {**info, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.ft is not None:  # slots of the global batch trained so far, every group's
+            info["batches_committed"] = self.ft.batches_committed
         if self.engine.loss_scaler is None:
             info.pop("skipped")
         else:
