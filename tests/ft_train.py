@@ -6,7 +6,8 @@
 ``--go FILE``: the first quorum waits until FILE exists (the test creates it once every
 replica group is up, so all are in the first quorum). ``--slow-save S``: each checkpoint
 write of a step below ``--slow-below`` (every step by default) takes S seconds more (a
-slow disk)."""
+slow disk). ``--perturb X``: X added to every parameter once the trainer is built (a group
+that starts from other weights: what the replicas' comparison at a new quorum must find)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--go", default="")
     ap.add_argument("--slow-save", type=float, default=0.0)
     ap.add_argument("--slow-below", type=int, default=2**62)
+    ap.add_argument("--perturb", type=float, default=0.0)
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -52,6 +54,20 @@ def main() -> None:
             return save(directory, step, *a, **kw)
 
         checkpoint.save = slow
+    if args.perturb:
+        import torch
+
+        from shardwise.apps.lm.trainer import Trainer
+
+        init = Trainer.__init__
+
+        def perturbed(self, *a, **kw):
+            init(self, *a, **kw)
+            with torch.no_grad():
+                for _, p in self.engine.named_parameters():
+                    p.add_(args.perturb)
+
+        Trainer.__init__ = perturbed
     with socket.socket() as s:  # a free port for the one-rank process group
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -467,6 +467,46 @@ def test_replica_groups_writing_checkpoints_train_every_step_together(corpus, tm
     assert all(torch.equal(p[0][k], q[k]) for q in p[1:] for k in p[0])
 
 
+def test_replica_groups_that_differ_at_a_new_quorum_are_averaged(corpus, tmp_path):
+    """Two replica groups, group 1 started from other weights (every parameter + 1e-3,
+    ``tests/ft_train.py --perturb``): at the first quorum each group compares its state with
+    the other's (one sum per tensor, ``TorchftReplicas.agree``), finds it differs, says so in
+    one line and takes the mean of the two; both then train as one and end bitwise equal.
+    Before, nothing compared them (torchft's step-0 sync is off: ``init_sync=False``) and
+    they trained apart for ever at the same step count: the soak's split quorum
+    (docs/reliability.md) left them so too."""
+    n, go = 4, tmp_path / "go"
+    outs = [tmp_path / f"r{i}" for i in range(2)]
+    with Lighthouse(min_replicas=1, join_timeout_ms=4000, heartbeat_timeout_ms=5000) as lh:
+        jobs = []
+        for i, out in enumerate(outs):
+            with open(out.with_suffix(".log"), "w") as log:
+                jobs.append(subprocess.Popen(
+                    [sys.executable, str(REPO / "tests" / "ft_train.py"), "--go", str(go),
+                     "--perturb", "0.001" if i == 1 else "0", "--",
+                     "train", *TINY, "--data", str(corpus), "--training.out_dir", str(out),
+                     "--parallel.dp", "1", "--training.steps", str(n),
+                     "--training.global_batch_size", "4", "--fault_tolerance.enable", "true",
+                     "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
+                     "2", "--fault_tolerance.lighthouse", lh.address,
+                     "--fault_tolerance.process_group_timeout_ms", "10000"],
+                    cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True))
+        for job, out in zip(jobs, outs):  # both Managers heartbeating: one first quorum
+            wait_for(lambda: "rank 0 holds" in printed(out), job)
+        go.touch()
+        ended(jobs)
+    logs = [printed(out) for out in outs]
+    assert [j.returncode for j in jobs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    for i, log in enumerate(logs):
+        said = [ln for ln in log.splitlines() if "differed" in ln]
+        assert said == [f"shardwise: replica {i}: step 0: its state differed from the other "
+                        "live replica groups'; parameters and optimizer state averaged over "
+                        "the 2 live groups"], log
+    p = [final_params(out, tmp_path) for out in outs]
+    assert all(torch.equal(p[0][k], p[1][k]) for k in p[0])
+
+
 def rows(out: Path) -> dict[int, tuple[float, int]]:
     """Step -> (loss, batches_committed) of a replica group's train rows."""
     path = out / "metrics.jsonl"

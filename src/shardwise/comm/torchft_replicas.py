@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+from torch.distributed import ReduceOp
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from shardwise.comm import accounting
@@ -54,6 +55,15 @@ class TorchftReplicas(Replicas):
             self.manager.allreduce(flat).wait()  # mean: SUM, then / participants
             for t, mean in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(mean)
+
+    def agree(self, values: torch.Tensor) -> bool:
+        """True where every live replica group's rank of these coordinates holds the same
+        ``values`` (1-d float64, the same length everywhere: one maximum and one minimum
+        across the quorum, a single all-reduce); the same answer on each of them."""
+        both = torch.cat([values, -values])
+        self.manager.allreduce(both, reduce_op=ReduceOp.MAX).wait()
+        return bool(torch.equal(both[:values.numel()], values)
+                    and torch.equal(-both[values.numel():], values))
 
     def commit(self) -> bool:
         return self._vote()

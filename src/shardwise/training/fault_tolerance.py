@@ -168,6 +168,7 @@ class FaultTolerantReplica:
         self.replicas = TorchftReplicas(self.manager, vote=self.commit)
         self._live, self._redone = 0, -1
         self._joined = False  # in a quorum whose step has not been voted on yet
+        self._checked = -1  # the last quorum id ``new_quorum`` answered for
 
     def _heal(self, state: Any) -> None:
         self._load(state)
@@ -220,6 +221,17 @@ class FaultTolerantReplica:
             self._live = live
         self._joined = True
         return self.step
+
+    def new_quorum(self) -> bool:
+        """True once per new quorum of two or more live replica groups, after
+        ``start_step``: torchft's quorum id changes with the quorum's members, so every
+        member of a new quorum sees it change at the same step (``Manager._quorum_id``,
+        kept private by torchft 0.2.0; set where the Manager reconfigures)."""
+        quorum = self.manager._quorum_id
+        if quorum == self._checked:
+            return False
+        self._checked = quorum
+        return self.manager.num_participants() > 1
 
     def commit(self) -> bool:
         """The step's vote: True (step the optimizer) only if every live replica finished
