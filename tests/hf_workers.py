@@ -39,7 +39,7 @@ def _logits(d: str, topo: Topology, idx: torch.Tensor) -> torch.Tensor:
     model = describe_section(ModelConfig(**section_of(read_config(d))), 0)
     engine = Engine(model, topo, EngineConfig(
         seq_len=idx.shape[1], init_from=d, optimizer={"grad_clip": 0.0},
-        training={"global_batch_size": 1}))
+        training={"global_batch_size": topo.dp}))  # one sequence per dp rank
     with engine.evaluating():
         logits = engine._logits(idx)
     return gather_tensor(logits, -1, engine.tp)[..., :model.vocab_size].clone()
