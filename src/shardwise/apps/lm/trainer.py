@@ -158,8 +158,10 @@ class Trainer(TrainerState, TrainTask):
         ``init_sync=False``), otherwise train apart for ever at the same step count."""
         state = self._heal_state()
         floats = [t for t in _leaves(state["tensors"]) if t.is_floating_point()]
-        sums = torch.stack([t.detach().double().sum() for t in floats]) if floats else \
-            torch.zeros(1, dtype=torch.float64, device=self.device)
+        # on the run's device, whichever device each tensor is on (offload: masters on the
+        # host): the replicas' process group is NCCL's on CUDA
+        sums = torch.stack([t.detach().double().sum().to(self.device) for t in floats]) \
+            if floats else torch.zeros(1, dtype=torch.float64, device=self.device)
         differ = torch.tensor([0 if self.ft.replicas.agree(sums) else 1], device=self.device)
         if self.distributed and self.topology.world_size > 1:  # the whole group acts alike
             comm.all_reduce(differ, op="max", check=False)
