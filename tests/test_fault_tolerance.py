@@ -306,15 +306,7 @@ def test_two_shardwise_train_jobs_as_replica_groups_equal_one_process(layout, co
         ended(jobs + [ref])
     logs = [printed(tmp_path / n) for n in ("r0", "r1", "one")]
     assert [p.returncode for p in jobs + [ref]] == [0, 0, 0], "\n".join(x[-3000:] for x in logs)
-    r0, r1, one = (losses(tmp_path / n) for n in ("r0", "r1", "one"))
-    assert sorted(r0) == sorted(r1) == sorted(one) == [1, 2, 3, 4]
-    assert r0 != r1  # two halves of the batch
-    torch.testing.assert_close(torch.tensor([(r0[s] + r1[s]) / 2 for s in one]),
-                               torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
-    p0, p1, p = (final_params(tmp_path / n, tmp_path) for n in ("r0", "r1", "one"))
-    assert sorted(p0) == sorted(p) and all(torch.equal(p0[k], p1[k]) for k in p0)
-    for k in p:
-        torch.testing.assert_close(p0[k], p[k], rtol=1e-5, atol=1e-6)
+    two_halves_equal_one(tmp_path)
 
 
 @pytest.mark.slow
@@ -423,6 +415,31 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
 
 
+def _hooked_groups(corpus, outs: list[Path], go: Path, hooks, *extra: str) -> list:
+    """``len(outs)`` replica groups (``shardwise train`` under ``tests/ft_train.py``, dp1,
+    ``hooks(i)`` its hooks), all in the first quorum (each Manager heartbeating before the
+    ``go`` file), run to their end against one lighthouse; returns the ended jobs."""
+    with Lighthouse(min_replicas=1, join_timeout_ms=4000, heartbeat_timeout_ms=5000) as lh:
+        jobs = []
+        for i, out in enumerate(outs):
+            with open(out.with_suffix(".log"), "w") as log:
+                jobs.append(subprocess.Popen(
+                    [sys.executable, str(REPO / "tests" / "ft_train.py"), "--go", str(go),
+                     *hooks(i), "--", "train", *TINY, "--data", str(corpus),
+                     "--training.out_dir", str(out), "--parallel.dp", "1", *extra,
+                     "--fault_tolerance.enable", "true", "--fault_tolerance.replica_id",
+                     str(i), "--fault_tolerance.group_size", str(len(outs)),
+                     "--fault_tolerance.lighthouse", lh.address,
+                     "--fault_tolerance.process_group_timeout_ms", "10000"],
+                    cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
+                    start_new_session=True))
+        for job, out in zip(jobs, outs):  # every Manager heartbeating: one first quorum
+            wait_for(lambda: "rank 0 holds" in printed(out), job)
+        go.touch()
+        ended(jobs)
+    return jobs
+
+
 def test_replica_groups_writing_checkpoints_train_every_step_together(corpus, tmp_path):
     """No kill, three replica groups (``shardwise train`` jobs, dp1), 20 steps, a checkpoint
     at step 10 that group 2 writes 6 s slower (a slow disk, ``tests/ft_train.py``), more than
@@ -433,29 +450,13 @@ def test_replica_groups_writing_checkpoints_train_every_step_together(corpus, tm
     bitwise equal. Before (a checkpoint written between two steps), the two fast groups
     formed step 11's quorum without group 2, which then healed from them: its slot of the
     steps in between untrained (the soak's finding, docs/reliability.md)."""
-    n, go = 20, tmp_path / "go"
+    n = 20
     outs = [tmp_path / f"r{i}" for i in range(3)]
-    with Lighthouse(min_replicas=1, join_timeout_ms=4000, heartbeat_timeout_ms=5000) as lh:
-        jobs = []
-        for i, out in enumerate(outs):
-            hooks = ["--go", str(go), "--slow-save", "6" if i == 2 else "0",
-                     "--slow-below", str(n)]
-            with open(out.with_suffix(".log"), "w") as log:
-                jobs.append(subprocess.Popen(
-                    [sys.executable, str(REPO / "tests" / "ft_train.py"), *hooks, "--",
-                     "train", *TINY, "--data", str(corpus), "--training.out_dir", str(out),
-                     "--parallel.dp", "1", "--training.steps", str(n),
-                     "--training.log_every", "1", "--checkpoint.every", "10",
-                     "--training.global_batch_size", "6", "--fault_tolerance.enable", "true",
-                     "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
-                     "3", "--fault_tolerance.lighthouse", lh.address,
-                     "--fault_tolerance.process_group_timeout_ms", "10000"],
-                    cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
-                    start_new_session=True))
-        for job, out in zip(jobs, outs):  # every Manager heartbeating: one first quorum
-            wait_for(lambda: "rank 0 holds" in printed(out), job)
-        go.touch()
-        ended(jobs)
+    jobs = _hooked_groups(
+        corpus, outs, tmp_path / "go",
+        lambda i: ["--slow-save", "6" if i == 2 else "0", "--slow-below", str(n)],
+        "--training.steps", str(n), "--training.log_every", "1", "--checkpoint.every", "10",
+        "--training.global_batch_size", "6")
     logs = [printed(out) for out in outs]
     assert [j.returncode for j in jobs] == [0, 0, 0], "\n".join(x[-3000:] for x in logs)
     for i, log in enumerate(logs):
@@ -475,27 +476,10 @@ def test_replica_groups_that_differ_at_a_new_quorum_are_averaged(corpus, tmp_pat
     Before, nothing compared them (torchft's step-0 sync is off: ``init_sync=False``) and
     they trained apart for ever at the same step count: the soak's split quorum
     (docs/reliability.md) left them so too."""
-    n, go = 4, tmp_path / "go"
     outs = [tmp_path / f"r{i}" for i in range(2)]
-    with Lighthouse(min_replicas=1, join_timeout_ms=4000, heartbeat_timeout_ms=5000) as lh:
-        jobs = []
-        for i, out in enumerate(outs):
-            with open(out.with_suffix(".log"), "w") as log:
-                jobs.append(subprocess.Popen(
-                    [sys.executable, str(REPO / "tests" / "ft_train.py"), "--go", str(go),
-                     "--perturb", "0.001" if i == 1 else "0", "--",
-                     "train", *TINY, "--data", str(corpus), "--training.out_dir", str(out),
-                     "--parallel.dp", "1", "--training.steps", str(n),
-                     "--training.global_batch_size", "4", "--fault_tolerance.enable", "true",
-                     "--fault_tolerance.replica_id", str(i), "--fault_tolerance.group_size",
-                     "2", "--fault_tolerance.lighthouse", lh.address,
-                     "--fault_tolerance.process_group_timeout_ms", "10000"],
-                    cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True,
-                    start_new_session=True))
-        for job, out in zip(jobs, outs):  # both Managers heartbeating: one first quorum
-            wait_for(lambda: "rank 0 holds" in printed(out), job)
-        go.touch()
-        ended(jobs)
+    jobs = _hooked_groups(corpus, outs, tmp_path / "go",
+                          lambda i: ["--perturb", "0.001" if i == 1 else "0"],
+                          "--training.steps", "4", "--training.global_batch_size", "4")
     logs = [printed(out) for out in outs]
     assert [j.returncode for j in jobs] == [0, 0], "\n".join(x[-3000:] for x in logs)
     for i, log in enumerate(logs):
@@ -505,6 +489,21 @@ def test_replica_groups_that_differ_at_a_new_quorum_are_averaged(corpus, tmp_pat
                         "the 2 live groups"], log
     p = [final_params(out, tmp_path) for out in outs]
     assert all(torch.equal(p[0][k], p[1][k]) for k in p[0])
+
+
+def two_halves_equal_one(tmp_path: Path) -> None:
+    """Replica groups r0 and r1 (4 steps, each half of the batch) against "one" (one
+    process, the whole batch): their mean loss is one's at each step, their parameters
+    bitwise equal to each other and equal to one's (1e-5)."""
+    r0, r1, one = (losses(tmp_path / n) for n in ("r0", "r1", "one"))
+    assert sorted(r0) == sorted(r1) == sorted(one) == [1, 2, 3, 4]
+    assert r0 != r1  # two halves of the batch
+    torch.testing.assert_close(torch.tensor([(r0[s] + r1[s]) / 2 for s in one]),
+                               torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
+    p0, p1, p = (final_params(tmp_path / n, tmp_path) for n in ("r0", "r1", "one"))
+    assert sorted(p0) == sorted(p) and all(torch.equal(p0[k], p1[k]) for k in p0)
+    for k in p:
+        torch.testing.assert_close(p0[k], p[k], rtol=1e-5, atol=1e-6)
 
 
 def rows(out: Path) -> dict[int, tuple[float, int]]:
@@ -586,12 +585,4 @@ def test_replica_groups_under_torchrun_across_namespace_hosts_equal_one_process(
         assert [net.pids(h) for h in net.hosts[:2]] == [[], []]  # no rank or agent left
     assert [g.returncode for g in groups] + [ref.returncode] == [0, 0, 0], \
         "\n".join(x[-3000:] for x in logs)
-    r0, r1, one = (losses(tmp_path / n) for n in ("r0", "r1", "one"))
-    assert sorted(r0) == sorted(r1) == sorted(one) == [1, 2, 3, 4]
-    assert r0 != r1  # two halves of the batch
-    torch.testing.assert_close(torch.tensor([(r0[s] + r1[s]) / 2 for s in one]),
-                               torch.tensor(list(one.values())), rtol=1e-5, atol=1e-6)
-    p0, p1, p = (final_params(tmp_path / n, tmp_path) for n in ("r0", "r1", "one"))
-    assert sorted(p0) == sorted(p) and all(torch.equal(p0[k], p1[k]) for k in p0)
-    for k in p:
-        torch.testing.assert_close(p0[k], p[k], rtol=1e-5, atol=1e-6)
+    two_halves_equal_one(tmp_path)
