@@ -90,8 +90,8 @@ def test_plan_of_a_named_model_on_a_preset_imports_no_torch():
     """``import shardwise.planner`` and ``shardwise plan --model megatron-1t --cluster
     dgx-a100-80gb`` (here llama3-8b, the same path in a fraction of the time) import no torch:
     ``comm``, ``perf`` and ``parallel.pipeline`` load their submodules lazily, the GPU table
-    is ``perf.gpus``, and ``planner.contention`` imports torch only when it calibrates (torch
-    is two of the plan's ~8 s of CPU on two cores)."""
+    is ``perf.gpus``, and the ``local`` cluster's calibration imports torch only when it runs
+    (torch was two of the plan's ~8 s of CPU on two cores)."""
     out = _fresh(
         "import contextlib, io, sys\n"
         "import shardwise.planner, shardwise.planner.search\n"

@@ -384,7 +384,7 @@ def test_a_replica_group_resumed_from_its_checkpoint_sets_the_step_the_others_he
         layout, corpus, tmp_path):
     """Checkpoints cover the loss of the whole job: replica group 0 trains 4 steps alone and
     saves; then it resumes from that checkpoint while group 1 starts fresh. torchft counts
-    the checkpoint's step for group 0 (``restore_step``), so group 1, behind, heals from it
+    the checkpoint's step for group 0 (``FaultTolerantReplica.load_state_dict``), so group 1, behind, heals from it
     at step 4, and both end with bitwise-equal parameters (without the restored step both
     would count 0: no heal, two different models). torchft's count of the slots trained
     comes back from the checkpoint too: 4 (group 0 alone), then 6 and 8 with group 1, in

@@ -35,7 +35,9 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from shardwise import comm
 from shardwise.base.config import FaultToleranceConfig
 from shardwise.base.errors import RunError
 from shardwise.comm.torchft_replicas import TorchftReplicas
@@ -150,7 +152,8 @@ class FaultTolerantReplica:
         self.cfg, self.log = cfg, log
         timeout = _ms(cfg.process_group_timeout_ms)
         pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
-        self._load = load_state_dict
+        self._load, self._state, self.device = load_state_dict, state_dict, device
+        self._group_world_size = group_world_size
         with _manager_server_bound_to(bind), _one_line(cfg, "cannot join the job"):
             self.manager = Manager(
                 pg=pg, load_state_dict=self._heal, state_dict=state_dict,
@@ -168,7 +171,7 @@ class FaultTolerantReplica:
         self.replicas = TorchftReplicas(self.manager, vote=self.commit)
         self._live, self._redone = 0, -1
         self._joined = False  # in a quorum whose step has not been voted on yet
-        self._checked = -1  # the last quorum id ``new_quorum`` answered for
+        self._checked = -1  # the last quorum id ``_new_quorum`` answered for
 
     def _heal(self, state: Any) -> None:
         self._load(state)
@@ -199,8 +202,9 @@ class FaultTolerantReplica:
 
     def start_step(self) -> int:
         """Join this step's quorum (healing first where this replica is behind); returns
-        the step number. Again before ``commit``: nothing more, the quorum is kept (the
-        loop joins the next step before a checkpoint or a validation:
+        the step number. At a new quorum the live groups' states are compared and averaged
+        where they differ (``_reconcile``). Again before ``commit``: nothing more, the quorum
+        is kept (the loop joins the next step before a checkpoint or a validation:
         ``TrainTask.join_next_step``)."""
         if self._joined:
             return self.step
@@ -220,18 +224,48 @@ class FaultTolerantReplica:
                      f"{self.cfg.group_size} replica groups live")
             self._live = live
         self._joined = True
+        if self._new_quorum():
+            self._reconcile()
         return self.step
 
-    def new_quorum(self) -> bool:
-        """True once per new quorum of two or more live replica groups, after
-        ``start_step``: torchft's quorum id changes with the quorum's members, so every
-        member of a new quorum sees it change at the same step (``Manager._quorum_id``,
-        kept private by torchft 0.2.0; set where the Manager reconfigures)."""
+    def _new_quorum(self) -> bool:
+        """True once per new quorum of two or more live replica groups: torchft's quorum id
+        changes with the quorum's members, so every member of a new quorum sees it change at
+        the same step (``Manager._quorum_id``, kept private by torchft 0.2.0; set where the
+        Manager reconfigures)."""
         quorum = self.manager._quorum_id
         if quorum == self._checked:
             return False
         self._checked = quorum
         return self.manager.num_participants() > 1
+
+    def _reconcile(self) -> None:
+        """At a new quorum: do the live replica groups hold the same state? One sum per
+        floating tensor of this rank's ``state_dict()`` (what a heal copies), compared with
+        the same rank of every live group (``TorchftReplicas.agree``), then across this
+        group's ranks. Where any differ, each of those tensors (parameters, optimizer state)
+        becomes its mean over the live groups (``load_state_dict``), and one line says so.
+        Why: torchft 0.2.0 never compares replicas; two quorums committing the same step (the
+        lighthouse counts a group whose heartbeats lapsed as dead: a quorum of one beside one
+        of two, seen in the soak, docs/reliability.md), or a group started from other
+        weights (no step-0 sync, ``init_sync=False``), would otherwise train apart for ever
+        at the same step count."""
+        state = self._state()
+        floats = [t for t in _leaves(state) if t.is_floating_point()]
+        # on the run's device, wherever each tensor is (offload: masters on the host): the
+        # replicas' process group is NCCL's on CUDA
+        sums = (torch.stack([t.detach().double().sum().to(self.device) for t in floats])
+                if floats else torch.zeros(1, dtype=torch.float64, device=self.device))
+        differ = torch.tensor([0 if self.replicas.agree(sums) else 1], device=self.device)
+        if self._group_world_size > 1 and dist.is_initialized():  # the group acts as one
+            comm.all_reduce(differ, op="max", check=False)
+        if not differ.item():
+            return
+        self.replicas.average_(floats)
+        self._load(state)
+        self.log(f"replica {self.cfg.replica_id}: step {self.step}: its state differed from "
+                 f"the other live replica groups'; parameters and optimizer state averaged "
+                 f"over the {self.replicas.size} live groups")
 
     def commit(self) -> bool:
         """The step's vote: True (step the optimizer) only if every live replica finished
@@ -258,3 +292,13 @@ class FaultTolerantReplica:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _leaves(tree) -> list[torch.Tensor]:
+    """The tensors of nested dicts, lists and tuples, in order (the same on every replica
+    group of one layout)."""
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _leaves(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []

@@ -146,35 +146,6 @@ class Trainer(TrainerState, TrainTask):
         self._pending = []  # losses of steps the peer's history replaces
         self.load_state_dict(tensors, state["meta"])
 
-    def _reconcile_replicas(self) -> None:
-        """At each new quorum: do the live replica groups hold the same state? One sum per
-        tensor of this rank's ``_heal_state``, compared across the quorum
-        (``TorchftReplicas.agree``), then across this group's ranks. Where they differ,
-        every floating tensor (parameters, optimizer state) is replaced by its mean over the
-        live groups, and one line says so. Why: torchft 0.2.0 never compares replicas; two
-        quorums committing the same step (the lighthouse counts a group whose heartbeats
-        lapsed as dead: a quorum of one beside one of two, seen in the soak,
-        docs/reliability.md), or a group started from other weights (no step-0 sync,
-        ``init_sync=False``), otherwise train apart for ever at the same step count."""
-        state = self._heal_state()
-        floats = [t for t in _leaves(state["tensors"]) if t.is_floating_point()]
-        # on the run's device, whichever device each tensor is on (offload: masters on the
-        # host): the replicas' process group is NCCL's on CUDA
-        sums = torch.stack([t.detach().double().sum().to(self.device) for t in floats]) \
-            if floats else torch.zeros(1, dtype=torch.float64, device=self.device)
-        differ = torch.tensor([0 if self.ft.replicas.agree(sums) else 1], device=self.device)
-        if self.distributed and self.topology.world_size > 1:  # the whole group acts alike
-            comm.all_reduce(differ, op="max", check=False)
-        if not differ.item():
-            return
-        self.ft.replicas.average_(floats)
-        self._heal_from(state)
-        if self.is_main:
-            status(f"shardwise: replica {self.cfg.fault_tolerance.replica_id}: step "
-                   f"{self.ft.step}: its state differed from the other live replica groups'; "
-                   f"parameters and optimizer state averaged over the "
-                   f"{self.ft.replicas.size} live groups", file=sys.stderr)
-
     def join_next_step(self) -> None:
         """Join the next step's quorum now, before this step's checkpoint or validation (the
         loop calls it when steps are left). Why: a replica group writing a checkpoint between
@@ -199,8 +170,6 @@ class Trainer(TrainerState, TrainTask):
             # the quorum (joined already where the loop paused after the last step); behind:
             # healed here (step, sampler, weights)
             self.ft.start_step()
-            if self.ft.new_quorum():
-                self._reconcile_replicas()
             position = self.sampler.state_dict()
         x, y = self.sampler.next_batch()
         if self._pin:
@@ -340,12 +309,3 @@ def build_trainer(cfg: Config) -> Trainer:
         topo = Topology.build(p.dp, p.pp, p.tp, cp=p.cp, ep=p.ep,
                               dp_replicate=p.dp_replicate)
     return Trainer(cfg, topo, rank_device(cfg.training.device))
-
-
-
-def _leaves(tree) -> list[torch.Tensor]:
-    """The tensors of nested dicts (``_heal_state``'s), in insertion order (the same on
-    every replica group of one layout)."""
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _leaves(v)]
-    return [tree] if isinstance(tree, torch.Tensor) else []
