@@ -180,6 +180,16 @@ def ring_bytes(spec: ModelSpec, lay: Layout, e: int) -> RingBytes:
                      max(n * kv + m * kv * 4 / e for n, _, m, _ in counts))
 
 
+def ring_messages(spec: ModelSpec, lay: Layout) -> tuple[float, float]:
+    """Messages one rank sends round the cp ring per block, ``(forward, backward)``
+    (``_ring_counts``: the K/V messages, and backward those again and the dK/dV ones), for
+    the slowest rank; (0, 0) without a ring."""
+    if lay.cp_ring == 1:
+        return 0.0, 0.0
+    counts = _ring_counts(spec.attention_windows, spec.block_size, lay.cp_ring)
+    return (max(n for _, n, _, _ in counts), max(n + m for _, n, _, m in counts))
+
+
 def ring_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, e: int) -> RingSeconds:
     """Seconds of one block's ring traffic on one rank, ``RingSeconds(forward, backward)``,
     before any overlap (``ring_bytes``): each step one message to the next rank of the ring

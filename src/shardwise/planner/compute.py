@@ -240,7 +240,7 @@ def optimizer_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, layers: li
         X = rank_expert_params(spec, layers, lay.tp, lay.ep)
         P = ((P - X) / (lay.dp // lay.dp_replicate * lay.cp)
              + X / (lay.dp // lay.ep * lay.cp))  # as memory_of
-    share = max(1.0, lay.world / cluster.cores) if cluster.cores else 1.0
+    share = cluster.sharing(lay.world)
     if cluster.optimizer_param_s:  # local: measured, and its host seconds a step
         # (hardware.host_seconds) on the shared cores too
         return (cluster.optimizer_param_s * P + cluster.step_s) * share

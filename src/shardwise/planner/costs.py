@@ -24,6 +24,7 @@ from typing import NamedTuple
 from shardwise.planner.comm_price import (
     all_to_all_seconds,
     megatron_send_seconds,
+    ring_messages,
     ring_seconds,
     ulysses_seconds,
 )
@@ -97,6 +98,10 @@ class BlockCosts(NamedTuple):
     """Host seconds of one micro-batch on a rank beyond its layers' priced work
     (``Cluster.micro_batch_s``, measured on local; 0 elsewhere), charged to the forward of
     each of a rank's chunks in equal parts."""
+    message: float = 0.0
+    """Host seconds of one pipeline send or receive (local: half a cp ring message's,
+    ``Cluster.ring_message_s``: a ring step sends and receives; 0 elsewhere and at pp = 1),
+    charged to the op that makes it."""
 
 
 class ChunkCost(NamedTuple):
@@ -226,17 +231,20 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     send = megatron_send_seconds(spec, lay, cluster, e)
     ring = ring_seconds(spec, lay, cluster, e)
     heads = ulysses_seconds(spec, lay, cluster, e)  # all-to-alls: exposed, each pass
-    cp_f = max(0.0, ring.forward - attn_s) + heads  # the ring overlapped
-    cp_b = max(0.0, ring.backward - 2 * attn_s) + heads
+    # the ring's transfers overlapped; on local each message's host seconds too (measured:
+    # Cluster.ring_message_s), CPU work that nothing hides
+    msg_f, msg_b = (x * cluster.ring_message_s for x in ring_messages(spec, lay))
+    cp_f = max(0.0, ring.forward - attn_s) + heads + msg_f
+    cp_b = max(0.0, ring.backward - 2 * attn_s) + heads + msg_b
     a2a = all_to_all_seconds(spec, lay, cluster, e)
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
                       cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a,
-                      recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
+                      recomputed=redo_s, ring_again=ring.forward + msg_f, attention_backward=attn_b,
                       frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h,
                       host=cluster.micro_batch_s * (
-                          1.0 if dedicated or not cluster.cores
-                          else max(1.0, lay.world / cluster.cores)))
+                          1.0 if dedicated else cluster.sharing(lay.world)),
+                      message=cluster.ring_message_s / 2 if lay.pp > 1 else 0.0)
 
 
 def linear_widths(spec: ModelSpec) -> float:
@@ -359,6 +367,10 @@ def _chunk_cost(blk: BlockCosts, lay: Layout, nb: int, head: bool, emb: bool) ->
     tpf, tpb = tpf + ppf, tpb + ppb
     if blk.host:  # the executor's own seconds (local), with the forward
         comp_f += blk.host / lay.chunks_per_rank
+    if blk.message:  # local: a chunk receives its input unless it embeds and sends its
+        # output unless it has the head; backward the gradients the other way
+        n_msg = (not emb) + (not head)
+        comp_f, comp_b = comp_f + n_msg * blk.message, comp_b + n_msg * blk.message
     return ChunkCost(comp_f + tpf + wait_f, comp_b + tpb + wait_b, tpf + wait_f,
                      tpb + wait_b, wait_f, wait_b, cpf + cpb, epf + epb, ppf + ppb)
 

@@ -167,15 +167,27 @@ class Cluster:
     # (local: measured, ``calibrate_local``; 0: 40 bytes of memory traffic at ``mem_bw``)
     micro_batch_s: float = 0.0  # host seconds per micro-batch on a rank beyond its layers'
     # priced work (local: measured, ``host_seconds``; 0: not modelled)
+    contention: float = 1.0  # local: how much longer a rank's work takes while more ranks
+    # than cores share them than alone (caches, context switches, the comm thread and gloo's
+    # CPU): measured at the planned world size (``shared_seconds``); 1 on a GPU
+    ring_message_s: float = 0.0  # local: host seconds per message of the cp ring (the
+    # exchange through the comm thread, the merge of its block), measured (``shared_seconds``)
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
         return self.intra if span <= self.gpus_per_node else self.inter
 
+    def sharing(self, world_size: int) -> float:
+        """How much slower a rank's CPU work runs when ``world_size`` ranks run at once:
+        ranks per core (at least 1), times the ``contention`` measured at that world size
+        (local); 1 on a GPU cluster and for one rank (a dedicated core's price)."""
+        if not self.cores or world_size <= 1:
+            return 1.0
+        return max(1.0, world_size / self.cores) * self.contention
+
     def rate(self, world_size: int) -> float:
         """FLOP/s one rank's matmuls reach when ``world_size`` ranks run at once."""
-        share = max(1.0, world_size / self.cores) if self.cores else 1.0
-        return self.flops * self.efficiency / share
+        return self.flops * self.efficiency / self.sharing(world_size)
 
     def comm_stretch(self, n: int, world_size: int) -> float:
         """How much longer than its comm-profile price a collective of ``n`` ranks takes
@@ -209,9 +221,8 @@ class Cluster:
 
     def rank_overhead(self, world_size: int) -> float:
         """Fixed seconds per block pass (``overhead_s``), stretched when ``world_size`` ranks share
-        fewer cores."""
-        share = max(1.0, world_size / self.cores) if self.cores else 1.0
-        return self.overhead_s * share
+        fewer cores (``sharing``)."""
+        return self.overhead_s * self.sharing(world_size)
 
 
 NVLINK3, NVLINK4 = fabric("NVLink3", 300e9, 5e-6), fabric("NVLink4", 450e9, 5e-6)
@@ -554,11 +565,12 @@ def optimizer_step_seconds(params: list) -> float:
 
 
 HOST_STEPS = ((2, 1), (2, 2))  # (sequences, micro-batches): the same tokens, one more pass
+HOST_REPEATS = 16  # steps timed at each (the per-micro-batch seconds are a difference of two)
 
 
 @lru_cache(maxsize=8)
 def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
-    """The fastest of 6 training steps (this thread's CPU seconds, one torch thread) of a
+    """The fastest of ``HOST_REPEATS`` training steps (this thread's CPU seconds, one torch thread) of a
     one-layer model of ``spec``'s family (``calibration_spec``: narrowed like the block
     timed) in one process, at each ``HOST_STEPS`` (sequences, micro-batches), on the CPU:
     ``({(b, m): seconds}, parameters of the model)``. The engine's whole step: the
@@ -581,7 +593,7 @@ def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
             g = torch.Generator().manual_seed(0)
             x = torch.randint(0, small.vocab_size, (b, small.block_size), generator=g)
             times = []
-            for _ in range(7):
+            for _ in range(HOST_REPEATS + 1):
                 t0 = cpu_clock()
                 engine.train_step(x, x)
                 times.append(cpu_clock() - t0)
@@ -611,14 +623,110 @@ def host_seconds(spec: ModelSpec, seq: int, cal: dict) -> tuple[float, float]:
     return max(0.0, got[(b, m1)] - priced - m1 * per_mb), per_mb
 
 
+SHARED_STEPS = 16  # timed steps per layout of ``shared_seconds`` (after 2 untimed)
+
+
+def _probe_cp(world_size: int, seq: int) -> int:
+    """The ring ``shared_seconds`` times: 4 ranks (10 messages a block's step), else 2 (4),
+    where they divide ``world_size`` and ``seq`` cuts into 2 cp chunks; else 1 (none)."""
+    return next((cp for cp in (4, 2) if world_size % cp == 0 and seq % (2 * cp) == 0), 1)
+
+
+def _shared_probe(small: ModelSpec) -> dict:
+    """One spawned rank of ``shared_seconds``: the engine's steps of ``small`` (2 sequences
+    a rank, one micro-batch) as dp = world size, then as cp = ``_probe_cp`` (dp = world
+    size / cp, 2 cp sequences a rank of 1 / cp the tokens: the same tokens), every rank at
+    once; per layout the wall seconds of each step (all ranks start it together)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise import comm
+    from shardwise.base.topology import Topology, init_process_groups
+    from shardwise.engine import Engine, EngineConfig
+
+    torch.set_num_threads(1)
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name, cp in (("dp", 1), ("cp", _probe_cp(ws, small.block_size))):
+        if name == "cp" and cp == 1:
+            continue
+        topo = init_process_groups(Topology.build(dp=ws // cp, cp=cp, rank=rank,
+                                                  world_size=ws))
+        engine = Engine(small.model(), topo,
+                        EngineConfig(seq_len=small.block_size,
+                                     parallel={"micro_batches": 1, "dp": ws // cp, "cp": cp},
+                                     training={"seed": 0, "global_batch_size": 2 * ws}))
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randint(0, small.vocab_size, (2 * cp, small.block_size), generator=g)
+        walls = []
+        for i in range(2 + SHARED_STEPS):
+            comm.barrier()
+            t0 = time.perf_counter()
+            engine.train_step(x, x)
+            if i >= 2:  # the first two create the optimizer's moments and warm the caches
+                walls.append(time.perf_counter() - t0)
+        out[name] = walls
+    return out
+
+
+def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
+                   world_size: int) -> tuple[float, float]:
+    """``(contention, ring_message_s)`` of ``world_size`` ranks on ``cluster`` (local),
+    measured: ``world_size`` gloo ranks (``launch.spawn``) each train a one-layer model of
+    ``spec``'s family (``calibration_spec``, as ``host_step_seconds``) on 2 sequences, all at
+    once (``_shared_probe``). ``contention``: the dp layout's step (the slowest rank; the
+    fastest of ``SHARED_STEPS``), less the planner's price of its gradient all-reduce (the
+    cluster's link, stretched by ``Cluster.comm_stretch``), over what the ranks' work alone would take on the shared
+    cores (``host_step_seconds``' step of one process, times world size / cores); 1 where
+    the ranks do not outnumber the cores. ``ring_message_s``: the cp layout's step less
+    the dp one's, as dedicated-core seconds (times cores / world size, over
+    ``contention``), over the ring's 3 cp - 2 messages a step (one block: forward cp - 1,
+    backward cp - 1 + cp; ``comm_price.ring_messages``); 0 where neither 4 nor 2 ranks
+    divide the world size and the sequence (``_probe_cp``). Neither below its floor (1,
+    0)."""
+    from shardwise.launch import spawn
+
+    small = calibration_spec(spec, seq)
+    got, n_params = host_step_seconds(spec, seq)
+    alone = got[HOST_STEPS[0]]
+    res = spawn(_shared_probe, world_size, (small,), threads=1)
+    wall = {k: min(max(r[k][i] for r in res) for i in range(SHARED_STEPS))
+            for k in res[0]}
+    share = world_size / cluster.cores
+    sync = (cluster.comm_stretch(world_size, world_size)
+            * cluster.intra.all_reduce(world_size, 4 * n_params))
+    contention = max(1.0, (wall["dp"] - sync) / (alone * max(1.0, share))) if share > 1 else 1.0
+    ring = 0.0
+    if "cp" in wall:  # a block's messages, forward cp - 1, backward cp - 1 + cp
+        cp = _probe_cp(world_size, small.block_size)  # (comm_price.ring_messages)
+        ring = max(0.0, (wall["cp"] - wall["dp"]) / max(1.0, share) / contention
+                   / (3 * cp - 2))
+    return contention, ring
+
+
+def family_sized(spec: ModelSpec) -> ModelSpec | None:
+    """A described ``spec`` as its family's sizes (``description`` dropped, so that
+    ``ModelSpec.model`` builds it from them, one layer at a time where narrowed), where
+    those build the model it describes: a plain GPT's or Llama's (a TOML's ``[model]`` of
+    those kinds); None for anything the sizes do not hold (latent attention, sandwich
+    norms, windows, written scores, document masks, LoRA, a block of its own)."""
+    if spec.family not in ("gpt", "llama") or spec.block or spec.latent_attention \
+            or spec.sandwich_norm or spec.attention_windows or spec.written_scores \
+            or spec.lora or spec.attention_mask != "causal":
+        return None
+    return replace(spec, description=None)
+
+
 def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
                   world_size: int = 1, spec: ModelSpec | None = None) -> Cluster:
     """This machine: compute and the optimizer step measured on a block of the planned
     model (``spec``'s, else a GPT's of the planned width; ranks sharing the cores equally),
     the host's seconds per step and micro-batch measured on a one-layer model of its family
     (``host_seconds``), the comm profile's links (gloo over loopback; one "node"; their
-    prices stretched where ranks share the cores: ``Cluster.comm_stretch``).
-    ``world_size`` is not read (kept for the callers: nothing here depends on it)."""
+    prices stretched where ranks share the cores: ``Cluster.comm_stretch``), and at
+    ``world_size`` > 1 how the ranks' sharing of the cores slows their work and what each
+    message of the cp ring costs (``shared_seconds``: ``world_size`` ranks spawned for a
+    few steps)."""
     cal = dict(calibrate_local(width, seq, heads, spec))
     prof = cost.active_profile()
     from shardwise.comm import shm
@@ -641,9 +749,15 @@ def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
                   zero3_overlap=False, optimizer_param_s=cal["optimizer_param_s"], meta=cal)
     if spec is None:
         spec = ModelSpec("calibration", 1, width, heads, 65, seq)
-    if spec.description is None:  # a family's sizes: its one-layer model is built here
-        cal["step_s"], cal["micro_batch_s"] = host_seconds(spec, seq, cal)
+    sized = spec if spec.description is None else family_sized(spec)
+    if sized is not None:  # a family's sizes: its one-layer model is built here
+        cal["step_s"], cal["micro_batch_s"] = host_seconds(sized, seq, cal)
         out = replace(out, step_s=cal["step_s"], micro_batch_s=cal["micro_batch_s"])
+        if world_size > 1:  # the ranks' sharing of the cores, and the ring's messages
+            cal["contention"], cal["ring_message_s"] = shared_seconds(sized, seq, out,
+                                                                      world_size)
+            out = replace(out, contention=cal["contention"],
+                          ring_message_s=cal["ring_message_s"])
     return out
 
 

@@ -191,11 +191,15 @@ def walk_fast(p: int, m: int, v: int, costs: list[ChunkCost], p2p: float) -> Wal
     return Walk(end[n - 1:p * n:n].tolist(), busy, tp_time, [])
 
 
-def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas: int) -> Walk:
+def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas: int,
+                contention: float = 1.0) -> Walk:
     """``walk`` for ranks that share ``cores`` cores (this machine): processor sharing. At
     every moment the ranks computing (times ``replicas``: the dp x cp x tp copies of each
     pipeline rank, running the same schedule at once) share the cores equally, so a rank
-    idle in the bubble lends its core to the others. Costs are a dedicated core's."""
+    idle in the bubble lends its core to the others; and each runs ``contention`` times
+    slower than alone (``Cluster.contention``, measured where the world outnumbers the
+    cores: a rank that waited in the bubble starts again on cold caches). Costs are a
+    dedicated core's."""
     p = sched.p
     lists, n_chunks = sched.ranks, sched.n_chunks
     pc, comm_free = [0] * p, [0.0] * p
@@ -249,7 +253,7 @@ def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas:
                 raise ScheduleError("schedule deadlocked in the simulator")
             t = min(wake)
             continue
-        speed = min(1.0, cores / (max(1, len(computing)) * replicas))
+        speed = min(1.0, cores / (max(1, len(computing)) * replicas)) / contention
         ends = [v[1] / speed for v in computing.values()] + [v[4] for v in waiting.values()]
         t_next = t + min(ends)
         if wake:

@@ -129,7 +129,8 @@ def simulate(spec: ModelSpec, layout: Layout, cluster: Cluster, precision: str |
     elif shared:
         sched = schedule(kind, p, m, v)
         # every pipeline rank's copies run its schedule at once: dp x cp x tp of them
-        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.world // lay.pp)
+        run = lambda c: walk_shared(sched, costs, c, cluster.cores, lay.world // lay.pp,
+                                    cluster.contention)
     else:
         sched = schedule(kind, p, m, v)
         run = lambda c: walk(sched, costs, c)
