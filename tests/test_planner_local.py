@@ -97,6 +97,74 @@ def test_host_seconds_per_micro_batch_go_with_each_forward():
 
 
 
+def test_contention_slows_every_rank_s_cpu_work_but_not_the_comm_profile():
+    """``contention`` (measured at the world size: ``shared_seconds``) slows a rank's
+    compute in the shared walk, its optimizer step and its host seconds by that factor;
+    the gradient all-reduce keeps the profile's price (its own stretch)."""
+    lay = Layout(4, 1, 1, 4, 1)
+    base, slow = shared(optimizer_param_s=5e-9), shared(optimizer_param_s=5e-9, contention=1.5)
+    a, b = simulate(SPEC, lay, base), simulate(SPEC, lay, slow)
+    assert b["compute"] == pytest.approx(1.5 * a["compute"])
+    assert b["optimizer"] == pytest.approx(1.5 * a["optimizer"])
+    assert b["dp"] == pytest.approx(a["dp"]) and a["dp"] > 0
+    assert slow.sharing(4) == 3.0 and slow.sharing(1) == 1.0  # a dedicated core's price
+    assert PRESETS["dgx-h100"].sharing(64) == 1.0
+
+
+def test_each_ring_message_costs_its_host_seconds_unhidden():
+    """``ring_message_s`` (measured: ``shared_seconds``) adds to a block's cp ring, forward
+    cp - 1 messages and backward cp - 1 + cp (``ring_messages``), none of it hidden behind
+    attention; a recomputed forward sends its cp - 1 again; nothing without a ring."""
+    lay = Layout(1, 1, 1, 4, 1, cp=4)
+    a = block_costs(SPEC, lay, shared(), "fp32", dedicated=True)
+    b = block_costs(SPEC, lay, shared(ring_message_s=1e-3), "fp32", dedicated=True)
+    assert b.cp_forward - a.cp_forward == pytest.approx(3e-3)
+    assert b.cp_backward - a.cp_backward == pytest.approx(7e-3)
+    assert b.ring_again - a.ring_again == pytest.approx(3e-3)
+    flat = Layout(4, 1, 1, 4, 1)
+    assert block_costs(SPEC, flat, shared(ring_message_s=1e-3), "fp32") == \
+        block_costs(SPEC, flat, shared(), "fp32")
+
+
+def test_a_pipeline_send_or_receive_costs_half_a_ring_message():
+    """At pp > 1 each chunk's forward receives its input (unless it embeds) and sends its
+    output (unless it has the head), its backward the gradients the other way: half a
+    ``ring_message_s`` each (a ring step sends and receives). pp2: one each end; pp4's
+    middle chunks two."""
+    r = 1e-3
+    for pp, msgs in ((2, [1, 1]), (4, [1, 2, 2, 1])):
+        lay = Layout(1, 1, pp, 2, 8)
+        a = chunk_costs(SPEC, lay, shared(), "fp32")
+        b = chunk_costs(SPEC, lay, shared(ring_message_s=r), "fp32")
+        assert [y.forward - x.forward for x, y in zip(a, b)] == pytest.approx(
+            [n * r / 2 for n in msgs])
+        assert [y.backward - x.backward for x, y in zip(a, b)] == pytest.approx(
+            [n * r / 2 for n in msgs])
+
+
+def test_shared_seconds_reads_contention_and_ring_messages_off_the_probe(monkeypatch):
+    """``shared_seconds``' arithmetic on the probe's steps (spawn and the one-process step
+    replaced by numbers): contention = (dp step - its all-reduce's price) / (alone x world
+    / cores); ring_message_s = (cp step - dp step) / (world / cores) / contention / (3 cp -
+    2), cp 4 at world size 4; 1 and the dp layout only where the ranks fit the cores."""
+    from shardwise import launch
+    from shardwise.planner import hardware as hw
+
+    spec = ModelSpec("bench", 4, 128, 4, 65, 64, True)
+    monkeypatch.setattr(hw, "host_step_seconds", lambda s, q: ({(2, 1): 0.01, (2, 2): 0.012},
+                                                               1000))
+    steps = {"dp": [0.05, 0.04] + [0.045] * (hw.SHARED_STEPS - 2),
+             "cp": [0.1] * hw.SHARED_STEPS}
+    monkeypatch.setattr(launch, "spawn", lambda fn, ws, args, **kw: [steps] * ws)
+    cl = shared()
+    sync = cl.comm_stretch(4, 4) * cl.intra.all_reduce(4, 4 * 1000)
+    c, ring = hw.shared_seconds(spec, 64, cl, 4)
+    assert c == pytest.approx((0.04 - sync) / (0.01 * 2))
+    assert ring == pytest.approx((0.1 - 0.04) / 2 / c / 10)
+    assert hw._probe_cp(4, 64) == 4 and hw._probe_cp(6, 64) == 2 and hw._probe_cp(3, 64) == 1
+    steps.pop("cp")
+    assert hw.shared_seconds(spec, 64, shared(cores=8), 4) == (1.0, 0.0)
+
 
 def test_eight_ranks_are_stretched_from_the_profiles_four():
     """A profile measured at 2 and 4 ranks prices 8 with 4's constants, timed on half a core
@@ -109,3 +177,23 @@ def test_eight_ranks_are_stretched_from_the_profiles_four():
     assert shared(link=with_eight).comm_stretch(8, 8) == 1.0
     assert shared(link=two_four).comm_stretch(4, 8) == 2.0
     assert cost.Profile("t", {2: prm, 4: prm}).measured_size(8) == 4
+
+
+def test_local_cluster_measures_the_ranks_sharing_at_the_world_size():
+    """``local_cluster`` at a world size above the cores spawns that many ranks of a
+    one-layer model (``shared_seconds``): they run slower than the cores' share of one
+    alone (contention above its floor of 1) and the cp ring's messages cost host time; at
+    world size 1 neither is measured."""
+    import os
+
+    from shardwise.planner.hardware import local_cluster
+
+    cores = os.cpu_count() or 1
+    if 2 * cores > 8:
+        pytest.skip("the probe's world (twice the cores) would exceed 8 ranks")
+    spec = ModelSpec("probe", 2, 32, 4, 65, 32, True)
+    cl = local_cluster(32, 32, 4, 2 * cores, spec=spec)
+    assert cl.contention > 1.0 and cl.ring_message_s > 0.0
+    assert cl.meta["contention"] == cl.contention
+    one = local_cluster(32, 32, 4, 1, spec=spec)
+    assert one.contention == 1.0 and one.ring_message_s == 0.0
