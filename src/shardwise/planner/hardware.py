@@ -623,7 +623,7 @@ def host_seconds(spec: ModelSpec, seq: int, cal: dict) -> tuple[float, float]:
     return max(0.0, got[(b, m1)] - priced - m1 * per_mb), per_mb
 
 
-SHARED_STEPS = 16  # timed steps per layout of ``shared_seconds`` (after 2 untimed)
+SHARED_STEPS = 24  # timed steps per layout of ``shared_seconds`` (after 2 untimed)
 
 
 def _probe_cp(world_size: int, seq: int) -> int:
@@ -635,8 +635,9 @@ def _probe_cp(world_size: int, seq: int) -> int:
 def _shared_probe(small: ModelSpec) -> dict:
     """One spawned rank of ``shared_seconds``: the engine's steps of ``small`` (2 sequences
     a rank, one micro-batch) as dp = world size, then as cp = ``_probe_cp`` (dp = world
-    size / cp, 2 cp sequences a rank of 1 / cp the tokens: the same tokens), every rank at
-    once; per layout the wall seconds of each step (all ranks start it together)."""
+    size / cp, 2 cp sequences a rank of 1 / cp the tokens: the same tokens), then as dp
+    again, every rank at once; per layout the wall seconds of each step (all ranks start it
+    together; dp's two passes in one list)."""
     import torch
     import torch.distributed as dist
 
@@ -647,7 +648,8 @@ def _shared_probe(small: ModelSpec) -> dict:
     torch.set_num_threads(1)
     ws, rank = dist.get_world_size(), dist.get_rank()
     out = {}
-    for name, cp in (("dp", 1), ("cp", _probe_cp(ws, small.block_size))):
+    # dp before and after cp: a burst of load that slows one pass seldom slows both
+    for name, cp in (("dp", 1), ("cp", _probe_cp(ws, small.block_size)), ("dp_again", 1)):
         if name == "cp" and cp == 1:
             continue
         topo = init_process_groups(Topology.build(dp=ws // cp, cp=cp, rank=rank,
@@ -666,6 +668,7 @@ def _shared_probe(small: ModelSpec) -> dict:
             if i >= 2:  # the first two create the optimizer's moments and warm the caches
                 walls.append(time.perf_counter() - t0)
         out[name] = walls
+    out["dp"] += out.pop("dp_again")
     return out
 
 
@@ -673,24 +676,26 @@ def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
                    world_size: int) -> tuple[float, float]:
     """``(contention, ring_message_s)`` of ``world_size`` ranks on ``cluster`` (local),
     measured: ``world_size`` gloo ranks (``launch.spawn``) each train a one-layer model of
-    ``spec``'s family (``calibration_spec``, as ``host_step_seconds``) on 2 sequences, all at
-    once (``_shared_probe``). ``contention``: the dp layout's step (the slowest rank; the
-    fastest of ``SHARED_STEPS``), less the planner's price of its gradient all-reduce (the
-    cluster's link, stretched by ``Cluster.comm_stretch``), over what the ranks' work alone would take on the shared
-    cores (``host_step_seconds``' step of one process, times world size / cores); 1 where
-    the ranks do not outnumber the cores. ``ring_message_s``: the cp layout's step less
-    the dp one's, as dedicated-core seconds (times cores / world size, over
-    ``contention``), over the ring's 3 cp - 2 messages a step (one block: forward cp - 1,
-    backward cp - 1 + cp; ``comm_price.ring_messages``); 0 where neither 4 nor 2 ranks
-    divide the world size and the sequence (``_probe_cp``). Neither below its floor (1,
-    0)."""
+    ``spec``'s family (``calibration_spec``, as ``host_step_seconds``) on 2 sequences, all
+    at once (``_shared_probe``).
+
+    ``contention``: the dp layout's step (the slowest rank; the fastest of its two passes
+    of ``SHARED_STEPS``), less the planner's price of its gradient all-reduce (the
+    cluster's link, stretched by ``Cluster.comm_stretch``), over what the ranks' work
+    alone would take on the shared cores (``host_step_seconds``' step of one process,
+    times world size / cores); 1 where the ranks do not outnumber the cores.
+    ``ring_message_s``: the cp layout's step less the dp one's, as dedicated-core seconds
+    (times cores / world size, over ``contention``), over the ring's 3 cp - 2 messages a
+    step (one block: forward cp - 1, backward cp - 1 + cp; ``comm_price.ring_messages``);
+    0 where neither 4 nor 2 ranks divide the world size and the sequence (``_probe_cp``).
+    Neither below its floor (1, 0)."""
     from shardwise.launch import spawn
 
     small = calibration_spec(spec, seq)
     got, n_params = host_step_seconds(spec, seq)
     alone = got[HOST_STEPS[0]]
     res = spawn(_shared_probe, world_size, (small,), threads=1)
-    wall = {k: min(max(r[k][i] for r in res) for i in range(SHARED_STEPS))
+    wall = {k: min(max(r[k][i] for r in res) for i in range(len(res[0][k])))
             for k in res[0]}
     share = world_size / cluster.cores
     sync = (cluster.comm_stretch(world_size, world_size)
