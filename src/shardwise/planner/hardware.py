@@ -570,8 +570,8 @@ HOST_REPEATS = 16  # steps timed at each (the per-micro-batch seconds are a diff
 
 @lru_cache(maxsize=8)
 def host_step_seconds(spec: ModelSpec, seq: int) -> dict:
-    """The fastest of ``HOST_REPEATS`` training steps (this thread's CPU seconds, one torch thread) of a
-    one-layer model of ``spec``'s family (``calibration_spec``: narrowed like the block
+    """The fastest of ``HOST_REPEATS`` training steps (this thread's CPU seconds, one torch
+    thread) of a one-layer model of ``spec``'s family (``calibration_spec``: narrowed like the block
     timed) in one process, at each ``HOST_STEPS`` (sequences, micro-batches), on the CPU:
     ``({(b, m): seconds}, parameters of the model)``. The engine's whole step: the
     executor, embedding, head and loss, the block, the optimizer."""

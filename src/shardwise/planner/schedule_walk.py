@@ -198,8 +198,8 @@ def walk_shared(sched, costs: list[ChunkCost], p2p: float, cores: int, replicas:
     pipeline rank, running the same schedule at once) share the cores equally, so a rank
     idle in the bubble lends its core to the others; and each runs ``contention`` times
     slower than alone (``Cluster.contention``, measured where the world outnumbers the
-    cores: a rank that waited in the bubble starts again on cold caches). Costs are a
-    dedicated core's."""
+    cores; in the bubble too, as the pipeline layouts measure: docs/planner.md). Costs
+    are a dedicated core's."""
     p = sched.p
     lists, n_chunks = sched.ranks, sched.n_chunks
     pc, comm_free = [0] * p, [0.0] * p
