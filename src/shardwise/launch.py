@@ -153,19 +153,21 @@ def machine_key() -> str:
     return f"{boot} {cpus}"
 
 
-def share_cores(env: RankEnv, device_type: str = "cpu", threads: int | None = None) -> int:
+def share_cores(env: RankEnv, device_type: str = "cpu", threads: int | None = None,
+                warn: bool = True) -> int:
     """Collective, once the process group is up: count the ranks on this machine's cores
     (``machine_key``; at least ``env.local_world_size``), give this rank ``threads`` torch
     threads (None: ``threads_per_rank`` of that count, under torchrun too, whose
     LOCAL_WORLD_SIZE counts one agent's ranks only), and have the machine's first rank print
-    one warning line when its ranks outnumber its cores. Returns the count."""
+    one warning line when its ranks outnumber its cores (``warn``: a probe that measures
+    exactly that, ``planner.hardware.shared_seconds``, turns it off). Returns the count."""
     keys: list = [None] * dist.get_world_size()
     dist.all_gather_object(keys, machine_key())
     mine = [r for r, k in enumerate(keys) if k == keys[dist.get_rank()]]
     local = max(len(mine), env.local_world_size)
     torch.set_num_threads(threads or threads_per_rank(local, device_type))
     cores = available_cores()
-    if local > cores and dist.get_rank() == mine[0]:
+    if warn and local > cores and dist.get_rank() == mine[0]:
         print(f"shardwise: warning: {local} ranks on {cores} core{'s' if cores != 1 else ''} "
               "of this machine: they take turns on the cores, so step times do not measure "
               "the layout", file=sys.stderr, flush=True)
@@ -334,7 +336,8 @@ def rank_device(requested: str = "auto") -> torch.device:
 
 def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
                      threads: int | None = None, store=None,
-                     device: str = "auto", backend: str = "auto") -> torch.device:
+                     device: str = "auto", backend: str = "auto",
+                     warn_shared_cores: bool = True) -> torch.device:
     """Set threads, pick backend (NCCL on CUDA, gloo on the CPU), join the process group.
 
     ``store``: an already connected rendezvous store (local runs); ``None`` rendezvouses at
@@ -359,7 +362,8 @@ def init_distributed(env: RankEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
             where["device_id"] = device
         dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s), **where)
-        share_cores(env, kind, threads)  # torchrun's "nodes" on one machine share its cores
+        # torchrun's "nodes" on one machine share its cores
+        share_cores(env, kind, threads, warn_shared_cores)
     return device
 
 
@@ -434,7 +438,7 @@ def _done(ctx) -> None:
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             conn, threads: int | None, timeout_s: float, parent_pid: int,
             device: str = "cpu", backend: str = "auto",
-            stdio: tuple = (None, None)) -> None:
+            stdio: tuple = (None, None), warn_shared_cores: bool = True) -> None:
     die_with_parent(parent_pid)
     _take_launchers_stdio(*stdio)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
@@ -449,7 +453,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
         store = dist.TCPStore("127.0.0.1", port, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         init_distributed(env, timeout_s=timeout_s, threads=threads, store=store, device=device,
-                         backend=backend)
+                         backend=backend, warn_shared_cores=warn_shared_cores)
         result = fn(*args)
         conn.send(("ok", _to_bytes(result)))
     except BaseException as e:  # report everything, including SystemExit from a worker
@@ -479,7 +483,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
 
 def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float | None = None,
-          device: str = "auto", backend: str = "auto") -> list:
+          device: str = "auto", backend: str = "auto",
+          warn_shared_cores: bool = True) -> list:
     """Run ``fn(*args)`` on ``world_size`` new local ranks (forked from the fork server: see
     the module's docstring); return each rank's result.
 
@@ -490,7 +495,9 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
     ``KeyboardInterrupt``) also terminates every rank before it propagates. ``device``: as
     ``init_distributed``; "auto" falls back to the CPU when there are fewer GPUs than ranks.
     ``backend``: as ``init_distributed`` ("gloo" with ``device="cuda"``: the ranks share
-    the GPUs). Raises ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
+    the GPUs). ``warn_shared_cores``: False keeps ``share_cores``' warning that the ranks
+    outnumber the cores unsaid (for a probe that measures exactly that). Raises
+    ``DeviceError`` for "cuda" without enough GPUs, before any rank starts.
     """
     device, _ = pick_device(device, world_size, backend=backend)
     # a spawned rank inherits them; a forked one gets them passed (the server's are older)
@@ -511,7 +518,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence = (), *, threads: int | 
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, child,
                                                   threads, timeout_s, os.getpid(), device,
-                                                  backend, stdio),
+                                                  backend, stdio, warn_shared_cores),
                             daemon=False)
             procs.append(p)
             p.start()

@@ -323,8 +323,11 @@ def _print(spec, cluster, world, batch, precision, rows, limit) -> None:
           f"{spec.n_embd}, sequence {spec.block_size}, model.kind {spec.family}; "
           f"{world} x {cluster.gpu} ({cluster.name}, {_limit_words(cluster, world, limit)}), "
           f"global batch {batch}, {precision}")
+    shared = (f" ({world} ranks run {cluster.contention:.2f}x slower than alone on its "
+              f"{cluster.cores} cores; a cp ring message {cluster.ring_message_s * 1e3:.2f} ms)"
+              if cluster.contention > 1 else "")
     model = (f"per operation ({cluster.ops.name}, {cluster.kernels} kernels)" if cluster.ops
-             else "measured on this machine" if cluster.cores
+             else f"measured on this machine{shared}" if cluster.cores
              else f"fixed: matmuls at {cluster.efficiency:g} of peak")
     print(f"compute model: {model}")
     fp8 = " (fp8: linear layers in FP8)" if any(c.layout.fp8 for c in rows) else ""

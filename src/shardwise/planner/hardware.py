@@ -694,7 +694,8 @@ def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
     small = calibration_spec(spec, seq)
     got, n_params = host_step_seconds(spec, seq)
     alone = got[HOST_STEPS[0]]
-    res = spawn(_shared_probe, world_size, (small,), threads=1)
+    # its ranks outnumber the cores on purpose: no warning that they do
+    res = spawn(_shared_probe, world_size, (small,), threads=1, warn_shared_cores=False)
     wall = {k: min(max(r[k][i] for r in res) for i in range(len(res[0][k])))
             for k in res[0]}
     share = world_size / cluster.cores
