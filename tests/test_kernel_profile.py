@@ -58,6 +58,14 @@ def test_block_gemm_shapes_are_the_gemms_block_ops_prices(model, tp):
         g for j, g in enumerate(ops.gemms) if j not in (1, 2)]  # [1:3]: the attention core
 
 
+def test_block_gemm_shapes_of_a_mixture_are_an_experts():
+    spec = NAMED["mixtral-8x7b"]
+    T, tp = 2 * spec.block_size, 2
+    gemms = block_ops(spec, 2, tp, False, "shardwise", 2).gemms
+    mlp = {2 * t * i * o for name, t, i, o in block_gemm_shapes(spec, T, tp) if "mlp" in name}
+    assert mlp == set(gemms[5:]) and len(gemms[5:]) == 3 * spec.n_experts  # [4]: the router
+
+
 def test_calibrate_bad_input_one_line_exit_2_no_file(tmp_path, capsys):
     import torch
 

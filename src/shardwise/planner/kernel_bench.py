@@ -43,15 +43,18 @@ def block_gemm_shapes(spec: ModelSpec, tokens: int, tp: int = 1) -> list[tuple[s
                                                                                int]]:
     """One block's linear-layer GEMMs on a tp rank as ``(name, tokens, in, out)``: the shapes
     whose FLOPs 2 T in out are ``compute.block_ops``' gemms but the attention core's
-    (``gemms[1:3]``, timed as attention) for a dense block (MLA and experts: their dense
-    equivalents, Q K V h -> H D + 2 k, the MLP h -> f). Column-parallel layers split their
-    outputs by ``tp``, row-parallel ones their inputs."""
+    (``gemms[1:3]``, timed as attention) for a dense block; with experts, the MLP rows are
+    one expert's, on its T k / E tokens at ep = 1 (balanced routing, as ``block_ops``);
+    MLA's attention as its dense equivalent, Q K V h -> H D + 2 k. Column-parallel layers
+    split their outputs by ``tp``, row-parallel ones their inputs."""
     h, att = spec.n_embd, spec.attn_width
     k = spec.kv_heads * (att // spec.n_head)
-    f = spec.ffn
+    f, t = spec.ffn, tokens
+    if spec.moe:
+        f, t = spec.expert_ffn, max(1, tokens * spec.top_k // spec.n_experts)
     rows = [("qkv", tokens, h, (att + 2 * k) // tp), ("attn_out", tokens, att // tp, h)]
-    rows += [("mlp_in", tokens, h, f // tp)] * (2 if spec.gated else 1)
-    rows += [("mlp_out", tokens, f // tp, h)]
+    rows += [("mlp_in", t, h, f // tp)] * (2 if spec.gated else 1)
+    rows += [("mlp_out", t, f // tp, h)]
     return rows
 
 
