@@ -72,6 +72,7 @@ def test_calibrate_bad_input_one_line_exit_2_no_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     cases = [(["--device", "tpu"], "--device"), (["--dtype", "int3"], "--dtype"),
              (["--model", "no-such-model"], "--model"),
+             (["--model", "configs/fashion_cnn.toml"], "--model configs/fashion_cnn.toml"),
              (["--out", str(tmp_path)], "--out"),
              (["--out", str(tmp_path / "afile" / "k.json")], "--out")]
     if not torch.cuda.is_available():

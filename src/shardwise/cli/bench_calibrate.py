@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device cuda: no CUDA GPU here (torch {torch.__version__})")
-        spec = load_model(args.model)
+        try:
+            spec = load_model(args.model)
+        except ValueError as exc:  # the flag named once, whatever the spec loader says
+            text = str(exc)
+            raise ValueError(text if text.startswith("--model") else
+                             f"--model {args.model}: {text}") from None
         out = _check_out(args.out)
     except ValueError as exc:  # SpecError among them
         print(f"shardwise bench calibrate: error: {exc}", file=sys.stderr)
