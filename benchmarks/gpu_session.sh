@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh STEP [OUT]
 #
-# STEP: tests | zero | moe | offload | llama | gpt2 | all-tests. OUT (default: $OUT, else
-# benchmarks/gpu_results): where logs and result files go. The machine has torch with CUDA but not our pure-Python
+# STEP: tests | zero | moe | offload | llama | gpt2 | calibrate | all-tests. OUT (default:
+# $OUT, else benchmarks/gpu_results): where logs and result files go. The machine has torch with CUDA but not our pure-Python
 # dependencies: wheels in .whl/ (pydantic, pydantic_core, annotated_types,
 # typing_inspection, torchao; gitignored, carry them with the run) are installed into
 # /tmp/site first. Results name the torch version and the device; copy them into
@@ -36,14 +36,19 @@
 #              (benchmarks/windowed_attention.py on CUDA, new since the last session), and
 #              what a masked call's pair costs against is_causal (attention_pair_price.py:
 #              the planner's FUSED_PAIR = 2) (~6 min)
+#   calibrate  the kernel profiles the planner's GPU presets are to be priced from
+#              (shardwise bench calibrate --device cuda: GEMMs, SDPA per kernel and length,
+#              an element-wise op, fused AdamW) for GPT-2 small's and TinyLlama-1.1B's blocks
+#              in bf16, written as kernels_cuda_MODEL.json; shardwise plan --kernels-profile
+#              reads them (docs/planner.md, "Kernel profiles") (~2 min)
 #   all-tests  tests/ whole in the several-ranks-on-one-GPU mode (longer than one call:
 #              only with a machine to spare)
 set -uo pipefail
-step=${1:?usage: gpu_session.sh tests|zero|moe|offload|llama|gpt2|all-tests [OUT]}
+step=${1:?usage: gpu_session.sh tests|zero|moe|offload|llama|gpt2|calibrate|all-tests [OUT]}
 out=${2:-${OUT:-benchmarks/gpu_results}}
-case $step in tests|zero|moe|offload|llama|gpt2|all-tests) ;;
-    *) echo "gpu_session.sh: STEP: expected tests, zero, moe, offload, llama, gpt2 or" \
-            "all-tests, got '$step'" >&2
+case $step in tests|zero|moe|offload|llama|gpt2|calibrate|all-tests) ;;
+    *) echo "gpu_session.sh: STEP: expected tests, zero, moe, offload, llama, gpt2," \
+            "calibrate or all-tests, got '$step'" >&2
        exit 2 ;;
 esac
 mkdir -p "$out"
@@ -96,6 +101,11 @@ case $step in
             --out "$out/windowed_attention" 2>&1 | tail -20
         timeout 120 python3 benchmarks/attention_pair_price.py --device cuda --dtype bf16 \
             --lengths 2048,4096,8192 --heads 16 --out "$out/attention_pair_price" | tail -8 ;;
+    calibrate)
+        for model in gpt2-124m tinyllama-1.1b; do
+            timeout 240 python3 -m shardwise bench calibrate --device cuda --dtype bf16 \
+                --model "$model" --out "$out/kernels_cuda_$model.json" 2>&1 | tail -2
+        done ;;
     all-tests)
         SHARDWISE_TEST_DEVICE=cuda python3 -m pytest -q tests/ 2>&1 \
             | tee "$out/all_cuda_gloo_one_gpu.log" | tail -5 ;;

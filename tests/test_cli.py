@@ -347,6 +347,7 @@ def test_version(capsys):
 
 @pytest.mark.parametrize("argv", [
     ["--help"], ["train", "--help"], ["bench", "--help"], ["bench", "comm", "--help"],
+    ["bench", "calibrate", "--help"],
     ["memory", "--help"], ["plan", "--help"], ["plan", "--model", "cnn", "--help"],
     ["timeline", "--help"], ["prepare", "--help"], ["export", "--help"], ["generate", "--help"],
 ])

@@ -1,7 +1,7 @@
 """Command line: ``shardwise train`` (the main job), ``prepare`` (token shards of your own
 data), ``export`` (a checkpoint as a Hugging Face model), ``generate`` (sample from a
-checkpoint), ``bench comm``, ``memory``, ``plan`` (``--model cnn``: the CNN's per-layer
-plan), ``timeline``.
+checkpoint), ``bench comm``, ``bench calibrate``, ``memory``, ``plan`` (``--model cnn``:
+the CNN's per-layer plan), ``timeline``.
 
 Examples::
 
@@ -240,11 +240,16 @@ def _keep_traceback(cfg, e) -> str:
 
 
 def cmd_bench(args, extra: list[str]) -> int:
-    """``shardwise bench WHAT``: only ``comm`` (``cli.bench``). Returns the exit code."""
+    """``shardwise bench WHAT``: ``comm`` (``cli.bench``) or ``calibrate``
+    (``cli.bench_calibrate``). Returns the exit code."""
     if args.what == "comm":
         from shardwise.cli.bench import main as comm_main
 
         return comm_main(extra)
+    if args.what == "calibrate":
+        from shardwise.cli.bench_calibrate import main as calibrate_main
+
+        return calibrate_main(extra)
     print(f"shardwise: error: unknown benchmark {args.what!r}", file=sys.stderr)
     return EXIT_USAGE
 
@@ -345,11 +350,16 @@ def build_parser(model_kind: str | None = None,
     t.add_argument("--max-restarts", type=whole_number(0), default=0, metavar="N",
                    help="restart the local ranks up to N times after a failure, resuming")
     t.set_defaults(func=cmd_train)
-    b = sub.add_parser("bench", help="benchmarks: comm",
-                       description="Benchmarks. shardwise bench comm --help: its options.")
-    bench = b.add_subparsers(dest="what", required=True, metavar="{comm}", parser_class=Parser)
+    b = sub.add_parser("bench", help="benchmarks: comm, calibrate",
+                       description="Benchmarks. shardwise bench comm --help, shardwise bench "
+                       "calibrate --help: their options.")
+    bench = b.add_subparsers(dest="what", required=True, metavar="{comm,calibrate}",
+                             parser_class=Parser)
     bench.add_parser("comm", help="collectives of shardwise.comm: bus bandwidth per algorithm, "
                      "world size and message size", add_help=False)  # comm's own --help
+    bench.add_parser("calibrate", help="time a model's GEMMs, attention, memory-bound ops and "
+                     "AdamW step on this device: a kernel profile for plan --kernels-profile",
+                     add_help=False)  # its own --help
     b.set_defaults(func=cmd_bench)
     mem = sub.add_parser("memory", help="bytes per rank for each ZeRO stage: formulas and measured",
                          add_help=False)

@@ -59,6 +59,10 @@ def build_parser():
                     help="GPU presets' compute model: per operation (GEMMs by size, "
                          "memory-bound kernels by bytes; default) or one fixed matmul "
                          "efficiency (the older model)")
+    ap.add_argument("--kernels-profile", default=None, metavar="PATH",
+                    help="price a GPU preset's GEMMs and memory-bound kernels from this kernel "
+                         "profile (shardwise bench calibrate --device cuda on the preset's "
+                         "GPU) instead of Calculon's tables; the datasheet stays the ceiling")
     ap.add_argument("--cp", default=None, metavar="N[,N]",
                     help="context-parallel sizes to search (default: every one where 2 cp "
                          "divides the sequence)")
@@ -144,7 +148,16 @@ def _run(args) -> int:
         raise SpecError(f"--config {args.config!r}: no such file")
     seq = positive_number(args.seq, "--seq", integer=True) if args.seq is not None else None
     spec = load_model(source, seq)
+    profile = None
+    if args.kernels_profile is not None:  # read (and refused on local) before calibrating
+        from shardwise.planner import kernels
+
+        profile = kernels.load(args.kernels_profile)
+        if args.cluster == "local":
+            raise SpecError("--kernels-profile: prices a GPU preset; local is measured")
     cluster = get_cluster(args.cluster, spec, world, args.compute)
+    if profile is not None:
+        cluster = kernels.apply(cluster, profile, args.kernels_profile)
     precision = args.precision or cluster.precision
     limit = (positive_number(args.memory_gib, "--memory-gib") * GiB if args.memory_gib
              else cluster.memory_per_rank(world))

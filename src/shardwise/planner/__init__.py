@@ -15,7 +15,9 @@ per GPU and its step time (``shardwise plan``).
 - ``schedule_walk``: the step's timeline from the schedule's instruction lists, on the
   pipeline's timer (``parallel.pipeline.schedules.time_lists``);
 - ``simulate``: step time and its split (dp, tp, pp, cp, ep, ZeRO, recomputation, FP8);
-- ``search``: enumerate, prune with reasons, rank; ``cli``: the command line and the TOML.
+- ``search``: enumerate, prune with reasons, rank; ``cli``: the command line and the TOML;
+- ``kernel_bench``: a block's kernels timed on a device (``shardwise bench calibrate``);
+  ``kernels``: that profile read, a GPU preset priced from it (``plan --kernels-profile``).
 """
 
 from shardwise.planner.hardware import FIXED_PRESETS, PRESETS, Cluster, get_cluster, per_op

@@ -1,0 +1,122 @@
+"""``shardwise bench calibrate``: time the kernels the planner prices, on this device, for a
+model's block, and write a kernel profile (JSON) ``shardwise plan --kernels-profile`` reads.
+
+    shardwise bench calibrate --quick                       # CPU, gpt2-124m, fp32
+    shardwise bench calibrate --device cuda --model llama3-8b --out h100.json
+    shardwise plan --model llama3-8b --cluster dgx-h100 --gpus 8 --kernels-profile h100.json
+
+Measures the block's GEMMs at a few micro-batches and tp sizes, SDPA attention forward and
+backward per kernel and length, an element-wise op's bytes/s and the AdamW step per
+parameter (``planner.kernel_bench``; the format: ``planner.kernels``). Collectives are not
+re-measured: the profile names the comm profile in use, which ``shardwise bench comm
+--calibrate`` measures. Bad input: one line naming the flag, exit 2, no file written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from shardwise.cli.common import EXIT_USAGE, Parser
+
+DEFAULT_MODEL = "gpt2-124m"
+DEFAULT_OUT = "runs/bench_calibrate/kernels.json"
+
+
+def build_parser() -> Parser:
+    """The parser of ``shardwise bench calibrate``."""
+    from shardwise.planner.kernel_bench import DTYPES
+
+    p = Parser(prog="shardwise bench calibrate", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where to time the kernels (default cpu)")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|TOML",
+                   help=f"a named size of shardwise plan or a TOML with a [model] table "
+                        f"(default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="tensors' dtype (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="PATH",
+                   help=f"the profile to write (default {DEFAULT_OUT})")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (a smoke run)")
+    return p
+
+
+def _check_out(text: str) -> Path:
+    """The ``--out`` path, its folder made; ``ValueError`` naming the flag where it cannot be
+    written."""
+    out = Path(text)
+    if out.is_dir():
+        raise ValueError(f"--out {text}: is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {text}: cannot create its folder ({exc.strerror})") from None
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out {text}: not writable")
+    return out
+
+
+def write_atomic(out: Path, text: str) -> None:
+    """Write ``text`` to ``out`` through a temporary file in its folder, renamed: a reader
+    never sees half a profile; the temporary file is removed on failure."""
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``shardwise bench calibrate``; returns the exit code (2: bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line error (2)
+        return int(exc.code or 0)
+    try:
+        import torch
+
+        from shardwise.planner.specs import load_model
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device cuda: no CUDA GPU here (torch {torch.__version__})")
+        try:
+            spec = load_model(args.model)
+        except ValueError as exc:  # the flag named once, whatever the spec loader says
+            text = str(exc)
+            raise ValueError(text if text.startswith("--model") else
+                             f"--model {args.model}: {text}") from None
+        out = _check_out(args.out)
+    except ValueError as exc:  # SpecError among them
+        print(f"shardwise bench calibrate: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from shardwise.planner.kernel_bench import measure
+
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    prof = measure(spec, args.device, dtype, args.quick)
+    try:
+        write_atomic(out, json.dumps(prof, indent=1) + "\n")
+    except OSError as exc:
+        print(f"shardwise bench calibrate: error: --out {args.out}: {exc.strerror}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    best = max(prof["gemm"], key=lambda r: r["flops_per_s"])
+    eff = f", {best['efficiency']:.0%} of the datasheet peak" if best["efficiency"] else ""
+    print(f"{prof['device']} ({prof['dtype']}, torch {prof['torch']}): {len(prof['gemm'])} "
+          f"GEMMs, best {best['flops_per_s'] / 1e12:.3g} TFLOP/s{eff}; "
+          f"{len(prof['attention'])} attention rows "
+          f"({', '.join(sorted({r['kernel'] for r in prof['attention']}))}); "
+          f"AdamW {prof['optimizer']['seconds_per_param'] * 1e9:.3g} ns/param")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
