@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from shardwise.planner.comm_price import (
+    RingSeconds,
     all_to_all_seconds,
     megatron_send_seconds,
     ring_messages,
@@ -231,16 +232,18 @@ def block_costs(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     send = megatron_send_seconds(spec, lay, cluster, e)
     ring = ring_seconds(spec, lay, cluster, e)
     heads = ulysses_seconds(spec, lay, cluster, e)  # all-to-alls: exposed, each pass
-    # the ring's transfers overlapped; on local each message's host seconds too (measured:
-    # Cluster.ring_message_s), CPU work that nothing hides
-    msg_f, msg_b = (x * cluster.ring_message_s for x in ring_messages(spec, lay))
-    cp_f = max(0.0, ring.forward - attn_s) + heads + msg_f
-    cp_b = max(0.0, ring.backward - 2 * attn_s) + heads + msg_b
+    if cluster.ring_message_s:  # local: each message's seconds as measured (the probe's
+        # cp step less its dp step: the transfer and the host's work, which nothing hides)
+        ring = RingSeconds(*(x * cluster.ring_message_s for x in ring_messages(spec, lay)))
+        cp_f, cp_b = ring.forward + heads, ring.backward + heads
+    else:  # the ring's transfers overlapped with the attention
+        cp_f = max(0.0, ring.forward - attn_s) + heads
+        cp_b = max(0.0, ring.backward - 2 * attn_s) + heads
     a2a = all_to_all_seconds(spec, lay, cluster, e)
     return BlockCosts(tp=tp_blk, n_sync=n_sync, embed_tp=emb_tp, loss_tp=loss_tp,
                       block=blk_s, head=head_s, attention=attn_s, send=send,
                       cp_forward=cp_f, cp_backward=cp_b, all_to_all=a2a,
-                      recomputed=redo_s, ring_again=ring.forward + msg_f, attention_backward=attn_b,
+                      recomputed=redo_s, ring_again=ring.forward, attention_backward=attn_b,
                       frozen_weight_grad=frozen_b, frozen_head_grad=frozen_h,
                       host=cluster.micro_batch_s * (
                           1.0 if dedicated else cluster.sharing(lay.world)),

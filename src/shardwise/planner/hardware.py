@@ -170,8 +170,9 @@ class Cluster:
     contention: float = 1.0  # local: how much longer a rank's work takes while more ranks
     # than cores share them than alone (caches, context switches, the comm thread and gloo's
     # CPU): measured at the planned world size (``shared_seconds``); 1 on a GPU
-    ring_message_s: float = 0.0  # local: host seconds per message of the cp ring (the
-    # exchange through the comm thread, the merge of its block), measured (``shared_seconds``)
+    ring_message_s: float = 0.0  # local: seconds per message of the cp ring, transfer and
+    # host work together (the exchange through the comm thread, the merge of its block),
+    # measured (``shared_seconds``); it replaces the profile's transfer price for the ring
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
