@@ -82,6 +82,21 @@ def test_collectives_stretch_as_cpu_work_shared_by_the_ranks():
     assert block_costs(SPEC, lay, cl, "fp32", dedicated=True).tp == pytest.approx(whole / 2)
 
 
+def test_a_tied_embeddings_all_reduce_stretches_like_every_collective():
+    """The tied embedding's gradient all-reduce between the first and last stages is CPU
+    work shared with the other ranks too (``comm_stretch``: 2 for 2 of 4 ranks on 2
+    cores); a GPU preset's is its link's price."""
+    from shardwise.planner.comm_price import tied_seconds
+
+    lay, cl = Layout(2, 1, 2, 4, 2), shared()
+    one = cl.link(4).all_reduce(2, 65 * 128 * 4)
+    assert tied_seconds(SPEC, lay, cl, "fp32", 0) == pytest.approx(2 * one)
+    assert tied_seconds(SPEC, lay, cl, "fp32", 1) == pytest.approx(2 * one)
+    h100 = PRESETS["dgx-h100"]
+    assert tied_seconds(SPEC, lay, h100, "fp32", 0) == h100.link(4).all_reduce(
+        2, 65 * 128 * 4)
+
+
 def test_host_seconds_per_micro_batch_go_with_each_forward():
     """``micro_batch_s`` (measured on local) adds to every micro-batch's forward on a rank,
     split over its chunks, stretched by ranks per core unless priced for the shared walk."""

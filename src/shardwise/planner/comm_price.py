@@ -259,10 +259,13 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
     """The all-reduce of a tied embedding's gradient between the first and last pipeline
-    ranks (``r`` one of them, pp > 1; a V holds both on rank 0: none), else 0."""
+    ranks (``r`` one of them, pp > 1; a V holds both on rank 0: none), else 0; where ranks
+    share cores stretched as CPU work shared with the others (``Cluster.comm_stretch``),
+    as every other collective."""
     if lay.pp > 1 and spec.tie_weights and r in (0, lay.pp - 1) \
             and lay.schedule not in V_SHAPED_KINDS:
-        return cluster.link(lay.tp * lay.cp * lay.pp).all_reduce(
+        return cluster.comm_stretch(2, lay.world) * cluster.link(
+            lay.tp * lay.cp * lay.pp).all_reduce(
             2, padded_vocab(spec.vocab_size, lay.tp) * spec.n_embd / lay.tp * BYTES[precision])
     return 0.0
 
