@@ -66,6 +66,9 @@ def write_atomic(out: Path, text: str) -> None:
     never sees half a profile; the temporary file is removed on failure."""
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, out)
