@@ -483,7 +483,7 @@ class Engine:
             self.local.rng.reseed(base)
         # the generators dropout draws from: the host's and the run's device's, not
         # torch.manual_seed's every backend (on a CPU-only build it queues a lazy CUDA, XPU
-        # and MTIA seed with a formatted stack each step: 2 ms of a 20 ms step here)
+        # and MTIA seed with a formatted stack each step: 59 us a call here, against 1 us)
         torch.default_generator.manual_seed(base)
         if self.device.type == "cuda":
             torch.cuda.manual_seed_all(base)
