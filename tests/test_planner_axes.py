@@ -715,8 +715,8 @@ def test_the_optimizer_of_experts_shards_over_dp_ep_and_cp_as_their_memory():
 # --- FP8 ----------------------------------------------------------------------------------
 
 def test_fp8_speeds_up_gemms_only_where_the_gpu_has_fp8():
-    assert [k for k, c in PRESETS.items() if c.fp8_flops] == ["dgx-h100"]
-    assert [k for k, c in FIXED_PRESETS.items() if c.fp8_flops] == ["dgx-h100"]
+    assert [k for k, c in PRESETS.items() if c.fp8_flops] == ["dgx-h100", "dgx-h200"]
+    assert [k for k, c in FIXED_PRESETS.items() if c.fp8_flops] == ["dgx-h100", "dgx-h200"]
     lay = Layout(8, 1, 1, 1, 4)
     for cl in (H100, FIXED_PRESETS["dgx-h100"]):
         bf16, fp8 = simulate(SPEC, lay, cl), simulate(SPEC, replace(lay, fp8=True), cl)

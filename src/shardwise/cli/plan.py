@@ -36,7 +36,8 @@ def build_parser():
                     help="a shardwise train config: plan the model it trains (any "
                          "model.kind); same as --model PATH")
     ap.add_argument("--cluster", default="local",
-                    help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100 or local (default)")
+                    help="dgx-a100-40gb, dgx-a100-80gb, dgx-h100, dgx-h200 or local "
+                         "(default)")
     ap.add_argument("--gpus", default="4", help="world size: GPUs (local: ranks; default 4)")
     ap.add_argument("--global-batch", default="16", help="sequences per optimizer step "
                     "(default 16)")
@@ -78,7 +79,7 @@ def build_parser():
                          "dp; ZeRO shards within a replica, gradients averaged across "
                          "replicas on the inter-node links); default 1: none")
     ap.add_argument("--fp8", action="store_true", help="also price FP8 linear layers (a "
-                    "cluster with FP8 tensor cores: dgx-h100); priced, not emitted: "
+                    "cluster with FP8 tensor cores: dgx-h100, dgx-h200); priced, not emitted: "
                     "shardwise train runs fp8 with tp = 1 only")
     ap.add_argument("--zero-bubble", action="store_true", help="also search the zero-bubble "
                     "pipeline schedules zb1p, zbv and dualpipev (backward split into input and "
@@ -185,7 +186,7 @@ def _run(args) -> int:
                             f"{spec.n_experts} experts")
     if args.fp8 and cluster.fp8_flops is None:
         raise SpecError(f"--fp8 on {cluster.name}: the {cluster.gpu} has no FP8 tensor cores "
-                        "(dgx-h100 has)")
+                        "(dgx-h100 and dgx-h200 have)")
     feasible, pruned = plan(spec, cluster, world, batch, precision=precision,
                             memory_limit=limit, tp_across_nodes=args.tp_across_nodes,
                             top=top, progress=True, cp=cps, ep=eps, cp_comm=tuple(comms),

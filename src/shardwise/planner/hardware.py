@@ -11,6 +11,8 @@ dgx-a100-40gb  A100 SXM4 312 TFLOP/s [1]    40 GiB   NVLink3 300 GB/s  HDR IB 20
 dgx-a100-80gb  A100 SXM4 312 TFLOP/s [1]    80 GiB   NVLink3 300 GB/s  HDR IB 200 Gb/s [2]
 dgx-h100       H100 SXM5 989 TFLOP/s [3]    80 GiB   NVLink4 450 GB/s  NDR IB 400 Gb/s [4]
                (FP8: 1,979 TFLOP/s [3])
+dgx-h200       H200 SXM  989 TFLOP/s [5]   141 GiB   NVLink4 450 GB/s  NDR IB 400 Gb/s [5]
+               (FP8: 1,979; HBM3e 4.8 TB/s, the H100's 3.35 [5])
 local          this machine, measured       RAM      comm profile (``profiles/default.json``)
 =============  ==========================  =======  ===============  =====================
 
@@ -19,7 +21,9 @@ CUDA context, NCCL's buffers, fragmentation), e.g. 78 of the H100's 80 GiB.
 
 [1] NVIDIA A100 Tensor Core GPU datasheet (2021); [2] NVIDIA DGX A100 datasheet: 8 GPUs,
 8 single-port HDR 200 Gb/s HCAs for compute; [3] NVIDIA H100 Tensor Core GPU datasheet
-(SXM5); [4] NVIDIA DGX H100 datasheet: 8 GPUs, 8 x 400 Gb/s ConnectX-7. NVLink bandwidths
+(SXM5); [4] NVIDIA DGX H100 datasheet: 8 GPUs, 8 x 400 Gb/s ConnectX-7; [5] NVIDIA H200
+Tensor Core GPU datasheet (2024: H200 SXM, 141 GB HBM3e at 4.8 TB/s, the H100's compute) and
+NVIDIA DGX H200 datasheet (8 GPUs, NVLink4, 8 x 400 Gb/s ConnectX-7). NVLink bandwidths
 are per direction (600 / 900 GB/s bidirectional). Latencies are NCCL-typical, stated not
 measured: 5 us per step inside a node, 10 us across.
 
@@ -322,6 +326,16 @@ FIXED_PRESETS: dict[str, Cluster] = {
                         NVLINK4, NDR,
                         mem_bw=3.35e12, source="NVIDIA H100 and DGX H100 datasheets",
                         fp8_flops=H100_FP8, reserved=GPU_RESERVED),
+    # The H200 is the H100 SXM's GH100 die (the same bf16 and FP8 peaks, links and node)
+    # with 141 GB of HBM3e at 4.8 TB/s. The datasheet's 141 GB read as GiB, as dgx-h100
+    # reads its 80 GB: torch.cuda.mem_get_info's total on the H200 this project is lent is
+    # stated as about 139 GiB (not measured in this change; benchmarks/gpu_memory.py on the
+    # next lent GPU checks it), so a plan's 139 GiB (GPU_RESERVED off) is about all of it,
+    # a thinner margin than dgx-h100's; 141e9 bytes (131 GiB) would refuse layouts that fit.
+    "dgx-h200": Cluster("dgx-h200", "H200-SXM-141GB", _bf16_peak("H200 SXM"), 141 * GiB, 8,
+                        NVLINK4, NDR,
+                        mem_bw=4.8e12, source="NVIDIA H200 and DGX H200 datasheets",
+                        fp8_flops=H100_FP8, reserved=GPU_RESERVED),
 }
 
 
@@ -338,7 +352,7 @@ GEMM_SCALE = 0.803
 # What the GPU measurements of this repository show (benchmarks/gpu_results/, one H100 SXM,
 # torch 2.11, blocks and loss compiled; ``benchmarks/planner_measured.py`` solves the fitted
 # ones again and checks these values). Every GPU preset carries them (the A100's measured
-# only through llm-foundry's A100 rows, within 8%), but H100_GEMM_SCALE, the H100's alone.
+# only through llm-foundry's A100 rows, within 8%), but H100_GEMM_SCALE, the GH100's alone.
 # Measured, not fitted:
 # - FLASH_BACKWARD: the attention kernel's backward over its forward, 42.48 / 13.34 ms per
 #   step (cuDNN's fused SDPA, logs/profile_llama1b.log), where the GEMM count says 2.
@@ -358,6 +372,10 @@ FLASH_BACKWARD = 3.18
 #   tensorwise FP8 (the casts, the amax reductions, the transposed copies backward), solved
 #   on the Llama-1B fp8 tensorwise step (cuda_llama1b.md: 476.9 ms).
 H100_GEMM_SCALE = 0.6407
+# The GPUs H100_GEMM_SCALE applies to: the H100 SXM and the H200, one die (GH100), so the
+# H100's measured GEMM efficiencies carry over; the H200's memory-bound kernels run at its
+# own bandwidth through ``OpModel.memory`` (``Cluster.mem_bw``). No H200 run has checked it.
+GH100 = ("H100", "H200")
 COMPILED_MEM = 0.3668
 STEP_S = 0.00631
 FP8_CAST = 13.93
@@ -414,7 +432,7 @@ def per_op(cluster: Cluster, kernels: str = "shardwise", gemm_scale: float = 1.0
 # The presets ``plan`` uses: the per-operation model, shardwise's own (compiled) kernels,
 # with the overheads the GPU measurements show.
 PRESETS: dict[str, Cluster] = {
-    k: per_op(c, "shardwise", H100_GEMM_SCALE if c.gpu.startswith("H100") else GEMM_SCALE,
+    k: per_op(c, "shardwise", H100_GEMM_SCALE if c.gpu.startswith(GH100) else GEMM_SCALE,
               measured=True)
     for k, c in FIXED_PRESETS.items()}
 COMPUTE_MODELS = ("per-op", "fixed")
