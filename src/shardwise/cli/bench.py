@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli import comm_table as table_mod
-from shardwise.cli.common import EXIT_USAGE, Parser
+from shardwise.cli.common import EXIT_USAGE, Parser, parse_or_code
 from shardwise.comm import cost
 
 ALGORITHMS = ("native", "ring", "halving_doubling", "tree", "naive", "sequential", "parallel",
@@ -263,10 +263,9 @@ def _validate(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise bench comm``; returns the exit code (2: bad input)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a one-line error (2)
-        return int(exc.code or 0)
+    args = parse_or_code(build_parser(), argv)
+    if isinstance(args, int):  # --help (0) or a one-line error (2)
+        return args
     try:
         _validate(args)
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]

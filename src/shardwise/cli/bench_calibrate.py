@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardwise.cli.common import EXIT_USAGE, Parser
+from shardwise.cli.common import EXIT_USAGE, Parser, parse_or_code
 
 DEFAULT_MODEL = "gpt2-124m"
 DEFAULT_OUT = "runs/bench_calibrate/kernels.json"
@@ -79,10 +79,9 @@ def write_atomic(out: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise bench calibrate``; returns the exit code (2: bad input)."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a one-line error (2)
-        return int(exc.code or 0)
+    args = parse_or_code(build_parser(), argv)
+    if isinstance(args, int):  # --help (0) or a one-line error (2)
+        return args
     try:
         import torch
 

@@ -62,6 +62,17 @@ def whole_number(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def parse_or_code(parser: argparse.ArgumentParser,
+                  argv: list[str] | None) -> argparse.Namespace | int:
+    """``parser``'s arguments from ``argv``, or the exit code where parsing ended the
+    command (0 after ``--help``, ``EXIT_USAGE`` after a one-line error): for a ``main``
+    that returns its code rather than exiting."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
 def positive_number(text: str) -> float:
     """An argparse ``type``: a float > 0 (nan refused), else a one-line usage error."""
     try:
