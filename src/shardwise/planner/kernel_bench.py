@@ -22,7 +22,6 @@ calls after a warm-up, the median of the repeats; CPU: ``time.perf_counter``):
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import statistics
 import time
@@ -151,7 +150,7 @@ def measure(spec: ModelSpec, device: str = "cpu", dtype: str = "fp32",
             "dtype": dtype, "model": spec.name, "quick": quick,
             "peak_flops": peak.flops if peak else None,
             "peak_source": peak.source if peak else "no datasheet peak for a CPU",
-            "host": platform.node(), "cores": os.cpu_count(),
+            **_host(),
             "units": {"seconds": "s", "flops_per_s": "FLOP/s", "bytes_per_s": "bytes/s",
                       "bytes": "bytes read and written", "efficiency": "of peak_flops"},
             "gemm": gemm, "attention": attention, "attention_unavailable": unavailable,
@@ -221,16 +220,24 @@ def _optimizer(spec: ModelSpec, dev, timer: Timer) -> dict:
             "seconds": sec, "seconds_per_param": sec / n}
 
 
+def _host() -> dict:
+    """Where the profile is measured: ``comm.cost.host_meta``'s host, machine, cores and
+    Python, as a comm profile records them."""
+    from shardwise.comm.cost import host_meta
+
+    return host_meta()
+
+
 def _collectives() -> dict:
-    """The comm profile collectives are priced with (``comm.cost.active_profile``): not
-    re-measured here; ``shardwise bench comm --calibrate`` measures it."""
+    """The comm profile collectives are priced with (``comm.cost.active_profile``, which
+    picks it: ``use_profile``'s, $SHARDWISE_COMM_PROFILE, the repository's when measured on
+    this host, else the built-in): not re-measured here; ``shardwise bench comm
+    --calibrate`` measures it."""
     from shardwise.comm import cost
 
-    path = os.environ.get("SHARDWISE_COMM_PROFILE") or (
-        str(cost.REPO_PROFILE) if cost.REPO_PROFILE.is_file() else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prof = cost.active_profile()
-    return {"measured_by": "shardwise bench comm --calibrate", "profile": path,
-            "name": prof.name, "backend": prof.meta.get("backend"),
-            "device": prof.meta.get("device"), "host": prof.meta.get("host")}
+    return {"measured_by": "shardwise bench comm --calibrate", "name": prof.name,
+            "backend": prof.meta.get("backend"), "device": prof.meta.get("device"),
+            "host": prof.meta.get("host")}
