@@ -215,3 +215,20 @@ def test_local_cluster_measures_the_ranks_sharing_at_the_world_size():
     assert cl.meta["contention"] == cl.contention
     one = local_cluster(32, 32, 4, 1, spec=spec)
     assert one.contention == 1.0 and one.ring_message_s == 0.0
+
+
+def test_a_described_model_is_calibrated_as_its_sizes_only_where_they_rebuild_it():
+    """``family_sized``: a TOML's plain ``[model]`` (configs/tiny.toml) is its sizes, so
+    ``--cluster local`` times its family's one-layer model; a described model its sizes do
+    not hold (Gemma 2's sandwich norms and soft caps) is not."""
+    from pathlib import Path
+
+    from shardwise.planner.hardware import family_sized
+    from shardwise.planner.specs import load_model
+
+    tiny = load_model(str(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"))
+    assert tiny.description is not None
+    sized = family_sized(tiny)
+    assert sized is not None and sized.description is None and sized == tiny
+    gemma = load_model("gemma2-2b")
+    assert gemma.description is not None and family_sized(gemma) is None

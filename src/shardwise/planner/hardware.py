@@ -736,14 +736,16 @@ def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
 def family_sized(spec: ModelSpec) -> ModelSpec | None:
     """A described ``spec`` as its family's sizes (``description`` dropped, so that
     ``ModelSpec.model`` builds it from them, one layer at a time where narrowed), where
-    those build the model it describes: a plain GPT's or Llama's (a TOML's ``[model]`` of
-    those kinds); None for anything the sizes do not hold (latent attention, sandwich
-    norms, windows, written scores, document masks, LoRA, a block of its own)."""
-    if spec.family not in ("gpt", "llama") or spec.block or spec.latent_attention \
-            or spec.sandwich_norm or spec.attention_windows or spec.written_scores \
-            or spec.lora or spec.attention_mask != "causal":
+    those build the model it describes: the spec of the model the sizes build
+    (``ModelSpec.from_description``) equals ``spec`` (a TOML's plain ``[model]``); None
+    where it does not (sandwich norms, latent attention, windows... that the sizes do not
+    hold) or the sizes build nothing."""
+    sized = replace(spec, description=None)
+    try:
+        rebuilt = ModelSpec.from_description(sized.model(), name=spec.name)
+    except (ValueError, KeyError, TypeError):  # SpecError is a ValueError
         return None
-    return replace(spec, description=None)
+    return sized if replace(rebuilt, n_params=None) == replace(spec, n_params=None) else None
 
 
 def local_cluster(width: int = 128, seq: int = 64, heads: int = 4,
