@@ -9,12 +9,14 @@ let the planner rank every layout its search keeps (``planner.search.plan``, the
 ``shardwise plan --cluster local`` runs), and train its ``--top`` best and ``--spread``
 more spaced evenly down the rest of its ranking (so that the rank correlation sees the
 planner's whole range, not only near-ties), each layout as ``shardwise plan --emit-toml``
-would write it (``cli.plan.parallel_table``), in one spawn of ranks per world size.
+would write it (``cli.plan.parallel_table``), each in a spawn of ranks of its own (as
+``shardwise train`` runs one: ranks that also hold other layouts' process groups run 10-35%
+slower, ``benchmarks/local_probe.py``).
 
 Measured step time: the fastest step among those no other process disturbed (foreign CPU
-below 0.15 cores, ``comm.quiet``), over two passes through the layouts (a burst of load
-that hits one layout in one pass seldom hits it in both); the fastest of all when none was
-quiet, flagged. On a shared 2-core machine other work only ever adds time. Reported per
+below 0.15 cores, ``comm.quiet``), over two passes through the layouts, a spawn each (a
+burst of load that hits one layout in one pass seldom hits it in both); the fastest of all
+when none was quiet, flagged. On a shared 2-core machine other work only ever adds time. Reported per
 layout: the error (predicted / measured - 1); per model and world size: the median and
 worst absolute error, Spearman's rank correlation, the planner's rank of the
 measured-fastest layout, and the load average before and after. Writes
@@ -22,7 +24,7 @@ measured-fastest layout, and the load average before and after. Writes
 
     python benchmarks/planner_local.py --out benchmarks/planner_results
 
-It took 2 min 38 s at load average 3.9 (2026-12-02, the probes of `local_cluster` included).
+It took 4 min 57 s at load average 3.0 (2026-12-02, the probes of `local_cluster` included).
 """
 
 from __future__ import annotations
@@ -112,18 +114,27 @@ def config(model: str, lay, steps: int) -> dict:
 
 def measure(model: str, ws: int, lays: list, steps: int, warmup: int, passes: int) -> list:
     """Per layout of ``lays``: the step time (the slowest rank of each step; the fastest of
-    the quiet steps), the quiet steps counted and the least foreign load seen."""
+    the quiet steps), the quiet steps counted and the least foreign load seen. Each layout
+    trains in a spawn of its own, as ``shardwise train`` runs it, ``passes`` times, the
+    layouts in turn: ranks that also hold the other layouts' process groups ran a
+    pipeline's steps 10-35% slower (``benchmarks/local_probe.py``), and a burst of load
+    that slows one spawn seldom slows the next."""
     from shardwise.comm.quiet import THRESHOLD
     from shardwise.launch import spawn
 
-    total = warmup + passes * (2 * steps + 1) + 2
-    res = spawn(quiet_worker, ws, ([config(model, lay, total) for lay in lays], warmup, steps,
-                                   passes))
+    total = warmup + 2 * steps + 3
+    got = [[] for _ in lays]  # per layout, per pass: the ranks' results
+    for _ in range(passes):
+        for i, lay in enumerate(lays):
+            got[i].append(spawn(quiet_worker, ws, ([config(model, lay, total)], warmup, steps,
+                                                   1)))
     rows = []
-    for i in range(len(lays)):
-        n = len(res[0][i]["times"])
-        per_step = [max(r[i]["times"][k] for r in res) for k in range(n)]
-        loads = res[0][i]["loads"]
+    for runs in got:
+        per_step, loads = [], []
+        for res in runs:
+            n = len(res[0][0]["times"])
+            per_step += [max(r[0]["times"][k] for r in res) for k in range(n)]
+            loads += res[0][0]["loads"]
         quiet = [t for t, x in zip(per_step, loads) if x < THRESHOLD]
         rows.append({"step": min(quiet or per_step), "quiet_steps": len(quiet),
                      "foreign_cores": min(loads), "steps": per_step})

@@ -644,6 +644,7 @@ def host_seconds(spec: ModelSpec, seq: int, cal: dict) -> tuple[float, float]:
 
 SHARED_STEPS = 24  # timed steps per layout of ``shared_seconds`` (after 2 untimed)
 PROBE_QUANTILE = 5  # ``shared_seconds`` reads the step 1 / 5 of the way up the sorted steps
+PROBE_LAYERS = 4  # the most blocks ``probe_spec``'s model has (its steps' seconds: ~0.1 s at 8)
 
 
 def _probe_cp(world_size: int, seq: int) -> int:
@@ -652,12 +653,11 @@ def _probe_cp(world_size: int, seq: int) -> int:
     return next((cp for cp in (4, 2) if world_size % cp == 0 and seq % (2 * cp) == 0), 1)
 
 
-def _shared_probe(small: ModelSpec) -> dict:
+def _shared_probe(small: ModelSpec, cp: int) -> tuple[list[float], int]:
     """One spawned rank of ``shared_seconds``: the engine's steps of ``small`` (2 sequences
-    a rank, one micro-batch) as dp = world size, then as cp = ``_probe_cp`` (dp = world
-    size / cp, 2 cp sequences a rank of 1 / cp the tokens: the same tokens), then as dp
-    again, every rank at once; per layout the wall seconds of each step (all ranks start it
-    together; dp's two passes in one list)."""
+    a rank, one micro-batch) as dp = world size / ``cp`` and cp = ``cp`` (2 cp sequences a
+    rank of 1 / cp the tokens: the same tokens), every rank at once: ``(the wall seconds
+    of each step (all ranks start it together), the model's parameters)``."""
     import torch
     import torch.distributed as dist
 
@@ -667,69 +667,87 @@ def _shared_probe(small: ModelSpec) -> dict:
 
     torch.set_num_threads(1)
     ws, rank = dist.get_world_size(), dist.get_rank()
-    out = {}
-    # dp before and after cp: a burst of load that slows one pass seldom slows both
-    for name, cp in (("dp", 1), ("cp", _probe_cp(ws, small.block_size)), ("dp_again", 1)):
-        if name == "cp" and cp == 1:
-            continue
-        topo = init_process_groups(Topology.build(dp=ws // cp, cp=cp, rank=rank,
-                                                  world_size=ws))
-        engine = Engine(small.model(), topo,
-                        EngineConfig(seq_len=small.block_size,
-                                     parallel={"micro_batches": 1, "dp": ws // cp, "cp": cp},
-                                     training={"seed": 0, "global_batch_size": 2 * ws}))
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randint(0, small.vocab_size, (2 * cp, small.block_size), generator=g)
-        walls = []
-        for i in range(2 + SHARED_STEPS):
-            comm.barrier()
-            t0 = time.perf_counter()
-            engine.train_step(x, x)
-            if i >= 2:  # the first two create the optimizer's moments and warm the caches
-                walls.append(time.perf_counter() - t0)
-        out[name] = walls
-    out["dp"] += out.pop("dp_again")
-    return out
+    topo = init_process_groups(Topology.build(dp=ws // cp, cp=cp, rank=rank, world_size=ws))
+    engine = Engine(small.model(), topo,
+                    EngineConfig(seq_len=small.block_size,
+                                 parallel={"micro_batches": 1, "dp": ws // cp, "cp": cp},
+                                 training={"seed": 0, "global_batch_size": 2 * ws}))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, small.vocab_size, (2 * cp, small.block_size), generator=g)
+    walls = []
+    for i in range(2 + SHARED_STEPS):
+        comm.barrier()
+        t0 = time.perf_counter()
+        engine.train_step(x, x)
+        if i >= 2:  # the first two create the optimizer's moments and warm the caches
+            walls.append(time.perf_counter() - t0)
+    return walls, sum(p.numel() for _, p in engine.named_parameters())
+
+
+def probe_spec(spec: ModelSpec, seq: int) -> ModelSpec:
+    """The model ``shared_seconds`` spawns: ``calibration_spec``'s block (narrowed where
+    wide), ``spec``'s depth up to ``PROBE_LAYERS``. How much the ranks' sharing slows them
+    depends on how much of a step is the block's compute: on the 4 x 128 GPT of
+    ``benchmarks/layouts.py`` at 8 ranks on 2 cores the one-layer model's ratio (dp step
+    over alone x ranks per core) was 1.83-2.40, the 4-layer model's 1.67-1.83
+    (docs/planner.md), and the layouts trained ran as the latter predicted."""
+    return replace(calibration_spec(spec, seq), n_layer=max(1, min(spec.n_layer,
+                                                                   PROBE_LAYERS)))
+
+
+def _probe_steps(small: ModelSpec, world_size: int, cp: int) -> tuple[list[float], int]:
+    """``world_size`` ranks of ``_shared_probe`` spawned: per step the slowest rank's
+    seconds, and the model's parameters."""
+    from shardwise.launch import spawn
+
+    # its ranks outnumber the cores on purpose: no warning that they do
+    res = spawn(_shared_probe, world_size, (small, cp), threads=1, warn_shared_cores=False)
+    return [max(r[0][i] for r in res) for i in range(len(res[0][0]))], res[0][1]
 
 
 def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
                    world_size: int) -> tuple[float, float]:
     """``(contention, ring_message_s)`` of ``world_size`` ranks on ``cluster`` (local),
-    measured: ``world_size`` gloo ranks (``launch.spawn``) each train a one-layer model of
-    ``spec``'s family (``calibration_spec``, as ``host_step_seconds``) on 2 sequences, all
-    at once (``_shared_probe``).
+    measured: gloo ranks (``launch.spawn``) each train ``probe_spec``'s model of ``spec``
+    on 2 sequences, all at once (``_shared_probe``), in a spawn per layout: dp = world
+    size twice, cp once (``_probe_cp``), and one rank alone where the ranks outnumber the
+    cores. A layout's step: the steps' slowest rank, a fifth of the way up them sorted
+    (``PROBE_QUANTILE``; dp's two spawns together).
 
-    ``contention``: the dp layout's step (the slowest rank; a fifth of the way up its two
-    passes of ``SHARED_STEPS``, sorted: ``PROBE_QUANTILE``), less the planner's price of its gradient all-reduce (the
+    ``contention``: the dp step less the planner's price of its gradient all-reduce (the
     cluster's link, stretched by ``Cluster.comm_stretch``), over what the ranks' work
-    alone would take on the shared cores (``host_step_seconds``' step of one process,
-    times world size / cores); 1 where the ranks do not outnumber the cores.
-    ``ring_message_s``: the cp layout's step less the dp one's, as dedicated-core seconds
-    (times cores / world size, over ``contention``), over the ring's 3 cp - 2 messages a
-    step (one block: forward cp - 1, backward cp - 1 + cp; ``comm_price.ring_messages``);
-    0 where neither 4 nor 2 ranks divide the world size and the sequence (``_probe_cp``).
+    alone would take on the shared cores (the one rank's step, times world size /
+    cores); 1 where the ranks do not outnumber the cores.
+    ``ring_message_s``: the cp step less the dp one, as dedicated-core seconds (times
+    cores / world size, over ``contention``), over the ring's 3 cp - 2 messages a block's
+    step (forward cp - 1, backward cp - 1 + cp; ``comm_price.ring_messages``) times the
+    blocks; 0 where neither 4 nor 2 ranks divide the world size and the sequence.
     Neither below its floor (1, 0)."""
-    from shardwise.launch import spawn
-
-    small = calibration_spec(spec, seq)
-    got, n_params = host_step_seconds(spec, seq)
-    alone = got[HOST_STEPS[0]]
-    # its ranks outnumber the cores on purpose: no warning that they do
-    res = spawn(_shared_probe, world_size, (small,), threads=1, warn_shared_cores=False)
+    small = probe_spec(spec, seq)
+    share = world_size / cluster.cores
+    # each layout in a spawn of its own, as a run is (ranks that also hold another layout's
+    # process groups run 10-35% slower: benchmarks/planner_local.py), dp before and after
+    # cp (a spawn's luck in how its ranks share the cores moves its steps; a burst of load
+    # that slows one seldom slows both)
+    cp = _probe_cp(world_size, small.block_size)
+    steps: dict[str, list[float]] = {"dp": [], "cp": []}
+    for name, c in (("dp", 1), ("cp", cp), ("dp", 1)):
+        if c > 1 or name == "dp":
+            steps[name] += _probe_steps(small, world_size, c)[0]
     # per layout the steps' slowest rank, at the fifth of them that ran fastest (about the
     # fastest of 5: the statistic benchmarks/planner_local.py measures, steadier than the min)
-    wall = {k: sorted(max(r[k][i] for r in res)
-                      for i in range(len(res[0][k])))[len(res[0][k]) // PROBE_QUANTILE]
-            for k in res[0]}
-    share = world_size / cluster.cores
-    sync = (cluster.comm_stretch(world_size, world_size)
-            * cluster.intra.all_reduce(world_size, 4 * n_params))
-    contention = max(1.0, (wall["dp"] - sync) / (alone * max(1.0, share))) if share > 1 else 1.0
+    wall = {k: sorted(v)[len(v) // PROBE_QUANTILE] for k, v in steps.items() if v}
+    contention = 1.0
+    if share > 1:  # the same model's step with one rank alone
+        alone, n_params = _probe_steps(small, 1, 1)
+        sync = (cluster.comm_stretch(world_size, world_size)
+                * cluster.intra.all_reduce(world_size, 4 * n_params))
+        one = sorted(alone)[len(alone) // PROBE_QUANTILE]
+        contention = max(1.0, (wall["dp"] - sync) / (one * share))
     ring = 0.0
     if "cp" in wall:  # a block's messages, forward cp - 1, backward cp - 1 + cp
-        cp = _probe_cp(world_size, small.block_size)  # (comm_price.ring_messages)
         ring = max(0.0, (wall["cp"] - wall["dp"]) / max(1.0, share) / contention
-                   / (3 * cp - 2))
+                   / ((3 * cp - 2) * small.n_layer))
     return contention, ring
 
 
