@@ -161,8 +161,8 @@ def test_a_pipeline_send_or_receive_costs_half_a_ring_message():
 
 def test_shared_seconds_reads_contention_and_ring_messages_off_the_probe(monkeypatch):
     """``shared_seconds``' arithmetic on the probe's steps (spawn replaced by numbers; a
-    spawn per layout: dp, cp, dp again, one rank alone; a layout's step: its steps'
-    slowest rank, a fifth of the way up them sorted): contention = (dp step - its
+    spawn per layout: dp, alone, cp, dp, alone, dp; a layout's step: its steps' slowest
+    rank, a fifth of the way up them sorted, its spawns together): contention = (dp step - its
     all-reduce's price) / (alone x world / cores); ring_message_s = (cp step - dp step) /
     (world / cores) / contention / ((3 cp - 2) x blocks), cp 4 at world size 4, the
     probe's model as deep as the planned one up to PROBE_LAYERS; no alone spawn and
@@ -171,7 +171,7 @@ def test_shared_seconds_reads_contention_and_ring_messages_off_the_probe(monkeyp
     from shardwise.planner import hardware as hw
 
     spec = ModelSpec("bench", 6, 128, 4, 65, 64, True)
-    dp = [0.05, 0.01] + [0.04 + i * 1e-4 for i in range(2 * hw.SHARED_STEPS - 2)]
+    dp = [0.05, 0.01] + [0.04 + i * 1e-4 for i in range(3 * hw.SHARED_STEPS - 2)]
     fifth = sorted(dp)[len(dp) // hw.PROBE_QUANTILE]  # not the outlier 0.01
     assert fifth > 0.04
     spawned = []
@@ -181,21 +181,24 @@ def test_shared_seconds_reads_contention_and_ring_messages_off_the_probe(monkeyp
         return [(runs[(ws, args[1])].pop(0), 1000)] * ws
 
     monkeypatch.setattr(launch, "spawn", spawn)
-    runs = {(4, 1): [dp[:hw.SHARED_STEPS], dp[hw.SHARED_STEPS:]],
-            (4, 4): [[0.1] * hw.SHARED_STEPS], (1, 1): [[0.01] * hw.SHARED_STEPS]}
+    n = hw.SHARED_STEPS
+    runs = {(4, 1): [dp[:n], dp[n:2 * n], dp[2 * n:]], (4, 4): [[0.1] * n],
+            (1, 1): [[0.011] * n, [0.01] * (n - 1) + [0.05]]}
+    alone = sorted([0.011] * n + [0.01] * (n - 1) + [0.05])[2 * n // hw.PROBE_QUANTILE]
     cl = shared()
     sync = cl.comm_stretch(4, 4) * cl.intra.all_reduce(4, 4 * 1000)
     c, ring = hw.shared_seconds(spec, 64, cl, 4)
     L = hw.PROBE_LAYERS
-    assert spawned == [(4, 1, L), (4, 4, L), (4, 1, L), (1, 1, L)] and L < spec.n_layer
-    assert c == pytest.approx((fifth - sync) / (0.01 * 2))
+    assert spawned == [(4, 1, L), (1, 1, L), (4, 4, L), (4, 1, L), (1, 1, L), (4, 1, L)]
+    assert L < spec.n_layer and alone == 0.01
+    assert c == pytest.approx((fifth - sync) / (alone * 2))
     assert ring == pytest.approx((0.1 - fifth) / 2 / c / (10 * L))
     assert hw._probe_cp(4, 64) == 4 and hw._probe_cp(6, 64) == 2 and hw._probe_cp(3, 64) == 1
     assert hw.probe_spec(replace(spec, n_layer=2), 64).n_layer == 2
     spawned.clear()
-    runs[(3, 1)] = [dp[:hw.SHARED_STEPS], dp[hw.SHARED_STEPS:]]
+    runs[(3, 1)] = [dp[:n], dp[n:2 * n], dp[2 * n:]]
     assert hw.shared_seconds(spec, 64, shared(cores=8), 3) == (1.0, 0.0)  # ranks fit
-    assert spawned == [(3, 1, L), (3, 1, L)]  # no ring at 3, no rank alone
+    assert spawned == [(3, 1, L)] * 3  # no ring at 3, no rank alone
 
 
 def test_eight_ranks_are_stretched_from_the_profiles_four():

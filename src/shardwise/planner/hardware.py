@@ -642,7 +642,7 @@ def host_seconds(spec: ModelSpec, seq: int, cal: dict) -> tuple[float, float]:
     return max(0.0, got[(b, m1)] - priced - m1 * per_mb), per_mb
 
 
-SHARED_STEPS = 24  # timed steps per layout of ``shared_seconds`` (after 2 untimed)
+SHARED_STEPS = 16  # timed steps per spawn of ``shared_seconds`` (after 2 untimed)
 PROBE_QUANTILE = 5  # ``shared_seconds`` reads the step 1 / 5 of the way up the sorted steps
 PROBE_LAYERS = 4  # the most blocks ``probe_spec``'s model has (its steps' seconds: ~0.1 s at 8)
 
@@ -710,9 +710,9 @@ def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
     """``(contention, ring_message_s)`` of ``world_size`` ranks on ``cluster`` (local),
     measured: gloo ranks (``launch.spawn``) each train ``probe_spec``'s model of ``spec``
     on 2 sequences, all at once (``_shared_probe``), in a spawn per layout: dp = world
-    size twice, cp once (``_probe_cp``), and one rank alone where the ranks outnumber the
-    cores. A layout's step: the steps' slowest rank, a fifth of the way up them sorted
-    (``PROBE_QUANTILE``; dp's two spawns together).
+    size three times, cp once (``_probe_cp``), and where the ranks outnumber the cores one
+    rank alone twice. A layout's step: the steps' slowest rank, a fifth of the way up them
+    sorted (``PROBE_QUANTILE``; a layout's spawns together).
 
     ``contention``: the dp step less the planner's price of its gradient all-reduce (the
     cluster's link, stretched by ``Cluster.comm_stretch``), over what the ranks' work
@@ -726,24 +726,29 @@ def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
     small = probe_spec(spec, seq)
     share = world_size / cluster.cores
     # each layout in a spawn of its own, as a run is (ranks that also hold another layout's
-    # process groups run 10-35% slower: benchmarks/planner_local.py), dp before and after
-    # cp (a spawn's luck in how its ranks share the cores moves its steps; a burst of load
-    # that slows one seldom slows both)
+    # process groups run 10-14% slower: benchmarks/local_probe.py); dp three times and the
+    # rank alone twice, each beside the other, around cp: how a spawn's ranks happen to
+    # share the cores moves its steps by several percent, and a burst of load that slows
+    # one spawn seldom slows the next
     cp = _probe_cp(world_size, small.block_size)
-    steps: dict[str, list[float]] = {"dp": [], "cp": []}
-    for name, c in (("dp", 1), ("cp", cp), ("dp", 1)):
-        if c > 1 or name == "dp":
-            steps[name] += _probe_steps(small, world_size, c)[0]
+    alone_too = share > 1  # contention: the same model's step with one rank alone
+    order = [("dp", world_size, 1), ("alone", 1, 1), ("cp", world_size, cp),
+             ("dp", world_size, 1), ("alone", 1, 1), ("dp", world_size, 1)]
+    steps: dict[str, list[float]] = {}
+    n_params = 0
+    for name, ranks, c in order:
+        if (name == "cp" and c == 1) or (name == "alone" and not alone_too):
+            continue
+        got, n_params = _probe_steps(small, ranks, c)
+        steps.setdefault(name, []).extend(got)
     # per layout the steps' slowest rank, at the fifth of them that ran fastest (about the
     # fastest of 5: the statistic benchmarks/planner_local.py measures, steadier than the min)
-    wall = {k: sorted(v)[len(v) // PROBE_QUANTILE] for k, v in steps.items() if v}
+    wall = {k: sorted(v)[len(v) // PROBE_QUANTILE] for k, v in steps.items()}
     contention = 1.0
-    if share > 1:  # the same model's step with one rank alone
-        alone, n_params = _probe_steps(small, 1, 1)
+    if alone_too:
         sync = (cluster.comm_stretch(world_size, world_size)
                 * cluster.intra.all_reduce(world_size, 4 * n_params))
-        one = sorted(alone)[len(alone) // PROBE_QUANTILE]
-        contention = max(1.0, (wall["dp"] - sync) / (one * share))
+        contention = max(1.0, (wall["dp"] - sync) / (wall["alone"] * share))
     ring = 0.0
     if "cp" in wall:  # a block's messages, forward cp - 1, backward cp - 1 + cp
         ring = max(0.0, (wall["cp"] - wall["dp"]) / max(1.0, share) / contention
