@@ -14,12 +14,14 @@ would write it (``cli.plan.parallel_table``), each in a spawn of ranks of its ow
 slower, ``benchmarks/local_probe.py``).
 
 Measured step time: the fastest step among those no other process disturbed (foreign CPU
-below 0.15 cores, ``comm.quiet``), over two passes through the layouts, a spawn each (a
-burst of load that hits one layout in one pass seldom hits it in both); the fastest of all
-when none was quiet, flagged. On a shared 2-core machine other work only ever adds time. Reported per
-layout: the error (predicted / measured - 1); per model and world size: the median and
-worst absolute error, Spearman's rank correlation, the planner's rank of the
-measured-fastest layout, and the load average before and after. Writes
+below 0.15 cores, ``comm.quiet``), over three passes through the layouts, a spawn each (a
+burst of load that hits one layout in one pass seldom hits it in all; how a spawn's ranks
+happen to share the cores moves its steps by several percent); the fastest of all when
+none was quiet, flagged. On a shared 2-core machine other work only ever adds time.
+Reported per layout: the error (predicted / measured - 1); per model and world size: the
+median and worst absolute error, Spearman's rank correlation, the planner's rank of the
+measured-fastest layout, how much slower its first choice measured, and the load average
+before and after. Writes
 ``OUT/planner_local.json``, ``OUT/planner_local.txt`` and a scatter ``OUT/planner_local.png``.
 
     python benchmarks/planner_local.py --out benchmarks/planner_results
@@ -231,7 +233,7 @@ def main() -> None:
     ap.add_argument("--spread", type=int, default=4,
                     help="more layouts, spaced evenly down the rest of its ranking")
     ap.add_argument("--steps", type=int, default=3, help="quiet steps per pass")
-    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--passes", type=int, default=3, help="spawns of each layout, in turn")
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps per layout first (the allocator, the caches)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "planner_results"))
