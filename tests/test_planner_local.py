@@ -249,3 +249,32 @@ def test_a_described_model_is_calibrated_as_its_sizes_only_where_they_rebuild_it
     assert sized is not None and sized.description is None and sized == tiny
     gemma = load_model("gemma2-2b")
     assert gemma.description is not None and family_sized(gemma) is None
+
+
+def test_zero12_ring_steps_wait_a_measured_message_where_ranks_share_cores():
+    """ZeRO-1/2's reduce-scatter and all-gather are the engine's ring, 2 (n - 1) steps: on
+    a local cluster with a measured ring message each step costs at least that message
+    with the world on the cores (``ring_message_s`` x ``sharing``) in place of the
+    profile's latency; without one (or on a GPU preset) the profile's price alone. ZeRO-0's
+    all-reduce is not a ring of ours here, and keeps its price."""
+    from shardwise.planner.comm_price import dp_seconds
+
+    layers = list(range(SPEC.n_layer + 2))
+    lay = Layout(4, 1, 1, 4, 1, zero=1)
+    plain = dp_seconds(SPEC, lay, shared(), "fp32", layers).after
+    cl = shared(ring_message_s=4e-4, contention=1.5)
+    x = rank_params(SPEC, layers, 1, 1) * 4
+    link = cl.link(lay.world)
+    st = cl.comm_stretch(4, 4)
+    want = (st * (link.reduce_scatter(4, x) + link.all_gather(4, x) - 6 * 1e-5)
+            + 6 * 4e-4 * cl.sharing(4))
+    assert dp_seconds(SPEC, lay, cl, "fp32", layers).after == pytest.approx(want)
+    assert want > plain + 6 * 4e-4 * 2 * 1.5 * 0.9  # the messages, not the profile's 10 us
+    z2 = Layout(4, 1, 1, 4, 1, zero=2)
+    assert dp_seconds(SPEC, z2, cl, "fp32", layers).after == pytest.approx(want)
+    z0 = Layout(4, 1, 1, 4, 1)
+    assert (dp_seconds(SPEC, z0, cl, "fp32", layers).after
+            == dp_seconds(SPEC, z0, shared(), "fp32", layers).after)
+    h100 = PRESETS["dgx-h100"]
+    assert dp_seconds(SPEC, lay, h100, "bf16", layers).after == pytest.approx(
+        h100.intra.reduce_scatter(4, x / 2) + h100.intra.all_gather(4, x / 2))

@@ -252,9 +252,29 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
     if lay.zero == 3:  # its gathers and reduce-scatters are inside the schedule
         return DpSeconds(mean)
     n, inner = n // R, cluster.link(lay.world // R)
-    st, sx = cluster.comm_stretch(n, lay.world), cluster.comm_stretch(nx, lay.world)
-    return DpSeconds(mean + st * (inner.reduce_scatter(n, x) + inner.all_gather(n, x))
-                     + sx * (link.reduce_scatter(nx, X * e) + link.all_gather(nx, X * e)))
+    return DpSeconds(mean + sharded_seconds(cluster, inner, n, x, lay.world)
+                     + sharded_seconds(cluster, link, nx, X * e, lay.world))
+
+
+def sharded_seconds(cluster: Cluster, link, n: int, nbytes: float, world: int) -> float:
+    """ZeRO-1/2's gradient reduce-scatter and parameter all-gather of ``nbytes`` (the whole
+    vector) over ``n`` ranks on ``link``: the engine's ring (``comm.sharded``, "auto" off
+    NCCL) of 2 (n - 1) steps, each a send to the next rank and a receive from the previous
+    one. Where ranks share cores, the bytes' price is stretched as CPU work
+    (``Cluster.comm_stretch``), and a step waits at least what the probe measured a cp
+    ring message to take with the world on the cores (``Cluster.ring_message_s``: dedicated-
+    core seconds, times ``Cluster.sharing``) in place of the profile's latency, which timed
+    the ranks alone: at 8 ranks on 2 cores ``dp4 pp2 mb4 m1 1f1b`` measured 100-107 ms with
+    ZeRO-1/2 against 78 ms with ZeRO-0's shared-memory all-reduce
+    (docs/planner.md)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    st = cluster.comm_stretch(n, world)
+    both = link.reduce_scatter(n, nbytes) + link.all_gather(n, nbytes)
+    steps = 2 * (n - 1)
+    alpha = link.params(n).a(n)
+    step = max(st * alpha, cluster.ring_message_s * cluster.sharing(world))
+    return st * (both - steps * alpha) + steps * step
 
 
 def tied_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str, r: int) -> float:
