@@ -10,10 +10,15 @@ how ``benchmarks/planner_local.py`` trains what it checks, on the GPT of
    cores depends on how much of a step the blocks' compute is: the dp step of 2 sequences
    a rank on the one-layer and the 4-layer model, over one rank alone on the same model
    times ranks per core (no all-reduce subtracted here).
+3. **ZeRO-1/2's ring.** ``dp4 pp2 mb4 m1 1f1b`` with ZeRO 0, 1 and 2 (``planner_local``'s
+   measurement: three spawns each, in turn; fastest, a fifth of the way up and the median
+   of their steps) beside the planner's price of each on the ``local`` cluster calibrated
+   at 8 ranks: ZeRO-1/2's reduce-scatter and all-gather are the engine's ring of send/recv
+   steps, each of which waits for its peer to get a core (``comm_price.sharded_seconds``).
 
     python benchmarks/local_probe.py --out benchmarks/planner_results
 
-Writes ``OUT/local_probe.txt``. About 2 minutes.
+Writes ``OUT/local_probe.txt``. About 3 minutes.
 """
 
 from __future__ import annotations
@@ -122,7 +127,22 @@ def main() -> None:
                        f"dp{WORLD} {quantile(dp) * 1e3:6.1f} ms, ratio {ratio:.2f}")
         lines.append("   " + " | ".join(row))
         print(lines[-1], flush=True)
-    lines.append(f"load average after {os.getloadavg()[0]:.2f}")
+    zeros = [f"dp4 tp1 pp2 mb4 m1 1f1b z{z}" for z in (0, 1, 2)]
+    lines += ["", "3. ZeRO stages at one micro-batch, ms per step (fastest, a fifth of the way up, "
+              "median of 3 spawns' steps) and the planner's price"]
+    cl8 = H.local_cluster(spec.n_embd, spec.block_size, spec.n_head, WORLD, spec=spec)
+    ranked8, _ = plan(spec, cl8, WORLD, L.BATCH, precision="fp32",
+                      memory_limit=cl8.memory_per_rank(WORLD), top=500)
+    by = {f.layout.label(): f for f in ranked8}
+    rows = P.measure("gpt", WORLD, [by[z].layout for z in zeros], 3, 3, 3)
+    for z, r in zip(zeros, rows):
+        st = sorted(r["steps"])
+        lines.append(f"   {z:<30} {st[0] * 1e3:7.1f} {st[len(st) // 5] * 1e3:7.1f} "
+                     f"{st[len(st) // 2] * 1e3:7.1f}   planner {by[z].time['step'] * 1e3:6.1f}")
+        print(lines[-1], flush=True)
+    lines.append(f"contention {cl8.contention:.2f}, ring message "
+                 f"{cl8.ring_message_s * 1e3:.2f} ms; load average after "
+                 f"{os.getloadavg()[0]:.2f}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "local_probe.txt").write_text("\n".join(lines) + "\n")
