@@ -10,7 +10,7 @@ let the planner rank every layout its search keeps (``planner.search.plan``, the
 more spaced evenly down the rest of its ranking (so that the rank correlation sees the
 planner's whole range, not only near-ties), each layout as ``shardwise plan --emit-toml``
 would write it (``cli.plan.parallel_table``), each in a spawn of ranks of its own (as
-``shardwise train`` runs one: ranks that also hold other layouts' process groups run 10-35%
+``shardwise train`` runs one: ranks that also hold other layouts' process groups run 13-23%
 slower, ``benchmarks/local_probe.py``).
 
 Measured step time: the fastest step among those no other process disturbed (foreign CPU
@@ -26,7 +26,8 @@ before and after. Writes
 
     python benchmarks/planner_local.py --out benchmarks/planner_results
 
-It took 4 min 57 s at load average 3.0 (2026-12-02, the probes of `local_cluster` included).
+It took 7 min 15 s (2026-12-02 13:51 UTC, load average 7.1 from the run before it; the
+probes of `local_cluster` included).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def measure(model: str, ws: int, lays: list, steps: int, warmup: int, passes: in
     the quiet steps), the quiet steps counted and the least foreign load seen. Each layout
     trains in a spawn of its own, as ``shardwise train`` runs it, ``passes`` times, the
     layouts in turn: ranks that also hold the other layouts' process groups ran a
-    pipeline's steps 10-35% slower (``benchmarks/local_probe.py``), and a burst of load
+    pipeline's steps 13-23% slower (``benchmarks/local_probe.py``), and a burst of load
     that slows one spawn seldom slows the next."""
     from shardwise.comm.quiet import THRESHOLD
     from shardwise.launch import spawn

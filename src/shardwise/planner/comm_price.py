@@ -264,9 +264,9 @@ def sharded_seconds(cluster: Cluster, link, n: int, nbytes: float, world: int) -
     (``Cluster.comm_stretch``), and a step waits at least what the probe measured a cp
     ring message to take with the world on the cores (``Cluster.ring_message_s``: dedicated-
     core seconds, times ``Cluster.sharing``) in place of the profile's latency, which timed
-    the ranks alone: at 8 ranks on 2 cores ``dp4 pp2 mb4 m1 1f1b`` measured 100-107 ms with
-    ZeRO-1/2 against 78 ms with ZeRO-0's shared-memory all-reduce
-    (docs/planner.md)."""
+    the ranks alone: at 8 ranks on 2 cores ``dp4 pp2 mb4 m1 1f1b`` measured 98-103 ms with
+    ZeRO-1/2 against 86 ms with ZeRO-0's shared-memory all-reduce, which the profile's
+    latency priced 3 ms the other way (``benchmarks/local_probe.py``)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     st = cluster.comm_stretch(n, world)

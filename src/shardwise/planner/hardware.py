@@ -689,7 +689,7 @@ def probe_spec(spec: ModelSpec, seq: int) -> ModelSpec:
     wide), ``spec``'s depth up to ``PROBE_LAYERS``. How much the ranks' sharing slows them
     depends on how much of a step is the block's compute: on the 4 x 128 GPT of
     ``benchmarks/layouts.py`` at 8 ranks on 2 cores the one-layer model's ratio (dp step
-    over alone x ranks per core) was 1.83-2.40, the 4-layer model's 1.67-1.83
+    over alone x ranks per core) was 1.97-2.39, the 4-layer model's 1.70-1.89
     (docs/planner.md), and the layouts trained ran as the latter predicted."""
     return replace(calibration_spec(spec, seq), n_layer=max(1, min(spec.n_layer,
                                                                    PROBE_LAYERS)))
@@ -726,7 +726,7 @@ def shared_seconds(spec: ModelSpec, seq: int, cluster: "Cluster",
     small = probe_spec(spec, seq)
     share = world_size / cluster.cores
     # each layout in a spawn of its own, as a run is (ranks that also hold another layout's
-    # process groups run 10-14% slower: benchmarks/local_probe.py); dp three times and the
+    # process groups run 13-23% slower: benchmarks/local_probe.py); dp three times and the
     # rank alone twice, each beside the other, around cp: how a spawn's ranks happen to
     # share the cores moves its steps by several percent, and a burst of load that slows
     # one spawn seldom slows the next
