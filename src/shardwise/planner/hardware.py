@@ -176,7 +176,8 @@ class Cluster:
     # CPU): measured at the planned world size (``shared_seconds``); 1 on a GPU
     ring_message_s: float = 0.0  # local: seconds per message of the cp ring, transfer and
     # host work together (the exchange through the comm thread, the merge of its block),
-    # measured (``shared_seconds``); it replaces the profile's transfer price for the ring
+    # measured (``shared_seconds``); it replaces the profile's transfer price for the ring,
+    # and the profile's latency of each step of ZeRO-1/2's ring (``comm_price.sharded_seconds``)
 
     def link(self, span: int) -> Link:
         """The link a group whose ranks lie within ``span`` consecutive ranks crosses."""
