@@ -34,6 +34,26 @@ from shardwise.parallel.tensor_parallel.state import sync_replicated_grads
 _NO_REDUCTION = "local"  # fp32_step's group for a norm that stays on this rank
 
 
+def build_adamw(masters: list, decay: list[bool], *, lr: float,
+                betas: tuple = (0.9, 0.999), weight_decay: float = 0.01, fused: bool = False,
+                state_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """The AdamW (Loshchilov & Hutter 2019) the engine steps ``masters`` with (fp32 tensors,
+    any shapes): two groups, ``weight_decay`` on those ``decay`` marks (the model's
+    matrices) and 0 on the rest; torch's fused kernel where ``fused`` (CUDA), else the loop
+    over tensors (``foreach=False``); the moments in ``state_dtype`` (bf16:
+    ``LowPrecisionAdamW``). The planner times this one (``planner.hardware``,
+    ``planner.kernel_bench``)."""
+    groups = [{"params": [m for m, d in zip(masters, decay) if d],
+               "weight_decay": weight_decay},
+              {"params": [m for m, d in zip(masters, decay) if not d], "weight_decay": 0.0}]
+    if state_dtype != torch.float32:
+        return LowPrecisionAdamW(groups, lr=lr, betas=betas, state_dtype=state_dtype)
+    # fused: one kernel over every tensor (CUDA's default); the loop over tensors is the
+    # CPU's reference: each element's arithmetic is the same whatever the pieces are
+    kernel = {"fused": True} if fused else {"foreach": False}
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
+
+
 class DistributedOptimizer:
     """AdamW over ``sync.pieces`` (see module docstring).
 
@@ -63,19 +83,9 @@ class DistributedOptimizer:
         self.tied = [n.split("[")[0] in tied_names for n in sync.piece_names]
         self.counted = [c and (s or tp.rank == 0) and (tied_counted or not t)
                         for c, s, t in zip(sync.counted, self.sharded, self.tied)]
-        decay = [p.dim() >= 2 for p in params]
-        groups = [{"params": [m for m, d in zip(self.pieces, decay) if d],
-                   "weight_decay": weight_decay},
-                  {"params": [m for m, d in zip(self.pieces, decay) if not d],
-                   "weight_decay": 0.0}]
-        # fused: one kernel over every tensor (CUDA's default); the loop over tensors is the
-        # CPU's reference: each element's arithmetic is the same whatever the pieces are
-        if state_dtype != torch.float32:
-            self.optimizer = LowPrecisionAdamW(groups, lr=lr, betas=betas,
-                                               state_dtype=state_dtype)
-        else:
-            kernel = {"fused": True} if fused else {"foreach": False}
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, **kernel)
+        self.optimizer = build_adamw(self.pieces, [p.dim() >= 2 for p in params], lr=lr,
+                                     betas=betas, weight_decay=weight_decay, fused=fused,
+                                     state_dtype=state_dtype)
 
     @property
     def param_groups(self):

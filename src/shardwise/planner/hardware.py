@@ -565,17 +565,16 @@ def calibrate_local(width: int = 128, seq: int = 64, heads: int = 4,
 def optimizer_step_seconds(params: list) -> float:
     """The fastest of 7 host optimizer steps over copies of ``params`` (seconds, one
     thread): the engine's step on a rank's masters (``parallel.precision.fp32_step``: the
-    float64 squared norm, clipping to 1.0, AdamW with ``foreach=False`` as the engine
-    builds it on the CPU, two groups: decay on matrices)."""
+    float64 squared norm, clipping to 1.0, the engine's AdamW on the CPU:
+    ``engine.optimizer.build_adamw``)."""
     import torch
 
+    from shardwise.engine.optimizer import build_adamw
     from shardwise.parallel.precision import fp32_step
 
     masters = [torch.nn.Parameter(p.detach().clone()) for p in params]
     grads = [torch.randn_like(p) * 1e-3 for p in masters]
-    opt = torch.optim.AdamW([{"params": [p for p in masters if p.dim() >= 2]},
-                             {"params": [p for p in masters if p.dim() < 2],
-                              "weight_decay": 0.0}], lr=1e-4, foreach=False)
+    opt = build_adamw(masters, [p.dim() >= 2 for p in masters], lr=1e-4)
     times = []
     for _ in range(8):
         t0 = cpu_clock()

@@ -200,23 +200,23 @@ def _attention(spec: ModelSpec, dev, dt, timer: Timer, inner: int,
 
 
 def _optimizer(spec: ModelSpec, dev, timer: Timer) -> dict:
-    """AdamW over fp32 copies of one block's weights (tp = 1) and its vectors, with the
-    kernel the engine picks for the device (``engine.engine``: fused on CUDA, else the
-    loop, ``foreach=False``); two groups, decay on matrices, as the engine's."""
+    """AdamW over fp32 copies of one block's weights (tp = 1) and its vectors, as the
+    engine builds it (``engine.optimizer.build_adamw``) with the kernel it picks for the
+    device (fused on CUDA, else the loop, ``foreach=False``)."""
     import torch
+
+    from shardwise.engine.optimizer import build_adamw
 
     shapes = [(n_in, n_out) for _, _, n_in, n_out in block_gemm_shapes(spec, 1)]
     shapes += [(spec.n_embd,)] * 4
     params = [torch.nn.Parameter(torch.randn(*sh, device=dev) * 0.02) for sh in shapes]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    kernel = {"fused": True} if dev.type == "cuda" else {"foreach": False}
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
-                             {"params": [p for p in params if p.dim() < 2],
-                              "weight_decay": 0.0}], lr=1e-4, **kernel)
+    fused = dev.type == "cuda"
+    opt = build_adamw(params, [p.dim() >= 2 for p in params], lr=1e-4, fused=fused)
     n = sum(p.numel() for p in params)
     sec = timer(opt.step)
-    return {"kernel": "fused" if "fused" in kernel else "foreach=False", "params": n,
+    return {"kernel": "fused" if fused else "foreach=False", "params": n,
             "seconds": sec, "seconds_per_param": sec / n}
 
 
