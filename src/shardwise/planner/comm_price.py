@@ -35,7 +35,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from shardwise.base.config import V_SHAPED_KINDS
-from shardwise.planner.hardware import Cluster
+from shardwise.planner.hardware import Cluster, Link
 from shardwise.planner.layout import Layout
 from shardwise.planner.memory import (
     BYTES,
@@ -256,7 +256,7 @@ def dp_seconds(spec: ModelSpec, lay: Layout, cluster: Cluster, precision: str,
                      + sharded_seconds(cluster, link, nx, X * e, lay.world))
 
 
-def sharded_seconds(cluster: Cluster, link, n: int, nbytes: float, world: int) -> float:
+def sharded_seconds(cluster: Cluster, link: Link, n: int, nbytes: float, world: int) -> float:
     """ZeRO-1/2's gradient reduce-scatter and parameter all-gather of ``nbytes`` (the whole
     vector) over ``n`` ranks on ``link``: the engine's ring (``comm.sharded``, "auto" off
     NCCL) of 2 (n - 1) steps, each a send to the next rank and a receive from the previous
