@@ -515,3 +515,34 @@ def test_selective_on_a_gpu_cluster_is_emitted_with_the_cuda_note(tmp_path, caps
     assert "refuses it on CUDA" in cap.err
     assert main(argv) == 0
     assert "rc=sel" not in capsys.readouterr().out
+
+
+def test_a_cut_by_params_that_cuts_as_layers_is_one_layout():
+    """Cutting by parameters where that cuts the same chunks as by layers builds the same
+    engine: the search lists it once (the first-named cut), and still counts every layout
+    (simulated or pruned) as ``enumerate_layouts`` yields them. The 4 x 128 tied GPT of the
+    local benchmark: into 2 chunks both cut (embedding + 2 blocks | 2 blocks + head), the
+    engine's own ``partition_layers`` too; into 4 (pp 4, or pp 2 interleaved with v 2) they
+    differ and both are searched."""
+    import torch
+
+    from shardwise.base.config import Config
+    from shardwise.models import GPT, GPTConfig
+    from shardwise.parallel.pipeline.partition import gpt_layers, partition_layers
+    from shardwise.planner.specs import ModelSpec
+
+    model = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "tie_weights": True}
+    spec = replace(ModelSpec.from_section(Config.from_dict({"model": model}).model, "gpt"),
+                   vocab_size=65)
+    with torch.device("meta"):
+        layers = [m for _, m in gpt_layers(GPT(GPTConfig(vocab_size=65, **model)))]
+    assert (partition_layers(layers, 2, by="params").bounds
+            == partition_layers(layers, 2, by="layers").bounds)
+    assert (partition_layers(layers, 4, by="params").bounds
+            != partition_layers(layers, 4, by="layers").bounds)
+    feasible, pruned = plan(spec, PRESETS["dgx-h100"], 8, 16, top=3)
+    space = [lay for lay, _ in enumerate_layouts(spec, 8, 16)]
+    assert len(feasible) + sum(p.count for p in pruned) == len(space) == len(set(space))
+    chunks = lambda lay: lay.pp * lay.chunks_per_rank  # noqa: E731
+    cuts = {n: {lay.partition for lay in space if chunks(lay) == n} for n in (2, 4)}
+    assert cuts == {2: {"layers"}, 4: {"layers", "params"}}, cuts

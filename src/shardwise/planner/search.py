@@ -4,7 +4,8 @@ The space: every dp x tp x pp x cp = world size, micro-batch size (a divisor of 
 batch per replica), schedule (1F1B; interleaved with v = 2, 4 where the layers allow),
 ZeRO 0-3 (3 with interleaving too: each chunk's units gathered around its own micro-batches),
 recomputation on/off,
-sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1);
+sequence parallelism on/off (tp > 1), stage cut by layer count or by parameters (pp > 1;
+once where both cut the same chunks, ``distinct_cuts``);
 context parallelism cp where 2 cp divides the sequence (the engine's load-balanced chunks),
 pruned for a model with dropout (the engine refuses cp > 1 with dropout); for a mixture of
 experts,
@@ -79,6 +80,7 @@ from shardwise.planner.memory import (
     MEGATRON,
     GiB,
     activation_bytes,
+    cut,
     gathered_bytes,
     mask_bytes,
     stage_layers,
@@ -184,14 +186,37 @@ def enumerate_layouts(spec: ModelSpec, world: int, global_batch: int, *,
                                 for f8 in fp8:
                                     for rc, sel in modes:
                                         for s in (sp if tp > 1 else (False,)):
-                                            for cut_by, a in ((x, a) for x in (
-                                                    partitions if pp > 1 else ("layers",))
-                                                    for a in degrees):
+                                            for cut_by, a in ((x, a) for x in
+                                                              distinct_cuts(spec, pp, v,
+                                                                            partitions)
+                                                              for a in degrees):
                                                 yield Layout(dp, tp, pp, mb, m, kind, v, z, rc,
                                                              s, cut_by, sel, c, e, f8,
                                                              cp_a2a=a), None
 
 
+
+
+def distinct_cuts(spec: ModelSpec, pp: int, v: int, partitions) -> tuple[str, ...]:
+    """The ways of ``partitions`` ("layers", "params") to cut ``pp`` x ``v`` chunks that
+    build different engines: one where two cut the same bounds (the first named kept).
+    At pp = 1 there is nothing to cut: ("layers",). Where the chunks cannot be cut from
+    the layers (``chunks_reason``), each of ``partitions``: the group is pruned whole.
+
+    A search that kept both would list the same engine twice under two names, priced
+    alike; the benchmark that trains the planner's top layouts found the pair measuring
+    3-4% apart, which is its noise (docs/planner.md, "The search")."""
+    if pp == 1:
+        return ("layers",)
+    if chunks_reason(spec, pp, v):
+        return tuple(partitions)
+    out, seen = [], set()
+    for by in partitions:
+        bounds = cut(spec, pp * v, by).bounds
+        if bounds not in seen:
+            seen.add(bounds)
+            out.append(by)
+    return tuple(out)
 
 
 def _modes(recompute, selective) -> list[tuple]:
@@ -379,9 +404,13 @@ def _space(spec, world, global_batch, micro_batches, schedules, vs, pp_max, cps)
                 yield cp, tp, pp, dp, per, mbs, scheds
 
 
-def _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps=(1,), fp8=(False,)) -> int:
-    return (len(mbs) * len(scheds) * len(zero) * len(modes) * len(eps) * len(fp8)
-            * (len(sp) if tp > 1 else 1) * (len(partitions) if pp > 1 else 1))
+def _count(spec, mbs, scheds, zero, modes, sp, partitions, tp, pp, eps=(1,),
+           fp8=(False,)) -> int:
+    """How many layouts ``enumerate_layouts`` yields for these choices (its cuts per
+    schedule from ``distinct_cuts``)."""
+    cuts = sum(len(distinct_cuts(spec, pp, v, partitions)) for _, v in scheds)
+    return (len(mbs) * cuts * len(zero) * len(modes) * len(eps) * len(fp8)
+            * (len(sp) if tp > 1 else 1))
 
 
 def _collector_paused(fn):
@@ -470,30 +499,31 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
         degrees = degrees or [1]
         k = len(degrees)
         if sel_moe:
-            n_sel += k * _count(mbs, scheds, zero, [None], sp, partitions, tp, pp, eps, fp8s)
+            n_sel += k * _count(spec, mbs, scheds, zero, [None], sp, partitions, tp, pp, eps, fp8s)
         first = Layout(dp, tp, pp, mbs[0], per // mbs[0], cp=c) if mbs else None
         why = tp_reason(spec, tp, cluster, tp_across_nodes) or cp_reason(spec, c) or why
         if why:
-            n = k * _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, fp8s)
+            n = k * _count(spec, mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, fp8s)
             if n:
                 pruned.append(Pruned(first, why, count=n))
             continue
         f8s = fp8s
         if True in fp8s and cluster.fp8_flops is None:  # the whole fp8 half, one record
-            n = k * _count(mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, (True,))
+            n = k * _count(spec, mbs, scheds, zero, modes, sp, partitions, tp, pp, eps, (True,))
             if n:
                 pruned.append(Pruned(replace(first, fp8=True), fp8_reason(cluster), count=n))
             f8s = tuple(f for f in fp8s if not f)
         for kind, v in scheds:
             why = chunks_reason(spec, pp, v)
             if why:
-                n = k * _count(mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp, eps, f8s)
+                n = k * _count(spec, mbs, [(kind, v)], zero, modes, sp, partitions, tp, pp,
+                               eps, f8s)
                 if n:
                     pruned.append(Pruned(Layout(dp, tp, pp, mbs[0], per // mbs[0], kind, v,
                                                 cp=c), why, count=n))
                 continue
             sps = sp if tp > 1 else (False,)
-            for cut_by in (partitions if pp > 1 else ("layers",)):
+            for cut_by in distinct_cuts(spec, pp, v, partitions):
                 # memory first by a bound: the least static bytes of any ZeRO stage, ep and
                 # sp of the group, then per micro-batch size the least activations; the
                 # layouts left are priced from these same memoised pieces
@@ -512,7 +542,8 @@ def plan(spec: ModelSpec, cluster: Cluster, world: int, global_batch: int, *,
                            if not (z and dp * c == 1 or s and sp_why
                                    or split_backward_refusal(kind, z))}
                 least = min((x["total"] for x in statics.values()), default=0.0)
-                n_mb = k * _count([1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1, eps, f8s)
+                n_mb = k * _count(spec, [1], [(kind, v)], zero, modes, sp, [cut_by], tp, 1,
+                                  eps, f8s)
                 if statics and least > limit:
                     if mbs and n_mb:
                         pruned.append(Pruned(base, _needs(least, limit, True), least,
