@@ -431,6 +431,30 @@ def test_exact_small_model_bytes_build_the_llama():
         assert got == {k: want[k] for k in ("params", "grads", "optimizer", "total")}
 
 
+def test_exact_bytes_build_each_rank_once_for_every_dp_zero_and_precision():
+    """The exact path builds a rank's model once (``memory._rank_model``) and prices every
+    dp, ZeRO stage, cp and precision on it: the bytes stay those of a fresh
+    ``predict_rank`` (which converts the parameters' dtype in place: bf16 after fp32 and
+    back again must not leak), and only the distinct (pp, pp rank, tp, tp rank) build."""
+    from shardwise.planner import memory as pm
+
+    spec = _closed(LLAMA_SMALL)
+    pm._rank_model.cache_clear()
+    pm.static_bytes.cache_clear()
+    cases = [(dp, tp, pp, zero, prec, cp) for prec in ("fp32", "bf16", "fp32")
+             for dp, tp, pp, zero, cp in ((3, 2, 2, 1, 1), (2, 2, 2, 2, 1), (4, 2, 2, 1, 2),
+                                          (3, 1, 1, 3, 1), (2, 1, 1, 2, 2))]
+    for dp, tp, pp, zero, prec, cp in cases:
+        got = pm.static_bytes(spec, dp, tp, pp, 1, zero, prec, bucket_mb=0.01, cp=cp)
+        want = max((predict_rank(LLAMA_SMALL, dp=dp, pp=pp, tp=tp, pp_rank=pr, tp_rank=tr,
+                                 zero=zero, precision=prec, bucket_mb=0.01, cp=cp)
+                    for pr in range(pp) for tr in sorted({0, tp - 1})),
+                   key=lambda r: r["total"])
+        assert got == {k: want[k] for k in ("params", "grads", "optimizer", "total")}, (
+            dp, tp, pp, zero, prec, cp)
+    assert pm._rank_model.cache_info().misses == 2 * 2 + 1  # pp2 x tp2's corners, pp1 tp1
+
+
 # a model of its own kind: no attention, a 3h two-layer MLP per block, no biases, untied
 
 

@@ -50,13 +50,33 @@ def _shard(padded: list[int], sizes: list[int], dp: int, dp_rank: int) -> tuple[
     return owned, real
 
 
+def rank_model(model, *, pp: int = 1, pp_rank: int = 0, tp: int = 1, tp_rank: int = 0,
+               chunks_per_rank: int = 1, sequence_parallel: bool = False,
+               partition_by: str = "layers", ep: int = 1, ep_rank: int = 0,
+               schedule: str = "1f1b", lora=None):
+    """The ``LocalModel`` the engine builds at (pp_rank, tp_rank, ep_rank) of ``model`` (a
+    ``ModelDescription`` or a registered config), on the meta device: shapes only, no
+    storage. What ``predict_rank`` counts; it depends on no dp, cp or ZeRO choice, so a
+    caller pricing many of those for one rank may build it once and pass it
+    (``predict_rank(local=)``). Raises ``ValueError`` as ``build_local_model`` does."""
+    mine = [c for c, r in enumerate(placement_of(schedule, pp, chunks_per_rank)) if r == pp_rank]
+    with torch.device("meta"):
+        return build_local_model(
+            model, pp=pp, pp_rank=pp_rank, chunk_ids=mine,
+            n_chunks=pp * chunks_per_rank,
+            tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
+            seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
+            ep=RankGroup(size=ep, rank=ep_rank, axis="ep"), lora=lora)
+
+
 def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int = 0,
                  pp_rank: int = 0, tp_rank: int = 0, chunks_per_rank: int = 1, zero: int = 0,
                  precision: str = "fp32", bucket_mb: float = 25.0,
                  sequence_parallel: bool = False, partition_by: str = "layers",
                  ep: int = 1, cp: int = 1, cp_rank: int = 0, dp_replicate: int = 1,
                  schedule: str = "1f1b", state_bytes: int = 8,
-                 offload: bool = False, offload_params: bool = False, lora=None) -> dict:
+                 offload: bool = False, offload_params: bool = False, lora=None,
+                 local=None) -> dict:
     """Predicted bytes of the rank at (dp_rank, pp_rank, cp_rank, tp_rank) of ``model`` (a
     ``ModelDescription`` or a registered config: GPT, Llama, yours): ``{"params", "grads",
     "optimizer", "total", "padding"}`` (padding: elements of padding this rank owns).
@@ -72,6 +92,8 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     the device keeps ``total - host``: the gradient shards. ``lora`` (a ``LoRAConfig``
     with rank > 0): P above is the adapters' elements only, and the frozen base adds its
     b bytes per element to ``params`` (no gradient, no optimizer state, no ZeRO shard).
+    ``local``: this rank's model as ``rank_model`` builds it for the same arguments (None:
+    built here); its parameters take ``precision``'s dtype in place, on meta.
     Raises ``ValueError`` as the engine would for a layout it cannot build, and for
     ``offload_params`` without ZeRO-3."""
     if offload_params and zero != 3:
@@ -84,14 +106,12 @@ def predict_rank(model, *, dp: int = 1, pp: int = 1, tp: int = 1, dp_rank: int =
     shard = dp // dp_replicate if zero else dp  # HSDP: ZeRO 1-3 within one replica
     dp, dp_rank = shard * cp, dp_rank % shard * cp + cp_rank
     b = torch.empty(0, dtype=DTYPES[precision]).element_size()
-    n_chunks = pp * chunks_per_rank
-    mine = [c for c, r in enumerate(placement_of(schedule, pp, chunks_per_rank)) if r == pp_rank]
+    if local is None:
+        local = rank_model(model, pp=pp, pp_rank=pp_rank, tp=tp, tp_rank=tp_rank,
+                           chunks_per_rank=chunks_per_rank,
+                           sequence_parallel=sequence_parallel, partition_by=partition_by,
+                           ep=ep, ep_rank=ep_rank, schedule=schedule, lora=lora)
     with torch.device("meta"):
-        local = build_local_model(
-            model, pp=pp, pp_rank=pp_rank, chunk_ids=mine,
-            n_chunks=n_chunks, tp=RankGroup(size=tp, rank=tp_rank, sequence_parallel=sequence_parallel),
-            seed=0, dropout_seed=0, device=torch.device("meta"), partition_by=partition_by,
-            ep=RankGroup(size=ep, rank=ep_rank, axis="ep"), lora=lora)
         named = local.named_parameters()  # the trainable ones (LoRA: the adapters)
         frozen = b * sum(q.numel() for _, q in local.frozen_parameters())
         for _, q in named:
