@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -73,7 +72,7 @@ def _no_metadata(run: Path, *steps: int) -> None:
 def _full_disk_on_replace(monkeypatch) -> None:
     """The rewrite of metrics.jsonl hits a full disk: its ``.tmp`` half written, then ENOSPC
     (the replace, as on a disk whose last blocks the ``.tmp`` took)."""
-    from shardwise.training import metrics
+    from shardwise.base import files
 
     real = os.replace
 
@@ -82,7 +81,7 @@ def _full_disk_on_replace(monkeypatch) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(src, dst)
 
-    monkeypatch.setattr(metrics, "os", SimpleNamespace(replace=replace, truncate=os.truncate))
+    monkeypatch.setattr(files.os, "replace", replace)  # every whole-file write's rename
 
 
 def _no_cuda(monkeypatch) -> None:

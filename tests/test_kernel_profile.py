@@ -83,14 +83,19 @@ def test_calibrate_bad_input_one_line_exit_2_no_file(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
-def test_profile_written_whole_or_not_at_all(tmp_path, monkeypatch):
+def test_profile_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """A full disk at the rename: one line naming --out, exit 2, no file and no temporary
+    one left (``base.files.replacing``); the measurement itself stubbed."""
+    from shardwise.planner import kernel_bench
+
     out = tmp_path / "k.json"
 
     def fail(src, dst):
         raise OSError(28, "No space left on device")
+    monkeypatch.setattr(kernel_bench, "measure", lambda *a: {"gemm": []})
     monkeypatch.setattr(bench_calibrate.os, "replace", fail)
-    with pytest.raises(OSError):
-        bench_calibrate.write_atomic(out, "{}")
+    assert_one_line_exit_2(["bench", "calibrate", "--quick", "--model", TINY,
+                            "--out", str(out)], capsys, f"--out {out}", "No space left")
     assert list(tmp_path.iterdir()) == []
 
 

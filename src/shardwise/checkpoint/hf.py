@@ -13,12 +13,12 @@ is not read here).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from shardwise.base.errors import CheckpointError
+from shardwise.base.files import replacing
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -162,9 +162,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        tmp = path / (name + ".tmp")
-        st.torch.save_file(shard, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / name)
+        with replacing(path / name) as tmp:
+            st.torch.save_file(shard, str(tmp), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
                                                 for t in tensors.values())},

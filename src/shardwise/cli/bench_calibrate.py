@@ -18,9 +18,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
+from shardwise.base.files import replacing
 from shardwise.cli.common import EXIT_USAGE, Parser, parse_or_code
 
 DEFAULT_MODEL = "gpt2-124m"
@@ -61,22 +61,6 @@ def _check_out(text: str) -> Path:
     return out
 
 
-def write_atomic(out: Path, text: str) -> None:
-    """Write ``text`` to ``out`` through a temporary file in its folder, renamed: a reader
-    never sees half a profile; the temporary file is removed on failure."""
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise bench calibrate``; returns the exit code (2: bad input)."""
     args = parse_or_code(build_parser(), argv)
@@ -104,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     prof = measure(spec, args.device, dtype, args.quick)
     try:
-        write_atomic(out, json.dumps(prof, indent=1) + "\n")
+        with replacing(out, unique=True) as tmp:  # never half a profile
+            tmp.write_text(json.dumps(prof, indent=1) + "\n")
     except OSError as exc:
         print(f"shardwise bench calibrate: error: --out {args.out}: {exc.strerror}",
               file=sys.stderr)

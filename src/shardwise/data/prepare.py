@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardwise.base.files import fsync_dir
 from shardwise.data.corpus import DataError
 from shardwise.data.shards import (
     FORMAT,
@@ -32,7 +33,6 @@ from shardwise.data.shards import (
     UINT32_VOCAB,
     VERSION,
     ShardWriter,
-    fsync_dir,
     sha256_file,
     token_dtype,
     write_json_atomic,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from shardwise.base.files import replacing
 from shardwise.data.corpus import DataError
 from shardwise.data.tokenizer import CharTokenizer, HFTokenizer
 
@@ -72,25 +73,12 @@ def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
 
 def write_json_atomic(path: str | Path, obj) -> None:
     """Write ``obj`` as JSON to ``path`` so that a reader sees the old file or the whole
-    new one, never a part: a temporary name, fsync, rename, fsync of the directory."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory, so the renames in it survive a power cut."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    new one, never a part, and both survive a power cut (``base.files.replacing``,
+    durable)."""
+    with replacing(path, durable=True) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, ensure_ascii=False)
+            f.write("\n")
 
 
 class ShardWriter:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.base.files import replacing
 from shardwise.perf.gpus import GPU_PEAKS, TFLOPS, Peak, gpu_peak  # noqa: F401 (as before)
 
 
@@ -167,11 +168,10 @@ def cpu_peak(dtype: torch.dtype = torch.float32, refresh: bool = False,
     cache = _read_cache()
     cache[_cache_key(dtype)] = value
     path = _cache_path()
-    try:  # atomic: ranks probing at once never leave half a file
+    try:  # atomic, a temporary file each: ranks probing at once never leave half a file
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with replacing(path, unique=True) as tmp:
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     except OSError:
         pass  # a read-only home: measured again next time
     return Peak(float(value), _source(dtype))

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.base.errors import storage_error
+from shardwise.base.files import replacing
 
 
 class MetricsLog:
@@ -53,11 +54,9 @@ def truncate_metrics(path: str | Path, step: int) -> int:
     if len(keep) != len(lines):
         tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
+            with replacing(path) as tmp:
+                tmp.write_text("".join(line + "\n" for line in keep))
         except OSError as e:  # a full disk: the file as it was, no .tmp left
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             raise storage_error(e, tmp, f"{path} is unchanged") from e
     return len(lines) - len(keep)
 
@@ -92,8 +91,9 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "", *
     ax.legend()
     fig.tight_layout()
     png_path = Path(png_path)
-    tmp = png_path.with_name(png_path.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        with replacing(png_path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
     return png_path

@@ -29,7 +29,6 @@ tensors whatever layout wrote them. Writes into DIR:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 from shardwise import checkpoint
 from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError
+from shardwise.base.files import replacing
 from shardwise.checkpoint.hf import CONFIG, write_safetensors
 from shardwise.models.description import describe, describe_section
 from shardwise.models.hf import export_arch, requirements, text_source, to_hf_tensors
@@ -274,9 +274,8 @@ def _vocab_size(tok_state: dict) -> int:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _write_tokenizer(out: Path, state: dict, max_length: int) -> list[str]:
