@@ -64,3 +64,12 @@ def replacing(path: str | Path, *, unique: bool = False,
         raise
     if durable:
         fsync_dir(path.parent)
+
+
+def write_text(path: str | Path, text: str, *, unique: bool = False,
+               durable: bool = False) -> Path:
+    """``Path.write_text(text)`` (UTF-8) through ``replacing``: ``path`` holds the old text
+    or the whole new one. Returns ``path``."""
+    with replacing(path, unique=unique, durable=durable) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)

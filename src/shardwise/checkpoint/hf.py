@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from shardwise.base.errors import CheckpointError
-from shardwise.base.files import replacing
+from shardwise.base.files import replacing, write_text
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -168,6 +168,6 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
                                                 for t in tensors.values())},
                  "weight_map": {t: f for f, shard in zip(names, shards) for t in shard}}
-        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_text(path / INDEX, json.dumps(index, indent=2) + "\n")
         names.append(INDEX)
     return names

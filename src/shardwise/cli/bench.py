@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from shardwise.base.files import write_text
 from shardwise.cli import comm_table as table_mod
 from shardwise.cli.common import EXIT_USAGE, Parser, parse_or_code
 from shardwise.comm import cost
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = table_mod.measure(args.world_size or [2, 4, 8])
         print(table_mod.format_table(rows))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "table.json").write_text(json.dumps(rows, indent=1))
+        write_text(out / "table.json", json.dumps(rows, indent=1))
         return 0
     if args.calibrate:
         from shardwise.cli.calibrate import calibrate
@@ -304,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                                "torch": torch.__version__,
                                "command": "shardwise bench comm " + " ".join(
                                    argv if argv is not None else sys.argv[1:])}
-    (out / "allreduce.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_text(out / "allreduce.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, out / "allreduce_busbw.png")
     text = format_sweep(rows) + "\n\nmeta: " + json.dumps(meta)
-    (out / "allreduce.txt").write_text(text.lstrip("\n") + "\n")
+    write_text(out / "allreduce.txt", text.lstrip("\n") + "\n")
     print(text)
     print(f"\nwrote {out / 'allreduce.txt'}, {out / 'allreduce.json'} and "
           f"{out / 'allreduce_busbw.png'}")

@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 from shardwise.base.config import SPLIT_BACKWARD_KINDS
+from shardwise.base.files import write_text
 from shardwise.cli.common import EXIT_USAGE, Parser
 
 
@@ -435,9 +436,7 @@ def emit_toml(path: str, model_arg: str, spec, lay, batch: int, precision: str,
     from shardwise.base.config import Config
 
     Config.from_dict(tomllib.loads(text))  # what train will check, before writing
-    p = Path(path)
-    p.write_text(text)
-    return p
+    return write_text(path, text)  # whole or not at all
 
 
 # the engine's CUDA_REFUSAL (parallel.activation_checkpoint) in short, without importing it

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from shardwise.base.files import write_text
+
 # Candidates of "auto": the ones worth picking; naive/sequential/parallel never win.
 AUTO_CANDIDATES = ("native", "ring", "halving_doubling", "tree")
 
@@ -117,8 +119,7 @@ class Profile:
         """Write the profile as JSON to ``path`` (its folder created) and return the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        return path
+        return write_text(path, json.dumps(self.to_json(), indent=2) + "\n")
 
 
 def load_profile(path: str | os.PathLike) -> Profile:

@@ -37,7 +37,7 @@ import torch
 from shardwise import checkpoint
 from shardwise.base.config import Config
 from shardwise.base.errors import CheckpointError
-from shardwise.base.files import replacing
+from shardwise.base.files import write_text
 from shardwise.checkpoint.hf import CONFIG, write_safetensors
 from shardwise.models.description import describe, describe_section
 from shardwise.models.hf import export_arch, requirements, text_source, to_hf_tensors
@@ -274,8 +274,7 @@ def _vocab_size(tok_state: dict) -> int:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    with replacing(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _write_tokenizer(out: Path, state: dict, max_length: int) -> list[str]:
@@ -294,7 +293,7 @@ def _write_tokenizer(out: Path, state: dict, max_length: int) -> list[str]:
         text = state["json"]
     else:
         return []
-    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    write_text(out / "tokenizer.json", text)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
     if state.get("eos_id") is not None:  # documents were joined by it: HF's eos token

@@ -35,6 +35,7 @@ from shardwise.apps.lm.model import describe_layout
 from shardwise.apps.lm.state import TrainerState
 from shardwise.apps.lm.text import loss_masks, split_corpus, token_unit
 from shardwise.base.config import Config
+from shardwise.base.files import write_text
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.comm.replicas import NO_REPLICAS
 from shardwise.data import CharTokenizer, DistributedBatchSampler, HFTokenizer
@@ -283,7 +284,7 @@ class Trainer(TrainerState, TrainTask):
         print(f"loss curve: {png}")
         if self.cfg.training.sample_chars:
             text = self._sample()
-            (self.out_dir / "sample.txt").write_text(text)
+            write_text(self.out_dir / "sample.txt", text)
             print("sample:\n" + text)
 
     def _sample(self) -> str:

@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from shardwise.base.files import write_text
+
 from shardwise.parallel.pipeline.schedules import compute_order, placement_of, time_orders
 from shardwise.parallel.pipeline.stream import stream, time_stream
 
@@ -41,8 +43,7 @@ def save(run_dir: str | Path, rank: int, events: list[dict], meta: dict | None =
     """Write ``RUN_DIR/timeline/rank{rank}.json`` (``{"meta": ..., "events": [...]}``)."""
     path = Path(run_dir) / "timeline" / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta or {}, "events": events}))
-    return path
+    return write_text(path, json.dumps({"meta": meta or {}, "events": events}))
 
 
 def load(run_dir: str | Path) -> tuple[list[dict], dict]:
