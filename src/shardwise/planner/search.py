@@ -204,8 +204,8 @@ def distinct_cuts(spec: ModelSpec, pp: int, v: int, partitions) -> tuple[str, ..
     the layers (``chunks_reason``), each of ``partitions``: the group is pruned whole.
 
     A search that kept both would list the same engine twice under two names, priced
-    alike; the benchmark that trains the planner's top layouts found the pair measuring
-    3-4% apart, which is its noise (docs/planner.md, "The search")."""
+    alike; ``benchmarks/planner_local.py`` trained such a pair among its top four, and the
+    two copies of one engine measured 2.8-4.3% apart: its noise (docs/benchmarks.md)."""
     if pp == 1:
         return ("layers",)
     if chunks_reason(spec, pp, v):
