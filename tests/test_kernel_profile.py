@@ -9,7 +9,6 @@ import json
 import pytest
 
 from helpers import assert_one_line_exit_2
-from shardwise.cli import bench_calibrate
 from shardwise.cli.main import main
 from shardwise.planner import kernels
 from shardwise.planner.compute import Ops, block_ops, op_seconds
@@ -86,6 +85,7 @@ def test_calibrate_bad_input_one_line_exit_2_no_file(tmp_path, capsys):
 def test_profile_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
     """A full disk at the rename: one line naming --out, exit 2, no file and no temporary
     one left (``base.files.replacing``); the measurement itself stubbed."""
+    from shardwise.base import files
     from shardwise.planner import kernel_bench
 
     out = tmp_path / "k.json"
@@ -93,7 +93,7 @@ def test_profile_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
     def fail(src, dst):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(kernel_bench, "measure", lambda *a: {"gemm": []})
-    monkeypatch.setattr(bench_calibrate.os, "replace", fail)
+    monkeypatch.setattr(files.os, "replace", fail)
     assert_one_line_exit_2(["bench", "calibrate", "--quick", "--model", TINY,
                             "--out", str(out)], capsys, f"--out {out}", "No space left")
     assert list(tmp_path.iterdir()) == []

@@ -488,3 +488,36 @@ def test_a_hugging_face_checkpoint_is_planned_from_its_config_json(tmp_path, cap
                            main=_exit_code)
     assert_one_line_exit_2(["plan", "--model", f"hf:{tmp_path / 'none'}", *argv], capsys,
                            "no such directory", main=_exit_code)
+
+
+def test_a_bad_emit_toml_path_is_one_line_exit_2_before_the_search(tmp_path, capsys,
+                                                                   monkeypatch):
+    """``--emit-toml`` and ``--timeline`` are checked before the search (a directory, a
+    file where its folder should be), and a full disk at the rename leaves the old file:
+    one line naming the flag, exit 2, no traceback."""
+    from shardwise.base import files
+    from shardwise.planner import search
+
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    argv = ["plan", "--model", "gpt2-124m", "--cluster", "dgx-h100", "--gpus", "8",
+            "--global-batch", "8"]
+    searched = []
+    real_plan = search.plan
+    monkeypatch.setattr(search, "plan", lambda *a, **k: searched.append(1) or real_plan(*a, **k))
+    for flag in ("--emit-toml", "--timeline"):
+        assert_one_line_exit_2(argv + [flag, str(tmp_path)], capsys,
+                               f"{flag} {tmp_path}: is a directory")
+        assert_one_line_exit_2(argv + [flag, str(blocker / "best.toml")], capsys,
+                               f"{flag} {blocker / 'best.toml'}: cannot create its folder")
+    assert not searched
+    out = tmp_path / "best.toml"
+    out.write_text("# the user's own\n")
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(files.os, "replace", full)
+    assert_one_line_exit_2(argv + ["--emit-toml", str(out)], capsys,
+                           f"--emit-toml {out}: No space left on device")
+    assert out.read_text() == "# the user's own\n" and blocker.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "best.toml"]

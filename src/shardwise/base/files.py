@@ -73,3 +73,13 @@ def write_text(path: str | Path, text: str, *, unique: bool = False,
     with replacing(path, unique=unique, durable=durable) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """``fig.savefig`` (a matplotlib figure) through ``replacing``, in the format ``path``'s
+    suffix names (png where it has none: the temporary name's suffix is .tmp, so the
+    format is passed). Returns ``path``."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format=path.suffix[1:] or "png", **savefig_kwargs)
+    return path

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.base.files import write_text
+from shardwise.base.files import save_figure, write_text
 from shardwise.cli import comm_table as table_mod
 from shardwise.cli.common import EXIT_USAGE, Parser, parse_or_code
 from shardwise.comm import cost
@@ -196,8 +196,10 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _human(m: int) -> str:

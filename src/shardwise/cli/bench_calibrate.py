@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 from shardwise.base.files import replacing
-from shardwise.cli.common import EXIT_USAGE, Parser, parse_or_code
+from shardwise.cli.common import EXIT_USAGE, Parser, output_path, parse_or_code
 
 DEFAULT_MODEL = "gpt2-124m"
 DEFAULT_OUT = "runs/bench_calibrate/kernels.json"
@@ -46,21 +44,6 @@ def build_parser() -> Parser:
     return p
 
 
-def _check_out(text: str) -> Path:
-    """The ``--out`` path, its folder made; ``ValueError`` naming the flag where it cannot be
-    written."""
-    out = Path(text)
-    if out.is_dir():
-        raise ValueError(f"--out {text}: is a directory; give a file path")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out {text}: cannot create its folder ({exc.strerror})") from None
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"--out {text}: not writable")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``shardwise bench calibrate``; returns the exit code (2: bad input)."""
     args = parse_or_code(build_parser(), argv)
@@ -79,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             text = str(exc)
             raise ValueError(text if text.startswith("--model") else
                              f"--model {args.model}: {text}") from None
-        out = _check_out(args.out)
+        out = output_path("--out", args.out)
     except ValueError as exc:  # SpecError among them
         print(f"shardwise bench calibrate: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

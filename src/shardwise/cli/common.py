@@ -4,8 +4,10 @@ are one line."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_USAGE = 2
 
@@ -82,6 +84,22 @@ def positive_number(text: str) -> float:
     if not value > 0:  # nan too
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
+
+
+def output_path(flag: str, text: str) -> Path:
+    """The file path ``text`` given to ``flag`` (``--out``, ``--emit-toml``...), its folder
+    made, checked before any work: ``ValueError`` naming the flag where it is a directory,
+    its folder cannot be made or it cannot be written."""
+    out = Path(text)
+    if out.is_dir():
+        raise ValueError(f"{flag} {text}: is a directory; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {text}: cannot create its folder ({exc.strerror})") from None
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"{flag} {text}: not writable")
+    return out
 
 
 def split_overrides(extra: list[str]) -> dict:

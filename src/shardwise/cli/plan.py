@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardwise.base.config import SPLIT_BACKWARD_KINDS
 from shardwise.base.files import write_text
-from shardwise.cli.common import EXIT_USAGE, Parser
+from shardwise.cli.common import EXIT_USAGE, Parser, output_path
 
 
 def build_parser():
@@ -149,6 +149,12 @@ def _run(args) -> int:
     if args.config is not None and not Path(args.config).is_file():
         raise SpecError(f"--config {args.config!r}: no such file")
     seq = positive_number(args.seq, "--seq", integer=True) if args.seq is not None else None
+    for flag, where in (("--emit-toml", args.emit_toml), ("--timeline", args.timeline)):
+        if where:  # before the search and the probe: a bad path costs nothing
+            try:
+                output_path(flag, where)
+            except ValueError as exc:
+                raise SpecError(str(exc)) from None
     spec = load_model(source, seq)
     profile = None
     if args.kernels_profile is not None:  # read (and refused on local) before calibrating
@@ -210,8 +216,11 @@ def _run(args) -> int:
     groups = _pruned_groups(pruned)
     extra: dict = {}
     if args.emit_toml:
-        extra["emitted_toml"] = str(emit_toml(args.emit_toml, source, spec, best.layout, batch,
-                                              precision, compiled=cluster.compiled))
+        try:
+            extra["emitted_toml"] = str(emit_toml(args.emit_toml, source, spec, best.layout,
+                                                  batch, precision, compiled=cluster.compiled))
+        except OSError as exc:  # a full disk: the file as it was (base.files.replacing)
+            raise SpecError(f"--emit-toml {args.emit_toml}: {exc.strerror}") from None
     if args.timeline:
         from shardwise.parallel.pipeline.timeline import render
         from shardwise.planner.simulate import simulate

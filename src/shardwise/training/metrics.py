@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.base.errors import storage_error
-from shardwise.base.files import replacing
+from shardwise.base.files import replacing, save_figure
 
 
 class MetricsLog:
@@ -92,8 +92,6 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "", *
     fig.tight_layout()
     png_path = Path(png_path)
     try:
-        with replacing(png_path) as tmp:
-            fig.savefig(tmp, format="png")
+        return save_figure(fig, png_path)
     finally:
         plt.close(fig)
-    return png_path

@@ -28,6 +28,7 @@ from shardwise.apps.cnn.chooser import format_plan, resolve
 from shardwise.apps.cnn.hybrid import HybridCNN
 from shardwise.apps.cnn.layout import BATCH, my_rows
 from shardwise.base.config import Config
+from shardwise.base.files import save_figure
 from shardwise.base.topology import Topology, init_process_groups
 from shardwise.base.words import count
 from shardwise.data.idx import load_split
@@ -208,9 +209,10 @@ def plot(metrics_path: Path, png: Path, title: str) -> Path:
         a.grid(alpha=0.3)
     a1.legend()
     fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return png
+    try:
+        return save_figure(fig, png)
+    finally:
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------ the task of the loop

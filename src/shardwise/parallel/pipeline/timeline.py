@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from shardwise.base.files import write_text
+from shardwise.base.files import save_figure, write_text
 
 from shardwise.parallel.pipeline.schedules import compute_order, placement_of, time_orders
 from shardwise.parallel.pipeline.stream import stream, time_stream
@@ -130,6 +130,7 @@ def render(events: Sequence[dict], path: str | Path, title: str = "", unit: str 
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path)
+    finally:
+        plt.close(fig)
