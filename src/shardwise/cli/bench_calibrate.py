@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from shardwise.base.files import replacing
+from shardwise.base.files import write_text
 from shardwise.cli.common import EXIT_USAGE, Parser, output_path, parse_or_code
 
 DEFAULT_MODEL = "gpt2-124m"
@@ -71,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     prof = measure(spec, args.device, dtype, args.quick)
     try:
-        with replacing(out, unique=True) as tmp:  # never half a profile
-            tmp.write_text(json.dumps(prof, indent=1) + "\n")
+        write_text(out, json.dumps(prof, indent=1) + "\n", unique=True)  # never half of one
     except OSError as exc:
         print(f"shardwise bench calibrate: error: --out {args.out}: {exc.strerror}",
               file=sys.stderr)
