@@ -13,6 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def temporary(path: str | Path) -> Path:
+    """``NAME.tmp`` beside ``path``: where a file (or a checkpoint directory) is written
+    before it is renamed over ``path``, and what a run that died while writing leaves."""
+    path = Path(path)
+    return path.with_name(path.name + ".tmp")
+
+
 def fsync_dir(path: str | Path) -> None:
     """fsync a directory, so the renames in it survive a power cut."""
     fd = os.open(path, os.O_RDONLY)
@@ -29,8 +36,8 @@ def replacing(path: str | Path, *, unique: bool = False,
     without an exception, rename it over ``path``; when the block or the rename raises,
     remove it and re-raise (``path`` untouched).
 
-    The temporary name is ``NAME.tmp`` beside ``path`` (one writer at a time: the name a
-    resumed run recognises as left by a crash), or with ``unique`` a fresh
+    The temporary name is ``temporary(path)`` (one writer at a time: the name a resumed
+    run recognises as left by a crash), or with ``unique`` a fresh
     ``.NAME.XXXXXXXX.tmp`` (``tempfile.mkstemp``) for writers that may race, given the
     permissions ``open`` would give (0666 less the umask, not mkstemp's 0600).
     ``durable``: fsync the file before the rename and its folder after, so that both
@@ -41,7 +48,7 @@ def replacing(path: str | Path, *, unique: bool = False,
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         tmp = Path(name)
     else:
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = temporary(path)
     try:
         if fd is not None:
             try:

@@ -49,6 +49,7 @@ from shardwise.base.errors import (
     os_error_in,
     storage_error,
 )
+from shardwise.base.files import temporary
 from shardwise.checkpoint.integrity import (
     MANIFEST,
     IntegrityError,
@@ -266,7 +267,7 @@ def _begin(root: Path, step: int, tensors: dict[str, Any], group) -> tuple[Path,
     """Refuse non-finite tensors (every rank), then rank 0 makes an empty ``step_N.tmp``."""
     _refuse_non_finite(tensors, step, group)
     final = root / checkpoint_name(step)
-    tmp = root / (final.name + ".tmp")
+    tmp = temporary(final)
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         with _removed_on_failure(tmp):

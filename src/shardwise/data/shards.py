@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shardwise.base.files import replacing
+from shardwise.base.files import replacing, temporary
 from shardwise.data.corpus import DataError
 from shardwise.data.tokenizer import CharTokenizer, HFTokenizer
 
@@ -91,7 +91,7 @@ class ShardWriter:
         self.dtype = dtype
         self.tokens = 0
         self._hash = hashlib.sha256()
-        self._f = open(self.path.with_name(name + ".tmp"), "wb")
+        self._f = open(temporary(self.path), "wb")
 
     def write(self, ids: np.ndarray) -> None:
         """Append ``ids`` (1-D) to the shard in the shard's dtype, hashing the bytes written."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.base.files import replacing
+from shardwise.base.files import write_text
 from shardwise.perf.gpus import GPU_PEAKS, TFLOPS, Peak, gpu_peak  # noqa: F401 (as before)
 
 
@@ -170,8 +170,7 @@ def cpu_peak(dtype: torch.dtype = torch.float32, refresh: bool = False,
     path = _cache_path()
     try:  # atomic, a temporary file each: ranks probing at once never leave half a file
         path.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(path, unique=True) as tmp:
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        write_text(path, json.dumps(cache, indent=1, sort_keys=True), unique=True)
     except OSError:
         pass  # a read-only home: measured again next time
     return Peak(float(value), _source(dtype))

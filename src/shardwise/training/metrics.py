@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.base.errors import storage_error
-from shardwise.base.files import replacing, save_figure
+from shardwise.base.files import replacing, save_figure, temporary
 
 
 class MetricsLog:
@@ -52,7 +52,7 @@ def truncate_metrics(path: str | Path, step: int) -> int:
         except json.JSONDecodeError:  # a row cut short by a crash
             pass
     if len(keep) != len(lines):
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = temporary(path)  # replacing's, named in the error
         try:
             with replacing(path) as tmp:
                 tmp.write_text("".join(line + "\n" for line in keep))

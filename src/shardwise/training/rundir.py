@@ -32,6 +32,7 @@ from pathlib import Path
 
 from shardwise import checkpoint
 from shardwise.base.errors import CheckpointError
+from shardwise.base.files import temporary
 from shardwise.training.metrics import truncate_metrics
 
 LOCK = ".shardwise.lock"
@@ -185,7 +186,7 @@ def clean_stale(out_dir: Path, ck: Path) -> list[str]:
     ``out_dir``'s lock (or the launcher restarting its own ranks, all ended), which proves no
     live writer; a ``checkpoint.dir`` outside ``out_dir`` is left alone (another run's lock
     may cover it)."""
-    stale = [out_dir / "metrics.jsonl.tmp"]
+    stale = [temporary(out_dir / "metrics.jsonl")]
     if ck.resolve().is_relative_to(out_dir.resolve()):
         with contextlib.suppress(OSError):  # no checkpoint directory (yet), or unreadable
             stale += sorted(d for d in ck.iterdir() if _STALE.match(d.name) and d.is_dir())

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Sequence
 
 from shardwise.base.files import save_figure, write_text
-
 from shardwise.parallel.pipeline.schedules import compute_order, placement_of, time_orders
 from shardwise.parallel.pipeline.stream import stream, time_stream
 
